@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the build, the tests and the default run need.
+# Only what is missing is installed; a machine that has everything is left alone.
+set -euo pipefail
+packages=(
+  cmake ninja-build g++ make pkg-config
+  libopenblas-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
+  libfmt-dev libspdlog-dev libgtest-dev libgmock-dev
+  python3.11-doc   # the default training corpus (html/_sources/*.rst.txt)
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -q || echo "setup: apt-get update failed; trying with the cached package lists"
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi

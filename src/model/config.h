@@ -1,0 +1,44 @@
+// Model and MoE shape and behaviour. Loaded from the [model] and [moe] sections of a
+// run config (see src/train/config.h and docs/CONFIG.md for every key).
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace moe {
+
+enum class ScoreFunc { Softmax, Sigmoid };
+
+struct MoEConfig {
+  int64_t n_experts = 8;          // routed experts per MoE layer (E)
+  int64_t top_k = 2;              // experts chosen per token (K)
+  int64_t expert_hidden = 256;    // SwiGLU hidden width of each expert (F)
+  int64_t n_shared_experts = 0;   // experts every token goes through, hidden width expert_hidden
+  ScoreFunc score_func = ScoreFunc::Softmax;
+  double temperature = 1.0;       // router logits are divided by this before the score function
+  bool renormalize = true;        // rescale the K chosen weights to sum to 1
+  double capacity_factor = 0.0;   // > 0: each expert keeps at most ceil(cf*T*K/E) tokens; 0: dropless
+  double aux_loss_coef = 0.01;    // Switch-style load-balance loss
+  double z_loss_coef = 0.001;     // router z-loss
+  bool bias_balancing = false;    // DeepSeek-V3 aux-loss-free balancing
+  double bias_update_rate = 0.001;
+};
+
+struct ModelConfig {
+  int64_t vocab_size = 0;         // 0: taken from the tokenizer
+  int64_t dim = 128;              // D
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;            // H
+  int64_t n_kv_heads = 2;         // grouped-query attention: H must be a multiple
+  int64_t seq_len = 256;          // S
+  int64_t first_dense_layers = 0; // the first N blocks use a dense SwiGLU FFN instead of MoE
+  int64_t dense_hidden = 512;     // hidden width of those dense FFNs
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  bool tie_embeddings = false;    // LM head shares the token embedding
+  double init_std = 0.02;
+  MoEConfig moe;
+
+  int64_t head_dim() const { return dim / n_heads; }
+};
+
+}  // namespace moe
