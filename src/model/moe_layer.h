@@ -1,0 +1,63 @@
+// The MoE feed-forward: router (fp32 linear with bias) -> temperature softmax or sigmoid
+// -> top-k (+ optional selection bias) -> optional renormalisation -> capacity ->
+// permute into expert-contiguous rows -> SwiGLU experts -> weighted combine, plus
+// shared experts that every token goes through. Adds the aux and z losses.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "model/config.h"
+#include "model/ffn.h"
+#include "model/parameters.h"
+
+namespace moe {
+
+// What one forward pass of a MoE layer measured.
+struct MoEForwardStats {
+  double aux_loss = 0;   // already multiplied by its coefficient
+  double z_loss = 0;     // already multiplied by its coefficient
+  int64_t dropped = 0;   // assignments dropped by capacity
+};
+
+template <typename T>
+class MoELayer {
+ public:
+  MoELayer(ParameterStore<T>& params, const ModelConfig& config, const std::string& prefix);
+  void plan(Arena& saved, Arena& scratch, int64_t tokens);
+  // y_TD = moe(x_TD). Adds the assignments per expert (before dropping) to load_E().
+  MoEForwardStats forward(T* y_TD, const T* x_TD);
+  // dx_TD = d moe / dx . dy_TD (overwritten). The aux and z losses are differentiated with
+  // weight `loss_scale` (the same factor that scaled dy).
+  void backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_scale);
+
+  // Assignments per expert accumulated since the last reset (for balancing and metrics).
+  const std::vector<int64_t>& load_E() const { return load_E_; }
+  void reset_load();
+  // Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e), then reset load.
+  void update_balancing_bias();
+  std::vector<float>& balance_bias_E() { return bias_E_; }
+  const std::string& prefix() const { return prefix_; }
+  int64_t n_experts() const { return E_; }
+
+ private:
+  ParameterStore<T>& params_;
+  MoEConfig cfg_;
+  std::string prefix_;
+  int64_t D_, E_, K_, F_, T_ = 0, rows_ = 0, capacity_ = 0;
+  int router_w_, router_b_, w1_, w3_, w2_;
+  std::vector<FeedForward<T>> shared_;
+  std::vector<int64_t> load_E_;
+  std::vector<float> bias_E_;         // selection bias (not a parameter: no gradient)
+  std::vector<T> bias_T_;             // bias_E_ in the layer's type, for router_select
+  // Saved from forward.
+  T *logits_TE_ = nullptr, *scores_TE_ = nullptr, *weight_TK_ = nullptr;
+  int32_t *expert_TK_ = nullptr, *row_TK_ = nullptr, *counts_E_ = nullptr, *offsets_E1_ = nullptr,
+          *token_of_row_R_ = nullptr;
+  T *x_RD_ = nullptr, *gate_RF_ = nullptr, *up_RF_ = nullptr, *act_RF_ = nullptr, *y_RD_ = nullptr;
+  // Scratch for backward.
+  T *dy_RD_ = nullptr, *dweight_TK_ = nullptr, *dact_RF_ = nullptr, *dgate_RF_ = nullptr,
+    *dup_RF_ = nullptr, *dx_RD_ = nullptr, *dscores_TE_ = nullptr, *dlogits_TE_ = nullptr;
+};
+
+}  // namespace moe

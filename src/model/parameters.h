@@ -1,0 +1,66 @@
+// ParameterStore: every trainable tensor of a model, laid out in one arena for values
+// and one for gradients. Layers register their parameters (name, shape, how to
+// initialise, whether weight decay applies), then the store allocates and initialises
+// them. Names follow "layers.3.moe.experts.w1" so checkpoints and the RNG can key on them.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+
+namespace moe {
+
+enum class Init {
+  Normal,   // normal(0, std)
+  Kaiming,  // normal(0, sqrt(2 / fan_in)), fan_in = last dimension
+  Ones,
+  Zeros,
+};
+
+struct ParamSpec {
+  std::string name;
+  Shape shape;
+  Init init = Init::Normal;
+  double std = 0.02;          // for Init::Normal
+  bool weight_decay = true;   // false for norms and biases
+  // Expert weights have the expert index as their leading dimension; parameters with
+  // the same expert_group (e.g. "layers.1.moe.experts") form one expert's parameters
+  // for per-expert gradient clipping.
+  std::string expert_group;
+};
+
+template <typename T>
+class ParameterStore {
+ public:
+  // Returns an id for value()/grad(). Only before allocate().
+  int add(ParamSpec spec);
+  // Allocates values and gradients and fills the values from (seed, name, element).
+  void allocate(uint64_t seed);
+
+  T* value(int id) { return values_ptr(id); }
+  T* grad(int id) { return grads_ptr(id); }
+  const T* value(int id) const { return const_cast<ParameterStore*>(this)->values_ptr(id); }
+  Tensor value_tensor(int id) const;
+  Tensor grad_tensor(int id) const;
+
+  int size() const { return static_cast<int>(specs_.size()); }
+  const ParamSpec& spec(int id) const { return specs_[static_cast<size_t>(id)]; }
+  int64_t numel(int id) const { return specs_[static_cast<size_t>(id)].shape.numel(); }
+  int64_t total_numel() const;
+  int find(const std::string& name) const;  // -1 when absent
+  void zero_grads();
+
+ private:
+  T* values_ptr(int id) { return values_.data() + offsets_[static_cast<size_t>(id)]; }
+  T* grads_ptr(int id) { return grads_.data() + offsets_[static_cast<size_t>(id)]; }
+
+  std::vector<ParamSpec> specs_;
+  std::vector<int64_t> offsets_;
+  // One contiguous block each (ZeRO-1 and the multi-tensor optimizer want that).
+  std::vector<T> values_;
+  std::vector<T> grads_;
+  bool allocated_ = false;
+};
+
+}  // namespace moe

@@ -1,0 +1,166 @@
+#include "model/transformer.h"
+
+#include <cmath>
+
+#include "kernels/cross_entropy.h"
+#include "kernels/embedding.h"
+#include "kernels/matmul.h"
+#include "kernels/rmsnorm.h"
+
+namespace moe {
+namespace {
+
+// The residual connection: out += branch.
+template <typename T>
+void add_inplace(T* out, const T* branch, int64_t count) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) out[i] += branch[i];
+}
+
+}  // namespace
+
+template <typename T>
+Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : config_(config) {
+  MOE_CHECK(config.vocab_size > 0, "model.vocab_size must be set (got {})", config.vocab_size);
+  const int64_t D = config.dim;
+  embedding_ = params_.add({"embedding", Shape{config.vocab_size, D}, Init::Normal, config.init_std});
+  const double residual_std = config.init_std / std::sqrt(2.0 * static_cast<double>(config.n_layers));
+  blocks_.resize(static_cast<size_t>(config.n_layers));
+  for (int64_t l = 0; l < config.n_layers; ++l) {
+    Block& block = blocks_[static_cast<size_t>(l)];
+    const std::string prefix = "layers." + std::to_string(l);
+    block.norm1 = params_.add({prefix + ".attn_norm", Shape{D}, Init::Ones, 0, /*decay=*/false});
+    block.attention = std::make_unique<AttentionLayer<T>>(params_, config, prefix + ".attn");
+    block.norm2 = params_.add({prefix + ".ffn_norm", Shape{D}, Init::Ones, 0, /*decay=*/false});
+    if (l < config.first_dense_layers)
+      block.dense = std::make_unique<FeedForward<T>>(
+          params_, prefix + ".ffn", D, config.dense_hidden,
+          FeedForwardInit{Init::Normal, config.init_std, residual_std});
+    else
+      block.moe = std::make_unique<MoELayer<T>>(params_, config, prefix + ".moe");
+  }
+  final_norm_ = params_.add({"final_norm", Shape{D}, Init::Ones, 0, /*decay=*/false});
+  head_ = config.tie_embeddings
+              ? embedding_
+              : params_.add({"lm_head", Shape{config.vocab_size, D}, Init::Normal, config.init_std});
+  params_.allocate(seed);
+}
+
+template <typename T>
+void Transformer<T>::plan_into(Arena& saved, Arena& scratch, int64_t batch) {
+  const int64_t S = config_.seq_len, D = config_.dim, V = config_.vocab_size;
+  const int64_t T_ = batch * S;
+  positions_T_ = saved.alloc_array<int32_t>(T_);
+  for (auto& block : blocks_) {
+    block.x_TD = saved.alloc_array<T>(T_ * D);
+    block.n1_TD = saved.alloc_array<T>(T_ * D);
+    block.rstd1_T = saved.alloc_array<T>(T_);
+    block.h_TD = saved.alloc_array<T>(T_ * D);
+    block.n2_TD = saved.alloc_array<T>(T_ * D);
+    block.rstd2_T = saved.alloc_array<T>(T_);
+  }
+  final_x_TD_ = saved.alloc_array<T>(T_ * D);
+  final_n_TD_ = saved.alloc_array<T>(T_ * D);
+  final_rstd_T_ = saved.alloc_array<T>(T_);
+  logits_TV_ = saved.alloc_array<T>(T_ * V);
+  lse_T_ = saved.alloc_array<T>(T_);
+  // The residual gradients live through the whole backward; layers' scratch stacks above.
+  dres_TD_ = scratch.alloc_array<T>(T_ * D);
+  dnorm_TD_ = scratch.alloc_array<T>(T_ * D);
+  for (auto& block : blocks_) {
+    block.attention->plan(saved, scratch, batch);
+    if (block.moe) block.moe->plan(saved, scratch, T_);
+    else block.dense->plan(saved, scratch, T_);
+  }
+}
+
+template <typename T>
+void Transformer<T>::plan(int64_t batch) {
+  MOE_CHECK(batch > 0, "micro-batch must be positive, got {}", batch);
+  Arena measure_saved = Arena::measuring("activations"), measure_scratch = Arena::measuring("scratch");
+  plan_into(measure_saved, measure_scratch, batch);
+  saved_.emplace("activations", measure_saved.high_water());
+  scratch_.emplace("scratch", measure_scratch.high_water());
+  plan_into(*saved_, *scratch_, batch);
+  batch_ = batch;
+  tokens_ = batch * config_.seq_len;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t s = 0; s < config_.seq_len; ++s)
+      positions_T_[b * config_.seq_len + s] = static_cast<int32_t>(s);
+}
+
+template <typename T>
+ForwardResult Transformer<T>::forward(const int32_t* inputs_BS, const int32_t* targets_BS) {
+  MOE_CHECK(batch_ > 0, "forward before plan()");
+  inputs_ = inputs_BS;
+  targets_ = targets_BS;
+  const int64_t D = config_.dim, V = config_.vocab_size, T_ = tokens_;
+  const double eps = config_.norm_eps;
+  ForwardResult result;
+  T* x_TD = blocks_.empty() ? final_x_TD_ : blocks_[0].x_TD;
+  embedding_forward<T>(x_TD, inputs_BS, params_.value(embedding_), T_, V, D);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    Block& block = blocks_[l];
+    T* next_x_TD = l + 1 < blocks_.size() ? blocks_[l + 1].x_TD : final_x_TD_;
+    rmsnorm_forward<T>(block.n1_TD, block.rstd1_T, block.x_TD, params_.value(block.norm1), T_, D, eps);
+    block.attention->forward(block.h_TD, block.n1_TD, positions_T_);
+    add_inplace(block.h_TD, block.x_TD, T_ * D);
+    rmsnorm_forward<T>(block.n2_TD, block.rstd2_T, block.h_TD, params_.value(block.norm2), T_, D, eps);
+    if (block.moe) {
+      MoEForwardStats stats = block.moe->forward(next_x_TD, block.n2_TD);
+      result.aux_loss += stats.aux_loss;
+      result.z_loss += stats.z_loss;
+      result.dropped += stats.dropped;
+    } else {
+      block.dense->forward(next_x_TD, block.n2_TD, /*accumulate=*/false);
+    }
+    add_inplace(next_x_TD, block.h_TD, T_ * D);
+  }
+  rmsnorm_forward<T>(final_n_TD_, final_rstd_T_, final_x_TD_, params_.value(final_norm_), T_, D, eps);
+  linear_forward<T>(logits_TV_, final_n_TD_, params_.value(head_), nullptr, T_, D, V);
+  result.ce_loss = cross_entropy_forward<T>(lse_T_, logits_TV_, targets_BS, T_, V);
+  return result;
+}
+
+template <typename T>
+void Transformer<T>::backward(double loss_scale) {
+  MOE_CHECK(inputs_ != nullptr, "backward without a forward");
+  const int64_t D = config_.dim, V = config_.vocab_size, T_ = tokens_;
+  // The logits buffer becomes their gradient (in place).
+  cross_entropy_backward<T>(logits_TV_, logits_TV_, lse_T_, targets_, T_, V, loss_scale);
+  linear_backward<T>(dnorm_TD_, params_.grad(head_), nullptr, logits_TV_, final_n_TD_,
+                     params_.value(head_), T_, D, V);
+  rmsnorm_backward<T>(dres_TD_, params_.grad(final_norm_), dnorm_TD_, final_x_TD_,
+                      params_.value(final_norm_), final_rstd_T_, T_, D, /*accumulate_dx=*/false);
+  for (size_t l = blocks_.size(); l-- > 0;) {
+    Block& block = blocks_[l];
+    // dres holds d(block output); the FFN branch adds its path into it, giving d h.
+    if (block.moe) block.moe->backward(dnorm_TD_, dres_TD_, block.n2_TD, loss_scale);
+    else block.dense->backward(dnorm_TD_, dres_TD_, block.n2_TD, /*accumulate_dx=*/false);
+    rmsnorm_backward<T>(dres_TD_, params_.grad(block.norm2), dnorm_TD_, block.h_TD,
+                        params_.value(block.norm2), block.rstd2_T, T_, D, /*accumulate_dx=*/true);
+    block.attention->backward(dnorm_TD_, dres_TD_, block.n1_TD, positions_T_);
+    rmsnorm_backward<T>(dres_TD_, params_.grad(block.norm1), dnorm_TD_, block.x_TD,
+                        params_.value(block.norm1), block.rstd1_T, T_, D, /*accumulate_dx=*/true);
+  }
+  embedding_backward<T>(params_.grad(embedding_), inputs_, dres_TD_, T_, V, D);
+  inputs_ = nullptr;
+}
+
+template <typename T>
+std::vector<MoELayer<T>*> Transformer<T>::moe_layers() {
+  std::vector<MoELayer<T>*> layers;
+  for (auto& block : blocks_)
+    if (block.moe) layers.push_back(block.moe.get());
+  return layers;
+}
+
+template <typename T>
+size_t Transformer<T>::activation_bytes() const {
+  return (saved_ ? saved_->capacity() : 0) + (scratch_ ? scratch_->capacity() : 0);
+}
+
+template class Transformer<float>;
+template class Transformer<double>;
+
+}  // namespace moe

@@ -1,0 +1,79 @@
+// The MoE transformer: token embedding -> N blocks of
+// [RMSNorm -> attention -> residual; RMSNorm -> MoE (or dense) FFN -> residual]
+// -> final RMSNorm -> LM head -> mean cross-entropy. Forward and backward by hand;
+// every buffer comes from arenas planned for a given micro-batch size.
+#pragma once
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "model/attention.h"
+#include "model/config.h"
+#include "model/ffn.h"
+#include "model/moe_layer.h"
+#include "model/parameters.h"
+
+namespace moe {
+
+struct ForwardResult {
+  double ce_loss = 0;   // mean cross-entropy over the micro-batch's targets
+  double aux_loss = 0;  // sum over MoE layers, coefficients applied
+  double z_loss = 0;    // sum over MoE layers, coefficients applied
+  int64_t dropped = 0;  // assignments dropped by capacity, all layers
+  double total() const { return ce_loss + aux_loss + z_loss; }
+};
+
+template <typename T>
+class Transformer {
+ public:
+  Transformer(const ModelConfig& config, uint64_t seed);
+  Transformer(const Transformer&) = delete;
+  Transformer& operator=(const Transformer&) = delete;
+
+  // Plans the activation and scratch arenas for micro-batches of `batch` sequences.
+  void plan(int64_t batch);
+  int64_t planned_batch() const { return batch_; }
+  // inputs_BS / targets_BS: token ids, [batch, seq_len]. Targets of -1 are ignored.
+  ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
+  // Backward of (ce + aux + z) * loss_scale, accumulated into the parameter gradients.
+  void backward(double loss_scale);
+
+  ParameterStore<T>& params() { return params_; }
+  const ParameterStore<T>& params() const { return params_; }
+  const ModelConfig& config() const { return config_; }
+  std::vector<MoELayer<T>*> moe_layers();
+  // Bytes of the planned activation and scratch arenas.
+  size_t activation_bytes() const;
+
+ private:
+  struct Block {
+    int norm1 = -1, norm2 = -1;
+    std::unique_ptr<AttentionLayer<T>> attention;
+    std::unique_ptr<FeedForward<T>> dense;  // exactly one of dense / moe is set
+    std::unique_ptr<MoELayer<T>> moe;
+    // Saved activations.
+    T *x_TD = nullptr, *n1_TD = nullptr, *rstd1_T = nullptr, *h_TD = nullptr, *n2_TD = nullptr,
+      *rstd2_T = nullptr;
+  };
+
+  ModelConfig config_;
+  ParameterStore<T> params_;
+  int embedding_ = -1, final_norm_ = -1, head_ = -1;
+  std::vector<Block> blocks_;
+  std::optional<Arena> saved_, scratch_;
+  int64_t batch_ = 0, tokens_ = 0;
+  const int32_t* inputs_ = nullptr;
+  const int32_t* targets_ = nullptr;
+  // Saved by the model itself.
+  int32_t* positions_T_ = nullptr;
+  T *final_x_TD_ = nullptr, *final_n_TD_ = nullptr, *final_rstd_T_ = nullptr, *logits_TV_ = nullptr,
+    *lse_T_ = nullptr;
+  // Scratch: gradient of the residual stream, and of a normed input.
+  T *dres_TD_ = nullptr, *dnorm_TD_ = nullptr;
+
+  void plan_into(Arena& saved, Arena& scratch, int64_t batch);
+};
+
+}  // namespace moe

@@ -1,0 +1,21 @@
+// The text corpus as the trainer's batch sources: read data.dir, tokenize, split, and
+// wrap the packed loaders. Sets model.vocab_size from the tokenizer when it is 0.
+#pragma once
+#include <memory>
+#include <string>
+
+#include "train/batch_source.h"
+#include "train/config.h"
+
+namespace moe {
+
+struct TextData {
+  std::unique_ptr<BatchSource> train;       // shuffled by training.seed
+  std::unique_ptr<BatchSource> validation;  // fixed order, reset before each validation
+  std::string tokenizer_name;
+  int64_t train_docs = 0, train_tokens = 0, val_docs = 0, val_tokens = 0;
+};
+
+TextData load_text_data(RunConfig& config, int threads);
+
+}  // namespace moe
