@@ -1,0 +1,186 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <sstream>
+#include <vector>
+
+#include "core/threads.h"
+#include "synthetic.h"
+#include "train/adamw.h"
+#include "train/grad_clip.h"
+#include "train/lr_schedule.h"
+#include "train/trainer.h"
+
+namespace moe {
+namespace {
+
+RunConfig lookback_config() {
+  RunConfig config;
+  ModelConfig& m = config.model;
+  m.vocab_size = 16;
+  m.dim = 32;
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.seq_len = 16;
+  m.moe.n_experts = 4;
+  m.moe.top_k = 2;
+  m.moe.expert_hidden = 32;
+  config.training.micro_batch = 16;
+  config.training.global_batch_tokens = 512;  // 2 micro-batches
+  config.training.steps = 150;
+  config.training.val_batches = 4;
+  config.training.val_interval = 0;
+  config.lr.peak = 1e-2;
+  config.lr.warmup_steps = 20;
+  config.optimizer.weight_decay = 0.0;
+  config.metrics.log_interval = 50;
+  return config;
+}
+
+std::unique_ptr<Trainer> make_trainer(const RunConfig& config) {
+  const auto& m = config.model;
+  return std::make_unique<Trainer>(config,
+                                   std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
+                                   std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2));
+}
+
+TEST(Trainer, LearnsSyntheticLookBackTask) {
+  set_num_threads(0);
+  RunConfig config = lookback_config();
+  auto trainer = make_trainer(config);
+  std::ostringstream log;
+  TrainSummary summary = trainer->run(log);
+  EXPECT_NEAR(summary.val_loss_start, std::log(16.0), 0.2) << log.str();
+  EXPECT_LT(summary.val_loss_end, 0.05) << log.str();
+  EXPECT_EQ(summary.steps, 150);
+  EXPECT_EQ(summary.tokens, 150 * 512);
+  EXPECT_NE(log.str().find("summary: steps=150 tokens=76800 seconds="), std::string::npos) << log.str();
+}
+
+// Same seed, any thread count: bit-identical losses and weights.
+TEST(Trainer, BitIdenticalAcrossRunsAndThreadCounts) {
+  RunConfig config = lookback_config();
+  config.training.steps = 4;
+  config.model.moe.capacity_factor = 1.0;
+  config.model.moe.bias_balancing = true;
+  config.training.expert_grad_clip = 0.05;
+  auto run = [&](int threads) {
+    set_num_threads(threads);
+    auto trainer = make_trainer(config);
+    std::vector<double> losses;
+    for (int64_t step = 0; step < config.training.steps; ++step)
+      losses.push_back(trainer->train_step(step).loss);
+    auto& params = trainer->model().params();
+    std::vector<float> weights;
+    for (int id = 0; id < params.size(); ++id)
+      weights.insert(weights.end(), params.value(id), params.value(id) + params.numel(id));
+    return std::make_pair(losses, weights);
+  };
+  const auto one = run(1), two = run(2), again = run(2);
+  set_num_threads(0);
+  EXPECT_EQ(one.first, two.first);
+  EXPECT_EQ(two.first, again.first);
+  EXPECT_TRUE(one.second == two.second);
+  EXPECT_TRUE(two.second == again.second);
+}
+
+// Accumulating 4 micro-batches of 4 sequences gives the gradient of one batch of 16.
+TEST(Trainer, GradientAccumulationMatchesOneBigBatch) {
+  RunConfig config = lookback_config();
+  config.training.global_batch_tokens = 16 * 16;
+  config.model.moe.aux_loss_coef = 0;  // aux loss is per micro-batch by definition
+  config.model.moe.z_loss_coef = 0.01;
+  config.training.grad_clip = 0;
+  auto gradients = [&](int64_t micro_batch) {
+    config.training.micro_batch = micro_batch;
+    auto trainer = make_trainer(config);
+    trainer->train_step(0);
+    auto& params = trainer->model().params();
+    std::vector<double> grads;
+    for (int id = 0; id < params.size(); ++id)
+      grads.insert(grads.end(), params.grad(id), params.grad(id) + params.numel(id));
+    return grads;
+  };
+  const auto accumulated = gradients(4), whole = gradients(16);
+  ASSERT_EQ(accumulated.size(), whole.size());
+  double max_abs = 0, max_err = 0;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    max_abs = std::max(max_abs, std::abs(whole[i]));
+    max_err = std::max(max_err, std::abs(whole[i] - accumulated[i]));
+  }
+  EXPECT_GT(max_abs, 1e-3);
+  EXPECT_LT(max_err, 1e-5 * max_abs);
+}
+
+TEST(LrSchedule, WarmupThenCosineToFloor) {
+  LrConfig lr;
+  lr.peak = 1.0;
+  lr.warmup_steps = 10;
+  lr.min_ratio = 0.1;
+  EXPECT_DOUBLE_EQ(learning_rate(lr, 0, 110), 0.1);
+  EXPECT_DOUBLE_EQ(learning_rate(lr, 4, 110), 0.5);
+  EXPECT_DOUBLE_EQ(learning_rate(lr, 9, 110), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(lr, 10, 110), 1.0);
+  EXPECT_NEAR(learning_rate(lr, 10 + 99 / 2.0, 110), 0.55, 0.01);  // halfway: mean of peak and floor
+  EXPECT_DOUBLE_EQ(learning_rate(lr, 109, 110), 0.1);
+  for (int64_t s = 11; s < 110; ++s) EXPECT_LT(learning_rate(lr, s, 110), learning_rate(lr, s - 1, 110));
+}
+
+TEST(AdamW, MatchesHandComputedStepAndSkipsDecayOnNorms) {
+  ParameterStore<float> params;
+  const int w = params.add({"w", Shape{2}, Init::Zeros, 0, /*decay=*/true});
+  const int n = params.add({"norm", Shape{1}, Init::Ones, 0, /*decay=*/false});
+  params.allocate(0);
+  params.value(w)[0] = 1.0f;
+  params.value(w)[1] = -2.0f;
+  params.grad(w)[0] = 0.5f;
+  params.grad(w)[1] = 0.0f;
+  params.grad(n)[0] = -1.0f;
+  OptimizerConfig config;
+  config.beta1 = 0.9;
+  config.beta2 = 0.99;
+  config.eps = 1e-8;
+  config.weight_decay = 0.1;
+  AdamW adamw(config, params);
+  adamw.step(0.01);
+  // Step 1: m_hat = g, v_hat = g^2, so the update is lr * sign(g) (plus decay lr*wd*p).
+  EXPECT_NEAR(params.value(w)[0], 1.0 * (1 - 0.001) - 0.01, 1e-6);
+  EXPECT_NEAR(params.value(w)[1], -2.0 * (1 - 0.001), 1e-6);
+  EXPECT_NEAR(params.value(n)[0], 1.0 + 0.01, 1e-6);  // no decay on norms
+  // Step 2 with the same gradient: m = g(0.9*0.1+0.1)... bias-corrected m_hat = g again.
+  adamw.step(0.01);
+  EXPECT_NEAR(params.value(n)[0], 1.02, 1e-5);
+}
+
+TEST(GradClip, PerExpertThenGlobal) {
+  ParameterStore<float> params;
+  const int w1 = params.add({"moe.experts.w1", Shape{3, 2}, Init::Zeros, 0, true, "moe.experts"});
+  const int w2 = params.add({"moe.experts.w2", Shape{3, 1}, Init::Zeros, 0, true, "moe.experts"});
+  const int dense = params.add({"dense", Shape{1}, Init::Zeros});
+  params.allocate(0);
+  // Expert 0: norm 5 (3, 4 | 0); expert 1: norm 0.5; expert 2: norm 12 (0, 0 | 12).
+  float g1[] = {3, 4, 0.3f, 0.4f, 0, 0};
+  float g2[] = {0, 0, 12};
+  std::copy(g1, g1 + 6, params.grad(w1));
+  std::copy(g2, g2 + 3, params.grad(w2));
+  params.grad(dense)[0] = 1.0f;
+  ClipStats stats = clip_gradients(params, /*global=*/0, /*expert=*/1.0);
+  EXPECT_NEAR(stats.max_expert_norm, 12.0, 1e-6);
+  EXPECT_EQ(stats.experts_clipped, 2);
+  EXPECT_NEAR(params.grad(w1)[0], 0.6, 1e-5);
+  EXPECT_NEAR(params.grad(w1)[1], 0.8, 1e-5);
+  EXPECT_FLOAT_EQ(params.grad(w1)[2], 0.3f);  // under the limit: untouched
+  EXPECT_NEAR(params.grad(w2)[2], 1.0, 1e-5);
+  EXPECT_NEAR(stats.global_norm, std::sqrt(1.0 + 0.25 + 1.0 + 1.0), 1e-5);
+  stats = clip_gradients(params, /*global=*/0.5, /*expert=*/0);
+  double sq = 0;
+  for (int id = 0; id < params.size(); ++id)
+    for (int64_t i = 0; i < params.numel(id); ++i) sq += params.grad(id)[i] * params.grad(id)[i];
+  EXPECT_TRUE(stats.global_clipped);
+  EXPECT_NEAR(std::sqrt(sq), 0.5, 1e-5);
+}
+
+}  // namespace
+}  // namespace moe
