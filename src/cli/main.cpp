@@ -55,6 +55,17 @@ int main(int argc, char** argv) {
   config_cmd->allow_extras();
   config_cmd->footer(kOverrideHelp);
 
+  auto is_command = [&](const std::string& name) {
+    for (const CLI::App* sub : app.get_subcommands({}))
+      if (sub->get_name() == name) return true;
+    return false;
+  };
+  if (argc > 1 && argv[1][0] != '-' && !is_command(argv[1])) {
+    std::string known;
+    for (const CLI::App* sub : app.get_subcommands({})) known += (known.empty() ? "" : ", ") + sub->get_name();
+    std::cerr << "moe: unknown command '" << argv[1] << "' (commands: " << known << ")\n";
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

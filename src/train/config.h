@@ -17,7 +17,7 @@ struct TrainingConfig {
   int64_t micro_batch = 8;            // sequences per micro-batch
   uint64_t seed = 1234;               // weights, data order
   int64_t threads = 0;                // 0: all cores
-  std::string device = "auto";        // auto | cpu (cuda comes with the CUDA backend)
+  std::string device = "auto";        // auto | cpu | cuda (auto: a GPU when the CUDA backend has one)
   double grad_clip = 1.0;             // global gradient-norm clip; 0 disables
   double expert_grad_clip = 0.0;      // per-expert gradient-norm clip; 0 disables
   int64_t val_interval = 50;          // validation every N steps (and at the start and end); 0: start and end only
@@ -40,7 +40,7 @@ struct LrConfig {
 struct DataConfig {
   std::string dir = "/usr/share/doc/python3.11-doc/html/_sources";
   std::string extension = ".txt";     // files under dir whose name ends with this
-  std::string tokenizer = "byte";     // byte (BPE comes with the data issue)
+  std::string tokenizer = "byte";     // byte (BPE comes later)
   double val_fraction = 0.05;         // share of documents held out, chosen by path hash
   int64_t max_bytes = 0;              // read at most this many bytes of text (0: all)
 };
@@ -53,7 +53,7 @@ struct MetricsConfig {
 struct CheckpointConfig {
   std::string dir = "";               // "" : no checkpoints
   int64_t interval = 0;               // steps between checkpoints; 0: only at the end
-  int64_t keep_last = 3;
+  int64_t keep_last = 3;              // newest checkpoints kept on disk (>= 1)
 };
 
 struct RunConfig {

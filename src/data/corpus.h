@@ -1,0 +1,62 @@
+// A text corpus on disk -> documents -> token ids. Documents are the files under
+// data.dir whose names end with data.extension, in relative-path order so every run
+// and every rank sees the same list. Each document goes to the train or validation
+// split by a hash of its relative path, so adding files never moves existing ones.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "data/tokenizer.h"
+
+namespace moe {
+
+struct DataConfig;
+
+struct Document {
+  std::string relative_path;  // '/'-separated, below data.dir
+  std::string text;
+};
+
+struct CorpusSplit {
+  std::vector<Document> train;
+  std::vector<Document> validation;
+};
+
+// Documents as one flat token array: document d is tokens[doc_offsets[d], doc_offsets[d+1]).
+// This is the "document source" the loader reads; a binary shard reader will produce it too.
+struct TokenizedDocuments {
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> doc_offsets{0};  // n_docs + 1 entries, starting at 0
+
+  int64_t n_docs() const { return static_cast<int64_t>(doc_offsets.size()) - 1; }
+  int64_t n_tokens() const { return static_cast<int64_t>(tokens.size()); }
+  std::span<const int32_t> doc(int64_t d) const {
+    return {tokens.data() + doc_offsets[d], static_cast<size_t>(doc_offsets[d + 1] - doc_offsets[d])};
+  }
+};
+
+struct TokenizedCorpus {
+  TokenizedDocuments train;
+  TokenizedDocuments validation;
+};
+
+// True iff the document goes to validation: fnv1a64(path) % 1'000'000 < val_fraction * 1'000'000.
+bool is_validation_document(std::string_view relative_path, double val_fraction);
+
+// Reads data.dir recursively (at most data.max_bytes bytes in path order, the last document
+// cut short if needed; 0 reads all) and splits it. Throws ConfigError naming the directory
+// when it is missing, not a directory, has no matching files, or a split comes out empty.
+CorpusSplit read_corpus(const DataConfig& config);
+
+// Encodes every document, in parallel over documents (threads <= 0: OpenMP's current
+// count). The result does not depend on the thread count.
+TokenizedDocuments tokenize_documents(std::span<const Document> docs, const Tokenizer& tokenizer,
+                                      int threads = 0);
+
+// read_corpus + tokenize_documents for both splits.
+TokenizedCorpus load_corpus(const DataConfig& config, const Tokenizer& tokenizer, int threads = 0);
+
+}  // namespace moe

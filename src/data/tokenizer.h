@@ -1,0 +1,48 @@
+// Tokenizers turn text into int32 token ids and back. The byte tokenizer is the first;
+// a BPE tokenizer will implement the same interface, so the corpus reader, the loader
+// and the trainer never depend on which one is in use.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moe {
+
+struct DataConfig;
+
+// The byte tokenizer's fixed vocabulary: ids 0..255 are bytes, 256 ends a document.
+inline constexpr int32_t kByteEosId = 256;
+inline constexpr int64_t kByteVocabSize = 257;
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  // Never emits eos_id(); document boundaries are added by the loader. Called from
+  // several threads at once, so const calls must be thread-safe.
+  virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Throws moe::Error on an id outside [0, vocab_size()).
+  virtual std::string decode(std::span<const int32_t> ids) const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int32_t eos_id() const = 0;
+  virtual std::string name() const = 0;
+};
+
+// Every byte is its own token, so any input (including invalid UTF-8) round-trips.
+// EOS decodes to nothing: decode(encode(text)) == text, and sampled text reads cleanly;
+// callers that need boundaries split on eos_id() before decoding.
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::vector<int32_t> encode(std::string_view text) const override;
+  std::string decode(std::span<const int32_t> ids) const override;
+  int64_t vocab_size() const override { return kByteVocabSize; }
+  int32_t eos_id() const override { return kByteEosId; }
+  std::string name() const override { return "byte"; }
+};
+
+// The tokenizer named by data.tokenizer; throws ConfigError for an unknown name.
+std::unique_ptr<Tokenizer> make_tokenizer(const DataConfig& config);
+
+}  // namespace moe

@@ -1,0 +1,496 @@
+// Config loading: TOML file -> overrides -> validation, each error one line that names
+// where the value came from (file:line:column or "command line") and the key.
+#include "train/config.h"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <type_traits>
+
+#include "core/error.h"
+#include "data/tokenizer.h"
+
+namespace moe {
+namespace {
+
+constexpr std::array<std::string_view, 8> kSections = {
+    "model", "moe", "training", "optimizer", "lr", "data", "metrics", "checkpoint"};
+
+// The single list of keys: parsing, overrides and config_to_toml all walk it, so a key
+// cannot be readable but not writable. Calls visit(section, key, field) in file order.
+template <class Config, class Visit>
+void for_each_key(Config& c, Visit&& visit) {
+  auto& m = c.model;
+  visit("model", "vocab_size", m.vocab_size);
+  visit("model", "dim", m.dim);
+  visit("model", "n_layers", m.n_layers);
+  visit("model", "n_heads", m.n_heads);
+  visit("model", "n_kv_heads", m.n_kv_heads);
+  visit("model", "seq_len", m.seq_len);
+  visit("model", "first_dense_layers", m.first_dense_layers);
+  visit("model", "dense_hidden", m.dense_hidden);
+  visit("model", "rope_theta", m.rope_theta);
+  visit("model", "norm_eps", m.norm_eps);
+  visit("model", "tie_embeddings", m.tie_embeddings);
+  visit("model", "init_std", m.init_std);
+  auto& e = c.model.moe;
+  visit("moe", "n_experts", e.n_experts);
+  visit("moe", "top_k", e.top_k);
+  visit("moe", "expert_hidden", e.expert_hidden);
+  visit("moe", "n_shared_experts", e.n_shared_experts);
+  visit("moe", "score_func", e.score_func);
+  visit("moe", "temperature", e.temperature);
+  visit("moe", "renormalize", e.renormalize);
+  visit("moe", "capacity_factor", e.capacity_factor);
+  visit("moe", "aux_loss_coef", e.aux_loss_coef);
+  visit("moe", "z_loss_coef", e.z_loss_coef);
+  visit("moe", "bias_balancing", e.bias_balancing);
+  visit("moe", "bias_update_rate", e.bias_update_rate);
+  auto& t = c.training;
+  visit("training", "steps", t.steps);
+  visit("training", "global_batch_tokens", t.global_batch_tokens);
+  visit("training", "micro_batch", t.micro_batch);
+  visit("training", "seed", t.seed);
+  visit("training", "threads", t.threads);
+  visit("training", "device", t.device);
+  visit("training", "grad_clip", t.grad_clip);
+  visit("training", "expert_grad_clip", t.expert_grad_clip);
+  visit("training", "val_interval", t.val_interval);
+  visit("training", "val_batches", t.val_batches);
+  visit("optimizer", "beta1", c.optimizer.beta1);
+  visit("optimizer", "beta2", c.optimizer.beta2);
+  visit("optimizer", "eps", c.optimizer.eps);
+  visit("optimizer", "weight_decay", c.optimizer.weight_decay);
+  visit("lr", "peak", c.lr.peak);
+  visit("lr", "warmup_steps", c.lr.warmup_steps);
+  visit("lr", "min_ratio", c.lr.min_ratio);
+  visit("data", "dir", c.data.dir);
+  visit("data", "extension", c.data.extension);
+  visit("data", "tokenizer", c.data.tokenizer);
+  visit("data", "val_fraction", c.data.val_fraction);
+  visit("data", "max_bytes", c.data.max_bytes);
+  visit("metrics", "log_interval", c.metrics.log_interval);
+  visit("metrics", "dir", c.metrics.dir);
+  visit("checkpoint", "dir", c.checkpoint.dir);
+  visit("checkpoint", "interval", c.checkpoint.interval);
+  visit("checkpoint", "keep_last", c.checkpoint.keep_last);
+}
+
+template <class T>
+constexpr bool kStringTyped = std::is_same_v<T, std::string> || std::is_same_v<T, ScoreFunc>;
+
+std::string join(const auto& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + std::string(item);
+  return out;
+}
+
+std::string one_line(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return text;
+}
+
+std::vector<std::string> keys_in(std::string_view section) {
+  std::vector<std::string> keys;
+  RunConfig defaults;
+  for_each_key(defaults, [&](std::string_view s, std::string_view k, auto&) {
+    if (s == section) keys.emplace_back(k);
+  });
+  return keys;
+}
+
+std::string unknown_key_message(std::string_view section, std::string_view key) {
+  return fmt::format("unknown key '{}.{}' (known keys in [{}]: {})", section, key, section,
+                     join(keys_in(section)));
+}
+
+std::string unknown_section_message(std::string_view section) {
+  return fmt::format("unknown section [{}] (known sections: {})", section, join(kSections));
+}
+
+const char* score_func_name(ScoreFunc f) { return f == ScoreFunc::Sigmoid ? "sigmoid" : "softmax"; }
+
+// A TOML basic string: quotes, backslashes and control characters escaped.
+std::string toml_string(std::string_view s) {
+  std::string out = "\"";
+  for (unsigned char ch : s) {
+    if (ch == '"' || ch == '\\') out += fmt::format("\\{}", static_cast<char>(ch));
+    else if (ch < 0x20 || ch == 0x7f) out += fmt::format("\\u{:04X}", ch);
+    else out += static_cast<char>(ch);
+  }
+  return out + "\"";
+}
+
+// A value as the user wrote it, with its TOML type, for "got ..." in messages.
+std::string describe(const toml::node& node) {
+  if (node.is_table()) return "a table";
+  if (node.is_array()) return "an array";
+  if (auto v = node.as_string()) return "string " + toml_string(v->get());
+  std::ostringstream os;
+  node.visit([&](const auto& v) { os << v; });
+  const char* type = node.is_integer()          ? "integer "
+                     : node.is_floating_point() ? "float "
+                     : node.is_boolean()        ? "boolean "
+                                                : "date/time ";
+  return type + one_line(os.str());
+}
+
+// Thrown while converting one value; the caller prefixes where the value came from.
+struct ValueError {
+  std::string message;
+};
+
+template <class T>
+void assign(T& field, const toml::node& node, const std::string& key) {
+  if constexpr (std::is_same_v<T, int64_t>) {
+    if (auto v = node.as_integer()) return void(field = v->get());
+    throw ValueError{fmt::format("{} must be an integer, got {}", key, describe(node))};
+  } else if constexpr (std::is_same_v<T, uint64_t>) {
+    if (auto v = node.as_integer(); v && v->get() >= 0) return void(field = static_cast<uint64_t>(v->get()));
+    throw ValueError{fmt::format("{} must be a non-negative integer, got {}", key, describe(node))};
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (auto v = node.as_floating_point()) return void(field = v->get());
+    if (auto v = node.as_integer()) return void(field = static_cast<double>(v->get()));
+    throw ValueError{fmt::format("{} must be a number, got {}", key, describe(node))};
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (auto v = node.as_boolean()) return void(field = v->get());
+    throw ValueError{fmt::format("{} must be true or false, got {}", key, describe(node))};
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (auto v = node.as_string()) return void(field = v->get());
+    throw ValueError{fmt::format("{} must be a string, got {}", key, describe(node))};
+  } else if constexpr (std::is_same_v<T, ScoreFunc>) {
+    if (auto v = node.as_string(); v && (v->get() == "softmax" || v->get() == "sigmoid"))
+      return void(field = v->get() == "softmax" ? ScoreFunc::Softmax : ScoreFunc::Sigmoid);
+    throw ValueError{fmt::format("{} must be one of softmax, sigmoid, got {}", key, describe(node))};
+  } else {
+    static_assert(sizeof(T) == 0, "config field of an unsupported type");
+  }
+}
+
+// A rule that failed: the keys involved (to find where they were set) and the message.
+struct Issue {
+  std::vector<std::string> keys;
+  std::string message;
+};
+
+[[noreturn]] void fail(std::vector<std::string> keys, std::string message) {
+  throw Issue{std::move(keys), std::move(message)};
+}
+
+void check_int(const char* key, int64_t v, int64_t lo, const char* what) {
+  if (v < lo) fail({key}, fmt::format("{} must be {}, got {}", key, what, v));
+}
+void positive(const char* key, int64_t v) { check_int(key, v, 1, "a positive integer"); }
+void non_negative(const char* key, int64_t v) { check_int(key, v, 0, "an integer >= 0"); }
+
+// Real-valued rules are written so that NaN fails them too.
+void check_real(const char* key, double v, bool ok, const char* what) {
+  if (!ok || !std::isfinite(v)) fail({key}, fmt::format("{} must be {}, got {}", key, what, v));
+}
+void positive_real(const char* key, double v) { check_real(key, v, v > 0, "a number > 0"); }
+void non_negative_real(const char* key, double v) { check_real(key, v, v >= 0, "a number >= 0"); }
+
+void one_of(const char* key, const std::string& v, std::initializer_list<const char*> allowed) {
+  if (std::find(allowed.begin(), allowed.end(), v) == allowed.end())
+    fail({key}, fmt::format("{} must be one of {}, got \"{}\"", key, join(allowed), v));
+}
+
+void check_model(const ModelConfig& m) {
+  non_negative("model.vocab_size", m.vocab_size);
+  if (m.vocab_size > std::numeric_limits<int32_t>::max())
+    fail({"model.vocab_size"}, fmt::format("model.vocab_size must fit token ids in int32, got {}", m.vocab_size));
+  positive("model.dim", m.dim);
+  positive("model.n_layers", m.n_layers);
+  positive("model.n_heads", m.n_heads);
+  positive("model.n_kv_heads", m.n_kv_heads);
+  positive("model.seq_len", m.seq_len);
+  if (m.dim % m.n_heads != 0)
+    fail({"model.dim", "model.n_heads"},
+         fmt::format("model.dim ({}) must be divisible by model.n_heads ({})", m.dim, m.n_heads));
+  if (m.head_dim() % 2 != 0)
+    fail({"model.dim", "model.n_heads"},
+         fmt::format("model.dim / model.n_heads (the head dimension, {}) must be even for rotary embeddings",
+                     m.head_dim()));
+  if (m.n_heads % m.n_kv_heads != 0)
+    fail({"model.n_heads", "model.n_kv_heads"},
+         fmt::format("model.n_heads ({}) must be a multiple of model.n_kv_heads ({})", m.n_heads, m.n_kv_heads));
+  if (m.first_dense_layers < 0 || m.first_dense_layers > m.n_layers)
+    fail({"model.first_dense_layers", "model.n_layers"},
+         fmt::format("model.first_dense_layers must be between 0 and model.n_layers ({}), got {}",
+                     m.n_layers, m.first_dense_layers));
+  positive("model.dense_hidden", m.dense_hidden);
+  positive_real("model.rope_theta", m.rope_theta);
+  positive_real("model.norm_eps", m.norm_eps);
+  positive_real("model.init_std", m.init_std);
+
+  const MoEConfig& e = m.moe;
+  positive("moe.n_experts", e.n_experts);
+  if (e.top_k < 1 || e.top_k > e.n_experts)
+    fail({"moe.top_k", "moe.n_experts"},
+         fmt::format("moe.top_k must be between 1 and moe.n_experts ({}), got {}", e.n_experts, e.top_k));
+  positive("moe.expert_hidden", e.expert_hidden);
+  non_negative("moe.n_shared_experts", e.n_shared_experts);
+  positive_real("moe.temperature", e.temperature);
+  non_negative_real("moe.capacity_factor", e.capacity_factor);
+  non_negative_real("moe.aux_loss_coef", e.aux_loss_coef);
+  non_negative_real("moe.z_loss_coef", e.z_loss_coef);
+  non_negative_real("moe.bias_update_rate", e.bias_update_rate);
+}
+
+void check_training(const RunConfig& c) {
+  const TrainingConfig& t = c.training;
+  positive("training.steps", t.steps);
+  positive("training.micro_batch", t.micro_batch);
+  int64_t per_micro = 0;
+  if (__builtin_mul_overflow(t.micro_batch, c.model.seq_len, &per_micro))
+    fail({"training.micro_batch", "model.seq_len"}, "training.micro_batch * model.seq_len overflows int64");
+  if (t.global_batch_tokens <= 0 || t.global_batch_tokens % per_micro != 0) {
+    // Name the valid neighbours so the fix is one edit.
+    int64_t below = t.global_batch_tokens / per_micro * per_micro;
+    std::string nearest = below >= per_micro ? fmt::format("{}, {}", below, below + per_micro)
+                                             : fmt::format("{}", per_micro);
+    fail({"training.global_batch_tokens", "training.micro_batch", "model.seq_len"},
+         fmt::format("training.global_batch_tokens must be a positive multiple of training.micro_batch * "
+                     "model.seq_len = {} * {} = {}, got {} (nearest valid: {})",
+                     t.micro_batch, c.model.seq_len, per_micro, t.global_batch_tokens, nearest));
+  }
+  // TOML integers are signed 64-bit; a larger seed could not be written back.
+  if (t.seed > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    fail({"training.seed"}, fmt::format("training.seed must be at most 2^63-1, got {}", t.seed));
+  non_negative("training.threads", t.threads);
+  one_of("training.device", t.device, {"auto", "cpu", "cuda"});
+  non_negative_real("training.grad_clip", t.grad_clip);
+  non_negative_real("training.expert_grad_clip", t.expert_grad_clip);
+  non_negative("training.val_interval", t.val_interval);
+  positive("training.val_batches", t.val_batches);
+
+  const OptimizerConfig& o = c.optimizer;
+  check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");
+  check_real("optimizer.beta2", o.beta2, o.beta2 >= 0 && o.beta2 < 1, "in [0, 1)");
+  positive_real("optimizer.eps", o.eps);
+  non_negative_real("optimizer.weight_decay", o.weight_decay);
+
+  positive_real("lr.peak", c.lr.peak);
+  non_negative("lr.warmup_steps", c.lr.warmup_steps);
+  check_real("lr.min_ratio", c.lr.min_ratio, c.lr.min_ratio >= 0 && c.lr.min_ratio <= 1, "in [0, 1]");
+}
+
+void check_io(const RunConfig& c) {
+  const DataConfig& d = c.data;
+  if (d.dir.empty()) fail({"data.dir"}, "data.dir must name a directory, got \"\"");
+  one_of("data.tokenizer", d.tokenizer, {"byte"});
+  check_real("data.val_fraction", d.val_fraction, d.val_fraction > 0 && d.val_fraction < 1, "in (0, 1)");
+  non_negative("data.max_bytes", d.max_bytes);
+  if (d.tokenizer == "byte" && c.model.vocab_size != 0 && c.model.vocab_size < kByteVocabSize)
+    fail({"model.vocab_size", "data.tokenizer"},
+         fmt::format("model.vocab_size ({}) is smaller than the byte tokenizer's {} ids (0 takes it from the "
+                     "tokenizer)", c.model.vocab_size, kByteVocabSize));
+  positive("metrics.log_interval", c.metrics.log_interval);
+  non_negative("checkpoint.interval", c.checkpoint.interval);
+  positive("checkpoint.keep_last", c.checkpoint.keep_last);
+}
+
+void check_all(const RunConfig& c) {
+  check_model(c.model);
+  check_training(c);
+  check_io(c);
+}
+
+// Builds a RunConfig from one file and the overrides, remembering where every key was set.
+class ConfigReader {
+ public:
+  explicit ConfigReader(std::string source) : source_(std::move(source)) {}
+
+  void read_toml(const std::string& text) {
+    toml::table root;
+    try {
+      root = toml::parse(text, std::string_view(source_));
+    } catch (const toml::parse_error& e) {
+      MOE_CONFIG_ERROR("{}: TOML syntax error: {}", where(e.source()), one_line(std::string(e.description())));
+    }
+    // Report the first problem in file order (tables iterate alphabetically).
+    std::vector<std::pair<std::pair<uint32_t, uint32_t>, std::string>> errors;
+    auto record = [&](const toml::source_region& at, const std::string& message) {
+      errors.push_back({{at.begin.line, at.begin.column}, where(at) + ": " + message});
+    };
+    for (const auto& [section_key, section_node] : root) {
+      std::string_view section = section_key.str();
+      if (std::find(kSections.begin(), kSections.end(), section) == kSections.end()) {
+        record(section_key.source(),
+               section_node.is_table() ? unknown_section_message(section)
+                                       : fmt::format("key '{}' is outside any section (sections: {})", section,
+                                                     join(kSections)));
+        continue;
+      }
+      const toml::table* table = section_node.as_table();
+      if (!table) {
+        record(section_node.source(), fmt::format("'{}' must be a section [{}], got {}", section, section,
+                                                  describe(section_node)));
+        continue;
+      }
+      for (const auto& [key, node] : *table) {
+        try {
+          if (!set(section, key.str(), node, where(node.source())))
+            record(key.source(), unknown_key_message(section, key.str()));
+        } catch (const ValueError& e) {
+          record(node.source(), e.message);
+        }
+      }
+    }
+    if (!errors.empty()) throw ConfigError(std::min_element(errors.begin(), errors.end())->second);
+  }
+
+  // "section.key=value" (a leading "--" is allowed, as typed on the command line).
+  void apply_override(std::string_view text) {
+    const std::string original(text);
+    if (text.starts_with("--")) text.remove_prefix(2);
+    size_t eq = text.find('=');
+    size_t dot = text.substr(0, eq).find('.');
+    if (eq == std::string_view::npos || dot == std::string_view::npos)
+      MOE_CONFIG_ERROR("command line: override '{}' must look like section.key=value", original);
+    std::string section(text.substr(0, dot));
+    std::string key(text.substr(dot + 1, eq - dot - 1));
+    std::string value(text.substr(eq + 1));
+    if (std::find(kSections.begin(), kSections.end(), section) == kSections.end())
+      MOE_CONFIG_ERROR("command line: {} in '{}'", unknown_section_message(section), original);
+
+    bool known = false, string_typed = false;
+    RunConfig probe;
+    for_each_key(probe, [&](std::string_view s, std::string_view k, auto& field) {
+      if (s != section || k != key) return;
+      known = true;
+      string_typed = kStringTyped<std::remove_cvref_t<decltype(field)>>;
+    });
+    if (!known) MOE_CONFIG_ERROR("command line: {}", unknown_key_message(section, key));
+
+    std::optional<toml::table> parsed;
+    try {
+      parsed = toml::parse("v = " + value, std::string_view("command line"));
+    } catch (const toml::parse_error&) {
+    }
+    const toml::node* node = parsed && parsed->size() == 1 ? parsed->get("v") : nullptr;
+    // Strings may be given bare (--data.dir=/tmp/x). For other keys a value that is not
+    // TOML is passed on as a string too, so the error says "must be an integer, got ...".
+    toml::value<std::string> bare(value);
+    if (!node || (string_typed && !node->is_string())) node = &bare;
+    try {
+      set(section, key, *node, "command line");
+    } catch (const ValueError& e) {
+      MOE_CONFIG_ERROR("command line: {}", e.message);
+    }
+  }
+
+  void validate() const {
+    try {
+      check_all(config_);
+    } catch (const Issue& issue) {
+      // Blame the command line if it set any key involved, else the file line of the first
+      // key the file set, else the file as a whole (the rule broke on defaults).
+      std::string origin = source_;
+      for (const auto& key : issue.keys) {
+        auto it = origin_.find(key);
+        if (it != origin_.end() && it->second == "command line") {
+          origin = it->second;
+          break;
+        }
+        if (it != origin_.end() && origin == source_) origin = it->second;
+      }
+      throw ConfigError(origin + ": " + issue.message);
+    }
+  }
+
+  const RunConfig& config() const { return config_; }
+
+ private:
+  std::string where(const toml::source_region& at) const {
+    if (at.begin.line == 0) return source_;
+    return fmt::format("{}:{}:{}", source_, at.begin.line, at.begin.column);
+  }
+
+  // Assigns `node` to section.key; false if no such key. Throws ValueError on a bad type.
+  bool set(std::string_view section, std::string_view key, const toml::node& node, const std::string& origin) {
+    bool found = false;
+    for_each_key(config_, [&](std::string_view s, std::string_view k, auto& field) {
+      if (s != section || k != key) return;
+      found = true;
+      std::string full = fmt::format("{}.{}", s, k);
+      assign(field, node, full);
+      origin_[full] = origin;
+    });
+    return found;
+  }
+
+  std::string source_;
+  RunConfig config_;
+  std::map<std::string, std::string> origin_;  // "section.key" -> "file:line:col" or "command line"
+};
+
+template <class T>
+std::string toml_value(const T& v) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    return toml_string(v);
+  } else if constexpr (std::is_same_v<T, ScoreFunc>) {
+    return toml_string(score_func_name(v));
+  } else if constexpr (std::is_same_v<T, bool>) {
+    return v ? "true" : "false";
+  } else if constexpr (std::is_same_v<T, double>) {
+    if (std::isnan(v)) return "nan";
+    if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+    std::string s = fmt::format("{}", v);  // shortest text that reads back to the same double
+    if (s.find_first_of(".e") == std::string::npos) s += ".0";
+    return s;
+  } else {
+    return fmt::format("{}", v);
+  }
+}
+
+}  // namespace
+
+RunConfig parse_config(const std::string& toml_text, const std::string& source_name,
+                       const std::vector<std::string>& overrides) {
+  ConfigReader reader(source_name);
+  reader.read_toml(toml_text);
+  for (const auto& text : overrides) reader.apply_override(text);
+  reader.validate();
+  return reader.config();
+}
+
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) MOE_CONFIG_ERROR("{}: config file does not exist", path);
+  if (std::filesystem::is_directory(path, ec)) MOE_CONFIG_ERROR("{}: is a directory, expected a TOML file", path);
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) MOE_CONFIG_ERROR("{}: cannot read config file", path);
+  return parse_config(text.str(), path, overrides);
+}
+
+void validate_config(const RunConfig& config) {
+  try {
+    check_all(config);
+  } catch (const Issue& issue) {
+    throw ConfigError(issue.message);
+  }
+}
+
+std::string config_to_toml(const RunConfig& config) {
+  std::string out = "# moe-train run config; every key is described in docs/CONFIG.md\n";
+  std::string_view current;
+  for_each_key(config, [&](std::string_view section, std::string_view key, const auto& field) {
+    if (section != current) out += fmt::format("\n[{}]\n", current = section);
+    out += fmt::format("{} = {}\n", key, toml_value(field));
+  });
+  return out;
+}
+
+}  // namespace moe

@@ -1,0 +1,127 @@
+// The `moe` binary as users run it: exit codes, one-line errors, and a short real run
+// on a small text directory whose output ends with the machine-readable summary.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+std::string moe_binary() {
+  // ctest sets MOE_BINARY; run by hand, the binary sits beside the test executable.
+  const char* path = std::getenv("MOE_BINARY");
+  if (path && *path) return path;
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "moe").string();
+}
+
+Result run(const std::string& args) {
+  Result result;
+  const std::string command = moe_binary() + " " + args + " 2>&1";
+  FILE* pipe = popen(command.c_str(), "r");
+  if (!pipe) return result;
+  std::array<char, 4096> buffer{};
+  size_t n;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+int count_lines(const std::string& text) {
+  int lines = 0;
+  for (char c : text) lines += c == '\n';
+  return lines;
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("moe_cli_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_ / "text" / "sub");
+    for (int i = 0; i < 40; ++i) {
+      std::ofstream(dir_ / "text" / (i % 2 ? "sub" : "") / ("doc" + std::to_string(i) + ".txt"))
+          << "Document " << i << ": the quick brown fox jumps over the lazy dog. " << std::string(50, 'a' + i % 26)
+          << "\n";
+    }
+    std::ofstream(dir_ / "tiny.toml") << "[model]\ndim = 16\nn_layers = 1\nn_heads = 2\nn_kv_heads = 1\nseq_len = 32\n"
+                                      << "[moe]\nn_experts = 4\nexpert_hidden = 16\n"
+                                      << "[training]\nsteps = 6\nglobal_batch_tokens = 128\nmicro_batch = 2\n"
+                                      << "val_batches = 2\nval_interval = 3\n"
+                                      << "[data]\ndir = \"" << (dir_ / "text").string() << "\"\nval_fraction = 0.2\n"
+                                      << "[metrics]\nlog_interval = 2\n";
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string config() const { return (dir_ / "tiny.toml").string(); }
+  std::filesystem::path dir_;
+};
+
+TEST_F(Cli, TrainsAndEndsWithSummary) {
+  Result r = run("train --config " + config());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto last_line_start = r.output.rfind('\n', r.output.size() - 2) + 1;
+  const std::string last = r.output.substr(last_line_start);
+  EXPECT_EQ(last.rfind("summary: steps=6 tokens=768 seconds=", 0), 0u) << r.output;
+  EXPECT_NE(last.find("val_loss_start="), std::string::npos);
+  EXPECT_NE(last.find("val_loss_end="), std::string::npos);
+  EXPECT_NE(r.output.find("step 6/6 | loss "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("val step 3 | val_loss"), std::string::npos) << r.output;
+  for (const char* field : {"aux ", "lr ", "grad_norm ", "tok/s ", "eta "})
+    EXPECT_NE(r.output.find(field), std::string::npos) << field;
+}
+
+TEST_F(Cli, HelpExitsZero) {
+  for (const char* args : {"--help", "train --help", "config --help"}) {
+    Result r = run(args);
+    EXPECT_EQ(r.exit_code, 0) << args << ": " << r.output;
+    EXPECT_NE(r.output.find("Usage"), std::string::npos) << args;
+  }
+  EXPECT_NE(run("train --help").output.find("--section.key=value"), std::string::npos);
+}
+
+TEST_F(Cli, ConfigErrorsAreOneLineAndExitTwo) {
+  struct Case {
+    std::string args, expected;
+  };
+  const Case cases[] = {
+      {"train --config " + config() + " --model.dimm=3", "model.dimm"},
+      {"train --config " + config() + " --moe.top_k=9", "top_k"},
+      {"train --config " + config() + " --moe.score_func=relu", "score_func"},
+      {"train --config " + config() + " --training.steps=abc", "training.steps"},
+      {"train --config " + config() + " --data.dir=/nonexistent/dir", "/nonexistent/dir"},
+      {"train --config " + config() + " --bogus", "--bogus"},
+      {"train --config /nonexistent.toml", "nonexistent.toml"},
+      {"train", "--config"},
+      {"frobnicate", "frobnicate"},
+  };
+  for (const Case& c : cases) {
+    Result r = run(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << ": " << r.output;
+    EXPECT_EQ(count_lines(r.output), 1) << c.args << ": " << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << ": " << r.output;
+  }
+}
+
+TEST_F(Cli, ConfigPrintsResolvedToml) {
+  Result r = run("config --config " + config() + " --moe.temperature=0.3 --training.steps=7");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("temperature = 0.3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("steps = 7"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("dim = 16"), std::string::npos) << r.output;
+  Result defaults = run("config");
+  ASSERT_EQ(defaults.exit_code, 0) << defaults.output;
+  EXPECT_NE(defaults.output.find("[checkpoint]"), std::string::npos);
+}
+
+}  // namespace

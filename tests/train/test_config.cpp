@@ -1,0 +1,284 @@
+#include <gtest/gtest.h>
+#include <toml++/toml.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+#include "train/config.h"
+
+namespace moe {
+namespace {
+
+std::filesystem::path source_dir() {
+  if (const char* dir = std::getenv("MOE_SOURCE_DIR"); dir && *dir) return dir;
+  return std::filesystem::path(__FILE__).parent_path().parent_path().parent_path();
+}
+
+std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in) << "cannot open " << path;
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// "section.key" for every key config_to_toml writes.
+std::vector<std::string> written_keys(const RunConfig& config) {
+  std::vector<std::string> keys;
+  toml::table root = toml::parse(config_to_toml(config));
+  for (const auto& [section, table] : root)
+    for (const auto& [key, value] : *table.as_table()) keys.push_back(std::string(section.str()) + "." + std::string(key.str()));
+  return keys;
+}
+
+// Runs `fn`, expects a one-line ConfigError containing every fragment.
+void expect_config_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
+  try {
+    fn();
+    ADD_FAILURE() << "no ConfigError; expected one mentioning " << fragments.front();
+  } catch (const ConfigError& e) {
+    std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    for (const auto& fragment : fragments)
+      EXPECT_NE(message.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << message;
+  }
+}
+
+void expect_override_error(const std::string& override_text, const std::vector<std::string>& fragments) {
+  SCOPED_TRACE(override_text);
+  auto fragments_with_source = fragments;
+  fragments_with_source.push_back("command line");
+  expect_config_error([&] { parse_config("", "x.toml", {override_text}); }, fragments_with_source);
+}
+
+TEST(Config, DefaultsValidateAndRoundTrip) {
+  RunConfig defaults;
+  EXPECT_NO_THROW(validate_config(defaults));
+  std::string text = config_to_toml(defaults);
+  EXPECT_EQ(config_to_toml(parse_config(text, "written")), text);
+  // An empty file is the built-in defaults.
+  EXPECT_EQ(config_to_toml(parse_config("", "empty.toml")), text);
+}
+
+TEST(Config, DefaultTomlLoadsAndSetsEveryKey) {
+  auto path = source_dir() / "configs/default.toml";
+  RunConfig config = load_config(path.string());
+  EXPECT_EQ(config.model.dim, 128);
+  EXPECT_EQ(config.model.moe.n_experts, 8);
+  EXPECT_EQ(config.training.global_batch_tokens % (config.training.micro_batch * config.model.seq_len), 0);
+  // A complete example: every key appears in the file.
+  toml::table file = toml::parse_file(path.string());
+  for (const auto& key : written_keys(config)) EXPECT_TRUE(file.at_path(key)) << key << " missing in default.toml";
+}
+
+TEST(Config, OverridesParseTomlValuesAndBareStrings) {
+  RunConfig c = parse_config("[model]\ndim = 64\n", "x.toml",
+                             {"model.dim=256", "--lr.peak=1e-3", "moe.temperature=2", "model.tie_embeddings=true",
+                              "data.dir=/tmp/some dir", "data.extension=\".md\"", "moe.score_func=sigmoid",
+                              "metrics.dir=", "training.seed=7", "training.seed=8"});
+  EXPECT_EQ(c.model.dim, 256);
+  EXPECT_DOUBLE_EQ(c.lr.peak, 1e-3);
+  EXPECT_DOUBLE_EQ(c.model.moe.temperature, 2.0);  // an integer where a float is expected
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_EQ(c.data.dir, "/tmp/some dir");
+  EXPECT_EQ(c.data.extension, ".md");
+  EXPECT_EQ(c.model.moe.score_func, ScoreFunc::Sigmoid);
+  EXPECT_EQ(c.metrics.dir, "");
+  EXPECT_EQ(c.training.seed, 8u);  // the last override wins
+  // A string key given a number keeps the text.
+  EXPECT_EQ(parse_config("", "x", {"metrics.dir=123"}).metrics.dir, "123");
+}
+
+TEST(Config, FileErrorsNameFileLineAndKey) {
+  auto parse = [](const std::string& text) { return [text] { parse_config(text, "configs/x.toml"); }; };
+  expect_config_error(parse("[model]\ndimm = 3\n"),
+                      {"configs/x.toml:2:1", "unknown key 'model.dimm'", "known keys in [model]", "n_heads"});
+  expect_config_error(parse("[model]\ndim = -3\n"), {"configs/x.toml:2:7", "model.dim", "positive integer", "-3"});
+  expect_config_error(parse("[moe]\nscore_func = \"relu\"\n"),
+                      {"configs/x.toml:2", "moe.score_func", "softmax, sigmoid", "\"relu\""});
+  expect_config_error(parse("[model]\ndim = \"abc\"\n"), {"configs/x.toml:2", "model.dim", "integer", "string"});
+  expect_config_error(parse("[model]\ndim = 1.5\n"), {"model.dim", "integer", "1.5"});
+  expect_config_error(parse("[model]\ntie_embeddings = 1\n"), {"model.tie_embeddings", "true or false"});
+  expect_config_error(parse("[data]\ndir = 3\n"), {"data.dir", "string"});
+  expect_config_error(parse("[model]\ndim = [1, 2]\n"), {"model.dim", "array"});
+  expect_config_error(parse("[model]\ndim = 128\n\n[modle]\ndim = 3\n"),
+                      {"configs/x.toml:4", "unknown section [modle]", "known sections", "checkpoint"});
+  expect_config_error(parse("dim = 3\n"), {"configs/x.toml:1", "'dim'", "outside any section"});
+  expect_config_error(parse("model = 3\n"), {"configs/x.toml:1", "'model'", "section"});
+  expect_config_error(parse("[model]\ndim = = 3\n"), {"configs/x.toml:2", "TOML syntax error"});
+  expect_config_error(parse("[model.moe]\nn_experts = 3\n"), {"unknown key 'model.moe'"});
+  // Several problems: the first in the file is reported.
+  expect_config_error(parse("[training]\nsteps = \"x\"\n[data]\nbogus = 1\n"), {"configs/x.toml:2", "training.steps"});
+}
+
+TEST(Config, MissingFileIsAConfigError) {
+  expect_config_error([] { load_config("/nonexistent/run.toml"); }, {"/nonexistent/run.toml", "does not exist"});
+  expect_config_error([] { load_config("/tmp"); }, {"/tmp", "directory"});
+}
+
+TEST(Config, OverrideErrorsNameKey) {
+  expect_override_error("model.dimm=3", {"unknown key 'model.dimm'", "known keys in [model]"});
+  expect_override_error("modle.dim=3", {"unknown section [modle]"});
+  expect_override_error("model.dim", {"model.dim", "section.key=value"});
+  expect_override_error("dim=3", {"dim=3", "section.key=value"});
+  expect_override_error("model.dim=abc", {"model.dim", "integer", "abc"});
+  expect_override_error("moe.top_k=0.5", {"moe.top_k", "integer"});
+  expect_override_error("model.tie_embeddings=yes", {"model.tie_embeddings", "true or false"});
+  expect_override_error("training.seed=-1", {"training.seed", "non-negative"});
+}
+
+TEST(Config, ValidationRulesNameTheirKeys) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"model.vocab_size=-1", {"model.vocab_size"}},
+      {"model.vocab_size=100", {"model.vocab_size", "257"}},
+      {"model.dim=0", {"model.dim", "positive"}},
+      {"model.n_layers=0", {"model.n_layers"}},
+      {"model.n_heads=-2", {"model.n_heads"}},
+      {"model.n_kv_heads=0", {"model.n_kv_heads"}},
+      {"model.seq_len=0", {"model.seq_len"}},
+      {"model.dim=130", {"model.dim", "model.n_heads", "divisible"}},
+      {"model.dim=12", {"head dimension", "even"}},  // 12 / 4 = 3
+      {"model.n_kv_heads=3", {"model.n_heads", "model.n_kv_heads", "multiple"}},
+      {"model.first_dense_layers=5", {"model.first_dense_layers", "model.n_layers"}},
+      {"model.first_dense_layers=-1", {"model.first_dense_layers"}},
+      {"model.dense_hidden=0", {"model.dense_hidden"}},
+      {"model.rope_theta=0", {"model.rope_theta"}},
+      {"model.norm_eps=-1e-5", {"model.norm_eps"}},
+      {"model.init_std=nan", {"model.init_std"}},
+      {"moe.n_experts=0", {"moe.n_experts"}},
+      {"moe.top_k=0", {"moe.top_k", "moe.n_experts"}},
+      {"moe.top_k=9", {"moe.top_k", "between 1 and moe.n_experts (8)"}},
+      {"moe.expert_hidden=0", {"moe.expert_hidden"}},
+      {"moe.n_shared_experts=-1", {"moe.n_shared_experts"}},
+      {"moe.temperature=0", {"moe.temperature", "> 0"}},
+      {"moe.temperature=inf", {"moe.temperature"}},
+      {"moe.capacity_factor=-0.5", {"moe.capacity_factor", ">= 0"}},
+      {"moe.aux_loss_coef=-1", {"moe.aux_loss_coef"}},
+      {"moe.z_loss_coef=-1", {"moe.z_loss_coef"}},
+      {"moe.bias_update_rate=-1", {"moe.bias_update_rate"}},
+      {"training.steps=0", {"training.steps"}},
+      {"training.micro_batch=0", {"training.micro_batch"}},
+      {"training.global_batch_tokens=8000",
+       {"training.global_batch_tokens", "training.micro_batch", "model.seq_len", "2048", "6144, 8192"}},
+      {"training.global_batch_tokens=1000", {"training.global_batch_tokens", "nearest valid: 2048"}},
+      {"training.global_batch_tokens=0", {"training.global_batch_tokens"}},
+      {"training.threads=-1", {"training.threads"}},
+      {"training.device=tpu", {"training.device", "auto, cpu, cuda", "\"tpu\""}},
+      {"training.grad_clip=-1", {"training.grad_clip"}},
+      {"training.expert_grad_clip=-1", {"training.expert_grad_clip"}},
+      {"training.val_interval=-1", {"training.val_interval"}},
+      {"training.val_batches=0", {"training.val_batches"}},
+      {"optimizer.beta1=1.0", {"optimizer.beta1", "[0, 1)"}},
+      {"optimizer.beta2=-0.1", {"optimizer.beta2"}},
+      {"optimizer.eps=0", {"optimizer.eps"}},
+      {"optimizer.weight_decay=-0.1", {"optimizer.weight_decay"}},
+      {"lr.peak=0", {"lr.peak"}},
+      {"lr.warmup_steps=-1", {"lr.warmup_steps"}},
+      {"lr.min_ratio=1.5", {"lr.min_ratio", "[0, 1]"}},
+      {"data.dir=", {"data.dir"}},
+      {"data.tokenizer=bpe", {"data.tokenizer", "byte"}},
+      {"data.val_fraction=0", {"data.val_fraction", "(0, 1)"}},
+      {"data.val_fraction=1", {"data.val_fraction"}},
+      {"data.max_bytes=-1", {"data.max_bytes"}},
+      {"metrics.log_interval=0", {"metrics.log_interval"}},
+      {"checkpoint.interval=-1", {"checkpoint.interval"}},
+      {"checkpoint.keep_last=0", {"checkpoint.keep_last"}},
+  };
+  for (const auto& [override_text, fragments] : cases) expect_override_error(override_text, fragments);
+}
+
+TEST(Config, ValidationBlamesWhereTheValueCameFrom) {
+  // Set in the file: the file's line. Broken by an override: the command line.
+  expect_config_error([] { parse_config("[moe]\n\ntop_k = 9\n", "run.toml"); }, {"run.toml:3:9: moe.top_k"});
+  expect_config_error([] { parse_config("[model]\ndim = 128\n", "run.toml", {"model.n_heads=5"}); },
+                      {"command line: model.dim (128) must be divisible by model.n_heads (5)"});
+  // validate_config on its own has no source, only the key.
+  RunConfig c;
+  c.model.moe.top_k = 0;
+  expect_config_error([&] { validate_config(c); }, {"moe.top_k"});
+}
+
+// Each change touches one field through the struct, not through config.cpp's key list,
+// so a field that config_to_toml forgets to write or parse_config to read fails here.
+TEST(Config, EveryFieldRoundTrips) {
+  const std::vector<std::function<void(RunConfig&)>> changes = {
+      [](RunConfig& c) { c.model.vocab_size = 300; }, [](RunConfig& c) { c.model.dim = 256; },
+      [](RunConfig& c) { c.model.n_layers = 2; }, [](RunConfig& c) { c.model.n_heads = 8; },
+      [](RunConfig& c) { c.model.n_kv_heads = 4; }, [](RunConfig& c) { c.model.seq_len = 64; },
+      [](RunConfig& c) { c.model.first_dense_layers = 1; }, [](RunConfig& c) { c.model.dense_hidden = 100; },
+      [](RunConfig& c) { c.model.rope_theta = 5e5; }, [](RunConfig& c) { c.model.norm_eps = 1e-6; },
+      [](RunConfig& c) { c.model.tie_embeddings = true; }, [](RunConfig& c) { c.model.init_std = 0.1 + 0.2; },
+      [](RunConfig& c) { c.model.moe.n_experts = 16; }, [](RunConfig& c) { c.model.moe.top_k = 1; },
+      [](RunConfig& c) { c.model.moe.expert_hidden = 96; }, [](RunConfig& c) { c.model.moe.n_shared_experts = 1; },
+      [](RunConfig& c) { c.model.moe.score_func = ScoreFunc::Sigmoid; },
+      [](RunConfig& c) { c.model.moe.temperature = 0.7; }, [](RunConfig& c) { c.model.moe.renormalize = false; },
+      [](RunConfig& c) { c.model.moe.capacity_factor = 1.25; },
+      [](RunConfig& c) { c.model.moe.aux_loss_coef = 0; }, [](RunConfig& c) { c.model.moe.z_loss_coef = 1e-4; },
+      [](RunConfig& c) { c.model.moe.bias_balancing = true; },
+      [](RunConfig& c) { c.model.moe.bias_update_rate = 1.0 / 3; }, [](RunConfig& c) { c.training.steps = 5; },
+      [](RunConfig& c) { c.training.global_batch_tokens = 2048; }, [](RunConfig& c) { c.training.micro_batch = 4; },
+      [](RunConfig& c) { c.training.seed = 9223372036854775807ull; }, [](RunConfig& c) { c.training.threads = 2; },
+      [](RunConfig& c) { c.training.device = "cpu"; }, [](RunConfig& c) { c.training.grad_clip = 0; },
+      [](RunConfig& c) { c.training.expert_grad_clip = 0.5; }, [](RunConfig& c) { c.training.val_interval = 0; },
+      [](RunConfig& c) { c.training.val_batches = 2; }, [](RunConfig& c) { c.optimizer.beta1 = 0.8; },
+      [](RunConfig& c) { c.optimizer.beta2 = 0.999; }, [](RunConfig& c) { c.optimizer.eps = 1e-10; },
+      [](RunConfig& c) { c.optimizer.weight_decay = 0; }, [](RunConfig& c) { c.lr.peak = 1e-4; },
+      [](RunConfig& c) { c.lr.warmup_steps = 0; }, [](RunConfig& c) { c.lr.min_ratio = 1; },
+      [](RunConfig& c) { c.data.dir = "/a \"quoted\" \\ dir\twith\ttabs"; },
+      [](RunConfig& c) { c.data.extension = ""; }, [](RunConfig& c) { c.data.val_fraction = 0.5; },
+      [](RunConfig& c) { c.data.max_bytes = 1 << 20; }, [](RunConfig& c) { c.metrics.log_interval = 1; },
+      [](RunConfig& c) { c.metrics.dir = "runs/a"; }, [](RunConfig& c) { c.checkpoint.dir = "ckpt"; },
+      [](RunConfig& c) { c.checkpoint.interval = 100; }, [](RunConfig& c) { c.checkpoint.keep_last = 1; },
+  };
+  const std::string default_text = config_to_toml(RunConfig{});
+  for (size_t i = 0; i < changes.size(); ++i) {
+    SCOPED_TRACE("change " + std::to_string(i));
+    RunConfig changed;
+    changes[i](changed);
+    ASSERT_NO_THROW(validate_config(changed));
+    std::string text = config_to_toml(changed);
+    EXPECT_NE(text, default_text) << "the changed field is not written";
+    RunConfig parsed = parse_config(text, "written");
+    EXPECT_EQ(config_to_toml(parsed), text) << "the changed field does not read back";
+  }
+  RunConfig all;
+  for (const auto& change : changes) change(all);
+  ASSERT_NO_THROW(validate_config(all));
+  RunConfig parsed = parse_config(config_to_toml(all), "written");
+  EXPECT_EQ(parsed.data.dir, all.data.dir);
+  EXPECT_EQ(parsed.model.init_std, all.model.init_std);  // bit-exact double
+  EXPECT_EQ(parsed.training.seed, all.training.seed);
+  EXPECT_EQ(config_to_toml(parsed), config_to_toml(all));
+  // A tripwire: a new field must be added to config.cpp's key list, docs/CONFIG.md and
+  // the list above before these sizes are updated.
+  EXPECT_EQ(sizeof(ModelConfig), 192u);
+  EXPECT_EQ(sizeof(TrainingConfig), 104u);
+  EXPECT_EQ(sizeof(OptimizerConfig), 32u);
+  EXPECT_EQ(sizeof(LrConfig), 24u);
+  EXPECT_EQ(sizeof(DataConfig), 112u);
+  EXPECT_EQ(sizeof(MetricsConfig), 40u);
+  EXPECT_EQ(sizeof(CheckpointConfig), 48u);
+}
+
+TEST(Config, DocsDescribeEveryKey) {
+  std::string doc = read_text(source_dir() / "docs/CONFIG.md");
+  std::vector<std::string> keys = written_keys(RunConfig{});
+  ASSERT_GT(keys.size(), 40u);
+  for (const auto& key : keys) EXPECT_NE(doc.find("| `" + key + "` |"), std::string::npos) << key << " not in docs/CONFIG.md";
+  // And the docs describe no key that does not exist.
+  std::set<std::string> known(keys.begin(), keys.end());
+  std::regex row(R"(\n\| `([a-z_]+\.[a-z_0-9]+)` \|)");
+  int rows = 0;
+  for (auto it = std::sregex_iterator(doc.begin(), doc.end(), row); it != std::sregex_iterator(); ++it, ++rows)
+    EXPECT_TRUE(known.count((*it)[1].str())) << (*it)[1].str() << " is documented but not a key";
+  EXPECT_EQ(rows, static_cast<int>(keys.size()));
+}
+
+}  // namespace
+}  // namespace moe
