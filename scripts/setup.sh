@@ -20,3 +20,15 @@ if ((${#missing[@]})); then
   $SUDO apt-get update -q || echo "setup: apt-get update failed; trying with the cached package lists"
   $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+
+# Python test oracles (tokenizers, safetensors, tensorboard, numpy) from PyPI into an
+# ignored virtual environment; the C++ build never needs them. Reinstalled only when
+# scripts/requirements-test.txt changes.
+venv=.deps/venv
+stamp=$venv/.requirements-installed
+if [[ ! -f $stamp ]] || ! cmp -s scripts/requirements-test.txt "$stamp"; then
+  echo "setup: installing the Python test oracles into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check -r scripts/requirements-test.txt
+  cp scripts/requirements-test.txt "$stamp"
+fi
