@@ -6,20 +6,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/error_base.h"
+
 namespace moe {
-
-// A runtime failure: the message says what went wrong and where.
-class Error : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// Bad user input (config key, command-line value, missing file named in a config).
-class ConfigError : public Error {
- public:
-  using Error::Error;
-};
-
 namespace detail {
 [[noreturn]] inline void throw_error(const char* file, int line, const std::string& message) {
   // Keep only the path below src/ so messages stay short.

@@ -1,0 +1,97 @@
+// RMSNorm on the GPU, forward fused with the residual add before it. One block per
+// row in the forward; the backward gives each block a fixed run of rows so the weight
+// gradient is summed in a fixed order (deterministic, no atomics).
+#include "core/gpu.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kRowsPerBlock = 32;
+
+__global__ void rmsnorm_forward_kernel(__nv_bfloat16* y, float* rstd, __nv_bfloat16* residual_out,
+                                       const __nv_bfloat16* x, const __nv_bfloat16* branch,
+                                       const __nv_bfloat16* w, int64_t D, float eps) {
+  const int64_t row = blockIdx.x;
+  const __nv_bfloat16* x_row = x + row * D;
+  float sum_sq = 0.0f;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = to_float(x_row[i]);
+    if (branch) {
+      // The residual stream is stored in bf16: normalise the rounded sum, which is what
+      // the backward pass will read back.
+      const __nv_bfloat16 sum = to_bf16(v + to_float(branch[row * D + i]));
+      residual_out[row * D + i] = sum;
+      v = to_float(sum);
+    }
+    sum_sq += v * v;
+  }
+  const float r = rsqrtf(block_sum(sum_sq) / static_cast<float>(D) + eps);
+  if (threadIdx.x == 0) rstd[row] = r;
+  const __nv_bfloat16* source = branch ? residual_out + row * D : x_row;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+    y[row * D + i] = to_bf16(to_float(source[i]) * r * to_float(w[i]));
+}
+
+__global__ void rmsnorm_backward_kernel(__nv_bfloat16* dx, float* dw_partial, const __nv_bfloat16* dy,
+                                        const __nv_bfloat16* dresidual, const __nv_bfloat16* x,
+                                        const __nv_bfloat16* w, const float* rstd, int64_t T, int64_t D) {
+  const int64_t first = blockIdx.x * kRowsPerBlock;
+  const int64_t last = min(T, first + kRowsPerBlock);
+  float* partial = dw_partial + blockIdx.x * D;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) partial[i] = 0.0f;
+  for (int64_t row = first; row < last; ++row) {
+    const float r = rstd[row];
+    float dot = 0.0f;  // sum_i dy_i * w_i * x_i
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+      dot += to_float(dy[row * D + i]) * to_float(w[i]) * to_float(x[row * D + i]);
+    dot = block_sum(dot) / static_cast<float>(D);
+    for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+      const float xi = to_float(x[row * D + i]), dyi = to_float(dy[row * D + i]);
+      float g = r * (to_float(w[i]) * dyi - xi * r * r * dot);
+      if (dresidual) g += to_float(dresidual[row * D + i]);
+      dx[row * D + i] = to_bf16(g);
+      partial[i] += dyi * xi * r;  // each thread owns its columns: no race
+    }
+  }
+}
+
+__global__ void sum_partials_kernel(float* dw, const float* partial, int64_t blocks, int64_t D) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= D) return;
+  float sum = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) sum += partial[b * D + i];
+  dw[i] += sum;
+}
+
+}  // namespace
+
+int64_t rmsnorm_backward_partial_rows(int64_t T) { return ceil_div(T, kRowsPerBlock); }
+
+void rmsnorm_forward(bf16* y_TD, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
+                     const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps,
+                     Stream stream) {
+  MOE_CHECKF(!branch_TD || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
+  if (T == 0) return;
+  rmsnorm_forward_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(
+      as_cuda(y_TD), rstd_T, as_cuda(residual_out_TD), as_cuda(x_TD), as_cuda(branch_TD), as_cuda(w_D), D, eps);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void rmsnorm_backward(bf16* dx_TD, float* dw_D, const bf16* dy_TD, const bf16* dresidual_TD,
+                      const bf16* x_TD, const bf16* w_D, const float* rstd_T, int64_t T, int64_t D,
+                      float* dw_partial, Stream stream) {
+  if (T == 0) return;
+  const int64_t blocks = rmsnorm_backward_partial_rows(T);
+  rmsnorm_backward_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      as_cuda(dx_TD), dw_partial, as_cuda(dy_TD), as_cuda(dresidual_TD), as_cuda(x_TD), as_cuda(w_D),
+      rstd_T, T, D);
+  MOE_CUDA_CHECK_LAUNCH();
+  sum_partials_kernel<<<static_cast<unsigned>(ceil_div(D, kThreads)), kThreads, 0, stream>>>(
+      dw_D, dw_partial, blocks, D);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moe::cuda

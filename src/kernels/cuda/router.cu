@@ -1,0 +1,89 @@
+// Router on the GPU: one warp per token computes the temperature softmax (or sigmoid)
+// in fp32, then picks the top-K of score + bias by K rounds of warp arg-max. Ties go to
+// the lower expert index and NaN keys rank last, as in the CPU reference.
+#include <climits>
+
+#include "core/gpu.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+
+__global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight, const float* logits,
+                                   const float* bias, int64_t T, int64_t E, int64_t K,
+                                   float inv_temperature, bool sigmoid, bool renormalize) {
+  extern __shared__ float keys_shared[];  // kWarpsPerBlock x E selection keys
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
+  if (t >= T) return;
+  float* keys = keys_shared + warp * E;
+  const float* z = logits + t * E;
+  float* s = scores + t * E;
+  if (sigmoid) {
+    for (int64_t e = lane; e < E; e += 32) s[e] = 1.0f / (1.0f + expf(-z[e] * inv_temperature));
+  } else {
+    float local_max = -INFINITY;
+    for (int64_t e = lane; e < E; e += 32) local_max = fmaxf(local_max, z[e] * inv_temperature);
+    const float row_max = warp_max(local_max);
+    float local_sum = 0.0f;
+    for (int64_t e = lane; e < E; e += 32) local_sum += expf(z[e] * inv_temperature - row_max);
+    const float inv_sum = 1.0f / warp_sum(local_sum);
+    for (int64_t e = lane; e < E; e += 32) s[e] = expf(z[e] * inv_temperature - row_max) * inv_sum;
+  }
+  for (int64_t e = lane; e < E; e += 32) {
+    const float key = s[e] + (bias ? bias[e] : 0.0f);
+    keys[e] = isnan(key) ? -INFINITY : key;
+  }
+  __syncwarp();
+  float chosen_sum = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    float best = -INFINITY;
+    int best_index = INT_MAX;
+    for (int64_t e = lane; e < E; e += 32) {
+      const float key = keys[e];  // NaN marks an expert already taken
+      if (!isnan(key) && (key > best || (key == best && e < best_index))) {
+        best = key;
+        best_index = static_cast<int>(e);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+      const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
+      if (other > best || (other == best && other_index < best_index)) {
+        best = other;
+        best_index = other_index;
+      }
+    }
+    if (lane == 0) {
+      expert[t * K + k] = best_index;
+      weight[t * K + k] = s[best_index];
+      keys[best_index] = NAN;
+    }
+    chosen_sum += s[best_index];
+    __syncwarp();
+  }
+  if (renormalize && lane == 0)
+    for (int64_t k = 0; k < K; ++k) weight[t * K + k] /= chosen_sum + 1e-20f;
+}
+
+}  // namespace
+
+void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
+                 const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
+                 ScoreFunc score_func, bool renormalize, Stream stream) {
+  MOE_CHECKF(E >= 1 && E <= 1024 && K >= 1 && K <= E, "router_topk: E=%lld K=%lld unsupported",
+             static_cast<long long>(E), static_cast<long long>(K));
+  if (T == 0) return;
+  const size_t shared_bytes = static_cast<size_t>(kWarpsPerBlock * E) * sizeof(float);
+  router_topk_kernel<<<static_cast<unsigned>(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * 32,
+                       shared_bytes, stream>>>(scores_TE, expert_TK, weight_TK, logits_TE, bias_E, T, E,
+                                               K, 1.0f / temperature, score_func == ScoreFunc::Sigmoid,
+                                               renormalize);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moe::cuda

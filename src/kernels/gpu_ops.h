@@ -1,0 +1,124 @@
+// GPU versions of the ops (bf16 storage, fp32 math and statistics). Each is tested
+// against the CPU op of the same name in kernels/<op>.h. Declared here without CUDA
+// headers so host code can call them; `stream` is a cudaStream_t (nullptr: default).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "core/bf16.h"
+#include "model/config.h"
+
+struct CUstream_st;
+
+namespace moe::cuda {
+
+using Stream = CUstream_st*;
+
+// RMSNorm, optionally fused with the residual add before it:
+// residual_out = x + branch (when branch is not null; else residual_out may be null and x is used),
+// y = residual_out * rstd * w, rstd = 1/sqrt(mean(residual_out^2) + eps).
+void rmsnorm_forward(bf16* y_TD, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
+                     const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps,
+                     Stream stream);
+// dx = d rmsnorm/dx . dy (+ dresidual_TD when not null: the gradient arriving through
+// the residual path); dw_D += sum over tokens (fp32, deterministic: per-block partials
+// in `dw_partial_BD` of ceil(T / rows_per_block) x D floats, then summed in order).
+void rmsnorm_backward(bf16* dx_TD, float* dw_D, const bf16* dy_TD, const bf16* dresidual_TD,
+                      const bf16* x_TD, const bf16* w_D, const float* rstd_T, int64_t T, int64_t D,
+                      float* dw_partial, Stream stream);
+// Rows of tokens each block of rmsnorm_backward handles (sizes dw_partial).
+int64_t rmsnorm_backward_partial_rows(int64_t T);
+
+// act = silu(gate) * up; gate_up_TF2 holds [gate | up] per row (F each).
+void swiglu_forward(bf16* act_TF, const bf16* gate_up_TF2, int64_t T, int64_t F, Stream stream);
+void swiglu_backward(bf16* dgate_up_TF2, const bf16* dact_TF, const bf16* gate_up_TF2, int64_t T,
+                     int64_t F, Stream stream);
+
+// RoPE in place on [T, N, d] (rotate_half layout), positions_T per token.
+void rope_forward(bf16* x_TNd, const int32_t* positions_T, int64_t T, int64_t N, int64_t d,
+                  float theta, Stream stream);
+void rope_backward(bf16* dx_TNd, const int32_t* positions_T, int64_t T, int64_t N, int64_t d,
+                   float theta, Stream stream);
+
+// Cross-entropy over bf16 logits without an fp32 copy of them: per row, online
+// max/sum-exp in fp32. loss_T gets each row's loss (0 for ignored targets), lse_T its
+// log-sum-exp. The mean is taken on the host or by a follow-up reduction.
+void cross_entropy_forward(float* loss_T, float* lse_T, const bf16* logits_TV,
+                           const int32_t* targets_T, int64_t T, int64_t V, Stream stream);
+// dlogits = scale * (softmax - onehot), written over the logits when they alias;
+// rows with target -1 get zeros. scale = dloss / n_valid.
+void cross_entropy_backward(bf16* dlogits_TV, const bf16* logits_TV, const float* lse_T,
+                            const int32_t* targets_T, int64_t T, int64_t V, float scale,
+                            Stream stream);
+
+// Router: scores = softmax or sigmoid(logits / temperature) (fp32), then top-K of
+// scores + bias (bias nullable), weights from the unbiased scores, optionally
+// renormalised. Ties go to the lower expert index, as on the CPU. E <= 1024.
+void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
+                 const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
+                 ScoreFunc score_func, bool renormalize, Stream stream);
+
+// One AdamW step over a flat fp32 parameter block, writing the bf16 copy used by the
+// forward pass. beta1/beta2 are the config's doubles (the bias corrections use them as
+// the CPU AdamW does). decay_factor = 1 - lr * weight_decay (1 for no decay); grad_scale
+// multiplies the gradient first (global clipping folded in).
+void adamw_step(float* param, bf16* param_bf16, const float* grad, float* m, float* v,
+                int64_t count, double lr, double beta1, double beta2, float eps, float decay_factor,
+                float grad_scale, int64_t step, Stream stream);
+
+}  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// Capacity and row layout on the device, the same semantics as moe::assign_rows:
+// walking (t, k) in order, an assignment is kept iff its expert has fewer than
+// `capacity` rows. Writes row_TK (-1 = dropped), counts_E, offsets_E1 (E + 1; the kept
+// row count R is offsets_E1[E], left on the device), token_of_row_R (T*K capacity) and
+// adds the assignments before dropping to load_E when not null. rank_scratch_TK: T*K ints.
+void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
+                 int64_t* load_E, int32_t* rank_scratch_TK, const int32_t* expert_TK, int64_t T, int64_t E,
+                 int64_t K, int64_t capacity, Stream stream);
+// x_RD[r] = x_TD[token_of_row_R[r]] for r < offsets_E1[E]; launched for max_rows rows so
+// the host never needs R.
+void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R, const int32_t* offsets_E1,
+                     int64_t max_rows, int64_t E, int64_t D, Stream stream);
+void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
+                      bool accumulate, Stream stream);
+// out_TD[t] = sum over kept slots of weight * y_RD[row] (fp32 sum, bf16 out).
+void combine_forward(bf16* out_TD, const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T,
+                     int64_t K, int64_t D, Stream stream);
+void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const bf16* y_RD, const float* weight_TK,
+                      const int32_t* row_TK, int64_t T, int64_t K, int64_t D, Stream stream);
+
+// Embedding: out_TD = table_VD[ids_T] (bf16). Backward into an fp32 table gradient,
+// deterministic: the tokens are sorted by id (stable), and each id's rows are summed in
+// token order. scratch from embedding_backward_scratch_bytes.
+void embedding_forward(bf16* out_TD, const int32_t* ids_T, const bf16* table_VD, int64_t T, int64_t V, int64_t D,
+                       Stream stream);
+size_t embedding_backward_scratch_bytes(int64_t T);
+void embedding_backward(float* dtable_VD, const int32_t* ids_T, const bf16* dout_TD, int64_t T, int64_t V,
+                        int64_t D, void* scratch, size_t scratch_bytes, Stream stream);
+
+}  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// cuBLASLt for the dense matmuls: one handle, one workspace, algorithms cached per shape.
+class Blas {
+ public:
+  explicit Blas(size_t workspace_bytes = size_t{32} << 20);
+  ~Blas();
+  Blas(const Blas&) = delete;
+  Blas& operator=(const Blas&) = delete;
+  // Row-major C[M,N] = alpha * op(A)[M,K] op(B)[K,N] + beta * C with bf16 A and B and
+  // fp32 accumulation; C is fp32 when c_is_fp32 (weight gradients), else bf16.
+  // op(A) = A ([M,K], lda) or A^T (A stored [K,M]); likewise B.
+  void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
+            const bf16* B, int64_t ldb, float beta, void* C, bool c_is_fp32, int64_t ldc, Stream stream);
+
+ private:
+  struct State;
+  State* state_;
+};
+
+}  // namespace moe::cuda

@@ -1,0 +1,90 @@
+// Helpers for GPU-vs-CPU kernel tests: bf16-rounded random inputs (so the CPU op sees
+// exactly what the GPU sees), device round trips, poisoned outputs and a tolerance
+// check in which NaN never passes.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/gpu.h"
+#include "core/rng.h"
+
+namespace moe::test {
+
+#define MOE_REQUIRE_GPU()                                              \
+  do {                                                                 \
+    if (::moe::gpu::device_count() == 0) GTEST_SKIP() << "no GPU";     \
+  } while (0)
+
+// Normal(0, scale) values rounded to bf16 and back.
+inline std::vector<float> random_bf16_floats(size_t n, uint64_t seed, const std::string& name,
+                                             double scale = 1.0) {
+  CounterRng rng(seed, name);
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = bf16_to_float(float_to_bf16(static_cast<float>(scale * rng.normal(i))));
+  return v;
+}
+
+inline std::vector<bf16> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
+  return out;
+}
+
+inline std::vector<float> to_float(const std::vector<bf16>& v) {
+  std::vector<float> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = bf16_to_float(v[i]);
+  return out;
+}
+
+template <typename T>
+gpu::DeviceArray<T> to_device(const std::vector<T>& host) {
+  gpu::DeviceArray<T> d(host.size());
+  d.upload(host.data(), host.size());
+  return d;
+}
+
+inline gpu::DeviceArray<bf16> to_device_bf16(const std::vector<float>& host) { return to_device(to_bf16(host)); }
+
+// A device array filled with NaN bytes: a kernel that forgets an element fails the check.
+template <typename T>
+gpu::DeviceArray<T> poisoned(size_t n) {
+  gpu::DeviceArray<T> d(n);
+  d.fill_bytes(0xff);
+  return d;
+}
+
+template <typename T>
+std::vector<T> to_host(const gpu::DeviceArray<T>& d) {
+  std::vector<T> host(d.size());
+  d.download(host.data(), host.size());
+  return host;
+}
+
+inline std::vector<float> to_host_float(const gpu::DeviceArray<bf16>& d) { return to_float(to_host(d)); }
+
+// Every element within atol + rtol * |want|; NaN or Inf in `got` always fails.
+inline void expect_close(const std::string& what, const std::vector<float>& got,
+                         const std::vector<float>& want, double rtol, double atol) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0, worst_index = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    const double allowed = atol + rtol * std::abs(static_cast<double>(want[i]));
+    const bool ok = std::isfinite(got[i]) && err <= allowed;
+    if (!ok) ++bad;
+    const double ratio = std::isfinite(got[i]) ? err / allowed : INFINITY;
+    if (ratio > worst) {
+      worst = ratio;
+      worst_index = i;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements out of tolerance; worst at "
+                     << worst_index << ": got " << got[worst_index] << " want " << want[worst_index];
+}
+
+}  // namespace moe::test

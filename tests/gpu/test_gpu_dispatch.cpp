@@ -1,0 +1,174 @@
+// GPU dispatch (capacity, permute, combine), embedding and cuBLASLt GEMM against the
+// CPU ops, including dropped tokens, experts with no tokens and ragged sizes.
+#include <gtest/gtest.h>
+
+#include "gpu_test_util.h"
+#include "kernels/embedding.h"
+#include "kernels/gpu_ops.h"
+#include "kernels/matmul.h"
+#include "moe/dispatch.h"
+
+namespace moe {
+namespace {
+
+using test::expect_close;
+using test::poisoned;
+using test::random_bf16_floats;
+using test::to_device;
+using test::to_device_bf16;
+using test::to_host;
+using test::to_host_float;
+
+constexpr double kBf16Rtol = 1.0 / 128;
+
+struct DispatchCase {
+  int64_t T, E, K, D;
+  double capacity_factor;
+};
+
+class GpuDispatch : public ::testing::TestWithParam<DispatchCase> {};
+
+TEST_P(GpuDispatch, LayoutPermuteCombineMatchCpu) {
+  MOE_REQUIRE_GPU();
+  const auto [T, E, K, D, cf] = GetParam();
+  // Routing skewed towards low experts, and the last expert never chosen.
+  std::vector<int32_t> expert(T * K);
+  CounterRng rng(1, "routing");
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> chosen;
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t e;
+      uint64_t draw = static_cast<uint64_t>(t * K + k) * 16;
+      do {
+        // A quarter of the draws spread over experts 0..E-2, the rest over the lower half.
+        const uint32_t r = rng.bits(draw++)[0];
+        const int64_t lower_half = std::max<int64_t>(1, (E - 1) / 2);
+        e = static_cast<int32_t>(r % 4 == 0 ? r % (E - 1) : (r >> 8) % lower_half);
+      } while (std::find(chosen.begin(), chosen.end(), e) != chosen.end());
+      chosen.push_back(e);
+      expert[t * K + k] = e;
+    }
+  }
+  const int64_t capacity = expert_capacity(cf, T, K, E);
+  std::vector<int32_t> row_ref(T * K), counts_ref(E), offsets_ref(E + 1), token_ref(T * K);
+  const int64_t R = assign_rows(row_ref.data(), counts_ref.data(), offsets_ref.data(), token_ref.data(),
+                                expert.data(), T, E, K, capacity);
+  if (cf > 0 && T > 1) EXPECT_LT(R, T * K) << "the case should drop tokens";
+  EXPECT_EQ(counts_ref[E - 1], 0) << "the case should leave an expert empty";
+
+  auto expert_d = to_device(expert);
+  auto row_d = poisoned<int32_t>(T * K), counts_d = poisoned<int32_t>(E), offsets_d = poisoned<int32_t>(E + 1);
+  auto token_d = poisoned<int32_t>(T * K), scratch_d = poisoned<int32_t>(T * K);
+  auto load_d = to_device(std::vector<int64_t>(E, 5));
+  cuda::assign_rows(row_d.data(), counts_d.data(), offsets_d.data(), token_d.data(), load_d.data(), scratch_d.data(),
+                    expert_d.data(), T, E, K, capacity, nullptr);
+  EXPECT_EQ(to_host(row_d), row_ref);
+  EXPECT_EQ(to_host(counts_d), counts_ref);
+  EXPECT_EQ(to_host(offsets_d), offsets_ref);
+  auto token = to_host(token_d);
+  EXPECT_TRUE(std::equal(token.begin(), token.begin() + R, token_ref.begin()));
+  auto load = to_host(load_d);
+  for (int64_t e = 0; e < E; ++e)
+    EXPECT_EQ(load[e], 5 + std::count(expert.begin(), expert.end(), static_cast<int32_t>(e)));
+
+  // Permute, combine and their backward on the layout.
+  auto x = random_bf16_floats(T * D, 2, "x");
+  auto y = random_bf16_floats(T * K * D, 3, "y");
+  auto weight = random_bf16_floats(T * K, 4, "w");
+  auto dout = random_bf16_floats(T * D, 5, "dout");
+  std::vector<float> x_rows_ref(R * D), out_ref(T * D), dy_ref(R * D), dweight_ref(T * K), dx_ref(T * D);
+  permute_forward<float>(x_rows_ref.data(), x.data(), token_ref.data(), R, D);
+  combine_forward<float>(out_ref.data(), y.data(), weight.data(), row_ref.data(), T, K, D);
+  combine_backward<float>(dy_ref.data(), dweight_ref.data(), dout.data(), y.data(), weight.data(), row_ref.data(), T,
+                          K, D);
+  permute_backward<float>(dx_ref.data(), y.data(), row_ref.data(), T, K, D, false);
+
+  auto x_d = to_device_bf16(x), y_d = to_device_bf16(y), dout_d = to_device_bf16(dout);
+  auto weight_d = to_device(weight);
+  auto x_rows_d = poisoned<bf16>(T * K * D);
+  cuda::permute_forward(x_rows_d.data(), x_d.data(), token_d.data(), offsets_d.data(), T * K, E, D, nullptr);
+  auto x_rows = to_host_float(x_rows_d);
+  x_rows.resize(R * D);
+  expect_close("permuted rows", x_rows, x_rows_ref, 0, 0);
+  auto out_d = poisoned<bf16>(T * D), dy_d = poisoned<bf16>(T * K * D), dx_d = poisoned<bf16>(T * D);
+  auto dweight_d = poisoned<float>(T * K);
+  cuda::combine_forward(out_d.data(), y_d.data(), weight_d.data(), row_d.data(), T, K, D, nullptr);
+  cuda::combine_backward(dy_d.data(), dweight_d.data(), dout_d.data(), y_d.data(), weight_d.data(), row_d.data(), T,
+                         K, D, nullptr);
+  cuda::permute_backward(dx_d.data(), y_d.data(), row_d.data(), T, K, D, false, nullptr);
+  expect_close("combine", to_host_float(out_d), out_ref, kBf16Rtol, 1e-2);
+  auto dy = to_host_float(dy_d);
+  dy.resize(R * D);
+  expect_close("combine backward dy", dy, dy_ref, kBf16Rtol, 1e-3);
+  expect_close("combine backward dweight", to_host(dweight_d), dweight_ref, 1e-4, 1e-3);
+  expect_close("permute backward", to_host_float(dx_d), dx_ref, kBf16Rtol, 1e-2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuDispatch,
+                         ::testing::Values(DispatchCase{7, 4, 2, 9, 0.0}, DispatchCase{300, 8, 2, 64, 0.75},
+                                           DispatchCase{4096, 64, 8, 128, 1.25}, DispatchCase{2049, 128, 2, 256, 0.0},
+                                           DispatchCase{1, 3, 1, 5, 1.0}));
+
+TEST(GpuEmbedding, ForwardAndDeterministicBackwardMatchCpu) {
+  MOE_REQUIRE_GPU();
+  for (auto [T, V, D] : {std::tuple<int64_t, int64_t, int64_t>{9, 5, 7}, {4096, 32000, 256}, {3000, 300, 64}}) {
+    auto table = random_bf16_floats(V * D, 1, "table");
+    auto dout = random_bf16_floats(T * D, 2, "dout");
+    std::vector<int32_t> ids(T);
+    CounterRng rng(3, "ids");
+    for (int64_t t = 0; t < T; ++t) ids[t] = static_cast<int32_t>(rng.bits(t)[0] % (t % 5 == 0 ? 3 : V));
+    std::vector<float> out_ref(T * D), dtable_ref(V * D, 0.5f);
+    embedding_forward<float>(out_ref.data(), ids.data(), table.data(), T, V, D);
+    embedding_backward<float>(dtable_ref.data(), ids.data(), dout.data(), T, V, D);
+    auto table_d = to_device_bf16(table), dout_d = to_device_bf16(dout);
+    auto ids_d = to_device(ids);
+    auto out_d = poisoned<bf16>(T * D);
+    cuda::embedding_forward(out_d.data(), ids_d.data(), table_d.data(), T, V, D, nullptr);
+    expect_close("embedding forward", to_host_float(out_d), out_ref, 0, 0);
+    gpu::DeviceArray<char> scratch(cuda::embedding_backward_scratch_bytes(T));
+    std::vector<float> first;
+    for (int repeat = 0; repeat < 2; ++repeat) {
+      auto dtable_d = to_device(std::vector<float>(V * D, 0.5f));
+      cuda::embedding_backward(dtable_d.data(), ids_d.data(), dout_d.data(), T, V, D, scratch.data(), scratch.size(),
+                               nullptr);
+      auto dtable = to_host(dtable_d);
+      expect_close("embedding backward", dtable, dtable_ref, 1e-5, 1e-5);
+      if (repeat == 0) first = dtable;
+      else EXPECT_TRUE(first == dtable) << "embedding backward is not deterministic";
+    }
+  }
+}
+
+TEST(GpuGemm, MatchesCpuForEveryTransposeAndOutputType) {
+  MOE_REQUIRE_GPU();
+  cuda::Blas blas;
+  for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {37, 65, 129}, {512, 1024, 256}, {4096, 96, 40}}) {
+    for (int trans = 0; trans < 4; ++trans) {
+      const bool ta = trans & 1, tb = trans & 2;
+      auto a = random_bf16_floats(M * K, 1, "a"), b = random_bf16_floats(K * N, 2, "b");
+      auto c0 = random_bf16_floats(M * N, 3, "c");
+      const int64_t lda = ta ? M : K, ldb = tb ? K : N;
+      for (bool fp32_out : {false, true}) {
+        std::vector<float> ref = c0;
+        gemm<float>(ta, tb, M, N, K, 1.5f, a.data(), lda, b.data(), ldb, fp32_out ? 1.0f : 0.0f, ref.data(), N);
+        auto a_d = to_device_bf16(a), b_d = to_device_bf16(b);
+        std::vector<float> got;
+        if (fp32_out) {
+          auto c_d = to_device(c0);
+          blas.gemm(ta, tb, M, N, K, 1.5f, a_d.data(), lda, b_d.data(), ldb, 1.0f, c_d.data(), true, N, nullptr);
+          got = to_host(c_d);
+        } else {
+          auto c_d = poisoned<bf16>(M * N);
+          blas.gemm(ta, tb, M, N, K, 1.5f, a_d.data(), lda, b_d.data(), ldb, 0.0f, c_d.data(), false, N, nullptr);
+          got = to_host_float(c_d);
+        }
+        expect_close("gemm M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                         " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " fp32=" + std::to_string(fp32_out),
+                     got, ref, fp32_out ? 1e-4 : kBf16Rtol, 1e-3 * std::sqrt(static_cast<double>(K)));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe
