@@ -32,3 +32,17 @@ if [[ ! -f $stamp ]] || ! cmp -s scripts/requirements-test.txt "$stamp"; then
   "$venv/bin/pip" install -q --disable-pip-version-check -r scripts/requirements-test.txt
   cp scripts/requirements-test.txt "$stamp"
 fi
+
+# Header-only CUDA libraries from PyPI (cudnn-frontend for flash attention), unpacked
+# into .deps/cuda-headers/include; only where nvcc is present. Pinned in
+# scripts/requirements-cuda.txt and reinstalled when that file changes.
+if command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  headers=.deps/cuda-headers
+  cuda_stamp=$headers/.requirements-installed
+  if [[ ! -f $cuda_stamp ]] || ! cmp -s scripts/requirements-cuda.txt "$cuda_stamp"; then
+    echo "setup: installing the CUDA header libraries into $headers"
+    rm -rf "$headers"
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --target "$headers" -r scripts/requirements-cuda.txt
+    cp scripts/requirements-cuda.txt "$cuda_stamp"
+  fi
+fi

@@ -122,3 +122,28 @@ class Blas {
 };
 
 }  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// Causal grouped-query attention through cuDNN's flash attention (SDPA). q_BSHd and
+// out_BSHd: [B, S, H, d]; k, v: [B, S, G, d]; stats_BHS: fp32 log-sum-exp per query
+// (saved for the backward). Graphs are built on first use of a shape and cached.
+class Attention {
+ public:
+  Attention();
+  ~Attention();
+  Attention(const Attention&) = delete;
+  Attention& operator=(const Attention&) = delete;
+  void forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
+               int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream);
+  // Overwrites dq, dk and dv.
+  void backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16* dout_BSHd, const bf16* q_BSHd,
+                const bf16* k_BSGd, const bf16* v_BSGd, const bf16* out_BSHd, const float* stats_BHS, int64_t B,
+                int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream);
+
+ private:
+  struct State;
+  State* state_;
+};
+
+}  // namespace moe::cuda

@@ -1,0 +1,162 @@
+// Causal grouped-query attention through cuDNN's fused SDPA (flash attention), forward
+// and backward, built with cudnn-frontend. Graphs are built once per shape and cached.
+// Tensors use our [B, S, heads, d] layout directly (cuDNN takes strides).
+#include <cudnn.h>
+#include <cudnn_frontend.h>
+
+#include <map>
+#include <memory>
+#include <tuple>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "core/gpu.h"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda {
+namespace fe = cudnn_frontend;
+
+namespace {
+
+#define MOE_CUDNN_CHECK(call)                                                           \
+  do {                                                                                  \
+    cudnnStatus_t moe_status_ = (call);                                                 \
+    MOE_CHECK(moe_status_ == CUDNN_STATUS_SUCCESS, "cuDNN: {}", cudnnGetErrorString(moe_status_)); \
+  } while (0)
+
+#define MOE_FE_CHECK(expr)                                                              \
+  do {                                                                                  \
+    auto moe_fe_status_ = (expr);                                                       \
+    MOE_CHECK(moe_fe_status_.is_good(), "cudnn-frontend: {}", moe_fe_status_.get_message()); \
+  } while (0)
+
+enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
+
+// [B, heads, S, d] dims over our [B, S, heads, d] memory.
+std::vector<int64_t> bhsd_dims(int64_t B, int64_t heads, int64_t S, int64_t d) { return {B, heads, S, d}; }
+std::vector<int64_t> bshd_strides(int64_t heads, int64_t S, int64_t d) { return {S * heads * d, d, heads * d, 1}; }
+
+using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, float>;
+
+}  // namespace
+
+struct Attention::State {
+  cudnnHandle_t handle = nullptr;
+  std::map<Shape, std::shared_ptr<fe::graph::Graph>> forward_graphs, backward_graphs;
+  gpu::DeviceArray<char> workspace;
+
+  void ensure_workspace(int64_t bytes) {
+    if (static_cast<size_t>(bytes) > workspace.size()) workspace = gpu::DeviceArray<char>(static_cast<size_t>(bytes));
+  }
+
+  std::shared_ptr<fe::graph::Graph> new_graph() {
+    auto graph = std::make_shared<fe::graph::Graph>();
+    graph->set_io_data_type(fe::DataType_t::BFLOAT16)
+        .set_intermediate_data_type(fe::DataType_t::FLOAT)
+        .set_compute_data_type(fe::DataType_t::FLOAT);
+    return graph;
+  }
+
+  std::shared_ptr<fe::graph::Tensor_attributes> bshd(fe::graph::Graph& graph, const char* name, Uid uid, int64_t B,
+                                                     int64_t heads, int64_t S, int64_t d) {
+    return graph.tensor(fe::graph::Tensor_attributes()
+                            .set_name(name)
+                            .set_uid(uid)
+                            .set_dim(bhsd_dims(B, heads, S, d))
+                            .set_stride(bshd_strides(heads, S, d)));
+  }
+
+  std::shared_ptr<fe::graph::Tensor_attributes> stats(fe::graph::Graph& graph, int64_t B, int64_t H, int64_t S) {
+    return graph.tensor(fe::graph::Tensor_attributes()
+                            .set_name("stats")
+                            .set_uid(kStats)
+                            .set_dim({B, H, S, 1})
+                            .set_stride({H * S, S, 1, 1})
+                            .set_data_type(fe::DataType_t::FLOAT));
+  }
+
+  void build(fe::graph::Graph& graph) {
+    MOE_FE_CHECK(graph.validate());
+    MOE_FE_CHECK(graph.build_operation_graph(handle));
+    MOE_FE_CHECK(graph.create_execution_plans({fe::HeurMode_t::A}));
+    MOE_FE_CHECK(graph.check_support(handle));
+    MOE_FE_CHECK(graph.build_plans(handle));
+    int64_t bytes = 0;
+    MOE_FE_CHECK(graph.get_workspace_size(bytes));
+    ensure_workspace(bytes);
+  }
+
+  fe::graph::Graph& forward_graph(const Shape& shape) {
+    auto found = forward_graphs.find(shape);
+    if (found != forward_graphs.end()) return *found->second;
+    const auto [B, S, H, G, d, scale] = shape;
+    auto graph = new_graph();
+    auto q = bshd(*graph, "q", kQ, B, H, S, d), k = bshd(*graph, "k", kK, B, G, S, d), v = bshd(*graph, "v", kV, B, G, S, d);
+    auto options = fe::graph::SDPA_attributes()
+                       .set_name("attention")
+                       .set_generate_stats(true)
+                       .set_causal_mask(true)
+                       .set_attn_scale(scale);
+    auto [o, lse] = graph->sdpa(q, k, v, options);
+    o->set_output(true).set_uid(kO).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(H, S, d));
+    lse->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim({B, H, S, 1}).set_stride(
+        {H * S, S, 1, 1});
+    build(*graph);
+    return *forward_graphs.emplace(shape, graph).first->second;
+  }
+
+  fe::graph::Graph& backward_graph(const Shape& shape) {
+    auto found = backward_graphs.find(shape);
+    if (found != backward_graphs.end()) return *found->second;
+    const auto [B, S, H, G, d, scale] = shape;
+    auto graph = new_graph();
+    auto q = bshd(*graph, "q", kQ, B, H, S, d), k = bshd(*graph, "k", kK, B, G, S, d), v = bshd(*graph, "v", kV, B, G, S, d);
+    auto o = bshd(*graph, "o", kO, B, H, S, d), d_o = bshd(*graph, "do", kdO, B, H, S, d);
+    auto lse = stats(*graph, B, H, S);
+    auto options = fe::graph::SDPA_backward_attributes()
+                       .set_name("attention_backward")
+                       .set_causal_mask(true)
+                       .set_attn_scale(scale);
+    auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, lse, options);
+    dq->set_output(true).set_uid(kdQ).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(H, S, d));
+    dk->set_output(true).set_uid(kdK).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(G, S, d));
+    dv->set_output(true).set_uid(kdV).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(G, S, d));
+    build(*graph);
+    return *backward_graphs.emplace(shape, graph).first->second;
+  }
+};
+
+Attention::Attention() : state_(new State) { MOE_CUDNN_CHECK(cudnnCreate(&state_->handle)); }
+
+Attention::~Attention() {
+  if (state_->handle) cudnnDestroy(state_->handle);
+  delete state_;
+}
+
+void Attention::forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
+                        int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream) {
+  MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
+  MOE_CUDNN_CHECK(cudnnSetStream(state_->handle, stream));
+  auto& graph = state_->forward_graph({B, S, H, G, d, scale});
+  std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},
+                                             {kK, const_cast<bf16*>(k_BSGd)},
+                                             {kV, const_cast<bf16*>(v_BSGd)},
+                                             {kO, out_BSHd},
+                                             {kStats, stats_BHS}};
+  MOE_FE_CHECK(graph.execute(state_->handle, pack, state_->workspace.data()));
+}
+
+void Attention::backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16* dout_BSHd, const bf16* q_BSHd,
+                         const bf16* k_BSGd, const bf16* v_BSGd, const bf16* out_BSHd, const float* stats_BHS,
+                         int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream) {
+  MOE_CUDNN_CHECK(cudnnSetStream(state_->handle, stream));
+  auto& graph = state_->backward_graph({B, S, H, G, d, scale});
+  std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},     {kK, const_cast<bf16*>(k_BSGd)},
+                                             {kV, const_cast<bf16*>(v_BSGd)},     {kO, const_cast<bf16*>(out_BSHd)},
+                                             {kdO, const_cast<bf16*>(dout_BSHd)}, {kStats, const_cast<float*>(stats_BHS)},
+                                             {kdQ, dq_BSHd},                      {kdK, dk_BSGd},
+                                             {kdV, dv_BSGd}};
+  MOE_FE_CHECK(graph.execute(state_->handle, pack, state_->workspace.data()));
+}
+
+}  // namespace moe::cuda
