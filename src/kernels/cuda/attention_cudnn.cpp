@@ -1,8 +1,10 @@
 // Causal grouped-query attention through cuDNN's fused SDPA (flash attention), forward
 // and backward, built with cudnn-frontend. Graphs are built once per shape and cached.
-// Tensors use our [B, S, heads, d] layout directly (cuDNN takes strides).
+// Tensors use our [B, S, heads, d] layout directly (cuDNN takes strides). cuDNN itself is
+// loaded at run time (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING), hence fe::detail:: calls.
 #include <cudnn.h>
 #include <cudnn_frontend.h>
+#include <dlfcn.h>
 
 #include <map>
 #include <memory>
@@ -13,6 +15,11 @@
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
 
+// The library handle cudnn-frontend's dynamic-loading shim reads; set by load_cudnn().
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;
+}
+
 namespace moe::cuda {
 namespace fe = cudnn_frontend;
 
@@ -21,7 +28,7 @@ namespace {
 #define MOE_CUDNN_CHECK(call)                                                           \
   do {                                                                                  \
     cudnnStatus_t moe_status_ = (call);                                                 \
-    MOE_CHECK(moe_status_ == CUDNN_STATUS_SUCCESS, "cuDNN: {}", cudnnGetErrorString(moe_status_)); \
+    MOE_CHECK(moe_status_ == CUDNN_STATUS_SUCCESS, "cuDNN: {}", fe::detail::get_error_string(moe_status_)); \
   } while (0)
 
 #define MOE_FE_CHECK(expr)                                                              \
@@ -37,6 +44,15 @@ std::vector<int64_t> bhsd_dims(int64_t B, int64_t heads, int64_t S, int64_t d) {
 std::vector<int64_t> bshd_strides(int64_t heads, int64_t S, int64_t d) { return {S * heads * d, d, heads * d, 1}; }
 
 using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, float>;
+
+void load_cudnn() {
+  if (fe::cudnn_dlhandle) return;
+  for (const char* name : {"libcudnn.so.9", "libcudnn.so"}) {
+    fe::cudnn_dlhandle = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
+    if (fe::cudnn_dlhandle) return;
+  }
+  MOE_THROW("cuDNN 9 not found: dlopen(libcudnn.so.9) failed: {}", dlerror());
+}
 
 }  // namespace
 
@@ -126,17 +142,20 @@ struct Attention::State {
   }
 };
 
-Attention::Attention() : state_(new State) { MOE_CUDNN_CHECK(cudnnCreate(&state_->handle)); }
+Attention::Attention() : state_(new State) {
+  load_cudnn();
+  MOE_CUDNN_CHECK(fe::detail::create_handle(&state_->handle));
+}
 
 Attention::~Attention() {
-  if (state_->handle) cudnnDestroy(state_->handle);
+  if (state_->handle) fe::detail::destroy_handle(state_->handle);
   delete state_;
 }
 
 void Attention::forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
                         int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream) {
   MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
-  MOE_CUDNN_CHECK(cudnnSetStream(state_->handle, stream));
+  MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
   auto& graph = state_->forward_graph({B, S, H, G, d, scale});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},
                                              {kK, const_cast<bf16*>(k_BSGd)},
@@ -149,7 +168,7 @@ void Attention::forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, co
 void Attention::backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16* dout_BSHd, const bf16* q_BSHd,
                          const bf16* k_BSGd, const bf16* v_BSGd, const bf16* out_BSHd, const float* stats_BHS,
                          int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream) {
-  MOE_CUDNN_CHECK(cudnnSetStream(state_->handle, stream));
+  MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
   auto& graph = state_->backward_graph({B, S, H, G, d, scale});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},     {kK, const_cast<bf16*>(k_BSGd)},
                                              {kV, const_cast<bf16*>(v_BSGd)},     {kO, const_cast<bf16*>(out_BSHd)},
