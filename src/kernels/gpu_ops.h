@@ -147,3 +147,24 @@ class Attention {
 };
 
 }  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// Assignments per expert before capacity dropping (this micro-batch), overwritten.
+void expert_counts(int32_t* counts_E, const int32_t* expert_TK, int64_t T, int64_t E, int64_t K, Stream stream);
+// Per-token terms of the router losses: aux_term_t = sum_e f_e p_te (p normalised per
+// token for sigmoid scores, f_e = counts_E / (T K)) and z_term_t = lse_t(logits / temperature)^2.
+// aux loss = coef * E * mean_t(aux_term); z-loss = coef * mean_t(z_term).
+void router_loss_terms(float* aux_term_T, float* z_term_T, const float* scores_TE, const float* logits_TE,
+                       const int32_t* counts_E, int64_t T, int64_t E, int64_t K, float temperature,
+                       ScoreFunc score_func, Stream stream);
+// dlogits_TE (overwritten) from the combine-weight gradients, plus the aux and z-loss
+// gradients with weights aux_scale = dloss * aux_coef and z_scale = dloss * z_coef (0: off).
+void router_backward(float* dlogits_TE, const float* dweight_TK, const float* scores_TE, const float* logits_TE,
+                     const int32_t* expert_TK, const int32_t* counts_E, int64_t T, int64_t E, int64_t K,
+                     float temperature, ScoreFunc score_func, bool renormalize, float aux_scale, float z_scale,
+                     Stream stream);
+// *out = scale * sum(values[0..n)), summed in a fixed order by one block.
+void ordered_sum(float* out, const float* values, int64_t n, float scale, Stream stream);
+
+}  // namespace moe::cuda
