@@ -168,3 +168,13 @@ void router_backward(float* dlogits_TE, const float* dweight_TK, const float* sc
 void ordered_sum(float* out, const float* values, int64_t n, float scale, Stream stream);
 
 }  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// x_RC[r, c] += bias_C[c] (fp32).
+void add_bias_rows(float* x_RC, const float* bias_C, int64_t rows, int64_t cols, Stream stream);
+void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
+// out_C[c] += sum over rows of x_RC[r, c], in row order.
+void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, Stream stream);
+
+}  // namespace moe::cuda

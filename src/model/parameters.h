@@ -48,6 +48,12 @@ class ParameterStore {
   const ParamSpec& spec(int id) const { return specs_[static_cast<size_t>(id)]; }
   int64_t numel(int id) const { return specs_[static_cast<size_t>(id)].shape.numel(); }
   int64_t total_numel() const;
+  // Element offset of a parameter inside the one contiguous block, and the block's size
+  // (with alignment padding): device copies use the same layout.
+  int64_t offset(int id) const { return offsets_[static_cast<size_t>(id)]; }
+  int64_t storage_numel() const { return static_cast<int64_t>(values_.size()); }
+  const T* values_data() const { return values_.data(); }
+  T* grads_data() { return grads_.data(); }
   int find(const std::string& name) const;  // -1 when absent
   void zero_grads();
 

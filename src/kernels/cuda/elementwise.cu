@@ -1,0 +1,51 @@
+// Small glue kernels of the GPU model: bias rows, dtype casts, column sums.
+#include "core/gpu.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void add_bias_kernel(float* x, const float* bias, int64_t rows, int64_t cols) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < rows * cols) x[i] += bias[i % cols];
+}
+
+__global__ void cast_kernel(__nv_bfloat16* out, const float* in, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = to_bf16(in[i]);
+}
+
+// One thread per column sums its rows in order: deterministic.
+__global__ void column_sum_kernel(float* out, const float* x, int64_t rows, int64_t cols) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  float sum = 0.0f;
+  for (int64_t r = 0; r < rows; ++r) sum += x[r * cols + c];
+  out[c] += sum;
+}
+
+}  // namespace
+
+void add_bias_rows(float* x_RC, const float* bias_C, int64_t rows, int64_t cols, Stream stream) {
+  if (rows * cols == 0) return;
+  add_bias_kernel<<<static_cast<unsigned>(ceil_div(rows * cols, kThreads)), kThreads, 0, stream>>>(x_RC, bias_C, rows,
+                                                                                                  cols);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream) {
+  if (n == 0) return;
+  cast_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(as_cuda(out), in, n);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, Stream stream) {
+  if (cols == 0) return;
+  column_sum_kernel<<<static_cast<unsigned>(ceil_div(cols, kThreads)), kThreads, 0, stream>>>(out_C, x_RC, rows, cols);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,523 @@
+#include "model/cuda/gpu_transformer.h"
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cmath>
+#include <string>
+
+#include "core/error.h"
+#include "core/gpu.h"
+#include "kernels/gpu_ops.h"
+#include "moe/dispatch.h"
+
+namespace moe {
+namespace {
+
+template <typename T>
+using Buffer = gpu::DeviceArray<T>;
+
+// One parameter's place in the device blocks.
+struct Param {
+  int id = -1;
+  int64_t offset = 0, numel = 0;
+};
+
+struct AttentionBuffers {
+  Buffer<bf16> q, k, v, out;
+  Buffer<float> stats;
+};
+
+// A SwiGLU FFN's saved activations: [rows, 2F] gate|up and [rows, F] act.
+struct FfnBuffers {
+  Buffer<bf16> gate_up, act;
+};
+
+struct MoEBuffers {
+  Buffer<float> logits, scores, weight, aux_term, z_term;
+  Buffer<int32_t> expert, row, counts, assign_counts, offsets, token_of_row, rank;
+  Buffer<bf16> x_rows, gate_up_rows, act_rows, y_rows;
+  std::vector<FfnBuffers> shared;
+  std::vector<int32_t> offsets_host;  // expert row offsets of the last forward
+};
+
+struct Layer {
+  Param norm1, norm2, wq, wk, wv, wo;
+  Param router_w, router_b, w1, w3, w2;              // MoE layers
+  std::vector<std::array<Param, 3>> shared;          // shared experts: w1, w3, w2
+  std::array<Param, 3> dense;                        // dense FFN layers: w1, w3, w2
+  bool is_moe = false;
+  // Saved activations.
+  Buffer<bf16> x, n1, h, n2, ffn_out;
+  Buffer<float> rstd1, rstd2;
+  AttentionBuffers attn;
+  FfnBuffers dense_buffers;
+  MoEBuffers moe;
+  Buffer<int64_t> load;  // assignments per expert since reset
+};
+
+}  // namespace
+
+struct GpuTransformer::State {
+  ModelConfig config;
+  std::vector<ParamSpec> specs;
+  std::vector<int64_t> offsets;  // per parameter id, the CPU store's layout
+  int64_t storage = 0;
+  Buffer<float> master, grads, adam_m, adam_v;
+  Buffer<bf16> weights;
+  Param embedding, final_norm, head;
+  std::vector<Layer> layers;
+  cuda::Blas blas;
+  cuda::Attention attention;
+  cudaStream_t stream = nullptr;
+  int64_t batch = 0, tokens = 0, max_rows = 0;
+  // Per micro-batch buffers.
+  Buffer<int32_t> inputs, targets, positions;
+  Buffer<bf16> final_x, final_n, logits;
+  Buffer<float> final_rstd, loss, lse, sums;
+  // Backward scratch.
+  Buffer<bf16> dres, dnorm, dq, dk, dv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
+      dffn_gate_up;
+  Buffer<float> dweight, dlogits, norm_partial;
+  Buffer<char> embedding_scratch;
+  int64_t n_valid = 0;
+
+  const bf16* w(const Param& p) const { return weights.data() + p.offset; }
+  float* g(const Param& p) { return grads.data() + p.offset; }
+
+  // y[rows, out] = x[rows, in] @ W^T (+ y when accumulate).
+  void linear(bf16* y, const bf16* x, const bf16* weight, int64_t rows, int64_t in, int64_t out, bool accumulate,
+              int64_t ldy = -1) {
+    blas.gemm(false, true, rows, out, in, 1.0f, x, in, weight, in, accumulate ? 1.0f : 0.0f, y, false,
+              ldy < 0 ? out : ldy, stream);
+  }
+  // dx[rows, in] = dy[rows, out] @ W (+ dx when accumulate); dW[out, in] += dy^T @ x.
+  void linear_backward(bf16* dx, float* dweight, const bf16* dy, const bf16* x, const bf16* weight, int64_t rows,
+                       int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1) {
+    const int64_t ldd = ld_dy < 0 ? out : ld_dy;
+    if (dx) blas.gemm(false, false, rows, in, out, 1.0f, dy, ldd, weight, in, accumulate_dx ? 1.0f : 0.0f, dx, false, in, stream);
+    if (rows > 0) blas.gemm(true, false, out, in, rows, 1.0f, dy, ldd, x, in, 1.0f, dweight, true, in, stream);
+  }
+  void ffn_forward(bf16* y, const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, FfnBuffers& buffers,
+                   int64_t rows, int64_t F, bool accumulate);
+  void ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& weights_, FfnBuffers& buffers,
+                    int64_t rows, int64_t F, bool accumulate_dx);
+  void moe_forward(Layer& layer, ForwardResult& result);
+  void moe_backward(Layer& layer, double loss_scale);
+};
+
+namespace {
+
+Param lookup(const ParameterStore<float>& params, const std::string& name) {
+  const int id = params.find(name);
+  MOE_CHECK(id >= 0, "GPU model: parameter '{}' missing", name);
+  return Param{id, params.offset(id), params.numel(id)};
+}
+
+}  // namespace
+
+GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params)
+    : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  MOE_CHECK(gpu::device_count() > 0, "no CUDA device found");
+  s.config = config;
+  s.storage = params.storage_numel();
+  s.master = Buffer<float>(static_cast<size_t>(s.storage));
+  s.master.upload(params.values_data(), static_cast<size_t>(s.storage));
+  s.grads = Buffer<float>(static_cast<size_t>(s.storage));
+  s.adam_m = Buffer<float>(static_cast<size_t>(s.storage));
+  s.adam_v = Buffer<float>(static_cast<size_t>(s.storage));
+  s.adam_m.fill_bytes(0);
+  s.adam_v.fill_bytes(0);
+  s.weights = Buffer<bf16>(static_cast<size_t>(s.storage));
+  cuda::cast_to_bf16(s.weights.data(), s.master.data(), s.storage, nullptr);
+  for (int id = 0; id < params.size(); ++id) {
+    s.specs.push_back(params.spec(id));
+    s.offsets.push_back(params.offset(id));
+  }
+  s.embedding = lookup(params, "embedding");
+  s.final_norm = lookup(params, "final_norm");
+  s.head = lookup(params, config.tie_embeddings ? "embedding" : "lm_head");
+  s.layers.resize(static_cast<size_t>(config.n_layers));
+  for (int64_t l = 0; l < config.n_layers; ++l) {
+    Layer& layer = s.layers[static_cast<size_t>(l)];
+    const std::string p = "layers." + std::to_string(l);
+    layer.norm1 = lookup(params, p + ".attn_norm");
+    layer.norm2 = lookup(params, p + ".ffn_norm");
+    layer.wq = lookup(params, p + ".attn.wq");
+    layer.wk = lookup(params, p + ".attn.wk");
+    layer.wv = lookup(params, p + ".attn.wv");
+    layer.wo = lookup(params, p + ".attn.wo");
+    layer.is_moe = l >= config.first_dense_layers;
+    if (layer.is_moe) {
+      layer.router_w = lookup(params, p + ".moe.router.weight");
+      layer.router_b = lookup(params, p + ".moe.router.bias");
+      layer.w1 = lookup(params, p + ".moe.experts.w1");
+      layer.w3 = lookup(params, p + ".moe.experts.w3");
+      layer.w2 = lookup(params, p + ".moe.experts.w2");
+      for (int64_t e = 0; e < config.moe.n_shared_experts; ++e) {
+        const std::string sp = p + ".moe.shared." + std::to_string(e);
+        layer.shared.push_back({lookup(params, sp + ".w1"), lookup(params, sp + ".w3"), lookup(params, sp + ".w2")});
+      }
+      layer.load = Buffer<int64_t>(static_cast<size_t>(config.moe.n_experts));
+      layer.load.fill_bytes(0);
+    } else {
+      layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};
+    }
+  }
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+GpuTransformer::~GpuTransformer() = default;
+
+void GpuTransformer::plan(int64_t batch) {
+  State& s = *state_;
+  const ModelConfig& c = s.config;
+  const int64_t S = c.seq_len, D = c.dim, V = c.vocab_size, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  const int64_t T = batch * S, E = c.moe.n_experts, K = c.moe.top_k, F = c.moe.expert_hidden;
+  s.batch = batch;
+  s.tokens = T;
+  s.max_rows = T * K;
+  auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
+  auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
+  auto i32 = [](int64_t n) { return Buffer<int32_t>(static_cast<size_t>(n)); };
+  for (Layer& layer : s.layers) {
+    layer.x = bf(T * D);
+    layer.n1 = bf(T * D);
+    layer.h = bf(T * D);
+    layer.n2 = bf(T * D);
+    layer.ffn_out = bf(T * D);
+    layer.rstd1 = f32(T);
+    layer.rstd2 = f32(T);
+    layer.attn = {bf(T * H * d), bf(T * G * d), bf(T * G * d), bf(T * H * d), f32(batch * H * S)};
+    if (!layer.is_moe) {
+      layer.dense_buffers = {bf(T * 2 * c.dense_hidden), bf(T * c.dense_hidden)};
+      continue;
+    }
+    MoEBuffers& m = layer.moe;
+    m.logits = f32(T * E);
+    m.scores = f32(T * E);
+    m.weight = f32(T * K);
+    m.aux_term = f32(T);
+    m.z_term = f32(T);
+    m.expert = i32(T * K);
+    m.row = i32(T * K);
+    m.counts = i32(E);
+    m.assign_counts = i32(E);
+    m.offsets = i32(E + 1);
+    m.token_of_row = i32(T * K);
+    m.rank = i32(T * K);
+    m.x_rows = bf(T * K * D);
+    m.gate_up_rows = bf(T * K * 2 * F);
+    m.act_rows = bf(T * K * F);
+    m.y_rows = bf(T * K * D);
+    m.shared.clear();
+    for (size_t e = 0; e < layer.shared.size(); ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
+  }
+  const int64_t ffn_width = std::max(F, c.dense_hidden);
+  s.inputs = i32(T);
+  s.targets = i32(T);
+  s.positions = i32(T);
+  s.final_x = bf(T * D);
+  s.final_n = bf(T * D);
+  s.logits = bf(T * V);
+  s.final_rstd = f32(T);
+  s.loss = f32(T);
+  s.lse = f32(T);
+  s.sums = f32(4);
+  s.dres = bf(T * D);
+  s.dnorm = bf(T * D);
+  s.dq = bf(T * H * d);
+  s.dk = bf(T * G * d);
+  s.dv = bf(T * G * d);
+  s.dattn = bf(T * H * d);
+  s.drows = bf(T * K * D);
+  s.dact_rows = bf(T * K * F);
+  s.dgate_up_rows = bf(T * K * 2 * F);
+  s.dx_rows = bf(T * K * D);
+  s.dlogits_bf16 = bf(T * E);
+  s.dffn_act = bf(T * ffn_width);
+  s.dffn_gate_up = bf(T * 2 * ffn_width);
+  s.dweight = f32(T * K);
+  s.dlogits = f32(T * E);
+  s.norm_partial = f32(cuda::rmsnorm_backward_partial_rows(T) * D);
+  s.embedding_scratch = Buffer<char>(cuda::embedding_backward_scratch_bytes(T));
+  std::vector<int32_t> positions(static_cast<size_t>(T));
+  for (int64_t i = 0; i < T; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(i % S);
+  s.positions.upload(positions.data(), positions.size());
+}
+
+
+void GpuTransformer::State::ffn_forward(bf16* y, const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2,
+                                        FfnBuffers& buffers, int64_t rows, int64_t F, bool accumulate) {
+  const int64_t D = config.dim;
+  // gate and up side by side in one [rows, 2F] buffer, as the SwiGLU kernel reads them.
+  linear(buffers.gate_up.data(), x, w1, rows, D, F, false, 2 * F);
+  linear(buffers.gate_up.data() + F, x, w3, rows, D, F, false, 2 * F);
+  cuda::swiglu_forward(buffers.act.data(), buffers.gate_up.data(), rows, F, stream);
+  linear(y, buffers.act.data(), w2, rows, F, D, accumulate);
+}
+
+void GpuTransformer::State::ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& p,
+                                         FfnBuffers& buffers, int64_t rows, int64_t F, bool accumulate_dx) {
+  const int64_t D = config.dim;
+  linear_backward(dffn_act.data(), g(p[2]), dy, buffers.act.data(), w(p[2]), rows, F, D, false);
+  cuda::swiglu_backward(dffn_gate_up.data(), dffn_act.data(), buffers.gate_up.data(), rows, F, stream);
+  linear_backward(dx, g(p[0]), dffn_gate_up.data(), x, w(p[0]), rows, D, F, accumulate_dx, 2 * F);
+  linear_backward(dx, g(p[1]), dffn_gate_up.data() + F, x, w(p[1]), rows, D, F, true, 2 * F);
+}
+
+void GpuTransformer::State::moe_forward(Layer& layer, ForwardResult& result) {
+  const MoEConfig& mc = config.moe;
+  const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
+  MoEBuffers& m = layer.moe;
+  // Router: fp32 logits from the bf16 matmul, + bias, scores, top-k.
+  blas.gemm(false, true, T, E, D, 1.0f, layer.n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
+            stream);
+  cuda::add_bias_rows(m.logits.data(), master.data() + layer.router_b.offset, T, E, stream);
+  cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), nullptr, T, E, K,
+                    static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream);
+  cuda::expert_counts(m.assign_counts.data(), m.expert.data(), T, E, K, stream);
+  cuda::router_loss_terms(m.aux_term.data(), m.z_term.data(), m.scores.data(), m.logits.data(), m.assign_counts.data(),
+                          T, E, K, static_cast<float>(mc.temperature), mc.score_func, stream);
+  cuda::ordered_sum(sums.data() + 1, m.aux_term.data(), T, static_cast<float>(mc.aux_loss_coef * E / T), stream);
+  cuda::ordered_sum(sums.data() + 2, m.z_term.data(), T, static_cast<float>(mc.z_loss_coef / T), stream);
+  const int64_t capacity = expert_capacity(mc.capacity_factor, T, K, E);
+  cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(), layer.load.data(),
+                    m.rank.data(), m.expert.data(), T, E, K, capacity, stream);
+  cuda::permute_forward(m.x_rows.data(), layer.n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D, stream);
+  // The expert loop needs the row offsets on the host (one sync per layer) until the
+  // grouped GEMM reads them on the device.
+  m.offsets_host.resize(static_cast<size_t>(E + 1));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(m.offsets_host.data(), m.offsets.data(), (E + 1) * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  float losses[2];
+  MOE_CUDA_CHECK(cudaMemcpyAsync(losses, sums.data() + 1, sizeof(losses), cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (mc.aux_loss_coef > 0) result.aux_loss += losses[0];
+  if (mc.z_loss_coef > 0) result.z_loss += losses[1];
+  result.dropped += T * K - m.offsets_host[static_cast<size_t>(E)];
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
+    if (count == 0) continue;
+    linear(m.gate_up_rows.data() + first * 2 * F, m.x_rows.data() + first * D, w(layer.w1) + e * F * D, count, D, F,
+           false, 2 * F);
+    linear(m.gate_up_rows.data() + first * 2 * F + F, m.x_rows.data() + first * D, w(layer.w3) + e * F * D, count, D,
+           F, false, 2 * F);
+  }
+  const int64_t rows = m.offsets_host[static_cast<size_t>(E)];
+  cuda::swiglu_forward(m.act_rows.data(), m.gate_up_rows.data(), rows, F, stream);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
+    if (count == 0) continue;
+    linear(m.y_rows.data() + first * D, m.act_rows.data() + first * F, w(layer.w2) + e * D * F, count, F, D, false);
+  }
+  cuda::combine_forward(layer.ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
+  for (size_t i = 0; i < layer.shared.size(); ++i)
+    ffn_forward(layer.ffn_out.data(), layer.n2.data(), w(layer.shared[i][0]), w(layer.shared[i][1]),
+                w(layer.shared[i][2]), m.shared[i], T, F, true);
+}
+
+void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
+  const MoEConfig& mc = config.moe;
+  const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
+  MoEBuffers& m = layer.moe;
+  const bf16* dy = dres.data();  // gradient of the FFN output
+  cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
+                         stream);
+  const int64_t rows = m.offsets_host[static_cast<size_t>(E)];
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
+    if (count == 0) continue;
+    linear_backward(dact_rows.data() + first * F, g(layer.w2) + e * D * F, drows.data() + first * D,
+                    m.act_rows.data() + first * F, w(layer.w2) + e * D * F, count, F, D, false);
+  }
+  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows.data(), rows, F, stream);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
+    if (count == 0) continue;
+    linear_backward(dx_rows.data() + first * D, g(layer.w1) + e * F * D, dgate_up_rows.data() + first * 2 * F,
+                    m.x_rows.data() + first * D, w(layer.w1) + e * F * D, count, D, F, false, 2 * F);
+    linear_backward(dx_rows.data() + first * D, g(layer.w3) + e * F * D, dgate_up_rows.data() + first * 2 * F + F,
+                    m.x_rows.data() + first * D, w(layer.w3) + e * F * D, count, D, F, true, 2 * F);
+  }
+  cuda::permute_backward(dnorm.data(), dx_rows.data(), m.row.data(), T, K, D, false, stream);
+  // Router: combine weights -> logits (aux and z losses included) -> n2 and the router weights.
+  cuda::router_backward(dlogits.data(), dweight.data(), m.scores.data(), m.logits.data(), m.expert.data(),
+                        m.assign_counts.data(), T, E, K, static_cast<float>(mc.temperature), mc.score_func,
+                        mc.renormalize, static_cast<float>(loss_scale * mc.aux_loss_coef),
+                        static_cast<float>(loss_scale * mc.z_loss_coef), stream);
+  cuda::add_column_sums(g(layer.router_b), dlogits.data(), T, E, stream);
+  cuda::cast_to_bf16(dlogits_bf16.data(), dlogits.data(), T * E, stream);
+  linear_backward(dnorm.data(), g(layer.router_w), dlogits_bf16.data(), layer.n2.data(), w(layer.router_w), T, D, E,
+                  true);
+  for (size_t i = 0; i < layer.shared.size(); ++i)
+    ffn_backward(dnorm.data(), dy, layer.n2.data(), layer.shared[i], m.shared[i], T, F, true);
+}
+
+ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* targets_BS) {
+  State& s = *state_;
+  MOE_CHECK(s.batch > 0, "GPU forward before plan()");
+  const ModelConfig& c = s.config;
+  const int64_t T = s.tokens, D = c.dim, V = c.vocab_size, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  const float eps = static_cast<float>(c.norm_eps);
+  for (int64_t i = 0; i < T; ++i) {
+    MOE_CHECK(inputs_BS[i] >= 0 && inputs_BS[i] < V, "token id {} at position {} is outside [0, {})", inputs_BS[i], i, V);
+    MOE_CHECK(targets_BS[i] >= -1 && targets_BS[i] < V, "target {} at position {} is outside [-1, {})", targets_BS[i],
+              i, V);
+  }
+  s.inputs.upload(inputs_BS, static_cast<size_t>(T));
+  s.targets.upload(targets_BS, static_cast<size_t>(T));
+  s.n_valid = 0;
+  for (int64_t i = 0; i < T; ++i) s.n_valid += targets_BS[i] >= 0;
+  ForwardResult result;
+  const bf16* prev_h = nullptr;
+  const bf16* prev_branch = nullptr;
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    Layer& layer = s.layers[l];
+    if (l == 0) {
+      cuda::embedding_forward(layer.x.data(), s.inputs.data(), s.w(s.embedding), T, V, D, s.stream);
+      cuda::rmsnorm_forward(layer.n1.data(), layer.rstd1.data(), nullptr, layer.x.data(), nullptr, s.w(layer.norm1), T,
+                            D, eps, s.stream);
+    } else {  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm
+      cuda::rmsnorm_forward(layer.n1.data(), layer.rstd1.data(), layer.x.data(), prev_h, prev_branch, s.w(layer.norm1),
+                            T, D, eps, s.stream);
+    }
+    AttentionBuffers& a = layer.attn;
+    s.linear(a.q.data(), layer.n1.data(), s.w(layer.wq), T, D, H * d, false);
+    s.linear(a.k.data(), layer.n1.data(), s.w(layer.wk), T, D, G * d, false);
+    s.linear(a.v.data(), layer.n1.data(), s.w(layer.wv), T, D, G * d, false);
+    cuda::rope_forward(a.q.data(), s.positions.data(), T, H, d, static_cast<float>(c.rope_theta), s.stream);
+    cuda::rope_forward(a.k.data(), s.positions.data(), T, G, d, static_cast<float>(c.rope_theta), s.stream);
+    s.attention.forward(a.out.data(), a.stats.data(), a.q.data(), a.k.data(), a.v.data(), s.batch, c.seq_len, H, G, d,
+                        1.0f / std::sqrt(static_cast<float>(d)), s.stream);
+    s.linear(s.dnorm.data(), a.out.data(), s.w(layer.wo), T, H * d, D, false);  // attention output (scratch)
+    cuda::rmsnorm_forward(layer.n2.data(), layer.rstd2.data(), layer.h.data(), layer.x.data(), s.dnorm.data(),
+                          s.w(layer.norm2), T, D, eps, s.stream);
+    if (layer.is_moe) {
+      s.moe_forward(layer, result);
+    } else {
+      s.ffn_forward(layer.ffn_out.data(), layer.n2.data(), s.w(layer.dense[0]), s.w(layer.dense[1]),
+                    s.w(layer.dense[2]), layer.dense_buffers, T, c.dense_hidden, false);
+    }
+    prev_h = layer.h.data();
+    prev_branch = layer.ffn_out.data();
+  }
+  cuda::rmsnorm_forward(s.final_n.data(), s.final_rstd.data(), s.final_x.data(), prev_h, prev_branch,
+                        s.w(s.final_norm), T, D, eps, s.stream);
+  s.linear(s.logits.data(), s.final_n.data(), s.w(s.head), T, D, V, false);
+  cuda::cross_entropy_forward(s.loss.data(), s.lse.data(), s.logits.data(), s.targets.data(), T, V, s.stream);
+  cuda::ordered_sum(s.sums.data(), s.loss.data(), T, 1.0f / static_cast<float>(std::max<int64_t>(1, s.n_valid)),
+                    s.stream);
+  float ce = 0;
+  MOE_CUDA_CHECK(cudaMemcpyAsync(&ce, s.sums.data(), sizeof(float), cudaMemcpyDeviceToHost, s.stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  result.ce_loss = ce;
+  return result;
+}
+
+void GpuTransformer::backward(double loss_scale) {
+  State& s = *state_;
+  const ModelConfig& c = s.config;
+  const int64_t T = s.tokens, D = c.dim, V = c.vocab_size, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  // Logits become their gradient in place.
+  cuda::cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(), T, V,
+                               static_cast<float>(loss_scale / static_cast<double>(std::max<int64_t>(1, s.n_valid))),
+                               s.stream);
+  s.linear_backward(s.dnorm.data(), s.g(s.head), s.logits.data(), s.final_n.data(), s.w(s.head), T, D, V, false);
+  cuda::rmsnorm_backward(s.dres.data(), s.g(s.final_norm), s.dnorm.data(), nullptr, s.final_x.data(),
+                         s.w(s.final_norm), s.final_rstd.data(), T, D, s.norm_partial.data(), s.stream);
+  for (size_t l = s.layers.size(); l-- > 0;) {
+    Layer& layer = s.layers[l];
+    // dres = d(block output) = d(h + ffn_out): the FFN branch, then the norm adds d h.
+    if (layer.is_moe) {
+      s.moe_backward(layer, loss_scale);
+    } else {
+      s.ffn_backward(s.dnorm.data(), s.dres.data(), layer.n2.data(), layer.dense, layer.dense_buffers, T,
+                     c.dense_hidden, false);
+    }
+    cuda::rmsnorm_backward(s.dres.data(), s.g(layer.norm2), s.dnorm.data(), s.dres.data(), layer.h.data(),
+                           s.w(layer.norm2), layer.rstd2.data(), T, D, s.norm_partial.data(), s.stream);
+    AttentionBuffers& a = layer.attn;
+    s.linear_backward(s.dattn.data(), s.g(layer.wo), s.dres.data(), a.out.data(), s.w(layer.wo), T, H * d, D, false);
+    s.attention.backward(s.dq.data(), s.dk.data(), s.dv.data(), s.dattn.data(), a.q.data(), a.k.data(), a.v.data(),
+                         a.out.data(), a.stats.data(), s.batch, c.seq_len, H, G, d,
+                         1.0f / std::sqrt(static_cast<float>(d)), s.stream);
+    cuda::rope_backward(s.dq.data(), s.positions.data(), T, H, d, static_cast<float>(c.rope_theta), s.stream);
+    cuda::rope_backward(s.dk.data(), s.positions.data(), T, G, d, static_cast<float>(c.rope_theta), s.stream);
+    s.linear_backward(s.dnorm.data(), s.g(layer.wq), s.dq.data(), layer.n1.data(), s.w(layer.wq), T, D, H * d, false);
+    s.linear_backward(s.dnorm.data(), s.g(layer.wk), s.dk.data(), layer.n1.data(), s.w(layer.wk), T, D, G * d, true);
+    s.linear_backward(s.dnorm.data(), s.g(layer.wv), s.dv.data(), layer.n1.data(), s.w(layer.wv), T, D, G * d, true);
+    cuda::rmsnorm_backward(s.dres.data(), s.g(layer.norm1), s.dnorm.data(), s.dres.data(), layer.x.data(),
+                           s.w(layer.norm1), layer.rstd1.data(), T, D, s.norm_partial.data(), s.stream);
+  }
+  cuda::embedding_backward(s.g(s.embedding), s.inputs.data(), s.dres.data(), T, V, D, s.embedding_scratch.data(),
+                           s.embedding_scratch.size(), s.stream);
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
+void GpuTransformer::zero_grads() {
+  MOE_CUDA_CHECK(cudaMemsetAsync(state_->grads.data(), 0, state_->grads.size() * sizeof(float), state_->stream));
+}
+
+double GpuTransformer::grad_norm() {
+  State& s = *state_;
+  std::vector<float> grads(s.grads.size());
+  s.grads.download(grads.data(), grads.size());
+  double sq = 0;
+  for (float x : grads) sq += static_cast<double>(x) * x;
+  return std::sqrt(sq);
+}
+
+void GpuTransformer::adamw_step(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                float grad_scale, int64_t step) {
+  State& s = *state_;
+  for (size_t id = 0; id < s.specs.size(); ++id) {
+    const ParamSpec& spec = s.specs[id];
+    const int64_t offset = s.offsets[id];
+    const int64_t n = spec.shape.numel();
+    const float decay = spec.weight_decay ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
+    cuda::adamw_step(s.master.data() + offset, s.weights.data() + offset, s.grads.data() + offset,
+                     s.adam_m.data() + offset, s.adam_v.data() + offset, n, lr, beta1, beta2, static_cast<float>(eps),
+                     decay, grad_scale, step, s.stream);
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
+void GpuTransformer::download_grads(ParameterStore<float>& params) const {
+  MOE_CHECK(params.storage_numel() == state_->storage, "download_grads: layouts differ");
+  state_->grads.download(params.grads_data(), static_cast<size_t>(state_->storage));
+}
+
+void GpuTransformer::download_params(ParameterStore<float>& params) const {
+  MOE_CHECK(params.storage_numel() == state_->storage, "download_params: layouts differ");
+  std::vector<float> values(static_cast<size_t>(state_->storage));
+  state_->master.download(values.data(), values.size());
+  for (int id = 0; id < params.size(); ++id)
+    std::copy(values.begin() + params.offset(id), values.begin() + params.offset(id) + params.numel(id),
+              params.value(id));
+}
+
+std::vector<std::vector<int64_t>> GpuTransformer::expert_load() {
+  std::vector<std::vector<int64_t>> loads;
+  for (Layer& layer : state_->layers)
+    if (layer.is_moe) {
+      std::vector<int64_t> load(layer.load.size());
+      layer.load.download(load.data(), load.size());
+      loads.push_back(std::move(load));
+    }
+  return loads;
+}
+
+void GpuTransformer::reset_load() {
+  for (Layer& layer : state_->layers)
+    if (layer.is_moe) layer.load.fill_bytes(0);
+}
+
+size_t GpuTransformer::device_bytes() const {
+  size_t free_bytes = 0, total_bytes = 0;
+  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes - free_bytes;
+}
+
+}  // namespace moe

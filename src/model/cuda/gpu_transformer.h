@@ -1,0 +1,49 @@
+// The MoE transformer on one GPU: bf16 activations and weights for the matmuls, fp32
+// master weights, gradients and AdamW state, fp32 router math and loss. The same
+// architecture, parameter names and layout as Transformer<float> (the CPU reference it
+// is tested against); every op is a tested kernel from kernels/gpu_ops.h.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "model/config.h"
+#include "model/parameters.h"
+#include "model/transformer.h"
+
+namespace moe {
+
+class GpuTransformer {
+ public:
+  // Copies the (already initialised) parameters of `params` to the device.
+  GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params);
+  ~GpuTransformer();
+  GpuTransformer(const GpuTransformer&) = delete;
+  GpuTransformer& operator=(const GpuTransformer&) = delete;
+
+  // Allocates every activation and scratch buffer for micro-batches of `batch` sequences.
+  void plan(int64_t batch);
+  // Token ids on the host, [batch, seq_len]; targets of -1 are ignored.
+  ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
+  // Backward of (ce + aux + z) * loss_scale, accumulated into the fp32 gradients.
+  void backward(double loss_scale);
+  void zero_grads();
+  // Global gradient norm (fp32 sum of squares per parameter, summed in order on the host).
+  double grad_norm();
+  // AdamW over every parameter (decay where the CPU model decays), gradients first
+  // scaled by grad_scale (global clipping), then the bf16 weights refreshed.
+  void adamw_step(double lr, double beta1, double beta2, double eps, double weight_decay, float grad_scale,
+                  int64_t step);
+  // Device -> host copies for tests and checkpoints.
+  void download_grads(ParameterStore<float>& params) const;
+  void download_params(ParameterStore<float>& params) const;
+  // Assignments per expert since the last reset, per MoE layer (host copy).
+  std::vector<std::vector<int64_t>> expert_load();
+  void reset_load();
+  size_t device_bytes() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace moe
