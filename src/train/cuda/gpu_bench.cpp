@@ -1,0 +1,86 @@
+#include "train/cuda/gpu_bench.h"
+
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include <algorithm>
+#include <ostream>
+#include <vector>
+
+#include "core/error.h"
+#include "core/gpu.h"
+#include "core/rng.h"
+#include "model/cuda/gpu_transformer.h"
+#include "model/transformer.h"
+#include "train/trainer.h"
+
+namespace moe {
+
+GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out) {
+  const ModelConfig& mc = config.model;
+  const int64_t batch = config.training.micro_batch, S = mc.seq_len, T = batch * S;
+  MOE_CHECK(mc.vocab_size > 0, "bench needs model.vocab_size");
+  ParameterCounts counts;
+  std::unique_ptr<GpuTransformer> gpu;
+  {
+    // Initialise on the host (the same weights as the CPU path), copy, then free the host copy.
+    Transformer<float> host(mc, config.training.seed);
+    counts = count_parameters(mc, host.params());
+    gpu = std::make_unique<GpuTransformer>(mc, host.params());
+  }
+  gpu->plan(batch);
+  std::vector<int32_t> inputs(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
+  CounterRng rng(config.training.seed, "bench.tokens");
+  for (int64_t i = 0; i < T; ++i) {
+    const auto bits = rng.bits(static_cast<uint64_t>(i));
+    inputs[static_cast<size_t>(i)] = static_cast<int32_t>(bits[0] % static_cast<uint32_t>(mc.vocab_size));
+    targets[static_cast<size_t>(i)] = static_cast<int32_t>(bits[1] % static_cast<uint32_t>(mc.vocab_size));
+  }
+  cudaEvent_t start, stop;
+  MOE_CUDA_CHECK(cudaEventCreate(&start));
+  MOE_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> step_ms;
+  double loss = 0;
+  for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
+    MOE_CUDA_CHECK(cudaEventRecord(start));
+    gpu->zero_grads();
+    loss = gpu->forward(inputs.data(), targets.data()).total();
+    gpu->backward(1.0);
+    gpu->adamw_step(config.lr.peak, config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps,
+                    config.optimizer.weight_decay, 1.0f, step);
+    MOE_CUDA_CHECK(cudaEventRecord(stop));
+    MOE_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (step > warmup_steps) step_ms.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(step_ms.begin(), step_ms.end());
+  GpuBenchResult result;
+  result.median_step_ms = step_ms[step_ms.size() / 2];
+  result.tokens_per_second = static_cast<double>(T) / (result.median_step_ms / 1e3);
+  // TorchTitan's count: 6 x active non-embedding parameters (LM head included) + attention.
+  const double active_non_embedding = static_cast<double>(counts.active - counts.embedding);
+  const double flops_per_token = 6.0 * active_non_embedding +
+                                 12.0 * static_cast<double>(mc.n_layers * mc.dim * mc.seq_len);
+  constexpr double kPeakFlops = 989e12;  // H100/H200 dense bf16
+  result.mfu = result.tokens_per_second * flops_per_token / kPeakFlops;
+  result.device_gb = static_cast<double>(gpu->device_bytes()) / 1e9;
+  fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
+             mc.moe.n_experts, mc.moe.top_k, batch, S);
+  fmt::print(out, "params: total {:.3f} B, active {:.3f} B, embedding {:.3f} B\n", counts.total / 1e9,
+             counts.active / 1e9, counts.embedding / 1e9);
+  fmt::print(out, "steps: {} warm-up + {} timed; median {:.1f} ms, min {:.1f}, max {:.1f}; last loss {:.4f}\n",
+             warmup_steps, timed_steps, result.median_step_ms, step_ms.front(), step_ms.back(), loss);
+  fmt::print(out,
+             "tokens/s {:.0f} | MFU {:.1f}% = tokens/s x (6 x {:.4g} active non-embedding params + 12 x {} layers x "
+             "{} dim x {} seq) / {:.0f} TFLOP/s\n",
+             result.tokens_per_second, 100 * result.mfu, active_non_embedding, mc.n_layers, mc.dim, mc.seq_len,
+             kPeakFlops / 1e12);
+  fmt::print(out, "device memory in use: {:.1f} GB\n", result.device_gb);
+  return result;
+}
+
+}  // namespace moe

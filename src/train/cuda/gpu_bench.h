@@ -1,0 +1,20 @@
+// `moe bench` on one GPU: timed optimizer steps (forward, backward, AdamW) of the
+// configured model on random tokens, reported as tokens/s, MFU with the inputs of its
+// formula, step time and device memory.
+#pragma once
+#include <iosfwd>
+
+#include "train/config.h"
+
+namespace moe {
+
+struct GpuBenchResult {
+  double median_step_ms = 0;
+  double tokens_per_second = 0;
+  double mfu = 0;
+  double device_gb = 0;
+};
+
+GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out);
+
+}  // namespace moe
