@@ -41,6 +41,51 @@ struct MoEBuffers {
   std::vector<int32_t> offsets_host;  // expert row offsets of the last forward
 };
 
+enum Phase : int {
+  kAttention, kRouter, kDispatch, kExperts, kCombine, kDenseFfn, kNorms, kEmbedding, kHeadLoss, kOptimizer, kHost,
+  kPhaseCount
+};
+const char* const kPhaseNames[kPhaseCount] = {"attention", "router",         "dispatch",     "experts",
+                                              "combine",   "dense FFN",      "norms+residual", "embedding",
+                                              "LM head+loss", "optimizer",   "host gaps"};
+
+// Events recorded at phase boundaries; each interval is charged to the phase that began it.
+struct PhaseClock {
+  bool enabled = false;
+  std::vector<cudaEvent_t> events;
+  std::vector<int> phase_of;
+  size_t used = 0;
+  std::array<double, kPhaseCount> ms{};
+
+  void mark(int phase, cudaStream_t stream) {
+    if (!enabled) return;
+    if (used == events.size()) {
+      cudaEvent_t event;
+      MOE_CUDA_CHECK(cudaEventCreate(&event));
+      events.push_back(event);
+    }
+    MOE_CUDA_CHECK(cudaEventRecord(events[used], stream));
+    phase_of.resize(used + 1);
+    phase_of[used++] = phase;
+  }
+  // Charges the recorded intervals, keeping the last event as the start of the next one.
+  void collect() {
+    if (used < 2) return;
+    MOE_CUDA_CHECK(cudaEventSynchronize(events[used - 1]));
+    for (size_t i = 1; i < used; ++i) {
+      float elapsed = 0;
+      MOE_CUDA_CHECK(cudaEventElapsedTime(&elapsed, events[i - 1], events[i]));
+      ms[static_cast<size_t>(phase_of[i - 1])] += elapsed;
+    }
+    std::swap(events[0], events[used - 1]);
+    phase_of[0] = phase_of[used - 1];
+    used = 1;
+  }
+  ~PhaseClock() {
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
+  }
+};
+
 struct Layer {
   Param norm1, norm2, wq, wk, wv, wo;
   Param router_w, router_b, w1, w3, w2;              // MoE layers
@@ -81,7 +126,9 @@ struct GpuTransformer::State {
   Buffer<float> dweight, dlogits, norm_partial;
   Buffer<char> embedding_scratch;
   int64_t n_valid = 0;
+  PhaseClock clock;
 
+  void mark(int phase) { clock.mark(phase, stream); }
   const bf16* w(const Param& p) const { return weights.data() + p.offset; }
   float* g(const Param& p) { return grads.data() + p.offset; }
 
@@ -271,6 +318,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, ForwardResult& result) {
   const MoEConfig& mc = config.moe;
   const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
   MoEBuffers& m = layer.moe;
+  mark(kRouter);
   // Router: fp32 logits from the bf16 matmul, + bias, scores, top-k.
   blas.gemm(false, true, T, E, D, 1.0f, layer.n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
             stream);
@@ -283,6 +331,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, ForwardResult& result) {
   cuda::ordered_sum(sums.data() + 1, m.aux_term.data(), T, static_cast<float>(mc.aux_loss_coef * E / T), stream);
   cuda::ordered_sum(sums.data() + 2, m.z_term.data(), T, static_cast<float>(mc.z_loss_coef / T), stream);
   const int64_t capacity = expert_capacity(mc.capacity_factor, T, K, E);
+  mark(kDispatch);
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(), layer.load.data(),
                     m.rank.data(), m.expert.data(), T, E, K, capacity, stream);
   cuda::permute_forward(m.x_rows.data(), layer.n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D, stream);
@@ -297,6 +346,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, ForwardResult& result) {
   if (mc.aux_loss_coef > 0) result.aux_loss += losses[0];
   if (mc.z_loss_coef > 0) result.z_loss += losses[1];
   result.dropped += T * K - m.offsets_host[static_cast<size_t>(E)];
+  mark(kExperts);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
     if (count == 0) continue;
@@ -312,7 +362,9 @@ void GpuTransformer::State::moe_forward(Layer& layer, ForwardResult& result) {
     if (count == 0) continue;
     linear(m.y_rows.data() + first * D, m.act_rows.data() + first * F, w(layer.w2) + e * D * F, count, F, D, false);
   }
+  mark(kCombine);
   cuda::combine_forward(layer.ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
+  mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
     ffn_forward(layer.ffn_out.data(), layer.n2.data(), w(layer.shared[i][0]), w(layer.shared[i][1]),
                 w(layer.shared[i][2]), m.shared[i], T, F, true);
@@ -323,9 +375,11 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
   MoEBuffers& m = layer.moe;
   const bf16* dy = dres.data();  // gradient of the FFN output
+  mark(kCombine);
   cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
                          stream);
   const int64_t rows = m.offsets_host[static_cast<size_t>(E)];
+  mark(kExperts);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
     if (count == 0) continue;
@@ -341,7 +395,9 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
     linear_backward(dx_rows.data() + first * D, g(layer.w3) + e * F * D, dgate_up_rows.data() + first * 2 * F + F,
                     m.x_rows.data() + first * D, w(layer.w3) + e * F * D, count, D, F, true, 2 * F);
   }
+  mark(kDispatch);
   cuda::permute_backward(dnorm.data(), dx_rows.data(), m.row.data(), T, K, D, false, stream);
+  mark(kRouter);
   // Router: combine weights -> logits (aux and z losses included) -> n2 and the router weights.
   cuda::router_backward(dlogits.data(), dweight.data(), m.scores.data(), m.logits.data(), m.expert.data(),
                         m.assign_counts.data(), T, E, K, static_cast<float>(mc.temperature), mc.score_func,
@@ -351,6 +407,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   cuda::cast_to_bf16(dlogits_bf16.data(), dlogits.data(), T * E, stream);
   linear_backward(dnorm.data(), g(layer.router_w), dlogits_bf16.data(), layer.n2.data(), w(layer.router_w), T, D, E,
                   true);
+  mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
     ffn_backward(dnorm.data(), dy, layer.n2.data(), layer.shared[i], m.shared[i], T, F, true);
 }
@@ -376,14 +433,18 @@ ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* t
   for (size_t l = 0; l < s.layers.size(); ++l) {
     Layer& layer = s.layers[l];
     if (l == 0) {
+      s.mark(kEmbedding);
       cuda::embedding_forward(layer.x.data(), s.inputs.data(), s.w(s.embedding), T, V, D, s.stream);
+      s.mark(kNorms);
       cuda::rmsnorm_forward(layer.n1.data(), layer.rstd1.data(), nullptr, layer.x.data(), nullptr, s.w(layer.norm1), T,
                             D, eps, s.stream);
     } else {  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm
+      s.mark(kNorms);
       cuda::rmsnorm_forward(layer.n1.data(), layer.rstd1.data(), layer.x.data(), prev_h, prev_branch, s.w(layer.norm1),
                             T, D, eps, s.stream);
     }
     AttentionBuffers& a = layer.attn;
+    s.mark(kAttention);
     s.linear(a.q.data(), layer.n1.data(), s.w(layer.wq), T, D, H * d, false);
     s.linear(a.k.data(), layer.n1.data(), s.w(layer.wk), T, D, G * d, false);
     s.linear(a.v.data(), layer.n1.data(), s.w(layer.wv), T, D, G * d, false);
@@ -392,19 +453,23 @@ ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* t
     s.attention.forward(a.out.data(), a.stats.data(), a.q.data(), a.k.data(), a.v.data(), s.batch, c.seq_len, H, G, d,
                         1.0f / std::sqrt(static_cast<float>(d)), s.stream);
     s.linear(s.dnorm.data(), a.out.data(), s.w(layer.wo), T, H * d, D, false);  // attention output (scratch)
+    s.mark(kNorms);
     cuda::rmsnorm_forward(layer.n2.data(), layer.rstd2.data(), layer.h.data(), layer.x.data(), s.dnorm.data(),
                           s.w(layer.norm2), T, D, eps, s.stream);
     if (layer.is_moe) {
       s.moe_forward(layer, result);
     } else {
+      s.mark(kDenseFfn);
       s.ffn_forward(layer.ffn_out.data(), layer.n2.data(), s.w(layer.dense[0]), s.w(layer.dense[1]),
                     s.w(layer.dense[2]), layer.dense_buffers, T, c.dense_hidden, false);
     }
     prev_h = layer.h.data();
     prev_branch = layer.ffn_out.data();
   }
+  s.mark(kNorms);
   cuda::rmsnorm_forward(s.final_n.data(), s.final_rstd.data(), s.final_x.data(), prev_h, prev_branch,
                         s.w(s.final_norm), T, D, eps, s.stream);
+  s.mark(kHeadLoss);
   s.linear(s.logits.data(), s.final_n.data(), s.w(s.head), T, D, V, false);
   cuda::cross_entropy_forward(s.loss.data(), s.lse.data(), s.logits.data(), s.targets.data(), T, V, s.stream);
   cuda::ordered_sum(s.sums.data(), s.loss.data(), T, 1.0f / static_cast<float>(std::max<int64_t>(1, s.n_valid)),
@@ -412,6 +477,7 @@ ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* t
   float ce = 0;
   MOE_CUDA_CHECK(cudaMemcpyAsync(&ce, s.sums.data(), sizeof(float), cudaMemcpyDeviceToHost, s.stream));
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  s.mark(kHost);
   result.ce_loss = ce;
   return result;
 }
@@ -421,10 +487,12 @@ void GpuTransformer::backward(double loss_scale) {
   const ModelConfig& c = s.config;
   const int64_t T = s.tokens, D = c.dim, V = c.vocab_size, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
   // Logits become their gradient in place.
+  s.mark(kHeadLoss);
   cuda::cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(), T, V,
                                static_cast<float>(loss_scale / static_cast<double>(std::max<int64_t>(1, s.n_valid))),
                                s.stream);
   s.linear_backward(s.dnorm.data(), s.g(s.head), s.logits.data(), s.final_n.data(), s.w(s.head), T, D, V, false);
+  s.mark(kNorms);
   cuda::rmsnorm_backward(s.dres.data(), s.g(s.final_norm), s.dnorm.data(), nullptr, s.final_x.data(),
                          s.w(s.final_norm), s.final_rstd.data(), T, D, s.norm_partial.data(), s.stream);
   for (size_t l = s.layers.size(); l-- > 0;) {
@@ -433,12 +501,15 @@ void GpuTransformer::backward(double loss_scale) {
     if (layer.is_moe) {
       s.moe_backward(layer, loss_scale);
     } else {
+      s.mark(kDenseFfn);
       s.ffn_backward(s.dnorm.data(), s.dres.data(), layer.n2.data(), layer.dense, layer.dense_buffers, T,
                      c.dense_hidden, false);
     }
+    s.mark(kNorms);
     cuda::rmsnorm_backward(s.dres.data(), s.g(layer.norm2), s.dnorm.data(), s.dres.data(), layer.h.data(),
                            s.w(layer.norm2), layer.rstd2.data(), T, D, s.norm_partial.data(), s.stream);
     AttentionBuffers& a = layer.attn;
+    s.mark(kAttention);
     s.linear_backward(s.dattn.data(), s.g(layer.wo), s.dres.data(), a.out.data(), s.w(layer.wo), T, H * d, D, false);
     s.attention.backward(s.dq.data(), s.dk.data(), s.dv.data(), s.dattn.data(), a.q.data(), a.k.data(), a.v.data(),
                          a.out.data(), a.stats.data(), s.batch, c.seq_len, H, G, d,
@@ -448,12 +519,15 @@ void GpuTransformer::backward(double loss_scale) {
     s.linear_backward(s.dnorm.data(), s.g(layer.wq), s.dq.data(), layer.n1.data(), s.w(layer.wq), T, D, H * d, false);
     s.linear_backward(s.dnorm.data(), s.g(layer.wk), s.dk.data(), layer.n1.data(), s.w(layer.wk), T, D, G * d, true);
     s.linear_backward(s.dnorm.data(), s.g(layer.wv), s.dv.data(), layer.n1.data(), s.w(layer.wv), T, D, G * d, true);
+    s.mark(kNorms);
     cuda::rmsnorm_backward(s.dres.data(), s.g(layer.norm1), s.dnorm.data(), s.dres.data(), layer.x.data(),
                            s.w(layer.norm1), layer.rstd1.data(), T, D, s.norm_partial.data(), s.stream);
   }
+  s.mark(kEmbedding);
   cuda::embedding_backward(s.g(s.embedding), s.inputs.data(), s.dres.data(), T, V, D, s.embedding_scratch.data(),
                            s.embedding_scratch.size(), s.stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  s.mark(kHost);
 }
 
 void GpuTransformer::zero_grads() {
@@ -472,6 +546,7 @@ double GpuTransformer::grad_norm() {
 void GpuTransformer::adamw_step(double lr, double beta1, double beta2, double eps, double weight_decay,
                                 float grad_scale, int64_t step) {
   State& s = *state_;
+  s.mark(kOptimizer);
   for (size_t id = 0; id < s.specs.size(); ++id) {
     const ParamSpec& spec = s.specs[id];
     const int64_t offset = s.offsets[id];
@@ -482,6 +557,7 @@ void GpuTransformer::adamw_step(double lr, double beta1, double beta2, double ep
                      decay, grad_scale, step, s.stream);
   }
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  s.mark(kHost);
 }
 
 void GpuTransformer::download_grads(ParameterStore<float>& params) const {
@@ -518,6 +594,21 @@ size_t GpuTransformer::device_bytes() const {
   size_t free_bytes = 0, total_bytes = 0;
   MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   return total_bytes - free_bytes;
+}
+
+}  // namespace moe
+
+namespace moe {
+
+void GpuTransformer::enable_phase_timing(bool enabled) { state_->clock.enabled = enabled; }
+
+std::vector<std::pair<std::string, double>> GpuTransformer::take_phase_times() {
+  PhaseClock& clock = state_->clock;
+  clock.collect();
+  std::vector<std::pair<std::string, double>> times;
+  for (int phase = 0; phase < kPhaseCount; ++phase) times.emplace_back(kPhaseNames[phase], clock.ms[static_cast<size_t>(phase)]);
+  clock.ms = {};
+  return times;
 }
 
 }  // namespace moe

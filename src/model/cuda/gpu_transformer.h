@@ -4,6 +4,8 @@
 // is tested against); every op is a tested kernel from kernels/gpu_ops.h.
 #pragma once
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "model/config.h"
@@ -40,6 +42,11 @@ class GpuTransformer {
   std::vector<std::vector<int64_t>> expert_load();
   void reset_load();
   size_t device_bytes() const;
+  // Step time by phase, from CUDA events recorded at phase boundaries (off by default).
+  void enable_phase_timing(bool enabled);
+  // Milliseconds per phase since the last call (attention, router, dispatch, experts,
+  // combine, dense FFN, norms & residual, embedding, LM head & loss, optimizer, host gaps).
+  std::vector<std::pair<std::string, double>> take_phase_times();
 
  private:
   struct State;

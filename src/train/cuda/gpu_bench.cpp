@@ -42,7 +42,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   MOE_CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<float> step_ms;
   double loss = 0;
+  gpu->enable_phase_timing(true);
   for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
+    if (step == warmup_steps + 1) gpu->take_phase_times();  // drop the warm-up steps' phases
     MOE_CUDA_CHECK(cudaEventRecord(start));
     gpu->zero_grads();
     loss = gpu->forward(inputs.data(), targets.data()).total();
@@ -57,6 +59,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
+  const auto phases = gpu->take_phase_times();
   std::sort(step_ms.begin(), step_ms.end());
   GpuBenchResult result;
   result.median_step_ms = step_ms[step_ms.size() / 2];
@@ -80,6 +83,11 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              result.tokens_per_second, 100 * result.mfu, active_non_embedding, mc.n_layers, mc.dim, mc.seq_len,
              kPeakFlops / 1e12);
   fmt::print(out, "device memory in use: {:.1f} GB\n", result.device_gb);
+  double phase_total = 0;
+  for (const auto& [name, ms] : phases) phase_total += ms;
+  fmt::print(out, "time by phase, mean per step (forward + backward; from CUDA events at phase boundaries):\n");
+  for (const auto& [name, ms] : phases)
+    fmt::print(out, "  {:<16} {:8.1f} ms  {:5.1f}%\n", name, ms / timed_steps, 100.0 * ms / std::max(phase_total, 1e-9));
   return result;
 }
 
