@@ -6,7 +6,10 @@ packages=(
   cmake ninja-build g++ make pkg-config
   libopenblas-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
   libfmt-dev libspdlog-dev libgtest-dev libgmock-dev
+  libutf8proc-dev   # Unicode categories and NFC for the BPE tokenizer
   python3.11-doc   # the default training corpus (html/_sources/*.rst.txt)
+  libcpp-httplib-dev libjs-chart.js   # the dashboard's HTTP server and charts
+  chromium   # headless browser test of the dashboard page
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -2,10 +2,18 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <iostream>
+#include <memory>
 
 #include "core/threads.h"
+#include "obs/dashboard.h"
+#include "obs/report.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/signals.h"
 #include "train/text_data.h"
 #include "train/trainer.h"
 
@@ -24,15 +32,42 @@ int run_train(const TrainOptions& options) {
   if (options.device) overrides.push_back("training.device=" + *options.device);
   if (options.threads) overrides.push_back("training.threads=" + std::to_string(*options.threads));
   RunConfig config = resolve_config(options.config_path, overrides);
-  if (config.training.device == "cuda")
-    MOE_CONFIG_ERROR("training.device: this build has no CUDA backend yet; use auto or cpu");
   const int threads = set_num_threads(static_cast<int>(config.training.threads));
   TextData data = load_text_data(config, threads);
   fmt::print("data: {} | tokenizer {} (vocab {}) | train {} docs, {} tokens | validation {} docs, {} tokens\n",
              config.data.dir, data.tokenizer_name, config.model.vocab_size, data.train_docs,
              data.train_tokens, data.val_docs, data.val_tokens);
   Trainer trainer(config, std::move(data.train), std::move(data.validation));
+  trainer.observer_options.progress_bar = isatty(STDOUT_FILENO) == 1;
+  std::unique_ptr<Dashboard> dashboard;
+  if (options.dashboard_port) {
+    dashboard = std::make_unique<Dashboard>(*options.dashboard_port);
+    trainer.observer_options.feed = &dashboard->feed();
+    fmt::print("dashboard: {}\n", dashboard->url());
+    std::fflush(stdout);
+  }
+  if (options.resume) {
+    // auto: the newest complete checkpoint, or a fresh start when there is none yet.
+    std::optional<std::filesystem::path> path;
+    if (*options.resume != "auto") path = *options.resume;
+    else if (!config.checkpoint.dir.empty()) path = latest_checkpoint(config.checkpoint.dir);
+    if (path && !std::filesystem::exists(*path))
+      MOE_CONFIG_ERROR("--resume {}: no such checkpoint directory", path->string());
+    if (path) trainer.resume(path->string(), std::cout);
+    else fmt::print("resume: no checkpoint in checkpoint.dir \"{}\", starting at step 0\n", config.checkpoint.dir);
+  }
+  install_stop_signal_handlers();  // from here a SIGTERM/SIGINT finishes the step and saves
   trainer.run(std::cout);
+  return 0;
+}
+
+int run_export(const ExportOptions& options) {
+  export_checkpoint(options, std::cout);
+  return 0;
+}
+
+int run_report(const ReportOptions& options) {
+  fmt::print("report: {}\n", write_report(options.run_dir, options.output));
   return 0;
 }
 

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "train/export.h"
+
 namespace moe {
 
 struct TrainOptions {
@@ -11,6 +13,13 @@ struct TrainOptions {
   std::optional<std::string> device;
   std::optional<int64_t> threads;
   std::vector<std::string> overrides;  // "section.key=value"
+  std::optional<int> dashboard_port;   // serve the live dashboard here (0: any free port)
+  std::optional<std::string> resume;   // "auto" (newest in checkpoint.dir, if any) or a checkpoint directory
+};
+
+struct ReportOptions {
+  std::string run_dir;  // holds metrics.jsonl (metrics.dir of the run)
+  std::string output;   // empty: run_dir/report.html
 };
 
 struct ConfigOptions {
@@ -20,5 +29,7 @@ struct ConfigOptions {
 
 int run_train(const TrainOptions& options);
 int run_config(const ConfigOptions& options);
+int run_report(const ReportOptions& options);
+int run_export(const ExportOptions& options);
 
 }  // namespace moe

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/tokenize_commands.h"
 #include "core/error.h"
 
 namespace {
@@ -44,6 +45,11 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   train_cmd->add_option("--device", train.device, "auto | cpu | cuda (overrides training.device)");
   train_cmd->add_option("--threads", train.threads, "CPU threads (overrides training.threads; 0 = all)");
+  train_cmd->add_option("--dashboard", train.dashboard_port,
+                        "Serve a live dashboard on this port of 127.0.0.1 while training (0: a free port)")
+      ->check(CLI::Range(0, 65535));
+  train_cmd->add_option("--resume", train.resume,
+                        "auto (the newest checkpoint in checkpoint.dir, if any) or a checkpoint directory");
   train_cmd->allow_extras();
   train_cmd->footer(kOverrideHelp);
 
@@ -54,6 +60,61 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   config_cmd->allow_extras();
   config_cmd->footer(kOverrideHelp);
+
+  moe::ReportOptions report;
+  CLI::App* report_cmd =
+      app.add_subcommand("report", "Write a run's dashboard as one self-contained HTML file from its metrics.jsonl");
+  report_cmd->add_option("run_dir", report.run_dir, "The run's metrics.dir (holds metrics.jsonl)")->required();
+  report_cmd->add_option("-o,--output", report.output, "HTML file to write (default RUN_DIR/report.html)");
+
+  moe::ExportOptions export_options;
+  CLI::App* export_cmd = app.add_subcommand("export", "Export a checkpoint as a Hugging Face model folder");
+  export_cmd->add_option("--format", export_options.format, "hf (a Mixtral config.json + safetensors)")
+      ->default_val("hf");
+  export_cmd->add_option("--checkpoint", export_options.checkpoint, "Checkpoint directory (checkpoint.dir/step_N)")
+      ->required();
+  export_cmd->add_option("--output", export_options.output, "Folder to create")->required();
+  export_cmd->add_option("--max-shard-bytes", export_options.max_shard_bytes,
+                         "Split model.safetensors into shards with an index past this size")
+      ->default_val(export_options.max_shard_bytes);
+  export_cmd->add_flag("--allow-inexact", export_options.allow_inexact,
+                       "Drop a non-zero router or balancing bias (which Mixtral cannot hold) with a warning");
+
+  moe::TokenizerTrainOptions tok_train;
+  CLI::App* tokenizer_cmd = app.add_subcommand("tokenizer", "Tokenizer tools");
+  tokenizer_cmd->require_subcommand(1);
+  CLI::App* tok_train_cmd = tokenizer_cmd->add_subcommand("train", "Train a byte-level BPE tokenizer (writes a HF tokenizer.json)");
+  tok_train_cmd->add_option("--vocab-size", tok_train.vocab_size, "Vocabulary size, special tokens and 256 bytes included")->required();
+  tok_train_cmd->add_option("--input", tok_train.input.paths, "Text files, directories or .jsonl files")->required();
+  tok_train_cmd->add_option("--output", tok_train.output, "tokenizer.json to write")->required();
+  tok_train_cmd->add_option("--pattern", tok_train.pattern, "Pre-tokeniser: gpt2 | llama3 | qwen2")->default_val("llama3");
+  tok_train_cmd->add_option("--special", tok_train.specials, "Special tokens, the first is EOS")->default_val("<|endoftext|>");
+  tok_train_cmd->add_option("--extension", tok_train.input.extension, "In directories, only files ending with this");
+  tok_train_cmd->add_option("--text-field", tok_train.input.text_field, "JSONL field holding the text")->default_val("text");
+  tok_train_cmd->add_option("--threads", tok_train.threads, "Threads (0 = all)")->default_val(0);
+
+  moe::TokenizerBenchOptions tok_bench;
+  CLI::App* tok_bench_cmd = tokenizer_cmd->add_subcommand("bench", "Measure encode throughput on text in memory");
+  tok_bench_cmd->add_option("--tokenizer", tok_bench.tokenizer, "tokenizer.json, byte, or tiktoken:<pattern>:<file>")->required();
+  tok_bench_cmd->add_option("--input", tok_bench.input.paths, "Text files, directories or .jsonl files")->required();
+  tok_bench_cmd->add_option("--extension", tok_bench.input.extension, "In directories, only files ending with this");
+  tok_bench_cmd->add_option("--threads", tok_bench.threads, "Threads")->default_val(1);
+  tok_bench_cmd->add_option("--repeats", tok_bench.repeats, "Timed passes (the median is reported)")->default_val(3);
+
+  moe::TokenizeCommandOptions tokenize;
+  CLI::App* tokenize_cmd = app.add_subcommand("tokenize", "Encode text into binary token shards for training");
+  tokenize_cmd->add_option("--tokenizer", tokenize.tokenizer, "tokenizer.json, byte, or tiktoken:<gpt2|llama3|qwen2>:<file>")->required();
+  tokenize_cmd->add_option("--input", tokenize.tokenize.input.paths, "Text files, directories or .jsonl files")->required();
+  tokenize_cmd->add_option("--output", tokenize.tokenize.output_dir, "Folder for train_*.bin (and val_*.bin)")->required();
+  tokenize_cmd->add_option("--text-field", tokenize.tokenize.input.text_field, "JSONL field holding the text")->default_val("text");
+  tokenize_cmd->add_option("--extension", tokenize.tokenize.input.extension, "In directories, only files ending with this");
+  tokenize_cmd->add_option("--threads", tokenize.tokenize.threads, "Threads (0 = all)")->default_val(0);
+  tokenize_cmd->add_option("--shard-tokens", tokenize.tokenize.shard_tokens, "Start a new shard after this many tokens")
+      ->default_val(tokenize.tokenize.shard_tokens);
+  tokenize_cmd->add_option("--val-fraction", tokenize.tokenize.val_fraction,
+                           "Share of documents (by name hash, as data.val_fraction) written to val_*.bin")->default_val(0.0);
+  bool no_progress = false;
+  tokenize_cmd->add_flag("--no-progress", no_progress, "No progress line on stderr");
 
   auto is_command = [&](const std::string& name) {
     for (const CLI::App* sub : app.get_subcommands({}))
@@ -81,6 +142,14 @@ int main(int argc, char** argv) {
     if (*train_cmd) {
       train.overrides = parse_overrides(train_cmd->remaining());
       return moe::run_train(train);
+    }
+    if (*report_cmd) return moe::run_report(report);
+    if (*export_cmd) return moe::run_export(export_options);
+    if (*tok_train_cmd) return moe::run_tokenizer_train(tok_train);
+    if (*tok_bench_cmd) return moe::run_tokenizer_bench(tok_bench);
+    if (*tokenize_cmd) {
+      tokenize.tokenize.progress = !no_progress;
+      return moe::run_tokenize(tokenize);
     }
     if (*config_cmd) {
       show.overrides = parse_overrides(config_cmd->remaining());

@@ -3,6 +3,7 @@
 // and every rank sees the same list. Each document goes to the train or validation
 // split by a hash of its relative path, so adding files never moves existing ones.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -25,13 +26,26 @@ struct CorpusSplit {
   std::vector<Document> validation;
 };
 
+// What the packed loader reads: documents of token ids, in memory or memory-mapped shards.
+class DocumentSource {
+ public:
+  virtual ~DocumentSource() = default;
+  virtual int64_t n_docs() const = 0;
+  virtual int64_t doc_size(int64_t d) const = 0;
+  // Copies tokens [offset, offset + count) of document d to out.
+  virtual void copy(int64_t d, int64_t offset, int64_t count, int32_t* out) const = 0;
+};
+
 // Documents as one flat token array: document d is tokens[doc_offsets[d], doc_offsets[d+1]).
-// This is the "document source" the loader reads; a binary shard reader will produce it too.
-struct TokenizedDocuments {
+struct TokenizedDocuments final : DocumentSource {
   std::vector<int32_t> tokens;
   std::vector<int64_t> doc_offsets{0};  // n_docs + 1 entries, starting at 0
 
-  int64_t n_docs() const { return static_cast<int64_t>(doc_offsets.size()) - 1; }
+  int64_t n_docs() const override { return static_cast<int64_t>(doc_offsets.size()) - 1; }
+  int64_t doc_size(int64_t d) const override { return doc_offsets[d + 1] - doc_offsets[d]; }
+  void copy(int64_t d, int64_t offset, int64_t count, int32_t* out) const override {
+    std::copy_n(tokens.data() + doc_offsets[d] + offset, count, out);
+  }
   int64_t n_tokens() const { return static_cast<int64_t>(tokens.size()); }
   std::span<const int32_t> doc(int64_t d) const {
     return {tokens.data() + doc_offsets[d], static_cast<size_t>(doc_offsets[d + 1] - doc_offsets[d])};

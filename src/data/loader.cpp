@@ -8,14 +8,18 @@
 
 namespace moe {
 
-PackedLoader::PackedLoader(const TokenizedDocuments& docs, int32_t eos_id, int64_t seq_len, uint64_t seed,
-                           bool shuffle)
-    : docs_(&docs), eos_id_(eos_id), seq_len_(seq_len), seed_(seed), shuffle_(shuffle) {
+PackedLoader::PackedLoader(const DocumentSource& docs, int32_t eos_id, int64_t seq_len, uint64_t seed,
+                           bool shuffle, int64_t rank, int64_t world_size)
+    : docs_(&docs), eos_id_(eos_id), rank_(rank), world_size_(world_size), seq_len_(seq_len), seed_(seed),
+      shuffle_(shuffle) {
   MOE_CHECK(docs.n_docs() > 0, "the loader needs at least one document");
   MOE_CHECK(seq_len > 0, "seq_len must be positive, got {}", seq_len);
-  MOE_CHECK(docs.doc_offsets.front() == 0 && docs.doc_offsets.back() == docs.n_tokens(),
-            "doc_offsets do not cover the token array");
-  tokens_per_epoch_ = docs.n_tokens() + docs.n_docs();
+  MOE_CHECK(world_size > 0 && rank >= 0 && rank < world_size, "rank {} is not in [0, world_size {})", rank, world_size);
+  if (const auto* flat = dynamic_cast<const TokenizedDocuments*>(&docs))
+    MOE_CHECK(flat->doc_offsets.front() == 0 && flat->doc_offsets.back() == flat->n_tokens(),
+              "doc_offsets do not cover the token array");
+  tokens_per_epoch_ = docs.n_docs();
+  for (int64_t d = 0; d < docs.n_docs(); ++d) tokens_per_epoch_ += docs.doc_size(d);
   row_.resize(static_cast<size_t>(seq_len + 1));
 }
 
@@ -44,7 +48,7 @@ const PackedLoader::EpochView& PackedLoader::view(int64_t epoch) {
   v.order = epoch_order(epoch);
   v.starts.resize(v.order.size() + 1);
   v.starts[0] = 0;
-  for (size_t i = 0; i < v.order.size(); ++i) v.starts[i + 1] = v.starts[i] + docs_->doc(v.order[i]).size() + 1;
+  for (size_t i = 0; i < v.order.size(); ++i) v.starts[i + 1] = v.starts[i] + docs_->doc_size(v.order[i]) + 1;
   return v;
 }
 
@@ -58,12 +62,12 @@ void PackedLoader::copy_stream(int64_t epoch, int64_t position, int64_t count, i
     const EpochView& v = view(epoch);
     // The document whose span [starts[i], starts[i+1]) holds `position`.
     size_t i = static_cast<size_t>(std::upper_bound(v.starts.begin(), v.starts.end(), position) - v.starts.begin()) - 1;
-    std::span<const int32_t> doc = docs_->doc(v.order[i]);
+    const int64_t size = docs_->doc_size(v.order[i]);
     int64_t within = position - v.starts[i];
     int64_t n = 1;
-    if (within < static_cast<int64_t>(doc.size())) {
-      n = std::min<int64_t>(count, static_cast<int64_t>(doc.size()) - within);
-      std::copy_n(doc.begin() + within, n, out);
+    if (within < size) {
+      n = std::min<int64_t>(count, size - within);
+      docs_->copy(v.order[i], within, n, out);
     } else {
       *out = eos_id_;  // the last slot of a document's span is its EOS
     }
@@ -73,12 +77,19 @@ void PackedLoader::copy_stream(int64_t epoch, int64_t position, int64_t count, i
   }
 }
 
-void PackedLoader::next_batch(int64_t batch, int32_t* inputs_BS, int32_t* targets_BS) {
+void PackedLoader::next_batch(int64_t batch, int32_t* inputs_BS, int32_t* targets_BS, int32_t* doc_ids_BS) {
   for (int64_t b = 0; b < batch; ++b) {
-    copy_stream(state_.epoch, state_.position, seq_len_ + 1, row_.data());
+    copy_stream(state_.epoch, state_.position + rank_ * seq_len_, seq_len_ + 1, row_.data());
     std::copy_n(row_.begin(), seq_len_, inputs_BS + b * seq_len_);
     std::copy_n(row_.begin() + 1, seq_len_, targets_BS + b * seq_len_);
-    state_.position += seq_len_;
+    if (doc_ids_BS) {
+      int32_t doc = 0;
+      for (int64_t s = 0; s < seq_len_; ++s) {
+        doc_ids_BS[b * seq_len_ + s] = doc;
+        if (row_[s] == eos_id_) ++doc;  // the token after an EOS starts the next document
+      }
+    }
+    state_.position += seq_len_ * world_size_;
     state_.epoch += state_.position / tokens_per_epoch_;
     state_.position %= tokens_per_epoch_;
   }

@@ -1,6 +1,7 @@
 #include "data/tokenizer.h"
 
 #include "core/error.h"
+#include "data/bpe.h"
 #include "train/config.h"
 
 namespace moe {
@@ -23,9 +24,36 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {
   return text;
 }
 
+std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec) {
+  if (spec == "byte") return std::make_unique<ByteTokenizer>();
+  std::unique_ptr<BpeTokenizer> bpe;
+  if (spec.starts_with("tiktoken:")) {
+    std::string_view rest = spec.substr(9);
+    const size_t colon = rest.find(':');
+    auto pattern = pattern_from_name(rest.substr(0, colon));
+    if (colon == std::string_view::npos || !pattern)
+      MOE_CONFIG_ERROR("tokenizer '{}': expected tiktoken:<gpt2|llama3|qwen2>:<rank file>", spec);
+    std::string path(rest.substr(colon + 1));
+    bpe = std::make_unique<BpeTokenizer>(load_tiktoken(path, *pattern, {"<|endoftext|>"}), path);
+  } else if (spec.ends_with(".json")) {
+    bpe = std::make_unique<BpeTokenizer>(load_hf_tokenizer(std::string(spec)), std::string(spec));
+  } else {
+    MOE_CONFIG_ERROR("tokenizer '{}' is neither byte, a tokenizer.json path nor tiktoken:<pattern>:<file>", spec);
+  }
+  try {
+    bpe->eos_id();
+  } catch (const Error&) {
+    MOE_CONFIG_ERROR("{}: no end-of-text special token (<|endoftext|>, <|end_of_text|>, </s>, <eos> or <|im_end|>)", spec);
+  }
+  return bpe;
+}
+
 std::unique_ptr<Tokenizer> make_tokenizer(const DataConfig& config) {
-  if (config.tokenizer == "byte") return std::make_unique<ByteTokenizer>();
-  MOE_CONFIG_ERROR("data.tokenizer must be one of byte, got \"{}\"", config.tokenizer);
+  try {
+    return make_tokenizer(config.tokenizer);
+  } catch (const ConfigError& e) {
+    MOE_CONFIG_ERROR("data.tokenizer: {}", e.what());
+  }
 }
 
 }  // namespace moe

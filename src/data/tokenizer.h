@@ -1,5 +1,5 @@
-// Tokenizers turn text into int32 token ids and back. The byte tokenizer is the first;
-// a BPE tokenizer will implement the same interface, so the corpus reader, the loader
+// Tokenizers turn text into int32 token ids and back: the byte tokenizer and byte-level
+// BPE (data/bpe.h) implement the same interface, so the corpus reader, the loader
 // and the trainer never depend on which one is in use.
 #pragma once
 #include <cstdint>
@@ -42,7 +42,12 @@ class ByteTokenizer final : public Tokenizer {
   std::string name() const override { return "byte"; }
 };
 
-// The tokenizer named by data.tokenizer; throws ConfigError for an unknown name.
+// A tokenizer from its spec: "byte"; a path to a Hugging Face tokenizer.json (byte-level
+// BPE); or "tiktoken:<gpt2|llama3|qwen2>:<rank file>" (EOS <|endoftext|> appended).
+// Throws ConfigError naming the spec or file and the problem.
+std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec);
+// The tokenizer named by data.tokenizer ("bpe:N" must have been resolved to a file by
+// the caller, see train/text_data.cpp).
 std::unique_ptr<Tokenizer> make_tokenizer(const DataConfig& config);
 
 }  // namespace moe

@@ -30,6 +30,7 @@ MoELayer<T>::MoELayer(ParameterStore<T>& params, const ModelConfig& config,
     shared_.emplace_back(params, prefix + ".shared." + std::to_string(s), D_, F_,
                          FeedForwardInit{Init::Kaiming, 0, 0});
   load_E_.assign(static_cast<size_t>(E_), 0);
+  routing_.kept_E.assign(static_cast<size_t>(E_), 0);
   bias_E_.assign(static_cast<size_t>(E_), 0.0f);
   bias_T_.assign(static_cast<size_t>(E_), T(0));
 }
@@ -86,6 +87,7 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
   rows_ = assign_rows(row_TK_, counts_E_, offsets_E1_, token_of_row_R_, expert_TK_, T_, E_, K_,
                       capacity_);
   stats.dropped = T_ * K_ - rows_;
+  record_routing(stats.dropped);
   permute_forward<T>(x_RD_, x_TD, token_of_row_R_, rows_, D_);
   const T* w1 = params_.value(w1_);
   const T* w3 = params_.value(w3_);
@@ -149,8 +151,33 @@ void MoELayer<T>::backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_
 }
 
 template <typename T>
+void MoELayer<T>::record_routing(int64_t dropped) {
+  for (int64_t e = 0; e < E_; ++e) routing_.kept_E[static_cast<size_t>(e)] += counts_E_[e];
+  routing_.dropped += dropped;
+  routing_.tokens += T_;
+  // Entropy of each token's routing distribution: softmax scores as they are, sigmoid
+  // scores normalised to sum to 1. O(T*E), small next to the expert matmuls.
+  double entropy_sum = 0;
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* s_E = scores_TE_ + t * E_;
+    double total = 0;
+    for (int64_t e = 0; e < E_; ++e) total += static_cast<double>(s_E[e]);
+    if (total <= 0) continue;
+    for (int64_t e = 0; e < E_; ++e) {
+      const double p = static_cast<double>(s_E[e]) / total;
+      if (p > 0) entropy_sum -= p * std::log(p);
+    }
+  }
+  routing_.entropy_sum += entropy_sum;
+}
+
+template <typename T>
 void MoELayer<T>::reset_load() {
   std::fill(load_E_.begin(), load_E_.end(), 0);
+  std::fill(routing_.kept_E.begin(), routing_.kept_E.end(), 0);
+  routing_.dropped = 0;
+  routing_.entropy_sum = 0;
+  routing_.tokens = 0;
 }
 
 template <typename T>

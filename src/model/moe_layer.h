@@ -20,6 +20,14 @@ struct MoEForwardStats {
   int64_t dropped = 0;   // assignments dropped by capacity
 };
 
+// Routing measurements accumulated over forwards since reset_load(), for metrics.
+struct MoERoutingStats {
+  std::vector<int64_t> kept_E;  // assignments each expert processed (after capacity dropping)
+  int64_t dropped = 0;          // assignments dropped by capacity
+  double entropy_sum = 0;       // sum over tokens of the router distribution's entropy (nats)
+  int64_t tokens = 0;
+};
+
 template <typename T>
 class MoELayer {
  public:
@@ -33,7 +41,9 @@ class MoELayer {
 
   // Assignments per expert accumulated since the last reset (for balancing and metrics).
   const std::vector<int64_t>& load_E() const { return load_E_; }
+  // Resets load_E() and routing_stats().
   void reset_load();
+  const MoERoutingStats& routing_stats() const { return routing_; }
   // Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e), then reset load.
   void update_balancing_bias();
   std::vector<float>& balance_bias_E() { return bias_E_; }
@@ -41,6 +51,8 @@ class MoELayer {
   int64_t n_experts() const { return E_; }
 
  private:
+  void record_routing(int64_t dropped);
+
   ParameterStore<T>& params_;
   MoEConfig cfg_;
   std::string prefix_;
@@ -48,6 +60,7 @@ class MoELayer {
   int router_w_, router_b_, w1_, w3_, w2_;
   std::vector<FeedForward<T>> shared_;
   std::vector<int64_t> load_E_;
+  MoERoutingStats routing_;
   std::vector<float> bias_E_;         // selection bias (not a parameter: no gradient)
   std::vector<T> bias_T_;             // bias_E_ in the layer's type, for router_select
   // Saved from forward.

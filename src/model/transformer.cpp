@@ -90,6 +90,16 @@ void Transformer<T>::plan(int64_t batch) {
 }
 
 template <typename T>
+size_t Transformer<T>::planned_bytes(int64_t batch) {
+  MOE_CHECK(batch > 0, "micro-batch must be positive, got {}", batch);
+  Arena measure_saved = Arena::measuring("activations"), measure_scratch = Arena::measuring("scratch");
+  plan_into(measure_saved, measure_scratch, batch);
+  // Measuring hands out null views: plan the current batch again to take real views back.
+  if (batch_ > 0) plan(batch_);
+  return measure_saved.high_water() + measure_scratch.high_water();
+}
+
+template <typename T>
 ForwardResult Transformer<T>::forward(const int32_t* inputs_BS, const int32_t* targets_BS) {
   MOE_CHECK(batch_ > 0, "forward before plan()");
   inputs_ = inputs_BS;

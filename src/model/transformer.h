@@ -35,6 +35,8 @@ class Transformer {
   // Plans the activation and scratch arenas for micro-batches of `batch` sequences.
   void plan(int64_t batch);
   int64_t planned_batch() const { return batch_; }
+  // Bytes plan(batch) would take for activations and scratch, without allocating them.
+  size_t planned_bytes(int64_t batch);
   // inputs_BS / targets_BS: token ids, [batch, seq_len]. Targets of -1 are ignored.
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
   // Backward of (ce + aux + z) * loss_scale, accumulated into the parameter gradients.

@@ -14,6 +14,7 @@ class AdamW {
   // One update of every parameter with learning rate `lr`.
   void step(double lr);
   int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }  // resuming from a checkpoint
   std::vector<float>& first_moment() { return m_; }
   std::vector<float>& second_moment() { return v_; }
 

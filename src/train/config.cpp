@@ -66,6 +66,11 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "expert_grad_clip", t.expert_grad_clip);
   visit("training", "val_interval", t.val_interval);
   visit("training", "val_batches", t.val_batches);
+  visit("training", "stop_at", t.stop_at);
+  visit("training", "nan_max_skips", t.nan_max_skips);
+  visit("training", "nan_lr_factor", t.nan_lr_factor);
+  visit("training", "loss_spike_factor", t.loss_spike_factor);
+  visit("training", "memory_limit_mb", t.memory_limit_mb);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
@@ -78,11 +83,18 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("data", "tokenizer", c.data.tokenizer);
   visit("data", "val_fraction", c.data.val_fraction);
   visit("data", "max_bytes", c.data.max_bytes);
+  visit("data", "shards", c.data.shards);
   visit("metrics", "log_interval", c.metrics.log_interval);
   visit("metrics", "dir", c.metrics.dir);
+  visit("metrics", "tensorboard", c.metrics.tensorboard);
+  visit("metrics", "peak_tflops", c.metrics.peak_tflops);
+  visit("metrics", "alert_imbalance", c.metrics.alert_imbalance);
+  visit("metrics", "alert_comm_wait", c.metrics.alert_comm_wait);
+  visit("metrics", "alert_grad_sync_ms", c.metrics.alert_grad_sync_ms);
   visit("checkpoint", "dir", c.checkpoint.dir);
   visit("checkpoint", "interval", c.checkpoint.interval);
   visit("checkpoint", "keep_last", c.checkpoint.keep_last);
+  visit("checkpoint", "async", c.checkpoint.async);
 }
 
 template <class T>
@@ -272,6 +284,14 @@ void check_training(const RunConfig& c) {
   non_negative_real("training.expert_grad_clip", t.expert_grad_clip);
   non_negative("training.val_interval", t.val_interval);
   positive("training.val_batches", t.val_batches);
+  if (t.stop_at < 0 || t.stop_at > t.steps)
+    fail({"training.stop_at", "training.steps"},
+         fmt::format("training.stop_at must be between 0 and training.steps ({}), got {}", t.steps, t.stop_at));
+  non_negative("training.nan_max_skips", t.nan_max_skips);
+  check_real("training.nan_lr_factor", t.nan_lr_factor, t.nan_lr_factor > 0 && t.nan_lr_factor <= 1, "in (0, 1]");
+  check_real("training.loss_spike_factor", t.loss_spike_factor, t.loss_spike_factor == 0 || t.loss_spike_factor > 1,
+             "0 (off) or a number > 1");
+  non_negative("training.memory_limit_mb", t.memory_limit_mb);
 
   const OptimizerConfig& o = c.optimizer;
   check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");
@@ -287,7 +307,19 @@ void check_training(const RunConfig& c) {
 void check_io(const RunConfig& c) {
   const DataConfig& d = c.data;
   if (d.dir.empty()) fail({"data.dir"}, "data.dir must name a directory, got \"\"");
-  one_of("data.tokenizer", d.tokenizer, {"byte"});
+  {
+    const std::string& t = d.tokenizer;
+    bool ok = t == "byte" || t.ends_with(".json") || t.starts_with("tiktoken:");
+    if (t.starts_with("bpe:")) {  // bpe:<vocab>: trained on data.dir and cached under data_cache/
+      const std::string n = t.substr(4);
+      ok = !n.empty() && n.size() < 10 && n.find_first_not_of("0123456789") == std::string::npos &&
+           std::stoll(n) >= 257 + 1 && std::stoll(n) <= 1'000'000;
+    }
+    if (!ok)
+      fail({"data.tokenizer"}, fmt::format("data.tokenizer must be byte, bpe:<vocab size 258..1000000>, a path to a "
+                                           "tokenizer.json or tiktoken:<gpt2|llama3|qwen2>:<rank file>, got {}",
+                                           toml_string(t)));
+  }
   check_real("data.val_fraction", d.val_fraction, d.val_fraction > 0 && d.val_fraction < 1, "in (0, 1)");
   non_negative("data.max_bytes", d.max_bytes);
   if (d.tokenizer == "byte" && c.model.vocab_size != 0 && c.model.vocab_size < kByteVocabSize)
@@ -295,6 +327,10 @@ void check_io(const RunConfig& c) {
          fmt::format("model.vocab_size ({}) is smaller than the byte tokenizer's {} ids (0 takes it from the "
                      "tokenizer)", c.model.vocab_size, kByteVocabSize));
   positive("metrics.log_interval", c.metrics.log_interval);
+  positive_real("metrics.peak_tflops", c.metrics.peak_tflops);
+  non_negative_real("metrics.alert_imbalance", c.metrics.alert_imbalance);
+  non_negative_real("metrics.alert_comm_wait", c.metrics.alert_comm_wait);
+  non_negative_real("metrics.alert_grad_sync_ms", c.metrics.alert_grad_sync_ms);
   non_negative("checkpoint.interval", c.checkpoint.interval);
   positive("checkpoint.keep_last", c.checkpoint.keep_last);
 }

@@ -22,6 +22,11 @@ struct TrainingConfig {
   double expert_grad_clip = 0.0;      // per-expert gradient-norm clip; 0 disables
   int64_t val_interval = 50;          // validation every N steps (and at the start and end); 0: start and end only
   int64_t val_batches = 8;            // micro-batches of held-out data per validation
+  int64_t stop_at = 0;                // stop (and checkpoint) after this step as if preempted; 0: run to steps
+  int64_t nan_max_skips = 3;          // non-finite steps in a row before reloading the last checkpoint; 0: never
+  double nan_lr_factor = 0.5;         // each such reload multiplies the learning rate by this
+  double loss_spike_factor = 3.0;     // warn when a loss exceeds this times the running mean; 0: off
+  int64_t memory_limit_mb = 0;        // activation memory per micro-batch; over it the micro-batch is halved; 0: none
 };
 
 struct OptimizerConfig {
@@ -40,20 +45,27 @@ struct LrConfig {
 struct DataConfig {
   std::string dir = "/usr/share/doc/python3.11-doc/html/_sources";
   std::string extension = ".txt";     // files under dir whose name ends with this
-  std::string tokenizer = "byte";     // byte (BPE comes later)
+  std::string tokenizer = "byte";     // byte | bpe:<vocab> | path/tokenizer.json | tiktoken:<pattern>:<file>
   double val_fraction = 0.05;         // share of documents held out, chosen by path hash
   int64_t max_bytes = 0;              // read at most this many bytes of text (0: all)
+  std::string shards = "";            // a `moe tokenize` output folder to train from instead of dir ("" : read dir)
 };
 
 struct MetricsConfig {
   int64_t log_interval = 10;          // console line every N steps
   std::string dir = "";               // per-run output folder ("" : none)
+  bool tensorboard = true;            // also write TensorBoard event files into dir
+  double peak_tflops = 989.0;         // peak dense TFLOP/s per device, for MFU (H100/H200 bf16)
+  double alert_imbalance = 0.15;      // alert when expert load max/mean - 1 exceeds this
+  double alert_comm_wait = 0.20;      // alert when communication wait exceeds this share of a step
+  double alert_grad_sync_ms = 5.0;    // alert when gradient-sync latency exceeds this
 };
 
 struct CheckpointConfig {
   std::string dir = "";               // "" : no checkpoints
   int64_t interval = 0;               // steps between checkpoints; 0: only at the end
   int64_t keep_last = 3;              // newest checkpoints kept on disk (>= 1)
+  bool async = false;                 // write on a background thread; training stalls only for the copy
 };
 
 struct RunConfig {

@@ -1,5 +1,7 @@
-// The text corpus as the trainer's batch sources: read data.dir, tokenize, split, and
-// wrap the packed loaders. Sets model.vocab_size from the tokenizer when it is 0.
+// The text corpus as the trainer's batch sources: read data.dir, tokenize, split (or map
+// the train_/val_ shards of data.shards), and wrap the packed loaders. data.tokenizer
+// "bpe:N" trains a BPE tokenizer on the training split, cached under data_cache/. Sets
+// model.vocab_size from the tokenizer when it is 0.
 #pragma once
 #include <memory>
 #include <string>

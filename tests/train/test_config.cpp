@@ -183,12 +183,25 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"lr.min_ratio=1.5", {"lr.min_ratio", "[0, 1]"}},
       {"data.dir=", {"data.dir"}},
       {"data.tokenizer=bpe", {"data.tokenizer", "byte"}},
+      {"data.tokenizer=bpe:12", {"data.tokenizer", "bpe:<vocab size"}},
+      {"data.tokenizer=tok.txt", {"data.tokenizer", "tokenizer.json"}},
       {"data.val_fraction=0", {"data.val_fraction", "(0, 1)"}},
       {"data.val_fraction=1", {"data.val_fraction"}},
       {"data.max_bytes=-1", {"data.max_bytes"}},
       {"metrics.log_interval=0", {"metrics.log_interval"}},
       {"checkpoint.interval=-1", {"checkpoint.interval"}},
       {"checkpoint.keep_last=0", {"checkpoint.keep_last"}},
+      {"metrics.peak_tflops=0", {"metrics.peak_tflops", "> 0"}},
+      {"metrics.alert_imbalance=-0.1", {"metrics.alert_imbalance"}},
+      {"metrics.alert_comm_wait=-1", {"metrics.alert_comm_wait"}},
+      {"metrics.alert_grad_sync_ms=-5", {"metrics.alert_grad_sync_ms"}},
+      {"training.stop_at=-1", {"training.stop_at", "training.steps"}},
+      {"training.stop_at=301", {"training.stop_at", "between 0 and training.steps (300)"}},
+      {"training.nan_max_skips=-1", {"training.nan_max_skips"}},
+      {"training.nan_lr_factor=0", {"training.nan_lr_factor", "(0, 1]"}},
+      {"training.nan_lr_factor=1.5", {"training.nan_lr_factor"}},
+      {"training.loss_spike_factor=0.5", {"training.loss_spike_factor", "> 1"}},
+      {"training.memory_limit_mb=-1", {"training.memory_limit_mb"}},
   };
   for (const auto& [override_text, fragments] : cases) expect_override_error(override_text, fragments);
 }
@@ -233,8 +246,15 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.data.dir = "/a \"quoted\" \\ dir\twith\ttabs"; },
       [](RunConfig& c) { c.data.extension = ""; }, [](RunConfig& c) { c.data.val_fraction = 0.5; },
       [](RunConfig& c) { c.data.max_bytes = 1 << 20; }, [](RunConfig& c) { c.metrics.log_interval = 1; },
+      [](RunConfig& c) { c.data.shards = "/tmp/shards"; }, [](RunConfig& c) { c.data.tokenizer = "bpe:4096"; },
       [](RunConfig& c) { c.metrics.dir = "runs/a"; }, [](RunConfig& c) { c.checkpoint.dir = "ckpt"; },
       [](RunConfig& c) { c.checkpoint.interval = 100; }, [](RunConfig& c) { c.checkpoint.keep_last = 1; },
+      [](RunConfig& c) { c.metrics.tensorboard = false; }, [](RunConfig& c) { c.metrics.peak_tflops = 312; },
+      [](RunConfig& c) { c.metrics.alert_imbalance = 0.5; }, [](RunConfig& c) { c.metrics.alert_comm_wait = 0.1; },
+      [](RunConfig& c) { c.metrics.alert_grad_sync_ms = 2.5; },
+      [](RunConfig& c) { c.training.stop_at = 5; }, [](RunConfig& c) { c.training.nan_max_skips = 0; },
+      [](RunConfig& c) { c.training.nan_lr_factor = 0.25; }, [](RunConfig& c) { c.training.loss_spike_factor = 0; },
+      [](RunConfig& c) { c.training.memory_limit_mb = 64; }, [](RunConfig& c) { c.checkpoint.async = true; },
   };
   const std::string default_text = config_to_toml(RunConfig{});
   for (size_t i = 0; i < changes.size(); ++i) {
@@ -258,12 +278,12 @@ TEST(Config, EveryFieldRoundTrips) {
   // A tripwire: a new field must be added to config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
   EXPECT_EQ(sizeof(ModelConfig), 192u);
-  EXPECT_EQ(sizeof(TrainingConfig), 104u);
+  EXPECT_EQ(sizeof(TrainingConfig), 144u);
   EXPECT_EQ(sizeof(OptimizerConfig), 32u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
-  EXPECT_EQ(sizeof(DataConfig), 112u);
-  EXPECT_EQ(sizeof(MetricsConfig), 40u);
-  EXPECT_EQ(sizeof(CheckpointConfig), 48u);
+  EXPECT_EQ(sizeof(DataConfig), 144u);
+  EXPECT_EQ(sizeof(MetricsConfig), 80u);
+  EXPECT_EQ(sizeof(CheckpointConfig), 56u);
 }
 
 TEST(Config, DocsDescribeEveryKey) {

@@ -1,0 +1,37 @@
+// `moe tokenizer train` and `moe tokenize`, callable from tests without a process.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "data/tokenize_files.h"
+
+namespace moe {
+
+struct TokenizerTrainOptions {
+  InputOptions input;
+  std::string output;             // tokenizer.json
+  int64_t vocab_size = 0;
+  std::string pattern = "llama3"; // gpt2 | llama3 | qwen2
+  std::vector<std::string> specials = {"<|endoftext|>"};
+  int threads = 0;
+};
+
+struct TokenizeCommandOptions {
+  std::string tokenizer;  // "byte", a tokenizer.json, or tiktoken:<pattern>:<file>
+  TokenizeOptions tokenize;
+};
+
+struct TokenizerBenchOptions {
+  std::string tokenizer;
+  InputOptions input;
+  int threads = 1;
+  int repeats = 3;
+};
+
+int run_tokenizer_train(const TokenizerTrainOptions& options);
+// Encode throughput on text already in memory: one warm-up pass, then the median of
+// `repeats` passes. Prints one machine-readable line (bench/tokenizer_bench.py reads it).
+int run_tokenizer_bench(const TokenizerBenchOptions& options);
+int run_tokenize(const TokenizeCommandOptions& options);
+
+}  // namespace moe

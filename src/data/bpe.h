@@ -1,0 +1,90 @@
+// Byte-level BPE, compatible with Hugging Face `tokenizers` (tokenizer.json) and with
+// tiktoken rank files. Encoding: split off added tokens, repair invalid UTF-8 to U+FFFD
+// (as Python's errors="replace"), optional NFC, pre-tokenise with one of the GPT-2 /
+// Llama-3 / Qwen2 patterns, then merge each piece's bytes by rank. Piece results are
+// cached per thread. Post-processing (BOS templates) is not applied: callers add what
+// they need.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "data/pretokenize.h"
+#include "data/tokenizer.h"
+
+namespace moe {
+
+struct AddedToken {
+  std::string content;
+  int32_t id = 0;
+  bool special = true;
+};
+
+// Everything that defines a byte-level BPE model; produced by the loaders and the trainer.
+struct BpeModel {
+  std::vector<std::string> vocab;                          // id -> token bytes ("" for unused ids)
+  std::vector<std::pair<int32_t, int32_t>> merges;         // in rank order: (left id, right id)
+  std::vector<AddedToken> added;                           // matched in text before pre-tokenisation
+  PretokPattern pattern = PretokPattern::Gpt2;
+  bool byte_level_regex = true;   // GPT-2 pattern given as ByteLevel(use_regex=true) instead of Split
+  bool add_prefix_space = false;  // ByteLevel: prepend ' ' to each text segment not starting with one
+  bool nfc = false;               // NFC normalizer (Qwen2)
+  bool ignore_merges = false;     // a piece that is itself a token is emitted whole (Llama-3, tiktoken)
+  bool tiktoken_ranks = false;    // merges come from tiktoken ranks (ignore_merges implied)
+};
+
+// The GPT-2 byte -> printable character map (bytes_to_unicode), as UTF-8 strings.
+const std::array<std::string, 256>& byte_level_chars();
+
+class BpeTokenizer final : public Tokenizer {
+ public:
+  explicit BpeTokenizer(BpeModel model, std::string name);
+
+  // Text only: added tokens (including EOS) are not recognised, so this never emits
+  // eos_id(); the same as HF with encode_special_tokens = true for special tokens.
+  std::vector<int32_t> encode(std::string_view text) const override;
+  // parse_special: added tokens in `text` become their ids (HF's default).
+  std::vector<int32_t> encode(std::string_view text, bool parse_special) const;
+  // Special tokens decode to nothing (HF's skip_special_tokens). Returns raw bytes, which
+  // can be ill-formed UTF-8 when a sequence ends inside a character.
+  std::string decode(std::span<const int32_t> ids) const override;
+  int64_t vocab_size() const override { return static_cast<int64_t>(model_.vocab.size()); }
+  int32_t eos_id() const override;
+  std::string name() const override { return name_; }
+
+  const BpeModel& model() const { return model_; }
+  // The id of a token given by its bytes, or -1.
+  int32_t token_id(std::string_view bytes) const;
+
+ private:
+  void encode_segment(std::string_view text, std::vector<int32_t>& out) const;
+  void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
+  void merge_piece(std::string_view piece, std::vector<int32_t>& out) const;
+  uint64_t find_merge(int32_t left, int32_t right) const;  // (rank << 32 | merged id), or ~0
+
+  BpeModel model_;
+  std::string name_;
+  uint64_t serial_;  // identifies this instance in the per-thread piece caches
+  std::unordered_map<std::string, int32_t> ids_;
+  int32_t byte_ids_[256];
+  // Open-addressing table (left, right) -> (rank << 32 | merged id).
+  std::vector<uint64_t> merge_keys_, merge_values_;
+  uint64_t merge_mask_ = 0;
+  std::vector<bool> is_special_;
+  int32_t eos_ = -1;
+};
+
+// Loads a tokenizer.json (BPE model with a byte-level pre-tokenizer). Throws ConfigError
+// naming the file and what is missing or unsupported.
+BpeModel load_hf_tokenizer(const std::string& path);
+// Writes `model` as a tokenizer.json that HF tokenizers loads (atomically).
+void save_hf_tokenizer(const BpeModel& model, const std::string& path);
+// Loads a tiktoken rank file (lines "base64(token) rank"). `pattern` is the pre-tokeniser
+// (rank files do not carry it); `specials` are appended after the largest rank.
+BpeModel load_tiktoken(const std::string& path, PretokPattern pattern, const std::vector<std::string>& specials);
+
+}  // namespace moe

@@ -1,0 +1,238 @@
+// tokenizer.json and tiktoken rank files <-> BpeModel.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "data/bpe.h"
+#include "data/file_util.h"
+
+namespace moe {
+namespace {
+
+using nlohmann::json;
+
+// Byte-level string (each char one of byte_level_chars) -> raw bytes; false if a char is not one.
+bool unmap_byte_level(std::string_view token, std::string& bytes) {
+  static const std::map<std::string, unsigned char, std::less<>> inverse = [] {
+    std::map<std::string, unsigned char, std::less<>> m;
+    for (int b = 0; b < 256; ++b) m.emplace(byte_level_chars()[b], static_cast<unsigned char>(b));
+    return m;
+  }();
+  bytes.clear();
+  size_t pos = 0;
+  while (pos < token.size()) {
+    const size_t len = static_cast<unsigned char>(token[pos]) < 0x80 ? 1 : 2;
+    auto it = inverse.find(token.substr(pos, len));
+    if (it == inverse.end()) return false;
+    bytes.push_back(static_cast<char>(it->second));
+    pos += len;
+  }
+  return true;
+}
+
+std::string map_byte_level(std::string_view bytes) {
+  std::string out;
+  for (char c : bytes) out += byte_level_chars()[static_cast<unsigned char>(c)];
+  return out;
+}
+
+bool is_null_or(const json& j, const char* key, auto value) {
+  return !j.contains(key) || j[key].is_null() || j[key] == value;
+}
+
+}  // namespace
+
+BpeModel load_hf_tokenizer(const std::string& path) {
+  std::string text = read_whole_file(path, "tokenizer");
+  json root;
+  try {
+    root = json::parse(text);
+  } catch (const json::exception& e) {
+    MOE_CONFIG_ERROR("{}: not valid JSON: {}", path, e.what());
+  }
+  auto fail = [&](const std::string& what) -> void { MOE_CONFIG_ERROR("{}: {}", path, what); };
+  try {
+    if (!root.is_object() || !root.contains("model") || !root["model"].is_object()) fail("no \"model\" object (not a tokenizer.json)");
+    const json& m = root["model"];
+    const std::string type = m.value("type", std::string("BPE"));
+    if (type != "BPE") fail("unsupported model type '" + type + "' (only byte-level BPE is supported)");
+    if (!is_null_or(m, "dropout", 0.0)) fail("unsupported: model.dropout is set");
+    if (!is_null_or(m, "byte_fallback", false)) fail("unsupported: model.byte_fallback is true");
+    if (!is_null_or(m, "continuing_subword_prefix", "")) fail("unsupported: model.continuing_subword_prefix is set");
+    if (!is_null_or(m, "end_of_word_suffix", "")) fail("unsupported: model.end_of_word_suffix is set");
+
+    BpeModel model;
+    model.ignore_merges = m.value("ignore_merges", false);
+    std::map<int32_t, AddedToken> added;
+    if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
+      for (const json& t : root["added_tokens"]) {
+        if (t.value("lstrip", false) || t.value("rstrip", false) || t.value("single_word", false))
+          fail("unsupported: added token '" + t.at("content").get<std::string>() + "' uses lstrip, rstrip or single_word");
+        AddedToken a{t.at("content").get<std::string>(), t.at("id").get<int32_t>(), t.value("special", false)};
+        added[a.id] = a;
+      }
+    }
+    if (!m.contains("vocab") || !m["vocab"].is_object()) fail("model.vocab is missing or not an object");
+    std::string bytes;
+    for (const auto& [token, id_json] : m["vocab"].items()) {
+      const auto id = id_json.get<int32_t>();
+      if (id < 0) fail("model.vocab: token '" + token + "' has a negative id");
+      if (static_cast<size_t>(id) >= model.vocab.size()) model.vocab.resize(static_cast<size_t>(id) + 1);
+      if (added.count(id)) continue;
+      if (!unmap_byte_level(token, bytes))
+        fail("model.vocab: token '" + token + "' (id " + std::to_string(id) + ") is not byte-level (not a GPT-2 style byte-level BPE)");
+      model.vocab[id] = bytes;
+    }
+    for (auto& [id, a] : added) model.added.push_back(a);
+
+    std::unordered_map<std::string, int32_t> ids;
+    for (size_t id = 0; id < model.vocab.size(); ++id)
+      if (!added.count(static_cast<int32_t>(id))) ids.emplace(model.vocab[id], static_cast<int32_t>(id));
+    if (!m.contains("merges") || !m["merges"].is_array()) fail("model.merges is missing or not an array");
+    size_t rank = 0;
+    for (const json& merge : m["merges"]) {
+      std::string left, right;
+      if (merge.is_string()) {
+        const std::string s = merge.get<std::string>();
+        const size_t space = s.find(' ');
+        if (space == std::string::npos) fail("model.merges[" + std::to_string(rank) + "]: '" + s + "' is not two tokens");
+        left = s.substr(0, space), right = s.substr(space + 1);
+      } else if (merge.is_array() && merge.size() == 2) {
+        left = merge[0].get<std::string>(), right = merge[1].get<std::string>();
+      } else {
+        fail("model.merges[" + std::to_string(rank) + "] is neither \"a b\" nor [a, b]");
+      }
+      std::string lb, rb;
+      auto l = unmap_byte_level(left, lb) ? ids.find(lb) : ids.end();
+      auto r = unmap_byte_level(right, rb) ? ids.find(rb) : ids.end();
+      if (l == ids.end() || r == ids.end() || !ids.count(lb + rb))
+        fail("model.merges[" + std::to_string(rank) + "]: '" + left + " " + right + "' uses or makes a token not in model.vocab");
+      model.merges.emplace_back(l->second, r->second);
+      ++rank;
+    }
+
+    const json normalizer = root.value("normalizer", json());
+    if (!normalizer.is_null()) {
+      if (normalizer.value("type", "") == "NFC") model.nfc = true;
+      else fail("unsupported normalizer '" + normalizer.value("type", std::string("?")) + "' (supported: none, NFC)");
+    }
+    const json pre = root.value("pre_tokenizer", json());
+    auto byte_level_ok = [](const json& p) { return p.is_object() && p.value("type", "") == "ByteLevel"; };
+    if (byte_level_ok(pre) && pre.value("use_regex", true)) {
+      model.pattern = PretokPattern::Gpt2;
+      model.byte_level_regex = true;
+      model.add_prefix_space = pre.value("add_prefix_space", false);
+    } else if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
+               pre["pretokenizers"].size() == 2 && byte_level_ok(pre["pretokenizers"][1]) &&
+               !pre["pretokenizers"][1].value("use_regex", true) && !pre["pretokenizers"][1].value("add_prefix_space", false)) {
+      const json& split = pre["pretokenizers"][0];
+      if (split.value("type", "") != "Split" || split.value("behavior", "") != "Isolated" || split.value("invert", false) ||
+          !split.contains("pattern") || !split["pattern"].contains("Regex"))
+        fail("unsupported pre_tokenizer: expected Split(Regex, Isolated) then ByteLevel");
+      const std::string regex = split["pattern"]["Regex"].get<std::string>();
+      auto pattern = pattern_from_regex(regex);
+      if (!pattern) fail("unsupported pre_tokenizer regex (supported: the GPT-2, Llama-3 and Qwen2 patterns): " + regex);
+      model.pattern = *pattern;
+      model.byte_level_regex = false;
+    } else {
+      fail("unsupported pre_tokenizer (supported: ByteLevel with use_regex, or Sequence[Split(GPT-2/Llama-3/Qwen2 regex), ByteLevel])");
+    }
+    const json decoder = root.value("decoder", json());
+    if (!decoder.is_null() && decoder.value("type", "") != "ByteLevel")
+      fail("unsupported decoder '" + decoder.value("type", std::string("?")) + "' (supported: ByteLevel)");
+    return model;
+  } catch (const json::exception& e) {
+    MOE_CONFIG_ERROR("{}: malformed tokenizer.json: {}", path, e.what());
+  }
+}
+
+void save_hf_tokenizer(const BpeModel& model, const std::string& path) {
+  json added = json::array();
+  for (const AddedToken& t : model.added)
+    added.push_back({{"id", t.id}, {"content", t.content}, {"single_word", false}, {"lstrip", false},
+                     {"rstrip", false}, {"normalized", false}, {"special", t.special}});
+  json vocab = json::object();
+  for (size_t id = 0; id < model.vocab.size(); ++id) vocab[map_byte_level(model.vocab[id])] = id;
+  for (const AddedToken& t : model.added) vocab[t.content] = t.id;
+  json merges = json::array();
+  for (auto [l, r] : model.merges) merges.push_back({map_byte_level(model.vocab[l]), map_byte_level(model.vocab[r])});
+  json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", model.add_prefix_space}, {"trim_offsets", true},
+                     {"use_regex", model.byte_level_regex}};
+  json pre = byte_level;
+  if (!model.byte_level_regex) {
+    json split = {{"type", "Split"}, {"pattern", {{"Regex", std::string(pattern_regex(model.pattern))}}},
+                  {"behavior", "Isolated"}, {"invert", false}};
+    pre = {{"type", "Sequence"}, {"pretokenizers", {split, byte_level}}};
+  }
+  json root = {
+      {"version", "1.0"}, {"truncation", nullptr}, {"padding", nullptr}, {"added_tokens", added},
+      {"normalizer", model.nfc ? json{{"type", "NFC"}} : json()}, {"pre_tokenizer", pre},
+      {"post_processor", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", nullptr},
+                 {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false},
+                 {"ignore_merges", model.ignore_merges}, {"vocab", vocab}, {"merges", merges}}},
+  };
+  write_file_atomic(path, root.dump(1));
+}
+
+BpeModel load_tiktoken(const std::string& path, PretokPattern pattern, const std::vector<std::string>& specials) {
+  std::string text = read_whole_file(path, "tiktoken rank file");
+  auto b64 = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    return c == '+' ? 62 : c == '/' ? 63 : -1;
+  };
+  BpeModel model;
+  model.pattern = pattern;
+  model.byte_level_regex = false;
+  model.tiktoken_ranks = true;
+  std::istringstream in(text);
+  std::string line;
+  int64_t line_no = 0;
+  std::unordered_map<std::string, int64_t> seen;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.empty()) continue;
+    const size_t space = line.find(' ');
+    auto bad = [&](const char* what) { MOE_CONFIG_ERROR("{}:{}: {} (expected 'base64-token rank')", path, line_no, what); };
+    if (space == std::string::npos) bad("no space");
+    std::string bytes;
+    uint32_t acc = 0;
+    int bits = 0;
+    for (char c : line.substr(0, space)) {
+      if (c == '=') break;
+      const int v = b64(c);
+      if (v < 0) bad("invalid base64");
+      acc = (acc << 6) | static_cast<uint32_t>(v);
+      bits += 6;
+      if (bits >= 8) bits -= 8, bytes.push_back(static_cast<char>((acc >> bits) & 0xff));
+    }
+    int64_t rank = -1;
+    try {
+      size_t used = 0;
+      rank = std::stoll(line.substr(space + 1), &used);
+      if (used != line.size() - space - 1) rank = -1;
+    } catch (const std::exception&) {
+    }
+    if (rank < 0 || rank >= (int64_t{1} << 31) - 1024) bad("rank is not an integer in [0, 2^31 - 1024)");
+    if (bytes.empty()) bad("empty token");
+    if (!seen.emplace(bytes, rank).second) bad("token listed twice");
+    if (static_cast<size_t>(rank) >= model.vocab.size()) model.vocab.resize(static_cast<size_t>(rank) + 1);
+    if (!model.vocab[rank].empty()) bad("rank listed twice");
+    model.vocab[rank] = bytes;
+  }
+  if (model.vocab.empty()) MOE_CONFIG_ERROR("{}: no tokens (not a tiktoken rank file)", path);
+  for (const std::string& s : specials)
+    model.added.push_back({s, static_cast<int32_t>(model.vocab.size() + model.added.size()), true});
+  return model;
+}
+
+}  // namespace moe

@@ -1,0 +1,91 @@
+#include "data/inputs.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/file_util.h"
+
+namespace fs = std::filesystem;
+
+namespace moe {
+
+InputReader::InputReader(InputOptions options) : options_(std::move(options)) {
+  if (options_.paths.empty()) MOE_CONFIG_ERROR("--input: no input given");
+  for (const std::string& path : options_.paths) {
+    std::error_code ec;
+    if (!fs::exists(path, ec)) MOE_CONFIG_ERROR("--input: '{}' does not exist", path);
+    if (fs::is_directory(path, ec)) {
+      std::vector<std::pair<std::string, std::string>> found;  // (relative name, path)
+      for (auto it = fs::recursive_directory_iterator(path, fs::directory_options::skip_permission_denied, ec);
+           it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (ec) MOE_CONFIG_ERROR("--input: cannot list '{}': {}", path, ec.message());
+        if (it->is_regular_file(ec) && it->path().filename().string().ends_with(options_.extension))
+          found.emplace_back(it->path().lexically_relative(path).generic_string(), it->path().string());
+      }
+      if (found.empty()) MOE_CONFIG_ERROR("--input: no files ending in '{}' under '{}'", options_.extension, path);
+      std::sort(found.begin(), found.end());
+      for (auto& [name, file] : found) names_.push_back(name), files_.push_back(file);
+    } else {
+      names_.push_back(path);
+      files_.push_back(path);
+    }
+  }
+  for (const std::string& f : files_) total_bytes_ += static_cast<int64_t>(fs::file_size(f));
+}
+
+bool InputReader::next(std::vector<Document>& docs, int64_t max_bytes) {
+  int64_t got = 0;
+  const size_t before = docs.size();
+  while (got < max_bytes && file_ < files_.size()) {
+    const std::string& path = files_[file_];
+    if (!path.ends_with(".jsonl")) {
+      Document doc{names_[file_], read_whole_file(path, "input")};
+      got += static_cast<int64_t>(doc.text.size());
+      bytes_read_ += static_cast<int64_t>(doc.text.size());
+      docs.push_back(std::move(doc));
+      ++file_;
+      continue;
+    }
+    if (!jsonl_) {
+      jsonl_ = std::make_unique<std::ifstream>(path, std::ios::binary);
+      if (!*jsonl_) MOE_CONFIG_ERROR("--input: cannot open '{}'", path);
+      line_ = 0;
+    }
+    std::string line;
+    while (got < max_bytes && std::getline(*jsonl_, line)) {
+      ++line_;
+      bytes_read_ += static_cast<int64_t>(line.size()) + 1;
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception&) {
+        MOE_CONFIG_ERROR("{}:{}: not valid JSON", path, line_);
+      }
+      if (!j.is_object() || !j.contains(options_.text_field) || !j[options_.text_field].is_string())
+        MOE_CONFIG_ERROR("{}:{}: no string field '{}' (--text-field)", path, line_, options_.text_field);
+      Document doc{names_[file_] + ":" + std::to_string(line_), j[options_.text_field].get<std::string>()};
+      got += static_cast<int64_t>(doc.text.size());
+      docs.push_back(std::move(doc));
+    }
+    if (got < max_bytes) {  // end of this file
+      if (jsonl_->bad()) MOE_THROW("cannot read '{}'", path);
+      jsonl_.reset();
+      ++file_;
+    }
+  }
+  return docs.size() > before;
+}
+
+std::vector<Document> read_all_inputs(const InputOptions& options) {
+  InputReader reader(options);
+  std::vector<Document> docs;
+  while (reader.next(docs, std::numeric_limits<int64_t>::max())) {
+  }
+  return docs;
+}
+
+}  // namespace moe

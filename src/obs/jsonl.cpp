@@ -1,0 +1,68 @@
+#include "obs/jsonl.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace moe {
+
+JsonlWriter::JsonlWriter(const std::string& path, bool append) : path_(path) {
+  std::error_code ec;
+  const auto parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec) throw Error(fmt::format("metrics.dir: cannot create '{}': {}", parent.string(), ec.message()));
+  file_ = std::fopen(path.c_str(), append ? "a" : "w");
+  if (!file_) throw Error(fmt::format("{}: cannot create metrics file: {}", path, std::strerror(errno)));
+}
+
+JsonlWriter::~JsonlWriter() {
+  if (file_) std::fclose(file_);
+}
+
+void JsonlWriter::write(const nlohmann::json& record) {
+  // Non-finite numbers become null (JSON has no NaN); a skipped step keeps its line.
+  const std::string line = record.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  if (std::fwrite(line.data(), 1, line.size(), file_) != line.size() || std::fflush(file_) != 0)
+    throw Error(fmt::format("{}: write failed: {}", path_, std::strerror(errno)));
+}
+
+void JsonlWriter::sync() {
+  if (std::fflush(file_) != 0 || fsync(fileno(file_)) != 0)
+    throw Error(fmt::format("{}: fsync failed: {}", path_, std::strerror(errno)));
+}
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path, int* truncated_lines) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("{}: cannot open", path));
+  std::ostringstream text_stream;
+  text_stream << in.rdbuf();
+  const std::string text = text_stream.str();
+  std::vector<nlohmann::json> records;
+  if (truncated_lines) *truncated_lines = 0;
+  size_t start = 0;
+  int line_number = 0;
+  while (start < text.size()) {
+    ++line_number;
+    const size_t end = text.find('\n', start);
+    if (end == std::string::npos) {  // the writer died mid-line
+      if (truncated_lines) ++*truncated_lines;
+      break;
+    }
+    const std::string_view line(text.data() + start, end - start);
+    start = end + 1;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_discarded() || !record.is_object() || !record.contains("type"))
+      throw Error(fmt::format("{}:{}: not a metrics record (expected a JSON object with a \"type\")", path, line_number));
+    records.push_back(std::move(record));
+  }
+  return records;
+}
+
+}  // namespace moe

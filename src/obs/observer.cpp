@@ -1,0 +1,103 @@
+#include "obs/observer.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <filesystem>
+
+namespace moe {
+
+Observer::Observer(const MetricsConfig& config, std::ostream& out, ObserverOptions options)
+    : console_(out, config.log_interval, options.progress_bar),
+      alerts_(AlertThresholds{config.alert_imbalance, config.alert_comm_wait, config.alert_grad_sync_ms}),
+      options_(options),
+      dir_(config.dir),
+      tensorboard_on_(config.tensorboard) {
+}
+
+void Observer::record(const nlohmann::json& r) {
+  if (jsonl_) jsonl_->write(r);
+  if (options_.feed) options_.feed->add(r);
+}
+
+void Observer::start(const RunInfo& info) {
+  if (!dir_.empty()) {
+    // A resumed run continues its file; readers keep the newest record of a repeated step.
+    jsonl_ = std::make_unique<JsonlWriter>((std::filesystem::path(dir_) / "metrics.jsonl").string(),
+                                           /*append=*/info.first_step > 0);
+    if (tensorboard_on_) tensorboard_ = std::make_unique<TensorBoardWriter>(dir_);
+  }
+  console_.line("mfu: " + info.mfu.describe());
+  const nlohmann::json run = to_json(info);
+  if (jsonl_) jsonl_->write(run);
+  if (options_.feed) options_.feed->set_run(run);
+}
+
+void Observer::validation(int64_t step, double loss) {
+  console_.line(fmt::format("val step {} | val_loss {:.4f}", step, loss));
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  record({{"type", "val"}, {"step", step}, {"wall_time", now}, {"val_loss", loss}});
+  if (tensorboard_) tensorboard_->add_scalars(step, {{"val/loss", static_cast<float>(loss)}});
+}
+
+void Observer::step(const StepMetrics& m) {
+  if (m.skipped)
+    console_.line(fmt::format("warning: step {} skipped: non-finite loss or gradient (grad_norm {})", m.step,
+                              m.grad_norm));
+  record(to_json(m));
+  if (tensorboard_) tensorboard_->add_scalars(m.step, tensorboard_scalars(m));
+  console_.step(m);
+  for (const AlertEvent& alert : alerts_.check(m)) {
+    console_.line(alert.message);
+    record(to_json(alert));
+  }
+}
+
+void Observer::finish(const RunEnd& end) {
+  console_.finish();
+  record({{"type", "summary"},
+          {"steps", end.steps},
+          {"tokens", end.tokens},
+          {"seconds", end.seconds},
+          {"val_loss_start", end.val_loss_start},
+          {"val_loss_end", end.val_loss_end},
+          {"train_loss_end", end.train_loss_end},
+          {"skipped_steps", end.skipped_steps}});
+  if (options_.feed) options_.feed->set_done();
+  if (jsonl_) jsonl_->sync();
+  if (tensorboard_) tensorboard_->sync();
+}
+
+std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics& m) {
+  auto f = [](auto v) { return static_cast<float>(v); };
+  std::vector<std::pair<std::string, float>> s = {
+      {"train/loss", f(m.loss)},
+      {"train/aux_loss", f(m.aux_loss)},
+      {"train/z_loss", f(m.z_loss)},
+      {"train/lr", f(m.lr)},
+      {"train/grad_norm", f(m.grad_norm)},
+      {"train/max_expert_grad_norm", f(m.max_expert_grad_norm)},
+      {"perf/tokens_per_s", f(m.tokens_per_s)},
+      {"perf/mfu", f(m.mfu)},
+      {"time/step_s", f(m.time.step)},
+      {"time/compute_s", f(m.time.compute)},
+      {"time/comm_wait_s", f(m.time.comm_wait)},
+      {"time/data_wait_s", f(m.time.data_wait)},
+      {"time/optimizer_s", f(m.time.optimizer)},
+      {"comm/wait_fraction", f(m.comm_wait_fraction())},
+      {"comm/grad_sync_ms", f(m.grad_sync_ms)},
+      {"memory/arena_bytes", f(m.arena_bytes)},
+      {"memory/rss_bytes", f(m.rss_bytes)},
+      {"moe/max_imbalance", f(m.max_imbalance())},
+  };
+  for (const auto& l : m.layers) {
+    const std::string p = fmt::format("moe/layer{}/", l.layer);
+    s.push_back({p + "imbalance", f(l.imbalance())});
+    s.push_back({p + "cv", f(l.cv())});
+    s.push_back({p + "dropped_fraction", f(l.dropped_fraction())});
+    s.push_back({p + "router_entropy", f(l.router_entropy)});
+  }
+  return s;
+}
+
+}  // namespace moe

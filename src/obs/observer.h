@@ -1,0 +1,58 @@
+// Where a run's measurements go: the console, metrics.dir/metrics.jsonl, a TensorBoard
+// event file in metrics.dir, threshold alerts, and the live dashboard's feed. The
+// trainer calls start, validation and step, then finish; nothing else prints metrics.
+#pragma once
+#include <iosfwd>
+#include <memory>
+#include <string>
+
+#include "obs/alerts.h"
+#include "obs/console.h"
+#include "obs/feed.h"
+#include "obs/jsonl.h"
+#include "obs/metrics.h"
+#include "obs/tensorboard.h"
+#include "train/config.h"
+
+namespace moe {
+
+struct ObserverOptions {
+  bool progress_bar = false;     // stdout is a terminal
+  MetricsFeed* feed = nullptr;   // the dashboard's, when one is served
+};
+
+// The end of a run, as the summary line reports it.
+struct RunEnd {
+  int64_t steps = 0, tokens = 0, skipped_steps = 0;
+  double seconds = 0, val_loss_start = 0, val_loss_end = 0, train_loss_end = 0;
+};
+
+class Observer {
+ public:
+  Observer(const MetricsConfig& config, std::ostream& out, ObserverOptions options);
+  // Opens the files in metrics.dir (appending to metrics.jsonl when info.first_step > 0),
+  // prints the MFU formula's inputs and writes the "run" record.
+  void start(const RunInfo& info);
+  void validation(int64_t step, double loss);
+  void step(const StepMetrics& m);
+  // Any other console line (keeps the progress bar below it).
+  void note(const std::string& text) { console_.line(text); }
+  // Writes the "summary" record and fsyncs the files; the progress bar is removed.
+  void finish(const RunEnd& end);
+
+ private:
+  void record(const nlohmann::json& r);
+
+  ConsoleSink console_;
+  AlertMonitor alerts_;
+  ObserverOptions options_;
+  std::string dir_;  // metrics.dir; "" writes no files
+  bool tensorboard_on_;
+  std::unique_ptr<JsonlWriter> jsonl_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
+};
+
+// The TensorBoard scalars of one step: tag -> value.
+std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics& m);
+
+}  // namespace moe

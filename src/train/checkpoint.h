@@ -1,0 +1,112 @@
+// Checkpoints: everything needed to continue a run bit for bit.
+//
+// Layout of checkpoint.dir:
+//   step_00000120/                 one directory per saved step
+//     manifest.json                format, version, step, world size, and per shard: file, size, hash
+//     config.toml                  the run config (config_to_toml), hash in the manifest
+//     rank_00000.safetensors       one shard per data-parallel rank: that rank's parameters,
+//                                  AdamW moments, balancing biases, loader state
+//     COMPLETE                     written last; holds the manifest's hash
+//   .tmp.step_00000130.<pid>/      a checkpoint being written (never picked by resume)
+//
+// A checkpoint is written into the temporary directory (each file fsynced), renamed into
+// place, then marked COMPLETE; resume only considers directories with a valid marker, so a
+// crash at any point leaves at worst an ignored directory. Every byte is covered by a hash
+// (shards and config in the manifest, the manifest in COMPLETE), so truncation and bit flips
+// are refused. Single process today: world_size is 1 and rank 0 holds every tensor; the
+// manifest names each shard's rank so a resharding reader can map ranks N -> M later.
+#pragma once
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "model/transformer.h"
+#include "train/adamw.h"
+#include "train/batch_source.h"
+#include "train/config.h"
+#include "train/safetensors.h"
+
+namespace moe {
+
+// Trainer state beyond the tensors, saved with them.
+struct TrainProgress {
+  int64_t step = 0;           // optimizer steps completed = index of the next step
+  double lr_scale = 1.0;      // multiplies the schedule; lowered by NaN recovery
+  int64_t skipped_steps = 0;  // non-finite steps skipped so far
+  int64_t nan_reloads = 0;    // reloads after nan_max_skips skips in a row
+
+  bool operator==(const TrainProgress&) const = default;
+};
+
+// A host copy of everything a checkpoint holds; taking it is all that stalls training
+// in async mode.
+struct CheckpointSnapshot {
+  struct Entry {
+    std::string name;
+    std::vector<int64_t> shape;
+    std::vector<float> data;
+  };
+  std::string config_toml;
+  TrainProgress progress;
+  int64_t adam_steps = 0;
+  std::vector<int64_t> source_state;
+  std::vector<Entry> tensors;
+};
+
+CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float>& model, AdamW& optimizer,
+                                      const BatchSource& train_data, const TrainProgress& progress);
+
+// Writes `snapshot` as <dir>/step_NNNNNNNN (see the layout above), then keeps only the
+// newest `keep_last` complete checkpoints and removes stale temporary directories.
+std::filesystem::path write_checkpoint(const std::filesystem::path& dir, const CheckpointSnapshot& snapshot,
+                                       int64_t keep_last);
+
+// The newest complete checkpoint in `dir`, if any (a missing dir has none).
+std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& dir);
+
+// A checkpoint read from disk and verified (marker, hashes, format, header).
+struct LoadedCheckpoint {
+  std::filesystem::path path;
+  int64_t step = 0;
+  std::string config_toml;
+  RunConfig config;
+  SafeTensorsFile shard;
+};
+// Throws moe::Error with one line naming the file and what is wrong.
+LoadedCheckpoint read_checkpoint(const std::filesystem::path& path);
+
+// Throws ConfigError if `current` cannot continue `saved` (a key that shapes the tensors
+// differs: dims, layers, heads, experts, tying); writes a warning line to `out` for every
+// other key that differs (session keys such as training.stop_at and [checkpoint] excepted).
+void check_resume_compatible(const LoadedCheckpoint& saved, const RunConfig& current, std::ostream& out);
+
+// Loads parameters, moments, balancing biases and the data position; returns the progress.
+TrainProgress restore_checkpoint(const LoadedCheckpoint& checkpoint, Transformer<float>& model, AdamW& optimizer,
+                                 BatchSource& train_data);
+
+// Saves synchronously or, with checkpoint.async, on a background thread (one at a time).
+class Checkpointer {
+ public:
+  explicit Checkpointer(CheckpointConfig config) : config_(std::move(config)) {}
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  bool enabled() const { return !config_.dir.empty(); }
+  // Waits for a previous async save, then saves (async: returns after queueing).
+  void save(CheckpointSnapshot snapshot, std::ostream& out);
+  // Waits for an async save in flight; rethrows its error.
+  void wait();
+
+ private:
+  CheckpointConfig config_;
+  std::thread worker_;
+  std::exception_ptr error_;
+};
+
+}  // namespace moe

@@ -1,0 +1,30 @@
+// Files that are never half-written: every write goes to a temporary name in the same
+// directory, is fsynced, then renamed over the target, and the directory is fsynced so
+// the rename itself survives a crash.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace moe {
+
+// One piece of a file's contents (not owned).
+struct ByteChunk {
+  const void* data = nullptr;
+  size_t size = 0;
+};
+
+// Writes the chunks, in order, to `path` atomically. Throws moe::Error naming the path.
+void write_file_atomic(const std::filesystem::path& path, const std::vector<ByteChunk>& chunks);
+void write_file_atomic(const std::filesystem::path& path, std::string_view text);
+// fsync a directory so renames and creations inside it are durable.
+void fsync_directory(const std::filesystem::path& dir);
+// The whole file. Throws moe::Error naming the path when it cannot be read.
+std::string read_file_bytes(const std::filesystem::path& path);
+// FNV-1a 64 over bytes, as 16 lowercase hex digits (detects bit flips in checkpoints).
+std::string content_hash(const void* data, size_t size);
+
+}  // namespace moe

@@ -1,0 +1,115 @@
+// The Trainer's checkpoint and fault handling, kept out of trainer.cpp: planning under a
+// memory limit, saving and resuming, NaN recovery by reload, preemption.
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include <csignal>
+#include <ostream>
+
+#include "core/error.h"
+#include "train/batch_controller.h"
+#include "train/checkpoint.h"
+#include "train/signals.h"
+#include "train/trainer.h"
+
+namespace moe {
+namespace {
+
+// Reloads that did not get training past the furthest step before giving up.
+constexpr int64_t kMaxReloadsWithoutProgress = 5;
+
+const char* signal_name(int sig) {
+  if (sig == SIGTERM) return "SIGTERM";
+  if (sig == SIGINT) return "SIGINT";
+  return "a stop request";
+}
+
+}  // namespace
+
+void Trainer::plan_batches() {
+  const TrainingConfig& tc = config_.training;
+  const size_t limit = static_cast<size_t>(tc.memory_limit_mb) * 1000000u;
+  // The GPU model sizes its own buffers (no memory controller there yet).
+  BatchPlan plan = gpu_ ? BatchPlan{tc.micro_batch, tc.global_batch_tokens / (tc.micro_batch * config_.model.seq_len), {}}
+                        : fit_micro_batch(
+      tc.global_batch_tokens, config_.model.seq_len, tc.micro_batch, limit,
+      [&](int64_t batch) { return model_->planned_bytes(batch); }, [&](int64_t batch) { model_->plan(batch); });
+  micro_batch_ = plan.micro_batch;
+  micro_steps_ = plan.micro_steps;
+  batch_notes_ = std::move(plan.notes);
+  checkpointer_ = std::make_unique<Checkpointer>(config_.checkpoint);
+  monitor_ = std::make_unique<FaultMonitor>(tc);
+}
+
+void Trainer::save_checkpoint(std::ostream& out) {
+  MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
+  checkpointer_->save(capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_), out);
+}
+
+void Trainer::resume(const std::string& path, std::ostream& out) {
+  checkpointer_->wait();
+  LoadedCheckpoint checkpoint = read_checkpoint(path);
+  check_resume_compatible(checkpoint, config_, out);
+  progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
+  furthest_step_ = progress_.step;
+  reloads_without_progress_ = 0;
+  monitor_->reset();
+  fmt::print(out, "resume: {} (step {}, lr x{})\n", checkpoint.path.string(), progress_.step, progress_.lr_scale);
+}
+
+bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
+  const TrainingConfig& tc = config_.training;
+  const int64_t done = progress_.step;
+  if (stats.skipped) ++progress_.skipped_steps;
+  if (monitor_->observe(stats.step, stats.loss, stats.skipped, out)) {
+    reload_after_faults(stats, out);
+    return false;
+  }
+  if (!stats.skipped && done > furthest_step_) {
+    furthest_step_ = done;
+    reloads_without_progress_ = 0;
+  }
+  const bool stopping = stop_requested() || done == tc.stop_at;
+  const int64_t interval = config_.checkpoint.interval;
+  if (checkpointer_->enabled() && (stopping || done == tc.steps || (interval > 0 && done % interval == 0))) {
+    // A skipped step may have come from non-finite weights: never save those.
+    if (monitor_->skip_streak() == 0) save_checkpoint(out);
+    else fmt::print(out, "warning: checkpoint at step {} not saved: the step was skipped\n", done);
+  }
+  if (!stopping) return false;
+  checkpointer_->wait();  // the process may exit right after run()
+  const std::string why = stop_requested() ? signal_name(stop_signal()) : "training.stop_at";
+  fmt::print(out, "stopping after step {} ({}){}\n", done, why,
+             checkpointer_->enabled() ? "" : "; checkpoint.dir is empty, nothing saved");
+  out.flush();
+  return true;
+}
+
+void Trainer::reload_after_faults(const StepStats& stats, std::ostream& out) {
+  const TrainingConfig& tc = config_.training;
+  checkpointer_->wait();
+  const auto latest =
+      checkpointer_->enabled() ? latest_checkpoint(config_.checkpoint.dir) : std::optional<std::filesystem::path>();
+  if (!latest)
+    MOE_THROW("{} non-finite steps in a row (up to step {}) and no checkpoint to reload (checkpoint.dir {})",
+              monitor_->skip_streak(), stats.step,
+              config_.checkpoint.dir.empty() ? "is empty" : "\"" + config_.checkpoint.dir + "\" holds none");
+  if (++reloads_without_progress_ > kMaxReloadsWithoutProgress)
+    MOE_THROW("training diverges: {} reloads without getting past step {}", kMaxReloadsWithoutProgress,
+              furthest_step_);
+  const double lr_scale = progress_.lr_scale * tc.nan_lr_factor;
+  const int64_t reloads = progress_.nan_reloads + 1;
+  const int64_t skipped = progress_.skipped_steps;
+  LoadedCheckpoint checkpoint = read_checkpoint(*latest);
+  progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
+  progress_.lr_scale = lr_scale;
+  progress_.nan_reloads = reloads;
+  progress_.skipped_steps = skipped;
+  const int64_t streak = monitor_->skip_streak();
+  monitor_->reset();
+  fmt::print(out, "warning: {} non-finite steps in a row (up to step {}): reloaded {} (step {}), learning rate x{}\n",
+             streak, stats.step, checkpoint.path.string(), progress_.step, lr_scale);
+  out.flush();
+}
+
+}  // namespace moe

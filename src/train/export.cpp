@@ -1,0 +1,220 @@
+#include "train/export.h"
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <ostream>
+
+#include "core/error.h"
+#include "data/tokenizer.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_io.h"
+#include "train/safetensors.h"
+
+namespace moe {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+struct HfTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+  size_t bytes() const { return data.size() * sizeof(float); }
+};
+
+float max_abs(const std::vector<float>& values) {
+  float m = 0;
+  for (float v : values) m = std::max(m, std::fabs(v));
+  return m;
+}
+
+std::vector<float> read_all(const SafeTensorsFile& shard, const std::string& name) {
+  const SafeTensorInfo& info = shard.info(name);
+  std::vector<float> values(static_cast<size_t>(info.numel()));
+  shard.read_f32(name, values.data(), info.numel());
+  return values;
+}
+
+// Refuses what Mixtral cannot express at all.
+void check_representable(const LoadedCheckpoint& ckpt) {
+  const ModelConfig& m = ckpt.config.model;
+  auto refuse = [&](const std::string& why) {
+    MOE_CONFIG_ERROR("{}: cannot export as Mixtral: {}", ckpt.path.string(), why);
+  };
+  if (m.first_dense_layers > 0)
+    refuse(fmt::format("model.first_dense_layers = {} (Mixtral has a MoE FFN in every block)", m.first_dense_layers));
+  if (m.moe.n_shared_experts > 0)
+    refuse(fmt::format("moe.n_shared_experts = {} (Mixtral has no shared experts)", m.moe.n_shared_experts));
+  if (m.moe.score_func != ScoreFunc::Softmax) refuse("moe.score_func = sigmoid (Mixtral's router is a softmax)");
+  if (!m.moe.renormalize)
+    refuse("moe.renormalize = false (Mixtral always renormalises the top-k weights)");
+}
+
+json mixtral_config(const RunConfig& config) {
+  const ModelConfig& m = config.model;
+  json eos = nullptr;
+  if (config.data.tokenizer == "byte") eos = kByteEosId;
+  return {
+      {"architectures", {"MixtralForCausalLM"}},
+      {"model_type", "mixtral"},
+      {"vocab_size", m.vocab_size},
+      {"hidden_size", m.dim},
+      {"intermediate_size", m.moe.expert_hidden},
+      {"num_hidden_layers", m.n_layers},
+      {"num_attention_heads", m.n_heads},
+      {"num_key_value_heads", m.n_kv_heads},
+      {"head_dim", m.head_dim()},
+      {"hidden_act", "silu"},
+      {"max_position_embeddings", m.seq_len},
+      {"initializer_range", m.init_std},
+      {"rms_norm_eps", m.norm_eps},
+      {"use_cache", true},
+      {"pad_token_id", nullptr},
+      {"bos_token_id", nullptr},
+      {"eos_token_id", eos},
+      {"tie_word_embeddings", m.tie_embeddings},
+      {"rope_theta", m.rope_theta},
+      {"sliding_window", nullptr},
+      {"attention_dropout", 0.0},
+      {"num_experts_per_tok", m.moe.top_k},
+      {"num_local_experts", m.moe.n_experts},
+      {"output_router_logits", false},
+      {"router_aux_loss_coef", m.moe.aux_loss_coef},
+      {"router_jitter_noise", 0.0},
+      {"torch_dtype", "float32"},
+  };
+}
+
+// Our tensors under Mixtral's names and layouts, in the order HF writes them.
+std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_inexact, std::ostream& out) {
+  const ModelConfig& m = ckpt.config.model;
+  const SafeTensorsFile& shard = ckpt.shard;
+  const int64_t E = m.moe.n_experts, F = m.moe.expert_hidden, D = m.dim;
+  std::vector<HfTensor> tensors;
+  auto copy = [&](const std::string& ours, const std::string& theirs) {
+    tensors.push_back({theirs, shard.info("param/" + ours).shape, read_all(shard, "param/" + ours)});
+  };
+  auto inexact = [&](const std::string& what) {
+    if (!allow_inexact)
+      MOE_CONFIG_ERROR("{}: cannot export as Mixtral exactly: {} (pass --allow-inexact to drop it)",
+                       ckpt.path.string(), what);
+    fmt::print(out, "warning: export: {}; dropped, routing will differ\n", what);
+  };
+  copy("embedding", "model.embed_tokens.weight");
+  for (int64_t l = 0; l < m.n_layers; ++l) {
+    const std::string ours = fmt::format("layers.{}", l);
+    const std::string theirs = fmt::format("model.layers.{}", l);
+    copy(ours + ".attn_norm", theirs + ".input_layernorm.weight");
+    copy(ours + ".attn.wq", theirs + ".self_attn.q_proj.weight");
+    copy(ours + ".attn.wk", theirs + ".self_attn.k_proj.weight");
+    copy(ours + ".attn.wv", theirs + ".self_attn.v_proj.weight");
+    copy(ours + ".attn.wo", theirs + ".self_attn.o_proj.weight");
+    copy(ours + ".ffn_norm", theirs + ".post_attention_layernorm.weight");
+
+    const std::string moe = ours + ".moe";
+    const float bias = max_abs(read_all(shard, "param/" + moe + ".router.bias"));
+    if (bias != 0) inexact(fmt::format("{}.router.bias is not zero (max |b| = {:.3g}); Mixtral's gate has no bias", moe, bias));
+    if (shard.contains("balance_bias/" + moe)) {
+      const float balance = max_abs(read_all(shard, "balance_bias/" + moe));
+      if (balance != 0)
+        inexact(fmt::format("{} has a balancing selection bias (max |b| = {:.3g}); Mixtral selects by score alone",
+                            moe, balance));
+    }
+    // logits / temperature == (W / temperature) x: fold it into the gate.
+    std::vector<float> gate = read_all(shard, "param/" + moe + ".router.weight");
+    if (m.moe.temperature != 1.0)
+      for (float& w : gate) w = static_cast<float>(w / m.moe.temperature);
+    tensors.push_back({theirs + ".block_sparse_moe.gate.weight", {E, D}, std::move(gate)});
+    const std::vector<float> w1 = read_all(shard, "param/" + moe + ".experts.w1");  // [E, F, D]
+    const std::vector<float> w3 = read_all(shard, "param/" + moe + ".experts.w3");  // [E, F, D]
+    const std::vector<float> w2 = read_all(shard, "param/" + moe + ".experts.w2");  // [E, D, F]
+    const auto slab = static_cast<size_t>(F * D);
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string expert = fmt::format("{}.block_sparse_moe.experts.{}", theirs, e);
+      const auto at = static_cast<ptrdiff_t>(static_cast<size_t>(e) * slab);
+      tensors.push_back({expert + ".w1.weight", {F, D}, {w1.begin() + at, w1.begin() + at + static_cast<ptrdiff_t>(slab)}});
+      tensors.push_back({expert + ".w2.weight", {D, F}, {w2.begin() + at, w2.begin() + at + static_cast<ptrdiff_t>(slab)}});
+      tensors.push_back({expert + ".w3.weight", {F, D}, {w3.begin() + at, w3.begin() + at + static_cast<ptrdiff_t>(slab)}});
+    }
+  }
+  copy("final_norm", "model.norm.weight");
+  if (!m.tie_embeddings) copy("lm_head", "lm_head.weight");
+  if (m.moe.capacity_factor > 0)
+    fmt::print(out, "warning: export: moe.capacity_factor = {} drops tokens in training; Mixtral is dropless\n",
+               m.moe.capacity_factor);
+  return tensors;
+}
+
+void write_shards(const std::vector<HfTensor>& tensors, const fs::path& dir, uint64_t max_shard_bytes) {
+  // Greedy, in order: a new shard starts when the next tensor would pass the limit.
+  std::vector<std::vector<const HfTensor*>> shards(1);
+  uint64_t in_shard = 0, total = 0;
+  for (const HfTensor& t : tensors) {
+    if (in_shard > 0 && in_shard + t.bytes() > max_shard_bytes) {
+      shards.emplace_back();
+      in_shard = 0;
+    }
+    shards.back().push_back(&t);
+    in_shard += t.bytes();
+    total += t.bytes();
+  }
+  json weight_map = json::object();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string file = shards.size() == 1
+                                 ? "model.safetensors"
+                                 : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+    SafeTensorsWriter writer;
+    writer.set_metadata("format", "pt");  // what transformers expects of a PyTorch checkpoint
+    for (const HfTensor* t : shards[i]) {
+      writer.add_f32(t->name, t->shape, t->data.data());
+      weight_map[t->name] = file;
+    }
+    writer.write(dir / file);
+  }
+  if (shards.size() > 1) {
+    const json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    write_file_atomic(dir / "model.safetensors.index.json", index.dump(2) + "\n");
+  }
+}
+
+}  // namespace
+
+void export_checkpoint(const ExportOptions& options, std::ostream& out) {
+  if (options.format != "hf") MOE_CONFIG_ERROR("--format must be hf, got \"{}\"", options.format);
+  if (options.max_shard_bytes == 0) MOE_CONFIG_ERROR("--max-shard-bytes must be positive");
+  std::error_code ec;
+  if (!fs::is_directory(options.checkpoint, ec))
+    MOE_CONFIG_ERROR("--checkpoint {}: not a directory", options.checkpoint);
+  const fs::path output = fs::path(options.output).lexically_normal();
+  if (output.empty()) MOE_CONFIG_ERROR("--output must name a directory");
+  if (fs::exists(output, ec) && !(fs::is_directory(output, ec) && fs::is_empty(output, ec)))
+    MOE_CONFIG_ERROR("--output {}: exists and is not an empty directory", output.string());
+
+  const LoadedCheckpoint ckpt = read_checkpoint(options.checkpoint);
+  check_representable(ckpt);
+  const std::vector<HfTensor> tensors = mixtral_tensors(ckpt, options.allow_inexact, out);
+
+  // Build the folder beside its destination, then rename it into place.
+  const fs::path parent = output.has_parent_path() ? output.parent_path() : fs::path(".");
+  fs::create_directories(parent);
+  const fs::path temp = parent / fmt::format(".{}.tmp.{}", output.filename().string(), ::getpid());
+  fs::remove_all(temp);
+  fs::create_directories(temp);
+  write_file_atomic(temp / "config.json", mixtral_config(ckpt.config).dump(2) + "\n");
+  write_shards(tensors, temp, options.max_shard_bytes);
+  if (fs::exists(output, ec)) fs::remove(output);  // empty, checked above
+  fs::rename(temp, output);
+  fsync_directory(parent);
+  uint64_t total = 0;
+  for (const HfTensor& t : tensors) total += t.bytes();
+  fmt::print(out, "export: {} (step {}) -> {} as MixtralForCausalLM: {} tensors, {:.1f} MB\n", ckpt.path.string(),
+             ckpt.step, output.string(), tensors.size(), static_cast<double>(total) / 1e6);
+}
+
+}  // namespace moe

@@ -1,0 +1,121 @@
+// The `moe tokenizer train` / `moe tokenize` commands and training from shards, through
+// the binary: exit codes, one-line errors naming the file, no partial output.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+
+#include "bpe_test_util.h"
+
+namespace moe {
+namespace {
+
+using namespace testing_bpe;
+
+struct Result {
+  int exit_code = -1;
+  std::string output;
+};
+
+Result moe(const std::string& args) {
+  std::string binary = env_or_empty("MOE_BINARY");
+  if (binary.empty()) binary = (fs::read_symlink("/proc/self/exe").parent_path() / "moe").string();
+  Result r;
+  FILE* pipe = popen((binary + " " + args + " 2>&1").c_str(), "r");
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// A failed command: the expected exit code, one line, naming `names`.
+void expect_failure(const Result& r, int code, std::initializer_list<std::string> names) {
+  EXPECT_EQ(r.exit_code, code) << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  for (const auto& name : names) EXPECT_NE(r.output.find(name), std::string::npos) << name << " not in: " << r.output;
+}
+
+class TokenizeCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = scratch_dir(std::string("tokcli_") + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_ / "text");
+    for (int i = 0; i < 30; ++i)
+      std::ofstream(dir_ / "text" / ("doc" + std::to_string(i) + ".txt"))
+          << "Document " << i << ": the quick brown fox jumps over the lazy dog, isn't it? " << i * 7919 << "\n";
+    std::ofstream(dir_ / "tiny.toml") << "[model]\ndim = 16\nn_layers = 1\nn_heads = 2\nn_kv_heads = 1\nseq_len = 32\n"
+                                      << "[moe]\nn_experts = 4\nexpert_hidden = 16\n"
+                                      << "[training]\nsteps = 4\nglobal_batch_tokens = 128\nmicro_batch = 2\n"
+                                      << "val_batches = 2\nval_interval = 2\n";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string p(const std::string& name) const { return (dir_ / name).string(); }
+  fs::path dir_;
+};
+
+TEST_F(TokenizeCli, TrainTokenizeAndTrainFromShards) {
+  Result t = moe("tokenizer train --vocab-size 320 --input " + p("text") + " --output " + p("tok.json"));
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_NE(t.output.find("vocab 320"), std::string::npos) << t.output;
+  Result k = moe("tokenize --tokenizer " + p("tok.json") + " --input " + p("text") + " --output " + p("shards") +
+                 " --val-fraction 0.3 --threads 2");
+  ASSERT_EQ(k.exit_code, 0) << k.output;
+  EXPECT_NE(k.output.find("MB/s"), std::string::npos) << k.output;  // the progress line
+  EXPECT_NE(k.output.find("eta"), std::string::npos) << k.output;
+  ASSERT_TRUE(fs::exists(dir_ / "shards" / "train_00000.bin"));
+  ASSERT_TRUE(fs::exists(dir_ / "shards" / "val_00000.bin"));
+  Result r = moe("train --config " + p("tiny.toml") + " --data.shards=" + p("shards") + " --data.tokenizer=" + p("tok.json"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("summary: steps=4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(vocab 320)"), std::string::npos) << r.output;
+
+  // Corrupt shards stop training with one line naming the file and the problem.
+  const std::string shard = (dir_ / "shards" / "train_00000.bin").string();
+  std::string bytes = read_file(shard);
+  std::ofstream(shard, std::ios::binary) << bytes.substr(0, bytes.size() - 3);
+  expect_failure(moe("train --config " + p("tiny.toml") + " --data.shards=" + p("shards") + " --data.tokenizer=" + p("tok.json")),
+                 1, {shard, "truncated"});
+  bytes[0] = 'Z';
+  std::ofstream(shard, std::ios::binary) << bytes;
+  expect_failure(moe("train --config " + p("tiny.toml") + " --data.shards=" + p("shards") + " --data.tokenizer=" + p("tok.json")),
+                 1, {shard, "wrong magic"});
+  bytes[0] = 'M';
+  bytes[bytes.size() - 20] ^= 0x40;
+  std::ofstream(shard, std::ios::binary) << bytes;
+  expect_failure(moe("train --config " + p("tiny.toml") + " --data.shards=" + p("shards") + " --data.tokenizer=" + p("tok.json")),
+                 1, {shard, "checksum"});
+  // Shards written for another vocabulary.
+  bytes[bytes.size() - 20] ^= 0x40;
+  std::ofstream(shard, std::ios::binary) << bytes;
+  expect_failure(moe("train --config " + p("tiny.toml") + " --data.shards=" + p("shards") + " --data.tokenizer=byte"), 2,
+                 {"data.shards", "320"});
+}
+
+TEST_F(TokenizeCli, BadInputIsOneLineAndLeavesNothing) {
+  expect_failure(moe("tokenizer train --vocab-size 300 --input " + p("missing") + " --output " + p("t.json")), 2,
+                 {p("missing"), "does not exist"});
+  EXPECT_FALSE(fs::exists(dir_ / "t.json"));
+  std::ofstream(dir_ / "wp.json") << R"({"model": {"type": "WordPiece", "vocab": {}}})";
+  expect_failure(moe("tokenize --tokenizer " + p("wp.json") + " --input " + p("text") + " --output " + p("out")), 2,
+                 {p("wp.json"), "unsupported model type 'WordPiece'"});
+  std::ofstream(dir_ / "broken.json") << R"({"model": )";
+  expect_failure(moe("tokenize --tokenizer " + p("broken.json") + " --input " + p("text") + " --output " + p("out")), 2,
+                 {p("broken.json"), "not valid JSON"});
+  expect_failure(moe("tokenize --tokenizer " + p("nope.json") + " --input " + p("text") + " --output " + p("out")), 2,
+                 {p("nope.json"), "does not exist"});
+  expect_failure(moe("tokenize --tokenizer byte --input " + p("missing.jsonl") + " --output " + p("out")), 2,
+                 {p("missing.jsonl")});
+  std::ofstream(dir_ / "bad.jsonl") << "{\"text\": \"fine\"}\nnot json\n";
+  expect_failure(moe("tokenize --tokenizer byte --input " + p("text") + " " + p("bad.jsonl") + " --output " + p("out") +
+                     " --no-progress"),
+                 2, {p("bad.jsonl") + ":2", "not valid JSON"});
+  EXPECT_TRUE(!fs::exists(dir_ / "out") || fs::is_empty(dir_ / "out"));
+  expect_failure(moe("train --config " + p("tiny.toml") + " --data.shards=" + p("text") + " --data.tokenizer=byte"), 2,
+                 {p("text"), "train_*.bin"});
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,111 @@
+// Helpers for the observability tests: scratch directories, running commands, and the
+// tiny synthetic-data trainer whose metrics the tests read back.
+#pragma once
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "train/trainer.h"
+#include "train/synthetic.h"
+
+namespace moe::test {
+
+inline std::filesystem::path scratch_dir(const std::string& tag) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  auto dir = std::filesystem::temp_directory_path() /
+             ("moe_obs_" + tag + "_" + std::to_string(::getpid()) + "_" + info->name());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+inline std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+inline CommandResult run_command(const std::string& command) {
+  CommandResult result;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (!pipe) return result;
+  std::array<char, 4096> buffer{};
+  size_t n;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+// The venv python that ctest passes (scripts/setup.sh installs the oracles into it).
+inline std::string python() {
+  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
+  if (const char* s = std::getenv("MOE_SOURCE_DIR"); s && *s) return std::string(s) + "/.deps/venv/bin/python";
+  return "python3";
+}
+
+inline std::string moe_binary() {
+  if (const char* path = std::getenv("MOE_BINARY"); path && *path) return path;
+  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "moe").string();
+}
+
+// Headless Chromium (Debian's chromium, installed by scripts/setup.sh). --dump-dom prints
+// the DOM after the load event: both pages draw from inlined data while loading, so no
+// waiting is needed (a --virtual-time-budget never ends with Chart.js on the page).
+// Its profile goes to a scratch directory that is removed afterwards.
+inline CommandResult run_chromium(const std::string& args) {
+  const auto profile = std::filesystem::temp_directory_path() / ("moe_obs_chromium_" + std::to_string(::getpid()));
+  CommandResult r = run_command("timeout 60 chromium --headless --disable-gpu --no-sandbox --no-first-run "
+                                "--disable-extensions --disable-dev-shm-usage --user-data-dir=" +
+                                profile.string() + " " + args);
+  std::error_code ec;
+  std::filesystem::remove_all(profile, ec);
+  return r;
+}
+
+// A 2-layer MoE on the look-back task: 4 experts, top-2, 256 tokens per step.
+inline RunConfig tiny_config(int64_t steps) {
+  RunConfig config;
+  ModelConfig& m = config.model;
+  m.vocab_size = 16;
+  m.dim = 16;
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.seq_len = 16;
+  m.moe.n_experts = 4;
+  m.moe.top_k = 2;
+  m.moe.expert_hidden = 16;
+  config.training.micro_batch = 8;
+  config.training.global_batch_tokens = 256;  // 2 micro-batches
+  config.training.steps = steps;
+  config.training.val_batches = 2;
+  config.training.val_interval = 0;
+  config.training.threads = 1;
+  config.lr.warmup_steps = 2;
+  config.metrics.log_interval = 2;
+  return config;
+}
+
+inline std::unique_ptr<Trainer> tiny_trainer(const RunConfig& config) {
+  const auto& m = config.model;
+  return std::make_unique<Trainer>(config, std::make_unique<LookBackTask>(m.vocab_size, m.seq_len, 1),
+                                   std::make_unique<LookBackTask>(m.vocab_size, m.seq_len, 2));
+}
+
+}  // namespace moe::test

@@ -1,0 +1,188 @@
+// `moe export --format hf`: the folder is read back with the PyPI safetensors package
+// (numpy API) and checked against the checkpoint tensor by tensor: Mixtral's names,
+// shapes, dtypes and values, config.json fields, and sharding with an index.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "train/checkpoint.h"
+#include "train/export.h"
+#include "train/test_resume_fixtures.h"
+
+namespace moe {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string python() {
+  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
+  const char* src = std::getenv("MOE_SOURCE_DIR");
+  const fs::path root = src && *src ? fs::path(src) : fs::path(__FILE__).parent_path().parent_path().parent_path();
+  return (root / ".deps/venv/bin/python").string();
+}
+
+// Loads the export and the checkpoint shard with safetensors.numpy and compares them.
+constexpr const char* kCheck = R"PY(
+import json, os, sys
+import numpy as np
+from safetensors.numpy import load_file
+from safetensors import safe_open
+
+out, ckpt, sharded, temperature = sys.argv[1], sys.argv[2], sys.argv[3] == "1", float(sys.argv[4])
+cfg = json.load(open(os.path.join(out, "config.json")))
+assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral", cfg
+L, D, E, F = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_local_experts"], cfg["intermediate_size"]
+H, G, hd, V = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]
+assert (L, D, E, F, H, G, hd, V) == (2, 16, 4, 16, 2, 1, 8, 257), cfg
+assert cfg["num_experts_per_tok"] == 2 and cfg["hidden_act"] == "silu" and cfg["tie_word_embeddings"] is False
+assert cfg["rope_theta"] == 10000.0 and cfg["rms_norm_eps"] == 1e-5 and cfg["max_position_embeddings"] == 8
+
+files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+tensors = {}
+if sharded:
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    assert len(files) > 1 and files[0] == "model-00001-of-%05d.safetensors" % len(files), files
+    assert sorted(set(index["weight_map"].values())) == files
+    for f in files:
+        part = load_file(os.path.join(out, f))
+        for name in part:
+            assert index["weight_map"][name] == f, name
+        tensors.update(part)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
+else:
+    assert files == ["model.safetensors"], files
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+with safe_open(os.path.join(out, files[0]), framework="np") as f:
+    assert f.metadata() == {"format": "pt"}
+
+expected = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+for l in range(L):
+    p = "model.layers.%d." % l
+    expected.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                     p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (G * hd, D),
+                     p + "self_attn.v_proj.weight": (G * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
+                     p + "block_sparse_moe.gate.weight": (E, D)})
+    for e in range(E):
+        q = p + "block_sparse_moe.experts.%d." % e
+        expected.update({q + "w1.weight": (F, D), q + "w3.weight": (F, D), q + "w2.weight": (D, F)})
+assert set(tensors) == set(expected), set(tensors) ^ set(expected)
+for name, shape in expected.items():
+    assert tensors[name].shape == shape and tensors[name].dtype == np.float32, (name, tensors[name].shape)
+
+ours = load_file(ckpt)
+def same(theirs, mine):
+    assert np.array_equal(tensors[theirs], mine), theirs
+same("model.embed_tokens.weight", ours["param/embedding"])
+same("lm_head.weight", ours["param/lm_head"])
+same("model.norm.weight", ours["param/final_norm"])
+for l in range(L):
+    p, m = "model.layers.%d." % l, "param/layers.%d." % l
+    same(p + "input_layernorm.weight", ours[m + "attn_norm"])
+    same(p + "post_attention_layernorm.weight", ours[m + "ffn_norm"])
+    for a, b in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("o", "wo")):
+        same(p + "self_attn.%s_proj.weight" % a, ours[m + "attn." + b])
+    same(p + "block_sparse_moe.gate.weight", ours[m + "moe.router.weight"] / np.float32(temperature))
+    for e in range(E):
+        q = p + "block_sparse_moe.experts.%d." % e
+        for w in ("w1", "w2", "w3"):
+            same(q + w + ".weight", ours[m + "moe.experts." + w][e])
+print("OK", len(tensors))
+)PY";
+
+struct Py {
+  int status;
+  std::string output;
+};
+
+Py run_python(const fs::path& script, const std::string& args) {
+  Py r{-1, ""};
+  FILE* pipe = popen((python() + " " + script.string() + " " + args + " 2>&1").c_str(), "r");
+  if (!pipe) return r;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) r.output.append(buffer, n);
+  r.status = pclose(pipe);
+  return r;
+}
+
+class HfExport : public test::TempDirTest {
+ protected:
+  // A checkpoint before any update (router bias still zero) and one after two steps.
+  void SetUp() override {
+    TempDirTest::SetUp();
+    RunConfig config = test::tiny_config();
+    config.model.moe.temperature = 2.0;  // folded into the gate
+    config.checkpoint.dir = (dir_ / "ckpt").string();
+    config.training.stop_at = 2;
+    auto trainer = test::make_trainer(config);
+    std::ostringstream log;
+    trainer->save_checkpoint(log);
+    trainer->run(log);
+  }
+  fs::path step(int s) const { return dir_ / "ckpt" / fmt::format("step_{:08d}", s); }
+};
+
+TEST_F(HfExport, MixtralFolderReadsBackWithSafetensors) {
+  std::ofstream(dir_ / "check.py") << kCheck;
+  for (bool sharded : {false, true}) {
+    SCOPED_TRACE(sharded);
+    ExportOptions options;
+    options.checkpoint = step(0).string();
+    options.output = (dir_ / (sharded ? "hf_sharded" : "hf")).string();
+    if (sharded) options.max_shard_bytes = 8000;  // a few experts per shard
+    std::ostringstream out;
+    export_checkpoint(options, out);
+    EXPECT_NE(out.str().find("as MixtralForCausalLM"), std::string::npos) << out.str();
+    EXPECT_EQ(fs::exists(dir_ / (sharded ? "hf_sharded" : "hf") / "model.safetensors.index.json"), sharded);
+    const Py py = run_python(dir_ / "check.py", options.output + " " + (step(0) / "rank_00000.safetensors").string() +
+                                                    " " + (sharded ? "1" : "0") + " 2.0");
+    EXPECT_EQ(py.status, 0) << py.output;
+    EXPECT_NE(py.output.find("OK 41"), std::string::npos) << py.output;  // 3 + 2 layers x (7 + 4 experts x 3)
+  }
+}
+
+TEST_F(HfExport, WhatMixtralCannotHoldIsRefused) {
+  ExportOptions options;
+  options.checkpoint = step(2).string();
+  options.output = (dir_ / "hf").string();
+  std::ostringstream out;
+  try {
+    export_checkpoint(options, out);
+    ADD_FAILURE() << "a trained router bias was exported silently";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("layers.0.moe.router.bias is not zero"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--allow-inexact"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir_ / "hf"));
+  options.allow_inexact = true;
+  export_checkpoint(options, out);
+  EXPECT_NE(out.str().find("warning: export: layers.0.moe.router.bias is not zero"), std::string::npos) << out.str();
+  EXPECT_TRUE(fs::exists(dir_ / "hf" / "model.safetensors"));
+  // The output must be new or empty; the format must be hf.
+  EXPECT_THROW(export_checkpoint(options, out), ConfigError);
+  options.output = (dir_ / "hf2").string();
+  options.format = "gguf";
+  EXPECT_THROW(export_checkpoint(options, out), ConfigError);
+  // Shared experts have no Mixtral counterpart.
+  RunConfig shared = test::tiny_config();
+  shared.model.moe.n_shared_experts = 1;
+  shared.checkpoint.dir = (dir_ / "shared").string();
+  shared.training.stop_at = 1;
+  auto trainer = test::make_trainer(shared);
+  trainer->run(out);
+  options.format = "hf";
+  options.checkpoint = (dir_ / "shared" / "step_00000001").string();
+  try {
+    export_checkpoint(options, out);
+    ADD_FAILURE() << "shared experts exported";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("moe.n_shared_experts = 1 (Mixtral has no shared experts)"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace moe
