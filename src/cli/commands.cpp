@@ -13,6 +13,9 @@
 #include "obs/report.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#ifdef MOE_HAVE_CUDA
+#include "train/cuda/gpu_bench.h"
+#endif
 #include "train/signals.h"
 #include "train/text_data.h"
 #include "train/trainer.h"
@@ -69,6 +72,16 @@ int run_export(const ExportOptions& options) {
 int run_report(const ReportOptions& options) {
   fmt::print("report: {}\n", write_report(options.run_dir, options.output));
   return 0;
+}
+
+int run_bench(const BenchOptions& options) {
+  RunConfig config = resolve_config(options.config_path, options.overrides);
+#ifdef MOE_HAVE_CUDA
+  run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout);
+  return 0;
+#else
+  MOE_CONFIG_ERROR("moe bench times the GPU path, and this build has no CUDA backend");
+#endif
 }
 
 int run_config(const ConfigOptions& options) {

@@ -27,7 +27,16 @@ struct ConfigOptions {
   std::vector<std::string> overrides;
 };
 
+struct BenchOptions {
+  std::string config_path;
+  int warmup_steps = 3;
+  int timed_steps = 10;
+  std::vector<std::string> overrides;
+};
+
 int run_train(const TrainOptions& options);
+// `moe bench`: the GPU benchmark (train/cuda/gpu_bench.h); a config error without CUDA.
+int run_bench(const BenchOptions& options);
 int run_config(const ConfigOptions& options);
 int run_report(const ReportOptions& options);
 int run_export(const ExportOptions& options);

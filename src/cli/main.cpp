@@ -61,6 +61,17 @@ int main(int argc, char** argv) {
   config_cmd->allow_extras();
   config_cmd->footer(kOverrideHelp);
 
+  moe::BenchOptions bench;
+  CLI::App* bench_cmd =
+      app.add_subcommand("bench", "Time training steps on the GPU: tokens/s, MFU, memory, time by phase");
+  bench_cmd->add_option("-c,--config", bench.config_path, "Run config (TOML), e.g. configs/bench/mixtral-mini.toml")
+      ->required()
+      ->check(CLI::ExistingFile);
+  bench_cmd->add_option("--warmup", bench.warmup_steps, "Untimed steps first")->check(CLI::NonNegativeNumber);
+  bench_cmd->add_option("--steps", bench.timed_steps, "Timed steps (the median is reported)")->check(CLI::PositiveNumber);
+  bench_cmd->allow_extras();
+  bench_cmd->footer(kOverrideHelp);
+
   moe::ReportOptions report;
   CLI::App* report_cmd =
       app.add_subcommand("report", "Write a run's dashboard as one self-contained HTML file from its metrics.jsonl");
@@ -154,6 +165,10 @@ int main(int argc, char** argv) {
     if (*config_cmd) {
       show.overrides = parse_overrides(config_cmd->remaining());
       return moe::run_config(show);
+    }
+    if (*bench_cmd) {
+      bench.overrides = parse_overrides(bench_cmd->remaining());
+      return moe::run_bench(bench);
     }
   } catch (const moe::ConfigError& e) {
     std::cerr << "moe: error: " << e.what() << "\n";

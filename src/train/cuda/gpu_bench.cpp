@@ -21,6 +21,8 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   const ModelConfig& mc = config.model;
   const int64_t batch = config.training.micro_batch, S = mc.seq_len, T = batch * S;
   MOE_CHECK(mc.vocab_size > 0, "bench needs model.vocab_size");
+  // Before anything large is allocated on the host.
+  MOE_CHECK(gpu::device_count() > 0, "moe bench needs a CUDA device, and none is visible");
   ParameterCounts counts;
   std::unique_ptr<GpuTransformer> gpu;
   {
