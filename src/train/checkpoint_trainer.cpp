@@ -43,6 +43,7 @@ void Trainer::plan_batches() {
 
 void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
+  sync_state_from_gpu();
   checkpointer_->save(capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_), out);
 }
 
@@ -51,6 +52,7 @@ void Trainer::resume(const std::string& path, std::ostream& out) {
   LoadedCheckpoint checkpoint = read_checkpoint(path);
   check_resume_compatible(checkpoint, config_, out);
   progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
+  sync_state_to_gpu();
   furthest_step_ = progress_.step;
   reloads_without_progress_ = 0;
   monitor_->reset();
@@ -102,6 +104,7 @@ void Trainer::reload_after_faults(const StepStats& stats, std::ostream& out) {
   const int64_t skipped = progress_.skipped_steps;
   LoadedCheckpoint checkpoint = read_checkpoint(*latest);
   progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
+  sync_state_to_gpu();
   progress_.lr_scale = lr_scale;
   progress_.nan_reloads = reloads;
   progress_.skipped_steps = skipped;

@@ -100,6 +100,10 @@ class Trainer {
   double gpu_validate();
   // The host model gets the GPU's trained weights (no-op on the CPU path).
   void download_gpu_weights();
+  // Checkpoints of GPU runs: the host model and AdamW take the GPU's state before a save,
+  // and the GPU takes theirs after a restore (no-ops on the CPU path).
+  void sync_state_from_gpu();
+  void sync_state_to_gpu();
   // After each step: fault handling, checkpoints, preemption. True: stop the run.
   bool after_step(const StepStats& stats, std::ostream& out);
   void reload_after_faults(const StepStats& stats, std::ostream& out);

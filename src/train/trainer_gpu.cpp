@@ -48,8 +48,8 @@ void Trainer::setup_gpu() {
     MOE_CONFIG_ERROR("moe.bias_balancing is not implemented on the GPU yet; use --device=cpu");
   if (c.training.expert_grad_clip > 0)
     MOE_CONFIG_ERROR("training.expert_grad_clip is not implemented on the GPU yet; use --device=cpu");
-  if (!c.checkpoint.dir.empty())
-    MOE_CONFIG_ERROR("checkpoint.dir: checkpoints of GPU runs are not implemented yet; use --device=cpu");
+  if (c.training.memory_limit_mb > 0)
+    MOE_CONFIG_ERROR("training.memory_limit_mb: the memory-pressure controller is not implemented on the GPU yet");
   gpu_.reset(new GpuTransformer(c.model, model_->params()));
   gpu_->plan(c.training.micro_batch);
 }
@@ -118,6 +118,18 @@ void Trainer::download_gpu_weights() {
   if (gpu_) gpu_->download_params(model_->params());
 }
 
+void Trainer::sync_state_from_gpu() {
+  if (!gpu_) return;
+  gpu_->download_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
+  optimizer_->set_steps_taken(gpu_steps_);
+}
+
+void Trainer::sync_state_to_gpu() {
+  if (!gpu_) return;
+  gpu_->upload_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
+  gpu_steps_ = optimizer_->steps_taken();
+}
+
 void GpuTransformerDeleter::operator()(GpuTransformer* model) const { delete model; }
 
 #else
@@ -127,6 +139,8 @@ void Trainer::setup_gpu() { MOE_THROW("no CUDA backend in this build"); }
 StepStats Trainer::gpu_train_step(int64_t) { MOE_THROW("no CUDA backend in this build"); }
 double Trainer::gpu_validate() { MOE_THROW("no CUDA backend in this build"); }
 void Trainer::download_gpu_weights() {}
+void Trainer::sync_state_from_gpu() {}
+void Trainer::sync_state_to_gpu() {}
 
 #endif
 

@@ -35,6 +35,8 @@ class LookBackTask final : public BatchSource {
     }
   }
   void reset() override { counter_ = 0; }
+  std::vector<int64_t> state() const override { return {static_cast<int64_t>(counter_)}; }
+  void restore(const std::vector<int64_t>& state) override { counter_ = static_cast<uint64_t>(state.at(0)); }
 
  private:
   int64_t vocab_, seq_len_;

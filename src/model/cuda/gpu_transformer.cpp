@@ -574,6 +574,42 @@ void GpuTransformer::download_params(ParameterStore<float>& params) const {
               params.value(id));
 }
 
+void GpuTransformer::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const {
+  const State& s = *state_;
+  download_params(params);
+  std::vector<float> m_padded(static_cast<size_t>(s.storage)), v_padded(static_cast<size_t>(s.storage));
+  s.adam_m.download(m_padded.data(), m_padded.size());
+  s.adam_v.download(v_padded.data(), v_padded.size());
+  m.clear();
+  v.clear();
+  for (int id = 0; id < params.size(); ++id) {
+    const auto first = static_cast<size_t>(params.offset(id)), last = first + static_cast<size_t>(params.numel(id));
+    m.insert(m.end(), m_padded.begin() + first, m_padded.begin() + last);
+    v.insert(v.end(), v_padded.begin() + first, v_padded.begin() + last);
+  }
+}
+
+void GpuTransformer::upload_state(const ParameterStore<float>& params, const std::vector<float>& m,
+                                  const std::vector<float>& v) {
+  State& s = *state_;
+  MOE_CHECK(params.storage_numel() == s.storage, "upload_state: layouts differ");
+  MOE_CHECK(static_cast<int64_t>(m.size()) == params.total_numel() && m.size() == v.size(),
+            "upload_state: {} moments for {} parameters", m.size(), params.total_numel());
+  s.master.upload(params.values_data(), static_cast<size_t>(s.storage));
+  cuda::cast_to_bf16(s.weights.data(), s.master.data(), s.storage, s.stream);
+  std::vector<float> m_padded(static_cast<size_t>(s.storage), 0.0f), v_padded(static_cast<size_t>(s.storage), 0.0f);
+  size_t packed = 0;
+  for (int id = 0; id < params.size(); ++id) {
+    const auto n = static_cast<size_t>(params.numel(id)), first = static_cast<size_t>(params.offset(id));
+    std::copy(m.begin() + packed, m.begin() + packed + n, m_padded.begin() + first);
+    std::copy(v.begin() + packed, v.begin() + packed + n, v_padded.begin() + first);
+    packed += n;
+  }
+  s.adam_m.upload(m_padded.data(), m_padded.size());
+  s.adam_v.upload(v_padded.data(), v_padded.size());
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
 std::vector<std::vector<int64_t>> GpuTransformer::expert_load() {
   std::vector<std::vector<int64_t>> loads;
   for (Layer& layer : state_->layers)

@@ -38,6 +38,10 @@ class GpuTransformer {
   // Device -> host copies for tests and checkpoints.
   void download_grads(ParameterStore<float>& params) const;
   void download_params(ParameterStore<float>& params) const;
+  // The whole training state for checkpoints: parameters into `params`, and the AdamW
+  // moments in the CPU AdamW's packed layout (parameter after parameter, no padding).
+  void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const;
+  void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
   // Assignments per expert since the last reset, per MoE layer (host copy).
   std::vector<std::vector<int64_t>> expert_load();
   void reset_load();
