@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <utility>
 
 #include "core/error_base.h"
@@ -25,6 +26,13 @@
 
 namespace moe::gpu {
 
+// A device allocation that did not fit: callers such as the batch controller catch this
+// one and retry smaller.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 // Number of GPUs visible; 0 when there is no driver or no device (never throws).
 int device_count();
 
@@ -34,7 +42,14 @@ class DeviceArray {
  public:
   DeviceArray() = default;
   explicit DeviceArray(size_t count) : count_(count) {
-    if (count) MOE_CUDA_CHECK(cudaMalloc(&data_, count * sizeof(T)));
+    if (count == 0) return;
+    const cudaError_t status = cudaMalloc(&data_, count * sizeof(T));
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // not sticky, but clear it so later launch checks don't report it
+      data_ = nullptr;
+      throw OutOfMemory("CUDA out of memory allocating " + std::to_string(count * sizeof(T)) + " bytes");
+    }
+    MOE_CUDA_CHECK(status);
   }
   ~DeviceArray() {
     if (data_) cudaFree(data_);

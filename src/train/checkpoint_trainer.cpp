@@ -29,8 +29,8 @@ const char* signal_name(int sig) {
 void Trainer::plan_batches() {
   const TrainingConfig& tc = config_.training;
   const size_t limit = static_cast<size_t>(tc.memory_limit_mb) * 1000000u;
-  // The GPU model sizes its own buffers (no memory controller there yet).
-  BatchPlan plan = gpu_ ? BatchPlan{tc.micro_batch, tc.global_batch_tokens / (tc.micro_batch * config_.model.seq_len), {}}
+  // On the GPU the controller reacts to allocation failure (plan_gpu_batches).
+  BatchPlan plan = gpu_ ? plan_gpu_batches()
                         : fit_micro_batch(
       tc.global_batch_tokens, config_.model.seq_len, tc.micro_batch, limit,
       [&](int64_t batch) { return model_->planned_bytes(batch); }, [&](int64_t batch) { model_->plan(batch); });

@@ -10,6 +10,7 @@
 #include "model/transformer.h"
 #include "obs/observer.h"
 #include "train/adamw.h"
+#include "train/batch_controller.h"
 #include "train/batch_source.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -96,6 +97,8 @@ class Trainer {
   // its step and validation.
   bool wants_gpu() const;
   void setup_gpu();
+  // Plans the GPU buffers, halving the micro-batch while an allocation fails.
+  BatchPlan plan_gpu_batches();
   StepStats gpu_train_step(int64_t step);
   double gpu_validate();
   // The host model gets the GPU's trained weights (no-op on the CPU path).

@@ -6,6 +6,9 @@
 #include <chrono>
 #include <cmath>
 
+#include <fmt/format.h>
+
+#include "train/batch_controller.h"
 #include "train/lr_schedule.h"
 #include "train/trainer.h"
 
@@ -49,9 +52,31 @@ void Trainer::setup_gpu() {
   if (c.training.expert_grad_clip > 0)
     MOE_CONFIG_ERROR("training.expert_grad_clip is not implemented on the GPU yet; use --device=cpu");
   if (c.training.memory_limit_mb > 0)
-    MOE_CONFIG_ERROR("training.memory_limit_mb: the memory-pressure controller is not implemented on the GPU yet");
+    MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
+                     "an allocation fails");
   gpu_.reset(new GpuTransformer(c.model, model_->params()));
-  gpu_->plan(c.training.micro_batch);
+}
+
+BatchPlan Trainer::plan_gpu_batches() {
+  const TrainingConfig& tc = config_.training;
+  BatchPlan plan{tc.micro_batch, tc.global_batch_tokens / (tc.micro_batch * config_.model.seq_len), {}};
+  for (;;) {
+    try {
+      gpu_->plan(plan.micro_batch);
+      return plan;
+    } catch (const gpu::OutOfMemory& e) {
+      if (plan.micro_batch % 2 != 0) throw;  // halving would change the global batch
+      plan.notes.push_back(fmt::format(
+          "memory: a micro-batch of {} sequences does not fit on the GPU ({}); now {} x {} micro-batches, "
+          "the same {} tokens per step",
+          plan.micro_batch, e.what(), plan.micro_batch / 2, plan.micro_steps * 2, tc.global_batch_tokens));
+      plan.micro_batch /= 2;
+      plan.micro_steps *= 2;
+      // Free every buffer before trying again, then start over from the host weights.
+      gpu_.reset();
+      gpu_.reset(new GpuTransformer(config_.model, model_->params()));
+    }
+  }
 }
 
 StepStats Trainer::gpu_train_step(int64_t step) {
@@ -136,6 +161,7 @@ void GpuTransformerDeleter::operator()(GpuTransformer* model) const { delete mod
 
 void GpuTransformerDeleter::operator()(GpuTransformer*) const {}
 void Trainer::setup_gpu() { MOE_THROW("no CUDA backend in this build"); }
+BatchPlan Trainer::plan_gpu_batches() { MOE_THROW("no CUDA backend in this build"); }
 StepStats Trainer::gpu_train_step(int64_t) { MOE_THROW("no CUDA backend in this build"); }
 double Trainer::gpu_validate() { MOE_THROW("no CUDA backend in this build"); }
 void Trainer::download_gpu_weights() {}

@@ -82,5 +82,24 @@ TEST(GpuTrainer, StopAndResumeContinuesTheRun) {
   std::filesystem::remove_all(root);
 }
 
+// A micro-batch whose logits alone need 275 GB: the batch controller halves it until the
+// buffers fit, keeping the tokens per step.
+TEST(GpuTrainer, HalvesTheMicroBatchWhenItDoesNotFit) {
+  MOE_REQUIRE_GPU();
+  RunConfig config = gpu_config("");
+  ModelConfig& m = config.model;
+  m.vocab_size = 262144;
+  m.dim = 64;
+  m.n_layers = 1;
+  m.seq_len = 4096;
+  m.moe.expert_hidden = 64;
+  config.training.micro_batch = 128;
+  config.training.global_batch_tokens = 128 * 4096;
+  Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
+                  std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2));
+  EXPECT_LT(trainer.micro_batch(), 128);
+  EXPECT_EQ(trainer.micro_batch() * trainer.micro_batches_per_step(), 128);
+}
+
 }  // namespace
 }  // namespace moe
