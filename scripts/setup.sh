@@ -36,8 +36,8 @@ if [[ ! -f $stamp ]] || ! cmp -s scripts/requirements-test.txt "$stamp"; then
   cp scripts/requirements-test.txt "$stamp"
 fi
 
-# Header-only CUDA libraries from PyPI (cudnn-frontend for flash attention), unpacked
-# into .deps/cuda-headers/include; only where nvcc is present. Pinned in
+# Header-only CUDA libraries from PyPI (cudnn-frontend for flash attention, CUTLASS for
+# the experts' grouped GEMM), unpacked into .deps/cuda-headers; only where nvcc is present. Pinned in
 # scripts/requirements-cuda.txt and reinstalled when that file changes.
 if command -v nvcc >/dev/null 2>&1 || [[ -x /usr/local/cuda/bin/nvcc ]]; then
   headers=.deps/cuda-headers

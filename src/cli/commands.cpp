@@ -78,6 +78,7 @@ int run_bench(const BenchOptions& options) {
   RunConfig config = resolve_config(options.config_path, options.overrides);
 #ifdef MOE_HAVE_CUDA
   run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout);
+  if (options.kernels) run_kernel_bench(config, std::cout);
   return 0;
 #else
   MOE_CONFIG_ERROR("moe bench times the GPU path, and this build has no CUDA backend");

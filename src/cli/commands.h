@@ -31,6 +31,7 @@ struct BenchOptions {
   std::string config_path;
   int warmup_steps = 3;
   int timed_steps = 10;
+  bool kernels = false;  // also time the expert GEMMs one by one
   std::vector<std::string> overrides;
 };
 

@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   bench_cmd->add_option("--warmup", bench.warmup_steps, "Untimed steps first")->check(CLI::NonNegativeNumber);
   bench_cmd->add_option("--steps", bench.timed_steps, "Timed steps (the median is reported)")->check(CLI::PositiveNumber);
+  bench_cmd->add_flag("--kernels", bench.kernels, "Also time the expert GEMMs one by one against the dense ceiling");
   bench_cmd->allow_extras();
   bench_cmd->footer(kOverrideHelp);
 

@@ -178,3 +178,37 @@ void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
 void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, Stream stream);
 
 }  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// The experts' GEMMs over the device row layout: expert e owns rows
+// [offsets_E1[e], offsets_E1[e + 1]) of every row buffer. The offsets are read on the
+// device (CUTLASS's Hopper grouped GEMM with device-side problem sizes), so dropless
+// routing needs no host synchronisation and empty experts cost nothing. `sets` (1 or 2)
+// runs that many independent expert GEMMs in one launch (the gate and up projections).
+// Widths and leading dimensions must be multiples of 8 elements (16-byte TMA rows).
+class ExpertGemm {
+ public:
+  explicit ExpertGemm(int64_t n_experts);
+  ~ExpertGemm();
+  ExpertGemm(const ExpertGemm&) = delete;
+  ExpertGemm& operator=(const ExpertGemm&) = delete;
+  static constexpr int kMaxSets = 2;
+  // out[s] rows of e ([rows_e, N], ld_out) = x rows of e ([rows_e, K], ld_x) @ W^T, where
+  // W = w[s] + e * N * K is stored [N, K] (a Linear weight).
+  void forward(int sets, bf16* const* out, int64_t ld_out, const bf16* x, int64_t ld_x, const bf16* const* w,
+               const int32_t* offsets_E1, int64_t N, int64_t K, Stream stream);
+  // out rows of e ([rows_e, N], ld_out) = dy rows of e ([rows_e, K], ld_dy) @ W + beta * out,
+  // where W = w + e * K * N is stored [K, N].
+  void backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
+                     const int32_t* offsets_E1, int64_t N, int64_t K, float beta, Stream stream);
+  // dw[s] + e * M * N ([M, N], fp32) += (a[s] rows of e, [rows_e, M], ld_a)^T @ (b rows of e, [rows_e, N], ld_b).
+  void backward_weight(int sets, float* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b, int64_t ld_b,
+                       const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream);
+
+ private:
+  struct State;
+  State* state_;
+};
+
+}  // namespace moe::cuda

@@ -2,7 +2,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
+#include <memory>
 #include <cmath>
 #include <string>
 
@@ -38,7 +40,6 @@ struct MoEBuffers {
   Buffer<int32_t> expert, row, counts, assign_counts, offsets, token_of_row, rank;
   Buffer<bf16> x_rows, gate_up_rows, act_rows, y_rows;
   std::vector<FfnBuffers> shared;
-  std::vector<int32_t> offsets_host;  // expert row offsets of the last forward
 };
 
 enum Phase : int {
@@ -114,12 +115,21 @@ struct GpuTransformer::State {
   std::vector<Layer> layers;
   cuda::Blas blas;
   cuda::Attention attention;
+  std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only
   cudaStream_t stream = nullptr;
-  int64_t batch = 0, tokens = 0, max_rows = 0;
+  int64_t batch = 0, tokens = 0;
+  // Rows the expert buffers hold: T * K, or fewer when the capacity bounds them. Row-wise
+  // kernels run over all of them (static shapes, no host sync); only the rows below the
+  // device-side offsets[E] are read by the GEMMs.
+  int64_t max_rows = 0;
   // Per micro-batch buffers.
   Buffer<int32_t> inputs, targets, positions;
   Buffer<bf16> final_x, final_n, logits;
-  Buffer<float> final_rstd, loss, lse, sums;
+  Buffer<float> final_rstd, loss, lse;
+  // Device-side results of a forward, read back once at its end: [0] cross-entropy,
+  // then per layer aux and z loss terms; kept rows per layer (offsets[E]).
+  Buffer<float> sums;
+  Buffer<int32_t> kept_rows;
   // Backward scratch.
   Buffer<bf16> dres, dnorm, dq, dk, dv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
       dffn_gate_up;
@@ -149,7 +159,7 @@ struct GpuTransformer::State {
                    int64_t rows, int64_t F, bool accumulate);
   void ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& weights_, FfnBuffers& buffers,
                     int64_t rows, int64_t F, bool accumulate_dx);
-  void moe_forward(Layer& layer, ForwardResult& result);
+  void moe_forward(Layer& layer, size_t layer_index);
   void moe_backward(Layer& layer, double loss_scale);
 };
 
@@ -224,7 +234,14 @@ void GpuTransformer::plan(int64_t batch) {
   const int64_t T = batch * S, E = c.moe.n_experts, K = c.moe.top_k, F = c.moe.expert_hidden;
   s.batch = batch;
   s.tokens = T;
-  s.max_rows = T * K;
+  const int64_t capacity = E > 0 ? expert_capacity(c.moe.capacity_factor, T, K, E) : 0;
+  s.max_rows = capacity > 0 ? std::min(T * K, E * capacity) : T * K;
+  const int64_t R = s.max_rows;
+  if (E > 0 && !s.expert_gemm) {
+    MOE_CHECK(D % 8 == 0 && F % 8 == 0, "the GPU experts need dim ({}) and moe.expert_hidden ({}) to be multiples of 8",
+              D, F);
+    s.expert_gemm = std::make_unique<cuda::ExpertGemm>(E);
+  }
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
   auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
   auto i32 = [](int64_t n) { return Buffer<int32_t>(static_cast<size_t>(n)); };
@@ -254,10 +271,10 @@ void GpuTransformer::plan(int64_t batch) {
     m.offsets = i32(E + 1);
     m.token_of_row = i32(T * K);
     m.rank = i32(T * K);
-    m.x_rows = bf(T * K * D);
-    m.gate_up_rows = bf(T * K * 2 * F);
-    m.act_rows = bf(T * K * F);
-    m.y_rows = bf(T * K * D);
+    m.x_rows = bf(R * D);
+    m.gate_up_rows = bf(R * 2 * F);
+    m.act_rows = bf(R * F);
+    m.y_rows = bf(R * D);
     m.shared.clear();
     for (size_t e = 0; e < layer.shared.size(); ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
   }
@@ -271,17 +288,18 @@ void GpuTransformer::plan(int64_t batch) {
   s.final_rstd = f32(T);
   s.loss = f32(T);
   s.lse = f32(T);
-  s.sums = f32(4);
+  s.sums = f32(1 + 2 * static_cast<int64_t>(s.layers.size()));
+  s.kept_rows = i32(static_cast<int64_t>(s.layers.size()));
   s.dres = bf(T * D);
   s.dnorm = bf(T * D);
   s.dq = bf(T * H * d);
   s.dk = bf(T * G * d);
   s.dv = bf(T * G * d);
   s.dattn = bf(T * H * d);
-  s.drows = bf(T * K * D);
-  s.dact_rows = bf(T * K * F);
-  s.dgate_up_rows = bf(T * K * 2 * F);
-  s.dx_rows = bf(T * K * D);
+  s.drows = bf(R * D);
+  s.dact_rows = bf(R * F);
+  s.dgate_up_rows = bf(R * 2 * F);
+  s.dx_rows = bf(R * D);
   s.dlogits_bf16 = bf(T * E);
   s.dffn_act = bf(T * ffn_width);
   s.dffn_gate_up = bf(T * 2 * ffn_width);
@@ -314,7 +332,7 @@ void GpuTransformer::State::ffn_backward(bf16* dx, const bf16* dy, const bf16* x
   linear_backward(dx, g(p[1]), dffn_gate_up.data() + F, x, w(p[1]), rows, D, F, true, 2 * F);
 }
 
-void GpuTransformer::State::moe_forward(Layer& layer, ForwardResult& result) {
+void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index) {
   const MoEConfig& mc = config.moe;
   const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
   MoEBuffers& m = layer.moe;
@@ -328,40 +346,25 @@ void GpuTransformer::State::moe_forward(Layer& layer, ForwardResult& result) {
   cuda::expert_counts(m.assign_counts.data(), m.expert.data(), T, E, K, stream);
   cuda::router_loss_terms(m.aux_term.data(), m.z_term.data(), m.scores.data(), m.logits.data(), m.assign_counts.data(),
                           T, E, K, static_cast<float>(mc.temperature), mc.score_func, stream);
-  cuda::ordered_sum(sums.data() + 1, m.aux_term.data(), T, static_cast<float>(mc.aux_loss_coef * E / T), stream);
-  cuda::ordered_sum(sums.data() + 2, m.z_term.data(), T, static_cast<float>(mc.z_loss_coef / T), stream);
+  float* layer_sums = sums.data() + 1 + 2 * layer_index;
+  cuda::ordered_sum(layer_sums, m.aux_term.data(), T, static_cast<float>(mc.aux_loss_coef * E / T), stream);
+  cuda::ordered_sum(layer_sums + 1, m.z_term.data(), T, static_cast<float>(mc.z_loss_coef / T), stream);
   const int64_t capacity = expert_capacity(mc.capacity_factor, T, K, E);
   mark(kDispatch);
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(), layer.load.data(),
                     m.rank.data(), m.expert.data(), T, E, K, capacity, stream);
   cuda::permute_forward(m.x_rows.data(), layer.n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D, stream);
-  // The expert loop needs the row offsets on the host (one sync per layer) until the
-  // grouped GEMM reads them on the device.
-  m.offsets_host.resize(static_cast<size_t>(E + 1));
-  MOE_CUDA_CHECK(cudaMemcpyAsync(m.offsets_host.data(), m.offsets.data(), (E + 1) * sizeof(int32_t),
-                                 cudaMemcpyDeviceToHost, stream));
-  float losses[2];
-  MOE_CUDA_CHECK(cudaMemcpyAsync(losses, sums.data() + 1, sizeof(losses), cudaMemcpyDeviceToHost, stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (mc.aux_loss_coef > 0) result.aux_loss += losses[0];
-  if (mc.z_loss_coef > 0) result.z_loss += losses[1];
-  result.dropped += T * K - m.offsets_host[static_cast<size_t>(E)];
+  MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
+                                 cudaMemcpyDeviceToDevice, stream));
+  // The experts: grouped GEMMs over the device-side row offsets (no host sync).
   mark(kExperts);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
-    if (count == 0) continue;
-    linear(m.gate_up_rows.data() + first * 2 * F, m.x_rows.data() + first * D, w(layer.w1) + e * F * D, count, D, F,
-           false, 2 * F);
-    linear(m.gate_up_rows.data() + first * 2 * F + F, m.x_rows.data() + first * D, w(layer.w3) + e * F * D, count, D,
-           F, false, 2 * F);
-  }
-  const int64_t rows = m.offsets_host[static_cast<size_t>(E)];
-  cuda::swiglu_forward(m.act_rows.data(), m.gate_up_rows.data(), rows, F, stream);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
-    if (count == 0) continue;
-    linear(m.y_rows.data() + first * D, m.act_rows.data() + first * F, w(layer.w2) + e * D * F, count, F, D, false);
-  }
+  bf16* gate_up[2] = {m.gate_up_rows.data(), m.gate_up_rows.data() + F};
+  const bf16* w13[2] = {w(layer.w1), w(layer.w3)};
+  expert_gemm->forward(2, gate_up, 2 * F, m.x_rows.data(), D, w13, m.offsets.data(), F, D, stream);
+  cuda::swiglu_forward(m.act_rows.data(), m.gate_up_rows.data(), max_rows, F, stream);
+  bf16* y[1] = {m.y_rows.data()};
+  const bf16* w2[1] = {w(layer.w2)};
+  expert_gemm->forward(1, y, D, m.act_rows.data(), F, w2, m.offsets.data(), D, F, stream);
   mark(kCombine);
   cuda::combine_forward(layer.ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
   mark(kExperts);
@@ -378,23 +381,21 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   mark(kCombine);
   cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
                          stream);
-  const int64_t rows = m.offsets_host[static_cast<size_t>(E)];
   mark(kExperts);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
-    if (count == 0) continue;
-    linear_backward(dact_rows.data() + first * F, g(layer.w2) + e * D * F, drows.data() + first * D,
-                    m.act_rows.data() + first * F, w(layer.w2) + e * D * F, count, F, D, false);
-  }
-  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows.data(), rows, F, stream);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t first = m.offsets_host[static_cast<size_t>(e)], count = m.offsets_host[static_cast<size_t>(e + 1)] - first;
-    if (count == 0) continue;
-    linear_backward(dx_rows.data() + first * D, g(layer.w1) + e * F * D, dgate_up_rows.data() + first * 2 * F,
-                    m.x_rows.data() + first * D, w(layer.w1) + e * F * D, count, D, F, false, 2 * F);
-    linear_backward(dx_rows.data() + first * D, g(layer.w3) + e * F * D, dgate_up_rows.data() + first * 2 * F + F,
-                    m.x_rows.data() + first * D, w(layer.w3) + e * F * D, count, D, F, true, 2 * F);
-  }
+  // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
+  expert_gemm->backward_data(dact_rows.data(), F, drows.data(), D, w(layer.w2), m.offsets.data(), F, D, 0.0f, stream);
+  float* dw2[1] = {g(layer.w2)};
+  const bf16* dy_rows[1] = {drows.data()};
+  expert_gemm->backward_weight(1, dw2, dy_rows, D, m.act_rows.data(), F, m.offsets.data(), D, F, stream);
+  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows.data(), max_rows, F, stream);
+  // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
+  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, w(layer.w1), m.offsets.data(), D, F,
+                             0.0f, stream);
+  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, w(layer.w3), m.offsets.data(), D, F,
+                             1.0f, stream);
+  float* dw13[2] = {g(layer.w1), g(layer.w3)};
+  const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
+  expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows.data(), D, m.offsets.data(), F, D, stream);
   mark(kDispatch);
   cuda::permute_backward(dnorm.data(), dx_rows.data(), m.row.data(), T, K, D, false, stream);
   mark(kRouter);
@@ -457,7 +458,7 @@ ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* t
     cuda::rmsnorm_forward(layer.n2.data(), layer.rstd2.data(), layer.h.data(), layer.x.data(), s.dnorm.data(),
                           s.w(layer.norm2), T, D, eps, s.stream);
     if (layer.is_moe) {
-      s.moe_forward(layer, result);
+      s.moe_forward(layer, l);
     } else {
       s.mark(kDenseFfn);
       s.ffn_forward(layer.ffn_out.data(), layer.n2.data(), s.w(layer.dense[0]), s.w(layer.dense[1]),
@@ -474,11 +475,22 @@ ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* t
   cuda::cross_entropy_forward(s.loss.data(), s.lse.data(), s.logits.data(), s.targets.data(), T, V, s.stream);
   cuda::ordered_sum(s.sums.data(), s.loss.data(), T, 1.0f / static_cast<float>(std::max<int64_t>(1, s.n_valid)),
                     s.stream);
-  float ce = 0;
-  MOE_CUDA_CHECK(cudaMemcpyAsync(&ce, s.sums.data(), sizeof(float), cudaMemcpyDeviceToHost, s.stream));
+  // The one host synchronisation of the forward: the losses and the kept rows per layer.
+  std::vector<float> sums(s.sums.size());
+  std::vector<int32_t> kept(s.kept_rows.size());
+  MOE_CUDA_CHECK(cudaMemcpyAsync(sums.data(), s.sums.data(), sums.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                 s.stream));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(kept.data(), s.kept_rows.data(), kept.size() * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, s.stream));
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   s.mark(kHost);
-  result.ce_loss = ce;
+  result.ce_loss = sums[0];
+  for (size_t l = 0; l < s.layers.size(); ++l) {
+    if (!s.layers[l].is_moe) continue;
+    if (c.moe.aux_loss_coef > 0) result.aux_loss += sums[1 + 2 * l];
+    if (c.moe.z_loss_coef > 0) result.z_loss += sums[2 + 2 * l];
+    result.dropped += T * c.moe.top_k - kept[l];
+  }
   return result;
 }
 

@@ -17,4 +17,9 @@ struct GpuBenchResult {
 
 GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out);
 
+// `moe bench --kernels`: the expert GEMMs of one MoE layer at the config's shapes, each
+// timed alone (grouped GEMM and the per-expert cuBLASLt loop), against the dense GEMM of
+// the same size (src/train/cuda/kernel_bench.cpp).
+void run_kernel_bench(const RunConfig& config, std::ostream& out);
+
 }  // namespace moe

@@ -1,0 +1,76 @@
+// ExpertGemm: owns the per-group arrays and the workspace of the three grouped GEMMs.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/gpu.h"
+#include "kernels/cuda/grouped_gemm_entry.h"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda {
+
+namespace {
+
+void check_widths(const char* what, std::initializer_list<int64_t> widths) {
+  for (int64_t width : widths)
+    MOE_CHECKF(width % 8 == 0, "%s: width or leading dimension %lld is not a multiple of 8 elements", what,
+               static_cast<long long>(width));
+}
+
+}  // namespace
+
+struct ExpertGemm::State {
+  int64_t n_experts = 0;
+  int sm_count = 0;
+  // One block of per-group arrays per operation kind, so that operations on different
+  // streams could never overwrite each other's descriptions.
+  gpu::DeviceArray<char> forward_groups, data_groups, weight_groups, workspace;
+
+  grouped::Scratch scratch(const gpu::DeviceArray<char>& groups) const {
+    return {groups.data(), workspace.data(), workspace.size(), sm_count};
+  }
+};
+
+ExpertGemm::ExpertGemm(int64_t n_experts) : state_(new State) {
+  State& s = *state_;
+  s.n_experts = n_experts;
+  int device = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, device));
+  const int max_groups = static_cast<int>(kMaxSets * n_experts);
+  const grouped::Sizes forward = grouped::forward_sizes(max_groups, s.sm_count);
+  const grouped::Sizes data = grouped::data_sizes(max_groups, s.sm_count);
+  const grouped::Sizes weight = grouped::weight_sizes(max_groups, s.sm_count);
+  s.forward_groups = gpu::DeviceArray<char>(forward.group_bytes);
+  s.data_groups = gpu::DeviceArray<char>(data.group_bytes);
+  s.weight_groups = gpu::DeviceArray<char>(weight.group_bytes);
+  s.workspace = gpu::DeviceArray<char>(
+      std::max<size_t>({forward.workspace_bytes, data.workspace_bytes, weight.workspace_bytes, size_t{256}}));
+}
+
+ExpertGemm::~ExpertGemm() { delete state_; }
+
+void ExpertGemm::forward(int sets, bf16* const* out, int64_t ld_out, const bf16* x, int64_t ld_x,
+                         const bf16* const* w, const int32_t* offsets_E1, int64_t N, int64_t K, Stream stream) {
+  MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
+  check_widths("ExpertGemm::forward", {N, K, ld_out, ld_x});
+  grouped::forward(state_->scratch(state_->forward_groups), sets, out, ld_out, x, ld_x, w, offsets_E1,
+                   state_->n_experts, N, K, stream);
+}
+
+void ExpertGemm::backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
+                               const int32_t* offsets_E1, int64_t N, int64_t K, float beta, Stream stream) {
+  check_widths("ExpertGemm::backward_data", {N, K, ld_out, ld_dy});
+  grouped::backward_data(state_->scratch(state_->data_groups), out, ld_out, dy, ld_dy, w, offsets_E1,
+                         state_->n_experts, N, K, beta, stream);
+}
+
+void ExpertGemm::backward_weight(int sets, float* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b,
+                                 int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream) {
+  MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
+  check_widths("ExpertGemm::backward_weight", {M, N, ld_a, ld_b});
+  grouped::backward_weight(state_->scratch(state_->weight_groups), sets, dw, a, ld_a, b, ld_b, offsets_E1,
+                           state_->n_experts, M, N, stream);
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,193 @@
+// `moe bench --kernels`: the GEMM-shaped kernels of one layer at the config's shapes,
+// each timed alone (CUDA events, warm-up, median), as ms and TFLOP/s against the dense
+// GEMM of the same size: where the experts' and attention's time goes.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include <algorithm>
+#include <functional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/gpu.h"
+#include "kernels/gpu_ops.h"
+#include "train/cuda/gpu_bench.h"
+
+namespace moe {
+namespace {
+
+constexpr int kWarmup = 3, kTimed = 10;
+
+// Median milliseconds of `launch` (enqueued on the default stream).
+double median_ms(const std::function<void()>& launch) {
+  cudaEvent_t start, stop;
+  MOE_CUDA_CHECK(cudaEventCreate(&start));
+  MOE_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> ms;
+  for (int i = 0; i < kWarmup + kTimed; ++i) {
+    MOE_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    MOE_CUDA_CHECK(cudaEventRecord(stop));
+    MOE_CUDA_CHECK(cudaEventSynchronize(stop));
+    float elapsed = 0;
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, stop));
+    if (i >= kWarmup) ms.push_back(elapsed);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct Row {
+  std::string name;
+  double flops, grouped_ms, loop_ms;
+};
+
+// bf16 random-ish contents (the values do not matter for timing, but NaN patterns could).
+template <typename T>
+gpu::DeviceArray<T> filled(size_t n) {
+  gpu::DeviceArray<T> array(n);
+  array.fill_bytes(0x3c);
+  return array;
+}
+
+}  // namespace
+
+void run_kernel_bench(const RunConfig& config, std::ostream& out) {
+  const ModelConfig& mc = config.model;
+  const int64_t T = config.training.micro_batch * mc.seq_len, D = mc.dim, E = mc.moe.n_experts, K = mc.moe.top_k,
+                F = mc.moe.expert_hidden;
+  MOE_CHECK(E > 0, "moe bench --kernels needs an MoE model");
+  MOE_CHECK(gpu::device_count() > 0, "moe bench needs a CUDA device, and none is visible");
+  // Dropless routing spread evenly: rows per expert = T * K / E (the balanced case the
+  // aux loss steers towards); the rest of the rows go to the last expert.
+  const int64_t R = T * K, per_expert = R / E;
+  std::vector<int32_t> offsets(static_cast<size_t>(E + 1));
+  for (int64_t e = 0; e <= E; ++e) offsets[static_cast<size_t>(e)] = static_cast<int32_t>(std::min(R, e * per_expert));
+  offsets[static_cast<size_t>(E)] = static_cast<int32_t>(R);
+  gpu::DeviceArray<int32_t> offsets_d(offsets.size());
+  offsets_d.upload(offsets.data(), offsets.size());
+  auto x = filled<bf16>(R * D), gate_up = filled<bf16>(R * 2 * F), act = filled<bf16>(R * F), y = filled<bf16>(R * D);
+  auto w1 = filled<bf16>(E * F * D), w3 = filled<bf16>(E * F * D), w2 = filled<bf16>(E * D * F);
+  auto g1 = filled<float>(E * F * D), g3 = filled<float>(E * F * D), g2 = filled<float>(E * D * F);
+  cuda::ExpertGemm grouped(E);
+  cuda::Blas blas;
+  const cuda::Stream stream = nullptr;
+  // The per-expert cuBLASLt loop the grouped GEMM replaced (host offsets), for comparison.
+  auto loop = [&](const std::function<void(int64_t first, int64_t rows, int64_t e)>& gemm) {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t first = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e + 1)] - first;
+      if (rows > 0) gemm(first, rows, e);
+    }
+  };
+  const double mnk = 2.0 * static_cast<double>(R) * static_cast<double>(D) * static_cast<double>(F);
+  std::vector<Row> rows;
+  {
+    bf16* outs[2] = {gate_up.data(), gate_up.data() + F};
+    const bf16* ws[2] = {w1.data(), w3.data()};
+    rows.push_back({"fwd gate|up  [rows,D]x[D,2F]", 2 * mnk,
+                    median_ms([&] { grouped.forward(2, outs, 2 * F, x.data(), D, ws, offsets_d.data(), F, D, stream); }),
+                    median_ms([&] {
+                      loop([&](int64_t first, int64_t n, int64_t e) {
+                        blas.gemm(false, true, n, F, D, 1, x.data() + first * D, D, w1.data() + e * F * D, D, 0,
+                                  gate_up.data() + first * 2 * F, false, 2 * F, stream);
+                        blas.gemm(false, true, n, F, D, 1, x.data() + first * D, D, w3.data() + e * F * D, D, 0,
+                                  gate_up.data() + first * 2 * F + F, false, 2 * F, stream);
+                      });
+                    })});
+  }
+  {
+    bf16* outs[1] = {y.data()};
+    const bf16* ws[1] = {w2.data()};
+    rows.push_back({"fwd down     [rows,F]x[F,D]", mnk,
+                    median_ms([&] { grouped.forward(1, outs, D, act.data(), F, ws, offsets_d.data(), D, F, stream); }),
+                    median_ms([&] {
+                      loop([&](int64_t first, int64_t n, int64_t e) {
+                        blas.gemm(false, true, n, D, F, 1, act.data() + first * F, F, w2.data() + e * D * F, F, 0,
+                                  y.data() + first * D, false, D, stream);
+                      });
+                    })});
+  }
+  rows.push_back({"dgrad down   [rows,D]x[D,F]", mnk,
+                  median_ms([&] {
+                    grouped.backward_data(act.data(), F, y.data(), D, w2.data(), offsets_d.data(), F, D, 0, stream);
+                  }),
+                  median_ms([&] {
+                    loop([&](int64_t first, int64_t n, int64_t e) {
+                      blas.gemm(false, false, n, F, D, 1, y.data() + first * D, D, w2.data() + e * D * F, F, 0,
+                                act.data() + first * F, false, F, stream);
+                    });
+                  })});
+  rows.push_back({"dgrad gate+up 2x[rows,F]x[F,D]", 2 * mnk,
+                  median_ms([&] {
+                    grouped.backward_data(x.data(), D, gate_up.data(), 2 * F, w1.data(), offsets_d.data(), D, F, 0,
+                                          stream);
+                    grouped.backward_data(x.data(), D, gate_up.data() + F, 2 * F, w3.data(), offsets_d.data(), D, F,
+                                          1, stream);
+                  }),
+                  median_ms([&] {
+                    loop([&](int64_t first, int64_t n, int64_t e) {
+                      blas.gemm(false, false, n, D, F, 1, gate_up.data() + first * 2 * F, 2 * F, w1.data() + e * F * D,
+                                D, 0, x.data() + first * D, false, D, stream);
+                      blas.gemm(false, false, n, D, F, 1, gate_up.data() + first * 2 * F + F, 2 * F,
+                                w3.data() + e * F * D, D, 1, x.data() + first * D, false, D, stream);
+                    });
+                  })});
+  {
+    float* dws[1] = {g2.data()};
+    const bf16* as[1] = {y.data()};
+    rows.push_back({"wgrad down   [D,rows]x[rows,F]", mnk,
+                    median_ms([&] {
+                      grouped.backward_weight(1, dws, as, D, act.data(), F, offsets_d.data(), D, F, stream);
+                    }),
+                    median_ms([&] {
+                      loop([&](int64_t first, int64_t n, int64_t e) {
+                        blas.gemm(true, false, D, F, n, 1, y.data() + first * D, D, act.data() + first * F, F, 1,
+                                  g2.data() + e * D * F, true, F, stream);
+                      });
+                    })});
+  }
+  {
+    float* dws[2] = {g1.data(), g3.data()};
+    const bf16* as[2] = {gate_up.data(), gate_up.data() + F};
+    rows.push_back({"wgrad gate|up 2x[F,rows]x[rows,D]", 2 * mnk,
+                    median_ms([&] {
+                      grouped.backward_weight(2, dws, as, 2 * F, x.data(), D, offsets_d.data(), F, D, stream);
+                    }),
+                    median_ms([&] {
+                      loop([&](int64_t first, int64_t n, int64_t e) {
+                        blas.gemm(true, false, F, D, n, 1, gate_up.data() + first * 2 * F, 2 * F, x.data() + first * D,
+                                  D, 1, g1.data() + e * F * D, true, D, stream);
+                        blas.gemm(true, false, F, D, n, 1, gate_up.data() + first * 2 * F + F, 2 * F,
+                                  x.data() + first * D, D, 1, g3.data() + e * F * D, true, D, stream);
+                      });
+                    })});
+  }
+  // The dense ceiling at the same total size: one [rows, D] x [D, F] GEMM through cuBLASLt.
+  const double dense_ms = median_ms([&] {
+    blas.gemm(false, true, R, F, D, 1, x.data(), D, w1.data(), D, 0, act.data(), false, F, stream);
+  });
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  fmt::print(out, "expert GEMMs, one MoE layer: {} experts x {} rows (T {} x top-{}), D {}, F {}; median of {} after {} "
+                  "warm-up\n",
+             E, per_expert, T, K, D, F, kTimed, kWarmup);
+  fmt::print(out, "  {:<36} {:>9} {:>8}   {:>12} {:>8}\n", "kernel", "grouped", "TFLOP/s", "cuBLAS loop", "TFLOP/s");
+  double grouped_total = 0, loop_total = 0, flops_total = 0;
+  for (const Row& row : rows) {
+    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   {:10.3f}ms {:8.0f}\n", row.name, row.grouped_ms,
+               row.flops / row.grouped_ms / 1e9, row.loop_ms, row.flops / row.loop_ms / 1e9);
+    grouped_total += row.grouped_ms;
+    loop_total += row.loop_ms;
+    flops_total += row.flops;
+  }
+  fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   {:10.3f}ms {:8.0f}\n", "all expert GEMMs of the layer", grouped_total,
+             flops_total / grouped_total / 1e9, loop_total, flops_total / loop_total / 1e9);
+  fmt::print(out, "  dense ceiling: one cuBLASLt [{},{}]x[{},{}] GEMM {:.3f} ms = {:.0f} TFLOP/s\n", R, D, D, F, dense_ms,
+             mnk / dense_ms / 1e9);
+}
+
+}  // namespace moe

@@ -1,0 +1,155 @@
+// The experts' grouped GEMMs (CUTLASS, device-side row offsets) against a CPU reference in
+// double: ragged and empty experts (first, middle, last), rows dropped past the last
+// expert (they must stay untouched), two sets in one launch, accumulation.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "gpu_test_util.h"
+#include "kernels/gpu_ops.h"
+
+namespace moe {
+namespace {
+
+using test::expect_close;
+using test::poisoned;
+using test::random_bf16_floats;
+using test::to_device;
+using test::to_device_bf16;
+using test::to_host;
+using test::to_host_float;
+
+struct GroupedCase {
+  std::vector<int32_t> rows_per_expert;
+  int64_t dropped_rows;  // rows of the buffer past the last expert's
+  int64_t N, K;
+};
+
+std::vector<int32_t> offsets_of(const std::vector<int32_t>& rows) {
+  std::vector<int32_t> offsets(rows.size() + 1, 0);
+  std::partial_sum(rows.begin(), rows.end(), offsets.begin() + 1);
+  return offsets;
+}
+
+// Rows past offsets[E] hold NaN poison (0xffff) and must still hold it.
+void expect_untouched(const std::vector<bf16>& got, int64_t first_row, int64_t rows, int64_t ld) {
+  size_t changed = 0;
+  for (int64_t r = first_row; r < rows; ++r)
+    for (int64_t c = 0; c < ld; ++c) changed += got[static_cast<size_t>(r * ld + c)].bits != 0xffff;
+  EXPECT_EQ(changed, 0u) << "rows past the last expert were written";
+}
+
+class GpuGroupedGemm : public ::testing::TestWithParam<GroupedCase> {};
+
+TEST_P(GpuGroupedGemm, ForwardTwoSetsMatchesCpu) {
+  MOE_REQUIRE_GPU();
+  const GroupedCase& c = GetParam();
+  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K;
+  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
+  const int64_t kept = offsets[E], R = kept + c.dropped_rows;
+  const auto x = random_bf16_floats(R * K, 1, "x");
+  const auto w0 = random_bf16_floats(E * N * K, 2, "w0", 0.1), w1 = random_bf16_floats(E * N * K, 3, "w1", 0.1);
+  auto x_d = to_device_bf16(x), w0_d = to_device_bf16(w0), w1_d = to_device_bf16(w1);
+  auto offsets_d = to_device(offsets);
+  auto out_d = poisoned<bf16>(R * 2 * N);  // [R, 2N]: set 0 in columns [0, N), set 1 in [N, 2N)
+  cuda::ExpertGemm gemm(E);
+  bf16* outs[2] = {out_d.data(), out_d.data() + N};
+  const bf16* ws[2] = {w0_d.data(), w1_d.data()};
+  gemm.forward(2, outs, 2 * N, x_d.data(), K, ws, offsets_d.data(), N, K, nullptr);
+  const std::vector<bf16> got_bits = to_host(out_d);
+  const std::vector<float> got = test::to_float(got_bits);
+  std::vector<float> want(kept * 2 * N), got_kept(got.begin(), got.begin() + kept * 2 * N);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      for (int s = 0; s < 2; ++s)
+        for (int64_t n = 0; n < N; ++n) {
+          const std::vector<float>& w = s == 0 ? w0 : w1;
+          double acc = 0;
+          for (int64_t k = 0; k < K; ++k) acc += double(x[r * K + k]) * w[(e * N + n) * K + k];
+          want[r * 2 * N + s * N + n] = static_cast<float>(acc);
+        }
+  expect_close("grouped forward", got_kept, want, 1.0 / 128, 1e-3);
+  expect_untouched(got_bits, kept, R, 2 * N);
+}
+
+TEST_P(GpuGroupedGemm, BackwardDataMatchesCpuAndAccumulates) {
+  MOE_REQUIRE_GPU();
+  const GroupedCase& c = GetParam();
+  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K;
+  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
+  const int64_t kept = offsets[E], R = kept + c.dropped_rows;
+  const auto dy = random_bf16_floats(R * K, 4, "dy");
+  const auto w = random_bf16_floats(E * K * N, 5, "w", 0.1);  // per expert [K, N]
+  const auto before = random_bf16_floats(R * N, 6, "before");
+  auto dy_d = to_device_bf16(dy), w_d = to_device_bf16(w);
+  auto offsets_d = to_device(offsets);
+  cuda::ExpertGemm gemm(E);
+  for (const float beta : {0.0f, 1.0f}) {
+    auto out_d = beta == 0 ? poisoned<bf16>(R * N) : to_device_bf16(before);
+    gemm.backward_data(out_d.data(), N, dy_d.data(), K, w_d.data(), offsets_d.data(), N, K, beta, nullptr);
+    const std::vector<bf16> got_bits = to_host(out_d);
+    const std::vector<float> got = test::to_float(got_bits);
+    std::vector<float> want(kept * N), got_kept(got.begin(), got.begin() + kept * N);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = beta * double(before[r * N + n]);
+          for (int64_t k = 0; k < K; ++k) acc += double(dy[r * K + k]) * w[(e * K + k) * N + n];
+          want[r * N + n] = static_cast<float>(acc);
+        }
+    expect_close(beta == 0 ? "grouped dgrad" : "grouped dgrad, accumulated", got_kept, want, 1.0 / 128, 2e-3);
+    if (beta == 0) expect_untouched(got_bits, kept, R, N);
+  }
+}
+
+TEST_P(GpuGroupedGemm, BackwardWeightTwoSetsAccumulatesFp32) {
+  MOE_REQUIRE_GPU();
+  const GroupedCase& c = GetParam();
+  // dW_e [M, N] += a_e^T [M, rows] @ b_e [rows, N], with M = N of the case and N = K.
+  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), M = c.N, N = c.K;
+  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
+  const int64_t R = offsets[E] + c.dropped_rows;
+  const auto a = random_bf16_floats(R * 2 * M, 7, "a");  // [R, 2M]: set 0 columns [0, M), set 1 [M, 2M)
+  const auto b = random_bf16_floats(R * N, 8, "b");
+  std::vector<float> dw0 = random_bf16_floats(E * M * N, 9, "dw0"), dw1 = random_bf16_floats(E * M * N, 10, "dw1");
+  auto a_d = to_device_bf16(a), b_d = to_device_bf16(b);
+  auto offsets_d = to_device(offsets);
+  auto dw0_d = to_device(dw0), dw1_d = to_device(dw1);
+  cuda::ExpertGemm gemm(E);
+  float* dws[2] = {dw0_d.data(), dw1_d.data()};
+  const bf16* as[2] = {a_d.data(), a_d.data() + M};
+  gemm.backward_weight(2, dws, as, 2 * M, b_d.data(), N, offsets_d.data(), M, N, nullptr);
+  for (int s = 0; s < 2; ++s) {
+    const std::vector<float>& before = s == 0 ? dw0 : dw1;
+    std::vector<float> want(before);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = before[(e * M + m) * N + n];
+          for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) acc += double(a[r * 2 * M + s * M + m]) * b[r * N + n];
+          want[(e * M + m) * N + n] = static_cast<float>(acc);
+        }
+    const std::vector<float> got = to_host(s == 0 ? dw0_d : dw1_d);
+    expect_close(s == 0 ? "grouped wgrad set 0" : "grouped wgrad set 1", got, want, 1e-4, 1e-3);
+    // Experts without rows keep their gradient bit for bit.
+    for (int64_t e = 0; e < E; ++e)
+      if (offsets[e + 1] == offsets[e])
+        for (int64_t i = e * M * N; i < (e + 1) * M * N; ++i) ASSERT_EQ(got[i], before[i]) << "empty expert " << e;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuGroupedGemm,
+    ::testing::Values(GroupedCase{{0, 37, 0, 300, 1, 129, 0}, 11, 64, 96},    // empty first, middle and last
+                      GroupedCase{{512, 512, 512, 512}, 0, 256, 384},          // even, tile-aligned
+                      GroupedCase{{3, 1000, 17, 0, 250, 8, 64, 1}, 40, 136, 72},  // ragged, N not a tile multiple
+                      GroupedCase{std::vector<int32_t>(64, 0), 5, 32, 32},    // every expert empty
+                      GroupedCase{[] {
+                                    std::vector<int32_t> rows(64);
+                                    for (int e = 0; e < 64; ++e) rows[e] = (e * 37) % 97;
+                                    return rows;
+                                  }(),
+                                  0, 64, 128}));  // many small groups
+
+}  // namespace
+}  // namespace moe
