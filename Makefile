@@ -25,7 +25,7 @@ train: build
 	./$(BUILD_DIR)/moe train --config $(CONFIG) $(ARGS)
 
 test: build
-	ctest --test-dir $(BUILD_DIR) -L cpu --output-on-failure -j $(JOBS)
+	ctest --test-dir $(BUILD_DIR) -L 'cpu|mpi' --output-on-failure -j $(JOBS)
 
 clean:
 	rm -rf $(BUILD_DIR)

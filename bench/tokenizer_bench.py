@@ -1,13 +1,16 @@
 """Encode throughput, side by side in one run: moe's BPE vs HF `tokenizers` (and tiktoken)
-on the same vocabulary and corpus, with 1 thread and with all cores.
+on the same vocabulary and corpus, for a list of thread counts.
 
-  .deps/venv/bin/python bench/tokenizer_bench.py [--moe build/moe] [--corpus DIR] [--vocab 8192]
+  python3 bench/tokenizer_bench.py [--moe build/moe] [--corpus DIR] [--vocab 8192]
+      [--tokenizer tok.json] [--threads 1,2,4,8,16] [--min-seconds 1]
 
-Trains the vocabulary with `moe tokenizer train` (Llama-3 pattern), writes a tiktoken rank
-file from it, checks that the three produce the same ids on the corpus, then times each
-encoder on the documents held in memory: one warm-up pass, the median of 3 timed passes.
-HF runs encode_batch in a fresh process per thread count (RAYON_NUM_THREADS);
-tiktoken runs encode_ordinary_batch(num_threads=N).
+Trains the vocabulary with `moe tokenizer train` (Llama-3 pattern) unless --tokenizer gives
+one, writes a tiktoken rank file from it, checks that the three produce the same ids on
+the corpus, then times each encoder on the documents held in memory: warm-up, then the
+median of 3 samples, each sample as many whole passes over the corpus as fill
+--min-seconds (a pass on many threads takes only milliseconds). moe: `moe tokenizer bench`
+(documents cut into chunks, see ParallelEncoder); HF: encode_batch in a fresh process
+per thread count (RAYON_NUM_THREADS); tiktoken: encode_ordinary_batch(num_threads=N).
 """
 import argparse
 import base64
@@ -22,10 +25,11 @@ from pathlib import Path
 LLAMA3 = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 CHILD = r"""
-import sys, time, json, statistics
+import sys, time, json, math, statistics
 from pathlib import Path
-kind, spec, corpus, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-files = sorted(p for p in Path(corpus).rglob("*.txt") if p.is_file())
+kind, spec, corpus, threads, ext, min_seconds = sys.argv[1:7]
+threads, min_seconds = int(threads), float(min_seconds)
+files = sorted(p for p in Path(corpus).rglob("*" + ext) if p.is_file())
 docs = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
 nbytes = sum(len(d.encode("utf-8")) for d in docs)
 if kind == "hf":
@@ -36,84 +40,107 @@ if kind == "hf":
 else:
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
-    enc = tiktoken.Encoding(name="bench", pat_str=sys.argv[5], mergeable_ranks=load_tiktoken_bpe(spec), special_tokens={})
+    enc = tiktoken.Encoding(name="bench", pat_str=sys.argv[7], mergeable_ranks=load_tiktoken_bpe(spec), special_tokens={})
     run = lambda: sum(len(i) for i in enc.encode_ordinary_batch(docs, num_threads=threads))
-tokens = run()
+t = time.perf_counter(); tokens = run(); first = time.perf_counter() - t
+passes = max(1, math.ceil(min_seconds / first))
 times = []
 for _ in range(3):
-    t = time.perf_counter(); tokens = run(); times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(passes):
+        tokens = run()
+    times.append((time.perf_counter() - t) / passes)
 med = statistics.median(times)
 print(json.dumps({"bytes": nbytes, "tokens": tokens, "seconds": med, "mb_per_s": nbytes / 1e6 / med}))
 """
 
 
-def run_child(kind, spec, corpus, threads, extra=()):
+def run_child(kind, spec, args, threads, extra=()):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
-    out = subprocess.run([sys.executable, "-c", CHILD, kind, spec, corpus, str(threads), *extra], env=env,
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, spec, args.corpus, str(threads), args.extension,
+                          str(args.min_seconds), *extra], env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_moe(moe, tokenizer, corpus, threads):
-    out = subprocess.run([moe, "tokenizer", "bench", "--tokenizer", tokenizer, "--input", corpus, "--extension", ".txt",
-                          "--threads", str(threads)], check=True, capture_output=True, text=True).stdout
-    fields = dict(kv.split("=") for kv in out.strip().split()[1:])
+def run_moe(tokenizer, args, threads):
+    out = subprocess.run([args.moe, "tokenizer", "bench", "--tokenizer", tokenizer, "--input", args.corpus,
+                          "--extension", args.extension, "--threads", str(threads), "--repeats", "3"],
+                         check=True, capture_output=True, text=True).stdout
+    fields = dict(kv.split("=") for kv in out.strip().splitlines()[-1].split()[1:])
     return {"bytes": int(fields["bytes"]), "tokens": int(fields["tokens"]), "seconds": float(fields["seconds"]),
-            "mb_per_s": float(fields["mb_per_s"])}
+            "mb_per_s": float(fields["mb_per_s"]), "chunks": int(fields.get("chunks", 0))}
+
+
+def write_tiktoken_ranks(tok, path):
+    """Our ids less the special token at id 0, byte-level strings -> bytes."""
+    spec = json.load(open(tok))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b), cs.append(256 + n)
+            n += 1
+    inverse = {chr(c): b for b, c in zip(bs, cs)}
+    with open(path, "w") as f:
+        for token, i in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1]):
+            if i == 0:
+                continue
+            f.write(base64.b64encode(bytes(inverse[c] for c in token)).decode() + f" {i - 1}\n")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--moe", default="build/moe")
     p.add_argument("--corpus", default="/usr/share/doc/python3.11-doc/html/_sources")
+    p.add_argument("--extension", default=".txt")
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--tokenizer", help="an existing tokenizer.json (Llama-3 pattern, EOS at id 0); else trained")
+    p.add_argument("--threads", help="comma-separated thread counts (default: 1 and all cores)")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="the all-cores thread count")
+    p.add_argument("--min-seconds", type=float, default=1.0, help="HF/tiktoken: least time per timed sample")
+    p.add_argument("--no-tiktoken", action="store_true", help="skip the tiktoken columns")
     args = p.parse_args()
-    cores = args.cores
+    threads_list = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, args.cores})
     with tempfile.TemporaryDirectory() as tmp:
-        tok = os.path.join(tmp, "tokenizer.json")
-        subprocess.run([args.moe, "tokenizer", "train", "--vocab-size", str(args.vocab), "--input", args.corpus,
-                        "--extension", ".txt", "--output", tok, "--pattern", "llama3"], check=True, capture_output=True)
-        spec = json.load(open(tok))
-        # tiktoken ranks: our ids less the special token at id 0 (byte-level strings -> bytes).
-        inverse = {}
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-        cs, n = bs[:], 0
-        for b in range(256):
-            if b not in bs:
-                bs.append(b), cs.append(256 + n)
-                n += 1
-        inverse = {chr(c): b for b, c in zip(bs, cs)}
+        tok = args.tokenizer
+        if not tok:
+            tok = os.path.join(tmp, "tokenizer.json")
+            subprocess.run([args.moe, "tokenizer", "train", "--vocab-size", str(args.vocab), "--input", args.corpus,
+                            "--extension", args.extension, "--output", tok, "--pattern", "llama3"], check=True,
+                           capture_output=True)
         ranks = os.path.join(tmp, "ranks.tiktoken")
-        with open(ranks, "w") as f:
-            for token, i in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1]):
-                if i == 0:
-                    continue
-                f.write(base64.b64encode(bytes(inverse[c] for c in token)).decode() + f" {i - 1}\n")
+        write_tiktoken_ranks(tok, ranks)
+        nan = float("nan")
         rows = []
-        for threads in sorted({1, cores}):
-            ours = run_moe(args.moe, tok, args.corpus, threads)
-            hf = run_child("hf", tok, args.corpus, threads)
-            tt_ours = run_moe(args.moe, f"tiktoken:llama3:{ranks}", args.corpus, threads)
-            try:
-                tt = run_child("tiktoken", ranks, args.corpus, threads, (LLAMA3,))
-                assert tt["tokens"] == tt_ours["tokens"], (tt, tt_ours)
-            except subprocess.CalledProcessError as e:  # tiktoken not importable here
-                print(f"tiktoken unavailable: {e.stderr.strip().splitlines()[-1]}")
-                tt = {"mb_per_s": float("nan"), "tokens": tt_ours["tokens"]}
+        for threads in threads_list:
+            ours = run_moe(tok, args, threads)
+            hf = run_child("hf", tok, args, threads)
             assert ours["tokens"] == hf["tokens"], (ours, hf)
+            tt_ours, tt = {"mb_per_s": nan}, {"mb_per_s": nan}
+            if not args.no_tiktoken:
+                tt_ours = run_moe(f"tiktoken:llama3:{ranks}", args, threads)
+                try:
+                    tt = run_child("tiktoken", ranks, args, threads, (LLAMA3,))
+                    assert tt["tokens"] == tt_ours["tokens"], (tt, tt_ours)
+                except subprocess.CalledProcessError as e:  # tiktoken not importable here
+                    print(f"tiktoken unavailable: {e.stderr.strip().splitlines()[-1]}")
             rows.append((threads, ours, hf, tt, tt_ours))
-        print(f"corpus {args.corpus}: {rows[0][1]['bytes'] / 1e6:.1f} MB, vocab {args.vocab}, {cores} cores")
-        print("| threads | moe BPE (tokenizer.json) | HF tokenizers | moe / HF | moe (tiktoken ranks) | tiktoken | moe / tiktoken |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+            print(f"threads={threads}: moe {ours['mb_per_s']:.1f} MB/s ({ours['chunks']} chunks), "
+                  f"HF {hf['mb_per_s']:.2f} MB/s", flush=True)
+        base_ours, base_hf = rows[0][1]["mb_per_s"], rows[0][2]["mb_per_s"]
+        print(f"corpus {args.corpus}: {rows[0][1]['bytes'] / 1e6:.1f} MB, {rows[0][1]['tokens']} tokens "
+              f"(moe and HF identical), vocab {len(json.load(open(tok))['model']['vocab'])}, "
+              f"{len(os.sched_getaffinity(0))} cores visible, {os.cpu_count()} CPUs")
+        print("| threads | moe BPE (tokenizer.json) | moe speedup | HF tokenizers | HF speedup | moe / HF "
+              "| moe (tiktoken ranks) | tiktoken | moe / tiktoken |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for threads, ours, hf, tt, tt_ours in rows:
-            print(f"| {threads} | {ours['mb_per_s']:.1f} MB/s | {hf['mb_per_s']:.1f} MB/s | "
-                  f"{ours['mb_per_s'] / hf['mb_per_s']:.2f}x | {tt_ours['mb_per_s']:.1f} MB/s | {tt['mb_per_s']:.1f} MB/s | "
-                  f"{tt_ours['mb_per_s'] / tt['mb_per_s']:.2f}x |")
-        if len(rows) > 1:
-            print(f"moe scaling 1 -> {cores} threads: {rows[-1][1]['mb_per_s'] / rows[0][1]['mb_per_s']:.2f}x; "
-                  f"HF: {rows[-1][2]['mb_per_s'] / rows[0][2]['mb_per_s']:.2f}x")
-        print(f"tokens: {rows[0][1]['tokens']} (moe and HF identical), tiktoken-rank ids: {rows[0][3]['tokens']} (identical)")
+            print(f"| {threads} | {ours['mb_per_s']:.1f} MB/s | {ours['mb_per_s'] / base_ours:.2f}x "
+                  f"({ours['mb_per_s'] / base_ours / threads * rows[0][0]:.0%}) | {hf['mb_per_s']:.2f} MB/s | "
+                  f"{hf['mb_per_s'] / base_hf:.2f}x | {ours['mb_per_s'] / hf['mb_per_s']:.1f}x | "
+                  f"{tt_ours['mb_per_s']:.1f} MB/s | {tt['mb_per_s']:.1f} MB/s | "
+                  f"{tt_ours['mb_per_s'] / tt['mb_per_s']:.1f}x |")
+        print(f"speedup: vs the first row ({rows[0][0]} thread(s)); in brackets the parallel efficiency")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ packages=(
   python3.11-doc   # the default training corpus (html/_sources/*.rst.txt)
   libcpp-httplib-dev libjs-chart.js   # the dashboard's HTTP server and charts
   chromium   # headless browser test of the dashboard page
+  openmpi-bin libopenmpi-dev   # MPI backend of the communicator and the mpi-labelled tests
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -7,8 +7,10 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/launch_command.h"
 #include "cli/tokenize_commands.h"
 #include "core/error.h"
+#include "dist/mpi_communicator.h"
 
 namespace {
 
@@ -128,6 +130,9 @@ int main(int argc, char** argv) {
   bool no_progress = false;
   tokenize_cmd->add_flag("--no-progress", no_progress, "No progress line on stderr");
 
+  moe::LaunchOptions launch;
+  CLI::App* launch_cmd = moe::add_launch_command(app, launch);
+
   auto is_command = [&](const std::string& name) {
     for (const CLI::App* sub : app.get_subcommands({}))
       if (sub->get_name() == name) return true;
@@ -155,6 +160,7 @@ int main(int argc, char** argv) {
       train.overrides = parse_overrides(train_cmd->remaining());
       return moe::run_train(train);
     }
+    if (*launch_cmd) return moe::run_launch(launch);
     if (*report_cmd) return moe::run_report(report);
     if (*export_cmd) return moe::run_export(export_options);
     if (*tok_train_cmd) return moe::run_tokenizer_train(tok_train);
@@ -173,9 +179,11 @@ int main(int argc, char** argv) {
     }
   } catch (const moe::ConfigError& e) {
     std::cerr << "moe: error: " << e.what() << "\n";
+    moe::dist::abort_mpi_world_if_running(2);  // the other ranks may wait in a collective
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "moe: error: " << e.what() << "\n";
+    moe::dist::abort_mpi_world_if_running(1);
     return 1;
   }
   return 0;

@@ -25,12 +25,15 @@ struct TokenizerBenchOptions {
   std::string tokenizer;
   InputOptions input;
   int threads = 1;
-  int repeats = 3;
+  int repeats = 3;            // timed samples; the median is reported
+  double min_seconds = 1.0;   // each sample repeats whole passes over the corpus until this long
 };
 
 int run_tokenizer_train(const TokenizerTrainOptions& options);
-// Encode throughput on text already in memory: one warm-up pass, then the median of
-// `repeats` passes. Prints one machine-readable line (bench/tokenizer_bench.py reads it).
+// Encode throughput on text already in memory, through the encoder `moe tokenize` uses
+// (ParallelEncoder): two warm-up passes, then `repeats` samples of as many whole passes
+// as fill min_seconds (so many threads do not time a pass of a few ms); reports the median
+// sample. Prints one machine-readable line (bench/tokenizer_bench.py reads it).
 int run_tokenizer_bench(const TokenizerBenchOptions& options);
 int run_tokenize(const TokenizeCommandOptions& options);
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <queue>
 
 #include "core/error.h"
@@ -27,20 +28,66 @@ struct StringHash {
   size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
 };
 
-// Per-thread cache of piece -> ids; ids live in one arena to avoid an allocation per entry.
+// Per-thread cache of piece -> ids. Short pieces with few ids (nearly all of them) live in
+// a 2-way set-associative table of one 64-byte line per entry, so a hit costs one memory
+// access (node-based hash maps cost several dependent misses once 16 threads' copies no
+// longer fit in the shared L3). The table starts at 512 KiB and doubles, up to 8 MiB,
+// while entries keep being evicted: a miss (a BPE merge) costs ~10x an access to memory.
+// Longer pieces go to a bounded hash map with the ids in one arena.
+struct alignas(64) CacheLine {
+  uint64_t hash;  // 0: empty
+  uint8_t key_len, n_ids;
+  char key[22];
+  int32_t ids[7];
+};
+static_assert(sizeof(CacheLine) == 64);
+constexpr size_t kMinCacheSets = size_t{1} << 12, kMaxCacheSets = size_t{1} << 16;
+constexpr size_t kMaxLongEntries = 1 << 16;
+
+uint64_t piece_hash(std::string_view s) {
+  uint64_t h = 0x9e3779b97f4a7c15ULL ^ s.size();
+  size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    uint64_t w;
+    std::memcpy(&w, s.data() + i, 8);
+    h = (h ^ w) * 0xff51afd7ed558ccdULL;
+    h ^= h >> 32;
+  }
+  uint64_t w = 0;
+  std::memcpy(&w, s.data() + i, s.size() - i);
+  return mix(h ^ w) | 1;
+}
+
 struct PieceCache {
   uint64_t owner = 0;
-  std::unordered_map<std::string, std::pair<uint32_t, uint32_t>, StringHash, std::equal_to<>> map;
+  std::vector<CacheLine> lines;  // 2 per set
+  size_t sets = 0, inserts = 0;  // inserts since the last resize
+  std::unordered_map<std::string, std::pair<uint32_t, uint32_t>, StringHash, std::equal_to<>> long_pieces;
   std::vector<int32_t> arena;
 
   void reset(uint64_t serial) {
     owner = serial;
-    map.clear();
+    resize(kMinCacheSets);
+    long_pieces.clear();
     arena.clear();
   }
+  void resize(size_t n_sets) {  // drops the entries; they come back on their next miss
+    sets = n_sets, inserts = 0;
+    lines.assign(2 * n_sets, CacheLine{});
+  }
+  CacheLine* set_of(uint64_t hash) { return &lines[2 * ((hash >> 17) & (sets - 1))]; }
+  CacheLine& insert_line(uint64_t hash) {
+    if (++inserts > 4 * sets && sets < kMaxCacheSets) resize(2 * sets);  // twice as many misses as lines
+    CacheLine* set = set_of(hash);
+    set[1] = set[0];  // the older entry of the set is dropped
+    return set[0];
+  }
+  static bool holds(const CacheLine& line, uint64_t hash, std::string_view piece) {
+    return line.hash == hash && line.key_len == piece.size() && std::memcmp(line.key, piece.data(), piece.size()) == 0;
+  }
 };
-constexpr size_t kMaxCacheEntries = 1 << 18;
 
+thread_local PieceCache thread_cache;
 std::atomic<uint64_t> next_serial{1};
 
 }  // namespace
@@ -109,6 +156,10 @@ BpeTokenizer::BpeTokenizer(BpeModel model, std::string name)
     merge_keys_[slot] = key;  // a repeated pair keeps its last rank, as HF's HashMap does
     merge_values_[slot] = value;
   }
+
+  cuttable_ = !model_.add_prefix_space;
+  for (const AddedToken& t : model_.added)
+    if (!t.special && t.content.find('\n') < t.content.size() - 1) cuttable_ = false;
 
   for (std::string_view name : {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>"}) {
     for (const AddedToken& t : model_.added)
@@ -190,23 +241,43 @@ void BpeTokenizer::merge_piece(std::string_view piece, std::vector<int32_t>& out
   for (int32_t i = 0; i >= 0; i = next[i]) out.push_back(sym[i]);
 }
 
-void BpeTokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& out) const {
-  if (model_.ignore_merges || model_.tiktoken_ranks) {
-    auto it = ids_.find(std::string(piece));
-    if (it != ids_.end()) return out.push_back(it->second);
+void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vector<int32_t>& out) const {
+  PieceCache& cache = thread_cache;
+  const bool short_piece = piece.size() <= sizeof(CacheLine::key);
+  if (short_piece) {
+    const CacheLine* set = cache.set_of(hash);
+    for (int way = 0; way < 2; ++way) {
+      if (PieceCache::holds(set[way], hash, piece)) {
+        out.insert(out.end(), set[way].ids, set[way].ids + set[way].n_ids);
+        return;
+      }
+    }
   }
-  thread_local PieceCache cache;
-  if (cache.owner != serial_ || cache.map.size() >= kMaxCacheEntries) cache.reset(serial_);
-  if (auto it = cache.map.find(piece); it != cache.map.end()) {
-    out.insert(out.end(), cache.arena.begin() + it->second.first,
-               cache.arena.begin() + it->second.first + it->second.second);
+  // Not in a line: long, or short with more ids than a line holds (or not seen yet).
+  if (auto it = cache.long_pieces.find(piece); it != cache.long_pieces.end()) {
+    const auto begin = cache.arena.begin() + it->second.first;
+    out.insert(out.end(), begin, begin + it->second.second);
     return;
   }
+
   const size_t start = out.size();
-  merge_piece(piece, out);
-  const auto offset = static_cast<uint32_t>(cache.arena.size());
-  cache.arena.insert(cache.arena.end(), out.begin() + static_cast<ptrdiff_t>(start), out.end());
-  cache.map.emplace(std::string(piece), std::pair{offset, static_cast<uint32_t>(out.size() - start)});
+  auto whole = (model_.ignore_merges || model_.tiktoken_ranks) ? ids_.find(std::string(piece)) : ids_.end();
+  if (whole != ids_.end()) out.push_back(whole->second);
+  else merge_piece(piece, out);
+  const size_t count = out.size() - start;
+  if (short_piece && count <= std::size(CacheLine{}.ids)) {
+    CacheLine& line = cache.insert_line(hash);
+    line.hash = hash;
+    line.key_len = static_cast<uint8_t>(piece.size());
+    line.n_ids = static_cast<uint8_t>(count);
+    std::memcpy(line.key, piece.data(), piece.size());
+    std::copy(out.begin() + static_cast<ptrdiff_t>(start), out.end(), line.ids);
+  } else {
+    if (cache.long_pieces.size() >= kMaxLongEntries) cache.long_pieces.clear(), cache.arena.clear();
+    const auto offset = static_cast<uint32_t>(cache.arena.size());
+    cache.arena.insert(cache.arena.end(), out.begin() + static_cast<ptrdiff_t>(start), out.end());
+    cache.long_pieces.emplace(std::string(piece), std::pair{offset, static_cast<uint32_t>(count)});
+  }
 }
 
 void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& out) const {
@@ -220,26 +291,48 @@ void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& o
     text = normalized;
   }
   thread_local std::vector<uint32_t> ends;
+  thread_local std::vector<uint64_t> hashes;
   ends.clear();
   pretokenize(text, model_.pattern, ends);
-  uint32_t begin = 0;
-  for (uint32_t end : ends) {
-    encode_piece(text.substr(begin, end - begin), out);
-    begin = end;
+  // Hash the pieces first, so that the cache lines of later pieces can be fetched from
+  // memory while earlier ones are looked up (the lookups are otherwise latency bound).
+  hashes.resize(ends.size());
+  for (size_t i = 0, begin = 0; i < ends.size(); begin = ends[i++]) {
+    const std::string_view piece = text.substr(begin, ends[i] - begin);
+    hashes[i] = piece.size() <= sizeof(CacheLine::key) ? piece_hash(piece) : 0;
+  }
+  PieceCache& cache = thread_cache;
+  if (cache.owner != serial_) cache.reset(serial_);
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0, begin = 0; i < ends.size(); begin = ends[i++]) {
+    if (i + kAhead < ends.size()) {
+      const char* set = reinterpret_cast<const char*>(cache.set_of(hashes[i + kAhead]));
+      __builtin_prefetch(set), __builtin_prefetch(set + sizeof(CacheLine));
+    }
+    encode_piece(text.substr(begin, ends[i] - begin), hashes[i], out);
   }
 }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view text) const { return encode(text, false); }
 
 std::vector<int32_t> BpeTokenizer::encode(std::string_view raw, bool parse_special) const {
+  std::vector<int32_t> out;
+  out.reserve(raw.size() / 3 + 4);
+  encode_into(raw, parse_special, out);
+  return out;
+}
+
+void BpeTokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) const {
+  encode_into(text, false, out);
+}
+
+void BpeTokenizer::encode_into(std::string_view raw, bool parse_special, std::vector<int32_t>& out) const {
   std::string repaired;
   std::string_view text = raw;
   if (!unicode::is_valid_utf8(raw)) {
     repaired = unicode::repair_utf8(raw);
     text = repaired;
   }
-  std::vector<int32_t> out;
-  out.reserve(text.size() / 3 + 4);
   // Added tokens, leftmost-longest; special ones only when parse_special.
   size_t seg_begin = 0, pos = 0;
   bool any = false;
@@ -261,7 +354,66 @@ std::vector<int32_t> BpeTokenizer::encode(std::string_view raw, bool parse_speci
     seg_begin = pos;
   }
   if (seg_begin < text.size()) encode_segment(text.substr(seg_begin), out);
-  return out;
+}
+
+// Why a cut between A = "...\n" and B, whose first character c is not whitespace (\s),
+// cannot change the ids of encode(A + B):
+// - UTF-8 repair and NFC act on A and B apart: '\n' is ASCII, so no ill-formed sequence
+//   spans it, and it is a starter that composes with nothing. Added tokens (only non-special
+//   ones are matched here) could span the cut only if one held a '\n' before its last
+//   byte, and ByteLevel's add_prefix_space would put a space before B: cuttable_ rules
+//   both out. What is left is that the pre-tokeniser's leftmost-first scan ends a piece
+//   exactly at the cut, and that the pieces on each side do not depend on the other side.
+// - Llama-3 and Qwen2, (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
+//   (or \p{N})| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+: no match holds both the
+//   '\n' and c: the contractions and \p{N} hold no '\n', [^\r\n\p{L}\p{N}]? cannot take '\n'
+//   as the prefix of \p{L}+, and the other alternatives reach past a '\n' only through
+//   [\r\n] or \s, which c is not. So the scan of A + B starts a piece at c, and from there it
+//   sees only B (no lookbehind). Before the cut, a match reaching the '\n' looks at c only
+//   as a [\r\n]* / [\r\n]+ / \s continuation that stops at c just as at the end of A;
+//   \s+(?!\S), the one lookahead, is tried only where \s*[\r\n]+ failed, i.e. from a
+//   whitespace run that stops (at a non-space) before the '\n'. So A's pieces are the same.
+// - GPT-2, 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+: the
+//   optional prefix is only ' ', so again no match holds both the '\n' and c. But a
+//   whitespace run ending in the '\n' is one piece at the end of A and loses its last
+//   character to (?!\S) before c; so the character before the '\n' must not be whitespace
+//   either. Then the '\n' is a run of its own, a piece by itself on both sides (\s+(?!\S)
+//   at the end of A, \s+ before c), and the matches before it stop before it.
+// c is checked in the raw bytes: an ASCII non-space; with NFC only that (NFC could merge a
+// non-ASCII c with what follows into something else); otherwise also a well-formed
+// non-space code point or an ill-formed sequence (repaired to U+FFFD). For GPT-2 the byte
+// before the '\n' must be an ASCII non-space (repair and NFC keep it as it is).
+void BpeTokenizer::find_cuts(std::string_view text, size_t chunk_bytes, std::vector<size_t>& cuts) const {
+  if (!cuttable_) return;
+  auto non_space = [](char32_t cp) {
+    const uint8_t c = unicode::char_class(cp);
+    return c != unicode::kSpace && c != unicode::kNewline;
+  };
+  auto starts_non_space = [&](size_t at) {
+    const auto b = static_cast<unsigned char>(text[at]);
+    if (b < 0x80) return non_space(b);
+    if (model_.nfc) return false;
+    const size_t len = b >= 0xf0 ? 4 : b >= 0xe0 ? 3 : 2;
+    if (at + len > text.size() || !unicode::is_valid_utf8(text.substr(at, len))) return true;  // -> U+FFFD
+    int decoded = 0;
+    return non_space(unicode::decode_at(text, at, decoded));
+  };
+  const bool gpt2 = model_.pattern == PretokPattern::Gpt2;
+  size_t cut = std::max<size_t>(chunk_bytes, 2);  // the earliest allowed cut
+  while (cut < text.size()) {
+    const void* hit = std::memchr(text.data() + cut - 1, '\n', text.size() - (cut - 1));
+    if (!hit) break;
+    const size_t newline = static_cast<size_t>(static_cast<const char*>(hit) - text.data());
+    cut = newline + 1;
+    if (cut >= text.size()) break;
+    const auto before = static_cast<unsigned char>(text[newline - 1]);
+    if (starts_non_space(cut) && (!gpt2 || (before < 0x80 && non_space(before)))) {
+      cuts.push_back(cut);
+      cut += std::max<size_t>(chunk_bytes, 1);
+    } else {
+      cut += 1;
+    }
+  }
 }
 
 std::string BpeTokenizer::decode(std::span<const int32_t> ids) const {

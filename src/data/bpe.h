@@ -49,6 +49,11 @@ class BpeTokenizer final : public Tokenizer {
   std::vector<int32_t> encode(std::string_view text) const override;
   // parse_special: added tokens in `text` become their ids (HF's default).
   std::vector<int32_t> encode(std::string_view text, bool parse_special) const;
+  void encode_append(std::string_view text, std::vector<int32_t>& out) const override;  // encode(text)
+  // Cuts just after a '\n' that is followed by a non-whitespace character (for the GPT-2
+  // pattern also preceded by one); none when added tokens or add_prefix_space could make
+  // a cut visible. Holds for encode(text), not for parse_special. See bpe.cpp for why.
+  void find_cuts(std::string_view text, size_t chunk_bytes, std::vector<size_t>& cuts) const override;
   // Special tokens decode to nothing (HF's skip_special_tokens). Returns raw bytes, which
   // can be ill-formed UTF-8 when a sequence ends inside a character.
   std::string decode(std::span<const int32_t> ids) const override;
@@ -61,8 +66,9 @@ class BpeTokenizer final : public Tokenizer {
   int32_t token_id(std::string_view bytes) const;
 
  private:
+  void encode_into(std::string_view raw, bool parse_special, std::vector<int32_t>& out) const;
   void encode_segment(std::string_view text, std::vector<int32_t>& out) const;
-  void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
+  void encode_piece(std::string_view piece, uint64_t hash, std::vector<int32_t>& out) const;  // hash: piece_hash
   void merge_piece(std::string_view piece, std::vector<int32_t>& out) const;
   uint64_t find_merge(int32_t left, int32_t right) const;  // (rank << 32 | merged id), or ~0
 
@@ -76,6 +82,7 @@ class BpeTokenizer final : public Tokenizer {
   uint64_t merge_mask_ = 0;
   std::vector<bool> is_special_;
   int32_t eos_ = -1;
+  bool cuttable_ = false;  // find_cuts may cut (see there)
 };
 
 // Loads a tokenizer.json (BPE model with a byte-level pre-tokenizer). Throws ConfigError

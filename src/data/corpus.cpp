@@ -1,5 +1,7 @@
 #include "data/corpus.h"
 
+#include "data/tokenize_files.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -89,21 +91,9 @@ CorpusSplit read_corpus(const DataConfig& config) {
 }
 
 TokenizedDocuments tokenize_documents(std::span<const Document> docs, const Tokenizer& tokenizer, int threads) {
-  const auto n = static_cast<int64_t>(docs.size());
-  if (threads <= 0) threads = omp_get_max_threads();
-  std::vector<std::vector<int32_t>> encoded(docs.size());
-  // Each document is encoded on its own and placed by prefix sums, so the thread
-  // schedule cannot change the result.
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t d = 0; d < n; ++d) encoded[d] = tokenizer.encode(docs[d].text);
-
-  TokenizedDocuments out;
-  out.doc_offsets.resize(docs.size() + 1);
-  for (int64_t d = 0; d < n; ++d) out.doc_offsets[d + 1] = out.doc_offsets[d] + static_cast<int64_t>(encoded[d].size());
-  out.tokens.resize(static_cast<size_t>(out.doc_offsets[n]));
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int64_t d = 0; d < n; ++d) std::copy(encoded[d].begin(), encoded[d].end(), out.tokens.begin() + out.doc_offsets[d]);
-  return out;
+  // Large documents are cut at boundaries that cannot change the ids and encoded in
+  // parallel (data/tokenize_files.h); the result does not depend on the thread count.
+  return ParallelEncoder(tokenizer, threads).encode(docs);
 }
 
 TokenizedCorpus load_corpus(const DataConfig& config, const Tokenizer& tokenizer, int threads) {

@@ -16,26 +16,40 @@ constexpr std::array<std::string_view, 3> kRegexes = {
 };
 constexpr std::array<std::string_view, 3> kNames = {"gpt2", "llama3", "qwen2"};
 
-// The text as code points with their classes and byte offsets, decoded once per call.
+// The text as code points with their classes and byte offsets, decoded once per call into
+// buffers that are kept per thread (they only grow).
 struct Chars {
   std::vector<char32_t> cp;
   std::vector<uint8_t> cls;
   std::vector<uint32_t> offset;  // n + 1 entries: byte offset of each code point, then the end
+  size_t n = 0;
 
   void decode(std::string_view text) {
-    cp.clear(), cls.clear(), offset.clear();
+    static const std::array<uint8_t, 128> ascii = [] {
+      std::array<uint8_t, 128> table{};
+      for (char32_t c = 0; c < 128; ++c) table[c] = unicode::char_class(c);
+      return table;
+    }();
+    if (offset.size() < text.size() + 1) {
+      cp.resize(text.size()), cls.resize(text.size()), offset.resize(text.size() + 1);
+    }
+    n = 0;
     size_t pos = 0;
     while (pos < text.size()) {
-      int len = 1;
-      char32_t c = unicode::decode_at(text, pos, len);
-      cp.push_back(c);
-      cls.push_back(unicode::char_class(c));
-      offset.push_back(static_cast<uint32_t>(pos));
-      pos += static_cast<size_t>(len);
+      const auto b = static_cast<unsigned char>(text[pos]);
+      offset[n] = static_cast<uint32_t>(pos);
+      if (b < 0x80) {
+        cp[n] = b, cls[n] = ascii[b], ++pos;
+      } else {
+        int len = 1;
+        const char32_t c = unicode::decode_at(text, pos, len);
+        cp[n] = c, cls[n] = unicode::char_class(c), pos += static_cast<size_t>(len);
+      }
+      ++n;
     }
-    offset.push_back(static_cast<uint32_t>(text.size()));
+    offset[n] = static_cast<uint32_t>(text.size());
   }
-  size_t size() const { return cp.size(); }
+  size_t size() const { return n; }
 };
 
 bool is_ws(uint8_t c) { return c == unicode::kSpace || c == unicode::kNewline; }

@@ -3,8 +3,12 @@
 #include <fmt/format.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
+#include <exception>
+#include <numeric>
 #include <filesystem>
+#include <future>
 #include <memory>
 
 #include "core/error.h"
@@ -38,6 +42,95 @@ struct SplitWriter {
 
 }  // namespace
 
+ParallelEncoder::ParallelEncoder(const Tokenizer& tokenizer, int threads)
+    : tokenizer_(tokenizer), threads_(threads > 0 ? threads : omp_get_max_threads()),
+      buffers_(static_cast<size_t>(threads_)) {}
+
+TokenizedDocuments ParallelEncoder::encode(std::span<const std::string_view> texts) {
+  TokenizedDocuments out;
+  encode(texts, out);
+  return out;
+}
+
+TokenizedDocuments ParallelEncoder::encode(std::span<const Document> docs) {
+  TokenizedDocuments out;
+  encode(docs, out);
+  return out;
+}
+
+void ParallelEncoder::encode(std::span<const Document> docs, TokenizedDocuments& out) {
+  std::vector<std::string_view> views;
+  views.reserve(docs.size());
+  for (const Document& d : docs) views.push_back(d.text);
+  encode(views, out);
+}
+
+void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedDocuments& out) {
+  MOE_CHECK(texts.size() < (size_t{1} << 32), "too many documents in one batch: {}", texts.size());
+  size_t total = 0;
+  for (std::string_view t : texts) total += t.size();
+  const size_t chunk_bytes = std::clamp<size_t>(total / (static_cast<size_t>(threads_) * 16), chunk_min,
+                                                std::max(chunk_min, chunk_max));
+  chunks_.clear();
+  for (size_t d = 0; d < texts.size(); ++d) {
+    cuts_.clear();
+    if (texts[d].size() > chunk_bytes) tokenizer_.find_cuts(texts[d], chunk_bytes, cuts_);
+    size_t begin = 0;
+    for (size_t cut : cuts_) {
+      MOE_CHECK(cut > begin && cut < texts[d].size(), "tokenizer {}: cut at {} outside ({}, {})", tokenizer_.name(),
+                cut, begin, texts[d].size());
+      chunks_.push_back({static_cast<uint32_t>(d), -1, begin, cut});
+      begin = cut;
+    }
+    chunks_.push_back({static_cast<uint32_t>(d), -1, begin, texts[d].size()});
+  }
+  // Largest first, so the last chunks handed out are small and threads finish together.
+  order_.resize(chunks_.size());
+  std::iota(order_.begin(), order_.end(), 0u);
+  auto size = [&](uint32_t k) { return chunks_[k].end - chunks_[k].begin; };
+  std::stable_sort(order_.begin(), order_.end(), [&](uint32_t a, uint32_t b) { return size(a) > size(b); });
+
+  for (ThreadBuffer& b : buffers_) b.ids.clear();  // capacity is kept
+  const auto n_chunks = static_cast<int64_t>(chunks_.size());
+  std::exception_ptr error;
+#pragma omp parallel num_threads(threads_)
+  {
+    const int thread = omp_get_thread_num();
+    std::vector<int32_t>& ids = buffers_[static_cast<size_t>(thread)].ids;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t k = 0; k < n_chunks; ++k) {
+      Chunk& chunk = chunks_[order_[k]];
+      try {
+        chunk.thread = thread;
+        chunk.offset = ids.size();
+        tokenizer_.encode_append(texts[chunk.doc].substr(chunk.begin, chunk.end - chunk.begin), ids);
+        chunk.count = ids.size() - chunk.offset;
+      } catch (...) {
+#pragma omp critical(moe_parallel_encoder_error)
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+
+  // Concatenate in document order: chunk k goes to `at[k]`.
+  out.doc_offsets.assign(texts.size() + 1, 0);
+  std::vector<int64_t> at(chunks_.size());
+  int64_t total_ids = 0;
+  for (size_t k = 0; k < chunks_.size(); ++k) {
+    at[k] = total_ids;
+    total_ids += static_cast<int64_t>(chunks_[k].count);
+    out.doc_offsets[chunks_[k].doc + 1] = total_ids;
+  }
+  out.tokens.resize(static_cast<size_t>(total_ids));
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (int64_t k = 0; k < n_chunks; ++k) {
+    const Chunk& chunk = chunks_[k];
+    const int32_t* from = buffers_[static_cast<size_t>(chunk.thread)].ids.data() + chunk.offset;
+    std::copy(from, from + chunk.count, out.tokens.data() + at[k]);
+  }
+}
+
 TokenizeStats tokenize_to_shards(const Tokenizer& tokenizer, const TokenizeOptions& options) {
   if (options.shard_tokens <= 0) MOE_CONFIG_ERROR("--shard-tokens must be positive, got {}", options.shard_tokens);
   if (options.val_fraction < 0 || options.val_fraction >= 1)
@@ -54,11 +147,7 @@ TokenizeStats tokenize_to_shards(const Tokenizer& tokenizer, const TokenizeOptio
   SplitWriter train{options.output_dir, "train", tokenizer.vocab_size(), options.shard_tokens};
   SplitWriter val{options.output_dir, "val", tokenizer.vocab_size(), options.shard_tokens};
   TokenizeStats stats;
-  std::vector<Document> docs;
-  // Batches of ~16 MB per thread keep every core busy and memory bounded.
-  const int64_t batch_bytes = int64_t{16} << 20;
-  while (reader.next(docs, batch_bytes * threads)) {
-    TokenizedDocuments encoded = tokenize_documents(docs, tokenizer, threads);
+  auto write = [&](const std::vector<Document>& docs, const TokenizedDocuments& encoded) {
     for (int64_t d = 0; d < encoded.n_docs(); ++d) {
       const bool held_out = options.val_fraction > 0 && is_validation_document(docs[d].relative_path, options.val_fraction);
       (held_out ? val : train).add(encoded.doc(d));
@@ -66,15 +155,43 @@ TokenizeStats tokenize_to_shards(const Tokenizer& tokenizer, const TokenizeOptio
     }
     stats.docs += encoded.n_docs();
     stats.tokens += encoded.n_tokens();
-    docs.clear();
+  };
+  // Batches of ~8 MB per thread bound memory; long documents are cut into chunks, so
+  // the batch size does not decide how evenly the threads are loaded. While one batch is
+  // encoded, another thread writes the previous one and reads the next, so the serial
+  // reading and writing overlap the parallel encoding.
+  const int64_t batch_bytes = options.batch_bytes > 0 ? options.batch_bytes : (int64_t{8} << 20) * threads;
+  ParallelEncoder encoder(tokenizer, threads);
+  std::vector<Document> docs[2];
+  TokenizedDocuments encoded[2];
+  int64_t encoded_docs = 0, encoded_tokens = 0;  // for the progress line (stats count what was written)
+  bool pending_write = false, more = reader.next(docs[0], batch_bytes);
+  for (int cur = 0; more; cur = 1 - cur) {
+    const int other = 1 - cur;
+    const int64_t read_through_cur = reader.bytes_read();  // input bytes up to the end of this batch
+    auto background = std::async(std::launch::async, [&, other, pending_write] {
+      if (pending_write) write(docs[other], encoded[other]);
+      docs[other].clear();
+      return reader.next(docs[other], batch_bytes);
+    });
+    try {
+      encoder.encode(docs[cur], encoded[cur]);
+    } catch (...) {
+      background.wait();
+      throw;
+    }
+    more = background.get();
+    pending_write = true;
+    encoded_docs += encoded[cur].n_docs(), encoded_tokens += encoded[cur].n_tokens();
     if (options.progress) {
-      const double t = elapsed(), done = static_cast<double>(reader.bytes_read());
+      const double t = elapsed(), done = static_cast<double>(read_through_cur);
       const double total = static_cast<double>(std::max<int64_t>(reader.total_bytes(), 1));
       const double rate = done / std::max(t, 1e-9);
       fmt::print(stderr, "\rtokenize: [{:<30}] {:.1f}/{:.1f} MB | {:.1f} MB/s | eta {} | {} docs, {} tokens",
                  std::string(static_cast<size_t>(30 * std::min(1.0, done / total)), '#'), done / 1e6, total / 1e6,
-                 rate / 1e6, clock_text((total - done) / std::max(rate, 1.0)), stats.docs, stats.tokens);
+                 rate / 1e6, clock_text((total - done) / std::max(rate, 1.0)), encoded_docs, encoded_tokens);
     }
+    if (!more) write(docs[cur], encoded[cur]);
   }
   if (options.progress) fmt::print(stderr, "\n");
   if (stats.docs == 0) MOE_CONFIG_ERROR("--input: no documents found");

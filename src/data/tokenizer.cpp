@@ -1,5 +1,7 @@
 #include "data/tokenizer.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "data/bpe.h"
 #include "train/config.h"
@@ -10,6 +12,15 @@ std::vector<int32_t> ByteTokenizer::encode(std::string_view text) const {
   std::vector<int32_t> ids(text.size());
   for (size_t i = 0; i < text.size(); ++i) ids[i] = static_cast<unsigned char>(text[i]);
   return ids;
+}
+
+void ByteTokenizer::encode_append(std::string_view text, std::vector<int32_t>& out) const {
+  for (char c : text) out.push_back(static_cast<unsigned char>(c));
+}
+
+void ByteTokenizer::find_cuts(std::string_view text, size_t chunk_bytes, std::vector<size_t>& cuts) const {
+  for (size_t at = std::max<size_t>(chunk_bytes, 1); at < text.size(); at += std::max<size_t>(chunk_bytes, 1))
+    cuts.push_back(at);
 }
 
 std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {

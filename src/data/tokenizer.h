@@ -23,6 +23,18 @@ class Tokenizer {
   // Never emits eos_id(); document boundaries are added by the loader. Called from
   // several threads at once, so const calls must be thread-safe.
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // Appends encode(text) to `out`: lets callers reuse one buffer for many texts.
+  virtual void encode_append(std::string_view text, std::vector<int32_t>& out) const {
+    std::vector<int32_t> ids = encode(text);
+    out.insert(out.end(), ids.begin(), ids.end());
+  }
+  // Appends to `cuts`, increasing, byte offsets in (0, text.size()) where `text` may be cut
+  // without changing its ids: encoding the parts one by one and concatenating gives exactly
+  // encode(text). Cuts are at least `chunk_bytes` apart (the first at >= chunk_bytes), as
+  // close to that as the text allows. Default: none (the text is encoded whole).
+  virtual void find_cuts(std::string_view text, size_t chunk_bytes, std::vector<size_t>& cuts) const {
+    (void)text, (void)chunk_bytes, (void)cuts;
+  }
   // Throws moe::Error on an id outside [0, vocab_size()).
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
   virtual int64_t vocab_size() const = 0;
@@ -36,6 +48,8 @@ class Tokenizer {
 class ByteTokenizer final : public Tokenizer {
  public:
   std::vector<int32_t> encode(std::string_view text) const override;
+  void encode_append(std::string_view text, std::vector<int32_t>& out) const override;
+  void find_cuts(std::string_view text, size_t chunk_bytes, std::vector<size_t>& cuts) const override;  // anywhere
   std::string decode(std::span<const int32_t> ids) const override;
   int64_t vocab_size() const override { return kByteVocabSize; }
   int32_t eos_id() const override { return kByteEosId; }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "kernels/adamw_math.h"
 #include "model/config.h"
 
 struct CUstream_st;
@@ -210,5 +211,46 @@ class ExpertGemm {
   struct State;
   State* state_;
 };
+
+}  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// The multi-tensor optimizer over one contiguous parameter block (kernels/cuda/optimizer.cu).
+// A segment is one parameter: its place in the block, whether weight decay applies, and
+// where an fp32 copy of its values is kept (mirror_offset, -1: none). The block is walked
+// in chunks of adamw_math::kNormChunk elements that never straddle two segments;
+// first_chunk numbers them over all segments in order (n_chunks in all).
+struct OptimizerSegment {
+  int64_t offset = 0, numel = 0;
+  int64_t first_chunk = 0;
+  int64_t mirror_offset = -1;
+  int32_t decay = 0;
+  int32_t unused = 0;
+};
+
+// The fp32 master weights as bf16 hi + int16 lo halves (adamw_math::split_master), and back.
+void split_master(bf16* hi, int16_t* lo, const float* x, int64_t n, Stream stream);
+void join_master(float* x, const bf16* hi, const int16_t* lo, int64_t n, Stream stream);
+// bf16 rounding to nearest even with adamw_math's bits (the moments), and widening.
+void round_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
+void widen_bf16(float* out, const bf16* in, int64_t n, Stream stream);
+
+// The global gradient norm, the CPU's (train/grad_clip.cpp) bit for bit: per chunk an fp64
+// sum of squares in element order (chunk_sq_C), per segment the chunks in order
+// (segment_sq_S), then the segments in order. Writes scalars->sum_sq, ->norm and, for the
+// AdamW kernel, ->grad_scale = norm > max_norm > 0 ? float(max_norm / (norm + 1e-6)) : 1
+// and ->skip = the norm is not finite. Two launches, no host synchronisation.
+void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* segment_sq_S, const float* grads,
+               const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks, double max_norm,
+               Stream stream);
+
+// AdamW over every segment in one launch, reading its scalars from device memory
+// (nothing when scalars->skip): master weights as hi/lo (both rewritten), fp32
+// gradients, moments in fp32 (bf16_moments false: m and v are float*) or bf16 (bf16*),
+// and the fp32 mirrors refreshed. The arithmetic is adamw_math::adamw_update's.
+void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, void* m, void* v, bool bf16_moments,
+                        const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks,
+                        const adamw_math::AdamWScalars* scalars, Stream stream);
 
 }  // namespace moe::cuda

@@ -1,7 +1,9 @@
 #include "model/moe_layer.h"
 
+#include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "kernels/matmul.h"
 #include "kernels/swiglu.h"
 #include "moe/dispatch.h"
@@ -18,7 +20,8 @@ MoELayer<T>::MoELayer(ParameterStore<T>& params, const ModelConfig& config,
       D_(config.dim),
       E_(config.moe.n_experts),
       K_(config.moe.top_k),
-      F_(config.moe.expert_hidden) {
+      F_(config.moe.expert_hidden),
+      S_(config.seq_len) {
   router_w_ = params.add({prefix + ".router.weight", Shape{E_, D_}, Init::Normal, config.init_std});
   router_b_ = params.add({prefix + ".router.bias", Shape{E_}, Init::Zeros, 0, /*decay=*/false});
   const std::string experts = prefix + ".experts";
@@ -38,7 +41,9 @@ MoELayer<T>::MoELayer(ParameterStore<T>& params, const ModelConfig& config,
 template <typename T>
 void MoELayer<T>::plan(Arena& saved, Arena& scratch, int64_t tokens) {
   T_ = tokens;
-  capacity_ = expert_capacity(cfg_.capacity_factor, T_, K_, E_);
+  // In a data-parallel run capacity is per expert over the global micro-batch.
+  const int64_t batch_ranks = global_batch() ? batch_->size() : 1;
+  capacity_ = expert_capacity(cfg_.capacity_factor, T_ * batch_ranks, K_, E_);
   const int64_t max_rows = T_ * K_;
   logits_TE_ = saved.alloc_array<T>(T_ * E_);
   scores_TE_ = saved.alloc_array<T>(T_ * E_);
@@ -78,17 +83,31 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
   }
   router_select<T>(expert_TK_, weight_TK_, scores_TE_, selection_bias, T_, E_, K_, cfg_.renormalize);
   count_expert_load(load_E_.data(), expert_TK_, T_, E_, K_);
-  if (cfg_.aux_loss_coef > 0)
-    stats.aux_loss = aux_loss_forward<T>(scores_TE_, expert_TK_, T_, E_, K_, cfg_.score_func,
-                                         cfg_.aux_loss_coef);
-  if (cfg_.z_loss_coef > 0)
-    stats.z_loss = z_loss_forward<T>(logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef);
+  if (global_batch()) {
+    global_router_losses(stats);
+  } else {
+    if (cfg_.aux_loss_coef > 0)
+      stats.aux_loss = aux_loss_forward<T>(scores_TE_, expert_TK_, T_, E_, K_, cfg_.score_func,
+                                           cfg_.aux_loss_coef);
+    if (cfg_.z_loss_coef > 0)
+      stats.z_loss = z_loss_forward<T>(logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef);
+  }
 
-  rows_ = assign_rows(row_TK_, counts_E_, offsets_E1_, token_of_row_R_, expert_TK_, T_, E_, K_,
-                      capacity_);
+  rows_ = global_batch() && cfg_.capacity_factor > 0
+              ? assign_rows_global()
+              : assign_rows(row_TK_, counts_E_, offsets_E1_, token_of_row_R_, expert_TK_, T_, E_, K_, capacity_);
   stats.dropped = T_ * K_ - rows_;
   record_routing(stats.dropped);
   permute_forward<T>(x_RD_, x_TD, token_of_row_R_, rows_, D_);
+  if (exchange_) experts_forward_exchanged();
+  else experts_forward_local();
+  combine_forward<T>(y_TD, y_RD_, weight_TK_, row_TK_, T_, K_, D_);
+  for (auto& ffn : shared_) ffn.forward(y_TD, x_TD, /*accumulate=*/true);
+  return stats;
+}
+
+template <typename T>
+void MoELayer<T>::experts_forward_local() {
   const T* w1 = params_.value(w1_);
   const T* w3 = params_.value(w3_);
   const T* w2 = params_.value(w2_);
@@ -104,14 +123,64 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
     if (count == 0) continue;
     linear_forward<T>(y_RD_ + first * D_, act_RF_ + first * F_, w2 + e * D_ * F_, nullptr, count, F_, D_);
   }
-  combine_forward<T>(y_TD, y_RD_, weight_TK_, row_TK_, T_, K_, D_);
-  for (auto& ffn : shared_) ffn.forward(y_TD, x_TD, /*accumulate=*/true);
-  return stats;
+}
+
+// The rows go to the ranks holding their experts; this rank computes what it receives
+// (rows of several source ranks for each of its experts) and sends the results back.
+template <typename T>
+void MoELayer<T>::experts_forward_exchanged() {
+  const int64_t received = exchange_->plan(counts_E_, offsets_E1_);
+  recv_x_RD_.resize(static_cast<size_t>(received * D_));
+  recv_y_RD_.resize(static_cast<size_t>(received * D_));
+  for (auto* v : {&recv_gate_RF_, &recv_up_RF_, &recv_act_RF_}) v->resize(static_cast<size_t>(received * F_));
+  const T* w1 = params_.value(w1_);
+  const T* w3 = params_.value(w3_);
+  const T* w2 = params_.value(w2_);
+  exchange_->run(x_RD_, recv_x_RD_.data(), recv_y_RD_.data(), y_RD_, D_, sizeof(T), [&](int chunk) {
+    for (const ExpertSegment& seg : exchange_->segments(chunk)) {
+      if (seg.count == 0) continue;
+      const int64_t e = seg.expert, r = seg.row, n = seg.count;
+      T* gate = recv_gate_RF_.data() + r * F_;
+      T* up = recv_up_RF_.data() + r * F_;
+      T* act = recv_act_RF_.data() + r * F_;
+      const T* x = recv_x_RD_.data() + r * D_;
+      linear_forward<T>(gate, x, w1 + e * F_ * D_, nullptr, n, D_, F_);
+      linear_forward<T>(up, x, w3 + e * F_ * D_, nullptr, n, D_, F_);
+      swiglu_forward<T>(act, gate, up, n * F_);
+      linear_forward<T>(recv_y_RD_.data() + r * D_, act, w2 + e * D_ * F_, nullptr, n, F_, D_);
+    }
+  });
 }
 
 template <typename T>
 void MoELayer<T>::backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_scale) {
   combine_backward<T>(dy_RD_, dweight_TK_, dy_TD, y_RD_, weight_TK_, row_TK_, T_, K_, D_);
+  if (exchange_) experts_backward_exchanged();
+  else experts_backward_local();
+  permute_backward<T>(dx_TD, dx_RD_, row_TK_, T_, K_, D_, /*accumulate=*/false);
+
+  // Router: combine weights -> scores (+ aux loss) -> logits (+ z loss) -> x.
+  router_select_backward<T>(dscores_TE_, dweight_TK_, expert_TK_, scores_TE_, T_, E_, K_,
+                            cfg_.renormalize);
+  if (cfg_.aux_loss_coef > 0) {
+    if (global_batch()) global_aux_backward(loss_scale);
+    else
+      aux_loss_backward<T>(dscores_TE_, scores_TE_, expert_TK_, T_, E_, K_, cfg_.score_func,
+                           cfg_.aux_loss_coef, loss_scale);
+  }
+  router_scores_backward<T>(dlogits_TE_, dscores_TE_, scores_TE_, T_, E_, cfg_.temperature,
+                            cfg_.score_func);
+  // The global z-loss is a mean over the global micro-batch: this rank's tokens weigh 1/(N T).
+  const double z_scale = global_batch() ? loss_scale / static_cast<double>(batch_->size()) : loss_scale;
+  if (cfg_.z_loss_coef > 0)
+    z_loss_backward<T>(dlogits_TE_, logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef, z_scale);
+  linear_backward<T>(dx_TD, params_.grad(router_w_), params_.grad(router_b_), dlogits_TE_, x_TD,
+                     params_.value(router_w_), T_, D_, E_, /*accumulate_dx=*/true);
+  for (auto& ffn : shared_) ffn.backward(dx_TD, dy_TD, x_TD, /*accumulate_dx=*/true);
+}
+
+template <typename T>
+void MoELayer<T>::experts_backward_local() {
   const T* w1 = params_.value(w1_);
   const T* w3 = params_.value(w3_);
   const T* w2 = params_.value(w2_);
@@ -133,21 +202,143 @@ void MoELayer<T>::backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_
     linear_backward<T>(dx_RD_ + first * D_, dw3 + e * F_ * D_, nullptr, dup_RF_ + first * F_,
                        x_RD_ + first * D_, w3 + e * F_ * D_, count, D_, F_, /*accumulate_dx=*/true);
   }
-  permute_backward<T>(dx_TD, dx_RD_, row_TK_, T_, K_, D_, /*accumulate=*/false);
+}
 
-  // Router: combine weights -> scores (+ aux loss) -> logits (+ z loss) -> x.
-  router_select_backward<T>(dscores_TE_, dweight_TK_, expert_TK_, scores_TE_, T_, E_, K_,
-                            cfg_.renormalize);
-  if (cfg_.aux_loss_coef > 0)
-    aux_loss_backward<T>(dscores_TE_, scores_TE_, expert_TK_, T_, E_, K_, cfg_.score_func,
-                         cfg_.aux_loss_coef, loss_scale);
-  router_scores_backward<T>(dlogits_TE_, dscores_TE_, scores_TE_, T_, E_, cfg_.temperature,
-                            cfg_.score_func);
+// Mirrors experts_forward_exchanged: output gradients go out with the forward's layout,
+// the expert rank computes input and weight gradients, the input gradients come back.
+template <typename T>
+void MoELayer<T>::experts_backward_exchanged() {
+  const int64_t received = static_cast<int64_t>(recv_x_RD_.size()) / D_;
+  recv_dy_RD_.resize(static_cast<size_t>(received * D_));
+  recv_dx_RD_.resize(static_cast<size_t>(received * D_));
+  for (auto* v : {&recv_dact_RF_, &recv_dgate_RF_, &recv_dup_RF_}) v->resize(static_cast<size_t>(received * F_));
+  const T* w1 = params_.value(w1_);
+  const T* w3 = params_.value(w3_);
+  const T* w2 = params_.value(w2_);
+  T* dw1 = params_.grad(w1_);
+  T* dw3 = params_.grad(w3_);
+  T* dw2 = params_.grad(w2_);
+  exchange_->run(dy_RD_, recv_dy_RD_.data(), recv_dx_RD_.data(), dx_RD_, D_, sizeof(T), [&](int chunk) {
+    for (const ExpertSegment& seg : exchange_->segments(chunk)) {
+      if (seg.count == 0) continue;
+      const int64_t e = seg.expert, r = seg.row, n = seg.count;
+      T* dact = recv_dact_RF_.data() + r * F_;
+      T* dgate = recv_dgate_RF_.data() + r * F_;
+      T* dup = recv_dup_RF_.data() + r * F_;
+      const T* x = recv_x_RD_.data() + r * D_;
+      T* dx = recv_dx_RD_.data() + r * D_;
+      linear_backward<T>(dact, dw2 + e * D_ * F_, nullptr, recv_dy_RD_.data() + r * D_,
+                         recv_act_RF_.data() + r * F_, w2 + e * D_ * F_, n, F_, D_);
+      swiglu_backward<T>(dgate, dup, dact, recv_gate_RF_.data() + r * F_, recv_up_RF_.data() + r * F_, n * F_);
+      linear_backward<T>(dx, dw1 + e * F_ * D_, nullptr, dgate, x, w1 + e * F_ * D_, n, D_, F_);
+      linear_backward<T>(dx, dw3 + e * F_ * D_, nullptr, dup, x, w3 + e * F_ * D_, n, D_, F_,
+                         /*accumulate_dx=*/true);
+    }
+  });
+}
+
+// router.cpp's guard for sigmoid score sums.
+constexpr double kScoreSumEps = 1e-20;
+
+// The aux loss coef * E * sum_e f_e P_e with f (assignment fractions) and P (mean
+// probabilities) taken over the global micro-batch, and the z-loss as its mean over it:
+// one sum over the ranks of E counts, E probability sums and the sum of squared
+// log-sum-exps.
+template <typename T>
+void MoELayer<T>::global_router_losses(MoEForwardStats& stats) {
+  const auto E = static_cast<size_t>(E_);
+  std::vector<double> sums(2 * E + 1, 0.0);
+  for (int64_t i = 0; i < T_ * K_; ++i) sums[static_cast<size_t>(expert_TK_[i])] += 1.0;
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* s = scores_TE_ + t * E_;
+    double norm = 1.0;
+    if (cfg_.score_func == ScoreFunc::Sigmoid) {
+      double total = kScoreSumEps;
+      for (int64_t e = 0; e < E_; ++e) total += double(s[e]);
+      norm = 1.0 / total;
+    }
+    for (size_t e = 0; e < E; ++e) sums[E + e] += double(s[e]) * norm;
+  }
   if (cfg_.z_loss_coef > 0)
-    z_loss_backward<T>(dlogits_TE_, logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef, loss_scale);
-  linear_backward<T>(dx_TD, params_.grad(router_w_), params_.grad(router_b_), dlogits_TE_, x_TD,
-                     params_.value(router_w_), T_, D_, E_, /*accumulate_dx=*/true);
-  for (auto& ffn : shared_) ffn.backward(dx_TD, dy_TD, x_TD, /*accumulate_dx=*/true);
+    sums[2 * E] = z_loss_forward<T>(logits_TE_, T_, E_, cfg_.temperature, 1.0) * static_cast<double>(T_);
+  batch_->sum(sums.data(), static_cast<int64_t>(sums.size()));
+  const double global_tokens = static_cast<double>(T_ * batch_->size());
+  global_fraction_E_.assign(E, 0.0);
+  double aux = 0;
+  for (size_t e = 0; e < E; ++e) {
+    global_fraction_E_[e] = sums[e] / (global_tokens * static_cast<double>(K_));
+    aux += global_fraction_E_[e] * sums[E + e] / global_tokens;
+  }
+  if (cfg_.aux_loss_coef > 0) stats.aux_loss = cfg_.aux_loss_coef * static_cast<double>(E_) * aux;
+  if (cfg_.z_loss_coef > 0) stats.z_loss = cfg_.z_loss_coef * sums[2 * E] / global_tokens;
+}
+
+// aux_loss_backward with the global fractions: dL/dp_te = coef * E * f_e / (N T).
+template <typename T>
+void MoELayer<T>::global_aux_backward(double loss_scale) {
+  const double global_tokens = static_cast<double>(T_ * batch_->size());
+  std::vector<double> g(static_cast<size_t>(E_));
+  for (int64_t e = 0; e < E_; ++e)
+    g[static_cast<size_t>(e)] = loss_scale * cfg_.aux_loss_coef * static_cast<double>(E_) *
+                                global_fraction_E_[static_cast<size_t>(e)] / global_tokens;
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* s = scores_TE_ + t * E_;
+    T* ds = dscores_TE_ + t * E_;
+    if (cfg_.score_func == ScoreFunc::Softmax) {
+      for (int64_t e = 0; e < E_; ++e) ds[e] = T(double(ds[e]) + g[static_cast<size_t>(e)]);
+      continue;
+    }
+    double sum = kScoreSumEps;
+    for (int64_t e = 0; e < E_; ++e) sum += double(s[e]);
+    double dot = 0;
+    for (int64_t e = 0; e < E_; ++e) dot += g[static_cast<size_t>(e)] * double(s[e]) / sum;
+    for (int64_t e = 0; e < E_; ++e) ds[e] = T(double(ds[e]) + (g[static_cast<size_t>(e)] - dot) / sum);
+  }
+}
+
+// assign_rows with capacity over the global micro-batch: an assignment is kept iff fewer
+// than `capacity_` assignments to its expert come before it in the global order (global
+// sequences b * N + r, then (t, k) inside a sequence), as the single-process run decides.
+// The ranks share their assignments per (sequence, expert).
+template <typename T>
+int64_t MoELayer<T>::assign_rows_global() {
+  MOE_CHECK(T_ % S_ == 0, "a data-parallel MoE layer needs whole sequences: {} tokens, sequence length {}", T_, S_);
+  const int64_t N = batch_->size(), me = batch_->rank(), B = T_ / S_;
+  const auto E = static_cast<size_t>(E_);
+  std::vector<int64_t> counts_BE(static_cast<size_t>(B) * E, 0);
+  for (int64_t i = 0; i < T_ * K_; ++i) {
+    const int32_t e = expert_TK_[i];
+    MOE_CHECK(e >= 0 && e < E_, "expert index {} at token {} is outside [0, {})", e, i / K_, E_);
+    ++counts_BE[static_cast<size_t>(i / K_ / S_) * E + static_cast<size_t>(e)];
+  }
+  std::vector<int64_t> all_RBE(static_cast<size_t>(N) * counts_BE.size());
+  batch_->all_gather(counts_BE.data(), static_cast<int64_t>(counts_BE.size()), all_RBE.data());
+  // before_BE[b][e]: assignments to e in the global sequences before this rank's sequence b.
+  std::vector<int64_t> before_BE(counts_BE.size()), running(E, 0);
+  for (int64_t j = 0; j < N * B; ++j) {
+    const int64_t b = j / N, r = j % N;
+    if (r == me) std::copy(running.begin(), running.end(), before_BE.begin() + b * E_);
+    const int64_t* c = all_RBE.data() + (r * B + b) * E_;
+    for (size_t e = 0; e < E; ++e) running[e] += c[e];
+  }
+  std::fill(counts_E_, counts_E_ + E_, 0);
+  std::vector<int64_t> within(E, 0);
+  for (int64_t i = 0; i < T_ * K_; ++i) {
+    const int64_t b = i / K_ / S_;
+    if (i % (S_ * K_) == 0) std::fill(within.begin(), within.end(), 0);  // a new sequence
+    const int32_t e = expert_TK_[i];
+    const bool kept = before_BE[static_cast<size_t>(b) * E + static_cast<size_t>(e)] + within[static_cast<size_t>(e)] < capacity_;
+    ++within[static_cast<size_t>(e)];
+    row_TK_[i] = kept ? counts_E_[e]++ : -1;
+  }
+  offsets_E1_[0] = 0;
+  for (int64_t e = 0; e < E_; ++e) offsets_E1_[e + 1] = offsets_E1_[e] + counts_E_[e];
+  for (int64_t i = 0; i < T_ * K_; ++i) {
+    if (row_TK_[i] < 0) continue;
+    row_TK_[i] += offsets_E1_[expert_TK_[i]];
+    token_of_row_R_[row_TK_[i]] = static_cast<int32_t>(i / K_);
+  }
+  return offsets_E1_[E_];
 }
 
 template <typename T>

@@ -3,6 +3,7 @@
 // permute into expert-contiguous rows -> SwiGLU experts -> weighted combine, plus
 // shared experts that every token goes through. Adds the aux and z losses.
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,49 @@ struct MoERoutingStats {
   int64_t tokens = 0;
 };
 
+// Data parallelism: the data-parallel ranks whose micro-batches together form one global
+// micro-batch. Rank r's local sequence b is sequence b * size() + r of the global one, which
+// is exactly the micro-batch of a single-process run with size() times the micro-batch
+// (the sliced loaders read sequences k * world + r). The aux loss, the z-loss and capacity
+// dropping are computed over the global micro-batch, so N ranks reproduce that run.
+// Implemented over a communicator in src/dist/expert_parallel.h.
+class MoEBatchGroup {
+ public:
+  virtual ~MoEBatchGroup() = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // values[i] = sum over the ranks of values[i] (blocking).
+  virtual void sum(double* values, int64_t count) = 0;
+  // all gets size() * count values: rank 0's first.
+  virtual void all_gather(const int64_t* values, int64_t count, int64_t* all) = 0;
+};
+
+// Rows this rank computes for expert `expert`: rows [row, row + count) of the received rows.
+struct ExpertSegment {
+  int64_t expert = 0;
+  int64_t row = 0;
+  int64_t count = 0;
+};
+
+// Expert parallelism: sends each expert's rows to the rank holding the expert and brings
+// the results back (all-to-all with per-peer counts, in chunks whose exchange overlaps the
+// compute of others). One per MoE layer: plan() is remembered for the layer's backward.
+class ExpertExchange {
+ public:
+  virtual ~ExpertExchange() = default;
+  // This rank's rows per expert (rows of expert e are [offsets_E1[e], offsets_E1[e+1]) in
+  // the layer's layout). Exchanges the counts; returns how many rows this rank receives.
+  virtual int64_t plan(const int32_t* counts_E, const int32_t* offsets_E1) = 0;
+  virtual int chunks() const = 0;
+  // The received rows of chunk c, by expert held here.
+  virtual const std::vector<ExpertSegment>& segments(int chunk) const = 0;
+  // Sends rows of in_RD (layer layout, `width` values of `elem_bytes` each) into recv_RD
+  // (received layout), calls compute(c) once chunk c has arrived (it must fill result_RD's
+  // rows of chunk c), and returns result_RD's rows to out_RD (layer layout).
+  virtual void run(const void* in_RD, void* recv_RD, const void* result_RD, void* out_RD, int64_t width,
+                   size_t elem_bytes, const std::function<void(int chunk)>& compute) = 0;
+};
+
 template <typename T>
 class MoELayer {
  public:
@@ -49,20 +93,44 @@ class MoELayer {
   std::vector<float>& balance_bias_E() { return bias_E_; }
   const std::string& prefix() const { return prefix_; }
   int64_t n_experts() const { return E_; }
+  // Distributed runs: the global micro-batch's ranks (aux loss, z-loss, capacity) and the
+  // exchange of rows with the ranks holding the experts; either may be null. Set before plan().
+  void set_parallel(MoEBatchGroup* batch, ExpertExchange* exchange) {
+    batch_ = batch;
+    exchange_ = exchange;
+  }
+  // Replaces the accumulated load (the data-parallel sum, before the balancing update).
+  void set_load(const std::vector<int64_t>& load_E) { load_E_ = load_E; }
 
  private:
   void record_routing(int64_t dropped);
+  bool global_batch() const { return batch_ != nullptr && batch_->size() > 1; }
+  // Aux and z losses over the global micro-batch (forward values; saves f_E for backward).
+  void global_router_losses(MoEForwardStats& stats);
+  void global_aux_backward(double loss_scale);
+  // Capacity dropping by position in the global micro-batch.
+  int64_t assign_rows_global();
+  void experts_forward_local();
+  void experts_backward_local();
+  void experts_forward_exchanged();
+  void experts_backward_exchanged();
 
   ParameterStore<T>& params_;
   MoEConfig cfg_;
   std::string prefix_;
-  int64_t D_, E_, K_, F_, T_ = 0, rows_ = 0, capacity_ = 0;
+  int64_t D_, E_, K_, F_, S_, T_ = 0, rows_ = 0, capacity_ = 0;
   int router_w_, router_b_, w1_, w3_, w2_;
   std::vector<FeedForward<T>> shared_;
   std::vector<int64_t> load_E_;
   MoERoutingStats routing_;
   std::vector<float> bias_E_;         // selection bias (not a parameter: no gradient)
   std::vector<T> bias_T_;             // bias_E_ in the layer's type, for router_select
+  MoEBatchGroup* batch_ = nullptr;
+  ExpertExchange* exchange_ = nullptr;
+  std::vector<double> global_fraction_E_;  // global aux loss: assignment fractions, for backward
+  // Expert parallelism: the rows this rank received and computed, saved for backward.
+  std::vector<T> recv_x_RD_, recv_gate_RF_, recv_up_RF_, recv_act_RF_, recv_y_RD_;
+  std::vector<T> recv_dy_RD_, recv_dact_RF_, recv_dgate_RF_, recv_dup_RF_, recv_dx_RD_;
   // Saved from forward.
   T *logits_TE_ = nullptr, *scores_TE_ = nullptr, *weight_TK_ = nullptr;
   int32_t *expert_TK_ = nullptr, *row_TK_ = nullptr, *counts_E_ = nullptr, *offsets_E1_ = nullptr,

@@ -133,28 +133,54 @@ ForwardResult Transformer<T>::forward(const int32_t* inputs_BS, const int32_t* t
 }
 
 template <typename T>
-void Transformer<T>::backward(double loss_scale) {
+void Transformer<T>::backward(double ce_scale, double router_scale) {
   MOE_CHECK(inputs_ != nullptr, "backward without a forward");
   const int64_t D = config_.dim, V = config_.vocab_size, T_ = tokens_;
+  auto stage_done = [&](int stage) {
+    if (on_backward_stage) on_backward_stage(stage);
+  };
   // The logits buffer becomes their gradient (in place).
-  cross_entropy_backward<T>(logits_TV_, logits_TV_, lse_T_, targets_, T_, V, loss_scale);
+  cross_entropy_backward<T>(logits_TV_, logits_TV_, lse_T_, targets_, T_, V, ce_scale);
   linear_backward<T>(dnorm_TD_, params_.grad(head_), nullptr, logits_TV_, final_n_TD_,
                      params_.value(head_), T_, D, V);
   rmsnorm_backward<T>(dres_TD_, params_.grad(final_norm_), dnorm_TD_, final_x_TD_,
                       params_.value(final_norm_), final_rstd_T_, T_, D, /*accumulate_dx=*/false);
+  stage_done(0);
   for (size_t l = blocks_.size(); l-- > 0;) {
     Block& block = blocks_[l];
     // dres holds d(block output); the FFN branch adds its path into it, giving d h.
-    if (block.moe) block.moe->backward(dnorm_TD_, dres_TD_, block.n2_TD, loss_scale);
+    if (block.moe) block.moe->backward(dnorm_TD_, dres_TD_, block.n2_TD, router_scale);
     else block.dense->backward(dnorm_TD_, dres_TD_, block.n2_TD, /*accumulate_dx=*/false);
     rmsnorm_backward<T>(dres_TD_, params_.grad(block.norm2), dnorm_TD_, block.h_TD,
                         params_.value(block.norm2), block.rstd2_T, T_, D, /*accumulate_dx=*/true);
     block.attention->backward(dnorm_TD_, dres_TD_, block.n1_TD, positions_T_);
     rmsnorm_backward<T>(dres_TD_, params_.grad(block.norm1), dnorm_TD_, block.x_TD,
                         params_.value(block.norm1), block.rstd1_T, T_, D, /*accumulate_dx=*/true);
+    stage_done(static_cast<int>(blocks_.size() - l));
   }
   embedding_backward<T>(params_.grad(embedding_), inputs_, dres_TD_, T_, V, D);
   inputs_ = nullptr;
+  stage_done(backward_stages() - 1);
+}
+
+template <typename T>
+int Transformer<T>::backward_stage_of(const std::string& name) const {
+  const int L = static_cast<int>(config_.n_layers);
+  if (name == "embedding") return L + 1;
+  if (name.starts_with("layers.")) {
+    const int layer = std::stoi(name.substr(7));
+    MOE_CHECK(layer >= 0 && layer < L, "parameter {} names a layer outside [0, {})", name, L);
+    return L - layer;
+  }
+  return 0;  // lm_head, final_norm
+}
+
+template <typename T>
+void Transformer<T>::set_moe_parallel(MoEBatchGroup* batch, const std::vector<ExpertExchange*>& exchanges) {
+  auto layers = moe_layers();
+  MOE_CHECK(exchanges.empty() || exchanges.size() == layers.size(), "{} expert exchanges for {} MoE layers",
+            exchanges.size(), layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) layers[i]->set_parallel(batch, exchanges.empty() ? nullptr : exchanges[i]);
 }
 
 template <typename T>

@@ -3,6 +3,7 @@
 // -> final RMSNorm -> LM head -> mean cross-entropy. Forward and backward by hand;
 // every buffer comes from arenas planned for a given micro-batch size.
 #pragma once
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,12 +41,28 @@ class Transformer {
   // inputs_BS / targets_BS: token ids, [batch, seq_len]. Targets of -1 are ignored.
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
   // Backward of (ce + aux + z) * loss_scale, accumulated into the parameter gradients.
-  void backward(double loss_scale);
+  void backward(double loss_scale) { backward(loss_scale, loss_scale); }
+  // The same with the cross-entropy weighted by ce_scale and the MoE losses by router_scale
+  // (data parallelism: a rank's cross-entropy is its share of the global mean, while the
+  // MoE layers already differentiate the global aux and z losses).
+  void backward(double ce_scale, double router_scale);
+
+  // Backward finishes the parameter gradients in stages: stage 0 the LM head and final
+  // norm, stage 1 + i block n_layers - 1 - i, stage n_layers + 1 the embedding (with a
+  // tied head, its gradient is complete only then). The hook, when set, is called after
+  // each stage (data parallelism starts reducing a finished layer's gradients).
+  int backward_stages() const { return static_cast<int>(config_.n_layers) + 2; }
+  // The stage after which the gradient of the parameter named `name` is complete.
+  int backward_stage_of(const std::string& name) const;
+  std::function<void(int stage)> on_backward_stage;
 
   ParameterStore<T>& params() { return params_; }
   const ParameterStore<T>& params() const { return params_; }
   const ModelConfig& config() const { return config_; }
   std::vector<MoELayer<T>*> moe_layers();
+  // Data and expert parallelism for every MoE layer (exchanges[i] for the i-th MoE layer;
+  // empty: none). Call plan() afterwards.
+  void set_moe_parallel(MoEBatchGroup* batch, const std::vector<ExpertExchange*>& exchanges);
   // Bytes of the planned activation and scratch arenas.
   size_t activation_bytes() const;
 

@@ -96,6 +96,11 @@ void ConsoleSink::step(const StepMetrics& m) {
                m.step, std::to_string(m.steps).size(), m.steps, m.loss, m.aux_loss, m.z_loss, m.lr, m.grad_norm,
                m.max_imbalance(), static_cast<double>(interval_tokens_) / std::max(interval_seconds_, 1e-9),
                format_duration(eta));
+    // Several ranks: what communication cost (one process has none).
+    if (m.time.comm_wait > 0 || m.grad_sync_ms > 0 || m.a2a_bytes > 0)
+      fmt::print(out_, "      comm wait {:.1f}% | grad sync {:.2f} ms | all-to-all {:.2f} MB at {:.2f} GB/s\n",
+                 m.comm_wait_fraction() * 100, m.grad_sync_ms, static_cast<double>(m.a2a_bytes) / 1e6,
+                 m.a2a_bandwidth / 1e9);
     interval_tokens_ = 0;
     interval_seconds_ = 0;
   }

@@ -129,6 +129,8 @@ nlohmann::json to_json(const StepMetrics& m) {
         {"optimizer", m.time.optimizer}}},
       {"comm_wait_fraction", m.comm_wait_fraction()},
       {"grad_sync_ms", m.grad_sync_ms},
+      {"a2a_bytes", m.a2a_bytes},
+      {"a2a_gb_per_s", m.a2a_bandwidth / 1e9},
       {"memory", {{"arena_bytes", m.arena_bytes}, {"rss_bytes", m.rss_bytes}}},
       {"max_imbalance", m.max_imbalance()},
       {"layers", std::move(layers)},

@@ -86,6 +86,8 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
       {"time/optimizer_s", f(m.time.optimizer)},
       {"comm/wait_fraction", f(m.comm_wait_fraction())},
       {"comm/grad_sync_ms", f(m.grad_sync_ms)},
+      {"comm/a2a_bytes", f(m.a2a_bytes)},
+      {"comm/a2a_gb_per_s", f(m.a2a_bandwidth / 1e9)},
       {"memory/arena_bytes", f(m.arena_bytes)},
       {"memory/rss_bytes", f(m.rss_bytes)},
       {"moe/max_imbalance", f(m.max_imbalance())},

@@ -1,5 +1,8 @@
 // AdamW with decoupled weight decay (none on parameters registered without decay:
-// norms and biases). fp32 moments, one contiguous state block per moment.
+// norms and biases). One contiguous state block per moment, held as fp32; with
+// optimizer.state_dtype = "bf16" the moments are rounded to bf16 (nearest even) when read
+// and after each update, exactly as the GPU stores them (kernels/adamw_math.h holds the
+// per-element arithmetic both use).
 #pragma once
 #include <vector>
 
@@ -15,14 +18,17 @@ class AdamW {
   void step(double lr);
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }  // resuming from a checkpoint
+  // Packed: parameter after parameter in id order, no padding (the checkpoint layout).
   std::vector<float>& first_moment() { return m_; }
   std::vector<float>& second_moment() { return v_; }
+  bool bf16_moments() const { return bf16_moments_; }
 
  private:
   OptimizerConfig config_;
   ParameterStore<float>& params_;
   std::vector<int64_t> offsets_;  // into m_ / v_, per parameter id
   std::vector<float> m_, v_;
+  bool bf16_moments_ = false;
   int64_t steps_ = 0;
 };
 

@@ -48,6 +48,7 @@ void Trainer::save_checkpoint(std::ostream& out) {
 }
 
 void Trainer::resume(const std::string& path, std::ostream& out) {
+  if (world_ > 1) MOE_CONFIG_ERROR("resuming a multi-rank run ({} ranks) from a checkpoint is not implemented yet", world_);
   checkpointer_->wait();
   LoadedCheckpoint checkpoint = read_checkpoint(path);
   check_resume_compatible(checkpoint, config_, out);

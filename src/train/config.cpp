@@ -22,8 +22,8 @@
 namespace moe {
 namespace {
 
-constexpr std::array<std::string_view, 8> kSections = {
-    "model", "moe", "training", "optimizer", "lr", "data", "metrics", "checkpoint"};
+constexpr std::array<std::string_view, 9> kSections = {
+    "model", "moe", "training", "optimizer", "lr", "data", "metrics", "checkpoint", "parallel"};
 
 // The single list of keys: parsing, overrides and config_to_toml all walk it, so a key
 // cannot be readable but not writable. Calls visit(section, key, field) in file order.
@@ -75,6 +75,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
   visit("optimizer", "weight_decay", c.optimizer.weight_decay);
+  visit("optimizer", "state_dtype", c.optimizer.state_dtype);
   visit("lr", "peak", c.lr.peak);
   visit("lr", "warmup_steps", c.lr.warmup_steps);
   visit("lr", "min_ratio", c.lr.min_ratio);
@@ -95,6 +96,11 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("checkpoint", "interval", c.checkpoint.interval);
   visit("checkpoint", "keep_last", c.checkpoint.keep_last);
   visit("checkpoint", "async", c.checkpoint.async);
+  visit("parallel", "expert_parallel", c.parallel.expert_parallel);
+  visit("parallel", "all_to_all", c.parallel.all_to_all);
+  visit("parallel", "bucket_mb", c.parallel.bucket_mb);
+  visit("parallel", "a2a_chunks", c.parallel.a2a_chunks);
+  visit("parallel", "backend", c.parallel.backend);
 }
 
 template <class T>
@@ -298,6 +304,7 @@ void check_training(const RunConfig& c) {
   check_real("optimizer.beta2", o.beta2, o.beta2 >= 0 && o.beta2 < 1, "in [0, 1)");
   positive_real("optimizer.eps", o.eps);
   non_negative_real("optimizer.weight_decay", o.weight_decay);
+  one_of("optimizer.state_dtype", o.state_dtype, {"fp32", "bf16"});
 
   positive_real("lr.peak", c.lr.peak);
   non_negative("lr.warmup_steps", c.lr.warmup_steps);
@@ -335,10 +342,25 @@ void check_io(const RunConfig& c) {
   positive("checkpoint.keep_last", c.checkpoint.keep_last);
 }
 
+// The world size is known only at launch: the trainer checks that expert_parallel divides it.
+void check_parallel(const RunConfig& c) {
+  const ParallelConfig& p = c.parallel;
+  positive("parallel.expert_parallel", p.expert_parallel);
+  if (c.model.moe.n_experts % p.expert_parallel != 0)
+    fail({"parallel.expert_parallel", "moe.n_experts"},
+         fmt::format("parallel.expert_parallel ({}) must divide moe.n_experts ({})", p.expert_parallel,
+                     c.model.moe.n_experts));
+  one_of("parallel.all_to_all", p.all_to_all, {"flat", "hierarchical"});
+  non_negative_real("parallel.bucket_mb", p.bucket_mb);
+  positive("parallel.a2a_chunks", p.a2a_chunks);
+  one_of("parallel.backend", p.backend, {"auto", "mpi", "single", "tcp", "nccl"});
+}
+
 void check_all(const RunConfig& c) {
   check_model(c.model);
   check_training(c);
   check_io(c);
+  check_parallel(c);
 }
 
 // Builds a RunConfig from one file and the overrides, remembering where every key was set.

@@ -1,5 +1,5 @@
 // A run's full configuration: TOML sections [model] [moe] [training] [optimizer] [lr]
-// [data] [metrics] [checkpoint]. Every key, its type, default and allowed values are
+// [data] [metrics] [checkpoint] [parallel]. Every key, its type, default and allowed values are
 // in docs/CONFIG.md. Loading rejects unknown keys and bad values with a ConfigError
 // naming the key.
 #pragma once
@@ -34,6 +34,7 @@ struct OptimizerConfig {
   double beta2 = 0.95;
   double eps = 1e-8;
   double weight_decay = 0.1;          // decoupled; never applied to norms and biases
+  std::string state_dtype = "fp32";   // fp32 | bf16: storage of the AdamW moments m and v
 };
 
 struct LrConfig {
@@ -68,6 +69,16 @@ struct CheckpointConfig {
   bool async = false;                 // write on a background thread; training stalls only for the copy
 };
 
+// Data and expert parallelism across ranks; the world size comes from the launcher
+// (mpirun, Slurm, torchrun-style variables; src/dist/launch_env.h).
+struct ParallelConfig {
+  int64_t expert_parallel = 1;        // EP size: ranks that share one copy of the experts; divides world and moe.n_experts
+  std::string all_to_all = "flat";    // flat | hierarchical (intra-node, then inter-node)
+  double bucket_mb = 25.0;            // dense-gradient reduce-scatter bucket; 0: one bucket per layer
+  int64_t a2a_chunks = 1;             // token chunks whose all-to-all overlaps the experts' compute
+  std::string backend = "auto";       // auto | mpi | single | tcp | nccl (auto: from the launcher, see src/dist/communicator.cpp)
+};
+
 struct RunConfig {
   ModelConfig model;
   TrainingConfig training;
@@ -76,6 +87,7 @@ struct RunConfig {
   DataConfig data;
   MetricsConfig metrics;
   CheckpointConfig checkpoint;
+  ParallelConfig parallel;
 };
 
 // Parse TOML text (`source_name` names it in errors), then apply `overrides` of the

@@ -8,6 +8,8 @@
 #include <ostream>
 
 #include "core/threads.h"
+#include "dist/communicator.h"
+#include "dist/parallel_trainer.h"
 #include "train/grad_clip.h"
 #include "train/lr_schedule.h"
 
@@ -40,7 +42,8 @@ RunInfo run_info(const RunConfig& config, const ParameterCounts& counts) {
   return info;
 }
 
-// One process holds every expert: rank 0, its load summed over the MoE layers.
+// Expert load per rank: from the parallel backend, or one process holding every expert
+// (rank 0, its load summed over the MoE layers).
 StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_bytes) {
   StepMetrics m;
   m.step = s.step;
@@ -53,10 +56,17 @@ StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_
   m.tokens = info.tokens_per_step;
   m.time = s.time;
   m.tokens_per_s = s.time.step > 0 ? static_cast<double>(m.tokens) / s.time.step : 0;
-  m.mfu = info.mfu.mfu(m.tokens_per_s);
+  m.mfu = info.mfu.mfu(m.tokens_per_s / static_cast<double>(info.world_size));  // per device
   m.arena_bytes = arena_bytes;
   m.rss_bytes = resident_set_bytes();
+  m.grad_sync_ms = s.grad_sync_ms;
+  m.a2a_bytes = s.a2a_bytes;
+  m.a2a_bandwidth = s.a2a_seconds > 0 ? static_cast<double>(s.a2a_bytes) / s.a2a_seconds : 0;
   m.layers = s.layers;
+  if (!s.ranks.empty()) {
+    m.ranks = s.ranks;
+    return m;
+  }
   RankLoad rank;
   rank.load.assign(static_cast<size_t>(info.n_experts), 0);
   for (int64_t e = 0; e < info.n_experts; ++e) rank.experts.push_back(e);
@@ -81,8 +91,70 @@ ParameterCounts count_parameters(const ModelConfig& config, const ParameterStore
   return counts;
 }
 
+namespace {
+
+// The step's routing per MoE layer, and the largest load imbalance before dropping.
+std::vector<LayerRouting> routing_of(Transformer<float>& model, const ModelConfig& config, double& load_imbalance) {
+  std::vector<LayerRouting> layers;
+  auto moe_layers = model.moe_layers();
+  load_imbalance = 0;
+  for (size_t i = 0; i < moe_layers.size(); ++i) {
+    auto* layer = moe_layers[i];
+    load_imbalance = std::max(load_imbalance, moe::load_imbalance(layer->load_E()));
+    const MoERoutingStats& routing = layer->routing_stats();
+    LayerRouting r;
+    r.layer = config.first_dense_layers + static_cast<int64_t>(i);  // MoE blocks follow the dense ones
+    r.tokens_E = routing.kept_E;
+    r.assignments = routing.tokens * config.moe.top_k;
+    r.dropped = routing.dropped;
+    r.router_entropy = routing.tokens > 0 ? routing.entropy_sum / static_cast<double>(routing.tokens) : 0;
+    if (config.moe.bias_balancing) r.bias_E.assign(layer->balance_bias_E().begin(), layer->balance_bias_E().end());
+    layers.push_back(std::move(r));
+  }
+  return layers;
+}
+
+// The CPU reference: Transformer<float> and AdamW in this process.
+class CpuBackend final : public ModelBackend {
+ public:
+  CpuBackend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer)
+      : config_(config), model_(model), optimizer_(optimizer) {}
+  void begin_step() override {
+    model_.params().zero_grads();
+    for (auto* layer : model_.moe_layers()) layer->reset_load();
+  }
+  ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
+    return model_.forward(inputs_BS, targets_BS);
+  }
+  void backward(double loss_scale, bool) override { model_.backward(loss_scale); }
+  void routing(StepStats& stats) override { stats.layers = routing_of(model_, config_.model, stats.load_imbalance); }
+  ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
+    return moe::clip_gradients(model_.params(), max_global_norm, max_expert_norm);
+  }
+  void apply_update(double lr) override {
+    optimizer_.step(lr);
+    if (config_.model.moe.bias_balancing)
+      for (auto* layer : model_.moe_layers()) layer->update_balancing_bias();
+  }
+  void end_step() override { end_validation(); }
+  void end_validation() override {
+    for (auto* layer : model_.moe_layers()) layer->reset_load();
+  }
+
+ private:
+  const RunConfig& config_;
+  Transformer<float>& model_;
+  AdamW& optimizer_;
+};
+
+}  // namespace
+
 Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
                  std::unique_ptr<BatchSource> val_data)
+    : Trainer(config, std::move(train_data), std::move(val_data), dist::make_world_communicator(config.parallel.backend)) {}
+
+Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
+                 std::unique_ptr<BatchSource> val_data, std::unique_ptr<dist::Communicator> world)
     : config_(config), train_data_(std::move(train_data)), val_data_(std::move(val_data)) {
   const TrainingConfig& tc = config_.training;
   const int64_t tokens_per_micro = tc.micro_batch * config_.model.seq_len;
@@ -91,88 +163,125 @@ Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_dat
             tc.global_batch_tokens, tokens_per_micro);
   micro_steps_ = tc.global_batch_tokens / tokens_per_micro;
   model_ = std::make_unique<Transformer<float>>(config_.model, tc.seed);
-  if (wants_gpu()) setup_gpu();
+  // Several ranks: the data is sliced and the model's MoE layers are wired to the others
+  // before planning (capacity depends on the global micro-batch).
+  const bool parallel = setup_parallel(std::move(world));
+  if (!parallel && wants_gpu()) setup_gpu();
   plan_batches();  // checkpoint_trainer.cpp: may halve the micro-batch under training.memory_limit_mb
-  optimizer_ = std::make_unique<AdamW>(config_.optimizer, model_->params());
+  micro_steps_ /= world_;  // each rank reads 1/world of the global batch (setup_parallel checked divisibility)
+  if (!parallel) {
+    optimizer_ = std::make_unique<AdamW>(config_.optimizer, model_->params());
+    backend_ = gpu_ ? make_gpu_backend() : std::make_unique<CpuBackend>(config_, *model_, *optimizer_);
+  }
   inputs_BS_.resize(static_cast<size_t>(tokens_per_micro));
   targets_BS_.resize(static_cast<size_t>(tokens_per_micro));
 }
 
 Trainer::~Trainer() = default;
 
-StepStats Trainer::train_step(int64_t step) {
-  if (gpu_) return gpu_train_step(step);
+bool Trainer::setup_parallel(std::unique_ptr<dist::Communicator> world) {
   const TrainingConfig& tc = config_.training;
+  const ParallelConfig& pc = config_.parallel;
+  MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
+  if (world->size() == 1) {
+    if (pc.expert_parallel > 1)
+      MOE_CONFIG_ERROR("parallel.expert_parallel = {} needs a launch of a multiple of {} ranks (this one has 1)",
+                       pc.expert_parallel, pc.expert_parallel);
+    return false;
+  }
+  world_ = world->size();
+  rank_ = world->rank();
+  // What the multi-rank path does not do yet is refused up front.
+  if (config_.training.device == "cuda" || (config_.training.device == "auto" && wants_gpu()))
+    MOE_CONFIG_ERROR("training.device = {}: multi-rank training runs on the CPU for now ({} ranks); use --device=cpu",
+                     config_.training.device, world_);
+  if (!config_.checkpoint.dir.empty())
+    MOE_CONFIG_ERROR("checkpoint.dir: checkpoints of multi-rank runs ({} ranks) are not implemented yet; leave it empty",
+                     world_);
+  const int64_t per_step = world_ * tc.micro_batch * config_.model.seq_len;
+  if (tc.global_batch_tokens % per_step != 0)
+    MOE_CONFIG_ERROR("training.global_batch_tokens ({}) must be a multiple of ranks x training.micro_batch x "
+                     "model.seq_len = {} x {} x {} = {}",
+                     tc.global_batch_tokens, world_, tc.micro_batch, config_.model.seq_len, per_step);
+  const int64_t S = config_.model.seq_len;
+  train_data_ = std::make_unique<dist::RankSlicedSource>(std::move(train_data_), S, rank_, world_);
+  val_data_ = std::make_unique<dist::RankSlicedSource>(std::move(val_data_), S, rank_, world_);
+  backend_ = std::make_unique<dist::ParallelCpuBackend>(config_, *model_, std::move(world));
+  return true;
+}
+
+StepStats Trainer::train_step(int64_t step) {
+  const TrainingConfig& tc = config_.training;
+  ModelBackend& model = *backend_;
   StepStats stats;
   stats.step = step + 1;
   const auto step_start = Clock::now();
-  auto& params = model_->params();
-  params.zero_grads();
-  auto moe_layers = model_->moe_layers();
-  for (auto* layer : moe_layers) layer->reset_load();
+  model.begin_step();
   const double scale = 1.0 / static_cast<double>(micro_steps_);
   for (int64_t micro = 0; micro < micro_steps_; ++micro) {
     auto t0 = Clock::now();
     train_data_->next_batch(micro_batch_, inputs_BS_.data(), targets_BS_.data());
     stats.time.data_wait += seconds_since(t0);
     t0 = Clock::now();
-    ForwardResult fwd = model_->forward(inputs_BS_.data(), targets_BS_.data());
-    model_->backward(scale);
+    const ForwardResult fwd = model.forward(inputs_BS_.data(), targets_BS_.data());
+    model.backward(scale, micro + 1 == micro_steps_);
     stats.time.compute += seconds_since(t0);
     stats.loss += fwd.ce_loss * scale;
     stats.aux_loss += fwd.aux_loss * scale;
     stats.z_loss += fwd.z_loss * scale;
     stats.dropped += fwd.dropped;
   }
-  for (size_t i = 0; i < moe_layers.size(); ++i) {
-    auto* layer = moe_layers[i];
-    stats.load_imbalance = std::max(stats.load_imbalance, load_imbalance(layer->load_E()));
-    const MoERoutingStats& routing = layer->routing_stats();
-    LayerRouting r;
-    r.layer = config_.model.first_dense_layers + static_cast<int64_t>(i);  // MoE blocks follow the dense ones
-    r.tokens_E = routing.kept_E;
-    r.assignments = routing.tokens * config_.model.moe.top_k;
-    r.dropped = routing.dropped;
-    r.router_entropy = routing.tokens > 0 ? routing.entropy_sum / static_cast<double>(routing.tokens) : 0;
-    if (config_.model.moe.bias_balancing) r.bias_E.assign(layer->balance_bias_E().begin(), layer->balance_bias_E().end());
-    stats.layers.push_back(std::move(r));
-  }
+  // Time blocked on communication is counted apart from compute and optimizer time.
+  model.take_comm_stats(stats);
+  stats.time.compute = std::max(0.0, stats.time.compute - stats.time.comm_wait);
+  const double compute_wait = stats.time.comm_wait;
   const auto optimizer_start = Clock::now();
-  ClipStats clip = clip_gradients(params, tc.grad_clip, tc.expert_grad_clip);
+  model.reduce_losses(stats);
+  model.routing(stats);
+  const ClipStats clip = model.clip_gradients(tc.grad_clip, tc.expert_grad_clip);
   stats.grad_norm = clip.global_norm;
   stats.max_expert_grad_norm = clip.max_expert_norm;
   stats.lr = learning_rate(config_.lr, step, tc.steps) * progress_.lr_scale;
+  // Norm and loss are global, so every rank takes the same decision.
   if (!std::isfinite(clip.global_norm) || !std::isfinite(stats.loss)) {
     stats.skipped = true;  // a non-finite gradient never reaches the weights
   } else {
-    optimizer_->step(stats.lr);
-    if (config_.model.moe.bias_balancing)
-      for (auto* layer : moe_layers) layer->update_balancing_bias();
+    model.apply_update(stats.lr);
   }
-  for (auto* layer : moe_layers) layer->reset_load();
-  stats.time.optimizer = seconds_since(optimizer_start);
+  model.end_step();
+  model.take_comm_stats(stats);
+  stats.time.optimizer = std::max(0.0, seconds_since(optimizer_start) - (stats.time.comm_wait - compute_wait));
   stats.time.step = seconds_since(step_start);
   return stats;
 }
 
 double Trainer::validate() {
-  if (gpu_) return gpu_validate();
-  const TrainingConfig& tc = config_.training;
+  const int64_t val_batches = config_.training.val_batches;
   val_data_->reset();
   double total = 0;
   // The same held-out sequences when the memory controller split the micro-batch.
-  const int64_t batches = tc.val_batches * (tc.micro_batch / micro_batch_);
+  const int64_t batches = val_batches * (config_.training.micro_batch / micro_batch_);
   for (int64_t b = 0; b < batches; ++b) {
     val_data_->next_batch(micro_batch_, inputs_BS_.data(), targets_BS_.data());
-    total += model_->forward(inputs_BS_.data(), targets_BS_.data()).ce_loss;
+    total += backend_->eval_loss(inputs_BS_.data(), targets_BS_.data());
   }
+  total = backend_->sum_over_ranks(total);
   // Validation must not count towards the balancing load of the next step.
-  for (auto* layer : model_->moe_layers()) layer->reset_load();
+  backend_->end_validation();
   return total / static_cast<double>(std::max<int64_t>(1, batches));
 }
 
-TrainSummary Trainer::run(std::ostream& out) {
+TrainSummary Trainer::run(std::ostream& rank_out) {
   const TrainingConfig& tc = config_.training;
+  // In a multi-rank run rank 0 speaks for all: the others print and record nothing.
+  std::ostream silent(nullptr);
+  std::ostream& out = rank_ == 0 ? rank_out : silent;
+  MetricsConfig metrics = config_.metrics;
+  ObserverOptions options = observer_options;
+  if (rank_ != 0) {
+    metrics.dir = "";
+    options = ObserverOptions{};
+  }
   const int64_t tokens_per_step = tc.global_batch_tokens;
   TrainSummary summary;
   const ParameterCounts counts = count_parameters(config_.model, model_->params());
@@ -184,11 +293,18 @@ TrainSummary Trainer::run(std::ostream& out) {
              static_cast<double>(counts.active) / 1e6,
              static_cast<double>(model_->activation_bytes()) / 1e6, num_threads());
   for (const std::string& note : batch_notes_) fmt::print(out, "{}\n", note);
-  fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,
-             micro_steps_, micro_batch_, config_.model.seq_len);
+  if (world_ > 1)
+    fmt::print(out, "batch: {} tokens/step = {} ranks x {} micro-batches x {} x {} tokens | expert parallel {} "
+               "({} all-to-all, {} chunks)\n", tokens_per_step, world_, micro_steps_, micro_batch_,
+               config_.model.seq_len, config_.parallel.expert_parallel, config_.parallel.all_to_all,
+               config_.parallel.a2a_chunks);
+  else
+    fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,
+               micro_steps_, micro_batch_, config_.model.seq_len);
   out.flush();
-  Observer observer(config_.metrics, out, observer_options);
+  Observer observer(metrics, out, options);
   RunInfo info = run_info(config_, counts);
+  info.world_size = world_;
   info.first_step = progress_.step;  // a resumed run appends to its metrics
   observer.start(info);
   // Values, gradients, two AdamW moments, activation and scratch arenas.
@@ -219,7 +335,7 @@ TrainSummary Trainer::run(std::ostream& out) {
     if (after_step(stats, out)) break;  // checkpoints, NaN recovery, preemption
   }
   summary.seconds = seconds_since(start);
-  download_gpu_weights();
+  backend_->sync_host_model();
   observer.finish({summary.steps, summary.tokens, summary.skipped_steps, summary.seconds, summary.val_loss_start,
                    summary.val_loss_end, summary.train_loss_end});
   fmt::print(out,

@@ -15,6 +15,7 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/fault_monitor.h"
+#include "train/grad_clip.h"
 
 namespace moe {
 
@@ -37,9 +38,51 @@ struct StepStats {
   double load_imbalance = 0;  // max over MoE layers of max/mean - 1 of tokens per expert
   int64_t dropped = 0;
   bool skipped = false;
-  StepTimes time;                    // step, data wait, compute, optimizer (no communication yet)
+  StepTimes time;                    // step, data wait, compute, communication wait, optimizer
   std::vector<LayerRouting> layers;  // per MoE layer: tokens per expert, drops, entropy, bias
+  // Communication (0 in one process): gradient-sync latency, expert-parallel all-to-all
+  // bytes sent to other ranks and the time those exchanges took (issue to completion).
+  double grad_sync_ms = 0;
+  int64_t a2a_bytes = 0;
+  double a2a_seconds = 0;
+  std::vector<RankLoad> ranks;       // experts per rank and their load; empty: one rank holds all
 };
+
+// What the step loop (Trainer::train_step) needs from the model it trains: the CPU
+// reference (Transformer + AdamW), the GPU model, or the CPU model spread over ranks
+// (src/dist/parallel_trainer.h). One loop drives all three.
+class ModelBackend {
+ public:
+  virtual ~ModelBackend() = default;
+  // Before the first micro-batch: zero the gradients, reset the expert loads.
+  virtual void begin_step() = 0;
+  virtual ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) = 0;
+  // Backward of the last forward, loss weighted by loss_scale; `last` marks the step's
+  // last micro-batch (gradient communication starts during its backward).
+  virtual void backward(double loss_scale, bool last) = 0;
+  // After the micro-batches: stats.loss and .dropped summed over the ranks (one process: as is).
+  virtual void reduce_losses(StepStats& stats) { (void)stats; }
+  // Fills stats.layers and stats.load_imbalance from the step's routing.
+  virtual void routing(StepStats& stats) = 0;
+  // Norms (per expert, then global) and clipping of the gradients, applied by apply_update.
+  virtual ClipStats clip_gradients(double max_global_norm, double max_expert_norm) = 0;
+  // AdamW (and the balancing-bias update).
+  virtual void apply_update(double lr) = 0;
+  // After the step, applied or skipped.
+  virtual void end_step() = 0;
+  // A validation micro-batch's loss, then the sum of such values over the ranks.
+  virtual double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) { return forward(inputs_BS, targets_BS).ce_loss; }
+  virtual double sum_over_ranks(double value) { return value; }
+  virtual void end_validation() = 0;
+  // The step's communication measurements into stats (and reset them).
+  virtual void take_comm_stats(StepStats& stats) { (void)stats; }
+  // The trained weights into the host model (GPU download, expert gather across ranks).
+  virtual void sync_host_model() {}
+};
+
+namespace dist {
+class Communicator;
+}
 
 class GpuTransformer;
 // Deletes the GPU model where its type is complete (src/train/trainer_gpu.cpp), so this
@@ -50,8 +93,12 @@ struct GpuTransformerDeleter {
 
 class Trainer {
  public:
+  // The ranks come from the launch environment and parallel.backend.
   Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
           std::unique_ptr<BatchSource> val_data);
+  // Over the ranks of `world` (tests; a world of one trains in this process).
+  Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data, std::unique_ptr<BatchSource> val_data,
+          std::unique_ptr<dist::Communicator> world);
   ~Trainer();
   // Runs training.steps optimizer steps, writing progress lines to `out`.
   TrainSummary run(std::ostream& out);
@@ -63,6 +110,9 @@ class Trainer {
   // after run(), the trained ones.
   Transformer<float>& model() { return *model_; }
   bool on_gpu() const { return gpu_ != nullptr; }
+  // Data/expert-parallel run: this rank and the number of ranks (1 in one process).
+  int rank() const { return rank_; }
+  int world_size() const { return world_; }
   int64_t micro_batches_per_step() const { return micro_steps_; }
   // Called after every optimizer step (tests, metrics).
   std::function<void(const StepStats&)> on_step;
@@ -82,6 +132,8 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<GpuTransformer, GpuTransformerDeleter> gpu_;  // set when training.device resolves to cuda
   int64_t gpu_steps_ = 0;                // AdamW steps taken on the GPU
+  std::unique_ptr<ModelBackend> backend_;  // what train_step drives
+  int rank_ = 0, world_ = 1;
   int64_t micro_steps_ = 1;
   std::vector<int32_t> inputs_BS_, targets_BS_;
   // Checkpoints and faults.
@@ -99,10 +151,10 @@ class Trainer {
   void setup_gpu();
   // Plans the GPU buffers, halving the micro-batch while an allocation fails.
   BatchPlan plan_gpu_batches();
-  StepStats gpu_train_step(int64_t step);
-  double gpu_validate();
-  // The host model gets the GPU's trained weights (no-op on the CPU path).
-  void download_gpu_weights();
+  std::unique_ptr<ModelBackend> make_gpu_backend();
+  // Data/expert parallelism over the ranks of the launch (src/dist/parallel_trainer.cpp):
+  // slices the data per rank and makes the backend; false in a world of one.
+  bool setup_parallel(std::unique_ptr<dist::Communicator> world);
   // Checkpoints of GPU runs: the host model and AdamW take the GPU's state before a save,
   // and the GPU takes theirs after a restore (no-ops on the CPU path).
   void sync_state_from_gpu();

@@ -1,6 +1,6 @@
-// The trainer's GPU path: the same step as the CPU path (micro-batches, accumulation,
-// global clipping, AdamW, the LR schedule) with the model, gradients and optimizer state
-// on the GPU (src/model/cuda/gpu_transformer.h). Builds without CUDA too: then asking
+// The trainer's GPU path: a ModelBackend for the one step loop of trainer.cpp
+// (micro-batches, accumulation, global clipping, AdamW, the LR schedule) with the model,
+// gradients and optimizer state on the GPU (src/model/cuda/gpu_transformer.h). Builds without CUDA too: then asking
 // for the GPU is a config error.
 #include <algorithm>
 #include <chrono>
@@ -54,7 +54,7 @@ void Trainer::setup_gpu() {
   if (c.training.memory_limit_mb > 0)
     MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
                      "an allocation fails");
-  gpu_.reset(new GpuTransformer(c.model, model_->params()));
+  gpu_.reset(new GpuTransformer(c.model, model_->params(), moment_dtype_from_name(c.optimizer.state_dtype)));
 }
 
 BatchPlan Trainer::plan_gpu_batches() {
@@ -74,73 +74,66 @@ BatchPlan Trainer::plan_gpu_batches() {
       plan.micro_steps *= 2;
       // Free every buffer before trying again, then start over from the host weights.
       gpu_.reset();
-      gpu_.reset(new GpuTransformer(config_.model, model_->params()));
+      gpu_.reset(new GpuTransformer(config_.model, model_->params(),
+                                    moment_dtype_from_name(config_.optimizer.state_dtype)));
     }
   }
 }
 
-StepStats Trainer::gpu_train_step(int64_t step) {
-  const TrainingConfig& tc = config_.training;
-  StepStats stats;
-  stats.step = step + 1;
-  const auto step_start = std::chrono::steady_clock::now();
-  auto seconds_from = [](std::chrono::steady_clock::time_point t) {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-  };
-  gpu_->zero_grads();
-  gpu_->reset_load();
-  const double scale = 1.0 / static_cast<double>(micro_steps_);
-  for (int64_t micro = 0; micro < micro_steps_; ++micro) {
-    auto t0 = std::chrono::steady_clock::now();
-    train_data_->next_batch(micro_batch_, inputs_BS_.data(), targets_BS_.data());
-    stats.time.data_wait += seconds_from(t0);
-    t0 = std::chrono::steady_clock::now();
-    const ForwardResult fwd = gpu_->forward(inputs_BS_.data(), targets_BS_.data());
-    gpu_->backward(scale);
-    stats.time.compute += seconds_from(t0);
-    stats.loss += fwd.ce_loss * scale;
-    stats.aux_loss += fwd.aux_loss * scale;
-    stats.z_loss += fwd.z_loss * scale;
-    stats.dropped += fwd.dropped;
-  }
-  const auto loads = gpu_->expert_load();
-  for (size_t i = 0; i < loads.size(); ++i) {
-    LayerRouting r;
-    r.layer = config_.model.first_dense_layers + static_cast<int64_t>(i);
-    r.tokens_E = loads[i];  // before dropping: the GPU path does not count kept rows per step yet
-    for (int64_t load : loads[i]) r.assignments += load;
-    stats.load_imbalance = std::max(stats.load_imbalance, r.imbalance());
-    stats.layers.push_back(std::move(r));
-  }
-  const auto optimizer_start = std::chrono::steady_clock::now();
-  stats.grad_norm = gpu_->grad_norm();
-  stats.lr = learning_rate(config_.lr, step, tc.steps) * progress_.lr_scale;
-  if (!std::isfinite(stats.grad_norm) || !std::isfinite(stats.loss)) {
-    stats.skipped = true;  // a non-finite gradient never reaches the weights
-  } else {
-    const double clip = tc.grad_clip > 0 && stats.grad_norm > tc.grad_clip ? tc.grad_clip / (stats.grad_norm + 1e-6) : 1.0;
-    gpu_->adamw_step(stats.lr, config_.optimizer.beta1, config_.optimizer.beta2, config_.optimizer.eps,
-                     config_.optimizer.weight_decay, static_cast<float>(clip), ++gpu_steps_);
-  }
-  stats.time.optimizer = seconds_from(optimizer_start);
-  stats.time.step = seconds_from(step_start);
-  return stats;
-}
+namespace {
 
-double Trainer::gpu_validate() {
-  const TrainingConfig& tc = config_.training;
-  val_data_->reset();
-  double total = 0;
-  for (int64_t b = 0; b < tc.val_batches; ++b) {
-    val_data_->next_batch(micro_batch_, inputs_BS_.data(), targets_BS_.data());
-    total += gpu_->forward(inputs_BS_.data(), targets_BS_.data()).ce_loss;
+// The model, gradients and AdamW state on the GPU.
+class GpuBackend final : public ModelBackend {
+ public:
+  GpuBackend(const RunConfig& config, GpuTransformer& gpu, ParameterStore<float>& host_params, int64_t& steps)
+      : config_(config), gpu_(gpu), host_params_(host_params), steps_(steps) {}
+  void begin_step() override {
+    gpu_.zero_grads();
+    gpu_.reset_load();
   }
-  gpu_->reset_load();
-  return total / static_cast<double>(std::max<int64_t>(1, tc.val_batches));
-}
+  ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
+    return gpu_.forward(inputs_BS, targets_BS);
+  }
+  void backward(double loss_scale, bool) override { gpu_.backward(loss_scale); }
+  void routing(StepStats& stats) override {
+    const auto loads = gpu_.expert_load();
+    for (size_t i = 0; i < loads.size(); ++i) {
+      LayerRouting r;
+      r.layer = config_.model.first_dense_layers + static_cast<int64_t>(i);
+      r.tokens_E = loads[i];  // before dropping: the GPU path does not count kept rows per step yet
+      for (int64_t load : loads[i]) r.assignments += load;
+      stats.load_imbalance = std::max(stats.load_imbalance, r.imbalance());
+      stats.layers.push_back(std::move(r));
+    }
+  }
+  // The GPU scales the gradients inside the AdamW kernel (expert clipping is refused in setup_gpu).
+  ClipStats clip_gradients(double max_global_norm, double) override {
+    ClipStats clip;
+    clip.global_norm = gpu_.grad_norm();
+    clip.global_clipped = max_global_norm > 0 && clip.global_norm > max_global_norm;
+    grad_scale_ = clip.global_clipped ? max_global_norm / (clip.global_norm + 1e-6) : 1.0;
+    return clip;
+  }
+  void apply_update(double lr) override {
+    const OptimizerConfig& o = config_.optimizer;
+    gpu_.adamw_step(lr, o.beta1, o.beta2, o.eps, o.weight_decay, static_cast<float>(grad_scale_), ++steps_);
+  }
+  void end_step() override {}
+  void end_validation() override { gpu_.reset_load(); }
+  void sync_host_model() override { gpu_.download_params(host_params_); }
 
-void Trainer::download_gpu_weights() {
-  if (gpu_) gpu_->download_params(model_->params());
+ private:
+  const RunConfig& config_;
+  GpuTransformer& gpu_;
+  ParameterStore<float>& host_params_;
+  int64_t& steps_;
+  double grad_scale_ = 1.0;
+};
+
+}  // namespace
+
+std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
+  return std::make_unique<GpuBackend>(config_, *gpu_, model_->params(), gpu_steps_);
 }
 
 void Trainer::sync_state_from_gpu() {
@@ -162,9 +155,7 @@ void GpuTransformerDeleter::operator()(GpuTransformer* model) const { delete mod
 void GpuTransformerDeleter::operator()(GpuTransformer*) const {}
 void Trainer::setup_gpu() { MOE_THROW("no CUDA backend in this build"); }
 BatchPlan Trainer::plan_gpu_batches() { MOE_THROW("no CUDA backend in this build"); }
-StepStats Trainer::gpu_train_step(int64_t) { MOE_THROW("no CUDA backend in this build"); }
-double Trainer::gpu_validate() { MOE_THROW("no CUDA backend in this build"); }
-void Trainer::download_gpu_weights() {}
+std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() { MOE_THROW("no CUDA backend in this build"); }
 void Trainer::sync_state_from_gpu() {}
 void Trainer::sync_state_to_gpu() {}
 

@@ -178,6 +178,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"optimizer.beta2=-0.1", {"optimizer.beta2"}},
       {"optimizer.eps=0", {"optimizer.eps"}},
       {"optimizer.weight_decay=-0.1", {"optimizer.weight_decay"}},
+      {"optimizer.state_dtype=fp16", {"optimizer.state_dtype", "fp32, bf16", "\"fp16\""}},
       {"lr.peak=0", {"lr.peak"}},
       {"lr.warmup_steps=-1", {"lr.warmup_steps"}},
       {"lr.min_ratio=1.5", {"lr.min_ratio", "[0, 1]"}},
@@ -191,6 +192,11 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"metrics.log_interval=0", {"metrics.log_interval"}},
       {"checkpoint.interval=-1", {"checkpoint.interval"}},
       {"checkpoint.keep_last=0", {"checkpoint.keep_last"}},
+      {"parallel.expert_parallel=3", {"parallel.expert_parallel", "moe.n_experts"}},
+      {"parallel.all_to_all=ring", {"parallel.all_to_all"}},
+      {"parallel.a2a_chunks=0", {"parallel.a2a_chunks"}},
+      {"parallel.bucket_mb=-1", {"parallel.bucket_mb"}},
+      {"parallel.backend=gloo", {"parallel.backend"}},
       {"metrics.peak_tflops=0", {"metrics.peak_tflops", "> 0"}},
       {"metrics.alert_imbalance=-0.1", {"metrics.alert_imbalance"}},
       {"metrics.alert_comm_wait=-1", {"metrics.alert_comm_wait"}},
@@ -241,7 +247,8 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.training.expert_grad_clip = 0.5; }, [](RunConfig& c) { c.training.val_interval = 0; },
       [](RunConfig& c) { c.training.val_batches = 2; }, [](RunConfig& c) { c.optimizer.beta1 = 0.8; },
       [](RunConfig& c) { c.optimizer.beta2 = 0.999; }, [](RunConfig& c) { c.optimizer.eps = 1e-10; },
-      [](RunConfig& c) { c.optimizer.weight_decay = 0; }, [](RunConfig& c) { c.lr.peak = 1e-4; },
+      [](RunConfig& c) { c.optimizer.weight_decay = 0; }, [](RunConfig& c) { c.optimizer.state_dtype = "bf16"; },
+      [](RunConfig& c) { c.lr.peak = 1e-4; },
       [](RunConfig& c) { c.lr.warmup_steps = 0; }, [](RunConfig& c) { c.lr.min_ratio = 1; },
       [](RunConfig& c) { c.data.dir = "/a \"quoted\" \\ dir\twith\ttabs"; },
       [](RunConfig& c) { c.data.extension = ""; }, [](RunConfig& c) { c.data.val_fraction = 0.5; },
@@ -255,6 +262,9 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.training.stop_at = 5; }, [](RunConfig& c) { c.training.nan_max_skips = 0; },
       [](RunConfig& c) { c.training.nan_lr_factor = 0.25; }, [](RunConfig& c) { c.training.loss_spike_factor = 0; },
       [](RunConfig& c) { c.training.memory_limit_mb = 64; }, [](RunConfig& c) { c.checkpoint.async = true; },
+      [](RunConfig& c) { c.parallel.expert_parallel = 2; }, [](RunConfig& c) { c.parallel.all_to_all = "hierarchical"; },
+      [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
+      [](RunConfig& c) { c.parallel.backend = "mpi"; },
   };
   const std::string default_text = config_to_toml(RunConfig{});
   for (size_t i = 0; i < changes.size(); ++i) {
@@ -279,11 +289,12 @@ TEST(Config, EveryFieldRoundTrips) {
   // the list above before these sizes are updated.
   EXPECT_EQ(sizeof(ModelConfig), 192u);
   EXPECT_EQ(sizeof(TrainingConfig), 144u);
-  EXPECT_EQ(sizeof(OptimizerConfig), 32u);
+  EXPECT_EQ(sizeof(OptimizerConfig), 64u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
   EXPECT_EQ(sizeof(DataConfig), 144u);
   EXPECT_EQ(sizeof(MetricsConfig), 80u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
+  EXPECT_EQ(sizeof(ParallelConfig), 88u);
 }
 
 TEST(Config, DocsDescribeEveryKey) {

@@ -106,11 +106,9 @@ struct Layer {
 
 struct GpuTransformer::State {
   ModelConfig config;
-  std::vector<ParamSpec> specs;
-  std::vector<int64_t> offsets;  // per parameter id, the CPU store's layout
-  int64_t storage = 0;
-  Buffer<float> master, grads, adam_m, adam_v;
-  Buffer<bf16> weights;
+  // Weights (bf16 hi + int16 lo = the fp32 masters), gradients and AdamW moments, in
+  // the CPU store's layout (model/cuda/gpu_parameters.h).
+  std::unique_ptr<GpuParameterStore> store;
   Param embedding, final_norm, head;
   std::vector<Layer> layers;
   cuda::Blas blas;
@@ -139,8 +137,10 @@ struct GpuTransformer::State {
   PhaseClock clock;
 
   void mark(int phase) { clock.mark(phase, stream); }
-  const bf16* w(const Param& p) const { return weights.data() + p.offset; }
-  float* g(const Param& p) { return grads.data() + p.offset; }
+  const bf16* w(const Param& p) const { return store->weights() + p.offset; }
+  float* g(const Param& p) { return store->grads() + p.offset; }
+  // fp32 values, for the parameters read in fp32 (the router biases; see the constructor).
+  const float* w32(const Param& p) const { return store->fp32_values(p.id); }
 
   // y[rows, out] = x[rows, in] @ W^T (+ y when accumulate).
   void linear(bf16* y, const bf16* x, const bf16* weight, int64_t rows, int64_t in, int64_t out, bool accumulate,
@@ -173,25 +173,12 @@ Param lookup(const ParameterStore<float>& params, const std::string& name) {
 
 }  // namespace
 
-GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params)
+GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params,
+                               MomentDtype moments)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
   MOE_CHECK(gpu::device_count() > 0, "no CUDA device found");
   s.config = config;
-  s.storage = params.storage_numel();
-  s.master = Buffer<float>(static_cast<size_t>(s.storage));
-  s.master.upload(params.values_data(), static_cast<size_t>(s.storage));
-  s.grads = Buffer<float>(static_cast<size_t>(s.storage));
-  s.adam_m = Buffer<float>(static_cast<size_t>(s.storage));
-  s.adam_v = Buffer<float>(static_cast<size_t>(s.storage));
-  s.adam_m.fill_bytes(0);
-  s.adam_v.fill_bytes(0);
-  s.weights = Buffer<bf16>(static_cast<size_t>(s.storage));
-  cuda::cast_to_bf16(s.weights.data(), s.master.data(), s.storage, nullptr);
-  for (int id = 0; id < params.size(); ++id) {
-    s.specs.push_back(params.spec(id));
-    s.offsets.push_back(params.offset(id));
-  }
   s.embedding = lookup(params, "embedding");
   s.final_norm = lookup(params, "final_norm");
   s.head = lookup(params, config.tie_embeddings ? "embedding" : "lm_head");
@@ -222,6 +209,11 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};
     }
   }
+  // The router biases are added to the fp32 logits, so the forward pass reads them in fp32.
+  std::vector<int> fp32_ids;
+  for (const Layer& layer : s.layers)
+    if (layer.is_moe) fp32_ids.push_back(layer.router_b.id);
+  s.store = std::make_unique<GpuParameterStore>(params, moments, fp32_ids, s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -340,7 +332,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index) {
   // Router: fp32 logits from the bf16 matmul, + bias, scores, top-k.
   blas.gemm(false, true, T, E, D, 1.0f, layer.n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
             stream);
-  cuda::add_bias_rows(m.logits.data(), master.data() + layer.router_b.offset, T, E, stream);
+  cuda::add_bias_rows(m.logits.data(), w32(layer.router_b), T, E, stream);
   cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), nullptr, T, E, K,
                     static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream);
   cuda::expert_counts(m.assign_counts.data(), m.expert.data(), T, E, K, stream);
@@ -542,84 +534,41 @@ void GpuTransformer::backward(double loss_scale) {
   s.mark(kHost);
 }
 
-void GpuTransformer::zero_grads() {
-  MOE_CUDA_CHECK(cudaMemsetAsync(state_->grads.data(), 0, state_->grads.size() * sizeof(float), state_->stream));
-}
+void GpuTransformer::zero_grads() { state_->store->zero_grads(); }
 
-double GpuTransformer::grad_norm() {
-  State& s = *state_;
-  std::vector<float> grads(s.grads.size());
-  s.grads.download(grads.data(), grads.size());
-  double sq = 0;
-  for (float x : grads) sq += static_cast<double>(x) * x;
-  return std::sqrt(sq);
-}
+double GpuTransformer::grad_norm() { return state_->store->grad_norm(); }
 
 void GpuTransformer::adamw_step(double lr, double beta1, double beta2, double eps, double weight_decay,
                                 float grad_scale, int64_t step) {
   State& s = *state_;
   s.mark(kOptimizer);
-  for (size_t id = 0; id < s.specs.size(); ++id) {
-    const ParamSpec& spec = s.specs[id];
-    const int64_t offset = s.offsets[id];
-    const int64_t n = spec.shape.numel();
-    const float decay = spec.weight_decay ? static_cast<float>(1.0 - lr * weight_decay) : 1.0f;
-    cuda::adamw_step(s.master.data() + offset, s.weights.data() + offset, s.grads.data() + offset,
-                     s.adam_m.data() + offset, s.adam_v.data() + offset, n, lr, beta1, beta2, static_cast<float>(eps),
-                     decay, grad_scale, step, s.stream);
-  }
-  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  s.store->adamw_step(AdamWStep{lr, beta1, beta2, eps, weight_decay, step}, grad_scale);
   s.mark(kHost);
 }
 
-void GpuTransformer::download_grads(ParameterStore<float>& params) const {
-  MOE_CHECK(params.storage_numel() == state_->storage, "download_grads: layouts differ");
-  state_->grads.download(params.grads_data(), static_cast<size_t>(state_->storage));
+void GpuTransformer::clip_and_adamw_step(double max_norm, double lr, double beta1, double beta2, double eps,
+                                         double weight_decay, int64_t step) {
+  State& s = *state_;
+  s.mark(kOptimizer);
+  s.store->clip_and_adamw_step(AdamWStep{lr, beta1, beta2, eps, weight_decay, step}, max_norm);
+  s.mark(kHost);
 }
 
-void GpuTransformer::download_params(ParameterStore<float>& params) const {
-  MOE_CHECK(params.storage_numel() == state_->storage, "download_params: layouts differ");
-  std::vector<float> values(static_cast<size_t>(state_->storage));
-  state_->master.download(values.data(), values.size());
-  for (int id = 0; id < params.size(); ++id)
-    std::copy(values.begin() + params.offset(id), values.begin() + params.offset(id) + params.numel(id),
-              params.value(id));
-}
+double GpuTransformer::last_grad_norm() { return state_->store->last_grad_norm(); }
+
+bool GpuTransformer::last_step_skipped() { return state_->store->last_step_skipped(); }
+
+void GpuTransformer::download_grads(ParameterStore<float>& params) const { state_->store->download_grads(params); }
+
+void GpuTransformer::download_params(ParameterStore<float>& params) const { state_->store->download_params(params); }
 
 void GpuTransformer::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const {
-  const State& s = *state_;
-  download_params(params);
-  std::vector<float> m_padded(static_cast<size_t>(s.storage)), v_padded(static_cast<size_t>(s.storage));
-  s.adam_m.download(m_padded.data(), m_padded.size());
-  s.adam_v.download(v_padded.data(), v_padded.size());
-  m.clear();
-  v.clear();
-  for (int id = 0; id < params.size(); ++id) {
-    const auto first = static_cast<size_t>(params.offset(id)), last = first + static_cast<size_t>(params.numel(id));
-    m.insert(m.end(), m_padded.begin() + first, m_padded.begin() + last);
-    v.insert(v.end(), v_padded.begin() + first, v_padded.begin() + last);
-  }
+  state_->store->download_state(params, m, v);
 }
 
 void GpuTransformer::upload_state(const ParameterStore<float>& params, const std::vector<float>& m,
                                   const std::vector<float>& v) {
-  State& s = *state_;
-  MOE_CHECK(params.storage_numel() == s.storage, "upload_state: layouts differ");
-  MOE_CHECK(static_cast<int64_t>(m.size()) == params.total_numel() && m.size() == v.size(),
-            "upload_state: {} moments for {} parameters", m.size(), params.total_numel());
-  s.master.upload(params.values_data(), static_cast<size_t>(s.storage));
-  cuda::cast_to_bf16(s.weights.data(), s.master.data(), s.storage, s.stream);
-  std::vector<float> m_padded(static_cast<size_t>(s.storage), 0.0f), v_padded(static_cast<size_t>(s.storage), 0.0f);
-  size_t packed = 0;
-  for (int id = 0; id < params.size(); ++id) {
-    const auto n = static_cast<size_t>(params.numel(id)), first = static_cast<size_t>(params.offset(id));
-    std::copy(m.begin() + packed, m.begin() + packed + n, m_padded.begin() + first);
-    std::copy(v.begin() + packed, v.begin() + packed + n, v_padded.begin() + first);
-    packed += n;
-  }
-  s.adam_m.upload(m_padded.data(), m_padded.size());
-  s.adam_v.upload(v_padded.data(), v_padded.size());
-  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  state_->store->upload_state(params, m, v);
 }
 
 std::vector<std::vector<int64_t>> GpuTransformer::expert_load() {
@@ -643,6 +592,8 @@ size_t GpuTransformer::device_bytes() const {
   MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   return total_bytes - free_bytes;
 }
+
+size_t GpuTransformer::parameter_bytes() const { return state_->store->device_bytes(); }
 
 }  // namespace moe
 

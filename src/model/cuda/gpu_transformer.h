@@ -1,5 +1,6 @@
 // The MoE transformer on one GPU: bf16 activations and weights for the matmuls, fp32
-// master weights, gradients and AdamW state, fp32 router math and loss. The same
+// master weights (kept as the bf16 weights plus a 16-bit remainder), fp32 gradients,
+// AdamW moments in fp32 or bf16, fp32 router math and loss. The same
 // architecture, parameter names and layout as Transformer<float> (the CPU reference it
 // is tested against); every op is a tested kernel from kernels/gpu_ops.h.
 #pragma once
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/cuda/gpu_parameters.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
 
@@ -16,8 +18,10 @@ namespace moe {
 
 class GpuTransformer {
  public:
-  // Copies the (already initialised) parameters of `params` to the device.
-  GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params);
+  // Copies the (already initialised) parameters of `params` to the device; `moments` is
+  // optimizer.state_dtype (moment_dtype_from_name).
+  GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params,
+                 MomentDtype moments = MomentDtype::Fp32);
   ~GpuTransformer();
   GpuTransformer(const GpuTransformer&) = delete;
   GpuTransformer& operator=(const GpuTransformer&) = delete;
@@ -29,12 +33,23 @@ class GpuTransformer {
   // Backward of (ce + aux + z) * loss_scale, accumulated into the fp32 gradients.
   void backward(double loss_scale);
   void zero_grads();
-  // Global gradient norm (fp32 sum of squares per parameter, summed in order on the host).
+  // Global gradient norm, summed on the device in the CPU's order (train/grad_clip.cpp:
+  // the same double, bit for bit); one scalar comes back.
   double grad_norm();
   // AdamW over every parameter (decay where the CPU model decays), gradients first
-  // scaled by grad_scale (global clipping), then the bf16 weights refreshed.
+  // scaled by grad_scale (global clipping); the bf16 weights are the masters' hi halves,
+  // so they are current after it. Waits for the update.
   void adamw_step(double lr, double beta1, double beta2, double eps, double weight_decay, float grad_scale,
                   int64_t step);
+  // The whole optimizer step on the device, no host synchronisation: gradient norm,
+  // clip factor min(1, max_norm / (norm + 1e-6)) where norm > max_norm > 0 (as the CPU's
+  // clip_gradients), AdamW. A non-finite norm skips the update on the device.
+  void clip_and_adamw_step(double max_norm, double lr, double beta1, double beta2, double eps, double weight_decay,
+                           int64_t step);
+  // The norm of the last grad_norm() or clip_and_adamw_step() (waits for it), and whether
+  // that step was skipped because the norm was not finite.
+  double last_grad_norm();
+  bool last_step_skipped();
   // Device -> host copies for tests and checkpoints.
   void download_grads(ParameterStore<float>& params) const;
   void download_params(ParameterStore<float>& params) const;
@@ -45,7 +60,10 @@ class GpuTransformer {
   // Assignments per expert since the last reset, per MoE layer (host copy).
   std::vector<std::vector<int64_t>> expert_load();
   void reset_load();
+  // Device memory in use (all of it, as cudaMemGetInfo sees it).
   size_t device_bytes() const;
+  // Of which weights, gradients and optimizer state (GpuParameterStore::device_bytes).
+  size_t parameter_bytes() const;
   // Step time by phase, from CUDA events recorded at phase boundaries (off by default).
   void enable_phase_timing(bool enabled);
   // Milliseconds per phase since the last call (attention, router, dispatch, experts,

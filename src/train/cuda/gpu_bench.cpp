@@ -29,7 +29,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     // Initialise on the host (the same weights as the CPU path), copy, then free the host copy.
     Transformer<float> host(mc, config.training.seed);
     counts = count_parameters(mc, host.params());
-    gpu = std::make_unique<GpuTransformer>(mc, host.params());
+    gpu = std::make_unique<GpuTransformer>(mc, host.params(), moment_dtype_from_name(config.optimizer.state_dtype));
   }
   gpu->plan(batch);
   std::vector<int32_t> inputs(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
@@ -51,8 +51,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     gpu->zero_grads();
     loss = gpu->forward(inputs.data(), targets.data()).total();
     gpu->backward(1.0);
-    gpu->adamw_step(config.lr.peak, config.optimizer.beta1, config.optimizer.beta2, config.optimizer.eps,
-                    config.optimizer.weight_decay, 1.0f, step);
+    // The whole optimizer step as training runs it: gradient norm, clipping, AdamW.
+    gpu->clip_and_adamw_step(config.training.grad_clip, config.lr.peak, config.optimizer.beta1, config.optimizer.beta2,
+                             config.optimizer.eps, config.optimizer.weight_decay, step);
     MOE_CUDA_CHECK(cudaEventRecord(stop));
     MOE_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;

@@ -1,0 +1,55 @@
+// make_world_communicator: picks and builds the backend of the launch.
+#include <spdlog/spdlog.h>
+
+#include "core/error.h"
+#include "dist/communicator.h"
+#include "dist/launch_env.h"
+#include "dist/mpi_communicator.h"
+#include "dist/single_communicator.h"
+#include "dist/tcp_communicator.h"
+#ifdef MOE_HAVE_CUDA
+#include "dist/cuda/nccl_communicator.h"
+#endif
+
+namespace moe::dist {
+
+bool is_known_backend(const std::string& backend) {
+  return backend == "auto" || backend == "single" || backend == "mpi" || backend == "tcp" || backend == "nccl";
+}
+
+std::unique_ptr<Communicator> make_world_communicator(const std::string& backend) {
+  if (!is_known_backend(backend))
+    MOE_CONFIG_ERROR("unknown communicator backend '{}' (auto, single, mpi, tcp or nccl)", backend);
+  const LaunchEnv env = read_launch_env();
+  std::string chosen = backend;
+  if (chosen == "auto") {
+    if (env.world_size == 1 && !launched_by_mpi())
+      chosen = "single";
+    else if (env.source == "torchrun")
+      chosen = "tcp";
+    else
+      chosen = "mpi";  // mpirun, or srun with PMIx
+  }
+  if (chosen == "single") {
+    if (env.world_size != 1)
+      MOE_CONFIG_ERROR("backend 'single' in a launch of {} ranks (use auto, mpi, tcp or nccl)", env.world_size);
+    return make_single_communicator();
+  }
+  if (chosen == "mpi") {
+    auto world = make_mpi_world();
+    // srun without PMIx starts every task as an MPI singleton: a world of one each.
+    if (env.source != "none" && world->size() != env.world_size)
+      MOE_CONFIG_ERROR("MPI sees {} rank(s) but the launch environment ({}) says {}: under Slurm use srun --mpi=pmix, "
+                       "or start with mpirun or moe launch",
+                       world->size(), env.source, env.world_size);
+    return world;
+  }
+  if (chosen == "tcp") return make_tcp_world(env);
+#ifdef MOE_HAVE_CUDA
+  return make_nccl_world(env);
+#else
+  MOE_CONFIG_ERROR("backend 'nccl' needs the CUDA build (this binary was built without CUDA)");
+#endif
+}
+
+}  // namespace moe::dist

@@ -1,0 +1,165 @@
+#include "dist/hierarchical_all_to_all.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "dist/comm_util.h"
+
+namespace moe::dist {
+namespace {
+
+class FlatAllToAll final : public AllToAll {
+ public:
+  explicit FlatAllToAll(Communicator& group) : group_(group) {}
+  std::string name() const override { return "flat"; }
+  Communicator& group() override { return group_; }
+  void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                const std::vector<int64_t>& recv_counts, DType dtype) override {
+    group_.all_to_all_v(send, send_counts, recv, recv_counts, dtype);
+  }
+  std::unique_ptr<Work> exchange_async(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                                       const std::vector<int64_t>& recv_counts, DType dtype) override {
+    return group_.all_to_all_v_async(send, send_counts, recv, recv_counts, dtype);
+  }
+
+ private:
+  Communicator& group_;
+};
+
+// EP rank e = node_index * L + local, with N nodes of L EP ranks each (group order).
+class HierarchicalAllToAll final : public AllToAll {
+ public:
+  HierarchicalAllToAll(Communicator& group, int node) : group_(group) {
+    const int size = group.size();
+    std::vector<int32_t> nodes(static_cast<size_t>(size));
+    const int32_t my_node = node;
+    group.all_gather(&my_node, nodes.data(), 1, DType::i32);
+    // Ranks of a node must be consecutive in the group, the same number on every node.
+    int per_node = 1;
+    while (per_node < size && nodes[per_node] == nodes[0]) ++per_node;
+    bool grouped = size % per_node == 0;
+    for (int r = 0; r < size && grouped; ++r) {
+      const int block_start = r / per_node * per_node;
+      grouped = nodes[r] == nodes[block_start];
+      for (int earlier = 0; earlier < block_start && grouped; earlier += per_node) grouped = nodes[earlier] != nodes[r];
+    }
+    MOE_CHECK(grouped,
+              "hierarchical all-to-all needs the EP group's ranks grouped by node in equal numbers (group rank 0 is "
+              "on node {} with {} consecutive ranks; the group has {})",
+              nodes[0], per_node, size);
+    local_size_ = per_node;
+    n_nodes_ = size / per_node;
+    local_ = group.rank() % per_node;
+    node_index_ = group.rank() / per_node;
+    // The split calls are collective over group: every rank makes both.
+    intra_ = group.split(node_index_, local_);
+    inter_ = group.split(local_, node_index_);
+  }
+
+  std::string name() const override { return "hierarchical"; }
+  Communicator& group() override { return group_; }
+
+  std::unique_ptr<Work> exchange_async(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                                       const std::vector<int64_t>& recv_counts, DType dtype) override {
+    exchange(send, send_counts, recv, recv_counts, dtype);
+    return completed_work();
+  }
+
+  void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                const std::vector<int64_t>& recv_counts, DType dtype) override {
+    const int L = local_size_, N = n_nodes_;
+    checked_count_sum(send_counts, L * N, "send_counts");
+    checked_count_sum(recv_counts, L * N, "recv_counts");
+    if (N == 1 || L == 1) {
+      // One node, or one EP rank per node: the flat exchange already crosses nodes once.
+      group_.all_to_all_v(send, send_counts, recv, recv_counts, dtype);
+      return;
+    }
+    const size_t elem = dtype_bytes(dtype);
+    const std::vector<int64_t> send_offsets = block_offsets(send_counts);
+
+    // Stage 0: local peer l' learns how much this rank sends to each (m, l').
+    std::vector<int64_t> counts_out(static_cast<size_t>(L * N)), counts_in(static_cast<size_t>(L * N));
+    for (int lp = 0; lp < L; ++lp)
+      for (int m = 0; m < N; ++m) counts_out[lp * N + m] = send_counts[m * L + lp];
+    const std::vector<int64_t> n_each(static_cast<size_t>(L), N);
+    intra_->all_to_all_v(counts_out.data(), n_each, counts_in.data(), n_each, DType::i64);
+    // counts_in[l * N + m]: elements from (this node, l) bound for (m, this local index).
+
+    // Stage 1 (inside the node): to local peer l', blocks for (m, l') in node order.
+    std::vector<int64_t> stage1_send(static_cast<size_t>(L), 0), stage1_recv(static_cast<size_t>(L), 0);
+    int64_t stage1_send_total = 0, stage1_recv_total = 0;
+    for (int lp = 0; lp < L; ++lp)
+      for (int m = 0; m < N; ++m) {
+        stage1_send[lp] += send_counts[m * L + lp];
+        stage1_recv[lp] += counts_in[lp * N + m];
+      }
+    for (int l = 0; l < L; ++l) stage1_send_total += stage1_send[l], stage1_recv_total += stage1_recv[l];
+    std::vector<char> packed(static_cast<size_t>(stage1_send_total) * elem);
+    char* out = packed.data();
+    for (int lp = 0; lp < L; ++lp)
+      for (int m = 0; m < N; ++m) {
+        const size_t bytes = static_cast<size_t>(send_counts[m * L + lp]) * elem;
+        if (bytes) std::memcpy(out, static_cast<const char*>(send) + send_offsets[m * L + lp] * elem, bytes);
+        out += bytes;
+      }
+    std::vector<char> gathered(static_cast<size_t>(stage1_recv_total) * elem);
+    intra_->all_to_all_v(packed.data(), stage1_send, gathered.data(), stage1_recv, dtype);
+
+    // Stage 2 (across nodes, same local index): to node m, the blocks from local sources
+    // l = 0..L-1 in order, which lands in recv exactly in flat order (source n * L + l).
+    std::vector<int64_t> gathered_offsets(static_cast<size_t>(L * N));
+    int64_t offset = 0;
+    for (int l = 0; l < L; ++l)
+      for (int m = 0; m < N; ++m) gathered_offsets[l * N + m] = offset, offset += counts_in[l * N + m];
+    std::vector<int64_t> stage2_send(static_cast<size_t>(N), 0), stage2_recv(static_cast<size_t>(N), 0);
+    for (int m = 0; m < N; ++m)
+      for (int l = 0; l < L; ++l) {
+        stage2_send[m] += counts_in[l * N + m];
+        stage2_recv[m] += recv_counts[m * L + l];
+      }
+    packed.resize(gathered.size());
+    out = packed.data();
+    for (int m = 0; m < N; ++m)
+      for (int l = 0; l < L; ++l) {
+        const size_t bytes = static_cast<size_t>(counts_in[l * N + m]) * elem;
+        if (bytes) std::memcpy(out, gathered.data() + gathered_offsets[l * N + m] * elem, bytes);
+        out += bytes;
+      }
+    inter_->all_to_all_v(packed.data(), stage2_send, recv, stage2_recv, dtype);
+  }
+
+ private:
+  Communicator& group_;
+  std::unique_ptr<Communicator> intra_, inter_;
+  int local_size_ = 1, n_nodes_ = 1, local_ = 0, node_index_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<AllToAll> make_all_to_all(const std::string& kind, Communicator& ep_group, int node) {
+  if (kind == "flat") return std::make_unique<FlatAllToAll>(ep_group);
+  if (kind == "hierarchical") {
+    if (ep_group.backend() == "nccl") {
+      // Its packing runs on the host. A one-GPU group needs none; more GPUs wait for the
+      // multi-GPU work (a device packing kernel).
+      if (ep_group.size() == 1) return std::make_unique<FlatAllToAll>(ep_group);
+      MOE_CONFIG_ERROR("parallel.all_to_all = \"hierarchical\" is not available with the nccl backend yet: use \"flat\"");
+    }
+    return std::make_unique<HierarchicalAllToAll>(ep_group, node);
+  }
+  MOE_CONFIG_ERROR("unknown all-to-all '{}' (flat or hierarchical)", kind);
+}
+
+std::unique_ptr<AllToAll> make_all_to_all(const std::string& kind, Communicator& ep_group,
+                                          const ProcessGroups& groups) {
+  return make_all_to_all(kind, ep_group, groups.node);
+}
+
+void all_to_all_v_hierarchical(ProcessGroups& groups, Communicator& ep_group, const void* send,
+                               const std::vector<int64_t>& send_counts, void* recv,
+                               const std::vector<int64_t>& recv_counts, DType dtype) {
+  HierarchicalAllToAll(ep_group, groups.node).exchange(send, send_counts, recv, recv_counts, dtype);
+}
+
+}  // namespace moe::dist

@@ -1,0 +1,135 @@
+#include "dist/parallel_experts.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "dist/zero.h"
+#include "train/grad_clip.h"
+
+namespace moe::dist {
+
+ExpertOptimizer::ExpertOptimizer(ParameterStore<float>& params, std::vector<Layer> layers,
+                                 const ExpertPlacement& placement, int ep_rank, Communicator& expert_data_parallel,
+                                 const OptimizerConfig& config, CommStats& stats)
+    : params_(params), placement_(placement), ep_rank_(ep_rank), edp_(expert_data_parallel), config_(config),
+      stats_(stats) {
+  const auto held = static_cast<int64_t>(placement_.experts_of(ep_rank_).size());
+  for (Layer& layer : layers) {
+    LayerState state;
+    int64_t packed = 0;
+    for (int id : layer.ids) {
+      MOE_CHECK(params_.spec(id).shape[0] == placement_.n_experts(), "{} has {} experts, the placement {}",
+                params_.spec(id).name, params_.spec(id).shape[0], placement_.n_experts());
+      packed += held * per_expert(id);
+      state.m.emplace_back(static_cast<size_t>(held * per_expert(id)), 0.0f);
+      state.v.emplace_back(static_cast<size_t>(held * per_expert(id)), 0.0f);
+    }
+    state.buffer.assign(static_cast<size_t>(packed), 0.0f);
+    state.layer = std::move(layer);
+    layers_.push_back(std::move(state));
+  }
+}
+
+template <class F>
+void ExpertOptimizer::for_held(const LayerState& layer, F&& f) const {
+  const auto& experts = placement_.experts_of(ep_rank_);
+  for (size_t i = 0; i < layer.layer.ids.size(); ++i)
+    for (size_t slot = 0; slot < experts.size(); ++slot) f(i, experts[slot], static_cast<int64_t>(slot));
+}
+
+void ExpertOptimizer::on_stage(int stage) {
+  if (!armed_ || edp_.size() == 1) return;
+  for (LayerState& layer : layers_) {
+    if (layer.layer.stage != stage) continue;
+    float* out = layer.buffer.data();
+    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
+      const int id = layer.layer.ids[i];
+      const int64_t n = per_expert(id);
+      std::memcpy(out, params_.grad(id) + expert * n, static_cast<size_t>(n) * sizeof(float));
+      out += n;
+    });
+    layer.work = edp_.all_reduce_async(layer.buffer.data(), layer.buffer.size(), DType::f32, ReduceOp::sum);
+  }
+}
+
+void ExpertOptimizer::finish() {
+  armed_ = false;
+  for (LayerState& layer : layers_) {
+    if (!layer.work) continue;
+    timed_wait(*layer.work, stats_);
+    layer.work.reset();
+    const float* in = layer.buffer.data();
+    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
+      const int id = layer.layer.ids[i];
+      const int64_t n = per_expert(id);
+      std::memcpy(params_.grad(id) + expert * n, in, static_cast<size_t>(n) * sizeof(float));
+      in += n;
+    });
+  }
+}
+
+double ExpertOptimizer::clip_experts(double max_norm) {
+  double max_seen = 0;
+  for (const LayerState& layer : layers_)
+    for (int64_t expert : placement_.experts_of(ep_rank_)) {
+      double sq = 0;
+      for (int id : layer.layer.ids) sq += moe::sum_of_squares(params_.grad(id) + expert * per_expert(id), per_expert(id));
+      const double norm = std::sqrt(sq);
+      max_seen = std::max(max_seen, norm);
+      if (max_norm > 0 && norm > max_norm) {
+        const auto factor = static_cast<float>(max_norm / (norm + 1e-6));
+        for (int id : layer.layer.ids) {
+          float* g = params_.grad(id) + expert * per_expert(id);
+          for (int64_t i = 0; i < per_expert(id); ++i) g[i] *= factor;
+        }
+      }
+    }
+  return max_seen;
+}
+
+double ExpertOptimizer::sum_of_squares() const {
+  double sq = 0;
+  for (const LayerState& layer : layers_)
+    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
+      const int id = layer.layer.ids[i];
+      sq += moe::sum_of_squares(const_cast<ParameterStore<float>&>(params_).grad(id) + expert * per_expert(id),
+                                per_expert(id));
+    });
+  return sq;
+}
+
+void ExpertOptimizer::scale_gradients(float factor) {
+  for (const LayerState& layer : layers_)
+    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
+      const int id = layer.layer.ids[i];
+      float* g = params_.grad(id) + expert * per_expert(id);
+      for (int64_t j = 0; j < per_expert(id); ++j) g[j] *= factor;
+    });
+}
+
+void ExpertOptimizer::step(double lr) {
+  ++steps_;
+  const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
+  const bool bf16 = config_.state_dtype == "bf16";
+  for (LayerState& layer : layers_)
+    for_held(layer, [&](size_t i, int64_t expert, int64_t slot) {
+      const int id = layer.layer.ids[i];
+      const int64_t n = per_expert(id);
+      adamw_update(params_.value(id) + expert * n, params_.grad(id) + expert * n, layer.m[i].data() + slot * n,
+                   layer.v[i].data() + slot * n, n, c, params_.spec(id).weight_decay, bf16);
+    });
+}
+
+void ExpertOptimizer::gather_weights(Communicator& expert_parallel) {
+  for (const LayerState& layer : layers_)
+    for (int64_t expert = 0; expert < placement_.n_experts(); ++expert)
+      for (int id : layer.layer.ids)
+        timed_blocking(stats_, [&] {
+          expert_parallel.broadcast(params_.value(id) + expert * per_expert(id), static_cast<size_t>(per_expert(id)),
+                                    DType::f32, placement_.rank_of(expert));
+        });
+}
+
+}  // namespace moe::dist

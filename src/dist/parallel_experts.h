@@ -1,0 +1,66 @@
+// Expert weights under expert parallelism (EP > 1) on the CPU path. Every rank stores
+// the full expert tensors (the CPU model's layout), but only the slices of the experts
+// its EP rank holds are computed, have gradients and are updated there. Their gradients
+// are all-reduced (not sharded) over the expert-data-parallel group, the ranks holding
+// the same experts, as soon as backward finishes the layer on the last micro-batch; each
+// rank keeps the AdamW moments of its own experts, whole.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/expert_parallel.h"
+#include "dist/parallel_stats.h"
+#include "model/parameters.h"
+#include "train/config.h"
+
+namespace moe::dist {
+
+class ExpertOptimizer {
+ public:
+  // One entry per MoE layer: its expert parameter ids (sharing an expert_group, leading
+  // dim = experts) and the backward stage after which their gradients are complete.
+  struct Layer {
+    std::vector<int> ids;
+    int stage = 0;
+  };
+  ExpertOptimizer(ParameterStore<float>& params, std::vector<Layer> layers, const ExpertPlacement& placement,
+                  int ep_rank, Communicator& expert_data_parallel, const OptimizerConfig& config, CommStats& stats);
+
+  void arm() { armed_ = true; }
+  void on_stage(int stage);
+  void finish();
+
+  // Per-expert clipping of the held experts (max_norm 0: none). Returns the largest
+  // per-expert norm seen before clipping.
+  double clip_experts(double max_norm);
+  double sum_of_squares() const;
+  void scale_gradients(float factor);
+  void step(double lr);
+  // Every rank of the EP group gets every expert's current weights (broadcast from its holder).
+  void gather_weights(Communicator& expert_parallel);
+
+ private:
+  struct LayerState {
+    Layer layer;
+    std::vector<float> buffer;  // held experts' gradients, packed for the all-reduce
+    std::unique_ptr<Work> work;
+    std::vector<std::vector<float>> m, v;  // per id: held experts back to back
+  };
+  int64_t per_expert(int id) const { return params_.numel(id) / params_.spec(id).shape[0]; }
+  template <class F>
+  void for_held(const LayerState& layer, F&& f) const;  // f(id, expert, slot)
+
+  ParameterStore<float>& params_;
+  const ExpertPlacement& placement_;
+  int ep_rank_;
+  Communicator& edp_;
+  OptimizerConfig config_;
+  CommStats& stats_;
+  std::vector<LayerState> layers_;
+  int64_t steps_ = 0;
+  bool armed_ = false;
+};
+
+}  // namespace moe::dist

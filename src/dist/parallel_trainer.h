@@ -1,0 +1,93 @@
+// The CPU model trained over several ranks: data parallelism with ZeRO-1 for the
+// replicated parameters (src/dist/zero.h) and, with parallel.expert_parallel > 1, expert
+// parallelism (src/dist/expert_parallel.h, src/dist/parallel_experts.h). A ModelBackend,
+// so Trainer::train_step's one loop drives it.
+//
+// What "the same as one process" means here: N ranks with micro-batch B reproduce the
+// single-process run with micro-batch N x B and the same global batch (rank r's local
+// sequence b is sequence b * N + r of that run's micro-batch). Cross-entropy is weighted
+// so the sum over ranks is the mean over the global micro-batch's targets; the MoE layers
+// compute the aux loss, z-loss and capacity over the global micro-batch (MoEBatchGroup).
+// Only the order of floating-point sums differs.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/expert_parallel.h"
+#include "dist/hierarchical_all_to_all.h"
+#include "dist/parallel_experts.h"
+#include "dist/parallel_stats.h"
+#include "dist/process_groups.h"
+#include "dist/zero.h"
+#include "train/batch_source.h"
+#include "train/trainer.h"
+
+namespace moe::dist {
+
+// Rank `rank` of `world` reads sequences k * world + rank of `inner` (which it reads
+// whole, world sequences per sequence returned): the ranks' slices are disjoint and
+// together are the single-process stream. The position (state) is inner's, the same on
+// every rank.
+class RankSlicedSource final : public BatchSource {
+ public:
+  RankSlicedSource(std::unique_ptr<BatchSource> inner, int64_t seq_len, int rank, int world);
+  void next_batch(int64_t batch, int32_t* inputs_BS, int32_t* targets_BS) override;
+  void reset() override { inner_->reset(); }
+  std::vector<int64_t> state() const override { return inner_->state(); }
+  void restore(const std::vector<int64_t>& state) override { inner_->restore(state); }
+
+ private:
+  std::unique_ptr<BatchSource> inner_;
+  int64_t seq_len_;
+  int rank_, world_;
+  std::vector<int32_t> inputs_, targets_;
+};
+
+class ParallelCpuBackend final : public ModelBackend {
+ public:
+  // Collective over world. Wires the model's MoE layers to the other ranks (call before
+  // planning the model).
+  ParallelCpuBackend(const RunConfig& config, Transformer<float>& model, std::unique_ptr<Communicator> world);
+  ~ParallelCpuBackend() override;
+
+  int rank() const { return groups_.world->rank(); }
+  int world_size() const { return groups_.world->size(); }
+  const ExpertPlacement* placement() const { return placement_.get(); }
+  const ZeroOptimizer& zero() const { return *zero_; }
+
+  void begin_step() override;
+  ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override;
+  void backward(double loss_scale, bool last) override;
+  void reduce_losses(StepStats& stats) override;
+  void routing(StepStats& stats) override;
+  ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override;
+  void apply_update(double lr) override;
+  void end_step() override;
+  double sum_over_ranks(double value) override;
+  void end_validation() override;
+  void take_comm_stats(StepStats& stats) override;
+  void sync_host_model() override;
+
+ private:
+  double world_sum(double value);
+
+  const RunConfig& config_;
+  Transformer<float>& model_;
+  ProcessGroups groups_;
+  CommStats stats_;
+  std::unique_ptr<BatchGroupOverComm> batch_;
+  std::unique_ptr<AllToAll> a2a_;
+  std::unique_ptr<ExpertPlacement> placement_;
+  std::vector<std::unique_ptr<ExpertExchangeOverComm>> exchanges_;
+  std::unique_ptr<ZeroOptimizer> zero_;
+  std::unique_ptr<ExpertOptimizer> experts_;  // expert_parallel > 1
+  // expert_parallel == 1: expert weights are sharded with the rest; per-expert clipping
+  // needs their expert group per parameter id (-1: not an expert weight).
+  std::vector<int> expert_group_of_id_;
+  int64_t n_expert_groups_ = 0;
+  double ce_weight_ = 1;                            // this rank's share of the micro-batch's targets
+  std::vector<std::vector<int64_t>> global_load_;   // per MoE layer: the step's load summed over ranks
+};
+
+}  // namespace moe::dist

@@ -1,0 +1,179 @@
+// AdamW's per-element arithmetic, shared by the CPU AdamW (src/train/adamw.cpp) and the
+// GPU optimizer (src/kernels/cuda/optimizer.cu, adamw.cu): one source for both, so that
+// they agree bit for bit. Every operation rounds on its own (no fused multiply-add: the
+// CPU reference is built for x86-64-v2, which has none), hence the _rn intrinsics on
+// the device, where nvcc would otherwise contract a * b + c.
+//
+// Also here, for the same reason:
+// - bf16 rounding of the AdamW moments (optimizer.state_dtype = "bf16"), round to
+//   nearest even, the same bits as float_to_bf16 in core/bf16.h;
+// - the hi/lo split in which the GPU keeps its fp32 master weights: a bf16 "hi" half the
+//   matmuls read directly, plus a 16-bit "lo" remainder that makes the fp32 value exact.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define MOE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define MOE_HOST_DEVICE inline
+#endif
+
+namespace moe::adamw_math {
+
+// Elements per chunk of the fixed-order gradient sum of squares: the same as
+// sum_of_squares in src/train/grad_clip.cpp, so the GPU's norm is the CPU's, bit for bit.
+constexpr int64_t kNormChunk = int64_t{1} << 14;
+
+MOE_HOST_DEVICE uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+MOE_HOST_DEVICE float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+MOE_HOST_DEVICE bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+// Correctly rounded fp32 operations, never fused.
+MOE_HOST_DEVICE float mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MOE_HOST_DEVICE float add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+MOE_HOST_DEVICE float sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+MOE_HOST_DEVICE float div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+MOE_HOST_DEVICE float sqrt(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+// bf16 bits of x, round to nearest even; NaN stays a quiet NaN (as float_to_bf16).
+MOE_HOST_DEVICE uint16_t bf16_bits_rne(float x) {
+  const uint32_t u = float_bits(x);
+  if (is_nan_bits(u)) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+MOE_HOST_DEVICE float bf16_bits_to_float(uint16_t bits) { return bits_float(static_cast<uint32_t>(bits) << 16); }
+MOE_HOST_DEVICE float round_to_bf16(float x) { return bf16_bits_to_float(bf16_bits_rne(x)); }
+
+// The hi/lo split of an fp32 master weight x (bits u):
+//   hi = (u + 0x8000) >> 16   (bf16 bits: x rounded to nearest, ties away from zero)
+//   lo = int16(u - (hi << 16)) (the low 16 bits of u; always fits: u - (hi << 16) is in
+//                               [-0x8000, 0x7fff])
+// and back: u = (hi << 16) + lo, bit-exact for every non-NaN pattern: zeros of both signs,
+// denormals (hi 0 or the smallest normal), infinities (lo 0) and the largest finite
+// values (hi rounds to inf as bf16 rounding does; lo < 0 brings back the finite value).
+// NaN: the formula would wrap (0x7fff8000 and up become -0, 0xffff8000 and up +0) or turn
+// small-payload NaNs into inf, so a NaN's hi is the quiet NaN of its sign; joined back it
+// is again a NaN of that sign (the payload is not kept).
+struct MasterSplit {
+  uint16_t hi;
+  int16_t lo;
+};
+
+MOE_HOST_DEVICE MasterSplit split_master(float x) {
+  const uint32_t u = float_bits(x);
+  if (is_nan_bits(u))
+    return {static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7fc0u), static_cast<int16_t>(static_cast<uint16_t>(u))};
+  const uint32_t hi = (u + 0x8000u) >> 16;
+  return {static_cast<uint16_t>(hi), static_cast<int16_t>(static_cast<uint16_t>(u - (hi << 16)))};
+}
+
+MOE_HOST_DEVICE float join_master(uint16_t hi, int16_t lo) {
+  return bits_float((static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(lo)));
+}
+
+// The scalars of one AdamW step. The per-step values come from the host
+// (adamw_step_scalars, the CPU AdamW's arithmetic); on the GPU they sit in device memory,
+// where the gradient-norm kernel also writes grad_scale, skip and the norm, so a whole
+// step can be captured in a CUDA graph.
+struct AdamWScalars {
+  float step_size = 0;        // lr / (1 - beta1^t)
+  float sqrt_bias2 = 1;       // sqrt(1 - beta2^t)
+  float eps = 0, beta1 = 0, beta2 = 0;
+  float one_minus_beta1 = 1, one_minus_beta2 = 1;
+  float decay_factor = 1;     // 1 - lr * weight_decay, for parameters with weight decay
+  float grad_scale = 1;       // gradients are multiplied by this first (global clipping)
+  int32_t skip = 0;           // 1: the step changes nothing (non-finite gradient norm)
+  double sum_sq = 0, norm = 0;  // the step's global gradient sum of squares and norm
+};
+
+// Host only: the bias corrections fold into the step size and epsilon, as torch does.
+inline AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                       int64_t step) {
+  AdamWScalars s;
+  const double bias1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bias2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  s.step_size = static_cast<float>(lr / bias1);
+  s.sqrt_bias2 = static_cast<float>(std::sqrt(bias2));
+  s.eps = static_cast<float>(eps);
+  s.beta1 = static_cast<float>(beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta1 = 1.0f - s.beta1;
+  s.one_minus_beta2 = 1.0f - s.beta2;
+  s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  return s;
+}
+
+// One element: updates m and v in place and returns the new parameter. `decay` is
+// s.decay_factor or 1 (no weight decay). With bf16 moments, m and v are read and stored
+// rounded to bf16, and the update uses the rounded values (what storage would hold).
+MOE_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s, float decay,
+                                   bool bf16_moments) {
+  g = mul(g, s.grad_scale);
+  float m_old = m, v_old = v;
+  if (bf16_moments) {
+    m_old = round_to_bf16(m_old);
+    v_old = round_to_bf16(v_old);
+  }
+  float mi = add(mul(s.beta1, m_old), mul(s.one_minus_beta1, g));
+  float vi = add(mul(s.beta2, v_old), mul(mul(s.one_minus_beta2, g), g));
+  if (bf16_moments) {
+    mi = round_to_bf16(mi);
+    vi = round_to_bf16(vi);
+  }
+  m = mi;
+  v = vi;
+  const float denom = add(div(adamw_math::sqrt(vi), s.sqrt_bias2), s.eps);
+  return sub(mul(p, decay), div(mul(s.step_size, mi), denom));
+}
+
+}  // namespace moe::adamw_math

@@ -1,0 +1,240 @@
+// The pieces of data and expert parallelism that run in one process (label cpu): expert
+// placement, per-rank data slices, the ZeRO-1 optimizer against AdamW, and the MoE
+// layer's global-micro-batch statistics (aux loss, z-loss, capacity) with ranks simulated
+// by threads. Training across real ranks: test_parallel_mpi_training.cpp (label mpi).
+#include <gtest/gtest.h>
+
+#include <barrier>
+#include <optional>
+#include <thread>
+
+#include "core/rng.h"
+#include "dist/expert_parallel.h"
+#include "dist/parallel_trainer.h"
+#include "dist/single_communicator.h"
+#include "dist/zero.h"
+#include "model/moe_layer.h"
+#include "train/adamw.h"
+#include "train/synthetic.h"
+
+namespace moe {
+namespace {
+
+TEST(ExpertPlacement, ContiguousBlocksAndExplicitMaps) {
+  const auto blocks = dist::ExpertPlacement::contiguous(8, 4);
+  EXPECT_EQ(blocks.rank_of(5), 2);
+  EXPECT_EQ(blocks.slot_of(5), 1);
+  EXPECT_EQ(blocks.experts_of(3), (std::vector<int64_t>{6, 7}));
+  const dist::ExpertPlacement round_robin({0, 1, 0, 1, 0, 1}, 2);
+  EXPECT_EQ(round_robin.experts_of(1), (std::vector<int64_t>{1, 3, 5}));
+  EXPECT_EQ(round_robin.slot_of(4), 2);
+  EXPECT_FALSE(blocks == round_robin);
+  EXPECT_THROW(dist::ExpertPlacement::contiguous(6, 4), Error);
+  EXPECT_THROW(dist::ExpertPlacement({0, 2}, 2), Error);
+}
+
+TEST(RankSlicedSource, RanksReadDisjointSlicesOfTheOneStream) {
+  constexpr int64_t S = 8, world = 3, batch = 2, batches = 2;
+  test::LookBackTask whole(16, S, 5);
+  std::vector<int32_t> in_all(batch * world * batches * S), tgt_all(in_all.size());
+  whole.next_batch(batch * world * batches, in_all.data(), tgt_all.data());
+  for (int rank = 0; rank < world; ++rank) {
+    dist::RankSlicedSource source(std::make_unique<test::LookBackTask>(16, S, 5), S, rank, world);
+    for (int64_t k = 0; k < batches; ++k) {
+      std::vector<int32_t> in(batch * S), tgt(batch * S);
+      source.next_batch(batch, in.data(), tgt.data());
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t global = (k * batch + b) * world + rank;  // sequence index in the one stream
+        for (int64_t s = 0; s < S; ++s) {
+          EXPECT_EQ(in[b * S + s], in_all[global * S + s]) << rank << " " << k << " " << b;
+          EXPECT_EQ(tgt[b * S + s], tgt_all[global * S + s]);
+        }
+      }
+    }
+  }
+}
+
+ParameterStore<float> small_store() {
+  ParameterStore<float> params;
+  params.add({"lm_head", Shape{5, 3}});
+  params.add({"layers.1.norm", Shape{7}, Init::Ones, 0, /*decay=*/false});
+  params.add({"layers.0.w", Shape{4, 3}});
+  params.add({"embedding", Shape{6, 3}});
+  params.allocate(3);
+  return params;
+}
+
+// One rank: the reduce-scatter is a copy, so the sharded AdamW must be AdamW bit for bit
+// (fp32 and bf16 moments).
+TEST(ZeroOptimizer, OneRankIsAdamWBitForBit) {
+  for (const char* state_dtype : {"fp32", "bf16"}) {
+    SCOPED_TRACE(state_dtype);
+    ParameterStore<float> sharded = small_store(), plain = small_store();
+    auto stage = [&](int id) {
+      const std::string& name = sharded.spec(id).name;
+      return name == "lm_head" ? 0 : name == "layers.1.norm" ? 1 : name == "layers.0.w" ? 2 : 3;
+    };
+    auto world = dist::make_single_communicator();
+    dist::CommStats stats;
+    OptimizerConfig config;
+    config.state_dtype = state_dtype;
+    dist::ZeroOptimizer zero(sharded, {0, 1, 2, 3}, stage, 4, /*bucket_mb=*/0, *world, config, stats);
+    EXPECT_EQ(zero.n_buckets(), 4);  // one per stage
+    EXPECT_EQ(zero.total_numel(), 15 + 7 + 12 + 18);
+    AdamW adamw(config, plain);
+    const CounterRng rng(9, "grads");
+    for (int step = 0; step < 3; ++step) {
+      for (auto* store : {&sharded, &plain})
+        for (int id = 0; id < store->size(); ++id)
+          for (int64_t i = 0; i < store->numel(id); ++i)
+            store->grad(id)[i] = static_cast<float>(rng.normal(static_cast<uint64_t>(step * 1000 + id * 100 + i)));
+      zero.arm();
+      for (int s = 0; s < 4; ++s) zero.on_stage(s);
+      zero.finish();
+      zero.step(1e-2);
+      adamw.step(1e-2);
+    }
+    size_t differ = 0;
+    for (int id = 0; id < plain.size(); ++id)
+      for (int64_t i = 0; i < plain.numel(id); ++i) differ += sharded.value(id)[i] != plain.value(id)[i];
+    EXPECT_EQ(differ, 0u);
+    EXPECT_GT(stats.grad_sync_s, 0);
+  }
+}
+
+// Ranks simulated by threads: sums and gathers meet at a barrier, summed in rank order.
+class ThreadBatch {
+ public:
+  explicit ThreadBatch(int ranks) : ranks_(ranks), sync_(ranks), doubles_(ranks), ints_(ranks) {}
+
+  class Member final : public MoEBatchGroup {
+   public:
+    Member(ThreadBatch& batch, int rank) : batch_(batch), rank_(rank) {}
+    int size() const override { return batch_.ranks_; }
+    int rank() const override { return rank_; }
+    void sum(double* values, int64_t count) override {
+      batch_.doubles_[rank_].assign(values, values + count);
+      batch_.sync_.arrive_and_wait();
+      std::vector<double> total(static_cast<size_t>(count), 0.0);
+      for (const auto& part : batch_.doubles_)
+        for (int64_t i = 0; i < count; ++i) total[i] += part[i];
+      batch_.sync_.arrive_and_wait();
+      std::copy(total.begin(), total.end(), values);
+    }
+    void all_gather(const int64_t* values, int64_t count, int64_t* all) override {
+      batch_.ints_[rank_].assign(values, values + count);
+      batch_.sync_.arrive_and_wait();
+      for (int r = 0; r < batch_.ranks_; ++r) std::copy(batch_.ints_[r].begin(), batch_.ints_[r].end(), all + r * count);
+      batch_.sync_.arrive_and_wait();
+    }
+
+   private:
+    ThreadBatch& batch_;
+    int rank_;
+  };
+
+ private:
+  int ranks_;
+  std::barrier<> sync_;
+  std::vector<std::vector<double>> doubles_;
+  std::vector<std::vector<int64_t>> ints_;
+};
+
+struct LayerRig {
+  ParameterStore<double> params;
+  std::unique_ptr<MoELayer<double>> layer;
+  std::optional<Arena> saved, scratch;
+  LayerRig(const ModelConfig& config, int64_t tokens, MoEBatchGroup* batch) {
+    layer = std::make_unique<MoELayer<double>>(params, config, "layers.0.moe");
+    params.allocate(11);
+    layer->set_parallel(batch, nullptr);
+    Arena measure_saved = Arena::measuring("saved"), measure_scratch = Arena::measuring("scratch");
+    layer->plan(measure_saved, measure_scratch, tokens);
+    saved.emplace("saved", measure_saved.high_water());
+    scratch.emplace("scratch", measure_scratch.high_water());
+    layer->plan(*saved, *scratch, tokens);
+  }
+};
+
+// N ranks of B sequences each against one layer over the N * B sequences (rank r's
+// sequence b is global sequence b * N + r): outputs, losses, drops, input gradients and
+// the sum of the ranks' parameter gradients.
+void expect_global_micro_batch(ScoreFunc score_func, double capacity_factor) {
+  ModelConfig config;
+  config.dim = 8;
+  config.seq_len = 4;
+  config.moe.n_experts = 4;
+  config.moe.top_k = 2;
+  config.moe.expert_hidden = 6;
+  config.moe.n_shared_experts = 1;
+  config.moe.score_func = score_func;
+  config.moe.capacity_factor = capacity_factor;
+  config.moe.aux_loss_coef = 0.1;
+  config.moe.z_loss_coef = 0.01;
+  constexpr int N = 3;
+  constexpr int64_t B = 2, S = 4, D = 8;
+  const int64_t T_local = B * S, T_global = N * T_local;
+  const CounterRng rng(4, "inputs");
+  std::vector<double> x(T_global * D), dy(T_global * D);
+  for (size_t i = 0; i < x.size(); ++i) {
+    x[i] = rng.normal(i);
+    dy[i] = rng.normal(i + x.size());
+  }
+  LayerRig one(config, T_global, nullptr);
+  std::vector<double> y(x.size()), dx(x.size());
+  const MoEForwardStats want = one.layer->forward(y.data(), x.data());
+  one.layer->backward(dx.data(), dy.data(), x.data(), 1.0);
+  // The global row of a rank's local token.
+  auto global_row = [&](int r, int64_t t) { return ((t / S) * N + r) * S + t % S; };
+
+  ThreadBatch batch(N);
+  std::vector<std::unique_ptr<ThreadBatch::Member>> members;
+  std::vector<std::unique_ptr<LayerRig>> rigs;
+  for (int r = 0; r < N; ++r) {
+    members.push_back(std::make_unique<ThreadBatch::Member>(batch, r));
+    rigs.push_back(std::make_unique<LayerRig>(config, T_local, members.back().get()));
+  }
+  std::vector<MoEForwardStats> got(N);
+  std::vector<std::vector<double>> ys(N), dxs(N);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < N; ++r)
+    threads.emplace_back([&, r] {
+      std::vector<double> x_local(T_local * D), dy_local(T_local * D);
+      for (int64_t t = 0; t < T_local; ++t)
+        for (int64_t d = 0; d < D; ++d) {
+          x_local[t * D + d] = x[global_row(r, t) * D + d];
+          dy_local[t * D + d] = dy[global_row(r, t) * D + d];
+        }
+      ys[r].resize(x_local.size());
+      dxs[r].resize(x_local.size());
+      got[r] = rigs[r]->layer->forward(ys[r].data(), x_local.data());
+      rigs[r]->layer->backward(dxs[r].data(), dy_local.data(), x_local.data(), 1.0);
+    });
+  for (auto& t : threads) t.join();
+
+  int64_t dropped = 0;
+  for (int r = 0; r < N; ++r) {
+    EXPECT_NEAR(got[r].aux_loss, want.aux_loss, 1e-12);
+    EXPECT_NEAR(got[r].z_loss, want.z_loss, 1e-12);
+    dropped += got[r].dropped;
+    for (int64_t t = 0; t < T_local; ++t)
+      for (int64_t d = 0; d < D; ++d) {
+        EXPECT_NEAR(ys[r][t * D + d], y[global_row(r, t) * D + d], 1e-12);
+        EXPECT_NEAR(dxs[r][t * D + d], dx[global_row(r, t) * D + d], 1e-12);
+      }
+  }
+  EXPECT_EQ(dropped, want.dropped);
+  if (capacity_factor > 0) EXPECT_GT(want.dropped, 0) << "the case needs capacity to drop";
+  for (int id = 0; id < one.params.size(); ++id)
+    for (int64_t i = 0; i < one.params.numel(id); ++i) {
+      double sum = 0;
+      for (int r = 0; r < N; ++r) sum += rigs[r]->params.grad(id)[i];
+      EXPECT_NEAR(sum, one.params.grad(id)[i], 1e-12) << one.params.spec(id).name << " " << i;
+    }
+}
+
+TEST(MoEGlobalMicroBatch, RanksReproduceOneLayerDropless) { expect_global_micro_batch(ScoreFunc::Softmax, 0.0); }
+TEST(MoEGlobalMicroBatch, RanksReproduceOneLayerWithCapacity) { expect_global_micro_batch(ScoreFunc::Sigmoid, 0.75); }
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,344 @@
+// The GPU optimizer against the CPU one, bit for bit: the hi/lo master-weight split, the
+// global gradient norm (train/grad_clip.cpp's sum order), clipping and the multi-tensor
+// AdamW with fp32 and bf16 moments (train/adamw.cpp), the state round trip for
+// checkpoints, and all of it through GpuTransformer on a small model.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <string>
+
+#include "gpu_test_util.h"
+#include "kernels/adamw_math.h"
+#include "kernels/gpu_ops.h"
+#include "model/cuda/gpu_parameters.h"
+#include "model/cuda/gpu_transformer.h"
+#include "model/transformer.h"
+#include "train/adamw.h"
+#include "train/grad_clip.h"
+
+namespace moe {
+namespace {
+
+namespace am = adamw_math;
+
+uint32_t bits(float x) { return am::float_bits(x); }
+bool is_nan_bits(uint32_t u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+std::vector<uint32_t> bit_patterns() {
+  std::vector<uint32_t> patterns;
+  const uint32_t lows[] = {0x0000, 0x0001, 0x7fff, 0x8000, 0x8001, 0xffff, 0x4321};
+  for (uint32_t high = 0; high < 0x10000; ++high)
+    for (uint32_t low : lows) patterns.push_back(high << 16 | low);
+  for (uint64_t i = 0; i < (uint64_t{1} << 24); ++i) patterns.push_back(static_cast<uint32_t>(i * 2654435761u + 7u));
+  return patterns;
+}
+
+TEST(GpuOptimizer, SplitAndJoinKernelsMatchTheHostFunctions) {
+  MOE_REQUIRE_GPU();
+  const std::vector<uint32_t> patterns = bit_patterns();
+  const size_t n = patterns.size();
+  std::vector<float> x(n);
+  std::memcpy(x.data(), patterns.data(), n * sizeof(float));
+  auto x_d = test::to_device(x);
+  auto hi_d = test::poisoned<bf16>(n);
+  auto lo_d = test::poisoned<int16_t>(n);
+  cuda::split_master(hi_d.data(), lo_d.data(), x_d.data(), static_cast<int64_t>(n), nullptr);
+  auto back_d = test::poisoned<float>(n);
+  cuda::join_master(back_d.data(), hi_d.data(), lo_d.data(), static_cast<int64_t>(n), nullptr);
+  const auto hi = test::to_host(hi_d);
+  const auto lo = test::to_host(lo_d);
+  const auto back = test::to_host(back_d);
+  size_t bad_split = 0, bad_join = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const am::MasterSplit want = am::split_master(x[i]);
+    bad_split += hi[i].bits != want.hi || lo[i] != want.lo;
+    const uint32_t got = bits(back[i]);
+    bad_join += is_nan_bits(patterns[i]) ? !(is_nan_bits(got) && (got >> 31) == (patterns[i] >> 31))
+                                         : got != patterns[i];
+  }
+  EXPECT_EQ(bad_split, 0u);
+  EXPECT_EQ(bad_join, 0u);
+}
+
+TEST(GpuOptimizer, Bf16MomentConversionsMatchTheHost) {
+  MOE_REQUIRE_GPU();
+  const std::vector<uint32_t> patterns = bit_patterns();
+  const size_t n = patterns.size();
+  std::vector<float> x(n);
+  std::memcpy(x.data(), patterns.data(), n * sizeof(float));
+  auto x_d = test::to_device(x);
+  auto rounded_d = test::poisoned<bf16>(n);
+  cuda::round_to_bf16(rounded_d.data(), x_d.data(), static_cast<int64_t>(n), nullptr);
+  auto wide_d = test::poisoned<float>(n);
+  cuda::widen_bf16(wide_d.data(), rounded_d.data(), static_cast<int64_t>(n), nullptr);
+  const auto rounded = test::to_host(rounded_d);
+  const auto wide = test::to_host(wide_d);
+  size_t bad = 0;
+  for (size_t i = 0; i < n; ++i)
+    bad += rounded[i].bits != float_to_bf16(x[i]).bits || bits(wide[i]) != uint32_t{rounded[i].bits} << 16;
+  EXPECT_EQ(bad, 0u);
+}
+
+// Ragged parameters: shorter than a chunk, exactly one, one element more, a few, and
+// more than one norm block's worth (256 chunks); some without weight decay.
+void make_params(ParameterStore<float>& params) {
+  const int64_t C = am::kNormChunk;
+  const int64_t sizes[] = {1, 15, C, C + 1, 3 * C + 7, 100003, 300 * C + 3, 24};
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    ParamSpec spec{"p" + std::to_string(i), Shape{sizes[i]}, Init::Normal, 0.3};
+    spec.weight_decay = i % 3 != 1;
+    params.add(spec);
+  }
+  params.allocate(11);
+}
+
+// Per parameter a different scale, so the norm sums terms of different sizes.
+void fill_grads(ParameterStore<float>& params, int64_t step, double scale) {
+  CounterRng rng(17, "optimizer_grads");
+  for (int id = 0; id < params.size(); ++id) {
+    const double s = scale * std::pow(3.0, id % 4 - 2);
+    for (int64_t i = 0; i < params.numel(id); ++i)
+      params.grad(id)[i] = static_cast<float>(s * rng.normal(static_cast<uint64_t>(step) << 40 | uint64_t(id) << 32 | uint64_t(i)));
+  }
+}
+
+double cpu_norm(ParameterStore<float>& params) { return clip_gradients(params, 0.0, 0.0).global_norm; }
+
+TEST(GpuOptimizer, GradNormIsTheCpuNormBitForBit) {
+  MOE_REQUIRE_GPU();
+  ParameterStore<float> params;
+  make_params(params);
+  GpuParameterStore gpu(params, MomentDtype::Fp32, {}, nullptr);
+  for (int64_t step = 1; step <= 3; ++step) {
+    fill_grads(params, step, step == 2 ? 1e3 : 1e-3);
+    gpu.upload_grads(params);
+    const double want = cpu_norm(params);
+    const double got = gpu.grad_norm();
+    EXPECT_EQ(got, want) << "step " << step << ": relative difference " << (got - want) / want;
+    EXPECT_EQ(gpu.last_grad_norm(), want);
+    EXPECT_FALSE(gpu.last_step_skipped());
+  }
+  // An inf or a NaN anywhere makes the norm non-finite, and the step is skipped.
+  params.grad(6)[123456] = std::numeric_limits<float>::infinity();
+  gpu.upload_grads(params);
+  EXPECT_EQ(gpu.grad_norm(), std::numeric_limits<double>::infinity());
+  EXPECT_TRUE(gpu.last_step_skipped());
+  params.grad(3)[am::kNormChunk] = std::numeric_limits<float>::quiet_NaN();
+  gpu.upload_grads(params);
+  EXPECT_TRUE(std::isnan(gpu.grad_norm()));
+  EXPECT_TRUE(gpu.last_step_skipped());
+}
+
+// Parameters, moments, bf16 weights and fp32 copies of the GPU store against the CPU's.
+void expect_state_matches(GpuParameterStore& gpu, ParameterStore<float>& cpu_params, AdamW& cpu,
+                          const std::vector<int>& fp32_ids, const std::string& when) {
+  SCOPED_TRACE(when);
+  ParameterStore<float> holder;
+  make_params(holder);
+  std::vector<float> m, v;
+  gpu.download_state(holder, m, v);
+  ASSERT_EQ(m.size(), cpu.first_moment().size());
+  size_t bad_p = 0, bad_m = 0, bad_v = 0, bad_hi = 0, first_bad = 0;
+  size_t packed = 0;
+  std::vector<bf16> hi(static_cast<size_t>(gpu.storage_numel()));
+  MOE_CUDA_CHECK(cudaMemcpy(hi.data(), gpu.weights(), hi.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+  for (int id = 0; id < cpu_params.size(); ++id)
+    for (int64_t i = 0; i < cpu_params.numel(id); ++i, ++packed) {
+      const float want = cpu_params.value(id)[i];
+      if (bits(holder.value(id)[i]) != bits(want) && bad_p++ == 0) first_bad = packed;
+      bad_m += bits(m[packed]) != bits(cpu.first_moment()[packed]);
+      bad_v += bits(v[packed]) != bits(cpu.second_moment()[packed]);
+      bad_hi += hi[static_cast<size_t>(cpu_params.offset(id) + i)].bits != am::split_master(want).hi;
+    }
+  EXPECT_EQ(bad_p, 0u) << "parameters differ, first at packed index " << first_bad;
+  EXPECT_EQ(bad_m, 0u) << "first moments differ";
+  EXPECT_EQ(bad_v, 0u) << "second moments differ";
+  EXPECT_EQ(bad_hi, 0u) << "bf16 weights differ";
+  for (int id : fp32_ids) {
+    std::vector<float> copy(static_cast<size_t>(cpu_params.numel(id)));
+    MOE_CUDA_CHECK(cudaMemcpy(copy.data(), gpu.fp32_values(id), copy.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    EXPECT_TRUE(std::equal(copy.begin(), copy.end(), cpu_params.value(id), [](float a, float b) { return bits(a) == bits(b); }))
+        << "fp32 copy of parameter " << id;
+  }
+}
+
+class GpuMultiTensorAdamW : public ::testing::TestWithParam<MomentDtype> {
+ protected:
+  OptimizerConfig config() const {
+    OptimizerConfig c;
+    c.weight_decay = 0.1;
+    c.state_dtype = GetParam() == MomentDtype::Bf16 ? "bf16" : "fp32";
+    return c;
+  }
+};
+
+// Steps alternate between gradients far above the clipping norm and far below it; the
+// last one goes through grad_norm() + adamw_step() as the trainer calls them, then a step
+// with a NaN gradient is skipped.
+TEST_P(GpuMultiTensorAdamW, ClippedStepsMatchTheCpuBitForBit) {
+  MOE_REQUIRE_GPU();
+  ParameterStore<float> params;
+  make_params(params);
+  const OptimizerConfig oc = config();
+  AdamW cpu(oc, params);
+  const std::vector<int> fp32_ids = {1, 7};
+  GpuParameterStore gpu(params, GetParam(), fp32_ids, nullptr);
+  const double max_norm = 1.0;
+  for (int64_t step = 1; step <= 5; ++step) {
+    fill_grads(params, step, step % 2 == 0 ? 1.0 : 1e-5);
+    gpu.upload_grads(params);  // before clip_gradients scales the CPU's in place
+    const ClipStats clip = clip_gradients(params, max_norm, 0.0);
+    EXPECT_EQ(clip.global_clipped, step % 2 == 0) << "step " << step;
+    const double lr = 1e-3 * static_cast<double>(step);
+    const AdamWStep hyper{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step};
+    if (step < 5) {
+      gpu.clip_and_adamw_step(hyper, max_norm);
+    } else {
+      const double norm = gpu.grad_norm();
+      const double factor = norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
+      gpu.adamw_step(hyper, static_cast<float>(factor));
+    }
+    cpu.step(lr);
+    EXPECT_EQ(gpu.last_grad_norm(), clip.global_norm) << "step " << step;
+    EXPECT_FALSE(gpu.last_step_skipped());
+    expect_state_matches(gpu, params, cpu, fp32_ids, "step " + std::to_string(step));
+  }
+  params.grad(4)[99] = std::numeric_limits<float>::quiet_NaN();
+  gpu.upload_grads(params);
+  gpu.clip_and_adamw_step(AdamWStep{1e-2, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, 6}, max_norm);
+  EXPECT_TRUE(gpu.last_step_skipped());
+  EXPECT_TRUE(std::isnan(gpu.last_grad_norm()));
+  expect_state_matches(gpu, params, cpu, fp32_ids, "after the skipped step");
+}
+
+// Checkpoints: what upload_state() puts in, download_state() gives back (bf16 moments
+// rounded to nearest even), edge values of the weights included.
+TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
+  MOE_REQUIRE_GPU();
+  ParameterStore<float> initial, params;
+  make_params(initial);
+  make_params(params);
+  GpuParameterStore gpu(initial, GetParam(), {0, 7}, nullptr);
+  {  // the constructor's copy
+    ParameterStore<float> holder;
+    make_params(holder);
+    gpu.download_params(holder);
+    for (int id = 0; id < initial.size(); ++id)
+      for (int64_t i = 0; i < initial.numel(id); ++i) ASSERT_EQ(bits(holder.value(id)[i]), bits(initial.value(id)[i]));
+  }
+  const float edges[] = {-0.0f, std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min(),
+                         std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                         std::numeric_limits<float>::infinity(), am::bits_float(0x3f808000u),
+                         am::bits_float(0x007fffffu), am::bits_float(0xbf7fffffu)};
+  for (size_t i = 0; i < std::size(edges); ++i) params.value(5)[i] = edges[i];
+  params.value(0)[0] = -0.0f;
+  const int64_t total = params.total_numel();
+  std::vector<float> m(static_cast<size_t>(total)), v(static_cast<size_t>(total));
+  CounterRng rng(5, "moments");
+  for (int64_t i = 0; i < total; ++i) {
+    m[static_cast<size_t>(i)] = static_cast<float>(1e-3 * rng.normal(static_cast<uint64_t>(2 * i)));
+    v[static_cast<size_t>(i)] = static_cast<float>(1e-6 * std::abs(rng.normal(static_cast<uint64_t>(2 * i + 1))));
+  }
+  gpu.upload_state(params, m, v);
+  ParameterStore<float> holder;
+  make_params(holder);
+  std::vector<float> m_back, v_back;
+  gpu.download_state(holder, m_back, v_back);
+  for (int id = 0; id < params.size(); ++id)
+    for (int64_t i = 0; i < params.numel(id); ++i)
+      ASSERT_EQ(bits(holder.value(id)[i]), bits(params.value(id)[i])) << params.spec(id).name << "[" << i << "]";
+  const bool bf16 = GetParam() == MomentDtype::Bf16;
+  size_t bad = 0, changed = 0;
+  for (int64_t i = 0; i < total; ++i) {
+    const auto k = static_cast<size_t>(i);
+    const float want_m = bf16 ? bf16_to_float(float_to_bf16(m[k])) : m[k];
+    const float want_v = bf16 ? bf16_to_float(float_to_bf16(v[k])) : v[k];
+    bad += bits(m_back[k]) != bits(want_m) || bits(v_back[k]) != bits(want_v);
+    changed += bits(m_back[k]) != bits(m[k]);
+  }
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(changed > 0, bf16);
+  std::vector<float> copy(static_cast<size_t>(params.numel(7)));
+  MOE_CUDA_CHECK(cudaMemcpy(copy.data(), gpu.fp32_values(7), copy.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  EXPECT_TRUE(std::equal(copy.begin(), copy.end(), params.value(7)));
+  // The store's size: the blocks plus small tables.
+  const size_t blocks = static_cast<size_t>(gpu.storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam());
+  EXPECT_GE(gpu.device_bytes(), blocks);
+  EXPECT_LT(gpu.device_bytes(), blocks + (size_t{1} << 20));
+  EXPECT_EQ(GpuParameterStore::bytes_per_parameter(GetParam()), bf16 ? 12u : 16u);
+}
+
+ModelConfig small_model() {
+  ModelConfig c;
+  c.vocab_size = 384;
+  c.dim = 128;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.seq_len = 64;
+  c.first_dense_layers = 1;
+  c.dense_hidden = 256;
+  c.moe.n_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 128;
+  c.moe.n_shared_experts = 1;
+  return c;
+}
+
+// The whole model: the GPU's gradients, clipped and applied on the GPU, give the same
+// weights as the CPU AdamW applied to those gradients.
+TEST_P(GpuMultiTensorAdamW, TransformerStepsMatchTheCpuOptimizer) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig c = small_model();
+  const int64_t batch = 2;
+  Transformer<float> initial(c, 3);
+  GpuTransformer gpu(c, initial.params(), GetParam());
+  gpu.plan(batch);
+  Transformer<float> cpu(c, 3);  // the same initial weights; receives the GPU's gradients
+  const OptimizerConfig oc = config();
+  AdamW cpu_adamw(oc, cpu.params());
+  std::vector<int32_t> inputs, targets;
+  CounterRng rng(8, "tokens");
+  for (int64_t i = 0; i < batch * c.seq_len; ++i) {
+    inputs.push_back(static_cast<int32_t>(rng.bits(static_cast<uint64_t>(i))[0] % c.vocab_size));
+    targets.push_back(static_cast<int32_t>(rng.bits(static_cast<uint64_t>(i))[1] % c.vocab_size));
+  }
+  const double max_norm = 1e-3;  // below any gradient norm here: every step clips
+  double first_loss = 0, loss = 0;
+  for (int64_t step = 1; step <= 3; ++step) {
+    gpu.zero_grads();
+    loss = gpu.forward(inputs.data(), targets.data()).total();
+    ASSERT_TRUE(std::isfinite(loss));
+    if (step == 1) first_loss = loss;
+    gpu.backward(1.0);
+    gpu.download_grads(cpu.params());
+    const ClipStats clip = clip_gradients(cpu.params(), max_norm, 0.0);
+    EXPECT_TRUE(clip.global_clipped);
+    const double lr = 3e-3;
+    gpu.clip_and_adamw_step(max_norm, lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step);
+    cpu_adamw.step(lr);
+    EXPECT_EQ(gpu.last_grad_norm(), clip.global_norm) << "step " << step;
+    Transformer<float> got(c, 3);
+    gpu.download_params(got.params());
+    size_t bad = 0;
+    for (int id = 0; id < got.params().size(); ++id)
+      for (int64_t i = 0; i < got.params().numel(id); ++i)
+        bad += bits(got.params().value(id)[i]) != bits(cpu.params().value(id)[i]);
+    EXPECT_EQ(bad, 0u) << "step " << step;
+  }
+  EXPECT_LT(loss, first_loss);
+  EXPECT_GE(gpu.parameter_bytes(),
+            static_cast<size_t>(initial.params().storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Moments, GpuMultiTensorAdamW, ::testing::Values(MomentDtype::Fp32, MomentDtype::Bf16),
+                         [](const ::testing::TestParamInfo<MomentDtype>& info) {
+                           return info.param == MomentDtype::Bf16 ? std::string("Bf16") : std::string("Fp32");
+                         });
+
+}  // namespace
+}  // namespace moe
