@@ -71,6 +71,8 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "nan_lr_factor", t.nan_lr_factor);
   visit("training", "loss_spike_factor", t.loss_spike_factor);
   visit("training", "memory_limit_mb", t.memory_limit_mb);
+  visit("training", "recompute_layers", t.recompute_layers);
+  visit("training", "cuda_graphs", t.cuda_graphs);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
@@ -298,6 +300,10 @@ void check_training(const RunConfig& c) {
   check_real("training.loss_spike_factor", t.loss_spike_factor, t.loss_spike_factor == 0 || t.loss_spike_factor > 1,
              "0 (off) or a number > 1");
   non_negative("training.memory_limit_mb", t.memory_limit_mb);
+  if (t.recompute_layers < -1)
+    fail({"training.recompute_layers"},
+         fmt::format("training.recompute_layers must be -1 (all layers), 0 (none) or a layer count, got {}",
+                     t.recompute_layers));
 
   const OptimizerConfig& o = c.optimizer;
   check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");

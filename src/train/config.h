@@ -27,6 +27,8 @@ struct TrainingConfig {
   double nan_lr_factor = 0.5;         // each such reload multiplies the learning rate by this
   double loss_spike_factor = 3.0;     // warn when a loss exceeds this times the running mean; 0: off
   int64_t memory_limit_mb = 0;        // activation memory per micro-batch; over it the micro-batch is halved; 0: none
+  int64_t recompute_layers = 0;       // GPU: recompute the activations of the first N layers in the backward; -1: all
+  bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
 };
 
 struct OptimizerConfig {

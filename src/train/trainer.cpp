@@ -151,7 +151,8 @@ class CpuBackend final : public ModelBackend {
 
 Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
                  std::unique_ptr<BatchSource> val_data)
-    : Trainer(config, std::move(train_data), std::move(val_data), dist::make_world_communicator(config.parallel.backend)) {}
+    : Trainer(config, std::move(train_data), std::move(val_data),
+              dist::make_world_communicator(resolve_parallel_backend(config))) {}
 
 Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
                  std::unique_ptr<BatchSource> val_data, std::unique_ptr<dist::Communicator> world)
@@ -183,18 +184,23 @@ bool Trainer::setup_parallel(std::unique_ptr<dist::Communicator> world) {
   const TrainingConfig& tc = config_.training;
   const ParallelConfig& pc = config_.parallel;
   MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
+  // NCCL: data parallel on the GPU (trainer_gpu.cpp), a world of one included.
+  const bool nccl = world->backend() == "nccl";
+  if (nccl) check_gpu_data_parallel();
   if (world->size() == 1) {
     if (pc.expert_parallel > 1)
       MOE_CONFIG_ERROR("parallel.expert_parallel = {} needs a launch of a multiple of {} ranks (this one has 1)",
                        pc.expert_parallel, pc.expert_parallel);
+    if (nccl) gpu_world_ = std::move(world);
     return false;
   }
   world_ = world->size();
   rank_ = world->rank();
   // What the multi-rank path does not do yet is refused up front.
-  if (config_.training.device == "cuda" || (config_.training.device == "auto" && wants_gpu()))
-    MOE_CONFIG_ERROR("training.device = {}: multi-rank training runs on the CPU for now ({} ranks); use --device=cpu",
-                     config_.training.device, world_);
+  if (!nccl && (config_.training.device == "cuda" || (config_.training.device == "auto" && wants_gpu())))
+    MOE_CONFIG_ERROR("training.device = {} with parallel.backend = {} ({} ranks): multi-rank GPU training needs "
+                     "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
+                     config_.training.device, world->backend(), world_);
   if (!config_.checkpoint.dir.empty())
     MOE_CONFIG_ERROR("checkpoint.dir: checkpoints of multi-rank runs ({} ranks) are not implemented yet; leave it empty",
                      world_);
@@ -206,6 +212,10 @@ bool Trainer::setup_parallel(std::unique_ptr<dist::Communicator> world) {
   const int64_t S = config_.model.seq_len;
   train_data_ = std::make_unique<dist::RankSlicedSource>(std::move(train_data_), S, rank_, world_);
   val_data_ = std::make_unique<dist::RankSlicedSource>(std::move(val_data_), S, rank_, world_);
+  if (nccl) {
+    gpu_world_ = std::move(world);  // make_gpu_backend builds the GPU data-parallel backend on it
+    return false;
+  }
   backend_ = std::make_unique<dist::ParallelCpuBackend>(config_, *model_, std::move(world));
   return true;
 }

@@ -149,12 +149,17 @@ class Trainer {
   // its step and validation.
   bool wants_gpu() const;
   void setup_gpu();
+  void configure_gpu_model();  // recompute and graph settings of training.* onto the GPU model
   // Plans the GPU buffers, halving the micro-batch while an allocation fails.
   BatchPlan plan_gpu_batches();
   std::unique_ptr<ModelBackend> make_gpu_backend();
   // Data/expert parallelism over the ranks of the launch (src/dist/parallel_trainer.cpp):
-  // slices the data per rank and makes the backend; false in a world of one.
+  // slices the data per rank and makes the CPU backend; false in a world of one. An NCCL
+  // world is kept in gpu_world_ for the GPU's data-parallel backend (false as well).
   bool setup_parallel(std::unique_ptr<dist::Communicator> world);
+  // parallel.backend = nccl: what the GPU data-parallel path refuses (trainer_gpu.cpp).
+  void check_gpu_data_parallel() const;
+  std::unique_ptr<dist::Communicator> gpu_world_;  // until make_gpu_backend takes it
   // Checkpoints of GPU runs: the host model and AdamW take the GPU's state before a save,
   // and the GPU takes theirs after a restore (no-ops on the CPU path).
   void sync_state_from_gpu();
@@ -163,6 +168,10 @@ class Trainer {
   bool after_step(const StepStats& stats, std::ostream& out);
   void reload_after_faults(const StepStats& stats, std::ostream& out);
 };
+
+// parallel.backend as the launch resolves it: auto becomes nccl when the launch has
+// several ranks and training.device resolves to the GPU (src/train/trainer_gpu.cpp).
+std::string resolve_parallel_backend(const RunConfig& config);
 
 // Parameter counts for the log and MFU: total, and active per token (top-k experts).
 struct ParameterCounts {

@@ -8,12 +8,15 @@
 
 #include <fmt/format.h>
 
+#include "dist/communicator.h"
+#include "dist/launch_env.h"
 #include "train/batch_controller.h"
 #include "train/lr_schedule.h"
 #include "train/trainer.h"
 
 #ifdef MOE_HAVE_CUDA
 #include "core/gpu.h"
+#include "dist/cuda/gpu_data_parallel.h"
 #include "model/cuda/gpu_transformer.h"
 #endif
 
@@ -30,6 +33,30 @@ bool gpu_present() {
 }
 
 }  // namespace
+
+std::string resolve_parallel_backend(const RunConfig& config) {
+  const std::string& backend = config.parallel.backend;
+  if (backend != "auto") return backend;
+  const std::string& device = config.training.device;
+#ifdef MOE_HAVE_CUDA
+  const bool gpu = device == "cuda" || (device == "auto" && gpu_present());
+#else
+  const bool gpu = false;  // device = cuda is refused with its own message (wants_gpu)
+  (void)device;
+#endif
+  return gpu && dist::read_launch_env().world_size > 1 ? "nccl" : "auto";
+}
+
+void Trainer::check_gpu_data_parallel() const {
+  if (!wants_gpu())
+    MOE_CONFIG_ERROR("parallel.backend = nccl trains on the GPU, but training.device = {} resolves to the CPU: use "
+                     "--device=cuda, or parallel.backend = mpi/tcp for CPU ranks",
+                     config_.training.device);
+  if (config_.parallel.expert_parallel > 1)
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {}: expert parallelism on the GPU is not implemented yet (multi-GPU "
+                     "issue); use parallel.expert_parallel = 1 (data parallel) or --device=cpu",
+                     config_.parallel.expert_parallel);
+}
 
 bool Trainer::wants_gpu() const {
   const std::string& device = config_.training.device;
@@ -55,6 +82,12 @@ void Trainer::setup_gpu() {
     MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
                      "an allocation fails");
   gpu_.reset(new GpuTransformer(c.model, model_->params(), moment_dtype_from_name(c.optimizer.state_dtype)));
+  configure_gpu_model();
+}
+
+void Trainer::configure_gpu_model() {
+  gpu_->set_recompute_layers(config_.training.recompute_layers);
+  gpu_->enable_graphs(config_.training.cuda_graphs);
 }
 
 BatchPlan Trainer::plan_gpu_batches() {
@@ -76,27 +109,77 @@ BatchPlan Trainer::plan_gpu_batches() {
       gpu_.reset();
       gpu_.reset(new GpuTransformer(config_.model, model_->params(),
                                     moment_dtype_from_name(config_.optimizer.state_dtype)));
+      configure_gpu_model();
     }
   }
 }
 
 namespace {
 
-// The model, gradients and AdamW state on the GPU.
+// The model, gradients and AdamW state on the GPU. With `dp` (parallel.backend = nccl)
+// every rank holds a full replica and the gradients are summed over the ranks after the
+// step's last backward (src/dist/cuda/gpu_data_parallel.h).
+//
+// As on the CPU path (src/dist/parallel_trainer.h), each rank's cross-entropy is weighted
+// by its share of the global micro-batch's targets, so the sum over the ranks is the
+// global mean and N ranks with micro-batch B follow one GPU with micro-batch N x B. The
+// GPU backward takes one scale for all loss terms, so the aux and z losses, which are
+// computed over the rank's own micro-batch (not the global one as on the CPU path), get
+// that weight too: 1/N when the ranks have as many targets. Over one rank every weight
+// is exactly 1 and the all-reduce is the identity: the plain GPU run, bit for bit.
 class GpuBackend final : public ModelBackend {
  public:
-  GpuBackend(const RunConfig& config, GpuTransformer& gpu, ParameterStore<float>& host_params, int64_t& steps)
-      : config_(config), gpu_(gpu), host_params_(host_params), steps_(steps) {}
+  GpuBackend(const RunConfig& config, GpuTransformer& gpu, ParameterStore<float>& host_params, int64_t& steps,
+             int64_t tokens_per_micro_batch, std::unique_ptr<dist::GpuDataParallel> dp)
+      : config_(config), gpu_(gpu), host_params_(host_params), steps_(steps), tokens_(tokens_per_micro_batch),
+        dp_(std::move(dp)),
+        micro_scale_(static_cast<double>(tokens_per_micro_batch) / static_cast<double>(config.training.global_batch_tokens)) {}
   void begin_step() override {
     gpu_.zero_grads();
     gpu_.reset_load();
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
-    return gpu_.forward(inputs_BS, targets_BS);
+    if (dp_) {
+      const auto local =
+          static_cast<double>(std::count_if(targets_BS, targets_BS + tokens_, [](int32_t t) { return t >= 0; }));
+      const double total = dp_->sum(local);
+      ce_weight_ = total > 0 ? local / total : 0.0;
+    }
+    ForwardResult fwd;
+    if (config_.training.cuda_graphs) {
+      // The graph holds forward and backward together: the backward runs here, with the
+      // scale the step loop is about to pass (1 / micro-batches per step), checked there.
+      fwd = gpu_.forward_backward(inputs_BS, targets_BS, dp_ ? micro_scale_ * ce_weight_ : micro_scale_);
+      backward_done_ = true;
+    } else {
+      fwd = gpu_.forward(inputs_BS, targets_BS);
+    }
+    if (dp_) fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
+    return fwd;
   }
-  void backward(double loss_scale, bool) override { gpu_.backward(loss_scale); }
+  void backward(double loss_scale, bool last) override {
+    if (backward_done_) {
+      MOE_CHECK(std::abs(loss_scale - micro_scale_) <= 1e-12 * micro_scale_,
+                "CUDA graph step: backward scale {} differs from the captured {}", loss_scale, micro_scale_);
+      backward_done_ = false;
+    } else {
+      gpu_.backward(dp_ ? loss_scale * ce_weight_ : loss_scale);
+    }
+    if (dp_ && last) dp_->all_reduce_grads();
+  }
+  void reduce_losses(StepStats& stats) override {
+    if (!dp_) return;
+    // Cross-entropy and drops are shares; the aux and z losses are per rank: their mean.
+    double values[4] = {stats.loss, static_cast<double>(stats.dropped), stats.aux_loss, stats.z_loss};
+    dp_->sum(values, 4);
+    stats.loss = values[0];
+    stats.dropped = std::llround(values[1]);
+    stats.aux_loss = values[2] / dp_->size();
+    stats.z_loss = values[3] / dp_->size();
+  }
   void routing(StepStats& stats) override {
-    const auto loads = gpu_.expert_load();
+    auto loads = gpu_.expert_load();
+    if (dp_) sum_loads(loads);
     for (size_t i = 0; i < loads.size(); ++i) {
       LayerRouting r;
       r.layer = config_.model.first_dense_layers + static_cast<int64_t>(i);
@@ -119,21 +202,56 @@ class GpuBackend final : public ModelBackend {
     gpu_.adamw_step(lr, o.beta1, o.beta2, o.eps, o.weight_decay, static_cast<float>(grad_scale_), ++steps_);
   }
   void end_step() override {}
-  void end_validation() override { gpu_.reset_load(); }
-  void sync_host_model() override { gpu_.download_params(host_params_); }
+  double sum_over_ranks(double value) override { return dp_ ? dp_->sum(value) : value; }
+  void end_validation() override {
+    gpu_.reset_load();
+    if (dp_) dp_->take_stats();  // validation's sums are not a training step's
+  }
+  void take_comm_stats(StepStats& stats) override {
+    if (!dp_) return;
+    const dist::CommStats comm = dp_->take_stats();
+    stats.time.comm_wait += comm.wait_s;
+    stats.grad_sync_ms += comm.grad_sync_s * 1e3;
+  }
+  void sync_host_model() override {
+    gpu_.download_params(host_params_);
+    if (dp_) dp_->take_stats();
+  }
 
  private:
+  // Assignments per expert summed over the ranks (the step's global load).
+  void sum_loads(std::vector<std::vector<int64_t>>& loads) {
+    std::vector<double> flat;
+    for (const auto& layer : loads) flat.insert(flat.end(), layer.begin(), layer.end());
+    dp_->sum(flat.data(), static_cast<int64_t>(flat.size()));
+    size_t k = 0;
+    for (auto& layer : loads)
+      for (auto& load : layer) load = std::llround(flat[k++]);
+  }
+
   const RunConfig& config_;
   GpuTransformer& gpu_;
   ParameterStore<float>& host_params_;
   int64_t& steps_;
+  int64_t tokens_;  // per micro-batch (targets counted for the loss weights)
+  std::unique_ptr<dist::GpuDataParallel> dp_;
+  double ce_weight_ = 1.0;  // this rank's share of the micro-batch's targets
+  double micro_scale_;      // the step loop's loss scale: 1 / micro-batches per step
+  bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
   double grad_scale_ = 1.0;
 };
 
 }  // namespace
 
 std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
-  return std::make_unique<GpuBackend>(config_, *gpu_, model_->params(), gpu_steps_);
+  std::unique_ptr<dist::GpuDataParallel> dp;
+  if (gpu_world_) {
+    GpuParameterStore& params = gpu_->parameters();
+    dp = std::make_unique<dist::GpuDataParallel>(std::move(gpu_world_), gpu_->stream(), params.grads(),
+                                                 params.storage_numel(), config_.parallel.bucket_mb);
+  }
+  return std::make_unique<GpuBackend>(config_, *gpu_, model_->params(), gpu_steps_,
+                                      micro_batch_ * config_.model.seq_len, std::move(dp));
 }
 
 void Trainer::sync_state_from_gpu() {

@@ -50,6 +50,20 @@ std::vector<double> run(const RunConfig& config, const std::string& resume_from 
   return losses;
 }
 
+// training.cuda_graphs and training.recompute_layers change how the step runs, never
+// its numbers: the same losses, bit for bit, as the plain GPU run.
+TEST(GpuTrainer, GraphsAndRecomputeTrainLikeThePlainRun) {
+  MOE_REQUIRE_GPU();
+  RunConfig config = gpu_config("");
+  config.checkpoint.dir = "";
+  const std::vector<double> plain = run(config);
+  config.training.cuda_graphs = true;
+  config.training.recompute_layers = -1;
+  const std::vector<double> modes = run(config);
+  ASSERT_EQ(modes.size(), plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(modes[i], plain[i]) << "step " << i + 1;
+}
+
 std::string latest_checkpoint(const std::filesystem::path& dir) {
   std::string latest;
   for (const auto& entry : std::filesystem::directory_iterator(dir))

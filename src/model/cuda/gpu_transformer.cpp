@@ -87,18 +87,26 @@ struct PhaseClock {
   }
 };
 
+// A layer's activations inside the block, saved for its backward, or, for a layer whose
+// activations are recomputed, one set shared by all such layers and refilled from the
+// layer's input right before its backward.
+struct Activations {
+  Buffer<bf16> n1, h, n2, ffn_out;
+  Buffer<float> rstd1, rstd2;
+  AttentionBuffers attn;
+  FfnBuffers dense_buffers;
+  MoEBuffers moe;
+};
+
 struct Layer {
   Param norm1, norm2, wq, wk, wv, wo;
   Param router_w, router_b, w1, w3, w2;              // MoE layers
   std::vector<std::array<Param, 3>> shared;          // shared experts: w1, w3, w2
   std::array<Param, 3> dense;                        // dense FFN layers: w1, w3, w2
   bool is_moe = false;
-  // Saved activations.
-  Buffer<bf16> x, n1, h, n2, ffn_out;
-  Buffer<float> rstd1, rstd2;
-  AttentionBuffers attn;
-  FfnBuffers dense_buffers;
-  MoEBuffers moe;
+  bool recompute = false;  // activations recomputed in the backward
+  Buffer<bf16> x;          // the layer's input (the residual stream), always kept
+  std::shared_ptr<Activations> act;
   Buffer<int64_t> load;  // assignments per expert since reset
 };
 
@@ -116,6 +124,15 @@ struct GpuTransformer::State {
   std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only
   cudaStream_t stream = nullptr;
   int64_t batch = 0, tokens = 0;
+  int64_t recompute_layers = 0;  // the first N layers recompute their activations (-1: all)
+  bool recomputing = false;      // inside a backward's recomputed forward
+  // CUDA graph of zero_grads + forward + backward of one micro-batch, replayed while the
+  // values baked into its kernel arguments (valid targets, loss scale) stay the same.
+  bool graphs = false;
+  cudaGraphExec_t graph = nullptr;
+  int64_t graph_n_valid = -1;
+  bool graph_warm = false;  // an eager step has run since plan()
+  double graph_loss_scale = 0;
   // Rows the expert buffers hold: T * K, or fewer when the capacity bounds them. Row-wise
   // kernels run over all of them (static shapes, no host sync); only the rows below the
   // device-side offsets[E] are read by the GEMMs.
@@ -136,6 +153,13 @@ struct GpuTransformer::State {
   int64_t n_valid = 0;
   PhaseClock clock;
 
+  ~State() {
+    if (graph) cudaGraphExecDestroy(graph);
+    if (stream) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+  }
   void mark(int phase) { clock.mark(phase, stream); }
   const bf16* w(const Param& p) const { return store->weights() + p.offset; }
   float* g(const Param& p) { return store->grads() + p.offset; }
@@ -159,7 +183,15 @@ struct GpuTransformer::State {
                    int64_t rows, int64_t F, bool accumulate);
   void ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& weights_, FfnBuffers& buffers,
                     int64_t rows, int64_t F, bool accumulate_dx);
-  void moe_forward(Layer& layer, size_t layer_index);
+  void moe_forward(Layer& layer, size_t layer_index, bool count_load);
+  // One block's forward: from the previous block's h and FFN output (fused residual add),
+  // or from the saved input x when recomputing (and for the first layer after the embedding).
+  void layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch, bool from_saved_input);
+  void layer_backward(size_t l, double loss_scale);
+  void check_and_upload_inputs(const int32_t* inputs_BS, const int32_t* targets_BS);
+  void enqueue_forward();
+  ForwardResult read_forward_results();
+  void enqueue_backward(double loss_scale);
   void moe_backward(Layer& layer, double loss_scale);
 };
 
@@ -213,6 +245,9 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   std::vector<int> fp32_ids;
   for (const Layer& layer : s.layers)
     if (layer.is_moe) fp32_ids.push_back(layer.router_b.id);
+  // Our own stream (blocking: ordered with the legacy-stream copies of DeviceArray), so
+  // that the step can be captured as a CUDA graph.
+  MOE_CUDA_CHECK(cudaStreamCreate(&s.stream));
   s.store = std::make_unique<GpuParameterStore>(params, moments, fp32_ids, s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -237,20 +272,19 @@ void GpuTransformer::plan(int64_t batch) {
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
   auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
   auto i32 = [](int64_t n) { return Buffer<int32_t>(static_cast<size_t>(n)); };
-  for (Layer& layer : s.layers) {
-    layer.x = bf(T * D);
-    layer.n1 = bf(T * D);
-    layer.h = bf(T * D);
-    layer.n2 = bf(T * D);
-    layer.ffn_out = bf(T * D);
-    layer.rstd1 = f32(T);
-    layer.rstd2 = f32(T);
-    layer.attn = {bf(T * H * d), bf(T * G * d), bf(T * G * d), bf(T * H * d), f32(batch * H * S)};
-    if (!layer.is_moe) {
-      layer.dense_buffers = {bf(T * 2 * c.dense_hidden), bf(T * c.dense_hidden)};
-      continue;
-    }
-    MoEBuffers& m = layer.moe;
+  const size_t n_shared_experts = static_cast<size_t>(c.moe.n_shared_experts);
+  // Dense and/or MoE buffers of one block's activations.
+  auto allocate = [&](Activations& a, bool dense, bool moe) {
+    a.n1 = bf(T * D);
+    a.h = bf(T * D);
+    a.n2 = bf(T * D);
+    a.ffn_out = bf(T * D);
+    a.rstd1 = f32(T);
+    a.rstd2 = f32(T);
+    a.attn = {bf(T * H * d), bf(T * G * d), bf(T * G * d), bf(T * H * d), f32(batch * H * S)};
+    if (dense) a.dense_buffers = {bf(T * 2 * c.dense_hidden), bf(T * c.dense_hidden)};
+    if (!moe) return;
+    MoEBuffers& m = a.moe;
     m.logits = f32(T * E);
     m.scores = f32(T * E);
     m.weight = f32(T * K);
@@ -268,8 +302,39 @@ void GpuTransformer::plan(int64_t batch) {
     m.act_rows = bf(R * F);
     m.y_rows = bf(R * D);
     m.shared.clear();
-    for (size_t e = 0; e < layer.shared.size(); ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
+    for (size_t e = 0; e < n_shared_experts; ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
+  };
+  // Old buffers go first, so that a re-plan (a halved micro-batch) does not hold both.
+  for (Layer& layer : s.layers) {
+    layer.x = Buffer<bf16>();
+    layer.act.reset();
   }
+  const int64_t n_layers = static_cast<int64_t>(s.layers.size());
+  const int64_t recomputed = s.recompute_layers < 0 ? n_layers : std::min(s.recompute_layers, n_layers);
+  bool shared_dense = false, shared_moe = false;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    Layer& layer = s.layers[static_cast<size_t>(l)];
+    layer.recompute = l < recomputed;
+    if (layer.recompute) (layer.is_moe ? shared_moe : shared_dense) = true;
+  }
+  std::shared_ptr<Activations> shared;
+  if (shared_dense || shared_moe) {
+    shared = std::make_shared<Activations>();
+    allocate(*shared, shared_dense, shared_moe);
+  }
+  for (Layer& layer : s.layers) {
+    layer.x = bf(T * D);
+    if (layer.recompute) {
+      layer.act = shared;
+    } else {
+      layer.act = std::make_shared<Activations>();
+      allocate(*layer.act, !layer.is_moe, layer.is_moe);
+    }
+  }
+  // Buffers moved: a captured graph is stale, and the next step warms up eagerly.
+  if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
+  s.graph = nullptr;
+  s.graph_warm = false;
   const int64_t ffn_width = std::max(F, c.dense_hidden);
   s.inputs = i32(T);
   s.targets = i32(T);
@@ -324,13 +389,13 @@ void GpuTransformer::State::ffn_backward(bf16* dx, const bf16* dy, const bf16* x
   linear_backward(dx, g(p[1]), dffn_gate_up.data() + F, x, w(p[1]), rows, D, F, true, 2 * F);
 }
 
-void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index) {
+void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool count_load) {
   const MoEConfig& mc = config.moe;
   const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
-  MoEBuffers& m = layer.moe;
+  MoEBuffers& m = layer.act->moe;
   mark(kRouter);
   // Router: fp32 logits from the bf16 matmul, + bias, scores, top-k.
-  blas.gemm(false, true, T, E, D, 1.0f, layer.n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
+  blas.gemm(false, true, T, E, D, 1.0f, layer.act->n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
             stream);
   cuda::add_bias_rows(m.logits.data(), w32(layer.router_b), T, E, stream);
   cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), nullptr, T, E, K,
@@ -343,9 +408,10 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index) {
   cuda::ordered_sum(layer_sums + 1, m.z_term.data(), T, static_cast<float>(mc.z_loss_coef / T), stream);
   const int64_t capacity = expert_capacity(mc.capacity_factor, T, K, E);
   mark(kDispatch);
-  cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(), layer.load.data(),
+  cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(),
+                    count_load ? layer.load.data() : nullptr,
                     m.rank.data(), m.expert.data(), T, E, K, capacity, stream);
-  cuda::permute_forward(m.x_rows.data(), layer.n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D, stream);
+  cuda::permute_forward(m.x_rows.data(), layer.act->n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D, stream);
   MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
   // The experts: grouped GEMMs over the device-side row offsets (no host sync).
@@ -358,17 +424,17 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index) {
   const bf16* w2[1] = {w(layer.w2)};
   expert_gemm->forward(1, y, D, m.act_rows.data(), F, w2, m.offsets.data(), D, F, stream);
   mark(kCombine);
-  cuda::combine_forward(layer.ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
+  cuda::combine_forward(layer.act->ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
   mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
-    ffn_forward(layer.ffn_out.data(), layer.n2.data(), w(layer.shared[i][0]), w(layer.shared[i][1]),
+    ffn_forward(layer.act->ffn_out.data(), layer.act->n2.data(), w(layer.shared[i][0]), w(layer.shared[i][1]),
                 w(layer.shared[i][2]), m.shared[i], T, F, true);
 }
 
 void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const MoEConfig& mc = config.moe;
   const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
-  MoEBuffers& m = layer.moe;
+  MoEBuffers& m = layer.act->moe;
   const bf16* dy = dres.data();  // gradient of the FFN output
   mark(kCombine);
   cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
@@ -398,143 +464,229 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
                         static_cast<float>(loss_scale * mc.z_loss_coef), stream);
   cuda::add_column_sums(g(layer.router_b), dlogits.data(), T, E, stream);
   cuda::cast_to_bf16(dlogits_bf16.data(), dlogits.data(), T * E, stream);
-  linear_backward(dnorm.data(), g(layer.router_w), dlogits_bf16.data(), layer.n2.data(), w(layer.router_w), T, D, E,
+  linear_backward(dnorm.data(), g(layer.router_w), dlogits_bf16.data(), layer.act->n2.data(), w(layer.router_w), T, D, E,
                   true);
   mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
-    ffn_backward(dnorm.data(), dy, layer.n2.data(), layer.shared[i], m.shared[i], T, F, true);
+    ffn_backward(dnorm.data(), dy, layer.act->n2.data(), layer.shared[i], m.shared[i], T, F, true);
 }
 
-ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* targets_BS) {
-  State& s = *state_;
-  MOE_CHECK(s.batch > 0, "GPU forward before plan()");
-  const ModelConfig& c = s.config;
-  const int64_t T = s.tokens, D = c.dim, V = c.vocab_size, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
-  const float eps = static_cast<float>(c.norm_eps);
+void GpuTransformer::State::check_and_upload_inputs(const int32_t* inputs_BS, const int32_t* targets_BS) {
+  MOE_CHECK(batch > 0, "GPU forward before plan()");
+  const int64_t T = tokens, V = config.vocab_size;
   for (int64_t i = 0; i < T; ++i) {
     MOE_CHECK(inputs_BS[i] >= 0 && inputs_BS[i] < V, "token id {} at position {} is outside [0, {})", inputs_BS[i], i, V);
     MOE_CHECK(targets_BS[i] >= -1 && targets_BS[i] < V, "target {} at position {} is outside [-1, {})", targets_BS[i],
               i, V);
   }
-  s.inputs.upload(inputs_BS, static_cast<size_t>(T));
-  s.targets.upload(targets_BS, static_cast<size_t>(T));
-  s.n_valid = 0;
-  for (int64_t i = 0; i < T; ++i) s.n_valid += targets_BS[i] >= 0;
-  ForwardResult result;
+  // Synchronous copies: the previous step's kernels are done reading these buffers.
+  inputs.upload(inputs_BS, static_cast<size_t>(T));
+  targets.upload(targets_BS, static_cast<size_t>(T));
+  n_valid = 0;
+  for (int64_t i = 0; i < T; ++i) n_valid += targets_BS[i] >= 0;
+}
+
+void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch,
+                                          bool from_saved_input) {
+  const ModelConfig& c = config;
+  const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  const float eps = static_cast<float>(c.norm_eps);
+  Layer& layer = layers[l];
+  Activations& a = *layer.act;
+  mark(kNorms);
+  if (from_saved_input)
+    cuda::rmsnorm_forward(a.n1.data(), a.rstd1.data(), nullptr, layer.x.data(), nullptr, w(layer.norm1), T, D, eps,
+                          stream);
+  else  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm
+    cuda::rmsnorm_forward(a.n1.data(), a.rstd1.data(), layer.x.data(), prev_h, prev_branch, w(layer.norm1), T, D, eps,
+                          stream);
+  AttentionBuffers& at = a.attn;
+  mark(kAttention);
+  linear(at.q.data(), a.n1.data(), w(layer.wq), T, D, H * d, false);
+  linear(at.k.data(), a.n1.data(), w(layer.wk), T, D, G * d, false);
+  linear(at.v.data(), a.n1.data(), w(layer.wv), T, D, G * d, false);
+  cuda::rope_forward(at.q.data(), positions.data(), T, H, d, static_cast<float>(c.rope_theta), stream);
+  cuda::rope_forward(at.k.data(), positions.data(), T, G, d, static_cast<float>(c.rope_theta), stream);
+  attention.forward(at.out.data(), at.stats.data(), at.q.data(), at.k.data(), at.v.data(), batch, c.seq_len, H, G, d,
+                    1.0f / std::sqrt(static_cast<float>(d)), stream);
+  // The attention output goes through dnorm (free here, also during the backward).
+  linear(dnorm.data(), at.out.data(), w(layer.wo), T, H * d, D, false);
+  mark(kNorms);
+  cuda::rmsnorm_forward(a.n2.data(), a.rstd2.data(), a.h.data(), layer.x.data(), dnorm.data(), w(layer.norm2), T, D,
+                        eps, stream);
+  if (layer.is_moe) {
+    // A recomputed forward must not count its tokens per expert twice.
+    moe_forward(layer, l, /*count_load=*/!recomputing);
+  } else {
+    mark(kDenseFfn);
+    ffn_forward(a.ffn_out.data(), a.n2.data(), w(layer.dense[0]), w(layer.dense[1]), w(layer.dense[2]),
+                a.dense_buffers, T, c.dense_hidden, false);
+  }
+}
+
+void GpuTransformer::State::enqueue_forward() {
+  const ModelConfig& c = config;
+  const int64_t T = tokens, D = c.dim, V = c.vocab_size;
+  const float eps = static_cast<float>(c.norm_eps);
   const bf16* prev_h = nullptr;
   const bf16* prev_branch = nullptr;
-  for (size_t l = 0; l < s.layers.size(); ++l) {
-    Layer& layer = s.layers[l];
+  for (size_t l = 0; l < layers.size(); ++l) {
     if (l == 0) {
-      s.mark(kEmbedding);
-      cuda::embedding_forward(layer.x.data(), s.inputs.data(), s.w(s.embedding), T, V, D, s.stream);
-      s.mark(kNorms);
-      cuda::rmsnorm_forward(layer.n1.data(), layer.rstd1.data(), nullptr, layer.x.data(), nullptr, s.w(layer.norm1), T,
-                            D, eps, s.stream);
-    } else {  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm
-      s.mark(kNorms);
-      cuda::rmsnorm_forward(layer.n1.data(), layer.rstd1.data(), layer.x.data(), prev_h, prev_branch, s.w(layer.norm1),
-                            T, D, eps, s.stream);
+      mark(kEmbedding);
+      cuda::embedding_forward(layers[0].x.data(), inputs.data(), w(embedding), T, V, D, stream);
     }
-    AttentionBuffers& a = layer.attn;
-    s.mark(kAttention);
-    s.linear(a.q.data(), layer.n1.data(), s.w(layer.wq), T, D, H * d, false);
-    s.linear(a.k.data(), layer.n1.data(), s.w(layer.wk), T, D, G * d, false);
-    s.linear(a.v.data(), layer.n1.data(), s.w(layer.wv), T, D, G * d, false);
-    cuda::rope_forward(a.q.data(), s.positions.data(), T, H, d, static_cast<float>(c.rope_theta), s.stream);
-    cuda::rope_forward(a.k.data(), s.positions.data(), T, G, d, static_cast<float>(c.rope_theta), s.stream);
-    s.attention.forward(a.out.data(), a.stats.data(), a.q.data(), a.k.data(), a.v.data(), s.batch, c.seq_len, H, G, d,
-                        1.0f / std::sqrt(static_cast<float>(d)), s.stream);
-    s.linear(s.dnorm.data(), a.out.data(), s.w(layer.wo), T, H * d, D, false);  // attention output (scratch)
-    s.mark(kNorms);
-    cuda::rmsnorm_forward(layer.n2.data(), layer.rstd2.data(), layer.h.data(), layer.x.data(), s.dnorm.data(),
-                          s.w(layer.norm2), T, D, eps, s.stream);
-    if (layer.is_moe) {
-      s.moe_forward(layer, l);
-    } else {
-      s.mark(kDenseFfn);
-      s.ffn_forward(layer.ffn_out.data(), layer.n2.data(), s.w(layer.dense[0]), s.w(layer.dense[1]),
-                    s.w(layer.dense[2]), layer.dense_buffers, T, c.dense_hidden, false);
-    }
-    prev_h = layer.h.data();
-    prev_branch = layer.ffn_out.data();
+    layer_forward(l, prev_h, prev_branch, /*from_saved_input=*/l == 0);
+    prev_h = layers[l].act->h.data();
+    prev_branch = layers[l].act->ffn_out.data();
   }
-  s.mark(kNorms);
-  cuda::rmsnorm_forward(s.final_n.data(), s.final_rstd.data(), s.final_x.data(), prev_h, prev_branch,
-                        s.w(s.final_norm), T, D, eps, s.stream);
-  s.mark(kHeadLoss);
-  s.linear(s.logits.data(), s.final_n.data(), s.w(s.head), T, D, V, false);
-  cuda::cross_entropy_forward(s.loss.data(), s.lse.data(), s.logits.data(), s.targets.data(), T, V, s.stream);
-  cuda::ordered_sum(s.sums.data(), s.loss.data(), T, 1.0f / static_cast<float>(std::max<int64_t>(1, s.n_valid)),
-                    s.stream);
+  mark(kNorms);
+  cuda::rmsnorm_forward(final_n.data(), final_rstd.data(), final_x.data(), prev_h, prev_branch, w(final_norm), T, D,
+                        eps, stream);
+  mark(kHeadLoss);
+  linear(logits.data(), final_n.data(), w(head), T, D, V, false);
+  cuda::cross_entropy_forward(loss.data(), lse.data(), logits.data(), targets.data(), T, V, stream);
+  cuda::ordered_sum(sums.data(), loss.data(), T, 1.0f / static_cast<float>(std::max<int64_t>(1, n_valid)), stream);
+}
+
+ForwardResult GpuTransformer::State::read_forward_results() {
+  const int64_t T = tokens;
   // The one host synchronisation of the forward: the losses and the kept rows per layer.
-  std::vector<float> sums(s.sums.size());
-  std::vector<int32_t> kept(s.kept_rows.size());
-  MOE_CUDA_CHECK(cudaMemcpyAsync(sums.data(), s.sums.data(), sums.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                 s.stream));
-  MOE_CUDA_CHECK(cudaMemcpyAsync(kept.data(), s.kept_rows.data(), kept.size() * sizeof(int32_t),
-                                 cudaMemcpyDeviceToHost, s.stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-  s.mark(kHost);
-  result.ce_loss = sums[0];
-  for (size_t l = 0; l < s.layers.size(); ++l) {
-    if (!s.layers[l].is_moe) continue;
-    if (c.moe.aux_loss_coef > 0) result.aux_loss += sums[1 + 2 * l];
-    if (c.moe.z_loss_coef > 0) result.z_loss += sums[2 + 2 * l];
-    result.dropped += T * c.moe.top_k - kept[l];
+  std::vector<float> host_sums(sums.size());
+  std::vector<int32_t> kept(kept_rows.size());
+  MOE_CUDA_CHECK(cudaMemcpyAsync(host_sums.data(), sums.data(), host_sums.size() * sizeof(float),
+                                 cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(kept.data(), kept_rows.data(), kept.size() * sizeof(int32_t), cudaMemcpyDeviceToHost,
+                                 stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  mark(kHost);
+  ForwardResult result;
+  result.ce_loss = host_sums[0];
+  for (size_t l = 0; l < layers.size(); ++l) {
+    if (!layers[l].is_moe) continue;
+    if (config.moe.aux_loss_coef > 0) result.aux_loss += host_sums[1 + 2 * l];
+    if (config.moe.z_loss_coef > 0) result.z_loss += host_sums[2 + 2 * l];
+    result.dropped += T * config.moe.top_k - kept[l];
   }
   return result;
 }
 
+ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* targets_BS) {
+  State& s = *state_;
+  s.check_and_upload_inputs(inputs_BS, targets_BS);
+  s.enqueue_forward();
+  return s.read_forward_results();
+}
+
+void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
+  const ModelConfig& c = config;
+  const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  Layer& layer = layers[l];
+  if (layer.recompute) {
+    recomputing = true;
+    layer_forward(l, nullptr, nullptr, /*from_saved_input=*/true);
+    recomputing = false;
+  }
+  Activations& a = *layer.act;
+  // dres = d(block output) = d(h + ffn_out): the FFN branch, then the norm adds d h.
+  if (layer.is_moe) {
+    moe_backward(layer, loss_scale);
+  } else {
+    mark(kDenseFfn);
+    ffn_backward(dnorm.data(), dres.data(), a.n2.data(), layer.dense, a.dense_buffers, T, c.dense_hidden, false);
+  }
+  mark(kNorms);
+  cuda::rmsnorm_backward(dres.data(), g(layer.norm2), dnorm.data(), dres.data(), a.h.data(), w(layer.norm2),
+                         a.rstd2.data(), T, D, norm_partial.data(), stream);
+  AttentionBuffers& at = a.attn;
+  mark(kAttention);
+  linear_backward(dattn.data(), g(layer.wo), dres.data(), at.out.data(), w(layer.wo), T, H * d, D, false);
+  attention.backward(dq.data(), dk.data(), dv.data(), dattn.data(), at.q.data(), at.k.data(), at.v.data(),
+                     at.out.data(), at.stats.data(), batch, c.seq_len, H, G, d, 1.0f / std::sqrt(static_cast<float>(d)),
+                     stream);
+  cuda::rope_backward(dq.data(), positions.data(), T, H, d, static_cast<float>(c.rope_theta), stream);
+  cuda::rope_backward(dk.data(), positions.data(), T, G, d, static_cast<float>(c.rope_theta), stream);
+  linear_backward(dnorm.data(), g(layer.wq), dq.data(), a.n1.data(), w(layer.wq), T, D, H * d, false);
+  linear_backward(dnorm.data(), g(layer.wk), dk.data(), a.n1.data(), w(layer.wk), T, D, G * d, true);
+  linear_backward(dnorm.data(), g(layer.wv), dv.data(), a.n1.data(), w(layer.wv), T, D, G * d, true);
+  mark(kNorms);
+  cuda::rmsnorm_backward(dres.data(), g(layer.norm1), dnorm.data(), dres.data(), layer.x.data(), w(layer.norm1),
+                         a.rstd1.data(), T, D, norm_partial.data(), stream);
+}
+
+void GpuTransformer::State::enqueue_backward(double loss_scale) {
+  const ModelConfig& c = config;
+  const int64_t T = tokens, D = c.dim, V = c.vocab_size;
+  // Logits become their gradient in place.
+  mark(kHeadLoss);
+  cuda::cross_entropy_backward(logits.data(), logits.data(), lse.data(), targets.data(), T, V,
+                               static_cast<float>(loss_scale / static_cast<double>(std::max<int64_t>(1, n_valid))),
+                               stream);
+  linear_backward(dnorm.data(), g(head), logits.data(), final_n.data(), w(head), T, D, V, false);
+  mark(kNorms);
+  cuda::rmsnorm_backward(dres.data(), g(final_norm), dnorm.data(), nullptr, final_x.data(), w(final_norm),
+                         final_rstd.data(), T, D, norm_partial.data(), stream);
+  for (size_t l = layers.size(); l-- > 0;) layer_backward(l, loss_scale);
+  mark(kEmbedding);
+  cuda::embedding_backward(g(embedding), inputs.data(), dres.data(), T, V, D, embedding_scratch.data(),
+                           embedding_scratch.size(), stream);
+}
+
 void GpuTransformer::backward(double loss_scale) {
   State& s = *state_;
-  const ModelConfig& c = s.config;
-  const int64_t T = s.tokens, D = c.dim, V = c.vocab_size, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
-  // Logits become their gradient in place.
-  s.mark(kHeadLoss);
-  cuda::cross_entropy_backward(s.logits.data(), s.logits.data(), s.lse.data(), s.targets.data(), T, V,
-                               static_cast<float>(loss_scale / static_cast<double>(std::max<int64_t>(1, s.n_valid))),
-                               s.stream);
-  s.linear_backward(s.dnorm.data(), s.g(s.head), s.logits.data(), s.final_n.data(), s.w(s.head), T, D, V, false);
-  s.mark(kNorms);
-  cuda::rmsnorm_backward(s.dres.data(), s.g(s.final_norm), s.dnorm.data(), nullptr, s.final_x.data(),
-                         s.w(s.final_norm), s.final_rstd.data(), T, D, s.norm_partial.data(), s.stream);
-  for (size_t l = s.layers.size(); l-- > 0;) {
-    Layer& layer = s.layers[l];
-    // dres = d(block output) = d(h + ffn_out): the FFN branch, then the norm adds d h.
-    if (layer.is_moe) {
-      s.moe_backward(layer, loss_scale);
-    } else {
-      s.mark(kDenseFfn);
-      s.ffn_backward(s.dnorm.data(), s.dres.data(), layer.n2.data(), layer.dense, layer.dense_buffers, T,
-                     c.dense_hidden, false);
-    }
-    s.mark(kNorms);
-    cuda::rmsnorm_backward(s.dres.data(), s.g(layer.norm2), s.dnorm.data(), s.dres.data(), layer.h.data(),
-                           s.w(layer.norm2), layer.rstd2.data(), T, D, s.norm_partial.data(), s.stream);
-    AttentionBuffers& a = layer.attn;
-    s.mark(kAttention);
-    s.linear_backward(s.dattn.data(), s.g(layer.wo), s.dres.data(), a.out.data(), s.w(layer.wo), T, H * d, D, false);
-    s.attention.backward(s.dq.data(), s.dk.data(), s.dv.data(), s.dattn.data(), a.q.data(), a.k.data(), a.v.data(),
-                         a.out.data(), a.stats.data(), s.batch, c.seq_len, H, G, d,
-                         1.0f / std::sqrt(static_cast<float>(d)), s.stream);
-    cuda::rope_backward(s.dq.data(), s.positions.data(), T, H, d, static_cast<float>(c.rope_theta), s.stream);
-    cuda::rope_backward(s.dk.data(), s.positions.data(), T, G, d, static_cast<float>(c.rope_theta), s.stream);
-    s.linear_backward(s.dnorm.data(), s.g(layer.wq), s.dq.data(), layer.n1.data(), s.w(layer.wq), T, D, H * d, false);
-    s.linear_backward(s.dnorm.data(), s.g(layer.wk), s.dk.data(), layer.n1.data(), s.w(layer.wk), T, D, G * d, true);
-    s.linear_backward(s.dnorm.data(), s.g(layer.wv), s.dv.data(), layer.n1.data(), s.w(layer.wv), T, D, G * d, true);
-    s.mark(kNorms);
-    cuda::rmsnorm_backward(s.dres.data(), s.g(layer.norm1), s.dnorm.data(), s.dres.data(), layer.x.data(),
-                           s.w(layer.norm1), layer.rstd1.data(), T, D, s.norm_partial.data(), s.stream);
-  }
-  s.mark(kEmbedding);
-  cuda::embedding_backward(s.g(s.embedding), s.inputs.data(), s.dres.data(), T, V, D, s.embedding_scratch.data(),
-                           s.embedding_scratch.size(), s.stream);
+  s.enqueue_backward(loss_scale);
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   s.mark(kHost);
 }
 
+ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const int32_t* targets_BS,
+                                               double loss_scale) {
+  State& s = *state_;
+  s.check_and_upload_inputs(inputs_BS, targets_BS);
+  if (!s.graphs) {
+    s.enqueue_forward();
+    s.enqueue_backward(loss_scale);
+    return s.read_forward_results();
+  }
+  if (!s.graph_warm) {
+    // The first step after plan() runs eagerly: cuDNN, cuBLASLt and CUTLASS set up their
+    // plans and workspaces there, which must not happen inside a capture.
+    s.enqueue_forward();
+    s.enqueue_backward(loss_scale);
+    s.graph_warm = true;
+    return s.read_forward_results();
+  }
+  if (!s.graph || s.graph_n_valid != s.n_valid || s.graph_loss_scale != loss_scale) {
+    // (Re)capture: the number of valid targets and the loss scale are kernel arguments.
+    if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
+    s.graph = nullptr;
+    const bool timing = s.clock.enabled;
+    s.clock.enabled = false;  // events are not recorded inside the graph
+    cudaGraph_t captured = nullptr;
+    MOE_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeRelaxed));
+    s.enqueue_forward();
+    s.enqueue_backward(loss_scale);
+    MOE_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
+    s.clock.enabled = timing;
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&s.graph, captured, 0));
+    MOE_CUDA_CHECK(cudaGraphDestroy(captured));
+    s.graph_n_valid = s.n_valid;
+    s.graph_loss_scale = loss_scale;
+  }
+  MOE_CUDA_CHECK(cudaGraphLaunch(s.graph, s.stream));
+  return s.read_forward_results();
+}
+
+void GpuTransformer::enable_graphs(bool enabled) { state_->graphs = enabled; }
+
+void GpuTransformer::set_recompute_layers(int64_t layers) {
+  state_->recompute_layers = layers;  // takes effect at the next plan()
+}
+
 void GpuTransformer::zero_grads() { state_->store->zero_grads(); }
+
+GpuParameterStore& GpuTransformer::parameters() { return *state_->store; }
+
+void* GpuTransformer::stream() const { return state_->stream; }
 
 double GpuTransformer::grad_norm() { return state_->store->grad_norm(); }
 

@@ -32,6 +32,21 @@ class GpuTransformer {
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
   // Backward of (ce + aux + z) * loss_scale, accumulated into the fp32 gradients.
   void backward(double loss_scale);
+  // forward then backward(loss_scale) of one micro-batch. With graphs enabled, the work
+  // is captured once as a CUDA graph and replayed (re-captured when the number of valid
+  // targets or the loss scale changes: both are kernel arguments). Shapes are static in
+  // both routing modes (no host synchronisation inside the step), so this always applies.
+  ForwardResult forward_backward(const int32_t* inputs_BS, const int32_t* targets_BS, double loss_scale);
+  void enable_graphs(bool enabled);
+  // Activation recomputation: the first `layers` blocks (-1: all) keep only their input;
+  // their activations live in one buffer set shared by them and are recomputed from that
+  // input right before each one's backward (bit-identical: every kernel is deterministic).
+  // Takes effect at the next plan().
+  void set_recompute_layers(int64_t layers);
+  // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
+  // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
+  GpuParameterStore& parameters();
+  void* stream() const;
   void zero_grads();
   // Global gradient norm, summed on the device in the CPU's order (train/grad_clip.cpp:
   // the same double, bit for bit); one scalar comes back.

@@ -31,7 +31,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     counts = count_parameters(mc, host.params());
     gpu = std::make_unique<GpuTransformer>(mc, host.params(), moment_dtype_from_name(config.optimizer.state_dtype));
   }
+  gpu->set_recompute_layers(config.training.recompute_layers);
   gpu->plan(batch);
+  gpu->enable_graphs(config.training.cuda_graphs);
   std::vector<int32_t> inputs(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
   CounterRng rng(config.training.seed, "bench.tokens");
   for (int64_t i = 0; i < T; ++i) {
@@ -44,13 +46,12 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   MOE_CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<float> step_ms;
   double loss = 0;
-  gpu->enable_phase_timing(true);
+  gpu->enable_phase_timing(!config.training.cuda_graphs);  // no events inside a graph
   for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
     if (step == warmup_steps + 1) gpu->take_phase_times();  // drop the warm-up steps' phases
     MOE_CUDA_CHECK(cudaEventRecord(start));
     gpu->zero_grads();
-    loss = gpu->forward(inputs.data(), targets.data()).total();
-    gpu->backward(1.0);
+    loss = gpu->forward_backward(inputs.data(), targets.data(), 1.0).total();
     // The whole optimizer step as training runs it: gradient norm, clipping, AdamW.
     gpu->clip_and_adamw_step(config.training.grad_clip, config.lr.peak, config.optimizer.beta1, config.optimizer.beta2,
                              config.optimizer.eps, config.optimizer.weight_decay, step);
@@ -76,6 +77,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   result.device_gb = static_cast<double>(gpu->device_bytes()) / 1e9;
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
+  fmt::print(out, "mode: AdamW moments {}, activations of {} layers recomputed, CUDA graphs {}\n",
+             config.optimizer.state_dtype,
+             config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
+             config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
   fmt::print(out, "params: total {:.3f} B, active {:.3f} B, embedding {:.3f} B\n", counts.total / 1e9,
              counts.active / 1e9, counts.embedding / 1e9);
   fmt::print(out, "steps: {} warm-up + {} timed; median {:.1f} ms, min {:.1f}, max {:.1f}; last loss {:.4f}\n",

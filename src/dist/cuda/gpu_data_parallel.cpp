@@ -1,0 +1,91 @@
+#include "dist/cuda/gpu_data_parallel.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "core/error.h"
+#include "core/gpu.h"
+
+namespace moe::dist {
+namespace {
+
+cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
+cudaEvent_t as_event(void* event) { return static_cast<cudaEvent_t>(event); }
+
+// Bucket boundaries on 256-byte multiples keep NCCL's loads aligned.
+constexpr int64_t kBucketAlign = 64;
+
+}  // namespace
+
+GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stream, float* grads, int64_t count,
+                                 double bucket_mb)
+    : group_(std::move(group)), stream_(stream), grads_(grads), count_(count) {
+  MOE_CHECK(group_ != nullptr, "GPU data parallel: no communicator");
+  MOE_CHECK(group_->backend() == "nccl", "GPU data parallel needs the nccl backend, got '{}'", group_->backend());
+  MOE_CHECK(grads_ != nullptr && count_ > 0, "GPU data parallel: no gradient block ({} elements)", count_);
+  MOE_CHECK(bucket_mb >= 0, "parallel.bucket_mb must be >= 0, got {}", bucket_mb);
+  group_->set_stream(stream_);
+  int64_t per_bucket = count_;
+  if (bucket_mb > 0) {
+    per_bucket = static_cast<int64_t>(bucket_mb * 1e6 / sizeof(float)) / kBucketAlign * kBucketAlign;
+    per_bucket = std::clamp<int64_t>(per_bucket, kBucketAlign, count_);
+  }
+  for (int64_t offset = 0; offset < count_; offset += per_bucket)
+    buckets_.emplace_back(offset, std::min(per_bucket, count_ - offset));
+  cudaEvent_t begin = nullptr, end = nullptr;
+  MOE_CUDA_CHECK(cudaEventCreate(&begin));
+  MOE_CUDA_CHECK(cudaEventCreate(&end));
+  sync_begin_ = begin;
+  sync_end_ = end;
+}
+
+GpuDataParallel::~GpuDataParallel() {
+  if (scratch_) cudaFree(scratch_);
+  if (sync_begin_) cudaEventDestroy(as_event(sync_begin_));
+  if (sync_end_) cudaEventDestroy(as_event(sync_end_));
+}
+
+void GpuDataParallel::ensure_scratch(int64_t n) {
+  if (n <= scratch_count_) return;
+  if (scratch_) MOE_CUDA_CHECK(cudaFree(scratch_));
+  scratch_ = nullptr;
+  scratch_count_ = 0;
+  MOE_CUDA_CHECK(cudaMalloc(&scratch_, static_cast<size_t>(n) * sizeof(double)));
+  scratch_count_ = n;
+}
+
+void GpuDataParallel::sum(double* values, int64_t n) {
+  if (n <= 0) return;
+  timed_blocking(stats_, [&] {
+    ensure_scratch(n);
+    const size_t bytes = static_cast<size_t>(n) * sizeof(double);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(scratch_, values, bytes, cudaMemcpyHostToDevice, as_stream(stream_)));
+    group_->all_reduce(scratch_, static_cast<size_t>(n), DType::f64, ReduceOp::sum);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(values, scratch_, bytes, cudaMemcpyDeviceToHost, as_stream(stream_)));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
+  });
+}
+
+void GpuDataParallel::all_reduce_grads() {
+  cudaStream_t stream = as_stream(stream_);
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), stream));
+  std::vector<std::unique_ptr<Work>> works;
+  works.reserve(buckets_.size());
+  for (const auto& [offset, n] : buckets_)
+    works.push_back(group_->all_reduce_async(grads_ + offset, static_cast<size_t>(n), DType::f32, ReduceOp::sum));
+  for (auto& work : works) work->wait();  // the model's stream waits for every bucket
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_end_), stream));
+  MOE_CUDA_CHECK(cudaEventSynchronize(as_event(sync_end_)));
+  float ms = 0;
+  MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, as_event(sync_begin_), as_event(sync_end_)));
+  const double seconds = static_cast<double>(ms) * 1e-3;
+  stats_.grad_sync_s += seconds;
+  // Nothing overlaps the all-reduce yet: the model's stream idles for all of it.
+  stats_.wait_s += seconds;
+}
+
+CommStats GpuDataParallel::take_stats() { return std::exchange(stats_, CommStats{}); }
+
+}  // namespace moe::dist

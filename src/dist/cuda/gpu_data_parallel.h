@@ -1,0 +1,70 @@
+// Data parallelism for the GPU model over NCCL: every rank holds a full replica (weights,
+// fp32 gradient block, AdamW state); after the step's last backward the gradient block
+// is all-reduced (summed) over the data-parallel group, in buckets of parallel.bucket_mb,
+// on the model's CUDA stream. Each rank then computes the same global norm on the
+// device and takes the same AdamW step. The ranks' losses are weighted before backward
+// so that the sum is the global micro-batch's mean (src/train/trainer_gpu.cpp).
+//
+// Not yet: ZeRO-1 sharding of the GPU optimizer state, and buckets launched during
+// backward (overlap); both need hooks in the GPU model's backward.
+//
+// Built only with CUDA (src/dist/cuda/). The header needs no CUDA include: the stream is
+// a cudaStream_t passed as void*.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/parallel_stats.h"
+
+namespace moe::dist {
+
+class GpuDataParallel {
+ public:
+  // group: an NCCL communicator (any size, 1 included). stream: the model's cudaStream_t.
+  // grads: the fp32 gradient block of `count` elements on the device. bucket_mb: MB
+  // (1e6 bytes) per all-reduce; 0: the whole block in one.
+  GpuDataParallel(std::unique_ptr<Communicator> group, void* stream, float* grads, int64_t count, double bucket_mb);
+  ~GpuDataParallel();
+  GpuDataParallel(const GpuDataParallel&) = delete;
+  GpuDataParallel& operator=(const GpuDataParallel&) = delete;
+
+  int rank() const { return group_->rank(); }
+  int size() const { return group_->size(); }
+  Communicator& group() { return *group_; }
+  // [offset, offset + count) of the gradient block per all-reduce.
+  const std::vector<std::pair<int64_t, int64_t>>& buckets() const { return buckets_; }
+
+  // Sums n host doubles over the ranks in place (a device round trip on the model's
+  // stream; the host blocks for it, counted as communication wait).
+  void sum(double* values, int64_t n);
+  double sum(double value) {
+    sum(&value, 1);
+    return value;
+  }
+
+  // Sums the gradient block over the ranks, bucket by bucket, after the work already on
+  // the model's stream; returns when the sum is complete. CUDA events around it give the
+  // gradient-sync latency, which is also time the model's stream waits (no overlap yet).
+  void all_reduce_grads();
+
+  // The communication measured since the last call (wait_s, grad_sync_s), then reset.
+  CommStats take_stats();
+
+ private:
+  void ensure_scratch(int64_t n);
+
+  std::unique_ptr<Communicator> group_;
+  void* stream_;  // cudaStream_t
+  float* grads_;
+  int64_t count_;
+  std::vector<std::pair<int64_t, int64_t>> buckets_;
+  double* scratch_ = nullptr;  // device doubles for sum()
+  int64_t scratch_count_ = 0;
+  void* sync_begin_ = nullptr;  // cudaEvent_t with timing
+  void* sync_end_ = nullptr;
+  CommStats stats_;
+};
+
+}  // namespace moe::dist
