@@ -7,6 +7,7 @@
 #include "dist/mpi_communicator.h"
 #include "dist/single_communicator.h"
 #include "dist/tcp_communicator.h"
+#include "dist/topology.h"
 #ifdef MOE_HAVE_CUDA
 #include "dist/cuda/nccl_communicator.h"
 #endif
@@ -42,9 +43,13 @@ std::unique_ptr<Communicator> make_world_communicator(const std::string& backend
       MOE_CONFIG_ERROR("MPI sees {} rank(s) but the launch environment ({}) says {}: under Slurm use srun --mpi=pmix, "
                        "or start with mpirun or moe launch",
                        world->size(), env.source, env.world_size);
+    if (world->size() > 1) bind_worker(env, -1);  // CPU workers: a CPU slice when MOE_BIND_CPUS=1
     return world;
   }
-  if (chosen == "tcp") return make_tcp_world(env);
+  if (chosen == "tcp") {
+    if (env.world_size > 1) bind_worker(env, -1);
+    return make_tcp_world(env);
+  }
 #ifdef MOE_HAVE_CUDA
   return make_nccl_world(env);
 #else

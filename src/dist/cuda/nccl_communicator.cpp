@@ -1,4 +1,5 @@
 #include "dist/cuda/nccl_communicator.h"
+#include "dist/topology.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -175,6 +176,7 @@ std::unique_ptr<Communicator> make_nccl_world(const LaunchEnv& env) {
     MOE_CONFIG_ERROR("backend 'nccl' needs a GPU, and none is visible");
   const int device = env.local_rank % devices;
   MOE_CUDART_CHECK(cudaSetDevice(device));
+  bind_worker(env, device);  // the CPUs of the GPU's NUMA node, where the machine says
   ncclUniqueId id;
   if (env.rank == 0) MOE_NCCL_CHECK(ncclGetUniqueId(&id));
   if (env.world_size > 1) {
