@@ -254,3 +254,19 @@ void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads
                         const adamw_math::AdamWScalars* scalars, Stream stream);
 
 }  // namespace moe::cuda
+
+namespace moe::cuda {
+
+// Per-expert gradient clipping (kernels/cuda/expert_clip.cu), train/grad_clip.cpp's order
+// and rounding. A slice is one expert's part of one expert tensor (an OptimizerSegment:
+// offset, numel, first_chunk); grad_norm over the slices gives their sums of squares
+// (segment_sq_S). Expert x owns slices first_slice_X1[x] .. first_slice_X1[x+1] - 1:
+// norm_X[x] = sqrt of their sums added in order, and factor_X[x] =
+// float(max_norm / (norm + 1e-6)) where norm > max_norm > 0, else 1.
+void expert_clip_factors(double* norm_X, float* factor_X, const double* slice_sq_S, const int32_t* first_slice_X1,
+                         int64_t n_experts, double max_norm, Stream stream);
+// grads[slice] *= factor_X[expert_of_slice_S[slice]] (fp32, as the CPU scales).
+void scale_expert_slices(float* grads, const OptimizerSegment* slices, const int32_t* expert_of_slice_S,
+                         int64_t n_slices, const float* factor_X, Stream stream);
+
+}  // namespace moe::cuda

@@ -1,7 +1,8 @@
 // The trainer's GPU path: a ModelBackend for the one step loop of trainer.cpp
-// (micro-batches, accumulation, global clipping, AdamW, the LR schedule) with the model,
-// gradients and optimizer state on the GPU (src/model/cuda/gpu_transformer.h). Builds without CUDA too: then asking
-// for the GPU is a config error.
+// (micro-batches, accumulation, per-expert and global clipping, AdamW, the LR schedule,
+// aux-loss-free bias balancing) with the model, gradients and optimizer state on the GPU
+// (src/model/cuda/gpu_transformer.h). Builds without CUDA too: then asking for the GPU is
+// a config error.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -10,6 +11,7 @@
 
 #include "dist/communicator.h"
 #include "dist/launch_env.h"
+#include "moe/router.h"
 #include "train/batch_controller.h"
 #include "train/lr_schedule.h"
 #include "train/trainer.h"
@@ -23,6 +25,16 @@
 namespace moe {
 
 namespace {
+
+#ifdef MOE_HAVE_CUDA
+// The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
+// save); the GPU model gets a copy whenever they change or it is (re)built.
+void upload_balance_bias(GpuTransformer& gpu, Transformer<float>& host_model, bool bias_balancing) {
+  if (!bias_balancing) return;
+  auto layers = host_model.moe_layers();
+  for (size_t i = 0; i < layers.size(); ++i) gpu.set_balance_bias(i, layers[i]->balance_bias_E());
+}
+#endif
 
 bool gpu_present() {
 #ifdef MOE_HAVE_CUDA
@@ -74,10 +86,6 @@ bool Trainer::wants_gpu() const {
 void Trainer::setup_gpu() {
   const RunConfig& c = config_;
   // What the GPU path does not do yet is refused up front rather than silently ignored.
-  if (c.model.moe.bias_balancing)
-    MOE_CONFIG_ERROR("moe.bias_balancing is not implemented on the GPU yet; use --device=cpu");
-  if (c.training.expert_grad_clip > 0)
-    MOE_CONFIG_ERROR("training.expert_grad_clip is not implemented on the GPU yet; use --device=cpu");
   if (c.training.memory_limit_mb > 0)
     MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
                      "an allocation fails");
@@ -88,6 +96,7 @@ void Trainer::setup_gpu() {
 void Trainer::configure_gpu_model() {
   gpu_->set_recompute_layers(config_.training.recompute_layers);
   gpu_->enable_graphs(config_.training.cuda_graphs);
+  upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);
 }
 
 BatchPlan Trainer::plan_gpu_batches() {
@@ -129,9 +138,9 @@ namespace {
 // is exactly 1 and the all-reduce is the identity: the plain GPU run, bit for bit.
 class GpuBackend final : public ModelBackend {
  public:
-  GpuBackend(const RunConfig& config, GpuTransformer& gpu, ParameterStore<float>& host_params, int64_t& steps,
+  GpuBackend(const RunConfig& config, GpuTransformer& gpu, Transformer<float>& host_model, int64_t& steps,
              int64_t tokens_per_micro_batch, std::unique_ptr<dist::GpuDataParallel> dp)
-      : config_(config), gpu_(gpu), host_params_(host_params), steps_(steps), tokens_(tokens_per_micro_batch),
+      : config_(config), gpu_(gpu), host_model_(host_model), steps_(steps), tokens_(tokens_per_micro_batch),
         dp_(std::move(dp)),
         micro_scale_(static_cast<double>(tokens_per_micro_batch) / static_cast<double>(config.training.global_batch_tokens)) {}
   void begin_step() override {
@@ -178,20 +187,32 @@ class GpuBackend final : public ModelBackend {
     stats.z_loss = values[3] / dp_->size();
   }
   void routing(StepStats& stats) override {
-    auto loads = gpu_.expert_load();
-    if (dp_) sum_loads(loads);
-    for (size_t i = 0; i < loads.size(); ++i) {
+    loads_ = gpu_.expert_load();
+    if (dp_) sum_loads(loads_);
+    const auto host_layers = host_model_.moe_layers();
+    for (size_t i = 0; i < loads_.size(); ++i) {
       LayerRouting r;
       r.layer = config_.model.first_dense_layers + static_cast<int64_t>(i);
-      r.tokens_E = loads[i];  // before dropping: the GPU path does not count kept rows per step yet
-      for (int64_t load : loads[i]) r.assignments += load;
+      r.tokens_E = loads_[i];  // before dropping: the GPU path does not count kept rows per step yet
+      for (int64_t load : loads_[i]) r.assignments += load;
       stats.load_imbalance = std::max(stats.load_imbalance, r.imbalance());
+      // The bias the step routed with, as the CPU reports it (before this step's update).
+      if (config_.model.moe.bias_balancing)
+        r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
       stats.layers.push_back(std::move(r));
     }
   }
-  // The GPU scales the gradients inside the AdamW kernel (expert clipping is refused in setup_gpu).
-  ClipStats clip_gradients(double max_global_norm, double) override {
+  // As train/grad_clip.cpp: each expert clipped to max_expert_norm on the device first
+  // (the same norms and factors, bit for bit), then the global norm of the result; the
+  // global clip factor is applied inside the AdamW kernel. The per-expert norms cost a
+  // pass over the expert gradients, so they are only computed when expert clipping is on.
+  ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
     ClipStats clip;
+    if (max_expert_norm > 0)
+      for (double norm : gpu_.clip_expert_grads(max_expert_norm)) {
+        clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
+        if (norm > max_expert_norm) ++clip.experts_clipped;
+      }
     clip.global_norm = gpu_.grad_norm();
     clip.global_clipped = max_global_norm > 0 && clip.global_norm > max_global_norm;
     grad_scale_ = clip.global_clipped ? max_global_norm / (clip.global_norm + 1e-6) : 1.0;
@@ -200,6 +221,7 @@ class GpuBackend final : public ModelBackend {
   void apply_update(double lr) override {
     const OptimizerConfig& o = config_.optimizer;
     gpu_.adamw_step(lr, o.beta1, o.beta2, o.eps, o.weight_decay, static_cast<float>(grad_scale_), ++steps_);
+    if (config_.model.moe.bias_balancing) update_balance_bias();
   }
   void end_step() override {}
   double sum_over_ranks(double value) override { return dp_ ? dp_->sum(value) : value; }
@@ -214,11 +236,25 @@ class GpuBackend final : public ModelBackend {
     stats.grad_sync_ms += comm.grad_sync_s * 1e3;
   }
   void sync_host_model() override {
-    gpu_.download_params(host_params_);
+    gpu_.download_params(host_model_.params());
     if (dp_) dp_->take_stats();
   }
 
  private:
+  // The CPU's rule (MoELayer::update_balancing_bias) on the step's loads, summed over the
+  // ranks as the CPU's data-parallel path does: every replica takes the same bias.
+  void update_balance_bias() {
+    const auto host_layers = host_model_.moe_layers();
+    MOE_CHECK(loads_.size() == host_layers.size(), "bias balancing: loads of {} MoE layers for {}", loads_.size(),
+              host_layers.size());
+    for (size_t i = 0; i < host_layers.size(); ++i) {
+      std::vector<float>& bias = host_layers[i]->balance_bias_E();
+      bias_balance_update(bias.data(), loads_[i].data(), static_cast<int64_t>(bias.size()),
+                          config_.model.moe.bias_update_rate);
+      gpu_.set_balance_bias(i, bias);
+    }
+  }
+
   // Assignments per expert summed over the ranks (the step's global load).
   void sum_loads(std::vector<std::vector<int64_t>>& loads) {
     std::vector<double> flat;
@@ -231,7 +267,7 @@ class GpuBackend final : public ModelBackend {
 
   const RunConfig& config_;
   GpuTransformer& gpu_;
-  ParameterStore<float>& host_params_;
+  Transformer<float>& host_model_;  // its MoE layers hold the balancing biases
   int64_t& steps_;
   int64_t tokens_;  // per micro-batch (targets counted for the loss weights)
   std::unique_ptr<dist::GpuDataParallel> dp_;
@@ -239,6 +275,7 @@ class GpuBackend final : public ModelBackend {
   double micro_scale_;      // the step loop's loss scale: 1 / micro-batches per step
   bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
   double grad_scale_ = 1.0;
+  std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
 };
 
 }  // namespace
@@ -250,7 +287,7 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
     dp = std::make_unique<dist::GpuDataParallel>(std::move(gpu_world_), gpu_->stream(), params.grads(),
                                                  params.storage_numel(), config_.parallel.bucket_mb);
   }
-  return std::make_unique<GpuBackend>(config_, *gpu_, model_->params(), gpu_steps_,
+  return std::make_unique<GpuBackend>(config_, *gpu_, *model_, gpu_steps_,
                                       micro_batch_ * config_.model.seq_len, std::move(dp));
 }
 
@@ -263,6 +300,7 @@ void Trainer::sync_state_from_gpu() {
 void Trainer::sync_state_to_gpu() {
   if (!gpu_) return;
   gpu_->upload_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
+  upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);  // a checkpoint restores them on the host
   gpu_steps_ = optimizer_->steps_taken();
 }
 

@@ -107,7 +107,83 @@ TEST_P(GpuDispatch, LayoutPermuteCombineMatchCpu) {
 INSTANTIATE_TEST_SUITE_P(Cases, GpuDispatch,
                          ::testing::Values(DispatchCase{7, 4, 2, 9, 0.0}, DispatchCase{300, 8, 2, 64, 0.75},
                                            DispatchCase{4096, 64, 8, 128, 1.25}, DispatchCase{2049, 128, 2, 256, 0.0},
-                                           DispatchCase{1, 3, 1, 5, 1.0}));
+                                           DispatchCase{1, 3, 1, 5, 1.0},
+                                           // olmoe-mini's K and D (vector path, 128 and 256 lanes per token),
+                                           // D = 4096 (two vectors per lane), K = 12 (two chunks of slots), and
+                                           // D = 24 (three vectors per row, 64 tokens per block).
+                                           DispatchCase{2048, 64, 8, 1024, 1.0}, DispatchCase{1024, 64, 8, 2048, 1.25},
+                                           DispatchCase{65, 16, 4, 4096, 0.0}, DispatchCase{200, 32, 12, 64, 1.0},
+                                           DispatchCase{333, 32, 8, 24, 1.0}));
+
+// permute_backward with accumulate, the scalar fallback for rows that are not 16-byte
+// aligned (same results as the vector path up to rounding), and bitwise-repeatable combine
+// backward (the weight gradients are block reductions in a fixed order).
+TEST(GpuDispatchKernels, AccumulateUnalignedRowsAndRepeatableCombineBackward) {
+  MOE_REQUIRE_GPU();
+  const int64_t T = 1000, E = 16, K = 8, D = 1024;
+  std::vector<int32_t> expert(T * K);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) expert[t * K + k] = static_cast<int32_t>((t * 3 + k * (t % 2 ? 1 : 2)) % E);
+  const int64_t capacity = expert_capacity(0.75, T, K, E);
+  std::vector<int32_t> row(T * K), counts(E), offsets(E + 1), token(T * K);
+  const int64_t R = assign_rows(row.data(), counts.data(), offsets.data(), token.data(), expert.data(), T, E, K,
+                                capacity);
+  ASSERT_LT(R, T * K) << "the case should drop tokens";
+  auto rows = random_bf16_floats(T * K * D, 6, "rows");
+  auto dx0 = random_bf16_floats(T * D, 7, "dx0");
+  auto weight = random_bf16_floats(T * K, 8, "w");
+  std::vector<float> dx_ref = dx0;
+  permute_backward<float>(dx_ref.data(), rows.data(), row.data(), T, K, D, true);
+  auto row_d = to_device(row);
+  auto rows_d = to_device_bf16(rows);
+  for (int64_t misalign : {0, 1}) {
+    // Row bases one element past a 16-byte boundary force the scalar kernels.
+    std::vector<float> dx_host(misalign, 0.0f), rows_host(misalign, 0.0f);
+    dx_host.insert(dx_host.end(), dx0.begin(), dx0.end());
+    rows_host.insert(rows_host.end(), rows.begin(), rows.end());
+    auto dx_d = to_device_bf16(dx_host), shifted_rows_d = to_device_bf16(rows_host);
+    cuda::permute_backward(dx_d.data() + misalign, shifted_rows_d.data() + misalign, row_d.data(), T, K, D, true,
+                           nullptr);
+    auto dx = to_host_float(dx_d);
+    dx.erase(dx.begin(), dx.begin() + misalign);
+    expect_close("permute backward accumulate misalign=" + std::to_string(misalign), dx, dx_ref, kBf16Rtol, 1e-2);
+
+    auto out_d = poisoned<bf16>(T * D + misalign);
+    std::vector<float> out_ref(T * D);
+    combine_forward<float>(out_ref.data(), rows.data(), weight.data(), row.data(), T, K, D);
+    auto weight_d = to_device(weight);
+    cuda::combine_forward(out_d.data() + misalign, shifted_rows_d.data() + misalign, weight_d.data(), row_d.data(), T,
+                          K, D, nullptr);
+    auto out = to_host_float(out_d);
+    out.erase(out.begin(), out.begin() + misalign);
+    expect_close("combine misalign=" + std::to_string(misalign), out, out_ref, kBf16Rtol, 1e-2);
+  }
+  // Combine backward twice into fresh poisoned outputs: identical bits.
+  auto dout_d = to_device_bf16(random_bf16_floats(T * D, 9, "dout"));
+  auto weight_d = to_device(weight);
+  std::vector<float> first_dweight;
+  std::vector<bf16> first_dy;
+  for (int repeat = 0; repeat < 2; ++repeat) {
+    auto dy_d = poisoned<bf16>(T * K * D);
+    auto dweight_d = poisoned<float>(T * K);
+    cuda::combine_backward(dy_d.data(), dweight_d.data(), dout_d.data(), rows_d.data(), weight_d.data(), row_d.data(),
+                           T, K, D, nullptr);
+    auto dweight = to_host(dweight_d);
+    auto dy = to_host(dy_d);
+    dy.resize(R * D);
+    for (int64_t i = 0; i < T * K; ++i)
+      if (row[i] < 0) ASSERT_EQ(dweight[i], 0.0f) << "dropped slot " << i;
+    if (repeat == 0) {
+      first_dweight = dweight;
+      first_dy = dy;
+    } else {
+      EXPECT_TRUE(first_dweight == dweight) << "combine backward dweight is not repeatable";
+      EXPECT_TRUE(std::equal(first_dy.begin(), first_dy.end(), dy.begin(),
+                             [](bf16 a, bf16 b) { return a.bits == b.bits; }))
+          << "combine backward dy is not repeatable";
+    }
+  }
+}
 
 TEST(GpuEmbedding, ForwardAndDeterministicBackwardMatchCpu) {
   MOE_REQUIRE_GPU();

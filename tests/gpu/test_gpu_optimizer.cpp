@@ -335,6 +335,128 @@ TEST_P(GpuMultiTensorAdamW, TransformerStepsMatchTheCpuOptimizer) {
             static_cast<size_t>(initial.params().storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam()));
 }
 
+// The kernels directly, on segments GpuParameterStore never makes (it starts every
+// parameter on a 16-element boundary): offsets of every residue mod 8 and lengths that
+// are no multiple of 4 or 8, so the element-wise heads and tails around the 16-byte
+// vectors run; empty segments; over a thousand segments for the chunk -> segment search;
+// fp32 copies at odd places; and base pointers off the 16-byte boundary (shift 1), where
+// every access is one element. Elements outside the segments must stay as they were.
+TEST(GpuOptimizer, KernelsOnUnalignedSegmentsMatchTheHost) {
+  MOE_REQUIRE_GPU();
+  const int64_t C = am::kNormChunk;
+  CounterRng rng(5, "unaligned_segments");
+  std::vector<cuda::OptimizerSegment> segments;
+  int64_t end = 0, n_chunks = 0, mirror_numel = 0;
+  auto add = [&](int64_t gap, int64_t numel, bool mirror) {
+    cuda::OptimizerSegment seg;
+    seg.offset = end + gap;
+    seg.numel = numel;
+    seg.first_chunk = n_chunks;
+    seg.decay = segments.size() % 3 != 1;
+    if (mirror) {
+      seg.mirror_offset = mirror_numel;
+      mirror_numel += numel + static_cast<int64_t>(segments.size() % 5);
+    }
+    segments.push_back(seg);
+    end = seg.offset + numel;
+    n_chunks += (numel + C - 1) / C;
+  };
+  add(4, 13, true);
+  add(0, 0, false);
+  add(3, C + 5, true);
+  add(1, 2 * C + 3, false);
+  for (int i = 0; i < 1100; ++i)
+    add(i % 7, static_cast<int64_t>(rng.bits(static_cast<uint64_t>(i))[0] % 41), i % 97 == 0);
+  add(5, 3 * C + 9, true);
+  add(0, 0, false);  // empty, at the very end
+  const int64_t storage = end + 6;
+  const auto n_segments = static_cast<int64_t>(segments.size());
+  const double max_norm = 1.0;
+
+  for (const bool bf16_moments : {false, true}) {
+    for (const int64_t shift : {int64_t{0}, int64_t{1}}) {
+      SCOPED_TRACE(std::string(bf16_moments ? "bf16" : "fp32") + " moments, shift " + std::to_string(shift));
+      const auto n = static_cast<size_t>(storage + shift);
+      std::vector<float> grads(n), weights(n), m(n), v(n);
+      for (size_t i = 0; i < n; ++i) {
+        const uint64_t key = uint64_t(shift) << 40 | i;
+        grads[i] = static_cast<float>(rng.normal(key << 2 | 0));
+        weights[i] = static_cast<float>(0.3 * rng.normal(key << 2 | 1));
+        m[i] = static_cast<float>(0.01 * rng.normal(key << 2 | 2));
+        v[i] = static_cast<float>(1e-4 * rng.uniform(key << 2 | 3));
+        if (bf16_moments) m[i] = am::round_to_bf16(m[i]), v[i] = am::round_to_bf16(v[i]);
+      }
+      std::vector<bf16> hi(n);
+      std::vector<int16_t> lo(n);
+      for (size_t i = 0; i < n; ++i) {
+        const am::MasterSplit split = am::split_master(weights[i]);
+        hi[i].bits = split.hi;
+        lo[i] = split.lo;
+      }
+      auto hi_d = test::to_device(hi);
+      auto lo_d = test::to_device(lo);
+      auto grads_d = test::to_device(grads);
+      auto m32_d = test::to_device(m);  // both kinds, the kernel uses one
+      auto v32_d = test::to_device(v);
+      auto m16_d = test::to_device(test::to_bf16(m));
+      auto v16_d = test::to_device(test::to_bf16(v));
+      auto mirror_d = test::poisoned<float>(static_cast<size_t>(mirror_numel + shift));
+      auto segments_d = test::to_device(segments);
+      gpu::DeviceArray<double> chunk_sq_d(static_cast<size_t>(n_chunks)), segment_sq_d(segments.size());
+      am::AdamWScalars s = am::adamw_step_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 3);
+      auto scalars_d = test::to_device(std::vector<am::AdamWScalars>{s});
+      void* m_d = bf16_moments ? static_cast<void*>(m16_d.data() + shift) : static_cast<void*>(m32_d.data() + shift);
+      void* v_d = bf16_moments ? static_cast<void*>(v16_d.data() + shift) : static_cast<void*>(v32_d.data() + shift);
+      cuda::grad_norm(scalars_d.data(), chunk_sq_d.data(), segment_sq_d.data(), grads_d.data() + shift,
+                      segments_d.data(), n_segments, n_chunks, max_norm, nullptr);
+      cuda::multi_tensor_adamw(hi_d.data() + shift, lo_d.data() + shift, mirror_d.data() + shift,
+                               grads_d.data() + shift, m_d, v_d, bf16_moments, segments_d.data(), n_segments,
+                               n_chunks, scalars_d.data(), nullptr);
+
+      // The norm as the CPU sums it: per segment sum_of_squares, then the segments in order.
+      double sq = 0;
+      for (const auto& seg : segments) sq += sum_of_squares(grads.data() + shift + seg.offset, seg.numel);
+      const double norm = std::sqrt(sq);
+      ASSERT_GT(norm, max_norm);  // the step clips
+      const am::AdamWScalars got_scalars = test::to_host(scalars_d)[0];
+      EXPECT_EQ(got_scalars.norm, norm);
+      s.grad_scale = static_cast<float>(max_norm / (norm + 1e-6));
+      EXPECT_EQ(bits(got_scalars.grad_scale), bits(s.grad_scale));
+      EXPECT_EQ(got_scalars.skip, 0);
+
+      std::vector<float> want_mirror(static_cast<size_t>(mirror_numel + shift), 0.0f);
+      std::vector<bool> mirrored(want_mirror.size(), false);
+      for (const auto& seg : segments)
+        for (int64_t k = 0; k < seg.numel; ++k) {
+          const auto i = static_cast<size_t>(shift + seg.offset + k);
+          weights[i] = am::adamw_update(weights[i], grads[i], m[i], v[i], s, seg.decay ? s.decay_factor : 1.0f,
+                                        bf16_moments);
+          if (seg.mirror_offset >= 0) {
+            const auto at = static_cast<size_t>(shift + seg.mirror_offset + k);
+            want_mirror[at] = weights[i];
+            mirrored[at] = true;
+          }
+        }
+      const auto got_hi = test::to_host(hi_d);
+      const auto got_lo = test::to_host(lo_d);
+      const auto got_m = bf16_moments ? test::to_float(test::to_host(m16_d)) : test::to_host(m32_d);
+      const auto got_v = bf16_moments ? test::to_float(test::to_host(v16_d)) : test::to_host(v32_d);
+      const auto got_mirror = test::to_host(mirror_d);
+      size_t bad_weights = 0, bad_moments = 0, bad_mirror = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const am::MasterSplit want = am::split_master(weights[i]);
+        bad_weights += got_hi[i].bits != want.hi || got_lo[i] != want.lo;
+        bad_moments += bits(got_m[i]) != bits(m[i]) || bits(got_v[i]) != bits(v[i]);
+      }
+      for (size_t i = 0; i < want_mirror.size(); ++i)
+        bad_mirror += mirrored[i] ? bits(got_mirror[i]) != bits(want_mirror[i]) : bits(got_mirror[i]) != 0xffffffffu;
+      EXPECT_EQ(bad_weights, 0u);
+      EXPECT_EQ(bad_moments, 0u);
+      EXPECT_EQ(bad_mirror, 0u);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Moments, GpuMultiTensorAdamW, ::testing::Values(MomentDtype::Fp32, MomentDtype::Bf16),
                          [](const ::testing::TestParamInfo<MomentDtype>& info) {
                            return info.param == MomentDtype::Bf16 ? std::string("Bf16") : std::string("Fp32");

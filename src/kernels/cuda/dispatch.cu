@@ -1,6 +1,9 @@
 // Token dispatch on the GPU, with no host synchronisation: capacity and row layout
 // (dropping by position, exactly as moe/dispatch.h on the CPU), permute into
 // expert-contiguous rows, and the weighted combine, each with its backward.
+#include <cstdint>
+#include <initializer_list>
+
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
@@ -90,17 +93,18 @@ __global__ void place_rows_kernel(int32_t* row_TK, int32_t* token_of_row, const 
   token_of_row[row] = static_cast<int32_t>(slot / K);
 }
 
-// One block per row (permute) or per token (combine); D in 16-byte-friendly loops.
-__global__ void permute_kernel(__nv_bfloat16* x_RD, const __nv_bfloat16* x_TD, const int32_t* token_of_row,
-                               const int32_t* offsets_E1, int64_t E, int64_t D) {
+// Scalar fallback, one block per row (permute) or per token (combine): used when D is not a
+// multiple of 8 or a row pointer is not 16-byte aligned.
+__global__ void permute_scalar_kernel(__nv_bfloat16* x_RD, const __nv_bfloat16* x_TD,
+                                      const int32_t* token_of_row, const int32_t* offsets_E1, int64_t E, int64_t D) {
   const int64_t row = blockIdx.x;
   if (row >= offsets_E1[E]) return;  // rows past the kept ones stay untouched
   const __nv_bfloat16* src = x_TD + static_cast<int64_t>(token_of_row[row]) * D;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) x_RD[row * D + i] = src[i];
 }
 
-__global__ void permute_backward_kernel(__nv_bfloat16* dx_TD, const __nv_bfloat16* dx_RD, const int32_t* row_TK,
-                                        int64_t K, int64_t D, bool accumulate) {
+__global__ void permute_backward_scalar_kernel(__nv_bfloat16* dx_TD, const __nv_bfloat16* dx_RD,
+                                               const int32_t* row_TK, int64_t K, int64_t D, bool accumulate) {
   const int64_t t = blockIdx.x;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     float sum = accumulate ? to_float(dx_TD[t * D + i]) : 0.0f;
@@ -112,8 +116,8 @@ __global__ void permute_backward_kernel(__nv_bfloat16* dx_TD, const __nv_bfloat1
   }
 }
 
-__global__ void combine_kernel(__nv_bfloat16* out_TD, const __nv_bfloat16* y_RD, const float* weight_TK,
-                               const int32_t* row_TK, int64_t K, int64_t D) {
+__global__ void combine_scalar_kernel(__nv_bfloat16* out_TD, const __nv_bfloat16* y_RD, const float* weight_TK,
+                                      const int32_t* row_TK, int64_t K, int64_t D) {
   const int64_t t = blockIdx.x;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     float sum = 0.0f;
@@ -126,9 +130,9 @@ __global__ void combine_kernel(__nv_bfloat16* out_TD, const __nv_bfloat16* y_RD,
 }
 
 // One block per token: dy rows for its kept slots, and the weight gradients as dot products.
-__global__ void combine_backward_kernel(__nv_bfloat16* dy_RD, float* dweight_TK, const __nv_bfloat16* dout_TD,
-                                        const __nv_bfloat16* y_RD, const float* weight_TK, const int32_t* row_TK,
-                                        int64_t K, int64_t D) {
+__global__ void combine_backward_scalar_kernel(__nv_bfloat16* dy_RD, float* dweight_TK,
+                                               const __nv_bfloat16* dout_TD, const __nv_bfloat16* y_RD,
+                                               const float* weight_TK, const int32_t* row_TK, int64_t K, int64_t D) {
   const int64_t t = blockIdx.x;
   for (int64_t k = 0; k < K; ++k) {
     const int32_t row = row_TK[t * K + k];
@@ -145,6 +149,191 @@ __global__ void combine_backward_kernel(__nv_bfloat16* dy_RD, float* dweight_TK,
     }
     dot = block_sum(dot);
     if (threadIdx.x == 0) dweight_TK[t * K + k] = dot;
+  }
+}
+
+// Vector path: rows as 16-byte vectors of 8 bf16 (V = D / 8 per row). Each row or token
+// gets a group of `lanes` threads (a power of two up to the block, 1 << lane_bits), so a
+// block serves several tokens when D is small. Sums keep the order of the scalar kernels:
+// k = 0..K-1 for every element, fp32.
+constexpr int kVecThreads = 256;
+constexpr int kVecElems = 8;   // bf16 per 16-byte access
+constexpr int kSlotChunk = 8;  // slots (k) in flight per thread: loads issued before the sums
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVecElems]) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < kVecElems / 2; ++j) {
+    const float2 p = __bfloat1622float2(pairs[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[kVecElems]) {
+  uint4 v;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < kVecElems / 2; ++j) pairs[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return v;
+}
+
+struct GroupIndex {
+  int64_t item;  // row or token of this thread's group
+  int lane, lanes;
+};
+
+__device__ __forceinline__ GroupIndex group_index(int lane_bits) {
+  const int lanes = 1 << lane_bits;
+  return {static_cast<int64_t>(blockIdx.x) * (blockDim.x >> lane_bits) + (threadIdx.x >> lane_bits),
+          static_cast<int>(threadIdx.x) & (lanes - 1), lanes};
+}
+
+// sum[e] += w_k * rows_RV[row_K[k]][i][e] over the kept slots (row >= 0), k = 0..K-1 in
+// order; w_k = 1 when weight_K is null. Up to kSlotChunk loads in flight before the adds.
+__device__ __forceinline__ void add_rows(float (&sum)[kVecElems], const uint4* rows_RV, const int32_t* row_K,
+                                         const float* weight_K, int64_t K, int64_t V, int64_t i) {
+  for (int64_t k0 = 0; k0 < K; k0 += kSlotChunk) {
+    int32_t row[kSlotChunk];
+    uint4 v[kSlotChunk];
+#pragma unroll
+    for (int j = 0; j < kSlotChunk; ++j) {
+      row[j] = k0 + j < K ? row_K[k0 + j] : -1;
+      v[j] = row[j] >= 0 ? __ldg(rows_RV + static_cast<int64_t>(row[j]) * V + i) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int j = 0; j < kSlotChunk; ++j) {
+      if (row[j] < 0) continue;
+      float f[kVecElems];
+      unpack8(v[j], f);
+      if (weight_K) {
+        const float w = weight_K[k0 + j];
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) sum[e] += w * f[e];
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) sum[e] += f[e];
+      }
+    }
+  }
+}
+
+__global__ void permute_vec_kernel(uint4* x_RV, const uint4* x_TV, const int32_t* token_of_row,
+                                   const int32_t* offsets_E1, int64_t E, int64_t max_rows, int64_t V, int lane_bits) {
+  const GroupIndex g = group_index(lane_bits);
+  const int64_t row = g.item;
+  if (row >= max_rows || row >= offsets_E1[E]) return;  // rows past the kept ones stay untouched
+  const uint4* src = x_TV + static_cast<int64_t>(token_of_row[row]) * V;
+  uint4* dst = x_RV + row * V;
+#pragma unroll 4
+  for (int64_t i = g.lane; i < V; i += g.lanes) dst[i] = __ldg(src + i);
+}
+
+__global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, const int32_t* row_TK, int64_t T,
+                                            int64_t K, int64_t V, bool accumulate, int lane_bits) {
+  const GroupIndex g = group_index(lane_bits);
+  const int64_t t = g.item;
+  if (t >= T) return;
+  for (int64_t i = g.lane; i < V; i += g.lanes) {
+    float sum[kVecElems];
+    if (accumulate) {
+      unpack8(dx_TV[t * V + i], sum);
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVecElems; ++e) sum[e] = 0.0f;
+    }
+    add_rows(sum, dx_RV, row_TK + t * K, nullptr, K, V, i);
+    dx_TV[t * V + i] = pack8(sum);
+  }
+}
+
+__global__ void combine_vec_kernel(uint4* out_TV, const uint4* y_RV, const float* weight_TK, const int32_t* row_TK,
+                                   int64_t T, int64_t K, int64_t V, int lane_bits) {
+  const GroupIndex g = group_index(lane_bits);
+  const int64_t t = g.item;
+  if (t >= T) return;
+  for (int64_t i = g.lane; i < V; i += g.lanes) {
+    float sum[kVecElems] = {};
+    add_rows(sum, y_RV, row_TK + t * K, weight_TK + t * K, K, V, i);
+    out_TV[t * V + i] = pack8(sum);
+  }
+}
+
+// Sums v[j] over the lanes of each group in a fixed order (xor butterfly inside a warp,
+// then warp partials in warp order); the result is valid at lane 0 of the group. Every
+// thread of the block must call it (lane_bits is uniform over the block).
+__device__ __forceinline__ void group_sum(float (&v)[kSlotChunk], int lane_bits,
+                                          float (*warp_partials)[kSlotChunk]) {
+  const int width = min(1 << lane_bits, 32);
+  for (int offset = width >> 1; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int j = 0; j < kSlotChunk; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+  }
+  if (lane_bits <= 5) return;
+  const int warp = threadIdx.x >> 5;
+  __syncthreads();  // the partials of the previous call have been read
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int j = 0; j < kSlotChunk; ++j) warp_partials[warp][j] = v[j];
+  }
+  __syncthreads();
+  if ((threadIdx.x & ((1 << lane_bits) - 1)) == 0) {
+    const int group_warps = 1 << (lane_bits - 5);
+#pragma unroll
+    for (int j = 0; j < kSlotChunk; ++j) {
+      float total = 0.0f;
+      for (int w = 0; w < group_warps; ++w) total += warp_partials[warp + w][j];
+      v[j] = total;
+    }
+  }
+}
+
+// dy rows for a token's kept slots and the weight gradients; dout is read once per chunk
+// of kSlotChunk slots, the dot products reduced deterministically by group_sum.
+__global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, const uint4* dout_TV,
+                                            const uint4* y_RV, const float* weight_TK, const int32_t* row_TK,
+                                            int64_t T, int64_t K, int64_t V, int lane_bits) {
+  __shared__ float warp_partials[kVecThreads / 32][kSlotChunk];
+  const GroupIndex g = group_index(lane_bits);
+  const int64_t t = g.item;
+  const bool active = t < T;  // inactive threads still join group_sum's barriers
+  for (int64_t k0 = 0; k0 < K; k0 += kSlotChunk) {
+    int32_t row[kSlotChunk];
+    float w[kSlotChunk], dot[kSlotChunk];
+#pragma unroll
+    for (int j = 0; j < kSlotChunk; ++j) {
+      row[j] = active && k0 + j < K ? row_TK[t * K + k0 + j] : -1;
+      w[j] = row[j] >= 0 ? weight_TK[t * K + k0 + j] : 0.0f;
+      dot[j] = 0.0f;
+    }
+    if (active) {
+      for (int64_t i = g.lane; i < V; i += g.lanes) {
+        float grad[kVecElems];
+        unpack8(__ldg(dout_TV + t * V + i), grad);
+        uint4 y[kSlotChunk];
+#pragma unroll
+        for (int j = 0; j < kSlotChunk; ++j)
+          y[j] = row[j] >= 0 ? __ldg(y_RV + static_cast<int64_t>(row[j]) * V + i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < kSlotChunk; ++j) {
+          if (row[j] < 0) continue;
+          float f[kVecElems], dy[kVecElems];
+          unpack8(y[j], f);
+#pragma unroll
+          for (int e = 0; e < kVecElems; ++e) {
+            dy[e] = w[j] * grad[e];
+            dot[j] += grad[e] * f[e];
+          }
+          dy_RV[static_cast<int64_t>(row[j]) * V + i] = pack8(dy);
+        }
+      }
+    }
+    group_sum(dot, lane_bits, warp_partials);
+    if (active && g.lane == 0) {
+#pragma unroll
+      for (int j = 0; j < kSlotChunk; ++j)
+        if (k0 + j < K) dweight_TK[t * K + k0 + j] = row[j] >= 0 ? dot[j] : 0.0f;
+    }
   }
 }
 
@@ -168,35 +357,90 @@ void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_
   MOE_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+// The vector path needs D % 8 == 0 and 16-byte aligned rows; otherwise the scalar kernels.
+bool vectorizable(int64_t D, std::initializer_list<const void*> rows) {
+  if (D % kVecElems != 0) return false;
+  for (const void* p : rows)
+    if (reinterpret_cast<uintptr_t>(p) % sizeof(uint4) != 0) return false;
+  return true;
+}
+
+struct VecLaunch {
+  int lane_bits;    // threads per row or token: 1 << lane_bits, at least the vectors per row up to the block
+  unsigned blocks;
+};
+
+VecLaunch vec_launch(int64_t items, int64_t V) {
+  int lane_bits = 0;
+  while ((int64_t{1} << lane_bits) < V && (1 << lane_bits) < kVecThreads) ++lane_bits;
+  const int64_t per_block = kVecThreads >> lane_bits;
+  return {lane_bits, static_cast<unsigned>(ceil_div(items, per_block))};
+}
+
+const uint4* as_vec(const bf16* p) { return reinterpret_cast<const uint4*>(p); }
+uint4* as_vec(bf16* p) { return reinterpret_cast<uint4*>(p); }
+
+}  // namespace
+
 void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R, const int32_t* offsets_E1,
                      int64_t max_rows, int64_t E, int64_t D, Stream stream) {
   if (max_rows == 0) return;
-  permute_kernel<<<static_cast<unsigned>(max_rows), kRowThreads, 0, stream>>>(
-      as_cuda(x_RD), as_cuda(x_TD), token_of_row_R, offsets_E1, E, D);
+  if (vectorizable(D, {x_RD, x_TD})) {
+    const int64_t V = D / kVecElems;
+    const VecLaunch launch = vec_launch(max_rows, V);
+    permute_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(x_RD), as_vec(x_TD), token_of_row_R,
+                                                                  offsets_E1, E, max_rows, V, launch.lane_bits);
+  } else {
+    permute_scalar_kernel<<<static_cast<unsigned>(max_rows), kRowThreads, 0, stream>>>(
+        as_cuda(x_RD), as_cuda(x_TD), token_of_row_R, offsets_E1, E, D);
+  }
   MOE_CUDA_CHECK_LAUNCH();
 }
 
 void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
                       bool accumulate, Stream stream) {
   if (T == 0) return;
-  permute_backward_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(as_cuda(dx_TD), as_cuda(dx_RD),
-                                                                                 row_TK, K, D, accumulate);
+  if (vectorizable(D, {dx_TD, dx_RD})) {
+    const int64_t V = D / kVecElems;
+    const VecLaunch launch = vec_launch(T, V);
+    permute_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(dx_TD), as_vec(dx_RD), row_TK, T,
+                                                                           K, V, accumulate, launch.lane_bits);
+  } else {
+    permute_backward_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(
+        as_cuda(dx_TD), as_cuda(dx_RD), row_TK, K, D, accumulate);
+  }
   MOE_CUDA_CHECK_LAUNCH();
 }
 
 void combine_forward(bf16* out_TD, const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T,
                      int64_t K, int64_t D, Stream stream) {
   if (T == 0) return;
-  combine_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(as_cuda(out_TD), as_cuda(y_RD), weight_TK,
-                                                                        row_TK, K, D);
+  if (vectorizable(D, {out_TD, y_RD})) {
+    const int64_t V = D / kVecElems;
+    const VecLaunch launch = vec_launch(T, V);
+    combine_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(out_TD), as_vec(y_RD), weight_TK, row_TK, T,
+                                                                  K, V, launch.lane_bits);
+  } else {
+    combine_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(as_cuda(out_TD), as_cuda(y_RD),
+                                                                               weight_TK, row_TK, K, D);
+  }
   MOE_CUDA_CHECK_LAUNCH();
 }
 
 void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const bf16* y_RD, const float* weight_TK,
                       const int32_t* row_TK, int64_t T, int64_t K, int64_t D, Stream stream) {
   if (T == 0) return;
-  combine_backward_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(
-      as_cuda(dy_RD), dweight_TK, as_cuda(dout_TD), as_cuda(y_RD), weight_TK, row_TK, K, D);
+  if (vectorizable(D, {dy_RD, dout_TD, y_RD})) {
+    const int64_t V = D / kVecElems;
+    const VecLaunch launch = vec_launch(T, V);
+    combine_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(
+        as_vec(dy_RD), dweight_TK, as_vec(dout_TD), as_vec(y_RD), weight_TK, row_TK, T, K, V, launch.lane_bits);
+  } else {
+    combine_backward_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(
+        as_cuda(dy_RD), dweight_TK, as_cuda(dout_TD), as_cuda(y_RD), weight_TK, row_TK, K, D);
+  }
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -108,6 +108,7 @@ struct Layer {
   Buffer<bf16> x;          // the layer's input (the residual stream), always kept
   std::shared_ptr<Activations> act;
   Buffer<int64_t> load;  // assignments per expert since reset
+  Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
 };
 
 }  // namespace
@@ -151,6 +152,17 @@ struct GpuTransformer::State {
   Buffer<float> dweight, dlogits, norm_partial;
   Buffer<char> embedding_scratch;
   int64_t n_valid = 0;
+  // Per-expert clipping (clip_expert_grads): the expert tensors cut into slices, one
+  // expert's part of one tensor each, expert after expert; expert x owns slices
+  // first_slice_X1[x] .. first_slice_X1[x+1] - 1. The device tables are made on first use.
+  std::vector<cuda::OptimizerSegment> expert_slices;
+  std::vector<int32_t> expert_of_slice, first_slice_X1;
+  int64_t expert_slice_chunks = 0;
+  Buffer<cuda::OptimizerSegment> d_expert_slices;
+  Buffer<int32_t> d_expert_of_slice, d_first_slice_X1;
+  Buffer<double> slice_chunk_sq, slice_sq, expert_norm;
+  Buffer<float> expert_factor;
+  Buffer<adamw_math::AdamWScalars> slice_scalars;  // grad_norm's scalars, unused here
   PhaseClock clock;
 
   ~State() {
@@ -193,6 +205,8 @@ struct GpuTransformer::State {
   ForwardResult read_forward_results();
   void enqueue_backward(double loss_scale);
   void moe_backward(Layer& layer, double loss_scale);
+  void build_expert_slices(const ParameterStore<float>& params);
+  Buffer<float>& balance_bias_of(size_t moe_layer);
 };
 
 namespace {
@@ -237,10 +251,13 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       }
       layer.load = Buffer<int64_t>(static_cast<size_t>(config.moe.n_experts));
       layer.load.fill_bytes(0);
+      layer.balance_bias = Buffer<float>(static_cast<size_t>(config.moe.n_experts));
+      layer.balance_bias.fill_bytes(0);
     } else {
       layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};
     }
   }
+  s.build_expert_slices(params);
   // The router biases are added to the fp32 logits, so the forward pass reads them in fp32.
   std::vector<int> fp32_ids;
   for (const Layer& layer : s.layers)
@@ -398,7 +415,8 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   blas.gemm(false, true, T, E, D, 1.0f, layer.act->n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
             stream);
   cuda::add_bias_rows(m.logits.data(), w32(layer.router_b), T, E, stream);
-  cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), nullptr, T, E, K,
+  const float* selection_bias = mc.bias_balancing ? layer.balance_bias.data() : nullptr;
+  cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), selection_bias, T, E, K,
                     static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream);
   cuda::expert_counts(m.assign_counts.data(), m.expert.data(), T, E, K, stream);
   cuda::router_loss_terms(m.aux_term.data(), m.z_term.data(), m.scores.data(), m.logits.data(), m.assign_counts.data(),
@@ -737,6 +755,91 @@ std::vector<std::vector<int64_t>> GpuTransformer::expert_load() {
 void GpuTransformer::reset_load() {
   for (Layer& layer : state_->layers)
     if (layer.is_moe) layer.load.fill_bytes(0);
+}
+
+Buffer<float>& GpuTransformer::State::balance_bias_of(size_t moe_layer) {
+  size_t index = 0;
+  for (Layer& layer : layers)
+    if (layer.is_moe && index++ == moe_layer) return layer.balance_bias;
+  MOE_THROW("balance bias: no MoE layer {} (the model has {})", moe_layer, index);
+}
+
+void GpuTransformer::set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E) {
+  Buffer<float>& bias = state_->balance_bias_of(moe_layer);
+  MOE_CHECK(bias_E.size() == bias.size(), "balance bias of MoE layer {}: {} values for {} experts", moe_layer,
+            bias_E.size(), bias.size());
+  bias.upload(bias_E.data(), bias_E.size());
+}
+
+std::vector<float> GpuTransformer::balance_bias(size_t moe_layer) const {
+  const Buffer<float>& bias = state_->balance_bias_of(moe_layer);
+  std::vector<float> values(bias.size());
+  bias.download(values.data(), values.size());
+  return values;
+}
+
+// Groups of parameters sharing an expert_group (train/grad_clip.cpp), in registration
+// order (the layers' order); each group's tensors cut at the leading expert dimension.
+void GpuTransformer::State::build_expert_slices(const ParameterStore<float>& params) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int id = 0; id < params.size(); ++id) {
+    const std::string& group = params.spec(id).expert_group;
+    if (group.empty()) continue;
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == group; });
+    if (it != groups.end()) it->second.push_back(id);
+    else groups.emplace_back(group, std::vector<int>{id});
+  }
+  for (const auto& [group, ids] : groups) {
+    const int64_t n_experts = params.spec(ids.front()).shape[0];
+    for (int64_t e = 0; e < n_experts; ++e) {
+      first_slice_X1.push_back(static_cast<int32_t>(expert_slices.size()));
+      for (int id : ids) {
+        const int64_t per_expert = params.numel(id) / n_experts;
+        cuda::OptimizerSegment slice;
+        slice.offset = params.offset(id) + e * per_expert;
+        slice.numel = per_expert;
+        slice.first_chunk = expert_slice_chunks;
+        expert_slice_chunks += (per_expert + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
+        expert_slices.push_back(slice);
+        expert_of_slice.push_back(static_cast<int32_t>(first_slice_X1.size() - 1));
+      }
+    }
+  }
+  first_slice_X1.push_back(static_cast<int32_t>(expert_slices.size()));
+}
+
+std::vector<double> GpuTransformer::clip_expert_grads(double max_norm) {
+  State& s = *state_;
+  const size_t n_experts = s.first_slice_X1.size() - 1, n_slices = s.expert_slices.size();
+  if (n_slices == 0) return {};
+  if (s.d_expert_slices.size() == 0) {
+    s.d_expert_slices = Buffer<cuda::OptimizerSegment>(n_slices);
+    s.d_expert_slices.upload(s.expert_slices.data(), n_slices);
+    s.d_expert_of_slice = Buffer<int32_t>(n_slices);
+    s.d_expert_of_slice.upload(s.expert_of_slice.data(), n_slices);
+    s.d_first_slice_X1 = Buffer<int32_t>(n_experts + 1);
+    s.d_first_slice_X1.upload(s.first_slice_X1.data(), n_experts + 1);
+    s.slice_chunk_sq = Buffer<double>(static_cast<size_t>(s.expert_slice_chunks));
+    s.slice_sq = Buffer<double>(n_slices);
+    s.expert_norm = Buffer<double>(n_experts);
+    s.expert_factor = Buffer<float>(n_experts);
+    s.slice_scalars = Buffer<adamw_math::AdamWScalars>(1);
+  }
+  float* grads = s.store->grads();
+  s.mark(kOptimizer);
+  cuda::grad_norm(s.slice_scalars.data(), s.slice_chunk_sq.data(), s.slice_sq.data(), grads, s.d_expert_slices.data(),
+                  static_cast<int64_t>(n_slices), s.expert_slice_chunks, 0.0, s.stream);
+  cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), s.slice_sq.data(), s.d_first_slice_X1.data(),
+                            static_cast<int64_t>(n_experts), max_norm, s.stream);
+  if (max_norm > 0)
+    cuda::scale_expert_slices(grads, s.d_expert_slices.data(), s.d_expert_of_slice.data(),
+                              static_cast<int64_t>(n_slices), s.expert_factor.data(), s.stream);
+  std::vector<double> norms(n_experts);
+  MOE_CUDA_CHECK(cudaMemcpyAsync(norms.data(), s.expert_norm.data(), n_experts * sizeof(double),
+                                 cudaMemcpyDeviceToHost, s.stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  s.mark(kHost);
+  return norms;
 }
 
 size_t GpuTransformer::device_bytes() const {

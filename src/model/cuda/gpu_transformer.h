@@ -75,6 +75,18 @@ class GpuTransformer {
   // Assignments per expert since the last reset, per MoE layer (host copy).
   std::vector<std::vector<int64_t>> expert_load();
   void reset_load();
+  // The aux-loss-free balancing bias of MoE layer `moe_layer` (0 = the first MoE block),
+  // E values added to the scores for the top-k choice only, as MoELayer::balance_bias_E()
+  // on the CPU. Read by the forward when moe.bias_balancing is on; starts at zero. The
+  // host keeps the master copy (the CPU's bias_balance_update runs there) and uploads it.
+  void set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E);
+  std::vector<float> balance_bias(size_t moe_layer) const;
+  // Per-expert gradient clipping, the first half of train/grad_clip.cpp's clip_gradients:
+  // every expert's gradient norm over its slices of the expert tensors (the CPU's sums,
+  // bit for bit), MoE layer by layer, expert by expert; with max_norm > 0 each expert
+  // whose norm exceeds it has its gradients scaled by float(max_norm / (norm + 1e-6)).
+  // Returns the norms before clipping (waits for them).
+  std::vector<double> clip_expert_grads(double max_norm);
   // Device memory in use (all of it, as cudaMemGetInfo sees it).
   size_t device_bytes() const;
   // Of which weights, gradients and optimizer state (GpuParameterStore::device_bytes).
