@@ -1,0 +1,216 @@
+// The GPU model's private state, shared by its two source files: gpu_transformer.cpp (the
+// step, planning, parameters) and gpu_moe.cpp (the MoE layer: router, dispatch, experts,
+// balancing and per-expert clipping). Not part of the public interface.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/gpu.h"
+#include "kernels/gpu_ops.h"
+#include "model/cuda/gpu_transformer.h"
+
+namespace moe {
+namespace gpu_model {
+
+template <typename T>
+using Buffer = gpu::DeviceArray<T>;
+
+// One parameter's place in the device blocks.
+struct Param {
+  int id = -1;
+  int64_t offset = 0, numel = 0;
+};
+
+struct AttentionBuffers {
+  Buffer<bf16> q, k, v, out;
+  Buffer<float> stats;
+};
+
+// A SwiGLU FFN's saved activations: [rows, 2F] gate|up and [rows, F] act.
+struct FfnBuffers {
+  Buffer<bf16> gate_up, act;
+};
+
+struct MoEBuffers {
+  Buffer<float> logits, scores, weight, aux_term, z_term;
+  Buffer<int32_t> expert, row, counts, assign_counts, offsets, token_of_row, rank;
+  Buffer<bf16> x_rows, gate_up_rows, act_rows, y_rows;
+  std::vector<FfnBuffers> shared;
+};
+
+enum Phase : int {
+  kAttention, kRouter, kDispatch, kExperts, kCombine, kDenseFfn, kNorms, kEmbedding, kHeadLoss, kOptimizer, kHost,
+  kPhaseCount
+};
+const char* const kPhaseNames[kPhaseCount] = {"attention", "router",         "dispatch",     "experts",
+                                              "combine",   "dense FFN",      "norms+residual", "embedding",
+                                              "LM head+loss", "optimizer",   "host gaps"};
+
+// Events recorded at phase boundaries; each interval is charged to the phase that began it.
+struct PhaseClock {
+  bool enabled = false;
+  std::vector<cudaEvent_t> events;
+  std::vector<int> phase_of;
+  size_t used = 0;
+  std::array<double, kPhaseCount> ms{};
+
+  void mark(int phase, cudaStream_t stream) {
+    if (!enabled) return;
+    if (used == events.size()) {
+      cudaEvent_t event;
+      MOE_CUDA_CHECK(cudaEventCreate(&event));
+      events.push_back(event);
+    }
+    MOE_CUDA_CHECK(cudaEventRecord(events[used], stream));
+    phase_of.resize(used + 1);
+    phase_of[used++] = phase;
+  }
+  // Charges the recorded intervals, keeping the last event as the start of the next one.
+  void collect() {
+    if (used < 2) return;
+    MOE_CUDA_CHECK(cudaEventSynchronize(events[used - 1]));
+    for (size_t i = 1; i < used; ++i) {
+      float elapsed = 0;
+      MOE_CUDA_CHECK(cudaEventElapsedTime(&elapsed, events[i - 1], events[i]));
+      ms[static_cast<size_t>(phase_of[i - 1])] += elapsed;
+    }
+    std::swap(events[0], events[used - 1]);
+    phase_of[0] = phase_of[used - 1];
+    used = 1;
+  }
+  ~PhaseClock() {
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
+  }
+};
+
+// A layer's activations inside the block, saved for its backward, or, for a layer whose
+// activations are recomputed, one set shared by all such layers and refilled from the
+// layer's input right before its backward.
+struct Activations {
+  Buffer<bf16> n1, h, n2, ffn_out;
+  Buffer<float> rstd1, rstd2;
+  AttentionBuffers attn;
+  FfnBuffers dense_buffers;
+  MoEBuffers moe;
+};
+
+struct Layer {
+  Param norm1, norm2, wq, wk, wv, wo;
+  Param router_w, router_b, w1, w3, w2;              // MoE layers
+  std::vector<std::array<Param, 3>> shared;          // shared experts: w1, w3, w2
+  std::array<Param, 3> dense;                        // dense FFN layers: w1, w3, w2
+  bool is_moe = false;
+  bool recompute = false;  // activations recomputed in the backward
+  Buffer<bf16> x;          // the layer's input (the residual stream), always kept
+  std::shared_ptr<Activations> act;
+  Buffer<int64_t> load;  // assignments per expert since reset
+  Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
+};
+
+}  // namespace gpu_model
+
+// Only gpu_transformer.cpp and gpu_moe.cpp include this header.
+using namespace gpu_model;  // NOLINT(google-build-using-namespace)
+
+struct GpuTransformer::State {
+  ModelConfig config;
+  // Weights (bf16 hi + int16 lo = the fp32 masters), gradients and AdamW moments, in
+  // the CPU store's layout (model/cuda/gpu_parameters.h).
+  std::unique_ptr<GpuParameterStore> store;
+  Param embedding, final_norm, head;
+  std::vector<Layer> layers;
+  cuda::Blas blas;
+  cuda::Attention attention;
+  std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only
+  cudaStream_t stream = nullptr;
+  int64_t batch = 0, tokens = 0;
+  int64_t recompute_layers = 0;  // the first N layers recompute their activations (-1: all)
+  bool recomputing = false;      // inside a backward's recomputed forward
+  // CUDA graph of zero_grads + forward + backward of one micro-batch, replayed while the
+  // values baked into its kernel arguments (valid targets, loss scale) stay the same.
+  bool graphs = false;
+  cudaGraphExec_t graph = nullptr;
+  int64_t graph_n_valid = -1;
+  bool graph_warm = false;  // an eager step has run since plan()
+  double graph_loss_scale = 0;
+  // Rows the expert buffers hold: T * K, or fewer when the capacity bounds them. Row-wise
+  // kernels run over all of them (static shapes, no host sync); only the rows below the
+  // device-side offsets[E] are read by the GEMMs.
+  int64_t max_rows = 0;
+  // Per micro-batch buffers.
+  Buffer<int32_t> inputs, targets, positions;
+  Buffer<bf16> final_x, final_n, logits;
+  Buffer<float> final_rstd, loss, lse;
+  // Device-side results of a forward, read back once at its end: [0] cross-entropy,
+  // then per layer aux and z loss terms; kept rows per layer (offsets[E]).
+  Buffer<float> sums;
+  Buffer<int32_t> kept_rows;
+  // Backward scratch.
+  Buffer<bf16> dres, dnorm, dq, dk, dv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
+      dffn_gate_up;
+  Buffer<float> dweight, dlogits, norm_partial;
+  Buffer<char> embedding_scratch;
+  int64_t n_valid = 0;
+  // Per-expert clipping (clip_expert_grads): the expert tensors cut into slices, one
+  // expert's part of one tensor each, expert after expert; expert x owns slices
+  // first_slice_X1[x] .. first_slice_X1[x+1] - 1. The device tables are made on first use.
+  std::vector<cuda::OptimizerSegment> expert_slices;
+  std::vector<int32_t> expert_of_slice, first_slice_X1;
+  int64_t expert_slice_chunks = 0;
+  Buffer<cuda::OptimizerSegment> d_expert_slices;
+  Buffer<int32_t> d_expert_of_slice, d_first_slice_X1;
+  Buffer<double> slice_chunk_sq, slice_sq, expert_norm;
+  Buffer<float> expert_factor;
+  Buffer<adamw_math::AdamWScalars> slice_scalars;  // grad_norm's scalars, unused here
+  PhaseClock clock;
+
+  ~State() {
+    if (graph) cudaGraphExecDestroy(graph);
+    if (stream) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+  }
+  void mark(int phase) { clock.mark(phase, stream); }
+  const bf16* w(const Param& p) const { return store->weights() + p.offset; }
+  float* g(const Param& p) { return store->grads() + p.offset; }
+  // fp32 values, for the parameters read in fp32 (the router biases; see the constructor).
+  const float* w32(const Param& p) const { return store->fp32_values(p.id); }
+
+  // y[rows, out] = x[rows, in] @ W^T (+ y when accumulate).
+  void linear(bf16* y, const bf16* x, const bf16* weight, int64_t rows, int64_t in, int64_t out, bool accumulate,
+              int64_t ldy = -1) {
+    blas.gemm(false, true, rows, out, in, 1.0f, x, in, weight, in, accumulate ? 1.0f : 0.0f, y, false,
+              ldy < 0 ? out : ldy, stream);
+  }
+  // dx[rows, in] = dy[rows, out] @ W (+ dx when accumulate); dW[out, in] += dy^T @ x.
+  void linear_backward(bf16* dx, float* dweight, const bf16* dy, const bf16* x, const bf16* weight, int64_t rows,
+                       int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1) {
+    const int64_t ldd = ld_dy < 0 ? out : ld_dy;
+    if (dx) blas.gemm(false, false, rows, in, out, 1.0f, dy, ldd, weight, in, accumulate_dx ? 1.0f : 0.0f, dx, false, in, stream);
+    if (rows > 0) blas.gemm(true, false, out, in, rows, 1.0f, dy, ldd, x, in, 1.0f, dweight, true, in, stream);
+  }
+  void ffn_forward(bf16* y, const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, FfnBuffers& buffers,
+                   int64_t rows, int64_t F, bool accumulate);
+  void ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& weights_, FfnBuffers& buffers,
+                    int64_t rows, int64_t F, bool accumulate_dx);
+  void moe_forward(Layer& layer, size_t layer_index, bool count_load);
+  // One block's forward: from the previous block's h and FFN output (fused residual add),
+  // or from the saved input x when recomputing (and for the first layer after the embedding).
+  void layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch, bool from_saved_input);
+  void layer_backward(size_t l, double loss_scale);
+  void check_and_upload_inputs(const int32_t* inputs_BS, const int32_t* targets_BS);
+  void enqueue_forward();
+  ForwardResult read_forward_results();
+  void enqueue_backward(double loss_scale);
+  void moe_backward(Layer& layer, double loss_scale);
+  void build_expert_slices(const ParameterStore<float>& params);
+  Buffer<float>& balance_bias_of(size_t moe_layer);
+};
+
+}  // namespace moe
