@@ -41,16 +41,13 @@ void rope_forward(bf16* x_TNd, const int32_t* positions_T, int64_t T, int64_t N,
 void rope_backward(bf16* dx_TNd, const int32_t* positions_T, int64_t T, int64_t N, int64_t d,
                    float theta, Stream stream);
 
-// Cross-entropy over bf16 logits without an fp32 copy of them: per row, online
-// max/sum-exp in fp32. loss_T gets each row's loss (0 for ignored targets), lse_T its
-// log-sum-exp. The mean is taken on the host or by a follow-up reduction.
-void cross_entropy_forward(float* loss_T, float* lse_T, const bf16* logits_TV,
-                           const int32_t* targets_T, int64_t T, int64_t V, Stream stream);
-// dlogits = scale * (softmax - onehot), written over the logits when they alias;
-// rows with target -1 get zeros. scale = dloss / n_valid.
-void cross_entropy_backward(bf16* dlogits_TV, const bf16* logits_TV, const float* lse_T,
-                            const int32_t* targets_T, int64_t T, int64_t V, float scale,
-                            Stream stream);
+// Cross-entropy and its gradient in one pass, from fp32 logits (the LM head's GEMM writes
+// them a chunk of rows at a time, so the [T, V] fp32 logits never exist whole; bf16 logits
+// would cost ~1% relative error in every gradient). loss_T gets each row's loss (0 for
+// ignored targets, -1); dlogits_TV = grad_scale * (softmax - onehot) in bf16, zeros for
+// ignored rows. With grad_scale = 1 / n_valid the backward only multiplies by dloss.
+void cross_entropy_fused(float* loss_T, bf16* dlogits_TV, const float* logits_TV, const int32_t* targets_T,
+                         int64_t T, int64_t V, float grad_scale, Stream stream);
 
 // Router: scores = softmax or sigmoid(logits / temperature) (fp32), then top-K of
 // scores + bias (bias nullable), weights from the unbiased scores, optionally

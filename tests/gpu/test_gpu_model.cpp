@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_transformer.h"
@@ -51,16 +53,19 @@ Batch random_batch(const ModelConfig& c, int64_t batch) {
 }
 
 // Larger router weights make the combine weights depend strongly on the router.
-void sharpen_router(Transformer<float>& model) {
+void sharpen_router(Transformer<float>& model, float scale) {
   auto& params = model.params();
   for (int id = 0; id < params.size(); ++id)
     if (params.spec(id).name.find("router.weight") != std::string::npos)
-      for (int64_t i = 0; i < params.numel(id); ++i) params.value(id)[i] *= 10.0f;
+      for (int64_t i = 0; i < params.numel(id); ++i) params.value(id)[i] *= scale;
 }
 
-void compare(const ModelConfig& config, int64_t batch) {
+// Every parameter's gradient within rel_tolerance of the CPU's (as a relative L2 error of
+// the tensor). MOE_GPU_DIAG=1 prints each tensor's error.
+void compare(const ModelConfig& config, int64_t batch, float router_scale, double rel_tolerance) {
+  const bool print = std::getenv("MOE_GPU_DIAG") != nullptr;
   Transformer<float> cpu(config, 3);
-  sharpen_router(cpu);
+  sharpen_router(cpu, router_scale);
   cpu.plan(batch);
   GpuTransformer gpu(config, cpu.params());
   gpu.plan(batch);
@@ -70,6 +75,7 @@ void compare(const ModelConfig& config, int64_t batch) {
   gpu.zero_grads();
   const ForwardResult got = gpu.forward(b.inputs.data(), b.targets.data());
   gpu.backward(0.5);
+  if (print) std::printf("ce loss %.7f (cpu %.7f), aux %.7g (cpu %.7g)\n", got.ce_loss, want.ce_loss, got.aux_loss, want.aux_loss);
   EXPECT_NEAR(got.ce_loss, want.ce_loss, 1e-2 * want.ce_loss);
   EXPECT_NEAR(got.aux_loss, want.aux_loss, 2e-2 * want.aux_loss + 1e-6);
   EXPECT_NEAR(got.z_loss, want.z_loss, 2e-2 * want.z_loss + 1e-6);
@@ -87,17 +93,28 @@ void compare(const ModelConfig& config, int64_t batch) {
       norm += r * r;
     }
     EXPECT_TRUE(finite) << cpu_params.spec(id).name;
-    // bf16 activations and activation gradients: about 2-6% relative error per tensor on
-    // this 3-layer model (measured on the H200), growing with depth. Closing it to ~1%
-    // wants an fp32 residual-gradient stream (see BENCHMARKS.md).
-    EXPECT_LE(std::sqrt(diff), 8e-2 * std::sqrt(norm) + 1e-6)
+    if (print) std::printf("%-40s relative error %.4g\n", cpu_params.spec(id).name.c_str(), std::sqrt(diff / (norm + 1e-30)));
+    EXPECT_LE(std::sqrt(diff), rel_tolerance * std::sqrt(norm) + 1e-6)
         << cpu_params.spec(id).name << ": |gpu - cpu| " << std::sqrt(diff) << " |cpu| " << std::sqrt(norm);
   }
 }
 
+// bf16 activations and activation gradients, fp32 accumulation: measured on the H200,
+// 0.5-0.7% relative error per tensor with one layer, 1.3-2.0% with these three (1 dense +
+// 2 MoE), growing with depth from the forward's rounding (the LM head's gradient already
+// has 1.3%; fp32 logits did not change it). With the routers sharpened 10x, the router's
+// logit errors grow 10x with them and the errors reach 2.3-5.9%.
+constexpr double kNaturalRouterTolerance = 3e-2;
+constexpr double kSharpRouterTolerance = 8e-2;
+
 TEST(GpuModel, DroplessMatchesCpu) {
   MOE_REQUIRE_GPU();
-  compare(small_config(), 2);
+  compare(small_config(), 2, 1.0f, kNaturalRouterTolerance);
+}
+
+TEST(GpuModel, DroplessSharpRouterMatchesCpu) {
+  MOE_REQUIRE_GPU();
+  compare(small_config(), 2, 10.0f, kSharpRouterTolerance);
 }
 
 TEST(GpuModel, CapacitySigmoidTiedMatchesCpu) {
@@ -108,7 +125,7 @@ TEST(GpuModel, CapacitySigmoidTiedMatchesCpu) {
   c.moe.renormalize = false;
   c.tie_embeddings = true;
   c.first_dense_layers = 0;
-  compare(c, 2);
+  compare(c, 2, 10.0f, kSharpRouterTolerance);
 }
 
 TEST(GpuModel, AdamWStepsLowerTheLoss) {

@@ -166,10 +166,12 @@ void GpuTransformer::plan(int64_t batch) {
   s.positions = i32(T);
   s.final_x = bf(T * D);
   s.final_n = bf(T * D);
-  s.logits = bf(T * V);
+  // ~256 MB of fp32 logits per chunk, in row blocks of 128 for the GEMM's tiles.
+  s.head_chunk_rows = std::min<int64_t>(T, std::max<int64_t>(128, ((int64_t{64} << 20) / V) / 128 * 128));
+  s.head_logits_chunk = f32(s.head_chunk_rows * V);
+  s.dlogits_head = bf(T * V);
   s.final_rstd = f32(T);
   s.loss = f32(T);
-  s.lse = f32(T);
   s.sums = f32(1 + 2 * static_cast<int64_t>(s.layers.size()));
   s.kept_rows = i32(static_cast<int64_t>(s.layers.size()));
   s.dres = bf(T * D);
@@ -286,9 +288,15 @@ void GpuTransformer::State::enqueue_forward() {
   cuda::rmsnorm_forward(final_n.data(), final_rstd.data(), final_x.data(), prev_h, prev_branch, w(final_norm), T, D,
                         eps, stream);
   mark(kHeadLoss);
-  linear(logits.data(), final_n.data(), w(head), T, D, V, false);
-  cuda::cross_entropy_forward(loss.data(), lse.data(), logits.data(), targets.data(), T, V, stream);
-  cuda::ordered_sum(sums.data(), loss.data(), T, 1.0f / static_cast<float>(std::max<int64_t>(1, n_valid)), stream);
+  const float inv_valid = 1.0f / static_cast<float>(std::max<int64_t>(1, n_valid));
+  for (int64_t first = 0; first < T; first += head_chunk_rows) {
+    const int64_t rows = std::min(head_chunk_rows, T - first);
+    blas.gemm(false, true, rows, V, D, 1.0f, final_n.data() + first * D, D, w(head), D, 0.0f, head_logits_chunk.data(),
+              /*c_is_fp32=*/true, V, stream);
+    cuda::cross_entropy_fused(loss.data() + first, dlogits_head.data() + first * V, head_logits_chunk.data(),
+                              targets.data() + first, rows, V, inv_valid, stream);
+  }
+  cuda::ordered_sum(sums.data(), loss.data(), T, inv_valid, stream);
 }
 
 ForwardResult GpuTransformer::State::read_forward_results() {
@@ -359,12 +367,10 @@ void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
 void GpuTransformer::State::enqueue_backward(double loss_scale) {
   const ModelConfig& c = config;
   const int64_t T = tokens, D = c.dim, V = c.vocab_size;
-  // Logits become their gradient in place.
+  // The forward left the gradient of the mean loss in dlogits_head; loss_scale is dloss.
   mark(kHeadLoss);
-  cuda::cross_entropy_backward(logits.data(), logits.data(), lse.data(), targets.data(), T, V,
-                               static_cast<float>(loss_scale / static_cast<double>(std::max<int64_t>(1, n_valid))),
-                               stream);
-  linear_backward(dnorm.data(), g(head), logits.data(), final_n.data(), w(head), T, D, V, false);
+  linear_backward(dnorm.data(), g(head), dlogits_head.data(), final_n.data(), w(head), T, D, V, false, -1,
+                  static_cast<float>(loss_scale));
   mark(kNorms);
   cuda::rmsnorm_backward(dres.data(), g(final_norm), dnorm.data(), nullptr, final_x.data(), w(final_norm),
                          final_rstd.data(), T, D, norm_partial.data(), stream);

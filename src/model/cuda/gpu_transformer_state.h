@@ -144,8 +144,13 @@ struct GpuTransformer::State {
   int64_t max_rows = 0;
   // Per micro-batch buffers.
   Buffer<int32_t> inputs, targets, positions;
-  Buffer<bf16> final_x, final_n, logits;
-  Buffer<float> final_rstd, loss, lse;
+  Buffer<bf16> final_x, final_n;
+  // The LM head: fp32 logits for head_chunk_rows rows at a time, and the gradient of the
+  // mean loss per logit (softmax - onehot) / n_valid, written by the forward.
+  Buffer<float> head_logits_chunk;
+  Buffer<bf16> dlogits_head;
+  int64_t head_chunk_rows = 0;
+  Buffer<float> final_rstd, loss;
   // Device-side results of a forward, read back once at its end: [0] cross-entropy,
   // then per layer aux and z loss terms; kept rows per layer (offsets[E]).
   Buffer<float> sums;
@@ -188,12 +193,12 @@ struct GpuTransformer::State {
     blas.gemm(false, true, rows, out, in, 1.0f, x, in, weight, in, accumulate ? 1.0f : 0.0f, y, false,
               ldy < 0 ? out : ldy, stream);
   }
-  // dx[rows, in] = dy[rows, out] @ W (+ dx when accumulate); dW[out, in] += dy^T @ x.
+  // dx[rows, in] = scale * dy[rows, out] @ W (+ dx when accumulate); dW[out, in] += scale * dy^T @ x.
   void linear_backward(bf16* dx, float* dweight, const bf16* dy, const bf16* x, const bf16* weight, int64_t rows,
-                       int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1) {
+                       int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1, float scale = 1.0f) {
     const int64_t ldd = ld_dy < 0 ? out : ld_dy;
-    if (dx) blas.gemm(false, false, rows, in, out, 1.0f, dy, ldd, weight, in, accumulate_dx ? 1.0f : 0.0f, dx, false, in, stream);
-    if (rows > 0) blas.gemm(true, false, out, in, rows, 1.0f, dy, ldd, x, in, 1.0f, dweight, true, in, stream);
+    if (dx) blas.gemm(false, false, rows, in, out, scale, dy, ldd, weight, in, accumulate_dx ? 1.0f : 0.0f, dx, false, in, stream);
+    if (rows > 0) blas.gemm(true, false, out, in, rows, scale, dy, ldd, x, in, 1.0f, dweight, true, in, stream);
   }
   void ffn_forward(bf16* y, const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, FfnBuffers& buffers,
                    int64_t rows, int64_t F, bool accumulate);
