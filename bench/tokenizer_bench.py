@@ -2,15 +2,19 @@
 on the same vocabulary and corpus, for a list of thread counts.
 
   python3 bench/tokenizer_bench.py [--moe build/moe] [--corpus DIR] [--vocab 8192]
-      [--tokenizer tok.json] [--threads 1,2,4,8,16] [--min-seconds 1]
+      [--tokenizer tok.json] [--threads 1,2,4,8,16] [--min-seconds 1] [--min-pass-mb 64]
+      [--no-hf] [--no-tiktoken]
 
 Trains the vocabulary with `moe tokenizer train` (Llama-3 pattern) unless --tokenizer gives
 one, writes a tiktoken rank file from it, checks that the three produce the same ids on
-the corpus, then times each encoder on the documents held in memory: warm-up, then the
-median of 3 samples, each sample as many whole passes over the corpus as fill
---min-seconds (a pass on many threads takes only milliseconds). moe: `moe tokenizer bench`
-(documents cut into chunks, see ParallelEncoder); HF: encode_batch in a fresh process
-per thread count (RAYON_NUM_THREADS); tiktoken: encode_ordinary_batch(num_threads=N).
+the corpus, then times each encoder on the documents held in memory. A pass encodes the
+corpus's documents repeated whole N times, the fewest that make >= --min-pass-mb MB (moe
+picks N, the others get the same N: the same list of documents for all three), so that a
+pass on many threads is long against fork/join and the schedule's tail. Warm-up, then the
+median of 3 samples, each sample as many whole passes as fill --min-seconds. moe: `moe
+tokenizer bench` (documents cut into chunks, see ParallelEncoder; two warm-up passes);
+HF: encode_batch in a fresh process per thread count (RAYON_NUM_THREADS); tiktoken:
+encode_ordinary_batch(num_threads=N); each warmed up by one pass over the corpus once.
 """
 import argparse
 import base64
@@ -27,48 +31,52 @@ LLAMA3 = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
 CHILD = r"""
 import sys, time, json, math, statistics
 from pathlib import Path
-kind, spec, corpus, threads, ext, min_seconds = sys.argv[1:7]
-threads, min_seconds = int(threads), float(min_seconds)
+kind, spec, corpus, threads, ext, min_seconds, copies = sys.argv[1:8]
+threads, min_seconds, copies = int(threads), float(min_seconds), int(copies)
 files = sorted(p for p in Path(corpus).rglob("*" + ext) if p.is_file())
 docs = [p.read_bytes().decode("utf-8", errors="replace") for p in files]
-nbytes = sum(len(d.encode("utf-8")) for d in docs)
+nbytes = sum(len(d.encode("utf-8")) for d in docs) * copies
 if kind == "hf":
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(spec)
     tok.encode_special_tokens = True
-    run = lambda: sum(len(e.ids) for e in tok.encode_batch(docs, add_special_tokens=False))
+    run = lambda docs: sum(len(e.ids) for e in tok.encode_batch(docs, add_special_tokens=False))
 else:
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
-    enc = tiktoken.Encoding(name="bench", pat_str=sys.argv[7], mergeable_ranks=load_tiktoken_bpe(spec), special_tokens={})
-    run = lambda: sum(len(i) for i in enc.encode_ordinary_batch(docs, num_threads=threads))
-t = time.perf_counter(); tokens = run(); first = time.perf_counter() - t
-passes = max(1, math.ceil(min_seconds / first))
+    enc = tiktoken.Encoding(name="bench", pat_str=sys.argv[8], mergeable_ranks=load_tiktoken_bpe(spec), special_tokens={})
+    run = lambda docs: sum(len(i) for i in enc.encode_ordinary_batch(docs, num_threads=threads))
+t = time.perf_counter(); run(docs); first = time.perf_counter() - t  # warm-up: the corpus once
+passes = max(1, math.ceil(min_seconds / (first * copies)))
+docs = docs * copies  # the same str objects again, as moe repeats views of the same text
 times = []
 for _ in range(3):
     t = time.perf_counter()
     for _ in range(passes):
-        tokens = run()
+        tokens = run(docs)
     times.append((time.perf_counter() - t) / passes)
 med = statistics.median(times)
 print(json.dumps({"bytes": nbytes, "tokens": tokens, "seconds": med, "mb_per_s": nbytes / 1e6 / med}))
 """
 
 
-def run_child(kind, spec, args, threads, extra=()):
+def run_child(kind, spec, args, threads, copies, extra=()):
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="true")
     out = subprocess.run([sys.executable, "-c", CHILD, kind, spec, args.corpus, str(threads), args.extension,
-                          str(args.min_seconds), *extra], env=env, check=True, capture_output=True, text=True).stdout
+                          str(args.min_seconds), str(copies), *extra], env=env, check=True, capture_output=True,
+                         text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def run_moe(tokenizer, args, threads):
     out = subprocess.run([args.moe, "tokenizer", "bench", "--tokenizer", tokenizer, "--input", args.corpus,
-                          "--extension", args.extension, "--threads", str(threads), "--repeats", "3"],
-                         check=True, capture_output=True, text=True).stdout
+                          "--extension", args.extension, "--threads", str(threads), "--repeats", "3",
+                          "--min-pass-mb", str(args.min_pass_mb)], check=True, capture_output=True, text=True).stdout
     fields = dict(kv.split("=") for kv in out.strip().splitlines()[-1].split()[1:])
-    return {"bytes": int(fields["bytes"]), "tokens": int(fields["tokens"]), "seconds": float(fields["seconds"]),
-            "mb_per_s": float(fields["mb_per_s"]), "chunks": int(fields.get("chunks", 0))}
+    result = {k: float(v) for k, v in fields.items()}
+    for k in ("bytes", "tokens", "chunks", "copies", "corpus_bytes", "docs", "passes_per_sample"):
+        result[k] = int(fields.get(k, 0))
+    return result
 
 
 def write_tiktoken_ranks(tok, path):
@@ -98,6 +106,9 @@ def main():
     p.add_argument("--threads", help="comma-separated thread counts (default: 1 and all cores)")
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="the all-cores thread count")
     p.add_argument("--min-seconds", type=float, default=1.0, help="HF/tiktoken: least time per timed sample")
+    p.add_argument("--min-pass-mb", type=float, default=64.0,
+                   help="repeat the documents whole until a pass holds >= this many MB, for all encoders (0: once)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF tokenizers columns")
     p.add_argument("--no-tiktoken", action="store_true", help="skip the tiktoken columns")
     args = p.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, args.cores})
@@ -114,13 +125,15 @@ def main():
         rows = []
         for threads in threads_list:
             ours = run_moe(tok, args, threads)
-            hf = run_child("hf", tok, args, threads)
-            assert ours["tokens"] == hf["tokens"], (ours, hf)
+            hf = {"mb_per_s": nan}
+            if not args.no_hf:
+                hf = run_child("hf", tok, args, threads, ours["copies"])
+                assert ours["tokens"] == hf["tokens"], (ours, hf)
             tt_ours, tt = {"mb_per_s": nan}, {"mb_per_s": nan}
             if not args.no_tiktoken:
                 tt_ours = run_moe(f"tiktoken:llama3:{ranks}", args, threads)
                 try:
-                    tt = run_child("tiktoken", ranks, args, threads, (LLAMA3,))
+                    tt = run_child("tiktoken", ranks, args, threads, tt_ours["copies"], (LLAMA3,))
                     assert tt["tokens"] == tt_ours["tokens"], (tt, tt_ours)
                 except subprocess.CalledProcessError as e:  # tiktoken not importable here
                     print(f"tiktoken unavailable: {e.stderr.strip().splitlines()[-1]}")
@@ -128,8 +141,11 @@ def main():
             print(f"threads={threads}: moe {ours['mb_per_s']:.1f} MB/s ({ours['chunks']} chunks), "
                   f"HF {hf['mb_per_s']:.2f} MB/s", flush=True)
         base_ours, base_hf = rows[0][1]["mb_per_s"], rows[0][2]["mb_per_s"]
-        print(f"corpus {args.corpus}: {rows[0][1]['bytes'] / 1e6:.1f} MB, {rows[0][1]['tokens']} tokens "
-              f"(moe and HF identical), vocab {len(json.load(open(tok))['model']['vocab'])}, "
+        first = rows[0][1]
+        print(f"corpus {args.corpus}: {first['corpus_bytes'] / 1e6:.1f} MB; a pass: the documents {first['copies']} "
+              f"times, {first['bytes'] / 1e6:.1f} MB, {first['tokens']} tokens "
+              f"({'moe and HF identical' if not args.no_hf else 'HF not run'}), "
+              f"vocab {len(json.load(open(tok))['model']['vocab'])}, "
               f"{len(os.sched_getaffinity(0))} cores visible, {os.cpu_count()} CPUs")
         print("| threads | moe BPE (tokenizer.json) | moe speedup | HF tokenizers | HF speedup | moe / HF "
               "| moe (tiktoken ranks) | tiktoken | moe / tiktoken |")
@@ -141,6 +157,16 @@ def main():
                   f"{tt_ours['mb_per_s']:.1f} MB/s | {tt['mb_per_s']:.1f} MB/s | "
                   f"{tt_ours['mb_per_s'] / tt['mb_per_s']:.1f}x |")
         print(f"speedup: vs the first row ({rows[0][0]} thread(s)); in brackets the parallel efficiency")
+        print("\nmoe (tokenizer.json), where a timed pass goes (ParallelEncoder::Profile): serial preparation, "
+              "parallel encoding (idle: threads waiting in it, the schedule's tail), serial offsets, parallel copy; "
+              "busy thread: MB/s of one thread while it encodes")
+        print("| threads | pass | prep | encode (idle) | offsets | copy | busy thread | chunks |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for threads, ours, *_ in rows:
+            print(f"| {threads} | {ours['seconds'] * 1e3:.1f} ms | {ours.get('prep_ms', nan):.3f} ms | "
+                  f"{ours.get('encode_ms', nan):.1f} ms ({ours.get('idle_pct', nan):.1f}%) | "
+                  f"{ours.get('offsets_ms', nan):.3f} ms | {ours.get('copy_ms', nan):.2f} ms | "
+                  f"{ours.get('busy_thread_mb_per_s', nan):.1f} MB/s | {ours['chunks']} |")
 
 
 if __name__ == "__main__":

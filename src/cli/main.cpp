@@ -114,6 +114,9 @@ int main(int argc, char** argv) {
   tok_bench_cmd->add_option("--extension", tok_bench.input.extension, "In directories, only files ending with this");
   tok_bench_cmd->add_option("--threads", tok_bench.threads, "Threads")->default_val(1);
   tok_bench_cmd->add_option("--repeats", tok_bench.repeats, "Timed passes (the median is reported)")->default_val(3);
+  tok_bench_cmd->add_option("--min-pass-mb", tok_bench.min_pass_mb,
+                            "Repeat the documents whole in each pass until it holds >= this many MB (0: once)")
+      ->default_val(tok_bench.min_pass_mb);
 
   moe::TokenizeCommandOptions tokenize;
   CLI::App* tokenize_cmd = app.add_subcommand("tokenize", "Encode text into binary token shards for training");

@@ -48,11 +48,20 @@ int run_tokenize(const TokenizeCommandOptions& options) {
 
 int run_tokenizer_bench(const TokenizerBenchOptions& options) {
   if (options.threads <= 0 || options.repeats <= 0) MOE_CONFIG_ERROR("--threads and --repeats must be positive");
+  if (!(options.min_pass_mb >= 0 && options.min_pass_mb <= 1e6))
+    MOE_CONFIG_ERROR("--min-pass-mb must be in [0, 1e6], got {}", options.min_pass_mb);
   std::unique_ptr<Tokenizer> tokenizer = make_tokenizer(options.tokenizer);
   std::vector<Document> docs = read_all_inputs(options.input);
+  int64_t corpus_bytes = 0;
+  for (const Document& d : docs) corpus_bytes += static_cast<int64_t>(d.text.size());
+  const double want = std::ceil(options.min_pass_mb * 1e6 / static_cast<double>(std::max<int64_t>(corpus_bytes, 1)));
+  const auto copies = static_cast<int64_t>(std::max(1.0, want));
   std::vector<std::string_view> texts;
-  int64_t bytes = 0;
-  for (const Document& d : docs) texts.push_back(d.text), bytes += static_cast<int64_t>(d.text.size());
+  texts.reserve(docs.size() * static_cast<size_t>(copies));
+  for (int64_t c = 0; c < copies; ++c)
+    for (const Document& d : docs) texts.push_back(d.text);
+  const int64_t bytes = corpus_bytes * copies;  // per pass
+
   ParallelEncoder encoder(*tokenizer, options.threads);
   TokenizedDocuments out;
   auto now = [] { return std::chrono::steady_clock::now(); };
@@ -65,6 +74,7 @@ int run_tokenizer_bench(const TokenizerBenchOptions& options) {
   const int64_t tokens = out.n_tokens();
   const double fill = std::ceil(options.min_seconds / std::max(pass_seconds, 1e-6));
   const auto passes = static_cast<int>(std::clamp(fill, 1.0, 1e6));
+  encoder.reset_profile();
   std::vector<double> seconds;  // per pass, one entry per sample
   for (int r = 0; r < options.repeats; ++r) {
     const auto start = now();
@@ -75,10 +85,20 @@ int run_tokenizer_bench(const TokenizerBenchOptions& options) {
   std::sort(seconds.begin(), seconds.end());
   const double median = seconds[seconds.size() / 2];
   const double mb = static_cast<double>(bytes) / 1e6;
-  fmt::print("bench: threads={} docs={} bytes={} tokens={} chunks={} passes_per_sample={} samples={} seconds={:.5f} "
-             "mb_per_s={:.2f} mb_per_s_min={:.2f} mb_per_s_max={:.2f}\n",
-             options.threads, docs.size(), bytes, tokens, encoder.last_chunks(), passes, options.repeats, median,
-             mb / median, mb / seconds.back(), mb / seconds.front());
+  // Per timed pass: serial preparation, parallel encoding (and the share of it threads were
+  // idle: late start, the schedule's tail), serial offsets, parallel copy; and the encoding
+  // speed of one busy thread (if it falls as threads are added, the threads slow each other
+  // down: shared cache, memory, clock; if idle_pct or the serial parts grow, it is Amdahl).
+  const ParallelEncoder::Profile& p = encoder.profile();
+  const double n = static_cast<double>(std::max<int64_t>(p.passes, 1)), ms = 1e3 / n;
+  const double idle = 1.0 - p.busy_seconds / std::max(p.encode_seconds * options.threads, 1e-12);
+  fmt::print("bench: threads={} docs={} copies={} corpus_bytes={} bytes={} tokens={} chunks={} passes_per_sample={} "
+             "samples={} seconds={:.5f} mb_per_s={:.2f} mb_per_s_min={:.2f} mb_per_s_max={:.2f} prep_ms={:.3f} "
+             "encode_ms={:.3f} idle_pct={:.2f} offsets_ms={:.3f} copy_ms={:.3f} busy_thread_mb_per_s={:.2f}\n",
+             options.threads, texts.size(), copies, corpus_bytes, bytes, tokens, encoder.last_chunks(), passes,
+             options.repeats, median, mb / median, mb / seconds.back(), mb / seconds.front(), p.prep_seconds * ms,
+             p.encode_seconds * ms, 100 * idle, p.offsets_seconds * ms, p.copy_seconds * ms,
+             mb * n / std::max(p.busy_seconds, 1e-12));
   return 0;
 }
 

@@ -27,13 +27,17 @@ struct TokenizerBenchOptions {
   int threads = 1;
   int repeats = 3;            // timed samples; the median is reported
   double min_seconds = 1.0;   // each sample repeats whole passes over the corpus until this long
+  double min_pass_mb = 64;    // a pass encodes the documents this many whole times: >= this many MB (0: once)
 };
 
 int run_tokenizer_train(const TokenizerTrainOptions& options);
 // Encode throughput on text already in memory, through the encoder `moe tokenize` uses
-// (ParallelEncoder): two warm-up passes, then `repeats` samples of as many whole passes
-// as fill min_seconds (so many threads do not time a pass of a few ms); reports the median
-// sample. Prints one machine-readable line (bench/tokenizer_bench.py reads it).
+// (ParallelEncoder). A pass encodes the documents repeated whole `copies` times, the fewest
+// that make >= min_pass_mb MB (the same text, not copied), so that a pass on many threads
+// is long against its fixed costs (fork/join, the schedule's tail, the prefix sum); two
+// warm-up passes, then `repeats` samples of as many passes as fill min_seconds; reports the
+// median sample and where the time of the timed passes went (ParallelEncoder::Profile).
+// Prints one machine-readable line (bench/tokenizer_bench.py reads it).
 int run_tokenizer_bench(const TokenizerBenchOptions& options);
 int run_tokenize(const TokenizeCommandOptions& options);
 

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
-#include <numeric>
 #include <filesystem>
 #include <future>
 #include <memory>
@@ -44,7 +43,7 @@ struct SplitWriter {
 
 ParallelEncoder::ParallelEncoder(const Tokenizer& tokenizer, int threads)
     : tokenizer_(tokenizer), threads_(threads > 0 ? threads : omp_get_max_threads()),
-      buffers_(static_cast<size_t>(threads_)) {}
+      states_(static_cast<size_t>(threads_)) {}
 
 TokenizedDocuments ParallelEncoder::encode(std::span<const std::string_view> texts) {
   TokenizedDocuments out;
@@ -59,13 +58,15 @@ TokenizedDocuments ParallelEncoder::encode(std::span<const Document> docs) {
 }
 
 void ParallelEncoder::encode(std::span<const Document> docs, TokenizedDocuments& out) {
-  std::vector<std::string_view> views;
-  views.reserve(docs.size());
-  for (const Document& d : docs) views.push_back(d.text);
-  encode(views, out);
+  views_.clear();
+  for (const Document& d : docs) views_.push_back(d.text);
+  encode(views_, out);
 }
 
 void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedDocuments& out) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+  const auto entered = Clock::now();
   MOE_CHECK(texts.size() < (size_t{1} << 32), "too many documents in one batch: {}", texts.size());
   size_t total = 0;
   for (std::string_view t : texts) total += t.size();
@@ -79,56 +80,84 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
     for (size_t cut : cuts_) {
       MOE_CHECK(cut > begin && cut < texts[d].size(), "tokenizer {}: cut at {} outside ({}, {})", tokenizer_.name(),
                 cut, begin, texts[d].size());
-      chunks_.push_back({static_cast<uint32_t>(d), -1, begin, cut});
+      chunks_.push_back({static_cast<uint32_t>(d), begin, cut});
       begin = cut;
     }
-    chunks_.push_back({static_cast<uint32_t>(d), -1, begin, texts[d].size()});
+    chunks_.push_back({static_cast<uint32_t>(d), begin, texts[d].size()});
   }
+  MOE_CHECK(chunks_.size() < (size_t{1} << 32), "too many chunks in one batch: {}", chunks_.size());
   // Largest first, so the last chunks handed out are small and threads finish together.
+  // One sort key per chunk: the size (saturated to 32 bits, inverted) above the index.
+  constexpr uint64_t kMax32 = 0xffffffffu;
   order_.resize(chunks_.size());
-  std::iota(order_.begin(), order_.end(), 0u);
-  auto size = [&](uint32_t k) { return chunks_[k].end - chunks_[k].begin; };
-  std::stable_sort(order_.begin(), order_.end(), [&](uint32_t a, uint32_t b) { return size(a) > size(b); });
+  for (size_t k = 0; k < chunks_.size(); ++k)
+    order_[k] = (kMax32 - std::min<uint64_t>(chunks_[k].end - chunks_[k].begin, kMax32)) << 32 | k;
+  std::sort(order_.begin(), order_.end());
+  chunk_at_.resize(chunks_.size());
+  for (ThreadState& s : states_) s.ids.clear(), s.encoded.clear();  // capacity is kept
 
-  for (ThreadBuffer& b : buffers_) b.ids.clear();  // capacity is kept
   const auto n_chunks = static_cast<int64_t>(chunks_.size());
   std::exception_ptr error;
+  const auto forked = Clock::now();
+  Clock::time_point encoded, placed;
 #pragma omp parallel num_threads(threads_)
   {
-    const int thread = omp_get_thread_num();
-    std::vector<int32_t>& ids = buffers_[static_cast<size_t>(thread)].ids;
-#pragma omp for schedule(dynamic, 1)
+    ThreadState& me = states_[static_cast<size_t>(omp_get_thread_num())];
+    const auto start = Clock::now();
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t k = 0; k < n_chunks; ++k) {
-      Chunk& chunk = chunks_[order_[k]];
+      const auto c = static_cast<uint32_t>(order_[k] & kMax32);
+      const Chunk& chunk = chunks_[c];
       try {
-        chunk.thread = thread;
-        chunk.offset = ids.size();
-        tokenizer_.encode_append(texts[chunk.doc].substr(chunk.begin, chunk.end - chunk.begin), ids);
-        chunk.count = ids.size() - chunk.offset;
+        const size_t offset = me.ids.size();
+        tokenizer_.encode_append(texts[chunk.doc].substr(chunk.begin, chunk.end - chunk.begin), me.ids);
+        me.encoded.push_back({c, offset, me.ids.size() - offset});
       } catch (...) {
 #pragma omp critical(moe_parallel_encoder_error)
         if (!error) error = std::current_exception();
       }
     }
+    me.busy_seconds = seconds(Clock::now() - start);
+#pragma omp barrier
+    // Every chunk is encoded: its place in the output follows from the counts of the chunks
+    // before it (chunks_ is in document order). O(chunks), serial, while the others wait.
+#pragma omp single
+    {
+      encoded = Clock::now();
+      if (!error) {
+        try {
+          for (const ThreadState& s : states_)
+            for (const Encoded& e : s.encoded) chunk_at_[e.chunk] = static_cast<int64_t>(e.count);
+          int64_t total_ids = 0;
+          out.doc_offsets.resize(texts.size() + 1);
+          out.doc_offsets[0] = 0;
+          for (size_t k = 0; k < chunks_.size(); ++k) {
+            const int64_t count = chunk_at_[k];
+            chunk_at_[k] = total_ids;
+            total_ids += count;
+            out.doc_offsets[chunks_[k].doc + 1] = total_ids;  // the document's last chunk sets it
+          }
+          out.tokens.resize(static_cast<size_t>(total_ids));  // zero-fills only growth
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      placed = Clock::now();
+    }  // the implicit barrier publishes the offsets and `error`
+    // Each thread copies the chunks it encoded, the last encoded first (still in its cache).
+    if (!error) {
+      for (auto e = me.encoded.rbegin(); e != me.encoded.rend(); ++e)
+        std::copy_n(me.ids.data() + e->offset, e->count, out.tokens.data() + chunk_at_[e->chunk]);
+    }
   }
+  const auto joined = Clock::now();
   if (error) std::rethrow_exception(error);
-
-  // Concatenate in document order: chunk k goes to `at[k]`.
-  out.doc_offsets.assign(texts.size() + 1, 0);
-  std::vector<int64_t> at(chunks_.size());
-  int64_t total_ids = 0;
-  for (size_t k = 0; k < chunks_.size(); ++k) {
-    at[k] = total_ids;
-    total_ids += static_cast<int64_t>(chunks_[k].count);
-    out.doc_offsets[chunks_[k].doc + 1] = total_ids;
-  }
-  out.tokens.resize(static_cast<size_t>(total_ids));
-#pragma omp parallel for num_threads(threads_) schedule(static)
-  for (int64_t k = 0; k < n_chunks; ++k) {
-    const Chunk& chunk = chunks_[k];
-    const int32_t* from = buffers_[static_cast<size_t>(chunk.thread)].ids.data() + chunk.offset;
-    std::copy(from, from + chunk.count, out.tokens.data() + at[k]);
-  }
+  profile_.passes += 1;
+  profile_.prep_seconds += seconds(forked - entered);
+  profile_.encode_seconds += seconds(encoded - forked);
+  for (const ThreadState& s : states_) profile_.busy_seconds += s.busy_seconds;
+  profile_.offsets_seconds += seconds(placed - encoded);
+  profile_.copy_seconds += seconds(joined - placed);
 }
 
 TokenizeStats tokenize_to_shards(const Tokenizer& tokenizer, const TokenizeOptions& options) {

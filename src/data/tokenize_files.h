@@ -34,14 +34,16 @@ TokenizeStats tokenize_to_shards(const Tokenizer& tokenizer, const TokenizeOptio
 // Encodes batches of documents on several threads. Documents longer than a chunk are cut
 // where the tokenizer allows (Tokenizer::find_cuts), so one long document does not hold
 // up the batch; the chunks are encoded largest first under a dynamic schedule into
-// per-thread buffers that are kept from batch to batch, then concatenated in order. The
-// result is exactly that of encoding each document whole, for any thread count.
+// per-thread buffers that are kept from batch to batch. Then, in the same parallel region,
+// one thread turns the chunks' id counts into output offsets (a prefix sum) and every thread
+// copies the chunks it encoded into place. The result is exactly that of encoding each
+// document whole, for any thread count.
 class ParallelEncoder {
  public:
   ParallelEncoder(const Tokenizer& tokenizer, int threads);  // threads <= 0: all cores
   TokenizedDocuments encode(std::span<const std::string_view> texts);
   TokenizedDocuments encode(std::span<const Document> docs);
-  // Into `out`, whose memory is reused (no zero-filling of a fresh array on every batch).
+  // Into `out`, whose memory is reused: only growth beyond its previous size is zero-filled.
   void encode(std::span<const std::string_view> texts, TokenizedDocuments& out);
   void encode(std::span<const Document> docs, TokenizedDocuments& out);
   // Chunks are about total bytes / (threads * 16), within [chunk_min, chunk_max]; tests
@@ -49,23 +51,43 @@ class ParallelEncoder {
   size_t chunk_min = size_t{8} << 10, chunk_max = size_t{1} << 20;
   int64_t last_chunks() const { return static_cast<int64_t>(chunks_.size()); }  // of the last batch
 
+  // Where the time of the passes since reset_profile() went (sums; wall seconds unless noted).
+  // threads * encode_seconds - busy_seconds is time threads spent idle during the encoding
+  // (starting late, or done while others still encoded: the schedule's tail).
+  struct Profile {
+    int64_t passes = 0;
+    double prep_seconds = 0;      // serial: sizes, cuts, schedule order
+    double encode_seconds = 0;    // from the fork until the last thread finished encoding
+    double busy_seconds = 0;      // summed over threads: time spent encoding chunks
+    double offsets_seconds = 0;   // serial: the prefix sum over chunks, sizing the output
+    double copy_seconds = 0;      // the parallel copy into place, and the join
+  };
+  const Profile& profile() const { return profile_; }
+  void reset_profile() { profile_ = {}; }
+
  private:
   struct Chunk {
     uint32_t doc;
-    int32_t thread = -1;  // whose buffer holds the ids
-    size_t begin, end;    // bytes of the document
-    size_t offset = 0, count = 0;  // ids in that buffer
+    size_t begin, end;  // bytes of the document
   };
-  struct alignas(64) ThreadBuffer {  // one cache line apart: no false sharing of the vector headers
-    std::vector<int32_t> ids;
+  struct Encoded {  // a chunk's ids in its thread's buffer
+    uint32_t chunk;
+    size_t offset, count;
+  };
+  struct alignas(64) ThreadState {  // cache lines of their own: no false sharing between threads
+    std::vector<int32_t> ids;       // the ids of this thread's chunks, in the order encoded
+    std::vector<Encoded> encoded;
+    double busy_seconds = 0;
   };
   const Tokenizer& tokenizer_;
   int threads_;
-  std::vector<ThreadBuffer> buffers_;
-  std::vector<Chunk> chunks_;
-  std::vector<uint32_t> order_;
+  std::vector<ThreadState> states_;
+  std::vector<Chunk> chunks_;         // in document order
+  std::vector<uint64_t> order_;       // the schedule: (inverted size << 32) | chunk, ascending
+  std::vector<int64_t> chunk_at_;     // each chunk's first id in the output
   std::vector<size_t> cuts_;
   std::vector<std::string_view> views_;
+  Profile profile_;
 };
 
 }  // namespace moe

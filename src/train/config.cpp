@@ -72,6 +72,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "loss_spike_factor", t.loss_spike_factor);
   visit("training", "memory_limit_mb", t.memory_limit_mb);
   visit("training", "recompute_layers", t.recompute_layers);
+  visit("training", "recompute_experts", t.recompute_experts);
   visit("training", "cuda_graphs", t.cuda_graphs);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
@@ -311,6 +312,7 @@ void check_training(const RunConfig& c) {
   positive_real("optimizer.eps", o.eps);
   non_negative_real("optimizer.weight_decay", o.weight_decay);
   one_of("optimizer.state_dtype", o.state_dtype, {"fp32", "bf16"});
+  one_of("training.recompute_experts", t.recompute_experts, {"none", "swiglu", "all"});
 
   positive_real("lr.peak", c.lr.peak);
   non_negative("lr.warmup_steps", c.lr.warmup_steps);

@@ -95,6 +95,7 @@ void Trainer::setup_gpu() {
 
 void Trainer::configure_gpu_model() {
   gpu_->set_recompute_layers(config_.training.recompute_layers);
+  gpu_->set_recompute_experts(expert_recompute_from_name(config_.training.recompute_experts));
   gpu_->enable_graphs(config_.training.cuda_graphs);
   upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);
 }

@@ -101,15 +101,21 @@ void expect_cuts_are_invisible(const Tokenizer& tok, const std::vector<std::stri
   else EXPECT_EQ(n_cuts, 0u) << tok.name();
 }
 
-// ParallelEncoder with small chunks on 1, 2 and 7 threads: the same ids as one document at a time.
-void expect_parallel_matches(const Tokenizer& tok, const std::vector<std::string>& texts, bool expect_cuts) {
-  std::vector<std::string_view> views(texts.begin(), texts.end());
+// The reference: one document at a time, each encoded whole.
+TokenizedDocuments whole_documents(const Tokenizer& tok, std::span<const std::string_view> views) {
   TokenizedDocuments want;
   for (std::string_view t : views) {
     std::vector<int32_t> ids = tok.encode(t);
     want.tokens.insert(want.tokens.end(), ids.begin(), ids.end());
     want.doc_offsets.push_back(want.n_tokens());
   }
+  return want;
+}
+
+// ParallelEncoder with small chunks on 1, 2 and 7 threads: the same ids as one document at a time.
+void expect_parallel_matches(const Tokenizer& tok, const std::vector<std::string>& texts, bool expect_cuts) {
+  std::vector<std::string_view> views(texts.begin(), texts.end());
+  const TokenizedDocuments want = whole_documents(tok, views);
   for (int threads : {1, 2, 7}) {
     ParallelEncoder encoder(tok, threads);
     encoder.chunk_min = encoder.chunk_max = 300;
@@ -269,6 +275,82 @@ TEST(ChunkedEncoding, ErrorsInWorkersReachTheCaller) {
   EXPECT_THROW(encoder.encode(texts), std::runtime_error);
   texts[31] = "fine again";
   EXPECT_EQ(encoder.encode(texts).n_tokens(), 50);
+}
+
+// More threads than chunks, and than cores; few documents of very different sizes; one
+// thread's buffer holding several chunks of one document: the ids are placed in order.
+TEST(ParallelEncoder, ManyThreadsFewDocuments) {
+  const std::vector<std::string> sample = corpus_sample(120'000);
+  std::string big;
+  for (const auto& t : sample) big += t;
+  BpeTokenizer tok(trained(sample, PretokPattern::Llama3), "llama3");
+  const std::vector<std::vector<std::string_view>> batches = {
+      {"one short document\n"},
+      {"a\nb", big, "tail\n"},
+      {std::string_view(big).substr(0, 5000), std::string_view(big).substr(7, 40), big}};
+  for (const auto& views : batches) {
+    const TokenizedDocuments want = whole_documents(tok, views);
+    for (int threads : {3, 16, 33}) {
+      for (size_t chunk : {size_t{200}, size_t{8} << 10}) {
+        ParallelEncoder encoder(tok, threads);
+        encoder.chunk_min = encoder.chunk_max = chunk;
+        const TokenizedDocuments got = encoder.encode(views);
+        EXPECT_EQ(got.doc_offsets, want.doc_offsets) << threads << " threads, chunks of " << chunk;
+        EXPECT_TRUE(got.tokens == want.tokens) << threads << " threads, chunks of " << chunk;
+        if (views.size() > 1 && chunk == 200) EXPECT_GT(encoder.last_chunks(), 3 * threads);
+      }
+    }
+  }
+}
+
+// Empty documents (alone, first, last, between) and the empty batch; `out` reused from a
+// larger batch shrinks to the new one, and grows again.
+TEST(ParallelEncoder, EmptyDocumentsAndReuse) {
+  const std::vector<std::string> sample = corpus_sample(60'000);
+  BpeTokenizer tok(trained(sample, PretokPattern::Gpt2), "gpt2");
+  std::vector<std::string_view> mixed = {"", sample[0], "", "", sample[1], ""};
+  std::vector<std::string_view> all_sample(sample.begin(), sample.end());
+  const std::vector<std::vector<std::string_view>> batches = {
+      all_sample, {"", "", ""}, {}, mixed, {""}, all_sample, {sample[2]}, mixed};
+  for (int threads : {1, 4}) {
+    ParallelEncoder encoder(tok, threads);
+    encoder.chunk_min = encoder.chunk_max = 256;
+    TokenizedDocuments got;
+    for (size_t b = 0; b < batches.size(); ++b) {
+      encoder.encode(batches[b], got);
+      const TokenizedDocuments want = whole_documents(tok, batches[b]);
+      ASSERT_EQ(got.doc_offsets, want.doc_offsets) << "batch " << b << ", " << threads << " threads";
+      ASSERT_TRUE(got.tokens == want.tokens) << "batch " << b << ", " << threads << " threads";
+      EXPECT_EQ(got.n_docs(), static_cast<int64_t>(batches[b].size()));
+    }
+    EXPECT_EQ(encoder.profile().passes, static_cast<int64_t>(batches.size()));
+  }
+}
+
+// One document of several MB with the default chunk sizes: cut into > 8 chunks per
+// thread, encoded on 5 threads, the same ids as encoding it whole (BPE and bytes).
+TEST(ParallelEncoder, OneHugeDocument) {
+  const std::vector<std::string> sample = corpus_sample(400'000);
+  std::string huge;
+  while (huge.size() < (size_t{3} << 20))
+    for (const auto& t : sample) huge += t;
+  BpeTokenizer bpe(trained(sample, PretokPattern::Qwen2), "qwen2");
+  ByteTokenizer bytes;
+  for (const Tokenizer* tok : {static_cast<const Tokenizer*>(&bpe), static_cast<const Tokenizer*>(&bytes)}) {
+    const std::vector<std::string_view> views = {huge};
+    const TokenizedDocuments want = whole_documents(*tok, views);
+    ParallelEncoder encoder(*tok, 5);
+    const TokenizedDocuments got = encoder.encode(views);
+    EXPECT_GT(encoder.last_chunks(), 5 * 8) << tok->name();
+    EXPECT_EQ(got.doc_offsets, want.doc_offsets) << tok->name();
+    EXPECT_TRUE(got.tokens == want.tokens) << tok->name();
+    const ParallelEncoder::Profile& p = encoder.profile();
+    EXPECT_EQ(p.passes, 1);
+    EXPECT_GT(p.busy_seconds, 0.0);
+    EXPECT_LE(p.busy_seconds, 5 * p.encode_seconds * 1.0001 + 1e-6);  // no thread is busy longer than the phase
+    encoder.reset_profile();
+    EXPECT_EQ(encoder.profile().passes, 0);
+  }
 }
 
 // `moe tokenize` over many small batches (reading and writing overlap the encoding):

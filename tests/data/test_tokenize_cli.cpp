@@ -94,6 +94,32 @@ TEST_F(TokenizeCli, TrainTokenizeAndTrainFromShards) {
                  {"data.shards", "320"});
 }
 
+// `moe tokenizer bench` repeats the documents whole until a pass holds --min-pass-mb:
+// with bytes as tokens, every count follows from the corpus size.
+TEST_F(TokenizeCli, BenchRepeatsTheCorpusPerPass) {
+  int64_t corpus_bytes = 0;
+  for (const auto& e : fs::directory_iterator(dir_ / "text")) corpus_bytes += static_cast<int64_t>(fs::file_size(e));
+  auto field = [](const std::string& line, const std::string& key) {
+    const size_t at = line.find(" " + key + "=");
+    EXPECT_NE(at, std::string::npos) << key << " not in: " << line;
+    return at == std::string::npos ? int64_t{-1} : std::stoll(line.substr(at + key.size() + 2));
+  };
+  for (double mb : {0.0, 0.01}) {
+    Result r = moe("tokenizer bench --tokenizer byte --input " + p("text") + " --threads 3 --repeats 1 --min-pass-mb " +
+                   std::to_string(mb));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const int64_t copies = mb == 0 ? 1 : (10'000 + corpus_bytes - 1) / corpus_bytes;
+    EXPECT_EQ(field(r.output, "copies"), copies) << r.output;
+    EXPECT_EQ(field(r.output, "corpus_bytes"), corpus_bytes) << r.output;
+    EXPECT_EQ(field(r.output, "bytes"), copies * corpus_bytes) << r.output;
+    EXPECT_EQ(field(r.output, "tokens"), copies * corpus_bytes) << r.output;
+    EXPECT_EQ(field(r.output, "docs"), copies * 30) << r.output;
+    EXPECT_NE(r.output.find(" busy_thread_mb_per_s="), std::string::npos) << r.output;
+  }
+  expect_failure(moe("tokenizer bench --tokenizer byte --input " + p("text") + " --min-pass-mb=-1"), 2,
+                 {"--min-pass-mb"});
+}
+
 TEST_F(TokenizeCli, BadInputIsOneLineAndLeavesNothing) {
   expect_failure(moe("tokenizer train --vocab-size 300 --input " + p("missing") + " --output " + p("t.json")), 2,
                  {p("missing"), "does not exist"});

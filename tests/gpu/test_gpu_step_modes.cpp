@@ -50,10 +50,12 @@ struct RunResult {
 
 // Three micro-batches accumulated (the last with ignored targets: a new graph), then the
 // gradients and expert loads read back.
-RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs) {
+RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
+              ExpertRecompute recompute_experts = ExpertRecompute::None) {
   Transformer<float> host(config, 11);
   GpuTransformer gpu(config, host.params());
   gpu.set_recompute_layers(recompute_layers);
+  gpu.set_recompute_experts(recompute_experts);
   gpu.plan(2);
   gpu.enable_graphs(graphs);
   gpu.zero_grads();
@@ -101,6 +103,10 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
   expect_identical(run(config, 2, false), eager, "recompute the first two layers");
   expect_identical(run(config, 0, true), eager, "CUDA graph");
   expect_identical(run(config, -1, true), eager, "CUDA graph with recompute");
+  expect_identical(run(config, 0, false, ExpertRecompute::Swiglu), eager, "recompute expert rows and SwiGLU");
+  expect_identical(run(config, 0, false, ExpertRecompute::All), eager, "recompute the experts' gate|up too");
+  expect_identical(run(config, 2, false, ExpertRecompute::All), eager, "recompute experts and the first two layers");
+  expect_identical(run(config, 0, true, ExpertRecompute::Swiglu), eager, "CUDA graph with expert recompute");
 }
 
 INSTANTIATE_TEST_SUITE_P(Routing, GpuStepModes, ::testing::Values(0.0, 1.0));

@@ -36,18 +36,12 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(),
                     count_load ? layer.load.data() : nullptr,
                     m.rank.data(), m.expert.data(), T, E, K, capacity, stream);
-  cuda::permute_forward(m.x_rows.data(), layer.act->n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D, stream);
   MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
-  // The experts: grouped GEMMs over the device-side row offsets (no host sync).
-  mark(kExperts);
-  bf16* gate_up[2] = {m.gate_up_rows.data(), m.gate_up_rows.data() + F};
-  const bf16* w13[2] = {w(layer.w1), w(layer.w3)};
-  expert_gemm->forward(2, gate_up, 2 * F, m.x_rows.data(), D, w13, m.offsets.data(), F, D, stream);
-  cuda::swiglu_forward(m.act_rows.data(), m.gate_up_rows.data(), max_rows, F, stream);
+  expert_rows_forward(layer, /*gate_up=*/true);
   bf16* y[1] = {m.y_rows.data()};
   const bf16* w2[1] = {w(layer.w2)};
-  expert_gemm->forward(1, y, D, m.act_rows.data(), F, w2, m.offsets.data(), D, F, stream);
+  expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.offsets.data(), D, F, stream);
   mark(kCombine);
   cuda::combine_forward(layer.act->ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
   mark(kExperts);
@@ -56,11 +50,30 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
                 w(layer.shared[i][2]), m.shared[i], T, F, true);
 }
 
+void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up) {
+  const int64_t T = tokens, D = config.dim, E = config.moe.n_experts, K = config.moe.top_k, F = config.moe.expert_hidden;
+  MoEBuffers& m = layer.act->moe;
+  mark(kDispatch);
+  cuda::permute_forward(m.x_rows->data(), layer.act->n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D,
+                        stream);
+  // The experts: grouped GEMMs over the device-side row offsets (no host sync).
+  mark(kExperts);
+  if (gate_up) {
+    bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
+    const bf16* w13[2] = {w(layer.w1), w(layer.w3)};
+    expert_gemm->forward(2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, m.offsets.data(), F, D, stream);
+  }
+  cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), max_rows, F, stream);
+}
+
 void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const MoEConfig& mc = config.moe;
   const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
   MoEBuffers& m = layer.act->moe;
   const bf16* dy = dres.data();  // gradient of the FFN output
+  // A layer recomputed whole has just refilled the shared rows; otherwise refill them here.
+  if (recompute_experts != ExpertRecompute::None && !layer.recompute)
+    expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All);
   mark(kCombine);
   cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
                          stream);
@@ -69,8 +82,8 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   expert_gemm->backward_data(dact_rows.data(), F, drows.data(), D, w(layer.w2), m.offsets.data(), F, D, 0.0f, stream);
   float* dw2[1] = {g(layer.w2)};
   const bf16* dy_rows[1] = {drows.data()};
-  expert_gemm->backward_weight(1, dw2, dy_rows, D, m.act_rows.data(), F, m.offsets.data(), D, F, stream);
-  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows.data(), max_rows, F, stream);
+  expert_gemm->backward_weight(1, dw2, dy_rows, D, m.act_rows->data(), F, m.offsets.data(), D, F, stream);
+  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), max_rows, F, stream);
   // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
   expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, w(layer.w1), m.offsets.data(), D, F,
                              0.0f, stream);
@@ -78,7 +91,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
                              1.0f, stream);
   float* dw13[2] = {g(layer.w1), g(layer.w3)};
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
-  expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows.data(), D, m.offsets.data(), F, D, stream);
+  expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, m.offsets.data(), F, D, stream);
   mark(kDispatch);
   cuda::permute_backward(dnorm.data(), dx_rows.data(), m.row.data(), T, K, D, false, stream);
   mark(kRouter);

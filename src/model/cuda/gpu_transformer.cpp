@@ -98,6 +98,13 @@ void GpuTransformer::plan(int64_t batch) {
   auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
   auto i32 = [](int64_t n) { return Buffer<int32_t>(static_cast<size_t>(n)); };
   const size_t n_shared_experts = static_cast<size_t>(c.moe.n_shared_experts);
+  // An expert rows buffer of its own, or the one shared by the MoE layers (recompute_experts).
+  SharedRows shared_x_rows, shared_gate_up_rows, shared_act_rows;
+  auto rows_buffer = [&](SharedRows& shared_one, int64_t n, bool shared) {
+    if (!shared) return std::make_shared<Buffer<bf16>>(bf(n));
+    if (!shared_one) shared_one = std::make_shared<Buffer<bf16>>(bf(n));
+    return shared_one;
+  };
   // Dense and/or MoE buffers of one block's activations.
   auto allocate = [&](Activations& a, bool dense, bool moe) {
     a.n1 = bf(T * D);
@@ -122,9 +129,10 @@ void GpuTransformer::plan(int64_t batch) {
     m.offsets = i32(E + 1);
     m.token_of_row = i32(T * K);
     m.rank = i32(T * K);
-    m.x_rows = bf(R * D);
-    m.gate_up_rows = bf(R * 2 * F);
-    m.act_rows = bf(R * F);
+    const bool shared_x_act = s.recompute_experts != ExpertRecompute::None;
+    m.x_rows = rows_buffer(shared_x_rows, R * D, shared_x_act);
+    m.gate_up_rows = rows_buffer(shared_gate_up_rows, R * 2 * F, s.recompute_experts == ExpertRecompute::All);
+    m.act_rows = rows_buffer(shared_act_rows, R * F, shared_x_act);
     m.y_rows = bf(R * D);
     m.shared.clear();
     for (size_t e = 0; e < n_shared_experts; ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
@@ -429,6 +437,17 @@ void GpuTransformer::enable_graphs(bool enabled) { state_->graphs = enabled; }
 
 void GpuTransformer::set_recompute_layers(int64_t layers) {
   state_->recompute_layers = layers;  // takes effect at the next plan()
+}
+
+void GpuTransformer::set_recompute_experts(ExpertRecompute mode) {
+  state_->recompute_experts = mode;  // takes effect at the next plan()
+}
+
+ExpertRecompute expert_recompute_from_name(const std::string& name) {
+  if (name == "none") return ExpertRecompute::None;
+  if (name == "swiglu") return ExpertRecompute::Swiglu;
+  if (name == "all") return ExpertRecompute::All;
+  MOE_CONFIG_ERROR("training.recompute_experts must be one of none, swiglu, all, got \"{}\"", name);
 }
 
 void GpuTransformer::zero_grads() { state_->store->zero_grads(); }

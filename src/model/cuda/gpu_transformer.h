@@ -16,6 +16,15 @@
 
 namespace moe {
 
+// What the MoE layers recompute in the backward instead of keeping (training.recompute_experts).
+enum class ExpertRecompute {
+  None,    // keep the expert input rows, gate|up and SwiGLU activation of every layer
+  Swiglu,  // keep gate|up; recompute the input rows (a permute) and SwiGLU: ~0.4 of the bytes, ~no time
+  All,     // also recompute gate|up (one more grouped GEMM per layer)
+};
+// "none" | "swiglu" | "all"; anything else is a ConfigError.
+ExpertRecompute expert_recompute_from_name(const std::string& name);
+
 class GpuTransformer {
  public:
   // Copies the (already initialised) parameters of `params` to the device; `moments` is
@@ -43,6 +52,9 @@ class GpuTransformer {
   // input right before each one's backward (bit-identical: every kernel is deterministic).
   // Takes effect at the next plan().
   void set_recompute_layers(int64_t layers);
+  // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical).
+  // Takes effect at the next plan().
+  void set_recompute_experts(ExpertRecompute mode);
   // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
   // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();

@@ -36,10 +36,17 @@ struct FfnBuffers {
   Buffer<bf16> gate_up, act;
 };
 
+// The experts' input rows [R, D], gate|up [R, 2F] and SwiGLU activation [R, F]: 69% of an
+// MoE layer's saved bytes (mixtral-mini). Each is kept per layer or, when recomputed
+// (ExpertRecompute), one buffer shared by the MoE layers and refilled from the layer's n2
+// right before its backward.
+using SharedRows = std::shared_ptr<Buffer<bf16>>;
+
 struct MoEBuffers {
   Buffer<float> logits, scores, weight, aux_term, z_term;
   Buffer<int32_t> expert, row, counts, assign_counts, offsets, token_of_row, rank;
-  Buffer<bf16> x_rows, gate_up_rows, act_rows, y_rows;
+  SharedRows x_rows, gate_up_rows, act_rows;
+  Buffer<bf16> y_rows;
   std::vector<FfnBuffers> shared;
 };
 
@@ -131,6 +138,7 @@ struct GpuTransformer::State {
   int64_t batch = 0, tokens = 0;
   int64_t recompute_layers = 0;  // the first N layers recompute their activations (-1: all)
   bool recomputing = false;      // inside a backward's recomputed forward
+  ExpertRecompute recompute_experts = ExpertRecompute::None;
   // CUDA graph of zero_grads + forward + backward of one micro-batch, replayed while the
   // values baked into its kernel arguments (valid targets, loss scale) stay the same.
   bool graphs = false;
@@ -205,6 +213,9 @@ struct GpuTransformer::State {
   void ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& weights_, FfnBuffers& buffers,
                     int64_t rows, int64_t F, bool accumulate_dx);
   void moe_forward(Layer& layer, size_t layer_index, bool count_load);
+  // Dispatch of n2 into the expert rows, the gate|up grouped GEMM (unless skipped) and
+  // SwiGLU: the part of the MoE forward that recompute_experts redoes before the backward.
+  void expert_rows_forward(Layer& layer, bool gate_up);
   // One block's forward: from the previous block's h and FFN output (fused residual add),
   // or from the saved input x when recomputing (and for the first layer after the embedding).
   void layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch, bool from_saved_input);

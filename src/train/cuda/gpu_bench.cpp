@@ -32,6 +32,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     gpu = std::make_unique<GpuTransformer>(mc, host.params(), moment_dtype_from_name(config.optimizer.state_dtype));
   }
   gpu->set_recompute_layers(config.training.recompute_layers);
+  gpu->set_recompute_experts(expert_recompute_from_name(config.training.recompute_experts));
   gpu->plan(batch);
   gpu->enable_graphs(config.training.cuda_graphs);
   std::vector<int32_t> inputs(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
@@ -77,9 +78,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   result.device_gb = static_cast<double>(gpu->device_bytes()) / 1e9;
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
-  fmt::print(out, "mode: AdamW moments {}, activations of {} layers recomputed, CUDA graphs {}\n",
+  fmt::print(out, "mode: AdamW moments {}, activations of {} layers recomputed, experts recompute {}, CUDA graphs {}\n",
              config.optimizer.state_dtype,
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
+             config.training.recompute_experts,
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
   fmt::print(out, "params: total {:.3f} B, active {:.3f} B, embedding {:.3f} B\n", counts.total / 1e9,
              counts.active / 1e9, counts.embedding / 1e9);
