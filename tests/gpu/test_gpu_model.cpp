@@ -60,18 +60,46 @@ void sharpen_router(Transformer<float>& model, float scale) {
       for (int64_t i = 0; i < params.numel(id); ++i) params.value(id)[i] *= scale;
 }
 
-// Every parameter's gradient within rel_tolerance of the CPU's (as a relative L2 error of
-// the tensor). MOE_GPU_DIAG=1 prints each tensor's error.
-void compare(const ModelConfig& config, int64_t batch, float router_scale, double rel_tolerance) {
+// Relative L2 distance of each parameter's gradient in `got` from the one in `want`.
+std::vector<double> gradient_errors(ParameterStore<float>& got, ParameterStore<float>& want) {
+  std::vector<double> errors;
+  for (int id = 0; id < want.size(); ++id) {
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < want.numel(id); ++i) {
+      const double g = got.grad(id)[i], r = want.grad(id)[i];
+      diff += std::isfinite(g) ? (g - r) * (g - r) : INFINITY;
+      norm += r * r;
+    }
+    errors.push_back(std::sqrt(diff / (norm + 1e-30)));
+  }
+  return errors;
+}
+
+// The GPU's loss and gradients against the fp32 CPU model's. What bf16 noise is for a
+// given model is measured, not guessed: the same fp32 CPU model with only its weights
+// rounded to bf16 moves each gradient by some relative amount (its sensitivity: 0.3-0.5%
+// with one layer, 0.6-1.1% with small_config's three, growing with depth: these
+// Kaiming-initialised FFNs amplify input perturbations). The GPU rounds its activations and
+// activation gradients as well, so each gradient may be off by noise_multiple times that
+// tensor's sensitivity, and never by more than max_error. MOE_GPU_DIAG=1 prints them all.
+void compare(const ModelConfig& config, int64_t batch, float router_scale, double noise_multiple, double max_error) {
   const bool print = std::getenv("MOE_GPU_DIAG") != nullptr;
-  Transformer<float> cpu(config, 3);
+  Transformer<float> cpu(config, 3), rounded(config, 3);
   sharpen_router(cpu, router_scale);
+  sharpen_router(rounded, router_scale);
+  auto& rounded_params = rounded.params();
+  for (int id = 0; id < rounded_params.size(); ++id)
+    for (int64_t i = 0; i < rounded_params.numel(id); ++i)
+      rounded_params.value(id)[i] = bf16_to_float(float_to_bf16(rounded_params.value(id)[i]));
   cpu.plan(batch);
+  rounded.plan(batch);
   GpuTransformer gpu(config, cpu.params());
   gpu.plan(batch);
   const Batch b = random_batch(config, batch);
   const ForwardResult want = cpu.forward(b.inputs.data(), b.targets.data());
   cpu.backward(0.5);
+  rounded.forward(b.inputs.data(), b.targets.data());
+  rounded.backward(0.5);
   gpu.zero_grads();
   const ForwardResult got = gpu.forward(b.inputs.data(), b.targets.data());
   gpu.backward(0.5);
@@ -83,38 +111,34 @@ void compare(const ModelConfig& config, int64_t batch, float router_scale, doubl
   Transformer<float> holder(config, 3);  // receives the GPU gradients
   gpu.download_grads(holder.params());
   auto& cpu_params = cpu.params();
+  const std::vector<double> gpu_error = gradient_errors(holder.params(), cpu_params);
+  const std::vector<double> sensitivity = gradient_errors(rounded_params, cpu_params);
   for (int id = 0; id < cpu_params.size(); ++id) {
-    double diff = 0, norm = 0;
-    bool finite = true;
-    for (int64_t i = 0; i < cpu_params.numel(id); ++i) {
-      const double g = holder.params().grad(id)[i], r = cpu_params.grad(id)[i];
-      finite = finite && std::isfinite(g);
-      diff += (g - r) * (g - r);
-      norm += r * r;
-    }
-    EXPECT_TRUE(finite) << cpu_params.spec(id).name;
-    if (print) std::printf("%-40s relative error %.4g\n", cpu_params.spec(id).name.c_str(), std::sqrt(diff / (norm + 1e-30)));
-    EXPECT_LE(std::sqrt(diff), rel_tolerance * std::sqrt(norm) + 1e-6)
-        << cpu_params.spec(id).name << ": |gpu - cpu| " << std::sqrt(diff) << " |cpu| " << std::sqrt(norm);
+    const std::string& name = cpu_params.spec(id).name;
+    if (print) std::printf("%-40s gpu %.4g  weights-rounded cpu %.4g  ratio %.2f\n", name.c_str(), gpu_error[id],
+                           sensitivity[id], gpu_error[id] / sensitivity[id]);
+    EXPECT_LE(gpu_error[id], noise_multiple * sensitivity[id]) << name << ": bf16 weight rounding alone moves it "
+                                                               << sensitivity[id];
+    EXPECT_LE(gpu_error[id], max_error) << name;
   }
 }
 
-// bf16 activations and activation gradients, fp32 accumulation: measured on the H200,
-// 0.5-0.7% relative error per tensor with one layer, 1.3-2.0% with these three (1 dense +
-// 2 MoE), growing with depth from the forward's rounding (the LM head's gradient already
-// has 1.3%; fp32 logits did not change it). With the routers sharpened 10x, the router's
-// logit errors grow 10x with them and the errors reach 2.3-5.9%.
-constexpr double kNaturalRouterTolerance = 3e-2;
-constexpr double kSharpRouterTolerance = 8e-2;
+// Measured on the H200 (GPU error / weight-rounding sensitivity per tensor): natural
+// routers 1.3-2.0% at 1.7-2.2x; capacity with sigmoid scores 1.0-3.8% at 1.2-2.4x; routers
+// sharpened 10x 1.7-5.9% at 1.9-5.0x (the router's gradients are the outliers: the GPU's
+// bf16 router input n2 reaches logits 10x larger, which rounding the weights does not
+// reproduce).
+constexpr double kNaturalNoiseMultiple = 3.0, kNaturalMaxError = 3e-2;
+constexpr double kSharpNoiseMultiple = 6.0, kSharpMaxError = 8e-2;
 
 TEST(GpuModel, DroplessMatchesCpu) {
   MOE_REQUIRE_GPU();
-  compare(small_config(), 2, 1.0f, kNaturalRouterTolerance);
+  compare(small_config(), 2, 1.0f, kNaturalNoiseMultiple, kNaturalMaxError);
 }
 
 TEST(GpuModel, DroplessSharpRouterMatchesCpu) {
   MOE_REQUIRE_GPU();
-  compare(small_config(), 2, 10.0f, kSharpRouterTolerance);
+  compare(small_config(), 2, 10.0f, kSharpNoiseMultiple, kSharpMaxError);
 }
 
 TEST(GpuModel, CapacitySigmoidTiedMatchesCpu) {
@@ -125,7 +149,7 @@ TEST(GpuModel, CapacitySigmoidTiedMatchesCpu) {
   c.moe.renormalize = false;
   c.tie_embeddings = true;
   c.first_dense_layers = 0;
-  compare(c, 2, 10.0f, kSharpRouterTolerance);
+  compare(c, 2, 10.0f, kSharpNoiseMultiple, kSharpMaxError);
 }
 
 TEST(GpuModel, AdamWStepsLowerTheLoss) {
