@@ -80,8 +80,9 @@ TEST_P(GpuRmsNorm, ForwardAndBackwardMatchCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, GpuRmsNorm,
+                         // 16-byte vector path (D % 8 == 0, D <= 8192) and the scalar one (D = 100, 8200).
                          ::testing::Combine(::testing::Values(Size2{1, 64}, Size2{37, 1000}, Size2{300, 2048},
-                                                              Size2{64, 4096}),
+                                                              Size2{64, 4096}, Size2{45, 100}, Size2{3, 8200}),
                                             ::testing::Bool()));
 
 class GpuSwiglu : public ::testing::TestWithParam<Size2> {};
@@ -117,7 +118,9 @@ TEST_P(GpuSwiglu, ForwardAndBackwardMatchCpu) {
   expect_close("dup", dup, dup_ref, kBf16Rtol, 1e-3);
 }
 
-INSTANTIATE_TEST_SUITE_P(Sizes, GpuSwiglu, ::testing::Values(Size2{1, 1}, Size2{33, 513}, Size2{1024, 5632}));
+// Scalar path (F % 8 != 0) and 16-byte vector path.
+INSTANTIATE_TEST_SUITE_P(Sizes, GpuSwiglu, ::testing::Values(Size2{1, 1}, Size2{33, 513}, Size2{7, 64},
+                                                             Size2{1024, 5632}));
 
 TEST(GpuRope, ForwardAndBackwardMatchCpu) {
   MOE_REQUIRE_GPU();

@@ -3,6 +3,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/bf16.h"
 
@@ -54,5 +55,35 @@ __device__ __forceinline__ float block_max(float v) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// 16-byte vectors of 8 bf16: memory-bound kernels need 16-byte accesses to reach the
+// GPU's bandwidth (2-byte accesses reach about a third of it).
+constexpr int kVecElems = 8;
+
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVecElems]) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < kVecElems / 2; ++j) {
+    const float2 p = __bfloat1622float2(pairs[j]);
+    f[2 * j] = p.x;
+    f[2 * j + 1] = p.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[kVecElems]) {
+  uint4 v;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < kVecElems / 2; ++j) pairs[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return v;
+}
+
+// Rows of n bf16 can be read as 16-byte vectors: n % 8 == 0 and every base 16-byte aligned.
+inline bool vectorizable(int64_t n, std::initializer_list<const void*> rows) {
+  if (n % kVecElems != 0) return false;
+  for (const void* p : rows)
+    if (p && reinterpret_cast<uintptr_t>(p) % sizeof(uint4) != 0) return false;
+  return true;
+}
 
 }  // namespace moe::cuda

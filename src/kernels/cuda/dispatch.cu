@@ -157,26 +157,7 @@ __global__ void combine_backward_scalar_kernel(__nv_bfloat16* dy_RD, float* dwei
 // block serves several tokens when D is small. Sums keep the order of the scalar kernels:
 // k = 0..K-1 for every element, fp32.
 constexpr int kVecThreads = 256;
-constexpr int kVecElems = 8;   // bf16 per 16-byte access
 constexpr int kSlotChunk = 8;  // slots (k) in flight per thread: loads issued before the sums
-
-__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[kVecElems]) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < kVecElems / 2; ++j) {
-    const float2 p = __bfloat1622float2(pairs[j]);
-    f[2 * j] = p.x;
-    f[2 * j + 1] = p.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack8(const float (&f)[kVecElems]) {
-  uint4 v;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < kVecElems / 2; ++j) pairs[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-  return v;
-}
 
 struct GroupIndex {
   int64_t item;  // row or token of this thread's group
@@ -358,14 +339,6 @@ void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_
 }
 
 namespace {
-
-// The vector path needs D % 8 == 0 and 16-byte aligned rows; otherwise the scalar kernels.
-bool vectorizable(int64_t D, std::initializer_list<const void*> rows) {
-  if (D % kVecElems != 0) return false;
-  for (const void* p : rows)
-    if (reinterpret_cast<uintptr_t>(p) % sizeof(uint4) != 0) return false;
-  return true;
-}
 
 struct VecLaunch {
   int lane_bits;    // threads per row or token: 1 << lane_bits, at least the vectors per row up to the block

@@ -1,5 +1,6 @@
-// RMSNorm on the GPU, forward fused with the residual add before it. One block per
-// row in the forward; the backward gives each block a fixed run of rows so the weight
+// RMSNorm on the GPU, forward fused with the residual add before it. 16-byte vectors held
+// in registers when the width allows, element by element otherwise. One block per row in
+// the forward; the backward gives each block a fixed run of rows so the weight
 // gradient is summed in a fixed order (deterministic, no atomics).
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
@@ -66,6 +67,83 @@ __global__ void sum_partials_kernel(float* dw, const float* partial, int64_t blo
   dw[i] += sum;
 }
 
+// Vector paths (D % 8 == 0, D <= 8192, aligned rows): thread v of a block holds columns
+// 8v .. 8v + 7 of its rows in registers (the weight and, in the backward, its weight-gradient
+// partial sums too). Same per-element math and column order as the scalar kernels.
+constexpr int64_t kMaxVecD = 1024 * kVecElems;
+
+__global__ void rmsnorm_forward_vec_kernel(uint4* y, float* rstd, uint4* residual_out, const uint4* x,
+                                           const uint4* branch, const uint4* w, int64_t Dv, float eps) {
+  const int64_t row = blockIdx.x;
+  const int64_t v = threadIdx.x, at = row * Dv + v;
+  const bool active = v < Dv;
+  float f[kVecElems] = {};
+  float sum_sq = 0.0f;
+  if (active) {
+    unpack8(x[at], f);
+    if (branch) {
+      // The residual stream is stored in bf16: normalise the rounded sum, as the backward reads it.
+      float b[kVecElems];
+      unpack8(branch[at], b);
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) f[j] += b[j];
+      const uint4 rounded = pack8(f);
+      residual_out[at] = rounded;
+      unpack8(rounded, f);
+    }
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) sum_sq += f[j] * f[j];
+  }
+  const float r = rsqrtf(block_sum(sum_sq) / static_cast<float>(Dv * kVecElems) + eps);
+  if (threadIdx.x == 0) rstd[row] = r;
+  if (!active) return;
+  float wf[kVecElems];
+  unpack8(w[v], wf);
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) f[j] = f[j] * r * wf[j];
+  y[at] = pack8(f);
+}
+
+__global__ void rmsnorm_backward_vec_kernel(uint4* dx, float* dw_partial, const uint4* dy, const uint4* dresidual,
+                                            const uint4* x, const uint4* w, const float* rstd, int64_t T,
+                                            int64_t Dv) {
+  const int64_t first = blockIdx.x * kRowsPerBlock;
+  const int64_t last = min(T, first + kRowsPerBlock);
+  const int64_t v = threadIdx.x;
+  const bool active = v < Dv;
+  const float inv_D = 1.0f / static_cast<float>(Dv * kVecElems);
+  float wf[kVecElems] = {}, partial[kVecElems] = {};
+  if (active) unpack8(w[v], wf);
+  for (int64_t row = first; row < last; ++row) {
+    const float r = rstd[row];
+    const int64_t at = row * Dv + v;
+    float dyf[kVecElems] = {}, xf[kVecElems] = {};
+    float dot = 0.0f;  // sum_i dy_i * w_i * x_i
+    if (active) {
+      unpack8(dy[at], dyf);
+      unpack8(x[at], xf);
+#pragma unroll
+      for (int j = 0; j < kVecElems; ++j) dot += dyf[j] * wf[j] * xf[j];
+    }
+    dot = block_sum(dot) * inv_D;
+    if (!active) continue;
+    float g[kVecElems], dr[kVecElems] = {};
+    if (dresidual) unpack8(dresidual[at], dr);  // read before dx, which may alias it
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) {
+      g[j] = r * (wf[j] * dyf[j] - xf[j] * r * r * dot) + dr[j];
+      partial[j] += dyf[j] * xf[j] * r;
+    }
+    dx[at] = pack8(g);
+  }
+  if (!active) return;
+  float4* out = reinterpret_cast<float4*>(dw_partial + blockIdx.x * Dv * kVecElems + v * kVecElems);
+  out[0] = make_float4(partial[0], partial[1], partial[2], partial[3]);
+  out[1] = make_float4(partial[4], partial[5], partial[6], partial[7]);
+}
+
+unsigned vec_threads(int64_t D) { return static_cast<unsigned>(ceil_div(D / kVecElems, 32) * 32); }
+
 }  // namespace
 
 int64_t rmsnorm_backward_partial_rows(int64_t T) { return ceil_div(T, kRowsPerBlock); }
@@ -75,6 +153,14 @@ void rmsnorm_forward(bf16* y_TD, float* rstd_T, bf16* residual_out_TD, const bf1
                      Stream stream) {
   MOE_CHECKF(!branch_TD || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
   if (T == 0) return;
+  if (D <= kMaxVecD && vectorizable(D, {y_TD, residual_out_TD, x_TD, branch_TD, w_D})) {
+    rmsnorm_forward_vec_kernel<<<static_cast<unsigned>(T), vec_threads(D), 0, stream>>>(
+        reinterpret_cast<uint4*>(y_TD), rstd_T, reinterpret_cast<uint4*>(residual_out_TD),
+        reinterpret_cast<const uint4*>(x_TD), reinterpret_cast<const uint4*>(branch_TD),
+        reinterpret_cast<const uint4*>(w_D), D / kVecElems, eps);
+    MOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
   rmsnorm_forward_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(
       as_cuda(y_TD), rstd_T, as_cuda(residual_out_TD), as_cuda(x_TD), as_cuda(branch_TD), as_cuda(w_D), D, eps);
   MOE_CUDA_CHECK_LAUNCH();
@@ -85,9 +171,16 @@ void rmsnorm_backward(bf16* dx_TD, float* dw_D, const bf16* dy_TD, const bf16* d
                       float* dw_partial, Stream stream) {
   if (T == 0) return;
   const int64_t blocks = rmsnorm_backward_partial_rows(T);
-  rmsnorm_backward_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      as_cuda(dx_TD), dw_partial, as_cuda(dy_TD), as_cuda(dresidual_TD), as_cuda(x_TD), as_cuda(w_D),
-      rstd_T, T, D);
+  if (D <= kMaxVecD && vectorizable(D, {dx_TD, dy_TD, dresidual_TD, x_TD, w_D, dw_partial})) {
+    rmsnorm_backward_vec_kernel<<<static_cast<unsigned>(blocks), vec_threads(D), 0, stream>>>(
+        reinterpret_cast<uint4*>(dx_TD), dw_partial, reinterpret_cast<const uint4*>(dy_TD),
+        reinterpret_cast<const uint4*>(dresidual_TD), reinterpret_cast<const uint4*>(x_TD),
+        reinterpret_cast<const uint4*>(w_D), rstd_T, T, D / kVecElems);
+  } else {
+    rmsnorm_backward_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        as_cuda(dx_TD), dw_partial, as_cuda(dy_TD), as_cuda(dresidual_TD), as_cuda(x_TD), as_cuda(w_D),
+        rstd_T, T, D);
+  }
   MOE_CUDA_CHECK_LAUNCH();
   sum_partials_kernel<<<static_cast<unsigned>(ceil_div(D, kThreads)), kThreads, 0, stream>>>(
       dw_D, dw_partial, blocks, D);

@@ -1,4 +1,5 @@
-// SwiGLU on the GPU over the fused [gate | up] projection output.
+// SwiGLU on the GPU over the fused [gate | up] projection output: 16-byte vectors when the
+// width allows, element by element otherwise.
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
@@ -29,10 +30,53 @@ __global__ void swiglu_backward_kernel(__nv_bfloat16* dgate_up, const __nv_bfloa
   dgate_up[t * 2 * F + F + f] = to_bf16(da * g * sig);
 }
 
+// Vector path (F % 8 == 0, aligned rows): each thread does 8 consecutive columns of a row,
+// one index division per 8 elements. Same math per element as the scalar kernels.
+__global__ void swiglu_forward_vec_kernel(uint4* act, const uint4* gate_up, int64_t vectors, int64_t Fv) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= vectors) return;
+  const int64_t t = idx / Fv, f = idx % Fv;
+  float g[kVecElems], u[kVecElems], a[kVecElems];
+  unpack8(gate_up[t * 2 * Fv + f], g);
+  unpack8(gate_up[t * 2 * Fv + Fv + f], u);
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) a[j] = g[j] * (1.0f / (1.0f + expf(-g[j]))) * u[j];
+  act[idx] = pack8(a);
+}
+
+__global__ void swiglu_backward_vec_kernel(uint4* dgate_up, const uint4* dact, const uint4* gate_up, int64_t vectors,
+                                           int64_t Fv) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= vectors) return;
+  const int64_t t = idx / Fv, f = idx % Fv;
+  float g[kVecElems], u[kVecElems], da[kVecElems], dg[kVecElems], du[kVecElems];
+  unpack8(gate_up[t * 2 * Fv + f], g);
+  unpack8(gate_up[t * 2 * Fv + Fv + f], u);
+  unpack8(dact[idx], da);
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) {
+    const float sig = 1.0f / (1.0f + expf(-g[j]));
+    dg[j] = da[j] * u[j] * sig * (1.0f + g[j] * (1.0f - sig));
+    du[j] = da[j] * g[j] * sig;
+  }
+  dgate_up[t * 2 * Fv + f] = pack8(dg);
+  dgate_up[t * 2 * Fv + Fv + f] = pack8(du);
+}
+
+uint4* as_vec(bf16* p) { return reinterpret_cast<uint4*>(p); }
+const uint4* as_vec(const bf16* p) { return reinterpret_cast<const uint4*>(p); }
+
 }  // namespace
 
 void swiglu_forward(bf16* act_TF, const bf16* gate_up_TF2, int64_t T, int64_t F, Stream stream) {
   if (T * F == 0) return;
+  if (vectorizable(F, {act_TF, gate_up_TF2})) {
+    const int64_t vectors = T * F / kVecElems;
+    swiglu_forward_vec_kernel<<<static_cast<unsigned>(ceil_div(vectors, kThreads)), kThreads, 0, stream>>>(
+        as_vec(act_TF), as_vec(gate_up_TF2), vectors, F / kVecElems);
+    MOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
   swiglu_forward_kernel<<<static_cast<unsigned>(ceil_div(T * F, kThreads)), kThreads, 0, stream>>>(
       as_cuda(act_TF), as_cuda(gate_up_TF2), T, F);
   MOE_CUDA_CHECK_LAUNCH();
@@ -41,6 +85,13 @@ void swiglu_forward(bf16* act_TF, const bf16* gate_up_TF2, int64_t T, int64_t F,
 void swiglu_backward(bf16* dgate_up_TF2, const bf16* dact_TF, const bf16* gate_up_TF2, int64_t T,
                      int64_t F, Stream stream) {
   if (T * F == 0) return;
+  if (vectorizable(F, {dgate_up_TF2, dact_TF, gate_up_TF2})) {
+    const int64_t vectors = T * F / kVecElems;
+    swiglu_backward_vec_kernel<<<static_cast<unsigned>(ceil_div(vectors, kThreads)), kThreads, 0, stream>>>(
+        as_vec(dgate_up_TF2), as_vec(dact_TF), as_vec(gate_up_TF2), vectors, F / kVecElems);
+    MOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
   swiglu_backward_kernel<<<static_cast<unsigned>(ceil_div(T * F, kThreads)), kThreads, 0, stream>>>(
       as_cuda(dgate_up_TF2), as_cuda(dact_TF), as_cuda(gate_up_TF2), T, F);
   MOE_CUDA_CHECK_LAUNCH();
