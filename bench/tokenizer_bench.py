@@ -157,10 +157,11 @@ def main():
                   f"{tt_ours['mb_per_s']:.1f} MB/s | {tt['mb_per_s']:.1f} MB/s | "
                   f"{tt_ours['mb_per_s'] / tt['mb_per_s']:.1f}x |")
         print(f"speedup: vs the first row ({rows[0][0]} thread(s)); in brackets the parallel efficiency")
-        print("\nmoe (tokenizer.json), where a timed pass goes (ParallelEncoder::Profile): serial preparation, "
-              "parallel encoding (idle: threads waiting in it, the schedule's tail), serial offsets, parallel copy; "
-              "busy thread: MB/s of one thread while it encodes")
-        print("| threads | pass | prep | encode (idle) | offsets | copy | busy thread | chunks |")
+        print("\nmoe (tokenizer.json), where a timed pass goes (ParallelEncoder::Profile, means over the timed "
+              "passes): serial preparation, parallel encoding (idle: the share of threads x encode time that threads "
+              "were not encoding: late start, the schedule's tail), serial offsets, parallel copy and join; busy "
+              "thread: MB/s of one thread while it encodes (falls with more threads if they slow each other down)")
+        print("| threads | pass (median) | prep | encode (idle) | offsets | copy | busy thread | chunks |")
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for threads, ours, *_ in rows:
             print(f"| {threads} | {ours['seconds'] * 1e3:.1f} ms | {ours.get('prep_ms', nan):.3f} ms | "

@@ -86,13 +86,35 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
     chunks_.push_back({static_cast<uint32_t>(d), begin, texts[d].size()});
   }
   MOE_CHECK(chunks_.size() < (size_t{1} << 32), "too many chunks in one batch: {}", chunks_.size());
-  // Largest first, so the last chunks handed out are small and threads finish together.
-  // One sort key per chunk: the size (saturated to 32 bits, inverted) above the index.
+  // The schedule: the bulk of the chunks in document order, then a tail of the smallest
+  // ones (together >= 4 * threads * the largest chunk), largest first. Whatever bulk chunk
+  // a thread takes last, the tail keeps the others busy at least that long, and the last
+  // chunks handed out are small, so threads finish together. Document order in the bulk
+  // keeps equal texts apart (a corpus repeated N times, sorted by size, would have one
+  // thread encode each document N times in a row: unusually cache-friendly).
+  // Sort keys: the size (saturated to 32 bits, inverted) above the index.
   constexpr uint64_t kMax32 = 0xffffffffu;
-  order_.resize(chunks_.size());
+  auto key = [&](size_t k) {
+    return (kMax32 - std::min<uint64_t>(chunks_[k].end - chunks_[k].begin, kMax32)) << 32 | k;
+  };
+  by_size_.resize(chunks_.size());
+  for (size_t k = 0; k < chunks_.size(); ++k) by_size_[k] = key(k);
+  std::sort(by_size_.begin(), by_size_.end());
+  size_t tail = by_size_.size();  // by_size_[tail..] is the tail
+  if (threads_ > 1 && !chunks_.empty()) {
+    const size_t largest = chunks_[by_size_[0] & kMax32].end - chunks_[by_size_[0] & kMax32].begin;
+    const size_t budget = 4 * static_cast<size_t>(threads_) * largest;
+    for (size_t bytes = 0; tail > 0 && bytes < budget;) {
+      const Chunk& c = chunks_[by_size_[--tail] & kMax32];
+      bytes += c.end - c.begin;
+    }
+  }
+  schedule_.clear();
+  const uint64_t tail_key = tail < by_size_.size() ? by_size_[tail] : ~uint64_t{0};
   for (size_t k = 0; k < chunks_.size(); ++k)
-    order_[k] = (kMax32 - std::min<uint64_t>(chunks_[k].end - chunks_[k].begin, kMax32)) << 32 | k;
-  std::sort(order_.begin(), order_.end());
+    if (key(k) < tail_key) schedule_.push_back(static_cast<uint32_t>(k));
+  for (size_t i = tail; i < by_size_.size(); ++i) schedule_.push_back(static_cast<uint32_t>(by_size_[i] & kMax32));
+  MOE_CHECK(schedule_.size() == chunks_.size(), "schedule of {} chunks holds {}", chunks_.size(), schedule_.size());
   chunk_at_.resize(chunks_.size());
   for (ThreadState& s : states_) s.ids.clear(), s.encoded.clear();  // capacity is kept
 
@@ -106,7 +128,7 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
     const auto start = Clock::now();
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t k = 0; k < n_chunks; ++k) {
-      const auto c = static_cast<uint32_t>(order_[k] & kMax32);
+      const uint32_t c = schedule_[static_cast<size_t>(k)];
       const Chunk& chunk = chunks_[c];
       try {
         const size_t offset = me.ids.size();

@@ -33,11 +33,12 @@ TokenizeStats tokenize_to_shards(const Tokenizer& tokenizer, const TokenizeOptio
 
 // Encodes batches of documents on several threads. Documents longer than a chunk are cut
 // where the tokenizer allows (Tokenizer::find_cuts), so one long document does not hold
-// up the batch; the chunks are encoded largest first under a dynamic schedule into
-// per-thread buffers that are kept from batch to batch. Then, in the same parallel region,
-// one thread turns the chunks' id counts into output offsets (a prefix sum) and every thread
-// copies the chunks it encoded into place. The result is exactly that of encoding each
-// document whole, for any thread count.
+// up the batch; the chunks are encoded under a dynamic schedule (in document order, the
+// smallest last, largest first among them) into per-thread buffers that are kept from
+// batch to batch. Then, in the same parallel region, one thread turns the chunks' id
+// counts into output offsets (a prefix sum) and every thread copies the chunks it encoded
+// into place. The result is exactly that of encoding each document whole, for any thread
+// count.
 class ParallelEncoder {
  public:
   ParallelEncoder(const Tokenizer& tokenizer, int threads);  // threads <= 0: all cores
@@ -83,7 +84,8 @@ class ParallelEncoder {
   int threads_;
   std::vector<ThreadState> states_;
   std::vector<Chunk> chunks_;         // in document order
-  std::vector<uint64_t> order_;       // the schedule: (inverted size << 32) | chunk, ascending
+  std::vector<uint64_t> by_size_;     // (inverted size << 32) | chunk, ascending: largest first
+  std::vector<uint32_t> schedule_;    // chunks in the order they are handed out
   std::vector<int64_t> chunk_at_;     // each chunk's first id in the output
   std::vector<size_t> cuts_;
   std::vector<std::string_view> views_;

@@ -35,11 +35,14 @@ void swiglu_forward(bf16* act_TF, const bf16* gate_up_TF2, int64_t T, int64_t F,
 void swiglu_backward(bf16* dgate_up_TF2, const bf16* dact_TF, const bf16* gate_up_TF2, int64_t T,
                      int64_t F, Stream stream);
 
-// RoPE in place on [T, N, d] (rotate_half layout), positions_T per token.
-void rope_forward(bf16* x_TNd, const int32_t* positions_T, int64_t T, int64_t N, int64_t d,
-                  float theta, Stream stream);
-void rope_backward(bf16* dx_TNd, const int32_t* positions_T, int64_t T, int64_t N, int64_t d,
-                   float theta, Stream stream);
+// RoPE's angles: (cos, sin) of pos * theta^(-2i/d) for pos < S, i < d/2, as [S, d/2, 2] fp32.
+void rope_table(float* cos_sin_Sh2, int64_t S, int64_t d, float theta, Stream stream);
+// RoPE in place on [T, N, d] (rotate_half layout), positions_T per token (each < the
+// table's S), angles from rope_table.
+void rope_forward(bf16* x_TNd, const int32_t* positions_T, const float* cos_sin_Sh2, int64_t T, int64_t N, int64_t d,
+                  Stream stream);
+void rope_backward(bf16* dx_TNd, const int32_t* positions_T, const float* cos_sin_Sh2, int64_t T, int64_t N,
+                   int64_t d, Stream stream);
 
 // Cross-entropy and its gradient in one pass, from fp32 logits (the LM head's GEMM writes
 // them a chunk of rows at a time, so the [T, V] fp32 logits never exist whole; bf16 logits

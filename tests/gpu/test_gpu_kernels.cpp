@@ -124,7 +124,8 @@ INSTANTIATE_TEST_SUITE_P(Sizes, GpuSwiglu, ::testing::Values(Size2{1, 1}, Size2{
 
 TEST(GpuRope, ForwardAndBackwardMatchCpu) {
   MOE_REQUIRE_GPU();
-  for (auto [T, N, d] : {std::tuple<int64_t, int64_t, int64_t>{5, 3, 8}, {4096, 4, 128}, {1000, 16, 64}}) {
+  // d/2 % 8 != 0 takes the pair-by-pair kernel, the others the 16-byte vector one.
+  for (auto [T, N, d] : {std::tuple<int64_t, int64_t, int64_t>{5, 3, 8}, {7, 2, 36}, {4096, 4, 128}, {1000, 16, 64}}) {
     auto x = random_bf16_floats(T * N * d, 1, "x");
     std::vector<int32_t> positions(T);
     CounterRng rng(2, "positions");
@@ -133,9 +134,11 @@ TEST(GpuRope, ForwardAndBackwardMatchCpu) {
     rope_forward<float>(fwd_ref.data(), positions.data(), T, N, d, 10000.0);
     rope_backward<float>(bwd_ref.data(), positions.data(), T, N, d, 10000.0);
     auto pos_d = to_device(positions);
+    auto table_d = poisoned<float>(4096 * d);
+    cuda::rope_table(table_d.data(), 4096, d, 10000.0f, nullptr);
     auto fwd_d = to_device_bf16(x), bwd_d = to_device_bf16(x);
-    cuda::rope_forward(fwd_d.data(), pos_d.data(), T, N, d, 10000.0f, nullptr);
-    cuda::rope_backward(bwd_d.data(), pos_d.data(), T, N, d, 10000.0f, nullptr);
+    cuda::rope_forward(fwd_d.data(), pos_d.data(), table_d.data(), T, N, d, nullptr);
+    cuda::rope_backward(bwd_d.data(), pos_d.data(), table_d.data(), T, N, d, nullptr);
     expect_close("rope forward", to_host_float(fwd_d), fwd_ref, kBf16Rtol, 2e-2);
     expect_close("rope backward", to_host_float(bwd_d), bwd_ref, kBf16Rtol, 2e-2);
   }

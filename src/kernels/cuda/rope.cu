@@ -1,4 +1,6 @@
-// RoPE on the GPU, rotate_half layout: pairs (i, i + d/2), angle pos * theta^(-2i/d).
+// RoPE on the GPU, rotate_half layout: pairs (i, i + d/2), angle pos * theta^(-2i/d). The
+// cos/sin of every (position, i) come from a table made once per plan, so the kernels
+// only move bytes; 16-byte vectors of 8 pairs when d/2 allows, pair by pair otherwise.
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
@@ -8,43 +10,97 @@ namespace {
 
 constexpr int kThreads = 256;
 
+__global__ void rope_table_kernel(float2* cos_sin, int64_t S, int64_t half, int64_t d, float log2_theta) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= S * half) return;
+  const int64_t pos = idx / half, i = idx % half;
+  const float inv_freq = exp2f(-2.0f * static_cast<float>(i) / static_cast<float>(d) * log2_theta);
+  float s, c;
+  sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
+  cos_sin[idx] = make_float2(c, s);
+}
+
 // direction +1 rotates (forward), -1 rotates back (the transpose, for the backward).
-__global__ void rope_kernel(__nv_bfloat16* x, const int32_t* positions, int64_t T, int64_t N,
-                            int64_t d, float log2_theta, float direction) {
+__global__ void rope_kernel(__nv_bfloat16* x, const int32_t* positions, const float2* cos_sin, int64_t T, int64_t N,
+                            int64_t d, float direction) {
   const int64_t half = d / 2;
   const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= T * N * half) return;
   const int64_t i = idx % half, tn = idx / half, t = tn / N;
-  const float inv_freq = exp2f(-2.0f * static_cast<float>(i) / static_cast<float>(d) * log2_theta);
-  float s, c;
-  sincosf(static_cast<float>(positions[t]) * inv_freq, &s, &c);
-  s *= direction;
+  const float2 cs = cos_sin[positions[t] * half + i];
+  const float c = cs.x, s = cs.y * direction;
   __nv_bfloat16* head = x + tn * d;
   const float a = to_float(head[i]), b = to_float(head[i + half]);
   head[i] = to_bf16(a * c - b * s);
   head[i + half] = to_bf16(b * c + a * s);
 }
 
-void launch(bf16* x, const int32_t* positions, int64_t T, int64_t N, int64_t d, float theta,
+// One thread per 8 pairs: i .. i + 7 and their partners i + half .. i + half + 7.
+__global__ void rope_vec_kernel(uint4* x, const int32_t* positions, const float4* cos_sin, int64_t T, int64_t N,
+                                int64_t half_v, float direction) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= T * N * half_v) return;
+  const int64_t v = idx % half_v, tn = idx / half_v, t = tn / N;
+  uint4* head = x + tn * 2 * half_v;
+  float a[kVecElems], b[kVecElems], c[kVecElems], s[kVecElems];
+  unpack8(head[v], a);
+  unpack8(head[v + half_v], b);
+  // 8 (cos, sin) pairs = 4 float4 of the row's table.
+  const float4* table = cos_sin + (static_cast<int64_t>(positions[t]) * half_v + v) * 4;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4 q = table[j];
+    c[2 * j] = q.x;
+    s[2 * j] = q.y * direction;
+    c[2 * j + 1] = q.z;
+    s[2 * j + 1] = q.w * direction;
+  }
+  float ya[kVecElems], yb[kVecElems];
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) {
+    ya[j] = a[j] * c[j] - b[j] * s[j];
+    yb[j] = b[j] * c[j] + a[j] * s[j];
+  }
+  head[v] = pack8(ya);
+  head[v + half_v] = pack8(yb);
+}
+
+void launch(bf16* x, const int32_t* positions, const float* cos_sin, int64_t T, int64_t N, int64_t d,
             float direction, Stream stream) {
   MOE_CHECKF(d % 2 == 0, "rope: head dim %lld must be even", static_cast<long long>(d));
-  const int64_t work = T * N * (d / 2);
-  if (work == 0) return;
-  rope_kernel<<<static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream>>>(
-      as_cuda(x), positions, T, N, d, log2f(theta), direction);
+  const int64_t half = d / 2;
+  if (T * N * half == 0) return;
+  if (vectorizable(half, {x})) {
+    const int64_t work = T * N * half / kVecElems;
+    rope_vec_kernel<<<static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream>>>(
+        reinterpret_cast<uint4*>(x), positions, reinterpret_cast<const float4*>(cos_sin), T, N, half / kVecElems,
+        direction);
+  } else {
+    rope_kernel<<<static_cast<unsigned>(ceil_div(T * N * half, kThreads)), kThreads, 0, stream>>>(
+        as_cuda(x), positions, reinterpret_cast<const float2*>(cos_sin), T, N, d, direction);
+  }
   MOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void rope_forward(bf16* x_TNd, const int32_t* positions_T, int64_t T, int64_t N, int64_t d,
-                  float theta, Stream stream) {
-  launch(x_TNd, positions_T, T, N, d, theta, 1.0f, stream);
+void rope_table(float* cos_sin_Sh2, int64_t S, int64_t d, float theta, Stream stream) {
+  MOE_CHECKF(d % 2 == 0, "rope: head dim %lld must be even", static_cast<long long>(d));
+  const int64_t work = S * (d / 2);
+  if (work == 0) return;
+  rope_table_kernel<<<static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream>>>(
+      reinterpret_cast<float2*>(cos_sin_Sh2), S, d / 2, d, log2f(theta));
+  MOE_CUDA_CHECK_LAUNCH();
 }
 
-void rope_backward(bf16* dx_TNd, const int32_t* positions_T, int64_t T, int64_t N, int64_t d,
-                   float theta, Stream stream) {
-  launch(dx_TNd, positions_T, T, N, d, theta, -1.0f, stream);
+void rope_forward(bf16* x_TNd, const int32_t* positions_T, const float* cos_sin_Sh2, int64_t T, int64_t N, int64_t d,
+                  Stream stream) {
+  launch(x_TNd, positions_T, cos_sin_Sh2, T, N, d, 1.0f, stream);
+}
+
+void rope_backward(bf16* dx_TNd, const int32_t* positions_T, const float* cos_sin_Sh2, int64_t T, int64_t N,
+                   int64_t d, Stream stream) {
+  launch(dx_TNd, positions_T, cos_sin_Sh2, T, N, d, -1.0f, stream);
 }
 
 }  // namespace moe::cuda

@@ -202,6 +202,8 @@ void GpuTransformer::plan(int64_t batch) {
   std::vector<int32_t> positions(static_cast<size_t>(T));
   for (int64_t i = 0; i < T; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(i % S);
   s.positions.upload(positions.data(), positions.size());
+  s.rope_cos_sin = f32(S * d);
+  cuda::rope_table(s.rope_cos_sin.data(), S, d, static_cast<float>(c.rope_theta), s.stream);
 }
 
 
@@ -258,8 +260,8 @@ void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf
   linear(at.q.data(), a.n1.data(), w(layer.wq), T, D, H * d, false);
   linear(at.k.data(), a.n1.data(), w(layer.wk), T, D, G * d, false);
   linear(at.v.data(), a.n1.data(), w(layer.wv), T, D, G * d, false);
-  cuda::rope_forward(at.q.data(), positions.data(), T, H, d, static_cast<float>(c.rope_theta), stream);
-  cuda::rope_forward(at.k.data(), positions.data(), T, G, d, static_cast<float>(c.rope_theta), stream);
+  cuda::rope_forward(at.q.data(), positions.data(), rope_cos_sin.data(), T, H, d, stream);
+  cuda::rope_forward(at.k.data(), positions.data(), rope_cos_sin.data(), T, G, d, stream);
   attention.forward(at.out.data(), at.stats.data(), at.q.data(), at.k.data(), at.v.data(), batch, c.seq_len, H, G, d,
                     1.0f / std::sqrt(static_cast<float>(d)), stream);
   // The attention output goes through dnorm (free here, also during the backward).
@@ -362,8 +364,8 @@ void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
   attention.backward(dq.data(), dk.data(), dv.data(), dattn.data(), at.q.data(), at.k.data(), at.v.data(),
                      at.out.data(), at.stats.data(), batch, c.seq_len, H, G, d, 1.0f / std::sqrt(static_cast<float>(d)),
                      stream);
-  cuda::rope_backward(dq.data(), positions.data(), T, H, d, static_cast<float>(c.rope_theta), stream);
-  cuda::rope_backward(dk.data(), positions.data(), T, G, d, static_cast<float>(c.rope_theta), stream);
+  cuda::rope_backward(dq.data(), positions.data(), rope_cos_sin.data(), T, H, d, stream);
+  cuda::rope_backward(dk.data(), positions.data(), rope_cos_sin.data(), T, G, d, stream);
   linear_backward(dnorm.data(), g(layer.wq), dq.data(), a.n1.data(), w(layer.wq), T, D, H * d, false);
   linear_backward(dnorm.data(), g(layer.wk), dk.data(), a.n1.data(), w(layer.wk), T, D, G * d, true);
   linear_backward(dnorm.data(), g(layer.wv), dv.data(), a.n1.data(), w(layer.wv), T, D, G * d, true);

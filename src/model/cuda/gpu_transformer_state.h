@@ -152,6 +152,7 @@ struct GpuTransformer::State {
   int64_t max_rows = 0;
   // Per micro-batch buffers.
   Buffer<int32_t> inputs, targets, positions;
+  Buffer<float> rope_cos_sin;  // [seq_len, head_dim / 2, 2]
   Buffer<bf16> final_x, final_n;
   // The LM head: fp32 logits for head_chunk_rows rows at a time, and the gradient of the
   // mean loss per logit (softmax - onehot) / n_valid, written by the forward.
