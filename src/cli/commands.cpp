@@ -9,6 +9,8 @@
 #include <memory>
 
 #include "core/threads.h"
+#include "dist/all_to_all_bench.h"
+#include "dist/communicator.h"
 #include "obs/dashboard.h"
 #include "obs/report.h"
 #include "train/checkpoint.h"
@@ -83,6 +85,13 @@ int run_bench(const BenchOptions& options) {
 #else
   MOE_CONFIG_ERROR("moe bench times the GPU path, and this build has no CUDA backend");
 #endif
+}
+
+int run_all_to_all_bench(const AllToAllBenchOptions& options) {
+  RunConfig config = resolve_config(options.config_path, options.overrides);
+  std::unique_ptr<dist::Communicator> world = dist::make_world_communicator(resolve_parallel_backend(config));
+  dist::run_all_to_all_bench(config, *world, options.warmup, options.iters, std::cout);
+  return 0;
 }
 
 int run_config(const ConfigOptions& options) {

@@ -35,7 +35,16 @@ struct BenchOptions {
   std::vector<std::string> overrides;
 };
 
+struct AllToAllBenchOptions {
+  std::string config_path;
+  int warmup = 3;
+  int iters = 20;
+  std::vector<std::string> overrides;
+};
+
 int run_train(const TrainOptions& options);
+// `moe a2a-bench`: the MoE exchanges alone over the launch's ranks (dist/all_to_all_bench.h).
+int run_all_to_all_bench(const AllToAllBenchOptions& options);
 // `moe bench`: the GPU benchmark (train/cuda/gpu_bench.h); a config error without CUDA.
 int run_bench(const BenchOptions& options);
 int run_config(const ConfigOptions& options);

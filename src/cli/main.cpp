@@ -75,6 +75,16 @@ int main(int argc, char** argv) {
   bench_cmd->allow_extras();
   bench_cmd->footer(kOverrideHelp);
 
+  moe::AllToAllBenchOptions a2a;
+  CLI::App* a2a_cmd = app.add_subcommand(
+      "a2a-bench", "Time the MoE dispatch and combine exchanges alone over the launch's ranks, flat and hierarchical");
+  a2a_cmd->add_option("-c,--config", a2a.config_path, "Run config (TOML): token counts, parallel.* groups and backend")
+      ->check(CLI::ExistingFile);
+  a2a_cmd->add_option("--warmup", a2a.warmup, "Untimed exchanges first")->check(CLI::NonNegativeNumber);
+  a2a_cmd->add_option("--iters", a2a.iters, "Timed exchanges (the median is reported)")->check(CLI::PositiveNumber);
+  a2a_cmd->allow_extras();
+  a2a_cmd->footer(kOverrideHelp);
+
   moe::ReportOptions report;
   CLI::App* report_cmd =
       app.add_subcommand("report", "Write a run's dashboard as one self-contained HTML file from its metrics.jsonl");
@@ -175,6 +185,10 @@ int main(int argc, char** argv) {
     if (*config_cmd) {
       show.overrides = parse_overrides(config_cmd->remaining());
       return moe::run_config(show);
+    }
+    if (*a2a_cmd) {
+      a2a.overrides = parse_overrides(a2a_cmd->remaining());
+      return moe::run_all_to_all_bench(a2a);
     }
     if (*bench_cmd) {
       bench.overrides = parse_overrides(bench_cmd->remaining());

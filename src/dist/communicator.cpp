@@ -1,6 +1,8 @@
 // make_world_communicator: picks and builds the backend of the launch.
 #include <spdlog/spdlog.h>
 
+#include <cstring>
+
 #include "core/error.h"
 #include "dist/communicator.h"
 #include "dist/launch_env.h"
@@ -13,6 +15,14 @@
 #endif
 
 namespace moe::dist {
+
+std::shared_ptr<void> Communicator::allocate(size_t bytes) {
+  return std::shared_ptr<void>(new char[bytes > 0 ? bytes : 1], [](void* p) { delete[] static_cast<char*>(p); });
+}
+
+void Communicator::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
 
 bool is_known_backend(const std::string& backend) {
   return backend == "auto" || backend == "single" || backend == "mpi" || backend == "tcp" || backend == "nccl";

@@ -59,6 +59,17 @@ class Communicator {
   // Work::wait() makes `stream` wait for it. Host backends ignore this.
   virtual void set_stream(void* stream) {}
 
+  // Memory of the kind this backend's collectives read and write: host memory, or device
+  // memory for nccl (device_memory()). allocate's buffers are freed with the last owner;
+  // copy moves bytes between such buffers or to and from host memory, ordered with this
+  // communicator's collectives (after the ones already waited for, before later ones);
+  // synchronize returns once every copy and waited-for collective is complete, so the
+  // host may read what a copy wrote to host memory.
+  virtual bool device_memory() const { return false; }
+  virtual std::shared_ptr<void> allocate(size_t bytes);
+  virtual void copy(void* dst, const void* src, size_t bytes);
+  virtual void synchronize() {}
+
   // Blocking forms.
   void all_reduce(void* data, size_t count, DType dtype, ReduceOp op = ReduceOp::sum) {
     all_reduce_async(data, count, dtype, op)->wait();

@@ -1,6 +1,8 @@
 #include "dist/hierarchical_all_to_all.h"
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "core/error.h"
 #include "dist/comm_util.h"
@@ -82,8 +84,7 @@ class HierarchicalAllToAll final : public AllToAll {
     std::vector<int64_t> counts_out(static_cast<size_t>(L * N)), counts_in(static_cast<size_t>(L * N));
     for (int lp = 0; lp < L; ++lp)
       for (int m = 0; m < N; ++m) counts_out[lp * N + m] = send_counts[m * L + lp];
-    const std::vector<int64_t> n_each(static_cast<size_t>(L), N);
-    intra_->all_to_all_v(counts_out.data(), n_each, counts_in.data(), n_each, DType::i64);
+    exchange_counts(counts_out, counts_in);
     // counts_in[l * N + m]: elements from (this node, l) bound for (m, this local index).
 
     // Stage 1 (inside the node): to local peer l', blocks for (m, l') in node order.
@@ -95,16 +96,18 @@ class HierarchicalAllToAll final : public AllToAll {
         stage1_recv[lp] += counts_in[lp * N + m];
       }
     for (int l = 0; l < L; ++l) stage1_send_total += stage1_send[l], stage1_recv_total += stage1_recv[l];
-    std::vector<char> packed(static_cast<size_t>(stage1_send_total) * elem);
-    char* out = packed.data();
+    // Scratch of the backend's memory kind (device memory for nccl); packing copies are
+    // ordered with the collectives on the communicator's side.
+    char* packed = scratch(packed_, static_cast<size_t>(std::max(stage1_send_total, stage1_recv_total)) * elem);
+    char* gathered = scratch(gathered_, static_cast<size_t>(stage1_recv_total) * elem);
+    char* out = packed;
     for (int lp = 0; lp < L; ++lp)
       for (int m = 0; m < N; ++m) {
         const size_t bytes = static_cast<size_t>(send_counts[m * L + lp]) * elem;
-        if (bytes) std::memcpy(out, static_cast<const char*>(send) + send_offsets[m * L + lp] * elem, bytes);
+        intra_->copy(out, static_cast<const char*>(send) + send_offsets[m * L + lp] * elem, bytes);
         out += bytes;
       }
-    std::vector<char> gathered(static_cast<size_t>(stage1_recv_total) * elem);
-    intra_->all_to_all_v(packed.data(), stage1_send, gathered.data(), stage1_recv, dtype);
+    intra_->all_to_all_v(packed, stage1_send, gathered, stage1_recv, dtype);
 
     // Stage 2 (across nodes, same local index): to node m, the blocks from local sources
     // l = 0..L-1 in order, which lands in recv exactly in flat order (source n * L + l).
@@ -118,20 +121,50 @@ class HierarchicalAllToAll final : public AllToAll {
         stage2_send[m] += counts_in[l * N + m];
         stage2_recv[m] += recv_counts[m * L + l];
       }
-    packed.resize(gathered.size());
-    out = packed.data();
+    out = packed;
     for (int m = 0; m < N; ++m)
       for (int l = 0; l < L; ++l) {
         const size_t bytes = static_cast<size_t>(counts_in[l * N + m]) * elem;
-        if (bytes) std::memcpy(out, gathered.data() + gathered_offsets[l * N + m] * elem, bytes);
+        intra_->copy(out, gathered + gathered_offsets[l * N + m] * elem, bytes);
         out += bytes;
       }
-    inter_->all_to_all_v(packed.data(), stage2_send, recv, stage2_recv, dtype);
+    inter_->all_to_all_v(packed, stage2_send, recv, stage2_recv, dtype);
   }
 
  private:
+  // One count per (local peer, node) each way inside the node; through device memory when
+  // the backend's collectives need it.
+  void exchange_counts(const std::vector<int64_t>& counts_out, std::vector<int64_t>& counts_in) {
+    const std::vector<int64_t> n_each(static_cast<size_t>(local_size_), n_nodes_);
+    if (!intra_->device_memory()) {
+      intra_->all_to_all_v(counts_out.data(), n_each, counts_in.data(), n_each, DType::i64);
+      return;
+    }
+    const size_t bytes = counts_out.size() * sizeof(int64_t);
+    char* staged_out = scratch(staged_counts_, 2 * bytes);
+    intra_->copy(staged_out, counts_out.data(), bytes);
+    intra_->all_to_all_v(staged_out, n_each, staged_out + bytes, n_each, DType::i64);
+    intra_->copy(counts_in.data(), staged_out + bytes, bytes);
+    intra_->synchronize();
+  }
+
+  // Scratch kept between exchanges (grown when too small): the next exchange's copies are
+  // ordered after this one's collectives, so reuse is safe.
+  struct Scratch {
+    std::shared_ptr<void> memory;
+    size_t bytes = 0;
+  };
+  char* scratch(Scratch& s, size_t bytes) {
+    if (s.bytes < bytes || !s.memory) {
+      s.memory = intra_->allocate(bytes);
+      s.bytes = bytes;
+    }
+    return static_cast<char*>(s.memory.get());
+  }
+
   Communicator& group_;
   std::unique_ptr<Communicator> intra_, inter_;
+  Scratch packed_, gathered_, staged_counts_;
   int local_size_ = 1, n_nodes_ = 1, local_ = 0, node_index_ = 0;
 };
 
@@ -140,12 +173,6 @@ class HierarchicalAllToAll final : public AllToAll {
 std::unique_ptr<AllToAll> make_all_to_all(const std::string& kind, Communicator& ep_group, int node) {
   if (kind == "flat") return std::make_unique<FlatAllToAll>(ep_group);
   if (kind == "hierarchical") {
-    if (ep_group.backend() == "nccl") {
-      // Its packing runs on the host. A one-GPU group needs none; more GPUs wait for the
-      // multi-GPU work (a device packing kernel).
-      if (ep_group.size() == 1) return std::make_unique<FlatAllToAll>(ep_group);
-      MOE_CONFIG_ERROR("parallel.all_to_all = \"hierarchical\" is not available with the nccl backend yet: use \"flat\"");
-    }
     return std::make_unique<HierarchicalAllToAll>(ep_group, node);
   }
   MOE_CONFIG_ERROR("unknown all-to-all '{}' (flat or hierarchical)", kind);

@@ -87,6 +87,19 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
   void set_stream(void* stream) override { caller_ = static_cast<cudaStream_t>(stream); }
+  bool device_memory() const override { return true; }
+  std::shared_ptr<void> allocate(size_t bytes) override {
+    MOE_CUDART_CHECK(cudaSetDevice(device_));
+    void* p = nullptr;
+    MOE_CUDART_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+    return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+  }
+  // On the caller's stream, where Work::wait() puts the collectives' completion.
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    MOE_CUDART_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, caller_));
+  }
+  void synchronize() override { MOE_CUDART_CHECK(cudaStreamSynchronize(caller_)); }
 
   std::unique_ptr<Work> all_reduce_async(void* data, size_t count, DType dtype, ReduceOp op) override {
     begin();
