@@ -19,6 +19,7 @@
 #ifdef MOE_HAVE_CUDA
 #include "core/gpu.h"
 #include "dist/cuda/gpu_data_parallel.h"
+#include "dist/gradient_stages.h"
 #include "model/cuda/gpu_transformer.h"
 #endif
 
@@ -172,9 +173,17 @@ class GpuBackend final : public ModelBackend {
       MOE_CHECK(std::abs(loss_scale - micro_scale_) <= 1e-12 * micro_scale_,
                 "CUDA graph step: backward scale {} differs from the captured {}", loss_scale, micro_scale_);
       backward_done_ = false;
-    } else {
-      gpu_.backward(dp_ ? loss_scale * ce_weight_ : loss_scale);
+      if (dp_ && last) dp_->all_reduce_grads();  // a graph holds the backward: reduce after it
+      return;
     }
+    const double scale = dp_ ? loss_scale * ce_weight_ : loss_scale;
+    if (dp_ && last && dp_->overlaps()) {
+      // Each stage's gradients are reduced while the backward of the layers below runs.
+      gpu_.backward(scale, [this](int stage) { dp_->launch_stage(stage); });
+      dp_->finish_overlapped();
+      return;
+    }
+    gpu_.backward(scale);
     if (dp_ && last) dp_->all_reduce_grads();
   }
   void reduce_losses(StepStats& stats) override {
@@ -287,6 +296,11 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
     GpuParameterStore& params = gpu_->parameters();
     dp = std::make_unique<dist::GpuDataParallel>(std::move(gpu_world_), gpu_->stream(), params.grads(),
                                                  params.storage_numel(), config_.parallel.bucket_mb);
+    // Overlap the all-reduce with the backward, stage by stage (not inside a CUDA graph).
+    if (!config_.training.cuda_graphs)
+      dp->set_stage_ranges(dist::gradient_ranges_by_stage(
+          model_->params(), [this](const std::string& name) { return model_->backward_stage_of(name); },
+          model_->backward_stages()));
   }
   return std::make_unique<GpuBackend>(config_, *gpu_, *model_, gpu_steps_,
                                       micro_batch_ * config_.model.seq_len, std::move(dp));

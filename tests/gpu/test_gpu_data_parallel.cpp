@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/gpu.h"
 #include "core/rng.h"
 #include "dist/communicator.h"
@@ -65,6 +66,39 @@ TEST(GpuDataParallel, AllReduceOverOneRankIsTheIdentity) {
     EXPECT_EQ(values[0], 1.0 / 3.0);
     EXPECT_EQ(values[1], -2.5e300);
     EXPECT_EQ(dp.sum(17.0), 17.0);
+  }
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// The overlapped form: stages launched one by one (ranges longer than a bucket split),
+// then finished; over one rank the block comes back as it was. Ranges that do not cover
+// the block are refused.
+TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const int64_t n = 250048;
+  std::vector<float> host(static_cast<size_t>(n));
+  CounterRng rng(8, "dp.stages");
+  for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = static_cast<float>(rng.normal(static_cast<uint64_t>(i)));
+  gpu::DeviceArray<float> grads(static_cast<size_t>(n));
+  grads.upload(host.data(), host.size());
+  {
+    dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4);
+    EXPECT_FALSE(dp.overlaps());
+    EXPECT_THROW(dp.set_stage_ranges({{{0, 64}}, {{128, n - 128}}}), Error);  // a gap
+    // Stage 0 the end of the block, stage 1 the middle (longer than one bucket), stage 2 the start.
+    dp.set_stage_ranges({{{200000, n - 200000}}, {{64, 199936}}, {{0, 64}}});
+    EXPECT_TRUE(dp.overlaps());
+    for (int stage = 0; stage < 3; ++stage) dp.launch_stage(stage);
+    EXPECT_THROW(dp.launch_stage(3), Error);
+    dp.finish_overlapped();
+    std::vector<float> back(host.size());
+    grads.download(back.data(), back.size());
+    EXPECT_TRUE(same_bits(back, host));
+    const dist::CommStats stats = dp.take_stats();
+    EXPECT_GT(stats.grad_sync_s, 0.0);
+    EXPECT_GE(stats.grad_sync_s, stats.wait_s);
   }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }

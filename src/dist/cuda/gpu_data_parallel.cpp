@@ -34,17 +34,20 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
   }
   for (int64_t offset = 0; offset < count_; offset += per_bucket)
     buckets_.emplace_back(offset, std::min(per_bucket, count_ - offset));
-  cudaEvent_t begin = nullptr, end = nullptr;
+  cudaEvent_t begin = nullptr, end = nullptr, backward_end = nullptr;
   MOE_CUDA_CHECK(cudaEventCreate(&begin));
   MOE_CUDA_CHECK(cudaEventCreate(&end));
+  MOE_CUDA_CHECK(cudaEventCreate(&backward_end));
   sync_begin_ = begin;
   sync_end_ = end;
+  backward_end_ = backward_end;
 }
 
 GpuDataParallel::~GpuDataParallel() {
   if (scratch_) cudaFree(scratch_);
   if (sync_begin_) cudaEventDestroy(as_event(sync_begin_));
   if (sync_end_) cudaEventDestroy(as_event(sync_end_));
+  if (backward_end_) cudaEventDestroy(as_event(backward_end_));
 }
 
 void GpuDataParallel::ensure_scratch(int64_t n) {
@@ -84,6 +87,50 @@ void GpuDataParallel::all_reduce_grads() {
   stats_.grad_sync_s += seconds;
   // Nothing overlaps the all-reduce yet: the model's stream idles for all of it.
   stats_.wait_s += seconds;
+}
+
+void GpuDataParallel::set_stage_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges) {
+  // Together the ranges must cover the block exactly once.
+  std::vector<std::pair<int64_t, int64_t>> all;
+  for (const auto& stage : stage_ranges) all.insert(all.end(), stage.begin(), stage.end());
+  std::sort(all.begin(), all.end());
+  int64_t covered = 0;
+  for (const auto& [offset, n] : all) {
+    MOE_CHECK(offset == covered && n > 0, "GPU data parallel: the stages' ranges leave a gap or overlap at element {}",
+              std::min(offset, covered));
+    covered += n;
+  }
+  MOE_CHECK(stage_ranges.empty() || covered == count_, "GPU data parallel: the stages' ranges cover {} of {} gradients",
+            covered, count_);
+  stage_ranges_ = std::move(stage_ranges);
+}
+
+void GpuDataParallel::launch_stage(int stage) {
+  MOE_CHECK(stage >= 0 && stage < static_cast<int>(stage_ranges_.size()), "GPU data parallel: no backward stage {}",
+            stage);
+  if (in_flight_.empty()) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
+  // Buckets of at most the configured size, so one huge layer still streams.
+  const int64_t per_bucket = buckets_.empty() ? count_ : buckets_.front().second;
+  for (const auto& [offset, n] : stage_ranges_[static_cast<size_t>(stage)])
+    for (int64_t at = offset; at < offset + n; at += per_bucket)
+      in_flight_.push_back(group_->all_reduce_async(grads_ + at, static_cast<size_t>(std::min(per_bucket, offset + n - at)),
+                                                    DType::f32, ReduceOp::sum));
+}
+
+void GpuDataParallel::finish_overlapped() {
+  cudaStream_t stream = as_stream(stream_);
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(backward_end_), stream));
+  for (auto& work : in_flight_) work->wait();
+  const bool launched = !in_flight_.empty();
+  in_flight_.clear();
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_end_), stream));
+  MOE_CUDA_CHECK(cudaEventSynchronize(as_event(sync_end_)));
+  if (!launched) return;
+  float sync_ms = 0, wait_ms = 0;
+  MOE_CUDA_CHECK(cudaEventElapsedTime(&sync_ms, as_event(sync_begin_), as_event(sync_end_)));
+  MOE_CUDA_CHECK(cudaEventElapsedTime(&wait_ms, as_event(backward_end_), as_event(sync_end_)));
+  stats_.grad_sync_s += static_cast<double>(sync_ms) * 1e-3;
+  stats_.wait_s += static_cast<double>(wait_ms) * 1e-3;
 }
 
 CommStats GpuDataParallel::take_stats() { return std::exchange(stats_, CommStats{}); }

@@ -5,8 +5,12 @@
 // device and takes the same AdamW step. The ranks' losses are weighted before backward
 // so that the sum is the global micro-batch's mean (src/train/trainer_gpu.cpp).
 //
-// Not yet: ZeRO-1 sharding of the GPU optimizer state, and buckets launched during
-// backward (overlap); both need hooks in the GPU model's backward.
+// Overlap: given the block's ranges per backward stage (gradient_stages.h), the step's
+// last backward calls launch_stage() as each stage's work is enqueued, which starts that
+// stage's all-reduce on the communicator's stream while the backward goes on;
+// finish_overlapped() then makes the model's stream wait for all of them. Without stage
+// ranges (or inside a CUDA graph) all_reduce_grads() does it all after the backward.
+// Not yet: ZeRO-1 sharding of the GPU optimizer state.
 //
 // Built only with CUDA (src/dist/cuda/). The header needs no CUDA include: the stream is
 // a cudaStream_t passed as void*.
@@ -49,6 +53,17 @@ class GpuDataParallel {
   // gradient-sync latency, which is also time the model's stream waits (no overlap yet).
   void all_reduce_grads();
 
+  // Overlapped all-reduce: stage_ranges[s] are the [offset, count) ranges whose gradients
+  // backward stage s completes (together a partition of the block).
+  void set_stage_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges);
+  bool overlaps() const { return !stage_ranges_.empty(); }
+  // Starts stage s's all-reduces after the work enqueued so far on the model's stream.
+  void launch_stage(int stage);
+  // The model's stream waits for every launched all-reduce; returns when they are done.
+  // grad_sync_s: from the first launch to the end; wait_s: what the model's stream waited
+  // after its own work (the part the backward did not hide).
+  void finish_overlapped();
+
   // The communication measured since the last call (wait_s, grad_sync_s), then reset.
   CommStats take_stats();
 
@@ -64,6 +79,9 @@ class GpuDataParallel {
   int64_t scratch_count_ = 0;
   void* sync_begin_ = nullptr;  // cudaEvent_t with timing
   void* sync_end_ = nullptr;
+  void* backward_end_ = nullptr;  // overlapped: the model's own work done
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges_;
+  std::vector<std::unique_ptr<Work>> in_flight_;
   CommStats stats_;
 };
 

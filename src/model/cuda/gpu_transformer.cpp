@@ -374,7 +374,7 @@ void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
                          a.rstd1.data(), T, D, norm_partial.data(), stream);
 }
 
-void GpuTransformer::State::enqueue_backward(double loss_scale) {
+void GpuTransformer::State::enqueue_backward(double loss_scale, const std::function<void(int)>& on_stage) {
   const ModelConfig& c = config;
   const int64_t T = tokens, D = c.dim, V = c.vocab_size;
   // The forward left the gradient of the mean loss in dlogits_head; loss_scale is dloss.
@@ -384,15 +384,21 @@ void GpuTransformer::State::enqueue_backward(double loss_scale) {
   mark(kNorms);
   cuda::rmsnorm_backward(dres.data(), g(final_norm), dnorm.data(), nullptr, final_x.data(), w(final_norm),
                          final_rstd.data(), T, D, norm_partial.data(), stream);
-  for (size_t l = layers.size(); l-- > 0;) layer_backward(l, loss_scale);
+  const int n_layers = static_cast<int>(layers.size());
+  if (on_stage) on_stage(0);
+  for (int l = n_layers; l-- > 0;) {
+    layer_backward(static_cast<size_t>(l), loss_scale);
+    if (on_stage) on_stage(n_layers - l);
+  }
   mark(kEmbedding);
   cuda::embedding_backward(g(embedding), inputs.data(), dres.data(), T, V, D, embedding_scratch.data(),
                            embedding_scratch.size(), stream);
+  if (on_stage) on_stage(n_layers + 1);
 }
 
-void GpuTransformer::backward(double loss_scale) {
+void GpuTransformer::backward(double loss_scale, const std::function<void(int stage)>& on_stage) {
   State& s = *state_;
-  s.enqueue_backward(loss_scale);
+  s.enqueue_backward(loss_scale, on_stage);
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   s.mark(kHost);
 }

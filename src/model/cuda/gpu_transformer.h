@@ -4,6 +4,7 @@
 // architecture, parameter names and layout as Transformer<float> (the CPU reference it
 // is tested against); every op is a tested kernel from kernels/gpu_ops.h.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -40,7 +41,11 @@ class GpuTransformer {
   // Token ids on the host, [batch, seq_len]; targets of -1 are ignored.
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
   // Backward of (ce + aux + z) * loss_scale, accumulated into the fp32 gradients.
-  void backward(double loss_scale);
+  // `on_stage`, when given, is called on the host right after each backward stage's work
+  // is enqueued (Transformer::backward_stage_of's numbering: 0 the LM head and final norm,
+  // 1 + i block n_layers - 1 - i, n_layers + 1 the embedding), so that a reduction of the
+  // gradients that stage completed can start on another stream while the rest runs.
+  void backward(double loss_scale, const std::function<void(int stage)>& on_stage = {});
   // forward then backward(loss_scale) of one micro-batch. With graphs enabled, the work
   // is captured once as a CUDA graph and replayed (re-captured when the number of valid
   // targets or the loss scale changes: both are kernel arguments). Shapes are static in

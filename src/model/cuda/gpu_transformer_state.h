@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -224,7 +225,7 @@ struct GpuTransformer::State {
   void check_and_upload_inputs(const int32_t* inputs_BS, const int32_t* targets_BS);
   void enqueue_forward();
   ForwardResult read_forward_results();
-  void enqueue_backward(double loss_scale);
+  void enqueue_backward(double loss_scale, const std::function<void(int)>& on_stage = {});
   void moe_backward(Layer& layer, double loss_scale);
   void build_expert_slices(const ParameterStore<float>& params);
   Buffer<float>& balance_bias_of(size_t moe_layer);

@@ -1,0 +1,27 @@
+// Which parts of the gradient block are complete after each stage of the backward
+// (Transformer::backward_stage_of: stage 0 the LM head and final norm, 1 + i block
+// n_layers - 1 - i, n_layers + 1 the embedding), for reductions that start while the
+// backward goes on (GPU data parallelism).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/parameters.h"
+
+namespace moe::dist {
+
+// [offset, count) ranges of the gradient block.
+using BlockRanges = std::vector<std::pair<int64_t, int64_t>>;
+
+// Per stage 0 .. n_stages - 1, the ranges of the parameters whose gradients that stage
+// completes, each with the alignment padding behind it (zeros, so summing it is harmless)
+// and adjacent ones merged; together the stages cover [0, params.storage_numel()) exactly
+// once. Throws if stage_of names a stage outside [0, n_stages).
+std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& params,
+                                                  const std::function<int(const std::string&)>& stage_of,
+                                                  int n_stages);
+
+}  // namespace moe::dist

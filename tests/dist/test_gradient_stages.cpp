@@ -1,0 +1,79 @@
+// gradient_ranges_by_stage: the stages' ranges partition the gradient block, every
+// parameter lies in a range of its own stage, and a layer's parameters form one range.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "dist/gradient_stages.h"
+#include "model/transformer.h"
+
+namespace moe::dist {
+namespace {
+
+ModelConfig tiny(bool tied) {
+  ModelConfig c;
+  c.vocab_size = 97;  // odd sizes: padding between parameters
+  c.dim = 20;
+  c.n_layers = 3;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.seq_len = 8;
+  c.first_dense_layers = 1;
+  c.dense_hidden = 36;
+  c.moe.n_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 12;
+  c.tie_embeddings = tied;
+  return c;
+}
+
+class GradientStages : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GradientStages, PartitionTheBlockByStage) {
+  Transformer<float> model(tiny(GetParam()), 1);
+  const auto& params = model.params();
+  const int n_stages = model.backward_stages();
+  const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
+  const std::vector<BlockRanges> ranges = gradient_ranges_by_stage(params, stage_of, n_stages);
+  ASSERT_EQ(static_cast<int>(ranges.size()), n_stages);
+
+  // Every element of the block in exactly one range.
+  BlockRanges all;
+  for (const BlockRanges& stage : ranges) all.insert(all.end(), stage.begin(), stage.end());
+  std::sort(all.begin(), all.end());
+  int64_t covered = 0;
+  for (const auto& [offset, count] : all) {
+    EXPECT_EQ(offset, covered) << "gap or overlap";
+    EXPECT_GT(count, 0);
+    covered = offset + count;
+  }
+  EXPECT_EQ(covered, params.storage_numel());
+
+  // Each parameter inside a range of its stage.
+  for (int id = 0; id < params.size(); ++id) {
+    const BlockRanges& mine = ranges[static_cast<size_t>(stage_of(params.spec(id).name))];
+    const bool inside = std::any_of(mine.begin(), mine.end(), [&](const auto& r) {
+      return params.offset(id) >= r.first && params.offset(id) + params.numel(id) <= r.first + r.second;
+    });
+    EXPECT_TRUE(inside) << params.spec(id).name;
+  }
+  // A block's parameters are registered together: one range per layer stage.
+  for (int stage = 1; stage <= 3; ++stage) EXPECT_EQ(ranges[static_cast<size_t>(stage)].size(), 1u) << stage;
+  // Tied: the head is the embedding, complete only at the last stage.
+  if (GetParam()) {
+    const int embedding = params.find("embedding");
+    EXPECT_EQ(stage_of(params.spec(embedding).name), n_stages - 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Embeddings, GradientStages, ::testing::Values(false, true));
+
+TEST(GradientStagesErrors, StageOutsideTheRangeIsAnError) {
+  Transformer<float> model(tiny(false), 1);
+  EXPECT_THROW(gradient_ranges_by_stage(model.params(), [](const std::string&) { return 7; }, 5), Error);
+  EXPECT_THROW(gradient_ranges_by_stage(model.params(), [](const std::string&) { return 0; }, 0), Error);
+}
+
+}  // namespace
+}  // namespace moe::dist
