@@ -3,7 +3,7 @@ on the same vocabulary and corpus, for a list of thread counts.
 
   python3 bench/tokenizer_bench.py [--moe build/moe] [--corpus DIR] [--vocab 8192]
       [--tokenizer tok.json] [--threads 1,2,4,8,16] [--min-seconds 1] [--min-pass-mb 64]
-      [--no-hf] [--no-tiktoken]
+      [--no-hf] [--no-tiktoken] [--independent]
 
 Trains the vocabulary with `moe tokenizer train` (Llama-3 pattern) unless --tokenizer gives
 one, writes a tiktoken rank file from it, checks that the three produce the same ids on
@@ -79,6 +79,24 @@ def run_moe(tokenizer, args, threads):
     return result
 
 
+def run_moe_independent(tokenizer, args, processes):
+    """The host's ceiling for `processes` busy cores: that many single-thread moe benches at
+    once (no shared state at all), their MB/s summed. Parallel moe at T threads against this
+    separates what the encoder loses from what the machine loses (clocks, shared cores)."""
+    cmd = [args.moe, "tokenizer", "bench", "--tokenizer", tokenizer, "--input", args.corpus, "--extension",
+           args.extension, "--threads", "1", "--repeats", "3", "--min-pass-mb", str(args.min_pass_mb)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for _ in range(processes)]
+    rates = []
+    for proc in procs:
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
+        fields = dict(kv.split("=") for kv in out.strip().splitlines()[-1].split()[1:])
+        rates.append(float(fields["mb_per_s"]))
+    return {"mb_per_s": sum(rates), "per_process": min(rates)}
+
+
 def write_tiktoken_ranks(tok, path):
     """Our ids less the special token at id 0, byte-level strings -> bytes."""
     spec = json.load(open(tok))
@@ -110,6 +128,8 @@ def main():
                    help="repeat the documents whole until a pass holds >= this many MB, for all encoders (0: once)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF tokenizers columns")
     p.add_argument("--no-tiktoken", action="store_true", help="skip the tiktoken columns")
+    p.add_argument("--independent", action="store_true",
+                   help="also run T single-thread moe benches at once per thread count T: the host's ceiling")
     args = p.parse_args()
     threads_list = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, args.cores})
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,6 +157,8 @@ def main():
                     assert tt["tokens"] == tt_ours["tokens"], (tt, tt_ours)
                 except subprocess.CalledProcessError as e:  # tiktoken not importable here
                     print(f"tiktoken unavailable: {e.stderr.strip().splitlines()[-1]}")
+            ceiling = run_moe_independent(tok, args, threads) if args.independent else None
+            ours["ceiling"] = ceiling
             rows.append((threads, ours, hf, tt, tt_ours))
             print(f"threads={threads}: moe {ours['mb_per_s']:.1f} MB/s ({ours['chunks']} chunks), "
                   f"HF {hf['mb_per_s']:.2f} MB/s", flush=True)
@@ -157,6 +179,15 @@ def main():
                   f"{tt_ours['mb_per_s']:.1f} MB/s | {tt['mb_per_s']:.1f} MB/s | "
                   f"{tt_ours['mb_per_s'] / tt['mb_per_s']:.1f}x |")
         print(f"speedup: vs the first row ({rows[0][0]} thread(s)); in brackets the parallel efficiency")
+        if args.independent:
+            print("\nthe host's ceiling: T single-thread moe processes at once, MB/s summed (slowest process in "
+                  "brackets); moe's T threads against it")
+            print("| threads | moe, T threads | T processes of 1 thread | moe / ceiling |")
+            print("| --- | --- | --- | --- |")
+            for threads, ours, *_ in rows:
+                c = ours["ceiling"]
+                print(f"| {threads} | {ours['mb_per_s']:.1f} MB/s | {c['mb_per_s']:.1f} MB/s "
+                      f"({c['per_process']:.1f}) | {ours['mb_per_s'] / c['mb_per_s']:.0%} |")
         print("\nmoe (tokenizer.json), where a timed pass goes (ParallelEncoder::Profile, means over the timed "
               "passes): serial preparation, parallel encoding (idle: the share of threads x encode time that threads "
               "were not encoding: late start, the schedule's tail), serial offsets, parallel copy and join; busy "
