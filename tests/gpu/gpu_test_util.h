@@ -87,4 +87,19 @@ inline void expect_close(const std::string& what, const std::vector<float>& got,
                      << worst_index << ": got " << got[worst_index] << " want " << want[worst_index];
 }
 
+// bf16 keeps 8 significant bits: one rounding is a relative error up to 2^-8.
+constexpr double kBf16Rtol = 1.0 / 128;
+
 }  // namespace moe::test
+
+namespace moe {
+// The GPU tests call these helpers unqualified.
+using test::expect_close;
+using test::kBf16Rtol;
+using test::poisoned;
+using test::random_bf16_floats;
+using test::to_device;
+using test::to_device_bf16;
+using test::to_host;
+using test::to_host_float;
+}  // namespace moe

@@ -11,13 +11,6 @@
 namespace moe {
 namespace {
 
-using test::expect_close;
-using test::poisoned;
-using test::random_bf16_floats;
-using test::to_device_bf16;
-using test::to_host;
-using test::to_host_float;
-
 struct AttentionCase {
   int64_t B, S, H, G, d;
 };

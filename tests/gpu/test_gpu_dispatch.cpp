@@ -11,16 +11,6 @@
 namespace moe {
 namespace {
 
-using test::expect_close;
-using test::poisoned;
-using test::random_bf16_floats;
-using test::to_device;
-using test::to_device_bf16;
-using test::to_host;
-using test::to_host_float;
-
-constexpr double kBf16Rtol = 1.0 / 128;
-
 struct DispatchCase {
   int64_t T, E, K, D;
   double capacity_factor;

@@ -8,11 +8,6 @@
 namespace moe {
 namespace {
 
-using test::expect_close;
-using test::random_bf16_floats;
-using test::to_device;
-using test::to_host;
-
 struct GlueCase {
   int64_t rows, cols;
 };

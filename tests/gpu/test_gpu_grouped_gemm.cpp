@@ -11,14 +11,6 @@
 namespace moe {
 namespace {
 
-using test::expect_close;
-using test::poisoned;
-using test::random_bf16_floats;
-using test::to_device;
-using test::to_device_bf16;
-using test::to_host;
-using test::to_host_float;
-
 struct GroupedCase {
   std::vector<int32_t> rows_per_expert;
   int64_t dropped_rows;  // rows of the buffer past the last expert's

@@ -21,17 +21,6 @@
 namespace moe {
 namespace {
 
-using test::expect_close;
-using test::poisoned;
-using test::random_bf16_floats;
-using test::to_device;
-using test::to_device_bf16;
-using test::to_host;
-using test::to_host_float;
-
-// bf16 keeps 8 significant bits: one rounding is a relative error up to 2^-8.
-constexpr double kBf16Rtol = 1.0 / 128;
-
 struct Size2 {
   int64_t rows, cols;
 };

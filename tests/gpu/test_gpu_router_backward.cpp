@@ -11,11 +11,6 @@
 namespace moe {
 namespace {
 
-using test::expect_close;
-using test::poisoned;
-using test::to_device;
-using test::to_host;
-
 struct Case {
   int64_t T, E, K;
   ScoreFunc f;
