@@ -11,6 +11,7 @@
 #include "core/bf16.h"
 #include "core/gpu.h"
 #include "core/rng.h"
+#include "train/config.h"
 
 namespace moe::test {
 
@@ -85,6 +86,31 @@ inline void expect_close(const std::string& what, const std::vector<float>& got,
   }
   EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " elements out of tolerance; worst at "
                      << worst_index << ": got " << got[worst_index] << " want " << want[worst_index];
+}
+
+// A 2-layer MoE run on the GPU (4 experts top-2, dim 128, 2 micro-batches of 8 x 64
+// tokens per step) for trainer-level GPU tests; vocab 320 leaves room for the byte
+// tokenizer, which checkpoints validate against.
+inline RunConfig tiny_gpu_run(int64_t steps) {
+  RunConfig config;
+  ModelConfig& m = config.model;
+  m.vocab_size = 320;
+  m.dim = 128;
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.seq_len = 64;
+  m.moe.n_experts = 4;
+  m.moe.top_k = 2;
+  m.moe.expert_hidden = 128;
+  config.training.device = "cuda";
+  config.training.micro_batch = 8;
+  config.training.global_batch_tokens = 1024;  // 2 micro-batches
+  config.training.steps = steps;
+  config.training.val_interval = 0;
+  config.lr.peak = 3e-3;
+  config.lr.warmup_steps = 2;
+  return config;
 }
 
 // bf16 keeps 8 significant bits: one rounding is a relative error up to 2^-8.

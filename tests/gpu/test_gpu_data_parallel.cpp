@@ -104,26 +104,10 @@ TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
 }
 
 RunConfig tiny_config() {
-  RunConfig config;
-  ModelConfig& m = config.model;
-  m.vocab_size = 320;
-  m.dim = 128;
-  m.n_layers = 2;
-  m.n_heads = 2;
-  m.n_kv_heads = 1;
-  m.seq_len = 64;
-  m.moe.n_experts = 4;
-  m.moe.top_k = 2;
-  m.moe.expert_hidden = 128;
-  config.training.device = "cuda";
-  config.training.micro_batch = 8;
-  config.training.global_batch_tokens = 1024;  // 2 micro-batches: the all-reduce follows the last
-  config.training.steps = 10;
+  // The all-reduce follows the second micro-batch of each step.
+  RunConfig config = test::tiny_gpu_run(10);
   config.training.val_batches = 1;
-  config.training.val_interval = 0;
   config.training.grad_clip = 0.5;  // clipping on the reduced gradients' norm
-  config.lr.peak = 3e-3;
-  config.lr.warmup_steps = 2;
   config.parallel.bucket_mb = 0.01;  // many buckets
   return config;
 }

@@ -14,25 +14,8 @@ namespace moe {
 namespace {
 
 RunConfig gpu_config(const std::filesystem::path& checkpoint_dir) {
-  RunConfig config;
-  ModelConfig& m = config.model;
-  m.vocab_size = 320;  // checkpoints validate the config, which requires room for the byte tokenizer
-  m.dim = 128;
-  m.n_layers = 2;
-  m.n_heads = 2;
-  m.n_kv_heads = 1;
-  m.seq_len = 64;
-  m.moe.n_experts = 4;
-  m.moe.top_k = 2;
-  m.moe.expert_hidden = 128;
-  config.training.device = "cuda";
-  config.training.micro_batch = 8;
-  config.training.global_batch_tokens = 1024;  // 2 micro-batches
-  config.training.steps = 6;
+  RunConfig config = test::tiny_gpu_run(6);
   config.training.val_batches = 2;
-  config.training.val_interval = 0;
-  config.lr.peak = 3e-3;
-  config.lr.warmup_steps = 2;
   config.checkpoint.dir = checkpoint_dir.string();
   return config;
 }
