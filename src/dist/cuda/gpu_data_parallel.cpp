@@ -32,6 +32,7 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
     per_bucket = static_cast<int64_t>(bucket_mb * 1e6 / sizeof(float)) / kBucketAlign * kBucketAlign;
     per_bucket = std::clamp<int64_t>(per_bucket, kBucketAlign, count_);
   }
+  bucket_elems_ = per_bucket;
   for (int64_t offset = 0; offset < count_; offset += per_bucket)
     buckets_.emplace_back(offset, std::min(per_bucket, count_ - offset));
   cudaEvent_t begin = nullptr, end = nullptr, backward_end = nullptr;
@@ -110,10 +111,9 @@ void GpuDataParallel::launch_stage(int stage) {
             stage);
   if (in_flight_.empty()) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
   // Buckets of at most the configured size, so one huge layer still streams.
-  const int64_t per_bucket = buckets_.empty() ? count_ : buckets_.front().second;
   for (const auto& [offset, n] : stage_ranges_[static_cast<size_t>(stage)])
-    for (int64_t at = offset; at < offset + n; at += per_bucket)
-      in_flight_.push_back(group_->all_reduce_async(grads_ + at, static_cast<size_t>(std::min(per_bucket, offset + n - at)),
+    for (int64_t at = offset; at < offset + n; at += bucket_elems_)
+      in_flight_.push_back(group_->all_reduce_async(grads_ + at, static_cast<size_t>(std::min(bucket_elems_, offset + n - at)),
                                                     DType::f32, ReduceOp::sum));
 }
 

@@ -74,6 +74,7 @@ class GpuDataParallel {
   void* stream_;  // cudaStream_t
   float* grads_;
   int64_t count_;
+  int64_t bucket_elems_ = 0;  // elements per all-reduce (the last bucket may be shorter)
   std::vector<std::pair<int64_t, int64_t>> buckets_;
   double* scratch_ = nullptr;  // device doubles for sum()
   int64_t scratch_count_ = 0;
