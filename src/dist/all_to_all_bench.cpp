@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "dist/comm_util.h"
 #include "dist/communicator.h"
 #include "dist/hierarchical_all_to_all.h"
 #include "dist/process_groups.h"
@@ -25,18 +26,9 @@ uint16_t pattern(int source, int dest, int64_t index) {
                                 static_cast<uint64_t>(index) * 31) & 0x7fff);
 }
 
-// Host values through the communicator's memory (device memory for nccl): max over ranks.
+// Max over ranks of host values (through device memory for nccl).
 void max_over_ranks(Communicator& comm, std::vector<double>& values) {
-  const size_t bytes = values.size() * sizeof(double);
-  if (!comm.device_memory()) {
-    comm.all_reduce(values.data(), values.size(), DType::f64, ReduceOp::max);
-    return;
-  }
-  std::shared_ptr<void> staged = comm.allocate(bytes);
-  comm.copy(staged.get(), values.data(), bytes);
-  comm.all_reduce(staged.get(), values.size(), DType::f64, ReduceOp::max);
-  comm.copy(values.data(), staged.get(), bytes);
-  comm.synchronize();
+  all_reduce_host(comm, values.data(), values.size(), DType::f64, ReduceOp::max);
 }
 
 struct Exchange {

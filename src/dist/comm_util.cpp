@@ -97,4 +97,31 @@ void reduce_into(void* inout, const void* in, size_t count, DType dtype, ReduceO
   }
 }
 
+void all_gather_host(Communicator& comm, const void* send, void* recv, size_t send_count, DType dtype) {
+  if (!comm.device_memory()) {
+    comm.all_gather(send, recv, send_count, dtype);
+    return;
+  }
+  const size_t send_bytes = send_count * dtype_bytes(dtype);
+  std::shared_ptr<void> staged = comm.allocate(send_bytes * static_cast<size_t>(comm.size() + 1));
+  char* staged_recv = static_cast<char*>(staged.get()) + send_bytes;
+  comm.copy(staged.get(), send, send_bytes);
+  comm.all_gather(staged.get(), staged_recv, send_count, dtype);
+  comm.copy(recv, staged_recv, send_bytes * static_cast<size_t>(comm.size()));
+  comm.synchronize();
+}
+
+void all_reduce_host(Communicator& comm, void* data, size_t count, DType dtype, ReduceOp op) {
+  if (!comm.device_memory()) {
+    comm.all_reduce(data, count, dtype, op);
+    return;
+  }
+  const size_t bytes = count * dtype_bytes(dtype);
+  std::shared_ptr<void> staged = comm.allocate(bytes);
+  comm.copy(staged.get(), data, bytes);
+  comm.all_reduce(staged.get(), count, dtype, op);
+  comm.copy(data, staged.get(), bytes);
+  comm.synchronize();
+}
+
 }  // namespace moe::dist

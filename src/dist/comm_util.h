@@ -30,4 +30,9 @@ void reduce_into(void* inout, const void* in, size_t count, DType dtype, ReduceO
 // Exclusive prefix sums of counts (element offsets of each peer's block).
 std::vector<int64_t> block_offsets(const std::vector<int64_t>& counts);
 
+// Collectives on host values over any backend: through the backend's own memory when its
+// collectives need device memory (nccl), directly otherwise. Blocking.
+void all_gather_host(Communicator& comm, const void* send, void* recv, size_t send_count, DType dtype);
+void all_reduce_host(Communicator& comm, void* data, size_t count, DType dtype, ReduceOp op);
+
 }  // namespace moe::dist

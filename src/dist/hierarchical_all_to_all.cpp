@@ -15,6 +15,7 @@ class FlatAllToAll final : public AllToAll {
   explicit FlatAllToAll(Communicator& group) : group_(group) {}
   std::string name() const override { return "flat"; }
   Communicator& group() override { return group_; }
+  void set_stream(void* stream) override { group_.set_stream(stream); }
   void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                 const std::vector<int64_t>& recv_counts, DType dtype) override {
     group_.all_to_all_v(send, send_counts, recv, recv_counts, dtype);
@@ -35,7 +36,7 @@ class HierarchicalAllToAll final : public AllToAll {
     const int size = group.size();
     std::vector<int32_t> nodes(static_cast<size_t>(size));
     const int32_t my_node = node;
-    group.all_gather(&my_node, nodes.data(), 1, DType::i32);
+    all_gather_host(group, &my_node, nodes.data(), 1, DType::i32);  // device memory under nccl
     // Ranks of a node must be consecutive in the group, the same number on every node.
     int per_node = 1;
     while (per_node < size && nodes[per_node] == nodes[0]) ++per_node;
@@ -60,6 +61,11 @@ class HierarchicalAllToAll final : public AllToAll {
 
   std::string name() const override { return "hierarchical"; }
   Communicator& group() override { return group_; }
+  void set_stream(void* stream) override {
+    group_.set_stream(stream);
+    intra_->set_stream(stream);
+    inter_->set_stream(stream);
+  }
 
   std::unique_ptr<Work> exchange_async(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                                        const std::vector<int64_t>& recv_counts, DType dtype) override {

@@ -27,6 +27,9 @@ class AllToAll {
   // "flat" or "hierarchical".
   virtual std::string name() const = 0;
   virtual Communicator& group() = 0;
+  // Device backends: the caller's CUDA stream for every communicator this exchange uses
+  // (Communicator::set_stream).
+  virtual void set_stream(void* stream) = 0;
   // Same contract as Communicator::all_to_all_v over group().
   virtual void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                         const std::vector<int64_t>& recv_counts, DType dtype) = 0;

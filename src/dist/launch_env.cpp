@@ -99,6 +99,7 @@ LaunchEnv parse_launch_env(const Getenv& getenv_fn) {
         "on the same node, e.g. mpirun --map-by slot)",
         env.source, env.rank, env.node_rank, env.local_size, env.local_rank);
 
+  env.device_rank = env.local_rank;
   const int simulated = env_int(getenv_fn, "MOE_RANKS_PER_NODE", 0);
   if (simulated != 0) {
     if (simulated < 0 || env.world_size % simulated != 0)

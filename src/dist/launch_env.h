@@ -14,6 +14,7 @@ struct LaunchEnv {
   int world_size = 1;
   int local_rank = 0;
   int local_size = 1;  // ranks on this node
+  int device_rank = 0;  // the launcher's own local rank: picks the GPU, even when nodes are simulated
   int node_rank = 0;
   int n_nodes = 1;
   std::string master_addr;  // torchrun-style rendezvous (empty when not given)

@@ -82,6 +82,7 @@ class ModelBackend {
 
 namespace dist {
 class Communicator;
+class GpuExpertExchangeOverComm;
 }
 
 class GpuTransformer;
@@ -160,6 +161,8 @@ class Trainer {
   // parallel.backend = nccl: what the GPU data-parallel path refuses (trainer_gpu.cpp).
   void check_gpu_data_parallel() const;
   std::unique_ptr<dist::Communicator> gpu_world_;  // until make_gpu_backend takes it
+  // parallel.expert_parallel > 1 on the GPU: the EP group's exchange (kept across re-plans).
+  std::shared_ptr<dist::GpuExpertExchangeOverComm> gpu_expert_exchange_;
   // Checkpoints of GPU runs: the host model and AdamW take the GPU's state before a save,
   // and the GPU takes theirs after a restore (no-ops on the CPU path).
   void sync_state_from_gpu();

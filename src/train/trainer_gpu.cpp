@@ -19,6 +19,7 @@
 #ifdef MOE_HAVE_CUDA
 #include "core/gpu.h"
 #include "dist/cuda/gpu_data_parallel.h"
+#include "dist/cuda/gpu_expert_exchange.h"
 #include "dist/gradient_stages.h"
 #include "model/cuda/gpu_transformer.h"
 #endif
@@ -65,10 +66,19 @@ void Trainer::check_gpu_data_parallel() const {
     MOE_CONFIG_ERROR("parallel.backend = nccl trains on the GPU, but training.device = {} resolves to the CPU: use "
                      "--device=cuda, or parallel.backend = mpi/tcp for CPU ranks",
                      config_.training.device);
-  if (config_.parallel.expert_parallel > 1)
-    MOE_CONFIG_ERROR("parallel.expert_parallel = {}: expert parallelism on the GPU is not implemented yet (multi-GPU "
-                     "issue); use parallel.expert_parallel = 1 (data parallel) or --device=cpu",
-                     config_.parallel.expert_parallel);
+  const int64_t ep = config_.parallel.expert_parallel;
+  if (ep <= 1) return;
+  // Expert parallelism on the GPU waits on the host for each MoE layer's row counts.
+  if (config_.training.cuda_graphs)
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} on the GPU cannot run inside CUDA graphs: set "
+                     "training.cuda_graphs = false",
+                     ep);
+  if (config_.training.recompute_experts != "none")
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} on the GPU needs training.recompute_experts = none (got {}); "
+                     "training.recompute_layers works",
+                     ep, config_.training.recompute_experts);
+  if (config_.model.moe.n_experts % ep != 0)
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config_.model.moe.n_experts);
 }
 
 bool Trainer::wants_gpu() const {
@@ -91,6 +101,15 @@ void Trainer::setup_gpu() {
     MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
                      "an allocation fails");
   gpu_.reset(new GpuTransformer(c.model, model_->params(), moment_dtype_from_name(c.optimizer.state_dtype)));
+  const int64_t ep = c.parallel.expert_parallel;
+  if (gpu_world_ && ep > 1) {
+    if (gpu_world_->size() % ep != 0)
+      MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the {} ranks of the launch", ep, gpu_world_->size());
+    const dist::LaunchEnv env = dist::read_launch_env();
+    const int per_node = env.world_size == gpu_world_->size() ? env.local_size : gpu_world_->size();
+    gpu_expert_exchange_ = std::make_shared<dist::GpuExpertExchangeOverComm>(*gpu_world_, static_cast<int>(ep),
+                                                                             c.parallel.all_to_all, per_node);
+  }
   configure_gpu_model();
 }
 
@@ -98,6 +117,7 @@ void Trainer::configure_gpu_model() {
   gpu_->set_recompute_layers(config_.training.recompute_layers);
   gpu_->set_recompute_experts(expert_recompute_from_name(config_.training.recompute_experts));
   gpu_->enable_graphs(config_.training.cuda_graphs);
+  gpu_->set_expert_exchange(gpu_expert_exchange_);
   upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);
 }
 
@@ -141,10 +161,14 @@ namespace {
 class GpuBackend final : public ModelBackend {
  public:
   GpuBackend(const RunConfig& config, GpuTransformer& gpu, Transformer<float>& host_model, int64_t& steps,
-             int64_t tokens_per_micro_batch, std::unique_ptr<dist::GpuDataParallel> dp)
+             int64_t tokens_per_micro_batch, std::unique_ptr<dist::GpuDataParallel> dp,
+             std::shared_ptr<dist::GpuExpertExchangeOverComm> ep)
       : config_(config), gpu_(gpu), host_model_(host_model), steps_(steps), tokens_(tokens_per_micro_batch),
-        dp_(std::move(dp)),
-        micro_scale_(static_cast<double>(tokens_per_micro_batch) / static_cast<double>(config.training.global_batch_tokens)) {}
+        dp_(std::move(dp)), ep_(std::move(ep)),
+        micro_scale_(static_cast<double>(tokens_per_micro_batch) / static_cast<double>(config.training.global_batch_tokens)) {
+    // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
+    if (ep_) gpu_.enable_phase_timing(true);
+  }
   void begin_step() override {
     gpu_.zero_grads();
     gpu_.reset_load();
@@ -211,6 +235,21 @@ class GpuBackend final : public ModelBackend {
         r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
       stats.layers.push_back(std::move(r));
     }
+    // The live view of load per GPU: EP rank p holds experts [p * L, (p + 1) * L).
+    if (ep_) {
+      const int64_t L = config_.model.moe.n_experts / ep_->size();
+      for (int p = 0; p < ep_->size(); ++p) {
+        RankLoad rank;
+        rank.rank = p;
+        for (int64_t e = p * L; e < (p + 1) * L; ++e) {
+          rank.experts.push_back(e);
+          int64_t load = 0;
+          for (const auto& layer : stats.layers) load += layer.tokens_E[static_cast<size_t>(e)];
+          rank.load.push_back(load);
+        }
+        stats.ranks.push_back(std::move(rank));
+      }
+    }
   }
   // As train/grad_clip.cpp: each expert clipped to max_expert_norm on the device first
   // (the same norms and factors, bit for bit), then the global norm of the result; the
@@ -238,8 +277,21 @@ class GpuBackend final : public ModelBackend {
   void end_validation() override {
     gpu_.reset_load();
     if (dp_) dp_->take_stats();  // validation's sums are not a training step's
+    if (ep_) {
+      gpu_.take_phase_times();
+      ep_->take_bytes_sent();
+    }
   }
   void take_comm_stats(StepStats& stats) override {
+    if (ep_) {
+      // The exchanges run on the model's stream (nothing overlaps them yet): all wait.
+      double a2a_ms = 0;
+      for (const auto& [phase, ms] : gpu_.take_phase_times())
+        if (phase == "all-to-all") a2a_ms = ms;
+      stats.a2a_bytes += ep_->take_bytes_sent();
+      stats.a2a_seconds += a2a_ms * 1e-3;
+      stats.time.comm_wait += a2a_ms * 1e-3;
+    }
     if (!dp_) return;
     const dist::CommStats comm = dp_->take_stats();
     stats.time.comm_wait += comm.wait_s;
@@ -281,6 +333,7 @@ class GpuBackend final : public ModelBackend {
   int64_t& steps_;
   int64_t tokens_;  // per micro-batch (targets counted for the loss weights)
   std::unique_ptr<dist::GpuDataParallel> dp_;
+  std::shared_ptr<dist::GpuExpertExchangeOverComm> ep_;  // expert parallelism, or null
   double ce_weight_ = 1.0;  // this rank's share of the micro-batch's targets
   double micro_scale_;      // the step loop's loss scale: 1 / micro-batches per step
   bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
@@ -303,7 +356,7 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
           model_->backward_stages()));
   }
   return std::make_unique<GpuBackend>(config_, *gpu_, *model_, gpu_steps_,
-                                      micro_batch_ * config_.model.seq_len, std::move(dp));
+                                      micro_batch_ * config_.model.seq_len, std::move(dp), gpu_expert_exchange_);
 }
 
 void Trainer::sync_state_from_gpu() {

@@ -82,6 +82,7 @@ TEST(LaunchEnv, SimulatedNodes) {
   EXPECT_EQ(env.local_size, 2);
   EXPECT_EQ(env.node_rank, 1);
   EXPECT_EQ(env.n_nodes, 2);
+  EXPECT_EQ(env.device_rank, 3);  // the GPU is still the real node's index
   EXPECT_THROW(parse_launch_env({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"MOE_RANKS_PER_NODE", "3"}}), ConfigError);
 }
 

@@ -169,7 +169,8 @@ TEST(GpuDataParallel, OneRankNcclRunMatchesThePlainGpuRun) {
   for (size_t i = 0; i < nccl.losses.size(); ++i) {
     EXPECT_EQ(plain.grad_sync_ms[i], 0.0);
     EXPECT_GT(nccl.grad_sync_ms[i], 0.0) << "step " << i + 1;
-    EXPECT_GE(nccl.comm_wait[i] * 1e3, nccl.grad_sync_ms[i] * 0.999) << "step " << i + 1;
+    // The host waits at least for the loss weights' sum (the all-reduce overlaps the backward).
+    EXPECT_GT(nccl.comm_wait[i], 0.0) << "step " << i + 1;
   }
 }
 
@@ -189,8 +190,17 @@ TEST(GpuDataParallel, RefusesWhatItDoesNotDo) {
   RunConfig config = tiny_config();
   config.parallel.backend = "nccl";
   config.parallel.expert_parallel = 2;
-  EXPECT_NE(config_error(config).find("expert parallelism on the GPU is not implemented"), std::string::npos)
+  EXPECT_NE(config_error(config).find("needs a launch of a multiple of 2 ranks"), std::string::npos)
       << config_error(config);
+  config.training.cuda_graphs = true;
+  EXPECT_NE(config_error(config).find("cannot run inside CUDA graphs"), std::string::npos) << config_error(config);
+  config.training.cuda_graphs = false;
+  config.training.recompute_experts = "swiglu";
+  EXPECT_NE(config_error(config).find("needs training.recompute_experts = none"), std::string::npos)
+      << config_error(config);
+  config.training.recompute_experts = "none";
+  config.parallel.expert_parallel = 3;
+  EXPECT_NE(config_error(config).find("must divide moe.n_experts"), std::string::npos) << config_error(config);
   config.parallel.expert_parallel = 1;
   config.training.device = "cpu";
   EXPECT_NE(config_error(config).find("parallel.backend = nccl trains on the GPU"), std::string::npos)

@@ -1,7 +1,11 @@
 // Execution modes of the GPU step that must not change a single bit: activation
-// recomputation (per layer) and CUDA graph replay, in dropless and capacity routing,
-// against the plain eager step on the same model and batches.
+// recomputation (per layer), CUDA graph replay and the expert-parallel path over one rank,
+// in dropless and capacity routing, against the plain eager step on the same model and
+// batches.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
+
+#include <memory>
 
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_transformer.h"
@@ -48,12 +52,38 @@ struct RunResult {
   std::vector<std::vector<int64_t>> load;
 };
 
+// Expert parallelism over one rank: the exchange is a copy, so the expert-parallel path
+// (count exchange, host plan, gathers to and from the expert-major rows, local offsets)
+// must give the plain step's bits.
+class OneRankExchange final : public GpuExpertExchange {
+ public:
+  int size() const override { return 1; }
+  int rank() const override { return 0; }
+  void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
+  void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                const std::vector<int64_t>& recv_counts, size_t elem_bytes) override {
+    EXPECT_EQ(send_counts.size(), 1u);
+    EXPECT_EQ(send_counts, recv_counts);
+    ++calls;
+    if (send_counts[0] > 0)
+      EXPECT_EQ(cudaMemcpyAsync(recv, send, static_cast<size_t>(send_counts[0]) * elem_bytes, cudaMemcpyDeviceToDevice,
+                                stream_),
+                cudaSuccess);
+  }
+  int calls = 0;
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
 // Three micro-batches accumulated (the last with ignored targets: a new graph), then the
 // gradients and expert loads read back.
 RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
-              ExpertRecompute recompute_experts = ExpertRecompute::None) {
+              ExpertRecompute recompute_experts = ExpertRecompute::None,
+              std::shared_ptr<GpuExpertExchange> exchange = nullptr) {
   Transformer<float> host(config, 11);
   GpuTransformer gpu(config, host.params());
+  gpu.set_expert_exchange(exchange);
   gpu.set_recompute_layers(recompute_layers);
   gpu.set_recompute_experts(recompute_experts);
   gpu.plan(2);
@@ -107,6 +137,23 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
   expect_identical(run(config, 0, false, ExpertRecompute::All), eager, "recompute the experts' gate|up too");
   expect_identical(run(config, 2, false, ExpertRecompute::All), eager, "recompute experts and the first two layers");
   expect_identical(run(config, 0, true, ExpertRecompute::Swiglu), eager, "CUDA graph with expert recompute");
+  auto exchange = std::make_shared<OneRankExchange>();
+  expect_identical(run(config, 0, false, ExpertRecompute::None, exchange), eager, "expert parallelism over one rank");
+  // Per MoE layer and micro-batch: counts, rows out and back in the forward, rows out and back in the backward.
+  EXPECT_EQ(exchange->calls, 3 * 3 * 5);
+  expect_identical(run(config, 2, false, ExpertRecompute::None, std::make_shared<OneRankExchange>()), eager,
+                   "expert parallelism with the first two layers recomputed");
+}
+
+TEST(GpuExpertParallel, RefusesGraphsAndExpertRecompute) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig config = mode_config(0.0);
+  Transformer<float> host(config, 11);
+  GpuTransformer gpu(config, host.params());
+  gpu.set_expert_exchange(std::make_shared<OneRankExchange>());
+  EXPECT_THROW(gpu.enable_graphs(true), Error);
+  gpu.set_recompute_experts(ExpertRecompute::Swiglu);
+  EXPECT_THROW(gpu.plan(2), Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Routing, GpuStepModes, ::testing::Values(0.0, 1.0));

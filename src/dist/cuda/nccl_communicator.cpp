@@ -187,7 +187,7 @@ std::unique_ptr<Communicator> make_nccl_world(const LaunchEnv& env) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     MOE_CONFIG_ERROR("backend 'nccl' needs a GPU, and none is visible");
-  const int device = env.local_rank % devices;
+  const int device = env.device_rank % devices;  // the real node's index, not a simulated one
   MOE_CUDART_CHECK(cudaSetDevice(device));
   bind_worker(env, device);  // the CPUs of the GPU's NUMA node, where the machine says
   ncclUniqueId id;

@@ -9,7 +9,7 @@
 
 namespace moe::dist {
 
-// Selects GPU local_rank % device count, then builds the world from a unique id that
+// Selects GPU device_rank % device count (the launcher's local rank), then builds the world from a unique id that
 // rank 0 makes and sends: by MPI broadcast under mpirun, else through the TCP rendezvous
 // at MASTER_ADDR:MASTER_PORT (`moe launch`). A world of one needs neither.
 std::unique_ptr<Communicator> make_nccl_world(const LaunchEnv& env);

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "model/cuda/gpu_transformer_state.h"
 #include "moe/dispatch.h"
+#include "moe/expert_rows_plan.h"
 
 namespace moe {
 
@@ -38,10 +39,14 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
                     m.rank.data(), m.expert.data(), T, E, K, capacity, stream);
   MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
-  expert_rows_forward(layer, /*gate_up=*/true);
-  bf16* y[1] = {m.y_rows.data()};
-  const bf16* w2[1] = {w(layer.w2)};
-  expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.offsets.data(), D, F, stream);
+  if (ep) {
+    ep_experts_forward(layer);
+  } else {
+    expert_rows_forward(layer, /*gate_up=*/true);
+    bf16* y[1] = {m.y_rows.data()};
+    const bf16* w2[1] = {w(layer.w2)};
+    expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.offsets.data(), D, F, stream);
+  }
   mark(kCombine);
   cuda::combine_forward(layer.act->ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
   mark(kExperts);
@@ -51,19 +56,99 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
 }
 
 void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up) {
-  const int64_t T = tokens, D = config.dim, E = config.moe.n_experts, K = config.moe.top_k, F = config.moe.expert_hidden;
+  const int64_t T = tokens, D = config.dim, E = config.moe.n_experts, K = config.moe.top_k;
   MoEBuffers& m = layer.act->moe;
   mark(kDispatch);
   cuda::permute_forward(m.x_rows->data(), layer.act->n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D,
                         stream);
+  experts_gate_up_forward(layer, gate_up);
+}
+
+void GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  MoEBuffers& m = layer.act->moe;
   // The experts: grouped GEMMs over the device-side row offsets (no host sync).
   mark(kExperts);
   if (gate_up) {
     bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
-    const bf16* w13[2] = {w(layer.w1), w(layer.w3)};
-    expert_gemm->forward(2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, m.offsets.data(), F, D, stream);
+    const bf16* w13[2] = {local_w(layer.w1), local_w(layer.w3)};
+    expert_gemm->forward(2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, expert_offsets(m), F, D, stream);
   }
-  cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), max_rows, F, stream);
+  cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), expert_rows(m), F, stream);
+}
+
+void GpuTransformer::State::exchange_rows(const bf16* send, const std::vector<int64_t>& send_rows_P, bf16* recv,
+                                          const std::vector<int64_t>& recv_rows_P) {
+  const int64_t D = config.dim;
+  std::vector<int64_t> send_counts(send_rows_P.size()), recv_counts(recv_rows_P.size());
+  for (size_t p = 0; p < send_rows_P.size(); ++p) send_counts[p] = send_rows_P[p] * D;
+  for (size_t p = 0; p < recv_rows_P.size(); ++p) recv_counts[p] = recv_rows_P[p] * D;
+  mark(kAllToAll);
+  ep->exchange(send, send_counts, recv, recv_counts, sizeof(bf16));
+}
+
+void GpuTransformer::State::plan_expert_exchange(MoEBuffers& m) {
+  const int P = ep->size();
+  const int64_t E = config.moe.n_experts, L = local_experts;
+  // Each peer gets the kept counts of its L experts; we get every source's for ours.
+  const std::vector<int64_t> per_peer(static_cast<size_t>(P), L);
+  mark(kAllToAll);
+  ep->exchange(m.counts.data(), per_peer, ep_recv_counts.data(), per_peer, sizeof(int32_t));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(ep_host_counts, m.counts.data(), static_cast<size_t>(E) * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_CHECK(cudaMemcpyAsync(ep_host_counts + E, ep_recv_counts.data(), static_cast<size_t>(E) * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  // The one host wait per MoE layer and pass: the exchange sizes are host arguments. It
+  // also means the previous layer's uploads from ep_host_plan are done.
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  mark(kHost);
+  const ExpertRowsPlan plan = plan_expert_rows(std::vector<int32_t>(ep_host_counts, ep_host_counts + E),
+                                               std::vector<int32_t>(ep_host_counts + E, ep_host_counts + 2 * E), P);
+  MOE_CHECK(plan.local_rows() <= max_local_rows, "expert parallelism: {} rows for the local experts, room for {}",
+            plan.local_rows(), max_local_rows);
+  m.send_rows_P = plan.send_rows_P;
+  m.recv_rows_P = plan.recv_rows_P;
+  m.local_rows = plan.local_rows();
+  const int64_t R = m.local_rows;
+  int32_t* staged = ep_host_plan;
+  std::copy(plan.local_offsets_L1.begin(), plan.local_offsets_L1.end(), staged);
+  std::copy(plan.source_of_local.begin(), plan.source_of_local.end(), staged + L + 1);
+  std::copy(plan.local_of_source.begin(), plan.local_of_source.end(), staged + L + 1 + R);
+  auto upload = [&](int32_t* device, const int32_t* host, int64_t n) {
+    if (n > 0)
+      MOE_CUDA_CHECK(cudaMemcpyAsync(device, host, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                     stream));
+  };
+  upload(m.local_offsets.data(), staged, L + 1);
+  upload(m.source_of_local.data(), staged + L + 1, R);
+  upload(m.local_of_source.data(), staged + L + 1 + R, R);
+}
+
+// Rows sorted by global expert are, with contiguous placement, blocks by EP peer: they go
+// out as they are, come in source-major and are gathered expert-major for the GEMMs (a
+// permute with the plan's index and the local offsets' row count); the results go back
+// the same way in reverse into y_rows, where the combine finds them.
+void GpuTransformer::State::ep_experts_forward(Layer& layer) {
+  const int64_t T = tokens, D = config.dim, E = config.moe.n_experts, K = config.moe.top_k, F = config.moe.expert_hidden;
+  const int64_t L = local_experts;
+  MoEBuffers& m = layer.act->moe;
+  plan_expert_exchange(m);
+  const int64_t R = m.local_rows;
+  mark(kDispatch);
+  cuda::permute_forward(ep_send.data(), layer.act->n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D,
+                        stream);
+  exchange_rows(ep_send.data(), m.send_rows_P, ep_recv.data(), m.recv_rows_P);
+  mark(kDispatch);
+  cuda::permute_forward(m.x_rows->data(), ep_recv.data(), m.source_of_local.data(), m.local_offsets.data(), R, L, D,
+                        stream);
+  experts_gate_up_forward(layer, /*gate_up=*/true);
+  bf16* y[1] = {ep_send.data()};
+  const bf16* w2[1] = {local_w(layer.w2)};
+  expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.local_offsets.data(), D, F, stream);
+  mark(kCombine);
+  cuda::permute_forward(ep_recv.data(), ep_send.data(), m.local_of_source.data(), m.local_offsets.data(), R, L, D,
+                        stream);
+  exchange_rows(ep_recv.data(), m.recv_rows_P, m.y_rows.data(), m.send_rows_P);
 }
 
 void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
@@ -77,23 +162,43 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   mark(kCombine);
   cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
                          stream);
+  // Under expert parallelism the output gradients go to the experts' ranks first.
+  const bf16* dy_rows = drows.data();
+  const int64_t L = local_experts, R = expert_rows(m);
+  const int32_t* offsets = expert_offsets(m);
+  if (ep) {
+    exchange_rows(drows.data(), m.send_rows_P, ep_recv.data(), m.recv_rows_P);
+    mark(kCombine);
+    cuda::permute_forward(ep_send.data(), ep_recv.data(), m.source_of_local.data(), m.local_offsets.data(), R, L, D,
+                          stream);
+    dy_rows = ep_send.data();
+  }
   mark(kExperts);
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
-  expert_gemm->backward_data(dact_rows.data(), F, drows.data(), D, w(layer.w2), m.offsets.data(), F, D, 0.0f, stream);
-  float* dw2[1] = {g(layer.w2)};
-  const bf16* dy_rows[1] = {drows.data()};
-  expert_gemm->backward_weight(1, dw2, dy_rows, D, m.act_rows->data(), F, m.offsets.data(), D, F, stream);
-  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), max_rows, F, stream);
+  expert_gemm->backward_data(dact_rows.data(), F, dy_rows, D, local_w(layer.w2), offsets, F, D, 0.0f, stream);
+  float* dw2[1] = {local_g(layer.w2)};
+  const bf16* dy_sets[1] = {dy_rows};
+  expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream);
+  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
   // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
-  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, w(layer.w1), m.offsets.data(), D, F,
-                             0.0f, stream);
-  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, w(layer.w3), m.offsets.data(), D, F,
+  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, local_w(layer.w1), offsets, D, F, 0.0f,
+                             stream);
+  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, local_w(layer.w3), offsets, D, F,
                              1.0f, stream);
-  float* dw13[2] = {g(layer.w1), g(layer.w3)};
+  float* dw13[2] = {local_g(layer.w1), local_g(layer.w3)};
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
-  expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, m.offsets.data(), F, D, stream);
+  expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream);
   mark(kDispatch);
-  cuda::permute_backward(dnorm.data(), dx_rows.data(), m.row.data(), T, K, D, false, stream);
+  // The input rows' gradients back in the dispatch layout (through their source ranks).
+  const bf16* dx_dispatch = dx_rows.data();
+  if (ep) {
+    cuda::permute_forward(ep_recv.data(), dx_rows.data(), m.local_of_source.data(), m.local_offsets.data(), R, L, D,
+                          stream);
+    exchange_rows(ep_recv.data(), m.recv_rows_P, ep_send.data(), m.send_rows_P);
+    mark(kDispatch);
+    dx_dispatch = ep_send.data();
+  }
+  cuda::permute_backward(dnorm.data(), dx_dispatch, m.row.data(), T, K, D, false, stream);
   mark(kRouter);
   // Router: combine weights -> logits (aux and z losses included) -> n2 and the router weights.
   cuda::router_backward(dlogits.data(), dweight.data(), m.scores.data(), m.logits.data(), m.expert.data(),

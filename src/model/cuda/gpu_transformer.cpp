@@ -89,10 +89,23 @@ void GpuTransformer::plan(int64_t batch) {
   const int64_t capacity = E > 0 ? expert_capacity(c.moe.capacity_factor, T, K, E) : 0;
   s.max_rows = capacity > 0 ? std::min(T * K, E * capacity) : T * K;
   const int64_t R = s.max_rows;
+  // Expert parallelism: P ranks send this one at most P times its own rows (at most
+  // `capacity` per source and expert when the capacity bounds them).
+  const int64_t P = s.ep ? s.ep->size() : 1;
+  if (s.ep) {
+    MOE_CHECK(E > 0 && E % P == 0, "expert parallelism over {} GPUs needs moe.n_experts ({}) to be a multiple of it", P,
+              E);
+    MOE_CHECK(s.recompute_experts == ExpertRecompute::None,
+              "expert parallelism on the GPU needs training.recompute_experts = none");
+  }
+  s.local_experts = E / P;
+  s.first_expert = s.ep ? s.ep->rank() * s.local_experts : 0;
+  s.max_local_rows = s.ep ? (capacity > 0 ? std::min(P * T * K, E * capacity) : P * T * K) : R;
+  const int64_t RL = s.max_local_rows;
   if (E > 0 && !s.expert_gemm) {
     MOE_CHECK(D % 8 == 0 && F % 8 == 0, "the GPU experts need dim ({}) and moe.expert_hidden ({}) to be multiples of 8",
               D, F);
-    s.expert_gemm = std::make_unique<cuda::ExpertGemm>(E);
+    s.expert_gemm = std::make_unique<cuda::ExpertGemm>(s.local_experts);
   }
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
   auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
@@ -130,10 +143,15 @@ void GpuTransformer::plan(int64_t batch) {
     m.token_of_row = i32(T * K);
     m.rank = i32(T * K);
     const bool shared_x_act = s.recompute_experts != ExpertRecompute::None;
-    m.x_rows = rows_buffer(shared_x_rows, R * D, shared_x_act);
-    m.gate_up_rows = rows_buffer(shared_gate_up_rows, R * 2 * F, s.recompute_experts == ExpertRecompute::All);
-    m.act_rows = rows_buffer(shared_act_rows, R * F, shared_x_act);
+    m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
+    m.gate_up_rows = rows_buffer(shared_gate_up_rows, RL * 2 * F, s.recompute_experts == ExpertRecompute::All);
+    m.act_rows = rows_buffer(shared_act_rows, RL * F, shared_x_act);
     m.y_rows = bf(R * D);
+    if (s.ep) {
+      m.local_offsets = i32(s.local_experts + 1);
+      m.source_of_local = i32(RL);
+      m.local_of_source = i32(RL);
+    }
     m.shared.clear();
     for (size_t e = 0; e < n_shared_experts; ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
   };
@@ -189,9 +207,18 @@ void GpuTransformer::plan(int64_t batch) {
   s.dv = bf(T * G * d);
   s.dattn = bf(T * H * d);
   s.drows = bf(R * D);
-  s.dact_rows = bf(R * F);
-  s.dgate_up_rows = bf(R * 2 * F);
-  s.dx_rows = bf(R * D);
+  s.dact_rows = bf(RL * F);
+  s.dgate_up_rows = bf(RL * 2 * F);
+  s.dx_rows = bf(RL * D);
+  s.free_ep_host();
+  s.ep_send = s.ep ? bf(RL * D) : Buffer<bf16>();
+  s.ep_recv = s.ep ? bf(RL * D) : Buffer<bf16>();
+  s.ep_recv_counts = s.ep ? i32(E) : Buffer<int32_t>();
+  if (s.ep) {
+    s.ep_host_plan_ints = s.local_experts + 1 + 2 * RL;
+    MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_counts, static_cast<size_t>(2 * E) * sizeof(int32_t)));
+    MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_plan, static_cast<size_t>(s.ep_host_plan_ints) * sizeof(int32_t)));
+  }
   s.dlogits_bf16 = bf(T * E);
   s.dffn_act = bf(T * ffn_width);
   s.dffn_gate_up = bf(T * 2 * ffn_width);
@@ -441,7 +468,18 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
   return s.read_forward_results();
 }
 
-void GpuTransformer::enable_graphs(bool enabled) { state_->graphs = enabled; }
+void GpuTransformer::enable_graphs(bool enabled) {
+  MOE_CHECK(!(enabled && state_->ep), "CUDA graphs cannot hold the GPU's expert parallelism (it waits for row counts)");
+  state_->graphs = enabled;
+}
+
+void GpuTransformer::set_expert_exchange(std::shared_ptr<GpuExpertExchange> exchange) {
+  State& s = *state_;
+  MOE_CHECK(!(exchange && s.graphs), "CUDA graphs cannot hold the GPU's expert parallelism (it waits for row counts)");
+  s.ep = std::move(exchange);
+  if (s.ep) s.ep->set_stream(s.stream);
+  s.expert_gemm.reset();  // made again for the local experts at the next plan()
+}
 
 void GpuTransformer::set_recompute_layers(int64_t layers) {
   state_->recompute_layers = layers;  // takes effect at the next plan()

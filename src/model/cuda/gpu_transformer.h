@@ -26,6 +26,23 @@ enum class ExpertRecompute {
 // "none" | "swiglu" | "all"; anything else is a ConfigError.
 ExpertRecompute expert_recompute_from_name(const std::string& name);
 
+// Expert parallelism for the GPU model (set_expert_exchange): EP rank p of P computes
+// experts [p * E/P, (p + 1) * E/P) for the tokens of all P ranks. Implemented over NCCL in
+// src/dist/cuda/gpu_expert_exchange.h; tests use a one-rank copy.
+class GpuExpertExchange {
+ public:
+  virtual ~GpuExpertExchange() = default;
+  virtual int size() const = 0;
+  virtual int rank() const = 0;
+  // The model's CUDA stream (a cudaStream_t): each exchange starts after the work enqueued
+  // on it so far, and the work enqueued after the call waits for the exchange.
+  virtual void set_stream(void* stream) = 0;
+  // All-to-all of device buffers packed by EP peer; counts in elements of elem_bytes bytes
+  // (2: bf16 rows, 4: int32 counts). Collective over the EP group.
+  virtual void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                        const std::vector<int64_t>& recv_counts, size_t elem_bytes) = 0;
+};
+
 class GpuTransformer {
  public:
   // Copies the (already initialised) parameters of `params` to the device; `moments` is
@@ -60,6 +77,13 @@ class GpuTransformer {
   // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical).
   // Takes effect at the next plan().
   void set_recompute_experts(ExpertRecompute mode);
+  // Expert parallelism over `exchange` (nullptr: off). Every rank keeps all the weights
+  // (the full replicas data parallelism keeps) but computes only its experts, on the rows
+  // every EP rank routes to them: one host synchronisation per MoE layer and pass for the
+  // row counts, so no CUDA graphs, and recompute_experts must be none. Experts it does
+  // not hold get no gradient here: summing the gradients over the ranks (GpuDataParallel)
+  // completes them. Takes effect at the next plan().
+  void set_expert_exchange(std::shared_ptr<GpuExpertExchange> exchange);
   // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
   // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();

@@ -49,15 +49,21 @@ struct MoEBuffers {
   SharedRows x_rows, gate_up_rows, act_rows;
   Buffer<bf16> y_rows;
   std::vector<FfnBuffers> shared;
+  // Expert parallelism (set_expert_exchange): this pass's plan (moe/expert_rows_plan.h) on
+  // the host, and on the device the local experts' offsets and the gathers between the
+  // received (source-major) rows and the expert-major ones the GEMMs read.
+  std::vector<int64_t> send_rows_P, recv_rows_P;
+  int64_t local_rows = 0;
+  Buffer<int32_t> local_offsets, source_of_local, local_of_source;
 };
 
 enum Phase : int {
-  kAttention, kRouter, kDispatch, kExperts, kCombine, kDenseFfn, kNorms, kEmbedding, kHeadLoss, kOptimizer, kHost,
-  kPhaseCount
+  kAttention, kRouter, kDispatch, kExperts, kCombine, kAllToAll, kDenseFfn, kNorms, kEmbedding, kHeadLoss, kOptimizer,
+  kHost, kPhaseCount
 };
 const char* const kPhaseNames[kPhaseCount] = {"attention", "router",         "dispatch",     "experts",
-                                              "combine",   "dense FFN",      "norms+residual", "embedding",
-                                              "LM head+loss", "optimizer",   "host gaps"};
+                                              "combine",   "all-to-all",     "dense FFN",    "norms+residual",
+                                              "embedding", "LM head+loss",   "optimizer",    "host gaps"};
 
 // Events recorded at phase boundaries; each interval is charged to the phase that began it.
 struct PhaseClock {
@@ -134,7 +140,18 @@ struct GpuTransformer::State {
   std::vector<Layer> layers;
   cuda::Blas blas;
   cuda::Attention attention;
-  std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only
+  std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only, over the local experts
+  // Expert parallelism (set_expert_exchange): this rank's experts are [first_expert,
+  // first_expert + local_experts); without it, all of them. max_local_rows bounds the rows
+  // every EP rank may send to this one; ep_send and ep_recv stage the exchanged rows, and
+  // ep_host_counts (pinned) brings the row counts back to plan the exchange.
+  std::shared_ptr<GpuExpertExchange> ep;
+  int64_t first_expert = 0, local_experts = 0, max_local_rows = 0;
+  Buffer<bf16> ep_send, ep_recv;
+  Buffer<int32_t> ep_recv_counts;
+  int32_t* ep_host_counts = nullptr;  // E + P * local_experts ints
+  int32_t* ep_host_plan = nullptr;    // local offsets and both gathers, uploaded from here
+  int64_t ep_host_plan_ints = 0;
   cudaStream_t stream = nullptr;
   int64_t batch = 0, tokens = 0;
   int64_t recompute_layers = 0;  // the first N layers recompute their activations (-1: all)
@@ -190,8 +207,15 @@ struct GpuTransformer::State {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
     }
+    free_ep_host();
   }
   void mark(int phase) { clock.mark(phase, stream); }
+  void free_ep_host() {
+    if (ep_host_counts) cudaFreeHost(ep_host_counts);
+    if (ep_host_plan) cudaFreeHost(ep_host_plan);
+    ep_host_counts = ep_host_plan = nullptr;
+    ep_host_plan_ints = 0;
+  }
   const bf16* w(const Param& p) const { return store->weights() + p.offset; }
   float* g(const Param& p) { return store->grads() + p.offset; }
   // fp32 values, for the parameters read in fp32 (the router biases; see the constructor).
@@ -218,6 +242,22 @@ struct GpuTransformer::State {
   // Dispatch of n2 into the expert rows, the gate|up grouped GEMM (unless skipped) and
   // SwiGLU: the part of the MoE forward that recompute_experts redoes before the backward.
   void expert_rows_forward(Layer& layer, bool gate_up);
+  // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and SwiGLU.
+  void experts_gate_up_forward(Layer& layer, bool gate_up);
+  // Expert parallelism: the layer's rows out to their experts' ranks, the experts, the
+  // results back into y_rows (the dispatch layout), and the backward's mirror image.
+  void ep_experts_forward(Layer& layer);
+  void exchange_rows(const bf16* send, const std::vector<int64_t>& send_rows_P, bf16* recv,
+                     const std::vector<int64_t>& recv_rows_P);
+  // Expert parallelism: exchanges the layer's kept counts, waits for them on the host,
+  // plans the rows (plan_expert_rows) and uploads the local offsets and gathers.
+  void plan_expert_exchange(MoEBuffers& m);
+  // The local experts' rows of an expert tensor (its leading dimension is the experts).
+  const bf16* local_w(const Param& p) const { return w(p) + first_expert * (p.numel / config.moe.n_experts); }
+  float* local_g(const Param& p) { return g(p) + first_expert * (p.numel / config.moe.n_experts); }
+  // The offsets the grouped GEMMs read and the rows the row-wise kernels cover.
+  const int32_t* expert_offsets(const MoEBuffers& m) const { return ep ? m.local_offsets.data() : m.offsets.data(); }
+  int64_t expert_rows(const MoEBuffers& m) const { return ep ? m.local_rows : max_rows; }
   // One block's forward: from the previous block's h and FFN output (fused residual add),
   // or from the saved input x when recomputing (and for the first layer after the embedding).
   void layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch, bool from_saved_input);

@@ -1,0 +1,31 @@
+#include "dist/cuda/gpu_expert_exchange.h"
+
+#include <utility>
+
+#include "core/error.h"
+
+namespace moe::dist {
+
+GpuExpertExchangeOverComm::GpuExpertExchangeOverComm(Communicator& world, int ep_size, const std::string& kind,
+                                                     int ranks_per_node) {
+  MOE_CHECK(world.backend() == "nccl", "the GPU's expert parallelism needs the nccl backend, got '{}'",
+            world.backend());
+  MOE_CHECK(ep_size >= 1 && world.size() % ep_size == 0, "expert-parallel size {} does not divide {} ranks", ep_size,
+            world.size());
+  MOE_CHECK(ranks_per_node >= 1, "{} ranks per node", ranks_per_node);
+  group_ = world.split(world.rank() / ep_size, world.rank());
+  a2a_ = make_all_to_all(kind, *group_, world.rank() / ranks_per_node);
+}
+
+void GpuExpertExchangeOverComm::exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                                         const std::vector<int64_t>& recv_counts, size_t elem_bytes) {
+  MOE_CHECK(elem_bytes == 2 || elem_bytes == 4, "expert exchange: {}-byte elements (2: bf16, 4: int32)", elem_bytes);
+  const DType dtype = elem_bytes == 2 ? DType::bf16 : DType::i32;
+  for (size_t p = 0; p < send_counts.size(); ++p)
+    if (static_cast<int>(p) != group_->rank()) bytes_sent_ += send_counts[p] * static_cast<int64_t>(elem_bytes);
+  a2a_->exchange(send, send_counts, recv, recv_counts, dtype);
+}
+
+int64_t GpuExpertExchangeOverComm::take_bytes_sent() { return std::exchange(bytes_sent_, 0); }
+
+}  // namespace moe::dist

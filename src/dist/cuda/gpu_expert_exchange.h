@@ -1,0 +1,35 @@
+// The GPU model's expert-parallel exchange (GpuExpertExchange) over an NCCL EP group: the
+// ranks r with the same r / ep_size (consecutive ranks, so an EP group of up to a node's
+// GPUs stays inside the node), flat or hierarchical (parallel.all_to_all).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dist/communicator.h"
+#include "dist/hierarchical_all_to_all.h"
+#include "model/cuda/gpu_transformer.h"
+
+namespace moe::dist {
+
+class GpuExpertExchangeOverComm final : public GpuExpertExchange {
+ public:
+  // Collective over world (an nccl communicator): splits off this rank's EP group.
+  // ranks_per_node: the launch's GPUs per node (for the hierarchical exchange).
+  GpuExpertExchangeOverComm(Communicator& world, int ep_size, const std::string& kind, int ranks_per_node);
+  int size() const override { return group_->size(); }
+  int rank() const override { return group_->rank(); }
+  void set_stream(void* stream) override { a2a_->set_stream(stream); }
+  void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                const std::vector<int64_t>& recv_counts, size_t elem_bytes) override;
+  // Bytes this rank sent to other ranks since the last call, then reset.
+  int64_t take_bytes_sent();
+
+ private:
+  std::unique_ptr<Communicator> group_;
+  std::unique_ptr<AllToAll> a2a_;
+  int64_t bytes_sent_ = 0;
+};
+
+}  // namespace moe::dist
