@@ -10,6 +10,7 @@
 #                and hierarchical with the GPUs split into 2 simulated nodes.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
 # SECTIONS: a comma-separated subset of correctness,scaling,a2a (default: all three).
+# MODES (environment): the parallel modes scaling measures, "dp ep" by default.
 # NCCL_NVLS_ENABLE=0 stays set (the lent machines need NVLink multicast off).
 set -euo pipefail
 
@@ -22,6 +23,7 @@ corpus=$2
 n=${3:-$(nvidia-smi -L | wc -l)}
 out=${4:-multi_gpu_out}
 sections=,${5:-correctness,scaling,a2a},
+modes=" ${MODES:-dp ep} "
 export NCCL_NVLS_ENABLE=0
 [[ -x $moe ]] || { echo "$0: $moe is not an executable" >&2; exit 2; }
 [[ -d $corpus ]] || { echo "$0: corpus directory $corpus does not exist" >&2; exit 2; }
@@ -60,17 +62,22 @@ if [[ $sections == *,scaling,* ]]; then
     run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps=10 --metrics.log_interval=1 "${extra[@]}")
     tokens=$(grep -oE "global_batch_tokens *= *[0-9]+" "$cfg" | grep -oE "[0-9]+$")
     "$moe" train "${run[@]}" > "$out/ws1_$model.txt" 2>&1
-    launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) \
-      > "$out/wsn_$model.txt" 2>&1
-    launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
-      --training.global_batch_tokens=$((tokens * n)) > "$out/wsep_$model.txt" 2>&1
     one=$(median_field "$out/ws1_$model.txt" "tok/s")
-    dp=$(median_field "$out/wsn_$model.txt" "tok/s")
-    ep=$(median_field "$out/wsep_$model.txt" "tok/s")
-    echo "$model ${extra[*]}: 1 GPU $one tokens/s | DP $n: $dp tokens/s, efficiency $(efficiency "$one" "$dp")," \
-      "comm wait $(median_field "$out/wsn_$model.txt" "comm wait")% | EP $n: $ep tokens/s, efficiency" \
-      "$(efficiency "$one" "$ep"), comm wait $(median_field "$out/wsep_$model.txt" "comm wait")%"
-    grep -E "all-to-all [0-9.]+ MB" "$out/wsep_$model.txt" | tail -1
+    line="$model ${extra[*]}: 1 GPU $one tokens/s"
+    if [[ $modes == *" dp "* ]]; then
+      launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) \
+        > "$out/wsn_$model.txt" 2>&1
+      dp=$(median_field "$out/wsn_$model.txt" "tok/s")
+      line+=" | DP $n: $dp tokens/s, efficiency $(efficiency "$one" "$dp"), comm wait $(median_field "$out/wsn_$model.txt" "comm wait")%"
+    fi
+    if [[ $modes == *" ep "* ]]; then
+      launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
+        --training.global_batch_tokens=$((tokens * n)) > "$out/wsep_$model.txt" 2>&1
+      ep=$(median_field "$out/wsep_$model.txt" "tok/s")
+      line+=" | EP $n: $ep tokens/s, efficiency $(efficiency "$one" "$ep"), comm wait $(median_field "$out/wsep_$model.txt" "comm wait")%"
+    fi
+    echo "$line"
+    if [[ $modes == *" ep "* ]]; then grep -E "all-to-all [0-9.]+ MB" "$out/wsep_$model.txt" | tail -1 || true; fi
   done
 fi
 

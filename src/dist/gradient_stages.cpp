@@ -34,4 +34,51 @@ std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& p
   return ranges;
 }
 
+namespace {
+
+void append_merged(BlockRanges& ranges, int64_t begin, int64_t count) {
+  if (count <= 0) return;
+  if (!ranges.empty() && ranges.back().first + ranges.back().second == begin)
+    ranges.back().second += count;
+  else
+    ranges.emplace_back(begin, count);
+}
+
+}  // namespace
+
+ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
+                                                 const std::function<int(const std::string&)>& stage_of,
+                                                 int n_stages, int64_t first_expert, int64_t local_experts) {
+  MOE_CHECK(first_expert >= 0 && local_experts > 0, "gradient ranges: experts [{}, {} + {})", first_expert,
+            first_expert, local_experts);
+  const std::vector<BlockRanges> whole = gradient_ranges_by_stage(params, stage_of, n_stages);
+  ExpertParallelRanges split;
+  split.shared.resize(static_cast<size_t>(n_stages));
+  split.own_experts.resize(static_cast<size_t>(n_stages));
+  // The expert tensors' extents, by offset; every other element of a stage's ranges is shared.
+  std::vector<int> experts;
+  for (int id = 0; id < params.size(); ++id)
+    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
+  std::sort(experts.begin(), experts.end(), [&](int a, int b) { return params.offset(a) < params.offset(b); });
+  for (int s = 0; s < n_stages; ++s)
+    for (const auto& [begin, count] : whole[static_cast<size_t>(s)]) {
+      int64_t at = begin;
+      const int64_t end = begin + count;
+      for (int id : experts) {
+        const int64_t offset = params.offset(id), numel = params.numel(id);
+        if (offset + numel <= at || offset >= end) continue;
+        const int64_t n_experts = params.spec(id).shape[0];
+        MOE_CHECK(first_expert + local_experts <= n_experts, "parameter {}: experts [{}, {}) of {}",
+                  params.spec(id).name, first_expert, first_expert + local_experts, n_experts);
+        const int64_t per_expert = numel / n_experts;
+        append_merged(split.shared[static_cast<size_t>(s)], at, offset - at);
+        append_merged(split.own_experts[static_cast<size_t>(s)], offset + first_expert * per_expert,
+                      local_experts * per_expert);
+        at = offset + numel;
+      }
+      append_merged(split.shared[static_cast<size_t>(s)], at, end - at);
+    }
+  return split;
+}
+
 }  // namespace moe::dist

@@ -24,4 +24,17 @@ std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& p
                                                   const std::function<int(const std::string&)>& stage_of,
                                                   int n_stages);
 
+// Expert parallelism: the same ranges per stage, split into the part every rank sums over
+// all data-parallel ranks (`shared`: every parameter without an expert_group, padding
+// included) and this EP rank's part of the expert tensors (`own_experts`: experts
+// [first_expert, first_expert + local_experts) of each tensor with an expert_group, whose
+// leading dimension is the experts), summed only over the ranks holding the same experts.
+// The other experts' gradients are in neither: this rank does not compute them.
+struct ExpertParallelRanges {
+  std::vector<BlockRanges> shared, own_experts;
+};
+ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
+                                                 const std::function<int(const std::string&)>& stage_of,
+                                                 int n_stages, int64_t first_expert, int64_t local_experts);
+
 }  // namespace moe::dist

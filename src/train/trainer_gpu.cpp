@@ -162,9 +162,9 @@ class GpuBackend final : public ModelBackend {
  public:
   GpuBackend(const RunConfig& config, GpuTransformer& gpu, Transformer<float>& host_model, int64_t& steps,
              int64_t tokens_per_micro_batch, std::unique_ptr<dist::GpuDataParallel> dp,
-             std::shared_ptr<dist::GpuExpertExchangeOverComm> ep)
+             std::shared_ptr<dist::GpuExpertExchangeOverComm> ep, std::unique_ptr<dist::GpuDataParallel> edp)
       : config_(config), gpu_(gpu), host_model_(host_model), steps_(steps), tokens_(tokens_per_micro_batch),
-        dp_(std::move(dp)), ep_(std::move(ep)),
+        dp_(std::move(dp)), ep_(std::move(ep)), edp_(std::move(edp)),
         micro_scale_(static_cast<double>(tokens_per_micro_batch) / static_cast<double>(config.training.global_batch_tokens)) {
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
     if (ep_) gpu_.enable_phase_timing(true);
@@ -202,9 +202,15 @@ class GpuBackend final : public ModelBackend {
     }
     const double scale = dp_ ? loss_scale * ce_weight_ : loss_scale;
     if (dp_ && last && dp_->overlaps()) {
-      // Each stage's gradients are reduced while the backward of the layers below runs.
-      gpu_.backward(scale, [this](int stage) { dp_->launch_stage(stage); });
+      // Each stage's gradients are reduced while the backward of the layers below runs
+      // (under expert parallelism: the shared ones over all ranks, this rank's experts'
+      // over the ranks holding the same experts).
+      gpu_.backward(scale, [this](int stage) {
+        dp_->launch_stage(stage);
+        if (edp_) edp_->launch_stage(stage);
+      });
       dp_->finish_overlapped();
+      if (edp_) edp_->finish_overlapped();
       return;
     }
     gpu_.backward(scale);
@@ -257,12 +263,26 @@ class GpuBackend final : public ModelBackend {
   // pass over the expert gradients, so they are only computed when expert clipping is on.
   ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
     ClipStats clip;
-    if (max_expert_norm > 0)
+    double own_experts_sq = 0;  // expert parallelism: this rank's experts' squared norm, after clipping
+    if (max_expert_norm > 0 || ep_)
       for (double norm : gpu_.clip_expert_grads(max_expert_norm)) {
         clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
-        if (norm > max_expert_norm) ++clip.experts_clipped;
+        const bool clipped = max_expert_norm > 0 && norm > max_expert_norm;
+        if (clipped) ++clip.experts_clipped;
+        const double kept = clipped ? norm * (max_expert_norm / (norm + 1e-6)) : norm;
+        own_experts_sq += kept * kept;
       }
     clip.global_norm = gpu_.grad_norm();
+    if (ep_) {
+      // This rank's block holds the shared gradients (summed over all ranks) and its own
+      // experts' (zero elsewhere): the global norm is the shared part once plus every
+      // EP rank's experts, the same double on every rank.
+      const double total_sq = clip.global_norm * clip.global_norm;
+      double parts[2] = {std::max(0.0, total_sq - own_experts_sq), own_experts_sq};
+      dp_->sum(parts, 2);
+      const double expert_replicas = static_cast<double>(dp_->size() / ep_->size());
+      clip.global_norm = std::sqrt(parts[0] / dp_->size() + parts[1] / expert_replicas);
+    }
     clip.global_clipped = max_global_norm > 0 && clip.global_norm > max_global_norm;
     grad_scale_ = clip.global_clipped ? max_global_norm / (clip.global_norm + 1e-6) : 1.0;
     return clip;
@@ -277,6 +297,7 @@ class GpuBackend final : public ModelBackend {
   void end_validation() override {
     gpu_.reset_load();
     if (dp_) dp_->take_stats();  // validation's sums are not a training step's
+    if (edp_) edp_->take_stats();
     if (ep_) {
       gpu_.take_phase_times();
       ep_->take_bytes_sent();
@@ -293,11 +314,15 @@ class GpuBackend final : public ModelBackend {
       stats.time.comm_wait += a2a_ms * 1e-3;
     }
     if (!dp_) return;
-    const dist::CommStats comm = dp_->take_stats();
-    stats.time.comm_wait += comm.wait_s;
-    stats.grad_sync_ms += comm.grad_sync_s * 1e3;
+    for (dist::GpuDataParallel* group : {dp_.get(), edp_.get()}) {
+      if (!group) continue;
+      const dist::CommStats comm = group->take_stats();
+      stats.time.comm_wait += comm.wait_s;
+      stats.grad_sync_ms += comm.grad_sync_s * 1e3;
+    }
   }
   void sync_host_model() override {
+    if (ep_) gpu_.gather_expert_weights();  // each rank stepped only its own experts
     gpu_.download_params(host_model_.params());
     if (dp_) dp_->take_stats();
   }
@@ -334,6 +359,7 @@ class GpuBackend final : public ModelBackend {
   int64_t tokens_;  // per micro-batch (targets counted for the loss weights)
   std::unique_ptr<dist::GpuDataParallel> dp_;
   std::shared_ptr<dist::GpuExpertExchangeOverComm> ep_;  // expert parallelism, or null
+  std::unique_ptr<dist::GpuDataParallel> edp_;  // with ep_ over more ranks than one EP group: own experts' sums
   double ce_weight_ = 1.0;  // this rank's share of the micro-batch's targets
   double micro_scale_;      // the step loop's loss scale: 1 / micro-batches per step
   bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
@@ -344,19 +370,35 @@ class GpuBackend final : public ModelBackend {
 }  // namespace
 
 std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
-  std::unique_ptr<dist::GpuDataParallel> dp;
+  std::unique_ptr<dist::GpuDataParallel> dp, edp;
   if (gpu_world_) {
     GpuParameterStore& params = gpu_->parameters();
+    const int64_t ep = gpu_expert_exchange_ ? gpu_expert_exchange_->size() : 1;
+    // Expert parallelism: the ranks holding the same experts (collective over the world).
+    std::unique_ptr<dist::Communicator> expert_replicas;
+    if (ep > 1) expert_replicas = gpu_world_->split(gpu_world_->rank() % static_cast<int>(ep), gpu_world_->rank());
     dp = std::make_unique<dist::GpuDataParallel>(std::move(gpu_world_), gpu_->stream(), params.grads(),
                                                  params.storage_numel(), config_.parallel.bucket_mb);
     // Overlap the all-reduce with the backward, stage by stage (not inside a CUDA graph).
-    if (!config_.training.cuda_graphs)
-      dp->set_stage_ranges(dist::gradient_ranges_by_stage(
-          model_->params(), [this](const std::string& name) { return model_->backward_stage_of(name); },
-          model_->backward_stages()));
+    const auto stage_of = [this](const std::string& name) { return model_->backward_stage_of(name); };
+    if (ep > 1) {
+      // Only the shared gradients over all ranks; this rank's experts over their replicas
+      // (none when the EP group is the world). Graphs are refused with EP, so this always overlaps.
+      const int64_t local = config_.model.moe.n_experts / ep;
+      const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
+          model_->params(), stage_of, model_->backward_stages(), gpu_expert_exchange_->rank() * local, local);
+      dp->set_stage_ranges(ranges.shared);
+      if (expert_replicas->size() > 1) {
+        edp = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
+                                                      params.storage_numel(), config_.parallel.bucket_mb);
+        edp->set_stage_ranges(ranges.own_experts);
+      }
+    } else if (!config_.training.cuda_graphs) {
+      dp->set_stage_ranges(dist::gradient_ranges_by_stage(model_->params(), stage_of, model_->backward_stages()));
+    }
   }
-  return std::make_unique<GpuBackend>(config_, *gpu_, *model_, gpu_steps_,
-                                      micro_batch_ * config_.model.seq_len, std::move(dp), gpu_expert_exchange_);
+  return std::make_unique<GpuBackend>(config_, *gpu_, *model_, gpu_steps_, micro_batch_ * config_.model.seq_len,
+                                      std::move(dp), gpu_expert_exchange_, std::move(edp));
 }
 
 void Trainer::sync_state_from_gpu() {

@@ -75,5 +75,38 @@ TEST(GradientStagesErrors, StageOutsideTheRangeIsAnError) {
   EXPECT_THROW(gradient_ranges_by_stage(model.params(), [](const std::string&) { return 0; }, 0), Error);
 }
 
+// Expert parallelism: shared ranges and this rank's expert slices never overlap, every
+// element of a non-expert parameter is shared, exactly this rank's experts of each expert
+// tensor are its own, and the other experts' elements are in neither.
+TEST(GradientStages, ExpertParallelSplitKeepsOnlyTheLocalExperts) {
+  Transformer<float> model(tiny(false), 1);
+  const auto& params = model.params();
+  const int n_stages = model.backward_stages();
+  const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
+  for (int64_t first : {0, 2}) {
+    const ExpertParallelRanges split = gradient_ranges_by_stage_ep(params, stage_of, n_stages, first, 2);
+    std::vector<int> owner(static_cast<size_t>(params.storage_numel()), 0);  // 1 shared, 2 own expert
+    for (int s = 0; s < n_stages; ++s) {
+      for (const auto& [offset, count] : split.shared[static_cast<size_t>(s)])
+        for (int64_t i = offset; i < offset + count; ++i) owner[static_cast<size_t>(i)] += 1;
+      for (const auto& [offset, count] : split.own_experts[static_cast<size_t>(s)])
+        for (int64_t i = offset; i < offset + count; ++i) owner[static_cast<size_t>(i)] += 2;
+    }
+    int expert_tensors = 0;
+    for (int id = 0; id < params.size(); ++id) {
+      const bool is_expert = !params.spec(id).expert_group.empty();
+      expert_tensors += is_expert;
+      const int64_t per_expert = is_expert ? params.numel(id) / params.spec(id).shape[0] : 0;
+      for (int64_t i = 0; i < params.numel(id); ++i) {
+        const int64_t expert = is_expert ? i / per_expert : -1;
+        const int want = !is_expert ? 1 : (expert >= first && expert < first + 2 ? 2 : 0);
+        ASSERT_EQ(owner[static_cast<size_t>(params.offset(id) + i)], want) << params.spec(id).name << " element " << i;
+      }
+    }
+    EXPECT_GT(expert_tensors, 0);
+  }
+  EXPECT_THROW(gradient_ranges_by_stage_ep(params, stage_of, n_stages, 3, 2), Error);  // experts 3..4 of 4
+}
+
 }  // namespace
 }  // namespace moe::dist

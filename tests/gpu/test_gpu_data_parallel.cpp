@@ -71,8 +71,8 @@ TEST(GpuDataParallel, AllReduceOverOneRankIsTheIdentity) {
 }
 
 // The overlapped form: stages launched one by one (ranges longer than a bucket split),
-// then finished; over one rank the block comes back as it was. Ranges that do not cover
-// the block are refused.
+// then finished; over one rank the block comes back as it was. Ranges that overlap or
+// leave the block are refused.
 TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream = nullptr;
@@ -86,7 +86,8 @@ TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
   {
     dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4);
     EXPECT_FALSE(dp.overlaps());
-    EXPECT_THROW(dp.set_stage_ranges({{{0, 64}}, {{128, n - 128}}}), Error);  // a gap
+    EXPECT_THROW(dp.set_stage_ranges({{{0, 128}}, {{64, n - 64}}}), Error);  // an overlap
+    EXPECT_THROW(dp.set_stage_ranges({{{0, 64}}, {{128, n}}}), Error);       // past the block's end
     // Stage 0 the end of the block, stage 1 the middle (longer than one bucket), stage 2 the start.
     dp.set_stage_ranges({{{200000, n - 200000}}, {{64, 199936}}, {{0, 64}}});
     EXPECT_TRUE(dp.overlaps());

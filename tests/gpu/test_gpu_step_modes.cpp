@@ -70,6 +70,7 @@ class OneRankExchange final : public GpuExpertExchange {
                                 stream_),
                 cudaSuccess);
   }
+  void broadcast(void*, size_t, int root) override { EXPECT_EQ(root, 0); }
   int calls = 0;
 
  private:

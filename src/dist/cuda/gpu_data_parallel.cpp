@@ -91,18 +91,18 @@ void GpuDataParallel::all_reduce_grads() {
 }
 
 void GpuDataParallel::set_stage_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges) {
-  // Together the ranges must cover the block exactly once.
+  // Ranges inside the block, none overlapping another (they need not cover it: under
+  // expert parallelism other experts' gradients are not this group's to sum).
   std::vector<std::pair<int64_t, int64_t>> all;
   for (const auto& stage : stage_ranges) all.insert(all.end(), stage.begin(), stage.end());
   std::sort(all.begin(), all.end());
-  int64_t covered = 0;
+  int64_t end = 0;
   for (const auto& [offset, n] : all) {
-    MOE_CHECK(offset == covered && n > 0, "GPU data parallel: the stages' ranges leave a gap or overlap at element {}",
-              std::min(offset, covered));
-    covered += n;
+    MOE_CHECK(offset >= end && n > 0, "GPU data parallel: the stages' ranges overlap at element {}", offset);
+    end = offset + n;
   }
-  MOE_CHECK(stage_ranges.empty() || covered == count_, "GPU data parallel: the stages' ranges cover {} of {} gradients",
-            covered, count_);
+  MOE_CHECK(end <= count_, "GPU data parallel: the stages' ranges reach element {} of a {}-element block", end,
+            count_);
   stage_ranges_ = std::move(stage_ranges);
 }
 

@@ -54,7 +54,8 @@ class GpuDataParallel {
   void all_reduce_grads();
 
   // Overlapped all-reduce: stage_ranges[s] are the [offset, count) ranges whose gradients
-  // backward stage s completes (together a partition of the block).
+  // backward stage s completes and this group sums (disjoint; the whole block in plain
+  // data parallelism, a part of it under expert parallelism).
   void set_stage_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges);
   bool overlaps() const { return !stage_ranges_.empty(); }
   // Starts stage s's all-reduces after the work enqueued so far on the model's stream.

@@ -26,6 +26,11 @@ void GpuExpertExchangeOverComm::exchange(const void* send, const std::vector<int
   a2a_->exchange(send, send_counts, recv, recv_counts, dtype);
 }
 
+void GpuExpertExchangeOverComm::broadcast(void* data, size_t bytes, int root) {
+  // Ordered on the caller's stream: the work enqueued after this waits for the result.
+  group_->broadcast_async(data, bytes, DType::u8, root)->wait();
+}
+
 int64_t GpuExpertExchangeOverComm::take_bytes_sent() { return std::exchange(bytes_sent_, 0); }
 
 }  // namespace moe::dist

@@ -23,6 +23,7 @@ class GpuExpertExchangeOverComm final : public GpuExpertExchange {
   void set_stream(void* stream) override { a2a_->set_stream(stream); }
   void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                 const std::vector<int64_t>& recv_counts, size_t elem_bytes) override;
+  void broadcast(void* data, size_t bytes, int root) override;
   // Bytes this rank sent to other ranks since the last call, then reset.
   int64_t take_bytes_sent();
 

@@ -214,6 +214,26 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
     ffn_backward(dnorm.data(), dy, layer.act->n2.data(), layer.shared[i], m.shared[i], T, F, true);
 }
 
+void GpuTransformer::gather_expert_weights() {
+  State& s = *state_;
+  if (!s.ep) return;
+  const int64_t E = s.config.moe.n_experts, L = s.local_experts;
+  bf16* hi = s.store->weights_hi();
+  int16_t* lo = s.store->weights_lo();
+  for (Layer& layer : s.layers) {
+    if (!layer.is_moe) continue;
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / E;
+      for (int rank = 0; rank < s.ep->size(); ++rank) {
+        const int64_t at = p->offset + rank * L * per_expert, n = L * per_expert;
+        s.ep->broadcast(hi + at, static_cast<size_t>(n) * sizeof(bf16), rank);
+        s.ep->broadcast(lo + at, static_cast<size_t>(n) * sizeof(int16_t), rank);
+      }
+    }
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
 std::vector<std::vector<int64_t>> GpuTransformer::expert_load() {
   std::vector<std::vector<int64_t>> loads;
   for (Layer& layer : state_->layers)

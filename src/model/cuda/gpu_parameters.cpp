@@ -173,6 +173,8 @@ GpuParameterStore::~GpuParameterStore() {
 
 const bf16* GpuParameterStore::weights() const { return state_->hi.data(); }
 float* GpuParameterStore::grads() { return state_->grads.data(); }
+bf16* GpuParameterStore::weights_hi() { return state_->hi.data(); }
+int16_t* GpuParameterStore::weights_lo() { return state_->lo.data(); }
 MomentDtype GpuParameterStore::moment_dtype() const { return state_->moments; }
 int64_t GpuParameterStore::storage_numel() const { return state_->storage; }
 

@@ -46,6 +46,10 @@ class GpuParameterStore {
   // bf16 weights (the hi halves) and fp32 gradients, indexed like the CPU store.
   const bf16* weights() const;
   float* grads();
+  // The master weights' two halves, writable (expert parallelism copies experts' weights
+  // between ranks); fp32_values copies are not affected.
+  bf16* weights_hi();
+  int16_t* weights_lo();
   // The fp32 values of a parameter registered in fp32_copy_ids.
   const float* fp32_values(int id) const;
   MomentDtype moment_dtype() const;

@@ -41,6 +41,8 @@ class GpuExpertExchange {
   // (2: bf16 rows, 4: int32 counts). Collective over the EP group.
   virtual void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                         const std::vector<int64_t>& recv_counts, size_t elem_bytes) = 0;
+  // `bytes` of device memory from EP rank `root` to the others, ordered on the stream.
+  virtual void broadcast(void* data, size_t bytes, int root) = 0;
 };
 
 class GpuTransformer {
@@ -77,13 +79,18 @@ class GpuTransformer {
   // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical).
   // Takes effect at the next plan().
   void set_recompute_experts(ExpertRecompute mode);
-  // Expert parallelism over `exchange` (nullptr: off). Every rank keeps all the weights
-  // (the full replicas data parallelism keeps) but computes only its experts, on the rows
-  // every EP rank routes to them: one host synchronisation per MoE layer and pass for the
-  // row counts, so no CUDA graphs, and recompute_experts must be none. Experts it does
-  // not hold get no gradient here: summing the gradients over the ranks (GpuDataParallel)
-  // completes them. Takes effect at the next plan().
+  // Expert parallelism over `exchange` (nullptr: off). Every rank keeps the blocks of all
+  // the weights but computes only its experts, on the rows every EP rank routes to them:
+  // one host synchronisation per MoE layer and pass for the row counts, so no CUDA graphs,
+  // and recompute_experts must be none. Its gradient block gets only its own experts'
+  // gradients (the others stay zero); the trainer sums the shared gradients over all
+  // ranks and its experts' over the ranks holding them. Takes effect at the next plan().
   void set_expert_exchange(std::shared_ptr<GpuExpertExchange> exchange);
+  // Expert parallelism: a rank whose gradients are summed only over the ranks holding the
+  // same experts (the trainer's choice) steps the other experts' weights with no gradient,
+  // so they go stale there. This copies every expert's master weights from its EP rank to
+  // the others (collective over the EP group; waits), e.g. before the host reads them.
+  void gather_expert_weights();
   // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
   // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();
