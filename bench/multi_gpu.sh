@@ -11,6 +11,8 @@
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
 # SECTIONS: a comma-separated subset of correctness,scaling,a2a (default: all three).
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default.
+# SCALING_ARGS (environment): more overrides for every scaling run, 1 GPU included
+# (e.g. "--moe.capacity_factor=1.25").
 # NCCL_NVLS_ENABLE=0 stays set (the lent machines need NVLink multicast off).
 set -euo pipefail
 
@@ -59,6 +61,8 @@ if [[ $sections == *,scaling,* ]]; then
     # the received rows: mixtral-mini needs bf16 moments to fit; the 1-GPU baseline too.
     extra=()
     [[ $model == mixtral-mini ]] && extra=(--optimizer.state_dtype=bf16)
+    # shellcheck disable=SC2206  # SCALING_ARGS is a list of overrides
+    extra+=(${SCALING_ARGS:-})
     run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps=10 --metrics.log_interval=1 "${extra[@]}")
     tokens=$(grep -oE "global_batch_tokens *= *[0-9]+" "$cfg" | grep -oE "[0-9]+$")
     "$moe" train "${run[@]}" > "$out/ws1_$model.txt" 2>&1
