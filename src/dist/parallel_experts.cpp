@@ -132,4 +132,35 @@ void ExpertOptimizer::gather_weights(Communicator& expert_parallel) {
         });
 }
 
+void ExpertOptimizer::gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
+                                     std::vector<float>& m, std::vector<float>& v) {
+  for (const LayerState& layer : layers_)
+    for_held(layer, [&](size_t i, int64_t expert, int64_t slot) {
+      const int id = layer.layer.ids[i];
+      const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
+      std::memcpy(m.data() + at, layer.m[i].data() + slot * n, static_cast<size_t>(n) * sizeof(float));
+      std::memcpy(v.data() + at, layer.v[i].data() + slot * n, static_cast<size_t>(n) * sizeof(float));
+    });
+  for (const LayerState& layer : layers_)
+    for (int64_t expert = 0; expert < placement_.n_experts(); ++expert)
+      for (int id : layer.layer.ids) {
+        const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
+        timed_blocking(stats_, [&] {
+          expert_parallel.broadcast(m.data() + at, static_cast<size_t>(n), DType::f32, placement_.rank_of(expert));
+          expert_parallel.broadcast(v.data() + at, static_cast<size_t>(n), DType::f32, placement_.rank_of(expert));
+        });
+      }
+}
+
+void ExpertOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
+                                      const std::vector<float>& v) {
+  for (LayerState& layer : layers_)
+    for_held(layer, [&](size_t i, int64_t expert, int64_t slot) {
+      const int id = layer.layer.ids[i];
+      const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
+      std::memcpy(layer.m[i].data() + slot * n, m.data() + at, static_cast<size_t>(n) * sizeof(float));
+      std::memcpy(layer.v[i].data() + slot * n, v.data() + at, static_cast<size_t>(n) * sizeof(float));
+    });
+}
+
 }  // namespace moe::dist

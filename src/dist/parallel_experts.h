@@ -6,6 +6,7 @@
 // rank keeps the AdamW moments of its own experts, whole.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -40,6 +41,15 @@ class ExpertOptimizer {
   void step(double lr);
   // Every rank of the EP group gets every expert's current weights (broadcast from its holder).
   void gather_weights(Communicator& expert_parallel);
+  int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
+  // Checkpoints: every expert's moments into the single-process AdamW layout (id's moments
+  // start at moment_offset(id)), broadcast from the rank holding it (collective over the
+  // EP group); scatter_moments takes the held experts' back from such a layout.
+  void gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
+                      std::vector<float>& m, std::vector<float>& v);
+  void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
+                       const std::vector<float>& v);
 
  private:
   struct LayerState {

@@ -250,4 +250,25 @@ void ParallelCpuBackend::sync_host_model() {
   stats_ = CommStats{};
 }
 
+void ParallelCpuBackend::gather_state(AdamW& optimizer) {
+  // ZeRO all-gathers the dense parameters after every step; the experts live on their holders.
+  sync_host_model();
+  const auto offset = [&optimizer](int id) { return optimizer.moment_offset(id); };
+  zero_->gather_moments(offset, optimizer.first_moment(), optimizer.second_moment());
+  if (experts_)
+    experts_->gather_moments(*groups_.expert_parallel, offset, optimizer.first_moment(), optimizer.second_moment());
+  optimizer.set_steps_taken(zero_->steps_taken());
+  stats_ = CommStats{};
+}
+
+void ParallelCpuBackend::scatter_state(AdamW& optimizer) {
+  const auto offset = [&optimizer](int id) { return optimizer.moment_offset(id); };
+  zero_->scatter_moments(offset, optimizer.first_moment(), optimizer.second_moment());
+  zero_->set_steps_taken(optimizer.steps_taken());
+  if (experts_) {
+    experts_->scatter_moments(offset, optimizer.first_moment(), optimizer.second_moment());
+    experts_->set_steps_taken(optimizer.steps_taken());
+  }
+}
+
 }  // namespace moe::dist

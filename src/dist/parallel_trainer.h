@@ -68,6 +68,8 @@ class ParallelCpuBackend final : public ModelBackend {
   void end_validation() override;
   void take_comm_stats(StepStats& stats) override;
   void sync_host_model() override;
+  void gather_state(AdamW& optimizer) override;
+  void scatter_state(AdamW& optimizer) override;
 
  private:
   double world_sum(double value);

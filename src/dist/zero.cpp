@@ -171,4 +171,28 @@ void ZeroOptimizer::step(double lr) {
   }
 }
 
+void ZeroOptimizer::gather_moments(const std::function<int64_t(int)>& moment_offset, std::vector<float>& m,
+                                   std::vector<float>& v) {
+  for (Bucket& b : buckets_)
+    for (auto [shards, full] : {std::pair{&m_, &m}, std::pair{&v_, &v}}) {
+      // Every rank's shard of the bucket, back to back, is the bucket's layout (+ padding).
+      timed_blocking(stats_, [&] {
+        group_.all_gather(shards->data() + b.state_offset, b.gathered.data(), static_cast<size_t>(b.shard), DType::f32);
+      });
+      for (const Piece& piece : b.pieces)
+        std::memcpy(full->data() + moment_offset(piece.id), b.gathered.data() + piece.offset,
+                    static_cast<size_t>(piece.numel) * sizeof(float));
+    }
+}
+
+void ZeroOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
+                                    const std::vector<float>& v) {
+  for (const Bucket& b : buckets_)
+    for_my_part(b, [&](const Piece& piece, int64_t first, int64_t count, int64_t at) {
+      const int64_t from = moment_offset(piece.id) + first;
+      std::memcpy(m_.data() + at, m.data() + from, static_cast<size_t>(count) * sizeof(float));
+      std::memcpy(v_.data() + at, v.data() + from, static_cast<size_t>(count) * sizeof(float));
+    });
+}
+
 }  // namespace moe::dist

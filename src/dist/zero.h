@@ -53,6 +53,14 @@ class ZeroOptimizer {
   // AdamW on this rank's shard, then the parameters are all-gathered.
   void step(double lr);
   int64_t steps_taken() const { return steps_; }
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
+
+  // Checkpoints: the moments of every parameter here, gathered from the ranks' shards into
+  // the single-process AdamW layout (id's moments start at moment_offset(id)); collective.
+  // scatter_moments takes this rank's shard back from such a layout.
+  void gather_moments(const std::function<int64_t(int)>& moment_offset, std::vector<float>& m, std::vector<float>& v);
+  void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
+                       const std::vector<float>& v);
 
   int64_t n_buckets() const { return static_cast<int64_t>(buckets_.size()); }
   int64_t shard_numel() const { return static_cast<int64_t>(grad_.size()); }

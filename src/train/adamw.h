@@ -21,6 +21,8 @@ class AdamW {
   // Packed: parameter after parameter in id order, no padding (the checkpoint layout).
   std::vector<float>& first_moment() { return m_; }
   std::vector<float>& second_moment() { return v_; }
+  // Where parameter `id`'s moments start in first_moment() / second_moment().
+  int64_t moment_offset(int id) const { return offsets_[static_cast<size_t>(id)]; }
   bool bf16_moments() const { return bf16_moments_; }
 
  private:

@@ -13,8 +13,9 @@
 // place, then marked COMPLETE; resume only considers directories with a valid marker, so a
 // crash at any point leaves at worst an ignored directory. Every byte is covered by a hash
 // (shards and config in the manifest, the manifest in COMPLETE), so truncation and bit flips
-// are refused. Single process today: world_size is 1 and rank 0 holds every tensor; the
-// manifest names each shard's rank so a resharding reader can map ranks N -> M later.
+// are refused. One shard holds every tensor (world_size 1): a multi-rank run gathers its
+// state and rank 0 writes it (Trainer::save_checkpoint), so any number of ranks can read it;
+// the manifest names each shard's rank should sharded writing come later.
 #pragma once
 #include <cstdint>
 #include <exception>

@@ -41,19 +41,32 @@ void Trainer::plan_batches() {
   monitor_ = std::make_unique<FaultMonitor>(tc);
 }
 
+// Several ranks: every rank gathers the whole state (collective), rank 0 writes it as one
+// single-process checkpoint (the data position is the global one), and every rank reads
+// it back, so a run resumes on any number of ranks sharing the directory.
 void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
   sync_state_from_gpu();
-  checkpointer_->save(capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_), out);
+  backend_->gather_state(*optimizer_);
+  if (rank_ == 0) checkpointer_->save(capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_), out);
+}
+
+void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
+  progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
+  backend_->scatter_state(*optimizer_);
+  sync_state_to_gpu();
+}
+
+void Trainer::wait_for_saved_checkpoints() {
+  checkpointer_->wait();
+  if (world_ > 1) backend_->sum_over_ranks(0.0);  // a barrier: rank 0's last save is on disk
 }
 
 void Trainer::resume(const std::string& path, std::ostream& out) {
-  if (world_ > 1) MOE_CONFIG_ERROR("resuming a multi-rank run ({} ranks) from a checkpoint is not implemented yet", world_);
-  checkpointer_->wait();
+  wait_for_saved_checkpoints();
   LoadedCheckpoint checkpoint = read_checkpoint(path);
   check_resume_compatible(checkpoint, config_, out);
-  progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
-  sync_state_to_gpu();
+  restore_from(checkpoint);
   furthest_step_ = progress_.step;
   reloads_without_progress_ = 0;
   monitor_->reset();
@@ -72,7 +85,10 @@ bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
     furthest_step_ = done;
     reloads_without_progress_ = 0;
   }
-  const bool stopping = stop_requested() || done == tc.stop_at;
+  // A signal may reach only some ranks: they all stop (and save) together.
+  bool signalled = stop_requested();
+  if (world_ > 1) signalled = backend_->sum_over_ranks(signalled ? 1.0 : 0.0) > 0;
+  const bool stopping = signalled || done == tc.stop_at;
   const int64_t interval = config_.checkpoint.interval;
   if (checkpointer_->enabled() && (stopping || done == tc.steps || (interval > 0 && done % interval == 0))) {
     // A skipped step may have come from non-finite weights: never save those.
@@ -81,7 +97,7 @@ bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
   }
   if (!stopping) return false;
   checkpointer_->wait();  // the process may exit right after run()
-  const std::string why = stop_requested() ? signal_name(stop_signal()) : "training.stop_at";
+  const std::string why = signalled ? signal_name(stop_signal()) : "training.stop_at";
   fmt::print(out, "stopping after step {} ({}){}\n", done, why,
              checkpointer_->enabled() ? "" : "; checkpoint.dir is empty, nothing saved");
   out.flush();
@@ -90,7 +106,7 @@ bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
 
 void Trainer::reload_after_faults(const StepStats& stats, std::ostream& out) {
   const TrainingConfig& tc = config_.training;
-  checkpointer_->wait();
+  wait_for_saved_checkpoints();
   const auto latest =
       checkpointer_->enabled() ? latest_checkpoint(config_.checkpoint.dir) : std::optional<std::filesystem::path>();
   if (!latest)
@@ -104,8 +120,7 @@ void Trainer::reload_after_faults(const StepStats& stats, std::ostream& out) {
   const int64_t reloads = progress_.nan_reloads + 1;
   const int64_t skipped = progress_.skipped_steps;
   LoadedCheckpoint checkpoint = read_checkpoint(*latest);
-  progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
-  sync_state_to_gpu();
+  restore_from(checkpoint);
   progress_.lr_scale = lr_scale;
   progress_.nan_reloads = reloads;
   progress_.skipped_steps = skipped;

@@ -170,8 +170,10 @@ Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_dat
   if (!parallel && wants_gpu()) setup_gpu();
   plan_batches();  // checkpoint_trainer.cpp: may halve the micro-batch under training.memory_limit_mb
   micro_steps_ /= world_;  // each rank reads 1/world of the global batch (setup_parallel checked divisibility)
+  // On the CPU ranks the optimizer state is sharded by the backend; this AdamW then only
+  // holds the whole state when a checkpoint is saved or restored.
+  optimizer_ = std::make_unique<AdamW>(config_.optimizer, model_->params());
   if (!parallel) {
-    optimizer_ = std::make_unique<AdamW>(config_.optimizer, model_->params());
     backend_ = gpu_ ? make_gpu_backend() : std::make_unique<CpuBackend>(config_, *model_, *optimizer_);
   }
   inputs_BS_.resize(static_cast<size_t>(tokens_per_micro));
@@ -201,9 +203,11 @@ bool Trainer::setup_parallel(std::unique_ptr<dist::Communicator> world) {
     MOE_CONFIG_ERROR("training.device = {} with parallel.backend = {} ({} ranks): multi-rank GPU training needs "
                      "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
                      config_.training.device, world->backend(), world_);
-  if (!config_.checkpoint.dir.empty())
-    MOE_CONFIG_ERROR("checkpoint.dir: checkpoints of multi-rank runs ({} ranks) are not implemented yet; leave it empty",
-                     world_);
+  // GPU data-parallel ranks are full replicas (rank 0 saves what it holds); under GPU expert
+  // parallelism the experts' moments would first have to come from their holders.
+  if (nccl && pc.expert_parallel > 1 && !config_.checkpoint.dir.empty())
+    MOE_CONFIG_ERROR("checkpoint.dir: checkpoints of expert-parallel GPU runs are not implemented yet; leave it empty "
+                     "or use parallel.expert_parallel = 1");
   const int64_t per_step = world_ * tc.micro_batch * config_.model.seq_len;
   if (tc.global_batch_tokens % per_step != 0)
     MOE_CONFIG_ERROR("training.global_batch_tokens ({}) must be a multiple of ranks x training.micro_batch x "

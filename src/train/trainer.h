@@ -78,6 +78,13 @@ class ModelBackend {
   virtual void take_comm_stats(StepStats& stats) { (void)stats; }
   // The trained weights into the host model (GPU download, expert gather across ranks).
   virtual void sync_host_model() {}
+  // Checkpoints of multi-rank runs. gather_state (collective): afterwards this rank's host
+  // model holds every parameter's current value and `optimizer` every moment and the step
+  // count, in the single-process layout, whatever the backend shards over the ranks.
+  // scatter_state: the reverse, once every rank has loaded the same checkpoint into its
+  // host model and `optimizer`. No-ops where the host model and `optimizer` are the state.
+  virtual void gather_state(AdamW& optimizer) { (void)optimizer; }
+  virtual void scatter_state(AdamW& optimizer) { (void)optimizer; }
 };
 
 namespace dist {
@@ -167,6 +174,11 @@ class Trainer {
   // and the GPU takes theirs after a restore (no-ops on the CPU path).
   void sync_state_from_gpu();
   void sync_state_to_gpu();
+  // Loads a read checkpoint into the model, optimizer and data (every rank), then into the
+  // backend's shards and the GPU.
+  void restore_from(const LoadedCheckpoint& checkpoint);
+  // This rank's checkpoint writer is done and, with several ranks, so is rank 0's.
+  void wait_for_saved_checkpoints();
   // After each step: fault handling, checkpoints, preemption. True: stop the run.
   bool after_step(const StepStats& stats, std::ostream& out);
   void reload_after_faults(const StepStats& stats, std::ostream& out);
