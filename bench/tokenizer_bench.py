@@ -191,14 +191,17 @@ def main():
         print("\nmoe (tokenizer.json), where a timed pass goes (ParallelEncoder::Profile, means over the timed "
               "passes): serial preparation, parallel encoding (idle: the share of threads x encode time that threads "
               "were not encoding: late start, the schedule's tail), serial offsets, parallel copy and join; busy "
-              "thread: MB/s of one thread while it encodes (falls with more threads if they slow each other down)")
-        print("| threads | pass (median) | prep | encode (idle) | offsets | copy | busy thread | chunks |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+              "thread: MB/s of one thread while it encodes (falls with more threads if they slow each other down); "
+              "misses: pieces per MB that a thread's piece cache did not hold (each thread's cache learns only from "
+              "the text that thread encodes)")
+        print("| threads | pass (median) | prep | encode (idle) | offsets | copy | busy thread | misses / MB | chunks |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for threads, ours, *_ in rows:
             print(f"| {threads} | {ours['seconds'] * 1e3:.1f} ms | {ours.get('prep_ms', nan):.3f} ms | "
                   f"{ours.get('encode_ms', nan):.1f} ms ({ours.get('idle_pct', nan):.1f}%) | "
                   f"{ours.get('offsets_ms', nan):.3f} ms | {ours.get('copy_ms', nan):.2f} ms | "
-                  f"{ours.get('busy_thread_mb_per_s', nan):.1f} MB/s | {ours['chunks']} |")
+                  f"{ours.get('busy_thread_mb_per_s', nan):.1f} MB/s | {ours.get('cache_misses_per_mb', nan):.0f} | "
+                  f"{ours['chunks']} |")
 
 
 if __name__ == "__main__":

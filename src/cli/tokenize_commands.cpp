@@ -88,17 +88,19 @@ int run_tokenizer_bench(const TokenizerBenchOptions& options) {
   // Per timed pass: serial preparation, parallel encoding (and the share of it threads were
   // idle: late start, the schedule's tail), serial offsets, parallel copy; and the encoding
   // speed of one busy thread (if it falls as threads are added, the threads slow each other
-  // down: shared cache, memory, clock; if idle_pct or the serial parts grow, it is Amdahl).
+  // down: shared cache, memory, clock; if idle_pct or the serial parts grow, it is Amdahl);
+  // piece-cache misses per MB (each thread's cache only learns from the text it encodes).
   const ParallelEncoder::Profile& p = encoder.profile();
   const double n = static_cast<double>(std::max<int64_t>(p.passes, 1)), ms = 1e3 / n;
   const double idle = 1.0 - p.busy_seconds / std::max(p.encode_seconds * options.threads, 1e-12);
   fmt::print("bench: threads={} docs={} copies={} corpus_bytes={} bytes={} tokens={} chunks={} passes_per_sample={} "
              "samples={} seconds={:.5f} mb_per_s={:.2f} mb_per_s_min={:.2f} mb_per_s_max={:.2f} prep_ms={:.3f} "
-             "encode_ms={:.3f} idle_pct={:.2f} offsets_ms={:.3f} copy_ms={:.3f} busy_thread_mb_per_s={:.2f}\n",
+             "encode_ms={:.3f} idle_pct={:.2f} offsets_ms={:.3f} copy_ms={:.3f} busy_thread_mb_per_s={:.2f} "
+             "cache_misses_per_mb={:.1f}\n",
              options.threads, texts.size(), copies, corpus_bytes, bytes, tokens, encoder.last_chunks(), passes,
              options.repeats, median, mb / median, mb / seconds.back(), mb / seconds.front(), p.prep_seconds * ms,
              p.encode_seconds * ms, 100 * idle, p.offsets_seconds * ms, p.copy_seconds * ms,
-             mb * n / std::max(p.busy_seconds, 1e-12));
+             mb * n / std::max(p.busy_seconds, 1e-12), static_cast<double>(p.cache_misses) / n / mb);
   return 0;
 }
 

@@ -88,6 +88,7 @@ struct PieceCache {
 };
 
 thread_local PieceCache thread_cache;
+thread_local uint64_t thread_cache_misses = 0;  // over every tokenizer this thread used
 std::atomic<uint64_t> next_serial{1};
 
 }  // namespace
@@ -260,6 +261,7 @@ void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vect
     return;
   }
 
+  ++thread_cache_misses;
   const size_t start = out.size();
   auto whole = (model_.ignore_merges || model_.tiktoken_ranks) ? ids_.find(std::string(piece)) : ids_.end();
   if (whole != ids_.end()) out.push_back(whole->second);
@@ -279,6 +281,8 @@ void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vect
     cache.long_pieces.emplace(std::string(piece), std::pair{offset, static_cast<uint32_t>(count)});
   }
 }
+
+uint64_t BpeTokenizer::cache_misses_on_this_thread() const { return thread_cache_misses; }
 
 void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& out) const {
   std::string normalized;

@@ -60,6 +60,8 @@ class BpeTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return static_cast<int64_t>(model_.vocab.size()); }
   int32_t eos_id() const override;
   std::string name() const override { return name_; }
+  // Pieces found in neither of this thread's piece caches (then merged or looked up whole).
+  uint64_t cache_misses_on_this_thread() const override;
 
   const BpeModel& model() const { return model_; }
   // The id of a token given by its bytes, or -1.

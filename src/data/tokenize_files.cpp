@@ -126,6 +126,7 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
   {
     ThreadState& me = states_[static_cast<size_t>(omp_get_thread_num())];
     const auto start = Clock::now();
+    const uint64_t misses_before = tokenizer_.cache_misses_on_this_thread();
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t k = 0; k < n_chunks; ++k) {
       const uint32_t c = schedule_[static_cast<size_t>(k)];
@@ -140,6 +141,7 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
       }
     }
     me.busy_seconds = seconds(Clock::now() - start);
+    me.cache_misses = tokenizer_.cache_misses_on_this_thread() - misses_before;
 #pragma omp barrier
     // Every chunk is encoded: its place in the output follows from the counts of the chunks
     // before it (chunks_ is in document order). O(chunks), serial, while the others wait.
@@ -177,7 +179,7 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
   profile_.passes += 1;
   profile_.prep_seconds += seconds(forked - entered);
   profile_.encode_seconds += seconds(encoded - forked);
-  for (const ThreadState& s : states_) profile_.busy_seconds += s.busy_seconds;
+  for (const ThreadState& s : states_) profile_.busy_seconds += s.busy_seconds, profile_.cache_misses += s.cache_misses;
   profile_.offsets_seconds += seconds(placed - encoded);
   profile_.copy_seconds += seconds(joined - placed);
 }

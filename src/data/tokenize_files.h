@@ -62,6 +62,7 @@ class ParallelEncoder {
     double busy_seconds = 0;      // summed over threads: time spent encoding chunks
     double offsets_seconds = 0;   // serial: the prefix sum over chunks, sizing the output
     double copy_seconds = 0;      // the parallel copy into place, and the join
+    uint64_t cache_misses = 0;    // summed over threads: Tokenizer::cache_misses_on_this_thread's growth
   };
   const Profile& profile() const { return profile_; }
   void reset_profile() { profile_ = {}; }
@@ -79,6 +80,7 @@ class ParallelEncoder {
     std::vector<int32_t> ids;       // the ids of this thread's chunks, in the order encoded
     std::vector<Encoded> encoded;
     double busy_seconds = 0;
+    uint64_t cache_misses = 0;      // this pass's
   };
   const Tokenizer& tokenizer_;
   int threads_;

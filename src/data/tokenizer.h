@@ -40,6 +40,9 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   virtual int32_t eos_id() const = 0;
   virtual std::string name() const = 0;
+  // For profiling: the texts this thread has encoded without help from the tokenizer's
+  // caches so far (BPE: pieces merged from bytes), counted per thread from its start.
+  virtual uint64_t cache_misses_on_this_thread() const { return 0; }
 };
 
 // Every byte is its own token, so any input (including invalid UTF-8) round-trips.

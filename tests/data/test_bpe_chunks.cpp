@@ -303,6 +303,25 @@ TEST(ParallelEncoder, ManyThreadsFewDocuments) {
   }
 }
 
+// The profile counts the piece-cache misses: every piece of a fresh tokenizer misses once
+// per thread, and a second pass over the same documents on one thread misses far less.
+TEST(ParallelEncoder, ProfileCountsPieceCacheMisses) {
+  const std::vector<std::string> sample = corpus_sample(60'000);
+  BpeTokenizer tok(trained(sample, PretokPattern::Llama3), "llama3");
+  const std::vector<std::string_view> views(sample.begin(), sample.end());
+  ParallelEncoder encoder(tok, 1);
+  encoder.encode(views);
+  const uint64_t first = encoder.profile().cache_misses;
+  EXPECT_GT(first, 100u);
+  encoder.reset_profile();
+  encoder.encode(views);
+  EXPECT_LT(encoder.profile().cache_misses * 10, first);
+  ByteTokenizer bytes;
+  ParallelEncoder byte_encoder(bytes, 2);
+  byte_encoder.encode(views);
+  EXPECT_EQ(byte_encoder.profile().cache_misses, 0u);  // no cache to miss
+}
+
 // Empty documents (alone, first, last, between) and the empty batch; `out` reused from a
 // larger batch shrinks to the new one, and grows again.
 TEST(ParallelEncoder, EmptyDocumentsAndReuse) {
