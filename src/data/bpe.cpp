@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <queue>
 
 #include "core/error.h"
@@ -33,7 +34,11 @@ struct StringHash {
 // access (node-based hash maps cost several dependent misses once 16 threads' copies no
 // longer fit in the shared L3). The table starts at 512 KiB and doubles, up to 8 MiB,
 // while entries keep being evicted: a miss (a BPE merge) costs ~10x an access to memory.
-// Longer pieces go to a bounded hash map with the ids in one arena.
+// Longer pieces go to a bounded hash map with the ids in one arena. Behind it, a table
+// shared by the threads (SharedLines) holds the short pieces every thread merged, so that
+// with T threads a piece is merged about once, not T times (each thread's own cache only
+// sees 1/T of the text: 6,724 misses per MB at 32 threads against 1,365 at one, before).
+// Threads hand their new lines over and the table is republished between passes.
 struct alignas(64) CacheLine {
   uint64_t hash;  // 0: empty
   uint8_t key_len, n_ids;
@@ -91,7 +96,55 @@ thread_local PieceCache thread_cache;
 thread_local uint64_t thread_cache_misses = 0;  // over every tokenizer this thread used
 std::atomic<uint64_t> next_serial{1};
 
+// Lines every thread has learnt (BpeTokenizer::publish_shared_cache): open addressing with
+// linear probing over whole lines, at most half full, immutable once published.
+struct SharedLines {
+  std::vector<CacheLine> lines;
+  size_t mask = 0, used = 0;
+
+  explicit SharedLines(size_t capacity) : lines(capacity, CacheLine{}), mask(capacity - 1) {}
+  const CacheLine* find(uint64_t hash, std::string_view piece) const {
+    for (size_t slot = hash & mask;; slot = (slot + 1) & mask) {
+      const CacheLine& line = lines[slot];
+      if (line.hash == 0) return nullptr;
+      if (PieceCache::holds(line, hash, piece)) return &line;
+    }
+  }
+  void insert(const CacheLine& entry) {
+    const std::string_view key(entry.key, entry.key_len);
+    for (size_t slot = entry.hash & mask;; slot = (slot + 1) & mask) {
+      CacheLine& line = lines[slot];
+      if (line.hash == 0) {
+        line = entry;
+        ++used;
+        return;
+      }
+      if (PieceCache::holds(line, entry.hash, key)) return;  // learnt by another thread too
+    }
+  }
+};
+
+// Lines one thread merged since it last shared them (bounded: the rest it keeps to itself).
+constexpr size_t kMaxFreshLines = size_t{1} << 16;
+// The shared table stops growing at 2^21 lines (128 MiB, half full).
+constexpr size_t kMaxSharedCapacity = size_t{1} << 22;
+
+struct ThreadShared {  // per thread: what it has not shared yet, and the table it reads
+  uint64_t owner = 0;
+  std::vector<CacheLine> fresh;
+  uint64_t version = 0;
+  std::shared_ptr<const SharedLines> table;
+};
+thread_local ThreadShared thread_shared;
+
 }  // namespace
+
+struct BpeTokenizer::SharedCache {
+  std::mutex mutex;
+  std::vector<CacheLine> staged;               // handed over, not yet published
+  std::shared_ptr<const SharedLines> table;    // guarded by mutex; readers copy it when version moves
+  std::atomic<uint64_t> version{0};
+};
 
 const std::array<std::string, 256>& byte_level_chars() {
   static const std::array<std::string, 256> chars = [] {
@@ -111,7 +164,8 @@ const std::array<std::string, 256>& byte_level_chars() {
 }
 
 BpeTokenizer::BpeTokenizer(BpeModel model, std::string name)
-    : model_(std::move(model)), name_(std::move(name)), serial_(next_serial++) {
+    : model_(std::move(model)), name_(std::move(name)), serial_(next_serial++),
+      shared_(std::make_shared<SharedCache>()) {
   for (const AddedToken& t : model_.added) {
     MOE_CHECK(t.id >= 0, "added token '{}' has a negative id", t.content);
     if (static_cast<size_t>(t.id) >= model_.vocab.size()) model_.vocab.resize(static_cast<size_t>(t.id) + 1);
@@ -254,6 +308,14 @@ void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vect
       }
     }
   }
+  // What another thread learnt and shared: copied into this thread's cache.
+  if (short_piece && thread_shared.table) {
+    if (const CacheLine* line = thread_shared.table->find(hash, piece)) {
+      out.insert(out.end(), line->ids, line->ids + line->n_ids);
+      cache.insert_line(hash) = *line;
+      return;
+    }
+  }
   // Not in a line: long, or short with more ids than a line holds (or not seen yet).
   if (auto it = cache.long_pieces.find(piece); it != cache.long_pieces.end()) {
     const auto begin = cache.arena.begin() + it->second.first;
@@ -274,6 +336,7 @@ void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vect
     line.n_ids = static_cast<uint8_t>(count);
     std::memcpy(line.key, piece.data(), piece.size());
     std::copy(out.begin() + static_cast<ptrdiff_t>(start), out.end(), line.ids);
+    if (thread_shared.fresh.size() < kMaxFreshLines) thread_shared.fresh.push_back(line);
   } else {
     if (cache.long_pieces.size() >= kMaxLongEntries) cache.long_pieces.clear(), cache.arena.clear();
     const auto offset = static_cast<uint32_t>(cache.arena.size());
@@ -283,6 +346,38 @@ void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vect
 }
 
 uint64_t BpeTokenizer::cache_misses_on_this_thread() const { return thread_cache_misses; }
+
+void BpeTokenizer::share_this_threads_cache() const {
+  ThreadShared& shared = thread_shared;
+  if (shared.owner != serial_ || shared.fresh.empty()) return;
+  std::lock_guard lock(shared_->mutex);
+  shared_->staged.insert(shared_->staged.end(), shared.fresh.begin(), shared.fresh.end());
+  shared.fresh.clear();
+}
+
+// Publishing copies the table (readers may hold the old one), so it waits until the lines
+// handed over are at least 1/8 of those published: each line is copied ~8 times at most.
+void BpeTokenizer::publish_shared_cache() const {
+  std::lock_guard lock(shared_->mutex);
+  const SharedLines* old = shared_->table.get();
+  if (old && 2 * (old->used + 1) > old->lines.size() && old->lines.size() >= kMaxSharedCapacity)
+    shared_->staged.clear();  // full for good
+  if (shared_->staged.empty() || (old && 8 * shared_->staged.size() < old->used)) return;
+  const size_t wanted = 2 * ((old ? old->used : 0) + shared_->staged.size());
+  size_t capacity = size_t{1} << 12;
+  while (capacity < wanted && capacity < kMaxSharedCapacity) capacity *= 2;
+  auto table = std::make_shared<SharedLines>(capacity);
+  if (old)
+    for (const CacheLine& line : old->lines)
+      if (line.hash != 0) table->insert(line);
+  for (const CacheLine& line : shared_->staged) {
+    if (2 * (table->used + 1) > capacity) break;  // full: what is left stays per thread
+    table->insert(line);
+  }
+  shared_->staged.clear();
+  shared_->table = std::move(table);
+  shared_->version.fetch_add(1, std::memory_order_release);
+}
 
 void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& out) const {
   std::string normalized;
@@ -307,6 +402,13 @@ void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& o
   }
   PieceCache& cache = thread_cache;
   if (cache.owner != serial_) cache.reset(serial_);
+  ThreadShared& shared = thread_shared;
+  if (shared.owner != serial_) shared = ThreadShared{serial_};
+  if (const uint64_t version = shared_->version.load(std::memory_order_acquire); version != shared.version) {
+    std::lock_guard lock(shared_->mutex);
+    shared.table = shared_->table;
+    shared.version = shared_->version.load(std::memory_order_relaxed);
+  }
   constexpr size_t kAhead = 8;
   for (size_t i = 0, begin = 0; i < ends.size(); begin = ends[i++]) {
     if (i + kAhead < ends.size()) {

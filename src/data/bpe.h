@@ -7,6 +7,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -60,8 +61,12 @@ class BpeTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return static_cast<int64_t>(model_.vocab.size()); }
   int32_t eos_id() const override;
   std::string name() const override { return name_; }
-  // Pieces found in neither of this thread's piece caches (then merged or looked up whole).
+  // Pieces found in none of the piece caches (then merged or looked up whole).
   uint64_t cache_misses_on_this_thread() const override;
+  // Short pieces a thread merged since it last shared go to a table every thread reads
+  // behind its own cache, so T threads learn each piece once, not T times.
+  void share_this_threads_cache() const override;
+  void publish_shared_cache() const override;
 
   const BpeModel& model() const { return model_; }
   // The id of a token given by its bytes, or -1.
@@ -74,9 +79,12 @@ class BpeTokenizer final : public Tokenizer {
   void merge_piece(std::string_view piece, std::vector<int32_t>& out) const;
   uint64_t find_merge(int32_t left, int32_t right) const;  // (rank << 32 | merged id), or ~0
 
+  struct SharedCache;  // bpe.cpp
+
   BpeModel model_;
   std::string name_;
   uint64_t serial_;  // identifies this instance in the per-thread piece caches
+  std::shared_ptr<SharedCache> shared_;
   std::unordered_map<std::string, int32_t> ids_;
   int32_t byte_ids_[256];
   // Open-addressing table (left, right) -> (rank << 32 | merged id).

@@ -142,6 +142,7 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
     }
     me.busy_seconds = seconds(Clock::now() - start);
     me.cache_misses = tokenizer_.cache_misses_on_this_thread() - misses_before;
+    tokenizer_.share_this_threads_cache();  // published below, for the next pass
 #pragma omp barrier
     // Every chunk is encoded: its place in the output follows from the counts of the chunks
     // before it (chunks_ is in document order). O(chunks), serial, while the others wait.
@@ -162,6 +163,7 @@ void ParallelEncoder::encode(std::span<const std::string_view> texts, TokenizedD
             out.doc_offsets[chunks_[k].doc + 1] = total_ids;  // the document's last chunk sets it
           }
           out.tokens.resize(static_cast<size_t>(total_ids));  // zero-fills only growth
+          tokenizer_.publish_shared_cache();  // what the threads learnt, for the next pass
         } catch (...) {
           error = std::current_exception();
         }

@@ -60,7 +60,7 @@ class ParallelEncoder {
     double prep_seconds = 0;      // serial: sizes, cuts, schedule order
     double encode_seconds = 0;    // from the fork until the last thread finished encoding
     double busy_seconds = 0;      // summed over threads: time spent encoding chunks
-    double offsets_seconds = 0;   // serial: the prefix sum over chunks, sizing the output
+    double offsets_seconds = 0;   // serial: the prefix sum over chunks, sizing the output, sharing caches
     double copy_seconds = 0;      // the parallel copy into place, and the join
     uint64_t cache_misses = 0;    // summed over threads: Tokenizer::cache_misses_on_this_thread's growth
   };

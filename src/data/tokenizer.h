@@ -43,6 +43,12 @@ class Tokenizer {
   // For profiling: the texts this thread has encoded without help from the tokenizer's
   // caches so far (BPE: pieces merged from bytes), counted per thread from its start.
   virtual uint64_t cache_misses_on_this_thread() const { return 0; }
+  // Caches shared between threads, for encoders that run passes over many threads
+  // (ParallelEncoder): at the end of its part of a pass each thread hands over what it
+  // learnt (share_this_threads_cache), then one thread, while the others wait, makes all
+  // of it visible to every thread (publish_shared_cache). Results never change.
+  virtual void share_this_threads_cache() const {}
+  virtual void publish_shared_cache() const {}
 };
 
 // Every byte is its own token, so any input (including invalid UTF-8) round-trips.

@@ -303,19 +303,27 @@ TEST(ParallelEncoder, ManyThreadsFewDocuments) {
   }
 }
 
-// The profile counts the piece-cache misses: every piece of a fresh tokenizer misses once
-// per thread, and a second pass over the same documents on one thread misses far less.
-TEST(ParallelEncoder, ProfileCountsPieceCacheMisses) {
+// The profile counts the piece-cache misses: a fresh tokenizer misses every piece once,
+// and a second pass over the same documents misses far less, on one thread and on many
+// (what each thread learnt in the first pass is shared with the others before the
+// second). The ids never change.
+TEST(ParallelEncoder, ProfileCountsPieceCacheMissesAndThreadsShareWhatTheyLearn) {
   const std::vector<std::string> sample = corpus_sample(60'000);
-  BpeTokenizer tok(trained(sample, PretokPattern::Llama3), "llama3");
   const std::vector<std::string_view> views(sample.begin(), sample.end());
-  ParallelEncoder encoder(tok, 1);
-  encoder.encode(views);
-  const uint64_t first = encoder.profile().cache_misses;
-  EXPECT_GT(first, 100u);
-  encoder.reset_profile();
-  encoder.encode(views);
-  EXPECT_LT(encoder.profile().cache_misses * 10, first);
+  for (int threads : {1, 8}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    BpeTokenizer tok(trained(sample, PretokPattern::Llama3), "llama3");
+    ParallelEncoder encoder(tok, threads);
+    encoder.chunk_min = encoder.chunk_max = 512;  // many chunks, spread over the threads
+    const TokenizedDocuments first_ids = encoder.encode(views);
+    const uint64_t first = encoder.profile().cache_misses;
+    EXPECT_GT(first, 100u);
+    encoder.reset_profile();
+    const TokenizedDocuments second_ids = encoder.encode(views);
+    EXPECT_LT(encoder.profile().cache_misses * 10, first);
+    EXPECT_TRUE(second_ids.tokens == first_ids.tokens);
+    EXPECT_TRUE(first_ids.tokens == whole_documents(tok, views).tokens);
+  }
   ByteTokenizer bytes;
   ParallelEncoder byte_encoder(bytes, 2);
   byte_encoder.encode(views);
