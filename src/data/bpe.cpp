@@ -126,8 +126,8 @@ struct SharedLines {
 
 // Lines one thread merged since it last shared them (bounded: the rest it keeps to itself).
 constexpr size_t kMaxFreshLines = size_t{1} << 16;
-// The shared table stops growing at 2^21 lines (128 MiB, half full).
-constexpr size_t kMaxSharedCapacity = size_t{1} << 22;
+// The shared table stops growing at 2^21 lines (128 MiB; up to 2^20 pieces, half full).
+constexpr size_t kMaxSharedCapacity = size_t{1} << 21;
 
 struct ThreadShared {  // per thread: what it has not shared yet, and the table it reads
   uint64_t owner = 0;
