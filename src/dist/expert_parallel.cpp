@@ -17,6 +17,38 @@ ExpertPlacement ExpertPlacement::contiguous(int64_t n_experts, int ep_size) {
   return ExpertPlacement(std::move(rank_of), ep_size);
 }
 
+ExpertPlacement ExpertPlacement::balanced(const std::vector<int64_t>& load_E, int ep_size) {
+  const auto n_experts = static_cast<int64_t>(load_E.size());
+  MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
+            n_experts, ep_size);
+  std::vector<int64_t> order(static_cast<size_t>(n_experts));
+  for (int64_t e = 0; e < n_experts; ++e) order[static_cast<size_t>(e)] = e;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return load_E[static_cast<size_t>(a)] > load_E[static_cast<size_t>(b)];
+  });
+  const int64_t per_rank = n_experts / ep_size;
+  std::vector<int64_t> rank_load(static_cast<size_t>(ep_size), 0), rank_count(static_cast<size_t>(ep_size), 0);
+  std::vector<int> rank_of(static_cast<size_t>(n_experts), 0);
+  for (int64_t e : order) {
+    int best = -1;
+    for (int r = 0; r < ep_size; ++r)
+      if (rank_count[static_cast<size_t>(r)] < per_rank &&
+          (best < 0 || rank_load[static_cast<size_t>(r)] < rank_load[static_cast<size_t>(best)]))
+        best = r;
+    rank_of[static_cast<size_t>(e)] = best;
+    rank_load[static_cast<size_t>(best)] += load_E[static_cast<size_t>(e)];
+    ++rank_count[static_cast<size_t>(best)];
+  }
+  return ExpertPlacement(std::move(rank_of), ep_size);
+}
+
+std::vector<int64_t> ExpertPlacement::rank_loads(const std::vector<int64_t>& load_E) const {
+  MOE_CHECK(static_cast<int64_t>(load_E.size()) == n_experts(), "{} loads for {} experts", load_E.size(), n_experts());
+  std::vector<int64_t> loads(static_cast<size_t>(ep_size()), 0);
+  for (int64_t e = 0; e < n_experts(); ++e) loads[static_cast<size_t>(rank_of(e))] += load_E[static_cast<size_t>(e)];
+  return loads;
+}
+
 ExpertPlacement::ExpertPlacement(std::vector<int> rank_of_expert, int ep_size)
     : rank_of_(std::move(rank_of_expert)) {
   MOE_CHECK(ep_size >= 1, "expert-parallel size must be positive, got {}", ep_size);

@@ -30,6 +30,13 @@ class ExpertPlacement {
  public:
   // Expert e on EP rank e / (n_experts / ep_size): contiguous blocks.
   static ExpertPlacement contiguous(int64_t n_experts, int ep_size);
+  // n_experts / ep_size experts per rank, spread so the ranks' summed loads are as even as
+  // a greedy pass makes them: experts by falling load (ties: lower id first), each to the
+  // least loaded rank with room (ties: lower rank). Deterministic, so every rank given the
+  // same loads computes the same placement.
+  static ExpertPlacement balanced(const std::vector<int64_t>& load_E, int ep_size);
+  // The summed load of each rank's experts.
+  std::vector<int64_t> rank_loads(const std::vector<int64_t>& load_E) const;
   // rank_of_expert[e]: the EP rank holding expert e. Slots follow expert order on each rank.
   ExpertPlacement(std::vector<int> rank_of_expert, int ep_size);
 

@@ -132,6 +132,50 @@ void ExpertOptimizer::gather_weights(Communicator& expert_parallel) {
         });
 }
 
+void ExpertOptimizer::migrate(const ExpertPlacement& next, Communicator& expert_parallel) {
+  MOE_CHECK(next.n_experts() == placement_.n_experts() && next.ep_size() == placement_.ep_size(),
+            "expert migration: a placement of {} experts over {} ranks replaces one of {} over {}", next.n_experts(),
+            next.ep_size(), placement_.n_experts(), placement_.ep_size());
+  const auto held_next = static_cast<int64_t>(next.experts_of(ep_rank_).size());
+  for (LayerState& layer : layers_) {
+    int64_t packed = 0;
+    for (size_t i = 0; i < layer.layer.ids.size(); ++i) {
+      const int id = layer.layer.ids[i];
+      const int64_t n = per_expert(id);
+      std::vector<float> m(static_cast<size_t>(held_next * n)), v(static_cast<size_t>(held_next * n)), moving;
+      for (int64_t expert = 0; expert < placement_.n_experts(); ++expert) {
+        const int from = placement_.rank_of(expert), to = next.rank_of(expert);
+        const int64_t old_slot = placement_.slot_of(expert), new_slot = next.slot_of(expert);
+        if (from == to) {
+          if (to == ep_rank_) {
+            std::copy_n(layer.m[i].data() + old_slot * n, n, m.data() + new_slot * n);
+            std::copy_n(layer.v[i].data() + old_slot * n, n, v.data() + new_slot * n);
+          }
+          continue;
+        }
+        // Weights (every rank's copy, as gather_weights) and the two moments, from the old holder.
+        moving.assign(static_cast<size_t>(2 * n), 0.0f);
+        if (from == ep_rank_) {
+          std::copy_n(layer.m[i].data() + old_slot * n, n, moving.data());
+          std::copy_n(layer.v[i].data() + old_slot * n, n, moving.data() + n);
+        }
+        timed_blocking(stats_, [&] {
+          expert_parallel.broadcast(params_.value(id) + expert * n, static_cast<size_t>(n), DType::f32, from);
+          expert_parallel.broadcast(moving.data(), moving.size(), DType::f32, from);
+        });
+        if (to == ep_rank_) {
+          std::copy_n(moving.data(), n, m.data() + new_slot * n);
+          std::copy_n(moving.data() + n, n, v.data() + new_slot * n);
+        }
+      }
+      layer.m[i] = std::move(m);
+      layer.v[i] = std::move(v);
+      packed += held_next * n;
+    }
+    layer.buffer.assign(static_cast<size_t>(packed), 0.0f);
+  }
+}
+
 void ExpertOptimizer::gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
                                      std::vector<float>& m, std::vector<float>& v) {
   for (const LayerState& layer : layers_)

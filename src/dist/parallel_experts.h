@@ -41,6 +41,11 @@ class ExpertOptimizer {
   void step(double lr);
   // Every rank of the EP group gets every expert's current weights (broadcast from its holder).
   void gather_weights(Communicator& expert_parallel);
+  // Before the placement this optimizer reads changes to `next` (dynamic load balancing):
+  // each expert that changes rank takes its current weights and AdamW moments from its
+  // old holder to its new one. Collective over the EP group; the caller then assigns
+  // `next` to the placement.
+  void migrate(const ExpertPlacement& next, Communicator& expert_parallel);
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   // Checkpoints: every expert's moments into the single-process AdamW layout (id's moments

@@ -228,6 +228,25 @@ void ParallelCpuBackend::apply_update(double lr) {
 
 void ParallelCpuBackend::end_step() {
   for (auto* layer : model_.moe_layers()) layer->reset_load();
+  if (experts_ && config_.parallel.rebalance_interval > 0) rebalance_experts();
+}
+
+// Dynamic load balancing: the global loads are the same on every rank, so every rank
+// computes the same placement; moved experts take their weights and moments along.
+void ParallelCpuBackend::rebalance_experts() {
+  load_since_placement_.resize(static_cast<size_t>(config_.model.moe.n_experts), 0);
+  for (const auto& layer : global_load_)
+    for (size_t e = 0; e < layer.size(); ++e) load_since_placement_[e] += layer[e];
+  if (++steps_since_placement_ < config_.parallel.rebalance_interval) return;
+  const ExpertPlacement next = ExpertPlacement::balanced(load_since_placement_, placement_->ep_size());
+  // Only a better spread is worth the moves (ties keep the experts where they are).
+  const auto now = placement_->rank_loads(load_since_placement_), then = next.rank_loads(load_since_placement_);
+  if (*std::max_element(then.begin(), then.end()) < *std::max_element(now.begin(), now.end())) {
+    experts_->migrate(next, *groups_.expert_parallel);
+    *placement_ = next;
+  }
+  std::fill(load_since_placement_.begin(), load_since_placement_.end(), 0);
+  steps_since_placement_ = 0;
 }
 
 double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value); }

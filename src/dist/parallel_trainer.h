@@ -88,6 +88,11 @@ class ParallelCpuBackend final : public ModelBackend {
   // needs their expert group per parameter id (-1: not an expert weight).
   std::vector<int> expert_group_of_id_;
   int64_t n_expert_groups_ = 0;
+  // parallel.rebalance_interval: the experts' load summed over the MoE layers since the
+  // last placement, and the steps since then.
+  std::vector<int64_t> load_since_placement_;
+  int64_t steps_since_placement_ = 0;
+  void rebalance_experts();
   double ce_weight_ = 1;                            // this rank's share of the micro-batch's targets
   std::vector<std::vector<int64_t>> global_load_;   // per MoE layer: the step's load summed over ranks
 };

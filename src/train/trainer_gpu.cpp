@@ -79,6 +79,10 @@ void Trainer::check_gpu_data_parallel() const {
                      ep, config_.training.recompute_experts);
   if (config_.model.moe.n_experts % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config_.model.moe.n_experts);
+  if (config_.parallel.rebalance_interval > 0)
+    MOE_CONFIG_ERROR("parallel.rebalance_interval = {}: re-placing experts by load is not done on the GPU yet (the "
+                     "GPU keeps contiguous blocks); set it to 0",
+                     config_.parallel.rebalance_interval);
 }
 
 bool Trainer::wants_gpu() const {

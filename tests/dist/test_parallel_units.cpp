@@ -4,6 +4,9 @@
 // by threads. Training across real ranks: test_parallel_mpi_training.cpp (label mpi).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
+
 #include <barrier>
 #include <optional>
 #include <thread>
@@ -31,6 +34,36 @@ TEST(ExpertPlacement, ContiguousBlocksAndExplicitMaps) {
   EXPECT_FALSE(blocks == round_robin);
   EXPECT_THROW(dist::ExpertPlacement::contiguous(6, 4), Error);
   EXPECT_THROW(dist::ExpertPlacement({0, 2}, 2), Error);
+}
+
+// Dynamic load balancing's placement: the same number of experts per rank, the heaviest
+// experts apart, and a spread no worse than the contiguous blocks on random loads.
+TEST(ExpertPlacement, BalancedByLoad) {
+  // Two hot experts in the first block: contiguous puts 90 + 80 on rank 0.
+  const std::vector<int64_t> load = {90, 80, 5, 5, 4, 3, 2, 1};
+  const auto balanced = dist::ExpertPlacement::balanced(load, 2);
+  EXPECT_EQ(balanced.experts_of(0), (std::vector<int64_t>{0, 4, 6, 7}));  // 90, 4, 2, 1
+  EXPECT_EQ(balanced.experts_of(1), (std::vector<int64_t>{1, 2, 3, 5}));  // 80, 5, 5, 3
+  EXPECT_EQ(balanced.rank_loads(load), (std::vector<int64_t>{97, 93}));
+  EXPECT_EQ(dist::ExpertPlacement::contiguous(8, 2).rank_loads(load), (std::vector<int64_t>{180, 10}));
+  // Equal loads: experts in id order, each to the emptiest rank, ties to the lower rank.
+  const auto even = dist::ExpertPlacement::balanced(std::vector<int64_t>(8, 7), 4);
+  EXPECT_EQ(even.experts_of(0), (std::vector<int64_t>{0, 4}));
+  EXPECT_EQ(even.experts_of(3), (std::vector<int64_t>{3, 7}));
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int ranks = 1 << (trial % 4);
+    std::vector<int64_t> random(static_cast<size_t>(ranks * (1 + trial % 5)));
+    for (auto& l : random) l = static_cast<int64_t>(rng() % 1000);
+    const auto placed = dist::ExpertPlacement::balanced(random, ranks);
+    for (int r = 0; r < ranks; ++r)
+      EXPECT_EQ(placed.experts_of(r).size(), random.size() / static_cast<size_t>(ranks));
+    const auto mine = placed.rank_loads(random);
+    const auto blocks = dist::ExpertPlacement::contiguous(static_cast<int64_t>(random.size()), ranks).rank_loads(random);
+    EXPECT_LE(*std::max_element(mine.begin(), mine.end()), *std::max_element(blocks.begin(), blocks.end()) +
+                                                               *std::max_element(random.begin(), random.end()) / 3);
+  }
+  EXPECT_THROW(dist::ExpertPlacement::balanced({1, 2, 3}, 2), Error);
 }
 
 TEST(RankSlicedSource, RanksReadDisjointSlicesOfTheOneStream) {

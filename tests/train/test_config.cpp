@@ -195,6 +195,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"parallel.expert_parallel=3", {"parallel.expert_parallel", "moe.n_experts"}},
       {"parallel.all_to_all=ring", {"parallel.all_to_all"}},
       {"parallel.a2a_chunks=0", {"parallel.a2a_chunks"}},
+      {"parallel.rebalance_interval=-1", {"parallel.rebalance_interval"}},
       {"parallel.bucket_mb=-1", {"parallel.bucket_mb"}},
       {"parallel.backend=gloo", {"parallel.backend"}},
       {"metrics.peak_tflops=0", {"metrics.peak_tflops", "> 0"}},
@@ -268,6 +269,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.training.recompute_experts = "swiglu"; },
       [](RunConfig& c) { c.parallel.expert_parallel = 2; }, [](RunConfig& c) { c.parallel.all_to_all = "hierarchical"; },
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
+      [](RunConfig& c) { c.parallel.rebalance_interval = 50; },
       [](RunConfig& c) { c.parallel.backend = "mpi"; },
   };
   const std::string default_text = config_to_toml(RunConfig{});
@@ -298,7 +300,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(sizeof(DataConfig), 144u);
   EXPECT_EQ(sizeof(MetricsConfig), 80u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
-  EXPECT_EQ(sizeof(ParallelConfig), 88u);
+  EXPECT_EQ(sizeof(ParallelConfig), 96u);
 }
 
 TEST(Config, DocsDescribeEveryKey) {
