@@ -14,6 +14,7 @@
 #include "dist/rendezvous.h"
 #include "dist/single_communicator.h"
 #include "dist/tcp_communicator.h"
+#include "tcp_ranks.h"
 
 namespace moe::dist {
 namespace {
@@ -67,34 +68,6 @@ TEST(WorldCommunicator, FactoryChecksTheBackendName) {
 #ifndef MOE_HAVE_CUDA
   EXPECT_THROW(make_world_communicator("nccl"), ConfigError);
 #endif
-}
-
-// Runs body(rank) on world_size threads, each with its own tcp world through a
-// rendezvous on a free local port.
-void run_tcp_ranks(int world_size, const std::function<void(std::unique_ptr<Communicator>&, int)>& body) {
-  int port = 0;
-  net::close_fd(net::listen_on(0, 1, &port));
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(world_size);
-  for (int rank = 0; rank < world_size; ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        LaunchEnv env;
-        env.rank = rank;
-        env.world_size = world_size;
-        env.local_size = world_size;
-        env.local_rank = rank;
-        env.master_addr = "127.0.0.1";
-        env.master_port = port;
-        env.source = "torchrun";
-        std::unique_ptr<Communicator> world = make_tcp_world(env);
-        body(world, rank);
-      } catch (const std::exception& e) {
-        errors[rank] = e.what();
-      }
-    });
-  for (std::thread& t : threads) t.join();
-  for (int rank = 0; rank < world_size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
 
 TEST(TcpCommunicator, ThreeRanksInOneProcess) {
