@@ -7,9 +7,11 @@
 #                batch N times larger), data parallel and expert parallel (EP = N): tokens/s
 #                of 1 and N GPUs, the efficiency, and the step's communication wait;
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
-#                and hierarchical with the GPUs split into 2 simulated nodes.
+#                and hierarchical with the GPUs split into 2 simulated nodes;
+#   resume       a data-parallel run of the default model saving at step 4 of 8, resumed
+#                from that checkpoint: steps 5-8 of both runs (rank 0 writes, all read).
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
-# SECTIONS: a comma-separated subset of correctness,scaling,a2a (default: all three).
+# SECTIONS: a comma-separated subset of correctness,scaling,a2a,resume (default: all).
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default.
 # SCALING_ARGS (environment): more overrides for every scaling run, 1 GPU included
 # (e.g. "--moe.capacity_factor=1.25").
@@ -24,7 +26,7 @@ moe=$1
 corpus=$2
 n=${3:-$(nvidia-smi -L | wc -l)}
 out=${4:-multi_gpu_out}
-sections=,${5:-correctness,scaling,a2a},
+sections=,${5:-correctness,scaling,a2a,resume},
 modes=" ${MODES:-dp ep} "
 export NCCL_NVLS_ENABLE=0
 [[ -x $moe ]] || { echo "$0: $moe is not an executable" >&2; exit 2; }
@@ -95,4 +97,17 @@ if [[ $sections == *,a2a,* ]]; then
     echo "$model, one node:";          grep -E "^a2a-bench|^  (flat|hierarchical)" "$out/a2a_$model.txt"
     echo "$model, 2 simulated nodes:"; grep -E "^  hierarchical" "$out/a2a_2nodes_$model.txt"
   done
+fi
+
+if [[ $sections == *,resume,* ]]; then
+  echo "== resume: data parallel over $n GPUs, checkpoint at step 4 of 8"
+  ckpt=$(mktemp -d)
+  run=(-c configs/default.toml --device cuda --data.dir="$corpus" --training.steps=8 --metrics.log_interval=1
+       --parallel.backend=nccl --training.micro_batch=$((8 / n)) --checkpoint.dir="$ckpt" --checkpoint.interval=4)
+  launch train "${run[@]}" > "$out/resume_whole.txt" 2>&1
+  launch train "${run[@]}" --resume "$ckpt/step_00000004" > "$out/resume_after.txt" 2>&1
+  losses() { grep -oE "^step +[5-8]/8 \| loss [0-9.]+" "$1" | awk '{ print $NF }' | paste -sd' '; }
+  echo "uninterrupted, steps 5-8: $(losses "$out/resume_whole.txt")"
+  echo "resumed,       steps 5-8: $(losses "$out/resume_after.txt")"
+  rm -rf "$ckpt"
 fi
