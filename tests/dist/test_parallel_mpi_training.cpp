@@ -236,7 +236,7 @@ TEST(ParallelTraining, RebalancedExpertsMatchOneProcess) {
 // Checkpoints of a multi-rank run: every rank gathers its shards (ZeRO moments, the
 // experts' weights and moments from their holders), rank 0 writes one single-process
 // checkpoint, and a run resumed from it on the same ranks continues bit for bit: the
-// losses and final parameters of the uninterrupted run.
+// losses and final parameters of the uninterrupted run; one process resumes it as well.
 TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
   auto& world = *parallel_world();
   int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
@@ -259,6 +259,16 @@ TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
     EXPECT_EQ(resumed.loss, std::vector<double>(whole.loss.begin() + 4, whole.loss.end()));
     EXPECT_EQ(resumed.grad_norm, std::vector<double>(whole.grad_norm.begin() + 4, whole.grad_norm.end()));
     EXPECT_EQ(resumed.params, whole.params);
+    // The checkpoint is an ordinary one-process checkpoint: one process with the same
+    // global batch continues it too (up to the order of sums).
+    if (world.rank() == 0) {
+      RunConfig single = config;
+      single.training.micro_batch *= world.size();
+      single.parallel = ParallelConfig{};
+      single.checkpoint.dir = (dir / "single").string();
+      const RunResult alone = train(single, dist::make_single_communicator(), (dir / "step_00000004").string());
+      expect_close(alone.loss, resumed.loss, 1e-5, "one process resuming the 4-rank checkpoint");
+    }
     world.barrier();
     if (world.rank() == 0) std::filesystem::remove_all(dir);
   }
