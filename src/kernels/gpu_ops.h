@@ -54,10 +54,13 @@ void cross_entropy_fused(float* loss_T, bf16* dlogits_TV, const float* logits_TV
 
 // Router: scores = softmax or sigmoid(logits / temperature) (fp32), then top-K of
 // scores + bias (bias nullable), weights from the unbiased scores, optionally
-// renormalised. Ties go to the lower expert index, as on the CPU. E <= 1024.
+// renormalised. Ties go to the lower expert index, as on the CPU. E <= 1024. With
+// route_groups > 1 (<= 32) only experts of the route_top_groups best groups are chosen
+// (moe/router.h, RouteGroups).
 void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
                  const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
-                 ScoreFunc score_func, bool renormalize, Stream stream);
+                 ScoreFunc score_func, bool renormalize, Stream stream, int64_t route_groups = 0,
+                 int64_t route_top_groups = 0);
 
 // One AdamW step over a flat fp32 parameter block, writing the bf16 copy used by the
 // forward pass. beta1/beta2 are the config's doubles (the bias corrections use them as

@@ -21,6 +21,11 @@ struct MoEConfig {
   double z_loss_coef = 0.001;     // router z-loss
   bool bias_balancing = false;    // DeepSeek-V3 aux-loss-free balancing
   double bias_update_rate = 0.001;
+  // Group-limited ("node-first") routing: the experts form route_groups equal groups (the
+  // experts of one node, say) and a token takes its K experts from its route_top_groups
+  // best groups only; route_groups <= 1: off.
+  int64_t route_groups = 0;
+  int64_t route_top_groups = 0;
 };
 
 struct ModelConfig {

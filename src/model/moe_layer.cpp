@@ -81,7 +81,8 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
     for (int64_t e = 0; e < E_; ++e) bias_T_[static_cast<size_t>(e)] = static_cast<T>(bias_E_[static_cast<size_t>(e)]);
     selection_bias = bias_T_.data();
   }
-  router_select<T>(expert_TK_, weight_TK_, scores_TE_, selection_bias, T_, E_, K_, cfg_.renormalize);
+  router_select<T>(expert_TK_, weight_TK_, scores_TE_, selection_bias, T_, E_, K_, cfg_.renormalize,
+                   RouteGroups{cfg_.route_groups, cfg_.route_top_groups});
   count_expert_load(load_E_.data(), expert_TK_, T_, E_, K_);
   if (global_batch()) {
     global_router_losses(stats);

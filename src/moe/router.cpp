@@ -135,12 +135,23 @@ void router_scores_backward(T* dlogits_TE, const T* dscores_TE, const T* scores_
   }
 }
 
+void check_route_groups(const RouteGroups& g, int64_t E, int64_t K) {
+  if (!g.on()) return;
+  MOE_CHECK(E % g.groups == 0, "route groups: {} experts do not form {} equal groups", E, g.groups);
+  MOE_CHECK(g.top_groups >= 1 && g.top_groups <= g.groups, "route groups: top {} of {} groups", g.top_groups,
+            g.groups);
+  MOE_CHECK(K <= g.top_groups * (E / g.groups), "route groups: top-{} needs more experts than {} groups of {} hold",
+            K, g.top_groups, E / g.groups);
+}
+
 template <typename T>
 void router_select(int32_t* expert_TK, T* weight_TK, const T* scores_TE, const T* bias_E,
-                   int64_t T_, int64_t E, int64_t K, bool renormalize) {
+                   int64_t T_, int64_t E, int64_t K, bool renormalize, const RouteGroups& groups) {
   check_shape(T_, E);
   check_top_k(E, K);
+  check_route_groups(groups, E, K);
   MOE_CHECK(E <= std::numeric_limits<int32_t>::max(), "expert count {} exceeds int32", E);
+  const int64_t G = groups.on() ? groups.groups : 1, per_group = E / G;
 #pragma omp parallel for schedule(static) if (T_ * E >= kMinParallelWork)
   for (int64_t t = 0; t < T_; ++t) {
     const T* s = scores_TE + t * E;
@@ -149,7 +160,32 @@ void router_select(int32_t* expert_TK, T* weight_TK, const T* scores_TE, const T
       const T k = bias_E ? T(s[e] + bias_E[e]) : s[e];
       return std::isnan(k) ? -std::numeric_limits<T>::infinity() : k;
     };
-    // Order experts by (key descending, index ascending); slot k takes the first expert
+    // Groups: the sum of each group's two best keys (the GPU's arithmetic), then the
+    // top_groups groups by (sum descending, index ascending); 64 groups at most per word.
+    std::vector<bool> group_taken;
+    if (groups.on()) {
+      std::vector<T> group_score(static_cast<size_t>(G));
+      for (int64_t g = 0; g < G; ++g) {
+        T first = -std::numeric_limits<T>::infinity(), second = first;
+        for (int64_t e = g * per_group; e < (g + 1) * per_group; ++e) {
+          const T k = key(e);
+          if (k > first) second = first, first = k;
+          else if (k > second) second = k;
+        }
+        group_score[static_cast<size_t>(g)] = per_group == 1 ? first : T(first + second);
+      }
+      group_taken.assign(static_cast<size_t>(G), false);
+      for (int64_t m = 0; m < groups.top_groups; ++m) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < G; ++g)
+          if (!group_taken[static_cast<size_t>(g)] &&
+              (best < 0 || group_score[static_cast<size_t>(g)] > group_score[static_cast<size_t>(best)]))
+            best = g;
+        group_taken[static_cast<size_t>(best)] = true;
+      }
+    }
+    auto candidate = [&](int64_t e) { return group_taken.empty() || group_taken[static_cast<size_t>(e / per_group)]; };
+    // Order candidates by (key descending, index ascending); slot k takes the first expert
     // after slot k-1's in that order. O(K*E) and no scratch memory.
     int32_t* chosen = expert_TK + t * K;
     T prev_key = std::numeric_limits<T>::infinity();
@@ -158,6 +194,7 @@ void router_select(int32_t* expert_TK, T* weight_TK, const T* scores_TE, const T
       int64_t best = -1;
       T best_key = T(0);
       for (int64_t e = 0; e < E; ++e) {
+        if (!candidate(e)) continue;
         const T ke = key(e);
         const bool after_prev = ke < prev_key || (ke == prev_key && e > prev);
         if (!after_prev) continue;
@@ -317,7 +354,7 @@ void bias_balance_update(float* bias_E, const int64_t* load_E, int64_t E, double
   template void router_scores_backward<T>(T*, const T*, const T*, int64_t, int64_t, double,    \
                                           ScoreFunc);                                          \
   template void router_select<T>(int32_t*, T*, const T*, const T*, int64_t, int64_t, int64_t,  \
-                                 bool);                                                        \
+                                 bool, const RouteGroups&);                                    \
   template void router_select_backward<T>(T*, const T*, const int32_t*, const T*, int64_t,     \
                                           int64_t, int64_t, bool);                             \
   template double aux_loss_forward<T>(const T*, const int32_t*, int64_t, int64_t, int64_t,     \

@@ -25,14 +25,26 @@ template <typename T>
 void router_scores_backward(T* dlogits_TE, const T* dscores_TE, const T* scores_TE, int64_t T_,
                             int64_t E, double temperature, ScoreFunc f);
 
+// Group-limited routing (DeepSeek-V3's node-limited routing): the E experts form `groups`
+// equal groups of consecutive experts; a token first takes the `top_groups` groups whose
+// two best selection keys sum highest (the one key for groups of one; equal sums go to
+// the lower group), then its K experts from those groups only. groups <= 1: off.
+struct RouteGroups {
+  int64_t groups = 0, top_groups = 0;
+  bool on() const { return groups > 1; }
+};
+// Throws unless groups divides E, 1 <= top_groups <= groups and K <= top_groups * E / groups.
+void check_route_groups(const RouteGroups& g, int64_t E, int64_t K);
+
 // Top-K experts of each token by selection score scores_TE + bias_E (bias_E may be null).
 // The bias steers only the choice (DeepSeek-V3): weight_TK is the unbiased score of the
 // chosen expert, divided by the sum of the K chosen unbiased scores when `renormalize`.
 // Slot k = 0 holds the highest selection score; equal selection scores go to the lower
-// expert index. Requires 1 <= K <= E.
+// expert index. Requires 1 <= K <= E. With `groups` on, only experts of the token's
+// chosen groups are candidates (the backward is unchanged: it follows expert_TK).
 template <typename T>
 void router_select(int32_t* expert_TK, T* weight_TK, const T* scores_TE, const T* bias_E,
-                   int64_t T_, int64_t E, int64_t K, bool renormalize);
+                   int64_t T_, int64_t E, int64_t K, bool renormalize, const RouteGroups& groups = {});
 
 // dscores_TE (overwritten; zero for experts a token did not choose) from dweight_TK,
 // through the renormalisation when it was on. The bias gets no gradient.

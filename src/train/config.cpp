@@ -55,6 +55,8 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("moe", "z_loss_coef", e.z_loss_coef);
   visit("moe", "bias_balancing", e.bias_balancing);
   visit("moe", "bias_update_rate", e.bias_update_rate);
+  visit("moe", "route_groups", e.route_groups);
+  visit("moe", "route_top_groups", e.route_top_groups);
   auto& t = c.training;
   visit("training", "steps", t.steps);
   visit("training", "global_batch_tokens", t.global_batch_tokens);
@@ -266,6 +268,18 @@ void check_model(const ModelConfig& m) {
   non_negative_real("moe.aux_loss_coef", e.aux_loss_coef);
   non_negative_real("moe.z_loss_coef", e.z_loss_coef);
   non_negative_real("moe.bias_update_rate", e.bias_update_rate);
+  non_negative("moe.route_groups", e.route_groups);
+  if (e.route_groups > 1) {
+    if (e.n_experts % e.route_groups != 0)
+      fail({"moe.route_groups", "moe.n_experts"},
+           fmt::format("moe.route_groups ({}) must divide moe.n_experts ({})", e.route_groups, e.n_experts));
+    else if (e.route_top_groups < 1 || e.route_top_groups > e.route_groups ||
+             e.top_k > e.route_top_groups * (e.n_experts / e.route_groups))
+      fail({"moe.route_top_groups", "moe.route_groups", "moe.top_k"},
+           fmt::format("moe.route_top_groups must be between 1 and moe.route_groups ({}) and its groups must hold "
+                       "moe.top_k ({}) experts, got {}",
+                       e.route_groups, e.top_k, e.route_top_groups));
+  }
 }
 
 void check_training(const RunConfig& c) {

@@ -104,6 +104,9 @@ void Trainer::setup_gpu() {
   if (c.training.memory_limit_mb > 0)
     MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
                      "an allocation fails");
+  if (c.model.moe.route_groups > 32)
+    MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
+                     c.model.moe.route_groups);
   gpu_.reset(new GpuTransformer(c.model, model_->params(), moment_dtype_from_name(c.optimizer.state_dtype)));
   const int64_t ep = c.parallel.expert_parallel;
   if (gpu_world_ && ep > 1) {

@@ -169,6 +169,7 @@ struct RouterCase {
   ScoreFunc f;
   bool renormalize, bias;
   float temperature;
+  int64_t groups = 0, top_groups = 0;  // group-limited routing (RouteGroups)
 };
 
 class GpuRouter : public ::testing::TestWithParam<RouterCase> {};
@@ -189,25 +190,48 @@ TEST_P(GpuRouter, ScoresAndTopKMatchCpu) {
   std::vector<float> scores_ref(c.T * c.E), weight_ref(c.T * c.K);
   std::vector<int32_t> expert_ref(c.T * c.K);
   router_scores_forward<float>(scores_ref.data(), logits.data(), c.T, c.E, c.temperature, c.f);
+  const RouteGroups groups{c.groups, c.top_groups};
   router_select<float>(expert_ref.data(), weight_ref.data(), scores_ref.data(), c.bias ? bias.data() : nullptr, c.T,
-                       c.E, c.K, c.renormalize);
+                       c.E, c.K, c.renormalize, groups);
 
   auto logits_d = to_device(logits), bias_d = to_device(bias);
   auto scores_d = poisoned<float>(c.T * c.E), weight_d = poisoned<float>(c.T * c.K);
   auto expert_d = poisoned<int32_t>(c.T * c.K);
   cuda::router_topk(scores_d.data(), expert_d.data(), weight_d.data(), logits_d.data(),
-                    c.bias ? bias_d.data() : nullptr, c.T, c.E, c.K, c.temperature, c.f, c.renormalize, nullptr);
+                    c.bias ? bias_d.data() : nullptr, c.T, c.E, c.K, c.temperature, c.f, c.renormalize, nullptr,
+                    c.groups, c.top_groups);
   expect_close("scores", to_host(scores_d), scores_ref, 1e-5, 1e-7);
   auto expert = to_host(expert_d);
   auto weight = to_host(weight_d);
-  // A choice may differ only where the CPU's K-th and (K+1)-th keys are a few roundings
-  // apart (GPU and CPU expf differ in the last bits).
+  // A choice may differ only where the CPU's K-th and (K+1)-th keys (or, with groups, the
+  // last taken and first left group sums) are a few roundings apart (GPU and CPU expf
+  // differ in the last bits).
+  auto close = [](float a, float b) { return a - b <= 4e-6f * std::abs(a) + 1e-7f; };
   int64_t near_ties = 0, mismatches = 0;
   for (int64_t t = 0; t < c.T; ++t) {
     std::vector<float> keys(c.E);
     for (int64_t e = 0; e < c.E; ++e) keys[e] = scores_ref[t * c.E + e] + (c.bias ? bias[e] : 0.0f);
+    bool near_tie = false;
+    if (groups.on()) {
+      const int64_t per_group = c.E / c.groups;
+      std::vector<std::pair<float, int64_t>> sums;  // (-sum, group): ascending = the CPU's order
+      for (int64_t g = 0; g < c.groups; ++g) {
+        std::vector<float> in(keys.begin() + g * per_group, keys.begin() + (g + 1) * per_group);
+        std::sort(in.begin(), in.end(), std::greater<>());
+        sums.push_back({-(per_group == 1 ? in[0] : in[0] + in[1]), g});
+      }
+      std::sort(sums.begin(), sums.end());
+      near_tie = c.top_groups < c.groups && close(-sums[c.top_groups - 1].first, -sums[c.top_groups].first);
+      // Candidates: the experts of the groups the CPU takes.
+      std::vector<float> candidates;
+      for (int64_t m = 0; m < c.top_groups; ++m) {
+        const int64_t g = sums[m].second;
+        candidates.insert(candidates.end(), keys.begin() + g * per_group, keys.begin() + (g + 1) * per_group);
+      }
+      keys = candidates;
+    }
     std::sort(keys.begin(), keys.end(), std::greater<>());
-    const bool near_tie = c.K < c.E && keys[c.K - 1] - keys[c.K] <= 4e-6f * std::abs(keys[c.K - 1]);
+    near_tie = near_tie || (c.K < static_cast<int64_t>(keys.size()) && close(keys[c.K - 1], keys[c.K]));
     near_ties += near_tie;
     for (int64_t k = 0; k < c.K; ++k) {
       const bool same = expert[t * c.K + k] == expert_ref[t * c.K + k];
@@ -226,7 +250,10 @@ INSTANTIATE_TEST_SUITE_P(
                       RouterCase{4097, 128, 2, ScoreFunc::Softmax, true, false, 0.3f},
                       RouterCase{999, 64, 8, ScoreFunc::Sigmoid, true, true, 1.0f},
                       RouterCase{100, 1024, 4, ScoreFunc::Softmax, true, true, 1.0f},
-                      RouterCase{33, 5, 5, ScoreFunc::Sigmoid, false, false, 0.5f}));
+                      RouterCase{33, 5, 5, ScoreFunc::Sigmoid, false, false, 0.5f},
+                      RouterCase{2000, 64, 8, ScoreFunc::Sigmoid, true, true, 1.0f, 8, 4},
+                      RouterCase{999, 128, 2, ScoreFunc::Softmax, true, false, 0.3f, 16, 1},
+                      RouterCase{500, 32, 4, ScoreFunc::Softmax, false, true, 1.0f, 32, 4}));
 
 TEST(GpuAdamW, MatchesCpuAdamWBitForBit) {
   MOE_REQUIRE_GPU();

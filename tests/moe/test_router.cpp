@@ -155,6 +155,70 @@ TEST(RouterSelect, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// Group-limited routing: candidates come only from the top_groups groups whose two best
+// keys sum highest.
+TEST(RouterSelect, GroupLimitedByHand) {
+  // 4 groups of 2. Sums: g0 0.9, g1 0.95, g2 0.6, g3 0.85 -> g1 and g0. Plain top-2 would
+  // be e0 and e6 (g3); limited to g1 and g0 it is e0 and e2.
+  const std::vector<double> scores = {0.9, 0.0, 0.5, 0.45, 0.3, 0.3, 0.8, 0.05};
+  std::vector<int32_t> expert(2);
+  std::vector<double> weight(2);
+  router_select(expert.data(), weight.data(), scores.data(), (const double*)nullptr, 1, 8, 2, false);
+  EXPECT_EQ(expert, (std::vector<int32_t>{0, 6}));
+  router_select(expert.data(), weight.data(), scores.data(), (const double*)nullptr, 1, 8, 2, false, {4, 2});
+  EXPECT_EQ(expert, (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(weight, (std::vector<double>{0.9, 0.5}));
+  // The bias steers the groups too: +0.5 on e5 makes g2 (0.3 + 0.8 = 1.1) the best group,
+  // then g1 (0.95): the candidates are e2..e5, and e0 (key 0.9) is out. Weights unbiased.
+  std::vector<double> bias(8, 0.0);
+  bias[5] = 0.5;
+  router_select(expert.data(), weight.data(), scores.data(), bias.data(), 1, 8, 2, false, {4, 2});
+  EXPECT_EQ(expert, (std::vector<int32_t>{5, 2}));
+  EXPECT_EQ(weight, (std::vector<double>{0.3, 0.5}));
+  EXPECT_THROW(check_route_groups({3, 1}, 8, 2), Error);  // 3 groups of 8 experts
+  EXPECT_THROW(check_route_groups({4, 5}, 8, 2), Error);  // top 5 of 4 groups
+  EXPECT_THROW(check_route_groups({4, 1}, 8, 3), Error);  // one group of 2 cannot hold top-3
+  EXPECT_NO_THROW(check_route_groups({0, 0}, 8, 8));      // off
+}
+
+// Against a direct statement of the rule on random scores: the chosen experts are the
+// top-K of the chosen groups, the groups are the best by their top-2 sums; with one expert
+// per group and top_groups = K it is plain top-K.
+TEST(RouterSelect, GroupLimitedMatchesTheRule) {
+  const int64_t T_ = 200, E = 16, K = 4;
+  const auto scores = random_vector(T_ * E, 31, "group scores");
+  const auto bias = random_vector(E, 32, "group bias", 0.1);
+  for (const RouteGroups g : {RouteGroups{4, 2}, RouteGroups{8, 3}, RouteGroups{2, 1}}) {
+    std::vector<int32_t> expert(T_ * K);
+    std::vector<double> weight(T_ * K);
+    router_select(expert.data(), weight.data(), scores.data(), bias.data(), T_, E, K, true, g);
+    const int64_t per_group = E / g.groups;
+    for (int64_t t = 0; t < T_; ++t) {
+      std::vector<double> key(E);
+      for (int64_t e = 0; e < E; ++e) key[e] = scores[t * E + e] + bias[e];
+      std::vector<std::pair<double, int64_t>> group_sums;
+      for (int64_t grp = 0; grp < g.groups; ++grp) {
+        std::vector<double> in(key.begin() + grp * per_group, key.begin() + (grp + 1) * per_group);
+        std::sort(in.begin(), in.end(), std::greater<>());
+        group_sums.push_back({-(in[0] + in[1]), grp});
+      }
+      std::sort(group_sums.begin(), group_sums.end());
+      std::vector<std::pair<double, int64_t>> candidates;
+      for (int64_t m = 0; m < g.top_groups; ++m)
+        for (int64_t e = group_sums[m].second * per_group; e < (group_sums[m].second + 1) * per_group; ++e)
+          candidates.push_back({-key[e], e});
+      std::sort(candidates.begin(), candidates.end());
+      for (int64_t k = 0; k < K; ++k) EXPECT_EQ(expert[t * K + k], candidates[k].second) << "token " << t;
+    }
+  }
+  std::vector<int32_t> plain(T_ * K), grouped(T_ * K);
+  std::vector<double> w1(T_ * K), w2(T_ * K);
+  router_select(plain.data(), w1.data(), scores.data(), bias.data(), T_, E, K, true);
+  router_select(grouped.data(), w2.data(), scores.data(), bias.data(), T_, E, K, true, {E, K});
+  EXPECT_EQ(grouped, plain);
+  EXPECT_EQ(w2, w1);
+}
+
 // ---------------------------------------------------------------------------------------
 // Aux loss
 

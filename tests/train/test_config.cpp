@@ -196,6 +196,8 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"parallel.all_to_all=ring", {"parallel.all_to_all"}},
       {"parallel.a2a_chunks=0", {"parallel.a2a_chunks"}},
       {"parallel.rebalance_interval=-1", {"parallel.rebalance_interval"}},
+      {"moe.route_groups=3", {"moe.route_groups", "moe.n_experts"}},
+      {"moe.route_groups=4", {"moe.route_top_groups"}},
       {"parallel.bucket_mb=-1", {"parallel.bucket_mb"}},
       {"parallel.backend=gloo", {"parallel.backend"}},
       {"metrics.peak_tflops=0", {"metrics.peak_tflops", "> 0"}},
@@ -270,6 +272,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.expert_parallel = 2; }, [](RunConfig& c) { c.parallel.all_to_all = "hierarchical"; },
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
       [](RunConfig& c) { c.parallel.rebalance_interval = 50; },
+      [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
       [](RunConfig& c) { c.parallel.backend = "mpi"; },
   };
   const std::string default_text = config_to_toml(RunConfig{});
@@ -293,7 +296,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(config_to_toml(parsed), config_to_toml(all));
   // A tripwire: a new field must be added to config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
-  EXPECT_EQ(sizeof(ModelConfig), 192u);
+  EXPECT_EQ(sizeof(ModelConfig), 208u);
   EXPECT_EQ(sizeof(TrainingConfig), 192u);
   EXPECT_EQ(sizeof(OptimizerConfig), 64u);
   EXPECT_EQ(sizeof(LrConfig), 24u);

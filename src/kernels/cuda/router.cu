@@ -1,6 +1,8 @@
 // Router on the GPU: one warp per token computes the temperature softmax (or sigmoid)
 // in fp32, then picks the top-K of score + bias by K rounds of warp arg-max. Ties go to
-// the lower expert index and NaN keys rank last, as in the CPU reference.
+// the lower expert index and NaN keys rank last, as in the CPU reference. Group-limited
+// routing first ranks the groups (a lane per group: the sum of its two best keys) and
+// marks the experts of the groups not taken as unavailable.
 #include <climits>
 
 #include "core/gpu.h"
@@ -14,7 +16,8 @@ constexpr int kWarpsPerBlock = 4;
 
 __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight, const float* logits,
                                    const float* bias, int64_t T, int64_t E, int64_t K,
-                                   float inv_temperature, bool sigmoid, bool renormalize) {
+                                   float inv_temperature, bool sigmoid, bool renormalize, int groups,
+                                   int top_groups) {
   extern __shared__ float keys_shared[];  // kWarpsPerBlock x E selection keys
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
@@ -38,6 +41,39 @@ __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight
     keys[e] = isnan(key) ? -INFINITY : key;
   }
   __syncwarp();
+  if (groups > 1) {
+    const int64_t per_group = E / groups;
+    float group_score = -INFINITY;
+    if (lane < groups) {
+      float first = -INFINITY, second = -INFINITY;
+      for (int64_t e = lane * per_group; e < (lane + 1) * per_group; ++e) {
+        const float k = keys[e];
+        if (k > first) second = first, first = k;
+        else if (k > second) second = k;
+      }
+      group_score = per_group == 1 ? first : first + second;
+    }
+    bool taken = false;
+    for (int m = 0; m < top_groups; ++m) {
+      float best = -INFINITY;
+      int best_group = INT_MAX;
+      if (lane < groups && !taken) best = group_score, best_group = lane;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const int other_group = __shfl_xor_sync(0xffffffffu, best_group, offset);
+        if (other > best || (other == best && other_group < best_group)) {
+          best = other;
+          best_group = other_group;
+        }
+      }
+      taken = taken || lane == best_group;
+    }
+    const unsigned taken_mask = __ballot_sync(0xffffffffu, taken);
+    for (int64_t e = lane; e < E; e += 32)
+      if (!((taken_mask >> (e / per_group)) & 1u)) keys[e] = NAN;  // NaN: not a candidate
+    __syncwarp();
+  }
   float chosen_sum = 0.0f;
   for (int64_t k = 0; k < K; ++k) {
     float best = -INFINITY;
@@ -74,15 +110,23 @@ __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight
 
 void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
                  const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
-                 ScoreFunc score_func, bool renormalize, Stream stream) {
+                 ScoreFunc score_func, bool renormalize, Stream stream, int64_t route_groups,
+                 int64_t route_top_groups) {
   MOE_CHECKF(E >= 1 && E <= 1024 && K >= 1 && K <= E, "router_topk: E=%lld K=%lld unsupported",
+             static_cast<long long>(E), static_cast<long long>(K));
+  const bool grouped = route_groups > 1;
+  MOE_CHECKF(!grouped || (route_groups <= 32 && E % route_groups == 0 && route_top_groups >= 1 &&
+                          route_top_groups <= route_groups && K <= route_top_groups * (E / route_groups)),
+             "router_topk: %lld route groups (top %lld) of %lld experts, top-%lld unsupported",
+             static_cast<long long>(route_groups), static_cast<long long>(route_top_groups),
              static_cast<long long>(E), static_cast<long long>(K));
   if (T == 0) return;
   const size_t shared_bytes = static_cast<size_t>(kWarpsPerBlock * E) * sizeof(float);
   router_topk_kernel<<<static_cast<unsigned>(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * 32,
                        shared_bytes, stream>>>(scores_TE, expert_TK, weight_TK, logits_TE, bias_E, T, E,
                                                K, 1.0f / temperature, score_func == ScoreFunc::Sigmoid,
-                                               renormalize);
+                                               renormalize, grouped ? static_cast<int>(route_groups) : 0,
+                                               static_cast<int>(route_top_groups));
   MOE_CUDA_CHECK_LAUNCH();
 }
 

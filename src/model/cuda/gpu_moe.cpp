@@ -25,7 +25,8 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   cuda::add_bias_rows(m.logits.data(), w32(layer.router_b), T, E, stream);
   const float* selection_bias = mc.bias_balancing ? layer.balance_bias.data() : nullptr;
   cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), selection_bias, T, E, K,
-                    static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream);
+                    static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream, mc.route_groups,
+                    mc.route_top_groups);
   cuda::expert_counts(m.assign_counts.data(), m.expert.data(), T, E, K, stream);
   cuda::router_loss_terms(m.aux_term.data(), m.z_term.data(), m.scores.data(), m.logits.data(), m.assign_counts.data(),
                           T, E, K, static_cast<float>(mc.temperature), mc.score_func, stream);
