@@ -14,6 +14,20 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
+// Arg-max over the warp of each lane's (value, index): the largest value, equal values to
+// the lower index; every lane gets the result.
+__device__ __forceinline__ void warp_argmax(float& best, int& index) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+    const int other_index = __shfl_xor_sync(0xffffffffu, index, offset);
+    if (other > best || (other == best && other_index < index)) {
+      best = other;
+      index = other_index;
+    }
+  }
+}
+
 __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight, const float* logits,
                                    const float* bias, int64_t T, int64_t E, int64_t K,
                                    float inv_temperature, bool sigmoid, bool renormalize, int groups,
@@ -58,15 +72,7 @@ __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight
       float best = -INFINITY;
       int best_group = INT_MAX;
       if (lane < groups && !taken) best = group_score, best_group = lane;
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_group = __shfl_xor_sync(0xffffffffu, best_group, offset);
-        if (other > best || (other == best && other_group < best_group)) {
-          best = other;
-          best_group = other_group;
-        }
-      }
+      warp_argmax(best, best_group);
       taken = taken || lane == best_group;
     }
     const unsigned taken_mask = __ballot_sync(0xffffffffu, taken);
@@ -85,15 +91,7 @@ __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight
         best_index = static_cast<int>(e);
       }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-      const int other_index = __shfl_xor_sync(0xffffffffu, best_index, offset);
-      if (other > best || (other == best && other_index < best_index)) {
-        best = other;
-        best_index = other_index;
-      }
-    }
+    warp_argmax(best, best_index);
     if (lane == 0) {
       expert[t * K + k] = best_index;
       weight[t * K + k] = s[best_index];
