@@ -17,27 +17,33 @@ ExpertPlacement ExpertPlacement::contiguous(int64_t n_experts, int ep_size) {
   return ExpertPlacement(std::move(rank_of), ep_size);
 }
 
-ExpertPlacement ExpertPlacement::balanced(const std::vector<int64_t>& load_E, int ep_size) {
+ExpertPlacement ExpertPlacement::balanced(const std::vector<int64_t>& load_E, int ep_size, int64_t groups) {
   const auto n_experts = static_cast<int64_t>(load_E.size());
   MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
             n_experts, ep_size);
-  std::vector<int64_t> order(static_cast<size_t>(n_experts));
-  for (int64_t e = 0; e < n_experts; ++e) order[static_cast<size_t>(e)] = e;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return load_E[static_cast<size_t>(a)] > load_E[static_cast<size_t>(b)];
-  });
-  const int64_t per_rank = n_experts / ep_size;
+  const int64_t G = std::max<int64_t>(groups, 1);
+  MOE_CHECK(n_experts % G == 0 && ep_size % G == 0, "{} expert groups do not divide {} experts and {} ranks", G,
+            n_experts, ep_size);
+  const int64_t per_rank = n_experts / ep_size, experts_per_group = n_experts / G, ranks_per_group = ep_size / G;
   std::vector<int64_t> rank_load(static_cast<size_t>(ep_size), 0), rank_count(static_cast<size_t>(ep_size), 0);
   std::vector<int> rank_of(static_cast<size_t>(n_experts), 0);
-  for (int64_t e : order) {
-    int best = -1;
-    for (int r = 0; r < ep_size; ++r)
-      if (rank_count[static_cast<size_t>(r)] < per_rank &&
-          (best < 0 || rank_load[static_cast<size_t>(r)] < rank_load[static_cast<size_t>(best)]))
-        best = r;
-    rank_of[static_cast<size_t>(e)] = best;
-    rank_load[static_cast<size_t>(best)] += load_E[static_cast<size_t>(e)];
-    ++rank_count[static_cast<size_t>(best)];
+  for (int64_t g = 0; g < G; ++g) {
+    std::vector<int64_t> order(static_cast<size_t>(experts_per_group));
+    for (int64_t i = 0; i < experts_per_group; ++i) order[static_cast<size_t>(i)] = g * experts_per_group + i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return load_E[static_cast<size_t>(a)] > load_E[static_cast<size_t>(b)];
+    });
+    const int first_rank = static_cast<int>(g * ranks_per_group), end_rank = static_cast<int>((g + 1) * ranks_per_group);
+    for (int64_t e : order) {
+      int best = -1;
+      for (int r = first_rank; r < end_rank; ++r)
+        if (rank_count[static_cast<size_t>(r)] < per_rank &&
+            (best < 0 || rank_load[static_cast<size_t>(r)] < rank_load[static_cast<size_t>(best)]))
+          best = r;
+      rank_of[static_cast<size_t>(e)] = best;
+      rank_load[static_cast<size_t>(best)] += load_E[static_cast<size_t>(e)];
+      ++rank_count[static_cast<size_t>(best)];
+    }
   }
   return ExpertPlacement(std::move(rank_of), ep_size);
 }

@@ -238,7 +238,12 @@ void ParallelCpuBackend::rebalance_experts() {
   for (const auto& layer : global_load_)
     for (size_t e = 0; e < layer.size(); ++e) load_since_placement_[e] += layer[e];
   if (++steps_since_placement_ < config_.parallel.rebalance_interval) return;
-  const ExpertPlacement next = ExpertPlacement::balanced(load_since_placement_, placement_->ep_size());
+  // With node-first routing over groups that map onto blocks of EP ranks, experts stay in
+  // their group's block (so a token still reaches only route_top_groups of them).
+  const int64_t groups = config_.model.moe.route_groups;
+  const int ep = placement_->ep_size();
+  const bool grouped = groups > 1 && ep % groups == 0;
+  const ExpertPlacement next = ExpertPlacement::balanced(load_since_placement_, ep, grouped ? groups : 1);
   // Only a better spread is worth the moves (ties keep the experts where they are).
   const auto now = placement_->rank_loads(load_since_placement_), then = next.rank_loads(load_since_placement_);
   if (*std::max_element(then.begin(), then.end()) < *std::max_element(now.begin(), now.end())) {

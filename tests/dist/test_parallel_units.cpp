@@ -64,6 +64,15 @@ TEST(ExpertPlacement, BalancedByLoad) {
                                                                *std::max_element(random.begin(), random.end()) / 3);
   }
   EXPECT_THROW(dist::ExpertPlacement::balanced({1, 2, 3}, 2), Error);
+  // Groups: experts 0-3 (group 0) stay on ranks 0-1, experts 4-7 on ranks 2-3, each group
+  // balanced over its ranks; without groups expert 2 of group 0 goes to rank 2.
+  const std::vector<int64_t> grouped_load = {90, 80, 5, 5, 4, 3, 2, 1};
+  const auto kept = dist::ExpertPlacement::balanced(grouped_load, 4, 2);
+  for (int64_t e = 0; e < 8; ++e) EXPECT_EQ(kept.rank_of(e) / 2, e / 4) << "expert " << e;
+  EXPECT_EQ(kept.rank_loads(grouped_load), (std::vector<int64_t>{95, 85, 5, 5}));
+  const auto free = dist::ExpertPlacement::balanced(grouped_load, 4);
+  EXPECT_EQ(free.rank_of(2), 2);
+  EXPECT_THROW(dist::ExpertPlacement::balanced(grouped_load, 4, 3), Error);
 }
 
 TEST(RankSlicedSource, RanksReadDisjointSlicesOfTheOneStream) {
