@@ -11,4 +11,11 @@ int device_count() {
   return count;
 }
 
+int multiprocessor_count() {
+  int device = 0, sms = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 }  // namespace moe::gpu

@@ -35,6 +35,8 @@ class OutOfMemory : public Error {
 
 // Number of GPUs visible; 0 when there is no driver or no device (never throws).
 int device_count();
+// Multiprocessors of the current device.
+int multiprocessor_count();
 
 // An owning device allocation. Moves, never copies.
 template <typename T>

@@ -119,6 +119,9 @@ class Blas {
   // op(A) = A ([M,K], lda) or A^T (A stored [K,M]); likewise B.
   void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda,
             const bf16* B, int64_t ldb, float beta, void* C, bool c_is_fp32, int64_t ldc, Stream stream);
+  // The multiprocessors cuBLASLt's kernels should use from now on (0: all), e.g. to leave
+  // some free for NCCL kernels running beside them (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET).
+  void set_sm_limit(int sms);
 
  private:
   struct State;
@@ -178,6 +181,7 @@ namespace moe::cuda {
 // x_RC[r, c] += bias_C[c] (fp32).
 void add_bias_rows(float* x_RC, const float* bias_C, int64_t rows, int64_t cols, Stream stream);
 void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
+void cast_to_float(float* out, const bf16* in, int64_t n, Stream stream);  // exact
 // out_C[c] += sum over rows of x_RC[r, c], in row order.
 void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, Stream stream);
 
@@ -209,6 +213,11 @@ class ExpertGemm {
   // dw[s] + e * M * N ([M, N], fp32) += (a[s] rows of e, [rows_e, M], ld_a)^T @ (b rows of e, [rows_e, N], ld_b).
   void backward_weight(int sets, float* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b, int64_t ld_b,
                        const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream);
+  // The kernels are persistent (a CTA per multiprocessor for the whole launch), so they
+  // shut out kernels on other streams, NCCL's included, until they end. From now on they
+  // launch on `sms` multiprocessors rounded down to whole clusters of 2 (0 or more than
+  // the device has: all of them).
+  void set_sm_limit(int sms);
 
  private:
   struct State;

@@ -26,8 +26,8 @@ void ParameterStore<T>::allocate(uint64_t seed) {
     offsets_.push_back(total);
     total += (spec.shape.numel() + 15) / 16 * 16;
   }
-  values_.assign(static_cast<size_t>(total), T(0));
-  grads_.assign(static_cast<size_t>(total), T(0));
+  values_.resize(static_cast<size_t>(total));  // zeros (padding included), touched only where written
+  grads_.resize(static_cast<size_t>(total));
   allocated_ = true;
   for (int id = 0; id < size(); ++id) {
     const ParamSpec& spec = specs_[static_cast<size_t>(id)];

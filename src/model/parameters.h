@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/zeroed_allocator.h"
 
 namespace moe {
 
@@ -63,9 +64,11 @@ class ParameterStore {
 
   std::vector<ParamSpec> specs_;
   std::vector<int64_t> offsets_;
-  // One contiguous block each (ZeRO-1 and the multi-tensor optimizer want that).
-  std::vector<T> values_;
-  std::vector<T> grads_;
+  // One contiguous block each (ZeRO-1 and the multi-tensor optimizer want that). The
+  // gradient block's pages are committed when first written: the GPU trainer never
+  // writes them unless a test or checkpoint asks (core/zeroed_allocator.h).
+  std::vector<T, ZeroedAllocator<T>> values_;
+  std::vector<T, ZeroedAllocator<T>> grads_;
   bool allocated_ = false;
 };
 

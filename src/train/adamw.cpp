@@ -10,17 +10,21 @@ AdamW::AdamW(const OptimizerConfig& config, ParameterStore<float>& params)
   MOE_CHECK(config.state_dtype == "fp32" || config.state_dtype == "bf16",
             "optimizer.state_dtype must be fp32 or bf16, got \"{}\"", config.state_dtype);
   bf16_moments_ = config.state_dtype == "bf16";
-  int64_t total = 0;
   for (int id = 0; id < params.size(); ++id) {
-    offsets_.push_back(total);
-    total += params.numel(id);
+    offsets_.push_back(total_);
+    total_ += params.numel(id);
   }
-  m_.assign(static_cast<size_t>(total), 0.0f);
-  v_.assign(static_cast<size_t>(total), 0.0f);
+}
+
+void AdamW::ensure_moments() {
+  if (static_cast<int64_t>(m_.size()) == total_) return;
+  m_.assign(static_cast<size_t>(total_), 0.0f);
+  v_.assign(static_cast<size_t>(total_), 0.0f);
 }
 
 void AdamW::step(double lr) {
   ++steps_;
+  ensure_moments();
   const adamw_math::AdamWScalars s = adamw_math::adamw_step_scalars(lr, config_.beta1, config_.beta2, config_.eps,
                                                                     config_.weight_decay, steps_);
   const bool bf16 = bf16_moments_;

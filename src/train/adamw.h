@@ -19,16 +19,27 @@ class AdamW {
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }  // resuming from a checkpoint
   // Packed: parameter after parameter in id order, no padding (the checkpoint layout).
-  std::vector<float>& first_moment() { return m_; }
-  std::vector<float>& second_moment() { return v_; }
+  // Allocated (zeros) on first use: GPU and sharded CPU ranks keep their state elsewhere
+  // and only fill these for checkpoints.
+  std::vector<float>& first_moment() {
+    ensure_moments();
+    return m_;
+  }
+  std::vector<float>& second_moment() {
+    ensure_moments();
+    return v_;
+  }
   // Where parameter `id`'s moments start in first_moment() / second_moment().
   int64_t moment_offset(int id) const { return offsets_[static_cast<size_t>(id)]; }
   bool bf16_moments() const { return bf16_moments_; }
 
  private:
+  void ensure_moments();
+
   OptimizerConfig config_;
   ParameterStore<float>& params_;
   std::vector<int64_t> offsets_;  // into m_ / v_, per parameter id
+  int64_t total_ = 0;  // moment elements
   std::vector<float> m_, v_;
   bool bf16_moments_ = false;
   int64_t steps_ = 0;

@@ -105,6 +105,8 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("parallel", "all_to_all", c.parallel.all_to_all);
   visit("parallel", "bucket_mb", c.parallel.bucket_mb);
   visit("parallel", "a2a_chunks", c.parallel.a2a_chunks);
+  visit("parallel", "comm_sms", c.parallel.comm_sms);
+  visit("parallel", "grad_reduce_dtype", c.parallel.grad_reduce_dtype);
   visit("parallel", "rebalance_interval", c.parallel.rebalance_interval);
   visit("parallel", "backend", c.parallel.backend);
 }
@@ -376,6 +378,8 @@ void check_parallel(const RunConfig& c) {
   one_of("parallel.all_to_all", p.all_to_all, {"flat", "hierarchical"});
   non_negative_real("parallel.bucket_mb", p.bucket_mb);
   positive("parallel.a2a_chunks", p.a2a_chunks);
+  non_negative("parallel.comm_sms", p.comm_sms);
+  one_of("parallel.grad_reduce_dtype", p.grad_reduce_dtype, {"fp32", "bf16"});
   non_negative("parallel.rebalance_interval", p.rebalance_interval);
   one_of("parallel.backend", p.backend, {"auto", "mpi", "single", "tcp", "nccl"});
 }

@@ -212,10 +212,14 @@ class GpuBackend final : public ModelBackend {
       // Each stage's gradients are reduced while the backward of the layers below runs
       // (under expert parallelism: the shared ones over all ranks, this rank's experts'
       // over the ranks holding the same experts).
+      // The GEMMs leave parallel.comm_sms multiprocessors to NCCL meanwhile (persistent
+      // kernels would otherwise hold every SM until they end); over one rank nothing moves.
+      if (dp_->size() > 1) gpu_.reserve_sms(static_cast<int>(config_.parallel.comm_sms));
       gpu_.backward(scale, [this](int stage) {
         dp_->launch_stage(stage);
         if (edp_) edp_->launch_stage(stage);
       });
+      gpu_.reserve_sms(0);
       dp_->finish_overlapped();
       if (edp_) edp_->finish_overlapped();
       return;
@@ -381,11 +385,12 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
   if (gpu_world_) {
     GpuParameterStore& params = gpu_->parameters();
     const int64_t ep = gpu_expert_exchange_ ? gpu_expert_exchange_->size() : 1;
+    const dist::DType reduce_dtype = config_.parallel.grad_reduce_dtype == "bf16" ? dist::DType::bf16 : dist::DType::f32;
     // Expert parallelism: the ranks holding the same experts (collective over the world).
     std::unique_ptr<dist::Communicator> expert_replicas;
     if (ep > 1) expert_replicas = gpu_world_->split(gpu_world_->rank() % static_cast<int>(ep), gpu_world_->rank());
     dp = std::make_unique<dist::GpuDataParallel>(std::move(gpu_world_), gpu_->stream(), params.grads(),
-                                                 params.storage_numel(), config_.parallel.bucket_mb);
+                                                 params.storage_numel(), config_.parallel.bucket_mb, reduce_dtype);
     // Overlap the all-reduce with the backward, stage by stage (not inside a CUDA graph).
     const auto stage_of = [this](const std::string& name) { return model_->backward_stage_of(name); };
     if (ep > 1) {
@@ -397,7 +402,7 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
       dp->set_stage_ranges(ranges.shared);
       if (expert_replicas->size() > 1) {
         edp = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
-                                                      params.storage_numel(), config_.parallel.bucket_mb);
+                                                      params.storage_numel(), config_.parallel.bucket_mb, reduce_dtype);
         edp->set_stage_ranges(ranges.own_experts);
       }
     } else if (!config_.training.cuda_graphs) {

@@ -104,6 +104,42 @@ TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// parallel.grad_reduce_dtype = bf16: over one rank the sum is the identity on the bf16
+// values, so each element comes back rounded to bf16 (to nearest even) and nothing else,
+// whether summed after the backward or stage by stage (buckets in turn on the side stream).
+TEST(GpuDataParallel, Bf16SumOverOneRankRoundsEachGradientOnce) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const int64_t n = 300007;
+  CounterRng rng(9, "dp.bf16");
+  std::vector<float> host(static_cast<size_t>(n)), rounded(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = static_cast<float>(rng.normal(static_cast<uint64_t>(i)));
+  for (int64_t i = 0; i < n; ++i) rounded[static_cast<size_t>(i)] = bf16_to_float(float_to_bf16(host[static_cast<size_t>(i)]));
+  ASSERT_FALSE(same_bits(host, rounded));  // the rounding is visible
+  gpu::DeviceArray<float> grads(static_cast<size_t>(n));
+  for (bool overlapped : {false, true}) {
+    SCOPED_TRACE(overlapped ? "stage by stage" : "after the backward");
+    grads.upload(host.data(), host.size());
+    dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4, dist::DType::bf16);
+    if (overlapped) {
+      dp.set_stage_ranges({{{200000, n - 200000}}, {{64, 199936}}, {{0, 64}}});
+      for (int stage = 0; stage < 3; ++stage) dp.launch_stage(stage);
+      dp.finish_overlapped();
+    } else {
+      dp.all_reduce_grads();
+    }
+    std::vector<float> back(host.size());
+    grads.download(back.data(), back.size());
+    EXPECT_TRUE(same_bits(back, rounded));
+    EXPECT_GT(dp.take_stats().grad_sync_s, 0.0);
+  }
+  EXPECT_THROW(dist::GpuDataParallel(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4,
+                                     dist::DType::f64),
+               Error);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 RunConfig tiny_config() {
   // The all-reduce follows the second micro-batch of each step.
   RunConfig config = test::tiny_gpu_run(10);

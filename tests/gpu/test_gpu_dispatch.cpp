@@ -208,7 +208,10 @@ TEST(GpuEmbedding, ForwardAndDeterministicBackwardMatchCpu) {
 TEST(GpuGemm, MatchesCpuForEveryTransposeAndOutputType) {
   MOE_REQUIRE_GPU();
   cuda::Blas blas;
+  // All multiprocessors, then cuBLASLt told to use 20 (parallel.comm_sms leaves the rest to NCCL).
+  for (int sm_limit : {0, 20})
   for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {37, 65, 129}, {512, 1024, 256}, {4096, 96, 40}}) {
+    blas.set_sm_limit(sm_limit);
     for (int trans = 0; trans < 4; ++trans) {
       const bool ta = trans & 1, tb = trans & 2;
       auto a = random_bf16_floats(M * K, 1, "a"), b = random_bf16_floats(K * N, 2, "b");
@@ -229,7 +232,8 @@ TEST(GpuGemm, MatchesCpuForEveryTransposeAndOutputType) {
           got = to_host_float(c_d);
         }
         expect_close("gemm M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
-                         " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " fp32=" + std::to_string(fp32_out),
+                         " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " fp32=" + std::to_string(fp32_out) +
+                         " sm_limit=" + std::to_string(sm_limit),
                      got, ref, fp32_out ? 1e-4 : kBf16Rtol, 1e-3 * std::sqrt(static_cast<double>(K)));
       }
     }

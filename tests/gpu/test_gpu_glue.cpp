@@ -51,6 +51,9 @@ TEST_P(GpuGlue, BiasRowsAndCastMatchCpu) {
   std::vector<float> rounded(want.size());
   for (size_t i = 0; i < want.size(); ++i) rounded[i] = bf16_to_float(float_to_bf16(want[i]));
   expect_close("cast", test::to_float(to_host(cast_d)), rounded, 0, 0);
+  auto widened_d = test::poisoned<float>(rows * cols);
+  cuda::cast_to_float(widened_d.data(), cast_d.data(), rows * cols, nullptr);
+  expect_close("cast back", to_host(widened_d), rounded, 0, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuGlue,

@@ -130,6 +130,39 @@ TEST_P(GpuGroupedGemm, BackwardWeightTwoSetsAccumulatesFp32) {
   }
 }
 
+// The kernels are persistent; on fewer multiprocessors (parallel.comm_sms) each tile is
+// still computed by one CTA in the same order: the same bits.
+TEST_P(GpuGroupedGemm, FewerMultiprocessorsGiveTheSameBits) {
+  MOE_REQUIRE_GPU();
+  const GroupedCase& c = GetParam();
+  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K;
+  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
+  const int64_t R = offsets[E] + c.dropped_rows;
+  auto x_d = to_device_bf16(random_bf16_floats(R * K, 11, "x"));
+  auto w_d = to_device_bf16(random_bf16_floats(E * N * K, 12, "w", 0.1));
+  auto dy_d = to_device_bf16(random_bf16_floats(R * N, 13, "dy"));
+  auto offsets_d = to_device(offsets);
+  cuda::ExpertGemm gemm(E);
+  std::vector<std::vector<bf16>> outs;
+  std::vector<std::vector<float>> dws;
+  for (int sm_limit : {0, 9}) {
+    gemm.set_sm_limit(sm_limit);
+    auto out_d = poisoned<bf16>(R * N);
+    bf16* out[1] = {out_d.data()};
+    const bf16* w[1] = {w_d.data()};
+    gemm.forward(1, out, N, x_d.data(), K, w, offsets_d.data(), N, K, nullptr);
+    auto dw_d = to_device(std::vector<float>(E * N * K, 0.25f));
+    float* dw[1] = {dw_d.data()};
+    const bf16* a[1] = {dy_d.data()};
+    gemm.backward_weight(1, dw, a, N, x_d.data(), K, offsets_d.data(), N, K, nullptr);
+    outs.push_back(to_host(out_d));
+    dws.push_back(to_host(dw_d));
+  }
+  ASSERT_EQ(outs[0].size(), outs[1].size());
+  for (size_t i = 0; i < outs[0].size(); ++i) ASSERT_EQ(outs[0][i].bits, outs[1][i].bits) << "forward element " << i;
+  EXPECT_TRUE(dws[0] == dws[1]) << "weight gradients differ on 9 multiprocessors";
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GpuGroupedGemm,
     ::testing::Values(GroupedCase{{0, 37, 0, 300, 1, 129, 0}, 11, 64, 96},    // empty first, middle and last

@@ -195,6 +195,8 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"parallel.expert_parallel=3", {"parallel.expert_parallel", "moe.n_experts"}},
       {"parallel.all_to_all=ring", {"parallel.all_to_all"}},
       {"parallel.a2a_chunks=0", {"parallel.a2a_chunks"}},
+      {"parallel.comm_sms=-1", {"parallel.comm_sms"}},
+      {"parallel.grad_reduce_dtype=fp16", {"parallel.grad_reduce_dtype"}},
       {"parallel.rebalance_interval=-1", {"parallel.rebalance_interval"}},
       {"moe.route_groups=3", {"moe.route_groups", "moe.n_experts"}},
       {"moe.route_groups=4", {"moe.route_top_groups"}},
@@ -271,7 +273,8 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.training.recompute_experts = "swiglu"; },
       [](RunConfig& c) { c.parallel.expert_parallel = 2; }, [](RunConfig& c) { c.parallel.all_to_all = "hierarchical"; },
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
-      [](RunConfig& c) { c.parallel.rebalance_interval = 50; },
+      [](RunConfig& c) { c.parallel.rebalance_interval = 50; }, [](RunConfig& c) { c.parallel.comm_sms = 0; },
+      [](RunConfig& c) { c.parallel.grad_reduce_dtype = "bf16"; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
       [](RunConfig& c) { c.parallel.backend = "mpi"; },
   };
@@ -303,7 +306,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(sizeof(DataConfig), 144u);
   EXPECT_EQ(sizeof(MetricsConfig), 80u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
-  EXPECT_EQ(sizeof(ParallelConfig), 96u);
+  EXPECT_EQ(sizeof(ParallelConfig), 136u);
 }
 
 TEST(Config, DocsDescribeEveryKey) {

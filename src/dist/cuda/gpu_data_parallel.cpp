@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/gpu.h"
+#include "kernels/gpu_ops.h"
 
 namespace moe::dist {
 namespace {
@@ -20,12 +21,14 @@ constexpr int64_t kBucketAlign = 64;
 }  // namespace
 
 GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stream, float* grads, int64_t count,
-                                 double bucket_mb)
-    : group_(std::move(group)), stream_(stream), grads_(grads), count_(count) {
+                                 double bucket_mb, DType reduce_dtype)
+    : group_(std::move(group)), stream_(stream), grads_(grads), count_(count), reduce_dtype_(reduce_dtype) {
   MOE_CHECK(group_ != nullptr, "GPU data parallel: no communicator");
   MOE_CHECK(group_->backend() == "nccl", "GPU data parallel needs the nccl backend, got '{}'", group_->backend());
   MOE_CHECK(grads_ != nullptr && count_ > 0, "GPU data parallel: no gradient block ({} elements)", count_);
   MOE_CHECK(bucket_mb >= 0, "parallel.bucket_mb must be >= 0, got {}", bucket_mb);
+  MOE_CHECK(reduce_dtype_ == DType::f32 || reduce_dtype_ == DType::bf16,
+            "GPU data parallel: gradients are summed in fp32 or bf16");
   group_->set_stream(stream_);
   int64_t per_bucket = count_;
   if (bucket_mb > 0) {
@@ -42,6 +45,17 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
   sync_begin_ = begin;
   sync_end_ = end;
   backward_end_ = backward_end;
+  if (reduce_dtype_ == DType::bf16) {
+    cudaStream_t side = nullptr;
+    cudaEvent_t ready = nullptr, done = nullptr;
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    side_stream_ = side;
+    side_ready_ = ready;
+    side_done_ = done;
+    MOE_CUDA_CHECK(cudaMalloc(&bf16_scratch_, static_cast<size_t>(bucket_elems_) * sizeof(bf16)));
+  }
 }
 
 GpuDataParallel::~GpuDataParallel() {
@@ -49,6 +63,37 @@ GpuDataParallel::~GpuDataParallel() {
   if (sync_begin_) cudaEventDestroy(as_event(sync_begin_));
   if (sync_end_) cudaEventDestroy(as_event(sync_end_));
   if (backward_end_) cudaEventDestroy(as_event(backward_end_));
+  if (bf16_scratch_) cudaFree(bf16_scratch_);
+  if (side_ready_) cudaEventDestroy(as_event(side_ready_));
+  if (side_done_) cudaEventDestroy(as_event(side_done_));
+  if (side_stream_) cudaStreamDestroy(as_stream(side_stream_));
+}
+
+void GpuDataParallel::launch_sum(int64_t offset, int64_t n) {
+  if (reduce_dtype_ == DType::f32) {
+    in_flight_.push_back(group_->all_reduce_async(grads_ + offset, static_cast<size_t>(n), DType::f32, ReduceOp::sum));
+    return;
+  }
+  // bf16: round, sum, widen back in place, in turn on the side stream (one scratch bucket).
+  cudaStream_t side = as_stream(side_stream_);
+  auto* scratch = static_cast<bf16*>(bf16_scratch_);
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(side_ready_), as_stream(stream_)));
+  MOE_CUDA_CHECK(cudaStreamWaitEvent(side, as_event(side_ready_), 0));
+  cuda::cast_to_bf16(scratch, grads_ + offset, n, side);
+  group_->set_stream(side);  // the all-reduce follows the cast; the widen follows the all-reduce
+  group_->all_reduce_async(scratch, static_cast<size_t>(n), DType::bf16, ReduceOp::sum)->wait();
+  group_->set_stream(stream_);
+  cuda::cast_to_float(grads_ + offset, scratch, n, side);
+  side_pending_ = true;
+}
+
+void GpuDataParallel::join_launched() {
+  for (auto& work : in_flight_) work->wait();
+  in_flight_.clear();
+  if (!side_pending_) return;
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(side_done_), as_stream(side_stream_)));
+  MOE_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream_), as_event(side_done_), 0));
+  side_pending_ = false;
 }
 
 void GpuDataParallel::ensure_scratch(int64_t n) {
@@ -75,11 +120,8 @@ void GpuDataParallel::sum(double* values, int64_t n) {
 void GpuDataParallel::all_reduce_grads() {
   cudaStream_t stream = as_stream(stream_);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), stream));
-  std::vector<std::unique_ptr<Work>> works;
-  works.reserve(buckets_.size());
-  for (const auto& [offset, n] : buckets_)
-    works.push_back(group_->all_reduce_async(grads_ + offset, static_cast<size_t>(n), DType::f32, ReduceOp::sum));
-  for (auto& work : works) work->wait();  // the model's stream waits for every bucket
+  for (const auto& [offset, n] : buckets_) launch_sum(offset, n);
+  join_launched();  // the model's stream waits for every bucket
   MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_end_), stream));
   MOE_CUDA_CHECK(cudaEventSynchronize(as_event(sync_end_)));
   float ms = 0;
@@ -109,20 +151,18 @@ void GpuDataParallel::set_stage_ranges(std::vector<std::vector<std::pair<int64_t
 void GpuDataParallel::launch_stage(int stage) {
   MOE_CHECK(stage >= 0 && stage < static_cast<int>(stage_ranges_.size()), "GPU data parallel: no backward stage {}",
             stage);
-  if (in_flight_.empty()) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
+  if (!launched_) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
+  launched_ = true;
   // Buckets of at most the configured size, so one huge layer still streams.
   for (const auto& [offset, n] : stage_ranges_[static_cast<size_t>(stage)])
-    for (int64_t at = offset; at < offset + n; at += bucket_elems_)
-      in_flight_.push_back(group_->all_reduce_async(grads_ + at, static_cast<size_t>(std::min(bucket_elems_, offset + n - at)),
-                                                    DType::f32, ReduceOp::sum));
+    for (int64_t at = offset; at < offset + n; at += bucket_elems_) launch_sum(at, std::min(bucket_elems_, offset + n - at));
 }
 
 void GpuDataParallel::finish_overlapped() {
   cudaStream_t stream = as_stream(stream_);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(backward_end_), stream));
-  for (auto& work : in_flight_) work->wait();
-  const bool launched = !in_flight_.empty();
-  in_flight_.clear();
+  join_launched();
+  const bool launched = std::exchange(launched_, false);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_end_), stream));
   MOE_CUDA_CHECK(cudaEventSynchronize(as_event(sync_end_)));
   if (!launched) return;

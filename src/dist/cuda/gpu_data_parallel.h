@@ -10,6 +10,10 @@
 // stage's all-reduce on the communicator's stream while the backward goes on;
 // finish_overlapped() then makes the model's stream wait for all of them. Without stage
 // ranges (or inside a CUDA graph) all_reduce_grads() does it all after the backward.
+// bf16 reduction (parallel.grad_reduce_dtype = bf16) halves the bytes on the wire: each
+// bucket is rounded to bf16 into a scratch buffer, summed in bf16 by NCCL and widened back
+// into the fp32 block, all on a side stream of this class that follows the model's stream,
+// so neither cast holds up the backward.
 // Not yet: ZeRO-1 sharding of the GPU optimizer state.
 //
 // Built only with CUDA (src/dist/cuda/). The header needs no CUDA include: the stream is
@@ -28,8 +32,10 @@ class GpuDataParallel {
  public:
   // group: an NCCL communicator (any size, 1 included). stream: the model's cudaStream_t.
   // grads: the fp32 gradient block of `count` elements on the device. bucket_mb: MB
-  // (1e6 bytes) per all-reduce; 0: the whole block in one.
-  GpuDataParallel(std::unique_ptr<Communicator> group, void* stream, float* grads, int64_t count, double bucket_mb);
+  // (1e6 bytes of fp32 gradients) per all-reduce; 0: the whole block in one.
+  // reduce_dtype: f32 (exact sums) or bf16 (half the traffic, sums rounded to bf16).
+  GpuDataParallel(std::unique_ptr<Communicator> group, void* stream, float* grads, int64_t count, double bucket_mb,
+                  DType reduce_dtype = DType::f32);
   ~GpuDataParallel();
   GpuDataParallel(const GpuDataParallel&) = delete;
   GpuDataParallel& operator=(const GpuDataParallel&) = delete;
@@ -70,6 +76,12 @@ class GpuDataParallel {
 
  private:
   void ensure_scratch(int64_t n);
+  // Sums grads_[offset, offset + n) over the group after the work enqueued so far on the
+  // model's stream: f32 on the communicator's stream (a Work in in_flight_), bf16 through
+  // the side stream.
+  void launch_sum(int64_t offset, int64_t n);
+  // The model's stream waits for everything launched (both paths).
+  void join_launched();
 
   std::unique_ptr<Communicator> group_;
   void* stream_;  // cudaStream_t
@@ -84,6 +96,13 @@ class GpuDataParallel {
   void* backward_end_ = nullptr;  // overlapped: the model's own work done
   std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges_;
   std::vector<std::unique_ptr<Work>> in_flight_;
+  bool launched_ = false;  // a stage was launched since the last finish_overlapped()
+  DType reduce_dtype_ = DType::f32;
+  void* side_stream_ = nullptr;   // bf16: casts and waits for the all-reduces (cudaStream_t)
+  void* side_ready_ = nullptr;    // cudaEvent_t: the model's stream reached a launch
+  void* side_done_ = nullptr;     // cudaEvent_t: the side stream's last widen
+  bool side_pending_ = false;
+  void* bf16_scratch_ = nullptr;  // one bucket of bf16 (the side stream runs the buckets in turn)
   CommStats stats_;
 };
 

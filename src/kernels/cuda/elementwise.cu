@@ -18,6 +18,11 @@ __global__ void cast_kernel(__nv_bfloat16* out, const float* in, int64_t n) {
   if (i < n) out[i] = to_bf16(in[i]);
 }
 
+__global__ void widen_kernel(float* out, const __nv_bfloat16* in, int64_t n) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) out[i] = __bfloat162float(in[i]);
+}
+
 // One block per column: each thread sums a fixed stride of rows, then the block's fixed
 // reduction tree: deterministic, and parallel over the rows (a thread per column summing
 // all 16k rows alone took a millisecond per MoE layer).
@@ -41,6 +46,12 @@ void add_bias_rows(float* x_RC, const float* bias_C, int64_t rows, int64_t cols,
 void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream) {
   if (n == 0) return;
   cast_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(as_cuda(out), in, n);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void cast_to_float(float* out, const bf16* in, int64_t n, Stream stream) {
+  if (n == 0) return;
+  widen_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(out, as_cuda(in), n);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -21,7 +21,8 @@ void check_widths(const char* what, std::initializer_list<int64_t> widths) {
 
 struct ExpertGemm::State {
   int64_t n_experts = 0;
-  int sm_count = 0;
+  int device_sms = 0;  // the workspace is sized for all of them
+  int sm_count = 0;    // what the kernels launch on
   // One block of per-group arrays per operation kind, so that operations on different
   // streams could never overwrite each other's descriptions.
   gpu::DeviceArray<char> forward_groups, data_groups, weight_groups, workspace;
@@ -36,7 +37,8 @@ ExpertGemm::ExpertGemm(int64_t n_experts) : state_(new State) {
   s.n_experts = n_experts;
   int device = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.sm_count, cudaDevAttrMultiProcessorCount, device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.device_sms, cudaDevAttrMultiProcessorCount, device));
+  s.sm_count = s.device_sms;
   const int max_groups = static_cast<int>(kMaxSets * n_experts);
   const grouped::Sizes forward = grouped::forward_sizes(max_groups, s.sm_count);
   const grouped::Sizes data = grouped::data_sizes(max_groups, s.sm_count);
@@ -49,6 +51,12 @@ ExpertGemm::ExpertGemm(int64_t n_experts) : state_(new State) {
 }
 
 ExpertGemm::~ExpertGemm() { delete state_; }
+
+void ExpertGemm::set_sm_limit(int sms) {
+  // Whole clusters only (a persistent grid of an odd SM count fails to launch).
+  const int whole = std::max(grouped::kClusterSms, sms / grouped::kClusterSms * grouped::kClusterSms);
+  state_->sm_count = sms > 0 && whole < state_->device_sms ? whole : state_->device_sms;
+}
 
 void ExpertGemm::forward(int sets, bf16* const* out, int64_t ld_out, const bf16* x, int64_t ld_x,
                          const bf16* const* w, const int32_t* offsets_E1, int64_t N, int64_t K, Stream stream) {

@@ -14,6 +14,7 @@
 
 #include "core/error_base.h"
 #include "core/gpu.h"
+#include "kernels/cuda/grouped_gemm_entry.h"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -50,6 +51,7 @@ struct GroupedGemmKernel {
   // reaches its best bf16 rate with at the bench models' expert sizes.
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  static_assert(cute::size(ClusterShape{}) == moe::cuda::grouped::kClusterSms, "grouped_gemm_entry.h's kClusterSms is the cluster's size");
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,

@@ -16,6 +16,10 @@ struct Scratch {
   int sm_count = 0;
 };
 
+// SMs per thread-block cluster (the kernels' ClusterShape): a persistent launch must use
+// a multiple of it, or CUTLASS fails with an internal error.
+constexpr int kClusterSms = 2;
+
 struct Sizes {
   size_t group_bytes, workspace_bytes;
 };

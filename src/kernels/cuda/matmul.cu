@@ -3,6 +3,7 @@
 // cuBLAS sees the operands swapped.
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -23,8 +24,9 @@ namespace moe::cuda {
 struct Blas::State {
   cublasLtHandle_t handle = nullptr;
   gpu::DeviceArray<char> workspace;
-  // Heuristic results per problem shape, so the search runs once per shape.
-  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>,
+  int sm_limit = 0;  // 0: all multiprocessors
+  // Heuristic results per problem shape and SM limit, so the search runs once for each.
+  std::map<std::tuple<bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int>,
            cublasLtMatmulHeuristicResult_t>
       algos;
 };
@@ -33,6 +35,8 @@ Blas::Blas(size_t workspace_bytes) : state_(new State) {
   MOE_CUBLAS_CHECK(cublasLtCreate(&state_->handle));
   state_->workspace = gpu::DeviceArray<char>(workspace_bytes);
 }
+
+void Blas::set_sm_limit(int sms) { state_->sm_limit = std::max(0, sms); }
 
 Blas::~Blas() {
   if (state_ && state_->handle) cublasLtDestroy(state_->handle);
@@ -50,13 +54,17 @@ void Blas::gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, flo
   MOE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  if (state_->sm_limit > 0) {
+    const int32_t sms = state_->sm_limit;
+    MOE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof(sms)));
+  }
   // Column-major shapes of the stored matrices.
   cublasLtMatrixLayout_t layout_b, layout_a, layout_c;
   MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_b, CUDA_R_16BF, trans_b ? K : N, trans_b ? N : K, ldb));
   MOE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_a, CUDA_R_16BF, trans_a ? M : K, trans_a ? K : M, lda));
   MOE_CUBLAS_CHECK(
       cublasLtMatrixLayoutCreate(&layout_c, c_is_fp32 ? CUDA_R_32F : CUDA_R_16BF, N, M, ldc));
-  const auto key = std::make_tuple(trans_a, trans_b, M, N, K, lda, ldb, ldc, c_is_fp32);
+  const auto key = std::make_tuple(trans_a, trans_b, M, N, K, lda, ldb, ldc, c_is_fp32, state_->sm_limit);
   auto found = state_->algos.find(key);
   if (found == state_->algos.end()) {
     cublasLtMatmulPreference_t preference;

@@ -106,6 +106,7 @@ void GpuTransformer::plan(int64_t batch) {
     MOE_CHECK(D % 8 == 0 && F % 8 == 0, "the GPU experts need dim ({}) and moe.expert_hidden ({}) to be multiples of 8",
               D, F);
     s.expert_gemm = std::make_unique<cuda::ExpertGemm>(s.local_experts);
+    s.expert_gemm->set_sm_limit(s.compute_sm_limit);
   }
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
   auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
@@ -479,6 +480,13 @@ void GpuTransformer::set_expert_exchange(std::shared_ptr<GpuExpertExchange> exch
   s.ep = std::move(exchange);
   if (s.ep) s.ep->set_stream(s.stream);
   s.expert_gemm.reset();  // made again for the local experts at the next plan()
+}
+
+void GpuTransformer::reserve_sms(int sms) {
+  State& s = *state_;
+  s.compute_sm_limit = sms > 0 ? std::max(1, gpu::multiprocessor_count() - sms) : 0;
+  s.blas.set_sm_limit(s.compute_sm_limit);
+  if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);
 }
 
 void GpuTransformer::set_recompute_layers(int64_t layers) {

@@ -76,6 +76,11 @@ class GpuTransformer {
   // input right before each one's backward (bit-identical: every kernel is deterministic).
   // Takes effect at the next plan().
   void set_recompute_layers(int64_t layers);
+  // Leaves `sms` multiprocessors free of the GEMMs (0: none), from now until the next
+  // call. The grouped GEMMs are persistent and cuBLASLt's Hopper kernels may be: while
+  // they run, NCCL's kernels on another stream get no SM, so a gradient all-reduce meant
+  // to overlap the backward waits for gaps between kernels instead. Takes effect at once.
+  void reserve_sms(int sms);
   // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical).
   // Takes effect at the next plan().
   void set_recompute_experts(ExpertRecompute mode);

@@ -154,6 +154,7 @@ struct GpuTransformer::State {
   int64_t ep_host_plan_ints = 0;
   cudaStream_t stream = nullptr;
   int64_t batch = 0, tokens = 0;
+  int compute_sm_limit = 0;  // multiprocessors the GEMMs launch on (0: all); see reserve_sms
   int64_t recompute_layers = 0;  // the first N layers recompute their activations (-1: all)
   bool recomputing = false;      // inside a backward's recomputed forward
   ExpertRecompute recompute_experts = ExpertRecompute::None;
