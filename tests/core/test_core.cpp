@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <fstream>
 #include <limits>
 #include <vector>
 
@@ -9,6 +12,7 @@
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "core/threads.h"
+#include "core/zeroed_allocator.h"
 #include "kernels/matmul.h"
 
 namespace moe {
@@ -26,6 +30,32 @@ TEST(Bf16, RoundsToNearestEven) {
   EXPECT_TRUE(std::isinf(bf16_to_float(float_to_bf16(std::numeric_limits<float>::infinity()))));
   // The largest finite float rounds to infinity in bf16 (it is past bf16's max + half ulp).
   EXPECT_TRUE(std::isinf(bf16_to_float(float_to_bf16(std::numeric_limits<float>::max()))));
+}
+
+// Resident pages of this process (Linux /proc/self/statm), in bytes.
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size_pages = 0, resident_pages = 0;
+  statm >> size_pages >> resident_pages;
+  return resident_pages * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+// A ZeroedAllocator block reads as zeros and costs no resident memory until written: the
+// host gradient block of a GPU run (every rank of a launch) is never committed.
+TEST(ZeroedAllocator, ResizeReadsZerosAndCommitsNothingUntilWritten) {
+  constexpr size_t kBytes = size_t{512} << 20;
+  const int64_t before = resident_bytes();
+  std::vector<float, ZeroedAllocator<float>> block;
+  block.resize(kBytes / sizeof(float));
+  const int64_t after_resize = resident_bytes();
+  EXPECT_LT(after_resize - before, int64_t{64} << 20) << "resize touched the pages";
+  for (size_t i = 0; i < block.size(); i += 4096) ASSERT_EQ(block[i], 0.0f);  // a read maps the shared zero page
+  for (size_t i = 0; i < block.size(); i += 1024) block[i] = 1.0f;           // a write per page commits it
+  EXPECT_GT(resident_bytes() - before, int64_t{256} << 20) << "the measurement sees committed pages";
+  block.push_back(2.0f);  // growing copies values like any vector
+  EXPECT_EQ(block[0], 1.0f);
+  EXPECT_EQ(block[1], 0.0f);
+  EXPECT_EQ(block.back(), 2.0f);
 }
 
 TEST(Tensor, ViewsShareMemory) {

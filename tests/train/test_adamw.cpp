@@ -166,6 +166,29 @@ TEST(AdamW, Bf16MomentsAreRoundedWhenRead) {
   EXPECT_EQ(from_fp32.first_moment(), from_rounded.first_moment());
 }
 
+// The moments are allocated on first use (GPU and sharded ranks never step this object):
+// before any step they read as zeros of the packed size, and a step after that read is
+// the same as one without it.
+TEST(AdamW, MomentsReadBeforeAnyStepAreZeros) {
+  OptimizerConfig config;
+  ParameterStore<float> a, b;
+  make_params(a);
+  make_params(b);
+  AdamW read_first(config, a), untouched(config, b);
+  int64_t total = 0;
+  for (int id = 0; id < a.size(); ++id) total += a.numel(id);
+  ASSERT_EQ(static_cast<int64_t>(read_first.first_moment().size()), total);
+  ASSERT_EQ(static_cast<int64_t>(read_first.second_moment().size()), total);
+  for (float m : read_first.first_moment()) ASSERT_EQ(m, 0.0f);
+  for (float v : read_first.second_moment()) ASSERT_EQ(v, 0.0f);
+  fill_grads(a, 1, 1e-3);
+  fill_grads(b, 1, 1e-3);
+  read_first.step(1e-3);
+  untouched.step(1e-3);
+  expect_same(a, b);
+  EXPECT_EQ(read_first.first_moment(), untouched.first_moment());
+}
+
 TEST(AdamW, RejectsAnUnknownStateDtype) {
   OptimizerConfig config;
   config.state_dtype = "fp16";
