@@ -27,15 +27,21 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// n standard-normal gradients keyed by (seed, name).
+std::vector<float> random_grads(int64_t n, uint64_t seed, const char* name) {
+  CounterRng rng(seed, name);
+  std::vector<float> grads(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) grads[static_cast<size_t>(i)] = static_cast<float>(rng.normal(static_cast<uint64_t>(i)));
+  return grads;
+}
+
 TEST(GpuDataParallel, AllReduceOverOneRankIsTheIdentity) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   // An odd count and 0.4 MB buckets: several buckets, the last one short.
   const int64_t n = 300007;
-  CounterRng rng(7, "dp.grads");
-  std::vector<float> host(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = static_cast<float>(rng.normal(static_cast<uint64_t>(i)));
+  std::vector<float> host = random_grads(n, 7, "dp.grads");
   host[3] = -0.0f;
   host[5] = 1e-40f;  // a denormal survives too
   gpu::DeviceArray<float> grads(static_cast<size_t>(n));
@@ -78,9 +84,7 @@ TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const int64_t n = 250048;
-  std::vector<float> host(static_cast<size_t>(n));
-  CounterRng rng(8, "dp.stages");
-  for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = static_cast<float>(rng.normal(static_cast<uint64_t>(i)));
+  const std::vector<float> host = random_grads(n, 8, "dp.stages");
   gpu::DeviceArray<float> grads(static_cast<size_t>(n));
   grads.upload(host.data(), host.size());
   {
@@ -112,9 +116,8 @@ TEST(GpuDataParallel, Bf16SumOverOneRankRoundsEachGradientOnce) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const int64_t n = 300007;
-  CounterRng rng(9, "dp.bf16");
-  std::vector<float> host(static_cast<size_t>(n)), rounded(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = static_cast<float>(rng.normal(static_cast<uint64_t>(i)));
+  const std::vector<float> host = random_grads(n, 9, "dp.bf16");
+  std::vector<float> rounded(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) rounded[static_cast<size_t>(i)] = bf16_to_float(float_to_bf16(host[static_cast<size_t>(i)]));
   ASSERT_FALSE(same_bits(host, rounded));  // the rounding is visible
   gpu::DeviceArray<float> grads(static_cast<size_t>(n));
