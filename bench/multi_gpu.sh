@@ -8,8 +8,10 @@
 #                of 1 and N GPUs, the efficiency, and the step's communication wait;
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
 #                and hierarchical with the GPUs split into 2 simulated nodes;
-#   resume       a data-parallel run of the default model saving at step 4 of 8, resumed
-#                from that checkpoint: steps 5-8 of both runs (rank 0 writes, all read).
+#   resume       runs of the default model saving at step 4 of 8, resumed from that
+#                checkpoint: steps 5-8 of both runs (rank 0 writes, all read), data
+#                parallel and expert parallel (EP = N), and the EP checkpoint resumed on
+#                one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
 # SECTIONS: a comma-separated subset of correctness,scaling,a2a,resume (default: all).
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default.
@@ -100,14 +102,24 @@ if [[ $sections == *,a2a,* ]]; then
 fi
 
 if [[ $sections == *,resume,* ]]; then
-  echo "== resume: data parallel over $n GPUs, checkpoint at step 4 of 8"
-  ckpt=$(mktemp -d)
-  run=(-c configs/default.toml --device cuda --data.dir="$corpus" --training.steps=8 --metrics.log_interval=1
-       --parallel.backend=nccl --training.micro_batch=$((8 / n)) --checkpoint.dir="$ckpt" --checkpoint.interval=4)
-  launch train "${run[@]}" > "$out/resume_whole.txt" 2>&1
-  launch train "${run[@]}" --resume "$ckpt/step_00000004" > "$out/resume_after.txt" 2>&1
   losses() { grep -oE "^step +[5-8]/8 \| loss [0-9.]+" "$1" | awk '{ print $NF }' | paste -sd' '; }
-  echo "uninterrupted, steps 5-8: $(losses "$out/resume_whole.txt")"
-  echo "resumed,       steps 5-8: $(losses "$out/resume_after.txt")"
-  rm -rf "$ckpt"
+  for mode in dp ep; do
+    echo "== resume: $mode over $n GPUs, checkpoint at step 4 of 8"
+    ckpt=$(mktemp -d)
+    run=(-c configs/default.toml --device cuda --data.dir="$corpus" --training.steps=8 --metrics.log_interval=1
+         --parallel.backend=nccl --training.micro_batch=$((8 / n)) --checkpoint.dir="$ckpt" --checkpoint.interval=4)
+    [[ $mode == ep ]] && run+=(--parallel.expert_parallel="$n")
+    launch train "${run[@]}" > "$out/resume_${mode}_whole.txt" 2>&1
+    launch train "${run[@]}" --resume "$ckpt/step_00000004" > "$out/resume_${mode}_after.txt" 2>&1
+    echo "uninterrupted, steps 5-8: $(losses "$out/resume_${mode}_whole.txt")"
+    echo "resumed,       steps 5-8: $(losses "$out/resume_${mode}_after.txt")"
+    if [[ $mode == ep ]]; then
+      # The EP checkpoint is an ordinary one: one GPU (micro-batch 8, the same global batch) resumes it.
+      "$moe" train -c configs/default.toml --device cuda --data.dir="$corpus" --training.steps=8 \
+        --metrics.log_interval=1 --training.micro_batch=8 --checkpoint.dir="$ckpt/one" \
+        --resume "$ckpt/step_00000004" > "$out/resume_ep_one_gpu.txt" 2>&1
+      echo "on one GPU,    steps 5-8: $(losses "$out/resume_ep_one_gpu.txt")"
+    fi
+    rm -rf "$ckpt"
+  done
 fi

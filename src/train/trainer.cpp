@@ -203,11 +203,6 @@ bool Trainer::setup_parallel(std::unique_ptr<dist::Communicator> world) {
     MOE_CONFIG_ERROR("training.device = {} with parallel.backend = {} ({} ranks): multi-rank GPU training needs "
                      "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
                      config_.training.device, world->backend(), world_);
-  // GPU data-parallel ranks are full replicas (rank 0 saves what it holds); under GPU expert
-  // parallelism the experts' moments would first have to come from their holders.
-  if (nccl && pc.expert_parallel > 1 && !config_.checkpoint.dir.empty())
-    MOE_CONFIG_ERROR("checkpoint.dir: checkpoints of expert-parallel GPU runs are not implemented yet; leave it empty "
-                     "or use parallel.expert_parallel = 1");
   const int64_t per_step = world_ * tc.micro_batch * config_.model.seq_len;
   if (tc.global_batch_tokens % per_step != 0)
     MOE_CONFIG_ERROR("training.global_batch_tokens ({}) must be a multiple of ranks x training.micro_batch x "

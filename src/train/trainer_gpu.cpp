@@ -415,6 +415,8 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
 
 void Trainer::sync_state_from_gpu() {
   if (!gpu_) return;
+  // Expert parallelism: each expert's weights and moments are current only on its EP rank.
+  if (gpu_expert_exchange_) gpu_->gather_expert_weights(/*with_moments=*/true);
   gpu_->download_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
   optimizer_->set_steps_taken(gpu_steps_);
 }

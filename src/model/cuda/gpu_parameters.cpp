@@ -176,6 +176,11 @@ float* GpuParameterStore::grads() { return state_->grads.data(); }
 bf16* GpuParameterStore::weights_hi() { return state_->hi.data(); }
 int16_t* GpuParameterStore::weights_lo() { return state_->lo.data(); }
 MomentDtype GpuParameterStore::moment_dtype() const { return state_->moments; }
+void* GpuParameterStore::moment_block(int which) {
+  MOE_CHECK(which == 0 || which == 1, "moment_block: moment {} (0 or 1)", which);
+  return which == 0 ? state_->m() : state_->v();
+}
+size_t GpuParameterStore::moment_bytes() const { return state_->bf16_moments() ? sizeof(bf16) : sizeof(float); }
 int64_t GpuParameterStore::storage_numel() const { return state_->storage; }
 
 const float* GpuParameterStore::fp32_values(int id) const {

@@ -50,6 +50,10 @@ class GpuParameterStore {
   // between ranks); fp32_values copies are not affected.
   bf16* weights_hi();
   int16_t* weights_lo();
+  // The AdamW moments' blocks (which = 0: first, 1: second), in the block layout, of
+  // moment_bytes() per element (expert parallelism copies experts' moments between ranks).
+  void* moment_block(int which);
+  size_t moment_bytes() const;
   // The fp32 values of a parameter registered in fp32_copy_ids.
   const float* fp32_values(int id) const;
   MomentDtype moment_dtype() const;

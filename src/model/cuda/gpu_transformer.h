@@ -93,9 +93,10 @@ class GpuTransformer {
   void set_expert_exchange(std::shared_ptr<GpuExpertExchange> exchange);
   // Expert parallelism: a rank whose gradients are summed only over the ranks holding the
   // same experts (the trainer's choice) steps the other experts' weights with no gradient,
-  // so they go stale there. This copies every expert's master weights from its EP rank to
-  // the others (collective over the EP group; waits), e.g. before the host reads them.
-  void gather_expert_weights();
+  // so they go stale there. This copies every expert's master weights (and with
+  // `with_moments` its AdamW moments) from its EP rank to the others (collective over the
+  // EP group; waits), e.g. before the host reads them for an export or a checkpoint.
+  void gather_expert_weights(bool with_moments = false);
   // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
   // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();
