@@ -46,15 +46,18 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
   sync_end_ = end;
   backward_end_ = backward_end;
   if (reduce_dtype_ == DType::bf16) {
-    cudaStream_t side = nullptr;
-    cudaEvent_t ready = nullptr, done = nullptr;
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    cudaEvent_t ready = nullptr;
     MOE_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    MOE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    side_stream_ = side;
     side_ready_ = ready;
-    side_done_ = done;
-    MOE_CUDA_CHECK(cudaMalloc(&bf16_scratch_, static_cast<size_t>(bucket_elems_) * sizeof(bf16)));
+    for (int lane = 0; lane < kLanes; ++lane) {
+      cudaStream_t side = nullptr;
+      cudaEvent_t done = nullptr;
+      MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+      MOE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+      side_stream_[lane] = side;
+      side_done_[lane] = done;
+      MOE_CUDA_CHECK(cudaMalloc(&bf16_scratch_[lane], static_cast<size_t>(bucket_elems_) * sizeof(bf16)));
+    }
   }
 }
 
@@ -63,10 +66,12 @@ GpuDataParallel::~GpuDataParallel() {
   if (sync_begin_) cudaEventDestroy(as_event(sync_begin_));
   if (sync_end_) cudaEventDestroy(as_event(sync_end_));
   if (backward_end_) cudaEventDestroy(as_event(backward_end_));
-  if (bf16_scratch_) cudaFree(bf16_scratch_);
   if (side_ready_) cudaEventDestroy(as_event(side_ready_));
-  if (side_done_) cudaEventDestroy(as_event(side_done_));
-  if (side_stream_) cudaStreamDestroy(as_stream(side_stream_));
+  for (int lane = 0; lane < kLanes; ++lane) {
+    if (bf16_scratch_[lane]) cudaFree(bf16_scratch_[lane]);
+    if (side_done_[lane]) cudaEventDestroy(as_event(side_done_[lane]));
+    if (side_stream_[lane]) cudaStreamDestroy(as_stream(side_stream_[lane]));
+  }
 }
 
 void GpuDataParallel::launch_sum(int64_t offset, int64_t n) {
@@ -74,9 +79,12 @@ void GpuDataParallel::launch_sum(int64_t offset, int64_t n) {
     in_flight_.push_back(group_->all_reduce_async(grads_ + offset, static_cast<size_t>(n), DType::f32, ReduceOp::sum));
     return;
   }
-  // bf16: round, sum, widen back in place, in turn on the side stream (one scratch bucket).
-  cudaStream_t side = as_stream(side_stream_);
-  auto* scratch = static_cast<bf16*>(bf16_scratch_);
+  // bf16: round, sum, widen back in place on the next lane; NCCL's stream takes the sums in
+  // order, so the other lane's cast overlaps this bucket's sum.
+  const int lane = next_lane_;
+  next_lane_ = (next_lane_ + 1) % kLanes;
+  cudaStream_t side = as_stream(side_stream_[lane]);
+  auto* scratch = static_cast<bf16*>(bf16_scratch_[lane]);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(side_ready_), as_stream(stream_)));
   MOE_CUDA_CHECK(cudaStreamWaitEvent(side, as_event(side_ready_), 0));
   cuda::cast_to_bf16(scratch, grads_ + offset, n, side);
@@ -91,8 +99,10 @@ void GpuDataParallel::join_launched() {
   for (auto& work : in_flight_) work->wait();
   in_flight_.clear();
   if (!side_pending_) return;
-  MOE_CUDA_CHECK(cudaEventRecord(as_event(side_done_), as_stream(side_stream_)));
-  MOE_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream_), as_event(side_done_), 0));
+  for (int lane = 0; lane < kLanes; ++lane) {
+    MOE_CUDA_CHECK(cudaEventRecord(as_event(side_done_[lane]), as_stream(side_stream_[lane])));
+    MOE_CUDA_CHECK(cudaStreamWaitEvent(as_stream(stream_), as_event(side_done_[lane]), 0));
+  }
   side_pending_ = false;
 }
 

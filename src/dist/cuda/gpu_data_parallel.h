@@ -12,8 +12,9 @@
 // ranges (or inside a CUDA graph) all_reduce_grads() does it all after the backward.
 // bf16 reduction (parallel.grad_reduce_dtype = bf16) halves the bytes on the wire: each
 // bucket is rounded to bf16 into a scratch buffer, summed in bf16 by NCCL and widened back
-// into the fp32 block, all on a side stream of this class that follows the model's stream,
-// so neither cast holds up the backward.
+// into the fp32 block, on side streams of this class that follow the model's stream, so
+// neither cast holds up the backward. Two side streams with a scratch bucket each take
+// the buckets in turn: one bucket's cast runs while the previous one is summed.
 // Not yet: ZeRO-1 sharding of the GPU optimizer state.
 //
 // Built only with CUDA (src/dist/cuda/). The header needs no CUDA include: the stream is
@@ -98,11 +99,15 @@ class GpuDataParallel {
   std::vector<std::unique_ptr<Work>> in_flight_;
   bool launched_ = false;  // a stage was launched since the last finish_overlapped()
   DType reduce_dtype_ = DType::f32;
-  void* side_stream_ = nullptr;   // bf16: casts and waits for the all-reduces (cudaStream_t)
-  void* side_ready_ = nullptr;    // cudaEvent_t: the model's stream reached a launch
-  void* side_done_ = nullptr;     // cudaEvent_t: the side stream's last widen
+  // bf16: two lanes, each a side stream (casts, and waits for its all-reduces), a
+  // cudaEvent_t for its last widen and one bucket of bf16 scratch; buckets alternate.
+  static constexpr int kLanes = 2;
+  void* side_stream_[kLanes] = {};
+  void* side_done_[kLanes] = {};
+  void* bf16_scratch_[kLanes] = {};
+  void* side_ready_ = nullptr;  // cudaEvent_t: the model's stream reached a launch
+  int next_lane_ = 0;
   bool side_pending_ = false;
-  void* bf16_scratch_ = nullptr;  // one bucket of bf16 (the side stream runs the buckets in turn)
   CommStats stats_;
 };
 
