@@ -6,6 +6,10 @@
 #   scaling      weak scaling of the bench models (micro-batch per GPU fixed, the global
 #                batch N times larger), data parallel and expert parallel (EP = N): tokens/s
 #                of 1 and N GPUs, the efficiency, and the step's communication wait;
+#   comm         data parallel over N GPUs with the gradient all-reduce's settings varied:
+#                parallel.comm_sms 0, 16, 32, 48 (fp32 sums) and 32 with bf16 sums, for
+#                both bench models (efficiency against the scaling section's 1-GPU run,
+#                which it runs itself when that section did not);
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
 #                and hierarchical with the GPUs split into 2 simulated nodes;
 #   resume       runs of the default model saving at step 4 of 8, resumed from that
@@ -13,7 +17,8 @@
 #                parallel and expert parallel (EP = N), and the EP checkpoint resumed on
 #                one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
-# SECTIONS: a comma-separated subset of correctness,scaling,a2a,resume (default: all).
+# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,resume (default: all
+# but comm).
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default.
 # SCALING_ARGS (environment): more overrides for every scaling run, 1 GPU included
 # (e.g. "--moe.capacity_factor=1.25").
@@ -86,6 +91,28 @@ if [[ $sections == *,scaling,* ]]; then
     fi
     echo "$line"
     if [[ $modes == *" ep "* ]]; then grep -E "all-to-all [0-9.]+ MB" "$out/wsep_$model.txt" | tail -1 || true; fi
+  done
+fi
+
+if [[ $sections == *,comm,* ]]; then
+  echo "== data parallel over $n GPUs: SMs left to NCCL (parallel.comm_sms) and the sums' dtype"
+  for model in mixtral-mini olmoe-mini; do
+    cfg=configs/bench/$model.toml
+    extra=()
+    [[ $model == mixtral-mini ]] && extra=(--optimizer.state_dtype=bf16)
+    run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps=10 --metrics.log_interval=1 "${extra[@]}")
+    tokens=$(grep -oE "global_batch_tokens *= *[0-9]+" "$cfg" | grep -oE "[0-9]+$")
+    [[ -s $out/ws1_$model.txt ]] || "$moe" train "${run[@]}" > "$out/ws1_$model.txt" 2>&1
+    one=$(median_field "$out/ws1_$model.txt" "tok/s")
+    echo "$model: 1 GPU $one tokens/s"
+    for setting in "0 fp32" "16 fp32" "32 fp32" "48 fp32" "32 bf16"; do
+      read -r sms dtype <<< "$setting"
+      log="$out/comm_${model}_sms${sms}_$dtype.txt"
+      launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) \
+        --parallel.comm_sms="$sms" --parallel.grad_reduce_dtype="$dtype" > "$log" 2>&1
+      dp=$(median_field "$log" "tok/s")
+      echo "  comm_sms $sms, $dtype sums: $dp tokens/s, efficiency $(efficiency "$one" "$dp"), comm wait $(median_field "$log" "comm wait")%"
+    done
   done
 fi
 
