@@ -51,7 +51,8 @@ struct GroupedGemmKernel {
   // reaches its best bf16 rate with at the bench models' expert sizes.
   using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  static_assert(cute::size(ClusterShape{}) == moe::cuda::grouped::kClusterSms, "grouped_gemm_entry.h's kClusterSms is the cluster's size");
+  static_assert(cute::size(ClusterShape{}) == moe::cuda::grouped::kClusterSms,
+                "grouped_gemm_entry.h's kClusterSms is the cluster's size");
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
