@@ -46,12 +46,6 @@ void split_master(const std::string& master, std::string* host, int* port) {
   if (host->empty()) MOE_CONFIG_ERROR("--master '{}' names no host", master);
 }
 
-int free_port() {
-  int port = 0;
-  dist::net::close_fd(dist::net::listen_on(0, 1, &port));
-  return port;
-}
-
 std::string self_executable() {
   char path[4096];
   const ssize_t n = readlink("/proc/self/exe", path, sizeof path - 1);
@@ -118,9 +112,13 @@ int run_launch(const LaunchOptions& options) {
   std::string host = "127.0.0.1";
   int port = 0;
   if (!options.master.empty()) split_master(options.master, &host, &port);
+  // A free port for rank 0's rendezvous, held by the launcher until the workers end: a
+  // port only probed and released could be taken (another job's bind, or the local port
+  // of any outgoing connection) before rank 0 listens on it, or between two rounds.
+  int reservation = -1;
   if (port == 0) {
     if (options.nnodes > 1) MOE_CONFIG_ERROR("--master '{}': give a port when the job spans nodes", options.master);
-    port = free_port();
+    reservation = dist::net::reserve_port(&port);
   }
 
   std::vector<std::string> argv = options.command;
@@ -207,6 +205,7 @@ int run_launch(const LaunchOptions& options) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   if (result != 0) std::fprintf(stderr, "moe launch: failed (exit code %d)\n", result);
+  if (reservation >= 0) dist::net::close_fd(reservation);
   return result;
 }
 

@@ -71,6 +71,26 @@ int listen_on(int port, int backlog, int* bound_port) {
   return fd;
 }
 
+int reserve_port(int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) MOE_THROW("socket(): {}", std::strerror(errno));
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_ANY);  // as listen_on binds: the same address, or no conflict check
+  address.sin_port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    const int error = errno;
+    close(fd);
+    MOE_THROW("cannot reserve a free port: {}", std::strerror(error));
+  }
+  socklen_t length = sizeof address;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  *port = ntohs(address.sin_port);
+  return fd;
+}
+
 int connect_to(const std::string& host, int port, double timeout_s) {
   sockaddr_in address{};
   address.sin_family = AF_INET;

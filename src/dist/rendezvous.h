@@ -23,6 +23,11 @@ std::vector<RendezvousEntry> rendezvous_all_gather(const std::string& master_add
 namespace net {
 // Listening IPv4 socket on port (0: any free port); returns the fd and sets *bound_port.
 int listen_on(int port, int backlog, int* bound_port);
+// Holds a free port for a rendezvous that another process will listen on: a socket bound
+// to it with SO_REUSEADDR and not listening. While it is open, listen_on(port) still
+// succeeds (it sets SO_REUSEADDR too), but the kernel gives the port to no other bind()
+// and to no outgoing connection as its local port. Returns the fd; sets *port.
+int reserve_port(int* port);
 // Connects to host:port, retrying refused connections until timeout_s.
 int connect_to(const std::string& host, int port, double timeout_s);
 // Accepts one connection within timeout_s; *peer_host gets the peer's address.
