@@ -44,9 +44,9 @@ void set_nodelay(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-}  // namespace
-
-int listen_on(int port, int backlog, int* bound_port) {
+// A TCP socket with SO_REUSEADDR bound to `port` (0: a free one) on every IPv4 address;
+// sets *bound_port. `what` names the purpose in the error.
+int bind_reusable(int port, const char* what, int* bound_port) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) MOE_THROW("socket(): {}", std::strerror(errno));
   int one = 1;
@@ -58,12 +58,7 @@ int listen_on(int port, int backlog, int* bound_port) {
   if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
     const int error = errno;
     close(fd);
-    MOE_THROW("cannot listen on port {}: {}", port, std::strerror(error));
-  }
-  if (listen(fd, backlog) != 0) {
-    const int error = errno;
-    close(fd);
-    MOE_THROW("listen() on port {}: {}", port, std::strerror(error));
+    MOE_THROW("cannot {} port {}: {}", what, port, std::strerror(error));
   }
   socklen_t length = sizeof address;
   getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
@@ -71,24 +66,22 @@ int listen_on(int port, int backlog, int* bound_port) {
   return fd;
 }
 
-int reserve_port(int* port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) MOE_THROW("socket(): {}", std::strerror(errno));
-  int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_ANY);  // as listen_on binds: the same address, or no conflict check
-  address.sin_port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+}  // namespace
+
+int listen_on(int port, int backlog, int* bound_port) {
+  const int fd = bind_reusable(port, "listen on", bound_port);
+  if (listen(fd, backlog) != 0) {
     const int error = errno;
     close(fd);
-    MOE_THROW("cannot reserve a free port: {}", std::strerror(error));
+    MOE_THROW("listen() on port {}: {}", port, std::strerror(error));
   }
-  socklen_t length = sizeof address;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
-  *port = ntohs(address.sin_port);
   return fd;
+}
+
+int reserve_port(int* port) {
+  // The same address as listen_on binds (a conflict is only checked between equal ones),
+  // and no listen(): rank 0's listener may then bind it too.
+  return bind_reusable(0, "reserve a", port);
 }
 
 int connect_to(const std::string& host, int port, double timeout_s) {
