@@ -48,6 +48,19 @@ median_field() {
 }
 efficiency() { awk -v a="$1" -v b="$2" -v n="$n" 'BEGIN { printf "%.1f%%", 100 * b / (n * a) }'; }
 launch() { "$moe" launch --nproc-per-node "$n" -- "$@"; }
+# The 10-step bench run of a model (scaling and comm sections): sets run, extra and tokens
+# (the config's global batch). Expert parallelism keeps every weight on every GPU (as data
+# parallelism does) plus the received rows: mixtral-mini needs bf16 moments to fit; the
+# 1-GPU baseline gets them too. SCALING_ARGS apply to every run, 1 GPU included.
+bench_run() {
+  local cfg=configs/bench/$1.toml
+  extra=()
+  [[ $1 == mixtral-mini ]] && extra=(--optimizer.state_dtype=bf16)
+  # shellcheck disable=SC2206  # SCALING_ARGS is a list of overrides
+  extra+=(${SCALING_ARGS:-})
+  run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps=10 --metrics.log_interval=1 "${extra[@]}")
+  tokens=$(grep -oE "global_batch_tokens *= *[0-9]+" "$cfg" | grep -oE "[0-9]+$")
+}
 
 if [[ $sections == *,correctness,* ]]; then
   echo "== correctness, default model, 50 steps"
@@ -65,15 +78,7 @@ fi
 if [[ $sections == *,scaling,* ]]; then
   echo "== weak scaling (micro-batch per GPU fixed), data parallel and EP $n"
   for model in mixtral-mini olmoe-mini; do
-    cfg=configs/bench/$model.toml
-    # Expert parallelism keeps every weight on every GPU (as data parallelism does) plus
-    # the received rows: mixtral-mini needs bf16 moments to fit; the 1-GPU baseline too.
-    extra=()
-    [[ $model == mixtral-mini ]] && extra=(--optimizer.state_dtype=bf16)
-    # shellcheck disable=SC2206  # SCALING_ARGS is a list of overrides
-    extra+=(${SCALING_ARGS:-})
-    run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps=10 --metrics.log_interval=1 "${extra[@]}")
-    tokens=$(grep -oE "global_batch_tokens *= *[0-9]+" "$cfg" | grep -oE "[0-9]+$")
+    bench_run "$model"
     "$moe" train "${run[@]}" > "$out/ws1_$model.txt" 2>&1
     one=$(median_field "$out/ws1_$model.txt" "tok/s")
     line="$model ${extra[*]}: 1 GPU $one tokens/s"
@@ -97,11 +102,7 @@ fi
 if [[ $sections == *,comm,* ]]; then
   echo "== data parallel over $n GPUs: SMs left to NCCL (parallel.comm_sms) and the sums' dtype"
   for model in mixtral-mini olmoe-mini; do
-    cfg=configs/bench/$model.toml
-    extra=()
-    [[ $model == mixtral-mini ]] && extra=(--optimizer.state_dtype=bf16)
-    run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps=10 --metrics.log_interval=1 "${extra[@]}")
-    tokens=$(grep -oE "global_batch_tokens *= *[0-9]+" "$cfg" | grep -oE "[0-9]+$")
+    bench_run "$model"
     [[ -s $out/ws1_$model.txt ]] || "$moe" train "${run[@]}" > "$out/ws1_$model.txt" 2>&1
     one=$(median_field "$out/ws1_$model.txt" "tok/s")
     echo "$model: 1 GPU $one tokens/s"
