@@ -419,8 +419,7 @@ void Trainer::sync_state_from_gpu() {
   if (gpu_expert_exchange_) gpu_->gather_expert_weights(/*with_moments=*/true);
   // Every GPU rank now holds the whole state and rank 0 writes it: the others skip the
   // download (host memory: 12-16 bytes per parameter on each rank).
-  if (rank_ != 0) return;
-  gpu_->download_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
+  if (rank_ == 0) gpu_->download_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
   optimizer_->set_steps_taken(gpu_steps_);
 }
 

@@ -110,7 +110,8 @@ TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
 
 // parallel.grad_reduce_dtype = bf16: over one rank the sum is the identity on the bf16
 // values, so each element comes back rounded to bf16 (to nearest even) and nothing else,
-// whether summed after the backward or stage by stage (buckets in turn on the side stream).
+// whether summed after the backward or stage by stage (buckets alternating between the two
+// side-stream lanes).
 TEST(GpuDataParallel, Bf16SumOverOneRankRoundsEachGradientOnce) {
   MOE_REQUIRE_GPU();
   cudaStream_t stream = nullptr;
