@@ -6,10 +6,11 @@
 #   scaling      weak scaling of the bench models (micro-batch per GPU fixed, the global
 #                batch N times larger), data parallel and expert parallel (EP = N): tokens/s
 #                of 1 and N GPUs, the efficiency, and the step's communication wait;
-#   comm         data parallel over N GPUs with the gradient all-reduce's settings varied:
-#                parallel.comm_sms 0, 16, 32, 48 (fp32 sums) and 32 with bf16 sums, for
+#   comm         data parallel over N GPUs with the gradient sums' settings varied:
+#                parallel.comm_sms, grad_reduce_dtype and shard_optimizer (ZeRO-1), for
 #                both bench models (efficiency against the scaling section's 1-GPU run,
-#                which it runs itself when that section did not);
+#                which it runs itself when that section did not); COMM_SETTINGS
+#                (environment): the "sms,dtype,shard" triples to run, space-separated;
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
 #                and hierarchical with the GPUs split into 2 simulated nodes;
 #   resume       runs of the default model saving at step 4 of 8, resumed from that
@@ -106,13 +107,15 @@ if [[ $sections == *,comm,* ]]; then
     [[ -s $out/ws1_$model.txt ]] || "$moe" train "${run[@]}" > "$out/ws1_$model.txt" 2>&1
     one=$(median_field "$out/ws1_$model.txt" "tok/s")
     echo "$model: 1 GPU $one tokens/s"
-    for setting in "0 fp32" "16 fp32" "32 fp32" "48 fp32" "32 bf16"; do
-      read -r sms dtype <<< "$setting"
-      log="$out/comm_${model}_sms${sms}_$dtype.txt"
+    settings=(0,fp32,true 16,fp32,true 32,fp32,true 32,bf16,true 32,fp32,false 0,fp32,false)
+    [[ -n ${COMM_SETTINGS:-} ]] && read -ra settings <<< "$COMM_SETTINGS"
+    for setting in "${settings[@]}"; do
+      IFS=, read -r sms dtype shard <<< "$setting"
+      log="$out/comm_${model}_sms${sms}_${dtype}_shard$shard.txt"
       launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) \
-        --parallel.comm_sms="$sms" --parallel.grad_reduce_dtype="$dtype" > "$log" 2>&1
+        --parallel.comm_sms="$sms" --parallel.grad_reduce_dtype="$dtype" --parallel.shard_optimizer="$shard" > "$log" 2>&1
       dp=$(median_field "$log" "tok/s")
-      echo "  comm_sms $sms, $dtype sums: $dp tokens/s, efficiency $(efficiency "$one" "$dp"), comm wait $(median_field "$log" "comm wait")%"
+      echo "  comm_sms $sms, $dtype sums, shard_optimizer $shard: $dp tokens/s, efficiency $(efficiency "$one" "$dp"), comm wait $(median_field "$log" "comm wait")%"
     done
   done
 fi

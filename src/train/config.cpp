@@ -106,6 +106,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("parallel", "bucket_mb", c.parallel.bucket_mb);
   visit("parallel", "a2a_chunks", c.parallel.a2a_chunks);
   visit("parallel", "comm_sms", c.parallel.comm_sms);
+  visit("parallel", "shard_optimizer", c.parallel.shard_optimizer);
   visit("parallel", "grad_reduce_dtype", c.parallel.grad_reduce_dtype);
   visit("parallel", "rebalance_interval", c.parallel.rebalance_interval);
   visit("parallel", "backend", c.parallel.backend);

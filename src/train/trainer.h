@@ -90,6 +90,7 @@ class ModelBackend {
 namespace dist {
 class Communicator;
 class GpuExpertExchangeOverComm;
+class GpuDataParallel;
 }
 
 class GpuTransformer;
@@ -170,6 +171,7 @@ class Trainer {
   std::unique_ptr<dist::Communicator> gpu_world_;  // until make_gpu_backend takes it
   // parallel.expert_parallel > 1 on the GPU: the EP group's exchange (kept across re-plans).
   std::shared_ptr<dist::GpuExpertExchangeOverComm> gpu_expert_exchange_;
+  dist::GpuDataParallel* gpu_dp_ = nullptr;  // the GPU backend's data-parallel group (it owns it), or null
   // Checkpoints of GPU runs: the host model and AdamW take the GPU's state before a save,
   // and the GPU takes theirs after a restore (no-ops on the CPU path).
   void sync_state_from_gpu();

@@ -21,6 +21,7 @@
 #include "dist/cuda/gpu_data_parallel.h"
 #include "dist/cuda/gpu_expert_exchange.h"
 #include "dist/gradient_stages.h"
+#include "dist/zero_shards.h"
 #include "model/cuda/gpu_transformer.h"
 #endif
 
@@ -154,6 +155,19 @@ BatchPlan Trainer::plan_gpu_batches() {
 
 namespace {
 
+// ZeRO-1: the fp32 master weights' lo halves (and the AdamW moments) of every piece from
+// its owner, so that every rank holds the whole state (collective; the bf16 hi halves are
+// gathered after every step).
+void gather_sharded_state(GpuTransformer& gpu, dist::GpuDataParallel& dp, bool with_moments) {
+  GpuParameterStore& params = gpu.parameters();
+  dp.gather_pieces(params.weights_lo(), dist::DType::bf16);  // int16 bits: moved, not summed
+  if (with_moments) {
+    const dist::DType moment = params.moment_bytes() == 2 ? dist::DType::bf16 : dist::DType::f32;
+    for (int which = 0; which < 2; ++which) dp.gather_pieces(params.moment_block(which), moment);
+  }
+  dp.take_stats();  // not a training step's communication
+}
+
 // The model, gradients and AdamW state on the GPU. With `dp` (parallel.backend = nccl)
 // every rank holds a full replica and the gradients are summed over the ranks after the
 // step's last backward (src/dist/cuda/gpu_data_parallel.h).
@@ -176,6 +190,7 @@ class GpuBackend final : public ModelBackend {
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
     if (ep_) gpu_.enable_phase_timing(true);
   }
+  ~GpuBackend() override { gpu_.set_forward_stage_hook({}); }  // it points into dp_
   void begin_step() override {
     gpu_.zero_grads();
     gpu_.reset_load();
@@ -194,7 +209,11 @@ class GpuBackend final : public ModelBackend {
       fwd = gpu_.forward_backward(inputs_BS, targets_BS, dp_ ? micro_scale_ * ce_weight_ : micro_scale_);
       backward_done_ = true;
     } else {
+      // ZeRO-1: the weights' all-gathers run beside this forward; the GEMMs leave them SMs.
+      const bool gathers = sharded() && dp_->gathers_pending();
+      if (gathers) gpu_.reserve_sms(static_cast<int>(config_.parallel.comm_sms));
       fwd = gpu_.forward(inputs_BS, targets_BS);
+      if (gathers) gpu_.reserve_sms(0);
     }
     if (dp_) fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
     return fwd;
@@ -284,6 +303,11 @@ class GpuBackend final : public ModelBackend {
         own_experts_sq += kept * kept;
       }
     clip.global_norm = gpu_.grad_norm();
+    if (sharded()) {
+      // ZeRO-1: each rank holds the sums of its pieces only; its norm covers them (and, on
+      // rank 0, the ranges every rank keeps whole), so the squares add up over the ranks.
+      clip.global_norm = std::sqrt(dp_->sum(clip.global_norm * clip.global_norm));
+    }
     if (ep_) {
       // This rank's block holds the shared gradients (summed over all ranks) and its own
       // experts' (zero elsewhere): the global norm is the shared part once plus every
@@ -301,9 +325,19 @@ class GpuBackend final : public ModelBackend {
   void apply_update(double lr) override {
     const OptimizerConfig& o = config_.optimizer;
     gpu_.adamw_step(lr, o.beta1, o.beta2, o.eps, o.weight_decay, static_cast<float>(grad_scale_), ++steps_);
+    // ZeRO-1: this rank stepped its pieces; the others' new bf16 weights come from them
+    // (the lo halves and moments stay with their owners until a checkpoint gathers them).
+    if (sharded()) {
+      // Without graphs the next forward waits for each stage's weights as it reaches them.
+      if (config_.training.cuda_graphs)
+        dp_->gather_pieces(gpu_.parameters().weights_hi(), dist::DType::bf16);
+      else
+        dp_->gather_pieces_by_stage(gpu_.parameters().weights_hi(), dist::DType::bf16);
+    }
     if (config_.model.moe.bias_balancing) update_balance_bias();
   }
   void end_step() override {}
+  bool sharded() const { return dp_ && dp_->zero_plan() != nullptr; }
   double sum_over_ranks(double value) override { return dp_ ? dp_->sum(value) : value; }
   void end_validation() override {
     gpu_.reset_load();
@@ -334,6 +368,7 @@ class GpuBackend final : public ModelBackend {
   }
   void sync_host_model() override {
     if (ep_) gpu_.gather_expert_weights();  // each rank stepped only its own experts
+    if (sharded()) gather_sharded_state(gpu_, *dp_, /*with_moments=*/false);
     gpu_.download_params(host_model_.params());
     if (dp_) dp_->take_stats();
   }
@@ -405,9 +440,23 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
                                                       params.storage_numel(), config_.parallel.bucket_mb, reduce_dtype);
         edp->set_stage_ranges(ranges.own_experts);
       }
+    } else if (config_.parallel.shard_optimizer && dp->size() > 1) {
+      // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
+      if (config_.training.expert_grad_clip > 0)
+        MOE_CONFIG_ERROR("training.expert_grad_clip = {} is not done with a sharded GPU optimizer yet: set "
+                         "parallel.shard_optimizer = false, or training.expert_grad_clip = 0",
+                         config_.training.expert_grad_clip);
+      dist::ZeroShardPlan plan = dist::plan_zero_shards(
+          dist::gradient_ranges_by_stage(model_->params(), stage_of, model_->backward_stages()),
+          params.fp32_copy_ranges(), dp->bucket_elems(), dp->size(), dp->rank());
+      params.set_step_ranges(plan.update, plan.norm);
+      dp->set_zero_plan(std::move(plan), /*overlap=*/!config_.training.cuda_graphs);
+      if (!config_.training.cuda_graphs)
+        gpu_->set_forward_stage_hook([group = dp.get()](int stage) { group->wait_stage(stage); });
     } else if (!config_.training.cuda_graphs) {
       dp->set_stage_ranges(dist::gradient_ranges_by_stage(model_->params(), stage_of, model_->backward_stages()));
     }
+    gpu_dp_ = dp.get();
   }
   return std::make_unique<GpuBackend>(config_, *gpu_, *model_, gpu_steps_, micro_batch_ * config_.model.seq_len,
                                       std::move(dp), gpu_expert_exchange_, std::move(edp));
@@ -415,8 +464,10 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
 
 void Trainer::sync_state_from_gpu() {
   if (!gpu_) return;
-  // Expert parallelism: each expert's weights and moments are current only on its EP rank.
+  // Expert parallelism: each expert's weights and moments are current only on its EP rank;
+  // ZeRO-1: each piece's on the rank that steps it.
   if (gpu_expert_exchange_) gpu_->gather_expert_weights(/*with_moments=*/true);
+  if (gpu_dp_ && gpu_dp_->zero_plan()) gather_sharded_state(*gpu_, *gpu_dp_, /*with_moments=*/true);
   // Every GPU rank now holds the whole state and rank 0 writes it: the others skip the
   // download (host memory: 12-16 bytes per parameter on each rank).
   if (rank_ == 0) gpu_->download_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());

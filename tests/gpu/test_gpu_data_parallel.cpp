@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "dist/communicator.h"
 #include "dist/cuda/gpu_data_parallel.h"
+#include "dist/zero_shards.h"
 #include "gpu_test_util.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
@@ -141,6 +142,52 @@ TEST(GpuDataParallel, Bf16SumOverOneRankRoundsEachGradientOnce) {
   EXPECT_THROW(dist::GpuDataParallel(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4,
                                      dist::DType::f64),
                Error);
+  ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
+// ZeRO-1 over one rank: each bucket's reduce-scatter and all-gather in place are the
+// identity (fp32 sums: the block unchanged; bf16 sums: every element rounded once), the
+// stage-by-stage gathers are waited for stage by stage, and a plan for another rank count
+// is refused. (Over 2+ GPUs: bench/multi_gpu.sh's correctness and resume sections.)
+TEST(GpuDataParallel, ZeroShardsOverOneRankAreTheIdentity) {
+  MOE_REQUIRE_GPU();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const int64_t n = 300016;
+  const std::vector<float> host = random_grads(n, 10, "dp.zero");
+  std::vector<float> rounded(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) rounded[static_cast<size_t>(i)] = bf16_to_float(float_to_bf16(host[static_cast<size_t>(i)]));
+  // Stage 0 the end (not a whole unit: a replicated tail), 1 the middle with a range kept
+  // whole inside, 2 the start.
+  const std::vector<dist::BlockRanges> stages = {{{200000, n - 200000}}, {{64, 199936}}, {{0, 64}}};
+  gpu::DeviceArray<float> grads(static_cast<size_t>(n));
+  for (dist::DType dtype : {dist::DType::f32, dist::DType::bf16}) {
+    SCOPED_TRACE(dtype == dist::DType::f32 ? "fp32 sums" : "bf16 sums");
+    grads.upload(host.data(), host.size());
+    dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4, dtype);
+    EXPECT_THROW(dp.set_zero_plan(dist::plan_zero_shards(stages, {}, dp.bucket_elems(), 2, 0), true), Error);
+    dist::ZeroShardPlan plan = dist::plan_zero_shards(stages, {{1024, 48}}, dp.bucket_elems(), 1, 0);
+    ASSERT_FALSE(plan.sharded[1].empty());
+    dp.set_zero_plan(std::move(plan), /*overlap=*/true);
+    ASSERT_NE(dp.zero_plan(), nullptr);
+    for (int stage = 0; stage < 3; ++stage) dp.launch_stage(stage);
+    dp.finish_overlapped();
+    std::vector<float> back(host.size());
+    grads.download(back.data(), back.size());
+    EXPECT_TRUE(same_bits(back, dtype == dist::DType::f32 ? host : rounded));
+    EXPECT_GT(dp.take_stats().grad_sync_s, 0.0);
+    // The gathers, on the gradient block as a stand-in for the weights (any bytes).
+    grads.upload(host.data(), host.size());
+    dp.gather_pieces_by_stage(grads.data(), dist::DType::f32);
+    EXPECT_TRUE(dp.gathers_pending());
+    for (int stage = 3; stage-- > 0;) dp.wait_stage(stage);
+    EXPECT_FALSE(dp.gathers_pending());
+    dp.gather_pieces(grads.data(), dist::DType::bf16);
+    grads.download(back.data(), back.size());
+    EXPECT_TRUE(same_bits(back, host));
+    EXPECT_GT(dp.take_stats().wait_s, 0.0);  // the joined gather is communication wait
+    EXPECT_EQ(dp.sum(2.5), 2.5);             // host sums on their own communicator
+  }
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 

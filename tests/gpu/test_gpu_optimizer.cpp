@@ -9,8 +9,10 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <string>
 
+#include "dist/zero_shards.h"
 #include "gpu_test_util.h"
 #include "kernels/adamw_math.h"
 #include "kernels/gpu_ops.h"
@@ -455,6 +457,95 @@ TEST(GpuOptimizer, KernelsOnUnalignedSegmentsMatchTheHost) {
       EXPECT_EQ(bad_mirror, 0u);
     }
   }
+}
+
+// A device block's bytes, element by element.
+template <typename T>
+std::vector<T> device_copy(const void* block, int64_t n) {
+  std::vector<T> out(static_cast<size_t>(n));
+  MOE_CUDA_CHECK(cudaMemcpy(out.data(), block, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+// ZeRO-1 (set_step_ranges): ranks that each step their plan's ranges leave, together, the
+// whole store's step: inside a rank's update ranges its weights (hi and lo), moments and
+// fp32 copies are the whole step's bits, outside them nothing moved; the ranks' norms'
+// squares add up to the whole norm's square. (The pieces' NCCL sums run on 2+ GPUs.)
+TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
+  MOE_REQUIRE_GPU();
+  ParameterStore<float> params;
+  make_params(params);
+  const OptimizerConfig oc = config();
+  const std::vector<int> fp32_ids = {1, 7};
+  GpuParameterStore whole(params, GetParam(), fp32_ids, nullptr);
+  const int64_t n = whole.storage_numel();
+  // One stage per parameter (offsets are multiples of 16), buckets of ~3 norm chunks.
+  std::vector<dist::BlockRanges> stages;
+  for (int id = 0; id < params.size(); ++id)
+    stages.push_back({{params.offset(id), (id + 1 < params.size() ? params.offset(id + 1) : n) - params.offset(id)}});
+  const int ranks = 3;
+  std::vector<std::unique_ptr<GpuParameterStore>> shards;
+  std::vector<dist::ZeroShardPlan> plans;
+  for (int r = 0; r < ranks; ++r) {
+    plans.push_back(dist::plan_zero_shards(stages, whole.fp32_copy_ranges(), 3 * am::kNormChunk, ranks, r));
+    shards.push_back(std::make_unique<GpuParameterStore>(params, GetParam(), fp32_ids, nullptr));
+    shards.back()->set_step_ranges(plans.back().update, plans.back().norm);
+  }
+  const auto lo_before = device_copy<int16_t>(whole.weights_lo(), n);
+  for (int64_t step = 1; step <= 3; ++step) {
+    fill_grads(params, step, step == 2 ? 1.0 : 1e-4);
+    whole.upload_grads(params);
+    const double norm = whole.grad_norm();
+    double sum_sq = 0;
+    for (auto& shard : shards) {
+      shard->upload_grads(params);
+      const double part = shard->grad_norm();
+      sum_sq += part * part;
+    }
+    EXPECT_NEAR(std::sqrt(sum_sq), norm, 1e-12 * norm) << "step " << step;
+    const float grad_scale = norm > 1.0 ? static_cast<float>(1.0 / (norm + 1e-6)) : 1.0f;
+    const AdamWStep hyper{1e-3, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step};
+    whole.adamw_step(hyper, grad_scale);
+    for (auto& shard : shards) shard->adamw_step(hyper, grad_scale);
+  }
+  const auto hi = device_copy<uint16_t>(whole.weights_hi(), n);
+  const auto lo = device_copy<int16_t>(whole.weights_lo(), n);
+  const size_t mb = whole.moment_bytes();
+  const auto m = device_copy<uint8_t>(whole.moment_block(0), n * static_cast<int64_t>(mb));
+  const auto v = device_copy<uint8_t>(whole.moment_block(1), n * static_cast<int64_t>(mb));
+  int64_t stepped_somewhere = 0;
+  for (int r = 0; r < ranks; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    std::vector<char> mine(static_cast<size_t>(n), 0);
+    for (const auto& [begin, count] : plans[static_cast<size_t>(r)].update)
+      std::fill(mine.begin() + begin, mine.begin() + begin + count, 1);
+    GpuParameterStore& shard = *shards[static_cast<size_t>(r)];
+    const auto shard_hi = device_copy<uint16_t>(shard.weights_hi(), n);
+    const auto shard_lo = device_copy<int16_t>(shard.weights_lo(), n);
+    const auto shard_m = device_copy<uint8_t>(shard.moment_block(0), n * static_cast<int64_t>(mb));
+    const auto shard_v = device_copy<uint8_t>(shard.moment_block(1), n * static_cast<int64_t>(mb));
+    int64_t bad_mine = 0, bad_other = 0;
+    for (int64_t e = 0; e < n; ++e) {
+      const auto i = static_cast<size_t>(e);
+      const bool moments_equal = std::memcmp(&shard_m[i * mb], &m[i * mb], mb) == 0 &&
+                                 std::memcmp(&shard_v[i * mb], &v[i * mb], mb) == 0;
+      if (mine[i]) {
+        bad_mine += shard_hi[i] != hi[i] || shard_lo[i] != lo[i] || !moments_equal;
+      } else {
+        bad_other += shard_lo[i] != lo_before[i];  // never stepped: the initial weights
+        stepped_somewhere += lo[i] != lo_before[i];
+      }
+    }
+    EXPECT_EQ(bad_mine, 0) << "elements of this rank's ranges differ from the whole step";
+    EXPECT_EQ(bad_other, 0) << "elements outside this rank's ranges were stepped";
+    for (int id : fp32_ids)
+      EXPECT_EQ(device_copy<uint32_t>(shard.fp32_values(id), params.numel(id)),
+                device_copy<uint32_t>(whole.fp32_values(id), params.numel(id)))
+          << "fp32 copy of parameter " << id;
+  }
+  EXPECT_GT(stepped_somewhere, n);  // each rank left most of the block to the others
+  EXPECT_THROW(shards[0]->clip_and_adamw_step(AdamWStep{}, 1.0), Error);  // its norm is a part
+  EXPECT_THROW(shards[0]->set_step_ranges({{64, 16}, {32, 16}}, {}), Error);  // unsorted
 }
 
 INSTANTIATE_TEST_SUITE_P(Moments, GpuMultiTensorAdamW, ::testing::Values(MomentDtype::Fp32, MomentDtype::Bf16),

@@ -275,6 +275,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
       [](RunConfig& c) { c.parallel.rebalance_interval = 50; }, [](RunConfig& c) { c.parallel.comm_sms = 0; },
       [](RunConfig& c) { c.parallel.grad_reduce_dtype = "bf16"; },
+      [](RunConfig& c) { c.parallel.shard_optimizer = false; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
       [](RunConfig& c) { c.parallel.backend = "mpi"; },
   };
@@ -306,7 +307,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(sizeof(DataConfig), 144u);
   EXPECT_EQ(sizeof(MetricsConfig), 80u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
-  EXPECT_EQ(sizeof(ParallelConfig), 136u);
+  EXPECT_EQ(sizeof(ParallelConfig), 144u);
 }
 
 TEST(Config, DocsDescribeEveryKey) {

@@ -56,13 +56,19 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
       MOE_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
       side_stream_[lane] = side;
       side_done_[lane] = done;
-      MOE_CUDA_CHECK(cudaMalloc(&bf16_scratch_[lane], static_cast<size_t>(bucket_elems_) * sizeof(bf16)));
+      // A ZeRO bucket may be up to one unit longer than bucket_elems_ (zero_shards.h).
+      const int64_t scratch = bucket_elems_ + kZeroAlign * group_->size();
+      MOE_CUDA_CHECK(cudaMalloc(&bf16_scratch_[lane], static_cast<size_t>(scratch) * sizeof(bf16)));
     }
   }
 }
 
 GpuDataParallel::~GpuDataParallel() {
   if (scratch_) cudaFree(scratch_);
+  for (auto& [begin, end] : gathers_) {
+    cudaEventDestroy(as_event(begin));
+    cudaEventDestroy(as_event(end));
+  }
   if (sync_begin_) cudaEventDestroy(as_event(sync_begin_));
   if (sync_end_) cudaEventDestroy(as_event(sync_end_));
   if (backward_end_) cudaEventDestroy(as_event(backward_end_));
@@ -95,6 +101,39 @@ void GpuDataParallel::launch_sum(int64_t offset, int64_t n) {
   side_pending_ = true;
 }
 
+void GpuDataParallel::launch_scatter(int64_t offset, int64_t n) {
+  const int rank = group_->rank();
+  const int64_t shard = n / group_->size();
+  const auto piece = static_cast<size_t>(shard);
+  if (reduce_dtype_ == DType::f32) {
+    float* bucket = grads_ + offset;  // in place: rank r's sums land in its own piece
+    in_flight_.push_back(group_->reduce_scatter_async(bucket, bucket + rank * shard, piece, DType::f32, ReduceOp::sum));
+    return;
+  }
+  // bf16: as launch_sum, but only this rank's piece is widened back.
+  const int lane = next_lane_;
+  next_lane_ = (next_lane_ + 1) % kLanes;
+  cudaStream_t side = as_stream(side_stream_[lane]);
+  auto* scratch = static_cast<bf16*>(bf16_scratch_[lane]);
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(side_ready_), as_stream(stream_)));
+  MOE_CUDA_CHECK(cudaStreamWaitEvent(side, as_event(side_ready_), 0));
+  cuda::cast_to_bf16(scratch, grads_ + offset, n, side);
+  group_->set_stream(side);
+  group_->reduce_scatter_async(scratch, scratch + rank * shard, piece, DType::bf16, ReduceOp::sum)->wait();
+  group_->set_stream(stream_);
+  cuda::cast_to_float(grads_ + offset + rank * shard, scratch + rank * shard, shard, side);
+  side_pending_ = true;
+}
+
+void GpuDataParallel::launch_all_stages() {
+  const int n_stages = zero_ ? static_cast<int>(zero_->sharded.size()) : static_cast<int>(stage_ranges_.size());
+  if (n_stages == 0) {
+    for (const auto& [offset, n] : buckets_) launch_sum(offset, n);
+    return;
+  }
+  for (int stage = 0; stage < n_stages; ++stage) launch_stage(stage);
+}
+
 void GpuDataParallel::join_launched() {
   for (auto& work : in_flight_) work->wait();
   in_flight_.clear();
@@ -121,7 +160,7 @@ void GpuDataParallel::sum(double* values, int64_t n) {
     ensure_scratch(n);
     const size_t bytes = static_cast<size_t>(n) * sizeof(double);
     MOE_CUDA_CHECK(cudaMemcpyAsync(scratch_, values, bytes, cudaMemcpyHostToDevice, as_stream(stream_)));
-    group_->all_reduce(scratch_, static_cast<size_t>(n), DType::f64, ReduceOp::sum);
+    (sum_group_ ? *sum_group_ : *group_).all_reduce(scratch_, static_cast<size_t>(n), DType::f64, ReduceOp::sum);
     MOE_CUDA_CHECK(cudaMemcpyAsync(values, scratch_, bytes, cudaMemcpyDeviceToHost, as_stream(stream_)));
     MOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
   });
@@ -130,7 +169,8 @@ void GpuDataParallel::sum(double* values, int64_t n) {
 void GpuDataParallel::all_reduce_grads() {
   cudaStream_t stream = as_stream(stream_);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), stream));
-  for (const auto& [offset, n] : buckets_) launch_sum(offset, n);
+  launch_all_stages();
+  launched_ = false;
   join_launched();  // the model's stream waits for every bucket
   MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_end_), stream));
   MOE_CUDA_CHECK(cudaEventSynchronize(as_event(sync_end_)));
@@ -156,6 +196,81 @@ void GpuDataParallel::set_stage_ranges(std::vector<std::vector<std::pair<int64_t
   MOE_CHECK(end <= count_, "GPU data parallel: the stages' ranges reach element {} of a {}-element block", end,
             count_);
   stage_ranges_ = std::move(stage_ranges);
+  overlap_ = !stage_ranges_.empty();
+}
+
+void GpuDataParallel::set_zero_plan(ZeroShardPlan plan, bool overlap) {
+  MOE_CHECK(plan.ranks == group_->size() && plan.rank == group_->rank(),
+            "GPU data parallel: a ZeRO plan for rank {} of {} on rank {} of {}", plan.rank, plan.ranks, group_->rank(),
+            group_->size());
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> all(plan.sharded.size());
+  for (size_t stage = 0; stage < plan.sharded.size(); ++stage) {
+    all[stage] = plan.sharded[stage];
+    all[stage].insert(all[stage].end(), plan.replicated[stage].begin(), plan.replicated[stage].end());
+    for (const auto& [offset, n] : plan.sharded[stage])
+      MOE_CHECK(n % (kZeroAlign * group_->size()) == 0 && n <= bucket_elems_ + kZeroAlign * group_->size(),
+                "GPU data parallel: ZeRO bucket [{}, +{}) does not split into {} aligned pieces", offset, n,
+                group_->size());
+  }
+  set_stage_ranges(std::move(all));  // the same checks: disjoint, inside the block
+  overlap_ = overlap;
+  zero_ = std::move(plan);
+  if (!sum_group_) {
+    sum_group_ = group_->split(0, group_->rank());  // collective: every rank sets its plan
+    sum_group_->set_stream(stream_);
+  }
+}
+
+void GpuDataParallel::gather_pieces(void* block, DType dtype) {
+  MOE_CHECK(zero_.has_value(), "GPU data parallel: gather_pieces without a ZeRO plan");
+  MOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, "GPU data parallel: gather_pieces of 4- or 2-byte elements");
+  cudaStream_t stream = as_stream(stream_);
+  if (gathers_used_ == gathers_.size()) {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    MOE_CUDA_CHECK(cudaEventCreate(&begin));
+    MOE_CUDA_CHECK(cudaEventCreate(&end));
+    gathers_.emplace_back(begin, end);
+  }
+  const auto [begin, end] = gathers_[gathers_used_++];
+  join_stage_gathers();
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(begin), stream));
+  for (size_t stage = 0; stage < zero_->sharded.size(); ++stage)
+    if (auto last = gather_stage(stage, block, dtype)) last->wait();  // in order: the last one covers the stage
+  MOE_CUDA_CHECK(cudaEventRecord(as_event(end), stream));
+}
+
+std::unique_ptr<Work> GpuDataParallel::gather_stage(size_t stage, void* block, DType dtype) {
+  const size_t bytes = dtype == DType::f32 ? 4 : 2;
+  std::unique_ptr<Work> last;
+  for (const auto& bucket : zero_->sharded[stage]) {
+    const auto [piece_offset, piece_count] = zero_->piece(bucket, group_->rank());
+    char* whole = static_cast<char*>(block) + static_cast<size_t>(bucket.first) * bytes;
+    const char* mine = static_cast<char*>(block) + static_cast<size_t>(piece_offset) * bytes;
+    // In place: this rank's piece is where the gathered block keeps it.
+    last = group_->all_gather_async(mine, whole, static_cast<size_t>(piece_count), dtype);
+  }
+  return last;
+}
+
+void GpuDataParallel::gather_pieces_by_stage(void* block, DType dtype) {
+  MOE_CHECK(zero_.has_value(), "GPU data parallel: gather_pieces_by_stage without a ZeRO plan");
+  MOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, "GPU data parallel: gather of 4- or 2-byte elements");
+  join_stage_gathers();
+  stage_gathered_.resize(zero_->sharded.size());
+  // The forward's order: the embedding (the last backward stage) first, the LM head last.
+  for (size_t stage = zero_->sharded.size(); stage-- > 0;) stage_gathered_[stage] = gather_stage(stage, block, dtype);
+}
+
+void GpuDataParallel::wait_stage(int stage) {
+  if (stage < 0 || static_cast<size_t>(stage) >= stage_gathered_.size()) return;
+  if (auto& work = stage_gathered_[static_cast<size_t>(stage)]) {
+    work->wait();
+    work.reset();
+  }
+}
+
+void GpuDataParallel::join_stage_gathers() {
+  for (size_t stage = 0; stage < stage_gathered_.size(); ++stage) wait_stage(static_cast<int>(stage));
 }
 
 void GpuDataParallel::launch_stage(int stage) {
@@ -163,8 +278,11 @@ void GpuDataParallel::launch_stage(int stage) {
             stage);
   if (!launched_) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
   launched_ = true;
+  if (zero_)
+    for (const auto& [offset, n] : zero_->sharded[static_cast<size_t>(stage)]) launch_scatter(offset, n);
   // Buckets of at most the configured size, so one huge layer still streams.
-  for (const auto& [offset, n] : stage_ranges_[static_cast<size_t>(stage)])
+  const auto& sums = zero_ ? zero_->replicated[static_cast<size_t>(stage)] : stage_ranges_[static_cast<size_t>(stage)];
+  for (const auto& [offset, n] : sums)
     for (int64_t at = offset; at < offset + n; at += bucket_elems_) launch_sum(at, std::min(bucket_elems_, offset + n - at));
 }
 
@@ -183,6 +301,16 @@ void GpuDataParallel::finish_overlapped() {
   stats_.wait_s += static_cast<double>(wait_ms) * 1e-3;
 }
 
-CommStats GpuDataParallel::take_stats() { return std::exchange(stats_, CommStats{}); }
+CommStats GpuDataParallel::take_stats() {
+  // The weight gathers since the last call: the model's stream waited for all of each.
+  for (size_t i = 0; i < gathers_used_; ++i) {
+    MOE_CUDA_CHECK(cudaEventSynchronize(as_event(gathers_[i].second)));
+    float ms = 0;
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, as_event(gathers_[i].first), as_event(gathers_[i].second)));
+    stats_.wait_s += static_cast<double>(ms) * 1e-3;
+  }
+  gathers_used_ = 0;
+  return std::exchange(stats_, CommStats{});
+}
 
 }  // namespace moe::dist

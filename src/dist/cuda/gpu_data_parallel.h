@@ -15,17 +15,21 @@
 // into the fp32 block, on side streams of this class that follow the model's stream, so
 // neither cast holds up the backward. Two side streams with a scratch bucket each take
 // the buckets in turn: one bucket's cast runs while the previous one is summed.
-// Not yet: ZeRO-1 sharding of the GPU optimizer state.
+// ZeRO-1 (set_zero_plan, src/dist/zero_shards.h): the buckets are reduce-scattered in place
+// instead (each rank then holds the sums of its pieces only, half the all-reduce's bytes),
+// every rank steps its pieces, and gather_pieces() all-gathers the new bf16 weights.
 //
 // Built only with CUDA (src/dist/cuda/). The header needs no CUDA include: the stream is
 // a cudaStream_t passed as void*.
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dist/communicator.h"
 #include "dist/parallel_stats.h"
+#include "dist/zero_shards.h"
 
 namespace moe::dist {
 
@@ -46,6 +50,7 @@ class GpuDataParallel {
   Communicator& group() { return *group_; }
   // [offset, offset + count) of the gradient block per all-reduce.
   const std::vector<std::pair<int64_t, int64_t>>& buckets() const { return buckets_; }
+  int64_t bucket_elems() const { return bucket_elems_; }
 
   // Sums n host doubles over the ranks in place (a device round trip on the model's
   // stream; the host blocks for it, counted as communication wait).
@@ -64,9 +69,31 @@ class GpuDataParallel {
   // backward stage s completes and this group sums (disjoint; the whole block in plain
   // data parallelism, a part of it under expert parallelism).
   void set_stage_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges);
-  bool overlaps() const { return !stage_ranges_.empty(); }
+  bool overlaps() const { return overlap_; }
   // Starts stage s's all-reduces after the work enqueued so far on the model's stream.
   void launch_stage(int stage);
+  // ZeRO-1: the plan's buckets are reduce-scattered and its replicated ranges all-reduced,
+  // stage by stage during the backward when `overlap` (launch_stage), else all at once by
+  // all_reduce_grads(). Replaces set_stage_ranges.
+  void set_zero_plan(ZeroShardPlan plan, bool overlap);
+  const ZeroShardPlan* zero_plan() const { return zero_ ? &*zero_ : nullptr; }
+  // ZeRO-1, after the optimizer step on the model's stream: every rank's pieces of a block
+  // in the gradient block's layout (the bf16 weights; for checkpoints also the lo halves and
+  // the moments) are all-gathered in place; the model's stream waits for them (counted as
+  // communication wait, and returns without blocking the host).
+  void gather_pieces(void* block, DType dtype);
+  // ZeRO-1, overlapped: the same all-gathers, stage by stage in the forward's order (the
+  // embedding's first), without the model's stream waiting; wait_stage(s) then makes it
+  // wait for stage s's (GpuTransformer's forward stage hook), so the next step's forward
+  // runs while the later stages' weights arrive. Not counted as communication wait.
+  void gather_pieces_by_stage(void* block, DType dtype);
+  void wait_stage(int stage);
+  // Some stage's all-gather has not been waited for yet.
+  bool gathers_pending() const {
+    for (const auto& work : stage_gathered_)
+      if (work) return true;
+    return false;
+  }
   // The model's stream waits for every launched all-reduce; returns when they are done.
   // grad_sync_s: from the first launch to the end; wait_s: what the model's stream waited
   // after its own work (the part the backward did not hide).
@@ -81,6 +108,14 @@ class GpuDataParallel {
   // model's stream: f32 on the communicator's stream (a Work in in_flight_), bf16 through
   // the side stream.
   void launch_sum(int64_t offset, int64_t n);
+  // ZeRO-1: reduce-scatters the bucket [offset, offset + n) in place.
+  void launch_scatter(int64_t offset, int64_t n);
+  // Every stage's sums (after the backward).
+  void launch_all_stages();
+  // Enqueues the all-gathers of `stage`'s buckets of a block; returns the last one's Work.
+  std::unique_ptr<Work> gather_stage(size_t stage, void* block, DType dtype);
+  // The model's stream waits for every pending gather_pieces_by_stage() all-gather.
+  void join_stage_gathers();
   // The model's stream waits for everything launched (both paths).
   void join_launched();
 
@@ -96,6 +131,15 @@ class GpuDataParallel {
   void* sync_end_ = nullptr;
   void* backward_end_ = nullptr;  // overlapped: the model's own work done
   std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges_;
+  bool overlap_ = false;
+  std::optional<ZeroShardPlan> zero_;
+  // ZeRO-1: events around each gather_pieces() on the model's stream, read by take_stats().
+  std::vector<std::pair<void*, void*>> gathers_;
+  size_t gathers_used_ = 0;
+  std::vector<std::unique_ptr<Work>> stage_gathered_;  // per stage: its last all-gather, until waited for
+  // ZeRO-1: the host sums (sum()) on a communicator of their own, so that they do not
+  // queue behind the all-gathers that overlap the forward on group_'s stream.
+  std::unique_ptr<Communicator> sum_group_;
   std::vector<std::unique_ptr<Work>> in_flight_;
   bool launched_ = false;  // a stage was launched since the last finish_overlapped()
   DType reduce_dtype_ = DType::f32;

@@ -25,6 +25,34 @@ MomentDtype moment_dtype_from_name(const std::string& name) {
   MOE_CONFIG_ERROR("optimizer.state_dtype must be one of fp32, bf16, got \"{}\"", name);
 }
 
+namespace {
+
+// Optimizer segments on the device, with the norm's per-chunk and per-segment partial sums.
+struct SegmentSet {
+  std::vector<cuda::OptimizerSegment> host;
+  Buffer<cuda::OptimizerSegment> segments;
+  int64_t n_chunks = 0;
+  Buffer<double> chunk_sq, segment_sq;
+
+  SegmentSet() = default;
+  // first_chunk is numbered here, in order.
+  explicit SegmentSet(std::vector<cuda::OptimizerSegment> segs) : host(std::move(segs)) {
+    for (cuda::OptimizerSegment& seg : host) {
+      seg.first_chunk = n_chunks;
+      n_chunks += (seg.numel + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
+    }
+    segments = Buffer<cuda::OptimizerSegment>(std::max<size_t>(1, host.size()));
+    if (!host.empty()) segments.upload(host.data(), host.size());
+    chunk_sq = Buffer<double>(static_cast<size_t>(std::max<int64_t>(1, n_chunks)));
+    segment_sq = Buffer<double>(std::max<size_t>(1, host.size()));
+  }
+  size_t bytes() const {
+    return segments.size() * sizeof(cuda::OptimizerSegment) + (chunk_sq.size() + segment_sq.size()) * sizeof(double);
+  }
+};
+
+}  // namespace
+
 struct GpuParameterStore::State {
   cudaStream_t stream = nullptr;
   MomentDtype moments = MomentDtype::Fp32;
@@ -36,10 +64,12 @@ struct GpuParameterStore::State {
   Buffer<float> m32, v32;  // fp32 moments, or
   Buffer<bf16> m16, v16;   // bf16 moments
   Buffer<float> mirror;    // fp32 copies
-  std::vector<cuda::OptimizerSegment> segments_host;
-  Buffer<cuda::OptimizerSegment> segments;
-  int64_t n_chunks = 0;
-  Buffer<double> chunk_sq, segment_sq;
+  // Every parameter whole; under ZeRO-1 (set_step_ranges) the parts this rank steps and
+  // the parts it adds to the norm, as separate sets (null: the whole set).
+  SegmentSet whole;
+  std::unique_ptr<SegmentSet> update_part, norm_part;
+  SegmentSet& update_set() { return update_part ? *update_part : whole; }
+  SegmentSet& norm_set() { return norm_part ? *norm_part : whole; }
   Buffer<adamw_math::AdamWScalars> scalars;
   // Pinned: the step's scalars on their way in, and the norm on its way out.
   adamw_math::AdamWScalars* host_in = nullptr;
@@ -63,13 +93,31 @@ struct GpuParameterStore::State {
     MOE_CUDA_CHECK(cudaEventRecord(out_copied, stream));
   }
   void launch_norm(double max_norm) {
-    cuda::grad_norm(scalars.data(), chunk_sq.data(), segment_sq.data(), grads.data(), segments.data(),
-                    static_cast<int64_t>(segments_host.size()), n_chunks, max_norm, stream);
+    SegmentSet& set = norm_set();
+    cuda::grad_norm(scalars.data(), set.chunk_sq.data(), set.segment_sq.data(), grads.data(), set.segments.data(),
+                    static_cast<int64_t>(set.host.size()), set.n_chunks, max_norm, stream);
   }
   void launch_adamw() {
+    SegmentSet& set = update_set();
     cuda::multi_tensor_adamw(hi.data(), lo.data(), mirror.data(), grads.data(), m(), v(), bf16_moments(),
-                             segments.data(), static_cast<int64_t>(segments_host.size()), n_chunks, scalars.data(),
-                             stream);
+                             set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks,
+                             scalars.data(), stream);
+  }
+  // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter
+  // keeps its decay flag and the matching part of its fp32 copy.
+  std::unique_ptr<SegmentSet> cut_to(const std::vector<std::pair<int64_t, int64_t>>& ranges) const {
+    std::vector<cuda::OptimizerSegment> pieces;
+    for (const cuda::OptimizerSegment& seg : whole.host)
+      for (const auto& [begin, count] : ranges) {
+        const int64_t from = std::max(begin, seg.offset), to = std::min(begin + count, seg.offset + seg.numel);
+        if (from >= to) continue;
+        cuda::OptimizerSegment piece = seg;
+        piece.offset = from;
+        piece.numel = to - from;
+        if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (from - seg.offset);
+        pieces.push_back(piece);
+      }
+    return std::make_unique<SegmentSet>(std::move(pieces));
   }
   // Host fp32 values [first, first + n) of the block -> hi/lo.
   void upload_values(const float* values, int64_t first, int64_t n, Buffer<float>& staging) {
@@ -110,6 +158,7 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
     s.mirror_offsets[static_cast<size_t>(id)] = mirror_numel;
     mirror_numel += (params.numel(id) + 15) / 16 * 16;
   }
+  std::vector<cuda::OptimizerSegment> segments;
   for (int id = 0; id < params.size(); ++id) {
     const int64_t offset = params.offset(id), numel = params.numel(id);
     // The AdamW kernel reads 4 elements at a time (16-byte gradient loads).
@@ -121,13 +170,12 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
     cuda::OptimizerSegment seg;
     seg.offset = offset;
     seg.numel = numel;
-    seg.first_chunk = s.n_chunks;
     seg.mirror_offset = s.mirror_offsets[static_cast<size_t>(id)];
     seg.decay = params.spec(id).weight_decay ? 1 : 0;
-    s.segments_host.push_back(seg);
-    s.n_chunks += (numel + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
+    segments.push_back(seg);
   }
-  MOE_CHECK(!s.segments_host.empty(), "GPU parameters: the store has no parameters");
+  MOE_CHECK(!segments.empty(), "GPU parameters: the store has no parameters");
+  s.whole = SegmentSet(std::move(segments));
   const auto n = static_cast<size_t>(s.storage);
   s.hi = Buffer<bf16>(n);
   s.lo = Buffer<int16_t>(n);
@@ -145,10 +193,6 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
     s.v32.fill_bytes(0);
   }
   s.mirror = Buffer<float>(static_cast<size_t>(mirror_numel));
-  s.segments = Buffer<cuda::OptimizerSegment>(s.segments_host.size());
-  s.segments.upload(s.segments_host.data(), s.segments_host.size());
-  s.chunk_sq = Buffer<double>(static_cast<size_t>(std::max<int64_t>(1, s.n_chunks)));
-  s.segment_sq = Buffer<double>(s.segments_host.size());
   s.scalars = Buffer<adamw_math::AdamWScalars>(1);
   MOE_CUDA_CHECK(cudaMallocHost(&s.host_in, sizeof *s.host_in));
   MOE_CUDA_CHECK(cudaMallocHost(&s.host_out, sizeof *s.host_out));
@@ -195,8 +239,34 @@ void GpuParameterStore::zero_grads() {
   MOE_CUDA_CHECK(cudaMemsetAsync(s.grads.data(), 0, s.grads.size() * sizeof(float), s.stream));
 }
 
+void GpuParameterStore::set_step_ranges(const std::vector<std::pair<int64_t, int64_t>>& update,
+                                        const std::vector<std::pair<int64_t, int64_t>>& norm) {
+  State& s = *state_;
+  for (const auto* ranges : {&update, &norm}) {
+    int64_t end = 0;
+    for (const auto& [begin, count] : *ranges) {
+      MOE_CHECK(begin >= end && count > 0 && begin + count <= s.storage,
+                "GPU parameters: step ranges must be sorted, disjoint and inside the {}-element block; got [{}, +{})",
+                s.storage, begin, count);
+      end = begin + count;
+    }
+  }
+  s.update_part = s.cut_to(update);
+  s.norm_part = s.cut_to(norm);
+}
+
+std::vector<std::pair<int64_t, int64_t>> GpuParameterStore::fp32_copy_ranges() const {
+  const State& s = *state_;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (size_t id = 0; id < s.mirror_offsets.size(); ++id)
+    if (s.mirror_offsets[id] >= 0) ranges.emplace_back(s.offsets[id], (s.numels[id] + 15) / 16 * 16);
+  std::sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
 double GpuParameterStore::grad_norm() {
   State& s = *state_;
+  if (s.norm_set().host.empty()) return 0.0;  // ZeRO-1: nothing of the norm on this rank
   s.launch_norm(0.0);
   s.fetch_result();
   return last_grad_norm();
@@ -216,6 +286,8 @@ void GpuParameterStore::adamw_step(const AdamWStep& hyper, float grad_scale) {
 void GpuParameterStore::clip_and_adamw_step(const AdamWStep& hyper, double max_norm) {
   State& s = *state_;
   MOE_CHECK(hyper.step >= 1, "clip_and_adamw_step: step counts from 1, got {}", hyper.step);
+  MOE_CHECK(!s.norm_part, "clip_and_adamw_step: the optimizer is sharded (ZeRO-1): the norm must be summed over the "
+                          "ranks first (grad_norm(), then adamw_step())");
   s.upload_scalars(
       adamw_math::adamw_step_scalars(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay, hyper.step));
   s.launch_norm(max_norm);
@@ -334,8 +406,8 @@ size_t GpuParameterStore::device_bytes() const {
   const State& s = *state_;
   return s.hi.size() * sizeof(bf16) + s.lo.size() * sizeof(int16_t) + s.grads.size() * sizeof(float) +
          (s.m32.size() + s.v32.size()) * sizeof(float) + (s.m16.size() + s.v16.size()) * sizeof(bf16) +
-         s.mirror.size() * sizeof(float) + s.segments.size() * sizeof(cuda::OptimizerSegment) +
-         (s.chunk_sq.size() + s.segment_sq.size()) * sizeof(double) + sizeof(adamw_math::AdamWScalars);
+         s.mirror.size() * sizeof(float) + s.whole.bytes() + (s.update_part ? s.update_part->bytes() : 0) +
+         (s.norm_part ? s.norm_part->bytes() : 0) + sizeof(adamw_math::AdamWScalars);
 }
 
 }  // namespace moe

@@ -60,6 +60,14 @@ class GpuParameterStore {
   int64_t storage_numel() const;
 
   void zero_grads();
+  // ZeRO-1: the AdamW steps only `update` (sorted disjoint [offset, count) ranges of the
+  // block), and grad_norm() is then the norm over `norm` only (this rank's part of the
+  // global norm). The parameters with fp32 copies must lie whole inside `update`.
+  void set_step_ranges(const std::vector<std::pair<int64_t, int64_t>>& update,
+                       const std::vector<std::pair<int64_t, int64_t>>& norm);
+  // The extents of the parameters kept in fp32 too (their padding to 16 elements
+  // included), sorted: a sharded optimizer must step them whole on every rank.
+  std::vector<std::pair<int64_t, int64_t>> fp32_copy_ranges() const;
   // The global gradient norm (the CPU's clip_gradients norm, bit for bit); waits for it.
   double grad_norm();
   // AdamW with the gradients scaled by grad_scale first; waits for the update.

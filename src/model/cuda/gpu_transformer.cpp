@@ -313,15 +313,22 @@ void GpuTransformer::State::enqueue_forward() {
   const float eps = static_cast<float>(c.norm_eps);
   const bf16* prev_h = nullptr;
   const bf16* prev_branch = nullptr;
+  const int n_layers = static_cast<int>(layers.size());
+  const auto before_stage = [&](int stage) {
+    if (forward_stage_hook && !capturing) forward_stage_hook(stage);
+  };
   for (size_t l = 0; l < layers.size(); ++l) {
     if (l == 0) {
+      before_stage(n_layers + 1);
       mark(kEmbedding);
       cuda::embedding_forward(layers[0].x.data(), inputs.data(), w(embedding), T, V, D, stream);
     }
+    before_stage(n_layers - static_cast<int>(l));
     layer_forward(l, prev_h, prev_branch, /*from_saved_input=*/l == 0);
     prev_h = layers[l].act->h.data();
     prev_branch = layers[l].act->ffn_out.data();
   }
+  before_stage(0);
   mark(kNorms);
   cuda::rmsnorm_forward(final_n.data(), final_rstd.data(), final_x.data(), prev_h, prev_branch, w(final_norm), T, D,
                         eps, stream);
@@ -456,8 +463,10 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     s.clock.enabled = false;  // events are not recorded inside the graph
     cudaGraph_t captured = nullptr;
     MOE_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeRelaxed));
+    s.capturing = true;  // no host hooks: the graph replays without them
     s.enqueue_forward();
     s.enqueue_backward(loss_scale);
+    s.capturing = false;
     MOE_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
     s.clock.enabled = timing;
     MOE_CUDA_CHECK(cudaGraphInstantiate(&s.graph, captured, 0));
@@ -480,6 +489,10 @@ void GpuTransformer::set_expert_exchange(std::shared_ptr<GpuExpertExchange> exch
   s.ep = std::move(exchange);
   if (s.ep) s.ep->set_stream(s.stream);
   s.expert_gemm.reset();  // made again for the local experts at the next plan()
+}
+
+void GpuTransformer::set_forward_stage_hook(std::function<void(int stage)> hook) {
+  state_->forward_stage_hook = std::move(hook);
 }
 
 void GpuTransformer::reserve_sms(int sms) {

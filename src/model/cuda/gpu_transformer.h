@@ -59,6 +59,11 @@ class GpuTransformer {
   void plan(int64_t batch);
   // Token ids on the host, [batch, seq_len]; targets of -1 are ignored.
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
+  // Called on the host right before each stage's forward work is enqueued (the backward's
+  // stage numbers: n_layers + 1 the embedding first, ..., 0 the final norm and LM head),
+  // e.g. to make the stream wait for that stage's weights (ZeRO-1's all-gathers). Not
+  // called while a CUDA graph is captured, nor by recomputation. Empty: none.
+  void set_forward_stage_hook(std::function<void(int stage)> hook);
   // Backward of (ce + aux + z) * loss_scale, accumulated into the fp32 gradients.
   // `on_stage`, when given, is called on the host right after each backward stage's work
   // is enqueued (Transformer::backward_stage_of's numbering: 0 the LM head and final norm,

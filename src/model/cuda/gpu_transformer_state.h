@@ -265,6 +265,8 @@ struct GpuTransformer::State {
   void layer_backward(size_t l, double loss_scale);
   void check_and_upload_inputs(const int32_t* inputs_BS, const int32_t* targets_BS);
   void enqueue_forward();
+  std::function<void(int)> forward_stage_hook;  // GpuTransformer::set_forward_stage_hook; not during capture
+  bool capturing = false;
   ForwardResult read_forward_results();
   void enqueue_backward(double loss_scale, const std::function<void(int)>& on_stage = {});
   void moe_backward(Layer& layer, double loss_scale);

@@ -1,0 +1,81 @@
+#include "dist/zero_shards.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace moe::dist {
+namespace {
+
+// Appends [begin, begin + count), merged with the last range when they touch.
+void append(BlockRanges& ranges, int64_t begin, int64_t count) {
+  if (count <= 0) return;
+  if (!ranges.empty() && ranges.back().first + ranges.back().second == begin)
+    ranges.back().second += count;
+  else
+    ranges.emplace_back(begin, count);
+}
+
+BlockRanges sorted_merged(BlockRanges ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  BlockRanges out;
+  for (const auto& [begin, count] : ranges) append(out, begin, count);
+  return out;
+}
+
+}  // namespace
+
+ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, const BlockRanges& keep_whole,
+                               int64_t bucket_elems, int ranks, int rank) {
+  MOE_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "ZeRO shards: rank {} of {}", rank, ranks);
+  MOE_CHECK(bucket_elems > 0, "ZeRO shards: {} elements per bucket", bucket_elems);
+  const int64_t unit = kZeroAlign * ranks;
+  const int64_t per_bucket = std::max(unit, bucket_elems / unit * unit);
+  const BlockRanges whole = sorted_merged(keep_whole);
+
+  ZeroShardPlan plan;
+  plan.ranks = ranks;
+  plan.rank = rank;
+  plan.sharded.resize(stage_ranges.size());
+  plan.replicated.resize(stage_ranges.size());
+  // A span to shard: whole units become buckets, what is left over is replicated.
+  const auto shard_span = [&](size_t stage, int64_t begin, int64_t end) {
+    const int64_t usable = (end - begin) / unit * unit;
+    for (int64_t at = begin; at < begin + usable; at += per_bucket)
+      plan.sharded[stage].emplace_back(at, std::min(per_bucket, begin + usable - at));
+    append(plan.replicated[stage], begin + usable, end - begin - usable);
+  };
+  for (size_t stage = 0; stage < stage_ranges.size(); ++stage)
+    for (const auto& [begin, count] : stage_ranges[stage]) {
+      MOE_CHECK(begin % kZeroAlign == 0 && count > 0, "ZeRO shards: stage {} range [{}, +{}) is not aligned to {}",
+                stage, begin, count, kZeroAlign);
+      const int64_t end = begin + count;
+      int64_t at = begin;
+      for (const auto& [keep, keep_count] : whole) {
+        if (keep + keep_count <= at || keep >= end) continue;
+        MOE_CHECK(keep >= at && keep + keep_count <= end && keep % kZeroAlign == 0,
+                  "ZeRO shards: range [{}, +{}) to keep whole is not inside one stage's ranges, aligned to {}", keep,
+                  keep_count, kZeroAlign);
+        shard_span(stage, at, keep);
+        append(plan.replicated[stage], keep, keep_count);
+        at = keep + keep_count;
+      }
+      shard_span(stage, at, end);
+    }
+  BlockRanges update, norm;
+  for (size_t stage = 0; stage < stage_ranges.size(); ++stage) {
+    for (const auto& bucket : plan.sharded[stage]) {
+      update.push_back(plan.piece(bucket, rank));
+      norm.push_back(plan.piece(bucket, rank));
+    }
+    for (const auto& range : plan.replicated[stage]) {
+      update.push_back(range);
+      if (rank == 0) norm.push_back(range);
+    }
+  }
+  plan.update = sorted_merged(std::move(update));
+  plan.norm = sorted_merged(std::move(norm));
+  return plan;
+}
+
+}  // namespace moe::dist

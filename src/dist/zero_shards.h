@@ -1,0 +1,50 @@
+// ZeRO-1 for GPU data parallelism: which parts of the gradient block each rank sums,
+// steps and sends back. The block keeps its layout on every rank (no packing): each bucket
+// [offset, offset + count) is reduce-scattered in place, so rank r ends up holding the sum
+// of its piece [offset + r * count / N, offset + (r + 1) * count / N), takes the AdamW step
+// there only, and the pieces of the new bf16 weights are all-gathered in place.
+//
+// Some ranges are all-reduced whole and stepped by every rank instead ("replicated"):
+// parameters the forward also reads from an fp32 copy (router biases: every rank must
+// refresh its copy), and the few elements at the ends of a stage's ranges that do not
+// fill a whole bucket unit (buckets are multiples of N x kZeroAlign elements so that every
+// piece starts on a 64-byte boundary).
+//
+// Host code: the plan is computed and tested without a GPU.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "dist/gradient_stages.h"
+
+namespace moe::dist {
+
+// Elements per piece boundary: 16 fp32 = 64 bytes (the parameter store's tensor alignment).
+constexpr int64_t kZeroAlign = 16;
+
+struct ZeroShardPlan {
+  int ranks = 1, rank = 0;
+  // Per backward stage: the buckets reduce-scattered (count a multiple of ranks x
+  // kZeroAlign) and the ranges all-reduced whole.
+  std::vector<BlockRanges> sharded, replicated;
+  // What this rank's optimizer steps: its piece of every bucket and every replicated range.
+  BlockRanges update;
+  // What this rank adds to the global gradient norm: its pieces, and the replicated ranges
+  // on rank 0 only, so that the sum over the ranks counts every element once.
+  BlockRanges norm;
+
+  // Rank r's piece of a bucket.
+  std::pair<int64_t, int64_t> piece(std::pair<int64_t, int64_t> bucket, int r) const {
+    const int64_t shard = bucket.second / ranks;
+    return {bucket.first + r * shard, shard};
+  }
+};
+
+// stage_ranges: the block's ranges per backward stage (gradient_ranges_by_stage), disjoint,
+// starting on kZeroAlign multiples. keep_whole: ranges to replicate (disjoint; each lies
+// inside one stage's ranges). bucket_elems: the most elements per bucket (rounded down to
+// the unit, at least one unit).
+ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, const BlockRanges& keep_whole,
+                               int64_t bucket_elems, int ranks, int rank);
+
+}  // namespace moe::dist

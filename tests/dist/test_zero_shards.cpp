@@ -1,0 +1,111 @@
+// plan_zero_shards (GPU ZeRO-1): on the real model's stage ranges, for 1-8 ranks, every
+// element of a stage is either in one bucket or replicated, the buckets split into aligned
+// equal pieces, the ranks' pieces partition the buckets, every rank steps the replicated
+// ranges, and the ranks' norm ranges count each element exactly once.
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "core/error.h"
+#include "dist/gradient_stages.h"
+#include "dist/zero_shards.h"
+#include "model/transformer.h"
+
+namespace moe::dist {
+namespace {
+
+ModelConfig tiny() {
+  ModelConfig c;
+  c.vocab_size = 97;  // odd sizes: padding between parameters, ragged stage ends
+  c.dim = 20;
+  c.n_layers = 3;
+  c.n_heads = 2;
+  c.n_kv_heads = 1;
+  c.seq_len = 8;
+  c.first_dense_layers = 1;
+  c.dense_hidden = 36;
+  c.moe.n_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 12;
+  return c;
+}
+
+// element -> how many times `ranges` hold it
+void count(const BlockRanges& ranges, std::map<int64_t, int>& times) {
+  for (const auto& [begin, n] : ranges)
+    for (int64_t e = begin; e < begin + n; ++e) ++times[e];
+}
+
+TEST(ZeroShards, PartitionTheStagesForAnyRankCount) {
+  Transformer<float> model(tiny(), 1);
+  const auto& params = model.params();
+  const auto stages = gradient_ranges_by_stage(
+      params, [&](const std::string& name) { return model.backward_stage_of(name); }, model.backward_stages());
+  // Keep two small parameters whole, as the fp32 router copies are.
+  BlockRanges keep;
+  for (int id = 0; id < params.size() && keep.size() < 2; ++id)
+    if (params.numel(id) <= 64) keep.emplace_back(params.offset(id), (params.numel(id) + 15) / 16 * 16);
+  ASSERT_EQ(keep.size(), 2u);
+  for (int ranks : {1, 2, 3, 4, 8})
+    for (int64_t bucket : {int64_t{1}, int64_t{200}, int64_t{1} << 20}) {
+      SCOPED_TRACE(testing::Message() << ranks << " ranks, buckets of " << bucket);
+      std::map<int64_t, int> updated, normed;
+      int64_t sharded_elems = 0;
+      for (int rank = 0; rank < ranks; ++rank) {
+        const ZeroShardPlan plan = plan_zero_shards(stages, keep, bucket, ranks, rank);
+        ASSERT_EQ(plan.sharded.size(), stages.size());
+        for (size_t s = 0; s < stages.size(); ++s) {
+          // A stage's buckets and replicated ranges are its ranges, each element once.
+          std::map<int64_t, int> stage, planned;
+          count(stages[s], stage);
+          count(plan.sharded[s], planned);
+          count(plan.replicated[s], planned);
+          EXPECT_EQ(planned, stage) << "stage " << s;
+          for (const auto& b : plan.sharded[s]) {
+            EXPECT_EQ(b.second % (kZeroAlign * ranks), 0) << "bucket at " << b.first;
+            EXPECT_LE(b.second, std::max(bucket / (kZeroAlign * ranks), int64_t{1}) * kZeroAlign * ranks);
+            EXPECT_EQ(plan.piece(b, rank).first % kZeroAlign, 0);
+            if (rank == 0) sharded_elems += b.second;
+          }
+        }
+        // Kept ranges are replicated.
+        std::map<int64_t, int> replicated;
+        for (const auto& stage : plan.replicated) count(stage, replicated);
+        for (const auto& [begin, n] : keep)
+          for (int64_t e = begin; e < begin + n; ++e) EXPECT_EQ(replicated.count(e), 1u) << "kept element " << e;
+        count(plan.update, updated);
+        count(plan.norm, normed);
+      }
+      // Over the ranks: replicated elements stepped by every rank, sharded ones by one;
+      // the norm counts every element once.
+      std::map<int64_t, int> all;
+      for (const auto& stage : stages) count(stage, all);
+      int64_t once = 0;
+      for (const auto& [e, n] : all) {
+        EXPECT_EQ(normed[e], 1) << "element " << e;
+        EXPECT_TRUE(updated[e] == 1 || updated[e] == ranks) << "element " << e << " stepped " << updated[e] << "x";
+        if (updated[e] == 1) ++once;
+      }
+      if (ranks > 1) EXPECT_EQ(once, sharded_elems);
+      // Most of the block is sharded (here: only stage ends and the kept parameters are not).
+      if (bucket > 1) EXPECT_GT(sharded_elems, params.storage_numel() / 2);
+    }
+}
+
+TEST(ZeroShards, RefusesMisalignedOrStraddlingRanges) {
+  const std::vector<BlockRanges> stages = {{{0, 64}}, {{64, 128}}};
+  EXPECT_THROW(plan_zero_shards({{{8, 64}}}, {}, 1024, 2, 0), Error);            // a stage not on 16
+  EXPECT_THROW(plan_zero_shards(stages, {{48, 32}}, 1024, 2, 0), Error);         // kept range across two stages
+  EXPECT_THROW(plan_zero_shards(stages, {{72, 16}}, 1024, 2, 0), Error);         // kept range not on 16
+  EXPECT_THROW(plan_zero_shards(stages, {}, 1024, 2, 2), Error);                 // no rank 2 of 2
+  EXPECT_THROW(plan_zero_shards(stages, {}, 0, 2, 0), Error);                    // no bucket size
+  const ZeroShardPlan plan = plan_zero_shards(stages, {{80, 16}}, 1024, 2, 1);
+  EXPECT_EQ(plan.sharded[0], (BlockRanges{{0, 64}}));
+  EXPECT_EQ(plan.sharded[1], (BlockRanges{{96, 96}}));  // 64..80 too short for a unit of 32
+  EXPECT_EQ(plan.replicated[1], (BlockRanges{{64, 32}}));
+  EXPECT_EQ(plan.update, (BlockRanges{{32, 64}, {144, 48}}));  // its pieces and the replicated range, merged
+  EXPECT_EQ(plan.norm, (BlockRanges{{32, 32}, {144, 48}}));
+}
+
+}  // namespace
+}  // namespace moe::dist
