@@ -58,6 +58,12 @@ class Communicator {
   // on the communicator's own stream (so later work on `stream` overlaps it), and
   // Work::wait() makes `stream` wait for it. Host backends ignore this.
   virtual void set_stream(void* stream) {}
+  // Device backends (nccl): the collectives issued between group_begin() and group_end()
+  // launch together as one (ncclGroupStart/End: one kernel for many small buckets);
+  // group_end()'s Work marks the completion of all of them, theirs mean nothing. Host
+  // backends: no-ops, and group_end() returns null (each collective's own Work holds).
+  virtual void group_begin() {}
+  virtual std::unique_ptr<Work> group_end() { return nullptr; }
 
   // Memory of the kind this backend's collectives read and write: host memory, or device
   // memory for nccl (device_memory()). allocate's buffers are freed with the last owner;

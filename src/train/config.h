@@ -80,7 +80,7 @@ struct ParallelConfig {
   double bucket_mb = 25.0;            // dense-gradient reduce-scatter bucket; 0: one bucket per layer
   int64_t a2a_chunks = 1;             // token chunks whose all-to-all overlaps the experts' compute
   std::string grad_reduce_dtype = "fp32";  // GPU data parallel: fp32 | bf16 (half the traffic, sums rounded)
-  int64_t comm_sms = 16;              // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward
+  int64_t comm_sms = 0;               // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward
   bool shard_optimizer = true;        // GPU data parallel: ZeRO-1 (gradients reduce-scattered, 1/N of the AdamW step per rank)
   int64_t rebalance_interval = 0;     // steps between re-placements of the experts by measured load; 0: never
   std::string backend = "auto";       // auto | mpi | single | tcp | nccl (auto: from the launcher, see src/dist/communicator.cpp)

@@ -242,6 +242,8 @@ void GpuDataParallel::gather_pieces(void* block, DType dtype) {
 std::unique_ptr<Work> GpuDataParallel::gather_stage(size_t stage, void* block, DType dtype) {
   const size_t bytes = dtype == DType::f32 ? 4 : 2;
   std::unique_ptr<Work> last;
+  if (zero_->sharded[stage].empty()) return last;
+  group_->group_begin();  // the stage's all-gathers as one NCCL group
   for (const auto& bucket : zero_->sharded[stage]) {
     const auto [piece_offset, piece_count] = zero_->piece(bucket, group_->rank());
     char* whole = static_cast<char*>(block) + static_cast<size_t>(bucket.first) * bytes;
@@ -249,6 +251,7 @@ std::unique_ptr<Work> GpuDataParallel::gather_stage(size_t stage, void* block, D
     // In place: this rank's piece is where the gathered block keeps it.
     last = group_->all_gather_async(mine, whole, static_cast<size_t>(piece_count), dtype);
   }
+  if (auto done = group_->group_end()) last = std::move(done);
   return last;
 }
 
@@ -278,8 +281,14 @@ void GpuDataParallel::launch_stage(int stage) {
             stage);
   if (!launched_) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
   launched_ = true;
-  if (zero_)
+  if (zero_) {
+    // fp32: the stage's reduce-scatters as one NCCL group (bf16's hop between side streams).
+    const bool grouped = reduce_dtype_ == DType::f32;
+    if (grouped) group_->group_begin();
     for (const auto& [offset, n] : zero_->sharded[static_cast<size_t>(stage)]) launch_scatter(offset, n);
+    if (grouped)
+      if (auto done = group_->group_end()) in_flight_.push_back(std::move(done));
+  }
   // Buckets of at most the configured size, so one huge layer still streams.
   const auto& sums = zero_ ? zero_->replicated[static_cast<size_t>(stage)] : stage_ranges_[static_cast<size_t>(stage)];
   for (const auto& [offset, n] : sums)

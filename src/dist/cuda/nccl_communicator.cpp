@@ -143,6 +143,14 @@ class NcclCommunicator final : public Communicator {
     MOE_NCCL_CHECK(ncclBroadcast(data, data, count, nccl_type(dtype), root, comm_, comm_stream_));
     return finish();
   }
+  void group_begin() override {
+    MOE_CUDART_CHECK(cudaSetDevice(device_));
+    MOE_NCCL_CHECK(ncclGroupStart());
+  }
+  std::unique_ptr<Work> group_end() override {
+    MOE_NCCL_CHECK(ncclGroupEnd());
+    return finish();  // after the group's launch on the communicator's stream
+  }
   // Blocks the host until every rank got here (and the work before it on this stream ran).
   void barrier() override {
     begin();
