@@ -273,7 +273,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.training.recompute_experts = "swiglu"; },
       [](RunConfig& c) { c.parallel.expert_parallel = 2; }, [](RunConfig& c) { c.parallel.all_to_all = "hierarchical"; },
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
-      [](RunConfig& c) { c.parallel.rebalance_interval = 50; }, [](RunConfig& c) { c.parallel.comm_sms = 0; },
+      [](RunConfig& c) { c.parallel.rebalance_interval = 50; }, [](RunConfig& c) { c.parallel.comm_sms = 24; },
       [](RunConfig& c) { c.parallel.grad_reduce_dtype = "bf16"; },
       [](RunConfig& c) { c.parallel.shard_optimizer = false; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
