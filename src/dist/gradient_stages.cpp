@@ -34,8 +34,6 @@ std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& p
   return ranges;
 }
 
-namespace {
-
 void append_merged(BlockRanges& ranges, int64_t begin, int64_t count) {
   if (count <= 0) return;
   if (!ranges.empty() && ranges.back().first + ranges.back().second == begin)
@@ -43,8 +41,6 @@ void append_merged(BlockRanges& ranges, int64_t begin, int64_t count) {
   else
     ranges.emplace_back(begin, count);
 }
-
-}  // namespace
 
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,

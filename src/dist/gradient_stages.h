@@ -16,6 +16,10 @@ namespace moe::dist {
 // [offset, count) ranges of the gradient block.
 using BlockRanges = std::vector<std::pair<int64_t, int64_t>>;
 
+// Appends [begin, begin + count) (nothing when count <= 0), merged into the last range
+// when the two touch.
+void append_merged(BlockRanges& ranges, int64_t begin, int64_t count);
+
 // Per stage 0 .. n_stages - 1, the ranges of the parameters whose gradients that stage
 // completes, each with the alignment padding behind it (zeros, so summing it is harmless)
 // and adjacent ones merged; together the stages cover [0, params.storage_numel()) exactly

@@ -7,19 +7,10 @@
 namespace moe::dist {
 namespace {
 
-// Appends [begin, begin + count), merged with the last range when they touch.
-void append(BlockRanges& ranges, int64_t begin, int64_t count) {
-  if (count <= 0) return;
-  if (!ranges.empty() && ranges.back().first + ranges.back().second == begin)
-    ranges.back().second += count;
-  else
-    ranges.emplace_back(begin, count);
-}
-
 BlockRanges sorted_merged(BlockRanges ranges) {
   std::sort(ranges.begin(), ranges.end());
   BlockRanges out;
-  for (const auto& [begin, count] : ranges) append(out, begin, count);
+  for (const auto& [begin, count] : ranges) append_merged(out, begin, count);
   return out;
 }
 
@@ -43,7 +34,7 @@ ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, con
     const int64_t usable = (end - begin) / unit * unit;
     for (int64_t at = begin; at < begin + usable; at += per_bucket)
       plan.sharded[stage].emplace_back(at, std::min(per_bucket, begin + usable - at));
-    append(plan.replicated[stage], begin + usable, end - begin - usable);
+    append_merged(plan.replicated[stage], begin + usable, end - begin - usable);
   };
   for (size_t stage = 0; stage < stage_ranges.size(); ++stage)
     for (const auto& [begin, count] : stage_ranges[stage]) {
@@ -57,7 +48,7 @@ ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, con
                   "ZeRO shards: range [{}, +{}) to keep whole is not inside one stage's ranges, aligned to {}", keep,
                   keep_count, kZeroAlign);
         shard_span(stage, at, keep);
-        append(plan.replicated[stage], keep, keep_count);
+        append_merged(plan.replicated[stage], keep, keep_count);
         at = keep + keep_count;
       }
       shard_span(stage, at, end);

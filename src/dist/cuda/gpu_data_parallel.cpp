@@ -85,8 +85,15 @@ void GpuDataParallel::launch_sum(int64_t offset, int64_t n) {
     in_flight_.push_back(group_->all_reduce_async(grads_ + offset, static_cast<size_t>(n), DType::f32, ReduceOp::sum));
     return;
   }
-  // bf16: round, sum, widen back in place on the next lane; NCCL's stream takes the sums in
-  // order, so the other lane's cast overlaps this bucket's sum.
+  launch_bf16(offset, n, 0, n, [&](bf16* scratch) {
+    return group_->all_reduce_async(scratch, static_cast<size_t>(n), DType::bf16, ReduceOp::sum);
+  });
+}
+
+// bf16: round, sum, widen back in place on the next lane; NCCL's stream takes the sums in
+// order, so the other lane's cast overlaps this bucket's sum.
+void GpuDataParallel::launch_bf16(int64_t offset, int64_t n, int64_t widen_from, int64_t widen_n,
+                                  const std::function<std::unique_ptr<Work>(bf16*)>& collective) {
   const int lane = next_lane_;
   next_lane_ = (next_lane_ + 1) % kLanes;
   cudaStream_t side = as_stream(side_stream_[lane]);
@@ -94,10 +101,10 @@ void GpuDataParallel::launch_sum(int64_t offset, int64_t n) {
   MOE_CUDA_CHECK(cudaEventRecord(as_event(side_ready_), as_stream(stream_)));
   MOE_CUDA_CHECK(cudaStreamWaitEvent(side, as_event(side_ready_), 0));
   cuda::cast_to_bf16(scratch, grads_ + offset, n, side);
-  group_->set_stream(side);  // the all-reduce follows the cast; the widen follows the all-reduce
-  group_->all_reduce_async(scratch, static_cast<size_t>(n), DType::bf16, ReduceOp::sum)->wait();
+  group_->set_stream(side);  // the collective follows the cast; the widen follows the collective
+  collective(scratch)->wait();
   group_->set_stream(stream_);
-  cuda::cast_to_float(grads_ + offset, scratch, n, side);
+  cuda::cast_to_float(grads_ + offset + widen_from, scratch + widen_from, widen_n, side);
   side_pending_ = true;
 }
 
@@ -111,18 +118,9 @@ void GpuDataParallel::launch_scatter(int64_t offset, int64_t n) {
     return;
   }
   // bf16: as launch_sum, but only this rank's piece is widened back.
-  const int lane = next_lane_;
-  next_lane_ = (next_lane_ + 1) % kLanes;
-  cudaStream_t side = as_stream(side_stream_[lane]);
-  auto* scratch = static_cast<bf16*>(bf16_scratch_[lane]);
-  MOE_CUDA_CHECK(cudaEventRecord(as_event(side_ready_), as_stream(stream_)));
-  MOE_CUDA_CHECK(cudaStreamWaitEvent(side, as_event(side_ready_), 0));
-  cuda::cast_to_bf16(scratch, grads_ + offset, n, side);
-  group_->set_stream(side);
-  group_->reduce_scatter_async(scratch, scratch + rank * shard, piece, DType::bf16, ReduceOp::sum)->wait();
-  group_->set_stream(stream_);
-  cuda::cast_to_float(grads_ + offset + rank * shard, scratch + rank * shard, shard, side);
-  side_pending_ = true;
+  launch_bf16(offset, n, rank * shard, shard, [&](bf16* scratch) {
+    return group_->reduce_scatter_async(scratch, scratch + rank * shard, piece, DType::bf16, ReduceOp::sum);
+  });
 }
 
 void GpuDataParallel::launch_all_stages() {

@@ -23,10 +23,12 @@
 // a cudaStream_t passed as void*.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
 
+#include "core/bf16.h"
 #include "dist/communicator.h"
 #include "dist/parallel_stats.h"
 #include "dist/zero_shards.h"
@@ -108,6 +110,11 @@ class GpuDataParallel {
   // model's stream: f32 on the communicator's stream (a Work in in_flight_), bf16 through
   // the side stream.
   void launch_sum(int64_t offset, int64_t n);
+  // bf16 sums of [offset, offset + n): rounded into the next lane's scratch on its side
+  // stream, `collective` run on that scratch there, then [widen_from, widen_from + widen_n)
+  // of it widened back into the block.
+  void launch_bf16(int64_t offset, int64_t n, int64_t widen_from, int64_t widen_n,
+                   const std::function<std::unique_ptr<Work>(bf16*)>& collective);
   // ZeRO-1: reduce-scatters the bucket [offset, offset + n) in place.
   void launch_scatter(int64_t offset, int64_t n);
   // Every stage's sums (after the backward).
