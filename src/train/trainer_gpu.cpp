@@ -476,6 +476,7 @@ void Trainer::sync_state_from_gpu() {
 
 void Trainer::sync_state_to_gpu() {
   if (!gpu_) return;
+  if (gpu_dp_ && gpu_dp_->zero_plan()) gpu_dp_->join_stage_gathers();  // none may still write the weights
   gpu_->upload_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
   upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);  // a checkpoint restores them on the host
   gpu_steps_ = optimizer_->steps_taken();

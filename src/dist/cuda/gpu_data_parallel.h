@@ -90,6 +90,9 @@ class GpuDataParallel {
   // runs while the later stages' weights arrive. Not counted as communication wait.
   void gather_pieces_by_stage(void* block, DType dtype);
   void wait_stage(int stage);
+  // The model's stream waits for every pending gather_pieces_by_stage() all-gather (before
+  // anything else writes or reads the whole block).
+  void join_stage_gathers();
   // Some stage's all-gather has not been waited for yet.
   bool gathers_pending() const {
     for (const auto& work : stage_gathered_)
@@ -121,8 +124,6 @@ class GpuDataParallel {
   void launch_all_stages();
   // Enqueues the all-gathers of `stage`'s buckets of a block; returns the last one's Work.
   std::unique_ptr<Work> gather_stage(size_t stage, void* block, DType dtype);
-  // The model's stream waits for every pending gather_pieces_by_stage() all-gather.
-  void join_stage_gathers();
   // The model's stream waits for everything launched (both paths).
   void join_launched();
 
