@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <functional>
 
 #include <fmt/format.h>
 
@@ -294,8 +295,12 @@ class GpuBackend final : public ModelBackend {
   ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
     ClipStats clip;
     double own_experts_sq = 0;  // expert parallelism: this rank's experts' squared norm, after clipping
+    // ZeRO-1: each rank holds its pieces' sums only; the experts' squares add up over the ranks.
+    std::function<void(std::vector<double>&)> sum_squares;
+    if (sharded())
+      sum_squares = [this](std::vector<double>& squares) { dp_->sum(squares.data(), static_cast<int64_t>(squares.size())); };
     if (max_expert_norm > 0 || ep_)
-      for (double norm : gpu_.clip_expert_grads(max_expert_norm)) {
+      for (double norm : gpu_.clip_expert_grads(max_expert_norm, sum_squares)) {
         clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
         const bool clipped = max_expert_norm > 0 && norm > max_expert_norm;
         if (clipped) ++clip.experts_clipped;
@@ -442,14 +447,11 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
       }
     } else if (config_.parallel.shard_optimizer && dp->size() > 1) {
       // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
-      if (config_.training.expert_grad_clip > 0)
-        MOE_CONFIG_ERROR("training.expert_grad_clip = {} is not done with a sharded GPU optimizer yet: set "
-                         "parallel.shard_optimizer = false, or training.expert_grad_clip = 0",
-                         config_.training.expert_grad_clip);
       dist::ZeroShardPlan plan = dist::plan_zero_shards(
           dist::gradient_ranges_by_stage(model_->params(), stage_of, model_->backward_stages()),
           params.fp32_copy_ranges(), dp->bucket_elems(), dp->size(), dp->rank());
       params.set_step_ranges(plan.update, plan.norm);
+      gpu_->shard_expert_clip(plan.norm, plan.update);
       dp->set_zero_plan(std::move(plan), /*overlap=*/!config_.training.cuda_graphs);
       if (!config_.training.cuda_graphs)
         gpu_->set_forward_stage_hook([group = dp.get()](int stage) { group->wait_stage(stage); });

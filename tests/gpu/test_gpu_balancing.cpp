@@ -9,8 +9,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <memory>
 #include <sstream>
 
+#include "dist/gradient_stages.h"
+#include "dist/zero_shards.h"
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
@@ -147,6 +151,84 @@ TEST(GpuBalancing, ExpertNormsAndClippingMatchTheCpuBitForBit) {
   // The global norm after per-expert clipping, as the CPU saw it.
   EXPECT_EQ(gpu.grad_norm(), stats.global_norm);
   for (double norm : gpu.clip_expert_grads(0.0)) EXPECT_LE(norm, max_norm * (1 + 1e-6));
+}
+
+// ZeRO-1 (shard_expert_clip): three ranks holding the same summed gradients, each with its
+// plan's norm and update ranges, give the whole model's expert norms once their partial
+// squares are added up, and clip their update ranges as the whole model clips them (the
+// factor from the summed norm may differ in its last bit: relative 1e-6), leaving the
+// rest of the block alone.
+TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
+  MOE_REQUIRE_GPU();
+  ModelConfig c = tiny_model();
+  c.n_layers = 3;
+  c.first_dense_layers = 1;
+  c.dense_hidden = 96;
+  const int64_t batch = 2;
+  Transformer<float> cpu(c, 3);
+  GpuTransformer whole(c, cpu.params());
+  whole.plan(batch);
+  const auto inputs = random_tokens(c, batch, "inputs"), targets = random_tokens(c, batch, "targets");
+  whole.zero_grads();
+  whole.forward(inputs.data(), targets.data());
+  whole.backward(1.0);
+  Transformer<float> unclipped(c, 3);
+  whole.download_grads(unclipped.params());
+  const std::vector<double> norms = whole.clip_expert_grads(0.0);
+  std::vector<double> sorted = norms;
+  std::sort(sorted.begin(), sorted.end());
+  const double max_norm = 0.5 * (sorted[3] + sorted[4]);
+  whole.clip_expert_grads(max_norm);
+  Transformer<float> want(c, 3);
+  whole.download_grads(want.params());
+
+  const auto stages = dist::gradient_ranges_by_stage(
+      cpu.params(), [&](const std::string& name) { return cpu.backward_stage_of(name); }, cpu.backward_stages());
+  const int ranks = 3;
+  std::vector<std::unique_ptr<GpuTransformer>> shards;
+  std::vector<dist::ZeroShardPlan> plans;
+  std::vector<double> total(norms.size(), 0.0);
+  for (int r = 0; r < ranks; ++r) {
+    shards.push_back(std::make_unique<GpuTransformer>(c, cpu.params()));
+    plans.push_back(dist::plan_zero_shards(stages, shards.back()->parameters().fp32_copy_ranges(), 1000, ranks, r));
+    shards.back()->shard_expert_clip(plans.back().norm, plans.back().update);
+    shards.back()->parameters().upload_grads(unclipped.params());
+    EXPECT_THROW(shards.back()->clip_expert_grads(0.0), Error);  // no sum over the ranks given
+    // First pass: the partial squares alone (max_norm 0: nothing scaled).
+    shards.back()->clip_expert_grads(0.0, [&](std::vector<double>& squares) {
+      ASSERT_EQ(squares.size(), total.size());
+      for (size_t x = 0; x < squares.size(); ++x) total[x] += squares[x];
+    });
+  }
+  for (int r = 0; r < ranks; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    const std::vector<double> got =
+        shards[static_cast<size_t>(r)]->clip_expert_grads(max_norm, [&](std::vector<double>& squares) { squares = total; });
+    ASSERT_EQ(got.size(), norms.size());
+    for (size_t x = 0; x < norms.size(); ++x) EXPECT_NEAR(got[x], norms[x], 1e-12 * norms[x]) << "expert " << x;
+    Transformer<float> clipped(c, 3);
+    shards[static_cast<size_t>(r)]->download_grads(clipped.params());
+    const auto& update = plans[static_cast<size_t>(r)].update;
+    const auto in_update = [&](int64_t e) {
+      auto it = std::upper_bound(update.begin(), update.end(), e,
+                                 [](int64_t at, const std::pair<int64_t, int64_t>& range) { return at < range.first; });
+      return it != update.begin() && e < std::prev(it)->first + std::prev(it)->second;
+    };
+    int64_t far = 0, moved = 0, scaled = 0;
+    for (int id = 0; id < cpu.params().size(); ++id)
+      for (int64_t i = 0; i < cpu.params().numel(id); ++i) {
+        const float g = clipped.params().grad(id)[i], before = unclipped.params().grad(id)[i];
+        if (in_update(cpu.params().offset(id) + i)) {
+          far += std::abs(g - want.params().grad(id)[i]) > 1e-6f * std::abs(want.params().grad(id)[i]);
+          scaled += g != before;
+        } else {
+          moved += g != before;
+        }
+      }
+    EXPECT_EQ(far, 0) << "update ranges clipped differently from the whole model";
+    EXPECT_EQ(moved, 0) << "elements outside the update ranges were scaled";
+    EXPECT_GT(scaled, 0);  // some of this rank's experts were clipped
+  }
 }
 
 RunConfig run_config(const std::string& device) {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/span_cut.h"
 #include "model/cuda/gpu_transformer_state.h"
 #include "moe/dispatch.h"
 #include "moe/expert_rows_plan.h"
@@ -307,25 +308,103 @@ void GpuTransformer::State::build_expert_slices(const ParameterStore<float>& par
   first_slice_X1.push_back(static_cast<int32_t>(expert_slices.size()));
 }
 
-std::vector<double> GpuTransformer::clip_expert_grads(double max_norm) {
+void GpuTransformer::State::ensure_clip_tables() {
+  const size_t n_experts = first_slice_X1.size() - 1, n_slices = expert_slices.size();
+  if (d_expert_slices.size() != 0) return;
+  d_expert_slices = Buffer<cuda::OptimizerSegment>(n_slices);
+  d_expert_slices.upload(expert_slices.data(), n_slices);
+  d_expert_of_slice = Buffer<int32_t>(n_slices);
+  d_expert_of_slice.upload(expert_of_slice.data(), n_slices);
+  d_first_slice_X1 = Buffer<int32_t>(n_experts + 1);
+  d_first_slice_X1.upload(first_slice_X1.data(), n_experts + 1);
+  slice_chunk_sq = Buffer<double>(static_cast<size_t>(expert_slice_chunks));
+  slice_sq = Buffer<double>(n_slices);
+  expert_norm = Buffer<double>(n_experts);
+  expert_factor = Buffer<float>(n_experts);
+  slice_scalars = Buffer<adamw_math::AdamWScalars>(1);
+}
+
+std::unique_ptr<GpuTransformer::State::ExpertSliceSet> GpuTransformer::State::cut_expert_slices(
+    const std::vector<std::pair<int64_t, int64_t>>& ranges) const {
+  auto set = std::make_unique<ExpertSliceSet>();
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  for (const cuda::OptimizerSegment& slice : expert_slices) spans.emplace_back(slice.offset, slice.numel);
+  const size_t n_experts = first_slice_X1.size() - 1;
+  for (const SpanPiece& part : cut_spans(spans, ranges)) {
+    cuda::OptimizerSegment piece;
+    piece.offset = part.offset;
+    piece.numel = part.count;
+    piece.first_chunk = set->chunks;
+    set->chunks += (part.count + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
+    const int32_t expert = expert_of_slice[part.span];
+    // Pieces keep the slices' order (expert after expert): expert x's start where the
+    // first piece of an expert >= x is.
+    while (static_cast<int32_t>(set->first_X1.size()) <= expert)
+      set->first_X1.push_back(static_cast<int32_t>(set->slices.size()));
+    set->slices.push_back(piece);
+    set->expert_of.push_back(expert);
+  }
+  while (set->first_X1.size() <= n_experts) set->first_X1.push_back(static_cast<int32_t>(set->slices.size()));
+  const size_t n = std::max<size_t>(1, set->slices.size());
+  set->d_slices = Buffer<cuda::OptimizerSegment>(n);
+  set->d_expert_of = Buffer<int32_t>(n);
+  if (!set->slices.empty()) {
+    set->d_slices.upload(set->slices.data(), set->slices.size());
+    set->d_expert_of.upload(set->expert_of.data(), set->expert_of.size());
+  }
+  set->d_first_X1 = Buffer<int32_t>(set->first_X1.size());
+  set->d_first_X1.upload(set->first_X1.data(), set->first_X1.size());
+  set->chunk_sq = Buffer<double>(static_cast<size_t>(std::max<int64_t>(1, set->chunks)));
+  set->slice_sq = Buffer<double>(n);
+  return set;
+}
+
+void GpuTransformer::shard_expert_clip(const std::vector<std::pair<int64_t, int64_t>>& norm,
+                                       const std::vector<std::pair<int64_t, int64_t>>& update) {
+  State& s = *state_;
+  s.clip_norm_part = s.cut_expert_slices(norm);
+  s.clip_scale_part = s.cut_expert_slices(update);
+}
+
+std::vector<double> GpuTransformer::clip_expert_grads(double max_norm,
+                                                      const std::function<void(std::vector<double>&)>& sum_over_ranks) {
   State& s = *state_;
   const size_t n_experts = s.first_slice_X1.size() - 1, n_slices = s.expert_slices.size();
   if (n_slices == 0) return {};
-  if (s.d_expert_slices.size() == 0) {
-    s.d_expert_slices = Buffer<cuda::OptimizerSegment>(n_slices);
-    s.d_expert_slices.upload(s.expert_slices.data(), n_slices);
-    s.d_expert_of_slice = Buffer<int32_t>(n_slices);
-    s.d_expert_of_slice.upload(s.expert_of_slice.data(), n_slices);
-    s.d_first_slice_X1 = Buffer<int32_t>(n_experts + 1);
-    s.d_first_slice_X1.upload(s.first_slice_X1.data(), n_experts + 1);
-    s.slice_chunk_sq = Buffer<double>(static_cast<size_t>(s.expert_slice_chunks));
-    s.slice_sq = Buffer<double>(n_slices);
-    s.expert_norm = Buffer<double>(n_experts);
-    s.expert_factor = Buffer<float>(n_experts);
-    s.slice_scalars = Buffer<adamw_math::AdamWScalars>(1);
-  }
+  s.ensure_clip_tables();
   float* grads = s.store->grads();
   s.mark(kOptimizer);
+  if (s.clip_norm_part) {
+    // ZeRO-1: this rank's partial sums of squares, added up over the ranks on the host.
+    MOE_CHECK(sum_over_ranks != nullptr, "clip_expert_grads: sharded gradients need a sum over the ranks");
+    State::ExpertSliceSet& part = *s.clip_norm_part;
+    std::vector<double> squares(n_experts, 0.0);
+    if (!part.slices.empty()) {
+      cuda::grad_norm(s.slice_scalars.data(), part.chunk_sq.data(), part.slice_sq.data(), grads, part.d_slices.data(),
+                      static_cast<int64_t>(part.slices.size()), part.chunks, 0.0, s.stream);
+      cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), part.slice_sq.data(),
+                                part.d_first_X1.data(), static_cast<int64_t>(n_experts), 0.0, s.stream);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(squares.data(), s.expert_norm.data(), n_experts * sizeof(double),
+                                     cudaMemcpyDeviceToHost, s.stream));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+      for (double& x : squares) x *= x;  // the partial norms back to sums of squares
+    }
+    sum_over_ranks(squares);
+    std::vector<double> norms(n_experts);
+    std::vector<float> factors(n_experts, 1.0f);
+    for (size_t x = 0; x < n_experts; ++x) {
+      norms[x] = std::sqrt(squares[x]);
+      if (max_norm > 0 && norms[x] > max_norm) factors[x] = static_cast<float>(max_norm / (norms[x] + 1e-6));
+    }
+    State::ExpertSliceSet& scale = *s.clip_scale_part;
+    if (max_norm > 0 && !scale.slices.empty()) {
+      s.expert_factor.upload(factors.data(), n_experts);
+      cuda::scale_expert_slices(grads, scale.d_slices.data(), scale.d_expert_of.data(),
+                                static_cast<int64_t>(scale.slices.size()), s.expert_factor.data(), s.stream);
+    }
+    s.mark(kHost);
+    return norms;
+  }
   cuda::grad_norm(s.slice_scalars.data(), s.slice_chunk_sq.data(), s.slice_sq.data(), grads, s.d_expert_slices.data(),
                   static_cast<int64_t>(n_slices), s.expert_slice_chunks, 0.0, s.stream);
   cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), s.slice_sq.data(), s.d_first_slice_X1.data(),

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/gpu.h"
+#include "core/span_cut.h"
 
 namespace moe {
 namespace {
@@ -106,17 +107,17 @@ struct GpuParameterStore::State {
   // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter
   // keeps its decay flag and the matching part of its fp32 copy.
   std::unique_ptr<SegmentSet> cut_to(const std::vector<std::pair<int64_t, int64_t>>& ranges) const {
+    std::vector<std::pair<int64_t, int64_t>> spans;
+    for (const cuda::OptimizerSegment& seg : whole.host) spans.emplace_back(seg.offset, seg.numel);
     std::vector<cuda::OptimizerSegment> pieces;
-    for (const cuda::OptimizerSegment& seg : whole.host)
-      for (const auto& [begin, count] : ranges) {
-        const int64_t from = std::max(begin, seg.offset), to = std::min(begin + count, seg.offset + seg.numel);
-        if (from >= to) continue;
-        cuda::OptimizerSegment piece = seg;
-        piece.offset = from;
-        piece.numel = to - from;
-        if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (from - seg.offset);
-        pieces.push_back(piece);
-      }
+    for (const SpanPiece& part : cut_spans(spans, ranges)) {
+      const cuda::OptimizerSegment& seg = whole.host[part.span];
+      cuda::OptimizerSegment piece = seg;
+      piece.offset = part.offset;
+      piece.numel = part.count;
+      if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (part.offset - seg.offset);
+      pieces.push_back(piece);
+    }
     return std::make_unique<SegmentSet>(std::move(pieces));
   }
   // Host fp32 values [first, first + n) of the block -> hi/lo.

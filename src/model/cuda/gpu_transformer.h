@@ -145,7 +145,16 @@ class GpuTransformer {
   // bit for bit), MoE layer by layer, expert by expert; with max_norm > 0 each expert
   // whose norm exceeds it has its gradients scaled by float(max_norm / (norm + 1e-6)).
   // Returns the norms before clipping (waits for them).
-  std::vector<double> clip_expert_grads(double max_norm);
+  // ZeRO-1 (after shard_expert_clip): this rank's parts of the expert slices give partial
+  // sums of squares, `sum_over_ranks` adds them up in place over the ranks (collective),
+  // and the factors scale this rank's update ranges.
+  std::vector<double> clip_expert_grads(double max_norm,
+                                        const std::function<void(std::vector<double>& squares)>& sum_over_ranks = {});
+  // ZeRO-1: per-expert clipping over sharded gradients. `norm`: the block ranges this rank
+  // adds to the norms (over the ranks each element once), `update`: the ranges it scales
+  // (the ones it steps). Sorted, disjoint [offset, count) ranges.
+  void shard_expert_clip(const std::vector<std::pair<int64_t, int64_t>>& norm,
+                         const std::vector<std::pair<int64_t, int64_t>>& update);
   // Device memory in use (all of it, as cudaMemGetInfo sees it).
   size_t device_bytes() const;
   // Of which weights, gradients and optimizer state (GpuParameterStore::device_bytes).

@@ -200,6 +200,18 @@ struct GpuTransformer::State {
   Buffer<double> slice_chunk_sq, slice_sq, expert_norm;
   Buffer<float> expert_factor;
   Buffer<adamw_math::AdamWScalars> slice_scalars;  // grad_norm's scalars, unused here
+  void ensure_clip_tables();
+  // ZeRO-1 (shard_expert_clip): the slices cut to this rank's norm and update ranges.
+  struct ExpertSliceSet {
+    std::vector<cuda::OptimizerSegment> slices;
+    std::vector<int32_t> expert_of, first_X1;
+    int64_t chunks = 0;
+    Buffer<cuda::OptimizerSegment> d_slices;
+    Buffer<int32_t> d_expert_of, d_first_X1;
+    Buffer<double> chunk_sq, slice_sq;
+  };
+  std::unique_ptr<ExpertSliceSet> clip_norm_part, clip_scale_part;
+  std::unique_ptr<ExpertSliceSet> cut_expert_slices(const std::vector<std::pair<int64_t, int64_t>>& ranges) const;
   PhaseClock clock;
 
   ~State() {
