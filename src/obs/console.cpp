@@ -101,6 +101,11 @@ void ConsoleSink::step(const StepMetrics& m) {
       fmt::print(out_, "      comm wait {:.1f}% | grad sync {:.2f} ms | all-to-all {:.2f} MB at {:.2f} GB/s\n",
                  m.comm_wait_fraction() * 100, m.grad_sync_ms, static_cast<double>(m.a2a_bytes) / 1e6,
                  m.a2a_bandwidth / 1e9);
+    if (!m.phase_ms.empty()) {
+      std::string line;
+      for (const auto& [phase, ms] : m.phase_ms) line += fmt::format("{}{} {:.1f}", line.empty() ? "" : " | ", phase, ms);
+      fmt::print(out_, "      phases (ms): {}\n", line);
+    }
     interval_tokens_ = 0;
     interval_seconds_ = 0;
   }

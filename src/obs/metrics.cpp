@@ -106,7 +106,7 @@ nlohmann::json to_json(const StepMetrics& m) {
   }
   nlohmann::json ranks = nlohmann::json::array();
   for (const auto& r : m.ranks) ranks.push_back({{"rank", r.rank}, {"experts", r.experts}, {"load", r.load}});
-  return {
+  nlohmann::json j = {
       {"type", "step"},
       {"step", m.step},
       {"steps", m.steps},
@@ -136,6 +136,12 @@ nlohmann::json to_json(const StepMetrics& m) {
       {"layers", std::move(layers)},
       {"ranks", std::move(ranks)},
   };
+  if (!m.phase_ms.empty()) {
+    nlohmann::json phases = nlohmann::json::object();
+    for (const auto& [phase, ms] : m.phase_ms) phases[phase] = ms;
+    j["phase_ms"] = std::move(phases);
+  }
+  return j;
 }
 
 }  // namespace moe

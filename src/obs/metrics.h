@@ -60,6 +60,7 @@ struct StepMetrics {
   int64_t rss_bytes = 0;    // resident set of the process
   std::vector<LayerRouting> layers;
   std::vector<RankLoad> ranks;
+  std::vector<std::pair<std::string, double>> phase_ms;  // metrics.phase_times: the step's time per phase
 
   double max_imbalance() const;
   double comm_wait_fraction() const { return time.step > 0 ? time.comm_wait / time.step : 0; }

@@ -97,6 +97,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("metrics", "alert_imbalance", c.metrics.alert_imbalance);
   visit("metrics", "alert_comm_wait", c.metrics.alert_comm_wait);
   visit("metrics", "alert_grad_sync_ms", c.metrics.alert_grad_sync_ms);
+  visit("metrics", "phase_times", c.metrics.phase_times);
   visit("checkpoint", "dir", c.checkpoint.dir);
   visit("checkpoint", "interval", c.checkpoint.interval);
   visit("checkpoint", "keep_last", c.checkpoint.keep_last);

@@ -63,6 +63,7 @@ StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_
   m.a2a_bytes = s.a2a_bytes;
   m.a2a_bandwidth = s.a2a_seconds > 0 ? static_cast<double>(s.a2a_bytes) / s.a2a_seconds : 0;
   m.layers = s.layers;
+  m.phase_ms = s.phase_ms;
   if (!s.ranks.empty()) {
     m.ranks = s.ranks;
     return m;

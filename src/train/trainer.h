@@ -46,6 +46,7 @@ struct StepStats {
   int64_t a2a_bytes = 0;
   double a2a_seconds = 0;
   std::vector<RankLoad> ranks;       // experts per rank and their load; empty: one rank holds all
+  std::vector<std::pair<std::string, double>> phase_ms;  // GPU, metrics.phase_times: ms per phase of the model's stream
 };
 
 // What the step loop (Trainer::train_step) needs from the model it trains: the CPU

@@ -189,7 +189,7 @@ class GpuBackend final : public ModelBackend {
         dp_(std::move(dp)), ep_(std::move(ep)), edp_(std::move(edp)),
         micro_scale_(static_cast<double>(tokens_per_micro_batch) / static_cast<double>(config.training.global_batch_tokens)) {
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
-    if (ep_) gpu_.enable_phase_timing(true);
+    if (ep_ || config.metrics.phase_times) gpu_.enable_phase_timing(true);
   }
   ~GpuBackend() override { gpu_.set_forward_stage_hook({}); }  // it points into dp_
   void begin_step() override {
@@ -348,16 +348,25 @@ class GpuBackend final : public ModelBackend {
     gpu_.reset_load();
     if (dp_) dp_->take_stats();  // validation's sums are not a training step's
     if (edp_) edp_->take_stats();
-    if (ep_) {
-      gpu_.take_phase_times();
-      ep_->take_bytes_sent();
-    }
+    if (ep_ || config_.metrics.phase_times) gpu_.take_phase_times();  // validation's are not a step's
+    if (ep_) ep_->take_bytes_sent();
   }
   void take_comm_stats(StepStats& stats) override {
+    std::vector<std::pair<std::string, double>> phases;
+    if (ep_ || config_.metrics.phase_times) phases = gpu_.take_phase_times();
+    if (config_.metrics.phase_times)  // called after the micro-batches and after the update: add up
+      for (const auto& [phase, ms] : phases) {
+        auto it = std::find_if(stats.phase_ms.begin(), stats.phase_ms.end(),
+                               [&](const auto& entry) { return entry.first == phase; });
+        if (it == stats.phase_ms.end())
+          stats.phase_ms.emplace_back(phase, ms);
+        else
+          it->second += ms;
+      }
     if (ep_) {
       // The exchanges run on the model's stream (nothing overlaps them yet): all wait.
       double a2a_ms = 0;
-      for (const auto& [phase, ms] : gpu_.take_phase_times())
+      for (const auto& [phase, ms] : phases)
         if (phase == "all-to-all") a2a_ms = ms;
       stats.a2a_bytes += ep_->take_bytes_sent();
       stats.a2a_seconds += a2a_ms * 1e-3;

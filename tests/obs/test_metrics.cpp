@@ -61,6 +61,9 @@ TEST(Metrics, StepJsonHasEveryField) {
   EXPECT_DOUBLE_EQ(j["layers"][0]["imbalance"].get<double>(), 0.5);
   EXPECT_EQ(j["layers"][0]["bias"], nlohmann::json({0.5, -0.5}));
   EXPECT_EQ(j["ranks"][0]["load"], nlohmann::json({3, 1}));
+  EXPECT_FALSE(j.contains("phase_ms"));  // only with metrics.phase_times
+  m.phase_ms = {{"attention", 1.5}, {"experts", 4.25}};
+  EXPECT_DOUBLE_EQ(to_json(m)["phase_ms"]["experts"].get<double>(), 4.25);
 }
 
 StepMetrics with(int64_t step, std::vector<int64_t> load, double comm_fraction, double sync_ms) {
@@ -124,6 +127,14 @@ TEST(Console, PlainLinesKeepTheirFormat) {
             "step 4/5 | loss 2.5000 | aux 0.0000 | z 0.0000 | lr 1.00e-03 | grad_norm 0.000 | imbalance 0.50 | tok/s 200 | eta 0m00s\n"
             "step 5/5 | loss 2.5000 | aux 0.0000 | z 0.0000 | lr 1.00e-03 | grad_norm 0.000 | imbalance 0.50 | tok/s 200 | eta 0m00s\n");
   EXPECT_EQ(text.find('\r'), std::string::npos);
+  // metrics.phase_times: one more line under the step's.
+  StepMetrics m = with(6, {1, 3}, 0, 0);
+  m.steps = 6;
+  m.time.step = 0.5;
+  m.phase_ms = {{"attention", 1.5}, {"experts", 4.25}};
+  console.step(m);
+  const std::string more = out.str().substr(text.size());
+  EXPECT_NE(more.find("\n      phases (ms): attention 1.5 | experts 4.2\n"), std::string::npos) << more;
 }
 
 TEST(Console, ProgressBarOnATerminal) {

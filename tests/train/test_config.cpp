@@ -265,7 +265,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.checkpoint.interval = 100; }, [](RunConfig& c) { c.checkpoint.keep_last = 1; },
       [](RunConfig& c) { c.metrics.tensorboard = false; }, [](RunConfig& c) { c.metrics.peak_tflops = 312; },
       [](RunConfig& c) { c.metrics.alert_imbalance = 0.5; }, [](RunConfig& c) { c.metrics.alert_comm_wait = 0.1; },
-      [](RunConfig& c) { c.metrics.alert_grad_sync_ms = 2.5; },
+      [](RunConfig& c) { c.metrics.alert_grad_sync_ms = 2.5; }, [](RunConfig& c) { c.metrics.phase_times = true; },
       [](RunConfig& c) { c.training.stop_at = 5; }, [](RunConfig& c) { c.training.nan_max_skips = 0; },
       [](RunConfig& c) { c.training.nan_lr_factor = 0.25; }, [](RunConfig& c) { c.training.loss_spike_factor = 0; },
       [](RunConfig& c) { c.training.memory_limit_mb = 64; }, [](RunConfig& c) { c.checkpoint.async = true; },
@@ -305,7 +305,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(sizeof(OptimizerConfig), 64u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
   EXPECT_EQ(sizeof(DataConfig), 144u);
-  EXPECT_EQ(sizeof(MetricsConfig), 80u);
+  EXPECT_EQ(sizeof(MetricsConfig), 88u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
   EXPECT_EQ(sizeof(ParallelConfig), 144u);
 }
