@@ -113,11 +113,16 @@ TEST(Launch, AKilledWorkerStopsTheOthersAndFailsTheJob) {
 }
 
 TEST(Launch, WorkersIgnoringSigtermAreKilledAfterTheGracePeriod) {
-  // Rank 1 dies at once; rank 0 ignores SIGTERM, so only SIGKILL ends it.
+  // Rank 0 ignores SIGTERM, so only SIGKILL ends it; rank 1 dies as soon as rank 0's trap
+  // is set (before, a SIGTERM could reach rank 0's shell first on a loaded machine).
+  const std::string marker = ::testing::TempDir() + "moe_launch_trap_" + std::to_string(getpid());
+  std::remove(marker.c_str());
   const Outcome outcome = run_with_timeout(
       {moe_binary(), "launch", "--nproc-per-node", "2", "--grace-period", "1", "--", "/bin/sh", "-c",
-       "trap '' TERM; if [ \"$LOCAL_RANK\" = 1 ]; then exit 3; fi; exec sleep 60"},
-      {}, 30);
+       "if [ \"$LOCAL_RANK\" = 1 ]; then while [ ! -e \"$TRAP_MARKER\" ]; do sleep 0.01; done; exit 3; fi; "
+       "trap '' TERM; touch \"$TRAP_MARKER\"; exec sleep 60"},
+      {"TRAP_MARKER=" + marker}, 30);
+  std::remove(marker.c_str());
   EXPECT_FALSE(outcome.timed_out);
   EXPECT_EQ(exit_code(outcome), 3);
   EXPECT_GE(outcome.seconds, 0.9);
@@ -141,15 +146,20 @@ TEST(Launch, SigtermIsForwardedToTheWorkers) {
 TEST(Launch, WorkersDieWithAKilledLauncher) {
   // SIGKILL cannot be forwarded: the workers' parent-death signal ends them instead.
   const std::string marker = ::testing::TempDir() + "moe_launch_orphan_" + std::to_string(getpid());
+  const std::string ready = marker + "_ready";  // the worker's trap is set: the kill may come
   std::remove(marker.c_str());
+  std::remove(ready.c_str());
   std::vector<std::string> argv = {moe_binary(), "launch", "--nproc-per-node", "1", "--", "/bin/sh", "-c",
-                                   "trap 'touch " + marker + "; exit 0' TERM; sleep 30 & wait"};
+                                   "trap 'touch " + marker + "; exit 0' TERM; touch " + ready + "; sleep 30 & wait"};
   std::vector<char*> args;
   for (std::string& a : argv) args.push_back(a.data());
   args.push_back(nullptr);
   pid_t pid = -1;
   ASSERT_EQ(posix_spawn(&pid, args[0], nullptr, nullptr, args.data(), environ), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto spawned = Clock::now();
+  while (!std::filesystem::exists(ready) && Clock::now() - spawned < std::chrono::seconds(20))
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(std::filesystem::exists(ready)) << "the worker did not start";
   kill(pid, SIGKILL);
   int status = 0;
   waitpid(pid, &status, 0);
@@ -158,6 +168,7 @@ TEST(Launch, WorkersDieWithAKilledLauncher) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_TRUE(std::filesystem::exists(marker)) << "the worker did not get SIGTERM when its launcher died";
   std::remove(marker.c_str());
+  std::remove(ready.c_str());
 }
 
 TEST(Launch, WorkersSeeTheirIdentity) {
