@@ -22,7 +22,8 @@
 # but comm).
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default.
 # SCALING_ARGS (environment): more overrides for every scaling run, 1 GPU included
-# (e.g. "--moe.capacity_factor=1.25").
+# (e.g. "--moe.capacity_factor=1.25", or "--metrics.phase_times=true": then the scaling
+# and comm sections also print each run's last per-phase line, to see which phases grow).
 # NCCL_NVLS_ENABLE=0 stays set (the lent machines need NVLink multicast off).
 set -euo pipefail
 
@@ -43,6 +44,8 @@ export NCCL_NVLS_ENABLE=0
 mkdir -p "$out"
 
 summary() { grep -E "^summary:" "$1" | tail -1; }
+# The last per-phase line of a log (metrics.phase_times), indented; nothing without one.
+phases() { grep -E "phases \(ms\):" "$1" | tail -1 | sed 's/^ */    /' || true; }
 # Median of the step lines' field after the first three (warm-up): tok/s, or comm wait %.
 median_field() {
   grep -oE "$2 [0-9.]+" "$1" | awk 'NR > 3 { print $NF }' | sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'
@@ -96,6 +99,7 @@ if [[ $sections == *,scaling,* ]]; then
       line+=" | EP $n: $ep tokens/s, efficiency $(efficiency "$one" "$ep"), comm wait $(median_field "$out/wsep_$model.txt" "comm wait")%"
     fi
     echo "$line"
+    for log in "$out/ws1_$model.txt" "$out/wsn_$model.txt" "$out/wsep_$model.txt"; do [[ -s $log ]] && phases "$log"; done
     if [[ $modes == *" ep "* ]]; then grep -E "all-to-all [0-9.]+ MB" "$out/wsep_$model.txt" | tail -1 || true; fi
   done
 fi
@@ -107,6 +111,7 @@ if [[ $sections == *,comm,* ]]; then
     [[ -s $out/ws1_$model.txt ]] || "$moe" train "${run[@]}" > "$out/ws1_$model.txt" 2>&1
     one=$(median_field "$out/ws1_$model.txt" "tok/s")
     echo "$model: 1 GPU $one tokens/s"
+    phases "$out/ws1_$model.txt"
     settings=(0,fp32,true 16,fp32,true 32,fp32,true 32,bf16,true 32,fp32,false 0,fp32,false)
     [[ -n ${COMM_SETTINGS:-} ]] && read -ra settings <<< "$COMM_SETTINGS"
     for setting in "${settings[@]}"; do
@@ -116,6 +121,7 @@ if [[ $sections == *,comm,* ]]; then
         --parallel.comm_sms="$sms" --parallel.grad_reduce_dtype="$dtype" --parallel.shard_optimizer="$shard" > "$log" 2>&1
       dp=$(median_field "$log" "tok/s")
       echo "  comm_sms $sms, $dtype sums, shard_optimizer $shard: $dp tokens/s, efficiency $(efficiency "$one" "$dp"), comm wait $(median_field "$log" "comm wait")%"
+      phases "$log"
     done
   done
 fi
