@@ -17,14 +17,18 @@ ExpertPlacement ExpertPlacement::contiguous(int64_t n_experts, int ep_size) {
   return ExpertPlacement(std::move(rank_of), ep_size);
 }
 
-ExpertPlacement ExpertPlacement::balanced(const std::vector<int64_t>& load_E, int ep_size, int64_t groups) {
+ExpertPlacement ExpertPlacement::balanced(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
+                                          int64_t max_per_rank) {
   const auto n_experts = static_cast<int64_t>(load_E.size());
   MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
             n_experts, ep_size);
   const int64_t G = std::max<int64_t>(groups, 1);
   MOE_CHECK(n_experts % G == 0 && ep_size % G == 0, "{} expert groups do not divide {} experts and {} ranks", G,
             n_experts, ep_size);
-  const int64_t per_rank = n_experts / ep_size, experts_per_group = n_experts / G, ranks_per_group = ep_size / G;
+  const int64_t experts_per_group = n_experts / G, ranks_per_group = ep_size / G;
+  const int64_t per_rank = max_per_rank > 0 ? max_per_rank : n_experts / ep_size;
+  MOE_CHECK(per_rank * ranks_per_group >= experts_per_group, "at most {} experts per rank cannot place {} over {} ranks",
+            per_rank, experts_per_group, ranks_per_group);
   std::vector<int64_t> rank_load(static_cast<size_t>(ep_size), 0), rank_count(static_cast<size_t>(ep_size), 0);
   std::vector<int> rank_of(static_cast<size_t>(n_experts), 0);
   for (int64_t g = 0; g < G; ++g) {

@@ -30,13 +30,17 @@ class ExpertPlacement {
  public:
   // Expert e on EP rank e / (n_experts / ep_size): contiguous blocks.
   static ExpertPlacement contiguous(int64_t n_experts, int ep_size);
-  // n_experts / ep_size experts per rank, spread so the ranks' summed loads are as even as
-  // a greedy pass makes them: experts by falling load (ties: lower id first), each to the
-  // least loaded rank with room (ties: lower rank). Deterministic, so every rank given the
-  // same loads computes the same placement. groups > 1 (dividing both counts): expert
-  // group g (consecutive experts, moe.route_groups) stays on rank block g, e.g. its node,
-  // so node-first routing still limits the nodes a token reaches.
-  static ExpertPlacement balanced(const std::vector<int64_t>& load_E, int ep_size, int64_t groups = 1);
+  // Experts spread so the ranks' summed loads are as even as a greedy pass makes them:
+  // experts by falling load (ties: lower id first), each to the least loaded rank with
+  // room (ties: lower rank). Room: max_per_rank experts, 0 meaning n_experts / ep_size
+  // (every rank the same count); more lets a rank holding a hot expert take fewer others
+  // (with one expert taking half the load, only unequal counts balance 2 ranks).
+  // Deterministic, so every rank given the same loads computes the same placement.
+  // groups > 1 (dividing both counts): expert group g (consecutive experts,
+  // moe.route_groups) stays on rank block g, e.g. its node, so node-first routing still
+  // limits the nodes a token reaches.
+  static ExpertPlacement balanced(const std::vector<int64_t>& load_E, int ep_size, int64_t groups = 1,
+                                  int64_t max_per_rank = 0);
   // The summed load of each rank's experts.
   std::vector<int64_t> rank_loads(const std::vector<int64_t>& load_E) const;
   // rank_of_expert[e]: the EP rank holding expert e. Slots follow expert order on each rank.

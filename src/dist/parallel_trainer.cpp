@@ -243,7 +243,8 @@ void ParallelCpuBackend::rebalance_experts() {
   const int64_t groups = config_.model.moe.route_groups;
   const int ep = placement_->ep_size();
   const bool grouped = groups > 1 && ep % groups == 0;
-  const ExpertPlacement next = ExpertPlacement::balanced(load_since_placement_, ep, grouped ? groups : 1);
+  const ExpertPlacement next = ExpertPlacement::balanced(load_since_placement_, ep, grouped ? groups : 1,
+                                                         config_.parallel.rebalance_max_experts);
   // Only a better spread is worth the moves (ties keep the experts where they are).
   const auto now = placement_->rank_loads(load_since_placement_), then = next.rank_loads(load_since_placement_);
   if (*std::max_element(then.begin(), then.end()) < *std::max_element(now.begin(), now.end())) {

@@ -110,6 +110,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("parallel", "shard_optimizer", c.parallel.shard_optimizer);
   visit("parallel", "grad_reduce_dtype", c.parallel.grad_reduce_dtype);
   visit("parallel", "rebalance_interval", c.parallel.rebalance_interval);
+  visit("parallel", "rebalance_max_experts", c.parallel.rebalance_max_experts);
   visit("parallel", "backend", c.parallel.backend);
 }
 
@@ -383,6 +384,13 @@ void check_parallel(const RunConfig& c) {
   non_negative("parallel.comm_sms", p.comm_sms);
   one_of("parallel.grad_reduce_dtype", p.grad_reduce_dtype, {"fp32", "bf16"});
   non_negative("parallel.rebalance_interval", p.rebalance_interval);
+  non_negative("parallel.rebalance_max_experts", p.rebalance_max_experts);
+  const int64_t equal_share = c.model.moe.n_experts / p.expert_parallel;
+  if (p.rebalance_max_experts > 0 && (p.rebalance_max_experts < equal_share || p.rebalance_max_experts > c.model.moe.n_experts))
+    fail({"parallel.rebalance_max_experts", "moe.n_experts", "parallel.expert_parallel"},
+         fmt::format("parallel.rebalance_max_experts ({}) must be 0 or between moe.n_experts / parallel.expert_parallel "
+                     "({}) and moe.n_experts ({})",
+                     p.rebalance_max_experts, equal_share, c.model.moe.n_experts));
   one_of("parallel.backend", p.backend, {"auto", "mpi", "single", "tcp", "nccl"});
 }
 

@@ -233,6 +233,21 @@ TEST(ParallelTraining, RebalancedExpertsMatchOneProcess) {
   }
 }
 
+// parallel.rebalance_max_experts: the ranks may hold different numbers of experts after a
+// re-placement (up to 3 of the 4 here); the run still matches one process.
+TEST(ParallelTraining, UnequalExpertCountsMatchOneProcess) {
+  RunConfig config = tiny_config();
+  config.parallel.expert_parallel = 2;
+  config.parallel.rebalance_interval = 1;
+  config.parallel.rebalance_max_experts = 3;
+  const RunResult got = train_parallel(config);
+  expect_matches_reference(config, got);
+  size_t most = 0;
+  for (const StepStats& s : got.stats)
+    for (const RankLoad& r : s.ranks) most = std::max(most, r.experts.size());
+  EXPECT_EQ(most, 3u) << "the test needs a re-placement with unequal counts";
+}
+
 // Checkpoints of a multi-rank run: every rank gathers its shards (ZeRO moments, the
 // experts' weights and moments from their holders), rank 0 writes one single-process
 // checkpoint, and a run resumed from it on the same ranks continues bit for bit: the

@@ -64,6 +64,18 @@ TEST(ExpertPlacement, BalancedByLoad) {
                                                                *std::max_element(random.begin(), random.end()) / 3);
   }
   EXPECT_THROW(dist::ExpertPlacement::balanced({1, 2, 3}, 2), Error);
+  // One hot expert (a collapsed router): with equal counts its rank also takes the next
+  // three; with room for up to 7 it stays alone and the loads are even.
+  const std::vector<int64_t> hot = {700, 100, 100, 100, 100, 100, 100, 100};
+  EXPECT_EQ(dist::ExpertPlacement::balanced(hot, 2).rank_loads(hot), (std::vector<int64_t>{1000, 400}));
+  const auto uneven = dist::ExpertPlacement::balanced(hot, 2, 1, 7);
+  EXPECT_EQ(uneven.experts_of(0), (std::vector<int64_t>{0}));
+  EXPECT_EQ(uneven.experts_of(1), (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7}));
+  EXPECT_EQ(uneven.rank_loads(hot), (std::vector<int64_t>{700, 700}));
+  EXPECT_EQ(uneven.slot_of(7), 6);
+  // A cap between: rank 1 fills its 5 slots, rank 0 takes what is left.
+  EXPECT_EQ(dist::ExpertPlacement::balanced(hot, 2, 1, 5).experts_of(1).size(), 5u);
+  EXPECT_THROW(dist::ExpertPlacement::balanced(hot, 2, 1, 3), Error);  // 2 x 3 < 8
   // Groups: experts 0-3 (group 0) stay on ranks 0-1, experts 4-7 on ranks 2-3, each group
   // balanced over its ranks; without groups expert 2 of group 0 goes to rank 2.
   const std::vector<int64_t> grouped_load = {90, 80, 5, 5, 4, 3, 2, 1};

@@ -196,6 +196,8 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"parallel.all_to_all=ring", {"parallel.all_to_all"}},
       {"parallel.a2a_chunks=0", {"parallel.a2a_chunks"}},
       {"parallel.comm_sms=-1", {"parallel.comm_sms"}},
+      {"parallel.rebalance_max_experts=-1", {"parallel.rebalance_max_experts"}},
+      {"parallel.rebalance_max_experts=9", {"parallel.rebalance_max_experts"}},
       {"parallel.grad_reduce_dtype=fp16", {"parallel.grad_reduce_dtype"}},
       {"parallel.rebalance_interval=-1", {"parallel.rebalance_interval"}},
       {"moe.route_groups=3", {"moe.route_groups", "moe.n_experts"}},
@@ -276,6 +278,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.rebalance_interval = 50; }, [](RunConfig& c) { c.parallel.comm_sms = 24; },
       [](RunConfig& c) { c.parallel.grad_reduce_dtype = "bf16"; },
       [](RunConfig& c) { c.parallel.shard_optimizer = false; },
+      [](RunConfig& c) { c.parallel.rebalance_max_experts = 8; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
       [](RunConfig& c) { c.parallel.backend = "mpi"; },
   };
@@ -307,7 +310,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(sizeof(DataConfig), 144u);
   EXPECT_EQ(sizeof(MetricsConfig), 88u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
-  EXPECT_EQ(sizeof(ParallelConfig), 144u);
+  EXPECT_EQ(sizeof(ParallelConfig), 152u);
 }
 
 TEST(Config, DocsDescribeEveryKey) {
