@@ -65,7 +65,7 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
 
 GpuDataParallel::~GpuDataParallel() {
   if (scratch_) cudaFree(scratch_);
-  for (auto& [begin, end] : gathers_) {
+  for (auto& [begin, end] : timed_waits_) {
     cudaEventDestroy(as_event(begin));
     cudaEventDestroy(as_event(end));
   }
@@ -223,14 +223,8 @@ void GpuDataParallel::gather_pieces(void* block, DType dtype) {
   MOE_CHECK(zero_.has_value(), "GPU data parallel: gather_pieces without a ZeRO plan");
   MOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, "GPU data parallel: gather_pieces of 4- or 2-byte elements");
   cudaStream_t stream = as_stream(stream_);
-  if (gathers_used_ == gathers_.size()) {
-    cudaEvent_t begin = nullptr, end = nullptr;
-    MOE_CUDA_CHECK(cudaEventCreate(&begin));
-    MOE_CUDA_CHECK(cudaEventCreate(&end));
-    gathers_.emplace_back(begin, end);
-  }
-  const auto [begin, end] = gathers_[gathers_used_++];
   join_stage_gathers();
+  const auto [begin, end] = next_timed_wait();
   MOE_CUDA_CHECK(cudaEventRecord(as_event(begin), stream));
   for (size_t stage = 0; stage < zero_->sharded.size(); ++stage)
     if (auto last = gather_stage(stage, block, dtype)) last->wait();  // in order: the last one covers the stage
@@ -262,10 +256,25 @@ void GpuDataParallel::gather_pieces_by_stage(void* block, DType dtype) {
   for (size_t stage = zero_->sharded.size(); stage-- > 0;) stage_gathered_[stage] = gather_stage(stage, block, dtype);
 }
 
+std::pair<void*, void*> GpuDataParallel::next_timed_wait() {
+  if (timed_waits_used_ == timed_waits_.size()) {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    MOE_CUDA_CHECK(cudaEventCreate(&begin));
+    MOE_CUDA_CHECK(cudaEventCreate(&end));
+    timed_waits_.emplace_back(begin, end);
+  }
+  return timed_waits_[timed_waits_used_++];
+}
+
 void GpuDataParallel::wait_stage(int stage) {
   if (stage < 0 || static_cast<size_t>(stage) >= stage_gathered_.size()) return;
   if (auto& work = stage_gathered_[static_cast<size_t>(stage)]) {
+    // The events bracket the wait: the second runs only once the gather is done, so their
+    // distance is how long the stream stood still here (about 0 when it was done already).
+    const auto [begin, end] = next_timed_wait();
+    MOE_CUDA_CHECK(cudaEventRecord(as_event(begin), as_stream(stream_)));
     work->wait();
+    MOE_CUDA_CHECK(cudaEventRecord(as_event(end), as_stream(stream_)));
     work.reset();
   }
 }
@@ -309,14 +318,15 @@ void GpuDataParallel::finish_overlapped() {
 }
 
 CommStats GpuDataParallel::take_stats() {
-  // The weight gathers since the last call: the model's stream waited for all of each.
-  for (size_t i = 0; i < gathers_used_; ++i) {
-    MOE_CUDA_CHECK(cudaEventSynchronize(as_event(gathers_[i].second)));
+  // The weight gathers' waits since the last call.
+  for (size_t i = 0; i < timed_waits_used_; ++i) {
+    const auto [begin, end] = timed_waits_[i];
+    MOE_CUDA_CHECK(cudaEventSynchronize(as_event(end)));
     float ms = 0;
-    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, as_event(gathers_[i].first), as_event(gathers_[i].second)));
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, as_event(begin), as_event(end)));
     stats_.wait_s += static_cast<double>(ms) * 1e-3;
   }
-  gathers_used_ = 0;
+  timed_waits_used_ = 0;
   return std::exchange(stats_, CommStats{});
 }
 

@@ -87,7 +87,8 @@ class GpuDataParallel {
   // ZeRO-1, overlapped: the same all-gathers, stage by stage in the forward's order (the
   // embedding's first), without the model's stream waiting; wait_stage(s) then makes it
   // wait for stage s's (GpuTransformer's forward stage hook), so the next step's forward
-  // runs while the later stages' weights arrive. Not counted as communication wait.
+  // runs while the later stages' weights arrive. Only what the stream still waits there
+  // counts as communication wait.
   void gather_pieces_by_stage(void* block, DType dtype);
   void wait_stage(int stage);
   // The model's stream waits for every pending gather_pieces_by_stage() all-gather (before
@@ -141,9 +142,12 @@ class GpuDataParallel {
   std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges_;
   bool overlap_ = false;
   std::optional<ZeroShardPlan> zero_;
-  // ZeRO-1: events around each gather_pieces() on the model's stream, read by take_stats().
-  std::vector<std::pair<void*, void*>> gathers_;
-  size_t gathers_used_ = 0;
+  // Event pairs on the model's stream around stretches where it waits for communication
+  // (a joined gather_pieces(), a wait_stage() whose gather was still running), read and
+  // recycled by take_stats().
+  std::vector<std::pair<void*, void*>> timed_waits_;
+  size_t timed_waits_used_ = 0;
+  std::pair<void*, void*> next_timed_wait();
   std::vector<std::unique_ptr<Work>> stage_gathered_;  // per stage: its last all-gather, until waited for
   // ZeRO-1: the host sums (sum()) on a communicator of their own, so that they do not
   // queue behind the all-gathers that overlap the forward on group_'s stream.
