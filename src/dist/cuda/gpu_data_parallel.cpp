@@ -288,18 +288,18 @@ void GpuDataParallel::launch_stage(int stage) {
             stage);
   if (!launched_) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
   launched_ = true;
-  if (zero_) {
-    // fp32: the stage's reduce-scatters as one NCCL group (bf16's hop between side streams).
-    const bool grouped = reduce_dtype_ == DType::f32;
-    if (grouped) group_->group_begin();
+  // fp32: the stage's collectives as one NCCL group, one kernel instead of one per bucket
+  // (bf16's casts hop between side streams, so they go one by one).
+  const bool grouped = reduce_dtype_ == DType::f32;
+  if (grouped) group_->group_begin();
+  if (zero_)
     for (const auto& [offset, n] : zero_->sharded[static_cast<size_t>(stage)]) launch_scatter(offset, n);
-    if (grouped)
-      if (auto done = group_->group_end()) in_flight_.push_back(std::move(done));
-  }
   // Buckets of at most the configured size, so one huge layer still streams.
   const auto& sums = zero_ ? zero_->replicated[static_cast<size_t>(stage)] : stage_ranges_[static_cast<size_t>(stage)];
   for (const auto& [offset, n] : sums)
     for (int64_t at = offset; at < offset + n; at += bucket_elems_) launch_sum(at, std::min(bucket_elems_, offset + n - at));
+  if (grouped)
+    if (auto done = group_->group_end()) in_flight_.push_back(std::move(done));
 }
 
 void GpuDataParallel::finish_overlapped() {
