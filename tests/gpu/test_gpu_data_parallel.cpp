@@ -5,6 +5,7 @@
 // (`moe launch --nproc-per-node N -- train ... --parallel.backend=nccl`) have their own issue.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <sstream>
@@ -201,9 +202,11 @@ RunConfig tiny_config() {
 }
 
 struct RunResult {
-  std::vector<double> losses, grad_norms, grad_sync_ms, comm_wait;
+  std::vector<double> losses, grad_norms, grad_sync_ms, comm_wait, step_s;
+  std::vector<std::vector<std::pair<std::string, double>>> phase_ms;
   std::vector<float> weights;
   double val_loss_end = 0;
+  std::string log;
 };
 
 RunResult train(const RunConfig& config) {
@@ -218,9 +221,12 @@ RunResult train(const RunConfig& config) {
     run.grad_norms.push_back(s.grad_norm);
     run.grad_sync_ms.push_back(s.grad_sync_ms);
     run.comm_wait.push_back(s.time.comm_wait);
+    run.step_s.push_back(s.time.step);
+    run.phase_ms.push_back(s.phase_ms);
   };
   std::ostringstream log;
   run.val_loss_end = trainer.run(log).val_loss_end;
+  run.log = log.str();
   const auto& params = trainer.model().params();
   run.weights.assign(params.values_data(), params.values_data() + params.storage_numel());
   return run;
@@ -260,6 +266,37 @@ TEST(GpuDataParallel, OneRankNcclRunMatchesThePlainGpuRun) {
     // The host waits at least for the loss weights' sum (the all-reduce overlaps the backward).
     EXPECT_GT(nccl.comm_wait[i], 0.0) << "step " << i + 1;
   }
+}
+
+// metrics.phase_times: every step reports the model stream's time per phase (the GPU
+// model's phase names, each once, none negative, of the order of the step's time, not
+// the run's), and the console prints them; off, nothing is reported.
+TEST(GpuDataParallel, PhaseTimesSplitEachStep) {
+  MOE_REQUIRE_GPU();
+  RunConfig config = tiny_config();
+  config.metrics.log_interval = 5;
+  const RunResult off = train(config);
+  for (const auto& phases : off.phase_ms) EXPECT_TRUE(phases.empty());
+  EXPECT_EQ(off.log.find("phases (ms):"), std::string::npos);
+  config.metrics.phase_times = true;
+  const RunResult on = train(config);
+  ASSERT_EQ(on.phase_ms.size(), 10u);
+  for (size_t i = 0; i < on.phase_ms.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "step " << i + 1);
+    double sum = 0;
+    std::vector<std::string> names;
+    for (const auto& [phase, ms] : on.phase_ms[i]) {
+      EXPECT_GE(ms, 0.0) << phase;
+      sum += ms;
+      names.push_back(phase);
+    }
+    for (const char* expected : {"attention", "experts", "optimizer"})
+      EXPECT_EQ(std::count(names.begin(), names.end(), expected), 1) << expected;
+    EXPECT_GT(sum, 0.0);
+    // This step's, not the run's so far (an interval may reach back into the gap before it).
+    EXPECT_LE(sum, on.step_s[i] * 1e3 * 2.0 + 5.0);
+  }
+  EXPECT_NE(on.log.find("phases (ms): attention"), std::string::npos) << on.log;
 }
 
 std::string config_error(const RunConfig& config) {
