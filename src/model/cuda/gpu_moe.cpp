@@ -330,32 +330,25 @@ std::unique_ptr<GpuTransformer::State::ExpertSliceSet> GpuTransformer::State::cu
   std::vector<std::pair<int64_t, int64_t>> spans;
   for (const cuda::OptimizerSegment& slice : expert_slices) spans.emplace_back(slice.offset, slice.numel);
   const size_t n_experts = first_slice_X1.size() - 1;
+  std::vector<cuda::OptimizerSegment> pieces;
   for (const SpanPiece& part : cut_spans(spans, ranges)) {
     cuda::OptimizerSegment piece;
     piece.offset = part.offset;
     piece.numel = part.count;
-    piece.first_chunk = set->chunks;
-    set->chunks += (part.count + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
     const int32_t expert = expert_of_slice[part.span];
     // Pieces keep the slices' order (expert after expert): expert x's start where the
     // first piece of an expert >= x is.
     while (static_cast<int32_t>(set->first_X1.size()) <= expert)
-      set->first_X1.push_back(static_cast<int32_t>(set->slices.size()));
-    set->slices.push_back(piece);
+      set->first_X1.push_back(static_cast<int32_t>(pieces.size()));
+    pieces.push_back(piece);
     set->expert_of.push_back(expert);
   }
-  while (set->first_X1.size() <= n_experts) set->first_X1.push_back(static_cast<int32_t>(set->slices.size()));
-  const size_t n = std::max<size_t>(1, set->slices.size());
-  set->d_slices = Buffer<cuda::OptimizerSegment>(n);
-  set->d_expert_of = Buffer<int32_t>(n);
-  if (!set->slices.empty()) {
-    set->d_slices.upload(set->slices.data(), set->slices.size());
-    set->d_expert_of.upload(set->expert_of.data(), set->expert_of.size());
-  }
+  while (set->first_X1.size() <= n_experts) set->first_X1.push_back(static_cast<int32_t>(pieces.size()));
+  set->slices = SegmentSet(std::move(pieces));  // numbers their chunks
+  set->d_expert_of = Buffer<int32_t>(std::max<size_t>(1, set->expert_of.size()));
+  if (!set->expert_of.empty()) set->d_expert_of.upload(set->expert_of.data(), set->expert_of.size());
   set->d_first_X1 = Buffer<int32_t>(set->first_X1.size());
   set->d_first_X1.upload(set->first_X1.data(), set->first_X1.size());
-  set->chunk_sq = Buffer<double>(static_cast<size_t>(std::max<int64_t>(1, set->chunks)));
-  set->slice_sq = Buffer<double>(n);
   return set;
 }
 
@@ -379,10 +372,11 @@ std::vector<double> GpuTransformer::clip_expert_grads(double max_norm,
     MOE_CHECK(sum_over_ranks != nullptr, "clip_expert_grads: sharded gradients need a sum over the ranks");
     State::ExpertSliceSet& part = *s.clip_norm_part;
     std::vector<double> squares(n_experts, 0.0);
-    if (!part.slices.empty()) {
-      cuda::grad_norm(s.slice_scalars.data(), part.chunk_sq.data(), part.slice_sq.data(), grads, part.d_slices.data(),
-                      static_cast<int64_t>(part.slices.size()), part.chunks, 0.0, s.stream);
-      cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), part.slice_sq.data(),
+    const SegmentSet& slices = part.slices;
+    if (!slices.host.empty()) {
+      cuda::grad_norm(s.slice_scalars.data(), slices.chunk_sq.data(), slices.segment_sq.data(), grads,
+                      slices.segments.data(), static_cast<int64_t>(slices.host.size()), slices.n_chunks, 0.0, s.stream);
+      cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), slices.segment_sq.data(),
                                 part.d_first_X1.data(), static_cast<int64_t>(n_experts), 0.0, s.stream);
       MOE_CUDA_CHECK(cudaMemcpyAsync(squares.data(), s.expert_norm.data(), n_experts * sizeof(double),
                                      cudaMemcpyDeviceToHost, s.stream));
@@ -397,10 +391,10 @@ std::vector<double> GpuTransformer::clip_expert_grads(double max_norm,
       if (max_norm > 0 && norms[x] > max_norm) factors[x] = static_cast<float>(max_norm / (norms[x] + 1e-6));
     }
     State::ExpertSliceSet& scale = *s.clip_scale_part;
-    if (max_norm > 0 && !scale.slices.empty()) {
+    if (max_norm > 0 && !scale.slices.host.empty()) {
       s.expert_factor.upload(factors.data(), n_experts);
-      cuda::scale_expert_slices(grads, scale.d_slices.data(), scale.d_expert_of.data(),
-                                static_cast<int64_t>(scale.slices.size()), s.expert_factor.data(), s.stream);
+      cuda::scale_expert_slices(grads, scale.slices.segments.data(), scale.d_expert_of.data(),
+                                static_cast<int64_t>(scale.slices.host.size()), s.expert_factor.data(), s.stream);
     }
     s.mark(kHost);
     return norms;

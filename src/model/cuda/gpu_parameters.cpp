@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "core/span_cut.h"
+#include "model/cuda/segment_set.h"
 
 namespace moe {
 namespace {
@@ -25,34 +26,6 @@ MomentDtype moment_dtype_from_name(const std::string& name) {
   if (name == "bf16") return MomentDtype::Bf16;
   MOE_CONFIG_ERROR("optimizer.state_dtype must be one of fp32, bf16, got \"{}\"", name);
 }
-
-namespace {
-
-// Optimizer segments on the device, with the norm's per-chunk and per-segment partial sums.
-struct SegmentSet {
-  std::vector<cuda::OptimizerSegment> host;
-  Buffer<cuda::OptimizerSegment> segments;
-  int64_t n_chunks = 0;
-  Buffer<double> chunk_sq, segment_sq;
-
-  SegmentSet() = default;
-  // first_chunk is numbered here, in order.
-  explicit SegmentSet(std::vector<cuda::OptimizerSegment> segs) : host(std::move(segs)) {
-    for (cuda::OptimizerSegment& seg : host) {
-      seg.first_chunk = n_chunks;
-      n_chunks += (seg.numel + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
-    }
-    segments = Buffer<cuda::OptimizerSegment>(std::max<size_t>(1, host.size()));
-    if (!host.empty()) segments.upload(host.data(), host.size());
-    chunk_sq = Buffer<double>(static_cast<size_t>(std::max<int64_t>(1, n_chunks)));
-    segment_sq = Buffer<double>(std::max<size_t>(1, host.size()));
-  }
-  size_t bytes() const {
-    return segments.size() * sizeof(cuda::OptimizerSegment) + (chunk_sq.size() + segment_sq.size()) * sizeof(double);
-  }
-};
-
-}  // namespace
 
 struct GpuParameterStore::State {
   cudaStream_t stream = nullptr;

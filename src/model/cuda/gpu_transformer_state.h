@@ -14,6 +14,7 @@
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
 #include "model/cuda/gpu_transformer.h"
+#include "model/cuda/segment_set.h"
 
 namespace moe {
 namespace gpu_model {
@@ -203,12 +204,9 @@ struct GpuTransformer::State {
   void ensure_clip_tables();
   // ZeRO-1 (shard_expert_clip): the slices cut to this rank's norm and update ranges.
   struct ExpertSliceSet {
-    std::vector<cuda::OptimizerSegment> slices;
+    SegmentSet slices;  // segment_sq: the slices' sums of squares
     std::vector<int32_t> expert_of, first_X1;
-    int64_t chunks = 0;
-    Buffer<cuda::OptimizerSegment> d_slices;
     Buffer<int32_t> d_expert_of, d_first_X1;
-    Buffer<double> chunk_sq, slice_sq;
   };
   std::unique_ptr<ExpertSliceSet> clip_norm_part, clip_scale_part;
   std::unique_ptr<ExpertSliceSet> cut_expert_slices(const std::vector<std::pair<int64_t, int64_t>>& ranges) const;
