@@ -2,7 +2,8 @@
 # The multi-GPU measurements of BENCHMARKS.md (issue 8) on one host with N GPUs:
 #   correctness  the default model for 50 steps on 1 GPU (micro-batch 8) against N GPUs in
 #                data parallel and in expert parallel (EP = N), micro-batch 8 / N each (the
-#                same global batch): the loss lines;
+#                same global batch), and EP = N with the experts re-placed by load every 10
+#                steps (unequal counts allowed): the loss lines;
 #   scaling      weak scaling of the bench models (micro-batch per GPU fixed, the global
 #                batch N times larger), data parallel and expert parallel (EP = N): tokens/s
 #                of 1 and N GPUs, the efficiency, and the step's communication wait;
@@ -20,7 +21,9 @@
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
 # SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,resume (default: all
 # but comm).
-# MODES (environment): the parallel modes scaling measures, "dp ep" by default.
+# MODES (environment): the parallel modes scaling measures, "dp ep" by default; "epr" adds
+# EP = N with the experts re-placed by load every REBALANCE_INTERVAL steps (default 5),
+# up to E - N + 1 experts per GPU.
 # SCALING_ARGS (environment): more overrides for every scaling run, 1 GPU included
 # (e.g. "--moe.capacity_factor=1.25", or "--metrics.phase_times=true": then the scaling
 # and comm sections also print each run's last per-phase line, to see which phases grow).
@@ -73,10 +76,15 @@ if [[ $sections == *,correctness,* ]]; then
   launch train "${common[@]}" --parallel.backend=nccl --training.micro_batch=$((8 / n)) > "$out/dpn.txt" 2>&1
   launch train "${common[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
     --training.micro_batch=$((8 / n)) > "$out/epn.txt" 2>&1
+  launch train "${common[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
+    --training.micro_batch=$((8 / n)) --parallel.rebalance_interval=10 \
+    --parallel.rebalance_max_experts=$((8 - n + 1)) > "$out/epr.txt" 2>&1
   echo "1 GPU:         $(summary "$out/dp1.txt")"
   echo "$n GPUs, DP:    $(summary "$out/dpn.txt")"
   echo "$n GPUs, EP $n: $(summary "$out/epn.txt")"
-  for f in dp1 dpn epn; do echo "$f losses: $(grep -oE "^step +[0-9]+/[0-9]+ \| loss [0-9.]+" "$out/$f.txt" | awk '{ print $NF }' | paste -sd' ')"; done
+  echo "$n GPUs, EP $n re-placed: $(summary "$out/epr.txt")"
+  grep -E "re-placed experts" "$out/epr.txt" | head -3 || true
+  for f in dp1 dpn epn epr; do echo "$f losses: $(grep -oE "^step +[0-9]+/[0-9]+ \| loss [0-9.]+" "$out/$f.txt" | awk '{ print $NF }' | paste -sd' ')"; done
 fi
 
 if [[ $sections == *,scaling,* ]]; then
@@ -98,8 +106,17 @@ if [[ $sections == *,scaling,* ]]; then
       ep=$(median_field "$out/wsep_$model.txt" "tok/s")
       line+=" | EP $n: $ep tokens/s, efficiency $(efficiency "$one" "$ep"), comm wait $(median_field "$out/wsep_$model.txt" "comm wait")%"
     fi
+    if [[ $modes == *" epr "* ]]; then
+      experts=$(grep -oE "^n_experts *= *[0-9]+" "configs/bench/$model.toml" | grep -oE "[0-9]+$")
+      launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
+        --training.global_batch_tokens=$((tokens * n)) --parallel.rebalance_interval="${REBALANCE_INTERVAL:-5}" \
+        --parallel.rebalance_max_experts=$((experts - n + 1)) > "$out/wsepr_$model.txt" 2>&1
+      epr=$(median_field "$out/wsepr_$model.txt" "tok/s")
+      line+=" | EP $n re-placed: $epr tokens/s, efficiency $(efficiency "$one" "$epr"), comm wait $(median_field "$out/wsepr_$model.txt" "comm wait")%"
+    fi
     echo "$line"
-    for log in "$out/ws1_$model.txt" "$out/wsn_$model.txt" "$out/wsep_$model.txt"; do [[ -s $log ]] && phases "$log"; done
+    grep -E "re-placed experts" "$out/wsepr_$model.txt" 2>/dev/null | head -2 || true
+    for log in "$out/ws1_$model.txt" "$out/wsn_$model.txt" "$out/wsep_$model.txt" "$out/wsepr_$model.txt"; do [[ -s $log ]] && phases "$log"; done
     if [[ $modes == *" ep "* ]]; then grep -E "all-to-all [0-9.]+ MB" "$out/wsep_$model.txt" | tail -1 || true; fi
   done
 fi

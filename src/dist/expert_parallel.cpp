@@ -219,4 +219,39 @@ void ExpertExchangeOverComm::run(const void* in_RD, void* recv_RD, const void* r
   }
 }
 
+LayerPlacements rebalance_layers(const std::vector<std::vector<int64_t>>& load_LE,
+                                 const std::vector<std::vector<std::vector<int64_t>>>& current, int ep_size,
+                                 int64_t groups, int64_t max_per_rank) {
+  MOE_CHECK(load_LE.size() == current.size(), "re-placement: loads of {} layers, placements of {}", load_LE.size(),
+            current.size());
+  LayerPlacements result;
+  for (size_t l = 0; l < load_LE.size(); ++l) {
+    const std::vector<int64_t>& load = load_LE[l];
+    auto busiest = [&](const std::vector<std::vector<int64_t>>& experts_of_rank) {
+      int64_t most = 0;
+      for (const auto& experts : experts_of_rank) {
+        int64_t sum = 0;
+        for (int64_t e : experts) sum += load[static_cast<size_t>(e)];
+        most = std::max(most, sum);
+      }
+      return most;
+    };
+    const ExpertPlacement next = ExpertPlacement::balanced(load, ep_size, groups, max_per_rank);
+    std::vector<std::vector<int64_t>> then;
+    for (int p = 0; p < ep_size; ++p) then.push_back(next.experts_of(p));
+    const int64_t before = busiest(current[l]), after = busiest(then);
+    result.busiest_before += before;
+    // Only a better spread is worth the moves (ties keep the experts where they are).
+    if (after < before) {
+      result.moves = true;
+      result.busiest_after += after;
+      result.experts_of_rank.push_back(std::move(then));
+    } else {
+      result.busiest_after += before;
+      result.experts_of_rank.push_back(current[l]);
+    }
+  }
+  return result;
+}
+
 }  // namespace moe::dist

@@ -59,6 +59,19 @@ class ExpertPlacement {
   std::vector<std::vector<int64_t>> experts_of_;
 };
 
+// Per-layer re-placement (the GPU's dynamic load balancing: each MoE layer has its own
+// slots): for every layer, the balanced placement of its load since the last placement
+// (ExpertPlacement::balanced with `groups` and `max_per_rank`) where that lowers the
+// busiest rank's load, else the layer's current placement (experts of each rank).
+struct LayerPlacements {
+  std::vector<std::vector<std::vector<int64_t>>> experts_of_rank;  // per layer, per rank
+  bool moves = false;                    // some layer's placement changed
+  int64_t busiest_before = 0, busiest_after = 0;  // the busiest rank's load, summed over the layers
+};
+LayerPlacements rebalance_layers(const std::vector<std::vector<int64_t>>& load_LE,
+                                 const std::vector<std::vector<std::vector<int64_t>>>& current, int ep_size,
+                                 int64_t groups, int64_t max_per_rank);
+
 // MoEBatchGroup over a communicator spanning the data-parallel ranks.
 class BatchGroupOverComm final : public MoEBatchGroup {
  public:

@@ -42,20 +42,52 @@ void append_merged(BlockRanges& ranges, int64_t begin, int64_t count) {
     ranges.emplace_back(begin, count);
 }
 
+namespace {
+
+// The expert tensors (a parameter with an expert_group), by offset.
+std::vector<int> expert_tensors_by_offset(const ParameterStore<float>& params) {
+  std::vector<int> experts;
+  for (int id = 0; id < params.size(); ++id)
+    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
+  std::sort(experts.begin(), experts.end(), [&](int a, int b) { return params.offset(a) < params.offset(b); });
+  return experts;
+}
+
+}  // namespace
+
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,
                                                  int n_stages, int64_t first_expert, int64_t local_experts) {
   MOE_CHECK(first_expert >= 0 && local_experts > 0, "gradient ranges: experts [{}, {} + {})", first_expert,
             first_expert, local_experts);
+  BlockRanges own;
+  for (int id : expert_tensors_by_offset(params)) {
+    const int64_t n_experts = params.spec(id).shape[0];
+    MOE_CHECK(first_expert + local_experts <= n_experts, "parameter {}: experts [{}, {}) of {}", params.spec(id).name,
+              first_expert, first_expert + local_experts, n_experts);
+    const int64_t per_expert = params.numel(id) / n_experts;
+    own.emplace_back(params.offset(id) + first_expert * per_expert, local_experts * per_expert);
+  }
+  return gradient_ranges_by_stage_ep(params, stage_of, n_stages, own);
+}
+
+ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
+                                                 const std::function<int(const std::string&)>& stage_of,
+                                                 int n_stages, const BlockRanges& own_expert_ranges) {
   const std::vector<BlockRanges> whole = gradient_ranges_by_stage(params, stage_of, n_stages);
   ExpertParallelRanges split;
   split.shared.resize(static_cast<size_t>(n_stages));
   split.own_experts.resize(static_cast<size_t>(n_stages));
-  // The expert tensors' extents, by offset; every other element of a stage's ranges is shared.
-  std::vector<int> experts;
-  for (int id = 0; id < params.size(); ++id)
-    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
-  std::sort(experts.begin(), experts.end(), [&](int a, int b) { return params.offset(a) < params.offset(b); });
+  const std::vector<int> experts = expert_tensors_by_offset(params);
+  // Every own range lies inside one expert tensor.
+  for (const auto& [begin, count] : own_expert_ranges) {
+    const bool inside = std::any_of(experts.begin(), experts.end(), [&](int id) {
+      return begin >= params.offset(id) && begin + count <= params.offset(id) + params.numel(id);
+    });
+    MOE_CHECK(inside && count > 0, "gradient ranges: own expert range [{}, {}) is not inside one expert tensor", begin,
+              begin + count);
+  }
+  // Every other element of a stage's ranges is shared.
   for (int s = 0; s < n_stages; ++s)
     for (const auto& [begin, count] : whole[static_cast<size_t>(s)]) {
       int64_t at = begin;
@@ -63,13 +95,10 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
       for (int id : experts) {
         const int64_t offset = params.offset(id), numel = params.numel(id);
         if (offset + numel <= at || offset >= end) continue;
-        const int64_t n_experts = params.spec(id).shape[0];
-        MOE_CHECK(first_expert + local_experts <= n_experts, "parameter {}: experts [{}, {}) of {}",
-                  params.spec(id).name, first_expert, first_expert + local_experts, n_experts);
-        const int64_t per_expert = numel / n_experts;
         append_merged(split.shared[static_cast<size_t>(s)], at, offset - at);
-        append_merged(split.own_experts[static_cast<size_t>(s)], offset + first_expert * per_expert,
-                      local_experts * per_expert);
+        for (const auto& [own, own_count] : own_expert_ranges)
+          if (own >= offset && own < offset + numel)
+            append_merged(split.own_experts[static_cast<size_t>(s)], own, own_count);
         at = offset + numel;
       }
       append_merged(split.shared[static_cast<size_t>(s)], at, end - at);

@@ -40,5 +40,11 @@ struct ExpertParallelRanges {
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,
                                                  int n_stages, int64_t first_expert, int64_t local_experts);
+// The same with this rank's part of the expert tensors given as block ranges (sorted,
+// disjoint, each inside one expert tensor): after a re-placement by load an EP rank's
+// slots differ per MoE layer (GpuTransformer::own_expert_ranges).
+ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
+                                                 const std::function<int(const std::string&)>& stage_of,
+                                                 int n_stages, const BlockRanges& own_expert_ranges);
 
 }  // namespace moe::dist

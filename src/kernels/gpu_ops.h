@@ -82,6 +82,8 @@ namespace moe::cuda {
 void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
                  int64_t* load_E, int32_t* rank_scratch_TK, const int32_t* expert_TK, int64_t T, int64_t E,
                  int64_t K, int64_t capacity, Stream stream);
+// out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).
+void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_t n, Stream stream);
 // x_RD[r] = x_TD[token_of_row_R[r]] for r < offsets_E1[E]; launched for max_rows rows so
 // the host never needs R.
 void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R, const int32_t* offsets_E1,
@@ -197,7 +199,9 @@ namespace moe::cuda {
 // Widths and leading dimensions must be multiples of 8 elements (16-byte TMA rows).
 class ExpertGemm {
  public:
-  explicit ExpertGemm(int64_t n_experts);
+  // Room for up to max_experts experts per call; the calls run over all of them until
+  // set_experts says otherwise.
+  explicit ExpertGemm(int64_t max_experts);
   ~ExpertGemm();
   ExpertGemm(const ExpertGemm&) = delete;
   ExpertGemm& operator=(const ExpertGemm&) = delete;
@@ -218,6 +222,9 @@ class ExpertGemm {
   // launch on `sms` multiprocessors rounded down to whole clusters of 2 (0 or more than
   // the device has: all of them).
   void set_sm_limit(int sms);
+  // The experts the next calls run over (0 .. max_experts; 0: the calls do nothing), e.g.
+  // an EP rank's count in one MoE layer after a re-placement by load.
+  void set_experts(int64_t n_experts);
 
  private:
   struct State;

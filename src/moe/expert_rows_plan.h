@@ -1,10 +1,12 @@
-// Where an MoE layer's rows go under expert parallelism with contiguous placement (EP rank
-// p computes experts [p * L, (p + 1) * L), L = n_experts / P), for the GPU path:
-//   send      this rank's kept rows, sorted by global expert (the dispatch layout), so the
-//             rows for peer p are one contiguous block: rows of experts p * L .. p * L + L - 1;
-//   receive   from each source rank s, its block for us, itself sorted by our local expert:
-//             "source-major" order (source, local expert, row);
-//   compute   the grouped GEMMs want "expert-major" order (local expert, source, row).
+// Where an MoE layer's rows go under expert parallelism, for the GPU path. Experts are
+// numbered by slot: EP rank p computes the contiguous slots [first_slot_P1[p],
+// first_slot_P1[p + 1]) (equal blocks of L = E / P without re-placement; any counts,
+// zero included, after a re-placement by load relabels the experts into slots):
+//   send      this rank's kept rows, sorted by slot (the dispatch layout), so the rows for
+//             peer p are one contiguous block: rows of p's slots;
+//   receive   from each source rank s, its block for us, itself sorted by our local slot:
+//             "source-major" order (source, local slot, row);
+//   compute   the grouped GEMMs want "expert-major" order (local slot, source, row).
 // The plan holds the row counts each way and the two gathers between the received order
 // and the expert-major one (each the inverse of the other).
 #pragma once
@@ -23,10 +25,16 @@ struct ExpertRowsPlan {
   int64_t local_rows() const { return local_offsets_L1.empty() ? 0 : local_offsets_L1.back(); }
 };
 
-// kept_E: this rank's kept rows per global expert (E = P * L values); recv_counts_PL: rows
-// each source rank keeps for each of our L local experts (source after source). Throws on a
-// negative count or an expert count that P does not divide.
+// kept_E: this rank's kept rows per slot (E values); first_slot_P1: the P + 1 slot bounds
+// of the EP ranks (0 first, E last, never falling); rank: ours; recv_counts_PL: rows each
+// source rank keeps for each of our L local slots (source after source, P * L values).
+// Throws on a negative count or sizes that do not match.
+ExpertRowsPlan plan_expert_rows(const std::vector<int32_t>& kept_E, const std::vector<int32_t>& recv_counts_PL,
+                                const std::vector<int64_t>& first_slot_P1, int rank);
+// Equal blocks: rank p computes slots [p L, (p + 1) L), L = E / P (P must divide E).
 ExpertRowsPlan plan_expert_rows(const std::vector<int32_t>& kept_E, const std::vector<int32_t>& recv_counts_PL,
                                 int P);
+// The slot bounds of equal blocks (P + 1 values); P must divide E.
+std::vector<int64_t> equal_slot_bounds(int64_t n_experts, int P);
 
 }  // namespace moe

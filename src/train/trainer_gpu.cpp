@@ -9,6 +9,7 @@
 #include <functional>
 
 #include <fmt/format.h>
+#include <spdlog/spdlog.h>
 
 #include "dist/communicator.h"
 #include "dist/launch_env.h"
@@ -21,6 +22,7 @@
 #include "core/gpu.h"
 #include "dist/cuda/gpu_data_parallel.h"
 #include "dist/cuda/gpu_expert_exchange.h"
+#include "dist/expert_parallel.h"
 #include "dist/gradient_stages.h"
 #include "dist/zero_shards.h"
 #include "model/cuda/gpu_transformer.h"
@@ -81,10 +83,6 @@ void Trainer::check_gpu_data_parallel() const {
                      ep, config_.training.recompute_experts);
   if (config_.model.moe.n_experts % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config_.model.moe.n_experts);
-  if (config_.parallel.rebalance_interval > 0)
-    MOE_CONFIG_ERROR("parallel.rebalance_interval = {}: re-placing experts by load is not done on the GPU yet (the "
-                     "GPU keeps contiguous blocks); set it to 0",
-                     config_.parallel.rebalance_interval);
 }
 
 bool Trainer::wants_gpu() const {
@@ -127,6 +125,9 @@ void Trainer::configure_gpu_model() {
   gpu_->set_recompute_experts(expert_recompute_from_name(config_.training.recompute_experts));
   gpu_->enable_graphs(config_.training.cuda_graphs);
   gpu_->set_expert_exchange(gpu_expert_exchange_);
+  // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
+  if (gpu_expert_exchange_ && config_.parallel.rebalance_interval > 0)
+    gpu_->set_max_local_experts(config_.parallel.rebalance_max_experts);
   upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);
 }
 
@@ -272,18 +273,28 @@ class GpuBackend final : public ModelBackend {
         r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
       stats.layers.push_back(std::move(r));
     }
-    // The live view of load per GPU: EP rank p holds experts [p * L, (p + 1) * L).
+    // The live view of load per GPU: the experts EP rank p holds in any MoE layer (equal
+    // blocks, or per layer after a re-placement), each with its load summed over the
+    // layers where p holds it.
     if (ep_) {
-      const int64_t L = config_.model.moe.n_experts / ep_->size();
+      const int64_t E = config_.model.moe.n_experts;
+      std::vector<std::vector<int64_t>> load_PE(static_cast<size_t>(ep_->size()), std::vector<int64_t>(E, -1));
+      for (size_t i = 0; i < stats.layers.size(); ++i) {
+        const auto placement = gpu_.expert_placement(i);
+        for (size_t p = 0; p < placement.size(); ++p)
+          for (int64_t e : placement[p]) {
+            int64_t& load = load_PE[p][static_cast<size_t>(e)];
+            load = std::max<int64_t>(load, 0) + stats.layers[i].tokens_E[static_cast<size_t>(e)];
+          }
+      }
       for (int p = 0; p < ep_->size(); ++p) {
         RankLoad rank;
         rank.rank = p;
-        for (int64_t e = p * L; e < (p + 1) * L; ++e) {
-          rank.experts.push_back(e);
-          int64_t load = 0;
-          for (const auto& layer : stats.layers) load += layer.tokens_E[static_cast<size_t>(e)];
-          rank.load.push_back(load);
-        }
+        for (int64_t e = 0; e < E; ++e)
+          if (load_PE[static_cast<size_t>(p)][static_cast<size_t>(e)] >= 0) {
+            rank.experts.push_back(e);
+            rank.load.push_back(load_PE[static_cast<size_t>(p)][static_cast<size_t>(e)]);
+          }
         stats.ranks.push_back(std::move(rank));
       }
     }
@@ -341,7 +352,9 @@ class GpuBackend final : public ModelBackend {
     }
     if (config_.model.moe.bias_balancing) update_balance_bias();
   }
-  void end_step() override {}
+  void end_step() override {
+    if (ep_ && config_.parallel.rebalance_interval > 0) rebalance_experts();
+  }
   bool sharded() const { return dp_ && dp_->zero_plan() != nullptr; }
   double sum_over_ranks(double value) override { return dp_ ? dp_->sum(value) : value; }
   void end_validation() override {
@@ -402,6 +415,54 @@ class GpuBackend final : public ModelBackend {
     }
   }
 
+  // Dynamic load balancing (parallel.rebalance_interval), per MoE layer: every interval
+  // steps each layer's experts are re-placed by their load since the last placement with
+  // the CPU's greedy rule (ExpertPlacement::balanced, up to rebalance_max_experts per
+  // rank), where that lowers the busiest rank's load. The loads are global (summed over
+  // the ranks), so every rank computes the same placement.
+  void rebalance_experts() {
+    const int64_t E = config_.model.moe.n_experts;
+    if (load_since_placement_.size() != loads_.size())
+      load_since_placement_.assign(loads_.size(), std::vector<int64_t>(static_cast<size_t>(E), 0));
+    for (size_t l = 0; l < loads_.size(); ++l)
+      for (size_t e = 0; e < loads_[l].size(); ++e) load_since_placement_[l][e] += loads_[l][e];
+    if (++steps_since_placement_ < config_.parallel.rebalance_interval) return;
+    // With node-first routing over groups that map onto blocks of EP ranks, experts stay in
+    // their group's block (so a token still reaches only route_top_groups of them).
+    const int P = ep_->size();
+    const int64_t groups = config_.model.moe.route_groups;
+    const bool grouped = groups > 1 && P % groups == 0;
+    std::vector<std::vector<std::vector<int64_t>>> current;
+    for (size_t l = 0; l < load_since_placement_.size(); ++l) current.push_back(gpu_.expert_placement(l));
+    const dist::LayerPlacements next = dist::rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
+                                                              config_.parallel.rebalance_max_experts);
+    if (next.moves) {
+      gpu_.place_experts(next.experts_of_rank);
+      if (edp_) set_own_expert_ranges();
+      if (rank_of_world() == 0)
+        spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {} "
+                     "(mean {})",
+                     next.busiest_before, next.busiest_after, total_load() / P);
+    }
+    for (auto& layer : load_since_placement_) std::fill(layer.begin(), layer.end(), 0);
+    steps_since_placement_ = 0;
+  }
+  int64_t total_load() const {
+    int64_t total = 0;
+    for (const auto& layer : load_since_placement_)
+      for (int64_t load : layer) total += load;
+    return total;
+  }
+  int rank_of_world() const { return dp_ ? dp_->rank() : 0; }
+  // Expert parallelism over more ranks than one EP group: this rank's experts' gradients
+  // are summed over the ranks holding the same experts (its slots, per MoE layer).
+  void set_own_expert_ranges() {
+    const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
+    edp_->set_stage_ranges(dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of,
+                                                             host_model_.backward_stages(), gpu_.own_expert_ranges())
+                               .own_experts);
+  }
+
   // Assignments per expert summed over the ranks (the step's global load).
   void sum_loads(std::vector<std::vector<int64_t>>& loads) {
     std::vector<double> flat;
@@ -425,6 +486,8 @@ class GpuBackend final : public ModelBackend {
   bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
+  std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
+  int64_t steps_since_placement_ = 0;
 };
 
 }  // namespace
@@ -445,9 +508,8 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
     if (ep > 1) {
       // Only the shared gradients over all ranks; this rank's experts over their replicas
       // (none when the EP group is the world). Graphs are refused with EP, so this always overlaps.
-      const int64_t local = config_.model.moe.n_experts / ep;
       const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
-          model_->params(), stage_of, model_->backward_stages(), gpu_expert_exchange_->rank() * local, local);
+          model_->params(), stage_of, model_->backward_stages(), gpu_->own_expert_ranges());
       dp->set_stage_ranges(ranges.shared);
       if (expert_replicas->size() > 1) {
         edp = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),

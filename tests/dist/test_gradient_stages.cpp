@@ -108,5 +108,55 @@ TEST(GradientStages, ExpertParallelSplitKeepsOnlyTheLocalExperts) {
   EXPECT_THROW(gradient_ranges_by_stage_ep(params, stage_of, n_stages, 3, 2), Error);  // experts 3..4 of 4
 }
 
+// After a re-placement by load a rank's slots differ per MoE layer: given as block ranges,
+// exactly those are its own, each in its tensor's stage; uniform ranges give the first /
+// count form's split.
+TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
+  Transformer<float> model(tiny(false), 1);
+  const auto& params = model.params();
+  const int n_stages = model.backward_stages();
+  const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
+  std::vector<int> experts;
+  for (int id = 0; id < params.size(); ++id)
+    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
+  ASSERT_GE(experts.size(), 2u);
+  // Tensor i: slots [i % 3, i % 3 + 1 + i % 2) of 4 (one or two slots, starting anywhere).
+  BlockRanges own, uniform;
+  std::vector<std::pair<int64_t, int64_t>> slots_of(static_cast<size_t>(params.size()), {0, 0});
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const int id = experts[i];
+    const int64_t per_expert = params.numel(id) / params.spec(id).shape[0];
+    const int64_t first = static_cast<int64_t>(i % 3), count = 1 + static_cast<int64_t>(i % 2);
+    slots_of[static_cast<size_t>(id)] = {first, count};
+    own.emplace_back(params.offset(id) + first * per_expert, count * per_expert);
+    uniform.emplace_back(params.offset(id) + 2 * per_expert, 2 * per_expert);
+  }
+  std::sort(own.begin(), own.end());
+  std::sort(uniform.begin(), uniform.end());
+  const ExpertParallelRanges split = gradient_ranges_by_stage_ep(params, stage_of, n_stages, own);
+  std::vector<int> stage_of_own(static_cast<size_t>(params.storage_numel()), -1);
+  for (int s = 0; s < n_stages; ++s)
+    for (const auto& [offset, count] : split.own_experts[static_cast<size_t>(s)])
+      for (int64_t i = offset; i < offset + count; ++i) stage_of_own[static_cast<size_t>(i)] = s;
+  for (int id : experts) {
+    const int64_t per_expert = params.numel(id) / params.spec(id).shape[0];
+    const auto [first, count] = slots_of[static_cast<size_t>(id)];
+    for (int64_t i = 0; i < params.numel(id); ++i) {
+      const int64_t slot = i / per_expert;
+      const int want = slot >= first && slot < first + count ? stage_of(params.spec(id).name) : -1;
+      ASSERT_EQ(stage_of_own[static_cast<size_t>(params.offset(id) + i)], want) << params.spec(id).name << " " << i;
+    }
+  }
+  const ExpertParallelRanges by_count = gradient_ranges_by_stage_ep(params, stage_of, n_stages, 2, 2);
+  const ExpertParallelRanges by_ranges = gradient_ranges_by_stage_ep(params, stage_of, n_stages, uniform);
+  EXPECT_EQ(by_count.own_experts, by_ranges.own_experts);
+  EXPECT_EQ(by_count.shared, by_ranges.shared);
+  // A range reaching past its tensor is an error.
+  const int last = experts.back();
+  EXPECT_THROW(gradient_ranges_by_stage_ep(params, stage_of, n_stages,
+                                           BlockRanges{{params.offset(last) + 1, params.numel(last)}}),
+               Error);
+}
+
 }  // namespace
 }  // namespace moe::dist

@@ -36,6 +36,35 @@ TEST(ExpertPlacement, ContiguousBlocksAndExplicitMaps) {
   EXPECT_THROW(dist::ExpertPlacement({0, 2}, 2), Error);
 }
 
+// The GPU's per-layer re-placement: a layer whose balanced placement lowers its busiest
+// rank moves (a collapsed layer: the hot expert alone), a layer already as good as it gets
+// keeps its placement (ties do not move), and the summed busiest loads say what changed.
+TEST(ExpertPlacement, RebalanceLayersMovesOnlyWhatImproves) {
+  const std::vector<std::vector<int64_t>> blocks = {{0, 1, 2, 3}, {4, 5, 6, 7}};
+  const std::vector<std::vector<int64_t>> load = {
+      {700, 100, 100, 100, 100, 100, 100, 100},  // collapsed onto expert 0
+      {10, 10, 10, 10, 10, 10, 10, 10},          // even: the blocks are already best
+  };
+  const dist::LayerPlacements next = dist::rebalance_layers(load, {blocks, blocks}, 2, 1, 7);
+  EXPECT_TRUE(next.moves);
+  EXPECT_EQ(next.experts_of_rank[0], (std::vector<std::vector<int64_t>>{{0}, {1, 2, 3, 4, 5, 6, 7}}));
+  EXPECT_EQ(next.experts_of_rank[1], blocks);
+  EXPECT_EQ(next.busiest_before, 1000 + 40);
+  EXPECT_EQ(next.busiest_after, 700 + 40);
+  // Placed again on the same loads: nothing left to gain.
+  const dist::LayerPlacements again = dist::rebalance_layers(load, next.experts_of_rank, 2, 1, 7);
+  EXPECT_FALSE(again.moves);
+  EXPECT_EQ(again.experts_of_rank, next.experts_of_rank);
+  EXPECT_EQ(again.busiest_before, again.busiest_after);
+  // Equal counts (no cap): the hot expert's rank must take three more, no better than the
+  // blocks (1000 either way), so nothing moves.
+  const dist::LayerPlacements equal = dist::rebalance_layers({load[0]}, {blocks}, 2, 1, 0);
+  EXPECT_FALSE(equal.moves);
+  EXPECT_EQ(equal.experts_of_rank[0], blocks);
+  EXPECT_EQ(equal.busiest_after, 1000);
+  EXPECT_THROW(dist::rebalance_layers(load, {blocks}, 2, 1, 7), Error);  // two layers' loads, one placement
+}
+
 // Dynamic load balancing's placement: the same number of experts per rank, the heaviest
 // experts apart, and a spread no worse than the contiguous blocks on random loads.
 TEST(ExpertPlacement, BalancedByLoad) {

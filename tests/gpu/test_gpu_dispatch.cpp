@@ -105,6 +105,21 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuDispatch,
                                            DispatchCase{65, 16, 4, 4096, 0.0}, DispatchCase{200, 32, 12, 64, 1.0},
                                            DispatchCase{333, 32, 8, 24, 1.0}));
 
+// Routed experts through a slot table (a re-placement's relabelling), against a host loop.
+TEST(GpuDispatchKernels, LookupMapsEveryIndexThroughTheTable) {
+  MOE_REQUIRE_GPU();
+  const int64_t E = 37, n = 3 * 1000 + 17;  // more than one block, a ragged tail
+  std::vector<int32_t> table(E), index(n), expected(n);
+  for (int64_t e = 0; e < E; ++e) table[e] = static_cast<int32_t>((e * 11 + 5) % E);  // a permutation
+  CounterRng rng(3, "lookup");
+  for (int64_t i = 0; i < n; ++i) index[i] = static_cast<int32_t>(rng.bits(static_cast<uint64_t>(i))[0] % E);
+  for (int64_t i = 0; i < n; ++i) expected[i] = table[index[i]];
+  auto table_d = to_device(table), index_d = to_device(index);
+  auto out_d = poisoned<int32_t>(n);
+  cuda::lookup(out_d.data(), table_d.data(), index_d.data(), n, nullptr);
+  EXPECT_EQ(to_host(out_d), expected);
+}
+
 // permute_backward with accumulate, the scalar fallback for rows that are not 16-byte
 // aligned (same results as the vector path up to rounding), and bitwise-repeatable combine
 // backward (the weight gradients are block reductions in a fixed order).

@@ -163,6 +163,50 @@ TEST_P(GpuGroupedGemm, FewerMultiprocessorsGiveTheSameBits) {
   EXPECT_TRUE(dws[0] == dws[1]) << "weight gradients differ on 9 multiprocessors";
 }
 
+// Room for more experts than a call runs over (an EP rank's count after a re-placement):
+// set_experts(E) gives the bits of a GEMM made for E, and set_experts(0) writes nothing.
+TEST_P(GpuGroupedGemm, FewerExpertsThanTheRoomGiveTheSameBits) {
+  MOE_REQUIRE_GPU();
+  const GroupedCase& c = GetParam();
+  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K;
+  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
+  const int64_t R = offsets[E] + c.dropped_rows;
+  auto x_d = to_device_bf16(random_bf16_floats(R * K, 21, "x"));
+  auto w_d = to_device_bf16(random_bf16_floats(E * N * K, 22, "w", 0.1));
+  auto dy_d = to_device_bf16(random_bf16_floats(R * N, 23, "dy"));
+  auto offsets_d = to_device(offsets);
+  cuda::ExpertGemm exact(E), roomy(E + 5);
+  roomy.set_experts(E);
+  std::vector<std::vector<bf16>> outs, dxs;
+  std::vector<std::vector<float>> dws;
+  for (cuda::ExpertGemm* gemm : {&exact, &roomy}) {
+    auto out_d = poisoned<bf16>(R * N);
+    bf16* out[1] = {out_d.data()};
+    const bf16* w[1] = {w_d.data()};
+    gemm->forward(1, out, N, x_d.data(), K, w, offsets_d.data(), N, K, nullptr);
+    auto dx_d = poisoned<bf16>(R * K);
+    gemm->backward_data(dx_d.data(), K, dy_d.data(), N, w_d.data(), offsets_d.data(), K, N, 0.0f, nullptr);
+    auto dw_d = to_device(std::vector<float>(E * N * K, 0.25f));
+    float* dw[1] = {dw_d.data()};
+    const bf16* a[1] = {dy_d.data()};
+    gemm->backward_weight(1, dw, a, N, x_d.data(), K, offsets_d.data(), N, K, nullptr);
+    outs.push_back(to_host(out_d));
+    dxs.push_back(to_host(dx_d));
+    dws.push_back(to_host(dw_d));
+  }
+  for (size_t i = 0; i < outs[0].size(); ++i) ASSERT_EQ(outs[0][i].bits, outs[1][i].bits) << "forward element " << i;
+  for (size_t i = 0; i < dxs[0].size(); ++i) ASSERT_EQ(dxs[0][i].bits, dxs[1][i].bits) << "data element " << i;
+  EXPECT_TRUE(dws[0] == dws[1]) << "weight gradients differ with room for 5 more experts";
+  // No experts: nothing written, not even the rows of the first expert.
+  roomy.set_experts(0);
+  auto out_d = poisoned<bf16>(R * N);
+  bf16* out[1] = {out_d.data()};
+  const bf16* w[1] = {w_d.data()};
+  roomy.forward(1, out, N, x_d.data(), K, w, offsets_d.data(), N, K, nullptr);
+  expect_untouched(to_host(out_d), 0, R, N);
+  EXPECT_THROW(roomy.set_experts(E + 6), Error);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GpuGroupedGemm,
     ::testing::Values(GroupedCase{{0, 37, 0, 300, 1, 129, 0}, 11, 64, 96},    // empty first, middle and last

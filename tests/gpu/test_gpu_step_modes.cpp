@@ -1,7 +1,9 @@
 // Execution modes of the GPU step that must not change a single bit: activation
-// recomputation (per layer), CUDA graph replay and the expert-parallel path over one rank,
-// in dropless and capacity routing, against the plain eager step on the same model and
-// batches.
+// recomputation (per layer), CUDA graph replay, the expert-parallel path over one rank and
+// re-placed experts (slots relabelled, weights moved, also between micro-batches), in
+// dropless and capacity routing, against the plain eager step on the same model and
+// batches: losses, gradients, loads, per-expert norms, and an AdamW step's weights and
+// moments.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -50,7 +52,12 @@ struct RunResult {
   std::vector<ForwardResult> losses;
   std::vector<float> grads;
   std::vector<std::vector<int64_t>> load;
+  std::vector<double> expert_norms;
+  std::vector<float> values, m, v;  // after one AdamW step
 };
+
+// Per MoE layer, the experts of each rank (one rank here), in slot order.
+using Placement = std::vector<std::vector<std::vector<int64_t>>>;
 
 // Expert parallelism over one rank: the exchange is a copy, so the expert-parallel path
 // (count exchange, host plan, gathers to and from the expert-major rows, local offsets)
@@ -79,9 +86,11 @@ class OneRankExchange final : public GpuExpertExchange {
 
 // Three micro-batches accumulated (the last with ignored targets: a new graph), then the
 // gradients and expert loads read back.
+// With placements: the first before micro-batch 0, the second (if any) before micro-batch 2,
+// when gradients have been accumulated (they move with their experts).
 RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
               ExpertRecompute recompute_experts = ExpertRecompute::None,
-              std::shared_ptr<GpuExpertExchange> exchange = nullptr) {
+              std::shared_ptr<GpuExpertExchange> exchange = nullptr, const std::vector<Placement>& placements = {}) {
   Transformer<float> host(config, 11);
   GpuTransformer gpu(config, host.params());
   gpu.set_expert_exchange(exchange);
@@ -92,6 +101,12 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   gpu.zero_grads();
   RunResult r;
   for (int micro = 0; micro < 3; ++micro) {
+    const size_t placement = micro == 0 ? 0 : micro == 2 ? 1 : 2;
+    if (placement < placements.size()) {
+      gpu.place_experts(placements[placement]);
+      for (size_t l = 0; l < placements[placement].size(); ++l)
+        EXPECT_EQ(gpu.expert_placement(l), placements[placement][l]);
+    }
     const Batch b = make_batch(config, 2, 20 + micro, micro == 2);
     r.losses.push_back(gpu.forward_backward(b.inputs.data(), b.targets.data(), 1.0 / 3));
   }
@@ -100,6 +115,11 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   for (int id = 0; id < params.size(); ++id)
     r.grads.insert(r.grads.end(), params.grad(id), params.grad(id) + params.numel(id));
   r.load = gpu.expert_load();
+  r.expert_norms = gpu.clip_expert_grads(0.0);
+  gpu.adamw_step(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0f, 1);
+  gpu.download_state(params, r.m, r.v);
+  for (int id = 0; id < params.size(); ++id)
+    r.values.insert(r.values.end(), params.value(id), params.value(id) + params.numel(id));
   return r;
 }
 
@@ -117,6 +137,9 @@ void expect_identical(const RunResult& got, const RunResult& want, const char* w
   for (size_t i = 0; i < got.grads.size(); ++i) differing += got.grads[i] != want.grads[i] || std::isnan(got.grads[i]);
   EXPECT_EQ(differing, 0u) << what << ": gradients differ";
   EXPECT_EQ(got.load, want.load) << what << ": tokens per expert differ (counted twice?)";
+  EXPECT_EQ(got.expert_norms, want.expert_norms) << what << ": per-expert norms differ";
+  EXPECT_TRUE(got.values == want.values) << what << ": weights after AdamW differ";
+  EXPECT_TRUE(got.m == want.m && got.v == want.v) << what << ": moments after AdamW differ";
 }
 
 class GpuStepModes : public ::testing::TestWithParam<double> {};
@@ -144,6 +167,33 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
   EXPECT_EQ(exchange->calls, 3 * 3 * 5);
   expect_identical(run(config, 2, false, ExpertRecompute::None, std::make_shared<OneRankExchange>()), eager,
                    "expert parallelism with the first two layers recomputed");
+  // Re-placed experts (three MoE layers of 8): reversed, shuffled, kept; then another
+  // placement between micro-batches.
+  const std::vector<int64_t> identity = {0, 1, 2, 3, 4, 5, 6, 7};
+  const Placement first = {{{7, 6, 5, 4, 3, 2, 1, 0}}, {{3, 0, 6, 1, 7, 2, 5, 4}}, {identity}};
+  const Placement second = {{{1, 0, 3, 2, 5, 4, 7, 6}}, {identity}, {{4, 5, 6, 7, 0, 1, 2, 3}}};
+  expect_identical(run(config, 0, false, ExpertRecompute::None, nullptr, {first, second}), eager, "re-placed experts");
+  expect_identical(run(config, -1, true, ExpertRecompute::Swiglu, nullptr, {first, second}), eager,
+                   "re-placed experts in a CUDA graph with recompute");
+  expect_identical(run(config, 0, false, ExpertRecompute::None, std::make_shared<OneRankExchange>(), {second, first}),
+                   eager, "re-placed experts under expert parallelism over one rank");
+}
+
+TEST(GpuExpertPlacement, BadPlacementsAreRefusedBeforeAnythingMoves) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig config = mode_config(0.0);
+  Transformer<float> host(config, 11);
+  GpuTransformer gpu(config, host.params());
+  const std::vector<int64_t> identity = {0, 1, 2, 3, 4, 5, 6, 7};
+  EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {identity}}), Error);  // before plan()
+  gpu.plan(2);
+  EXPECT_EQ(gpu.expert_placement(0), (std::vector<std::vector<int64_t>>{identity}));
+  EXPECT_THROW(gpu.place_experts({{identity}, {identity}}), Error);  // two layers of three
+  EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {{0, 1, 2, 3, 4, 5, 6, 6}}}), Error);  // 6 twice
+  EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {{0, 1, 2, 3, 4, 5, 6}}}), Error);     // 7 missing
+  EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {identity, {}}}), Error);              // two ranks of one
+  EXPECT_THROW(gpu.expert_placement(3), Error);
+  EXPECT_EQ(gpu.expert_placement(2), (std::vector<std::vector<int64_t>>{identity}));
 }
 
 TEST(GpuExpertParallel, RefusesGraphsAndExpertRecompute) {

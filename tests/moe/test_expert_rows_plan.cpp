@@ -61,10 +61,39 @@ TEST(ExpertRowsPlan, RandomCountsGiveInversePermutations) {
   }
 }
 
+// Unequal slot counts (a re-placement by load): rank 0 computes slot 0 alone, rank 1
+// slots 1..3, rank 2 none.
+TEST(ExpertRowsPlan, UnequalSlotCountsByHand) {
+  const std::vector<int64_t> bounds = {0, 1, 4, 4};
+  const std::vector<int32_t> kept_E = {5, 1, 0, 2};
+  // Rank 1: three local slots; sources 0, 1, 2 keep {1, 0, 2}, {0, 3, 1}, {2, 0, 0} for them.
+  const ExpertRowsPlan plan = plan_expert_rows(kept_E, {1, 0, 2, 0, 3, 1, 2, 0, 0}, bounds, 1);
+  EXPECT_EQ(plan.send_rows_P, (std::vector<int64_t>{5, 3, 0}));
+  EXPECT_EQ(plan.recv_rows_P, (std::vector<int64_t>{3, 4, 2}));
+  EXPECT_EQ(plan.local_offsets_L1, (std::vector<int32_t>{0, 3, 6, 9}));
+  // Received: s0l0 (0), s0l2 (1,2), s1l1 (3,4,5), s1l2 (6), s2l0 (7,8).
+  // Expert-major: l0 = 0,7,8; l1 = 3,4,5; l2 = 1,2,6.
+  EXPECT_EQ(plan.source_of_local, (std::vector<int32_t>{0, 7, 8, 3, 4, 5, 1, 2, 6}));
+  // Rank 2 holds no slot: it sends by the bounds and receives nothing.
+  const ExpertRowsPlan empty = plan_expert_rows(kept_E, {}, bounds, 2);
+  EXPECT_EQ(empty.send_rows_P, (std::vector<int64_t>{5, 3, 0}));
+  EXPECT_EQ(empty.recv_rows_P, (std::vector<int64_t>{0, 0, 0}));
+  EXPECT_EQ(empty.local_rows(), 0);
+  // The equal-block form is the bounds form with equal bounds.
+  EXPECT_EQ(equal_slot_bounds(6, 3), (std::vector<int64_t>{0, 2, 4, 6}));
+  const ExpertRowsPlan equal = plan_expert_rows({1, 2, 0, 0}, {1, 2, 2, 1}, 2);
+  const ExpertRowsPlan bounded = plan_expert_rows({1, 2, 0, 0}, {1, 2, 2, 1}, {0, 2, 4}, 0);
+  EXPECT_EQ(equal.source_of_local, bounded.source_of_local);
+  EXPECT_EQ(equal.send_rows_P, bounded.send_rows_P);
+}
+
 TEST(ExpertRowsPlan, BadShapesAreErrors) {
   EXPECT_THROW(plan_expert_rows({1, 2, 3}, {1, 2, 3}, 2), Error);      // 3 experts over 2 ranks
   EXPECT_THROW(plan_expert_rows({1, 2, 3, 4}, {1, 2, 3}, 2), Error);   // received counts of the wrong size
   EXPECT_THROW(plan_expert_rows({1, -2, 3, 4}, {1, 2, 3, 4}, 2), Error);
+  EXPECT_THROW(plan_expert_rows({1, 2, 3, 4}, {1, 2}, {0, 3, 2, 4}, 0), Error);  // falling bounds
+  EXPECT_THROW(plan_expert_rows({1, 2, 3, 4}, {1, 2}, {0, 1, 3}, 0), Error);     // bounds end before E
+  EXPECT_THROW(plan_expert_rows({1, 2, 3, 4}, {1, 2}, {0, 1, 4}, 2), Error);     // no rank 2
 }
 
 }  // namespace

@@ -320,7 +320,19 @@ __global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, con
 
 constexpr int kRowThreads = 256;
 
+__global__ void lookup_kernel(int32_t* out, const int32_t* table, const int32_t* index, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = table[index[i]];
+}
+
 }  // namespace
+
+void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_t n, Stream stream) {
+  if (n == 0) return;
+  lookup_kernel<<<static_cast<unsigned>(ceil_div(n, kRowThreads)), kRowThreads, 0, stream>>>(out_N, table, index_N,
+                                                                                            n);
+  MOE_CUDA_CHECK_LAUNCH();
+}
 
 void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
                  int64_t* load_E, int32_t* rank_scratch_TK, const int32_t* expert_TK, int64_t T, int64_t E,

@@ -20,7 +20,7 @@ void check_widths(const char* what, std::initializer_list<int64_t> widths) {
 }  // namespace
 
 struct ExpertGemm::State {
-  int64_t n_experts = 0;
+  int64_t max_experts = 0, n_experts = 0;
   int device_sms = 0;  // the workspace is sized for all of them
   int sm_count = 0;    // what the kernels launch on
   // One block of per-group arrays per operation kind, so that operations on different
@@ -32,14 +32,15 @@ struct ExpertGemm::State {
   }
 };
 
-ExpertGemm::ExpertGemm(int64_t n_experts) : state_(new State) {
+ExpertGemm::ExpertGemm(int64_t max_experts) : state_(new State) {
   State& s = *state_;
-  s.n_experts = n_experts;
+  MOE_CHECKF(max_experts >= 1, "ExpertGemm: room for %lld experts", static_cast<long long>(max_experts));
+  s.max_experts = s.n_experts = max_experts;
   int device = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.device_sms, cudaDevAttrMultiProcessorCount, device));
   s.sm_count = s.device_sms;
-  const int max_groups = static_cast<int>(kMaxSets * n_experts);
+  const int max_groups = static_cast<int>(kMaxSets * max_experts);
   const grouped::Sizes forward = grouped::forward_sizes(max_groups, s.sm_count);
   const grouped::Sizes data = grouped::data_sizes(max_groups, s.sm_count);
   const grouped::Sizes weight = grouped::weight_sizes(max_groups, s.sm_count);
@@ -58,10 +59,17 @@ void ExpertGemm::set_sm_limit(int sms) {
   state_->sm_count = sms > 0 && whole < state_->device_sms ? whole : state_->device_sms;
 }
 
+void ExpertGemm::set_experts(int64_t n_experts) {
+  MOE_CHECKF(n_experts >= 0 && n_experts <= state_->max_experts, "ExpertGemm: %lld experts, room for %lld",
+             static_cast<long long>(n_experts), static_cast<long long>(state_->max_experts));
+  state_->n_experts = n_experts;
+}
+
 void ExpertGemm::forward(int sets, bf16* const* out, int64_t ld_out, const bf16* x, int64_t ld_x,
                          const bf16* const* w, const int32_t* offsets_E1, int64_t N, int64_t K, Stream stream) {
   MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
   check_widths("ExpertGemm::forward", {N, K, ld_out, ld_x});
+  if (state_->n_experts == 0) return;
   grouped::forward(state_->scratch(state_->forward_groups), sets, out, ld_out, x, ld_x, w, offsets_E1,
                    state_->n_experts, N, K, stream);
 }
@@ -69,6 +77,7 @@ void ExpertGemm::forward(int sets, bf16* const* out, int64_t ld_out, const bf16*
 void ExpertGemm::backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
                                const int32_t* offsets_E1, int64_t N, int64_t K, float beta, Stream stream) {
   check_widths("ExpertGemm::backward_data", {N, K, ld_out, ld_dy});
+  if (state_->n_experts == 0) return;
   grouped::backward_data(state_->scratch(state_->data_groups), out, ld_out, dy, ld_dy, w, offsets_E1,
                          state_->n_experts, N, K, beta, stream);
 }
@@ -77,6 +86,7 @@ void ExpertGemm::backward_weight(int sets, float* const* dw, const bf16* const* 
                                  int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream) {
   MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
   check_widths("ExpertGemm::backward_weight", {M, N, ld_a, ld_b});
+  if (state_->n_experts == 0) return;
   grouped::backward_weight(state_->scratch(state_->weight_groups), sets, dw, a, ld_a, b, ld_b, offsets_E1,
                            state_->n_experts, M, N, stream);
 }

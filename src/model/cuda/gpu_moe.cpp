@@ -37,9 +37,16 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   cuda::ordered_sum(layer_sums + 1, m.z_term.data(), T, static_cast<float>(mc.z_loss_coef / T), stream);
   const int64_t capacity = expert_capacity(mc.capacity_factor, T, K, E);
   mark(kDispatch);
+  // The rows are laid out by slot: the routed experts themselves until a re-placement.
+  const int32_t* routed_slot = m.expert.data();
+  if (layer.placed) {
+    cuda::lookup(m.slot.data(), layer.slot_of_expert.data(), m.expert.data(), T * K, stream);
+    routed_slot = m.slot.data();
+  }
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(),
                     count_load ? layer.load.data() : nullptr,
-                    m.rank.data(), m.expert.data(), T, E, K, capacity, stream);
+                    m.rank.data(), routed_slot, T, E, K, capacity, stream);
+  expert_gemm->set_experts(local_experts(layer));
   MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
   if (ep) {
@@ -47,7 +54,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   } else {
     expert_rows_forward(layer, /*gate_up=*/true);
     bf16* y[1] = {m.y_rows.data()};
-    const bf16* w2[1] = {w(layer.w2)};
+    const bf16* w2[1] = {local_w(layer, layer.w2)};
     expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.offsets.data(), D, F, stream);
   }
   mark(kCombine);
@@ -74,7 +81,7 @@ void GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up) 
   mark(kExperts);
   if (gate_up) {
     bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
-    const bf16* w13[2] = {local_w(layer.w1), local_w(layer.w3)};
+    const bf16* w13[2] = {local_w(layer, layer.w1), local_w(layer, layer.w3)};
     expert_gemm->forward(2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, expert_offsets(m), F, D, stream);
   }
   cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), expert_rows(m), F, stream);
@@ -90,23 +97,30 @@ void GpuTransformer::State::exchange_rows(const bf16* send, const std::vector<in
   ep->exchange(send, send_counts, recv, recv_counts, sizeof(bf16));
 }
 
-void GpuTransformer::State::plan_expert_exchange(MoEBuffers& m) {
+void GpuTransformer::State::plan_expert_exchange(Layer& layer) {
+  MoEBuffers& m = layer.act->moe;
   const int P = ep->size();
-  const int64_t E = config.moe.n_experts, L = local_experts;
-  // Each peer gets the kept counts of its L experts; we get every source's for ours.
-  const std::vector<int64_t> per_peer(static_cast<size_t>(P), L);
+  const int64_t E = config.moe.n_experts, L = local_experts(layer);
+  // Each peer gets the kept counts of its slots (one block of the slot-sorted counts); we
+  // get every source's for ours.
+  std::vector<int64_t> send_counts(static_cast<size_t>(P)), recv_counts(static_cast<size_t>(P), L);
+  for (int p = 0; p < P; ++p)
+    send_counts[static_cast<size_t>(p)] =
+        layer.first_slot_P1[static_cast<size_t>(p) + 1] - layer.first_slot_P1[static_cast<size_t>(p)];
   mark(kAllToAll);
-  ep->exchange(m.counts.data(), per_peer, ep_recv_counts.data(), per_peer, sizeof(int32_t));
+  ep->exchange(m.counts.data(), send_counts, ep_recv_counts.data(), recv_counts, sizeof(int32_t));
   MOE_CUDA_CHECK(cudaMemcpyAsync(ep_host_counts, m.counts.data(), static_cast<size_t>(E) * sizeof(int32_t),
                                  cudaMemcpyDeviceToHost, stream));
-  MOE_CUDA_CHECK(cudaMemcpyAsync(ep_host_counts + E, ep_recv_counts.data(), static_cast<size_t>(E) * sizeof(int32_t),
-                                 cudaMemcpyDeviceToHost, stream));
+  if (L > 0)
+    MOE_CUDA_CHECK(cudaMemcpyAsync(ep_host_counts + E, ep_recv_counts.data(),
+                                   static_cast<size_t>(P * L) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
   // The one host wait per MoE layer and pass: the exchange sizes are host arguments. It
   // also means the previous layer's uploads from ep_host_plan are done.
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   mark(kHost);
   const ExpertRowsPlan plan = plan_expert_rows(std::vector<int32_t>(ep_host_counts, ep_host_counts + E),
-                                               std::vector<int32_t>(ep_host_counts + E, ep_host_counts + 2 * E), P);
+                                               std::vector<int32_t>(ep_host_counts + E, ep_host_counts + E + P * L),
+                                               layer.first_slot_P1, ep->rank());
   MOE_CHECK(plan.local_rows() <= max_local_rows, "expert parallelism: {} rows for the local experts, room for {}",
             plan.local_rows(), max_local_rows);
   m.send_rows_P = plan.send_rows_P;
@@ -133,9 +147,9 @@ void GpuTransformer::State::plan_expert_exchange(MoEBuffers& m) {
 // the same way in reverse into y_rows, where the combine finds them.
 void GpuTransformer::State::ep_experts_forward(Layer& layer) {
   const int64_t T = tokens, D = config.dim, E = config.moe.n_experts, K = config.moe.top_k, F = config.moe.expert_hidden;
-  const int64_t L = local_experts;
+  const int64_t L = local_experts(layer);
   MoEBuffers& m = layer.act->moe;
-  plan_expert_exchange(m);
+  plan_expert_exchange(layer);
   const int64_t R = m.local_rows;
   mark(kDispatch);
   cuda::permute_forward(ep_send.data(), layer.act->n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D,
@@ -146,7 +160,7 @@ void GpuTransformer::State::ep_experts_forward(Layer& layer) {
                         stream);
   experts_gate_up_forward(layer, /*gate_up=*/true);
   bf16* y[1] = {ep_send.data()};
-  const bf16* w2[1] = {local_w(layer.w2)};
+  const bf16* w2[1] = {local_w(layer, layer.w2)};
   expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.local_offsets.data(), D, F, stream);
   mark(kCombine);
   cuda::permute_forward(ep_recv.data(), ep_send.data(), m.local_of_source.data(), m.local_offsets.data(), R, L, D,
@@ -160,6 +174,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   MoEBuffers& m = layer.act->moe;
   const bf16* dy = dres.data();  // gradient of the FFN output
   // A layer recomputed whole has just refilled the shared rows; otherwise refill them here.
+  expert_gemm->set_experts(local_experts(layer));
   if (recompute_experts != ExpertRecompute::None && !layer.recompute)
     expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All);
   mark(kCombine);
@@ -167,7 +182,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
                          stream);
   // Under expert parallelism the output gradients go to the experts' ranks first.
   const bf16* dy_rows = drows.data();
-  const int64_t L = local_experts, R = expert_rows(m);
+  const int64_t L = local_experts(layer), R = expert_rows(m);
   const int32_t* offsets = expert_offsets(m);
   if (ep) {
     exchange_rows(drows.data(), m.send_rows_P, ep_recv.data(), m.recv_rows_P);
@@ -178,17 +193,17 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   }
   mark(kExperts);
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
-  expert_gemm->backward_data(dact_rows.data(), F, dy_rows, D, local_w(layer.w2), offsets, F, D, 0.0f, stream);
-  float* dw2[1] = {local_g(layer.w2)};
+  expert_gemm->backward_data(dact_rows.data(), F, dy_rows, D, local_w(layer, layer.w2), offsets, F, D, 0.0f, stream);
+  float* dw2[1] = {local_g(layer, layer.w2)};
   const bf16* dy_sets[1] = {dy_rows};
   expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream);
   cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
   // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
-  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, local_w(layer.w1), offsets, D, F, 0.0f,
-                             stream);
-  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, local_w(layer.w3), offsets, D, F,
-                             1.0f, stream);
-  float* dw13[2] = {local_g(layer.w1), local_g(layer.w3)};
+  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, local_w(layer, layer.w1), offsets, D, F,
+                             0.0f, stream);
+  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, local_w(layer, layer.w3), offsets, D,
+                             F, 1.0f, stream);
+  float* dw13[2] = {local_g(layer, layer.w1), local_g(layer, layer.w3)};
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
   expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream);
   mark(kDispatch);
@@ -220,7 +235,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
 void GpuTransformer::gather_expert_weights(bool with_moments) {
   State& s = *state_;
   if (!s.ep) return;
-  const int64_t E = s.config.moe.n_experts, L = s.local_experts;
+  const int64_t E = s.config.moe.n_experts;
   // The blocks in the parameter layout, with their bytes per element.
   std::vector<std::pair<char*, size_t>> blocks = {{reinterpret_cast<char*>(s.store->weights_hi()), sizeof(bf16)},
                                                   {reinterpret_cast<char*>(s.store->weights_lo()), sizeof(int16_t)}};
@@ -232,7 +247,10 @@ void GpuTransformer::gather_expert_weights(bool with_moments) {
     for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
       const int64_t per_expert = p->numel / E;
       for (int rank = 0; rank < s.ep->size(); ++rank) {
-        const int64_t at = p->offset + rank * L * per_expert, n = L * per_expert;
+        const int64_t first = layer.first_slot_P1[static_cast<size_t>(rank)];
+        const int64_t at = p->offset + first * per_expert,
+                      n = (layer.first_slot_P1[static_cast<size_t>(rank) + 1] - first) * per_expert;
+        if (n == 0) continue;
         for (const auto& [block, bytes] : blocks)
           s.ep->broadcast(block + at * static_cast<int64_t>(bytes), static_cast<size_t>(n) * bytes, rank);
       }
@@ -245,8 +263,9 @@ std::vector<std::vector<int64_t>> GpuTransformer::expert_load() {
   std::vector<std::vector<int64_t>> loads;
   for (Layer& layer : state_->layers)
     if (layer.is_moe) {
-      std::vector<int64_t> load(layer.load.size());
-      layer.load.download(load.data(), load.size());
+      std::vector<int64_t> load_slot(layer.load.size()), load(layer.load.size());
+      layer.load.download(load_slot.data(), load_slot.size());
+      for (size_t slot = 0; slot < load.size(); ++slot) load[static_cast<size_t>(layer.expert_of_slot[slot])] = load_slot[slot];
       loads.push_back(std::move(load));
     }
   return loads;
@@ -291,6 +310,11 @@ void GpuTransformer::State::build_expert_slices(const ParameterStore<float>& par
   }
   for (const auto& [group, ids] : groups) {
     const int64_t n_experts = params.spec(ids.front()).shape[0];
+    const auto layer = std::find_if(layers.begin(), layers.end(), [&](const Layer& l) {
+      return l.is_moe && (ids.front() == l.w1.id || ids.front() == l.w3.id || ids.front() == l.w2.id);
+    });
+    MOE_CHECK(layer != layers.end(), "per-expert clipping: expert group {} is no MoE layer's experts", group);
+    expert_group_layer.push_back(static_cast<size_t>(layer - layers.begin()));
     for (int64_t e = 0; e < n_experts; ++e) {
       first_slice_X1.push_back(static_cast<int32_t>(expert_slices.size()));
       for (int id : ids) {
@@ -397,7 +421,7 @@ std::vector<double> GpuTransformer::clip_expert_grads(double max_norm,
                                 static_cast<int64_t>(scale.slices.host.size()), s.expert_factor.data(), s.stream);
     }
     s.mark(kHost);
-    return norms;
+    return s.slot_norms_to_experts(norms);
   }
   cuda::grad_norm(s.slice_scalars.data(), s.slice_chunk_sq.data(), s.slice_sq.data(), grads, s.d_expert_slices.data(),
                   static_cast<int64_t>(n_slices), s.expert_slice_chunks, 0.0, s.stream);
@@ -411,7 +435,7 @@ std::vector<double> GpuTransformer::clip_expert_grads(double max_norm,
                                  cudaMemcpyDeviceToHost, s.stream));
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
   s.mark(kHost);
-  return norms;
+  return s.slot_norms_to_experts(norms);
 }
 
 }  // namespace moe

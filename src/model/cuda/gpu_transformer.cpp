@@ -7,12 +7,14 @@
 #include <array>
 #include <memory>
 #include <cmath>
+#include <numeric>
 #include <string>
 
 #include "core/error.h"
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
 #include "moe/dispatch.h"
+#include "moe/expert_rows_plan.h"
 
 namespace moe {
 
@@ -61,6 +63,11 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       layer.load.fill_bytes(0);
       layer.balance_bias = Buffer<float>(static_cast<size_t>(config.moe.n_experts));
       layer.balance_bias.fill_bytes(0);
+      layer.slot_of_expert = Buffer<int32_t>(static_cast<size_t>(config.moe.n_experts));
+      s.reset_placement(layer, 1);
+      std::vector<int32_t> identity(static_cast<size_t>(config.moe.n_experts));
+      std::iota(identity.begin(), identity.end(), 0);
+      layer.slot_of_expert.upload(identity.data(), identity.size());
     } else {
       layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};
     }
@@ -98,16 +105,20 @@ void GpuTransformer::plan(int64_t batch) {
     MOE_CHECK(s.recompute_experts == ExpertRecompute::None,
               "expert parallelism on the GPU needs training.recompute_experts = none");
   }
-  s.local_experts = E / P;
-  s.first_expert = s.ep ? s.ep->rank() * s.local_experts : 0;
-  s.max_local_rows = s.ep ? (capacity > 0 ? std::min(P * T * K, E * capacity) : P * T * K) : R;
+  // A rank computes E / P experts, or up to the re-placement's maximum.
+  const int64_t max_local = s.ep ? std::min(E, std::max(E / P, s.local_experts_cap)) : E;
+  for (Layer& layer : s.layers)
+    if (layer.is_moe && static_cast<int64_t>(layer.first_slot_P1.size()) != P + 1)
+      layer.first_slot_P1 = equal_slot_bounds(E, static_cast<int>(P));  // the slot order stays
+  s.max_local_rows = s.ep ? (capacity > 0 ? std::min(P * T * K, P * max_local * capacity) : P * T * K) : R;
   const int64_t RL = s.max_local_rows;
-  if (E > 0 && !s.expert_gemm) {
+  if (E > 0 && (!s.expert_gemm || s.max_local_experts != max_local)) {
     MOE_CHECK(D % 8 == 0 && F % 8 == 0, "the GPU experts need dim ({}) and moe.expert_hidden ({}) to be multiples of 8",
               D, F);
-    s.expert_gemm = std::make_unique<cuda::ExpertGemm>(s.local_experts);
+    s.expert_gemm = std::make_unique<cuda::ExpertGemm>(max_local);
     s.expert_gemm->set_sm_limit(s.compute_sm_limit);
   }
+  s.max_local_experts = max_local;
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
   auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
   auto i32 = [](int64_t n) { return Buffer<int32_t>(static_cast<size_t>(n)); };
@@ -143,13 +154,14 @@ void GpuTransformer::plan(int64_t batch) {
     m.offsets = i32(E + 1);
     m.token_of_row = i32(T * K);
     m.rank = i32(T * K);
+    m.slot = i32(T * K);
     const bool shared_x_act = s.recompute_experts != ExpertRecompute::None;
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
     m.gate_up_rows = rows_buffer(shared_gate_up_rows, RL * 2 * F, s.recompute_experts == ExpertRecompute::All);
     m.act_rows = rows_buffer(shared_act_rows, RL * F, shared_x_act);
     m.y_rows = bf(R * D);
     if (s.ep) {
-      m.local_offsets = i32(s.local_experts + 1);
+      m.local_offsets = i32(s.max_local_experts + 1);
       m.source_of_local = i32(RL);
       m.local_of_source = i32(RL);
     }
@@ -214,10 +226,11 @@ void GpuTransformer::plan(int64_t batch) {
   s.free_ep_host();
   s.ep_send = s.ep ? bf(RL * D) : Buffer<bf16>();
   s.ep_recv = s.ep ? bf(RL * D) : Buffer<bf16>();
-  s.ep_recv_counts = s.ep ? i32(E) : Buffer<int32_t>();
+  s.ep_recv_counts = s.ep ? i32(P * s.max_local_experts) : Buffer<int32_t>();
   if (s.ep) {
-    s.ep_host_plan_ints = s.local_experts + 1 + 2 * RL;
-    MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_counts, static_cast<size_t>(2 * E) * sizeof(int32_t)));
+    s.ep_host_plan_ints = s.max_local_experts + 1 + 2 * RL;
+    MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_counts,
+                                  static_cast<size_t>(E + P * s.max_local_experts) * sizeof(int32_t)));
     MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_plan, static_cast<size_t>(s.ep_host_plan_ints) * sizeof(int32_t)));
   }
   s.dlogits_bf16 = bf(T * E);
@@ -545,17 +558,36 @@ double GpuTransformer::last_grad_norm() { return state_->store->last_grad_norm()
 
 bool GpuTransformer::last_step_skipped() { return state_->store->last_step_skipped(); }
 
-void GpuTransformer::download_grads(ParameterStore<float>& params) const { state_->store->download_grads(params); }
+// Host copies are in expert order: re-placed layers' tensors are put back from slot order.
+void GpuTransformer::download_grads(ParameterStore<float>& params) const {
+  state_->store->download_grads(params);
+  state_->slots_to_experts([&](const Param& p) { return params.grad(p.id); });
+}
 
-void GpuTransformer::download_params(ParameterStore<float>& params) const { state_->store->download_params(params); }
+void GpuTransformer::download_params(ParameterStore<float>& params) const {
+  state_->store->download_params(params);
+  state_->slots_to_experts([&](const Param& p) { return params.value(p.id); });
+}
 
 void GpuTransformer::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const {
   state_->store->download_state(params, m, v);
+  state_->slots_to_experts([&](const Param& p) { return params.value(p.id); });
+  // The moments are packed parameter after parameter.
+  std::vector<int64_t> packed_offset(static_cast<size_t>(params.size()) + 1, 0);
+  for (int id = 0; id < params.size(); ++id)
+    packed_offset[static_cast<size_t>(id) + 1] = packed_offset[static_cast<size_t>(id)] + params.numel(id);
+  for (std::vector<float>* moment : {&m, &v})
+    state_->slots_to_experts(
+        [&](const Param& p) { return moment->data() + packed_offset[static_cast<size_t>(p.id)]; });
 }
 
 void GpuTransformer::upload_state(const ParameterStore<float>& params, const std::vector<float>& m,
                                   const std::vector<float>& v) {
-  state_->store->upload_state(params, m, v);
+  State& s = *state_;
+  s.store->upload_state(params, m, v);
+  // Uploaded in expert order (slot e = expert e): into the current placement's slots.
+  for (const Layer& layer : s.layers)
+    if (layer.placed) s.move_expert_slots(layer, layer.expert_of_slot);
 }
 
 size_t GpuTransformer::device_bytes() const {

@@ -102,6 +102,24 @@ class GpuTransformer {
   // `with_moments` its AdamW moments) from its EP rank to the others (collective over the
   // EP group; waits), e.g. before the host reads them for an export or a checkpoint.
   void gather_expert_weights(bool with_moments = false);
+  // Expert placement (expert parallelism's load balancing; src/model/cuda/gpu_placement.cpp).
+  // At most `n` experts per EP rank in any placement (0: E / P, equal blocks only); sizes
+  // the buffers and grouped GEMMs, so it takes effect at the next plan().
+  void set_max_local_experts(int64_t n);
+  // Re-places every MoE layer's experts: experts_of_rank_by_layer[l][p] lists the experts
+  // EP rank p computes in MoE layer l (over one rank without expert parallelism), each
+  // expert once, at most the maximum above per rank, none also allowed. Every rank must
+  // pass the same placement (collective under expert parallelism: each expert changing
+  // ranks is first sent from its holder, then weights, lo halves, gradients and moments
+  // move to their slots on every rank; call it between steps, as gradients do not travel).
+  // Results stay bit-identical; host copies (download_*, upload_state, expert_load,
+  // clip_expert_grads) stay in expert order. Not with a sharded optimizer. Waits.
+  void place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer);
+  // The experts each EP rank computes in MoE layer `moe_layer` (equal blocks at first).
+  std::vector<std::vector<int64_t>> expert_placement(size_t moe_layer) const;
+  // The block ranges [offset, count) of this rank's experts in the expert tensors (its
+  // slots), sorted: the gradients it sums over the ranks holding the same experts.
+  std::vector<std::pair<int64_t, int64_t>> own_expert_ranges() const;
   // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
   // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();

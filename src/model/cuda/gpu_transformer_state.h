@@ -56,6 +56,7 @@ struct MoEBuffers {
   std::vector<int64_t> send_rows_P, recv_rows_P;
   int64_t local_rows = 0;
   Buffer<int32_t> local_offsets, source_of_local, local_of_source;
+  Buffer<int32_t> slot;  // the routed experts' slots [T*K], when the layer's experts are re-placed
 };
 
 enum Phase : int {
@@ -123,8 +124,16 @@ struct Layer {
   bool recompute = false;  // activations recomputed in the backward
   Buffer<bf16> x;          // the layer's input (the residual stream), always kept
   std::shared_ptr<Activations> act;
-  Buffer<int64_t> load;  // assignments per expert since reset
+  Buffer<int64_t> load;  // assignments per slot since reset
   Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
+  // Expert placement (place_experts): slot s of the expert tensors (w1, w3, w2: weights,
+  // gradients, moments) holds expert expert_of_slot[s], and EP rank p computes the slots
+  // [first_slot_P1[p], first_slot_P1[p + 1]). The router picks experts; when `placed`
+  // (not the identity), slot_of_expert turns them into slots before the rows are laid
+  // out, so everything after it (row layout, exchange, grouped GEMMs) works on slots.
+  std::vector<int64_t> expert_of_slot, first_slot_P1;
+  Buffer<int32_t> slot_of_expert;
+  bool placed = false;
 };
 
 }  // namespace gpu_model
@@ -142,15 +151,18 @@ struct GpuTransformer::State {
   cuda::Blas blas;
   cuda::Attention attention;
   std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only, over the local experts
-  // Expert parallelism (set_expert_exchange): this rank's experts are [first_expert,
-  // first_expert + local_experts); without it, all of them. max_local_rows bounds the rows
-  // every EP rank may send to this one; ep_send and ep_recv stage the exchanged rows, and
-  // ep_host_counts (pinned) brings the row counts back to plan the exchange.
+  // Expert parallelism (set_expert_exchange): this rank computes each MoE layer's slots
+  // [first_slot_P1[rank], first_slot_P1[rank + 1]) (Layer); without it, all of them.
+  // max_local_experts bounds a rank's count (set_max_local_experts; the plan's buffers and
+  // the grouped GEMMs are sized for it), max_local_rows the rows every EP rank may send to
+  // this one; ep_send and ep_recv stage the exchanged rows, and ep_host_counts (pinned)
+  // brings the row counts back to plan the exchange.
   std::shared_ptr<GpuExpertExchange> ep;
-  int64_t first_expert = 0, local_experts = 0, max_local_rows = 0;
+  int64_t max_local_experts = 0, max_local_rows = 0;
+  int64_t local_experts_cap = 0;  // set_max_local_experts (0: E / P)
   Buffer<bf16> ep_send, ep_recv;
   Buffer<int32_t> ep_recv_counts;
-  int32_t* ep_host_counts = nullptr;  // E + P * local_experts ints
+  int32_t* ep_host_counts = nullptr;  // E + P * max_local_experts ints
   int32_t* ep_host_plan = nullptr;    // local offsets and both gathers, uploaded from here
   int64_t ep_host_plan_ints = 0;
   cudaStream_t stream = nullptr;
@@ -262,10 +274,34 @@ struct GpuTransformer::State {
                      const std::vector<int64_t>& recv_rows_P);
   // Expert parallelism: exchanges the layer's kept counts, waits for them on the host,
   // plans the rows (plan_expert_rows) and uploads the local offsets and gathers.
-  void plan_expert_exchange(MoEBuffers& m);
-  // The local experts' rows of an expert tensor (its leading dimension is the experts).
-  const bf16* local_w(const Param& p) const { return w(p) + first_expert * (p.numel / config.moe.n_experts); }
-  float* local_g(const Param& p) { return g(p) + first_expert * (p.numel / config.moe.n_experts); }
+  void plan_expert_exchange(Layer& layer);
+  int ep_rank() const { return ep ? ep->rank() : 0; }
+  int64_t first_slot(const Layer& layer) const { return layer.first_slot_P1[static_cast<size_t>(ep_rank())]; }
+  int64_t local_experts(const Layer& layer) const {
+    return layer.first_slot_P1[static_cast<size_t>(ep_rank()) + 1] - first_slot(layer);
+  }
+  // The local slots' rows of an expert tensor (its leading dimension is the slots).
+  const bf16* local_w(const Layer& layer, const Param& p) const {
+    return w(p) + first_slot(layer) * (p.numel / config.moe.n_experts);
+  }
+  float* local_g(const Layer& layer, const Param& p) {
+    return g(p) + first_slot(layer) * (p.numel / config.moe.n_experts);
+  }
+  // Re-placement: slot s of the layer's expert tensors takes what slot source_of_slot[s]
+  // holds (weights, masters' lo halves, gradients, moments), on every rank alike.
+  void move_expert_slots(const Layer& layer, const std::vector<int64_t>& source_of_slot);
+  // Expert parallelism, before a re-placement: each expert whose EP rank changes is sent
+  // from its holder to the others (collective over the EP group).
+  void send_moving_experts(const Layer& layer, const std::vector<int64_t>& new_first_slot_P1,
+                           const std::vector<int64_t>& new_order);
+  // Host copies of the placed layers' expert tensors (tensor_of: where each one's values
+  // are) from slot order into expert order.
+  void slots_to_experts(const std::function<float*(const Param&)>& tensor_of) const;
+  // Per-expert norms of clip_expert_grads (expert group after group, slot order) in
+  // expert order; expert_group_layer: the layer of each expert group.
+  std::vector<double> slot_norms_to_experts(const std::vector<double>& norms) const;
+  std::vector<size_t> expert_group_layer;
+  void reset_placement(Layer& layer, int P);
   // The offsets the grouped GEMMs read and the rows the row-wise kernels cover.
   const int32_t* expert_offsets(const MoEBuffers& m) const { return ep ? m.local_offsets.data() : m.offsets.data(); }
   int64_t expert_rows(const MoEBuffers& m) const { return ep ? m.local_rows : max_rows; }

@@ -1,0 +1,240 @@
+// Expert placement on the GPU: which slot of each MoE layer's expert tensors holds which
+// expert, and which EP rank computes which slots. A re-placement by load (expert
+// parallelism's dynamic balancing) relabels experts into slots so that every rank's
+// experts stay one contiguous block, whatever their number: the router's choices go
+// through a slot table, and the weights, gradients and moments move to their new slots
+// on every rank alike (every rank keeps every expert's weights). Host copies (checkpoints,
+// exports, tests) stay in expert order. Slot order changes no result: each expert sees
+// the same rows in the same order, so training is bit-identical under any placement.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "core/error.h"
+#include "model/cuda/gpu_transformer_state.h"
+#include "moe/expert_rows_plan.h"
+
+namespace moe {
+
+void GpuTransformer::set_max_local_experts(int64_t n) {
+  MOE_CHECK(n >= 0, "expert placement: at most {} experts per rank", n);
+  state_->local_experts_cap = n;
+}
+
+// Identity placement in equal blocks of the ranks (the state before any re-placement).
+void GpuTransformer::State::reset_placement(Layer& layer, int P) {
+  const int64_t E = config.moe.n_experts;
+  layer.expert_of_slot.resize(static_cast<size_t>(E));
+  std::iota(layer.expert_of_slot.begin(), layer.expert_of_slot.end(), int64_t{0});
+  layer.first_slot_P1 = equal_slot_bounds(E, P);
+  layer.placed = false;
+}
+
+void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer) {
+  State& s = *state_;
+  const int64_t E = s.config.moe.n_experts;
+  const int P = s.ep ? s.ep->size() : 1;
+  std::vector<Layer*> moe_layers;
+  for (Layer& layer : s.layers)
+    if (layer.is_moe) moe_layers.push_back(&layer);
+  MOE_CHECK(experts_of_rank_by_layer.size() == moe_layers.size(), "expert placement: {} layers given, the model has {}",
+            experts_of_rank_by_layer.size(), moe_layers.size());
+  MOE_CHECK(s.clip_norm_part == nullptr, "expert placement: not with a sharded optimizer (ZeRO-1)");
+  MOE_CHECK(s.max_local_experts > 0, "expert placement before plan()");
+  // Check everything before anything moves.
+  std::vector<std::vector<int64_t>> orders, bounds;
+  for (size_t l = 0; l < moe_layers.size(); ++l) {
+    const auto& ranks = experts_of_rank_by_layer[l];
+    MOE_CHECK(static_cast<int>(ranks.size()) == P, "expert placement of MoE layer {}: {} ranks given for {}", l,
+              ranks.size(), P);
+    std::vector<int64_t> order, first_slot_P1 = {0};
+    std::vector<char> seen(static_cast<size_t>(E), 0);
+    for (int p = 0; p < P; ++p) {
+      const auto& experts = ranks[static_cast<size_t>(p)];
+      MOE_CHECK(static_cast<int64_t>(experts.size()) <= s.max_local_experts,
+                "expert placement of MoE layer {}: {} experts on EP rank {}, room for {}", l, experts.size(), p,
+                s.max_local_experts);
+      for (int64_t expert : experts) {
+        MOE_CHECK(expert >= 0 && expert < E && !seen[static_cast<size_t>(expert)],
+                  "expert placement of MoE layer {}: expert {} out of range or placed twice", l, expert);
+        seen[static_cast<size_t>(expert)] = 1;
+        order.push_back(expert);
+      }
+      first_slot_P1.push_back(static_cast<int64_t>(order.size()));
+    }
+    MOE_CHECK(static_cast<int64_t>(order.size()) == E, "expert placement of MoE layer {}: {} experts placed of {}", l,
+              order.size(), E);
+    orders.push_back(std::move(order));
+    bounds.push_back(std::move(first_slot_P1));
+  }
+  for (size_t l = 0; l < moe_layers.size(); ++l) {
+    Layer& layer = *moe_layers[l];
+    // Under expert parallelism only the holders' copies are current: an expert changing
+    // ranks first comes from its old holder (weights, lo halves, moments; the gradients
+    // are not moved between ranks, so re-place between steps).
+    if (s.ep) s.send_moving_experts(layer, bounds[l], orders[l]);
+    if (orders[l] != layer.expert_of_slot) {
+      std::vector<int64_t> slot_now(static_cast<size_t>(E));
+      for (int64_t slot = 0; slot < E; ++slot) slot_now[static_cast<size_t>(layer.expert_of_slot[slot])] = slot;
+      std::vector<int64_t> source_of_slot(static_cast<size_t>(E));
+      for (int64_t slot = 0; slot < E; ++slot)
+        source_of_slot[static_cast<size_t>(slot)] = slot_now[static_cast<size_t>(orders[l][static_cast<size_t>(slot)])];
+      s.move_expert_slots(layer, source_of_slot);
+      // The load counted so far follows its experts.
+      std::vector<int64_t> load(static_cast<size_t>(E)), moved(static_cast<size_t>(E));
+      layer.load.download(load.data(), load.size());
+      for (int64_t slot = 0; slot < E; ++slot)
+        moved[static_cast<size_t>(slot)] = load[static_cast<size_t>(source_of_slot[static_cast<size_t>(slot)])];
+      layer.load.upload(moved.data(), moved.size());
+      layer.expert_of_slot = orders[l];
+    }
+    layer.first_slot_P1 = bounds[l];
+    std::vector<int32_t> slot_of_expert(static_cast<size_t>(E));
+    for (int64_t slot = 0; slot < E; ++slot)
+      slot_of_expert[static_cast<size_t>(layer.expert_of_slot[static_cast<size_t>(slot)])] = static_cast<int32_t>(slot);
+    layer.slot_of_expert.upload(slot_of_expert.data(), slot_of_expert.size());
+    layer.placed = false;
+    for (int64_t slot = 0; slot < E; ++slot) layer.placed |= layer.expert_of_slot[static_cast<size_t>(slot)] != slot;
+  }
+  // A captured graph may have been captured without the slot lookups.
+  if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
+  s.graph = nullptr;
+  s.graph_warm = false;
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
+std::vector<std::vector<int64_t>> GpuTransformer::expert_placement(size_t moe_layer) const {
+  const State& s = *state_;
+  size_t index = 0;
+  for (const Layer& layer : s.layers) {
+    if (!layer.is_moe || index++ != moe_layer) continue;
+    std::vector<std::vector<int64_t>> ranks;
+    for (size_t p = 0; p + 1 < layer.first_slot_P1.size(); ++p)
+      ranks.emplace_back(layer.expert_of_slot.begin() + layer.first_slot_P1[p],
+                         layer.expert_of_slot.begin() + layer.first_slot_P1[p + 1]);
+    return ranks;
+  }
+  MOE_THROW("expert placement: no MoE layer {} (the model has {})", moe_layer, index);
+}
+
+std::vector<std::pair<int64_t, int64_t>> GpuTransformer::own_expert_ranges() const {
+  const State& s = *state_;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const Layer& layer : s.layers) {
+    if (!layer.is_moe) continue;
+    const int64_t first = s.first_slot(layer), count = s.local_experts(layer);
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / s.config.moe.n_experts;
+      if (count > 0) ranges.emplace_back(p->offset + first * per_expert, count * per_expert);
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
+void GpuTransformer::State::send_moving_experts(const Layer& layer, const std::vector<int64_t>& new_first_slot_P1,
+                                                const std::vector<int64_t>& new_order) {
+  const int64_t E = config.moe.n_experts;
+  auto rank_of_slot = [](const std::vector<int64_t>& first_slot_P1, int64_t slot) {
+    return static_cast<int>(std::upper_bound(first_slot_P1.begin(), first_slot_P1.end(), slot) - first_slot_P1.begin()) - 1;
+  };
+  std::vector<int> new_rank(static_cast<size_t>(E));
+  for (int64_t slot = 0; slot < E; ++slot)
+    new_rank[static_cast<size_t>(new_order[static_cast<size_t>(slot)])] = rank_of_slot(new_first_slot_P1, slot);
+  const std::vector<std::pair<char*, size_t>> blocks = {
+      {reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16)},
+      {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t)},
+      {static_cast<char*>(store->moment_block(0)), store->moment_bytes()},
+      {static_cast<char*>(store->moment_block(1)), store->moment_bytes()}};
+  for (int64_t slot = 0; slot < E; ++slot) {
+    const int64_t expert = layer.expert_of_slot[static_cast<size_t>(slot)];
+    const int holder = rank_of_slot(layer.first_slot_P1, slot);
+    if (new_rank[static_cast<size_t>(expert)] == holder) continue;
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / E, at = p->offset + slot * per_expert;
+      for (const auto& [block, bytes] : blocks)
+        ep->broadcast(block + static_cast<size_t>(at) * bytes, static_cast<size_t>(per_expert) * bytes, holder);
+    }
+  }
+}
+
+// Each permutation cycle through one expert-sized staging buffer per block: a few copies
+// per expert, and memory for one expert's slice only.
+void GpuTransformer::State::move_expert_slots(const Layer& layer, const std::vector<int64_t>& source_of_slot) {
+  const int64_t E = config.moe.n_experts;
+  struct Block {
+    char* base;
+    size_t bytes;  // per element
+  };
+  const std::vector<Block> blocks = {{reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16)},
+                                     {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t)},
+                                     {reinterpret_cast<char*>(store->grads()), sizeof(float)},
+                                     {static_cast<char*>(store->moment_block(0)), store->moment_bytes()},
+                                     {static_cast<char*>(store->moment_block(1)), store->moment_bytes()}};
+  int64_t largest = 0;
+  for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) largest = std::max(largest, p->numel / E);
+  Buffer<char> staging(static_cast<size_t>(largest) * sizeof(float));
+  std::vector<char> done(static_cast<size_t>(E));
+  for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+    const int64_t per_expert = p->numel / E;
+    for (const Block& block : blocks) {
+      const size_t slice = static_cast<size_t>(per_expert) * block.bytes;
+      char* tensor = block.base + static_cast<size_t>(p->offset) * block.bytes;
+      auto copy = [&](void* to, const void* from) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(to, from, slice, cudaMemcpyDeviceToDevice, stream));
+      };
+      std::fill(done.begin(), done.end(), 0);
+      for (int64_t start = 0; start < E; ++start) {
+        if (done[static_cast<size_t>(start)] || source_of_slot[static_cast<size_t>(start)] == start) continue;
+        // start <- source <- source's source ... back to start (from the staged copy).
+        copy(staging.data(), tensor + static_cast<size_t>(start) * slice);
+        int64_t slot = start;
+        while (true) {
+          done[static_cast<size_t>(slot)] = 1;
+          const int64_t source = source_of_slot[static_cast<size_t>(slot)];
+          if (source == start) {
+            copy(tensor + static_cast<size_t>(slot) * slice, staging.data());
+            break;
+          }
+          copy(tensor + static_cast<size_t>(slot) * slice, tensor + static_cast<size_t>(source) * slice);
+          slot = source;
+        }
+      }
+    }
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // before the staging buffer goes
+}
+
+void GpuTransformer::State::slots_to_experts(const std::function<float*(const Param&)>& tensor_of) const {
+  const int64_t E = config.moe.n_experts;
+  std::vector<float> copy;
+  for (const Layer& layer : layers) {
+    if (!layer.placed) continue;
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / E;
+      float* tensor = tensor_of(*p);
+      copy.assign(tensor, tensor + p->numel);
+      for (int64_t slot = 0; slot < E; ++slot)
+        std::copy_n(copy.begin() + slot * per_expert, per_expert,
+                    tensor + layer.expert_of_slot[static_cast<size_t>(slot)] * per_expert);
+    }
+  }
+}
+
+std::vector<double> GpuTransformer::State::slot_norms_to_experts(const std::vector<double>& norms) const {
+  std::vector<double> by_expert(norms.size());
+  size_t at = 0;
+  for (size_t layer_index : expert_group_layer) {
+    const Layer& layer = layers[layer_index];
+    const size_t n = layer.expert_of_slot.size();
+    for (size_t slot = 0; slot < n; ++slot)
+      by_expert[at + static_cast<size_t>(layer.expert_of_slot[slot])] = norms[at + slot];
+    at += n;
+  }
+  MOE_CHECK(at == norms.size(), "per-expert norms: {} values for {} expert slots", norms.size(), at);
+  return by_expert;
+}
+
+}  // namespace moe
