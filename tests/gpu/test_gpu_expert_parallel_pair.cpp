@@ -1,0 +1,251 @@
+// GPU expert parallelism over two ranks on one GPU: two models in two threads, their
+// exchanges and broadcasts done by device copies between them (PairExchange). So the
+// multi-rank paths run without a second GPU: rows to the other rank and back, unequal
+// expert counts after a re-placement, and the broadcast of the experts that change ranks.
+// - EP 2 against one GPU on both micro-batches: the same losses and gradients (the shared
+//   gradients as the mean of the two ranks', each expert's from the rank computing it);
+// - EP 2 with every MoE layer re-placed (one rank holding a single expert, or none):
+//   the very same bits as EP 2 in equal blocks.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <array>
+#include <barrier>
+#include <cmath>
+#include <memory>
+#include <thread>
+
+#include "gpu_test_util.h"
+#include "model/cuda/gpu_transformer.h"
+#include "model/transformer.h"
+
+namespace moe {
+namespace {
+
+// What both ranks see: each posts its buffers, a barrier, then each copies its part.
+struct PairShared {
+  std::barrier<> sync{2};
+  struct Posted {
+    const void* send = nullptr;
+    void* recv = nullptr;
+    std::vector<int64_t> recv_counts;
+  };
+  std::array<Posted, 2> posted;
+};
+
+class PairExchange final : public GpuExpertExchange {
+ public:
+  PairExchange(PairShared& shared, int rank) : shared_(shared), rank_(rank) {}
+  int size() const override { return 2; }
+  int rank() const override { return rank_; }
+  void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
+  void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                const std::vector<int64_t>& recv_counts, size_t elem_bytes) override {
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);  // `send` is written
+    shared_.posted[static_cast<size_t>(rank_)] = {send, recv, recv_counts};
+    shared_.sync.arrive_and_wait();
+    int64_t sent = 0;
+    for (int peer = 0; peer < 2; ++peer) {
+      const PairShared::Posted& to = shared_.posted[static_cast<size_t>(peer)];
+      EXPECT_EQ(send_counts[static_cast<size_t>(peer)], to.recv_counts[static_cast<size_t>(rank_)]);
+      int64_t at = 0;  // our block in the peer's received layout comes after lower sources'
+      for (int source = 0; source < rank_; ++source) at += to.recv_counts[static_cast<size_t>(source)];
+      const int64_t n = send_counts[static_cast<size_t>(peer)];
+      if (n > 0)
+        EXPECT_EQ(cudaMemcpyAsync(static_cast<char*>(to.recv) + at * elem_bytes,
+                                  static_cast<const char*>(send) + sent * elem_bytes, n * elem_bytes,
+                                  cudaMemcpyDeviceToDevice, stream_),
+                  cudaSuccess);
+      sent += n;
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    bytes += sent * static_cast<int64_t>(elem_bytes);
+    shared_.sync.arrive_and_wait();  // both ranks' rows have arrived
+  }
+  void broadcast(void* data, size_t bytes_n, int root) override {
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    shared_.posted[static_cast<size_t>(rank_)].recv = data;
+    shared_.sync.arrive_and_wait();
+    if (rank_ != root)
+      EXPECT_EQ(cudaMemcpyAsync(data, shared_.posted[static_cast<size_t>(root)].recv, bytes_n,
+                                cudaMemcpyDeviceToDevice, stream_),
+                cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    ++broadcasts;
+    shared_.sync.arrive_and_wait();
+  }
+  int64_t bytes = 0;
+  int broadcasts = 0;
+
+ private:
+  PairShared& shared_;
+  int rank_;
+  cudaStream_t stream_ = nullptr;
+};
+
+ModelConfig pair_config(double capacity_factor) {
+  ModelConfig c;
+  c.vocab_size = 512;
+  c.dim = 128;
+  c.n_layers = 4;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.seq_len = 64;
+  c.first_dense_layers = 1;
+  c.dense_hidden = 192;
+  c.moe.n_experts = 8;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 128;
+  c.moe.n_shared_experts = 1;
+  c.moe.capacity_factor = capacity_factor;
+  // The aux and z losses are over a rank's own micro-batch: off, to compare with one GPU.
+  c.moe.aux_loss_coef = 0;
+  c.moe.z_loss_coef = 0;
+  return c;
+}
+
+std::vector<int32_t> tokens(const ModelConfig& c, int64_t sequences, uint64_t seed, int lane) {
+  CounterRng rng(seed, "pair");
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < sequences * c.seq_len; ++i)
+    out.push_back(static_cast<int32_t>(rng.bits(static_cast<uint64_t>(i))[lane] % c.vocab_size));
+  return out;
+}
+
+struct RankRun {
+  ForwardResult loss, second_loss;
+  std::vector<float> grads, second_grads;
+  std::vector<std::vector<int64_t>> load;
+};
+
+using Placement = std::vector<std::vector<std::vector<int64_t>>>;
+
+std::vector<float> all_grads(GpuTransformer& gpu, Transformer<float>& host) {
+  gpu.download_grads(host.params());
+  std::vector<float> grads;
+  auto& params = host.params();
+  for (int id = 0; id < params.size(); ++id) grads.insert(grads.end(), params.grad(id), params.grad(id) + params.numel(id));
+  return grads;
+}
+
+// Both ranks, one micro-batch of one sequence each (rank r: batch seed 40 + r), an AdamW
+// step (which leaves the copies of other ranks' experts stale: they get no gradient), an
+// optional re-placement, and a second micro-batch (seed 50 + r).
+std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& placement, int* broadcasts = nullptr) {
+  PairShared shared;
+  std::array<RankRun, 2> runs;
+  auto rank_main = [&](int rank) {
+    Transformer<float> host(config, 11);
+    GpuTransformer gpu(config, host.params());
+    auto exchange = std::make_shared<PairExchange>(shared, rank);
+    gpu.set_expert_exchange(exchange);
+    gpu.set_max_local_experts(config.moe.n_experts);
+    gpu.plan(1);
+    RankRun& run = runs[static_cast<size_t>(rank)];
+    gpu.zero_grads();
+    const auto inputs = tokens(config, 1, 40 + rank, 0), targets = tokens(config, 1, 40 + rank, 1);
+    run.loss = gpu.forward_backward(inputs.data(), targets.data(), 1.0);
+    run.grads = all_grads(gpu, host);
+    gpu.adamw_step(1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0f, 1);
+    if (!placement.empty()) gpu.place_experts(placement);
+    gpu.zero_grads();
+    gpu.reset_load();
+    const auto inputs2 = tokens(config, 1, 50 + rank, 0), targets2 = tokens(config, 1, 50 + rank, 1);
+    run.second_loss = gpu.forward_backward(inputs2.data(), targets2.data(), 1.0);
+    run.second_grads = all_grads(gpu, host);
+    run.load = gpu.expert_load();
+    if (broadcasts && rank == 0) *broadcasts = exchange->broadcasts;
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  return runs;
+}
+
+// Which expert (and which tensor element) each gradient element belongs to: -1 for the
+// shared parameters.
+std::vector<int64_t> expert_of_element(const ModelConfig& config) {
+  Transformer<float> host(config, 11);
+  const auto& params = host.params();
+  std::vector<int64_t> expert;
+  for (int id = 0; id < params.size(); ++id) {
+    const bool is_expert = !params.spec(id).expert_group.empty();
+    const int64_t per_expert = is_expert ? params.numel(id) / params.spec(id).shape[0] : 1;
+    for (int64_t i = 0; i < params.numel(id); ++i) expert.push_back(is_expert ? i / per_expert : -1);
+  }
+  return expert;
+}
+
+class GpuExpertParallelPair : public ::testing::TestWithParam<double> {};
+
+TEST_P(GpuExpertParallelPair, TwoRanksMatchOneGpuAndReplacementChangesNoBit) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig config = pair_config(GetParam());
+  // One GPU on both micro-batches: the mean loss and gradients of the two.
+  Transformer<float> host(config, 11);
+  GpuTransformer one(config, host.params());
+  one.plan(2);
+  one.zero_grads();
+  std::vector<int32_t> inputs = tokens(config, 1, 40, 0), targets = tokens(config, 1, 40, 1);
+  for (int32_t t : tokens(config, 1, 41, 0)) inputs.push_back(t);
+  for (int32_t t : tokens(config, 1, 41, 1)) targets.push_back(t);
+  const ForwardResult want_loss = one.forward_backward(inputs.data(), targets.data(), 1.0);
+  const std::vector<float> want = all_grads(one, host);
+
+  const std::array<RankRun, 2> pair = run_pair(config, {});
+  const std::vector<int64_t> expert = expert_of_element(config);
+  ASSERT_EQ(expert.size(), want.size());
+  // Shared gradients: the mean of the ranks'; expert e's: on its rank (equal blocks: e / 4)
+  // over both micro-batches, halved; zero on the other rank.
+  double max_abs = 0, max_err = 0;
+  size_t stray = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    float got;
+    if (expert[i] < 0) {
+      got = (pair[0].grads[i] + pair[1].grads[i]) / 2;
+    } else {
+      const size_t holder = static_cast<size_t>(expert[i] / 4);
+      got = pair[holder].grads[i] / 2;
+      stray += pair[1 - holder].grads[i] != 0.0f;
+    }
+    max_abs = std::max(max_abs, std::fabs(static_cast<double>(want[i])));
+    max_err = std::max(max_err, std::fabs(static_cast<double>(got) - want[i]));
+  }
+  EXPECT_EQ(stray, 0u) << "a rank has gradients for experts it does not hold";
+  // With a capacity each rank drops by its own micro-batch's count: one GPU over both is
+  // another routing, so only the dropless runs compare with it.
+  if (GetParam() == 0) {
+    EXPECT_NEAR((pair[0].loss.ce_loss + pair[1].loss.ce_loss) / 2, want_loss.ce_loss, 2e-3 * want_loss.ce_loss);
+    EXPECT_LT(max_err, 2e-2 * max_abs) << "largest gradient " << max_abs;
+  } else {
+    EXPECT_GT(pair[0].loss.dropped + pair[1].loss.dropped, 0) << "the capacity case should drop";
+  }
+
+  // Re-placed: MoE layer 1 (collapsed-router shape) expert 5 alone on rank 0; layer 2
+  // shuffled 3 / 5; layer 3 everything on rank 1.
+  const Placement replaced = {{{5}, {0, 1, 2, 3, 4, 6, 7}}, {{7, 2, 4}, {6, 0, 1, 3, 5}}, {{}, {3, 1, 0, 2, 4, 5, 6, 7}}};
+  int broadcasts = 0;
+  const std::array<RankRun, 2> moved = run_pair(config, replaced, &broadcasts);
+  EXPECT_GT(broadcasts, 0) << "experts changing ranks come from their old holder";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(moved[r].second_loss.ce_loss, pair[r].second_loss.ce_loss) << "rank " << r;
+    EXPECT_EQ(moved[r].second_loss.dropped, pair[r].second_loss.dropped) << "rank " << r;
+    EXPECT_EQ(moved[r].load, pair[r].load) << "rank " << r;
+  }
+  // Shared gradients bit for bit on each rank; each expert's from whichever rank holds it.
+  size_t differing = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto& a = moved[0].second_grads, &b = moved[1].second_grads;
+    const auto& c = pair[0].second_grads, &d = pair[1].second_grads;
+    if (expert[i] < 0)
+      differing += a[i] != c[i] || b[i] != d[i];
+    else
+      differing += a[i] + b[i] != c[i] + d[i];
+  }
+  EXPECT_EQ(differing, 0u) << "re-placed experts changed gradients";
+}
+
+INSTANTIATE_TEST_SUITE_P(Routing, GpuExpertParallelPair, ::testing::Values(0.0, 1.0));
+
+}  // namespace
+}  // namespace moe
