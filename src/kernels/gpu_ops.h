@@ -79,9 +79,29 @@ namespace moe::cuda {
 // `capacity` rows. Writes row_TK (-1 = dropped), counts_E, offsets_E1 (E + 1; the kept
 // row count R is offsets_E1[E], left on the device), token_of_row_R (T*K capacity) and
 // adds the assignments before dropping to load_E when not null. rank_scratch_TK: T*K ints.
+// An expert < 0 (routed to another rank) gets row -1 and is counted nowhere.
 void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
                  int64_t* load_E, int32_t* rank_scratch_TK, const int32_t* expert_TK, int64_t T, int64_t E,
                  int64_t K, int64_t capacity, Stream stream);
+// Expert parallelism without duplicate rows (layout and CPU references: moe/token_exchange.h).
+// Token t's place in the block for EP rank p (pos_TP, -1: none) and the block sizes (P <= 32).
+void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* row_TK, const int32_t* slot_TK,
+                  const int32_t* first_slot_P1, int64_t T, int64_t K, int P, Stream stream);
+// The routing sent with the tokens: slots on the receiving rank (-1: elsewhere) and weights.
+void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
+                  const int32_t* row_TK, const int32_t* slot_TK, const float* weight_TK, const int32_t* first_slot_P1,
+                  int64_t T, int64_t K, int P, Stream stream);
+// Per peer: the kept rows of its slots, then its block size (E + P values).
+void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* first_slot_P1, int P,
+                 Stream stream);
+// dst_UD[block row of (t, p)] = src_TD[t].
+void scatter_token_rows(bf16* dst_UD, const bf16* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+                        int P, int64_t D, Stream stream);
+// dst_TD[t] = the ranks' block rows of t added in rank order (fp32; 0 where none).
+void sum_token_rows(bf16* dst_TD, const bf16* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+                    int P, int64_t D, Stream stream);
+void sum_token_values(float* dst_TK, const float* src_UK, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+                      int64_t K, int P, Stream stream);
 // out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).
 void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_t n, Stream stream);
 // x_RD[r] = x_TD[token_of_row_R[r]] for r < offsets_E1[E]; launched for max_rows rows so

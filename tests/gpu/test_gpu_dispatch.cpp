@@ -7,6 +7,7 @@
 #include "kernels/gpu_ops.h"
 #include "kernels/matmul.h"
 #include "moe/dispatch.h"
+#include "moe/token_exchange.h"
 
 namespace moe {
 namespace {
@@ -118,6 +119,84 @@ TEST(GpuDispatchKernels, LookupMapsEveryIndexThroughTheTable) {
   auto out_d = poisoned<int32_t>(n);
   cuda::lookup(out_d.data(), table_d.data(), index_d.data(), n, nullptr);
   EXPECT_EQ(to_host(out_d), expected);
+}
+
+// Expert parallelism's token exchange (kernels/cuda/token_exchange.cu) against the CPU
+// references (moe/token_exchange.h): three ranks with unequal slot counts (one with none),
+// a capacity that drops, D both vectorised and not; and the receiving rank's layout,
+// assign_rows with "elsewhere" (-1) entries.
+TEST(GpuDispatchKernels, TokenExchangeMatchesCpu) {
+  MOE_REQUIRE_GPU();
+  const int64_t T = 1500, K = 4, E = 9;
+  const int P = 3;
+  const std::vector<int32_t> bounds = {0, 2, 2, 9};
+  CounterRng rng(9, "token exchange");
+  std::vector<int32_t> slot(T * K);
+  std::vector<float> weight(T * K);
+  for (int64_t i = 0; i < T * K; ++i) {
+    slot[i] = static_cast<int32_t>(rng.bits(static_cast<uint64_t>(i))[0] % E);
+    weight[i] = static_cast<float>(rng.bits(static_cast<uint64_t>(i))[1] % 1000) / 1000.0f;
+  }
+  std::vector<int32_t> row(T * K), counts(E), offsets(E + 1), token_of_row(T * K);
+  assign_rows(row.data(), counts.data(), offsets.data(), token_of_row.data(), slot.data(), T, E, K,
+              expert_capacity(1.0, T, K, E));
+  std::vector<int32_t> pos(T * P), tokens(P);
+  token_blocks(pos.data(), tokens.data(), row.data(), slot.data(), bounds.data(), T, K, P);
+  const int64_t U = tokens[0] + tokens[1] + tokens[2];
+  auto row_d = to_device(row), slot_d = to_device(slot), bounds_d = to_device(bounds), counts_d = to_device(counts);
+  auto weight_d = to_device(weight);
+  auto pos_d = poisoned<int32_t>(T * P), tokens_d = poisoned<int32_t>(P);
+  cuda::token_blocks(pos_d.data(), tokens_d.data(), row_d.data(), slot_d.data(), bounds_d.data(), T, K, P, nullptr);
+  EXPECT_EQ(to_host(pos_d), pos);
+  EXPECT_EQ(to_host(tokens_d), tokens);
+  std::vector<int32_t> routed(U * K), packed(E + P);
+  std::vector<float> weights(U * K);
+  pack_routing(routed.data(), weights.data(), pos.data(), tokens.data(), row.data(), slot.data(), weight.data(),
+               bounds.data(), T, K, P);
+  pack_counts(packed.data(), counts.data(), tokens.data(), bounds.data(), P);
+  auto routed_d = poisoned<int32_t>(U * K), packed_d = poisoned<int32_t>(E + P);
+  auto weights_d = poisoned<float>(U * K);
+  cuda::pack_routing(routed_d.data(), weights_d.data(), pos_d.data(), tokens_d.data(), row_d.data(), slot_d.data(),
+                     weight_d.data(), bounds_d.data(), T, K, P, nullptr);
+  cuda::pack_counts(packed_d.data(), counts_d.data(), tokens_d.data(), bounds_d.data(), P, nullptr);
+  EXPECT_EQ(to_host(routed_d), routed);
+  EXPECT_EQ(to_host(weights_d), weights);
+  EXPECT_EQ(to_host(packed_d), packed);
+  // Rank 2's layout of its block (slots 2..8 as local 0..6, -1 for the others').
+  const int64_t first = tokens[0] + tokens[1], n = tokens[2], L = 7;
+  std::vector<int32_t> local_row(n * K), local_counts(L), local_offsets(L + 1), local_token(n * K);
+  assign_rows(local_row.data(), local_counts.data(), local_offsets.data(), local_token.data(),
+              routed.data() + first * K, n, L, K, n * K);
+  auto local_slot_d = to_device(std::vector<int32_t>(routed.begin() + first * K, routed.end()));
+  auto local_row_d = poisoned<int32_t>(n * K), local_counts_d = poisoned<int32_t>(L);
+  auto local_offsets_d = poisoned<int32_t>(L + 1), local_token_d = poisoned<int32_t>(n * K);
+  auto scratch_d = poisoned<int32_t>(n * K);
+  cuda::assign_rows(local_row_d.data(), local_counts_d.data(), local_offsets_d.data(), local_token_d.data(), nullptr,
+                    scratch_d.data(), local_slot_d.data(), n, L, K, n * K, nullptr);
+  EXPECT_EQ(to_host(local_row_d), local_row);
+  EXPECT_EQ(to_host(local_offsets_d), local_offsets);
+  const auto got_token = to_host(local_token_d);
+  EXPECT_TRUE(std::equal(got_token.begin(), got_token.begin() + local_offsets[L], local_token.begin()));
+  // Rows out by token, sums back by token (rank order), for a vectorised and a ragged D.
+  for (int64_t D : {64, 12}) {
+    const auto x = random_bf16_floats(T * D, 3, "x"), blocks = random_bf16_floats(U * D, 4, "blocks");
+    std::vector<float> scattered(U * D), summed(T * D);
+    scatter_token_rows(scattered.data(), x.data(), pos.data(), tokens.data(), T, P, D);
+    sum_token_rows(summed.data(), blocks.data(), pos.data(), tokens.data(), T, P, D);
+    auto x_d = to_device_bf16(x), blocks_d = to_device_bf16(blocks);
+    auto scattered_d = poisoned<bf16>(U * D), summed_d = poisoned<bf16>(T * D);
+    cuda::scatter_token_rows(scattered_d.data(), x_d.data(), pos_d.data(), tokens_d.data(), T, P, D, nullptr);
+    cuda::sum_token_rows(summed_d.data(), blocks_d.data(), pos_d.data(), tokens_d.data(), T, P, D, nullptr);
+    EXPECT_EQ(test::to_float(to_host(scattered_d)), scattered) << "D " << D;
+    expect_close("token sums", test::to_float(to_host(summed_d)), summed, 1.0 / 128, 1e-6);
+  }
+  const auto values = random_bf16_floats(U * K, 5, "values");
+  std::vector<float> value_sums(T * K);
+  sum_token_rows(value_sums.data(), values.data(), pos.data(), tokens.data(), T, P, K);
+  auto values_d = to_device(values);
+  auto value_sums_d = poisoned<float>(T * K);
+  cuda::sum_token_values(value_sums_d.data(), values_d.data(), pos_d.data(), tokens_d.data(), T, K, P, nullptr);
+  EXPECT_EQ(to_host(value_sums_d), value_sums);
 }
 
 // permute_backward with accumulate, the scalar fallback for rows that are not 16-byte

@@ -163,8 +163,10 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
   expect_identical(run(config, 0, true, ExpertRecompute::Swiglu), eager, "CUDA graph with expert recompute");
   auto exchange = std::make_shared<OneRankExchange>();
   expect_identical(run(config, 0, false, ExpertRecompute::None, exchange), eager, "expert parallelism over one rank");
-  // Per MoE layer and micro-batch: counts, rows out and back in the forward, rows out and back in the backward.
-  EXPECT_EQ(exchange->calls, 3 * 3 * 5);
+  // Per MoE layer and micro-batch: counts, tokens, their slots and weights out and the
+  // partial combines back in the forward; output gradients out, row gradients and weight
+  // gradients back in the backward.
+  EXPECT_EQ(exchange->calls, 3 * 3 * 8);
   expect_identical(run(config, 2, false, ExpertRecompute::None, std::make_shared<OneRankExchange>()), eager,
                    "expert parallelism with the first two layers recomputed");
   // Re-placed experts (three MoE layers of 8): reversed, shuffled, kept; then another

@@ -54,6 +54,34 @@ __device__ __forceinline__ float block_max(float v) {
   return warp_max(v);
 }
 
+// Inclusive prefix sum over the block (blockDim.x a multiple of 32, at most 1024); every
+// thread also gets the block's total.
+__device__ __forceinline__ int block_inclusive_scan(int value, int* block_total) {
+  __shared__ int warp_totals[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, value, offset);
+    if (lane >= offset) value += other;
+  }
+  __syncthreads();
+  if (lane == 31) warp_totals[warp] = value;
+  __syncthreads();
+  if (warp == 0) {
+    int total = lane < (blockDim.x >> 5) ? warp_totals[lane] : 0;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(0xffffffffu, total, offset);
+      if (lane >= offset) total += other;
+    }
+    warp_totals[lane] = total;
+  }
+  __syncthreads();
+  if (warp > 0) value += warp_totals[warp - 1];
+  *block_total = warp_totals[(blockDim.x >> 5) - 1];
+  return value;
+}
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // 16-byte vectors of 8 bf16: memory-bound kernels need 16-byte accesses to reach the

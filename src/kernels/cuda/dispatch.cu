@@ -13,32 +13,6 @@ namespace {
 
 constexpr int kScanThreads = 1024;
 
-// Inclusive prefix sum over the block (blockDim.x = kScanThreads).
-__device__ int block_inclusive_scan(int value, int* block_total) {
-  __shared__ int warp_totals[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int other = __shfl_up_sync(0xffffffffu, value, offset);
-    if (lane >= offset) value += other;
-  }
-  __syncthreads();
-  if (lane == 31) warp_totals[warp] = value;
-  __syncthreads();
-  if (warp == 0) {
-    int total = lane < (blockDim.x >> 5) ? warp_totals[lane] : 0;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int other = __shfl_up_sync(0xffffffffu, total, offset);
-      if (lane >= offset) total += other;
-    }
-    warp_totals[lane] = total;
-  }
-  __syncthreads();
-  if (warp > 0) value += warp_totals[warp - 1];
-  *block_total = warp_totals[(blockDim.x >> 5) - 1];
-  return value;
-}
 
 // One block per expert walks the T*K slots in (t, k) order; a slot's rank among the
 // slots choosing this expert decides whether it fits under the capacity.
@@ -83,7 +57,8 @@ __global__ void place_rows_kernel(int32_t* row_TK, int32_t* token_of_row, const 
                                   const int32_t* expert_TK, const int32_t* offsets_E1, int64_t slots, int64_t K) {
   const int64_t slot = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (slot >= slots) return;
-  const int32_t rank = rank_TK[slot];
+  // An expert < 0 (routed to another rank) has no row; rank_slots never ranked it.
+  const int32_t rank = expert_TK[slot] < 0 ? -1 : rank_TK[slot];
   if (rank < 0) {
     row_TK[slot] = -1;
     return;

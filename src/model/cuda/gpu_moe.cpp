@@ -12,7 +12,6 @@
 #include "core/span_cut.h"
 #include "model/cuda/gpu_transformer_state.h"
 #include "moe/dispatch.h"
-#include "moe/expert_rows_plan.h"
 
 namespace moe {
 
@@ -50,15 +49,15 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
   if (ep) {
-    ep_experts_forward(layer);
+    ep_experts_forward(layer, routed_slot);  // ffn_out from the ranks' partial combines
   } else {
     expert_rows_forward(layer, /*gate_up=*/true);
     bf16* y[1] = {m.y_rows.data()};
     const bf16* w2[1] = {local_w(layer, layer.w2)};
     expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.offsets.data(), D, F, stream);
+    mark(kCombine);
+    cuda::combine_forward(layer.act->ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
   }
-  mark(kCombine);
-  cuda::combine_forward(layer.act->ffn_out.data(), m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D, stream);
   mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
     ffn_forward(layer.act->ffn_out.data(), layer.act->n2.data(), w(layer.shared[i][0]), w(layer.shared[i][1]),
@@ -87,85 +86,128 @@ void GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up) 
   cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), expert_rows(m), F, stream);
 }
 
-void GpuTransformer::State::exchange_rows(const bf16* send, const std::vector<int64_t>& send_rows_P, bf16* recv,
-                                          const std::vector<int64_t>& recv_rows_P) {
-  const int64_t D = config.dim;
-  std::vector<int64_t> send_counts(send_rows_P.size()), recv_counts(recv_rows_P.size());
-  for (size_t p = 0; p < send_rows_P.size(); ++p) send_counts[p] = send_rows_P[p] * D;
-  for (size_t p = 0; p < recv_rows_P.size(); ++p) recv_counts[p] = recv_rows_P[p] * D;
+void GpuTransformer::State::exchange_tokens(const void* send, const std::vector<int64_t>& send_tokens_P, void* recv,
+                                            const std::vector<int64_t>& recv_tokens_P, int64_t per_token,
+                                            size_t elem_bytes) {
+  std::vector<int64_t> send_counts(send_tokens_P.size()), recv_counts(recv_tokens_P.size());
+  for (size_t p = 0; p < send_tokens_P.size(); ++p) send_counts[p] = send_tokens_P[p] * per_token;
+  for (size_t p = 0; p < recv_tokens_P.size(); ++p) recv_counts[p] = recv_tokens_P[p] * per_token;
   mark(kAllToAll);
-  ep->exchange(send, send_counts, recv, recv_counts, sizeof(bf16));
+  ep->exchange(send, send_counts, recv, recv_counts, elem_bytes);
 }
 
-void GpuTransformer::State::plan_expert_exchange(Layer& layer) {
+void GpuTransformer::State::plan_expert_exchange(Layer& layer, const int32_t* slot_TK) {
   MoEBuffers& m = layer.act->moe;
   const int P = ep->size();
-  const int64_t E = config.moe.n_experts, L = local_experts(layer);
-  // Each peer gets the kept counts of its slots (one block of the slot-sorted counts); we
-  // get every source's for ours.
-  std::vector<int64_t> send_counts(static_cast<size_t>(P)), recv_counts(static_cast<size_t>(P), L);
+  const int64_t T = tokens, K = config.moe.top_k, E = config.moe.n_experts, L = local_experts(layer);
+  cuda::token_blocks(m.token_pos.data(), m.tokens_P.data(), m.row.data(), slot_TK, layer.first_slot.data(), T, K, P,
+                     stream);
+  // Each peer gets the kept rows of its slots and the size of its block; we get every
+  // source's for ours.
+  cuda::pack_counts(ep_counts_send.data(), m.counts.data(), m.tokens_P.data(), layer.first_slot.data(), P, stream);
+  std::vector<int64_t> send_counts(static_cast<size_t>(P)), recv_counts(static_cast<size_t>(P), L + 1);
   for (int p = 0; p < P; ++p)
     send_counts[static_cast<size_t>(p)] =
-        layer.first_slot_P1[static_cast<size_t>(p) + 1] - layer.first_slot_P1[static_cast<size_t>(p)];
+        layer.first_slot_P1[static_cast<size_t>(p) + 1] - layer.first_slot_P1[static_cast<size_t>(p)] + 1;
   mark(kAllToAll);
-  ep->exchange(m.counts.data(), send_counts, ep_recv_counts.data(), recv_counts, sizeof(int32_t));
-  MOE_CUDA_CHECK(cudaMemcpyAsync(ep_host_counts, m.counts.data(), static_cast<size_t>(E) * sizeof(int32_t),
+  ep->exchange(ep_counts_send.data(), send_counts, ep_counts_recv.data(), recv_counts, sizeof(int32_t));
+  int32_t* sent = ep_host_counts;
+  int32_t* received = ep_host_counts + E + P;
+  MOE_CUDA_CHECK(cudaMemcpyAsync(sent, ep_counts_send.data(), static_cast<size_t>(E + P) * sizeof(int32_t),
                                  cudaMemcpyDeviceToHost, stream));
-  if (L > 0)
-    MOE_CUDA_CHECK(cudaMemcpyAsync(ep_host_counts + E, ep_recv_counts.data(),
-                                   static_cast<size_t>(P * L) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
-  // The one host wait per MoE layer and pass: the exchange sizes are host arguments. It
-  // also means the previous layer's uploads from ep_host_plan are done.
+  MOE_CUDA_CHECK(cudaMemcpyAsync(received, ep_counts_recv.data(), static_cast<size_t>(P * (L + 1)) * sizeof(int32_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  // The one host wait per MoE layer and forward: the exchange sizes are host arguments.
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   mark(kHost);
-  const ExpertRowsPlan plan = plan_expert_rows(std::vector<int32_t>(ep_host_counts, ep_host_counts + E),
-                                               std::vector<int32_t>(ep_host_counts + E, ep_host_counts + E + P * L),
-                                               layer.first_slot_P1, ep->rank());
-  MOE_CHECK(plan.local_rows() <= max_local_rows, "expert parallelism: {} rows for the local experts, room for {}",
-            plan.local_rows(), max_local_rows);
-  m.send_rows_P = plan.send_rows_P;
-  m.recv_rows_P = plan.recv_rows_P;
-  m.local_rows = plan.local_rows();
-  const int64_t R = m.local_rows;
-  int32_t* staged = ep_host_plan;
-  std::copy(plan.local_offsets_L1.begin(), plan.local_offsets_L1.end(), staged);
-  std::copy(plan.source_of_local.begin(), plan.source_of_local.end(), staged + L + 1);
-  std::copy(plan.local_of_source.begin(), plan.local_of_source.end(), staged + L + 1 + R);
-  auto upload = [&](int32_t* device, const int32_t* host, int64_t n) {
-    if (n > 0)
-      MOE_CUDA_CHECK(cudaMemcpyAsync(device, host, static_cast<size_t>(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
-                                     stream));
-  };
-  upload(m.local_offsets.data(), staged, L + 1);
-  upload(m.source_of_local.data(), staged + L + 1, R);
-  upload(m.local_of_source.data(), staged + L + 1 + R, R);
+  m.send_tokens_P.assign(static_cast<size_t>(P), 0);
+  m.recv_tokens_P.assign(static_cast<size_t>(P), 0);
+  m.recv_tokens = m.local_rows = 0;
+  for (int p = 0; p < P; ++p) {
+    const int64_t slots = layer.first_slot_P1[static_cast<size_t>(p) + 1] - layer.first_slot_P1[static_cast<size_t>(p)];
+    m.send_tokens_P[static_cast<size_t>(p)] = sent[layer.first_slot_P1[static_cast<size_t>(p)] + p + slots];
+    const int32_t* from = received + p * (L + 1);
+    for (int64_t l = 0; l < L; ++l) m.local_rows += from[l];
+    m.recv_tokens_P[static_cast<size_t>(p)] = from[L];
+    m.recv_tokens += from[L];
+  }
+  MOE_CHECK(m.local_rows <= max_local_rows, "expert parallelism: {} rows for the local experts, room for {}",
+            m.local_rows, max_local_rows);
+  MOE_CHECK(m.recv_tokens <= max_exchange_tokens, "expert parallelism: {} tokens received, room for {}",
+            m.recv_tokens, max_exchange_tokens);
 }
 
-// Rows sorted by global expert are, with contiguous placement, blocks by EP peer: they go
-// out as they are, come in source-major and are gathered expert-major for the GEMMs (a
-// permute with the plan's index and the local offsets' row count); the results go back
-// the same way in reverse into y_rows, where the combine finds them.
-void GpuTransformer::State::ep_experts_forward(Layer& layer) {
-  const int64_t T = tokens, D = config.dim, E = config.moe.n_experts, K = config.moe.top_k, F = config.moe.expert_hidden;
+// Each token goes once to every rank computing one of its kept assignments, with its
+// routing; the rows are laid out by local slot there (source by source, each source's in
+// token order: the order of one GPU's rows), the experts run, and each token's weighted
+// sum over its experts there comes back; ffn_out is the sum of those in rank order.
+void GpuTransformer::State::ep_experts_forward(Layer& layer, const int32_t* slot_TK) {
+  const int64_t T = tokens, D = config.dim, K = config.moe.top_k, F = config.moe.expert_hidden;
   const int64_t L = local_experts(layer);
+  const int P = ep->size();
   MoEBuffers& m = layer.act->moe;
-  plan_expert_exchange(layer);
-  const int64_t R = m.local_rows;
+  plan_expert_exchange(layer, slot_TK);
+  const int64_t U = m.recv_tokens, R = m.local_rows;
   mark(kDispatch);
-  cuda::permute_forward(ep_send.data(), layer.act->n2.data(), m.token_of_row.data(), m.offsets.data(), T * K, E, D,
-                        stream);
-  exchange_rows(ep_send.data(), m.send_rows_P, ep_recv.data(), m.recv_rows_P);
+  cuda::scatter_token_rows(ep_send.data(), layer.act->n2.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D,
+                           stream);
+  cuda::pack_routing(ep_slot_send.data(), ep_weight_send.data(), m.token_pos.data(), m.tokens_P.data(), m.row.data(),
+                     slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream);
+  exchange_tokens(ep_send.data(), m.send_tokens_P, ep_recv.data(), m.recv_tokens_P, D, sizeof(bf16));
+  exchange_tokens(ep_slot_send.data(), m.send_tokens_P, ep_slot_recv.data(), m.recv_tokens_P, K, sizeof(int32_t));
+  exchange_tokens(ep_weight_send.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));
   mark(kDispatch);
-  cuda::permute_forward(m.x_rows->data(), ep_recv.data(), m.source_of_local.data(), m.local_offsets.data(), R, L, D,
+  if (L > 0) {
+    // No capacity here: the home rank dropped already.
+    cuda::assign_rows(m.recv_row.data(), ep_local_counts.data(), m.local_offsets.data(), m.local_token.data(), nullptr,
+                      ep_rank_scratch.data(), ep_slot_recv.data(), U, L, K, std::max<int64_t>(1, U * K), stream);
+  } else {
+    m.local_offsets.fill_bytes(0);
+    if (U > 0) MOE_CUDA_CHECK(cudaMemsetAsync(m.recv_row.data(), 0xff, static_cast<size_t>(U * K) * sizeof(int32_t), stream));
+  }
+  cuda::permute_forward(m.x_rows->data(), ep_recv.data(), m.local_token.data(), m.local_offsets.data(), R, L, D,
                         stream);
   experts_gate_up_forward(layer, /*gate_up=*/true);
-  bf16* y[1] = {ep_send.data()};
+  bf16* y[1] = {m.y_rows.data()};
   const bf16* w2[1] = {local_w(layer, layer.w2)};
   expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, m.local_offsets.data(), D, F, stream);
   mark(kCombine);
-  cuda::permute_forward(ep_recv.data(), ep_send.data(), m.local_of_source.data(), m.local_offsets.data(), R, L, D,
-                        stream);
-  exchange_rows(ep_recv.data(), m.recv_rows_P, m.y_rows.data(), m.send_rows_P);
+  cuda::combine_forward(ep_send.data(), m.y_rows.data(), m.recv_weight.data(), m.recv_row.data(), U, K, D, stream);
+  exchange_tokens(ep_send.data(), m.recv_tokens_P, ep_recv.data(), m.send_tokens_P, D, sizeof(bf16));
+  mark(kCombine);
+  cuda::sum_token_rows(layer.act->ffn_out.data(), ep_recv.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D,
+                       stream);
+}
+
+// The output gradient once per token to each rank that computed some of its experts;
+// there, the local rows' gradients and the combine weights' (zero for other ranks' slots).
+void GpuTransformer::State::ep_combine_backward(Layer& layer, const bf16* dy) {
+  const int64_t T = tokens, D = config.dim, K = config.moe.top_k;
+  const int P = ep->size();
+  MoEBuffers& m = layer.act->moe;
+  mark(kCombine);
+  cuda::scatter_token_rows(ep_send.data(), dy, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream);
+  exchange_tokens(ep_send.data(), m.send_tokens_P, ep_recv.data(), m.recv_tokens_P, D, sizeof(bf16));
+  mark(kCombine);
+  cuda::combine_backward(drows.data(), ep_dweight_local.data(), ep_recv.data(), m.y_rows.data(), m.recv_weight.data(),
+                         m.recv_row.data(), m.recv_tokens, K, D, stream);
+}
+
+// Each received token's input-row gradients summed there and sent home with its combine
+// weights' gradients; at home, dnorm and dweight as the sums over the ranks.
+void GpuTransformer::State::ep_dispatch_backward(Layer& layer) {
+  const int64_t T = tokens, D = config.dim, K = config.moe.top_k;
+  const int P = ep->size();
+  MoEBuffers& m = layer.act->moe;
+  mark(kDispatch);
+  cuda::permute_backward(ep_send.data(), dx_rows.data(), m.recv_row.data(), m.recv_tokens, K, D, false, stream);
+  exchange_tokens(ep_send.data(), m.recv_tokens_P, ep_recv.data(), m.send_tokens_P, D, sizeof(bf16));
+  exchange_tokens(ep_dweight_local.data(), m.recv_tokens_P, ep_dweight_home.data(), m.send_tokens_P, K,
+                  sizeof(float));
+  mark(kDispatch);
+  cuda::sum_token_rows(dnorm.data(), ep_recv.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream);
+  cuda::sum_token_values(dweight.data(), ep_dweight_home.data(), m.token_pos.data(), m.tokens_P.data(), T, K, P,
+                         stream);
 }
 
 void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
@@ -177,20 +219,17 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   expert_gemm->set_experts(local_experts(layer));
   if (recompute_experts != ExpertRecompute::None && !layer.recompute)
     expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All);
-  mark(kCombine);
-  cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
-                         stream);
   // Under expert parallelism the output gradients go to the experts' ranks first.
-  const bf16* dy_rows = drows.data();
-  const int64_t L = local_experts(layer), R = expert_rows(m);
-  const int32_t* offsets = expert_offsets(m);
   if (ep) {
-    exchange_rows(drows.data(), m.send_rows_P, ep_recv.data(), m.recv_rows_P);
+    ep_combine_backward(layer, dy);
+  } else {
     mark(kCombine);
-    cuda::permute_forward(ep_send.data(), ep_recv.data(), m.source_of_local.data(), m.local_offsets.data(), R, L, D,
-                          stream);
-    dy_rows = ep_send.data();
+    cuda::combine_backward(drows.data(), dweight.data(), dy, m.y_rows.data(), m.weight.data(), m.row.data(), T, K, D,
+                           stream);
   }
+  const bf16* dy_rows = drows.data();
+  const int64_t R = expert_rows(m);
+  const int32_t* offsets = expert_offsets(m);
   mark(kExperts);
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
   expert_gemm->backward_data(dact_rows.data(), F, dy_rows, D, local_w(layer, layer.w2), offsets, F, D, 0.0f, stream);
@@ -206,17 +245,13 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   float* dw13[2] = {local_g(layer, layer.w1), local_g(layer, layer.w3)};
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
   expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream);
-  mark(kDispatch);
-  // The input rows' gradients back in the dispatch layout (through their source ranks).
-  const bf16* dx_dispatch = dx_rows.data();
+  // The input rows' gradients back to their tokens (through their home ranks).
   if (ep) {
-    cuda::permute_forward(ep_recv.data(), dx_rows.data(), m.local_of_source.data(), m.local_offsets.data(), R, L, D,
-                          stream);
-    exchange_rows(ep_recv.data(), m.recv_rows_P, ep_send.data(), m.send_rows_P);
+    ep_dispatch_backward(layer);
+  } else {
     mark(kDispatch);
-    dx_dispatch = ep_send.data();
+    cuda::permute_backward(dnorm.data(), dx_rows.data(), m.row.data(), T, K, D, false, stream);
   }
-  cuda::permute_backward(dnorm.data(), dx_dispatch, m.row.data(), T, K, D, false, stream);
   mark(kRouter);
   // Router: combine weights -> logits (aux and z losses included) -> n2 and the router weights.
   cuda::router_backward(dlogits.data(), dweight.data(), m.scores.data(), m.logits.data(), m.expert.data(),

@@ -14,7 +14,7 @@
 
 #include "core/error.h"
 #include "model/cuda/gpu_transformer_state.h"
-#include "moe/expert_rows_plan.h"
+#include "moe/token_exchange.h"
 
 namespace moe {
 
@@ -28,8 +28,15 @@ void GpuTransformer::State::reset_placement(Layer& layer, int P) {
   const int64_t E = config.moe.n_experts;
   layer.expert_of_slot.resize(static_cast<size_t>(E));
   std::iota(layer.expert_of_slot.begin(), layer.expert_of_slot.end(), int64_t{0});
-  layer.first_slot_P1 = equal_slot_bounds(E, P);
+  set_slot_bounds(layer, equal_slot_bounds(E, P));
   layer.placed = false;
+}
+
+void GpuTransformer::State::set_slot_bounds(Layer& layer, std::vector<int64_t> first_slot_P1) {
+  std::vector<int32_t> bounds(first_slot_P1.begin(), first_slot_P1.end());
+  layer.first_slot = Buffer<int32_t>(bounds.size());
+  layer.first_slot.upload(bounds.data(), bounds.size());
+  layer.first_slot_P1 = std::move(first_slot_P1);
 }
 
 void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer) {
@@ -90,7 +97,7 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
       layer.load.upload(moved.data(), moved.size());
       layer.expert_of_slot = orders[l];
     }
-    layer.first_slot_P1 = bounds[l];
+    s.set_slot_bounds(layer, bounds[l]);
     std::vector<int32_t> slot_of_expert(static_cast<size_t>(E));
     for (int64_t slot = 0; slot < E; ++slot)
       slot_of_expert[static_cast<size_t>(layer.expert_of_slot[static_cast<size_t>(slot)])] = static_cast<int32_t>(slot);

@@ -14,7 +14,7 @@
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
 #include "moe/dispatch.h"
-#include "moe/expert_rows_plan.h"
+#include "moe/token_exchange.h"
 
 namespace moe {
 
@@ -109,7 +109,10 @@ void GpuTransformer::plan(int64_t batch) {
   const int64_t max_local = s.ep ? std::min(E, std::max(E / P, s.local_experts_cap)) : E;
   for (Layer& layer : s.layers)
     if (layer.is_moe && static_cast<int64_t>(layer.first_slot_P1.size()) != P + 1)
-      layer.first_slot_P1 = equal_slot_bounds(E, static_cast<int>(P));  // the slot order stays
+      s.set_slot_bounds(layer, equal_slot_bounds(E, static_cast<int>(P)));  // the slot order stays
+  // Every rank may send this one each of its tokens once.
+  s.max_exchange_tokens = s.ep ? P * T : 0;
+  const int64_t U = s.max_exchange_tokens;
   s.max_local_rows = s.ep ? (capacity > 0 ? std::min(P * T * K, P * max_local * capacity) : P * T * K) : R;
   const int64_t RL = s.max_local_rows;
   if (E > 0 && (!s.expert_gemm || s.max_local_experts != max_local)) {
@@ -159,11 +162,14 @@ void GpuTransformer::plan(int64_t batch) {
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
     m.gate_up_rows = rows_buffer(shared_gate_up_rows, RL * 2 * F, s.recompute_experts == ExpertRecompute::All);
     m.act_rows = rows_buffer(shared_act_rows, RL * F, shared_x_act);
-    m.y_rows = bf(R * D);
+    m.y_rows = bf(std::max(R, RL) * D);  // under expert parallelism: the local rows
     if (s.ep) {
+      m.token_pos = i32(T * P);
+      m.tokens_P = i32(P);
+      m.recv_row = i32(U * K);
+      m.recv_weight = f32(U * K);
       m.local_offsets = i32(s.max_local_experts + 1);
-      m.source_of_local = i32(RL);
-      m.local_of_source = i32(RL);
+      m.local_token = i32(RL);
     }
     m.shared.clear();
     for (size_t e = 0; e < n_shared_experts; ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
@@ -219,20 +225,25 @@ void GpuTransformer::plan(int64_t batch) {
   s.dk = bf(T * G * d);
   s.dv = bf(T * G * d);
   s.dattn = bf(T * H * d);
-  s.drows = bf(R * D);
+  s.drows = bf(std::max(R, RL) * D);
   s.dact_rows = bf(RL * F);
   s.dgate_up_rows = bf(RL * 2 * F);
   s.dx_rows = bf(RL * D);
   s.free_ep_host();
-  s.ep_send = s.ep ? bf(RL * D) : Buffer<bf16>();
-  s.ep_recv = s.ep ? bf(RL * D) : Buffer<bf16>();
-  s.ep_recv_counts = s.ep ? i32(P * s.max_local_experts) : Buffer<int32_t>();
-  if (s.ep) {
-    s.ep_host_plan_ints = s.max_local_experts + 1 + 2 * RL;
+  s.ep_send = s.ep ? bf(U * D) : Buffer<bf16>();
+  s.ep_recv = s.ep ? bf(U * D) : Buffer<bf16>();
+  s.ep_slot_send = s.ep ? i32(U * K) : Buffer<int32_t>();
+  s.ep_slot_recv = s.ep ? i32(U * K) : Buffer<int32_t>();
+  s.ep_rank_scratch = s.ep ? i32(U * K) : Buffer<int32_t>();
+  s.ep_local_counts = s.ep ? i32(s.max_local_experts) : Buffer<int32_t>();
+  s.ep_counts_send = s.ep ? i32(E + P) : Buffer<int32_t>();
+  s.ep_counts_recv = s.ep ? i32(P * (s.max_local_experts + 1)) : Buffer<int32_t>();
+  s.ep_weight_send = s.ep ? f32(U * K) : Buffer<float>();
+  s.ep_dweight_local = s.ep ? f32(U * K) : Buffer<float>();
+  s.ep_dweight_home = s.ep ? f32(U * K) : Buffer<float>();
+  if (s.ep)
     MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_counts,
-                                  static_cast<size_t>(E + P * s.max_local_experts) * sizeof(int32_t)));
-    MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_plan, static_cast<size_t>(s.ep_host_plan_ints) * sizeof(int32_t)));
-  }
+                                  static_cast<size_t>(E + P + P * (s.max_local_experts + 1)) * sizeof(int32_t)));
   s.dlogits_bf16 = bf(T * E);
   s.dffn_act = bf(T * ffn_width);
   s.dffn_gate_up = bf(T * 2 * ffn_width);

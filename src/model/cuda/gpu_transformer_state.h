@@ -50,12 +50,16 @@ struct MoEBuffers {
   SharedRows x_rows, gate_up_rows, act_rows;
   Buffer<bf16> y_rows;
   std::vector<FfnBuffers> shared;
-  // Expert parallelism (set_expert_exchange): this pass's plan (moe/expert_rows_plan.h) on
-  // the host, and on the device the local experts' offsets and the gathers between the
-  // received (source-major) rows and the expert-major ones the GEMMs read.
-  std::vector<int64_t> send_rows_P, recv_rows_P;
-  int64_t local_rows = 0;
-  Buffer<int32_t> local_offsets, source_of_local, local_of_source;
+  // Expert parallelism (set_expert_exchange; the exchange of moe/token_exchange.h), kept
+  // for the backward. Home side: token_pos [T, P] (each token's row in the block for each
+  // rank, -1: none) and tokens_P (the block sizes). Receiving side: the received tokens'
+  // routing, recv_row [U, K] (the local row of each, -1: another rank's) and recv_weight
+  // [U, K]; the local rows' offsets per local slot and their received token (local_token).
+  // On the host: the block sizes sent and received, and the local row count.
+  Buffer<int32_t> token_pos, tokens_P, recv_row, local_offsets, local_token;
+  Buffer<float> recv_weight;
+  std::vector<int64_t> send_tokens_P, recv_tokens_P;
+  int64_t recv_tokens = 0, local_rows = 0;
   Buffer<int32_t> slot;  // the routed experts' slots [T*K], when the layer's experts are re-placed
 };
 
@@ -132,7 +136,7 @@ struct Layer {
   // (not the identity), slot_of_expert turns them into slots before the rows are laid
   // out, so everything after it (row layout, exchange, grouped GEMMs) works on slots.
   std::vector<int64_t> expert_of_slot, first_slot_P1;
-  Buffer<int32_t> slot_of_expert;
+  Buffer<int32_t> slot_of_expert, first_slot;  // first_slot: first_slot_P1 on the device
   bool placed = false;
 };
 
@@ -154,17 +158,18 @@ struct GpuTransformer::State {
   // Expert parallelism (set_expert_exchange): this rank computes each MoE layer's slots
   // [first_slot_P1[rank], first_slot_P1[rank + 1]) (Layer); without it, all of them.
   // max_local_experts bounds a rank's count (set_max_local_experts; the plan's buffers and
-  // the grouped GEMMs are sized for it), max_local_rows the rows every EP rank may send to
-  // this one; ep_send and ep_recv stage the exchanged rows, and ep_host_counts (pinned)
-  // brings the row counts back to plan the exchange.
+  // the grouped GEMMs are sized for it), max_local_rows the rows it may compute. Scratch
+  // of the exchange, sized for P * T tokens (every rank's whole micro-batch): ep_send and
+  // ep_recv the token rows, the routing sent and received, the combine weights'
+  // gradients on both sides, the counts sent and received (brought back through the
+  // pinned ep_host_counts).
   std::shared_ptr<GpuExpertExchange> ep;
-  int64_t max_local_experts = 0, max_local_rows = 0;
+  int64_t max_local_experts = 0, max_local_rows = 0, max_exchange_tokens = 0;
   int64_t local_experts_cap = 0;  // set_max_local_experts (0: E / P)
   Buffer<bf16> ep_send, ep_recv;
-  Buffer<int32_t> ep_recv_counts;
-  int32_t* ep_host_counts = nullptr;  // E + P * max_local_experts ints
-  int32_t* ep_host_plan = nullptr;    // local offsets and both gathers, uploaded from here
-  int64_t ep_host_plan_ints = 0;
+  Buffer<int32_t> ep_slot_send, ep_slot_recv, ep_rank_scratch, ep_local_counts, ep_counts_send, ep_counts_recv;
+  Buffer<float> ep_weight_send, ep_dweight_local, ep_dweight_home;
+  int32_t* ep_host_counts = nullptr;  // E + P counts sent, then P * (max_local_experts + 1) received
   cudaStream_t stream = nullptr;
   int64_t batch = 0, tokens = 0;
   int compute_sm_limit = 0;  // multiprocessors the GEMMs launch on (0: all); see reserve_sms
@@ -235,9 +240,7 @@ struct GpuTransformer::State {
   void mark(int phase) { clock.mark(phase, stream); }
   void free_ep_host() {
     if (ep_host_counts) cudaFreeHost(ep_host_counts);
-    if (ep_host_plan) cudaFreeHost(ep_host_plan);
-    ep_host_counts = ep_host_plan = nullptr;
-    ep_host_plan_ints = 0;
+    ep_host_counts = nullptr;
   }
   const bf16* w(const Param& p) const { return store->weights() + p.offset; }
   float* g(const Param& p) { return store->grads() + p.offset; }
@@ -267,14 +270,19 @@ struct GpuTransformer::State {
   void expert_rows_forward(Layer& layer, bool gate_up);
   // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and SwiGLU.
   void experts_gate_up_forward(Layer& layer, bool gate_up);
-  // Expert parallelism: the layer's rows out to their experts' ranks, the experts, the
-  // results back into y_rows (the dispatch layout), and the backward's mirror image.
-  void ep_experts_forward(Layer& layer);
-  void exchange_rows(const bf16* send, const std::vector<int64_t>& send_rows_P, bf16* recv,
-                     const std::vector<int64_t>& recv_rows_P);
-  // Expert parallelism: exchanges the layer's kept counts, waits for them on the host,
-  // plans the rows (plan_expert_rows) and uploads the local offsets and gathers.
-  void plan_expert_exchange(Layer& layer);
+  // Expert parallelism: each token once to every rank computing one of its experts, the
+  // experts there, one partial combine per token back, the sum into ffn_out; and the
+  // backward's mirror image in two halves around the experts' GEMMs (from the output
+  // gradient dy to drows; from dx_rows to dnorm and dweight).
+  void ep_experts_forward(Layer& layer, const int32_t* slot_TK);
+  void ep_combine_backward(Layer& layer, const bf16* dy);
+  void ep_dispatch_backward(Layer& layer);
+  // `count` elements of elem_bytes per token of the blocks, out and back.
+  void exchange_tokens(const void* send, const std::vector<int64_t>& send_tokens_P, void* recv,
+                       const std::vector<int64_t>& recv_tokens_P, int64_t per_token, size_t elem_bytes);
+  // Expert parallelism: the token blocks for each rank, the counts exchanged (kept rows per
+  // slot and block sizes), the one host wait per MoE layer and forward for them.
+  void plan_expert_exchange(Layer& layer, const int32_t* slot_TK);
   int ep_rank() const { return ep ? ep->rank() : 0; }
   int64_t first_slot(const Layer& layer) const { return layer.first_slot_P1[static_cast<size_t>(ep_rank())]; }
   int64_t local_experts(const Layer& layer) const {
@@ -302,6 +310,8 @@ struct GpuTransformer::State {
   std::vector<double> slot_norms_to_experts(const std::vector<double>& norms) const;
   std::vector<size_t> expert_group_layer;
   void reset_placement(Layer& layer, int P);
+  // Sets the layer's slot bounds on the host and the device.
+  void set_slot_bounds(Layer& layer, std::vector<int64_t> first_slot_P1);
   // The offsets the grouped GEMMs read and the rows the row-wise kernels cover.
   const int32_t* expert_offsets(const MoEBuffers& m) const { return ep ? m.local_offsets.data() : m.offsets.data(); }
   int64_t expert_rows(const MoEBuffers& m) const { return ep ? m.local_rows : max_rows; }
