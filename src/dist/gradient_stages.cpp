@@ -34,6 +34,20 @@ std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& p
   return ranges;
 }
 
+BlockRanges merged_ranges(const std::vector<std::vector<BlockRanges>>& stage_sets) {
+  BlockRanges all;
+  for (const auto& stages : stage_sets)
+    for (const BlockRanges& stage : stages) all.insert(all.end(), stage.begin(), stage.end());
+  std::sort(all.begin(), all.end());
+  BlockRanges merged;
+  for (const auto& [begin, count] : all) {
+    MOE_CHECK(merged.empty() || merged.back().first + merged.back().second <= begin,
+              "merged ranges: [{}, +{}) overlaps the range before it", begin, count);
+    append_merged(merged, begin, count);
+  }
+  return merged;
+}
+
 void append_merged(BlockRanges& ranges, int64_t begin, int64_t count) {
   if (count <= 0) return;
   if (!ranges.empty() && ranges.back().first + ranges.back().second == begin)

@@ -19,6 +19,8 @@ using BlockRanges = std::vector<std::pair<int64_t, int64_t>>;
 // Appends [begin, begin + count) (nothing when count <= 0), merged into the last range
 // when the two touch.
 void append_merged(BlockRanges& ranges, int64_t begin, int64_t count);
+// All the ranges of all the stages, sorted, touching ones merged (they must not overlap).
+BlockRanges merged_ranges(const std::vector<std::vector<BlockRanges>>& stage_sets);
 
 // Per stage 0 .. n_stages - 1, the ranges of the parameters whose gradients that stage
 // completes, each with the alignment padding behind it (zeros, so summing it is harmless)
@@ -36,6 +38,9 @@ std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& p
 // The other experts' gradients are in neither: this rank does not compute them.
 struct ExpertParallelRanges {
   std::vector<BlockRanges> shared, own_experts;
+  // What this rank's optimizer steps: the shared parameters and its own experts (the other
+  // experts get no gradient here; their holders step them).
+  BlockRanges stepped() const { return merged_ranges({shared, own_experts}); }
 };
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,

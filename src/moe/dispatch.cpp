@@ -49,7 +49,8 @@ int64_t assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1,
   std::fill(counts_E, counts_E + E, 0);
   for (int64_t i = 0; i < assignments; ++i) {
     const int32_t e = expert_TK[i];
-    MOE_CHECK(e < E, "expert index {} at token {} slot {} is outside [0, {})", e, i / K, i % K, E);
+    MOE_CHECK(e >= -1 && e < E, "expert index {} at token {} slot {} is outside [0, {}) (or -1: elsewhere)", e,
+              i / K, i % K, E);
     if (e < 0) {
       row_TK[i] = -1;  // routed to another rank: no row here
     } else if (counts_E[e] < capacity) {

@@ -22,9 +22,9 @@ int64_t expert_capacity(double capacity_factor, int64_t T_, int64_t K, int64_t E
 // slots k = 0..K-1; an assignment is kept iff its expert has fewer than `capacity` rows so
 // far. Writes row_TK (-1 = dropped), counts_E (kept rows per expert), offsets_E1 (E + 1
 // prefix sums of counts_E) and token_of_row_R (the token of each row; the caller sizes it
-// for T * K rows). Returns R, the number of kept rows. A negative expert index marks an
+// for T * K rows). Returns R, the number of kept rows. Expert index -1 marks an
 // assignment routed to another rank (expert parallelism): row -1, counted nowhere. Throws
-// on an expert index >= E.
+// on an expert index outside [-1, E).
 int64_t assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1,
                     int32_t* token_of_row_R, const int32_t* expert_TK, int64_t T_, int64_t E,
                     int64_t K, int64_t capacity);

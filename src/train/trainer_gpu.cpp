@@ -438,7 +438,7 @@ class GpuBackend final : public ModelBackend {
                                                               config_.parallel.rebalance_max_experts);
     if (next.moves) {
       gpu_.place_experts(next.experts_of_rank);
-      if (edp_) set_own_expert_ranges();
+      apply_own_expert_ranges();
       if (rank_of_world() == 0)
         spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {} "
                      "(mean {})",
@@ -454,13 +454,16 @@ class GpuBackend final : public ModelBackend {
     return total;
   }
   int rank_of_world() const { return dp_ ? dp_->rank() : 0; }
-  // Expert parallelism over more ranks than one EP group: this rank's experts' gradients
-  // are summed over the ranks holding the same experts (its slots, per MoE layer).
-  void set_own_expert_ranges() {
+  // After a re-placement, this rank's experts (its slots, per MoE layer) are the ones its
+  // optimizer steps and, over more ranks than one EP group, whose gradients it sums over
+  // the ranks holding the same experts.
+  void apply_own_expert_ranges() {
     const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
-    edp_->set_stage_ranges(dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of,
-                                                             host_model_.backward_stages(), gpu_.own_expert_ranges())
-                               .own_experts);
+    const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
+        host_model_.params(), stage_of, host_model_.backward_stages(), gpu_.own_expert_ranges());
+    GpuParameterStore& params = gpu_.parameters();
+    params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
+    if (edp_) edp_->set_stage_ranges(ranges.own_experts);
   }
 
   // Assignments per expert summed over the ranks (the step's global load).
@@ -511,6 +514,9 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
       const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
           model_->params(), stage_of, model_->backward_stages(), gpu_->own_expert_ranges());
       dp->set_stage_ranges(ranges.shared);
+      // AdamW over the shared parameters and this rank's experts only (the norm stays over
+      // the whole block: the other experts' gradients are zero here).
+      params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
       if (expert_replicas->size() > 1) {
         edp = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
                                                       params.storage_numel(), config_.parallel.bucket_mb, reduce_dtype);

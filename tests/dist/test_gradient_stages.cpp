@@ -147,6 +147,20 @@ TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
       ASSERT_EQ(stage_of_own[static_cast<size_t>(params.offset(id) + i)], want) << params.spec(id).name << " " << i;
     }
   }
+  // What the optimizer steps: every shared element and exactly the own slots, merged.
+  const BlockRanges stepped = split.stepped();
+  std::vector<char> in_stepped(static_cast<size_t>(params.storage_numel()), 0);
+  for (size_t i = 0; i < stepped.size(); ++i) {
+    if (i > 0) EXPECT_LT(stepped[i - 1].first + stepped[i - 1].second, stepped[i].first) << "not merged or sorted";
+    for (int64_t e = stepped[i].first; e < stepped[i].first + stepped[i].second; ++e) in_stepped[static_cast<size_t>(e)] = 1;
+  }
+  std::vector<char> want_stepped(static_cast<size_t>(params.storage_numel()), 0);
+  for (const auto* sets : {&split.shared, &split.own_experts})
+    for (const BlockRanges& stage : *sets)
+      for (const auto& [offset, count] : stage)
+        for (int64_t e = offset; e < offset + count; ++e) want_stepped[static_cast<size_t>(e)] = 1;
+  EXPECT_EQ(in_stepped, want_stepped);
+  EXPECT_THROW(merged_ranges({{{{0, 4}}}, {{{2, 4}}}}), Error);  // overlapping
   const ExpertParallelRanges by_count = gradient_ranges_by_stage_ep(params, stage_of, n_stages, 2, 2);
   const ExpertParallelRanges by_ranges = gradient_ranges_by_stage_ep(params, stage_of, n_stages, uniform);
   EXPECT_EQ(by_count.own_experts, by_ranges.own_experts);

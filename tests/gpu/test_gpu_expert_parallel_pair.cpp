@@ -17,6 +17,7 @@
 #include <memory>
 #include <thread>
 
+#include "dist/gradient_stages.h"
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
@@ -118,6 +119,7 @@ struct RankRun {
   ForwardResult loss, second_loss;
   std::vector<float> grads, second_grads;
   std::vector<std::vector<int64_t>> load;
+  std::vector<float> values, m, v;  // after a second AdamW step, every expert gathered from its rank
 };
 
 using Placement = std::vector<std::vector<std::vector<int64_t>>>;
@@ -130,10 +132,20 @@ std::vector<float> all_grads(GpuTransformer& gpu, Transformer<float>& host) {
   return grads;
 }
 
+// As the trainer does under expert parallelism: AdamW over the shared parameters and this
+// rank's experts only (the others' copies then keep their values until sent).
+void step_own_experts_only(GpuTransformer& gpu, Transformer<float>& host) {
+  const auto stage_of = [&](const std::string& name) { return host.backward_stage_of(name); };
+  const dist::ExpertParallelRanges ranges =
+      dist::gradient_ranges_by_stage_ep(host.params(), stage_of, host.backward_stages(), gpu.own_expert_ranges());
+  gpu.parameters().set_step_ranges(ranges.stepped(), {{0, gpu.parameters().storage_numel()}});
+}
+
 // Both ranks, one micro-batch of one sequence each (rank r: batch seed 40 + r), an AdamW
 // step (which leaves the copies of other ranks' experts stale: they get no gradient), an
 // optional re-placement, and a second micro-batch (seed 50 + r).
-std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& placement, int* broadcasts = nullptr) {
+std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& placement, int* broadcasts = nullptr,
+                                bool own_steps = false) {
   PairShared shared;
   std::array<RankRun, 2> runs;
   auto rank_main = [&](int rank) {
@@ -143,6 +155,7 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     gpu.set_expert_exchange(exchange);
     gpu.set_max_local_experts(config.moe.n_experts);
     gpu.plan(1);
+    if (own_steps) step_own_experts_only(gpu, host);
     RankRun& run = runs[static_cast<size_t>(rank)];
     gpu.zero_grads();
     const auto inputs = tokens(config, 1, 40 + rank, 0), targets = tokens(config, 1, 40 + rank, 1);
@@ -150,12 +163,20 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     run.grads = all_grads(gpu, host);
     gpu.adamw_step(1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0f, 1);
     if (!placement.empty()) gpu.place_experts(placement);
+    if (own_steps) step_own_experts_only(gpu, host);
     gpu.zero_grads();
     gpu.reset_load();
     const auto inputs2 = tokens(config, 1, 50 + rank, 0), targets2 = tokens(config, 1, 50 + rank, 1);
     run.second_loss = gpu.forward_backward(inputs2.data(), targets2.data(), 1.0);
     run.second_grads = all_grads(gpu, host);
     run.load = gpu.expert_load();
+    // What a checkpoint writes: every expert's weights and moments from the rank holding it.
+    gpu.adamw_step(1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0f, 2);
+    gpu.gather_expert_weights(/*with_moments=*/true);
+    gpu.download_state(host.params(), run.m, run.v);
+    auto& params = host.params();
+    for (int id = 0; id < params.size(); ++id)
+      run.values.insert(run.values.end(), params.value(id), params.value(id) + params.numel(id));
     if (broadcasts && rank == 0) *broadcasts = exchange->broadcasts;
   };
   std::thread other(rank_main, 1);
@@ -252,6 +273,24 @@ TEST_P(GpuExpertParallelPair, TwoRanksMatchOneGpuAndReplacementChangesNoBit) {
       differing += a[i] + b[i] != c[i] + d[i];
   }
   EXPECT_EQ(differing, 0u) << "re-placed experts changed gradients";
+  // The gathered state (in expert order on the host) is the same, and both ranks hold the
+  // same experts.
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(moved1[r].values == pair1[r].values) << "rank " << r << ": gathered weights differ";
+    EXPECT_TRUE(moved1[r].m == pair1[r].m && moved1[r].v == pair1[r].v) << "rank " << r << ": gathered moments differ";
+  }
+  size_t expert_mismatch = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (expert[i] >= 0) expert_mismatch += moved1[0].values[i] != moved1[1].values[i];
+  EXPECT_EQ(expert_mismatch, 0u) << "the ranks' gathered experts differ";
+  // Each rank stepping only the shared parameters and its own experts (the trainer's way)
+  // changes nothing that is gathered.
+  const std::array<RankRun, 2> own1 = run_pair(top1, replaced, nullptr, /*own_steps=*/true);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(own1[r].second_loss.ce_loss, moved1[r].second_loss.ce_loss) << "rank " << r;
+    EXPECT_TRUE(own1[r].values == moved1[r].values) << "rank " << r << ": stepping own experts only";
+    EXPECT_TRUE(own1[r].m == moved1[r].m && own1[r].v == moved1[r].v) << "rank " << r << ": moments";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Routing, GpuExpertParallelPair, ::testing::Values(0.0, 1.0));

@@ -98,7 +98,11 @@ TEST(Capacity, ExpertWithoutTokensAndBadIndices) {
   EXPECT_EQ(l.offsets_E1, (std::vector<int32_t>{0, 2, 2, 4, 4}));
   EXPECT_EQ(l.row_TK, (std::vector<int32_t>{2, 0, 1, 3}));
   EXPECT_THROW(layout_of({0, 4}, 1, 4, 2, 8), Error);
-  EXPECT_THROW(layout_of({-1, 0}, 1, 4, 2, 8), Error);
+  EXPECT_THROW(layout_of({-2, 0}, 1, 4, 2, 8), Error);
+  // -1: routed to another rank (expert parallelism's receiving side): no row, not counted.
+  const Layout elsewhere = layout_of({-1, 2, 2, -1}, 2, 4, 2, 8);
+  EXPECT_EQ(elsewhere.row_TK, (std::vector<int32_t>{-1, 0, 1, -1}));
+  EXPECT_EQ(elsewhere.counts_E, (std::vector<int32_t>{0, 0, 2, 0}));
   EXPECT_THROW(layout_of({0, 1}, 1, 4, 2, -1), Error);
 }
 

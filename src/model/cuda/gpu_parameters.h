@@ -60,9 +60,11 @@ class GpuParameterStore {
   int64_t storage_numel() const;
 
   void zero_grads();
-  // ZeRO-1: the AdamW steps only `update` (sorted disjoint [offset, count) ranges of the
-  // block), and grad_norm() is then the norm over `norm` only (this rank's part of the
-  // global norm). The parameters with fp32 copies must lie whole inside `update`.
+  // The AdamW steps only `update` (sorted disjoint [offset, count) ranges of the block),
+  // and grad_norm() is then the norm over `norm` only. ZeRO-1: this rank's pieces, and its
+  // part of the global norm; expert parallelism: the shared parameters and this rank's
+  // experts, the norm over the whole block. The parameters with fp32 copies must lie
+  // whole inside `update`.
   void set_step_ranges(const std::vector<std::pair<int64_t, int64_t>>& update,
                        const std::vector<std::pair<int64_t, int64_t>>& norm);
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
