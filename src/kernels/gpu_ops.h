@@ -78,11 +78,13 @@ namespace moe::cuda {
 // walking (t, k) in order, an assignment is kept iff its expert has fewer than
 // `capacity` rows. Writes row_TK (-1 = dropped), counts_E, offsets_E1 (E + 1; the kept
 // row count R is offsets_E1[E], left on the device), token_of_row_R (T*K capacity) and
-// adds the assignments before dropping to load_E when not null. rank_scratch_TK: T*K ints.
-// An expert < 0 (routed to another rank) gets row -1 and is counted nowhere.
+// adds the assignments before dropping to load_E when not null. `scratch`:
+// assign_rows_scratch(T, K, E) ints. An expert < 0 (routed to another rank) gets row -1
+// and is counted nowhere. E at most 1536.
 void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
-                 int64_t* load_E, int32_t* rank_scratch_TK, const int32_t* expert_TK, int64_t T, int64_t E,
+                 int64_t* load_E, int32_t* scratch, const int32_t* expert_TK, int64_t T, int64_t E,
                  int64_t K, int64_t capacity, Stream stream);
+int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E);
 // Expert parallelism without duplicate rows (layout and CPU references: moe/token_exchange.h).
 // Token t's place in the block for EP rank p (pos_TP, -1: none) and the block sizes (P <= 32).
 void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* row_TK, const int32_t* slot_TK,

@@ -49,7 +49,7 @@ TEST_P(GpuDispatch, LayoutPermuteCombineMatchCpu) {
 
   auto expert_d = to_device(expert);
   auto row_d = poisoned<int32_t>(T * K), counts_d = poisoned<int32_t>(E), offsets_d = poisoned<int32_t>(E + 1);
-  auto token_d = poisoned<int32_t>(T * K), scratch_d = poisoned<int32_t>(T * K);
+  auto token_d = poisoned<int32_t>(T * K), scratch_d = poisoned<int32_t>(cuda::assign_rows_scratch(T, K, E));
   auto load_d = to_device(std::vector<int64_t>(E, 5));
   cuda::assign_rows(row_d.data(), counts_d.data(), offsets_d.data(), token_d.data(), load_d.data(), scratch_d.data(),
                     expert_d.data(), T, E, K, capacity, nullptr);
@@ -104,7 +104,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, GpuDispatch,
                                            // D = 24 (three vectors per row, 64 tokens per block).
                                            DispatchCase{2048, 64, 8, 1024, 1.0}, DispatchCase{1024, 64, 8, 2048, 1.25},
                                            DispatchCase{65, 16, 4, 4096, 0.0}, DispatchCase{200, 32, 12, 64, 1.0},
-                                           DispatchCase{333, 32, 8, 24, 1.0}));
+                                           DispatchCase{333, 32, 8, 24, 1.0},
+                                           // 160 experts: more experts than threads in a tile.
+                                           DispatchCase{700, 160, 6, 64, 1.0}));
 
 // Routed experts through a slot table (a re-placement's relabelling), against a host loop.
 TEST(GpuDispatchKernels, LookupMapsEveryIndexThroughTheTable) {
@@ -170,7 +172,7 @@ TEST(GpuDispatchKernels, TokenExchangeMatchesCpu) {
   auto local_slot_d = to_device(std::vector<int32_t>(routed.begin() + first * K, routed.end()));
   auto local_row_d = poisoned<int32_t>(n * K), local_counts_d = poisoned<int32_t>(L);
   auto local_offsets_d = poisoned<int32_t>(L + 1), local_token_d = poisoned<int32_t>(n * K);
-  auto scratch_d = poisoned<int32_t>(n * K);
+  auto scratch_d = poisoned<int32_t>(cuda::assign_rows_scratch(n, K, L));
   cuda::assign_rows(local_row_d.data(), local_counts_d.data(), local_offsets_d.data(), local_token_d.data(), nullptr,
                     scratch_d.data(), local_slot_d.data(), n, L, K, n * K, nullptr);
   EXPECT_EQ(to_host(local_row_d), local_row);

@@ -1,6 +1,7 @@
 // Token dispatch on the GPU, with no host synchronisation: capacity and row layout
 // (dropping by position, exactly as moe/dispatch.h on the CPU), permute into
 // expert-contiguous rows, and the weighted combine, each with its backward.
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 
@@ -14,21 +15,56 @@ namespace {
 constexpr int kScanThreads = 1024;
 
 
-// One block per expert walks the T*K slots in (t, k) order; a slot's rank among the
-// slots choosing this expert decides whether it fits under the capacity.
-__global__ void rank_slots_kernel(int32_t* rank_TK, int32_t* counts_E, int64_t* load_E,
-                                  const int32_t* expert_TK, int64_t slots, int64_t capacity) {
-  const int e = blockIdx.x;
-  int64_t seen = 0;
-  for (int64_t base = 0; base < slots; base += blockDim.x) {
-    const int64_t slot = base + threadIdx.x;
-    const int mine = slot < slots && expert_TK[slot] == e;
-    int chunk_total;
-    const int inclusive = block_inclusive_scan(mine, &chunk_total);
-    if (mine) {
-      const int64_t rank = seen + inclusive - 1;
-      rank_TK[slot] = rank < capacity ? static_cast<int32_t>(rank) : -1;
+// The row layout as a stable counting sort in tiles of kTile assignments, so that the work
+// spreads over T*K / kTile blocks instead of one block per expert walking all of them.
+// 1. tile_ranks: per tile, each assignment's rank among the tile's assignments of its
+//    expert (warps match equal experts; per-warp counts scanned over the tile's warps),
+//    and the tile's count per expert.
+// 2. expert_tile_bases: per expert, the counts scanned over the tiles (where each tile's
+//    assignments of it start), its total (the load) and its kept rows (the capacity).
+// 3. offsets, then place_rows: rank = tile base + rank in tile, kept iff below the capacity.
+constexpr int kTile = 256;
+constexpr int64_t kMaxTileExperts = 48 * 1024 / (kTile / 32) / 4;  // the warps' counts in 48 KB of shared memory
+constexpr int kTileWarps = kTile / 32;
+
+__global__ void tile_ranks_kernel(int32_t* rank_TK, int32_t* tile_counts_ET, const int32_t* expert_TK, int64_t slots,
+                                  int64_t E, int64_t n_tiles) {
+  extern __shared__ int32_t warp_counts[];  // [kTileWarps][E], then the warps' bases
+  const int64_t tile = blockIdx.x, i = tile * kTile + threadIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t j = threadIdx.x; j < kTileWarps * E; j += blockDim.x) warp_counts[j] = 0;
+  __syncthreads();
+  const int32_t e = i < slots ? expert_TK[i] : -1;
+  const unsigned same = __match_any_sync(0xffffffffu, e);
+  const int rank_in_warp = __popc(same & ((1u << lane) - 1));
+  if (e >= 0 && rank_in_warp == 0) warp_counts[warp * E + e] = __popc(same);
+  __syncthreads();
+  // Each expert's counts over the warps, in warp order: the warps' bases; the tile's total.
+  for (int64_t x = threadIdx.x; x < E; x += blockDim.x) {
+    int32_t running = 0;
+    for (int w = 0; w < kTileWarps; ++w) {
+      const int32_t count = warp_counts[w * E + x];
+      warp_counts[w * E + x] = running;
+      running += count;
     }
+    tile_counts_ET[x * n_tiles + tile] = running;
+  }
+  __syncthreads();
+  if (i < slots && e >= 0) rank_TK[i] = warp_counts[warp * E + e] + rank_in_warp;
+}
+
+// One block per expert: exclusive prefix of its tile counts, in place (tile bases).
+__global__ void expert_tile_bases_kernel(int32_t* tile_counts_ET, int32_t* counts_E, int64_t* load_E, int64_t n_tiles,
+                                         int64_t capacity) {
+  const int64_t e = blockIdx.x;
+  int32_t* counts = tile_counts_ET + e * n_tiles;
+  int64_t seen = 0;
+  for (int64_t base = 0; base < n_tiles; base += blockDim.x) {
+    const int64_t tile = base + threadIdx.x;
+    const int count = tile < n_tiles ? counts[tile] : 0;
+    int chunk_total;
+    const int inclusive = block_inclusive_scan(count, &chunk_total);
+    if (tile < n_tiles) counts[tile] = static_cast<int32_t>(seen + inclusive - count);
     seen += chunk_total;
     __syncthreads();
   }
@@ -54,16 +90,18 @@ __global__ void offsets_kernel(int32_t* offsets_E1, const int32_t* counts_E, int
 }
 
 __global__ void place_rows_kernel(int32_t* row_TK, int32_t* token_of_row, const int32_t* rank_TK,
-                                  const int32_t* expert_TK, const int32_t* offsets_E1, int64_t slots, int64_t K) {
+                                  const int32_t* tile_bases_ET, const int32_t* expert_TK, const int32_t* offsets_E1,
+                                  int64_t slots, int64_t K, int64_t n_tiles, int64_t capacity) {
   const int64_t slot = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (slot >= slots) return;
-  // An expert < 0 (routed to another rank) has no row; rank_slots never ranked it.
-  const int32_t rank = expert_TK[slot] < 0 ? -1 : rank_TK[slot];
-  if (rank < 0) {
+  // An expert < 0 (routed to another rank) has no row; tile_ranks never ranked it.
+  const int32_t e = expert_TK[slot];
+  const int64_t rank = e < 0 ? -1 : tile_bases_ET[e * n_tiles + slot / kTile] + rank_TK[slot];
+  if (rank < 0 || rank >= capacity) {
     row_TK[slot] = -1;
     return;
   }
-  const int32_t row = offsets_E1[expert_TK[slot]] + rank;
+  const int32_t row = offsets_E1[e] + static_cast<int32_t>(rank);
   row_TK[slot] = row;
   token_of_row[row] = static_cast<int32_t>(slot / K);
 }
@@ -309,19 +347,28 @@ void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_
   MOE_CUDA_CHECK_LAUNCH();
 }
 
+int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E) { return T * K + E * std::max<int64_t>(1, ceil_div(T * K, kTile)); }
+
 void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
-                 int64_t* load_E, int32_t* rank_scratch_TK, const int32_t* expert_TK, int64_t T, int64_t E,
+                 int64_t* load_E, int32_t* scratch, const int32_t* expert_TK, int64_t T, int64_t E,
                  int64_t K, int64_t capacity, Stream stream) {
-  const int64_t slots = T * K;
-  MOE_CHECKF(E >= 1, "assign_rows: E=%lld", static_cast<long long>(E));
-  rank_slots_kernel<<<static_cast<unsigned>(E), kScanThreads, 0, stream>>>(rank_scratch_TK, counts_E, load_E,
-                                                                           expert_TK, slots, capacity);
+  const int64_t slots = T * K, n_tiles = std::max<int64_t>(1, ceil_div(slots, kTile));
+  MOE_CHECKF(E >= 1 && E <= kMaxTileExperts, "assign_rows: E=%lld (1 to %lld)", static_cast<long long>(E),
+             static_cast<long long>(kMaxTileExperts));
+  int32_t* rank_TK = scratch;
+  int32_t* tile_counts_ET = scratch + slots;
+  const size_t shared = static_cast<size_t>(kTileWarps * E) * sizeof(int32_t);
+  tile_ranks_kernel<<<static_cast<unsigned>(n_tiles), kTile, shared, stream>>>(rank_TK, tile_counts_ET, expert_TK,
+                                                                               slots, E, n_tiles);
+  MOE_CUDA_CHECK_LAUNCH();
+  expert_tile_bases_kernel<<<static_cast<unsigned>(E), kScanThreads, 0, stream>>>(tile_counts_ET, counts_E, load_E,
+                                                                                  n_tiles, capacity);
   MOE_CUDA_CHECK_LAUNCH();
   offsets_kernel<<<1, kScanThreads, 0, stream>>>(offsets_E1, counts_E, E);
   MOE_CUDA_CHECK_LAUNCH();
   if (slots == 0) return;
   place_rows_kernel<<<static_cast<unsigned>(ceil_div(slots, kRowThreads)), kRowThreads, 0, stream>>>(
-      row_TK, token_of_row_R, rank_scratch_TK, expert_TK, offsets_E1, slots, K);
+      row_TK, token_of_row_R, rank_TK, tile_counts_ET, expert_TK, offsets_E1, slots, K, n_tiles, capacity);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

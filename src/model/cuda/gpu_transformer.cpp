@@ -156,7 +156,7 @@ void GpuTransformer::plan(int64_t batch) {
     m.assign_counts = i32(E);
     m.offsets = i32(E + 1);
     m.token_of_row = i32(T * K);
-    m.rank = i32(T * K);
+    m.rank = i32(cuda::assign_rows_scratch(T, K, E));
     m.slot = i32(T * K);
     const bool shared_x_act = s.recompute_experts != ExpertRecompute::None;
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
@@ -234,7 +234,7 @@ void GpuTransformer::plan(int64_t batch) {
   s.ep_recv = s.ep ? bf(U * D) : Buffer<bf16>();
   s.ep_slot_send = s.ep ? i32(U * K) : Buffer<int32_t>();
   s.ep_slot_recv = s.ep ? i32(U * K) : Buffer<int32_t>();
-  s.ep_rank_scratch = s.ep ? i32(U * K) : Buffer<int32_t>();
+  s.ep_rank_scratch = s.ep ? i32(cuda::assign_rows_scratch(U, K, s.max_local_experts)) : Buffer<int32_t>();
   s.ep_local_counts = s.ep ? i32(s.max_local_experts) : Buffer<int32_t>();
   s.ep_counts_send = s.ep ? i32(E + P) : Buffer<int32_t>();
   s.ep_counts_recv = s.ep ? i32(P * (s.max_local_experts + 1)) : Buffer<int32_t>();
