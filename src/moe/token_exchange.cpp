@@ -1,5 +1,6 @@
 #include "moe/token_exchange.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
@@ -12,6 +13,17 @@ std::vector<int64_t> block_starts(const int32_t* tokens_P, int P) {
   std::vector<int64_t> start(static_cast<size_t>(P) + 1, 0);
   for (int p = 0; p < P; ++p) start[static_cast<size_t>(p) + 1] = start[static_cast<size_t>(p)] + tokens_P[p];
   return start;
+}
+
+// visit(t, p, u) for every token t in rank p's block, u its row in the blocks.
+template <typename Visit>
+void for_each_block_row(const int32_t* pos_TP, const int32_t* tokens_P, int64_t T, int P, Visit visit) {
+  const std::vector<int64_t> start = block_starts(tokens_P, P);
+  for (int64_t t = 0; t < T; ++t)
+    for (int p = 0; p < P; ++p) {
+      const int32_t pos = pos_TP[t * P + p];
+      if (pos >= 0) visit(t, p, start[static_cast<size_t>(p)] + pos);
+    }
 }
 
 }  // namespace
@@ -44,19 +56,14 @@ void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* row_TK, con
 void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
                   const int32_t* row_TK, const int32_t* slot_TK, const float* weight_TK, const int32_t* first_slot_P1,
                   int64_t T, int64_t K, int P) {
-  const std::vector<int64_t> start = block_starts(tokens_P, P);
-  for (int64_t t = 0; t < T; ++t)
-    for (int p = 0; p < P; ++p) {
-      const int32_t pos = pos_TP[t * P + p];
-      if (pos < 0) continue;
-      const int64_t u = start[static_cast<size_t>(p)] + pos;
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t slot = slot_TK[t * K + k];
-        const bool here = row_TK[t * K + k] >= 0 && slot >= first_slot_P1[p] && slot < first_slot_P1[p + 1];
-        slot_UK[u * K + k] = here ? slot - first_slot_P1[p] : -1;
-        weight_UK[u * K + k] = weight_TK[t * K + k];
-      }
+  for_each_block_row(pos_TP, tokens_P, T, P, [&](int64_t t, int p, int64_t u) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t slot = slot_TK[t * K + k];
+      const bool here = row_TK[t * K + k] >= 0 && slot >= first_slot_P1[p] && slot < first_slot_P1[p + 1];
+      slot_UK[u * K + k] = here ? slot - first_slot_P1[p] : -1;
+      weight_UK[u * K + k] = weight_TK[t * K + k];
     }
+  });
 }
 
 void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* first_slot_P1, int P) {
@@ -69,28 +76,17 @@ void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P,
 
 void scatter_token_rows(float* dst_UD, const float* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                         int P, int64_t D) {
-  const std::vector<int64_t> start = block_starts(tokens_P, P);
-  for (int64_t t = 0; t < T; ++t)
-    for (int p = 0; p < P; ++p) {
-      const int32_t pos = pos_TP[t * P + p];
-      if (pos < 0) continue;
-      const int64_t u = start[static_cast<size_t>(p)] + pos;
-      for (int64_t d = 0; d < D; ++d) dst_UD[u * D + d] = src_TD[t * D + d];
-    }
+  for_each_block_row(pos_TP, tokens_P, T, P, [&](int64_t t, int, int64_t u) {
+    for (int64_t d = 0; d < D; ++d) dst_UD[u * D + d] = src_TD[t * D + d];
+  });
 }
 
 void sum_token_rows(float* dst_TD, const float* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                     int P, int64_t D) {
-  const std::vector<int64_t> start = block_starts(tokens_P, P);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < D; ++d) {
-      float sum = 0;
-      for (int p = 0; p < P; ++p) {
-        const int32_t pos = pos_TP[t * P + p];
-        if (pos >= 0) sum += src_UD[(start[static_cast<size_t>(p)] + pos) * D + d];
-      }
-      dst_TD[t * D + d] = sum;
-    }
+  std::fill(dst_TD, dst_TD + T * D, 0.0f);
+  for_each_block_row(pos_TP, tokens_P, T, P, [&](int64_t t, int, int64_t u) {
+    for (int64_t d = 0; d < D; ++d) dst_TD[t * D + d] += src_UD[u * D + d];  // ranks in order for each token
+  });
 }
 
 }  // namespace moe

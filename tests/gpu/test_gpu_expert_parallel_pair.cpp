@@ -19,6 +19,7 @@
 
 #include "dist/gradient_stages.h"
 #include "gpu_test_util.h"
+#include "small_models.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
 
@@ -87,20 +88,7 @@ class PairExchange final : public GpuExpertExchange {
 };
 
 ModelConfig pair_config(double capacity_factor) {
-  ModelConfig c;
-  c.vocab_size = 512;
-  c.dim = 128;
-  c.n_layers = 4;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.seq_len = 64;
-  c.first_dense_layers = 1;
-  c.dense_hidden = 192;
-  c.moe.n_experts = 8;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 128;
-  c.moe.n_shared_experts = 1;
-  c.moe.capacity_factor = capacity_factor;
+  ModelConfig c = test::small_moe_model(capacity_factor);
   // The aux and z losses are over a rank's own micro-batch: off, to compare with one GPU.
   c.moe.aux_loss_coef = 0;
   c.moe.z_loss_coef = 0;

@@ -10,29 +10,14 @@
 #include <memory>
 
 #include "gpu_test_util.h"
+#include "small_models.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
 
 namespace moe {
 namespace {
 
-ModelConfig mode_config(double capacity_factor) {
-  ModelConfig c;
-  c.vocab_size = 512;
-  c.dim = 128;
-  c.n_layers = 4;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.seq_len = 64;
-  c.first_dense_layers = 1;
-  c.dense_hidden = 192;
-  c.moe.n_experts = 8;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 128;
-  c.moe.n_shared_experts = 1;
-  c.moe.capacity_factor = capacity_factor;
-  return c;
-}
+ModelConfig mode_config(double capacity_factor) { return test::small_moe_model(capacity_factor); }
 
 struct Batch {
   std::vector<int32_t> inputs, targets;
