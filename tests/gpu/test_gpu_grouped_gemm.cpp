@@ -130,79 +130,79 @@ TEST_P(GpuGroupedGemm, BackwardWeightTwoSetsAccumulatesFp32) {
   }
 }
 
+// One case's inputs on the device and the three GEMMs run on them (forward, data and
+// weight gradients), for the tests that compare two ways of running them bit for bit.
+struct GemmRun {
+  std::vector<bf16> out, dx;
+  std::vector<float> dw;
+};
+
+struct GemmInputs {
+  int64_t E, N, K, R;
+  gpu::DeviceArray<bf16> x, w, dy;
+  gpu::DeviceArray<int32_t> offsets;
+
+  GemmInputs(const GroupedCase& c, uint64_t seed)
+      : E(static_cast<int64_t>(c.rows_per_expert.size())), N(c.N), K(c.K),
+        R(offsets_of(c.rows_per_expert)[E] + c.dropped_rows),
+        x(to_device_bf16(random_bf16_floats(R * K, seed, "x"))),
+        w(to_device_bf16(random_bf16_floats(E * N * K, seed + 1, "w", 0.1))),
+        dy(to_device_bf16(random_bf16_floats(R * N, seed + 2, "dy"))),
+        offsets(to_device(offsets_of(c.rows_per_expert))) {}
+
+  GemmRun run(cuda::ExpertGemm& gemm) const {
+    auto out_d = poisoned<bf16>(R * N);
+    bf16* out[1] = {out_d.data()};
+    const bf16* ws[1] = {w.data()};
+    gemm.forward(1, out, N, x.data(), K, ws, offsets.data(), N, K, nullptr);
+    auto dx_d = poisoned<bf16>(R * K);
+    gemm.backward_data(dx_d.data(), K, dy.data(), N, w.data(), offsets.data(), K, N, 0.0f, nullptr);
+    auto dw_d = to_device(std::vector<float>(E * N * K, 0.25f));
+    float* dw[1] = {dw_d.data()};
+    const bf16* a[1] = {dy.data()};
+    gemm.backward_weight(1, dw, a, N, x.data(), K, offsets.data(), N, K, nullptr);
+    return {to_host(out_d), to_host(dx_d), to_host(dw_d)};
+  }
+};
+
+void expect_same_bits(const std::vector<bf16>& a, const std::vector<bf16>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i].bits, b[i].bits) << what << " element " << i;
+}
+
 // The kernels are persistent; on fewer multiprocessors (parallel.comm_sms) each tile is
 // still computed by one CTA in the same order: the same bits.
 TEST_P(GpuGroupedGemm, FewerMultiprocessorsGiveTheSameBits) {
   MOE_REQUIRE_GPU();
-  const GroupedCase& c = GetParam();
-  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K;
-  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
-  const int64_t R = offsets[E] + c.dropped_rows;
-  auto x_d = to_device_bf16(random_bf16_floats(R * K, 11, "x"));
-  auto w_d = to_device_bf16(random_bf16_floats(E * N * K, 12, "w", 0.1));
-  auto dy_d = to_device_bf16(random_bf16_floats(R * N, 13, "dy"));
-  auto offsets_d = to_device(offsets);
-  cuda::ExpertGemm gemm(E);
-  std::vector<std::vector<bf16>> outs;
-  std::vector<std::vector<float>> dws;
+  const GemmInputs in(GetParam(), 11);
+  cuda::ExpertGemm gemm(in.E);
+  std::vector<GemmRun> runs;
   for (int sm_limit : {0, 9}) {
     gemm.set_sm_limit(sm_limit);
-    auto out_d = poisoned<bf16>(R * N);
-    bf16* out[1] = {out_d.data()};
-    const bf16* w[1] = {w_d.data()};
-    gemm.forward(1, out, N, x_d.data(), K, w, offsets_d.data(), N, K, nullptr);
-    auto dw_d = to_device(std::vector<float>(E * N * K, 0.25f));
-    float* dw[1] = {dw_d.data()};
-    const bf16* a[1] = {dy_d.data()};
-    gemm.backward_weight(1, dw, a, N, x_d.data(), K, offsets_d.data(), N, K, nullptr);
-    outs.push_back(to_host(out_d));
-    dws.push_back(to_host(dw_d));
+    runs.push_back(in.run(gemm));
   }
-  ASSERT_EQ(outs[0].size(), outs[1].size());
-  for (size_t i = 0; i < outs[0].size(); ++i) ASSERT_EQ(outs[0][i].bits, outs[1][i].bits) << "forward element " << i;
-  EXPECT_TRUE(dws[0] == dws[1]) << "weight gradients differ on 9 multiprocessors";
+  expect_same_bits(runs[0].out, runs[1].out, "forward");
+  EXPECT_TRUE(runs[0].dw == runs[1].dw) << "weight gradients differ on 9 multiprocessors";
 }
 
 // Room for more experts than a call runs over (an EP rank's count after a re-placement):
 // set_experts(E) gives the bits of a GEMM made for E, and set_experts(0) writes nothing.
 TEST_P(GpuGroupedGemm, FewerExpertsThanTheRoomGiveTheSameBits) {
   MOE_REQUIRE_GPU();
-  const GroupedCase& c = GetParam();
-  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K;
-  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
-  const int64_t R = offsets[E] + c.dropped_rows;
-  auto x_d = to_device_bf16(random_bf16_floats(R * K, 21, "x"));
-  auto w_d = to_device_bf16(random_bf16_floats(E * N * K, 22, "w", 0.1));
-  auto dy_d = to_device_bf16(random_bf16_floats(R * N, 23, "dy"));
-  auto offsets_d = to_device(offsets);
+  const GemmInputs in(GetParam(), 21);
+  const int64_t E = in.E, N = in.N, K = in.K, R = in.R;
   cuda::ExpertGemm exact(E), roomy(E + 5);
   roomy.set_experts(E);
-  std::vector<std::vector<bf16>> outs, dxs;
-  std::vector<std::vector<float>> dws;
-  for (cuda::ExpertGemm* gemm : {&exact, &roomy}) {
-    auto out_d = poisoned<bf16>(R * N);
-    bf16* out[1] = {out_d.data()};
-    const bf16* w[1] = {w_d.data()};
-    gemm->forward(1, out, N, x_d.data(), K, w, offsets_d.data(), N, K, nullptr);
-    auto dx_d = poisoned<bf16>(R * K);
-    gemm->backward_data(dx_d.data(), K, dy_d.data(), N, w_d.data(), offsets_d.data(), K, N, 0.0f, nullptr);
-    auto dw_d = to_device(std::vector<float>(E * N * K, 0.25f));
-    float* dw[1] = {dw_d.data()};
-    const bf16* a[1] = {dy_d.data()};
-    gemm->backward_weight(1, dw, a, N, x_d.data(), K, offsets_d.data(), N, K, nullptr);
-    outs.push_back(to_host(out_d));
-    dxs.push_back(to_host(dx_d));
-    dws.push_back(to_host(dw_d));
-  }
-  for (size_t i = 0; i < outs[0].size(); ++i) ASSERT_EQ(outs[0][i].bits, outs[1][i].bits) << "forward element " << i;
-  for (size_t i = 0; i < dxs[0].size(); ++i) ASSERT_EQ(dxs[0][i].bits, dxs[1][i].bits) << "data element " << i;
-  EXPECT_TRUE(dws[0] == dws[1]) << "weight gradients differ with room for 5 more experts";
+  const GemmRun want = in.run(exact), got = in.run(roomy);
+  expect_same_bits(got.out, want.out, "forward");
+  expect_same_bits(got.dx, want.dx, "data gradient");
+  EXPECT_TRUE(got.dw == want.dw) << "weight gradients differ with room for 5 more experts";
   // No experts: nothing written, not even the rows of the first expert.
   roomy.set_experts(0);
   auto out_d = poisoned<bf16>(R * N);
   bf16* out[1] = {out_d.data()};
-  const bf16* w[1] = {w_d.data()};
-  roomy.forward(1, out, N, x_d.data(), K, w, offsets_d.data(), N, K, nullptr);
+  const bf16* w[1] = {in.w.data()};
+  roomy.forward(1, out, N, in.x.data(), K, w, in.offsets.data(), N, K, nullptr);
   expect_untouched(to_host(out_d), 0, R, N);
   EXPECT_THROW(roomy.set_experts(E + 6), Error);
 }
