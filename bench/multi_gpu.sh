@@ -24,6 +24,9 @@
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default; "epr" adds
 # EP = N with the experts re-placed by load every REBALANCE_INTERVAL steps (default 5),
 # up to E - N + 1 experts per GPU.
+# STEPS and MEDIAN_FROM (environment): the scaling and comm runs' length (default 10) and the
+# first step of the median (default 4); e.g. STEPS=30 MEDIAN_FROM=21 for the steps after a
+# re-placement has caught up with the routing.
 # SCALING_ARGS (environment): more overrides for every scaling run, 1 GPU included
 # (e.g. "--moe.capacity_factor=1.25", or "--metrics.phase_times=true": then the scaling
 # and comm sections also print each run's last per-phase line, to see which phases grow).
@@ -49,9 +52,10 @@ mkdir -p "$out"
 summary() { grep -E "^summary:" "$1" | tail -1; }
 # The last per-phase line of a log (metrics.phase_times), indented; nothing without one.
 phases() { grep -E "phases \(ms\):" "$1" | tail -1 | sed 's/^ */    /' || true; }
-# Median of the step lines' field after the first three (warm-up): tok/s, or comm wait %.
+# Median of the step lines' field from step MEDIAN_FROM on (the first ones warm up): tok/s, or comm wait %.
 median_field() {
-  grep -oE "$2 [0-9.]+" "$1" | awk 'NR > 3 { print $NF }' | sort -g | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'
+  grep -oE "$2 [0-9.]+" "$1" | awk -v from="${MEDIAN_FROM:-4}" 'NR >= from { print $NF }' | sort -g |
+    awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'
 }
 efficiency() { awk -v a="$1" -v b="$2" -v n="$n" 'BEGIN { printf "%.1f%%", 100 * b / (n * a) }'; }
 launch() { "$moe" launch --nproc-per-node "$n" -- "$@"; }
@@ -65,7 +69,7 @@ bench_run() {
   [[ $1 == mixtral-mini ]] && extra=(--optimizer.state_dtype=bf16)
   # shellcheck disable=SC2206  # SCALING_ARGS is a list of overrides
   extra+=(${SCALING_ARGS:-})
-  run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps=10 --metrics.log_interval=1 "${extra[@]}")
+  run=(-c "$cfg" --device cuda --data.dir="$corpus" --training.steps="${STEPS:-10}" --metrics.log_interval=1 "${extra[@]}")
   tokens=$(grep -oE "global_batch_tokens *= *[0-9]+" "$cfg" | grep -oE "[0-9]+$")
 }
 
