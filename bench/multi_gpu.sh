@@ -23,7 +23,10 @@
 # but comm).
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default; "epr" adds
 # EP = N with the experts re-placed by load every REBALANCE_INTERVAL steps (default 5),
-# up to E - N + 1 experts per GPU.
+# up to E - N + 1 experts per GPU; "eps" EP = N with split experts (parallel.split_experts:
+# each GPU also computes part of the next GPU's first expert, the rows evened every
+# micro-batch); "epsr" split experts re-placed every REBALANCE_INTERVAL steps (the
+# heaviest experts made hinges).
 # STEPS and MEDIAN_FROM (environment): the scaling and comm runs' length (default 10) and the
 # first step of the median (default 4); e.g. STEPS=30 MEDIAN_FROM=21 for the steps after a
 # re-placement has caught up with the routing.
@@ -83,12 +86,15 @@ if [[ $sections == *,correctness,* ]]; then
   launch train "${common[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
     --training.micro_batch=$((8 / n)) --parallel.rebalance_interval=10 \
     --parallel.rebalance_max_experts=$((8 - n + 1)) > "$out/epr.txt" 2>&1
+  launch train "${common[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
+    --training.micro_batch=$((8 / n)) --parallel.split_experts=true --parallel.rebalance_interval=10 > "$out/eps.txt" 2>&1
   echo "1 GPU:         $(summary "$out/dp1.txt")"
   echo "$n GPUs, DP:    $(summary "$out/dpn.txt")"
   echo "$n GPUs, EP $n: $(summary "$out/epn.txt")"
   echo "$n GPUs, EP $n re-placed: $(summary "$out/epr.txt")"
-  grep -E "re-placed experts" "$out/epr.txt" | head -3 || true
-  for f in dp1 dpn epn epr; do echo "$f losses: $(grep -oE "^step +[0-9]+/[0-9]+ \| loss [0-9.]+" "$out/$f.txt" | awk '{ print $NF }' | paste -sd' ')"; done
+  echo "$n GPUs, EP $n split, re-placed: $(summary "$out/eps.txt")"
+  grep -E "re-placed experts" "$out/epr.txt" "$out/eps.txt" | head -6 || true
+  for f in dp1 dpn epn epr eps; do echo "$f losses: $(grep -oE "^step +[0-9]+/[0-9]+ \| loss [0-9.]+" "$out/$f.txt" | awk '{ print $NF }' | paste -sd' ')"; done
 fi
 
 if [[ $sections == *,scaling,* ]]; then
@@ -118,9 +124,19 @@ if [[ $sections == *,scaling,* ]]; then
       epr=$(median_field "$out/wsepr_$model.txt" "tok/s")
       line+=" | EP $n re-placed: $epr tokens/s, efficiency $(efficiency "$one" "$epr"), comm wait $(median_field "$out/wsepr_$model.txt" "comm wait")%"
     fi
+    for split in eps epsr; do
+      [[ $modes == *" $split "* ]] || continue
+      replace=()
+      [[ $split == epsr ]] && replace=(--parallel.rebalance_interval="${REBALANCE_INTERVAL:-5}")
+      launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
+        --training.global_batch_tokens=$((tokens * n)) --parallel.split_experts=true "${replace[@]}" \
+        > "$out/ws${split}_$model.txt" 2>&1
+      tps=$(median_field "$out/ws${split}_$model.txt" "tok/s")
+      line+=" | EP $n split${replace:+, re-placed}: $tps tokens/s, efficiency $(efficiency "$one" "$tps"), comm wait $(median_field "$out/ws${split}_$model.txt" "comm wait")%"
+    done
     echo "$line"
-    grep -E "re-placed experts" "$out/wsepr_$model.txt" 2>/dev/null | head -2 || true
-    for log in "$out/ws1_$model.txt" "$out/wsn_$model.txt" "$out/wsep_$model.txt" "$out/wsepr_$model.txt"; do [[ -s $log ]] && phases "$log"; done
+    grep -E "re-placed experts" "$out/wsepr_$model.txt" "$out/wsepsr_$model.txt" 2>/dev/null | head -4 || true
+    for log in "$out"/ws{1,n,ep,epr,eps,epsr}_"$model".txt; do [[ -s $log ]] && phases "$log"; done
     if [[ $modes == *" ep "* ]]; then grep -E "all-to-all [0-9.]+ MB" "$out/wsep_$model.txt" | tail -1 || true; fi
   done
 fi

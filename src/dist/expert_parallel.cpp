@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "dist/hierarchical_all_to_all.h"
+#include "moe/token_exchange.h"
 
 namespace moe::dist {
 
@@ -219,26 +220,90 @@ void ExpertExchangeOverComm::run(const void* in_RD, void* recv_RD, const void* r
   }
 }
 
+std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
+                                                   int64_t max_per_rank) {
+  const auto n_experts = static_cast<int64_t>(load_E.size());
+  MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
+            n_experts, ep_size);
+  const int64_t G = std::max<int64_t>(groups, 1);
+  MOE_CHECK(n_experts % G == 0 && ep_size % G == 0, "{} expert groups do not divide {} experts and {} ranks", G,
+            n_experts, ep_size);
+  const int64_t experts_per_group = n_experts / G, ranks_per_group = ep_size / G;
+  const int64_t room = std::max(max_per_rank, n_experts / ep_size + 1);
+  auto load = [&](int64_t e) { return load_E[static_cast<size_t>(e)]; };
+  // Loads in halves: a hinge counts half on each side.
+  std::vector<int64_t> half_load(static_cast<size_t>(ep_size), 0), count(static_cast<size_t>(ep_size), 0);
+  std::vector<int64_t> hinge(static_cast<size_t>(ep_size), -1);  // the first expert of rank r's block (r >= 1)
+  std::vector<std::vector<int64_t>> rest(static_cast<size_t>(G));
+  for (int64_t g = 0; g < G; ++g) {
+    std::vector<int64_t> order(static_cast<size_t>(experts_per_group));
+    for (int64_t i = 0; i < experts_per_group; ++i) order[static_cast<size_t>(i)] = g * experts_per_group + i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return load(a) > load(b); });
+    size_t next = 0;
+    for (int64_t r = std::max<int64_t>(1, g * ranks_per_group); r < (g + 1) * ranks_per_group; ++r) {
+      const int64_t e = order[next++];
+      hinge[static_cast<size_t>(r)] = e;
+      for (int64_t side : {r - 1, r}) {
+        half_load[static_cast<size_t>(side)] += load(e);
+        ++count[static_cast<size_t>(side)];
+      }
+    }
+    rest[static_cast<size_t>(g)].assign(order.begin() + static_cast<std::ptrdiff_t>(next), order.end());
+  }
+  std::vector<std::vector<int64_t>> blocks(static_cast<size_t>(ep_size));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t e : rest[static_cast<size_t>(g)]) {
+      int64_t best = -1;
+      for (int64_t r = g * ranks_per_group; r < (g + 1) * ranks_per_group; ++r)
+        if (count[static_cast<size_t>(r)] < room &&
+            (best < 0 || half_load[static_cast<size_t>(r)] < half_load[static_cast<size_t>(best)]))
+          best = r;
+      MOE_CHECK(best >= 0, "hinged placement: no room for expert {} (at most {} per rank)", e, room);
+      half_load[static_cast<size_t>(best)] += 2 * load(e);
+      ++count[static_cast<size_t>(best)];
+      blocks[static_cast<size_t>(best)].push_back(e);
+    }
+  for (int r = 0; r < ep_size; ++r) {
+    std::vector<int64_t>& block = blocks[static_cast<size_t>(r)];
+    std::sort(block.begin(), block.end());
+    if (r > 0) block.insert(block.begin(), hinge[static_cast<size_t>(r)]);
+  }
+  return blocks;
+}
+
+std::vector<int64_t> split_rank_loads(const std::vector<int64_t>& load_E,
+                                      const std::vector<std::vector<int64_t>>& experts_of_rank, bool split) {
+  // Loads in slot order: before[s], the load of the slots before s.
+  std::vector<int64_t> before = {0}, first_slot = {0};
+  for (const auto& experts : experts_of_rank) {
+    for (int64_t e : experts) before.push_back(before.back() + load_E[static_cast<size_t>(e)]);
+    first_slot.push_back(static_cast<int64_t>(before.size()) - 1);
+  }
+  const std::vector<int64_t> at = balanced_boundaries(before, first_slot, split);
+  std::vector<int64_t> loads(experts_of_rank.size());
+  for (size_t p = 0; p < loads.size(); ++p) loads[p] = at[p + 1] - at[p];
+  return loads;
+}
+
 LayerPlacements rebalance_layers(const std::vector<std::vector<int64_t>>& load_LE,
                                  const std::vector<std::vector<std::vector<int64_t>>>& current, int ep_size,
-                                 int64_t groups, int64_t max_per_rank) {
+                                 int64_t groups, int64_t max_per_rank, bool split) {
   MOE_CHECK(load_LE.size() == current.size(), "re-placement: loads of {} layers, placements of {}", load_LE.size(),
             current.size());
   LayerPlacements result;
   for (size_t l = 0; l < load_LE.size(); ++l) {
     const std::vector<int64_t>& load = load_LE[l];
     auto busiest = [&](const std::vector<std::vector<int64_t>>& experts_of_rank) {
-      int64_t most = 0;
-      for (const auto& experts : experts_of_rank) {
-        int64_t sum = 0;
-        for (int64_t e : experts) sum += load[static_cast<size_t>(e)];
-        most = std::max(most, sum);
-      }
-      return most;
+      const std::vector<int64_t> loads = split_rank_loads(load, experts_of_rank, split);
+      return *std::max_element(loads.begin(), loads.end());
     };
-    const ExpertPlacement next = ExpertPlacement::balanced(load, ep_size, groups, max_per_rank);
     std::vector<std::vector<int64_t>> then;
-    for (int p = 0; p < ep_size; ++p) then.push_back(next.experts_of(p));
+    if (split) {
+      then = hinged_placement(load, ep_size, groups, max_per_rank);
+    } else {
+      const ExpertPlacement next = ExpertPlacement::balanced(load, ep_size, groups, max_per_rank);
+      for (int p = 0; p < ep_size; ++p) then.push_back(next.experts_of(p));
+    }
     const int64_t before = busiest(current[l]), after = busiest(then);
     result.busiest_before += before;
     // Only a better spread is worth the moves (ties keep the experts where they are).

@@ -59,10 +59,26 @@ class ExpertPlacement {
   std::vector<std::vector<int64_t>> experts_of_;
 };
 
+// Split experts (GPU, moe/token_exchange.h): blocks of experts per EP rank in which the
+// first expert of every block but the first is a hinge, also computed by the rank before,
+// the boundary between the two moving inside it with each micro-batch's load. The
+// hinges are the heaviest experts (of the group whose block they start, with `groups`);
+// each counts half on both sides, then the other experts go greedily (falling load) to
+// the least loaded rank of their group with room (at most max_per_rank experts in a
+// rank's window, block and next hinge; at least n_experts / ep_size + 1).
+std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
+                                                   int64_t max_per_rank);
+// Each rank's load under blocks of experts (experts_of_rank), with split experts when
+// `split`: each boundary moved inside its hinge to where the load reaches its share,
+// as far as the hinge allows (the device's boundary_cuts on whole loads).
+std::vector<int64_t> split_rank_loads(const std::vector<int64_t>& load_E,
+                                      const std::vector<std::vector<int64_t>>& experts_of_rank, bool split);
+
 // Per-layer re-placement (the GPU's dynamic load balancing: each MoE layer has its own
 // slots): for every layer, the balanced placement of its load since the last placement
-// (ExpertPlacement::balanced with `groups` and `max_per_rank`) where that lowers the
-// busiest rank's load, else the layer's current placement (experts of each rank).
+// (ExpertPlacement::balanced with `groups` and `max_per_rank`, or hinged_placement with
+// `split`) where that lowers the busiest rank's load, else the layer's current placement
+// (experts of each rank).
 struct LayerPlacements {
   std::vector<std::vector<std::vector<int64_t>>> experts_of_rank;  // per layer, per rank
   bool moves = false;                    // some layer's placement changed
@@ -70,7 +86,7 @@ struct LayerPlacements {
 };
 LayerPlacements rebalance_layers(const std::vector<std::vector<int64_t>>& load_LE,
                                  const std::vector<std::vector<std::vector<int64_t>>>& current, int ep_size,
-                                 int64_t groups, int64_t max_per_rank);
+                                 int64_t groups, int64_t max_per_rank, bool split = false);
 
 // MoEBatchGroup over a communicator spanning the data-parallel ranks.
 class BatchGroupOverComm final : public MoEBatchGroup {

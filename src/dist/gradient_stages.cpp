@@ -85,22 +85,42 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
   return gradient_ranges_by_stage_ep(params, stage_of, n_stages, own);
 }
 
+BlockRanges subtract_ranges(const BlockRanges& from, const BlockRanges& minus) {
+  BlockRanges out;
+  size_t j = 0;
+  for (const auto& [begin, count] : from) {
+    int64_t at = begin;
+    const int64_t end = begin + count;
+    while (j < minus.size() && minus[j].first + minus[j].second <= at) ++j;
+    for (size_t k = j; k < minus.size() && minus[k].first < end; ++k) {
+      append_merged(out, at, minus[k].first - at);
+      at = std::max(at, minus[k].first + minus[k].second);
+    }
+    append_merged(out, at, end - at);
+  }
+  return out;
+}
+
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,
-                                                 int n_stages, const BlockRanges& own_expert_ranges) {
+                                                 int n_stages, const BlockRanges& own_expert_ranges,
+                                                 const BlockRanges& split_expert_ranges) {
   const std::vector<BlockRanges> whole = gradient_ranges_by_stage(params, stage_of, n_stages);
   ExpertParallelRanges split;
   split.shared.resize(static_cast<size_t>(n_stages));
   split.own_experts.resize(static_cast<size_t>(n_stages));
   const std::vector<int> experts = expert_tensors_by_offset(params);
-  // Every own range lies inside one expert tensor.
-  for (const auto& [begin, count] : own_expert_ranges) {
-    const bool inside = std::any_of(experts.begin(), experts.end(), [&](int id) {
-      return begin >= params.offset(id) && begin + count <= params.offset(id) + params.numel(id);
-    });
-    MOE_CHECK(inside && count > 0, "gradient ranges: own expert range [{}, {}) is not inside one expert tensor", begin,
-              begin + count);
-  }
+  // Every own and split range lies inside one expert tensor.
+  for (const BlockRanges* set : {&own_expert_ranges, &split_expert_ranges})
+    for (const auto& [begin, count] : *set) {
+      const bool inside = std::any_of(experts.begin(), experts.end(), [&](int id) {
+        return begin >= params.offset(id) && begin + count <= params.offset(id) + params.numel(id);
+      });
+      MOE_CHECK(inside && count > 0, "gradient ranges: expert range [{}, {}) is not inside one expert tensor", begin,
+                begin + count);
+    }
+  const BlockRanges own_unsplit = subtract_ranges(own_expert_ranges, split_expert_ranges);
+  std::vector<BlockRanges> plain(static_cast<size_t>(n_stages));  // the parameters without an expert_group
   // Every other element of a stage's ranges is shared.
   for (int s = 0; s < n_stages; ++s)
     for (const auto& [begin, count] : whole[static_cast<size_t>(s)]) {
@@ -110,13 +130,18 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
         const int64_t offset = params.offset(id), numel = params.numel(id);
         if (offset + numel <= at || offset >= end) continue;
         append_merged(split.shared[static_cast<size_t>(s)], at, offset - at);
-        for (const auto& [own, own_count] : own_expert_ranges)
+        append_merged(plain[static_cast<size_t>(s)], at, offset - at);
+        for (const auto& [hinge, hinge_count] : split_expert_ranges)
+          if (hinge >= offset && hinge < offset + numel) append_merged(split.shared[static_cast<size_t>(s)], hinge, hinge_count);
+        for (const auto& [own, own_count] : own_unsplit)
           if (own >= offset && own < offset + numel)
             append_merged(split.own_experts[static_cast<size_t>(s)], own, own_count);
         at = offset + numel;
       }
       append_merged(split.shared[static_cast<size_t>(s)], at, end - at);
+      append_merged(plain[static_cast<size_t>(s)], at, end - at);
     }
+  split.stepped_ranges = merged_ranges({plain, {own_expert_ranges}});
   return split;
 }
 

@@ -32,24 +32,32 @@ std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& p
 
 // Expert parallelism: the same ranges per stage, split into the part every rank sums over
 // all data-parallel ranks (`shared`: every parameter without an expert_group, padding
-// included) and this EP rank's part of the expert tensors (`own_experts`: experts
-// [first_expert, first_expert + local_experts) of each tensor with an expert_group, whose
-// leading dimension is the experts), summed only over the ranks holding the same experts.
-// The other experts' gradients are in neither: this rank does not compute them.
+// included, and with split experts every hinge slot, whose holders each computed part of
+// its gradient) and this EP rank's other experts (`own_experts`: experts [first_expert,
+// first_expert + local_experts) of each tensor with an expert_group, whose leading
+// dimension is the experts, less the hinges), summed only over the ranks holding the same
+// experts. The other experts' gradients are in neither: this rank does not compute them.
 struct ExpertParallelRanges {
   std::vector<BlockRanges> shared, own_experts;
-  // What this rank's optimizer steps: the shared parameters and its own experts (the other
-  // experts get no gradient here; their holders step them).
-  BlockRanges stepped() const { return merged_ranges({shared, own_experts}); }
+  // What this rank's optimizer steps: the parameters without an expert_group and its own
+  // experts, the hinges it holds included (the other experts get no gradient here; their
+  // holders step them).
+  BlockRanges stepped_ranges;
+  const BlockRanges& stepped() const { return stepped_ranges; }
 };
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,
                                                  int n_stages, int64_t first_expert, int64_t local_experts);
 // The same with this rank's part of the expert tensors given as block ranges (sorted,
 // disjoint, each inside one expert tensor): after a re-placement by load an EP rank's
-// slots differ per MoE layer (GpuTransformer::own_expert_ranges).
+// slots differ per MoE layer (GpuTransformer::own_expert_ranges). `split_expert_ranges`:
+// the hinge slots of every rank (GpuTransformer::split_expert_ranges; the same on all).
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,
-                                                 int n_stages, const BlockRanges& own_expert_ranges);
+                                                 int n_stages, const BlockRanges& own_expert_ranges,
+                                                 const BlockRanges& split_expert_ranges = {});
+
+// The parts of sorted, disjoint ranges `from` outside sorted, disjoint ranges `minus`.
+BlockRanges subtract_ranges(const BlockRanges& from, const BlockRanges& minus);
 
 }  // namespace moe::dist

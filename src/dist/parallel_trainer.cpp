@@ -34,6 +34,9 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, Transformer<floa
   const auto ep = static_cast<int>(pc.expert_parallel);
   if (world->size() % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the number of ranks ({})", ep, world->size());
+  if (pc.split_experts)
+    MOE_CONFIG_ERROR("parallel.split_experts is for GPU expert parallelism (training.device = cuda); the CPU path "
+                     "places whole experts");
   groups_ = make_process_groups(std::move(world), ep);
   batch_ = std::make_unique<BatchGroupOverComm>(*groups_.data_parallel, stats_);
   std::vector<ExpertExchange*> exchanges;

@@ -86,16 +86,22 @@ void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_
                  int64_t K, int64_t capacity, Stream stream);
 int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E);
 // Expert parallelism without duplicate rows (layout and CPU references: moe/token_exchange.h).
+// The boundary cuts of a micro-batch from every home rank's kept rows per slot (counts_PE;
+// E <= 1536, P <= 32), and each kept assignment's EP rank by them (-1: dropped).
+void boundary_cuts(int32_t* cut_P1, const int32_t* counts_PE, const int32_t* slot_bounds_P1, bool split, int64_t E,
+                   int P, Stream stream);
+void route_ranks(int32_t* rank_TK, const int32_t* row_TK, const int32_t* slot_TK, const int32_t* offsets_E1,
+                 const int32_t* cut_P1, int64_t T, int64_t K, int P, Stream stream);
 // Token t's place in the block for EP rank p (pos_TP, -1: none) and the block sizes (P <= 32).
-void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* row_TK, const int32_t* slot_TK,
-                  const int32_t* first_slot_P1, int64_t T, int64_t K, int P, Stream stream);
-// The routing sent with the tokens: slots on the receiving rank (-1: elsewhere) and weights.
+void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* rank_TK, int64_t T, int64_t K, int P,
+                  Stream stream);
+// The routing sent with the tokens: slots in the receiving rank's window (-1: elsewhere) and weights.
 void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
-                  const int32_t* row_TK, const int32_t* slot_TK, const float* weight_TK, const int32_t* first_slot_P1,
-                  int64_t T, int64_t K, int P, Stream stream);
-// Per peer: the kept rows of its slots, then its block size (E + P values).
-void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* first_slot_P1, int P,
-                 Stream stream);
+                  const int32_t* rank_TK, const int32_t* slot_TK, const float* weight_TK,
+                  const int32_t* slot_bounds_P1, int64_t T, int64_t K, int P, Stream stream);
+// Per peer: the rows it gets of each slot of its window, then its block size.
+void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* slot_bounds_P1,
+                 const int32_t* window_end_P, const int32_t* cut_P1, int P, Stream stream);
 // dst_UD[block row of (t, p)] = src_TD[t].
 void scatter_token_rows(bf16* dst_UD, const bf16* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                         int P, int64_t D, Stream stream);

@@ -36,17 +36,85 @@ std::vector<int64_t> equal_slot_bounds(int64_t n_experts, int P) {
   return bounds;
 }
 
-void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* row_TK, const int32_t* slot_TK,
-                  const int32_t* first_slot_P1, int64_t T, int64_t K, int P) {
+std::vector<int64_t> slot_window_ends(const std::vector<int64_t>& slot_bounds_P1, bool split) {
+  MOE_CHECK(slot_bounds_P1.size() >= 2, "expert slots: {} slot bounds", slot_bounds_P1.size());
+  const size_t P = slot_bounds_P1.size() - 1;
+  const int64_t E = slot_bounds_P1.back();
+  std::vector<int64_t> ends(P);
+  for (size_t p = 0; p < P; ++p)
+    ends[p] = p + 1 < P && split ? std::min(E, slot_bounds_P1[p + 1] + 1) : slot_bounds_P1[p + 1];
+  return ends;
+}
+
+std::vector<int64_t> balanced_boundaries(const std::vector<int64_t>& rows_before_S1,
+                                         const std::vector<int64_t>& slot_bounds_P1, bool split) {
+  const size_t P = slot_bounds_P1.size() - 1;
+  const int64_t E = static_cast<int64_t>(rows_before_S1.size()) - 1, total = rows_before_S1.back();
+  auto edge = [&](size_t p, int64_t extra) {
+    return rows_before_S1[static_cast<size_t>(std::min(slot_bounds_P1[p] + extra, E))];
+  };
+  std::vector<int64_t> at(P + 1, 0);
+  // Walks the boundaries each as far as `most` rows past the last allows: whether the
+  // last rank then has at most `most` too.
+  auto walk = [&](int64_t most) {
+    for (size_t p = 1; p < P; ++p) at[p] = std::max(edge(p, 0), std::min(edge(p, split ? 1 : 0), at[p - 1] + most));
+    at[P] = total;
+    for (size_t p = 1; p <= P; ++p)
+      if (at[p] - at[p - 1] > most) return false;
+    return true;
+  };
+  int64_t low = (total + static_cast<int64_t>(P) - 1) / static_cast<int64_t>(P), high = std::max<int64_t>(total, low);
+  while (low < high) {
+    const int64_t mid = low + (high - low) / 2;
+    if (walk(mid)) high = mid;
+    else low = mid + 1;
+  }
+  walk(low);
+  return at;
+}
+
+void boundary_cuts(int32_t* cut_P1, const int32_t* counts_PE, const int32_t* slot_bounds_P1, bool split, int64_t E,
+                   int P) {
+  std::vector<int64_t> before(static_cast<size_t>(E) + 1, 0), bounds(slot_bounds_P1, slot_bounds_P1 + P + 1);
+  for (int64_t s = 0; s < E; ++s) {
+    int64_t rows = 0;
+    for (int p = 0; p < P; ++p) rows += counts_PE[p * E + s];
+    before[static_cast<size_t>(s) + 1] = before[static_cast<size_t>(s)] + rows;
+  }
+  const std::vector<int64_t> at = balanced_boundaries(before, bounds, split);
+  cut_P1[0] = 0;
+  cut_P1[P] = static_cast<int32_t>(E * kSlotParts);
+  for (int p = 1; p < P; ++p) {
+    // Inside slot bounds[p] (the hinge, or the edge's slot): the share of its rows before.
+    const int64_t slot = bounds[static_cast<size_t>(p)];
+    const int64_t rows = slot < E ? before[static_cast<size_t>(slot) + 1] - before[static_cast<size_t>(slot)] : 0;
+    const int64_t into = rows > 0 ? (at[static_cast<size_t>(p)] - before[static_cast<size_t>(slot)]) * kSlotParts / rows : 0;
+    cut_P1[p] = static_cast<int32_t>(slot * kSlotParts + into);
+  }
+}
+
+void route_ranks(int32_t* rank_TK, const int32_t* row_TK, const int32_t* slot_TK, const int32_t* offsets_E1,
+                 const int32_t* cut_P1, int64_t T, int64_t K, int P) {
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int32_t row = row_TK[i], slot = slot_TK[i];
+    if (row < 0) {
+      rank_TK[i] = -1;
+      continue;
+    }
+    const int64_t n = offsets_E1[slot + 1] - offsets_E1[slot], place = row - offsets_E1[slot];
+    int p = 0;
+    while (p + 1 < P && rows_before(n, cut_P1[p + 1] - int64_t{slot} * kSlotParts) <= place) ++p;
+    rank_TK[i] = p;
+  }
+}
+
+void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* rank_TK, int64_t T, int64_t K, int P) {
   MOE_CHECK(P >= 1 && T >= 0 && K >= 1, "token blocks: T={} K={} P={}", T, K, P);
   for (int p = 0; p < P; ++p) {
     int32_t next = 0;
     for (int64_t t = 0; t < T; ++t) {
       bool here = false;
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t slot = slot_TK[t * K + k];
-        here |= row_TK[t * K + k] >= 0 && slot >= first_slot_P1[p] && slot < first_slot_P1[p + 1];
-      }
+      for (int64_t k = 0; k < K; ++k) here |= rank_TK[t * K + k] == p;
       pos_TP[t * P + p] = here ? next++ : -1;
     }
     tokens_P[p] = next;
@@ -54,23 +122,25 @@ void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* row_TK, con
 }
 
 void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
-                  const int32_t* row_TK, const int32_t* slot_TK, const float* weight_TK, const int32_t* first_slot_P1,
-                  int64_t T, int64_t K, int P) {
+                  const int32_t* rank_TK, const int32_t* slot_TK, const float* weight_TK,
+                  const int32_t* slot_bounds_P1, int64_t T, int64_t K, int P) {
   for_each_block_row(pos_TP, tokens_P, T, P, [&](int64_t t, int p, int64_t u) {
     for (int64_t k = 0; k < K; ++k) {
-      const int32_t slot = slot_TK[t * K + k];
-      const bool here = row_TK[t * K + k] >= 0 && slot >= first_slot_P1[p] && slot < first_slot_P1[p + 1];
-      slot_UK[u * K + k] = here ? slot - first_slot_P1[p] : -1;
+      slot_UK[u * K + k] = rank_TK[t * K + k] == p ? slot_TK[t * K + k] - slot_bounds_P1[p] : -1;
       weight_UK[u * K + k] = weight_TK[t * K + k];
     }
   });
 }
 
-void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* first_slot_P1, int P) {
+void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* slot_bounds_P1,
+                 const int32_t* window_end_P, const int32_t* cut_P1, int P) {
   for (int p = 0; p < P; ++p) {
-    int32_t* part = out + first_slot_P1[p] + p;
-    for (int32_t slot = first_slot_P1[p]; slot < first_slot_P1[p + 1]; ++slot) *part++ = counts_E[slot];
-    *part = tokens_P[p];
+    for (int32_t slot = slot_bounds_P1[p]; slot < window_end_P[p]; ++slot) {
+      const int64_t start = int64_t{slot} * kSlotParts;
+      *out++ = static_cast<int32_t>(rows_before(counts_E[slot], cut_P1[p + 1] - start) -
+                                    rows_before(counts_E[slot], cut_P1[p] - start));
+    }
+    *out++ = tokens_P[p];
   }
 }
 

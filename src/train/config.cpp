@@ -111,6 +111,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("parallel", "grad_reduce_dtype", c.parallel.grad_reduce_dtype);
   visit("parallel", "rebalance_interval", c.parallel.rebalance_interval);
   visit("parallel", "rebalance_max_experts", c.parallel.rebalance_max_experts);
+  visit("parallel", "split_experts", c.parallel.split_experts);
   visit("parallel", "backend", c.parallel.backend);
 }
 
@@ -392,6 +393,9 @@ void check_parallel(const RunConfig& c) {
                      "({}) and moe.n_experts ({})",
                      p.rebalance_max_experts, equal_share, c.model.moe.n_experts));
   one_of("parallel.backend", p.backend, {"auto", "mpi", "single", "tcp", "nccl"});
+  if (p.split_experts && p.expert_parallel < 2)
+    fail({"parallel.split_experts", "parallel.expert_parallel"},
+         "parallel.split_experts shares experts between expert-parallel ranks: it needs parallel.expert_parallel >= 2");
 }
 
 void check_all(const RunConfig& c) {

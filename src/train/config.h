@@ -85,6 +85,7 @@ struct ParallelConfig {
   bool shard_optimizer = true;        // GPU data parallel: ZeRO-1 (gradients reduce-scattered, 1/N of the AdamW step per rank)
   int64_t rebalance_interval = 0;     // steps between re-placements of the experts by measured load; 0: never
   int64_t rebalance_max_experts = 0;  // most experts one EP rank may hold after a re-placement; 0: n_experts / EP (equal)
+  bool split_experts = false;         // GPU EP: each rank's first expert shared with the rank before, rows evened per micro-batch
   std::string backend = "auto";       // auto | mpi | single | tcp | nccl (auto: from the launcher, see src/dist/communicator.cpp)
 };
 

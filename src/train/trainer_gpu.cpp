@@ -125,6 +125,7 @@ void Trainer::configure_gpu_model() {
   gpu_->set_recompute_experts(expert_recompute_from_name(config_.training.recompute_experts));
   gpu_->enable_graphs(config_.training.cuda_graphs);
   gpu_->set_expert_exchange(gpu_expert_exchange_);
+  gpu_->set_split_experts(gpu_expert_exchange_ && config_.parallel.split_experts);
   // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
   if (gpu_expert_exchange_ && config_.parallel.rebalance_interval > 0)
     gpu_->set_max_local_experts(config_.parallel.rebalance_max_experts);
@@ -310,14 +311,21 @@ class GpuBackend final : public ModelBackend {
     std::function<void(std::vector<double>&)> sum_squares;
     if (sharded())
       sum_squares = [this](std::vector<double>& squares) { dp_->sum(squares.data(), static_cast<int64_t>(squares.size())); };
-    if (max_expert_norm > 0 || ep_)
-      for (double norm : gpu_.clip_expert_grads(max_expert_norm, sum_squares)) {
+    // Split experts: a hinge's summed gradient is on every EP rank; each counts 1 / P of it.
+    double counted_experts_sq = 0;
+    const std::vector<char> hinge = ep_ ? gpu_.split_expert_flags() : std::vector<char>();
+    if (max_expert_norm > 0 || ep_) {
+      const std::vector<double> norms = gpu_.clip_expert_grads(max_expert_norm, sum_squares);
+      for (size_t x = 0; x < norms.size(); ++x) {
+        const double norm = norms[x];
         clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
         const bool clipped = max_expert_norm > 0 && norm > max_expert_norm;
         if (clipped) ++clip.experts_clipped;
         const double kept = clipped ? norm * (max_expert_norm / (norm + 1e-6)) : norm;
         own_experts_sq += kept * kept;
+        counted_experts_sq += x < hinge.size() && hinge[x] ? kept * kept / ep_->size() : kept * kept;
       }
+    }
     clip.global_norm = gpu_.grad_norm();
     if (sharded()) {
       // ZeRO-1: each rank holds the sums of its pieces only; its norm covers them (and, on
@@ -329,7 +337,7 @@ class GpuBackend final : public ModelBackend {
       // experts' (zero elsewhere): the global norm is the shared part once plus every
       // EP rank's experts, the same double on every rank.
       const double total_sq = clip.global_norm * clip.global_norm;
-      double parts[2] = {std::max(0.0, total_sq - own_experts_sq), own_experts_sq};
+      double parts[2] = {std::max(0.0, total_sq - own_experts_sq), counted_experts_sq};
       dp_->sum(parts, 2);
       const double expert_replicas = static_cast<double>(dp_->size() / ep_->size());
       clip.global_norm = std::sqrt(parts[0] / dp_->size() + parts[1] / expert_replicas);
@@ -434,8 +442,9 @@ class GpuBackend final : public ModelBackend {
     const bool grouped = groups > 1 && P % groups == 0;
     std::vector<std::vector<std::vector<int64_t>>> current;
     for (size_t l = 0; l < load_since_placement_.size(); ++l) current.push_back(gpu_.expert_placement(l));
-    const dist::LayerPlacements next = dist::rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
-                                                              config_.parallel.rebalance_max_experts);
+    const dist::LayerPlacements next =
+        dist::rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
+                               config_.parallel.rebalance_max_experts, config_.parallel.split_experts);
     if (next.moves) {
       gpu_.place_experts(next.experts_of_rank);
       apply_own_expert_ranges();
@@ -459,10 +468,12 @@ class GpuBackend final : public ModelBackend {
   // the ranks holding the same experts.
   void apply_own_expert_ranges() {
     const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
-    const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
-        host_model_.params(), stage_of, host_model_.backward_stages(), gpu_.own_expert_ranges());
+    const dist::ExpertParallelRanges ranges =
+        dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of, host_model_.backward_stages(),
+                                          gpu_.own_expert_ranges(), gpu_.split_expert_ranges());
     GpuParameterStore& params = gpu_.parameters();
     params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
+    dp_->set_stage_ranges(ranges.shared);  // the hinges moved with the placement
     if (edp_) edp_->set_stage_ranges(ranges.own_experts);
   }
 
@@ -511,8 +522,9 @@ std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
     if (ep > 1) {
       // Only the shared gradients over all ranks; this rank's experts over their replicas
       // (none when the EP group is the world). Graphs are refused with EP, so this always overlaps.
-      const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
-          model_->params(), stage_of, model_->backward_stages(), gpu_->own_expert_ranges());
+      const dist::ExpertParallelRanges ranges =
+          dist::gradient_ranges_by_stage_ep(model_->params(), stage_of, model_->backward_stages(),
+                                            gpu_->own_expert_ranges(), gpu_->split_expert_ranges());
       dp->set_stage_ranges(ranges.shared);
       // AdamW over the shared parameters and this rank's experts only (the norm stays over
       // the whole block: the other experts' gradients are zero here).

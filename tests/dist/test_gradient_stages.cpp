@@ -172,5 +172,61 @@ TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
                Error);
 }
 
+// Split experts: every rank sums the hinge slots over all ranks (they are in `shared`, the
+// same on every rank, its own hinge or not), they leave `own_experts`, and a rank steps
+// the hinges of its window only.
+TEST(GradientStages, ExpertParallelHingesAreSummedOverAllRanks) {
+  Transformer<float> model(tiny(false), 1);
+  const auto& params = model.params();
+  const int n_stages = model.backward_stages();
+  const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
+  std::vector<int> experts;
+  for (int id = 0; id < params.size(); ++id)
+    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
+  // 4 experts over 2 ranks, split: rank 0's window is slots 0-2, rank 1's 2-3; slot 2 the hinge.
+  BlockRanges window0, window1, hinges;
+  for (int id : experts) {
+    const int64_t per_expert = params.numel(id) / 4;
+    window0.emplace_back(params.offset(id), 3 * per_expert);
+    window1.emplace_back(params.offset(id) + 2 * per_expert, 2 * per_expert);
+    hinges.emplace_back(params.offset(id) + 2 * per_expert, per_expert);
+  }
+  std::sort(window0.begin(), window0.end());
+  std::sort(window1.begin(), window1.end());
+  std::sort(hinges.begin(), hinges.end());
+  const ExpertParallelRanges rank0 = gradient_ranges_by_stage_ep(params, stage_of, n_stages, window0, hinges);
+  const ExpertParallelRanges rank1 = gradient_ranges_by_stage_ep(params, stage_of, n_stages, window1, hinges);
+  EXPECT_EQ(rank0.shared, rank1.shared) << "the sums over all ranks must match";
+  auto marks = [&](const std::vector<BlockRanges>& stages) {
+    std::vector<char> in(static_cast<size_t>(params.storage_numel()), 0);
+    for (const BlockRanges& stage : stages)
+      for (const auto& [offset, count] : stage)
+        for (int64_t e = offset; e < offset + count; ++e) in[static_cast<size_t>(e)] = 1;
+    return in;
+  };
+  const std::vector<char> shared = marks(rank0.shared), own0 = marks(rank0.own_experts), own1 = marks(rank1.own_experts);
+  const std::vector<char> stepped0 = marks({rank0.stepped()}), stepped1 = marks({rank1.stepped()});
+  for (int id : experts) {
+    const int64_t per_expert = params.numel(id) / 4;
+    for (int64_t i = 0; i < params.numel(id); ++i) {
+      const size_t at = static_cast<size_t>(params.offset(id) + i);
+      const int64_t slot = i / per_expert;
+      ASSERT_EQ(shared[at], slot == 2) << params.spec(id).name << " " << i;
+      ASSERT_EQ(own0[at], slot < 2);
+      ASSERT_EQ(own1[at], slot == 3);
+      ASSERT_EQ(stepped0[at], slot <= 2);
+      ASSERT_EQ(stepped1[at], slot >= 2);
+    }
+  }
+  // Every non-expert element is shared and stepped by both.
+  const int router = 0;
+  ASSERT_TRUE(params.spec(router).expert_group.empty());
+  EXPECT_TRUE(shared[static_cast<size_t>(params.offset(router))] && stepped0[static_cast<size_t>(params.offset(router))] &&
+              stepped1[static_cast<size_t>(params.offset(router))]);
+  EXPECT_EQ(subtract_ranges({{0, 10}, {20, 10}}, {{2, 3}, {9, 12}, {29, 5}}),
+            (BlockRanges{{0, 2}, {5, 4}, {21, 8}}));
+  EXPECT_EQ(subtract_ranges({{0, 10}}, {}), (BlockRanges{{0, 10}}));
+}
+
 }  // namespace
 }  // namespace moe::dist

@@ -65,6 +65,45 @@ TEST(ExpertPlacement, RebalanceLayersMovesOnlyWhatImproves) {
   EXPECT_THROW(dist::rebalance_layers(load, {blocks}, 2, 1, 7), Error);  // two layers' loads, one placement
 }
 
+// Split experts: the heaviest experts start the blocks after the first (hinges, each
+// counted half on both sides), the rest go to the least loaded rank; a rank's load is then
+// its share as far as the hinges allow. A collapsed layer (one expert with 70% of the
+// load) over 4 ranks: whole experts leave a rank with 700 of 1400, the hinges bring
+// every rank to 350 as long as the cut falls inside them.
+TEST(ExpertPlacement, HingedPlacementEvensTheRanks) {
+  const std::vector<int64_t> load = {980, 60, 60, 60, 60, 60, 60, 60};  // 1400, 350 per rank of 4
+  const auto blocks = dist::hinged_placement(load, 4, 1, 0);
+  ASSERT_EQ(blocks.size(), 4u);
+  EXPECT_EQ(blocks[1].front(), 0) << "the hot expert is the first hinge";
+  for (size_t r = 0; r < blocks.size(); ++r) {
+    const size_t window = blocks[r].size() + (r + 1 < blocks.size() ? 1 : 0);
+    EXPECT_LE(window, 3u) << "room: E / P + 1 per window";
+  }
+  const std::vector<int64_t> loads = dist::split_rank_loads(load, blocks, true);
+  EXPECT_EQ(std::accumulate(loads.begin(), loads.end(), int64_t{0}), 1400);
+  // The hot expert is split between ranks 0 and 1 only: together they take at most 980 +
+  // rank 0's others, the rest even.
+  EXPECT_LE(*std::max_element(loads.begin(), loads.end()), 550);
+  const std::vector<int64_t> whole = dist::split_rank_loads(load, blocks, false);
+  EXPECT_GE(*std::max_element(whole.begin(), whole.end()), 980) << "without the split the hinge counts whole";
+  // Re-placement with split: from equal blocks the busiest rank drops from 1160 (expert 0
+  // and its block) to what the hinges leave.
+  const std::vector<std::vector<int64_t>> equal = {{0, 1}, {2, 3}, {4, 5}, {6, 7}};
+  const dist::LayerPlacements next = dist::rebalance_layers({load}, {equal}, 4, 1, 0, /*split=*/true);
+  EXPECT_TRUE(next.moves);
+  EXPECT_EQ(next.experts_of_rank[0], blocks);
+  EXPECT_LT(next.busiest_after, next.busiest_before);
+  // Even loads: the hinges cut every rank to the exact share.
+  const std::vector<int64_t> even(8, 100);
+  const auto even_loads = dist::split_rank_loads(even, dist::hinged_placement(even, 4, 1, 0), true);
+  EXPECT_EQ(even_loads, (std::vector<int64_t>{200, 200, 200, 200}));
+  // Groups: each hinge is an expert of the group whose block it starts.
+  const auto grouped = dist::hinged_placement(load, 4, 2, 0);
+  for (size_t r = 1; r < 4; ++r) EXPECT_EQ(grouped[r].front() / 4, static_cast<int64_t>(r / 2)) << "rank " << r;
+  for (size_t r = 0; r < 4; ++r)
+    for (size_t i = r > 0 ? 1 : 0; i < grouped[r].size(); ++i) EXPECT_EQ(grouped[r][i] / 4, static_cast<int64_t>(r / 2));
+}
+
 // Dynamic load balancing's placement: the same number of experts per rank, the heaviest
 // experts apart, and a spread no worse than the contiguous blocks on random loads.
 TEST(ExpertPlacement, BalancedByLoad) {

@@ -125,13 +125,20 @@ TEST(GpuDispatchKernels, LookupMapsEveryIndexThroughTheTable) {
 
 // Expert parallelism's token exchange (kernels/cuda/token_exchange.cu) against the CPU
 // references (moe/token_exchange.h): three ranks with unequal slot counts (one with none),
-// a capacity that drops, D both vectorised and not; and the receiving rank's layout,
-// assign_rows with "elsewhere" (-1) entries.
-TEST(GpuDispatchKernels, TokenExchangeMatchesCpu) {
+// a capacity that drops, D both vectorised and not; with split experts (the one slot of
+// the empty block shared by all three ranks) and without; and the receiving rank's
+// layout, assign_rows with "elsewhere" (-1) entries.
+class GpuTokenExchange : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GpuTokenExchange, MatchesCpu) {
   MOE_REQUIRE_GPU();
+  const bool split = GetParam();
   const int64_t T = 1500, K = 4, E = 9;
   const int P = 3;
   const std::vector<int32_t> bounds = {0, 2, 2, 9};
+  std::vector<int32_t> window_end;
+  for (int64_t end : slot_window_ends(std::vector<int64_t>(bounds.begin(), bounds.end()), split))
+    window_end.push_back(static_cast<int32_t>(end));
   CounterRng rng(9, "token exchange");
   std::vector<int32_t> slot(T * K);
   std::vector<float> weight(T * K);
@@ -142,25 +149,47 @@ TEST(GpuDispatchKernels, TokenExchangeMatchesCpu) {
   std::vector<int32_t> row(T * K), counts(E), offsets(E + 1), token_of_row(T * K);
   assign_rows(row.data(), counts.data(), offsets.data(), token_of_row.data(), slot.data(), T, E, K,
               expert_capacity(1.0, T, K, E));
+  // The other home ranks' counts: most rows in slot 2, so with split experts both cuts
+  // fall inside it (rank 1 computes only a middle part of it).
+  std::vector<int32_t> counts_PE(counts.begin(), counts.end());
+  for (int p = 1; p < P; ++p)
+    for (int64_t e = 0; e < E; ++e) counts_PE.push_back(static_cast<int32_t>((e < 2 ? 2000 : e == 2 ? 6000 : 300) + 37 * p));
+  std::vector<int32_t> cuts(P + 1), rank(T * K);
+  boundary_cuts(cuts.data(), counts_PE.data(), bounds.data(), split, E, P);
+  if (split) {
+    EXPECT_GT(cuts[1], 2 * kSlotParts);
+    EXPECT_LT(cuts[2], 3 * kSlotParts) << "both cuts inside the shared slot";
+  }
+  route_ranks(rank.data(), row.data(), slot.data(), offsets.data(), cuts.data(), T, K, P);
   std::vector<int32_t> pos(T * P), tokens(P);
-  token_blocks(pos.data(), tokens.data(), row.data(), slot.data(), bounds.data(), T, K, P);
+  token_blocks(pos.data(), tokens.data(), rank.data(), T, K, P);
   const int64_t U = tokens[0] + tokens[1] + tokens[2];
   auto row_d = to_device(row), slot_d = to_device(slot), bounds_d = to_device(bounds), counts_d = to_device(counts);
   auto weight_d = to_device(weight);
+  auto offsets_d = to_device(offsets), counts_pe_d = to_device(counts_PE);
+  auto window_end_d = to_device(window_end);
+  auto cuts_d = poisoned<int32_t>(P + 1), rank_d = poisoned<int32_t>(T * K);
+  cuda::boundary_cuts(cuts_d.data(), counts_pe_d.data(), bounds_d.data(), split, E, P, nullptr);
+  EXPECT_EQ(to_host(cuts_d), cuts);
+  cuda::route_ranks(rank_d.data(), row_d.data(), slot_d.data(), offsets_d.data(), cuts_d.data(), T, K, P, nullptr);
+  EXPECT_EQ(to_host(rank_d), rank);
   auto pos_d = poisoned<int32_t>(T * P), tokens_d = poisoned<int32_t>(P);
-  cuda::token_blocks(pos_d.data(), tokens_d.data(), row_d.data(), slot_d.data(), bounds_d.data(), T, K, P, nullptr);
+  cuda::token_blocks(pos_d.data(), tokens_d.data(), rank_d.data(), T, K, P, nullptr);
   EXPECT_EQ(to_host(pos_d), pos);
   EXPECT_EQ(to_host(tokens_d), tokens);
-  std::vector<int32_t> routed(U * K), packed(E + P);
+  int64_t packed_size = 0;
+  for (int p = 0; p < P; ++p) packed_size += window_end[p] - bounds[p] + 1;
+  std::vector<int32_t> routed(U * K), packed(packed_size);
   std::vector<float> weights(U * K);
-  pack_routing(routed.data(), weights.data(), pos.data(), tokens.data(), row.data(), slot.data(), weight.data(),
+  pack_routing(routed.data(), weights.data(), pos.data(), tokens.data(), rank.data(), slot.data(), weight.data(),
                bounds.data(), T, K, P);
-  pack_counts(packed.data(), counts.data(), tokens.data(), bounds.data(), P);
-  auto routed_d = poisoned<int32_t>(U * K), packed_d = poisoned<int32_t>(E + P);
+  pack_counts(packed.data(), counts.data(), tokens.data(), bounds.data(), window_end.data(), cuts.data(), P);
+  auto routed_d = poisoned<int32_t>(U * K), packed_d = poisoned<int32_t>(packed_size);
   auto weights_d = poisoned<float>(U * K);
-  cuda::pack_routing(routed_d.data(), weights_d.data(), pos_d.data(), tokens_d.data(), row_d.data(), slot_d.data(),
+  cuda::pack_routing(routed_d.data(), weights_d.data(), pos_d.data(), tokens_d.data(), rank_d.data(), slot_d.data(),
                      weight_d.data(), bounds_d.data(), T, K, P, nullptr);
-  cuda::pack_counts(packed_d.data(), counts_d.data(), tokens_d.data(), bounds_d.data(), P, nullptr);
+  cuda::pack_counts(packed_d.data(), counts_d.data(), tokens_d.data(), bounds_d.data(), window_end_d.data(),
+                    cuts_d.data(), P, nullptr);
   EXPECT_EQ(to_host(routed_d), routed);
   EXPECT_EQ(to_host(weights_d), weights);
   EXPECT_EQ(to_host(packed_d), packed);
@@ -200,6 +229,8 @@ TEST(GpuDispatchKernels, TokenExchangeMatchesCpu) {
   cuda::sum_token_values(value_sums_d.data(), values_d.data(), pos_d.data(), tokens_d.data(), T, K, P, nullptr);
   EXPECT_EQ(to_host(value_sums_d), value_sums);
 }
+
+INSTANTIATE_TEST_SUITE_P(Split, GpuTokenExchange, ::testing::Bool());
 
 // permute_backward with accumulate, the scalar fallback for rows that are not 16-byte
 // aligned (same results as the vector path up to rounding), and bitwise-repeatable combine

@@ -33,6 +33,7 @@ struct PairShared {
     const void* send = nullptr;
     void* recv = nullptr;
     std::vector<int64_t> recv_counts;
+    const float* grads = nullptr;  // split experts: the host copy of the rank's gradients
   };
   std::array<Posted, 2> posted;
 };
@@ -108,6 +109,7 @@ struct RankRun {
   std::vector<float> grads, second_grads;
   std::vector<std::vector<int64_t>> load;
   std::vector<float> values, m, v;  // after a second AdamW step, every expert gathered from its rank
+  std::vector<float> held;  // the same weights before the gather: current for the rank's window only
 };
 
 using Placement = std::vector<std::vector<std::vector<int64_t>>>;
@@ -124,16 +126,37 @@ std::vector<float> all_grads(GpuTransformer& gpu, Transformer<float>& host) {
 // rank's experts only (the others' copies then keep their values until sent).
 void step_own_experts_only(GpuTransformer& gpu, Transformer<float>& host) {
   const auto stage_of = [&](const std::string& name) { return host.backward_stage_of(name); };
-  const dist::ExpertParallelRanges ranges =
-      dist::gradient_ranges_by_stage_ep(host.params(), stage_of, host.backward_stages(), gpu.own_expert_ranges());
+  const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
+      host.params(), stage_of, host.backward_stages(), gpu.own_expert_ranges(), gpu.split_expert_ranges());
   gpu.parameters().set_step_ranges(ranges.stepped(), {{0, gpu.parameters().storage_numel()}});
+}
+
+// Split experts: each hinge's partial gradients summed over the two ranks (the trainer's
+// all-rank sum of split_expert_ranges), in the device's slot layout.
+void sum_hinge_grads(GpuTransformer& gpu, PairShared& shared, int rank) {
+  GpuParameterStore& store = gpu.parameters();
+  std::vector<float> grads(static_cast<size_t>(store.storage_numel()));
+  ASSERT_EQ(cudaStreamSynchronize(static_cast<cudaStream_t>(gpu.stream())), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(grads.data(), store.grads(), grads.size() * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  shared.posted[static_cast<size_t>(rank)].grads = grads.data();
+  shared.sync.arrive_and_wait();
+  const float* other = shared.posted[static_cast<size_t>(1 - rank)].grads;
+  std::vector<float> sums;
+  const auto ranges = gpu.split_expert_ranges();
+  for (const auto& [offset, count] : ranges)
+    for (int64_t i = offset; i < offset + count; ++i) sums.push_back(grads[static_cast<size_t>(i)] + other[i]);
+  shared.sync.arrive_and_wait();  // both have read
+  size_t at = 0;
+  for (const auto& [offset, count] : ranges)
+    for (int64_t i = offset; i < offset + count; ++i) grads[static_cast<size_t>(i)] = sums[at++];
+  ASSERT_EQ(cudaMemcpy(store.grads(), grads.data(), grads.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
 }
 
 // Both ranks, one micro-batch of one sequence each (rank r: batch seed 40 + r), an AdamW
 // step (which leaves the copies of other ranks' experts stale: they get no gradient), an
 // optional re-placement, and a second micro-batch (seed 50 + r).
 std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& placement, int* broadcasts = nullptr,
-                                bool own_steps = false) {
+                                bool own_steps = false, bool split = false, double lr = 1e-2) {
   PairShared shared;
   std::array<RankRun, 2> runs;
   auto rank_main = [&](int rank) {
@@ -142,14 +165,16 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     auto exchange = std::make_shared<PairExchange>(shared, rank);
     gpu.set_expert_exchange(exchange);
     gpu.set_max_local_experts(config.moe.n_experts);
+    gpu.set_split_experts(split);
     gpu.plan(1);
     if (own_steps) step_own_experts_only(gpu, host);
     RankRun& run = runs[static_cast<size_t>(rank)];
     gpu.zero_grads();
     const auto inputs = tokens(config, 1, 40 + rank, 0), targets = tokens(config, 1, 40 + rank, 1);
     run.loss = gpu.forward_backward(inputs.data(), targets.data(), 1.0);
-    run.grads = all_grads(gpu, host);
-    gpu.adamw_step(1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0f, 1);
+    run.grads = all_grads(gpu, host);  // before the hinges' sum: each rank's part
+    if (split) sum_hinge_grads(gpu, shared, rank);
+    gpu.adamw_step(lr, 0.9, 0.95, 1e-8, 0.1, 1.0f, 1);
     if (!placement.empty()) gpu.place_experts(placement);
     if (own_steps) step_own_experts_only(gpu, host);
     gpu.zero_grads();
@@ -157,9 +182,13 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     const auto inputs2 = tokens(config, 1, 50 + rank, 0), targets2 = tokens(config, 1, 50 + rank, 1);
     run.second_loss = gpu.forward_backward(inputs2.data(), targets2.data(), 1.0);
     run.second_grads = all_grads(gpu, host);
+    if (split) sum_hinge_grads(gpu, shared, rank);
     run.load = gpu.expert_load();
     // What a checkpoint writes: every expert's weights and moments from the rank holding it.
-    gpu.adamw_step(1e-2, 0.9, 0.95, 1e-8, 0.1, 1.0f, 2);
+    gpu.adamw_step(lr, 0.9, 0.95, 1e-8, 0.1, 1.0f, 2);
+    gpu.download_params(host.params());
+    for (int id = 0; id < host.params().size(); ++id)
+      run.held.insert(run.held.end(), host.params().value(id), host.params().value(id) + host.params().numel(id));
     gpu.gather_expert_weights(/*with_moments=*/true);
     gpu.download_state(host.params(), run.m, run.v);
     auto& params = host.params();
@@ -278,6 +307,82 @@ TEST_P(GpuExpertParallelPair, TwoRanksMatchOneGpuAndReplacementChangesNoBit) {
     EXPECT_EQ(own1[r].second_loss.ce_loss, moved1[r].second_loss.ce_loss) << "rank " << r;
     EXPECT_TRUE(own1[r].values == moved1[r].values) << "rank " << r << ": stepping own experts only";
     EXPECT_TRUE(own1[r].m == moved1[r].m && own1[r].v == moved1[r].v) << "rank " << r << ": moments";
+  }
+}
+
+// Split experts: each rank also holds the first expert of the next rank's block (rank 0
+// computes part of expert 4 in equal blocks), every micro-batch's cut divides its rows.
+// Against one GPU: each element's gradient is the two ranks' sum (the hinge's partial
+// sums, the others' from their holder alone); after the hinge sums and own-expert steps
+// (both ranks step the hinge), training follows the whole-expert pair closely, re-placed
+// too (an empty block: the rank computes only a part of its hinge).
+TEST_P(GpuExpertParallelPair, SplitExpertsMatchOneGpuAndWholeExperts) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig config = pair_config(GetParam());
+  Transformer<float> host(config, 11);
+  GpuTransformer one(config, host.params());
+  one.plan(2);
+  one.zero_grads();
+  std::vector<int32_t> inputs = tokens(config, 1, 40, 0), targets = tokens(config, 1, 40, 1);
+  for (int32_t t : tokens(config, 1, 41, 0)) inputs.push_back(t);
+  for (int32_t t : tokens(config, 1, 41, 1)) targets.push_back(t);
+  const ForwardResult want_loss = one.forward_backward(inputs.data(), targets.data(), 1.0);
+  const std::vector<float> want = all_grads(one, host);
+
+  // A small learning rate: at 1e-2 a first AdamW step moves these weights by half their
+  // size, and the runs' rounding differences then grow into different second steps.
+  const double lr = 1e-4;
+  const std::array<RankRun, 2> split = run_pair(config, {}, nullptr, /*own_steps=*/true, /*split=*/true, lr);
+  const std::array<RankRun, 2> whole = run_pair(config, {}, nullptr, /*own_steps=*/true, false, lr);
+  const std::vector<int64_t> expert = expert_of_element(config);
+  double max_abs = 0, max_err = 0;
+  size_t stray = 0, hinge_on_0 = 0, hinge_on_1 = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const float got = (split[0].grads[i] + split[1].grads[i]) / 2;
+    max_abs = std::max(max_abs, std::fabs(static_cast<double>(want[i])));
+    max_err = std::max(max_err, std::fabs(static_cast<double>(got) - want[i]));
+    if (expert[i] == 4) {
+      hinge_on_0 += split[0].grads[i] != 0.0f;
+      hinge_on_1 += split[1].grads[i] != 0.0f;
+    } else if (expert[i] >= 0) {
+      stray += split[1 - expert[i] / 4].grads[i] != 0.0f;
+    }
+  }
+  EXPECT_EQ(stray, 0u) << "a rank has gradients for experts outside its window";
+  EXPECT_GT(hinge_on_0, 0u) << "rank 0 computed none of its hinge's rows";
+  EXPECT_GT(hinge_on_1, 0u) << "rank 1 computed none of expert 4's rows";
+  if (GetParam() == 0) {
+    EXPECT_NEAR((split[0].loss.ce_loss + split[1].loss.ce_loss) / 2, want_loss.ce_loss, 2e-3 * want_loss.ce_loss);
+    EXPECT_LT(max_err, 2e-2 * max_abs) << "largest gradient " << max_abs;
+  }
+  // After a step: close to whole experts (the hinge's gradient a sum of two partial sums,
+  // the tokens' partial combines grouped differently), the same experts on both ranks.
+  // AdamW's first steps move each weight by about the learning rate whatever the
+  // gradient's size, so a near-zero gradient rounded the other way moves that weight by
+  // up to 2 lr: count the weights further off than lr / 2 (a step the other way).
+  auto far_off = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    size_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += std::fabs(static_cast<double>(a[i]) - b[i]) > lr / 2;
+    return static_cast<double>(n) / static_cast<double>(a.size());
+  };
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NEAR(split[r].second_loss.ce_loss, whole[r].second_loss.ce_loss, 2e-3 * whole[r].second_loss.ce_loss);
+    EXPECT_LT(far_off(split[r].values, whole[r].values), 0.01) << "rank " << r << ": weights after two steps";
+  }
+  size_t expert_mismatch = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (expert[i] >= 0) expert_mismatch += split[0].values[i] != split[1].values[i];
+  EXPECT_EQ(expert_mismatch, 0u) << "the ranks' gathered experts differ";
+  // Both ranks stepped the hinge with the same summed gradient: the same bits before any gather.
+  size_t hinge_mismatch = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (expert[i] == 4) hinge_mismatch += split[0].held[i] != split[1].held[i];
+  EXPECT_EQ(hinge_mismatch, 0u) << "the hinge's two copies differ";
+  const Placement replaced = {{{5}, {0, 1, 2, 3, 4, 6, 7}}, {{7, 2, 4}, {6, 0, 1, 3, 5}}, {{}, {3, 1, 0, 2, 4, 5, 6, 7}}};
+  const std::array<RankRun, 2> moved = run_pair(config, replaced, nullptr, true, true, lr);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NEAR(moved[r].second_loss.ce_loss, whole[r].second_loss.ce_loss, 2e-3 * whole[r].second_loss.ce_loss);
+    EXPECT_LT(far_off(moved[r].values, whole[r].values), 0.01) << "rank " << r << ": re-placed, split";
   }
 }
 

@@ -200,6 +200,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"parallel.rebalance_max_experts=9", {"parallel.rebalance_max_experts"}},
       {"parallel.grad_reduce_dtype=fp16", {"parallel.grad_reduce_dtype"}},
       {"parallel.rebalance_interval=-1", {"parallel.rebalance_interval"}},
+      {"parallel.split_experts=true", {"parallel.split_experts", "parallel.expert_parallel"}},
       {"moe.route_groups=3", {"moe.route_groups", "moe.n_experts"}},
       {"moe.route_groups=4", {"moe.route_top_groups"}},
       {"parallel.bucket_mb=-1", {"parallel.bucket_mb"}},
@@ -279,6 +280,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.grad_reduce_dtype = "bf16"; },
       [](RunConfig& c) { c.parallel.shard_optimizer = false; },
       [](RunConfig& c) { c.parallel.rebalance_max_experts = 8; },
+      [](RunConfig& c) { c.parallel.expert_parallel = 2; c.parallel.split_experts = true; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
       [](RunConfig& c) { c.parallel.backend = "mpi"; },
   };
@@ -310,7 +312,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(sizeof(DataConfig), 144u);
   EXPECT_EQ(sizeof(MetricsConfig), 88u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
-  EXPECT_EQ(sizeof(ParallelConfig), 152u);
+  EXPECT_EQ(sizeof(ParallelConfig), 160u);
 }
 
 TEST(Config, DocsDescribeEveryKey) {

@@ -100,20 +100,38 @@ void GpuTransformer::State::plan_expert_exchange(Layer& layer, const int32_t* sl
   MoEBuffers& m = layer.act->moe;
   const int P = ep->size();
   const int64_t T = tokens, K = config.moe.top_k, E = config.moe.n_experts, L = local_experts(layer);
-  cuda::token_blocks(m.token_pos.data(), m.tokens_P.data(), m.row.data(), slot_TK, layer.first_slot.data(), T, K, P,
-                     stream);
-  // Each peer gets the kept rows of its slots and the size of its block; we get every
-  // source's for ours.
-  cuda::pack_counts(ep_counts_send.data(), m.counts.data(), m.tokens_P.data(), layer.first_slot.data(), P, stream);
+  // Which rank computes each kept assignment: by the block edges, or with split experts by
+  // this micro-batch's cuts from every rank's kept rows per slot.
+  const int32_t* cut = layer.edge_cut.data();
+  if (split_experts) {
+    for (int p = 0; p < P; ++p)
+      MOE_CUDA_CHECK(cudaMemcpyAsync(ep_all_counts_send.data() + p * E, m.counts.data(),
+                                     static_cast<size_t>(E) * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+    mark(kAllToAll);
+    const std::vector<int64_t> per_rank(static_cast<size_t>(P), E);
+    ep->exchange(ep_all_counts_send.data(), per_rank, ep_all_counts.data(), per_rank, sizeof(int32_t));
+    mark(kDispatch);
+    cuda::boundary_cuts(ep_cut.data(), ep_all_counts.data(), layer.first_slot.data(), true, E, P, stream);
+    cut = ep_cut.data();
+  }
+  cuda::route_ranks(ep_rank_TK.data(), m.row.data(), slot_TK, m.offsets.data(), cut, T, K, P, stream);
+  cuda::token_blocks(m.token_pos.data(), m.tokens_P.data(), ep_rank_TK.data(), T, K, P, stream);
+  // Each peer gets the rows of each slot of its window and the size of its block; we get
+  // every source's for ours.
+  cuda::pack_counts(ep_counts_send.data(), m.counts.data(), m.tokens_P.data(), layer.first_slot.data(),
+                    layer.window_end.data(), cut, P, stream);
   std::vector<int64_t> send_counts(static_cast<size_t>(P)), recv_counts(static_cast<size_t>(P), L + 1);
-  for (int p = 0; p < P; ++p)
+  int64_t send_total = 0;
+  for (int p = 0; p < P; ++p) {
     send_counts[static_cast<size_t>(p)] =
-        layer.first_slot_P1[static_cast<size_t>(p) + 1] - layer.first_slot_P1[static_cast<size_t>(p)] + 1;
+        layer.window_end_P[static_cast<size_t>(p)] - layer.first_slot_P1[static_cast<size_t>(p)] + 1;
+    send_total += send_counts[static_cast<size_t>(p)];
+  }
   mark(kAllToAll);
   ep->exchange(ep_counts_send.data(), send_counts, ep_counts_recv.data(), recv_counts, sizeof(int32_t));
   int32_t* sent = ep_host_counts;
-  int32_t* received = ep_host_counts + E + P;
-  MOE_CUDA_CHECK(cudaMemcpyAsync(sent, ep_counts_send.data(), static_cast<size_t>(E + P) * sizeof(int32_t),
+  int32_t* received = ep_host_counts + E + 2 * P;
+  MOE_CUDA_CHECK(cudaMemcpyAsync(sent, ep_counts_send.data(), static_cast<size_t>(send_total) * sizeof(int32_t),
                                  cudaMemcpyDeviceToHost, stream));
   MOE_CUDA_CHECK(cudaMemcpyAsync(received, ep_counts_recv.data(), static_cast<size_t>(P * (L + 1)) * sizeof(int32_t),
                                  cudaMemcpyDeviceToHost, stream));
@@ -123,9 +141,10 @@ void GpuTransformer::State::plan_expert_exchange(Layer& layer, const int32_t* sl
   m.send_tokens_P.assign(static_cast<size_t>(P), 0);
   m.recv_tokens_P.assign(static_cast<size_t>(P), 0);
   m.recv_tokens = m.local_rows = 0;
+  int64_t part = 0;  // peer p's part of what we sent
   for (int p = 0; p < P; ++p) {
-    const int64_t slots = layer.first_slot_P1[static_cast<size_t>(p) + 1] - layer.first_slot_P1[static_cast<size_t>(p)];
-    m.send_tokens_P[static_cast<size_t>(p)] = sent[layer.first_slot_P1[static_cast<size_t>(p)] + p + slots];
+    part += send_counts[static_cast<size_t>(p)];
+    m.send_tokens_P[static_cast<size_t>(p)] = sent[part - 1];
     const int32_t* from = received + p * (L + 1);
     for (int64_t l = 0; l < L; ++l) m.local_rows += from[l];
     m.recv_tokens_P[static_cast<size_t>(p)] = from[L];
@@ -151,8 +170,8 @@ void GpuTransformer::State::ep_experts_forward(Layer& layer, const int32_t* slot
   mark(kDispatch);
   cuda::scatter_token_rows(ep_send.data(), layer.act->n2.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D,
                            stream);
-  cuda::pack_routing(ep_slot_send.data(), ep_weight_send.data(), m.token_pos.data(), m.tokens_P.data(), m.row.data(),
-                     slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream);
+  cuda::pack_routing(ep_slot_send.data(), ep_weight_send.data(), m.token_pos.data(), m.tokens_P.data(),
+                     ep_rank_TK.data(), slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream);
   exchange_tokens(ep_send.data(), m.send_tokens_P, ep_recv.data(), m.recv_tokens_P, D, sizeof(bf16));
   exchange_tokens(ep_slot_send.data(), m.send_tokens_P, ep_slot_recv.data(), m.recv_tokens_P, K, sizeof(int32_t));
   exchange_tokens(ep_weight_send.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));

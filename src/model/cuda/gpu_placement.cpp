@@ -4,8 +4,9 @@
 // experts stay one contiguous block, whatever their number: the router's choices go
 // through a slot table, and the weights, gradients and moments move to their new slots
 // on every rank alike (every rank keeps every expert's weights). Host copies (checkpoints,
-// exports, tests) stay in expert order. Slot order changes no result: each expert sees
-// the same rows in the same order, so training is bit-identical under any placement.
+// exports, tests) stay in expert order. Slot order changes no result over one rank: each
+// expert sees the same rows in the same order. With split experts (set_split_experts)
+// each rank's window also takes the next block's first slot, shared with that rank.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,10 +34,32 @@ void GpuTransformer::State::reset_placement(Layer& layer, int P) {
 }
 
 void GpuTransformer::State::set_slot_bounds(Layer& layer, std::vector<int64_t> first_slot_P1) {
-  std::vector<int32_t> bounds(first_slot_P1.begin(), first_slot_P1.end());
-  layer.first_slot = Buffer<int32_t>(bounds.size());
-  layer.first_slot.upload(bounds.data(), bounds.size());
+  auto upload = [](Buffer<int32_t>& to, const std::vector<int64_t>& values, int64_t scale) {
+    std::vector<int32_t> narrow;
+    for (int64_t v : values) narrow.push_back(static_cast<int32_t>(v * scale));
+    to = Buffer<int32_t>(narrow.size());
+    to.upload(narrow.data(), narrow.size());
+  };
+  layer.window_end_P = slot_window_ends(first_slot_P1, split_experts);
+  upload(layer.first_slot, first_slot_P1, 1);
+  upload(layer.window_end, layer.window_end_P, 1);
+  upload(layer.edge_cut, first_slot_P1, kSlotParts);
   layer.first_slot_P1 = std::move(first_slot_P1);
+}
+
+std::vector<std::vector<int>> GpuTransformer::State::slot_holders(const std::vector<int64_t>& first_slot_P1) const {
+  const std::vector<int64_t> ends = slot_window_ends(first_slot_P1, split_experts);
+  std::vector<std::vector<int>> holders(static_cast<size_t>(first_slot_P1.back()));
+  for (size_t p = 0; p < ends.size(); ++p)
+    for (int64_t slot = first_slot_P1[p]; slot < ends[p]; ++slot) holders[static_cast<size_t>(slot)].push_back(static_cast<int>(p));
+  return holders;
+}
+
+void GpuTransformer::set_split_experts(bool split) {
+  State& s = *state_;
+  s.split_experts = split;
+  for (Layer& layer : s.layers)
+    if (layer.is_moe && !layer.first_slot_P1.empty()) s.set_slot_bounds(layer, layer.first_slot_P1);
 }
 
 void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer) {
@@ -60,9 +83,6 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
     std::vector<char> seen(static_cast<size_t>(E), 0);
     for (int p = 0; p < P; ++p) {
       const auto& experts = ranks[static_cast<size_t>(p)];
-      MOE_CHECK(static_cast<int64_t>(experts.size()) <= s.max_local_experts,
-                "expert placement of MoE layer {}: {} experts on EP rank {}, room for {}", l, experts.size(), p,
-                s.max_local_experts);
       for (int64_t expert : experts) {
         MOE_CHECK(expert >= 0 && expert < E && !seen[static_cast<size_t>(expert)],
                   "expert placement of MoE layer {}: expert {} out of range or placed twice", l, expert);
@@ -73,6 +93,13 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
     }
     MOE_CHECK(static_cast<int64_t>(order.size()) == E, "expert placement of MoE layer {}: {} experts placed of {}", l,
               order.size(), E);
+    // A rank computes its window: its experts, and with split experts the next rank's first.
+    const std::vector<int64_t> ends = slot_window_ends(first_slot_P1, s.split_experts);
+    for (int p = 0; p < P; ++p) {
+      const int64_t window = ends[static_cast<size_t>(p)] - first_slot_P1[static_cast<size_t>(p)];
+      MOE_CHECK(window <= s.max_local_experts, "expert placement of MoE layer {}: {} experts on EP rank {}{}, room for {}",
+                l, window, p, s.split_experts ? " (with the next rank's first, split)" : "", s.max_local_experts);
+    }
     orders.push_back(std::move(order));
     bounds.push_back(std::move(first_slot_P1));
   }
@@ -141,15 +168,48 @@ std::vector<std::pair<int64_t, int64_t>> GpuTransformer::own_expert_ranges() con
   return ranges;
 }
 
+std::vector<std::pair<int64_t, int64_t>> GpuTransformer::split_expert_ranges() const {
+  const State& s = *state_;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  if (!s.split_experts) return ranges;
+  for (const Layer& layer : s.layers) {
+    if (!layer.is_moe) continue;
+    const std::vector<std::vector<int>> holders = s.slot_holders(layer.first_slot_P1);
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / s.config.moe.n_experts;
+      for (size_t slot = 0; slot < holders.size(); ++slot)
+        if (holders[slot].size() > 1) ranges.emplace_back(p->offset + static_cast<int64_t>(slot) * per_expert, per_expert);
+    }
+  }
+  std::sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
+std::vector<char> GpuTransformer::split_expert_flags() const {
+  const State& s = *state_;
+  std::vector<char> flags;
+  for (size_t layer_index : s.expert_group_layer) {
+    const Layer& layer = s.layers[layer_index];
+    const size_t at = flags.size();
+    flags.resize(at + layer.expert_of_slot.size(), 0);
+    if (!s.split_experts) continue;
+    const std::vector<std::vector<int>> holders = s.slot_holders(layer.first_slot_P1);
+    for (size_t slot = 0; slot < holders.size(); ++slot)
+      flags[at + static_cast<size_t>(layer.expert_of_slot[slot])] = holders[slot].size() > 1;
+  }
+  return flags;
+}
+
 void GpuTransformer::State::send_moving_experts(const Layer& layer, const std::vector<int64_t>& new_first_slot_P1,
                                                 const std::vector<int64_t>& new_order) {
   const int64_t E = config.moe.n_experts;
-  auto rank_of_slot = [](const std::vector<int64_t>& first_slot_P1, int64_t slot) {
-    return static_cast<int>(std::upper_bound(first_slot_P1.begin(), first_slot_P1.end(), slot) - first_slot_P1.begin()) - 1;
-  };
-  std::vector<int> new_rank(static_cast<size_t>(E));
+  // Every rank holding an expert (its window) has it current; one of them sends it when a
+  // rank that did not hold it will.
+  const std::vector<std::vector<int>> old_holders = slot_holders(layer.first_slot_P1),
+                                      new_holders = slot_holders(new_first_slot_P1);
+  std::vector<const std::vector<int>*> new_holders_of(static_cast<size_t>(E));
   for (int64_t slot = 0; slot < E; ++slot)
-    new_rank[static_cast<size_t>(new_order[static_cast<size_t>(slot)])] = rank_of_slot(new_first_slot_P1, slot);
+    new_holders_of[static_cast<size_t>(new_order[static_cast<size_t>(slot)])] = &new_holders[static_cast<size_t>(slot)];
   const std::vector<std::pair<char*, size_t>> blocks = {
       {reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16)},
       {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t)},
@@ -157,8 +217,10 @@ void GpuTransformer::State::send_moving_experts(const Layer& layer, const std::v
       {static_cast<char*>(store->moment_block(1)), store->moment_bytes()}};
   for (int64_t slot = 0; slot < E; ++slot) {
     const int64_t expert = layer.expert_of_slot[static_cast<size_t>(slot)];
-    const int holder = rank_of_slot(layer.first_slot_P1, slot);
-    if (new_rank[static_cast<size_t>(expert)] == holder) continue;
+    const std::vector<int>& had = old_holders[static_cast<size_t>(slot)];
+    const std::vector<int>& will = *new_holders_of[static_cast<size_t>(expert)];
+    if (std::includes(had.begin(), had.end(), will.begin(), will.end())) continue;
+    const int holder = had.front();
     for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
       const int64_t per_expert = p->numel / E, at = p->offset + slot * per_expert;
       for (const auto& [block, bytes] : blocks)

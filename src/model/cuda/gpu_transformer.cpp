@@ -106,7 +106,7 @@ void GpuTransformer::plan(int64_t batch) {
               "expert parallelism on the GPU needs training.recompute_experts = none");
   }
   // A rank computes E / P experts, or up to the re-placement's maximum.
-  const int64_t max_local = s.ep ? std::min(E, std::max(E / P, s.local_experts_cap)) : E;
+  const int64_t max_local = s.ep ? std::min(E, std::max(E / P + (s.split_experts ? 1 : 0), s.local_experts_cap)) : E;
   for (Layer& layer : s.layers)
     if (layer.is_moe && static_cast<int64_t>(layer.first_slot_P1.size()) != P + 1)
       s.set_slot_bounds(layer, equal_slot_bounds(E, static_cast<int>(P)));  // the slot order stays
@@ -236,14 +236,18 @@ void GpuTransformer::plan(int64_t batch) {
   s.ep_slot_recv = s.ep ? i32(U * K) : Buffer<int32_t>();
   s.ep_rank_scratch = s.ep ? i32(cuda::assign_rows_scratch(U, K, s.max_local_experts)) : Buffer<int32_t>();
   s.ep_local_counts = s.ep ? i32(s.max_local_experts) : Buffer<int32_t>();
-  s.ep_counts_send = s.ep ? i32(E + P) : Buffer<int32_t>();
+  s.ep_counts_send = s.ep ? i32(E + 2 * P) : Buffer<int32_t>();
+  s.ep_rank_TK = s.ep ? i32(T * K) : Buffer<int32_t>();
+  s.ep_cut = s.ep ? i32(P + 1) : Buffer<int32_t>();
+  s.ep_all_counts_send = s.ep && s.split_experts ? i32(P * E) : Buffer<int32_t>();
+  s.ep_all_counts = s.ep && s.split_experts ? i32(P * E) : Buffer<int32_t>();
   s.ep_counts_recv = s.ep ? i32(P * (s.max_local_experts + 1)) : Buffer<int32_t>();
   s.ep_weight_send = s.ep ? f32(U * K) : Buffer<float>();
   s.ep_dweight_local = s.ep ? f32(U * K) : Buffer<float>();
   s.ep_dweight_home = s.ep ? f32(U * K) : Buffer<float>();
   if (s.ep)
     MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_counts,
-                                  static_cast<size_t>(E + P + P * (s.max_local_experts + 1)) * sizeof(int32_t)));
+                                  static_cast<size_t>(E + 2 * P + P * (s.max_local_experts + 1)) * sizeof(int32_t)));
   s.dlogits_bf16 = bf(T * E);
   s.dffn_act = bf(T * ffn_width);
   s.dffn_gate_up = bf(T * 2 * ffn_width);

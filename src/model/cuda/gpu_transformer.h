@@ -103,23 +103,39 @@ class GpuTransformer {
   // EP group; waits), e.g. before the host reads them for an export or a checkpoint.
   void gather_expert_weights(bool with_moments = false);
   // Expert placement (expert parallelism's load balancing; src/model/cuda/gpu_placement.cpp).
-  // At most `n` experts per EP rank in any placement (0: E / P, equal blocks only); sizes
-  // the buffers and grouped GEMMs, so it takes effect at the next plan().
+  // At most `n` experts per EP rank in any placement, its window with split experts (0:
+  // E / P, + 1 with split experts: equal blocks only); sizes the buffers and grouped
+  // GEMMs, so it takes effect at the next plan().
   void set_max_local_experts(int64_t n);
+  // Split experts (parallel.split_experts): each EP rank also holds the first expert of
+  // the next rank's block (a hinge), and every micro-batch moves each boundary inside its
+  // hinge so that all ranks compute the same number of rows (moe/token_exchange.h). A
+  // hinge's gradient is then the sum of its two holders' (split_expert_ranges: sum those
+  // over all ranks), and both step it. Before plan().
+  void set_split_experts(bool split);
   // Re-places every MoE layer's experts: experts_of_rank_by_layer[l][p] lists the experts
   // EP rank p computes in MoE layer l (over one rank without expert parallelism), each
   // expert once, at most the maximum above per rank, none also allowed. Every rank must
   // pass the same placement (collective under expert parallelism: each expert changing
   // ranks is first sent from its holder, then weights, lo halves, gradients and moments
   // move to their slots on every rank; call it between steps, as gradients do not travel).
-  // Results stay bit-identical; host copies (download_*, upload_state, expert_load,
-  // clip_expert_grads) stay in expert order. Not with a sharded optimizer. Waits.
+  // Results stay bit-identical (up to the split of a token's partial combines over the
+  // ranks with top-k > 1, and the hinges' row shares with split experts); host copies
+  // (download_*, upload_state, expert_load, clip_expert_grads) stay in expert order. Not
+  // with a sharded optimizer. Waits.
   void place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer);
   // The experts each EP rank computes in MoE layer `moe_layer` (equal blocks at first).
   std::vector<std::vector<int64_t>> expert_placement(size_t moe_layer) const;
   // The block ranges [offset, count) of this rank's experts in the expert tensors (its
   // slots), sorted: the gradients it sums over the ranks holding the same experts.
   std::vector<std::pair<int64_t, int64_t>> own_expert_ranges() const;
+  // With split experts, the block ranges of every hinge slot (held by more than one EP
+  // rank), sorted, the same on every rank: partial gradients that must be summed over all
+  // ranks. Empty without split experts.
+  std::vector<std::pair<int64_t, int64_t>> split_expert_ranges() const;
+  // Per expert, in clip_expert_grads' order (expert group after group, expert order):
+  // whether it is a hinge now (its gradient, once summed, is on every rank).
+  std::vector<char> split_expert_flags() const;
   // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
   // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();

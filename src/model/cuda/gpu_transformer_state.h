@@ -131,12 +131,15 @@ struct Layer {
   Buffer<int64_t> load;  // assignments per slot since reset
   Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
   // Expert placement (place_experts): slot s of the expert tensors (w1, w3, w2: weights,
-  // gradients, moments) holds expert expert_of_slot[s], and EP rank p computes the slots
-  // [first_slot_P1[p], first_slot_P1[p + 1]). The router picks experts; when `placed`
-  // (not the identity), slot_of_expert turns them into slots before the rows are laid
-  // out, so everything after it (row layout, exchange, grouped GEMMs) works on slots.
-  std::vector<int64_t> expert_of_slot, first_slot_P1;
-  Buffer<int32_t> slot_of_expert, first_slot;  // first_slot: first_slot_P1 on the device
+  // gradients, moments) holds expert expert_of_slot[s]; EP rank p's block is the slots
+  // [first_slot_P1[p], first_slot_P1[p + 1]) and it computes its window [first_slot_P1[p],
+  // window_end_P[p]): the block, and with split experts the next block's first slot too
+  // (moe/token_exchange.h). The router picks experts; when `placed` (not the identity),
+  // slot_of_expert turns them into slots before the rows are laid out, so everything after
+  // it (row layout, exchange, grouped GEMMs) works on slots.
+  std::vector<int64_t> expert_of_slot, first_slot_P1, window_end_P;
+  // On the device: first_slot_P1, window_end_P, and the block edges as boundary cuts.
+  Buffer<int32_t> slot_of_expert, first_slot, window_end, edge_cut;
   bool placed = false;
 };
 
@@ -165,11 +168,15 @@ struct GpuTransformer::State {
   // pinned ep_host_counts).
   std::shared_ptr<GpuExpertExchange> ep;
   int64_t max_local_experts = 0, max_local_rows = 0, max_exchange_tokens = 0;
-  int64_t local_experts_cap = 0;  // set_max_local_experts (0: E / P)
+  int64_t local_experts_cap = 0;  // set_max_local_experts (0: E / P, + 1 with split experts)
+  // set_split_experts: each block's first slot is shared with the rank before it, and every
+  // micro-batch's cuts even the ranks' rows (the kept rows per slot gathered from all).
+  bool split_experts = false;
   Buffer<bf16> ep_send, ep_recv;
   Buffer<int32_t> ep_slot_send, ep_slot_recv, ep_rank_scratch, ep_local_counts, ep_counts_send, ep_counts_recv;
+  Buffer<int32_t> ep_rank_TK, ep_cut, ep_all_counts_send, ep_all_counts;  // route_ranks, boundary_cuts
   Buffer<float> ep_weight_send, ep_dweight_local, ep_dweight_home;
-  int32_t* ep_host_counts = nullptr;  // E + P counts sent, then P * (max_local_experts + 1) received
+  int32_t* ep_host_counts = nullptr;  // E + 2P counts sent, then P * (max_local_experts + 1) received
   cudaStream_t stream = nullptr;
   int64_t batch = 0, tokens = 0;
   int compute_sm_limit = 0;  // multiprocessors the GEMMs launch on (0: all); see reserve_sms
@@ -286,7 +293,7 @@ struct GpuTransformer::State {
   int ep_rank() const { return ep ? ep->rank() : 0; }
   int64_t first_slot(const Layer& layer) const { return layer.first_slot_P1[static_cast<size_t>(ep_rank())]; }
   int64_t local_experts(const Layer& layer) const {
-    return layer.first_slot_P1[static_cast<size_t>(ep_rank()) + 1] - first_slot(layer);
+    return layer.window_end_P[static_cast<size_t>(ep_rank())] - first_slot(layer);
   }
   // The local slots' rows of an expert tensor (its leading dimension is the slots).
   const bf16* local_w(const Layer& layer, const Param& p) const {
@@ -310,8 +317,10 @@ struct GpuTransformer::State {
   std::vector<double> slot_norms_to_experts(const std::vector<double>& norms) const;
   std::vector<size_t> expert_group_layer;
   void reset_placement(Layer& layer, int P);
-  // Sets the layer's slot bounds on the host and the device.
+  // Sets the layer's slot bounds, windows and edge cuts on the host and the device.
   void set_slot_bounds(Layer& layer, std::vector<int64_t> first_slot_P1);
+  // The EP ranks whose windows hold each slot, under block bounds first_slot_P1.
+  std::vector<std::vector<int>> slot_holders(const std::vector<int64_t>& first_slot_P1) const;
   // The offsets the grouped GEMMs read and the rows the row-wise kernels cover.
   const int32_t* expert_offsets(const MoEBuffers& m) const { return ep ? m.local_offsets.data() : m.offsets.data(); }
   int64_t expert_rows(const MoEBuffers& m) const { return ep ? m.local_rows : max_rows; }
