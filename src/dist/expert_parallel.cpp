@@ -9,6 +9,33 @@
 
 namespace moe::dist {
 
+namespace {
+
+// Node-first groups: G groups of consecutive experts, each on a block of ranks.
+struct ExpertGroups {
+  int64_t count, experts_per_group, ranks_per_group;
+};
+ExpertGroups checked_groups(int64_t n_experts, int ep_size, int64_t groups) {
+  MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
+            n_experts, ep_size);
+  const int64_t G = std::max<int64_t>(groups, 1);
+  MOE_CHECK(n_experts % G == 0 && ep_size % G == 0, "{} expert groups do not divide {} experts and {} ranks", G,
+            n_experts, ep_size);
+  return {G, n_experts / G, ep_size / G};
+}
+
+// Group g's experts by falling load (ties: lower id first).
+std::vector<int64_t> by_falling_load(const std::vector<int64_t>& load_E, const ExpertGroups& groups, int64_t g) {
+  std::vector<int64_t> order(static_cast<size_t>(groups.experts_per_group));
+  for (int64_t i = 0; i < groups.experts_per_group; ++i) order[static_cast<size_t>(i)] = g * groups.experts_per_group + i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return load_E[static_cast<size_t>(a)] > load_E[static_cast<size_t>(b)];
+  });
+  return order;
+}
+
+}  // namespace
+
 ExpertPlacement ExpertPlacement::contiguous(int64_t n_experts, int ep_size) {
   MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
             n_experts, ep_size);
@@ -21,25 +48,17 @@ ExpertPlacement ExpertPlacement::contiguous(int64_t n_experts, int ep_size) {
 ExpertPlacement ExpertPlacement::balanced(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
                                           int64_t max_per_rank) {
   const auto n_experts = static_cast<int64_t>(load_E.size());
-  MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
-            n_experts, ep_size);
-  const int64_t G = std::max<int64_t>(groups, 1);
-  MOE_CHECK(n_experts % G == 0 && ep_size % G == 0, "{} expert groups do not divide {} experts and {} ranks", G,
-            n_experts, ep_size);
-  const int64_t experts_per_group = n_experts / G, ranks_per_group = ep_size / G;
+  const ExpertGroups shape = checked_groups(n_experts, ep_size, groups);
   const int64_t per_rank = max_per_rank > 0 ? max_per_rank : n_experts / ep_size;
-  MOE_CHECK(per_rank * ranks_per_group >= experts_per_group, "at most {} experts per rank cannot place {} over {} ranks",
-            per_rank, experts_per_group, ranks_per_group);
+  MOE_CHECK(per_rank * shape.ranks_per_group >= shape.experts_per_group,
+            "at most {} experts per rank cannot place {} over {} ranks", per_rank, shape.experts_per_group,
+            shape.ranks_per_group);
   std::vector<int64_t> rank_load(static_cast<size_t>(ep_size), 0), rank_count(static_cast<size_t>(ep_size), 0);
   std::vector<int> rank_of(static_cast<size_t>(n_experts), 0);
-  for (int64_t g = 0; g < G; ++g) {
-    std::vector<int64_t> order(static_cast<size_t>(experts_per_group));
-    for (int64_t i = 0; i < experts_per_group; ++i) order[static_cast<size_t>(i)] = g * experts_per_group + i;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return load_E[static_cast<size_t>(a)] > load_E[static_cast<size_t>(b)];
-    });
-    const int first_rank = static_cast<int>(g * ranks_per_group), end_rank = static_cast<int>((g + 1) * ranks_per_group);
-    for (int64_t e : order) {
+  for (int64_t g = 0; g < shape.count; ++g) {
+    const int first_rank = static_cast<int>(g * shape.ranks_per_group);
+    const int end_rank = static_cast<int>((g + 1) * shape.ranks_per_group);
+    for (int64_t e : by_falling_load(load_E, shape, g)) {
       int best = -1;
       for (int r = first_rank; r < end_rank; ++r)
         if (rank_count[static_cast<size_t>(r)] < per_rank &&
@@ -223,12 +242,8 @@ void ExpertExchangeOverComm::run(const void* in_RD, void* recv_RD, const void* r
 std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
                                                    int64_t max_per_rank) {
   const auto n_experts = static_cast<int64_t>(load_E.size());
-  MOE_CHECK(ep_size >= 1 && n_experts % ep_size == 0, "{} experts cannot be split evenly over {} expert-parallel ranks",
-            n_experts, ep_size);
-  const int64_t G = std::max<int64_t>(groups, 1);
-  MOE_CHECK(n_experts % G == 0 && ep_size % G == 0, "{} expert groups do not divide {} experts and {} ranks", G,
-            n_experts, ep_size);
-  const int64_t experts_per_group = n_experts / G, ranks_per_group = ep_size / G;
+  const ExpertGroups shape = checked_groups(n_experts, ep_size, groups);
+  const int64_t G = shape.count, ranks_per_group = shape.ranks_per_group;
   const int64_t room = std::max(max_per_rank, n_experts / ep_size + 1);
   auto load = [&](int64_t e) { return load_E[static_cast<size_t>(e)]; };
   // Loads in halves: a hinge counts half on each side.
@@ -236,9 +251,7 @@ std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& l
   std::vector<int64_t> hinge(static_cast<size_t>(ep_size), -1);  // the first expert of rank r's block (r >= 1)
   std::vector<std::vector<int64_t>> rest(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) {
-    std::vector<int64_t> order(static_cast<size_t>(experts_per_group));
-    for (int64_t i = 0; i < experts_per_group; ++i) order[static_cast<size_t>(i)] = g * experts_per_group + i;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return load(a) > load(b); });
+    const std::vector<int64_t> order = by_falling_load(load_E, shape, g);
     size_t next = 0;
     for (int64_t r = std::max<int64_t>(1, g * ranks_per_group); r < (g + 1) * ranks_per_group; ++r) {
       const int64_t e = order[next++];

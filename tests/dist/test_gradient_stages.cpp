@@ -28,6 +28,13 @@ ModelConfig tiny(bool tied) {
   return c;
 }
 
+std::vector<int> expert_tensor_ids(const ParameterStore<float>& params) {
+  std::vector<int> experts;
+  for (int id = 0; id < params.size(); ++id)
+    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
+  return experts;
+}
+
 class GradientStages : public ::testing::TestWithParam<bool> {};
 
 TEST_P(GradientStages, PartitionTheBlockByStage) {
@@ -116,9 +123,7 @@ TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
   const auto& params = model.params();
   const int n_stages = model.backward_stages();
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
-  std::vector<int> experts;
-  for (int id = 0; id < params.size(); ++id)
-    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
+  const std::vector<int> experts = expert_tensor_ids(params);
   ASSERT_GE(experts.size(), 2u);
   // Tensor i: slots [i % 3, i % 3 + 1 + i % 2) of 4 (one or two slots, starting anywhere).
   BlockRanges own, uniform;
@@ -180,9 +185,7 @@ TEST(GradientStages, ExpertParallelHingesAreSummedOverAllRanks) {
   const auto& params = model.params();
   const int n_stages = model.backward_stages();
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
-  std::vector<int> experts;
-  for (int id = 0; id < params.size(); ++id)
-    if (!params.spec(id).expert_group.empty()) experts.push_back(id);
+  const std::vector<int> experts = expert_tensor_ids(params);
   // 4 experts over 2 ranks, split: rank 0's window is slots 0-2, rank 1's 2-3; slot 2 the hinge.
   BlockRanges window0, window1, hinges;
   for (int id : experts) {

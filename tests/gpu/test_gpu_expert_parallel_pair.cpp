@@ -216,12 +216,8 @@ std::vector<int64_t> expert_of_element(const ModelConfig& config) {
   return expert;
 }
 
-class GpuExpertParallelPair : public ::testing::TestWithParam<double> {};
-
-TEST_P(GpuExpertParallelPair, TwoRanksMatchOneGpuAndReplacementChangesNoBit) {
-  MOE_REQUIRE_GPU();
-  const ModelConfig config = pair_config(GetParam());
-  // One GPU on both micro-batches: the mean loss and gradients of the two.
+// One GPU on both ranks' first micro-batches: the mean loss and gradients of the two.
+std::pair<ForwardResult, std::vector<float>> one_gpu_reference(const ModelConfig& config) {
   Transformer<float> host(config, 11);
   GpuTransformer one(config, host.params());
   one.plan(2);
@@ -229,8 +225,16 @@ TEST_P(GpuExpertParallelPair, TwoRanksMatchOneGpuAndReplacementChangesNoBit) {
   std::vector<int32_t> inputs = tokens(config, 1, 40, 0), targets = tokens(config, 1, 40, 1);
   for (int32_t t : tokens(config, 1, 41, 0)) inputs.push_back(t);
   for (int32_t t : tokens(config, 1, 41, 1)) targets.push_back(t);
-  const ForwardResult want_loss = one.forward_backward(inputs.data(), targets.data(), 1.0);
-  const std::vector<float> want = all_grads(one, host);
+  const ForwardResult loss = one.forward_backward(inputs.data(), targets.data(), 1.0);
+  return {loss, all_grads(one, host)};
+}
+
+class GpuExpertParallelPair : public ::testing::TestWithParam<double> {};
+
+TEST_P(GpuExpertParallelPair, TwoRanksMatchOneGpuAndReplacementChangesNoBit) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig config = pair_config(GetParam());
+  const auto [want_loss, want] = one_gpu_reference(config);
 
   const std::array<RankRun, 2> pair = run_pair(config, {});
   const std::vector<int64_t> expert = expert_of_element(config);
@@ -319,15 +323,7 @@ TEST_P(GpuExpertParallelPair, TwoRanksMatchOneGpuAndReplacementChangesNoBit) {
 TEST_P(GpuExpertParallelPair, SplitExpertsMatchOneGpuAndWholeExperts) {
   MOE_REQUIRE_GPU();
   const ModelConfig config = pair_config(GetParam());
-  Transformer<float> host(config, 11);
-  GpuTransformer one(config, host.params());
-  one.plan(2);
-  one.zero_grads();
-  std::vector<int32_t> inputs = tokens(config, 1, 40, 0), targets = tokens(config, 1, 40, 1);
-  for (int32_t t : tokens(config, 1, 41, 0)) inputs.push_back(t);
-  for (int32_t t : tokens(config, 1, 41, 1)) targets.push_back(t);
-  const ForwardResult want_loss = one.forward_backward(inputs.data(), targets.data(), 1.0);
-  const std::vector<float> want = all_grads(one, host);
+  const auto [want_loss, want] = one_gpu_reference(config);
 
   // A small learning rate: at 1e-2 a first AdamW step moves these weights by half their
   // size, and the runs' rounding differences then grow into different second steps.
