@@ -26,7 +26,7 @@
 # up to E - N + 1 experts per GPU; "eps" EP = N with split experts (parallel.split_experts:
 # each GPU also computes part of the next GPU's first expert, the rows evened every
 # micro-batch); "epsr" split experts re-placed every REBALANCE_INTERVAL steps (the
-# heaviest experts made hinges).
+# heaviest experts made hinges, up to E - N + 1 experts per GPU's window).
 # STEPS and MEDIAN_FROM (environment): the scaling and comm runs' length (default 10) and the
 # first step of the median (default 4); e.g. STEPS=30 MEDIAN_FROM=21 for the steps after a
 # re-placement has caught up with the routing.
@@ -127,7 +127,9 @@ if [[ $sections == *,scaling,* ]]; then
     for split in eps epsr; do
       [[ $modes == *" $split "* ]] || continue
       replace=()
-      [[ $split == epsr ]] && replace=(--parallel.rebalance_interval="${REBALANCE_INTERVAL:-5}")
+      experts=$(grep -oE "^n_experts *= *[0-9]+" "configs/bench/$model.toml" | grep -oE "[0-9]+$")
+      [[ $split == epsr ]] && replace=(--parallel.rebalance_interval="${REBALANCE_INTERVAL:-5}"
+        --parallel.rebalance_max_experts=$((experts - n + 1)))
       launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
         --training.global_batch_tokens=$((tokens * n)) --parallel.split_experts=true "${replace[@]}" \
         > "$out/ws${split}_$model.txt" 2>&1

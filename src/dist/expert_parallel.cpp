@@ -1,6 +1,7 @@
 #include "dist/expert_parallel.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
@@ -239,27 +240,39 @@ void ExpertExchangeOverComm::run(const void* in_RD, void* recv_RD, const void* r
   }
 }
 
-std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
-                                                   int64_t max_per_rank) {
-  const auto n_experts = static_cast<int64_t>(load_E.size());
-  const ExpertGroups shape = checked_groups(n_experts, ep_size, groups);
+namespace {
+
+// hinged_placement with the hinges chosen: a hinge may span several boundaries when
+// `wide` (its slot shared by more than two ranks). Empty when the others do not fit.
+std::vector<std::vector<int64_t>> place_around_hinges(const std::vector<int64_t>& load_E, int ep_size,
+                                                      const ExpertGroups& shape, int64_t room, bool wide) {
   const int64_t G = shape.count, ranks_per_group = shape.ranks_per_group;
-  const int64_t room = std::max(max_per_rank, n_experts / ep_size + 1);
-  auto load = [&](int64_t e) { return load_E[static_cast<size_t>(e)]; };
-  // Loads in halves: a hinge counts half on each side.
-  std::vector<int64_t> half_load(static_cast<size_t>(ep_size), 0), count(static_cast<size_t>(ep_size), 0);
-  std::vector<int64_t> hinge(static_cast<size_t>(ep_size), -1);  // the first expert of rank r's block (r >= 1)
+  auto load = [&](int64_t e) { return static_cast<double>(load_E[static_cast<size_t>(e)]); };
+  std::vector<double> rank_load(static_cast<size_t>(ep_size), 0.0);
+  std::vector<int64_t> count(static_cast<size_t>(ep_size), 0);
+  std::vector<int64_t> hinge(static_cast<size_t>(ep_size), -1);  // the hinge of boundary r (r >= 1)
+  std::vector<char> full(static_cast<size_t>(ep_size), 0);        // a rank holding only part of one hinge
   std::vector<std::vector<int64_t>> rest(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) {
     const std::vector<int64_t> order = by_falling_load(load_E, shape, g);
+    double group_load = 0;
+    for (int64_t e : order) group_load += load(e);
+    const double share = group_load / static_cast<double>(ranks_per_group);
+    const int64_t first = std::max<int64_t>(1, g * ranks_per_group), end = (g + 1) * ranks_per_group;
     size_t next = 0;
-    for (int64_t r = std::max<int64_t>(1, g * ranks_per_group); r < (g + 1) * ranks_per_group; ++r) {
+    for (int64_t b = first; b < end;) {
       const int64_t e = order[next++];
-      hinge[static_cast<size_t>(r)] = e;
-      for (int64_t side : {r - 1, r}) {
-        half_load[static_cast<size_t>(side)] += load(e);
-        ++count[static_cast<size_t>(side)];
+      // An expert heavier than two ranks' share spans more boundaries: m + 1 ranks share it.
+      int64_t m = 1;
+      if (wide && share > 0) m = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(load(e) / share)) - 1);
+      m = std::min(m, end - b);
+      for (int64_t r = b - 1; r < b + m; ++r) {
+        rank_load[static_cast<size_t>(r)] += load(e) / static_cast<double>(m + 1);
+        ++count[static_cast<size_t>(r)];
+        if (r >= b && r < b + m - 1) full[static_cast<size_t>(r)] = 1;
       }
+      for (int64_t k = b; k < b + m; ++k) hinge[static_cast<size_t>(k)] = e;
+      b += m;
     }
     rest[static_cast<size_t>(g)].assign(order.begin() + static_cast<std::ptrdiff_t>(next), order.end());
   }
@@ -268,19 +281,37 @@ std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& l
     for (int64_t e : rest[static_cast<size_t>(g)]) {
       int64_t best = -1;
       for (int64_t r = g * ranks_per_group; r < (g + 1) * ranks_per_group; ++r)
-        if (count[static_cast<size_t>(r)] < room &&
-            (best < 0 || half_load[static_cast<size_t>(r)] < half_load[static_cast<size_t>(best)]))
+        if (!full[static_cast<size_t>(r)] && count[static_cast<size_t>(r)] < room &&
+            (best < 0 || rank_load[static_cast<size_t>(r)] < rank_load[static_cast<size_t>(best)]))
           best = r;
-      MOE_CHECK(best >= 0, "hinged placement: no room for expert {} (at most {} per rank)", e, room);
-      half_load[static_cast<size_t>(best)] += 2 * load(e);
+      if (best < 0) return {};
+      rank_load[static_cast<size_t>(best)] += load(e);
       ++count[static_cast<size_t>(best)];
       blocks[static_cast<size_t>(best)].push_back(e);
     }
   for (int r = 0; r < ep_size; ++r) {
     std::vector<int64_t>& block = blocks[static_cast<size_t>(r)];
     std::sort(block.begin(), block.end());
-    if (r > 0) block.insert(block.begin(), hinge[static_cast<size_t>(r)]);
+    // A rank's block starts with its boundary's hinge, unless the hinge goes on past it
+    // (then the block is empty: the last rank sharing the hinge holds its slot).
+    const bool continues = r + 1 < ep_size && hinge[static_cast<size_t>(r) + 1] == hinge[static_cast<size_t>(r)];
+    if (r > 0 && !continues) block.insert(block.begin(), hinge[static_cast<size_t>(r)]);
   }
+  return blocks;
+}
+
+}  // namespace
+
+std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
+                                                   int64_t max_per_rank) {
+  const auto n_experts = static_cast<int64_t>(load_E.size());
+  const ExpertGroups shape = checked_groups(n_experts, ep_size, groups);
+  const int64_t room = std::max(max_per_rank, n_experts / ep_size + 1);
+  // Wide hinges where the room allows, else one hinge per boundary (always fits: each
+  // rank's window then needs at most n_experts / ep_size + 1 slots).
+  std::vector<std::vector<int64_t>> blocks = place_around_hinges(load_E, ep_size, shape, room, /*wide=*/true);
+  if (blocks.empty()) blocks = place_around_hinges(load_E, ep_size, shape, room, /*wide=*/false);
+  MOE_CHECK(!blocks.empty(), "hinged placement: {} experts do not fit {} per rank", n_experts, room);
   return blocks;
 }
 

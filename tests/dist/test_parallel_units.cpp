@@ -68,8 +68,9 @@ TEST(ExpertPlacement, RebalanceLayersMovesOnlyWhatImproves) {
 // Split experts: the heaviest experts start the blocks after the first (hinges, each
 // counted half on both sides), the rest go to the least loaded rank; a rank's load is then
 // its share as far as the hinges allow. A collapsed layer (one expert with 70% of the
-// load) over 4 ranks: whole experts leave a rank with 700 of 1400, the hinges bring
-// every rank to 350 as long as the cut falls inside them.
+// load) over 4 ranks: whole experts leave a rank with 980 of 1400; one hinge per boundary
+// (room for 3 experts per window) shares it by two ranks (550 each at best); with room
+// for 5, it spans two boundaries and three ranks share it (about 367 each).
 TEST(ExpertPlacement, HingedPlacementEvensTheRanks) {
   const std::vector<int64_t> load = {980, 60, 60, 60, 60, 60, 60, 60};  // 1400, 350 per rank of 4
   const auto blocks = dist::hinged_placement(load, 4, 1, 0);
@@ -86,6 +87,13 @@ TEST(ExpertPlacement, HingedPlacementEvensTheRanks) {
   EXPECT_LE(*std::max_element(loads.begin(), loads.end()), 550);
   const std::vector<int64_t> whole = dist::split_rank_loads(load, blocks, false);
   EXPECT_GE(*std::max_element(whole.begin(), whole.end()), 980) << "without the split the hinge counts whole";
+  const auto wide = dist::hinged_placement(load, 4, 1, 5);
+  EXPECT_TRUE(wide[1].empty()) << "rank 1 holds only a middle part of expert 0";
+  EXPECT_EQ(wide[2].front(), 0) << "the last rank sharing expert 0 holds its slot";
+  for (size_t r = 0; r < wide.size(); ++r) EXPECT_LE(wide[r].size() + (r + 1 < wide.size() ? 1 : 0), 5u);
+  const std::vector<int64_t> wide_loads = dist::split_rank_loads(load, wide, true);
+  EXPECT_EQ(std::accumulate(wide_loads.begin(), wide_loads.end(), int64_t{0}), 1400);
+  EXPECT_LE(*std::max_element(wide_loads.begin(), wide_loads.end()), 370);
   // Re-placement with split: from equal blocks the busiest rank drops from 1160 (expert 0
   // and its block) to what the hinges leave.
   const std::vector<std::vector<int64_t>> equal = {{0, 1}, {2, 3}, {4, 5}, {6, 7}};
