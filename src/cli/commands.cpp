@@ -79,7 +79,7 @@ int run_report(const ReportOptions& options) {
 int run_bench(const BenchOptions& options) {
   RunConfig config = resolve_config(options.config_path, options.overrides);
 #ifdef MOE_HAVE_CUDA
-  run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout);
+  run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout, options.ep_loopback);
   if (options.kernels) run_kernel_bench(config, std::cout);
   return 0;
 #else

@@ -32,6 +32,7 @@ struct BenchOptions {
   int warmup_steps = 3;
   int timed_steps = 10;
   bool kernels = false;  // also time the expert GEMMs one by one
+  bool ep_loopback = false;  // through the expert-parallel path over this one GPU
   std::vector<std::string> overrides;
 };
 

@@ -72,6 +72,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--warmup", bench.warmup_steps, "Untimed steps first")->check(CLI::NonNegativeNumber);
   bench_cmd->add_option("--steps", bench.timed_steps, "Timed steps (the median is reported)")->check(CLI::PositiveNumber);
   bench_cmd->add_flag("--kernels", bench.kernels, "Also time the expert GEMMs one by one against the dense ceiling");
+  bench_cmd->add_flag("--ep-loopback", bench.ep_loopback,
+                      "Run the expert-parallel path over this one GPU (exchanges as device copies): its own cost");
   bench_cmd->allow_extras();
   bench_cmd->footer(kOverrideHelp);
 

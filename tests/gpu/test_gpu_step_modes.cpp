@@ -12,6 +12,7 @@
 #include "gpu_test_util.h"
 #include "small_models.h"
 #include "model/cuda/gpu_transformer.h"
+#include "model/cuda/loopback_exchange.h"
 #include "model/transformer.h"
 
 namespace moe {
@@ -44,30 +45,10 @@ struct RunResult {
 // Per MoE layer, the experts of each rank (one rank here), in slot order.
 using Placement = std::vector<std::vector<std::vector<int64_t>>>;
 
-// Expert parallelism over one rank: the exchange is a copy, so the expert-parallel path
-// (count exchange, host plan, gathers to and from the expert-major rows, local offsets)
-// must give the plain step's bits.
-class OneRankExchange final : public GpuExpertExchange {
- public:
-  int size() const override { return 1; }
-  int rank() const override { return 0; }
-  void set_stream(void* stream) override { stream_ = static_cast<cudaStream_t>(stream); }
-  void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
-                const std::vector<int64_t>& recv_counts, size_t elem_bytes) override {
-    EXPECT_EQ(send_counts.size(), 1u);
-    EXPECT_EQ(send_counts, recv_counts);
-    ++calls;
-    if (send_counts[0] > 0)
-      EXPECT_EQ(cudaMemcpyAsync(recv, send, static_cast<size_t>(send_counts[0]) * elem_bytes, cudaMemcpyDeviceToDevice,
-                                stream_),
-                cudaSuccess);
-  }
-  void broadcast(void*, size_t, int root) override { EXPECT_EQ(root, 0); }
-  int calls = 0;
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
+// Expert parallelism over one rank (LoopbackExpertExchange): the exchange is a copy, so
+// the expert-parallel path (count exchange, host plan, gathers to and from the
+// expert-major rows, local offsets) must give the plain step's bits.
+using OneRankExchange = LoopbackExpertExchange;
 
 // Three micro-batches accumulated (the last with ignored targets: a new graph), then the
 // gradients and expert loads read back.
@@ -151,7 +132,7 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
   // Per MoE layer and micro-batch: counts, tokens, their slots and weights out and the
   // partial combines back in the forward; output gradients out, row gradients and weight
   // gradients back in the backward.
-  EXPECT_EQ(exchange->calls, 3 * 3 * 8);
+  EXPECT_EQ(exchange->calls(), 3 * 3 * 8);
   expect_identical(run(config, 2, false, ExpertRecompute::None, std::make_shared<OneRankExchange>()), eager,
                    "expert parallelism with the first two layers recomputed");
   // Re-placed experts (three MoE layers of 8): reversed, shuffled, kept; then another

@@ -12,12 +12,14 @@
 #include "core/gpu.h"
 #include "core/rng.h"
 #include "model/cuda/gpu_transformer.h"
+#include "model/cuda/loopback_exchange.h"
 #include "model/transformer.h"
 #include "train/trainer.h"
 
 namespace moe {
 
-GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out) {
+GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out,
+                             bool ep_loopback) {
   const ModelConfig& mc = config.model;
   const int64_t batch = config.training.micro_batch, S = mc.seq_len, T = batch * S;
   MOE_CHECK(mc.vocab_size > 0, "bench needs model.vocab_size");
@@ -33,6 +35,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   }
   gpu->set_recompute_layers(config.training.recompute_layers);
   gpu->set_recompute_experts(expert_recompute_from_name(config.training.recompute_experts));
+  if (ep_loopback) {
+    MOE_CHECK(mc.moe.n_experts > 0, "bench --ep-loopback needs an MoE model");
+    gpu->set_expert_exchange(std::make_shared<LoopbackExpertExchange>());
+  }
   gpu->plan(batch);
   gpu->enable_graphs(config.training.cuda_graphs);
   std::vector<int32_t> inputs(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
@@ -83,6 +89,8 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
              config.training.recompute_experts,
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
+  if (ep_loopback)
+    fmt::print(out, "expert parallel over this one GPU (--ep-loopback): every exchange a device copy\n");
   fmt::print(out, "params: total {:.3f} B, active {:.3f} B, embedding {:.3f} B\n", counts.total / 1e9,
              counts.active / 1e9, counts.embedding / 1e9);
   fmt::print(out, "steps: {} warm-up + {} timed; median {:.1f} ms, min {:.1f}, max {:.1f}; last loss {:.4f}\n",

@@ -15,7 +15,10 @@ struct GpuBenchResult {
   double device_gb = 0;
 };
 
-GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out);
+// ep_loopback: through the expert-parallel path over this one GPU (LoopbackExpertExchange:
+// every exchange a device copy), to time that path's own kernels apart from any network.
+GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out,
+                             bool ep_loopback = false);
 
 // `moe bench --kernels`: the expert GEMMs of one MoE layer at the config's shapes, each
 // timed alone (grouped GEMM and the per-expert cuBLASLt loop), against the dense GEMM of
