@@ -187,8 +187,9 @@ bool Trainer::setup_parallel(std::unique_ptr<dist::Communicator> world) {
   const TrainingConfig& tc = config_.training;
   const ParallelConfig& pc = config_.parallel;
   MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
-  // NCCL: data parallel on the GPU (trainer_gpu.cpp), a world of one included.
-  const bool nccl = world->backend() == "nccl";
+  // NCCL (or another device-memory backend, e.g. threads sharing one GPU in tests): data
+  // parallel on the GPU (trainer_gpu.cpp), a world of one included.
+  const bool nccl = world->device_memory();
   if (nccl) check_gpu_data_parallel();
   if (world->size() == 1) {
     if (pc.expert_parallel > 1)

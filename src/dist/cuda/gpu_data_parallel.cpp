@@ -24,7 +24,8 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
                                  double bucket_mb, DType reduce_dtype)
     : group_(std::move(group)), stream_(stream), grads_(grads), count_(count), reduce_dtype_(reduce_dtype) {
   MOE_CHECK(group_ != nullptr, "GPU data parallel: no communicator");
-  MOE_CHECK(group_->backend() == "nccl", "GPU data parallel needs the nccl backend, got '{}'", group_->backend());
+  MOE_CHECK(group_->device_memory(), "GPU data parallel needs a device-memory backend (nccl), got '{}'",
+            group_->backend());
   MOE_CHECK(grads_ != nullptr && count_ > 0, "GPU data parallel: no gradient block ({} elements)", count_);
   MOE_CHECK(bucket_mb >= 0, "parallel.bucket_mb must be >= 0, got {}", bucket_mb);
   MOE_CHECK(reduce_dtype_ == DType::f32 || reduce_dtype_ == DType::bf16,

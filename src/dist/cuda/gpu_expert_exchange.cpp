@@ -8,7 +8,7 @@ namespace moe::dist {
 
 GpuExpertExchangeOverComm::GpuExpertExchangeOverComm(Communicator& world, int ep_size, const std::string& kind,
                                                      int ranks_per_node) {
-  MOE_CHECK(world.backend() == "nccl", "the GPU's expert parallelism needs the nccl backend, got '{}'",
+  MOE_CHECK(world.device_memory(), "the GPU's expert parallelism needs a device-memory backend (nccl), got '{}'",
             world.backend());
   MOE_CHECK(ep_size >= 1 && world.size() % ep_size == 0, "expert-parallel size {} does not divide {} ranks", ep_size,
             world.size());
