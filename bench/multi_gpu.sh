@@ -61,7 +61,12 @@ median_field() {
     awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'
 }
 efficiency() { awk -v a="$1" -v b="$2" -v n="$n" 'BEGIN { printf "%.1f%%", 100 * b / (n * a) }'; }
-launch() { "$moe" launch --nproc-per-node "$n" -- "$@"; }
+# THREAD_RANKS=1 (environment): the N ranks as N threads on one GPU (`moe train
+# --thread-ranks N`): a rehearsal of the correctness and resume sections, not a timing.
+launch() {
+  if [[ -n ${THREAD_RANKS:-} ]]; then "$moe" "$1" --thread-ranks "$n" "${@:2}"
+  else "$moe" launch --nproc-per-node "$n" -- "$@"; fi
+}
 # The 10-step bench run of a model (scaling and comm sections): sets run, extra and tokens
 # (the config's global batch). Expert parallelism keeps every weight on every GPU (as data
 # parallelism does) plus the received rows: mixtral-mini needs bf16 moments to fit; the

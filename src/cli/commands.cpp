@@ -7,6 +7,9 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
+#include <sstream>
+#include <thread>
 
 #include "core/threads.h"
 #include "dist/all_to_all_bench.h"
@@ -16,6 +19,7 @@
 #include "train/checkpoint.h"
 #include "train/config.h"
 #ifdef MOE_HAVE_CUDA
+#include "dist/cuda/thread_communicator.h"
 #include "train/cuda/gpu_bench.h"
 #endif
 #include "train/signals.h"
@@ -32,16 +36,81 @@ RunConfig resolve_config(const std::string& path, std::vector<std::string> overr
 
 }  // namespace
 
+namespace {
+
+void print_data(const RunConfig& config, const TextData& data) {
+  fmt::print("data: {} | tokenizer {} (vocab {}) | train {} docs, {} tokens | validation {} docs, {} tokens\n",
+             config.data.dir, data.tokenizer_name, config.model.vocab_size, data.train_docs, data.train_tokens,
+             data.val_docs, data.val_tokens);
+}
+
+std::optional<std::filesystem::path> resume_path(const TrainOptions& options, const RunConfig& config) {
+  if (!options.resume) return std::nullopt;
+  // auto: the newest complete checkpoint, or a fresh start when there is none yet.
+  std::optional<std::filesystem::path> path;
+  if (*options.resume != "auto") path = *options.resume;
+  else if (!config.checkpoint.dir.empty()) path = latest_checkpoint(config.checkpoint.dir);
+  if (path && !std::filesystem::exists(*path))
+    MOE_CONFIG_ERROR("--resume {}: no such checkpoint directory", path->string());
+  if (!path) fmt::print("resume: no checkpoint in checkpoint.dir \"{}\", starting at step 0\n", config.checkpoint.dir);
+  return path;
+}
+
+// --thread-ranks N: N trainers in N threads on this GPU, one rank each
+// (dist::make_thread_communicators); rank 0 prints and writes. Each loads its own data.
+int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int threads) {
+#ifdef MOE_HAVE_CUDA
+  if (options.dashboard_port) MOE_CONFIG_ERROR("--thread-ranks runs without the dashboard");
+  if (config.training.device != "cuda")
+    MOE_CONFIG_ERROR("--thread-ranks rehearses GPU ranks on one GPU: it needs training.device = cuda (got {})",
+                     config.training.device);
+  const int n = *options.thread_ranks;
+  const std::optional<std::filesystem::path> resume = resume_path(options, config);
+  fmt::print("thread ranks: {} ranks as threads on this one GPU (a rehearsal: the numbers of {} GPUs, not their speed)\n",
+             n, n);
+  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n);
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        std::ostringstream quiet;
+        std::ostream& out = r == 0 ? std::cout : quiet;
+        RunConfig rank_config = config;  // the data sets the tokenizer's vocabulary in it
+        TextData data = load_text_data(rank_config, std::max(1, threads / n));
+        if (r == 0) print_data(rank_config, data);
+        Trainer trainer(rank_config, std::move(data.train), std::move(data.validation),
+                        std::move(worlds[static_cast<size_t>(r)]));
+        if (resume) trainer.resume(resume->string(), out);
+        trainer.run(out);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (std::thread& rank : ranks) rank.join();
+  // The first rank's own failure (the others then time out waiting for it).
+  for (const std::string& error : errors)
+    if (!error.empty() && error.find("waited 120 s") == std::string::npos) MOE_THROW("{}", error);
+  for (const std::string& error : errors)
+    if (!error.empty()) MOE_THROW("{}", error);
+  return 0;
+#else
+  (void)options, (void)config, (void)threads;
+  MOE_CONFIG_ERROR("--thread-ranks rehearses GPU ranks, and this build has no CUDA backend");
+#endif
+}
+
+}  // namespace
+
 int run_train(const TrainOptions& options) {
   std::vector<std::string> overrides = options.overrides;
   if (options.device) overrides.push_back("training.device=" + *options.device);
   if (options.threads) overrides.push_back("training.threads=" + std::to_string(*options.threads));
   RunConfig config = resolve_config(options.config_path, overrides);
   const int threads = set_num_threads(static_cast<int>(config.training.threads));
+  if (options.thread_ranks) return run_thread_ranks(options, config, threads);
   TextData data = load_text_data(config, threads);
-  fmt::print("data: {} | tokenizer {} (vocab {}) | train {} docs, {} tokens | validation {} docs, {} tokens\n",
-             config.data.dir, data.tokenizer_name, config.model.vocab_size, data.train_docs,
-             data.train_tokens, data.val_docs, data.val_tokens);
+  print_data(config, data);
   Trainer trainer(config, std::move(data.train), std::move(data.validation));
   trainer.observer_options.progress_bar = isatty(STDOUT_FILENO) == 1;
   std::unique_ptr<Dashboard> dashboard;
@@ -51,16 +120,7 @@ int run_train(const TrainOptions& options) {
     fmt::print("dashboard: {}\n", dashboard->url());
     std::fflush(stdout);
   }
-  if (options.resume) {
-    // auto: the newest complete checkpoint, or a fresh start when there is none yet.
-    std::optional<std::filesystem::path> path;
-    if (*options.resume != "auto") path = *options.resume;
-    else if (!config.checkpoint.dir.empty()) path = latest_checkpoint(config.checkpoint.dir);
-    if (path && !std::filesystem::exists(*path))
-      MOE_CONFIG_ERROR("--resume {}: no such checkpoint directory", path->string());
-    if (path) trainer.resume(path->string(), std::cout);
-    else fmt::print("resume: no checkpoint in checkpoint.dir \"{}\", starting at step 0\n", config.checkpoint.dir);
-  }
+  if (const auto path = resume_path(options, config)) trainer.resume(path->string(), std::cout);
   install_stop_signal_handlers();  // from here a SIGTERM/SIGINT finishes the step and saves
   trainer.run(std::cout);
   return 0;

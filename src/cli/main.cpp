@@ -52,6 +52,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 65535));
   train_cmd->add_option("--resume", train.resume,
                         "auto (the newest checkpoint in checkpoint.dir, if any) or a checkpoint directory");
+  train_cmd->add_option("--thread-ranks", train.thread_ranks,
+                        "Run this many ranks as threads sharing this one GPU: a rehearsal of a multi-GPU launch "
+                        "(data and expert parallelism give the same numbers; no speed-up)")
+      ->check(CLI::Range(2, 16));
   train_cmd->allow_extras();
   train_cmd->footer(kOverrideHelp);
 
