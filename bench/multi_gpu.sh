@@ -16,8 +16,8 @@
 #                and hierarchical with the GPUs split into 2 simulated nodes;
 #   resume       runs of the default model saving at step 4 of 8, resumed from that
 #                checkpoint: steps 5-8 of both runs (rank 0 writes, all read), data
-#                parallel and expert parallel (EP = N), and the EP checkpoint resumed on
-#                one GPU.
+#                parallel, expert parallel (EP = N) and EP = N with split experts
+#                re-placed every 2 steps, and the EP checkpoint resumed on one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
 # SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,resume (default: all
 # but comm).
@@ -184,12 +184,15 @@ fi
 
 if [[ $sections == *,resume,* ]]; then
   losses() { grep -oE "^step +[5-8]/8 \| loss [0-9.]+" "$1" | awk '{ print $NF }' | paste -sd' '; }
-  for mode in dp ep; do
+  # eps: split experts re-placed every 2 steps (a resumed run starts from equal blocks:
+  # close to the uninterrupted run, not bit for bit).
+  for mode in dp ep eps; do
     echo "== resume: $mode over $n GPUs, checkpoint at step 4 of 8"
     ckpt=$(mktemp -d)
     run=(-c configs/default.toml --device cuda --data.dir="$corpus" --training.steps=8 --metrics.log_interval=1
          --parallel.backend=nccl --training.micro_batch=$((8 / n)) --checkpoint.dir="$ckpt" --checkpoint.interval=4)
     [[ $mode == ep ]] && run+=(--parallel.expert_parallel="$n")
+    [[ $mode == eps ]] && run+=(--parallel.expert_parallel="$n" --parallel.split_experts=true --parallel.rebalance_interval=2)
     launch train "${run[@]}" > "$out/resume_${mode}_whole.txt" 2>&1
     launch train "${run[@]}" --resume "$ckpt/step_00000004" > "$out/resume_${mode}_after.txt" 2>&1
     echo "uninterrupted, steps 5-8: $(losses "$out/resume_${mode}_whole.txt")"
