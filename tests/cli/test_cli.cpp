@@ -101,6 +101,7 @@ TEST_F(Cli, ConfigErrorsAreOneLineAndExitTwo) {
       {"train --config " + config() + " --training.steps=abc", "training.steps"},
       {"train --config " + config() + " --data.dir=/nonexistent/dir", "/nonexistent/dir"},
       {"train --config " + config() + " --bogus", "--bogus"},
+      {"train --config " + config() + " --device cpu --thread-ranks 2", "--thread-ranks"},
       {"train --config /nonexistent.toml", "nonexistent.toml"},
       {"train", "--config"},
       {"frobnicate", "frobnicate"},
