@@ -242,10 +242,10 @@ void ExpertExchangeOverComm::run(const void* in_RD, void* recv_RD, const void* r
 
 namespace {
 
-// hinged_placement with the hinges chosen: a hinge may span several boundaries when
-// `wide` (its slot shared by more than two ranks). Empty when the others do not fit.
+// hinged_placement with the hinges chosen: a hinge spans up to `max_span` boundaries (its
+// slot shared by up to max_span + 1 ranks). Empty when the others do not fit.
 std::vector<std::vector<int64_t>> place_around_hinges(const std::vector<int64_t>& load_E, int ep_size,
-                                                      const ExpertGroups& shape, int64_t room, bool wide) {
+                                                      const ExpertGroups& shape, int64_t room, int64_t max_span) {
   const int64_t G = shape.count, ranks_per_group = shape.ranks_per_group;
   auto load = [&](int64_t e) { return static_cast<double>(load_E[static_cast<size_t>(e)]); };
   std::vector<double> rank_load(static_cast<size_t>(ep_size), 0.0);
@@ -264,8 +264,8 @@ std::vector<std::vector<int64_t>> place_around_hinges(const std::vector<int64_t>
       const int64_t e = order[next++];
       // An expert heavier than two ranks' share spans more boundaries: m + 1 ranks share it.
       int64_t m = 1;
-      if (wide && share > 0) m = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(load(e) / share)) - 1);
-      m = std::min(m, end - b);
+      if (share > 0) m = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(load(e) / share)) - 1);
+      m = std::min({m, max_span, end - b});
       for (int64_t r = b - 1; r < b + m; ++r) {
         rank_load[static_cast<size_t>(r)] += load(e) / static_cast<double>(m + 1);
         ++count[static_cast<size_t>(r)];
@@ -307,12 +307,14 @@ std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& l
   const auto n_experts = static_cast<int64_t>(load_E.size());
   const ExpertGroups shape = checked_groups(n_experts, ep_size, groups);
   const int64_t room = std::max(max_per_rank, n_experts / ep_size + 1);
-  // Wide hinges where the room allows, else one hinge per boundary (always fits: each
-  // rank's window then needs at most n_experts / ep_size + 1 slots).
-  std::vector<std::vector<int64_t>> blocks = place_around_hinges(load_E, ep_size, shape, room, /*wide=*/true);
-  if (blocks.empty()) blocks = place_around_hinges(load_E, ep_size, shape, room, /*wide=*/false);
-  MOE_CHECK(!blocks.empty(), "hinged placement: {} experts do not fit {} per rank", n_experts, room);
-  return blocks;
+  // Hinges as wide as the room allows (a middle rank of a wide hinge holds nothing else),
+  // down to one per boundary, which always fits: each window then needs at most
+  // n_experts / ep_size + 1 slots.
+  for (int64_t max_span = shape.ranks_per_group; max_span >= 1; --max_span) {
+    std::vector<std::vector<int64_t>> blocks = place_around_hinges(load_E, ep_size, shape, room, max_span);
+    if (!blocks.empty()) return blocks;
+  }
+  MOE_THROW("hinged placement: {} experts do not fit {} per rank", n_experts, room);
 }
 
 std::vector<int64_t> split_rank_loads(const std::vector<int64_t>& load_E,

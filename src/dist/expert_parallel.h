@@ -67,8 +67,8 @@ class ExpertPlacement {
 // boundaries in one slot, m + 1 ranks sharing it). Each hinge counts its share on every
 // rank holding it, then the other experts go greedily (falling load) to the least loaded
 // rank of their group with room (at most max_per_rank experts in a rank's window, block
-// and next hinge; at least n_experts / ep_size + 1); where wide hinges leave too little
-// room, one hinge per boundary.
+// and next hinge; at least n_experts / ep_size + 1); hinges only as wide as leaves room
+// for the others (one per boundary always does).
 std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& load_E, int ep_size, int64_t groups,
                                                    int64_t max_per_rank);
 // Each rank's load under blocks of experts (experts_of_rank), with split experts when

@@ -94,6 +94,13 @@ TEST(ExpertPlacement, HingedPlacementEvensTheRanks) {
   const std::vector<int64_t> wide_loads = dist::split_rank_loads(load, wide, true);
   EXPECT_EQ(std::accumulate(wide_loads.begin(), wide_loads.end(), int64_t{0}), 1400);
   EXPECT_LE(*std::max_element(wide_loads.begin(), wide_loads.end()), 370);
+  // 8 ranks, room for 2 (E / P + 1): the hot expert spans only as many boundaries as leave
+  // room for the others (3 ranks share it), still well under two-way hinges' 490.
+  const auto tight = dist::hinged_placement(load, 8, 1, 0);
+  for (size_t r = 0; r < tight.size(); ++r) EXPECT_LE(tight[r].size() + (r + 1 < tight.size() ? 1 : 0), 2u);
+  const std::vector<int64_t> tight_loads = dist::split_rank_loads(load, tight, true);
+  EXPECT_EQ(std::accumulate(tight_loads.begin(), tight_loads.end(), int64_t{0}), 1400);
+  EXPECT_LE(*std::max_element(tight_loads.begin(), tight_loads.end()), 400);
   // Re-placement with split: from equal blocks the busiest rank drops from 1160 (expert 0
   // and its block) to what the hinges leave.
   const std::vector<std::vector<int64_t>> equal = {{0, 1}, {2, 3}, {4, 5}, {6, 7}};
