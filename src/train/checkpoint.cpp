@@ -195,6 +195,7 @@ fs::path write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, i
   shard.set_metadata("skipped_steps", std::to_string(snap.progress.skipped_steps));
   shard.set_metadata("nan_reloads", std::to_string(snap.progress.nan_reloads));
   shard.set_metadata("source_state", join_ints(snap.source_state));
+  if (!snap.expert_placement.empty()) shard.set_metadata("expert_placement", snap.expert_placement);
   shard.write(temp_dir / shard_name(0));
   write_file_atomic(temp_dir / kConfigFile, snap.config_toml);
 
@@ -283,6 +284,8 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   if (metadata_int(loaded.shard, "step") != loaded.step)
     MOE_THROW("{}: shard step {} differs from the manifest's {}", shard_path.string(),
               metadata_int(loaded.shard, "step"), loaded.step);
+  const auto placement = loaded.shard.header().metadata.find("expert_placement");
+  if (placement != loaded.shard.header().metadata.end()) loaded.expert_placement = placement->second;
   return loaded;
 }
 }  // namespace

@@ -57,6 +57,9 @@ struct CheckpointSnapshot {
   int64_t adam_steps = 0;
   std::vector<int64_t> source_state;
   std::vector<Entry> tensors;
+  // The experts' placement over the EP ranks and the re-placement's state
+  // (ModelBackend::placement_state; shard metadata "expert_placement"); empty: none.
+  std::string expert_placement;
 };
 
 CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float>& model, AdamW& optimizer,
@@ -77,6 +80,7 @@ struct LoadedCheckpoint {
   std::string config_toml;
   RunConfig config;
   SafeTensorsFile shard;
+  std::string expert_placement;  // empty when none was recorded
 };
 // Throws moe::Error with one line naming the file and what is wrong.
 LoadedCheckpoint read_checkpoint(const std::filesystem::path& path);

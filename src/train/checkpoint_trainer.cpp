@@ -48,13 +48,18 @@ void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
   sync_state_from_gpu();
   backend_->gather_state(*optimizer_);
-  if (rank_ == 0) checkpointer_->save(capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_), out);
+  if (rank_ == 0) {
+    CheckpointSnapshot snapshot = capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_);
+    snapshot.expert_placement = backend_->placement_state();
+    checkpointer_->save(std::move(snapshot), out);
+  }
 }
 
 void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
   progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
   backend_->scatter_state(*optimizer_);
   sync_state_to_gpu();
+  backend_->restore_placement(checkpoint.expert_placement);
 }
 
 void Trainer::wait_for_saved_checkpoints() {

@@ -86,6 +86,11 @@ class ModelBackend {
   // host model and `optimizer`. No-ops where the host model and `optimizer` are the state.
   virtual void gather_state(AdamW& optimizer) { (void)optimizer; }
   virtual void scatter_state(AdamW& optimizer) { (void)optimizer; }
+  // The experts' placement and the re-placement's state, as text a checkpoint keeps
+  // (empty: nothing to keep), and taking it back after a restore (collective; ignored
+  // where it does not fit this run, e.g. another EP size).
+  virtual std::string placement_state() const { return {}; }
+  virtual void restore_placement(const std::string& state) { (void)state; }
 };
 
 namespace dist {

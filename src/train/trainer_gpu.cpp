@@ -9,6 +9,7 @@
 #include <functional>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "dist/communicator.h"
@@ -400,6 +401,42 @@ class GpuBackend final : public ModelBackend {
       stats.time.comm_wait += comm.wait_s;
       stats.grad_sync_ms += comm.grad_sync_s * 1e3;
     }
+  }
+  // With re-placement by load under expert parallelism: each MoE layer's experts per EP
+  // rank and what the next re-placement will weigh (loads and steps since the last), so a
+  // resumed run continues with the same placement, bit for bit.
+  std::string placement_state() const override {
+    if (!ep_ || config_.parallel.rebalance_interval <= 0) return {};
+    nlohmann::json state;
+    state["ep_size"] = ep_->size();
+    nlohmann::json layers = nlohmann::json::array();
+    for (size_t l = 0; l < host_model_.moe_layers().size(); ++l) layers.push_back(gpu_.expert_placement(l));
+    state["experts_of_rank"] = std::move(layers);
+    state["steps_since_placement"] = steps_since_placement_;
+    state["load_since_placement"] = load_since_placement_;
+    return state.dump();
+  }
+  void restore_placement(const std::string& text) override {
+    if (!ep_ || text.empty()) return;
+    const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
+    MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
+    const auto layers = state.value("experts_of_rank", std::vector<std::vector<std::vector<int64_t>>>{});
+    const bool fits = config_.parallel.rebalance_interval > 0 && state.value("ep_size", 0) == ep_->size() &&
+                      layers.size() == host_model_.moe_layers().size();
+    if (!fits) {
+      // Another EP size or no re-placement now: equal blocks, as a run without the record.
+      if (rank_of_world() == 0) spdlog::info("resume: the checkpoint's expert placement does not apply here (equal blocks)");
+      return;
+    }
+    try {
+      gpu_.place_experts(layers);  // checks everything before anything moves
+    } catch (const Error& e) {
+      if (rank_of_world() == 0) spdlog::warn("resume: the checkpoint's expert placement does not fit ({}): equal blocks", e.what());
+      return;
+    }
+    apply_own_expert_ranges();
+    steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
+    load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
   }
   void sync_host_model() override {
     if (ep_) gpu_.gather_expert_weights();  // each rank stepped only its own experts
