@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "test_resume_fixtures.h"
+#include "train/synthetic.h"
 #include "train/batch_controller.h"
 #include "train/checkpoint.h"
 #include "train/checkpoint_io.h"
@@ -143,6 +144,20 @@ TEST_F(Checkpoint, SavesCompleteDirectoriesAndPrunes) {
   std::vector<float> saved(static_cast<size_t>(params.numel(id)));
   loaded.shard.read_f32("param/layers.1.attn.wq", saved.data(), params.numel(id));
   EXPECT_EQ(0, std::memcmp(saved.data(), params.value(id), saved.size() * sizeof(float)));
+  EXPECT_EQ(loaded.expert_placement, "") << "one process re-places nothing";
+}
+
+// The experts' placement (GPU expert parallelism) travels as shard metadata, absent when
+// there is none.
+TEST_F(Checkpoint, KeepsTheExpertPlacement) {
+  RunConfig config = test::tiny_config();
+  Transformer<float> model(config.model, 1);
+  AdamW optimizer(config.optimizer, model.params());
+  test::LookBackTask data(config.model.vocab_size, config.model.seq_len, 1);
+  CheckpointSnapshot snapshot = capture_checkpoint(config, model, optimizer, data, TrainProgress{3});
+  snapshot.expert_placement = R"({"ep_size":2,"experts_of_rank":[[[1,0],[2,3]]]})";
+  const fs::path path = write_checkpoint(dir_ / "ckpt", snapshot, 1);
+  EXPECT_EQ(read_checkpoint(path).expert_placement, snapshot.expert_placement);
 }
 
 TEST_F(Checkpoint, HalfWrittenCheckpointsAreNeverPicked) {
