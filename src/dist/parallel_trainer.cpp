@@ -5,6 +5,8 @@
 #include <map>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 
 namespace moe::dist {
@@ -256,6 +258,35 @@ void ParallelCpuBackend::rebalance_experts() {
   }
   std::fill(load_since_placement_.begin(), load_since_placement_.end(), 0);
   steps_since_placement_ = 0;
+}
+
+std::string ParallelCpuBackend::placement_state() const {
+  if (!experts_ || config_.parallel.rebalance_interval <= 0) return {};
+  nlohmann::json state;
+  state["ep_size"] = placement_->ep_size();
+  std::vector<int> rank_of_expert;
+  for (int64_t e = 0; e < placement_->n_experts(); ++e) rank_of_expert.push_back(placement_->rank_of(e));
+  state["rank_of_expert"] = rank_of_expert;
+  state["steps_since_placement"] = steps_since_placement_;
+  state["load_since_placement"] = load_since_placement_;
+  return state.dump();
+}
+
+// After scatter_state (the contiguous blocks hold the checkpoint's values): the saved
+// placement's experts move to their ranks as a re-placement moves them.
+void ParallelCpuBackend::restore_placement(const std::string& text) {
+  if (!experts_ || text.empty() || config_.parallel.rebalance_interval <= 0) return;
+  const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
+  MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
+  const auto rank_of_expert = state.value("rank_of_expert", std::vector<int>{});
+  if (state.value("ep_size", 0) != placement_->ep_size() ||
+      static_cast<int64_t>(rank_of_expert.size()) != placement_->n_experts())
+    return;  // another EP layout (or a GPU run's record): the contiguous blocks
+  const ExpertPlacement saved(rank_of_expert, placement_->ep_size());
+  experts_->migrate(saved, *groups_.expert_parallel);
+  *placement_ = saved;
+  steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
+  load_since_placement_ = state.value("load_since_placement", std::vector<int64_t>{});
 }
 
 double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value); }

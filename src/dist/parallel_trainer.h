@@ -70,6 +70,9 @@ class ParallelCpuBackend final : public ModelBackend {
   void sync_host_model() override;
   void gather_state(AdamW& optimizer) override;
   void scatter_state(AdamW& optimizer) override;
+  // With re-placement: which rank holds each expert and the loads since the last placement.
+  std::string placement_state() const override;
+  void restore_placement(const std::string& state) override;
 
  private:
   double world_sum(double value);

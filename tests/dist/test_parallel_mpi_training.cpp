@@ -256,14 +256,20 @@ TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
   auto& world = *parallel_world();
   int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
   world.broadcast(&pid, 1, dist::DType::i64, 0);  // one directory for all ranks, named by rank 0
-  for (int64_t ep : {1, 2}) {
+  // ep 3 stands for EP 2 re-placed after every step: the checkpoint keeps the placement (on
+  // the CPU the numbers do not depend on it, so the resumed steps' placement is compared).
+  for (int64_t ep : {1, 2, 3}) {
     SCOPED_TRACE("expert_parallel " + std::to_string(ep));
     const std::filesystem::path dir =
         std::filesystem::temp_directory_path() / ("moe_mpi_ckpt_" + std::to_string(pid) + "_" + std::to_string(ep));
     RunConfig config = tiny_config();
     config.model.vocab_size = 257;  // a config that validates (checkpoints store and re-read it); the task uses 16 ids
     config.training.steps = 8;
-    config.parallel.expert_parallel = ep;
+    config.parallel.expert_parallel = std::min<int64_t>(ep, 2);
+    if (ep == 3) {
+      config.parallel.rebalance_interval = 1;
+      config.parallel.rebalance_max_experts = 3;
+    }
     config.checkpoint.dir = dir.string();
     config.checkpoint.interval = 4;
     const RunResult whole = train_parallel(config);
@@ -274,6 +280,17 @@ TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
     EXPECT_EQ(resumed.loss, std::vector<double>(whole.loss.begin() + 4, whole.loss.end()));
     EXPECT_EQ(resumed.grad_norm, std::vector<double>(whole.grad_norm.begin() + 4, whole.grad_norm.end()));
     EXPECT_EQ(resumed.params, whole.params);
+    if (ep == 3) {
+      auto experts = [](const StepStats& s) {
+        std::vector<std::vector<int64_t>> held;
+        for (const RankLoad& rank : s.ranks) held.push_back(rank.experts);
+        return held;
+      };
+      EXPECT_NE(experts(whole.stats[4]), (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}}))
+          << "the case should start step 5 re-placed";
+      for (size_t i = 0; i < 4; ++i)
+        EXPECT_EQ(experts(resumed.stats[i]), experts(whole.stats[i + 4])) << "step " << i + 5;
+    }
     // The checkpoint is an ordinary one-process checkpoint: one process with the same
     // global batch continues it too (up to the order of sums).
     if (world.rank() == 0) {
