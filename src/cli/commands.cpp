@@ -68,7 +68,10 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
   const std::optional<std::filesystem::path> resume = resume_path(options, config);
   fmt::print("thread ranks: {} ranks as threads on this one GPU (a rehearsal: the numbers of {} GPUs, not their speed)\n",
              n, n);
-  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n);
+  const int per_node = options.thread_ranks_per_node.value_or(0);
+  if (per_node > 0 && n % per_node != 0)
+    MOE_CONFIG_ERROR("--thread-ranks-per-node {} does not divide --thread-ranks {}", per_node, n);
+  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n, per_node);
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> ranks;
   for (int r = 0; r < n; ++r)
@@ -109,6 +112,7 @@ int run_train(const TrainOptions& options) {
   RunConfig config = resolve_config(options.config_path, overrides);
   const int threads = set_num_threads(static_cast<int>(config.training.threads));
   if (options.thread_ranks) return run_thread_ranks(options, config, threads);
+  if (options.thread_ranks_per_node) MOE_CONFIG_ERROR("--thread-ranks-per-node goes with --thread-ranks");
   TextData data = load_text_data(config, threads);
   print_data(config, data);
   Trainer trainer(config, std::move(data.train), std::move(data.validation));

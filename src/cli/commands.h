@@ -16,6 +16,7 @@ struct TrainOptions {
   std::optional<int> dashboard_port;   // serve the live dashboard here (0: any free port)
   std::optional<std::string> resume;   // "auto" (newest in checkpoint.dir, if any) or a checkpoint directory
   std::optional<int> thread_ranks;     // this many ranks as threads on this one GPU (a rehearsal)
+  std::optional<int> thread_ranks_per_node;  // ... in simulated nodes of this many ranks
 };
 
 struct ReportOptions {

@@ -56,6 +56,9 @@ int main(int argc, char** argv) {
                         "Run this many ranks as threads sharing this one GPU: a rehearsal of a multi-GPU launch "
                         "(data and expert parallelism give the same numbers; no speed-up)")
       ->check(CLI::Range(2, 16));
+  train_cmd->add_option("--thread-ranks-per-node", train.thread_ranks_per_node,
+                        "With --thread-ranks: simulated nodes of this many consecutive ranks (hierarchical all-to-all)")
+      ->check(CLI::Range(1, 16));
   train_cmd->allow_extras();
   train_cmd->footer(kOverrideHelp);
 

@@ -72,6 +72,9 @@ class Communicator {
   // synchronize returns once every copy and waited-for collective is complete, so the
   // host may read what a copy wrote to host memory.
   virtual bool device_memory() const { return false; }
+  // How many consecutive ranks form a node, for backends whose ranks are not a launch's
+  // processes (threads on one GPU simulating nodes); 0: the launch environment says.
+  virtual int ranks_per_node() const { return 0; }
   virtual std::shared_ptr<void> allocate(size_t bytes);
   virtual void copy(void* dst, const void* src, size_t bytes);
   virtual void synchronize() {}

@@ -114,7 +114,8 @@ void Trainer::setup_gpu() {
     if (gpu_world_->size() % ep != 0)
       MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the {} ranks of the launch", ep, gpu_world_->size());
     const dist::LaunchEnv env = dist::read_launch_env();
-    const int per_node = env.world_size == gpu_world_->size() ? env.local_size : gpu_world_->size();
+    int per_node = env.world_size == gpu_world_->size() ? env.local_size : gpu_world_->size();
+    if (gpu_world_->ranks_per_node() > 0) per_node = gpu_world_->ranks_per_node();  // simulated nodes (threads)
     gpu_expert_exchange_ = std::make_shared<dist::GpuExpertExchangeOverComm>(*gpu_world_, static_cast<int>(ep),
                                                                              c.parallel.all_to_all, per_node);
   }

@@ -70,7 +70,8 @@ class DoneWork final : public Work {
 
 class ThreadCommunicator final : public Communicator {
  public:
-  ThreadCommunicator(std::shared_ptr<GroupState> state, int rank) : state_(std::move(state)), rank_(rank) {
+  ThreadCommunicator(std::shared_ptr<GroupState> state, int rank, int ranks_per_node = 0)
+      : state_(std::move(state)), rank_(rank), ranks_per_node_(ranks_per_node) {
     MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&work_, cudaStreamNonBlocking));
   }
   ~ThreadCommunicator() override { cudaStreamDestroy(work_); }
@@ -79,6 +80,7 @@ class ThreadCommunicator final : public Communicator {
   std::string backend() const override { return "threads"; }
   void set_stream(void* stream) override { caller_ = static_cast<cudaStream_t>(stream); }
   bool device_memory() const override { return true; }
+  int ranks_per_node() const override { return ranks_per_node_; }
   std::shared_ptr<void> allocate(size_t bytes) override {
     void* p = nullptr;
     MOE_CUDA_CHECK(cudaMalloc(&p, bytes > 0 ? bytes : 1));
@@ -222,17 +224,20 @@ class ThreadCommunicator final : public Communicator {
 
   std::shared_ptr<GroupState> state_;
   int rank_;
+  int ranks_per_node_;
   int64_t splits_ = 0;
   cudaStream_t caller_ = nullptr, work_ = nullptr;
 };
 
 }  // namespace
 
-std::vector<std::unique_ptr<Communicator>> make_thread_communicators(int n) {
+std::vector<std::unique_ptr<Communicator>> make_thread_communicators(int n, int ranks_per_node) {
   MOE_CHECK(n >= 1 && n <= kMaxRanks, "threads communicator: {} ranks (1 to {})", n, kMaxRanks);
+  MOE_CHECK(ranks_per_node >= 0 && (ranks_per_node == 0 || n % ranks_per_node == 0),
+            "threads communicator: nodes of {} ranks do not divide {} ranks", ranks_per_node, n);
   auto state = std::make_shared<GroupState>(n);
   std::vector<std::unique_ptr<Communicator>> ranks;
-  for (int r = 0; r < n; ++r) ranks.push_back(std::make_unique<ThreadCommunicator>(state, r));
+  for (int r = 0; r < n; ++r) ranks.push_back(std::make_unique<ThreadCommunicator>(state, r, ranks_per_node));
   return ranks;
 }
 

@@ -16,6 +16,8 @@
 namespace moe::dist {
 
 // The world of n ranks: element r is rank r's communicator, to be used by one thread.
-std::vector<std::unique_ptr<Communicator>> make_thread_communicators(int n);
+// ranks_per_node > 0 (dividing n) simulates nodes of that many consecutive ranks (e.g.
+// for the hierarchical all-to-all); 0: one node.
+std::vector<std::unique_ptr<Communicator>> make_thread_communicators(int n, int ranks_per_node = 0);
 
 }  // namespace moe::dist
