@@ -102,6 +102,7 @@ TEST_F(Cli, ConfigErrorsAreOneLineAndExitTwo) {
       {"train --config " + config() + " --data.dir=/nonexistent/dir", "/nonexistent/dir"},
       {"train --config " + config() + " --bogus", "--bogus"},
       {"train --config " + config() + " --device cpu --thread-ranks 2", "--thread-ranks"},
+      {"train --config " + config() + " --thread-ranks-per-node 2", "--thread-ranks-per-node"},
       {"train --config /nonexistent.toml", "nonexistent.toml"},
       {"train", "--config"},
       {"frobnicate", "frobnicate"},
