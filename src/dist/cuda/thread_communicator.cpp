@@ -198,7 +198,12 @@ class ThreadCommunicator final : public Communicator {
   void reduce_into(size_t count, DType dtype, ReduceOp op, OffsetOf offset_of, void* out, const void* send = nullptr) {
     MOE_CHECK(size() <= kMaxRanks, "threads communicator: at most {} ranks", kMaxRanks);
     const size_t bytes = count * dtype_bytes(dtype);
-    std::shared_ptr<void> scratch = allocate(bytes);
+    // Grows only: a cudaFree per collective would wait for every thread's work on the GPU.
+    if (scratch_bytes_ < bytes) {
+      scratch_ = allocate(bytes);
+      scratch_bytes_ = bytes;
+    }
+    const std::shared_ptr<void>& scratch = scratch_;
     Posted mine;
     mine.send = send ? send : out;
     MOE_CUDA_CHECK(cudaStreamSynchronize(caller_));
@@ -225,6 +230,8 @@ class ThreadCommunicator final : public Communicator {
   std::shared_ptr<GroupState> state_;
   int rank_;
   int ranks_per_node_;
+  std::shared_ptr<void> scratch_;  // reduce_into's
+  size_t scratch_bytes_ = 0;
   int64_t splits_ = 0;
   cudaStream_t caller_ = nullptr, work_ = nullptr;
 };
