@@ -72,6 +72,7 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
   if (per_node > 0 && n % per_node != 0)
     MOE_CONFIG_ERROR("--thread-ranks-per-node {} does not divide --thread-ranks {}", per_node, n);
   std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n, per_node);
+  install_stop_signal_handlers();  // every rank sees the stop request: they finish the step and save together
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> ranks;
   for (int r = 0; r < n; ++r)
