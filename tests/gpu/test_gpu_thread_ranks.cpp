@@ -145,6 +145,9 @@ TEST(GpuThreadRanks, SplitExpertsTrainTheWeightsOfWholeExperts) {
   const double share = static_cast<double>(far) / static_cast<double>(hinge);
   std::printf("hinge weights a step apart from whole experts: %.4f\n", share);
   EXPECT_LT(share, 0.02) << far << " of the hinge's " << hinge << " weights";
+  // The first step's global norm (the same weights): each hinge counted once.
+  std::printf("step-1 gradient norm: whole %.6f, split %.6f\n", a[0].grad_norms[0], b[0].grad_norms[0]);
+  EXPECT_NEAR(b[0].grad_norms[0], a[0].grad_norms[0], 1e-3 * a[0].grad_norms[0]);
   EXPECT_EQ(a[0].params, a[1].params) << "the ranks' gathered weights differ";
   EXPECT_EQ(b[0].params, b[1].params) << "the ranks' gathered weights differ (split)";
 }
