@@ -171,6 +171,10 @@ class Attention {
   ~Attention();
   Attention(const Attention&) = delete;
   Attention& operator=(const Attention&) = delete;
+  // true (the default): the backward's dQ is summed in a fixed order (cuDNN's
+  // deterministic algorithm, a dP workspace of B x H x S x S bf16); false: atomics, which
+  // make dQ differ in its last bits from run to run.
+  void set_deterministic(bool deterministic);
   void forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
                int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream);
   // Overwrites dq, dk and dv.
@@ -187,6 +191,13 @@ class Attention {
 
 namespace moe::cuda {
 
+// Routing statistics of one micro-batch ADDED to acc (E + 2 doubles, in fixed order):
+// acc[e] += kept rows of expert e (counts_slot[slot_of_expert[e]]; slot_of_expert null:
+// the identity), acc[E] += router entropy summed over the T tokens (moe/router.h's
+// router_entropy_sum), acc[E + 1] += T. scratch: routing_stats_scratch(T) doubles.
+int64_t routing_stats_scratch(int64_t T);
+void accumulate_routing_stats(double* acc, double* scratch, const float* scores_TE, const int32_t* counts_slot,
+                              const int32_t* slot_of_expert, int64_t T, int64_t E, Stream stream);
 // Assignments per expert before capacity dropping (this micro-batch), overwritten.
 void expert_counts(int32_t* counts_E, const int32_t* expert_TK, int64_t T, int64_t E, int64_t K, Stream stream);
 // Per-token terms of the router losses: aux_term_t = sum_e f_e p_te (p normalised per

@@ -347,19 +347,8 @@ void MoELayer<T>::record_routing(int64_t dropped) {
   for (int64_t e = 0; e < E_; ++e) routing_.kept_E[static_cast<size_t>(e)] += counts_E_[e];
   routing_.dropped += dropped;
   routing_.tokens += T_;
-  // Entropy of each token's routing distribution: softmax scores as they are, sigmoid
-  // scores normalised to sum to 1. O(T*E), small next to the expert matmuls.
-  double entropy_sum = 0;
-  for (int64_t t = 0; t < T_; ++t) {
-    const T* s_E = scores_TE_ + t * E_;
-    double total = 0;
-    for (int64_t e = 0; e < E_; ++e) total += static_cast<double>(s_E[e]);
-    if (total <= 0) continue;
-    for (int64_t e = 0; e < E_; ++e) {
-      const double p = static_cast<double>(s_E[e]) / total;
-      if (p > 0) entropy_sum -= p * std::log(p);
-    }
-  }
+  // O(T*E), small next to the expert matmuls.
+  const double entropy_sum = router_entropy_sum<T>(scores_TE_, T_, E_);
   routing_.entropy_sum += entropy_sum;
 }
 

@@ -266,6 +266,23 @@ double aux_loss_forward(const T* scores_TE, const int32_t* expert_TK, int64_t T_
 }
 
 template <typename T>
+double router_entropy_sum(const T* scores_TE, int64_t T_, int64_t E) {
+  check_shape(T_, E);
+  double entropy_sum = 0;
+  for (int64_t t = 0; t < T_; ++t) {
+    const T* s_E = scores_TE + t * E;
+    double total = 0;
+    for (int64_t e = 0; e < E; ++e) total += static_cast<double>(s_E[e]);
+    if (total <= 0) continue;
+    for (int64_t e = 0; e < E; ++e) {
+      const double p = static_cast<double>(s_E[e]) / total;
+      if (p > 0) entropy_sum -= p * std::log(p);
+    }
+  }
+  return entropy_sum;
+}
+
+template <typename T>
 void aux_loss_backward(T* dscores_TE, const T* scores_TE, const int32_t* expert_TK, int64_t T_,
                        int64_t E, int64_t K, ScoreFunc f, double coef, double dloss) {
   check_shape(T_, E);
@@ -359,6 +376,7 @@ void bias_balance_update(float* bias_E, const int64_t* load_E, int64_t E, double
                                           int64_t, int64_t, bool);                             \
   template double aux_loss_forward<T>(const T*, const int32_t*, int64_t, int64_t, int64_t,     \
                                       ScoreFunc, double);                                      \
+  template double router_entropy_sum<T>(const T*, int64_t, int64_t);                           \
   template void aux_loss_backward<T>(T*, const T*, const int32_t*, int64_t, int64_t, int64_t,  \
                                      ScoreFunc, double, double);                               \
   template double z_loss_forward<T>(const T*, int64_t, int64_t, double, double);               \

@@ -66,6 +66,13 @@ template <typename T>
 void aux_loss_backward(T* dscores_TE, const T* scores_TE, const int32_t* expert_TK, int64_t T_,
                        int64_t E, int64_t K, ScoreFunc f, double coef, double dloss);
 
+// Router entropy summed over the T_ tokens (nats, double): each token's distribution is
+// its scores as they are (softmax) or normalised to sum 1 (sigmoid; a row summing to 0
+// adds nothing). A metric, not a loss: no backward. The GPU's accumulate_routing_stats
+// is tested against it.
+template <typename T>
+double router_entropy_sum(const T* scores_TE, int64_t T_, int64_t E);
+
 // Router z-loss (ST-MoE): coef * mean over tokens of logsumexp_e(logits_te / temperature)^2.
 template <typename T>
 double z_loss_forward(const T* logits_TE, int64_t T_, int64_t E, double temperature, double coef);

@@ -30,6 +30,7 @@ struct TrainingConfig {
   int64_t recompute_layers = 0;       // GPU: recompute the activations of the first N layers in the backward; -1: all
   std::string recompute_experts = "none";  // GPU: none | swiglu | all: what MoE layers recompute in the backward
   bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
+  bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)
 };
 
 struct OptimizerConfig {

@@ -126,6 +126,7 @@ void Trainer::configure_gpu_model() {
   gpu_->set_recompute_layers(config_.training.recompute_layers);
   gpu_->set_recompute_experts(expert_recompute_from_name(config_.training.recompute_experts));
   gpu_->enable_graphs(config_.training.cuda_graphs);
+  gpu_->set_deterministic(config_.training.deterministic);
   gpu_->set_expert_exchange(gpu_expert_exchange_);
   gpu_->set_split_experts(gpu_expert_exchange_ && config_.parallel.split_experts);
   // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
@@ -262,15 +263,23 @@ class GpuBackend final : public ModelBackend {
     stats.z_loss = values[3] / dp_->size();
   }
   void routing(StepStats& stats) override {
-    loads_ = gpu_.expert_load();
-    if (dp_) sum_loads(loads_);
+    GpuRoutingStats routing = gpu_.routing_stats();
+    loads_ = std::move(routing.load);
+    if (dp_) sum_routing(routing);
     const auto host_layers = host_model_.moe_layers();
+    const int64_t K = config_.model.moe.top_k;
     for (size_t i = 0; i < loads_.size(); ++i) {
       LayerRouting r;
       r.layer = config_.model.first_dense_layers + static_cast<int64_t>(i);
-      r.tokens_E = loads_[i];  // before dropping: the GPU path does not count kept rows per step yet
-      for (int64_t load : loads_[i]) r.assignments += load;
-      stats.load_imbalance = std::max(stats.load_imbalance, r.imbalance());
+      r.tokens_E = routing.kept[i];  // after capacity, as the CPU reports it
+      r.assignments = routing.tokens[i] * K;
+      int64_t kept = 0;
+      for (int64_t rows : routing.kept[i]) kept += rows;
+      r.dropped = r.assignments - kept;
+      r.router_entropy =
+          routing.tokens[i] > 0 ? routing.entropy_sum[i] / static_cast<double>(routing.tokens[i]) : 0;
+      // Imbalance before dropping, as the CPU's.
+      stats.load_imbalance = std::max(stats.load_imbalance, moe::load_imbalance(loads_[i]));
       // The bias the step routed with, as the CPU reports it (before this step's update).
       if (config_.model.moe.bias_balancing)
         r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
@@ -516,13 +525,22 @@ class GpuBackend final : public ModelBackend {
   }
 
   // Assignments per expert summed over the ranks (the step's global load).
-  void sum_loads(std::vector<std::vector<int64_t>>& loads) {
+  // This step's routing summed over the data-parallel ranks (their tokens differ):
+  // assignments (loads_) and kept rows per expert, entropy sums and tokens.
+  void sum_routing(GpuRoutingStats& routing) {
     std::vector<double> flat;
-    for (const auto& layer : loads) flat.insert(flat.end(), layer.begin(), layer.end());
+    for (const auto& layer : loads_) flat.insert(flat.end(), layer.begin(), layer.end());
+    for (const auto& layer : routing.kept) flat.insert(flat.end(), layer.begin(), layer.end());
+    flat.insert(flat.end(), routing.entropy_sum.begin(), routing.entropy_sum.end());
+    flat.insert(flat.end(), routing.tokens.begin(), routing.tokens.end());
     dp_->sum(flat.data(), static_cast<int64_t>(flat.size()));
     size_t k = 0;
-    for (auto& layer : loads)
+    for (auto& layer : loads_)
       for (auto& load : layer) load = std::llround(flat[k++]);
+    for (auto& layer : routing.kept)
+      for (auto& kept : layer) kept = std::llround(flat[k++]);
+    for (auto& entropy : routing.entropy_sum) entropy = flat[k++];
+    for (auto& tokens : routing.tokens) tokens = std::llround(flat[k++]);
   }
 
   const RunConfig& config_;

@@ -69,11 +69,11 @@ TEST(GpuTrainer, StopAndResumeContinuesTheRun) {
   ASSERT_FALSE(checkpoint.empty());
   const std::vector<double> after = run(gpu_config(root / "split"), checkpoint);
   ASSERT_EQ(after.size(), 3u);
-  // Same batches and state; cuDNN's attention backward may sum in another order, so
-  // the losses agree to rounding, not bit for bit.
+  // Same batches and state, and every reduction in a fixed order (training.deterministic):
+  // bit for bit.
   for (size_t i = 0; i < 3; ++i) {
-    EXPECT_NEAR(before[i], whole[i], 1e-4 * whole[i]) << "step " << i + 1;
-    EXPECT_NEAR(after[i], whole[i + 3], 1e-3 * whole[i + 3]) << "step " << i + 4;
+    EXPECT_EQ(before[i], whole[i]) << "step " << i + 1;
+    EXPECT_EQ(after[i], whole[i + 3]) << "step " << i + 4;
   }
   EXPECT_LT(whole.back(), whole.front());
   std::filesystem::remove_all(root);

@@ -60,6 +60,7 @@ struct Attention::State {
   cudnnHandle_t handle = nullptr;
   std::map<Shape, std::shared_ptr<fe::graph::Graph>> forward_graphs, backward_graphs;
   gpu::DeviceArray<char> workspace;
+  bool deterministic = true;
 
   void ensure_workspace(int64_t bytes) {
     if (static_cast<size_t>(bytes) > workspace.size()) workspace = gpu::DeviceArray<char>(static_cast<size_t>(bytes));
@@ -132,7 +133,8 @@ struct Attention::State {
     auto options = fe::graph::SDPA_backward_attributes()
                        .set_name("attention_backward")
                        .set_causal_mask(true)
-                       .set_attn_scale(scale);
+                       .set_attn_scale(scale)
+                       .set_deterministic_algorithm(deterministic);
     auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, lse, options);
     dq->set_output(true).set_uid(kdQ).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(H, S, d));
     dk->set_output(true).set_uid(kdK).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(G, S, d));
@@ -145,6 +147,12 @@ struct Attention::State {
 Attention::Attention() : state_(new State) {
   load_cudnn();
   MOE_CUDNN_CHECK(fe::detail::create_handle(&state_->handle));
+}
+
+void Attention::set_deterministic(bool deterministic) {
+  if (deterministic == state_->deterministic) return;
+  state_->deterministic = deterministic;
+  state_->backward_graphs.clear();  // rebuilt with the other dQ accumulation on next use
 }
 
 Attention::~Attention() {

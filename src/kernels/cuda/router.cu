@@ -3,6 +3,7 @@
 // the lower expert index and NaN keys rank last, as in the CPU reference. Group-limited
 // routing first ranks the groups (a lane per group: the sum of its two best keys) and
 // marks the experts of the groups not taken as unavailable.
+#include <algorithm>
 #include <climits>
 
 #include "core/gpu.h"
@@ -104,7 +105,70 @@ __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight
     for (int64_t k = 0; k < K; ++k) weight[t * K + k] /= chosen_sum + 1e-20f;
 }
 
+constexpr int kStatsThreads = 256;
+
+__device__ __forceinline__ double warp_sum_double(double v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// A thread per token: its entropy in double (router_entropy_sum's terms), summed over the
+// block in a fixed tree into partial_B[block].
+__global__ void routing_entropy_partials_kernel(double* partial_B, const float* scores_TE, int64_t T, int64_t E) {
+  __shared__ double warp_partials[kStatsThreads / 32];
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatsThreads + threadIdx.x;
+  double entropy = 0;
+  if (t < T) {
+    const float* s = scores_TE + t * E;
+    double total = 0;
+    for (int64_t e = 0; e < E; ++e) total += static_cast<double>(s[e]);
+    if (total > 0)
+      for (int64_t e = 0; e < E; ++e) {
+        const double p = static_cast<double>(s[e]) / total;
+        if (p > 0) entropy -= p * log(p);
+      }
+  }
+  entropy = warp_sum_double(entropy);
+  if ((threadIdx.x & 31) == 0) warp_partials[threadIdx.x >> 5] = entropy;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double sum = 0;
+    for (int w = 0; w < kStatsThreads / 32; ++w) sum += warp_partials[w];
+    partial_B[blockIdx.x] = sum;
+  }
+}
+
+// One block: acc[e] += kept rows of expert e (its slot's count), acc[E] += the partials
+// in block order, acc[E + 1] += T.
+__global__ void routing_stats_add_kernel(double* acc, const double* partial_B, int64_t blocks, const int32_t* counts_slot,
+                                         const int32_t* slot_of_expert, int64_t T, int64_t E) {
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+    const int64_t slot = slot_of_expert ? slot_of_expert[e] : e;
+    acc[e] += static_cast<double>(counts_slot[slot]);
+  }
+  if (threadIdx.x == 0) {
+    double sum = 0;
+    for (int64_t b = 0; b < blocks; ++b) sum += partial_B[b];
+    acc[E] += sum;
+    acc[E + 1] += static_cast<double>(T);
+  }
+}
+
 }  // namespace
+
+int64_t routing_stats_scratch(int64_t T) { return std::max<int64_t>(1, ceil_div(T, kStatsThreads)); }
+
+void accumulate_routing_stats(double* acc, double* scratch, const float* scores_TE, const int32_t* counts_slot,
+                              const int32_t* slot_of_expert, int64_t T, int64_t E, Stream stream) {
+  if (T == 0) return;
+  const int64_t blocks = routing_stats_scratch(T);
+  routing_entropy_partials_kernel<<<static_cast<unsigned>(blocks), kStatsThreads, 0, stream>>>(scratch, scores_TE,
+                                                                                               T, E);
+  MOE_CUDA_CHECK_LAUNCH();
+  routing_stats_add_kernel<<<1, 256, 0, stream>>>(acc, scratch, blocks, counts_slot, slot_of_expert, T, E);
+  MOE_CUDA_CHECK_LAUNCH();
+}
 
 void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
                  const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,

@@ -45,6 +45,9 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(),
                     count_load ? layer.load.data() : nullptr,
                     m.rank.data(), routed_slot, T, E, K, capacity, stream);
+  if (count_load)  // kept rows per expert, router entropy: read with expert_load()
+    cuda::accumulate_routing_stats(layer.routing.data(), routing_scratch.data(), m.scores.data(), m.counts.data(),
+                                   layer.placed ? layer.slot_of_expert.data() : nullptr, T, E, stream);
   expert_gemm->set_experts(local_experts(layer));
   MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
@@ -313,21 +316,47 @@ void GpuTransformer::gather_expert_weights(bool with_moments) {
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 
-std::vector<std::vector<int64_t>> GpuTransformer::expert_load() {
-  std::vector<std::vector<int64_t>> loads;
-  for (Layer& layer : state_->layers)
+GpuRoutingStats GpuTransformer::routing_stats() {
+  State& s = *state_;
+  const int64_t E = s.config.moe.n_experts;
+  std::vector<std::vector<int64_t>> load_slot;
+  std::vector<std::vector<double>> routing;
+  // Every layer's counters in one go: async copies, then the one synchronisation.
+  for (Layer& layer : s.layers)
     if (layer.is_moe) {
-      std::vector<int64_t> load_slot(layer.load.size()), load(layer.load.size());
-      layer.load.download(load_slot.data(), load_slot.size());
-      for (size_t slot = 0; slot < load.size(); ++slot) load[static_cast<size_t>(layer.expert_of_slot[slot])] = load_slot[slot];
-      loads.push_back(std::move(load));
+      load_slot.emplace_back(static_cast<size_t>(E));
+      routing.emplace_back(static_cast<size_t>(E + 2));
+      MOE_CUDA_CHECK(cudaMemcpyAsync(load_slot.back().data(), layer.load.data(), E * sizeof(int64_t),
+                                     cudaMemcpyDeviceToHost, s.stream));
+      MOE_CUDA_CHECK(cudaMemcpyAsync(routing.back().data(), layer.routing.data(), (E + 2) * sizeof(double),
+                                     cudaMemcpyDeviceToHost, s.stream));
     }
-  return loads;
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  GpuRoutingStats stats;
+  size_t i = 0;
+  for (Layer& layer : s.layers)
+    if (layer.is_moe) {
+      std::vector<int64_t> load(static_cast<size_t>(E)), kept(static_cast<size_t>(E));
+      for (size_t slot = 0; slot < load.size(); ++slot)
+        load[static_cast<size_t>(layer.expert_of_slot[slot])] = load_slot[i][slot];
+      for (size_t e = 0; e < kept.size(); ++e) kept[e] = std::llround(routing[i][e]);
+      stats.load.push_back(std::move(load));
+      stats.kept.push_back(std::move(kept));
+      stats.entropy_sum.push_back(routing[i][static_cast<size_t>(E)]);
+      stats.tokens.push_back(std::llround(routing[i][static_cast<size_t>(E + 1)]));
+      ++i;
+    }
+  return stats;
 }
+
+std::vector<std::vector<int64_t>> GpuTransformer::expert_load() { return routing_stats().load; }
 
 void GpuTransformer::reset_load() {
   for (Layer& layer : state_->layers)
-    if (layer.is_moe) layer.load.fill_bytes(0);
+    if (layer.is_moe) {
+      layer.load.fill_bytes(0);
+      layer.routing.fill_bytes(0);
+    }
 }
 
 Buffer<float>& GpuTransformer::State::balance_bias_of(size_t moe_layer) {

@@ -61,6 +61,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       }
       layer.load = Buffer<int64_t>(static_cast<size_t>(config.moe.n_experts));
       layer.load.fill_bytes(0);
+      layer.routing = Buffer<double>(static_cast<size_t>(config.moe.n_experts + 2));
+      layer.routing.fill_bytes(0);
       layer.balance_bias = Buffer<float>(static_cast<size_t>(config.moe.n_experts));
       layer.balance_bias.fill_bytes(0);
       layer.slot_of_expert = Buffer<int32_t>(static_cast<size_t>(config.moe.n_experts));
@@ -219,6 +221,7 @@ void GpuTransformer::plan(int64_t batch) {
   s.loss = f32(T);
   s.sums = f32(1 + 2 * static_cast<int64_t>(s.layers.size()));
   s.kept_rows = i32(static_cast<int64_t>(s.layers.size()));
+  s.routing_scratch = Buffer<double>(static_cast<size_t>(cuda::routing_stats_scratch(T)));
   s.dres = bf(T * D);
   s.dnorm = bf(T * D);
   s.dq = bf(T * H * d);
@@ -510,6 +513,8 @@ void GpuTransformer::enable_graphs(bool enabled) {
   MOE_CHECK(!(enabled && state_->ep), "CUDA graphs cannot hold the GPU's expert parallelism (it waits for row counts)");
   state_->graphs = enabled;
 }
+
+void GpuTransformer::set_deterministic(bool deterministic) { state_->attention.set_deterministic(deterministic); }
 
 void GpuTransformer::set_expert_exchange(std::shared_ptr<GpuExpertExchange> exchange) {
   State& s = *state_;

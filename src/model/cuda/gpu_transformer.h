@@ -45,6 +45,12 @@ class GpuExpertExchange {
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
 };
 
+struct GpuRoutingStats {
+  std::vector<std::vector<int64_t>> load, kept;  // [MoE layer][expert]
+  std::vector<double> entropy_sum;               // nats, summed over tokens
+  std::vector<int64_t> tokens;
+};
+
 class GpuTransformer {
  public:
   // Copies the (already initialised) parameters of `params` to the device; `moments` is
@@ -76,6 +82,10 @@ class GpuTransformer {
   // both routing modes (no host synchronisation inside the step), so this always applies.
   ForwardResult forward_backward(const int32_t* inputs_BS, const int32_t* targets_BS, double loss_scale);
   void enable_graphs(bool enabled);
+  // true (the default): every reduction in a fixed order, so reruns are bit-identical
+  // (the one kernel that needs a switch is cuDNN's attention backward; everything else
+  // is deterministic by construction). false: cuDNN's faster atomic dQ accumulation.
+  void set_deterministic(bool deterministic);
   // Activation recomputation: the first `layers` blocks (-1: all) keep only their input;
   // their activations live in one buffer set shared by them and are recomputed from that
   // input right before each one's backward (bit-identical: every kernel is deterministic).
@@ -167,6 +177,11 @@ class GpuTransformer {
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
   // Assignments per expert since the last reset, per MoE layer (host copy).
   std::vector<std::vector<int64_t>> expert_load();
+  // Routing since the last reset_load(), per MoE layer, in expert order: assignments
+  // before and rows kept after capacity, router entropy and tokens (this rank's tokens:
+  // under expert parallelism the home rank's). Counted on the device in the forwards, read
+  // here with one synchronisation.
+  GpuRoutingStats routing_stats();
   void reset_load();
   // The aux-loss-free balancing bias of MoE layer `moe_layer` (0 = the first MoE block),
   // E values added to the scores for the top-k choice only, as MoELayer::balance_bias_E()

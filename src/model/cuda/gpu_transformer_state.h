@@ -129,6 +129,7 @@ struct Layer {
   Buffer<bf16> x;          // the layer's input (the residual stream), always kept
   std::shared_ptr<Activations> act;
   Buffer<int64_t> load;  // assignments per slot since reset
+  Buffer<double> routing;  // since reset: kept rows per expert (E), router entropy sum, tokens
   Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
   // Expert placement (place_experts): slot s of the expert tensors (w1, w3, w2: weights,
   // gradients, moments) holds expert expert_of_slot[s]; EP rank p's block is the slots
@@ -208,6 +209,7 @@ struct GpuTransformer::State {
   // then per layer aux and z loss terms; kept rows per layer (offsets[E]).
   Buffer<float> sums;
   Buffer<int32_t> kept_rows;
+  Buffer<double> routing_scratch;  // accumulate_routing_stats' per-block partial entropies
   // Backward scratch.
   Buffer<bf16> dres, dnorm, dq, dk, dv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
       dffn_gate_up;

@@ -41,6 +41,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   }
   gpu->plan(batch);
   gpu->enable_graphs(config.training.cuda_graphs);
+  gpu->set_deterministic(config.training.deterministic);
   std::vector<int32_t> inputs(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
   CounterRng rng(config.training.seed, "bench.tokens");
   for (int64_t i = 0; i < T; ++i) {
