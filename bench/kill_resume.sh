@@ -8,8 +8,8 @@
 # uninterrupted run goes to OUT/whole, the killed one to OUT/killed (each with its own
 # checkpoint.dir, a checkpoint every checkpoint.interval steps: set it in the config or
 # the overrides, and make training.steps a multiple of it so both runs save the last
-# step). Each kill comes at a random moment between 10% and 90% of the uninterrupted
-# run's wall time after that segment starts (SEED fixes the moments). Then the final
+# step). KILLS random steps are drawn (SEED fixes them); each segment is killed a random
+# 0-400 ms after printing its step, then continued with --resume auto. Then the final
 # checkpoints' tensors are compared name by name, byte for byte.
 # Prints one line per kill and a last line `kill_resume: kills=N identical=yes|no ...`;
 # exits 0 only when the weights are identical.
@@ -24,7 +24,7 @@ KILLS=5 SEED=$RANDOM
 if [[ $# -gt 0 && $1 != -- ]]; then KILLS=$1; shift; fi
 if [[ $# -gt 0 && $1 != -- ]]; then SEED=$1; shift; fi
 [[ $# -gt 0 && $1 == -- ]] && shift
-OVERRIDES=("$@")
+OVERRIDES=("$@" --metrics.log_interval=1)
 [[ -x $MOE ]] || { echo "kill_resume: $MOE is not an executable" >&2; exit 2; }
 [[ -f $CONFIG ]] || { echo "kill_resume: no config file $CONFIG" >&2; exit 2; }
 [[ -e $OUT ]] && { echo "kill_resume: $OUT exists; give a fresh folder" >&2; exit 2; }
@@ -39,23 +39,34 @@ start=$(now)
 wall=$(awk -v a="$(now)" -v b="$start" 'BEGIN { printf "%.3f", a - b }')
 echo "uninterrupted: ${wall}s"
 
-kills=0 segment=0
+# KILLS distinct random steps in [2, steps - 1], in order: segment i is killed once its
+# log shows step target_i, after a further random 0-400 ms (inside the next step, a
+# validation or a checkpoint write).
+steps=$(grep -o 'step *[0-9]*/[0-9]*' "$OUT/whole.log" | tail -1 | cut -d/ -f2)
+[[ -n $steps && $steps -gt $((KILLS + 2)) ]] || { echo "kill_resume: the run has too few steps ($steps) for $KILLS kills" >&2; exit 2; }
+targets=($(seq 2 $((steps - 1)) | shuf -n "$KILLS" --random-source=<(yes "$SEED") | sort -n))
+echo "kill after steps: ${targets[*]}"
+kills=0 segment=0 pid=
+trap '[[ -n $pid ]] && kill -9 "$pid" 2>/dev/null; true' EXIT  # never leave a trainer behind
 while true; do
   segment=$((segment + 1))
   log="$OUT/killed_$segment.log"
   "$MOE" train --config "$CONFIG" "${OVERRIDES[@]}" --checkpoint.dir="$OUT/killed/ckpt" \
     --metrics.dir="$OUT/killed/metrics" --resume auto >"$log" 2>&1 &
   pid=$!
-  if [[ $kills -lt $KILLS ]]; then
-    # A moment between 10% and 90% of the whole run's time, in milliseconds.
-    delay_ms=$(awk -v w="$wall" -v r="$RANDOM" 'BEGIN { printf "%d", w * 1000 * (0.1 + 0.8 * r / 32767) }')
-    deadline=$(awk -v a="$(now)" -v d="$delay_ms" 'BEGIN { printf "%.3f", a + d / 1000 }')
-    while kill -0 "$pid" 2>/dev/null && awk -v a="$(now)" -v d="$deadline" 'BEGIN { exit !(a < d) }'; do sleep 0.05; done
+  if [[ $kills -lt ${#targets[@]} ]]; then
+    target=${targets[$kills]}
+    while kill -0 "$pid" 2>/dev/null; do
+      last=$(grep -o '^step *[0-9]*/' "$log" | tail -1 | tr -dc '0-9' || true)
+      [[ -n $last && $last -ge $target ]] && break
+      sleep 0.02
+    done
+    delay_ms=$((RANDOM % 400))
+    sleep "$(awk -v d="$delay_ms" 'BEGIN { printf "%.3f", d / 1000 }')"
     if kill -9 "$pid" 2>/dev/null; then
       wait "$pid" 2>/dev/null || true
       kills=$((kills + 1))
-      last=$(grep -o 'step *[0-9]*/' "$log" | tail -1 | tr -dc '0-9' || true)
-      echo "kill $kills: SIGKILL after ${delay_ms} ms of segment $segment (last step printed: ${last:-none})"
+      echo "kill $kills: SIGKILL ${delay_ms} ms after step $target was printed (segment $segment)"
       continue
     fi
   fi
