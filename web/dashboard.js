@@ -113,6 +113,14 @@
     plot("chart-comm", [["comm wait %", pts(steps, (r) => r.comm_wait_fraction * 100)]], true);
     plot("chart-time", [["compute", pts(steps, (r) => r.time_s.compute)], ["comm wait", pts(steps, (r) => r.time_s.comm_wait)],
                         ["data wait", pts(steps, (r) => r.time_s.data_wait)], ["optimizer", pts(steps, (r) => r.time_s.optimizer)]], true);
+    // Every MoE layer routes the same number of assignments, so the mean of the layers'
+    // fractions is the step's fraction.
+    const over = (r, f, agg) => (r.layers && r.layers.length ? agg(r.layers.map(f)) : null);
+    const mean = (v) => v.reduce((a, b) => a + b, 0) / v.length;
+    plot("chart-dropped", [["all MoE layers", pts(steps, (r) => over(r, (l) => l.dropped_fraction * 100, mean))],
+                           ["worst layer", pts(steps, (r) => over(r, (l) => l.dropped_fraction * 100, (v) => Math.max(...v)))]], true);
+    plot("chart-entropy", [["mean over MoE layers", pts(steps, (r) => over(r, (l) => l.router_entropy, mean))],
+                           ["lowest layer", pts(steps, (r) => over(r, (l) => l.router_entropy, (v) => Math.min(...v)))]], true);
     if (last) heatmaps(last);
     const list = document.getElementById("alerts");
     if (state.alerts.length) {

@@ -158,6 +158,8 @@ TEST(Report, BrowserShowsChartsAndTheRunsExpertLoad) {
   EXPECT_EQ(chart_points(dom, "chart-loss"), 6 + 3);  // 6 steps, validations at 0, 3, 6
   for (const char* id : {"chart-lr", "chart-tokens", "chart-mfu", "chart-comm"}) EXPECT_EQ(chart_points(dom, id), 6) << id;
   EXPECT_EQ(chart_points(dom, "chart-time"), 4 * 6);
+  // Dropped fraction and router entropy: mean and extreme layer per step.
+  for (const char* id : {"chart-dropped", "chart-entropy"}) EXPECT_EQ(chart_points(dom, id), 2 * 6) << id;
   // 2 MoE layers x 4 experts, equal to the JSONL's last step; each layer's row holds all
   // 256 tokens x top-2 assignments (dropless).
   const auto cells = heatmap_cells(dom);
