@@ -199,25 +199,28 @@ fs::path write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, i
   shard.write(temp_dir / shard_name(0));
   write_file_atomic(temp_dir / kConfigFile, snap.config_toml);
 
-  // The manifest hashes what was written, read back from disk.
-  const std::string shard_bytes = read_file_bytes(temp_dir / shard_name(0));
+  // The manifest hashes what was written, read back from disk block by block.
+  uint64_t shard_size = 0;
+  const std::string shard_hash = file_hash(temp_dir / shard_name(0), kCheckpointHash, &shard_size);
   json manifest = {{"format", kFormat},
                    {"version", kVersion},
                    {"step", step},
                    {"world_size", 1},
+                   {"hash_algorithm", hash_algorithm_name(kCheckpointHash)},
                    {"config", {{"file", kConfigFile},
                                {"hash", content_hash(snap.config_toml.data(), snap.config_toml.size())}}},
                    {"shards", json::array({{{"rank", 0},
                                             {"file", shard_name(0)},
-                                            {"bytes", shard_bytes.size()},
-                                            {"hash", content_hash(shard_bytes.data(), shard_bytes.size())}}})}};
+                                            {"bytes", shard_size},
+                                            {"hash", shard_hash}}})}};
   const std::string manifest_text = manifest.dump(2) + "\n";
   write_file_atomic(temp_dir / kManifest, manifest_text);
 
   if (fs::exists(final_dir)) fs::remove_all(final_dir);  // an older timeline's or an unmarked one
   fs::rename(temp_dir, final_dir);
   fsync_directory(dir);
-  write_file_atomic(final_dir / kMarker, content_hash(manifest_text.data(), manifest_text.size()) + "\n");
+  write_file_atomic(final_dir / kMarker, std::string(hash_algorithm_name(kCheckpointHash)) + ":" +
+                                            content_hash(manifest_text.data(), manifest_text.size()) + "\n");
   prune(dir, keep_last, final_dir);
   return final_dir;
 }
@@ -239,11 +242,26 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   const std::string manifest_text = read_file_bytes(path / kManifest);
   std::string marker = read_file_bytes(path / kMarker);
   while (!marker.empty() && (marker.back() == '\n' || marker.back() == '\r')) marker.pop_back();
-  if (marker != content_hash(manifest_text.data(), manifest_text.size()))
+  // "ALGORITHM:HEX"; a bare HEX is FNV-1a (checkpoints written before XXH3).
+  HashAlgorithm algorithm = HashAlgorithm::Fnv1a64;
+  if (const size_t colon = marker.find(':'); colon != std::string::npos) {
+    try {
+      algorithm = hash_algorithm_from_name(marker.substr(0, colon));
+    } catch (const Error& e) {
+      MOE_THROW("{}: {}", (path / kMarker).string(), e.what());
+    }
+    marker.erase(0, colon + 1);
+  }
+  if (marker != content_hash(manifest_text.data(), manifest_text.size(), algorithm))
     MOE_THROW("{}: manifest does not match the hash in {} (corrupted)", (path / kManifest).string(), kMarker);
   const json manifest = json::parse(manifest_text, nullptr, false);
   if (manifest.is_discarded() || !manifest.is_object() || manifest.value("format", "") != kFormat)
     MOE_THROW("{}: not a moe-train checkpoint manifest", (path / kManifest).string());
+  if (manifest.contains("hash_algorithm") && !manifest.at("hash_algorithm").is_string())
+    MOE_THROW("{}: hash_algorithm must be a string", (path / kManifest).string());
+  if (manifest.value("hash_algorithm", "fnv1a64") != hash_algorithm_name(algorithm))
+    MOE_THROW("{}: hash_algorithm {} differs from the {} marker's {}", (path / kManifest).string(),
+              manifest.value("hash_algorithm", "fnv1a64"), kMarker, hash_algorithm_name(algorithm));
   if (manifest.value("version", 0) != kVersion)
     MOE_THROW("{}: checkpoint format version {} is not supported (this build reads {})",
               (path / kManifest).string(), manifest.value("version", 0), kVersion);
@@ -258,7 +276,7 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   const json config_entry = manifest.contains("config") ? manifest.at("config") : json();
   loaded.config_toml = read_file_bytes(path / kConfigFile);
   if (!config_entry.is_object() ||
-      config_entry.value("hash", "") != content_hash(loaded.config_toml.data(), loaded.config_toml.size()))
+      config_entry.value("hash", "") != content_hash(loaded.config_toml.data(), loaded.config_toml.size(), algorithm))
     MOE_THROW("{}: config does not match its hash in the manifest (corrupted)", (path / kConfigFile).string());
   try {
     loaded.config = parse_config(loaded.config_toml, (path / kConfigFile).string());
@@ -275,7 +293,7 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   if (shards[0].value("bytes", uint64_t{0}) != bytes.size())
     MOE_THROW("{}: {} bytes, the manifest says {} (truncated?)", shard_path.string(), bytes.size(),
               shards[0].value("bytes", uint64_t{0}));
-  if (shards[0].value("hash", "") != content_hash(bytes.data(), bytes.size()))
+  if (shards[0].value("hash", "") != content_hash(bytes.data(), bytes.size(), algorithm))
     MOE_THROW("{}: contents do not match the hash in the manifest (corrupted)", shard_path.string());
   loaded.shard = SafeTensorsFile::from_bytes(std::move(bytes), shard_path.string());
   auto fmt_it = loaded.shard.header().metadata.find("format");

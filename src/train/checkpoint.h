@@ -2,11 +2,13 @@
 //
 // Layout of checkpoint.dir:
 //   step_00000120/                 one directory per saved step
-//     manifest.json                format, version, step, world size, and per shard: file, size, hash
+//     manifest.json                format, version, step, world size, hash_algorithm (xxh3_64), and
+//                                  per shard: file, size, hash
 //     config.toml                  the run config (config_to_toml), hash in the manifest
 //     rank_00000.safetensors       one shard per data-parallel rank: that rank's parameters,
 //                                  AdamW moments, balancing biases, loader state
-//     COMPLETE                     written last; holds the manifest's hash
+//     COMPLETE                     written last; holds "xxh3_64:" and the manifest's hash
+//                                  (a bare hash: FNV-1a, checkpoints written before XXH3)
 //   .tmp.step_00000130.<pid>/      a checkpoint being written (never picked by resume)
 //
 // A checkpoint is written into the temporary directory (each file fsynced), renamed into
