@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "gpu_test_util.h"
+#include "train/checkpoint.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
 
@@ -118,14 +119,6 @@ INSTANTIATE_TEST_SUITE_P(Modes, GpuDeterminism,
                                            Mode{"capacity_graphs_recompute", 1.25, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
-std::string latest_checkpoint(const std::filesystem::path& dir) {
-  std::string latest;
-  for (const auto& entry : std::filesystem::directory_iterator(dir))
-    if (entry.path().filename().string().rfind("step_", 0) == 0 && entry.path().string() > latest)
-      latest = entry.path().string();
-  return latest;
-}
-
 // Stopped at step 3 and resumed: the resumed steps and the final weights are the
 // uninterrupted run's, bit for bit.
 TEST(GpuDeterminismResume, ResumedRunContinuesBitForBit) {
@@ -140,9 +133,9 @@ TEST(GpuDeterminismResume, ResumedRunContinuesBitForBit) {
   const RunRecord before = train(config);
   ASSERT_EQ(before.losses.size(), 3u);
   config.training.stop_at = 0;
-  const std::string checkpoint = latest_checkpoint(root / "split");
-  ASSERT_FALSE(checkpoint.empty());
-  RunRecord after = train(config, checkpoint);
+  const auto checkpoint = latest_checkpoint(root / "split");
+  ASSERT_TRUE(checkpoint.has_value());
+  RunRecord after = train(config, checkpoint->string());
   after.losses.insert(after.losses.begin(), before.losses.begin(), before.losses.end());
   after.grad_norms.insert(after.grad_norms.begin(), before.grad_norms.begin(), before.grad_norms.end());
   expect_identical(whole, after, "stopped at 3 and resumed");

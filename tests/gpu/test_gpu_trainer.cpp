@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "gpu_test_util.h"
+#include "train/checkpoint.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
 
@@ -47,14 +48,6 @@ TEST(GpuTrainer, GraphsAndRecomputeTrainLikeThePlainRun) {
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(modes[i], plain[i]) << "step " << i + 1;
 }
 
-std::string latest_checkpoint(const std::filesystem::path& dir) {
-  std::string latest;
-  for (const auto& entry : std::filesystem::directory_iterator(dir))
-    if (entry.path().filename().string().rfind("step_", 0) == 0 && entry.path().string() > latest)
-      latest = entry.path().string();
-  return latest;
-}
-
 TEST(GpuTrainer, StopAndResumeContinuesTheRun) {
   MOE_REQUIRE_GPU();
   const auto root = std::filesystem::temp_directory_path() / ("moe_gpu_resume_" + std::to_string(::getpid()));
@@ -65,9 +58,9 @@ TEST(GpuTrainer, StopAndResumeContinuesTheRun) {
   first_half.training.stop_at = 3;
   const std::vector<double> before = run(first_half);
   ASSERT_EQ(before.size(), 3u);
-  const std::string checkpoint = latest_checkpoint(root / "split");
-  ASSERT_FALSE(checkpoint.empty());
-  const std::vector<double> after = run(gpu_config(root / "split"), checkpoint);
+  const auto checkpoint = latest_checkpoint(root / "split");
+  ASSERT_TRUE(checkpoint.has_value());
+  const std::vector<double> after = run(gpu_config(root / "split"), checkpoint->string());
   ASSERT_EQ(after.size(), 3u);
   // Same batches and state, and every reduction in a fixed order (training.deterministic):
   // bit for bit.
