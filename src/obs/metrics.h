@@ -89,6 +89,10 @@ struct RunInfo {
   int64_t params_total = 0, params_active = 0;
   bool bias_balancing = false;
   MfuInputs mfu;
+  // When validations and checkpoint saves come (the console's ETA counts them): every
+  // val_interval steps and after the last one; checkpoints likewise when `checkpoints`.
+  int64_t val_interval = 0, checkpoint_interval = 0;
+  bool checkpoints = false;
 };
 
 // Resident set size of this process in bytes (0 where /proc is unavailable).

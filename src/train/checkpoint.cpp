@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <map>
 #include <set>
 #include <cmath>
@@ -175,7 +176,8 @@ CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float
   return snap;
 }
 
-fs::path write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, int64_t keep_last) {
+CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, int64_t keep_last) {
+  const auto start = std::chrono::steady_clock::now();
   const int64_t step = snap.progress.step;
   fs::create_directories(dir);
   const fs::path final_dir = dir / step_dir_name(step);
@@ -217,10 +219,19 @@ fs::path write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, i
   if (fs::exists(final_dir)) fs::remove_all(final_dir);  // an older timeline's or an unmarked one
   fs::rename(temp_dir, final_dir);
   fsync_directory(dir);
-  write_file_atomic(final_dir / kMarker, content_hash(manifest_text.data(), manifest_text.size()) + "\n");
+  const std::string marker = content_hash(manifest_text.data(), manifest_text.size()) + "\n";
+  write_file_atomic(final_dir / kMarker, marker);
   prune(dir, keep_last, final_dir);
-  return final_dir;
+  CheckpointWrite written;
+  written.step = step;
+  written.path = final_dir;
+  written.bytes = static_cast<int64_t>(shard_bytes.size() + snap.config_toml.size() + manifest_text.size() +
+                                       marker.size());
+  written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return written;
 }
+
+fs::path checkpoint_path(const fs::path& dir, int64_t step) { return dir / step_dir_name(step); }
 
 std::optional<fs::path> latest_checkpoint(const fs::path& dir) {
   auto complete = complete_checkpoints(dir);
@@ -354,28 +365,30 @@ Checkpointer::~Checkpointer() {
   if (worker_.joinable()) worker_.join();
 }
 
-void Checkpointer::wait() {
+std::optional<CheckpointWrite> Checkpointer::wait() {
   if (worker_.joinable()) worker_.join();
+  finished_ = false;
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  return std::exchange(written_, std::nullopt);
 }
 
-void Checkpointer::save(CheckpointSnapshot snapshot, std::ostream& out) {
-  wait();
-  const int64_t step = snapshot.progress.step;
-  if (!config_.async) {
-    fs::path path = write_checkpoint(config_.dir, snapshot, config_.keep_last);
-    fmt::print(out, "checkpoint: step {} saved to {}\n", step, path.string());
-    return;
-  }
-  fmt::print(out, "checkpoint: step {} saving to {} in the background\n", step,
-             (fs::path(config_.dir) / step_dir_name(step)).string());
+std::optional<CheckpointWrite> Checkpointer::take_finished() {
+  if (!finished_) return std::nullopt;
+  return wait();
+}
+
+std::optional<CheckpointWrite> Checkpointer::save(CheckpointSnapshot snapshot) {
+  MOE_CHECK(!wait(), "a finished background save was not reported before the next one");
+  if (!config_.async) return write_checkpoint(config_.dir, snapshot, config_.keep_last);
   worker_ = std::thread([this, snap = std::move(snapshot)] {
     try {
-      write_checkpoint(config_.dir, snap, config_.keep_last);
+      written_ = write_checkpoint(config_.dir, snap, config_.keep_last);
     } catch (...) {
       error_ = std::current_exception();
     }
+    finished_ = true;
   });
+  return std::nullopt;
 }
 
 }  // namespace moe

@@ -17,6 +17,7 @@
 // state and rank 0 writes it (Trainer::save_checkpoint), so any number of ranks can read it;
 // the manifest names each shard's rank should sharded writing come later.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <filesystem>
@@ -65,10 +66,21 @@ struct CheckpointSnapshot {
 CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float>& model, AdamW& optimizer,
                                       const BatchSource& train_data, const TrainProgress& progress);
 
+// What one save wrote.
+struct CheckpointWrite {
+  int64_t step = 0;
+  std::filesystem::path path;  // dir/step_NNNNNNNN
+  int64_t bytes = 0;           // of the files written
+  double seconds = 0;          // writing, fsyncing and renaming them (and pruning)
+};
+
 // Writes `snapshot` as <dir>/step_NNNNNNNN (see the layout above), then keeps only the
 // newest `keep_last` complete checkpoints and removes stale temporary directories.
-std::filesystem::path write_checkpoint(const std::filesystem::path& dir, const CheckpointSnapshot& snapshot,
-                                       int64_t keep_last);
+CheckpointWrite write_checkpoint(const std::filesystem::path& dir, const CheckpointSnapshot& snapshot,
+                                 int64_t keep_last);
+
+// dir/step_NNNNNNNN: where the checkpoint of `step` goes.
+std::filesystem::path checkpoint_path(const std::filesystem::path& dir, int64_t step);
 
 // The newest complete checkpoint in `dir`, if any (a missing dir has none).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& dir);
@@ -103,14 +115,20 @@ class Checkpointer {
   Checkpointer& operator=(const Checkpointer&) = delete;
 
   bool enabled() const { return !config_.dir.empty(); }
-  // Waits for a previous async save, then saves (async: returns after queueing).
-  void save(CheckpointSnapshot snapshot, std::ostream& out);
-  // Waits for an async save in flight; rethrows its error.
-  void wait();
+  bool async() const { return config_.async; }
+  // Waits for a previous async save, then saves and returns what it wrote; with
+  // checkpoint.async returns nothing after queueing (take_finished or wait reports it).
+  std::optional<CheckpointWrite> save(CheckpointSnapshot snapshot);
+  // An async save that has finished (without waiting; rethrows its error).
+  std::optional<CheckpointWrite> take_finished();
+  // Waits for an async save in flight and returns what it wrote; rethrows its error.
+  std::optional<CheckpointWrite> wait();
 
  private:
   CheckpointConfig config_;
   std::thread worker_;
+  std::atomic<bool> finished_{false};  // the worker is done with its save
+  std::optional<CheckpointWrite> written_;
   std::exception_ptr error_;
 };
 

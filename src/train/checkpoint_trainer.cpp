@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
+#include <chrono>
 #include <csignal>
 #include <ostream>
 
@@ -46,13 +47,46 @@ void Trainer::plan_batches() {
 // it back, so a run resumes on any number of ranks sharing the directory.
 void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
+  const auto start = std::chrono::steady_clock::now();
+  collect_background_save(/*wait=*/true, out);  // one save at a time
   sync_state_from_gpu();
   backend_->gather_state(*optimizer_);
+  CheckpointSave save;
+  save.step = progress_.step;
+  save.path = checkpoint_path(config_.checkpoint.dir, progress_.step).string();
+  save.background = checkpointer_->async();
   if (rank_ == 0) {
     CheckpointSnapshot snapshot = capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_);
     snapshot.expert_placement = backend_->placement_state();
-    checkpointer_->save(std::move(snapshot), out);
+    if (const std::optional<CheckpointWrite> written = checkpointer_->save(std::move(snapshot))) {
+      save.written = true;
+      save.bytes = written->bytes;
+      save.write_seconds = written->seconds;
+    }
   }
+  save.paused_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  checkpoint_pause_seconds_ += save.paused_seconds;
+  if (save.background) background_save_ = save;
+  report_checkpoint(save, out);
+}
+
+void Trainer::report_checkpoint(const CheckpointSave& save, std::ostream& out) {
+  if (observer_) {
+    observer_->checkpoint(save);
+  } else if (rank_ == 0) {
+    fmt::print(out, "{}\n", describe(save));
+    out.flush();
+  }
+}
+
+void Trainer::collect_background_save(bool wait, std::ostream& out) {
+  const std::optional<CheckpointWrite> written = wait ? checkpointer_->wait() : checkpointer_->take_finished();
+  if (!written || !background_save_) return;
+  CheckpointSave save = *std::exchange(background_save_, std::nullopt);
+  save.written = true;
+  save.bytes = written->bytes;
+  save.write_seconds = written->seconds;
+  report_checkpoint(save, out);
 }
 
 void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
@@ -62,13 +96,13 @@ void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
   backend_->restore_placement(checkpoint.expert_placement);
 }
 
-void Trainer::wait_for_saved_checkpoints() {
-  checkpointer_->wait();
+void Trainer::wait_for_saved_checkpoints(std::ostream& out) {
+  collect_background_save(/*wait=*/true, out);
   if (world_ > 1) backend_->sum_over_ranks(0.0);  // a barrier: rank 0's last save is on disk
 }
 
 void Trainer::resume(const std::string& path, std::ostream& out) {
-  wait_for_saved_checkpoints();
+  wait_for_saved_checkpoints(out);
   LoadedCheckpoint checkpoint = read_checkpoint(path);
   check_resume_compatible(checkpoint, config_, out);
   restore_from(checkpoint);
@@ -81,6 +115,7 @@ void Trainer::resume(const std::string& path, std::ostream& out) {
 bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
   const TrainingConfig& tc = config_.training;
   const int64_t done = progress_.step;
+  collect_background_save(/*wait=*/false, out);
   if (stats.skipped) ++progress_.skipped_steps;
   if (monitor_->observe(stats.step, stats.loss, stats.skipped, out)) {
     reload_after_faults(stats, out);
@@ -101,7 +136,7 @@ bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
     else fmt::print(out, "warning: checkpoint at step {} not saved: the step was skipped\n", done);
   }
   if (!stopping) return false;
-  checkpointer_->wait();  // the process may exit right after run()
+  collect_background_save(/*wait=*/true, out);  // the process may exit right after run()
   const std::string why = signalled ? signal_name(stop_signal()) : "training.stop_at";
   fmt::print(out, "stopping after step {} ({}){}\n", done, why,
              checkpointer_->enabled() ? "" : "; checkpoint.dir is empty, nothing saved");
@@ -111,7 +146,7 @@ bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
 
 void Trainer::reload_after_faults(const StepStats& stats, std::ostream& out) {
   const TrainingConfig& tc = config_.training;
-  wait_for_saved_checkpoints();
+  wait_for_saved_checkpoints(out);
   const auto latest =
       checkpointer_->enabled() ? latest_checkpoint(config_.checkpoint.dir) : std::optional<std::filesystem::path>();
   if (!latest)

@@ -5,6 +5,7 @@
 #include <functional>
 #include <iosfwd>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "model/transformer.h"
@@ -27,6 +28,9 @@ struct TrainSummary {
   double val_loss_end = 0;
   double train_loss_end = 0;  // mean cross-entropy of the last step
   int64_t skipped_steps = 0;  // updates skipped for a non-finite gradient
+  // Parts of `seconds`: validations after steps, and training held up by checkpoint saves.
+  double validation_seconds = 0;
+  double checkpoint_seconds = 0;
 };
 
 // One optimizer step's measurements.
@@ -158,6 +162,14 @@ class Trainer {
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<FaultMonitor> monitor_;
   int64_t furthest_step_ = 0, reloads_without_progress_ = 0;
+  // run()'s observer while it runs (checkpoint lines and records go through it), else null.
+  Observer* observer_ = nullptr;
+  double checkpoint_pause_seconds_ = 0;   // training held up by saves in this run()
+  std::optional<CheckpointSave> background_save_;  // queued by checkpoint.async, not yet reported written
+  // A checkpoint line (and record) through the observer, or onto `out` outside run().
+  void report_checkpoint(const CheckpointSave& save, std::ostream& out);
+  // Reports a background save that has finished; with `wait`, waits for one in flight.
+  void collect_background_save(bool wait, std::ostream& out);
   // Plans the model's arenas, halving the micro-batch while it does not fit.
   void plan_batches();
   // The GPU path (src/train/trainer_gpu.cpp): whether training.device asks for it, and
@@ -186,7 +198,7 @@ class Trainer {
   // backend's shards and the GPU.
   void restore_from(const LoadedCheckpoint& checkpoint);
   // This rank's checkpoint writer is done and, with several ranks, so is rank 0's.
-  void wait_for_saved_checkpoints();
+  void wait_for_saved_checkpoints(std::ostream& out);
   // After each step: fault handling, checkpoints, preemption. True: stop the run.
   bool after_step(const StepStats& stats, std::ostream& out);
   void reload_after_faults(const StepStats& stats, std::ostream& out);

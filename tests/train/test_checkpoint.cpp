@@ -156,7 +156,7 @@ TEST_F(Checkpoint, KeepsTheExpertPlacement) {
   test::LookBackTask data(config.model.vocab_size, config.model.seq_len, 1);
   CheckpointSnapshot snapshot = capture_checkpoint(config, model, optimizer, data, TrainProgress{3});
   snapshot.expert_placement = R"({"ep_size":2,"experts_of_rank":[[[1,0],[2,3]]]})";
-  const fs::path path = write_checkpoint(dir_ / "ckpt", snapshot, 1);
+  const fs::path path = write_checkpoint(dir_ / "ckpt", snapshot, 1).path;
   EXPECT_EQ(read_checkpoint(path).expert_placement, snapshot.expert_placement);
 }
 
