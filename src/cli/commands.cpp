@@ -86,6 +86,7 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
         Trainer trainer(rank_config, std::move(data.train), std::move(data.validation),
                         std::move(worlds[static_cast<size_t>(r)]));
         if (resume) trainer.resume(resume->string(), out);
+        else if (options.resume) trainer.continue_run();
         trainer.run(out);
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
@@ -125,7 +126,10 @@ int run_train(const TrainOptions& options) {
     fmt::print("dashboard: {}\n", dashboard->url());
     std::fflush(stdout);
   }
-  if (const auto path = resume_path(options, config)) trainer.resume(path->string(), std::cout);
+  if (options.resume) {
+    if (const auto path = resume_path(options, config)) trainer.resume(path->string(), std::cout);
+    else trainer.continue_run();  // nothing saved yet: start over, in the same run
+  }
   install_stop_signal_handlers();  // from here a SIGTERM/SIGINT finishes the step and saves
   trainer.run(std::cout);
   return 0;

@@ -79,6 +79,7 @@ struct MfuInputs {
 
 // Facts about the run that do not change per step.
 struct RunInfo {
+  std::string run_id;      // the run's identity (metrics.dir/run.json, checkpoint manifests)
   int64_t steps = 0;
   int64_t first_step = 0;  // steps already done before this process (a resumed run)
   int64_t tokens_per_step = 0;

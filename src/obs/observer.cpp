@@ -22,10 +22,11 @@ void Observer::record(const nlohmann::json& r) {
 
 void Observer::start(const RunInfo& info) {
   if (!dir_.empty()) {
-    // A resumed run continues its file; readers keep the newest record of a repeated step.
-    jsonl_ = std::make_unique<JsonlWriter>((std::filesystem::path(dir_) / "metrics.jsonl").string(),
-                                           /*append=*/info.first_step > 0);
-    if (tensorboard_on_) tensorboard_ = std::make_unique<TensorBoardWriter>(dir_);
+    // The run goes on after step first_step (0: a new run): what it will write again goes first.
+    const std::string path = (std::filesystem::path(dir_) / "metrics.jsonl").string();
+    truncate_metrics_after(path, info.first_step);
+    jsonl_ = std::make_unique<JsonlWriter>(path, /*append=*/true);
+    if (tensorboard_on_) tensorboard_ = std::make_unique<TensorBoardWriter>(dir_, info.first_step);
   }
   console_.set_schedule(info.val_interval, info.checkpoint_interval, info.checkpoints);
   console_.line("mfu: " + info.mfu.describe());

@@ -47,8 +47,9 @@ std::string describe(const CheckpointSave& save);
 class Observer {
  public:
   Observer(const MetricsConfig& config, std::ostream& out, ObserverOptions options);
-  // Opens the files in metrics.dir (appending to metrics.jsonl when info.first_step > 0),
-  // prints the MFU formula's inputs and writes the "run" record.
+  // Opens the files in metrics.dir, continuing them after step info.first_step (0 for a
+  // new run: they start over; see truncate_metrics_after and TensorBoardWriter), prints
+  // the MFU formula's inputs and writes the "run" record.
   void start(const RunInfo& info);
   // A validation after `step` that took `seconds`.
   void validation(int64_t step, double loss, double seconds);

@@ -207,6 +207,7 @@ CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& 
                    {"version", kVersion},
                    {"step", step},
                    {"world_size", 1},
+                   {"run_id", snap.run_id},
                    {"config", {{"file", kConfigFile},
                                {"hash", content_hash(snap.config_toml.data(), snap.config_toml.size())}}},
                    {"shards", json::array({{{"rank", 0},
@@ -237,6 +238,22 @@ std::optional<fs::path> latest_checkpoint(const fs::path& dir) {
   auto complete = complete_checkpoints(dir);
   if (complete.empty()) return std::nullopt;
   return complete.back().second;
+}
+
+std::vector<CheckpointListing> list_checkpoints(const fs::path& dir) {
+  std::vector<CheckpointListing> listing;
+  for (const auto& [step, path] : complete_checkpoints(dir)) {
+    std::string run_id;
+    try {
+      const json manifest = json::parse(read_file_bytes(path / kManifest), nullptr, false);
+      if (manifest.is_object() && manifest.contains("run_id") && manifest["run_id"].is_string())
+        run_id = manifest["run_id"];
+    } catch (const std::exception&) {
+      // unreadable: read_checkpoint says why if it is ever resumed
+    }
+    listing.push_back({step, path, run_id});
+  }
+  return listing;
 }
 
 namespace {
@@ -295,6 +312,7 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   if (metadata_int(loaded.shard, "step") != loaded.step)
     MOE_THROW("{}: shard step {} differs from the manifest's {}", shard_path.string(),
               metadata_int(loaded.shard, "step"), loaded.step);
+  if (manifest.contains("run_id")) loaded.run_id = manifest.at("run_id").get<std::string>();
   const auto placement = loaded.shard.header().metadata.find("expert_placement");
   if (placement != loaded.shard.header().metadata.end()) loaded.expert_placement = placement->second;
   return loaded;

@@ -2,7 +2,8 @@
 //
 // Layout of checkpoint.dir:
 //   step_00000120/                 one directory per saved step
-//     manifest.json                format, version, step, world size, and per shard: file, size, hash
+//     manifest.json                format, version, step, world size, the run's id, and per
+//                                  shard: file, size, hash
 //     config.toml                  the run config (config_to_toml), hash in the manifest
 //     rank_00000.safetensors       one shard per data-parallel rank: that rank's parameters,
 //                                  AdamW moments, balancing biases, loader state
@@ -61,6 +62,7 @@ struct CheckpointSnapshot {
   // The experts' placement over the EP ranks and the re-placement's state
   // (ModelBackend::placement_state; shard metadata "expert_placement"); empty: none.
   std::string expert_placement;
+  std::string run_id;  // the run this checkpoint belongs to (src/train/run_dirs.h); empty: none
 };
 
 CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float>& model, AdamW& optimizer,
@@ -85,6 +87,15 @@ std::filesystem::path checkpoint_path(const std::filesystem::path& dir, int64_t 
 // The newest complete checkpoint in `dir`, if any (a missing dir has none).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& dir);
 
+// The complete checkpoints in `dir`, oldest first, with the run each belongs to (read from
+// its manifest without verifying the shard; "" for a checkpoint written before run ids).
+struct CheckpointListing {
+  int64_t step = 0;
+  std::filesystem::path path;
+  std::string run_id;
+};
+std::vector<CheckpointListing> list_checkpoints(const std::filesystem::path& dir);
+
 // A checkpoint read from disk and verified (marker, hashes, format, header).
 struct LoadedCheckpoint {
   std::filesystem::path path;
@@ -93,6 +104,7 @@ struct LoadedCheckpoint {
   RunConfig config;
   SafeTensorsFile shard;
   std::string expert_placement;  // empty when none was recorded
+  std::string run_id;            // empty in checkpoints written before run ids
 };
 // Throws moe::Error with one line naming the file and what is wrong.
 LoadedCheckpoint read_checkpoint(const std::filesystem::path& path);

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "train/batch_controller.h"
 #include "train/checkpoint.h"
+#include "train/run_dirs.h"
 #include "train/signals.h"
 #include "train/trainer.h"
 
@@ -58,6 +59,7 @@ void Trainer::save_checkpoint(std::ostream& out) {
   if (rank_ == 0) {
     CheckpointSnapshot snapshot = capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_);
     snapshot.expert_placement = backend_->placement_state();
+    snapshot.run_id = run_id_;
     if (const std::optional<CheckpointWrite> written = checkpointer_->save(std::move(snapshot))) {
       save.written = true;
       save.bytes = written->bytes;
@@ -106,10 +108,34 @@ void Trainer::resume(const std::string& path, std::ostream& out) {
   LoadedCheckpoint checkpoint = read_checkpoint(path);
   check_resume_compatible(checkpoint, config_, out);
   restore_from(checkpoint);
+  if (!checkpoint.run_id.empty()) run_id_ = checkpoint.run_id;  // else written before run ids: a new id
+  resumed_ = true;
   furthest_step_ = progress_.step;
   reloads_without_progress_ = 0;
   monitor_->reset();
   fmt::print(out, "resume: {} (step {}, lr x{})\n", checkpoint.path.string(), progress_.step, progress_.lr_scale);
+}
+
+void Trainer::continue_run() {
+  resumed_ = true;
+  if (rank_ != 0) return;  // only rank 0 writes metrics
+  if (const std::string id = metrics_run_id(config_.metrics.dir); !id.empty()) run_id_ = id;
+}
+
+void Trainer::prepare_run_dirs() {
+  std::string refusal;
+  if (rank_ == 0) {
+    try {
+      check_run_dirs(config_, run_id_, resumed_);
+    } catch (const ConfigError& e) {
+      refusal = e.what();
+    }
+  }
+  // Every rank stops, not only rank 0 (the others would wait for it in the next collective).
+  const bool refused = world_ > 1 ? backend_->sum_over_ranks(refusal.empty() ? 0.0 : 1.0) > 0 : !refusal.empty();
+  if (refused && rank_ == 0) throw ConfigError(refusal);
+  if (refused) MOE_CONFIG_ERROR("rank 0 refused the run's output folders (its error says why)");
+  if (rank_ == 0) write_run_files(config_, run_id_);
 }
 
 bool Trainer::after_step(const StepStats& stats, std::ostream& out) {

@@ -12,6 +12,7 @@
 #include "dist/parallel_trainer.h"
 #include "train/grad_clip.h"
 #include "train/lr_schedule.h"
+#include "train/run_dirs.h"
 
 namespace moe {
 namespace {
@@ -158,6 +159,7 @@ Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_dat
 Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
                  std::unique_ptr<BatchSource> val_data, std::unique_ptr<dist::Communicator> world)
     : config_(config), train_data_(std::move(train_data)), val_data_(std::move(val_data)) {
+  run_id_ = new_run_id();
   const TrainingConfig& tc = config_.training;
   const int64_t tokens_per_micro = tc.micro_batch * config_.model.seq_len;
   MOE_CHECK(tc.global_batch_tokens % tokens_per_micro == 0,
@@ -313,6 +315,7 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
     fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,
                micro_steps_, micro_batch_, config_.model.seq_len);
   out.flush();
+  prepare_run_dirs();  // before the metrics files are opened, and before step 1
   Observer observer(metrics, out, options);
   // Checkpoint lines and records go through the observer while it exists.
   struct ObserverScope {
@@ -321,8 +324,9 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   } observer_scope{observer_ = &observer};
   checkpoint_pause_seconds_ = 0;
   RunInfo info = run_info(config_, counts);
+  info.run_id = run_id_;
   info.world_size = world_;
-  info.first_step = progress_.step;  // a resumed run appends to its metrics
+  info.first_step = progress_.step;  // a resumed run goes on in its metrics after this step
   info.val_interval = tc.val_interval;
   info.checkpoint_interval = config_.checkpoint.interval;
   info.checkpoints = checkpointer_->enabled();

@@ -136,8 +136,13 @@ class Trainer {
   // Called after every optimizer step (tests, metrics).
   std::function<void(const StepStats&)> on_step;
   // Checkpoints and faults (src/train/checkpoint_trainer.cpp). Continues from a checkpoint
-  // directory: refuses another model shape, warns on other config differences.
+  // directory: refuses another model shape, warns on other config differences; the run
+  // takes over the checkpoint's run id (src/train/run_dirs.h).
   void resume(const std::string& path, std::ostream& out);
+  // --resume found no checkpoint: the run starts at step 0 but continues the run whose
+  // files metrics.dir holds (its metrics start over).
+  void continue_run();
+  const std::string& run_id() const { return run_id_; }
   void save_checkpoint(std::ostream& out);
   const TrainProgress& progress() const { return progress_; }
   int64_t micro_batch() const { return micro_batch_; }  // after the memory controller
@@ -162,6 +167,12 @@ class Trainer {
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<FaultMonitor> monitor_;
   int64_t furthest_step_ = 0, reloads_without_progress_ = 0;
+  // The run's identity and whether this session continues it (src/train/run_dirs.h).
+  std::string run_id_;
+  bool resumed_ = false;
+  // Before step 1 (rank 0 decides, every rank stops): the output folders belong to this
+  // run (run_dirs.h); then metrics.dir gets run.json and config.toml.
+  void prepare_run_dirs();
   // run()'s observer while it runs (checkpoint lines and records go through it), else null.
   Observer* observer_ = nullptr;
   double checkpoint_pause_seconds_ = 0;   // training held up by saves in this run()
