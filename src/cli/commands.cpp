@@ -85,7 +85,7 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
         if (r == 0) print_data(rank_config, data);
         Trainer trainer(rank_config, std::move(data.train), std::move(data.validation),
                         std::move(worlds[static_cast<size_t>(r)]));
-        if (resume) trainer.resume(resume->string(), out);
+        if (resume) trainer.resume(resume->string(), out, options.discard_newer_checkpoints);
         else if (options.resume) trainer.continue_run();
         trainer.run(out);
       } catch (const std::exception& e) {
@@ -111,6 +111,8 @@ int run_train(const TrainOptions& options) {
   std::vector<std::string> overrides = options.overrides;
   if (options.device) overrides.push_back("training.device=" + *options.device);
   if (options.threads) overrides.push_back("training.threads=" + std::to_string(*options.threads));
+  if (options.discard_newer_checkpoints && !options.resume)
+    MOE_CONFIG_ERROR("--discard-newer-checkpoints goes with --resume");
   RunConfig config = resolve_config(options.config_path, overrides);
   const int threads = set_num_threads(static_cast<int>(config.training.threads));
   if (options.thread_ranks) return run_thread_ranks(options, config, threads);
@@ -127,7 +129,8 @@ int run_train(const TrainOptions& options) {
     std::fflush(stdout);
   }
   if (options.resume) {
-    if (const auto path = resume_path(options, config)) trainer.resume(path->string(), std::cout);
+    if (const auto path = resume_path(options, config))
+      trainer.resume(path->string(), std::cout, options.discard_newer_checkpoints);
     else trainer.continue_run();  // nothing saved yet: start over, in the same run
   }
   install_stop_signal_handlers();  // from here a SIGTERM/SIGINT finishes the step and saves

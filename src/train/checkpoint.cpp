@@ -128,8 +128,10 @@ std::vector<std::pair<int64_t, fs::path>> complete_checkpoints(const fs::path& d
 }
 
 void prune(const fs::path& dir, int64_t keep_last, const fs::path& keep) {
+  // The newest keep_last stay, and always the one just written, whatever steps the others have.
   auto complete = complete_checkpoints(dir);
-  const int64_t excess = static_cast<int64_t>(complete.size()) - keep_last;
+  std::erase_if(complete, [&](const auto& checkpoint) { return checkpoint.second == keep; });
+  const int64_t excess = static_cast<int64_t>(complete.size()) + 1 - keep_last;
   for (int64_t i = 0; i < excess; ++i) fs::remove_all(complete[static_cast<size_t>(i)].second);
   // Temporary and unmarked directories are leftovers of an interrupted save.
   std::error_code ec;

@@ -103,13 +103,26 @@ void Trainer::wait_for_saved_checkpoints(std::ostream& out) {
   if (world_ > 1) backend_->sum_over_ranks(0.0);  // a barrier: rank 0's last save is on disk
 }
 
-void Trainer::resume(const std::string& path, std::ostream& out) {
+void Trainer::resume(const std::string& path, std::ostream& out, bool discard_later) {
   wait_for_saved_checkpoints(out);
   LoadedCheckpoint checkpoint = read_checkpoint(path);
   check_resume_compatible(checkpoint, config_, out);
+  // Later checkpoints belong to a timeline this run leaves: pruning by step, a NaN reload
+  // and --resume auto would mix the two.
+  std::vector<std::string> later;
+  if (checkpointer_->enabled())
+    for (const CheckpointListing& c : list_checkpoints(config_.checkpoint.dir))
+      if (c.step > checkpoint.step) later.push_back(c.path.filename().string());
+  if (!later.empty() && !discard_later)
+    MOE_CONFIG_ERROR("--resume {}: checkpoint.dir \"{}\" holds later checkpoints ({}): going on from step {} would mix "
+                     "two timelines; add --discard-newer-checkpoints to delete them, or resume into another "
+                     "checkpoint.dir",
+                     path, config_.checkpoint.dir, later.size() == 1 ? later[0] : later.front() + " ... " + later.back(),
+                     checkpoint.step);
   restore_from(checkpoint);
   if (!checkpoint.run_id.empty()) run_id_ = checkpoint.run_id;  // else written before run ids: a new id
   resumed_ = true;
+  if (!later.empty()) discard_after_ = checkpoint.step;
   furthest_step_ = progress_.step;
   reloads_without_progress_ = 0;
   monitor_->reset();
@@ -122,7 +135,7 @@ void Trainer::continue_run() {
   if (const std::string id = metrics_run_id(config_.metrics.dir); !id.empty()) run_id_ = id;
 }
 
-void Trainer::prepare_run_dirs() {
+void Trainer::prepare_run_dirs(std::ostream& out) {
   std::string refusal;
   if (rank_ == 0) {
     try {
@@ -135,7 +148,21 @@ void Trainer::prepare_run_dirs() {
   const bool refused = world_ > 1 ? backend_->sum_over_ranks(refusal.empty() ? 0.0 : 1.0) > 0 : !refusal.empty();
   if (refused && rank_ == 0) throw ConfigError(refusal);
   if (refused) MOE_CONFIG_ERROR("rank 0 refused the run's output folders (its error says why)");
-  if (rank_ == 0) write_run_files(config_, run_id_);
+  if (rank_ != 0) return;
+  if (discard_after_) {
+    std::vector<std::string> deleted;
+    for (const CheckpointListing& c : list_checkpoints(config_.checkpoint.dir))
+      if (c.step > *discard_after_) {
+        std::filesystem::remove_all(c.path);
+        deleted.push_back(c.path.filename().string());
+      }
+    if (!deleted.empty())
+      fmt::print(out, "resume: deleted {} later checkpoint{} of the discarded timeline ({})\n", deleted.size(),
+                 deleted.size() == 1 ? "" : "s",
+                 deleted.size() == 1 ? deleted[0] : deleted.front() + " ... " + deleted.back());
+    discard_after_.reset();
+  }
+  write_run_files(config_, run_id_);
 }
 
 bool Trainer::after_step(const StepStats& stats, std::ostream& out) {

@@ -315,7 +315,7 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
     fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,
                micro_steps_, micro_batch_, config_.model.seq_len);
   out.flush();
-  prepare_run_dirs();  // before the metrics files are opened, and before step 1
+  prepare_run_dirs(out);  // before the metrics files are opened, and before step 1
   Observer observer(metrics, out, options);
   // Checkpoint lines and records go through the observer while it exists.
   struct ObserverScope {

@@ -138,7 +138,9 @@ class Trainer {
   // Checkpoints and faults (src/train/checkpoint_trainer.cpp). Continues from a checkpoint
   // directory: refuses another model shape, warns on other config differences; the run
   // takes over the checkpoint's run id (src/train/run_dirs.h).
-  void resume(const std::string& path, std::ostream& out);
+  // A checkpoint.dir holding later checkpoints than the resumed one (another timeline) is
+  // refused, or with `discard_later` they are deleted before step 1.
+  void resume(const std::string& path, std::ostream& out, bool discard_later = false);
   // --resume found no checkpoint: the run starts at step 0 but continues the run whose
   // files metrics.dir holds (its metrics start over).
   void continue_run();
@@ -170,9 +172,11 @@ class Trainer {
   // The run's identity and whether this session continues it (src/train/run_dirs.h).
   std::string run_id_;
   bool resumed_ = false;
+  std::optional<int64_t> discard_after_;  // resume(..., discard_later): checkpoints after this step go
   // Before step 1 (rank 0 decides, every rank stops): the output folders belong to this
-  // run (run_dirs.h); then metrics.dir gets run.json and config.toml.
-  void prepare_run_dirs();
+  // run (run_dirs.h); then a discarded timeline's checkpoints go, and metrics.dir gets
+  // run.json and config.toml.
+  void prepare_run_dirs(std::ostream& out);
   // run()'s observer while it runs (checkpoint lines and records go through it), else null.
   Observer* observer_ = nullptr;
   double checkpoint_pause_seconds_ = 0;   // training held up by saves in this run()
