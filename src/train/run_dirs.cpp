@@ -2,7 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -78,6 +83,22 @@ void check_checkpoint_dir(const std::string& dir, const std::string& run_id, boo
                    dir, other_id.empty() ? "" : "run " + other_id + ": ", which);
 }
 
+// A folder this process can write into, created if need be: found before step 1, not at
+// the first save (with the default checkpoint.interval, after the whole run).
+void check_usable_dir(const std::string& dir, const char* key) {
+  if (dir.empty()) return;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
+    MOE_CONFIG_ERROR("{} \"{}\" is a file, not a directory", key, dir);
+  fs::create_directories(dir, ec);
+  if (ec) MOE_CONFIG_ERROR("{} \"{}\": cannot create it: {}", key, dir, ec.message());
+  const fs::path probe = fs::path(dir) / fmt::format(".moe-write-test.{}", ::getpid());
+  FILE* file = std::fopen(probe.c_str(), "w");
+  if (!file) MOE_CONFIG_ERROR("{} \"{}\": cannot write there: {}", key, dir, std::strerror(errno));
+  std::fclose(file);
+  fs::remove(probe, ec);
+}
+
 }  // namespace
 
 std::string new_run_id() {
@@ -100,6 +121,8 @@ std::string metrics_run_id(const std::string& metrics_dir) {
 }
 
 void check_run_dirs(const RunConfig& config, const std::string& run_id, bool resumed) {
+  check_usable_dir(config.metrics.dir, "metrics.dir");
+  check_usable_dir(config.checkpoint.dir, "checkpoint.dir");
   check_metrics_dir(config.metrics.dir, run_id, resumed);
   check_checkpoint_dir(config.checkpoint.dir, run_id, resumed);
 }

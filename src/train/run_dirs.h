@@ -2,6 +2,7 @@
 // kept in metrics.dir/run.json and in every checkpoint's manifest, and taken over by a
 // run that resumes one of its checkpoints. Before step 1, rank 0 checks the folders
 // (Trainer::run):
+//   - both must be directories this process can write into (created if need be);
 //   - a new run refuses a metrics.dir holding a run's files (metrics.jsonl, run.json,
 //     config.toml, events.out.tfevents.*) and a checkpoint.dir holding checkpoints, unless
 //     they are its own; the one-line error says how to go on (--resume auto, or another

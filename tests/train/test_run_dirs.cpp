@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -125,6 +126,36 @@ TEST_F(RunDirs, ResumeWithNothingSavedStartsTheSameRunOver) {
   }
   EXPECT_EQ(runs, 1);
   EXPECT_EQ(steps, 3);
+}
+
+// An unusable checkpoint.dir is found before step 1, as metrics.dir is, not at the first
+// save (with checkpoint.interval = 0, after the whole run). (The tests run as root, whom
+// read-only permissions do not stop: a file, and a path under a file.)
+TEST_F(RunDirs, AnUnusableFolderIsRefusedBeforeStepOne) {
+  std::ofstream(dir_ / "file") << "not a folder";
+  const std::string file = (dir_ / "file").string(), under = (dir_ / "file" / "ckpt").string();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {file, "checkpoint.dir \"" + file + "\" is a file, not a directory"},
+      {under, "checkpoint.dir \"" + under + "\": cannot create it: Not a directory"}};
+  for (const auto& [path, message] : cases) {
+    SCOPED_TRACE(path);
+    RunConfig c = config();
+    c.checkpoint.dir = path;
+    c.checkpoint.interval = 0;
+    std::string log;
+    EXPECT_EQ(refusal(*test::make_trainer(c), &log), message);
+    EXPECT_EQ(log.find("step 1/"), std::string::npos) << log;
+  }
+  RunConfig c = config();
+  c.metrics.dir = file;
+  EXPECT_EQ(refusal(*test::make_trainer(c)), "metrics.dir \"" + file + "\" is a file, not a directory");
+  // Through the binary: exit 2, one line.
+  const fs::path run = test::write_binary_run(dir_, 3);
+  test::Child child({"train", "-c", run.string(), "--checkpoint.dir=" + under, "--checkpoint.interval=0"});
+  EXPECT_EQ(WEXITSTATUS(child.wait()), 2) << child.output();
+  EXPECT_NE(child.output().find("moe: error: checkpoint.dir \"" + under + "\": cannot create it: Not a directory\n"),
+            std::string::npos)
+      << child.output();
 }
 
 // Through the binary, as a user meets it: a second `moe train` into the same folders is
