@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <exception>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -73,7 +74,7 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
     MOE_CONFIG_ERROR("--thread-ranks-per-node {} does not divide --thread-ranks {}", per_node, n);
   std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n, per_node);
   install_stop_signal_handlers();  // every rank sees the stop request: they finish the step and save together
-  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   std::vector<std::thread> ranks;
   for (int r = 0; r < n; ++r)
     ranks.emplace_back([&, r] {
@@ -88,16 +89,26 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
         if (resume) trainer.resume(resume->string(), out, options.discard_newer_checkpoints);
         else if (options.resume) trainer.continue_run();
         trainer.run(out);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
       }
     });
   for (std::thread& rank : ranks) rank.join();
-  // The first rank's own failure (the others then time out waiting for it).
-  for (const std::string& error : errors)
-    if (!error.empty() && error.find("waited 120 s") == std::string::npos) MOE_THROW("{}", error);
-  for (const std::string& error : errors)
-    if (!error.empty()) MOE_THROW("{}", error);
+  // The first rank's own failure (the others then time out waiting for it), rethrown as it
+  // was: a ConfigError (a refused run folder, say) still exits with code 2.
+  auto message = [](const std::exception_ptr& error) -> std::string {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return "unknown error";
+    }
+  };
+  for (const std::exception_ptr& error : errors)
+    if (error && message(error).find("waited 120 s") == std::string::npos) std::rethrow_exception(error);
+  for (const std::exception_ptr& error : errors)
+    if (error) std::rethrow_exception(error);
   return 0;
 #else
   (void)options, (void)config, (void)threads;
