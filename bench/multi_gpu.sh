@@ -194,7 +194,7 @@ if [[ $sections == *,resume,* ]]; then
     [[ $mode == ep ]] && run+=(--parallel.expert_parallel="$n")
     [[ $mode == eps ]] && run+=(--parallel.expert_parallel="$n" --parallel.split_experts=true --parallel.rebalance_interval=2)
     launch train "${run[@]}" > "$out/resume_${mode}_whole.txt" 2>&1
-    launch train "${run[@]}" --resume "$ckpt/step_00000004" > "$out/resume_${mode}_after.txt" 2>&1
+    launch train "${run[@]}" --resume "$ckpt/step_00000004" --discard-newer-checkpoints > "$out/resume_${mode}_after.txt" 2>&1
     echo "uninterrupted, steps 5-8: $(losses "$out/resume_${mode}_whole.txt")"
     echo "resumed,       steps 5-8: $(losses "$out/resume_${mode}_after.txt")"
     if [[ $mode == ep ]]; then

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <exception>
 #include <filesystem>
 #include <iostream>
 #include <memory>
@@ -73,7 +74,7 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
     MOE_CONFIG_ERROR("--thread-ranks-per-node {} does not divide --thread-ranks {}", per_node, n);
   std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n, per_node);
   install_stop_signal_handlers();  // every rank sees the stop request: they finish the step and save together
-  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
   std::vector<std::thread> ranks;
   for (int r = 0; r < n; ++r)
     ranks.emplace_back([&, r] {
@@ -85,18 +86,29 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
         if (r == 0) print_data(rank_config, data);
         Trainer trainer(rank_config, std::move(data.train), std::move(data.validation),
                         std::move(worlds[static_cast<size_t>(r)]));
-        if (resume) trainer.resume(resume->string(), out);
+        if (resume) trainer.resume(resume->string(), out, options.discard_newer_checkpoints);
+        else if (options.resume) trainer.continue_run();
         trainer.run(out);
-      } catch (const std::exception& e) {
-        errors[static_cast<size_t>(r)] = e.what();
+      } catch (...) {
+        errors[static_cast<size_t>(r)] = std::current_exception();
       }
     });
   for (std::thread& rank : ranks) rank.join();
-  // The first rank's own failure (the others then time out waiting for it).
-  for (const std::string& error : errors)
-    if (!error.empty() && error.find("waited 120 s") == std::string::npos) MOE_THROW("{}", error);
-  for (const std::string& error : errors)
-    if (!error.empty()) MOE_THROW("{}", error);
+  // The first rank's own failure (the others then time out waiting for it), rethrown as it
+  // was: a ConfigError (a refused run folder, say) still exits with code 2.
+  auto message = [](const std::exception_ptr& error) -> std::string {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return "unknown error";
+    }
+  };
+  for (const std::exception_ptr& error : errors)
+    if (error && message(error).find("waited 120 s") == std::string::npos) std::rethrow_exception(error);
+  for (const std::exception_ptr& error : errors)
+    if (error) std::rethrow_exception(error);
   return 0;
 #else
   (void)options, (void)config, (void)threads;
@@ -110,6 +122,8 @@ int run_train(const TrainOptions& options) {
   std::vector<std::string> overrides = options.overrides;
   if (options.device) overrides.push_back("training.device=" + *options.device);
   if (options.threads) overrides.push_back("training.threads=" + std::to_string(*options.threads));
+  if (options.discard_newer_checkpoints && !options.resume)
+    MOE_CONFIG_ERROR("--discard-newer-checkpoints goes with --resume");
   RunConfig config = resolve_config(options.config_path, overrides);
   const int threads = set_num_threads(static_cast<int>(config.training.threads));
   if (options.thread_ranks) return run_thread_ranks(options, config, threads);
@@ -125,7 +139,11 @@ int run_train(const TrainOptions& options) {
     fmt::print("dashboard: {}\n", dashboard->url());
     std::fflush(stdout);
   }
-  if (const auto path = resume_path(options, config)) trainer.resume(path->string(), std::cout);
+  if (options.resume) {
+    if (const auto path = resume_path(options, config))
+      trainer.resume(path->string(), std::cout, options.discard_newer_checkpoints);
+    else trainer.continue_run();  // nothing saved yet: start over, in the same run
+  }
   install_stop_signal_handlers();  // from here a SIGTERM/SIGINT finishes the step and saves
   trainer.run(std::cout);
   return 0;

@@ -52,6 +52,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0, 65535));
   train_cmd->add_option("--resume", train.resume,
                         "auto (the newest checkpoint in checkpoint.dir, if any) or a checkpoint directory");
+  train_cmd->add_flag("--discard-newer-checkpoints", train.discard_newer_checkpoints,
+                      "With --resume of an older checkpoint: delete checkpoint.dir's later ones (another timeline) "
+                      "before step 1, instead of refusing");
   train_cmd->add_option("--thread-ranks", train.thread_ranks,
                         "Run this many ranks as threads sharing this one GPU: a rehearsal of a multi-GPU launch "
                         "(data and expert parallelism give the same numbers; no speed-up)")

@@ -90,6 +90,16 @@ LaunchEnv parse_launch_env(const Getenv& getenv_fn) {
   env.master_addr = env_string(getenv_fn, "MASTER_ADDR");
   env.master_port = env_int(getenv_fn, "MASTER_PORT", 0);
   validate(env);
+  // torchrun's agent serves its TCPStore on MASTER_PORT for as long as the workers run, so
+  // rank 0 cannot listen there: our rendezvous takes the next port unless told another.
+  env.torchelastic = env.source == "torchrun" && is_set(getenv_fn, "TORCHELASTIC_RUN_ID");
+  env.rendezvous_port = env.master_port;
+  if (env.torchelastic && env.master_port > 0) env.rendezvous_port = env.master_port < 65535 ? env.master_port + 1 : 65534;
+  if (is_set(getenv_fn, "MOE_RENDEZVOUS_PORT")) {
+    env.rendezvous_port = env_int(getenv_fn, "MOE_RENDEZVOUS_PORT", 0);
+    if (env.rendezvous_port < 1 || env.rendezvous_port > 65535)
+      MOE_CONFIG_ERROR("launch environment: MOE_RENDEZVOUS_PORT {} outside 1..65535", env.rendezvous_port);
+  }
   if (env.world_size % env.local_size != 0)
     MOE_CONFIG_ERROR("launch environment ({}): world size {} is not a multiple of the {} ranks per node", env.source,
                      env.world_size, env.local_size);

@@ -19,6 +19,11 @@ struct LaunchEnv {
   int n_nodes = 1;
   std::string master_addr;  // torchrun-style rendezvous (empty when not given)
   int master_port = 0;
+  // Where rank 0 listens for moe's own rendezvous (src/dist/rendezvous.h) on master_addr:
+  // MOE_RENDEZVOUS_PORT when set; under torchrun (TORCHELASTIC_RUN_ID set), whose agent's
+  // store already listens on MASTER_PORT, MASTER_PORT + 1 (65534 for 65535); else MASTER_PORT.
+  int rendezvous_port = 0;
+  bool torchelastic = false;  // started by torchrun (its elastic agent)
   std::string source = "none";  // "mpirun", "slurm", "torchrun" or "none"
   bool nodes_simulated = false;  // MOE_RANKS_PER_NODE split the ranks into nodes
 };

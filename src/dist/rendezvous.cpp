@@ -207,7 +207,14 @@ std::vector<RendezvousEntry> rendezvous_all_gather(const std::string& master_add
     MOE_CONFIG_ERROR("rendezvous of {} ranks needs MASTER_ADDR and MASTER_PORT (moe launch sets them)", world_size);
   FdGuard guard;
   if (rank == 0) {
-    const int listener = net::listen_on(master_port, world_size, nullptr);
+    int listener = -1;
+    try {
+      listener = net::listen_on(master_port, world_size, nullptr);
+    } catch (const Error& e) {
+      MOE_CONFIG_ERROR("rendezvous '{}': rank 0 {}; set MOE_RENDEZVOUS_PORT to a free port of MASTER_ADDR for every "
+                       "rank (the default is MASTER_PORT, or MASTER_PORT + 1 under torchrun)",
+                       tag, e.what());
+    }
     guard.fds.push_back(listener);
     entries[0] = {master_addr, payload};
     std::vector<int> peer_fd(static_cast<size_t>(world_size), -1);

@@ -1,6 +1,8 @@
-// A small TCP rendezvous (POSIX sockets): rank 0 listens on MASTER_PORT, every rank sends
-// it a payload, and every rank gets all payloads back. `moe launch` workers use it to
-// exchange the NCCL unique id and the addresses of the tcp backend's mesh.
+// A small TCP rendezvous (POSIX sockets): rank 0 listens on a port of MASTER_ADDR
+// (LaunchEnv::rendezvous_port: MASTER_PORT under `moe launch`, MASTER_PORT + 1 under
+// torchrun, whose own store holds MASTER_PORT; MOE_RENDEZVOUS_PORT overrides), every rank
+// sends it a payload, and every rank gets all payloads back. Workers use it to exchange
+// the NCCL unique id and the addresses of the tcp backend's mesh.
 #pragma once
 #include <string>
 #include <vector>
@@ -13,7 +15,8 @@ struct RendezvousEntry {
 };
 
 // Collective over world_size processes. tag names the round (all ranks must agree; a
-// different tag is an error, not a hang). Throws after timeout_s without all ranks.
+// different tag is an error, not a hang). Throws after timeout_s without all ranks; a
+// port rank 0 cannot listen on is a ConfigError (one line: what to set).
 // MOE_RENDEZVOUS_TIMEOUT (seconds) overrides the default timeout.
 std::vector<RendezvousEntry> rendezvous_all_gather(const std::string& master_addr, int master_port, int rank,
                                                    int world_size, const std::string& tag,

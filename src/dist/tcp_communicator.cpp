@@ -353,7 +353,7 @@ std::unique_ptr<Communicator> make_tcp_world(const LaunchEnv& env) {
     const int listener = net::listen_on(0, world_size, &port);
     std::vector<RendezvousEntry> entries;
     try {
-      entries = rendezvous_all_gather(env.master_addr, env.master_port, rank, world_size, "tcp-mesh",
+      entries = rendezvous_all_gather(env.master_addr, env.rendezvous_port, rank, world_size, "tcp-mesh",
                                       std::to_string(port));
       // Lower ranks listen, higher ranks connect; connects complete in the listeners'
       // backlog, so connecting to all lower ranks first cannot deadlock.

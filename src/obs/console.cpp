@@ -16,7 +16,16 @@ std::string format_duration(double seconds) {
 
 namespace {
 constexpr std::string_view kEraseLine = "\r\x1b[K";  // carriage return, erase to end of line
+
+// How many of the steps after..last (after excluded) have an event that comes every
+// `interval` steps (0: never) and after the last step.
+int64_t events_due(int64_t interval, int64_t after, int64_t last) {
+  if (after >= last) return 0;
+  int64_t n = interval > 0 ? last / interval - after / interval : 0;
+  if (interval <= 0 || last % interval != 0) ++n;
+  return n;
 }
+}  // namespace
 
 void ConsoleSink::BarEraser::erase() {
   if (!bar_shown) return;
@@ -61,8 +70,7 @@ void ConsoleSink::draw_bar() {
   constexpr int kWidth = 30;
   const double done = std::clamp(static_cast<double>(last_step_) / static_cast<double>(steps_), 0.0, 1.0);
   const int filled = static_cast<int>(done * kWidth);
-  const double eta = step_seconds_ / static_cast<double>(std::max<int64_t>(1, steps_seen_)) *
-                     static_cast<double>(steps_ - last_step_);
+  const double eta = this->eta();
   // Written past the eraser, which would otherwise erase the bar it is drawing.
   out_.flush();
   const std::string bar =
@@ -72,6 +80,41 @@ void ConsoleSink::draw_bar() {
   eraser_->target()->sputn(bar.data(), static_cast<std::streamsize>(bar.size()));
   eraser_->target()->pubsync();
   eraser_->bar_shown = true;
+}
+
+void ConsoleSink::set_schedule(int64_t val_interval, int64_t checkpoint_interval, bool checkpoints) {
+  val_interval_ = val_interval;
+  checkpoint_interval_ = checkpoint_interval;
+  checkpoints_ = checkpoints;
+}
+
+void ConsoleSink::validation_done(int64_t step, double seconds) {
+  ++vals_seen_;
+  val_seconds_ += seconds;
+  last_val_step_ = step;
+  // The validation before the first step is not part of the training's wall time.
+  if (steps_seen_ > 0) interval_seconds_ += seconds;
+}
+
+void ConsoleSink::checkpoint_done(int64_t step, double seconds) {
+  ++saves_seen_;
+  save_seconds_ += seconds;
+  last_save_step_ = step;
+  if (steps_seen_ > 0) interval_seconds_ += seconds;
+}
+
+double ConsoleSink::eta() const {
+  if (steps_seen_ == 0) return 0;
+  double left = step_seconds_ / static_cast<double>(steps_seen_) * static_cast<double>(steps_ - last_step_);
+  // The last step's validation and save come after its line: due from that step on,
+  // unless they already happened.
+  if (vals_seen_ > 0)
+    left += val_seconds_ / static_cast<double>(vals_seen_) *
+            static_cast<double>(events_due(val_interval_, std::max(last_step_ - 1, last_val_step_), steps_));
+  if (checkpoints_ && saves_seen_ > 0)
+    left += save_seconds_ / static_cast<double>(saves_seen_) *
+            static_cast<double>(events_due(checkpoint_interval_, std::max(last_step_ - 1, last_save_step_), steps_));
+  return left;
 }
 
 void ConsoleSink::line(const std::string& text) {
@@ -89,13 +132,12 @@ void ConsoleSink::step(const StepMetrics& m) {
   interval_seconds_ += m.time.step;
   const bool log = steps_seen_ == 1 || m.step % log_interval_ == 0 || m.step == m.steps;
   if (log) {
-    const double eta = step_seconds_ / static_cast<double>(steps_seen_) * static_cast<double>(m.steps - m.step);
     fmt::print(out_,
                "step {:>{}}/{} | loss {:.4f} | aux {:.4f} | z {:.4f} | lr {:.2e} | grad_norm {:.3f} "
                "| imbalance {:.2f} | tok/s {:.0f} | eta {}\n",
                m.step, std::to_string(m.steps).size(), m.steps, m.loss, m.aux_loss, m.z_loss, m.lr, m.grad_norm,
                m.max_imbalance(), static_cast<double>(interval_tokens_) / std::max(interval_seconds_, 1e-9),
-               format_duration(eta));
+               format_duration(eta()));
     // Several ranks: what communication cost (one process has none).
     if (m.time.comm_wait > 0 || m.grad_sync_ms > 0 || m.a2a_bytes > 0)
       fmt::print(out_, "      comm wait {:.1f}% | grad sync {:.2f} ms | all-to-all {:.2f} MB at {:.2f} GB/s\n",

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "train/checkpoint_io.h"
 
 namespace moe {
 
@@ -35,6 +36,43 @@ void JsonlWriter::write(const nlohmann::json& record) {
 void JsonlWriter::sync() {
   if (std::fflush(file_) != 0 || fsync(fileno(file_)) != 0)
     throw Error(fmt::format("{}: fsync failed: {}", path_, std::strerror(errno)));
+}
+
+int64_t truncate_metrics_after(const std::string& path, int64_t k) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return 0;  // a new file
+  std::ostringstream text_stream;
+  text_stream << in.rdbuf();
+  const std::string text = text_stream.str();
+  std::string kept;
+  int64_t dropped = 0;
+  bool session_kept = true;  // lines before any "run" record belong to no session: kept
+  size_t start = 0;
+  while (start < text.size()) {
+    const size_t end = text.find('\n', start);
+    if (end == std::string::npos) {  // a half-written last line
+      ++dropped;
+      break;
+    }
+    const std::string_view line(text.data() + start, end + 1 - start);
+    start = end + 1;
+    const nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    bool keep = true;
+    if (r.is_object() && r.contains("type") && r["type"].is_string()) {
+      const std::string type = r["type"];
+      auto number = [&](const char* key) { return r.contains(key) && r[key].is_number() ? r[key].get<int64_t>() : 0; };
+      if (type == "run") session_kept = number("first_step") < k;
+      keep = session_kept;
+      if (type == "step" || type == "alert" || type == "checkpoint") keep = keep && number("step") <= k;
+      if (type == "val") keep = keep && number("step") < k;
+      if (type == "summary") keep = keep && number("steps") <= k;
+    }
+    if (keep) kept.append(line);
+    else ++dropped;
+  }
+  if (dropped == 0) return 0;
+  write_file_atomic(path, kept);
+  return dropped;
 }
 
 std::vector<nlohmann::json> read_jsonl(const std::string& path, int* truncated_lines) {

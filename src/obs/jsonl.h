@@ -26,6 +26,13 @@ class JsonlWriter {
   FILE* file_ = nullptr;
 };
 
+// Before a run goes on after step k: keeps the records of the metrics file at `path` that
+// it will not write again, and drops the rest (rewritten atomically; no file: nothing to
+// do). A session starts with a "run" record: those starting at k or later go whole; in
+// the others, "step", "alert" and "checkpoint" records after step k, "val" records at or
+// after k, and a "summary" past k go. Returns the number of records dropped.
+int64_t truncate_metrics_after(const std::string& path, int64_t k);
+
 // Reads every record of a JSONL file. A malformed line throws moe::Error naming
 // "path:line"; a last line without its newline (a run killed mid-write) is skipped and
 // counted in *truncated_lines.

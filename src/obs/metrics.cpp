@@ -68,6 +68,7 @@ int64_t resident_set_bytes() {
 nlohmann::json to_json(const RunInfo& info) {
   return {
       {"type", "run"},
+      {"run_id", info.run_id},
       {"steps", info.steps},
       {"first_step", info.first_step},
       {"tokens_per_step", info.tokens_per_step},

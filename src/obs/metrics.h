@@ -79,6 +79,7 @@ struct MfuInputs {
 
 // Facts about the run that do not change per step.
 struct RunInfo {
+  std::string run_id;      // the run's identity (metrics.dir/run.json, checkpoint manifests)
   int64_t steps = 0;
   int64_t first_step = 0;  // steps already done before this process (a resumed run)
   int64_t tokens_per_step = 0;
@@ -89,6 +90,10 @@ struct RunInfo {
   int64_t params_total = 0, params_active = 0;
   bool bias_balancing = false;
   MfuInputs mfu;
+  // When validations and checkpoint saves come (the console's ETA counts them): every
+  // val_interval steps and after the last one; checkpoints likewise when `checkpoints`.
+  int64_t val_interval = 0, checkpoint_interval = 0;
+  bool checkpoints = false;
 };
 
 // Resident set size of this process in bytes (0 where /proc is unavailable).

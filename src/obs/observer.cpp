@@ -22,21 +22,24 @@ void Observer::record(const nlohmann::json& r) {
 
 void Observer::start(const RunInfo& info) {
   if (!dir_.empty()) {
-    // A resumed run continues its file; readers keep the newest record of a repeated step.
-    jsonl_ = std::make_unique<JsonlWriter>((std::filesystem::path(dir_) / "metrics.jsonl").string(),
-                                           /*append=*/info.first_step > 0);
-    if (tensorboard_on_) tensorboard_ = std::make_unique<TensorBoardWriter>(dir_);
+    // The run goes on after step first_step (0: a new run): what it will write again goes first.
+    const std::string path = (std::filesystem::path(dir_) / "metrics.jsonl").string();
+    truncate_metrics_after(path, info.first_step);
+    jsonl_ = std::make_unique<JsonlWriter>(path, /*append=*/true);
+    if (tensorboard_on_) tensorboard_ = std::make_unique<TensorBoardWriter>(dir_, info.first_step);
   }
+  console_.set_schedule(info.val_interval, info.checkpoint_interval, info.checkpoints);
   console_.line("mfu: " + info.mfu.describe());
   const nlohmann::json run = to_json(info);
   if (jsonl_) jsonl_->write(run);
   if (options_.feed) options_.feed->set_run(run);
 }
 
-void Observer::validation(int64_t step, double loss) {
-  console_.line(fmt::format("val step {} | val_loss {:.4f}", step, loss));
+void Observer::validation(int64_t step, double loss, double seconds) {
+  console_.validation_done(step, seconds);
+  console_.line(fmt::format("val step {} | val_loss {:.4f} | {:.1f} s", step, loss, seconds));
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  record({{"type", "val"}, {"step", step}, {"wall_time", now}, {"val_loss", loss}});
+  record({{"type", "val"}, {"step", step}, {"wall_time", now}, {"val_loss", loss}, {"seconds", seconds}});
   if (tensorboard_) tensorboard_->add_scalars(step, {{"val/loss", static_cast<float>(loss)}});
 }
 
@@ -53,6 +56,36 @@ void Observer::step(const StepMetrics& m) {
   }
 }
 
+std::string describe(const CheckpointSave& save) {
+  const double bytes = static_cast<double>(save.bytes);
+  const std::string size = bytes >= 1e9 ? fmt::format("{:.2f} GB", bytes / 1e9) : fmt::format("{:.1f} MB", bytes / 1e6);
+  const std::string written = fmt::format("{} in {:.2f} s, {:.2f} GB/s", size, save.write_seconds,
+                                          save.write_seconds > 0 ? bytes / 1e9 / save.write_seconds : 0.0);
+  if (!save.background)
+    return fmt::format("checkpoint: step {} saved to {} | {} | training paused {:.1f} s", save.step, save.path, written,
+                       save.paused_seconds);
+  if (!save.written)
+    return fmt::format("checkpoint: step {} saving to {} in the background | training paused {:.1f} s", save.step,
+                       save.path, save.paused_seconds);
+  return fmt::format("checkpoint: step {} saved to {} | {} (in the background)", save.step, save.path, written);
+}
+
+void Observer::checkpoint(const CheckpointSave& save) {
+  // The pause is counted once: when training goes on.
+  if (!save.background || !save.written) console_.checkpoint_done(save.step, save.paused_seconds);
+  console_.line(describe(save));
+  if (!save.written) return;
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  record({{"type", "checkpoint"},
+          {"step", save.step},
+          {"wall_time", now},
+          {"path", save.path},
+          {"bytes", save.bytes},
+          {"write_seconds", save.write_seconds},
+          {"paused_seconds", save.paused_seconds},
+          {"background", save.background}});
+}
+
 void Observer::finish(const RunEnd& end) {
   console_.finish();
   record({{"type", "summary"},
@@ -62,7 +95,9 @@ void Observer::finish(const RunEnd& end) {
           {"val_loss_start", end.val_loss_start},
           {"val_loss_end", end.val_loss_end},
           {"train_loss_end", end.train_loss_end},
-          {"skipped_steps", end.skipped_steps}});
+          {"skipped_steps", end.skipped_steps},
+          {"validation_seconds", end.validation_seconds},
+          {"checkpoint_seconds", end.checkpoint_seconds}});
   if (options_.feed) options_.feed->set_done();
   if (jsonl_) jsonl_->sync();
   if (tensorboard_) tensorboard_->sync();

@@ -21,19 +21,40 @@ struct ObserverOptions {
   MetricsFeed* feed = nullptr;   // the dashboard's, when one is served
 };
 
-// The end of a run, as the summary line reports it.
+// The end of a run, as the summary line reports it. seconds: the training loop's wall
+// time, of which validation_seconds validating and checkpoint_seconds held up by saves.
 struct RunEnd {
   int64_t steps = 0, tokens = 0, skipped_steps = 0;
   double seconds = 0, val_loss_start = 0, val_loss_end = 0, train_loss_end = 0;
+  double validation_seconds = 0, checkpoint_seconds = 0;
 };
+
+// A checkpoint save. Reported when training goes on after it (written unless
+// `background`), and a background write once more when it is done (`written`).
+struct CheckpointSave {
+  int64_t step = 0;
+  std::string path;
+  double paused_seconds = 0;  // training held up: state gathered and copied, and written unless in the background
+  bool background = false;    // checkpoint.async: the files are written while training goes on
+  bool written = false;       // bytes and write_seconds are known
+  int64_t bytes = 0;
+  double write_seconds = 0;
+};
+
+// The console line of a checkpoint save (Observer::checkpoint prints it).
+std::string describe(const CheckpointSave& save);
 
 class Observer {
  public:
   Observer(const MetricsConfig& config, std::ostream& out, ObserverOptions options);
-  // Opens the files in metrics.dir (appending to metrics.jsonl when info.first_step > 0),
-  // prints the MFU formula's inputs and writes the "run" record.
+  // Opens the files in metrics.dir, continuing them after step info.first_step (0 for a
+  // new run: they start over; see truncate_metrics_after and TensorBoardWriter), prints
+  // the MFU formula's inputs and writes the "run" record.
   void start(const RunInfo& info);
-  void validation(int64_t step, double loss);
+  // A validation after `step` that took `seconds`.
+  void validation(int64_t step, double loss, double seconds);
+  // A checkpoint line, and its "checkpoint" record once written; the pause enters the ETA.
+  void checkpoint(const CheckpointSave& save);
   void step(const StepMetrics& m);
   // Any other console line (keeps the progress bar below it).
   void note(const std::string& text) { console_.line(text); }

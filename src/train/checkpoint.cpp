@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <map>
 #include <set>
 #include <cmath>
@@ -127,8 +128,10 @@ std::vector<std::pair<int64_t, fs::path>> complete_checkpoints(const fs::path& d
 }
 
 void prune(const fs::path& dir, int64_t keep_last, const fs::path& keep) {
+  // The newest keep_last stay, and always the one just written, whatever steps the others have.
   auto complete = complete_checkpoints(dir);
-  const int64_t excess = static_cast<int64_t>(complete.size()) - keep_last;
+  std::erase_if(complete, [&](const auto& checkpoint) { return checkpoint.second == keep; });
+  const int64_t excess = static_cast<int64_t>(complete.size()) + 1 - keep_last;
   for (int64_t i = 0; i < excess; ++i) fs::remove_all(complete[static_cast<size_t>(i)].second);
   // Temporary and unmarked directories are leftovers of an interrupted save.
   std::error_code ec;
@@ -175,7 +178,8 @@ CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float
   return snap;
 }
 
-fs::path write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, int64_t keep_last) {
+CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, int64_t keep_last) {
+  const auto start = std::chrono::steady_clock::now();
   const int64_t step = snap.progress.step;
   fs::create_directories(dir);
   const fs::path final_dir = dir / step_dir_name(step);
@@ -207,6 +211,7 @@ fs::path write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, i
                    {"step", step},
                    {"world_size", 1},
                    {"hash_algorithm", hash_algorithm_name(kCheckpointHash)},
+                   {"run_id", snap.run_id},
                    {"config", {{"file", kConfigFile},
                                {"hash", content_hash(snap.config_toml.data(), snap.config_toml.size())}}},
                    {"shards", json::array({{{"rank", 0},
@@ -219,16 +224,41 @@ fs::path write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, i
   if (fs::exists(final_dir)) fs::remove_all(final_dir);  // an older timeline's or an unmarked one
   fs::rename(temp_dir, final_dir);
   fsync_directory(dir);
-  write_file_atomic(final_dir / kMarker, std::string(hash_algorithm_name(kCheckpointHash)) + ":" +
-                                            content_hash(manifest_text.data(), manifest_text.size()) + "\n");
+  const std::string marker =
+      std::string(hash_algorithm_name(kCheckpointHash)) + ":" + content_hash(manifest_text.data(), manifest_text.size()) + "\n";
+  write_file_atomic(final_dir / kMarker, marker);
   prune(dir, keep_last, final_dir);
-  return final_dir;
+  CheckpointWrite written;
+  written.step = step;
+  written.path = final_dir;
+  written.bytes = static_cast<int64_t>(shard_size + snap.config_toml.size() + manifest_text.size() +
+                                       marker.size());
+  written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return written;
 }
+
+fs::path checkpoint_path(const fs::path& dir, int64_t step) { return dir / step_dir_name(step); }
 
 std::optional<fs::path> latest_checkpoint(const fs::path& dir) {
   auto complete = complete_checkpoints(dir);
   if (complete.empty()) return std::nullopt;
   return complete.back().second;
+}
+
+std::vector<CheckpointListing> list_checkpoints(const fs::path& dir) {
+  std::vector<CheckpointListing> listing;
+  for (const auto& [step, path] : complete_checkpoints(dir)) {
+    std::string run_id;
+    try {
+      const json manifest = json::parse(read_file_bytes(path / kManifest), nullptr, false);
+      if (manifest.is_object() && manifest.contains("run_id") && manifest["run_id"].is_string())
+        run_id = manifest["run_id"];
+    } catch (const std::exception&) {
+      // unreadable: read_checkpoint says why if it is ever resumed
+    }
+    listing.push_back({step, path, run_id});
+  }
+  return listing;
 }
 
 namespace {
@@ -302,6 +332,7 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   if (metadata_int(loaded.shard, "step") != loaded.step)
     MOE_THROW("{}: shard step {} differs from the manifest's {}", shard_path.string(),
               metadata_int(loaded.shard, "step"), loaded.step);
+  if (manifest.contains("run_id")) loaded.run_id = manifest.at("run_id").get<std::string>();
   const auto placement = loaded.shard.header().metadata.find("expert_placement");
   if (placement != loaded.shard.header().metadata.end()) loaded.expert_placement = placement->second;
   return loaded;
@@ -372,28 +403,30 @@ Checkpointer::~Checkpointer() {
   if (worker_.joinable()) worker_.join();
 }
 
-void Checkpointer::wait() {
+std::optional<CheckpointWrite> Checkpointer::wait() {
   if (worker_.joinable()) worker_.join();
+  finished_ = false;
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  return std::exchange(written_, std::nullopt);
 }
 
-void Checkpointer::save(CheckpointSnapshot snapshot, std::ostream& out) {
-  wait();
-  const int64_t step = snapshot.progress.step;
-  if (!config_.async) {
-    fs::path path = write_checkpoint(config_.dir, snapshot, config_.keep_last);
-    fmt::print(out, "checkpoint: step {} saved to {}\n", step, path.string());
-    return;
-  }
-  fmt::print(out, "checkpoint: step {} saving to {} in the background\n", step,
-             (fs::path(config_.dir) / step_dir_name(step)).string());
+std::optional<CheckpointWrite> Checkpointer::take_finished() {
+  if (!finished_) return std::nullopt;
+  return wait();
+}
+
+std::optional<CheckpointWrite> Checkpointer::save(CheckpointSnapshot snapshot) {
+  MOE_CHECK(!wait(), "a finished background save was not reported before the next one");
+  if (!config_.async) return write_checkpoint(config_.dir, snapshot, config_.keep_last);
   worker_ = std::thread([this, snap = std::move(snapshot)] {
     try {
-      write_checkpoint(config_.dir, snap, config_.keep_last);
+      written_ = write_checkpoint(config_.dir, snap, config_.keep_last);
     } catch (...) {
       error_ = std::current_exception();
     }
+    finished_ = true;
   });
+  return std::nullopt;
 }
 
 }  // namespace moe

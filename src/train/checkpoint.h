@@ -2,8 +2,8 @@
 //
 // Layout of checkpoint.dir:
 //   step_00000120/                 one directory per saved step
-//     manifest.json                format, version, step, world size, hash_algorithm (xxh3_64), and
-//                                  per shard: file, size, hash
+//     manifest.json                format, version, step, world size, the run's id,
+//                                  hash_algorithm (xxh3_64), and per shard: file, size, hash
 //     config.toml                  the run config (config_to_toml), hash in the manifest
 //     rank_00000.safetensors       one shard per data-parallel rank: that rank's parameters,
 //                                  AdamW moments, balancing biases, loader state
@@ -19,6 +19,7 @@
 // state and rank 0 writes it (Trainer::save_checkpoint), so any number of ranks can read it;
 // the manifest names each shard's rank should sharded writing come later.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <filesystem>
@@ -62,18 +63,39 @@ struct CheckpointSnapshot {
   // The experts' placement over the EP ranks and the re-placement's state
   // (ModelBackend::placement_state; shard metadata "expert_placement"); empty: none.
   std::string expert_placement;
+  std::string run_id;  // the run this checkpoint belongs to (src/train/run_dirs.h); empty: none
 };
 
 CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float>& model, AdamW& optimizer,
                                       const BatchSource& train_data, const TrainProgress& progress);
 
+// What one save wrote.
+struct CheckpointWrite {
+  int64_t step = 0;
+  std::filesystem::path path;  // dir/step_NNNNNNNN
+  int64_t bytes = 0;           // of the files written
+  double seconds = 0;          // writing, fsyncing and renaming them (and pruning)
+};
+
 // Writes `snapshot` as <dir>/step_NNNNNNNN (see the layout above), then keeps only the
 // newest `keep_last` complete checkpoints and removes stale temporary directories.
-std::filesystem::path write_checkpoint(const std::filesystem::path& dir, const CheckpointSnapshot& snapshot,
-                                       int64_t keep_last);
+CheckpointWrite write_checkpoint(const std::filesystem::path& dir, const CheckpointSnapshot& snapshot,
+                                 int64_t keep_last);
+
+// dir/step_NNNNNNNN: where the checkpoint of `step` goes.
+std::filesystem::path checkpoint_path(const std::filesystem::path& dir, int64_t step);
 
 // The newest complete checkpoint in `dir`, if any (a missing dir has none).
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& dir);
+
+// The complete checkpoints in `dir`, oldest first, with the run each belongs to (read from
+// its manifest without verifying the shard; "" for a checkpoint written before run ids).
+struct CheckpointListing {
+  int64_t step = 0;
+  std::filesystem::path path;
+  std::string run_id;
+};
+std::vector<CheckpointListing> list_checkpoints(const std::filesystem::path& dir);
 
 // A checkpoint read from disk and verified (marker, hashes, format, header).
 struct LoadedCheckpoint {
@@ -83,6 +105,7 @@ struct LoadedCheckpoint {
   RunConfig config;
   SafeTensorsFile shard;
   std::string expert_placement;  // empty when none was recorded
+  std::string run_id;            // empty in checkpoints written before run ids
 };
 // Throws moe::Error with one line naming the file and what is wrong.
 LoadedCheckpoint read_checkpoint(const std::filesystem::path& path);
@@ -105,14 +128,20 @@ class Checkpointer {
   Checkpointer& operator=(const Checkpointer&) = delete;
 
   bool enabled() const { return !config_.dir.empty(); }
-  // Waits for a previous async save, then saves (async: returns after queueing).
-  void save(CheckpointSnapshot snapshot, std::ostream& out);
-  // Waits for an async save in flight; rethrows its error.
-  void wait();
+  bool async() const { return config_.async; }
+  // Waits for a previous async save, then saves and returns what it wrote; with
+  // checkpoint.async returns nothing after queueing (take_finished or wait reports it).
+  std::optional<CheckpointWrite> save(CheckpointSnapshot snapshot);
+  // An async save that has finished (without waiting; rethrows its error).
+  std::optional<CheckpointWrite> take_finished();
+  // Waits for an async save in flight and returns what it wrote; rethrows its error.
+  std::optional<CheckpointWrite> wait();
 
  private:
   CheckpointConfig config_;
   std::thread worker_;
+  std::atomic<bool> finished_{false};  // the worker is done with its save
+  std::optional<CheckpointWrite> written_;
   std::exception_ptr error_;
 };
 

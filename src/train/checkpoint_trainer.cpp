@@ -3,12 +3,14 @@
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
+#include <chrono>
 #include <csignal>
 #include <ostream>
 
 #include "core/error.h"
 #include "train/batch_controller.h"
 #include "train/checkpoint.h"
+#include "train/run_dirs.h"
 #include "train/signals.h"
 #include "train/trainer.h"
 
@@ -46,13 +48,47 @@ void Trainer::plan_batches() {
 // it back, so a run resumes on any number of ranks sharing the directory.
 void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
+  const auto start = std::chrono::steady_clock::now();
+  collect_background_save(/*wait=*/true, out);  // one save at a time
   sync_state_from_gpu();
   backend_->gather_state(*optimizer_);
+  CheckpointSave save;
+  save.step = progress_.step;
+  save.path = checkpoint_path(config_.checkpoint.dir, progress_.step).string();
+  save.background = checkpointer_->async();
   if (rank_ == 0) {
     CheckpointSnapshot snapshot = capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_);
     snapshot.expert_placement = backend_->placement_state();
-    checkpointer_->save(std::move(snapshot), out);
+    snapshot.run_id = run_id_;
+    if (const std::optional<CheckpointWrite> written = checkpointer_->save(std::move(snapshot))) {
+      save.written = true;
+      save.bytes = written->bytes;
+      save.write_seconds = written->seconds;
+    }
   }
+  save.paused_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  checkpoint_pause_seconds_ += save.paused_seconds;
+  if (save.background) background_save_ = save;
+  report_checkpoint(save, out);
+}
+
+void Trainer::report_checkpoint(const CheckpointSave& save, std::ostream& out) {
+  if (observer_) {
+    observer_->checkpoint(save);
+  } else if (rank_ == 0) {
+    fmt::print(out, "{}\n", describe(save));
+    out.flush();
+  }
+}
+
+void Trainer::collect_background_save(bool wait, std::ostream& out) {
+  const std::optional<CheckpointWrite> written = wait ? checkpointer_->wait() : checkpointer_->take_finished();
+  if (!written || !background_save_) return;
+  CheckpointSave save = *std::exchange(background_save_, std::nullopt);
+  save.written = true;
+  save.bytes = written->bytes;
+  save.write_seconds = written->seconds;
+  report_checkpoint(save, out);
 }
 
 void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
@@ -62,25 +98,77 @@ void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
   backend_->restore_placement(checkpoint.expert_placement);
 }
 
-void Trainer::wait_for_saved_checkpoints() {
-  checkpointer_->wait();
+void Trainer::wait_for_saved_checkpoints(std::ostream& out) {
+  collect_background_save(/*wait=*/true, out);
   if (world_ > 1) backend_->sum_over_ranks(0.0);  // a barrier: rank 0's last save is on disk
 }
 
-void Trainer::resume(const std::string& path, std::ostream& out) {
-  wait_for_saved_checkpoints();
+void Trainer::resume(const std::string& path, std::ostream& out, bool discard_later) {
+  wait_for_saved_checkpoints(out);
   LoadedCheckpoint checkpoint = read_checkpoint(path);
   check_resume_compatible(checkpoint, config_, out);
+  // Later checkpoints belong to a timeline this run leaves: pruning by step, a NaN reload
+  // and --resume auto would mix the two.
+  std::vector<std::string> later;
+  if (checkpointer_->enabled())
+    for (const CheckpointListing& c : list_checkpoints(config_.checkpoint.dir))
+      if (c.step > checkpoint.step) later.push_back(c.path.filename().string());
+  if (!later.empty() && !discard_later)
+    MOE_CONFIG_ERROR("--resume {}: checkpoint.dir \"{}\" holds later checkpoints ({}): going on from step {} would mix "
+                     "two timelines; add --discard-newer-checkpoints to delete them, or resume into another "
+                     "checkpoint.dir",
+                     path, config_.checkpoint.dir, later.size() == 1 ? later[0] : later.front() + " ... " + later.back(),
+                     checkpoint.step);
   restore_from(checkpoint);
+  if (!checkpoint.run_id.empty()) run_id_ = checkpoint.run_id;  // else written before run ids: a new id
+  resumed_ = true;
+  if (!later.empty()) discard_after_ = checkpoint.step;
   furthest_step_ = progress_.step;
   reloads_without_progress_ = 0;
   monitor_->reset();
   fmt::print(out, "resume: {} (step {}, lr x{})\n", checkpoint.path.string(), progress_.step, progress_.lr_scale);
 }
 
+void Trainer::continue_run() {
+  resumed_ = true;
+  if (rank_ != 0) return;  // only rank 0 writes metrics
+  if (const std::string id = metrics_run_id(config_.metrics.dir); !id.empty()) run_id_ = id;
+}
+
+void Trainer::prepare_run_dirs(std::ostream& out) {
+  std::string refusal;
+  if (rank_ == 0) {
+    try {
+      check_run_dirs(config_, run_id_, resumed_);
+    } catch (const ConfigError& e) {
+      refusal = e.what();
+    }
+  }
+  // Every rank stops, not only rank 0 (the others would wait for it in the next collective).
+  const bool refused = world_ > 1 ? backend_->sum_over_ranks(refusal.empty() ? 0.0 : 1.0) > 0 : !refusal.empty();
+  if (refused && rank_ == 0) throw ConfigError(refusal);
+  if (refused) MOE_CONFIG_ERROR("rank 0 refused the run's output folders (its error says why)");
+  if (rank_ != 0) return;
+  if (discard_after_) {
+    std::vector<std::string> deleted;
+    for (const CheckpointListing& c : list_checkpoints(config_.checkpoint.dir))
+      if (c.step > *discard_after_) {
+        std::filesystem::remove_all(c.path);
+        deleted.push_back(c.path.filename().string());
+      }
+    if (!deleted.empty())
+      fmt::print(out, "resume: deleted {} later checkpoint{} of the discarded timeline ({})\n", deleted.size(),
+                 deleted.size() == 1 ? "" : "s",
+                 deleted.size() == 1 ? deleted[0] : deleted.front() + " ... " + deleted.back());
+    discard_after_.reset();
+  }
+  write_run_files(config_, run_id_);
+}
+
 bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
   const TrainingConfig& tc = config_.training;
   const int64_t done = progress_.step;
+  collect_background_save(/*wait=*/false, out);
   if (stats.skipped) ++progress_.skipped_steps;
   if (monitor_->observe(stats.step, stats.loss, stats.skipped, out)) {
     reload_after_faults(stats, out);
@@ -101,7 +189,7 @@ bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
     else fmt::print(out, "warning: checkpoint at step {} not saved: the step was skipped\n", done);
   }
   if (!stopping) return false;
-  checkpointer_->wait();  // the process may exit right after run()
+  collect_background_save(/*wait=*/true, out);  // the process may exit right after run()
   const std::string why = signalled ? signal_name(stop_signal()) : "training.stop_at";
   fmt::print(out, "stopping after step {} ({}){}\n", done, why,
              checkpointer_->enabled() ? "" : "; checkpoint.dir is empty, nothing saved");
@@ -111,7 +199,7 @@ bool Trainer::after_step(const StepStats& stats, std::ostream& out) {
 
 void Trainer::reload_after_faults(const StepStats& stats, std::ostream& out) {
   const TrainingConfig& tc = config_.training;
-  wait_for_saved_checkpoints();
+  wait_for_saved_checkpoints(out);
   const auto latest =
       checkpointer_->enabled() ? latest_checkpoint(config_.checkpoint.dir) : std::optional<std::filesystem::path>();
   if (!latest)

@@ -12,6 +12,7 @@
 #include "dist/parallel_trainer.h"
 #include "train/grad_clip.h"
 #include "train/lr_schedule.h"
+#include "train/run_dirs.h"
 
 namespace moe {
 namespace {
@@ -158,6 +159,7 @@ Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_dat
 Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
                  std::unique_ptr<BatchSource> val_data, std::unique_ptr<dist::Communicator> world)
     : config_(config), train_data_(std::move(train_data)), val_data_(std::move(val_data)) {
+  run_id_ = new_run_id();
   const TrainingConfig& tc = config_.training;
   const int64_t tokens_per_micro = tc.micro_batch * config_.model.seq_len;
   MOE_CHECK(tc.global_batch_tokens % tokens_per_micro == 0,
@@ -313,17 +315,29 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
     fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,
                micro_steps_, micro_batch_, config_.model.seq_len);
   out.flush();
+  prepare_run_dirs(out);  // before the metrics files are opened, and before step 1
   Observer observer(metrics, out, options);
+  // Checkpoint lines and records go through the observer while it exists.
+  struct ObserverScope {
+    Observer*& slot;
+    ~ObserverScope() { slot = nullptr; }
+  } observer_scope{observer_ = &observer};
+  checkpoint_pause_seconds_ = 0;
   RunInfo info = run_info(config_, counts);
+  info.run_id = run_id_;
   info.world_size = world_;
-  info.first_step = progress_.step;  // a resumed run appends to its metrics
+  info.first_step = progress_.step;  // a resumed run goes on in its metrics after this step
+  info.val_interval = tc.val_interval;
+  info.checkpoint_interval = config_.checkpoint.interval;
+  info.checkpoints = checkpointer_->enabled();
   observer.start(info);
   // Values, gradients, two AdamW moments, activation and scratch arenas.
   const auto arena_bytes = static_cast<int64_t>(counts.total * 4 * static_cast<int64_t>(sizeof(float)) +
                                                 static_cast<int64_t>(model_->activation_bytes()));
 
+  auto val_start = Clock::now();
   summary.val_loss_start = validate();
-  observer.validation(progress_.step, summary.val_loss_start);
+  observer.validation(progress_.step, summary.val_loss_start, seconds_since(val_start));
   summary.val_loss_end = summary.val_loss_start;
 
   const auto start = Clock::now();
@@ -340,20 +354,26 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
     if (on_step) on_step(stats);
     const bool last = step + 1 == tc.steps;
     if (last || (tc.val_interval > 0 && (step + 1) % tc.val_interval == 0)) {
+      val_start = Clock::now();
       summary.val_loss_end = validate();
-      observer.validation(step + 1, summary.val_loss_end);
+      const double seconds = seconds_since(val_start);
+      summary.validation_seconds += seconds;
+      observer.validation(step + 1, summary.val_loss_end, seconds);
     }
     if (after_step(stats, out)) break;  // checkpoints, NaN recovery, preemption
   }
+  collect_background_save(/*wait=*/true, out);  // the last save is on disk (or its error thrown) before the summary
   summary.seconds = seconds_since(start);
+  summary.checkpoint_seconds = checkpoint_pause_seconds_;
   backend_->sync_host_model();
   observer.finish({summary.steps, summary.tokens, summary.skipped_steps, summary.seconds, summary.val_loss_start,
-                   summary.val_loss_end, summary.train_loss_end});
+                   summary.val_loss_end, summary.train_loss_end, summary.validation_seconds,
+                   summary.checkpoint_seconds});
   fmt::print(out,
              "summary: steps={} tokens={} seconds={:.1f} val_loss_start={:.4f} val_loss_end={:.4f} "
-             "train_loss_end={:.4f} skipped_steps={}\n",
-             summary.steps, summary.tokens, summary.seconds, summary.val_loss_start,
-             summary.val_loss_end, summary.train_loss_end, summary.skipped_steps);
+             "train_loss_end={:.4f} skipped_steps={} validation_seconds={:.1f} checkpoint_seconds={:.1f}\n",
+             summary.steps, summary.tokens, summary.seconds, summary.val_loss_start, summary.val_loss_end,
+             summary.train_loss_end, summary.skipped_steps, summary.validation_seconds, summary.checkpoint_seconds);
   out.flush();
   return summary;
 }

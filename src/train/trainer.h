@@ -5,6 +5,7 @@
 #include <functional>
 #include <iosfwd>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "model/transformer.h"
@@ -27,6 +28,9 @@ struct TrainSummary {
   double val_loss_end = 0;
   double train_loss_end = 0;  // mean cross-entropy of the last step
   int64_t skipped_steps = 0;  // updates skipped for a non-finite gradient
+  // Parts of `seconds`: validations after steps, and training held up by checkpoint saves.
+  double validation_seconds = 0;
+  double checkpoint_seconds = 0;
 };
 
 // One optimizer step's measurements.
@@ -132,8 +136,15 @@ class Trainer {
   // Called after every optimizer step (tests, metrics).
   std::function<void(const StepStats&)> on_step;
   // Checkpoints and faults (src/train/checkpoint_trainer.cpp). Continues from a checkpoint
-  // directory: refuses another model shape, warns on other config differences.
-  void resume(const std::string& path, std::ostream& out);
+  // directory: refuses another model shape, warns on other config differences; the run
+  // takes over the checkpoint's run id (src/train/run_dirs.h).
+  // A checkpoint.dir holding later checkpoints than the resumed one (another timeline) is
+  // refused, or with `discard_later` they are deleted before step 1.
+  void resume(const std::string& path, std::ostream& out, bool discard_later = false);
+  // --resume found no checkpoint: the run starts at step 0 but continues the run whose
+  // files metrics.dir holds (its metrics start over).
+  void continue_run();
+  const std::string& run_id() const { return run_id_; }
   void save_checkpoint(std::ostream& out);
   const TrainProgress& progress() const { return progress_; }
   int64_t micro_batch() const { return micro_batch_; }  // after the memory controller
@@ -158,6 +169,22 @@ class Trainer {
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<FaultMonitor> monitor_;
   int64_t furthest_step_ = 0, reloads_without_progress_ = 0;
+  // The run's identity and whether this session continues it (src/train/run_dirs.h).
+  std::string run_id_;
+  bool resumed_ = false;
+  std::optional<int64_t> discard_after_;  // resume(..., discard_later): checkpoints after this step go
+  // Before step 1 (rank 0 decides, every rank stops): the output folders belong to this
+  // run (run_dirs.h); then a discarded timeline's checkpoints go, and metrics.dir gets
+  // run.json and config.toml.
+  void prepare_run_dirs(std::ostream& out);
+  // run()'s observer while it runs (checkpoint lines and records go through it), else null.
+  Observer* observer_ = nullptr;
+  double checkpoint_pause_seconds_ = 0;   // training held up by saves in this run()
+  std::optional<CheckpointSave> background_save_;  // queued by checkpoint.async, not yet reported written
+  // A checkpoint line (and record) through the observer, or onto `out` outside run().
+  void report_checkpoint(const CheckpointSave& save, std::ostream& out);
+  // Reports a background save that has finished; with `wait`, waits for one in flight.
+  void collect_background_save(bool wait, std::ostream& out);
   // Plans the model's arenas, halving the micro-batch while it does not fit.
   void plan_batches();
   // The GPU path (src/train/trainer_gpu.cpp): whether training.device asks for it, and
@@ -186,7 +213,7 @@ class Trainer {
   // backend's shards and the GPU.
   void restore_from(const LoadedCheckpoint& checkpoint);
   // This rank's checkpoint writer is done and, with several ranks, so is rank 0's.
-  void wait_for_saved_checkpoints();
+  void wait_for_saved_checkpoints(std::ostream& out);
   // After each step: fault handling, checkpoints, preemption. True: stop the run.
   bool after_step(const StepStats& stats, std::ostream& out);
   void reload_after_faults(const StepStats& stats, std::ostream& out);

@@ -33,6 +33,7 @@ inline void run_tcp_ranks(int world_size, const std::function<void(std::unique_p
         env.local_rank = rank;
         env.master_addr = "127.0.0.1";
         env.master_port = port;
+        env.rendezvous_port = port;
         env.source = "torchrun";
         std::unique_ptr<Communicator> world = make_tcp_world(env);
         body(world, rank);

@@ -66,6 +66,28 @@ TEST(LaunchEnv, TorchrunStyle) {
   EXPECT_EQ(env.master_port, 1234);
 }
 
+// torchrun's agent keeps its TCPStore on MASTER_PORT while the workers run: our rendezvous
+// goes to the next port; MOE_RENDEZVOUS_PORT names another; `moe launch` (no
+// TORCHELASTIC_RUN_ID) keeps MASTER_PORT, which it reserved for us.
+TEST(LaunchEnv, RendezvousPortBesideTorchrunsStore) {
+  std::map<std::string, std::string> vars = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                                             {"MASTER_PORT", "29500"}};
+  LaunchEnv env = parse_launch_env(vars);
+  EXPECT_FALSE(env.torchelastic);
+  EXPECT_EQ(env.rendezvous_port, 29500);
+  vars["TORCHELASTIC_RUN_ID"] = "none";
+  env = parse_launch_env(vars);
+  EXPECT_TRUE(env.torchelastic);
+  EXPECT_EQ(env.master_port, 29500);
+  EXPECT_EQ(env.rendezvous_port, 29501);
+  vars["MASTER_PORT"] = "65535";
+  EXPECT_EQ(parse_launch_env(vars).rendezvous_port, 65534);
+  vars["MOE_RENDEZVOUS_PORT"] = "4321";
+  EXPECT_EQ(parse_launch_env(vars).rendezvous_port, 4321);
+  vars["MOE_RENDEZVOUS_PORT"] = "0";
+  EXPECT_THROW(parse_launch_env(vars), ConfigError);
+}
+
 TEST(LaunchEnv, TorchrunVariablesWinOverSlurmOnes) {
   // `moe launch` started by srun: the workers' own RANK counts, not the launcher's task id.
   const LaunchEnv env = parse_launch_env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}, {"RANK", "1"},
@@ -114,6 +136,8 @@ TEST(LaunchEnv, InconsistentValuesAreOneLineErrors) {
                 {"SLURM_NNODES", "2"}},
                "not a multiple");
   expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}, "MASTER_PORT 70000");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MOE_RENDEZVOUS_PORT", "x"}}, "MOE_RENDEZVOUS_PORT='x' is not an integer");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MOE_RENDEZVOUS_PORT", "70000"}}, "MOE_RENDEZVOUS_PORT 70000");
 }
 
 }  // namespace

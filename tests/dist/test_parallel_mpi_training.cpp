@@ -275,6 +275,7 @@ TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
     const RunResult whole = train_parallel(config);
     ASSERT_EQ(whole.loss.size(), 8u);
     ASSERT_TRUE(std::filesystem::exists(dir / "step_00000004" / "COMPLETE"));
+    config.checkpoint.dir = (dir / "resumed").string();  // dir holds step 8: resuming step 4 there is refused
     const RunResult resumed = train_parallel(config, (dir / "step_00000004").string());
     ASSERT_EQ(resumed.loss.size(), 4u);
     EXPECT_EQ(resumed.loss, std::vector<double>(whole.loss.begin() + 4, whole.loss.end()));

@@ -137,6 +137,50 @@ TEST(Console, PlainLinesKeepTheirFormat) {
   EXPECT_NE(more.find("\n      phases (ms): attention 1.5 | experts 4.2\n"), std::string::npos) << more;
 }
 
+// Validations and checkpoint saves take time: tok/s is the interval's tokens over its
+// wall time, and the ETA adds the validations and saves still due at their mean times.
+TEST(Console, ThroughputAndEtaCountValidationAndCheckpointTime) {
+  std::ostringstream out;
+  ConsoleSink console(out, 1, /*progress_bar=*/false);
+  console.set_schedule(/*val_interval=*/2, /*checkpoint_interval=*/2, /*checkpoints=*/true);
+  auto step = [&](int64_t s) {
+    StepMetrics m = with(s, {1, 1}, 0, 0);  // 1 s per step
+    m.steps = 4;
+    m.tokens = 200;
+    console.step(m);
+  };
+  auto eta_of = [](const std::string& line) { return line.substr(line.rfind("eta ") + 4); };
+  auto tok_s_of = [](const std::string& line) {
+    const auto at = line.find("tok/s ") + 6;
+    return line.substr(at, line.find(' ', at) - at);
+  };
+  auto last_line = [&] {
+    std::string text = out.str();
+    text.pop_back();
+    return text.substr(text.rfind('\n') + 1);
+  };
+  console.validation_done(0, 2.0);  // before step 1: not training time, but its mean counts
+  step(1);
+  // 3 steps x 1 s + validations at steps 2 and 4 x 2 s; no save measured yet.
+  EXPECT_EQ(eta_of(last_line()), "0m07s");
+  EXPECT_EQ(tok_s_of(last_line()), "200");
+  step(2);
+  EXPECT_EQ(eta_of(last_line()), "0m06s");  // 2 steps + validations at 2 and 4
+  console.validation_done(2, 2.0);
+  console.checkpoint_done(2, 5.0);
+  step(3);
+  // 200 tokens over 2 s validating + 5 s saving + 1 s stepping; left: step 4 (1 s), its
+  // validation (2 s) and its save (5 s).
+  EXPECT_EQ(tok_s_of(last_line()), "25");
+  EXPECT_EQ(eta_of(last_line()), "0m08s");
+  EXPECT_NEAR(console.eta(), 8.0, 1e-12);
+  step(4);
+  EXPECT_EQ(eta_of(last_line()), "0m07s");  // the last validation and save are still to come
+  console.validation_done(4, 2.0);
+  console.checkpoint_done(4, 5.0);
+  EXPECT_EQ(console.eta(), 0.0);
+}
+
 TEST(Console, ProgressBarOnATerminal) {
   std::ostringstream out;
   ConsoleSink console(out, 100, /*progress_bar=*/true);

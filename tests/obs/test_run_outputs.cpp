@@ -204,5 +204,74 @@ TEST(RunOutputs, ResumedRunAppendsToTheJsonl) {
   std::filesystem::remove_all(dir);
 }
 
+// A run that goes on after step k (from its checkpoint) first drops what it will write
+// again: every step and validation is recorded once, in the JSONL file and in the one
+// TensorBoard event file left, with the resumed timeline's values.
+TEST(RunOutputs, AResumedRunRecordsEveryStepOnce) {
+  const auto dir = test::scratch_dir("resumed");
+  MetricsConfig config;
+  config.dir = dir.string();
+  // Steps first..last with losses offset + step, validations at first and every 3 steps
+  // (val_loss 10 + offset + step), checkpoints every 2 steps.
+  auto session = [&](int64_t first, int64_t last, double offset) {
+    std::ostringstream out;
+    Observer observer(config, out, {});
+    RunInfo info;
+    info.steps = 6;
+    info.first_step = first;
+    observer.start(info);
+    observer.validation(first, 10 + offset + first, 0.5);
+    for (int64_t s = first + 1; s <= last; ++s) {
+      StepMetrics m;
+      m.step = s;
+      m.steps = 6;
+      m.loss = offset + s;
+      observer.step(m);
+      if (s % 3 == 0) observer.validation(s, 10 + offset + s, 0.5);
+      if (s % 2 == 0) observer.checkpoint({s, "ckpt", 0.25, false, true, 1000, 0.5});
+    }
+    RunEnd end;
+    end.steps = last;
+    observer.finish(end);
+  };
+  session(0, 6, 0);    // the first timeline
+  session(3, 6, 100);  // resumed from its checkpoint of step 3; other values tell the timelines apart
+  const auto all = read_jsonl((dir / "metrics.jsonl").string());
+  std::map<std::string, std::vector<std::pair<int64_t, double>>> seen;  // type -> (step, value)
+  for (const auto& r : all) {
+    const std::string type = r["type"];
+    if (type == "step") seen[type].push_back({r["step"], r["loss"]});
+    if (type == "val") seen[type].push_back({r["step"], r["val_loss"]});
+    if (type == "checkpoint") seen[type].push_back({r["step"], 0});
+    if (type == "run") seen[type].push_back({r["first_step"], 0});
+    if (type == "summary") seen[type].push_back({r["steps"], 0});
+  }
+  using Points = std::vector<std::pair<int64_t, double>>;
+  EXPECT_EQ(seen["step"], (Points{{1, 1}, {2, 2}, {3, 3}, {4, 104}, {5, 105}, {6, 106}}));
+  EXPECT_EQ(seen["val"], (Points{{0, 10}, {3, 113}, {6, 116}}));
+  EXPECT_EQ(seen["checkpoint"], (Points{{2, 0}, {4, 0}, {6, 0}}));
+  EXPECT_EQ(seen["run"], (Points{{0, 0}, {3, 0}}));
+  EXPECT_EQ(seen["summary"], (Points{{6, 0}}));  // the first timeline's went with its steps 4..6
+
+  std::vector<fs::path> event_files;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.path().filename().string().find("tfevents") != std::string::npos) event_files.push_back(entry.path());
+  ASSERT_EQ(event_files.size(), 1u);
+  const std::string script = (fs::path(__FILE__).parent_path() / "read_events.py").string();
+  const auto r = test::run_command(test::python() + " " + script + " " + event_files[0].string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto tb = nlohmann::json::parse(r.output.substr(r.output.find('{')));
+  std::map<std::string, Points> scalars;
+  for (const auto& s : tb["scalars"])
+    if (s[0] == "train/loss" || s[0] == "val/loss") scalars[s[0]].push_back({s[1], s[2]});
+  for (auto& [tag, points] : scalars) std::sort(points.begin(), points.end());
+  EXPECT_EQ(scalars["train/loss"], (Points{{1, 1}, {2, 2}, {3, 3}, {4, 104}, {5, 105}, {6, 106}}));
+  EXPECT_EQ(scalars["val/loss"], (Points{{0, 10}, {3, 113}, {6, 116}}));
+  // file_version, SessionLog START, 3 steps + 1 validation carried over, then 3 steps and
+  // 2 validations.
+  EXPECT_EQ(tb["events"], 2 + 4 + 5);
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace moe

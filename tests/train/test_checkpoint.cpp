@@ -156,7 +156,7 @@ TEST_F(Checkpoint, KeepsTheExpertPlacement) {
   test::LookBackTask data(config.model.vocab_size, config.model.seq_len, 1);
   CheckpointSnapshot snapshot = capture_checkpoint(config, model, optimizer, data, TrainProgress{3});
   snapshot.expert_placement = R"({"ep_size":2,"experts_of_rank":[[[1,0],[2,3]]]})";
-  const fs::path path = write_checkpoint(dir_ / "ckpt", snapshot, 1);
+  const fs::path path = write_checkpoint(dir_ / "ckpt", snapshot, 1).path;
   EXPECT_EQ(read_checkpoint(path).expert_placement, snapshot.expert_placement);
 }
 
@@ -184,6 +184,27 @@ TEST_F(Checkpoint, HalfWrittenCheckpointsAreNeverPicked) {
   EXPECT_FALSE(fs::exists(ckpt / ".tmp.step_00000004.999"));
   EXPECT_EQ(latest_checkpoint(ckpt), ckpt / "step_00000005");
   EXPECT_FALSE(latest_checkpoint(dir_ / "missing"));
+}
+
+// A save below later checkpoints (a resumed run's, should any remain) never prunes the
+// checkpoint it has just written: the oldest of the others goes.
+TEST_F(Checkpoint, TheCheckpointJustWrittenIsNeverPruned) {
+  RunConfig config = test::tiny_config();
+  auto trainer = test::make_trainer(config);
+  AdamW optimizer(config.optimizer, trainer->model().params());
+  test::ResumableTask data(16, 8, 1);
+  auto write = [&](int64_t step) {
+    TrainProgress progress;
+    progress.step = step;
+    return write_checkpoint(dir_ / "ckpt", capture_checkpoint(config, trainer->model(), optimizer, data, progress), 3);
+  };
+  for (int64_t step : {6, 7, 8}) write(step);
+  const CheckpointWrite written = write(4);
+  EXPECT_TRUE(fs::exists(written.path / "COMPLETE"));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir_ / "ckpt")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000004", "step_00000007", "step_00000008"}));
 }
 
 TEST_F(Checkpoint, CorruptedAndForeignFilesAreRefused) {

@@ -195,6 +195,40 @@ TEST_F(ResumeBinary, StopAtThenResumeAutoMatchesOneRun) {
   EXPECT_NE(missing.output().find("no such checkpoint directory"), std::string::npos) << missing.output();
 }
 
+// Resuming an older checkpoint below later ones (another timeline) is refused on one line,
+// exit 2, and nothing is touched; --discard-newer-checkpoints deletes them before step 1,
+// and the new timeline's saves stay.
+TEST_F(ResumeBinary, AnOlderCheckpointBelowLaterOnesIsRefusedOrDiscarded) {
+  const fs::path config = test::write_binary_run(dir_, 6);  // a checkpoint every step
+  const fs::path ckpt = dir_ / "ckpt";
+  test::Child full({"train", "-c", config.string(), "--checkpoint.keep_last=10"});
+  ASSERT_EQ(full.wait(), 0) << full.output();
+  const std::string older = "--resume=" + (ckpt / "step_00000003").string();
+  test::Child refused({"train", "-c", config.string(), older});
+  EXPECT_EQ(WEXITSTATUS(refused.wait()), 2) << refused.output();
+  EXPECT_NE(refused.output().find("holds later checkpoints (step_00000004 ... step_00000006): going on from step 3 "
+                                  "would mix two timelines; add --discard-newer-checkpoints"),
+            std::string::npos)
+      << refused.output();
+  EXPECT_EQ(latest_checkpoint(ckpt), ckpt / "step_00000006");
+  test::Child discarded(
+      {"train", "-c", config.string(), older, "--discard-newer-checkpoints", "--training.stop_at=4"});
+  ASSERT_EQ(discarded.wait(), 0) << discarded.output();
+  EXPECT_NE(discarded.output().find(
+                "resume: deleted 3 later checkpoints of the discarded timeline (step_00000004 ... step_00000006)"),
+            std::string::npos)
+      << discarded.output();
+  // keep_last = 2: the new step 4 and the resumed step 3 stay.
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(ckpt)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step_00000003", "step_00000004"}));
+  test::Child alone({"train", "-c", config.string(), "--discard-newer-checkpoints"});
+  EXPECT_EQ(WEXITSTATUS(alone.wait()), 2) << alone.output();
+  EXPECT_NE(alone.output().find("--discard-newer-checkpoints goes with --resume"), std::string::npos)
+      << alone.output();
+}
+
 // SIGTERM or SIGINT: the step finishes, a checkpoint is saved, exit 0, and a resume
 // continues from it.
 TEST_F(ResumeBinary, StopSignalFinishesTheStepSavesAndExitsZero) {

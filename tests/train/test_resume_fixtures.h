@@ -10,6 +10,7 @@
 #include <map>
 #include <sstream>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -93,8 +94,11 @@ class TempDirTest : public ::testing::Test {
   void SetUp() override {
     set_num_threads(1);  // tiny matmuls: threads only add contention when ctest runs in parallel
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           ("moe_ckpt_" + std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name());
+    // Parameterized tests are named "Prefix/Suite.Name/0": one directory, not a tree
+    // whose parents would stay behind.
+    std::string name = std::string(info->test_suite_name()) + "_" + info->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir_ = std::filesystem::temp_directory_path() / ("moe_ckpt_" + std::to_string(::getpid()) + "_" + name);
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }

@@ -207,7 +207,7 @@ std::unique_ptr<Communicator> make_nccl_world(const LaunchEnv& env) {
     } else {
       const std::string mine = env.rank == 0 ? std::string(reinterpret_cast<const char*>(&id), sizeof id) : "";
       const auto entries =
-          rendezvous_all_gather(env.master_addr, env.master_port, env.rank, env.world_size, "nccl-id", mine);
+          rendezvous_all_gather(env.master_addr, env.rendezvous_port, env.rank, env.world_size, "nccl-id", mine);
       MOE_CHECK(entries[0].payload.size() == sizeof id, "rendezvous: rank 0 sent a {}-byte NCCL id",
                 entries[0].payload.size());
       std::memcpy(&id, entries[0].payload.data(), sizeof id);
