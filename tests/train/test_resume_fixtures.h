@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <map>
 #include <sstream>
@@ -93,8 +94,11 @@ class TempDirTest : public ::testing::Test {
   void SetUp() override {
     set_num_threads(1);  // tiny matmuls: threads only add contention when ctest runs in parallel
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           ("moe_ckpt_" + std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name());
+    // Parameterised tests are named "Prefix/Suite" and "Test/0": one directory level, so
+    // that TearDown removes all of it.
+    std::string name = "moe_ckpt_" + std::to_string(::getpid()) + "_" + info->test_suite_name() + "_" + info->name();
+    std::replace(name.begin(), name.end(), '/', '_');
+    dir_ = std::filesystem::temp_directory_path() / name;
     std::filesystem::remove_all(dir_);
     std::filesystem::create_directories(dir_);
   }
