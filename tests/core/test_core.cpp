@@ -105,6 +105,17 @@ TEST(Rng, KeyedByNameAndIndexOnly) {
   EXPECT_NEAR(sum_sq / n, 1.0, 0.01);
 }
 
+// Philox4x32-10's known-answer vectors (Random123's kat_vectors): the generator is the
+// standard one, all ten rounds of it.
+TEST(Rng, Philox4x32KnownAnswers) {
+  using Words = std::array<uint32_t, 4>;
+  EXPECT_EQ(philox4x32({0, 0, 0, 0}, {0, 0}), (Words{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}));
+  EXPECT_EQ(philox4x32({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, {0xffffffffu, 0xffffffffu}),
+            (Words{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}));
+  EXPECT_EQ(philox4x32({0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, {0xa4093822u, 0x299f31d0u}),
+            (Words{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}));
+}
+
 TEST(Rng, FillIndependentOfThreadCount) {
   std::vector<float> one(5000), two(5000);
   set_num_threads(1);

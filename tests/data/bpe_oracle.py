@@ -59,6 +59,11 @@ def encode(args):
 
 
 def tiktoken_encode(args):
+    import os
+
+    # An empty cache directory turns off tiktoken's cache, which would otherwise keep a copy
+    # of every rank file it loads in $TMPDIR/data-gym-cache (one per test run).
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 

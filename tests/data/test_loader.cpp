@@ -173,6 +173,29 @@ TEST(Loader, CorpusSmallerThanOneSequenceWraps) {
   EXPECT_EQ(stream, expected);
 }
 
+// Rank r of N reads sequences k * N + r of the one-rank stream: the ranks' reads are
+// disjoint and together are that stream, across epoch boundaries too.
+TEST(Loader, RanksReadInterleavedSequencesOfTheOneStream) {
+  TokenizedDocuments docs = make_docs({13, 2, 40, 0, 7, 21});
+  PackedLoader whole(docs, kEos, 10, 4, true);
+  std::vector<Batch> sequences;
+  for (int i = 0; i < 12; ++i) sequences.push_back(next(whole, 1));  // 120 tokens: over one epoch (89)
+  for (int64_t rank = 0; rank < 3; ++rank) {
+    PackedLoader mine(docs, kEos, 10, 4, true, rank, 3);
+    for (int i = 0; i < 2; ++i) {
+      const Batch two = next(mine, 2);  // sequences (2i) * 3 + rank and (2i + 1) * 3 + rank
+      for (int b = 0; b < 2; ++b) {
+        const Batch& want = sequences[static_cast<size_t>((2 * i + b) * 3 + rank)];
+        EXPECT_TRUE(std::equal(want.inputs.begin(), want.inputs.end(), two.inputs.begin() + b * 10))
+            << "rank " << rank << " batch " << i << " row " << b;
+        EXPECT_TRUE(std::equal(want.targets.begin(), want.targets.end(), two.targets.begin() + b * 10))
+            << "rank " << rank << " batch " << i << " row " << b;
+      }
+    }
+    EXPECT_EQ(mine.state(), whole.state());  // the position is the stream's, the same on every rank
+  }
+}
+
 TEST(Loader, RejectsEmptyCorpus) {
   TokenizedDocuments none;
   EXPECT_THROW(PackedLoader(none, kEos, 8, 1, true), Error);

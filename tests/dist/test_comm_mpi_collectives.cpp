@@ -133,10 +133,29 @@ TEST(Collectives, AllToAllVRaggedAndZeroCounts) {
   for (int salt = 0; salt < 6; ++salt) check_all_to_all_v(world(), salt);
 }
 
+// Nothing to send anywhere (null buffers included): it completes on every rank, writes
+// nothing, and the ranks stay in step (the next collective pairs with the next one, as
+// a rank that skipped or half-issued the exchange would not).
 TEST(Collectives, AllToAllVAllZero) {
   Communicator& comm = world();
-  std::vector<int64_t> zeros(comm.size(), 0);
-  comm.all_to_all_v(nullptr, zeros, nullptr, zeros, DType::f64);
+  const int P = comm.size();
+  std::vector<int64_t> zeros(P, 0);
+  EXPECT_NO_THROW(comm.all_to_all_v(nullptr, zeros, nullptr, zeros, DType::f64));
+  const std::vector<double> send(4, 1.0);
+  std::vector<double> recv(4, -7.0);
+  EXPECT_NO_THROW(comm.all_to_all_v(send.data(), zeros, recv.data(), zeros, DType::f64));
+  EXPECT_EQ(recv, std::vector<double>(4, -7.0));
+  int64_t rank_sum = comm.rank() + 1;
+  comm.all_reduce(&rank_sum, 1, DType::i64, ReduceOp::sum);
+  EXPECT_EQ(rank_sum, static_cast<int64_t>(P) * (P + 1) / 2);
+  // Then a non-empty exchange still pairs up: rank r sends r to rank r + 1 only.
+  std::vector<int64_t> send_counts(P, 0), recv_counts(P, 0);
+  send_counts[(comm.rank() + 1) % P] = 1;
+  recv_counts[(comm.rank() + P - 1) % P] = 1;
+  const double mine = comm.rank();
+  double got = -1;
+  comm.all_to_all_v(&mine, send_counts, &got, recv_counts, DType::f64);
+  EXPECT_EQ(got, static_cast<double>((comm.rank() + P - 1) % P));
 }
 
 TEST(Collectives, AllToAllVWrongNumberOfCountsIsAnError) {

@@ -14,9 +14,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -125,14 +127,52 @@ void expect_same_on_every_rank(const std::vector<float>& params) {
   EXPECT_EQ(differ, 0u) << "rank " << world.rank() << " holds other parameters than rank 0";
 }
 
+// The first step whose routing differs from the reference's (tokens kept per expert or
+// dropped, in any layer), or the number of steps when none does.
+size_t first_routing_difference(const RunResult& got, const RunResult& want) {
+  const size_t steps = std::min(got.stats.size(), want.stats.size());
+  for (size_t i = 0; i < steps; ++i) {
+    const auto& a = got.stats[i].layers;
+    const auto& b = want.stats[i].layers;
+    if (a.size() != b.size()) return i;
+    for (size_t l = 0; l < a.size(); ++l)
+      if (a[l].tokens_E != b[l].tokens_E || a[l].dropped != b[l].dropped) return i;
+  }
+  return steps;
+}
+
+template <class T>
+std::vector<T> first_n(const std::vector<T>& values, size_t n) {
+  return {values.begin(), values.begin() + static_cast<std::ptrdiff_t>(std::min(n, values.size()))};
+}
+
+// Runs that route the same must agree to rounding; once a router score crosses a top-k or
+// capacity boundary (rounding differences grow over the steps: a discrete event a
+// legitimate change of summation order can move, seen after ~20 steps) the runs part, so
+// the comparison stops at that step. A real mistake shows from the first steps: routing
+// must agree for at least kStepsRoutedAlike of them.
+constexpr size_t kStepsRoutedAlike = 10;
+
 void expect_matches_reference(const RunConfig& config, const RunResult& got) {
   expect_same_on_every_rank(got.params);
   if (parallel_world()->rank() != 0) return;
   const RunResult& want = reference(config);
-  expect_close(got.loss, want.loss, 1e-5, "loss");
-  expect_close(got.aux, want.aux, 1e-5, "aux loss");
-  expect_close(got.grad_norm, want.grad_norm, 1e-4, "grad norm");
-  EXPECT_EQ(got.dropped, want.dropped);
+  ASSERT_EQ(got.loss.size(), want.loss.size());
+  const size_t alike = first_routing_difference(got, want);
+  EXPECT_GE(alike, std::min(kStepsRoutedAlike, want.loss.size())) << "routing differs at step " << alike + 1;
+  expect_close(first_n(got.loss, alike), first_n(want.loss, alike), 1e-5, "loss");
+  expect_close(first_n(got.aux, alike), first_n(want.aux, alike), 1e-5, "aux loss");
+  expect_close(first_n(got.grad_norm, alike), first_n(want.grad_norm, alike), 1e-4, "grad norm");
+  EXPECT_EQ(first_n(got.dropped, alike), first_n(want.dropped, alike));
+  // The runs learned something (ln 16 = 2.77 at the start): a comparison of runs that do
+  // nothing would prove little.
+  auto mean = [](auto first, auto last) { return std::accumulate(first, last, 0.0) / static_cast<double>(last - first); };
+  EXPECT_LT(mean(want.loss.end() - 5, want.loss.end()), mean(want.loss.begin(), want.loss.begin() + 5) - 0.03);
+  if (alike < want.loss.size()) {
+    std::cout << "note: routing parts from the one-process run at step " << alike + 1 << " of " << want.loss.size()
+              << "; later steps and the final weights are not compared\n";
+    return;
+  }
   EXPECT_NEAR(got.val_loss_end, want.val_loss_end, 1e-5 * want.val_loss_end);
   ASSERT_EQ(got.params.size(), want.params.size());
   double worst = 0;
@@ -142,10 +182,6 @@ void expect_matches_reference(const RunConfig& config, const RunResult& got) {
     if (err > worst) worst = err, worst_at = i;
   }
   EXPECT_LT(worst, 2e-4) << "parameter " << worst_at << ": " << got.params[worst_at] << " vs " << want.params[worst_at];
-  // The runs learned something (ln 16 = 2.77 at the start): a comparison of runs that do
-  // nothing would prove little.
-  auto mean = [](auto first, auto last) { return std::accumulate(first, last, 0.0) / static_cast<double>(last - first); };
-  EXPECT_LT(mean(want.loss.end() - 5, want.loss.end()), mean(want.loss.begin(), want.loss.begin() + 5) - 0.03);
 }
 
 TEST(ParallelTraining, DataParallelZero1MatchesOneProcess) {
@@ -203,7 +239,7 @@ TEST(ParallelTraining, ExpertClippingAndBiasBalancing) {
   for (int64_t ep : {1, 2}) {
     SCOPED_TRACE("expert_parallel " + std::to_string(ep));
     RunConfig config = tiny_config();
-    config.training.expert_grad_clip = 0.05;
+    config.training.expert_grad_clip = 0.02;  // expert norms are 0.006-0.034 here: it fires for some
     config.model.moe.bias_balancing = true;
     config.model.moe.score_func = ScoreFunc::Sigmoid;
     config.parallel.expert_parallel = ep;
@@ -304,6 +340,127 @@ TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
     }
     world.barrier();
     if (world.rank() == 0) std::filesystem::remove_all(dir);
+  }
+}
+
+// Known answers of one step on the ranks (the comparisons above hold only where clipping,
+// entropy or the bias update change something).
+std::unique_ptr<Trainer> make_trainer(const RunConfig& config, std::unique_ptr<dist::Communicator> world) {
+  const auto& m = config.model;
+  return std::make_unique<Trainer>(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
+                                   std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2), std::move(world));
+}
+
+std::unique_ptr<Trainer> parallel_trainer(const RunConfig& config) {
+  auto& world = *parallel_world();
+  return make_trainer(config, world.split(0, world.rank()));
+}
+
+// Per-expert clipping over the ranks, sharded (EP 1: an expert's elements may lie on
+// several ranks) and expert-parallel (EP 2, 4), with a threshold that clips about half
+// of the experts: the step's norm after clipping is the one worked out from the one-process
+// run's unclipped gradients, each expert of norm n > c scaled by c / (n + 1e-6).
+TEST(ParallelTraining, ExpertClippingMatchesHandComputedNorms) {
+  RunConfig config = tiny_config();
+  config.training.grad_clip = 0;
+  config.training.expert_grad_clip = 0;
+  RunConfig single = config;
+  single.training.micro_batch *= parallel_world()->size();
+  single.parallel = ParallelConfig{};
+  auto one = make_trainer(single, dist::make_single_communicator());
+  one->train_step(0);
+  auto& params = one->model().params();
+  double dense_sq = 0;
+  std::map<std::string, std::vector<double>> expert_sq;  // expert group -> per expert
+  for (int id = 0; id < params.size(); ++id) {
+    const ParamSpec& spec = params.spec(id);
+    const int64_t n = params.numel(id), E = spec.expert_group.empty() ? 1 : spec.shape[0];
+    auto& sums = expert_sq[spec.expert_group];
+    sums.resize(static_cast<size_t>(E), 0.0);
+    for (int64_t i = 0; i < n; ++i) sums[static_cast<size_t>(i / (n / E))] += double(params.grad(id)[i]) * params.grad(id)[i];
+  }
+  dense_sq = expert_sq[""][0];
+  expert_sq.erase("");
+  std::vector<double> norms;
+  for (const auto& [group, sums] : expert_sq)
+    for (double sq : sums) norms.push_back(std::sqrt(sq));
+  ASSERT_EQ(norms.size(), 8u);  // 2 MoE layers x 4 experts
+  std::vector<double> sorted = norms;
+  std::sort(sorted.begin(), sorted.end());
+  const double clip = (sorted[3] + sorted[4]) / 2;
+  // Between the norms and their squares (all below 1), so comparing squares would clip none.
+  ASSERT_LT(sorted.back(), std::sqrt(clip));
+  double clipped_sq = dense_sq, unclipped_sq = dense_sq;
+  for (double n : norms) {
+    const double kept = n > clip ? n * (clip / (n + 1e-6)) : n;
+    clipped_sq += kept * kept;
+    unclipped_sq += n * n;
+  }
+  for (int64_t ep : {1, 2, 4}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    config.parallel.expert_parallel = ep;
+    config.training.expert_grad_clip = 0;
+    const StepStats unclipped = parallel_trainer(config)->train_step(0);
+    EXPECT_NEAR(unclipped.grad_norm, std::sqrt(unclipped_sq), 1e-5 * std::sqrt(unclipped_sq));
+    EXPECT_NEAR(unclipped.max_expert_grad_norm, sorted.back(), 1e-5 * sorted.back());
+    config.training.expert_grad_clip = clip;
+    const StepStats clipped = parallel_trainer(config)->train_step(0);
+    EXPECT_NEAR(clipped.max_expert_grad_norm, sorted.back(), 1e-5 * sorted.back());  // before clipping
+    // What clipping took off the squared norm: the clipped experts' part, known to ~1e-6.
+    const double removed = unclipped_sq - clipped_sq;
+    ASSERT_GT(removed, 1e-3 * unclipped_sq);
+    EXPECT_NEAR(unclipped.grad_norm * unclipped.grad_norm - clipped.grad_norm * clipped.grad_norm, removed,
+                1e-3 * removed);
+  }
+}
+
+// Zero router weights: uniform scores, so every layer's router entropy is log E per token
+// over the global batch; and two evaluations of the same weights read the same sequences.
+TEST(ParallelTraining, UniformRouterEntropyAndRepeatableValidation) {
+  for (int64_t ep : {1, 2}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    RunConfig config = tiny_config();
+    config.parallel.expert_parallel = ep;
+    auto trainer = parallel_trainer(config);
+    auto& params = trainer->model().params();
+    for (int id = 0; id < params.size(); ++id)
+      if (params.spec(id).name.find(".router.") != std::string::npos)
+        std::fill(params.value(id), params.value(id) + params.numel(id), 0.0f);
+    const StepStats stats = trainer->train_step(0);
+    ASSERT_EQ(stats.layers.size(), 2u);
+    for (const LayerRouting& layer : stats.layers) EXPECT_NEAR(layer.router_entropy, std::log(4.0), 1e-12);
+    const double val = trainer->validate();
+    EXPECT_EQ(trainer->validate(), val);
+  }
+}
+
+// Bias balancing over the ranks: after a step every rank's bias moved by the update rate
+// towards the mean of the step's global load (dropless: the tokens kept per expert).
+TEST(ParallelTraining, BalancingBiasFollowsTheGlobalLoad) {
+  for (int64_t ep : {1, 2}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    RunConfig config = tiny_config();
+    config.parallel.expert_parallel = ep;
+    config.model.moe.bias_balancing = true;
+    config.model.moe.bias_update_rate = 0.125;
+    auto trainer = parallel_trainer(config);
+    const StepStats stats = trainer->train_step(0);
+    const auto layers = trainer->model().moe_layers();
+    ASSERT_EQ(layers.size(), stats.layers.size());
+    int moved = 0;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      int64_t total = 0;
+      for (int64_t load : stats.layers[i].tokens_E) total += load;
+      EXPECT_EQ(total, config.training.global_batch_tokens * 2);  // top-2
+      std::vector<float> want;
+      for (int64_t load : stats.layers[i].tokens_E) {
+        const int64_t diff = total - 4 * load;  // sign of (mean - load)
+        want.push_back(diff > 0 ? 0.125f : diff < 0 ? -0.125f : 0.0f);
+        moved += diff != 0;
+      }
+      EXPECT_EQ(layers[i]->balance_bias_E(), want) << "layer " << i << " on rank " << parallel_world()->rank();
+    }
+    EXPECT_GT(moved, 0);
   }
 }
 

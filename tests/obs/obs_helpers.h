@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -21,8 +22,9 @@ namespace moe::test {
 
 inline std::filesystem::path scratch_dir(const std::string& tag) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  auto dir = std::filesystem::temp_directory_path() /
-             ("moe_obs_" + tag + "_" + std::to_string(::getpid()) + "_" + info->name());
+  std::string name = "moe_obs_" + tag + "_" + std::to_string(::getpid()) + "_" + info->name();
+  std::replace(name.begin(), name.end(), '/', '_');  // parameterised tests: "Test/0" (one level, removable)
+  auto dir = std::filesystem::temp_directory_path() / name;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;

@@ -20,18 +20,17 @@ namespace {
 namespace fs = std::filesystem;
 
 TEST(TensorBoard, Crc32cAndFraming) {
-  // The CRC-32C check value of "123456789" (RFC 3720, B.4).
+  // The CRC-32C check values of "123456789" (RFC 3720, B.4) and "abc".
   EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc32c("abc", 3), 0x364B3FB7u);
+  // TFRecord's mask, ((crc >> 15) | (crc << 17)) + 0xa282ead8, worked by hand:
+  // 0xE3069283 rotated right by 15 is 0x2507C60D; plus 0xA282EAD8 is 0xC78AB0E5.
+  EXPECT_EQ(masked_crc32c("123456789", 9), 0xC78AB0E5u);
+  // The whole record of "abc": length 3 (u64 LE), masked CRC of those 8 bytes, the data,
+  // masked CRC of the data. Bytes from the PyPI tensorboard package's own masked_crc32c.
   const std::string record = frame_record("abc");
-  ASSERT_EQ(record.size(), 8u + 4u + 3u + 4u);
-  uint64_t length = 0;
-  std::memcpy(&length, record.data(), 8);
-  EXPECT_EQ(length, 3u);
-  uint32_t crc = 0;
-  std::memcpy(&crc, record.data() + 8, 4);
-  EXPECT_EQ(crc, masked_crc32c(record.data(), 8));
-  std::memcpy(&crc, record.data() + 15, 4);
-  EXPECT_EQ(crc, masked_crc32c("abc", 3));
+  EXPECT_EQ(record, std::string("\x03\x00\x00\x00\x00\x00\x00\x00\xb0\x99\x49\x0e"
+                                "abc\x6e\x57\xf1\x21", 19));
   // Event{wall_time=1.0 (field 1, fixed64), file_version=3 "brain.Event:2"}.
   const std::string event = encode_file_version_event(1.0);
   EXPECT_EQ(event.substr(0, 9), std::string("\x09\x00\x00\x00\x00\x00\x00\xf0\x3f", 9));
