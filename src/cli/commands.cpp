@@ -111,7 +111,7 @@ int run_train(const TrainOptions& options) {
   if (options.device) overrides.push_back("training.device=" + *options.device);
   if (options.threads) overrides.push_back("training.threads=" + std::to_string(*options.threads));
   RunConfig config = resolve_config(options.config_path, overrides);
-  const int threads = set_num_threads(static_cast<int>(config.training.threads));
+  const int threads = set_num_threads(threads_in_effect(config.training.threads, "training.threads", std::cout));
   if (options.thread_ranks) return run_thread_ranks(options, config, threads);
   if (options.thread_ranks_per_node) MOE_CONFIG_ERROR("--thread-ranks-per-node goes with --thread-ranks");
   TextData data = load_text_data(config, threads);

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "core/threads.h"
 #include "data/tokenizer.h"
 
 namespace moe {
@@ -308,7 +309,9 @@ void check_training(const RunConfig& c) {
   // TOML integers are signed 64-bit; a larger seed could not be written back.
   if (t.seed > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
     fail({"training.seed"}, fmt::format("training.seed must be at most 2^63-1, got {}", t.seed));
-  non_negative("training.threads", t.threads);
+  if (t.threads < 0 || t.threads > kMaxThreads)
+    fail({"training.threads"}, fmt::format("training.threads must be between 0 (all cores) and {}, got {}",
+                                           kMaxThreads, t.threads));
   one_of("training.device", t.device, {"auto", "cpu", "cuda"});
   non_negative_real("training.grad_clip", t.grad_clip);
   non_negative_real("training.expert_grad_clip", t.expert_grad_clip);

@@ -169,6 +169,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"training.global_batch_tokens=1000", {"training.global_batch_tokens", "nearest valid: 2048"}},
       {"training.global_batch_tokens=0", {"training.global_batch_tokens"}},
       {"training.threads=-1", {"training.threads"}},
+      {"training.threads=1025", {"training.threads must be between 0 (all cores) and 1024, got 1025"}},
       {"training.device=tpu", {"training.device", "auto, cpu, cuda", "\"tpu\""}},
       {"training.grad_clip=-1", {"training.grad_clip"}},
       {"training.expert_grad_clip=-1", {"training.expert_grad_clip"}},

@@ -1,0 +1,53 @@
+// Careless and hostile input through the `moe` binary, as a new user would try it: each
+// is refused with a one-line error and exit code 2, or does the documented thing.
+#include <omp.h>
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include "cli/moe_process.h"
+
+namespace moe::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CliInput : public CliTempDir {
+ protected:
+  void SetUp() override {
+    CliTempDir::SetUp();
+    fs::create_directories(dir_ / "text" / "sub");
+    for (int i = 0; i < 40; ++i)
+      std::ofstream(dir_ / "text" / (i % 2 ? "sub" : "") / ("doc" + std::to_string(i) + ".txt"))
+          << "Document " << i << ": the quick brown fox jumps over the lazy dog. " << std::string(50, 'a' + i % 26);
+    std::ofstream(dir_ / "tiny.toml") << "[model]\ndim = 16\nn_layers = 1\nn_heads = 2\nn_kv_heads = 1\nseq_len = 32\n"
+                                      << "[moe]\nn_experts = 4\nexpert_hidden = 16\n"
+                                      << "[training]\nsteps = 2\nglobal_batch_tokens = 128\nmicro_batch = 2\n"
+                                      << "val_batches = 1\n"
+                                      << "[data]\ndir = \"" << p("text") << "\"\nval_fraction = 0.2\n";
+  }
+  std::string train(const std::string& extra) const { return "train --config " + p("tiny.toml") + " " + extra; }
+};
+
+// --threads 100000 crashed inside OpenMP; now refused. Above the cores it is lowered to
+// the core count with a warning (results do not depend on the thread count).
+TEST_F(CliInput, ThreadCountIsBounded) {
+  expect_one_line_error(run_moe(train("--threads 100000")), 2,
+                        {"command line", "training.threads must be between 0 (all cores) and 1024, got 100000"});
+  expect_one_line_error(run_moe("tokenize --tokenizer byte --input " + p("text") + " --output " + p("shards") +
+                                " --threads 5000 --no-progress"),
+                        2, {"--threads must be between 0 (all cores) and 1024, got 5000"});
+  EXPECT_FALSE(fs::exists(dir_ / "shards"));
+  const int cores = omp_get_num_procs();
+  if (cores >= 1024) GTEST_SKIP() << "this machine has 1024 cores or more";
+  const MoeResult r = run_moe(train("--threads 1024"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: training.threads = 1024 is more than the " + std::to_string(cores) +
+                          " cores; using " + std::to_string(cores) + "\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("| threads " + std::to_string(cores) + "\n"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace moe::test
