@@ -49,5 +49,13 @@ TEST_F(CliInput, ThreadCountIsBounded) {
   EXPECT_NE(r.output.find("| threads " + std::to_string(cores) + "\n"), std::string::npos) << r.output;
 }
 
+// model.n_layers = 1000000 hung for minutes before; every shape key has a bound.
+TEST_F(CliInput, ModelShapesAreBounded) {
+  expect_one_line_error(run_moe(train("--model.n_layers=1000000"), 30), 2,
+                        {"command line", "model.n_layers must be at most 1024, got 1000000"});
+  expect_one_line_error(run_moe(train("--moe.n_experts=1000000"), 30), 2,
+                        {"moe.n_experts must be at most 65536, got 1000000"});
+}
+
 }  // namespace
 }  // namespace moe::test
