@@ -57,5 +57,26 @@ TEST_F(CliInput, ModelShapesAreBounded) {
                         {"moe.n_experts must be at most 65536, got 1000000"});
 }
 
+// `--output out/` names the folder out; it used to fail and leave a hidden half-export
+// inside out/ that made every rerun refuse out/ as not empty.
+TEST_F(CliInput, ExportToAFolderWithATrailingSlash) {
+  const MoeResult run = run_moe(train("--checkpoint.dir=" + p("ckpt")));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::string checkpoint = p("ckpt/step_00000002");
+  fs::create_directories(dir_ / "empty");
+  for (const std::string folder : {"new", "empty"}) {  // to be created, or there and empty
+    const MoeResult r = run_moe("export --allow-inexact --checkpoint " + checkpoint + " --output " + p(folder) + "/");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(fs::exists(dir_ / folder / "model.safetensors"));
+    EXPECT_TRUE(fs::exists(dir_ / folder / "config.json"));
+    for (const fs::path& where : {dir_, dir_ / folder})
+      for (const auto& entry : fs::directory_iterator(where))
+        EXPECT_NE(entry.path().filename().string()[0], '.') << "left behind: " << entry.path();
+  }
+  // A second export there is refused: the folder is not empty.
+  expect_one_line_error(run_moe("export --allow-inexact --checkpoint " + checkpoint + " --output " + p("new") + "/"), 2,
+                        {"exists and is not an empty directory"});
+}
+
 }  // namespace
 }  // namespace moe::test
