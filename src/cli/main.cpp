@@ -121,7 +121,9 @@ int main(int argc, char** argv) {
   tok_train_cmd->add_option("--input", tok_train.input.paths, "Text files, directories or .jsonl files")->required();
   tok_train_cmd->add_option("--output", tok_train.output, "tokenizer.json to write")->required();
   tok_train_cmd->add_option("--pattern", tok_train.pattern, "Pre-tokeniser: gpt2 | llama3 | qwen2")->default_val("llama3");
-  tok_train_cmd->add_option("--special", tok_train.specials, "Special tokens, the first is EOS")->default_val("<|endoftext|>");
+  tok_train_cmd->add_option("--special", tok_train.specials,
+                            "Special tokens (repeat the option); the first ends documents (docs/TOKENIZER.md)")
+      ->default_val("<|endoftext|>");
   tok_train_cmd->add_option("--extension", tok_train.input.extension, "In directories, only files ending with this");
   tok_train_cmd->add_option("--text-field", tok_train.input.text_field, "JSONL field holding the text")->default_val("text");
   tok_train_cmd->add_option("--threads", tok_train.threads, "Threads, 0 (all cores) ..= 1024")->default_val(0);

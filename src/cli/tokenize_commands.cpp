@@ -18,7 +18,7 @@ int run_tokenizer_train(const TokenizerTrainOptions& options) {
   if (!pattern) MOE_CONFIG_ERROR("--pattern must be one of gpt2, llama3, qwen2, got '{}'", options.pattern);
   if (options.vocab_size <= 0 || options.vocab_size > (int64_t{1} << 31) - 1)
     MOE_CONFIG_ERROR("--vocab-size must be in [1, 2^31), got {}", options.vocab_size);
-  if (options.specials.empty()) MOE_CONFIG_ERROR("--special: at least one special token (the EOS) is needed");
+  check_specials(options.specials);
   const auto start = std::chrono::steady_clock::now();
   std::vector<Document> docs = read_all_inputs(options.input);
   std::vector<std::string_view> texts;

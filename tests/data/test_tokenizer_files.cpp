@@ -1,4 +1,4 @@
-// Hostile tokenizer files and the end-of-text token `moe tokenizer train` records.
+// Hostile tokenizer files, and which special token ends documents.
 // Ids are bounded and checked (a stray id of 500000000 made the loader allocate ~16 GB;
 // 2^32 + k was truncated to k and overwrote that token); each bad file is a one-line
 // ConfigError naming the file and the id.
@@ -109,6 +109,52 @@ TEST_F(TokenizerFiles, TiktokenRanksAreBounded) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("ranks.tiktoken:3: rank is not an integer in [0, 8)"), std::string::npos)
         << e.what();
+  }
+}
+
+// `moe tokenizer train --special "<my_eos>"`: the first --special ends documents. It gets
+// the lowest id, and the loaders take the special token with the lowest id when none has a
+// usual end-of-text name, so `moe tokenize` and `moe train` accept what the trainer wrote
+// (they refused it before). An order the loaders would read differently is refused.
+TEST_F(TokenizerFiles, TheFirstSpecialEndsDocuments) {
+  EXPECT_EQ(make_tokenizer(write(trained({"<my_eos>"}), "mine.json"))->eos_id(), 0);
+  EXPECT_EQ(make_tokenizer(write(trained({"<my_eos>", "<pad>"}), "two.json"))->eos_id(), 0);
+  EXPECT_EQ(make_tokenizer(write(trained({"<|endoftext|>", "<pad>"}), "usual.json"))->eos_id(), 0);
+  // A usual name anywhere wins over the lowest id (files written elsewhere: Llama-3's
+  // <|begin_of_text|> comes before <|end_of_text|>).
+  json llama = trained({"<|begin_of_text|>"});
+  llama["added_tokens"].push_back({{"id", 280}, {"content", "<|end_of_text|>"}, {"special", true}});
+  EXPECT_EQ(make_tokenizer(write(llama, "llama.json"))->eos_id(), 280);
+  // No special token at all: refused, saying what is needed.
+  json plain = trained();
+  for (auto& t : plain["added_tokens"]) t["special"] = false;
+  try {
+    make_tokenizer(write(plain, "plain.json"));
+    ADD_FAILURE() << "no special token, but loaded";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no end-of-text token: a special added token is needed"), std::string::npos)
+        << e.what();
+  }
+  // Refused up front: the loaders would end documents with another token, a repeat, "".
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"<pad>", "<|endoftext|>"}, "the first special token ('<pad>') ends documents, but readers of the tokenizer "
+                                   "take '<|endoftext|>' (a usual end-of-text name) instead; give '<|endoftext|>' first"},
+      {{"</s>", "<|endoftext|>"}, "take '<|endoftext|>'"},
+      {{"<e>", "<e>"}, "--special: '<e>' is given twice"},
+      {{""}, "cannot be empty"},
+      {{}, "at least one special token"},
+  };
+  for (const auto& [specials, message] : refused) {
+    try {
+      check_specials(specials);
+      ADD_FAILURE() << "accepted: " << message;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+    BpeTrainOptions options;
+    options.vocab_size = 300;
+    options.specials = specials;
+    EXPECT_THROW(train_bpe({}, options), ConfigError);
   }
 }
 
