@@ -78,5 +78,25 @@ TEST_F(CliInput, ExportToAFolderWithATrailingSlash) {
                         {"exists and is not an empty directory"});
 }
 
+// A document that cannot be read: exit 2 and the reason, not exit 1 or a silent skip.
+// (As root permission bits do not stop reading: a broken symlink and an EIO read.)
+TEST_F(CliInput, UnreadableCorpusFilesAreNamedWithTheReason) {
+  fs::create_symlink(p("nowhere"), dir_ / "text" / "sub" / "broken.txt");
+  expect_one_line_error(run_moe(train("")), 2,
+                        {"data.dir", p("text/sub/broken.txt"), "No such file or directory"});
+  fs::remove(dir_ / "text" / "sub" / "broken.txt");
+  fs::create_symlink("/proc/self/mem", dir_ / "text" / "mem.txt");
+  std::ifstream probe("/proc/self/mem", std::ios::binary);
+  char byte;
+  if (probe && !probe.read(&byte, 1))
+    expect_one_line_error(run_moe(train("")), 2, {p("text/mem.txt"), "cannot be read: Input/output error"});
+  fs::remove(dir_ / "text" / "mem.txt");
+  // A FIFO given as input is refused at once instead of blocking on its open.
+  ASSERT_EQ(::mkfifo(p("fifo.txt").c_str(), 0600), 0);
+  expect_one_line_error(run_moe("tokenize --tokenizer byte --input " + p("fifo.txt") + " --output " + p("shards") +
+                                " --no-progress"),
+                        2, {p("fifo.txt"), "is not a regular file or a directory"});
+}
+
 }  // namespace
 }  // namespace moe::test
