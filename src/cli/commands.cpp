@@ -125,7 +125,7 @@ int run_train(const TrainOptions& options) {
   if (options.discard_newer_checkpoints && !options.resume)
     MOE_CONFIG_ERROR("--discard-newer-checkpoints goes with --resume");
   RunConfig config = resolve_config(options.config_path, overrides);
-  const int threads = set_num_threads(static_cast<int>(config.training.threads));
+  const int threads = set_num_threads(threads_in_effect(config.training.threads, "training.threads", std::cout));
   if (options.thread_ranks) return run_thread_ranks(options, config, threads);
   if (options.thread_ranks_per_node) MOE_CONFIG_ERROR("--thread-ranks-per-node goes with --thread-ranks");
   TextData data = load_text_data(config, threads);

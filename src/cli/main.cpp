@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
       ->required()
       ->check(CLI::ExistingFile);
   train_cmd->add_option("--device", train.device, "auto | cpu | cuda (overrides training.device)");
-  train_cmd->add_option("--threads", train.threads, "CPU threads (overrides training.threads; 0 = all)");
+  train_cmd->add_option("--threads", train.threads, "CPU threads, 0 (all cores) ..= 1024; above the cores: the core count (overrides training.threads)");
   train_cmd->add_option("--dashboard", train.dashboard_port,
                         "Serve a live dashboard on this port of 127.0.0.1 while training (0: a free port)")
       ->check(CLI::Range(0, 65535));
@@ -124,10 +124,12 @@ int main(int argc, char** argv) {
   tok_train_cmd->add_option("--input", tok_train.input.paths, "Text files, directories or .jsonl files")->required();
   tok_train_cmd->add_option("--output", tok_train.output, "tokenizer.json to write")->required();
   tok_train_cmd->add_option("--pattern", tok_train.pattern, "Pre-tokeniser: gpt2 | llama3 | qwen2")->default_val("llama3");
-  tok_train_cmd->add_option("--special", tok_train.specials, "Special tokens, the first is EOS")->default_val("<|endoftext|>");
+  tok_train_cmd->add_option("--special", tok_train.specials,
+                            "Special tokens (repeat the option); the first ends documents (docs/TOKENIZER.md)")
+      ->default_val("<|endoftext|>");
   tok_train_cmd->add_option("--extension", tok_train.input.extension, "In directories, only files ending with this");
   tok_train_cmd->add_option("--text-field", tok_train.input.text_field, "JSONL field holding the text")->default_val("text");
-  tok_train_cmd->add_option("--threads", tok_train.threads, "Threads (0 = all)")->default_val(0);
+  tok_train_cmd->add_option("--threads", tok_train.threads, "Threads, 0 (all cores) ..= 1024")->default_val(0);
 
   moe::TokenizerBenchOptions tok_bench;
   CLI::App* tok_bench_cmd = tokenizer_cmd->add_subcommand("bench", "Measure encode throughput on text in memory");
@@ -147,7 +149,7 @@ int main(int argc, char** argv) {
   tokenize_cmd->add_option("--output", tokenize.tokenize.output_dir, "Folder for train_*.bin (and val_*.bin)")->required();
   tokenize_cmd->add_option("--text-field", tokenize.tokenize.input.text_field, "JSONL field holding the text")->default_val("text");
   tokenize_cmd->add_option("--extension", tokenize.tokenize.input.extension, "In directories, only files ending with this");
-  tokenize_cmd->add_option("--threads", tokenize.tokenize.threads, "Threads (0 = all)")->default_val(0);
+  tokenize_cmd->add_option("--threads", tokenize.tokenize.threads, "Threads, 0 (all cores) ..= 1024")->default_val(0);
   tokenize_cmd->add_option("--shard-tokens", tokenize.tokenize.shard_tokens, "Start a new shard after this many tokens")
       ->default_val(tokenize.tokenize.shard_tokens);
   tokenize_cmd->add_option("--val-fraction", tokenize.tokenize.val_fraction,

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iostream>
 
 #include "core/error.h"
+#include "core/threads.h"
 #include "data/bpe_train.h"
 
 namespace moe {
@@ -16,7 +18,7 @@ int run_tokenizer_train(const TokenizerTrainOptions& options) {
   if (!pattern) MOE_CONFIG_ERROR("--pattern must be one of gpt2, llama3, qwen2, got '{}'", options.pattern);
   if (options.vocab_size <= 0 || options.vocab_size > (int64_t{1} << 31) - 1)
     MOE_CONFIG_ERROR("--vocab-size must be in [1, 2^31), got {}", options.vocab_size);
-  if (options.specials.empty()) MOE_CONFIG_ERROR("--special: at least one special token (the EOS) is needed");
+  check_specials(options.specials);
   const auto start = std::chrono::steady_clock::now();
   std::vector<Document> docs = read_all_inputs(options.input);
   std::vector<std::string_view> texts;
@@ -26,7 +28,7 @@ int run_tokenizer_train(const TokenizerTrainOptions& options) {
   train.vocab_size = options.vocab_size;
   train.pattern = *pattern;
   train.specials = options.specials;
-  train.threads = options.threads;
+  train.threads = threads_in_effect(options.threads, "--threads", std::cerr);
   BpeModel model = train_bpe(texts, train);
   save_hf_tokenizer(model, options.output);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -37,8 +39,10 @@ int run_tokenizer_train(const TokenizerTrainOptions& options) {
 }
 
 int run_tokenize(const TokenizeCommandOptions& options) {
+  TokenizeOptions tokenize = options.tokenize;
+  tokenize.threads = threads_in_effect(tokenize.threads, "--threads", std::cerr);
   std::unique_ptr<Tokenizer> tokenizer = make_tokenizer(options.tokenizer);
-  TokenizeStats stats = tokenize_to_shards(*tokenizer, options.tokenize);
+  TokenizeStats stats = tokenize_to_shards(*tokenizer, tokenize);
   fmt::print("tokenize: {} docs, {:.1f} MB -> {} tokens in {} shards ({} ids) | {:.1f} s, {:.1f} MB/s -> {}\n",
              stats.docs, static_cast<double>(stats.bytes) / 1e6, stats.tokens, stats.shards,
              tokenizer->vocab_size() <= 65536 ? "uint16" : "uint32", stats.seconds,
@@ -48,6 +52,7 @@ int run_tokenize(const TokenizeCommandOptions& options) {
 
 int run_tokenizer_bench(const TokenizerBenchOptions& options) {
   if (options.threads <= 0 || options.repeats <= 0) MOE_CONFIG_ERROR("--threads and --repeats must be positive");
+  check_thread_count(options.threads, "--threads");  // a bench measures what it is asked: not lowered to the cores
   if (!(options.min_pass_mb >= 0 && options.min_pass_mb <= 1e6))
     MOE_CONFIG_ERROR("--min-pass-mb must be in [0, 1e6], got {}", options.min_pass_mb);
   std::unique_ptr<Tokenizer> tokenizer = make_tokenizer(options.tokenizer);

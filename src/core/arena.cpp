@@ -1,9 +1,15 @@
 #include "core/arena.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
 namespace moe {
+namespace {
+std::atomic<size_t> capacity_cap{0};
+}  // namespace
+
+void Arena::set_capacity_cap_for_testing(size_t bytes) { capacity_cap = bytes; }
 
 void Arena::FreeDeleter::operator()(char* p) const { std::free(p); }
 
@@ -16,8 +22,10 @@ Arena Arena::measuring(std::string name) {
 Arena::Arena(std::string name, size_t capacity_bytes) : name_(std::move(name)) {
   capacity_ = (capacity_bytes + kAlignment - 1) / kAlignment * kAlignment;
   if (capacity_ == 0) capacity_ = kAlignment;
-  char* p = static_cast<char*>(std::aligned_alloc(kAlignment, capacity_));
-  MOE_CHECK(p != nullptr, "arena '{}': cannot allocate {} bytes", name_, capacity_);
+  const size_t cap = capacity_cap;
+  char* p = cap > 0 && capacity_ > cap ? nullptr : static_cast<char*>(std::aligned_alloc(kAlignment, capacity_));
+  if (p == nullptr)
+    throw OutOfMemory(fmt::format("arena '{}': cannot allocate {:.1f} MB", name_, static_cast<double>(capacity_) / 1e6));
   std::memset(p, 0, capacity_);
   storage_.reset(p);
   base_ = p;

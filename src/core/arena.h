@@ -16,8 +16,11 @@ class Arena {
 
   // A measuring arena: hands out null views and records how many bytes a plan needs.
   static Arena measuring(std::string name);
-  // A real arena of `capacity_bytes`, zero-filled.
+  // A real arena of `capacity_bytes`, zero-filled. Throws moe::OutOfMemory when the block
+  // cannot be allocated (the batch controller then halves the micro-batch).
   Arena(std::string name, size_t capacity_bytes);
+  // Tests: real arenas over `bytes` fail as if out of memory (0: no cap). Process-wide.
+  static void set_capacity_cap_for_testing(size_t bytes);
   Arena(Arena&&) noexcept = default;
   Arena& operator=(Arena&&) noexcept = default;
 

@@ -22,6 +22,13 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
+// A host allocation that did not fit (an arena's block): the batch controller catches it
+// and retries with a smaller micro-batch.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 // Throws moe::Error with the printf-formatted message and "(file:line)".

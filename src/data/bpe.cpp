@@ -216,14 +216,21 @@ BpeTokenizer::BpeTokenizer(BpeModel model, std::string name)
   for (const AddedToken& t : model_.added)
     if (!t.special && t.content.find('\n') < t.content.size() - 1) cuttable_ = false;
 
-  for (std::string_view name : {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>"}) {
-    for (const AddedToken& t : model_.added)
-      if (t.special && t.content == name && eos_ < 0) eos_ = t.id;
-  }
+  eos_ = find_end_of_text(model_.added);
+}
+
+int32_t find_end_of_text(const std::vector<AddedToken>& added) {
+  for (std::string_view name : {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>"})
+    for (const AddedToken& t : added)
+      if (t.special && t.content == name) return t.id;
+  int32_t lowest = -1;
+  for (const AddedToken& t : added)
+    if (t.special && (lowest < 0 || t.id < lowest)) lowest = t.id;
+  return lowest;
 }
 
 int32_t BpeTokenizer::eos_id() const {
-  if (eos_ < 0) MOE_THROW("tokenizer '{}' has no end-of-text special token (<|endoftext|>, <|end_of_text|>, </s>, <eos>, <|im_end|>)", name_);
+  if (eos_ < 0) MOE_THROW("tokenizer '{}' has no special token to end documents", name_);
   return eos_;
 }
 

@@ -95,6 +95,12 @@ class BpeTokenizer final : public Tokenizer {
   bool cuttable_ = false;  // find_cuts may cut (see there)
 };
 
+// The token that ends documents among `added`: the first special token with a usual
+// end-of-text name, in the order <|endoftext|>, <|end_of_text|>, </s>, <eos>, <|im_end|>;
+// else the special token with the lowest id (`moe tokenizer train` gives its first
+// --special the lowest id). -1 when no token is special.
+int32_t find_end_of_text(const std::vector<AddedToken>& added);
+
 // Loads a tokenizer.json (BPE model with a byte-level pre-tokenizer). Throws ConfigError
 // naming the file and what is missing or unsupported.
 BpeModel load_hf_tokenizer(const std::string& path);

@@ -1,9 +1,12 @@
 // tokenizer.json and tiktoken rank files <-> BpeModel.
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -69,22 +72,49 @@ BpeModel load_hf_tokenizer(const std::string& path) {
 
     BpeModel model;
     model.ignore_merges = m.value("ignore_merges", false);
+    if (!m.contains("vocab") || !m["vocab"].is_object()) fail("model.vocab is missing or not an object");
+    const bool has_added = root.contains("added_tokens") && root["added_tokens"].is_array();
+    // Ids must be integers below twice the number of tokens the file lists (gaps are
+    // allowed, up to that): the vocabulary is allocated up to the largest id, so one
+    // stray id must not cost gigabytes, and an id must never be truncated to another.
+    const size_t listed = m["vocab"].size() + (has_added ? root["added_tokens"].size() : 0);
+    const int64_t id_limit = std::min<int64_t>(2 * static_cast<int64_t>(listed), std::numeric_limits<int32_t>::max());
+    auto id_of = [&](const json& value, const std::string& what) -> int32_t {
+      const bool in_range = value.is_number_unsigned()  ? value.get<uint64_t>() < static_cast<uint64_t>(id_limit)
+                            : value.is_number_integer() ? value.get<int64_t>() >= 0 && value.get<int64_t>() < id_limit
+                                                        : false;
+      if (!in_range)
+        fail(fmt::format("{} has id {}: ids must be integers in [0, {}) (below twice the {} tokens the file lists)",
+                         what, value.dump(), id_limit, listed));
+      return static_cast<int32_t>(value.get<int64_t>());
+    };
     std::map<int32_t, AddedToken> added;
-    if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
+    if (has_added) {
       for (const json& t : root["added_tokens"]) {
+        const std::string content = t.at("content").get<std::string>();
         if (t.value("lstrip", false) || t.value("rstrip", false) || t.value("single_word", false))
-          fail("unsupported: added token '" + t.at("content").get<std::string>() + "' uses lstrip, rstrip or single_word");
-        AddedToken a{t.at("content").get<std::string>(), t.at("id").get<int32_t>(), t.value("special", false)};
-        added[a.id] = a;
+          fail("unsupported: added token '" + content + "' uses lstrip, rstrip or single_word");
+        AddedToken a{content, id_of(t.at("id"), "added token '" + content + "'"), t.value("special", false)};
+        if (auto [it, fresh] = added.emplace(a.id, a); !fresh)
+          fail(fmt::format("added tokens '{}' and '{}' have the same id {}", it->second.content, content, a.id));
       }
     }
-    if (!m.contains("vocab") || !m["vocab"].is_object()) fail("model.vocab is missing or not an object");
     std::string bytes;
+    std::vector<bool> taken;  // vocab ids seen so far
     for (const auto& [token, id_json] : m["vocab"].items()) {
-      const auto id = id_json.get<int32_t>();
-      if (id < 0) fail("model.vocab: token '" + token + "' has a negative id");
-      if (static_cast<size_t>(id) >= model.vocab.size()) model.vocab.resize(static_cast<size_t>(id) + 1);
-      if (added.count(id)) continue;
+      const int32_t id = id_of(id_json, "model.vocab: token '" + token + "'");
+      if (static_cast<size_t>(id) >= model.vocab.size()) {
+        model.vocab.resize(static_cast<size_t>(id) + 1);
+        taken.resize(static_cast<size_t>(id) + 1);
+      }
+      if (taken[id]) fail(fmt::format("model.vocab: token '{}' has id {}, as another token does", token, id));
+      taken[id] = true;
+      if (auto it = added.find(id); it != added.end()) {  // listed twice, as GPT-2's <|endoftext|>: the same token
+        if (it->second.content != token)
+          fail(fmt::format("model.vocab: token '{}' has id {}, which added token '{}' has", token, id,
+                           it->second.content));
+        continue;
+      }
       if (!unmap_byte_level(token, bytes))
         fail("model.vocab: token '" + token + "' (id " + std::to_string(id) + ") is not byte-level (not a GPT-2 style byte-level BPE)");
       model.vocab[id] = bytes;
@@ -194,6 +224,10 @@ BpeModel load_tiktoken(const std::string& path, PretokPattern pattern, const std
   model.pattern = pattern;
   model.byte_level_regex = false;
   model.tiktoken_ranks = true;
+  // As for tokenizer.json: ranks below twice the lines of the file, so that one stray rank
+  // cannot make the vocabulary allocation huge.
+  const int64_t lines = std::count(text.begin(), text.end(), '\n') + 1;
+  const int64_t rank_limit = std::min<int64_t>(2 * lines, (int64_t{1} << 31) - 1024);
   std::istringstream in(text);
   std::string line;
   int64_t line_no = 0;
@@ -222,7 +256,8 @@ BpeModel load_tiktoken(const std::string& path, PretokPattern pattern, const std
       if (used != line.size() - space - 1) rank = -1;
     } catch (const std::exception&) {
     }
-    if (rank < 0 || rank >= (int64_t{1} << 31) - 1024) bad("rank is not an integer in [0, 2^31 - 1024)");
+    if (rank < 0 || rank >= rank_limit)
+      bad(fmt::format("rank is not an integer in [0, {}) (below twice the lines of the file)", rank_limit).c_str());
     if (bytes.empty()) bad("empty token");
     if (!seen.emplace(bytes, rank).second) bad("token listed twice");
     if (static_cast<size_t>(rank) >= model.vocab.size()) model.vocab.resize(static_cast<size_t>(rank) + 1);

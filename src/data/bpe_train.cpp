@@ -48,12 +48,28 @@ std::vector<std::pair<std::string, int64_t>> count_pieces(std::span<const std::s
 
 }  // namespace
 
+void check_specials(const std::vector<std::string>& specials) {
+  if (specials.empty()) MOE_CONFIG_ERROR("--special: at least one special token (the end-of-text token) is needed");
+  std::vector<AddedToken> added;  // with the ids train_bpe gives them
+  for (size_t i = 0; i < specials.size(); ++i) {
+    if (specials[i].empty()) MOE_CONFIG_ERROR("--special: a special token cannot be empty");
+    for (size_t j = 0; j < i; ++j)
+      if (specials[j] == specials[i]) MOE_CONFIG_ERROR("--special: '{}' is given twice", specials[i]);
+    added.push_back({specials[i], static_cast<int32_t>(i), true});
+  }
+  if (const int32_t eot = find_end_of_text(added); eot > 0)
+    MOE_CONFIG_ERROR("--special: the first special token ('{}') ends documents, but readers of the tokenizer take "
+                     "'{}' (a usual end-of-text name) instead; give '{}' first",
+                     specials[0], specials[static_cast<size_t>(eot)], specials[static_cast<size_t>(eot)]);
+}
+
 BpeModel train_bpe(std::span<const std::string_view> docs, const BpeTrainOptions& options) {
   const int threads = options.threads > 0 ? options.threads : omp_get_max_threads();
   const int64_t n_fixed = static_cast<int64_t>(options.specials.size()) + 256;
   if (options.vocab_size < n_fixed)
     MOE_CONFIG_ERROR("--vocab-size {} is too small: the {} special tokens and 256 bytes need {}", options.vocab_size,
                      options.specials.size(), n_fixed);
+  check_specials(options.specials);
   BpeModel model;
   model.pattern = options.pattern;
   model.byte_level_regex = options.pattern == PretokPattern::Gpt2;

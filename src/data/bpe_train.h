@@ -21,6 +21,11 @@ struct BpeTrainOptions {
   int threads = 0;            // 0: all
 };
 
+// The --special list of `moe tokenizer train`: at least one, none empty or repeated, and
+// the first is the one find_end_of_text (data/bpe.h) picks from the file, so the token
+// that ends documents is the first given. Throws ConfigError otherwise.
+void check_specials(const std::vector<std::string>& specials);
+
 // Deterministic: the result does not depend on the thread count. Stops short of
 // vocab_size when no pair is left to merge (tiny corpora).
 BpeModel train_bpe(std::span<const std::string_view> docs, const BpeTrainOptions& options);

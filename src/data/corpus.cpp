@@ -1,12 +1,12 @@
 #include "data/corpus.h"
 
+#include "data/file_util.h"
 #include "data/tokenize_files.h"
 
 #include <omp.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 
 #include "core/error.h"
@@ -30,35 +30,11 @@ std::vector<FileEntry> list_files(const DataConfig& config) {
   if (!fs::is_directory(root, ec)) MOE_CONFIG_ERROR("data.dir: '{}' is not a directory", config.dir);
 
   std::vector<FileEntry> files;
-  // Symlinked directories are not followed, so a link cycle cannot loop forever.
-  fs::recursive_directory_iterator it(root, fs::directory_options::skip_permission_denied, ec), end;
-  if (ec) MOE_CONFIG_ERROR("data.dir: cannot list '{}': {}", config.dir, ec.message());
-  for (; it != end; it.increment(ec)) {
-    if (ec) MOE_CONFIG_ERROR("data.dir: cannot list '{}': {}", config.dir, ec.message());
-    const fs::path& path = it->path();
-    std::string name = path.filename().string();
-    if (!name.ends_with(config.extension) || !it->is_regular_file(ec)) continue;
-    files.push_back({path.lexically_relative(root).generic_string(), path});
-  }
+  for (auto& [relative, path] : list_files_under(config.dir, config.extension, "data.dir"))
+    files.push_back({std::move(relative), fs::path(std::move(path))});
   if (files.empty())
     MOE_CONFIG_ERROR("data.dir: no files ending in '{}' under '{}' (data.extension)", config.extension, config.dir);
-  std::sort(files.begin(), files.end(),
-            [](const FileEntry& a, const FileEntry& b) { return a.relative_path < b.relative_path; });
   return files;
-}
-
-std::string read_file(const fs::path& path, int64_t limit) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) MOE_THROW("cannot open '{}'", path.string());
-  std::string text;
-  char buffer[1 << 16];
-  while (static_cast<int64_t>(text.size()) < limit) {
-    in.read(buffer, static_cast<std::streamsize>(std::min<int64_t>(sizeof(buffer), limit - text.size())));
-    text.append(buffer, static_cast<size_t>(in.gcount()));
-    if (in.gcount() == 0) break;
-  }
-  if (in.bad()) MOE_THROW("cannot read '{}'", path.string());
-  return text;
 }
 
 }  // namespace
@@ -75,7 +51,7 @@ CorpusSplit read_corpus(const DataConfig& config) {
   int64_t total = 0, n_docs = 0;
   for (const FileEntry& file : files) {
     if (total >= budget) break;
-    Document doc{file.relative_path, read_file(file.path, budget - total)};
+    Document doc{file.relative_path, read_file_prefix(file.path.string(), budget - total, "data.dir: document")};
     total += static_cast<int64_t>(doc.text.size());
     ++n_docs;
     auto& target = is_validation_document(doc.relative_path, config.val_fraction) ? split.validation : split.train;

@@ -1,6 +1,8 @@
 #include "data/inputs.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -18,17 +20,11 @@ InputReader::InputReader(InputOptions options) : options_(std::move(options)) {
     std::error_code ec;
     if (!fs::exists(path, ec)) MOE_CONFIG_ERROR("--input: '{}' does not exist", path);
     if (fs::is_directory(path, ec)) {
-      std::vector<std::pair<std::string, std::string>> found;  // (relative name, path)
-      for (auto it = fs::recursive_directory_iterator(path, fs::directory_options::skip_permission_denied, ec);
-           it != fs::recursive_directory_iterator(); it.increment(ec)) {
-        if (ec) MOE_CONFIG_ERROR("--input: cannot list '{}': {}", path, ec.message());
-        if (it->is_regular_file(ec) && it->path().filename().string().ends_with(options_.extension))
-          found.emplace_back(it->path().lexically_relative(path).generic_string(), it->path().string());
-      }
+      const auto found = list_files_under(path, options_.extension, "--input");  // (relative name, path)
       if (found.empty()) MOE_CONFIG_ERROR("--input: no files ending in '{}' under '{}'", options_.extension, path);
-      std::sort(found.begin(), found.end());
       for (auto& [name, file] : found) names_.push_back(name), files_.push_back(file);
     } else {
+      if (!fs::is_regular_file(path, ec)) MOE_CONFIG_ERROR("--input: '{}' is not a regular file or a directory", path);
       names_.push_back(path);
       files_.push_back(path);
     }
@@ -42,7 +38,7 @@ bool InputReader::next(std::vector<Document>& docs, int64_t max_bytes) {
   while (got < max_bytes && file_ < files_.size()) {
     const std::string& path = files_[file_];
     if (!path.ends_with(".jsonl")) {
-      Document doc{names_[file_], read_whole_file(path, "input")};
+      Document doc{names_[file_], read_whole_file(path, "--input:")};
       got += static_cast<int64_t>(doc.text.size());
       bytes_read_ += static_cast<int64_t>(doc.text.size());
       docs.push_back(std::move(doc));
@@ -51,7 +47,7 @@ bool InputReader::next(std::vector<Document>& docs, int64_t max_bytes) {
     }
     if (!jsonl_) {
       jsonl_ = std::make_unique<std::ifstream>(path, std::ios::binary);
-      if (!*jsonl_) MOE_CONFIG_ERROR("--input: cannot open '{}'", path);
+      if (!*jsonl_) MOE_CONFIG_ERROR("--input: '{}' cannot be opened: {}", path, std::strerror(errno));
       line_ = 0;
     }
     std::string line;
@@ -72,7 +68,7 @@ bool InputReader::next(std::vector<Document>& docs, int64_t max_bytes) {
       docs.push_back(std::move(doc));
     }
     if (got < max_bytes) {  // end of this file
-      if (jsonl_->bad()) MOE_THROW("cannot read '{}'", path);
+      if (jsonl_->bad()) MOE_CONFIG_ERROR("--input: '{}' cannot be read: {}", path, std::strerror(errno));
       jsonl_.reset();
       ++file_;
     }

@@ -54,7 +54,8 @@ std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec) {
   try {
     bpe->eos_id();
   } catch (const Error&) {
-    MOE_CONFIG_ERROR("{}: no end-of-text special token (<|endoftext|>, <|end_of_text|>, </s>, <eos> or <|im_end|>)", spec);
+    MOE_CONFIG_ERROR("{}: no end-of-text token: a special added token is needed (<|endoftext|>, <|end_of_text|>, </s>, "
+                     "<eos> or <|im_end|> is taken first, else the special token with the lowest id)", spec);
   }
   return bpe;
 }

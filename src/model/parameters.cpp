@@ -10,10 +10,11 @@ namespace moe {
 template <typename T>
 int ParameterStore<T>::add(ParamSpec spec) {
   MOE_CHECK(!allocated_, "parameter '{}' registered after allocation", spec.name);
-  MOE_CHECK(find(spec.name) < 0, "parameter '{}' registered twice", spec.name);
   MOE_CHECK(spec.shape.ndim >= 1, "parameter '{}' has no shape", spec.name);
+  const int id = static_cast<int>(specs_.size());
+  MOE_CHECK(ids_.emplace(spec.name, id).second, "parameter '{}' registered twice", spec.name);
   specs_.push_back(std::move(spec));
-  return static_cast<int>(specs_.size()) - 1;
+  return id;
 }
 
 template <typename T>
@@ -72,9 +73,8 @@ int64_t ParameterStore<T>::total_numel() const {
 
 template <typename T>
 int ParameterStore<T>::find(const std::string& name) const {
-  for (size_t i = 0; i < specs_.size(); ++i)
-    if (specs_[i].name == name) return static_cast<int>(i);
-  return -1;
+  const auto it = ids_.find(name);
+  return it == ids_.end() ? -1 : it->second;
 }
 
 template <typename T>

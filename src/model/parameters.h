@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/arena.h"
@@ -63,6 +64,7 @@ class ParameterStore {
   T* grads_ptr(int id) { return grads_.data() + offsets_[static_cast<size_t>(id)]; }
 
   std::vector<ParamSpec> specs_;
+  std::unordered_map<std::string, int> ids_;  // name -> id: registering N parameters is O(N), not O(N^2)
   std::vector<int64_t> offsets_;
   // One contiguous block each (ZeRO-1 and the multi-tensor optimizer want that). The
   // gradient block's pages are committed when first written: the GPU trainer never

@@ -39,6 +39,8 @@ BatchPlan fit_micro_batch(int64_t global_batch_tokens, int64_t seq_len, int64_t 
       return plan;
     } catch (const std::bad_alloc&) {
       halve("failed to allocate");
+    } catch (const OutOfMemory& e) {  // an arena's block (core/arena.h)
+      halve(fmt::format("failed to allocate ({})", e.what()));
     }
   }
 }

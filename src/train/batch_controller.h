@@ -18,7 +18,8 @@ struct BatchPlan {
 };
 
 // `bytes_for(batch)`: the planned bytes of a micro-batch of `batch` sequences.
-// `allocate(batch)`: plans it for real; may throw std::bad_alloc, which also halves.
+// `allocate(batch)`: plans it for real; may throw std::bad_alloc or moe::OutOfMemory,
+// which also halve.
 // Throws moe::Error when even the smallest micro-batch the global batch allows does not fit.
 BatchPlan fit_micro_batch(int64_t global_batch_tokens, int64_t seq_len, int64_t micro_batch, size_t limit_bytes,
                           const std::function<size_t(int64_t)>& bytes_for,

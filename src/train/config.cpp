@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "core/threads.h"
 #include "data/tokenizer.h"
 
 namespace moe {
@@ -222,6 +223,15 @@ void check_int(const char* key, int64_t v, int64_t lo, const char* what) {
 }
 void positive(const char* key, int64_t v) { check_int(key, v, 1, "a positive integer"); }
 void non_negative(const char* key, int64_t v) { check_int(key, v, 0, "an integer >= 0"); }
+// Shapes beyond these are typos (n_layers = 1000000), not models: refused before anything
+// is built from them. `lo` is 0 or 1.
+void in_range(const char* key, int64_t v, int64_t lo, int64_t hi) {
+  if (lo == 1) positive(key, v);
+  else non_negative(key, v);
+  if (v > hi) fail({key}, fmt::format("{} must be at most {}, got {}", key, hi, v));
+}
+constexpr int64_t kMaxDim = 65536, kMaxLayers = 1024, kMaxHeads = 1024, kMaxSeqLen = int64_t{1} << 20,
+                  kMaxHidden = int64_t{1} << 20, kMaxExperts = 65536, kMaxSharedExperts = 1024;
 
 // Real-valued rules are written so that NaN fails them too.
 void check_real(const char* key, double v, bool ok, const char* what) {
@@ -239,11 +249,11 @@ void check_model(const ModelConfig& m) {
   non_negative("model.vocab_size", m.vocab_size);
   if (m.vocab_size > std::numeric_limits<int32_t>::max())
     fail({"model.vocab_size"}, fmt::format("model.vocab_size must fit token ids in int32, got {}", m.vocab_size));
-  positive("model.dim", m.dim);
-  positive("model.n_layers", m.n_layers);
-  positive("model.n_heads", m.n_heads);
-  positive("model.n_kv_heads", m.n_kv_heads);
-  positive("model.seq_len", m.seq_len);
+  in_range("model.dim", m.dim, 1, kMaxDim);
+  in_range("model.n_layers", m.n_layers, 1, kMaxLayers);
+  in_range("model.n_heads", m.n_heads, 1, kMaxHeads);
+  in_range("model.n_kv_heads", m.n_kv_heads, 1, kMaxHeads);
+  in_range("model.seq_len", m.seq_len, 1, kMaxSeqLen);
   if (m.dim % m.n_heads != 0)
     fail({"model.dim", "model.n_heads"},
          fmt::format("model.dim ({}) must be divisible by model.n_heads ({})", m.dim, m.n_heads));
@@ -258,18 +268,18 @@ void check_model(const ModelConfig& m) {
     fail({"model.first_dense_layers", "model.n_layers"},
          fmt::format("model.first_dense_layers must be between 0 and model.n_layers ({}), got {}",
                      m.n_layers, m.first_dense_layers));
-  positive("model.dense_hidden", m.dense_hidden);
+  in_range("model.dense_hidden", m.dense_hidden, 1, kMaxHidden);
   positive_real("model.rope_theta", m.rope_theta);
   positive_real("model.norm_eps", m.norm_eps);
   positive_real("model.init_std", m.init_std);
 
   const MoEConfig& e = m.moe;
-  positive("moe.n_experts", e.n_experts);
+  in_range("moe.n_experts", e.n_experts, 1, kMaxExperts);
   if (e.top_k < 1 || e.top_k > e.n_experts)
     fail({"moe.top_k", "moe.n_experts"},
          fmt::format("moe.top_k must be between 1 and moe.n_experts ({}), got {}", e.n_experts, e.top_k));
-  positive("moe.expert_hidden", e.expert_hidden);
-  non_negative("moe.n_shared_experts", e.n_shared_experts);
+  in_range("moe.expert_hidden", e.expert_hidden, 1, kMaxHidden);
+  in_range("moe.n_shared_experts", e.n_shared_experts, 0, kMaxSharedExperts);
   positive_real("moe.temperature", e.temperature);
   non_negative_real("moe.capacity_factor", e.capacity_factor);
   non_negative_real("moe.aux_loss_coef", e.aux_loss_coef);
@@ -309,7 +319,9 @@ void check_training(const RunConfig& c) {
   // TOML integers are signed 64-bit; a larger seed could not be written back.
   if (t.seed > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
     fail({"training.seed"}, fmt::format("training.seed must be at most 2^63-1, got {}", t.seed));
-  non_negative("training.threads", t.threads);
+  if (t.threads < 0 || t.threads > kMaxThreads)
+    fail({"training.threads"}, fmt::format("training.threads must be between 0 (all cores) and {}, got {}",
+                                           kMaxThreads, t.threads));
   one_of("training.device", t.device, {"auto", "cpu", "cuda"});
   non_negative_real("training.grad_clip", t.grad_clip);
   non_negative_real("training.expert_grad_clip", t.expert_grad_clip);

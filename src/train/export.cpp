@@ -191,30 +191,43 @@ void export_checkpoint(const ExportOptions& options, std::ostream& out) {
   std::error_code ec;
   if (!fs::is_directory(options.checkpoint, ec))
     MOE_CONFIG_ERROR("--checkpoint {}: not a directory", options.checkpoint);
-  const fs::path output = fs::path(options.output).lexically_normal();
-  if (output.empty()) MOE_CONFIG_ERROR("--output must name a directory");
+  // Work on the absolute path without a trailing separator: "out/" names the folder "out"
+  // (its empty file name would put the temporary folder inside the destination).
+  fs::path output = fs::absolute(fs::path(options.output), ec).lexically_normal();
+  if (!output.has_filename() && output.has_relative_path()) output = output.parent_path();
+  if (options.output.empty() || !output.has_relative_path())
+    MOE_CONFIG_ERROR("--output must name a directory to create, got \"{}\"", options.output);
   if (fs::exists(output, ec) && !(fs::is_directory(output, ec) && fs::is_empty(output, ec)))
-    MOE_CONFIG_ERROR("--output {}: exists and is not an empty directory", output.string());
+    MOE_CONFIG_ERROR("--output {}: exists and is not an empty directory", options.output);
 
   const LoadedCheckpoint ckpt = read_checkpoint(options.checkpoint);
   check_representable(ckpt);
   const std::vector<HfTensor> tensors = mixtral_tensors(ckpt, options.allow_inexact, out);
 
-  // Build the folder beside its destination, then rename it into place.
-  const fs::path parent = output.has_parent_path() ? output.parent_path() : fs::path(".");
-  fs::create_directories(parent);
+  // Build the folder beside its destination, then rename it into place; on failure remove
+  // it, and the missing parent folders created for it, so a failed export leaves nothing.
+  const fs::path parent = output.parent_path();
+  fs::path first_created;  // the outermost parent folder that did not exist
+  for (fs::path p = parent; !fs::exists(p, ec) && p.has_relative_path(); p = p.parent_path()) first_created = p;
   const fs::path temp = parent / fmt::format(".{}.tmp.{}", output.filename().string(), ::getpid());
-  fs::remove_all(temp);
-  fs::create_directories(temp);
-  write_file_atomic(temp / "config.json", mixtral_config(ckpt.config).dump(2) + "\n");
-  write_shards(tensors, temp, options.max_shard_bytes);
-  if (fs::exists(output, ec)) fs::remove(output);  // empty, checked above
-  fs::rename(temp, output);
+  try {
+    if (!fs::create_directories(parent, ec) && ec)
+      MOE_CONFIG_ERROR("--output {}: cannot create {}: {}", options.output, parent.string(), ec.message());
+    fs::remove_all(temp);
+    fs::create_directories(temp);
+    write_file_atomic(temp / "config.json", mixtral_config(ckpt.config).dump(2) + "\n");
+    write_shards(tensors, temp, options.max_shard_bytes);
+    fs::rename(temp, output);  // replaces an empty folder there
+  } catch (...) {
+    fs::remove_all(temp, ec);
+    if (!first_created.empty()) fs::remove_all(first_created, ec);
+    throw;
+  }
   fsync_directory(parent);
   uint64_t total = 0;
   for (const HfTensor& t : tensors) total += t.bytes();
   fmt::print(out, "export: {} (step {}) -> {} as MixtralForCausalLM: {} tensors, {:.1f} MB\n", ckpt.path.string(),
-             ckpt.step, output.string(), tensors.size(), static_cast<double>(total) / 1e6);
+             ckpt.step, options.output, tensors.size(), static_cast<double>(total) / 1e6);
 }
 
 }  // namespace moe

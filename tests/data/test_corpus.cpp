@@ -148,6 +148,37 @@ TEST(Corpus, ErrorsNameThePath) {
   expect_config_error(config, {"split", "is empty", "data.val_fraction"});
 }
 
+// A document that cannot be read is a one-line ConfigError with the reason, never skipped.
+// Tests run as root, where permissions do not stop reading: the cases are a broken
+// symlink, a file whose read fails (/proc/self/mem: EIO at offset 0), and, when not root,
+// a subdirectory without permissions.
+TEST(Corpus, UnreadableDocumentsAreErrorsWithTheReason) {
+  CorpusDir dir;
+  std::vector<std::string> expected;
+  fill(dir, &expected);
+  DataConfig config = config_for(dir);
+  const std::string broken = dir.path() + "/sub/broken.txt";
+  fs::create_symlink(dir.path() + "/sub/missing-target", broken);
+  expect_config_error(config, {"data.dir", broken, "No such file or directory", "broken symbolic link"});
+  fs::remove(broken);
+  // Not matching data.extension: not a document, ignored.
+  fs::create_symlink(dir.path() + "/missing-target", dir.path() + "/broken.md");
+  EXPECT_EQ(read_corpus(config).train.size() + read_corpus(config).validation.size(), expected.size());
+
+  const std::string unreadable = dir.path() + "/sub/mem.txt";
+  fs::create_symlink("/proc/self/mem", unreadable);
+  char byte;
+  std::ifstream probe("/proc/self/mem", std::ios::binary);
+  if (probe && !probe.read(&byte, 1)) expect_config_error(config, {"data.dir", unreadable, "Input/output error"});
+  fs::remove(unreadable);
+
+  if (geteuid() != 0) {  // root reads through any permission bits
+    fs::permissions(dir.path() + "/sub/deeper", fs::perms::none);
+    expect_config_error(config, {"data.dir", dir.path() + "/sub/deeper", "Permission denied"});
+    fs::permissions(dir.path() + "/sub/deeper", fs::perms::owner_all);
+  }
+}
+
 TEST(Corpus, TokenizationIsIndependentOfThreadCount) {
   std::vector<Document> docs;
   for (int i = 0; i < 57; ++i) docs.push_back({"d" + std::to_string(i), std::string(static_cast<size_t>(i * 7 % 23), static_cast<char>('a' + i % 26))});

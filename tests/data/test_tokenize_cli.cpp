@@ -120,6 +120,27 @@ TEST_F(TokenizeCli, BenchRepeatsTheCorpusPerPass) {
                  {"--min-pass-mb"});
 }
 
+// A tokenizer trained with a custom --special: the first --special ends documents, so
+// `moe tokenize` and `moe train` accept it (they refused it before).
+TEST_F(TokenizeCli, ACustomSpecialEndsDocuments) {
+  Result t = moe("tokenizer train --vocab-size 300 --special '<my_eos>' --input " + p("text") + " --output " +
+                 p("tok.json"));
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  Result k = moe("tokenize --tokenizer " + p("tok.json") + " --input " + p("text") + " --output " + p("shards") +
+                 " --val-fraction 0.2 --no-progress");
+  ASSERT_EQ(k.exit_code, 0) << k.output;
+  Result r = moe("train --config " + p("tiny.toml") + " --data.shards=" + p("shards") + " --data.tokenizer=" +
+                 p("tok.json"));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  expect_failure(moe("tokenizer train --vocab-size 300 --special '<e>' --special '<e>' --input " + p("text") +
+                     " --output " + p("twice.json")),
+                 2, {"--special: '<e>' is given twice"});
+  EXPECT_FALSE(fs::exists(dir_ / "twice.json"));
+  expect_failure(moe("tokenizer train --vocab-size 300 --special '<pad>' --special '<|endoftext|>' --input " +
+                     p("missing") + " --output " + p("late.json")),
+                 2, {"give '<|endoftext|>' first"});  // refused before the inputs are read
+}
+
 TEST_F(TokenizeCli, BadInputIsOneLineAndLeavesNothing) {
   expect_failure(moe("tokenizer train --vocab-size 300 --input " + p("missing") + " --output " + p("t.json")), 2,
                  {p("missing"), "does not exist"});

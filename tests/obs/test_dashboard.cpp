@@ -1,13 +1,20 @@
 // The dashboard: the live server answering while training runs (queried from inside the
-// training loop, so no timing is involved), and headless Chromium rendering the live
+// training loop, so no timing is involved), slow clients that must not stall it, and headless Chromium rendering the live
 // page and the `moe report` file: charts with points, a layers x experts heatmap whose
 // cells hold the run's tokens per expert.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
 #include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <thread>
 
 #include "core/threads.h"
 #include "obs/dashboard.h"
@@ -121,6 +128,57 @@ TEST(Dashboard, BusyPortIsAnError) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(std::to_string(first.port())), std::string::npos) << e.what();
   }
+}
+
+// 20 loopback clients that trickle a request a byte at a time used to take every worker
+// (httplib's timeouts restart with each byte) and to hold the stop until they gave up.
+// Now a request must arrive whole within 2 s, there are workers to spare, and the stop
+// cuts open connections: a normal GET answers at once, and destroying the server returns
+// at once. The bounds (3 s, 1 s) are far below what the old behaviour took (the trickle
+// lasts up to 15 s, and httplib then waits 5 s more).
+TEST(Dashboard, TricklingClientsNeitherStarveRequestsNorHoldTheStop) {
+  using Clock = std::chrono::steady_clock;
+  auto dashboard = std::make_unique<Dashboard>(0);
+  const int port = dashboard->port();
+  std::vector<int> slow;
+  for (int i = 0; i < 20; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(fd, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    const std::string start = "GET / HTTP/1.1\r\nX-Slow: ";  // a header line that never ends
+    ::send(fd, start.data(), start.size(), MSG_NOSIGNAL);
+    slow.push_back(fd);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));  // let the server accept (its backlog is 5)
+  }
+  std::atomic<bool> done{false};
+  std::thread trickle([&] {
+    for (int round = 0; round < 150 && !done; ++round) {  // at most 15 s
+      for (int fd : slow) ::send(fd, "a", 1, MSG_NOSIGNAL);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the slow ones are being served
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(20);
+  client.set_read_timeout(20);
+  auto start = Clock::now();
+  auto res = client.Get("/api/metrics");
+  const double get_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_TRUE(res && res->status == 200);  // no ASSERT: the trickling thread is joined below
+  EXPECT_LT(get_seconds, 3.0);
+  // The slow connections are younger than the 2 s read deadline: only cutting them ends
+  // them this fast.
+  start = Clock::now();
+  dashboard.reset();
+  const double stop_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  EXPECT_LT(stop_seconds, 1.0);
+  done = true;
+  trickle.join();
+  for (int fd : slow) ::close(fd);
 }
 
 // Trains, writes the report file, renders it in Chromium; returns the DOM.

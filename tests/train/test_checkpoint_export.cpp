@@ -2,7 +2,10 @@
 // (numpy API) and checked against the checkpoint tensor by tensor: Mixtral's names,
 // shapes, dtypes and values, config.json fields, and sharding with an index.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
+#include <algorithm>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -141,6 +144,47 @@ TEST_F(HfExport, MixtralFolderReadsBackWithSafetensors) {
     EXPECT_EQ(py.status, 0) << py.output;
     EXPECT_NE(py.output.find("OK 41"), std::string::npos) << py.output;  // 3 + 2 layers x (7 + 4 experts x 3)
   }
+}
+
+// Every entry of `dir` (a failed export must leave none, not even a hidden one).
+std::vector<std::string> entries(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// An export that fails half-way (a file size limit makes writing model.safetensors fail
+// with EFBIG, as a full disk would) leaves nothing behind: neither its temporary folder nor
+// the parent folders it created. "out/" exports into "out", as "out" does.
+TEST_F(HfExport, AFailedExportLeavesNothingAndATrailingSlashWorks) {
+  ExportOptions options;
+  options.checkpoint = step(0).string();
+  options.output = (dir_ / "new" / "deeper" / "hf").string() + "/";
+  const std::vector<std::string> before = entries(dir_);
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  rlimit small = old;
+  small.rlim_cur = 20000;  // config.json fits; model.safetensors (~65 kB) does not
+  void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);  // write() fails with EFBIG instead
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::ostringstream out;
+  std::string error;
+  try {
+    export_checkpoint(options, out);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(error.find("File too large"), std::string::npos) << error;
+  EXPECT_EQ(entries(dir_), before);
+  // The rerun is not refused, and the trailing slash names the folder itself.
+  export_checkpoint(options, out);
+  EXPECT_TRUE(fs::exists(dir_ / "new" / "deeper" / "hf" / "model.safetensors"));
+  EXPECT_EQ(entries(dir_ / "new" / "deeper"), std::vector<std::string>{"hf"});
+  EXPECT_EQ(entries(dir_ / "new" / "deeper" / "hf"), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  EXPECT_NE(out.str().find("-> " + options.output + " as MixtralForCausalLM"), std::string::npos) << out.str();
 }
 
 TEST_F(HfExport, WhatMixtralCannotHoldIsRefused) {

@@ -169,6 +169,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"training.global_batch_tokens=1000", {"training.global_batch_tokens", "nearest valid: 2048"}},
       {"training.global_batch_tokens=0", {"training.global_batch_tokens"}},
       {"training.threads=-1", {"training.threads"}},
+      {"training.threads=1025", {"training.threads must be between 0 (all cores) and 1024, got 1025"}},
       {"training.device=tpu", {"training.device", "auto, cpu, cuda", "\"tpu\""}},
       {"training.grad_clip=-1", {"training.grad_clip"}},
       {"training.expert_grad_clip=-1", {"training.expert_grad_clip"}},
@@ -220,6 +221,28 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"training.recompute_experts=some", {"training.recompute_experts"}},
   };
   for (const auto& [override_text, fragments] : cases) expect_override_error(override_text, fragments);
+}
+
+// Shapes past these bounds are typos; n_layers = 1000000 used to hang while the model was
+// built. Each bound is allowed, one past it is not.
+TEST(Config, ModelShapesHaveUpperBounds) {
+  const std::vector<std::pair<std::string, int64_t>> bounds = {
+      {"model.dim", 65536},          {"model.n_layers", 1024},        {"model.n_heads", 1024},
+      {"model.n_kv_heads", 1024},    {"model.seq_len", 1048576},      {"model.dense_hidden", 1048576},
+      {"moe.n_experts", 65536},      {"moe.expert_hidden", 1048576},  {"moe.n_shared_experts", 1024},
+  };
+  for (const auto& [key, bound] : bounds) {
+    SCOPED_TRACE(key);
+    // Keep the other rules satisfied at the bound: heads divide dim into even head sizes.
+    std::vector<std::string> at = {key + "=" + std::to_string(bound)};
+    if (key == "model.n_heads" || key == "model.n_kv_heads")
+      at.insert(at.end(), {"model.dim=4096", "model.n_heads=1024", "model.n_kv_heads=1024"});
+    if (key == "model.n_heads") at.back() = "model.n_kv_heads=1";
+    if (key == "model.seq_len") at.push_back("training.global_batch_tokens=8388608");
+    EXPECT_NO_THROW(parse_config("", "run.toml", at));
+    expect_override_error(key + "=" + std::to_string(bound + 1),
+                          {key + " must be at most " + std::to_string(bound) + ", got " + std::to_string(bound + 1)});
+  }
 }
 
 TEST(Config, ValidationBlamesWhereTheValueCameFrom) {

@@ -167,6 +167,40 @@ TEST(MemoryPressure, ForcedLimitHalvesTheMicroBatch) {
   EXPECT_NE(log.str().find("batch: 1024 tokens/step = 4 micro-batches x 4 x 64 tokens"), std::string::npos);
 }
 
+// A failed allocation of the activation arena (forced by a cap between the footprints
+// of 8 and 4 sequences) halves the micro-batch as the memory limit does: the same tokens
+// per step and the same first-step loss. It used to end the run with an uncaught error.
+TEST(MemoryPressure, FailedArenaAllocationHalvesTheMicroBatch) {
+  RunConfig config = test::tiny_config();
+  config.model.seq_len = 64;
+  config.training.micro_batch = 8;
+  config.training.global_batch_tokens = 1024;  // 2 x 8 x 64
+  config.training.steps = 1;
+  auto whole = test::make_trainer(config);
+  const size_t bytes_4 = whole->model().planned_bytes(4);  // both arenas of 4 sequences fit under it
+  struct CapGuard {
+    explicit CapGuard(size_t bytes) { Arena::set_capacity_cap_for_testing(bytes); }
+    ~CapGuard() { Arena::set_capacity_cap_for_testing(0); }
+  };
+  std::unique_ptr<Trainer> split;
+  {
+    CapGuard cap(bytes_4);
+    split = test::make_trainer(config);
+  }
+  EXPECT_EQ(split->micro_batch(), 4);
+  EXPECT_EQ(split->micro_batches_per_step(), 4);
+  const StepStats a = whole->train_step(0), b = split->train_step(0);
+  EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::fabs(a.loss));
+  EXPECT_NE(a.loss, 0.0);
+  std::ostringstream log;
+  split->run(log);
+  EXPECT_NE(log.str().find("memory: micro-batch 8 failed to allocate (arena 'activations': cannot allocate"),
+            std::string::npos)
+      << log.str();
+  EXPECT_NE(log.str().find("halved to 4 x 4 accumulation steps (1024 tokens/step)"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("batch: 1024 tokens/step = 4 micro-batches x 4 x 64 tokens"), std::string::npos);
+}
+
 class ResumeBinary : public TempDirTest {};
 
 // Through the binary: training.stop_at, then --resume=auto, ends byte-identical to one run.
