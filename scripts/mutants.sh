@@ -93,9 +93,11 @@ mutant dist/rank-slices-contiguous src/dist/parallel_trainer.cpp \
 mutant model/entropy-tokens-times-k src/model/moe_layer.cpp \
   'routing_.tokens += T_;' \
   'routing_.tokens += T_ * K_;'
-mutant model/positions-across-sequences src/model/transformer.cpp \
-  'positions_T_[b * config_.seq_len + s] = static_cast<int32_t>(s);' \
-  'positions_T_[b * config_.seq_len + s] = static_cast<int32_t>(b * config_.seq_len + s);'
+# (Not a mutant: positions counted across the micro-batch instead of per sequence. RoPE
+# depends on position differences only, so it changes nothing beyond rounding.)
+mutant model/capacity-per-rank src/model/moe_layer.cpp \
+  'expert_capacity(cfg_.capacity_factor, T_ * batch_ranks, K_, E_)' \
+  'expert_capacity(cfg_.capacity_factor, T_, K_, E_)'
 mutant model/backward-stage-off-by-one src/model/transformer.cpp \
   'return L - layer;' \
   'return L - layer - 1;'
@@ -246,7 +248,7 @@ trap 'echo; echo "mutants: interrupted; the source is restored" >&2; exit 130' I
 
 build() { cmake --build "$BUILD" -j "$JOBS" >"$1" 2>&1; }
 suite() {
-  ctest --test-dir "$BUILD" -L 'cpu|mpi' -j "$JOBS" --stop-on-failure --timeout "$TIMEOUT" >"$1" 2>&1
+  ctest --test-dir "$BUILD" -L 'cpu|mpi' -j "$JOBS" --stop-on-failure --output-on-failure --timeout "$TIMEOUT" >"$1" 2>&1
 }
 first_failure() { grep -m1 -E '\*\*\*(Failed|Timeout|Exception)|Failed +[0-9.]+ sec' "$1" | sed -E 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: //; s/ +\.+.*//'; }
 
