@@ -26,21 +26,20 @@ std::string read_file_prefix(const std::string& path, int64_t limit, std::string
   if (!fs::is_regular_file(status)) MOE_CONFIG_ERROR("{} '{}' is not a regular file", what, path);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) MOE_CONFIG_ERROR("{} '{}' cannot be opened: {}", what, path, std::strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   std::string text;
   char buffer[1 << 16];
   while (static_cast<int64_t>(text.size()) < limit) {
     const size_t want = static_cast<size_t>(std::min<int64_t>(sizeof(buffer), limit - static_cast<int64_t>(text.size())));
     const ssize_t n = ::read(fd, buffer, want);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int error = errno;
-      ::close(fd);
-      MOE_CONFIG_ERROR("{} '{}' cannot be read: {}", what, path, std::strerror(error));
-    }
+    if (n < 0) MOE_CONFIG_ERROR("{} '{}' cannot be read: {}", what, path, std::strerror(errno));
     if (n == 0) break;
     text.append(buffer, static_cast<size_t>(n));
   }
-  ::close(fd);
   return text;
 }
 
@@ -61,14 +60,12 @@ std::vector<std::pair<std::string, std::string>> list_files_under(const std::str
     for (; it != end; it.increment(ec)) {
       const fs::path& path = it->path();
       const fs::file_status own = it->symlink_status(ec);
-      if (!ec && fs::is_directory(own)) {
+      if (ec) MOE_CONFIG_ERROR("{}: cannot read '{}': {}", what, path.string(), ec.message());
+      if (fs::is_directory(own)) {  // not through a symlink: a link cycle cannot loop
         pending.push_back(path);
         continue;
       }
-      if (ec || !path.filename().string().ends_with(extension)) {
-        if (ec) MOE_CONFIG_ERROR("{}: cannot read '{}': {}", what, path.string(), ec.message());
-        continue;
-      }
+      if (!path.filename().string().ends_with(extension)) continue;
       const fs::file_status target = it->status(ec);  // through a symlink
       if (ec)
         MOE_CONFIG_ERROR("{}: cannot read '{}': {}{}", what, path.string(), ec.message(),
