@@ -10,32 +10,15 @@
 #include <fstream>
 #include <string>
 
+#include "cli/moe_process.h"
+
 namespace {
 
-struct Result {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
+using Result = moe::test::MoeResult;
+using moe::test::moe_binary;
 
-std::string moe_binary() {
-  // ctest sets MOE_BINARY; run by hand, the binary sits beside the test executable.
-  const char* path = std::getenv("MOE_BINARY");
-  if (path && *path) return path;
-  return (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "moe").string();
-}
-
-Result run(const std::string& args) {
-  Result result;
-  const std::string command = moe_binary() + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) return result;
-  std::array<char, 4096> buffer{};
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
+// `moe ARGS` through moe_process.h (killed after 120 s, so a hang fails the test).
+Result run(const std::string& args) { return moe::test::run_moe(args); }
 
 int count_lines(const std::string& text) {
   int lines = 0;
