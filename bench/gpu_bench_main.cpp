@@ -3,7 +3,7 @@
 #include <iostream>
 
 #include "core/error.h"
-#include "train/config.h"
+#include "config/run_config.h"
 #include "train/cuda/gpu_bench.h"
 
 int main(int argc, char** argv) {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "train/config.h"
+#include "config/run_config.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -35,13 +35,13 @@ NAMES=() FILES=() OLDS=() NEWS=()
 mutant() { NAMES+=("$1"); FILES+=("$2"); OLDS+=("$3"); NEWS+=("$4"); }
 
 # --- train ---------------------------------------------------------------------------
-mutant train/grad-clip-squared-norm src/train/grad_clip.cpp \
+mutant train/grad-clip-squared-norm src/optim/grad_clip.cpp \
   'if (max_expert_norm > 0 && norm > max_expert_norm) {' \
   'if (max_expert_norm > 0 && sq > max_expert_norm) {'
-mutant train/lr-linear-decay src/train/lr_schedule.cpp \
+mutant train/lr-linear-decay src/optim/lr_schedule.cpp \
   '0.5 * (1.0 + std::cos(M_PI * progress))' \
   '(1.0 - progress)'
-mutant train/lr-warmup-off-by-one src/train/lr_schedule.cpp \
+mutant train/lr-warmup-off-by-one src/optim/lr_schedule.cpp \
   'static_cast<double>(step + 1) / static_cast<double>(lr.warmup_steps)' \
   'static_cast<double>(step) / static_cast<double>(lr.warmup_steps)'
 mutant train/bias-never-updated src/train/trainer.cpp \
@@ -56,36 +56,36 @@ mutant train/entropy-per-assignment src/train/trainer.cpp \
 mutant train/accumulation-sums src/train/trainer.cpp \
   'const double scale = 1.0 / static_cast<double>(micro_steps_);' \
   'const double scale = 1.0;'
-mutant train/adamw-decays-norms src/train/adamw.cpp \
+mutant train/adamw-decays-norms src/optim/adamw.cpp \
   'const float decay = params_.spec(id).weight_decay ? s.decay_factor : 1.0f;' \
   'const float decay = s.decay_factor;'
 mutant train/prune-keeps-one-more src/train/checkpoint.cpp \
   'static_cast<int64_t>(complete.size()) - keep_last;' \
   'static_cast<int64_t>(complete.size()) - keep_last - 1;'
-mutant train/config-top-k-unbounded src/train/config.cpp \
+mutant train/config-top-k-unbounded src/config/run_config.cpp \
   'if (e.top_k < 1 || e.top_k > e.n_experts)' \
   'if (e.top_k < 1)'
 
 # --- dist ----------------------------------------------------------------------------
-mutant dist/sharded-clip-squared-norm src/dist/parallel_trainer.cpp \
+mutant dist/sharded-clip-squared-norm src/train/backends/parallel_cpu_backend.cpp \
   'if (max_expert_norm > 0 && norm > max_expert_norm) {' \
   'if (max_expert_norm > 0 && sums[i] > max_expert_norm) {'
-mutant dist/ep-clip-squared-norm src/dist/parallel_experts.cpp \
+mutant dist/ep-clip-squared-norm src/dist/expert_optimizer.cpp \
   'if (max_norm > 0 && norm > max_norm) {' \
   'if (max_norm > 0 && sq > max_norm) {'
-mutant dist/entropy-per-assignment src/dist/parallel_trainer.cpp \
+mutant dist/entropy-per-assignment src/train/backends/parallel_cpu_backend.cpp \
   'r.router_entropy = tokens > 0 ? s[2 * E + 1] / tokens : 0;' \
   'r.router_entropy = tokens > 0 ? s[2 * E + 1] / (tokens * m.moe.top_k) : 0;'
-mutant dist/bias-never-updated src/dist/parallel_trainer.cpp \
+mutant dist/bias-never-updated src/train/backends/parallel_cpu_backend.cpp \
   'layers[i]->update_balancing_bias();' \
   '(void)layers[i];'
-mutant dist/zero-expert-scale-offset src/dist/zero.cpp \
+mutant dist/zero-expert-scale-offset src/dist/zero_optimizer.cpp \
   'grad_[static_cast<size_t>(at + i)] *= factors[static_cast<size_t>(group * E + (first + i) / per_expert)];' \
   'grad_[static_cast<size_t>(at + i)] *= factors[static_cast<size_t>(group * E + i / per_expert)];'
 mutant dist/reduce-max-is-min src/dist/comm_util.cpp \
   'inout[i] = std::max(inout[i], in[i]);' \
   'inout[i] = std::min(inout[i], in[i]);'
-mutant dist/rank-slices-contiguous src/dist/parallel_trainer.cpp \
+mutant data/rank-slices-contiguous src/data/rank_sliced_source.cpp \
   'const size_t from = static_cast<size_t>(b * world_ + rank_) * S' \
   'const size_t from = static_cast<size_t>(rank_ * batch + b) * S'
 

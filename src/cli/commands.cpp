@@ -17,8 +17,8 @@
 #include "dist/communicator.h"
 #include "obs/dashboard.h"
 #include "obs/report.h"
+#include "train/backends/backend_factory.h"
 #include "train/checkpoint.h"
-#include "train/config.h"
 #ifdef MOE_HAVE_CUDA
 #include "dist/cuda/thread_communicator.h"
 #include "train/cuda/gpu_bench.h"
@@ -62,9 +62,9 @@ std::optional<std::filesystem::path> resume_path(const TrainOptions& options, co
 int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int threads) {
 #ifdef MOE_HAVE_CUDA
   if (options.dashboard_port) MOE_CONFIG_ERROR("--thread-ranks runs without the dashboard");
-  if (config.training.device != "cuda")
+  if (config.training.device != TrainingDevice::Cuda)
     MOE_CONFIG_ERROR("--thread-ranks rehearses GPU ranks on one GPU: it needs training.device = cuda (got {})",
-                     config.training.device);
+                     name_of(config.training.device));
   const int n = *options.thread_ranks;
   const std::optional<std::filesystem::path> resume = resume_path(options, config);
   fmt::print("thread ranks: {} ranks as threads on this one GPU (a rehearsal: the numbers of {} GPUs, not their speed)\n",
@@ -172,7 +172,7 @@ int run_bench(const BenchOptions& options) {
 
 int run_all_to_all_bench(const AllToAllBenchOptions& options) {
   RunConfig config = resolve_config(options.config_path, options.overrides);
-  std::unique_ptr<dist::Communicator> world = dist::make_world_communicator(resolve_parallel_backend(config));
+  std::unique_ptr<dist::Communicator> world = dist::make_world_communicator(resolve_comm_backend(config));
   dist::run_all_to_all_bench(config, *world, options.warmup, options.iters, std::cout);
   return 0;
 }

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/atomic_file.h"
 #include "core/error.h"
 #include "data/bpe.h"
 #include "data/file_util.h"

@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
-#include "train/config.h"
+#include "config/data_config.h"
 
 namespace fs = std::filesystem;
 

@@ -79,49 +79,4 @@ std::vector<std::pair<std::string, std::string>> list_files_under(const std::str
   return found;
 }
 
-AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
-  temp_ = path_ + ".tmp-" + std::to_string(getpid());
-  fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd_ < 0) MOE_THROW("cannot create '{}': {}", temp_, std::strerror(errno));
-}
-
-AtomicFile::~AtomicFile() {
-  if (fd_ >= 0) ::close(fd_);
-  if (!temp_.empty()) ::unlink(temp_.c_str());
-}
-
-void AtomicFile::write(const void* data, size_t bytes) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::write(fd_, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) MOE_THROW("cannot write '{}': {}", temp_, std::strerror(errno));
-    p += n, bytes -= static_cast<size_t>(n);
-  }
-}
-
-void AtomicFile::pwrite(const void* data, size_t bytes, size_t offset) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    ssize_t n = ::pwrite(fd_, p, bytes, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) MOE_THROW("cannot write '{}': {}", temp_, std::strerror(errno));
-    p += n, bytes -= static_cast<size_t>(n), offset += static_cast<size_t>(n);
-  }
-}
-
-void AtomicFile::commit() {
-  if (::fsync(fd_) != 0) MOE_THROW("cannot fsync '{}': {}", temp_, std::strerror(errno));
-  ::close(fd_);
-  fd_ = -1;
-  if (::rename(temp_.c_str(), path_.c_str()) != 0) MOE_THROW("cannot rename '{}' to '{}': {}", temp_, path_, std::strerror(errno));
-  temp_.clear();
-}
-
-void write_file_atomic(const std::string& path, std::string_view data) {
-  AtomicFile file(path);
-  file.write(data.data(), data.size());
-  file.commit();
-}
-
 }  // namespace moe

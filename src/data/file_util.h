@@ -24,25 +24,5 @@ std::string read_file_prefix(const std::string& path, int64_t limit, std::string
 std::vector<std::pair<std::string, std::string>> list_files_under(const std::string& root, std::string_view extension,
                                                                   std::string_view what);
 
-// Writes `data` to `path` via `path.tmp-<pid>`, fsyncs and renames; removes the temporary
-// file on failure.
-void write_file_atomic(const std::string& path, std::string_view data);
-
-// Same, for a payload produced in pieces by `write(fd)`; used for shards.
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path);
-  ~AtomicFile();  // removes the temporary file unless commit() ran
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-  void write(const void* data, size_t bytes);
-  void pwrite(const void* data, size_t bytes, size_t offset);
-  void commit();  // fsync, close, rename
-  const std::string& temp_path() const { return temp_; }
-
- private:
-  std::string path_, temp_;
-  int fd_ = -1;
-};
 
 }  // namespace moe

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/atomic_file.h"
 #include "data/corpus.h"
 #include "data/file_util.h"
 

@@ -4,7 +4,7 @@
 
 #include "core/error.h"
 #include "data/bpe.h"
-#include "train/config.h"
+#include "config/data_config.h"
 
 namespace moe {
 
@@ -36,9 +36,10 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {
 }
 
 std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec) {
-  if (spec == "byte") return std::make_unique<ByteTokenizer>();
+  const TokenizerKind kind = parse_tokenizer_spec(spec).kind;
+  if (kind == TokenizerKind::Byte) return std::make_unique<ByteTokenizer>();
   std::unique_ptr<BpeTokenizer> bpe;
-  if (spec.starts_with("tiktoken:")) {
+  if (kind == TokenizerKind::Tiktoken) {
     std::string_view rest = spec.substr(9);
     const size_t colon = rest.find(':');
     auto pattern = pattern_from_name(rest.substr(0, colon));
@@ -46,7 +47,7 @@ std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec) {
       MOE_CONFIG_ERROR("tokenizer '{}': expected tiktoken:<gpt2|llama3|qwen2>:<rank file>", spec);
     std::string path(rest.substr(colon + 1));
     bpe = std::make_unique<BpeTokenizer>(load_tiktoken(path, *pattern, {"<|endoftext|>"}), path);
-  } else if (spec.ends_with(".json")) {
+  } else if (kind == TokenizerKind::HfJson) {
     bpe = std::make_unique<BpeTokenizer>(load_hf_tokenizer(std::string(spec)), std::string(spec));
   } else {
     MOE_CONFIG_ERROR("tokenizer '{}' is neither byte, a tokenizer.json path nor tiktoken:<pattern>:<file>", spec);

@@ -9,13 +9,12 @@
 #include <string_view>
 #include <vector>
 
-namespace moe {
+#include "config/data_config.h"  // DataConfig, kByteVocabSize
 
-struct DataConfig;
+namespace moe {
 
 // The byte tokenizer's fixed vocabulary: ids 0..255 are bytes, 256 ends a document.
 inline constexpr int32_t kByteEosId = 256;
-inline constexpr int64_t kByteVocabSize = 257;
 
 class Tokenizer {
  public:

@@ -99,7 +99,7 @@ std::vector<AllToAllBenchResult> run_all_to_all_bench(const RunConfig& config, C
                dispatch.send_total * 2 / 1e6, dispatch.off_rank_bytes / 1e6, iters, warmup);
 
   std::vector<AllToAllBenchResult> results;
-  for (const char* kind : {"flat", "hierarchical"}) {
+  for (const AllToAllKind kind : {AllToAllKind::Flat, AllToAllKind::Hierarchical}) {
     std::unique_ptr<AllToAll> a2a = make_all_to_all(kind, group, groups);
     std::vector<double> dispatch_s, combine_s;
     for (int it = 0; it < warmup + iters; ++it) {
@@ -145,12 +145,12 @@ std::vector<AllToAllBenchResult> run_all_to_all_bench(const RunConfig& config, C
     if (world.rank() == 0)
       fmt::print(out, "  {:<13} dispatch {:8.3f} ms {:8.2f} GB/s per rank | combine {:8.3f} ms {:8.2f} GB/s per rank | "
                       "rows {}\n",
-                 kind, r.dispatch_ms, r.dispatch_gb_per_s, r.combine_ms, r.combine_gb_per_s,
+                 name_of(kind), r.dispatch_ms, r.dispatch_gb_per_s, r.combine_ms, r.combine_gb_per_s,
                  r.rows_ok ? "checked" : "WRONG");
     results.push_back(r);
   }
   for (const AllToAllBenchResult& r : results)
-    MOE_CHECK(r.rows_ok, "a2a-bench: the {} exchange delivered wrong rows", r.kind);
+    MOE_CHECK(r.rows_ok, "a2a-bench: the {} exchange delivered wrong rows", name_of(r.kind));
   return results;
 }
 

@@ -6,14 +6,14 @@
 #pragma once
 #include <ostream>
 
-#include "train/config.h"
+#include "config/run_config.h"
 
 namespace moe::dist {
 
 class Communicator;
 
 struct AllToAllBenchResult {
-  std::string kind;               // flat | hierarchical
+  AllToAllKind kind = AllToAllKind::Flat;
   double dispatch_ms = 0, combine_ms = 0;
   double dispatch_gb_per_s = 0, combine_gb_per_s = 0;  // per rank, bytes to other ranks
   bool rows_ok = false;

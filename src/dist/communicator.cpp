@@ -24,29 +24,23 @@ void Communicator::copy(void* dst, const void* src, size_t bytes) {
   if (bytes > 0) std::memcpy(dst, src, bytes);
 }
 
-bool is_known_backend(const std::string& backend) {
-  return backend == "auto" || backend == "single" || backend == "mpi" || backend == "tcp" || backend == "nccl";
-}
-
-std::unique_ptr<Communicator> make_world_communicator(const std::string& backend) {
-  if (!is_known_backend(backend))
-    MOE_CONFIG_ERROR("unknown communicator backend '{}' (auto, single, mpi, tcp or nccl)", backend);
+std::unique_ptr<Communicator> make_world_communicator(CommBackend backend) {
   const LaunchEnv env = read_launch_env();
-  std::string chosen = backend;
-  if (chosen == "auto") {
+  CommBackend chosen = backend;
+  if (chosen == CommBackend::Auto) {
     if (env.world_size == 1 && !launched_by_mpi())
-      chosen = "single";
+      chosen = CommBackend::Single;
     else if (env.source == "torchrun")
-      chosen = "tcp";
+      chosen = CommBackend::Tcp;
     else
-      chosen = "mpi";  // mpirun, or srun with PMIx
+      chosen = CommBackend::Mpi;  // mpirun, or srun with PMIx
   }
-  if (chosen == "single") {
+  if (chosen == CommBackend::Single) {
     if (env.world_size != 1)
       MOE_CONFIG_ERROR("backend 'single' in a launch of {} ranks (use auto, mpi, tcp or nccl)", env.world_size);
     return make_single_communicator();
   }
-  if (chosen == "mpi") {
+  if (chosen == CommBackend::Mpi) {
     auto world = make_mpi_world();
     // srun without PMIx starts every task as an MPI singleton: a world of one each.
     if (env.source != "none" && world->size() != env.world_size)
@@ -56,7 +50,7 @@ std::unique_ptr<Communicator> make_world_communicator(const std::string& backend
     if (world->size() > 1) bind_worker(env, -1);  // CPU workers: a CPU slice when MOE_BIND_CPUS=1
     return world;
   }
-  if (chosen == "tcp") {
+  if (chosen == CommBackend::Tcp) {
     if (env.world_size > 1) bind_worker(env, -1);
     return make_tcp_world(env);
   }

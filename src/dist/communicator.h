@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "config/parallel_config.h"
+
 namespace moe::dist {
 
 enum class DType { f32, f64, bf16, i32, i64, u8 };
@@ -98,15 +100,12 @@ class Communicator {
 
 // ---- Construction (src/dist/communicator.cpp) ----------------------------------------
 
-// The world of this process. backend: "single" (world of one), "mpi" (MPI_COMM_WORLD;
-// needs mpirun or srun), "tcp" (host buffers over sockets; needs the torchrun-style
-// variables that `moe launch` sets), "nccl" (device buffers; the unique id travels by
-// MPI broadcast under mpirun, else by the TCP rendezvous at MASTER_ADDR:MASTER_PORT), or
-// "auto": single for a world of one, mpi under mpirun/srun, tcp under `moe launch`.
+// The world of this process. Single: a world of one; Mpi: MPI_COMM_WORLD (needs mpirun
+// or srun); Tcp: host buffers over sockets (needs the torchrun-style variables that
+// `moe launch` sets); Nccl: device buffers (the unique id travels by MPI broadcast under
+// mpirun, else by the TCP rendezvous at MASTER_ADDR:MASTER_PORT); Auto: single for a
+// world of one, mpi under mpirun/srun, tcp under `moe launch`.
 // Collective over all ranks of the launch.
-std::unique_ptr<Communicator> make_world_communicator(const std::string& backend);
-
-// The backends' names make_world_communicator accepts (for config validation).
-bool is_known_backend(const std::string& backend);
+std::unique_ptr<Communicator> make_world_communicator(CommBackend backend);
 
 }  // namespace moe::dist

@@ -176,15 +176,12 @@ class HierarchicalAllToAll final : public AllToAll {
 
 }  // namespace
 
-std::unique_ptr<AllToAll> make_all_to_all(const std::string& kind, Communicator& ep_group, int node) {
-  if (kind == "flat") return std::make_unique<FlatAllToAll>(ep_group);
-  if (kind == "hierarchical") {
-    return std::make_unique<HierarchicalAllToAll>(ep_group, node);
-  }
-  MOE_CONFIG_ERROR("unknown all-to-all '{}' (flat or hierarchical)", kind);
+std::unique_ptr<AllToAll> make_all_to_all(AllToAllKind kind, Communicator& ep_group, int node) {
+  if (kind == AllToAllKind::Hierarchical) return std::make_unique<HierarchicalAllToAll>(ep_group, node);
+  return std::make_unique<FlatAllToAll>(ep_group);
 }
 
-std::unique_ptr<AllToAll> make_all_to_all(const std::string& kind, Communicator& ep_group,
+std::unique_ptr<AllToAll> make_all_to_all(AllToAllKind kind, Communicator& ep_group,
                                           const ProcessGroups& groups) {
   return make_all_to_all(kind, ep_group, groups.node);
 }

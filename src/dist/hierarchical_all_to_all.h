@@ -18,6 +18,7 @@
 
 #include "dist/communicator.h"
 #include "dist/process_groups.h"
+#include "config/parallel_config.h"
 
 namespace moe::dist {
 
@@ -41,14 +42,14 @@ class AllToAll {
                                                DType dtype) = 0;
 };
 
-// kind: "flat" or "hierarchical". ep_group must outlive the result; node is this rank's
+// ep_group must outlive the result; node is this rank's
 // node (ProcessGroups::node). Collective over ep_group (hierarchical splits it into its
 // intra-node and inter-node parts; it needs the same number of EP ranks on every node it
 // spans, consecutive in the group). An EP group inside one node makes hierarchical
 // behave as flat.
-std::unique_ptr<AllToAll> make_all_to_all(const std::string& kind, Communicator& ep_group, int node);
+std::unique_ptr<AllToAll> make_all_to_all(AllToAllKind kind, Communicator& ep_group, int node);
 // Same, taking the node from groups (ep_group is usually *groups.expert_parallel).
-std::unique_ptr<AllToAll> make_all_to_all(const std::string& kind, Communicator& ep_group,
+std::unique_ptr<AllToAll> make_all_to_all(AllToAllKind kind, Communicator& ep_group,
                                           const ProcessGroups& groups);
 
 // One hierarchical exchange with throwaway sub-groups (tests; a trainer keeps the AllToAll).

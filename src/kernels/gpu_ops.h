@@ -7,7 +7,7 @@
 
 #include "core/bf16.h"
 #include "kernels/adamw_math.h"
-#include "model/config.h"
+#include "config/model_config.h"
 
 struct CUstream_st;
 

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "core/arena.h"
-#include "model/config.h"
+#include "config/model_config.h"
 #include "model/parameters.h"
 
 namespace moe {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/arena.h"
-#include "model/config.h"
+#include "config/model_config.h"
 #include "model/ffn.h"
 #include "model/parameters.h"
 

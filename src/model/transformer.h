@@ -11,7 +11,7 @@
 
 #include "core/arena.h"
 #include "model/attention.h"
-#include "model/config.h"
+#include "config/model_config.h"
 #include "model/ffn.h"
 #include "model/moe_layer.h"
 #include "model/parameters.h"

@@ -11,7 +11,7 @@
 #pragma once
 #include <cstdint>
 
-#include "model/config.h"
+#include "config/model_config.h"
 
 namespace moe {
 

@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
 
 namespace moe {
 

@@ -12,7 +12,7 @@
 #include "obs/jsonl.h"
 #include "obs/metrics.h"
 #include "obs/tensorboard.h"
-#include "train/config.h"
+#include "config/metrics_config.h"
 
 namespace moe {
 

@@ -1,8 +1,6 @@
 #include "obs/report.h"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -10,6 +8,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "core/atomic_file.h"
 #include "core/error.h"
 #include "obs/jsonl.h"
 #include "obs/page.h"
@@ -33,38 +32,6 @@ nlohmann::json load_run_records(const std::string& jsonl_path, int* truncated_li
   return data;
 }
 
-namespace {
-
-void write_file_atomically(const std::string& path, const std::string& text) {
-  const std::string temp = path + ".tmp." + std::to_string(getpid());
-  const int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) throw Error(fmt::format("{}: cannot create: {}", temp, std::strerror(errno)));
-  size_t written = 0;
-  while (written < text.size()) {
-    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(temp.c_str());
-      throw Error(fmt::format("{}: write failed: {}", temp, std::strerror(err)));
-    }
-    written += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const int err = errno;
-    ::unlink(temp.c_str());
-    throw Error(fmt::format("{}: fsync failed: {}", temp, std::strerror(err)));
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(temp.c_str());
-    throw Error(fmt::format("{}: cannot rename into place: {}", path, std::strerror(err)));
-  }
-}
-
-}  // namespace
-
 std::string write_report(const std::string& run_dir, const std::string& output, const std::string& chart_js_path) {
   std::error_code ec;
   if (!fs::is_directory(run_dir, ec)) throw ConfigError(fmt::format("{}: not a run directory", run_dir));
@@ -74,7 +41,7 @@ std::string write_report(const std::string& run_dir, const std::string& output, 
   const nlohmann::json data = load_run_records(jsonl);
   const std::string chart_js = read_chart_js(chart_js_path.empty() ? kChartJsPath : chart_js_path);
   const std::string path = output.empty() ? (fs::path(run_dir) / "report.html").string() : output;
-  write_file_atomically(path, report_page(data, chart_js));
+  write_file_atomic(path, report_page(data, chart_js));
   return path;
 }
 

@@ -16,7 +16,8 @@
 #include <utility>
 
 #include "core/error.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
+#include "train/checkpoint_hash.h"
 
 namespace moe {
 namespace fs = std::filesystem;

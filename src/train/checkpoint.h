@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "model/transformer.h"
-#include "train/adamw.h"
-#include "train/batch_source.h"
-#include "train/config.h"
+#include "optim/adamw.h"
+#include "data/batch_source.h"
+#include "config/run_config.h"
 #include "train/safetensors.h"
 
 namespace moe {

@@ -30,12 +30,7 @@ const char* signal_name(int sig) {
 
 void Trainer::plan_batches() {
   const TrainingConfig& tc = config_.training;
-  const size_t limit = static_cast<size_t>(tc.memory_limit_mb) * 1000000u;
-  // On the GPU the controller reacts to allocation failure (plan_gpu_batches).
-  BatchPlan plan = gpu_ ? plan_gpu_batches()
-                        : fit_micro_batch(
-      tc.global_batch_tokens, config_.model.seq_len, tc.micro_batch, limit,
-      [&](int64_t batch) { return model_->planned_bytes(batch); }, [&](int64_t batch) { model_->plan(batch); });
+  BatchPlan plan = backend_->plan_batches();
   micro_batch_ = plan.micro_batch;
   micro_steps_ = plan.micro_steps;
   batch_notes_ = std::move(plan.notes);
@@ -50,7 +45,6 @@ void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
   const auto start = std::chrono::steady_clock::now();
   collect_background_save(/*wait=*/true, out);  // one save at a time
-  sync_state_from_gpu();
   backend_->gather_state(*optimizer_);
   CheckpointSave save;
   save.step = progress_.step;
@@ -94,7 +88,6 @@ void Trainer::collect_background_save(bool wait, std::ostream& out) {
 void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
   progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
   backend_->scatter_state(*optimizer_);
-  sync_state_to_gpu();
   backend_->restore_placement(checkpoint.expert_placement);
 }
 

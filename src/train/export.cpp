@@ -12,7 +12,7 @@
 #include "core/error.h"
 #include "data/tokenizer.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
 #include "train/safetensors.h"
 
 namespace moe {
@@ -59,7 +59,7 @@ void check_representable(const LoadedCheckpoint& ckpt) {
 json mixtral_config(const RunConfig& config) {
   const ModelConfig& m = config.model;
   json eos = nullptr;
-  if (config.data.tokenizer == "byte") eos = kByteEosId;
+  if (parse_tokenizer_spec(config.data.tokenizer).kind == TokenizerKind::Byte) eos = kByteEosId;
   return {
       {"architectures", {"MixtralForCausalLM"}},
       {"model_type", "mixtral"},

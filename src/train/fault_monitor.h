@@ -7,7 +7,7 @@
 #include <deque>
 #include <iosfwd>
 
-#include "train/config.h"
+#include "config/training_config.h"
 
 namespace moe {
 

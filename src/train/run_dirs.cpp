@@ -16,7 +16,7 @@
 
 #include "core/error.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
 
 namespace moe {
 namespace fs = std::filesystem;

@@ -14,7 +14,7 @@
 #pragma once
 #include <string>
 
-#include "train/config.h"
+#include "config/run_config.h"
 
 namespace moe {
 

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
 
 namespace moe {
 namespace {

@@ -37,8 +37,9 @@ TextData load_text_data(RunConfig& config, int threads) {
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<DocumentSource> train, validation;
   TextData data;
+  const TokenizerSpec spec = parse_tokenizer_spec(dc.tokenizer);
   if (!dc.shards.empty()) {
-    if (dc.tokenizer.starts_with("bpe:"))
+    if (spec.kind == TokenizerKind::TrainBpe)
       MOE_CONFIG_ERROR("data.shards needs data.tokenizer to name the tokenizer the shards were written with "
                        "(byte, a tokenizer.json or tiktoken:...), got \"{}\"", dc.tokenizer);
     tokenizer = make_tokenizer(dc);
@@ -55,9 +56,9 @@ TextData load_text_data(RunConfig& config, int threads) {
     data.tokenizer_name = tokenizer->name();
   } else {
     CorpusSplit split = read_corpus(dc);
-    if (dc.tokenizer.starts_with("bpe:")) {
+    if (spec.kind == TokenizerKind::TrainBpe) {
       std::string how;
-      tokenizer = load_or_train_bpe(split.train, std::stoll(dc.tokenizer.substr(4)), "data_cache", threads, how);
+      tokenizer = load_or_train_bpe(split.train, spec.bpe_vocab, "data_cache", threads, how);
       data.tokenizer_name = tokenizer->name() + " (" + how + ")";
     } else {
       tokenizer = make_tokenizer(dc);

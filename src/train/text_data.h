@@ -6,8 +6,8 @@
 #include <memory>
 #include <string>
 
-#include "train/batch_source.h"
-#include "train/config.h"
+#include "data/batch_source.h"
+#include "config/run_config.h"
 
 namespace moe {
 

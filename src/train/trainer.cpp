@@ -9,9 +9,10 @@
 
 #include "core/threads.h"
 #include "dist/communicator.h"
-#include "dist/parallel_trainer.h"
-#include "train/grad_clip.h"
-#include "train/lr_schedule.h"
+#include "data/rank_sliced_source.h"
+#include "optim/grad_clip.h"
+#include "optim/lr_schedule.h"
+#include "train/backends/backend_factory.h"
 #include "train/run_dirs.h"
 
 namespace moe {
@@ -93,68 +94,10 @@ ParameterCounts count_parameters(const ModelConfig& config, const ParameterStore
   return counts;
 }
 
-namespace {
-
-// The step's routing per MoE layer, and the largest load imbalance before dropping.
-std::vector<LayerRouting> routing_of(Transformer<float>& model, const ModelConfig& config, double& load_imbalance) {
-  std::vector<LayerRouting> layers;
-  auto moe_layers = model.moe_layers();
-  load_imbalance = 0;
-  for (size_t i = 0; i < moe_layers.size(); ++i) {
-    auto* layer = moe_layers[i];
-    load_imbalance = std::max(load_imbalance, moe::load_imbalance(layer->load_E()));
-    const MoERoutingStats& routing = layer->routing_stats();
-    LayerRouting r;
-    r.layer = config.first_dense_layers + static_cast<int64_t>(i);  // MoE blocks follow the dense ones
-    r.tokens_E = routing.kept_E;
-    r.assignments = routing.tokens * config.moe.top_k;
-    r.dropped = routing.dropped;
-    r.router_entropy = routing.tokens > 0 ? routing.entropy_sum / static_cast<double>(routing.tokens) : 0;
-    if (config.moe.bias_balancing) r.bias_E.assign(layer->balance_bias_E().begin(), layer->balance_bias_E().end());
-    layers.push_back(std::move(r));
-  }
-  return layers;
-}
-
-// The CPU reference: Transformer<float> and AdamW in this process.
-class CpuBackend final : public ModelBackend {
- public:
-  CpuBackend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer)
-      : config_(config), model_(model), optimizer_(optimizer) {}
-  void begin_step() override {
-    model_.params().zero_grads();
-    for (auto* layer : model_.moe_layers()) layer->reset_load();
-  }
-  ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
-    return model_.forward(inputs_BS, targets_BS);
-  }
-  void backward(double loss_scale, bool) override { model_.backward(loss_scale); }
-  void routing(StepStats& stats) override { stats.layers = routing_of(model_, config_.model, stats.load_imbalance); }
-  ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
-    return moe::clip_gradients(model_.params(), max_global_norm, max_expert_norm);
-  }
-  void apply_update(double lr) override {
-    optimizer_.step(lr);
-    if (config_.model.moe.bias_balancing)
-      for (auto* layer : model_.moe_layers()) layer->update_balancing_bias();
-  }
-  void end_step() override { end_validation(); }
-  void end_validation() override {
-    for (auto* layer : model_.moe_layers()) layer->reset_load();
-  }
-
- private:
-  const RunConfig& config_;
-  Transformer<float>& model_;
-  AdamW& optimizer_;
-};
-
-}  // namespace
-
 Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
                  std::unique_ptr<BatchSource> val_data)
     : Trainer(config, std::move(train_data), std::move(val_data),
-              dist::make_world_communicator(resolve_parallel_backend(config))) {}
+              dist::make_world_communicator(resolve_comm_backend(config))) {}
 
 Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_data,
                  std::unique_ptr<BatchSource> val_data, std::unique_ptr<dist::Communicator> world)
@@ -165,62 +108,35 @@ Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_dat
   MOE_CHECK(tc.global_batch_tokens % tokens_per_micro == 0,
             "training.global_batch_tokens {} is not a multiple of micro_batch*seq_len = {}",
             tc.global_batch_tokens, tokens_per_micro);
-  micro_steps_ = tc.global_batch_tokens / tokens_per_micro;
+  MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
   model_ = std::make_unique<Transformer<float>>(config_.model, tc.seed);
-  // Several ranks: the data is sliced and the model's MoE layers are wired to the others
-  // before planning (capacity depends on the global micro-batch).
-  const bool parallel = setup_parallel(std::move(world));
-  if (!parallel && wants_gpu()) setup_gpu();
-  plan_batches();  // checkpoint_trainer.cpp: may halve the micro-batch under training.memory_limit_mb
-  micro_steps_ /= world_;  // each rank reads 1/world of the global batch (setup_parallel checked divisibility)
-  // On the CPU ranks the optimizer state is sharded by the backend; this AdamW then only
-  // holds the whole state when a checkpoint is saved or restored.
+  // The host AdamW: the CPU reference steps it; the other backends keep their own state
+  // and only fill it for checkpoints (gather_state / scatter_state).
   optimizer_ = std::make_unique<AdamW>(config_.optimizer, model_->params());
-  if (!parallel) {
-    backend_ = gpu_ ? make_gpu_backend() : std::make_unique<CpuBackend>(config_, *model_, *optimizer_);
-  }
+  if (world->size() > 1) slice_data_over_ranks(world->rank(), world->size());
+  // Several ranks: the model's MoE layers are wired to the others before planning
+  // (capacity depends on the global micro-batch).
+  backend_ = make_backend(config_, *model_, *optimizer_, std::move(world));
+  plan_batches();  // checkpoint_trainer.cpp: may halve the micro-batch under memory pressure
+  micro_steps_ /= world_;  // each rank reads 1/world of the global batch (slice_data_over_ranks checked divisibility)
   inputs_BS_.resize(static_cast<size_t>(tokens_per_micro));
   targets_BS_.resize(static_cast<size_t>(tokens_per_micro));
 }
 
 Trainer::~Trainer() = default;
 
-bool Trainer::setup_parallel(std::unique_ptr<dist::Communicator> world) {
+void Trainer::slice_data_over_ranks(int rank, int world) {
   const TrainingConfig& tc = config_.training;
-  const ParallelConfig& pc = config_.parallel;
-  MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
-  // NCCL (or another device-memory backend, e.g. threads sharing one GPU in tests): data
-  // parallel on the GPU (trainer_gpu.cpp), a world of one included.
-  const bool nccl = world->device_memory();
-  if (nccl) check_gpu_data_parallel();
-  if (world->size() == 1) {
-    if (pc.expert_parallel > 1)
-      MOE_CONFIG_ERROR("parallel.expert_parallel = {} needs a launch of a multiple of {} ranks (this one has 1)",
-                       pc.expert_parallel, pc.expert_parallel);
-    if (nccl) gpu_world_ = std::move(world);
-    return false;
-  }
-  world_ = world->size();
-  rank_ = world->rank();
-  // What the multi-rank path does not do yet is refused up front.
-  if (!nccl && (config_.training.device == "cuda" || (config_.training.device == "auto" && wants_gpu())))
-    MOE_CONFIG_ERROR("training.device = {} with parallel.backend = {} ({} ranks): multi-rank GPU training needs "
-                     "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
-                     config_.training.device, world->backend(), world_);
+  world_ = world;
+  rank_ = rank;
   const int64_t per_step = world_ * tc.micro_batch * config_.model.seq_len;
   if (tc.global_batch_tokens % per_step != 0)
     MOE_CONFIG_ERROR("training.global_batch_tokens ({}) must be a multiple of ranks x training.micro_batch x "
                      "model.seq_len = {} x {} x {} = {}",
                      tc.global_batch_tokens, world_, tc.micro_batch, config_.model.seq_len, per_step);
   const int64_t S = config_.model.seq_len;
-  train_data_ = std::make_unique<dist::RankSlicedSource>(std::move(train_data_), S, rank_, world_);
-  val_data_ = std::make_unique<dist::RankSlicedSource>(std::move(val_data_), S, rank_, world_);
-  if (nccl) {
-    gpu_world_ = std::move(world);  // make_gpu_backend builds the GPU data-parallel backend on it
-    return false;
-  }
-  backend_ = std::make_unique<dist::ParallelCpuBackend>(config_, *model_, std::move(world));
-  return true;
+  train_data_ = std::make_unique<RankSlicedSource>(std::move(train_data_), S, rank_, world_);
+  val_data_ = std::make_unique<RankSlicedSource>(std::move(val_data_), S, rank_, world_);
 }
 
 StepStats Trainer::train_step(int64_t step) {
@@ -309,7 +225,7 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   if (world_ > 1)
     fmt::print(out, "batch: {} tokens/step = {} ranks x {} micro-batches x {} x {} tokens | expert parallel {} "
                "({} all-to-all, {} chunks)\n", tokens_per_step, world_, micro_steps_, micro_batch_,
-               config_.model.seq_len, config_.parallel.expert_parallel, config_.parallel.all_to_all,
+               config_.model.seq_len, config_.parallel.expert_parallel, name_of(config_.parallel.all_to_all),
                config_.parallel.a2a_chunks);
   else
     fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,

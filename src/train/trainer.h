@@ -1,6 +1,7 @@
-// The training loop on the CPU: micro-batches with gradient accumulation up to the
-// global batch in tokens, clipping, AdamW, the LR schedule, balancing-bias updates,
-// periodic validation and a line of output per logged step.
+// The training loop: micro-batches with gradient accumulation up to the global batch in
+// tokens, clipping, AdamW, the LR schedule, periodic validation, checkpoints, faults and a
+// line of output per logged step, over whichever ModelBackend the config asks for
+// (train/backends/: CPU, CPU ranks, GPUs).
 #pragma once
 #include <functional>
 #include <iosfwd>
@@ -8,15 +9,14 @@
 #include <optional>
 #include <string>
 
+#include "config/run_config.h"
+#include "data/batch_source.h"
 #include "model/transformer.h"
 #include "obs/observer.h"
-#include "train/adamw.h"
-#include "train/batch_controller.h"
-#include "train/batch_source.h"
+#include "optim/adamw.h"
+#include "train/backends/model_backend.h"
 #include "train/checkpoint.h"
-#include "train/config.h"
 #include "train/fault_monitor.h"
-#include "train/grad_clip.h"
 
 namespace moe {
 
@@ -33,82 +33,9 @@ struct TrainSummary {
   double checkpoint_seconds = 0;
 };
 
-// One optimizer step's measurements.
-struct StepStats {
-  int64_t step = 0;
-  double loss = 0, aux_loss = 0, z_loss = 0;  // means over the micro-batches
-  double lr = 0;
-  double grad_norm = 0, max_expert_grad_norm = 0;
-  double load_imbalance = 0;  // max over MoE layers of max/mean - 1 of tokens per expert
-  int64_t dropped = 0;
-  bool skipped = false;
-  StepTimes time;                    // step, data wait, compute, communication wait, optimizer
-  std::vector<LayerRouting> layers;  // per MoE layer: tokens per expert, drops, entropy, bias
-  // Communication (0 in one process): gradient-sync latency, expert-parallel all-to-all
-  // bytes sent to other ranks and the time those exchanges took (issue to completion).
-  double grad_sync_ms = 0;
-  int64_t a2a_bytes = 0;
-  double a2a_seconds = 0;
-  std::vector<RankLoad> ranks;       // experts per rank and their load; empty: one rank holds all
-  std::vector<std::pair<std::string, double>> phase_ms;  // GPU, metrics.phase_times: ms per phase of the model's stream
-};
-
-// What the step loop (Trainer::train_step) needs from the model it trains: the CPU
-// reference (Transformer + AdamW), the GPU model, or the CPU model spread over ranks
-// (src/dist/parallel_trainer.h). One loop drives all three.
-class ModelBackend {
- public:
-  virtual ~ModelBackend() = default;
-  // Before the first micro-batch: zero the gradients, reset the expert loads.
-  virtual void begin_step() = 0;
-  virtual ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) = 0;
-  // Backward of the last forward, loss weighted by loss_scale; `last` marks the step's
-  // last micro-batch (gradient communication starts during its backward).
-  virtual void backward(double loss_scale, bool last) = 0;
-  // After the micro-batches: stats.loss and .dropped summed over the ranks (one process: as is).
-  virtual void reduce_losses(StepStats& stats) { (void)stats; }
-  // Fills stats.layers and stats.load_imbalance from the step's routing.
-  virtual void routing(StepStats& stats) = 0;
-  // Norms (per expert, then global) and clipping of the gradients, applied by apply_update.
-  virtual ClipStats clip_gradients(double max_global_norm, double max_expert_norm) = 0;
-  // AdamW (and the balancing-bias update).
-  virtual void apply_update(double lr) = 0;
-  // After the step, applied or skipped.
-  virtual void end_step() = 0;
-  // A validation micro-batch's loss, then the sum of such values over the ranks.
-  virtual double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) { return forward(inputs_BS, targets_BS).ce_loss; }
-  virtual double sum_over_ranks(double value) { return value; }
-  virtual void end_validation() = 0;
-  // The step's communication measurements into stats (and reset them).
-  virtual void take_comm_stats(StepStats& stats) { (void)stats; }
-  // The trained weights into the host model (GPU download, expert gather across ranks).
-  virtual void sync_host_model() {}
-  // Checkpoints of multi-rank runs. gather_state (collective): afterwards this rank's host
-  // model holds every parameter's current value and `optimizer` every moment and the step
-  // count, in the single-process layout, whatever the backend shards over the ranks.
-  // scatter_state: the reverse, once every rank has loaded the same checkpoint into its
-  // host model and `optimizer`. No-ops where the host model and `optimizer` are the state.
-  virtual void gather_state(AdamW& optimizer) { (void)optimizer; }
-  virtual void scatter_state(AdamW& optimizer) { (void)optimizer; }
-  // The experts' placement and the re-placement's state, as text a checkpoint keeps
-  // (empty: nothing to keep), and taking it back after a restore (collective; ignored
-  // where it does not fit this run, e.g. another EP size).
-  virtual std::string placement_state() const { return {}; }
-  virtual void restore_placement(const std::string& state) { (void)state; }
-};
-
 namespace dist {
 class Communicator;
-class GpuExpertExchangeOverComm;
-class GpuDataParallel;
 }
-
-class GpuTransformer;
-// Deletes the GPU model where its type is complete (src/train/trainer_gpu.cpp), so this
-// header and CPU-only builds never need it.
-struct GpuTransformerDeleter {
-  void operator()(GpuTransformer* model) const;
-};
 
 class Trainer {
  public:
@@ -128,7 +55,7 @@ class Trainer {
   // The host model: the CPU path trains it; on the GPU it holds the initial weights and,
   // after run(), the trained ones.
   Transformer<float>& model() { return *model_; }
-  bool on_gpu() const { return gpu_ != nullptr; }
+  bool on_gpu() const { return backend_->on_gpu(); }
   // Data/expert-parallel run: this rank and the number of ranks (1 in one process).
   int rank() const { return rank_; }
   int world_size() const { return world_; }
@@ -156,8 +83,6 @@ class Trainer {
   std::unique_ptr<BatchSource> train_data_, val_data_;
   std::unique_ptr<Transformer<float>> model_;
   std::unique_ptr<AdamW> optimizer_;
-  std::unique_ptr<GpuTransformer, GpuTransformerDeleter> gpu_;  // set when training.device resolves to cuda
-  int64_t gpu_steps_ = 0;                // AdamW steps taken on the GPU
   std::unique_ptr<ModelBackend> backend_;  // what train_step drives
   int rank_ = 0, world_ = 1;
   int64_t micro_steps_ = 1;
@@ -187,30 +112,10 @@ class Trainer {
   void collect_background_save(bool wait, std::ostream& out);
   // Plans the model's arenas, halving the micro-batch while it does not fit.
   void plan_batches();
-  // The GPU path (src/train/trainer_gpu.cpp): whether training.device asks for it, and
-  // its step and validation.
-  bool wants_gpu() const;
-  void setup_gpu();
-  void configure_gpu_model();  // recompute and graph settings of training.* onto the GPU model
-  // Plans the GPU buffers, halving the micro-batch while an allocation fails.
-  BatchPlan plan_gpu_batches();
-  std::unique_ptr<ModelBackend> make_gpu_backend();
-  // Data/expert parallelism over the ranks of the launch (src/dist/parallel_trainer.cpp):
-  // slices the data per rank and makes the CPU backend; false in a world of one. An NCCL
-  // world is kept in gpu_world_ for the GPU's data-parallel backend (false as well).
-  bool setup_parallel(std::unique_ptr<dist::Communicator> world);
-  // parallel.backend = nccl: what the GPU data-parallel path refuses (trainer_gpu.cpp).
-  void check_gpu_data_parallel() const;
-  std::unique_ptr<dist::Communicator> gpu_world_;  // until make_gpu_backend takes it
-  // parallel.expert_parallel > 1 on the GPU: the EP group's exchange (kept across re-plans).
-  std::shared_ptr<dist::GpuExpertExchangeOverComm> gpu_expert_exchange_;
-  dist::GpuDataParallel* gpu_dp_ = nullptr;  // the GPU backend's data-parallel group (it owns it), or null
-  // Checkpoints of GPU runs: the host model and AdamW take the GPU's state before a save,
-  // and the GPU takes theirs after a restore (no-ops on the CPU path).
-  void sync_state_from_gpu();
-  void sync_state_to_gpu();
+  // Several ranks: each reads its slice of the global batch (checks the batch divides).
+  void slice_data_over_ranks(int rank, int world);
   // Loads a read checkpoint into the model, optimizer and data (every rank), then into the
-  // backend's shards and the GPU.
+  // backend (ModelBackend::scatter_state).
   void restore_from(const LoadedCheckpoint& checkpoint);
   // This rank's checkpoint writer is done and, with several ranks, so is rank 0's.
   void wait_for_saved_checkpoints(std::ostream& out);
@@ -218,10 +123,6 @@ class Trainer {
   bool after_step(const StepStats& stats, std::ostream& out);
   void reload_after_faults(const StepStats& stats, std::ostream& out);
 };
-
-// parallel.backend as the launch resolves it: auto becomes nccl when the launch has
-// several ranks and training.device resolves to the GPU (src/train/trainer_gpu.cpp).
-std::string resolve_parallel_backend(const RunConfig& config);
 
 // Parameter counts for the log and MFU: total, and active per token (top-k experts).
 struct ParameterCounts {

@@ -8,7 +8,7 @@
 
 #include "core/error.h"
 #include "data/corpus.h"
-#include "train/config.h"
+#include "config/run_config.h"
 
 namespace fs = std::filesystem;
 

@@ -6,7 +6,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "data/tokenizer.h"
-#include "train/config.h"
+#include "config/run_config.h"
 
 namespace moe {
 namespace {

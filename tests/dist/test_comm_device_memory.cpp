@@ -17,7 +17,7 @@
 #include "dist/comm_util.h"
 #include "dist/hierarchical_all_to_all.h"
 #include "tcp_ranks.h"
-#include "train/config.h"
+#include "config/run_config.h"
 
 namespace moe::dist {
 namespace {
@@ -143,13 +143,13 @@ TEST(DeviceMemoryCheck, HierarchicalAllToAllUsesOnlyBackendMemory) {
     }
     std::shared_ptr<void> send_d = comm->allocate(send.size() * 4), recv_d = comm->allocate(expected.size() * 4);
     comm->copy(send_d.get(), send.data(), send.size() * 4);
-    for (const char* kind : {"flat", "hierarchical"}) {
+    for (const AllToAllKind kind : {AllToAllKind::Flat, AllToAllKind::Hierarchical}) {
       std::unique_ptr<AllToAll> a2a = make_all_to_all(kind, *comm, /*node=*/rank / 2);
       std::memset(recv_d.get(), 0, expected.size() * 4);
       a2a->exchange(send_d.get(), send_counts, recv_d.get(), recv_counts, DType::i32);
       std::vector<int32_t> got(expected.size());
       comm->copy(got.data(), recv_d.get(), got.size() * 4);
-      EXPECT_EQ(got, expected) << kind;
+      EXPECT_EQ(got, expected) << name_of(kind);
     }
   });
 }
@@ -167,7 +167,7 @@ TEST(DeviceMemoryCheck, AllToAllBenchUsesOnlyBackendMemory) {
     std::ostringstream out;
     const auto results = run_all_to_all_bench(config, *comm, 1, 2, out);
     ASSERT_EQ(results.size(), 2u);
-    for (const auto& r : results) EXPECT_TRUE(r.rows_ok) << r.kind;
+    for (const auto& r : results) EXPECT_TRUE(r.rows_ok) << name_of(r.kind);
   });
 }
 

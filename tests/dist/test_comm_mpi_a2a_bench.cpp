@@ -29,12 +29,12 @@ TEST(AllToAllBench, FlatAndHierarchicalDeliverEveryRow) {
   const auto results = run_all_to_all_bench(small_config(), world(), 1, 3, out);
   ASSERT_EQ(results.size(), 2u);
   for (const AllToAllBenchResult& r : results) {
-    EXPECT_TRUE(r.rows_ok) << r.kind;
-    EXPECT_GT(r.dispatch_ms, 0) << r.kind;
-    EXPECT_GT(r.combine_ms, 0) << r.kind;
+    EXPECT_TRUE(r.rows_ok) << name_of(r.kind);
+    EXPECT_GT(r.dispatch_ms, 0) << name_of(r.kind);
+    EXPECT_GT(r.combine_ms, 0) << name_of(r.kind);
   }
-  EXPECT_EQ(results[0].kind, "flat");
-  EXPECT_EQ(results[1].kind, "hierarchical");
+  EXPECT_EQ(results[0].kind, AllToAllKind::Flat);
+  EXPECT_EQ(results[1].kind, AllToAllKind::Hierarchical);
   if (world().rank() == 0) {
     EXPECT_NE(out.str().find("flat"), std::string::npos) << out.str();
     EXPECT_NE(out.str().find("rows checked"), std::string::npos) << out.str();

@@ -3,10 +3,13 @@
 // run on every rank in the same order. Only rank 0 prints; any rank failing fails the run.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <string_view>
 
 #include "comm_mpi_world.h"
+#include "config/parallel_config.h"
 #include "core/error.h"
 #include "dist/mpi_communicator.h"
 
@@ -26,7 +29,12 @@ int main(int argc, char** argv) {
   try {
     const char* backend = std::getenv("MOE_TEST_BACKEND");
     auto& world = moe::dist::testing::world_storage();
-    world = moe::dist::make_world_communicator(backend ? backend : "auto");
+    moe::CommBackend kind = moe::CommBackend::Auto;
+    if (backend && !moe::parse_enum(std::string_view(backend), kind)) {
+      std::fprintf(stderr, "MOE_TEST_BACKEND=%s: not a parallel.backend name\n", backend);
+      return 2;
+    }
+    world = moe::dist::make_world_communicator(kind);
     if (world->rank() != 0) {
       auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
       delete listeners.Release(listeners.default_result_printer());

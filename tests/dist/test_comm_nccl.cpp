@@ -16,7 +16,7 @@ class NcclWorldOfOne : public ::testing::Test {
  protected:
   void SetUp() override {
     if (gpu::device_count() == 0) GTEST_SKIP() << "no GPU";
-    comm_ = make_world_communicator("nccl");
+    comm_ = make_world_communicator(CommBackend::Nccl);
   }
   std::unique_ptr<Communicator> comm_;
 };

@@ -24,7 +24,7 @@ int main(int argc, char** argv) {
   try {
     moe::set_num_threads(1);  // several ranks share the cores
     auto& world = moe::dist::testing::parallel_world();
-    world = moe::dist::make_world_communicator("auto");
+    world = moe::dist::make_world_communicator(moe::CommBackend::Auto);
     if (world->rank() != 0) {
       auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
       delete listeners.Release(listeners.default_result_printer());

@@ -1,7 +1,7 @@
 // N ranks against one process (label mpi, run under mpirun -np 4): 20 training steps
 // with data parallelism (ZeRO-1), expert parallelism and both must give the losses and
 // final parameters of the single-process run with an N times larger micro-batch (the
-// same global batch and micro-batch split; see src/dist/parallel_trainer.h).
+// same global batch and micro-batch split; see src/train/backends/parallel_cpu_backend.h).
 //
 // Tolerances: the runs differ only in the order of fp32 sums (gradients summed per rank
 // then across ranks, expert GEMMs over row segments, reduce-scatter order). Such
@@ -23,7 +23,7 @@
 #include <numeric>
 #include <sstream>
 
-#include "dist/expert_parallel.h"
+#include "dist/expert_exchange.h"
 #include "dist/launch_env.h"
 #include "dist/single_communicator.h"
 #include "parallel_mpi_world.h"
@@ -62,7 +62,7 @@ RunConfig tiny_config() {
   config.training.steps = 20;
   config.training.val_batches = 1;
   config.training.val_interval = 0;
-  config.training.device = "cpu";
+  config.training.device = TrainingDevice::Cpu;
   config.lr.peak = 1e-2;
   config.lr.warmup_steps = 2;
   config.metrics.log_interval = 100;
@@ -259,7 +259,7 @@ TEST(ParallelTraining, RebalancedExpertsMatchOneProcess) {
     config.parallel.rebalance_interval = 2;
     const RunResult got = train_parallel(config);
     expect_matches_reference(config, got);
-    const auto contiguous = dist::ExpertPlacement::contiguous(config.model.moe.n_experts, static_cast<int>(ep));
+    const auto contiguous = ExpertPlacement::contiguous(config.model.moe.n_experts, static_cast<int>(ep));
     int moved = 0;
     for (const StepStats& s : got.stats) {
       ASSERT_EQ(s.ranks.size(), static_cast<size_t>(ep));
@@ -471,9 +471,9 @@ TEST(ParallelTrainingHierarchical, FlatAndHierarchicalAgreeAcrossNodes) {
   RunConfig config = tiny_config();
   config.parallel.expert_parallel = 4;
   config.parallel.a2a_chunks = 2;
-  config.parallel.all_to_all = "flat";
+  config.parallel.all_to_all = AllToAllKind::Flat;
   const RunResult flat = train_parallel(config);
-  config.parallel.all_to_all = "hierarchical";
+  config.parallel.all_to_all = AllToAllKind::Hierarchical;
   const RunResult hierarchical = train_parallel(config);
   EXPECT_EQ(flat.loss, hierarchical.loss);
   EXPECT_EQ(flat.params, hierarchical.params);

@@ -9,7 +9,7 @@
 
 #include "train/test_resume_fixtures.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
 
 namespace moe {
 namespace {

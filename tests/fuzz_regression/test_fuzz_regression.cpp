@@ -10,8 +10,8 @@
 
 #include "core/error.h"
 #include "data/bpe.h"
-#include "train/checkpoint_io.h"
-#include "train/config.h"
+#include "core/atomic_file.h"
+#include "config/run_config.h"
 #include "train/safetensors.h"
 
 namespace moe {

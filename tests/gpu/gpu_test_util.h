@@ -11,7 +11,7 @@
 #include "core/bf16.h"
 #include "core/gpu.h"
 #include "core/rng.h"
-#include "train/config.h"
+#include "config/run_config.h"
 
 namespace moe::test {
 
@@ -103,7 +103,7 @@ inline RunConfig tiny_gpu_run(int64_t steps) {
   m.moe.n_experts = 4;
   m.moe.top_k = 2;
   m.moe.expert_hidden = 128;
-  config.training.device = "cuda";
+  config.training.device = TrainingDevice::Cuda;
   config.training.micro_batch = 8;
   config.training.global_batch_tokens = 1024;  // 2 micro-batches
   config.training.steps = steps;

@@ -1,6 +1,6 @@
 // Small model shapes shared by the GPU tests of whole steps.
 #pragma once
-#include "model/config.h"
+#include "config/model_config.h"
 
 namespace moe::test {
 

@@ -19,7 +19,7 @@
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
 #include "moe/router.h"
-#include "train/grad_clip.h"
+#include "optim/grad_clip.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
 
@@ -83,7 +83,7 @@ TEST(GpuBalancing, SelectionBiasSteersTheTopKAsOnTheCpu) {
   EXPECT_NEAR(got.aux_loss, want.aux_loss, 2e-2 * want.aux_loss + 1e-6);
 }
 
-// Each expert's norm over its slices of w1, w3, w2, as train/grad_clip.cpp sums it.
+// Each expert's norm over its slices of w1, w3, w2, as optim/grad_clip.cpp sums it.
 std::vector<double> cpu_expert_norms(ParameterStore<float>& params) {
   std::vector<double> norms;
   for (int first = 0; first < params.size(); ++first) {
@@ -231,7 +231,7 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
   }
 }
 
-RunConfig run_config(const std::string& device) {
+RunConfig run_config(TrainingDevice device) {
   RunConfig config;
   config.model = tiny_model();
   config.training.device = device;
@@ -254,7 +254,7 @@ TrainRun train(const RunConfig& config) {
   const auto& m = config.model;
   Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
                   std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2));
-  EXPECT_EQ(trainer.on_gpu(), config.training.device == "cuda");
+  EXPECT_EQ(trainer.on_gpu(), config.training.device == TrainingDevice::Cuda);
   TrainRun run;
   trainer.on_step = [&](const StepStats& stats) { run.steps.push_back(stats); };
   std::ostringstream log;
@@ -272,7 +272,7 @@ std::vector<float> bias_at(const TrainRun& run, size_t step, size_t layer) {
 
 TEST(GpuBalancing, TrainerBiasUpdatesFollowTheCpuRule) {
   MOE_REQUIRE_GPU();
-  RunConfig config = run_config("cuda");
+  RunConfig config = run_config(TrainingDevice::Cuda);
   config.model.moe.bias_balancing = true;
   config.model.moe.bias_update_rate = 0.01;
   const TrainRun gpu = train(config);
@@ -308,7 +308,7 @@ TEST(GpuBalancing, TrainerBiasUpdatesFollowTheCpuRule) {
 
   // Against the CPU: an expert's bias is a sum of +-rate (or 0) steps, each decided by the
   // side of the mean its load fell on; while those sides agree, the biases are equal.
-  config.training.device = "cpu";
+  config.training.device = TrainingDevice::Cpu;
   const TrainRun cpu = train(config);
   ASSERT_EQ(cpu.steps.size(), gpu.steps.size());
   int64_t compared = 0;
@@ -334,14 +334,14 @@ TEST(GpuBalancing, TrainerBiasUpdatesFollowTheCpuRule) {
 
 TEST(GpuBalancing, TrainerExpertClippingMatchesTheCpu) {
   MOE_REQUIRE_GPU();
-  RunConfig config = run_config("cuda");
+  RunConfig config = run_config(TrainingDevice::Cuda);
   config.training.expert_grad_clip = 0.01;  // far below the experts' norms: every expert is clipped
   config.model.moe.bias_balancing = true;   // both features together
   const TrainRun gpu = train(config);
   RunConfig unclipped = config;
   unclipped.training.expert_grad_clip = 0;
   const TrainRun gpu_unclipped = train(unclipped);
-  config.training.device = "cpu";
+  config.training.device = TrainingDevice::Cpu;
   const TrainRun cpu = train(config);
   ASSERT_EQ(gpu.steps.size(), 6u);
   ASSERT_EQ(cpu.steps.size(), 6u);

@@ -49,7 +49,7 @@ TEST(GpuDataParallel, AllReduceOverOneRankIsTheIdentity) {
   gpu::DeviceArray<float> grads(static_cast<size_t>(n));
   grads.upload(host.data(), host.size());
   {
-    dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4);
+    dist::GpuDataParallel dp(dist::make_world_communicator(CommBackend::Nccl), stream, grads.data(), n, 0.4);
     ASSERT_EQ(dp.size(), 1);
     ASSERT_EQ(dp.buckets().size(), 4u);  // 0.4e6 / 4 = 100000 -> 99968 (aligned) per bucket, then 103
     int64_t covered = 0;
@@ -90,7 +90,7 @@ TEST(GpuDataParallel, OverlappedStagesOverOneRankAreTheIdentity) {
   gpu::DeviceArray<float> grads(static_cast<size_t>(n));
   grads.upload(host.data(), host.size());
   {
-    dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4);
+    dist::GpuDataParallel dp(dist::make_world_communicator(CommBackend::Nccl), stream, grads.data(), n, 0.4);
     EXPECT_FALSE(dp.overlaps());
     EXPECT_THROW(dp.set_stage_ranges({{{0, 128}}, {{64, n - 64}}}), Error);  // an overlap
     EXPECT_THROW(dp.set_stage_ranges({{{0, 64}}, {{128, n}}}), Error);       // past the block's end
@@ -127,7 +127,7 @@ TEST(GpuDataParallel, Bf16SumOverOneRankRoundsEachGradientOnce) {
   for (bool overlapped : {false, true}) {
     SCOPED_TRACE(overlapped ? "stage by stage" : "after the backward");
     grads.upload(host.data(), host.size());
-    dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4, dist::DType::bf16);
+    dist::GpuDataParallel dp(dist::make_world_communicator(CommBackend::Nccl), stream, grads.data(), n, 0.4, dist::DType::bf16);
     if (overlapped) {
       dp.set_stage_ranges({{{200000, n - 200000}}, {{64, 199936}}, {{0, 64}}});
       for (int stage = 0; stage < 3; ++stage) dp.launch_stage(stage);
@@ -140,7 +140,7 @@ TEST(GpuDataParallel, Bf16SumOverOneRankRoundsEachGradientOnce) {
     EXPECT_TRUE(same_bits(back, rounded));
     EXPECT_GT(dp.take_stats().grad_sync_s, 0.0);
   }
-  EXPECT_THROW(dist::GpuDataParallel(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4,
+  EXPECT_THROW(dist::GpuDataParallel(dist::make_world_communicator(CommBackend::Nccl), stream, grads.data(), n, 0.4,
                                      dist::DType::f64),
                Error);
   ASSERT_EQ(cudaStreamDestroy(stream), cudaSuccess);
@@ -165,7 +165,7 @@ TEST(GpuDataParallel, ZeroShardsOverOneRankAreTheIdentity) {
   for (dist::DType dtype : {dist::DType::f32, dist::DType::bf16}) {
     SCOPED_TRACE(dtype == dist::DType::f32 ? "fp32 sums" : "bf16 sums");
     grads.upload(host.data(), host.size());
-    dist::GpuDataParallel dp(dist::make_world_communicator("nccl"), stream, grads.data(), n, 0.4, dtype);
+    dist::GpuDataParallel dp(dist::make_world_communicator(CommBackend::Nccl), stream, grads.data(), n, 0.4, dtype);
     EXPECT_THROW(dp.set_zero_plan(dist::plan_zero_shards(stages, {}, dp.bucket_elems(), 2, 0), true), Error);
     dist::ZeroShardPlan plan = dist::plan_zero_shards(stages, {{1024, 48}}, dp.bucket_elems(), 1, 0);
     ASSERT_FALSE(plan.sharded[1].empty());
@@ -241,7 +241,7 @@ TEST(GpuDataParallel, OneRankNcclRunMatchesThePlainGpuRun) {
   RunConfig config = tiny_config();
   const RunResult plain = train(config);
   const RunResult again = train(config);
-  config.parallel.backend = "nccl";
+  config.parallel.backend = CommBackend::Nccl;
   const RunResult nccl = train(config);
   ASSERT_EQ(plain.losses.size(), 10u);
   ASSERT_EQ(nccl.losses.size(), 10u);
@@ -313,21 +313,21 @@ std::string config_error(const RunConfig& config) {
 TEST(GpuDataParallel, RefusesWhatItDoesNotDo) {
   MOE_REQUIRE_GPU();
   RunConfig config = tiny_config();
-  config.parallel.backend = "nccl";
+  config.parallel.backend = CommBackend::Nccl;
   config.parallel.expert_parallel = 2;
   EXPECT_NE(config_error(config).find("needs a launch of a multiple of 2 ranks"), std::string::npos)
       << config_error(config);
   config.training.cuda_graphs = true;
   EXPECT_NE(config_error(config).find("cannot run inside CUDA graphs"), std::string::npos) << config_error(config);
   config.training.cuda_graphs = false;
-  config.training.recompute_experts = "swiglu";
+  config.training.recompute_experts = ExpertRecompute::Swiglu;
   EXPECT_NE(config_error(config).find("needs training.recompute_experts = none"), std::string::npos)
       << config_error(config);
-  config.training.recompute_experts = "none";
+  config.training.recompute_experts = ExpertRecompute::None;
   config.parallel.expert_parallel = 3;
   EXPECT_NE(config_error(config).find("must divide moe.n_experts"), std::string::npos) << config_error(config);
   config.parallel.expert_parallel = 1;
-  config.training.device = "cpu";
+  config.training.device = TrainingDevice::Cpu;
   EXPECT_NE(config_error(config).find("parallel.backend = nccl trains on the GPU"), std::string::npos)
       << config_error(config);
 }

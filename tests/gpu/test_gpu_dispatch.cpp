@@ -123,7 +123,7 @@ TEST(GpuDispatchKernels, LookupMapsEveryIndexThroughTheTable) {
   EXPECT_EQ(to_host(out_d), expected);
 }
 
-// Expert parallelism's token exchange (kernels/cuda/token_exchange.cu) against the CPU
+// Expert parallelism's token exchange (moe/cuda/token_exchange.cu) against the CPU
 // references (moe/token_exchange.h): three ranks with unequal slot counts (one with none),
 // a capacity that drops, D both vectorised and not; with split experts (the one slot of
 // the empty block shared by all three ranks) and without; and the receiving rank's

@@ -16,7 +16,7 @@
 #include "kernels/swiglu.h"
 #include "model/parameters.h"
 #include "moe/router.h"
-#include "train/adamw.h"
+#include "optim/adamw.h"
 
 namespace moe {
 namespace {

@@ -1,6 +1,6 @@
 // The GPU optimizer against the CPU one, bit for bit: the hi/lo master-weight split, the
-// global gradient norm (train/grad_clip.cpp's sum order), clipping and the multi-tensor
-// AdamW with fp32 and bf16 moments (train/adamw.cpp), the state round trip for
+// global gradient norm (optim/grad_clip.cpp's sum order), clipping and the multi-tensor
+// AdamW with fp32 and bf16 moments (optim/adamw.cpp), the state round trip for
 // checkpoints, and all of it through GpuTransformer on a small model.
 #include <gtest/gtest.h>
 
@@ -19,8 +19,8 @@
 #include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
-#include "train/adamw.h"
-#include "train/grad_clip.h"
+#include "optim/adamw.h"
+#include "optim/grad_clip.h"
 
 namespace moe {
 namespace {
@@ -173,7 +173,7 @@ class GpuMultiTensorAdamW : public ::testing::TestWithParam<MomentDtype> {
   OptimizerConfig config() const {
     OptimizerConfig c;
     c.weight_decay = 0.1;
-    c.state_dtype = GetParam() == MomentDtype::Bf16 ? "bf16" : "fp32";
+    c.state_dtype = GetParam();
     return c;
   }
 };

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/rng.h"
-#include "train/batch_source.h"
+#include "data/batch_source.h"
 
 namespace moe::test {
 

@@ -14,7 +14,8 @@
 #include "train/synthetic.h"
 #include "train/batch_controller.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
+#include "train/checkpoint_hash.h"
 #include "train/fault_monitor.h"
 #include "train/safetensors.h"
 

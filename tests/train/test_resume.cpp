@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "test_resume_fixtures.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
 #include "train/signals.h"
 
 namespace moe {

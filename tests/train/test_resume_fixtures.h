@@ -21,8 +21,8 @@
 
 #include "core/rng.h"
 #include "core/threads.h"
-#include "train/batch_source.h"
-#include "train/config.h"
+#include "data/batch_source.h"
+#include "config/run_config.h"
 #include "train/trainer.h"
 
 namespace moe::test {

@@ -14,7 +14,7 @@
 #include "obs/jsonl.h"
 #include "test_resume_fixtures.h"
 #include "train/checkpoint.h"
-#include "train/checkpoint_io.h"
+#include "core/atomic_file.h"
 #include "train/run_dirs.h"
 
 namespace moe {

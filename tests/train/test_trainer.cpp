@@ -7,9 +7,9 @@
 
 #include "core/threads.h"
 #include "synthetic.h"
-#include "train/adamw.h"
-#include "train/grad_clip.h"
-#include "train/lr_schedule.h"
+#include "optim/adamw.h"
+#include "optim/grad_clip.h"
+#include "optim/lr_schedule.h"
 #include "train/trainer.h"
 
 namespace moe {

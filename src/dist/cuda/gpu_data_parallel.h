@@ -30,7 +30,7 @@
 
 #include "core/bf16.h"
 #include "dist/communicator.h"
-#include "dist/parallel_stats.h"
+#include "dist/comm_stats.h"
 #include "dist/zero_shards.h"
 
 namespace moe::dist {

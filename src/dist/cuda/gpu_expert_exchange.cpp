@@ -6,7 +6,7 @@
 
 namespace moe::dist {
 
-GpuExpertExchangeOverComm::GpuExpertExchangeOverComm(Communicator& world, int ep_size, const std::string& kind,
+GpuExpertExchangeOverComm::GpuExpertExchangeOverComm(Communicator& world, int ep_size, AllToAllKind kind,
                                                      int ranks_per_node) {
   MOE_CHECK(world.device_memory(), "the GPU's expert parallelism needs a device-memory backend (nccl), got '{}'",
             world.backend());

@@ -17,7 +17,7 @@ class GpuExpertExchangeOverComm final : public GpuExpertExchange {
  public:
   // Collective over world (an nccl communicator): splits off this rank's EP group.
   // ranks_per_node: the launch's GPUs per node (for the hierarchical exchange).
-  GpuExpertExchangeOverComm(Communicator& world, int ep_size, const std::string& kind, int ranks_per_node);
+  GpuExpertExchangeOverComm(Communicator& world, int ep_size, AllToAllKind kind, int ranks_per_node);
   int size() const override { return group_->size(); }
   int rank() const override { return group_->rank(); }
   void set_stream(void* stream) override { a2a_->set_stream(stream); }

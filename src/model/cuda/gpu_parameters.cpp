@@ -21,12 +21,6 @@ constexpr int64_t kStagingFloats = int64_t{1} << 22;
 
 }  // namespace
 
-MomentDtype moment_dtype_from_name(const std::string& name) {
-  if (name == "fp32") return MomentDtype::Fp32;
-  if (name == "bf16") return MomentDtype::Bf16;
-  MOE_CONFIG_ERROR("optimizer.state_dtype must be one of fp32, bf16, got \"{}\"", name);
-}
-
 struct GpuParameterStore::State {
   cudaStream_t stream = nullptr;
   MomentDtype moments = MomentDtype::Fp32;

@@ -16,16 +16,12 @@
 #include <memory>
 #include <vector>
 
+#include "config/optimizer_config.h"
 #include "core/bf16.h"
 #include "kernels/gpu_ops.h"
 #include "model/parameters.h"
 
 namespace moe {
-
-enum class MomentDtype { Fp32, Bf16 };
-
-// "fp32" or "bf16" (optimizer.state_dtype); anything else is an error.
-MomentDtype moment_dtype_from_name(const std::string& name);
 
 // The hyper-parameters of one AdamW step (`step` counts from 1).
 struct AdamWStep {

@@ -543,13 +543,6 @@ void GpuTransformer::set_recompute_experts(ExpertRecompute mode) {
   state_->recompute_experts = mode;  // takes effect at the next plan()
 }
 
-ExpertRecompute expert_recompute_from_name(const std::string& name) {
-  if (name == "none") return ExpertRecompute::None;
-  if (name == "swiglu") return ExpertRecompute::Swiglu;
-  if (name == "all") return ExpertRecompute::All;
-  MOE_CONFIG_ERROR("training.recompute_experts must be one of none, swiglu, all, got \"{}\"", name);
-}
-
 void GpuTransformer::zero_grads() { state_->store->zero_grads(); }
 
 GpuParameterStore& GpuTransformer::parameters() { return *state_->store; }

@@ -10,21 +10,13 @@
 #include <utility>
 #include <vector>
 
-#include "model/config.h"
+#include "config/model_config.h"
+#include "config/training_config.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
 
 namespace moe {
-
-// What the MoE layers recompute in the backward instead of keeping (training.recompute_experts).
-enum class ExpertRecompute {
-  None,    // keep the expert input rows, gate|up and SwiGLU activation of every layer
-  Swiglu,  // keep gate|up; recompute the input rows (a permute) and SwiGLU: ~0.4 of the bytes, ~no time
-  All,     // also recompute gate|up (one more grouped GEMM per layer)
-};
-// "none" | "swiglu" | "all"; anything else is a ConfigError.
-ExpertRecompute expert_recompute_from_name(const std::string& name);
 
 // Expert parallelism for the GPU model (set_expert_exchange): EP rank p of P computes
 // experts [p * E/P, (p + 1) * E/P) for the tokens of all P ranks. Implemented over NCCL in
@@ -54,7 +46,7 @@ struct GpuRoutingStats {
 class GpuTransformer {
  public:
   // Copies the (already initialised) parameters of `params` to the device; `moments` is
-  // optimizer.state_dtype (moment_dtype_from_name).
+  // optimizer.state_dtype.
   GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params,
                  MomentDtype moments = MomentDtype::Fp32);
   ~GpuTransformer();

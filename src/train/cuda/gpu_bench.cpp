@@ -31,10 +31,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     // Initialise on the host (the same weights as the CPU path), copy, then free the host copy.
     Transformer<float> host(mc, config.training.seed);
     counts = count_parameters(mc, host.params());
-    gpu = std::make_unique<GpuTransformer>(mc, host.params(), moment_dtype_from_name(config.optimizer.state_dtype));
+    gpu = std::make_unique<GpuTransformer>(mc, host.params(), config.optimizer.state_dtype);
   }
   gpu->set_recompute_layers(config.training.recompute_layers);
-  gpu->set_recompute_experts(expert_recompute_from_name(config.training.recompute_experts));
+  gpu->set_recompute_experts(config.training.recompute_experts);
   if (ep_loopback) {
     MOE_CHECK(mc.moe.n_experts > 0, "bench --ep-loopback needs an MoE model");
     gpu->set_expert_exchange(std::make_shared<LoopbackExpertExchange>());
@@ -86,9 +86,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
   fmt::print(out, "mode: AdamW moments {}, activations of {} layers recomputed, experts recompute {}, CUDA graphs {}\n",
-             config.optimizer.state_dtype,
+             name_of(config.optimizer.state_dtype),
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
-             config.training.recompute_experts,
+             name_of(config.training.recompute_experts),
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
   if (ep_loopback)
     fmt::print(out, "expert parallel over this one GPU (--ep-loopback): every exchange a device copy\n");

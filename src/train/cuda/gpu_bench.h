@@ -4,7 +4,7 @@
 #pragma once
 #include <iosfwd>
 
-#include "train/config.h"
+#include "config/run_config.h"
 
 namespace moe {
 

@@ -1,11 +1,11 @@
-#include "dist/zero.h"
+#include "dist/zero_optimizer.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/error.h"
-#include "train/grad_clip.h"
+#include "optim/grad_clip.h"
 
 namespace moe::dist {
 
@@ -150,7 +150,7 @@ void ZeroOptimizer::scale_experts(const std::vector<int>& group_of_id, const std
 void ZeroOptimizer::step(double lr) {
   ++steps_;
   const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
-  const bool bf16 = config_.state_dtype == "bf16";
+  const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
   for (Bucket& b : buckets_) {
     std::fill(b.mine.begin(), b.mine.end(), 0.0f);
     for_my_part(b, [&](const Piece& piece, int64_t first, int64_t count, int64_t at) {

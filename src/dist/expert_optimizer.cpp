@@ -1,12 +1,12 @@
-#include "dist/parallel_experts.h"
+#include "dist/expert_optimizer.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/error.h"
-#include "dist/zero.h"
-#include "train/grad_clip.h"
+#include "dist/zero_optimizer.h"
+#include "optim/grad_clip.h"
 
 namespace moe::dist {
 
@@ -112,7 +112,7 @@ void ExpertOptimizer::scale_gradients(float factor) {
 void ExpertOptimizer::step(double lr) {
   ++steps_;
   const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
-  const bool bf16 = config_.state_dtype == "bf16";
+  const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
   for (LayerState& layer : layers_)
     for_held(layer, [&](size_t i, int64_t expert, int64_t slot) {
       const int id = layer.layer.ids[i];

@@ -13,11 +13,11 @@
 #include <memory>
 #include <vector>
 
+#include "config/optimizer_config.h"
+#include "dist/comm_stats.h"
 #include "dist/communicator.h"
-#include "dist/parallel_stats.h"
 #include "kernels/adamw_math.h"
 #include "model/parameters.h"
-#include "train/config.h"
 
 namespace moe::dist {
 

@@ -1,6 +1,6 @@
 // Config loading: TOML file -> overrides -> validation, each error one line that names
 // where the value came from (file:line:column or "command line") and the key.
-#include "train/config.h"
+#include "config/run_config.h"
 
 #include <fmt/format.h>
 #include <toml++/toml.h>
@@ -18,7 +18,6 @@
 
 #include "core/error.h"
 #include "core/threads.h"
-#include "data/tokenizer.h"
 
 namespace moe {
 namespace {
@@ -117,8 +116,9 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("parallel", "backend", c.parallel.backend);
 }
 
+// Strings and enums are written as TOML strings (and may be given bare on the command line).
 template <class T>
-constexpr bool kStringTyped = std::is_same_v<T, std::string> || std::is_same_v<T, ScoreFunc>;
+constexpr bool kStringTyped = std::is_same_v<T, std::string> || std::is_enum_v<T>;
 
 std::string join(const auto& items) {
   std::string out;
@@ -149,7 +149,13 @@ std::string unknown_section_message(std::string_view section) {
   return fmt::format("unknown section [{}] (known sections: {})", section, join(kSections));
 }
 
-const char* score_func_name(ScoreFunc f) { return f == ScoreFunc::Sigmoid ? "sigmoid" : "softmax"; }
+// "a, b, c": an enum's names, for messages.
+template <class E>
+std::string names_of() {
+  std::string out;
+  for (const auto& entry : enum_names(E{})) out += (out.empty() ? "" : ", ") + std::string(entry.name);
+  return out;
+}
 
 // A TOML basic string: quotes, backslashes and control characters escaped.
 std::string toml_string(std::string_view s) {
@@ -199,10 +205,9 @@ void assign(T& field, const toml::node& node, const std::string& key) {
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (auto v = node.as_string()) return void(field = v->get());
     throw ValueError{fmt::format("{} must be a string, got {}", key, describe(node))};
-  } else if constexpr (std::is_same_v<T, ScoreFunc>) {
-    if (auto v = node.as_string(); v && (v->get() == "softmax" || v->get() == "sigmoid"))
-      return void(field = v->get() == "softmax" ? ScoreFunc::Softmax : ScoreFunc::Sigmoid);
-    throw ValueError{fmt::format("{} must be one of softmax, sigmoid, got {}", key, describe(node))};
+  } else if constexpr (std::is_enum_v<T>) {
+    if (auto v = node.as_string(); v && parse_enum(v->get(), field)) return;
+    throw ValueError{fmt::format("{} must be one of {}, got {}", key, names_of<T>(), describe(node))};
   } else {
     static_assert(sizeof(T) == 0, "config field of an unsupported type");
   }
@@ -239,11 +244,6 @@ void check_real(const char* key, double v, bool ok, const char* what) {
 }
 void positive_real(const char* key, double v) { check_real(key, v, v > 0, "a number > 0"); }
 void non_negative_real(const char* key, double v) { check_real(key, v, v >= 0, "a number >= 0"); }
-
-void one_of(const char* key, const std::string& v, std::initializer_list<const char*> allowed) {
-  if (std::find(allowed.begin(), allowed.end(), v) == allowed.end())
-    fail({key}, fmt::format("{} must be one of {}, got \"{}\"", key, join(allowed), v));
-}
 
 void check_model(const ModelConfig& m) {
   non_negative("model.vocab_size", m.vocab_size);
@@ -322,7 +322,6 @@ void check_training(const RunConfig& c) {
   if (t.threads < 0 || t.threads > kMaxThreads)
     fail({"training.threads"}, fmt::format("training.threads must be between 0 (all cores) and {}, got {}",
                                            kMaxThreads, t.threads));
-  one_of("training.device", t.device, {"auto", "cpu", "cuda"});
   non_negative_real("training.grad_clip", t.grad_clip);
   non_negative_real("training.expert_grad_clip", t.expert_grad_clip);
   non_negative("training.val_interval", t.val_interval);
@@ -345,8 +344,6 @@ void check_training(const RunConfig& c) {
   check_real("optimizer.beta2", o.beta2, o.beta2 >= 0 && o.beta2 < 1, "in [0, 1)");
   positive_real("optimizer.eps", o.eps);
   non_negative_real("optimizer.weight_decay", o.weight_decay);
-  one_of("optimizer.state_dtype", o.state_dtype, {"fp32", "bf16"});
-  one_of("training.recompute_experts", t.recompute_experts, {"none", "swiglu", "all"});
 
   positive_real("lr.peak", c.lr.peak);
   non_negative("lr.warmup_steps", c.lr.warmup_steps);
@@ -356,22 +353,14 @@ void check_training(const RunConfig& c) {
 void check_io(const RunConfig& c) {
   const DataConfig& d = c.data;
   if (d.dir.empty()) fail({"data.dir"}, "data.dir must name a directory, got \"\"");
-  {
-    const std::string& t = d.tokenizer;
-    bool ok = t == "byte" || t.ends_with(".json") || t.starts_with("tiktoken:");
-    if (t.starts_with("bpe:")) {  // bpe:<vocab>: trained on data.dir and cached under data_cache/
-      const std::string n = t.substr(4);
-      ok = !n.empty() && n.size() < 10 && n.find_first_not_of("0123456789") == std::string::npos &&
-           std::stoll(n) >= 257 + 1 && std::stoll(n) <= 1'000'000;
-    }
-    if (!ok)
-      fail({"data.tokenizer"}, fmt::format("data.tokenizer must be byte, bpe:<vocab size 258..1000000>, a path to a "
-                                           "tokenizer.json or tiktoken:<gpt2|llama3|qwen2>:<rank file>, got {}",
-                                           toml_string(t)));
-  }
+  const TokenizerSpec tokenizer = parse_tokenizer_spec(d.tokenizer);
+  if (tokenizer.kind == TokenizerKind::Invalid)
+    fail({"data.tokenizer"}, fmt::format("data.tokenizer must be byte, bpe:<vocab size 258..1000000>, a path to a "
+                                         "tokenizer.json or tiktoken:<gpt2|llama3|qwen2>:<rank file>, got {}",
+                                         toml_string(d.tokenizer)));
   check_real("data.val_fraction", d.val_fraction, d.val_fraction > 0 && d.val_fraction < 1, "in (0, 1)");
   non_negative("data.max_bytes", d.max_bytes);
-  if (d.tokenizer == "byte" && c.model.vocab_size != 0 && c.model.vocab_size < kByteVocabSize)
+  if (tokenizer.kind == TokenizerKind::Byte && c.model.vocab_size != 0 && c.model.vocab_size < kByteVocabSize)
     fail({"model.vocab_size", "data.tokenizer"},
          fmt::format("model.vocab_size ({}) is smaller than the byte tokenizer's {} ids (0 takes it from the "
                      "tokenizer)", c.model.vocab_size, kByteVocabSize));
@@ -392,11 +381,9 @@ void check_parallel(const RunConfig& c) {
     fail({"parallel.expert_parallel", "moe.n_experts"},
          fmt::format("parallel.expert_parallel ({}) must divide moe.n_experts ({})", p.expert_parallel,
                      c.model.moe.n_experts));
-  one_of("parallel.all_to_all", p.all_to_all, {"flat", "hierarchical"});
   non_negative_real("parallel.bucket_mb", p.bucket_mb);
   positive("parallel.a2a_chunks", p.a2a_chunks);
   non_negative("parallel.comm_sms", p.comm_sms);
-  one_of("parallel.grad_reduce_dtype", p.grad_reduce_dtype, {"fp32", "bf16"});
   non_negative("parallel.rebalance_interval", p.rebalance_interval);
   non_negative("parallel.rebalance_max_experts", p.rebalance_max_experts);
   const int64_t equal_share = c.model.moe.n_experts / p.expert_parallel;
@@ -405,7 +392,6 @@ void check_parallel(const RunConfig& c) {
          fmt::format("parallel.rebalance_max_experts ({}) must be 0 or between moe.n_experts / parallel.expert_parallel "
                      "({}) and moe.n_experts ({})",
                      p.rebalance_max_experts, equal_share, c.model.moe.n_experts));
-  one_of("parallel.backend", p.backend, {"auto", "mpi", "single", "tcp", "nccl"});
   if (p.split_experts && p.expert_parallel < 2)
     fail({"parallel.split_experts", "parallel.expert_parallel"},
          "parallel.split_experts shares experts between expert-parallel ranks: it needs parallel.expert_parallel >= 2");
@@ -551,8 +537,8 @@ template <class T>
 std::string toml_value(const T& v) {
   if constexpr (std::is_same_v<T, std::string>) {
     return toml_string(v);
-  } else if constexpr (std::is_same_v<T, ScoreFunc>) {
-    return toml_string(score_func_name(v));
+  } else if constexpr (std::is_enum_v<T>) {
+    return toml_string(name_of(v));
   } else if constexpr (std::is_same_v<T, bool>) {
     return v ? "true" : "false";
   } else if constexpr (std::is_same_v<T, double>) {
@@ -567,6 +553,20 @@ std::string toml_value(const T& v) {
 }
 
 }  // namespace
+
+TokenizerSpec parse_tokenizer_spec(std::string_view spec) {
+  if (spec == "byte") return {TokenizerKind::Byte, 0};
+  if (spec.starts_with("tiktoken:")) return {TokenizerKind::Tiktoken, 0};
+  if (spec.starts_with("bpe:")) {
+    const std::string_view n = spec.substr(4);
+    if (n.empty() || n.size() >= 10 || n.find_first_not_of("0123456789") != std::string_view::npos) return {};
+    const int64_t vocab = std::stoll(std::string(n));
+    if (vocab < kByteVocabSize + 1 || vocab > 1'000'000) return {};
+    return {TokenizerKind::TrainBpe, vocab};
+  }
+  if (spec.ends_with(".json")) return {TokenizerKind::HfJson, 0};
+  return {};
+}
 
 RunConfig parse_config(const std::string& toml_text, const std::string& source_name,
                        const std::vector<std::string>& overrides) {

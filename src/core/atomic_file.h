@@ -1,6 +1,7 @@
 // Files that are never half-written: every write goes to a temporary name in the same
 // directory, is fsynced, then renamed over the target, and the directory is fsynced so
-// the rename itself survives a crash.
+// the rename itself survives a crash. The one owner of atomic writes (checkpoints,
+// metrics, tokenizers, shards, reports).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -24,16 +25,22 @@ void write_file_atomic(const std::filesystem::path& path, std::string_view text)
 void fsync_directory(const std::filesystem::path& dir);
 // The whole file. Throws moe::Error naming the path when it cannot be read.
 std::string read_file_bytes(const std::filesystem::path& path);
-// Checksums of checkpoint files (detect truncation and bit flips), as 16 lowercase hex
-// digits. XXH3-64 (libxxhash, ~10 GB/s) for what is written now; FNV-1a 64 (byte at a
-// time, ~0.7 GB/s) only to read checkpoints written before XXH3.
-enum class HashAlgorithm { Fnv1a64, Xxh3_64 };
-constexpr HashAlgorithm kCheckpointHash = HashAlgorithm::Xxh3_64;
-const char* hash_algorithm_name(HashAlgorithm algorithm);  // "fnv1a64", "xxh3_64"
-// Throws moe::Error naming the value when it is not one of the names above.
-HashAlgorithm hash_algorithm_from_name(const std::string& name);
-std::string content_hash(const void* data, size_t size, HashAlgorithm algorithm = kCheckpointHash);
-// The hash of a file read in blocks (never held whole in memory); its size into *bytes.
-std::string file_hash(const std::filesystem::path& path, HashAlgorithm algorithm, uint64_t* bytes);
+
+// A file written in pieces (shards): to `path.tmp-<pid>`, renamed over `path` by commit().
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path);
+  ~AtomicFile();  // removes the temporary file unless commit() ran
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+  void write(const void* data, size_t bytes);
+  void pwrite(const void* data, size_t bytes, size_t offset);
+  void commit();  // fsync, close, rename
+  const std::string& temp_path() const { return temp_; }
+
+ private:
+  std::string path_, temp_;
+  int fd_ = -1;
+};
 
 }  // namespace moe

@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "train/config.h"
+#include "config/optimizer_config.h"
 
 namespace moe {
 

@@ -10,11 +10,11 @@
 #include <memory>
 #include <vector>
 
+#include "config/optimizer_config.h"
+#include "dist/comm_stats.h"
 #include "dist/communicator.h"
-#include "dist/expert_parallel.h"
-#include "dist/parallel_stats.h"
 #include "model/parameters.h"
-#include "train/config.h"
+#include "moe/expert_placement.h"
 
 namespace moe::dist {
 

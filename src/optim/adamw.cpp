@@ -1,4 +1,4 @@
-#include "train/adamw.h"
+#include "optim/adamw.h"
 
 #include "core/error.h"
 #include "kernels/adamw_math.h"
@@ -7,9 +7,7 @@ namespace moe {
 
 AdamW::AdamW(const OptimizerConfig& config, ParameterStore<float>& params)
     : config_(config), params_(params) {
-  MOE_CHECK(config.state_dtype == "fp32" || config.state_dtype == "bf16",
-            "optimizer.state_dtype must be fp32 or bf16, got \"{}\"", config.state_dtype);
-  bf16_moments_ = config.state_dtype == "bf16";
+  bf16_moments_ = config.state_dtype == MomentDtype::Bf16;
   for (int id = 0; id < params.size(); ++id) {
     offsets_.push_back(total_);
     total_ += params.numel(id);

@@ -1,4 +1,4 @@
-#include "dist/parallel_trainer.h"
+#include "train/backends/parallel_cpu_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,25 +9,9 @@
 
 #include "core/error.h"
 
-namespace moe::dist {
+namespace moe {
+using namespace dist;  // the process groups, exchanges and ZeRO this backend drives
 
-RankSlicedSource::RankSlicedSource(std::unique_ptr<BatchSource> inner, int64_t seq_len, int rank, int world)
-    : inner_(std::move(inner)), seq_len_(seq_len), rank_(rank), world_(world) {
-  MOE_CHECK(rank >= 0 && rank < world, "rank {} outside a world of {}", rank, world);
-}
-
-void RankSlicedSource::next_batch(int64_t batch, int32_t* inputs_BS, int32_t* targets_BS) {
-  const auto all = static_cast<size_t>(batch * world_ * seq_len_);
-  inputs_.resize(all);
-  targets_.resize(all);
-  inner_->next_batch(batch * world_, inputs_.data(), targets_.data());
-  const auto S = static_cast<size_t>(seq_len_);
-  for (int64_t b = 0; b < batch; ++b) {
-    const size_t from = static_cast<size_t>(b * world_ + rank_) * S, to = static_cast<size_t>(b) * S;
-    std::copy_n(inputs_.data() + from, S, inputs_BS + to);
-    std::copy_n(targets_.data() + from, S, targets_BS + to);
-  }
-}
 
 ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, Transformer<float>& model,
                                        std::unique_ptr<Communicator> world)
@@ -187,7 +171,7 @@ ClipStats ParallelCpuBackend::clip_gradients(double max_global_norm, double max_
   ClipStats clip;
   if (experts_) {
     double max_seen = experts_->clip_experts(max_expert_norm);
-    timed_blocking(stats_, [&] { groups_.world->all_reduce(&max_seen, 1, DType::f64, ReduceOp::max); });
+    timed_blocking(stats_, [&] { groups_.world->all_reduce(&max_seen, 1, dist::DType::f64, ReduceOp::max); });
     clip.max_expert_norm = max_seen;
   } else if (n_expert_groups_ > 0) {
     // Expert weights are spread over the shards: sum each expert's squares over the ranks.
@@ -330,4 +314,4 @@ void ParallelCpuBackend::scatter_state(AdamW& optimizer) {
   }
 }
 
-}  // namespace moe::dist
+}  // namespace moe

@@ -14,48 +14,30 @@
 #include <vector>
 
 #include "dist/communicator.h"
-#include "dist/expert_parallel.h"
+#include "dist/expert_exchange.h"
 #include "dist/hierarchical_all_to_all.h"
-#include "dist/parallel_experts.h"
-#include "dist/parallel_stats.h"
+#include "dist/expert_optimizer.h"
+#include "dist/comm_stats.h"
 #include "dist/process_groups.h"
-#include "dist/zero.h"
-#include "train/batch_source.h"
-#include "train/trainer.h"
+#include "dist/zero_optimizer.h"
+#include "train/backends/cpu_backend.h"
+#include "train/backends/model_backend.h"
 
-namespace moe::dist {
-
-// Rank `rank` of `world` reads sequences k * world + rank of `inner` (which it reads
-// whole, world sequences per sequence returned): the ranks' slices are disjoint and
-// together are the single-process stream. The position (state) is inner's, the same on
-// every rank.
-class RankSlicedSource final : public BatchSource {
- public:
-  RankSlicedSource(std::unique_ptr<BatchSource> inner, int64_t seq_len, int rank, int world);
-  void next_batch(int64_t batch, int32_t* inputs_BS, int32_t* targets_BS) override;
-  void reset() override { inner_->reset(); }
-  std::vector<int64_t> state() const override { return inner_->state(); }
-  void restore(const std::vector<int64_t>& state) override { inner_->restore(state); }
-
- private:
-  std::unique_ptr<BatchSource> inner_;
-  int64_t seq_len_;
-  int rank_, world_;
-  std::vector<int32_t> inputs_, targets_;
-};
+namespace moe {
 
 class ParallelCpuBackend final : public ModelBackend {
  public:
   // Collective over world. Wires the model's MoE layers to the other ranks (call before
   // planning the model).
-  ParallelCpuBackend(const RunConfig& config, Transformer<float>& model, std::unique_ptr<Communicator> world);
+  ParallelCpuBackend(const RunConfig& config, Transformer<float>& model, std::unique_ptr<dist::Communicator> world);
   ~ParallelCpuBackend() override;
 
   int rank() const { return groups_.world->rank(); }
   int world_size() const { return groups_.world->size(); }
   const ExpertPlacement* placement() const { return placement_.get(); }
-  const ZeroOptimizer& zero() const { return *zero_; }
+  const dist::ZeroOptimizer& zero() const { return *zero_; }
 
+  BatchPlan plan_batches() override { return plan_host_batches(config_, model_); }
   void begin_step() override;
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override;
   void backward(double loss_scale, bool last) override;
@@ -79,14 +61,14 @@ class ParallelCpuBackend final : public ModelBackend {
 
   const RunConfig& config_;
   Transformer<float>& model_;
-  ProcessGroups groups_;
-  CommStats stats_;
-  std::unique_ptr<BatchGroupOverComm> batch_;
-  std::unique_ptr<AllToAll> a2a_;
+  dist::ProcessGroups groups_;
+  dist::CommStats stats_;
+  std::unique_ptr<dist::BatchGroupOverComm> batch_;
+  std::unique_ptr<dist::AllToAll> a2a_;
   std::unique_ptr<ExpertPlacement> placement_;
-  std::vector<std::unique_ptr<ExpertExchangeOverComm>> exchanges_;
-  std::unique_ptr<ZeroOptimizer> zero_;
-  std::unique_ptr<ExpertOptimizer> experts_;  // expert_parallel > 1
+  std::vector<std::unique_ptr<dist::ExpertExchangeOverComm>> exchanges_;
+  std::unique_ptr<dist::ZeroOptimizer> zero_;
+  std::unique_ptr<dist::ExpertOptimizer> experts_;  // expert_parallel > 1
   // expert_parallel == 1: expert weights are sharded with the rest; per-expert clipping
   // needs their expert group per parameter id (-1: not an expert weight).
   std::vector<int> expert_group_of_id_;
@@ -100,4 +82,4 @@ class ParallelCpuBackend final : public ModelBackend {
   std::vector<std::vector<int64_t>> global_load_;   // per MoE layer: the step's load summed over ranks
 };
 
-}  // namespace moe::dist
+}  // namespace moe

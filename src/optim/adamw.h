@@ -6,8 +6,8 @@
 #pragma once
 #include <vector>
 
+#include "config/optimizer_config.h"
 #include "model/parameters.h"
-#include "train/config.h"
 
 namespace moe {
 

@@ -1,10 +1,9 @@
-// The trainer's GPU path: a ModelBackend for the one step loop of trainer.cpp
-// (micro-batches, accumulation, per-expert and global clipping, AdamW, the LR schedule,
-// aux-loss-free bias balancing) with the model, gradients and optimizer state on the GPU
-// (src/model/cuda/gpu_transformer.h). Builds without CUDA too: then asking for the GPU is
-// a config error.
+// The GPU backend: the model, gradients and optimizer state on the GPU
+// (src/model/cuda/gpu_transformer.h), on one GPU or over the ranks of an NCCL world
+// (data parallel with ZeRO-1, expert parallel), behind the one step loop of trainer.cpp.
+#include "train/backends/cuda/gpu_backend.h"
+
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <functional>
 
@@ -12,152 +11,20 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "dist/communicator.h"
-#include "dist/launch_env.h"
-#include "moe/router.h"
-#include "train/batch_controller.h"
-#include "train/lr_schedule.h"
-#include "train/trainer.h"
-
-#ifdef MOE_HAVE_CUDA
 #include "core/gpu.h"
+#include "dist/communicator.h"
 #include "dist/cuda/gpu_data_parallel.h"
 #include "dist/cuda/gpu_expert_exchange.h"
-#include "dist/expert_parallel.h"
+#include "dist/expert_exchange.h"
 #include "dist/gradient_stages.h"
+#include "dist/launch_env.h"
 #include "dist/zero_shards.h"
 #include "model/cuda/gpu_transformer.h"
-#endif
+#include "moe/router.h"
 
 namespace moe {
 
-namespace {
-
-#ifdef MOE_HAVE_CUDA
-// The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
-// save); the GPU model gets a copy whenever they change or it is (re)built.
-void upload_balance_bias(GpuTransformer& gpu, Transformer<float>& host_model, bool bias_balancing) {
-  if (!bias_balancing) return;
-  auto layers = host_model.moe_layers();
-  for (size_t i = 0; i < layers.size(); ++i) gpu.set_balance_bias(i, layers[i]->balance_bias_E());
-}
-#endif
-
-bool gpu_present() {
-#ifdef MOE_HAVE_CUDA
-  return gpu::device_count() > 0;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
-std::string resolve_parallel_backend(const RunConfig& config) {
-  const std::string& backend = config.parallel.backend;
-  if (backend != "auto") return backend;
-  const std::string& device = config.training.device;
-#ifdef MOE_HAVE_CUDA
-  const bool gpu = device == "cuda" || (device == "auto" && gpu_present());
-#else
-  const bool gpu = false;  // device = cuda is refused with its own message (wants_gpu)
-  (void)device;
-#endif
-  return gpu && dist::read_launch_env().world_size > 1 ? "nccl" : "auto";
-}
-
-void Trainer::check_gpu_data_parallel() const {
-  if (!wants_gpu())
-    MOE_CONFIG_ERROR("parallel.backend = nccl trains on the GPU, but training.device = {} resolves to the CPU: use "
-                     "--device=cuda, or parallel.backend = mpi/tcp for CPU ranks",
-                     config_.training.device);
-  const int64_t ep = config_.parallel.expert_parallel;
-  if (ep <= 1) return;
-  // Expert parallelism on the GPU waits on the host for each MoE layer's row counts.
-  if (config_.training.cuda_graphs)
-    MOE_CONFIG_ERROR("parallel.expert_parallel = {} on the GPU cannot run inside CUDA graphs: set "
-                     "training.cuda_graphs = false",
-                     ep);
-  if (config_.training.recompute_experts != "none")
-    MOE_CONFIG_ERROR("parallel.expert_parallel = {} on the GPU needs training.recompute_experts = none (got {}); "
-                     "training.recompute_layers works",
-                     ep, config_.training.recompute_experts);
-  if (config_.model.moe.n_experts % ep != 0)
-    MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config_.model.moe.n_experts);
-}
-
-bool Trainer::wants_gpu() const {
-  const std::string& device = config_.training.device;
-  if (device == "cpu") return false;
-  if (device == "auto") return gpu_present();
-#ifndef MOE_HAVE_CUDA
-  MOE_CONFIG_ERROR("training.device = cuda, but this build has no CUDA backend (nvcc was not found at build time)");
-#endif
-  if (!gpu_present()) MOE_CONFIG_ERROR("training.device = cuda, but no CUDA device is visible");
-  return true;
-}
-
-#ifdef MOE_HAVE_CUDA
-
-void Trainer::setup_gpu() {
-  const RunConfig& c = config_;
-  // What the GPU path does not do yet is refused up front rather than silently ignored.
-  if (c.training.memory_limit_mb > 0)
-    MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
-                     "an allocation fails");
-  if (c.model.moe.route_groups > 32)
-    MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
-                     c.model.moe.route_groups);
-  gpu_.reset(new GpuTransformer(c.model, model_->params(), moment_dtype_from_name(c.optimizer.state_dtype)));
-  const int64_t ep = c.parallel.expert_parallel;
-  if (gpu_world_ && ep > 1) {
-    if (gpu_world_->size() % ep != 0)
-      MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the {} ranks of the launch", ep, gpu_world_->size());
-    const dist::LaunchEnv env = dist::read_launch_env();
-    int per_node = env.world_size == gpu_world_->size() ? env.local_size : gpu_world_->size();
-    if (gpu_world_->ranks_per_node() > 0) per_node = gpu_world_->ranks_per_node();  // simulated nodes (threads)
-    gpu_expert_exchange_ = std::make_shared<dist::GpuExpertExchangeOverComm>(*gpu_world_, static_cast<int>(ep),
-                                                                             c.parallel.all_to_all, per_node);
-  }
-  configure_gpu_model();
-}
-
-void Trainer::configure_gpu_model() {
-  gpu_->set_recompute_layers(config_.training.recompute_layers);
-  gpu_->set_recompute_experts(expert_recompute_from_name(config_.training.recompute_experts));
-  gpu_->enable_graphs(config_.training.cuda_graphs);
-  gpu_->set_deterministic(config_.training.deterministic);
-  gpu_->set_expert_exchange(gpu_expert_exchange_);
-  gpu_->set_split_experts(gpu_expert_exchange_ && config_.parallel.split_experts);
-  // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
-  if (gpu_expert_exchange_ && config_.parallel.rebalance_interval > 0)
-    gpu_->set_max_local_experts(config_.parallel.rebalance_max_experts);
-  upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);
-}
-
-BatchPlan Trainer::plan_gpu_batches() {
-  const TrainingConfig& tc = config_.training;
-  BatchPlan plan{tc.micro_batch, tc.global_batch_tokens / (tc.micro_batch * config_.model.seq_len), {}};
-  for (;;) {
-    try {
-      gpu_->plan(plan.micro_batch);
-      return plan;
-    } catch (const gpu::OutOfMemory& e) {
-      if (plan.micro_batch % 2 != 0) throw;  // halving would change the global batch
-      plan.notes.push_back(fmt::format(
-          "memory: a micro-batch of {} sequences does not fit on the GPU ({}); now {} x {} micro-batches, "
-          "the same {} tokens per step",
-          plan.micro_batch, e.what(), plan.micro_batch / 2, plan.micro_steps * 2, tc.global_batch_tokens));
-      plan.micro_batch /= 2;
-      plan.micro_steps *= 2;
-      // Free every buffer before trying again, then start over from the host weights.
-      gpu_.reset();
-      gpu_.reset(new GpuTransformer(config_.model, model_->params(),
-                                    moment_dtype_from_name(config_.optimizer.state_dtype)));
-      configure_gpu_model();
-    }
-  }
-}
+bool gpu_present() { return gpu::device_count() > 0; }
 
 namespace {
 
@@ -178,7 +45,7 @@ void gather_sharded_state(GpuTransformer& gpu, dist::GpuDataParallel& dp, bool w
 // every rank holds a full replica and the gradients are summed over the ranks after the
 // step's last backward (src/dist/cuda/gpu_data_parallel.h).
 //
-// As on the CPU path (src/dist/parallel_trainer.h), each rank's cross-entropy is weighted
+// As on the CPU path (train/backends/parallel_cpu_backend.h), each rank's cross-entropy is weighted
 // by its share of the global micro-batch's targets, so the sum over the ranks is the
 // global mean and N ranks with micro-batch B follow one GPU with micro-batch N x B. The
 // GPU backward takes one scale for all loss terms, so the aux and z losses, which are
@@ -187,19 +54,66 @@ void gather_sharded_state(GpuTransformer& gpu, dist::GpuDataParallel& dp, bool w
 // is exactly 1 and the all-reduce is the identity: the plain GPU run, bit for bit.
 class GpuBackend final : public ModelBackend {
  public:
-  GpuBackend(const RunConfig& config, GpuTransformer& gpu, Transformer<float>& host_model, int64_t& steps,
-             int64_t tokens_per_micro_batch, std::unique_ptr<dist::GpuDataParallel> dp,
-             std::shared_ptr<dist::GpuExpertExchangeOverComm> ep, std::unique_ptr<dist::GpuDataParallel> edp)
-      : config_(config), gpu_(gpu), host_model_(host_model), steps_(steps), tokens_(tokens_per_micro_batch),
-        dp_(std::move(dp)), ep_(std::move(ep)), edp_(std::move(edp)),
-        micro_scale_(static_cast<double>(tokens_per_micro_batch) / static_cast<double>(config.training.global_batch_tokens)) {
-    // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
-    if (ep_ || config.metrics.phase_times) gpu_.enable_phase_timing(true);
+  // world: an NCCL (or threads) world for data/expert parallelism, or null (one GPU).
+  GpuBackend(const RunConfig& config, Transformer<float>& host_model, std::unique_ptr<dist::Communicator> world)
+      : config_(config), host_model_(host_model), world_(std::move(world)) {
+    const RunConfig& c = config_;
+    // What the GPU path does not do yet is refused up front rather than silently ignored.
+    if (c.training.memory_limit_mb > 0)
+      MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
+                       "an allocation fails");
+    if (c.model.moe.route_groups > 32)
+      MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
+                       c.model.moe.route_groups);
+    const int64_t ep = c.parallel.expert_parallel;
+    if (world_ && ep > 1) {
+      if (world_->size() % ep != 0)
+        MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the {} ranks of the launch", ep, world_->size());
+      const dist::LaunchEnv env = dist::read_launch_env();
+      int per_node = env.world_size == world_->size() ? env.local_size : world_->size();
+      if (world_->ranks_per_node() > 0) per_node = world_->ranks_per_node();  // simulated nodes (threads)
+      ep_ = std::make_shared<dist::GpuExpertExchangeOverComm>(*world_, static_cast<int>(ep), c.parallel.all_to_all,
+                                                              per_node);
+    }
+    build_model();
   }
-  ~GpuBackend() override { gpu_.set_forward_stage_hook({}); }  // it points into dp_
+  ~GpuBackend() override {
+    if (gpu_) gpu_->set_forward_stage_hook({});  // it points into dp_
+  }
+  bool on_gpu() const override { return true; }
+
+  // Plans the GPU buffers, halving the micro-batch while an allocation fails; then the
+  // data-parallel groups, whose loss weights depend on the micro-batch.
+  BatchPlan plan_batches() override {
+    const TrainingConfig& tc = config_.training;
+    BatchPlan plan{tc.micro_batch, tc.global_batch_tokens / (tc.micro_batch * config_.model.seq_len), {}};
+    for (;;) {
+      try {
+        gpu_->plan(plan.micro_batch);
+        break;
+      } catch (const gpu::OutOfMemory& e) {
+        if (plan.micro_batch % 2 != 0) throw;  // halving would change the global batch
+        plan.notes.push_back(fmt::format(
+            "memory: a micro-batch of {} sequences does not fit on the GPU ({}); now {} x {} micro-batches, "
+            "the same {} tokens per step",
+            plan.micro_batch, e.what(), plan.micro_batch / 2, plan.micro_steps * 2, tc.global_batch_tokens));
+        plan.micro_batch /= 2;
+        plan.micro_steps *= 2;
+        // Free every buffer before trying again, then start over from the host weights.
+        gpu_.reset();
+        build_model();
+      }
+    }
+    tokens_ = plan.micro_batch * config_.model.seq_len;
+    micro_scale_ = static_cast<double>(tokens_) / static_cast<double>(tc.global_batch_tokens);
+    if (world_) make_data_parallel();
+    // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
+    if (ep_ || config_.metrics.phase_times) gpu_->enable_phase_timing(true);
+    return plan;
+  }
   void begin_step() override {
-    gpu_.zero_grads();
-    gpu_.reset_load();
+    gpu_->zero_grads();
+    gpu_->reset_load();
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
     if (dp_) {
@@ -212,14 +126,14 @@ class GpuBackend final : public ModelBackend {
     if (config_.training.cuda_graphs) {
       // The graph holds forward and backward together: the backward runs here, with the
       // scale the step loop is about to pass (1 / micro-batches per step), checked there.
-      fwd = gpu_.forward_backward(inputs_BS, targets_BS, dp_ ? micro_scale_ * ce_weight_ : micro_scale_);
+      fwd = gpu_->forward_backward(inputs_BS, targets_BS, dp_ ? micro_scale_ * ce_weight_ : micro_scale_);
       backward_done_ = true;
     } else {
       // ZeRO-1: the weights' all-gathers run beside this forward; the GEMMs leave them SMs.
       const bool gathers = sharded() && dp_->gathers_pending();
-      if (gathers) gpu_.reserve_sms(static_cast<int>(config_.parallel.comm_sms));
-      fwd = gpu_.forward(inputs_BS, targets_BS);
-      if (gathers) gpu_.reserve_sms(0);
+      if (gathers) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
+      fwd = gpu_->forward(inputs_BS, targets_BS);
+      if (gathers) gpu_->reserve_sms(0);
     }
     if (dp_) fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
     return fwd;
@@ -239,17 +153,17 @@ class GpuBackend final : public ModelBackend {
       // over the ranks holding the same experts).
       // The GEMMs leave parallel.comm_sms multiprocessors to NCCL meanwhile (persistent
       // kernels would otherwise hold every SM until they end); over one rank nothing moves.
-      if (dp_->size() > 1) gpu_.reserve_sms(static_cast<int>(config_.parallel.comm_sms));
-      gpu_.backward(scale, [this](int stage) {
+      if (dp_->size() > 1) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
+      gpu_->backward(scale, [this](int stage) {
         dp_->launch_stage(stage);
         if (edp_) edp_->launch_stage(stage);
       });
-      gpu_.reserve_sms(0);
+      gpu_->reserve_sms(0);
       dp_->finish_overlapped();
       if (edp_) edp_->finish_overlapped();
       return;
     }
-    gpu_.backward(scale);
+    gpu_->backward(scale);
     if (dp_ && last) dp_->all_reduce_grads();
   }
   void reduce_losses(StepStats& stats) override {
@@ -263,7 +177,7 @@ class GpuBackend final : public ModelBackend {
     stats.z_loss = values[3] / dp_->size();
   }
   void routing(StepStats& stats) override {
-    GpuRoutingStats routing = gpu_.routing_stats();
+    GpuRoutingStats routing = gpu_->routing_stats();
     loads_ = std::move(routing.load);
     if (dp_) sum_routing(routing);
     const auto host_layers = host_model_.moe_layers();
@@ -292,7 +206,7 @@ class GpuBackend final : public ModelBackend {
       const int64_t E = config_.model.moe.n_experts;
       std::vector<std::vector<int64_t>> load_PE(static_cast<size_t>(ep_->size()), std::vector<int64_t>(E, -1));
       for (size_t i = 0; i < stats.layers.size(); ++i) {
-        const auto placement = gpu_.expert_placement(i);
+        const auto placement = gpu_->expert_placement(i);
         for (size_t p = 0; p < placement.size(); ++p)
           for (int64_t e : placement[p]) {
             int64_t& load = load_PE[p][static_cast<size_t>(e)];
@@ -324,9 +238,9 @@ class GpuBackend final : public ModelBackend {
       sum_squares = [this](std::vector<double>& squares) { dp_->sum(squares.data(), static_cast<int64_t>(squares.size())); };
     // Split experts: a hinge's summed gradient is on every EP rank; each counts 1 / P of it.
     double counted_experts_sq = 0;
-    const std::vector<char> hinge = ep_ ? gpu_.split_expert_flags() : std::vector<char>();
+    const std::vector<char> hinge = ep_ ? gpu_->split_expert_flags() : std::vector<char>();
     if (max_expert_norm > 0 || ep_) {
-      const std::vector<double> norms = gpu_.clip_expert_grads(max_expert_norm, sum_squares);
+      const std::vector<double> norms = gpu_->clip_expert_grads(max_expert_norm, sum_squares);
       for (size_t x = 0; x < norms.size(); ++x) {
         const double norm = norms[x];
         clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
@@ -337,7 +251,7 @@ class GpuBackend final : public ModelBackend {
         counted_experts_sq += x < hinge.size() && hinge[x] ? kept * kept / ep_->size() : kept * kept;
       }
     }
-    clip.global_norm = gpu_.grad_norm();
+    clip.global_norm = gpu_->grad_norm();
     if (sharded()) {
       // ZeRO-1: each rank holds the sums of its pieces only; its norm covers them (and, on
       // rank 0, the ranges every rank keeps whole), so the squares add up over the ranks.
@@ -359,15 +273,15 @@ class GpuBackend final : public ModelBackend {
   }
   void apply_update(double lr) override {
     const OptimizerConfig& o = config_.optimizer;
-    gpu_.adamw_step(lr, o.beta1, o.beta2, o.eps, o.weight_decay, static_cast<float>(grad_scale_), ++steps_);
+    gpu_->adamw_step(lr, o.beta1, o.beta2, o.eps, o.weight_decay, static_cast<float>(grad_scale_), ++steps_);
     // ZeRO-1: this rank stepped its pieces; the others' new bf16 weights come from them
     // (the lo halves and moments stay with their owners until a checkpoint gathers them).
     if (sharded()) {
       // Without graphs the next forward waits for each stage's weights as it reaches them.
       if (config_.training.cuda_graphs)
-        dp_->gather_pieces(gpu_.parameters().weights_hi(), dist::DType::bf16);
+        dp_->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16);
       else
-        dp_->gather_pieces_by_stage(gpu_.parameters().weights_hi(), dist::DType::bf16);
+        dp_->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16);
     }
     if (config_.model.moe.bias_balancing) update_balance_bias();
   }
@@ -377,15 +291,15 @@ class GpuBackend final : public ModelBackend {
   bool sharded() const { return dp_ && dp_->zero_plan() != nullptr; }
   double sum_over_ranks(double value) override { return dp_ ? dp_->sum(value) : value; }
   void end_validation() override {
-    gpu_.reset_load();
+    gpu_->reset_load();
     if (dp_) dp_->take_stats();  // validation's sums are not a training step's
     if (edp_) edp_->take_stats();
-    if (ep_ || config_.metrics.phase_times) gpu_.take_phase_times();  // validation's are not a step's
+    if (ep_ || config_.metrics.phase_times) gpu_->take_phase_times();  // validation's are not a step's
     if (ep_) ep_->take_bytes_sent();
   }
   void take_comm_stats(StepStats& stats) override {
     std::vector<std::pair<std::string, double>> phases;
-    if (ep_ || config_.metrics.phase_times) phases = gpu_.take_phase_times();
+    if (ep_ || config_.metrics.phase_times) phases = gpu_->take_phase_times();
     if (config_.metrics.phase_times)  // called after the micro-batches and after the update: add up
       for (const auto& [phase, ms] : phases) {
         auto it = std::find_if(stats.phase_ms.begin(), stats.phase_ms.end(),
@@ -420,7 +334,7 @@ class GpuBackend final : public ModelBackend {
     nlohmann::json state;
     state["ep_size"] = ep_->size();
     nlohmann::json layers = nlohmann::json::array();
-    for (size_t l = 0; l < host_model_.moe_layers().size(); ++l) layers.push_back(gpu_.expert_placement(l));
+    for (size_t l = 0; l < host_model_.moe_layers().size(); ++l) layers.push_back(gpu_->expert_placement(l));
     state["experts_of_rank"] = std::move(layers);
     state["steps_since_placement"] = steps_since_placement_;
     state["load_since_placement"] = load_since_placement_;
@@ -439,7 +353,7 @@ class GpuBackend final : public ModelBackend {
       return;
     }
     try {
-      gpu_.place_experts(layers);  // checks everything before anything moves
+      gpu_->place_experts(layers);  // checks everything before anything moves
     } catch (const Error& e) {
       if (rank_of_world() == 0) spdlog::warn("resume: the checkpoint's expert placement does not fit ({}): equal blocks", e.what());
       return;
@@ -449,13 +363,97 @@ class GpuBackend final : public ModelBackend {
     load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
   }
   void sync_host_model() override {
-    if (ep_) gpu_.gather_expert_weights();  // each rank stepped only its own experts
-    if (sharded()) gather_sharded_state(gpu_, *dp_, /*with_moments=*/false);
-    gpu_.download_params(host_model_.params());
+    if (ep_) gpu_->gather_expert_weights();  // each rank stepped only its own experts
+    if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/false);
+    gpu_->download_params(host_model_.params());
     if (dp_) dp_->take_stats();
   }
 
+  // Checkpoints. Expert parallelism: each expert's weights and moments are current only on
+  // its EP rank; ZeRO-1: each piece's on the rank that steps it. Gathered, every rank holds
+  // the whole state and rank 0 (which writes it) downloads it: the others skip the copy
+  // (host memory: 12-16 bytes per parameter on each rank).
+  void gather_state(AdamW& optimizer) override {
+    if (ep_) gpu_->gather_expert_weights(/*with_moments=*/true);
+    if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/true);
+    if (rank_of_world() == 0)
+      gpu_->download_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
+    optimizer.set_steps_taken(steps_);
+  }
+  void scatter_state(AdamW& optimizer) override {
+    if (sharded()) dp_->join_stage_gathers();  // none may still write the weights
+    gpu_->upload_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
+    upload_balance_bias();  // a checkpoint restores them on the host
+    steps_ = optimizer.steps_taken();
+  }
+
  private:
+  // The GPU model from the host model's weights, with training.*'s recompute and graph
+  // settings and the expert-parallel exchange.
+  void build_model() {
+    const RunConfig& c = config_;
+    gpu_ = std::make_unique<GpuTransformer>(c.model, host_model_.params(), c.optimizer.state_dtype);
+    gpu_->set_recompute_layers(c.training.recompute_layers);
+    gpu_->set_recompute_experts(c.training.recompute_experts);
+    gpu_->enable_graphs(c.training.cuda_graphs);
+    gpu_->set_deterministic(c.training.deterministic);
+    gpu_->set_expert_exchange(ep_);
+    gpu_->set_split_experts(ep_ && c.parallel.split_experts);
+    // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
+    if (ep_ && c.parallel.rebalance_interval > 0) gpu_->set_max_local_experts(c.parallel.rebalance_max_experts);
+    upload_balance_bias();
+  }
+  // The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
+  // save); the GPU model gets a copy whenever they change or it is (re)built.
+  void upload_balance_bias() {
+    if (!config_.model.moe.bias_balancing) return;
+    auto layers = host_model_.moe_layers();
+    for (size_t i = 0; i < layers.size(); ++i) gpu_->set_balance_bias(i, layers[i]->balance_bias_E());
+  }
+  // The data-parallel groups over world_: gradient sums overlapped with the backward stage
+  // by stage; ZeRO-1 or, under expert parallelism, the shared gradients over all ranks and
+  // each rank's experts over the ranks holding the same experts.
+  void make_data_parallel() {
+    const RunConfig& c = config_;
+    GpuParameterStore& params = gpu_->parameters();
+    const int64_t ep = ep_ ? ep_->size() : 1;
+    const dist::DType reduce_dtype = c.parallel.grad_reduce_dtype == ReduceDtype::Bf16 ? dist::DType::bf16 : dist::DType::f32;
+    // Expert parallelism: the ranks holding the same experts (collective over the world).
+    std::unique_ptr<dist::Communicator> expert_replicas;
+    if (ep > 1) expert_replicas = world_->split(world_->rank() % static_cast<int>(ep), world_->rank());
+    dp_ = std::make_unique<dist::GpuDataParallel>(std::move(world_), gpu_->stream(), params.grads(),
+                                                  params.storage_numel(), c.parallel.bucket_mb, reduce_dtype);
+    // Overlap the all-reduce with the backward, stage by stage (not inside a CUDA graph).
+    const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
+    if (ep > 1) {
+      // Only the shared gradients over all ranks; this rank's experts over their replicas
+      // (none when the EP group is the world). Graphs are refused with EP, so this always overlaps.
+      const dist::ExpertParallelRanges ranges =
+          dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of, host_model_.backward_stages(),
+                                            gpu_->own_expert_ranges(), gpu_->split_expert_ranges());
+      dp_->set_stage_ranges(ranges.shared);
+      // AdamW over the shared parameters and this rank's experts only (the norm stays over
+      // the whole block: the other experts' gradients are zero here).
+      params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
+      if (expert_replicas->size() > 1) {
+        edp_ = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
+                                                       params.storage_numel(), c.parallel.bucket_mb, reduce_dtype);
+        edp_->set_stage_ranges(ranges.own_experts);
+      }
+    } else if (c.parallel.shard_optimizer && dp_->size() > 1) {
+      // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
+      dist::ZeroShardPlan plan = dist::plan_zero_shards(
+          dist::gradient_ranges_by_stage(host_model_.params(), stage_of, host_model_.backward_stages()),
+          params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
+      params.set_step_ranges(plan.update, plan.norm);
+      gpu_->shard_expert_clip(plan.norm, plan.update);
+      dp_->set_zero_plan(std::move(plan), /*overlap=*/!c.training.cuda_graphs);
+      if (!c.training.cuda_graphs)
+        gpu_->set_forward_stage_hook([group = dp_.get()](int stage) { group->wait_stage(stage); });
+    } else if (!c.training.cuda_graphs) {
+      dp_->set_stage_ranges(dist::gradient_ranges_by_stage(host_model_.params(), stage_of, host_model_.backward_stages()));
+    }
+  }
   // The CPU's rule (MoELayer::update_balancing_bias) on the step's loads, summed over the
   // ranks as the CPU's data-parallel path does: every replica takes the same bias.
   void update_balance_bias() {
@@ -466,7 +464,7 @@ class GpuBackend final : public ModelBackend {
       std::vector<float>& bias = host_layers[i]->balance_bias_E();
       bias_balance_update(bias.data(), loads_[i].data(), static_cast<int64_t>(bias.size()),
                           config_.model.moe.bias_update_rate);
-      gpu_.set_balance_bias(i, bias);
+      gpu_->set_balance_bias(i, bias);
     }
   }
 
@@ -488,12 +486,12 @@ class GpuBackend final : public ModelBackend {
     const int64_t groups = config_.model.moe.route_groups;
     const bool grouped = groups > 1 && P % groups == 0;
     std::vector<std::vector<std::vector<int64_t>>> current;
-    for (size_t l = 0; l < load_since_placement_.size(); ++l) current.push_back(gpu_.expert_placement(l));
-    const dist::LayerPlacements next =
-        dist::rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
+    for (size_t l = 0; l < load_since_placement_.size(); ++l) current.push_back(gpu_->expert_placement(l));
+    const LayerPlacements next =
+        rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
                                config_.parallel.rebalance_max_experts, config_.parallel.split_experts);
     if (next.moves) {
-      gpu_.place_experts(next.experts_of_rank);
+      gpu_->place_experts(next.experts_of_rank);
       apply_own_expert_ranges();
       if (rank_of_world() == 0)
         spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {} "
@@ -517,8 +515,8 @@ class GpuBackend final : public ModelBackend {
     const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
     const dist::ExpertParallelRanges ranges =
         dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of, host_model_.backward_stages(),
-                                          gpu_.own_expert_ranges(), gpu_.split_expert_ranges());
-    GpuParameterStore& params = gpu_.parameters();
+                                          gpu_->own_expert_ranges(), gpu_->split_expert_ranges());
+    GpuParameterStore& params = gpu_->parameters();
     params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
     dp_->set_stage_ranges(ranges.shared);  // the hinges moved with the placement
     if (edp_) edp_->set_stage_ranges(ranges.own_experts);
@@ -544,15 +542,16 @@ class GpuBackend final : public ModelBackend {
   }
 
   const RunConfig& config_;
-  GpuTransformer& gpu_;
-  Transformer<float>& host_model_;  // its MoE layers hold the balancing biases
-  int64_t& steps_;
-  int64_t tokens_;  // per micro-batch (targets counted for the loss weights)
+  Transformer<float>& host_model_;  // the initial weights; its MoE layers hold the balancing biases
+  std::unique_ptr<dist::Communicator> world_;  // until make_data_parallel hands it to dp_
+  std::unique_ptr<GpuTransformer> gpu_;
+  int64_t steps_ = 0;  // AdamW steps taken
+  int64_t tokens_ = 0;  // per micro-batch (targets counted for the loss weights)
   std::unique_ptr<dist::GpuDataParallel> dp_;
-  std::shared_ptr<dist::GpuExpertExchangeOverComm> ep_;  // expert parallelism, or null
+  std::shared_ptr<dist::GpuExpertExchangeOverComm> ep_;  // expert parallelism, or null (kept across re-plans)
   std::unique_ptr<dist::GpuDataParallel> edp_;  // with ep_ over more ranks than one EP group: own experts' sums
   double ce_weight_ = 1.0;  // this rank's share of the micro-batch's targets
-  double micro_scale_;      // the step loop's loss scale: 1 / micro-batches per step
+  double micro_scale_ = 1;  // the step loop's loss scale: 1 / micro-batches per step
   bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
@@ -562,84 +561,9 @@ class GpuBackend final : public ModelBackend {
 
 }  // namespace
 
-std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() {
-  std::unique_ptr<dist::GpuDataParallel> dp, edp;
-  if (gpu_world_) {
-    GpuParameterStore& params = gpu_->parameters();
-    const int64_t ep = gpu_expert_exchange_ ? gpu_expert_exchange_->size() : 1;
-    const dist::DType reduce_dtype = config_.parallel.grad_reduce_dtype == "bf16" ? dist::DType::bf16 : dist::DType::f32;
-    // Expert parallelism: the ranks holding the same experts (collective over the world).
-    std::unique_ptr<dist::Communicator> expert_replicas;
-    if (ep > 1) expert_replicas = gpu_world_->split(gpu_world_->rank() % static_cast<int>(ep), gpu_world_->rank());
-    dp = std::make_unique<dist::GpuDataParallel>(std::move(gpu_world_), gpu_->stream(), params.grads(),
-                                                 params.storage_numel(), config_.parallel.bucket_mb, reduce_dtype);
-    // Overlap the all-reduce with the backward, stage by stage (not inside a CUDA graph).
-    const auto stage_of = [this](const std::string& name) { return model_->backward_stage_of(name); };
-    if (ep > 1) {
-      // Only the shared gradients over all ranks; this rank's experts over their replicas
-      // (none when the EP group is the world). Graphs are refused with EP, so this always overlaps.
-      const dist::ExpertParallelRanges ranges =
-          dist::gradient_ranges_by_stage_ep(model_->params(), stage_of, model_->backward_stages(),
-                                            gpu_->own_expert_ranges(), gpu_->split_expert_ranges());
-      dp->set_stage_ranges(ranges.shared);
-      // AdamW over the shared parameters and this rank's experts only (the norm stays over
-      // the whole block: the other experts' gradients are zero here).
-      params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
-      if (expert_replicas->size() > 1) {
-        edp = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
-                                                      params.storage_numel(), config_.parallel.bucket_mb, reduce_dtype);
-        edp->set_stage_ranges(ranges.own_experts);
-      }
-    } else if (config_.parallel.shard_optimizer && dp->size() > 1) {
-      // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
-      dist::ZeroShardPlan plan = dist::plan_zero_shards(
-          dist::gradient_ranges_by_stage(model_->params(), stage_of, model_->backward_stages()),
-          params.fp32_copy_ranges(), dp->bucket_elems(), dp->size(), dp->rank());
-      params.set_step_ranges(plan.update, plan.norm);
-      gpu_->shard_expert_clip(plan.norm, plan.update);
-      dp->set_zero_plan(std::move(plan), /*overlap=*/!config_.training.cuda_graphs);
-      if (!config_.training.cuda_graphs)
-        gpu_->set_forward_stage_hook([group = dp.get()](int stage) { group->wait_stage(stage); });
-    } else if (!config_.training.cuda_graphs) {
-      dp->set_stage_ranges(dist::gradient_ranges_by_stage(model_->params(), stage_of, model_->backward_stages()));
-    }
-    gpu_dp_ = dp.get();
-  }
-  return std::make_unique<GpuBackend>(config_, *gpu_, *model_, gpu_steps_, micro_batch_ * config_.model.seq_len,
-                                      std::move(dp), gpu_expert_exchange_, std::move(edp));
+std::unique_ptr<ModelBackend> make_gpu_backend(const RunConfig& config, Transformer<float>& host_model,
+                                               std::unique_ptr<dist::Communicator> world) {
+  return std::make_unique<GpuBackend>(config, host_model, std::move(world));
 }
-
-void Trainer::sync_state_from_gpu() {
-  if (!gpu_) return;
-  // Expert parallelism: each expert's weights and moments are current only on its EP rank;
-  // ZeRO-1: each piece's on the rank that steps it.
-  if (gpu_expert_exchange_) gpu_->gather_expert_weights(/*with_moments=*/true);
-  if (gpu_dp_ && gpu_dp_->zero_plan()) gather_sharded_state(*gpu_, *gpu_dp_, /*with_moments=*/true);
-  // Every GPU rank now holds the whole state and rank 0 writes it: the others skip the
-  // download (host memory: 12-16 bytes per parameter on each rank).
-  if (rank_ == 0) gpu_->download_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
-  optimizer_->set_steps_taken(gpu_steps_);
-}
-
-void Trainer::sync_state_to_gpu() {
-  if (!gpu_) return;
-  if (gpu_dp_ && gpu_dp_->zero_plan()) gpu_dp_->join_stage_gathers();  // none may still write the weights
-  gpu_->upload_state(model_->params(), optimizer_->first_moment(), optimizer_->second_moment());
-  upload_balance_bias(*gpu_, *model_, config_.model.moe.bias_balancing);  // a checkpoint restores them on the host
-  gpu_steps_ = optimizer_->steps_taken();
-}
-
-void GpuTransformerDeleter::operator()(GpuTransformer* model) const { delete model; }
-
-#else
-
-void GpuTransformerDeleter::operator()(GpuTransformer*) const {}
-void Trainer::setup_gpu() { MOE_THROW("no CUDA backend in this build"); }
-BatchPlan Trainer::plan_gpu_batches() { MOE_THROW("no CUDA backend in this build"); }
-std::unique_ptr<ModelBackend> Trainer::make_gpu_backend() { MOE_THROW("no CUDA backend in this build"); }
-void Trainer::sync_state_from_gpu() {}
-void Trainer::sync_state_to_gpu() {}
-
-#endif
 
 }  // namespace moe

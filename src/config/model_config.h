@@ -1,12 +1,17 @@
-// Model and MoE shape and behaviour. Loaded from the [model] and [moe] sections of a
-// run config (see src/train/config.h and docs/CONFIG.md for every key).
+// Model and MoE shape and behaviour: the [model] and [moe] sections of a run config
+// (docs/CONFIG.md describes every key).
 #pragma once
+#include <array>
 #include <cstdint>
-#include <string>
+
+#include "config/enum_names.h"
 
 namespace moe {
 
 enum class ScoreFunc { Softmax, Sigmoid };
+inline constexpr std::array<EnumName<ScoreFunc>, 2> kScoreFuncNames{{{ScoreFunc::Softmax, "softmax"},
+                                                                         {ScoreFunc::Sigmoid, "sigmoid"}}};
+constexpr std::span<const EnumName<ScoreFunc>> enum_names(ScoreFunc) { return kScoreFuncNames; }
 
 struct MoEConfig {
   int64_t n_experts = 8;          // routed experts per MoE layer (E)

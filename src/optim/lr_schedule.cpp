@@ -1,4 +1,4 @@
-#include "train/lr_schedule.h"
+#include "optim/lr_schedule.h"
 
 #include <algorithm>
 #include <cmath>

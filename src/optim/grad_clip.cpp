@@ -1,4 +1,4 @@
-#include "train/grad_clip.h"
+#include "optim/grad_clip.h"
 
 #include <cmath>
 #include <map>

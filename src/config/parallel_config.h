@@ -1,0 +1,48 @@
+// The [parallel] section: data and expert parallelism across ranks; the world size comes
+// from the launcher (mpirun, Slurm, torchrun-style variables; src/dist/launch_env.h).
+// docs/CONFIG.md describes every key.
+#pragma once
+#include <array>
+#include <cstdint>
+
+#include "config/enum_names.h"
+
+namespace moe {
+
+// The expert-parallel all-to-all: one exchange over the EP group, or intra-node first
+// and then inter-node (src/dist/hierarchical_all_to_all.h).
+enum class AllToAllKind { Flat, Hierarchical };
+inline constexpr std::array<EnumName<AllToAllKind>, 2> kAllToAllKindNames{
+    {{AllToAllKind::Flat, "flat"}, {AllToAllKind::Hierarchical, "hierarchical"}}};
+constexpr std::span<const EnumName<AllToAllKind>> enum_names(AllToAllKind) { return kAllToAllKindNames; }
+
+// Element type of the GPU's data-parallel gradient sums (bf16: half the bytes, sums rounded).
+enum class ReduceDtype { Fp32, Bf16 };
+inline constexpr std::array<EnumName<ReduceDtype>, 2> kReduceDtypeNames{
+    {{ReduceDtype::Fp32, "fp32"}, {ReduceDtype::Bf16, "bf16"}}};
+constexpr std::span<const EnumName<ReduceDtype>> enum_names(ReduceDtype) { return kReduceDtypeNames; }
+
+// How the ranks talk (src/dist/communicator.h); Auto: from the launcher.
+enum class CommBackend { Auto, Mpi, Single, Tcp, Nccl };
+inline constexpr std::array<EnumName<CommBackend>, 5> kCommBackendNames{{{CommBackend::Auto, "auto"},
+                                                                         {CommBackend::Mpi, "mpi"},
+                                                                         {CommBackend::Single, "single"},
+                                                                         {CommBackend::Tcp, "tcp"},
+                                                                         {CommBackend::Nccl, "nccl"}}};
+constexpr std::span<const EnumName<CommBackend>> enum_names(CommBackend) { return kCommBackendNames; }
+
+struct ParallelConfig {
+  int64_t expert_parallel = 1;        // EP size: ranks that share one copy of the experts; divides world and moe.n_experts
+  AllToAllKind all_to_all = AllToAllKind::Flat;
+  double bucket_mb = 25.0;            // dense-gradient reduce-scatter bucket; 0: one bucket per layer
+  int64_t a2a_chunks = 1;             // token chunks whose all-to-all overlaps the experts' compute
+  ReduceDtype grad_reduce_dtype = ReduceDtype::Fp32;  // GPU data parallel
+  int64_t comm_sms = 0;               // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward
+  bool shard_optimizer = true;        // GPU data parallel: ZeRO-1 (gradients reduce-scattered, 1/N of the AdamW step per rank)
+  int64_t rebalance_interval = 0;     // steps between re-placements of the experts by measured load; 0: never
+  int64_t rebalance_max_experts = 0;  // most experts one EP rank may hold after a re-placement; 0: n_experts / EP (equal)
+  bool split_experts = false;         // GPU EP: each rank's first expert shared with the rank before, rows evened per micro-batch
+  CommBackend backend = CommBackend::Auto;
+};
+
+}  // namespace moe

@@ -1,0 +1,41 @@
+// A run's full configuration: TOML sections [model] [moe] [training] [optimizer] [lr]
+// [data] [metrics] [checkpoint] [parallel], one header per section beside this one, so a
+// layer includes only the sections it reads. Every key, its type, default and allowed
+// values are in docs/CONFIG.md. Loading rejects unknown keys and bad values with a
+// ConfigError naming the key; nothing outside the parser compares config text.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "config/checkpoint_config.h"
+#include "config/data_config.h"
+#include "config/metrics_config.h"
+#include "config/model_config.h"
+#include "config/optimizer_config.h"
+#include "config/parallel_config.h"
+#include "config/training_config.h"
+
+namespace moe {
+
+struct RunConfig {
+  ModelConfig model;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  LrConfig lr;
+  DataConfig data;
+  MetricsConfig metrics;
+  CheckpointConfig checkpoint;
+  ParallelConfig parallel;
+};
+
+// Parse TOML text (`source_name` names it in errors), then apply `overrides` of the
+// form "section.key=value" (value in TOML syntax, or a bare string). Validates the result.
+RunConfig parse_config(const std::string& toml_text, const std::string& source_name,
+                       const std::vector<std::string>& overrides = {});
+RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// Throws ConfigError naming the first key whose value is not allowed.
+void validate_config(const RunConfig& config);
+// The config as TOML, every key written (round-trips through parse_config).
+std::string config_to_toml(const RunConfig& config);
+
+}  // namespace moe

@@ -1,0 +1,47 @@
+// The [training] section: steps, batch, devices, clipping, faults and the GPU's memory and
+// speed switches (docs/CONFIG.md describes every key).
+#pragma once
+#include <array>
+#include <cstdint>
+
+#include "config/enum_names.h"
+
+namespace moe {
+
+// Where the model trains; Auto: a GPU when the CUDA backend has one.
+enum class TrainingDevice { Auto, Cpu, Cuda };
+inline constexpr std::array<EnumName<TrainingDevice>, 3> kTrainingDeviceNames{
+    {{TrainingDevice::Auto, "auto"}, {TrainingDevice::Cpu, "cpu"}, {TrainingDevice::Cuda, "cuda"}}};
+constexpr std::span<const EnumName<TrainingDevice>> enum_names(TrainingDevice) { return kTrainingDeviceNames; }
+
+// What the GPU's MoE layers recompute in the backward instead of keeping: nothing, the
+// SwiGLU activations (kept: the gate/up rows), or the gate/up GEMM too (kept: the
+// permuted input rows only). Bit-identical results either way.
+enum class ExpertRecompute { None, Swiglu, All };
+inline constexpr std::array<EnumName<ExpertRecompute>, 3> kExpertRecomputeNames{
+    {{ExpertRecompute::None, "none"}, {ExpertRecompute::Swiglu, "swiglu"}, {ExpertRecompute::All, "all"}}};
+constexpr std::span<const EnumName<ExpertRecompute>> enum_names(ExpertRecompute) { return kExpertRecomputeNames; }
+
+struct TrainingConfig {
+  int64_t steps = 300;                // optimizer steps
+  int64_t global_batch_tokens = 8192; // tokens per optimizer step (reached by accumulation)
+  int64_t micro_batch = 8;            // sequences per micro-batch
+  uint64_t seed = 1234;               // weights, data order
+  int64_t threads = 0;                // 0: all cores
+  TrainingDevice device = TrainingDevice::Auto;
+  double grad_clip = 1.0;             // global gradient-norm clip; 0 disables
+  double expert_grad_clip = 0.0;      // per-expert gradient-norm clip; 0 disables
+  int64_t val_interval = 50;          // validation every N steps (and at the start and end); 0: start and end only
+  int64_t val_batches = 8;            // micro-batches of held-out data per validation
+  int64_t stop_at = 0;                // stop (and checkpoint) after this step as if preempted; 0: run to steps
+  int64_t nan_max_skips = 3;          // non-finite steps in a row before reloading the last checkpoint; 0: never
+  double nan_lr_factor = 0.5;         // each such reload multiplies the learning rate by this
+  double loss_spike_factor = 3.0;     // warn when a loss exceeds this times the running mean; 0: off
+  int64_t memory_limit_mb = 0;        // activation memory per micro-batch; over it the micro-batch is halved; 0: none
+  int64_t recompute_layers = 0;       // GPU: recompute the activations of the first N layers in the backward; -1: all
+  ExpertRecompute recompute_experts = ExpertRecompute::None;  // GPU
+  bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
+  bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)
+};
+
+}  // namespace moe

@@ -1,0 +1,104 @@
+#include "train/backends/backend_factory.h"
+
+#include "core/error.h"
+#include "dist/communicator.h"
+#include "dist/launch_env.h"
+#include "train/backends/cpu_backend.h"
+#include "train/backends/parallel_cpu_backend.h"
+#ifdef MOE_HAVE_CUDA
+#include "train/backends/cuda/gpu_backend.h"
+#endif
+
+namespace moe {
+namespace {
+
+bool gpu_visible() {
+#ifdef MOE_HAVE_CUDA
+  return gpu_present();
+#else
+  return false;
+#endif
+}
+
+// parallel.backend = nccl (or a world in device memory): what the GPU's data-parallel
+// path refuses.
+void check_gpu_data_parallel(const RunConfig& config) {
+  if (!wants_gpu(config.training))
+    MOE_CONFIG_ERROR("parallel.backend = nccl trains on the GPU, but training.device = {} resolves to the CPU: use "
+                     "--device=cuda, or parallel.backend = mpi/tcp for CPU ranks",
+                     name_of(config.training.device));
+  const int64_t ep = config.parallel.expert_parallel;
+  if (ep <= 1) return;
+  // Expert parallelism on the GPU waits on the host for each MoE layer's row counts.
+  if (config.training.cuda_graphs)
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} on the GPU cannot run inside CUDA graphs: set "
+                     "training.cuda_graphs = false",
+                     ep);
+  if (config.training.recompute_experts != ExpertRecompute::None)
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} on the GPU needs training.recompute_experts = none (got {}); "
+                     "training.recompute_layers works",
+                     ep, name_of(config.training.recompute_experts));
+  if (config.model.moe.n_experts % ep != 0)
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config.model.moe.n_experts);
+}
+
+std::unique_ptr<ModelBackend> gpu_backend(const RunConfig& config, Transformer<float>& host_model,
+                                          std::unique_ptr<dist::Communicator> world) {
+#ifdef MOE_HAVE_CUDA
+  return make_gpu_backend(config, host_model, std::move(world));
+#else
+  (void)config, (void)host_model, (void)world;
+  MOE_THROW("no CUDA backend in this build");
+#endif
+}
+
+}  // namespace
+
+bool wants_gpu(const TrainingConfig& training) {
+  if (training.device == TrainingDevice::Cpu) return false;
+  if (training.device == TrainingDevice::Auto) return gpu_visible();
+#ifndef MOE_HAVE_CUDA
+  MOE_CONFIG_ERROR("training.device = cuda, but this build has no CUDA backend (nvcc was not found at build time)");
+#endif
+  if (!gpu_visible()) MOE_CONFIG_ERROR("training.device = cuda, but no CUDA device is visible");
+  return true;
+}
+
+CommBackend resolve_comm_backend(const RunConfig& config) {
+  if (config.parallel.backend != CommBackend::Auto) return config.parallel.backend;
+  const TrainingDevice device = config.training.device;
+#ifdef MOE_HAVE_CUDA
+  const bool gpu = device == TrainingDevice::Cuda || (device == TrainingDevice::Auto && gpu_visible());
+#else
+  const bool gpu = false;  // device = cuda is refused with its own message (wants_gpu)
+  (void)device;
+#endif
+  return gpu && dist::read_launch_env().world_size > 1 ? CommBackend::Nccl : CommBackend::Auto;
+}
+
+std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, Transformer<float>& host_model, AdamW& optimizer,
+                                           std::unique_ptr<dist::Communicator> world) {
+  MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
+  const ParallelConfig& pc = config.parallel;
+  // NCCL (or another device-memory backend, e.g. threads sharing one GPU in tests): data
+  // parallel on the GPU, a world of one included.
+  const bool device_world = world->device_memory();
+  if (device_world) check_gpu_data_parallel(config);
+  if (world->size() == 1) {
+    if (pc.expert_parallel > 1)
+      MOE_CONFIG_ERROR("parallel.expert_parallel = {} needs a launch of a multiple of {} ranks (this one has 1)",
+                       pc.expert_parallel, pc.expert_parallel);
+    if (device_world) return gpu_backend(config, host_model, std::move(world));
+    if (wants_gpu(config.training)) return gpu_backend(config, host_model, nullptr);
+    return make_cpu_backend(config, host_model, optimizer);
+  }
+  const TrainingDevice device = config.training.device;
+  if (!device_world && (device == TrainingDevice::Cuda || (device == TrainingDevice::Auto && wants_gpu(config.training))))
+    MOE_CONFIG_ERROR("training.device = {} with parallel.backend = {} ({} ranks): multi-rank GPU training needs "
+                     "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
+                     name_of(device), world->backend(), world->size());
+  if (device_world) return gpu_backend(config, host_model, std::move(world));
+  return std::make_unique<ParallelCpuBackend>(config, host_model, std::move(world));
+}
+
+}  // namespace moe

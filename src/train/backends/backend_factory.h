@@ -1,0 +1,29 @@
+// The one place that decides which ModelBackend trains a run: the CPU reference, the CPU
+// model over MPI/tcp ranks, or the GPU model on one GPU or over NCCL ranks.
+#pragma once
+#include <memory>
+
+#include "config/run_config.h"
+#include "train/backends/model_backend.h"
+
+namespace moe {
+
+namespace dist {
+class Communicator;
+}
+
+// Whether training.device puts the model on the GPU (Auto: when one is visible). Throws
+// ConfigError for cuda without a CUDA build or without a visible GPU.
+bool wants_gpu(const TrainingConfig& training);
+
+// parallel.backend as the launch resolves it: Auto becomes Nccl when the launch has
+// several ranks and training.device resolves to the GPU.
+CommBackend resolve_comm_backend(const RunConfig& config);
+
+// The backend for `config` over `world` (collective; a world of one trains in this
+// process). Combinations the backends do not support are refused here, with one line
+// naming the keys. `optimizer` is the host AdamW the CPU reference steps.
+std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, Transformer<float>& host_model, AdamW& optimizer,
+                                           std::unique_ptr<dist::Communicator> world);
+
+}  // namespace moe

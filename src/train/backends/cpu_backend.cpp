@@ -1,0 +1,80 @@
+#include "train/backends/cpu_backend.h"
+
+#include <algorithm>
+
+#include "moe/router.h"
+
+namespace moe {
+
+// The step's routing per MoE layer, and the largest load imbalance before dropping.
+std::vector<LayerRouting> host_routing(Transformer<float>& model, const ModelConfig& config, double& load_imbalance) {
+  std::vector<LayerRouting> layers;
+  auto moe_layers = model.moe_layers();
+  load_imbalance = 0;
+  for (size_t i = 0; i < moe_layers.size(); ++i) {
+    auto* layer = moe_layers[i];
+    load_imbalance = std::max(load_imbalance, moe::load_imbalance(layer->load_E()));
+    const MoERoutingStats& routing = layer->routing_stats();
+    LayerRouting r;
+    r.layer = config.first_dense_layers + static_cast<int64_t>(i);  // MoE blocks follow the dense ones
+    r.tokens_E = routing.kept_E;
+    r.assignments = routing.tokens * config.moe.top_k;
+    r.dropped = routing.dropped;
+    r.router_entropy = routing.tokens > 0 ? routing.entropy_sum / static_cast<double>(routing.tokens) : 0;
+    if (config.moe.bias_balancing) r.bias_E.assign(layer->balance_bias_E().begin(), layer->balance_bias_E().end());
+    layers.push_back(std::move(r));
+  }
+  return layers;
+}
+
+BatchPlan plan_host_batches(const RunConfig& config, Transformer<float>& model) {
+  const TrainingConfig& tc = config.training;
+  const size_t limit = static_cast<size_t>(tc.memory_limit_mb) * 1000000u;
+  return fit_micro_batch(
+      tc.global_batch_tokens, config.model.seq_len, tc.micro_batch, limit,
+      [&](int64_t batch) { return model.planned_bytes(batch); }, [&](int64_t batch) { model.plan(batch); });
+}
+
+namespace {
+
+// The CPU reference: Transformer<float> and AdamW in this process.
+class CpuBackend final : public ModelBackend {
+ public:
+  CpuBackend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer)
+      : config_(config), model_(model), optimizer_(optimizer) {}
+  BatchPlan plan_batches() override { return plan_host_batches(config_, model_); }
+  void begin_step() override {
+    model_.params().zero_grads();
+    for (auto* layer : model_.moe_layers()) layer->reset_load();
+  }
+  ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
+    return model_.forward(inputs_BS, targets_BS);
+  }
+  void backward(double loss_scale, bool) override { model_.backward(loss_scale); }
+  void routing(StepStats& stats) override { stats.layers = host_routing(model_, config_.model, stats.load_imbalance); }
+  ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
+    return moe::clip_gradients(model_.params(), max_global_norm, max_expert_norm);
+  }
+  void apply_update(double lr) override {
+    optimizer_.step(lr);
+    if (config_.model.moe.bias_balancing)
+      for (auto* layer : model_.moe_layers()) layer->update_balancing_bias();
+  }
+  void end_step() override { end_validation(); }
+  void end_validation() override {
+    for (auto* layer : model_.moe_layers()) layer->reset_load();
+  }
+
+ private:
+  const RunConfig& config_;
+  Transformer<float>& model_;
+  AdamW& optimizer_;
+};
+
+}  // namespace
+
+std::unique_ptr<ModelBackend> make_cpu_backend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer) {
+  return std::make_unique<CpuBackend>(config, model, optimizer);
+}
+
+}  // namespace moe

@@ -1,0 +1,21 @@
+// The CPU reference backend: Transformer<float> and AdamW in this process.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "config/run_config.h"
+#include "train/backends/model_backend.h"
+
+namespace moe {
+
+std::unique_ptr<ModelBackend> make_cpu_backend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer);
+
+// The host model's activation arenas for training.micro_batch, halved while over
+// training.memory_limit_mb (or while an allocation fails). Shared by the CPU backends.
+BatchPlan plan_host_batches(const RunConfig& config, Transformer<float>& model);
+
+// The step's routing per MoE layer of the host model (kept tokens per expert, drops,
+// entropy, bias) and, into load_imbalance, the largest imbalance before dropping.
+std::vector<LayerRouting> host_routing(Transformer<float>& model, const ModelConfig& config, double& load_imbalance);
+
+}  // namespace moe

@@ -1,0 +1,23 @@
+// The GPU backend (built with the CUDA backend only; backend_factory.cpp is its one caller).
+#pragma once
+#include <memory>
+
+#include "config/run_config.h"
+#include "train/backends/model_backend.h"
+
+namespace moe {
+
+namespace dist {
+class Communicator;
+}
+
+// The model, gradients and optimizer state on the GPU. `world`: an NCCL (or threads)
+// world for data and expert parallelism, or null for one GPU alone. `host_model` holds
+// the initial weights and, after sync_host_model / gather_state, the trained ones.
+std::unique_ptr<ModelBackend> make_gpu_backend(const RunConfig& config, Transformer<float>& host_model,
+                                               std::unique_ptr<dist::Communicator> world);
+
+// Whether this process sees a CUDA device.
+bool gpu_present();
+
+}  // namespace moe

@@ -1,0 +1,88 @@
+// The interface between the step loop and the model it trains, and what a step measures.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/transformer.h"
+#include "obs/metrics.h"
+#include "optim/adamw.h"
+#include "optim/grad_clip.h"
+#include "train/batch_controller.h"
+
+namespace moe {
+
+// One optimizer step's measurements.
+struct StepStats {
+  int64_t step = 0;
+  double loss = 0, aux_loss = 0, z_loss = 0;  // means over the micro-batches
+  double lr = 0;
+  double grad_norm = 0, max_expert_grad_norm = 0;
+  double load_imbalance = 0;  // max over MoE layers of max/mean - 1 of tokens per expert
+  int64_t dropped = 0;
+  bool skipped = false;
+  StepTimes time;                    // step, data wait, compute, communication wait, optimizer
+  std::vector<LayerRouting> layers;  // per MoE layer: tokens per expert, drops, entropy, bias
+  // Communication (0 in one process): gradient-sync latency, expert-parallel all-to-all
+  // bytes sent to other ranks and the time those exchanges took (issue to completion).
+  double grad_sync_ms = 0;
+  int64_t a2a_bytes = 0;
+  double a2a_seconds = 0;
+  std::vector<RankLoad> ranks;       // experts per rank and their load; empty: one rank holds all
+  std::vector<std::pair<std::string, double>> phase_ms;  // GPU, metrics.phase_times: ms per phase of the model's stream
+};
+
+// What the step loop (Trainer::train_step) needs from the model it trains: the CPU
+// reference (cpu_backend.h), the CPU model spread over ranks (parallel_cpu_backend.h) or
+// the GPU model on one or more GPUs (cuda/gpu_backend.h); backend_factory.h picks one.
+// One loop drives all three; the Trainer knows no other type of them.
+class ModelBackend {
+ public:
+  virtual ~ModelBackend() = default;
+  // Once, before anything else: plans the model's memory for training.micro_batch, halving
+  // the micro-batch (and doubling the accumulation) while it does not fit, and finishes
+  // the set-up that depends on the micro-batch.
+  virtual BatchPlan plan_batches() = 0;
+  virtual bool on_gpu() const { return false; }
+  // Before the first micro-batch: zero the gradients, reset the expert loads.
+  virtual void begin_step() = 0;
+  virtual ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) = 0;
+  // Backward of the last forward, loss weighted by loss_scale; `last` marks the step's
+  // last micro-batch (gradient communication starts during its backward).
+  virtual void backward(double loss_scale, bool last) = 0;
+  // After the micro-batches: stats.loss and .dropped summed over the ranks (one process: as is).
+  virtual void reduce_losses(StepStats& stats) { (void)stats; }
+  // Fills stats.layers and stats.load_imbalance from the step's routing.
+  virtual void routing(StepStats& stats) = 0;
+  // Norms (per expert, then global) and clipping of the gradients, applied by apply_update.
+  virtual ClipStats clip_gradients(double max_global_norm, double max_expert_norm) = 0;
+  // AdamW (and the balancing-bias update).
+  virtual void apply_update(double lr) = 0;
+  // After the step, applied or skipped.
+  virtual void end_step() = 0;
+  // A validation micro-batch's loss, then the sum of such values over the ranks.
+  virtual double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) { return forward(inputs_BS, targets_BS).ce_loss; }
+  virtual double sum_over_ranks(double value) { return value; }
+  virtual void end_validation() = 0;
+  // The step's communication measurements into stats (and reset them).
+  virtual void take_comm_stats(StepStats& stats) { (void)stats; }
+  // The trained weights into the host model (GPU download, expert gather across ranks).
+  virtual void sync_host_model() {}
+  // Checkpoints: the one way state moves between the backend and the host model + AdamW
+  // that checkpoints read and write. gather_state (collective): afterwards rank 0's host
+  // model holds every parameter's current value and `optimizer` every moment and the step
+  // count, in the single-process layout, wherever the backend keeps them (GPU memory,
+  // shards over the ranks). scatter_state: the reverse, once every rank has loaded the same
+  // checkpoint into its host model and `optimizer`. No-ops where the host model and
+  // `optimizer` are the state.
+  virtual void gather_state(AdamW& optimizer) { (void)optimizer; }
+  virtual void scatter_state(AdamW& optimizer) { (void)optimizer; }
+  // The experts' placement and the re-placement's state, as text a checkpoint keeps
+  // (empty: nothing to keep), and taking it back after a restore (collective; ignored
+  // where it does not fit this run, e.g. another EP size).
+  virtual std::string placement_state() const { return {}; }
+  virtual void restore_placement(const std::string& state) { (void)state; }
+};
+
+}  // namespace moe
