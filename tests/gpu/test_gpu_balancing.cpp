@@ -19,6 +19,7 @@
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
 #include "moe/router.h"
+#include "optim/cuda/gpu_optimizer.h"
 #include "optim/grad_clip.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
@@ -114,6 +115,7 @@ TEST(GpuBalancing, ExpertNormsAndClippingMatchTheCpuBitForBit) {
   const int64_t batch = 2;
   Transformer<float> cpu(c, 3);
   GpuTransformer gpu(c, cpu.params());
+  GpuOptimizer optimizer(gpu.parameters(), cpu.params(), gpu.stream());
   gpu.plan(batch);
   const auto inputs = random_tokens(c, batch, "inputs"), targets = random_tokens(c, batch, "targets");
   gpu.zero_grads();
@@ -124,7 +126,7 @@ TEST(GpuBalancing, ExpertNormsAndClippingMatchTheCpuBitForBit) {
 
   const std::vector<double> want = cpu_expert_norms(host.params());
   ASSERT_EQ(want.size(), 8u);  // 2 MoE layers x 4 experts
-  const std::vector<double> norms = gpu.clip_expert_grads(0.0);  // norms only
+  const std::vector<double> norms = optimizer.clip_expert_grads(0.0);  // norms only
   ASSERT_EQ(norms.size(), want.size());
   for (size_t x = 0; x < want.size(); ++x) {
     EXPECT_GT(want[x], 0.0) << "expert " << x;
@@ -134,7 +136,7 @@ TEST(GpuBalancing, ExpertNormsAndClippingMatchTheCpuBitForBit) {
   std::vector<double> sorted = want;
   std::sort(sorted.begin(), sorted.end());
   const double max_norm = 0.5 * (sorted[3] + sorted[4]);
-  EXPECT_EQ(gpu.clip_expert_grads(max_norm), want);  // the norms before clipping
+  EXPECT_EQ(optimizer.clip_expert_grads(max_norm), want);  // the norms before clipping
 
   const ClipStats stats = clip_gradients(host.params(), 0.0, max_norm);  // the CPU's clipping
   EXPECT_EQ(stats.experts_clipped, 4);
@@ -149,8 +151,8 @@ TEST(GpuBalancing, ExpertNormsAndClippingMatchTheCpuBitForBit) {
     EXPECT_EQ(mismatches, 0) << cpu_params.spec(id).name;
   }
   // The global norm after per-expert clipping, as the CPU saw it.
-  EXPECT_EQ(gpu.grad_norm(), stats.global_norm);
-  for (double norm : gpu.clip_expert_grads(0.0)) EXPECT_LE(norm, max_norm * (1 + 1e-6));
+  EXPECT_EQ(optimizer.grad_norm(), stats.global_norm);
+  for (double norm : optimizer.clip_expert_grads(0.0)) EXPECT_LE(norm, max_norm * (1 + 1e-6));
 }
 
 // ZeRO-1 (shard_expert_clip): three ranks holding the same summed gradients, each with its
@@ -167,6 +169,7 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
   const int64_t batch = 2;
   Transformer<float> cpu(c, 3);
   GpuTransformer whole(c, cpu.params());
+  GpuOptimizer whole_optimizer(whole.parameters(), cpu.params(), whole.stream());
   whole.plan(batch);
   const auto inputs = random_tokens(c, batch, "inputs"), targets = random_tokens(c, batch, "targets");
   whole.zero_grads();
@@ -174,11 +177,11 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
   whole.backward(1.0);
   Transformer<float> unclipped(c, 3);
   whole.download_grads(unclipped.params());
-  const std::vector<double> norms = whole.clip_expert_grads(0.0);
+  const std::vector<double> norms = whole_optimizer.clip_expert_grads(0.0);
   std::vector<double> sorted = norms;
   std::sort(sorted.begin(), sorted.end());
   const double max_norm = 0.5 * (sorted[3] + sorted[4]);
-  whole.clip_expert_grads(max_norm);
+  whole_optimizer.clip_expert_grads(max_norm);
   Transformer<float> want(c, 3);
   whole.download_grads(want.params());
 
@@ -186,16 +189,18 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
       cpu.params(), [&](const std::string& name) { return cpu.backward_stage_of(name); }, cpu.backward_stages());
   const int ranks = 3;
   std::vector<std::unique_ptr<GpuTransformer>> shards;
+  std::vector<std::unique_ptr<GpuOptimizer>> optimizers;
   std::vector<dist::ZeroShardPlan> plans;
   std::vector<double> total(norms.size(), 0.0);
   for (int r = 0; r < ranks; ++r) {
     shards.push_back(std::make_unique<GpuTransformer>(c, cpu.params()));
+    optimizers.push_back(std::make_unique<GpuOptimizer>(shards.back()->parameters(), cpu.params(), shards.back()->stream()));
     plans.push_back(dist::plan_zero_shards(stages, shards.back()->parameters().fp32_copy_ranges(), 1000, ranks, r));
-    shards.back()->shard_expert_clip(plans.back().norm, plans.back().update);
+    optimizers.back()->shard_expert_clip(plans.back().norm, plans.back().update);
     shards.back()->parameters().upload_grads(unclipped.params());
-    EXPECT_THROW(shards.back()->clip_expert_grads(0.0), Error);  // no sum over the ranks given
+    EXPECT_THROW(optimizers.back()->clip_expert_grads(0.0), Error);  // no sum over the ranks given
     // First pass: the partial squares alone (max_norm 0: nothing scaled).
-    shards.back()->clip_expert_grads(0.0, [&](std::vector<double>& squares) {
+    optimizers.back()->clip_expert_grads(0.0, [&](std::vector<double>& squares) {
       ASSERT_EQ(squares.size(), total.size());
       for (size_t x = 0; x < squares.size(); ++x) total[x] += squares[x];
     });
@@ -203,7 +208,7 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
   for (int r = 0; r < ranks; ++r) {
     SCOPED_TRACE(testing::Message() << "rank " << r);
     const std::vector<double> got =
-        shards[static_cast<size_t>(r)]->clip_expert_grads(max_norm, [&](std::vector<double>& squares) { squares = total; });
+        optimizers[static_cast<size_t>(r)]->clip_expert_grads(max_norm, [&](std::vector<double>& squares) { squares = total; });
     ASSERT_EQ(got.size(), norms.size());
     for (size_t x = 0; x < norms.size(); ++x) EXPECT_NEAR(got[x], norms[x], 1e-12 * norms[x]) << "expert " << x;
     Transformer<float> clipped(c, 3);

@@ -22,6 +22,7 @@
 #include "small_models.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
+#include "optim/cuda/gpu_optimizer.h"
 
 namespace moe {
 namespace {
@@ -124,11 +125,11 @@ std::vector<float> all_grads(GpuTransformer& gpu, Transformer<float>& host) {
 
 // As the trainer does under expert parallelism: AdamW over the shared parameters and this
 // rank's experts only (the others' copies then keep their values until sent).
-void step_own_experts_only(GpuTransformer& gpu, Transformer<float>& host) {
+void step_own_experts_only(GpuTransformer& gpu, GpuOptimizer& optimizer, Transformer<float>& host) {
   const auto stage_of = [&](const std::string& name) { return host.backward_stage_of(name); };
   const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
       host.params(), stage_of, host.backward_stages(), gpu.own_expert_ranges(), gpu.split_expert_ranges());
-  gpu.parameters().set_step_ranges(ranges.stepped(), {{0, gpu.parameters().storage_numel()}});
+  optimizer.set_step_ranges(ranges.stepped(), {{0, gpu.parameters().storage_numel()}});
 }
 
 // Split experts: each hinge's partial gradients summed over the two ranks (the trainer's
@@ -162,21 +163,22 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
   auto rank_main = [&](int rank) {
     Transformer<float> host(config, 11);
     GpuTransformer gpu(config, host.params());
+    GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
     auto exchange = std::make_shared<PairExchange>(shared, rank);
     gpu.set_expert_exchange(exchange);
     gpu.set_max_local_experts(config.moe.n_experts);
     gpu.set_split_experts(split);
     gpu.plan(1);
-    if (own_steps) step_own_experts_only(gpu, host);
+    if (own_steps) step_own_experts_only(gpu, optimizer, host);
     RankRun& run = runs[static_cast<size_t>(rank)];
     gpu.zero_grads();
     const auto inputs = tokens(config, 1, 40 + rank, 0), targets = tokens(config, 1, 40 + rank, 1);
     run.loss = gpu.forward_backward(inputs.data(), targets.data(), 1.0);
     run.grads = all_grads(gpu, host);  // before the hinges' sum: each rank's part
     if (split) sum_hinge_grads(gpu, shared, rank);
-    gpu.adamw_step(lr, 0.9, 0.95, 1e-8, 0.1, 1.0f, 1);
+    optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 1}, 1.0f);
     if (!placement.empty()) gpu.place_experts(placement);
-    if (own_steps) step_own_experts_only(gpu, host);
+    if (own_steps) step_own_experts_only(gpu, optimizer, host);
     gpu.zero_grads();
     gpu.reset_load();
     const auto inputs2 = tokens(config, 1, 50 + rank, 0), targets2 = tokens(config, 1, 50 + rank, 1);
@@ -185,7 +187,7 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     if (split) sum_hinge_grads(gpu, shared, rank);
     run.load = gpu.expert_load();
     // What a checkpoint writes: every expert's weights and moments from the rank holding it.
-    gpu.adamw_step(lr, 0.9, 0.95, 1e-8, 0.1, 1.0f, 2);
+    optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 2}, 1.0f);
     gpu.download_params(host.params());
     for (int id = 0; id < host.params().size(); ++id)
       run.held.insert(run.held.end(), host.params().value(id), host.params().value(id) + host.params().numel(id));

@@ -16,6 +16,7 @@
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
+#include "optim/cuda/gpu_optimizer.h"
 
 namespace moe {
 namespace {
@@ -179,6 +180,7 @@ TEST(GpuModel, AdamWStepsLowerTheLoss) {
   c.moe.top_k = 2;
   Transformer<float> cpu(c, 3);
   GpuTransformer gpu(c, cpu.params());
+  GpuOptimizer optimizer(gpu.parameters(), cpu.params(), gpu.stream());
   gpu.plan(4);
   const Batch b = random_batch(c, 4);
   double first = 0, last = 0;
@@ -186,7 +188,7 @@ TEST(GpuModel, AdamWStepsLowerTheLoss) {
     gpu.zero_grads();
     const double loss = gpu.forward(b.inputs.data(), b.targets.data()).total();
     gpu.backward(1.0);
-    gpu.adamw_step(3e-3, 0.9, 0.95, 1e-8, 0.1, 1.0f, step);
+    optimizer.adamw_step(AdamWStep{3e-3, 0.9, 0.95, 1e-8, 0.1, step}, 1.0f);
     if (step == 1) first = loss;
     last = loss;
     ASSERT_TRUE(std::isfinite(loss));

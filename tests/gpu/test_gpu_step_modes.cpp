@@ -14,6 +14,7 @@
 #include "model/cuda/gpu_transformer.h"
 #include "model/cuda/loopback_exchange.h"
 #include "model/transformer.h"
+#include "optim/cuda/gpu_optimizer.h"
 
 namespace moe {
 namespace {
@@ -59,6 +60,7 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
               std::shared_ptr<GpuExpertExchange> exchange = nullptr, const std::vector<Placement>& placements = {}) {
   Transformer<float> host(config, 11);
   GpuTransformer gpu(config, host.params());
+  GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
   gpu.set_expert_exchange(exchange);
   gpu.set_recompute_layers(recompute_layers);
   gpu.set_recompute_experts(recompute_experts);
@@ -81,8 +83,8 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   for (int id = 0; id < params.size(); ++id)
     r.grads.insert(r.grads.end(), params.grad(id), params.grad(id) + params.numel(id));
   r.load = gpu.expert_load();
-  r.expert_norms = gpu.clip_expert_grads(0.0);
-  gpu.adamw_step(1e-3, 0.9, 0.95, 1e-8, 0.1, 1.0f, 1);
+  r.expert_norms = gpu.to_expert_order(optimizer.clip_expert_grads(0.0));
+  optimizer.adamw_step(AdamWStep{1e-3, 0.9, 0.95, 1e-8, 0.1, 1}, 1.0f);
   gpu.download_state(params, r.m, r.v);
   for (int id = 0; id < params.size(); ++id)
     r.values.insert(r.values.end(), params.value(id), params.value(id) + params.numel(id));

@@ -1,6 +1,7 @@
 // The GPU model's MoE layer: router, dispatch to the experts' grouped GEMMs, combine, and
-// their backward; tokens per expert, the aux-loss-free balancing bias and per-expert
-// gradient clipping. The rest of the model is in gpu_transformer.cpp.
+// their backward; tokens per expert, the aux-loss-free balancing bias and the
+// expert-parallel exchange. The rest of the model is in gpu_transformer.cpp; the optimizer
+// (per-expert clipping included) is optim/cuda/gpu_optimizer.h.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -9,7 +10,6 @@
 #include <vector>
 
 #include "core/error.h"
-#include "core/span_cut.h"
 #include "model/cuda/gpu_transformer_state.h"
 #include "moe/dispatch.h"
 
@@ -378,147 +378,6 @@ std::vector<float> GpuTransformer::balance_bias(size_t moe_layer) const {
   std::vector<float> values(bias.size());
   bias.download(values.data(), values.size());
   return values;
-}
-
-// Groups of parameters sharing an expert_group (train/grad_clip.cpp), in registration
-// order (the layers' order); each group's tensors cut at the leading expert dimension.
-void GpuTransformer::State::build_expert_slices(const ParameterStore<float>& params) {
-  std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (int id = 0; id < params.size(); ++id) {
-    const std::string& group = params.spec(id).expert_group;
-    if (group.empty()) continue;
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == group; });
-    if (it != groups.end()) it->second.push_back(id);
-    else groups.emplace_back(group, std::vector<int>{id});
-  }
-  for (const auto& [group, ids] : groups) {
-    const int64_t n_experts = params.spec(ids.front()).shape[0];
-    const auto layer = std::find_if(layers.begin(), layers.end(), [&](const Layer& l) {
-      return l.is_moe && (ids.front() == l.w1.id || ids.front() == l.w3.id || ids.front() == l.w2.id);
-    });
-    MOE_CHECK(layer != layers.end(), "per-expert clipping: expert group {} is no MoE layer's experts", group);
-    expert_group_layer.push_back(static_cast<size_t>(layer - layers.begin()));
-    for (int64_t e = 0; e < n_experts; ++e) {
-      first_slice_X1.push_back(static_cast<int32_t>(expert_slices.size()));
-      for (int id : ids) {
-        const int64_t per_expert = params.numel(id) / n_experts;
-        cuda::OptimizerSegment slice;
-        slice.offset = params.offset(id) + e * per_expert;
-        slice.numel = per_expert;
-        slice.first_chunk = expert_slice_chunks;
-        expert_slice_chunks += (per_expert + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
-        expert_slices.push_back(slice);
-        expert_of_slice.push_back(static_cast<int32_t>(first_slice_X1.size() - 1));
-      }
-    }
-  }
-  first_slice_X1.push_back(static_cast<int32_t>(expert_slices.size()));
-}
-
-void GpuTransformer::State::ensure_clip_tables() {
-  const size_t n_experts = first_slice_X1.size() - 1, n_slices = expert_slices.size();
-  if (d_expert_slices.size() != 0) return;
-  d_expert_slices = Buffer<cuda::OptimizerSegment>(n_slices);
-  d_expert_slices.upload(expert_slices.data(), n_slices);
-  d_expert_of_slice = Buffer<int32_t>(n_slices);
-  d_expert_of_slice.upload(expert_of_slice.data(), n_slices);
-  d_first_slice_X1 = Buffer<int32_t>(n_experts + 1);
-  d_first_slice_X1.upload(first_slice_X1.data(), n_experts + 1);
-  slice_chunk_sq = Buffer<double>(static_cast<size_t>(expert_slice_chunks));
-  slice_sq = Buffer<double>(n_slices);
-  expert_norm = Buffer<double>(n_experts);
-  expert_factor = Buffer<float>(n_experts);
-  slice_scalars = Buffer<adamw_math::AdamWScalars>(1);
-}
-
-std::unique_ptr<GpuTransformer::State::ExpertSliceSet> GpuTransformer::State::cut_expert_slices(
-    const std::vector<std::pair<int64_t, int64_t>>& ranges) const {
-  auto set = std::make_unique<ExpertSliceSet>();
-  std::vector<std::pair<int64_t, int64_t>> spans;
-  for (const cuda::OptimizerSegment& slice : expert_slices) spans.emplace_back(slice.offset, slice.numel);
-  const size_t n_experts = first_slice_X1.size() - 1;
-  std::vector<cuda::OptimizerSegment> pieces;
-  for (const SpanPiece& part : cut_spans(spans, ranges)) {
-    cuda::OptimizerSegment piece;
-    piece.offset = part.offset;
-    piece.numel = part.count;
-    const int32_t expert = expert_of_slice[part.span];
-    // Pieces keep the slices' order (expert after expert): expert x's start where the
-    // first piece of an expert >= x is.
-    while (static_cast<int32_t>(set->first_X1.size()) <= expert)
-      set->first_X1.push_back(static_cast<int32_t>(pieces.size()));
-    pieces.push_back(piece);
-    set->expert_of.push_back(expert);
-  }
-  while (set->first_X1.size() <= n_experts) set->first_X1.push_back(static_cast<int32_t>(pieces.size()));
-  set->slices = SegmentSet(std::move(pieces));  // numbers their chunks
-  set->d_expert_of = Buffer<int32_t>(std::max<size_t>(1, set->expert_of.size()));
-  if (!set->expert_of.empty()) set->d_expert_of.upload(set->expert_of.data(), set->expert_of.size());
-  set->d_first_X1 = Buffer<int32_t>(set->first_X1.size());
-  set->d_first_X1.upload(set->first_X1.data(), set->first_X1.size());
-  return set;
-}
-
-void GpuTransformer::shard_expert_clip(const std::vector<std::pair<int64_t, int64_t>>& norm,
-                                       const std::vector<std::pair<int64_t, int64_t>>& update) {
-  State& s = *state_;
-  s.clip_norm_part = s.cut_expert_slices(norm);
-  s.clip_scale_part = s.cut_expert_slices(update);
-}
-
-std::vector<double> GpuTransformer::clip_expert_grads(double max_norm,
-                                                      const std::function<void(std::vector<double>&)>& sum_over_ranks) {
-  State& s = *state_;
-  const size_t n_experts = s.first_slice_X1.size() - 1, n_slices = s.expert_slices.size();
-  if (n_slices == 0) return {};
-  s.ensure_clip_tables();
-  float* grads = s.store->grads();
-  s.mark(kOptimizer);
-  if (s.clip_norm_part) {
-    // ZeRO-1: this rank's partial sums of squares, added up over the ranks on the host.
-    MOE_CHECK(sum_over_ranks != nullptr, "clip_expert_grads: sharded gradients need a sum over the ranks");
-    State::ExpertSliceSet& part = *s.clip_norm_part;
-    std::vector<double> squares(n_experts, 0.0);
-    const SegmentSet& slices = part.slices;
-    if (!slices.host.empty()) {
-      cuda::grad_norm(s.slice_scalars.data(), slices.chunk_sq.data(), slices.segment_sq.data(), grads,
-                      slices.segments.data(), static_cast<int64_t>(slices.host.size()), slices.n_chunks, 0.0, s.stream);
-      cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), slices.segment_sq.data(),
-                                part.d_first_X1.data(), static_cast<int64_t>(n_experts), 0.0, s.stream);
-      MOE_CUDA_CHECK(cudaMemcpyAsync(squares.data(), s.expert_norm.data(), n_experts * sizeof(double),
-                                     cudaMemcpyDeviceToHost, s.stream));
-      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-      for (double& x : squares) x *= x;  // the partial norms back to sums of squares
-    }
-    sum_over_ranks(squares);
-    std::vector<double> norms(n_experts);
-    std::vector<float> factors(n_experts, 1.0f);
-    for (size_t x = 0; x < n_experts; ++x) {
-      norms[x] = std::sqrt(squares[x]);
-      if (max_norm > 0 && norms[x] > max_norm) factors[x] = static_cast<float>(max_norm / (norms[x] + 1e-6));
-    }
-    State::ExpertSliceSet& scale = *s.clip_scale_part;
-    if (max_norm > 0 && !scale.slices.host.empty()) {
-      s.expert_factor.upload(factors.data(), n_experts);
-      cuda::scale_expert_slices(grads, scale.slices.segments.data(), scale.d_expert_of.data(),
-                                static_cast<int64_t>(scale.slices.host.size()), s.expert_factor.data(), s.stream);
-    }
-    s.mark(kHost);
-    return s.slot_norms_to_experts(norms);
-  }
-  cuda::grad_norm(s.slice_scalars.data(), s.slice_chunk_sq.data(), s.slice_sq.data(), grads, s.d_expert_slices.data(),
-                  static_cast<int64_t>(n_slices), s.expert_slice_chunks, 0.0, s.stream);
-  cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), s.slice_sq.data(), s.d_first_slice_X1.data(),
-                            static_cast<int64_t>(n_experts), max_norm, s.stream);
-  if (max_norm > 0)
-    cuda::scale_expert_slices(grads, s.d_expert_slices.data(), s.d_expert_of_slice.data(),
-                              static_cast<int64_t>(n_slices), s.expert_factor.data(), s.stream);
-  std::vector<double> norms(n_experts);
-  MOE_CUDA_CHECK(cudaMemcpyAsync(norms.data(), s.expert_norm.data(), n_experts * sizeof(double),
-                                 cudaMemcpyDeviceToHost, s.stream));
-  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-  s.mark(kHost);
-  return s.slot_norms_to_experts(norms);
 }
 
 }  // namespace moe

@@ -7,10 +7,7 @@
 // - the AdamW moments in fp32 or bf16 (optimizer.state_dtype);
 // - fp32 copies of the few parameters the forward pass reads in fp32 (router biases).
 // Bytes per parameter: 2 + 2 + 4 + 2 x 4 = 16 with fp32 moments, 12 with bf16 ones.
-//
-// One optimizer step is a handful of launches over the whole block and no host sync:
-// the global gradient norm in the CPU's summation order, the clip factor and the AdamW
-// update all read and write their scalars in device memory (a CUDA graph can hold them).
+// The optimizer that steps this state is optim/cuda/gpu_optimizer.h.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -22,12 +19,6 @@
 #include "model/parameters.h"
 
 namespace moe {
-
-// The hyper-parameters of one AdamW step (`step` counts from 1).
-struct AdamWStep {
-  double lr = 0, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0;
-  int64_t step = 1;
-};
 
 class GpuParameterStore {
  public:
@@ -52,32 +43,17 @@ class GpuParameterStore {
   size_t moment_bytes() const;
   // The fp32 values of a parameter registered in fp32_copy_ids.
   const float* fp32_values(int id) const;
+  // The block of those fp32 copies, and where parameter `id`'s starts in it (-1: none);
+  // the optimizer refreshes them as it steps.
+  float* fp32_mirror();
+  int64_t fp32_mirror_offset(int id) const;
   MomentDtype moment_dtype() const;
   int64_t storage_numel() const;
 
   void zero_grads();
-  // The AdamW steps only `update` (sorted disjoint [offset, count) ranges of the block),
-  // and grad_norm() is then the norm over `norm` only. ZeRO-1: this rank's pieces, and its
-  // part of the global norm; expert parallelism: the shared parameters and this rank's
-  // experts, the norm over the whole block. The parameters with fp32 copies must lie
-  // whole inside `update`.
-  void set_step_ranges(const std::vector<std::pair<int64_t, int64_t>>& update,
-                       const std::vector<std::pair<int64_t, int64_t>>& norm);
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
   // included), sorted: a sharded optimizer must step them whole on every rank.
   std::vector<std::pair<int64_t, int64_t>> fp32_copy_ranges() const;
-  // The global gradient norm (the CPU's clip_gradients norm, bit for bit); waits for it.
-  double grad_norm();
-  // AdamW with the gradients scaled by grad_scale first; waits for the update.
-  void adamw_step(const AdamWStep& hyper, float grad_scale);
-  // Gradient norm, clipping to max_norm (0: none) and AdamW, all on the device with no
-  // host synchronisation. A non-finite norm leaves weights and moments untouched.
-  void clip_and_adamw_step(const AdamWStep& hyper, double max_norm);
-  // The norm of the last grad_norm() or clip_and_adamw_step() (waits for its copy), and
-  // whether that step was skipped for a non-finite norm.
-  double last_grad_norm();
-  bool last_step_skipped();
-
   // Host copies, in the CPU store's layout (tests and checkpoints). The moments are
   // packed parameter after parameter (the CPU AdamW's layout) and always fp32; bf16
   // moments are rounded to nearest even on upload.
@@ -87,7 +63,7 @@ class GpuParameterStore {
   void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const;
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
 
-  // Device bytes held: the blocks above plus the optimizer's tables and partial sums.
+  // Device bytes held by the blocks above.
   size_t device_bytes() const;
   static size_t bytes_per_parameter(MomentDtype moments);
 

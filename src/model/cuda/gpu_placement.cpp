@@ -71,7 +71,6 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
     if (layer.is_moe) moe_layers.push_back(&layer);
   MOE_CHECK(experts_of_rank_by_layer.size() == moe_layers.size(), "expert placement: {} layers given, the model has {}",
             experts_of_rank_by_layer.size(), moe_layers.size());
-  MOE_CHECK(s.clip_norm_part == nullptr, "expert placement: not with a sharded optimizer (ZeRO-1)");
   MOE_CHECK(s.max_local_experts > 0, "expert placement before plan()");
   // Check everything before anything moves.
   std::vector<std::vector<int64_t>> orders, bounds;
@@ -292,17 +291,19 @@ void GpuTransformer::State::slots_to_experts(const std::function<float*(const Pa
   }
 }
 
-std::vector<double> GpuTransformer::State::slot_norms_to_experts(const std::vector<double>& norms) const {
-  std::vector<double> by_expert(norms.size());
+std::vector<double> GpuTransformer::to_expert_order(const std::vector<double>& per_slot) const {
+  const State& s = *state_;
+  std::vector<double> by_expert(per_slot.size());
   size_t at = 0;
-  for (size_t layer_index : expert_group_layer) {
-    const Layer& layer = layers[layer_index];
+  for (size_t layer_index : s.expert_group_layer) {
+    const Layer& layer = s.layers[layer_index];
     const size_t n = layer.expert_of_slot.size();
+    MOE_CHECK(at + n <= per_slot.size(), "per-expert values: {} for more expert slots", per_slot.size());
     for (size_t slot = 0; slot < n; ++slot)
-      by_expert[at + static_cast<size_t>(layer.expert_of_slot[slot])] = norms[at + slot];
+      by_expert[at + static_cast<size_t>(layer.expert_of_slot[slot])] = per_slot[at + slot];
     at += n;
   }
-  MOE_CHECK(at == norms.size(), "per-expert norms: {} values for {} expert slots", norms.size(), at);
+  MOE_CHECK(at == per_slot.size(), "per-expert values: {} values for {} expert slots", per_slot.size(), at);
   return by_expert;
 }
 

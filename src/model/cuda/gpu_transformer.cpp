@@ -74,7 +74,10 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};
     }
   }
-  s.build_expert_slices(params);
+  // The expert groups (optim/cuda/gpu_optimizer.h's per-expert slices) are the MoE
+  // layers', in order.
+  for (size_t l = 0; l < s.layers.size(); ++l)
+    if (s.layers[l].is_moe) s.expert_group_layer.push_back(l);
   // The router biases are added to the fp32 logits, so the forward pass reads them in fp32.
   std::vector<int> fp32_ids;
   for (const Layer& layer : s.layers)
@@ -490,8 +493,6 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     // (Re)capture: the number of valid targets and the loss scale are kernel arguments.
     if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
     s.graph = nullptr;
-    const bool timing = s.clock.enabled;
-    s.clock.enabled = false;  // events are not recorded inside the graph
     cudaGraph_t captured = nullptr;
     MOE_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeRelaxed));
     s.capturing = true;  // no host hooks: the graph replays without them
@@ -499,7 +500,6 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     s.enqueue_backward(loss_scale);
     s.capturing = false;
     MOE_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
-    s.clock.enabled = timing;
     MOE_CUDA_CHECK(cudaGraphInstantiate(&s.graph, captured, 0));
     MOE_CUDA_CHECK(cudaGraphDestroy(captured));
     s.graph_n_valid = s.n_valid;
@@ -549,28 +549,6 @@ GpuParameterStore& GpuTransformer::parameters() { return *state_->store; }
 
 void* GpuTransformer::stream() const { return state_->stream; }
 
-double GpuTransformer::grad_norm() { return state_->store->grad_norm(); }
-
-void GpuTransformer::adamw_step(double lr, double beta1, double beta2, double eps, double weight_decay,
-                                float grad_scale, int64_t step) {
-  State& s = *state_;
-  s.mark(kOptimizer);
-  s.store->adamw_step(AdamWStep{lr, beta1, beta2, eps, weight_decay, step}, grad_scale);
-  s.mark(kHost);
-}
-
-void GpuTransformer::clip_and_adamw_step(double max_norm, double lr, double beta1, double beta2, double eps,
-                                         double weight_decay, int64_t step) {
-  State& s = *state_;
-  s.mark(kOptimizer);
-  s.store->clip_and_adamw_step(AdamWStep{lr, beta1, beta2, eps, weight_decay, step}, max_norm);
-  s.mark(kHost);
-}
-
-double GpuTransformer::last_grad_norm() { return state_->store->last_grad_norm(); }
-
-bool GpuTransformer::last_step_skipped() { return state_->store->last_step_skipped(); }
-
 // Host copies are in expert order: re-placed layers' tensors are put back from slot order.
 void GpuTransformer::download_grads(ParameterStore<float>& params) const {
   state_->store->download_grads(params);
@@ -611,19 +589,6 @@ size_t GpuTransformer::device_bytes() const {
 
 size_t GpuTransformer::parameter_bytes() const { return state_->store->device_bytes(); }
 
-}  // namespace moe
-
-namespace moe {
-
-void GpuTransformer::enable_phase_timing(bool enabled) { state_->clock.enabled = enabled; }
-
-std::vector<std::pair<std::string, double>> GpuTransformer::take_phase_times() {
-  PhaseClock& clock = state_->clock;
-  clock.collect();
-  std::vector<std::pair<std::string, double>> times;
-  for (int phase = 0; phase < kPhaseCount; ++phase) times.emplace_back(kPhaseNames[phase], clock.ms[static_cast<size_t>(phase)]);
-  clock.ms = {};
-  return times;
-}
+void GpuTransformer::set_phase_clock(gpu::PhaseClock* clock) { state_->clock = clock; }
 
 }  // namespace moe

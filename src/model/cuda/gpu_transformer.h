@@ -18,6 +18,10 @@
 
 namespace moe {
 
+namespace gpu {
+class PhaseClock;
+}
+
 // Expert parallelism for the GPU model (set_expert_exchange): EP rank p of P computes
 // experts [p * E/P, (p + 1) * E/P) for the tokens of all P ranks. Implemented over NCCL in
 // src/dist/cuda/gpu_expert_exchange.h; tests use a one-rank copy.
@@ -123,7 +127,7 @@ class GpuTransformer {
   // move to their slots on every rank; call it between steps, as gradients do not travel).
   // Results stay bit-identical (up to the split of a token's partial combines over the
   // ranks with top-k > 1, and the hinges' row shares with split experts); host copies
-  // (download_*, upload_state, expert_load, clip_expert_grads) stay in expert order. Not
+  // (download_*, upload_state, expert_load, to_expert_order) stay in expert order. Not
   // with a sharded optimizer. Waits.
   void place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer);
   // The experts each EP rank computes in MoE layer `moe_layer` (equal blocks at first).
@@ -135,31 +139,15 @@ class GpuTransformer {
   // rank), sorted, the same on every rank: partial gradients that must be summed over all
   // ranks. Empty without split experts.
   std::vector<std::pair<int64_t, int64_t>> split_expert_ranges() const;
-  // Per expert, in clip_expert_grads' order (expert group after group, expert order):
+  // Per expert, in to_expert_order's result order (MoE layer after layer, expert order):
   // whether it is a hinge now (its gradient, once summed, is on every rank).
   std::vector<char> split_expert_flags() const;
-  // The parameter blocks (weights, gradients, optimizer state) and the CUDA stream all
-  // work is ordered on (a cudaStream_t), for data-parallel gradient reduction.
+  // The parameter blocks (weights, gradients, optimizer state; stepped by a GpuOptimizer,
+  // optim/cuda/gpu_optimizer.h) and the CUDA stream all work is ordered on (a
+  // cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();
   void* stream() const;
   void zero_grads();
-  // Global gradient norm, summed on the device in the CPU's order (train/grad_clip.cpp:
-  // the same double, bit for bit); one scalar comes back.
-  double grad_norm();
-  // AdamW over every parameter (decay where the CPU model decays), gradients first
-  // scaled by grad_scale (global clipping); the bf16 weights are the masters' hi halves,
-  // so they are current after it. Waits for the update.
-  void adamw_step(double lr, double beta1, double beta2, double eps, double weight_decay, float grad_scale,
-                  int64_t step);
-  // The whole optimizer step on the device, no host synchronisation: gradient norm,
-  // clip factor min(1, max_norm / (norm + 1e-6)) where norm > max_norm > 0 (as the CPU's
-  // clip_gradients), AdamW. A non-finite norm skips the update on the device.
-  void clip_and_adamw_step(double max_norm, double lr, double beta1, double beta2, double eps, double weight_decay,
-                           int64_t step);
-  // The norm of the last grad_norm() or clip_and_adamw_step() (waits for it), and whether
-  // that step was skipped because the norm was not finite.
-  double last_grad_norm();
-  bool last_step_skipped();
   // Device -> host copies for tests and checkpoints.
   void download_grads(ParameterStore<float>& params) const;
   void download_params(ParameterStore<float>& params) const;
@@ -181,30 +169,15 @@ class GpuTransformer {
   // host keeps the master copy (the CPU's bias_balance_update runs there) and uploads it.
   void set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E);
   std::vector<float> balance_bias(size_t moe_layer) const;
-  // Per-expert gradient clipping, the first half of train/grad_clip.cpp's clip_gradients:
-  // every expert's gradient norm over its slices of the expert tensors (the CPU's sums,
-  // bit for bit), MoE layer by layer, expert by expert; with max_norm > 0 each expert
-  // whose norm exceeds it has its gradients scaled by float(max_norm / (norm + 1e-6)).
-  // Returns the norms before clipping (waits for them).
-  // ZeRO-1 (after shard_expert_clip): this rank's parts of the expert slices give partial
-  // sums of squares, `sum_over_ranks` adds them up in place over the ranks (collective),
-  // and the factors scale this rank's update ranges.
-  std::vector<double> clip_expert_grads(double max_norm,
-                                        const std::function<void(std::vector<double>& squares)>& sum_over_ranks = {});
-  // ZeRO-1: per-expert clipping over sharded gradients. `norm`: the block ranges this rank
-  // adds to the norms (over the ranks each element once), `update`: the ranges it scales
-  // (the ones it steps). Sorted, disjoint [offset, count) ranges.
-  void shard_expert_clip(const std::vector<std::pair<int64_t, int64_t>>& norm,
-                         const std::vector<std::pair<int64_t, int64_t>>& update);
   // Device memory in use (all of it, as cudaMemGetInfo sees it).
   size_t device_bytes() const;
-  // Of which weights, gradients and optimizer state (GpuParameterStore::device_bytes).
+  // Of which weights, gradients and the AdamW moments (GpuParameterStore::device_bytes).
   size_t parameter_bytes() const;
-  // Step time by phase, from CUDA events recorded at phase boundaries (off by default).
-  void enable_phase_timing(bool enabled);
-  // Milliseconds per phase since the last call (attention, router, dispatch, experts,
-  // combine, dense FFN, norms & residual, embedding, LM head & loss, optimizer, host gaps).
-  std::vector<std::pair<std::string, double>> take_phase_times();
+  // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
+  void set_phase_clock(gpu::PhaseClock* clock);
+  // Per-expert values in slot order (GpuOptimizer::clip_expert_grads: MoE layer after
+  // layer, slot by slot) -> the same in expert order, through each layer's placement.
+  std::vector<double> to_expert_order(const std::vector<double>& per_slot) const;
 
  private:
   struct State;

@@ -11,10 +11,11 @@
 #include <utility>
 #include <vector>
 
+#include "core/cuda/phase_clock.h"
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
+#include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
-#include "model/cuda/segment_set.h"
 
 namespace moe {
 namespace gpu_model {
@@ -61,51 +62,6 @@ struct MoEBuffers {
   std::vector<int64_t> send_tokens_P, recv_tokens_P;
   int64_t recv_tokens = 0, local_rows = 0;
   Buffer<int32_t> slot;  // the routed experts' slots [T*K], when the layer's experts are re-placed
-};
-
-enum Phase : int {
-  kAttention, kRouter, kDispatch, kExperts, kCombine, kAllToAll, kDenseFfn, kNorms, kEmbedding, kHeadLoss, kOptimizer,
-  kHost, kPhaseCount
-};
-const char* const kPhaseNames[kPhaseCount] = {"attention", "router",         "dispatch",     "experts",
-                                              "combine",   "all-to-all",     "dense FFN",    "norms+residual",
-                                              "embedding", "LM head+loss",   "optimizer",    "host gaps"};
-
-// Events recorded at phase boundaries; each interval is charged to the phase that began it.
-struct PhaseClock {
-  bool enabled = false;
-  std::vector<cudaEvent_t> events;
-  std::vector<int> phase_of;
-  size_t used = 0;
-  std::array<double, kPhaseCount> ms{};
-
-  void mark(int phase, cudaStream_t stream) {
-    if (!enabled) return;
-    if (used == events.size()) {
-      cudaEvent_t event;
-      MOE_CUDA_CHECK(cudaEventCreate(&event));
-      events.push_back(event);
-    }
-    MOE_CUDA_CHECK(cudaEventRecord(events[used], stream));
-    phase_of.resize(used + 1);
-    phase_of[used++] = phase;
-  }
-  // Charges the recorded intervals, keeping the last event as the start of the next one.
-  void collect() {
-    if (used < 2) return;
-    MOE_CUDA_CHECK(cudaEventSynchronize(events[used - 1]));
-    for (size_t i = 1; i < used; ++i) {
-      float elapsed = 0;
-      MOE_CUDA_CHECK(cudaEventElapsedTime(&elapsed, events[i - 1], events[i]));
-      ms[static_cast<size_t>(phase_of[i - 1])] += elapsed;
-    }
-    std::swap(events[0], events[used - 1]);
-    phase_of[0] = phase_of[used - 1];
-    used = 1;
-  }
-  ~PhaseClock() {
-    for (cudaEvent_t event : events) cudaEventDestroy(event);
-  }
 };
 
 // A layer's activations inside the block, saved for its backward, or, for a layer whose
@@ -216,28 +172,6 @@ struct GpuTransformer::State {
   Buffer<float> dweight, dlogits, norm_partial;
   Buffer<char> embedding_scratch;
   int64_t n_valid = 0;
-  // Per-expert clipping (clip_expert_grads): the expert tensors cut into slices, one
-  // expert's part of one tensor each, expert after expert; expert x owns slices
-  // first_slice_X1[x] .. first_slice_X1[x+1] - 1. The device tables are made on first use.
-  std::vector<cuda::OptimizerSegment> expert_slices;
-  std::vector<int32_t> expert_of_slice, first_slice_X1;
-  int64_t expert_slice_chunks = 0;
-  Buffer<cuda::OptimizerSegment> d_expert_slices;
-  Buffer<int32_t> d_expert_of_slice, d_first_slice_X1;
-  Buffer<double> slice_chunk_sq, slice_sq, expert_norm;
-  Buffer<float> expert_factor;
-  Buffer<adamw_math::AdamWScalars> slice_scalars;  // grad_norm's scalars, unused here
-  void ensure_clip_tables();
-  // ZeRO-1 (shard_expert_clip): the slices cut to this rank's norm and update ranges.
-  struct ExpertSliceSet {
-    SegmentSet slices;  // segment_sq: the slices' sums of squares
-    std::vector<int32_t> expert_of, first_X1;
-    Buffer<int32_t> d_expert_of, d_first_X1;
-  };
-  std::unique_ptr<ExpertSliceSet> clip_norm_part, clip_scale_part;
-  std::unique_ptr<ExpertSliceSet> cut_expert_slices(const std::vector<std::pair<int64_t, int64_t>>& ranges) const;
-  PhaseClock clock;
-
   ~State() {
     if (graph) cudaGraphExecDestroy(graph);
     if (stream) {
@@ -246,7 +180,11 @@ struct GpuTransformer::State {
     }
     free_ep_host();
   }
-  void mark(int phase) { clock.mark(phase, stream); }
+  gpu::PhaseClock* clock = nullptr;  // set_phase_clock
+  // No events inside a captured CUDA graph.
+  void mark(int phase) {
+    if (clock && !capturing) clock->mark(phase, stream);
+  }
   void free_ep_host() {
     if (ep_host_counts) cudaFreeHost(ep_host_counts);
     ep_host_counts = nullptr;
@@ -314,9 +252,7 @@ struct GpuTransformer::State {
   // Host copies of the placed layers' expert tensors (tensor_of: where each one's values
   // are) from slot order into expert order.
   void slots_to_experts(const std::function<float*(const Param&)>& tensor_of) const;
-  // Per-expert norms of clip_expert_grads (expert group after group, slot order) in
-  // expert order; expert_group_layer: the layer of each expert group.
-  std::vector<double> slot_norms_to_experts(const std::vector<double>& norms) const;
+  // The index in `layers` of each MoE layer (the expert groups' order).
   std::vector<size_t> expert_group_layer;
   void reset_placement(Layer& layer, int P);
   // Sets the layer's slot bounds, windows and edge cuts on the host and the device.
@@ -337,7 +273,6 @@ struct GpuTransformer::State {
   ForwardResult read_forward_results();
   void enqueue_backward(double loss_scale, const std::function<void(int)>& on_stage = {});
   void moe_backward(Layer& layer, double loss_scale);
-  void build_expert_slices(const ParameterStore<float>& params);
   Buffer<float>& balance_bias_of(size_t moe_layer);
 };
 

@@ -8,12 +8,15 @@
 #include <ostream>
 #include <vector>
 
+#include "core/cuda/phase_clock.h"
 #include "core/error.h"
 #include "core/gpu.h"
 #include "core/rng.h"
+#include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/cuda/loopback_exchange.h"
 #include "model/transformer.h"
+#include "optim/cuda/gpu_optimizer.h"
 #include "train/trainer.h"
 
 namespace moe {
@@ -27,11 +30,13 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   MOE_CHECK(gpu::device_count() > 0, "moe bench needs a CUDA device, and none is visible");
   ParameterCounts counts;
   std::unique_ptr<GpuTransformer> gpu;
+  std::unique_ptr<GpuOptimizer> optimizer;
   {
     // Initialise on the host (the same weights as the CPU path), copy, then free the host copy.
     Transformer<float> host(mc, config.training.seed);
     counts = count_parameters(mc, host.params());
     gpu = std::make_unique<GpuTransformer>(mc, host.params(), config.optimizer.state_dtype);
+    optimizer = std::make_unique<GpuOptimizer>(gpu->parameters(), host.params(), gpu->stream());
   }
   gpu->set_recompute_layers(config.training.recompute_layers);
   gpu->set_recompute_experts(config.training.recompute_experts);
@@ -54,15 +59,19 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   MOE_CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<float> step_ms;
   double loss = 0;
-  gpu->enable_phase_timing(!config.training.cuda_graphs);  // no events inside a graph
+  gpu::PhaseClock clock(gpu_phase_names());
+  clock.set_enabled(!config.training.cuda_graphs);  // no events inside a graph
+  gpu->set_phase_clock(&clock);
+  optimizer->set_phase_clock(&clock);
   for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
-    if (step == warmup_steps + 1) gpu->take_phase_times();  // drop the warm-up steps' phases
+    if (step == warmup_steps + 1) clock.take();  // drop the warm-up steps' phases
     MOE_CUDA_CHECK(cudaEventRecord(start));
     gpu->zero_grads();
     loss = gpu->forward_backward(inputs.data(), targets.data(), 1.0).total();
     // The whole optimizer step as training runs it: gradient norm, clipping, AdamW.
-    gpu->clip_and_adamw_step(config.training.grad_clip, config.lr.peak, config.optimizer.beta1, config.optimizer.beta2,
-                             config.optimizer.eps, config.optimizer.weight_decay, step);
+    const OptimizerConfig& o = config.optimizer;
+    optimizer->clip_and_adamw_step(AdamWStep{config.lr.peak, o.beta1, o.beta2, o.eps, o.weight_decay, step},
+                                   config.training.grad_clip);
     MOE_CUDA_CHECK(cudaEventRecord(stop));
     MOE_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
@@ -71,7 +80,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  const auto phases = gpu->take_phase_times();
+  const auto phases = clock.take();
   std::sort(step_ms.begin(), step_ms.end());
   GpuBenchResult result;
   result.median_step_ms = step_ms[step_ms.size() / 2];

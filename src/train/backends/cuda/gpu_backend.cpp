@@ -19,8 +19,10 @@
 #include "dist/gradient_stages.h"
 #include "dist/launch_env.h"
 #include "dist/zero_shards.h"
+#include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
 #include "moe/router.h"
+#include "optim/cuda/gpu_optimizer.h"
 
 namespace moe {
 
@@ -100,6 +102,7 @@ class GpuBackend final : public ModelBackend {
         plan.micro_batch /= 2;
         plan.micro_steps *= 2;
         // Free every buffer before trying again, then start over from the host weights.
+        optimizer_.reset();
         gpu_.reset();
         build_model();
       }
@@ -108,7 +111,7 @@ class GpuBackend final : public ModelBackend {
     micro_scale_ = static_cast<double>(tokens_) / static_cast<double>(tc.global_batch_tokens);
     if (world_) make_data_parallel();
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
-    if (ep_ || config_.metrics.phase_times) gpu_->enable_phase_timing(true);
+    if (ep_ || config_.metrics.phase_times) clock_.set_enabled(true);
     return plan;
   }
   void begin_step() override {
@@ -240,7 +243,7 @@ class GpuBackend final : public ModelBackend {
     double counted_experts_sq = 0;
     const std::vector<char> hinge = ep_ ? gpu_->split_expert_flags() : std::vector<char>();
     if (max_expert_norm > 0 || ep_) {
-      const std::vector<double> norms = gpu_->clip_expert_grads(max_expert_norm, sum_squares);
+      const std::vector<double> norms = gpu_->to_expert_order(optimizer_->clip_expert_grads(max_expert_norm, sum_squares));
       for (size_t x = 0; x < norms.size(); ++x) {
         const double norm = norms[x];
         clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
@@ -251,7 +254,7 @@ class GpuBackend final : public ModelBackend {
         counted_experts_sq += x < hinge.size() && hinge[x] ? kept * kept / ep_->size() : kept * kept;
       }
     }
-    clip.global_norm = gpu_->grad_norm();
+    clip.global_norm = optimizer_->grad_norm();
     if (sharded()) {
       // ZeRO-1: each rank holds the sums of its pieces only; its norm covers them (and, on
       // rank 0, the ranges every rank keeps whole), so the squares add up over the ranks.
@@ -273,7 +276,7 @@ class GpuBackend final : public ModelBackend {
   }
   void apply_update(double lr) override {
     const OptimizerConfig& o = config_.optimizer;
-    gpu_->adamw_step(lr, o.beta1, o.beta2, o.eps, o.weight_decay, static_cast<float>(grad_scale_), ++steps_);
+    optimizer_->adamw_step(AdamWStep{lr, o.beta1, o.beta2, o.eps, o.weight_decay, ++steps_}, static_cast<float>(grad_scale_));
     // ZeRO-1: this rank stepped its pieces; the others' new bf16 weights come from them
     // (the lo halves and moments stay with their owners until a checkpoint gathers them).
     if (sharded()) {
@@ -294,12 +297,12 @@ class GpuBackend final : public ModelBackend {
     gpu_->reset_load();
     if (dp_) dp_->take_stats();  // validation's sums are not a training step's
     if (edp_) edp_->take_stats();
-    if (ep_ || config_.metrics.phase_times) gpu_->take_phase_times();  // validation's are not a step's
+    clock_.take();  // validation's are not a step's
     if (ep_) ep_->take_bytes_sent();
   }
   void take_comm_stats(StepStats& stats) override {
     std::vector<std::pair<std::string, double>> phases;
-    if (ep_ || config_.metrics.phase_times) phases = gpu_->take_phase_times();
+    if (clock_.enabled()) phases = clock_.take();
     if (config_.metrics.phase_times)  // called after the micro-batches and after the update: add up
       for (const auto& [phase, ms] : phases) {
         auto it = std::find_if(stats.phase_ms.begin(), stats.phase_ms.end(),
@@ -393,6 +396,9 @@ class GpuBackend final : public ModelBackend {
   void build_model() {
     const RunConfig& c = config_;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model_.params(), c.optimizer.state_dtype);
+    optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model_.params(), gpu_->stream());
+    gpu_->set_phase_clock(&clock_);
+    optimizer_->set_phase_clock(&clock_);
     gpu_->set_recompute_layers(c.training.recompute_layers);
     gpu_->set_recompute_experts(c.training.recompute_experts);
     gpu_->enable_graphs(c.training.cuda_graphs);
@@ -434,7 +440,7 @@ class GpuBackend final : public ModelBackend {
       dp_->set_stage_ranges(ranges.shared);
       // AdamW over the shared parameters and this rank's experts only (the norm stays over
       // the whole block: the other experts' gradients are zero here).
-      params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
+      optimizer_->set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
       if (expert_replicas->size() > 1) {
         edp_ = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
                                                        params.storage_numel(), c.parallel.bucket_mb, reduce_dtype);
@@ -445,8 +451,8 @@ class GpuBackend final : public ModelBackend {
       dist::ZeroShardPlan plan = dist::plan_zero_shards(
           dist::gradient_ranges_by_stage(host_model_.params(), stage_of, host_model_.backward_stages()),
           params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
-      params.set_step_ranges(plan.update, plan.norm);
-      gpu_->shard_expert_clip(plan.norm, plan.update);
+      optimizer_->set_step_ranges(plan.update, plan.norm);
+      optimizer_->shard_expert_clip(plan.norm, plan.update);
       dp_->set_zero_plan(std::move(plan), /*overlap=*/!c.training.cuda_graphs);
       if (!c.training.cuda_graphs)
         gpu_->set_forward_stage_hook([group = dp_.get()](int stage) { group->wait_stage(stage); });
@@ -474,6 +480,7 @@ class GpuBackend final : public ModelBackend {
   // rank), where that lowers the busiest rank's load. The loads are global (summed over
   // the ranks), so every rank computes the same placement.
   void rebalance_experts() {
+    MOE_CHECK(!sharded(), "expert re-placement: not with a sharded optimizer (ZeRO-1)");
     const int64_t E = config_.model.moe.n_experts;
     if (load_since_placement_.size() != loads_.size())
       load_since_placement_.assign(loads_.size(), std::vector<int64_t>(static_cast<size_t>(E), 0));
@@ -517,7 +524,7 @@ class GpuBackend final : public ModelBackend {
         dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of, host_model_.backward_stages(),
                                           gpu_->own_expert_ranges(), gpu_->split_expert_ranges());
     GpuParameterStore& params = gpu_->parameters();
-    params.set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
+    optimizer_->set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
     dp_->set_stage_ranges(ranges.shared);  // the hinges moved with the placement
     if (edp_) edp_->set_stage_ranges(ranges.own_experts);
   }
@@ -544,7 +551,9 @@ class GpuBackend final : public ModelBackend {
   const RunConfig& config_;
   Transformer<float>& host_model_;  // the initial weights; its MoE layers hold the balancing biases
   std::unique_ptr<dist::Communicator> world_;  // until make_data_parallel hands it to dp_
+  gpu::PhaseClock clock_{gpu_phase_names()};  // step time by phase (before gpu_: it points here)
   std::unique_ptr<GpuTransformer> gpu_;
+  std::unique_ptr<GpuOptimizer> optimizer_;  // steps gpu_'s parameter store (declared after it: goes first)
   int64_t steps_ = 0;  // AdamW steps taken
   int64_t tokens_ = 0;  // per micro-batch (targets counted for the loss weights)
   std::unique_ptr<dist::GpuDataParallel> dp_;

@@ -1,0 +1,54 @@
+#include "core/cuda/phase_clock.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "core/error.h"
+#include "core/gpu.h"
+
+namespace moe::gpu {
+
+PhaseClock::PhaseClock(std::vector<std::string> phase_names)
+    : names_(std::move(phase_names)), ms_(names_.size(), 0.0) {}
+
+PhaseClock::~PhaseClock() {
+  for (cudaEvent_t event : events_) cudaEventDestroy(event);
+}
+
+void PhaseClock::mark(int phase, cudaStream_t stream) {
+  if (!enabled_) return;
+  MOE_CHECK(phase >= 0 && static_cast<size_t>(phase) < names_.size(), "phase clock: no phase {} ({} named)", phase,
+            names_.size());
+  if (used_ == events_.size()) {
+    cudaEvent_t event;
+    MOE_CUDA_CHECK(cudaEventCreate(&event));
+    events_.push_back(event);
+  }
+  MOE_CUDA_CHECK(cudaEventRecord(events_[used_], stream));
+  phase_of_.resize(used_ + 1);
+  phase_of_[used_++] = phase;
+}
+
+// Charges the recorded intervals, keeping the last event as the start of the next one.
+void PhaseClock::collect() {
+  if (used_ < 2) return;
+  MOE_CUDA_CHECK(cudaEventSynchronize(events_[used_ - 1]));
+  for (size_t i = 1; i < used_; ++i) {
+    float elapsed = 0;
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&elapsed, events_[i - 1], events_[i]));
+    ms_[static_cast<size_t>(phase_of_[i - 1])] += elapsed;
+  }
+  std::swap(events_[0], events_[used_ - 1]);
+  phase_of_[0] = phase_of_[used_ - 1];
+  used_ = 1;
+}
+
+std::vector<std::pair<std::string, double>> PhaseClock::take() {
+  collect();
+  std::vector<std::pair<std::string, double>> times;
+  for (size_t phase = 0; phase < names_.size(); ++phase) times.emplace_back(names_[phase], ms_[phase]);
+  std::fill(ms_.begin(), ms_.end(), 0.0);
+  return times;
+}
+
+}  // namespace moe::gpu

@@ -1,0 +1,40 @@
+// Time per phase of GPU work, from CUDA events recorded on a stream at phase boundaries:
+// each interval between two marks is charged to the phase the first mark began. Shared
+// by the parts of a training step that enqueue work (model, optimizer), owned by whoever
+// reports the times. Phases are small integers with names given at construction.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace moe::gpu {
+
+class PhaseClock {
+ public:
+  explicit PhaseClock(std::vector<std::string> phase_names);
+  ~PhaseClock();
+  PhaseClock(const PhaseClock&) = delete;
+  PhaseClock& operator=(const PhaseClock&) = delete;
+
+  // Off (the default), mark() records nothing; CUDA graph capture turns it off meanwhile.
+  void set_enabled(bool enabled) { enabled_ = enabled; }
+  bool enabled() const { return enabled_; }
+  // `phase` begins now on `stream` (the work enqueued after this call).
+  void mark(int phase, cudaStream_t stream);
+  // Milliseconds per phase since the last call, every phase named, in phase order (waits
+  // for the last mark).
+  std::vector<std::pair<std::string, double>> take();
+
+ private:
+  void collect();
+  std::vector<std::string> names_;
+  bool enabled_ = false;
+  std::vector<cudaEvent_t> events_;
+  std::vector<int> phase_of_;
+  size_t used_ = 0;
+  std::vector<double> ms_;
+};
+
+}  // namespace moe::gpu
