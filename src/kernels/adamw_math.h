@@ -1,5 +1,5 @@
-// AdamW's per-element arithmetic, shared by the CPU AdamW (src/train/adamw.cpp) and the
-// GPU optimizer (src/kernels/cuda/optimizer.cu, adamw.cu): one source for both, so that
+// AdamW's per-element arithmetic, shared by the CPU AdamW (src/optim/adamw.cpp) and the
+// GPU optimizer (src/optim/cuda/multi_tensor_adamw.cu, adamw.cu): one source for both, so that
 // they agree bit for bit. Every operation rounds on its own (no fused multiply-add: the
 // CPU reference is built for x86-64-v2, which has none), hence the _rn intrinsics on
 // the device, where nvcc would otherwise contract a * b + c.
@@ -23,7 +23,7 @@
 namespace moe::adamw_math {
 
 // Elements per chunk of the fixed-order gradient sum of squares: the same as
-// sum_of_squares in src/train/grad_clip.cpp, so the GPU's norm is the CPU's, bit for bit.
+// sum_of_squares in src/optim/grad_clip.cpp, so the GPU's norm is the CPU's, bit for bit.
 constexpr int64_t kNormChunk = int64_t{1} << 14;
 
 MOE_HOST_DEVICE uint32_t float_bits(float x) {

@@ -1,13 +1,12 @@
-// GPU versions of the ops (bf16 storage, fp32 math and statistics). Each is tested
+// GPU versions of the dense ops (bf16 storage, fp32 math and statistics). Each is tested
 // against the CPU op of the same name in kernels/<op>.h. Declared here without CUDA
 // headers so host code can call them; `stream` is a cudaStream_t (nullptr: default).
+// The MoE ops are declared in moe/gpu_ops.h, the optimizer's in optim/gpu_ops.h.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
 #include "core/bf16.h"
-#include "kernels/adamw_math.h"
-#include "config/model_config.h"
 
 struct CUstream_st;
 
@@ -52,77 +51,9 @@ void rope_backward(bf16* dx_TNd, const int32_t* positions_T, const float* cos_si
 void cross_entropy_fused(float* loss_T, bf16* dlogits_TV, const float* logits_TV, const int32_t* targets_T,
                          int64_t T, int64_t V, float grad_scale, Stream stream);
 
-// Router: scores = softmax or sigmoid(logits / temperature) (fp32), then top-K of
-// scores + bias (bias nullable), weights from the unbiased scores, optionally
-// renormalised. Ties go to the lower expert index, as on the CPU. E <= 1024. With
-// route_groups > 1 (<= 32) only experts of the route_top_groups best groups are chosen
-// (moe/router.h, RouteGroups).
-void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
-                 const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
-                 ScoreFunc score_func, bool renormalize, Stream stream, int64_t route_groups = 0,
-                 int64_t route_top_groups = 0);
-
-// One AdamW step over a flat fp32 parameter block, writing the bf16 copy used by the
-// forward pass. beta1/beta2 are the config's doubles (the bias corrections use them as
-// the CPU AdamW does). decay_factor = 1 - lr * weight_decay (1 for no decay); grad_scale
-// multiplies the gradient first (global clipping folded in).
-void adamw_step(float* param, bf16* param_bf16, const float* grad, float* m, float* v,
-                int64_t count, double lr, double beta1, double beta2, float eps, float decay_factor,
-                float grad_scale, int64_t step, Stream stream);
-
 }  // namespace moe::cuda
 
 namespace moe::cuda {
-
-// Capacity and row layout on the device, the same semantics as moe::assign_rows:
-// walking (t, k) in order, an assignment is kept iff its expert has fewer than
-// `capacity` rows. Writes row_TK (-1 = dropped), counts_E, offsets_E1 (E + 1; the kept
-// row count R is offsets_E1[E], left on the device), token_of_row_R (T*K capacity) and
-// adds the assignments before dropping to load_E when not null. `scratch`:
-// assign_rows_scratch(T, K, E) ints. An expert < 0 (routed to another rank) gets row -1
-// and is counted nowhere. E at most 1536.
-void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
-                 int64_t* load_E, int32_t* scratch, const int32_t* expert_TK, int64_t T, int64_t E,
-                 int64_t K, int64_t capacity, Stream stream);
-int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E);
-// Expert parallelism without duplicate rows (layout and CPU references: moe/token_exchange.h).
-// The boundary cuts of a micro-batch from every home rank's kept rows per slot (counts_PE;
-// E <= 1536, P <= 32), and each kept assignment's EP rank by them (-1: dropped).
-void boundary_cuts(int32_t* cut_P1, const int32_t* counts_PE, const int32_t* slot_bounds_P1, bool split, int64_t E,
-                   int P, Stream stream);
-void route_ranks(int32_t* rank_TK, const int32_t* row_TK, const int32_t* slot_TK, const int32_t* offsets_E1,
-                 const int32_t* cut_P1, int64_t T, int64_t K, int P, Stream stream);
-// Token t's place in the block for EP rank p (pos_TP, -1: none) and the block sizes (P <= 32).
-void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* rank_TK, int64_t T, int64_t K, int P,
-                  Stream stream);
-// The routing sent with the tokens: slots in the receiving rank's window (-1: elsewhere) and weights.
-void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
-                  const int32_t* rank_TK, const int32_t* slot_TK, const float* weight_TK,
-                  const int32_t* slot_bounds_P1, int64_t T, int64_t K, int P, Stream stream);
-// Per peer: the rows it gets of each slot of its window, then its block size.
-void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* slot_bounds_P1,
-                 const int32_t* window_end_P, const int32_t* cut_P1, int P, Stream stream);
-// dst_UD[block row of (t, p)] = src_TD[t].
-void scatter_token_rows(bf16* dst_UD, const bf16* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
-                        int P, int64_t D, Stream stream);
-// dst_TD[t] = the ranks' block rows of t added in rank order (fp32; 0 where none).
-void sum_token_rows(bf16* dst_TD, const bf16* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
-                    int P, int64_t D, Stream stream);
-void sum_token_values(float* dst_TK, const float* src_UK, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
-                      int64_t K, int P, Stream stream);
-// out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).
-void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_t n, Stream stream);
-// x_RD[r] = x_TD[token_of_row_R[r]] for r < offsets_E1[E]; launched for max_rows rows so
-// the host never needs R.
-void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R, const int32_t* offsets_E1,
-                     int64_t max_rows, int64_t E, int64_t D, Stream stream);
-void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
-                      bool accumulate, Stream stream);
-// out_TD[t] = sum over kept slots of weight * y_RD[row] (fp32 sum, bf16 out).
-void combine_forward(bf16* out_TD, const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T,
-                     int64_t K, int64_t D, Stream stream);
-void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const bf16* y_RD, const float* weight_TK,
-                      const int32_t* row_TK, int64_t T, int64_t K, int64_t D, Stream stream);
 
 // Embedding: out_TD = table_VD[ids_T] (bf16). Backward into an fp32 table gradient,
 // deterministic: the tokens are sorted by id (stable), and each id's rows are summed in
@@ -191,27 +122,6 @@ class Attention {
 
 namespace moe::cuda {
 
-// Routing statistics of one micro-batch ADDED to acc (E + 2 doubles, in fixed order):
-// acc[e] += kept rows of expert e (counts_slot[slot_of_expert[e]]; slot_of_expert null:
-// the identity), acc[E] += router entropy summed over the T tokens (moe/router.h's
-// router_entropy_sum), acc[E + 1] += T. scratch: routing_stats_scratch(T) doubles.
-int64_t routing_stats_scratch(int64_t T);
-void accumulate_routing_stats(double* acc, double* scratch, const float* scores_TE, const int32_t* counts_slot,
-                              const int32_t* slot_of_expert, int64_t T, int64_t E, Stream stream);
-// Assignments per expert before capacity dropping (this micro-batch), overwritten.
-void expert_counts(int32_t* counts_E, const int32_t* expert_TK, int64_t T, int64_t E, int64_t K, Stream stream);
-// Per-token terms of the router losses: aux_term_t = sum_e f_e p_te (p normalised per
-// token for sigmoid scores, f_e = counts_E / (T K)) and z_term_t = lse_t(logits / temperature)^2.
-// aux loss = coef * E * mean_t(aux_term); z-loss = coef * mean_t(z_term).
-void router_loss_terms(float* aux_term_T, float* z_term_T, const float* scores_TE, const float* logits_TE,
-                       const int32_t* counts_E, int64_t T, int64_t E, int64_t K, float temperature,
-                       ScoreFunc score_func, Stream stream);
-// dlogits_TE (overwritten) from the combine-weight gradients, plus the aux and z-loss
-// gradients with weights aux_scale = dloss * aux_coef and z_scale = dloss * z_coef (0: off).
-void router_backward(float* dlogits_TE, const float* dweight_TK, const float* scores_TE, const float* logits_TE,
-                     const int32_t* expert_TK, const int32_t* counts_E, int64_t T, int64_t E, int64_t K,
-                     float temperature, ScoreFunc score_func, bool renormalize, float aux_scale, float z_scale,
-                     Stream stream);
 // *out = scale * sum(values[0..n)), summed in a fixed order by one block.
 void ordered_sum(float* out, const float* values, int64_t n, float scale, Stream stream);
 
@@ -274,19 +184,6 @@ class ExpertGemm {
 
 namespace moe::cuda {
 
-// The multi-tensor optimizer over one contiguous parameter block (kernels/cuda/optimizer.cu).
-// A segment is one parameter: its place in the block, whether weight decay applies, and
-// where an fp32 copy of its values is kept (mirror_offset, -1: none). The block is walked
-// in chunks of adamw_math::kNormChunk elements that never straddle two segments;
-// first_chunk numbers them over all segments in order (n_chunks in all).
-struct OptimizerSegment {
-  int64_t offset = 0, numel = 0;
-  int64_t first_chunk = 0;
-  int64_t mirror_offset = -1;
-  int32_t decay = 0;
-  int32_t unused = 0;
-};
-
 // The fp32 master weights as bf16 hi + int16 lo halves (adamw_math::split_master), and back.
 void split_master(bf16* hi, int16_t* lo, const float* x, int64_t n, Stream stream);
 void join_master(float* x, const bf16* hi, const int16_t* lo, int64_t n, Stream stream);
@@ -294,37 +191,5 @@ void join_master(float* x, const bf16* hi, const int16_t* lo, int64_t n, Stream 
 void round_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
 void widen_bf16(float* out, const bf16* in, int64_t n, Stream stream);
 
-// The global gradient norm, the CPU's (train/grad_clip.cpp) bit for bit: per chunk an fp64
-// sum of squares in element order (chunk_sq_C), per segment the chunks in order
-// (segment_sq_S), then the segments in order. Writes scalars->sum_sq, ->norm and, for the
-// AdamW kernel, ->grad_scale = norm > max_norm > 0 ? float(max_norm / (norm + 1e-6)) : 1
-// and ->skip = the norm is not finite. Two launches, no host synchronisation.
-void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* segment_sq_S, const float* grads,
-               const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks, double max_norm,
-               Stream stream);
-
-// AdamW over every segment in one launch, reading its scalars from device memory
-// (nothing when scalars->skip): master weights as hi/lo (both rewritten), fp32
-// gradients, moments in fp32 (bf16_moments false: m and v are float*) or bf16 (bf16*),
-// and the fp32 mirrors refreshed. The arithmetic is adamw_math::adamw_update's.
-void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, void* m, void* v, bool bf16_moments,
-                        const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks,
-                        const adamw_math::AdamWScalars* scalars, Stream stream);
-
 }  // namespace moe::cuda
 
-namespace moe::cuda {
-
-// Per-expert gradient clipping (kernels/cuda/expert_clip.cu), train/grad_clip.cpp's order
-// and rounding. A slice is one expert's part of one expert tensor (an OptimizerSegment:
-// offset, numel, first_chunk); grad_norm over the slices gives their sums of squares
-// (segment_sq_S). Expert x owns slices first_slice_X1[x] .. first_slice_X1[x+1] - 1:
-// norm_X[x] = sqrt of their sums added in order, and factor_X[x] =
-// float(max_norm / (norm + 1e-6)) where norm > max_norm > 0, else 1.
-void expert_clip_factors(double* norm_X, float* factor_X, const double* slice_sq_S, const int32_t* first_slice_X1,
-                         int64_t n_experts, double max_norm, Stream stream);
-// grads[slice] *= factor_X[expert_of_slice_S[slice]] (fp32, as the CPU scales).
-void scale_expert_slices(float* grads, const OptimizerSegment* slices, const int32_t* expert_of_slice_S,
-                         int64_t n_slices, const float* factor_X, Stream stream);
-
-}  // namespace moe::cuda

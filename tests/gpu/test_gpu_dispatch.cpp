@@ -5,6 +5,7 @@
 #include "gpu_test_util.h"
 #include "kernels/embedding.h"
 #include "kernels/gpu_ops.h"
+#include "moe/gpu_ops.h"
 #include "kernels/matmul.h"
 #include "moe/dispatch.h"
 #include "moe/token_exchange.h"

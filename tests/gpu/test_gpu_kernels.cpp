@@ -11,6 +11,8 @@
 #include "gpu_test_util.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/gpu_ops.h"
+#include "moe/gpu_ops.h"
+#include "optim/gpu_ops.h"
 #include "kernels/rmsnorm.h"
 #include "kernels/rope.h"
 #include "kernels/swiglu.h"

@@ -16,6 +16,7 @@
 #include "gpu_test_util.h"
 #include "kernels/adamw_math.h"
 #include "kernels/gpu_ops.h"
+#include "optim/gpu_ops.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"

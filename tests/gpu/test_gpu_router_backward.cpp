@@ -6,6 +6,7 @@
 
 #include "gpu_test_util.h"
 #include "kernels/gpu_ops.h"
+#include "moe/gpu_ops.h"
 #include "moe/router.h"
 
 namespace moe {

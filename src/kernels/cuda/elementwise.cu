@@ -34,6 +34,14 @@ __global__ void column_sum_kernel(float* out, const float* x, int64_t rows, int6
   if (threadIdx.x == 0) out[c] += sum;
 }
 
+// Sums n floats in a fixed order (one block): deterministic loss reductions.
+__global__ void ordered_sum_kernel(float* out, const float* values, int64_t n, float scale) {
+  float local = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) local += values[i];
+  const float total = block_sum(local);
+  if (threadIdx.x == 0) *out = total * scale;
+}
+
 }  // namespace
 
 void add_bias_rows(float* x_RC, const float* bias_C, int64_t rows, int64_t cols, Stream stream) {
@@ -58,6 +66,11 @@ void cast_to_float(float* out, const bf16* in, int64_t n, Stream stream) {
 void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, Stream stream) {
   if (cols == 0) return;
   column_sum_kernel<<<static_cast<unsigned>(cols), kThreads, 0, stream>>>(out_C, x_RC, rows, cols);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void ordered_sum(float* out, const float* values, int64_t n, float scale, Stream stream) {
+  ordered_sum_kernel<<<1, 1024, 0, stream>>>(out, values, n, scale);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
+#include "moe/gpu_ops.h"
 #include "moe/dispatch.h"
 #include "moe/token_exchange.h"
 
@@ -101,8 +102,7 @@ void GpuTransformer::plan(int64_t batch) {
   const int64_t capacity = E > 0 ? expert_capacity(c.moe.capacity_factor, T, K, E) : 0;
   s.max_rows = capacity > 0 ? std::min(T * K, E * capacity) : T * K;
   const int64_t R = s.max_rows;
-  // Expert parallelism: P ranks send this one at most P times its own rows (at most
-  // `capacity` per source and expert when the capacity bounds them).
+  // Expert parallelism over P ranks (the dispatcher sizes the exchange).
   const int64_t P = s.ep ? s.ep->size() : 1;
   if (s.ep) {
     MOE_CHECK(E > 0 && E % P == 0, "expert parallelism over {} GPUs needs moe.n_experts ({}) to be a multiple of it", P,
@@ -115,10 +115,12 @@ void GpuTransformer::plan(int64_t batch) {
   for (Layer& layer : s.layers)
     if (layer.is_moe && static_cast<int64_t>(layer.first_slot_P1.size()) != P + 1)
       s.set_slot_bounds(layer, equal_slot_bounds(E, static_cast<int>(P)));  // the slot order stays
-  // Every rank may send this one each of its tokens once.
-  s.max_exchange_tokens = s.ep ? P * T : 0;
-  const int64_t U = s.max_exchange_tokens;
-  s.max_local_rows = s.ep ? (capacity > 0 ? std::min(P * T * K, P * max_local * capacity) : P * T * K) : R;
+  // The dispatcher's scratch first: it says how many rows the local experts may get.
+  s.dispatcher.reset();
+  const auto mark = [&s](int phase) { s.mark(phase); };
+  s.dispatcher = s.ep ? make_expert_parallel_dispatcher(s.ep, s.stream, mark) : make_local_dispatcher(s.stream, mark);
+  s.max_local_rows = s.dispatcher->plan(
+      DispatchShape{T, D, K, E, R, capacity, s.ep ? max_local : E, s.ep && s.split_experts});
   const int64_t RL = s.max_local_rows;
   if (E > 0 && (!s.expert_gemm || s.max_local_experts != max_local)) {
     MOE_CHECK(D % 8 == 0 && F % 8 == 0, "the GPU experts need dim ({}) and moe.expert_hidden ({}) to be multiples of 8",
@@ -168,14 +170,7 @@ void GpuTransformer::plan(int64_t batch) {
     m.gate_up_rows = rows_buffer(shared_gate_up_rows, RL * 2 * F, s.recompute_experts == ExpertRecompute::All);
     m.act_rows = rows_buffer(shared_act_rows, RL * F, shared_x_act);
     m.y_rows = bf(std::max(R, RL) * D);  // under expert parallelism: the local rows
-    if (s.ep) {
-      m.token_pos = i32(T * P);
-      m.tokens_P = i32(P);
-      m.recv_row = i32(U * K);
-      m.recv_weight = f32(U * K);
-      m.local_offsets = i32(s.max_local_experts + 1);
-      m.local_token = i32(RL);
-    }
+    s.dispatcher->plan_layer(m);
     m.shared.clear();
     for (size_t e = 0; e < n_shared_experts; ++e) m.shared.push_back({bf(T * 2 * F), bf(T * F)});
   };
@@ -235,25 +230,6 @@ void GpuTransformer::plan(int64_t batch) {
   s.dact_rows = bf(RL * F);
   s.dgate_up_rows = bf(RL * 2 * F);
   s.dx_rows = bf(RL * D);
-  s.free_ep_host();
-  s.ep_send = s.ep ? bf(U * D) : Buffer<bf16>();
-  s.ep_recv = s.ep ? bf(U * D) : Buffer<bf16>();
-  s.ep_slot_send = s.ep ? i32(U * K) : Buffer<int32_t>();
-  s.ep_slot_recv = s.ep ? i32(U * K) : Buffer<int32_t>();
-  s.ep_rank_scratch = s.ep ? i32(cuda::assign_rows_scratch(U, K, s.max_local_experts)) : Buffer<int32_t>();
-  s.ep_local_counts = s.ep ? i32(s.max_local_experts) : Buffer<int32_t>();
-  s.ep_counts_send = s.ep ? i32(E + 2 * P) : Buffer<int32_t>();
-  s.ep_rank_TK = s.ep ? i32(T * K) : Buffer<int32_t>();
-  s.ep_cut = s.ep ? i32(P + 1) : Buffer<int32_t>();
-  s.ep_all_counts_send = s.ep && s.split_experts ? i32(P * E) : Buffer<int32_t>();
-  s.ep_all_counts = s.ep && s.split_experts ? i32(P * E) : Buffer<int32_t>();
-  s.ep_counts_recv = s.ep ? i32(P * (s.max_local_experts + 1)) : Buffer<int32_t>();
-  s.ep_weight_send = s.ep ? f32(U * K) : Buffer<float>();
-  s.ep_dweight_local = s.ep ? f32(U * K) : Buffer<float>();
-  s.ep_dweight_home = s.ep ? f32(U * K) : Buffer<float>();
-  if (s.ep)
-    MOE_CUDA_CHECK(cudaMallocHost(&s.ep_host_counts,
-                                  static_cast<size_t>(E + 2 * P + P * (s.max_local_experts + 1)) * sizeof(int32_t)));
   s.dlogits_bf16 = bf(T * E);
   s.dffn_act = bf(T * ffn_width);
   s.dffn_gate_up = bf(T * 2 * ffn_width);

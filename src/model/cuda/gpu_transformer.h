@@ -2,7 +2,7 @@
 // master weights (kept as the bf16 weights plus a 16-bit remainder), fp32 gradients,
 // AdamW moments in fp32 or bf16, fp32 router math and loss. The same
 // architecture, parameter names and layout as Transformer<float> (the CPU reference it
-// is tested against); every op is a tested kernel from kernels/gpu_ops.h.
+// is tested against); every op is a tested kernel from kernels/, moe/ and optim/gpu_ops.h.
 #pragma once
 #include <functional>
 #include <memory>

@@ -1,6 +1,7 @@
-// The GPU model's private state, shared by its two source files: gpu_transformer.cpp (the
-// step, planning, parameters) and gpu_moe.cpp (the MoE layer: router, dispatch, experts,
-// balancing and per-expert clipping). Not part of the public interface.
+// The GPU model's private state, shared by its source files: gpu_transformer.cpp (the
+// step, planning, parameters), gpu_moe.cpp (the MoE layer: router, experts, balancing;
+// the dispatch and combine are its ExpertDispatcher's) and gpu_placement.cpp. Not part of
+// the public interface.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -14,93 +15,12 @@
 #include "core/cuda/phase_clock.h"
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
+#include "model/cuda/expert_dispatcher.h"
+#include "model/cuda/gpu_layers.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
 
 namespace moe {
-namespace gpu_model {
-
-template <typename T>
-using Buffer = gpu::DeviceArray<T>;
-
-// One parameter's place in the device blocks.
-struct Param {
-  int id = -1;
-  int64_t offset = 0, numel = 0;
-};
-
-struct AttentionBuffers {
-  Buffer<bf16> q, k, v, out;
-  Buffer<float> stats;
-};
-
-// A SwiGLU FFN's saved activations: [rows, 2F] gate|up and [rows, F] act.
-struct FfnBuffers {
-  Buffer<bf16> gate_up, act;
-};
-
-// The experts' input rows [R, D], gate|up [R, 2F] and SwiGLU activation [R, F]: 69% of an
-// MoE layer's saved bytes (mixtral-mini). Each is kept per layer or, when recomputed
-// (ExpertRecompute), one buffer shared by the MoE layers and refilled from the layer's n2
-// right before its backward.
-using SharedRows = std::shared_ptr<Buffer<bf16>>;
-
-struct MoEBuffers {
-  Buffer<float> logits, scores, weight, aux_term, z_term;
-  Buffer<int32_t> expert, row, counts, assign_counts, offsets, token_of_row, rank;
-  SharedRows x_rows, gate_up_rows, act_rows;
-  Buffer<bf16> y_rows;
-  std::vector<FfnBuffers> shared;
-  // Expert parallelism (set_expert_exchange; the exchange of moe/token_exchange.h), kept
-  // for the backward. Home side: token_pos [T, P] (each token's row in the block for each
-  // rank, -1: none) and tokens_P (the block sizes). Receiving side: the received tokens'
-  // routing, recv_row [U, K] (the local row of each, -1: another rank's) and recv_weight
-  // [U, K]; the local rows' offsets per local slot and their received token (local_token).
-  // On the host: the block sizes sent and received, and the local row count.
-  Buffer<int32_t> token_pos, tokens_P, recv_row, local_offsets, local_token;
-  Buffer<float> recv_weight;
-  std::vector<int64_t> send_tokens_P, recv_tokens_P;
-  int64_t recv_tokens = 0, local_rows = 0;
-  Buffer<int32_t> slot;  // the routed experts' slots [T*K], when the layer's experts are re-placed
-};
-
-// A layer's activations inside the block, saved for its backward, or, for a layer whose
-// activations are recomputed, one set shared by all such layers and refilled from the
-// layer's input right before its backward.
-struct Activations {
-  Buffer<bf16> n1, h, n2, ffn_out;
-  Buffer<float> rstd1, rstd2;
-  AttentionBuffers attn;
-  FfnBuffers dense_buffers;
-  MoEBuffers moe;
-};
-
-struct Layer {
-  Param norm1, norm2, wq, wk, wv, wo;
-  Param router_w, router_b, w1, w3, w2;              // MoE layers
-  std::vector<std::array<Param, 3>> shared;          // shared experts: w1, w3, w2
-  std::array<Param, 3> dense;                        // dense FFN layers: w1, w3, w2
-  bool is_moe = false;
-  bool recompute = false;  // activations recomputed in the backward
-  Buffer<bf16> x;          // the layer's input (the residual stream), always kept
-  std::shared_ptr<Activations> act;
-  Buffer<int64_t> load;  // assignments per slot since reset
-  Buffer<double> routing;  // since reset: kept rows per expert (E), router entropy sum, tokens
-  Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
-  // Expert placement (place_experts): slot s of the expert tensors (w1, w3, w2: weights,
-  // gradients, moments) holds expert expert_of_slot[s]; EP rank p's block is the slots
-  // [first_slot_P1[p], first_slot_P1[p + 1]) and it computes its window [first_slot_P1[p],
-  // window_end_P[p]): the block, and with split experts the next block's first slot too
-  // (moe/token_exchange.h). The router picks experts; when `placed` (not the identity),
-  // slot_of_expert turns them into slots before the rows are laid out, so everything after
-  // it (row layout, exchange, grouped GEMMs) works on slots.
-  std::vector<int64_t> expert_of_slot, first_slot_P1, window_end_P;
-  // On the device: first_slot_P1, window_end_P, and the block edges as boundary cuts.
-  Buffer<int32_t> slot_of_expert, first_slot, window_end, edge_cut;
-  bool placed = false;
-};
-
-}  // namespace gpu_model
 
 // Only gpu_transformer.cpp and gpu_moe.cpp include this header.
 using namespace gpu_model;  // NOLINT(google-build-using-namespace)
@@ -118,22 +38,15 @@ struct GpuTransformer::State {
   // Expert parallelism (set_expert_exchange): this rank computes each MoE layer's slots
   // [first_slot_P1[rank], first_slot_P1[rank + 1]) (Layer); without it, all of them.
   // max_local_experts bounds a rank's count (set_max_local_experts; the plan's buffers and
-  // the grouped GEMMs are sized for it), max_local_rows the rows it may compute. Scratch
-  // of the exchange, sized for P * T tokens (every rank's whole micro-batch): ep_send and
-  // ep_recv the token rows, the routing sent and received, the combine weights'
-  // gradients on both sides, the counts sent and received (brought back through the
-  // pinned ep_host_counts).
+  // the grouped GEMMs are sized for it), max_local_rows the rows it may compute.
   std::shared_ptr<GpuExpertExchange> ep;
-  int64_t max_local_experts = 0, max_local_rows = 0, max_exchange_tokens = 0;
+  int64_t max_local_experts = 0, max_local_rows = 0;
   int64_t local_experts_cap = 0;  // set_max_local_experts (0: E / P, + 1 with split experts)
   // set_split_experts: each block's first slot is shared with the rank before it, and every
   // micro-batch's cuts even the ranks' rows (the kept rows per slot gathered from all).
   bool split_experts = false;
-  Buffer<bf16> ep_send, ep_recv;
-  Buffer<int32_t> ep_slot_send, ep_slot_recv, ep_rank_scratch, ep_local_counts, ep_counts_send, ep_counts_recv;
-  Buffer<int32_t> ep_rank_TK, ep_cut, ep_all_counts_send, ep_all_counts;  // route_ranks, boundary_cuts
-  Buffer<float> ep_weight_send, ep_dweight_local, ep_dweight_home;
-  int32_t* ep_host_counts = nullptr;  // E + 2P counts sent, then P * (max_local_experts + 1) received
+  // Where the routed rows meet the experts: local, or over `ep` (made at plan()).
+  std::unique_ptr<ExpertDispatcher> dispatcher;
   cudaStream_t stream = nullptr;
   int64_t batch = 0, tokens = 0;
   int compute_sm_limit = 0;  // multiprocessors the GEMMs launch on (0: all); see reserve_sms
@@ -178,16 +91,11 @@ struct GpuTransformer::State {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
     }
-    free_ep_host();
   }
   gpu::PhaseClock* clock = nullptr;  // set_phase_clock
   // No events inside a captured CUDA graph.
   void mark(int phase) {
     if (clock && !capturing) clock->mark(phase, stream);
-  }
-  void free_ep_host() {
-    if (ep_host_counts) cudaFreeHost(ep_host_counts);
-    ep_host_counts = nullptr;
   }
   const bf16* w(const Param& p) const { return store->weights() + p.offset; }
   float* g(const Param& p) { return store->grads() + p.offset; }
@@ -217,19 +125,6 @@ struct GpuTransformer::State {
   void expert_rows_forward(Layer& layer, bool gate_up);
   // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and SwiGLU.
   void experts_gate_up_forward(Layer& layer, bool gate_up);
-  // Expert parallelism: each token once to every rank computing one of its experts, the
-  // experts there, one partial combine per token back, the sum into ffn_out; and the
-  // backward's mirror image in two halves around the experts' GEMMs (from the output
-  // gradient dy to drows; from dx_rows to dnorm and dweight).
-  void ep_experts_forward(Layer& layer, const int32_t* slot_TK);
-  void ep_combine_backward(Layer& layer, const bf16* dy);
-  void ep_dispatch_backward(Layer& layer);
-  // `count` elements of elem_bytes per token of the blocks, out and back.
-  void exchange_tokens(const void* send, const std::vector<int64_t>& send_tokens_P, void* recv,
-                       const std::vector<int64_t>& recv_tokens_P, int64_t per_token, size_t elem_bytes);
-  // Expert parallelism: the token blocks for each rank, the counts exchanged (kept rows per
-  // slot and block sizes), the one host wait per MoE layer and forward for them.
-  void plan_expert_exchange(Layer& layer, const int32_t* slot_TK);
   int ep_rank() const { return ep ? ep->rank() : 0; }
   int64_t first_slot(const Layer& layer) const { return layer.first_slot_P1[static_cast<size_t>(ep_rank())]; }
   int64_t local_experts(const Layer& layer) const {
@@ -260,8 +155,8 @@ struct GpuTransformer::State {
   // The EP ranks whose windows hold each slot, under block bounds first_slot_P1.
   std::vector<std::vector<int>> slot_holders(const std::vector<int64_t>& first_slot_P1) const;
   // The offsets the grouped GEMMs read and the rows the row-wise kernels cover.
-  const int32_t* expert_offsets(const MoEBuffers& m) const { return ep ? m.local_offsets.data() : m.offsets.data(); }
-  int64_t expert_rows(const MoEBuffers& m) const { return ep ? m.local_rows : max_rows; }
+  const int32_t* expert_offsets(const MoEBuffers& m) const { return dispatcher->expert_offsets(m); }
+  int64_t expert_rows(const MoEBuffers& m) const { return dispatcher->expert_rows(m); }
   // One block's forward: from the previous block's h and FFN output (fused residual add),
   // or from the saved input x when recomputing (and for the first layer after the embedding).
   void layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch, bool from_saved_input);

@@ -7,6 +7,7 @@
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
+#include "moe/gpu_ops.h"
 #include "moe/token_exchange.h"
 
 namespace moe::cuda {

@@ -11,6 +11,7 @@
 #include "core/span_cut.h"
 #include "model/cuda/gpu_phases.h"
 #include "optim/cuda/segment_set.h"
+#include "optim/gpu_ops.h"
 
 namespace moe {
 namespace {

@@ -1,7 +1,7 @@
 // The optimizer of the GPU path over a GpuParameterStore: the global gradient norm in the
 // CPU's order (optim/grad_clip.cpp, bit for bit), clipping, the multi-tensor AdamW with
 // fp32 or bf16 moments, and per-expert norms and clipping; the step and norm ranges of
-// ZeRO-1 and expert parallelism. Its kernels are kernels/gpu_ops.h's (grad_norm,
+// ZeRO-1 and expert parallelism. Its kernels are optim/gpu_ops.h's (grad_norm,
 // multi_tensor_adamw, expert_clip_factors, scale_expert_slices); every call is ordered on
 // the store's stream.
 #pragma once

@@ -11,6 +11,7 @@
 #include "core/gpu.h"
 #include "kernels/adamw_math.h"
 #include "kernels/gpu_ops.h"
+#include "optim/gpu_ops.h"
 
 namespace moe {
 

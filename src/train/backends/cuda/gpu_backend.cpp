@@ -228,7 +228,7 @@ class GpuBackend final : public ModelBackend {
       }
     }
   }
-  // As train/grad_clip.cpp: each expert clipped to max_expert_norm on the device first
+  // As optim/grad_clip.cpp: each expert clipped to max_expert_norm on the device first
   // (the same norms and factors, bit for bit), then the global norm of the result; the
   // global clip factor is applied inside the AdamW kernel. The per-expert norms cost a
   // pass over the expert gradients, so they are only computed when expert clipping is on.

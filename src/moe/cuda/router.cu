@@ -9,6 +9,7 @@
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
+#include "moe/gpu_ops.h"
 
 namespace moe::cuda {
 namespace {

@@ -6,6 +6,7 @@
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
+#include "moe/gpu_ops.h"
 
 namespace moe::cuda {
 namespace {
@@ -116,14 +117,6 @@ __global__ void router_backward_kernel(float* dlogits, const float* dweight, con
   }
 }
 
-// Sums n floats in a fixed order (one block): deterministic loss reductions.
-__global__ void ordered_sum_kernel(float* out, const float* values, int64_t n, float scale) {
-  float local = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) local += values[i];
-  const float total = block_sum(local);
-  if (threadIdx.x == 0) *out = total * scale;
-}
-
 }  // namespace
 
 void expert_counts(int32_t* counts_E, const int32_t* expert_TK, int64_t T, int64_t E, int64_t K, Stream stream) {
@@ -155,11 +148,6 @@ void router_backward(float* dlogits_TE, const float* dweight_TK, const float* sc
                            stream>>>(dlogits_TE, dweight_TK, scores_TE, logits_TE, expert_TK, counts_E, T, E, K,
                                      1.0f / temperature, score_func == ScoreFunc::Sigmoid, renormalize, aux_scale,
                                      z_scale);
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void ordered_sum(float* out, const float* values, int64_t n, float scale, Stream stream) {
-  ordered_sum_kernel<<<1, 1024, 0, stream>>>(out, values, n, scale);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,4 @@
-// Per-expert gradient clipping on the GPU: train/grad_clip.cpp's first half. The sums of
+// Per-expert gradient clipping on the GPU: optim/grad_clip.cpp's first half. The sums of
 // squares per slice (one expert's part of one expert tensor) come from grad_norm's chunk
 // kernels (optimizer.cu), so they are the CPU's sums bit for bit; here they are summed
 // per expert in order, turned into norms and clip factors, and the slices are scaled.
@@ -7,6 +7,7 @@
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
+#include "optim/gpu_ops.h"
 
 namespace moe::cuda {
 namespace {

@@ -1,13 +1,14 @@
 // The multi-tensor optimizer on the GPU: the global gradient norm summed in the CPU's
-// order (so clipping decides and scales exactly as on the CPU), AdamW over every
-// parameter in one launch, and the hi/lo split of the fp32 master weights. The
-// per-element arithmetic is kernels/adamw_math.h's, the code the CPU AdamW runs.
+// order (so clipping decides and scales exactly as on the CPU) and AdamW over every
+// parameter in one launch. The per-element arithmetic is kernels/adamw_math.h's, the code
+// the CPU AdamW runs.
 #include <algorithm>
 #include <cstdint>
 
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
+#include "optim/gpu_ops.h"
 
 namespace moe::cuda {
 namespace {
@@ -33,33 +34,6 @@ __device__ __forceinline__ int64_t segment_of_chunk(const OptimizerSegment* segm
 }
 
 __device__ __forceinline__ int64_t chunk_count(int64_t numel) { return (numel + am::kNormChunk - 1) / am::kNormChunk; }
-
-__global__ void split_kernel(uint16_t* hi, int16_t* lo, const float* x, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const am::MasterSplit s = am::split_master(x[i]);
-    hi[i] = s.hi;
-    lo[i] = s.lo;
-  }
-}
-
-__global__ void join_kernel(float* x, const uint16_t* hi, const int16_t* lo, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    x[i] = am::join_master(hi[i], lo[i]);
-}
-
-__global__ void round_bf16_kernel(uint16_t* out, const float* in, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = am::bf16_bits_rne(in[i]);
-}
-
-__global__ void widen_bf16_kernel(float* out, const uint16_t* in, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = am::bf16_bits_to_float(in[i]);
-}
 
 // The segment holding chunk c, found by the whole warp (every lane gets it): a 32-way
 // search, so a few dependent loads find it among thousands of segments. Invariant: the
@@ -151,7 +125,7 @@ __global__ void __launch_bounds__(kNormWarps * 32)
 }
 
 // One block: per segment its chunks in order, then the segments in order, the norm and
-// the clip factor, computed as train/grad_clip.cpp does in fp64. A warp per segment: the
+// the clip factor, computed as optim/grad_clip.cpp does in fp64. A warp per segment: the
 // lanes load 128 of its chunk sums at a time (coalesced, independent loads) and every
 // lane adds them in order from shuffles, so a segment of thousands of chunks (an MoE
 // layer's experts) waits on a load latency per 128 chunks, not per chunk.
@@ -340,30 +314,6 @@ uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
 }  // namespace
-
-void split_master(bf16* hi, int16_t* lo, const float* x, int64_t n, Stream stream) {
-  if (n == 0) return;
-  split_kernel<<<grid_for(n), kThreads, 0, stream>>>(bits(hi), lo, x, n);
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void join_master(float* x, const bf16* hi, const int16_t* lo, int64_t n, Stream stream) {
-  if (n == 0) return;
-  join_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, bits(hi), lo, n);
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void round_to_bf16(bf16* out, const float* in, int64_t n, Stream stream) {
-  if (n == 0) return;
-  round_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(bits(out), in, n);
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void widen_bf16(float* out, const bf16* in, int64_t n, Stream stream) {
-  if (n == 0) return;
-  widen_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, bits(in), n);
-  MOE_CUDA_CHECK_LAUNCH();
-}
 
 void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* segment_sq_S, const float* grads,
                const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks, double max_norm,

@@ -1,9 +1,10 @@
 // AdamW on the GPU over one flat fp32 block, writing the bf16 copy the forward pass
 // reads. The per-element arithmetic is kernels/adamw_math.h's, the code the CPU AdamW
-// (src/train/adamw.cpp) runs. The GPU model uses the multi-tensor version (optimizer.cu).
+// (src/optim/adamw.cpp) runs. The GPU model uses the multi-tensor version (multi_tensor_adamw.cu).
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
+#include "optim/gpu_ops.h"
 
 namespace moe::cuda {
 namespace {

@@ -1,0 +1,97 @@
+// The GPU model's per-layer parameters and buffers (what a layer saves for its backward),
+// shared by the model's source files and its expert dispatcher. Not a public interface.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/gpu.h"
+
+namespace moe {
+namespace gpu_model {
+
+template <typename T>
+using Buffer = gpu::DeviceArray<T>;
+
+// One parameter's place in the device blocks.
+struct Param {
+  int id = -1;
+  int64_t offset = 0, numel = 0;
+};
+
+struct AttentionBuffers {
+  Buffer<bf16> q, k, v, out;
+  Buffer<float> stats;
+};
+
+// A SwiGLU FFN's saved activations: [rows, 2F] gate|up and [rows, F] act.
+struct FfnBuffers {
+  Buffer<bf16> gate_up, act;
+};
+
+// The experts' input rows [R, D], gate|up [R, 2F] and SwiGLU activation [R, F]: 69% of an
+// MoE layer's saved bytes (mixtral-mini). Each is kept per layer or, when recomputed
+// (ExpertRecompute), one buffer shared by the MoE layers and refilled from the layer's n2
+// right before its backward.
+using SharedRows = std::shared_ptr<Buffer<bf16>>;
+
+struct MoEBuffers {
+  Buffer<float> logits, scores, weight, aux_term, z_term;
+  Buffer<int32_t> expert, row, counts, assign_counts, offsets, token_of_row, rank;
+  SharedRows x_rows, gate_up_rows, act_rows;
+  Buffer<bf16> y_rows;
+  std::vector<FfnBuffers> shared;
+  // Expert parallelism (set_expert_exchange; the exchange of moe/token_exchange.h), kept
+  // for the backward. Home side: token_pos [T, P] (each token's row in the block for each
+  // rank, -1: none) and tokens_P (the block sizes). Receiving side: the received tokens'
+  // routing, recv_row [U, K] (the local row of each, -1: another rank's) and recv_weight
+  // [U, K]; the local rows' offsets per local slot and their received token (local_token).
+  // On the host: the block sizes sent and received, and the local row count.
+  Buffer<int32_t> token_pos, tokens_P, recv_row, local_offsets, local_token;
+  Buffer<float> recv_weight;
+  std::vector<int64_t> send_tokens_P, recv_tokens_P;
+  int64_t recv_tokens = 0, local_rows = 0;
+  Buffer<int32_t> slot;  // the routed experts' slots [T*K], when the layer's experts are re-placed
+};
+
+// A layer's activations inside the block, saved for its backward, or, for a layer whose
+// activations are recomputed, one set shared by all such layers and refilled from the
+// layer's input right before its backward.
+struct Activations {
+  Buffer<bf16> n1, h, n2, ffn_out;
+  Buffer<float> rstd1, rstd2;
+  AttentionBuffers attn;
+  FfnBuffers dense_buffers;
+  MoEBuffers moe;
+};
+
+struct Layer {
+  Param norm1, norm2, wq, wk, wv, wo;
+  Param router_w, router_b, w1, w3, w2;              // MoE layers
+  std::vector<std::array<Param, 3>> shared;          // shared experts: w1, w3, w2
+  std::array<Param, 3> dense;                        // dense FFN layers: w1, w3, w2
+  bool is_moe = false;
+  bool recompute = false;  // activations recomputed in the backward
+  Buffer<bf16> x;          // the layer's input (the residual stream), always kept
+  std::shared_ptr<Activations> act;
+  Buffer<int64_t> load;  // assignments per slot since reset
+  Buffer<double> routing;  // since reset: kept rows per expert (E), router entropy sum, tokens
+  Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
+  // Expert placement (place_experts): slot s of the expert tensors (w1, w3, w2: weights,
+  // gradients, moments) holds expert expert_of_slot[s]; EP rank p's block is the slots
+  // [first_slot_P1[p], first_slot_P1[p + 1]) and it computes its window [first_slot_P1[p],
+  // window_end_P[p]): the block, and with split experts the next block's first slot too
+  // (moe/token_exchange.h). The router picks experts; when `placed` (not the identity),
+  // slot_of_expert turns them into slots before the rows are laid out, so everything after
+  // it (row layout, exchange, grouped GEMMs) works on slots.
+  std::vector<int64_t> expert_of_slot, first_slot_P1, window_end_P;
+  // On the device: first_slot_P1, window_end_P, and the block edges as boundary cuts.
+  Buffer<int32_t> slot_of_expert, first_slot, window_end, edge_cut;
+  bool placed = false;
+};
+
+}  // namespace gpu_model
+
+}  // namespace moe

@@ -1,0 +1,98 @@
+// GPU versions of the MoE ops: routing, its losses and statistics, the row layout
+// (capacity, permute, combine) and the expert-parallel token exchange. Each is tested
+// against the CPU op of the same name in moe/router.h, moe/dispatch.h and
+// moe/token_exchange.h (tests/gpu/test_gpu_dispatch.cpp, test_gpu_router_backward.cpp,
+// test_gpu_routing_stats.cpp); the kernels are in moe/cuda/. Declared without CUDA
+// headers, as kernels/gpu_ops.h.
+#pragma once
+#include <cstdint>
+
+#include "config/model_config.h"
+#include "core/bf16.h"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda {
+
+// Router: scores = softmax or sigmoid(logits / temperature) (fp32), then top-K of
+// scores + bias (bias nullable), weights from the unbiased scores, optionally
+// renormalised. Ties go to the lower expert index, as on the CPU. E <= 1024. With
+// route_groups > 1 (<= 32) only experts of the route_top_groups best groups are chosen
+// (moe/router.h, RouteGroups).
+void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
+                 const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
+                 ScoreFunc score_func, bool renormalize, Stream stream, int64_t route_groups = 0,
+                 int64_t route_top_groups = 0);
+
+// Routing statistics of one micro-batch ADDED to acc (E + 2 doubles, in fixed order):
+// acc[e] += kept rows of expert e (counts_slot[slot_of_expert[e]]; slot_of_expert null:
+// the identity), acc[E] += router entropy summed over the T tokens (moe/router.h's
+// router_entropy_sum), acc[E + 1] += T. scratch: routing_stats_scratch(T) doubles.
+int64_t routing_stats_scratch(int64_t T);
+void accumulate_routing_stats(double* acc, double* scratch, const float* scores_TE, const int32_t* counts_slot,
+                              const int32_t* slot_of_expert, int64_t T, int64_t E, Stream stream);
+// Assignments per expert before capacity dropping (this micro-batch), overwritten.
+void expert_counts(int32_t* counts_E, const int32_t* expert_TK, int64_t T, int64_t E, int64_t K, Stream stream);
+// Per-token terms of the router losses: aux_term_t = sum_e f_e p_te (p normalised per
+// token for sigmoid scores, f_e = counts_E / (T K)) and z_term_t = lse_t(logits / temperature)^2.
+// aux loss = coef * E * mean_t(aux_term); z-loss = coef * mean_t(z_term).
+void router_loss_terms(float* aux_term_T, float* z_term_T, const float* scores_TE, const float* logits_TE,
+                       const int32_t* counts_E, int64_t T, int64_t E, int64_t K, float temperature,
+                       ScoreFunc score_func, Stream stream);
+// dlogits_TE (overwritten) from the combine-weight gradients, plus the aux and z-loss
+// gradients with weights aux_scale = dloss * aux_coef and z_scale = dloss * z_coef (0: off).
+void router_backward(float* dlogits_TE, const float* dweight_TK, const float* scores_TE, const float* logits_TE,
+                     const int32_t* expert_TK, const int32_t* counts_E, int64_t T, int64_t E, int64_t K,
+                     float temperature, ScoreFunc score_func, bool renormalize, float aux_scale, float z_scale,
+                     Stream stream);
+
+// Capacity and row layout on the device, the same semantics as moe::assign_rows:
+// walking (t, k) in order, an assignment is kept iff its expert has fewer than
+// `capacity` rows. Writes row_TK (-1 = dropped), counts_E, offsets_E1 (E + 1; the kept
+// row count R is offsets_E1[E], left on the device), token_of_row_R (T*K capacity) and
+// adds the assignments before dropping to load_E when not null. `scratch`:
+// assign_rows_scratch(T, K, E) ints. An expert < 0 (routed to another rank) gets row -1
+// and is counted nowhere. E at most 1536.
+void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
+                 int64_t* load_E, int32_t* scratch, const int32_t* expert_TK, int64_t T, int64_t E,
+                 int64_t K, int64_t capacity, Stream stream);
+int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E);
+// Expert parallelism without duplicate rows (layout and CPU references: moe/token_exchange.h).
+// The boundary cuts of a micro-batch from every home rank's kept rows per slot (counts_PE;
+// E <= 1536, P <= 32), and each kept assignment's EP rank by them (-1: dropped).
+void boundary_cuts(int32_t* cut_P1, const int32_t* counts_PE, const int32_t* slot_bounds_P1, bool split, int64_t E,
+                   int P, Stream stream);
+void route_ranks(int32_t* rank_TK, const int32_t* row_TK, const int32_t* slot_TK, const int32_t* offsets_E1,
+                 const int32_t* cut_P1, int64_t T, int64_t K, int P, Stream stream);
+// Token t's place in the block for EP rank p (pos_TP, -1: none) and the block sizes (P <= 32).
+void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* rank_TK, int64_t T, int64_t K, int P,
+                  Stream stream);
+// The routing sent with the tokens: slots in the receiving rank's window (-1: elsewhere) and weights.
+void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
+                  const int32_t* rank_TK, const int32_t* slot_TK, const float* weight_TK,
+                  const int32_t* slot_bounds_P1, int64_t T, int64_t K, int P, Stream stream);
+// Per peer: the rows it gets of each slot of its window, then its block size.
+void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* slot_bounds_P1,
+                 const int32_t* window_end_P, const int32_t* cut_P1, int P, Stream stream);
+// dst_UD[block row of (t, p)] = src_TD[t].
+void scatter_token_rows(bf16* dst_UD, const bf16* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+                        int P, int64_t D, Stream stream);
+// dst_TD[t] = the ranks' block rows of t added in rank order (fp32; 0 where none).
+void sum_token_rows(bf16* dst_TD, const bf16* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+                    int P, int64_t D, Stream stream);
+void sum_token_values(float* dst_TK, const float* src_UK, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+                      int64_t K, int P, Stream stream);
+// out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).
+void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_t n, Stream stream);
+// x_RD[r] = x_TD[token_of_row_R[r]] for r < offsets_E1[E]; launched for max_rows rows so
+// the host never needs R.
+void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R, const int32_t* offsets_E1,
+                     int64_t max_rows, int64_t E, int64_t D, Stream stream);
+void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
+                      bool accumulate, Stream stream);
+// out_TD[t] = sum over kept slots of weight * y_RD[row] (fp32 sum, bf16 out).
+void combine_forward(bf16* out_TD, const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T,
+                     int64_t K, int64_t D, Stream stream);
+void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const bf16* y_RD, const float* weight_TK,
+                      const int32_t* row_TK, int64_t T, int64_t K, int64_t D, Stream stream);
+
+}  // namespace moe::cuda
