@@ -162,12 +162,13 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
   std::array<RankRun, 2> runs;
   auto rank_main = [&](int rank) {
     Transformer<float> host(config, 11);
-    GpuTransformer gpu(config, host.params());
-    GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
     auto exchange = std::make_shared<PairExchange>(shared, rank);
-    gpu.set_expert_exchange(exchange);
-    gpu.set_max_local_experts(config.moe.n_experts);
-    gpu.set_split_experts(split);
+    GpuModelOptions options;
+    options.expert_exchange = exchange;
+    options.max_local_experts = config.moe.n_experts;
+    options.split_experts = split;
+    GpuTransformer gpu(config, host.params(), options);
+    GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
     gpu.plan(1);
     if (own_steps) step_own_experts_only(gpu, optimizer, host);
     RankRun& run = runs[static_cast<size_t>(rank)];

@@ -302,7 +302,9 @@ TEST_P(GpuMultiTensorAdamW, TransformerStepsMatchTheCpuOptimizer) {
   const ModelConfig c = small_model();
   const int64_t batch = 2;
   Transformer<float> initial(c, 3);
-  GpuTransformer gpu(c, initial.params(), GetParam());
+  GpuModelOptions options;
+  options.moments = GetParam();
+  GpuTransformer gpu(c, initial.params(), options);
   GpuOptimizer optimizer(gpu.parameters(), initial.params(), gpu.stream());
   gpu.plan(batch);
   Transformer<float> cpu(c, 3);  // the same initial weights; receives the GPU's gradients

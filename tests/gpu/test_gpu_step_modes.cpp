@@ -59,11 +59,12 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
               ExpertRecompute recompute_experts = ExpertRecompute::None,
               std::shared_ptr<GpuExpertExchange> exchange = nullptr, const std::vector<Placement>& placements = {}) {
   Transformer<float> host(config, 11);
-  GpuTransformer gpu(config, host.params());
+  GpuModelOptions options;
+  options.recompute_layers = recompute_layers;
+  options.recompute_experts = recompute_experts;
+  options.expert_exchange = exchange;
+  GpuTransformer gpu(config, host.params(), options);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
-  gpu.set_expert_exchange(exchange);
-  gpu.set_recompute_layers(recompute_layers);
-  gpu.set_recompute_experts(recompute_experts);
   gpu.plan(2);
   gpu.enable_graphs(graphs);
   gpu.zero_grads();
@@ -170,10 +171,11 @@ TEST(GpuExpertParallel, RefusesGraphsAndExpertRecompute) {
   MOE_REQUIRE_GPU();
   const ModelConfig config = mode_config(0.0);
   Transformer<float> host(config, 11);
-  GpuTransformer gpu(config, host.params());
-  gpu.set_expert_exchange(std::make_shared<OneRankExchange>());
+  GpuModelOptions options;
+  options.expert_exchange = std::make_shared<OneRankExchange>();
+  options.recompute_experts = ExpertRecompute::Swiglu;
+  GpuTransformer gpu(config, host.params(), options);
   EXPECT_THROW(gpu.enable_graphs(true), Error);
-  gpu.set_recompute_experts(ExpertRecompute::Swiglu);
   EXPECT_THROW(gpu.plan(2), Error);
 }
 

@@ -43,7 +43,7 @@ struct MoEBuffers {
   SharedRows x_rows, gate_up_rows, act_rows;
   Buffer<bf16> y_rows;
   std::vector<FfnBuffers> shared;
-  // Expert parallelism (set_expert_exchange; the exchange of moe/token_exchange.h), kept
+  // Expert parallelism (GpuModelOptions::expert_exchange; moe/token_exchange.h), kept
   // for the backward. Home side: token_pos [T, P] (each token's row in the block for each
   // rank, -1: none) and tokens_P (the block sizes). Receiving side: the received tokens'
   // routing, recv_row [U, K] (the local row of each, -1: another rank's) and recv_weight

@@ -5,7 +5,7 @@
 // through a slot table, and the weights, gradients and moments move to their new slots
 // on every rank alike (every rank keeps every expert's weights). Host copies (checkpoints,
 // exports, tests) stay in expert order. Slot order changes no result over one rank: each
-// expert sees the same rows in the same order. With split experts (set_split_experts)
+// expert sees the same rows in the same order. With split experts (GpuModelOptions)
 // each rank's window also takes the next block's first slot, shared with that rank.
 #include <cuda_runtime.h>
 
@@ -18,11 +18,6 @@
 #include "moe/token_exchange.h"
 
 namespace moe {
-
-void GpuTransformer::set_max_local_experts(int64_t n) {
-  MOE_CHECK(n >= 0, "expert placement: at most {} experts per rank", n);
-  state_->local_experts_cap = n;
-}
 
 // Identity placement in equal blocks of the ranks (the state before any re-placement).
 void GpuTransformer::State::reset_placement(Layer& layer, int P) {
@@ -53,13 +48,6 @@ std::vector<std::vector<int>> GpuTransformer::State::slot_holders(const std::vec
   for (size_t p = 0; p < ends.size(); ++p)
     for (int64_t slot = first_slot_P1[p]; slot < ends[p]; ++slot) holders[static_cast<size_t>(slot)].push_back(static_cast<int>(p));
   return holders;
-}
-
-void GpuTransformer::set_split_experts(bool split) {
-  State& s = *state_;
-  s.split_experts = split;
-  for (Layer& layer : s.layers)
-    if (layer.is_moe && !layer.first_slot_P1.empty()) s.set_slot_bounds(layer, layer.first_slot_P1);
 }
 
 void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer) {

@@ -31,11 +31,16 @@ Param lookup(const ParameterStore<float>& params, const std::string& name) {
 }  // namespace
 
 GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params,
-                               MomentDtype moments)
+                               const GpuModelOptions& options)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
   MOE_CHECK(gpu::device_count() > 0, "no CUDA device found");
+  MOE_CHECK(options.max_local_experts >= 0, "expert placement: at most {} experts per rank", options.max_local_experts);
   s.config = config;
+  s.recompute_layers = options.recompute_layers;
+  s.recompute_experts = options.recompute_experts;
+  s.local_experts_cap = options.max_local_experts;
+  s.split_experts = options.split_experts;  // before the layers' slot bounds below
   s.embedding = lookup(params, "embedding");
   s.final_norm = lookup(params, "final_norm");
   s.head = lookup(params, config.tie_embeddings ? "embedding" : "lm_head");
@@ -86,7 +91,10 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   // Our own stream (blocking: ordered with the legacy-stream copies of DeviceArray), so
   // that the step can be captured as a CUDA graph.
   MOE_CUDA_CHECK(cudaStreamCreate(&s.stream));
-  s.store = std::make_unique<GpuParameterStore>(params, moments, fp32_ids, s.stream);
+  s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream);
+  s.attention.set_deterministic(options.deterministic);
+  s.ep = options.expert_exchange;
+  if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -490,16 +498,6 @@ void GpuTransformer::enable_graphs(bool enabled) {
   state_->graphs = enabled;
 }
 
-void GpuTransformer::set_deterministic(bool deterministic) { state_->attention.set_deterministic(deterministic); }
-
-void GpuTransformer::set_expert_exchange(std::shared_ptr<GpuExpertExchange> exchange) {
-  State& s = *state_;
-  MOE_CHECK(!(exchange && s.graphs), "CUDA graphs cannot hold the GPU's expert parallelism (it waits for row counts)");
-  s.ep = std::move(exchange);
-  if (s.ep) s.ep->set_stream(s.stream);
-  s.expert_gemm.reset();  // made again for the local experts at the next plan()
-}
-
 void GpuTransformer::set_forward_stage_hook(std::function<void(int stage)> hook) {
   state_->forward_stage_hook = std::move(hook);
 }
@@ -509,14 +507,6 @@ void GpuTransformer::reserve_sms(int sms) {
   s.compute_sm_limit = sms > 0 ? std::max(1, gpu::multiprocessor_count() - sms) : 0;
   s.blas.set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);
-}
-
-void GpuTransformer::set_recompute_layers(int64_t layers) {
-  state_->recompute_layers = layers;  // takes effect at the next plan()
-}
-
-void GpuTransformer::set_recompute_experts(ExpertRecompute mode) {
-  state_->recompute_experts = mode;  // takes effect at the next plan()
 }
 
 void GpuTransformer::zero_grads() { state_->store->zero_grads(); }

@@ -22,7 +22,7 @@ namespace gpu {
 class PhaseClock;
 }
 
-// Expert parallelism for the GPU model (set_expert_exchange): EP rank p of P computes
+// Expert parallelism for the GPU model (GpuModelOptions::expert_exchange): EP rank p of P computes
 // experts [p * E/P, (p + 1) * E/P) for the tokens of all P ranks. Implemented over NCCL in
 // src/dist/cuda/gpu_expert_exchange.h; tests use a one-rank copy.
 class GpuExpertExchange {
@@ -47,12 +47,44 @@ struct GpuRoutingStats {
   std::vector<int64_t> tokens;
 };
 
+// What a GpuTransformer is built to do (fixed for its life; training.* and parallel.*).
+struct GpuModelOptions {
+  // optimizer.state_dtype: the AdamW moments' storage.
+  MomentDtype moments = MomentDtype::Fp32;
+  // Activation recomputation: the first `recompute_layers` blocks (-1: all) keep only
+  // their input; their activations live in one buffer set shared by them and are
+  // recomputed from that input right before each one's backward (bit-identical: every
+  // kernel is deterministic).
+  int64_t recompute_layers = 0;
+  // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical).
+  ExpertRecompute recompute_experts = ExpertRecompute::None;
+  // true: every reduction in a fixed order, so reruns are bit-identical (the one kernel
+  // that needs a switch is cuDNN's attention backward; everything else is deterministic
+  // by construction). false: cuDNN's faster atomic dQ accumulation.
+  bool deterministic = true;
+  // Expert parallelism over `expert_exchange` (null: off). Every rank keeps the blocks of
+  // all the weights but computes only its experts, on the rows every EP rank routes to
+  // them: one host synchronisation per MoE layer and pass for the row counts, so no CUDA
+  // graphs, and recompute_experts must be none. Its gradient block gets only its own
+  // experts' gradients (the others stay zero); the trainer sums the shared gradients over
+  // all ranks and its experts' over the ranks holding them.
+  std::shared_ptr<GpuExpertExchange> expert_exchange;
+  // At most this many experts per EP rank in any placement, its window with split
+  // experts (0: E / P, + 1 with split experts: equal blocks only); sizes the buffers and
+  // grouped GEMMs (expert parallelism's load balancing; gpu_placement.cpp).
+  int64_t max_local_experts = 0;
+  // Split experts (parallel.split_experts): each EP rank also holds the first expert of
+  // the next rank's block (a hinge), and every micro-batch moves each boundary inside its
+  // hinge so that all ranks compute the same number of rows (moe/token_exchange.h). A
+  // hinge's gradient is then the sum of its two holders' (split_expert_ranges: sum those
+  // over all ranks), and both step it.
+  bool split_experts = false;
+};
+
 class GpuTransformer {
  public:
-  // Copies the (already initialised) parameters of `params` to the device; `moments` is
-  // optimizer.state_dtype.
-  GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params,
-                 MomentDtype moments = MomentDtype::Fp32);
+  // Copies the (already initialised) parameters of `params` to the device.
+  GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params, const GpuModelOptions& options = {});
   ~GpuTransformer();
   GpuTransformer(const GpuTransformer&) = delete;
   GpuTransformer& operator=(const GpuTransformer&) = delete;
@@ -78,47 +110,17 @@ class GpuTransformer {
   // both routing modes (no host synchronisation inside the step), so this always applies.
   ForwardResult forward_backward(const int32_t* inputs_BS, const int32_t* targets_BS, double loss_scale);
   void enable_graphs(bool enabled);
-  // true (the default): every reduction in a fixed order, so reruns are bit-identical
-  // (the one kernel that needs a switch is cuDNN's attention backward; everything else
-  // is deterministic by construction). false: cuDNN's faster atomic dQ accumulation.
-  void set_deterministic(bool deterministic);
-  // Activation recomputation: the first `layers` blocks (-1: all) keep only their input;
-  // their activations live in one buffer set shared by them and are recomputed from that
-  // input right before each one's backward (bit-identical: every kernel is deterministic).
-  // Takes effect at the next plan().
-  void set_recompute_layers(int64_t layers);
   // Leaves `sms` multiprocessors free of the GEMMs (0: none), from now until the next
   // call. The grouped GEMMs are persistent and cuBLASLt's Hopper kernels may be: while
   // they run, NCCL's kernels on another stream get no SM, so a gradient all-reduce meant
   // to overlap the backward waits for gaps between kernels instead. Takes effect at once.
   void reserve_sms(int sms);
-  // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical).
-  // Takes effect at the next plan().
-  void set_recompute_experts(ExpertRecompute mode);
-  // Expert parallelism over `exchange` (nullptr: off). Every rank keeps the blocks of all
-  // the weights but computes only its experts, on the rows every EP rank routes to them:
-  // one host synchronisation per MoE layer and pass for the row counts, so no CUDA graphs,
-  // and recompute_experts must be none. Its gradient block gets only its own experts'
-  // gradients (the others stay zero); the trainer sums the shared gradients over all
-  // ranks and its experts' over the ranks holding them. Takes effect at the next plan().
-  void set_expert_exchange(std::shared_ptr<GpuExpertExchange> exchange);
   // Expert parallelism: a rank whose gradients are summed only over the ranks holding the
   // same experts (the trainer's choice) steps the other experts' weights with no gradient,
   // so they go stale there. This copies every expert's master weights (and with
   // `with_moments` its AdamW moments) from its EP rank to the others (collective over the
   // EP group; waits), e.g. before the host reads them for an export or a checkpoint.
   void gather_expert_weights(bool with_moments = false);
-  // Expert placement (expert parallelism's load balancing; src/model/cuda/gpu_placement.cpp).
-  // At most `n` experts per EP rank in any placement, its window with split experts (0:
-  // E / P, + 1 with split experts: equal blocks only); sizes the buffers and grouped
-  // GEMMs, so it takes effect at the next plan().
-  void set_max_local_experts(int64_t n);
-  // Split experts (parallel.split_experts): each EP rank also holds the first expert of
-  // the next rank's block (a hinge), and every micro-batch moves each boundary inside its
-  // hinge so that all ranks compute the same number of rows (moe/token_exchange.h). A
-  // hinge's gradient is then the sum of its two holders' (split_expert_ranges: sum those
-  // over all ranks), and both step it. Before plan().
-  void set_split_experts(bool split);
   // Re-places every MoE layer's experts: experts_of_rank_by_layer[l][p] lists the experts
   // EP rank p computes in MoE layer l (over one rank without expert parallelism), each
   // expert once, at most the maximum above per rank, none also allowed. Every rank must

@@ -35,14 +35,14 @@ struct GpuTransformer::State {
   cuda::Blas blas;
   cuda::Attention attention;
   std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only, over the local experts
-  // Expert parallelism (set_expert_exchange): this rank computes each MoE layer's slots
+  // Expert parallelism (GpuModelOptions::expert_exchange): this rank computes each MoE layer's slots
   // [first_slot_P1[rank], first_slot_P1[rank + 1]) (Layer); without it, all of them.
-  // max_local_experts bounds a rank's count (set_max_local_experts; the plan's buffers and
+  // max_local_experts bounds a rank's count (GpuModelOptions; the plan's buffers and
   // the grouped GEMMs are sized for it), max_local_rows the rows it may compute.
   std::shared_ptr<GpuExpertExchange> ep;
   int64_t max_local_experts = 0, max_local_rows = 0;
-  int64_t local_experts_cap = 0;  // set_max_local_experts (0: E / P, + 1 with split experts)
-  // set_split_experts: each block's first slot is shared with the rank before it, and every
+  int64_t local_experts_cap = 0;  // GpuModelOptions::max_local_experts (0: E / P, + 1 with split experts)
+  // split_experts: each block's first slot is shared with the rank before it, and every
   // micro-batch's cuts even the ranks' rows (the kept rows per slot gathered from all).
   bool split_experts = false;
   // Where the routed rows meet the experts: local, or over `ep` (made at plan()).

@@ -31,22 +31,24 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   ParameterCounts counts;
   std::unique_ptr<GpuTransformer> gpu;
   std::unique_ptr<GpuOptimizer> optimizer;
+  GpuModelOptions options;
+  options.moments = config.optimizer.state_dtype;
+  options.recompute_layers = config.training.recompute_layers;
+  options.recompute_experts = config.training.recompute_experts;
+  options.deterministic = config.training.deterministic;
+  if (ep_loopback) {
+    MOE_CHECK(mc.moe.n_experts > 0, "bench --ep-loopback needs an MoE model");
+    options.expert_exchange = std::make_shared<LoopbackExpertExchange>();
+  }
   {
     // Initialise on the host (the same weights as the CPU path), copy, then free the host copy.
     Transformer<float> host(mc, config.training.seed);
     counts = count_parameters(mc, host.params());
-    gpu = std::make_unique<GpuTransformer>(mc, host.params(), config.optimizer.state_dtype);
+    gpu = std::make_unique<GpuTransformer>(mc, host.params(), options);
     optimizer = std::make_unique<GpuOptimizer>(gpu->parameters(), host.params(), gpu->stream());
-  }
-  gpu->set_recompute_layers(config.training.recompute_layers);
-  gpu->set_recompute_experts(config.training.recompute_experts);
-  if (ep_loopback) {
-    MOE_CHECK(mc.moe.n_experts > 0, "bench --ep-loopback needs an MoE model");
-    gpu->set_expert_exchange(std::make_shared<LoopbackExpertExchange>());
   }
   gpu->plan(batch);
   gpu->enable_graphs(config.training.cuda_graphs);
-  gpu->set_deterministic(config.training.deterministic);
   std::vector<int32_t> inputs(static_cast<size_t>(T)), targets(static_cast<size_t>(T));
   CounterRng rng(config.training.seed, "bench.tokens");
   for (int64_t i = 0; i < T; ++i) {

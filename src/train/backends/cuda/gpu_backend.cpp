@@ -395,18 +395,20 @@ class GpuBackend final : public ModelBackend {
   // settings and the expert-parallel exchange.
   void build_model() {
     const RunConfig& c = config_;
-    gpu_ = std::make_unique<GpuTransformer>(c.model, host_model_.params(), c.optimizer.state_dtype);
+    GpuModelOptions options;
+    options.moments = c.optimizer.state_dtype;
+    options.recompute_layers = c.training.recompute_layers;
+    options.recompute_experts = c.training.recompute_experts;
+    options.deterministic = c.training.deterministic;
+    options.expert_exchange = ep_;
+    options.split_experts = ep_ && c.parallel.split_experts;
+    // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
+    if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
+    gpu_ = std::make_unique<GpuTransformer>(c.model, host_model_.params(), options);
+    gpu_->enable_graphs(c.training.cuda_graphs);
     optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model_.params(), gpu_->stream());
     gpu_->set_phase_clock(&clock_);
     optimizer_->set_phase_clock(&clock_);
-    gpu_->set_recompute_layers(c.training.recompute_layers);
-    gpu_->set_recompute_experts(c.training.recompute_experts);
-    gpu_->enable_graphs(c.training.cuda_graphs);
-    gpu_->set_deterministic(c.training.deterministic);
-    gpu_->set_expert_exchange(ep_);
-    gpu_->set_split_experts(ep_ && c.parallel.split_experts);
-    // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
-    if (ep_ && c.parallel.rebalance_interval > 0) gpu_->set_max_local_experts(c.parallel.rebalance_max_experts);
     upload_balance_bias();
   }
   // The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
