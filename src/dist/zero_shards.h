@@ -1,4 +1,4 @@
-// ZeRO-1 for GPU data parallelism: which parts of the gradient block each rank sums,
+// ZeRO-1 for data parallelism (GPU and CPU): which parts of the gradient block each rank sums,
 // steps and sends back. The block keeps its layout on every rank (no packing): each bucket
 // [offset, offset + count) is reduce-scattered in place, so rank r ends up holding the sum
 // of its piece [offset + r * count / N, offset + (r + 1) * count / N), takes the AdamW step
@@ -9,6 +9,9 @@
 // refresh its copy), and the few elements at the ends of a stage's ranges that do not
 // fill a whole bucket unit (buckets are multiples of N x kZeroAlign elements so that every
 // piece starts on a 64-byte boundary).
+//
+// The CPU path (ZeroOptimizer, src/dist/zero_optimizer.h) shards the CPU ParameterStore's
+// block, whose layout is the GPU store's, with the same plan over host memory.
 //
 // Host code: the plan is computed and tested without a GPU.
 #pragma once
@@ -21,6 +24,12 @@ namespace moe::dist {
 
 // Elements per piece boundary: 16 fp32 = 64 bytes (the parameter store's tensor alignment).
 constexpr int64_t kZeroAlign = 16;
+
+// Elements per gradient bucket for parallel.bucket_mb (MB of fp32 gradients) over a block
+// of block_numel elements: a multiple of 64 (256-byte boundaries keep NCCL's loads
+// aligned), at least 64, at most the block; 0 MB: the whole block. GpuDataParallel's
+// buckets and the ZeRO-1 plans of both paths (bucket_elems below) take it.
+int64_t gradient_bucket_elems(double bucket_mb, int64_t block_numel);
 
 struct ZeroShardPlan {
   int ranks = 1, rank = 0;
