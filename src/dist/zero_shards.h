@@ -1,17 +1,18 @@
-// ZeRO-1 for data parallelism (GPU and CPU): which parts of the gradient block each rank sums,
-// steps and sends back. The block keeps its layout on every rank (no packing): each bucket
-// [offset, offset + count) is reduce-scattered in place, so rank r ends up holding the sum
-// of its piece [offset + r * count / N, offset + (r + 1) * count / N), takes the AdamW step
-// there only, and the pieces of the new bf16 weights are all-gathered in place.
+// ZeRO-1 for data parallelism, one layout for the GPU and the CPU: which parts of the
+// parameter block each rank sums, steps and sends back. The block keeps its layout on every
+// rank (no packing): each bucket [offset, offset + count) of the gradients is
+// reduce-scattered in place, so rank r ends up holding the sum of its piece
+// [offset + r * count / N, offset + (r + 1) * count / N), takes the AdamW step there only,
+// and the pieces of the new weights (GPU: bf16; CPU: fp32) are all-gathered in place.
+// GPU: GpuDataParallel over GpuParameterStore; CPU: ZeroOptimizer (zero_optimizer.h) over
+// the CPU ParameterStore, whose offsets and padding the GPU store copies.
 //
 // Some ranges are all-reduced whole and stepped by every rank instead ("replicated"):
-// parameters the forward also reads from an fp32 copy (router biases: every rank must
-// refresh its copy), and the few elements at the ends of a stage's ranges that do not
-// fill a whole bucket unit (buckets are multiples of N x kZeroAlign elements so that every
-// piece starts on a 64-byte boundary).
-//
-// The CPU path (ZeroOptimizer, src/dist/zero_optimizer.h) shards the CPU ParameterStore's
-// block, whose layout is the GPU store's, with the same plan over host memory.
+// parameters the GPU's forward also reads from an fp32 copy (router biases: every rank must
+// refresh its copy; the CPU keeps the same ones whole so that the plans are one), and the
+// few elements at the ends of a stage's ranges that do not fill a whole bucket unit
+// (buckets are multiples of N x kZeroAlign elements so that every piece starts on a 64-byte
+// boundary).
 //
 // Host code: the plan is computed and tested without a GPU.
 #pragma once
