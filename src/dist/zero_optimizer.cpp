@@ -1,8 +1,9 @@
 #include "dist/zero_optimizer.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
-#include <numeric>
+#include <iterator>
 #include <utility>
 
 #include "core/error.h"

@@ -86,7 +86,8 @@ class ZeroOptimizer {
     int64_t begin = 0, count = 0, state = 0;
   };
   std::vector<Segment> segments_of(const BlockRanges& ranges) const;
-  // Calls f(segment, first expert element index, E) for the expert weights in `segments`.
+  // Calls f(block element, g * E + e) for each element of expert weights in `segments`
+  // (g: its expert group, e: its expert).
   template <class F>
   void for_expert_elements(const std::vector<Segment>& segments, const std::vector<int>& group_of_id, F&& f) const;
   void poll();
