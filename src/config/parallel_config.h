@@ -34,7 +34,7 @@ constexpr std::span<const EnumName<CommBackend>> enum_names(CommBackend) { retur
 struct ParallelConfig {
   int64_t expert_parallel = 1;        // EP size: ranks that share one copy of the experts; divides world and moe.n_experts
   AllToAllKind all_to_all = AllToAllKind::Flat;
-  double bucket_mb = 25.0;            // dense-gradient reduce-scatter bucket; 0: one bucket per layer
+  double bucket_mb = 25.0;            // gradient buckets (at most, inside one backward stage); 0: one per stage
   int64_t a2a_chunks = 1;             // token chunks whose all-to-all overlaps the experts' compute
   ReduceDtype grad_reduce_dtype = ReduceDtype::Fp32;  // GPU data parallel
   int64_t comm_sms = 0;               // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward

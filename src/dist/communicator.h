@@ -39,10 +39,13 @@ class Communicator {
 
   // In place: data holds count elements on every rank.
   virtual std::unique_ptr<Work> all_reduce_async(void* data, size_t count, DType dtype, ReduceOp op) = 0;
-  // send holds size() * recv_count elements, block r going to rank r.
+  // send holds size() * recv_count elements, block r going to rank r. In place (as NCCL):
+  // recv = send + rank() * recv_count, this rank's own block (the other blocks of send are
+  // then undefined).
   virtual std::unique_ptr<Work> reduce_scatter_async(const void* send, void* recv, size_t recv_count, DType dtype,
                                                      ReduceOp op) = 0;
-  // recv gets size() * send_count elements, block r from rank r.
+  // recv gets size() * send_count elements, block r from rank r. In place: send = recv +
+  // rank() * send_count.
   virtual std::unique_ptr<Work> all_gather_async(const void* send, void* recv, size_t send_count, DType dtype) = 0;
   // send and recv are packed by peer (peer 0's block first); counts have size() entries.
   virtual std::unique_ptr<Work> all_to_all_v_async(const void* send, const std::vector<int64_t>& send_counts,

@@ -5,6 +5,9 @@
 
 #include <climits>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -90,31 +93,40 @@ MPI_Op mpi_op(ReduceOp op, DType dtype) {
   MOE_THROW("unknown reduce op {}", static_cast<int>(op));
 }
 
-// Requests in flight plus the arrays MPI reads until they complete (alltoallv counts).
+// Requests in flight plus the arrays MPI reads until they complete (alltoallv counts), and
+// what is left to do once they have (an in-place reduce-scatter's move).
 class MpiWork final : public Work {
  public:
   std::vector<MPI_Request> requests;
   std::vector<int> counts_and_offsets;
+  std::function<void()> on_complete;
 
   ~MpiWork() override {
     // A Work dropped without wait(): complete it anyway, the buffers belong to the caller.
     if (!requests.empty()) {
       int finalized = 0;
       MPI_Finalized(&finalized);
-      if (!finalized) MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+      if (!finalized && MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE) == MPI_SUCCESS)
+        complete();
     }
   }
   void wait() override {
     if (requests.empty()) return;
     MOE_MPI_CHECK(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE));
-    requests.clear();
+    complete();
   }
   bool done() override {
     if (requests.empty()) return true;
     int flag = 0;
     MOE_MPI_CHECK(MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag, MPI_STATUSES_IGNORE));
-    if (flag) requests.clear();
+    if (flag) complete();
     return flag != 0;
+  }
+
+ private:
+  void complete() {
+    requests.clear();
+    if (on_complete) std::exchange(on_complete, nullptr)();
   }
 };
 
@@ -157,8 +169,17 @@ class MpiCommunicator final : public Communicator {
     check_fits_int(recv_count, "reduce_scatter recv_count");
     auto work = std::make_unique<MpiWork>();
     work->requests.emplace_back();
-    MOE_MPI_CHECK(MPI_Ireduce_scatter_block(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(recv_count),
-                                            mpi_type(dtype), mpi_op(op, dtype), comm_, &work->requests.back()));
+    // In place (as NCCL): recv is this rank's block of send. MPI_IN_PLACE takes the input
+    // from the whole buffer and leaves this rank's sums at its start: moved to recv after.
+    const bool in_place = recv == byte_ptr(send, static_cast<int64_t>(recv_count) * rank_, dtype);
+    void* whole = const_cast<void*>(send);
+    if (in_place && whole != recv) {
+      const size_t bytes = recv_count * dtype_bytes(dtype);
+      work->on_complete = [whole, recv, bytes] { std::memmove(recv, whole, bytes); };
+    }
+    MOE_MPI_CHECK(MPI_Ireduce_scatter_block(in_place ? MPI_IN_PLACE : send, in_place ? whole : recv,
+                                            static_cast<int>(recv_count), mpi_type(dtype), mpi_op(op, dtype), comm_,
+                                            &work->requests.back()));
     return work;
   }
 

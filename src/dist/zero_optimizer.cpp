@@ -1,10 +1,13 @@
 #include "dist/zero_optimizer.h"
 
 #include <algorithm>
-#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <utility>
 
 #include "core/error.h"
+#include "dist/gradient_stages.h"
 #include "optim/grad_clip.h"
 
 namespace moe::dist {
@@ -20,179 +23,216 @@ void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const
   for (int64_t i = 0; i < n; ++i) p[i] = adamw_math::adamw_update(p[i], g[i], m[i], v[i], s, d, bf16_moments);
 }
 
-ZeroOptimizer::ZeroOptimizer(ParameterStore<float>& params, std::vector<int> ids,
-                             const std::function<int(int)>& stage_of, int n_stages, double bucket_mb,
-                             Communicator& group, const OptimizerConfig& config, CommStats& stats)
-    : params_(params), group_(group), config_(config), stats_(stats) {
-  const auto bucket_elements = static_cast<int64_t>(bucket_mb * 1e6 / sizeof(float));
-  const int64_t N = group_.size();
-  Bucket current;
-  auto close = [&](int stage) {
-    if (current.pieces.empty()) return;
-    current.last_stage = stage;
-    current.shard = (current.numel + N - 1) / N;
-    buckets_.push_back(std::move(current));
-    current = Bucket{};
-  };
-  for (int stage = 0; stage < n_stages; ++stage) {
-    for (int id : ids) {
-      if (stage_of(id) != stage) continue;
-      current.pieces.push_back({id, current.numel, params_.numel(id)});
-      current.numel += params_.numel(id);
+namespace {
+
+// A parameter with the store's padding behind it (ParameterStore::allocate).
+int64_t padded_numel(const ParameterStore<float>& params, int id) {
+  return (params.numel(id) + kZeroAlign - 1) / kZeroAlign * kZeroAlign;
+}
+
+BlockRanges padded_extents(const ParameterStore<float>& params, const std::vector<int>& ids) {
+  BlockRanges ranges;
+  for (int id : ids) ranges.emplace_back(params.offset(id), padded_numel(params, id));
+  std::sort(ranges.begin(), ranges.end());
+  return ranges;
+}
+
+}  // namespace
+
+ZeroShardPlan plan_zero_for_store(const ParameterStore<float>& params,
+                                  const std::function<int(const std::string&)>& stage_of, int n_stages,
+                                  const std::vector<int>& keep_whole, const std::vector<int>& left_out,
+                                  double bucket_mb, int ranks, int rank) {
+  std::vector<BlockRanges> stages = gradient_ranges_by_stage(params, stage_of, n_stages);
+  if (!left_out.empty()) {
+    const BlockRanges out = padded_extents(params, left_out);
+    for (BlockRanges& stage : stages) stage = subtract_ranges(stage, out);
+  }
+  return plan_zero_shards(stages, padded_extents(params, keep_whole),
+                          gradient_bucket_elems(bucket_mb, params.storage_numel()), ranks, rank);
+}
+
+ZeroOptimizer::ZeroOptimizer(ParameterStore<float>& params, ZeroShardPlan plan, Communicator& group,
+                             const OptimizerConfig& config, CommStats& stats)
+    : params_(params), plan_(std::move(plan)), group_(group), config_(config), stats_(stats) {
+  MOE_CHECK(plan_.ranks == group_.size() && plan_.rank == group_.rank(),
+            "ZeRO optimizer: a plan for rank {} of {} on rank {} of {}", plan_.rank, plan_.ranks, group_.rank(),
+            group_.size());
+  // The parameters the plan covers: each lies whole inside its ranges or outside them.
+  const BlockRanges covered = merged_ranges({plan_.sharded, plan_.replicated});
+  MOE_CHECK(covered.empty() || covered.back().first + covered.back().second <= params_.storage_numel(),
+            "ZeRO optimizer: the plan reaches past the block of {} elements", params_.storage_numel());
+  for (int id = 0; id < params_.size(); ++id) {
+    const int64_t begin = params_.offset(id), end = begin + params_.numel(id);
+    auto after = std::upper_bound(covered.begin(), covered.end(), std::pair{begin, INT64_MAX});
+    const bool starts_inside = after != covered.begin() && std::prev(after)->first + std::prev(after)->second > begin;
+    const bool inside = starts_inside && std::prev(after)->first + std::prev(after)->second >= end;
+    const bool meets_next = after != covered.end() && after->first < end;
+    MOE_CHECK(inside || (!starts_inside && !meets_next), "ZeRO optimizer: the plan covers part of parameter {}",
+              params_.spec(id).name);
+    if (inside) ids_.push_back(id);
+  }
+  update_ = segments_of(plan_.update);
+  norm_ = segments_of(plan_.norm);
+  const int64_t state = update_.empty() ? 0 : update_.back().state + update_.back().count;
+  m_.assign(static_cast<size_t>(state), 0.0f);
+  v_.assign(static_cast<size_t>(state), 0.0f);
+}
+
+std::vector<ZeroOptimizer::Segment> ZeroOptimizer::segments_of(const BlockRanges& ranges) const {
+  std::vector<int> by_offset = ids_;
+  std::sort(by_offset.begin(), by_offset.end(), [&](int a, int b) { return params_.offset(a) < params_.offset(b); });
+  std::vector<Segment> segments;
+  int64_t state = 0;
+  size_t first = 0;  // the first parameter not wholly before the current range
+  for (const auto& [begin, count] : ranges) {
+    const int64_t end = begin + count;
+    while (first < by_offset.size() && params_.offset(by_offset[first]) + params_.numel(by_offset[first]) <= begin)
+      ++first;
+    for (size_t k = first; k < by_offset.size() && params_.offset(by_offset[k]) < end; ++k) {
+      const int id = by_offset[k];
+      const int64_t lo = std::max(begin, params_.offset(id)), hi = std::min(end, params_.offset(id) + params_.numel(id));
+      if (lo >= hi) continue;
+      segments.push_back({id, lo, hi - lo, state});
+      state += hi - lo;
     }
-    if (current.numel >= bucket_elements) close(stage);
   }
-  close(n_stages - 1);
-  int64_t offset = 0;
-  for (Bucket& b : buckets_) {
-    b.state_offset = offset;
-    offset += b.shard;
-    b.send.assign(static_cast<size_t>(b.shard * N), 0.0f);
-    b.gathered.assign(static_cast<size_t>(b.shard * N), 0.0f);
-    b.mine.assign(static_cast<size_t>(b.shard), 0.0f);
-  }
-  grad_.assign(static_cast<size_t>(offset), 0.0f);
-  m_.assign(static_cast<size_t>(offset), 0.0f);
-  v_.assign(static_cast<size_t>(offset), 0.0f);
-}
-
-int64_t ZeroOptimizer::total_numel() const {
-  int64_t n = 0;
-  for (const Bucket& b : buckets_) n += b.numel;
-  return n;
-}
-
-template <class F>
-void ZeroOptimizer::for_my_part(const Bucket& b, F&& f) const {
-  const int64_t lo = group_.rank() * b.shard, hi = std::min(lo + b.shard, b.numel);
-  for (const Piece& piece : b.pieces) {
-    const int64_t first = std::max(lo, piece.offset), last = std::min(hi, piece.offset + piece.numel);
-    if (first >= last) continue;
-    f(piece, first - piece.offset, last - first, b.state_offset + (first - lo));
-  }
+  return segments;
 }
 
 void ZeroOptimizer::on_stage(int stage) {
   if (!armed_) return;
-  for (Bucket& b : buckets_) {
-    if (b.last_stage != stage) continue;
-    for (const Piece& piece : b.pieces)
-      std::memcpy(b.send.data() + piece.offset, params_.grad(piece.id), static_cast<size_t>(piece.numel) * sizeof(float));
-    if (!issued_) {
-      issued_ = true;
-      first_issue_ = CommClock::now();
-    }
-    b.complete = false;
-    b.work = group_.reduce_scatter_async(b.send.data(), grad_.data() + b.state_offset, static_cast<size_t>(b.shard),
-                                         DType::f32, ReduceOp::sum);
+  MOE_CHECK(stage >= 0 && stage < static_cast<int>(plan_.sharded.size()), "ZeRO optimizer: no backward stage {}",
+            stage);
+  float* grads = params_.grads_data();
+  const auto s = static_cast<size_t>(stage);
+  if (!issued_ && (!plan_.sharded[s].empty() || !plan_.replicated[s].empty())) {
+    issued_ = true;
+    first_issue_ = CommClock::now();
   }
+  for (const auto& bucket : plan_.sharded[s]) {
+    // In place: this rank's sums land in its own piece of the bucket.
+    const auto [piece, count] = plan_.piece(bucket, plan_.rank);
+    in_flight_.push_back(group_.reduce_scatter_async(grads + bucket.first, grads + piece, static_cast<size_t>(count),
+                                                     DType::f32, ReduceOp::sum));
+  }
+  for (const auto& [begin, count] : plan_.replicated[s])
+    in_flight_.push_back(group_.all_reduce_async(grads + begin, static_cast<size_t>(count), DType::f32, ReduceOp::sum));
   poll();
 }
 
 // MPI progresses non-blocking collectives inside MPI calls: testing them between layers
 // keeps the reductions moving while backward computes.
 void ZeroOptimizer::poll() {
-  for (Bucket& b : buckets_) {
-    if (!b.work || b.complete) continue;
-    if (b.work->done()) {
-      b.complete = true;
+  for (auto& work : in_flight_)
+    if (work && work->done()) {
+      work.reset();
       last_complete_ = CommClock::now();
     }
-  }
 }
 
 void ZeroOptimizer::finish() {
-  MOE_CHECK(!armed_ || issued_ || buckets_.empty(), "ZeRO gradient sync armed but no bucket was issued");
-  for (Bucket& b : buckets_) {
-    if (!b.work) continue;
-    if (!b.complete) {
-      timed_wait(*b.work, stats_);
-      b.complete = true;
+  const bool nothing = std::all_of(plan_.sharded.begin(), plan_.sharded.end(), [](const auto& s) { return s.empty(); }) &&
+                       std::all_of(plan_.replicated.begin(), plan_.replicated.end(), [](const auto& s) { return s.empty(); });
+  MOE_CHECK(!armed_ || issued_ || nothing, "ZeRO gradient sync armed but nothing was issued");
+  for (auto& work : in_flight_)
+    if (work) {
+      timed_wait(*work, stats_);
+      work.reset();
       last_complete_ = CommClock::now();
     }
-    b.work.reset();
-  }
+  in_flight_.clear();
   if (issued_) stats_.grad_sync_s += seconds_between(first_issue_, last_complete_);
   armed_ = false;
   issued_ = false;
 }
 
-double ZeroOptimizer::shard_sum_of_squares() const { return sum_of_squares(grad_.data(), static_cast<int64_t>(grad_.size())); }
+double ZeroOptimizer::shard_sum_of_squares() const {
+  const float* grads = params_.grads_data();
+  double sum = 0;
+  for (const auto& [begin, count] : plan_.norm) sum += sum_of_squares(grads + begin, count);
+  return sum;
+}
 
 void ZeroOptimizer::scale_gradients(float factor) {
-  for (float& g : grad_) g *= factor;
+  float* grads = params_.grads_data();
+  for (const auto& [begin, count] : plan_.update)
+    for (int64_t i = begin; i < begin + count; ++i) grads[i] *= factor;
+}
+
+template <class F>
+void ZeroOptimizer::for_expert_elements(const std::vector<Segment>& segments, const std::vector<int>& group_of_id,
+                                        F&& f) const {
+  for (const Segment& segment : segments) {
+    const int group = group_of_id[static_cast<size_t>(segment.id)];
+    if (group < 0) continue;
+    const int64_t E = params_.spec(segment.id).shape[0], per_expert = params_.numel(segment.id) / E;
+    const int64_t first = segment.begin - params_.offset(segment.id);  // element index inside the tensor
+    for (int64_t i = 0; i < segment.count; ++i)
+      f(segment.begin + i, static_cast<size_t>(group * E + (first + i) / per_expert));
+  }
 }
 
 void ZeroOptimizer::add_expert_sums_of_squares(const std::vector<int>& group_of_id, std::vector<double>& sums) const {
-  for (const Bucket& b : buckets_)
-    for_my_part(b, [&](const Piece& piece, int64_t first, int64_t count, int64_t at) {
-      const int group = group_of_id[static_cast<size_t>(piece.id)];
-      if (group < 0) return;
-      const int64_t E = params_.spec(piece.id).shape[0], per_expert = piece.numel / E;
-      for (int64_t i = 0; i < count; ++i) {
-        const double g = grad_[static_cast<size_t>(at + i)];
-        sums[static_cast<size_t>(group * E + (first + i) / per_expert)] += g * g;
-      }
-    });
+  const float* grads = params_.grads_data();
+  for_expert_elements(norm_, group_of_id, [&](int64_t at, size_t expert) {
+    const double g = grads[at];
+    sums[expert] += g * g;
+  });
 }
 
 void ZeroOptimizer::scale_experts(const std::vector<int>& group_of_id, const std::vector<float>& factors) {
-  for (const Bucket& b : buckets_)
-    for_my_part(b, [&](const Piece& piece, int64_t first, int64_t count, int64_t at) {
-      const int group = group_of_id[static_cast<size_t>(piece.id)];
-      if (group < 0) return;
-      const int64_t E = params_.spec(piece.id).shape[0], per_expert = piece.numel / E;
-      for (int64_t i = 0; i < count; ++i)
-        grad_[static_cast<size_t>(at + i)] *= factors[static_cast<size_t>(group * E + (first + i) / per_expert)];
-    });
+  float* grads = params_.grads_data();
+  for_expert_elements(update_, group_of_id, [&](int64_t at, size_t expert) { grads[at] *= factors[expert]; });
+}
+
+void ZeroOptimizer::gather_pieces(float* block) {
+  std::vector<std::unique_ptr<Work>> gathers;
+  for (const auto& stage : plan_.sharded)
+    for (const auto& bucket : stage) {
+      // In place: this rank's piece is where the gathered bucket keeps it.
+      const auto [piece, count] = plan_.piece(bucket, plan_.rank);
+      gathers.push_back(group_.all_gather_async(block + piece, block + bucket.first, static_cast<size_t>(count), DType::f32));
+    }
+  for (auto& work : gathers) timed_wait(*work, stats_);
 }
 
 void ZeroOptimizer::step(double lr) {
   ++steps_;
   const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
   const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
-  for (Bucket& b : buckets_) {
-    std::fill(b.mine.begin(), b.mine.end(), 0.0f);
-    for_my_part(b, [&](const Piece& piece, int64_t first, int64_t count, int64_t at) {
-      float* p = params_.value(piece.id) + first;
-      adamw_update(p, grad_.data() + at, m_.data() + at, v_.data() + at, count, c, params_.spec(piece.id).weight_decay,
-                   bf16);
-      std::memcpy(b.mine.data() + (at - b.state_offset), p, static_cast<size_t>(count) * sizeof(float));
-    });
-    b.work = group_.all_gather_async(b.mine.data(), b.gathered.data(), static_cast<size_t>(b.shard), DType::f32);
-  }
-  for (Bucket& b : buckets_) {
-    timed_wait(*b.work, stats_);
-    b.work.reset();
-    for (const Piece& piece : b.pieces) {
-      // This rank's part is already in place (and identical).
-      std::memcpy(params_.value(piece.id), b.gathered.data() + piece.offset, static_cast<size_t>(piece.numel) * sizeof(float));
-    }
-  }
+  float* values = params_.values_data();
+  const float* grads = params_.grads_data();
+  for (const Segment& s : update_)
+    adamw_update(values + s.begin, grads + s.begin, m_.data() + s.state, v_.data() + s.state, s.count, c,
+                 params_.spec(s.id).weight_decay, bf16);
+  // The replicated ranges came out the same on every rank; the pieces travel.
+  gather_pieces(values);
 }
 
 void ZeroOptimizer::gather_moments(const std::function<int64_t(int)>& moment_offset, std::vector<float>& m,
                                    std::vector<float>& v) {
-  for (Bucket& b : buckets_)
-    for (auto [shards, full] : {std::pair{&m_, &m}, std::pair{&v_, &v}}) {
-      // Every rank's shard of the bucket, back to back, is the bucket's layout (+ padding).
-      timed_blocking(stats_, [&] {
-        group_.all_gather(shards->data() + b.state_offset, b.gathered.data(), static_cast<size_t>(b.shard), DType::f32);
-      });
-      for (const Piece& piece : b.pieces)
-        std::memcpy(full->data() + moment_offset(piece.id), b.gathered.data() + piece.offset,
-                    static_cast<size_t>(piece.numel) * sizeof(float));
-    }
+  // Every rank's part in the block's layout, the pieces gathered in place, then the
+  // parameters' elements packed in the single-process layout.
+  std::vector<float> block(static_cast<size_t>(params_.storage_numel()));
+  for (auto [state, full] : {std::pair{&m_, &m}, std::pair{&v_, &v}}) {
+    std::fill(block.begin(), block.end(), 0.0f);
+    for (const Segment& s : update_)
+      std::memcpy(block.data() + s.begin, state->data() + s.state, static_cast<size_t>(s.count) * sizeof(float));
+    gather_pieces(block.data());
+    for (int id : ids_)
+      std::memcpy(full->data() + moment_offset(id), block.data() + params_.offset(id),
+                  static_cast<size_t>(params_.numel(id)) * sizeof(float));
+  }
 }
 
 void ZeroOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                                     const std::vector<float>& v) {
-  for (const Bucket& b : buckets_)
-    for_my_part(b, [&](const Piece& piece, int64_t first, int64_t count, int64_t at) {
-      const int64_t from = moment_offset(piece.id) + first;
-      std::memcpy(m_.data() + at, m.data() + from, static_cast<size_t>(count) * sizeof(float));
-      std::memcpy(v_.data() + at, v.data() + from, static_cast<size_t>(count) * sizeof(float));
-    });
+  for (const Segment& s : update_) {
+    const int64_t from = moment_offset(s.id) + (s.begin - params_.offset(s.id));
+    std::memcpy(m_.data() + s.state, m.data() + from, static_cast<size_t>(s.count) * sizeof(float));
+    std::memcpy(v_.data() + s.state, v.data() + from, static_cast<size_t>(s.count) * sizeof(float));
+  }
 }
 
 }  // namespace moe::dist

@@ -1,21 +1,20 @@
-// ZeRO-1 for the replicated ("dense") parameters on the CPU path: gradients are
-// reduce-scattered over the data-parallel group in buckets of whole layers, each issued
-// (non-blocking) as soon as backward has finished its layers on the last micro-batch of a
-// step; every rank keeps the AdamW moments of its shard only, updates it, and the
-// parameters are all-gathered back.
-//
-// Layout: bucket b holds its parameters' gradients back to back (numel_b values), padded
-// to N * shard_b; rank r owns elements [r * shard_b, (r + 1) * shard_b) of every bucket.
-// Buckets follow the order in which backward completes gradients (Transformer's stages).
+// ZeRO-1 on the CPU path, in the GPU's layout (src/dist/zero_shards.h): the parameter
+// store's gradient block keeps its layout; each bucket of the plan is reduce-scattered in
+// place (non-blocking) as soon as backward has finished its stage on the last micro-batch
+// of a step, so rank r holds the sums of its piece of every bucket; the replicated ranges
+// are all-reduced whole. Every rank keeps the AdamW moments of its `update` ranges only,
+// steps them, and the pieces of the new parameters are all-gathered in place.
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "config/optimizer_config.h"
 #include "dist/comm_stats.h"
 #include "dist/communicator.h"
+#include "dist/zero_shards.h"
 #include "kernels/adamw_math.h"
 #include "model/parameters.h"
 
@@ -29,69 +28,81 @@ void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const
                   bool decay, bool bf16_moments);
 adamw_math::AdamWScalars adamw_scalars(const OptimizerConfig& config, double lr, int64_t step);
 
+// The plan the CPU path shards with: plan_zero_shards over gradient_ranges_by_stage of the
+// store, the padded extents of `keep_whole` replicated, buckets of gradient_bucket_elems
+// (bucket_mb), as GpuBackend plans the GPU store (whose keep_whole are its fp32 copies: the
+// router biases). `left_out`: parameters stepped elsewhere (expert weights under expert
+// parallelism), taken out of the stage ranges with their padding.
+ZeroShardPlan plan_zero_for_store(const ParameterStore<float>& params,
+                                  const std::function<int(const std::string&)>& stage_of, int n_stages,
+                                  const std::vector<int>& keep_whole, const std::vector<int>& left_out,
+                                  double bucket_mb, int ranks, int rank);
+
 class ZeroOptimizer {
  public:
-  // ids: the parameters this optimizer owns. stage_of(id): the backward stage after which
-  // id's gradient is complete; stages run 0 .. n_stages - 1. bucket_mb = 0: one bucket per stage.
-  ZeroOptimizer(ParameterStore<float>& params, std::vector<int> ids, const std::function<int(int)>& stage_of,
-                int n_stages, double bucket_mb, Communicator& group, const OptimizerConfig& config, CommStats& stats);
+  // plan: for this rank of `group` over params' block (plan_zero_for_store); its stages are
+  // the backward stages on_stage() is called with.
+  ZeroOptimizer(ParameterStore<float>& params, ZeroShardPlan plan, Communicator& group, const OptimizerConfig& config,
+                CommStats& stats);
 
   // The next backward is the step's last micro-batch: reduce buckets as its stages finish.
   void arm() { armed_ = true; }
   void on_stage(int stage);
-  // Waits for every bucket; the shard then holds the summed gradients. Adds the latency
-  // from the first issue to the last completion into stats.grad_sync_s.
+  // Waits for every reduction; the gradient block then holds the summed gradients at the
+  // plan's `update` ranges. Adds the latency from the first issue to the last completion
+  // into stats.grad_sync_s.
   void finish();
 
+  // This rank's part of the global squared norm (the plan's `norm` ranges).
   double shard_sum_of_squares() const;
   void scale_gradients(float factor);
   // Per-expert clipping of expert weights sharded here: sums[g * E + e] += squares of
-  // expert e of expert group g (group_of_id: id -> group index, or -1; E = leading dim).
+  // expert e of expert group g over the `norm` ranges (group_of_id: id -> group index, or
+  // -1; E = leading dim); scale_experts scales them over the `update` ranges.
   void add_expert_sums_of_squares(const std::vector<int>& group_of_id, std::vector<double>& sums) const;
   void scale_experts(const std::vector<int>& group_of_id, const std::vector<float>& factors);
 
-  // AdamW on this rank's shard, then the parameters are all-gathered.
+  // AdamW on this rank's `update` ranges, then the pieces are all-gathered.
   void step(double lr);
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
 
-  // Checkpoints: the moments of every parameter here, gathered from the ranks' shards into
+  // Checkpoints: the moments of every parameter of the plan, gathered from the ranks into
   // the single-process AdamW layout (id's moments start at moment_offset(id)); collective.
-  // scatter_moments takes this rank's shard back from such a layout.
+  // scatter_moments takes this rank's part back from such a layout.
   void gather_moments(const std::function<int64_t(int)>& moment_offset, std::vector<float>& m, std::vector<float>& v);
   void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                        const std::vector<float>& v);
 
-  int64_t n_buckets() const { return static_cast<int64_t>(buckets_.size()); }
-  int64_t shard_numel() const { return static_cast<int64_t>(grad_.size()); }
-  int64_t total_numel() const;
+  const ZeroShardPlan& plan() const { return plan_; }
+  // The parameters the plan covers, in id order.
+  const std::vector<int>& ids() const { return ids_; }
 
  private:
-  struct Piece {
+  // A parameter's elements [begin, begin + count) of the block inside one of a plan's
+  // range sets (padding left out); `state`: where their moments start in m_ / v_.
+  struct Segment {
     int id = 0;
-    int64_t offset = 0;  // of the parameter's first element inside the bucket
-    int64_t numel = 0;
+    int64_t begin = 0, count = 0, state = 0;
   };
-  struct Bucket {
-    int last_stage = 0;
-    std::vector<Piece> pieces;
-    int64_t numel = 0, shard = 0, state_offset = 0;
-    std::vector<float> send, gathered, mine;
-    std::unique_ptr<Work> work;
-    bool complete = false;
-  };
-  // Calls f(piece, first, count, shard_index) for the elements of each piece in this
-  // rank's part of bucket b: parameter elements [first, first + count), shard position.
+  std::vector<Segment> segments_of(const BlockRanges& ranges) const;
+  // Calls f(block element, g * E + e) for each element of expert weights in `segments`
+  // (g: its expert group, e: its expert).
   template <class F>
-  void for_my_part(const Bucket& b, F&& f) const;
+  void for_expert_elements(const std::vector<Segment>& segments, const std::vector<int>& group_of_id, F&& f) const;
   void poll();
+  // All-gathers every rank's piece of each bucket of a block in the gradient block's layout, in place.
+  void gather_pieces(float* block);
 
   ParameterStore<float>& params_;
+  ZeroShardPlan plan_;
   Communicator& group_;
   OptimizerConfig config_;
   CommStats& stats_;
-  std::vector<Bucket> buckets_;
-  std::vector<float> grad_, m_, v_;  // this rank's shard of every bucket, back to back
+  std::vector<int> ids_;
+  std::vector<Segment> update_, norm_;
+  std::vector<float> m_, v_;  // the moments of update_'s elements, back to back
+  std::vector<std::unique_ptr<Work>> in_flight_;
   int64_t steps_ = 0;
   bool armed_ = false;
   bool issued_ = false;

@@ -16,6 +16,15 @@ BlockRanges sorted_merged(BlockRanges ranges) {
 
 }  // namespace
 
+int64_t gradient_bucket_elems(double bucket_mb, int64_t block_numel) {
+  MOE_CHECK(bucket_mb >= 0, "parallel.bucket_mb must be >= 0, got {}", bucket_mb);
+  MOE_CHECK(block_numel > 0, "gradient buckets over a block of {} elements", block_numel);
+  constexpr int64_t kBucketAlign = 64;
+  if (bucket_mb == 0) return block_numel;
+  const int64_t per_bucket = static_cast<int64_t>(bucket_mb * 1e6 / sizeof(float)) / kBucketAlign * kBucketAlign;
+  return std::min(std::max(per_bucket, kBucketAlign), block_numel);
+}
+
 ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, const BlockRanges& keep_whole,
                                int64_t bucket_elems, int ranks, int rank) {
   MOE_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "ZeRO shards: rank {} of {}", rank, ranks);

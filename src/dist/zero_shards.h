@@ -1,14 +1,18 @@
-// ZeRO-1 for GPU data parallelism: which parts of the gradient block each rank sums,
-// steps and sends back. The block keeps its layout on every rank (no packing): each bucket
-// [offset, offset + count) is reduce-scattered in place, so rank r ends up holding the sum
-// of its piece [offset + r * count / N, offset + (r + 1) * count / N), takes the AdamW step
-// there only, and the pieces of the new bf16 weights are all-gathered in place.
+// ZeRO-1 for data parallelism, one layout for the GPU and the CPU: which parts of the
+// parameter block each rank sums, steps and sends back. The block keeps its layout on every
+// rank (no packing): each bucket [offset, offset + count) of the gradients is
+// reduce-scattered in place, so rank r ends up holding the sum of its piece
+// [offset + r * count / N, offset + (r + 1) * count / N), takes the AdamW step there only,
+// and the pieces of the new weights (GPU: bf16; CPU: fp32) are all-gathered in place.
+// GPU: GpuDataParallel over GpuParameterStore; CPU: ZeroOptimizer (zero_optimizer.h) over
+// the CPU ParameterStore, whose offsets and padding the GPU store copies.
 //
 // Some ranges are all-reduced whole and stepped by every rank instead ("replicated"):
-// parameters the forward also reads from an fp32 copy (router biases: every rank must
-// refresh its copy), and the few elements at the ends of a stage's ranges that do not
-// fill a whole bucket unit (buckets are multiples of N x kZeroAlign elements so that every
-// piece starts on a 64-byte boundary).
+// parameters the GPU's forward also reads from an fp32 copy (router biases: every rank must
+// refresh its copy; the CPU keeps the same ones whole so that the plans are one), and the
+// few elements at the ends of a stage's ranges that do not fill a whole bucket unit
+// (buckets are multiples of N x kZeroAlign elements so that every piece starts on a 64-byte
+// boundary).
 //
 // Host code: the plan is computed and tested without a GPU.
 #pragma once
@@ -21,6 +25,12 @@ namespace moe::dist {
 
 // Elements per piece boundary: 16 fp32 = 64 bytes (the parameter store's tensor alignment).
 constexpr int64_t kZeroAlign = 16;
+
+// Elements per gradient bucket for parallel.bucket_mb (MB of fp32 gradients) over a block
+// of block_numel elements: a multiple of 64 (256-byte boundaries keep NCCL's loads
+// aligned), at least 64, at most the block; 0 MB: the whole block. GpuDataParallel's
+// buckets and the ZeRO-1 plans of both paths (bucket_elems below) take it.
+int64_t gradient_bucket_elems(double bucket_mb, int64_t block_numel);
 
 struct ZeroShardPlan {
   int ranks = 1, rank = 0;

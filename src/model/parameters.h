@@ -55,7 +55,9 @@ class ParameterStore {
   int64_t offset(int id) const { return offsets_[static_cast<size_t>(id)]; }
   int64_t storage_numel() const { return static_cast<int64_t>(values_.size()); }
   const T* values_data() const { return values_.data(); }
+  T* values_data() { return values_.data(); }
   T* grads_data() { return grads_.data(); }
+  const T* grads_data() const { return grads_.data(); }
   int find(const std::string& name) const;  // -1 when absent
   void zero_grads();
 

@@ -90,6 +90,23 @@ TEST(Collectives, ReduceScatter) {
     }
 }
 
+// In place, as ZeRO-1 reduces its buckets (NCCL's convention): recv is this rank's block
+// of send.
+TEST(Collectives, ReduceScatterInPlace) {
+  Communicator& comm = world();
+  const int P = comm.size();
+  for (DType dtype : {DType::f32, DType::bf16})
+    for (size_t block : {size_t{0}, size_t{1}, size_t{13}}) {
+      std::vector<char> data = make_buffer(dtype, rank_values(comm.rank(), block * P, dtype));
+      char* mine = data.data() + comm.rank() * block * dtype_bytes(dtype);
+      comm.reduce_scatter(data.data(), mine, block, dtype, ReduceOp::sum);
+      const std::vector<double> full = reduced_reference(P, block * P, dtype, ReduceOp::sum);
+      const std::vector<double> sums(full.begin() + comm.rank() * block, full.begin() + (comm.rank() + 1) * block);
+      EXPECT_EQ(std::vector<char>(mine, mine + block * dtype_bytes(dtype)), make_buffer(dtype, sums))
+          << dtype_name(dtype) << " block " << block;
+    }
+}
+
 TEST(Collectives, AllGatherIncludingInPlace) {
   Communicator& comm = world();
   const int P = comm.size();

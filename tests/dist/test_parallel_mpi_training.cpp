@@ -23,6 +23,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "core/atomic_file.h"
 #include "dist/expert_exchange.h"
 #include "dist/launch_env.h"
 #include "dist/single_communicator.h"
@@ -187,7 +188,7 @@ void expect_matches_reference(const RunConfig& config, const RunResult& got) {
 TEST(ParallelTraining, DataParallelZero1MatchesOneProcess) {
   ASSERT_EQ(parallel_world()->size(), 4);
   RunConfig config = tiny_config();
-  config.parallel.bucket_mb = 0;  // one bucket per layer
+  config.parallel.bucket_mb = 0;  // one bucket per backward stage (layer)
   const RunResult got = train_parallel(config);
   expect_matches_reference(config, got);
   for (const StepStats& s : got.stats) {
@@ -214,7 +215,7 @@ TEST(ParallelTraining, DataParallel2xExpertParallel2MatchesOneProcess) {
   RunConfig config = tiny_config();
   config.parallel.expert_parallel = 2;
   config.parallel.a2a_chunks = 3;       // overlapped exchange in chunks
-  config.parallel.bucket_mb = 0.005;    // buckets of a few layers
+  config.parallel.bucket_mb = 0.005;    // 1216-element buckets: several per layer
   expect_matches_reference(config, train_parallel(config));
 }
 
@@ -354,6 +355,55 @@ std::unique_ptr<Trainer> make_trainer(const RunConfig& config, std::unique_ptr<d
 std::unique_ptr<Trainer> parallel_trainer(const RunConfig& config) {
   auto& world = *parallel_world();
   return make_trainer(config, world.split(0, world.rank()));
+}
+
+// ZeRO-1's checkpoint gather (and the experts', EP 2) in the single-process layout: the
+// checkpoint 4 ranks write is, byte for byte, the one that 2 ranks and one process write
+// after resuming it (their scatter onto other shards, their gather back). The moments'
+// known answer (N ranks' gathered state = one process's): ZeroOptimizer.* in
+// test_zero_optimizer.cpp.
+TEST(ParallelTraining, CheckpointIsTheSameSavedOnAnyNumberOfRanks) {
+  auto& world = *parallel_world();
+  ASSERT_EQ(world.size(), 4);
+  int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
+  world.broadcast(&pid, 1, dist::DType::i64, 0);
+  for (int64_t ep : {1, 2}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                      ("moe_mpi_ckpt_ranks_" + std::to_string(pid) + "_" + std::to_string(ep));
+    RunConfig config = tiny_config();
+    config.model.vocab_size = 257;  // a config that validates (checkpoints store and re-read it)
+    config.training.steps = 3;
+    config.parallel.expert_parallel = ep;
+    config.parallel.bucket_mb = 0.002;  // several buckets per stage, ragged tails
+    config.checkpoint.dir = (dir / "ranks_4").string();
+    config.checkpoint.interval = 3;
+    train_parallel(config);
+    const std::filesystem::path saved = dir / "ranks_4" / "step_00000003";
+    // Ranks 0-1 resume it as a 2-rank run, rank 2 as one process (rank 3 waits).
+    const int color = world.rank() < 2 ? 0 : world.rank();
+    std::unique_ptr<dist::Communicator> group = world.split(color, world.rank());
+    if (color < 3) {
+      RunConfig again = config;
+      again.training.micro_batch *= world.size() / group->size();  // the same global micro-batch
+      if (group->size() == 1) again.parallel = ParallelConfig{};
+      again.checkpoint.dir = (dir / ("resaved_" + std::to_string(color))).string();
+      const auto trainer = make_trainer(again, std::move(group));
+      std::ostringstream log;
+      trainer->resume(saved.string(), log);
+      trainer->save_checkpoint(log);
+    }
+    world.barrier();
+    if (world.rank() == 0) {
+      const std::string want = read_file_bytes(saved / "rank_00000.safetensors");
+      for (const char* resaved : {"resaved_0", "resaved_2"}) {
+        const std::string got = read_file_bytes(dir / resaved / "step_00000003" / "rank_00000.safetensors");
+        EXPECT_TRUE(got == want) << resaved << ": " << got.size() << " bytes, the 4 ranks' " << want.size();
+      }
+      std::filesystem::remove_all(dir);
+    }
+    world.barrier();
+  }
 }
 
 // Per-expert clipping over the ranks, sharded (EP 1: an expert's elements may lie on

@@ -1,7 +1,7 @@
 // The pieces of data and expert parallelism that run in one process (label cpu): expert
-// placement, per-rank data slices, the ZeRO-1 optimizer against AdamW, and the MoE
-// layer's global-micro-batch statistics (aux loss, z-loss, capacity) with ranks simulated
-// by threads. Training across real ranks: test_parallel_mpi_training.cpp (label mpi).
+// placement, per-rank data slices and the MoE layer's global-micro-batch statistics (aux
+// loss, z-loss, capacity) with ranks simulated by threads. ZeRO-1: test_zero_optimizer.cpp;
+// training across real ranks: test_parallel_mpi_training.cpp (label mpi).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,9 +16,7 @@
 #include "data/rank_sliced_source.h"
 #include "train/backends/parallel_cpu_backend.h"
 #include "dist/single_communicator.h"
-#include "dist/zero_optimizer.h"
 #include "model/moe_layer.h"
-#include "optim/adamw.h"
 #include "train/synthetic.h"
 
 namespace moe {
@@ -189,54 +187,6 @@ TEST(RankSlicedSource, RanksReadDisjointSlicesOfTheOneStream) {
         }
       }
     }
-  }
-}
-
-ParameterStore<float> small_store() {
-  ParameterStore<float> params;
-  params.add({"lm_head", Shape{5, 3}});
-  params.add({"layers.1.norm", Shape{7}, Init::Ones, 0, /*decay=*/false});
-  params.add({"layers.0.w", Shape{4, 3}});
-  params.add({"embedding", Shape{6, 3}});
-  params.allocate(3);
-  return params;
-}
-
-// One rank: the reduce-scatter is a copy, so the sharded AdamW must be AdamW bit for bit
-// (fp32 and bf16 moments).
-TEST(ZeroOptimizer, OneRankIsAdamWBitForBit) {
-  for (const MomentDtype state_dtype : {MomentDtype::Fp32, MomentDtype::Bf16}) {
-    SCOPED_TRACE(name_of(state_dtype));
-    ParameterStore<float> sharded = small_store(), plain = small_store();
-    auto stage = [&](int id) {
-      const std::string& name = sharded.spec(id).name;
-      return name == "lm_head" ? 0 : name == "layers.1.norm" ? 1 : name == "layers.0.w" ? 2 : 3;
-    };
-    auto world = dist::make_single_communicator();
-    dist::CommStats stats;
-    OptimizerConfig config;
-    config.state_dtype = state_dtype;
-    dist::ZeroOptimizer zero(sharded, {0, 1, 2, 3}, stage, 4, /*bucket_mb=*/0, *world, config, stats);
-    EXPECT_EQ(zero.n_buckets(), 4);  // one per stage
-    EXPECT_EQ(zero.total_numel(), 15 + 7 + 12 + 18);
-    AdamW adamw(config, plain);
-    const CounterRng rng(9, "grads");
-    for (int step = 0; step < 3; ++step) {
-      for (auto* store : {&sharded, &plain})
-        for (int id = 0; id < store->size(); ++id)
-          for (int64_t i = 0; i < store->numel(id); ++i)
-            store->grad(id)[i] = static_cast<float>(rng.normal(static_cast<uint64_t>(step * 1000 + id * 100 + i)));
-      zero.arm();
-      for (int s = 0; s < 4; ++s) zero.on_stage(s);
-      zero.finish();
-      zero.step(1e-2);
-      adamw.step(1e-2);
-    }
-    size_t differ = 0;
-    for (int id = 0; id < plain.size(); ++id)
-      for (int64_t i = 0; i < plain.numel(id); ++i) differ += sharded.value(id)[i] != plain.value(id)[i];
-    EXPECT_EQ(differ, 0u);
-    EXPECT_GT(stats.grad_sync_s, 0);
   }
 }
 

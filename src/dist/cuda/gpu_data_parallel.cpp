@@ -15,9 +15,6 @@ namespace {
 cudaStream_t as_stream(void* stream) { return static_cast<cudaStream_t>(stream); }
 cudaEvent_t as_event(void* event) { return static_cast<cudaEvent_t>(event); }
 
-// Bucket boundaries on 256-byte multiples keep NCCL's loads aligned.
-constexpr int64_t kBucketAlign = 64;
-
 }  // namespace
 
 GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stream, float* grads, int64_t count,
@@ -27,15 +24,10 @@ GpuDataParallel::GpuDataParallel(std::unique_ptr<Communicator> group, void* stre
   MOE_CHECK(group_->device_memory(), "GPU data parallel needs a device-memory backend (nccl), got '{}'",
             group_->backend());
   MOE_CHECK(grads_ != nullptr && count_ > 0, "GPU data parallel: no gradient block ({} elements)", count_);
-  MOE_CHECK(bucket_mb >= 0, "parallel.bucket_mb must be >= 0, got {}", bucket_mb);
   MOE_CHECK(reduce_dtype_ == DType::f32 || reduce_dtype_ == DType::bf16,
             "GPU data parallel: gradients are summed in fp32 or bf16");
   group_->set_stream(stream_);
-  int64_t per_bucket = count_;
-  if (bucket_mb > 0) {
-    per_bucket = static_cast<int64_t>(bucket_mb * 1e6 / sizeof(float)) / kBucketAlign * kBucketAlign;
-    per_bucket = std::clamp<int64_t>(per_bucket, kBucketAlign, count_);
-  }
+  const int64_t per_bucket = gradient_bucket_elems(bucket_mb, count_);  // checks bucket_mb >= 0
   bucket_elems_ = per_bucket;
   for (int64_t offset = 0; offset < count_; offset += per_bucket)
     buckets_.emplace_back(offset, std::min(per_bucket, count_ - offset));

@@ -38,10 +38,12 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, Transformer<floa
   }
   model_.set_moe_parallel(batch_.get(), exchanges);
 
-  // Expert weights go to the EP owners when EP > 1; everything else is ZeRO-sharded.
+  // Expert weights go to the EP owners when EP > 1; everything else is ZeRO-sharded in the
+  // GPU's layout: the router biases, which the GPU keeps whole for its fp32 copies, are
+  // kept whole here too, so that both paths shard the same block the same way.
   auto& params = model_.params();
   auto stage_of = [&](int id) { return model_.backward_stage_of(params.spec(id).name); };
-  std::vector<int> dense;
+  std::vector<int> router_biases, experts_elsewhere;
   std::map<std::string, std::vector<int>> expert_ids;  // expert_group -> ids, in id order
   std::vector<std::string> group_order;
   for (int id = 0; id < params.size(); ++id) {
@@ -49,11 +51,17 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, Transformer<floa
     if (!group.empty()) {
       if (!expert_ids.count(group)) group_order.push_back(group);
       expert_ids[group].push_back(id);
+      if (ep > 1) experts_elsewhere.push_back(id);
     }
-    if (group.empty() || ep == 1) dense.push_back(id);
+    if (params.spec(id).name.ends_with(".moe.router.bias")) router_biases.push_back(id);
   }
-  zero_ = std::make_unique<ZeroOptimizer>(params, dense, stage_of, model_.backward_stages(), pc.bucket_mb,
-                                          *groups_.data_parallel, config.optimizer, stats_);
+  const dist::Communicator& dp = *groups_.data_parallel;
+  zero_ = std::make_unique<ZeroOptimizer>(
+      params,
+      plan_zero_for_store(
+          params, [&](const std::string& name) { return model_.backward_stage_of(name); }, model_.backward_stages(),
+          router_biases, experts_elsewhere, pc.bucket_mb, dp.size(), dp.rank()),
+      *groups_.data_parallel, config.optimizer, stats_);
   if (ep > 1) {
     std::vector<ExpertOptimizer::Layer> layers;
     for (const auto& group : group_order) layers.push_back({expert_ids[group], stage_of(expert_ids[group].front())});

@@ -1,5 +1,5 @@
 // The CPU model trained over several ranks: data parallelism with ZeRO-1 for the
-// replicated parameters (src/dist/zero.h) and, with parallel.expert_parallel > 1, expert
+// replicated parameters (src/dist/zero_optimizer.h) and, with parallel.expert_parallel > 1, expert
 // parallelism (src/dist/expert_parallel.h, src/dist/parallel_experts.h). A ModelBackend,
 // so Trainer::train_step's one loop drives it.
 //
