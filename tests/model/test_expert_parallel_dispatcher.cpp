@@ -187,11 +187,12 @@ INSTANTIATE_TEST_SUITE_P(
 
 // What each peer receives and returns in one forward, against the reference functions on
 // the same routing: 3 ranks, split experts over re-placed slots, a hot hinge expert, one
-// chunk (the GPU's layout), float as in training. Bit for bit: the same functions on the
-// same values in the same grouping.
+// chunk (the GPU's layout), float as in training, top-3 (so that a token's partials from
+// three ranks make their order matter). Bit for bit: the same functions on the same
+// values in the same grouping.
 TEST(ExpertParallelMessages, PeersGetAndReturnWhatTheReferencesSay) {
   constexpr int P = 3;
-  constexpr int64_t E = 6, K = 2, B = 2, S = 4, D = 8, F = 6, T = B * S;
+  constexpr int64_t E = 6, K = 3, B = 2, S = 4, D = 8, F = 6, T = B * S;
   const ModelConfig config = layer_config(E, K, 0, /*shared=*/0);
   const ExpertSlots slots = expert_slots_from_blocks({{1, 3}, {2, 0}, {5, 4}}, /*split=*/true);
   ThreadRanks ranks(P);
@@ -248,12 +249,15 @@ TEST(ExpertParallelMessages, PeersGetAndReturnWhatTheReferencesSay) {
   std::vector<int32_t> cuts(P + 1);
   boundary_cuts(cuts.data(), counts_PE.data(), first.data(), true, E, P);
   ASSERT_NE(cuts[1] % kSlotParts, 0) << "the case should divide a hinge";
+  int64_t three_peers = 0;
   for (Home& home : homes) {
     home.rank.resize(T * K);
     route_ranks(home.rank.data(), home.row.data(), home.slot.data(), home.offsets.data(), cuts.data(), T, K, P);
     home.pos.resize(T * P);
     home.tokens.resize(P);
     token_blocks(home.pos.data(), home.tokens.data(), home.rank.data(), T, K, P);
+    for (int64_t t = 0; t < T; ++t)
+      three_peers += std::count_if(home.pos.begin() + t * P, home.pos.begin() + (t + 1) * P, [](int32_t v) { return v >= 0; }) == 3;
     int64_t words = 0;
     for (int p = 0; p < P; ++p) words += window_end[p] - first[p] + 1;
     home.packed_counts.resize(static_cast<size_t>(words));
@@ -267,6 +271,7 @@ TEST(ExpertParallelMessages, PeersGetAndReturnWhatTheReferencesSay) {
     home.weight = weights;  // now per block row
     home.rows.resize(static_cast<size_t>(sent * D));
   }
+  ASSERT_GT(three_peers, 0) << "the case should send some tokens to all three ranks";
   for (int h = 0; h < P; ++h)
     scatter_token_rows(homes[h].rows.data(), x[h].data(), homes[h].pos.data(), homes[h].tokens.data(), T, P, D);
 
