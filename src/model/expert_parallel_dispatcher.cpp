@@ -32,11 +32,11 @@ ExpertParallelDispatcher<T>::ExpertParallelDispatcher(ParameterStore<T>& params,
                                                       const ExpertSlots& slots)
     : params_(params), ids_(ids), D_(dim), F_(hidden), K_(top_k), exchange_(exchange), slots_(slots) {}
 
-// Home's side of the plan (route_ranks, token_blocks, pack_counts, pack_routing), then
-// the receiving side's layout of what arrived: the GPU's plan_expert_exchange and the
-// start of ep_experts_forward, step for step.
+// The exchange of one forward: home's side (route_ranks, token_blocks, pack_counts,
+// pack_routing), then the receiving side's layout of what arrived: the GPU's
+// plan_expert_exchange and the start of ep_experts_forward, step for step.
 template <typename T>
-void ExpertParallelDispatcher<T>::plan_home(const HomeRouting<T>& home) {
+void ExpertParallelDispatcher<T>::plan_exchange(const HomeRouting<T>& home) {
   const int P = exchange_.size(), me = exchange_.rank();
   const int64_t E = slots_.n_experts(), T_ = home.tokens, K = K_;
   MOE_CHECK(slots_.ep_size() == P, "expert parallelism: slots for {} ranks in an EP group of {}", slots_.ep_size(), P);
@@ -111,7 +111,7 @@ void ExpertParallelDispatcher<T>::for_chunk_tokens(int chunk, F&& f) const {
 
 template <typename T>
 int64_t ExpertParallelDispatcher<T>::forward(T* y_TD, const T* x_TD, const HomeRouting<T>& home) {
-  plan_home(home);
+  plan_exchange(home);
   const int P = exchange_.size();
   const int64_t sent = sent_, U = recv_start_P1_.back(), R = static_cast<int64_t>(rows_.token_of_row_R.size());
   send_UD_.resize(static_cast<size_t>(sent * D_));

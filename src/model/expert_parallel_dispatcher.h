@@ -75,7 +75,7 @@ class ExpertParallelDispatcher {
   void backward(T* dx_TD, T* dweight_TK, const T* dy_TD);
 
  private:
-  void plan_home(const HomeRouting<T>& home);
+  void plan_exchange(const HomeRouting<T>& home);
   void experts_forward(int chunk);
   void experts_backward(int chunk);
   // f(u, n): the received tokens [u, u + n) of chunk c, one range per source.
