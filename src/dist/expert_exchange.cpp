@@ -34,7 +34,13 @@ int64_t ExpertExchangeOverComm::remote_bytes(const std::vector<int64_t>& bytes_P
 }
 
 void ExpertExchangeOverComm::all_gather(const int32_t* values, int64_t count, int32_t* all) {
-  timed_blocking(stats_, [&] { a2a_.group().all_gather(values, all, static_cast<size_t>(count), DType::i32); });
+  const auto t0 = CommClock::now();
+  a2a_.group().all_gather(values, all, static_cast<size_t>(count), DType::i32);
+  const double s = seconds_between(t0, CommClock::now());
+  stats_.wait_s += s;
+  stats_.a2a_s += s;
+  stats_.a2a_bytes += count * int64_t{sizeof(int32_t)} * (peers_ - 1);
+  ++stats_.a2a_exchanges;
 }
 
 void ExpertExchangeOverComm::exchange(const void* send, const std::vector<int64_t>& send_bytes_P, void* recv,
