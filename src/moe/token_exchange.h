@@ -1,4 +1,4 @@
-// Expert parallelism without duplicate rows (the GPU path's exchange plan). A token goes
+// Expert parallelism without duplicate rows (the exchange plan of the CPU and GPU paths). A token goes
 // once to each EP rank that computes at least one of its kept assignments, with its K
 // routing entries (the slot on that rank or -1, and the combine weight). That rank lays
 // out the rows (assign_rows, -1 = elsewhere), runs its experts and sends back one row per
