@@ -1,9 +1,12 @@
 // The CPU path's expert parallelism (model/expert_parallel_dispatcher.h) with EP ranks
 // simulated by threads (label cpu). Two kinds of check:
 //   - P ranks reproduce one layer over the whole micro-batch (outputs, input gradients,
-//     losses, drops, the ranks' parameter gradients summed), in double, for equal and
-//     re-placed slots, split experts (hinges, a hinge shared by three ranks), chunks and
-//     capacity; with split experts the busiest rank computes the rows the cuts allow;
+//     losses, drops, the ranks' parameter gradients summed), in double, over two
+//     micro-batches, for equal and re-placed slots, split experts (hinges, a hinge shared
+//     by three ranks), chunks and capacity; each rank computes the rows the cuts give it
+//     (balanced_boundaries of the global kept rows), so with a hot hinge expert the
+//     busiest rank takes the least the hinges allow, and the cuts move between the
+//     micro-batches;
 //   - the messages: what each peer receives and the partial combines it returns are
 //     exactly (bit for bit) what moe/token_exchange.h's reference functions give for the
 //     same routing, so the CPU path and the GPU kernels (tested against the same
@@ -40,8 +43,8 @@ struct LayerRig {
            const ExpertSlots* slots, int hot_expert) {
     layer = std::make_unique<MoELayer<T>>(params, config, "layers.0.moe");
     params.allocate(11);
-    // A hot expert: most tokens choose it first.
-    if (hot_expert >= 0) params.value(params.find("layers.0.moe.router.bias"))[hot_expert] = T(2);
+    // A hot expert: most tokens choose it first (not all, so its rows vary by micro-batch).
+    if (hot_expert >= 0) params.value(params.find("layers.0.moe.router.bias"))[hot_expert] = T(0.1);
     layer->set_parallel(batch, exchange, slots);
     Arena measure_saved = Arena::measuring("saved"), measure_scratch = Arena::measuring("scratch");
     layer->plan(measure_saved, measure_scratch, tokens);
@@ -89,18 +92,8 @@ TEST_P(ExpertParallelLayer, RanksReproduceOneLayer) {
   const ExpertSlots slots = c.blocks.empty() ? equal_expert_slots(E, P, c.split)
                                              : expert_slots_from_blocks(c.blocks, c.split);
   const int64_t T_local = B * S, T_global = P * T_local;
-  const CounterRng rng(4, "inputs");
-  std::vector<double> x(T_global * D), dy(T_global * D);
-  for (size_t i = 0; i < x.size(); ++i) {
-    x[i] = rng.normal(i);
-    dy[i] = rng.normal(i + x.size());
-  }
-  LayerRig<double> one(config, T_global, nullptr, nullptr, nullptr, c.hot_expert);
-  std::vector<double> y(x.size()), dx(x.size());
-  const MoEForwardStats want = one.layer->forward(y.data(), x.data());
-  one.layer->backward(dx.data(), dy.data(), x.data(), 1.0);
   auto global_row = [&](int r, int64_t t) { return ((t / S) * P + r) * S + t % S; };
-
+  LayerRig<double> one(config, T_global, nullptr, nullptr, nullptr, c.hot_expert);
   ThreadRanks ranks(P);
   std::vector<std::unique_ptr<ThreadRanks::Batch>> batches;
   std::vector<std::unique_ptr<ThreadRanks::Exchange>> exchanges;
@@ -111,67 +104,96 @@ TEST_P(ExpertParallelLayer, RanksReproduceOneLayer) {
     rigs.push_back(std::make_unique<LayerRig<double>>(config, T_local, batches.back().get(), exchanges.back().get(),
                                                       &slots, c.hot_expert));
   }
-  std::vector<MoEForwardStats> got(P);
-  std::vector<std::vector<double>> ys(P), dxs(P);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < P; ++r)
-    threads.emplace_back([&, r] {
-      std::vector<double> x_local(T_local * D), dy_local(T_local * D);
+  // Two micro-batches (gradients accumulate over both), each checked on its own; with
+  // split experts the cuts move between them.
+  std::vector<std::vector<int32_t>> cuts_of_micro_batch;
+  for (int micro = 0; micro < 2; ++micro) {
+    SCOPED_TRACE("micro-batch " + std::to_string(micro));
+    const CounterRng rng(4 + static_cast<uint64_t>(micro), "inputs");
+    std::vector<double> x(T_global * D), dy(T_global * D);
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = rng.normal(i);
+      dy[i] = rng.normal(i + x.size());
+    }
+    one.layer->reset_load();
+    std::vector<double> y(x.size()), dx(x.size());
+    const MoEForwardStats want = one.layer->forward(y.data(), x.data());
+    one.layer->backward(dx.data(), dy.data(), x.data(), 1.0);
+
+    std::vector<MoEForwardStats> got(P);
+    std::vector<std::vector<double>> ys(P), dxs(P);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < P; ++r)
+      threads.emplace_back([&, r] {
+        std::vector<double> x_local(T_local * D), dy_local(T_local * D);
+        for (int64_t t = 0; t < T_local; ++t)
+          for (int64_t d = 0; d < D; ++d) {
+            x_local[t * D + d] = x[global_row(r, t) * D + d];
+            dy_local[t * D + d] = dy[global_row(r, t) * D + d];
+          }
+        ys[r].resize(x_local.size());
+        dxs[r].resize(x_local.size());
+        got[r] = rigs[r]->layer->forward(ys[r].data(), x_local.data());
+        rigs[r]->layer->backward(dxs[r].data(), dy_local.data(), x_local.data(), 1.0);
+      });
+    for (auto& t : threads) t.join();
+
+    int64_t dropped = 0, rows = 0;
+    for (int r = 0; r < P; ++r) {
+      EXPECT_NEAR(got[r].aux_loss, want.aux_loss, 1e-12);
+      EXPECT_NEAR(got[r].z_loss, want.z_loss, 1e-12);
+      dropped += got[r].dropped;
+      rows += got[r].expert_rows;
       for (int64_t t = 0; t < T_local; ++t)
         for (int64_t d = 0; d < D; ++d) {
-          x_local[t * D + d] = x[global_row(r, t) * D + d];
-          dy_local[t * D + d] = dy[global_row(r, t) * D + d];
+          ASSERT_NEAR(ys[r][t * D + d], y[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
+          ASSERT_NEAR(dxs[r][t * D + d], dx[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
         }
-      ys[r].resize(x_local.size());
-      dxs[r].resize(x_local.size());
-      got[r] = rigs[r]->layer->forward(ys[r].data(), x_local.data());
-      rigs[r]->layer->backward(dxs[r].data(), dy_local.data(), x_local.data(), 1.0);
-    });
-  for (auto& t : threads) t.join();
-
-  int64_t dropped = 0, rows = 0;
-  for (int r = 0; r < P; ++r) {
-    EXPECT_NEAR(got[r].aux_loss, want.aux_loss, 1e-12);
-    EXPECT_NEAR(got[r].z_loss, want.z_loss, 1e-12);
-    dropped += got[r].dropped;
-    rows += got[r].expert_rows;
-    for (int64_t t = 0; t < T_local; ++t)
-      for (int64_t d = 0; d < D; ++d) {
-        ASSERT_NEAR(ys[r][t * D + d], y[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
-        ASSERT_NEAR(dxs[r][t * D + d], dx[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
-      }
-  }
-  EXPECT_EQ(dropped, want.dropped);
-  EXPECT_EQ(rows, want.expert_rows) << "every kept row computed once";
-  if (c.capacity_factor > 0) EXPECT_GT(want.dropped, 0) << "the case needs capacity to drop";
-  for (int id = 0; id < one.params.size(); ++id)
-    for (int64_t i = 0; i < one.params.numel(id); ++i) {
-      double sum = 0;
-      for (int r = 0; r < P; ++r) sum += rigs[r]->params.grad(id)[i];
-      ASSERT_NEAR(sum, one.params.grad(id)[i], 1e-12) << one.params.spec(id).name << " " << i;
     }
-  // Who computed what: the rows each rank's window took, against the cuts' balance over
-  // the global kept rows per slot (balanced_boundaries). Each of the P home ranks rounds
-  // its share of a hinge (rows_before) and the cut is floored to 1 / kSlotParts, so a rank
-  // may be off by up to P / 2 + 1 rows at each of its two boundaries.
-  std::vector<int64_t> before_S1 = {0};
-  for (int64_t expert : slots.expert_of_slot)
-    before_S1.push_back(before_S1.back() + one.layer->routing_stats().kept_E[static_cast<size_t>(expert)]);
-  const std::vector<int64_t> at = balanced_boundaries(before_S1, slots.first_slot_P1, c.split);
-  const double rounding = P + 2;
-  int64_t busiest = 0, bound = 0, busiest_whole = 0;
-  for (int p = 0; p < P; ++p) {
-    EXPECT_NEAR(static_cast<double>(got[p].expert_rows), static_cast<double>(at[p + 1] - at[p]), rounding)
-        << "rank " << p;
-    busiest = std::max(busiest, got[p].expert_rows);
-    bound = std::max(bound, at[p + 1] - at[p]);
-    busiest_whole = std::max(busiest_whole, before_S1[slots.first_slot_P1[p + 1]] - before_S1[slots.first_slot_P1[p]]);
+    EXPECT_EQ(dropped, want.dropped);
+    EXPECT_EQ(rows, want.expert_rows) << "every kept row computed once";
+    if (c.capacity_factor > 0) EXPECT_GT(want.dropped, 0) << "the case needs capacity to drop";
+    for (int id = 0; id < one.params.size(); ++id)
+      for (int64_t i = 0; i < one.params.numel(id); ++i) {
+        double sum = 0;
+        for (int r = 0; r < P; ++r) sum += rigs[r]->params.grad(id)[i];
+        ASSERT_NEAR(sum, one.params.grad(id)[i], 1e-12) << one.params.spec(id).name << " " << i;
+      }
+    // Who computed what: the rows each rank's window took, against the cuts' balance over
+    // the global kept rows per slot (balanced_boundaries). Each of the P home ranks rounds
+    // its share of a hinge (rows_before) and the cut is floored to 1 / kSlotParts, so a
+    // rank may be off by up to P / 2 + 1 rows at each of its two boundaries.
+    std::vector<int64_t> before_S1 = {0};
+    std::vector<int32_t> counts_S;
+    for (int64_t expert : slots.expert_of_slot) {
+      counts_S.push_back(static_cast<int32_t>(one.layer->routing_stats().kept_E[static_cast<size_t>(expert)]));
+      before_S1.push_back(before_S1.back() + counts_S.back());
+    }
+    const std::vector<int64_t> at = balanced_boundaries(before_S1, slots.first_slot_P1, c.split);
+    const double rounding = P + 2;
+    int64_t busiest = 0, bound = 0, busiest_whole = 0;
+    for (int p = 0; p < P; ++p) {
+      EXPECT_NEAR(static_cast<double>(got[p].expert_rows), static_cast<double>(at[p + 1] - at[p]), rounding)
+          << "rank " << p;
+      busiest = std::max(busiest, got[p].expert_rows);
+      bound = std::max(bound, at[p + 1] - at[p]);
+      busiest_whole =
+          std::max(busiest_whole, before_S1[slots.first_slot_P1[p + 1]] - before_S1[slots.first_slot_P1[p]]);
+    }
+    if (!c.split) EXPECT_EQ(busiest, busiest_whole) << "whole experts: the blocks' rows";
+    if (c.split) EXPECT_NEAR(static_cast<double>(busiest), static_cast<double>(bound), rounding);
+    if (c.split && c.hot_expert >= 0 && c.capacity_factor == 0)  // (capacity caps the hot expert itself)
+      EXPECT_LT(busiest, busiest_whole) << "the hinges should take load off the hot expert's block";
+    if (c.mean_reachable) EXPECT_EQ(bound, (rows + P - 1) / P) << "the hinges can even the ranks";
+    // The cuts of the global counts (one home holding them all gives every home's cuts).
+    std::vector<int32_t> cuts(P + 1), counts_PE(static_cast<size_t>(P * E), 0);
+    std::copy(counts_S.begin(), counts_S.end(), counts_PE.begin());
+    const std::vector<int32_t> first(slots.first_slot_P1.begin(), slots.first_slot_P1.end());
+    boundary_cuts(cuts.data(), counts_PE.data(), first.data(), c.split, E, P);
+    cuts_of_micro_batch.push_back(cuts);
   }
-  if (!c.split) EXPECT_EQ(busiest, busiest_whole) << "whole experts: the blocks' rows";
-  if (c.split) EXPECT_NEAR(static_cast<double>(busiest), static_cast<double>(bound), rounding);
-  if (c.split && c.hot_expert >= 0 && c.capacity_factor == 0)  // (capacity caps the hot expert itself)
-    EXPECT_LT(bound + rounding, busiest_whole) << "the hinges should take load off the hot expert's block";
-  if (c.mean_reachable) EXPECT_EQ(bound, (rows + P - 1) / P) << "the hinges can even the ranks";
+  if (c.split && c.hot_expert >= 0 && c.capacity_factor == 0)
+    EXPECT_NE(cuts_of_micro_batch[0], cuts_of_micro_batch[1]) << "the hinges should move with the micro-batch";
 }
 
 INSTANTIATE_TEST_SUITE_P(
