@@ -35,13 +35,13 @@ struct ParallelConfig {
   int64_t expert_parallel = 1;        // EP size: ranks that share one copy of the experts; divides world and moe.n_experts
   AllToAllKind all_to_all = AllToAllKind::Flat;
   double bucket_mb = 25.0;            // gradient buckets (at most, inside one backward stage); 0: one per stage
-  int64_t a2a_chunks = 1;             // token chunks whose all-to-all overlaps the experts' compute
+  int64_t a2a_chunks = 1;             // CPU EP: chunks of the token blocks, each all-to-all overlapping the experts' compute
   ReduceDtype grad_reduce_dtype = ReduceDtype::Fp32;  // GPU data parallel
   int64_t comm_sms = 0;               // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward
   bool shard_optimizer = true;        // GPU data parallel: ZeRO-1 (gradients reduce-scattered, 1/N of the AdamW step per rank)
   int64_t rebalance_interval = 0;     // steps between re-placements of the experts by measured load; 0: never
   int64_t rebalance_max_experts = 0;  // most experts one EP rank may hold after a re-placement; 0: n_experts / EP (equal)
-  bool split_experts = false;         // GPU EP: each rank's first expert shared with the rank before, rows evened per micro-batch
+  bool split_experts = false;         // EP: each rank's first expert shared with the rank before, rows evened per micro-batch
   CommBackend backend = CommBackend::Auto;
 };
 

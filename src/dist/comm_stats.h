@@ -20,7 +20,7 @@ inline double seconds_between(CommClock::time_point a, CommClock::time_point b) 
 struct CommStats {
   double wait_s = 0;          // blocked in wait() or in a blocking collective
   double grad_sync_s = 0;     // first gradient bucket issued -> last one complete
-  int64_t a2a_bytes = 0;      // expert-parallel rows sent to other ranks (dispatch and combine, both passes)
+  int64_t a2a_bytes = 0;      // expert exchange: bytes sent to other ranks (token rows both ways, counts, routing)
   double a2a_s = 0;           // per exchange, issue -> observed completion, summed
   int64_t a2a_exchanges = 0;
 

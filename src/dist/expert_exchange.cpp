@@ -19,87 +19,88 @@ void BatchGroupOverComm::all_gather(const int64_t* values, int64_t count, int64_
   timed_blocking(stats_, [&] { comm_.all_gather(values, all, static_cast<size_t>(count), DType::i64); });
 }
 
-ExpertExchangeOverComm::ExpertExchangeOverComm(AllToAll& a2a, const ExpertPlacement& placement, int chunks,
-                                               CommStats& stats)
-    : a2a_(a2a), placement_(placement), chunks_(chunks), stats_(stats) {
+ExpertExchangeOverComm::ExpertExchangeOverComm(AllToAll& a2a, int chunks, CommStats& stats)
+    : a2a_(a2a), chunks_(chunks), stats_(stats) {
   MOE_CHECK(chunks >= 1, "all-to-all chunks must be at least 1, got {}", chunks);
   me_ = a2a_.group().rank();
   peers_ = a2a_.group().size();
-  MOE_CHECK(placement_.ep_size() == peers_, "expert placement over {} ranks used in an expert-parallel group of {}",
-            placement_.ep_size(), peers_);
 }
 
-int64_t ExpertExchangeOverComm::plan(const int32_t* counts_E, const int32_t* offsets_E1) {
-  const auto C = static_cast<int64_t>(chunks_);
-  // Chunk c of n rows: [n c / C, n (c + 1) / C).
-  auto slice = [&](int64_t n, int64_t c) { return std::make_pair(n * c / C, n * (c + 1) / C); };
-  // Counts message to peer p: (chunk, slot of p) -> rows.
-  std::vector<int64_t> send_counts(static_cast<size_t>(peers_)), recv_counts(static_cast<size_t>(peers_));
-  std::vector<int64_t> send_msg;
-  for (int p = 0; p < peers_; ++p) {
-    const auto& held = placement_.experts_of(p);
-    send_counts[static_cast<size_t>(p)] = C * static_cast<int64_t>(held.size());
-    for (int64_t c = 0; c < C; ++c)
-      for (int64_t e : held) {
-        const auto [lo, hi] = slice(counts_E[e], c);
-        send_msg.push_back(hi - lo);
-      }
-  }
-  const auto& mine = placement_.experts_of(me_);
-  const auto slots = static_cast<int64_t>(mine.size());
-  std::fill(recv_counts.begin(), recv_counts.end(), C * slots);
-  std::vector<int64_t> recv_msg(static_cast<size_t>(C * slots * peers_));
-  timed_blocking(stats_, [&] { a2a_.exchange(send_msg.data(), send_counts, recv_msg.data(), recv_counts, DType::i64); });
-
-  chunk_plans_.assign(static_cast<size_t>(C), ChunkPlan{});
-  int64_t received = 0;
-  for (int64_t c = 0; c < C; ++c) {
-    ChunkPlan& plan = chunk_plans_[static_cast<size_t>(c)];
-    plan.send_rows_to.assign(static_cast<size_t>(peers_), 0);
-    plan.recv_rows_from.assign(static_cast<size_t>(peers_), 0);
-    for (int p = 0; p < peers_; ++p)
-      for (int64_t e : placement_.experts_of(p)) {
-        const auto [lo, hi] = slice(counts_E[e], c);
-        for (int64_t r = offsets_E1[e] + lo; r < offsets_E1[e] + hi; ++r) plan.send_rows.push_back(static_cast<int32_t>(r));
-        plan.send_rows_to[static_cast<size_t>(p)] += hi - lo;
-      }
-    plan.recv_first = received;
-    for (int r = 0; r < peers_; ++r)
-      for (int64_t s = 0; s < slots; ++s) {
-        const int64_t n = recv_msg[static_cast<size_t>((r * C + c) * slots + s)];
-        plan.segments.push_back({mine[static_cast<size_t>(s)], received, n});
-        plan.recv_rows_from[static_cast<size_t>(r)] += n;
-        received += n;
-      }
-    plan.recv_rows = received - plan.recv_first;
-  }
-  return received;
+int64_t ExpertExchangeOverComm::remote_bytes(const std::vector<int64_t>& bytes_P) const {
+  int64_t bytes = 0;
+  for (int p = 0; p < peers_; ++p)
+    if (p != me_) bytes += bytes_P[static_cast<size_t>(p)];
+  return bytes;
 }
 
-void ExpertExchangeOverComm::run(const void* in_RD, void* recv_RD, const void* result_RD, void* out_RD,
-                                 int64_t width, size_t elem_bytes, const std::function<void(int chunk)>& compute) {
-  MOE_CHECK(elem_bytes == 4 || elem_bytes == 8, "expert exchange of {}-byte values", elem_bytes);
-  const DType dtype = elem_bytes == 4 ? DType::f32 : DType::f64;
-  const size_t row_bytes = static_cast<size_t>(width) * elem_bytes;
-  const auto* in = static_cast<const char*>(in_RD);
-  auto* recv = static_cast<char*>(recv_RD);
-  const auto* result = static_cast<const char*>(result_RD);
-  auto* out = static_cast<char*>(out_RD);
-  auto elements = [&](const std::vector<int64_t>& rows) {
-    std::vector<int64_t> counts(rows.size());
-    for (size_t i = 0; i < rows.size(); ++i) counts[i] = rows[i] * width;
-    return counts;
+void ExpertExchangeOverComm::all_gather(const int32_t* values, int64_t count, int32_t* all) {
+  const auto t0 = CommClock::now();
+  a2a_.group().all_gather(values, all, static_cast<size_t>(count), DType::i32);
+  const double s = seconds_between(t0, CommClock::now());
+  stats_.wait_s += s;
+  stats_.a2a_s += s;
+  stats_.a2a_bytes += count * int64_t{sizeof(int32_t)} * (peers_ - 1);
+  ++stats_.a2a_exchanges;
+}
+
+void ExpertExchangeOverComm::exchange(const void* send, const std::vector<int64_t>& send_bytes_P, void* recv,
+                                      const std::vector<int64_t>& recv_bytes_P) {
+  const auto t0 = CommClock::now();
+  a2a_.exchange(send, send_bytes_P, recv, recv_bytes_P, DType::u8);
+  const double s = seconds_between(t0, CommClock::now());
+  stats_.wait_s += s;
+  stats_.a2a_s += s;
+  stats_.a2a_bytes += remote_bytes(send_bytes_P);
+  ++stats_.a2a_exchanges;
+}
+
+void ExpertExchangeOverComm::round_trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
+                                        const std::vector<int64_t>& recv_rows_P, const void* result, void* back,
+                                        size_t row_bytes, const std::function<void(int chunk)>& compute) {
+  const auto P = static_cast<size_t>(peers_);
+  MOE_CHECK(send_rows_P.size() == P && recv_rows_P.size() == P, "expert exchange: row counts for {} and {} peers of {}",
+            send_rows_P.size(), recv_rows_P.size(), P);
+  const auto bytes = static_cast<int64_t>(row_bytes);
+  auto starts = [](const std::vector<int64_t>& rows_P) {
+    std::vector<int64_t> start(rows_P.size() + 1, 0);
+    for (size_t p = 0; p < rows_P.size(); ++p) start[p + 1] = start[p] + rows_P[p];
+    return start;
   };
-  auto remote_bytes = [&](const std::vector<int64_t>& rows) {
-    int64_t bytes = 0;
-    for (int p = 0; p < peers_; ++p)
-      if (p != me_) bytes += rows[static_cast<size_t>(p)] * static_cast<int64_t>(row_bytes);
-    return bytes;
+  const std::vector<int64_t> send_start = starts(send_rows_P), recv_start = starts(recv_rows_P);
+  // Chunk c of each block, in bytes: (offset in the whole buffer, size), packed by peer.
+  struct Pieces {
+    std::vector<int64_t> at_P, bytes_P;
+    int64_t total = 0;
   };
-  // Everything an exchange in flight points at lives until the end of run().
+  auto pieces = [&](const std::vector<int64_t>& rows_P, const std::vector<int64_t>& start, int c) {
+    Pieces out;
+    for (size_t p = 0; p < P; ++p) {
+      const auto [lo, hi] = chunk_of_block(rows_P[p], c, chunks_);
+      out.at_P.push_back((start[p] + lo) * bytes);
+      out.bytes_P.push_back((hi - lo) * bytes);
+      out.total += (hi - lo) * bytes;
+    }
+    return out;
+  };
+  auto pack = [&](std::vector<char>& to, const void* from, const Pieces& where) {
+    to.resize(static_cast<size_t>(where.total));
+    int64_t at = 0;
+    for (size_t p = 0; p < P; ++p) {
+      std::memcpy(to.data() + at, static_cast<const char*>(from) + where.at_P[p], static_cast<size_t>(where.bytes_P[p]));
+      at += where.bytes_P[p];
+    }
+  };
+  auto unpack = [&](void* to, const std::vector<char>& from, const Pieces& where) {
+    int64_t at = 0;
+    for (size_t p = 0; p < P; ++p) {
+      std::memcpy(static_cast<char*>(to) + where.at_P[p], from.data() + at, static_cast<size_t>(where.bytes_P[p]));
+      at += where.bytes_P[p];
+    }
+  };
+  // Everything an exchange in flight points at lives until the end of round_trip().
   struct Flight {
-    std::vector<char> send, back;
-    std::vector<int64_t> send_counts, recv_counts, back_send_counts, back_recv_counts;
+    Pieces out, in;
+    std::vector<char> send, recv, result, back;
     std::unique_ptr<Work> dispatch, combine;
     CommClock::time_point dispatch_issued, combine_issued;
   };
@@ -116,43 +117,32 @@ void ExpertExchangeOverComm::run(const void* in_RD, void* recv_RD, const void* r
     stats_.a2a_s += seconds_between(issued, CommClock::now());
   };
   auto start_dispatch = [&](int c) {
-    const ChunkPlan& plan = chunk_plans_[static_cast<size_t>(c)];
     Flight& f = flights[static_cast<size_t>(c)];
-    f.send.resize(plan.send_rows.size() * row_bytes);
-    for (size_t i = 0; i < plan.send_rows.size(); ++i)
-      std::memcpy(f.send.data() + i * row_bytes, in + static_cast<size_t>(plan.send_rows[i]) * row_bytes, row_bytes);
-    f.send_counts = elements(plan.send_rows_to);
-    f.recv_counts = elements(plan.recv_rows_from);
-    stats_.a2a_bytes += remote_bytes(plan.send_rows_to);
+    f.out = pieces(send_rows_P, send_start, c);
+    f.in = pieces(recv_rows_P, recv_start, c);
+    pack(f.send, send, f.out);
+    f.recv.resize(static_cast<size_t>(f.in.total));
+    stats_.a2a_bytes += remote_bytes(f.out.bytes_P);
     f.dispatch_issued = CommClock::now();
-    f.dispatch = issue([&] {
-      return a2a_.exchange_async(f.send.data(), f.send_counts, recv + static_cast<size_t>(plan.recv_first) * row_bytes,
-                                 f.recv_counts, dtype);
-    });
+    f.dispatch = issue([&] { return a2a_.exchange_async(f.send.data(), f.out.bytes_P, f.recv.data(), f.in.bytes_P, DType::u8); });
   };
   start_dispatch(0);
   for (int c = 0; c < chunks_; ++c) {
     if (c + 1 < chunks_) start_dispatch(c + 1);
     Flight& f = flights[static_cast<size_t>(c)];
-    const ChunkPlan& plan = chunk_plans_[static_cast<size_t>(c)];
     finish(*f.dispatch, f.dispatch_issued);
+    unpack(recv, f.recv, f.in);
     compute(c);
-    f.back.resize(plan.send_rows.size() * row_bytes);
-    f.back_send_counts = f.recv_counts;
-    f.back_recv_counts = f.send_counts;
-    stats_.a2a_bytes += remote_bytes(plan.recv_rows_from);
+    pack(f.result, result, f.in);
+    f.back.resize(static_cast<size_t>(f.out.total));
+    stats_.a2a_bytes += remote_bytes(f.in.bytes_P);
     f.combine_issued = CommClock::now();
-    f.combine = issue([&] {
-      return a2a_.exchange_async(result + static_cast<size_t>(plan.recv_first) * row_bytes, f.back_send_counts,
-                                 f.back.data(), f.back_recv_counts, dtype);
-    });
+    f.combine = issue([&] { return a2a_.exchange_async(f.result.data(), f.in.bytes_P, f.back.data(), f.out.bytes_P, DType::u8); });
   }
   for (int c = 0; c < chunks_; ++c) {
     Flight& f = flights[static_cast<size_t>(c)];
-    const ChunkPlan& plan = chunk_plans_[static_cast<size_t>(c)];
     finish(*f.combine, f.combine_issued);
-    for (size_t i = 0; i < plan.send_rows.size(); ++i)
-      std::memcpy(out + static_cast<size_t>(plan.send_rows[i]) * row_bytes, f.back.data() + i * row_bytes, row_bytes);
+    unpack(back, f.back, f.out);
   }
 }
 

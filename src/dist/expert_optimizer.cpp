@@ -11,76 +11,113 @@
 namespace moe::dist {
 
 ExpertOptimizer::ExpertOptimizer(ParameterStore<float>& params, std::vector<Layer> layers,
-                                 const ExpertPlacement& placement, int ep_rank, Communicator& expert_data_parallel,
-                                 const OptimizerConfig& config, CommStats& stats)
-    : params_(params), placement_(placement), ep_rank_(ep_rank), edp_(expert_data_parallel), config_(config),
+                                 const std::vector<ExpertSlots>& slots, int ep_rank, Communicator& expert_data_parallel,
+                                 Communicator& world, const OptimizerConfig& config, CommStats& stats)
+    : params_(params), slots_(slots), ep_rank_(ep_rank), edp_(expert_data_parallel), world_(world), config_(config),
       stats_(stats) {
-  const auto held = static_cast<int64_t>(placement_.experts_of(ep_rank_).size());
-  for (Layer& layer : layers) {
+  MOE_CHECK(layers.size() == slots.size(), "expert optimizer: {} MoE layers, slots for {}", layers.size(), slots.size());
+  for (size_t l = 0; l < layers.size(); ++l) {
     LayerState state;
-    int64_t packed = 0;
-    for (int id : layer.ids) {
-      MOE_CHECK(params_.spec(id).shape[0] == placement_.n_experts(), "{} has {} experts, the placement {}",
-                params_.spec(id).name, params_.spec(id).shape[0], placement_.n_experts());
-      packed += held * per_expert(id);
-      state.m.emplace_back(static_cast<size_t>(held * per_expert(id)), 0.0f);
-      state.v.emplace_back(static_cast<size_t>(held * per_expert(id)), 0.0f);
-    }
-    state.buffer.assign(static_cast<size_t>(packed), 0.0f);
-    state.layer = std::move(layer);
+    for (int id : layers[l].ids)
+      MOE_CHECK(params_.spec(id).shape[0] == slots[l].n_experts(), "{} has {} experts, the slots {}",
+                params_.spec(id).name, params_.spec(id).shape[0], slots[l].n_experts());
+    const auto E = static_cast<size_t>(slots[l].n_experts());
+    state.m.assign(layers[l].ids.size(), std::vector<std::vector<float>>(E));
+    state.v = state.m;
+    state.layer = std::move(layers[l]);
     layers_.push_back(std::move(state));
+    for_window(l, [&](size_t i, int64_t expert) {
+      const auto n = static_cast<size_t>(per_expert(layers_[l].layer.ids[i]));
+      layers_[l].m[i][static_cast<size_t>(expert)].assign(n, 0.0f);
+      layers_[l].v[i][static_cast<size_t>(expert)].assign(n, 0.0f);
+    });
   }
 }
 
 template <class F>
-void ExpertOptimizer::for_held(const LayerState& layer, F&& f) const {
-  const auto& experts = placement_.experts_of(ep_rank_);
-  for (size_t i = 0; i < layer.layer.ids.size(); ++i)
-    for (size_t slot = 0; slot < experts.size(); ++slot) f(i, experts[slot], static_cast<int64_t>(slot));
+void ExpertOptimizer::for_window(size_t l, F&& f) const {
+  const std::vector<int64_t> experts = window_experts(slots_[l], ep_rank_);
+  for (size_t i = 0; i < layers_[l].layer.ids.size(); ++i)
+    for (int64_t expert : experts) f(i, expert);
+}
+
+void ExpertOptimizer::pack(const LayerState& layer, const std::vector<int64_t>& experts,
+                           std::vector<float>& buffer) const {
+  buffer.clear();
+  for (int id : layer.layer.ids)
+    for (int64_t expert : experts) {
+      const float* g = const_cast<ParameterStore<float>&>(params_).grad(id) + expert * per_expert(id);
+      buffer.insert(buffer.end(), g, g + per_expert(id));
+    }
+}
+
+void ExpertOptimizer::unpack(const LayerState& layer, const std::vector<int64_t>& experts,
+                             const std::vector<float>& buffer) {
+  const float* in = buffer.data();
+  for (int id : layer.layer.ids)
+    for (int64_t expert : experts) {
+      std::memcpy(params_.grad(id) + expert * per_expert(id), in, static_cast<size_t>(per_expert(id)) * sizeof(float));
+      in += per_expert(id);
+    }
 }
 
 void ExpertOptimizer::on_stage(int stage) {
-  if (!armed_ || edp_.size() == 1) return;
-  for (LayerState& layer : layers_) {
+  if (!armed_) return;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    LayerState& layer = layers_[l];
     if (layer.layer.stage != stage) continue;
-    float* out = layer.buffer.data();
-    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
-      const int id = layer.layer.ids[i];
-      const int64_t n = per_expert(id);
-      std::memcpy(out, params_.grad(id) + expert * n, static_cast<size_t>(n) * sizeof(float));
-      out += n;
-    });
-    layer.work = edp_.all_reduce_async(layer.buffer.data(), layer.buffer.size(), DType::f32, ReduceOp::sum);
+    // The same lists on every rank of a group, as its collective needs: own experts are
+    // the same for one EP rank, hinges for all.
+    const ExpertSlots& slots = slots_[l];
+    const std::vector<std::vector<int>> holders = slot_holders(slots);
+    layer.own.clear();
+    layer.hinges.clear();
+    for (int64_t slot = 0; slot < slots.n_experts(); ++slot) {
+      const auto& who = holders[static_cast<size_t>(slot)];
+      const int64_t expert = slots.expert_of_slot[static_cast<size_t>(slot)];
+      if (who.size() > 1) layer.hinges.push_back(expert);
+      else if (!who.empty() && who.front() == ep_rank_) layer.own.push_back(expert);
+    }
+    if (edp_.size() > 1 && !layer.own.empty()) {
+      pack(layer, layer.own, layer.own_buffer);
+      layer.own_work = edp_.all_reduce_async(layer.own_buffer.data(), layer.own_buffer.size(), DType::f32, ReduceOp::sum);
+    }
+    if (world_.size() > 1 && !layer.hinges.empty()) {
+      pack(layer, layer.hinges, layer.hinge_buffer);
+      layer.hinge_work =
+          world_.all_reduce_async(layer.hinge_buffer.data(), layer.hinge_buffer.size(), DType::f32, ReduceOp::sum);
+    }
   }
 }
 
 void ExpertOptimizer::finish() {
   armed_ = false;
   for (LayerState& layer : layers_) {
-    if (!layer.work) continue;
-    timed_wait(*layer.work, stats_);
-    layer.work.reset();
-    const float* in = layer.buffer.data();
-    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
-      const int id = layer.layer.ids[i];
-      const int64_t n = per_expert(id);
-      std::memcpy(params_.grad(id) + expert * n, in, static_cast<size_t>(n) * sizeof(float));
-      in += n;
-    });
+    if (layer.own_work) {
+      timed_wait(*layer.own_work, stats_);
+      layer.own_work.reset();
+      unpack(layer, layer.own, layer.own_buffer);
+    }
+    if (layer.hinge_work) {
+      timed_wait(*layer.hinge_work, stats_);
+      layer.hinge_work.reset();
+      unpack(layer, layer.hinges, layer.hinge_buffer);
+    }
   }
 }
 
 double ExpertOptimizer::clip_experts(double max_norm) {
   double max_seen = 0;
-  for (const LayerState& layer : layers_)
-    for (int64_t expert : placement_.experts_of(ep_rank_)) {
+  for (size_t l = 0; l < layers_.size(); ++l)
+    for (int64_t expert : window_experts(slots_[l], ep_rank_)) {
+      const auto& ids = layers_[l].layer.ids;
       double sq = 0;
-      for (int id : layer.layer.ids) sq += moe::sum_of_squares(params_.grad(id) + expert * per_expert(id), per_expert(id));
+      for (int id : ids) sq += moe::sum_of_squares(params_.grad(id) + expert * per_expert(id), per_expert(id));
       const double norm = std::sqrt(sq);
       max_seen = std::max(max_seen, norm);
       if (max_norm > 0 && norm > max_norm) {
         const auto factor = static_cast<float>(max_norm / (norm + 1e-6));
-        for (int id : layer.layer.ids) {
+        for (int id : ids) {
           float* g = params_.grad(id) + expert * per_expert(id);
           for (int64_t i = 0; i < per_expert(id); ++i) g[i] *= factor;
         }
@@ -91,19 +128,22 @@ double ExpertOptimizer::clip_experts(double max_norm) {
 
 double ExpertOptimizer::sum_of_squares() const {
   double sq = 0;
-  for (const LayerState& layer : layers_)
-    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
-      const int id = layer.layer.ids[i];
-      sq += moe::sum_of_squares(const_cast<ParameterStore<float>&>(params_).grad(id) + expert * per_expert(id),
-                                per_expert(id));
-    });
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const ExpertSlots& slots = slots_[l];
+    for (int id : layers_[l].layer.ids)
+      for (int64_t slot = slots.first_slot_P1[static_cast<size_t>(ep_rank_)];
+           slot < slots.first_slot_P1[static_cast<size_t>(ep_rank_) + 1]; ++slot)
+        sq += moe::sum_of_squares(const_cast<ParameterStore<float>&>(params_).grad(id) +
+                                      slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert(id),
+                                  per_expert(id));
+  }
   return sq;
 }
 
 void ExpertOptimizer::scale_gradients(float factor) {
-  for (const LayerState& layer : layers_)
-    for_held(layer, [&](size_t i, int64_t expert, int64_t) {
-      const int id = layer.layer.ids[i];
+  for (size_t l = 0; l < layers_.size(); ++l)
+    for_window(l, [&](size_t i, int64_t expert) {
+      const int id = layers_[l].layer.ids[i];
       float* g = params_.grad(id) + expert * per_expert(id);
       for (int64_t j = 0; j < per_expert(id); ++j) g[j] *= factor;
     });
@@ -113,97 +153,113 @@ void ExpertOptimizer::step(double lr) {
   ++steps_;
   const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
   const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
-  for (LayerState& layer : layers_)
-    for_held(layer, [&](size_t i, int64_t expert, int64_t slot) {
+  for (size_t l = 0; l < layers_.size(); ++l)
+    for_window(l, [&](size_t i, int64_t expert) {
+      LayerState& layer = layers_[l];
       const int id = layer.layer.ids[i];
       const int64_t n = per_expert(id);
-      adamw_update(params_.value(id) + expert * n, params_.grad(id) + expert * n, layer.m[i].data() + slot * n,
-                   layer.v[i].data() + slot * n, n, c, params_.spec(id).weight_decay, bf16);
+      adamw_update(params_.value(id) + expert * n, params_.grad(id) + expert * n,
+                   layer.m[i][static_cast<size_t>(expert)].data(), layer.v[i][static_cast<size_t>(expert)].data(), n, c,
+                   params_.spec(id).weight_decay, bf16);
     });
 }
 
 void ExpertOptimizer::gather_weights(Communicator& expert_parallel) {
-  for (const LayerState& layer : layers_)
-    for (int64_t expert = 0; expert < placement_.n_experts(); ++expert)
-      for (int id : layer.layer.ids)
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const ExpertSlots& slots = slots_[l];
+    for (int64_t slot = 0; slot < slots.n_experts(); ++slot) {
+      const int64_t expert = slots.expert_of_slot[static_cast<size_t>(slot)];
+      const int from = block_rank(slots, slot);
+      for (int id : layers_[l].layer.ids)
         timed_blocking(stats_, [&] {
           expert_parallel.broadcast(params_.value(id) + expert * per_expert(id), static_cast<size_t>(per_expert(id)),
-                                    DType::f32, placement_.rank_of(expert));
+                                    DType::f32, from);
         });
+    }
+  }
 }
 
-void ExpertOptimizer::migrate(const ExpertPlacement& next, Communicator& expert_parallel) {
-  MOE_CHECK(next.n_experts() == placement_.n_experts() && next.ep_size() == placement_.ep_size(),
-            "expert migration: a placement of {} experts over {} ranks replaces one of {} over {}", next.n_experts(),
-            next.ep_size(), placement_.n_experts(), placement_.ep_size());
-  const auto held_next = static_cast<int64_t>(next.experts_of(ep_rank_).size());
-  for (LayerState& layer : layers_) {
-    int64_t packed = 0;
-    for (size_t i = 0; i < layer.layer.ids.size(); ++i) {
-      const int id = layer.layer.ids[i];
-      const int64_t n = per_expert(id);
-      std::vector<float> m(static_cast<size_t>(held_next * n)), v(static_cast<size_t>(held_next * n)), moving;
-      for (int64_t expert = 0; expert < placement_.n_experts(); ++expert) {
-        const int from = placement_.rank_of(expert), to = next.rank_of(expert);
-        const int64_t old_slot = placement_.slot_of(expert), new_slot = next.slot_of(expert);
-        if (from == to) {
-          if (to == ep_rank_) {
-            std::copy_n(layer.m[i].data() + old_slot * n, n, m.data() + new_slot * n);
-            std::copy_n(layer.v[i].data() + old_slot * n, n, v.data() + new_slot * n);
+void ExpertOptimizer::migrate(const std::vector<ExpertSlots>& next, Communicator& expert_parallel) {
+  MOE_CHECK(next.size() == layers_.size(), "expert migration: slots of {} layers for {}", next.size(), layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const ExpertSlots &now = slots_[l], &then = next[l];
+    MOE_CHECK(then.n_experts() == now.n_experts() && then.ep_size() == now.ep_size(),
+              "expert migration: slots of {} experts over {} ranks replace {} over {}", then.n_experts(),
+              then.ep_size(), now.n_experts(), now.ep_size());
+    LayerState& layer = layers_[l];
+    const std::vector<std::vector<int>> had_of_slot = slot_holders(now), will_of_slot = slot_holders(then);
+    const std::vector<int32_t> slot_now = slot_of_expert(now), slot_then = slot_of_expert(then);
+    std::vector<float> moving;
+    for (int64_t expert = 0; expert < now.n_experts(); ++expert) {
+      const std::vector<int>& had = had_of_slot[static_cast<size_t>(slot_now[static_cast<size_t>(expert)])];
+      const std::vector<int>& will = will_of_slot[static_cast<size_t>(slot_then[static_cast<size_t>(expert)])];
+      const bool holds_now = std::count(had.begin(), had.end(), ep_rank_) > 0;
+      const bool holds_then = std::count(will.begin(), will.end(), ep_rank_) > 0;
+      for (size_t i = 0; i < layer.layer.ids.size(); ++i) {
+        std::vector<float>& m = layer.m[i][static_cast<size_t>(expert)];
+        std::vector<float>& v = layer.v[i][static_cast<size_t>(expert)];
+        if (!std::includes(had.begin(), had.end(), will.begin(), will.end())) {
+          // Weights (every rank's copy, as gather_weights) and the two moments, from the block rank.
+          const int id = layer.layer.ids[i];
+          const int64_t n = per_expert(id);
+          const int from = block_rank(now, slot_now[static_cast<size_t>(expert)]);
+          moving.assign(static_cast<size_t>(2 * n), 0.0f);
+          if (ep_rank_ == from) {
+            std::copy_n(m.data(), n, moving.data());
+            std::copy_n(v.data(), n, moving.data() + n);
           }
-          continue;
+          timed_blocking(stats_, [&] {
+            expert_parallel.broadcast(params_.value(id) + expert * n, static_cast<size_t>(n), DType::f32, from);
+            expert_parallel.broadcast(moving.data(), moving.size(), DType::f32, from);
+          });
+          if (holds_then && !holds_now) {
+            m.assign(moving.begin(), moving.begin() + n);
+            v.assign(moving.begin() + n, moving.end());
+          }
         }
-        // Weights (every rank's copy, as gather_weights) and the two moments, from the old holder.
-        moving.assign(static_cast<size_t>(2 * n), 0.0f);
-        if (from == ep_rank_) {
-          std::copy_n(layer.m[i].data() + old_slot * n, n, moving.data());
-          std::copy_n(layer.v[i].data() + old_slot * n, n, moving.data() + n);
-        }
-        timed_blocking(stats_, [&] {
-          expert_parallel.broadcast(params_.value(id) + expert * n, static_cast<size_t>(n), DType::f32, from);
-          expert_parallel.broadcast(moving.data(), moving.size(), DType::f32, from);
-        });
-        if (to == ep_rank_) {
-          std::copy_n(moving.data(), n, m.data() + new_slot * n);
-          std::copy_n(moving.data() + n, n, v.data() + new_slot * n);
+        if (!holds_then) {
+          m = {};
+          v = {};
         }
       }
-      layer.m[i] = std::move(m);
-      layer.v[i] = std::move(v);
-      packed += held_next * n;
     }
-    layer.buffer.assign(static_cast<size_t>(packed), 0.0f);
   }
 }
 
 void ExpertOptimizer::gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
                                      std::vector<float>& m, std::vector<float>& v) {
-  for (const LayerState& layer : layers_)
-    for_held(layer, [&](size_t i, int64_t expert, int64_t slot) {
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const LayerState& layer = layers_[l];
+    for_window(l, [&](size_t i, int64_t expert) {
       const int id = layer.layer.ids[i];
       const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
-      std::memcpy(m.data() + at, layer.m[i].data() + slot * n, static_cast<size_t>(n) * sizeof(float));
-      std::memcpy(v.data() + at, layer.v[i].data() + slot * n, static_cast<size_t>(n) * sizeof(float));
+      std::copy_n(layer.m[i][static_cast<size_t>(expert)].data(), n, m.data() + at);
+      std::copy_n(layer.v[i][static_cast<size_t>(expert)].data(), n, v.data() + at);
     });
-  for (const LayerState& layer : layers_)
-    for (int64_t expert = 0; expert < placement_.n_experts(); ++expert)
+    const ExpertSlots& slots = slots_[l];
+    for (int64_t slot = 0; slot < slots.n_experts(); ++slot) {
+      const int64_t expert = slots.expert_of_slot[static_cast<size_t>(slot)];
+      const int from = block_rank(slots, slot);
       for (int id : layer.layer.ids) {
         const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
         timed_blocking(stats_, [&] {
-          expert_parallel.broadcast(m.data() + at, static_cast<size_t>(n), DType::f32, placement_.rank_of(expert));
-          expert_parallel.broadcast(v.data() + at, static_cast<size_t>(n), DType::f32, placement_.rank_of(expert));
+          expert_parallel.broadcast(m.data() + at, static_cast<size_t>(n), DType::f32, from);
+          expert_parallel.broadcast(v.data() + at, static_cast<size_t>(n), DType::f32, from);
         });
       }
+    }
+  }
 }
 
 void ExpertOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                                       const std::vector<float>& v) {
-  for (LayerState& layer : layers_)
-    for_held(layer, [&](size_t i, int64_t expert, int64_t slot) {
+  for (size_t l = 0; l < layers_.size(); ++l)
+    for_window(l, [&](size_t i, int64_t expert) {
+      LayerState& layer = layers_[l];
       const int id = layer.layer.ids[i];
       const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
-      std::memcpy(layer.m[i].data() + slot * n, m.data() + at, static_cast<size_t>(n) * sizeof(float));
-      std::memcpy(layer.v[i].data() + slot * n, v.data() + at, static_cast<size_t>(n) * sizeof(float));
+      layer.m[i][static_cast<size_t>(expert)].assign(m.begin() + at, m.begin() + at + n);
+      layer.v[i][static_cast<size_t>(expert)].assign(v.begin() + at, v.begin() + at + n);
     });
 }
 

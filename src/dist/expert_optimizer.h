@@ -1,9 +1,14 @@
-// Expert weights under expert parallelism (EP > 1) on the CPU path. Every rank stores
-// the full expert tensors (the CPU model's layout), but only the slices of the experts
-// its EP rank holds are computed, have gradients and are updated there. Their gradients
-// are all-reduced (not sharded) over the expert-data-parallel group, the ranks holding
-// the same experts, as soon as backward finishes the layer on the last micro-batch; each
-// rank keeps the AdamW moments of its own experts, whole.
+// Expert weights under expert parallelism (EP > 1) on the CPU path. Every rank stores the
+// full expert tensors (the CPU model's layout, in expert order), but only the experts of
+// its window in each MoE layer's slots (moe/expert_slots.h) are computed, have gradients
+// and are updated there; each rank keeps the AdamW moments of its window's experts, whole.
+// Gradients are summed as soon as backward finishes the layer on the last micro-batch:
+//   own experts (the window less its hinges): over the expert-data-parallel group, the
+//     ranks with the same EP rank, the only ones that computed them;
+//   hinges (split experts, a slot in two or more windows): over all ranks (zeros where a
+//     rank holds none), as its holders are different EP ranks; every holder then takes the
+//     same step on the same sum, so their copies stay identical.
+// Each expert is counted once in the global norm: by the rank whose block holds its slot.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -14,7 +19,7 @@
 #include "dist/comm_stats.h"
 #include "dist/communicator.h"
 #include "model/parameters.h"
-#include "moe/expert_placement.h"
+#include "moe/expert_slots.h"
 
 namespace moe::dist {
 
@@ -26,31 +31,36 @@ class ExpertOptimizer {
     std::vector<int> ids;
     int stage = 0;
   };
-  ExpertOptimizer(ParameterStore<float>& params, std::vector<Layer> layers, const ExpertPlacement& placement,
-                  int ep_rank, Communicator& expert_data_parallel, const OptimizerConfig& config, CommStats& stats);
+  // slots[l]: MoE layer l's slots (outlives this; migrate() before it changes).
+  // expert_data_parallel: the ranks with this EP rank; world: every rank (hinges).
+  ExpertOptimizer(ParameterStore<float>& params, std::vector<Layer> layers, const std::vector<ExpertSlots>& slots,
+                  int ep_rank, Communicator& expert_data_parallel, Communicator& world, const OptimizerConfig& config,
+                  CommStats& stats);
 
   void arm() { armed_ = true; }
   void on_stage(int stage);
   void finish();
 
-  // Per-expert clipping of the held experts (max_norm 0: none). Returns the largest
+  // Per-expert clipping of the window's experts (max_norm 0: none). Returns the largest
   // per-expert norm seen before clipping.
   double clip_experts(double max_norm);
+  // The squared norm of the experts whose slots lie in this rank's blocks (each expert of
+  // an EP group once).
   double sum_of_squares() const;
   void scale_gradients(float factor);
   void step(double lr);
-  // Every rank of the EP group gets every expert's current weights (broadcast from its holder).
+  // Every rank of the EP group gets every expert's current weights (broadcast from its
+  // slot's block rank).
   void gather_weights(Communicator& expert_parallel);
-  // Before the placement this optimizer reads changes to `next` (dynamic load balancing):
-  // each expert that changes rank takes its current weights and AdamW moments from its
-  // old holder to its new one. Collective over the EP group; the caller then assigns
-  // `next` to the placement.
-  void migrate(const ExpertPlacement& next, Communicator& expert_parallel);
+  // Before the slots this optimizer reads change to `next` (a re-placement): each expert
+  // that a rank newly holds takes its current weights (to every EP rank) and AdamW moments
+  // from its block rank. Collective over the EP group; the caller then assigns `next`.
+  void migrate(const std::vector<ExpertSlots>& next, Communicator& expert_parallel);
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
   // Checkpoints: every expert's moments into the single-process AdamW layout (id's moments
-  // start at moment_offset(id)), broadcast from the rank holding it (collective over the
-  // EP group); scatter_moments takes the held experts' back from such a layout.
+  // start at moment_offset(id)), broadcast from its block rank (collective over the EP
+  // group); scatter_moments takes the window's back from such a layout.
   void gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
                       std::vector<float>& m, std::vector<float>& v);
   void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
@@ -59,18 +69,22 @@ class ExpertOptimizer {
  private:
   struct LayerState {
     Layer layer;
-    std::vector<float> buffer;  // held experts' gradients, packed for the all-reduce
-    std::unique_ptr<Work> work;
-    std::vector<std::vector<float>> m, v;  // per id: held experts back to back
+    std::vector<int64_t> own, hinges;             // at on_stage: window experts summed over edp / the layer's hinges
+    std::vector<float> own_buffer, hinge_buffer;  // their gradients, packed for the sums
+    std::unique_ptr<Work> own_work, hinge_work;
+    std::vector<std::vector<std::vector<float>>> m, v;  // [id][expert]: the window's, empty for the others
   };
   int64_t per_expert(int id) const { return params_.numel(id) / params_.spec(id).shape[0]; }
+  void pack(const LayerState& layer, const std::vector<int64_t>& experts, std::vector<float>& buffer) const;
+  void unpack(const LayerState& layer, const std::vector<int64_t>& experts, const std::vector<float>& buffer);
   template <class F>
-  void for_held(const LayerState& layer, F&& f) const;  // f(id, expert, slot)
+  void for_window(size_t l, F&& f) const;  // f(id index, expert)
 
   ParameterStore<float>& params_;
-  const ExpertPlacement& placement_;
+  const std::vector<ExpertSlots>& slots_;
   int ep_rank_;
   Communicator& edp_;
+  Communicator& world_;
   OptimizerConfig config_;
   CommStats& stats_;
   std::vector<LayerState> layers_;

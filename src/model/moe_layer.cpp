@@ -49,6 +49,7 @@ void MoELayer<T>::plan(Arena& saved, Arena& scratch, int64_t tokens) {
   scores_TE_ = saved.alloc_array<T>(T_ * E_);
   weight_TK_ = saved.alloc_array<T>(T_ * K_);
   expert_TK_ = saved.alloc_array<int32_t>(T_ * K_);
+  slot_TK_ = dispatcher_ ? saved.alloc_array<int32_t>(T_ * K_) : nullptr;
   row_TK_ = saved.alloc_array<int32_t>(T_ * K_);
   counts_E_ = saved.alloc_array<int32_t>(E_);
   offsets_E1_ = saved.alloc_array<int32_t>(E_ + 1);
@@ -94,15 +95,21 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
       stats.z_loss = z_loss_forward<T>(logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef);
   }
 
+  const int32_t* slot_TK = slots_of_assignments();
   rows_ = global_batch() && cfg_.capacity_factor > 0
-              ? assign_rows_global()
-              : assign_rows(row_TK_, counts_E_, offsets_E1_, token_of_row_R_, expert_TK_, T_, E_, K_, capacity_);
+              ? assign_rows_global(slot_TK)
+              : assign_rows(row_TK_, counts_E_, offsets_E1_, token_of_row_R_, slot_TK, T_, E_, K_, capacity_);
   stats.dropped = T_ * K_ - rows_;
   record_routing(stats.dropped);
-  permute_forward<T>(x_RD_, x_TD, token_of_row_R_, rows_, D_);
-  if (exchange_) experts_forward_exchanged();
-  else experts_forward_local();
-  combine_forward<T>(y_TD, y_RD_, weight_TK_, row_TK_, T_, K_, D_);
+  if (dispatcher_) {
+    stats.expert_rows = dispatcher_->forward(
+        y_TD, x_TD, HomeRouting<T>{T_, slot_TK, weight_TK_, row_TK_, counts_E_, offsets_E1_});
+  } else {
+    permute_forward<T>(x_RD_, x_TD, token_of_row_R_, rows_, D_);
+    experts_forward_local();
+    combine_forward<T>(y_TD, y_RD_, weight_TK_, row_TK_, T_, K_, D_);
+    stats.expert_rows = rows_;
+  }
   for (auto& ffn : shared_) ffn.forward(y_TD, x_TD, /*accumulate=*/true);
   return stats;
 }
@@ -126,39 +133,15 @@ void MoELayer<T>::experts_forward_local() {
   }
 }
 
-// The rows go to the ranks holding their experts; this rank computes what it receives
-// (rows of several source ranks for each of its experts) and sends the results back.
-template <typename T>
-void MoELayer<T>::experts_forward_exchanged() {
-  const int64_t received = exchange_->plan(counts_E_, offsets_E1_);
-  recv_x_RD_.resize(static_cast<size_t>(received * D_));
-  recv_y_RD_.resize(static_cast<size_t>(received * D_));
-  for (auto* v : {&recv_gate_RF_, &recv_up_RF_, &recv_act_RF_}) v->resize(static_cast<size_t>(received * F_));
-  const T* w1 = params_.value(w1_);
-  const T* w3 = params_.value(w3_);
-  const T* w2 = params_.value(w2_);
-  exchange_->run(x_RD_, recv_x_RD_.data(), recv_y_RD_.data(), y_RD_, D_, sizeof(T), [&](int chunk) {
-    for (const ExpertSegment& seg : exchange_->segments(chunk)) {
-      if (seg.count == 0) continue;
-      const int64_t e = seg.expert, r = seg.row, n = seg.count;
-      T* gate = recv_gate_RF_.data() + r * F_;
-      T* up = recv_up_RF_.data() + r * F_;
-      T* act = recv_act_RF_.data() + r * F_;
-      const T* x = recv_x_RD_.data() + r * D_;
-      linear_forward<T>(gate, x, w1 + e * F_ * D_, nullptr, n, D_, F_);
-      linear_forward<T>(up, x, w3 + e * F_ * D_, nullptr, n, D_, F_);
-      swiglu_forward<T>(act, gate, up, n * F_);
-      linear_forward<T>(recv_y_RD_.data() + r * D_, act, w2 + e * D_ * F_, nullptr, n, F_, D_);
-    }
-  });
-}
-
 template <typename T>
 void MoELayer<T>::backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_scale) {
-  combine_backward<T>(dy_RD_, dweight_TK_, dy_TD, y_RD_, weight_TK_, row_TK_, T_, K_, D_);
-  if (exchange_) experts_backward_exchanged();
-  else experts_backward_local();
-  permute_backward<T>(dx_TD, dx_RD_, row_TK_, T_, K_, D_, /*accumulate=*/false);
+  if (dispatcher_) {
+    dispatcher_->backward(dx_TD, dweight_TK_, dy_TD);
+  } else {
+    combine_backward<T>(dy_RD_, dweight_TK_, dy_TD, y_RD_, weight_TK_, row_TK_, T_, K_, D_);
+    experts_backward_local();
+    permute_backward<T>(dx_TD, dx_RD_, row_TK_, T_, K_, D_, /*accumulate=*/false);
+  }
 
   // Router: combine weights -> scores (+ aux loss) -> logits (+ z loss) -> x.
   router_select_backward<T>(dscores_TE_, dweight_TK_, expert_TK_, scores_TE_, T_, E_, K_,
@@ -203,39 +186,6 @@ void MoELayer<T>::experts_backward_local() {
     linear_backward<T>(dx_RD_ + first * D_, dw3 + e * F_ * D_, nullptr, dup_RF_ + first * F_,
                        x_RD_ + first * D_, w3 + e * F_ * D_, count, D_, F_, /*accumulate_dx=*/true);
   }
-}
-
-// Mirrors experts_forward_exchanged: output gradients go out with the forward's layout,
-// the expert rank computes input and weight gradients, the input gradients come back.
-template <typename T>
-void MoELayer<T>::experts_backward_exchanged() {
-  const int64_t received = static_cast<int64_t>(recv_x_RD_.size()) / D_;
-  recv_dy_RD_.resize(static_cast<size_t>(received * D_));
-  recv_dx_RD_.resize(static_cast<size_t>(received * D_));
-  for (auto* v : {&recv_dact_RF_, &recv_dgate_RF_, &recv_dup_RF_}) v->resize(static_cast<size_t>(received * F_));
-  const T* w1 = params_.value(w1_);
-  const T* w3 = params_.value(w3_);
-  const T* w2 = params_.value(w2_);
-  T* dw1 = params_.grad(w1_);
-  T* dw3 = params_.grad(w3_);
-  T* dw2 = params_.grad(w2_);
-  exchange_->run(dy_RD_, recv_dy_RD_.data(), recv_dx_RD_.data(), dx_RD_, D_, sizeof(T), [&](int chunk) {
-    for (const ExpertSegment& seg : exchange_->segments(chunk)) {
-      if (seg.count == 0) continue;
-      const int64_t e = seg.expert, r = seg.row, n = seg.count;
-      T* dact = recv_dact_RF_.data() + r * F_;
-      T* dgate = recv_dgate_RF_.data() + r * F_;
-      T* dup = recv_dup_RF_.data() + r * F_;
-      const T* x = recv_x_RD_.data() + r * D_;
-      T* dx = recv_dx_RD_.data() + r * D_;
-      linear_backward<T>(dact, dw2 + e * D_ * F_, nullptr, recv_dy_RD_.data() + r * D_,
-                         recv_act_RF_.data() + r * F_, w2 + e * D_ * F_, n, F_, D_);
-      swiglu_backward<T>(dgate, dup, dact, recv_gate_RF_.data() + r * F_, recv_up_RF_.data() + r * F_, n * F_);
-      linear_backward<T>(dx, dw1 + e * F_ * D_, nullptr, dgate, x, w1 + e * F_ * D_, n, D_, F_);
-      linear_backward<T>(dx, dw3 + e * F_ * D_, nullptr, dup, x, w3 + e * F_ * D_, n, D_, F_,
-                         /*accumulate_dx=*/true);
-    }
-  });
 }
 
 // router.cpp's guard for sigmoid score sums.
@@ -300,15 +250,16 @@ void MoELayer<T>::global_aux_backward(double loss_scale) {
 // assign_rows with capacity over the global micro-batch: an assignment is kept iff fewer
 // than `capacity_` assignments to its expert come before it in the global order (global
 // sequences b * N + r, then (t, k) inside a sequence), as the single-process run decides.
-// The ranks share their assignments per (sequence, expert).
+// The ranks share their assignments per (sequence, expert). Slots are a relabelling of the
+// experts (the same on every rank), so counting by slot keeps the same assignments.
 template <typename T>
-int64_t MoELayer<T>::assign_rows_global() {
+int64_t MoELayer<T>::assign_rows_global(const int32_t* slot_TK) {
   MOE_CHECK(T_ % S_ == 0, "a data-parallel MoE layer needs whole sequences: {} tokens, sequence length {}", T_, S_);
   const int64_t N = batch_->size(), me = batch_->rank(), B = T_ / S_;
   const auto E = static_cast<size_t>(E_);
   std::vector<int64_t> counts_BE(static_cast<size_t>(B) * E, 0);
   for (int64_t i = 0; i < T_ * K_; ++i) {
-    const int32_t e = expert_TK_[i];
+    const int32_t e = slot_TK[i];
     MOE_CHECK(e >= 0 && e < E_, "expert index {} at token {} is outside [0, {})", e, i / K_, E_);
     ++counts_BE[static_cast<size_t>(i / K_ / S_) * E + static_cast<size_t>(e)];
   }
@@ -327,7 +278,7 @@ int64_t MoELayer<T>::assign_rows_global() {
   for (int64_t i = 0; i < T_ * K_; ++i) {
     const int64_t b = i / K_ / S_;
     if (i % (S_ * K_) == 0) std::fill(within.begin(), within.end(), 0);  // a new sequence
-    const int32_t e = expert_TK_[i];
+    const int32_t e = slot_TK[i];
     const bool kept = before_BE[static_cast<size_t>(b) * E + static_cast<size_t>(e)] + within[static_cast<size_t>(e)] < capacity_;
     ++within[static_cast<size_t>(e)];
     row_TK_[i] = kept ? counts_E_[e]++ : -1;
@@ -336,15 +287,42 @@ int64_t MoELayer<T>::assign_rows_global() {
   for (int64_t e = 0; e < E_; ++e) offsets_E1_[e + 1] = offsets_E1_[e] + counts_E_[e];
   for (int64_t i = 0; i < T_ * K_; ++i) {
     if (row_TK_[i] < 0) continue;
-    row_TK_[i] += offsets_E1_[expert_TK_[i]];
+    row_TK_[i] += offsets_E1_[slot_TK[i]];
     token_of_row_R_[row_TK_[i]] = static_cast<int32_t>(i / K_);
   }
   return offsets_E1_[E_];
 }
 
 template <typename T>
+void MoELayer<T>::set_parallel(MoEBatchGroup* batch, ExpertExchange* exchange, const ExpertSlots* slots) {
+  batch_ = batch;
+  slots_ = slots;
+  dispatcher_.reset();
+  if (exchange == nullptr) return;
+  MOE_CHECK(slots != nullptr && slots->n_experts() == E_, "MoE layer {}: expert parallelism without slots for its {} experts",
+            prefix_, E_);
+  dispatcher_ = std::make_unique<ExpertParallelDispatcher<T>>(params_, ExpertWeightIds{w1_, w3_, w2_}, D_, F_, K_,
+                                                              *exchange, *slots);
+}
+
+template <typename T>
+const int32_t* MoELayer<T>::slots_of_assignments() {
+  slot_of_expert_.clear();
+  if (!dispatcher_ || slots_in_expert_order(*slots_)) return expert_TK_;
+  MOE_CHECK(slot_TK_ != nullptr, "MoE layer {}: set_parallel after plan()", prefix_);
+  slot_of_expert_ = slot_of_expert(*slots_);
+  for (int64_t i = 0; i < T_ * K_; ++i) {
+    const int32_t e = expert_TK_[i];
+    MOE_CHECK(e >= 0 && e < E_, "expert index {} at token {} is outside [0, {})", e, i / K_, E_);
+    slot_TK_[i] = slot_of_expert_[static_cast<size_t>(e)];
+  }
+  return slot_TK_;
+}
+
+template <typename T>
 void MoELayer<T>::record_routing(int64_t dropped) {
-  for (int64_t e = 0; e < E_; ++e) routing_.kept_E[static_cast<size_t>(e)] += counts_E_[e];
+  for (int64_t e = 0; e < E_; ++e)
+    routing_.kept_E[static_cast<size_t>(e)] += counts_E_[slot_of_expert_.empty() ? e : slot_of_expert_[static_cast<size_t>(e)]];
   routing_.dropped += dropped;
   routing_.tokens += T_;
   // O(T*E), small next to the expert matmuls.

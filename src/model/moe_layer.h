@@ -3,12 +3,13 @@
 // permute into expert-contiguous rows -> SwiGLU experts -> weighted combine, plus
 // shared experts that every token goes through. Adds the aux and z losses.
 #pragma once
-#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/arena.h"
 #include "config/model_config.h"
+#include "model/expert_parallel_dispatcher.h"
 #include "model/ffn.h"
 #include "model/parameters.h"
 
@@ -19,6 +20,7 @@ struct MoEForwardStats {
   double aux_loss = 0;   // already multiplied by its coefficient
   double z_loss = 0;     // already multiplied by its coefficient
   int64_t dropped = 0;   // assignments dropped by capacity
+  int64_t expert_rows = 0;  // rows this rank's experts computed (expert parallelism: its window's share)
 };
 
 // Routing measurements accumulated over forwards since reset_load(), for metrics.
@@ -34,7 +36,7 @@ struct MoERoutingStats {
 // is exactly the micro-batch of a single-process run with size() times the micro-batch
 // (the sliced loaders read sequences k * world + r). The aux loss, the z-loss and capacity
 // dropping are computed over the global micro-batch, so N ranks reproduce that run.
-// Implemented over a communicator in src/dist/expert_parallel.h.
+// Implemented over a communicator in src/dist/expert_exchange.h.
 class MoEBatchGroup {
  public:
   virtual ~MoEBatchGroup() = default;
@@ -44,32 +46,6 @@ class MoEBatchGroup {
   virtual void sum(double* values, int64_t count) = 0;
   // all gets size() * count values: rank 0's first.
   virtual void all_gather(const int64_t* values, int64_t count, int64_t* all) = 0;
-};
-
-// Rows this rank computes for expert `expert`: rows [row, row + count) of the received rows.
-struct ExpertSegment {
-  int64_t expert = 0;
-  int64_t row = 0;
-  int64_t count = 0;
-};
-
-// Expert parallelism: sends each expert's rows to the rank holding the expert and brings
-// the results back (all-to-all with per-peer counts, in chunks whose exchange overlaps the
-// compute of others). One per MoE layer: plan() is remembered for the layer's backward.
-class ExpertExchange {
- public:
-  virtual ~ExpertExchange() = default;
-  // This rank's rows per expert (rows of expert e are [offsets_E1[e], offsets_E1[e+1]) in
-  // the layer's layout). Exchanges the counts; returns how many rows this rank receives.
-  virtual int64_t plan(const int32_t* counts_E, const int32_t* offsets_E1) = 0;
-  virtual int chunks() const = 0;
-  // The received rows of chunk c, by expert held here.
-  virtual const std::vector<ExpertSegment>& segments(int chunk) const = 0;
-  // Sends rows of in_RD (layer layout, `width` values of `elem_bytes` each) into recv_RD
-  // (received layout), calls compute(c) once chunk c has arrived (it must fill result_RD's
-  // rows of chunk c), and returns result_RD's rows to out_RD (layer layout).
-  virtual void run(const void* in_RD, void* recv_RD, const void* result_RD, void* out_RD, int64_t width,
-                   size_t elem_bytes, const std::function<void(int chunk)>& compute) = 0;
 };
 
 template <typename T>
@@ -93,12 +69,11 @@ class MoELayer {
   std::vector<float>& balance_bias_E() { return bias_E_; }
   const std::string& prefix() const { return prefix_; }
   int64_t n_experts() const { return E_; }
-  // Distributed runs: the global micro-batch's ranks (aux loss, z-loss, capacity) and the
-  // exchange of rows with the ranks holding the experts; either may be null. Set before plan().
-  void set_parallel(MoEBatchGroup* batch, ExpertExchange* exchange) {
-    batch_ = batch;
-    exchange_ = exchange;
-  }
+  // Distributed runs: the global micro-batch's ranks (aux loss, z-loss, capacity), and
+  // with expert parallelism the exchange with the EP ranks and this layer's slots (read at
+  // every forward: a re-placement between steps changes them in place). Null: none. Set
+  // before plan().
+  void set_parallel(MoEBatchGroup* batch, ExpertExchange* exchange = nullptr, const ExpertSlots* slots = nullptr);
   // Replaces the accumulated load (the data-parallel sum, before the balancing update).
   void set_load(const std::vector<int64_t>& load_E) { load_E_ = load_E; }
 
@@ -108,12 +83,12 @@ class MoELayer {
   // Aux and z losses over the global micro-batch (forward values; saves f_E for backward).
   void global_router_losses(MoEForwardStats& stats);
   void global_aux_backward(double loss_scale);
-  // Capacity dropping by position in the global micro-batch.
-  int64_t assign_rows_global();
+  // Capacity dropping by position in the global micro-batch, rows by slot.
+  int64_t assign_rows_global(const int32_t* slot_TK);
+  // The slot of each assignment: the expert itself, or through the layer's slot table.
+  const int32_t* slots_of_assignments();
   void experts_forward_local();
   void experts_backward_local();
-  void experts_forward_exchanged();
-  void experts_backward_exchanged();
 
   ParameterStore<T>& params_;
   MoEConfig cfg_;
@@ -126,15 +101,15 @@ class MoELayer {
   std::vector<float> bias_E_;         // selection bias (not a parameter: no gradient)
   std::vector<T> bias_T_;             // bias_E_ in the layer's type, for router_select
   MoEBatchGroup* batch_ = nullptr;
-  ExpertExchange* exchange_ = nullptr;
+  const ExpertSlots* slots_ = nullptr;
+  std::unique_ptr<ExpertParallelDispatcher<T>> dispatcher_;  // expert parallelism
   std::vector<double> global_fraction_E_;  // global aux loss: assignment fractions, for backward
-  // Expert parallelism: the rows this rank received and computed, saved for backward.
-  std::vector<T> recv_x_RD_, recv_gate_RF_, recv_up_RF_, recv_act_RF_, recv_y_RD_;
-  std::vector<T> recv_dy_RD_, recv_dact_RF_, recv_dgate_RF_, recv_dup_RF_, recv_dx_RD_;
-  // Saved from forward.
+  std::vector<int32_t> slot_of_expert_;    // expert parallelism: this forward's slot table
+  // Saved from forward. Rows are laid out by slot (the expert itself without expert
+  // parallelism): counts_E_ and offsets_E1_ are per slot.
   T *logits_TE_ = nullptr, *scores_TE_ = nullptr, *weight_TK_ = nullptr;
-  int32_t *expert_TK_ = nullptr, *row_TK_ = nullptr, *counts_E_ = nullptr, *offsets_E1_ = nullptr,
-          *token_of_row_R_ = nullptr;
+  int32_t *expert_TK_ = nullptr, *slot_TK_ = nullptr, *row_TK_ = nullptr, *counts_E_ = nullptr,
+          *offsets_E1_ = nullptr, *token_of_row_R_ = nullptr;
   T *x_RD_ = nullptr, *gate_RF_ = nullptr, *up_RF_ = nullptr, *act_RF_ = nullptr, *y_RD_ = nullptr;
   // Scratch for backward.
   T *dy_RD_ = nullptr, *dweight_TK_ = nullptr, *dact_RF_ = nullptr, *dgate_RF_ = nullptr,

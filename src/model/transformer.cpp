@@ -176,11 +176,13 @@ int Transformer<T>::backward_stage_of(const std::string& name) const {
 }
 
 template <typename T>
-void Transformer<T>::set_moe_parallel(MoEBatchGroup* batch, const std::vector<ExpertExchange*>& exchanges) {
+void Transformer<T>::set_moe_parallel(MoEBatchGroup* batch, const std::vector<ExpertExchange*>& exchanges,
+                                      const std::vector<const ExpertSlots*>& slots) {
   auto layers = moe_layers();
-  MOE_CHECK(exchanges.empty() || exchanges.size() == layers.size(), "{} expert exchanges for {} MoE layers",
-            exchanges.size(), layers.size());
-  for (size_t i = 0; i < layers.size(); ++i) layers[i]->set_parallel(batch, exchanges.empty() ? nullptr : exchanges[i]);
+  MOE_CHECK(exchanges.empty() || (exchanges.size() == layers.size() && slots.size() == layers.size()),
+            "{} expert exchanges and {} slot tables for {} MoE layers", exchanges.size(), slots.size(), layers.size());
+  for (size_t i = 0; i < layers.size(); ++i)
+    layers[i]->set_parallel(batch, exchanges.empty() ? nullptr : exchanges[i], exchanges.empty() ? nullptr : slots[i]);
 }
 
 template <typename T>

@@ -60,9 +60,10 @@ class Transformer {
   const ParameterStore<T>& params() const { return params_; }
   const ModelConfig& config() const { return config_; }
   std::vector<MoELayer<T>*> moe_layers();
-  // Data and expert parallelism for every MoE layer (exchanges[i] for the i-th MoE layer;
-  // empty: none). Call plan() afterwards.
-  void set_moe_parallel(MoEBatchGroup* batch, const std::vector<ExpertExchange*>& exchanges);
+  // Data and expert parallelism for every MoE layer (exchanges[i] and slots[i] for the i-th
+  // MoE layer; empty: none). Call plan() afterwards.
+  void set_moe_parallel(MoEBatchGroup* batch, const std::vector<ExpertExchange*>& exchanges,
+                        const std::vector<const ExpertSlots*>& slots = {});
   // Bytes of the planned activation and scratch arenas.
   size_t activation_bytes() const;
 

@@ -1,8 +1,8 @@
 // Which EP rank computes which expert: ExpertPlacement (whole experts, data that may change
-// between steps), the split-expert ("hinge") placements of the GPU path and the per-layer
-// re-placement by load. Pure functions of loads and sizes: every rank given the same
-// loads computes the same placement. The slots and cuts of one micro-batch's exchange
-// are in moe/token_exchange.h.
+// between steps), the split-expert ("hinge") placements and the per-layer re-placement by
+// load, for the CPU and the GPU path alike. Pure functions of loads and sizes: every rank
+// given the same loads computes the same placement. One layer's result as slots:
+// moe/expert_slots.h; the cuts of one micro-batch's exchange: moe/token_exchange.h.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -43,7 +43,7 @@ class ExpertPlacement {
   std::vector<std::vector<int64_t>> experts_of_;
 };
 
-// Split experts (GPU, moe/token_exchange.h): blocks of experts per EP rank in which the
+// Split experts (moe/token_exchange.h): blocks of experts per EP rank in which the
 // first expert of every block but the first is a hinge, also computed by the rank before,
 // the boundary between the two moving inside it with each micro-batch's load. The
 // hinges are the heaviest experts (of the group whose block they start, with `groups`);
@@ -61,7 +61,7 @@ std::vector<std::vector<int64_t>> hinged_placement(const std::vector<int64_t>& l
 std::vector<int64_t> split_rank_loads(const std::vector<int64_t>& load_E,
                                       const std::vector<std::vector<int64_t>>& experts_of_rank, bool split);
 
-// Per-layer re-placement (the GPU's dynamic load balancing: each MoE layer has its own
+// Per-layer re-placement (dynamic load balancing, CPU and GPU: each MoE layer has its own
 // slots): for every layer, the balanced placement of its load since the last placement
 // (ExpertPlacement::balanced with `groups` and `max_per_rank`, or hinged_placement with
 // `split`) where that lowers the busiest rank's load, else the layer's current placement

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "moe/dispatch.h"
 
 namespace moe {
 
@@ -121,8 +122,9 @@ void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* rank_TK, in
   }
 }
 
-void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
-                  const int32_t* rank_TK, const int32_t* slot_TK, const float* weight_TK,
+template <typename W>
+void pack_routing(int32_t* slot_UK, W* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
+                  const int32_t* rank_TK, const int32_t* slot_TK, const W* weight_TK,
                   const int32_t* slot_bounds_P1, int64_t T, int64_t K, int P) {
   for_each_block_row(pos_TP, tokens_P, T, P, [&](int64_t t, int p, int64_t u) {
     for (int64_t k = 0; k < K; ++k) {
@@ -144,19 +146,77 @@ void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P,
   }
 }
 
-void scatter_token_rows(float* dst_UD, const float* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+template <typename T>
+void scatter_token_rows(T* dst_UD, const T* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T_,
                         int P, int64_t D) {
-  for_each_block_row(pos_TP, tokens_P, T, P, [&](int64_t t, int, int64_t u) {
+  for_each_block_row(pos_TP, tokens_P, T_, P, [&](int64_t t, int, int64_t u) {
     for (int64_t d = 0; d < D; ++d) dst_UD[u * D + d] = src_TD[t * D + d];
   });
 }
 
-void sum_token_rows(float* dst_TD, const float* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
-                    int P, int64_t D) {
-  std::fill(dst_TD, dst_TD + T * D, 0.0f);
-  for_each_block_row(pos_TP, tokens_P, T, P, [&](int64_t t, int, int64_t u) {
+template <typename T>
+void sum_token_rows(T* dst_TD, const T* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T_, int P,
+                    int64_t D) {
+  std::fill(dst_TD, dst_TD + T_ * D, T(0));
+  for_each_block_row(pos_TP, tokens_P, T_, P, [&](int64_t t, int, int64_t u) {
     for (int64_t d = 0; d < D; ++d) dst_TD[t * D + d] += src_UD[u * D + d];  // ranks in order for each token
   });
 }
+
+ReceivedRows lay_out_received(const int32_t* slot_UK, const std::vector<int32_t>& tokens_P, int64_t L, int64_t K,
+                              int64_t chunks) {
+  MOE_CHECK(L >= 0 && K >= 1 && chunks >= 1, "received rows: L={} K={} chunks={}", L, K, chunks);
+  const size_t P = tokens_P.size();
+  std::vector<int64_t> start(P + 1, 0);
+  for (size_t p = 0; p < P; ++p) start[p + 1] = start[p] + tokens_P[p];
+  const int64_t U = start[P];
+  ReceivedRows out;
+  out.row_UK.assign(static_cast<size_t>(U * K), -1);
+  out.rows_L.assign(static_cast<size_t>(L), 0);
+  out.offsets_CL1.assign(static_cast<size_t>(chunks * (L + 1)), 0);
+  std::vector<int32_t> slot, row, counts(static_cast<size_t>(L)), offsets(static_cast<size_t>(L) + 1), token;
+  std::vector<int64_t> u_of;  // the chunk's i-th token: its u
+  int32_t first_row = 0;      // where chunk c's rows start
+  for (int64_t c = 0; c < chunks; ++c) {
+    slot.clear();
+    u_of.clear();
+    for (size_t p = 0; p < P; ++p) {
+      const auto [lo, hi] = chunk_of_block(tokens_P[p], c, chunks);
+      for (int64_t u = start[p] + lo; u < start[p] + hi; ++u) {
+        u_of.push_back(u);
+        slot.insert(slot.end(), slot_UK + u * K, slot_UK + (u + 1) * K);
+      }
+    }
+    const auto n = static_cast<int64_t>(u_of.size());
+    int32_t* chunk_offsets = out.offsets_CL1.data() + c * (L + 1);
+    if (L == 0 || n == 0) {  // a window without slots receives nothing
+      std::fill(chunk_offsets, chunk_offsets + L + 1, first_row);
+      continue;
+    }
+    row.resize(static_cast<size_t>(n * K));
+    token.resize(static_cast<size_t>(n * K));
+    const int64_t rows =
+        assign_rows(row.data(), counts.data(), offsets.data(), token.data(), slot.data(), n, L, K, n * K);
+    for (int64_t l = 0; l <= L; ++l) chunk_offsets[l] = first_row + offsets[static_cast<size_t>(l)];
+    for (int64_t l = 0; l < L; ++l) out.rows_L[static_cast<size_t>(l)] += counts[static_cast<size_t>(l)];
+    for (int64_t i = 0; i < n * K; ++i)
+      if (row[static_cast<size_t>(i)] >= 0)
+        out.row_UK[static_cast<size_t>(u_of[static_cast<size_t>(i / K)] * K + i % K)] = first_row + row[static_cast<size_t>(i)];
+    for (int64_t r = 0; r < rows; ++r)
+      out.token_of_row_R.push_back(static_cast<int32_t>(u_of[static_cast<size_t>(token[static_cast<size_t>(r)])]));
+    first_row += static_cast<int32_t>(rows);
+  }
+  return out;
+}
+
+template void pack_routing<float>(int32_t*, float*, const int32_t*, const int32_t*, const int32_t*, const int32_t*,
+                                  const float*, const int32_t*, int64_t, int64_t, int);
+template void pack_routing<double>(int32_t*, double*, const int32_t*, const int32_t*, const int32_t*, const int32_t*,
+                                   const double*, const int32_t*, int64_t, int64_t, int);
+template void scatter_token_rows<float>(float*, const float*, const int32_t*, const int32_t*, int64_t, int, int64_t);
+template void scatter_token_rows<double>(double*, const double*, const int32_t*, const int32_t*, int64_t, int,
+                                         int64_t);
+template void sum_token_rows<float>(float*, const float*, const int32_t*, const int32_t*, int64_t, int, int64_t);
+template void sum_token_rows<double>(double*, const double*, const int32_t*, const int32_t*, int64_t, int, int64_t);
 
 }  // namespace moe

@@ -1,4 +1,4 @@
-// Expert parallelism without duplicate rows (the GPU path's exchange plan). A token goes
+// Expert parallelism without duplicate rows (the exchange plan of the CPU and GPU paths). A token goes
 // once to each EP rank that computes at least one of its kept assignments, with its K
 // routing entries (the slot on that rank or -1, and the combine weight). That rank lays
 // out the rows (assign_rows, -1 = elsewhere), runs its experts and sends back one row per
@@ -20,9 +20,11 @@
 // slots; a boundary inside a hinge slot divides that slot's rows at every home rank in
 // the same proportion (rows in their layout order: the first share to the lower rank).
 //
-// These are the CPU references of the kernels in kernels/cuda/token_exchange.cu.
+// These are the CPU references of the kernels in moe/cuda/token_exchange.cu, and the CPU
+// path's exchange (model/expert_parallel_dispatcher.h) runs on them.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #ifndef MOE_HOST_DEVICE
@@ -77,9 +79,10 @@ void token_blocks(int32_t* pos_TP, int32_t* tokens_P, const int32_t* rank_TK, in
 
 // The routing sent with the tokens, one row of K per block row: slot_UK the slot minus
 // slot_bounds_P1[p] (its place in rank p's window) for the token's assignments going to
-// rank p, else -1; weight_UK the combine weights.
-void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
-                  const int32_t* rank_TK, const int32_t* slot_TK, const float* weight_TK,
+// rank p, else -1; weight_UK the combine weights. (W: float, or the CPU model's type.)
+template <typename W>
+void pack_routing(int32_t* slot_UK, W* weight_UK, const int32_t* pos_TP, const int32_t* tokens_P,
+                  const int32_t* rank_TK, const int32_t* slot_TK, const W* weight_TK,
                   const int32_t* slot_bounds_P1, int64_t T, int64_t K, int P);
 
 // What each rank learns before the exchange: per peer p, the rows it gets of each slot of
@@ -88,13 +91,37 @@ void pack_routing(int32_t* slot_UK, float* weight_UK, const int32_t* pos_TP, con
 void pack_counts(int32_t* out, const int32_t* counts_E, const int32_t* tokens_P, const int32_t* slot_bounds_P1,
                  const int32_t* window_end_P, const int32_t* cut_P1, int P);
 
-// dst_UD[block row of (t, p)] = src_TD[t] for every (t, p) with pos_TP >= 0.
-void scatter_token_rows(float* dst_UD, const float* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+// dst_UD[block row of (t, p)] = src_TD[t] for every (t, p) with pos_TP >= 0. (T: float,
+// or double for the CPU model in double.)
+template <typename T>
+void scatter_token_rows(T* dst_UD, const T* src_TD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T_,
                         int P, int64_t D);
 
 // dst_TD[t] = the sum over p = 0 .. P-1 of src_UD[block row of (t, p)] (0 where none),
-// added in rank order.
-void sum_token_rows(float* dst_TD, const float* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
-                    int P, int64_t D);
+// added in rank order, in T.
+template <typename T>
+void sum_token_rows(T* dst_TD, const T* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T_, int P,
+                    int64_t D);
+
+// Chunk c of C of a block of n token rows: rows [n c / C, n (c + 1) / C) of the block
+// (parallel.a2a_chunks on the CPU: chunk c of every block travels as one exchange).
+inline std::pair<int64_t, int64_t> chunk_of_block(int64_t n, int64_t c, int64_t C) {
+  return {n * c / C, n * (c + 1) / C};
+}
+
+// The receiving rank's rows for what it received: U tokens in blocks by source
+// (tokens_P[p] from source p, one after the other), their routing slot_UK (a slot of its
+// L-slot window, or -1). Chunk c of every source's block (chunk_of_block), source by
+// source, is laid out as assign_rows lays out one block without capacity: rows by slot,
+// each slot's rows in that token order; chunk c's rows follow chunk c - 1's. With one
+// chunk this is assign_rows over all U tokens: the GPU's layout.
+struct ReceivedRows {
+  std::vector<int32_t> row_UK;          // each received assignment's row (-1: another rank's slot)
+  std::vector<int32_t> token_of_row_R;  // the received token u of each row
+  std::vector<int32_t> offsets_CL1;     // chunk c, slot l: rows [offsets_CL1[c (L+1) + l], offsets_CL1[c (L+1) + l + 1])
+  std::vector<int64_t> rows_L;          // rows of each slot, over all chunks
+};
+ReceivedRows lay_out_received(const int32_t* slot_UK, const std::vector<int32_t>& tokens_P, int64_t L, int64_t K,
+                              int64_t chunks);
 
 }  // namespace moe

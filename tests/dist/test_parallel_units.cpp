@@ -1,13 +1,13 @@
 // The pieces of data and expert parallelism that run in one process (label cpu): expert
 // placement, per-rank data slices and the MoE layer's global-micro-batch statistics (aux
-// loss, z-loss, capacity) with ranks simulated by threads. ZeRO-1: test_zero_optimizer.cpp;
-// training across real ranks: test_parallel_mpi_training.cpp (label mpi).
+// loss, z-loss, capacity) with ranks simulated by threads (tests/model/thread_ranks.h).
+// ZeRO-1: test_zero_optimizer.cpp; training across real ranks: test_parallel_mpi_training.cpp
+// (label mpi).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <random>
 
-#include <barrier>
 #include <optional>
 #include <thread>
 
@@ -17,7 +17,9 @@
 #include "train/backends/parallel_cpu_backend.h"
 #include "dist/single_communicator.h"
 #include "model/moe_layer.h"
+#include "moe/expert_placement.h"
 #include "train/synthetic.h"
+#include "model/thread_ranks.h"
 
 namespace moe {
 namespace {
@@ -190,43 +192,6 @@ TEST(RankSlicedSource, RanksReadDisjointSlicesOfTheOneStream) {
   }
 }
 
-// Ranks simulated by threads: sums and gathers meet at a barrier, summed in rank order.
-class ThreadBatch {
- public:
-  explicit ThreadBatch(int ranks) : ranks_(ranks), sync_(ranks), doubles_(ranks), ints_(ranks) {}
-
-  class Member final : public MoEBatchGroup {
-   public:
-    Member(ThreadBatch& batch, int rank) : batch_(batch), rank_(rank) {}
-    int size() const override { return batch_.ranks_; }
-    int rank() const override { return rank_; }
-    void sum(double* values, int64_t count) override {
-      batch_.doubles_[rank_].assign(values, values + count);
-      batch_.sync_.arrive_and_wait();
-      std::vector<double> total(static_cast<size_t>(count), 0.0);
-      for (const auto& part : batch_.doubles_)
-        for (int64_t i = 0; i < count; ++i) total[i] += part[i];
-      batch_.sync_.arrive_and_wait();
-      std::copy(total.begin(), total.end(), values);
-    }
-    void all_gather(const int64_t* values, int64_t count, int64_t* all) override {
-      batch_.ints_[rank_].assign(values, values + count);
-      batch_.sync_.arrive_and_wait();
-      for (int r = 0; r < batch_.ranks_; ++r) std::copy(batch_.ints_[r].begin(), batch_.ints_[r].end(), all + r * count);
-      batch_.sync_.arrive_and_wait();
-    }
-
-   private:
-    ThreadBatch& batch_;
-    int rank_;
-  };
-
- private:
-  int ranks_;
-  std::barrier<> sync_;
-  std::vector<std::vector<double>> doubles_;
-  std::vector<std::vector<int64_t>> ints_;
-};
 
 struct LayerRig {
   ParameterStore<double> params;
@@ -275,11 +240,11 @@ void expect_global_micro_batch(ScoreFunc score_func, double capacity_factor) {
   // The global row of a rank's local token.
   auto global_row = [&](int r, int64_t t) { return ((t / S) * N + r) * S + t % S; };
 
-  ThreadBatch batch(N);
-  std::vector<std::unique_ptr<ThreadBatch::Member>> members;
+  test::ThreadRanks batch(N);
+  std::vector<std::unique_ptr<test::ThreadRanks::Batch>> members;
   std::vector<std::unique_ptr<LayerRig>> rigs;
   for (int r = 0; r < N; ++r) {
-    members.push_back(std::make_unique<ThreadBatch::Member>(batch, r));
+    members.push_back(std::make_unique<test::ThreadRanks::Batch>(batch, r));
     rigs.push_back(std::make_unique<LayerRig>(config, T_local, members.back().get()));
   }
   std::vector<MoEForwardStats> got(N);

@@ -13,9 +13,9 @@ namespace moe::gpu_model {
 namespace {
 
 // Every expert on this rank: the rows are this rank's own, permuted by slot.
-class LocalDispatcher final : public ExpertDispatcher {
+class GpuLocalDispatcher final : public ExpertDispatcher {
  public:
-  LocalDispatcher(cudaStream_t stream, std::function<void(int)> mark) : stream_(stream), mark_(std::move(mark)) {}
+  GpuLocalDispatcher(cudaStream_t stream, std::function<void(int)> mark) : stream_(stream), mark_(std::move(mark)) {}
   int64_t plan(const DispatchShape& shape) override {
     shape_ = shape;
     return shape.max_rows;
@@ -53,14 +53,14 @@ class LocalDispatcher final : public ExpertDispatcher {
 // routing; the rows are laid out by local slot there (source by source, each source's in
 // token order: the order of one GPU's rows), the experts run, and each token's weighted
 // sum over its experts there comes back; the output is the sum of those in rank order.
-class ExpertParallelDispatcher final : public ExpertDispatcher {
+class GpuExpertParallelDispatcher final : public ExpertDispatcher {
  public:
-  ExpertParallelDispatcher(std::shared_ptr<GpuExpertExchange> exchange, cudaStream_t stream,
+  GpuExpertParallelDispatcher(std::shared_ptr<GpuExpertExchange> exchange, cudaStream_t stream,
                            std::function<void(int)> mark)
       : ep_(std::move(exchange)), stream_(stream), mark_(std::move(mark)) {
     MOE_CHECK(ep_ != nullptr, "expert-parallel dispatcher without an exchange");
   }
-  ~ExpertParallelDispatcher() override { free_host(); }
+  ~GpuExpertParallelDispatcher() override { free_host(); }
 
   int64_t plan(const DispatchShape& shape) override {
     shape_ = shape;
@@ -269,12 +269,12 @@ class ExpertParallelDispatcher final : public ExpertDispatcher {
 }  // namespace
 
 std::unique_ptr<ExpertDispatcher> make_local_dispatcher(cudaStream_t stream, std::function<void(int)> mark) {
-  return std::make_unique<LocalDispatcher>(stream, std::move(mark));
+  return std::make_unique<GpuLocalDispatcher>(stream, std::move(mark));
 }
 
 std::unique_ptr<ExpertDispatcher> make_expert_parallel_dispatcher(std::shared_ptr<GpuExpertExchange> exchange,
                                                                   cudaStream_t stream, std::function<void(int)> mark) {
-  return std::make_unique<ExpertParallelDispatcher>(std::move(exchange), stream, std::move(mark));
+  return std::make_unique<GpuExpertParallelDispatcher>(std::move(exchange), stream, std::move(mark));
 }
 
 }  // namespace moe::gpu_model

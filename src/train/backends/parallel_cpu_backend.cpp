@@ -7,7 +7,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <spdlog/spdlog.h>
+
 #include "core/error.h"
+#include "moe/expert_placement.h"
 
 namespace moe {
 using namespace dist;  // the process groups, exchanges and ZeRO this backend drives
@@ -20,23 +23,23 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, Transformer<floa
   const auto ep = static_cast<int>(pc.expert_parallel);
   if (world->size() % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the number of ranks ({})", ep, world->size());
-  if (pc.split_experts)
-    MOE_CONFIG_ERROR("parallel.split_experts is for GPU expert parallelism (training.device = cuda); the CPU path "
-                     "places whole experts");
   groups_ = make_process_groups(std::move(world), ep);
   batch_ = std::make_unique<BatchGroupOverComm>(*groups_.data_parallel, stats_);
   std::vector<ExpertExchange*> exchanges;
+  std::vector<const ExpertSlots*> slots;
   const auto moe_layers = model_.moe_layers();
   if (ep > 1) {
     a2a_ = make_all_to_all(pc.all_to_all, *groups_.expert_parallel, groups_);
-    placement_ = std::make_unique<ExpertPlacement>(ExpertPlacement::contiguous(config.model.moe.n_experts, ep));
+    // Equal blocks in expert order until a re-placement; never resized, so the layers'
+    // pointers stay valid.
+    slots_.assign(moe_layers.size(), equal_expert_slots(config.model.moe.n_experts, ep, pc.split_experts));
     for (size_t i = 0; i < moe_layers.size(); ++i) {
-      exchanges_.push_back(
-          std::make_unique<ExpertExchangeOverComm>(*a2a_, *placement_, static_cast<int>(pc.a2a_chunks), stats_));
+      exchanges_.push_back(std::make_unique<ExpertExchangeOverComm>(*a2a_, static_cast<int>(pc.a2a_chunks), stats_));
       exchanges.push_back(exchanges_.back().get());
+      slots.push_back(&slots_[i]);
     }
   }
-  model_.set_moe_parallel(batch_.get(), exchanges);
+  model_.set_moe_parallel(batch_.get(), exchanges, slots);
 
   // Expert weights go to the EP owners when EP > 1; everything else is ZeRO-sharded in the
   // GPU's layout: the router biases, which the GPU keeps whole for its fp32 copies, are
@@ -65,8 +68,8 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, Transformer<floa
   if (ep > 1) {
     std::vector<ExpertOptimizer::Layer> layers;
     for (const auto& group : group_order) layers.push_back({expert_ids[group], stage_of(expert_ids[group].front())});
-    experts_ = std::make_unique<ExpertOptimizer>(params, std::move(layers), *placement_, groups_.expert_parallel->rank(),
-                                                 *groups_.expert_data_parallel, config.optimizer, stats_);
+    experts_ = std::make_unique<ExpertOptimizer>(params, std::move(layers), slots_, groups_.expert_parallel->rank(),
+                                                 *groups_.expert_data_parallel, *groups_.world, config.optimizer, stats_);
   } else {
     expert_group_of_id_.assign(static_cast<size_t>(params.size()), -1);
     for (size_t g = 0; g < group_order.size(); ++g)
@@ -158,16 +161,27 @@ void ParallelCpuBackend::routing(StepStats& stats) {
     stats.load_imbalance = std::max(stats.load_imbalance, load_imbalance(global_load_[i]));
     stats.layers.push_back(std::move(r));
   }
-  if (placement_) {
-    for (int p = 0; p < placement_->ep_size(); ++p) {
+  // As the GPU backend: the experts EP rank p's block holds in any MoE layer, each with
+  // its load summed over the layers where p holds it.
+  if (!slots_.empty()) {
+    const int P = slots_.front().ep_size();
+    std::vector<std::vector<int64_t>> load_PE(static_cast<size_t>(P), std::vector<int64_t>(E, -1));
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const auto blocks = expert_blocks(slots_[i]);
+      for (size_t p = 0; p < blocks.size(); ++p)
+        for (int64_t e : blocks[p]) {
+          int64_t& load = load_PE[p][static_cast<size_t>(e)];
+          load = std::max<int64_t>(load, 0) + stats.layers[i].tokens_E[static_cast<size_t>(e)];
+        }
+    }
+    for (int p = 0; p < P; ++p) {
       RankLoad rank;
       rank.rank = p;
-      for (int64_t e : placement_->experts_of(p)) {
-        rank.experts.push_back(e);
-        int64_t load = 0;
-        for (const auto& layer : stats.layers) load += layer.tokens_E[static_cast<size_t>(e)];
-        rank.load.push_back(load);
-      }
+      for (size_t e = 0; e < E; ++e)
+        if (load_PE[static_cast<size_t>(p)][e] >= 0) {
+          rank.experts.push_back(static_cast<int64_t>(e));
+          rank.load.push_back(load_PE[static_cast<size_t>(p)][e]);
+        }
       stats.ranks.push_back(std::move(rank));
     }
   }
@@ -228,57 +242,81 @@ void ParallelCpuBackend::end_step() {
   if (experts_ && config_.parallel.rebalance_interval > 0) rebalance_experts();
 }
 
-// Dynamic load balancing: the global loads are the same on every rank, so every rank
-// computes the same placement; moved experts take their weights and moments along.
+// Dynamic load balancing, per MoE layer as on the GPU (GpuBackend::rebalance_experts):
+// the global loads are the same on every rank, so every rank computes the same slots;
+// experts that a rank newly holds take their weights and moments along.
 void ParallelCpuBackend::rebalance_experts() {
-  load_since_placement_.resize(static_cast<size_t>(config_.model.moe.n_experts), 0);
-  for (const auto& layer : global_load_)
-    for (size_t e = 0; e < layer.size(); ++e) load_since_placement_[e] += layer[e];
+  const auto E = static_cast<size_t>(config_.model.moe.n_experts);
+  if (load_since_placement_.size() != global_load_.size())
+    load_since_placement_.assign(global_load_.size(), std::vector<int64_t>(E, 0));
+  for (size_t l = 0; l < global_load_.size(); ++l)
+    for (size_t e = 0; e < E; ++e) load_since_placement_[l][e] += global_load_[l][e];
   if (++steps_since_placement_ < config_.parallel.rebalance_interval) return;
   // With node-first routing over groups that map onto blocks of EP ranks, experts stay in
   // their group's block (so a token still reaches only route_top_groups of them).
+  const int P = slots_.front().ep_size();
   const int64_t groups = config_.model.moe.route_groups;
-  const int ep = placement_->ep_size();
-  const bool grouped = groups > 1 && ep % groups == 0;
-  const ExpertPlacement next = ExpertPlacement::balanced(load_since_placement_, ep, grouped ? groups : 1,
-                                                         config_.parallel.rebalance_max_experts);
-  // Only a better spread is worth the moves (ties keep the experts where they are).
-  const auto now = placement_->rank_loads(load_since_placement_), then = next.rank_loads(load_since_placement_);
-  if (*std::max_element(then.begin(), then.end()) < *std::max_element(now.begin(), now.end())) {
-    experts_->migrate(next, *groups_.expert_parallel);
-    *placement_ = next;
+  const bool grouped = groups > 1 && P % groups == 0;
+  std::vector<std::vector<std::vector<int64_t>>> current;
+  for (const ExpertSlots& layer : slots_) current.push_back(expert_blocks(layer));
+  const LayerPlacements next = rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
+                                                config_.parallel.rebalance_max_experts, config_.parallel.split_experts);
+  if (next.moves) {
+    std::vector<ExpertSlots> placed;
+    for (const auto& blocks : next.experts_of_rank)
+      placed.push_back(expert_slots_from_blocks(blocks, config_.parallel.split_experts));
+    place_experts(placed);
+    if (rank() == 0)
+      spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {}",
+                   next.busiest_before, next.busiest_after);
   }
-  std::fill(load_since_placement_.begin(), load_since_placement_.end(), 0);
+  for (auto& layer : load_since_placement_) std::fill(layer.begin(), layer.end(), 0);
   steps_since_placement_ = 0;
+}
+
+void ParallelCpuBackend::place_experts(const std::vector<ExpertSlots>& next) {
+  experts_->migrate(next, *groups_.expert_parallel);
+  for (size_t l = 0; l < slots_.size(); ++l) slots_[l] = next[l];  // in place: the layers hold pointers
 }
 
 std::string ParallelCpuBackend::placement_state() const {
   if (!experts_ || config_.parallel.rebalance_interval <= 0) return {};
   nlohmann::json state;
-  state["ep_size"] = placement_->ep_size();
-  std::vector<int> rank_of_expert;
-  for (int64_t e = 0; e < placement_->n_experts(); ++e) rank_of_expert.push_back(placement_->rank_of(e));
-  state["rank_of_expert"] = rank_of_expert;
+  state["ep_size"] = slots_.front().ep_size();
+  nlohmann::json layers = nlohmann::json::array();
+  for (const ExpertSlots& layer : slots_) layers.push_back(expert_blocks(layer));
+  state["experts_of_rank"] = std::move(layers);
   state["steps_since_placement"] = steps_since_placement_;
   state["load_since_placement"] = load_since_placement_;
   return state.dump();
 }
 
-// After scatter_state (the contiguous blocks hold the checkpoint's values): the saved
-// placement's experts move to their ranks as a re-placement moves them.
+// After scatter_state (the equal blocks hold the checkpoint's values): the saved slots'
+// experts move to their ranks as a re-placement moves them. A record of another EP size
+// or layer count (or none) leaves the equal blocks.
 void ParallelCpuBackend::restore_placement(const std::string& text) {
   if (!experts_ || text.empty() || config_.parallel.rebalance_interval <= 0) return;
   const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
   MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
-  const auto rank_of_expert = state.value("rank_of_expert", std::vector<int>{});
-  if (state.value("ep_size", 0) != placement_->ep_size() ||
-      static_cast<int64_t>(rank_of_expert.size()) != placement_->n_experts())
-    return;  // another EP layout (or a GPU run's record): the contiguous blocks
-  const ExpertPlacement saved(rank_of_expert, placement_->ep_size());
-  experts_->migrate(saved, *groups_.expert_parallel);
-  *placement_ = saved;
+  const auto layers = state.value("experts_of_rank", std::vector<std::vector<std::vector<int64_t>>>{});
+  if (state.value("ep_size", 0) != slots_.front().ep_size() || layers.size() != slots_.size()) {
+    if (rank() == 0) spdlog::info("resume: the checkpoint's expert placement does not apply here (equal blocks)");
+    return;
+  }
+  std::vector<ExpertSlots> saved;
+  try {  // everything checked before anything moves
+    for (const auto& blocks : layers) {
+      saved.push_back(expert_slots_from_blocks(blocks, config_.parallel.split_experts));
+      MOE_CHECK(saved.back().n_experts() == config_.model.moe.n_experts, "{} experts placed, the model has {}",
+                saved.back().n_experts(), config_.model.moe.n_experts);
+    }
+  } catch (const Error& e) {
+    if (rank() == 0) spdlog::warn("resume: the checkpoint's expert placement does not fit ({}): equal blocks", e.what());
+    return;
+  }
+  place_experts(saved);
   steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
-  load_since_placement_ = state.value("load_since_placement", std::vector<int64_t>{});
+  load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
 }
 
 double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value); }

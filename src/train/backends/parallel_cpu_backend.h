@@ -1,14 +1,17 @@
 // The CPU model trained over several ranks: data parallelism with ZeRO-1 for the
-// replicated parameters (src/dist/zero_optimizer.h) and, with parallel.expert_parallel > 1, expert
-// parallelism (src/dist/expert_parallel.h, src/dist/parallel_experts.h). A ModelBackend,
-// so Trainer::train_step's one loop drives it.
+// replicated parameters (src/dist/zero_optimizer.h) and, with parallel.expert_parallel > 1,
+// expert parallelism on the GPU path's semantics (per MoE layer slots, each token once per
+// peer, partial combines, split experts: model/expert_parallel_dispatcher.h over
+// src/dist/expert_exchange.h; the experts' steps in src/dist/expert_optimizer.h). A
+// ModelBackend, so Trainer::train_step's one loop drives it.
 //
 // What "the same as one process" means here: N ranks with micro-batch B reproduce the
 // single-process run with micro-batch N x B and the same global batch (rank r's local
 // sequence b is sequence b * N + r of that run's micro-batch). Cross-entropy is weighted
 // so the sum over ranks is the mean over the global micro-batch's targets; the MoE layers
 // compute the aux loss, z-loss and capacity over the global micro-batch (MoEBatchGroup).
-// Only the order of floating-point sums differs.
+// Only the order of floating-point sums differs (with expert parallelism also how a
+// token's expert outputs are grouped into partial combines).
 #pragma once
 #include <memory>
 #include <vector>
@@ -34,7 +37,8 @@ class ParallelCpuBackend final : public ModelBackend {
 
   int rank() const { return groups_.world->rank(); }
   int world_size() const { return groups_.world->size(); }
-  const ExpertPlacement* placement() const { return placement_.get(); }
+  // Expert parallelism: each MoE layer's slots (empty without).
+  const std::vector<ExpertSlots>& expert_slots() const { return slots_; }
   const dist::ZeroOptimizer& zero() const { return *zero_; }
 
   BatchPlan plan_batches() override { return plan_host_batches(config_, model_); }
@@ -52,7 +56,8 @@ class ParallelCpuBackend final : public ModelBackend {
   void sync_host_model() override;
   void gather_state(AdamW& optimizer) override;
   void scatter_state(AdamW& optimizer) override;
-  // With re-placement: which rank holds each expert and the loads since the last placement.
+  // With re-placement: each MoE layer's experts per EP rank and the loads since the last
+  // placement (the GPU backend's record, so either resumes the other's).
   std::string placement_state() const override;
   void restore_placement(const std::string& state) override;
 
@@ -65,7 +70,7 @@ class ParallelCpuBackend final : public ModelBackend {
   dist::CommStats stats_;
   std::unique_ptr<dist::BatchGroupOverComm> batch_;
   std::unique_ptr<dist::AllToAll> a2a_;
-  std::unique_ptr<ExpertPlacement> placement_;
+  std::vector<ExpertSlots> slots_;  // per MoE layer; the layers and experts_ read them
   std::vector<std::unique_ptr<dist::ExpertExchangeOverComm>> exchanges_;
   std::unique_ptr<dist::ZeroOptimizer> zero_;
   std::unique_ptr<dist::ExpertOptimizer> experts_;  // expert_parallel > 1
@@ -73,11 +78,13 @@ class ParallelCpuBackend final : public ModelBackend {
   // needs their expert group per parameter id (-1: not an expert weight).
   std::vector<int> expert_group_of_id_;
   int64_t n_expert_groups_ = 0;
-  // parallel.rebalance_interval: the experts' load summed over the MoE layers since the
-  // last placement, and the steps since then.
-  std::vector<int64_t> load_since_placement_;
+  // parallel.rebalance_interval: each MoE layer's load per expert since the last
+  // placement, and the steps since then.
+  std::vector<std::vector<int64_t>> load_since_placement_;
   int64_t steps_since_placement_ = 0;
   void rebalance_experts();
+  // Moves the experts to `next` (weights, moments) and makes it the layers' slots.
+  void place_experts(const std::vector<ExpertSlots>& next);
   double ce_weight_ = 1;                            // this rank's share of the micro-batch's targets
   std::vector<std::vector<int64_t>> global_load_;   // per MoE layer: the step's load summed over ranks
 };

@@ -15,12 +15,12 @@
 #include "dist/communicator.h"
 #include "dist/cuda/gpu_data_parallel.h"
 #include "dist/cuda/gpu_expert_exchange.h"
-#include "dist/expert_exchange.h"
 #include "dist/gradient_stages.h"
 #include "dist/launch_env.h"
 #include "dist/zero_shards.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
+#include "moe/expert_placement.h"
 #include "moe/router.h"
 #include "optim/cuda/gpu_optimizer.h"
 

@@ -1,0 +1,105 @@
+// The routed experts of one MoE layer under expert parallelism on the CPU, with the GPU
+// path's semantics (docs/EXPERT_PARALLEL.md sections 2-4): each token goes once to every
+// EP rank computing at least one of its kept assignments, with its K routing entries
+// (slot in that rank's window or -1, combine weight); that rank lays out the rows of its
+// window's slots, runs their SwiGLU experts and returns one partial combine per token;
+// home adds the partials in rank order. Backward mirrors it. The planning is
+// moe/token_exchange.h's reference functions, so the CPU and the GPU kernels share one
+// oracle. The bytes travel through ExpertExchange (over a communicator in
+// dist/expert_exchange.h; over threads in the tests).
+//
+// Numerics: a partial combine is combine_forward over the rank's own entries (double
+// sums, k order, rounded to T once); home sums the partials in T in rank order
+// (sum_token_rows, as the GPU kernel sums in fp32). The partials travel in T, so a double
+// sum at home would only save the last P - 1 roundings, at the price of a second oracle.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "model/parameters.h"
+#include "moe/expert_slots.h"
+#include "moe/token_exchange.h"
+
+namespace moe {
+
+// Expert parallelism's transport over the EP group: all-to-alls of bytes packed by peer.
+// One per MoE layer.
+class ExpertExchange {
+ public:
+  virtual ~ExpertExchange() = default;
+  virtual int size() const = 0;  // EP ranks
+  virtual int rank() const = 0;
+  virtual int chunks() const = 0;  // parallel.a2a_chunks
+  // all = every EP rank's `count` values, rank 0's first (blocking).
+  virtual void all_gather(const int32_t* values, int64_t count, int32_t* all) = 0;
+  // send and recv packed by peer, sizes in bytes (blocking).
+  virtual void exchange(const void* send, const std::vector<int64_t>& send_bytes_P, void* recv,
+                        const std::vector<int64_t>& recv_bytes_P) = 0;
+  // Rows out and results back in chunks(): `send` holds a block of send_rows_P[p] rows for
+  // each peer p (one after the other), `recv` gets a block from each peer. Chunk c of every
+  // block (moe::chunk_of_block) is one exchange; compute(c) runs once chunk c of every
+  // block has arrived and fills the same rows of `result`, which go back to `back` at the
+  // rows they came from. Exchanges of other chunks may be in flight during compute(c).
+  virtual void round_trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
+                          const std::vector<int64_t>& recv_rows_P, const void* result, void* back, size_t row_bytes,
+                          const std::function<void(int chunk)>& compute) = 0;
+};
+
+// A MoE layer's routing at home, rows laid out by slot (assign_rows on slot_TK).
+template <typename T>
+struct HomeRouting {
+  int64_t tokens = 0;
+  const int32_t* slot_TK = nullptr;     // the slot of each assignment
+  const T* weight_TK = nullptr;         // combine weights
+  const int32_t* row_TK = nullptr;      // row in the slot layout, -1 when dropped
+  const int32_t* counts_S = nullptr;    // kept rows per slot
+  const int32_t* offsets_S1 = nullptr;  // their prefix sums
+};
+
+// The expert weights of one MoE layer, [E, F, D] (w1, w3) and [E, D, F] (w2), in expert order.
+struct ExpertWeightIds {
+  int w1 = -1, w3 = -1, w2 = -1;
+};
+
+template <typename T>
+class ExpertParallelDispatcher {
+ public:
+  ExpertParallelDispatcher(ParameterStore<T>& params, ExpertWeightIds ids, int64_t dim, int64_t hidden, int64_t top_k,
+                           ExpertExchange& exchange, const ExpertSlots& slots);
+  // y_TD = the sum over the EP ranks of their partial combines (overwritten). Returns the
+  // rows this rank's window computed.
+  int64_t forward(T* y_TD, const T* x_TD, const HomeRouting<T>& home);
+  // dx_TD (overwritten) and dweight_TK from dy_TD = d loss / d y_TD; adds the window's
+  // expert weight gradients. Uses the forward's plan.
+  void backward(T* dx_TD, T* dweight_TK, const T* dy_TD);
+
+ private:
+  void plan_exchange(const HomeRouting<T>& home);
+  void experts_forward(int chunk);
+  void experts_backward(int chunk);
+  // f(u, n): the received tokens [u, u + n) of chunk c, one range per source.
+  template <class F>
+  void for_chunk_tokens(int chunk, F&& f) const;
+
+  ParameterStore<T>& params_;
+  ExpertWeightIds ids_;
+  int64_t D_, F_, K_;
+  ExpertExchange& exchange_;
+  const ExpertSlots& slots_;
+  // Home: the plan of the last forward.
+  int64_t tokens_ = 0, sent_ = 0;  // home's tokens, and the rows it sends (a token once per peer)
+  std::vector<int32_t> cut_P1_, rank_TK_, pos_TP_, tokens_P_;
+  std::vector<int64_t> send_rows_P_, recv_rows_P_;
+  std::vector<T> send_UD_, back_UD_, dweight_back_UK_;
+  // Peer: what it received and computed, saved for backward.
+  std::vector<int64_t> window_experts_;
+  std::vector<int64_t> recv_start_P1_;
+  std::vector<int32_t> recv_slot_UK_;
+  std::vector<T> recv_weight_UK_, recv_x_UD_, partial_UD_;
+  ReceivedRows rows_;
+  std::vector<T> x_RD_, gate_RF_, up_RF_, act_RF_, y_RD_;
+  std::vector<T> recv_dy_UD_, dy_RD_, dact_RF_, dgate_RF_, dup_RF_, dx_RD_, dweight_UK_;
+};
+
+}  // namespace moe
