@@ -173,8 +173,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
 
  private:
   int64_t local_experts(const Layer& layer) const {
-    const auto p = static_cast<size_t>(ep_->rank());
-    return layer.window_end_P[p] - layer.first_slot_P1[p];
+    return layer.slots.window_size(ep_->rank());
   }
   void free_host() {
     if (host_counts_) cudaFreeHost(host_counts_);
@@ -219,7 +218,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     int64_t send_total = 0;
     for (int p = 0; p < P; ++p) {
       send_counts[static_cast<size_t>(p)] =
-          layer.window_end_P[static_cast<size_t>(p)] - layer.first_slot_P1[static_cast<size_t>(p)] + 1;
+          layer.slots.window_end_P[static_cast<size_t>(p)] - layer.slots.first_slot_P1[static_cast<size_t>(p)] + 1;
       send_total += send_counts[static_cast<size_t>(p)];
     }
     mark_(kAllToAll);

@@ -8,6 +8,7 @@
 
 #include "core/bf16.h"
 #include "core/gpu.h"
+#include "moe/expert_slots.h"
 
 namespace moe {
 namespace gpu_model {
@@ -79,14 +80,13 @@ struct Layer {
   Buffer<int64_t> load;  // assignments per slot since reset
   Buffer<double> routing;  // since reset: kept rows per expert (E), router entropy sum, tokens
   Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
-  // Expert placement (place_experts): slot s of the expert tensors (w1, w3, w2: weights,
-  // gradients, moments) holds expert expert_of_slot[s]; EP rank p's block is the slots
-  // [first_slot_P1[p], first_slot_P1[p + 1]) and it computes its window [first_slot_P1[p],
-  // window_end_P[p]): the block, and with split experts the next block's first slot too
-  // (moe/token_exchange.h). The router picks experts; when `placed` (not the identity),
-  // slot_of_expert turns them into slots before the rows are laid out, so everything after
-  // it (row layout, exchange, grouped GEMMs) works on slots.
-  std::vector<int64_t> expert_of_slot, first_slot_P1, window_end_P;
+  // Expert placement (place_experts), the value moe/expert_slots.h describes: slot s of
+  // the expert tensors (w1, w3, w2: weights, gradients, moments) holds expert
+  // slots.expert_of_slot[s]; EP rank p computes its window of slots. The router picks
+  // experts; when `placed` (not the identity), slot_of_expert turns them into slots before
+  // the rows are laid out, so everything after it (row layout, exchange, grouped GEMMs)
+  // works on slots.
+  ExpertSlots slots;
   // On the device: first_slot_P1, window_end_P, and the block edges as boundary cuts.
   Buffer<int32_t> slot_of_expert, first_slot, window_end, edge_cut;
   bool placed = false;

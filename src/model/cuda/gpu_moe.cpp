@@ -146,9 +146,9 @@ void GpuTransformer::gather_expert_weights(bool with_moments) {
     for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
       const int64_t per_expert = p->numel / E;
       for (int rank = 0; rank < s.ep->size(); ++rank) {
-        const int64_t first = layer.first_slot_P1[static_cast<size_t>(rank)];
+        const int64_t first = layer.slots.first_slot_P1[static_cast<size_t>(rank)];
         const int64_t at = p->offset + first * per_expert,
-                      n = (layer.first_slot_P1[static_cast<size_t>(rank) + 1] - first) * per_expert;
+                      n = (layer.slots.first_slot_P1[static_cast<size_t>(rank) + 1] - first) * per_expert;
         if (n == 0) continue;
         for (const auto& [block, bytes] : blocks)
           s.ep->broadcast(block + at * static_cast<int64_t>(bytes), static_cast<size_t>(n) * bytes, rank);
@@ -180,7 +180,7 @@ GpuRoutingStats GpuTransformer::routing_stats() {
     if (layer.is_moe) {
       std::vector<int64_t> load(static_cast<size_t>(E)), kept(static_cast<size_t>(E));
       for (size_t slot = 0; slot < load.size(); ++slot)
-        load[static_cast<size_t>(layer.expert_of_slot[slot])] = load_slot[i][slot];
+        load[static_cast<size_t>(layer.slots.expert_of_slot[slot])] = load_slot[i][slot];
       for (size_t e = 0; e < kept.size(); ++e) kept[e] = std::llround(routing[i][e]);
       stats.load.push_back(std::move(load));
       stats.kept.push_back(std::move(kept));

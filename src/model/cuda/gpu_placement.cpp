@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "model/cuda/gpu_transformer_state.h"
+#include "moe/expert_slots.h"
 #include "moe/token_exchange.h"
 
 namespace moe {
@@ -22,8 +23,8 @@ namespace moe {
 // Identity placement in equal blocks of the ranks (the state before any re-placement).
 void GpuTransformer::State::reset_placement(Layer& layer, int P) {
   const int64_t E = config.moe.n_experts;
-  layer.expert_of_slot.resize(static_cast<size_t>(E));
-  std::iota(layer.expert_of_slot.begin(), layer.expert_of_slot.end(), int64_t{0});
+  layer.slots.expert_of_slot.resize(static_cast<size_t>(E));
+  std::iota(layer.slots.expert_of_slot.begin(), layer.slots.expert_of_slot.end(), int64_t{0});
   set_slot_bounds(layer, equal_slot_bounds(E, P));
   layer.placed = false;
 }
@@ -35,19 +36,12 @@ void GpuTransformer::State::set_slot_bounds(Layer& layer, std::vector<int64_t> f
     to = Buffer<int32_t>(narrow.size());
     to.upload(narrow.data(), narrow.size());
   };
-  layer.window_end_P = slot_window_ends(first_slot_P1, split_experts);
+  layer.slots.window_end_P = slot_window_ends(first_slot_P1, split_experts);
+  layer.slots.split = split_experts;
   upload(layer.first_slot, first_slot_P1, 1);
-  upload(layer.window_end, layer.window_end_P, 1);
+  upload(layer.window_end, layer.slots.window_end_P, 1);
   upload(layer.edge_cut, first_slot_P1, kSlotParts);
-  layer.first_slot_P1 = std::move(first_slot_P1);
-}
-
-std::vector<std::vector<int>> GpuTransformer::State::slot_holders(const std::vector<int64_t>& first_slot_P1) const {
-  const std::vector<int64_t> ends = slot_window_ends(first_slot_P1, split_experts);
-  std::vector<std::vector<int>> holders(static_cast<size_t>(first_slot_P1.back()));
-  for (size_t p = 0; p < ends.size(); ++p)
-    for (int64_t slot = first_slot_P1[p]; slot < ends[p]; ++slot) holders[static_cast<size_t>(slot)].push_back(static_cast<int>(p));
-  return holders;
+  layer.slots.first_slot_P1 = std::move(first_slot_P1);
 }
 
 void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer) {
@@ -96,9 +90,9 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
     // ranks first comes from its old holder (weights, lo halves, moments; the gradients
     // are not moved between ranks, so re-place between steps).
     if (s.ep) s.send_moving_experts(layer, bounds[l], orders[l]);
-    if (orders[l] != layer.expert_of_slot) {
+    if (orders[l] != layer.slots.expert_of_slot) {
       std::vector<int64_t> slot_now(static_cast<size_t>(E));
-      for (int64_t slot = 0; slot < E; ++slot) slot_now[static_cast<size_t>(layer.expert_of_slot[slot])] = slot;
+      for (int64_t slot = 0; slot < E; ++slot) slot_now[static_cast<size_t>(layer.slots.expert_of_slot[slot])] = slot;
       std::vector<int64_t> source_of_slot(static_cast<size_t>(E));
       for (int64_t slot = 0; slot < E; ++slot)
         source_of_slot[static_cast<size_t>(slot)] = slot_now[static_cast<size_t>(orders[l][static_cast<size_t>(slot)])];
@@ -109,15 +103,12 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
       for (int64_t slot = 0; slot < E; ++slot)
         moved[static_cast<size_t>(slot)] = load[static_cast<size_t>(source_of_slot[static_cast<size_t>(slot)])];
       layer.load.upload(moved.data(), moved.size());
-      layer.expert_of_slot = orders[l];
+      layer.slots.expert_of_slot = orders[l];
     }
     s.set_slot_bounds(layer, bounds[l]);
-    std::vector<int32_t> slot_of_expert(static_cast<size_t>(E));
-    for (int64_t slot = 0; slot < E; ++slot)
-      slot_of_expert[static_cast<size_t>(layer.expert_of_slot[static_cast<size_t>(slot)])] = static_cast<int32_t>(slot);
-    layer.slot_of_expert.upload(slot_of_expert.data(), slot_of_expert.size());
-    layer.placed = false;
-    for (int64_t slot = 0; slot < E; ++slot) layer.placed |= layer.expert_of_slot[static_cast<size_t>(slot)] != slot;
+    const std::vector<int32_t> slot_of = slot_of_expert(layer.slots);
+    layer.slot_of_expert.upload(slot_of.data(), slot_of.size());
+    layer.placed = !slots_in_expert_order(layer.slots);
   }
   // A captured graph may have been captured without the slot lookups.
   if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
@@ -131,11 +122,7 @@ std::vector<std::vector<int64_t>> GpuTransformer::expert_placement(size_t moe_la
   size_t index = 0;
   for (const Layer& layer : s.layers) {
     if (!layer.is_moe || index++ != moe_layer) continue;
-    std::vector<std::vector<int64_t>> ranks;
-    for (size_t p = 0; p + 1 < layer.first_slot_P1.size(); ++p)
-      ranks.emplace_back(layer.expert_of_slot.begin() + layer.first_slot_P1[p],
-                         layer.expert_of_slot.begin() + layer.first_slot_P1[p + 1]);
-    return ranks;
+    return expert_blocks(layer.slots);
   }
   MOE_THROW("expert placement: no MoE layer {} (the model has {})", moe_layer, index);
 }
@@ -161,7 +148,7 @@ std::vector<std::pair<int64_t, int64_t>> GpuTransformer::split_expert_ranges() c
   if (!s.split_experts) return ranges;
   for (const Layer& layer : s.layers) {
     if (!layer.is_moe) continue;
-    const std::vector<std::vector<int>> holders = s.slot_holders(layer.first_slot_P1);
+    const std::vector<std::vector<int>> holders = slot_holders(layer.slots);
     for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
       const int64_t per_expert = p->numel / s.config.moe.n_experts;
       for (size_t slot = 0; slot < holders.size(); ++slot)
@@ -178,11 +165,11 @@ std::vector<char> GpuTransformer::split_expert_flags() const {
   for (size_t layer_index : s.expert_group_layer) {
     const Layer& layer = s.layers[layer_index];
     const size_t at = flags.size();
-    flags.resize(at + layer.expert_of_slot.size(), 0);
+    flags.resize(at + layer.slots.expert_of_slot.size(), 0);
     if (!s.split_experts) continue;
-    const std::vector<std::vector<int>> holders = s.slot_holders(layer.first_slot_P1);
+    const std::vector<std::vector<int>> holders = slot_holders(layer.slots);
     for (size_t slot = 0; slot < holders.size(); ++slot)
-      flags[at + static_cast<size_t>(layer.expert_of_slot[slot])] = holders[slot].size() > 1;
+      flags[at + static_cast<size_t>(layer.slots.expert_of_slot[slot])] = holders[slot].size() > 1;
   }
   return flags;
 }
@@ -192,8 +179,9 @@ void GpuTransformer::State::send_moving_experts(const Layer& layer, const std::v
   const int64_t E = config.moe.n_experts;
   // Every rank holding an expert (its window) has it current; one of them sends it when a
   // rank that did not hold it will.
-  const std::vector<std::vector<int>> old_holders = slot_holders(layer.first_slot_P1),
-                                      new_holders = slot_holders(new_first_slot_P1);
+  const ExpertSlots next{new_order, new_first_slot_P1, slot_window_ends(new_first_slot_P1, split_experts),
+                        split_experts};
+  const std::vector<std::vector<int>> old_holders = slot_holders(layer.slots), new_holders = slot_holders(next);
   std::vector<const std::vector<int>*> new_holders_of(static_cast<size_t>(E));
   for (int64_t slot = 0; slot < E; ++slot)
     new_holders_of[static_cast<size_t>(new_order[static_cast<size_t>(slot)])] = &new_holders[static_cast<size_t>(slot)];
@@ -203,7 +191,7 @@ void GpuTransformer::State::send_moving_experts(const Layer& layer, const std::v
       {static_cast<char*>(store->moment_block(0)), store->moment_bytes()},
       {static_cast<char*>(store->moment_block(1)), store->moment_bytes()}};
   for (int64_t slot = 0; slot < E; ++slot) {
-    const int64_t expert = layer.expert_of_slot[static_cast<size_t>(slot)];
+    const int64_t expert = layer.slots.expert_of_slot[static_cast<size_t>(slot)];
     const std::vector<int>& had = old_holders[static_cast<size_t>(slot)];
     const std::vector<int>& will = *new_holders_of[static_cast<size_t>(expert)];
     if (std::includes(had.begin(), had.end(), will.begin(), will.end())) continue;
@@ -274,7 +262,7 @@ void GpuTransformer::State::slots_to_experts(const std::function<float*(const Pa
       copy.assign(tensor, tensor + p->numel);
       for (int64_t slot = 0; slot < E; ++slot)
         std::copy_n(copy.begin() + slot * per_expert, per_expert,
-                    tensor + layer.expert_of_slot[static_cast<size_t>(slot)] * per_expert);
+                    tensor + layer.slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert);
     }
   }
 }
@@ -285,10 +273,10 @@ std::vector<double> GpuTransformer::to_expert_order(const std::vector<double>& p
   size_t at = 0;
   for (size_t layer_index : s.expert_group_layer) {
     const Layer& layer = s.layers[layer_index];
-    const size_t n = layer.expert_of_slot.size();
+    const size_t n = layer.slots.expert_of_slot.size();
     MOE_CHECK(at + n <= per_slot.size(), "per-expert values: {} for more expert slots", per_slot.size());
     for (size_t slot = 0; slot < n; ++slot)
-      by_expert[at + static_cast<size_t>(layer.expert_of_slot[slot])] = per_slot[at + slot];
+      by_expert[at + static_cast<size_t>(layer.slots.expert_of_slot[slot])] = per_slot[at + slot];
     at += n;
   }
   MOE_CHECK(at == per_slot.size(), "per-expert values: {} values for {} expert slots", per_slot.size(), at);

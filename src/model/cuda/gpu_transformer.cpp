@@ -121,7 +121,7 @@ void GpuTransformer::plan(int64_t batch) {
   // A rank computes E / P experts, or up to the re-placement's maximum.
   const int64_t max_local = s.ep ? std::min(E, std::max(E / P + (s.split_experts ? 1 : 0), s.local_experts_cap)) : E;
   for (Layer& layer : s.layers)
-    if (layer.is_moe && static_cast<int64_t>(layer.first_slot_P1.size()) != P + 1)
+    if (layer.is_moe && static_cast<int64_t>(layer.slots.first_slot_P1.size()) != P + 1)
       s.set_slot_bounds(layer, equal_slot_bounds(E, static_cast<int>(P)));  // the slot order stays
   // The dispatcher's scratch first: it says how many rows the local experts may get.
   s.dispatcher.reset();
@@ -544,7 +544,7 @@ void GpuTransformer::upload_state(const ParameterStore<float>& params, const std
   s.store->upload_state(params, m, v);
   // Uploaded in expert order (slot e = expert e): into the current placement's slots.
   for (const Layer& layer : s.layers)
-    if (layer.placed) s.move_expert_slots(layer, layer.expert_of_slot);
+    if (layer.placed) s.move_expert_slots(layer, layer.slots.expert_of_slot);
 }
 
 size_t GpuTransformer::device_bytes() const {

@@ -126,9 +126,9 @@ struct GpuTransformer::State {
   // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and SwiGLU.
   void experts_gate_up_forward(Layer& layer, bool gate_up);
   int ep_rank() const { return ep ? ep->rank() : 0; }
-  int64_t first_slot(const Layer& layer) const { return layer.first_slot_P1[static_cast<size_t>(ep_rank())]; }
+  int64_t first_slot(const Layer& layer) const { return layer.slots.window_first(ep_rank()); }
   int64_t local_experts(const Layer& layer) const {
-    return layer.window_end_P[static_cast<size_t>(ep_rank())] - first_slot(layer);
+    return layer.slots.window_size(ep_rank());
   }
   // The local slots' rows of an expert tensor (its leading dimension is the slots).
   const bf16* local_w(const Layer& layer, const Param& p) const {
@@ -152,8 +152,6 @@ struct GpuTransformer::State {
   void reset_placement(Layer& layer, int P);
   // Sets the layer's slot bounds, windows and edge cuts on the host and the device.
   void set_slot_bounds(Layer& layer, std::vector<int64_t> first_slot_P1);
-  // The EP ranks whose windows hold each slot, under block bounds first_slot_P1.
-  std::vector<std::vector<int>> slot_holders(const std::vector<int64_t>& first_slot_P1) const;
   // The offsets the grouped GEMMs read and the rows the row-wise kernels cover.
   const int32_t* expert_offsets(const MoEBuffers& m) const { return dispatcher->expert_offsets(m); }
   int64_t expert_rows(const MoEBuffers& m) const { return dispatcher->expert_rows(m); }
