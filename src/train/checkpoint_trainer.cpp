@@ -45,13 +45,13 @@ void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
   const auto start = std::chrono::steady_clock::now();
   collect_background_save(/*wait=*/true, out);  // one save at a time
-  backend_->gather_state(*optimizer_);
+  backend_->gather_state();
   CheckpointSave save;
   save.step = progress_.step;
   save.path = checkpoint_path(config_.checkpoint.dir, progress_.step).string();
   save.background = checkpointer_->async();
   if (rank_ == 0) {
-    CheckpointSnapshot snapshot = capture_checkpoint(config_, *model_, *optimizer_, *train_data_, progress_);
+    CheckpointSnapshot snapshot = capture_checkpoint(config_, backend_->host_model(), backend_->host_optimizer(), *train_data_, progress_);
     snapshot.expert_placement = backend_->placement_state();
     snapshot.run_id = run_id_;
     if (const std::optional<CheckpointWrite> written = checkpointer_->save(std::move(snapshot))) {
@@ -86,8 +86,8 @@ void Trainer::collect_background_save(bool wait, std::ostream& out) {
 }
 
 void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
-  progress_ = restore_checkpoint(checkpoint, *model_, *optimizer_, *train_data_);
-  backend_->scatter_state(*optimizer_);
+  progress_ = restore_checkpoint(checkpoint, backend_->host_model(), backend_->host_optimizer(), *train_data_);
+  backend_->scatter_state();
   backend_->restore_placement(checkpoint.expert_placement);
 }
 

@@ -109,14 +109,10 @@ Trainer::Trainer(const RunConfig& config, std::unique_ptr<BatchSource> train_dat
             "training.global_batch_tokens {} is not a multiple of micro_batch*seq_len = {}",
             tc.global_batch_tokens, tokens_per_micro);
   MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
-  model_ = std::make_unique<Transformer<float>>(config_.model, tc.seed);
-  // The host AdamW: the CPU reference steps it; the other backends keep their own state
-  // and only fill it for checkpoints (gather_state / scatter_state).
-  optimizer_ = std::make_unique<AdamW>(config_.optimizer, model_->params());
   if (world->size() > 1) slice_data_over_ranks(world->rank(), world->size());
   // Several ranks: the model's MoE layers are wired to the others before planning
   // (capacity depends on the global micro-batch).
-  backend_ = make_backend(config_, *model_, *optimizer_, std::move(world));
+  backend_ = make_backend(config_, std::move(world));
   plan_batches();  // checkpoint_trainer.cpp: may halve the micro-batch under memory pressure
   micro_steps_ /= world_;  // each rank reads 1/world of the global batch (slice_data_over_ranks checked divisibility)
   inputs_BS_.resize(static_cast<size_t>(tokens_per_micro));
@@ -213,14 +209,14 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   }
   const int64_t tokens_per_step = tc.global_batch_tokens;
   TrainSummary summary;
-  const ParameterCounts counts = count_parameters(config_.model, model_->params());
+  const ParameterCounts counts = count_parameters(config_.model, backend_->host_model().params());
   fmt::print(out,
              "model: {} layers, dim {}, {} experts top-{} | params total {:.2f}M, active {:.2f}M "
              "| activations {:.1f} MB | threads {}\n",
              config_.model.n_layers, config_.model.dim, config_.model.moe.n_experts,
              config_.model.moe.top_k, static_cast<double>(counts.total) / 1e6,
              static_cast<double>(counts.active) / 1e6,
-             static_cast<double>(model_->activation_bytes()) / 1e6, num_threads());
+             static_cast<double>(backend_->host_model().activation_bytes()) / 1e6, num_threads());
   for (const std::string& note : batch_notes_) fmt::print(out, "{}\n", note);
   if (world_ > 1)
     fmt::print(out, "batch: {} tokens/step = {} ranks x {} micro-batches x {} x {} tokens | expert parallel {} "
@@ -249,7 +245,7 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   observer.start(info);
   // Values, gradients, two AdamW moments, activation and scratch arenas.
   const auto arena_bytes = static_cast<int64_t>(counts.total * 4 * static_cast<int64_t>(sizeof(float)) +
-                                                static_cast<int64_t>(model_->activation_bytes()));
+                                                static_cast<int64_t>(backend_->host_model().activation_bytes()));
 
   auto val_start = Clock::now();
   summary.val_loss_start = validate();

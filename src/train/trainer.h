@@ -52,9 +52,9 @@ class Trainer {
   StepStats train_step(int64_t step);
   // Mean cross-entropy over training.val_batches held-out micro-batches.
   double validate();
-  // The host model: the CPU path trains it; on the GPU it holds the initial weights and,
-  // after run(), the trained ones.
-  Transformer<float>& model() { return *model_; }
+  // The host model (the backend's): the CPU path trains it; on the GPU it holds the
+  // initial weights and, after run(), the trained ones.
+  Transformer<float>& model() { return backend_->host_model(); }
   bool on_gpu() const { return backend_->on_gpu(); }
   // Data/expert-parallel run: this rank and the number of ranks (1 in one process).
   int rank() const { return rank_; }
@@ -81,9 +81,7 @@ class Trainer {
  private:
   RunConfig config_;
   std::unique_ptr<BatchSource> train_data_, val_data_;
-  std::unique_ptr<Transformer<float>> model_;
-  std::unique_ptr<AdamW> optimizer_;
-  std::unique_ptr<ModelBackend> backend_;  // what train_step drives
+  std::unique_ptr<ModelBackend> backend_;  // what train_step drives; it owns the model state
   int rank_ = 0, world_ = 1;
   int64_t micro_steps_ = 1;
   std::vector<int32_t> inputs_BS_, targets_BS_;

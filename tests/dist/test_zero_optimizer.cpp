@@ -224,8 +224,11 @@ TEST(ZeroOptimizer, CpuBackendShardsAsTheGpuBackend) {
       RunConfig config;
       config.model = tiny_model();
       config.parallel.bucket_mb = bucket_mb;
-      Transformer<float> model(config.model, 1);
-      ParallelCpuBackend backend(config, model, std::move(world));
+      HostState host;
+      host.model = std::make_unique<Transformer<float>>(config.model, 1);
+      host.optimizer = std::make_unique<AdamW>(config.optimizer, host.model->params());
+      ParallelCpuBackend backend(config, std::move(host), std::move(world));
+      Transformer<float>& model = backend.host_model();
       const auto& params = model.params();
       dist::BlockRanges fp32_copies;
       for (int id : router_biases(params)) fp32_copies.emplace_back(params.offset(id), (params.numel(id) + 15) / 16 * 16);

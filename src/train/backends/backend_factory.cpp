@@ -42,12 +42,12 @@ void check_gpu_data_parallel(const RunConfig& config) {
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config.model.moe.n_experts);
 }
 
-std::unique_ptr<ModelBackend> gpu_backend(const RunConfig& config, Transformer<float>& host_model,
+std::unique_ptr<ModelBackend> gpu_backend(const RunConfig& config, HostState host,
                                           std::unique_ptr<dist::Communicator> world) {
 #ifdef MOE_HAVE_CUDA
-  return make_gpu_backend(config, host_model, std::move(world));
+  return make_gpu_backend(config, std::move(host), std::move(world));
 #else
-  (void)config, (void)host_model, (void)world;
+  (void)config, (void)host, (void)world;
   MOE_THROW("no CUDA backend in this build");
 #endif
 }
@@ -76,9 +76,12 @@ CommBackend resolve_comm_backend(const RunConfig& config) {
   return gpu && dist::read_launch_env().world_size > 1 ? CommBackend::Nccl : CommBackend::Auto;
 }
 
-std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, Transformer<float>& host_model, AdamW& optimizer,
-                                           std::unique_ptr<dist::Communicator> world) {
+std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_ptr<dist::Communicator> world) {
   MOE_CHECK(world != nullptr, "the trainer needs a world communicator");
+  // The host state: the CPU reference trains it, the other backends start from it.
+  HostState host;
+  host.model = std::make_unique<Transformer<float>>(config.model, config.training.seed);
+  host.optimizer = std::make_unique<AdamW>(config.optimizer, host.model->params());
   const ParallelConfig& pc = config.parallel;
   // NCCL (or another device-memory backend, e.g. threads sharing one GPU in tests): data
   // parallel on the GPU, a world of one included.
@@ -88,17 +91,17 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, Transformer<
     if (pc.expert_parallel > 1)
       MOE_CONFIG_ERROR("parallel.expert_parallel = {} needs a launch of a multiple of {} ranks (this one has 1)",
                        pc.expert_parallel, pc.expert_parallel);
-    if (device_world) return gpu_backend(config, host_model, std::move(world));
-    if (wants_gpu(config.training)) return gpu_backend(config, host_model, nullptr);
-    return make_cpu_backend(config, host_model, optimizer);
+    if (device_world) return gpu_backend(config, std::move(host), std::move(world));
+    if (wants_gpu(config.training)) return gpu_backend(config, std::move(host), nullptr);
+    return make_cpu_backend(config, std::move(host));
   }
   const TrainingDevice device = config.training.device;
   if (!device_world && (device == TrainingDevice::Cuda || (device == TrainingDevice::Auto && wants_gpu(config.training))))
     MOE_CONFIG_ERROR("training.device = {} with parallel.backend = {} ({} ranks): multi-rank GPU training needs "
                      "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
                      name_of(device), world->backend(), world->size());
-  if (device_world) return gpu_backend(config, host_model, std::move(world));
-  return std::make_unique<ParallelCpuBackend>(config, host_model, std::move(world));
+  if (device_world) return gpu_backend(config, std::move(host), std::move(world));
+  return std::make_unique<ParallelCpuBackend>(config, std::move(host), std::move(world));
 }
 
 }  // namespace moe

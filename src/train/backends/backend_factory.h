@@ -21,9 +21,8 @@ bool wants_gpu(const TrainingConfig& training);
 CommBackend resolve_comm_backend(const RunConfig& config);
 
 // The backend for `config` over `world` (collective; a world of one trains in this
-// process). Combinations the backends do not support are refused here, with one line
-// naming the keys. `optimizer` is the host AdamW the CPU reference steps.
-std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, Transformer<float>& host_model, AdamW& optimizer,
-                                           std::unique_ptr<dist::Communicator> world);
+// process), with its host state: the model initialised from training.seed and its AdamW.
+// Combinations the backends do not support are refused here, with one line naming the keys.
+std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_ptr<dist::Communicator> world);
 
 }  // namespace moe

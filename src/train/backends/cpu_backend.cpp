@@ -40,8 +40,8 @@ namespace {
 // The CPU reference: Transformer<float> and AdamW in this process.
 class CpuBackend final : public ModelBackend {
  public:
-  CpuBackend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer)
-      : config_(config), model_(model), optimizer_(optimizer) {}
+  CpuBackend(const RunConfig& config, HostState host)
+      : ModelBackend(std::move(host)), config_(config), model_(host_model()), optimizer_(host_optimizer()) {}
   BatchPlan plan_batches() override { return plan_host_batches(config_, model_); }
   void begin_step() override {
     model_.params().zero_grads();
@@ -73,8 +73,8 @@ class CpuBackend final : public ModelBackend {
 
 }  // namespace
 
-std::unique_ptr<ModelBackend> make_cpu_backend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer) {
-  return std::make_unique<CpuBackend>(config, model, optimizer);
+std::unique_ptr<ModelBackend> make_cpu_backend(const RunConfig& config, HostState host) {
+  return std::make_unique<CpuBackend>(config, std::move(host));
 }
 
 }  // namespace moe

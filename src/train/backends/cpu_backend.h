@@ -8,7 +8,7 @@
 
 namespace moe {
 
-std::unique_ptr<ModelBackend> make_cpu_backend(const RunConfig& config, Transformer<float>& model, AdamW& optimizer);
+std::unique_ptr<ModelBackend> make_cpu_backend(const RunConfig& config, HostState host);
 
 // The host model's activation arenas for training.micro_batch, halved while over
 // training.memory_limit_mb (or while an allocation fails). Shared by the CPU backends.

@@ -1,6 +1,7 @@
 // The interface between the step loop and the model it trains, and what a step measures.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,9 +38,21 @@ struct StepStats {
 // reference (cpu_backend.h), the CPU model spread over ranks (parallel_cpu_backend.h) or
 // the GPU model on one or more GPUs (cuda/gpu_backend.h); backend_factory.h picks one.
 // One loop drives all three; the Trainer knows no other type of them.
+// The host copy of the trained state, in the single-process layout: the model (initial
+// weights; what checkpoints and exports read and write) and its AdamW. Every backend owns
+// one: the CPU reference trains it; the others fill it for checkpoints (gather_state) and
+// at the end of a run (sync_host_model).
+struct HostState {
+  std::unique_ptr<Transformer<float>> model;
+  std::unique_ptr<AdamW> optimizer;
+};
+
 class ModelBackend {
  public:
+  explicit ModelBackend(HostState host) : host_(std::move(host)) {}
   virtual ~ModelBackend() = default;
+  Transformer<float>& host_model() { return *host_.model; }
+  AdamW& host_optimizer() { return *host_.optimizer; }
   // Once, before anything else: plans the model's memory for training.micro_batch, halving
   // the micro-batch (and doubling the accumulation) while it does not fit, and finishes
   // the set-up that depends on the micro-batch.
@@ -69,20 +82,22 @@ class ModelBackend {
   virtual void take_comm_stats(StepStats& stats) { (void)stats; }
   // The trained weights into the host model (GPU download, expert gather across ranks).
   virtual void sync_host_model() {}
-  // Checkpoints: the one way state moves between the backend and the host model + AdamW
-  // that checkpoints read and write. gather_state (collective): afterwards rank 0's host
-  // model holds every parameter's current value and `optimizer` every moment and the step
+  // Checkpoints: the one way state moves between the backend and the host state that
+  // checkpoints read and write. gather_state (collective): afterwards rank 0's host model
+  // holds every parameter's current value and the host AdamW every moment and the step
   // count, in the single-process layout, wherever the backend keeps them (GPU memory,
   // shards over the ranks). scatter_state: the reverse, once every rank has loaded the same
-  // checkpoint into its host model and `optimizer`. No-ops where the host model and
-  // `optimizer` are the state.
-  virtual void gather_state(AdamW& optimizer) { (void)optimizer; }
-  virtual void scatter_state(AdamW& optimizer) { (void)optimizer; }
+  // checkpoint into its host state. No-ops where the host state is the state.
+  virtual void gather_state() {}
+  virtual void scatter_state() {}
   // The experts' placement and the re-placement's state, as text a checkpoint keeps
   // (empty: nothing to keep), and taking it back after a restore (collective; ignored
   // where it does not fit this run, e.g. another EP size).
   virtual std::string placement_state() const { return {}; }
   virtual void restore_placement(const std::string& state) { (void)state; }
+
+ private:
+  HostState host_;
 };
 
 }  // namespace moe

@@ -16,9 +16,8 @@ namespace moe {
 using namespace dist;  // the process groups, exchanges and ZeRO this backend drives
 
 
-ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, Transformer<float>& model,
-                                       std::unique_ptr<Communicator> world)
-    : config_(config), model_(model) {
+ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, std::unique_ptr<Communicator> world)
+    : ModelBackend(std::move(host)), config_(config), model_(host_model()) {
   const ParallelConfig& pc = config.parallel;
   const auto ep = static_cast<int>(pc.expert_parallel);
   if (world->size() % ep != 0)
@@ -339,7 +338,8 @@ void ParallelCpuBackend::sync_host_model() {
   stats_ = CommStats{};
 }
 
-void ParallelCpuBackend::gather_state(AdamW& optimizer) {
+void ParallelCpuBackend::gather_state() {
+  AdamW& optimizer = host_optimizer();
   // ZeRO all-gathers the dense parameters after every step; the experts live on their holders.
   sync_host_model();
   const auto offset = [&optimizer](int id) { return optimizer.moment_offset(id); };
@@ -350,7 +350,8 @@ void ParallelCpuBackend::gather_state(AdamW& optimizer) {
   stats_ = CommStats{};
 }
 
-void ParallelCpuBackend::scatter_state(AdamW& optimizer) {
+void ParallelCpuBackend::scatter_state() {
+  AdamW& optimizer = host_optimizer();
   const auto offset = [&optimizer](int id) { return optimizer.moment_offset(id); };
   zero_->scatter_moments(offset, optimizer.first_moment(), optimizer.second_moment());
   zero_->set_steps_taken(optimizer.steps_taken());

@@ -32,7 +32,7 @@ class ParallelCpuBackend final : public ModelBackend {
  public:
   // Collective over world. Wires the model's MoE layers to the other ranks (call before
   // planning the model).
-  ParallelCpuBackend(const RunConfig& config, Transformer<float>& model, std::unique_ptr<dist::Communicator> world);
+  ParallelCpuBackend(const RunConfig& config, HostState host, std::unique_ptr<dist::Communicator> world);
   ~ParallelCpuBackend() override;
 
   int rank() const { return groups_.world->rank(); }
@@ -54,8 +54,8 @@ class ParallelCpuBackend final : public ModelBackend {
   void end_validation() override;
   void take_comm_stats(StepStats& stats) override;
   void sync_host_model() override;
-  void gather_state(AdamW& optimizer) override;
-  void scatter_state(AdamW& optimizer) override;
+  void gather_state() override;
+  void scatter_state() override;
   // With re-placement: each MoE layer's experts per EP rank and the loads since the last
   // placement (the GPU backend's record, so either resumes the other's).
   std::string placement_state() const override;

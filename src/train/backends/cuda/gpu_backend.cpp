@@ -57,8 +57,8 @@ void gather_sharded_state(GpuTransformer& gpu, dist::GpuDataParallel& dp, bool w
 class GpuBackend final : public ModelBackend {
  public:
   // world: an NCCL (or threads) world for data/expert parallelism, or null (one GPU).
-  GpuBackend(const RunConfig& config, Transformer<float>& host_model, std::unique_ptr<dist::Communicator> world)
-      : config_(config), host_model_(host_model), world_(std::move(world)) {
+  GpuBackend(const RunConfig& config, HostState host, std::unique_ptr<dist::Communicator> world)
+      : ModelBackend(std::move(host)), config_(config), host_model_(host_model()), world_(std::move(world)) {
     const RunConfig& c = config_;
     // What the GPU path does not do yet is refused up front rather than silently ignored.
     if (c.training.memory_limit_mb > 0)
@@ -376,14 +376,16 @@ class GpuBackend final : public ModelBackend {
   // its EP rank; ZeRO-1: each piece's on the rank that steps it. Gathered, every rank holds
   // the whole state and rank 0 (which writes it) downloads it: the others skip the copy
   // (host memory: 12-16 bytes per parameter on each rank).
-  void gather_state(AdamW& optimizer) override {
+  void gather_state() override {
+    AdamW& optimizer = host_optimizer();
     if (ep_) gpu_->gather_expert_weights(/*with_moments=*/true);
     if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/true);
     if (rank_of_world() == 0)
       gpu_->download_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
     optimizer.set_steps_taken(steps_);
   }
-  void scatter_state(AdamW& optimizer) override {
+  void scatter_state() override {
+    AdamW& optimizer = host_optimizer();
     if (sharded()) dp_->join_stage_gathers();  // none may still write the weights
     gpu_->upload_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
     upload_balance_bias();  // a checkpoint restores them on the host
@@ -572,9 +574,9 @@ class GpuBackend final : public ModelBackend {
 
 }  // namespace
 
-std::unique_ptr<ModelBackend> make_gpu_backend(const RunConfig& config, Transformer<float>& host_model,
+std::unique_ptr<ModelBackend> make_gpu_backend(const RunConfig& config, HostState host,
                                                std::unique_ptr<dist::Communicator> world) {
-  return std::make_unique<GpuBackend>(config, host_model, std::move(world));
+  return std::make_unique<GpuBackend>(config, std::move(host), std::move(world));
 }
 
 }  // namespace moe
