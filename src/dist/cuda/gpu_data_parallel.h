@@ -3,7 +3,7 @@
 // is all-reduced (summed) over the data-parallel group, in buckets of parallel.bucket_mb,
 // on the model's CUDA stream. Each rank then computes the same global norm on the
 // device and takes the same AdamW step. The ranks' losses are weighted before backward
-// so that the sum is the global micro-batch's mean (src/train/trainer_gpu.cpp).
+// so that the sum is the global micro-batch's mean (src/train/backends/cuda/gpu_backend.cpp).
 //
 // Overlap: given the block's ranges per backward stage (gradient_stages.h), the step's
 // last backward calls launch_stage() as each stage's work is enqueued, which starts that
