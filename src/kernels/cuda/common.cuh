@@ -13,6 +13,9 @@ namespace moe::cuda {
 static_assert(sizeof(bf16) == sizeof(__nv_bfloat16));
 inline __nv_bfloat16* as_cuda(bf16* p) { return reinterpret_cast<__nv_bfloat16*>(p); }
 inline const __nv_bfloat16* as_cuda(const bf16* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
+// The same values as raw bits (adamw_math works on bf16 bit patterns).
+inline uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
+inline const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ __nv_bfloat16 to_bf16(float v) { return __float2bfloat16_rn(v); }

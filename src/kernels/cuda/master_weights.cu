@@ -45,9 +45,6 @@ __global__ void widen_bf16_kernel(float* out, const uint16_t* in, int64_t n) {
     out[i] = am::bf16_bits_to_float(in[i]);
 }
 
-uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
-const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
-
 }  // namespace
 
 void split_master(bf16* hi, int16_t* lo, const float* x, int64_t n, Stream stream) {

@@ -310,9 +310,6 @@ __global__ void __launch_bounds__(kThreads)
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
-uint16_t* bits(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
-const uint16_t* bits(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
-
 }  // namespace
 
 void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* segment_sq_S, const float* grads,
