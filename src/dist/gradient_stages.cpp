@@ -7,14 +7,14 @@
 
 namespace moe::dist {
 
-std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& params,
+std::vector<RangeList> gradient_ranges_by_stage(const ParameterStore<float>& params,
                                                   const std::function<int(const std::string&)>& stage_of,
                                                   int n_stages) {
   MOE_CHECK(n_stages > 0, "gradient ranges: {} backward stages", n_stages);
   std::vector<int> ids(static_cast<size_t>(params.size()));
   std::iota(ids.begin(), ids.end(), 0);
   std::sort(ids.begin(), ids.end(), [&](int a, int b) { return params.offset(a) < params.offset(b); });
-  std::vector<BlockRanges> ranges(static_cast<size_t>(n_stages));
+  std::vector<RangeList> ranges(static_cast<size_t>(n_stages));
   const int64_t block_end = params.storage_numel();
   for (size_t i = 0; i < ids.size(); ++i) {
     const int id = ids[i];
@@ -25,35 +25,24 @@ std::vector<BlockRanges> gradient_ranges_by_stage(const ParameterStore<float>& p
     const int64_t begin = i == 0 ? 0 : params.offset(id);
     const int64_t end = i + 1 < ids.size() ? params.offset(ids[i + 1]) : block_end;
     if (end <= begin) continue;
-    BlockRanges& mine = ranges[static_cast<size_t>(stage)];
-    if (!mine.empty() && mine.back().first + mine.back().second == begin)
-      mine.back().second += end - begin;
-    else
-      mine.emplace_back(begin, end - begin);
+    RangeList& mine = ranges[static_cast<size_t>(stage)];
+    append_merged(mine, begin, end - begin);
   }
   return ranges;
 }
 
-BlockRanges merged_ranges(const std::vector<std::vector<BlockRanges>>& stage_sets) {
-  BlockRanges all;
+RangeList merged_ranges(const std::vector<std::vector<RangeList>>& stage_sets) {
+  RangeList all;
   for (const auto& stages : stage_sets)
-    for (const BlockRanges& stage : stages) all.insert(all.end(), stage.begin(), stage.end());
+    for (const RangeList& stage : stages) all.insert(all.end(), stage.begin(), stage.end());
   std::sort(all.begin(), all.end());
-  BlockRanges merged;
+  RangeList merged;
   for (const auto& [begin, count] : all) {
-    MOE_CHECK(merged.empty() || merged.back().first + merged.back().second <= begin,
+    MOE_CHECK(merged.empty() || merged.back().end() <= begin,
               "merged ranges: [{}, +{}) overlaps the range before it", begin, count);
     append_merged(merged, begin, count);
   }
   return merged;
-}
-
-void append_merged(BlockRanges& ranges, int64_t begin, int64_t count) {
-  if (count <= 0) return;
-  if (!ranges.empty() && ranges.back().first + ranges.back().second == begin)
-    ranges.back().second += count;
-  else
-    ranges.emplace_back(begin, count);
 }
 
 namespace {
@@ -74,44 +63,28 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
                                                  int n_stages, int64_t first_expert, int64_t local_experts) {
   MOE_CHECK(first_expert >= 0 && local_experts > 0, "gradient ranges: experts [{}, {} + {})", first_expert,
             first_expert, local_experts);
-  BlockRanges own;
+  RangeList own;
   for (int id : expert_tensors_by_offset(params)) {
     const int64_t n_experts = params.spec(id).shape[0];
     MOE_CHECK(first_expert + local_experts <= n_experts, "parameter {}: experts [{}, {}) of {}", params.spec(id).name,
               first_expert, first_expert + local_experts, n_experts);
     const int64_t per_expert = params.numel(id) / n_experts;
-    own.emplace_back(params.offset(id) + first_expert * per_expert, local_experts * per_expert);
+    own.push_back({params.offset(id) + first_expert * per_expert, local_experts * per_expert});
   }
   return gradient_ranges_by_stage_ep(params, stage_of, n_stages, own);
 }
 
-BlockRanges subtract_ranges(const BlockRanges& from, const BlockRanges& minus) {
-  BlockRanges out;
-  size_t j = 0;
-  for (const auto& [begin, count] : from) {
-    int64_t at = begin;
-    const int64_t end = begin + count;
-    while (j < minus.size() && minus[j].first + minus[j].second <= at) ++j;
-    for (size_t k = j; k < minus.size() && minus[k].first < end; ++k) {
-      append_merged(out, at, minus[k].first - at);
-      at = std::max(at, minus[k].first + minus[k].second);
-    }
-    append_merged(out, at, end - at);
-  }
-  return out;
-}
-
 ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& params,
                                                  const std::function<int(const std::string&)>& stage_of,
-                                                 int n_stages, const BlockRanges& own_expert_ranges,
-                                                 const BlockRanges& split_expert_ranges) {
-  const std::vector<BlockRanges> whole = gradient_ranges_by_stage(params, stage_of, n_stages);
+                                                 int n_stages, const RangeList& own_experts,
+                                                 const RangeList& hinges) {
+  const std::vector<RangeList> whole = gradient_ranges_by_stage(params, stage_of, n_stages);
   ExpertParallelRanges split;
   split.shared.resize(static_cast<size_t>(n_stages));
   split.own_experts.resize(static_cast<size_t>(n_stages));
   const std::vector<int> experts = expert_tensors_by_offset(params);
   // Every own and split range lies inside one expert tensor.
-  for (const BlockRanges* set : {&own_expert_ranges, &split_expert_ranges})
+  for (const RangeList* set : {&own_experts, &hinges})
     for (const auto& [begin, count] : *set) {
       const bool inside = std::any_of(experts.begin(), experts.end(), [&](int id) {
         return begin >= params.offset(id) && begin + count <= params.offset(id) + params.numel(id);
@@ -119,8 +92,8 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
       MOE_CHECK(inside && count > 0, "gradient ranges: expert range [{}, {}) is not inside one expert tensor", begin,
                 begin + count);
     }
-  const BlockRanges own_unsplit = subtract_ranges(own_expert_ranges, split_expert_ranges);
-  std::vector<BlockRanges> plain(static_cast<size_t>(n_stages));  // the parameters without an expert_group
+  const RangeList own_unsplit = subtract_ranges(own_experts, hinges);
+  std::vector<RangeList> plain(static_cast<size_t>(n_stages));  // the parameters without an expert_group
   // Every other element of a stage's ranges is shared.
   for (int s = 0; s < n_stages; ++s)
     for (const auto& [begin, count] : whole[static_cast<size_t>(s)]) {
@@ -131,7 +104,7 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
         if (offset + numel <= at || offset >= end) continue;
         append_merged(split.shared[static_cast<size_t>(s)], at, offset - at);
         append_merged(plain[static_cast<size_t>(s)], at, offset - at);
-        for (const auto& [hinge, hinge_count] : split_expert_ranges)
+        for (const auto& [hinge, hinge_count] : hinges)
           if (hinge >= offset && hinge < offset + numel) append_merged(split.shared[static_cast<size_t>(s)], hinge, hinge_count);
         for (const auto& [own, own_count] : own_unsplit)
           if (own >= offset && own < offset + numel)
@@ -141,7 +114,7 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
       append_merged(split.shared[static_cast<size_t>(s)], at, end - at);
       append_merged(plain[static_cast<size_t>(s)], at, end - at);
     }
-  split.stepped_ranges = merged_ranges({plain, {own_expert_ranges}});
+  split.stepped_ranges = merged_ranges({plain, {own_experts}});
   return split;
 }
 

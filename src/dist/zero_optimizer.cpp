@@ -30,8 +30,8 @@ int64_t padded_numel(const ParameterStore<float>& params, int id) {
   return (params.numel(id) + kZeroAlign - 1) / kZeroAlign * kZeroAlign;
 }
 
-BlockRanges padded_extents(const ParameterStore<float>& params, const std::vector<int>& ids) {
-  BlockRanges ranges;
+RangeList padded_extents(const ParameterStore<float>& params, const std::vector<int>& ids) {
+  RangeList ranges;
   for (int id : ids) ranges.emplace_back(params.offset(id), padded_numel(params, id));
   std::sort(ranges.begin(), ranges.end());
   return ranges;
@@ -43,10 +43,10 @@ ZeroShardPlan plan_zero_for_store(const ParameterStore<float>& params,
                                   const std::function<int(const std::string&)>& stage_of, int n_stages,
                                   const std::vector<int>& keep_whole, const std::vector<int>& left_out,
                                   double bucket_mb, int ranks, int rank) {
-  std::vector<BlockRanges> stages = gradient_ranges_by_stage(params, stage_of, n_stages);
+  std::vector<RangeList> stages = gradient_ranges_by_stage(params, stage_of, n_stages);
   if (!left_out.empty()) {
-    const BlockRanges out = padded_extents(params, left_out);
-    for (BlockRanges& stage : stages) stage = subtract_ranges(stage, out);
+    const RangeList out = padded_extents(params, left_out);
+    for (RangeList& stage : stages) stage = subtract_ranges(stage, out);
   }
   return plan_zero_shards(stages, padded_extents(params, keep_whole),
                           gradient_bucket_elems(bucket_mb, params.storage_numel()), ranks, rank);
@@ -59,15 +59,15 @@ ZeroOptimizer::ZeroOptimizer(ParameterStore<float>& params, ZeroShardPlan plan, 
             "ZeRO optimizer: a plan for rank {} of {} on rank {} of {}", plan_.rank, plan_.ranks, group_.rank(),
             group_.size());
   // The parameters the plan covers: each lies whole inside its ranges or outside them.
-  const BlockRanges covered = merged_ranges({plan_.sharded, plan_.replicated});
-  MOE_CHECK(covered.empty() || covered.back().first + covered.back().second <= params_.storage_numel(),
+  const RangeList covered = merged_ranges({plan_.sharded, plan_.replicated});
+  MOE_CHECK(covered.empty() || covered.back().end() <= params_.storage_numel(),
             "ZeRO optimizer: the plan reaches past the block of {} elements", params_.storage_numel());
   for (int id = 0; id < params_.size(); ++id) {
     const int64_t begin = params_.offset(id), end = begin + params_.numel(id);
-    auto after = std::upper_bound(covered.begin(), covered.end(), std::pair{begin, INT64_MAX});
-    const bool starts_inside = after != covered.begin() && std::prev(after)->first + std::prev(after)->second > begin;
-    const bool inside = starts_inside && std::prev(after)->first + std::prev(after)->second >= end;
-    const bool meets_next = after != covered.end() && after->first < end;
+    auto after = std::upper_bound(covered.begin(), covered.end(), Range{begin, INT64_MAX});
+    const bool starts_inside = after != covered.begin() && std::prev(after)->end() > begin;
+    const bool inside = starts_inside && std::prev(after)->end() >= end;
+    const bool meets_next = after != covered.end() && after->offset < end;
     MOE_CHECK(inside || (!starts_inside && !meets_next), "ZeRO optimizer: the plan covers part of parameter {}",
               params_.spec(id).name);
     if (inside) ids_.push_back(id);
@@ -79,7 +79,7 @@ ZeroOptimizer::ZeroOptimizer(ParameterStore<float>& params, ZeroShardPlan plan, 
   v_.assign(static_cast<size_t>(state), 0.0f);
 }
 
-std::vector<ZeroOptimizer::Segment> ZeroOptimizer::segments_of(const BlockRanges& ranges) const {
+std::vector<ZeroOptimizer::Segment> ZeroOptimizer::segments_of(const RangeList& ranges) const {
   std::vector<int> by_offset = ids_;
   std::sort(by_offset.begin(), by_offset.end(), [&](int a, int b) { return params_.offset(a) < params_.offset(b); });
   std::vector<Segment> segments;
@@ -113,7 +113,7 @@ void ZeroOptimizer::on_stage(int stage) {
   for (const auto& bucket : plan_.sharded[s]) {
     // In place: this rank's sums land in its own piece of the bucket.
     const auto [piece, count] = plan_.piece(bucket, plan_.rank);
-    in_flight_.push_back(group_.reduce_scatter_async(grads + bucket.first, grads + piece, static_cast<size_t>(count),
+    in_flight_.push_back(group_.reduce_scatter_async(grads + bucket.offset, grads + piece, static_cast<size_t>(count),
                                                      DType::f32, ReduceOp::sum));
   }
   for (const auto& [begin, count] : plan_.replicated[s])
@@ -192,7 +192,7 @@ void ZeroOptimizer::gather_pieces(float* block) {
     for (const auto& bucket : stage) {
       // In place: this rank's piece is where the gathered bucket keeps it.
       const auto [piece, count] = plan_.piece(bucket, plan_.rank);
-      gathers.push_back(group_.all_gather_async(block + piece, block + bucket.first, static_cast<size_t>(count), DType::f32));
+      gathers.push_back(group_.all_gather_async(block + piece, block + bucket.offset, static_cast<size_t>(count), DType::f32));
     }
   for (auto& work : gathers) timed_wait(*work, stats_);
 }

@@ -85,7 +85,7 @@ class ZeroOptimizer {
     int id = 0;
     int64_t begin = 0, count = 0, state = 0;
   };
-  std::vector<Segment> segments_of(const BlockRanges& ranges) const;
+  std::vector<Segment> segments_of(const RangeList& ranges) const;
   // Calls f(block element, g * E + e) for each element of expert weights in `segments`
   // (g: its expert group, e: its expert).
   template <class F>

@@ -7,9 +7,9 @@
 namespace moe::dist {
 namespace {
 
-BlockRanges sorted_merged(BlockRanges ranges) {
+RangeList sorted_merged(RangeList ranges) {
   std::sort(ranges.begin(), ranges.end());
-  BlockRanges out;
+  RangeList out;
   for (const auto& [begin, count] : ranges) append_merged(out, begin, count);
   return out;
 }
@@ -25,13 +25,13 @@ int64_t gradient_bucket_elems(double bucket_mb, int64_t block_numel) {
   return std::min(std::max(per_bucket, kBucketAlign), block_numel);
 }
 
-ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, const BlockRanges& keep_whole,
+ZeroShardPlan plan_zero_shards(const std::vector<RangeList>& stage_ranges, const RangeList& keep_whole,
                                int64_t bucket_elems, int ranks, int rank) {
   MOE_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "ZeRO shards: rank {} of {}", rank, ranks);
   MOE_CHECK(bucket_elems > 0, "ZeRO shards: {} elements per bucket", bucket_elems);
   const int64_t unit = kZeroAlign * ranks;
   const int64_t per_bucket = std::max(unit, bucket_elems / unit * unit);
-  const BlockRanges whole = sorted_merged(keep_whole);
+  const RangeList whole = sorted_merged(keep_whole);
 
   ZeroShardPlan plan;
   plan.ranks = ranks;
@@ -62,7 +62,7 @@ ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, con
       }
       shard_span(stage, at, end);
     }
-  BlockRanges update, norm;
+  RangeList update, norm;
   for (size_t stage = 0; stage < stage_ranges.size(); ++stage) {
     for (const auto& bucket : plan.sharded[stage]) {
       update.push_back(plan.piece(bucket, rank));

@@ -36,17 +36,17 @@ struct ZeroShardPlan {
   int ranks = 1, rank = 0;
   // Per backward stage: the buckets reduce-scattered (count a multiple of ranks x
   // kZeroAlign) and the ranges all-reduced whole.
-  std::vector<BlockRanges> sharded, replicated;
+  std::vector<RangeList> sharded, replicated;
   // What this rank's optimizer steps: its piece of every bucket and every replicated range.
-  BlockRanges update;
+  RangeList update;
   // What this rank adds to the global gradient norm: its pieces, and the replicated ranges
   // on rank 0 only, so that the sum over the ranks counts every element once.
-  BlockRanges norm;
+  RangeList norm;
 
   // Rank r's piece of a bucket.
-  std::pair<int64_t, int64_t> piece(std::pair<int64_t, int64_t> bucket, int r) const {
-    const int64_t shard = bucket.second / ranks;
-    return {bucket.first + r * shard, shard};
+  Range piece(Range bucket, int r) const {
+    const int64_t shard = bucket.count / ranks;
+    return {bucket.offset + r * shard, shard};
   }
 };
 
@@ -54,7 +54,7 @@ struct ZeroShardPlan {
 // starting on kZeroAlign multiples. keep_whole: ranges to replicate (disjoint; each lies
 // inside one stage's ranges). bucket_elems: the most elements per bucket (rounded down to
 // the unit, at least one unit).
-ZeroShardPlan plan_zero_shards(const std::vector<BlockRanges>& stage_ranges, const BlockRanges& keep_whole,
+ZeroShardPlan plan_zero_shards(const std::vector<RangeList>& stage_ranges, const RangeList& keep_whole,
                                int64_t bucket_elems, int ranks, int rank);
 
 }  // namespace moe::dist

@@ -42,12 +42,12 @@ TEST_P(GradientStages, PartitionTheBlockByStage) {
   const auto& params = model.params();
   const int n_stages = model.backward_stages();
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
-  const std::vector<BlockRanges> ranges = gradient_ranges_by_stage(params, stage_of, n_stages);
+  const std::vector<RangeList> ranges = gradient_ranges_by_stage(params, stage_of, n_stages);
   ASSERT_EQ(static_cast<int>(ranges.size()), n_stages);
 
   // Every element of the block in exactly one range.
-  BlockRanges all;
-  for (const BlockRanges& stage : ranges) all.insert(all.end(), stage.begin(), stage.end());
+  RangeList all;
+  for (const RangeList& stage : ranges) all.insert(all.end(), stage.begin(), stage.end());
   std::sort(all.begin(), all.end());
   int64_t covered = 0;
   for (const auto& [offset, count] : all) {
@@ -59,9 +59,9 @@ TEST_P(GradientStages, PartitionTheBlockByStage) {
 
   // Each parameter inside a range of its stage.
   for (int id = 0; id < params.size(); ++id) {
-    const BlockRanges& mine = ranges[static_cast<size_t>(stage_of(params.spec(id).name))];
+    const RangeList& mine = ranges[static_cast<size_t>(stage_of(params.spec(id).name))];
     const bool inside = std::any_of(mine.begin(), mine.end(), [&](const auto& r) {
-      return params.offset(id) >= r.first && params.offset(id) + params.numel(id) <= r.first + r.second;
+      return params.offset(id) >= r.offset && params.offset(id) + params.numel(id) <= r.offset + r.count;
     });
     EXPECT_TRUE(inside) << params.spec(id).name;
   }
@@ -126,8 +126,8 @@ TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
   const std::vector<int> experts = expert_tensor_ids(params);
   ASSERT_GE(experts.size(), 2u);
   // Tensor i: slots [i % 3, i % 3 + 1 + i % 2) of 4 (one or two slots, starting anywhere).
-  BlockRanges own, uniform;
-  std::vector<std::pair<int64_t, int64_t>> slots_of(static_cast<size_t>(params.size()), {0, 0});
+  RangeList own, uniform;
+  RangeList slots_of(static_cast<size_t>(params.size()), {0, 0});
   for (size_t i = 0; i < experts.size(); ++i) {
     const int id = experts[i];
     const int64_t per_expert = params.numel(id) / params.spec(id).shape[0];
@@ -153,15 +153,15 @@ TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
     }
   }
   // What the optimizer steps: every shared element and exactly the own slots, merged.
-  const BlockRanges stepped = split.stepped();
+  const RangeList stepped = split.stepped();
   std::vector<char> in_stepped(static_cast<size_t>(params.storage_numel()), 0);
   for (size_t i = 0; i < stepped.size(); ++i) {
-    if (i > 0) EXPECT_LT(stepped[i - 1].first + stepped[i - 1].second, stepped[i].first) << "not merged or sorted";
-    for (int64_t e = stepped[i].first; e < stepped[i].first + stepped[i].second; ++e) in_stepped[static_cast<size_t>(e)] = 1;
+    if (i > 0) EXPECT_LT(stepped[i - 1].offset + stepped[i - 1].count, stepped[i].offset) << "not merged or sorted";
+    for (int64_t e = stepped[i].offset; e < stepped[i].offset + stepped[i].count; ++e) in_stepped[static_cast<size_t>(e)] = 1;
   }
   std::vector<char> want_stepped(static_cast<size_t>(params.storage_numel()), 0);
   for (const auto* sets : {&split.shared, &split.own_experts})
-    for (const BlockRanges& stage : *sets)
+    for (const RangeList& stage : *sets)
       for (const auto& [offset, count] : stage)
         for (int64_t e = offset; e < offset + count; ++e) want_stepped[static_cast<size_t>(e)] = 1;
   EXPECT_EQ(in_stepped, want_stepped);
@@ -173,7 +173,7 @@ TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
   // A range reaching past its tensor is an error.
   const int last = experts.back();
   EXPECT_THROW(gradient_ranges_by_stage_ep(params, stage_of, n_stages,
-                                           BlockRanges{{params.offset(last) + 1, params.numel(last)}}),
+                                           RangeList{{params.offset(last) + 1, params.numel(last)}}),
                Error);
 }
 
@@ -187,7 +187,7 @@ TEST(GradientStages, ExpertParallelHingesAreSummedOverAllRanks) {
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
   const std::vector<int> experts = expert_tensor_ids(params);
   // 4 experts over 2 ranks, split: rank 0's window is slots 0-2, rank 1's 2-3; slot 2 the hinge.
-  BlockRanges window0, window1, hinges;
+  RangeList window0, window1, hinges;
   for (int id : experts) {
     const int64_t per_expert = params.numel(id) / 4;
     window0.emplace_back(params.offset(id), 3 * per_expert);
@@ -200,9 +200,9 @@ TEST(GradientStages, ExpertParallelHingesAreSummedOverAllRanks) {
   const ExpertParallelRanges rank0 = gradient_ranges_by_stage_ep(params, stage_of, n_stages, window0, hinges);
   const ExpertParallelRanges rank1 = gradient_ranges_by_stage_ep(params, stage_of, n_stages, window1, hinges);
   EXPECT_EQ(rank0.shared, rank1.shared) << "the sums over all ranks must match";
-  auto marks = [&](const std::vector<BlockRanges>& stages) {
+  auto marks = [&](const std::vector<RangeList>& stages) {
     std::vector<char> in(static_cast<size_t>(params.storage_numel()), 0);
-    for (const BlockRanges& stage : stages)
+    for (const RangeList& stage : stages)
       for (const auto& [offset, count] : stage)
         for (int64_t e = offset; e < offset + count; ++e) in[static_cast<size_t>(e)] = 1;
     return in;
@@ -226,9 +226,6 @@ TEST(GradientStages, ExpertParallelHingesAreSummedOverAllRanks) {
   ASSERT_TRUE(params.spec(router).expert_group.empty());
   EXPECT_TRUE(shared[static_cast<size_t>(params.offset(router))] && stepped0[static_cast<size_t>(params.offset(router))] &&
               stepped1[static_cast<size_t>(params.offset(router))]);
-  EXPECT_EQ(subtract_ranges({{0, 10}, {20, 10}}, {{2, 3}, {9, 12}, {29, 5}}),
-            (BlockRanges{{0, 2}, {5, 4}, {21, 8}}));
-  EXPECT_EQ(subtract_ranges({{0, 10}}, {}), (BlockRanges{{0, 10}}));
 }
 
 }  // namespace

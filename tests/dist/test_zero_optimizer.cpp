@@ -230,7 +230,7 @@ TEST(ZeroOptimizer, CpuBackendShardsAsTheGpuBackend) {
       ParallelCpuBackend backend(config, std::move(host), std::move(world));
       Transformer<float>& model = backend.host_model();
       const auto& params = model.params();
-      dist::BlockRanges fp32_copies;
+      RangeList fp32_copies;
       for (int id : router_biases(params)) fp32_copies.emplace_back(params.offset(id), (params.numel(id) + 15) / 16 * 16);
       ASSERT_EQ(fp32_copies.size(), 2u);  // two MoE layers
       const dist::ZeroShardPlan gpu = dist::plan_zero_shards(

@@ -31,7 +31,7 @@ ModelConfig tiny() {
 }
 
 // element -> how many times `ranges` hold it
-void count(const BlockRanges& ranges, std::map<int64_t, int>& times) {
+void count(const RangeList& ranges, std::map<int64_t, int>& times) {
   for (const auto& [begin, n] : ranges)
     for (int64_t e = begin; e < begin + n; ++e) ++times[e];
 }
@@ -42,7 +42,7 @@ TEST(ZeroShards, PartitionTheStagesForAnyRankCount) {
   const auto stages = gradient_ranges_by_stage(
       params, [&](const std::string& name) { return model.backward_stage_of(name); }, model.backward_stages());
   // Keep two small parameters whole, as the fp32 router copies are.
-  BlockRanges keep;
+  RangeList keep;
   for (int id = 0; id < params.size() && keep.size() < 2; ++id)
     if (params.numel(id) <= 64) keep.emplace_back(params.offset(id), (params.numel(id) + 15) / 16 * 16);
   ASSERT_EQ(keep.size(), 2u);
@@ -62,10 +62,10 @@ TEST(ZeroShards, PartitionTheStagesForAnyRankCount) {
           count(plan.replicated[s], planned);
           EXPECT_EQ(planned, stage) << "stage " << s;
           for (const auto& b : plan.sharded[s]) {
-            EXPECT_EQ(b.second % (kZeroAlign * ranks), 0) << "bucket at " << b.first;
-            EXPECT_LE(b.second, std::max(bucket / (kZeroAlign * ranks), int64_t{1}) * kZeroAlign * ranks);
-            EXPECT_EQ(plan.piece(b, rank).first % kZeroAlign, 0);
-            if (rank == 0) sharded_elems += b.second;
+            EXPECT_EQ(b.count % (kZeroAlign * ranks), 0) << "bucket at " << b.offset;
+            EXPECT_LE(b.count, std::max(bucket / (kZeroAlign * ranks), int64_t{1}) * kZeroAlign * ranks);
+            EXPECT_EQ(plan.piece(b, rank).offset % kZeroAlign, 0);
+            if (rank == 0) sharded_elems += b.count;
           }
         }
         // Kept ranges are replicated.
@@ -93,18 +93,18 @@ TEST(ZeroShards, PartitionTheStagesForAnyRankCount) {
 }
 
 TEST(ZeroShards, RefusesMisalignedOrStraddlingRanges) {
-  const std::vector<BlockRanges> stages = {{{0, 64}}, {{64, 128}}};
+  const std::vector<RangeList> stages = {{{0, 64}}, {{64, 128}}};
   EXPECT_THROW(plan_zero_shards({{{8, 64}}}, {}, 1024, 2, 0), Error);            // a stage not on 16
   EXPECT_THROW(plan_zero_shards(stages, {{48, 32}}, 1024, 2, 0), Error);         // kept range across two stages
   EXPECT_THROW(plan_zero_shards(stages, {{72, 16}}, 1024, 2, 0), Error);         // kept range not on 16
   EXPECT_THROW(plan_zero_shards(stages, {}, 1024, 2, 2), Error);                 // no rank 2 of 2
   EXPECT_THROW(plan_zero_shards(stages, {}, 0, 2, 0), Error);                    // no bucket size
   const ZeroShardPlan plan = plan_zero_shards(stages, {{80, 16}}, 1024, 2, 1);
-  EXPECT_EQ(plan.sharded[0], (BlockRanges{{0, 64}}));
-  EXPECT_EQ(plan.sharded[1], (BlockRanges{{96, 96}}));  // 64..80 too short for a unit of 32
-  EXPECT_EQ(plan.replicated[1], (BlockRanges{{64, 32}}));
-  EXPECT_EQ(plan.update, (BlockRanges{{32, 64}, {144, 48}}));  // its pieces and the replicated range, merged
-  EXPECT_EQ(plan.norm, (BlockRanges{{32, 32}, {144, 48}}));
+  EXPECT_EQ(plan.sharded[0], (RangeList{{0, 64}}));
+  EXPECT_EQ(plan.sharded[1], (RangeList{{96, 96}}));  // 64..80 too short for a unit of 32
+  EXPECT_EQ(plan.replicated[1], (RangeList{{64, 32}}));
+  EXPECT_EQ(plan.update, (RangeList{{32, 64}, {144, 48}}));  // its pieces and the replicated range, merged
+  EXPECT_EQ(plan.norm, (RangeList{{32, 32}, {144, 48}}));
 }
 
 }  // namespace

@@ -216,8 +216,8 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
     const auto& update = plans[static_cast<size_t>(r)].update;
     const auto in_update = [&](int64_t e) {
       auto it = std::upper_bound(update.begin(), update.end(), e,
-                                 [](int64_t at, const std::pair<int64_t, int64_t>& range) { return at < range.first; });
-      return it != update.begin() && e < std::prev(it)->first + std::prev(it)->second;
+                                 [](int64_t at, const Range& range) { return at < range.offset; });
+      return it != update.begin() && e < std::prev(it)->end();
     };
     int64_t far = 0, moved = 0, scaled = 0;
     for (int id = 0; id < cpu.params().size(); ++id)

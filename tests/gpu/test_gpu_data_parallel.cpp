@@ -160,7 +160,7 @@ TEST(GpuDataParallel, ZeroShardsOverOneRankAreTheIdentity) {
   for (int64_t i = 0; i < n; ++i) rounded[static_cast<size_t>(i)] = bf16_to_float(float_to_bf16(host[static_cast<size_t>(i)]));
   // Stage 0 the end (not a whole unit: a replicated tail), 1 the middle with a range kept
   // whole inside, 2 the start.
-  const std::vector<dist::BlockRanges> stages = {{{200000, n - 200000}}, {{64, 199936}}, {{0, 64}}};
+  const std::vector<RangeList> stages = {{{200000, n - 200000}}, {{64, 199936}}, {{0, 64}}};
   gpu::DeviceArray<float> grads(static_cast<size_t>(n));
   for (dist::DType dtype : {dist::DType::f32, dist::DType::bf16}) {
     SCOPED_TRACE(dtype == dist::DType::f32 ? "fp32 sums" : "bf16 sums");

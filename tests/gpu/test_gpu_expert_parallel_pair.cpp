@@ -125,15 +125,16 @@ std::vector<float> all_grads(GpuTransformer& gpu, Transformer<float>& host) {
 
 // As the trainer does under expert parallelism: AdamW over the shared parameters and this
 // rank's experts only (the others' copies then keep their values until sent).
-void step_own_experts_only(GpuTransformer& gpu, GpuOptimizer& optimizer, Transformer<float>& host) {
+void step_own_experts_only(GpuTransformer& gpu, GpuOptimizer& optimizer, Transformer<float>& host, int rank) {
   const auto stage_of = [&](const std::string& name) { return host.backward_stage_of(name); };
+  const ExpertLayout layout = gpu.expert_layout();
   const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
-      host.params(), stage_of, host.backward_stages(), gpu.own_expert_ranges(), gpu.split_expert_ranges());
+      host.params(), stage_of, host.backward_stages(), own_expert_ranges(layout, rank), hinge_ranges(layout));
   optimizer.set_step_ranges(ranges.stepped(), {{0, gpu.parameters().storage_numel()}});
 }
 
 // Split experts: each hinge's partial gradients summed over the two ranks (the trainer's
-// all-rank sum of split_expert_ranges), in the device's slot layout.
+// all-rank sum of hinge_ranges), in the device's slot layout.
 void sum_hinge_grads(GpuTransformer& gpu, PairShared& shared, int rank) {
   GpuParameterStore& store = gpu.parameters();
   std::vector<float> grads(static_cast<size_t>(store.storage_numel()));
@@ -143,7 +144,7 @@ void sum_hinge_grads(GpuTransformer& gpu, PairShared& shared, int rank) {
   shared.sync.arrive_and_wait();
   const float* other = shared.posted[static_cast<size_t>(1 - rank)].grads;
   std::vector<float> sums;
-  const auto ranges = gpu.split_expert_ranges();
+  const RangeList ranges = hinge_ranges(gpu.expert_layout());
   for (const auto& [offset, count] : ranges)
     for (int64_t i = offset; i < offset + count; ++i) sums.push_back(grads[static_cast<size_t>(i)] + other[i]);
   shared.sync.arrive_and_wait();  // both have read
@@ -170,7 +171,7 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     GpuTransformer gpu(config, host.params(), options);
     GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
     gpu.plan(1);
-    if (own_steps) step_own_experts_only(gpu, optimizer, host);
+    if (own_steps) step_own_experts_only(gpu, optimizer, host, rank);
     RankRun& run = runs[static_cast<size_t>(rank)];
     gpu.zero_grads();
     const auto inputs = tokens(config, 1, 40 + rank, 0), targets = tokens(config, 1, 40 + rank, 1);
@@ -179,7 +180,7 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     if (split) sum_hinge_grads(gpu, shared, rank);
     optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 1}, 1.0f);
     if (!placement.empty()) gpu.place_experts(placement);
-    if (own_steps) step_own_experts_only(gpu, optimizer, host);
+    if (own_steps) step_own_experts_only(gpu, optimizer, host, rank);
     gpu.zero_grads();
     gpu.reset_load();
     const auto inputs2 = tokens(config, 1, 50 + rank, 0), targets2 = tokens(config, 1, 50 + rank, 1);

@@ -488,7 +488,7 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
   GpuOptimizer whole_optimizer(whole, params, nullptr);
   const int64_t n = whole.storage_numel();
   // One stage per parameter (offsets are multiples of 16), buckets of ~3 norm chunks.
-  std::vector<dist::BlockRanges> stages;
+  std::vector<RangeList> stages;
   for (int id = 0; id < params.size(); ++id)
     stages.push_back({{params.offset(id), (id + 1 < params.size() ? params.offset(id + 1) : n) - params.offset(id)}});
   const int ranks = 3;

@@ -74,7 +74,7 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
     if (placement < placements.size()) {
       gpu.place_experts(placements[placement]);
       for (size_t l = 0; l < placements[placement].size(); ++l)
-        EXPECT_EQ(gpu.expert_placement(l), placements[placement][l]);
+        EXPECT_EQ(expert_blocks(gpu.expert_layout()[l].slots), placements[placement][l]);
     }
     const Batch b = make_batch(config, 2, 20 + micro, micro == 2);
     r.losses.push_back(gpu.forward_backward(b.inputs.data(), b.targets.data(), 1.0 / 3));
@@ -84,7 +84,7 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   for (int id = 0; id < params.size(); ++id)
     r.grads.insert(r.grads.end(), params.grad(id), params.grad(id) + params.numel(id));
   r.load = gpu.expert_load();
-  r.expert_norms = gpu.to_expert_order(optimizer.clip_expert_grads(0.0));
+  r.expert_norms = to_expert_order(gpu.expert_layout(), optimizer.clip_expert_grads(0.0));
   optimizer.adamw_step(AdamWStep{1e-3, 0.9, 0.95, 1e-8, 0.1, 1}, 1.0f);
   gpu.download_state(params, r.m, r.v);
   for (int id = 0; id < params.size(); ++id)
@@ -158,13 +158,13 @@ TEST(GpuExpertPlacement, BadPlacementsAreRefusedBeforeAnythingMoves) {
   const std::vector<int64_t> identity = {0, 1, 2, 3, 4, 5, 6, 7};
   EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {identity}}), Error);  // before plan()
   gpu.plan(2);
-  EXPECT_EQ(gpu.expert_placement(0), (std::vector<std::vector<int64_t>>{identity}));
+  ASSERT_EQ(gpu.expert_layout().size(), 3u);
+  EXPECT_EQ(expert_blocks(gpu.expert_layout()[0].slots), (std::vector<std::vector<int64_t>>{identity}));
   EXPECT_THROW(gpu.place_experts({{identity}, {identity}}), Error);  // two layers of three
   EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {{0, 1, 2, 3, 4, 5, 6, 6}}}), Error);  // 6 twice
   EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {{0, 1, 2, 3, 4, 5, 6}}}), Error);     // 7 missing
   EXPECT_THROW(gpu.place_experts({{identity}, {identity}, {identity, {}}}), Error);              // two ranks of one
-  EXPECT_THROW(gpu.expert_placement(3), Error);
-  EXPECT_EQ(gpu.expert_placement(2), (std::vector<std::vector<int64_t>>{identity}));
+  EXPECT_EQ(expert_blocks(gpu.expert_layout()[2].slots), (std::vector<std::vector<int64_t>>{identity}));
 }
 
 TEST(GpuExpertParallel, RefusesGraphsAndExpertRecompute) {

@@ -173,10 +173,10 @@ void GpuDataParallel::all_reduce_grads() {
   stats_.wait_s += seconds;
 }
 
-void GpuDataParallel::set_stage_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges) {
+void GpuDataParallel::set_stage_ranges(std::vector<RangeList> stage_ranges) {
   // Ranges inside the block, none overlapping another (they need not cover it: under
   // expert parallelism other experts' gradients are not this group's to sum).
-  std::vector<std::pair<int64_t, int64_t>> all;
+  RangeList all;
   for (const auto& stage : stage_ranges) all.insert(all.end(), stage.begin(), stage.end());
   std::sort(all.begin(), all.end());
   int64_t end = 0;
@@ -194,7 +194,7 @@ void GpuDataParallel::set_zero_plan(ZeroShardPlan plan, bool overlap) {
   MOE_CHECK(plan.ranks == group_->size() && plan.rank == group_->rank(),
             "GPU data parallel: a ZeRO plan for rank {} of {} on rank {} of {}", plan.rank, plan.ranks, group_->rank(),
             group_->size());
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> all(plan.sharded.size());
+  std::vector<RangeList> all(plan.sharded.size());
   for (size_t stage = 0; stage < plan.sharded.size(); ++stage) {
     all[stage] = plan.sharded[stage];
     all[stage].insert(all[stage].end(), plan.replicated[stage].begin(), plan.replicated[stage].end());
@@ -231,7 +231,7 @@ std::unique_ptr<Work> GpuDataParallel::gather_stage(size_t stage, void* block, D
   group_->group_begin();  // the stage's all-gathers as one NCCL group
   for (const auto& bucket : zero_->sharded[stage]) {
     const auto [piece_offset, piece_count] = zero_->piece(bucket, group_->rank());
-    char* whole = static_cast<char*>(block) + static_cast<size_t>(bucket.first) * bytes;
+    char* whole = static_cast<char*>(block) + static_cast<size_t>(bucket.offset) * bytes;
     const char* mine = static_cast<char*>(block) + static_cast<size_t>(piece_offset) * bytes;
     // In place: this rank's piece is where the gathered block keeps it.
     last = group_->all_gather_async(mine, whole, static_cast<size_t>(piece_count), dtype);

@@ -51,7 +51,7 @@ class GpuDataParallel {
   int size() const { return group_->size(); }
   Communicator& group() { return *group_; }
   // [offset, offset + count) of the gradient block per all-reduce.
-  const std::vector<std::pair<int64_t, int64_t>>& buckets() const { return buckets_; }
+  const RangeList& buckets() const { return buckets_; }
   int64_t bucket_elems() const { return bucket_elems_; }
 
   // Sums n host doubles over the ranks in place (a device round trip on the model's
@@ -70,7 +70,7 @@ class GpuDataParallel {
   // Overlapped all-reduce: stage_ranges[s] are the [offset, count) ranges whose gradients
   // backward stage s completes and this group sums (disjoint; the whole block in plain
   // data parallelism, a part of it under expert parallelism).
-  void set_stage_ranges(std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges);
+  void set_stage_ranges(std::vector<RangeList> stage_ranges);
   bool overlaps() const { return overlap_; }
   // Starts stage s's all-reduces after the work enqueued so far on the model's stream.
   void launch_stage(int stage);
@@ -133,13 +133,13 @@ class GpuDataParallel {
   float* grads_;
   int64_t count_;
   int64_t bucket_elems_ = 0;  // elements per all-reduce (the last bucket may be shorter)
-  std::vector<std::pair<int64_t, int64_t>> buckets_;
+  RangeList buckets_;
   double* scratch_ = nullptr;  // device doubles for sum()
   int64_t scratch_count_ = 0;
   void* sync_begin_ = nullptr;  // cudaEvent_t with timing
   void* sync_end_ = nullptr;
   void* backward_end_ = nullptr;  // overlapped: the model's own work done
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> stage_ranges_;
+  std::vector<RangeList> stage_ranges_;
   bool overlap_ = false;
   std::optional<ZeroShardPlan> zero_;
   // Event pairs on the model's stream around stretches where it waits for communication

@@ -140,9 +140,9 @@ void GpuParameterStore::zero_grads() {
   MOE_CUDA_CHECK(cudaMemsetAsync(s.grads.data(), 0, s.grads.size() * sizeof(float), s.stream));
 }
 
-std::vector<std::pair<int64_t, int64_t>> GpuParameterStore::fp32_copy_ranges() const {
+RangeList GpuParameterStore::fp32_copy_ranges() const {
   const State& s = *state_;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
+  RangeList ranges;
   for (size_t id = 0; id < s.mirror_offsets.size(); ++id)
     if (s.mirror_offsets[id] >= 0) ranges.emplace_back(s.offsets[id], (s.numels[id] + 15) / 16 * 16);
   std::sort(ranges.begin(), ranges.end());

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "config/optimizer_config.h"
+#include "core/range.h"
 #include "core/bf16.h"
 #include "kernels/gpu_ops.h"
 #include "model/parameters.h"
@@ -53,7 +54,7 @@ class GpuParameterStore {
   void zero_grads();
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
   // included), sorted: a sharded optimizer must step them whole on every rank.
-  std::vector<std::pair<int64_t, int64_t>> fp32_copy_ranges() const;
+  RangeList fp32_copy_ranges() const;
   // Host copies, in the CPU store's layout (tests and checkpoints). The moments are
   // packed parameter after parameter (the CPU AdamW's layout) and always fp32; bf16
   // moments are rounded to nearest even on upload.

@@ -117,61 +117,15 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 
-std::vector<std::vector<int64_t>> GpuTransformer::expert_placement(size_t moe_layer) const {
+ExpertLayout GpuTransformer::expert_layout() const {
   const State& s = *state_;
-  size_t index = 0;
-  for (const Layer& layer : s.layers) {
-    if (!layer.is_moe || index++ != moe_layer) continue;
-    return expert_blocks(layer.slots);
-  }
-  MOE_THROW("expert placement: no MoE layer {} (the model has {})", moe_layer, index);
-}
-
-std::vector<std::pair<int64_t, int64_t>> GpuTransformer::own_expert_ranges() const {
-  const State& s = *state_;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  for (const Layer& layer : s.layers) {
-    if (!layer.is_moe) continue;
-    const int64_t first = s.first_slot(layer), count = s.local_experts(layer);
-    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
-      const int64_t per_expert = p->numel / s.config.moe.n_experts;
-      if (count > 0) ranges.emplace_back(p->offset + first * per_expert, count * per_expert);
-    }
-  }
-  std::sort(ranges.begin(), ranges.end());
-  return ranges;
-}
-
-std::vector<std::pair<int64_t, int64_t>> GpuTransformer::split_expert_ranges() const {
-  const State& s = *state_;
-  std::vector<std::pair<int64_t, int64_t>> ranges;
-  if (!s.split_experts) return ranges;
-  for (const Layer& layer : s.layers) {
-    if (!layer.is_moe) continue;
-    const std::vector<std::vector<int>> holders = slot_holders(layer.slots);
-    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
-      const int64_t per_expert = p->numel / s.config.moe.n_experts;
-      for (size_t slot = 0; slot < holders.size(); ++slot)
-        if (holders[slot].size() > 1) ranges.emplace_back(p->offset + static_cast<int64_t>(slot) * per_expert, per_expert);
-    }
-  }
-  std::sort(ranges.begin(), ranges.end());
-  return ranges;
-}
-
-std::vector<char> GpuTransformer::split_expert_flags() const {
-  const State& s = *state_;
-  std::vector<char> flags;
+  ExpertLayout layout;
   for (size_t layer_index : s.expert_group_layer) {
     const Layer& layer = s.layers[layer_index];
-    const size_t at = flags.size();
-    flags.resize(at + layer.slots.expert_of_slot.size(), 0);
-    if (!s.split_experts) continue;
-    const std::vector<std::vector<int>> holders = slot_holders(layer.slots);
-    for (size_t slot = 0; slot < holders.size(); ++slot)
-      flags[at + static_cast<size_t>(layer.slots.expert_of_slot[slot])] = holders[slot].size() > 1;
+    layout.push_back({layer.slots, {}});
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) layout.back().tensors.push_back({p->offset, p->numel});
   }
-  return flags;
+  return layout;
 }
 
 void GpuTransformer::State::send_moving_experts(const Layer& layer, const std::vector<int64_t>& new_first_slot_P1,
@@ -265,22 +219,6 @@ void GpuTransformer::State::slots_to_experts(const std::function<float*(const Pa
                     tensor + layer.slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert);
     }
   }
-}
-
-std::vector<double> GpuTransformer::to_expert_order(const std::vector<double>& per_slot) const {
-  const State& s = *state_;
-  std::vector<double> by_expert(per_slot.size());
-  size_t at = 0;
-  for (size_t layer_index : s.expert_group_layer) {
-    const Layer& layer = s.layers[layer_index];
-    const size_t n = layer.slots.expert_of_slot.size();
-    MOE_CHECK(at + n <= per_slot.size(), "per-expert values: {} for more expert slots", per_slot.size());
-    for (size_t slot = 0; slot < n; ++slot)
-      by_expert[at + static_cast<size_t>(layer.slots.expert_of_slot[slot])] = per_slot[at + slot];
-    at += n;
-  }
-  MOE_CHECK(at == per_slot.size(), "per-expert values: {} values for {} expert slots", per_slot.size(), at);
-  return by_expert;
 }
 
 }  // namespace moe

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "core/range.h"
+#include "model/expert_layout.h"
 #include "config/training_config.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/parameters.h"
@@ -76,8 +78,8 @@ struct GpuModelOptions {
   // Split experts (parallel.split_experts): each EP rank also holds the first expert of
   // the next rank's block (a hinge), and every micro-batch moves each boundary inside its
   // hinge so that all ranks compute the same number of rows (moe/token_exchange.h). A
-  // hinge's gradient is then the sum of its two holders' (split_expert_ranges: sum those
-  // over all ranks), and both step it.
+  // hinge's gradient is then the sum of its two holders' (sum those over all
+  // ranks: hinge_ranges in model/expert_layout.h), and both step it.
   bool split_experts = false;
 };
 
@@ -129,21 +131,13 @@ class GpuTransformer {
   // move to their slots on every rank; call it between steps, as gradients do not travel).
   // Results stay bit-identical (up to the split of a token's partial combines over the
   // ranks with top-k > 1, and the hinges' row shares with split experts); host copies
-  // (download_*, upload_state, expert_load, to_expert_order) stay in expert order. Not
+  // (download_*, upload_state, expert_load; to_expert_order in model/expert_layout.h) stay in expert order. Not
   // with a sharded optimizer. Waits.
   void place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer);
-  // The experts each EP rank computes in MoE layer `moe_layer` (equal blocks at first).
-  std::vector<std::vector<int64_t>> expert_placement(size_t moe_layer) const;
-  // The block ranges [offset, count) of this rank's experts in the expert tensors (its
-  // slots), sorted: the gradients it sums over the ranks holding the same experts.
-  std::vector<std::pair<int64_t, int64_t>> own_expert_ranges() const;
-  // With split experts, the block ranges of every hinge slot (held by more than one EP
-  // rank), sorted, the same on every rank: partial gradients that must be summed over all
-  // ranks. Empty without split experts.
-  std::vector<std::pair<int64_t, int64_t>> split_expert_ranges() const;
-  // Per expert, in to_expert_order's result order (MoE layer after layer, expert order):
-  // whether it is a hinge now (its gradient, once summed, is on every rank).
-  std::vector<char> split_expert_flags() const;
+  // Each MoE layer's placement (equal blocks at first) and expert tensors: the ranges this
+  // rank's gradients and optimizer cover and per-slot values' expert order are functions
+  // of it (model/expert_layout.h).
+  ExpertLayout expert_layout() const;
   // The parameter blocks (weights, gradients, optimizer state; stepped by a GpuOptimizer,
   // optim/cuda/gpu_optimizer.h) and the CUDA stream all work is ordered on (a
   // cudaStream_t), for data-parallel gradient reduction.
@@ -177,9 +171,6 @@ class GpuTransformer {
   size_t parameter_bytes() const;
   // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
   void set_phase_clock(gpu::PhaseClock* clock);
-  // Per-expert values in slot order (GpuOptimizer::clip_expert_grads: MoE layer after
-  // layer, slot by slot) -> the same in expert order, through each layer's placement.
-  std::vector<double> to_expert_order(const std::vector<double>& per_slot) const;
 
  private:
   struct State;

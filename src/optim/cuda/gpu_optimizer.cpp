@@ -8,7 +8,7 @@
 
 #include "core/error.h"
 #include "core/gpu.h"
-#include "core/span_cut.h"
+#include "core/range.h"
 #include "model/cuda/gpu_phases.h"
 #include "optim/cuda/segment_set.h"
 #include "optim/gpu_ops.h"
@@ -84,8 +84,8 @@ struct GpuOptimizer::State {
   }
   // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter
   // keeps its decay flag and the matching part of its fp32 copy.
-  std::unique_ptr<SegmentSet> cut_to(const std::vector<std::pair<int64_t, int64_t>>& ranges) const {
-    std::vector<std::pair<int64_t, int64_t>> spans;
+  std::unique_ptr<SegmentSet> cut_to(const RangeList& ranges) const {
+    RangeList spans;
     for (const cuda::OptimizerSegment& seg : whole.host) spans.emplace_back(seg.offset, seg.numel);
     std::vector<cuda::OptimizerSegment> pieces;
     for (const SpanPiece& part : cut_spans(spans, ranges)) {
@@ -100,7 +100,7 @@ struct GpuOptimizer::State {
   }
   void build_expert_slices(const ParameterStore<float>& params);
   void ensure_clip_tables();
-  std::unique_ptr<ExpertSliceSet> cut_expert_slices(const std::vector<std::pair<int64_t, int64_t>>& ranges) const;
+  std::unique_ptr<ExpertSliceSet> cut_expert_slices(const RangeList& ranges) const;
 };
 
 // Groups of parameters sharing an expert_group (optim/grad_clip.cpp), in registration
@@ -150,9 +150,9 @@ void GpuOptimizer::State::ensure_clip_tables() {
 }
 
 std::unique_ptr<ExpertSliceSet> GpuOptimizer::State::cut_expert_slices(
-    const std::vector<std::pair<int64_t, int64_t>>& ranges) const {
+    const RangeList& ranges) const {
   auto set = std::make_unique<ExpertSliceSet>();
-  std::vector<std::pair<int64_t, int64_t>> spans;
+  RangeList spans;
   for (const cuda::OptimizerSegment& slice : expert_slices) spans.emplace_back(slice.offset, slice.numel);
   const size_t n_experts = first_slice_X1.size() - 1;
   std::vector<cuda::OptimizerSegment> pieces;
@@ -215,8 +215,8 @@ GpuOptimizer::~GpuOptimizer() {
   if (s.host_out) cudaFreeHost(s.host_out);
 }
 
-void GpuOptimizer::set_step_ranges(const std::vector<std::pair<int64_t, int64_t>>& update,
-                                   const std::vector<std::pair<int64_t, int64_t>>& norm) {
+void GpuOptimizer::set_step_ranges(const RangeList& update,
+                                   const RangeList& norm) {
   State& s = *state_;
   for (const auto* ranges : {&update, &norm}) {
     int64_t end = 0;
@@ -276,8 +276,8 @@ bool GpuOptimizer::last_step_skipped() {
   return state_->host_out->skip != 0;
 }
 
-void GpuOptimizer::shard_expert_clip(const std::vector<std::pair<int64_t, int64_t>>& norm,
-                                     const std::vector<std::pair<int64_t, int64_t>>& update) {
+void GpuOptimizer::shard_expert_clip(const RangeList& norm,
+                                     const RangeList& update) {
   State& s = *state_;
   s.clip_norm_part = s.cut_expert_slices(norm);
   s.clip_scale_part = s.cut_expert_slices(update);

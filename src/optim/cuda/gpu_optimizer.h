@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/cuda/phase_clock.h"
+#include "core/range.h"
 #include "kernels/gpu_ops.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/parameters.h"
@@ -40,8 +41,8 @@ class GpuOptimizer {
   // part of the global norm; expert parallelism: the shared parameters and this rank's
   // experts, the norm over the whole block. The parameters with fp32 copies must lie
   // whole inside `update`.
-  void set_step_ranges(const std::vector<std::pair<int64_t, int64_t>>& update,
-                       const std::vector<std::pair<int64_t, int64_t>>& norm);
+  void set_step_ranges(const RangeList& update,
+                       const RangeList& norm);
   // The global gradient norm (the CPU's clip_gradients norm, bit for bit); waits for it.
   double grad_norm();
   // AdamW with the gradients scaled by grad_scale first (global clipping); the bf16
@@ -68,8 +69,8 @@ class GpuOptimizer {
   // ZeRO-1: per-expert clipping over sharded gradients. `norm`: the block ranges this rank
   // adds to the norms (over the ranks each element once), `update`: the ranges it scales
   // (the ones it steps). Sorted, disjoint [offset, count) ranges.
-  void shard_expert_clip(const std::vector<std::pair<int64_t, int64_t>>& norm,
-                         const std::vector<std::pair<int64_t, int64_t>>& update);
+  void shard_expert_clip(const RangeList& norm,
+                         const RangeList& update);
   // Device bytes of the optimizer's tables and partial sums.
   size_t device_bytes() const;
 

@@ -20,6 +20,7 @@
 #include "dist/zero_shards.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
+#include "model/expert_layout.h"
 #include "moe/expert_placement.h"
 #include "moe/router.h"
 #include "optim/cuda/gpu_optimizer.h"
@@ -208,8 +209,9 @@ class GpuBackend final : public ModelBackend {
     if (ep_) {
       const int64_t E = config_.model.moe.n_experts;
       std::vector<std::vector<int64_t>> load_PE(static_cast<size_t>(ep_->size()), std::vector<int64_t>(E, -1));
+      const ExpertLayout layout = gpu_->expert_layout();
       for (size_t i = 0; i < stats.layers.size(); ++i) {
-        const auto placement = gpu_->expert_placement(i);
+        const auto placement = expert_blocks(layout[i].slots);
         for (size_t p = 0; p < placement.size(); ++p)
           for (int64_t e : placement[p]) {
             int64_t& load = load_PE[p][static_cast<size_t>(e)];
@@ -241,9 +243,10 @@ class GpuBackend final : public ModelBackend {
       sum_squares = [this](std::vector<double>& squares) { dp_->sum(squares.data(), static_cast<int64_t>(squares.size())); };
     // Split experts: a hinge's summed gradient is on every EP rank; each counts 1 / P of it.
     double counted_experts_sq = 0;
-    const std::vector<char> hinge = ep_ ? gpu_->split_expert_flags() : std::vector<char>();
+    const ExpertLayout layout = gpu_->expert_layout();
+    const std::vector<char> hinge = ep_ ? hinge_flags(layout) : std::vector<char>();
     if (max_expert_norm > 0 || ep_) {
-      const std::vector<double> norms = gpu_->to_expert_order(optimizer_->clip_expert_grads(max_expert_norm, sum_squares));
+      const std::vector<double> norms = to_expert_order(layout, optimizer_->clip_expert_grads(max_expert_norm, sum_squares));
       for (size_t x = 0; x < norms.size(); ++x) {
         const double norm = norms[x];
         clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
@@ -337,7 +340,7 @@ class GpuBackend final : public ModelBackend {
     nlohmann::json state;
     state["ep_size"] = ep_->size();
     nlohmann::json layers = nlohmann::json::array();
-    for (size_t l = 0; l < host_model_.moe_layers().size(); ++l) layers.push_back(gpu_->expert_placement(l));
+    for (const MoeLayerExperts& layer : gpu_->expert_layout()) layers.push_back(expert_blocks(layer.slots));
     state["experts_of_rank"] = std::move(layers);
     state["steps_since_placement"] = steps_since_placement_;
     state["load_since_placement"] = load_since_placement_;
@@ -438,18 +441,10 @@ class GpuBackend final : public ModelBackend {
     if (ep > 1) {
       // Only the shared gradients over all ranks; this rank's experts over their replicas
       // (none when the EP group is the world). Graphs are refused with EP, so this always overlaps.
-      const dist::ExpertParallelRanges ranges =
-          dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of, host_model_.backward_stages(),
-                                            gpu_->own_expert_ranges(), gpu_->split_expert_ranges());
-      dp_->set_stage_ranges(ranges.shared);
-      // AdamW over the shared parameters and this rank's experts only (the norm stays over
-      // the whole block: the other experts' gradients are zero here).
-      optimizer_->set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
-      if (expert_replicas->size() > 1) {
+      if (expert_replicas->size() > 1)
         edp_ = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
                                                        params.storage_numel(), c.parallel.bucket_mb, reduce_dtype);
-        edp_->set_stage_ranges(ranges.own_experts);
-      }
+      apply_own_expert_ranges();
     } else if (c.parallel.shard_optimizer && dp_->size() > 1) {
       // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
       dist::ZeroShardPlan plan = dist::plan_zero_shards(
@@ -497,7 +492,7 @@ class GpuBackend final : public ModelBackend {
     const int64_t groups = config_.model.moe.route_groups;
     const bool grouped = groups > 1 && P % groups == 0;
     std::vector<std::vector<std::vector<int64_t>>> current;
-    for (size_t l = 0; l < load_since_placement_.size(); ++l) current.push_back(gpu_->expert_placement(l));
+    for (const MoeLayerExperts& layer : gpu_->expert_layout()) current.push_back(expert_blocks(layer.slots));
     const LayerPlacements next =
         rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
                                config_.parallel.rebalance_max_experts, config_.parallel.split_experts);
@@ -519,15 +514,19 @@ class GpuBackend final : public ModelBackend {
     return total;
   }
   int rank_of_world() const { return dp_ ? dp_->rank() : 0; }
-  // After a re-placement, this rank's experts (its slots, per MoE layer) are the ones its
-  // optimizer steps and, over more ranks than one EP group, whose gradients it sums over
-  // the ranks holding the same experts.
+  // This rank's experts (its slots, per MoE layer; they change with a re-placement) are the
+  // ones its optimizer steps and, over more ranks than one EP group, whose gradients it
+  // sums over the ranks holding the same experts; the shared gradients (the hinges'
+  // included) are summed over all ranks.
   void apply_own_expert_ranges() {
     const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
+    const ExpertLayout layout = gpu_->expert_layout();
     const dist::ExpertParallelRanges ranges =
         dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of, host_model_.backward_stages(),
-                                          gpu_->own_expert_ranges(), gpu_->split_expert_ranges());
+                                          own_expert_ranges(layout, ep_->rank()), hinge_ranges(layout));
     GpuParameterStore& params = gpu_->parameters();
+    // AdamW over the shared parameters and this rank's experts only (the norm stays over
+    // the whole block: the other experts' gradients are zero here).
     optimizer_->set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
     dp_->set_stage_ranges(ranges.shared);  // the hinges moved with the placement
     if (edp_) edp_->set_stage_ranges(ranges.own_experts);
