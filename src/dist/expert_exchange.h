@@ -17,9 +17,6 @@
 #include "dist/comm_stats.h"
 #include "dist/communicator.h"
 #include "model/moe_layer.h"
-// Not used here: train/backends/cuda/gpu_backend.cpp takes rebalance_layers through this
-// header (until it includes moe/expert_placement.h itself).
-#include "moe/expert_placement.h"
 
 namespace moe::dist {
 

@@ -7,26 +7,10 @@
 #include "core/error.h"
 #include "dist/gradient_stages.h"
 #include "model/transformer.h"
+#include "odd_sized_model.h"
 
 namespace moe::dist {
 namespace {
-
-ModelConfig tiny(bool tied) {
-  ModelConfig c;
-  c.vocab_size = 97;  // odd sizes: padding between parameters
-  c.dim = 20;
-  c.n_layers = 3;
-  c.n_heads = 2;
-  c.n_kv_heads = 1;
-  c.seq_len = 8;
-  c.first_dense_layers = 1;
-  c.dense_hidden = 36;
-  c.moe.n_experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 12;
-  c.tie_embeddings = tied;
-  return c;
-}
 
 std::vector<int> expert_tensor_ids(const ParameterStore<float>& params) {
   std::vector<int> experts;
@@ -38,7 +22,7 @@ std::vector<int> expert_tensor_ids(const ParameterStore<float>& params) {
 class GradientStages : public ::testing::TestWithParam<bool> {};
 
 TEST_P(GradientStages, PartitionTheBlockByStage) {
-  Transformer<float> model(tiny(GetParam()), 1);
+  Transformer<float> model(test::odd_sized_model(GetParam()), 1);
   const auto& params = model.params();
   const int n_stages = model.backward_stages();
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
@@ -77,7 +61,7 @@ TEST_P(GradientStages, PartitionTheBlockByStage) {
 INSTANTIATE_TEST_SUITE_P(Embeddings, GradientStages, ::testing::Values(false, true));
 
 TEST(GradientStagesErrors, StageOutsideTheRangeIsAnError) {
-  Transformer<float> model(tiny(false), 1);
+  Transformer<float> model(test::odd_sized_model(false), 1);
   EXPECT_THROW(gradient_ranges_by_stage(model.params(), [](const std::string&) { return 7; }, 5), Error);
   EXPECT_THROW(gradient_ranges_by_stage(model.params(), [](const std::string&) { return 0; }, 0), Error);
 }
@@ -86,7 +70,7 @@ TEST(GradientStagesErrors, StageOutsideTheRangeIsAnError) {
 // element of a non-expert parameter is shared, exactly this rank's experts of each expert
 // tensor are its own, and the other experts' elements are in neither.
 TEST(GradientStages, ExpertParallelSplitKeepsOnlyTheLocalExperts) {
-  Transformer<float> model(tiny(false), 1);
+  Transformer<float> model(test::odd_sized_model(false), 1);
   const auto& params = model.params();
   const int n_stages = model.backward_stages();
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
@@ -119,7 +103,7 @@ TEST(GradientStages, ExpertParallelSplitKeepsOnlyTheLocalExperts) {
 // exactly those are its own, each in its tensor's stage; uniform ranges give the first /
 // count form's split.
 TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
-  Transformer<float> model(tiny(false), 1);
+  Transformer<float> model(test::odd_sized_model(false), 1);
   const auto& params = model.params();
   const int n_stages = model.backward_stages();
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
@@ -181,7 +165,7 @@ TEST(GradientStages, ExpertParallelSplitFollowsPerLayerSlots) {
 // same on every rank, its own hinge or not), they leave `own_experts`, and a rank steps
 // the hinges of its window only.
 TEST(GradientStages, ExpertParallelHingesAreSummedOverAllRanks) {
-  Transformer<float> model(tiny(false), 1);
+  Transformer<float> model(test::odd_sized_model(false), 1);
   const auto& params = model.params();
   const int n_stages = model.backward_stages();
   const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };

@@ -193,21 +193,7 @@ TEST(RankSlicedSource, RanksReadDisjointSlicesOfTheOneStream) {
 }
 
 
-struct LayerRig {
-  ParameterStore<double> params;
-  std::unique_ptr<MoELayer<double>> layer;
-  std::optional<Arena> saved, scratch;
-  LayerRig(const ModelConfig& config, int64_t tokens, MoEBatchGroup* batch) {
-    layer = std::make_unique<MoELayer<double>>(params, config, "layers.0.moe");
-    params.allocate(11);
-    layer->set_parallel(batch, nullptr);
-    Arena measure_saved = Arena::measuring("saved"), measure_scratch = Arena::measuring("scratch");
-    layer->plan(measure_saved, measure_scratch, tokens);
-    saved.emplace("saved", measure_saved.high_water());
-    scratch.emplace("scratch", measure_scratch.high_water());
-    layer->plan(*saved, *scratch, tokens);
-  }
-};
+using LayerRig = test::MoELayerRig<double>;
 
 // N ranks of B sequences each against one layer over the N * B sequences (rank r's
 // sequence b is global sequence b * N + r): outputs, losses, drops, input gradients and
@@ -247,33 +233,18 @@ void expect_global_micro_batch(ScoreFunc score_func, double capacity_factor) {
     members.push_back(std::make_unique<test::ThreadRanks::Batch>(batch, r));
     rigs.push_back(std::make_unique<LayerRig>(config, T_local, members.back().get()));
   }
-  std::vector<MoEForwardStats> got(N);
-  std::vector<std::vector<double>> ys(N), dxs(N);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < N; ++r)
-    threads.emplace_back([&, r] {
-      std::vector<double> x_local(T_local * D), dy_local(T_local * D);
-      for (int64_t t = 0; t < T_local; ++t)
-        for (int64_t d = 0; d < D; ++d) {
-          x_local[t * D + d] = x[global_row(r, t) * D + d];
-          dy_local[t * D + d] = dy[global_row(r, t) * D + d];
-        }
-      ys[r].resize(x_local.size());
-      dxs[r].resize(x_local.size());
-      got[r] = rigs[r]->layer->forward(ys[r].data(), x_local.data());
-      rigs[r]->layer->backward(dxs[r].data(), dy_local.data(), x_local.data(), 1.0);
-    });
-  for (auto& t : threads) t.join();
+  const auto passes = test::forward_backward_on_ranks(rigs, x, dy, T_local, D, global_row);
 
   int64_t dropped = 0;
   for (int r = 0; r < N; ++r) {
-    EXPECT_NEAR(got[r].aux_loss, want.aux_loss, 1e-12);
-    EXPECT_NEAR(got[r].z_loss, want.z_loss, 1e-12);
-    dropped += got[r].dropped;
+    const test::RankPass<double>& got = passes[r];
+    EXPECT_NEAR(got.stats.aux_loss, want.aux_loss, 1e-12);
+    EXPECT_NEAR(got.stats.z_loss, want.z_loss, 1e-12);
+    dropped += got.stats.dropped;
     for (int64_t t = 0; t < T_local; ++t)
       for (int64_t d = 0; d < D; ++d) {
-        EXPECT_NEAR(ys[r][t * D + d], y[global_row(r, t) * D + d], 1e-12);
-        EXPECT_NEAR(dxs[r][t * D + d], dx[global_row(r, t) * D + d], 1e-12);
+        EXPECT_NEAR(got.y[t * D + d], y[global_row(r, t) * D + d], 1e-12);
+        EXPECT_NEAR(got.dx[t * D + d], dx[global_row(r, t) * D + d], 1e-12);
       }
   }
   EXPECT_EQ(dropped, want.dropped);

@@ -17,6 +17,7 @@
 #include "optim/adamw.h"
 #include "tcp_ranks.h"
 #include "train/backends/parallel_cpu_backend.h"
+#include "odd_sized_model.h"
 
 namespace moe {
 namespace {
@@ -69,23 +70,6 @@ TEST(ZeroOptimizer, OneRankIsAdamWBitForBit) {
   }
 }
 
-// Odd sizes: padding between parameters, ragged stage ends, router biases and experts.
-ModelConfig tiny_model() {
-  ModelConfig c;
-  c.vocab_size = 97;
-  c.dim = 20;
-  c.n_layers = 3;
-  c.n_heads = 2;
-  c.n_kv_heads = 1;
-  c.seq_len = 8;
-  c.first_dense_layers = 1;
-  c.dense_hidden = 36;
-  c.moe.n_experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 12;
-  return c;
-}
-
 std::vector<int> router_biases(const ParameterStore<float>& params) {
   std::vector<int> ids;
   for (int id = 0; id < params.size(); ++id)
@@ -129,7 +113,7 @@ constexpr double kBucketMb = 0.002;  // 448-element buckets: several per stage
 TEST(ZeroOptimizer, RanksHoldThePlansPiecesAndReproduceAdamW) {
   constexpr int kRanks = 3;
   dist::run_tcp_ranks(kRanks, [](std::unique_ptr<dist::Communicator>& world, int rank) {
-    Transformer<float> model(tiny_model(), 1), alone(tiny_model(), 1);
+    Transformer<float> model(test::odd_sized_model(), 1), alone(test::odd_sized_model(), 1);
     auto& params = model.params();
     const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
     dist::CommStats stats;
@@ -177,14 +161,14 @@ TEST(ZeroOptimizer, RanksHoldThePlansPiecesAndReproduceAdamW) {
 TEST(ZeroOptimizer, OneProcessStateScatteredOntoRanksContinuesIt) {
   constexpr int kRanks = 3;
   dist::run_tcp_ranks(kRanks, [](std::unique_ptr<dist::Communicator>& world, int rank) {
-    Transformer<float> alone(tiny_model(), 1);
+    Transformer<float> alone(test::odd_sized_model(), 1);
     const OptimizerConfig config;
     AdamW adamw(config, alone.params());
     for (int step = 0; step < 2; ++step) {
       fill_grads(alone.params(), step, 0, kRanks);
       adamw.step(1e-2);
     }
-    Transformer<float> model(tiny_model(), 1);
+    Transformer<float> model(test::odd_sized_model(), 1);
     auto& params = model.params();
     std::memcpy(params.values_data(), alone.params().values_data(), static_cast<size_t>(params.storage_numel()) * 4);
     dist::CommStats stats;
@@ -222,7 +206,7 @@ TEST(ZeroOptimizer, CpuBackendShardsAsTheGpuBackend) {
     SCOPED_TRACE("bucket_mb " + std::to_string(bucket_mb));
     dist::run_tcp_ranks(kRanks, [&](std::unique_ptr<dist::Communicator>& world, int rank) {
       RunConfig config;
-      config.model = tiny_model();
+      config.model = test::odd_sized_model();
       config.parallel.bucket_mb = bucket_mb;
       HostState host;
       host.model = std::make_unique<Transformer<float>>(config.model, 1);

@@ -10,25 +10,10 @@
 #include "dist/gradient_stages.h"
 #include "dist/zero_shards.h"
 #include "model/transformer.h"
+#include "odd_sized_model.h"
 
 namespace moe::dist {
 namespace {
-
-ModelConfig tiny() {
-  ModelConfig c;
-  c.vocab_size = 97;  // odd sizes: padding between parameters, ragged stage ends
-  c.dim = 20;
-  c.n_layers = 3;
-  c.n_heads = 2;
-  c.n_kv_heads = 1;
-  c.seq_len = 8;
-  c.first_dense_layers = 1;
-  c.dense_hidden = 36;
-  c.moe.n_experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_hidden = 12;
-  return c;
-}
 
 // element -> how many times `ranges` hold it
 void count(const RangeList& ranges, std::map<int64_t, int>& times) {
@@ -37,7 +22,7 @@ void count(const RangeList& ranges, std::map<int64_t, int>& times) {
 }
 
 TEST(ZeroShards, PartitionTheStagesForAnyRankCount) {
-  Transformer<float> model(tiny(), 1);
+  Transformer<float> model(test::odd_sized_model(), 1);
   const auto& params = model.params();
   const auto stages = gradient_ranges_by_stage(
       params, [&](const std::string& name) { return model.backward_stage_of(name); }, model.backward_stages());

@@ -35,24 +35,7 @@ namespace {
 using test::ThreadRanks;
 
 template <typename T>
-struct LayerRig {
-  ParameterStore<T> params;
-  std::unique_ptr<MoELayer<T>> layer;
-  std::optional<Arena> saved, scratch;
-  LayerRig(const ModelConfig& config, int64_t tokens, MoEBatchGroup* batch, ExpertExchange* exchange,
-           const ExpertSlots* slots, int hot_expert) {
-    layer = std::make_unique<MoELayer<T>>(params, config, "layers.0.moe");
-    params.allocate(11);
-    // A hot expert: most tokens choose it first (not all, so its rows vary by micro-batch).
-    if (hot_expert >= 0) params.value(params.find("layers.0.moe.router.bias"))[hot_expert] = T(0.1);
-    layer->set_parallel(batch, exchange, slots);
-    Arena measure_saved = Arena::measuring("saved"), measure_scratch = Arena::measuring("scratch");
-    layer->plan(measure_saved, measure_scratch, tokens);
-    saved.emplace("saved", measure_saved.high_water());
-    scratch.emplace("scratch", measure_scratch.high_water());
-    layer->plan(*saved, *scratch, tokens);
-  }
-};
+using LayerRig = test::MoELayerRig<T>;
 
 ModelConfig layer_config(int64_t n_experts, int64_t top_k, double capacity_factor, int64_t shared) {
   ModelConfig config;
@@ -120,34 +103,19 @@ TEST_P(ExpertParallelLayer, RanksReproduceOneLayer) {
     const MoEForwardStats want = one.layer->forward(y.data(), x.data());
     one.layer->backward(dx.data(), dy.data(), x.data(), 1.0);
 
-    std::vector<MoEForwardStats> got(P);
-    std::vector<std::vector<double>> ys(P), dxs(P);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < P; ++r)
-      threads.emplace_back([&, r] {
-        std::vector<double> x_local(T_local * D), dy_local(T_local * D);
-        for (int64_t t = 0; t < T_local; ++t)
-          for (int64_t d = 0; d < D; ++d) {
-            x_local[t * D + d] = x[global_row(r, t) * D + d];
-            dy_local[t * D + d] = dy[global_row(r, t) * D + d];
-          }
-        ys[r].resize(x_local.size());
-        dxs[r].resize(x_local.size());
-        got[r] = rigs[r]->layer->forward(ys[r].data(), x_local.data());
-        rigs[r]->layer->backward(dxs[r].data(), dy_local.data(), x_local.data(), 1.0);
-      });
-    for (auto& t : threads) t.join();
+    const auto passes = test::forward_backward_on_ranks(rigs, x, dy, T_local, D, global_row);
 
     int64_t dropped = 0, rows = 0;
     for (int r = 0; r < P; ++r) {
-      EXPECT_NEAR(got[r].aux_loss, want.aux_loss, 1e-12);
-      EXPECT_NEAR(got[r].z_loss, want.z_loss, 1e-12);
-      dropped += got[r].dropped;
-      rows += got[r].expert_rows;
+      const test::RankPass<double>& got = passes[r];
+      EXPECT_NEAR(got.stats.aux_loss, want.aux_loss, 1e-12);
+      EXPECT_NEAR(got.stats.z_loss, want.z_loss, 1e-12);
+      dropped += got.stats.dropped;
+      rows += got.stats.expert_rows;
       for (int64_t t = 0; t < T_local; ++t)
         for (int64_t d = 0; d < D; ++d) {
-          ASSERT_NEAR(ys[r][t * D + d], y[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
-          ASSERT_NEAR(dxs[r][t * D + d], dx[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
+          ASSERT_NEAR(got.y[t * D + d], y[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
+          ASSERT_NEAR(got.dx[t * D + d], dx[global_row(r, t) * D + d], 1e-12) << "rank " << r << " token " << t;
         }
     }
     EXPECT_EQ(dropped, want.dropped);
@@ -173,9 +141,9 @@ TEST_P(ExpertParallelLayer, RanksReproduceOneLayer) {
     const double rounding = P + 2;
     int64_t busiest = 0, bound = 0, busiest_whole = 0;
     for (int p = 0; p < P; ++p) {
-      EXPECT_NEAR(static_cast<double>(got[p].expert_rows), static_cast<double>(at[p + 1] - at[p]), rounding)
+      EXPECT_NEAR(static_cast<double>(passes[p].stats.expert_rows), static_cast<double>(at[p + 1] - at[p]), rounding)
           << "rank " << p;
-      busiest = std::max(busiest, got[p].expert_rows);
+      busiest = std::max(busiest, passes[p].stats.expert_rows);
       bound = std::max(bound, at[p + 1] - at[p]);
       busiest_whole =
           std::max(busiest_whole, before_S1[slots.first_slot_P1[p + 1]] - before_S1[slots.first_slot_P1[p]]);

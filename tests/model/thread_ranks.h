@@ -6,8 +6,14 @@
 #include <barrier>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "core/arena.h"
+#include "model/parameters.h"
 
 #include "core/error.h"
 #include "model/moe_layer.h"
@@ -161,5 +167,61 @@ class ThreadRanks {
   std::vector<std::vector<int64_t>> ints_;
   std::vector<std::vector<std::vector<char>>> mail_;  // [from][to]
 };
+
+// One MoE layer ("layers.0.moe") with its parameters and arenas planned for `tokens` rows,
+// over a batch group and expert exchange (null: one rank) and slots (null: equal blocks).
+template <typename T>
+struct MoELayerRig {
+  ParameterStore<T> params;
+  std::unique_ptr<MoELayer<T>> layer;
+  std::optional<Arena> saved, scratch;
+  MoELayerRig(const ModelConfig& config, int64_t tokens, MoEBatchGroup* batch, ExpertExchange* exchange = nullptr,
+              const ExpertSlots* slots = nullptr, int hot_expert = -1) {
+    layer = std::make_unique<MoELayer<T>>(params, config, "layers.0.moe");
+    params.allocate(11);
+    // A hot expert: most tokens choose it first (not all, so its rows vary by micro-batch).
+    if (hot_expert >= 0) params.value(params.find("layers.0.moe.router.bias"))[hot_expert] = T(0.1);
+    layer->set_parallel(batch, exchange, slots);
+    Arena measure_saved = Arena::measuring("saved"), measure_scratch = Arena::measuring("scratch");
+    layer->plan(measure_saved, measure_scratch, tokens);
+    saved.emplace("saved", measure_saved.high_water());
+    scratch.emplace("scratch", measure_scratch.high_water());
+    layer->plan(*saved, *scratch, tokens);
+  }
+};
+
+// What one rank's forward and backward gave.
+template <typename T>
+struct RankPass {
+  MoEForwardStats stats;
+  std::vector<T> y, dx;
+};
+
+// Each rank's layer forward and backward on its own thread, on its rows of the global x
+// and dy ([rows, D]): its local token t is global row global_row(r, t), T_local of them.
+template <typename T>
+std::vector<RankPass<T>> forward_backward_on_ranks(std::vector<std::unique_ptr<MoELayerRig<T>>>& rigs,
+                                                   const std::vector<T>& x, const std::vector<T>& dy,
+                                                   int64_t T_local, int64_t D,
+                                                   const std::function<int64_t(int, int64_t)>& global_row) {
+  std::vector<RankPass<T>> passes(rigs.size());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < static_cast<int>(rigs.size()); ++r)
+    threads.emplace_back([&, r] {
+      std::vector<T> x_local(static_cast<size_t>(T_local * D)), dy_local(static_cast<size_t>(T_local * D));
+      for (int64_t t = 0; t < T_local; ++t)
+        for (int64_t d = 0; d < D; ++d) {
+          x_local[static_cast<size_t>(t * D + d)] = x[static_cast<size_t>(global_row(r, t) * D + d)];
+          dy_local[static_cast<size_t>(t * D + d)] = dy[static_cast<size_t>(global_row(r, t) * D + d)];
+        }
+      RankPass<T>& pass = passes[static_cast<size_t>(r)];
+      pass.y.resize(x_local.size());
+      pass.dx.resize(x_local.size());
+      pass.stats = rigs[static_cast<size_t>(r)]->layer->forward(pass.y.data(), x_local.data());
+      rigs[static_cast<size_t>(r)]->layer->backward(pass.dx.data(), dy_local.data(), x_local.data(), 1.0);
+    });
+  for (auto& t : threads) t.join();
+  return passes;
+}
 
 }  // namespace moe::test

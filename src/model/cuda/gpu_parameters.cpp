@@ -35,6 +35,10 @@ struct GpuParameterStore::State {
   void* v() { return bf16_moments() ? static_cast<void*>(v16.data()) : static_cast<void*>(v32.data()); }
 
   void sync() { MOE_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+  // A host <-> device staging buffer: the block in pieces of at most kStagingFloats.
+  Buffer<float> staging() const {
+    return Buffer<float>(static_cast<size_t>(std::min(kStagingFloats, std::max<int64_t>(1, storage))));
+  }
   // Host fp32 values [first, first + n) of the block -> hi/lo.
   void upload_values(const float* values, int64_t first, int64_t n, Buffer<float>& staging) {
     for (int64_t done = 0; done < n;) {
@@ -101,7 +105,7 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
     s.v32.fill_bytes(0);
   }
   s.mirror = Buffer<float>(static_cast<size_t>(mirror_numel));
-  Buffer<float> staging(static_cast<size_t>(std::min(kStagingFloats, std::max<int64_t>(1, s.storage))));
+  Buffer<float> staging = s.staging();
   s.upload_values(params.values_data(), 0, s.storage, staging);
   s.refresh_mirrors(params);
   s.sync();
@@ -162,7 +166,7 @@ void GpuParameterStore::upload_grads(ParameterStore<float>& params) {
 void GpuParameterStore::download_params(ParameterStore<float>& params) const {
   State& s = *state_;
   s.check_layout(params, "download_params");
-  Buffer<float> staging(static_cast<size_t>(std::min(kStagingFloats, std::max<int64_t>(1, s.storage))));
+  Buffer<float> staging = s.staging();
   for (int id = 0; id < params.size(); ++id) {
     const int64_t offset = s.offsets[static_cast<size_t>(id)], numel = s.numels[static_cast<size_t>(id)];
     for (int64_t done = 0; done < numel;) {
@@ -182,7 +186,7 @@ void GpuParameterStore::download_state(ParameterStore<float>& params, std::vecto
   download_params(params);
   m.assign(static_cast<size_t>(s.total_numel), 0.0f);
   v.assign(static_cast<size_t>(s.total_numel), 0.0f);
-  Buffer<float> staging(s.bf16_moments() ? static_cast<size_t>(std::min(kStagingFloats, s.storage)) : 0);
+  Buffer<float> staging = s.bf16_moments() ? s.staging() : Buffer<float>();
   int64_t packed = 0;
   for (size_t id = 0; id < s.offsets.size(); ++id) {
     const int64_t offset = s.offsets[id], numel = s.numels[id];
@@ -214,7 +218,7 @@ void GpuParameterStore::upload_state(const ParameterStore<float>& params, const 
   s.check_layout(params, "upload_state");
   MOE_CHECK(static_cast<int64_t>(m.size()) == s.total_numel && m.size() == v.size(),
             "upload_state: {} first and {} second moments for {} parameters", m.size(), v.size(), s.total_numel);
-  Buffer<float> staging(static_cast<size_t>(std::min(kStagingFloats, std::max<int64_t>(1, s.storage))));
+  Buffer<float> staging = s.staging();
   s.upload_values(params.values_data(), 0, s.storage, staging);
   s.refresh_mirrors(params);
   int64_t packed = 0;

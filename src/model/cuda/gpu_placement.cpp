@@ -10,7 +10,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <numeric>
 #include <vector>
 
 #include "core/error.h"
@@ -20,28 +19,21 @@
 
 namespace moe {
 
-// Identity placement in equal blocks of the ranks (the state before any re-placement).
-void GpuTransformer::State::reset_placement(Layer& layer, int P) {
-  const int64_t E = config.moe.n_experts;
-  layer.slots.expert_of_slot.resize(static_cast<size_t>(E));
-  std::iota(layer.slots.expert_of_slot.begin(), layer.slots.expert_of_slot.end(), int64_t{0});
-  set_slot_bounds(layer, equal_slot_bounds(E, P));
-  layer.placed = false;
-}
-
-void GpuTransformer::State::set_slot_bounds(Layer& layer, std::vector<int64_t> first_slot_P1) {
+void GpuTransformer::State::set_slots(Layer& layer, ExpertSlots slots) {
   auto upload = [](Buffer<int32_t>& to, const std::vector<int64_t>& values, int64_t scale) {
     std::vector<int32_t> narrow;
     for (int64_t v : values) narrow.push_back(static_cast<int32_t>(v * scale));
     to = Buffer<int32_t>(narrow.size());
     to.upload(narrow.data(), narrow.size());
   };
-  layer.slots.window_end_P = slot_window_ends(first_slot_P1, split_experts);
-  layer.slots.split = split_experts;
-  upload(layer.first_slot, first_slot_P1, 1);
-  upload(layer.window_end, layer.slots.window_end_P, 1);
-  upload(layer.edge_cut, first_slot_P1, kSlotParts);
-  layer.slots.first_slot_P1 = std::move(first_slot_P1);
+  upload(layer.first_slot, slots.first_slot_P1, 1);
+  upload(layer.window_end, slots.window_end_P, 1);
+  upload(layer.edge_cut, slots.first_slot_P1, kSlotParts);
+  const std::vector<int32_t> slot_of = slot_of_expert(slots);
+  layer.slot_of_expert = Buffer<int32_t>(slot_of.size());
+  layer.slot_of_expert.upload(slot_of.data(), slot_of.size());
+  layer.placed = !slots_in_expert_order(slots);
+  layer.slots = std::move(slots);
 }
 
 void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer) {
@@ -55,47 +47,30 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
             experts_of_rank_by_layer.size(), moe_layers.size());
   MOE_CHECK(s.max_local_experts > 0, "expert placement before plan()");
   // Check everything before anything moves.
-  std::vector<std::vector<int64_t>> orders, bounds;
+  std::vector<ExpertSlots> next;
   for (size_t l = 0; l < moe_layers.size(); ++l) {
     const auto& ranks = experts_of_rank_by_layer[l];
     MOE_CHECK(static_cast<int>(ranks.size()) == P, "expert placement of MoE layer {}: {} ranks given for {}", l,
               ranks.size(), P);
-    std::vector<int64_t> order, first_slot_P1 = {0};
-    std::vector<char> seen(static_cast<size_t>(E), 0);
-    for (int p = 0; p < P; ++p) {
-      const auto& experts = ranks[static_cast<size_t>(p)];
-      for (int64_t expert : experts) {
-        MOE_CHECK(expert >= 0 && expert < E && !seen[static_cast<size_t>(expert)],
-                  "expert placement of MoE layer {}: expert {} out of range or placed twice", l, expert);
-        seen[static_cast<size_t>(expert)] = 1;
-        order.push_back(expert);
-      }
-      first_slot_P1.push_back(static_cast<int64_t>(order.size()));
-    }
-    MOE_CHECK(static_cast<int64_t>(order.size()) == E, "expert placement of MoE layer {}: {} experts placed of {}", l,
-              order.size(), E);
-    // A rank computes its window: its experts, and with split experts the next rank's first.
-    const std::vector<int64_t> ends = slot_window_ends(first_slot_P1, s.split_experts);
-    for (int p = 0; p < P; ++p) {
-      const int64_t window = ends[static_cast<size_t>(p)] - first_slot_P1[static_cast<size_t>(p)];
-      MOE_CHECK(window <= s.max_local_experts, "expert placement of MoE layer {}: {} experts on EP rank {}{}, room for {}",
-                l, window, p, s.split_experts ? " (with the next rank's first, split)" : "", s.max_local_experts);
-    }
-    orders.push_back(std::move(order));
-    bounds.push_back(std::move(first_slot_P1));
+    next.push_back(expert_slots_from_blocks(ranks, s.split_experts));  // each expert at most once
+    MOE_CHECK(next.back().n_experts() == E, "expert placement of MoE layer {}: {} experts placed of {}", l,
+              next.back().n_experts(), E);
+    for (int p = 0; p < P; ++p)
+      MOE_CHECK(next.back().window_size(p) <= s.max_local_experts,
+                "expert placement of MoE layer {}: {} experts on EP rank {}{}, room for {}", l, next.back().window_size(p),
+                p, s.split_experts ? " (with the next rank's first, split)" : "", s.max_local_experts);
   }
   for (size_t l = 0; l < moe_layers.size(); ++l) {
     Layer& layer = *moe_layers[l];
     // Under expert parallelism only the holders' copies are current: an expert changing
     // ranks first comes from its old holder (weights, lo halves, moments; the gradients
     // are not moved between ranks, so re-place between steps).
-    if (s.ep) s.send_moving_experts(layer, bounds[l], orders[l]);
-    if (orders[l] != layer.slots.expert_of_slot) {
-      std::vector<int64_t> slot_now(static_cast<size_t>(E));
-      for (int64_t slot = 0; slot < E; ++slot) slot_now[static_cast<size_t>(layer.slots.expert_of_slot[slot])] = slot;
+    if (s.ep) s.send_moving_experts(layer, next[l]);
+    if (next[l].expert_of_slot != layer.slots.expert_of_slot) {
+      const std::vector<int32_t> slot_now = slot_of_expert(layer.slots);
       std::vector<int64_t> source_of_slot(static_cast<size_t>(E));
       for (int64_t slot = 0; slot < E; ++slot)
-        source_of_slot[static_cast<size_t>(slot)] = slot_now[static_cast<size_t>(orders[l][static_cast<size_t>(slot)])];
+        source_of_slot[static_cast<size_t>(slot)] = slot_now[static_cast<size_t>(next[l].expert_of_slot[static_cast<size_t>(slot)])];
       s.move_expert_slots(layer, source_of_slot);
       // The load counted so far follows its experts.
       std::vector<int64_t> load(static_cast<size_t>(E)), moved(static_cast<size_t>(E));
@@ -103,12 +78,8 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
       for (int64_t slot = 0; slot < E; ++slot)
         moved[static_cast<size_t>(slot)] = load[static_cast<size_t>(source_of_slot[static_cast<size_t>(slot)])];
       layer.load.upload(moved.data(), moved.size());
-      layer.slots.expert_of_slot = orders[l];
     }
-    s.set_slot_bounds(layer, bounds[l]);
-    const std::vector<int32_t> slot_of = slot_of_expert(layer.slots);
-    layer.slot_of_expert.upload(slot_of.data(), slot_of.size());
-    layer.placed = !slots_in_expert_order(layer.slots);
+    s.set_slots(layer, std::move(next[l]));
   }
   // A captured graph may have been captured without the slot lookups.
   if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
@@ -128,17 +99,14 @@ ExpertLayout GpuTransformer::expert_layout() const {
   return layout;
 }
 
-void GpuTransformer::State::send_moving_experts(const Layer& layer, const std::vector<int64_t>& new_first_slot_P1,
-                                                const std::vector<int64_t>& new_order) {
+void GpuTransformer::State::send_moving_experts(const Layer& layer, const ExpertSlots& next) {
   const int64_t E = config.moe.n_experts;
   // Every rank holding an expert (its window) has it current; one of them sends it when a
   // rank that did not hold it will.
-  const ExpertSlots next{new_order, new_first_slot_P1, slot_window_ends(new_first_slot_P1, split_experts),
-                        split_experts};
   const std::vector<std::vector<int>> old_holders = slot_holders(layer.slots), new_holders = slot_holders(next);
   std::vector<const std::vector<int>*> new_holders_of(static_cast<size_t>(E));
   for (int64_t slot = 0; slot < E; ++slot)
-    new_holders_of[static_cast<size_t>(new_order[static_cast<size_t>(slot)])] = &new_holders[static_cast<size_t>(slot)];
+    new_holders_of[static_cast<size_t>(next.expert_of_slot[static_cast<size_t>(slot)])] = &new_holders[static_cast<size_t>(slot)];
   const std::vector<std::pair<char*, size_t>> blocks = {
       {reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16)},
       {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t)},

@@ -7,7 +7,6 @@
 #include <array>
 #include <memory>
 #include <cmath>
-#include <numeric>
 #include <string>
 
 #include "core/error.h"
@@ -15,7 +14,6 @@
 #include "kernels/gpu_ops.h"
 #include "moe/gpu_ops.h"
 #include "moe/dispatch.h"
-#include "moe/token_exchange.h"
 
 namespace moe {
 
@@ -71,11 +69,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       layer.routing.fill_bytes(0);
       layer.balance_bias = Buffer<float>(static_cast<size_t>(config.moe.n_experts));
       layer.balance_bias.fill_bytes(0);
-      layer.slot_of_expert = Buffer<int32_t>(static_cast<size_t>(config.moe.n_experts));
-      s.reset_placement(layer, 1);
-      std::vector<int32_t> identity(static_cast<size_t>(config.moe.n_experts));
-      std::iota(identity.begin(), identity.end(), 0);
-      layer.slot_of_expert.upload(identity.data(), identity.size());
+      s.set_slots(layer, equal_expert_slots(config.moe.n_experts, 1, s.split_experts));
     } else {
       layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};
     }
@@ -121,8 +115,11 @@ void GpuTransformer::plan(int64_t batch) {
   // A rank computes E / P experts, or up to the re-placement's maximum.
   const int64_t max_local = s.ep ? std::min(E, std::max(E / P + (s.split_experts ? 1 : 0), s.local_experts_cap)) : E;
   for (Layer& layer : s.layers)
-    if (layer.is_moe && static_cast<int64_t>(layer.slots.first_slot_P1.size()) != P + 1)
-      s.set_slot_bounds(layer, equal_slot_bounds(E, static_cast<int>(P)));  // the slot order stays
+    if (layer.is_moe && layer.slots.ep_size() != P) {
+      ExpertSlots equal = equal_expert_slots(E, static_cast<int>(P), s.split_experts);
+      equal.expert_of_slot = layer.slots.expert_of_slot;  // the slot order stays
+      s.set_slots(layer, std::move(equal));
+    }
   // The dispatcher's scratch first: it says how many rows the local experts may get.
   s.dispatcher.reset();
   const auto mark = [&s](int phase) { s.mark(phase); };

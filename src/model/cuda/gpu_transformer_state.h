@@ -142,16 +142,14 @@ struct GpuTransformer::State {
   void move_expert_slots(const Layer& layer, const std::vector<int64_t>& source_of_slot);
   // Expert parallelism, before a re-placement: each expert whose EP rank changes is sent
   // from its holder to the others (collective over the EP group).
-  void send_moving_experts(const Layer& layer, const std::vector<int64_t>& new_first_slot_P1,
-                           const std::vector<int64_t>& new_order);
+  void send_moving_experts(const Layer& layer, const ExpertSlots& next);
   // Host copies of the placed layers' expert tensors (tensor_of: where each one's values
   // are) from slot order into expert order.
   void slots_to_experts(const std::function<float*(const Param&)>& tensor_of) const;
   // The index in `layers` of each MoE layer (the expert groups' order).
   std::vector<size_t> expert_group_layer;
-  void reset_placement(Layer& layer, int P);
-  // Sets the layer's slot bounds, windows and edge cuts on the host and the device.
-  void set_slot_bounds(Layer& layer, std::vector<int64_t> first_slot_P1);
+  // The layer's placement on the host and the device (slot tables, windows, edge cuts).
+  void set_slots(Layer& layer, ExpertSlots slots);
   // The offsets the grouped GEMMs read and the rows the row-wise kernels cover.
   const int32_t* expert_offsets(const MoEBuffers& m) const { return dispatcher->expert_offsets(m); }
   int64_t expert_rows(const MoEBuffers& m) const { return dispatcher->expert_rows(m); }

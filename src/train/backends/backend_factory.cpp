@@ -20,15 +20,25 @@ bool gpu_visible() {
 #endif
 }
 
-// parallel.backend = nccl (or a world in device memory): what the GPU's data-parallel
-// path refuses.
-void check_gpu_data_parallel(const RunConfig& config) {
-  if (!wants_gpu(config.training))
-    MOE_CONFIG_ERROR("parallel.backend = nccl trains on the GPU, but training.device = {} resolves to the CPU: use "
-                     "--device=cuda, or parallel.backend = mpi/tcp for CPU ranks",
-                     name_of(config.training.device));
+// Whether training.device asks for the GPU (auto: when one is visible), refusing nothing.
+bool asks_for_gpu(TrainingDevice device) {
+  return device == TrainingDevice::Cuda || (device == TrainingDevice::Auto && gpu_visible());
+}
+
+// What the GPU path does not do is refused up front rather than silently ignored.
+// `ranks`: the GPU world's size (1: one GPU).
+void check_gpu_config(const RunConfig& config, int ranks) {
+  if (config.training.memory_limit_mb > 0)
+    MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
+                     "an allocation fails");
+  if (config.model.moe.route_groups > 32)
+    MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
+                     config.model.moe.route_groups);
   const int64_t ep = config.parallel.expert_parallel;
   if (ep <= 1) return;
+  // Over one rank make_backend refuses expert parallelism itself, after these.
+  if (ranks > 1 && ranks % ep != 0)
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the {} ranks of the launch", ep, ranks);
   // Expert parallelism on the GPU waits on the host for each MoE layer's row counts.
   if (config.training.cuda_graphs)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} on the GPU cannot run inside CUDA graphs: set "
@@ -40,6 +50,15 @@ void check_gpu_data_parallel(const RunConfig& config) {
                      ep, name_of(config.training.recompute_experts));
   if (config.model.moe.n_experts % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config.model.moe.n_experts);
+}
+
+// parallel.backend = nccl (or a world in device memory) trains on the GPU.
+void check_gpu_world(const RunConfig& config, int ranks) {
+  if (!wants_gpu(config.training))
+    MOE_CONFIG_ERROR("parallel.backend = nccl trains on the GPU, but training.device = {} resolves to the CPU: use "
+                     "--device=cuda, or parallel.backend = mpi/tcp for CPU ranks",
+                     name_of(config.training.device));
+  check_gpu_config(config, ranks);
 }
 
 std::unique_ptr<ModelBackend> gpu_backend(const RunConfig& config, HostState host,
@@ -66,12 +85,10 @@ bool wants_gpu(const TrainingConfig& training) {
 
 CommBackend resolve_comm_backend(const RunConfig& config) {
   if (config.parallel.backend != CommBackend::Auto) return config.parallel.backend;
-  const TrainingDevice device = config.training.device;
 #ifdef MOE_HAVE_CUDA
-  const bool gpu = device == TrainingDevice::Cuda || (device == TrainingDevice::Auto && gpu_visible());
+  const bool gpu = asks_for_gpu(config.training.device);
 #else
   const bool gpu = false;  // device = cuda is refused with its own message (wants_gpu)
-  (void)device;
 #endif
   return gpu && dist::read_launch_env().world_size > 1 ? CommBackend::Nccl : CommBackend::Auto;
 }
@@ -86,17 +103,20 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_
   // NCCL (or another device-memory backend, e.g. threads sharing one GPU in tests): data
   // parallel on the GPU, a world of one included.
   const bool device_world = world->device_memory();
-  if (device_world) check_gpu_data_parallel(config);
+  if (device_world) check_gpu_world(config, world->size());
   if (world->size() == 1) {
     if (pc.expert_parallel > 1)
       MOE_CONFIG_ERROR("parallel.expert_parallel = {} needs a launch of a multiple of {} ranks (this one has 1)",
                        pc.expert_parallel, pc.expert_parallel);
     if (device_world) return gpu_backend(config, std::move(host), std::move(world));
-    if (wants_gpu(config.training)) return gpu_backend(config, std::move(host), nullptr);
+    if (wants_gpu(config.training)) {
+      check_gpu_config(config, 1);
+      return gpu_backend(config, std::move(host), nullptr);
+    }
     return make_cpu_backend(config, std::move(host));
   }
   const TrainingDevice device = config.training.device;
-  if (!device_world && (device == TrainingDevice::Cuda || (device == TrainingDevice::Auto && wants_gpu(config.training))))
+  if (!device_world && asks_for_gpu(device))
     MOE_CONFIG_ERROR("training.device = {} with parallel.backend = {} ({} ranks): multi-rank GPU training needs "
                      "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
                      name_of(device), world->backend(), world->size());

@@ -41,34 +41,32 @@ namespace {
 class CpuBackend final : public ModelBackend {
  public:
   CpuBackend(const RunConfig& config, HostState host)
-      : ModelBackend(std::move(host)), config_(config), model_(host_model()), optimizer_(host_optimizer()) {}
-  BatchPlan plan_batches() override { return plan_host_batches(config_, model_); }
+      : ModelBackend(std::move(host)), config_(config) {}
+  BatchPlan plan_batches() override { return plan_host_batches(config_, host_model()); }
   void begin_step() override {
-    model_.params().zero_grads();
-    for (auto* layer : model_.moe_layers()) layer->reset_load();
+    host_model().params().zero_grads();
+    for (auto* layer : host_model().moe_layers()) layer->reset_load();
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
-    return model_.forward(inputs_BS, targets_BS);
+    return host_model().forward(inputs_BS, targets_BS);
   }
-  void backward(double loss_scale, bool) override { model_.backward(loss_scale); }
-  void routing(StepStats& stats) override { stats.layers = host_routing(model_, config_.model, stats.load_imbalance); }
+  void backward(double loss_scale, bool) override { host_model().backward(loss_scale); }
+  void routing(StepStats& stats) override { stats.layers = host_routing(host_model(), config_.model, stats.load_imbalance); }
   ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
-    return moe::clip_gradients(model_.params(), max_global_norm, max_expert_norm);
+    return moe::clip_gradients(host_model().params(), max_global_norm, max_expert_norm);
   }
   void apply_update(double lr) override {
-    optimizer_.step(lr);
+    host_optimizer().step(lr);
     if (config_.model.moe.bias_balancing)
-      for (auto* layer : model_.moe_layers()) layer->update_balancing_bias();
+      for (auto* layer : host_model().moe_layers()) layer->update_balancing_bias();
   }
   void end_step() override { end_validation(); }
   void end_validation() override {
-    for (auto* layer : model_.moe_layers()) layer->reset_load();
+    for (auto* layer : host_model().moe_layers()) layer->reset_load();
   }
 
  private:
   const RunConfig& config_;
-  Transformer<float>& model_;
-  AdamW& optimizer_;
 };
 
 }  // namespace

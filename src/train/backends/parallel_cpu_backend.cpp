@@ -17,7 +17,7 @@ using namespace dist;  // the process groups, exchanges and ZeRO this backend dr
 
 
 ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, std::unique_ptr<Communicator> world)
-    : ModelBackend(std::move(host)), config_(config), model_(host_model()) {
+    : ModelBackend(std::move(host)), config_(config) {
   const ParallelConfig& pc = config.parallel;
   const auto ep = static_cast<int>(pc.expert_parallel);
   if (world->size() % ep != 0)
@@ -26,7 +26,7 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
   batch_ = std::make_unique<BatchGroupOverComm>(*groups_.data_parallel, stats_);
   std::vector<ExpertExchange*> exchanges;
   std::vector<const ExpertSlots*> slots;
-  const auto moe_layers = model_.moe_layers();
+  const auto moe_layers = host_model().moe_layers();
   if (ep > 1) {
     a2a_ = make_all_to_all(pc.all_to_all, *groups_.expert_parallel, groups_);
     // Equal blocks in expert order until a re-placement; never resized, so the layers'
@@ -38,13 +38,13 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
       slots.push_back(&slots_[i]);
     }
   }
-  model_.set_moe_parallel(batch_.get(), exchanges, slots);
+  host_model().set_moe_parallel(batch_.get(), exchanges, slots);
 
   // Expert weights go to the EP owners when EP > 1; everything else is ZeRO-sharded in the
   // GPU's layout: the router biases, which the GPU keeps whole for its fp32 copies, are
   // kept whole here too, so that both paths shard the same block the same way.
-  auto& params = model_.params();
-  auto stage_of = [&](int id) { return model_.backward_stage_of(params.spec(id).name); };
+  auto& params = host_model().params();
+  auto stage_of = [&](int id) { return host_model().backward_stage_of(params.spec(id).name); };
   std::vector<int> router_biases, experts_elsewhere;
   std::map<std::string, std::vector<int>> expert_ids;  // expert_group -> ids, in id order
   std::vector<std::string> group_order;
@@ -61,7 +61,7 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
   zero_ = std::make_unique<ZeroOptimizer>(
       params,
       plan_zero_for_store(
-          params, [&](const std::string& name) { return model_.backward_stage_of(name); }, model_.backward_stages(),
+          params, [&](const std::string& name) { return host_model().backward_stage_of(name); }, host_model().backward_stages(),
           router_biases, experts_elsewhere, pc.bucket_mb, dp.size(), dp.rank()),
       *groups_.data_parallel, config.optimizer, stats_);
   if (ep > 1) {
@@ -75,15 +75,15 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
       for (int id : expert_ids[group_order[g]]) expert_group_of_id_[static_cast<size_t>(id)] = static_cast<int>(g);
     n_expert_groups_ = static_cast<int64_t>(group_order.size());
   }
-  model_.on_backward_stage = [this](int stage) {
+  host_model().on_backward_stage = [this](int stage) {
     zero_->on_stage(stage);
     if (experts_) experts_->on_stage(stage);
   };
 }
 
 ParallelCpuBackend::~ParallelCpuBackend() {
-  model_.on_backward_stage = nullptr;
-  model_.set_moe_parallel(nullptr, {});
+  host_model().on_backward_stage = nullptr;
+  host_model().set_moe_parallel(nullptr, {});
 }
 
 double ParallelCpuBackend::world_sum(double value) {
@@ -92,15 +92,15 @@ double ParallelCpuBackend::world_sum(double value) {
 }
 
 void ParallelCpuBackend::begin_step() {
-  model_.params().zero_grads();
-  for (auto* layer : model_.moe_layers()) layer->reset_load();
+  host_model().params().zero_grads();
+  for (auto* layer : host_model().moe_layers()) layer->reset_load();
 }
 
 ForwardResult ParallelCpuBackend::forward(const int32_t* inputs_BS, const int32_t* targets_BS) {
-  const int64_t tokens = model_.planned_batch() * config_.model.seq_len;
+  const int64_t tokens = host_model().planned_batch() * config_.model.seq_len;
   const auto local = static_cast<double>(std::count_if(targets_BS, targets_BS + tokens, [](int32_t t) { return t >= 0; }));
   const double total = world_sum(local);
-  ForwardResult fwd = model_.forward(inputs_BS, targets_BS);
+  ForwardResult fwd = host_model().forward(inputs_BS, targets_BS);
   ce_weight_ = total > 0 ? local / total : 0.0;
   fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
   return fwd;
@@ -111,7 +111,7 @@ void ParallelCpuBackend::backward(double loss_scale, bool last) {
     zero_->arm();
     if (experts_) experts_->arm();
   }
-  model_.backward(loss_scale * ce_weight_, loss_scale);
+  host_model().backward(loss_scale * ce_weight_, loss_scale);
 }
 
 void ParallelCpuBackend::reduce_losses(StepStats& stats) {
@@ -125,7 +125,7 @@ void ParallelCpuBackend::reduce_losses(StepStats& stats) {
 void ParallelCpuBackend::routing(StepStats& stats) {
   const ModelConfig& m = config_.model;
   const auto E = static_cast<size_t>(m.moe.n_experts);
-  auto layers = model_.moe_layers();
+  auto layers = host_model().moe_layers();
   // Per layer: kept per expert, load per expert, dropped, entropy sum, tokens.
   const size_t per_layer = 2 * E + 3;
   std::vector<double> sums(per_layer * layers.size());
@@ -228,7 +228,7 @@ void ParallelCpuBackend::apply_update(double lr) {
   zero_->step(lr);
   if (experts_) experts_->step(lr);
   if (config_.model.moe.bias_balancing) {
-    auto layers = model_.moe_layers();
+    auto layers = host_model().moe_layers();
     for (size_t i = 0; i < layers.size(); ++i) {
       if (i < global_load_.size()) layers[i]->set_load(global_load_[i]);
       layers[i]->update_balancing_bias();
@@ -237,7 +237,7 @@ void ParallelCpuBackend::apply_update(double lr) {
 }
 
 void ParallelCpuBackend::end_step() {
-  for (auto* layer : model_.moe_layers()) layer->reset_load();
+  for (auto* layer : host_model().moe_layers()) layer->reset_load();
   if (experts_ && config_.parallel.rebalance_interval > 0) rebalance_experts();
 }
 
@@ -321,7 +321,7 @@ void ParallelCpuBackend::restore_placement(const std::string& text) {
 double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value); }
 
 void ParallelCpuBackend::end_validation() {
-  for (auto* layer : model_.moe_layers()) layer->reset_load();
+  for (auto* layer : host_model().moe_layers()) layer->reset_load();
   stats_ = CommStats{};  // validation's exchanges are not a training step's
 }
 

@@ -41,7 +41,7 @@ class ParallelCpuBackend final : public ModelBackend {
   const std::vector<ExpertSlots>& expert_slots() const { return slots_; }
   const dist::ZeroOptimizer& zero() const { return *zero_; }
 
-  BatchPlan plan_batches() override { return plan_host_batches(config_, model_); }
+  BatchPlan plan_batches() override { return plan_host_batches(config_, host_model()); }
   void begin_step() override;
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override;
   void backward(double loss_scale, bool last) override;
@@ -65,7 +65,6 @@ class ParallelCpuBackend final : public ModelBackend {
   double world_sum(double value);
 
   const RunConfig& config_;
-  Transformer<float>& model_;
   dist::ProcessGroups groups_;
   dist::CommStats stats_;
   std::unique_ptr<dist::BatchGroupOverComm> batch_;

@@ -59,19 +59,11 @@ class GpuBackend final : public ModelBackend {
  public:
   // world: an NCCL (or threads) world for data/expert parallelism, or null (one GPU).
   GpuBackend(const RunConfig& config, HostState host, std::unique_ptr<dist::Communicator> world)
-      : ModelBackend(std::move(host)), config_(config), host_model_(host_model()), world_(std::move(world)) {
+      : ModelBackend(std::move(host)), config_(config), world_(std::move(world)) {
+    // The configuration was checked by the factory (backend_factory.cpp: check_gpu_config).
     const RunConfig& c = config_;
-    // What the GPU path does not do yet is refused up front rather than silently ignored.
-    if (c.training.memory_limit_mb > 0)
-      MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
-                       "an allocation fails");
-    if (c.model.moe.route_groups > 32)
-      MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
-                       c.model.moe.route_groups);
     const int64_t ep = c.parallel.expert_parallel;
     if (world_ && ep > 1) {
-      if (world_->size() % ep != 0)
-        MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the {} ranks of the launch", ep, world_->size());
       const dist::LaunchEnv env = dist::read_launch_env();
       int per_node = env.world_size == world_->size() ? env.local_size : world_->size();
       if (world_->ranks_per_node() > 0) per_node = world_->ranks_per_node();  // simulated nodes (threads)
@@ -184,7 +176,7 @@ class GpuBackend final : public ModelBackend {
     GpuRoutingStats routing = gpu_->routing_stats();
     loads_ = std::move(routing.load);
     if (dp_) sum_routing(routing);
-    const auto host_layers = host_model_.moe_layers();
+    const auto host_layers = host_model().moe_layers();
     const int64_t K = config_.model.moe.top_k;
     for (size_t i = 0; i < loads_.size(); ++i) {
       LayerRouting r;
@@ -352,7 +344,7 @@ class GpuBackend final : public ModelBackend {
     MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
     const auto layers = state.value("experts_of_rank", std::vector<std::vector<std::vector<int64_t>>>{});
     const bool fits = config_.parallel.rebalance_interval > 0 && state.value("ep_size", 0) == ep_->size() &&
-                      layers.size() == host_model_.moe_layers().size();
+                      layers.size() == host_model().moe_layers().size();
     if (!fits) {
       // Another EP size or no re-placement now: equal blocks, as a run without the record.
       if (rank_of_world() == 0) spdlog::info("resume: the checkpoint's expert placement does not apply here (equal blocks)");
@@ -371,7 +363,7 @@ class GpuBackend final : public ModelBackend {
   void sync_host_model() override {
     if (ep_) gpu_->gather_expert_weights();  // each rank stepped only its own experts
     if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/false);
-    gpu_->download_params(host_model_.params());
+    gpu_->download_params(host_model().params());
     if (dp_) dp_->take_stats();
   }
 
@@ -384,13 +376,13 @@ class GpuBackend final : public ModelBackend {
     if (ep_) gpu_->gather_expert_weights(/*with_moments=*/true);
     if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/true);
     if (rank_of_world() == 0)
-      gpu_->download_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
+      gpu_->download_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
     optimizer.set_steps_taken(steps_);
   }
   void scatter_state() override {
     AdamW& optimizer = host_optimizer();
     if (sharded()) dp_->join_stage_gathers();  // none may still write the weights
-    gpu_->upload_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
+    gpu_->upload_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
     upload_balance_bias();  // a checkpoint restores them on the host
     steps_ = optimizer.steps_taken();
   }
@@ -409,9 +401,9 @@ class GpuBackend final : public ModelBackend {
     options.split_experts = ep_ && c.parallel.split_experts;
     // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
     if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
-    gpu_ = std::make_unique<GpuTransformer>(c.model, host_model_.params(), options);
+    gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);
     gpu_->enable_graphs(c.training.cuda_graphs);
-    optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model_.params(), gpu_->stream());
+    optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model().params(), gpu_->stream());
     gpu_->set_phase_clock(&clock_);
     optimizer_->set_phase_clock(&clock_);
     upload_balance_bias();
@@ -420,7 +412,7 @@ class GpuBackend final : public ModelBackend {
   // save); the GPU model gets a copy whenever they change or it is (re)built.
   void upload_balance_bias() {
     if (!config_.model.moe.bias_balancing) return;
-    auto layers = host_model_.moe_layers();
+    auto layers = host_model().moe_layers();
     for (size_t i = 0; i < layers.size(); ++i) gpu_->set_balance_bias(i, layers[i]->balance_bias_E());
   }
   // The data-parallel groups over world_: gradient sums overlapped with the backward stage
@@ -437,7 +429,7 @@ class GpuBackend final : public ModelBackend {
     dp_ = std::make_unique<dist::GpuDataParallel>(std::move(world_), gpu_->stream(), params.grads(),
                                                   params.storage_numel(), c.parallel.bucket_mb, reduce_dtype);
     // Overlap the all-reduce with the backward, stage by stage (not inside a CUDA graph).
-    const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
+    const auto stage_of = [this](const std::string& name) { return host_model().backward_stage_of(name); };
     if (ep > 1) {
       // Only the shared gradients over all ranks; this rank's experts over their replicas
       // (none when the EP group is the world). Graphs are refused with EP, so this always overlaps.
@@ -448,7 +440,7 @@ class GpuBackend final : public ModelBackend {
     } else if (c.parallel.shard_optimizer && dp_->size() > 1) {
       // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
       dist::ZeroShardPlan plan = dist::plan_zero_shards(
-          dist::gradient_ranges_by_stage(host_model_.params(), stage_of, host_model_.backward_stages()),
+          dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages()),
           params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
       optimizer_->set_step_ranges(plan.update, plan.norm);
       optimizer_->shard_expert_clip(plan.norm, plan.update);
@@ -456,13 +448,13 @@ class GpuBackend final : public ModelBackend {
       if (!c.training.cuda_graphs)
         gpu_->set_forward_stage_hook([group = dp_.get()](int stage) { group->wait_stage(stage); });
     } else if (!c.training.cuda_graphs) {
-      dp_->set_stage_ranges(dist::gradient_ranges_by_stage(host_model_.params(), stage_of, host_model_.backward_stages()));
+      dp_->set_stage_ranges(dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages()));
     }
   }
   // The CPU's rule (MoELayer::update_balancing_bias) on the step's loads, summed over the
   // ranks as the CPU's data-parallel path does: every replica takes the same bias.
   void update_balance_bias() {
-    const auto host_layers = host_model_.moe_layers();
+    const auto host_layers = host_model().moe_layers();
     MOE_CHECK(loads_.size() == host_layers.size(), "bias balancing: loads of {} MoE layers for {}", loads_.size(),
               host_layers.size());
     for (size_t i = 0; i < host_layers.size(); ++i) {
@@ -519,10 +511,10 @@ class GpuBackend final : public ModelBackend {
   // sums over the ranks holding the same experts; the shared gradients (the hinges'
   // included) are summed over all ranks.
   void apply_own_expert_ranges() {
-    const auto stage_of = [this](const std::string& name) { return host_model_.backward_stage_of(name); };
+    const auto stage_of = [this](const std::string& name) { return host_model().backward_stage_of(name); };
     const ExpertLayout layout = gpu_->expert_layout();
     const dist::ExpertParallelRanges ranges =
-        dist::gradient_ranges_by_stage_ep(host_model_.params(), stage_of, host_model_.backward_stages(),
+        dist::gradient_ranges_by_stage_ep(host_model().params(), stage_of, host_model().backward_stages(),
                                           own_expert_ranges(layout, ep_->rank()), hinge_ranges(layout));
     GpuParameterStore& params = gpu_->parameters();
     // AdamW over the shared parameters and this rank's experts only (the norm stays over
@@ -552,7 +544,6 @@ class GpuBackend final : public ModelBackend {
   }
 
   const RunConfig& config_;
-  Transformer<float>& host_model_;  // the initial weights; its MoE layers hold the balancing biases
   std::unique_ptr<dist::Communicator> world_;  // until make_data_parallel hands it to dp_
   gpu::PhaseClock clock_{gpu_phase_names()};  // step time by phase (before gpu_: it points here)
   std::unique_ptr<GpuTransformer> gpu_;
