@@ -18,4 +18,10 @@ int multiprocessor_count() {
   return sms;
 }
 
+size_t device_bytes_in_use() {
+  size_t free_bytes = 0, total_bytes = 0;
+  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes - free_bytes;
+}
+
 }  // namespace moe::gpu

@@ -37,6 +37,8 @@ class OutOfMemory : public Error {
 int device_count();
 // Multiprocessors of the current device.
 int multiprocessor_count();
+// Device memory in use on the current device (all of it, as cudaMemGetInfo sees it).
+size_t device_bytes_in_use();
 
 // An owning device allocation. Moves, never copies.
 template <typename T>

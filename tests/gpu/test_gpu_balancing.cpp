@@ -73,7 +73,7 @@ TEST(GpuBalancing, SelectionBiasSteersTheTopKAsOnTheCpu) {
   const ForwardResult want = cpu.forward(inputs.data(), targets.data());
   gpu.reset_load();
   const ForwardResult got = gpu.forward(inputs.data(), targets.data());
-  const auto loads = gpu.expert_load();
+  const auto loads = gpu.routing_stats().load;
   ASSERT_EQ(loads.size(), 2u);
   EXPECT_EQ(loads[0][2], T);
   EXPECT_EQ(loads[0][1], 0);
@@ -118,7 +118,7 @@ TEST(GpuBalancing, ExpertNormsAndClippingMatchTheCpuBitForBit) {
   GpuOptimizer optimizer(gpu.parameters(), cpu.params(), gpu.stream());
   gpu.plan(batch);
   const auto inputs = random_tokens(c, batch, "inputs"), targets = random_tokens(c, batch, "targets");
-  gpu.zero_grads();
+  gpu.parameters().zero_grads();
   gpu.forward(inputs.data(), targets.data());
   gpu.backward(1.0);
   Transformer<float> host(c, 3);  // receives the GPU gradients
@@ -172,7 +172,7 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
   GpuOptimizer whole_optimizer(whole.parameters(), cpu.params(), whole.stream());
   whole.plan(batch);
   const auto inputs = random_tokens(c, batch, "inputs"), targets = random_tokens(c, batch, "targets");
-  whole.zero_grads();
+  whole.parameters().zero_grads();
   whole.forward(inputs.data(), targets.data());
   whole.backward(1.0);
   Transformer<float> unclipped(c, 3);

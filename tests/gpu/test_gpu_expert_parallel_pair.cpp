@@ -173,7 +173,7 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     gpu.plan(1);
     if (own_steps) step_own_experts_only(gpu, optimizer, host, rank);
     RankRun& run = runs[static_cast<size_t>(rank)];
-    gpu.zero_grads();
+    gpu.parameters().zero_grads();
     const auto inputs = tokens(config, 1, 40 + rank, 0), targets = tokens(config, 1, 40 + rank, 1);
     run.loss = gpu.forward_backward(inputs.data(), targets.data(), 1.0);
     run.grads = all_grads(gpu, host);  // before the hinges' sum: each rank's part
@@ -181,13 +181,13 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 1}, 1.0f);
     if (!placement.empty()) gpu.place_experts(placement);
     if (own_steps) step_own_experts_only(gpu, optimizer, host, rank);
-    gpu.zero_grads();
+    gpu.parameters().zero_grads();
     gpu.reset_load();
     const auto inputs2 = tokens(config, 1, 50 + rank, 0), targets2 = tokens(config, 1, 50 + rank, 1);
     run.second_loss = gpu.forward_backward(inputs2.data(), targets2.data(), 1.0);
     run.second_grads = all_grads(gpu, host);
     if (split) sum_hinge_grads(gpu, shared, rank);
-    run.load = gpu.expert_load();
+    run.load = gpu.routing_stats().load;
     // What a checkpoint writes: every expert's weights and moments from the rank holding it.
     optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 2}, 1.0f);
     gpu.download_params(host.params());
@@ -225,7 +225,7 @@ std::pair<ForwardResult, std::vector<float>> one_gpu_reference(const ModelConfig
   Transformer<float> host(config, 11);
   GpuTransformer one(config, host.params());
   one.plan(2);
-  one.zero_grads();
+  one.parameters().zero_grads();
   std::vector<int32_t> inputs = tokens(config, 1, 40, 0), targets = tokens(config, 1, 40, 1);
   for (int32_t t : tokens(config, 1, 41, 0)) inputs.push_back(t);
   for (int32_t t : tokens(config, 1, 41, 1)) targets.push_back(t);

@@ -101,7 +101,7 @@ void compare(const ModelConfig& config, int64_t batch, float router_scale, doubl
   cpu.backward(0.5);
   rounded.forward(b.inputs.data(), b.targets.data());
   rounded.backward(0.5);
-  gpu.zero_grads();
+  gpu.parameters().zero_grads();
   const ForwardResult got = gpu.forward(b.inputs.data(), b.targets.data());
   gpu.backward(0.5);
   if (print) std::printf("ce loss %.7f (cpu %.7f), aux %.7g (cpu %.7g)\n", got.ce_loss, want.ce_loss, got.aux_loss, want.aux_loss);
@@ -185,7 +185,7 @@ TEST(GpuModel, AdamWStepsLowerTheLoss) {
   const Batch b = random_batch(c, 4);
   double first = 0, last = 0;
   for (int64_t step = 1; step <= 20; ++step) {
-    gpu.zero_grads();
+    gpu.parameters().zero_grads();
     const double loss = gpu.forward(b.inputs.data(), b.targets.data()).total();
     gpu.backward(1.0);
     optimizer.adamw_step(AdamWStep{3e-3, 0.9, 0.95, 1e-8, 0.1, step}, 1.0f);

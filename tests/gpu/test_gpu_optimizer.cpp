@@ -319,7 +319,7 @@ TEST_P(GpuMultiTensorAdamW, TransformerStepsMatchTheCpuOptimizer) {
   const double max_norm = 1e-3;  // below any gradient norm here: every step clips
   double first_loss = 0, loss = 0;
   for (int64_t step = 1; step <= 3; ++step) {
-    gpu.zero_grads();
+    gpu.parameters().zero_grads();
     loss = gpu.forward(inputs.data(), targets.data()).total();
     ASSERT_TRUE(std::isfinite(loss));
     if (step == 1) first_loss = loss;
@@ -340,7 +340,7 @@ TEST_P(GpuMultiTensorAdamW, TransformerStepsMatchTheCpuOptimizer) {
     EXPECT_EQ(bad, 0u) << "step " << step;
   }
   EXPECT_LT(loss, first_loss);
-  EXPECT_GE(gpu.parameter_bytes(),
+  EXPECT_GE(gpu.parameters().device_bytes(),
             static_cast<size_t>(initial.params().storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam()));
 }
 

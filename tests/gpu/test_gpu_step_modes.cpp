@@ -67,7 +67,7 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
   gpu.plan(2);
   gpu.enable_graphs(graphs);
-  gpu.zero_grads();
+  gpu.parameters().zero_grads();
   RunResult r;
   for (int micro = 0; micro < 3; ++micro) {
     const size_t placement = micro == 0 ? 0 : micro == 2 ? 1 : 2;
@@ -83,7 +83,7 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   auto& params = host.params();
   for (int id = 0; id < params.size(); ++id)
     r.grads.insert(r.grads.end(), params.grad(id), params.grad(id) + params.numel(id));
-  r.load = gpu.expert_load();
+  r.load = gpu.routing_stats().load;
   r.expert_norms = to_expert_order(gpu.expert_layout(), optimizer.clip_expert_grads(0.0));
   optimizer.adamw_step(AdamWStep{1e-3, 0.9, 0.95, 1e-8, 0.1, 1}, 1.0f);
   gpu.download_state(params, r.m, r.v);

@@ -46,7 +46,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(),
                     count_load ? layer.load.data() : nullptr,
                     m.rank.data(), routed_slot, T, E, K, capacity, stream);
-  if (count_load)  // kept rows per expert, router entropy: read with expert_load()
+  if (count_load)  // kept rows per expert, router entropy: read with routing_stats()
     cuda::accumulate_routing_stats(layer.routing.data(), routing_scratch.data(), m.scores.data(), m.counts.data(),
                                    layer.placed ? layer.slot_of_expert.data() : nullptr, T, E, stream);
   expert_gemm->set_experts(local_experts(layer));
@@ -191,7 +191,6 @@ GpuRoutingStats GpuTransformer::routing_stats() {
   return stats;
 }
 
-std::vector<std::vector<int64_t>> GpuTransformer::expert_load() { return routing_stats().load; }
 
 void GpuTransformer::reset_load() {
   for (Layer& layer : state_->layers)

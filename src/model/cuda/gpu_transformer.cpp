@@ -506,7 +506,6 @@ void GpuTransformer::reserve_sms(int sms) {
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);
 }
 
-void GpuTransformer::zero_grads() { state_->store->zero_grads(); }
 
 GpuParameterStore& GpuTransformer::parameters() { return *state_->store; }
 
@@ -543,14 +542,6 @@ void GpuTransformer::upload_state(const ParameterStore<float>& params, const std
   for (const Layer& layer : s.layers)
     if (layer.placed) s.move_expert_slots(layer, layer.slots.expert_of_slot);
 }
-
-size_t GpuTransformer::device_bytes() const {
-  size_t free_bytes = 0, total_bytes = 0;
-  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  return total_bytes - free_bytes;
-}
-
-size_t GpuTransformer::parameter_bytes() const { return state_->store->device_bytes(); }
 
 void GpuTransformer::set_phase_clock(gpu::PhaseClock* clock) { state_->clock = clock; }
 

@@ -131,7 +131,8 @@ class GpuTransformer {
   // move to their slots on every rank; call it between steps, as gradients do not travel).
   // Results stay bit-identical (up to the split of a token's partial combines over the
   // ranks with top-k > 1, and the hinges' row shares with split experts); host copies
-  // (download_*, upload_state, expert_load; to_expert_order in model/expert_layout.h) stay in expert order. Not
+  // (download_*, upload_state, routing_stats; to_expert_order in model/expert_layout.h)
+  // stay in expert order. Not
   // with a sharded optimizer. Waits.
   void place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer);
   // Each MoE layer's placement (equal blocks at first) and expert tensors: the ranges this
@@ -143,7 +144,6 @@ class GpuTransformer {
   // cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();
   void* stream() const;
-  void zero_grads();
   // Device -> host copies for tests and checkpoints.
   void download_grads(ParameterStore<float>& params) const;
   void download_params(ParameterStore<float>& params) const;
@@ -151,8 +151,6 @@ class GpuTransformer {
   // moments in the CPU AdamW's packed layout (parameter after parameter, no padding).
   void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const;
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
-  // Assignments per expert since the last reset, per MoE layer (host copy).
-  std::vector<std::vector<int64_t>> expert_load();
   // Routing since the last reset_load(), per MoE layer, in expert order: assignments
   // before and rows kept after capacity, router entropy and tokens (this rank's tokens:
   // under expert parallelism the home rank's). Counted on the device in the forwards, read
@@ -165,10 +163,6 @@ class GpuTransformer {
   // host keeps the master copy (the CPU's bias_balance_update runs there) and uploads it.
   void set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E);
   std::vector<float> balance_bias(size_t moe_layer) const;
-  // Device memory in use (all of it, as cudaMemGetInfo sees it).
-  size_t device_bytes() const;
-  // Of which weights, gradients and the AdamW moments (GpuParameterStore::device_bytes).
-  size_t parameter_bytes() const;
   // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
   void set_phase_clock(gpu::PhaseClock* clock);
 

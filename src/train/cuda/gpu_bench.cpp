@@ -68,7 +68,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
     if (step == warmup_steps + 1) clock.take();  // drop the warm-up steps' phases
     MOE_CUDA_CHECK(cudaEventRecord(start));
-    gpu->zero_grads();
+    gpu->parameters().zero_grads();
     loss = gpu->forward_backward(inputs.data(), targets.data(), 1.0).total();
     // The whole optimizer step as training runs it: gradient norm, clipping, AdamW.
     const OptimizerConfig& o = config.optimizer;
@@ -93,7 +93,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
                                  12.0 * static_cast<double>(mc.n_layers * mc.dim * mc.seq_len);
   constexpr double kPeakFlops = 989e12;  // H100/H200 dense bf16
   result.mfu = result.tokens_per_second * flops_per_token / kPeakFlops;
-  result.device_gb = static_cast<double>(gpu->device_bytes()) / 1e9;
+  result.device_gb = static_cast<double>(gpu::device_bytes_in_use()) / 1e9;
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
   fmt::print(out, "mode: AdamW moments {}, activations of {} layers recomputed, experts recompute {}, CUDA graphs {}\n",

@@ -108,7 +108,7 @@ class GpuBackend final : public ModelBackend {
     return plan;
   }
   void begin_step() override {
-    gpu_->zero_grads();
+    gpu_->parameters().zero_grads();
     gpu_->reset_load();
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
