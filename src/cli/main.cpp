@@ -16,7 +16,7 @@ namespace {
 
 constexpr const char* kOverrideHelp =
     "Any config key can be overridden as --section.key=value (sections: model, moe, training, "
-    "optimizer, lr, data, metrics, checkpoint; every key is listed in docs/CONFIG.md), e.g. "
+    "optimizer, lr, data, metrics, checkpoint, parallel; every key is listed in docs/CONFIG.md), e.g. "
     "--training.steps=50 --moe.temperature=0.3 --data.dir=/path/to/text.";
 
 // Splits CLI11's leftover arguments into "section.key=value" overrides; anything else is

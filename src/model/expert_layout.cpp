@@ -20,6 +20,14 @@ RangeList own_expert_ranges(const ExpertLayout& layout, int ep_rank) {
   return ranges;
 }
 
+RangeList resident_ranges(const ExpertLayout& layout, int ep_rank, int64_t storage) {
+  RangeList experts;
+  for (const MoeLayerExperts& layer : layout) experts.insert(experts.end(), layer.tensors.begin(), layer.tensors.end());
+  std::sort(experts.begin(), experts.end());
+  const RangeList others = subtract_ranges(experts, own_expert_ranges(layout, ep_rank));
+  return subtract_ranges({{0, storage}}, others);
+}
+
 RangeList hinge_ranges(const ExpertLayout& layout) {
   RangeList ranges;
   for (const MoeLayerExperts& layer : layout) {

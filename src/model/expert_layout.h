@@ -22,6 +22,9 @@ using ExpertLayout = std::vector<MoeLayerExperts>;
 // The ranges of EP rank `ep_rank`'s window (its slots) in every expert tensor, sorted: the
 // gradients it sums over the ranks holding the same experts.
 RangeList own_expert_ranges(const ExpertLayout& layout, int ep_rank);
+// The ranges of a `storage`-element block that EP rank `ep_rank` keeps memory for: all of
+// it but the expert tensors' slots outside its window (the other ranks' experts).
+RangeList resident_ranges(const ExpertLayout& layout, int ep_rank, int64_t storage);
 // With split experts, the ranges of every hinge slot (held by two or more ranks), sorted,
 // the same on every rank: partial gradients summed over all ranks. Empty without.
 RangeList hinge_ranges(const ExpertLayout& layout);

@@ -190,10 +190,9 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     run.load = gpu.routing_stats().load;
     // What a checkpoint writes: every expert's weights and moments from the rank holding it.
     optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 2}, 1.0f);
-    gpu.download_params(host.params());
+    gpu.parameters().download_params(host.params());  // what this rank holds, in slot order
     for (int id = 0; id < host.params().size(); ++id)
       run.held.insert(run.held.end(), host.params().value(id), host.params().value(id) + host.params().numel(id));
-    gpu.gather_expert_weights(/*with_moments=*/true);
     gpu.download_state(host.params(), run.m, run.v);
     auto& params = host.params();
     for (int id = 0; id < params.size(); ++id)
@@ -387,6 +386,54 @@ TEST_P(GpuExpertParallelPair, SplitExpertsMatchOneGpuAndWholeExperts) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Routing, GpuExpertParallelPair, ::testing::Values(0.0, 1.0));
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// A rank keeps memory for its own experts only: at EP 2 the store holds the non-expert
+// parameters and half of every expert tensor (up to the chunks the ranges round to), and
+// after a re-placement that gives rank 0 six experts of eight, three quarters.
+TEST(GpuExpertParallelMemory, ARankHoldsItsOwnExpertsOnly) {
+  MOE_REQUIRE_GPU();
+  ModelConfig c = test::small_moe_model(0.0);
+  c.dim = 512;
+  c.moe.expert_hidden = 2048;  // 1 M elements per expert and tensor: many 2 MB chunks
+  c.moe.n_shared_experts = 0;
+  c.n_layers = 3;
+  Transformer<float> host(c, 11);
+  GpuTransformer whole(c, host.params());
+  const size_t whole_bytes = whole.parameters().device_bytes();
+  int64_t expert_elements = 0;
+  for (const MoeLayerExperts& layer : whole.expert_layout())
+    for (const Range& tensor : layer.tensors) expert_elements += tensor.count;
+  const double per_element = static_cast<double>(GpuParameterStore::bytes_per_parameter(MomentDtype::Fp32));
+  const double slack = 5.0 * 2 * 3 * 2 * (2 << 20);  // 5 blocks x 2 MoE layers x 3 tensors x 2 edges x a chunk
+  PairShared shared;
+  std::array<size_t, 2> equal_bytes{}, moved_bytes{};
+  auto rank_main = [&](int rank) {
+    GpuModelOptions options;
+    options.expert_exchange = std::make_shared<PairExchange>(shared, rank);
+    options.max_local_experts = 6;
+    GpuTransformer gpu(c, host.params(), options);
+    equal_bytes[static_cast<size_t>(rank)] = gpu.parameters().device_bytes();
+    gpu.plan(1);
+    gpu.place_experts({{{0, 1, 2, 3, 4, 5}, {6, 7}}, {{7, 6, 5, 4, 3, 2}, {1, 0}}});
+    moved_bytes[static_cast<size_t>(rank)] = gpu.parameters().device_bytes();
+  };
+  std::thread other(rank_main, 1);
+  rank_main(0);
+  other.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    const double kept_equal = 0.5, kept_moved = rank == 0 ? 0.75 : 0.25;
+    EXPECT_NEAR(static_cast<double>(equal_bytes[rank]), whole_bytes - (1 - kept_equal) * expert_elements * per_element,
+                slack) << "rank " << rank;
+    EXPECT_NEAR(static_cast<double>(moved_bytes[rank]), whole_bytes - (1 - kept_moved) * expert_elements * per_element,
+                slack) << "rank " << rank << " after the re-placement";
+  }
+}
 
 }  // namespace
 }  // namespace moe

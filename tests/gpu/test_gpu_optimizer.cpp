@@ -274,7 +274,9 @@ TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
   // The store's size: the blocks and the fp32 copies (parameters 0 and 7, padded to 16).
   const size_t blocks = static_cast<size_t>(gpu.storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam());
   const size_t copies = static_cast<size_t>((params.numel(0) + 15) / 16 * 16 + (params.numel(7) + 15) / 16 * 16);
-  EXPECT_EQ(gpu.device_bytes(), blocks + copies * sizeof(float));
+  // Each of the five blocks rounds up to whole chunks (core/cuda/resident_block.h, 2 MiB).
+  EXPECT_GE(gpu.device_bytes(), blocks + copies * sizeof(float));
+  EXPECT_LE(gpu.device_bytes(), blocks + copies * sizeof(float) + 5 * (size_t{2} << 20));
   EXPECT_EQ(GpuParameterStore::bytes_per_parameter(GetParam()), bf16 ? 12u : 16u);
 }
 

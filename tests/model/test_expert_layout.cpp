@@ -26,6 +26,16 @@ TEST(ExpertLayout, OwnRangesAreEachRanksWindowInEveryExpertTensor) {
             (RangeList{{120, 20}, {220, 20}, {320, 20}, {420, 20}, {520, 20}, {620, 20}}));
 }
 
+TEST(ExpertLayout, ARankKeepsMemoryForAllButTheOtherRanksExperts) {
+  const ExpertLayout layout = two_layers();
+  // Rank 1 holds slots 2-3 of layer 0 (from 120, 220, 320) and of layer 1.
+  EXPECT_EQ(resident_ranges(layout, 1, 700),
+            (RangeList{{0, 100}, {120, 80}, {220, 80}, {320, 80}, {420, 80}, {520, 80}, {620, 80}}));
+  // Rank 0's window ends inside each tensor: layer 0 slots 0-2, layer 1 slots 0-1.
+  EXPECT_EQ(resident_ranges(layout, 0, 700),
+            (RangeList{{0, 130}, {140, 90}, {240, 90}, {340, 80}, {440, 80}, {540, 80}, {640, 60}}));
+}
+
 TEST(ExpertLayout, HingesAreTheSlotsTwoRanksHold) {
   const ExpertLayout layout = two_layers();
   EXPECT_EQ(hinge_ranges(layout), (RangeList{{120, 10}, {220, 10}, {320, 10}}));

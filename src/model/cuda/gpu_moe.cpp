@@ -131,33 +131,6 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
     ffn_backward(dnorm.data(), dy, layer.act->n2.data(), layer.shared[i], m.shared[i], T, F, true);
 }
 
-void GpuTransformer::gather_expert_weights(bool with_moments) {
-  State& s = *state_;
-  if (!s.ep) return;
-  const int64_t E = s.config.moe.n_experts;
-  // The blocks in the parameter layout, with their bytes per element.
-  std::vector<std::pair<char*, size_t>> blocks = {{reinterpret_cast<char*>(s.store->weights_hi()), sizeof(bf16)},
-                                                  {reinterpret_cast<char*>(s.store->weights_lo()), sizeof(int16_t)}};
-  if (with_moments)
-    for (int which : {0, 1})
-      blocks.emplace_back(static_cast<char*>(s.store->moment_block(which)), s.store->moment_bytes());
-  for (Layer& layer : s.layers) {
-    if (!layer.is_moe) continue;
-    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
-      const int64_t per_expert = p->numel / E;
-      for (int rank = 0; rank < s.ep->size(); ++rank) {
-        const int64_t first = layer.slots.first_slot_P1[static_cast<size_t>(rank)];
-        const int64_t at = p->offset + first * per_expert,
-                      n = (layer.slots.first_slot_P1[static_cast<size_t>(rank) + 1] - first) * per_expert;
-        if (n == 0) continue;
-        for (const auto& [block, bytes] : blocks)
-          s.ep->broadcast(block + at * static_cast<int64_t>(bytes), static_cast<size_t>(n) * bytes, rank);
-      }
-    }
-  }
-  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-}
-
 GpuRoutingStats GpuTransformer::routing_stats() {
   State& s = *state_;
   const int64_t E = s.config.moe.n_experts;

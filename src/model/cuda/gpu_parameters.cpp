@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/cuda/resident_block.h"
 #include "core/gpu.h"
 
 namespace moe {
@@ -23,29 +24,53 @@ struct GpuParameterStore::State {
   cudaStream_t stream = nullptr;
   MomentDtype moments = MomentDtype::Fp32;
   int64_t storage = 0, total_numel = 0;
-  std::vector<int64_t> offsets, numels, mirror_offsets;  // per parameter id
-  Buffer<bf16> hi;
-  Buffer<int16_t> lo;
-  Buffer<float> grads;
-  Buffer<float> m32, v32;  // fp32 moments, or
-  Buffer<bf16> m16, v16;   // bf16 moments
-  Buffer<float> mirror;    // fp32 copies
+  std::vector<int64_t> offsets, numels, packed_offsets, mirror_offsets;  // per parameter id
+  // The blocks, of which only the resident ranges hold memory (gpu::ResidentBlock).
+  gpu::ResidentBlock hi, lo, grads, m, v;
+  Buffer<float> mirror;  // fp32 copies
+  RangeList resident;    // element ranges of the block that hold memory (sorted)
+  std::vector<SpanPiece> resident_pieces;  // each parameter's resident parts, parameter after parameter
   bool bf16_moments() const { return moments == MomentDtype::Bf16; }
-  void* m() { return bf16_moments() ? static_cast<void*>(m16.data()) : static_cast<void*>(m32.data()); }
-  void* v() { return bf16_moments() ? static_cast<void*>(v16.data()) : static_cast<void*>(v32.data()); }
+  size_t moment_bytes() const { return bf16_moments() ? sizeof(bf16) : sizeof(float); }
+  bf16* hi_data() const { return static_cast<bf16*>(hi.data()); }
+  int16_t* lo_data() const { return static_cast<int16_t*>(lo.data()); }
+  float* grads_data() const { return static_cast<float*>(grads.data()); }
 
   void sync() { MOE_CUDA_CHECK(cudaStreamSynchronize(stream)); }
   // A host <-> device staging buffer: the block in pieces of at most kStagingFloats.
   Buffer<float> staging() const {
     return Buffer<float>(static_cast<size_t>(std::min(kStagingFloats, std::max<int64_t>(1, storage))));
   }
+  // Makes `ranges` of every block resident (new gradients and moments zeroed).
+  void set_resident(RangeList ranges) {
+    const auto bytes = [&](size_t element) {
+      RangeList out;
+      for (const Range& r : ranges)
+        out.push_back({r.offset * static_cast<int64_t>(element), r.count * static_cast<int64_t>(element)});
+      return out;
+    };
+    hi.set_resident(bytes(sizeof(bf16)));
+    lo.set_resident(bytes(sizeof(int16_t)));
+    grads.set_resident(bytes(sizeof(float)), /*zero_new=*/true);
+    m.set_resident(bytes(moment_bytes()), true);
+    v.set_resident(bytes(moment_bytes()), true);
+    resident_pieces = cut_spans(spans(), ranges);
+    resident = std::move(ranges);
+  }
+  RangeList spans() const {
+    RangeList all;
+    for (size_t id = 0; id < offsets.size(); ++id) all.push_back({offsets[id], numels[id]});
+    return all;
+  }
+  // Each parameter's parts inside `only` (null: the resident ranges).
+  std::vector<SpanPiece> pieces(const Range* only) const { return only ? cut_spans(spans(), {*only}) : resident_pieces; }
   // Host fp32 values [first, first + n) of the block -> hi/lo.
   void upload_values(const float* values, int64_t first, int64_t n, Buffer<float>& staging) {
     for (int64_t done = 0; done < n;) {
       const int64_t piece = std::min<int64_t>(n - done, static_cast<int64_t>(staging.size()));
       MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(piece) * sizeof(float),
                                      cudaMemcpyHostToDevice, stream));
-      cuda::split_master(hi.data() + first + done, lo.data() + first + done, staging.data(), piece, stream);
+      cuda::split_master(hi_data() + first + done, lo_data() + first + done, staging.data(), piece, stream);
       done += piece;
     }
   }
@@ -64,7 +89,8 @@ struct GpuParameterStore::State {
 };
 
 GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, MomentDtype moments,
-                                     const std::vector<int>& fp32_copy_ids, cuda::Stream stream)
+                                     const std::vector<int>& fp32_copy_ids, cuda::Stream stream,
+                                     const RangeList& resident)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
   s.stream = stream;
@@ -85,44 +111,39 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
               params.spec(id).name, offset);
     s.offsets.push_back(offset);
     s.numels.push_back(numel);
+    s.packed_offsets.push_back(s.total_numel);
     s.total_numel += numel;
   }
   MOE_CHECK(params.size() > 0, "GPU parameters: the store has no parameters");
   const auto n = static_cast<size_t>(s.storage);
-  s.hi = Buffer<bf16>(n);
-  s.lo = Buffer<int16_t>(n);
-  s.grads = Buffer<float>(n);
-  s.grads.fill_bytes(0);
-  if (s.bf16_moments()) {
-    s.m16 = Buffer<bf16>(n);
-    s.v16 = Buffer<bf16>(n);
-    s.m16.fill_bytes(0);
-    s.v16.fill_bytes(0);
-  } else {
-    s.m32 = Buffer<float>(n);
-    s.v32 = Buffer<float>(n);
-    s.m32.fill_bytes(0);
-    s.v32.fill_bytes(0);
-  }
+  s.hi = gpu::ResidentBlock(n * sizeof(bf16));
+  s.lo = gpu::ResidentBlock(n * sizeof(int16_t));
+  s.grads = gpu::ResidentBlock(n * sizeof(float));
+  s.m = gpu::ResidentBlock(n * s.moment_bytes());
+  s.v = gpu::ResidentBlock(n * s.moment_bytes());
+  for (const Range& r : resident)
+    MOE_CHECK(r.offset >= 0 && r.end() <= s.storage, "GPU parameters: resident range [{}, {}) outside the block of {}",
+              r.offset, r.end(), s.storage);
+  s.set_resident(resident.empty() ? RangeList{{0, s.storage}} : resident);
   s.mirror = Buffer<float>(static_cast<size_t>(mirror_numel));
   Buffer<float> staging = s.staging();
-  s.upload_values(params.values_data(), 0, s.storage, staging);
+  for (const Range& r : s.resident) s.upload_values(params.values_data() + r.offset, r.offset, r.count, staging);
   s.refresh_mirrors(params);
   s.sync();
 }
 
 GpuParameterStore::~GpuParameterStore() = default;
 
-const bf16* GpuParameterStore::weights() const { return state_->hi.data(); }
-float* GpuParameterStore::grads() { return state_->grads.data(); }
-bf16* GpuParameterStore::weights_hi() { return state_->hi.data(); }
-int16_t* GpuParameterStore::weights_lo() { return state_->lo.data(); }
+const bf16* GpuParameterStore::weights() const { return state_->hi_data(); }
+float* GpuParameterStore::grads() { return state_->grads_data(); }
+bf16* GpuParameterStore::weights_hi() { return state_->hi_data(); }
+int16_t* GpuParameterStore::weights_lo() { return state_->lo_data(); }
 MomentDtype GpuParameterStore::moment_dtype() const { return state_->moments; }
 void* GpuParameterStore::moment_block(int which) {
   MOE_CHECK(which == 0 || which == 1, "moment_block: moment {} (0 or 1)", which);
-  return which == 0 ? state_->m() : state_->v();
+  return which == 0 ? state_->m.data() : state_->v.data();
 }
-size_t GpuParameterStore::moment_bytes() const { return state_->bf16_moments() ? sizeof(bf16) : sizeof(float); }
+size_t GpuParameterStore::moment_bytes() const { return state_->moment_bytes(); }
 int64_t GpuParameterStore::storage_numel() const { return state_->storage; }
 
 const float* GpuParameterStore::fp32_values(int id) const {
@@ -141,38 +162,58 @@ int64_t GpuParameterStore::fp32_mirror_offset(int id) const {
 
 void GpuParameterStore::zero_grads() {
   State& s = *state_;
-  MOE_CUDA_CHECK(cudaMemsetAsync(s.grads.data(), 0, s.grads.size() * sizeof(float), s.stream));
+  for (const Range& r : s.resident)
+    MOE_CUDA_CHECK(cudaMemsetAsync(s.grads_data() + r.offset, 0, static_cast<size_t>(r.count) * sizeof(float), s.stream));
+}
+
+const RangeList& GpuParameterStore::resident_ranges() const { return state_->resident; }
+
+void GpuParameterStore::set_resident_ranges(const RangeList& ranges) {
+  State& s = *state_;
+  s.sync();
+  s.set_resident(ranges);
 }
 
 RangeList GpuParameterStore::fp32_copy_ranges() const {
   const State& s = *state_;
   RangeList ranges;
   for (size_t id = 0; id < s.mirror_offsets.size(); ++id)
-    if (s.mirror_offsets[id] >= 0) ranges.emplace_back(s.offsets[id], (s.numels[id] + 15) / 16 * 16);
+    if (s.mirror_offsets[id] >= 0) ranges.push_back({s.offsets[id], (s.numels[id] + 15) / 16 * 16});
   std::sort(ranges.begin(), ranges.end());
   return ranges;
 }
 
 void GpuParameterStore::download_grads(ParameterStore<float>& params) const {
-  state_->check_layout(params, "download_grads");
-  state_->grads.download(params.grads_data(), static_cast<size_t>(state_->storage));
+  const State& s = *state_;
+  s.check_layout(params, "download_grads");
+  // Where this rank holds nothing it computed no gradient: zeros.
+  for (const Range& r : subtract_ranges({{0, s.storage}}, s.resident))
+    std::fill_n(params.grads_data() + r.offset, r.count, 0.0f);
+  for (const Range& r : s.resident)
+    MOE_CUDA_CHECK(cudaMemcpy(params.grads_data() + r.offset, s.grads_data() + r.offset,
+                              static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyDeviceToHost));
 }
 
 void GpuParameterStore::upload_grads(ParameterStore<float>& params) {
-  state_->check_layout(params, "upload_grads");
-  state_->grads.upload(params.grads_data(), static_cast<size_t>(state_->storage));
+  const State& s = *state_;
+  s.check_layout(params, "upload_grads");
+  for (const Range& r : s.resident)
+    MOE_CUDA_CHECK(cudaMemcpy(s.grads_data() + r.offset, params.grads_data() + r.offset,
+                              static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyHostToDevice));
 }
 
-void GpuParameterStore::download_params(ParameterStore<float>& params) const {
+void GpuParameterStore::download_params(ParameterStore<float>& params, const Range* only) const {
   State& s = *state_;
   s.check_layout(params, "download_params");
   Buffer<float> staging = s.staging();
-  for (int id = 0; id < params.size(); ++id) {
-    const int64_t offset = s.offsets[static_cast<size_t>(id)], numel = s.numels[static_cast<size_t>(id)];
-    for (int64_t done = 0; done < numel;) {
-      const int64_t piece = std::min<int64_t>(numel - done, static_cast<int64_t>(staging.size()));
-      cuda::join_master(staging.data(), s.hi.data() + offset + done, s.lo.data() + offset + done, piece, s.stream);
-      MOE_CUDA_CHECK(cudaMemcpyAsync(params.value(id) + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
+  for (const SpanPiece& part : s.pieces(only)) {
+    const int id = static_cast<int>(part.span);
+    float* host = params.value(id) + (part.offset - s.offsets[part.span]);
+    for (int64_t done = 0; done < part.count;) {
+      const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
+      cuda::join_master(staging.data(), s.hi_data() + part.offset + done, s.lo_data() + part.offset + done, piece,
+                        s.stream);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(host + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
                                      cudaMemcpyDeviceToHost, s.stream));
       done += piece;
     }
@@ -180,34 +221,33 @@ void GpuParameterStore::download_params(ParameterStore<float>& params) const {
   s.sync();
 }
 
-void GpuParameterStore::download_state(ParameterStore<float>& params, std::vector<float>& m,
-                                       std::vector<float>& v) const {
+void GpuParameterStore::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v,
+                                       const Range* only) const {
   State& s = *state_;
-  download_params(params);
-  m.assign(static_cast<size_t>(s.total_numel), 0.0f);
-  v.assign(static_cast<size_t>(s.total_numel), 0.0f);
+  download_params(params, only);
+  m.resize(static_cast<size_t>(s.total_numel), 0.0f);
+  v.resize(static_cast<size_t>(s.total_numel), 0.0f);
   Buffer<float> staging = s.bf16_moments() ? s.staging() : Buffer<float>();
-  int64_t packed = 0;
-  for (size_t id = 0; id < s.offsets.size(); ++id) {
-    const int64_t offset = s.offsets[id], numel = s.numels[id];
+  for (const SpanPiece& part : s.pieces(only)) {
+    const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
     for (int moment = 0; moment < 2; ++moment) {
       float* out = (moment == 0 ? m.data() : v.data()) + packed;
+      const char* block = static_cast<const char*>(moment == 0 ? s.m.data() : s.v.data());
       if (!s.bf16_moments()) {
-        const float* in = (moment == 0 ? s.m32.data() : s.v32.data()) + offset;
-        MOE_CUDA_CHECK(cudaMemcpyAsync(out, in, static_cast<size_t>(numel) * sizeof(float), cudaMemcpyDeviceToHost,
+        MOE_CUDA_CHECK(cudaMemcpyAsync(out, block + part.offset * static_cast<int64_t>(sizeof(float)),
+                                       static_cast<size_t>(part.count) * sizeof(float), cudaMemcpyDeviceToHost,
                                        s.stream));
         continue;
       }
-      const bf16* in = (moment == 0 ? s.m16.data() : s.v16.data()) + offset;
-      for (int64_t done = 0; done < numel;) {
-        const int64_t piece = std::min<int64_t>(numel - done, static_cast<int64_t>(staging.size()));
+      const bf16* in = reinterpret_cast<const bf16*>(block) + part.offset;
+      for (int64_t done = 0; done < part.count;) {
+        const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
         cuda::widen_bf16(staging.data(), in + done, piece, s.stream);
         MOE_CUDA_CHECK(cudaMemcpyAsync(out + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
                                        cudaMemcpyDeviceToHost, s.stream));
         done += piece;
       }
     }
-    packed += numel;
   }
   s.sync();
 }
@@ -219,29 +259,28 @@ void GpuParameterStore::upload_state(const ParameterStore<float>& params, const 
   MOE_CHECK(static_cast<int64_t>(m.size()) == s.total_numel && m.size() == v.size(),
             "upload_state: {} first and {} second moments for {} parameters", m.size(), v.size(), s.total_numel);
   Buffer<float> staging = s.staging();
-  s.upload_values(params.values_data(), 0, s.storage, staging);
+  for (const Range& r : s.resident) s.upload_values(params.values_data() + r.offset, r.offset, r.count, staging);
   s.refresh_mirrors(params);
-  int64_t packed = 0;
-  for (size_t id = 0; id < s.offsets.size(); ++id) {
-    const int64_t offset = s.offsets[id], numel = s.numels[id];
+  for (const SpanPiece& part : s.resident_pieces) {
+    const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
     for (int moment = 0; moment < 2; ++moment) {
       const float* in = (moment == 0 ? m.data() : v.data()) + packed;
+      char* block = static_cast<char*>(moment == 0 ? s.m.data() : s.v.data());
       if (!s.bf16_moments()) {
-        float* out = (moment == 0 ? s.m32.data() : s.v32.data()) + offset;
-        MOE_CUDA_CHECK(cudaMemcpyAsync(out, in, static_cast<size_t>(numel) * sizeof(float), cudaMemcpyHostToDevice,
+        MOE_CUDA_CHECK(cudaMemcpyAsync(block + part.offset * static_cast<int64_t>(sizeof(float)), in,
+                                       static_cast<size_t>(part.count) * sizeof(float), cudaMemcpyHostToDevice,
                                        s.stream));
         continue;
       }
-      bf16* out = (moment == 0 ? s.m16.data() : s.v16.data()) + offset;
-      for (int64_t done = 0; done < numel;) {
-        const int64_t piece = std::min<int64_t>(numel - done, static_cast<int64_t>(staging.size()));
+      bf16* out = reinterpret_cast<bf16*>(block) + part.offset;
+      for (int64_t done = 0; done < part.count;) {
+        const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
         MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(piece) * sizeof(float),
                                        cudaMemcpyHostToDevice, s.stream));
         cuda::round_to_bf16(out + done, staging.data(), piece, s.stream);
         done += piece;
       }
     }
-    packed += numel;
   }
   s.sync();
 }
@@ -252,9 +291,8 @@ size_t GpuParameterStore::bytes_per_parameter(MomentDtype moments) {
 
 size_t GpuParameterStore::device_bytes() const {
   const State& s = *state_;
-  return s.hi.size() * sizeof(bf16) + s.lo.size() * sizeof(int16_t) + s.grads.size() * sizeof(float) +
-         (s.m32.size() + s.v32.size()) * sizeof(float) + (s.m16.size() + s.v16.size()) * sizeof(bf16) +
-         s.mirror.size() * sizeof(float);
+  return s.hi.resident_bytes() + s.lo.resident_bytes() + s.grads.resident_bytes() + s.m.resident_bytes() +
+         s.v.resident_bytes() + s.mirror.size() * sizeof(float);
 }
 
 }  // namespace moe

@@ -7,7 +7,8 @@
 // - the AdamW moments in fp32 or bf16 (optimizer.state_dtype);
 // - fp32 copies of the few parameters the forward pass reads in fp32 (router biases).
 // Bytes per parameter: 2 + 2 + 4 + 2 x 4 = 16 with fp32 moments, 12 with bf16 ones.
-// The optimizer that steps this state is optim/cuda/gpu_optimizer.h.
+// The optimizer that steps this state is optim/cuda/gpu_optimizer.h. Only the resident
+// ranges hold memory (core/cuda/resident_block.h); offsets are always the full block's.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -24,9 +25,11 @@ namespace moe {
 class GpuParameterStore {
  public:
   // Copies the values of `params` to the device; the moments start at zero. The
-  // parameters in `fp32_copy_ids` are also kept as fp32 (fp32_values()).
+  // parameters in `fp32_copy_ids` are also kept as fp32 (fp32_values()). `resident`: the
+  // element ranges of the block that hold memory (sorted, disjoint; empty: all of it); the
+  // others keep their offsets but no memory (expert parallelism: other ranks' experts).
   GpuParameterStore(const ParameterStore<float>& params, MomentDtype moments, const std::vector<int>& fp32_copy_ids,
-                    cuda::Stream stream);
+                    cuda::Stream stream, const RangeList& resident = {});
   ~GpuParameterStore();
   GpuParameterStore(const GpuParameterStore&) = delete;
   GpuParameterStore& operator=(const GpuParameterStore&) = delete;
@@ -51,20 +54,30 @@ class GpuParameterStore {
   MomentDtype moment_dtype() const;
   int64_t storage_numel() const;
 
+  // Zeroes the resident gradients.
   void zero_grads();
+  // The resident ranges; set_resident_ranges changes them (waits for the stream): ranges
+  // that stay keep their contents, new ones hold undefined weights and zero gradients and
+  // moments, the others' memory is released.
+  const RangeList& resident_ranges() const;
+  void set_resident_ranges(const RangeList& ranges);
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
   // included), sorted: a sharded optimizer must step them whole on every rank.
   RangeList fp32_copy_ranges() const;
-  // Host copies, in the CPU store's layout (tests and checkpoints). The moments are
-  // packed parameter after parameter (the CPU AdamW's layout) and always fp32; bf16
-  // moments are rounded to nearest even on upload.
+  // Host copies of the resident ranges, in the CPU store's layout (tests and checkpoints;
+  // the host's other elements are left as they are). The moments are packed parameter
+  // after parameter (the CPU AdamW's layout) and always fp32; bf16 moments are rounded to
+  // nearest even on upload.
   void download_grads(ParameterStore<float>& params) const;
   void upload_grads(ParameterStore<float>& params);
-  void download_params(ParameterStore<float>& params) const;
-  void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const;
+  // download_grads writes zeros where nothing is resident (no gradient was computed there).
+  // `only`: just these ranges (resident ones; null: every resident range).
+  void download_params(ParameterStore<float>& params, const Range* only = nullptr) const;
+  void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v,
+                      const Range* only = nullptr) const;
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
 
-  // Device bytes held by the blocks above.
+  // Device bytes held by the blocks above (their resident chunks).
   size_t device_bytes() const;
   static size_t bytes_per_parameter(MomentDtype moments);
 

@@ -2,14 +2,17 @@
 // expert, and which EP rank computes which slots. A re-placement by load (expert
 // parallelism's dynamic balancing) relabels experts into slots so that every rank's
 // experts stay one contiguous block, whatever their number: the router's choices go
-// through a slot table, and the weights, gradients and moments move to their new slots
-// on every rank alike (every rank keeps every expert's weights). Host copies (checkpoints,
-// exports, tests) stay in expert order. Slot order changes no result over one rank: each
+// through a slot table, and the weights, gradients and moments move to their new slots.
+// Under expert parallelism a rank holds memory for its window's slots only: a re-placement
+// gathers its new window aside (staying experts from their old slots, arriving ones from
+// their old holders), makes it resident, fills it, and releases what it no longer holds.
+// Host copies (checkpoints, exports, tests) stay in expert order. Slot order changes no result over one rank: each
 // expert sees the same rows in the same order. With split experts (GpuModelOptions)
 // each rank's window also takes the next block's first slot, shared with that rank.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "core/error.h"
@@ -62,24 +65,25 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
   }
   for (size_t l = 0; l < moe_layers.size(); ++l) {
     Layer& layer = *moe_layers[l];
-    // Under expert parallelism only the holders' copies are current: an expert changing
-    // ranks first comes from its old holder (weights, lo halves, moments; the gradients
-    // are not moved between ranks, so re-place between steps).
-    if (s.ep) s.send_moving_experts(layer, next[l]);
-    if (next[l].expert_of_slot != layer.slots.expert_of_slot) {
-      const std::vector<int32_t> slot_now = slot_of_expert(layer.slots);
-      std::vector<int64_t> source_of_slot(static_cast<size_t>(E));
-      for (int64_t slot = 0; slot < E; ++slot)
-        source_of_slot[static_cast<size_t>(slot)] = slot_now[static_cast<size_t>(next[l].expert_of_slot[static_cast<size_t>(slot)])];
+    const std::vector<int32_t> slot_now = slot_of_expert(layer.slots);
+    std::vector<int64_t> source_of_slot(static_cast<size_t>(E));
+    for (int64_t slot = 0; slot < E; ++slot)
+      source_of_slot[static_cast<size_t>(slot)] = slot_now[static_cast<size_t>(next[l].expert_of_slot[static_cast<size_t>(slot)])];
+    // Under expert parallelism a rank holds its window's experts only: each expert it
+    // takes on comes from its old holder.
+    if (s.ep)
+      s.move_experts_between_ranks(layer, next[l], source_of_slot);
+    else if (next[l].expert_of_slot != layer.slots.expert_of_slot)
       s.move_expert_slots(layer, source_of_slot);
-      // The load counted so far follows its experts.
-      std::vector<int64_t> load(static_cast<size_t>(E)), moved(static_cast<size_t>(E));
-      layer.load.download(load.data(), load.size());
-      for (int64_t slot = 0; slot < E; ++slot)
-        moved[static_cast<size_t>(slot)] = load[static_cast<size_t>(source_of_slot[static_cast<size_t>(slot)])];
-      layer.load.upload(moved.data(), moved.size());
-    }
+    // The load counted so far follows its experts.
+    std::vector<int64_t> load(static_cast<size_t>(E)), moved(static_cast<size_t>(E));
+    layer.load.download(load.data(), load.size());
+    for (int64_t slot = 0; slot < E; ++slot)
+      moved[static_cast<size_t>(slot)] = load[static_cast<size_t>(source_of_slot[static_cast<size_t>(slot)])];
+    layer.load.upload(moved.data(), moved.size());
     s.set_slots(layer, std::move(next[l]));
+    // What this rank no longer holds goes (layers not yet re-placed keep their windows).
+    if (s.ep) s.store->set_resident_ranges(resident_ranges(expert_layout(), s.ep_rank(), s.store->storage_numel()));
   }
   // A captured graph may have been captured without the slot lookups.
   if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
@@ -99,31 +103,100 @@ ExpertLayout GpuTransformer::expert_layout() const {
   return layout;
 }
 
-void GpuTransformer::State::send_moving_experts(const Layer& layer, const ExpertSlots& next) {
+void GpuTransformer::State::move_experts_between_ranks(const Layer& layer, const ExpertSlots& next,
+                                                        const std::vector<int64_t>& source_of_slot) {
   const int64_t E = config.moe.n_experts;
-  // Every rank holding an expert (its window) has it current; one of them sends it when a
-  // rank that did not hold it will.
-  const std::vector<std::vector<int>> old_holders = slot_holders(layer.slots), new_holders = slot_holders(next);
-  std::vector<const std::vector<int>*> new_holders_of(static_cast<size_t>(E));
-  for (int64_t slot = 0; slot < E; ++slot)
-    new_holders_of[static_cast<size_t>(next.expert_of_slot[static_cast<size_t>(slot)])] = &new_holders[static_cast<size_t>(slot)];
-  const std::vector<std::pair<char*, size_t>> blocks = {
-      {reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16)},
-      {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t)},
-      {static_cast<char*>(store->moment_block(0)), store->moment_bytes()},
-      {static_cast<char*>(store->moment_block(1)), store->moment_bytes()}};
-  for (int64_t slot = 0; slot < E; ++slot) {
-    const int64_t expert = layer.slots.expert_of_slot[static_cast<size_t>(slot)];
-    const std::vector<int>& had = old_holders[static_cast<size_t>(slot)];
-    const std::vector<int>& will = *new_holders_of[static_cast<size_t>(expert)];
-    if (std::includes(had.begin(), had.end(), will.begin(), will.end())) continue;
-    const int holder = had.front();
-    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
-      const int64_t per_expert = p->numel / E, at = p->offset + slot * per_expert;
-      for (const auto& [block, bytes] : blocks)
-        ep->broadcast(block + static_cast<size_t>(at) * bytes, static_cast<size_t>(per_expert) * bytes, holder);
+  const int me = ep_rank();
+  const ExpertSlots& now = layer.slots;
+  const int64_t first = next.window_first(me), window = next.window_size(me);
+  const int64_t old_first = now.window_first(me), old_end = old_first + now.window_size(me);
+  struct Block {
+    char* base;
+    size_t bytes;  // per element
+    bool travels;  // gradients stay with the rank (re-placement is between steps)
+  };
+  const std::vector<Block> blocks = {{reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16), true},
+                                     {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t), true},
+                                     {reinterpret_cast<char*>(store->grads()), sizeof(float), false},
+                                     {static_cast<char*>(store->moment_block(0)), store->moment_bytes(), true},
+                                     {static_cast<char*>(store->moment_block(1)), store->moment_bytes(), true}};
+  const std::array<const Param*, 3> tensors = {&layer.w1, &layer.w3, &layer.w2};
+  // The new window's state, gathered aside: [tensor][block], window slots of an expert each.
+  std::vector<std::vector<Buffer<char>>> aside(tensors.size());
+  int64_t largest = 0;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const int64_t per_expert = tensors[t]->numel / E;
+    largest = std::max(largest, per_expert);
+    for (const Block& block : blocks) {
+      aside[t].emplace_back(static_cast<size_t>(std::max<int64_t>(window, 1) * per_expert) * block.bytes);
+      MOE_CUDA_CHECK(cudaMemsetAsync(aside[t].back().data(), 0, aside[t].back().size(), stream));
     }
   }
+  // Experts that stay on this rank: from their old slots.
+  for (int64_t j = first; j < first + window; ++j) {
+    const int64_t source = source_of_slot[static_cast<size_t>(j)];
+    if (source < old_first || source >= old_end) continue;
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const int64_t per_expert = tensors[t]->numel / E;
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        const size_t slice = static_cast<size_t>(per_expert) * blocks[b].bytes;
+        MOE_CUDA_CHECK(cudaMemcpyAsync(aside[t][b].data() + static_cast<size_t>(j - first) * slice,
+                                       blocks[b].base + static_cast<size_t>(tensors[t]->offset + source * per_expert) *
+                                                            blocks[b].bytes,
+                                       slice, cudaMemcpyDeviceToDevice, stream));
+      }
+    }
+  }
+  // Experts that arrive: broadcast by their old block's rank, slot by slot in the old
+  // order (the same sequence on every rank), received aside by the ranks taking them on.
+  const std::vector<std::vector<int>> old_holders = slot_holders(now), new_holders = slot_holders(next);
+  const std::vector<int32_t> new_slot_of = slot_of_expert(next);
+  Buffer<char> staging(static_cast<size_t>(largest) * sizeof(float));
+  for (int64_t slot = 0; slot < E; ++slot) {
+    const int64_t j = new_slot_of[static_cast<size_t>(now.expert_of_slot[static_cast<size_t>(slot)])];
+    const std::vector<int>& had = old_holders[static_cast<size_t>(slot)];
+    const std::vector<int>& will = new_holders[static_cast<size_t>(j)];
+    if (std::includes(had.begin(), had.end(), will.begin(), will.end())) continue;
+    const int root = block_rank(now, slot);
+    const bool takes = j >= first && j < first + window && !std::binary_search(had.begin(), had.end(), me);
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const int64_t per_expert = tensors[t]->numel / E;
+      for (size_t b = 0; b < blocks.size(); ++b) {
+        if (!blocks[b].travels) continue;
+        const size_t slice = static_cast<size_t>(per_expert) * blocks[b].bytes;
+        char* at = me == root ? blocks[b].base + static_cast<size_t>(tensors[t]->offset + slot * per_expert) * blocks[b].bytes
+                              : staging.data();
+        ep->broadcast(at, slice, root);
+        if (takes)
+          MOE_CUDA_CHECK(cudaMemcpyAsync(aside[t][b].data() + static_cast<size_t>(j - first) * slice, staging.data(), slice,
+                                         cudaMemcpyDeviceToDevice, stream));
+      }
+    }
+  }
+  // The new window resident (beside the old one for now), then filled from aside.
+  RangeList both = store->resident_ranges();
+  for (const Param* p : tensors) {
+    const int64_t per_expert = p->numel / E;
+    both.push_back({p->offset + first * per_expert, window * per_expert});
+  }
+  std::sort(both.begin(), both.end());
+  RangeList merged;
+  for (const Range& r : both) {
+    if (r.count == 0) continue;
+    if (!merged.empty() && r.offset <= merged.back().end())
+      merged.back().count = std::max(merged.back().end(), r.end()) - merged.back().offset;
+    else
+      merged.push_back(r);
+  }
+  store->set_resident_ranges(merged);
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const int64_t per_expert = tensors[t]->numel / E;
+    for (size_t b = 0; b < blocks.size(); ++b)
+      MOE_CUDA_CHECK(cudaMemcpyAsync(blocks[b].base + static_cast<size_t>(tensors[t]->offset + first * per_expert) * blocks[b].bytes,
+                                     aside[t][b].data(), static_cast<size_t>(window * per_expert) * blocks[b].bytes,
+                                     cudaMemcpyDeviceToDevice, stream));
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // before the aside buffers go
 }
 
 // Each permutation cycle through one expert-sized staging buffer per block: a few copies
@@ -187,6 +260,70 @@ void GpuTransformer::State::slots_to_experts(const std::function<float*(const Pa
                     tensor + layer.slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert);
     }
   }
+}
+
+void GpuTransformer::State::experts_to_slots(const std::function<float*(const Param&)>& tensor_of) const {
+  const int64_t E = config.moe.n_experts;
+  std::vector<float> copy;
+  for (const Layer& layer : layers) {
+    if (!layer.placed) continue;
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / E;
+      float* tensor = tensor_of(*p);
+      copy.assign(tensor, tensor + p->numel);
+      for (int64_t slot = 0; slot < E; ++slot)
+        std::copy_n(copy.begin() + layer.slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert, per_expert,
+                    tensor + slot * per_expert);
+    }
+  }
+}
+
+void GpuTransformer::State::gather_other_experts(ParameterStore<float>& params, std::vector<float>* m,
+                                                 std::vector<float>* v) {
+  if (!ep) return;
+  const int64_t E = config.moe.n_experts;
+  const RangeList resident = store->resident_ranges();
+  std::vector<std::pair<char*, size_t>> blocks = {{reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16)},
+                                                  {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t)}};
+  if (m)
+    for (int which : {0, 1}) blocks.emplace_back(static_cast<char*>(store->moment_block(which)), store->moment_bytes());
+  for (const Layer& layer : layers) {
+    if (!layer.is_moe) continue;
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / E;
+      for (int rank = 0; rank < ep->size(); ++rank) {
+        const int64_t first = layer.slots.first_slot_P1[static_cast<size_t>(rank)];
+        const Range block{p->offset + first * per_expert,
+                          (layer.slots.first_slot_P1[static_cast<size_t>(rank) + 1] - first) * per_expert};
+        if (block.count == 0) continue;
+        // The holder sends from its memory; the others receive into memory resident
+        // meanwhile (a hinge slot they also hold gets the same values it has).
+        const bool mine = rank == ep_rank();
+        if (!mine) {
+          RangeList with = resident;
+          with.push_back(block);
+          std::sort(with.begin(), with.end());
+          RangeList merged;
+          for (const Range& r : with) {
+            if (!merged.empty() && r.offset <= merged.back().end())
+              merged.back().count = std::max(merged.back().end(), r.end()) - merged.back().offset;
+            else
+              merged.push_back(r);
+          }
+          store->set_resident_ranges(merged);
+        }
+        for (const auto& [base, bytes] : blocks)
+          ep->broadcast(base + block.offset * static_cast<int64_t>(bytes), static_cast<size_t>(block.count) * bytes, rank);
+        if (mine) continue;
+        if (m)
+          store->download_state(params, *m, *v, &block);
+        else
+          store->download_params(params, &block);
+        store->set_resident_ranges(resident);
+      }
+    }
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 }  // namespace moe

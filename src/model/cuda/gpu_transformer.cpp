@@ -26,6 +26,14 @@ Param lookup(const ParameterStore<float>& params, const std::string& name) {
   return Param{id, params.offset(id), params.numel(id)};
 }
 
+// Where each parameter's moments start in the CPU AdamW's packed layout.
+std::vector<int64_t> packed_offsets(const ParameterStore<float>& params) {
+  std::vector<int64_t> offsets(static_cast<size_t>(params.size()) + 1, 0);
+  for (int id = 0; id < params.size(); ++id)
+    offsets[static_cast<size_t>(id) + 1] = offsets[static_cast<size_t>(id)] + params.numel(id);
+  return offsets;
+}
+
 }  // namespace
 
 GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params,
@@ -39,6 +47,10 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.recompute_experts = options.recompute_experts;
   s.local_experts_cap = options.max_local_experts;
   s.split_experts = options.split_experts;  // before the layers' slot bounds below
+  s.ep = options.expert_exchange;
+  const int64_t E = config.moe.n_experts, P = s.ep ? s.ep->size() : 1;
+  MOE_CHECK(!s.ep || (E > 0 && E % P == 0),
+            "expert parallelism over {} GPUs needs moe.n_experts ({}) to be a multiple of it", P, E);
   s.embedding = lookup(params, "embedding");
   s.final_norm = lookup(params, "final_norm");
   s.head = lookup(params, config.tie_embeddings ? "embedding" : "lm_head");
@@ -69,7 +81,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       layer.routing.fill_bytes(0);
       layer.balance_bias = Buffer<float>(static_cast<size_t>(config.moe.n_experts));
       layer.balance_bias.fill_bytes(0);
-      s.set_slots(layer, equal_expert_slots(config.moe.n_experts, 1, s.split_experts));
+      s.set_slots(layer, equal_expert_slots(E, static_cast<int>(P), s.split_experts));
     } else {
       layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};
     }
@@ -85,9 +97,10 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   // Our own stream (blocking: ordered with the legacy-stream copies of DeviceArray), so
   // that the step can be captured as a CUDA graph.
   MOE_CUDA_CHECK(cudaStreamCreate(&s.stream));
-  s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream);
+  // Expert parallelism: memory for this rank's experts only (its window's slots).
+  const RangeList resident = s.ep ? resident_ranges(expert_layout(), s.ep_rank(), params.storage_numel()) : RangeList{};
+  s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident);
   s.attention.set_deterministic(options.deterministic);
-  s.ep = options.expert_exchange;
   if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
@@ -107,19 +120,11 @@ void GpuTransformer::plan(int64_t batch) {
   // Expert parallelism over P ranks (the dispatcher sizes the exchange).
   const int64_t P = s.ep ? s.ep->size() : 1;
   if (s.ep) {
-    MOE_CHECK(E > 0 && E % P == 0, "expert parallelism over {} GPUs needs moe.n_experts ({}) to be a multiple of it", P,
-              E);
     MOE_CHECK(s.recompute_experts == ExpertRecompute::None,
               "expert parallelism on the GPU needs training.recompute_experts = none");
   }
   // A rank computes E / P experts, or up to the re-placement's maximum.
   const int64_t max_local = s.ep ? std::min(E, std::max(E / P + (s.split_experts ? 1 : 0), s.local_experts_cap)) : E;
-  for (Layer& layer : s.layers)
-    if (layer.is_moe && layer.slots.ep_size() != P) {
-      ExpertSlots equal = equal_expert_slots(E, static_cast<int>(P), s.split_experts);
-      equal.expert_of_slot = layer.slots.expert_of_slot;  // the slot order stays
-      s.set_slots(layer, std::move(equal));
-    }
   // The dispatcher's scratch first: it says how many rows the local experts may get.
   s.dispatcher.reset();
   const auto mark = [&s](int phase) { s.mark(phase); };
@@ -517,30 +522,40 @@ void GpuTransformer::download_grads(ParameterStore<float>& params) const {
   state_->slots_to_experts([&](const Param& p) { return params.grad(p.id); });
 }
 
-void GpuTransformer::download_params(ParameterStore<float>& params) const {
-  state_->store->download_params(params);
-  state_->slots_to_experts([&](const Param& p) { return params.value(p.id); });
+void GpuTransformer::download_params(ParameterStore<float>& params) {
+  State& s = *state_;
+  s.store->download_params(params);
+  s.gather_other_experts(params, nullptr, nullptr);
+  s.slots_to_experts([&](const Param& p) { return params.value(p.id); });
 }
 
-void GpuTransformer::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const {
-  state_->store->download_state(params, m, v);
-  state_->slots_to_experts([&](const Param& p) { return params.value(p.id); });
-  // The moments are packed parameter after parameter.
-  std::vector<int64_t> packed_offset(static_cast<size_t>(params.size()) + 1, 0);
-  for (int id = 0; id < params.size(); ++id)
-    packed_offset[static_cast<size_t>(id) + 1] = packed_offset[static_cast<size_t>(id)] + params.numel(id);
+void GpuTransformer::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) {
+  State& s = *state_;
+  s.store->download_state(params, m, v);
+  s.gather_other_experts(params, &m, &v);
+  s.slots_to_experts([&](const Param& p) { return params.value(p.id); });
+  const std::vector<int64_t> packed = packed_offsets(params);
   for (std::vector<float>* moment : {&m, &v})
-    state_->slots_to_experts(
-        [&](const Param& p) { return moment->data() + packed_offset[static_cast<size_t>(p.id)]; });
+    s.slots_to_experts([&](const Param& p) { return moment->data() + packed[static_cast<size_t>(p.id)]; });
 }
 
 void GpuTransformer::upload_state(const ParameterStore<float>& params, const std::vector<float>& m,
                                   const std::vector<float>& v) {
   State& s = *state_;
-  s.store->upload_state(params, m, v);
-  // Uploaded in expert order (slot e = expert e): into the current placement's slots.
-  for (const Layer& layer : s.layers)
-    if (layer.placed) s.move_expert_slots(layer, layer.slots.expert_of_slot);
+  const bool placed = std::any_of(s.layers.begin(), s.layers.end(), [](const Layer& layer) { return layer.placed; });
+  if (!placed) {
+    s.store->upload_state(params, m, v);
+    return;
+  }
+  // Given in expert order: into the current placement's slots on the host first, so that
+  // each rank uploads only the slots it holds.
+  ParameterStore<float> slotted = params;
+  std::vector<float> m_slotted = m, v_slotted = v;
+  s.experts_to_slots([&](const Param& p) { return slotted.value(p.id); });
+  const std::vector<int64_t> packed = packed_offsets(params);
+  for (std::vector<float>* moment : {&m_slotted, &v_slotted})
+    s.experts_to_slots([&](const Param& p) { return moment->data() + packed[static_cast<size_t>(p.id)]; });
+  s.store->upload_state(slotted, m_slotted, v_slotted);
 }
 
 void GpuTransformer::set_phase_clock(gpu::PhaseClock* clock) { state_->clock = clock; }

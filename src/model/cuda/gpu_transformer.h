@@ -64,12 +64,13 @@ struct GpuModelOptions {
   // that needs a switch is cuDNN's attention backward; everything else is deterministic
   // by construction). false: cuDNN's faster atomic dQ accumulation.
   bool deterministic = true;
-  // Expert parallelism over `expert_exchange` (null: off). Every rank keeps the blocks of
-  // all the weights but computes only its experts, on the rows every EP rank routes to
-  // them: one host synchronisation per MoE layer and pass for the row counts, so no CUDA
-  // graphs, and recompute_experts must be none. Its gradient block gets only its own
-  // experts' gradients (the others stay zero); the trainer sums the shared gradients over
-  // all ranks and its experts' over the ranks holding them.
+  // Expert parallelism over `expert_exchange` (null: off). Every rank keeps the block
+  // layout of all the parameters but memory (weights, gradients, moments) only for the
+  // non-expert ones and its own experts (its window; GpuParameterStore's resident ranges),
+  // and computes its experts on the rows every EP rank routes to them: one host
+  // synchronisation per MoE layer and pass for the row counts, so no CUDA graphs, and
+  // recompute_experts must be none. The trainer sums the shared gradients over all ranks
+  // and its experts' over the ranks holding them.
   std::shared_ptr<GpuExpertExchange> expert_exchange;
   // At most this many experts per EP rank in any placement, its window with split
   // experts (0: E / P, + 1 with split experts: equal blocks only); sizes the buffers and
@@ -117,12 +118,6 @@ class GpuTransformer {
   // they run, NCCL's kernels on another stream get no SM, so a gradient all-reduce meant
   // to overlap the backward waits for gaps between kernels instead. Takes effect at once.
   void reserve_sms(int sms);
-  // Expert parallelism: a rank whose gradients are summed only over the ranks holding the
-  // same experts (the trainer's choice) steps the other experts' weights with no gradient,
-  // so they go stale there. This copies every expert's master weights (and with
-  // `with_moments` its AdamW moments) from its EP rank to the others (collective over the
-  // EP group; waits), e.g. before the host reads them for an export or a checkpoint.
-  void gather_expert_weights(bool with_moments = false);
   // Re-places every MoE layer's experts: experts_of_rank_by_layer[l][p] lists the experts
   // EP rank p computes in MoE layer l (over one rank without expert parallelism), each
   // expert once, at most the maximum above per rank, none also allowed. Every rank must
@@ -144,12 +139,17 @@ class GpuTransformer {
   // cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();
   void* stream() const;
-  // Device -> host copies for tests and checkpoints.
+  // Device -> host copies for tests, checkpoints and exports, in expert order. Under expert
+  // parallelism a rank keeps memory for its own experts only (its window; the others'
+  // offsets stay in the block but hold nothing): download_grads copies what this rank
+  // holds; download_params and download_state are collective over the EP group, each
+  // other expert coming from its holder (one rank's block of one tensor at a time).
   void download_grads(ParameterStore<float>& params) const;
-  void download_params(ParameterStore<float>& params) const;
+  void download_params(ParameterStore<float>& params);
   // The whole training state for checkpoints: parameters into `params`, and the AdamW
   // moments in the CPU AdamW's packed layout (parameter after parameter, no padding).
-  void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) const;
+  void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v);
+  // The reverse (every rank passes the whole state; each keeps what it holds).
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
   // Routing since the last reset_load(), per MoE layer, in expert order: assignments
   // before and rows kept after capacity, router entropy and tokens (this rank's tokens:

@@ -140,12 +140,20 @@ struct GpuTransformer::State {
   // Re-placement: slot s of the layer's expert tensors takes what slot source_of_slot[s]
   // holds (weights, masters' lo halves, gradients, moments), on every rank alike.
   void move_expert_slots(const Layer& layer, const std::vector<int64_t>& source_of_slot);
-  // Expert parallelism, before a re-placement: each expert whose EP rank changes is sent
-  // from its holder to the others (collective over the EP group).
-  void send_moving_experts(const Layer& layer, const ExpertSlots& next);
+  // Expert parallelism, a re-placement to `next` (slot s takes what slot source_of_slot[s]
+  // held): this rank's new window gathered aside (its staying experts from their old
+  // slots, the arriving ones broadcast by their old holders; collective over the EP
+  // group), then made resident and filled. Gradients do not travel (arriving ones start
+  // at zero). The caller then releases what is no longer held.
+  void move_experts_between_ranks(const Layer& layer, const ExpertSlots& next, const std::vector<int64_t>& source_of_slot);
   // Host copies of the placed layers' expert tensors (tensor_of: where each one's values
-  // are) from slot order into expert order.
+  // are) from slot order into expert order, and back.
   void slots_to_experts(const std::function<float*(const Param&)>& tensor_of) const;
+  void experts_to_slots(const std::function<float*(const Param&)>& tensor_of) const;
+  // Expert parallelism: the other ranks' experts into the host copies (slot order), each
+  // rank's block broadcast from it into memory made resident for the time being
+  // (collective over the EP group). m, v: the packed moments too (null: weights only).
+  void gather_other_experts(ParameterStore<float>& params, std::vector<float>* m, std::vector<float>* v);
   // The index in `layers` of each MoE layer (the expert groups' order).
   std::vector<size_t> expert_group_layer;
   // The layer's placement on the host and the device (slot tables, windows, edge cuts).

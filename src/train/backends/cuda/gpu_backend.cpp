@@ -102,6 +102,15 @@ class GpuBackend final : public ModelBackend {
     }
     tokens_ = plan.micro_batch * config_.model.seq_len;
     micro_scale_ = static_cast<double>(tokens_) / static_cast<double>(tc.global_batch_tokens);
+    if (!world_ || world_->rank() == 0) {
+      // Under expert parallelism a rank holds its own experts only.
+      const GpuParameterStore& store = gpu_->parameters();
+      const double whole = static_cast<double>(store.storage_numel()) *
+                           static_cast<double>(GpuParameterStore::bytes_per_parameter(config_.optimizer.state_dtype));
+      spdlog::info("device state (weights, gradients, AdamW moments): {:.3f} GB on this GPU, {:.3f} GB for the "
+                   "whole model",
+                   static_cast<double>(store.device_bytes()) / 1e9, whole / 1e9);
+    }
     if (world_) make_data_parallel();
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
     if (ep_ || config_.metrics.phase_times) clock_.set_enabled(true);
@@ -233,6 +242,8 @@ class GpuBackend final : public ModelBackend {
     std::function<void(std::vector<double>&)> sum_squares;
     if (sharded())
       sum_squares = [this](std::vector<double>& squares) { dp_->sum(squares.data(), static_cast<int64_t>(squares.size())); };
+    else if (ep_)  // its own experts' norms are whole here; the others' are zero (summed below)
+      sum_squares = [](std::vector<double>&) {};
     // Split experts: a hinge's summed gradient is on every EP rank; each counts 1 / P of it.
     double counted_experts_sq = 0;
     const ExpertLayout layout = gpu_->expert_layout();
@@ -361,21 +372,19 @@ class GpuBackend final : public ModelBackend {
     load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
   }
   void sync_host_model() override {
-    if (ep_) gpu_->gather_expert_weights();  // each rank stepped only its own experts
     if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/false);
     gpu_->download_params(host_model().params());
     if (dp_) dp_->take_stats();
   }
 
-  // Checkpoints. Expert parallelism: each expert's weights and moments are current only on
-  // its EP rank; ZeRO-1: each piece's on the rank that steps it. Gathered, every rank holds
-  // the whole state and rank 0 (which writes it) downloads it: the others skip the copy
-  // (host memory: 12-16 bytes per parameter on each rank).
+  // Checkpoints. Expert parallelism: each expert's state is only on the ranks holding it,
+  // so the download is collective (every rank gets the whole state on the host); ZeRO-1:
+  // each piece's on the rank that steps it, gathered first, and only rank 0 (which writes
+  // it) downloads it (host memory: 12-16 bytes per parameter on each rank).
   void gather_state() override {
     AdamW& optimizer = host_optimizer();
-    if (ep_) gpu_->gather_expert_weights(/*with_moments=*/true);
     if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/true);
-    if (rank_of_world() == 0)
+    if (ep_ || rank_of_world() == 0)
       gpu_->download_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
     optimizer.set_steps_taken(steps_);
   }
@@ -516,10 +525,10 @@ class GpuBackend final : public ModelBackend {
     const dist::ExpertParallelRanges ranges =
         dist::gradient_ranges_by_stage_ep(host_model().params(), stage_of, host_model().backward_stages(),
                                           own_expert_ranges(layout, ep_->rank()), hinge_ranges(layout));
-    GpuParameterStore& params = gpu_->parameters();
-    // AdamW over the shared parameters and this rank's experts only (the norm stays over
-    // the whole block: the other experts' gradients are zero here).
-    optimizer_->set_step_ranges(ranges.stepped(), {{0, params.storage_numel()}});
+    // AdamW, the norm and the per-expert norms over the shared parameters and this rank's
+    // experts only: the other experts hold no memory here.
+    optimizer_->set_step_ranges(ranges.stepped(), ranges.stepped());
+    optimizer_->shard_expert_clip(ranges.stepped(), ranges.stepped());
     dp_->set_stage_ranges(ranges.shared);  // the hinges moved with the placement
     if (edp_) edp_->set_stage_ranges(ranges.own_experts);
   }

@@ -1,0 +1,189 @@
+#include "core/cuda/resident_block.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "core/error.h"
+#include "core/gpu.h"
+
+namespace moe::gpu {
+namespace {
+
+// The driver's virtual memory functions, looked up through the runtime (no link against
+// libcuda, whose stub the build machine may lack).
+struct DriverVmm {
+  PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 free = nullptr;
+  PFN_cuMemCreate_v10020 create = nullptr;
+  PFN_cuMemRelease_v10020 release = nullptr;
+  PFN_cuMemMap_v10020 map = nullptr;
+  PFN_cuMemUnmap_v10020 unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 set_access = nullptr;
+};
+
+template <typename F>
+void look_up(F& fn, const char* name) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion(name, &address, 12000, cudaEnableDefault, &found));
+  MOE_CHECK(found == cudaDriverEntryPointSuccess && address != nullptr, "CUDA driver: no {}", name);
+  fn = reinterpret_cast<F>(address);
+}
+
+const DriverVmm& vmm() {
+  static const DriverVmm fns = [] {
+    DriverVmm d;
+    look_up(d.granularity, "cuMemGetAllocationGranularity");
+    look_up(d.reserve, "cuMemAddressReserve");
+    look_up(d.free, "cuMemAddressFree");
+    look_up(d.create, "cuMemCreate");
+    look_up(d.release, "cuMemRelease");
+    look_up(d.map, "cuMemMap");
+    look_up(d.unmap, "cuMemUnmap");
+    look_up(d.set_access, "cuMemSetAccess");
+    return d;
+  }();
+  return fns;
+}
+
+void check(CUresult result, const char* what) {
+  MOE_CHECK(result == CUDA_SUCCESS, "CUDA driver: {} failed (CUresult {})", what, static_cast<int>(result));
+}
+
+CUmemAllocationProp device_prop(int device) {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+// At most this many chunks per block: bounds the driver calls for a large block.
+constexpr size_t kMaxChunks = 8192;
+
+}  // namespace
+
+ResidentBlock::ResidentBlock(size_t bytes) : bytes_(bytes) {
+  if (bytes == 0) return;
+  MOE_CUDA_CHECK(cudaFree(nullptr));  // the runtime's context exists before the driver calls
+  MOE_CUDA_CHECK(cudaGetDevice(&device_));
+  const CUmemAllocationProp prop = device_prop(device_);
+  size_t granularity = 0;
+  check(vmm().granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity");
+  const size_t pages = (bytes + granularity - 1) / granularity;
+  chunk_ = granularity * ((pages + kMaxChunks - 1) / kMaxChunks);
+  const size_t chunks = (bytes + chunk_ - 1) / chunk_;
+  reserved_ = chunks * chunk_;
+  CUdeviceptr base = 0;
+  check(vmm().reserve(&base, reserved_, granularity, 0, 0), "cuMemAddressReserve");
+  base_ = reinterpret_cast<void*>(base);
+  handles_.assign(chunks, 0);
+}
+
+ResidentBlock::~ResidentBlock() { release(); }
+
+void ResidentBlock::release() {
+  if (!base_) return;
+  cudaDeviceSynchronize();  // no kernel may still use the memory
+  for (size_t c = 0; c < handles_.size(); ++c)
+    if (handles_[c]) {
+      vmm().unmap(reinterpret_cast<CUdeviceptr>(base_) + c * chunk_, chunk_);
+      vmm().release(handles_[c]);
+    }
+  vmm().free(reinterpret_cast<CUdeviceptr>(base_), reserved_);
+  base_ = nullptr;
+  handles_.clear();
+}
+
+ResidentBlock::ResidentBlock(ResidentBlock&& other) noexcept
+    : base_(std::exchange(other.base_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      reserved_(std::exchange(other.reserved_, 0)),
+      chunk_(std::exchange(other.chunk_, 0)),
+      device_(other.device_),
+      handles_(std::move(other.handles_)) {}
+
+ResidentBlock& ResidentBlock::operator=(ResidentBlock&& other) noexcept {
+  if (this != &other) {
+    release();
+    base_ = std::exchange(other.base_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    reserved_ = std::exchange(other.reserved_, 0);
+    chunk_ = std::exchange(other.chunk_, 0);
+    device_ = other.device_;
+    handles_ = std::move(other.handles_);
+  }
+  return *this;
+}
+
+void ResidentBlock::set_resident(const RangeList& byte_ranges, bool zero_new) {
+  std::vector<char> wanted(handles_.size(), 0);
+  for (const Range& range : byte_ranges) {
+    if (range.count <= 0) continue;
+    MOE_CHECK(range.offset >= 0 && static_cast<size_t>(range.end()) <= bytes_,
+              "resident block: bytes [{}, {}) outside its {}", range.offset, range.end(), bytes_);
+    for (size_t c = static_cast<size_t>(range.offset) / chunk_; c * chunk_ < static_cast<size_t>(range.end()); ++c)
+      wanted[c] = 1;
+  }
+  // Map the missing chunks first, so that running out of memory leaves the block as it was.
+  const CUmemAllocationProp prop = device_prop(device_);
+  CUmemAccessDesc access = {};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  std::vector<size_t> added;
+  for (size_t c = 0; c < handles_.size(); ++c) {
+    if (!wanted[c] || handles_[c]) continue;
+    CUmemGenericAllocationHandle handle = 0;
+    const CUresult created = vmm().create(&handle, chunk_, &prop, 0);
+    if (created == CUDA_ERROR_OUT_OF_MEMORY) {
+      for (size_t undo : added) {
+        vmm().unmap(reinterpret_cast<CUdeviceptr>(base_) + undo * chunk_, chunk_);
+        vmm().release(handles_[undo]);
+        handles_[undo] = 0;
+      }
+      throw OutOfMemory("CUDA out of memory making " + std::to_string(chunk_) + " bytes resident");
+    }
+    check(created, "cuMemCreate");
+    const CUdeviceptr at = reinterpret_cast<CUdeviceptr>(base_) + c * chunk_;
+    check(vmm().map(at, chunk_, 0, handle, 0), "cuMemMap");
+    check(vmm().set_access(at, chunk_, &access, 1), "cuMemSetAccess");
+    handles_[c] = handle;
+    added.push_back(c);
+  }
+  bool releasing = false;
+  for (size_t c = 0; c < handles_.size(); ++c) releasing |= handles_[c] && !wanted[c];
+  if (releasing) {
+    MOE_CUDA_CHECK(cudaDeviceSynchronize());  // no kernel may still use what goes
+    for (size_t c = 0; c < handles_.size(); ++c)
+      if (handles_[c] && !wanted[c]) {
+        check(vmm().unmap(reinterpret_cast<CUdeviceptr>(base_) + c * chunk_, chunk_), "cuMemUnmap");
+        check(vmm().release(handles_[c]), "cuMemRelease");
+        handles_[c] = 0;
+      }
+  }
+  if (zero_new)
+    for (size_t c : added) MOE_CUDA_CHECK(cudaMemset(static_cast<char*>(base_) + c * chunk_, 0, chunk_));
+}
+
+size_t ResidentBlock::resident_bytes() const {
+  return chunk_ * static_cast<size_t>(std::count_if(handles_.begin(), handles_.end(), [](auto h) { return h != 0; }));
+}
+
+RangeList ResidentBlock::resident_ranges() const {
+  RangeList ranges;
+  for (size_t c = 0; c < handles_.size(); ++c)
+    if (handles_[c]) {
+      const int64_t at = static_cast<int64_t>(c * chunk_);
+      append_merged(ranges, at, std::min<int64_t>(static_cast<int64_t>(chunk_), static_cast<int64_t>(bytes_) - at));
+    }
+  return ranges;
+}
+
+}  // namespace moe::gpu
