@@ -372,16 +372,16 @@ class GpuBackend final : public ModelBackend {
     if (dp_) dp_->take_stats();
   }
 
-  // Checkpoints. Expert parallelism: each expert's weights and moments are current only on
-  // its EP rank; ZeRO-1: each piece's on the rank that steps it. Gathered, every rank holds
-  // the whole state and rank 0 (which writes it) downloads it: the others skip the copy
-  // (host memory: 12-16 bytes per parameter on each rank).
+  // Checkpoints (ModelBackend::save_state's default). Expert parallelism: each expert's
+  // weights and moments are current only on its EP rank; ZeRO-1: each piece's on the rank
+  // that steps it. Gathered, every rank holds the whole state and downloads it, and each
+  // writes an even share of it (host memory: 12-16 bytes per parameter on each rank, until
+  // the live state is sharded).
   void gather_state() override {
     AdamW& optimizer = host_optimizer();
     if (ep_) gpu_->gather_expert_weights(/*with_moments=*/true);
     if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/true);
-    if (rank_of_world() == 0)
-      gpu_->download_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
+    gpu_->download_state(host_model_.params(), optimizer.first_moment(), optimizer.second_moment());
     optimizer.set_steps_taken(steps_);
   }
   void scatter_state() override {
