@@ -522,8 +522,8 @@ TEST(ParallelTraining, CheckpointIsTheSameSavedOnAnyNumberOfRanks) {
   }
 }
 
-// Resuming reshards: 8 steps at 4 ranks (EP 4; EP 1, i.e. data parallel with ZeRO-1) saved
-// after step 4, resumed at 2 ranks (EP 2 / 1) and at one process, which follow the
+// Resuming reshards: 8 steps at 4 ranks (EP 4; EP 1, i.e. data parallel with ZeRO-1, saving
+// with checkpoint.async) saved after step 4, resumed at 2 ranks (EP 2 / 1) and at one process, which follow the
 // uninterrupted run up to the order of sums, and back at 4 ranks from the 2 ranks' save
 // of the same state, which follows it bit for bit (the layout is the one that trained).
 TEST(ParallelTraining, ResumeReshardsAcrossLayouts) {
@@ -541,9 +541,11 @@ TEST(ParallelTraining, ResumeReshardsAcrossLayouts) {
     config.parallel.expert_parallel = ep;
     config.checkpoint.dir = (dir / "ranks_4").string();
     config.checkpoint.interval = 4;
+    config.checkpoint.async = ep == 1;  // rank 0's writer waits for the others' shards in the background
     const RunResult whole = train_parallel(config);
     ASSERT_EQ(whole.loss.size(), 8u);
     const std::filesystem::path saved = dir / "ranks_4" / "step_00000004";
+    ASSERT_TRUE(std::filesystem::exists(saved / "COMPLETE"));
     const std::vector<double> rest(whole.loss.begin() + 4, whole.loss.end());
     // At 2 ranks (ranks 0-1) and at one process (rank 2); the 2 ranks save the state
     // they resumed before training on.
