@@ -100,17 +100,20 @@ class ModelBackend {
     host_optimizer().set_steps_taken(adam_steps);
     scatter_state();
   }
-  // gather_state (collective): afterwards every rank's host model holds every parameter's
-  // current value and the host AdamW every moment and the step count, in the single-process
-  // layout, wherever the backend keeps them (GPU memory, shards over the ranks).
-  // scatter_state: the reverse, once the host state holds a checkpoint's values.
-  virtual void gather_state() {}
-  virtual void scatter_state() {}
   // The experts' placement and the re-placement's state, as text a checkpoint keeps
   // (empty: nothing to keep), and taking it back after a restore (collective; ignored
   // where it does not fit this run, e.g. another EP size).
   virtual std::string placement_state() const { return {}; }
   virtual void restore_placement(const std::string& state) { (void)state; }
+
+ protected:
+  // For the default save_state / finish_restore. gather_state (collective): afterwards
+  // every rank's host model holds every parameter's current value and the host AdamW every
+  // moment and the step count, in the single-process layout, wherever the backend keeps
+  // them (GPU memory). scatter_state: the reverse, once the host state holds a checkpoint's
+  // values.
+  virtual void gather_state() {}
+  virtual void scatter_state() {}
 
  private:
   HostState host_;
