@@ -2,18 +2,16 @@
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
-#include <unistd.h>
-
-#include <random>
 
 #include <algorithm>
 #include <charconv>
 #include <chrono>
-#include <map>
-#include <set>
 #include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <random>
+#include <set>
 #include <sstream>
 #include <utility>
 

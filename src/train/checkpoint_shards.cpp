@@ -159,7 +159,7 @@ void CheckpointShardReader::read_piece(const std::string& tensor, const Manifest
   if (it == index_.end()) MOE_THROW("{}: no tensor '{}' (the manifest places it here)", source_, name);
   const SafeTensorInfo& info = header_.tensors[it->second];
   if (info.dtype != "F32" || info.numel() != piece.count)
-    MOE_THROW("{}: tensor '{}' is {} x {}, the manifest says F32 x {}", source_, name, info.numel(), info.dtype,
+    MOE_THROW("{}: tensor '{}' is {} x {}, the manifest says F32 x {}", source_, name, info.dtype, info.numel(),
               piece.count);
   const uint64_t bytes = static_cast<uint64_t>(piece.count) * sizeof(float);
   read_exactly(fd_, out, bytes, header_.data_start + info.begin, source_);
