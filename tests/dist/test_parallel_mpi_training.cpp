@@ -36,6 +36,7 @@
 #include "dist/single_communicator.h"
 #include "moe/expert_placement.h"
 #include "train/checkpoint.h"
+#include "train/export.h"
 #include "parallel_mpi_world.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
@@ -582,6 +583,57 @@ TEST(ParallelTraining, ResumeReshardsAcrossLayouts) {
     if (world.rank() == 0) std::filesystem::remove_all(dir);
     world.barrier();
   }
+}
+
+// `moe export` of a checkpoint 4 ranks wrote (EP 2: experts split over the shards, the
+// rest in shares): tensor by tensor, the same Mixtral files as the export of the same
+// state saved by one process, in one file and in many.
+TEST(ParallelTraining, ExportReadsAShardedCheckpoint) {
+  auto& world = *parallel_world();
+  int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
+  world.broadcast(&pid, 1, dist::DType::i64, 0);
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moe_mpi_export_" + std::to_string(pid));
+  RunConfig config = tiny_config();
+  config.model.vocab_size = 257;  // a config that validates (checkpoints store and re-read it)
+  config.model.moe.n_shared_experts = 0;  // Mixtral has none
+  config.training.steps = 2;
+  config.parallel.expert_parallel = 2;
+  config.checkpoint.dir = (dir / "ranks_4").string();
+  train_parallel(config);
+  world.barrier();
+  if (world.rank() == 0) {
+    const std::filesystem::path saved = dir / "ranks_4" / "step_00000002";
+    ASSERT_EQ(read_checkpoint(saved).manifest.world_size, 4);
+    RunConfig single = config;
+    single.training.micro_batch *= world.size();
+    single.parallel = ParallelConfig{};
+    single.checkpoint.dir = (dir / "single").string();
+    const auto trainer = make_trainer(single, dist::make_single_communicator());
+    std::ostringstream log;
+    trainer->resume(saved.string(), log);
+    trainer->save_checkpoint(log);
+    for (uint64_t max_bytes : {uint64_t{5000000000}, uint64_t{20000}}) {
+      SCOPED_TRACE(max_bytes);
+      const std::string tag = std::to_string(max_bytes);
+      for (const char* from : {"ranks_4", "single"}) {
+        ExportOptions options;
+        options.checkpoint = (dir / from / "step_00000002").string();
+        options.output = (dir / ("hf_" + tag + "_" + from)).string();
+        options.max_shard_bytes = max_bytes;
+        options.allow_inexact = true;  // the trained router biases are dropped (a warning)
+        export_checkpoint(options, log);
+      }
+      size_t files = 0;
+      for (const auto& entry : std::filesystem::directory_iterator(dir / ("hf_" + tag + "_single"))) {
+        const std::string name = entry.path().filename().string();
+        ++files;
+        EXPECT_TRUE(read_file_bytes(entry.path()) == read_file_bytes(dir / ("hf_" + tag + "_ranks_4") / name)) << name;
+      }
+      EXPECT_GE(files, max_bytes == 20000 ? 4u : 2u) << "config.json, weights (and an index)";
+    }
+    std::filesystem::remove_all(dir);
+  }
+  world.barrier();
 }
 
 // Per-expert clipping over the ranks, sharded (EP 1: an expert's elements may lie on
