@@ -15,7 +15,7 @@
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
 #                and hierarchical with the GPUs split into 2 simulated nodes;
 #   resume       runs of the default model saving at step 4 of 8, resumed from that
-#                checkpoint: steps 5-8 of both runs (rank 0 writes, all read), data
+#                checkpoint: steps 5-8 of both runs (each rank writes its shard, all read), data
 #                parallel, expert parallel (EP = N) and EP = N with split experts
 #                re-placed every 2 steps, and the EP checkpoint resumed on one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]

@@ -251,6 +251,21 @@ void ExpertOptimizer::gather_moments(Communicator& expert_parallel, const std::f
   }
 }
 
+std::vector<ExpertOptimizer::ExpertMoments> ExpertOptimizer::window_moments() {
+  std::vector<ExpertMoments> out;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const std::vector<int32_t> slot = slot_of_expert(slots_[l]);
+    for_window(l, [&](size_t i, int64_t expert) {
+      LayerState& layer = layers_[l];
+      const int id = layer.layer.ids[i];
+      const bool in_block = block_rank(slots_[l], slot[static_cast<size_t>(expert)]) == ep_rank_;
+      out.push_back({id, expert, per_expert(id), layer.m[i][static_cast<size_t>(expert)].data(),
+                     layer.v[i][static_cast<size_t>(expert)].data(), in_block});
+    });
+  }
+  return out;
+}
+
 void ExpertOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                                       const std::vector<float>& v) {
   for (size_t l = 0; l < layers_.size(); ++l)

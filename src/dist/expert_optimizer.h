@@ -65,6 +65,17 @@ class ExpertOptimizer {
                       std::vector<float>& m, std::vector<float>& v);
   void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                        const std::vector<float>& v);
+  // Checkpoints without a gather: the moments this rank keeps, of expert `expert` of
+  // parameter `id` (count values each); `in_block`: its slot lies in this rank's block (one
+  // rank of each EP group), else it is the next block's hinge.
+  struct ExpertMoments {
+    int id = 0;
+    int64_t expert = 0, count = 0;
+    float* m = nullptr;
+    float* v = nullptr;
+    bool in_block = false;
+  };
+  std::vector<ExpertMoments> window_moments();
 
  private:
   struct LayerState {

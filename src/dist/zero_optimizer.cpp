@@ -226,6 +226,27 @@ void ZeroOptimizer::gather_moments(const std::function<int64_t(int)>& moment_off
   }
 }
 
+std::vector<ZeroOptimizer::MomentSlice> ZeroOptimizer::moment_slices() {
+  const RangeList whole = merged_ranges({plan_.replicated});
+  std::vector<MomentSlice> slices;
+  for (const Segment& s : update_) {
+    // Split the segment where it enters and leaves the replicated ranges.
+    int64_t at = s.begin;
+    const int64_t end = s.begin + s.count;
+    while (at < end) {
+      auto next = std::upper_bound(whole.begin(), whole.end(), Range{at, INT64_MAX});
+      const bool inside = next != whole.begin() && std::prev(next)->end() > at;
+      int64_t stop = end;
+      if (inside) stop = std::min(end, std::prev(next)->end());
+      else if (next != whole.end()) stop = std::min(end, next->offset);
+      const int64_t state = s.state + (at - s.begin);
+      slices.push_back({s.id, at - params_.offset(s.id), stop - at, m_.data() + state, v_.data() + state, inside});
+      at = stop;
+    }
+  }
+  return slices;
+}
+
 void ZeroOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                                     const std::vector<float>& v) {
   for (const Segment& s : update_) {

@@ -74,6 +74,18 @@ class ZeroOptimizer {
   void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                        const std::vector<float>& v);
 
+  // Checkpoints without a gather: this rank's moments as elements [begin, begin + count)
+  // of parameter id (counted in the parameter, not the block), in m_ / v_; `replicated`:
+  // every rank of the group steps these (the plan's replicated ranges), else this rank only.
+  struct MomentSlice {
+    int id = 0;
+    int64_t begin = 0, count = 0;
+    float* m = nullptr;
+    float* v = nullptr;
+    bool replicated = false;
+  };
+  std::vector<MomentSlice> moment_slices();
+
   const ZeroShardPlan& plan() const { return plan_; }
   // The parameters the plan covers, in id order.
   const std::vector<int>& ids() const { return ids_; }

@@ -59,8 +59,12 @@ void Observer::step(const StepMetrics& m) {
 std::string describe(const CheckpointSave& save) {
   const double bytes = static_cast<double>(save.bytes);
   const std::string size = bytes >= 1e9 ? fmt::format("{:.2f} GB", bytes / 1e9) : fmt::format("{:.1f} MB", bytes / 1e6);
-  const std::string written = fmt::format("{} in {:.2f} s, {:.2f} GB/s", size, save.write_seconds,
-                                          save.write_seconds > 0 ? bytes / 1e9 / save.write_seconds : 0.0);
+  std::string written = fmt::format("{} in {:.2f} s, {:.2f} GB/s", size, save.write_seconds,
+                                    save.write_seconds > 0 ? bytes / 1e9 / save.write_seconds : 0.0);
+  // Per rank: this rank's own shard (each rank writes one in parallel).
+  if (save.shard_bytes > 0 && save.shard_bytes != save.bytes)
+    written += fmt::format(" (this rank's shard {:.1f} MB at {:.2f} GB/s)", static_cast<double>(save.shard_bytes) / 1e6,
+                           save.shard_seconds > 0 ? static_cast<double>(save.shard_bytes) / 1e9 / save.shard_seconds : 0.0);
   if (!save.background)
     return fmt::format("checkpoint: step {} saved to {} | {} | training paused {:.1f} s", save.step, save.path, written,
                        save.paused_seconds);
@@ -82,6 +86,8 @@ void Observer::checkpoint(const CheckpointSave& save) {
           {"path", save.path},
           {"bytes", save.bytes},
           {"write_seconds", save.write_seconds},
+          {"shard_bytes", save.shard_bytes},
+          {"shard_seconds", save.shard_seconds},
           {"paused_seconds", save.paused_seconds},
           {"background", save.background}});
 }

@@ -39,6 +39,8 @@ struct CheckpointSave {
   bool written = false;       // bytes and write_seconds are known
   int64_t bytes = 0;
   double write_seconds = 0;
+  int64_t shard_bytes = 0;     // this rank's shard (each rank writes its own in parallel)
+  double shard_seconds = 0;    // writing and fsyncing it
 };
 
 // The console line of a checkpoint save (Observer::checkpoint prints it).

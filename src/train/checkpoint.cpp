@@ -2,22 +2,23 @@
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
 #include <chrono>
-#include <map>
-#include <set>
 #include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <random>
+#include <set>
 #include <sstream>
 #include <utility>
 
 #include "core/error.h"
 #include "core/atomic_file.h"
 #include "train/checkpoint_hash.h"
+#include "train/checkpoint_shards.h"
 
 namespace moe {
 namespace fs = std::filesystem;
@@ -25,14 +26,11 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr const char* kFormat = "moe-train-checkpoint";
-constexpr int kVersion = 1;
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kConfigFile = "config.toml";
 constexpr const char* kMarker = "COMPLETE";
 
 std::string step_dir_name(int64_t step) { return fmt::format("step_{:08d}", step); }
-std::string shard_name(int rank) { return fmt::format("rank_{:05d}.safetensors", rank); }
 
 // The step of a "step_NNNNNNNN" directory name, or nullopt.
 std::optional<int64_t> parse_step_dir(const std::string& name) {
@@ -45,13 +43,15 @@ std::optional<int64_t> parse_step_dir(const std::string& name) {
   return step;
 }
 
-std::vector<int64_t> dims_of(const Shape& shape) {
-  return std::vector<int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim);
+// Version 1: the progress in the shard's string metadata; parsed strictly.
+const std::string& metadata(const CheckpointShardReader& shard, const std::string& key) {
+  const auto it = shard.header().metadata.find(key);
+  if (it == shard.header().metadata.end()) MOE_THROW("{}: metadata key '{}' is missing", shard.source(), key);
+  return it->second;
 }
 
-// Integers and doubles in the shard's string metadata; parsed strictly on the way back.
-int64_t metadata_int(const SafeTensorsFile& shard, const std::string& key) {
-  const std::string& text = shard.metadata(key);
+int64_t metadata_int(const CheckpointShardReader& shard, const std::string& key) {
+  const std::string& text = metadata(shard, key);
   int64_t v = 0;
   auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || p != text.data() + text.size())
@@ -59,8 +59,8 @@ int64_t metadata_int(const SafeTensorsFile& shard, const std::string& key) {
   return v;
 }
 
-double metadata_double(const SafeTensorsFile& shard, const std::string& key) {
-  const std::string& text = shard.metadata(key);
+double metadata_double(const CheckpointShardReader& shard, const std::string& key) {
+  const std::string& text = metadata(shard, key);
   double v = 0;
   auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || p != text.data() + text.size() || !std::isfinite(v))
@@ -68,14 +68,8 @@ double metadata_double(const SafeTensorsFile& shard, const std::string& key) {
   return v;
 }
 
-std::string join_ints(const std::vector<int64_t>& values) {
-  std::string out;
-  for (int64_t v : values) out += (out.empty() ? "" : ",") + std::to_string(v);
-  return out;
-}
-
-std::vector<int64_t> split_ints(const SafeTensorsFile& shard, const std::string& key) {
-  const std::string& text = shard.metadata(key);
+std::vector<int64_t> split_ints(const CheckpointShardReader& shard, const std::string& key) {
+  const std::string& text = metadata(shard, key);
   std::vector<int64_t> values;
   size_t start = 0;
   while (start < text.size()) {
@@ -134,11 +128,14 @@ void prune(const fs::path& dir, int64_t keep_last, const fs::path& keep) {
   std::erase_if(complete, [&](const auto& checkpoint) { return checkpoint.second == keep; });
   const int64_t excess = static_cast<int64_t>(complete.size()) + 1 - keep_last;
   for (int64_t i = 0; i < excess; ++i) fs::remove_all(complete[static_cast<size_t>(i)].second);
-  // Temporary and unmarked directories are leftovers of an interrupted save.
+  // Temporary and unmarked directories are leftovers of an interrupted save; a temporary
+  // one of a later step may be another rank's save in progress (async saves) and stays.
   std::error_code ec;
+  const int64_t written = parse_step_dir(keep.filename().string()).value_or(INT64_MAX);
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    const bool stale_temp = name.starts_with(".tmp.step_");
+    const auto temp_step = name.starts_with(".tmp.step_") ? parse_step_dir(name.substr(5, 13)) : std::nullopt;
+    const bool stale_temp = name.starts_with(".tmp.step_") && (!temp_step || *temp_step <= written);
     const bool unmarked = parse_step_dir(name) && !is_complete(entry.path());
     if ((stale_temp || unmarked) && entry.path() != keep) fs::remove_all(entry.path(), ec);
   }
@@ -146,95 +143,97 @@ void prune(const fs::path& dir, int64_t keep_last, const fs::path& keep) {
 
 }  // namespace
 
-CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float>& model, AdamW& optimizer,
-                                      const BatchSource& train_data, const TrainProgress& progress) {
+namespace {
+
+// A random id for a save of one process; several ranks share rank 0's (Trainer).
+std::string new_save_id() {
+  std::random_device random;
+  const uint64_t id = (uint64_t{random()} << 32 | random()) ^
+                      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return fmt::format("{:016x}", id);
+}
+
+}  // namespace
+
+CheckpointSnapshot capture_state(const RunConfig& config, const SavedState& state, const BatchSource& train_data,
+                                 const TrainProgress& progress) {
   CheckpointSnapshot snap;
   snap.config_toml = config_to_toml(config);
   snap.progress = progress;
-  snap.adam_steps = optimizer.steps_taken();
+  snap.adam_steps = state.adam_steps;
   snap.source_state = train_data.state();
-  auto& params = model.params();
-  const auto& m = optimizer.first_moment();
-  const auto& v = optimizer.second_moment();
-  int64_t offset = 0;  // AdamW keeps one moment block with the parameters back to back
-  for (int id = 0; id < params.size(); ++id) {
-    const int64_t n = params.numel(id);
-    const std::vector<int64_t> shape = dims_of(params.spec(id).shape);
-    const float* p = params.value(id);
-    for (int64_t i = 0; i < n; ++i)
-      if (!std::isfinite(p[i])) MOE_THROW("parameter '{}' is not finite; refusing to checkpoint it", params.spec(id).name);
-    snap.tensors.push_back({"param/" + params.spec(id).name, shape, std::vector<float>(p, p + n)});
-    snap.tensors.push_back({"adam_m/" + params.spec(id).name, shape,
-                            std::vector<float>(m.begin() + offset, m.begin() + offset + n)});
-    snap.tensors.push_back({"adam_v/" + params.spec(id).name, shape,
-                            std::vector<float>(v.begin() + offset, v.begin() + offset + n)});
-    offset += n;
-  }
-  MOE_CHECK(offset == static_cast<int64_t>(m.size()), "optimizer state holds {} values, parameters {}", m.size(),
-            offset);
-  for (auto* layer : model.moe_layers()) {
-    const auto& bias = layer->balance_bias_E();
-    snap.tensors.push_back({"balance_bias/" + layer->prefix(), {static_cast<int64_t>(bias.size())}, bias});
+  snap.save_id = new_save_id();
+  for (const StatePiece& piece : state.pieces) {
+    const auto [begin, count] = replica_share(piece.tensor, piece.begin, piece.count, piece.replicas, piece.replica);
+    if (count == 0) continue;
+    const float* values = piece.data + (begin - piece.begin);
+    if (piece.tensor.starts_with("param/"))
+      for (int64_t i = 0; i < count; ++i)
+        if (!std::isfinite(values[i]))
+          MOE_THROW("parameter '{}' is not finite; refusing to checkpoint it", piece.tensor.substr(6));
+    snap.tensors.push_back({piece.tensor, piece.shape, std::vector<float>(values, values + count), begin});
   }
   return snap;
 }
 
-CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, int64_t keep_last) {
+CheckpointSnapshot capture_checkpoint(const RunConfig& config, Transformer<float>& model, AdamW& optimizer,
+                                      const BatchSource& train_data, const TrainProgress& progress) {
+  SavedState state{host_state_pieces(model, optimizer, 1, 0), optimizer.steps_taken()};
+  return capture_state(config, state, train_data, progress);
+}
+
+CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& snap, int64_t keep_last,
+                                 double report_timeout_s) {
   const auto start = std::chrono::steady_clock::now();
+  MOE_CHECK(!snap.save_id.empty() && snap.save_id.find('/') == std::string::npos, "checkpoint: bad save id '{}'",
+            snap.save_id);
   const int64_t step = snap.progress.step;
   fs::create_directories(dir);
   const fs::path final_dir = dir / step_dir_name(step);
-  const fs::path temp_dir = dir / fmt::format(".tmp.{}.{}", step_dir_name(step), ::getpid());
-  fs::remove_all(temp_dir);
-  fs::create_directories(temp_dir);
+  const fs::path temp_dir = dir / fmt::format(".tmp.{}.{}", step_dir_name(step), snap.save_id);
+  fs::create_directories(temp_dir);  // by whichever rank comes first
+  CheckpointWrite written;
+  written.step = step;
+  written.path = final_dir;
+  written.shard_bytes = write_shard(temp_dir, snap, &written.shard_seconds);
+  written.bytes = written.shard_bytes;
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  if (snap.rank != 0) {
+    written.seconds = elapsed();
+    return written;
+  }
 
-  SafeTensorsWriter shard;
-  for (const auto& t : snap.tensors) shard.add_f32(t.name, t.shape, t.data.data());
-  shard.set_metadata("format", kFormat);
-  shard.set_metadata("version", std::to_string(kVersion));
-  shard.set_metadata("rank", "0");
-  shard.set_metadata("world_size", "1");
-  shard.set_metadata("step", std::to_string(step));
-  shard.set_metadata("adam_steps", std::to_string(snap.adam_steps));
-  shard.set_metadata("lr_scale", fmt::format("{}", snap.progress.lr_scale));  // shortest exact text
-  shard.set_metadata("skipped_steps", std::to_string(snap.progress.skipped_steps));
-  shard.set_metadata("nan_reloads", std::to_string(snap.progress.nan_reloads));
-  shard.set_metadata("source_state", join_ints(snap.source_state));
-  if (!snap.expert_placement.empty()) shard.set_metadata("expert_placement", snap.expert_placement);
-  shard.write(temp_dir / shard_name(0));
+  CheckpointManifest manifest;
+  manifest.step = step;
+  manifest.hash_algorithm = hash_algorithm_name(kCheckpointHash);
+  manifest.run_id = snap.run_id;
+  manifest.config_file = kConfigFile;
+  manifest.config_hash = content_hash(snap.config_toml.data(), snap.config_toml.size());
+  manifest.world_size = snap.world_size;
+  manifest.expert_parallel = snap.expert_parallel;
+  manifest.zero = snap.zero;
+  manifest.save_id = snap.save_id;
+  manifest.adam_steps = snap.adam_steps;
+  manifest.lr_scale = snap.progress.lr_scale;
+  manifest.skipped_steps = snap.progress.skipped_steps;
+  manifest.nan_reloads = snap.progress.nan_reloads;
+  manifest.source_state = snap.source_state;
+  manifest.expert_placement = snap.expert_placement;
+  collect_reports(temp_dir, snap, report_timeout_s, manifest);
   write_file_atomic(temp_dir / kConfigFile, snap.config_toml);
-
-  // The manifest hashes what was written, read back from disk block by block.
-  uint64_t shard_size = 0;
-  const std::string shard_hash = file_hash(temp_dir / shard_name(0), kCheckpointHash, &shard_size);
-  json manifest = {{"format", kFormat},
-                   {"version", kVersion},
-                   {"step", step},
-                   {"world_size", 1},
-                   {"hash_algorithm", hash_algorithm_name(kCheckpointHash)},
-                   {"run_id", snap.run_id},
-                   {"config", {{"file", kConfigFile},
-                               {"hash", content_hash(snap.config_toml.data(), snap.config_toml.size())}}},
-                   {"shards", json::array({{{"rank", 0},
-                                            {"file", shard_name(0)},
-                                            {"bytes", shard_size},
-                                            {"hash", shard_hash}}})}};
-  const std::string manifest_text = manifest.dump(2) + "\n";
+  const std::string manifest_text = manifest_to_json(manifest);
   write_file_atomic(temp_dir / kManifest, manifest_text);
 
   if (fs::exists(final_dir)) fs::remove_all(final_dir);  // an older timeline's or an unmarked one
   fs::rename(temp_dir, final_dir);
   fsync_directory(dir);
-  const std::string marker =
-      std::string(hash_algorithm_name(kCheckpointHash)) + ":" + content_hash(manifest_text.data(), manifest_text.size()) + "\n";
+  const std::string marker = std::string(hash_algorithm_name(kCheckpointHash)) + ":" +
+                             content_hash(manifest_text.data(), manifest_text.size()) + "\n";
   write_file_atomic(final_dir / kMarker, marker);
   prune(dir, keep_last, final_dir);
-  CheckpointWrite written;
-  written.step = step;
-  written.path = final_dir;
-  written.bytes = static_cast<int64_t>(shard_size + snap.config_toml.size() + manifest_text.size() +
-                                       marker.size());
-  written.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  written.bytes = static_cast<int64_t>(snap.config_toml.size() + manifest_text.size() + marker.size());
+  for (const ManifestShard& shard : manifest.shards) written.bytes += static_cast<int64_t>(shard.bytes);
+  written.seconds = elapsed();
   return written;
 }
 
@@ -262,7 +261,34 @@ std::vector<CheckpointListing> list_checkpoints(const fs::path& dir) {
   return listing;
 }
 
+const ManifestTensor* LoadedCheckpoint::find(const std::string& tensor) const {
+  for (const ManifestTensor& t : manifest.tensors)
+    if (t.name == tensor) return &t;
+  return nullptr;
+}
+
 namespace {
+
+// Version 1: the one shard's tensors, each one piece, and the progress from its metadata,
+// after checking the whole file's hash.
+void read_version_1(LoadedCheckpoint& loaded) {
+  CheckpointManifest& m = loaded.manifest;
+  const CheckpointShardReader shard(loaded.path, m, 0);
+  shard.verify_whole_file();
+  for (const SafeTensorInfo& info : shard.header().tensors) {
+    ManifestTensor tensor{info.name, info.dtype, info.shape, {}};
+    if (info.numel() > 0) tensor.pieces.push_back({0, 0, info.numel(), ""});
+    m.tensors.push_back(std::move(tensor));
+  }
+  m.adam_steps = metadata_int(shard, "adam_steps");
+  m.lr_scale = metadata_double(shard, "lr_scale");
+  m.skipped_steps = metadata_int(shard, "skipped_steps");
+  m.nan_reloads = metadata_int(shard, "nan_reloads");
+  m.source_state = split_ints(shard, "source_state");
+  if (const auto it = shard.header().metadata.find("expert_placement"); it != shard.header().metadata.end())
+    m.expert_placement = it->second;
+}
+
 LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) MOE_THROW("{}: not a checkpoint directory", path.string());
@@ -285,59 +311,35 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   }
   if (marker != content_hash(manifest_text.data(), manifest_text.size(), algorithm))
     MOE_THROW("{}: manifest does not match the hash in {} (corrupted)", (path / kManifest).string(), kMarker);
-  const json manifest = json::parse(manifest_text, nullptr, false);
-  if (manifest.is_discarded() || !manifest.is_object() || manifest.value("format", "") != kFormat)
-    MOE_THROW("{}: not a moe-train checkpoint manifest", (path / kManifest).string());
-  if (manifest.contains("hash_algorithm") && !manifest.at("hash_algorithm").is_string())
-    MOE_THROW("{}: hash_algorithm must be a string", (path / kManifest).string());
-  if (manifest.value("hash_algorithm", "fnv1a64") != hash_algorithm_name(algorithm))
-    MOE_THROW("{}: hash_algorithm {} differs from the {} marker's {}", (path / kManifest).string(),
-              manifest.value("hash_algorithm", "fnv1a64"), kMarker, hash_algorithm_name(algorithm));
-  if (manifest.value("version", 0) != kVersion)
-    MOE_THROW("{}: checkpoint format version {} is not supported (this build reads {})",
-              (path / kManifest).string(), manifest.value("version", 0), kVersion);
-  const int64_t world_size = manifest.value("world_size", int64_t{0});
-  if (world_size != 1)
-    MOE_THROW("{}: checkpoint has {} rank shards; resharding to a different world size is not implemented yet",
-              path.string(), world_size);
 
   LoadedCheckpoint loaded;
   loaded.path = path;
-  loaded.step = manifest.value("step", int64_t{-1});
-  const json config_entry = manifest.contains("config") ? manifest.at("config") : json();
-  loaded.config_toml = read_file_bytes(path / kConfigFile);
-  if (!config_entry.is_object() ||
-      config_entry.value("hash", "") != content_hash(loaded.config_toml.data(), loaded.config_toml.size(), algorithm))
-    MOE_THROW("{}: config does not match its hash in the manifest (corrupted)", (path / kConfigFile).string());
+  loaded.manifest = parse_checkpoint_manifest(manifest_text, (path / kManifest).string());
+  CheckpointManifest& m = loaded.manifest;
+  if (m.hash_algorithm != hash_algorithm_name(algorithm))
+    MOE_THROW("{}: hash_algorithm {} differs from the {} marker's {}", (path / kManifest).string(), m.hash_algorithm,
+              kMarker, hash_algorithm_name(algorithm));
+  loaded.step = m.step;
+  loaded.config_toml = read_file_bytes(path / m.config_file);
+  if (m.config_hash != content_hash(loaded.config_toml.data(), loaded.config_toml.size(), algorithm))
+    MOE_THROW("{}: config does not match its hash in the manifest (corrupted)", (path / m.config_file).string());
   try {
-    loaded.config = parse_config(loaded.config_toml, (path / kConfigFile).string());
+    loaded.config = parse_config(loaded.config_toml, (path / m.config_file).string());
   } catch (const ConfigError& e) {
     throw Error(e.what());  // a stored config that does not parse is a broken checkpoint, not user input
   }
-
-  const json shards = manifest.contains("shards") ? manifest.at("shards") : json();
-  if (!shards.is_array() || shards.size() != 1 || !shards[0].is_object() ||
-      shards[0].value("file", "").find('/') != std::string::npos || shards[0].value("file", "").empty())
-    MOE_THROW("{}: manifest must list exactly one shard file", (path / kManifest).string());
-  const fs::path shard_path = path / shards[0].value("file", "");
-  std::string bytes = read_file_bytes(shard_path);
-  if (shards[0].value("bytes", uint64_t{0}) != bytes.size())
-    MOE_THROW("{}: {} bytes, the manifest says {} (truncated?)", shard_path.string(), bytes.size(),
-              shards[0].value("bytes", uint64_t{0}));
-  if (shards[0].value("hash", "") != content_hash(bytes.data(), bytes.size(), algorithm))
-    MOE_THROW("{}: contents do not match the hash in the manifest (corrupted)", shard_path.string());
-  loaded.shard = SafeTensorsFile::from_bytes(std::move(bytes), shard_path.string());
-  auto fmt_it = loaded.shard.header().metadata.find("format");
-  if (fmt_it == loaded.shard.header().metadata.end() || fmt_it->second != kFormat)
-    MOE_THROW("{}: not a moe-train checkpoint shard (metadata 'format' is not {})", shard_path.string(), kFormat);
-  if (metadata_int(loaded.shard, "step") != loaded.step)
-    MOE_THROW("{}: shard step {} differs from the manifest's {}", shard_path.string(),
-              metadata_int(loaded.shard, "step"), loaded.step);
-  if (manifest.contains("run_id")) loaded.run_id = manifest.at("run_id").get<std::string>();
-  const auto placement = loaded.shard.header().metadata.find("expert_placement");
-  if (placement != loaded.shard.header().metadata.end()) loaded.expert_placement = placement->second;
+  if (m.version == 1) {
+    read_version_1(loaded);
+  } else {
+    // Every shard present, of its size, of this save, its header intact (the pieces are
+    // checked as they are read).
+    for (size_t s = 0; s < m.shards.size(); ++s) CheckpointShardReader(path, m, static_cast<int>(s));
+  }
+  loaded.run_id = m.run_id;
+  loaded.expert_placement = m.expert_placement;
   return loaded;
 }
+
 }  // namespace
 
 LoadedCheckpoint read_checkpoint(const fs::path& path) {
@@ -347,6 +349,23 @@ LoadedCheckpoint read_checkpoint(const fs::path& path) {
     // A manifest field of the wrong JSON type.
     MOE_THROW("{}: malformed checkpoint manifest: {}", (path / kManifest).string(), e.what());
   }
+}
+
+TrainProgress checkpoint_progress(const LoadedCheckpoint& ckpt) {
+  TrainProgress progress;
+  progress.step = ckpt.step;
+  progress.lr_scale = ckpt.manifest.lr_scale;
+  progress.skipped_steps = ckpt.manifest.skipped_steps;
+  progress.nan_reloads = ckpt.manifest.nan_reloads;
+  return progress;
+}
+
+TrainProgress restore_checkpoint(const LoadedCheckpoint& ckpt, Transformer<float>& model, AdamW& optimizer,
+                                 BatchSource& train_data) {
+  read_slices(ckpt, host_state_targets(model, optimizer));
+  optimizer.set_steps_taken(ckpt.manifest.adam_steps);
+  train_data.restore(ckpt.manifest.source_state);
+  return checkpoint_progress(ckpt);
 }
 
 void check_resume_compatible(const LoadedCheckpoint& saved, const RunConfig& current, std::ostream& out) {
@@ -364,40 +383,6 @@ void check_resume_compatible(const LoadedCheckpoint& saved, const RunConfig& cur
       continue;
     fmt::print(out, "warning: resume: {} was {} in the checkpoint, now {}\n", name, was, now);
   }
-}
-
-TrainProgress restore_checkpoint(const LoadedCheckpoint& ckpt, Transformer<float>& model, AdamW& optimizer,
-                                 BatchSource& train_data) {
-  const SafeTensorsFile& shard = ckpt.shard;
-  auto& params = model.params();
-  auto& m = optimizer.first_moment();
-  auto& v = optimizer.second_moment();
-  int64_t offset = 0;
-  for (int id = 0; id < params.size(); ++id) {
-    const std::string& name = params.spec(id).name;
-    const int64_t n = params.numel(id);
-    const std::vector<int64_t> shape = dims_of(params.spec(id).shape);
-    for (const std::string prefix : {"param/", "adam_m/", "adam_v/"})
-      if (shard.info(prefix + name).shape != shape)
-        MOE_THROW("{}: tensor '{}{}' has another shape than the model's {}", shard.source(), prefix, name,
-                  params.spec(id).shape.str());
-    shard.read_f32("param/" + name, params.value(id), n);
-    shard.read_f32("adam_m/" + name, m.data() + offset, n);
-    shard.read_f32("adam_v/" + name, v.data() + offset, n);
-    offset += n;
-  }
-  for (auto* layer : model.moe_layers()) {
-    auto& bias = layer->balance_bias_E();
-    shard.read_f32("balance_bias/" + layer->prefix(), bias.data(), static_cast<int64_t>(bias.size()));
-  }
-  optimizer.set_steps_taken(metadata_int(shard, "adam_steps"));
-  train_data.restore(split_ints(shard, "source_state"));
-  TrainProgress progress;
-  progress.step = ckpt.step;
-  progress.lr_scale = metadata_double(shard, "lr_scale");
-  progress.skipped_steps = metadata_int(shard, "skipped_steps");
-  progress.nan_reloads = metadata_int(shard, "nan_reloads");
-  return progress;
 }
 
 Checkpointer::~Checkpointer() {

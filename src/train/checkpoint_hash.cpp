@@ -62,6 +62,15 @@ class Hasher {
 
 }  // namespace
 
+struct StreamHash::State {
+  explicit State(HashAlgorithm algorithm) : hasher(algorithm) {}
+  Hasher hasher;
+};
+StreamHash::StreamHash(HashAlgorithm algorithm) : state_(new State(algorithm)) {}
+StreamHash::~StreamHash() { delete state_; }
+void StreamHash::update(const void* data, size_t size) { state_->hasher.update(data, size); }
+std::string StreamHash::hex() const { return state_->hasher.hex(); }
+
 const char* hash_algorithm_name(HashAlgorithm algorithm) {
   return algorithm == HashAlgorithm::Xxh3_64 ? "xxh3_64" : "fnv1a64";
 }

@@ -19,4 +19,20 @@ std::string content_hash(const void* data, size_t size, HashAlgorithm algorithm 
 // The hash of a file read in blocks (never held whole in memory); its size into *bytes.
 std::string file_hash(const std::filesystem::path& path, HashAlgorithm algorithm, uint64_t* bytes);
 
+// A hash fed piece by piece: the hash of the pieces' concatenation (a shard's hash while
+// it is written, without reading it back).
+class StreamHash {
+ public:
+  explicit StreamHash(HashAlgorithm algorithm = kCheckpointHash);
+  ~StreamHash();
+  StreamHash(const StreamHash&) = delete;
+  StreamHash& operator=(const StreamHash&) = delete;
+  void update(const void* data, size_t size);
+  std::string hex() const;
+
+ private:
+  struct State;
+  State* state_;
+};
+
 }  // namespace moe

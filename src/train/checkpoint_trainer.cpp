@@ -38,27 +38,38 @@ void Trainer::plan_batches() {
   monitor_ = std::make_unique<FaultMonitor>(tc);
 }
 
-// Several ranks: every rank gathers the whole state (collective), rank 0 writes it as one
-// single-process checkpoint (the data position is the global one), and every rank reads
-// it back, so a run resumes on any number of ranks sharing the directory.
+// Every rank saves its own state (ModelBackend::save_state: pieces of the global tensors)
+// into its own shard, in parallel; rank 0 writes the manifest once every rank has reported
+// (train/checkpoint.h). The ranks agree on the save's id first (one collective), which
+// names the temporary directory they share.
 void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
   const auto start = std::chrono::steady_clock::now();
   collect_background_save(/*wait=*/true, out);  // one save at a time
-  backend_->gather_state();
+  const SavedState state = backend_->save_state(rank_, world_);
+  CheckpointSnapshot snapshot = capture_state(config_, state, *train_data_, progress_);
+  if (world_ > 1) {
+    // Rank 0's random id (48 bits: exact in a double's sum) to every rank.
+    const uint64_t mine = rank_ == 0 ? std::stoull(snapshot.save_id, nullptr, 16) >> 16 : 0;
+    snapshot.save_id = fmt::format("{:012x}", static_cast<uint64_t>(backend_->sum_over_ranks(static_cast<double>(mine))));
+  }
+  snapshot.expert_placement = backend_->placement_state();
+  snapshot.run_id = run_id_;
+  snapshot.rank = rank_;
+  snapshot.world_size = world_;
+  snapshot.expert_parallel = config_.parallel.expert_parallel;
+  // ZeRO-1 on the CPU ranks always; on GPUs with parallel.shard_optimizer.
+  snapshot.zero = world_ > 1 && (!backend_->on_gpu() || config_.parallel.shard_optimizer) ? 1 : 0;
   CheckpointSave save;
   save.step = progress_.step;
   save.path = checkpoint_path(config_.checkpoint.dir, progress_.step).string();
   save.background = checkpointer_->async();
-  if (rank_ == 0) {
-    CheckpointSnapshot snapshot = capture_checkpoint(config_, backend_->host_model(), backend_->host_optimizer(), *train_data_, progress_);
-    snapshot.expert_placement = backend_->placement_state();
-    snapshot.run_id = run_id_;
-    if (const std::optional<CheckpointWrite> written = checkpointer_->save(std::move(snapshot))) {
-      save.written = true;
-      save.bytes = written->bytes;
-      save.write_seconds = written->seconds;
-    }
+  if (const std::optional<CheckpointWrite> written = checkpointer_->save(std::move(snapshot))) {
+    save.written = true;
+    save.bytes = written->bytes;
+    save.write_seconds = written->seconds;
+    save.shard_bytes = written->shard_bytes;
+    save.shard_seconds = written->shard_seconds;
   }
   save.paused_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   checkpoint_pause_seconds_ += save.paused_seconds;
@@ -82,13 +93,19 @@ void Trainer::collect_background_save(bool wait, std::ostream& out) {
   save.written = true;
   save.bytes = written->bytes;
   save.write_seconds = written->seconds;
+  save.shard_bytes = written->shard_bytes;
+  save.shard_seconds = written->shard_seconds;
   report_checkpoint(save, out);
 }
 
-void Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
-  progress_ = restore_checkpoint(checkpoint, backend_->host_model(), backend_->host_optimizer(), *train_data_);
-  backend_->scatter_state();
+// Each rank reads the slices it needs, whichever layout wrote them.
+SliceReadStats Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
+  const SliceReadStats read = read_slices(checkpoint, backend_->restore_targets());
+  backend_->finish_restore(checkpoint.manifest.adam_steps);
+  train_data_->restore(checkpoint.manifest.source_state);
+  progress_ = checkpoint_progress(checkpoint);
   backend_->restore_placement(checkpoint.expert_placement);
+  return read;
 }
 
 void Trainer::wait_for_saved_checkpoints(std::ostream& out) {
@@ -112,14 +129,18 @@ void Trainer::resume(const std::string& path, std::ostream& out, bool discard_la
                      "checkpoint.dir",
                      path, config_.checkpoint.dir, later.size() == 1 ? later[0] : later.front() + " ... " + later.back(),
                      checkpoint.step);
-  restore_from(checkpoint);
+  const SliceReadStats read = restore_from(checkpoint);
   if (!checkpoint.run_id.empty()) run_id_ = checkpoint.run_id;  // else written before run ids: a new id
   resumed_ = true;
   if (!later.empty()) discard_after_ = checkpoint.step;
   furthest_step_ = progress_.step;
   reloads_without_progress_ = 0;
   monitor_->reset();
-  fmt::print(out, "resume: {} (step {}, lr x{})\n", checkpoint.path.string(), progress_.step, progress_.lr_scale);
+  fmt::print(out, "resume: {} (step {}, lr x{}; written by {} rank{}, EP {}; this rank read {:.1f} MB in {:.2f} s, {:.2f} GB/s)\n",
+             checkpoint.path.string(), progress_.step, progress_.lr_scale, checkpoint.manifest.world_size,
+             checkpoint.manifest.world_size == 1 ? "" : "s", checkpoint.manifest.expert_parallel,
+             static_cast<double>(read.bytes) / 1e6, read.seconds,
+             read.seconds > 0 ? static_cast<double>(read.bytes) / 1e9 / read.seconds : 0.0);
 }
 
 void Trainer::continue_run() {

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
@@ -21,11 +22,16 @@ using json = nlohmann::json;
 
 namespace {
 
+// A tensor of the export, read from the checkpoint only when its output shard is written.
 struct HfTensor {
   std::string name;
   std::vector<int64_t> shape;
-  std::vector<float> data;
-  size_t bytes() const { return data.size() * sizeof(float); }
+  std::function<std::vector<float>()> load;
+  size_t bytes() const {
+    size_t n = sizeof(float);
+    for (int64_t d : shape) n *= static_cast<size_t>(d);
+    return n;
+  }
 };
 
 float max_abs(const std::vector<float>& values) {
@@ -34,11 +40,10 @@ float max_abs(const std::vector<float>& values) {
   return m;
 }
 
-std::vector<float> read_all(const SafeTensorsFile& shard, const std::string& name) {
-  const SafeTensorInfo& info = shard.info(name);
-  std::vector<float> values(static_cast<size_t>(info.numel()));
-  shard.read_f32(name, values.data(), info.numel());
-  return values;
+std::vector<int64_t> shape_of(const LoadedCheckpoint& ckpt, const std::string& name) {
+  const ManifestTensor* t = ckpt.find(name);
+  if (!t) MOE_THROW("{}: the checkpoint has no tensor '{}'", ckpt.path.string(), name);
+  return t->shape;
 }
 
 // Refuses what Mixtral cannot express at all.
@@ -94,11 +99,11 @@ json mixtral_config(const RunConfig& config) {
 // Our tensors under Mixtral's names and layouts, in the order HF writes them.
 std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_inexact, std::ostream& out) {
   const ModelConfig& m = ckpt.config.model;
-  const SafeTensorsFile& shard = ckpt.shard;
   const int64_t E = m.moe.n_experts, F = m.moe.expert_hidden, D = m.dim;
   std::vector<HfTensor> tensors;
   auto copy = [&](const std::string& ours, const std::string& theirs) {
-    tensors.push_back({theirs, shard.info("param/" + ours).shape, read_all(shard, "param/" + ours)});
+    const std::string name = "param/" + ours;
+    tensors.push_back({theirs, shape_of(ckpt, name), [&ckpt, name] { return read_tensor(ckpt, name); }});
   };
   auto inexact = [&](const std::string& what) {
     if (!allow_inexact)
@@ -118,29 +123,32 @@ std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_i
     copy(ours + ".ffn_norm", theirs + ".post_attention_layernorm.weight");
 
     const std::string moe = ours + ".moe";
-    const float bias = max_abs(read_all(shard, "param/" + moe + ".router.bias"));
+    const float bias = max_abs(read_tensor(ckpt, "param/" + moe + ".router.bias"));
     if (bias != 0) inexact(fmt::format("{}.router.bias is not zero (max |b| = {:.3g}); Mixtral's gate has no bias", moe, bias));
-    if (shard.contains("balance_bias/" + moe)) {
-      const float balance = max_abs(read_all(shard, "balance_bias/" + moe));
+    if (ckpt.find("balance_bias/" + moe)) {
+      const float balance = max_abs(read_tensor(ckpt, "balance_bias/" + moe));
       if (balance != 0)
         inexact(fmt::format("{} has a balancing selection bias (max |b| = {:.3g}); Mixtral selects by score alone",
                             moe, balance));
     }
     // logits / temperature == (W / temperature) x: fold it into the gate.
-    std::vector<float> gate = read_all(shard, "param/" + moe + ".router.weight");
-    if (m.moe.temperature != 1.0)
-      for (float& w : gate) w = static_cast<float>(w / m.moe.temperature);
-    tensors.push_back({theirs + ".block_sparse_moe.gate.weight", {E, D}, std::move(gate)});
-    const std::vector<float> w1 = read_all(shard, "param/" + moe + ".experts.w1");  // [E, F, D]
-    const std::vector<float> w3 = read_all(shard, "param/" + moe + ".experts.w3");  // [E, F, D]
-    const std::vector<float> w2 = read_all(shard, "param/" + moe + ".experts.w2");  // [E, D, F]
-    const auto slab = static_cast<size_t>(F * D);
+    const double temperature = m.moe.temperature;
+    tensors.push_back({theirs + ".block_sparse_moe.gate.weight", {E, D}, [&ckpt, moe, temperature] {
+                         std::vector<float> gate = read_tensor(ckpt, "param/" + moe + ".router.weight");
+                         if (temperature != 1.0)
+                           for (float& w : gate) w = static_cast<float>(w / temperature);
+                         return gate;
+                       }});
+    // Expert e's rows of w1, w3 [E, F, D] and w2 [E, D, F], read one expert at a time.
+    const int64_t slab = F * D;
     for (int64_t e = 0; e < E; ++e) {
       const std::string expert = fmt::format("{}.block_sparse_moe.experts.{}", theirs, e);
-      const auto at = static_cast<ptrdiff_t>(static_cast<size_t>(e) * slab);
-      tensors.push_back({expert + ".w1.weight", {F, D}, {w1.begin() + at, w1.begin() + at + static_cast<ptrdiff_t>(slab)}});
-      tensors.push_back({expert + ".w2.weight", {D, F}, {w2.begin() + at, w2.begin() + at + static_cast<ptrdiff_t>(slab)}});
-      tensors.push_back({expert + ".w3.weight", {F, D}, {w3.begin() + at, w3.begin() + at + static_cast<ptrdiff_t>(slab)}});
+      for (const char* w : {"w1", "w2", "w3"}) {
+        const std::string name = "param/" + moe + ".experts." + w;
+        const std::vector<int64_t> shape = std::string(w) == "w2" ? std::vector<int64_t>{D, F} : std::vector<int64_t>{F, D};
+        tensors.push_back({expert + "." + w + ".weight", shape,
+                           [&ckpt, name, e, slab] { return read_tensor(ckpt, name, e * slab, slab); }});
+      }
     }
   }
   copy("final_norm", "model.norm.weight");
@@ -171,8 +179,13 @@ void write_shards(const std::vector<HfTensor>& tensors, const fs::path& dir, uin
                                  : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
     SafeTensorsWriter writer;
     writer.set_metadata("format", "pt");  // what transformers expects of a PyTorch checkpoint
+    std::vector<std::vector<float>> values;  // this output shard's tensors only
+    values.reserve(shards[i].size());
     for (const HfTensor* t : shards[i]) {
-      writer.add_f32(t->name, t->shape, t->data.data());
+      values.push_back(t->load());
+      MOE_CHECK(values.back().size() * sizeof(float) == t->bytes(), "export: '{}' read {} values", t->name,
+                values.back().size());
+      writer.add_f32(t->name, t->shape, values.back().data());
       weight_map[t->name] = file;
     }
     writer.write(dir / file);

@@ -2,7 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -51,15 +55,25 @@ size_t safetensors_dtype_size(std::string_view dtype) {
   return 0;
 }
 
-SafeTensorsHeader parse_safetensors_header(std::string_view bytes, const std::string& source) {
-  if (bytes.size() < 8)
-    bad(source, 0, fmt::format("file is {} bytes, shorter than the 8-byte header length", bytes.size()));
-  const uint64_t header_len = read_u64_le(bytes.data());
+namespace {
+
+// The header length prefix of a file of file_size bytes, checked.
+uint64_t header_length(std::string_view prefix, uint64_t file_size, const std::string& source) {
+  if (file_size < 8 || prefix.size() < 8)
+    bad(source, 0, fmt::format("file is {} bytes, shorter than the 8-byte header length", file_size));
+  const uint64_t header_len = read_u64_le(prefix.data());
   if (header_len > kMaxHeaderBytes)
     bad(source, 0, fmt::format("header length {} exceeds the {}-byte limit", header_len, kMaxHeaderBytes));
-  if (header_len > bytes.size() - 8)
-    bad(source, 0, fmt::format("header length {} runs past the end of the {}-byte file", header_len, bytes.size()));
-  const std::string_view text = bytes.substr(8, header_len);
+  if (header_len > file_size - 8)
+    bad(source, 0, fmt::format("header length {} runs past the end of the {}-byte file", header_len, file_size));
+  return header_len;
+}
+
+// `head`: the file's first 8 + header length bytes (at least); the data section is checked
+// against file_size without being read.
+SafeTensorsHeader parse_header(std::string_view head, uint64_t file_size, const std::string& source) {
+  const uint64_t header_len = header_length(head, file_size, source);
+  const std::string_view text = head.substr(8, header_len);
   if (text.empty() || text.front() != '{') bad(source, 8, "header does not start with '{'");
   const json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded()) bad(source, 8, "header is not valid JSON");
@@ -67,7 +81,7 @@ SafeTensorsHeader parse_safetensors_header(std::string_view bytes, const std::st
 
   SafeTensorsHeader header;
   header.data_start = 8 + header_len;
-  const uint64_t data_size = bytes.size() - header.data_start;
+  const uint64_t data_size = file_size - header.data_start;
   for (const auto& [name, entry] : root.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) bad(source, 8, "__metadata__ is not an object");
@@ -131,6 +145,39 @@ SafeTensorsHeader parse_safetensors_header(std::string_view bytes, const std::st
     bad(source, header.data_start + expected_begin,
         fmt::format("{} bytes after the last tensor (file truncated or padded?)", data_size - expected_begin));
   return header;
+}
+
+}  // namespace
+
+SafeTensorsHeader parse_safetensors_header(std::string_view bytes, const std::string& source) {
+  return parse_header(bytes, bytes.size(), source);
+}
+
+SafeTensorsHeader read_safetensors_header(int fd, const std::string& source, std::string* header_bytes) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) MOE_THROW("{}: cannot stat: {}", source, std::strerror(errno));
+  const auto file_size = static_cast<uint64_t>(st.st_size);
+  std::string head(8, '\0');
+  read_exactly(fd, head.data(), std::min<uint64_t>(8, file_size), 0, source);
+  const uint64_t header_len = header_length(head, file_size, source);
+  head.resize(8 + header_len);
+  read_exactly(fd, head.data() + 8, header_len, 8, source);
+  SafeTensorsHeader header = parse_header(head, file_size, source);
+  if (header_bytes) *header_bytes = std::move(head);
+  return header;
+}
+
+void read_exactly(int fd, void* out, uint64_t count, uint64_t offset, const std::string& source) {
+  auto* p = static_cast<char*>(out);
+  while (count > 0) {
+    const ssize_t n = ::pread(fd, p, std::min<uint64_t>(count, uint64_t{1} << 30), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) MOE_THROW("{}: read failed at byte {}: {}", source, offset, std::strerror(errno));
+    if (n == 0) MOE_THROW("{}: ends before byte {} (truncated?)", source, offset + count);
+    p += n;
+    offset += static_cast<uint64_t>(n);
+    count -= static_cast<uint64_t>(n);
+  }
 }
 
 SafeTensorsFile SafeTensorsFile::read(const std::filesystem::path& path) {

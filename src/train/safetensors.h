@@ -36,6 +36,14 @@ size_t safetensors_dtype_size(std::string_view dtype);
 // with one line naming `source`, the byte offset and what is wrong.
 SafeTensorsHeader parse_safetensors_header(std::string_view bytes, const std::string& source);
 
+// The header of the open file `fd`, read with pread (the data section is not read; its
+// size is checked against the file's). `header_bytes`: the bytes read (length prefix
+// included), for a hash. Throws as above.
+SafeTensorsHeader read_safetensors_header(int fd, const std::string& source, std::string* header_bytes = nullptr);
+
+// pread of exactly `count` bytes at `offset`; throws naming `source` when the file is shorter.
+void read_exactly(int fd, void* out, uint64_t count, uint64_t offset, const std::string& source);
+
 // A whole safetensors file read into memory, its header validated.
 class SafeTensorsFile {
  public:

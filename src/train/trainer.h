@@ -112,9 +112,9 @@ class Trainer {
   void plan_batches();
   // Several ranks: each reads its slice of the global batch (checks the batch divides).
   void slice_data_over_ranks(int rank, int world);
-  // Loads a read checkpoint into the model, optimizer and data (every rank), then into the
-  // backend (ModelBackend::scatter_state).
-  void restore_from(const LoadedCheckpoint& checkpoint);
+  // Loads a read checkpoint's slices this rank needs into the backend
+  // (ModelBackend::restore_targets, finish_restore), the data position and the progress.
+  SliceReadStats restore_from(const LoadedCheckpoint& checkpoint);
   // This rank's checkpoint writer is done and, with several ranks, so is rank 0's.
   void wait_for_saved_checkpoints(std::ostream& out);
   // After each step: fault handling, checkpoints, preemption. True: stop the run.

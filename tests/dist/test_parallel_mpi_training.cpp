@@ -36,6 +36,7 @@
 #include "dist/single_communicator.h"
 #include "moe/expert_placement.h"
 #include "train/checkpoint.h"
+#include "train/export.h"
 #include "parallel_mpi_world.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
@@ -389,10 +390,10 @@ TEST(ParallelTraining, SplitExpertsRebalancedMatchOneProcess) {
   remove_shared_dir(dir);
 }
 
-// Checkpoints of a multi-rank run: every rank gathers its shards (ZeRO moments, the
-// experts' weights and moments from their holders), rank 0 writes one single-process
-// checkpoint, and a run resumed from it on the same ranks continues bit for bit: the
-// losses and final parameters of the uninterrupted run; one process resumes it as well.
+// Checkpoints of a multi-rank run: every rank writes its own shard (its ZeRO moments, the
+// experts whose block it holds, its share of the replicated parameters), rank 0 the
+// manifest, and a run resumed from it on the same ranks continues bit for bit: the losses
+// and final parameters of the uninterrupted run; one process resumes it as well.
 TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
   auto& world = *parallel_world();
   int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
@@ -436,8 +437,8 @@ TEST(ParallelTraining, CheckpointAndResumeContinueTheRun) {
       for (size_t i = 0; i < 4; ++i)
         EXPECT_EQ(experts(resumed.stats[i]), experts(whole.stats[i + 4])) << "step " << i + 5;
     }
-    // The checkpoint is an ordinary one-process checkpoint: one process with the same
-    // global batch continues it too (up to the order of sums).
+    // One process with the same global batch reads every shard and continues it too (up
+    // to the order of sums).
     if (world.rank() == 0) {
       RunConfig single = config;
       single.training.micro_batch *= world.size();
@@ -464,11 +465,17 @@ std::unique_ptr<Trainer> parallel_trainer(const RunConfig& config) {
   return make_trainer(config, world.split(0, world.rank()));
 }
 
-// ZeRO-1's checkpoint gather (and the experts', EP 2) in the single-process layout: the
-// checkpoint 4 ranks write is, byte for byte, the one that 2 ranks and one process write
-// after resuming it (their scatter onto other shards, their gather back). The moments'
-// known answer (N ranks' gathered state = one process's): ZeroOptimizer.* in
-// test_zero_optimizer.cpp.
+// Every global tensor of a checkpoint, read whole.
+std::map<std::string, std::vector<float>> saved_tensors(const std::filesystem::path& path) {
+  const LoadedCheckpoint loaded = read_checkpoint(path);
+  std::map<std::string, std::vector<float>> tensors;
+  for (const ManifestTensor& t : loaded.manifest.tensors) tensors[t.name] = read_tensor(loaded, t.name);
+  return tensors;
+}
+
+// Resharding without a step between: the state 4 ranks save (ZeRO-1 pieces, EP 2 blocks),
+// resumed by 2 ranks and by one process and saved again, is the same, tensor by tensor,
+// bit for bit: each layout reads the slices it needs and writes its own.
 TEST(ParallelTraining, CheckpointIsTheSameSavedOnAnyNumberOfRanks) {
   auto& world = *parallel_world();
   ASSERT_EQ(world.size(), 4);
@@ -502,15 +509,131 @@ TEST(ParallelTraining, CheckpointIsTheSameSavedOnAnyNumberOfRanks) {
     }
     world.barrier();
     if (world.rank() == 0) {
-      const std::string want = read_file_bytes(saved / "rank_00000.safetensors");
+      EXPECT_EQ(read_checkpoint(saved).manifest.world_size, 4);
+      EXPECT_EQ(read_checkpoint(dir / "resaved_0" / "step_00000003").manifest.world_size, 2);
+      const auto want = saved_tensors(saved);
       for (const char* resaved : {"resaved_0", "resaved_2"}) {
-        const std::string got = read_file_bytes(dir / resaved / "step_00000003" / "rank_00000.safetensors");
-        EXPECT_TRUE(got == want) << resaved << ": " << got.size() << " bytes, the 4 ranks' " << want.size();
+        const auto got = saved_tensors(dir / resaved / "step_00000003");
+        ASSERT_EQ(got.size(), want.size()) << resaved;
+        for (const auto& [name, values] : want) EXPECT_TRUE(got.at(name) == values) << resaved << ": " << name;
       }
       std::filesystem::remove_all(dir);
     }
     world.barrier();
   }
+}
+
+// Resuming reshards: 8 steps at 4 ranks (EP 4; EP 1, i.e. data parallel with ZeRO-1, saving
+// with checkpoint.async) saved after step 4, resumed at 2 ranks (EP 2 / 1) and at one process, which follow the
+// uninterrupted run up to the order of sums, and back at 4 ranks from the 2 ranks' save
+// of the same state, which follows it bit for bit (the layout is the one that trained).
+TEST(ParallelTraining, ResumeReshardsAcrossLayouts) {
+  auto& world = *parallel_world();
+  ASSERT_EQ(world.size(), 4);
+  int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
+  world.broadcast(&pid, 1, dist::DType::i64, 0);
+  for (int64_t ep : {4, 1}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                      ("moe_mpi_reshard_" + std::to_string(pid) + "_" + std::to_string(ep));
+    RunConfig config = tiny_config();
+    config.model.vocab_size = 257;  // a config that validates (checkpoints store and re-read it)
+    config.training.steps = 8;
+    config.parallel.expert_parallel = ep;
+    config.checkpoint.dir = (dir / "ranks_4").string();
+    config.checkpoint.interval = 4;
+    config.checkpoint.async = ep == 1;  // rank 0's writer waits for the others' shards in the background
+    const RunResult whole = train_parallel(config);
+    ASSERT_EQ(whole.loss.size(), 8u);
+    const std::filesystem::path saved = dir / "ranks_4" / "step_00000004";
+    ASSERT_TRUE(std::filesystem::exists(saved / "COMPLETE"));
+    const std::vector<double> rest(whole.loss.begin() + 4, whole.loss.end());
+    // At 2 ranks (ranks 0-1) and at one process (rank 2); the 2 ranks save the state
+    // they resumed before training on.
+    const int color = world.rank() < 2 ? 0 : world.rank();
+    std::unique_ptr<dist::Communicator> group = world.split(color, world.rank());
+    if (color < 3) {
+      RunConfig fewer = config;
+      fewer.training.micro_batch *= world.size() / group->size();  // the same global micro-batch
+      fewer.parallel.expert_parallel = std::min<int64_t>(ep, group->size());
+      if (group->size() == 1) fewer.parallel = ParallelConfig{};
+      fewer.checkpoint.dir = (dir / ("fewer_" + std::to_string(color))).string();
+      fewer.checkpoint.interval = 0;
+      const auto m = fewer.model;
+      Trainer trainer(fewer, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
+                      std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2), std::move(group));
+      std::ostringstream log;
+      trainer.resume(saved.string(), log);
+      EXPECT_NE(log.str().find("written by 4 ranks, EP " + std::to_string(ep)), std::string::npos) << log.str();
+      if (color == 0) trainer.save_checkpoint(log);
+      std::vector<double> losses;
+      trainer.on_step = [&](const StepStats& s) { losses.push_back(s.loss); };
+      trainer.run(log);
+      if (world.rank() == 0 || world.rank() == 2)
+        expect_close(losses, rest, 1e-5, color == 0 ? "2 ranks resuming 4 ranks' checkpoint" : "one process resuming it");
+    }
+    world.barrier();
+    // Back at 4 ranks, from the 2 ranks' save.
+    RunConfig back = config;
+    back.checkpoint.dir = (dir / "back").string();
+    const RunResult resumed = train_parallel(back, (dir / "fewer_0" / "step_00000004").string());
+    EXPECT_EQ(resumed.loss, rest);
+    EXPECT_EQ(resumed.params, whole.params);
+    world.barrier();
+    if (world.rank() == 0) std::filesystem::remove_all(dir);
+    world.barrier();
+  }
+}
+
+// `moe export` of a checkpoint 4 ranks wrote (EP 2: experts split over the shards, the
+// rest in shares): tensor by tensor, the same Mixtral files as the export of the same
+// state saved by one process, in one file and in many.
+TEST(ParallelTraining, ExportReadsAShardedCheckpoint) {
+  auto& world = *parallel_world();
+  int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
+  world.broadcast(&pid, 1, dist::DType::i64, 0);
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("moe_mpi_export_" + std::to_string(pid));
+  RunConfig config = tiny_config();
+  config.model.vocab_size = 257;  // a config that validates (checkpoints store and re-read it)
+  config.model.moe.n_shared_experts = 0;  // Mixtral has none
+  config.training.steps = 2;
+  config.parallel.expert_parallel = 2;
+  config.checkpoint.dir = (dir / "ranks_4").string();
+  train_parallel(config);
+  world.barrier();
+  if (world.rank() == 0) {
+    const std::filesystem::path saved = dir / "ranks_4" / "step_00000002";
+    ASSERT_EQ(read_checkpoint(saved).manifest.world_size, 4);
+    RunConfig single = config;
+    single.training.micro_batch *= world.size();
+    single.parallel = ParallelConfig{};
+    single.checkpoint.dir = (dir / "single").string();
+    const auto trainer = make_trainer(single, dist::make_single_communicator());
+    std::ostringstream log;
+    trainer->resume(saved.string(), log);
+    trainer->save_checkpoint(log);
+    for (uint64_t max_bytes : {uint64_t{5000000000}, uint64_t{20000}}) {
+      SCOPED_TRACE(max_bytes);
+      const std::string tag = std::to_string(max_bytes);
+      for (const char* from : {"ranks_4", "single"}) {
+        ExportOptions options;
+        options.checkpoint = (dir / from / "step_00000002").string();
+        options.output = (dir / ("hf_" + tag + "_" + from)).string();
+        options.max_shard_bytes = max_bytes;
+        options.allow_inexact = true;  // the trained router biases are dropped (a warning)
+        export_checkpoint(options, log);
+      }
+      size_t files = 0;
+      for (const auto& entry : std::filesystem::directory_iterator(dir / ("hf_" + tag + "_single"))) {
+        const std::string name = entry.path().filename().string();
+        ++files;
+        EXPECT_TRUE(read_file_bytes(entry.path()) == read_file_bytes(dir / ("hf_" + tag + "_ranks_4") / name)) << name;
+      }
+      EXPECT_GE(files, max_bytes == 20000 ? 4u : 2u) << "config.json, weights (and an index)";
+    }
+    std::filesystem::remove_all(dir);
+  }
+  world.barrier();
 }
 
 // Per-expert clipping over the ranks, sharded (EP 1: an expert's elements may lie on

@@ -12,6 +12,7 @@
 #include "data/bpe.h"
 #include "core/atomic_file.h"
 #include "config/run_config.h"
+#include "train/checkpoint_manifest.h"
 #include "train/safetensors.h"
 
 namespace moe {
@@ -72,6 +73,18 @@ TEST(FuzzRegression, SafeTensors) {
     }
   });
   EXPECT_GE(parsed, 2);
+}
+
+// Checkpoint manifests: parsed (coverage exactly once) or refused on one line; an
+// accepted version-2 manifest writes back to itself.
+TEST(FuzzRegression, CheckpointManifest) {
+  const int parsed = replay("checkpoint_manifest", [](const std::string& text) {
+    const CheckpointManifest manifest = parse_checkpoint_manifest(text, "fuzz");
+    if (manifest.version < 2) return;
+    const std::string written = manifest_to_json(manifest);
+    EXPECT_EQ(manifest_to_json(parse_checkpoint_manifest(written, "written")), written);
+  });
+  EXPECT_GE(parsed, 2);  // the version-1 and version-2 seeds
 }
 
 TEST(FuzzRegression, TokenizerJson) {

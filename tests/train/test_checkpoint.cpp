@@ -136,20 +136,21 @@ TEST_F(Checkpoint, SavesCompleteDirectoriesAndPrunes) {
   LoadedCheckpoint loaded = read_checkpoint(dir_ / "ckpt" / "step_00000008");
   EXPECT_EQ(loaded.step, 8);
   EXPECT_EQ(config_to_toml(loaded.config), config_to_toml(config));
-  EXPECT_EQ(loaded.shard.metadata("adam_steps"), "8");
-  EXPECT_TRUE(loaded.shard.contains("balance_bias/layers.0.moe"));
-  EXPECT_TRUE(loaded.shard.contains("adam_v/layers.1.moe.experts.w2"));
+  EXPECT_EQ(loaded.manifest.adam_steps, 8);
+  EXPECT_EQ(loaded.manifest.version, kCheckpointVersion);
+  EXPECT_NE(loaded.find("balance_bias/layers.0.moe"), nullptr);
+  EXPECT_NE(loaded.find("adam_v/layers.1.moe.experts.w2"), nullptr);
   // The saved values are the trainer's.
   auto& params = trainer->model().params();
   const int id = params.find("layers.1.attn.wq");
-  std::vector<float> saved(static_cast<size_t>(params.numel(id)));
-  loaded.shard.read_f32("param/layers.1.attn.wq", saved.data(), params.numel(id));
+  const std::vector<float> saved = read_tensor(loaded, "param/layers.1.attn.wq");
+  ASSERT_EQ(static_cast<int64_t>(saved.size()), params.numel(id));
   EXPECT_EQ(0, std::memcmp(saved.data(), params.value(id), saved.size() * sizeof(float)));
   EXPECT_EQ(loaded.expert_placement, "") << "one process re-places nothing";
 }
 
-// The experts' placement (GPU expert parallelism) travels as shard metadata, absent when
-// there is none.
+// The experts' placement (expert parallelism) travels in the manifest, absent when there
+// is none.
 TEST_F(Checkpoint, KeepsTheExpertPlacement) {
   RunConfig config = test::tiny_config();
   Transformer<float> model(config.model, 1);
@@ -224,9 +225,19 @@ TEST_F(Checkpoint, CorruptedAndForeignFilesAreRefused) {
   rewrite(truncated / "rank_00000.safetensors", [](std::string& b) { b.resize(b.size() / 2); });
   expect_error([&] { read_checkpoint(truncated); }, {"truncated/rank_00000.safetensors", "truncated?"});
 
+  // A flipped bit in the data: found when its piece is read (restore reads every piece).
   const fs::path flipped = variant("flipped");
   rewrite(flipped / "rank_00000.safetensors", [](std::string& b) { b[b.size() - 100] ^= 0x10; });
-  expect_error([&] { read_checkpoint(flipped); }, {"flipped/rank_00000.safetensors", "hash", "corrupted"});
+  expect_error(
+      [&] {
+        const LoadedCheckpoint loaded = read_checkpoint(flipped);
+        for (const ManifestTensor& t : loaded.manifest.tensors) read_tensor(loaded, t.name);
+      },
+      {"flipped/rank_00000.safetensors", "hash", "corrupted"});
+  // In the header: found by read_checkpoint.
+  const fs::path header = variant("header");
+  rewrite(header / "rank_00000.safetensors", [](std::string& b) { b[b.find("\"shape\":[") + 9] ^= 0x01; });
+  expect_error([&] { read_checkpoint(header); }, {"header/rank_00000.safetensors"});
 
   const fs::path manifest = variant("manifest");
   rewrite(manifest / "manifest.json", [](std::string& b) { b[b.find("\"step\": 2")+8] = '3'; });
@@ -288,33 +299,82 @@ TEST(CheckpointHash, KnownAnswersAndStreamedFiles) {
   fs::remove_all(dir);
 }
 
-// A checkpoint written before XXH3 (FNV-1a hashes, a bare marker, no hash_algorithm in the
-// manifest) still loads.
-TEST_F(Checkpoint, ChecksumsOfEarlierCheckpointsStillRead) {
-  const fs::path good = save_after(2, dir_ / "ckpt");
-  const fs::path old = dir_ / "old";
-  fs::copy(good, old);
-  const std::string shard = read_file_bytes(old / "rank_00000.safetensors");
-  const std::string config = read_file_bytes(old / "config.toml");
-  auto manifest = nlohmann::json::parse(read_file_bytes(old / "manifest.json"));
-  manifest.erase("hash_algorithm");
-  manifest["shards"][0]["hash"] = content_hash(shard.data(), shard.size(), HashAlgorithm::Fnv1a64);
-  manifest["config"]["hash"] = content_hash(config.data(), config.size(), HashAlgorithm::Fnv1a64);
+// A version-1 checkpoint as this code wrote it before sharding: one shard, every tensor
+// whole under its own name, the progress in the shard's metadata, the shard's hash in the
+// manifest; `algorithm` hashes it (FNV-1a: before XXH3, a bare marker and no
+// hash_algorithm in the manifest).
+fs::path write_version_1(const fs::path& dir, const CheckpointSnapshot& snap, HashAlgorithm algorithm) {
+  fs::create_directories(dir);
+  SafeTensorsWriter shard;
+  for (const auto& t : snap.tensors) shard.add_f32(t.name, t.shape, t.data.data());
+  shard.set_metadata("format", "moe-train-checkpoint");
+  shard.set_metadata("version", "1");
+  shard.set_metadata("rank", "0");
+  shard.set_metadata("world_size", "1");
+  shard.set_metadata("step", std::to_string(snap.progress.step));
+  shard.set_metadata("adam_steps", std::to_string(snap.adam_steps));
+  shard.set_metadata("lr_scale", fmt::format("{}", snap.progress.lr_scale));
+  shard.set_metadata("skipped_steps", std::to_string(snap.progress.skipped_steps));
+  shard.set_metadata("nan_reloads", std::to_string(snap.progress.nan_reloads));
+  std::string source;
+  for (int64_t v : snap.source_state) source += (source.empty() ? "" : ",") + std::to_string(v);
+  shard.set_metadata("source_state", source);
+  shard.write(dir / "rank_00000.safetensors");
+  write_file_atomic(dir / "config.toml", snap.config_toml);
+  const std::string bytes = read_file_bytes(dir / "rank_00000.safetensors");
+  nlohmann::json manifest = {
+      {"format", "moe-train-checkpoint"}, {"version", 1}, {"step", snap.progress.step}, {"world_size", 1},
+      {"run_id", snap.run_id},
+      {"config", {{"file", "config.toml"}, {"hash", content_hash(snap.config_toml.data(), snap.config_toml.size(), algorithm)}}},
+      {"shards", nlohmann::json::array({{{"rank", 0}, {"file", "rank_00000.safetensors"}, {"bytes", bytes.size()},
+                                         {"hash", content_hash(bytes.data(), bytes.size(), algorithm)}}})}};
+  if (algorithm != HashAlgorithm::Fnv1a64) manifest["hash_algorithm"] = hash_algorithm_name(algorithm);
   const std::string m = manifest.dump(2) + "\n";
-  write_file_atomic(old / "manifest.json", m);
-  write_file_atomic(old / "COMPLETE", content_hash(m.data(), m.size(), HashAlgorithm::Fnv1a64) + "\n");
-  EXPECT_EQ(read_checkpoint(old).step, read_checkpoint(good).step);
-  // The marker's algorithm and the manifest's must agree.
-  manifest["hash_algorithm"] = "xxh3_64";
-  const std::string mixed = manifest.dump(2) + "\n";
-  write_file_atomic(old / "manifest.json", mixed);
-  write_file_atomic(old / "COMPLETE", content_hash(mixed.data(), mixed.size(), HashAlgorithm::Fnv1a64) + "\n");
-  try {
-    read_checkpoint(old);
-    ADD_FAILURE() << "a manifest whose algorithm differs from its marker's loaded";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("hash_algorithm xxh3_64 differs"), std::string::npos) << e.what();
+  write_file_atomic(dir / "manifest.json", m);
+  const std::string prefix = algorithm == HashAlgorithm::Fnv1a64 ? "" : std::string(hash_algorithm_name(algorithm)) + ":";
+  write_file_atomic(dir / "COMPLETE", prefix + content_hash(m.data(), m.size(), algorithm) + "\n");
+  return dir;
+}
+
+// Version-1 checkpoints (one shard, written before sharding; with FNV-1a hashes before
+// XXH3) still load: the same state as the version-2 checkpoint of the same snapshot.
+TEST_F(Checkpoint, ChecksumsOfEarlierCheckpointsStillRead) {
+  RunConfig config = test::tiny_config();
+  auto trainer = test::make_trainer(config);
+  AdamW optimizer(config.optimizer, trainer->model().params());
+  test::ResumableTask data(16, 8, 1);
+  for (float& m : optimizer.first_moment()) m = 0.25f;
+  optimizer.set_steps_taken(3);
+  TrainProgress progress{3, 0.5, 1, 0};
+  const CheckpointSnapshot snap = capture_checkpoint(config, trainer->model(), optimizer, data, progress);
+  const fs::path now = write_checkpoint(dir_ / "ckpt", snap, 1).path;
+  for (HashAlgorithm a : {HashAlgorithm::Fnv1a64, HashAlgorithm::Xxh3_64}) {
+    SCOPED_TRACE(hash_algorithm_name(a));
+    const fs::path old = write_version_1(dir_ / (std::string("v1_") + hash_algorithm_name(a)), snap, a);
+    const LoadedCheckpoint v1 = read_checkpoint(old), v2 = read_checkpoint(now);
+    EXPECT_EQ(v1.manifest.version, 1);
+    EXPECT_EQ(v1.step, 3);
+    EXPECT_EQ(checkpoint_progress(v1), checkpoint_progress(v2));
+    EXPECT_EQ(v1.manifest.adam_steps, 3);
+    EXPECT_EQ(v1.manifest.source_state, v2.manifest.source_state);
+    ASSERT_EQ(v1.manifest.tensors.size(), v2.manifest.tensors.size());
+    for (const ManifestTensor& t : v2.manifest.tensors) EXPECT_EQ(read_tensor(v1, t.name), read_tensor(v2, t.name)) << t.name;
+    // A bit flipped anywhere in a version-1 shard is found by read_checkpoint (its one hash).
+    const fs::path flipped = dir_ / (std::string("v1_flipped_") + hash_algorithm_name(a));
+    fs::copy(old, flipped);
+    std::string bytes = read_file_bytes(flipped / "rank_00000.safetensors");
+    bytes[bytes.size() - 100] ^= 0x10;
+    std::ofstream(flipped / "rank_00000.safetensors", std::ios::binary | std::ios::trunc) << bytes;
+    expect_error([&] { read_checkpoint(flipped); }, {"rank_00000.safetensors", "hash", "corrupted"});
   }
+  // The marker's algorithm and the manifest's must agree.
+  const fs::path mixed = dir_ / "v1_fnv1a64";
+  auto manifest = nlohmann::json::parse(read_file_bytes(mixed / "manifest.json"));
+  manifest["hash_algorithm"] = "xxh3_64";
+  const std::string text = manifest.dump(2) + "\n";
+  write_file_atomic(mixed / "manifest.json", text);
+  write_file_atomic(mixed / "COMPLETE", content_hash(text.data(), text.size(), HashAlgorithm::Fnv1a64) + "\n");
+  expect_error([&] { read_checkpoint(mixed); }, {"hash_algorithm xxh3_64 differs"});
 }
 
 TEST_F(Checkpoint, AnotherModelShapeIsRefusedOtherChangesWarn) {

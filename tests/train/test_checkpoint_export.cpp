@@ -74,7 +74,13 @@ assert set(tensors) == set(expected), set(tensors) ^ set(expected)
 for name, shape in expected.items():
     assert tensors[name].shape == shape and tensors[name].dtype == np.float32, (name, tensors[name].shape)
 
-ours = load_file(ckpt)
+# The checkpoint's shard: pieces "NAME@BEGIN" of the manifest's tensors (one process: whole).
+raw = load_file(ckpt)
+manifest = json.load(open(os.path.join(os.path.dirname(ckpt), "manifest.json")))
+ours = {}
+for t in manifest["tensors"]:
+    assert [(p["begin"], p["count"]) for p in t["pieces"]] == [(0, int(np.prod(t["shape"])))], t["name"]
+    ours[t["name"]] = raw[t["name"] + "@0"].reshape(t["shape"])
 def same(theirs, mine):
     assert np.array_equal(tensors[theirs], mine), theirs
 same("model.embed_tokens.weight", ours["param/embedding"])

@@ -90,6 +90,18 @@ inline std::vector<float> all_weights(Trainer& trainer) {
 }
 
 // A fresh directory per test, removed afterwards.
+// Two checkpoints hold the same state: every global tensor bit for bit, the progress and
+// the data position (their save ids, and so their shard bytes, differ).
+inline void expect_same_checkpoint_state(const std::filesystem::path& a, const std::filesystem::path& b) {
+  const LoadedCheckpoint x = read_checkpoint(a), y = read_checkpoint(b);
+  ASSERT_EQ(x.manifest.tensors.size(), y.manifest.tensors.size()) << a << " vs " << b;
+  for (const ManifestTensor& t : y.manifest.tensors)
+    EXPECT_TRUE(read_tensor(x, t.name) == read_tensor(y, t.name)) << t.name << ": " << a << " vs " << b;
+  EXPECT_EQ(checkpoint_progress(x), checkpoint_progress(y));
+  EXPECT_EQ(x.manifest.adam_steps, y.manifest.adam_steps);
+  EXPECT_EQ(x.manifest.source_state, y.manifest.source_state);
+}
+
 class TempDirTest : public ::testing::Test {
  protected:
   void SetUp() override {

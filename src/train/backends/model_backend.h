@@ -11,6 +11,7 @@
 #include "optim/adamw.h"
 #include "optim/grad_clip.h"
 #include "train/batch_controller.h"
+#include "train/state_pieces.h"
 
 namespace moe {
 
@@ -40,8 +41,8 @@ struct StepStats {
 // One loop drives all three; the Trainer knows no other type of them.
 // The host copy of the trained state, in the single-process layout: the model (initial
 // weights; what checkpoints and exports read and write) and its AdamW. Every backend owns
-// one: the CPU reference trains it; the others fill it for checkpoints (gather_state) and
-// at the end of a run (sync_host_model).
+// one: the CPU reference trains it; the others fill it for exports and at the end of a run
+// (sync_host_model) and, unless they save their own pieces (save_state), for checkpoints.
 struct HostState {
   std::unique_ptr<Transformer<float>> model;
   std::unique_ptr<AdamW> optimizer;
@@ -82,19 +83,37 @@ class ModelBackend {
   virtual void take_comm_stats(StepStats& stats) { (void)stats; }
   // The trained weights into the host model (GPU download, expert gather across ranks).
   virtual void sync_host_model() {}
-  // Checkpoints: the one way state moves between the backend and the host state that
-  // checkpoints read and write. gather_state (collective): afterwards rank 0's host model
-  // holds every parameter's current value and the host AdamW every moment and the step
-  // count, in the single-process layout, wherever the backend keeps them (GPU memory,
-  // shards over the ranks). scatter_state: the reverse, once every rank has loaded the same
-  // checkpoint into its host state. No-ops where the host state is the state.
-  virtual void gather_state() {}
-  virtual void scatter_state() {}
+  // Checkpoints (train/checkpoint.h), each rank saving and restoring only its own state.
+  // save_state (collective): this rank's current state as slices of the checkpoint's
+  // global tensors, each with how many ranks hold the same bits (replicas) and which copy
+  // this is; rank/world: this rank in the run's world. restore_targets: the slices this
+  // rank needs and where they go; finish_restore (collective), once they are filled.
+  // The defaults work on the host state: gather_state fills it (every rank's whole, the
+  // copies identical) and scatter_state spreads it back (no-ops where the host state is
+  // the state); a backend whose state is sharded overrides the three.
+  virtual SavedState save_state(int rank, int world) {
+    gather_state();
+    return {host_state_pieces(host_model(), host_optimizer(), world, rank), host_optimizer().steps_taken()};
+  }
+  virtual std::vector<StateTarget> restore_targets() { return host_state_targets(host_model(), host_optimizer()); }
+  virtual void finish_restore(int64_t adam_steps) {
+    host_optimizer().set_steps_taken(adam_steps);
+    scatter_state();
+  }
   // The experts' placement and the re-placement's state, as text a checkpoint keeps
   // (empty: nothing to keep), and taking it back after a restore (collective; ignored
   // where it does not fit this run, e.g. another EP size).
   virtual std::string placement_state() const { return {}; }
   virtual void restore_placement(const std::string& state) { (void)state; }
+
+ protected:
+  // For the default save_state / finish_restore. gather_state (collective): afterwards
+  // every rank's host model holds every parameter's current value and the host AdamW every
+  // moment and the step count, in the single-process layout, wherever the backend keeps
+  // them (GPU memory). scatter_state: the reverse, once the host state holds a checkpoint's
+  // values.
+  virtual void gather_state() {}
+  virtual void scatter_state() {}
 
  private:
   HostState host_;

@@ -338,27 +338,77 @@ void ParallelCpuBackend::sync_host_model() {
   stats_ = CommStats{};
 }
 
-void ParallelCpuBackend::gather_state() {
-  AdamW& optimizer = host_optimizer();
-  // ZeRO all-gathers the dense parameters after every step; the experts live on their holders.
-  sync_host_model();
-  const auto offset = [&optimizer](int id) { return optimizer.moment_offset(id); };
-  zero_->gather_moments(offset, optimizer.first_moment(), optimizer.second_moment());
-  if (experts_)
-    experts_->gather_moments(*groups_.expert_parallel, offset, optimizer.first_moment(), optimizer.second_moment());
-  optimizer.set_steps_taken(zero_->steps_taken());
+// Checkpoints without a gather: each rank saves what it holds current. Dense parameters
+// and balancing biases are the same on every rank (ZeRO all-gathers the parameters after
+// each step): split over the world. ZeRO moments: each rank's pieces, the replicated ranges
+// split over the group. Experts (EP > 1): weights and moments from the rank whose block
+// holds their slot, split over its expert replicas.
+SavedState ParallelCpuBackend::save_state(int, int) {
+  SavedState state;
+  state.adam_steps = zero_->steps_taken();
+  auto& params = host_model().params();
+  const int world = groups_.world->size(), rank = groups_.world->rank();
+  auto shape_of = [&](int id) { return tensor_shape(params.spec(id).shape); };
+  for (int id = 0; id < params.size(); ++id)
+    if (!experts_ || params.spec(id).expert_group.empty())
+      state.pieces.push_back({"param/" + params.spec(id).name, shape_of(id), 0, params.numel(id), params.value(id),
+                              world, rank});
+  const Communicator& dp = *groups_.data_parallel;
+  for (const auto& s : zero_->moment_slices()) {
+    const std::string& name = params.spec(s.id).name;
+    const int replicas = s.replicated ? dp.size() : 1, replica = s.replicated ? dp.rank() : 0;
+    state.pieces.push_back({"adam_m/" + name, shape_of(s.id), s.begin, s.count, s.m, replicas, replica});
+    state.pieces.push_back({"adam_v/" + name, shape_of(s.id), s.begin, s.count, s.v, replicas, replica});
+  }
+  if (experts_) {
+    const Communicator& edp = *groups_.expert_data_parallel;
+    for (const auto& e : experts_->window_moments()) {
+      if (!e.in_block) continue;  // a hinge: its block rank saves it
+      const std::string& name = params.spec(e.id).name;
+      const int64_t begin = e.expert * e.count;
+      state.pieces.push_back({"param/" + name, shape_of(e.id), begin, e.count, params.value(e.id) + begin, edp.size(),
+                              edp.rank()});
+      state.pieces.push_back({"adam_m/" + name, shape_of(e.id), begin, e.count, e.m, edp.size(), edp.rank()});
+      state.pieces.push_back({"adam_v/" + name, shape_of(e.id), begin, e.count, e.v, edp.size(), edp.rank()});
+    }
+  }
+  for (auto* layer : host_model().moe_layers()) {
+    auto& bias = layer->balance_bias_E();
+    const auto n = static_cast<int64_t>(bias.size());
+    state.pieces.push_back({"balance_bias/" + layer->prefix(), {n}, 0, n, bias.data(), world, rank});
+  }
   stats_ = CommStats{};
+  return state;
 }
 
-void ParallelCpuBackend::scatter_state() {
-  AdamW& optimizer = host_optimizer();
-  const auto offset = [&optimizer](int id) { return optimizer.moment_offset(id); };
-  zero_->scatter_moments(offset, optimizer.first_moment(), optimizer.second_moment());
-  zero_->set_steps_taken(optimizer.steps_taken());
-  if (experts_) {
-    experts_->scatter_moments(offset, optimizer.first_moment(), optimizer.second_moment());
-    experts_->set_steps_taken(optimizer.steps_taken());
+// Every parameter (the ranks hold all of them), the moments of this rank's ZeRO ranges and
+// window's experts, and the balancing biases: from whatever layout wrote them.
+std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
+  std::vector<StateTarget> targets;
+  auto& params = host_model().params();
+  auto shape_of = [&](int id) { return tensor_shape(params.spec(id).shape); };
+  for (int id = 0; id < params.size(); ++id)
+    targets.push_back({"param/" + params.spec(id).name, shape_of(id), 0, params.numel(id), params.value(id)});
+  for (const auto& s : zero_->moment_slices()) {
+    targets.push_back({"adam_m/" + params.spec(s.id).name, shape_of(s.id), s.begin, s.count, s.m});
+    targets.push_back({"adam_v/" + params.spec(s.id).name, shape_of(s.id), s.begin, s.count, s.v});
   }
+  if (experts_)
+    for (const auto& e : experts_->window_moments()) {
+      targets.push_back({"adam_m/" + params.spec(e.id).name, shape_of(e.id), e.expert * e.count, e.count, e.m});
+      targets.push_back({"adam_v/" + params.spec(e.id).name, shape_of(e.id), e.expert * e.count, e.count, e.v});
+    }
+  for (auto* layer : host_model().moe_layers()) {
+    auto& bias = layer->balance_bias_E();
+    const auto n = static_cast<int64_t>(bias.size());
+    targets.push_back({"balance_bias/" + layer->prefix(), {n}, 0, n, bias.data()});
+  }
+  return targets;
+}
+
+void ParallelCpuBackend::finish_restore(int64_t adam_steps) {
+  zero_->set_steps_taken(adam_steps);
+  if (experts_) experts_->set_steps_taken(adam_steps);
 }
 
 }  // namespace moe

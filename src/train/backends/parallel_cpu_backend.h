@@ -54,8 +54,10 @@ class ParallelCpuBackend final : public ModelBackend {
   void end_validation() override;
   void take_comm_stats(StepStats& stats) override;
   void sync_host_model() override;
-  void gather_state() override;
-  void scatter_state() override;
+  // Checkpoints: each rank's own pieces (no gather), and back from any layout.
+  SavedState save_state(int rank, int world) override;
+  std::vector<StateTarget> restore_targets() override;
+  void finish_restore(int64_t adam_steps) override;
   // With re-placement: each MoE layer's experts per EP rank and the loads since the last
   // placement (the GPU backend's record, so either resumes the other's).
   std::string placement_state() const override;

@@ -377,15 +377,16 @@ class GpuBackend final : public ModelBackend {
     if (dp_) dp_->take_stats();
   }
 
-  // Checkpoints. Expert parallelism: each expert's state is only on the ranks holding it,
-  // so the download is collective (every rank gets the whole state on the host); ZeRO-1:
-  // each piece's on the rank that steps it, gathered first, and only rank 0 (which writes
-  // it) downloads it (host memory: 12-16 bytes per parameter on each rank).
+  // Checkpoints (ModelBackend::save_state's default). Expert parallelism: each expert's
+  // state is only on the ranks holding it, so the download is collective (each other
+  // rank's experts broadcast by it); ZeRO-1: each piece's on the rank that steps it,
+  // gathered first. Every rank then holds the whole state on the host and writes an even
+  // share of it (host memory: 12-16 bytes per parameter on each rank, until saving writes
+  // each rank's own device state directly).
   void gather_state() override {
     AdamW& optimizer = host_optimizer();
     if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/true);
-    if (ep_ || rank_of_world() == 0)
-      gpu_->download_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
+    gpu_->download_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
     optimizer.set_steps_taken(steps_);
   }
   void scatter_state() override {
