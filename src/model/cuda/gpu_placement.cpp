@@ -4,8 +4,9 @@
 // experts stay one contiguous block, whatever their number: the router's choices go
 // through a slot table, and the weights, gradients and moments move to their new slots.
 // Under expert parallelism a rank holds memory for its window's slots only: a re-placement
-// gathers its new window aside (staying experts from their old slots, arriving ones from
-// their old holders), makes it resident, fills it, and releases what it no longer holds.
+// gathers its new window aside (staying experts from their old slots, arriving ones sent
+// point to point by their old holders), makes it resident, fills it, and releases what it
+// no longer holds.
 // Host copies (checkpoints, exports, tests) stay in expert order. Slot order changes no result over one rank: each
 // expert sees the same rows in the same order. With split experts (GpuModelOptions)
 // each rank's window also takes the next block's first slot, shared with that rank.
@@ -123,10 +124,8 @@ void GpuTransformer::State::move_experts_between_ranks(const Layer& layer, const
   const std::array<const Param*, 3> tensors = {&layer.w1, &layer.w3, &layer.w2};
   // The new window's state, gathered aside: [tensor][block], window slots of an expert each.
   std::vector<std::vector<Buffer<char>>> aside(tensors.size());
-  int64_t largest = 0;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const int64_t per_expert = tensors[t]->numel / E;
-    largest = std::max(largest, per_expert);
     for (const Block& block : blocks) {
       aside[t].emplace_back(static_cast<size_t>(std::max<int64_t>(window, 1) * per_expert) * block.bytes);
       MOE_CUDA_CHECK(cudaMemsetAsync(aside[t].back().data(), 0, aside[t].back().size(), stream));
@@ -147,30 +146,56 @@ void GpuTransformer::State::move_experts_between_ranks(const Layer& layer, const
       }
     }
   }
-  // Experts that arrive: broadcast by their old block's rank, slot by slot in the old
-  // order (the same sequence on every rank), received aside by the ranks taking them on.
+  // Experts that arrive come point to point from their old block's rank: per tensor and
+  // block one all-to-all of the slices each rank hands over, packed by peer in old slot
+  // order (the same lists on every rank, so sender and receiver agree on the layout).
+  const int P = ep->size();
   const std::vector<std::vector<int>> old_holders = slot_holders(now), new_holders = slot_holders(next);
   const std::vector<int32_t> new_slot_of = slot_of_expert(next);
-  Buffer<char> staging(static_cast<size_t>(largest) * sizeof(float));
+  std::vector<std::vector<int64_t>> sends(static_cast<size_t>(P)), takes(static_cast<size_t>(P));  // old slots
   for (int64_t slot = 0; slot < E; ++slot) {
     const int64_t j = new_slot_of[static_cast<size_t>(now.expert_of_slot[static_cast<size_t>(slot)])];
     const std::vector<int>& had = old_holders[static_cast<size_t>(slot)];
-    const std::vector<int>& will = new_holders[static_cast<size_t>(j)];
-    if (std::includes(had.begin(), had.end(), will.begin(), will.end())) continue;
     const int root = block_rank(now, slot);
-    const bool takes = j >= first && j < first + window && !std::binary_search(had.begin(), had.end(), me);
-    for (size_t t = 0; t < tensors.size(); ++t) {
-      const int64_t per_expert = tensors[t]->numel / E;
-      for (size_t b = 0; b < blocks.size(); ++b) {
-        if (!blocks[b].travels) continue;
-        const size_t slice = static_cast<size_t>(per_expert) * blocks[b].bytes;
-        char* at = me == root ? blocks[b].base + static_cast<size_t>(tensors[t]->offset + slot * per_expert) * blocks[b].bytes
-                              : staging.data();
-        ep->broadcast(at, slice, root);
-        if (takes)
-          MOE_CUDA_CHECK(cudaMemcpyAsync(aside[t][b].data() + static_cast<size_t>(j - first) * slice, staging.data(), slice,
-                                         cudaMemcpyDeviceToDevice, stream));
+    for (int q : new_holders[static_cast<size_t>(j)]) {
+      if (std::binary_search(had.begin(), had.end(), q)) continue;
+      if (root == me) sends[static_cast<size_t>(q)].push_back(slot);
+      if (q == me) takes[static_cast<size_t>(root)].push_back(slot);
+    }
+  }
+  int64_t n_send = 0, n_take = 0;
+  for (int q = 0; q < P; ++q) {
+    n_send += static_cast<int64_t>(sends[static_cast<size_t>(q)].size());
+    n_take += static_cast<int64_t>(takes[static_cast<size_t>(q)].size());
+  }
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const int64_t per_expert = tensors[t]->numel / E;
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      if (!blocks[b].travels) continue;
+      const size_t slice = static_cast<size_t>(per_expert) * blocks[b].bytes;
+      const auto at_slot = [&](int64_t slot) {
+        return blocks[b].base + static_cast<size_t>(tensors[t]->offset + slot * per_expert) * blocks[b].bytes;
+      };
+      Buffer<char> send(static_cast<size_t>(std::max<int64_t>(n_send, 1)) * slice);
+      Buffer<char> recv(static_cast<size_t>(std::max<int64_t>(n_take, 1)) * slice);
+      std::vector<int64_t> send_counts, recv_counts;
+      size_t packed = 0;
+      for (int q = 0; q < P; ++q) {
+        for (int64_t slot : sends[static_cast<size_t>(q)])
+          MOE_CUDA_CHECK(cudaMemcpyAsync(send.data() + slice * packed++, at_slot(slot), slice, cudaMemcpyDeviceToDevice,
+                                         stream));
+        send_counts.push_back(static_cast<int64_t>(sends[static_cast<size_t>(q)].size() * slice / blocks[b].bytes));
+        recv_counts.push_back(static_cast<int64_t>(takes[static_cast<size_t>(q)].size() * slice / blocks[b].bytes));
       }
+      ep->exchange(send.data(), send_counts, recv.data(), recv_counts, blocks[b].bytes);
+      size_t unpacked = 0;
+      for (int p = 0; p < P; ++p)
+        for (int64_t slot : takes[static_cast<size_t>(p)]) {
+          const int64_t j = new_slot_of[static_cast<size_t>(now.expert_of_slot[static_cast<size_t>(slot)])];
+          MOE_CUDA_CHECK(cudaMemcpyAsync(aside[t][b].data() + static_cast<size_t>(j - first) * slice,
+                                         recv.data() + slice * unpacked++, slice, cudaMemcpyDeviceToDevice, stream));
+        }
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // before send and recv go
     }
   }
   // The new window resident (beside the old one for now), then filled from aside.

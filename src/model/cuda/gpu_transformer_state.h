@@ -142,8 +142,9 @@ struct GpuTransformer::State {
   void move_expert_slots(const Layer& layer, const std::vector<int64_t>& source_of_slot);
   // Expert parallelism, a re-placement to `next` (slot s takes what slot source_of_slot[s]
   // held): this rank's new window gathered aside (its staying experts from their old
-  // slots, the arriving ones broadcast by their old holders; collective over the EP
-  // group), then made resident and filled. Gradients do not travel (arriving ones start
+  // slots, the arriving ones sent point to point by their old block's rank in one
+  // all-to-all per tensor and block; collective over the EP group), then made resident
+  // and filled. Gradients do not travel (arriving ones start
   // at zero). The caller then releases what is no longer held.
   void move_experts_between_ranks(const Layer& layer, const ExpertSlots& next, const std::vector<int64_t>& source_of_slot);
   // Host copies of the placed layers' expert tensors (tensor_of: where each one's values
