@@ -189,7 +189,7 @@ void ExpertOptimizer::migrate(const std::vector<ExpertSlots>& next, Communicator
     LayerState& layer = layers_[l];
     const std::vector<std::vector<int>> had_of_slot = slot_holders(now), will_of_slot = slot_holders(then);
     const std::vector<int32_t> slot_now = slot_of_expert(now), slot_then = slot_of_expert(then);
-    std::vector<float> moving;
+    std::vector<float> moving, passing;
     for (int64_t expert = 0; expert < now.n_experts(); ++expert) {
       const std::vector<int>& had = had_of_slot[static_cast<size_t>(slot_now[static_cast<size_t>(expert)])];
       const std::vector<int>& will = will_of_slot[static_cast<size_t>(slot_then[static_cast<size_t>(expert)])];
@@ -199,7 +199,7 @@ void ExpertOptimizer::migrate(const std::vector<ExpertSlots>& next, Communicator
         std::vector<float>& m = layer.m[i][static_cast<size_t>(expert)];
         std::vector<float>& v = layer.v[i][static_cast<size_t>(expert)];
         if (!std::includes(had.begin(), had.end(), will.begin(), will.end())) {
-          // Weights (every rank's copy, as gather_weights) and the two moments, from the block rank.
+          // Weights and the two moments, from the block rank.
           const int id = layer.layer.ids[i];
           const int64_t n = per_expert(id);
           const int from = block_rank(now, slot_now[static_cast<size_t>(expert)]);
@@ -208,8 +208,15 @@ void ExpertOptimizer::migrate(const std::vector<ExpertSlots>& next, Communicator
             std::copy_n(m.data(), n, moving.data());
             std::copy_n(v.data(), n, moving.data() + n);
           }
+          // The weights land in place only where the expert is held: a rank keeps memory
+          // for its own experts only (ParameterStore::set_resident).
+          float* weights = params_.value(id) + expert * n;
+          if (!holds_now && !holds_then) {
+            passing.assign(static_cast<size_t>(n), 0.0f);
+            weights = passing.data();
+          }
           timed_blocking(stats_, [&] {
-            expert_parallel.broadcast(params_.value(id) + expert * n, static_cast<size_t>(n), DType::f32, from);
+            expert_parallel.broadcast(weights, static_cast<size_t>(n), DType::f32, from);
             expert_parallel.broadcast(moving.data(), moving.size(), DType::f32, from);
           });
           if (holds_then && !holds_now) {

@@ -50,11 +50,12 @@ class ExpertOptimizer {
   void scale_gradients(float factor);
   void step(double lr);
   // Every rank of the EP group gets every expert's current weights (broadcast from its
-  // slot's block rank).
+  // slot's block rank): the whole model on every rank (the end of a run), so the other
+  // experts' memory is committed again.
   void gather_weights(Communicator& expert_parallel);
   // Before the slots this optimizer reads change to `next` (a re-placement): each expert
-  // that a rank newly holds takes its current weights (to every EP rank) and AdamW moments
-  // from its block rank. Collective over the EP group; the caller then assigns `next`.
+  // that a rank newly holds takes its current weights and AdamW moments from its block
+  // rank (ranks that neither hold nor take it receive them aside). Collective over the EP group; the caller then assigns `next`.
   void migrate(const std::vector<ExpertSlots>& next, Communicator& expert_parallel);
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }

@@ -1,5 +1,8 @@
 #include "model/parameters.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 
@@ -79,7 +82,42 @@ int ParameterStore<T>::find(const std::string& name) const {
 
 template <typename T>
 void ParameterStore<T>::zero_grads() {
-  std::memset(grads_.data(), 0, grads_.size() * sizeof(T));
+  if (resident_.empty()) {
+    std::memset(grads_.data(), 0, grads_.size() * sizeof(T));
+    return;
+  }
+  for (const Range& r : resident_) std::memset(grads_.data() + r.offset, 0, static_cast<size_t>(r.count) * sizeof(T));
+}
+
+namespace {
+
+// Returns the whole pages inside [begin, end) to the OS: private anonymous memory reads as
+// zero afterwards and costs nothing until written.
+void release_pages(void* begin, void* end) {
+  static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t from = (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page;
+  const uintptr_t to = reinterpret_cast<uintptr_t>(end) / page * page;
+  if (to > from) madvise(reinterpret_cast<void*>(from), to - from, MADV_DONTNEED);
+}
+
+}  // namespace
+
+template <typename T>
+void ParameterStore<T>::set_resident(RangeList ranges) {
+  MOE_CHECK(allocated_, "parameters: set_resident before allocate()");
+  const auto n = static_cast<int64_t>(values_.size());
+  for (size_t i = 0; i < ranges.size(); ++i)
+    MOE_CHECK(ranges[i].offset >= 0 && ranges[i].end() <= n && (i == 0 || ranges[i].offset >= ranges[i - 1].end()),
+              "parameters: resident range [{}, {}) not sorted, disjoint and inside the block of {}", ranges[i].offset,
+              ranges[i].end(), n);
+  for (const Range& r : subtract_ranges({{0, n}}, ranges))
+    for (T* block : {values_.data(), grads_.data()}) release_pages(block + r.offset, block + r.end());
+  resident_ = ranges.size() == 1 && ranges[0] == Range{0, n} ? RangeList{} : std::move(ranges);
+}
+
+template <typename T>
+RangeList ParameterStore<T>::resident() const {
+  return resident_.empty() ? RangeList{{0, static_cast<int64_t>(values_.size())}} : resident_;
 }
 
 template class ParameterStore<float>;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/range.h"
 #include "core/zeroed_allocator.h"
 
 namespace moe {
@@ -59,7 +60,15 @@ class ParameterStore {
   T* grads_data() { return grads_.data(); }
   const T* grads_data() const { return grads_.data(); }
   int find(const std::string& name) const;  // -1 when absent
+  // Zeroes the resident gradients.
   void zero_grads();
+  // Keeps memory for `ranges` of the block only (sorted, disjoint element ranges; offsets
+  // stay those of the whole block): the values and gradients elsewhere are released to the
+  // OS (whole pages; they read as zero until written) and zero_grads leaves them alone.
+  // Expert parallelism: the rank's own experts and the non-expert parameters.
+  void set_resident(RangeList ranges);
+  // The resident ranges (the whole block until set_resident).
+  RangeList resident() const;
 
  private:
   T* values_ptr(int id) { return values_.data() + offsets_[static_cast<size_t>(id)]; }
@@ -73,6 +82,7 @@ class ParameterStore {
   // writes them unless a test or checkpoint asks (core/zeroed_allocator.h).
   std::vector<T, ZeroedAllocator<T>> values_;
   std::vector<T, ZeroedAllocator<T>> grads_;
+  RangeList resident_;  // empty: all of it
   bool allocated_ = false;
 };
 

@@ -1,11 +1,13 @@
 // ParameterStore's name index: ids in registration order, lookups by name, and a name
 // registered twice refused (the index is a hash map: registering N names is O(N), which
-// the model's construction relies on for deep models).
+// the model's construction relies on for deep models); resident ranges give memory back.
 #include <gtest/gtest.h>
 
 #include <string>
 
+#include "core/error.h"
 #include "model/parameters.h"
+#include "obs/metrics.h"
 
 namespace moe {
 namespace {
@@ -29,6 +31,31 @@ TEST(ParameterStore, FindsEveryNameAndRefusesDuplicates) {
   EXPECT_EQ(store.find("layers.5000.w"), kCount);
   store.allocate(1);
   EXPECT_EQ(store.total_numel(), 2 * kCount + 1);
+}
+
+// Expert parallelism keeps a rank's own experts only: the rest of the block goes back to
+// the OS (the process's resident set falls), reads as zero, and zero_grads leaves it alone.
+TEST(ParameterStore, NonResidentRangesGiveTheirMemoryBack) {
+  constexpr int64_t kElements = int64_t{16} << 20;  // 64 MiB of values, 64 MiB of gradients
+  ParameterStore<float> store;
+  const int id = store.add({"experts.w", Shape{16, kElements / 16}});
+  store.allocate(7);  // the values are written: committed
+  const float kept = store.value(id)[100];
+  ASSERT_NE(kept, 0.0f);
+  const int64_t before = resident_set_bytes();
+  store.set_resident({{0, kElements / 4}});
+  const int64_t released = before - resident_set_bytes();
+  EXPECT_GT(released, int64_t{40} << 20) << "three quarters of the 64 MiB of values";
+  EXPECT_EQ(store.value(id)[100], kept);
+  EXPECT_EQ(store.value(id)[kElements / 2], 0.0f);  // inside the released pages
+  EXPECT_EQ(store.resident(), (RangeList{{0, kElements / 4}}));
+  const int64_t zeroing = resident_set_bytes();
+  store.zero_grads();  // commits the resident quarter of the gradients only
+  EXPECT_LT(resident_set_bytes() - zeroing, int64_t{24} << 20);
+  store.set_resident({{0, kElements}});  // everything again: the whole block
+  EXPECT_EQ(store.resident(), (RangeList{{0, kElements}}));
+  EXPECT_THROW(store.set_resident({{10, 20}, {5, 10}}), Error);  // not sorted
+  EXPECT_THROW(store.set_resident({{0, kElements + 1}}), Error);  // past the block
 }
 
 }  // namespace

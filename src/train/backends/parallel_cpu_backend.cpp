@@ -66,7 +66,10 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
       *groups_.data_parallel, config.optimizer, stats_);
   if (ep > 1) {
     std::vector<ExpertOptimizer::Layer> layers;
-    for (const auto& group : group_order) layers.push_back({expert_ids[group], stage_of(expert_ids[group].front())});
+    for (const auto& group : group_order) {
+      layers.push_back({expert_ids[group], stage_of(expert_ids[group].front())});
+      expert_ids_by_layer_.push_back(expert_ids[group]);
+    }
     experts_ = std::make_unique<ExpertOptimizer>(params, std::move(layers), slots_, groups_.expert_parallel->rank(),
                                                  *groups_.expert_data_parallel, *groups_.world, config.optimizer, stats_);
   } else {
@@ -79,6 +82,7 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     zero_->on_stage(stage);
     if (experts_) experts_->on_stage(stage);
   };
+  keep_own_experts_resident();
 }
 
 ParallelCpuBackend::~ParallelCpuBackend() {
@@ -276,6 +280,31 @@ void ParallelCpuBackend::rebalance_experts() {
 void ParallelCpuBackend::place_experts(const std::vector<ExpertSlots>& next) {
   experts_->migrate(next, *groups_.expert_parallel);
   for (size_t l = 0; l < slots_.size(); ++l) slots_[l] = next[l];  // in place: the layers hold pointers
+  keep_own_experts_resident();
+}
+
+void ParallelCpuBackend::keep_own_experts_resident() {
+  if (!experts_) return;
+  auto& params = host_model().params();
+  const int me = groups_.expert_parallel->rank();
+  RangeList experts, own;
+  for (size_t l = 0; l < expert_ids_by_layer_.size(); ++l)
+    for (int id : expert_ids_by_layer_[l]) {
+      const int64_t per_expert = params.numel(id) / slots_[l].n_experts();
+      experts.push_back({params.offset(id), params.numel(id)});
+      for (int64_t expert : window_experts(slots_[l], me)) own.push_back({params.offset(id) + expert * per_expert, per_expert});
+      // Every hinge too: their gradients are summed over all ranks, into every rank's block.
+      const std::vector<std::vector<int>> holders = slot_holders(slots_[l]);
+      for (size_t slot = 0; slot < holders.size(); ++slot)
+        if (holders[slot].size() > 1)
+          own.push_back({params.offset(id) + slots_[l].expert_of_slot[slot] * per_expert, per_expert});
+    }
+  std::sort(experts.begin(), experts.end());
+  std::sort(own.begin(), own.end());
+  own.erase(std::unique(own.begin(), own.end()), own.end());  // a held hinge is listed twice
+  RangeList own_merged;
+  for (const Range& r : own) append_merged(own_merged, r.offset, r.count);
+  params.set_resident(subtract_ranges({{0, params.storage_numel()}}, subtract_ranges(experts, own_merged)));
 }
 
 std::string ParallelCpuBackend::placement_state() const {
@@ -387,8 +416,14 @@ std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
   std::vector<StateTarget> targets;
   auto& params = host_model().params();
   auto shape_of = [&](int id) { return tensor_shape(params.spec(id).shape); };
-  for (int id = 0; id < params.size(); ++id)
-    targets.push_back({"param/" + params.spec(id).name, shape_of(id), 0, params.numel(id), params.value(id)});
+  // The parameters this rank holds (all but the other ranks' experts under expert parallelism).
+  RangeList spans;
+  for (int id = 0; id < params.size(); ++id) spans.push_back({params.offset(id), params.numel(id)});
+  for (const SpanPiece& part : cut_spans(spans, params.resident())) {
+    const int id = static_cast<int>(part.span);
+    const int64_t begin = part.offset - params.offset(id);
+    targets.push_back({"param/" + params.spec(id).name, shape_of(id), begin, part.count, params.value(id) + begin});
+  }
   for (const auto& s : zero_->moment_slices()) {
     targets.push_back({"adam_m/" + params.spec(s.id).name, shape_of(s.id), s.begin, s.count, s.m});
     targets.push_back({"adam_v/" + params.spec(s.id).name, shape_of(s.id), s.begin, s.count, s.v});
@@ -409,6 +444,7 @@ std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
 void ParallelCpuBackend::finish_restore(int64_t adam_steps) {
   zero_->set_steps_taken(adam_steps);
   if (experts_) experts_->set_steps_taken(adam_steps);
+  keep_own_experts_resident();  // a restored placement may have moved the window
 }
 
 }  // namespace moe

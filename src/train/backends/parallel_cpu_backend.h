@@ -86,6 +86,11 @@ class ParallelCpuBackend final : public ModelBackend {
   void rebalance_experts();
   // Moves the experts to `next` (weights, moments) and makes it the layers' slots.
   void place_experts(const std::vector<ExpertSlots>& next);
+  // Expert parallelism: memory for this rank's window experts, every hinge (their
+  // gradients are summed into every rank's block) and the non-expert parameters only
+  // (ParameterStore::set_resident); the other experts' pages go.
+  void keep_own_experts_resident();
+  std::vector<std::vector<int>> expert_ids_by_layer_;  // per MoE layer: its expert tensors' ids
   double ce_weight_ = 1;                            // this rank's share of the micro-batch's targets
   std::vector<std::vector<int64_t>> global_load_;   // per MoE layer: the step's load summed over ranks
 };
