@@ -14,13 +14,16 @@
 #                (environment): the "sms,dtype,shard" triples to run, space-separated;
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
 #                and hierarchical with the GPUs split into 2 simulated nodes;
+#   memory       expert state only where it is computed: per-GPU device state (the "device
+#                state" line) of bench/ep_memory.sh's model at EP = N, and mixtral-mini at
+#                EP = N with fp32 AdamW moments (each GPU holds 1/N of the experts), 6 steps;
 #   resume       runs of the default model saving at step 4 of 8, resumed from that
 #                checkpoint: steps 5-8 of both runs (each rank writes its shard, all read), data
 #                parallel, expert parallel (EP = N) and EP = N with split experts
 #                re-placed every 2 steps, and the EP checkpoint resumed on one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
-# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,resume (default: all
-# but comm).
+# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,memory,resume (default:
+# all but comm).
 # MODES (environment): the parallel modes scaling measures, "dp ep" by default; "epr" adds
 # EP = N with the experts re-placed by load every REBALANCE_INTERVAL steps (default 5),
 # up to E - N + 1 experts per GPU; "eps" EP = N with split experts (parallel.split_experts:
@@ -44,7 +47,7 @@ moe=$1
 corpus=$2
 n=${3:-$(nvidia-smi -L | wc -l)}
 out=${4:-multi_gpu_out}
-sections=,${5:-correctness,scaling,a2a,resume},
+sections=,${5:-correctness,scaling,a2a,memory,resume},
 modes=" ${MODES:-dp ep} "
 export NCCL_NVLS_ENABLE=0
 [[ -x $moe ]] || { echo "$0: $moe is not an executable" >&2; exit 2; }
@@ -68,9 +71,10 @@ launch() {
   else "$moe" launch --nproc-per-node "$n" -- "$@"; fi
 }
 # The 10-step bench run of a model (scaling and comm sections): sets run, extra and tokens
-# (the config's global batch). Expert parallelism keeps every weight on every GPU (as data
-# parallelism does) plus the received rows: mixtral-mini needs bf16 moments to fit; the
-# 1-GPU baseline gets them too. SCALING_ARGS apply to every run, 1 GPU included.
+# (the config's global batch). mixtral-mini runs with bf16 moments (data parallelism keeps
+# every weight on every GPU plus its buffers; before issue 19 expert parallelism did too),
+# the 1-GPU baseline with them as well, as in the recorded figures. SCALING_ARGS apply to
+# every run, 1 GPU included.
 bench_run() {
   local cfg=configs/bench/$1.toml
   extra=()
@@ -180,6 +184,22 @@ if [[ $sections == *,a2a,* ]]; then
     echo "$model, one node:";          grep -E "^a2a-bench|^  (flat|hierarchical)" "$out/a2a_$model.txt"
     echo "$model, 2 simulated nodes:"; grep -E "^  hierarchical" "$out/a2a_2nodes_$model.txt"
   done
+fi
+
+if [[ $sections == *,memory,* ]]; then
+  echo "== expert state per GPU, EP $n (issue 19: each GPU keeps its own experts only)"
+  # bench/ep_memory.sh's model (8 layers x 64 experts, dim 512) over the N GPUs.
+  launch train -c configs/default.toml --data.dir="$corpus" --training.device=cuda --model.dim=512 \
+    --model.n_heads=8 --model.n_kv_heads=4 --model.n_layers=8 --model.seq_len=512 --moe.n_experts=64 \
+    --moe.expert_hidden=512 --training.micro_batch=1 --training.global_batch_tokens=$((512 * n)) --training.steps=3 \
+    --training.val_interval=0 --metrics.log_interval=1 --parallel.expert_parallel="$n" > "$out/memory_ep.txt" 2>&1
+  grep -m1 "device state" "$out/memory_ep.txt" | sed 's/.*device state/  device state/'
+  # mixtral-mini with fp32 moments at EP N: 76 GB of state on one GPU, 1/N of its experts here.
+  launch train -c configs/bench/mixtral-mini.toml --device cuda --data.dir="$corpus" --training.steps=6 \
+    --training.global_batch_tokens=$((16384 * n)) --metrics.log_interval=1 --training.val_interval=0 \
+    --parallel.expert_parallel="$n" > "$out/memory_mixtral.txt" 2>&1
+  grep -m1 "device state" "$out/memory_mixtral.txt" | sed 's/.*device state/  mixtral-mini device state/'
+  grep -E "^step +6/" "$out/memory_mixtral.txt" | cut -c1-100 | sed 's/^/  /'
 fi
 
 if [[ $sections == *,resume,* ]]; then
