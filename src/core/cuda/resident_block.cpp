@@ -64,8 +64,9 @@ CUmemAllocationProp device_prop(int device) {
   return prop;
 }
 
-// At most this many chunks per block: bounds the driver calls for a large block.
-constexpr size_t kMaxChunks = 8192;
+// At most this many chunks per block (2 TiB at the usual 2 MiB granularity): larger chunks
+// would waste up to a chunk at each edge of every resident range.
+constexpr size_t kMaxChunks = size_t{1} << 20;
 
 }  // namespace
 
