@@ -77,6 +77,41 @@ TEST(Config, DefaultTomlLoadsAndSetsEveryKey) {
   for (const auto& key : written_keys(config)) EXPECT_TRUE(file.at_path(key)) << key << " missing in default.toml";
 }
 
+// Every config the repository ships loads and validates; the real-size ones have the
+// shapes they are named for (issue 19: Mixtral-8x7B and the write-up's 128-expert model).
+TEST(Config, EveryShippedConfigLoadsAndTheRealSizedOnesHaveTheirShapes) {
+  int loaded = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(source_dir() / "configs"))
+    if (entry.path().extension() == ".toml") {
+      EXPECT_NO_THROW(load_config(entry.path().string())) << entry.path();
+      ++loaded;
+    }
+  EXPECT_GE(loaded, 5);
+  const RunConfig mixtral = load_config((source_dir() / "configs/models/mixtral-8x7b.toml").string());
+  EXPECT_EQ(mixtral.model.n_layers, 32);
+  EXPECT_EQ(mixtral.model.dim, 4096);
+  EXPECT_EQ(mixtral.model.n_heads, 32);
+  EXPECT_EQ(mixtral.model.n_kv_heads, 8);
+  EXPECT_EQ(mixtral.model.vocab_size, 32000);
+  EXPECT_DOUBLE_EQ(mixtral.model.rope_theta, 1e6);
+  EXPECT_EQ(mixtral.model.moe.n_experts, 8);
+  EXPECT_EQ(mixtral.model.moe.expert_hidden, 14336);
+  EXPECT_EQ(mixtral.model.moe.top_k, 2);
+  const RunConfig writeup = load_config((source_dir() / "configs/models/writeup-500b.toml").string());
+  EXPECT_EQ(writeup.model.moe.n_experts, 128);
+  EXPECT_EQ(writeup.model.moe.top_k, 2);
+  EXPECT_EQ(writeup.model.moe.expert_hidden, 8192);
+  EXPECT_DOUBLE_EQ(writeup.model.moe.capacity_factor, 1.25);
+  EXPECT_DOUBLE_EQ(writeup.model.moe.temperature, 0.3);
+  // About 500 B parameters: experts, attention (GQA), routers and the two embeddings.
+  const ModelConfig& m = writeup.model;
+  const double kv = static_cast<double>(m.dim) * m.n_kv_heads / m.n_heads;
+  const double per_layer = 3.0 * m.dim * m.moe.expert_hidden * m.moe.n_experts + 2.0 * m.dim * m.dim +
+                           2.0 * m.dim * kv + static_cast<double>(m.dim) * m.moe.n_experts;
+  const double total = per_layer * m.n_layers + 2.0 * m.vocab_size * m.dim;
+  EXPECT_NEAR(total / 1e9, 500, 10);
+}
+
 TEST(Config, OverridesParseTomlValuesAndBareStrings) {
   RunConfig c = parse_config("[model]\ndim = 64\n", "x.toml",
                              {"model.dim=256", "--lr.peak=1e-3", "moe.temperature=2", "model.tie_embeddings=true",
