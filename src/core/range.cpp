@@ -14,6 +14,19 @@ void append_merged(RangeList& ranges, int64_t offset, int64_t count) {
     ranges.push_back({offset, count});
 }
 
+RangeList merge_ranges(RangeList ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  RangeList merged;
+  for (const Range& r : ranges) {
+    if (r.count <= 0) continue;
+    if (!merged.empty() && r.offset <= merged.back().end())
+      merged.back().count = std::max(merged.back().end(), r.end()) - merged.back().offset;
+    else
+      merged.push_back(r);
+  }
+  return merged;
+}
+
 RangeList subtract_ranges(const RangeList& from, const RangeList& minus) {
   RangeList out;
   size_t j = 0;

@@ -22,6 +22,10 @@ using RangeList = std::vector<Range>;
 // when the two touch.
 void append_merged(RangeList& ranges, int64_t offset, int64_t count);
 
+// The union of `ranges` (any order, overlaps allowed): sorted, disjoint, touching ones
+// merged, empty ones dropped.
+RangeList merge_ranges(RangeList ranges);
+
 // The parts of sorted, disjoint `from` outside sorted, disjoint `minus`.
 RangeList subtract_ranges(const RangeList& from, const RangeList& minus);
 

@@ -18,6 +18,7 @@
 #include "train/checkpoint_hash.h"
 #include "train/fault_monitor.h"
 #include "train/safetensors.h"
+#include "expect_error.h"
 
 namespace moe {
 namespace {
@@ -32,14 +33,7 @@ std::string header_file(const std::string& json, const std::string& data = "") {
 }
 
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning " << fragments.front();
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (const auto& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << "'" << f << "' not in: " << message;
-  }
+  test::expect_one_line_error<Error>(fn, fragments);
 }
 
 TEST(SafeTensors, WriteThenReadRoundTrips) {

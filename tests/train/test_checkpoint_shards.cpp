@@ -14,6 +14,7 @@
 #include "train/checkpoint.h"
 #include "train/checkpoint_manifest.h"
 #include "train/checkpoint_shards.h"
+#include "expect_error.h"
 
 namespace moe {
 namespace {
@@ -21,14 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning " << fragments.front();
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (const auto& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << "'" << f << "' not in: " << message;
-  }
+  test::expect_one_line_error<Error>(fn, fragments);
 }
 
 std::vector<ManifestShard> two_shards() {

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "config/run_config.h"
+#include "expect_error.h"
 
 namespace moe {
 namespace {
@@ -39,15 +40,7 @@ std::vector<std::string> written_keys(const RunConfig& config) {
 
 // Runs `fn`, expects a one-line ConfigError containing every fragment.
 void expect_config_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "no ConfigError; expected one mentioning " << fragments.front();
-  } catch (const ConfigError& e) {
-    std::string message = e.what();
-    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    for (const auto& fragment : fragments)
-      EXPECT_NE(message.find(fragment), std::string::npos) << "'" << fragment << "' not in: " << message;
-  }
+  test::expect_one_line_error<ConfigError>(fn, fragments);
 }
 
 void expect_override_error(const std::string& override_text, const std::vector<std::string>& fragments) {

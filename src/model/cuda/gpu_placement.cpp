@@ -204,16 +204,7 @@ void GpuTransformer::State::move_experts_between_ranks(const Layer& layer, const
     const int64_t per_expert = p->numel / E;
     both.push_back({p->offset + first * per_expert, window * per_expert});
   }
-  std::sort(both.begin(), both.end());
-  RangeList merged;
-  for (const Range& r : both) {
-    if (r.count == 0) continue;
-    if (!merged.empty() && r.offset <= merged.back().end())
-      merged.back().count = std::max(merged.back().end(), r.end()) - merged.back().offset;
-    else
-      merged.push_back(r);
-  }
-  store->set_resident_ranges(merged);
+  store->set_resident_ranges(merge_ranges(std::move(both)));
   for (size_t t = 0; t < tensors.size(); ++t) {
     const int64_t per_expert = tensors[t]->numel / E;
     for (size_t b = 0; b < blocks.size(); ++b)
@@ -271,7 +262,8 @@ void GpuTransformer::State::move_expert_slots(const Layer& layer, const std::vec
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));  // before the staging buffer goes
 }
 
-void GpuTransformer::State::slots_to_experts(const std::function<float*(const Param&)>& tensor_of) const {
+void GpuTransformer::State::reorder_experts(const std::function<float*(const Param&)>& tensor_of,
+                                            bool to_expert_order) const {
   const int64_t E = config.moe.n_experts;
   std::vector<float> copy;
   for (const Layer& layer : layers) {
@@ -280,25 +272,11 @@ void GpuTransformer::State::slots_to_experts(const std::function<float*(const Pa
       const int64_t per_expert = p->numel / E;
       float* tensor = tensor_of(*p);
       copy.assign(tensor, tensor + p->numel);
-      for (int64_t slot = 0; slot < E; ++slot)
-        std::copy_n(copy.begin() + slot * per_expert, per_expert,
-                    tensor + layer.slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert);
-    }
-  }
-}
-
-void GpuTransformer::State::experts_to_slots(const std::function<float*(const Param&)>& tensor_of) const {
-  const int64_t E = config.moe.n_experts;
-  std::vector<float> copy;
-  for (const Layer& layer : layers) {
-    if (!layer.placed) continue;
-    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
-      const int64_t per_expert = p->numel / E;
-      float* tensor = tensor_of(*p);
-      copy.assign(tensor, tensor + p->numel);
-      for (int64_t slot = 0; slot < E; ++slot)
-        std::copy_n(copy.begin() + layer.slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert, per_expert,
-                    tensor + slot * per_expert);
+      for (int64_t slot = 0; slot < E; ++slot) {
+        const int64_t expert = layer.slots.expert_of_slot[static_cast<size_t>(slot)];
+        const int64_t from = to_expert_order ? slot : expert, to = to_expert_order ? expert : slot;
+        std::copy_n(copy.begin() + from * per_expert, per_expert, tensor + to * per_expert);
+      }
     }
   }
 }
@@ -327,15 +305,7 @@ void GpuTransformer::State::gather_other_experts(ParameterStore<float>& params, 
         if (!mine) {
           RangeList with = resident;
           with.push_back(block);
-          std::sort(with.begin(), with.end());
-          RangeList merged;
-          for (const Range& r : with) {
-            if (!merged.empty() && r.offset <= merged.back().end())
-              merged.back().count = std::max(merged.back().end(), r.end()) - merged.back().offset;
-            else
-              merged.push_back(r);
-          }
-          store->set_resident_ranges(merged);
+          store->set_resident_ranges(merge_ranges(std::move(with)));
         }
         for (const auto& [base, bytes] : blocks)
           ep->broadcast(base + block.offset * static_cast<int64_t>(bytes), static_cast<size_t>(block.count) * bytes, rank);

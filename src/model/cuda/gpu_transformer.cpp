@@ -519,24 +519,25 @@ void* GpuTransformer::stream() const { return state_->stream; }
 // Host copies are in expert order: re-placed layers' tensors are put back from slot order.
 void GpuTransformer::download_grads(ParameterStore<float>& params) const {
   state_->store->download_grads(params);
-  state_->slots_to_experts([&](const Param& p) { return params.grad(p.id); });
+  state_->reorder_experts([&](const Param& p) { return params.grad(p.id); }, /*to_expert_order=*/true);
 }
 
 void GpuTransformer::download_params(ParameterStore<float>& params) {
   State& s = *state_;
   s.store->download_params(params);
   s.gather_other_experts(params, nullptr, nullptr);
-  s.slots_to_experts([&](const Param& p) { return params.value(p.id); });
+  s.reorder_experts([&](const Param& p) { return params.value(p.id); }, /*to_expert_order=*/true);
 }
 
 void GpuTransformer::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) {
   State& s = *state_;
   s.store->download_state(params, m, v);
   s.gather_other_experts(params, &m, &v);
-  s.slots_to_experts([&](const Param& p) { return params.value(p.id); });
+  s.reorder_experts([&](const Param& p) { return params.value(p.id); }, /*to_expert_order=*/true);
   const std::vector<int64_t> packed = packed_offsets(params);
   for (std::vector<float>* moment : {&m, &v})
-    s.slots_to_experts([&](const Param& p) { return moment->data() + packed[static_cast<size_t>(p.id)]; });
+    s.reorder_experts([&](const Param& p) { return moment->data() + packed[static_cast<size_t>(p.id)]; },
+                      /*to_expert_order=*/true);
 }
 
 void GpuTransformer::upload_state(const ParameterStore<float>& params, const std::vector<float>& m,
@@ -551,10 +552,11 @@ void GpuTransformer::upload_state(const ParameterStore<float>& params, const std
   // each rank uploads only the slots it holds.
   ParameterStore<float> slotted = params;
   std::vector<float> m_slotted = m, v_slotted = v;
-  s.experts_to_slots([&](const Param& p) { return slotted.value(p.id); });
+  s.reorder_experts([&](const Param& p) { return slotted.value(p.id); }, /*to_expert_order=*/false);
   const std::vector<int64_t> packed = packed_offsets(params);
   for (std::vector<float>* moment : {&m_slotted, &v_slotted})
-    s.experts_to_slots([&](const Param& p) { return moment->data() + packed[static_cast<size_t>(p.id)]; });
+    s.reorder_experts([&](const Param& p) { return moment->data() + packed[static_cast<size_t>(p.id)]; },
+                      /*to_expert_order=*/false);
   s.store->upload_state(slotted, m_slotted, v_slotted);
 }
 

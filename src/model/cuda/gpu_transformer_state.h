@@ -148,9 +148,8 @@ struct GpuTransformer::State {
   // at zero). The caller then releases what is no longer held.
   void move_experts_between_ranks(const Layer& layer, const ExpertSlots& next, const std::vector<int64_t>& source_of_slot);
   // Host copies of the placed layers' expert tensors (tensor_of: where each one's values
-  // are) from slot order into expert order, and back.
-  void slots_to_experts(const std::function<float*(const Param&)>& tensor_of) const;
-  void experts_to_slots(const std::function<float*(const Param&)>& tensor_of) const;
+  // are) from slot order into expert order (to_expert_order), or back.
+  void reorder_experts(const std::function<float*(const Param&)>& tensor_of, bool to_expert_order) const;
   // Expert parallelism: the other ranks' experts into the host copies (slot order), each
   // rank's block broadcast from it into memory made resident for the time being
   // (collective over the EP group). m, v: the packed moments too (null: weights only).

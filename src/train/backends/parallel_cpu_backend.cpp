@@ -299,12 +299,9 @@ void ParallelCpuBackend::keep_own_experts_resident() {
         if (holders[slot].size() > 1)
           own.push_back({params.offset(id) + slots_[l].expert_of_slot[slot] * per_expert, per_expert});
     }
-  std::sort(experts.begin(), experts.end());
-  std::sort(own.begin(), own.end());
-  own.erase(std::unique(own.begin(), own.end()), own.end());  // a held hinge is listed twice
-  RangeList own_merged;
-  for (const Range& r : own) append_merged(own_merged, r.offset, r.count);
-  params.set_resident(subtract_ranges({{0, params.storage_numel()}}, subtract_ranges(experts, own_merged)));
+  // A held hinge is listed twice: the union merges it.
+  params.set_resident(subtract_ranges({{0, params.storage_numel()}},
+                                      subtract_ranges(merge_ranges(std::move(experts)), merge_ranges(std::move(own)))));
 }
 
 std::string ParallelCpuBackend::placement_state() const {
