@@ -8,7 +8,7 @@
 #                batch N times larger), data parallel and expert parallel (EP = N): tokens/s
 #                of 1 and N GPUs, the efficiency, and the step's communication wait;
 #   comm         data parallel over N GPUs with the gradient sums' settings varied:
-#                parallel.comm_sms, grad_reduce_dtype and shard_optimizer (ZeRO-1), for
+#                parallel.comm_sms, grad_reduce_dtype and parallel.zero (0 or 1), for
 #                both bench models (efficiency against the scaling section's 1-GPU run,
 #                which it runs itself when that section did not); COMM_SETTINGS
 #                (environment): the "sms,dtype,shard" triples to run, space-separated;
@@ -160,15 +160,15 @@ if [[ $sections == *,comm,* ]]; then
     one=$(median_field "$out/ws1_$model.txt" "tok/s")
     echo "$model: 1 GPU $one tokens/s"
     phases "$out/ws1_$model.txt"
-    settings=(0,fp32,true 16,fp32,true 32,fp32,true 32,bf16,true 32,fp32,false 0,fp32,false)
+    settings=(0,fp32,1 16,fp32,1 32,fp32,1 32,bf16,1 32,fp32,0 0,fp32,0)
     [[ -n ${COMM_SETTINGS:-} ]] && read -ra settings <<< "$COMM_SETTINGS"
     for setting in "${settings[@]}"; do
-      IFS=, read -r sms dtype shard <<< "$setting"
-      log="$out/comm_${model}_sms${sms}_${dtype}_shard$shard.txt"
+      IFS=, read -r sms dtype zero <<< "$setting"
+      log="$out/comm_${model}_sms${sms}_${dtype}_zero$zero.txt"
       launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) \
-        --parallel.comm_sms="$sms" --parallel.grad_reduce_dtype="$dtype" --parallel.shard_optimizer="$shard" > "$log" 2>&1
+        --parallel.comm_sms="$sms" --parallel.grad_reduce_dtype="$dtype" --parallel.zero="$zero" > "$log" 2>&1
       dp=$(median_field "$log" "tok/s")
-      echo "  comm_sms $sms, $dtype sums, shard_optimizer $shard: $dp tokens/s, efficiency $(efficiency "$one" "$dp"), comm wait $(median_field "$log" "comm wait")%"
+      echo "  comm_sms $sms, $dtype sums, zero $zero: $dp tokens/s, efficiency $(efficiency "$one" "$dp"), comm wait $(median_field "$log" "comm wait")%"
       phases "$log"
     done
   done

@@ -38,7 +38,11 @@ struct ParallelConfig {
   int64_t a2a_chunks = 1;             // CPU EP: chunks of the token blocks, each all-to-all overlapping the experts' compute
   ReduceDtype grad_reduce_dtype = ReduceDtype::Fp32;  // GPU data parallel
   int64_t comm_sms = 0;               // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward
-  bool shard_optimizer = true;        // GPU data parallel: ZeRO-1 (gradients reduce-scattered, 1/N of the AdamW step per rank)
+  // ZeRO level over the data-parallel group (for experts: the ranks holding the same ones):
+  // 0 replicas; 1 each rank keeps the moments and master remainders of its pieces only;
+  // 2 also only its pieces' fp32 gradients; 3 also only its pieces' bf16 weights
+  // (all-gathered layer by layer for the forward and again for the backward).
+  int64_t zero = 1;
   int64_t rebalance_interval = 0;     // steps between re-placements of the experts by measured load; 0: never
   int64_t rebalance_max_experts = 0;  // most experts one EP rank may hold after a re-placement; 0: n_experts / EP (equal)
   bool split_experts = false;         // EP: each rank's first expert shared with the rank before, rows evened per micro-batch

@@ -108,7 +108,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("parallel", "bucket_mb", c.parallel.bucket_mb);
   visit("parallel", "a2a_chunks", c.parallel.a2a_chunks);
   visit("parallel", "comm_sms", c.parallel.comm_sms);
-  visit("parallel", "shard_optimizer", c.parallel.shard_optimizer);
+  visit("parallel", "zero", c.parallel.zero);
   visit("parallel", "grad_reduce_dtype", c.parallel.grad_reduce_dtype);
   visit("parallel", "rebalance_interval", c.parallel.rebalance_interval);
   visit("parallel", "rebalance_max_experts", c.parallel.rebalance_max_experts);
@@ -141,6 +141,8 @@ std::vector<std::string> keys_in(std::string_view section) {
 }
 
 std::string unknown_key_message(std::string_view section, std::string_view key) {
+  if (section == "parallel" && key == "shard_optimizer")
+    return "parallel.shard_optimizer was replaced by parallel.zero (true: zero = 1, false: zero = 0)";
   return fmt::format("unknown key '{}.{}' (known keys in [{}]: {})", section, key, section,
                      join(keys_in(section)));
 }
@@ -384,6 +386,7 @@ void check_parallel(const RunConfig& c) {
   non_negative_real("parallel.bucket_mb", p.bucket_mb);
   positive("parallel.a2a_chunks", p.a2a_chunks);
   non_negative("parallel.comm_sms", p.comm_sms);
+  in_range("parallel.zero", p.zero, 0, 3);
   non_negative("parallel.rebalance_interval", p.rebalance_interval);
   non_negative("parallel.rebalance_max_experts", p.rebalance_max_experts);
   const int64_t equal_share = c.model.moe.n_experts / p.expert_parallel;

@@ -58,8 +58,7 @@ void Trainer::save_checkpoint(std::ostream& out) {
   snapshot.rank = rank_;
   snapshot.world_size = world_;
   snapshot.expert_parallel = config_.parallel.expert_parallel;
-  // ZeRO-1 on the CPU ranks always; on GPUs with parallel.shard_optimizer.
-  snapshot.zero = world_ > 1 && (!backend_->on_gpu() || config_.parallel.shard_optimizer) ? 1 : 0;
+  snapshot.zero = world_ > 1 ? config_.parallel.zero : 0;
   CheckpointSave save;
   save.step = progress_.step;
   save.path = checkpoint_path(config_.checkpoint.dir, progress_.step).string();

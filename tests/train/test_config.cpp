@@ -141,6 +141,11 @@ TEST(Config, FileErrorsNameFileLineAndKey) {
   expect_config_error(parse("model = 3\n"), {"configs/x.toml:1", "'model'", "section"});
   expect_config_error(parse("[model]\ndim = = 3\n"), {"configs/x.toml:2", "TOML syntax error"});
   expect_config_error(parse("[model.moe]\nn_experts = 3\n"), {"unknown key 'model.moe'"});
+  // A renamed key names its successor.
+  expect_config_error(parse("[parallel]\nshard_optimizer = false\n"),
+                      {"configs/x.toml:2", "parallel.shard_optimizer was replaced by parallel.zero", "false: zero = 0"});
+  expect_config_error(parse("[parallel]\nzero = 4\n"), {"configs/x.toml:2", "parallel.zero must be at most 3, got 4"});
+  expect_config_error(parse("[parallel]\nzero = -1\n"), {"parallel.zero must be an integer >= 0, got -1"});
   // Several problems: the first in the file is reported.
   expect_config_error(parse("[training]\nsteps = \"x\"\n[data]\nbogus = 1\n"), {"configs/x.toml:2", "training.steps"});
 }
@@ -329,7 +334,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
       [](RunConfig& c) { c.parallel.rebalance_interval = 50; }, [](RunConfig& c) { c.parallel.comm_sms = 24; },
       [](RunConfig& c) { c.parallel.grad_reduce_dtype = ReduceDtype::Bf16; },
-      [](RunConfig& c) { c.parallel.shard_optimizer = false; },
+      [](RunConfig& c) { c.parallel.zero = 0; },
       [](RunConfig& c) { c.parallel.rebalance_max_experts = 8; },
       [](RunConfig& c) { c.parallel.expert_parallel = 2; c.parallel.split_experts = true; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },

@@ -34,6 +34,8 @@ void check_gpu_config(const RunConfig& config, int ranks) {
   if (config.model.moe.route_groups > 32)
     MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
                      config.model.moe.route_groups);
+  if (config.parallel.zero >= 2)
+    MOE_CONFIG_ERROR("parallel.zero = {} is not implemented on the GPU yet (0 or 1)", config.parallel.zero);
   const int64_t ep = config.parallel.expert_parallel;
   if (ep <= 1) return;
   // Over one rank make_backend refuses expert parallelism itself, after these.

@@ -22,6 +22,8 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
   const auto ep = static_cast<int>(pc.expert_parallel);
   if (world->size() % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the number of ranks ({})", ep, world->size());
+  if (pc.zero != 1)
+    MOE_CONFIG_ERROR("parallel.zero = {} is not implemented on CPU ranks yet (1 only)", pc.zero);
   groups_ = make_process_groups(std::move(world), ep);
   batch_ = std::make_unique<BatchGroupOverComm>(*groups_.data_parallel, stats_);
   std::vector<ExpertExchange*> exchanges;

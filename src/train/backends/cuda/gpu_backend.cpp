@@ -447,7 +447,7 @@ class GpuBackend final : public ModelBackend {
         edp_ = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
                                                        params.storage_numel(), c.parallel.bucket_mb, reduce_dtype);
       apply_own_expert_ranges();
-    } else if (c.parallel.shard_optimizer && dp_->size() > 1) {
+    } else if (c.parallel.zero >= 1 && dp_->size() > 1) {
       // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
       dist::ZeroShardPlan plan = dist::plan_zero_shards(
           dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages()),
