@@ -29,6 +29,9 @@ struct OptimizerSegment {
   int64_t offset = 0, numel = 0;
   int64_t first_chunk = 0;
   int64_t mirror_offset = -1;
+  // Where the segment's lo halves and moments start in their arrays (ZeRO packs them;
+  // congruent to offset modulo 8); -1: at offset, as the gradients and hi halves.
+  int64_t state_offset = -1;
   int32_t decay = 0;
   int32_t unused = 0;
 };

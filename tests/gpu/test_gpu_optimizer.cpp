@@ -560,6 +560,81 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
   EXPECT_THROW(optimizers[0]->set_step_ranges({{64, 16}, {32, 16}}, {}), Error);  // unsorted
 }
 
+// ZeRO's packed state (pack_optimizer_state): ranks that keep the lo halves and moments of
+// their plan's ranges only, back to back, step them to the whole store's bits; each holds
+// about 1/N of that state, and what it does not hold is refused with one line.
+TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnly) {
+  MOE_REQUIRE_GPU();
+  ParameterStore<float> params;
+  make_params(params);
+  const OptimizerConfig oc = config();
+  const std::vector<int> fp32_ids = {1, 7};
+  GpuParameterStore whole(params, GetParam(), fp32_ids, nullptr);
+  GpuOptimizer whole_optimizer(whole, params, nullptr);
+  const int64_t n = whole.storage_numel();
+  std::vector<RangeList> stages;
+  for (int id = 0; id < params.size(); ++id)
+    stages.push_back({{params.offset(id), (id + 1 < params.size() ? params.offset(id + 1) : n) - params.offset(id)}});
+  const int ranks = 3;
+  std::vector<std::unique_ptr<GpuParameterStore>> shards;
+  std::vector<std::unique_ptr<GpuOptimizer>> optimizers;
+  std::vector<dist::ZeroShardPlan> plans;
+  for (int r = 0; r < ranks; ++r) {
+    plans.push_back(dist::plan_zero_shards(stages, whole.fp32_copy_ranges(), 3 * am::kNormChunk, ranks, r));
+    shards.push_back(std::make_unique<GpuParameterStore>(params, GetParam(), fp32_ids, nullptr));
+    optimizers.push_back(std::make_unique<GpuOptimizer>(*shards.back(), params, nullptr));
+    shards.back()->pack_optimizer_state(plans.back().update);
+    optimizers.back()->set_step_ranges(plans.back().update, plans.back().norm);
+  }
+  for (int64_t step = 1; step <= 3; ++step) {
+    fill_grads(params, step, 1e-3);
+    whole.upload_grads(params);
+    const AdamWStep hyper{1e-3, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step};
+    whole_optimizer.adamw_step(hyper, 1.0f);
+    for (int r = 0; r < ranks; ++r) {
+      shards[static_cast<size_t>(r)]->upload_grads(params);
+      optimizers[static_cast<size_t>(r)]->adamw_step(hyper, 1.0f);
+    }
+  }
+  const size_t state_bytes = 2 + 2 * whole.moment_bytes();  // lo half and two moments per element
+  int64_t owned_total = 0;
+  for (int r = 0; r < ranks; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    GpuParameterStore& shard = *shards[static_cast<size_t>(r)];
+    EXPECT_EQ(shard.optimizer_ranges(), merge_ranges(plans[static_cast<size_t>(r)].update));
+    int64_t owned = 0;
+    for (const Range& range : shard.optimizer_ranges()) {
+      std::vector<float> want(static_cast<size_t>(range.count) * 3), got(want.size());
+      const auto c = static_cast<size_t>(range.count);
+      whole.download_range(range, want.data(), want.data() + c, want.data() + 2 * c);
+      shard.download_range(range, got.data(), got.data() + c, got.data() + 2 * c);
+      EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
+          << "range [" << range.offset << ", " << range.end() << ")";
+      owned += range.count;
+    }
+    owned_total += owned;
+    // hi halves and gradients whole, the rest for its ranges only (plus alignment).
+    const size_t held = shard.device_bytes(), full = whole.device_bytes();
+    EXPECT_LT(held, full - static_cast<size_t>(n - owned - 16 * 64) * state_bytes);
+    EXPECT_THROW(shard.weights_lo(), Error);
+    EXPECT_THROW(shard.moment_block(0), Error);
+    const Range elsewhere = subtract_ranges({{0, n}}, shard.optimizer_ranges()).front();
+    std::vector<float> out(static_cast<size_t>(elsewhere.count) * 3);
+    EXPECT_THROW(shard.download_range(elsewhere, out.data(), nullptr, nullptr), Error);
+    EXPECT_THROW(shard.pack_optimizer_state(plans[static_cast<size_t>(r)].update), Error);  // once
+  }
+  EXPECT_GE(owned_total, n - 16 * params.size());  // every element stepped somewhere (padding aside)
+  // The lo block again for a gather: its own ranges filled from the packed halves.
+  GpuParameterStore& shard = *shards[0];
+  shard.hold_whole_master(true);
+  const auto lo_whole = device_copy<int16_t>(whole.weights_lo(), n);
+  const auto lo_shard = device_copy<int16_t>(shard.weights_lo(), n);
+  for (const Range& range : shard.optimizer_ranges())
+    EXPECT_TRUE(std::equal(lo_whole.begin() + range.offset, lo_whole.begin() + range.end(), lo_shard.begin() + range.offset));
+  shard.hold_whole_master(false);
+  EXPECT_THROW(shard.weights_lo(), Error);
+}
+
 INSTANTIATE_TEST_SUITE_P(Moments, GpuMultiTensorAdamW, ::testing::Values(MomentDtype::Fp32, MomentDtype::Bf16),
                          [](const ::testing::TestParamInfo<MomentDtype>& info) {
                            return info.param == MomentDtype::Bf16 ? std::string("Bf16") : std::string("Fp32");

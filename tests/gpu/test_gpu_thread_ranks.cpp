@@ -177,5 +177,46 @@ TEST(GpuThreadRanks, ReplacedSplitExpertsResumeWhereTheyStopped) {
   std::filesystem::remove_all(root);
 }
 
+// ZeRO levels 0 and 1 over 2 ranks: the same sums in the same order (thread ranks add in
+// rank order; a reduce-scatter's piece is the all-reduce's), the same AdamW per element,
+// so the same losses bit for bit. A ZeRO-1 checkpoint (each rank its own pieces) resumes
+// bit for bit on the same layout and reshards onto one GPU (within bf16 rounding of the
+// other order of sums), and the gathered weights at the end are the same on both ranks.
+TEST(GpuThreadRanks, ZeroCheckpointsResumeAndReshard) {
+  MOE_REQUIRE_GPU();
+  const auto root = std::filesystem::temp_directory_path() / ("moe_thread_zero_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  RunConfig config = thread_run(6);
+  config.parallel.zero = 0;
+  const std::vector<RankResult> replicas = train_ranks(config, 2);
+  ASSERT_EQ(replicas[0].error, "");
+  config.parallel.zero = 1;
+  config.checkpoint.dir = (root / "whole").string();
+  config.checkpoint.interval = 3;
+  const std::vector<RankResult> whole = train_ranks(config, 2);
+  ASSERT_EQ(whole[0].error, "");
+  ASSERT_EQ(whole[0].losses.size(), 6u);
+  EXPECT_EQ(whole[0].losses, replicas[0].losses) << "ZeRO-1 and replicas differ";
+  EXPECT_EQ(whole[0].params, whole[1].params) << "the ranks' gathered weights differ";
+  EXPECT_EQ(whole[0].params, replicas[0].params) << "ZeRO-1's gathered weights are not the replicas'";
+  const std::string step3 = (root / "whole" / "step_00000003").string();
+  config.checkpoint.dir = (root / "resumed").string();
+  const std::vector<RankResult> resumed = train_ranks(config, 2, step3);
+  ASSERT_EQ(resumed[0].error, "");
+  ASSERT_EQ(resumed[0].losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], whole[0].losses[i + 3]) << "step " << i + 4;
+  EXPECT_EQ(resumed[0].params, whole[0].params);
+  // One GPU with the same global batch from the two ranks' pieces.
+  RunConfig one = config;
+  one.training.micro_batch *= 2;
+  one.checkpoint.dir = (root / "one").string();
+  const RankResult single = train(one, std::move(dist::make_thread_communicators(1)[0]), step3);
+  ASSERT_EQ(single.error, "");
+  ASSERT_EQ(single.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_NEAR(single.losses[i], whole[0].losses[i + 3], 0.01 * whole[0].losses[i + 3]) << "step " << i + 4;
+  std::filesystem::remove_all(root);
+}
+
 }  // namespace
 }  // namespace moe

@@ -29,12 +29,57 @@ struct GpuParameterStore::State {
   gpu::ResidentBlock hi, lo, grads, m, v;
   Buffer<float> mirror;  // fp32 copies
   RangeList resident;    // element ranges of the block that hold memory (sorted)
-  std::vector<SpanPiece> resident_pieces;  // each parameter's resident parts, parameter after parameter
+  // ZeRO (pack_optimizer_state): the lo halves and moments of `optimizer` (merged ranges)
+  // only, range i's from packed_at[i] on (congruent to its offset modulo 16, so the AdamW
+  // kernel's 16-byte accesses line up as in the block); empty: in the blocks above.
+  RangeList optimizer;
+  std::vector<int64_t> packed_at;
+  Buffer<int16_t> lo_packed;
+  Buffer<uint8_t> m_packed, v_packed;
+  bool whole_lo = false;  // hold_whole_master: the lo block mapped and filled from the packed halves
+  mutable Buffer<float> staging_buffer;     // download_range / upload_range
+  mutable Buffer<int16_t> lo_scratch;       // lo halves of uploaded values no rank keeps here
   bool bf16_moments() const { return moments == MomentDtype::Bf16; }
   size_t moment_bytes() const { return bf16_moments() ? sizeof(bf16) : sizeof(float); }
   bf16* hi_data() const { return static_cast<bf16*>(hi.data()); }
   int16_t* lo_data() const { return static_cast<int16_t*>(lo.data()); }
   float* grads_data() const { return static_cast<float*>(grads.data()); }
+  bool packed() const { return !optimizer.empty(); }
+  // Where block element `offset`'s lo half and moments are (packed: inside `optimizer`).
+  int64_t state_offset(int64_t offset) const {
+    if (!packed()) return offset;
+    auto it = std::upper_bound(optimizer.begin(), optimizer.end(), offset,
+                               [](int64_t x, const Range& r) { return x < r.offset; });
+    MOE_CHECK(it != optimizer.begin() && offset < std::prev(it)->end(),
+              "GPU parameters: element {} has no optimizer state on this rank (ZeRO keeps its own pieces' only)",
+              offset);
+    const auto i = static_cast<size_t>(std::prev(it) - optimizer.begin());
+    return packed_at[i] + (offset - optimizer[i].offset);
+  }
+  int16_t* lo_at(int64_t offset) const {
+    return packed() && !whole_lo ? lo_packed.data() + state_offset(offset) : lo_data() + offset;
+  }
+  char* moment_at(int which, int64_t offset) const {
+    if (packed())
+      return reinterpret_cast<char*>((which == 0 ? m_packed : v_packed).data()) +
+             state_offset(offset) * static_cast<int64_t>(moment_bytes());
+    return static_cast<char*>(which == 0 ? m.data() : v.data()) + offset * static_cast<int64_t>(moment_bytes());
+  }
+  // Ranges whose lo halves (master) or moments are held here.
+  const RangeList& master_ranges() const { return packed() && !whole_lo ? optimizer : resident; }
+  const RangeList& moment_ranges() const { return packed() ? optimizer : resident; }
+  // The parameters' parts inside `wanted`, each inside one range of `held` (or refused
+  // naming what is missing).
+  std::vector<SpanPiece> parts_held(const RangeList& wanted, const RangeList& held, const char* what) const {
+    const RangeList missing = subtract_ranges(wanted, held);
+    MOE_CHECK(missing.empty(), "GPU parameters: {} of elements [{}, {}) are not on this rank", what,
+              missing.front().offset, missing.front().end());
+    return cut_spans(spans(), subtract_ranges(wanted, subtract_ranges(wanted, held)));
+  }
+  Buffer<float>& range_staging() const {
+    if (staging_buffer.size() == 0) staging_buffer = staging();
+    return staging_buffer;
+  }
 
   void sync() { MOE_CUDA_CHECK(cudaStreamSynchronize(stream)); }
   // A host <-> device staging buffer: the block in pieces of at most kStagingFloats.
@@ -43,6 +88,7 @@ struct GpuParameterStore::State {
   }
   // Makes `ranges` of every block resident (new gradients and moments zeroed).
   void set_resident(RangeList ranges) {
+    MOE_CHECK(!packed(), "GPU parameters: the resident ranges cannot change while the optimizer state is packed");
     const auto bytes = [&](size_t element) {
       RangeList out;
       for (const Range& r : ranges)
@@ -54,7 +100,6 @@ struct GpuParameterStore::State {
     grads.set_resident(bytes(sizeof(float)), /*zero_new=*/true);
     m.set_resident(bytes(moment_bytes()), true);
     v.set_resident(bytes(moment_bytes()), true);
-    resident_pieces = cut_spans(spans(), ranges);
     resident = std::move(ranges);
   }
   RangeList spans() const {
@@ -62,15 +107,26 @@ struct GpuParameterStore::State {
     for (size_t id = 0; id < offsets.size(); ++id) all.push_back({offsets[id], numels[id]});
     return all;
   }
-  // Each parameter's parts inside `only` (null: the resident ranges).
-  std::vector<SpanPiece> pieces(const Range* only) const { return only ? cut_spans(spans(), {*only}) : resident_pieces; }
-  // Host fp32 values [first, first + n) of the block -> hi/lo.
+  // Host fp32 values [first, first + n) of the block -> hi/lo (where no lo half is held
+  // here, the hi halves only).
   void upload_values(const float* values, int64_t first, int64_t n, Buffer<float>& staging) {
-    for (int64_t done = 0; done < n;) {
-      const int64_t piece = std::min<int64_t>(n - done, static_cast<int64_t>(staging.size()));
+    if (packed()) {
+      const Range whole{first, n};
+      for (const Range& r : subtract_ranges({whole}, optimizer)) upload_split(values + (r.offset - first), r, staging, false);
+      for (const Range& r : subtract_ranges({whole}, subtract_ranges({whole}, optimizer)))
+        upload_split(values + (r.offset - first), r, staging, true);
+      return;
+    }
+    upload_split(values, {first, n}, staging, true);
+  }
+  void upload_split(const float* values, Range r, Buffer<float>& staging, bool keep_lo) {
+    if (!keep_lo && lo_scratch.size() == 0) lo_scratch = Buffer<int16_t>(staging.size());
+    for (int64_t done = 0; done < r.count;) {
+      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
       MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(piece) * sizeof(float),
                                      cudaMemcpyHostToDevice, stream));
-      cuda::split_master(hi_data() + first + done, lo_data() + first + done, staging.data(), piece, stream);
+      int16_t* lo_out = keep_lo ? lo_at(r.offset + done) : lo_scratch.data();
+      cuda::split_master(hi_data() + r.offset + done, lo_out, staging.data(), piece, stream);
       done += piece;
     }
   }
@@ -137,10 +193,15 @@ GpuParameterStore::~GpuParameterStore() = default;
 const bf16* GpuParameterStore::weights() const { return state_->hi_data(); }
 float* GpuParameterStore::grads() { return state_->grads_data(); }
 bf16* GpuParameterStore::weights_hi() { return state_->hi_data(); }
-int16_t* GpuParameterStore::weights_lo() { return state_->lo_data(); }
+int16_t* GpuParameterStore::weights_lo() {
+  MOE_CHECK(!state_->packed() || state_->whole_lo,
+            "GPU parameters: the lo halves are packed (ZeRO), not in the block layout");
+  return state_->lo_data();
+}
 MomentDtype GpuParameterStore::moment_dtype() const { return state_->moments; }
 void* GpuParameterStore::moment_block(int which) {
   MOE_CHECK(which == 0 || which == 1, "moment_block: moment {} (0 or 1)", which);
+  MOE_CHECK(!state_->packed(), "GPU parameters: the AdamW moments are packed (ZeRO), not in the block layout");
   return which == 0 ? state_->m.data() : state_->v.data();
 }
 size_t GpuParameterStore::moment_bytes() const { return state_->moment_bytes(); }
@@ -206,12 +267,13 @@ void GpuParameterStore::download_params(ParameterStore<float>& params, const Ran
   State& s = *state_;
   s.check_layout(params, "download_params");
   Buffer<float> staging = s.staging();
-  for (const SpanPiece& part : s.pieces(only)) {
+  for (const SpanPiece& part : s.parts_held(only ? RangeList{*only} : s.resident, s.master_ranges(),
+                                            "the master weights' lo halves")) {
     const int id = static_cast<int>(part.span);
     float* host = params.value(id) + (part.offset - s.offsets[part.span]);
     for (int64_t done = 0; done < part.count;) {
       const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
-      cuda::join_master(staging.data(), s.hi_data() + part.offset + done, s.lo_data() + part.offset + done, piece,
+      cuda::join_master(staging.data(), s.hi_data() + part.offset + done, s.lo_at(part.offset + done), piece,
                         s.stream);
       MOE_CUDA_CHECK(cudaMemcpyAsync(host + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
                                      cudaMemcpyDeviceToHost, s.stream));
@@ -228,18 +290,18 @@ void GpuParameterStore::download_state(ParameterStore<float>& params, std::vecto
   m.resize(static_cast<size_t>(s.total_numel), 0.0f);
   v.resize(static_cast<size_t>(s.total_numel), 0.0f);
   Buffer<float> staging = s.bf16_moments() ? s.staging() : Buffer<float>();
-  for (const SpanPiece& part : s.pieces(only)) {
+  for (const SpanPiece& part :
+       s.parts_held(only ? RangeList{*only} : s.resident, s.moment_ranges(), "the AdamW moments")) {
     const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
     for (int moment = 0; moment < 2; ++moment) {
       float* out = (moment == 0 ? m.data() : v.data()) + packed;
-      const char* block = static_cast<const char*>(moment == 0 ? s.m.data() : s.v.data());
+      const char* at = s.moment_at(moment, part.offset);
       if (!s.bf16_moments()) {
-        MOE_CUDA_CHECK(cudaMemcpyAsync(out, block + part.offset * static_cast<int64_t>(sizeof(float)),
-                                       static_cast<size_t>(part.count) * sizeof(float), cudaMemcpyDeviceToHost,
-                                       s.stream));
+        MOE_CUDA_CHECK(cudaMemcpyAsync(out, at, static_cast<size_t>(part.count) * sizeof(float),
+                                       cudaMemcpyDeviceToHost, s.stream));
         continue;
       }
-      const bf16* in = reinterpret_cast<const bf16*>(block) + part.offset;
+      const bf16* in = reinterpret_cast<const bf16*>(at);
       for (int64_t done = 0; done < part.count;) {
         const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
         cuda::widen_bf16(staging.data(), in + done, piece, s.stream);
@@ -256,23 +318,24 @@ void GpuParameterStore::upload_state(const ParameterStore<float>& params, const 
                                      const std::vector<float>& v) {
   State& s = *state_;
   s.check_layout(params, "upload_state");
-  MOE_CHECK(static_cast<int64_t>(m.size()) == s.total_numel && m.size() == v.size(),
+  const bool moments = !m.empty() || !v.empty();
+  MOE_CHECK(!moments || (static_cast<int64_t>(m.size()) == s.total_numel && m.size() == v.size()),
             "upload_state: {} first and {} second moments for {} parameters", m.size(), v.size(), s.total_numel);
   Buffer<float> staging = s.staging();
   for (const Range& r : s.resident) s.upload_values(params.values_data() + r.offset, r.offset, r.count, staging);
   s.refresh_mirrors(params);
-  for (const SpanPiece& part : s.resident_pieces) {
+  const RangeList with_moments = moments ? s.moment_ranges() : RangeList{};
+  for (const SpanPiece& part : s.parts_held(with_moments, with_moments, "the AdamW moments")) {
     const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
     for (int moment = 0; moment < 2; ++moment) {
       const float* in = (moment == 0 ? m.data() : v.data()) + packed;
-      char* block = static_cast<char*>(moment == 0 ? s.m.data() : s.v.data());
+      char* at = s.moment_at(moment, part.offset);
       if (!s.bf16_moments()) {
-        MOE_CUDA_CHECK(cudaMemcpyAsync(block + part.offset * static_cast<int64_t>(sizeof(float)), in,
-                                       static_cast<size_t>(part.count) * sizeof(float), cudaMemcpyHostToDevice,
-                                       s.stream));
+        MOE_CUDA_CHECK(cudaMemcpyAsync(at, in, static_cast<size_t>(part.count) * sizeof(float),
+                                       cudaMemcpyHostToDevice, s.stream));
         continue;
       }
-      bf16* out = reinterpret_cast<bf16*>(block) + part.offset;
+      bf16* out = reinterpret_cast<bf16*>(at);
       for (int64_t done = 0; done < part.count;) {
         const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
         MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(piece) * sizeof(float),
@@ -285,6 +348,133 @@ void GpuParameterStore::upload_state(const ParameterStore<float>& params, const 
   s.sync();
 }
 
+void GpuParameterStore::pack_optimizer_state(const RangeList& ranges) {
+  State& s = *state_;
+  MOE_CHECK(!s.packed(), "GPU parameters: the optimizer state is packed already");
+  const RangeList merged = merge_ranges(ranges);
+  if (merged.empty()) return;
+  const RangeList outside = subtract_ranges(merged, s.resident);
+  MOE_CHECK(outside.empty(), "GPU parameters: optimizer range [{}, {}) is not resident", outside.front().offset,
+            outside.front().end());
+  std::vector<int64_t> at;
+  int64_t next = 0;
+  for (const Range& r : merged) {
+    next = (next + 15) / 16 * 16 + r.offset % 16;
+    at.push_back(next);
+    next += r.count;
+  }
+  const int64_t total = (next + 15) / 16 * 16;
+  const size_t mb = s.moment_bytes();
+  s.lo_packed = Buffer<int16_t>(static_cast<size_t>(total));
+  s.m_packed = Buffer<uint8_t>(static_cast<size_t>(total) * mb);
+  s.v_packed = Buffer<uint8_t>(static_cast<size_t>(total) * mb);
+  for (size_t i = 0; i < merged.size(); ++i) {
+    const Range& r = merged[i];
+    const auto n = static_cast<size_t>(r.count);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(s.lo_packed.data() + at[i], s.lo_data() + r.offset, n * sizeof(int16_t),
+                                   cudaMemcpyDeviceToDevice, s.stream));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(s.m_packed.data() + at[i] * static_cast<int64_t>(mb),
+                                   static_cast<const char*>(s.m.data()) + r.offset * static_cast<int64_t>(mb), n * mb,
+                                   cudaMemcpyDeviceToDevice, s.stream));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(s.v_packed.data() + at[i] * static_cast<int64_t>(mb),
+                                   static_cast<const char*>(s.v.data()) + r.offset * static_cast<int64_t>(mb), n * mb,
+                                   cudaMemcpyDeviceToDevice, s.stream));
+  }
+  s.sync();
+  s.optimizer = merged;
+  s.packed_at = std::move(at);
+  s.lo.set_resident({});
+  s.m.set_resident({});
+  s.v.set_resident({});
+}
+
+const RangeList& GpuParameterStore::optimizer_ranges() const { return state_->moment_ranges(); }
+
+GpuParameterStore::StepState GpuParameterStore::step_state() {
+  State& s = *state_;
+  if (!s.packed()) return {s.lo_data(), s.m.data(), s.v.data(), false};
+  MOE_CHECK(!s.whole_lo, "GPU parameters: no AdamW step while hold_whole_master holds the lo block");
+  return {s.lo_packed.data(), s.m_packed.data(), s.v_packed.data(), true};
+}
+
+int64_t GpuParameterStore::state_offset(int64_t offset) const { return state_->state_offset(offset); }
+
+void GpuParameterStore::hold_whole_master(bool whole) {
+  State& s = *state_;
+  MOE_CHECK(s.packed(), "GPU parameters: hold_whole_master without packed optimizer state");
+  if (whole == s.whole_lo) return;
+  s.sync();
+  if (!whole) {
+    s.lo.set_resident({});
+    s.whole_lo = false;
+    return;
+  }
+  RangeList bytes;
+  for (const Range& r : s.resident) bytes.push_back({r.offset * 2, r.count * 2});
+  s.lo.set_resident(bytes);
+  for (size_t i = 0; i < s.optimizer.size(); ++i)
+    MOE_CUDA_CHECK(cudaMemcpyAsync(s.lo_data() + s.optimizer[i].offset, s.lo_packed.data() + s.packed_at[i],
+                                   static_cast<size_t>(s.optimizer[i].count) * sizeof(int16_t),
+                                   cudaMemcpyDeviceToDevice, s.stream));
+  s.sync();
+  s.whole_lo = true;
+}
+
+void GpuParameterStore::download_range(Range r, float* values, float* m, float* v) const {
+  const State& s = *state_;
+  s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
+  if (m || v) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
+  Buffer<float>& staging = s.range_staging();
+  const auto chunk = static_cast<int64_t>(staging.size());
+  for (int64_t done = 0; done < r.count; done += chunk) {
+    const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
+    cuda::join_master(staging.data(), s.hi_data() + at, s.lo_at(at), n, s.stream);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(values + done, staging.data(), static_cast<size_t>(n) * sizeof(float),
+                                   cudaMemcpyDeviceToHost, s.stream));
+    for (int which = 0; which < 2; ++which) {
+      float* out = which == 0 ? m : v;
+      if (!out) continue;
+      const char* in = s.moment_at(which, at);
+      if (s.bf16_moments()) {
+        cuda::widen_bf16(staging.data(), reinterpret_cast<const bf16*>(in), n, s.stream);
+        in = reinterpret_cast<const char*>(staging.data());
+      }
+      // The staging buffer is reused right after: this copy must finish first.
+      MOE_CUDA_CHECK(cudaMemcpyAsync(out + done, in, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost,
+                                     s.stream));
+    }
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
+void GpuParameterStore::upload_range(Range r, const float* values, const float* m, const float* v) {
+  State& s = *state_;
+  s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
+  if (m || v) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
+  Buffer<float>& staging = s.range_staging();
+  const auto chunk = static_cast<int64_t>(staging.size());
+  for (int64_t done = 0; done < r.count; done += chunk) {
+    const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(n) * sizeof(float),
+                                   cudaMemcpyHostToDevice, s.stream));
+    cuda::split_master(s.hi_data() + at, s.lo_at(at), staging.data(), n, s.stream);
+    for (int which = 0; which < 2; ++which) {
+      const float* in = which == 0 ? m : v;
+      if (!in) continue;
+      char* out = s.moment_at(which, at);
+      if (!s.bf16_moments()) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(out, in + done, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice,
+                                       s.stream));
+        continue;
+      }
+      MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(n) * sizeof(float),
+                                     cudaMemcpyHostToDevice, s.stream));
+      cuda::round_to_bf16(reinterpret_cast<bf16*>(out), staging.data(), n, s.stream);
+    }
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
 size_t GpuParameterStore::bytes_per_parameter(MomentDtype moments) {
   return sizeof(bf16) + sizeof(int16_t) + sizeof(float) + 2 * (moments == MomentDtype::Bf16 ? sizeof(bf16) : sizeof(float));
 }
@@ -292,7 +482,8 @@ size_t GpuParameterStore::bytes_per_parameter(MomentDtype moments) {
 size_t GpuParameterStore::device_bytes() const {
   const State& s = *state_;
   return s.hi.resident_bytes() + s.lo.resident_bytes() + s.grads.resident_bytes() + s.m.resident_bytes() +
-         s.v.resident_bytes() + s.mirror.size() * sizeof(float);
+         s.v.resident_bytes() + s.mirror.size() * sizeof(float) + s.lo_packed.size() * sizeof(int16_t) +
+         s.m_packed.size() + s.v_packed.size();
 }
 
 }  // namespace moe

@@ -38,11 +38,13 @@ class GpuParameterStore {
   const bf16* weights() const;
   float* grads();
   // The master weights' two halves, writable (expert parallelism copies experts' weights
-  // between ranks); fp32_values copies are not affected.
+  // between ranks); fp32_values copies are not affected. weights_lo: in the block layout,
+  // so not while the optimizer state is packed (unless hold_whole_master).
   bf16* weights_hi();
   int16_t* weights_lo();
   // The AdamW moments' blocks (which = 0: first, 1: second), in the block layout, of
-  // moment_bytes() per element (expert parallelism copies experts' moments between ranks).
+  // moment_bytes() per element (expert parallelism copies experts' moments between ranks);
+  // not while the optimizer state is packed.
   void* moment_block(int which);
   size_t moment_bytes() const;
   // The fp32 values of a parameter registered in fp32_copy_ids.
@@ -61,6 +63,27 @@ class GpuParameterStore {
   // moments, the others' memory is released.
   const RangeList& resident_ranges() const;
   void set_resident_ranges(const RangeList& ranges);
+  // ZeRO: the lo halves and the AdamW moments kept for `ranges` only (sorted, disjoint,
+  // inside the resident ranges, each starting on a multiple of 16 elements), packed back
+  // to back, so a rank stepping 1/N of the block holds 1/N of them; their values are kept,
+  // the others' memory is released. optimizer_ranges: where they are kept (the resident
+  // ranges unless packed). Expert re-placement needs them in the block layout (unpacked).
+  void pack_optimizer_state(const RangeList& ranges);
+  const RangeList& optimizer_ranges() const;
+  // What the AdamW kernel steps: the lo halves and moments, and where block element
+  // `offset`'s state is in them (itself unless packed; inside optimizer_ranges()).
+  struct StepState {
+    int16_t* lo;
+    void* m;
+    void* v;
+    bool packed;
+  };
+  StepState step_state();
+  int64_t state_offset(int64_t offset) const;
+  // Packed: maps the lo halves over the whole resident block again, own ranges filled
+  // (weights_lo() is then valid: an all-gather fills the rest before download_params), or
+  // releases that block (whole = false).
+  void hold_whole_master(bool whole);
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
   // included), sorted: a sharded optimizer must step them whole on every rank.
   RangeList fp32_copy_ranges() const;
@@ -75,7 +98,13 @@ class GpuParameterStore {
   void download_params(ParameterStore<float>& params, const Range* only = nullptr) const;
   void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v,
                       const Range* only = nullptr) const;
+  // upload_state with m and v empty: the weights only.
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
+  // Block range r (inside optimizer_ranges()) as fp32 on the host, values[0, r.count):
+  // the master weights, the moments into m and v (null: not copied); and back (bf16
+  // moments rounded to nearest even). Checkpoints of a rank's own pieces.
+  void download_range(Range r, float* values, float* m, float* v) const;
+  void upload_range(Range r, const float* values, const float* m, const float* v);
 
   // Device bytes held by the blocks above (their resident chunks).
   size_t device_bytes() const;

@@ -57,6 +57,8 @@ struct GpuOptimizer::State {
   Buffer<adamw_math::AdamWScalars> slice_scalars;  // grad_norm's scalars, unused here
   // ZeRO-1 (shard_expert_clip): the slices cut to this rank's norm and update ranges.
   std::unique_ptr<ExpertSliceSet> clip_norm_part, clip_scale_part;
+  // The store's optimizer_ranges() when the update set was cut, if packed then.
+  RangeList update_state_ranges;
 
   bool bf16_moments() const { return store->moment_dtype() == MomentDtype::Bf16; }
   void sync() { MOE_CUDA_CHECK(cudaStreamSynchronize(stream)); }
@@ -78,13 +80,18 @@ struct GpuOptimizer::State {
   }
   void launch_adamw() {
     SegmentSet& set = update_set();
-    cuda::multi_tensor_adamw(store->weights_hi(), store->weights_lo(), store->fp32_mirror(), store->grads(),
-                             store->moment_block(0), store->moment_block(1), bf16_moments(), set.segments.data(),
-                             static_cast<int64_t>(set.host.size()), set.n_chunks, scalars.data(), stream);
+    const GpuParameterStore::StepState state = store->step_state();
+    MOE_CHECK(!state.packed || (update_part && store->optimizer_ranges() == update_state_ranges),
+              "GPU optimizer: the store's optimizer state was packed after set_step_ranges (call it after "
+              "pack_optimizer_state)");
+    cuda::multi_tensor_adamw(store->weights_hi(), state.lo, store->fp32_mirror(), store->grads(), state.m, state.v,
+                             bf16_moments(), set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks,
+                             scalars.data(), stream);
   }
   // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter
-  // keeps its decay flag and the matching part of its fp32 copy.
-  std::unique_ptr<SegmentSet> cut_to(const RangeList& ranges) const {
+  // keeps its decay flag and the matching part of its fp32 copy; `with_state`: and where
+  // its lo halves and moments are in the store (packed under ZeRO).
+  std::unique_ptr<SegmentSet> cut_to(const RangeList& ranges, bool with_state = false) const {
     RangeList spans;
     for (const cuda::OptimizerSegment& seg : whole.host) spans.emplace_back(seg.offset, seg.numel);
     std::vector<cuda::OptimizerSegment> pieces;
@@ -94,6 +101,7 @@ struct GpuOptimizer::State {
       piece.offset = part.offset;
       piece.numel = part.count;
       if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (part.offset - seg.offset);
+      if (with_state) piece.state_offset = store->state_offset(part.offset);
       pieces.push_back(piece);
     }
     return std::make_unique<SegmentSet>(std::move(pieces));
@@ -227,8 +235,9 @@ void GpuOptimizer::set_step_ranges(const RangeList& update,
       end = begin + count;
     }
   }
-  s.update_part = s.cut_to(update);
+  s.update_part = s.cut_to(update, /*with_state=*/true);
   s.norm_part = s.cut_to(norm);
+  if (s.store->step_state().packed) s.update_state_ranges = s.store->optimizer_ranges();
 }
 
 double GpuOptimizer::grad_norm() {

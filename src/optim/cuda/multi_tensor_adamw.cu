@@ -252,6 +252,8 @@ __global__ void __launch_bounds__(kThreads)
   const OptimizerSegment seg = shared_segment;
   const int64_t within = (static_cast<int64_t>(blockIdx.x) - seg.first_chunk) * am::kNormChunk;
   const int64_t begin = seg.offset + within;
+  // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
+  const int64_t state = (seg.state_offset >= 0 ? seg.state_offset : seg.offset) + within;
   const int32_t length = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
   const float decay = seg.decay ? s.decay_factor : 1.0f;
   float* mirror_out = seg.mirror_offset >= 0 ? mirror + seg.mirror_offset + within : nullptr;
@@ -263,27 +265,27 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t n_single = head + (length - tail);
   for (int32_t t = static_cast<int32_t>(threadIdx.x); t < n_single; t += kThreads) {
     const int32_t k = t < head ? t : tail + (t - head);
-    const int64_t e = begin + k;
-    float mk = M::load(m, e), vk = M::load(v, e);
-    const float p = am::adamw_update(am::join_master(hi[e], lo[e]), grads[e], mk, vk, s, decay, kBf16);
+    const int64_t e = begin + k, es = state + k;
+    float mk = M::load(m, es), vk = M::load(v, es);
+    const float p = am::adamw_update(am::join_master(hi[e], lo[es]), grads[e], mk, vk, s, decay, kBf16);
     const am::MasterSplit split = am::split_master(p);
     hi[e] = split.hi;
-    lo[e] = split.lo;
-    M::store(m, e, mk);
-    M::store(v, e, vk);
+    lo[es] = split.lo;
+    M::store(m, es, mk);
+    M::store(v, es, vk);
     if (mirror_out) mirror_out[k] = p;
   }
   const bool mirror_vectors = mirror_out && (reinterpret_cast<uintptr_t>(mirror_out + head) & 15) == 0;
   for (int32_t i = head + static_cast<int32_t>(threadIdx.x) * 8; i < tail; i += kThreads * 8) {
-    const int64_t at = begin + i;
+    const int64_t at = begin + i, at_state = state + i;
     const float4* g_at = reinterpret_cast<const float4*>(grads + at);
     const float4 g0 = __ldcs(g_at), g1 = __ldcs(g_at + 1);
     uint16_t h[8], l[8];
     unpack8(__ldcs(reinterpret_cast<const uint4*>(hi + at)), h);
-    unpack8(__ldcs(reinterpret_cast<const uint4*>(lo + at)), l);
+    unpack8(__ldcs(reinterpret_cast<const uint4*>(lo + at_state)), l);
     float mm[8], vv[8];
-    M::load8(m, at, mm);
-    M::load8(v, at, vv);
+    M::load8(m, at_state, mm);
+    M::load8(v, at_state, vv);
     const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
     float p[8];
 #pragma unroll
@@ -293,10 +295,10 @@ __global__ void __launch_bounds__(kThreads)
       h[j] = out.hi;
       l[j] = static_cast<uint16_t>(out.lo);
     }
-    M::store8(m, at, mm);
-    M::store8(v, at, vv);
+    M::store8(m, at_state, mm);
+    M::store8(v, at_state, vv);
     __stcs(reinterpret_cast<uint4*>(hi + at), pack8(h));
-    __stcs(reinterpret_cast<uint4*>(lo + at), pack8(l));
+    __stcs(reinterpret_cast<uint4*>(lo + at_state), pack8(l));
     if (mirror_vectors) {
       float4* out = reinterpret_cast<float4*>(mirror_out + i);
       out[0] = make_float4(p[0], p[1], p[2], p[3]);

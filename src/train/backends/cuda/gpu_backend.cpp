@@ -31,18 +31,36 @@ bool gpu_present() { return gpu::device_count() > 0; }
 
 namespace {
 
-// ZeRO-1: the fp32 master weights' lo halves (and the AdamW moments) of every piece from
-// its owner, so that every rank holds the whole state (collective; the bf16 hi halves are
-// gathered after every step).
-void gather_sharded_state(GpuTransformer& gpu, dist::GpuDataParallel& dp, bool with_moments) {
-  GpuParameterStore& params = gpu.parameters();
-  dp.gather_pieces(params.weights_lo(), dist::DType::bf16);  // int16 bits: moved, not summed
-  if (with_moments) {
-    const dist::DType moment = params.moment_bytes() == 2 ? dist::DType::bf16 : dist::DType::f32;
-    for (int which = 0; which < 2; ++which) dp.gather_pieces(params.moment_block(which), moment);
+// ZeRO: this rank's pieces of the state (the plan's update ranges), cut at the parameters,
+// those stepped by every rank (the plan's replicated ranges) apart: what it saves and
+// restores of the moments, in host buffers of their own.
+struct OwnedPieces {
+  struct Piece {
+    int id = 0;
+    Range block;     // in the parameter block
+    int64_t at = 0;  // in the host buffers
+    bool replicated = false;
+  };
+  std::vector<Piece> pieces;
+  std::vector<float> values, m, v;
+
+  OwnedPieces(const ParameterStore<float>& params, const dist::ZeroShardPlan& plan) {
+    RangeList spans, replicated;
+    for (int id = 0; id < params.size(); ++id) spans.push_back({params.offset(id), params.numel(id)});
+    for (const RangeList& stage : plan.replicated) replicated.insert(replicated.end(), stage.begin(), stage.end());
+    replicated = merge_ranges(std::move(replicated));
+    const RangeList sharded = subtract_ranges(plan.update, replicated);
+    int64_t at = 0;
+    for (const bool rep : {false, true})
+      for (const SpanPiece& part : cut_spans(spans, rep ? subtract_ranges(plan.update, sharded) : sharded)) {
+        pieces.push_back({static_cast<int>(part.span), {part.offset, part.count}, at, rep});
+        at += part.count;
+      }
+    values.resize(static_cast<size_t>(at));
+    m.resize(static_cast<size_t>(at));
+    v.resize(static_cast<size_t>(at));
   }
-  dp.take_stats();  // not a training step's communication
-}
+};
 
 // The model, gradients and AdamW state on the GPU. With `dp` (parallel.backend = nccl)
 // every rank holds a full replica and the gradients are summed over the ranks after the
@@ -372,26 +390,101 @@ class GpuBackend final : public ModelBackend {
     load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
   }
   void sync_host_model() override {
-    if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/false);
-    gpu_->download_params(host_model().params());
+    if (sharded()) {
+      // The lo halves of every piece from its owner (2 bytes per parameter for a moment).
+      GpuParameterStore& store = gpu_->parameters();
+      dp_->join_stage_gathers();
+      store.hold_whole_master(true);
+      dp_->gather_pieces(store.weights_lo(), dist::DType::bf16);  // int16 bits: moved, not summed
+      gpu_->download_params(host_model().params());
+      store.hold_whole_master(false);
+    } else {
+      gpu_->download_params(host_model().params());
+    }
     if (dp_) dp_->take_stats();
   }
 
-  // Checkpoints (ModelBackend::save_state's default). Expert parallelism: each expert's
-  // state is only on the ranks holding it, so the download is collective (each other
-  // rank's experts broadcast by it); ZeRO-1: each piece's on the rank that steps it,
-  // gathered first. Every rank then holds the whole state on the host and writes an even
-  // share of it (host memory: 12-16 bytes per parameter on each rank, until saving writes
-  // each rank's own device state directly).
+  // ZeRO: each rank saves the master weights and moments of its own pieces (the pieces
+  // every rank steps as replicas), no gather; every rank restores the whole weights (each
+  // needs every bf16 hi half) and its pieces' lo halves and moments.
+  SavedState save_state(int rank, int world) override {
+    if (!sharded()) return ModelBackend::save_state(rank, world);
+    dp_->join_stage_gathers();
+    auto& params = host_model().params();
+    if (!owned_) owned_ = std::make_unique<OwnedPieces>(params, *dp_->zero_plan());
+    OwnedPieces& own = *owned_;
+    SavedState state;
+    state.adam_steps = steps_;
+    const int n = dp_->size(), r = dp_->rank();
+    for (const OwnedPieces::Piece& p : own.pieces) {
+      const size_t at = static_cast<size_t>(p.at);
+      gpu_->parameters().download_range(p.block, own.values.data() + at, own.m.data() + at, own.v.data() + at);
+      const std::string& name = params.spec(p.id).name;
+      const std::vector<int64_t> shape = tensor_shape(params.spec(p.id).shape);
+      const int64_t begin = p.block.offset - params.offset(p.id);
+      const int replicas = p.replicated ? n : 1, replica = p.replicated ? r : 0;
+      state.pieces.push_back({"param/" + name, shape, begin, p.block.count, own.values.data() + at, replicas, replica});
+      state.pieces.push_back({"adam_m/" + name, shape, begin, p.block.count, own.m.data() + at, replicas, replica});
+      state.pieces.push_back({"adam_v/" + name, shape, begin, p.block.count, own.v.data() + at, replicas, replica});
+    }
+    for (auto* layer : host_model().moe_layers()) {
+      auto& bias = layer->balance_bias_E();
+      const auto count = static_cast<int64_t>(bias.size());
+      state.pieces.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data(), world, rank});
+    }
+    return state;
+  }
+  std::vector<StateTarget> restore_targets() override {
+    if (!sharded()) return ModelBackend::restore_targets();
+    auto& params = host_model().params();
+    if (!owned_) owned_ = std::make_unique<OwnedPieces>(params, *dp_->zero_plan());
+    std::vector<StateTarget> targets;
+    for (int id = 0; id < params.size(); ++id)
+      targets.push_back({"param/" + params.spec(id).name, tensor_shape(params.spec(id).shape), 0, params.numel(id),
+                         params.value(id)});
+    for (const OwnedPieces::Piece& p : owned_->pieces) {
+      const std::string& name = params.spec(p.id).name;
+      const std::vector<int64_t> shape = tensor_shape(params.spec(p.id).shape);
+      const int64_t begin = p.block.offset - params.offset(p.id);
+      const size_t at = static_cast<size_t>(p.at);
+      targets.push_back({"adam_m/" + name, shape, begin, p.block.count, owned_->m.data() + at});
+      targets.push_back({"adam_v/" + name, shape, begin, p.block.count, owned_->v.data() + at});
+    }
+    for (auto* layer : host_model().moe_layers()) {
+      auto& bias = layer->balance_bias_E();
+      const auto count = static_cast<int64_t>(bias.size());
+      targets.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data()});
+    }
+    return targets;
+  }
+  void finish_restore(int64_t adam_steps) override {
+    if (!sharded()) return ModelBackend::finish_restore(adam_steps);
+    dp_->join_stage_gathers();  // none may still write the weights
+    auto& params = host_model().params();
+    GpuParameterStore& store = gpu_->parameters();
+    store.upload_state(params, {}, {});  // every weight's hi half, the own pieces' lo halves
+    for (const OwnedPieces::Piece& p : owned_->pieces) {
+      const size_t at = static_cast<size_t>(p.at);
+      store.upload_range(p.block, params.values_data() + p.block.offset, owned_->m.data() + at,
+                         owned_->v.data() + at);
+    }
+    upload_balance_bias();
+    steps_ = adam_steps;
+    host_optimizer().set_steps_taken(adam_steps);
+  }
+
+  // Checkpoints without ZeRO (ModelBackend::save_state's default). Expert parallelism: each
+  // expert's state is only on the ranks holding it, so the download is collective (each
+  // other rank's experts broadcast by it). Every rank then holds the whole state on the
+  // host and writes an even share of it (host memory: 12-16 bytes per parameter on each
+  // rank, until expert parallelism saves each rank's own experts as ZeRO saves its pieces).
   void gather_state() override {
     AdamW& optimizer = host_optimizer();
-    if (sharded()) gather_sharded_state(*gpu_, *dp_, /*with_moments=*/true);
     gpu_->download_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
     optimizer.set_steps_taken(steps_);
   }
   void scatter_state() override {
     AdamW& optimizer = host_optimizer();
-    if (sharded()) dp_->join_stage_gathers();  // none may still write the weights
     gpu_->upload_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
     upload_balance_bias();  // a checkpoint restores them on the host
     steps_ = optimizer.steps_taken();
@@ -452,6 +545,7 @@ class GpuBackend final : public ModelBackend {
       dist::ZeroShardPlan plan = dist::plan_zero_shards(
           dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages()),
           params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
+      params.pack_optimizer_state(plan.update);  // the lo halves and moments of its pieces only
       optimizer_->set_step_ranges(plan.update, plan.norm);
       optimizer_->shard_expert_clip(plan.norm, plan.update);
       dp_->set_zero_plan(std::move(plan), /*overlap=*/!c.training.cuda_graphs);
@@ -569,6 +663,7 @@ class GpuBackend final : public ModelBackend {
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
   std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
+  std::unique_ptr<OwnedPieces> owned_;  // ZeRO: the host side of this rank's pieces (checkpoints)
   int64_t steps_since_placement_ = 0;
 };
 
