@@ -120,8 +120,11 @@ class GpuBackend final : public ModelBackend {
     }
     tokens_ = plan.micro_batch * config_.model.seq_len;
     micro_scale_ = static_cast<double>(tokens_) / static_cast<double>(tc.global_batch_tokens);
-    if (!world_ || world_->rank() == 0) {
-      // Under expert parallelism a rank holds its own experts only.
+    const bool first_rank = !world_ || world_->rank() == 0;
+    if (world_) make_data_parallel();  // hands world_ over to dp_
+    if (first_rank) {
+      // Under expert parallelism a rank holds its own experts only; under ZeRO its pieces'
+      // lo halves and moments only.
       const GpuParameterStore& store = gpu_->parameters();
       const double whole = static_cast<double>(store.storage_numel()) *
                            static_cast<double>(GpuParameterStore::bytes_per_parameter(config_.optimizer.state_dtype));
@@ -129,7 +132,6 @@ class GpuBackend final : public ModelBackend {
                    "whole model",
                    static_cast<double>(store.device_bytes()) / 1e9, whole / 1e9);
     }
-    if (world_) make_data_parallel();
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
     if (ep_ || config_.metrics.phase_times) clock_.set_enabled(true);
     return plan;
