@@ -47,5 +47,35 @@ TEST(ResidentBlock, MapsTheChunksOfTheRangesAndKeepsWhatStays) {
   EXPECT_EQ(block.resident_bytes(), 0u);
 }
 
+// share_chunks: groups of one pool map their chunks without memory onto the same physical
+// memory, in order (what one writes the other reads); other pools and private chunks are
+// apart; the pools' bytes count as resident; the resident chunks are then fixed.
+TEST(ResidentBlock, SharedChunksOfOnePoolAreOneMemory) {
+  MOE_REQUIRE_GPU();
+  constexpr int64_t kMiB = 1 << 20;
+  gpu::ResidentBlock block(64 * kMiB);
+  const int64_t chunk = static_cast<int64_t>(block.chunk_bytes());
+  ASSERT_EQ(64 * kMiB % chunk, 0) << "the test assumes chunks that divide 64 MiB";
+  ASSERT_GE(64 * kMiB / chunk, 16) << "the test needs 16 chunks";
+  block.set_resident({{0, chunk}}, /*zero_new=*/true);  // private
+  // Groups 0 and 2 share pool 0 (two chunks each), group 1 has pool 1; group 0 names the
+  // private chunk too, which stays private.
+  block.share_chunks({{{0, 3 * chunk}}, {{3 * chunk, chunk}}, {{6 * chunk, 2 * chunk}}}, {0, 1, 0});
+  EXPECT_EQ(block.resident_bytes(), static_cast<size_t>(4 * chunk));  // 1 private + 2 + 1 pooled
+  EXPECT_EQ(block.resident_ranges(), (RangeList{{0, 4 * chunk}, {6 * chunk, 2 * chunk}}));
+  for (const Range& mapped : RangeList{{chunk, 3 * chunk}, {6 * chunk, 2 * chunk}})
+    for (unsigned char byte : read(block, mapped.offset, mapped.count)) ASSERT_EQ(byte, 0) << "shared chunks start at zero";
+  char* base = static_cast<char*>(block.data());
+  ASSERT_EQ(cudaMemset(base + chunk, 0x11, static_cast<size_t>(chunk)), cudaSuccess);      // group 0, pool chunk 0
+  ASSERT_EQ(cudaMemset(base + 3 * chunk, 0x33, static_cast<size_t>(chunk)), cudaSuccess);  // group 1
+  ASSERT_EQ(cudaMemset(base + 7 * chunk, 0x77, static_cast<size_t>(chunk)), cudaSuccess);  // group 2, pool chunk 1
+  for (unsigned char byte : read(block, 6 * chunk, chunk)) ASSERT_EQ(byte, 0x11) << "group 2's first chunk is group 0's";
+  for (unsigned char byte : read(block, 2 * chunk, chunk)) ASSERT_EQ(byte, 0x77) << "group 0's second chunk is group 2's";
+  for (unsigned char byte : read(block, 0, chunk)) ASSERT_EQ(byte, 0) << "the private chunk is apart";
+  for (unsigned char byte : read(block, 3 * chunk, chunk)) ASSERT_EQ(byte, 0x33) << "pool 1 is apart";
+  EXPECT_THROW(block.set_resident({{0, chunk}}), Error);
+  EXPECT_THROW(block.share_chunks({}, {}), Error);
+}
+
 }  // namespace
 }  // namespace moe

@@ -96,10 +96,80 @@ void ResidentBlock::release() {
     if (handles_[c]) {
       vmm().unmap(reinterpret_cast<CUdeviceptr>(base_) + c * chunk_, chunk_);
       vmm().release(handles_[c]);
+    } else if (!shared_.empty() && shared_[c]) {
+      vmm().unmap(reinterpret_cast<CUdeviceptr>(base_) + c * chunk_, chunk_);
     }
+  for (unsigned long long pool : pools_) vmm().release(pool);
   vmm().free(reinterpret_cast<CUdeviceptr>(base_), reserved_);
   base_ = nullptr;
   handles_.clear();
+  shared_.clear();
+  pools_.clear();
+  pool_bytes_ = 0;
+}
+
+void ResidentBlock::map_chunk(size_t chunk, unsigned long long handle, size_t offset) {
+  CUmemAccessDesc access = {};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  const CUdeviceptr at = reinterpret_cast<CUdeviceptr>(base_) + chunk * chunk_;
+  check(vmm().map(at, chunk_, offset, handle, 0), "cuMemMap");
+  check(vmm().set_access(at, chunk_, &access, 1), "cuMemSetAccess");
+}
+
+void ResidentBlock::share_chunks(const std::vector<RangeList>& group_ranges, const std::vector<int>& pool_of_group) {
+  MOE_CHECK(shared_.empty(), "resident block: chunks are shared already");
+  MOE_CHECK(group_ranges.size() == pool_of_group.size(), "resident block: {} groups, {} pool indices",
+            group_ranges.size(), pool_of_group.size());
+  // Each group's chunks without memory, in order; a chunk goes to the first group naming it.
+  shared_.assign(handles_.size(), 0);
+  std::vector<std::vector<size_t>> chunks_of(group_ranges.size());
+  int n_pools = 0;
+  for (size_t g = 0; g < group_ranges.size(); ++g) {
+    MOE_CHECK(pool_of_group[g] >= 0, "resident block: pool {} for group {}", pool_of_group[g], g);
+    n_pools = std::max(n_pools, pool_of_group[g] + 1);
+    for (const Range& range : group_ranges[g]) {
+      if (range.count <= 0) continue;
+      MOE_CHECK(range.offset >= 0 && static_cast<size_t>(range.end()) <= bytes_,
+                "resident block: bytes [{}, {}) outside its {}", range.offset, range.end(), bytes_);
+      for (size_t c = static_cast<size_t>(range.offset) / chunk_; c * chunk_ < static_cast<size_t>(range.end()); ++c)
+        if (!handles_[c] && !shared_[c]) {
+          shared_[c] = 1;
+          chunks_of[g].push_back(c);
+        }
+    }
+  }
+  // A pool is a list of chunk-sized allocations (cuMemMap maps whole allocations only):
+  // group g's i-th chunk goes onto its pool's i-th.
+  std::vector<size_t> pool_chunks(static_cast<size_t>(n_pools), 0);
+  for (size_t g = 0; g < group_ranges.size(); ++g) {
+    size_t& most = pool_chunks[static_cast<size_t>(pool_of_group[g])];
+    most = std::max(most, chunks_of[g].size());
+  }
+  const CUmemAllocationProp prop = device_prop(device_);
+  std::vector<std::vector<unsigned long long>> pools(static_cast<size_t>(n_pools));
+  for (int p = 0; p < n_pools; ++p)
+    for (size_t i = 0; i < pool_chunks[static_cast<size_t>(p)]; ++i) {
+      CUmemGenericAllocationHandle handle = 0;
+      const CUresult created = vmm().create(&handle, chunk_, &prop, 0);
+      if (created == CUDA_ERROR_OUT_OF_MEMORY) {
+        shared_.clear();
+        for (unsigned long long made : pools_) vmm().release(made);
+        pools_.clear();
+        pool_bytes_ = 0;
+        throw OutOfMemory("CUDA out of memory making " + std::to_string(chunk_) + " bytes of shared chunks");
+      }
+      check(created, "cuMemCreate");
+      pools[static_cast<size_t>(p)].push_back(handle);
+      pools_.push_back(handle);
+      pool_bytes_ += chunk_;
+    }
+  for (size_t g = 0; g < group_ranges.size(); ++g)
+    for (size_t i = 0; i < chunks_of[g].size(); ++i) {
+      map_chunk(chunks_of[g][i], pools[static_cast<size_t>(pool_of_group[g])][i], 0);
+      MOE_CUDA_CHECK(cudaMemset(static_cast<char*>(base_) + chunks_of[g][i] * chunk_, 0, chunk_));
+    }
 }
 
 ResidentBlock::ResidentBlock(ResidentBlock&& other) noexcept
@@ -108,7 +178,10 @@ ResidentBlock::ResidentBlock(ResidentBlock&& other) noexcept
       reserved_(std::exchange(other.reserved_, 0)),
       chunk_(std::exchange(other.chunk_, 0)),
       device_(other.device_),
-      handles_(std::move(other.handles_)) {}
+      handles_(std::move(other.handles_)),
+      shared_(std::move(other.shared_)),
+      pools_(std::move(other.pools_)),
+      pool_bytes_(std::exchange(other.pool_bytes_, 0)) {}
 
 ResidentBlock& ResidentBlock::operator=(ResidentBlock&& other) noexcept {
   if (this != &other) {
@@ -119,11 +192,15 @@ ResidentBlock& ResidentBlock::operator=(ResidentBlock&& other) noexcept {
     chunk_ = std::exchange(other.chunk_, 0);
     device_ = other.device_;
     handles_ = std::move(other.handles_);
+    shared_ = std::move(other.shared_);
+    pools_ = std::move(other.pools_);
+    pool_bytes_ = std::exchange(other.pool_bytes_, 0);
   }
   return *this;
 }
 
 void ResidentBlock::set_resident(const RangeList& byte_ranges, bool zero_new) {
+  MOE_CHECK(shared_.empty(), "resident block: the resident chunks cannot change once chunks are shared");
   std::vector<char> wanted(handles_.size(), 0);
   for (const Range& range : byte_ranges) {
     if (range.count <= 0) continue;
@@ -174,13 +251,14 @@ void ResidentBlock::set_resident(const RangeList& byte_ranges, bool zero_new) {
 }
 
 size_t ResidentBlock::resident_bytes() const {
-  return chunk_ * static_cast<size_t>(std::count_if(handles_.begin(), handles_.end(), [](auto h) { return h != 0; }));
+  return chunk_ * static_cast<size_t>(std::count_if(handles_.begin(), handles_.end(), [](auto h) { return h != 0; })) +
+         pool_bytes_;
 }
 
 RangeList ResidentBlock::resident_ranges() const {
   RangeList ranges;
   for (size_t c = 0; c < handles_.size(); ++c)
-    if (handles_[c]) {
+    if (handles_[c] || (!shared_.empty() && shared_[c])) {
       const int64_t at = static_cast<int64_t>(c * chunk_);
       append_merged(ranges, at, std::min<int64_t>(static_cast<int64_t>(chunk_), static_cast<int64_t>(bytes_) - at));
     }

@@ -34,16 +34,28 @@ class ResidentBlock {
   // Physical bytes held, and the mapping granularity (a chunk is a multiple of it).
   size_t resident_bytes() const;
   size_t chunk_bytes() const { return chunk_; }
-  // The resident chunks as byte ranges, sorted and merged.
+  // The resident chunks as byte ranges, sorted and merged (shared ones included).
   RangeList resident_ranges() const;
+
+  // Chunks that are never live at the same time share memory: for each group g, the
+  // chunks covering group_ranges[g] that hold no memory yet are mapped, in order, onto
+  // pool pool_of_group[g] (a physical allocation as large as its largest group's chunks),
+  // zeroed. Writing one group's shared chunks changes the other groups' of its pool
+  // (ZeRO-2: the gradients of stages whose sums have left). Once; set_resident is then
+  // refused.
+  void share_chunks(const std::vector<RangeList>& group_ranges, const std::vector<int>& pool_of_group);
 
  private:
   void release();
+  void map_chunk(size_t chunk, unsigned long long handle, size_t offset);
 
   void* base_ = nullptr;
   size_t bytes_ = 0, reserved_ = 0, chunk_ = 0;
   int device_ = 0;
   std::vector<unsigned long long> handles_;  // per chunk; 0: not resident
+  std::vector<char> shared_;                 // per chunk: mapped onto a pool (handles_ 0)
+  std::vector<unsigned long long> pools_;    // share_chunks' physical allocations
+  size_t pool_bytes_ = 0;
 };
 
 }  // namespace moe::gpu

@@ -281,24 +281,49 @@ void GpuDataParallel::launch_stage(int stage) {
             stage);
   if (!launched_) MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), as_stream(stream_)));
   launched_ = true;
+  const size_t earlier = in_flight_.size();
   // fp32: the stage's collectives as one NCCL group, one kernel instead of one per bucket
   // (bf16's casts hop between side streams, so they go one by one).
   const bool grouped = reduce_dtype_ == DType::f32;
   if (grouped) group_->group_begin();
   if (zero_)
     for (const auto& [offset, n] : zero_->sharded[static_cast<size_t>(stage)]) launch_scatter(offset, n);
-  // Buckets of at most the configured size, so one huge layer still streams.
+  // Buckets of at most the configured size, so one huge layer still streams. ZeRO-2: the
+  // replicated ranges accumulate locally until the step's last micro-batch.
   const auto& sums = zero_ ? zero_->replicated[static_cast<size_t>(stage)] : stage_ranges_[static_cast<size_t>(stage)];
-  for (const auto& [offset, n] : sums)
-    for (int64_t at = offset; at < offset + n; at += bucket_elems_) launch_sum(at, std::min(bucket_elems_, offset + n - at));
+  if (zero_after_.empty() || last_micro_batch_)
+    for (const auto& [offset, n] : sums)
+      for (int64_t at = offset; at < offset + n; at += bucket_elems_) launch_sum(at, std::min(bucket_elems_, offset + n - at));
   if (grouped)
     if (auto done = group_->group_end()) in_flight_.push_back(std::move(done));
+  if (zero_after_.empty()) return;
+  // ZeRO-2: the earlier stages' scatters are done before the next stage's backward writes
+  // the memory the stage before this one's gradients share.
+  for (size_t i = 0; i < earlier; ++i) in_flight_[i]->wait();
+  in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(earlier));
+  if (unzeroed_stage_ >= 0) zero_stage(unzeroed_stage_);
+  unzeroed_stage_ = stage;
+}
+
+void GpuDataParallel::set_gradient_sharding(std::vector<RangeList> zero_after) {
+  MOE_CHECK(zero_ && overlap_ && reduce_dtype_ == DType::f32,
+            "GPU data parallel: ZeRO-2 needs an overlapped ZeRO plan with fp32 sums");
+  MOE_CHECK(zero_after.size() == zero_->sharded.size(), "GPU data parallel: ZeRO-2 ranges for {} stages of {}",
+            zero_after.size(), zero_->sharded.size());
+  zero_after_ = std::move(zero_after);
+}
+
+void GpuDataParallel::zero_stage(int stage) {
+  for (const Range& r : zero_after_[static_cast<size_t>(stage)])
+    MOE_CUDA_CHECK(cudaMemsetAsync(grads_ + r.offset, 0, static_cast<size_t>(r.count) * sizeof(float), as_stream(stream_)));
+  unzeroed_stage_ = -1;
 }
 
 void GpuDataParallel::finish_overlapped() {
   cudaStream_t stream = as_stream(stream_);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(backward_end_), stream));
   join_launched();
+  if (unzeroed_stage_ >= 0) zero_stage(unzeroed_stage_);
   const bool launched = std::exchange(launched_, false);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_end_), stream));
   MOE_CUDA_CHECK(cudaEventSynchronize(as_event(sync_end_)));

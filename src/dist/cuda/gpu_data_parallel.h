@@ -79,6 +79,17 @@ class GpuDataParallel {
   // all_reduce_grads(). Replaces set_stage_ranges.
   void set_zero_plan(ZeroShardPlan plan, bool overlap);
   const ZeroShardPlan* zero_plan() const { return zero_ ? &*zero_ : nullptr; }
+  // ZeRO-2 (after set_zero_plan with overlap, fp32 sums): the backward of every micro-batch
+  // calls launch_stage, preceded by begin_micro_batch(last). The buckets are reduce-scattered
+  // every time (a rank's piece holds the running sum: in place, its own gradient plus the
+  // others'), the replicated ranges all-reduced on the step's last micro-batch only (they
+  // accumulate locally before), and once stage s - 1's scatters are done (waited for when
+  // stage s is launched, or by finish_overlapped) zero_after[s - 1] (its elements outside
+  // this rank's pieces: undefined after the scatter) is zeroed on the model's stream, so
+  // stage s + 1, whose gradients share its memory (GpuParameterStore::share_gradients), and
+  // the next micro-batch start from zeros.
+  void set_gradient_sharding(std::vector<RangeList> zero_after);
+  void begin_micro_batch(bool last) { last_micro_batch_ = last; }
   // ZeRO-1, after the optimizer step on the model's stream: every rank's pieces of a block
   // in the gradient block's layout (the bf16 weights; for checkpoints also the lo halves and
   // the moments) are all-gathered in place; the model's stream waits for them (counted as
@@ -153,6 +164,12 @@ class GpuDataParallel {
   // queue behind the all-gathers that overlap the forward on group_'s stream.
   std::unique_ptr<Communicator> sum_group_;
   std::vector<std::unique_ptr<Work>> in_flight_;
+  // ZeRO-2: per stage the ranges zeroed after its scatters; the stage launched last and
+  // not yet zeroed (-1: none); whether this backward is the step's last micro-batch's.
+  std::vector<RangeList> zero_after_;
+  int unzeroed_stage_ = -1;
+  bool last_micro_batch_ = true;
+  void zero_stage(int stage);
   bool launched_ = false;  // a stage was launched since the last finish_overlapped()
   DType reduce_dtype_ = DType::f32;
   // bf16: two lanes, each a side stream (casts, and waits for its all-reduces), a

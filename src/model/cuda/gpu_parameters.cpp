@@ -37,6 +37,7 @@ struct GpuParameterStore::State {
   Buffer<int16_t> lo_packed;
   Buffer<uint8_t> m_packed, v_packed;
   bool whole_lo = false;  // hold_whole_master: the lo block mapped and filled from the packed halves
+  RangeList grads_held;   // share_gradients: the gradients with memory of their own (empty: resident)
   mutable Buffer<float> staging_buffer;     // download_range / upload_range
   mutable Buffer<int16_t> lo_scratch;       // lo halves of uploaded values no rank keeps here
   bool bf16_moments() const { return moments == MomentDtype::Bf16; }
@@ -223,8 +224,45 @@ int64_t GpuParameterStore::fp32_mirror_offset(int id) const {
 
 void GpuParameterStore::zero_grads() {
   State& s = *state_;
-  for (const Range& r : s.resident)
-    MOE_CUDA_CHECK(cudaMemsetAsync(s.grads_data() + r.offset, 0, static_cast<size_t>(r.count) * sizeof(float), s.stream));
+  for (const Range& r : s.grads.resident_ranges())  // shared chunks included
+    MOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(s.grads.data()) + r.offset, 0, static_cast<size_t>(r.count),
+                                   s.stream));
+}
+
+void GpuParameterStore::share_gradients(const RangeList& kept, const std::vector<RangeList>& stage_ranges) {
+  State& s = *state_;
+  MOE_CHECK(s.grads_held.empty(), "GPU parameters: the gradients are shared already");
+  MOE_CHECK(stage_ranges.size() >= 3, "GPU parameters: sharing gradients needs 3+ stages, got {}", stage_ranges.size());
+  RangeList own = kept;
+  const size_t last = stage_ranges.size() - 1;
+  for (size_t stage = 0; stage <= last; ++stage)
+    for (const Range& r : stage_ranges[stage]) {
+      if (stage == 0 || stage == last) {
+        own.push_back(r);  // the LM head's and the embedding's (tied, one is written in both)
+      } else {
+        own.push_back({r.offset, 1});  // a chunk holding two stages' gradients stays private
+        own.push_back({r.end() - 1, 1});
+      }
+    }
+  own = merge_ranges(std::move(own));
+  const RangeList outside = subtract_ranges(own, s.resident);
+  MOE_CHECK(outside.empty(), "GPU parameters: gradients [{}, {}) to keep are not resident", outside.front().offset,
+            outside.front().end());
+  const auto bytes = [](const RangeList& ranges) {
+    RangeList out;
+    for (const Range& r : ranges) out.push_back({r.offset * 4, r.count * 4});
+    return out;
+  };
+  s.sync();
+  s.grads.set_resident(bytes(own), /*zero_new=*/true);
+  std::vector<RangeList> groups;
+  std::vector<int> pools;
+  for (size_t stage = 1; stage < last; ++stage) {
+    groups.push_back(bytes(subtract_ranges(stage_ranges[stage], own)));
+    pools.push_back(static_cast<int>(stage % 2));
+  }
+  s.grads.share_chunks(groups, pools);
+  s.grads_held = std::move(own);
 }
 
 const RangeList& GpuParameterStore::resident_ranges() const { return state_->resident; }
@@ -248,9 +286,10 @@ void GpuParameterStore::download_grads(ParameterStore<float>& params) const {
   const State& s = *state_;
   s.check_layout(params, "download_grads");
   // Where this rank holds nothing it computed no gradient: zeros.
-  for (const Range& r : subtract_ranges({{0, s.storage}}, s.resident))
+  const RangeList& held = s.grads_held.empty() ? s.resident : s.grads_held;
+  for (const Range& r : subtract_ranges({{0, s.storage}}, held))
     std::fill_n(params.grads_data() + r.offset, r.count, 0.0f);
-  for (const Range& r : s.resident)
+  for (const Range& r : held)
     MOE_CUDA_CHECK(cudaMemcpy(params.grads_data() + r.offset, s.grads_data() + r.offset,
                               static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyDeviceToHost));
 }
@@ -258,7 +297,7 @@ void GpuParameterStore::download_grads(ParameterStore<float>& params) const {
 void GpuParameterStore::upload_grads(ParameterStore<float>& params) {
   const State& s = *state_;
   s.check_layout(params, "upload_grads");
-  for (const Range& r : s.resident)
+  for (const Range& r : s.grads_held.empty() ? s.resident : s.grads_held)
     MOE_CUDA_CHECK(cudaMemcpy(s.grads_data() + r.offset, params.grads_data() + r.offset,
                               static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyHostToDevice));
 }

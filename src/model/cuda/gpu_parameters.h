@@ -70,6 +70,12 @@ class GpuParameterStore {
   // ranges unless packed). Expert re-placement needs them in the block layout (unpacked).
   void pack_optimizer_state(const RangeList& ranges);
   const RangeList& optimizer_ranges() const;
+  // ZeRO-2: the fp32 gradients keep memory of their own for `kept` (the pieces this rank
+  // sums into and steps), the first and last stage and the chunks at stage edges; the rest
+  // of stage s lives in memory shared with every other stage of its parity (s % 2), which
+  // the data-parallel group zeroes once a stage's sums have left (GpuDataParallel::
+  // set_gradient_sharding). stage_ranges[s]: the element ranges stage s writes. Once.
+  void share_gradients(const RangeList& kept, const std::vector<RangeList>& stage_ranges);
   // What the AdamW kernel steps: the lo halves and moments, and where block element
   // `offset`'s state is in them (itself unless packed; inside optimizer_ranges()).
   struct StepState {
@@ -93,7 +99,8 @@ class GpuParameterStore {
   // nearest even on upload.
   void download_grads(ParameterStore<float>& params) const;
   void upload_grads(ParameterStore<float>& params);
-  // download_grads writes zeros where nothing is resident (no gradient was computed there).
+  // download_grads writes zeros where nothing is resident (no gradient was computed there)
+  // and, with shared gradients, outside the held ones.
   // `only`: just these ranges (resident ones; null: every resident range).
   void download_params(ParameterStore<float>& params, const Range* only = nullptr) const;
   void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v,

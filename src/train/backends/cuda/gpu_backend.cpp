@@ -172,7 +172,10 @@ class GpuBackend final : public ModelBackend {
       return;
     }
     const double scale = dp_ ? loss_scale * ce_weight_ : loss_scale;
-    if (dp_ && last && dp_->overlaps()) {
+    // ZeRO-2 reduce-scatters every micro-batch's gradients (its buckets hold no others).
+    const bool every_micro_batch = sharded() && config_.parallel.zero >= 2;
+    if (every_micro_batch) dp_->begin_micro_batch(last);
+    if (dp_ && (last || every_micro_batch) && dp_->overlaps()) {
       // Each stage's gradients are reduced while the backward of the layers below runs
       // (under expert parallelism: the shared ones over all ranks, this rank's experts'
       // over the ranks holding the same experts).
@@ -544,13 +547,21 @@ class GpuBackend final : public ModelBackend {
       apply_own_expert_ranges();
     } else if (c.parallel.zero >= 1 && dp_->size() > 1) {
       // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
-      dist::ZeroShardPlan plan = dist::plan_zero_shards(
-          dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages()),
-          params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
+      const std::vector<RangeList> stages =
+          dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages());
+      dist::ZeroShardPlan plan =
+          dist::plan_zero_shards(stages, params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
       params.pack_optimizer_state(plan.update);  // the lo halves and moments of its pieces only
       optimizer_->set_step_ranges(plan.update, plan.norm);
       optimizer_->shard_expert_clip(plan.norm, plan.update);
+      // ZeRO-2: the gradients outside its pieces only while their stage's sums are in flight.
+      std::vector<RangeList> zero_after;
+      if (c.parallel.zero >= 2) {
+        params.share_gradients(plan.update, stages);
+        for (const RangeList& buckets : plan.sharded) zero_after.push_back(subtract_ranges(buckets, plan.update));
+      }
       dp_->set_zero_plan(std::move(plan), /*overlap=*/!c.training.cuda_graphs);
+      if (!zero_after.empty()) dp_->set_gradient_sharding(std::move(zero_after));
       if (!c.training.cuda_graphs)
         gpu_->set_forward_stage_hook([group = dp_.get()](int stage) { group->wait_stage(stage); });
     } else if (!c.training.cuda_graphs) {
