@@ -155,7 +155,7 @@ TEST(GpuThreadRanks, SplitExpertsTrainTheWeightsOfWholeExperts) {
 // A checkpoint keeps the experts' placement and the re-placement's state: split experts
 // re-placed every 2 steps, stopped at step 3 and resumed, give the uninterrupted run's
 // losses bit for bit (before the placement was recorded, the resumed run started over
-// from equal blocks: close, not the same).
+// from equal blocks: close, not the same); one GPU resumes it too (close: other sums).
 TEST(GpuThreadRanks, ReplacedSplitExpertsResumeWhereTheyStopped) {
   MOE_REQUIRE_GPU();
   const auto root = std::filesystem::temp_directory_path() / ("moe_thread_resume_" + std::to_string(::getpid()));
@@ -174,6 +174,16 @@ TEST(GpuThreadRanks, ReplacedSplitExpertsResumeWhereTheyStopped) {
   ASSERT_EQ(resumed[0].error, "");
   ASSERT_EQ(resumed[0].losses.size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], whole[0].losses[i + 3]) << "step " << i + 4;
+  // Each rank saved its own experts (and a share of the rest): one GPU reads them all.
+  RunConfig one = thread_run(6);
+  one.training.micro_batch *= 2;
+  one.checkpoint.dir = (root / "one").string();
+  const RankResult single = train(one, std::move(dist::make_thread_communicators(1)[0]),
+                                  (root / "whole" / "step_00000003").string());
+  ASSERT_EQ(single.error, "");
+  ASSERT_EQ(single.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_NEAR(single.losses[i], whole[0].losses[i + 3], 0.01 * whole[0].losses[i + 3]) << "step " << i + 4;
   std::filesystem::remove_all(root);
 }
 

@@ -31,36 +31,81 @@ bool gpu_present() { return gpu::device_count() > 0; }
 
 namespace {
 
-// ZeRO: this rank's pieces of the state (the plan's update ranges), cut at the parameters,
-// those stepped by every rank (the plan's replicated ranges) apart: what it saves and
-// restores of the moments, in host buffers of their own.
+// A rank's own slices of the checkpoint's tensors: where each lies in the device block
+// and in its global tensor, how many ranks hold the same bits, and host buffers for its
+// values and moments (what save_state hands over and restore_targets fills).
 struct OwnedPieces {
   struct Piece {
     int id = 0;
-    Range block;     // in the parameter block
-    int64_t at = 0;  // in the host buffers
-    bool replicated = false;
+    Range block;        // in the parameter block
+    int64_t begin = 0;  // in the global tensor
+    int replicas = 1, replica = 0;
+    int64_t at = 0;     // in the host buffers
   };
   std::vector<Piece> pieces;
   std::vector<float> values, m, v;
 
-  OwnedPieces(const ParameterStore<float>& params, const dist::ZeroShardPlan& plan) {
-    RangeList spans, replicated;
-    for (int id = 0; id < params.size(); ++id) spans.push_back({params.offset(id), params.numel(id)});
-    for (const RangeList& stage : plan.replicated) replicated.insert(replicated.end(), stage.begin(), stage.end());
-    replicated = merge_ranges(std::move(replicated));
-    const RangeList sharded = subtract_ranges(plan.update, replicated);
-    int64_t at = 0;
-    for (const bool rep : {false, true})
-      for (const SpanPiece& part : cut_spans(spans, rep ? subtract_ranges(plan.update, sharded) : sharded)) {
-        pieces.push_back({static_cast<int>(part.span), {part.offset, part.count}, at, rep});
-        at += part.count;
-      }
-    values.resize(static_cast<size_t>(at));
-    m.resize(static_cast<size_t>(at));
-    v.resize(static_cast<size_t>(at));
+  void add(int id, Range block, int64_t begin, int replicas, int replica) {
+    const int64_t at = pieces.empty() ? 0 : pieces.back().at + pieces.back().block.count;
+    pieces.push_back({id, block, begin, replicas, replica, at});
   }
+  void allocate() {
+    const auto n = static_cast<size_t>(pieces.empty() ? 0 : pieces.back().at + pieces.back().block.count);
+    values.assign(n, 0.0f);
+    m.assign(n, 0.0f);
+    v.assign(n, 0.0f);
+  }
+  float* values_of(const Piece& p) { return values.data() + p.at; }
+  float* m_of(const Piece& p) { return m.data() + p.at; }
+  float* v_of(const Piece& p) { return v.data() + p.at; }
 };
+
+// ZeRO: the plan's update ranges cut at the parameters; those every rank steps (the plan's
+// replicated ranges) are held by all `ranks`.
+OwnedPieces zero_pieces(const ParameterStore<float>& params, const dist::ZeroShardPlan& plan) {
+  RangeList spans, replicated;
+  for (int id = 0; id < params.size(); ++id) spans.push_back({params.offset(id), params.numel(id)});
+  for (const RangeList& stage : plan.replicated) replicated.insert(replicated.end(), stage.begin(), stage.end());
+  replicated = merge_ranges(std::move(replicated));
+  const RangeList sharded = subtract_ranges(plan.update, replicated);
+  OwnedPieces own;
+  for (const bool rep : {false, true})
+    for (const SpanPiece& part : cut_spans(spans, rep ? subtract_ranges(plan.update, sharded) : sharded)) {
+      const int id = static_cast<int>(part.span);
+      own.add(id, {part.offset, part.count}, part.offset - params.offset(id), rep ? plan.ranks : 1, rep ? plan.rank : 0);
+    }
+  own.allocate();
+  return own;
+}
+
+// Expert parallelism over `world` ranks (this one `rank`, EP rank rank % ep): every
+// parameter outside the expert tensors (held by all ranks) and, per MoE layer, the slots
+// of its block (`window`: of its window, a hinge included) as their experts' slices of the
+// expert tensors (held by the world / ep ranks with the same EP rank).
+OwnedPieces expert_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
+                          int ep, bool window) {
+  OwnedPieces own;
+  std::vector<int> id_at;  // parameter ids of the expert tensors, by offset
+  for (int id = 0; id < params.size(); ++id)
+    if (params.spec(id).expert_group.empty()) own.add(id, {params.offset(id), params.numel(id)}, 0, world, rank);
+  const int p = rank % ep;
+  for (const MoeLayerExperts& layer : layout) {
+    const ExpertSlots& slots = layer.slots;
+    const int64_t first = slots.window_first(p);
+    const int64_t end = window ? slots.window_end_P[static_cast<size_t>(p)] : slots.first_slot_P1[static_cast<size_t>(p) + 1];
+    for (const Range& tensor : layer.tensors) {
+      int id = 0;
+      while (id < params.size() && params.offset(id) != tensor.offset) ++id;
+      MOE_CHECK(id < params.size(), "checkpoint: no parameter at expert tensor offset {}", tensor.offset);
+      const int64_t per = tensor.count / slots.n_experts();
+      for (int64_t slot = first; slot < end; ++slot)
+        own.add(id, {tensor.offset + slot * per, per}, slots.expert_of_slot[static_cast<size_t>(slot)] * per,
+                world / ep, rank / ep);
+    }
+  }
+  own.allocate();
+  return own;
+}
 
 // The model, gradients and AdamW state on the GPU. With `dp` (parallel.backend = nccl)
 // every rank holds a full replica and the gradients are summed over the ranks after the
@@ -409,28 +454,32 @@ class GpuBackend final : public ModelBackend {
     if (dp_) dp_->take_stats();
   }
 
-  // ZeRO: each rank saves the master weights and moments of its own pieces (the pieces
-  // every rank steps as replicas), no gather; every rank restores the whole weights (each
-  // needs every bf16 hi half) and its pieces' lo halves and moments.
+  // Checkpoints, each rank its own pieces (no gather): ZeRO the master weights and moments
+  // of its pieces (those every rank steps as replicas); expert parallelism the shared
+  // parameters (as replicas) and its block's experts. Restoring, ZeRO takes the whole
+  // weights (each rank needs every bf16 hi half) and its pieces' state; expert parallelism
+  // the shared parameters and its window's experts (a hinge included), in the current
+  // placement's slots (restore_placement moves them afterwards).
+  bool saves_own_pieces() const { return sharded() || ep_ != nullptr; }
+  OwnedPieces own_pieces(bool window) {
+    if (sharded()) return zero_pieces(host_model().params(), *dp_->zero_plan());
+    return expert_pieces(host_model().params(), gpu_->expert_layout(), dp_->size(), dp_->rank(), ep_->size(), window);
+  }
   SavedState save_state(int rank, int world) override {
-    if (!sharded()) return ModelBackend::save_state(rank, world);
-    dp_->join_stage_gathers();
+    if (!saves_own_pieces()) return ModelBackend::save_state(rank, world);
+    if (dp_) dp_->join_stage_gathers();
     auto& params = host_model().params();
-    if (!owned_) owned_ = std::make_unique<OwnedPieces>(params, *dp_->zero_plan());
-    OwnedPieces& own = *owned_;
+    saved_ = own_pieces(/*window=*/false);
     SavedState state;
     state.adam_steps = steps_;
-    const int n = dp_->size(), r = dp_->rank();
-    for (const OwnedPieces::Piece& p : own.pieces) {
-      const size_t at = static_cast<size_t>(p.at);
-      gpu_->parameters().download_range(p.block, own.values.data() + at, own.m.data() + at, own.v.data() + at);
+    for (const OwnedPieces::Piece& p : saved_.pieces) {
+      gpu_->parameters().download_range(p.block, saved_.values_of(p), saved_.m_of(p), saved_.v_of(p));
       const std::string& name = params.spec(p.id).name;
       const std::vector<int64_t> shape = tensor_shape(params.spec(p.id).shape);
-      const int64_t begin = p.block.offset - params.offset(p.id);
-      const int replicas = p.replicated ? n : 1, replica = p.replicated ? r : 0;
-      state.pieces.push_back({"param/" + name, shape, begin, p.block.count, own.values.data() + at, replicas, replica});
-      state.pieces.push_back({"adam_m/" + name, shape, begin, p.block.count, own.m.data() + at, replicas, replica});
-      state.pieces.push_back({"adam_v/" + name, shape, begin, p.block.count, own.v.data() + at, replicas, replica});
+      const int64_t n = p.block.count;
+      state.pieces.push_back({"param/" + name, shape, p.begin, n, saved_.values_of(p), p.replicas, p.replica});
+      state.pieces.push_back({"adam_m/" + name, shape, p.begin, n, saved_.m_of(p), p.replicas, p.replica});
+      state.pieces.push_back({"adam_v/" + name, shape, p.begin, n, saved_.v_of(p), p.replicas, p.replica});
     }
     for (auto* layer : host_model().moe_layers()) {
       auto& bias = layer->balance_bias_E();
@@ -440,20 +489,21 @@ class GpuBackend final : public ModelBackend {
     return state;
   }
   std::vector<StateTarget> restore_targets() override {
-    if (!sharded()) return ModelBackend::restore_targets();
+    if (!saves_own_pieces()) return ModelBackend::restore_targets();
     auto& params = host_model().params();
-    if (!owned_) owned_ = std::make_unique<OwnedPieces>(params, *dp_->zero_plan());
+    restored_ = own_pieces(/*window=*/true);
     std::vector<StateTarget> targets;
-    for (int id = 0; id < params.size(); ++id)
-      targets.push_back({"param/" + params.spec(id).name, tensor_shape(params.spec(id).shape), 0, params.numel(id),
-                         params.value(id)});
-    for (const OwnedPieces::Piece& p : owned_->pieces) {
+    if (sharded())
+      for (int id = 0; id < params.size(); ++id)
+        targets.push_back({"param/" + params.spec(id).name, tensor_shape(params.spec(id).shape), 0, params.numel(id),
+                           params.value(id)});
+    for (const OwnedPieces::Piece& p : restored_.pieces) {
       const std::string& name = params.spec(p.id).name;
       const std::vector<int64_t> shape = tensor_shape(params.spec(p.id).shape);
-      const int64_t begin = p.block.offset - params.offset(p.id);
-      const size_t at = static_cast<size_t>(p.at);
-      targets.push_back({"adam_m/" + name, shape, begin, p.block.count, owned_->m.data() + at});
-      targets.push_back({"adam_v/" + name, shape, begin, p.block.count, owned_->v.data() + at});
+      const int64_t n = p.block.count;
+      if (!sharded()) targets.push_back({"param/" + name, shape, p.begin, n, restored_.values_of(p)});
+      targets.push_back({"adam_m/" + name, shape, p.begin, n, restored_.m_of(p)});
+      targets.push_back({"adam_v/" + name, shape, p.begin, n, restored_.v_of(p)});
     }
     for (auto* layer : host_model().moe_layers()) {
       auto& bias = layer->balance_bias_E();
@@ -463,26 +513,23 @@ class GpuBackend final : public ModelBackend {
     return targets;
   }
   void finish_restore(int64_t adam_steps) override {
-    if (!sharded()) return ModelBackend::finish_restore(adam_steps);
-    dp_->join_stage_gathers();  // none may still write the weights
+    if (!saves_own_pieces()) return ModelBackend::finish_restore(adam_steps);
+    if (dp_) dp_->join_stage_gathers();  // none may still write the weights
     auto& params = host_model().params();
     GpuParameterStore& store = gpu_->parameters();
-    store.upload_state(params, {}, {});  // every weight's hi half, the own pieces' lo halves
-    for (const OwnedPieces::Piece& p : owned_->pieces) {
-      const size_t at = static_cast<size_t>(p.at);
-      store.upload_range(p.block, params.values_data() + p.block.offset, owned_->m.data() + at,
-                         owned_->v.data() + at);
+    if (sharded()) store.upload_state(params, {}, {});  // every weight's hi half, the own pieces' lo halves
+    for (const OwnedPieces::Piece& p : restored_.pieces) {
+      const float* values = sharded() ? params.values_data() + p.block.offset : restored_.values_of(p);
+      store.upload_range(p.block, values, restored_.m_of(p), restored_.v_of(p));
     }
+    restored_ = OwnedPieces{};
     upload_balance_bias();
     steps_ = adam_steps;
     host_optimizer().set_steps_taken(adam_steps);
   }
 
-  // Checkpoints without ZeRO (ModelBackend::save_state's default). Expert parallelism: each
-  // expert's state is only on the ranks holding it, so the download is collective (each
-  // other rank's experts broadcast by it). Every rank then holds the whole state on the
-  // host and writes an even share of it (host memory: 12-16 bytes per parameter on each
-  // rank, until expert parallelism saves each rank's own experts as ZeRO saves its pieces).
+  // Checkpoints of replicas (ModelBackend::save_state's default): every rank downloads the
+  // whole state and writes an even share of it.
   void gather_state() override {
     AdamW& optimizer = host_optimizer();
     gpu_->download_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
@@ -676,7 +723,7 @@ class GpuBackend final : public ModelBackend {
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
   std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
-  std::unique_ptr<OwnedPieces> owned_;  // ZeRO: the host side of this rank's pieces (checkpoints)
+  OwnedPieces saved_, restored_;  // checkpoints: the host side of this rank's own pieces
   int64_t steps_since_placement_ = 0;
 };
 
