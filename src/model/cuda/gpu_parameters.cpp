@@ -511,6 +511,14 @@ void GpuParameterStore::upload_range(Range r, const float* values, const float* 
       cuda::round_to_bf16(reinterpret_cast<bf16*>(out), staging.data(), n, s.stream);
     }
   }
+  // The fp32 copies of the parameters in r (router biases) take the same values.
+  for (const SpanPiece& part : cut_spans(s.spans(), {r})) {
+    const int64_t mirror_at = s.mirror_offsets[part.span];
+    if (mirror_at < 0) continue;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(s.mirror.data() + mirror_at + (part.offset - s.offsets[part.span]),
+                                   values + (part.offset - r.offset), static_cast<size_t>(part.count) * sizeof(float),
+                                   cudaMemcpyHostToDevice, s.stream));
+  }
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 

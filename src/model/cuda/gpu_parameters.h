@@ -109,7 +109,8 @@ class GpuParameterStore {
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
   // Block range r (inside optimizer_ranges()) as fp32 on the host, values[0, r.count):
   // the master weights, the moments into m and v (null: not copied); and back (bf16
-  // moments rounded to nearest even). Checkpoints of a rank's own pieces.
+  // moments rounded to nearest even; the fp32 copies of its parameters refreshed).
+  // Checkpoints of a rank's own pieces.
   void download_range(Range r, float* values, float* m, float* v) const;
   void upload_range(Range r, const float* values, const float* m, const float* v);
 
