@@ -78,6 +78,9 @@ bool ZeroParameterGather::read_later(int stage, bool backward, int read) const {
 void ZeroParameterGather::done(int stage, bool backward) {
   for (int read : reads_[static_cast<size_t>(stage)])
     if (!read_later(stage, backward, read)) release(read);
+  // MPI moves non-blocking collectives along inside MPI calls: test the prefetch.
+  for (auto& works : gathers_)
+    for (auto& work : works) work->done();
 }
 
 void ZeroParameterGather::release_all() {

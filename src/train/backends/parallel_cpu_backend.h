@@ -41,8 +41,6 @@ class ParallelCpuBackend final : public ModelBackend {
   // Expert parallelism: each MoE layer's slots (empty without).
   const std::vector<ExpertSlots>& expert_slots() const { return slots_; }
   const dist::ZeroOptimizer& zero() const { return *zero_; }
-  // ZeRO-3's gathers (null below level 3).
-  const dist::ZeroParameterGather* parameter_gather() const { return gather_.get(); }
 
   BatchPlan plan_batches() override { return plan_host_batches(config_, host_model()); }
   void begin_step() override;
