@@ -125,7 +125,8 @@ void ZeroOptimizer::on_stage(int stage) {
   }
   if (armed_)
     for (const auto& [begin, count] : plan_.replicated[s])
-      in_flight_.push_back(group_.all_reduce_async(grads + begin, static_cast<size_t>(count), DType::f32, ReduceOp::sum));
+      in_flight_.push_back(
+          group_.all_reduce_async(grads + begin, static_cast<size_t>(count), DType::f32, ReduceOp::sum));
   poll();
   // One stage in flight while the next computes: at most two stages' whole gradients live.
   if (every_micro_batch) retire_scatters(1);

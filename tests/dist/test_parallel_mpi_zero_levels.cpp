@@ -151,7 +151,7 @@ TEST(ParallelZeroLevels, ResumeReshardsAcrossLevels) {
       trainer->on_step = [&](const StepStats& s) { losses.push_back(s.loss); };
       trainer->run(log);
       if (world.rank() == 0 || world.rank() == 2)
-        expect_close(losses, rest, 1e-5, color == 0 ? "2 ranks resuming 4 ranks' checkpoint" : "one process resuming it");
+        expect_close(losses, rest, 1e-5, color == 0 ? "2 ranks resuming 4 ranks' checkpoint" : "one process resuming");
     }
     world.barrier();
     RunConfig back = config;

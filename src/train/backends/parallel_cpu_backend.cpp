@@ -433,7 +433,8 @@ SavedState ParallelCpuBackend::save_state(int, int) {
   for (const auto& s : zero_->moment_slices()) {
     const std::string& name = params.spec(s.id).name;
     const int replicas = s.replicated ? dp.size() : 1, replica = s.replicated ? dp.rank() : 0;
-    if (own_pieces) state.pieces.push_back({"param/" + name, shape_of(s.id), s.begin, s.count, s.value, replicas, replica});
+    if (own_pieces)
+      state.pieces.push_back({"param/" + name, shape_of(s.id), s.begin, s.count, s.value, replicas, replica});
     state.pieces.push_back({"adam_m/" + name, shape_of(s.id), s.begin, s.count, s.m, replicas, replica});
     state.pieces.push_back({"adam_v/" + name, shape_of(s.id), s.begin, s.count, s.v, replicas, replica});
   }
