@@ -53,8 +53,9 @@ ZeroShardPlan plan_zero_for_store(const ParameterStore<float>& params,
 }
 
 ZeroOptimizer::ZeroOptimizer(ParameterStore<float>& params, ZeroShardPlan plan, Communicator& group,
-                             const OptimizerConfig& config, CommStats& stats)
-    : params_(params), plan_(std::move(plan)), group_(group), config_(config), stats_(stats) {
+                             const OptimizerConfig& config, CommStats& stats, int level)
+    : params_(params), plan_(std::move(plan)), group_(group), config_(config), stats_(stats), level_(level) {
+  MOE_CHECK(level_ >= 0 && level_ <= 3, "ZeRO optimizer: no level {}", level_);
   MOE_CHECK(plan_.ranks == group_.size() && plan_.rank == group_.rank(),
             "ZeRO optimizer: a plan for rank {} of {} on rank {} of {}", plan_.rank, plan_.ranks, group_.rank(),
             group_.size());
@@ -77,6 +78,7 @@ ZeroOptimizer::ZeroOptimizer(ParameterStore<float>& params, ZeroShardPlan plan, 
   const int64_t state = update_.empty() ? 0 : update_.back().state + update_.back().count;
   m_.assign(static_cast<size_t>(state), 0.0f);
   v_.assign(static_cast<size_t>(state), 0.0f);
+  others_ = others_pieces(plan_);
 }
 
 std::vector<ZeroOptimizer::Segment> ZeroOptimizer::segments_of(const RangeList& ranges) const {
@@ -101,24 +103,61 @@ std::vector<ZeroOptimizer::Segment> ZeroOptimizer::segments_of(const RangeList& 
 }
 
 void ZeroOptimizer::on_stage(int stage) {
-  if (!armed_) return;
+  // ZeRO-2/3 sum the buckets on every micro-batch (the replicated ranges still once a step).
+  const bool every_micro_batch = level_ >= 2;
+  if (!armed_ && !every_micro_batch) return;
   MOE_CHECK(stage >= 0 && stage < static_cast<int>(plan_.sharded.size()), "ZeRO optimizer: no backward stage {}",
             stage);
   float* grads = params_.grads_data();
   const auto s = static_cast<size_t>(stage);
-  if (!issued_ && (!plan_.sharded[s].empty() || !plan_.replicated[s].empty())) {
+  const bool replicated = armed_ && !plan_.replicated[s].empty();
+  if (!issued_ && (!plan_.sharded[s].empty() || replicated)) {
     issued_ = true;
     first_issue_ = CommClock::now();
   }
+  std::vector<std::unique_ptr<Work>>& scatters =
+      every_micro_batch ? scattering_.emplace_back(Scatter{stage, {}}).works : in_flight_;
   for (const auto& bucket : plan_.sharded[s]) {
     // In place: this rank's sums land in its own piece of the bucket.
     const auto [piece, count] = plan_.piece(bucket, plan_.rank);
-    in_flight_.push_back(group_.reduce_scatter_async(grads + bucket.offset, grads + piece, static_cast<size_t>(count),
-                                                     DType::f32, ReduceOp::sum));
+    scatters.push_back(group_.reduce_scatter_async(grads + bucket.offset, grads + piece, static_cast<size_t>(count),
+                                                   DType::f32, ReduceOp::sum));
   }
-  for (const auto& [begin, count] : plan_.replicated[s])
-    in_flight_.push_back(group_.all_reduce_async(grads + begin, static_cast<size_t>(count), DType::f32, ReduceOp::sum));
+  if (armed_)
+    for (const auto& [begin, count] : plan_.replicated[s])
+      in_flight_.push_back(
+          group_.all_reduce_async(grads + begin, static_cast<size_t>(count), DType::f32, ReduceOp::sum));
   poll();
+  // One stage in flight while the next computes: at most two stages' whole gradients live.
+  if (every_micro_batch) retire_scatters(1);
+}
+
+void ZeroOptimizer::retire_scatters(size_t keep) {
+  while (scattering_.size() > keep) {
+    Scatter& oldest = scattering_.front();
+    for (auto& work : oldest.works)
+      if (work) {
+        timed_wait(*work, stats_);
+        last_complete_ = CommClock::now();
+      }
+    params_.release_grads(others_[static_cast<size_t>(oldest.stage)]);
+    scattering_.erase(scattering_.begin());
+  }
+}
+
+void ZeroOptimizer::end_micro_batch() {
+  if (level_ < 2) return;
+  retire_scatters(0);
+  if (!armed_) settle_timing();  // else finish() waits for the replicated ranges and times the round
+}
+
+RangeList ZeroOptimizer::gradients_to_zero(const RangeList& resident) const {
+  return level_ >= 2 ? subtract_ranges(resident, merged_ranges({others_})) : resident;
+}
+
+void ZeroOptimizer::settle_timing() {
+  if (issued_) stats_.grad_sync_s += seconds_between(first_issue_, last_complete_);
+  issued_ = false;
 }
 
 // MPI progresses non-blocking collectives inside MPI calls: testing them between layers
@@ -142,9 +181,9 @@ void ZeroOptimizer::finish() {
       last_complete_ = CommClock::now();
     }
   in_flight_.clear();
-  if (issued_) stats_.grad_sync_s += seconds_between(first_issue_, last_complete_);
+  retire_scatters(0);
+  settle_timing();
   armed_ = false;
-  issued_ = false;
 }
 
 double ZeroOptimizer::shard_sum_of_squares() const {
@@ -206,8 +245,9 @@ void ZeroOptimizer::step(double lr) {
   for (const Segment& s : update_)
     adamw_update(values + s.begin, grads + s.begin, m_.data() + s.state, v_.data() + s.state, s.count, c,
                  params_.spec(s.id).weight_decay, bf16);
-  // The replicated ranges came out the same on every rank; the pieces travel.
-  gather_pieces(values);
+  // The replicated ranges came out the same on every rank; the pieces travel (ZeRO-3:
+  // when a stage is next needed, ZeroParameterGather).
+  if (level_ < 3) gather_pieces(values);
 }
 
 void ZeroOptimizer::gather_moments(const std::function<int64_t(int)>& moment_offset, std::vector<float>& m,
@@ -240,7 +280,8 @@ std::vector<ZeroOptimizer::MomentSlice> ZeroOptimizer::moment_slices() {
       if (inside) stop = std::min(end, std::prev(next)->end());
       else if (next != whole.end()) stop = std::min(end, next->offset);
       const int64_t state = s.state + (at - s.begin);
-      slices.push_back({s.id, at - params_.offset(s.id), stop - at, m_.data() + state, v_.data() + state, inside});
+      slices.push_back({s.id, at - params_.offset(s.id), stop - at, m_.data() + state, v_.data() + state,
+                        params_.values_data() + at, inside});
       at = stop;
     }
   }

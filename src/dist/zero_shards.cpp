@@ -78,4 +78,34 @@ ZeroShardPlan plan_zero_shards(const std::vector<RangeList>& stage_ranges, const
   return plan;
 }
 
+ZeroShardPlan replicated_plan(const ZeroShardPlan& plan) {
+  ZeroShardPlan out;
+  out.ranks = plan.ranks;
+  out.rank = plan.rank;
+  out.sharded.resize(plan.sharded.size());
+  out.replicated.resize(plan.sharded.size());
+  RangeList all;
+  for (size_t stage = 0; stage < plan.sharded.size(); ++stage) {
+    RangeList& whole = out.replicated[stage];
+    whole = plan.sharded[stage];
+    whole.insert(whole.end(), plan.replicated[stage].begin(), plan.replicated[stage].end());
+    std::sort(whole.begin(), whole.end());
+    all.insert(all.end(), whole.begin(), whole.end());
+  }
+  out.update = sorted_merged(std::move(all));
+  if (plan.rank == 0) out.norm = out.update;
+  return out;
+}
+
+std::vector<RangeList> others_pieces(const ZeroShardPlan& plan) {
+  std::vector<RangeList> others(plan.sharded.size());
+  for (size_t stage = 0; stage < plan.sharded.size(); ++stage)
+    for (const Range& bucket : plan.sharded[stage]) {
+      const Range own = plan.piece(bucket, plan.rank);
+      append_merged(others[stage], bucket.offset, own.offset - bucket.offset);
+      append_merged(others[stage], own.end(), bucket.end() - own.end());
+    }
+  return others;
+}
+
 }  // namespace moe::dist

@@ -57,4 +57,13 @@ struct ZeroShardPlan {
 ZeroShardPlan plan_zero_shards(const std::vector<RangeList>& stage_ranges, const RangeList& keep_whole,
                                int64_t bucket_elems, int ranks, int rank);
 
+// ZeRO-0 (full replicas) in the same form: every bucket of `plan` becomes a replicated
+// range (all-reduced whole, still one bucket at a time; every rank steps everything), the
+// norm counted on rank 0 only.
+ZeroShardPlan replicated_plan(const ZeroShardPlan& plan);
+
+// The parts of the plan's buckets that other ranks own (per backward stage): the gradients
+// (ZeRO-2) and parameters (ZeRO-3) this rank keeps no memory for between uses.
+std::vector<RangeList> others_pieces(const ZeroShardPlan& plan);
+
 }  // namespace moe::dist

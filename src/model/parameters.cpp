@@ -116,6 +116,53 @@ void ParameterStore<T>::set_resident(RangeList ranges) {
 }
 
 template <typename T>
+void ParameterStore<T>::zero_grads(const RangeList& ranges) {
+  for (const Range& r : ranges) {
+    MOE_CHECK(r.offset >= 0 && r.end() <= storage_numel(), "parameters: range [{}, {}) outside the block of {}",
+              r.offset, r.end(), storage_numel());
+    std::memset(grads_.data() + r.offset, 0, static_cast<size_t>(r.count) * sizeof(T));
+  }
+}
+
+namespace {
+
+// Zeroes [begin, begin + count): the whole pages inside go back to the OS, the partial
+// pages at the ends (shared with elements that stay) are zeroed by hand.
+template <typename T>
+void zero_and_release(T* begin, int64_t count) {
+  static const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto first = reinterpret_cast<uintptr_t>(begin), last = reinterpret_cast<uintptr_t>(begin + count);
+  const uintptr_t from = (first + page - 1) / page * page, to = last / page * page;
+  if (to <= from) {
+    std::memset(begin, 0, static_cast<size_t>(count) * sizeof(T));
+    return;
+  }
+  std::memset(begin, 0, from - first);
+  madvise(reinterpret_cast<void*>(from), to - from, MADV_DONTNEED);
+  std::memset(reinterpret_cast<void*>(to), 0, last - to);
+}
+
+}  // namespace
+
+template <typename T>
+void ParameterStore<T>::release_values(const RangeList& ranges) {
+  for (const Range& r : ranges) {
+    MOE_CHECK(r.offset >= 0 && r.end() <= storage_numel(), "parameters: range [{}, {}) outside the block of {}",
+              r.offset, r.end(), storage_numel());
+    zero_and_release(values_.data() + r.offset, r.count);
+  }
+}
+
+template <typename T>
+void ParameterStore<T>::release_grads(const RangeList& ranges) {
+  for (const Range& r : ranges) {
+    MOE_CHECK(r.offset >= 0 && r.end() <= storage_numel(), "parameters: range [{}, {}) outside the block of {}",
+              r.offset, r.end(), storage_numel());
+    zero_and_release(grads_.data() + r.offset, r.count);
+  }
+}
+
+template <typename T>
 RangeList ParameterStore<T>::resident() const {
   return resident_.empty() ? RangeList{{0, static_cast<int64_t>(values_.size())}} : resident_;
 }

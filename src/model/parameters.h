@@ -69,6 +69,13 @@ class ParameterStore {
   void set_resident(RangeList ranges);
   // The resident ranges (the whole block until set_resident).
   RangeList resident() const;
+  // ZeRO-2/3: zeroes the values / gradients at `ranges` (sorted, disjoint) and gives their
+  // whole pages back to the OS; they read as zero and cost nothing until written again.
+  // Unlike set_resident nothing is recorded: the next write takes the memory back.
+  void release_values(const RangeList& ranges);
+  void release_grads(const RangeList& ranges);
+  // Zeroes the gradients at `ranges` only (ZeRO-2: a rank's own pieces; the rest stays released).
+  void zero_grads(const RangeList& ranges);
 
  private:
   T* values_ptr(int id) { return values_.data() + offsets_[static_cast<size_t>(id)]; }

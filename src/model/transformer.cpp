@@ -107,10 +107,20 @@ ForwardResult Transformer<T>::forward(const int32_t* inputs_BS, const int32_t* t
   const int64_t D = config_.dim, V = config_.vocab_size, T_ = tokens_;
   const double eps = config_.norm_eps;
   ForwardResult result;
+  const int L = static_cast<int>(blocks_.size());
+  auto needed = [&](int stage) {
+    if (on_parameters_needed) on_parameters_needed(stage, false);
+  };
+  auto done = [&](int stage) {
+    if (on_parameters_done) on_parameters_done(stage, false);
+  };
   T* x_TD = blocks_.empty() ? final_x_TD_ : blocks_[0].x_TD;
+  needed(L + 1);
   embedding_forward<T>(x_TD, inputs_BS, params_.value(embedding_), T_, V, D);
+  done(L + 1);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     Block& block = blocks_[l];
+    needed(L - static_cast<int>(l));
     T* next_x_TD = l + 1 < blocks_.size() ? blocks_[l + 1].x_TD : final_x_TD_;
     rmsnorm_forward<T>(block.n1_TD, block.rstd1_T, block.x_TD, params_.value(block.norm1), T_, D, eps);
     block.attention->forward(block.h_TD, block.n1_TD, positions_T_);
@@ -125,10 +135,13 @@ ForwardResult Transformer<T>::forward(const int32_t* inputs_BS, const int32_t* t
       block.dense->forward(next_x_TD, block.n2_TD, /*accumulate=*/false);
     }
     add_inplace(next_x_TD, block.h_TD, T_ * D);
+    done(L - static_cast<int>(l));
   }
+  needed(0);
   rmsnorm_forward<T>(final_n_TD_, final_rstd_T_, final_x_TD_, params_.value(final_norm_), T_, D, eps);
   linear_forward<T>(logits_TV_, final_n_TD_, params_.value(head_), nullptr, T_, D, V);
   result.ce_loss = cross_entropy_forward<T>(lse_T_, logits_TV_, targets_BS, T_, V);
+  done(0);
   return result;
 }
 
@@ -136,9 +149,15 @@ template <typename T>
 void Transformer<T>::backward(double ce_scale, double router_scale) {
   MOE_CHECK(inputs_ != nullptr, "backward without a forward");
   const int64_t D = config_.dim, V = config_.vocab_size, T_ = tokens_;
+  const int L = static_cast<int>(blocks_.size());
+  auto needed = [&](int stage) {
+    if (on_parameters_needed) on_parameters_needed(stage, true);
+  };
   auto stage_done = [&](int stage) {
+    if (on_parameters_done) on_parameters_done(stage, true);
     if (on_backward_stage) on_backward_stage(stage);
   };
+  needed(0);
   // The logits buffer becomes their gradient (in place).
   cross_entropy_backward<T>(logits_TV_, logits_TV_, lse_T_, targets_, T_, V, ce_scale);
   linear_backward<T>(dnorm_TD_, params_.grad(head_), nullptr, logits_TV_, final_n_TD_,
@@ -148,6 +167,7 @@ void Transformer<T>::backward(double ce_scale, double router_scale) {
   stage_done(0);
   for (size_t l = blocks_.size(); l-- > 0;) {
     Block& block = blocks_[l];
+    needed(L - static_cast<int>(l));
     // dres holds d(block output); the FFN branch adds its path into it, giving d h.
     if (block.moe) block.moe->backward(dnorm_TD_, dres_TD_, block.n2_TD, router_scale);
     else block.dense->backward(dnorm_TD_, dres_TD_, block.n2_TD, /*accumulate_dx=*/false);
@@ -158,6 +178,7 @@ void Transformer<T>::backward(double ce_scale, double router_scale) {
                         params_.value(block.norm1), block.rstd1_T, T_, D, /*accumulate_dx=*/true);
     stage_done(static_cast<int>(blocks_.size() - l));
   }
+  needed(L + 1);
   embedding_backward<T>(params_.grad(embedding_), inputs_, dres_TD_, T_, V, D);
   inputs_ = nullptr;
   stage_done(backward_stages() - 1);

@@ -55,6 +55,11 @@ class Transformer {
   // The stage after which the gradient of the parameter named `name` is complete.
   int backward_stage_of(const std::string& name) const;
   std::function<void(int stage)> on_backward_stage;
+  // ZeRO-3: called before the forward (backward = false) or the backward first reads a
+  // stage's parameter values, and after it last does (before on_backward_stage), so that
+  // they can be gathered just in time and released after use. Stages as above; a tied
+  // head reads the embedding's values (stage n_layers + 1) in stage 0 too.
+  std::function<void(int stage, bool backward)> on_parameters_needed, on_parameters_done;
 
   ParameterStore<T>& params() { return params_; }
   const ParameterStore<T>& params() const { return params_; }

@@ -92,5 +92,22 @@ TEST(ZeroShards, RefusesMisalignedOrStraddlingRanges) {
   EXPECT_EQ(plan.norm, (RangeList{{32, 32}, {144, 48}}));
 }
 
+// ZeRO-0 and the other ranks' pieces (ZeRO-2/3 release them), on the plan above.
+TEST(ZeroShards, ReplicatedPlanAndOthersPieces) {
+  const std::vector<RangeList> stages = {{{0, 64}}, {{64, 128}}};
+  const ZeroShardPlan plan = plan_zero_shards(stages, {{80, 16}}, 1024, 2, 1);
+  EXPECT_EQ(others_pieces(plan), (std::vector<RangeList>{{{0, 32}}, {{96, 48}}}));
+  const ZeroShardPlan whole = replicated_plan(plan);
+  EXPECT_EQ(whole.ranks, 2);
+  EXPECT_EQ(whole.rank, 1);
+  EXPECT_EQ(whole.sharded, (std::vector<RangeList>{{}, {}}));
+  // Each bucket stays a range of its own (all-reduced one at a time), in offset order.
+  EXPECT_EQ(whole.replicated, (std::vector<RangeList>{{{0, 64}}, {{64, 32}, {96, 96}}}));
+  EXPECT_EQ(whole.update, (RangeList{{0, 192}}));
+  EXPECT_TRUE(whole.norm.empty());  // rank 0 counts the replicas
+  EXPECT_EQ(replicated_plan(plan_zero_shards(stages, {{80, 16}}, 1024, 2, 0)).norm, (RangeList{{0, 192}}));
+  EXPECT_EQ(others_pieces(whole), (std::vector<RangeList>{{}, {}}));
+}
+
 }  // namespace
 }  // namespace moe::dist

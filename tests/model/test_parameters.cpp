@@ -58,5 +58,36 @@ TEST(ParameterStore, NonResidentRangesGiveTheirMemoryBack) {
   EXPECT_THROW(store.set_resident({{0, kElements + 1}}), Error);  // past the block
 }
 
+// ZeRO-2/3 release the other ranks' pieces: zero afterwards (partial pages at the ends
+// zeroed by hand, whole pages given back), the neighbours untouched; residency unchanged.
+TEST(ParameterStore, ReleasedRangesReadZeroAndGiveTheirMemoryBack) {
+  constexpr int64_t kElements = int64_t{16} << 20;  // 64 MiB of values, 64 MiB of gradients
+  ParameterStore<float> store;
+  const int id = store.add({"w", Shape{kElements}});
+  store.allocate(7);
+  float* values = store.value(id);
+  float* grads = store.grad(id);
+  for (int64_t i = 0; i < kElements; ++i) grads[i] = 1.0f;
+  const float before_edge = values[1000 - 1], after_edge = values[kElements / 2 + 1001];
+  const Range released{1000, kElements / 2 + 1};
+  const int64_t before = resident_set_bytes();
+  store.release_values({released});
+  store.release_grads({released});
+  EXPECT_GT(before - resident_set_bytes(), int64_t{56} << 20) << "about half of each 64 MiB block";
+  EXPECT_EQ(values[1000 - 1], before_edge);
+  EXPECT_EQ(values[released.end()], after_edge);
+  for (int64_t i : {released.offset, released.offset + 1, kElements / 4, released.end() - 1}) {
+    EXPECT_EQ(values[i], 0.0f) << i;
+    EXPECT_EQ(grads[i], 0.0f) << i;
+  }
+  EXPECT_EQ(grads[released.offset - 1], 1.0f);
+  EXPECT_EQ(grads[released.end()], 1.0f);
+  EXPECT_EQ(store.resident(), (RangeList{{0, kElements}}));
+  store.zero_grads({{0, 10}});
+  EXPECT_EQ(grads[9], 0.0f);
+  EXPECT_EQ(grads[10], 1.0f);
+  EXPECT_THROW(store.release_grads({{kElements - 1, 2}}), Error);  // past the block
+}
+
 }  // namespace
 }  // namespace moe

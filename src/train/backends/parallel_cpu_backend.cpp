@@ -22,8 +22,6 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
   const auto ep = static_cast<int>(pc.expert_parallel);
   if (world->size() % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the number of ranks ({})", ep, world->size());
-  if (pc.zero != 1)
-    MOE_CONFIG_ERROR("parallel.zero = {} is not implemented on CPU ranks yet (1 only)", pc.zero);
   groups_ = make_process_groups(std::move(world), ep);
   batch_ = std::make_unique<BatchGroupOverComm>(*groups_.data_parallel, stats_);
   std::vector<ExpertExchange*> exchanges;
@@ -60,12 +58,23 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     if (params.spec(id).name.ends_with(".moe.router.bias")) router_biases.push_back(id);
   }
   const dist::Communicator& dp = *groups_.data_parallel;
-  zero_ = std::make_unique<ZeroOptimizer>(
-      params,
-      plan_zero_for_store(
-          params, [&](const std::string& name) { return host_model().backward_stage_of(name); }, host_model().backward_stages(),
-          router_biases, experts_elsewhere, pc.bucket_mb, dp.size(), dp.rank()),
-      *groups_.data_parallel, config.optimizer, stats_);
+  const int n_stages = host_model().backward_stages();
+  ZeroShardPlan plan = plan_zero_for_store(
+      params, [&](const std::string& name) { return host_model().backward_stage_of(name); }, n_stages, router_biases,
+      experts_elsewhere, pc.bucket_mb, dp.size(), dp.rank());
+  const auto level = static_cast<int>(pc.zero);
+  zero_ = std::make_unique<ZeroOptimizer>(params, level == 0 ? replicated_plan(plan) : std::move(plan),
+                                          *groups_.data_parallel, config.optimizer, stats_, level);
+  if (level == 3) {
+    // Each stage reads its own parameters; a tied head (stage 0) the embedding's too.
+    std::vector<std::vector<int>> reads(static_cast<size_t>(n_stages));
+    for (int s = 0; s < n_stages; ++s) reads[static_cast<size_t>(s)] = {s};
+    if (config.model.tie_embeddings) reads[0].push_back(n_stages - 1);
+    gather_ = std::make_unique<ZeroParameterGather>(params, zero_->plan(), *groups_.data_parallel, stats_,
+                                                    std::move(reads));
+    host_model().on_parameters_needed = [this](int stage, bool backward) { gather_->needed(stage, backward); };
+    host_model().on_parameters_done = [this](int stage, bool backward) { gather_->done(stage, backward); };
+  }
   if (ep > 1) {
     std::vector<ExpertOptimizer::Layer> layers;
     for (const auto& group : group_order) {
@@ -85,10 +94,13 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     if (experts_) experts_->on_stage(stage);
   };
   keep_own_experts_resident();
+  log_state_bytes();
 }
 
 ParallelCpuBackend::~ParallelCpuBackend() {
   host_model().on_backward_stage = nullptr;
+  host_model().on_parameters_needed = nullptr;
+  host_model().on_parameters_done = nullptr;
   host_model().set_moe_parallel(nullptr, {});
 }
 
@@ -98,7 +110,10 @@ double ParallelCpuBackend::world_sum(double value) {
 }
 
 void ParallelCpuBackend::begin_step() {
-  host_model().params().zero_grads();
+  auto& params = host_model().params();
+  // ZeRO-2/3: the other ranks' pieces are released (zero) since the last reduce-scatter.
+  if (zero_->level() >= 2) params.zero_grads(zero_->gradients_to_zero(params.resident()));
+  else params.zero_grads();
   for (auto* layer : host_model().moe_layers()) layer->reset_load();
 }
 
@@ -118,6 +133,7 @@ void ParallelCpuBackend::backward(double loss_scale, bool last) {
     if (experts_) experts_->arm();
   }
   host_model().backward(loss_scale * ce_weight_, loss_scale);
+  zero_->end_micro_batch();
 }
 
 void ParallelCpuBackend::reduce_losses(StepStats& stats) {
@@ -232,6 +248,7 @@ ClipStats ParallelCpuBackend::clip_gradients(double max_global_norm, double max_
 
 void ParallelCpuBackend::apply_update(double lr) {
   zero_->step(lr);
+  if (gather_) gather_->release_all();  // only the own pieces are current now
   if (experts_) experts_->step(lr);
   if (config_.model.moe.bias_balancing) {
     auto layers = host_model().moe_layers();
@@ -306,6 +323,34 @@ void ParallelCpuBackend::keep_own_experts_resident() {
                                       subtract_ranges(merge_ranges(std::move(experts)), merge_ranges(std::move(own)))));
 }
 
+bool ParallelCpuBackend::in_zero_plan(int id) const {
+  return std::binary_search(zero_->ids().begin(), zero_->ids().end(), id);
+}
+
+void ParallelCpuBackend::log_state_bytes() {
+  if (rank() != 0) return;
+  auto& params = host_model().params();
+  auto elements = [](const RangeList& ranges) {
+    int64_t n = 0;
+    for (const Range& r : ranges) n += r.count;
+    return n;
+  };
+  const RangeList resident = params.resident();
+  const RangeList others = merged_ranges({others_pieces(zero_->plan())});
+  const int level = zero_->level();
+  const int64_t values = elements(level == 3 ? subtract_ranges(resident, others) : resident);
+  const int64_t grads = elements(level >= 2 ? subtract_ranges(resident, others) : resident);
+  int64_t moments = 0;
+  for (const auto& s : zero_->moment_slices()) moments += 2 * s.count;
+  if (experts_)
+    for (const auto& e : experts_->window_moments()) moments += 2 * e.count;
+  const double GB = 1e9 / sizeof(float);
+  spdlog::info("ZeRO {} over {} data-parallel ranks: {:.3f} GB of parameter state on rank 0 (values {:.3f}, "
+               "gradients {:.3f}, moments {:.3f})",
+               level, groups_.data_parallel->size(), static_cast<double>(values + grads + moments) / GB,
+               static_cast<double>(values) / GB, static_cast<double>(grads) / GB, static_cast<double>(moments) / GB);
+}
+
 std::string ParallelCpuBackend::placement_state() const {
   if (!experts_ || config_.parallel.rebalance_interval <= 0) return {};
   nlohmann::json state;
@@ -362,6 +407,7 @@ void ParallelCpuBackend::take_comm_stats(StepStats& stats) {
 }
 
 void ParallelCpuBackend::sync_host_model() {
+  if (gather_) gather_->gather_all();
   if (experts_) experts_->gather_weights(*groups_.expert_parallel);
   stats_ = CommStats{};
 }
@@ -377,14 +423,18 @@ SavedState ParallelCpuBackend::save_state(int, int) {
   auto& params = host_model().params();
   const int world = groups_.world->size(), rank = groups_.world->rank();
   auto shape_of = [&](int id) { return tensor_shape(params.spec(id).shape); };
+  // ZeRO-3: a rank holds only its pieces of the parameters, saved as the moments are.
+  const bool own_pieces = gather_ != nullptr;
   for (int id = 0; id < params.size(); ++id)
-    if (!experts_ || params.spec(id).expert_group.empty())
+    if ((!experts_ || params.spec(id).expert_group.empty()) && !(own_pieces && in_zero_plan(id)))
       state.pieces.push_back({"param/" + params.spec(id).name, shape_of(id), 0, params.numel(id), params.value(id),
                               world, rank});
   const Communicator& dp = *groups_.data_parallel;
   for (const auto& s : zero_->moment_slices()) {
     const std::string& name = params.spec(s.id).name;
     const int replicas = s.replicated ? dp.size() : 1, replica = s.replicated ? dp.rank() : 0;
+    if (own_pieces)
+      state.pieces.push_back({"param/" + name, shape_of(s.id), s.begin, s.count, s.value, replicas, replica});
     state.pieces.push_back({"adam_m/" + name, shape_of(s.id), s.begin, s.count, s.m, replicas, replica});
     state.pieces.push_back({"adam_v/" + name, shape_of(s.id), s.begin, s.count, s.v, replicas, replica});
   }
@@ -416,14 +466,22 @@ std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
   auto& params = host_model().params();
   auto shape_of = [&](int id) { return tensor_shape(params.spec(id).shape); };
   // The parameters this rank holds (all but the other ranks' experts under expert parallelism).
+  // ZeRO-3: only the own pieces of the parameters the plan covers.
+  const bool own_pieces = gather_ != nullptr;
+  std::vector<int64_t> span_ids;
   RangeList spans;
-  for (int id = 0; id < params.size(); ++id) spans.push_back({params.offset(id), params.numel(id)});
+  for (int id = 0; id < params.size(); ++id)
+    if (!(own_pieces && in_zero_plan(id))) {
+      span_ids.push_back(id);
+      spans.push_back({params.offset(id), params.numel(id)});
+    }
   for (const SpanPiece& part : cut_spans(spans, params.resident())) {
-    const int id = static_cast<int>(part.span);
+    const auto id = static_cast<int>(span_ids[static_cast<size_t>(part.span)]);
     const int64_t begin = part.offset - params.offset(id);
     targets.push_back({"param/" + params.spec(id).name, shape_of(id), begin, part.count, params.value(id) + begin});
   }
   for (const auto& s : zero_->moment_slices()) {
+    if (own_pieces) targets.push_back({"param/" + params.spec(s.id).name, shape_of(s.id), s.begin, s.count, s.value});
     targets.push_back({"adam_m/" + params.spec(s.id).name, shape_of(s.id), s.begin, s.count, s.m});
     targets.push_back({"adam_v/" + params.spec(s.id).name, shape_of(s.id), s.begin, s.count, s.v});
   }
@@ -444,6 +502,7 @@ void ParallelCpuBackend::finish_restore(int64_t adam_steps) {
   zero_->set_steps_taken(adam_steps);
   if (experts_) experts_->set_steps_taken(adam_steps);
   keep_own_experts_resident();  // a restored placement may have moved the window
+  if (gather_) gather_->release_all();  // the other ranks' pieces are stale now
 }
 
 }  // namespace moe

@@ -1,9 +1,9 @@
-// The CPU model trained over several ranks: data parallelism with ZeRO-1 for the
-// replicated parameters (src/dist/zero_optimizer.h) and, with parallel.expert_parallel > 1,
-// expert parallelism on the GPU path's semantics (per MoE layer slots, each token once per
-// peer, partial combines, split experts: model/expert_parallel_dispatcher.h over
-// src/dist/expert_exchange.h; the experts' steps in src/dist/expert_optimizer.h). A
-// ModelBackend, so Trainer::train_step's one loop drives it.
+// The CPU model trained over several ranks: data parallelism with ZeRO (parallel.zero 0-3)
+// for the non-expert parameters (src/dist/zero_optimizer.h, zero_parameter_gather.h) and,
+// with parallel.expert_parallel > 1, expert parallelism on the GPU path's semantics (per
+// MoE layer slots, each token once per peer, partial combines, split experts:
+// model/expert_parallel_dispatcher.h over src/dist/expert_exchange.h; the experts' steps in
+// src/dist/expert_optimizer.h). A ModelBackend, so Trainer::train_step's one loop drives it.
 //
 // What "the same as one process" means here: N ranks with micro-batch B reproduce the
 // single-process run with micro-batch N x B and the same global batch (rank r's local
@@ -23,6 +23,7 @@
 #include "dist/comm_stats.h"
 #include "dist/process_groups.h"
 #include "dist/zero_optimizer.h"
+#include "dist/zero_parameter_gather.h"
 #include "train/backends/cpu_backend.h"
 #include "train/backends/model_backend.h"
 
@@ -74,6 +75,7 @@ class ParallelCpuBackend final : public ModelBackend {
   std::vector<ExpertSlots> slots_;  // per MoE layer; the layers and experts_ read them
   std::vector<std::unique_ptr<dist::ExpertExchangeOverComm>> exchanges_;
   std::unique_ptr<dist::ZeroOptimizer> zero_;
+  std::unique_ptr<dist::ZeroParameterGather> gather_;  // parallel.zero = 3
   std::unique_ptr<dist::ExpertOptimizer> experts_;  // expert_parallel > 1
   // expert_parallel == 1: expert weights are sharded with the rest; per-expert clipping
   // needs their expert group per parameter id (-1: not an expert weight).
@@ -90,6 +92,9 @@ class ParallelCpuBackend final : public ModelBackend {
   // gradients are summed into every rank's block) and the non-expert parameters only
   // (ParameterStore::set_resident); the other experts' pages go.
   void keep_own_experts_resident();
+  // Startup log: the bytes of parameter state (values, gradients, moments) this rank keeps.
+  void log_state_bytes();
+  bool in_zero_plan(int id) const;
   std::vector<std::vector<int>> expert_ids_by_layer_;  // per MoE layer: its expert tensors' ids
   double ce_weight_ = 1;                            // this rank's share of the micro-batch's targets
   std::vector<std::vector<int64_t>> global_load_;   // per MoE layer: the step's load summed over ranks

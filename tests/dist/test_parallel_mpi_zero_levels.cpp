@@ -1,0 +1,210 @@
+// ZeRO levels 0-3 on CPU ranks (label mpi: 4 ranks under mpirun and over tcp). Every
+// layout, EP 1/2/4 x ZeRO 0-3, gives the one-process run's losses and weights (the
+// tolerances of test_parallel_mpi_training.cpp); levels that must agree bit for bit do;
+// checkpoints reshard across levels; and levels 2 and 3 really give the memory back.
+#include <gtest/gtest.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "parallel_training.h"
+
+namespace moe {
+namespace {
+
+using namespace test_parallel;
+
+// tiny_config over EP ep and ZeRO zero, with `micro_batches` micro-batches per step and
+// buckets of 500 elements (several per stage, ragged tails replicated).
+RunConfig zero_config(int64_t ep, int64_t zero, int64_t micro_batches, int64_t steps = 20) {
+  RunConfig config = tiny_config();
+  config.training.steps = steps;
+  config.training.global_batch_tokens = parallel_world()->size() * config.model.seq_len * micro_batches;
+  config.parallel.expert_parallel = ep;
+  config.parallel.zero = zero;
+  config.parallel.bucket_mb = 0.002;
+  return config;
+}
+
+// Every level over every EP size follows one process. Level 3 gathers the very values
+// level 2 steps, so the two agree bit for bit; with several micro-batches levels 2-3 sum
+// each micro-batch over the ranks (levels 0-1: the step's sum), so they differ from 0-1
+// only in the order of sums.
+TEST(ParallelZeroLevels, EveryLayoutMatchesOneProcess) {
+  for (int64_t ep : {1, 2, 4}) {
+    std::vector<RunResult> runs;
+    for (int64_t zero : {0, 1, 2, 3}) {
+      SCOPED_TRACE("expert_parallel " + std::to_string(ep) + ", zero " + std::to_string(zero));
+      const RunConfig config = zero_config(ep, zero, 2);
+      runs.push_back(train_parallel(config));
+      expect_matches_reference(config, runs.back());
+    }
+    EXPECT_EQ(runs[3].loss, runs[2].loss) << "EP " << ep;
+    EXPECT_EQ(runs[3].params, runs[2].params) << "EP " << ep;
+  }
+}
+
+// With one micro-batch per step levels 1, 2 and 3 reduce the same buckets once and step
+// the same pieces: bit for bit the same run. (ep 0: EP 1 with a tied head, whose stage 0
+// reads the embedding's values too.)
+TEST(ParallelZeroLevels, LevelsOneToThreeAgreeBitForBitOnOneMicroBatch) {
+  for (int64_t ep : {1, 2, 0}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    auto config = [&](int64_t zero) {
+      RunConfig c = zero_config(std::max<int64_t>(ep, 1), zero, 1, 6);
+      c.model.tie_embeddings = ep == 0;
+      return c;
+    };
+    const RunResult one = train_parallel(config(1));
+    for (int64_t zero : {2, 3}) {
+      const RunResult got = train_parallel(config(zero));
+      EXPECT_EQ(got.loss, one.loss) << "zero " << zero;
+      EXPECT_EQ(got.grad_norm, one.grad_norm) << "zero " << zero;
+      EXPECT_EQ(got.params, one.params) << "zero " << zero;
+    }
+  }
+}
+
+// The share of the pages of [data, data + n) the process holds in memory (mincore).
+double resident_share(const float* data, int64_t n) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data + n) / page * page;
+  if (end <= begin) return 0;
+  std::vector<unsigned char> in_memory((end - begin) / page);
+  EXPECT_EQ(mincore(reinterpret_cast<void*>(begin), end - begin, in_memory.data()), 0);
+  size_t resident = 0;
+  for (unsigned char page_in : in_memory) resident += page_in & 1;
+  return static_cast<double>(resident) / static_cast<double>(in_memory.size());
+}
+
+// After steps of 2 micro-batches, a rank of 4 holds about a quarter of the gradient pages
+// from level 2 and of the parameter pages at level 3 (its pieces, the replicated router
+// biases and the pages its pieces share with others'); below, all of them. Experts of
+// 128 x 256 so that the pieces span many pages.
+TEST(ParallelZeroLevels, LevelsTwoAndThreeGiveTheMemoryBack) {
+  for (int64_t zero : {1, 2, 3}) {
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    RunConfig config = zero_config(1, zero, 2, 2);
+    config.model.dim = 128;
+    config.model.moe.expert_hidden = 256;
+    config.parallel.bucket_mb = 0;  // a bucket per stage
+    const auto trainer = parallel_trainer(config);
+    trainer->train_step(0);
+    trainer->train_step(1);
+    auto& params = trainer->model().params();
+    const double grads = resident_share(params.grads_data(), params.storage_numel());
+    const double values = resident_share(params.values_data(), params.storage_numel());
+    if (zero >= 2) EXPECT_LT(grads, 0.3);
+    else EXPECT_GT(grads, 0.95);
+    if (zero == 3) EXPECT_LT(values, 0.3);
+    else EXPECT_GT(values, 0.95);
+  }
+}
+
+struct Layout {
+  int64_t ep, zero;
+};
+
+// Resuming reshards across ZeRO levels: 8 steps at 4 ranks saved after step 4, resumed at
+// 2 ranks in another level (which save the state they resumed before training on) and at
+// one process, both following the uninterrupted run up to the order of sums; and back at
+// 4 ranks from the 2 ranks' save, bit for bit (the layout that trained).
+TEST(ParallelZeroLevels, ResumeReshardsAcrossLevels) {
+  auto& world = *parallel_world();
+  ASSERT_EQ(world.size(), 4);
+  for (const auto& [four, two] : {std::pair{Layout{4, 2}, Layout{2, 3}}, std::pair{Layout{1, 3}, Layout{2, 0}},
+                                  std::pair{Layout{2, 0}, Layout{1, 2}}}) {
+    const std::string name = "EP" + std::to_string(four.ep) + "_Z" + std::to_string(four.zero);
+    SCOPED_TRACE(name + " -> EP " + std::to_string(two.ep) + " ZeRO " + std::to_string(two.zero));
+    const std::filesystem::path dir = shared_dir("zero_reshard_" + name);
+    RunConfig config = zero_config(four.ep, four.zero, 2, 8);
+    config.model.vocab_size = 257;  // a config that validates (checkpoints store and re-read it)
+    config.checkpoint.dir = (dir / "ranks_4").string();
+    config.checkpoint.interval = 4;
+    const RunResult whole = train_parallel(config);
+    const std::filesystem::path saved = dir / "ranks_4" / "step_00000004";
+    ASSERT_TRUE(std::filesystem::exists(saved / "COMPLETE"));
+    const std::vector<double> rest(whole.loss.begin() + 4, whole.loss.end());
+    const int color = world.rank() < 2 ? 0 : world.rank();
+    std::unique_ptr<dist::Communicator> group = world.split(color, world.rank());
+    if (color < 3) {
+      RunConfig fewer = config;
+      fewer.training.micro_batch *= world.size() / group->size();  // the same global micro-batch
+      fewer.parallel.expert_parallel = two.ep;
+      fewer.parallel.zero = two.zero;
+      if (group->size() == 1) fewer.parallel = ParallelConfig{};
+      fewer.checkpoint.dir = (dir / ("fewer_" + std::to_string(color))).string();
+      fewer.checkpoint.interval = 0;
+      const auto trainer = make_trainer(fewer, std::move(group));
+      std::ostringstream log;
+      trainer->resume(saved.string(), log);
+      if (color == 0) trainer->save_checkpoint(log);
+      std::vector<double> losses;
+      trainer->on_step = [&](const StepStats& s) { losses.push_back(s.loss); };
+      trainer->run(log);
+      if (world.rank() == 0 || world.rank() == 2)
+        expect_close(losses, rest, 1e-5, color == 0 ? "2 ranks resuming 4 ranks' checkpoint" : "one process resuming");
+    }
+    world.barrier();
+    RunConfig back = config;
+    back.checkpoint.dir = (dir / "back").string();
+    const RunResult resumed = train_parallel(back, (dir / "fewer_0" / "step_00000004").string());
+    EXPECT_EQ(resumed.loss, rest);
+    EXPECT_EQ(resumed.params, whole.params);
+    remove_shared_dir(dir);
+  }
+}
+
+// Resharding without a step between: the state 4 ranks save at one level, resumed by 2
+// ranks at another and by one process and saved again, is the same tensor by tensor, bit
+// for bit (ZeRO-3 saves each rank's pieces of the parameters, ZeRO-0 replicated moments).
+TEST(ParallelZeroLevels, CheckpointIsTheSameSavedAtAnyLevel) {
+  auto& world = *parallel_world();
+  for (const auto& [four, two] : {std::pair{Layout{1, 3}, Layout{1, 1}}, std::pair{Layout{2, 3}, Layout{2, 2}},
+                                  std::pair{Layout{4, 0}, Layout{2, 3}}}) {
+    const std::string name = "EP" + std::to_string(four.ep) + "_Z" + std::to_string(four.zero);
+    SCOPED_TRACE(name);
+    const std::filesystem::path dir = shared_dir("zero_resave_" + name);
+    RunConfig config = zero_config(four.ep, four.zero, 2, 3);
+    config.model.vocab_size = 257;
+    config.checkpoint.dir = (dir / "ranks_4").string();
+    config.checkpoint.interval = 3;
+    train_parallel(config);
+    const std::filesystem::path saved = dir / "ranks_4" / "step_00000003";
+    const int color = world.rank() < 2 ? 0 : world.rank();
+    std::unique_ptr<dist::Communicator> group = world.split(color, world.rank());
+    if (color < 3) {
+      RunConfig again = config;
+      again.training.micro_batch *= world.size() / group->size();
+      again.parallel.expert_parallel = two.ep;
+      again.parallel.zero = two.zero;
+      if (group->size() == 1) again.parallel = ParallelConfig{};
+      again.checkpoint.dir = (dir / ("resaved_" + std::to_string(color))).string();
+      const auto trainer = make_trainer(again, std::move(group));
+      std::ostringstream log;
+      trainer->resume(saved.string(), log);
+      trainer->save_checkpoint(log);
+    }
+    world.barrier();
+    if (world.rank() == 0) {
+      const auto want = saved_tensors(saved);
+      for (const char* resaved : {"resaved_0", "resaved_2"}) {
+        const auto got = saved_tensors(dir / resaved / "step_00000003");
+        ASSERT_EQ(got.size(), want.size()) << resaved;
+        for (const auto& [tensor, values] : want) EXPECT_TRUE(got.at(tensor) == values) << resaved << ": " << tensor;
+      }
+    }
+    remove_shared_dir(dir);
+  }
+}
+
+}  // namespace
+}  // namespace moe
