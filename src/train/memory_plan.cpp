@@ -389,7 +389,9 @@ std::vector<LayoutFit> layouts_that_fit(const RunConfig& config, int64_t gpus, i
   return fits_over(config, model_blocks(config.model), gpus, gpus_per_node, budget_bytes);
 }
 
-std::string layout_changes(const MemoryLayout& from, const MemoryLayout& to) {
+namespace {
+
+std::vector<std::string> changed_settings(const MemoryLayout& from, const MemoryLayout& to) {
   std::vector<std::string> changes;
   if (to.gpus != from.gpus) changes.push_back(gpus_text(to.gpus));
   if (to.expert_parallel != from.expert_parallel)
@@ -400,7 +402,21 @@ std::string layout_changes(const MemoryLayout& from, const MemoryLayout& to) {
     changes.push_back(fmt::format("training.recompute_layers = {}", to.recompute_layers));
   if (to.recompute_experts != from.recompute_experts)
     changes.push_back(fmt::format("training.recompute_experts = \"{}\"", name_of(to.recompute_experts)));
-  return fmt::format("{}", fmt::join(changes, ", "));
+  return changes;
+}
+
+// The refusal's suggestion: of the fits (best first), the first with the fewest settings
+// changed from `from`.
+const LayoutFit& closest_fit(const std::vector<LayoutFit>& fits, const MemoryLayout& from) {
+  const auto changes = [&](const LayoutFit& f) { return changed_settings(from, f.layout).size(); };
+  return *std::min_element(fits.begin(), fits.end(),
+                           [&](const LayoutFit& a, const LayoutFit& b) { return changes(a) < changes(b); });
+}
+
+}  // namespace
+
+std::string layout_changes(const MemoryLayout& from, const MemoryLayout& to) {
+  return fmt::format("{}", fmt::join(changed_settings(from, to), ", "));
 }
 
 void check_memory_fits(const RunConfig& config, int64_t gpus, int64_t gpus_per_node, int64_t ranks_per_gpu,
@@ -424,18 +440,21 @@ void check_memory_fits(const RunConfig& config, int64_t gpus, int64_t gpus_per_n
   const int64_t rank_budget = (budget_bytes - estimate.runtime) / ranks + estimate.runtime;
   const MemoryLayout configured = configured_layout(config, gpus, gpus_per_node);
   std::vector<LayoutFit> fits = fits_over(config, blocks, gpus, gpus_per_node, rank_budget);
-  if (!fits.empty())
-    MOE_CONFIG_ERROR("{}; {} over {} fits ({:.1f} GB)", what, layout_changes(configured, fits.front().layout),
-                     gpus_text(gpus), gb(on_gpu(fits.front().estimate)));
+  if (!fits.empty()) {
+    const LayoutFit& fit = closest_fit(fits, configured);
+    MOE_CONFIG_ERROR("{}; {} over {} fits ({:.1f} GB)", what, layout_changes(configured, fit.layout), gpus_text(gpus),
+                     gb(on_gpu(fit.estimate)));
+  }
   // None on these GPUs: the fewest GPUs (doubling) on which one fits.
   for (int64_t more = gpus * 2; more <= (int64_t{1} << 16) && ranks == 1; more *= 2) {
     fits = fits_over(config, blocks, more, gpus_per_node, budget_bytes);
     if (fits.empty()) continue;
     MemoryLayout there = configured;
     there.gpus = more;
-    const std::string changes = layout_changes(there, fits.front().layout);
+    const LayoutFit& fit = closest_fit(fits, there);
+    const std::string changes = layout_changes(there, fit.layout);
     MOE_CONFIG_ERROR("{}; no layout fits on {}: {}{} fit ({:.1f} GB)", what, gpus_text(gpus), gpus_text(more),
-                     changes.empty() ? "" : " with " + changes, gb(fits.front().estimate.total()));
+                     changes.empty() ? "" : " with " + changes, gb(fit.estimate.total()));
   }
   MOE_CONFIG_ERROR("{}; no layout of parallel.expert_parallel, parallel.zero, training.micro_batch and recomputation "
                    "fits",

@@ -80,7 +80,8 @@ std::string layout_changes(const MemoryLayout& from, const MemoryLayout& to);
 
 // moe train's check before allocating: a ConfigError (one line) when the layout cannot fit
 // in `budget_bytes` even at the smallest micro-batch the halving reaches, naming the
-// largest component and a setting that fits. `ranks_per_gpu` > 1: thread ranks sharing
+// largest component and a setting that fits (of the fitting layouts, the first with the
+// fewest settings changed; on more GPUs, doubling, when none fits on these). `ranks_per_gpu` > 1: thread ranks sharing
 // one GPU (their estimates add up, the runtime once).
 void check_memory_fits(const RunConfig& config, int64_t gpus, int64_t gpus_per_node, int64_t ranks_per_gpu,
                        int64_t budget_bytes);
