@@ -57,7 +57,7 @@ ModelBlocks model_blocks(const ModelConfig& config) {
       b.expert_tensors.back().push_back(extent);
       b.expert_elems += extent.count;
     }
-    if (spec.name.size() > 12 && spec.name.ends_with(".router.bias")) b.fp32_copy_elems += ceil_div(extent.count, 16) * 16;
+    if (spec.name.ends_with(".router.bias")) b.fp32_copy_elems += ceil_div(extent.count, 16) * 16;
     // A stage: one block's parameters ("layers.N."), or one top-level tensor.
     std::string stage = spec.name;
     if (spec.name.starts_with("layers.")) stage = spec.name.substr(0, spec.name.find('.', 7));

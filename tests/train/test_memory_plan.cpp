@@ -238,6 +238,27 @@ TEST(MemoryPlan, OnlyTheSmallestHalvedMicroBatchMustFit) {
   EXPECT_THROW(check_memory_fits(c, 1, 1, 1, budget - 1), ConfigError);
 }
 
+// tests/gpu/test_gpu_trainer.cpp's GpuTrainer.HalvesTheMicroBatchWhenItDoesNotFit: its
+// micro-batch of 128 cannot fit (275 GB of logits), its halving to 1 can, so the refusal
+// leaves the halving to the allocation.
+TEST(MemoryPlan, TheHalvingTestIsLeftToTheAllocation) {
+  RunConfig c;
+  ModelConfig& m = c.model;
+  m.vocab_size = 262144;
+  m.dim = 64;
+  m.n_layers = 1;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.seq_len = 4096;
+  m.moe.n_experts = 4;
+  m.moe.expert_hidden = 64;
+  c.training.micro_batch = 128;
+  c.training.global_batch_tokens = 128 * 4096;
+  const int64_t h200 = static_cast<int64_t>((141.0 - kMemoryReserveGb) * 1e9);
+  EXPECT_GT(estimate_memory(c, configured_layout(c, 1, 1)).total(), int64_t{275} * 1000 * 1000 * 1000);
+  EXPECT_NO_THROW(check_memory_fits(c, 1, 1, 1, h200));
+}
+
 TEST(MemoryPlan, LayoutsThatFitComeBestFirst) {
   const RunConfig c = small_config();
   const int64_t budget = estimate_memory(c, configured_layout(c, 4, 4)).total();
