@@ -16,6 +16,11 @@ namespace {
 
 double gb(int64_t bytes) { return static_cast<double>(bytes) / 1e9; }
 
+std::string count_text(int64_t n) {
+  const auto x = static_cast<double>(n);
+  return n >= 1'000'000'000 ? fmt::format("{:.2f} B", x / 1e9) : fmt::format("{:.2f} M", x / 1e6);
+}
+
 std::string recompute_text(const MemoryLayout& l, int64_t n_layers) {
   const int64_t layers = l.recompute_layers < 0 ? n_layers : std::min(l.recompute_layers, n_layers);
   const std::string experts = fmt::format("experts {}", name_of(l.recompute_experts));
@@ -58,9 +63,9 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
   const MemoryLayout layout = configured_layout(config, gpus, per_node);
   const MemoryEstimate estimate = estimate_memory(config, layout);  // refuses a layout the config cannot take
   const ParameterCounts counts = count_parameters(mc, Transformer<float>::parameter_specs(mc));
-  fmt::print(out, "model: {:.2f} B parameters ({:.2f} B active), {} layers, dim {}, {} experts top-{}, {} x {} tokens "
-                  "per micro-batch\n",
-             static_cast<double>(counts.total) / 1e9, static_cast<double>(counts.active) / 1e9, mc.n_layers, mc.dim,
+  fmt::print(out, "model: {} parameters ({} active), {} layers, dim {}, {} experts top-{}, {} x {} tokens per "
+                  "micro-batch\n",
+             count_text(counts.total), count_text(counts.active), mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, config.training.micro_batch, mc.seq_len);
   fmt::print(out, "layout: {} GPU{} ({} per node), expert_parallel {}, zero {}, micro-batch {}, recompute {}\n", gpus,
              gpus == 1 ? "" : "s", per_node, layout.expert_parallel, layout.zero, layout.micro_batch,

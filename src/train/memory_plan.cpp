@@ -42,6 +42,10 @@ struct ModelBlocks {
 };
 
 ModelBlocks model_blocks(const ModelConfig& config) {
+  if (config.vocab_size <= 0)
+    MOE_CONFIG_ERROR("model.vocab_size = {}: the memory plan needs the vocabulary size (set it; training takes it "
+                     "from the tokenizer)",
+                     config.vocab_size);
   const ParameterStore<float> specs = Transformer<float>::parameter_specs(config);
   const std::vector<int64_t> offsets = specs.planned_offsets();
   ModelBlocks b;
@@ -178,7 +182,7 @@ int64_t dispatcher_bytes(const ActivationShape& a, bool split) {
          a.T * K * 4 + (P + 1) * 4 + (split ? 2 * P * E * 4 : 0) + P * (L + 1) * 4 + 3 * U * K * 4;
 }
 
-int64_t nccl_bytes(const RunConfig& config, const MemoryLayout& layout) {
+int64_t nccl_bytes(const MemoryLayout& layout) {
   if (layout.gpus <= 1) return 0;
   const int64_t ep = layout.expert_parallel;
   int64_t bytes = kNcclPerCommunicator;  // the world (data parallel)
@@ -192,10 +196,6 @@ int64_t nccl_bytes(const RunConfig& config, const MemoryLayout& layout) {
 MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks) {
   const ModelConfig& c = config.model;
   const int64_t E = c.moe.n_experts, ep = std::max<int64_t>(1, layout.expert_parallel);
-  if (c.vocab_size <= 0)
-    MOE_CONFIG_ERROR("model.vocab_size = {}: the memory plan needs the vocabulary size (set it, or let the tokenizer "
-                     "set it first)",
-                     c.vocab_size);
   if (ep > 1 && (E <= 0 || E % ep != 0 || layout.gpus % ep != 0))
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {} and the {} GPUs", ep, E,
                      layout.gpus);
@@ -282,7 +282,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
 
   // Workspaces: cuBLAS, the grouped GEMMs, cuDNN's deterministic attention backward (a
   // B x H x S x S bf16 dP buffer), NCCL.
-  m.workspace = kBlasWorkspace + (E > 0 ? kGroupedGemmWorkspace : 0) + nccl_bytes(config, layout);
+  m.workspace = kBlasWorkspace + (E > 0 ? kGroupedGemmWorkspace : 0) + nccl_bytes(layout);
   if (config.training.deterministic) m.workspace += a.B * a.H * a.S * a.S * 2;
   m.runtime = kCudaRuntime;
   return m;

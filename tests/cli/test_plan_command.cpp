@@ -35,6 +35,9 @@ TEST(PlanCommand, Writeup500bOverAThousandGpusAndOverrides) {
 TEST(PlanCommand, ALayoutTheConfigCannotTakeIsOneLine) {
   moe::test::expect_one_line_error(moe::test::run_moe("plan -c " + config("models/mixtral-8x7b.toml") + " --gpus 4"), 2,
                                    {"moe: error: parallel.expert_parallel = 8 must divide", "the 4 GPUs"});
+  // The default config takes its vocabulary from the tokenizer at training time.
+  moe::test::expect_one_line_error(moe::test::run_moe("plan -c " + config("default.toml")), 2,
+                                   {"moe: error: model.vocab_size = 0: the memory plan needs"});
 }
 
 }  // namespace
