@@ -8,6 +8,7 @@
 
 #include "cli/commands.h"
 #include "cli/launch_command.h"
+#include "cli/plan_command.h"
 #include "cli/tokenize_commands.h"
 #include "core/error.h"
 #include "dist/mpi_communicator.h"
@@ -96,6 +97,21 @@ int main(int argc, char** argv) {
   a2a_cmd->add_option("--iters", a2a.iters, "Timed exchanges (the median is reported)")->check(CLI::PositiveNumber);
   a2a_cmd->allow_extras();
   a2a_cmd->footer(kOverrideHelp);
+
+  moe::PlanOptions plan;
+  CLI::App* plan_cmd = app.add_subcommand(
+      "plan", "Estimate the per-GPU memory of a training layout and list the layouts that fit (docs/MEMORY_PLAN.md)");
+  plan_cmd->add_option("-c,--config", plan.config_path, "Run config (TOML)")->required()->check(CLI::ExistingFile);
+  plan_cmd->add_option("--gpus", plan.gpus, "GPUs (ranks) of the launch (default: parallel.expert_parallel)")
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--gpus-per-node", plan.gpus_per_node, "GPUs per node (default: 8, or --gpus when fewer)")
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--gpu-memory-gb", plan.gpu_memory_gb, "Memory of one GPU in GB (default 141: an H200)")
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--layouts", plan.max_layouts, "Fitting layouts to print, best first")
+      ->check(CLI::PositiveNumber);
+  plan_cmd->allow_extras();
+  plan_cmd->footer(kOverrideHelp);
 
   moe::ReportOptions report;
   CLI::App* report_cmd =
@@ -188,6 +204,10 @@ int main(int argc, char** argv) {
       return moe::run_train(train);
     }
     if (*launch_cmd) return moe::run_launch(launch);
+    if (*plan_cmd) {
+      plan.overrides = parse_overrides(plan_cmd->remaining());
+      return moe::run_plan(plan, std::cout);
+    }
     if (*report_cmd) return moe::run_report(report);
     if (*export_cmd) return moe::run_export(export_options);
     if (*tok_train_cmd) return moe::run_tokenizer_train(tok_train);

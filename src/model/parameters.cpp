@@ -21,15 +21,25 @@ int ParameterStore<T>::add(ParamSpec spec) {
 }
 
 template <typename T>
-void ParameterStore<T>::allocate(uint64_t seed) {
-  MOE_CHECK(!allocated_, "parameters allocated twice");
+std::vector<int64_t> ParameterStore<T>::planned_offsets() const {
   // Offsets rounded to 16 elements so each tensor starts on a 64-byte line.
+  std::vector<int64_t> offsets;
+  offsets.reserve(specs_.size() + 1);
   int64_t total = 0;
-  offsets_.clear();
   for (const auto& spec : specs_) {
-    offsets_.push_back(total);
+    offsets.push_back(total);
     total += (spec.shape.numel() + 15) / 16 * 16;
   }
+  offsets.push_back(total);
+  return offsets;
+}
+
+template <typename T>
+void ParameterStore<T>::allocate(uint64_t seed) {
+  MOE_CHECK(!allocated_, "parameters allocated twice");
+  offsets_ = planned_offsets();
+  const int64_t total = offsets_.back();
+  offsets_.pop_back();
   values_.resize(static_cast<size_t>(total));  // zeros (padding included), touched only where written
   grads_.resize(static_cast<size_t>(total));
   allocated_ = true;

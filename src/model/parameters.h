@@ -55,6 +55,10 @@ class ParameterStore {
   // (with alignment padding): device copies use the same layout.
   int64_t offset(int id) const { return offsets_[static_cast<size_t>(id)]; }
   int64_t storage_numel() const { return static_cast<int64_t>(values_.size()); }
+  // The offsets allocate() gives (each tensor on a 16-element boundary) and, last, the
+  // block's size: size() + 1 entries, known before allocating (the memory planner's
+  // layout, train/memory_plan.h).
+  std::vector<int64_t> planned_offsets() const;
   const T* values_data() const { return values_.data(); }
   T* values_data() { return values_.data(); }
   T* grads_data() { return grads_.data(); }

@@ -20,7 +20,16 @@ void add_inplace(T* out, const T* branch, int64_t count) {
 }  // namespace
 
 template <typename T>
-Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : config_(config) {
+Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : Transformer(config, seed, true) {}
+
+template <typename T>
+ParameterStore<T> Transformer<T>::parameter_specs(const ModelConfig& config) {
+  const Transformer unallocated(config, 0, false);
+  return unallocated.params_;
+}
+
+template <typename T>
+Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed, bool allocate) : config_(config) {
   MOE_CHECK(config.vocab_size > 0, "model.vocab_size must be set (got {})", config.vocab_size);
   const int64_t D = config.dim;
   embedding_ = params_.add({"embedding", Shape{config.vocab_size, D}, Init::Normal, config.init_std});
@@ -43,7 +52,7 @@ Transformer<T>::Transformer(const ModelConfig& config, uint64_t seed) : config_(
   head_ = config.tie_embeddings
               ? embedding_
               : params_.add({"lm_head", Shape{config.vocab_size, D}, Init::Normal, config.init_std});
-  params_.allocate(seed);
+  if (allocate) params_.allocate(seed);
 }
 
 template <typename T>

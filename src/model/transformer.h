@@ -31,6 +31,9 @@ class Transformer {
  public:
   Transformer(const ModelConfig& config, uint64_t seed);
   Transformer(const Transformer&) = delete;
+  // The parameters `config` registers (names, shapes, planned_offsets), none allocated:
+  // the layout of a model too large for this host (train/memory_plan.h).
+  static ParameterStore<T> parameter_specs(const ModelConfig& config);
   Transformer& operator=(const Transformer&) = delete;
 
   // Plans the activation and scratch arenas for micro-batches of `batch` sequences.
@@ -73,6 +76,8 @@ class Transformer {
   size_t activation_bytes() const;
 
  private:
+  // allocate = false: the parameters registered only (parameter_specs).
+  Transformer(const ModelConfig& config, uint64_t seed, bool allocate);
   struct Block {
     int norm1 = -1, norm2 = -1;
     std::unique_ptr<AttentionLayer<T>> attention;

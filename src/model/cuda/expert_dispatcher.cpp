@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "kernels/gpu_ops.h"
 #include "model/cuda/gpu_phases.h"
+#include "model/gpu_buffer_sizes.h"
 #include "moe/gpu_ops.h"
 
 namespace moe::gpu_model {
@@ -69,7 +70,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     // Every rank may send this one each of its tokens once; P ranks send it at most P
     // times its own rows (at most `capacity` per source and expert under a capacity).
     max_tokens_ = P * T;
-    max_local_rows_ = shape.capacity > 0 ? std::min(P * T * K, P * L * shape.capacity) : P * T * K;
+    max_local_rows_ = expert_parallel_local_rows(P, T, K, L, shape.capacity);  // model/gpu_buffer_sizes.h
     const int64_t U = max_tokens_;
     auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
     auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };

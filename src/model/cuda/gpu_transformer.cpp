@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
+#include "model/gpu_buffer_sizes.h"
 #include "moe/gpu_ops.h"
 #include "moe/dispatch.h"
 
@@ -114,17 +115,19 @@ void GpuTransformer::plan(int64_t batch) {
   const int64_t T = batch * S, E = c.moe.n_experts, K = c.moe.top_k, F = c.moe.expert_hidden;
   s.batch = batch;
   s.tokens = T;
-  const int64_t capacity = E > 0 ? expert_capacity(c.moe.capacity_factor, T, K, E) : 0;
-  s.max_rows = capacity > 0 ? std::min(T * K, E * capacity) : T * K;
+  // Expert parallelism over P ranks (the dispatcher sizes the exchange). A rank computes
+  // E / P experts, or up to the re-placement's maximum (model/gpu_buffer_sizes.h, which
+  // the memory planner reads too).
+  const ExpertRowBounds bounds =
+      expert_row_bounds(c.moe, T, s.ep ? s.ep->size() : 1, s.split_experts, s.local_experts_cap);
+  const int64_t capacity = bounds.capacity;
+  s.max_rows = bounds.max_rows;
   const int64_t R = s.max_rows;
-  // Expert parallelism over P ranks (the dispatcher sizes the exchange).
-  const int64_t P = s.ep ? s.ep->size() : 1;
   if (s.ep) {
     MOE_CHECK(s.recompute_experts == ExpertRecompute::None,
               "expert parallelism on the GPU needs training.recompute_experts = none");
   }
-  // A rank computes E / P experts, or up to the re-placement's maximum.
-  const int64_t max_local = s.ep ? std::min(E, std::max(E / P + (s.split_experts ? 1 : 0), s.local_experts_cap)) : E;
+  const int64_t max_local = bounds.max_local_experts;
   // The dispatcher's scratch first: it says how many rows the local experts may get.
   s.dispatcher.reset();
   const auto mark = [&s](int phase) { s.mark(phase); };
@@ -222,7 +225,7 @@ void GpuTransformer::plan(int64_t batch) {
   s.final_x = bf(T * D);
   s.final_n = bf(T * D);
   // ~256 MB of fp32 logits per chunk, in row blocks of 128 for the GEMM's tiles.
-  s.head_chunk_rows = std::min<int64_t>(T, std::max<int64_t>(128, ((int64_t{64} << 20) / V) / 128 * 128));
+  s.head_chunk_rows = lm_head_chunk_rows(T, V);
   s.head_logits_chunk = f32(s.head_chunk_rows * V);
   s.dlogits_head = bf(T * V);
   s.final_rstd = f32(T);

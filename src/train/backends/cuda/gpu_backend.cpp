@@ -29,6 +29,12 @@ namespace moe {
 
 bool gpu_present() { return gpu::device_count() > 0; }
 
+size_t gpu_memory_bytes() {
+  size_t free_bytes = 0, total_bytes = 0;
+  MOE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes;
+}
+
 namespace {
 
 // A rank's own slices of the checkpoint's tensors: where each lies in the device block

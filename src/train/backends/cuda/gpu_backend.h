@@ -1,5 +1,6 @@
 // The GPU backend (built with the CUDA backend only; backend_factory.cpp is its one caller).
 #pragma once
+#include <cstddef>
 #include <memory>
 
 #include "config/run_config.h"
@@ -19,5 +20,7 @@ std::unique_ptr<ModelBackend> make_gpu_backend(const RunConfig& config, HostStat
 
 // Whether this process sees a CUDA device.
 bool gpu_present();
+// The current device's memory in bytes (cudaMemGetInfo's total).
+size_t gpu_memory_bytes();
 
 }  // namespace moe

@@ -1,0 +1,33 @@
+// The row counts GpuTransformer::plan and its expert dispatcher size their buffers for,
+// as host functions: the GPU model and the memory planner (train/memory_plan.h) call the
+// same arithmetic, so the estimate follows the allocation when either changes.
+#pragma once
+#include <cstdint>
+
+#include "config/model_config.h"
+
+namespace moe {
+
+struct ExpertRowBounds {
+  int64_t capacity = 0;           // rows per expert and source rank (expert_capacity: T * K when dropless)
+  int64_t max_rows = 0;           // R: this rank's row layout (T * K, or fewer under a capacity)
+  int64_t max_local_experts = 0;  // L: slots one rank computes at most
+  int64_t max_tokens = 0;         // U: tokens a rank may receive (P * T under expert parallelism, else T)
+  int64_t max_local_rows = 0;     // RL: rows this rank's experts may get (what the expert row buffers hold)
+};
+
+// A micro-batch of `tokens` tokens over an EP group of `ep_size` ranks (1: no expert
+// parallelism). `local_experts_cap`: GpuModelOptions::max_local_experts (0: E / P, + 1
+// with split experts).
+ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t ep_size, bool split_experts,
+                                  int64_t local_experts_cap);
+
+// The expert-parallel dispatcher's bound on a rank's rows: every one of the P ranks sends
+// it at most its T * K assignments, or `capacity` per source and local expert.
+int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_k, int64_t local_experts,
+                                   int64_t capacity);
+
+// Rows of fp32 logits the LM head computes at a time: ~256 MB, in blocks of 128 rows.
+int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size);
+
+}  // namespace moe

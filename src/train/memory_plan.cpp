@@ -1,0 +1,464 @@
+#include "train/memory_plan.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include "core/error.h"
+#include "dist/zero_shards.h"
+#include "model/expert_layout.h"
+#include "model/gpu_buffer_sizes.h"
+#include "model/transformer.h"
+#include "moe/expert_slots.h"
+
+namespace moe {
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Library and runtime constants the estimate assumes (docs/MEMORY_PLAN.md says how they
+// were chosen). Everything else below is computed from the config.
+constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kChunkBytes = 2 * kMiB;           // ResidentBlock's mapping granularity (2 MiB on Hopper)
+constexpr int64_t kMaxChunks = int64_t{1} << 20;    // ResidentBlock: larger blocks get larger chunks
+constexpr int64_t kBlasWorkspace = 32 * kMiB;       // cuda::Blas's default
+constexpr int64_t kGroupedGemmWorkspace = 64 * kMiB;  // ExpertGemm's group arrays and workspace (bounded)
+constexpr int64_t kCudaRuntime = 1000 * kMiB;       // context, cuBLAS/cuDNN/NCCL kernels, cuDNN plans
+constexpr int64_t kNcclPerCommunicator = 256 * kMiB;  // a communicator's ring/tree buffers
+constexpr int64_t kNcclPerPeer = 8 * kMiB;          // p2p buffers per all-to-all peer (send + recv)
+constexpr int kReduceLanes = 2;                     // GpuDataParallel's bf16 side streams
+constexpr int64_t kRmsnormRowsPerBlock = 32;        // rmsnorm backward's partial sums (rmsnorm.cu)
+
+// What the estimate needs of the parameter block, from the config alone.
+struct ModelBlocks {
+  int64_t storage = 0;        // elements, alignment padding included (ParameterStore's layout)
+  int64_t parameters = 0;     // without padding
+  int64_t expert_elems = 0;   // every expert tensor, all experts
+  int64_t fp32_copy_elems = 0;  // the router biases, each padded to 16 (GpuParameterStore's mirror)
+  std::vector<RangeList> expert_tensors;  // per MoE layer: w1, w3, w2
+  std::vector<RangeList> stages;          // per backward stage: its parameters' extents
+};
+
+ModelBlocks model_blocks(const ModelConfig& config) {
+  if (config.vocab_size <= 0)
+    MOE_CONFIG_ERROR("model.vocab_size = {}: the memory plan needs the vocabulary size (set it; training takes it "
+                     "from the tokenizer)",
+                     config.vocab_size);
+  const ParameterStore<float> specs = Transformer<float>::parameter_specs(config);
+  const std::vector<int64_t> offsets = specs.planned_offsets();
+  ModelBlocks b;
+  b.storage = offsets.back();
+  std::string last_group, last_stage = "-";
+  for (int id = 0; id < specs.size(); ++id) {
+    const ParamSpec& spec = specs.spec(id);
+    const Range extent{offsets[static_cast<size_t>(id)], spec.shape.numel()};
+    b.parameters += extent.count;
+    if (!spec.expert_group.empty()) {
+      if (spec.expert_group != last_group) b.expert_tensors.emplace_back();
+      last_group = spec.expert_group;
+      b.expert_tensors.back().push_back(extent);
+      b.expert_elems += extent.count;
+    }
+    if (spec.name.ends_with(".router.bias")) b.fp32_copy_elems += ceil_div(extent.count, 16) * 16;
+    // A stage: one block's parameters ("layers.N."), or one top-level tensor.
+    std::string stage = spec.name;
+    if (spec.name.starts_with("layers.")) stage = spec.name.substr(0, spec.name.find('.', 7));
+    if (stage != last_stage) b.stages.emplace_back();
+    last_stage = stage;
+    b.stages.back().push_back(extent);
+  }
+  return b;
+}
+
+ExpertLayout equal_layout(const ModelBlocks& blocks, int64_t n_experts, int64_t ep, bool split) {
+  ExpertLayout layout;
+  for (const RangeList& tensors : blocks.expert_tensors)
+    layout.push_back({equal_expert_slots(n_experts, static_cast<int>(ep), split), tensors});
+  return layout;
+}
+
+// ResidentBlock: a block of `block_bytes` maps whole chunks, chunk_bytes each.
+int64_t chunk_bytes_of(int64_t block_bytes) {
+  const int64_t pages = ceil_div(block_bytes, kChunkBytes);
+  return kChunkBytes * ceil_div(pages, kMaxChunks);
+}
+
+// Bytes the chunks covering `ranges` (elements of `elem` bytes) hold.
+int64_t resident_bytes(const RangeList& ranges, int64_t elem, int64_t storage) {
+  const int64_t chunk = chunk_bytes_of(storage * elem);
+  int64_t chunks = 0, next_free = 0;  // chunks before next_free are counted
+  for (const Range& r : ranges) {
+    if (r.count <= 0) continue;
+    const int64_t first = std::max(r.offset * elem / chunk, next_free);
+    const int64_t end = ceil_div(r.end() * elem, chunk);
+    chunks += std::max<int64_t>(0, end - first);
+    next_free = std::max(next_free, end);
+  }
+  return chunks * chunk;
+}
+
+// The ZeRO rule in one place (the GPU levels are being built: adjust here). Level z over a
+// data-parallel group keeps 1/N of: z >= 1 the lo halves and the moments, z >= 2 the fp32
+// gradients, z >= 3 the bf16 weights. The shared parameters' group is every GPU; the
+// experts' the GPUs holding the same experts (GPUs / EP). A sharded block holds its share
+// rounded up to chunks plus one chunk for the pieces' edges. In flight: z >= 2 keeps the
+// fp32 gradients of two stages whole (the one the backward fills, the one being
+// reduce-scattered); z >= 3 the bf16 weights of two stages gathered (the one computing and
+// the one prefetched), both sized by the largest stage this rank holds.
+struct ZeroSharding {
+  bool lo_and_moments = false, gradients = false, weights = false;
+};
+ZeroSharding zero_sharding(int64_t zero) { return {zero >= 1, zero >= 2, zero >= 3}; }
+
+struct RankState {
+  int64_t shared_elems = 0, expert_elems = 0;  // what this rank holds before ZeRO
+  RangeList resident;
+  int64_t largest_stage = 0;  // elements of the largest backward stage it holds
+};
+
+int64_t sharded_bytes(const RankState& rank, int64_t elem, int64_t storage, int64_t gpus, int64_t replicas) {
+  const int64_t bytes = ceil_div(rank.shared_elems, gpus) * elem + ceil_div(rank.expert_elems, replicas) * elem;
+  const int64_t chunk = chunk_bytes_of(storage * elem);
+  return (ceil_div(bytes, chunk) + 1) * chunk;
+}
+
+// Mirrors GpuTransformer::plan: the buffers of one layer's activations (gpu_layers.h's
+// Activations), dense and/or MoE, without the expert rows buffers the MoE layers share.
+struct ActivationShape {
+  int64_t B, S, T, D, H, G, d, E, K, F, dense_hidden, n_shared, P;
+  ExpertRowBounds rows;
+};
+
+int64_t attention_and_norms_bytes(const ActivationShape& a) {
+  const int64_t bf = 2, f32 = 4;
+  return 4 * a.T * a.D * bf + 2 * a.T * f32                             // n1, h, n2, ffn_out; rstd1, rstd2
+         + 2 * a.T * a.H * a.d * bf + 2 * a.T * a.G * a.d * bf + a.B * a.H * a.S * f32;  // q, out; k, v; stats
+}
+
+int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E) {  // moe/cuda/dispatch.cu (kTile 256)
+  return T * K + E * std::max<int64_t>(1, ceil_div(T * K, 256));
+}
+
+// An MoE layer's own buffers; x_rows / gate_up / act rows are counted here unless
+// `shared_*` (recompute_experts: one buffer for all MoE layers).
+int64_t moe_buffers_bytes(const ActivationShape& a, bool share_x_act, bool share_gate_up) {
+  const int64_t T = a.T, K = a.K, E = a.E, D = a.D, F = a.F, RL = a.rows.max_local_rows;
+  int64_t bytes = 2 * T * E * 4 + T * K * 4 + 2 * T * 4          // logits, scores; weight; aux, z terms
+                  + 4 * T * K * 4 + 2 * E * 4 + (E + 1) * 4        // expert, row, token_of_row, slot; counts; offsets
+                  + assign_rows_scratch(T, K, E) * 4               // rank
+                  + std::max(a.rows.max_rows, RL) * D * 2          // y_rows
+                  + a.n_shared * (T * 2 * F + T * F) * 2;          // shared experts' gate|up and act
+  if (!share_x_act) bytes += RL * D * 2 + RL * F * 2;
+  if (!share_gate_up) bytes += RL * 2 * F * 2;
+  if (a.P > 1) {  // GpuExpertParallelDispatcher::plan_layer
+    const int64_t U = a.rows.max_tokens;
+    bytes += T * a.P * 4 + a.P * 4 + 2 * U * K * 4 + (a.rows.max_local_experts + 1) * 4 + RL * 4;
+  }
+  return bytes;
+}
+
+// GpuTransformer::plan's per micro-batch buffers (not per layer).
+int64_t step_buffers_bytes(const ActivationShape& a, int64_t V, int64_t n_layers) {
+  const int64_t T = a.T, D = a.D, E = a.E, K = a.K, F = a.F, RL = a.rows.max_local_rows;
+  const int64_t R = a.rows.max_rows, W = std::max(F, a.dense_hidden);
+  const int64_t head_rows = lm_head_chunk_rows(T, V);
+  int64_t bytes = 3 * T * 4 + 2 * T * D * 2                        // inputs, targets, positions; final_x, final_n
+                  + head_rows * V * 4 + T * V * 2 + 2 * T * 4        // logits chunk; dlogits_head; final_rstd, loss
+                  + (1 + 2 * n_layers) * 4 + n_layers * 4 + ceil_div(T, 256) * 8;  // sums, kept_rows, routing scratch
+  bytes += 2 * T * D * 2 + 2 * T * a.H * a.d * 2 + 2 * T * a.G * a.d * 2;  // dres, dnorm; dq, dattn; dk, dv
+  bytes += std::max(R, RL) * D * 2 + RL * F * 2 + RL * 2 * F * 2 + RL * D * 2;  // drows, dact, dgate_up, dx rows
+  bytes += T * E * 2 + T * W * 2 + T * 2 * W * 2 + T * K * 4 + T * E * 4;     // dlogits bf16, dffn_*, dweight, dlogits
+  bytes += ceil_div(T, kRmsnormRowsPerBlock) * D * 4 + 5 * T * 4 + a.S * a.d * 4;  // norm partials, embedding scratch, rope
+  return bytes;
+}
+
+// GpuExpertParallelDispatcher::plan's scratch.
+int64_t dispatcher_bytes(const ActivationShape& a, bool split) {
+  if (a.P <= 1) return 0;
+  const int64_t U = a.rows.max_tokens, K = a.K, E = a.E, P = a.P, L = a.rows.max_local_experts;
+  return 2 * U * a.D * 2 + 2 * U * K * 4 + assign_rows_scratch(U, K, L) * 4 + L * 4 + (E + 2 * P) * 4 +
+         a.T * K * 4 + (P + 1) * 4 + (split ? 2 * P * E * 4 : 0) + P * (L + 1) * 4 + 3 * U * K * 4;
+}
+
+int64_t nccl_bytes(const MemoryLayout& layout) {
+  if (layout.gpus <= 1) return 0;
+  const int64_t ep = layout.expert_parallel;
+  int64_t bytes = kNcclPerCommunicator;  // the world (data parallel)
+  if (ep > 1) {
+    bytes += kNcclPerCommunicator + (ep - 1) * kNcclPerPeer;        // the EP group's all-to-all
+    if (layout.gpus / ep > 1) bytes += kNcclPerCommunicator;        // the experts' replicas
+  }
+  return bytes;
+}
+
+MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks) {
+  const ModelConfig& c = config.model;
+  const int64_t E = c.moe.n_experts, ep = std::max<int64_t>(1, layout.expert_parallel);
+  if (ep > 1 && (E <= 0 || E % ep != 0 || layout.gpus % ep != 0))
+    MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {} and the {} GPUs", ep, E,
+                     layout.gpus);
+  const bool split = ep > 1 && config.parallel.split_experts;
+  const int64_t gpus = std::max<int64_t>(1, layout.gpus), replicas = gpus / ep;
+  const int64_t moment_elem = config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
+  MemoryEstimate m;
+
+  // Parameter state: the largest of the EP ranks' shares (with split experts they differ).
+  const ExpertLayout experts = ep > 1 ? equal_layout(blocks, E, ep, split) : ExpertLayout{};
+  const ZeroSharding zero = zero_sharding(gpus > 1 ? layout.zero : 0);
+  for (int p = 0; p < ep; ++p) {
+    RankState rank;
+    rank.resident = ep > 1 ? resident_ranges(experts, p, blocks.storage) : RangeList{{0, blocks.storage}};
+    const int64_t held = total_count(rank.resident);
+    rank.expert_elems = ep > 1 ? total_count(own_expert_ranges(experts, p)) : blocks.expert_elems;
+    rank.shared_elems = held - rank.expert_elems;
+    for (const RangeList& stage : blocks.stages) {
+      RangeList mine;
+      for (const Range& r : stage) {
+        const RangeList part = subtract_ranges({r}, subtract_ranges({r}, rank.resident));
+        mine.insert(mine.end(), part.begin(), part.end());
+      }
+      rank.largest_stage = std::max(rank.largest_stage, total_count(mine));
+    }
+    const auto block = [&](int64_t elem, bool sharded) {
+      return sharded ? sharded_bytes(rank, elem, blocks.storage, gpus, replicas)
+                     : resident_bytes(rank.resident, elem, blocks.storage);
+    };
+    const int64_t weights = block(2, zero.weights), lo = block(2, zero.lo_and_moments);
+    const int64_t grads = block(4, zero.gradients), moments = 2 * block(moment_elem, zero.lo_and_moments);
+    const int64_t in_flight = (zero.gradients ? 2 * rank.largest_stage * 4 : 0) +
+                              (zero.weights ? 2 * rank.largest_stage * 2 : 0);
+    if (weights + lo + grads + moments + in_flight >
+        m.weights + m.master_lo + m.gradients + m.moments + m.zero_in_flight) {
+      m.weights = weights;
+      m.master_lo = lo;
+      m.gradients = grads;
+      m.moments = moments;
+      m.zero_in_flight = in_flight;
+    }
+  }
+  m.fp32_copies = blocks.fp32_copy_elems * 4;
+
+  // Activations and the step's buffers, as GpuTransformer::plan allocates them.
+  ActivationShape a{layout.micro_batch, c.seq_len, layout.micro_batch * c.seq_len, c.dim, c.n_heads, c.n_kv_heads,
+                    c.head_dim(), E, c.moe.top_k, c.moe.expert_hidden, c.dense_hidden, c.moe.n_shared_experts, ep, {}};
+  const int64_t cap = ep > 1 && config.parallel.rebalance_interval > 0 ? config.parallel.rebalance_max_experts : 0;
+  a.rows = expert_row_bounds(c.moe, a.T, ep, split, cap);
+  const bool share_x_act = layout.recompute_experts != ExpertRecompute::None;
+  const bool share_gate_up = layout.recompute_experts == ExpertRecompute::All;
+  const int64_t dense_bytes = a.T * 2 * c.dense_hidden * 2 + a.T * c.dense_hidden * 2;
+  const int64_t moe_bytes = E > 0 ? moe_buffers_bytes(a, share_x_act, share_gate_up) : 0;
+  const int64_t core_bytes = attention_and_norms_bytes(a), input_bytes = a.T * c.dim * 2;
+  const int64_t n_layers = c.n_layers;
+  const int64_t recomputed = layout.recompute_layers < 0 ? n_layers : std::min(layout.recompute_layers, n_layers);
+  bool recompute_dense = false, recompute_moe = false;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const bool is_moe = l >= c.first_dense_layers;
+    if (l < recomputed) {
+      (is_moe ? recompute_moe : recompute_dense) = true;
+      m.layer_activations.push_back(input_bytes);
+    } else {
+      m.layer_activations.push_back(input_bytes + core_bytes + (is_moe ? moe_bytes : dense_bytes));
+    }
+  }
+  if (recompute_dense || recompute_moe)
+    m.recompute_set = core_bytes + (recompute_dense ? dense_bytes : 0) + (recompute_moe ? moe_bytes : 0);
+  // The expert rows buffers shared by every MoE layer under recompute_experts.
+  if (E > 0 && n_layers > c.first_dense_layers) {
+    const int64_t RL = a.rows.max_local_rows;
+    if (share_x_act) m.recompute_set += RL * c.dim * 2 + RL * a.F * 2;
+    if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;
+  }
+  m.step_buffers = step_buffers_bytes(a, c.vocab_size, n_layers);
+
+  // Exchange buffers: the dispatcher's; bf16 gradient sums' scratch per reduction group.
+  m.exchange = dispatcher_bytes(a, split);
+  if (gpus > 1 && config.parallel.grad_reduce_dtype == ReduceDtype::Bf16) {
+    const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
+    const int64_t groups = ep > 1 && replicas > 1 ? 2 : 1;
+    m.exchange += groups * kReduceLanes * (bucket + dist::kZeroAlign * gpus) * 2;
+  }
+
+  // Workspaces: cuBLAS, the grouped GEMMs, cuDNN's deterministic attention backward (a
+  // B x H x S x S bf16 dP buffer), NCCL.
+  m.workspace = kBlasWorkspace + (E > 0 ? kGroupedGemmWorkspace : 0) + nccl_bytes(layout);
+  if (config.training.deterministic) m.workspace += a.B * a.H * a.S * a.S * 2;
+  m.runtime = kCudaRuntime;
+  return m;
+}
+
+// Recomputation settings from the least to the most: (layers, experts).
+std::vector<std::pair<int64_t, ExpertRecompute>> recompute_choices(bool expert_parallel) {
+  if (expert_parallel) return {{0, ExpertRecompute::None}, {-1, ExpertRecompute::None}};
+  return {{0, ExpertRecompute::None},
+          {0, ExpertRecompute::Swiglu},
+          {0, ExpertRecompute::All},
+          {-1, ExpertRecompute::None},
+          {-1, ExpertRecompute::All}};
+}
+
+int recompute_rank(const MemoryLayout& l) {
+  const int layers = l.recompute_layers == 0 ? 0 : 3;
+  return layers + static_cast<int>(l.recompute_experts);
+}
+
+std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blocks, int64_t gpus,
+                                 int64_t gpus_per_node, int64_t budget_bytes) {
+  const ModelConfig& c = config.model;
+  const int64_t E = c.moe.n_experts;
+  std::vector<int64_t> eps;
+  for (int64_t ep = 1; ep <= std::max<int64_t>(1, E); ++ep)
+    if ((ep == 1 || E % ep == 0) && gpus % ep == 0) eps.push_back(ep);
+  std::vector<int64_t> micro_batches;
+  for (int64_t mb = config.training.micro_batch;; mb /= 2) {
+    if (config.training.global_batch_tokens % (gpus * mb * c.seq_len) == 0) micro_batches.push_back(mb);
+    if (mb % 2 != 0) break;
+  }
+  std::vector<LayoutFit> fits;
+  for (int64_t ep : eps)
+    for (int64_t zero = 0; zero <= (gpus > 1 ? 3 : 0); ++zero)
+      for (int64_t mb : micro_batches)
+        for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
+          const MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};
+          MemoryEstimate estimate = estimate_with(config, layout, blocks);
+          if (estimate.total() <= budget_bytes) fits.push_back({layout, std::move(estimate)});
+        }
+  const auto key = [](const LayoutFit& f) {
+    return std::make_tuple(recompute_rank(f.layout), f.layout.zero, -f.layout.micro_batch, f.layout.expert_parallel,
+                           f.estimate.total());
+  };
+  std::sort(fits.begin(), fits.end(), [&](const LayoutFit& x, const LayoutFit& y) { return key(x) < key(y); });
+  return fits;
+}
+
+double gb(int64_t bytes) { return static_cast<double>(bytes) / 1e9; }
+std::string gpus_text(int64_t gpus) { return fmt::format("{} GPU{}", gpus, gpus == 1 ? "" : "s"); }
+
+}  // namespace
+
+MemoryLayout configured_layout(const RunConfig& config, int64_t gpus, int64_t gpus_per_node) {
+  const TrainingConfig& t = config.training;
+  return {gpus, gpus_per_node, config.parallel.expert_parallel, config.parallel.zero, t.micro_batch,
+          t.recompute_layers, t.recompute_experts};
+}
+
+int64_t MemoryEstimate::activations() const {
+  int64_t sum = recompute_set;
+  for (int64_t bytes : layer_activations) sum += bytes;
+  return sum;
+}
+
+std::vector<MemoryEstimate::Component> MemoryEstimate::components() const {
+  return {{"weights (bf16)", weights},
+          {"master lo halves (int16)", master_lo},
+          {"gradients (fp32)", gradients},
+          {"AdamW moments", moments},
+          {"fp32 copies (router biases)", fp32_copies},
+          {"ZeRO gathers in flight", zero_in_flight},
+          {"activations", activations()},
+          {"step buffers", step_buffers},
+          {"exchange buffers", exchange},
+          {"workspace", workspace},
+          {"CUDA runtime", runtime}};
+}
+
+int64_t MemoryEstimate::total() const {
+  int64_t sum = 0;
+  for (const Component& component : components()) sum += component.bytes;
+  return sum;
+}
+
+MemoryEstimate::Component MemoryEstimate::largest() const {
+  const std::vector<Component> all = components();
+  return *std::max_element(all.begin(), all.end(),
+                           [](const Component& a, const Component& b) { return a.bytes < b.bytes; });
+}
+
+MemoryEstimate estimate_memory(const RunConfig& config, const MemoryLayout& layout) {
+  return estimate_with(config, layout, model_blocks(config.model));
+}
+
+int64_t smallest_halved_micro_batch(int64_t micro_batch) {
+  while (micro_batch > 1 && micro_batch % 2 == 0) micro_batch /= 2;
+  return micro_batch;
+}
+
+std::vector<LayoutFit> layouts_that_fit(const RunConfig& config, int64_t gpus, int64_t gpus_per_node,
+                                        int64_t budget_bytes) {
+  return fits_over(config, model_blocks(config.model), gpus, gpus_per_node, budget_bytes);
+}
+
+namespace {
+
+std::vector<std::string> changed_settings(const MemoryLayout& from, const MemoryLayout& to) {
+  std::vector<std::string> changes;
+  if (to.gpus != from.gpus) changes.push_back(gpus_text(to.gpus));
+  if (to.expert_parallel != from.expert_parallel)
+    changes.push_back(fmt::format("parallel.expert_parallel = {}", to.expert_parallel));
+  if (to.zero != from.zero) changes.push_back(fmt::format("parallel.zero = {}", to.zero));
+  if (to.micro_batch != from.micro_batch) changes.push_back(fmt::format("training.micro_batch = {}", to.micro_batch));
+  if (to.recompute_layers != from.recompute_layers)
+    changes.push_back(fmt::format("training.recompute_layers = {}", to.recompute_layers));
+  if (to.recompute_experts != from.recompute_experts)
+    changes.push_back(fmt::format("training.recompute_experts = \"{}\"", name_of(to.recompute_experts)));
+  return changes;
+}
+
+// The refusal's suggestion: of the fits (best first), the first with the fewest settings
+// changed from `from`.
+const LayoutFit& closest_fit(const std::vector<LayoutFit>& fits, const MemoryLayout& from) {
+  const auto changes = [&](const LayoutFit& f) { return changed_settings(from, f.layout).size(); };
+  return *std::min_element(fits.begin(), fits.end(),
+                           [&](const LayoutFit& a, const LayoutFit& b) { return changes(a) < changes(b); });
+}
+
+}  // namespace
+
+std::string layout_changes(const MemoryLayout& from, const MemoryLayout& to) {
+  return fmt::format("{}", fmt::join(changed_settings(from, to), ", "));
+}
+
+void check_memory_fits(const RunConfig& config, int64_t gpus, int64_t gpus_per_node, int64_t ranks_per_gpu,
+                       int64_t budget_bytes) {
+  const ModelBlocks blocks = model_blocks(config.model);
+  const int64_t ranks = std::max<int64_t>(1, ranks_per_gpu);
+  MemoryLayout layout = configured_layout(config, gpus, gpus_per_node);
+  layout.micro_batch = smallest_halved_micro_batch(layout.micro_batch);
+  // Thread ranks share the GPU: their estimates add up, the process's runtime counted once.
+  const auto on_gpu = [&](const MemoryEstimate& e) { return ranks * (e.total() - e.runtime) + e.runtime; };
+  const MemoryEstimate estimate = estimate_with(config, layout, blocks);
+  if (on_gpu(estimate) <= budget_bytes) return;
+  const MemoryEstimate::Component largest = estimate.largest();
+  const std::string what =
+      fmt::format("the estimated {:.1f} GB per GPU{} (training.micro_batch = {}{}) exceeds {:.1f} GB (largest: {} "
+                  "{:.1f} GB{})",
+                  gb(on_gpu(estimate)), ranks > 1 ? fmt::format(" ({} thread ranks)", ranks) : "", layout.micro_batch,
+                  layout.micro_batch != config.training.micro_batch ? ", the smallest the halving reaches" : "",
+                  gb(budget_bytes), largest.name, gb(largest.bytes), ranks > 1 ? " per rank" : "");
+  // Per-rank budget for the search: ranks * (total - runtime) + runtime <= budget.
+  const int64_t rank_budget = (budget_bytes - estimate.runtime) / ranks + estimate.runtime;
+  const MemoryLayout configured = configured_layout(config, gpus, gpus_per_node);
+  std::vector<LayoutFit> fits = fits_over(config, blocks, gpus, gpus_per_node, rank_budget);
+  if (!fits.empty()) {
+    const LayoutFit& fit = closest_fit(fits, configured);
+    MOE_CONFIG_ERROR("{}; {} over {} fits ({:.1f} GB)", what, layout_changes(configured, fit.layout), gpus_text(gpus),
+                     gb(on_gpu(fit.estimate)));
+  }
+  // None on these GPUs: the fewest GPUs (doubling) on which one fits.
+  for (int64_t more = gpus * 2; more <= (int64_t{1} << 16) && ranks == 1; more *= 2) {
+    fits = fits_over(config, blocks, more, gpus_per_node, budget_bytes);
+    if (fits.empty()) continue;
+    MemoryLayout there = configured;
+    there.gpus = more;
+    const LayoutFit& fit = closest_fit(fits, there);
+    const std::string changes = layout_changes(there, fit.layout);
+    MOE_CONFIG_ERROR("{}; no layout fits on {}: {}{} fit ({:.1f} GB)", what, gpus_text(gpus), gpus_text(more),
+                     changes.empty() ? "" : " with " + changes, gb(fit.estimate.total()));
+  }
+  MOE_CONFIG_ERROR("{}; no layout of parallel.expert_parallel, parallel.zero, training.micro_batch and recomputation "
+                   "fits",
+                   what);
+}
+
+}  // namespace moe

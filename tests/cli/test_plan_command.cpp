@@ -1,0 +1,43 @@
+// `moe plan` as users run it: the real-size configs' tables and fitting layouts, and a
+// bad flag refused with one line.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+#include "cli/moe_process.h"
+
+namespace {
+
+std::string config(const std::string& name) {
+  const char* dir = std::getenv("MOE_SOURCE_DIR");
+  return (std::filesystem::path(dir && *dir ? dir : MOE_TEST_SOURCE_DIR) / "configs" / name).string();
+}
+
+TEST(PlanCommand, Mixtral8x7bOverEightGpus) {
+  const moe::test::MoeResult r = moe::test::run_moe("plan -c " + config("models/mixtral-8x7b.toml") + " --gpus 8");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line : {"46.70 B parameters", "layout: 8 GPUs (8 per node), expert_parallel 8, zero 1",
+                           "AdamW moments", "activations by layer: layers 0-31:", "the recompute set", "largest: ",
+                           "layouts that fit on 8 GPUs, best first"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in:\n" << r.output;
+}
+
+TEST(PlanCommand, Writeup500bOverAThousandGpusAndOverrides) {
+  const moe::test::MoeResult r = moe::test::run_moe("plan -c " + config("models/writeup-500b.toml") +
+                                                    " --gpus 1024 --gpus-per-node 8 --gpu-memory-gb 80 --parallel.zero=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line : {"layout: 1024 GPUs (8 per node), expert_parallel 128, zero 3", "in 78.0 GB (80 GB less a 2 GB reserve)"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in:\n" << r.output;
+}
+
+TEST(PlanCommand, ALayoutTheConfigCannotTakeIsOneLine) {
+  moe::test::expect_one_line_error(moe::test::run_moe("plan -c " + config("models/mixtral-8x7b.toml") + " --gpus 4"), 2,
+                                   {"moe: error: parallel.expert_parallel = 8 must divide", "the 4 GPUs"});
+  // The default config takes its vocabulary from the tokenizer at training time.
+  moe::test::expect_one_line_error(moe::test::run_moe("plan -c " + config("default.toml")), 2,
+                                   {"moe: error: model.vocab_size = 0: the memory plan needs"});
+}
+
+}  // namespace

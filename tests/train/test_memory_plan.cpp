@@ -1,0 +1,289 @@
+// The memory planner (train/memory_plan.h): known answers for the state of small models,
+// activations linear in the micro-batch, EP and ZeRO dividing what they should, the
+// refusal's one line, and the estimate against the bench models' measured peaks.
+#include "train/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <tuple>
+
+#include "core/error.h"
+#include "expect_error.h"
+#include "model/gpu_buffer_sizes.h"
+#include "model/transformer.h"
+
+namespace moe {
+namespace {
+
+constexpr int64_t kChunk = int64_t{2} << 20;  // ResidentBlock's 2 MiB
+
+std::filesystem::path source_dir() {
+  if (const char* dir = std::getenv("MOE_SOURCE_DIR"); dir && *dir) return dir;
+  return MOE_TEST_SOURCE_DIR;
+}
+
+int64_t chunks(int64_t bytes) { return (bytes + kChunk - 1) / kChunk; }
+
+// 2 layers, dim 512 (4 heads of 128, 2 KV heads), 8 experts of 1024 top-2, vocab 1024.
+RunConfig small_config() {
+  RunConfig c;
+  ModelConfig& m = c.model;
+  m.vocab_size = 1024;
+  m.dim = 512;
+  m.n_layers = 2;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.seq_len = 256;
+  m.moe.n_experts = 8;
+  m.moe.top_k = 2;
+  m.moe.expert_hidden = 1024;
+  m.moe.capacity_factor = 0;
+  c.training.micro_batch = 4;
+  c.training.global_batch_tokens = 4 * 256 * 8;
+  c.training.recompute_layers = 0;
+  c.training.recompute_experts = ExpertRecompute::None;
+  c.parallel.zero = 0;
+  return c;
+}
+
+// By hand: embedding and head 1024 x 512 each; per layer two norms (512), wq and wo
+// 512 x 512, wk and wv 256 x 512, the router 8 x 512 and its bias 8 (padded to 16), the
+// experts 3 x 8 x 1024 x 512; the final norm 512. Every other tensor is a multiple of 16.
+constexpr int64_t kExperts = 3 * 8 * 1024 * 512;
+constexpr int64_t kLayer = 2 * 512 + 2 * 512 * 512 + 2 * 256 * 512 + 8 * 512 + 16 + kExperts;
+constexpr int64_t kStorage = 2 * 1024 * 512 + 512 + 2 * kLayer;
+
+TEST(MemoryPlan, ParameterSpecsAreTheModelsLayout) {
+  for (bool tied : {false, true}) {
+    RunConfig c = small_config();
+    c.model.tie_embeddings = tied;
+    c.model.first_dense_layers = 1;
+    c.model.moe.n_shared_experts = 1;
+    const Transformer<float> model(c.model, 1);
+    const ParameterStore<float> specs = Transformer<float>::parameter_specs(c.model);
+    ASSERT_EQ(specs.size(), model.params().size());
+    const std::vector<int64_t> offsets = specs.planned_offsets();
+    EXPECT_EQ(offsets.back(), model.params().storage_numel());
+    for (int id = 0; id < specs.size(); ++id) {
+      EXPECT_EQ(specs.spec(id).name, model.params().spec(id).name);
+      EXPECT_EQ(offsets[static_cast<size_t>(id)], model.params().offset(id)) << specs.spec(id).name;
+    }
+  }
+  EXPECT_EQ(Transformer<float>::parameter_specs(small_config().model).planned_offsets().back(), kStorage);
+}
+
+TEST(MemoryPlan, StateBytesOfOneGpuKnownAnswer) {
+  const RunConfig c = small_config();
+  const MemoryEstimate e = estimate_memory(c, configured_layout(c, 1, 1));
+  EXPECT_EQ(kStorage, 27798048);
+  EXPECT_EQ(e.weights, chunks(kStorage * 2) * kChunk);  // 27 chunks
+  EXPECT_EQ(e.weights, 27 * kChunk);
+  EXPECT_EQ(e.master_lo, 27 * kChunk);
+  EXPECT_EQ(e.gradients, 54 * kChunk);  // 111,192,192 bytes
+  EXPECT_EQ(e.moments, 2 * 54 * kChunk);
+  EXPECT_EQ(e.fp32_copies, 2 * 16 * 4);  // two router biases
+  EXPECT_EQ(e.zero_in_flight, 0);
+  RunConfig bf16 = c;
+  bf16.optimizer.state_dtype = MomentDtype::Bf16;
+  EXPECT_EQ(estimate_memory(bf16, configured_layout(bf16, 1, 1)).moments, 2 * 27 * kChunk);
+}
+
+TEST(MemoryPlan, ActivationsScaleLinearlyInTheMicroBatch) {
+  const RunConfig c = small_config();
+  MemoryLayout one = configured_layout(c, 1, 1), two = one;
+  one.micro_batch = 1;
+  two.micro_batch = 2;
+  const MemoryEstimate a = estimate_memory(c, one), b = estimate_memory(c, two);
+  ASSERT_EQ(a.layer_activations.size(), 2u);
+  // Only the per-expert counts and offsets (3E + 1 int32) do not grow with the tokens.
+  for (size_t l = 0; l < 2; ++l) EXPECT_EQ(2 * a.layer_activations[l] - b.layer_activations[l], (3 * 8 + 1) * 4);
+  EXPECT_EQ(a.weights + a.moments, b.weights + b.moments);
+  // One layer by hand at micro-batch 1 (T = 256, R = T * K = 512 rows): 5 x [T, D] bf16
+  // (x, n1, h, n2, ffn_out), rstd1/2, q/out [T, 512], k/v [T, 256], stats [H, S] fp32;
+  // logits and scores [T, E] fp32, weights [T, K], aux and z [T], four [T, K] int32,
+  // counts/assign_counts/offsets, the row-rank scratch (T K + E x 2 tiles), expert rows
+  // x [R, D], gate|up [R, 2F], act [R, F], y [R, D].
+  const int64_t T = 256, D = 512, E = 8, K = 2, F = 1024, R = T * K;
+  const int64_t by_hand = 5 * T * D * 2 + 2 * T * 4 + 2 * T * 512 * 2 + 2 * T * 256 * 2 + 4 * 256 * 4 +
+                          2 * T * E * 4 + T * K * 4 + 2 * T * 4 + 4 * T * K * 4 + (3 * E + 1) * 4 +
+                          (T * K + E * 2) * 4 + R * D * 2 + R * 2 * F * 2 + R * F * 2 + R * D * 2;
+  EXPECT_EQ(a.layer_activations[0], by_hand);
+}
+
+TEST(MemoryPlan, RecomputedLayersKeepTheirInputAndShareOneSet) {
+  RunConfig c = small_config();
+  const MemoryEstimate kept = estimate_memory(c, configured_layout(c, 1, 1));
+  c.training.recompute_layers = -1;
+  const MemoryEstimate recomputed = estimate_memory(c, configured_layout(c, 1, 1));
+  const int64_t input = 4 * 256 * 512 * 2;
+  for (int64_t bytes : recomputed.layer_activations) EXPECT_EQ(bytes, input);
+  EXPECT_EQ(recomputed.recompute_set, kept.layer_activations[0] - input);
+  EXPECT_EQ(recomputed.activations(), 2 * input + kept.layer_activations[0] - input);
+}
+
+TEST(MemoryPlan, ExpertParallelismHalvesTheExpertState) {
+  RunConfig c = small_config();
+  c.model.moe.expert_hidden = 4096;  // each rank's half of an expert tensor: 8 Mi elements
+  MemoryLayout ep1 = configured_layout(c, 2, 2), ep2 = ep1;
+  ep2.expert_parallel = 2;
+  const MemoryEstimate a = estimate_memory(c, ep1), b = estimate_memory(c, ep2);
+  // The other rank's 4 experts of each of the 6 expert tensors hold no memory: half of
+  // the experts' 3 x 8 x 4096 x 512 x 2 layers, less at most the two chunks each of the 6
+  // holes' edges round to.
+  const int64_t freed = 3 * 8 * 4096 * 512 * 2 / 2;
+  for (auto [whole, half, elem] : {std::tuple{a.weights, b.weights, 2}, std::tuple{a.gradients, b.gradients, 4}}) {
+    EXPECT_GE(whole - half, freed * elem - 12 * kChunk);
+    EXPECT_LE(whole - half, freed * elem + kChunk);
+    EXPECT_GT(whole - half, freed * elem * 3 / 4);
+  }
+  EXPECT_EQ(a.moments - b.moments, 2 * (a.gradients - b.gradients));
+  EXPECT_EQ(a.master_lo, a.weights);
+  EXPECT_EQ(b.master_lo, b.weights);
+}
+
+TEST(MemoryPlan, ZeroLevelsDivideWhatTheyShould) {
+  const RunConfig c = small_config();
+  MemoryLayout layout = configured_layout(c, 4, 4);
+  std::vector<MemoryEstimate> by_level;
+  for (int64_t zero = 0; zero <= 3; ++zero) {
+    layout.zero = zero;
+    by_level.push_back(estimate_memory(c, layout));
+  }
+  // A quarter of the block (ceil), rounded up to chunks plus one chunk for the edges.
+  const auto sharded = [](int64_t elem) { return (chunks((kStorage + 3) / 4 * elem) + 1) * kChunk; };
+  // In flight: two of the largest stage, one layer (its parameters, kLayer less the
+  // router bias's 8 elements of padding), whole.
+  const int64_t stage = kLayer - 8;
+  const MemoryEstimate &z0 = by_level[0], &z1 = by_level[1], &z2 = by_level[2], &z3 = by_level[3];
+  EXPECT_EQ(z1.weights, z0.weights);
+  EXPECT_EQ(z1.gradients, z0.gradients);
+  EXPECT_EQ(z1.master_lo, sharded(2));
+  EXPECT_EQ(z1.moments, 2 * sharded(4));
+  EXPECT_EQ(z1.zero_in_flight, 0);
+  EXPECT_EQ(z2.weights, z0.weights);
+  EXPECT_EQ(z2.gradients, sharded(4));
+  EXPECT_EQ(z2.zero_in_flight, 2 * stage * 4);
+  EXPECT_EQ(z3.weights, sharded(2));
+  EXPECT_EQ(z3.zero_in_flight, 2 * stage * 4 + 2 * stage * 2);
+  // One GPU has no group to divide over.
+  MemoryLayout alone = configured_layout(c, 1, 1);
+  alone.zero = 3;
+  EXPECT_EQ(estimate_memory(c, alone).total(), estimate_memory(c, configured_layout(c, 1, 1)).total());
+}
+
+TEST(MemoryPlan, ExpertRowBoundsKnownAnswers) {
+  MoEConfig moe;
+  moe.n_experts = 128;
+  moe.top_k = 2;
+  moe.capacity_factor = 1.25;
+  // T = 4096: capacity ceil(1.25 x 8192 / 128) = 80 rows per expert and source.
+  const ExpertRowBounds one = expert_row_bounds(moe, 4096, 1, false, 0);
+  EXPECT_EQ(one.capacity, 80);
+  EXPECT_EQ(one.max_rows, 8192);
+  EXPECT_EQ(one.max_local_rows, 8192);
+  const ExpertRowBounds ep = expert_row_bounds(moe, 4096, 128, false, 0);
+  EXPECT_EQ(ep.max_local_experts, 1);
+  EXPECT_EQ(ep.max_tokens, 128 * 4096);
+  EXPECT_EQ(ep.max_local_rows, 128 * 80);
+  EXPECT_EQ(expert_row_bounds(moe, 4096, 128, true, 0).max_local_experts, 2);
+  moe.capacity_factor = 0;  // dropless: every rank may send all its T x K rows
+  EXPECT_EQ(expert_row_bounds(moe, 4096, 8, false, 0).max_local_rows, 8 * 8192);
+  EXPECT_EQ(lm_head_chunk_rows(16384, 32000), 2048);
+}
+
+TEST(MemoryPlan, RefusalNamesTheLargestAndALayoutThatFits) {
+  RunConfig c = small_config();
+  c.model.moe.n_experts = 1;  // no expert parallelism to choose: ZeRO is the first way out
+  c.model.moe.top_k = 1;
+  c.training.micro_batch = 1;
+  MemoryLayout layout = configured_layout(c, 4, 4);
+  layout.zero = 1;
+  const int64_t zero1 = estimate_memory(c, layout).total();
+  layout.zero = 0;
+  const MemoryEstimate zero0 = estimate_memory(c, layout);
+  ASSERT_GT(zero0.total(), zero1);
+  EXPECT_NO_THROW(check_memory_fits(c, 4, 4, 1, zero0.total()));
+  test::expect_one_line_error<ConfigError>([&] { check_memory_fits(c, 4, 4, 1, zero1); },
+                                           {"exceeds", "largest: " + zero0.largest().name,
+                                            "; parallel.zero = 1 over 4 GPUs fits"});
+  // Nothing fits on one GPU: the fewest GPUs (doubling) on which a layout does (48
+  // layers: state enough that spreading it outweighs NCCL's buffers).
+  c.model.n_layers = 48;
+  MemoryLayout spread = configured_layout(c, 8, 8), alone = configured_layout(c, 1, 1);
+  spread.zero = 3;
+  spread.recompute_layers = alone.recompute_layers = -1;
+  const int64_t budget = estimate_memory(c, spread).total();
+  ASSERT_GT(estimate_memory(c, alone).total(), budget);
+  test::expect_one_line_error<ConfigError>([&] { check_memory_fits(c, 1, 1, 1, budget); },
+                                           {"no layout fits on 1 GPU:", "GPUs with"});
+  test::expect_one_line_error<ConfigError>([&] { check_memory_fits(c, 1, 1, 1, budget); }, {"8 GPUs with"});
+  // Thread ranks on one GPU add up.
+  const int64_t one_rank = estimate_memory(c, configured_layout(c, 2, 2)).total();
+  EXPECT_NO_THROW(check_memory_fits(c, 2, 2, 1, one_rank));
+  test::expect_one_line_error<ConfigError>([&] { check_memory_fits(c, 2, 2, 2, one_rank); }, {"2 thread ranks"});
+}
+
+TEST(MemoryPlan, OnlyTheSmallestHalvedMicroBatchMustFit) {
+  RunConfig c = small_config();
+  c.training.micro_batch = 4;
+  EXPECT_EQ(smallest_halved_micro_batch(4), 1);
+  EXPECT_EQ(smallest_halved_micro_batch(6), 3);
+  MemoryLayout smallest = configured_layout(c, 1, 1);
+  smallest.micro_batch = 1;
+  const int64_t budget = estimate_memory(c, smallest).total();
+  EXPECT_LT(budget, estimate_memory(c, configured_layout(c, 1, 1)).total());
+  EXPECT_NO_THROW(check_memory_fits(c, 1, 1, 1, budget));
+  EXPECT_THROW(check_memory_fits(c, 1, 1, 1, budget - 1), ConfigError);
+}
+
+// tests/gpu/test_gpu_trainer.cpp's GpuTrainer.HalvesTheMicroBatchWhenItDoesNotFit: its
+// micro-batch of 128 cannot fit (275 GB of logits), its halving to 1 can, so the refusal
+// leaves the halving to the allocation.
+TEST(MemoryPlan, TheHalvingTestIsLeftToTheAllocation) {
+  RunConfig c;
+  ModelConfig& m = c.model;
+  m.vocab_size = 262144;
+  m.dim = 64;
+  m.n_layers = 1;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.seq_len = 4096;
+  m.moe.n_experts = 4;
+  m.moe.expert_hidden = 64;
+  c.training.micro_batch = 128;
+  c.training.global_batch_tokens = 128 * 4096;
+  const int64_t h200 = static_cast<int64_t>((141.0 - kMemoryReserveGb) * 1e9);
+  EXPECT_GT(estimate_memory(c, configured_layout(c, 1, 1)).total(), int64_t{275} * 1000 * 1000 * 1000);
+  EXPECT_NO_THROW(check_memory_fits(c, 1, 1, 1, h200));
+}
+
+TEST(MemoryPlan, LayoutsThatFitComeBestFirst) {
+  const RunConfig c = small_config();
+  const int64_t budget = estimate_memory(c, configured_layout(c, 4, 4)).total();
+  const std::vector<LayoutFit> fits = layouts_that_fit(c, 4, 4, budget);
+  ASSERT_FALSE(fits.empty());
+  EXPECT_EQ(fits.front().layout, configured_layout(c, 4, 4));  // no recompute, ZeRO 0, micro-batch 4, EP 1
+  for (const LayoutFit& f : fits) {
+    EXPECT_LE(f.estimate.total(), budget);
+    EXPECT_EQ(c.training.global_batch_tokens % (4 * f.layout.micro_batch * 256), 0);
+    if (f.layout.expert_parallel > 1) EXPECT_EQ(f.layout.recompute_experts, ExpertRecompute::None);
+  }
+  EXPECT_EQ(layout_changes(fits.front().layout, fits.back().layout).empty(), fits.size() == 1);
+}
+
+// The bench models on one H200 (BENCHMARKS.md: "device memory in use" after the timed
+// steps, defaults): the estimate within 10% of the measured peak, and the refusal quiet.
+TEST(MemoryPlan, BenchModelsWithinTenPercentOfTheirMeasuredPeaks) {
+  for (const auto& [name, measured_gb] : {std::pair{"mixtral-mini", 113.5}, std::pair{"olmoe-mini", 79.7}}) {
+    const RunConfig c = load_config((source_dir() / "configs/bench" / (std::string(name) + ".toml")).string());
+    const double estimate_gb = static_cast<double>(estimate_memory(c, configured_layout(c, 1, 1)).total()) / 1e9;
+    EXPECT_NEAR(estimate_gb, measured_gb, 0.1 * measured_gb) << name;
+    // An H200 reports ~150 GB to cudaMemGetInfo; the refusal takes the reserve off.
+    EXPECT_NO_THROW(check_memory_fits(c, 1, 1, 1, static_cast<int64_t>((141.0 - kMemoryReserveGb) * 1e9))) << name;
+  }
+}
+
+}  // namespace
+}  // namespace moe
