@@ -99,9 +99,11 @@ int64_t resident_bytes(const RangeList& ranges, int64_t elem, int64_t storage) {
   return chunks * chunk;
 }
 
-// The ZeRO rule in one place (the GPU levels are being built: adjust here). Level z over a
-// data-parallel group keeps 1/N of: z >= 1 the lo halves and the moments, z >= 2 the fp32
-// gradients, z >= 3 the bf16 weights. The shared parameters' group is every GPU; the
+// The ZeRO rule in one place. Level z over a data-parallel group keeps 1/N of: z >= 1 the
+// lo halves and the moments, z >= 2 the fp32 gradients, z >= 3 the bf16 weights. What the
+// GPU does today (GpuBackend::make_data_parallel, check_gpu_config): levels 1 and 2 without
+// expert parallelism only (under it the shared parameters stay replicated), level 3 not
+// yet; the layout search offers only those (gpu_offers_zero). The shared parameters' group is every GPU; the
 // experts' the GPUs holding the same experts (GPUs / EP). A sharded block holds its share
 // rounded up to chunks plus one chunk for the pieces' edges. In flight: z >= 2 keeps the
 // fp32 gradients of two stages whole (the one the backward fills, the one being
@@ -110,7 +112,15 @@ int64_t resident_bytes(const RangeList& ranges, int64_t elem, int64_t storage) {
 struct ZeroSharding {
   bool lo_and_moments = false, gradients = false, weights = false;
 };
-ZeroSharding zero_sharding(int64_t zero) { return {zero >= 1, zero >= 2, zero >= 3}; }
+ZeroSharding zero_sharding(int64_t zero, int64_t ep) {
+  if (ep > 1) return {};  // the GPU applies no ZeRO level under expert parallelism yet
+  return {zero >= 1, zero >= 2, zero >= 3};
+}
+bool gpu_offers_zero(const RunConfig& config, int64_t zero, int64_t ep) {
+  if (zero == 0) return true;
+  if (ep > 1 || zero >= 3) return false;
+  return zero == 1 || (!config.training.cuda_graphs && config.parallel.grad_reduce_dtype == ReduceDtype::Fp32);
+}
 
 struct RankState {
   int64_t shared_elems = 0, expert_elems = 0;  // what this rank holds before ZeRO
@@ -206,7 +216,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
 
   // Parameter state: the largest of the EP ranks' shares (with split experts they differ).
   const ExpertLayout experts = ep > 1 ? equal_layout(blocks, E, ep, split) : ExpertLayout{};
-  const ZeroSharding zero = zero_sharding(gpus > 1 ? layout.zero : 0);
+  const ZeroSharding zero = zero_sharding(gpus > 1 ? layout.zero : 0, ep);
   for (int p = 0; p < ep; ++p) {
     RankState rank;
     rank.resident = ep > 1 ? resident_ranges(experts, p, blocks.storage) : RangeList{{0, blocks.storage}};
@@ -317,13 +327,15 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
   }
   std::vector<LayoutFit> fits;
   for (int64_t ep : eps)
-    for (int64_t zero = 0; zero <= (gpus > 1 ? 3 : 0); ++zero)
+    for (int64_t zero = 0; zero <= (gpus > 1 ? 3 : 0); ++zero) {
+      if (!gpu_offers_zero(config, zero, ep)) continue;
       for (int64_t mb : micro_batches)
         for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
           const MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};
           MemoryEstimate estimate = estimate_with(config, layout, blocks);
           if (estimate.total() <= budget_bytes) fits.push_back({layout, std::move(estimate)});
         }
+    }
   const auto key = [](const LayoutFit& f) {
     return std::make_tuple(recompute_rank(f.layout), f.layout.zero, -f.layout.micro_batch, f.layout.expert_parallel,
                            f.estimate.total());
