@@ -11,12 +11,14 @@
 #                parallel.comm_sms, grad_reduce_dtype and parallel.zero (0 or 1), for
 #                both bench models (efficiency against the scaling section's 1-GPU run,
 #                which it runs itself when that section did not); COMM_SETTINGS
-#                (environment): the "sms,dtype,shard" triples to run, space-separated;
+#                (environment): the "sms,dtype,zero" triples to run, space-separated;
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
 #                and hierarchical with the GPUs split into 2 simulated nodes;
 #   memory       expert state only where it is computed: per-GPU device state (the "device
 #                state" line) of bench/ep_memory.sh's model at EP = N, and mixtral-mini at
 #                EP = N with fp32 AdamW moments (each GPU holds 1/N of the experts), 6 steps;
+#                then the same small model data parallel at parallel.zero 0, 1 and 2, and
+#                mixtral-mini data parallel at ZeRO 2 (1/N of its gradients and optimizer state);
 #   resume       runs of the default model saving at step 4 of 8, resumed from that
 #                checkpoint: steps 5-8 of both runs (each rank writes its shard, all read), data
 #                parallel, expert parallel (EP = N) and EP = N with split experts
@@ -200,6 +202,20 @@ if [[ $sections == *,memory,* ]]; then
     --parallel.expert_parallel="$n" > "$out/memory_mixtral.txt" 2>&1
   grep -m1 "device state" "$out/memory_mixtral.txt" | sed 's/.*device state/  mixtral-mini device state/'
   grep -E "^step +6/" "$out/memory_mixtral.txt" | cut -c1-100 | sed 's/^/  /'
+  echo "== optimizer and gradient state per GPU, data parallel over $n GPUs (issue 19: parallel.zero)"
+  for zero in 0 1 2; do
+    launch train -c configs/default.toml --data.dir="$corpus" --training.device=cuda --model.dim=512 \
+      --model.n_heads=8 --model.n_kv_heads=4 --model.n_layers=8 --model.seq_len=512 --moe.n_experts=64 \
+      --moe.expert_hidden=512 --training.micro_batch=1 --training.global_batch_tokens=$((512 * n)) --training.steps=3 \
+      --training.val_interval=0 --metrics.log_interval=1 --training.cuda_graphs=false --parallel.zero="$zero" \
+      > "$out/memory_zero$zero.txt" 2>&1
+    grep -m1 "device state" "$out/memory_zero$zero.txt" | sed "s/.*device state/  zero $zero: device state/"
+  done
+  launch train -c configs/bench/mixtral-mini.toml --device cuda --data.dir="$corpus" --training.steps=6 \
+    --training.global_batch_tokens=$((16384 * n)) --metrics.log_interval=1 --training.val_interval=0 \
+    --training.cuda_graphs=false --parallel.zero=2 > "$out/memory_mixtral_zero2.txt" 2>&1
+  grep -m1 "device state" "$out/memory_mixtral_zero2.txt" | sed 's/.*device state/  mixtral-mini ZeRO 2 device state/'
+  grep -E "^step +6/" "$out/memory_mixtral_zero2.txt" | cut -c1-100 | sed 's/^/  /'
 fi
 
 if [[ $sections == *,resume,* ]]; then
