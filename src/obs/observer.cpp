@@ -65,12 +65,15 @@ std::string describe(const CheckpointSave& save) {
   if (save.shard_bytes > 0 && save.shard_bytes != save.bytes)
     written += fmt::format(" (this rank's shard {:.1f} MB at {:.2f} GB/s)", static_cast<double>(save.shard_bytes) / 1e6,
                            save.shard_seconds > 0 ? static_cast<double>(save.shard_bytes) / 1e9 / save.shard_seconds : 0.0);
+  // Saves that come faster than the disk writes wait for the one before: said apart.
+  const std::string waited =
+      save.waited_seconds >= 0.05 ? fmt::format(" ({:.1f} s of it waiting for the previous save)", save.waited_seconds) : "";
   if (!save.background)
-    return fmt::format("checkpoint: step {} saved to {} | {} | training paused {:.1f} s", save.step, save.path, written,
-                       save.paused_seconds);
+    return fmt::format("checkpoint: step {} saved to {} | {} | training paused {:.1f} s{}", save.step, save.path, written,
+                       save.paused_seconds, waited);
   if (!save.written)
-    return fmt::format("checkpoint: step {} saving to {} in the background | training paused {:.1f} s", save.step,
-                       save.path, save.paused_seconds);
+    return fmt::format("checkpoint: step {} saving to {} in the background | training paused {:.1f} s{}", save.step,
+                       save.path, save.paused_seconds, waited);
   return fmt::format("checkpoint: step {} saved to {} | {} (in the background)", save.step, save.path, written);
 }
 
@@ -89,6 +92,7 @@ void Observer::checkpoint(const CheckpointSave& save) {
           {"shard_bytes", save.shard_bytes},
           {"shard_seconds", save.shard_seconds},
           {"paused_seconds", save.paused_seconds},
+          {"waited_seconds", save.waited_seconds},
           {"background", save.background}});
 }
 

@@ -41,6 +41,7 @@ struct CheckpointSave {
   double write_seconds = 0;
   int64_t shard_bytes = 0;     // this rank's shard (each rank writes its own in parallel)
   double shard_seconds = 0;    // writing and fsyncing it
+  double waited_seconds = 0;   // of paused_seconds: waiting for the previous background save to finish
 };
 
 // The console line of a checkpoint save (Observer::checkpoint prints it).

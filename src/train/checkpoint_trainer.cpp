@@ -46,6 +46,7 @@ void Trainer::save_checkpoint(std::ostream& out) {
   MOE_CHECK(checkpointer_->enabled(), "save_checkpoint needs checkpoint.dir");
   const auto start = std::chrono::steady_clock::now();
   collect_background_save(/*wait=*/true, out);  // one save at a time
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const SavedState state = backend_->save_state(rank_, world_);
   CheckpointSnapshot snapshot = capture_state(config_, state, *train_data_, progress_);
   if (world_ > 1) {
@@ -71,6 +72,7 @@ void Trainer::save_checkpoint(std::ostream& out) {
     save.shard_seconds = written->shard_seconds;
   }
   save.paused_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  save.waited_seconds = waited;
   checkpoint_pause_seconds_ += save.paused_seconds;
   if (save.background) background_save_ = save;
   report_checkpoint(save, out);
