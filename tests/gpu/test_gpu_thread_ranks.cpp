@@ -96,6 +96,22 @@ void expect_like_one_gpu(const std::vector<RankResult>& ranks, const RankResult&
   }
 }
 
+// `config`'s 2-rank run saved root/whole/step_00000003 of 6 steps: one GPU with the same
+// global batch resumes it and follows the 2 ranks' steps 4-6 (`whole`) within 1%.
+void expect_one_gpu_resumes(RunConfig config, const std::filesystem::path& root, const RankResult& whole) {
+  config.training.micro_batch *= 2;
+  config.parallel.expert_parallel = 1;
+  config.parallel.split_experts = false;
+  config.parallel.rebalance_interval = 0;
+  config.checkpoint.dir = (root / "one").string();
+  const RankResult single = train(config, std::move(dist::make_thread_communicators(1)[0]),
+                                  (root / "whole" / "step_00000003").string());
+  ASSERT_EQ(single.error, "");
+  ASSERT_EQ(single.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_NEAR(single.losses[i], whole.losses[i + 3], 0.01 * whole.losses[i + 3]) << "step " << i + 4;
+}
+
 TEST(GpuThreadRanks, DataAndExpertParallelTrainLikeOneGpu) {
   MOE_REQUIRE_GPU();
   const RankResult want = one_gpu();
@@ -175,15 +191,7 @@ TEST(GpuThreadRanks, ReplacedSplitExpertsResumeWhereTheyStopped) {
   ASSERT_EQ(resumed[0].losses.size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], whole[0].losses[i + 3]) << "step " << i + 4;
   // Each rank saved its own experts (and a share of the rest): one GPU reads them all.
-  RunConfig one = thread_run(6);
-  one.training.micro_batch *= 2;
-  one.checkpoint.dir = (root / "one").string();
-  const RankResult single = train(one, std::move(dist::make_thread_communicators(1)[0]),
-                                  (root / "whole" / "step_00000003").string());
-  ASSERT_EQ(single.error, "");
-  ASSERT_EQ(single.losses.size(), 3u);
-  for (size_t i = 0; i < 3; ++i)
-    EXPECT_NEAR(single.losses[i], whole[0].losses[i + 3], 0.01 * whole[0].losses[i + 3]) << "step " << i + 4;
+  expect_one_gpu_resumes(thread_run(6), root, whole[0]);
   std::filesystem::remove_all(root);
 }
 
@@ -217,14 +225,7 @@ TEST(GpuThreadRanks, ZeroCheckpointsResumeAndReshard) {
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], whole[0].losses[i + 3]) << "step " << i + 4;
   EXPECT_EQ(resumed[0].params, whole[0].params);
   // One GPU with the same global batch from the two ranks' pieces.
-  RunConfig one = config;
-  one.training.micro_batch *= 2;
-  one.checkpoint.dir = (root / "one").string();
-  const RankResult single = train(one, std::move(dist::make_thread_communicators(1)[0]), step3);
-  ASSERT_EQ(single.error, "");
-  ASSERT_EQ(single.losses.size(), 3u);
-  for (size_t i = 0; i < 3; ++i)
-    EXPECT_NEAR(single.losses[i], whole[0].losses[i + 3], 0.01 * whole[0].losses[i + 3]) << "step " << i + 4;
+  expect_one_gpu_resumes(config, root, whole[0]);
   std::filesystem::remove_all(root);
 }
 
