@@ -12,9 +12,9 @@ namespace moe::dist {
 
 ExpertOptimizer::ExpertOptimizer(ParameterStore<float>& params, std::vector<Layer> layers,
                                  const std::vector<ExpertSlots>& slots, int ep_rank, Communicator& expert_data_parallel,
-                                 Communicator& world, const OptimizerConfig& config, CommStats& stats)
+                                 Communicator& world, const OptimizerConfig& config, CommStats& stats, int zero_level)
     : params_(params), slots_(slots), ep_rank_(ep_rank), edp_(expert_data_parallel), world_(world), config_(config),
-      stats_(stats) {
+      stats_(stats), shards_(zero_level >= 1 && expert_data_parallel.size() > 1) {
   MOE_CHECK(layers.size() == slots.size(), "expert optimizer: {} MoE layers, slots for {}", layers.size(), slots.size());
   for (size_t l = 0; l < layers.size(); ++l) {
     LayerState state;
@@ -31,7 +31,105 @@ ExpertOptimizer::ExpertOptimizer(ParameterStore<float>& params, std::vector<Laye
       layers_[l].m[i][static_cast<size_t>(expert)].assign(n, 0.0f);
       layers_[l].v[i][static_cast<size_t>(expert)].assign(n, 0.0f);
     });
+    shard_moments(l, slots[l]);
   }
+}
+
+ExpertOptimizer::Share ExpertOptimizer::share(int64_t n, int r) const {
+  const int64_t padded = (n + edp_.size() - 1) / edp_.size();
+  const int64_t begin = std::min(n, r * padded);
+  return {begin, std::min(n, begin + padded) - begin, padded};
+}
+
+std::vector<int64_t> ExpertOptimizer::own_experts(const ExpertSlots& slots) const {
+  const std::vector<std::vector<int>> holders = slot_holders(slots);
+  std::vector<int64_t> own;
+  for (int64_t slot = 0; slot < slots.n_experts(); ++slot) {
+    const auto& who = holders[static_cast<size_t>(slot)];
+    if (who.size() == 1 && who.front() == ep_rank_) own.push_back(slots.expert_of_slot[static_cast<size_t>(slot)]);
+  }
+  return own;
+}
+
+void ExpertOptimizer::shard_moments(size_t l, const ExpertSlots& slots) {
+  if (!shards_) return;
+  LayerState& layer = layers_[l];
+  for (size_t i = 0; i < layer.layer.ids.size(); ++i)
+    for (int64_t expert : own_experts(slots)) {
+      const Share mine = share(per_expert(layer.layer.ids[i]), edp_.rank());
+      for (auto* moments : {&layer.m, &layer.v}) {
+        std::vector<float>& whole = (*moments)[i][static_cast<size_t>(expert)];
+        whole = std::vector<float>(whole.begin() + mine.begin, whole.begin() + mine.begin + mine.count);
+      }
+    }
+}
+
+void ExpertOptimizer::unshard_moments(size_t l, const ExpertSlots& slots) {
+  if (!shards_) return;
+  LayerState& layer = layers_[l];
+  for (size_t i = 0; i < layer.layer.ids.size(); ++i)
+    for (int64_t expert : own_experts(slots)) {
+      const int64_t n = per_expert(layer.layer.ids[i]);
+      const Share mine = share(n, edp_.rank());
+      for (auto* moments : {&layer.m, &layer.v}) {
+        std::vector<float>& part = (*moments)[i][static_cast<size_t>(expert)];
+        // Rank r's share lands at r * padded = its begin: the first n elements are the whole.
+        std::vector<float> send(static_cast<size_t>(mine.padded), 0.0f), whole(static_cast<size_t>(mine.padded * edp_.size()));
+        std::copy(part.begin(), part.end(), send.begin());
+        timed_blocking(stats_, [&] { edp_.all_gather(send.data(), whole.data(), send.size(), DType::f32); });
+        whole.resize(static_cast<size_t>(n));
+        part = std::move(whole);
+      }
+    }
+}
+
+int64_t ExpertOptimizer::shares_per_rank(const LayerState& layer, const std::vector<int64_t>& experts) const {
+  int64_t n = 0;
+  for (int id : layer.layer.ids) n += share(per_expert(id), 0).padded * static_cast<int64_t>(experts.size());
+  return n;
+}
+
+void ExpertOptimizer::pack_shares(const LayerState& layer, const std::vector<int64_t>& experts,
+                                  const float* const* data_of_id, std::vector<float>& buffer) const {
+  const int64_t per_rank = shares_per_rank(layer, experts);
+  buffer.assign(static_cast<size_t>(per_rank * edp_.size()), 0.0f);
+  for (int r = 0; r < edp_.size(); ++r) {
+    float* out = buffer.data() + r * per_rank;
+    for (size_t i = 0; i < layer.layer.ids.size(); ++i) {
+      const int64_t n = per_expert(layer.layer.ids[i]);
+      const Share part = share(n, r);
+      for (int64_t expert : experts) {
+        std::copy_n(data_of_id[i] + expert * n + part.begin, part.count, out);
+        out += part.padded;
+      }
+    }
+  }
+}
+
+void ExpertOptimizer::unpack_shares(const LayerState& layer, const std::vector<int64_t>& experts, const float* buffer,
+                                    int rank, float* const* data_of_id) {
+  for (size_t i = 0; i < layer.layer.ids.size(); ++i) {
+    const int64_t n = per_expert(layer.layer.ids[i]);
+    const Share part = share(n, rank);
+    for (int64_t expert : experts) {
+      std::copy_n(buffer, part.count, data_of_id[i] + expert * n + part.begin);
+      buffer += part.padded;
+    }
+  }
+}
+
+// After step(): every rank's updated shares of the own experts' weights, into every replica.
+void ExpertOptimizer::gather_updated_shares(LayerState& layer, const std::vector<int64_t>& experts) {
+  std::vector<float*> values;
+  for (int id : layer.layer.ids) values.push_back(params_.value(id));
+  const int64_t per_rank = shares_per_rank(layer, experts);
+  std::vector<float> all(static_cast<size_t>(per_rank * edp_.size()));
+  pack_shares(layer, experts, values.data(), all);  // rank-major: this rank's block is its send
+  timed_blocking(stats_, [&] {
+    edp_.all_gather(all.data() + edp_.rank() * per_rank, all.data(), static_cast<size_t>(per_rank), DType::f32);
+  });
+  for (int r = 0; r < edp_.size(); ++r)
+    if (r != edp_.rank()) unpack_shares(layer, experts, all.data() + r * per_rank, r, values.data());
 }
 
 template <class F>
@@ -78,7 +176,14 @@ void ExpertOptimizer::on_stage(int stage) {
       if (who.size() > 1) layer.hinges.push_back(expert);
       else if (!who.empty() && who.front() == ep_rank_) layer.own.push_back(expert);
     }
-    if (edp_.size() > 1 && !layer.own.empty()) {
+    if (edp_.size() > 1 && !layer.own.empty() && shards_) {
+      std::vector<const float*> grads;
+      for (int id : layer.layer.ids) grads.push_back(params_.grad(id));
+      pack_shares(layer, layer.own, grads.data(), layer.own_buffer);
+      layer.own_share.resize(static_cast<size_t>(shares_per_rank(layer, layer.own)));
+      layer.own_work = edp_.reduce_scatter_async(layer.own_buffer.data(), layer.own_share.data(), layer.own_share.size(),
+                                                 DType::f32, ReduceOp::sum);
+    } else if (edp_.size() > 1 && !layer.own.empty()) {
       pack(layer, layer.own, layer.own_buffer);
       layer.own_work = edp_.all_reduce_async(layer.own_buffer.data(), layer.own_buffer.size(), DType::f32, ReduceOp::sum);
     }
@@ -96,7 +201,13 @@ void ExpertOptimizer::finish() {
     if (layer.own_work) {
       timed_wait(*layer.own_work, stats_);
       layer.own_work.reset();
-      unpack(layer, layer.own, layer.own_buffer);
+      if (shards_) {  // only this rank's shares are summed: the rest of the own experts' gradients is stale
+        std::vector<float*> grads;
+        for (int id : layer.layer.ids) grads.push_back(params_.grad(id));
+        unpack_shares(layer, layer.own, layer.own_share.data(), edp_.rank(), grads.data());
+      } else {
+        unpack(layer, layer.own, layer.own_buffer);
+      }
     }
     if (layer.hinge_work) {
       timed_wait(*layer.hinge_work, stats_);
@@ -107,35 +218,61 @@ void ExpertOptimizer::finish() {
 }
 
 double ExpertOptimizer::clip_experts(double max_norm) {
-  double max_seen = 0;
-  for (size_t l = 0; l < layers_.size(); ++l)
+  // Each window expert's squares; a sharded expert's are its shares' partial sums, summed
+  // over the group (every rank of it has the same own experts, in the same order).
+  struct Entry {
+    size_t l;
+    int64_t expert;
+    bool sharded;
+    double sq = 0;
+  };
+  std::vector<Entry> entries;
+  std::vector<double> shared_sq;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const std::vector<int64_t> own = shards_ ? own_experts(slots_[l]) : std::vector<int64_t>{};
     for (int64_t expert : window_experts(slots_[l], ep_rank_)) {
-      const auto& ids = layers_[l].layer.ids;
-      double sq = 0;
-      for (int id : ids) sq += moe::sum_of_squares(params_.grad(id) + expert * per_expert(id), per_expert(id));
-      const double norm = std::sqrt(sq);
-      max_seen = std::max(max_seen, norm);
-      if (max_norm > 0 && norm > max_norm) {
-        const auto factor = static_cast<float>(max_norm / (norm + 1e-6));
-        for (int id : ids) {
-          float* g = params_.grad(id) + expert * per_expert(id);
-          for (int64_t i = 0; i < per_expert(id); ++i) g[i] *= factor;
-        }
+      Entry e{l, expert, std::count(own.begin(), own.end(), expert) > 0};
+      for (int id : layers_[l].layer.ids) {
+        const Share part = e.sharded ? share(per_expert(id), edp_.rank()) : Share{0, per_expert(id), 0};
+        e.sq += moe::sum_of_squares(params_.grad(id) + expert * per_expert(id) + part.begin, part.count);
+      }
+      if (e.sharded) shared_sq.push_back(e.sq);
+      entries.push_back(e);
+    }
+  }
+  if (!shared_sq.empty())
+    timed_blocking(stats_, [&] { edp_.all_reduce(shared_sq.data(), shared_sq.size(), DType::f64, ReduceOp::sum); });
+  double max_seen = 0;
+  size_t next_shared = 0;
+  for (const Entry& e : entries) {
+    const double norm = std::sqrt(e.sharded ? shared_sq[next_shared++] : e.sq);
+    max_seen = std::max(max_seen, norm);
+    if (max_norm > 0 && norm > max_norm) {
+      const auto factor = static_cast<float>(max_norm / (norm + 1e-6));
+      for (int id : layers_[e.l].layer.ids) {
+        float* g = params_.grad(id) + e.expert * per_expert(id);
+        for (int64_t i = 0; i < per_expert(id); ++i) g[i] *= factor;
       }
     }
+  }
   return max_seen;
 }
 
 double ExpertOptimizer::sum_of_squares() const {
   double sq = 0;
+  auto& params = const_cast<ParameterStore<float>&>(params_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const ExpertSlots& slots = slots_[l];
+    const std::vector<int64_t> own = shards_ ? own_experts(slots) : std::vector<int64_t>{};
     for (int id : layers_[l].layer.ids)
       for (int64_t slot = slots.first_slot_P1[static_cast<size_t>(ep_rank_)];
-           slot < slots.first_slot_P1[static_cast<size_t>(ep_rank_) + 1]; ++slot)
-        sq += moe::sum_of_squares(const_cast<ParameterStore<float>&>(params_).grad(id) +
-                                      slots.expert_of_slot[static_cast<size_t>(slot)] * per_expert(id),
-                                  per_expert(id));
+           slot < slots.first_slot_P1[static_cast<size_t>(ep_rank_) + 1]; ++slot) {
+        const int64_t expert = slots.expert_of_slot[static_cast<size_t>(slot)];
+        const bool sharded = std::count(own.begin(), own.end(), expert) > 0;
+        if (!sharded && edp_.rank() != 0) continue;  // whole on every replica: the first counts it
+        const Share part = sharded ? share(per_expert(id), edp_.rank()) : Share{0, per_expert(id), 0};
+        sq += moe::sum_of_squares(params.grad(id) + expert * per_expert(id) + part.begin, part.count);
+      }
   }
   return sq;
 }
@@ -153,15 +290,20 @@ void ExpertOptimizer::step(double lr) {
   ++steps_;
   const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
   const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
-  for (size_t l = 0; l < layers_.size(); ++l)
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    LayerState& layer = layers_[l];
+    const std::vector<int64_t> own = shards_ ? own_experts(slots_[l]) : std::vector<int64_t>{};
     for_window(l, [&](size_t i, int64_t expert) {
-      LayerState& layer = layers_[l];
       const int id = layer.layer.ids[i];
       const int64_t n = per_expert(id);
-      adamw_update(params_.value(id) + expert * n, params_.grad(id) + expert * n,
-                   layer.m[i][static_cast<size_t>(expert)].data(), layer.v[i][static_cast<size_t>(expert)].data(), n, c,
-                   params_.spec(id).weight_decay, bf16);
+      const bool sharded = std::count(own.begin(), own.end(), expert) > 0;
+      const Share part = sharded ? share(n, edp_.rank()) : Share{0, n, 0};
+      adamw_update(params_.value(id) + expert * n + part.begin, params_.grad(id) + expert * n + part.begin,
+                   layer.m[i][static_cast<size_t>(expert)].data(), layer.v[i][static_cast<size_t>(expert)].data(),
+                   part.count, c, params_.spec(id).weight_decay, bf16);
     });
+    if (!own.empty()) gather_updated_shares(layer, own);
+  }
 }
 
 void ExpertOptimizer::gather_weights(Communicator& expert_parallel) {
@@ -187,6 +329,7 @@ void ExpertOptimizer::migrate(const std::vector<ExpertSlots>& next, Communicator
               "expert migration: slots of {} experts over {} ranks replace {} over {}", then.n_experts(),
               then.ep_size(), now.n_experts(), now.ep_size());
     LayerState& layer = layers_[l];
+    unshard_moments(l, now);  // whole around the move; cut again to `then`'s own experts below
     const std::vector<std::vector<int>> had_of_slot = slot_holders(now), will_of_slot = slot_holders(then);
     const std::vector<int32_t> slot_now = slot_of_expert(now), slot_then = slot_of_expert(then);
     std::vector<float> moving, passing;
@@ -230,12 +373,14 @@ void ExpertOptimizer::migrate(const std::vector<ExpertSlots>& next, Communicator
         }
       }
     }
+    shard_moments(l, then);
   }
 }
 
 void ExpertOptimizer::gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
                                      std::vector<float>& m, std::vector<float>& v) {
   for (size_t l = 0; l < layers_.size(); ++l) {
+    unshard_moments(l, slots_[l]);
     const LayerState& layer = layers_[l];
     for_window(l, [&](size_t i, int64_t expert) {
       const int id = layer.layer.ids[i];
@@ -255,6 +400,7 @@ void ExpertOptimizer::gather_moments(Communicator& expert_parallel, const std::f
         });
       }
     }
+    shard_moments(l, slots_[l]);
   }
 }
 
@@ -262,20 +408,32 @@ std::vector<ExpertOptimizer::ExpertMoments> ExpertOptimizer::window_moments() {
   std::vector<ExpertMoments> out;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const std::vector<int32_t> slot = slot_of_expert(slots_[l]);
+    const std::vector<int64_t> own = shards_ ? own_experts(slots_[l]) : std::vector<int64_t>{};
     for_window(l, [&](size_t i, int64_t expert) {
       LayerState& layer = layers_[l];
       const int id = layer.layer.ids[i];
       const bool in_block = block_rank(slots_[l], slot[static_cast<size_t>(expert)]) == ep_rank_;
-      out.push_back({id, expert, per_expert(id), layer.m[i][static_cast<size_t>(expert)].data(),
-                     layer.v[i][static_cast<size_t>(expert)].data(), in_block});
+      const bool sharded = std::count(own.begin(), own.end(), expert) > 0;
+      const Share part = sharded ? share(per_expert(id), edp_.rank()) : Share{0, per_expert(id), 0};
+      out.push_back({id, expert, per_expert(id), part.begin, part.count, layer.m[i][static_cast<size_t>(expert)].data(),
+                     layer.v[i][static_cast<size_t>(expert)].data(), in_block, sharded});
     });
   }
   return out;
 }
 
+int64_t ExpertOptimizer::moment_elements() const {
+  int64_t n = 0;
+  for (const LayerState& layer : layers_)
+    for (const auto* moments : {&layer.m, &layer.v})
+      for (const auto& of_id : *moments)
+        for (const auto& of_expert : of_id) n += static_cast<int64_t>(of_expert.size());
+  return n;
+}
+
 void ExpertOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                                       const std::vector<float>& v) {
-  for (size_t l = 0; l < layers_.size(); ++l)
+  for (size_t l = 0; l < layers_.size(); ++l) {
     for_window(l, [&](size_t i, int64_t expert) {
       LayerState& layer = layers_[l];
       const int id = layer.layer.ids[i];
@@ -283,6 +441,8 @@ void ExpertOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_
       layer.m[i][static_cast<size_t>(expert)].assign(m.begin() + at, m.begin() + at + n);
       layer.v[i][static_cast<size_t>(expert)].assign(v.begin() + at, v.begin() + at + n);
     });
+    shard_moments(l, slots_[l]);
+  }
 }
 
 }  // namespace moe::dist

@@ -9,6 +9,13 @@
 //     rank holds none), as its holders are different EP ranks; every holder then takes the
 //     same step on the same sum, so their copies stay identical.
 // Each expert is counted once in the global norm: by the rank whose block holds its slot.
+// ZeRO 1 and above (zero_level >= 1, the group larger than one), for own experts only
+// (hinges stay whole): each per-expert tensor is cut into equal shares over the expert-
+// data-parallel group; the gradients are reduce-scattered instead of all-reduced, each
+// rank keeps the moments of and steps its share only, and the updated shares are
+// all-gathered back, so every replica holds the whole weights after step(). Norms sum
+// the shares' partial squares over the group. migrate() gathers the moments whole around
+// the move; checkpoints save each rank's share as a piece of the global tensor.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -35,7 +42,7 @@ class ExpertOptimizer {
   // expert_data_parallel: the ranks with this EP rank; world: every rank (hinges).
   ExpertOptimizer(ParameterStore<float>& params, std::vector<Layer> layers, const std::vector<ExpertSlots>& slots,
                   int ep_rank, Communicator& expert_data_parallel, Communicator& world, const OptimizerConfig& config,
-                  CommStats& stats);
+                  CommStats& stats, int zero_level = 0);
 
   void arm() { armed_ = true; }
   void on_stage(int stage);
@@ -44,8 +51,9 @@ class ExpertOptimizer {
   // Per-expert clipping of the window's experts (max_norm 0: none). Returns the largest
   // per-expert norm seen before clipping.
   double clip_experts(double max_norm);
-  // The squared norm of the experts whose slots lie in this rank's blocks (each expert of
-  // an EP group once).
+  // This rank's part of the experts' squared norm: summed over all ranks, each expert
+  // counted once (whole experts by the first rank of the expert-data-parallel group whose
+  // block holds their slot, sharded ones' shares by every rank of that group).
   double sum_of_squares() const;
   void scale_gradients(float factor);
   void step(double lr);
@@ -67,26 +75,52 @@ class ExpertOptimizer {
   void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
                        const std::vector<float>& v);
   // Checkpoints without a gather: the moments this rank keeps, of expert `expert` of
-  // parameter `id` (count values each); `in_block`: its slot lies in this rank's block (one
-  // rank of each EP group), else it is the next block's hinge.
+  // parameter `id` (count values each), elements [share_begin, share_begin + share_count)
+  // of it (the whole expert unless `sharded`: this rank's share, no other rank keeps it);
+  // `in_block`: its slot lies in this rank's block (one rank of each EP group), else it is
+  // the next block's hinge.
   struct ExpertMoments {
     int id = 0;
     int64_t expert = 0, count = 0;
+    int64_t share_begin = 0, share_count = 0;
     float* m = nullptr;
     float* v = nullptr;
     bool in_block = false;
+    bool sharded = false;
   };
   std::vector<ExpertMoments> window_moments();
+  // The moment elements (m and v) this rank keeps for experts.
+  int64_t moment_elements() const;
 
  private:
   struct LayerState {
     Layer layer;
     std::vector<int64_t> own, hinges;             // at on_stage: window experts summed over edp / the layer's hinges
     std::vector<float> own_buffer, hinge_buffer;  // their gradients, packed for the sums
+    std::vector<float> own_share;                 // sharded: this rank's summed shares of own_buffer
     std::unique_ptr<Work> own_work, hinge_work;
     std::vector<std::vector<std::vector<float>>> m, v;  // [id][expert]: the window's, empty for the others
   };
   int64_t per_expert(int id) const { return params_.numel(id) / params_.spec(id).shape[0]; }
+  // Sharding: elements [begin, begin + count) of a per-expert tensor of n elements are
+  // rank r's share (shares of ceil(n / group) elements, the last ones shorter or empty).
+  struct Share {
+    int64_t begin = 0, count = 0, padded = 0;
+  };
+  Share share(int64_t n, int r) const;
+  // Experts of a layer that only this EP rank holds (the same list on every rank of the
+  // expert-data-parallel group); sharded when shards_.
+  std::vector<int64_t> own_experts(const ExpertSlots& slots) const;
+  void shard_moments(size_t l, const ExpertSlots& slots);    // cut the own experts' whole moments to this rank's share
+  void unshard_moments(size_t l, const ExpertSlots& slots);  // all-gather them whole (collective over edp)
+  // Sharded layouts of a layer's own experts, rank-major: rank r's shares of every
+  // (id, expert) in order, each padded to `padded` (per_rank: one rank's block).
+  int64_t shares_per_rank(const LayerState& layer, const std::vector<int64_t>& experts) const;
+  void pack_shares(const LayerState& layer, const std::vector<int64_t>& experts, const float* const* data_of_id,
+                   std::vector<float>& buffer) const;
+  void unpack_shares(const LayerState& layer, const std::vector<int64_t>& experts, const float* buffer, int rank,
+                     float* const* data_of_id);
+  void gather_updated_shares(LayerState& layer, const std::vector<int64_t>& experts);
   void pack(const LayerState& layer, const std::vector<int64_t>& experts, std::vector<float>& buffer) const;
   void unpack(const LayerState& layer, const std::vector<int64_t>& experts, const std::vector<float>& buffer);
   template <class F>
@@ -100,6 +134,7 @@ class ExpertOptimizer {
   OptimizerConfig config_;
   CommStats& stats_;
   std::vector<LayerState> layers_;
+  bool shards_ = false;  // ZeRO >= 1 over an expert-data-parallel group of two or more
   int64_t steps_ = 0;
   bool armed_ = false;
 };

@@ -82,7 +82,8 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
       expert_ids_by_layer_.push_back(expert_ids[group]);
     }
     experts_ = std::make_unique<ExpertOptimizer>(params, std::move(layers), slots_, groups_.expert_parallel->rank(),
-                                                 *groups_.expert_data_parallel, *groups_.world, config.optimizer, stats_);
+                                                 *groups_.expert_data_parallel, *groups_.world, config.optimizer, stats_,
+                                                 level);
   } else {
     expert_group_of_id_.assign(static_cast<size_t>(params.size()), -1);
     for (size_t g = 0; g < group_order.size(); ++g)
@@ -233,9 +234,9 @@ ClipStats ParallelCpuBackend::clip_gradients(double max_global_norm, double max_
     }
     if (clip.experts_clipped > 0) zero_->scale_experts(expert_group_of_id_, factors);
   }
-  // Shards are disjoint; replicas of an expert are counted on the first EP group only.
+  // Shards are disjoint; the expert optimizer counts each expert element once over the world.
   double sq = zero_->shard_sum_of_squares();
-  if (experts_ && groups_.expert_data_parallel->rank() == 0) sq += experts_->sum_of_squares();
+  if (experts_) sq += experts_->sum_of_squares();
   clip.global_norm = std::sqrt(world_sum(sq));
   if (max_global_norm > 0 && clip.global_norm > max_global_norm) {
     clip.global_clipped = true;
@@ -343,7 +344,7 @@ void ParallelCpuBackend::log_state_bytes() {
   int64_t moments = 0;
   for (const auto& s : zero_->moment_slices()) moments += 2 * s.count;
   if (experts_)
-    for (const auto& e : experts_->window_moments()) moments += 2 * e.count;
+    for (const auto& e : experts_->window_moments()) moments += 2 * e.share_count;
   const double GB = 1e9 / sizeof(float);
   spdlog::info("ZeRO {} over {} data-parallel ranks: {:.3f} GB of parameter state on rank 0 (values {:.3f}, "
                "gradients {:.3f}, moments {:.3f})",
@@ -446,8 +447,11 @@ SavedState ParallelCpuBackend::save_state(int, int) {
       const int64_t begin = e.expert * e.count;
       state.pieces.push_back({"param/" + name, shape_of(e.id), begin, e.count, params.value(e.id) + begin, edp.size(),
                               edp.rank()});
-      state.pieces.push_back({"adam_m/" + name, shape_of(e.id), begin, e.count, e.m, edp.size(), edp.rank()});
-      state.pieces.push_back({"adam_v/" + name, shape_of(e.id), begin, e.count, e.v, edp.size(), edp.rank()});
+      // A sharded expert's moments: this rank's share, a piece no other rank holds.
+      const int replicas = e.sharded ? 1 : edp.size(), replica = e.sharded ? 0 : edp.rank();
+      const int64_t share = begin + e.share_begin;
+      state.pieces.push_back({"adam_m/" + name, shape_of(e.id), share, e.share_count, e.m, replicas, replica});
+      state.pieces.push_back({"adam_v/" + name, shape_of(e.id), share, e.share_count, e.v, replicas, replica});
     }
   }
   for (auto* layer : host_model().moe_layers()) {
@@ -487,8 +491,9 @@ std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
   }
   if (experts_)
     for (const auto& e : experts_->window_moments()) {
-      targets.push_back({"adam_m/" + params.spec(e.id).name, shape_of(e.id), e.expert * e.count, e.count, e.m});
-      targets.push_back({"adam_v/" + params.spec(e.id).name, shape_of(e.id), e.expert * e.count, e.count, e.v});
+      const int64_t begin = e.expert * e.count + e.share_begin;
+      targets.push_back({"adam_m/" + params.spec(e.id).name, shape_of(e.id), begin, e.share_count, e.m});
+      targets.push_back({"adam_v/" + params.spec(e.id).name, shape_of(e.id), begin, e.share_count, e.v});
     }
   for (auto* layer : host_model().moe_layers()) {
     auto& bias = layer->balance_bias_E();

@@ -41,6 +41,7 @@ class ParallelCpuBackend final : public ModelBackend {
   // Expert parallelism: each MoE layer's slots (empty without).
   const std::vector<ExpertSlots>& expert_slots() const { return slots_; }
   const dist::ZeroOptimizer& zero() const { return *zero_; }
+  const dist::ExpertOptimizer* experts() const { return experts_.get(); }  // null without expert parallelism
 
   BatchPlan plan_batches() override { return plan_host_batches(config_, host_model()); }
   void begin_step() override;
