@@ -101,9 +101,9 @@ int64_t resident_bytes(const RangeList& ranges, int64_t elem, int64_t storage) {
 
 // The ZeRO rule in one place. Level z over a data-parallel group keeps 1/N of: z >= 1 the
 // lo halves and the moments, z >= 2 the fp32 gradients, z >= 3 the bf16 weights. What the
-// GPU does today (GpuBackend::make_data_parallel, check_gpu_config): levels 1 and 2 without
-// expert parallelism only (under it the shared parameters stay replicated), level 3 not
-// yet; the layout search offers only those (gpu_offers_zero). The shared parameters' group is every GPU; the
+// GPU does today (GpuBackend::make_data_parallel, check_gpu_config): levels 1-3 without
+// expert parallelism only (under it the shared parameters stay replicated), 2 and 3 without
+// CUDA graphs and with fp32 sums; the layout search offers only those (gpu_offers_zero). The shared parameters' group is every GPU; the
 // experts' the GPUs holding the same experts (GPUs / EP). A sharded block holds its share
 // rounded up to chunks plus one chunk for the pieces' edges. In flight: z >= 2 keeps the
 // fp32 gradients of two stages whole (the one the backward fills, the one being
@@ -118,7 +118,7 @@ ZeroSharding zero_sharding(int64_t zero, int64_t ep) {
 }
 bool gpu_offers_zero(const RunConfig& config, int64_t zero, int64_t ep) {
   if (zero == 0) return true;
-  if (ep > 1 || zero >= 3) return false;
+  if (ep > 1) return false;
   return zero == 1 || (!config.training.cuda_graphs && config.parallel.grad_reduce_dtype == ReduceDtype::Fp32);
 }
 

@@ -262,5 +262,34 @@ TEST(GpuThreadRanks, ZeroTwoSumsEveryMicroBatchIntoItsPieces) {
   EXPECT_EQ(two_acc[0].params, two_acc[1].params);
 }
 
+// ZeRO-3 (the weights too: each stage's gathered for its forward and again for its
+// backward, into memory the stages two apart share): the same weights as ZeRO-2 reach every
+// GEMM, so the same losses and final weights bit for bit; a checkpoint it writes resumes
+// bit for bit.
+TEST(GpuThreadRanks, ZeroThreeGathersEachStageAndFollowsZeroTwo) {
+  MOE_REQUIRE_GPU();
+  const auto root = std::filesystem::temp_directory_path() / ("moe_thread_zero3_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  RunConfig config = thread_run(6);
+  config.parallel.zero = 2;
+  const std::vector<RankResult> two = train_ranks(config, 2);
+  ASSERT_EQ(two[0].error, "");
+  config.parallel.zero = 3;
+  config.checkpoint.dir = (root / "whole").string();
+  config.checkpoint.interval = 3;
+  config.training.val_interval = 2;  // validation forwards gather too
+  const std::vector<RankResult> three = train_ranks(config, 2);
+  ASSERT_EQ(three[0].error, "");
+  EXPECT_EQ(three[0].losses, two[0].losses) << "ZeRO-3 is not ZeRO-2";
+  EXPECT_EQ(three[0].params, two[0].params);
+  EXPECT_EQ(three[0].params, three[1].params);
+  config.checkpoint.dir = (root / "resumed").string();
+  const std::vector<RankResult> resumed = train_ranks(config, 2, (root / "whole" / "step_00000003").string());
+  ASSERT_EQ(resumed[0].error, "");
+  ASSERT_EQ(resumed[0].losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], three[0].losses[i + 3]) << "step " << i + 4;
+  std::filesystem::remove_all(root);
+}
+
 }  // namespace
 }  // namespace moe

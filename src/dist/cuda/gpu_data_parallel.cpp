@@ -313,6 +313,36 @@ void GpuDataParallel::set_gradient_sharding(std::vector<RangeList> zero_after) {
   zero_after_ = std::move(zero_after);
 }
 
+void GpuDataParallel::set_weight_sharding(void* block) {
+  MOE_CHECK(!zero_after_.empty() && block != nullptr, "GPU data parallel: ZeRO-3 needs ZeRO-2's gradient sharding");
+  weights_ = block;
+  stage_gathered_.resize(zero_->sharded.size());
+}
+
+void GpuDataParallel::fetch_stage(int stage) {
+  if (stage < 0 || static_cast<size_t>(stage) >= stage_gathered_.size()) return;
+  auto& work = stage_gathered_[static_cast<size_t>(stage)];
+  if (work) return;  // in flight already
+  work = gather_stage(static_cast<size_t>(stage), weights_, DType::bf16);
+}
+
+void GpuDataParallel::begin_forward_gathers() {
+  if (!weights_) return;
+  fetch_stage(static_cast<int>(stage_gathered_.size()) - 1);  // the embedding's, the forward's first
+}
+
+void GpuDataParallel::forward_stage(int stage) {
+  if (!weights_) return wait_stage(stage);
+  fetch_stage(stage - 1);  // the forward goes from the last backward stage to stage 0
+  wait_stage(stage);
+}
+
+void GpuDataParallel::backward_stage_done(int stage) {
+  if (!weights_) return;
+  if (stage + 2 >= 3) fetch_stage(stage + 2);  // stages 1 and 2 are still there from the forward
+  wait_stage(stage + 1);
+}
+
 void GpuDataParallel::zero_stage(int stage) {
   for (const Range& r : zero_after_[static_cast<size_t>(stage)])
     MOE_CUDA_CHECK(cudaMemsetAsync(grads_ + r.offset, 0, static_cast<size_t>(r.count) * sizeof(float), as_stream(stream_)));

@@ -90,6 +90,20 @@ class GpuDataParallel {
   // the next micro-batch start from zeros.
   void set_gradient_sharding(std::vector<RangeList> zero_after);
   void begin_micro_batch(bool last) { last_micro_batch_ = last; }
+  // ZeRO-3 (after set_gradient_sharding): the bf16 weights `block` keeps only this rank's
+  // pieces between uses; each stage's are all-gathered before its forward and again before
+  // its backward, one stage ahead (a stage's memory is shared with the stages two away:
+  // GpuParameterStore::share_weights, so a gather is issued once the stage two before has
+  // been enqueued). begin_forward_gathers: before a forward (its first stage, the
+  // embedding's); forward_stage(s): the forward's stage hook (the next stage's gather
+  // issued, stage s's waited for); backward_stage_done(s): after stage s's backward is
+  // enqueued (stage s + 2's gather issued, s + 1's waited for; stages 1 and 2 are still
+  // there from the forward).
+  void set_weight_sharding(void* block);
+  bool shards_weights() const { return weights_ != nullptr; }
+  void begin_forward_gathers();
+  void forward_stage(int stage);
+  void backward_stage_done(int stage);
   // ZeRO-1, after the optimizer step on the model's stream: every rank's pieces of a block
   // in the gradient block's layout (the bf16 weights; for checkpoints also the lo halves and
   // the moments) are all-gathered in place; the model's stream waits for them (counted as
@@ -170,6 +184,8 @@ class GpuDataParallel {
   int unzeroed_stage_ = -1;
   bool last_micro_batch_ = true;
   void zero_stage(int stage);
+  void* weights_ = nullptr;  // ZeRO-3: the bf16 weight block
+  void fetch_stage(int stage);
   bool launched_ = false;  // a stage was launched since the last finish_overlapped()
   DType reduce_dtype_ = DType::f32;
   // bf16: two lanes, each a side stream (casts, and waits for its all-reduces), a

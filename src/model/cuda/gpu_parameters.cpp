@@ -38,6 +38,7 @@ struct GpuParameterStore::State {
   Buffer<uint8_t> m_packed, v_packed;
   bool whole_lo = false;  // hold_whole_master: the lo block mapped and filled from the packed halves
   RangeList grads_held;   // share_gradients: the gradients with memory of their own (empty: resident)
+  RangeList weights_held;  // share_weights: the hi halves with memory of their own (empty: resident)
   mutable Buffer<float> staging_buffer;     // download_range / upload_range
   mutable Buffer<int16_t> lo_scratch;       // lo halves of uploaded values no rank keeps here
   bool bf16_moments() const { return moments == MomentDtype::Bf16; }
@@ -76,6 +77,45 @@ struct GpuParameterStore::State {
     MOE_CHECK(missing.empty(), "GPU parameters: {} of elements [{}, {}) are not on this rank", what,
               missing.front().offset, missing.front().end());
     return cut_spans(spans(), subtract_ranges(wanted, subtract_ranges(wanted, held)));
+  }
+  // ZeRO-2/3: `block` (elem bytes per element) keeps memory of its own for `kept`, the first
+  // and last stage (the LM head's and the embedding's: tied, one is used in both) and the
+  // chunks at stage edges; the rest of stage s is mapped onto the pool of its parity.
+  // Returns the element ranges with memory of their own.
+  RangeList share_stages(gpu::ResidentBlock& block, int64_t elem, const RangeList& kept,
+                         const std::vector<RangeList>& stage_ranges, bool zero_new) {
+    MOE_CHECK(stage_ranges.size() >= 3, "GPU parameters: sharing a block by stages needs 3+ stages, got {}",
+              stage_ranges.size());
+    RangeList own = kept;
+    const size_t last = stage_ranges.size() - 1;
+    for (size_t stage = 0; stage <= last; ++stage)
+      for (const Range& r : stage_ranges[stage]) {
+        if (stage == 0 || stage == last) {
+          own.push_back(r);
+        } else {
+          own.push_back({r.offset, 1});  // a chunk holding two stages' elements stays private
+          own.push_back({r.end() - 1, 1});
+        }
+      }
+    own = merge_ranges(std::move(own));
+    const RangeList outside = subtract_ranges(own, resident);
+    MOE_CHECK(outside.empty(), "GPU parameters: elements [{}, {}) to keep are not resident", outside.front().offset,
+              outside.front().end());
+    const auto bytes = [elem](const RangeList& ranges) {
+      RangeList out;
+      for (const Range& r : ranges) out.push_back({r.offset * elem, r.count * elem});
+      return out;
+    };
+    sync();
+    block.set_resident(bytes(own), zero_new);
+    std::vector<RangeList> groups;
+    std::vector<int> pools;
+    for (size_t stage = 1; stage < last; ++stage) {
+      groups.push_back(bytes(subtract_ranges(stage_ranges[stage], own)));
+      pools.push_back(static_cast<int>(stage % 2));
+    }
+    block.share_chunks(groups, pools);
+    return own;
   }
   Buffer<float>& range_staging() const {
     if (staging_buffer.size() == 0) staging_buffer = staging();
@@ -232,37 +272,14 @@ void GpuParameterStore::zero_grads() {
 void GpuParameterStore::share_gradients(const RangeList& kept, const std::vector<RangeList>& stage_ranges) {
   State& s = *state_;
   MOE_CHECK(s.grads_held.empty(), "GPU parameters: the gradients are shared already");
-  MOE_CHECK(stage_ranges.size() >= 3, "GPU parameters: sharing gradients needs 3+ stages, got {}", stage_ranges.size());
-  RangeList own = kept;
-  const size_t last = stage_ranges.size() - 1;
-  for (size_t stage = 0; stage <= last; ++stage)
-    for (const Range& r : stage_ranges[stage]) {
-      if (stage == 0 || stage == last) {
-        own.push_back(r);  // the LM head's and the embedding's (tied, one is written in both)
-      } else {
-        own.push_back({r.offset, 1});  // a chunk holding two stages' gradients stays private
-        own.push_back({r.end() - 1, 1});
-      }
-    }
-  own = merge_ranges(std::move(own));
-  const RangeList outside = subtract_ranges(own, s.resident);
-  MOE_CHECK(outside.empty(), "GPU parameters: gradients [{}, {}) to keep are not resident", outside.front().offset,
-            outside.front().end());
-  const auto bytes = [](const RangeList& ranges) {
-    RangeList out;
-    for (const Range& r : ranges) out.push_back({r.offset * 4, r.count * 4});
-    return out;
-  };
-  s.sync();
-  s.grads.set_resident(bytes(own), /*zero_new=*/true);
-  std::vector<RangeList> groups;
-  std::vector<int> pools;
-  for (size_t stage = 1; stage < last; ++stage) {
-    groups.push_back(bytes(subtract_ranges(stage_ranges[stage], own)));
-    pools.push_back(static_cast<int>(stage % 2));
-  }
-  s.grads.share_chunks(groups, pools);
-  s.grads_held = std::move(own);
+  s.grads_held = s.share_stages(s.grads, 4, kept, stage_ranges, /*zero_new=*/true);
+}
+
+void GpuParameterStore::share_weights(const RangeList& kept, const std::vector<RangeList>& stage_ranges) {
+  State& s = *state_;
+  MOE_CHECK(s.weights_held.empty(), "GPU parameters: the weights are shared already");
+  MOE_CHECK(s.packed(), "GPU parameters: sharing the weights needs the optimizer state packed first");
+  s.weights_held = s.share_stages(s.hi, 2, kept, stage_ranges, /*zero_new=*/false);
 }
 
 const RangeList& GpuParameterStore::resident_ranges() const { return state_->resident; }

@@ -76,6 +76,10 @@ class GpuParameterStore {
   // the data-parallel group zeroes once a stage's sums have left (GpuDataParallel::
   // set_gradient_sharding). stage_ranges[s]: the element ranges stage s writes. Once.
   void share_gradients(const RangeList& kept, const std::vector<RangeList>& stage_ranges);
+  // ZeRO-3: the same for the bf16 weights (hi halves), after pack_optimizer_state: the rest
+  // of a stage's weights is gathered into its pool before each forward and backward of it
+  // (GpuDataParallel::set_weight_sharding); only the own pieces stay valid between steps.
+  void share_weights(const RangeList& kept, const std::vector<RangeList>& stage_ranges);
   // What the AdamW kernel steps: the lo halves and moments, and where block element
   // `offset`'s state is in them (itself unless packed; inside optimizer_ranges()).
   struct StepState {

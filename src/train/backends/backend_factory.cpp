@@ -36,14 +36,15 @@ void check_gpu_config(const RunConfig& config, int ranks) {
     MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
                      config.model.moe.route_groups);
   const int64_t zero = config.parallel.zero, ep = config.parallel.expert_parallel;
-  if (zero == 3) MOE_CONFIG_ERROR("parallel.zero = 3 is not implemented on the GPU yet (0, 1 or 2)");
-  // ZeRO-2 reduce-scatters each backward stage as it ends, on every micro-batch.
-  if (zero == 2 && config.training.cuda_graphs)
-    MOE_CONFIG_ERROR("parallel.zero = 2 on the GPU cannot run inside CUDA graphs: set training.cuda_graphs = false");
-  if (zero == 2 && config.parallel.grad_reduce_dtype == ReduceDtype::Bf16)
-    MOE_CONFIG_ERROR("parallel.zero = 2 sums the gradients in fp32: set parallel.grad_reduce_dtype = fp32");
-  if (zero == 2 && ep > 1)
-    MOE_CONFIG_ERROR("parallel.zero = 2 with parallel.expert_parallel = {} is not implemented on the GPU yet", ep);
+  // ZeRO-2 and 3 reduce-scatter each backward stage as it ends, on every micro-batch (3 also
+  // gathers each stage's weights for its forward and backward).
+  if (zero >= 2 && config.training.cuda_graphs)
+    MOE_CONFIG_ERROR("parallel.zero = {} on the GPU cannot run inside CUDA graphs: set training.cuda_graphs = false",
+                     zero);
+  if (zero >= 2 && config.parallel.grad_reduce_dtype == ReduceDtype::Bf16)
+    MOE_CONFIG_ERROR("parallel.zero = {} sums the gradients in fp32: set parallel.grad_reduce_dtype = fp32", zero);
+  if (zero >= 2 && ep > 1)
+    MOE_CONFIG_ERROR("parallel.zero = {} with parallel.expert_parallel = {} is not implemented on the GPU yet", zero, ep);
   if (ep <= 1) return;
   // Over one rank make_backend refuses expert parallelism itself, after these.
   if (ranks > 1 && ranks % ep != 0)

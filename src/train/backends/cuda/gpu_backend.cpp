@@ -206,6 +206,8 @@ class GpuBackend final : public ModelBackend {
       backward_done_ = true;
     } else {
       // ZeRO-1: the weights' all-gathers run beside this forward; the GEMMs leave them SMs.
+      // ZeRO-3: every forward gathers them, stage by stage.
+      if (sharded()) dp_->begin_forward_gathers();
       const bool gathers = sharded() && dp_->gathers_pending();
       if (gathers) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
       fwd = gpu_->forward(inputs_BS, targets_BS);
@@ -235,6 +237,7 @@ class GpuBackend final : public ModelBackend {
       if (dp_->size() > 1) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
       gpu_->backward(scale, [this](int stage) {
         dp_->launch_stage(stage);
+        dp_->backward_stage_done(stage);  // ZeRO-3: the next stages' weights
         if (edp_) edp_->launch_stage(stage);
       });
       gpu_->reserve_sms(0);
@@ -363,7 +366,7 @@ class GpuBackend final : public ModelBackend {
       // Without graphs the next forward waits for each stage's weights as it reaches them.
       if (config_.training.cuda_graphs)
         dp_->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16);
-      else
+      else if (!dp_->shards_weights())  // ZeRO-3: the next forward gathers them
         dp_->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16);
     }
     if (config_.model.moe.bias_balancing) update_balance_bias();
@@ -452,7 +455,19 @@ class GpuBackend final : public ModelBackend {
       dp_->join_stage_gathers();
       store.hold_whole_master(true);
       dp_->gather_pieces(store.weights_lo(), dist::DType::bf16);  // int16 bits: moved, not summed
-      gpu_->download_params(host_model().params());
+      if (dp_->shards_weights()) {
+        // ZeRO-3: each stage's weights gathered into its pool and downloaded before the
+        // stage two on takes the pool over.
+        const dist::ZeroShardPlan& plan = *dp_->zero_plan();
+        dp_->begin_forward_gathers();
+        for (int stage = static_cast<int>(plan.sharded.size()); stage-- > 0;) {
+          dp_->forward_stage(stage);
+          for (const RangeList* ranges : {&plan.sharded[static_cast<size_t>(stage)], &plan.replicated[static_cast<size_t>(stage)]})
+            for (const Range& range : *ranges) store.download_params(host_model().params(), &range);
+        }
+      } else {
+        gpu_->download_params(host_model().params());
+      }
       store.hold_whole_master(false);
     } else {
       gpu_->download_params(host_model().params());
@@ -615,8 +630,13 @@ class GpuBackend final : public ModelBackend {
       }
       dp_->set_zero_plan(std::move(plan), /*overlap=*/!c.training.cuda_graphs);
       if (!zero_after.empty()) dp_->set_gradient_sharding(std::move(zero_after));
+      // ZeRO-3: the weights too, gathered stage by stage for every forward and backward.
+      if (c.parallel.zero >= 3) {
+        params.share_weights(dp_->zero_plan()->update, stages);
+        dp_->set_weight_sharding(params.weights_hi());
+      }
       if (!c.training.cuda_graphs)
-        gpu_->set_forward_stage_hook([group = dp_.get()](int stage) { group->wait_stage(stage); });
+        gpu_->set_forward_stage_hook([group = dp_.get()](int stage) { group->forward_stage(stage); });
     } else if (!c.training.cuda_graphs) {
       dp_->set_stage_ranges(dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages()));
     }
