@@ -339,7 +339,10 @@ void GpuDataParallel::forward_stage(int stage) {
 
 void GpuDataParallel::backward_stage_done(int stage) {
   if (!weights_) return;
-  if (stage + 2 >= 3) fetch_stage(stage + 2);  // stages 1 and 2 are still there from the forward
+  // Stages 1 and 2 are still there from the forward; the last (the embedding's: private
+  // memory, gathered at the forward's start) needs no second gather.
+  const int pooled_end = static_cast<int>(stage_gathered_.size()) - 1;
+  if (stage + 2 >= 3 && stage + 2 < pooled_end) fetch_stage(stage + 2);
   wait_stage(stage + 1);
 }
 
