@@ -86,4 +86,42 @@ class DeviceArray {
   size_t count_ = 0;
 };
 
+// Page-locked host memory (cudaMallocHost): device-to-host copies into it run at the
+// link's speed and asynchronously. Pinning is slow (the pages are touched and locked), so
+// owners keep one for reuse. Not initialised.
+template <typename T>
+class PinnedHostArray {
+ public:
+  PinnedHostArray() = default;
+  explicit PinnedHostArray(size_t count) : count_(count) {
+    if (count == 0) return;
+    const cudaError_t status = cudaMallocHost(&data_, count * sizeof(T));
+    if (status == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      data_ = nullptr;
+      throw OutOfMemory("cannot pin " + std::to_string(count * sizeof(T)) + " bytes of host memory");
+    }
+    MOE_CUDA_CHECK(status);
+  }
+  ~PinnedHostArray() {
+    if (data_) cudaFreeHost(data_);
+  }
+  PinnedHostArray(PinnedHostArray&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), count_(std::exchange(other.count_, 0)) {}
+  PinnedHostArray& operator=(PinnedHostArray&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+    return *this;
+  }
+  PinnedHostArray(const PinnedHostArray&) = delete;
+  PinnedHostArray& operator=(const PinnedHostArray&) = delete;
+
+  T* data() const { return data_; }
+  size_t size() const { return count_; }
+
+ private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
 }  // namespace moe::gpu

@@ -33,6 +33,7 @@
 #include <exception>
 #include <filesystem>
 #include <iosfwd>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -61,11 +62,13 @@ struct TrainProgress {
 // A host copy of what this rank writes (its shares of its pieces) and, on rank 0, what
 // the manifest records; taking it is all that stalls training in async mode.
 struct CheckpointSnapshot {
-  // Elements [begin, begin + data.size()) of the global tensor `name` of `shape`.
+  // Elements [begin, begin + count) of the global tensor `name` of `shape`, at `data`
+  // (memory one of `owners` keeps alive).
   struct Entry {
     std::string name;
     std::vector<int64_t> shape;
-    std::vector<float> data;
+    const float* data = nullptr;
+    int64_t count = 0;
     int64_t begin = 0;
   };
   std::string config_toml;
@@ -73,6 +76,9 @@ struct CheckpointSnapshot {
   int64_t adam_steps = 0;
   std::vector<int64_t> source_state;
   std::vector<Entry> tensors;
+  // What the entries' data lie in: the backend's buffers (SavedState::owner, not copied)
+  // or capture_state's copies.
+  std::vector<std::shared_ptr<const void>> owners;
   // The experts' placement over the EP ranks and the re-placement's state
   // (ModelBackend::placement_state); empty: none.
   std::string expert_placement;
@@ -84,8 +90,10 @@ struct CheckpointSnapshot {
   std::string save_id;
 };
 
-// This rank's shares of `state`'s pieces (copied), with the progress. Refuses non-finite
-// parameters.
+// This rank's shares of `state`'s pieces, with the progress: copied (on every core) unless
+// the state has an owner, whose buffers the snapshot then keeps instead (an async save
+// blocks training only for the backend's download). The write refuses non-finite
+// parameters (write_shard checks them while hashing).
 CheckpointSnapshot capture_state(const RunConfig& config, const SavedState& state, const BatchSource& train_data,
                                  const TrainProgress& progress);
 // One process's whole host state (world size 1).

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -40,10 +41,24 @@ std::string report_file_name(int rank) { return fmt::format("rank_{:05d}.json", 
 
 int64_t write_shard(const fs::path& temp_dir, const CheckpointSnapshot& snap, double* seconds) {
   const auto start = Clock::now();
+  // Every piece's hash, and whether the parameters are finite, on every core first (both
+  // read every byte; a non-finite weight is refused before anything is written).
+  const auto n = static_cast<int64_t>(snap.tensors.size());
+  std::vector<std::string> hashes(static_cast<size_t>(n));
+  std::vector<char> finite(static_cast<size_t>(n), 1);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& t = snap.tensors[static_cast<size_t>(i)];
+    hashes[static_cast<size_t>(i)] = content_hash(t.data, static_cast<size_t>(t.count) * sizeof(float));
+    if (t.name.starts_with("param/"))
+      finite[static_cast<size_t>(i)] = std::all_of(t.data, t.data + t.count, [](float x) { return std::isfinite(x); });
+  }
+  for (int64_t i = 0; i < n; ++i)
+    if (!finite[static_cast<size_t>(i)])
+      MOE_THROW("parameter '{}' is not finite; refusing to checkpoint it", snap.tensors[static_cast<size_t>(i)].name.substr(6));
   SafeTensorsWriter writer;
   for (const auto& t : snap.tensors)
-    writer.add_f32(stored_piece_name(t.name, t.begin, kCheckpointVersion), {static_cast<int64_t>(t.data.size())},
-                   t.data.data());
+    writer.add_f32(stored_piece_name(t.name, t.begin, kCheckpointVersion), {t.count}, t.data);
   writer.set_metadata("format", kFormat);
   writer.set_metadata("version", std::to_string(kCheckpointVersion));
   writer.set_metadata("rank", std::to_string(snap.rank));
@@ -51,23 +66,33 @@ int64_t write_shard(const fs::path& temp_dir, const CheckpointSnapshot& snap, do
   writer.set_metadata("step", std::to_string(snap.progress.step));
   writer.set_metadata("save_id", snap.save_id);
   const std::string file = shard_file_name(snap.rank);
-  writer.write(temp_dir / file);
-  // The hashes of what was written, from memory (the bytes write() wrote).
+  // The file's hash, from memory (the bytes write() writes), beside the write.
   const std::string header = writer.header_bytes();
-  StreamHash whole;
-  whole.update(header.data(), header.size());
+  std::string whole_hash;
+  std::thread hashing([&] {
+    StreamHash whole;
+    whole.update(header.data(), header.size());
+    for (const auto& t : snap.tensors) whole.update(t.data, static_cast<size_t>(t.count) * sizeof(float));
+    whole_hash = whole.hex();
+  });
+  try {
+    writer.write(temp_dir / file);
+  } catch (...) {
+    hashing.join();
+    throw;
+  }
+  hashing.join();
   json pieces = json::array();
-  for (const auto& t : snap.tensors) {
-    const size_t bytes = t.data.size() * sizeof(float);
-    whole.update(t.data.data(), bytes);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& t = snap.tensors[static_cast<size_t>(i)];
     pieces.push_back({{"tensor", t.name}, {"shape", t.shape}, {"begin", t.begin},
-                      {"count", t.data.size()}, {"hash", content_hash(t.data.data(), bytes)}});
+                      {"count", t.count}, {"hash", hashes[static_cast<size_t>(i)]}});
   }
   const auto size = static_cast<int64_t>(header.size() + writer.data_bytes());
   const json report = {{"rank", snap.rank},         {"world_size", snap.world_size},
                        {"step", snap.progress.step}, {"save_id", snap.save_id},
                        {"file", file},               {"bytes", size},
-                       {"hash", whole.hex()},        {"header_hash", content_hash(header.data(), header.size())},
+                       {"hash", whole_hash},         {"header_hash", content_hash(header.data(), header.size())},
                        {"pieces", std::move(pieces)}};
   write_file_atomic(temp_dir / report_file_name(snap.rank), report.dump());
   if (seconds) *seconds = seconds_since(start);

@@ -5,6 +5,7 @@
 // balance_bias/LAYER; a slice is a flat element range [begin, begin + count).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,10 @@ struct StateTarget {
 struct SavedState {
   std::vector<StatePiece> pieces;
   int64_t adam_steps = 0;
+  // Set: the pieces' data lie in buffers this keeps alive, which the backend does not touch
+  // while it is shared (the checkpoint keeps it instead of copying). Null: valid until the
+  // next step only.
+  std::shared_ptr<const void> owner;
 };
 
 std::vector<int64_t> tensor_shape(const Shape& shape);

@@ -300,7 +300,7 @@ TEST(CheckpointHash, KnownAnswersAndStreamedFiles) {
 fs::path write_version_1(const fs::path& dir, const CheckpointSnapshot& snap, HashAlgorithm algorithm) {
   fs::create_directories(dir);
   SafeTensorsWriter shard;
-  for (const auto& t : snap.tensors) shard.add_f32(t.name, t.shape, t.data.data());
+  for (const auto& t : snap.tensors) shard.add_f32(t.name, t.shape, t.data);
   shard.set_metadata("format", "moe-train-checkpoint");
   shard.set_metadata("version", "1");
   shard.set_metadata("rank", "0");

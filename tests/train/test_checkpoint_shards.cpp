@@ -4,6 +4,8 @@
 // rank that never reports, overlapping pieces).
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
@@ -198,6 +200,43 @@ TEST_F(ShardedCheckpoint, ARankThatNeverReportsLeavesNothingComplete) {
   expect_error([&] { write_checkpoint(dir_ / "ckpt", snapshot(0, "00000000000d"), 3, 60); },
                {"tensor 'a': elements [1400, 2800) are stored twice (rank_00001.safetensors and rank_00002.safetensors)"});
   EXPECT_FALSE(fs::exists(dir_ / "ckpt" / "step_00000005"));
+}
+
+// A state with an owner is kept, not copied (an async save then blocks training only for
+// the backend's download); without one the snapshot copies the pieces, since they change
+// with the next step. A non-finite weight is refused at the write, before any file of the
+// save lands, naming the parameter.
+TEST_F(ShardedCheckpoint, AnOwnedStateIsKeptAndANonFiniteWeightIsRefused) {
+  auto buffers = std::make_shared<std::vector<float>>(values(20, 2.0f));
+  std::vector<float> live = values(20, 2.0f);
+  test::ResumableTask data(16, 8, 1);
+  for (const bool owned : {true, false}) {
+    SCOPED_TRACE(owned ? "owned" : "copied");
+    SavedState state;
+    const float* source = owned ? buffers->data() : live.data();
+    state.pieces.push_back({"param/w", {20}, 0, 20, source, 1, 0});
+    if (owned) state.owner = buffers;
+    CheckpointSnapshot snap = capture_state(test::tiny_config(), state, data, TrainProgress{});
+    state = SavedState{};
+    ASSERT_EQ(snap.tensors.size(), 1u);
+    EXPECT_EQ(snap.tensors[0].data == source, owned);
+    EXPECT_EQ(buffers.use_count(), owned ? 2 : 1) << "the snapshot keeps the owner alive";
+    live[3] = -1.0f;  // the next step
+    EXPECT_EQ(snap.tensors[0].data[3], values(20, 2.0f)[3]);
+    live = values(20, 2.0f);
+  }
+  SavedState bad;
+  (*buffers)[7] = std::numeric_limits<float>::quiet_NaN();
+  bad.pieces.push_back({"param/layers.0.w", {20}, 0, 20, buffers->data(), 1, 0});
+  bad.owner = buffers;
+  TrainProgress progress;
+  progress.step = 6;
+  CheckpointSnapshot snap = capture_state(test::tiny_config(), bad, data, progress);
+  snap.save_id = "00000000000e";
+  expect_error([&] { write_checkpoint(dir_ / "ckpt", snap, 3); },
+               {"parameter 'layers.0.w' is not finite; refusing to checkpoint it"});
+  EXPECT_FALSE(fs::exists(dir_ / "ckpt" / "step_00000006"));
+  EXPECT_FALSE(latest_checkpoint(dir_ / "ckpt").has_value());
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include "train/backends/cuda/gpu_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 
@@ -24,6 +25,7 @@
 #include "moe/expert_placement.h"
 #include "moe/router.h"
 #include "optim/cuda/gpu_optimizer.h"
+#include "train/backends/cuda/owned_pieces.h"
 
 namespace moe {
 
@@ -36,82 +38,6 @@ size_t gpu_memory_bytes() {
 }
 
 namespace {
-
-// A rank's own slices of the checkpoint's tensors: where each lies in the device block
-// and in its global tensor, how many ranks hold the same bits, and host buffers for its
-// values and moments (what save_state hands over and restore_targets fills).
-struct OwnedPieces {
-  struct Piece {
-    int id = 0;
-    Range block;        // in the parameter block
-    int64_t begin = 0;  // in the global tensor
-    int replicas = 1, replica = 0;
-    int64_t at = 0;     // in the host buffers
-  };
-  std::vector<Piece> pieces;
-  std::vector<float> values, m, v;
-
-  void add(int id, Range block, int64_t begin, int replicas, int replica) {
-    const int64_t at = pieces.empty() ? 0 : pieces.back().at + pieces.back().block.count;
-    pieces.push_back({id, block, begin, replicas, replica, at});
-  }
-  void allocate() {
-    const auto n = static_cast<size_t>(pieces.empty() ? 0 : pieces.back().at + pieces.back().block.count);
-    values.assign(n, 0.0f);
-    m.assign(n, 0.0f);
-    v.assign(n, 0.0f);
-  }
-  float* values_of(const Piece& p) { return values.data() + p.at; }
-  float* m_of(const Piece& p) { return m.data() + p.at; }
-  float* v_of(const Piece& p) { return v.data() + p.at; }
-};
-
-// ZeRO: the plan's update ranges cut at the parameters; those every rank steps (the plan's
-// replicated ranges) are held by all `ranks`.
-OwnedPieces zero_pieces(const ParameterStore<float>& params, const dist::ZeroShardPlan& plan) {
-  RangeList spans, replicated;
-  for (int id = 0; id < params.size(); ++id) spans.push_back({params.offset(id), params.numel(id)});
-  for (const RangeList& stage : plan.replicated) replicated.insert(replicated.end(), stage.begin(), stage.end());
-  replicated = merge_ranges(std::move(replicated));
-  const RangeList sharded = subtract_ranges(plan.update, replicated);
-  OwnedPieces own;
-  for (const bool rep : {false, true})
-    for (const SpanPiece& part : cut_spans(spans, rep ? subtract_ranges(plan.update, sharded) : sharded)) {
-      const int id = static_cast<int>(part.span);
-      own.add(id, {part.offset, part.count}, part.offset - params.offset(id), rep ? plan.ranks : 1, rep ? plan.rank : 0);
-    }
-  own.allocate();
-  return own;
-}
-
-// Expert parallelism over `world` ranks (this one `rank`, EP rank rank % ep): every
-// parameter outside the expert tensors (held by all ranks) and, per MoE layer, the slots
-// of its block (`window`: of its window, a hinge included) as their experts' slices of the
-// expert tensors (held by the world / ep ranks with the same EP rank).
-OwnedPieces expert_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
-                          int ep, bool window) {
-  OwnedPieces own;
-  std::vector<int> id_at;  // parameter ids of the expert tensors, by offset
-  for (int id = 0; id < params.size(); ++id)
-    if (params.spec(id).expert_group.empty()) own.add(id, {params.offset(id), params.numel(id)}, 0, world, rank);
-  const int p = rank % ep;
-  for (const MoeLayerExperts& layer : layout) {
-    const ExpertSlots& slots = layer.slots;
-    const int64_t first = slots.window_first(p);
-    const int64_t end = window ? slots.window_end_P[static_cast<size_t>(p)] : slots.first_slot_P1[static_cast<size_t>(p) + 1];
-    for (const Range& tensor : layer.tensors) {
-      int id = 0;
-      while (id < params.size() && params.offset(id) != tensor.offset) ++id;
-      MOE_CHECK(id < params.size(), "checkpoint: no parameter at expert tensor offset {}", tensor.offset);
-      const int64_t per = tensor.count / slots.n_experts();
-      for (int64_t slot = first; slot < end; ++slot)
-        own.add(id, {tensor.offset + slot * per, per}, slots.expert_of_slot[static_cast<size_t>(slot)] * per,
-                world / ep, rank / ep);
-    }
-  }
-  own.allocate();
-  return own;
-}
 
 // The model, gradients and AdamW state on the GPU. With `dp` (parallel.backend = nccl)
 // every rank holds a full replica and the gradients are summed over the ranks after the
@@ -185,6 +111,7 @@ class GpuBackend final : public ModelBackend {
     }
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
     if (ep_ || config_.metrics.phase_times) clock_.set_enabled(true);
+    if (!config_.checkpoint.dir.empty()) reserve_save_buffers(first_rank);
     return plan;
   }
   void begin_step() override {
@@ -475,44 +402,74 @@ class GpuBackend final : public ModelBackend {
     if (dp_) dp_->take_stats();
   }
 
-  // Checkpoints, each rank its own pieces (no gather): ZeRO the master weights and moments
-  // of its pieces (those every rank steps as replicas); expert parallelism the shared
-  // parameters (as replicas) and its block's experts. Restoring, ZeRO takes the whole
-  // weights (each rank needs every bf16 hi half) and its pieces' state; expert parallelism
-  // the shared parameters and its window's experts (a hinge included), in the current
-  // placement's slots (restore_placement moves them afterwards).
-  bool saves_own_pieces() const { return sharded() || ep_ != nullptr; }
-  OwnedPieces own_pieces(bool window) {
+  // Checkpoints, each rank its own pieces (no gather, no host copy of the model): ZeRO the
+  // master weights and moments of its pieces (those every rank steps as replicas); expert
+  // parallelism the shared parameters (its share of them) and its block's experts;
+  // replicas (one GPU, ZeRO 0) the share of every tensor it writes. Saving downloads into
+  // pinned host buffers that the checkpoint keeps (SavedState::owner) until its write is
+  // done, reused by the next save: training waits only for the device-to-host copy.
+  // Restoring, ZeRO takes the whole weights (each rank needs every bf16 hi half) and its
+  // pieces' state; expert parallelism the shared parameters and its window's experts (a
+  // hinge included), in the current placement's slots (restore_placement moves them
+  // afterwards); replicas everything.
+  OwnedPieces own_pieces(bool restoring) {
+    const int world = dp_ ? dp_->size() : 1, rank = dp_ ? dp_->rank() : 0;
     if (sharded()) return zero_pieces(host_model().params(), *dp_->zero_plan());
-    return expert_pieces(host_model().params(), gpu_->expert_layout(), dp_->size(), dp_->rank(), ep_->size(), window);
+    if (ep_) return expert_pieces(host_model().params(), gpu_->expert_layout(), world, rank, ep_->size(), restoring);
+    return replica_pieces(host_model().params(), world, rank, restoring);
+  }
+  // Pinning tens of GB takes seconds: done once, at the start, so that no save waits for it.
+  void reserve_save_buffers(bool report) {
+    const auto start = std::chrono::steady_clock::now();
+    OwnedPieces pieces = own_pieces(/*restoring=*/false);
+    if (saved_ && saved_->elements() == pieces.elements()) return;  // planned again: kept
+    saved_ = std::make_shared<OwnedPieces>(std::move(pieces));
+    saved_->allocate(/*pinned=*/true);
+    if (report)
+      spdlog::info("checkpoint: {:.2f} GB of pinned host memory for this rank's saves, in {:.1f} s",
+                   static_cast<double>(saved_->elements()) * 12e-9,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   SavedState save_state(int rank, int world) override {
-    if (!saves_own_pieces()) return ModelBackend::save_state(rank, world);
     if (dp_) dp_->join_stage_gathers();
     auto& params = host_model().params();
-    saved_ = own_pieces(/*window=*/false);
+    OwnedPieces now = own_pieces(/*restoring=*/false);
+    std::shared_ptr<OwnedPieces> pieces = saved_;
+    // The last save's buffers if its write is done and the sizes agree (a re-placement
+    // moves experts between slots, not their sizes); else new ones.
+    if (pieces && pieces.use_count() == 2 && pieces->elements() == now.elements()) {
+      pieces->pieces = std::move(now.pieces);
+    } else {
+      pieces = std::make_shared<OwnedPieces>(std::move(now));
+      pieces->allocate(/*pinned=*/true);
+      saved_ = pieces;
+    }
     SavedState state;
     state.adam_steps = steps_;
-    for (const OwnedPieces::Piece& p : saved_.pieces) {
-      gpu_->parameters().download_range(p.block, saved_.values_of(p), saved_.m_of(p), saved_.v_of(p));
+    for (const OwnedPieces::Piece& p : pieces->pieces) {
+      gpu_->parameters().download_range(p.block, pieces->values_of(p), pieces->m_of(p), pieces->v_of(p));
       const std::string& name = params.spec(p.id).name;
       const std::vector<int64_t> shape = tensor_shape(params.spec(p.id).shape);
       const int64_t n = p.block.count;
-      state.pieces.push_back({"param/" + name, shape, p.begin, n, saved_.values_of(p), p.replicas, p.replica});
-      state.pieces.push_back({"adam_m/" + name, shape, p.begin, n, saved_.m_of(p), p.replicas, p.replica});
-      state.pieces.push_back({"adam_v/" + name, shape, p.begin, n, saved_.v_of(p), p.replicas, p.replica});
+      state.pieces.push_back({"param/" + name, shape, p.begin, n, pieces->values_of(p), p.replicas, p.replica});
+      state.pieces.push_back({"adam_m/" + name, shape, p.begin, n, pieces->m_of(p), p.replicas, p.replica});
+      state.pieces.push_back({"adam_v/" + name, shape, p.begin, n, pieces->v_of(p), p.replicas, p.replica});
     }
-    for (auto* layer : host_model().moe_layers()) {
-      auto& bias = layer->balance_bias_E();
-      const auto count = static_cast<int64_t>(bias.size());
-      state.pieces.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data(), world, rank});
+    // The balancing biases are small: the checkpoint copies them (they change every step).
+    auto biases = std::make_shared<std::vector<std::vector<float>>>();
+    for (auto* layer : host_model().moe_layers()) biases->push_back(layer->balance_bias_E());
+    for (size_t i = 0; i < biases->size(); ++i) {
+      const auto count = static_cast<int64_t>((*biases)[i].size());
+      state.pieces.push_back({"balance_bias/" + host_model().moe_layers()[i]->prefix(), {count}, 0, count,
+                              (*biases)[i].data(), world, rank});
     }
+    state.owner = std::make_shared<std::pair<std::shared_ptr<OwnedPieces>, decltype(biases)>>(pieces, biases);
     return state;
   }
   std::vector<StateTarget> restore_targets() override {
-    if (!saves_own_pieces()) return ModelBackend::restore_targets();
     auto& params = host_model().params();
-    restored_ = own_pieces(/*window=*/true);
+    restored_ = own_pieces(/*restoring=*/true);
+    restored_.allocate(/*pinned=*/false);
     std::vector<StateTarget> targets;
     if (sharded())
       for (int id = 0; id < params.size(); ++id)
@@ -534,7 +491,6 @@ class GpuBackend final : public ModelBackend {
     return targets;
   }
   void finish_restore(int64_t adam_steps) override {
-    if (!saves_own_pieces()) return ModelBackend::finish_restore(adam_steps);
     if (dp_) dp_->join_stage_gathers();  // none may still write the weights
     auto& params = host_model().params();
     GpuParameterStore& store = gpu_->parameters();
@@ -549,19 +505,6 @@ class GpuBackend final : public ModelBackend {
     host_optimizer().set_steps_taken(adam_steps);
   }
 
-  // Checkpoints of replicas (ModelBackend::save_state's default): every rank downloads the
-  // whole state and writes an even share of it.
-  void gather_state() override {
-    AdamW& optimizer = host_optimizer();
-    gpu_->download_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
-    optimizer.set_steps_taken(steps_);
-  }
-  void scatter_state() override {
-    AdamW& optimizer = host_optimizer();
-    gpu_->upload_state(host_model().params(), optimizer.first_moment(), optimizer.second_moment());
-    upload_balance_bias();  // a checkpoint restores them on the host
-    steps_ = optimizer.steps_taken();
-  }
 
  private:
   // The GPU model from the host model's weights, with training.*'s recompute and graph
@@ -749,7 +692,8 @@ class GpuBackend final : public ModelBackend {
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
   std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
-  OwnedPieces saved_, restored_;  // checkpoints: the host side of this rank's own pieces
+  std::shared_ptr<OwnedPieces> saved_;  // checkpoints: the last save's pieces (pinned buffers, reused)
+  OwnedPieces restored_;                // the pieces a restore fills
   int64_t steps_since_placement_ = 0;
 };
 
