@@ -4,7 +4,8 @@
 # 1, 2 and 3, 3 steps each; prints rank 0's "device state" line (weights, gradients and AdamW
 # state it keeps) and the losses. ZeRO-1 keeps the master lo halves and the moments of a
 # rank's own pieces only: 6 + 10 / N bytes per parameter with fp32 moments (16 at N = 1);
-# ZeRO-2 also the fp32 gradients (2 + 14 / N, plus two stages' gradients in flight).
+# ZeRO-2 also the fp32 gradients (2 + 14 / N, plus two pools that hold a stage's gradients in
+# flight); ZeRO-3 the bf16 weights too. `moe plan` counts the same (docs/MEMORY_PLAN.md).
 # Usage: bench/zero_memory.sh MOE_BINARY DATA_DIR [extra --section.key=value ...]
 set -euo pipefail
 moe=$1 data=$2

@@ -10,20 +10,33 @@ namespace moe::dist {
 std::vector<RangeList> gradient_ranges_by_stage(const ParameterStore<float>& params,
                                                   const std::function<int(const std::string&)>& stage_of,
                                                   int n_stages) {
+  std::vector<int64_t> offsets(static_cast<size_t>(params.size()) + 1);
+  for (int id = 0; id < params.size(); ++id) offsets[static_cast<size_t>(id)] = params.offset(id);
+  offsets.back() = params.storage_numel();
+  return gradient_ranges_by_stage(params, offsets, stage_of, n_stages);
+}
+
+std::vector<RangeList> gradient_ranges_by_stage(const ParameterStore<float>& params,
+                                                  const std::vector<int64_t>& offsets,
+                                                  const std::function<int(const std::string&)>& stage_of,
+                                                  int n_stages) {
   MOE_CHECK(n_stages > 0, "gradient ranges: {} backward stages", n_stages);
+  MOE_CHECK(offsets.size() == static_cast<size_t>(params.size()) + 1, "gradient ranges: {} offsets for {} parameters",
+            offsets.size(), params.size());
+  const auto offset = [&](int id) { return offsets[static_cast<size_t>(id)]; };
   std::vector<int> ids(static_cast<size_t>(params.size()));
   std::iota(ids.begin(), ids.end(), 0);
-  std::sort(ids.begin(), ids.end(), [&](int a, int b) { return params.offset(a) < params.offset(b); });
+  std::sort(ids.begin(), ids.end(), [&](int a, int b) { return offset(a) < offset(b); });
   std::vector<RangeList> ranges(static_cast<size_t>(n_stages));
-  const int64_t block_end = params.storage_numel();
+  const int64_t block_end = offsets.back();
   for (size_t i = 0; i < ids.size(); ++i) {
     const int id = ids[i];
     const int stage = stage_of(params.spec(id).name);
     MOE_CHECK(stage >= 0 && stage < n_stages, "parameter {}: backward stage {} outside [0, {})", params.spec(id).name,
               stage, n_stages);
     // From this parameter to the next one (or the block's end): its padding comes along.
-    const int64_t begin = i == 0 ? 0 : params.offset(id);
-    const int64_t end = i + 1 < ids.size() ? params.offset(ids[i + 1]) : block_end;
+    const int64_t begin = i == 0 ? 0 : offset(id);
+    const int64_t end = i + 1 < ids.size() ? offset(ids[i + 1]) : block_end;
     if (end <= begin) continue;
     RangeList& mine = ranges[static_cast<size_t>(stage)];
     append_merged(mine, begin, end - begin);

@@ -23,6 +23,13 @@ RangeList merged_ranges(const std::vector<std::vector<RangeList>>& stage_sets);
 std::vector<RangeList> gradient_ranges_by_stage(const ParameterStore<float>& params,
                                                   const std::function<int(const std::string&)>& stage_of,
                                                   int n_stages);
+// The same over a layout known before allocating (`params` registered only):
+// `offsets` as ParameterStore::planned_offsets gives them, size() + 1 entries, the block's
+// size last (the memory planner builds the GPU's stages from it, train/state_memory.h).
+std::vector<RangeList> gradient_ranges_by_stage(const ParameterStore<float>& params,
+                                                  const std::vector<int64_t>& offsets,
+                                                  const std::function<int(const std::string&)>& stage_of,
+                                                  int n_stages);
 
 // Expert parallelism: the same ranges per stage, split into the part every rank sums over
 // all data-parallel ranks (`shared`: every parameter without an expert_group, padding

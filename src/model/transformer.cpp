@@ -194,8 +194,8 @@ void Transformer<T>::backward(double ce_scale, double router_scale) {
 }
 
 template <typename T>
-int Transformer<T>::backward_stage_of(const std::string& name) const {
-  const int L = static_cast<int>(config_.n_layers);
+int Transformer<T>::backward_stage_of(const ModelConfig& config, const std::string& name) {
+  const int L = static_cast<int>(config.n_layers);
   if (name == "embedding") return L + 1;
   if (name.starts_with("layers.")) {
     const int layer = std::stoi(name.substr(7));

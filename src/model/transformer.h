@@ -54,9 +54,12 @@ class Transformer {
   // norm, stage 1 + i block n_layers - 1 - i, stage n_layers + 1 the embedding (with a
   // tied head, its gradient is complete only then). The hook, when set, is called after
   // each stage (data parallelism starts reducing a finished layer's gradients).
-  int backward_stages() const { return static_cast<int>(config_.n_layers) + 2; }
+  int backward_stages() const { return backward_stages(config_); }
   // The stage after which the gradient of the parameter named `name` is complete.
-  int backward_stage_of(const std::string& name) const;
+  int backward_stage_of(const std::string& name) const { return backward_stage_of(config_, name); }
+  // The same rules for a model not built (the memory planner's parameter_specs layout).
+  static int backward_stages(const ModelConfig& config) { return static_cast<int>(config.n_layers) + 2; }
+  static int backward_stage_of(const ModelConfig& config, const std::string& name);
   std::function<void(int stage)> on_backward_stage;
   // ZeRO-3: called before the forward (backward = false) or the backward first reads a
   // stage's parameter values, and after it last does (before on_backward_stage), so that

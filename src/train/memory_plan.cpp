@@ -12,6 +12,7 @@
 #include "model/gpu_buffer_sizes.h"
 #include "model/transformer.h"
 #include "moe/expert_slots.h"
+#include "train/state_memory.h"
 
 namespace moe {
 namespace {
@@ -21,8 +22,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Library and runtime constants the estimate assumes (docs/MEMORY_PLAN.md says how they
 // were chosen). Everything else below is computed from the config.
 constexpr int64_t kMiB = int64_t{1} << 20;
-constexpr int64_t kChunkBytes = 2 * kMiB;           // ResidentBlock's mapping granularity (2 MiB on Hopper)
-constexpr int64_t kMaxChunks = int64_t{1} << 20;    // ResidentBlock: larger blocks get larger chunks
 constexpr int64_t kBlasWorkspace = 32 * kMiB;       // cuda::Blas's default
 constexpr int64_t kGroupedGemmWorkspace = 64 * kMiB;  // ExpertGemm's group arrays and workspace (bounded)
 constexpr int64_t kCudaRuntime = 1000 * kMiB;       // context, cuBLAS/cuDNN/NCCL kernels, cuDNN plans
@@ -33,12 +32,9 @@ constexpr int64_t kRmsnormRowsPerBlock = 32;        // rmsnorm backward's partia
 
 // What the estimate needs of the parameter block, from the config alone.
 struct ModelBlocks {
-  int64_t storage = 0;        // elements, alignment padding included (ParameterStore's layout)
-  int64_t parameters = 0;     // without padding
-  int64_t expert_elems = 0;   // every expert tensor, all experts
-  int64_t fp32_copy_elems = 0;  // the router biases, each padded to 16 (GpuParameterStore's mirror)
+  ParameterBlockLayout layout;  // storage, backward stages, the router biases (state_memory.h)
+  int64_t storage = 0;          // elements, alignment padding included (ParameterStore's layout)
   std::vector<RangeList> expert_tensors;  // per MoE layer: w1, w3, w2
-  std::vector<RangeList> stages;          // per backward stage: its parameters' extents
 };
 
 ModelBlocks model_blocks(const ModelConfig& config) {
@@ -49,25 +45,15 @@ ModelBlocks model_blocks(const ModelConfig& config) {
   const ParameterStore<float> specs = Transformer<float>::parameter_specs(config);
   const std::vector<int64_t> offsets = specs.planned_offsets();
   ModelBlocks b;
-  b.storage = offsets.back();
-  std::string last_group, last_stage = "-";
+  b.layout = parameter_block_layout(config, specs);
+  b.storage = b.layout.storage;
+  std::string last_group;
   for (int id = 0; id < specs.size(); ++id) {
     const ParamSpec& spec = specs.spec(id);
-    const Range extent{offsets[static_cast<size_t>(id)], spec.shape.numel()};
-    b.parameters += extent.count;
-    if (!spec.expert_group.empty()) {
-      if (spec.expert_group != last_group) b.expert_tensors.emplace_back();
-      last_group = spec.expert_group;
-      b.expert_tensors.back().push_back(extent);
-      b.expert_elems += extent.count;
-    }
-    if (spec.name.ends_with(".router.bias")) b.fp32_copy_elems += ceil_div(extent.count, 16) * 16;
-    // A stage: one block's parameters ("layers.N."), or one top-level tensor.
-    std::string stage = spec.name;
-    if (spec.name.starts_with("layers.")) stage = spec.name.substr(0, spec.name.find('.', 7));
-    if (stage != last_stage) b.stages.emplace_back();
-    last_stage = stage;
-    b.stages.back().push_back(extent);
+    if (spec.expert_group.empty()) continue;
+    if (spec.expert_group != last_group) b.expert_tensors.emplace_back();
+    last_group = spec.expert_group;
+    b.expert_tensors.back().push_back({offsets[static_cast<size_t>(id)], spec.shape.numel()});
   }
   return b;
 }
@@ -79,59 +65,16 @@ ExpertLayout equal_layout(const ModelBlocks& blocks, int64_t n_experts, int64_t 
   return layout;
 }
 
-// ResidentBlock: a block of `block_bytes` maps whole chunks, chunk_bytes each.
-int64_t chunk_bytes_of(int64_t block_bytes) {
-  const int64_t pages = ceil_div(block_bytes, kChunkBytes);
-  return kChunkBytes * ceil_div(pages, kMaxChunks);
-}
-
-// Bytes the chunks covering `ranges` (elements of `elem` bytes) hold.
-int64_t resident_bytes(const RangeList& ranges, int64_t elem, int64_t storage) {
-  const int64_t chunk = chunk_bytes_of(storage * elem);
-  int64_t chunks = 0, next_free = 0;  // chunks before next_free are counted
-  for (const Range& r : ranges) {
-    if (r.count <= 0) continue;
-    const int64_t first = std::max(r.offset * elem / chunk, next_free);
-    const int64_t end = ceil_div(r.end() * elem, chunk);
-    chunks += std::max<int64_t>(0, end - first);
-    next_free = std::max(next_free, end);
-  }
-  return chunks * chunk;
-}
-
-// The ZeRO rule in one place. Level z over a data-parallel group keeps 1/N of: z >= 1 the
-// lo halves and the moments, z >= 2 the fp32 gradients, z >= 3 the bf16 weights. What the
-// GPU does today (GpuBackend::make_data_parallel, check_gpu_config): levels 1-3 without
-// expert parallelism only (under it the shared parameters stay replicated), 2 and 3 without
-// CUDA graphs and with fp32 sums; the layout search offers only those (gpu_offers_zero). The shared parameters' group is every GPU; the
-// experts' the GPUs holding the same experts (GPUs / EP). A sharded block holds its share
-// rounded up to chunks plus one chunk for the pieces' edges. In flight: z >= 2 keeps the
-// fp32 gradients of two stages whole (the one the backward fills, the one being
-// reduce-scattered); z >= 3 the bf16 weights of two stages gathered (the one computing and
-// the one prefetched), both sized by the largest stage this rank holds.
-struct ZeroSharding {
-  bool lo_and_moments = false, gradients = false, weights = false;
-};
-ZeroSharding zero_sharding(int64_t zero, int64_t ep) {
-  if (ep > 1) return {};  // the GPU applies no ZeRO level under expert parallelism yet
-  return {zero >= 1, zero >= 2, zero >= 3};
-}
+// Which ZeRO levels the GPU applies (GpuBackend::make_data_parallel, check_gpu_config),
+// one place to adjust as they grow: levels 1-3 over the data-parallel group without expert
+// parallelism only (under it the shared parameters and the experts' replicas stay whole
+// yet), 2 and 3 without CUDA graphs and with fp32 sums; the layout search offers only
+// those. What a level keeps is state_memory.h's, from the GPU's own plan.
+bool gpu_applies_zero(int64_t gpus, int64_t zero, int64_t ep) { return gpus > 1 && zero >= 1 && ep <= 1; }
 bool gpu_offers_zero(const RunConfig& config, int64_t zero, int64_t ep) {
   if (zero == 0) return true;
   if (ep > 1) return false;
   return zero == 1 || (!config.training.cuda_graphs && config.parallel.grad_reduce_dtype == ReduceDtype::Fp32);
-}
-
-struct RankState {
-  int64_t shared_elems = 0, expert_elems = 0;  // what this rank holds before ZeRO
-  RangeList resident;
-  int64_t largest_stage = 0;  // elements of the largest backward stage it holds
-};
-
-int64_t sharded_bytes(const RankState& rank, int64_t elem, int64_t storage, int64_t gpus, int64_t replicas) {
-  const int64_t bytes = ceil_div(rank.shared_elems, gpus) * elem + ceil_div(rank.expert_elems, replicas) * elem;
-  const int64_t chunk = chunk_bytes_of(storage * elem);
-  return (ceil_div(bytes, chunk) + 1) * chunk;
 }
 
 // Mirrors GpuTransformer::plan: the buffers of one layer's activations (gpu_layers.h's
@@ -203,52 +146,56 @@ int64_t nccl_bytes(const MemoryLayout& layout) {
   return bytes;
 }
 
-MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks) {
-  const ModelConfig& c = config.model;
-  const int64_t E = c.moe.n_experts, ep = std::max<int64_t>(1, layout.expert_parallel);
+void check_expert_parallel(const RunConfig& config, const MemoryLayout& layout) {
+  const int64_t E = config.model.moe.n_experts, ep = std::max<int64_t>(1, layout.expert_parallel);
   if (ep > 1 && (E <= 0 || E % ep != 0 || layout.gpus % ep != 0))
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {} and the {} GPUs", ep, E,
                      layout.gpus);
-  const bool split = ep > 1 && config.parallel.split_experts;
-  const int64_t gpus = std::max<int64_t>(1, layout.gpus), replicas = gpus / ep;
-  const int64_t moment_elem = config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
-  MemoryEstimate m;
+}
 
-  // Parameter state: the largest of the EP ranks' shares (with split experts they differ).
-  const ExpertLayout experts = ep > 1 ? equal_layout(blocks, E, ep, split) : ExpertLayout{};
-  const ZeroSharding zero = zero_sharding(gpus > 1 ? layout.zero : 0, ep);
-  for (int p = 0; p < ep; ++p) {
-    RankState rank;
-    rank.resident = ep > 1 ? resident_ranges(experts, p, blocks.storage) : RangeList{{0, blocks.storage}};
-    const int64_t held = total_count(rank.resident);
-    rank.expert_elems = ep > 1 ? total_count(own_expert_ranges(experts, p)) : blocks.expert_elems;
-    rank.shared_elems = held - rank.expert_elems;
-    for (const RangeList& stage : blocks.stages) {
-      RangeList mine;
-      for (const Range& r : stage) {
-        const RangeList part = subtract_ranges({r}, subtract_ranges({r}, rank.resident));
-        mine.insert(mine.end(), part.begin(), part.end());
-      }
-      rank.largest_stage = std::max(rank.largest_stage, total_count(mine));
-    }
-    const auto block = [&](int64_t elem, bool sharded) {
-      return sharded ? sharded_bytes(rank, elem, blocks.storage, gpus, replicas)
-                     : resident_bytes(rank.resident, elem, blocks.storage);
-    };
-    const int64_t weights = block(2, zero.weights), lo = block(2, zero.lo_and_moments);
-    const int64_t grads = block(4, zero.gradients), moments = 2 * block(moment_elem, zero.lo_and_moments);
-    const int64_t in_flight = (zero.gradients ? 2 * rank.largest_stage * 4 : 0) +
-                              (zero.weights ? 2 * rank.largest_stage * 2 : 0);
-    if (weights + lo + grads + moments + in_flight >
-        m.weights + m.master_lo + m.gradients + m.moments + m.zero_in_flight) {
-      m.weights = weights;
-      m.master_lo = lo;
-      m.gradients = grads;
-      m.moments = moments;
-      m.zero_in_flight = in_flight;
+// The parameter state of the largest rank (with split experts the EP ranks' differ; under
+// ZeRO rank 0's and the last rank's pieces): a function of the GPUs, EP and the ZeRO level
+// only, so the layout search computes it once per pair of those.
+StateBytes state_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks) {
+  check_expert_parallel(config, layout);
+  const int64_t E = config.model.moe.n_experts, ep = std::max<int64_t>(1, layout.expert_parallel);
+  const bool split = ep > 1 && config.parallel.split_experts;
+  const int64_t gpus = std::max<int64_t>(1, layout.gpus);
+  const int64_t moment_elem = config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
+  StateBytes state;
+  if (gpu_applies_zero(gpus, layout.zero, ep)) {
+    const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
+    state = data_parallel_state_bytes(blocks.layout, layout.zero, static_cast<int>(gpus), bucket, moment_elem);
+  } else {
+    // Each EP rank's resident chunks, replicated over its replicas. ZeRO under expert
+    // parallelism (the shared parameters over all GPUs, the experts over their replicas)
+    // will be rank_state_bytes over the same `resident` with `kept` the union of the two
+    // plans' pieces (plan_zero_shards over the rank's resident stage ranges).
+    const ExpertLayout experts = ep > 1 ? equal_layout(blocks, E, ep, split) : ExpertLayout{};
+    for (int p = 0; p < ep; ++p) {
+      const RangeList resident = ep > 1 ? resident_ranges(experts, p, blocks.storage) : RangeList{{0, blocks.storage}};
+      const StateBytes rank = rank_state_bytes(blocks.layout, resident, 0, {}, moment_elem);
+      if (rank.total() > state.total()) state = rank;
     }
   }
-  m.fp32_copies = blocks.fp32_copy_elems * 4;
+  return state;
+}
+
+// `state`: state_with's for this layout.
+MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks,
+                             const StateBytes& state) {
+  check_expert_parallel(config, layout);
+  const ModelConfig& c = config.model;
+  const int64_t E = c.moe.n_experts, ep = std::max<int64_t>(1, layout.expert_parallel);
+  const bool split = ep > 1 && config.parallel.split_experts;
+  const int64_t gpus = std::max<int64_t>(1, layout.gpus), replicas = gpus / ep;
+  MemoryEstimate m;
+  m.weights = state.weights;
+  m.master_lo = state.master_lo;
+  m.gradients = state.gradients;
+  m.moments = state.moments;
+  m.zero_pools = state.pools;
+  m.fp32_copies = total_count(blocks.layout.fp32_copies) * 4;
 
   // Activations and the step's buffers, as GpuTransformer::plan allocates them.
   ActivationShape a{layout.micro_batch, c.seq_len, layout.micro_batch * c.seq_len, c.dim, c.n_heads, c.n_kv_heads,
@@ -329,10 +276,11 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
   for (int64_t ep : eps)
     for (int64_t zero = 0; zero <= (gpus > 1 ? 3 : 0); ++zero) {
       if (!gpu_offers_zero(config, zero, ep)) continue;
+      const StateBytes state = state_with(config, {gpus, gpus_per_node, ep, zero}, blocks);
       for (int64_t mb : micro_batches)
         for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
           const MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};
-          MemoryEstimate estimate = estimate_with(config, layout, blocks);
+          MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
           if (estimate.total() <= budget_bytes) fits.push_back({layout, std::move(estimate)});
         }
     }
@@ -367,7 +315,7 @@ std::vector<MemoryEstimate::Component> MemoryEstimate::components() const {
           {"gradients (fp32)", gradients},
           {"AdamW moments", moments},
           {"fp32 copies (router biases)", fp32_copies},
-          {"ZeRO gathers in flight", zero_in_flight},
+          {"ZeRO stage pools", zero_pools},
           {"activations", activations()},
           {"step buffers", step_buffers},
           {"exchange buffers", exchange},
@@ -388,7 +336,8 @@ MemoryEstimate::Component MemoryEstimate::largest() const {
 }
 
 MemoryEstimate estimate_memory(const RunConfig& config, const MemoryLayout& layout) {
-  return estimate_with(config, layout, model_blocks(config.model));
+  const ModelBlocks blocks = model_blocks(config.model);
+  return estimate_with(config, layout, blocks, state_with(config, layout, blocks));
 }
 
 int64_t smallest_halved_micro_batch(int64_t micro_batch) {
@@ -439,7 +388,7 @@ void check_memory_fits(const RunConfig& config, int64_t gpus, int64_t gpus_per_n
   layout.micro_batch = smallest_halved_micro_batch(layout.micro_batch);
   // Thread ranks share the GPU: their estimates add up, the process's runtime counted once.
   const auto on_gpu = [&](const MemoryEstimate& e) { return ranks * (e.total() - e.runtime) + e.runtime; };
-  const MemoryEstimate estimate = estimate_with(config, layout, blocks);
+  const MemoryEstimate estimate = estimate_with(config, layout, blocks, state_with(config, layout, blocks));
   if (on_gpu(estimate) <= budget_bytes) return;
   const MemoryEstimate::Component largest = estimate.largest();
   const std::string what =

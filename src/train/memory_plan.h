@@ -35,7 +35,10 @@ struct MemoryEstimate {
   int64_t gradients = 0;    // fp32
   int64_t moments = 0;      // AdamW m and v (optimizer.state_dtype)
   int64_t fp32_copies = 0;  // the router biases, read in fp32
-  int64_t zero_in_flight = 0;  // ZeRO 2-3: the layers' gathered weights and unreduced gradients in flight
+  // ZeRO 2-3: the memory the middle stages' gradients (and, at 3, weights) outside the
+  // rank's own pieces share, two pools by the stage's parity: what a stage's unreduced
+  // gradients and gathered weights live in while in flight.
+  int64_t zero_pools = 0;
   // Per layer: what it keeps for its backward (only its input when recomputed), and the
   // one buffer set the recomputed layers share.
   std::vector<int64_t> layer_activations;

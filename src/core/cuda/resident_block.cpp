@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/gpu.h"
+#include "core/resident_chunks.h"
 
 namespace moe::gpu {
 namespace {
@@ -64,10 +65,6 @@ CUmemAllocationProp device_prop(int device) {
   return prop;
 }
 
-// At most this many chunks per block (2 TiB at the usual 2 MiB granularity): larger chunks
-// would waste up to a chunk at each edge of every resident range.
-constexpr size_t kMaxChunks = size_t{1} << 20;
-
 }  // namespace
 
 ResidentBlock::ResidentBlock(size_t bytes) : bytes_(bytes) {
@@ -77,8 +74,7 @@ ResidentBlock::ResidentBlock(size_t bytes) : bytes_(bytes) {
   const CUmemAllocationProp prop = device_prop(device_);
   size_t granularity = 0;
   check(vmm().granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity");
-  const size_t pages = (bytes + granularity - 1) / granularity;
-  chunk_ = granularity * ((pages + kMaxChunks - 1) / kMaxChunks);
+  chunk_ = static_cast<size_t>(resident_chunk_bytes(static_cast<int64_t>(bytes), static_cast<int64_t>(granularity)));
   const size_t chunks = (bytes + chunk_ - 1) / chunk_;
   reserved_ = chunks * chunk_;
   CUdeviceptr base = 0;
@@ -122,35 +118,27 @@ void ResidentBlock::share_chunks(const std::vector<RangeList>& group_ranges, con
   MOE_CHECK(shared_.empty(), "resident block: chunks are shared already");
   MOE_CHECK(group_ranges.size() == pool_of_group.size(), "resident block: {} groups, {} pool indices",
             group_ranges.size(), pool_of_group.size());
-  // Each group's chunks without memory, in order; a chunk goes to the first group naming it.
-  shared_.assign(handles_.size(), 0);
-  std::vector<std::vector<size_t>> chunks_of(group_ranges.size());
-  int n_pools = 0;
-  for (size_t g = 0; g < group_ranges.size(); ++g) {
-    MOE_CHECK(pool_of_group[g] >= 0, "resident block: pool {} for group {}", pool_of_group[g], g);
-    n_pools = std::max(n_pools, pool_of_group[g] + 1);
-    for (const Range& range : group_ranges[g]) {
-      if (range.count <= 0) continue;
-      MOE_CHECK(range.offset >= 0 && static_cast<size_t>(range.end()) <= bytes_,
+  for (size_t g = 0; g < group_ranges.size(); ++g)
+    for (const Range& range : group_ranges[g])
+      MOE_CHECK(range.count <= 0 || (range.offset >= 0 && static_cast<size_t>(range.end()) <= bytes_),
                 "resident block: bytes [{}, {}) outside its {}", range.offset, range.end(), bytes_);
-      for (size_t c = static_cast<size_t>(range.offset) / chunk_; c * chunk_ < static_cast<size_t>(range.end()); ++c)
-        if (!handles_[c] && !shared_[c]) {
-          shared_[c] = 1;
-          chunks_of[g].push_back(c);
-        }
-    }
-  }
+  // Each group's chunks without memory, in order; a chunk goes to the first group naming it
+  // (core/resident_chunks.h, which the memory planner counts with too).
+  std::vector<char> taken(handles_.size(), 0);
+  for (size_t c = 0; c < handles_.size(); ++c) taken[c] = handles_[c] != 0;
+  const std::vector<std::vector<int64_t>> chunks_of =
+      assign_shared_chunks(group_ranges, static_cast<int64_t>(chunk_), taken);
   // A pool is a list of chunk-sized allocations (cuMemMap maps whole allocations only):
   // group g's i-th chunk goes onto its pool's i-th.
-  std::vector<size_t> pool_chunks(static_cast<size_t>(n_pools), 0);
-  for (size_t g = 0; g < group_ranges.size(); ++g) {
-    size_t& most = pool_chunks[static_cast<size_t>(pool_of_group[g])];
-    most = std::max(most, chunks_of[g].size());
-  }
+  const std::vector<int64_t> pool_chunks = pool_chunk_counts(chunks_of, pool_of_group);
+  const int n_pools = static_cast<int>(pool_chunks.size());
+  shared_.assign(handles_.size(), 0);
+  for (const std::vector<int64_t>& chunks : chunks_of)
+    for (int64_t c : chunks) shared_[static_cast<size_t>(c)] = 1;
   const CUmemAllocationProp prop = device_prop(device_);
   std::vector<std::vector<unsigned long long>> pools(static_cast<size_t>(n_pools));
   for (int p = 0; p < n_pools; ++p)
-    for (size_t i = 0; i < pool_chunks[static_cast<size_t>(p)]; ++i) {
+    for (int64_t i = 0; i < pool_chunks[static_cast<size_t>(p)]; ++i) {
       CUmemGenericAllocationHandle handle = 0;
       const CUresult created = vmm().create(&handle, chunk_, &prop, 0);
       if (created == CUDA_ERROR_OUT_OF_MEMORY) {
@@ -167,8 +155,9 @@ void ResidentBlock::share_chunks(const std::vector<RangeList>& group_ranges, con
     }
   for (size_t g = 0; g < group_ranges.size(); ++g)
     for (size_t i = 0; i < chunks_of[g].size(); ++i) {
-      map_chunk(chunks_of[g][i], pools[static_cast<size_t>(pool_of_group[g])][i], 0);
-      MOE_CUDA_CHECK(cudaMemset(static_cast<char*>(base_) + chunks_of[g][i] * chunk_, 0, chunk_));
+      const auto chunk = static_cast<size_t>(chunks_of[g][i]);
+      map_chunk(chunk, pools[static_cast<size_t>(pool_of_group[g])][i], 0);
+      MOE_CUDA_CHECK(cudaMemset(static_cast<char*>(base_) + chunk * chunk_, 0, chunk_));
     }
 }
 
@@ -201,14 +190,11 @@ ResidentBlock& ResidentBlock::operator=(ResidentBlock&& other) noexcept {
 
 void ResidentBlock::set_resident(const RangeList& byte_ranges, bool zero_new) {
   MOE_CHECK(shared_.empty(), "resident block: the resident chunks cannot change once chunks are shared");
-  std::vector<char> wanted(handles_.size(), 0);
-  for (const Range& range : byte_ranges) {
-    if (range.count <= 0) continue;
-    MOE_CHECK(range.offset >= 0 && static_cast<size_t>(range.end()) <= bytes_,
+  for (const Range& range : byte_ranges)
+    MOE_CHECK(range.count <= 0 || (range.offset >= 0 && static_cast<size_t>(range.end()) <= bytes_),
               "resident block: bytes [{}, {}) outside its {}", range.offset, range.end(), bytes_);
-    for (size_t c = static_cast<size_t>(range.offset) / chunk_; c * chunk_ < static_cast<size_t>(range.end()); ++c)
-      wanted[c] = 1;
-  }
+  std::vector<char> wanted(handles_.size(), 0);
+  mark_covering_chunks(byte_ranges, static_cast<int64_t>(chunk_), wanted);
   // Map the missing chunks first, so that running out of memory leaves the block as it was.
   const CUmemAllocationProp prop = device_prop(device_);
   CUmemAccessDesc access = {};

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/cuda/resident_block.h"
 #include "core/gpu.h"
+#include "model/gpu_state_layout.h"
 
 namespace moe {
 namespace {
@@ -79,43 +80,21 @@ struct GpuParameterStore::State {
     return cut_spans(spans(), subtract_ranges(wanted, subtract_ranges(wanted, held)));
   }
   // ZeRO-2/3: `block` (elem bytes per element) keeps memory of its own for `kept`, the first
-  // and last stage (the LM head's and the embedding's: tied, one is used in both) and the
-  // chunks at stage edges; the rest of stage s is mapped onto the pool of its parity.
-  // Returns the element ranges with memory of their own.
+  // and last stage and the chunks at stage edges; the rest of stage s is mapped onto the
+  // pool of its parity (share_by_stages, model/gpu_state_layout.h: the memory planner
+  // counts the same). Returns the element ranges with memory of their own.
   RangeList share_stages(gpu::ResidentBlock& block, int64_t elem, const RangeList& kept,
                          const std::vector<RangeList>& stage_ranges, bool zero_new) {
-    MOE_CHECK(stage_ranges.size() >= 3, "GPU parameters: sharing a block by stages needs 3+ stages, got {}",
-              stage_ranges.size());
-    RangeList own = kept;
-    const size_t last = stage_ranges.size() - 1;
-    for (size_t stage = 0; stage <= last; ++stage)
-      for (const Range& r : stage_ranges[stage]) {
-        if (stage == 0 || stage == last) {
-          own.push_back(r);
-        } else {
-          own.push_back({r.offset, 1});  // a chunk holding two stages' elements stays private
-          own.push_back({r.end() - 1, 1});
-        }
-      }
-    own = merge_ranges(std::move(own));
-    const RangeList outside = subtract_ranges(own, resident);
+    const StageSharing sharing = share_by_stages(kept, stage_ranges);
+    const RangeList outside = subtract_ranges(sharing.own, resident);
     MOE_CHECK(outside.empty(), "GPU parameters: elements [{}, {}) to keep are not resident", outside.front().offset,
               outside.front().end());
-    const auto bytes = [elem](const RangeList& ranges) {
-      RangeList out;
-      for (const Range& r : ranges) out.push_back({r.offset * elem, r.count * elem});
-      return out;
-    };
     sync();
-    block.set_resident(bytes(own), zero_new);
+    block.set_resident(byte_ranges(sharing.own, elem), zero_new);
     std::vector<RangeList> groups;
-    std::vector<int> pools;
-    for (size_t stage = 1; stage < last; ++stage) {
-      groups.push_back(bytes(subtract_ranges(stage_ranges[stage], own)));
-      pools.push_back(static_cast<int>(stage % 2));
-    }
-    block.share_chunks(groups, pools);
-    return own;
+    for (const RangeList& group : sharing.groups) groups.push_back(byte_ranges(group, elem));
+    block.share_chunks(groups, sharing.pools);
+    return sharing.own;
   }
   Buffer<float>& range_staging() const {
     if (staging_buffer.size() == 0) staging_buffer = staging();
@@ -412,14 +391,9 @@ void GpuParameterStore::pack_optimizer_state(const RangeList& ranges) {
   const RangeList outside = subtract_ranges(merged, s.resident);
   MOE_CHECK(outside.empty(), "GPU parameters: optimizer range [{}, {}) is not resident", outside.front().offset,
             outside.front().end());
-  std::vector<int64_t> at;
-  int64_t next = 0;
-  for (const Range& r : merged) {
-    next = (next + 15) / 16 * 16 + r.offset % 16;
-    at.push_back(next);
-    next += r.count;
-  }
-  const int64_t total = (next + 15) / 16 * 16;
+  PackedState layout = packed_state_layout(merged);  // model/gpu_state_layout.h
+  std::vector<int64_t>& at = layout.at;
+  const int64_t total = layout.total;
   const size_t mb = s.moment_bytes();
   s.lo_packed = Buffer<int16_t>(static_cast<size_t>(total));
   s.m_packed = Buffer<uint8_t>(static_cast<size_t>(total) * mb);

@@ -1,0 +1,49 @@
+#include "model/gpu_state_layout.h"
+
+#include "core/error.h"
+
+namespace moe {
+
+PackedState packed_state_layout(const RangeList& ranges) {
+  PackedState packed;
+  int64_t next = 0;
+  for (const Range& r : ranges) {
+    next = (next + 15) / 16 * 16 + r.offset % 16;
+    packed.at.push_back(next);
+    next += r.count;
+  }
+  packed.total = (next + 15) / 16 * 16;
+  return packed;
+}
+
+StageSharing share_by_stages(const RangeList& kept, const std::vector<RangeList>& stage_ranges) {
+  MOE_CHECK(stage_ranges.size() >= 3, "GPU parameters: sharing a block by stages needs 3+ stages, got {}",
+            stage_ranges.size());
+  StageSharing sharing;
+  RangeList own = kept;
+  const size_t last = stage_ranges.size() - 1;
+  for (size_t stage = 0; stage <= last; ++stage)
+    for (const Range& r : stage_ranges[stage]) {
+      if (stage == 0 || stage == last) {
+        own.push_back(r);
+      } else {
+        own.push_back({r.offset, 1});
+        own.push_back({r.end() - 1, 1});
+      }
+    }
+  sharing.own = merge_ranges(std::move(own));
+  for (size_t stage = 1; stage < last; ++stage) {
+    sharing.groups.push_back(subtract_ranges(stage_ranges[stage], sharing.own));
+    sharing.pools.push_back(static_cast<int>(stage % 2));
+  }
+  return sharing;
+}
+
+RangeList byte_ranges(const RangeList& elements, int64_t elem_bytes) {
+  RangeList out;
+  out.reserve(elements.size());
+  for (const Range& r : elements) out.push_back({r.offset * elem_bytes, r.count * elem_bytes});
+  return out;
+}
+
+}  // namespace moe

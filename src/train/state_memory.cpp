@@ -1,0 +1,95 @@
+#include "train/state_memory.h"
+
+#include <string>
+
+#include "core/error.h"
+#include "core/resident_chunks.h"
+#include "dist/gradient_stages.h"
+#include "dist/zero_shards.h"
+#include "model/gpu_state_layout.h"
+#include "model/transformer.h"
+
+namespace moe {
+namespace {
+
+// The chunks of a ResidentBlock of `storage` elements of `elem` bytes covering `elements`.
+int64_t resident_bytes(const RangeList& elements, int64_t elem, int64_t storage) {
+  const int64_t chunk = resident_chunk_bytes(storage * elem, kResidentGranularity);
+  return covering_chunk_count(byte_ranges(elements, elem), chunk) * chunk;
+}
+
+// share_stages over a block of `elem` bytes per element: its own chunks, and its pools.
+struct SharedBlockBytes {
+  int64_t own = 0, pools = 0;
+};
+SharedBlockBytes shared_block_bytes(const ParameterBlockLayout& block, const RangeList& kept, int64_t elem) {
+  const StageSharing sharing = share_by_stages(kept, block.stages);
+  const int64_t bytes = block.storage * elem, chunk = resident_chunk_bytes(bytes, kResidentGranularity);
+  std::vector<char> taken(static_cast<size_t>((bytes + chunk - 1) / chunk), 0);
+  const RangeList own = byte_ranges(sharing.own, elem);
+  mark_covering_chunks(own, chunk, taken);
+  std::vector<RangeList> groups;
+  for (const RangeList& group : sharing.groups) groups.push_back(byte_ranges(group, elem));
+  SharedBlockBytes out;
+  out.own = covering_chunk_count(own, chunk) * chunk;
+  for (int64_t chunks : pool_chunk_counts(assign_shared_chunks(groups, chunk, taken), sharing.pools))
+    out.pools += chunks * chunk;
+  return out;
+}
+
+}  // namespace
+
+ParameterBlockLayout parameter_block_layout(const ModelConfig& config, const ParameterStore<float>& specs) {
+  const std::vector<int64_t> offsets = specs.planned_offsets();
+  ParameterBlockLayout block;
+  block.storage = offsets.back();
+  block.stages = dist::gradient_ranges_by_stage(
+      specs, offsets, [&](const std::string& name) { return Transformer<float>::backward_stage_of(config, name); },
+      Transformer<float>::backward_stages(config));
+  // GpuParameterStore::fp32_copy_ranges: the MoE layers' router biases (GpuTransformer's fp32 ids).
+  for (int id = 0; id < specs.size(); ++id)
+    if (specs.spec(id).name.ends_with(".moe.router.bias"))
+      block.fp32_copies.push_back({offsets[static_cast<size_t>(id)], (specs.numel(id) + 15) / 16 * 16});
+  return block;
+}
+
+StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& resident, int64_t zero,
+                            const RangeList& kept, int64_t moment_bytes) {
+  const int64_t n = block.storage;
+  StateBytes state;
+  state.weights = resident_bytes(resident, 2, n);
+  state.master_lo = resident_bytes(resident, 2, n);
+  state.gradients = resident_bytes(resident, 4, n);
+  state.moments = 2 * resident_bytes(resident, moment_bytes, n);
+  if (zero <= 0) return state;
+  // pack_optimizer_state: the lo, m and v blocks released, their kept pieces packed.
+  const int64_t packed = packed_state_layout(merge_ranges(kept)).total;
+  state.master_lo = packed * 2;
+  state.moments = 2 * packed * moment_bytes;
+  if (zero >= 2) {
+    const SharedBlockBytes grads = shared_block_bytes(block, kept, 4);
+    state.gradients = grads.own;
+    state.pools += grads.pools;
+  }
+  if (zero >= 3) {
+    const SharedBlockBytes weights = shared_block_bytes(block, kept, 2);
+    state.weights = weights.own;
+    state.pools += weights.pools;
+  }
+  return state;
+}
+
+StateBytes data_parallel_state_bytes(const ParameterBlockLayout& block, int64_t zero, int ranks, int64_t bucket_elems,
+                                     int64_t moment_bytes) {
+  const RangeList whole{{0, block.storage}};
+  if (zero <= 0 || ranks <= 1) return rank_state_bytes(block, whole, 0, {}, moment_bytes);
+  StateBytes largest;
+  for (int rank : {0, ranks - 1}) {
+    const dist::ZeroShardPlan plan = dist::plan_zero_shards(block.stages, block.fp32_copies, bucket_elems, ranks, rank);
+    const StateBytes state = rank_state_bytes(block, whole, zero, plan.update, moment_bytes);
+    if (state.total() > largest.total()) largest = state;
+  }
+  return largest;
+}
+
+}  // namespace moe

@@ -1,0 +1,55 @@
+// The device bytes of one GPU rank's parameter state (bf16 weights, int16 lo halves, fp32
+// gradients, AdamW moments) as GpuParameterStore allocates them, ZeRO included, computed
+// on the host from the parameter layout: the memory planner's (train/memory_plan.h) state
+// components. It calls what the GPU code calls: the backward stages
+// (Transformer::backward_stage_of, dist::gradient_ranges_by_stage), the ZeRO plan
+// (dist::plan_zero_shards), the packed optimizer state and the stage sharing
+// (model/gpu_state_layout.h), the resident chunks and pools (core/resident_chunks.h).
+// docs/MEMORY_PLAN.md.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "config/model_config.h"
+#include "core/range.h"
+#include "model/parameters.h"
+
+namespace moe {
+
+// The parameter block as the GPU model lays it out, from the config alone: `specs` is
+// Transformer<float>::parameter_specs(config) (registered, not allocated).
+struct ParameterBlockLayout {
+  int64_t storage = 0;             // elements, alignment padding included
+  std::vector<RangeList> stages;   // per backward stage: the ranges it completes (padding included)
+  RangeList fp32_copies;           // the router biases, each padded to 16: stepped whole under ZeRO
+};
+ParameterBlockLayout parameter_block_layout(const ModelConfig& config, const ParameterStore<float>& specs);
+
+// ResidentBlock's mapping granularity the estimate assumes (2 MiB on Hopper).
+constexpr int64_t kResidentGranularity = int64_t{2} << 20;
+
+// GpuParameterStore's bytes on one rank.
+struct StateBytes {
+  int64_t weights = 0;    // the bf16 hi halves' block (ZeRO 3: the chunks of its own ranges)
+  int64_t master_lo = 0;  // the int16 lo halves (ZeRO 1+: packed, its pieces only)
+  int64_t gradients = 0;  // fp32 (ZeRO 2+: the chunks of its own ranges)
+  int64_t moments = 0;    // m and v (ZeRO 1+: packed)
+  int64_t pools = 0;      // ZeRO 2-3: the two parity pools of the gradients, and of the weights
+  int64_t total() const { return weights + master_lo + gradients + moments + pools; }
+};
+
+// A rank whose blocks hold `resident` (element ranges, sorted; the whole block without
+// expert parallelism) at ZeRO level `zero`, stepping `kept` (its ZeroShardPlan::update;
+// unused at level 0): pack_optimizer_state(kept) at 1+, share_gradients at 2+,
+// share_weights at 3. `moment_bytes`: 4 (fp32 moments) or 2 (bf16).
+StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& resident, int64_t zero,
+                            const RangeList& kept, int64_t moment_bytes);
+
+// Data parallelism without expert parallelism (GpuBackend::make_data_parallel): ZeRO
+// `zero` over `ranks` ranks, gradient buckets of `bucket_elems` (gradient_bucket_elems),
+// the router biases kept whole. The larger of rank 0's and the last rank's state (the
+// ranks differ only at the ends of the stages' ranges): two plans, whatever the ranks.
+StateBytes data_parallel_state_bytes(const ParameterBlockLayout& block, int64_t zero, int ranks, int64_t bucket_elems,
+                                     int64_t moment_bytes);
+
+}  // namespace moe

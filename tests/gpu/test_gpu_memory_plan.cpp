@@ -1,0 +1,131 @@
+// The memory planner (train/memory_plan.h) against what the GPU holds, on the model of
+// bench/zero_memory.sh: a ZeRO rank's GpuParameterStore set up with the calls
+// GpuBackend::make_data_parallel makes, byte for byte against the estimate's state; and
+// one step of two thread ranks at ZeRO 3, the device memory they take (cudaMemGetInfo)
+// against the estimate, within 10%.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <exception>
+#include <latch>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "dist/cuda/thread_communicator.h"
+#include "dist/gradient_stages.h"
+#include "dist/zero_shards.h"
+#include "gpu_test_util.h"
+#include "model/cuda/gpu_parameters.h"
+#include "model/transformer.h"
+#include "train/memory_plan.h"
+#include "train/synthetic.h"
+#include "train/trainer.h"
+
+namespace moe {
+namespace {
+
+// bench/zero_memory.sh's model: 0.41 B parameters, 8 layers of 64 experts, vocabulary 4,096.
+RunConfig bench_model(int ranks) {
+  RunConfig c = test::tiny_gpu_run(1);
+  ModelConfig& m = c.model;
+  m.vocab_size = 4096;
+  m.dim = 512;
+  m.n_heads = 8;
+  m.n_kv_heads = 4;
+  m.n_layers = 8;
+  m.seq_len = 512;
+  m.moe.n_experts = 64;
+  m.moe.top_k = 2;
+  m.moe.expert_hidden = 512;
+  c.training.micro_batch = 1;
+  c.training.global_batch_tokens = 512 * ranks;  // one micro-batch per rank
+  c.training.cuda_graphs = false;
+  return c;
+}
+
+// Weights, lo halves, gradients, moments, the router biases' fp32 copies and the ZeRO
+// pools: what GpuParameterStore::device_bytes counts.
+int64_t estimated_state(const MemoryEstimate& e) {
+  return e.weights + e.master_lo + e.gradients + e.moments + e.fp32_copies + e.zero_pools;
+}
+
+TEST(GpuMemoryPlan, ZeroStateIsWhatTheStoreHolds) {
+  MOE_REQUIRE_GPU();
+  const RunConfig c = bench_model(1);
+  const Transformer<float> model(c.model, 1);
+  const ParameterStore<float>& params = model.params();
+  std::vector<int> router_biases;  // GpuTransformer's fp32 copies
+  for (int id = 0; id < params.size(); ++id)
+    if (params.spec(id).name.ends_with(".moe.router.bias")) router_biases.push_back(id);
+  const std::vector<RangeList> stages = dist::gradient_ranges_by_stage(
+      params, [&](const std::string& name) { return model.backward_stage_of(name); }, model.backward_stages());
+  const int64_t bucket = dist::gradient_bucket_elems(c.parallel.bucket_mb, params.storage_numel());
+  {
+    const GpuParameterStore whole(params, c.optimizer.state_dtype, router_biases, nullptr);
+    EXPECT_EQ(static_cast<int64_t>(whole.device_bytes()), estimated_state(estimate_memory(c, configured_layout(c, 1, 1))));
+  }
+  for (int ranks : {2, 8})
+    for (int64_t zero = 1; zero <= 3; ++zero) {
+      // The estimate counts the larger of rank 0's and the last rank's.
+      size_t held = 0;
+      for (int rank : {0, ranks - 1}) {
+        GpuParameterStore store(params, c.optimizer.state_dtype, router_biases, nullptr);
+        const dist::ZeroShardPlan plan =
+            dist::plan_zero_shards(stages, store.fp32_copy_ranges(), bucket, ranks, rank);
+        store.pack_optimizer_state(plan.update);
+        if (zero >= 2) store.share_gradients(plan.update, stages);
+        if (zero >= 3) store.share_weights(plan.update, stages);
+        held = std::max(held, store.device_bytes());
+      }
+      MemoryLayout layout = configured_layout(c, ranks, ranks);
+      layout.zero = zero;
+      EXPECT_EQ(static_cast<int64_t>(held), estimated_state(estimate_memory(c, layout)))
+          << "ZeRO " << zero << " over " << ranks << " ranks";
+    }
+}
+
+// Two thread ranks on this GPU, ZeRO 3, one step: the device memory they take together
+// against twice the estimate without the workspace (NCCL's buffers, which thread ranks do
+// not have, cuBLAS's and cuDNN's) and the runtime (the context exists before; the
+// libraries' kernels load lazily), as docs/MEMORY_PLAN.md says to compare.
+TEST(GpuMemoryPlan, ZeroThreeRanksTakeWhatTheEstimateSays) {
+  MOE_REQUIRE_GPU();
+  constexpr int kRanks = 2;
+  RunConfig c = bench_model(kRanks);
+  c.parallel.zero = 3;
+  const MemoryEstimate estimate = estimate_memory(c, configured_layout(c, kRanks, kRanks));
+  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(kRanks);
+  const size_t before = gpu::device_bytes_in_use();
+  // Each rank keeps its trainer (and its memory) until the memory in use is read.
+  std::latch trained(kRanks), measured(1);
+  std::vector<std::string> errors(kRanks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r)
+    threads.emplace_back([&, r] {
+      std::unique_ptr<Trainer> trainer;
+      try {
+        const ModelConfig& m = c.model;
+        trainer = std::make_unique<Trainer>(c, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
+                                            std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2),
+                                            std::move(worlds[static_cast<size_t>(r)]));
+        std::ostringstream log;
+        trainer->run(log);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+      trained.count_down();
+      measured.wait();
+    });
+  trained.wait();
+  const size_t after = gpu::device_bytes_in_use();
+  measured.count_down();
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kRanks; ++r) ASSERT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+  const double want = kRanks * static_cast<double>(estimate.total() - estimate.workspace - estimate.runtime);
+  const double got = static_cast<double>(after) - static_cast<double>(before);
+  EXPECT_NEAR(got, want, 0.1 * want) << "state per rank (estimate): " << estimated_state(estimate) / 1e9 << " GB";
+}
+
+}  // namespace
+}  // namespace moe
