@@ -20,6 +20,7 @@
 #include "dist/expert_exchange.h"
 #include "dist/hierarchical_all_to_all.h"
 #include "dist/expert_optimizer.h"
+#include "dist/expert_parameter_gather.h"
 #include "dist/comm_stats.h"
 #include "dist/process_groups.h"
 #include "dist/zero_optimizer.h"
@@ -78,6 +79,7 @@ class ParallelCpuBackend final : public ModelBackend {
   std::unique_ptr<dist::ZeroOptimizer> zero_;
   std::unique_ptr<dist::ZeroParameterGather> gather_;  // parallel.zero = 3
   std::unique_ptr<dist::ExpertOptimizer> experts_;  // expert_parallel > 1
+  std::unique_ptr<dist::ExpertParameterGather> expert_gather_;  // expert_parallel > 1, parallel.zero = 3, replicas
   // expert_parallel == 1: expert weights are sharded with the rest; per-expert clipping
   // needs their expert group per parameter id (-1: not an expert weight).
   std::vector<int> expert_group_of_id_;
