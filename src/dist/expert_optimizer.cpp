@@ -225,6 +225,8 @@ void ExpertOptimizer::finish() {
       layer.hinge_work.reset();
       unpack(layer, layer.hinges, layer.hinge_buffer);
     }
+    // The packed copies live only while the sums are in flight (the size of the window's gradients).
+    for (auto* buffer : {&layer.own_buffer, &layer.own_share, &layer.hinge_buffer}) std::vector<float>().swap(*buffer);
   }
 }
 

@@ -100,12 +100,4 @@ void ExpertParameterGather::gather_all() {
   for (size_t l = 0; l < layers_.size(); ++l) wait(static_cast<int>(l));
 }
 
-int64_t ExpertParameterGather::gathered_elements() const {
-  int64_t n = 0;
-  for (size_t l = 0; l < layers_.size(); ++l)
-    if (layers_[l].state != State::Released)
-      n += total_count(experts_.shares().others(layers_[l].layer.ids, experts_.sharded_experts(l)));
-  return n;
-}
-
 }  // namespace moe::dist

@@ -33,8 +33,6 @@ class ExpertParameterGather {
   void release_all();
   // Every sharded expert whole (re-placement, the end of a run); collective.
   void gather_all();
-  // Elements of other ranks' shares this rank holds gathered now.
-  int64_t gathered_elements() const;
 
  private:
   enum class State { Released, InFlight, Present };
