@@ -8,7 +8,9 @@
 # Then 4 ranks with expert parallelism 2 (each rank computes 4 of the 8 experts, each expert
 # on two replicas) at each level: the dense parameters as above over the 4 ranks, the own
 # experts' state over their 2 replicas (1: moments, 2: gradients too, 3: weights too).
-# SECTIONS (default "dp ep"): which of the two sets of rows to run.
+# SECTIONS (default "dp ep"): which of the two sets of rows to run. glibc keeps freed
+# buffers of up to 32 MB in the heap once one was freed (its dynamic mmap threshold):
+# MALLOC_MMAP_THRESHOLD_=131072 in the environment measures without that.
 # Usage: bench/zero_memory_cpu.sh MOE_BINARY DATA_DIR OUT_DIR [extra --section.key=value ...]
 set -euo pipefail
 moe=$1 data=$2 out=$3
