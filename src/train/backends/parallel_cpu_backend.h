@@ -3,7 +3,9 @@
 // with parallel.expert_parallel > 1, expert parallelism on the GPU path's semantics (per
 // MoE layer slots, each token once per peer, partial combines, split experts:
 // model/expert_parallel_dispatcher.h over src/dist/expert_exchange.h; the experts' steps in
-// src/dist/expert_optimizer.h). A ModelBackend, so Trainer::train_step's one loop drives it.
+// src/dist/expert_optimizer.h, at parallel.zero 1-3 ZeRO over their replicas with the same
+// level: expert_shares.h, expert_parameter_gather.h). A ModelBackend, so Trainer::train_step's
+// one loop drives it.
 //
 // What "the same as one process" means here: N ranks with micro-batch B reproduce the
 // single-process run with micro-batch N x B and the same global batch (rank r's local
