@@ -5,6 +5,12 @@
 # memory.rss_bytes) and the parameter state the backend says rank 0 keeps (its startup line).
 # 0 keeps everything; 1 frees the other ranks' moments; 2 their gradients too (released after
 # each micro-batch's reduce-scatter); 3 their parameters too (gathered stage by stage).
+# Then 4 ranks with expert parallelism 2 (each rank computes 4 of the 8 experts, each expert
+# on two replicas) at each level: the dense parameters as above over the 4 ranks, the own
+# experts' state over their 2 replicas (1: moments, 2: gradients too, 3: weights too).
+# SECTIONS (default "dp ep"): which of the two sets of rows to run. glibc keeps freed
+# buffers of up to 32 MB in the heap once one was freed (its dynamic mmap threshold):
+# MALLOC_MMAP_THRESHOLD_=131072 in the environment measures without that.
 # Usage: bench/zero_memory_cpu.sh MOE_BINARY DATA_DIR OUT_DIR [extra --section.key=value ...]
 set -euo pipefail
 moe=$1 data=$2 out=$3
@@ -23,14 +29,26 @@ print(f\"{rows[-1]['memory']['rss_bytes']/1e9:.3f}\")")
   state=$(grep -o 'ZeRO [0-3] over .*' "$1.log" | head -1 || true)
   echo "$2: rank 0 resident set $rss GB | ${state:-one process} | $(grep -E '^step +2/' "$1.log" | cut -c1-40)"
 }
-dir="$out/ranks_1"
-"$moe" train -c configs/default.toml --metrics.dir="$dir" --training.global_batch_tokens=128 "${args[@]}" > "$dir.log" 2>&1
-report "$dir" "1 process"
-for ranks in 2 4; do
-  for zero in 0 1 2 3; do
-    dir="$out/ranks_${ranks}_zero_$zero"
-    "$moe" launch --nproc-per-node "$ranks" -- train -c configs/default.toml --metrics.dir="$dir" \
-      --training.global_batch_tokens=$((ranks * 128)) --parallel.zero="$zero" "${args[@]}" > "$dir.log" 2>&1
-    report "$dir" "$ranks ranks, zero $zero"
+sections=${SECTIONS:-dp ep}
+if [[ " $sections " == *" dp "* ]]; then
+  dir="$out/ranks_1"
+  "$moe" train -c configs/default.toml --metrics.dir="$dir" --training.global_batch_tokens=128 "${args[@]}" > "$dir.log" 2>&1
+  report "$dir" "1 process"
+  for ranks in 2 4; do
+    for zero in 0 1 2 3; do
+      dir="$out/ranks_${ranks}_zero_$zero"
+      "$moe" launch --nproc-per-node "$ranks" -- train -c configs/default.toml --metrics.dir="$dir" \
+        --training.global_batch_tokens=$((ranks * 128)) --parallel.zero="$zero" "${args[@]}" > "$dir.log" 2>&1
+      report "$dir" "$ranks ranks, zero $zero"
+    done
   done
-done
+fi
+if [[ " $sections " == *" ep "* ]]; then
+  for zero in 0 1 2 3; do
+    dir="$out/ranks_4_ep_2_zero_$zero"
+    "$moe" launch --nproc-per-node 4 -- train -c configs/default.toml --metrics.dir="$dir" \
+      --training.global_batch_tokens=512 --parallel.expert_parallel=2 --parallel.zero="$zero" "${args[@]}" \
+      > "$dir.log" 2>&1
+    report "$dir" "4 ranks, EP 2, zero $zero"
+  done
+fi

@@ -14,7 +14,9 @@ ExpertOptimizer::ExpertOptimizer(ParameterStore<float>& params, std::vector<Laye
                                  const std::vector<ExpertSlots>& slots, int ep_rank, Communicator& expert_data_parallel,
                                  Communicator& world, const OptimizerConfig& config, CommStats& stats, int zero_level)
     : params_(params), slots_(slots), ep_rank_(ep_rank), edp_(expert_data_parallel), world_(world), config_(config),
-      stats_(stats), shards_(zero_level >= 1 && expert_data_parallel.size() > 1) {
+      stats_(stats), shares_(params, expert_data_parallel.size(), expert_data_parallel.rank()), level_(zero_level),
+      shards_(zero_level >= 1 && expert_data_parallel.size() > 1) {
+  MOE_CHECK(zero_level >= 0 && zero_level <= 3, "expert optimizer: no ZeRO level {}", zero_level);
   MOE_CHECK(layers.size() == slots.size(), "expert optimizer: {} MoE layers, slots for {}", layers.size(), slots.size());
   for (size_t l = 0; l < layers.size(); ++l) {
     LayerState state;
@@ -35,12 +37,6 @@ ExpertOptimizer::ExpertOptimizer(ParameterStore<float>& params, std::vector<Laye
   }
 }
 
-ExpertOptimizer::Share ExpertOptimizer::share(int64_t n, int r) const {
-  const int64_t padded = (n + edp_.size() - 1) / edp_.size();
-  const int64_t begin = std::min(n, r * padded);
-  return {begin, std::min(n, begin + padded) - begin, padded};
-}
-
 std::vector<int64_t> ExpertOptimizer::own_experts(const ExpertSlots& slots) const {
   const std::vector<std::vector<int>> holders = slot_holders(slots);
   std::vector<int64_t> own;
@@ -51,12 +47,30 @@ std::vector<int64_t> ExpertOptimizer::own_experts(const ExpertSlots& slots) cons
   return own;
 }
 
+std::vector<int64_t> ExpertOptimizer::sharded_experts(size_t l) const {
+  return shards_ ? own_experts(slots_[l]) : std::vector<int64_t>{};
+}
+
+ExpertShares::Share ExpertOptimizer::kept(int id, int64_t expert, const std::vector<int64_t>& sharded) const {
+  if (std::count(sharded.begin(), sharded.end(), expert) > 0) return shares_.mine(id);
+  return {0, per_expert(id), per_expert(id)};
+}
+
+RangeList ExpertOptimizer::others_shares() const {
+  RangeList ranges;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const RangeList layer = shares_.others(layers_[l].layer.ids, sharded_experts(l));
+    ranges.insert(ranges.end(), layer.begin(), layer.end());
+  }
+  return merge_ranges(std::move(ranges));
+}
+
 void ExpertOptimizer::shard_moments(size_t l, const ExpertSlots& slots) {
   if (!shards_) return;
   LayerState& layer = layers_[l];
   for (size_t i = 0; i < layer.layer.ids.size(); ++i)
     for (int64_t expert : own_experts(slots)) {
-      const Share mine = share(per_expert(layer.layer.ids[i]), edp_.rank());
+      const ExpertShares::Share mine = shares_.mine(layer.layer.ids[i]);
       for (auto* moments : {&layer.m, &layer.v}) {
         std::vector<float>& whole = (*moments)[i][static_cast<size_t>(expert)];
         whole = std::vector<float>(whole.begin() + mine.begin, whole.begin() + mine.begin + mine.count);
@@ -70,7 +84,7 @@ void ExpertOptimizer::unshard_moments(size_t l, const ExpertSlots& slots) {
   for (size_t i = 0; i < layer.layer.ids.size(); ++i)
     for (int64_t expert : own_experts(slots)) {
       const int64_t n = per_expert(layer.layer.ids[i]);
-      const Share mine = share(n, edp_.rank());
+      const ExpertShares::Share mine = shares_.mine(layer.layer.ids[i]);
       for (auto* moments : {&layer.m, &layer.v}) {
         std::vector<float>& part = (*moments)[i][static_cast<size_t>(expert)];
         // Rank r's share lands at r * padded = its begin: the first n elements are the whole.
@@ -83,53 +97,28 @@ void ExpertOptimizer::unshard_moments(size_t l, const ExpertSlots& slots) {
     }
 }
 
-int64_t ExpertOptimizer::shares_per_rank(const LayerState& layer, const std::vector<int64_t>& experts) const {
-  int64_t n = 0;
-  for (int id : layer.layer.ids) n += share(per_expert(id), 0).padded * static_cast<int64_t>(experts.size());
-  return n;
+std::vector<float*> ExpertOptimizer::grads_of(const LayerState& layer) {
+  std::vector<float*> grads;
+  for (int id : layer.layer.ids) grads.push_back(params_.grad(id));
+  return grads;
 }
 
-void ExpertOptimizer::pack_shares(const LayerState& layer, const std::vector<int64_t>& experts,
-                                  const float* const* data_of_id, std::vector<float>& buffer) const {
-  const int64_t per_rank = shares_per_rank(layer, experts);
-  buffer.assign(static_cast<size_t>(per_rank * edp_.size()), 0.0f);
-  for (int r = 0; r < edp_.size(); ++r) {
-    float* out = buffer.data() + r * per_rank;
-    for (size_t i = 0; i < layer.layer.ids.size(); ++i) {
-      const int64_t n = per_expert(layer.layer.ids[i]);
-      const Share part = share(n, r);
-      for (int64_t expert : experts) {
-        std::copy_n(data_of_id[i] + expert * n + part.begin, part.count, out);
-        out += part.padded;
-      }
-    }
-  }
-}
-
-void ExpertOptimizer::unpack_shares(const LayerState& layer, const std::vector<int64_t>& experts, const float* buffer,
-                                    int rank, float* const* data_of_id) {
-  for (size_t i = 0; i < layer.layer.ids.size(); ++i) {
-    const int64_t n = per_expert(layer.layer.ids[i]);
-    const Share part = share(n, rank);
-    for (int64_t expert : experts) {
-      std::copy_n(buffer, part.count, data_of_id[i] + expert * n + part.begin);
-      buffer += part.padded;
-    }
-  }
-}
-
-// After step(): every rank's updated shares of the own experts' weights, into every replica.
-void ExpertOptimizer::gather_updated_shares(LayerState& layer, const std::vector<int64_t>& experts) {
+std::vector<float*> ExpertOptimizer::values_of(const LayerState& layer) {
   std::vector<float*> values;
   for (int id : layer.layer.ids) values.push_back(params_.value(id));
-  const int64_t per_rank = shares_per_rank(layer, experts);
+  return values;
+}
+
+// After step() below level 3: every rank's updated shares of the own experts' weights, into every replica.
+void ExpertOptimizer::gather_updated_shares(LayerState& layer, const std::vector<int64_t>& experts) {
+  const std::vector<float*> values = values_of(layer);
+  const int64_t per_rank = shares_.per_rank(layer.layer.ids, experts);
   std::vector<float> all(static_cast<size_t>(per_rank * edp_.size()));
-  pack_shares(layer, experts, values.data(), all);  // rank-major: this rank's block is its send
-  timed_blocking(stats_, [&] {
-    edp_.all_gather(all.data() + edp_.rank() * per_rank, all.data(), static_cast<size_t>(per_rank), DType::f32);
-  });
+  float* mine = all.data() + edp_.rank() * per_rank;
+  shares_.pack(layer.layer.ids, experts, values, edp_.rank(), mine);
+  timed_blocking(stats_, [&] { edp_.all_gather(mine, all.data(), static_cast<size_t>(per_rank), DType::f32); });
   for (int r = 0; r < edp_.size(); ++r)
-    if (r != edp_.rank()) unpack_shares(layer, experts, all.data() + r * per_rank, r, values.data());
+    if (r != edp_.rank()) shares_.unpack(layer.layer.ids, experts, all.data() + r * per_rank, r, values);
 }
 
 template <class F>
@@ -160,7 +149,9 @@ void ExpertOptimizer::unpack(const LayerState& layer, const std::vector<int64_t>
 }
 
 void ExpertOptimizer::on_stage(int stage) {
-  if (!armed_) return;
+  // Level 2-3 reduce-scatter the own experts on every micro-batch (the hinges still once a step).
+  const bool every_micro_batch = shards_ && level_ >= 2;
+  if (!armed_ && !every_micro_batch) return;
   for (size_t l = 0; l < layers_.size(); ++l) {
     LayerState& layer = layers_[l];
     if (layer.layer.stage != stage) continue;
@@ -176,44 +167,66 @@ void ExpertOptimizer::on_stage(int stage) {
       if (who.size() > 1) layer.hinges.push_back(expert);
       else if (!who.empty() && who.front() == ep_rank_) layer.own.push_back(expert);
     }
-    if (edp_.size() > 1 && !layer.own.empty() && shards_) {
-      std::vector<const float*> grads;
-      for (int id : layer.layer.ids) grads.push_back(params_.grad(id));
-      pack_shares(layer, layer.own, grads.data(), layer.own_buffer);
-      layer.own_share.resize(static_cast<size_t>(shares_per_rank(layer, layer.own)));
+    if (shards_ && !layer.own.empty()) {
+      // Level 2-3: this rank's shares hold the running sum plus this micro-batch's
+      // gradient, the others only this micro-batch's (released since the last scatter),
+      // so the scatter leaves the sum of the step so far.
+      const int64_t per_rank = shares_.per_rank(layer.layer.ids, layer.own);
+      const std::vector<float*> grads = grads_of(layer);
+      layer.own_buffer.resize(static_cast<size_t>(per_rank * edp_.size()));
+      for (int r = 0; r < edp_.size(); ++r)
+        shares_.pack(layer.layer.ids, layer.own, grads, r, layer.own_buffer.data() + r * per_rank);
+      layer.own_share.resize(static_cast<size_t>(per_rank));
       layer.own_work = edp_.reduce_scatter_async(layer.own_buffer.data(), layer.own_share.data(), layer.own_share.size(),
                                                  DType::f32, ReduceOp::sum);
+      if (every_micro_batch) scattering_.push_back(l);
     } else if (edp_.size() > 1 && !layer.own.empty()) {
       pack(layer, layer.own, layer.own_buffer);
       layer.own_work = edp_.all_reduce_async(layer.own_buffer.data(), layer.own_buffer.size(), DType::f32, ReduceOp::sum);
     }
-    if (world_.size() > 1 && !layer.hinges.empty()) {
+    if (armed_ && world_.size() > 1 && !layer.hinges.empty()) {
       pack(layer, layer.hinges, layer.hinge_buffer);
       layer.hinge_work =
           world_.all_reduce_async(layer.hinge_buffer.data(), layer.hinge_buffer.size(), DType::f32, ReduceOp::sum);
     }
   }
+  // One layer in flight while the next computes: at most two layers' whole expert gradients live.
+  if (every_micro_batch) retire_scatters(1);
 }
+
+void ExpertOptimizer::retire_scatters(size_t keep) {
+  while (scattering_.size() > keep) {
+    LayerState& layer = layers_[scattering_.front()];
+    scattering_.erase(scattering_.begin());
+    timed_wait(*layer.own_work, stats_);
+    layer.own_work.reset();
+    shares_.unpack(layer.layer.ids, layer.own, layer.own_share.data(), edp_.rank(), grads_of(layer));
+    params_.release_grads(shares_.others(layer.layer.ids, layer.own));
+    std::vector<float>().swap(layer.own_buffer);  // give the packed copies back too
+    std::vector<float>().swap(layer.own_share);
+  }
+}
+
+void ExpertOptimizer::end_micro_batch() { retire_scatters(0); }
 
 void ExpertOptimizer::finish() {
   armed_ = false;
+  retire_scatters(0);
   for (LayerState& layer : layers_) {
     if (layer.own_work) {
       timed_wait(*layer.own_work, stats_);
       layer.own_work.reset();
-      if (shards_) {  // only this rank's shares are summed: the rest of the own experts' gradients is stale
-        std::vector<float*> grads;
-        for (int id : layer.layer.ids) grads.push_back(params_.grad(id));
-        unpack_shares(layer, layer.own, layer.own_share.data(), edp_.rank(), grads.data());
-      } else {
-        unpack(layer, layer.own, layer.own_buffer);
-      }
+      // Sharded: only this rank's shares are summed, the rest of the own experts' gradients is stale.
+      if (shards_) shares_.unpack(layer.layer.ids, layer.own, layer.own_share.data(), edp_.rank(), grads_of(layer));
+      else unpack(layer, layer.own, layer.own_buffer);
     }
     if (layer.hinge_work) {
       timed_wait(*layer.hinge_work, stats_);
       layer.hinge_work.reset();
       unpack(layer, layer.hinges, layer.hinge_buffer);
     }
+    // The packed copies live only while the sums are in flight (the size of the window's gradients).
+    for (auto* buffer : {&layer.own_buffer, &layer.own_share, &layer.hinge_buffer}) std::vector<float>().swap(*buffer);
   }
 }
 
@@ -228,12 +241,13 @@ double ExpertOptimizer::clip_experts(double max_norm) {
   };
   std::vector<Entry> entries;
   std::vector<double> shared_sq;
+  std::vector<std::vector<int64_t>> sharded(layers_.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
-    const std::vector<int64_t> own = shards_ ? own_experts(slots_[l]) : std::vector<int64_t>{};
+    sharded[l] = sharded_experts(l);
     for (int64_t expert : window_experts(slots_[l], ep_rank_)) {
-      Entry e{l, expert, std::count(own.begin(), own.end(), expert) > 0};
+      Entry e{l, expert, std::count(sharded[l].begin(), sharded[l].end(), expert) > 0};
       for (int id : layers_[l].layer.ids) {
-        const Share part = e.sharded ? share(per_expert(id), edp_.rank()) : Share{0, per_expert(id), 0};
+        const ExpertShares::Share part = kept(id, expert, sharded[l]);
         e.sq += moe::sum_of_squares(params_.grad(id) + expert * per_expert(id) + part.begin, part.count);
       }
       if (e.sharded) shared_sq.push_back(e.sq);
@@ -250,8 +264,10 @@ double ExpertOptimizer::clip_experts(double max_norm) {
     if (max_norm > 0 && norm > max_norm) {
       const auto factor = static_cast<float>(max_norm / (norm + 1e-6));
       for (int id : layers_[e.l].layer.ids) {
-        float* g = params_.grad(id) + e.expert * per_expert(id);
-        for (int64_t i = 0; i < per_expert(id); ++i) g[i] *= factor;
+        // A sharded expert: its share only (the rest is stale, or released at level 2-3).
+        const ExpertShares::Share part = kept(id, e.expert, sharded[e.l]);
+        float* g = params_.grad(id) + e.expert * per_expert(id) + part.begin;
+        for (int64_t i = 0; i < part.count; ++i) g[i] *= factor;
       }
     }
   }
@@ -263,14 +279,14 @@ double ExpertOptimizer::sum_of_squares() const {
   auto& params = const_cast<ParameterStore<float>&>(params_);
   for (size_t l = 0; l < layers_.size(); ++l) {
     const ExpertSlots& slots = slots_[l];
-    const std::vector<int64_t> own = shards_ ? own_experts(slots) : std::vector<int64_t>{};
+    const std::vector<int64_t> sharded = sharded_experts(l);
     for (int id : layers_[l].layer.ids)
       for (int64_t slot = slots.first_slot_P1[static_cast<size_t>(ep_rank_)];
            slot < slots.first_slot_P1[static_cast<size_t>(ep_rank_) + 1]; ++slot) {
         const int64_t expert = slots.expert_of_slot[static_cast<size_t>(slot)];
-        const bool sharded = std::count(own.begin(), own.end(), expert) > 0;
-        if (!sharded && edp_.rank() != 0) continue;  // whole on every replica: the first counts it
-        const Share part = sharded ? share(per_expert(id), edp_.rank()) : Share{0, per_expert(id), 0};
+        const bool is_sharded = std::count(sharded.begin(), sharded.end(), expert) > 0;
+        if (!is_sharded && edp_.rank() != 0) continue;  // whole on every replica: the first counts it
+        const ExpertShares::Share part = kept(id, expert, sharded);
         sq += moe::sum_of_squares(params.grad(id) + expert * per_expert(id) + part.begin, part.count);
       }
   }
@@ -278,12 +294,15 @@ double ExpertOptimizer::sum_of_squares() const {
 }
 
 void ExpertOptimizer::scale_gradients(float factor) {
-  for (size_t l = 0; l < layers_.size(); ++l)
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const std::vector<int64_t> sharded = sharded_experts(l);
     for_window(l, [&](size_t i, int64_t expert) {
       const int id = layers_[l].layer.ids[i];
-      float* g = params_.grad(id) + expert * per_expert(id);
-      for (int64_t j = 0; j < per_expert(id); ++j) g[j] *= factor;
+      const ExpertShares::Share part = kept(id, expert, sharded);
+      float* g = params_.grad(id) + expert * per_expert(id) + part.begin;
+      for (int64_t j = 0; j < part.count; ++j) g[j] *= factor;
     });
+  }
 }
 
 void ExpertOptimizer::step(double lr) {
@@ -292,17 +311,16 @@ void ExpertOptimizer::step(double lr) {
   const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
   for (size_t l = 0; l < layers_.size(); ++l) {
     LayerState& layer = layers_[l];
-    const std::vector<int64_t> own = shards_ ? own_experts(slots_[l]) : std::vector<int64_t>{};
+    const std::vector<int64_t> sharded = sharded_experts(l);
     for_window(l, [&](size_t i, int64_t expert) {
       const int id = layer.layer.ids[i];
-      const int64_t n = per_expert(id);
-      const bool sharded = std::count(own.begin(), own.end(), expert) > 0;
-      const Share part = sharded ? share(n, edp_.rank()) : Share{0, n, 0};
-      adamw_update(params_.value(id) + expert * n + part.begin, params_.grad(id) + expert * n + part.begin,
-                   layer.m[i][static_cast<size_t>(expert)].data(), layer.v[i][static_cast<size_t>(expert)].data(),
-                   part.count, c, params_.spec(id).weight_decay, bf16);
+      const int64_t at = expert * per_expert(id) + kept(id, expert, sharded).begin;
+      adamw_update(params_.value(id) + at, params_.grad(id) + at, layer.m[i][static_cast<size_t>(expert)].data(),
+                   layer.v[i][static_cast<size_t>(expert)].data(), kept(id, expert, sharded).count, c,
+                   params_.spec(id).weight_decay, bf16);
     });
-    if (!own.empty()) gather_updated_shares(layer, own);
+    // Level 3 leaves the updated shares where they were stepped (ExpertParameterGather).
+    if (!sharded.empty() && level_ < 3) gather_updated_shares(layer, sharded);
   }
 }
 
@@ -377,44 +395,17 @@ void ExpertOptimizer::migrate(const std::vector<ExpertSlots>& next, Communicator
   }
 }
 
-void ExpertOptimizer::gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
-                                     std::vector<float>& m, std::vector<float>& v) {
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    unshard_moments(l, slots_[l]);
-    const LayerState& layer = layers_[l];
-    for_window(l, [&](size_t i, int64_t expert) {
-      const int id = layer.layer.ids[i];
-      const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
-      std::copy_n(layer.m[i][static_cast<size_t>(expert)].data(), n, m.data() + at);
-      std::copy_n(layer.v[i][static_cast<size_t>(expert)].data(), n, v.data() + at);
-    });
-    const ExpertSlots& slots = slots_[l];
-    for (int64_t slot = 0; slot < slots.n_experts(); ++slot) {
-      const int64_t expert = slots.expert_of_slot[static_cast<size_t>(slot)];
-      const int from = block_rank(slots, slot);
-      for (int id : layer.layer.ids) {
-        const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
-        timed_blocking(stats_, [&] {
-          expert_parallel.broadcast(m.data() + at, static_cast<size_t>(n), DType::f32, from);
-          expert_parallel.broadcast(v.data() + at, static_cast<size_t>(n), DType::f32, from);
-        });
-      }
-    }
-    shard_moments(l, slots_[l]);
-  }
-}
-
 std::vector<ExpertOptimizer::ExpertMoments> ExpertOptimizer::window_moments() {
   std::vector<ExpertMoments> out;
   for (size_t l = 0; l < layers_.size(); ++l) {
     const std::vector<int32_t> slot = slot_of_expert(slots_[l]);
-    const std::vector<int64_t> own = shards_ ? own_experts(slots_[l]) : std::vector<int64_t>{};
+    const std::vector<int64_t> own = sharded_experts(l);
     for_window(l, [&](size_t i, int64_t expert) {
       LayerState& layer = layers_[l];
       const int id = layer.layer.ids[i];
       const bool in_block = block_rank(slots_[l], slot[static_cast<size_t>(expert)]) == ep_rank_;
       const bool sharded = std::count(own.begin(), own.end(), expert) > 0;
-      const Share part = sharded ? share(per_expert(id), edp_.rank()) : Share{0, per_expert(id), 0};
+      const ExpertShares::Share part = kept(id, expert, own);
       out.push_back({id, expert, per_expert(id), part.begin, part.count, layer.m[i][static_cast<size_t>(expert)].data(),
                      layer.v[i][static_cast<size_t>(expert)].data(), in_block, sharded});
     });
@@ -429,20 +420,6 @@ int64_t ExpertOptimizer::moment_elements() const {
       for (const auto& of_id : *moments)
         for (const auto& of_expert : of_id) n += static_cast<int64_t>(of_expert.size());
   return n;
-}
-
-void ExpertOptimizer::scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
-                                      const std::vector<float>& v) {
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    for_window(l, [&](size_t i, int64_t expert) {
-      LayerState& layer = layers_[l];
-      const int id = layer.layer.ids[i];
-      const int64_t n = per_expert(id), at = moment_offset(id) + expert * n;
-      layer.m[i][static_cast<size_t>(expert)].assign(m.begin() + at, m.begin() + at + n);
-      layer.v[i][static_cast<size_t>(expert)].assign(v.begin() + at, v.begin() + at + n);
-    });
-    shard_moments(l, slots_[l]);
-  }
 }
 
 }  // namespace moe::dist

@@ -1,21 +1,26 @@
 // Expert weights under expert parallelism (EP > 1) on the CPU path. Every rank stores the
 // full expert tensors (the CPU model's layout, in expert order), but only the experts of
 // its window in each MoE layer's slots (moe/expert_slots.h) are computed, have gradients
-// and are updated there; each rank keeps the AdamW moments of its window's experts, whole.
-// Gradients are summed as soon as backward finishes the layer on the last micro-batch:
+// and are updated there; each rank keeps the AdamW moments of its window's experts.
+// Gradients are summed as soon as backward finishes the layer:
 //   own experts (the window less its hinges): over the expert-data-parallel group, the
 //     ranks with the same EP rank, the only ones that computed them;
 //   hinges (split experts, a slot in two or more windows): over all ranks (zeros where a
 //     rank holds none), as its holders are different EP ranks; every holder then takes the
 //     same step on the same sum, so their copies stay identical.
 // Each expert is counted once in the global norm: by the rank whose block holds its slot.
-// ZeRO 1 and above (zero_level >= 1, the group larger than one), for own experts only
-// (hinges stay whole): each per-expert tensor is cut into equal shares over the expert-
-// data-parallel group; the gradients are reduce-scattered instead of all-reduced, each
-// rank keeps the moments of and steps its share only, and the updated shares are
-// all-gathered back, so every replica holds the whole weights after step(). Norms sum
-// the shares' partial squares over the group. migrate() gathers the moments whole around
-// the move; checkpoints save each rank's share as a piece of the global tensor.
+// ZeRO over the expert replicas (zero_level >= 1, the group larger than one), for own
+// experts only (hinges stay whole), in the shares of expert_shares.h:
+//   1: the gradients are reduce-scattered (on the step's last micro-batch) instead of
+//      all-reduced, each rank keeps the moments of and steps its share only, and the
+//      updated shares are all-gathered back, so every replica holds the whole weights;
+//   2: also reduce-scattered on every micro-batch (the own share keeps the running sum),
+//      the other shares' gradients given back to the OS (others_shares());
+//   3: also only the own share of the weights between uses: ExpertParameterGather
+//      (expert_parameter_gather.h) gathers a layer's for its forward and its backward.
+// Norms sum the shares' partial squares over the group. migrate() gathers the moments
+// whole around the move (the caller makes the weights whole first at level 3);
+// checkpoints save each rank's share as a piece of the global tensor.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -25,6 +30,7 @@
 #include "config/optimizer_config.h"
 #include "dist/comm_stats.h"
 #include "dist/communicator.h"
+#include "dist/expert_shares.h"
 #include "model/parameters.h"
 #include "moe/expert_slots.h"
 
@@ -46,6 +52,9 @@ class ExpertOptimizer {
 
   void arm() { armed_ = true; }
   void on_stage(int stage);
+  // Level 2-3, after each micro-batch's backward: waits for its reduce-scatters, keeps the
+  // own shares' sums and gives the other shares' gradients back.
+  void end_micro_batch();
   void finish();
 
   // Per-expert clipping of the window's experts (max_norm 0: none). Returns the largest
@@ -67,13 +76,6 @@ class ExpertOptimizer {
   void migrate(const std::vector<ExpertSlots>& next, Communicator& expert_parallel);
   int64_t steps_taken() const { return steps_; }
   void set_steps_taken(int64_t steps) { steps_ = steps; }
-  // Checkpoints: every expert's moments into the single-process AdamW layout (id's moments
-  // start at moment_offset(id)), broadcast from its block rank (collective over the EP
-  // group); scatter_moments takes the window's back from such a layout.
-  void gather_moments(Communicator& expert_parallel, const std::function<int64_t(int)>& moment_offset,
-                      std::vector<float>& m, std::vector<float>& v);
-  void scatter_moments(const std::function<int64_t(int)>& moment_offset, const std::vector<float>& m,
-                       const std::vector<float>& v);
   // Checkpoints without a gather: the moments this rank keeps, of expert `expert` of
   // parameter `id` (count values each), elements [share_begin, share_begin + share_count)
   // of it (the whole expert unless `sharded`: this rank's share, no other rank keeps it);
@@ -91,6 +93,13 @@ class ExpertOptimizer {
   std::vector<ExpertMoments> window_moments();
   // The moment elements (m and v) this rank keeps for experts.
   int64_t moment_elements() const;
+  // Layer l's experts sharded over the replicas: its own experts at ZeRO >= 1 over a group
+  // of two or more (the same list on every rank of the group), else none.
+  std::vector<int64_t> sharded_experts(size_t l) const;
+  const ExpertShares& shares() const { return shares_; }
+  // The other replicas' shares of every layer's sharded experts (ranges of the block): at
+  // level 2 and 3 their gradients are released between uses, at 3 their weights too.
+  RangeList others_shares() const;
 
  private:
   struct LayerState {
@@ -98,29 +107,23 @@ class ExpertOptimizer {
     std::vector<int64_t> own, hinges;             // at on_stage: window experts summed over edp / the layer's hinges
     std::vector<float> own_buffer, hinge_buffer;  // their gradients, packed for the sums
     std::vector<float> own_share;                 // sharded: this rank's summed shares of own_buffer
-    std::unique_ptr<Work> own_work, hinge_work;
+    std::unique_ptr<Work> own_work, hinge_work;  // own_work at level 2: every micro-batch
     std::vector<std::vector<std::vector<float>>> m, v;  // [id][expert]: the window's, empty for the others
   };
-  int64_t per_expert(int id) const { return params_.numel(id) / params_.spec(id).shape[0]; }
-  // Sharding: elements [begin, begin + count) of a per-expert tensor of n elements are
-  // rank r's share (shares of ceil(n / group) elements, the last ones shorter or empty).
-  struct Share {
-    int64_t begin = 0, count = 0, padded = 0;
-  };
-  Share share(int64_t n, int r) const;
+  int64_t per_expert(int id) const { return shares_.per_expert(id); }
   // Experts of a layer that only this EP rank holds (the same list on every rank of the
-  // expert-data-parallel group); sharded when shards_.
+  // expert-data-parallel group).
   std::vector<int64_t> own_experts(const ExpertSlots& slots) const;
+  // The elements of expert `expert` of tensor id this rank keeps summed and steps: its
+  // share when the expert is among `sharded`, else the whole slice.
+  ExpertShares::Share kept(int id, int64_t expert, const std::vector<int64_t>& sharded) const;
   void shard_moments(size_t l, const ExpertSlots& slots);    // cut the own experts' whole moments to this rank's share
   void unshard_moments(size_t l, const ExpertSlots& slots);  // all-gather them whole (collective over edp)
-  // Sharded layouts of a layer's own experts, rank-major: rank r's shares of every
-  // (id, expert) in order, each padded to `padded` (per_rank: one rank's block).
-  int64_t shares_per_rank(const LayerState& layer, const std::vector<int64_t>& experts) const;
-  void pack_shares(const LayerState& layer, const std::vector<int64_t>& experts, const float* const* data_of_id,
-                   std::vector<float>& buffer) const;
-  void unpack_shares(const LayerState& layer, const std::vector<int64_t>& experts, const float* buffer, int rank,
-                     float* const* data_of_id);
+  std::vector<float*> grads_of(const LayerState& layer);
+  std::vector<float*> values_of(const LayerState& layer);
   void gather_updated_shares(LayerState& layer, const std::vector<int64_t>& experts);
+  // Level 2: waits for the oldest layers' reduce-scatters until `keep` are in flight.
+  void retire_scatters(size_t keep);
   void pack(const LayerState& layer, const std::vector<int64_t>& experts, std::vector<float>& buffer) const;
   void unpack(const LayerState& layer, const std::vector<int64_t>& experts, const std::vector<float>& buffer);
   template <class F>
@@ -134,7 +137,10 @@ class ExpertOptimizer {
   OptimizerConfig config_;
   CommStats& stats_;
   std::vector<LayerState> layers_;
+  ExpertShares shares_;
+  int level_ = 0;
   bool shards_ = false;  // ZeRO >= 1 over an expert-data-parallel group of two or more
+  std::vector<size_t> scattering_;  // level 2-3: layers whose reduce-scatter is in flight, oldest first
   int64_t steps_ = 0;
   bool armed_ = false;
 };

@@ -189,11 +189,17 @@ inline void expect_matches_reference(const RunConfig& config, const RunResult& g
 }
 
 // A directory every rank names alike (rank 0's pid), removed with remove_shared_dir.
-inline std::filesystem::path shared_dir(const std::string& name) {
+// in_memory: under /dev/shm where there is one (a test writing many small checkpoints
+// would wait mostly on a disk's fsyncs).
+inline std::filesystem::path shared_dir(const std::string& name, bool in_memory = false) {
   auto& world = *parallel_world();
   int64_t pid = world.rank() == 0 ? static_cast<int64_t>(getpid()) : 0;
   world.broadcast(&pid, 1, dist::DType::i64, 0);
-  return std::filesystem::temp_directory_path() / ("moe_mpi_" + name + "_" + std::to_string(pid));
+  std::error_code error;
+  const std::filesystem::path base = in_memory && std::filesystem::is_directory("/dev/shm", error)
+                                         ? std::filesystem::path("/dev/shm")
+                                         : std::filesystem::temp_directory_path();
+  return base / ("moe_mpi_" + name + "_" + std::to_string(pid));
 }
 
 inline void remove_shared_dir(const std::filesystem::path& dir) {
@@ -212,11 +218,17 @@ inline std::unique_ptr<Trainer> parallel_trainer(const RunConfig& config) {
   return make_trainer(config, world.split(0, world.rank()));
 }
 
-// Every global tensor of a checkpoint, read whole.
+// Every global tensor of a checkpoint, read whole (in one read_slices: each shard opened once).
 inline std::map<std::string, std::vector<float>> saved_tensors(const std::filesystem::path& path) {
   const LoadedCheckpoint loaded = read_checkpoint(path);
   std::map<std::string, std::vector<float>> tensors;
-  for (const ManifestTensor& t : loaded.manifest.tensors) tensors[t.name] = read_tensor(loaded, t.name);
+  std::vector<StateTarget> targets;
+  for (const ManifestTensor& t : loaded.manifest.tensors) {
+    std::vector<float>& values = tensors[t.name];
+    values.resize(static_cast<size_t>(t.numel()));
+    targets.push_back({t.name, t.shape, 0, t.numel(), values.data()});
+  }
+  read_slices(loaded, targets);
   return tensors;
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -74,11 +75,13 @@ TEST(ParallelZeroLevels, LevelsOneToThreeAgreeBitForBitOnOneMicroBatch) {
   }
 }
 
-// Experts at ZeRO 1 over their replicas (EP 2 over 4 ranks: each expert on two ranks):
-// each replica keeps the moments of half of its experts' elements, the runs follow ZeRO 0
-// bit for bit without clipping (the same sums: two ranks' gradients, each element stepped
-// once) and up to the order of the norm's sums with it.
-TEST(ParallelZeroLevels, ExpertsAtLevelOneShardTheirMomentsOverTheReplicas) {
+// Experts at ZeRO 1-3 over their replicas (EP 2 over 4 ranks: each expert on two ranks):
+// each replica keeps the moments of half of its experts' elements; with one micro-batch
+// per step the runs follow ZeRO 0 bit for bit without clipping (the same sums: two ranks'
+// gradients, each element stepped once) and up to the order of the norm's sums with it,
+// where levels 1-3 agree bit for bit (each share's squares counted once, each share scaled
+// alike). (Without clipping levels 1-3 agree bit for bit: LevelsOneToThree...)
+TEST(ParallelZeroLevels, ExpertsShardOverTheReplicasAtLevelsOneToThree) {
   auto& world = *parallel_world();
   ASSERT_EQ(world.size(), 4);
   auto moment_elements = [&](int64_t zero) {
@@ -91,44 +94,60 @@ TEST(ParallelZeroLevels, ExpertsAtLevelOneShardTheirMomentsOverTheReplicas) {
   };
   // 2 MoE layers x 2 experts per EP rank x (3 tensors of 32 x 32) x 2 moments, whole.
   EXPECT_EQ(moment_elements(0), 2 * 2 * 3 * 32 * 32 * 2);
-  EXPECT_EQ(moment_elements(1), 2 * 2 * 3 * 32 * 32 * 2 / 2);
+  for (int64_t zero : {1, 2, 3}) EXPECT_EQ(moment_elements(zero), 2 * 2 * 3 * 32 * 32 * 2 / 2) << "zero " << zero;
   for (bool clip : {false, true}) {
     SCOPED_TRACE(clip ? "clipped" : "not clipped");
-    RunResult runs[2];
-    for (int64_t zero : {0, 1}) {
+    std::vector<RunResult> runs;
+    for (int64_t zero = 0; zero <= (clip ? 3 : 1); ++zero) {
+      SCOPED_TRACE("zero " + std::to_string(zero));
       RunConfig config = zero_config(2, zero, 1);
       config.training.grad_clip = clip ? 0.05 : 0.0;
       config.training.expert_grad_clip = clip ? 0.02 : 0.0;
-      runs[zero] = train_parallel(config);
-      expect_matches_reference(config, runs[zero]);
+      runs.push_back(train_parallel(config));
+      expect_matches_reference(config, runs.back());
     }
     if (!clip) {
       EXPECT_EQ(runs[1].loss, runs[0].loss);
       EXPECT_EQ(runs[1].params, runs[0].params);
     }
     expect_close(runs[1].grad_norm, runs[0].grad_norm, 1e-9, "gradient norm at ZeRO 1 against ZeRO 0");
+    for (size_t zero = 2; zero < runs.size(); ++zero) {
+      EXPECT_EQ(runs[zero].grad_norm, runs[1].grad_norm) << "zero " << zero;
+      EXPECT_EQ(runs[zero].loss, runs[1].loss) << "zero " << zero;
+      EXPECT_EQ(runs[zero].params, runs[1].params) << "zero " << zero;
+    }
   }
 }
 
-// Sharded expert moments move with the experts: EP 2 over 4 ranks at ZeRO 1 with split
+// Sharded expert state moves with the experts: EP 2 over 4 ranks at ZeRO 1-3 with split
 // experts re-placed every step (unequal counts), saved after step 4 (each replica its
-// share) and resumed on the same ranks, continues bit for bit (ResumeReshardsAcrossLevels
-// reshards such a save; ExpertsAtLevelOne... compares with one process).
+// share of the moments, at level 3 of the weights too) and resumed on the same ranks,
+// continues bit for bit; level 3 is level 2 bit for bit (ResumeReshardsAcrossLevels
+// reshards such a save; ExpertsShardOverTheReplicas... compares with one process).
 TEST(ParallelZeroLevels, ShardedExpertsMoveAndResume) {
-  RunConfig config = zero_config(2, 1, 2, 8);
-  config.model.vocab_size = 257;
-  config.parallel.rebalance_interval = 1;
-  config.parallel.rebalance_max_experts = 3;
-  config.parallel.split_experts = true;
-  const std::filesystem::path dir = shared_dir("zero_sharded_experts");
-  config.checkpoint.dir = (dir / "whole").string();
-  config.checkpoint.interval = 4;
-  const RunResult whole = train_parallel(config);
-  config.checkpoint.dir = (dir / "resumed").string();
-  const RunResult resumed = train_parallel(config, (dir / "whole" / "step_00000004").string());
-  EXPECT_EQ(resumed.loss, std::vector<double>(whole.loss.begin() + 4, whole.loss.end()));
-  EXPECT_EQ(resumed.params, whole.params);
-  remove_shared_dir(dir);
+  RunResult level_two;
+  for (int64_t zero : {1, 2, 3}) {
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    RunConfig config = zero_config(2, zero, 2, 8);
+    config.model.vocab_size = 257;
+    config.parallel.rebalance_interval = 1;
+    config.parallel.rebalance_max_experts = 3;
+    config.parallel.split_experts = true;
+    const std::filesystem::path dir = shared_dir("zero_sharded_experts_" + std::to_string(zero));
+    config.checkpoint.dir = (dir / "whole").string();
+    config.checkpoint.interval = 4;
+    const RunResult whole = train_parallel(config);
+    config.checkpoint.dir = (dir / "resumed").string();
+    const RunResult resumed = train_parallel(config, (dir / "whole" / "step_00000004").string());
+    EXPECT_EQ(resumed.loss, std::vector<double>(whole.loss.begin() + 4, whole.loss.end()));
+    EXPECT_EQ(resumed.params, whole.params);
+    if (zero == 2) level_two = whole;
+    if (zero == 3) {
+      EXPECT_EQ(whole.loss, level_two.loss);
+      EXPECT_EQ(whole.params, level_two.params);
+    }
+    remove_shared_dir(dir);
+  }
 }
 
 // The share of the pages of [data, data + n) the process holds in memory (mincore).
@@ -164,6 +183,44 @@ TEST(ParallelZeroLevels, LevelsTwoAndThreeGiveTheMemoryBack) {
     if (zero >= 2) EXPECT_LT(grads, 0.3);
     else EXPECT_GT(grads, 0.95);
     if (zero == 3) EXPECT_LT(values, 0.3);
+    else EXPECT_GT(values, 0.95);
+  }
+}
+
+// Experts at levels 2 and 3 keep their own share only: EP 2 over 4 ranks without split
+// experts (the window is the rank's own experts, each on two replicas), after steps of 2
+// micro-batches a rank holds about half of its window's gradient pages from level 2 and of
+// its weight pages at level 3; below, all of them. Experts of 128 x 256 so that a share
+// spans many pages.
+TEST(ParallelZeroLevels, ExpertsAtLevelsTwoAndThreeGiveTheirMemoryBack) {
+  auto& world = *parallel_world();
+  ASSERT_EQ(world.size(), 4);
+  for (int64_t zero : {1, 2, 3}) {
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    RunConfig config = zero_config(2, zero, 2, 2);
+    config.model.dim = 128;
+    config.model.moe.expert_hidden = 256;
+    const auto trainer = parallel_trainer(config);
+    trainer->train_step(0);
+    trainer->train_step(1);
+    auto& params = trainer->model().params();
+    // EP rank rank % 2 holds experts 2 p and 2 p + 1 of each MoE layer: consecutive.
+    const int64_t first = 2 * (world.rank() % 2);
+    double grads = 0, values = 0;
+    int tensors = 0;
+    for (int id = 0; id < params.size(); ++id) {
+      if (params.spec(id).expert_group.empty()) continue;
+      const int64_t per_expert = params.numel(id) / params.spec(id).shape[0];
+      grads += resident_share(params.grad(id) + first * per_expert, 2 * per_expert);
+      values += resident_share(params.value(id) + first * per_expert, 2 * per_expert);
+      ++tensors;
+    }
+    ASSERT_EQ(tensors, 2 * 3);
+    grads /= tensors;
+    values /= tensors;
+    if (zero >= 2) EXPECT_LT(grads, 0.6);
+    else EXPECT_GT(grads, 0.95);
+    if (zero == 3) EXPECT_LT(values, 0.6);
     else EXPECT_GT(values, 0.95);
   }
 }
@@ -222,47 +279,73 @@ TEST(ParallelZeroLevels, ResumeReshardsAcrossLevels) {
   }
 }
 
-// Resharding without a step between: the state 4 ranks save at one level, resumed by 2
-// ranks at another and by one process and saved again, is the same tensor by tensor, bit
-// for bit (ZeRO-3 saves each rank's pieces of the parameters, ZeRO-0 replicated moments).
-TEST(ParallelZeroLevels, CheckpointIsTheSameSavedAtAnyLevel) {
+// Resharding between every pair of layouts, without training between: the state one
+// step of 2 micro-batches leaves at each of the 12 four-rank layouts (EP 1/2/4 x ZeRO 0-3;
+// moments not zero), resumed by a fresh trainer at each of the 12, at 2 ranks EP 1 and
+// EP 2 (their ZeRO level turning with the source, so that all 8 two-rank layouts occur)
+// and at one process, and saved again, is the saved state tensor by tensor, bit for bit.
+// Each layout writes its own pieces (ZeRO-3 the parameters' too, ZeRO-0 replicated
+// moments, EP the blocks' experts and at levels 1-3 the replicas' shares) and reads only
+// what it holds.
+TEST(ParallelZeroLevels, CheckpointsReshardBetweenEveryPairOfLayouts) {
   auto& world = *parallel_world();
-  for (const auto& [four, two] : {std::pair{Layout{1, 3}, Layout{1, 1}}, std::pair{Layout{2, 3}, Layout{2, 2}},
-                                  std::pair{Layout{4, 0}, Layout{2, 3}}}) {
-    const std::string name = "EP" + std::to_string(four.ep) + "_Z" + std::to_string(four.zero);
-    SCOPED_TRACE(name);
-    const std::filesystem::path dir = shared_dir("zero_resave_" + name);
-    RunConfig config = zero_config(four.ep, four.zero, 2, 3);
-    config.model.vocab_size = 257;
-    config.checkpoint.dir = (dir / "ranks_4").string();
-    config.checkpoint.interval = 3;
+  ASSERT_EQ(world.size(), 4);
+  std::vector<Layout> layouts;
+  for (int64_t ep : {1, 2, 4})
+    for (int64_t zero : {0, 1, 2, 3}) layouts.push_back({ep, zero});
+  auto name = [](Layout l) { return "EP" + std::to_string(l.ep) + "_Z" + std::to_string(l.zero); };
+  // Layout l over `ranks` ranks, the same global micro-batch.
+  auto config_at = [&](Layout l, int ranks) {
+    RunConfig config = zero_config(l.ep, l.zero, 2, 1);
+    config.model.vocab_size = 257;  // a config that validates (checkpoints store and re-read it)
+    config.training.micro_batch *= world.size() / ranks;
+    config.parallel.bucket_mb = 0;  // a bucket per stage: fewer pieces, shorter manifests
+    if (ranks == 1) config.parallel = ParallelConfig{};
+    return config;
+  };
+  const std::filesystem::path dir = shared_dir("zero_every_pair", /*in_memory=*/true);
+  for (const Layout& l : layouts) {
+    RunConfig config = config_at(l, 4);
+    config.checkpoint.dir = (dir / name(l)).string();
+    config.checkpoint.interval = 1;
     train_parallel(config);
-    const std::filesystem::path saved = dir / "ranks_4" / "step_00000003";
-    const int color = world.rank() < 2 ? 0 : world.rank();
-    std::unique_ptr<dist::Communicator> group = world.split(color, world.rank());
-    if (color < 3) {
-      RunConfig again = config;
-      again.training.micro_batch *= world.size() / group->size();
-      again.parallel.expert_parallel = two.ep;
-      again.parallel.zero = two.zero;
-      if (group->size() == 1) again.parallel = ParallelConfig{};
-      again.checkpoint.dir = (dir / ("resaved_" + std::to_string(color))).string();
-      const auto trainer = make_trainer(again, std::move(group));
+  }
+  int compared = 0;
+  for (size_t a = 0; a < layouts.size(); ++a) {
+    const std::filesystem::path saved = dir / name(layouts[a]) / "step_00000001";
+    const auto want = world.rank() == 0 ? saved_tensors(saved) : std::map<std::string, std::vector<float>>{};
+    // Resumes `saved` at `config` over `group` and saves into dir / into.
+    auto resave = [&](RunConfig config, std::unique_ptr<dist::Communicator> group, const std::string& into) {
+      config.checkpoint.dir = (dir / into).string();
+      const auto trainer = make_trainer(config, std::move(group));
       std::ostringstream log;
       trainer->resume(saved.string(), log);
       trainer->save_checkpoint(log);
+    };
+    auto expect_same = [&](const std::string& into, const std::string& what) {
+      world.barrier();
+      if (world.rank() != 0) return;
+      SCOPED_TRACE(name(layouts[a]) + " resumed at " + what);
+      const auto got = saved_tensors(dir / into / "step_00000001");
+      ASSERT_EQ(got.size(), want.size());
+      for (const auto& [tensor, values] : want) EXPECT_TRUE(got.at(tensor) == values) << tensor;
+      ++compared;
+    };
+    for (const Layout& b : layouts) {
+      resave(config_at(b, 4), world.split(0, world.rank()), "ranks_4");
+      expect_same("ranks_4", "4 ranks " + name(b));
     }
-    world.barrier();
-    if (world.rank() == 0) {
-      const auto want = saved_tensors(saved);
-      for (const char* resaved : {"resaved_0", "resaved_2"}) {
-        const auto got = saved_tensors(dir / resaved / "step_00000003");
-        ASSERT_EQ(got.size(), want.size()) << resaved;
-        for (const auto& [tensor, values] : want) EXPECT_TRUE(got.at(tensor) == values) << resaved << ": " << tensor;
-      }
-    }
-    remove_shared_dir(dir);
+    // Ranks 0-1: 2 ranks EP 1, ranks 2-3: 2 ranks EP 2; then rank 0 alone.
+    const int color = world.rank() / 2;
+    const Layout two{color + 1, static_cast<int64_t>(a + color) % 4};
+    resave(config_at(two, 2), world.split(color, world.rank()), "ranks_2_" + std::to_string(color));
+    for (int c : {0, 1}) expect_same("ranks_2_" + std::to_string(c), "2 ranks EP " + std::to_string(c + 1));
+    std::unique_ptr<dist::Communicator> alone = world.split(world.rank() == 0 ? 0 : 1, world.rank());
+    if (world.rank() == 0) resave(config_at({1, 0}, 1), std::move(alone), "ranks_1");
+    expect_same("ranks_1", "one process");
   }
+  if (world.rank() == 0) EXPECT_EQ(compared, 12 * (12 + 2 + 1));
+  remove_shared_dir(dir);
 }
 
 }  // namespace

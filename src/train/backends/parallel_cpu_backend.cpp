@@ -72,8 +72,6 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     if (config.model.tie_embeddings) reads[0].push_back(n_stages - 1);
     gather_ = std::make_unique<ZeroParameterGather>(params, zero_->plan(), *groups_.data_parallel, stats_,
                                                     std::move(reads));
-    host_model().on_parameters_needed = [this](int stage, bool backward) { gather_->needed(stage, backward); };
-    host_model().on_parameters_done = [this](int stage, bool backward) { gather_->done(stage, backward); };
   }
   if (ep > 1) {
     std::vector<ExpertOptimizer::Layer> layers;
@@ -81,9 +79,13 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
       layers.push_back({expert_ids[group], stage_of(expert_ids[group].front())});
       expert_ids_by_layer_.push_back(expert_ids[group]);
     }
-    experts_ = std::make_unique<ExpertOptimizer>(params, std::move(layers), slots_, groups_.expert_parallel->rank(),
+    experts_ = std::make_unique<ExpertOptimizer>(params, layers, slots_, groups_.expert_parallel->rank(),
                                                  *groups_.expert_data_parallel, *groups_.world, config.optimizer, stats_,
                                                  level);
+    // ZeRO-3 of the own experts over their replicas (a group of one shards nothing).
+    if (level == 3 && groups_.expert_data_parallel->size() > 1)
+      expert_gather_ = std::make_unique<ExpertParameterGather>(params, std::move(layers), *experts_,
+                                                               *groups_.expert_data_parallel, stats_);
   } else {
     expert_group_of_id_.assign(static_cast<size_t>(params.size()), -1);
     for (size_t g = 0; g < group_order.size(); ++g)
@@ -94,6 +96,16 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     zero_->on_stage(stage);
     if (experts_) experts_->on_stage(stage);
   };
+  if (gather_) {
+    host_model().on_parameters_needed = [this](int stage, bool backward) {
+      gather_->needed(stage, backward);
+      if (expert_gather_) expert_gather_->needed(stage, backward);
+    };
+    host_model().on_parameters_done = [this](int stage, bool backward) {
+      gather_->done(stage, backward);
+      if (expert_gather_) expert_gather_->done(stage, backward);
+    };
+  }
   keep_own_experts_resident();
   log_state_bytes();
 }
@@ -112,9 +124,15 @@ double ParallelCpuBackend::world_sum(double value) {
 
 void ParallelCpuBackend::begin_step() {
   auto& params = host_model().params();
-  // ZeRO-2/3: the other ranks' pieces are released (zero) since the last reduce-scatter.
-  if (zero_->level() >= 2) params.zero_grads(zero_->gradients_to_zero(params.resident()));
-  else params.zero_grads();
+  // ZeRO-2/3: the other ranks' pieces are released (zero) since the last reduce-scatter,
+  // and so are the other replicas' shares of the experts.
+  if (zero_->level() >= 2) {
+    RangeList keep = zero_->gradients_to_zero(params.resident());
+    if (experts_) keep = subtract_ranges(keep, experts_->others_shares());
+    params.zero_grads(keep);
+  } else {
+    params.zero_grads();
+  }
   for (auto* layer : host_model().moe_layers()) layer->reset_load();
 }
 
@@ -135,6 +153,7 @@ void ParallelCpuBackend::backward(double loss_scale, bool last) {
   }
   host_model().backward(loss_scale * ce_weight_, loss_scale);
   zero_->end_micro_batch();
+  if (experts_) experts_->end_micro_batch();
 }
 
 void ParallelCpuBackend::reduce_losses(StepStats& stats) {
@@ -251,6 +270,7 @@ void ParallelCpuBackend::apply_update(double lr) {
   zero_->step(lr);
   if (gather_) gather_->release_all();  // only the own pieces are current now
   if (experts_) experts_->step(lr);
+  if (expert_gather_) expert_gather_->release_all();
   if (config_.model.moe.bias_balancing) {
     auto layers = host_model().moe_layers();
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -298,9 +318,15 @@ void ParallelCpuBackend::rebalance_experts() {
 }
 
 void ParallelCpuBackend::place_experts(const std::vector<ExpertSlots>& next) {
+  if (expert_gather_) expert_gather_->gather_all();  // ZeRO-3: the block ranks send whole experts
   experts_->migrate(next, *groups_.expert_parallel);
   for (size_t l = 0; l < slots_.size(); ++l) slots_[l] = next[l];  // in place: the layers hold pointers
   keep_own_experts_resident();
+  // Levels 2-3: begin_step leaves the other replicas' shares of the own experts alone (they
+  // were released after the last scatter); an expert that was a hinge still holds its
+  // gradient there.
+  if (zero_->level() >= 2) host_model().params().release_grads(experts_->others_shares());
+  if (expert_gather_) expert_gather_->release_all();  // the new own experts' other shares
 }
 
 void ParallelCpuBackend::keep_own_experts_resident() {
@@ -337,7 +363,9 @@ void ParallelCpuBackend::log_state_bytes() {
     return n;
   };
   const RangeList resident = params.resident();
-  const RangeList others = merged_ranges({others_pieces(zero_->plan())});
+  // The other ranks' pieces, and the other replicas' shares of the own experts.
+  const RangeList others =
+      merged_ranges({others_pieces(zero_->plan()), {experts_ ? experts_->others_shares() : RangeList{}}});
   const int level = zero_->level();
   const int64_t values = elements(level == 3 ? subtract_ranges(resident, others) : resident);
   const int64_t grads = elements(level >= 2 ? subtract_ranges(resident, others) : resident);
@@ -409,6 +437,7 @@ void ParallelCpuBackend::take_comm_stats(StepStats& stats) {
 
 void ParallelCpuBackend::sync_host_model() {
   if (gather_) gather_->gather_all();
+  if (expert_gather_) expert_gather_->gather_all();
   if (experts_) experts_->gather_weights(*groups_.expert_parallel);
   stats_ = CommStats{};
 }
@@ -445,11 +474,16 @@ SavedState ParallelCpuBackend::save_state(int, int) {
       if (!e.in_block) continue;  // a hinge: its block rank saves it
       const std::string& name = params.spec(e.id).name;
       const int64_t begin = e.expert * e.count;
-      state.pieces.push_back({"param/" + name, shape_of(e.id), begin, e.count, params.value(e.id) + begin, edp.size(),
-                              edp.rank()});
-      // A sharded expert's moments: this rank's share, a piece no other rank holds.
+      // A sharded expert's moments (and at ZeRO-3 its weights): this rank's share, a piece
+      // no other rank holds; whole ones are split over the replicas.
       const int replicas = e.sharded ? 1 : edp.size(), replica = e.sharded ? 0 : edp.rank();
       const int64_t share = begin + e.share_begin;
+      if (e.sharded && expert_gather_)
+        state.pieces.push_back({"param/" + name, shape_of(e.id), share, e.share_count, params.value(e.id) + share,
+                                replicas, replica});
+      else
+        state.pieces.push_back({"param/" + name, shape_of(e.id), begin, e.count, params.value(e.id) + begin,
+                                edp.size(), edp.rank()});
       state.pieces.push_back({"adam_m/" + name, shape_of(e.id), share, e.share_count, e.m, replicas, replica});
       state.pieces.push_back({"adam_v/" + name, shape_of(e.id), share, e.share_count, e.v, replicas, replica});
     }
@@ -479,7 +513,10 @@ std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
       span_ids.push_back(id);
       spans.push_back({params.offset(id), params.numel(id)});
     }
-  for (const SpanPiece& part : cut_spans(spans, params.resident())) {
+  // Expert ZeRO-3: the other replicas' shares of the own experts are theirs to read.
+  const RangeList held =
+      expert_gather_ ? subtract_ranges(params.resident(), experts_->others_shares()) : params.resident();
+  for (const SpanPiece& part : cut_spans(spans, held)) {
     const auto id = static_cast<int>(span_ids[static_cast<size_t>(part.span)]);
     const int64_t begin = part.offset - params.offset(id);
     targets.push_back({"param/" + params.spec(id).name, shape_of(id), begin, part.count, params.value(id) + begin});
@@ -508,6 +545,7 @@ void ParallelCpuBackend::finish_restore(int64_t adam_steps) {
   if (experts_) experts_->set_steps_taken(adam_steps);
   keep_own_experts_resident();  // a restored placement may have moved the window
   if (gather_) gather_->release_all();  // the other ranks' pieces are stale now
+  if (expert_gather_) expert_gather_->release_all();
 }
 
 }  // namespace moe

@@ -3,7 +3,9 @@
 // with parallel.expert_parallel > 1, expert parallelism on the GPU path's semantics (per
 // MoE layer slots, each token once per peer, partial combines, split experts:
 // model/expert_parallel_dispatcher.h over src/dist/expert_exchange.h; the experts' steps in
-// src/dist/expert_optimizer.h). A ModelBackend, so Trainer::train_step's one loop drives it.
+// src/dist/expert_optimizer.h, at parallel.zero 1-3 ZeRO over their replicas with the same
+// level: expert_shares.h, expert_parameter_gather.h). A ModelBackend, so Trainer::train_step's
+// one loop drives it.
 //
 // What "the same as one process" means here: N ranks with micro-batch B reproduce the
 // single-process run with micro-batch N x B and the same global batch (rank r's local
@@ -20,6 +22,7 @@
 #include "dist/expert_exchange.h"
 #include "dist/hierarchical_all_to_all.h"
 #include "dist/expert_optimizer.h"
+#include "dist/expert_parameter_gather.h"
 #include "dist/comm_stats.h"
 #include "dist/process_groups.h"
 #include "dist/zero_optimizer.h"
@@ -78,6 +81,7 @@ class ParallelCpuBackend final : public ModelBackend {
   std::unique_ptr<dist::ZeroOptimizer> zero_;
   std::unique_ptr<dist::ZeroParameterGather> gather_;  // parallel.zero = 3
   std::unique_ptr<dist::ExpertOptimizer> experts_;  // expert_parallel > 1
+  std::unique_ptr<dist::ExpertParameterGather> expert_gather_;  // expert_parallel > 1, parallel.zero = 3, replicas
   // expert_parallel == 1: expert weights are sharded with the rest; per-expert clipping
   // needs their expert group per parameter id (-1: not an expert weight).
   std::vector<int> expert_group_of_id_;
