@@ -88,32 +88,18 @@ class ModelBackend {
   // global tensors, each with how many ranks hold the same bits (replicas) and which copy
   // this is; rank/world: this rank in the run's world. restore_targets: the slices this
   // rank needs and where they go; finish_restore (collective), once they are filled.
-  // The defaults work on the host state: gather_state fills it (every rank's whole, the
-  // copies identical) and scatter_state spreads it back (no-ops where the host state is
-  // the state); a backend whose state is sharded overrides the three.
+  // The defaults are for backends whose state is the host state (one copy of `world`
+  // replicas); a backend that keeps its state elsewhere (GPU) or sharded overrides the three.
   virtual SavedState save_state(int rank, int world) {
-    gather_state();
     return {host_state_pieces(host_model(), host_optimizer(), world, rank), host_optimizer().steps_taken()};
   }
   virtual std::vector<StateTarget> restore_targets() { return host_state_targets(host_model(), host_optimizer()); }
-  virtual void finish_restore(int64_t adam_steps) {
-    host_optimizer().set_steps_taken(adam_steps);
-    scatter_state();
-  }
+  virtual void finish_restore(int64_t adam_steps) { host_optimizer().set_steps_taken(adam_steps); }
   // The experts' placement and the re-placement's state, as text a checkpoint keeps
   // (empty: nothing to keep), and taking it back after a restore (collective; ignored
   // where it does not fit this run, e.g. another EP size).
   virtual std::string placement_state() const { return {}; }
   virtual void restore_placement(const std::string& state) { (void)state; }
-
- protected:
-  // For the default save_state / finish_restore. gather_state (collective): afterwards
-  // every rank's host model holds every parameter's current value and the host AdamW every
-  // moment and the step count, in the single-process layout, wherever the backend keeps
-  // them (GPU memory). scatter_state: the reverse, once the host state holds a checkpoint's
-  // values.
-  virtual void gather_state() {}
-  virtual void scatter_state() {}
 
  private:
   HostState host_;

@@ -392,7 +392,7 @@ std::string ParallelCpuBackend::placement_state() const {
   return state.dump();
 }
 
-// After scatter_state (the equal blocks hold the checkpoint's values): the saved slots'
+// After finish_restore (the equal blocks hold the checkpoint's values): the saved slots'
 // experts move to their ranks as a re-placement moves them. A record of another EP size
 // or layer count (or none) leaves the equal blocks.
 void ParallelCpuBackend::restore_placement(const std::string& text) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <list>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -421,29 +422,29 @@ class GpuBackend final : public ModelBackend {
   // Pinning tens of GB takes seconds: done once, at the start, so that no save waits for it.
   void reserve_save_buffers(bool report) {
     const auto start = std::chrono::steady_clock::now();
-    OwnedPieces pieces = own_pieces(/*restoring=*/false);
-    if (saved_ && saved_->elements() == pieces.elements()) return;  // planned again: kept
-    saved_ = std::make_shared<OwnedPieces>(std::move(pieces));
-    saved_->allocate(/*pinned=*/true);
-    if (report)
+    const OwnedPieces* before = saved_.get();
+    const std::shared_ptr<OwnedPieces> pieces = save_buffers(own_pieces(/*restoring=*/false));
+    if (report && pieces.get() != before)  // planned again: the same buffers
       spdlog::info("checkpoint: {:.2f} GB of pinned host memory for this rank's saves, in {:.1f} s",
-                   static_cast<double>(saved_->elements()) * 12e-9,
+                   static_cast<double>(pieces->elements()) * 12e-9,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  // Host buffers for `now`: the last save's if its write is done (only saved_ holds them)
+  // and the sizes agree (a re-placement moves experts between slots, not their sizes);
+  // else new pinned ones, kept for the next save.
+  std::shared_ptr<OwnedPieces> save_buffers(OwnedPieces now) {
+    if (saved_ && saved_.use_count() == 1 && saved_->elements() == now.elements()) {
+      saved_->pieces = std::move(now.pieces);
+      return saved_;
+    }
+    saved_ = std::make_shared<OwnedPieces>(std::move(now));
+    saved_->allocate(/*pinned=*/true);
+    return saved_;
   }
   SavedState save_state(int rank, int world) override {
     if (dp_) dp_->join_stage_gathers();
     auto& params = host_model().params();
-    OwnedPieces now = own_pieces(/*restoring=*/false);
-    std::shared_ptr<OwnedPieces> pieces = saved_;
-    // The last save's buffers if its write is done and the sizes agree (a re-placement
-    // moves experts between slots, not their sizes); else new ones.
-    if (pieces && pieces.use_count() == 2 && pieces->elements() == now.elements()) {
-      pieces->pieces = std::move(now.pieces);
-    } else {
-      pieces = std::make_shared<OwnedPieces>(std::move(now));
-      pieces->allocate(/*pinned=*/true);
-      saved_ = pieces;
-    }
+    const std::shared_ptr<OwnedPieces> pieces = save_buffers(own_pieces(/*restoring=*/false));
     SavedState state;
     state.adam_steps = steps_;
     for (const OwnedPieces::Piece& p : pieces->pieces) {
@@ -456,12 +457,11 @@ class GpuBackend final : public ModelBackend {
       state.pieces.push_back({"adam_v/" + name, shape, p.begin, n, pieces->v_of(p), p.replicas, p.replica});
     }
     // The balancing biases are small: the checkpoint copies them (they change every step).
-    auto biases = std::make_shared<std::vector<std::vector<float>>>();
-    for (auto* layer : host_model().moe_layers()) biases->push_back(layer->balance_bias_E());
-    for (size_t i = 0; i < biases->size(); ++i) {
-      const auto count = static_cast<int64_t>((*biases)[i].size());
-      state.pieces.push_back({"balance_bias/" + host_model().moe_layers()[i]->prefix(), {count}, 0, count,
-                              (*biases)[i].data(), world, rank});
+    auto biases = std::make_shared<std::list<std::vector<float>>>();
+    for (auto* layer : host_model().moe_layers()) {
+      const std::vector<float>& bias = biases->emplace_back(layer->balance_bias_E());
+      const auto count = static_cast<int64_t>(bias.size());
+      state.pieces.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data(), world, rank});
     }
     state.owner = std::make_shared<std::pair<std::shared_ptr<OwnedPieces>, decltype(biases)>>(pieces, biases);
     return state;

@@ -14,7 +14,7 @@ class Communicator;
 
 // The model, gradients and optimizer state on the GPU. `world`: an NCCL (or threads)
 // world for data and expert parallelism, or null for one GPU alone. The host model holds
-// the initial weights and, after sync_host_model / gather_state, the trained ones.
+// the initial weights and, after sync_host_model, the trained ones.
 std::unique_ptr<ModelBackend> make_gpu_backend(const RunConfig& config, HostState host,
                                                std::unique_ptr<dist::Communicator> world);
 
