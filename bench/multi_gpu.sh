@@ -17,8 +17,9 @@
 #   memory       expert state only where it is computed: per-GPU device state (the "device
 #                state" line) of bench/ep_memory.sh's model at EP = N, and mixtral-mini at
 #                EP = N with fp32 AdamW moments (each GPU holds 1/N of the experts), 6 steps;
-#                then the same small model data parallel at parallel.zero 0, 1 and 2, and
-#                mixtral-mini data parallel at ZeRO 2 (1/N of its gradients and optimizer state);
+#                then the same small model data parallel at parallel.zero 0-3 and at EP N / 2
+#                with parallel.zero 0-3 (from 4 GPUs), mixtral-mini at EP N with ZeRO 3, and
+#                data parallel at ZeRO 2 (1/N of its gradients and optimizer state);
 #   resume       runs of the default model saving at step 4 of 8, resumed from that
 #                checkpoint: steps 5-8 of both runs (each rank writes its shard, all read), data
 #                parallel, expert parallel (EP = N) and EP = N with split experts
@@ -26,7 +27,9 @@
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
 # SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,memory,resume (default:
 # all but comm).
-# MODES (environment): the parallel modes scaling measures, "dp ep" by default; "epr" adds
+# MODES (environment): the parallel modes scaling measures, "dp ep dpz3 epz3" by default
+# (dpz3: data parallel at ZeRO 3; epz3: EP N / 2 at ZeRO 3, each expert sharded over its 2
+# GPUs, from 4 GPUs on); "epr" adds
 # EP = N with the experts re-placed by load every REBALANCE_INTERVAL steps (default 5),
 # up to E - N + 1 experts per GPU; "eps" EP = N with split experts (parallel.split_experts:
 # each GPU also computes part of the next GPU's first expert, the rows evened every
@@ -50,7 +53,7 @@ corpus=$2
 n=${3:-$(nvidia-smi -L | wc -l)}
 out=${4:-multi_gpu_out}
 sections=,${5:-correctness,scaling,a2a,memory,resume},
-modes=" ${MODES:-dp ep} "
+modes=" ${MODES:-dp ep dpz3 epz3} "
 export NCCL_NVLS_ENABLE=0
 [[ -x $moe ]] || { echo "$0: $moe is not an executable" >&2; exit 2; }
 [[ -d $corpus ]] || { echo "$0: corpus directory $corpus does not exist" >&2; exit 2; }
@@ -95,10 +98,11 @@ if [[ $sections == *,correctness,* ]]; then
   launch train "${common[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
     --training.micro_batch=$((8 / n)) > "$out/epn.txt" 2>&1
   launch train "${common[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
-    --training.micro_batch=$((8 / n)) --parallel.rebalance_interval=10 \
+    --training.micro_batch=$((8 / n)) --parallel.rebalance_interval=10 --parallel.zero=0 \
     --parallel.rebalance_max_experts=$((8 - n + 1)) > "$out/epr.txt" 2>&1
   launch train "${common[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
-    --training.micro_batch=$((8 / n)) --parallel.split_experts=true --parallel.rebalance_interval=10 > "$out/eps.txt" 2>&1
+    --training.micro_batch=$((8 / n)) --parallel.split_experts=true --parallel.rebalance_interval=10 \
+    --parallel.zero=0 > "$out/eps.txt" 2>&1
   echo "1 GPU:         $(summary "$out/dp1.txt")"
   echo "$n GPUs, DP:    $(summary "$out/dpn.txt")"
   echo "$n GPUs, EP $n: $(summary "$out/epn.txt")"
@@ -131,10 +135,24 @@ if [[ $sections == *,scaling,* ]]; then
       experts=$(grep -oE "^n_experts *= *[0-9]+" "configs/bench/$model.toml" | grep -oE "[0-9]+$")
       launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
         --training.global_batch_tokens=$((tokens * n)) --parallel.rebalance_interval="${REBALANCE_INTERVAL:-5}" \
-        --parallel.rebalance_max_experts=$((experts - n + 1)) > "$out/wsepr_$model.txt" 2>&1
+        --parallel.rebalance_max_experts=$((experts - n + 1)) --parallel.zero=0 > "$out/wsepr_$model.txt" 2>&1
       epr=$(median_field "$out/wsepr_$model.txt" "tok/s")
       line+=" | EP $n re-placed: $epr tokens/s, efficiency $(efficiency "$one" "$epr"), comm wait $(median_field "$out/wsepr_$model.txt" "comm wait")%"
     fi
+    # ZeRO 3: data parallel over the N GPUs, and EP N / 2 (each expert on 2 GPUs, sharded
+    # over them; the shared parameters over all N).
+    for z3 in dpz3 epz3; do
+      [[ $modes == *" $z3 "* ]] || continue
+      layout=(--parallel.zero=3 --training.cuda_graphs=false) label="DP $n ZeRO 3"
+      if [[ $z3 == epz3 ]]; then
+        (( n >= 4 )) || continue
+        layout+=(--parallel.expert_parallel=$((n / 2))) label="EP $((n / 2)) ZeRO 3"
+      fi
+      launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) "${layout[@]}" \
+        > "$out/ws${z3}_$model.txt" 2>&1
+      tps=$(median_field "$out/ws${z3}_$model.txt" "tok/s")
+      line+=" | $label: $tps tokens/s, efficiency $(efficiency "$one" "$tps"), comm wait $(median_field "$out/ws${z3}_$model.txt" "comm wait")%"
+    done
     for split in eps epsr; do
       [[ $modes == *" $split "* ]] || continue
       replace=()
@@ -143,13 +161,13 @@ if [[ $sections == *,scaling,* ]]; then
         --parallel.rebalance_max_experts=$((experts - n + 1)))
       launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
         --training.global_batch_tokens=$((tokens * n)) --parallel.split_experts=true "${replace[@]}" \
-        > "$out/ws${split}_$model.txt" 2>&1
+        --parallel.zero=0 > "$out/ws${split}_$model.txt" 2>&1
       tps=$(median_field "$out/ws${split}_$model.txt" "tok/s")
       line+=" | EP $n split${replace:+, re-placed}: $tps tokens/s, efficiency $(efficiency "$one" "$tps"), comm wait $(median_field "$out/ws${split}_$model.txt" "comm wait")%"
     done
     echo "$line"
     grep -E "re-placed experts" "$out/wsepr_$model.txt" "$out/wsepsr_$model.txt" 2>/dev/null | head -4 || true
-    for log in "$out"/ws{1,n,ep,epr,eps,epsr}_"$model".txt; do [[ -s $log ]] && phases "$log"; done
+    for log in "$out"/ws{1,n,ep,epr,eps,epsr,dpz3,epz3}_"$model".txt; do [[ -s $log ]] && phases "$log"; done
     if [[ $modes == *" ep "* ]]; then grep -E "all-to-all [0-9.]+ MB" "$out/wsep_$model.txt" | tail -1 || true; fi
   done
 fi
@@ -203,7 +221,7 @@ if [[ $sections == *,memory,* ]]; then
   grep -m1 "device state" "$out/memory_mixtral.txt" | sed 's/.*device state/  mixtral-mini device state/'
   grep -E "^step +6/" "$out/memory_mixtral.txt" | cut -c1-100 | sed 's/^/  /'
   echo "== optimizer and gradient state per GPU, data parallel over $n GPUs (issue 19: parallel.zero)"
-  for zero in 0 1 2; do
+  for zero in 0 1 2 3; do
     launch train -c configs/default.toml --data.dir="$corpus" --training.device=cuda --model.dim=512 \
       --model.n_heads=8 --model.n_kv_heads=4 --model.n_layers=8 --model.seq_len=512 --moe.n_experts=64 \
       --moe.expert_hidden=512 --training.micro_batch=1 --training.global_batch_tokens=$((512 * n)) --training.steps=3 \
@@ -211,6 +229,21 @@ if [[ $sections == *,memory,* ]]; then
       > "$out/memory_zero$zero.txt" 2>&1
     grep -m1 "device state" "$out/memory_zero$zero.txt" | sed "s/.*device state/  zero $zero: device state/"
   done
+  echo "== expert and shared state per GPU, EP $((n / 2)) over $n GPUs (issue 19: parallel.zero under expert parallelism)"
+  for zero in 0 1 2 3; do
+    (( n >= 4 )) || break
+    launch train -c configs/default.toml --data.dir="$corpus" --training.device=cuda --model.dim=512 \
+      --model.n_heads=8 --model.n_kv_heads=4 --model.n_layers=8 --model.seq_len=512 --moe.n_experts=64 \
+      --moe.expert_hidden=512 --training.micro_batch=1 --training.global_batch_tokens=$((512 * n)) --training.steps=3 \
+      --training.val_interval=0 --metrics.log_interval=1 --training.cuda_graphs=false --parallel.zero="$zero" \
+      --parallel.expert_parallel=$((n / 2)) > "$out/memory_ep_zero$zero.txt" 2>&1
+    grep -m1 "device state" "$out/memory_ep_zero$zero.txt" | sed "s/.*device state/  EP $((n / 2)), zero $zero: device state/"
+  done
+  launch train -c configs/bench/mixtral-mini.toml --device cuda --data.dir="$corpus" --training.steps=6 \
+    --training.global_batch_tokens=$((16384 * n)) --metrics.log_interval=1 --training.val_interval=0 \
+    --training.cuda_graphs=false --parallel.zero=3 --parallel.expert_parallel="$n" > "$out/memory_mixtral_ep_zero3.txt" 2>&1
+  grep -m1 "device state" "$out/memory_mixtral_ep_zero3.txt" | sed "s/.*device state/  mixtral-mini EP $n ZeRO 3 device state/"
+  grep -E "^step +6/" "$out/memory_mixtral_ep_zero3.txt" | cut -c1-100 | sed 's/^/  /'
   launch train -c configs/bench/mixtral-mini.toml --device cuda --data.dir="$corpus" --training.steps=6 \
     --training.global_batch_tokens=$((16384 * n)) --metrics.log_interval=1 --training.val_interval=0 \
     --training.cuda_graphs=false --parallel.zero=2 > "$out/memory_mixtral_zero2.txt" 2>&1
@@ -228,7 +261,8 @@ if [[ $sections == *,resume,* ]]; then
     run=(-c configs/default.toml --device cuda --data.dir="$corpus" --training.steps=8 --metrics.log_interval=1
          --parallel.backend=nccl --training.micro_batch=$((8 / n)) --checkpoint.dir="$ckpt" --checkpoint.interval=4)
     [[ $mode == ep ]] && run+=(--parallel.expert_parallel="$n")
-    [[ $mode == eps ]] && run+=(--parallel.expert_parallel="$n" --parallel.split_experts=true --parallel.rebalance_interval=2)
+    [[ $mode == eps ]] && run+=(--parallel.expert_parallel="$n" --parallel.split_experts=true --parallel.rebalance_interval=2
+                                --parallel.zero=0)
     launch train "${run[@]}" > "$out/resume_${mode}_whole.txt" 2>&1
     launch train "${run[@]}" --resume "$ckpt/step_00000004" --discard-newer-checkpoints > "$out/resume_${mode}_after.txt" 2>&1
     echo "uninterrupted, steps 5-8: $(losses "$out/resume_${mode}_whole.txt")"

@@ -91,41 +91,44 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
                                                  const std::function<int(const std::string&)>& stage_of,
                                                  int n_stages, const RangeList& own_experts,
                                                  const RangeList& hinges) {
-  const std::vector<RangeList> whole = gradient_ranges_by_stage(params, stage_of, n_stages);
+  RangeList tensors;
+  for (int id : expert_tensors_by_offset(params)) tensors.push_back({params.offset(id), params.numel(id)});
+  return split_expert_stages(gradient_ranges_by_stage(params, stage_of, n_stages), tensors, own_experts, hinges);
+}
+
+ExpertParallelRanges split_expert_stages(const std::vector<RangeList>& whole, const RangeList& expert_tensors,
+                                         const RangeList& own_experts, const RangeList& hinges) {
+  const auto n_stages = whole.size();
   ExpertParallelRanges split;
-  split.shared.resize(static_cast<size_t>(n_stages));
-  split.own_experts.resize(static_cast<size_t>(n_stages));
-  const std::vector<int> experts = expert_tensors_by_offset(params);
+  split.shared.resize(n_stages);
+  split.own_experts.resize(n_stages);
   // Every own and split range lies inside one expert tensor.
   for (const RangeList* set : {&own_experts, &hinges})
     for (const auto& [begin, count] : *set) {
-      const bool inside = std::any_of(experts.begin(), experts.end(), [&](int id) {
-        return begin >= params.offset(id) && begin + count <= params.offset(id) + params.numel(id);
-      });
+      const bool inside = std::any_of(expert_tensors.begin(), expert_tensors.end(),
+                                      [&](const Range& t) { return begin >= t.offset && begin + count <= t.end(); });
       MOE_CHECK(inside && count > 0, "gradient ranges: expert range [{}, {}) is not inside one expert tensor", begin,
                 begin + count);
     }
   const RangeList own_unsplit = subtract_ranges(own_experts, hinges);
-  std::vector<RangeList> plain(static_cast<size_t>(n_stages));  // the parameters without an expert_group
+  std::vector<RangeList> plain(n_stages);  // the parameters without an expert_group
   // Every other element of a stage's ranges is shared.
-  for (int s = 0; s < n_stages; ++s)
-    for (const auto& [begin, count] : whole[static_cast<size_t>(s)]) {
+  for (size_t s = 0; s < n_stages; ++s)
+    for (const auto& [begin, count] : whole[s]) {
       int64_t at = begin;
       const int64_t end = begin + count;
-      for (int id : experts) {
-        const int64_t offset = params.offset(id), numel = params.numel(id);
+      for (const auto& [offset, numel] : expert_tensors) {
         if (offset + numel <= at || offset >= end) continue;
-        append_merged(split.shared[static_cast<size_t>(s)], at, offset - at);
-        append_merged(plain[static_cast<size_t>(s)], at, offset - at);
+        append_merged(split.shared[s], at, offset - at);
+        append_merged(plain[s], at, offset - at);
         for (const auto& [hinge, hinge_count] : hinges)
-          if (hinge >= offset && hinge < offset + numel) append_merged(split.shared[static_cast<size_t>(s)], hinge, hinge_count);
+          if (hinge >= offset && hinge < offset + numel) append_merged(split.shared[s], hinge, hinge_count);
         for (const auto& [own, own_count] : own_unsplit)
-          if (own >= offset && own < offset + numel)
-            append_merged(split.own_experts[static_cast<size_t>(s)], own, own_count);
+          if (own >= offset && own < offset + numel) append_merged(split.own_experts[s], own, own_count);
         at = offset + numel;
       }
-      append_merged(split.shared[static_cast<size_t>(s)], at, end - at);
-      append_merged(plain[static_cast<size_t>(s)], at, end - at);
+      append_merged(split.shared[s], at, end - at);
+      append_merged(plain[s], at, end - at);
     }
   split.stepped_ranges = merged_ranges({plain, {own_experts}});
   return split;

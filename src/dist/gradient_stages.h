@@ -57,5 +57,9 @@ ExpertParallelRanges gradient_ranges_by_stage_ep(const ParameterStore<float>& pa
                                                  const std::function<int(const std::string&)>& stage_of,
                                                  int n_stages, const RangeList& own_experts,
                                                  const RangeList& hinges = {});
+// The same split of `whole` (gradient_ranges_by_stage's) given the expert tensors' block
+// ranges (sorted): for layouts known before allocating (the memory planner).
+ExpertParallelRanges split_expert_stages(const std::vector<RangeList>& whole, const RangeList& expert_tensors,
+                                         const RangeList& own_experts, const RangeList& hinges = {});
 
 }  // namespace moe::dist

@@ -78,6 +78,28 @@ ZeroShardPlan plan_zero_shards(const std::vector<RangeList>& stage_ranges, const
   return plan;
 }
 
+ExpertParallelZero plan_expert_parallel_zero(const ExpertParallelRanges& ranges, const RangeList& keep_whole,
+                                             int64_t bucket_elems, int world, int rank, int ep) {
+  MOE_CHECK(ep >= 1 && world % ep == 0 && rank >= 0 && rank < world, "ZeRO shards: rank {} of {} in EP groups of {}",
+            rank, world, ep);
+  MOE_CHECK(ranges.shared.size() == ranges.own_experts.size(), "ZeRO shards: {} shared stages, {} expert stages",
+            ranges.shared.size(), ranges.own_experts.size());
+  ExpertParallelZero zero;
+  zero.shared = plan_zero_shards(ranges.shared, keep_whole, bucket_elems, world, rank);
+  zero.experts = plan_zero_shards(ranges.own_experts, {}, bucket_elems, world / ep, rank / ep);
+  RangeList update = zero.shared.update, norm = zero.shared.norm;
+  update.insert(update.end(), zero.experts.update.begin(), zero.experts.update.end());
+  norm.insert(norm.end(), zero.experts.norm.begin(), zero.experts.norm.end());
+  zero.update = sorted_merged(std::move(update));
+  zero.norm = sorted_merged(std::move(norm));
+  for (size_t stage = 0; stage < ranges.shared.size(); ++stage) {
+    RangeList held = ranges.shared[stage];
+    held.insert(held.end(), ranges.own_experts[stage].begin(), ranges.own_experts[stage].end());
+    zero.held.push_back(sorted_merged(std::move(held)));
+  }
+  return zero;
+}
+
 ZeroShardPlan replicated_plan(const ZeroShardPlan& plan) {
   ZeroShardPlan out;
   out.ranks = plan.ranks;

@@ -57,6 +57,19 @@ struct ZeroShardPlan {
 ZeroShardPlan plan_zero_shards(const std::vector<RangeList>& stage_ranges, const RangeList& keep_whole,
                                int64_t bucket_elems, int ranks, int rank);
 
+// ZeRO under expert parallelism over `world` ranks in EP groups of `ep` (this rank's EP
+// rank rank % ep; its experts' replicas: the world / ep ranks of that EP rank, in which it
+// is rank / ep): the shared parameters (ranges.shared) sharded over the world, its own
+// experts (ranges.own_experts) over their replicas (one replica: stepped whole). The GPU's
+// two data-parallel groups take one plan each; the memory planner counts the same.
+struct ExpertParallelZero {
+  ZeroShardPlan shared, experts;
+  RangeList update, norm;        // both plans': what this rank steps, and adds to the global norm
+  std::vector<RangeList> held;   // per backward stage: the shared and own experts' ranges
+};
+ExpertParallelZero plan_expert_parallel_zero(const ExpertParallelRanges& ranges, const RangeList& keep_whole,
+                                             int64_t bucket_elems, int world, int rank, int ep);
+
 // ZeRO-0 (full replicas) in the same form: every bucket of `plan` becomes a replicated
 // range (all-reduced whole, still one bucket at a time; every rank steps everything), the
 // norm counted on rank 0 only.

@@ -66,14 +66,15 @@ ExpertLayout equal_layout(const ModelBlocks& blocks, int64_t n_experts, int64_t 
 }
 
 // Which ZeRO levels the GPU applies (GpuBackend::make_data_parallel, check_gpu_config),
-// one place to adjust as they grow: levels 1-3 over the data-parallel group without expert
-// parallelism only (under it the shared parameters and the experts' replicas stay whole
-// yet), 2 and 3 without CUDA graphs and with fp32 sums; the layout search offers only
-// those. What a level keeps is state_memory.h's, from the GPU's own plan.
-bool gpu_applies_zero(int64_t gpus, int64_t zero, int64_t ep) { return gpus > 1 && zero >= 1 && ep <= 1; }
+// one place to adjust as they grow: levels 1-3 over more than one GPU (under expert
+// parallelism the shared parameters over all GPUs and the experts over their replicas,
+// without split experts or re-placement), 2 and 3 without CUDA graphs and with fp32 sums;
+// the layout search offers only those. What a level keeps is state_memory.h's, from the
+// GPU's own plans.
+bool gpu_applies_zero(int64_t gpus, int64_t zero) { return gpus > 1 && zero >= 1; }
 bool gpu_offers_zero(const RunConfig& config, int64_t zero, int64_t ep) {
   if (zero == 0) return true;
-  if (ep > 1) return false;
+  if (ep > 1 && (config.parallel.split_experts || config.parallel.rebalance_interval > 0)) return false;
   return zero == 1 || (!config.training.cuda_graphs && config.parallel.grad_reduce_dtype == ReduceDtype::Fp32);
 }
 
@@ -163,21 +164,25 @@ StateBytes state_with(const RunConfig& config, const MemoryLayout& layout, const
   const int64_t gpus = std::max<int64_t>(1, layout.gpus);
   const int64_t moment_elem = config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
   StateBytes state;
-  if (gpu_applies_zero(gpus, layout.zero, ep)) {
-    const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
-    state = data_parallel_state_bytes(blocks.layout, layout.zero, static_cast<int>(gpus), bucket, moment_elem);
-  } else {
-    // Each EP rank's resident chunks, replicated over its replicas. ZeRO under expert
-    // parallelism (the shared parameters over all GPUs, the experts over their replicas)
-    // will be rank_state_bytes over the same `resident` with `kept` the union of the two
-    // plans' pieces (plan_zero_shards over the rank's resident stage ranges).
-    const ExpertLayout experts = ep > 1 ? equal_layout(blocks, E, ep, split) : ExpertLayout{};
+  const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
+  const int64_t zero = gpu_applies_zero(gpus, layout.zero) ? layout.zero : 0;
+  if (ep <= 1) return data_parallel_state_bytes(blocks.layout, zero, static_cast<int>(gpus), bucket, moment_elem);
+  if (split) {
+    // Split experts (never under ZeRO): each EP rank's resident chunks, its window's hinge included.
+    const ExpertLayout experts = equal_layout(blocks, E, ep, split);
     for (int p = 0; p < ep; ++p) {
-      const RangeList resident = ep > 1 ? resident_ranges(experts, p, blocks.storage) : RangeList{{0, blocks.storage}};
-      const StateBytes rank = rank_state_bytes(blocks.layout, resident, 0, {}, moment_elem);
+      const StateBytes rank = rank_state_bytes(blocks.layout, resident_ranges(experts, p, blocks.storage), 0, {}, moment_elem);
       if (rank.total() > state.total()) state = rank;
     }
+    return state;
   }
+  const ExpertLayout experts = equal_layout(blocks, E, ep, false);
+  RangeList tensors;
+  for (const RangeList& layer : blocks.expert_tensors) tensors.insert(tensors.end(), layer.begin(), layer.end());
+  std::sort(tensors.begin(), tensors.end());
+  std::vector<RangeList> own;
+  for (int p = 0; p < ep; ++p) own.push_back(own_expert_ranges(experts, p));
+  state = expert_parallel_state_bytes(blocks.layout, tensors, own, zero, static_cast<int>(gpus), bucket, moment_elem);
   return state;
 }
 

@@ -41,14 +41,26 @@ struct StateBytes {
 // A rank whose blocks hold `resident` (element ranges, sorted; the whole block without
 // expert parallelism) at ZeRO level `zero`, stepping `kept` (its ZeroShardPlan::update;
 // unused at level 0): pack_optimizer_state(kept) at 1+, share_gradients at 2+,
-// share_weights at 3. `moment_bytes`: 4 (fp32 moments) or 2 (bf16).
+// share_weights at 3, over the stages' ranges it holds (`held_stages`; null: block.stages,
+// the whole block's). `moment_bytes`: 4 (fp32 moments) or 2 (bf16).
 StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& resident, int64_t zero,
-                            const RangeList& kept, int64_t moment_bytes);
+                            const RangeList& kept, int64_t moment_bytes,
+                            const std::vector<RangeList>* held_stages = nullptr);
 
 // Data parallelism without expert parallelism (GpuBackend::make_data_parallel): ZeRO
 // `zero` over `ranks` ranks, gradient buckets of `bucket_elems` (gradient_bucket_elems),
 // the router biases kept whole. The larger of rank 0's and the last rank's state (the
 // ranks differ only at the ends of the stages' ranges): two plans, whatever the ranks.
+// Expert parallelism over `ranks` ranks in EP groups of `ep` (GpuBackend::make_data_parallel):
+// EP rank p holds `own_experts[p]` (block ranges of its slots, own_expert_ranges) of the
+// `expert_tensors` (sorted block ranges) and every other parameter; at ZeRO 1+ the shared
+// parameters sharded over all ranks, its experts over their replicas
+// (dist::plan_expert_parallel_zero). The largest rank's state (at ZeRO 1+ of the first, the
+// last and the largest level-0 EP rank's first and last replicas).
+StateBytes expert_parallel_state_bytes(const ParameterBlockLayout& block, const RangeList& expert_tensors,
+                                       const std::vector<RangeList>& own_experts, int64_t zero, int ranks,
+                                       int64_t bucket_elems, int64_t moment_bytes);
+
 StateBytes data_parallel_state_bytes(const ParameterBlockLayout& block, int64_t zero, int ranks, int64_t bucket_elems,
                                      int64_t moment_bytes);
 

@@ -109,5 +109,59 @@ TEST(ZeroShards, ReplicatedPlanAndOthersPieces) {
   EXPECT_EQ(others_pieces(whole), (std::vector<RangeList>{{}, {}}));
 }
 
+// ZeRO under expert parallelism (the GPU's two groups): over the world every shared element
+// and every expert element is added to the norm exactly once; a shared element is stepped
+// by one rank or all, an expert element by one of its replicas or all of them (never by a
+// rank that does not hold it); each rank's held stages are its shared and own ranges.
+TEST(ZeroShards, ExpertParallelPlansCountEveryElementOnce) {
+  Transformer<float> model(test::odd_sized_model(), 1);
+  const auto& params = model.params();
+  const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
+  const int64_t E = 4;
+  for (const auto& [world, ep] : {std::pair{2, 2}, std::pair{4, 2}, std::pair{4, 4}, std::pair{8, 2}})
+    for (int64_t bucket : {int64_t{64}, int64_t{1} << 20}) {
+      SCOPED_TRACE(testing::Message() << world << " ranks, EP " << ep << ", buckets of " << bucket);
+      std::map<int64_t, int> normed, updated;
+      std::map<int64_t, int> shared_elems, expert_elems;
+      RangeList keep;  // the router biases, as the GPU keeps them
+      for (int id = 0; id < params.size(); ++id)
+        if (params.spec(id).name.ends_with(".moe.router.bias"))
+          keep.emplace_back(params.offset(id), (params.numel(id) + 15) / 16 * 16);
+      for (int rank = 0; rank < world; ++rank) {
+        const int p = rank % ep;
+        const ExpertParallelRanges ranges =
+            gradient_ranges_by_stage_ep(params, stage_of, model.backward_stages(), p * E / ep, E / ep);
+        const ExpertParallelZero zero = plan_expert_parallel_zero(ranges, keep, bucket, world, rank, ep);
+        EXPECT_EQ(zero.shared.ranks, world);
+        EXPECT_EQ(zero.experts.ranks, world / ep);
+        EXPECT_EQ(zero.experts.rank, rank / ep);
+        RangeList held_all;
+        for (size_t s = 0; s < ranges.shared.size(); ++s) {
+          std::map<int64_t, int> want, got;
+          count(ranges.shared[s], want);
+          count(ranges.own_experts[s], want);
+          count(zero.held[s], got);
+          EXPECT_EQ(got, want) << "stage " << s;
+          held_all.insert(held_all.end(), zero.held[s].begin(), zero.held[s].end());
+          if (rank < ep) count(ranges.own_experts[s], expert_elems);
+          if (rank == 0) count(ranges.shared[s], shared_elems);
+        }
+        EXPECT_TRUE(subtract_ranges(zero.update, merge_ranges(held_all)).empty()) << "rank " << rank << " steps what it does not hold";
+        count(zero.norm, normed);
+        count(zero.update, updated);
+      }
+      for (const auto& [e, n] : shared_elems) {
+        EXPECT_EQ(normed[e], 1) << "shared element " << e;
+        EXPECT_TRUE(updated[e] == 1 || updated[e] == world) << "shared element " << e << " stepped " << updated[e] << "x";
+      }
+      for (const auto& [e, n] : expert_elems) {
+        EXPECT_EQ(n, 1) << "expert element " << e << " held by two EP ranks";
+        EXPECT_EQ(normed[e], 1) << "expert element " << e;
+        EXPECT_TRUE(updated[e] == 1 || updated[e] == world / ep) << "expert element " << e << " stepped " << updated[e] << "x";
+      }
+      EXPECT_EQ(normed.size(), shared_elems.size() + expert_elems.size());
+    }
+}
+
 }  // namespace
 }  // namespace moe::dist

@@ -326,6 +326,16 @@ TEST(GpuDataParallel, RefusesWhatItDoesNotDo) {
   config.training.recompute_experts = ExpertRecompute::None;
   config.parallel.expert_parallel = 3;
   EXPECT_NE(config_error(config).find("must divide moe.n_experts"), std::string::npos) << config_error(config);
+  // ZeRO under expert parallelism keeps experts where they are, whole.
+  config.parallel.expert_parallel = 2;
+  config.parallel.zero = 1;
+  config.parallel.split_experts = true;
+  EXPECT_NE(config_error(config).find("does not split experts"), std::string::npos) << config_error(config);
+  config.parallel.split_experts = false;
+  config.parallel.rebalance_interval = 4;
+  EXPECT_NE(config_error(config).find("set parallel.rebalance_interval = 0 or parallel.zero = 0"), std::string::npos)
+      << config_error(config);
+  config.parallel.rebalance_interval = 0;
   config.parallel.expert_parallel = 1;
   config.training.device = TrainingDevice::Cpu;
   EXPECT_NE(config_error(config).find("parallel.backend = nccl trains on the GPU"), std::string::npos)

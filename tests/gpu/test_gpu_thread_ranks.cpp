@@ -112,6 +112,19 @@ void expect_one_gpu_resumes(RunConfig config, const std::filesystem::path& root,
     EXPECT_NEAR(single.losses[i], whole.losses[i + 3], 0.01 * whole.losses[i + 3]) << "step " << i + 4;
 }
 
+// `config` over `n` ranks saved root/whole/step_00000003 of 6 steps (`whole`, rank 0's): the
+// same layout resumes it and takes steps 4-6 bit for bit. Returns the resumed rank 0.
+RankResult expect_resumes_bit_for_bit(RunConfig config, const std::filesystem::path& root, const RankResult& whole,
+                                      int n) {
+  config.checkpoint.dir = (root / "resumed").string();
+  const std::vector<RankResult> resumed = train_ranks(config, n, (root / "whole" / "step_00000003").string());
+  EXPECT_EQ(resumed[0].error, "");
+  EXPECT_EQ(resumed[0].losses.size(), 3u);
+  for (size_t i = 0; i < 3 && i < resumed[0].losses.size(); ++i)
+    EXPECT_EQ(resumed[0].losses[i], whole.losses[i + 3]) << "step " << i + 4;
+  return resumed[0];
+}
+
 TEST(GpuThreadRanks, DataAndExpertParallelTrainLikeOneGpu) {
   MOE_REQUIRE_GPU();
   const RankResult want = one_gpu();
@@ -119,7 +132,8 @@ TEST(GpuThreadRanks, DataAndExpertParallelTrainLikeOneGpu) {
   expect_like_one_gpu(train_ranks(thread_run(), 2), want, "data parallel (ZeRO-1)");
   RunConfig ep = thread_run();
   ep.parallel.expert_parallel = 2;
-  expect_like_one_gpu(train_ranks(ep, 2), want, "expert parallel");
+  expect_like_one_gpu(train_ranks(ep, 2), want, "expert parallel (ZeRO-1 over the shared parameters)");
+  ep.parallel.zero = 0;  // ZeRO keeps experts in place, whole
   ep.parallel.split_experts = true;
   ep.parallel.rebalance_interval = 3;
   expect_like_one_gpu(train_ranks(ep, 2), want, "split experts, re-placed every 3 steps");
@@ -137,6 +151,7 @@ TEST(GpuThreadRanks, SplitExpertsTrainTheWeightsOfWholeExperts) {
   whole.lr.peak = 1e-4;
   whole.lr.warmup_steps = 0;
   whole.parallel.expert_parallel = 2;
+  whole.parallel.zero = 0;  // ZeRO keeps experts whole
   RunConfig split = whole;
   split.parallel.split_experts = true;
   const std::vector<RankResult> a = train_ranks(whole, 2), b = train_ranks(split, 2);
@@ -178,6 +193,7 @@ TEST(GpuThreadRanks, ReplacedSplitExpertsResumeWhereTheyStopped) {
   std::filesystem::remove_all(root);
   RunConfig config = thread_run(6);
   config.parallel.expert_parallel = 2;
+  config.parallel.zero = 0;  // ZeRO keeps experts in place, whole
   config.parallel.split_experts = true;
   config.parallel.rebalance_interval = 2;
   config.checkpoint.dir = (root / "whole").string();
@@ -185,11 +201,7 @@ TEST(GpuThreadRanks, ReplacedSplitExpertsResumeWhereTheyStopped) {
   const std::vector<RankResult> whole = train_ranks(config, 2);
   ASSERT_EQ(whole[0].error, "");
   ASSERT_EQ(whole[0].losses.size(), 6u);
-  config.checkpoint.dir = (root / "resumed").string();
-  const std::vector<RankResult> resumed = train_ranks(config, 2, (root / "whole" / "step_00000003").string());
-  ASSERT_EQ(resumed[0].error, "");
-  ASSERT_EQ(resumed[0].losses.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], whole[0].losses[i + 3]) << "step " << i + 4;
+  expect_resumes_bit_for_bit(config, root, whole[0], 2);
   // Each rank saved its own experts (and a share of the rest): one GPU reads them all.
   expect_one_gpu_resumes(thread_run(6), root, whole[0]);
   std::filesystem::remove_all(root);
@@ -217,13 +229,7 @@ TEST(GpuThreadRanks, ZeroCheckpointsResumeAndReshard) {
   EXPECT_EQ(whole[0].losses, replicas[0].losses) << "ZeRO-1 and replicas differ";
   EXPECT_EQ(whole[0].params, whole[1].params) << "the ranks' gathered weights differ";
   EXPECT_EQ(whole[0].params, replicas[0].params) << "ZeRO-1's gathered weights are not the replicas'";
-  const std::string step3 = (root / "whole" / "step_00000003").string();
-  config.checkpoint.dir = (root / "resumed").string();
-  const std::vector<RankResult> resumed = train_ranks(config, 2, step3);
-  ASSERT_EQ(resumed[0].error, "");
-  ASSERT_EQ(resumed[0].losses.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], whole[0].losses[i + 3]) << "step " << i + 4;
-  EXPECT_EQ(resumed[0].params, whole[0].params);
+  EXPECT_EQ(expect_resumes_bit_for_bit(config, root, whole[0], 2).params, whole[0].params);
   // One GPU with the same global batch from the two ranks' pieces.
   expect_one_gpu_resumes(config, root, whole[0]);
   std::filesystem::remove_all(root);
@@ -283,12 +289,65 @@ TEST(GpuThreadRanks, ZeroThreeGathersEachStageAndFollowsZeroTwo) {
   EXPECT_EQ(three[0].losses, two[0].losses) << "ZeRO-3 is not ZeRO-2";
   EXPECT_EQ(three[0].params, two[0].params);
   EXPECT_EQ(three[0].params, three[1].params);
-  config.checkpoint.dir = (root / "resumed").string();
-  const std::vector<RankResult> resumed = train_ranks(config, 2, (root / "whole" / "step_00000003").string());
-  ASSERT_EQ(resumed[0].error, "");
-  ASSERT_EQ(resumed[0].losses.size(), 3u);
-  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(resumed[0].losses[i], three[0].losses[i + 3]) << "step " << i + 4;
+  expect_resumes_bit_for_bit(config, root, three[0], 2);
   std::filesystem::remove_all(root);
+}
+
+// ZeRO under expert parallelism: 4 thread ranks of EP 2 (each expert on 2 replicas) shard
+// the shared parameters over all 4 and the experts over their 2 replicas. Level 1 sums
+// what level 0 sums (a reduce-scatter's piece is the all-reduce's), so the same losses and
+// weights bit for bit, every expert on every rank's host copy; level 2 sums per micro-batch
+// (within float rounding); level 3 gathers the same weights as level 2 (bit for bit), and
+// its checkpoint resumes bit for bit, and on one GPU within 1%. EP 4 (no replicas: the
+// experts stepped whole) follows level 0 within float rounding.
+TEST(GpuThreadRanks, ZeroUnderExpertParallelism) {
+  MOE_REQUIRE_GPU();
+  const auto root = std::filesystem::temp_directory_path() / ("moe_thread_ep_zero_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(root);
+  RunConfig config = thread_run(6);
+  config.training.micro_batch = 2;  // 4 ranks x 2: one GPU's 8
+  config.parallel.expert_parallel = 2;
+  std::vector<std::vector<RankResult>> by_level;
+  for (int64_t zero = 0; zero <= 2; ++zero) {
+    config.parallel.zero = zero;
+    by_level.push_back(train_ranks(config, 4));
+    ASSERT_EQ(by_level.back()[0].error, "") << "ZeRO " << zero;
+    for (int r = 1; r < 4; ++r) EXPECT_EQ(by_level.back()[r].params, by_level.back()[0].params) << "ZeRO " << zero << ", rank " << r;
+  }
+  EXPECT_EQ(by_level[1][0].losses, by_level[0][0].losses) << "ZeRO-1 under EP is not ZeRO-0";
+  EXPECT_EQ(by_level[1][0].params, by_level[0][0].params);
+  for (size_t i = 0; i < by_level[0][0].losses.size(); ++i)
+    EXPECT_NEAR(by_level[2][0].losses[i], by_level[0][0].losses[i], 1e-3 * by_level[0][0].losses[i]) << "step " << i + 1;
+  config.parallel.zero = 3;
+  config.checkpoint.dir = (root / "whole").string();
+  config.checkpoint.interval = 3;
+  config.training.val_interval = 2;  // validation forwards gather too
+  const std::vector<RankResult> three = train_ranks(config, 4);
+  ASSERT_EQ(three[0].error, "");
+  EXPECT_EQ(three[0].losses, by_level[2][0].losses) << "ZeRO-3 under EP is not ZeRO-2";
+  EXPECT_EQ(three[0].params, by_level[2][0].params);
+  expect_resumes_bit_for_bit(config, root, three[0], 4);
+  // Each rank saved its pieces of the shared parameters and of its experts: one GPU reads them all.
+  RunConfig one = thread_run(6);
+  one.training.micro_batch = 8;
+  one.checkpoint.dir = (root / "one").string();
+  const RankResult single = train(one, std::move(dist::make_thread_communicators(1)[0]),
+                                  (root / "whole" / "step_00000003").string());
+  ASSERT_EQ(single.error, "");
+  ASSERT_EQ(single.losses.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(single.losses[i], three[0].losses[i + 3], 0.01 * three[0].losses[i + 3]);
+  std::filesystem::remove_all(root);
+  // EP 4: every rank's experts its own.
+  config = thread_run(6);
+  config.training.micro_batch = 2;
+  config.parallel.expert_parallel = 4;
+  const std::vector<RankResult> ep4 = train_ranks(config, 4);
+  config.parallel.zero = 3;
+  const std::vector<RankResult> ep4_zero = train_ranks(config, 4);
+  ASSERT_EQ(ep4[0].error, "");
+  ASSERT_EQ(ep4_zero[0].error, "");
+  for (size_t i = 0; i < ep4[0].losses.size(); ++i)
+    EXPECT_NEAR(ep4_zero[0].losses[i], ep4[0].losses[i], 1e-3 * ep4[0].losses[i]) << "EP 4, step " << i + 1;
 }
 
 }  // namespace

@@ -162,8 +162,8 @@ TEST(MemoryPlan, ZeroLevelsKeepWhatTheGpuAllocates) {
   EXPECT_EQ(stepped, 6949536);
   EXPECT_EQ(z1.weights, z0.weights);
   EXPECT_EQ(z1.gradients, z0.gradients);
-  EXPECT_EQ(z1.master_lo, stepped * 2);
-  EXPECT_EQ(z1.moments, 2 * stepped * 4);
+  EXPECT_EQ(z1.master_lo, chunks(stepped * 2) * kChunk);  // packed into blocks of whole chunks
+  EXPECT_EQ(z1.moments, 2 * chunks(stepped * 4) * kChunk);
   EXPECT_EQ(z1.zero_pools, 0);
   // ZeRO-2, rank 0 (rank 3 holds as much: 23 own chunks, 31 shared). fp32 chunks of
   // 524,288 elements: the embedding 0, layer 0 (stage 2) 1-26, layer 1 (stage 1) 26-52,
@@ -236,6 +236,45 @@ TEST(MemoryPlan, ExpertRowBoundsKnownAnswers) {
   moe.capacity_factor = 0;  // dropless: every rank may send all its T x K rows
   EXPECT_EQ(expert_row_bounds(moe, 4096, 8, false, 0).max_local_rows, 8 * 8192);
   EXPECT_EQ(lm_head_chunk_rows(16384, 32000), 2048);
+}
+
+// ZeRO under expert parallelism: the shared parameters' lo halves and moments over all 4
+// GPUs, the experts' over their replicas (EP 2: 2 of them; EP 4: none, stepped whole), each
+// rank's whole block of 4 (or 2) experts of the 8 held at level 0. With EP 2 the gradients
+// and weights follow at levels 2 and 3 (6 layers: pools of two stages free the others';
+// with EP 4 only the shared part of a layer is sharded, a few chunks, too little to free).
+TEST(MemoryPlan, ZeroUnderExpertParallelismShardsSharedAndExpertState) {
+  RunConfig c = small_config();
+  c.model.n_layers = 6;
+  c.model.moe.expert_hidden = 4096;  // a rank's piece of its experts' bf16 weights spans whole chunks
+  const int64_t n = c.model.n_layers, experts = 3 * 8 * 4096 * 512;
+  const int64_t shared = 2 * 1024 * 512 + 512 + n * (kLayer - kExperts);
+  for (int64_t ep : {2, 4}) {
+    SCOPED_TRACE(testing::Message() << "EP " << ep);
+    MemoryLayout layout = configured_layout(c, 4, 4);
+    layout.expert_parallel = ep;
+    std::vector<MemoryEstimate> by_level;
+    for (int64_t zero = 0; zero <= 3; ++zero) {
+      layout.zero = zero;
+      by_level.push_back(estimate_memory(c, layout));
+    }
+    const MemoryEstimate &z0 = by_level[0], &z1 = by_level[1], &z2 = by_level[2], &z3 = by_level[3];
+    const int64_t own_experts = n * experts / ep, replicas = 4 / ep;
+    // Stepped: a quarter of the shared elements (the router biases whole: 16 each) and
+    // 1 / replicas of its experts, give or take a unit at each stage's ends.
+    const int64_t stepped = (shared - 16 * n) / 4 + 16 * n + own_experts / replicas;
+    // Packed into blocks of whole chunks.
+    EXPECT_NEAR(static_cast<double>(z1.master_lo), static_cast<double>(stepped * 2), kChunk + 4096);
+    EXPECT_NEAR(static_cast<double>(z1.moments), static_cast<double>(stepped * 8), 2 * kChunk + 16384);
+    EXPECT_LE(z1.weights, z0.weights);  // the largest rank at level 0 need not be the largest at 1
+    EXPECT_LE(z1.gradients, z0.gradients);
+    EXPECT_LT(z1.total(), z0.total());
+    if (ep != 2) continue;
+    EXPECT_LT(z2.gradients + z2.zero_pools, z1.gradients);
+    EXPECT_LT(z3.weights + z3.zero_pools - z2.zero_pools, z2.weights);
+    EXPECT_LT(z3.total(), z2.total());
+    EXPECT_LT(z2.total(), z1.total());
+  }
 }
 
 TEST(MemoryPlan, RefusalNamesTheLargestAndALayoutThatFits) {

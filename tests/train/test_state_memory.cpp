@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "dist/gradient_stages.h"
+#include "model/gpu_state_layout.h"
 #include "model/transformer.h"
 
 namespace moe {
@@ -62,11 +63,13 @@ TEST(StateMemory, LevelsKeepTheirBlocksPiecesOnly) {
   EXPECT_EQ(z0.moments, 6 * kChunk);
   EXPECT_EQ(z0.pools, 0);
   // Keeping [8, 40) and [n + 16, n + 32): packed at 8 and 48 (each congruent to its offset
-  // modulo 16, the second on the multiple of 16 after 40), 64 elements in all.
+  // modulo 16, the second on the multiple of 16 after 40), 64 elements in all, in blocks
+  // of whole chunks: one each for the lo halves, m and v.
   const RangeList kept = {{8, 32}, {n + 16, 16}};
   const StateBytes z1 = rank_state_bytes(block, whole, 1, kept, 2);
-  EXPECT_EQ(z1.master_lo, 64 * 2);
-  EXPECT_EQ(z1.moments, 2 * 64 * 2);
+  EXPECT_EQ(packed_state_layout(kept).total, 64);
+  EXPECT_EQ(z1.master_lo, kChunk);
+  EXPECT_EQ(z1.moments, 2 * kChunk);
   EXPECT_EQ(z1.gradients, z0.gradients);
   // ZeRO-2: the middle stage's chunk holds its first element, so it stays private: no pool.
   const StateBytes z2 = rank_state_bytes(block, whole, 2, kept, 4);

@@ -212,15 +212,17 @@ void GpuDataParallel::set_zero_plan(ZeroShardPlan plan, bool overlap) {
   }
 }
 
-void GpuDataParallel::gather_pieces(void* block, DType dtype) {
+void GpuDataParallel::gather_pieces(void* block, DType dtype, int stage) {
   MOE_CHECK(zero_.has_value(), "GPU data parallel: gather_pieces without a ZeRO plan");
   MOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, "GPU data parallel: gather_pieces of 4- or 2-byte elements");
   cudaStream_t stream = as_stream(stream_);
   join_stage_gathers();
   const auto [begin, end] = next_timed_wait();
   MOE_CUDA_CHECK(cudaEventRecord(as_event(begin), stream));
-  for (size_t stage = 0; stage < zero_->sharded.size(); ++stage)
-    if (auto last = gather_stage(stage, block, dtype)) last->wait();  // in order: the last one covers the stage
+  MOE_CHECK(stage < static_cast<int>(zero_->sharded.size()), "GPU data parallel: no backward stage {}", stage);
+  for (size_t s = 0; s < zero_->sharded.size(); ++s)
+    if (stage < 0 || static_cast<int>(s) == stage)
+      if (auto last = gather_stage(s, block, dtype)) last->wait();  // in order: the last one covers the stage
   MOE_CUDA_CHECK(cudaEventRecord(as_event(end), stream));
 }
 

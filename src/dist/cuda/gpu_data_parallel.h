@@ -108,7 +108,8 @@ class GpuDataParallel {
   // in the gradient block's layout (the bf16 weights; for checkpoints also the lo halves and
   // the moments) are all-gathered in place; the model's stream waits for them (counted as
   // communication wait, and returns without blocking the host).
-  void gather_pieces(void* block, DType dtype);
+  // `stage` >= 0: that backward stage's pieces only.
+  void gather_pieces(void* block, DType dtype, int stage = -1);
   // ZeRO-1, overlapped: the same all-gathers, stage by stage in the forward's order (the
   // embedding's first), without the model's stream waiting; wait_stage(s) then makes it
   // wait for stage s's (GpuTransformer's forward stage hook), so the next step's forward

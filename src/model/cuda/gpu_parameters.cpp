@@ -35,9 +35,9 @@ struct GpuParameterStore::State {
   // kernel's 16-byte accesses line up as in the block); empty: in the blocks above.
   RangeList optimizer;
   std::vector<int64_t> packed_at;
-  Buffer<int16_t> lo_packed;
-  Buffer<uint8_t> m_packed, v_packed;
-  bool whole_lo = false;  // hold_whole_master: the lo block mapped and filled from the packed halves
+  // Reserved whole, mapped as pack_optimizer_state fills them (its peak stays near the result).
+  gpu::ResidentBlock lo_packed, m_packed, v_packed;
+  RangeList lo_held;  // hold_master: where the lo block is mapped, filled from the packed halves
   RangeList grads_held;   // share_gradients: the gradients with memory of their own (empty: resident)
   RangeList weights_held;  // share_weights: the hi halves with memory of their own (empty: resident)
   mutable Buffer<float> staging_buffer;     // download_range / upload_range
@@ -60,16 +60,16 @@ struct GpuParameterStore::State {
     return packed_at[i] + (offset - optimizer[i].offset);
   }
   int16_t* lo_at(int64_t offset) const {
-    return packed() && !whole_lo ? lo_packed.data() + state_offset(offset) : lo_data() + offset;
+    return packed() && lo_held.empty() ? static_cast<int16_t*>(lo_packed.data()) + state_offset(offset) : lo_data() + offset;
   }
   char* moment_at(int which, int64_t offset) const {
     if (packed())
-      return reinterpret_cast<char*>((which == 0 ? m_packed : v_packed).data()) +
+      return static_cast<char*>((which == 0 ? m_packed : v_packed).data()) +
              state_offset(offset) * static_cast<int64_t>(moment_bytes());
     return static_cast<char*>(which == 0 ? m.data() : v.data()) + offset * static_cast<int64_t>(moment_bytes());
   }
   // Ranges whose lo halves (master) or moments are held here.
-  const RangeList& master_ranges() const { return packed() && !whole_lo ? optimizer : resident; }
+  const RangeList& master_ranges() const { return !packed() ? resident : lo_held.empty() ? optimizer : lo_held; }
   const RangeList& moment_ranges() const { return packed() ? optimizer : resident; }
   // The parameters' parts inside `wanted`, each inside one range of `held` (or refused
   // naming what is missing).
@@ -214,7 +214,7 @@ const bf16* GpuParameterStore::weights() const { return state_->hi_data(); }
 float* GpuParameterStore::grads() { return state_->grads_data(); }
 bf16* GpuParameterStore::weights_hi() { return state_->hi_data(); }
 int16_t* GpuParameterStore::weights_lo() {
-  MOE_CHECK(!state_->packed() || state_->whole_lo,
+  MOE_CHECK(!state_->packed() || !state_->lo_held.empty(),
             "GPU parameters: the lo halves are packed (ZeRO), not in the block layout");
   return state_->lo_data();
 }
@@ -395,21 +395,44 @@ void GpuParameterStore::pack_optimizer_state(const RangeList& ranges) {
   std::vector<int64_t>& at = layout.at;
   const int64_t total = layout.total;
   const size_t mb = s.moment_bytes();
-  s.lo_packed = Buffer<int16_t>(static_cast<size_t>(total));
-  s.m_packed = Buffer<uint8_t>(static_cast<size_t>(total) * mb);
-  s.v_packed = Buffer<uint8_t>(static_cast<size_t>(total) * mb);
-  for (size_t i = 0; i < merged.size(); ++i) {
-    const Range& r = merged[i];
-    const auto n = static_cast<size_t>(r.count);
-    MOE_CUDA_CHECK(cudaMemcpyAsync(s.lo_packed.data() + at[i], s.lo_data() + r.offset, n * sizeof(int16_t),
-                                   cudaMemcpyDeviceToDevice, s.stream));
-    MOE_CUDA_CHECK(cudaMemcpyAsync(s.m_packed.data() + at[i] * static_cast<int64_t>(mb),
-                                   static_cast<const char*>(s.m.data()) + r.offset * static_cast<int64_t>(mb), n * mb,
-                                   cudaMemcpyDeviceToDevice, s.stream));
-    MOE_CUDA_CHECK(cudaMemcpyAsync(s.v_packed.data() + at[i] * static_cast<int64_t>(mb),
-                                   static_cast<const char*>(s.v.data()) + r.offset * static_cast<int64_t>(mb), n * mb,
-                                   cudaMemcpyDeviceToDevice, s.stream));
+  // The packed blocks are mapped range by range, and every kPackBatch elements the source
+  // chunks no later range needs are released: the copy never holds both whole (an EP rank
+  // whose experts are its own would otherwise need twice their optimizer state at once).
+  constexpr int64_t kPackBatch = int64_t{1} << 27;
+  const auto mbytes = static_cast<int64_t>(mb);
+  s.lo_packed = gpu::ResidentBlock(static_cast<size_t>(total) * sizeof(int16_t));
+  s.m_packed = gpu::ResidentBlock(static_cast<size_t>(total) * mb);
+  s.v_packed = gpu::ResidentBlock(static_cast<size_t>(total) * mb);
+  const auto release_packed = [&](size_t next) {
+    s.sync();  // the copies out of the chunks released here are done
+    const RangeList rest(merged.begin() + static_cast<std::ptrdiff_t>(next), merged.end());
+    s.lo.set_resident(byte_ranges(rest, sizeof(int16_t)));
+    s.m.set_resident(byte_ranges(rest, mbytes));
+    s.v.set_resident(byte_ranges(rest, mbytes));
+  };
+  for (size_t i = 0, next = 0; i < merged.size(); i = next) {
+    int64_t batch = 0;  // ranges [i, next): at least one, at most kPackBatch elements unless one is more
+    while (next < merged.size() && (next == i || batch + merged[next].count <= kPackBatch)) batch += merged[next++].count;
+    const int64_t end = at[next - 1] + merged[next - 1].count;
+    s.lo_packed.set_resident({{0, end * static_cast<int64_t>(sizeof(int16_t))}});
+    s.m_packed.set_resident({{0, end * mbytes}});
+    s.v_packed.set_resident({{0, end * mbytes}});
+    for (size_t k = i; k < next; ++k) {
+      const Range& r = merged[k];
+      const auto n = static_cast<size_t>(r.count);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<int16_t*>(s.lo_packed.data()) + at[k], s.lo_data() + r.offset,
+                                     n * sizeof(int16_t), cudaMemcpyDeviceToDevice, s.stream));
+      MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(s.m_packed.data()) + at[k] * mbytes,
+                                     static_cast<const char*>(s.m.data()) + r.offset * mbytes, n * mb,
+                                     cudaMemcpyDeviceToDevice, s.stream));
+      MOE_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(s.v_packed.data()) + at[k] * mbytes,
+                                     static_cast<const char*>(s.v.data()) + r.offset * mbytes, n * mb,
+                                     cudaMemcpyDeviceToDevice, s.stream));
+    }
+    if (next < merged.size()) release_packed(next);
   }
+  for (gpu::ResidentBlock* block : {&s.lo_packed, &s.m_packed, &s.v_packed})
+    block->set_resident({{0, static_cast<int64_t>(block->bytes())}});  // the layout's padding at the end
   s.sync();
   s.optimizer = merged;
   s.packed_at = std::move(at);
@@ -423,31 +446,31 @@ const RangeList& GpuParameterStore::optimizer_ranges() const { return state_->mo
 GpuParameterStore::StepState GpuParameterStore::step_state() {
   State& s = *state_;
   if (!s.packed()) return {s.lo_data(), s.m.data(), s.v.data(), false};
-  MOE_CHECK(!s.whole_lo, "GPU parameters: no AdamW step while hold_whole_master holds the lo block");
-  return {s.lo_packed.data(), s.m_packed.data(), s.v_packed.data(), true};
+  MOE_CHECK(s.lo_held.empty(), "GPU parameters: no AdamW step while hold_master holds the lo block");
+  return {static_cast<int16_t*>(s.lo_packed.data()), s.m_packed.data(), s.v_packed.data(), true};
 }
 
 int64_t GpuParameterStore::state_offset(int64_t offset) const { return state_->state_offset(offset); }
 
-void GpuParameterStore::hold_whole_master(bool whole) {
+void GpuParameterStore::hold_master(const RangeList& ranges) {
   State& s = *state_;
-  MOE_CHECK(s.packed(), "GPU parameters: hold_whole_master without packed optimizer state");
-  if (whole == s.whole_lo) return;
+  MOE_CHECK(s.packed(), "GPU parameters: hold_master without packed optimizer state");
+  const RangeList held = merge_ranges(ranges);
+  const RangeList outside = subtract_ranges(held, s.resident);
+  MOE_CHECK(outside.empty(), "GPU parameters: elements [{}, {}) to hold the master of are not resident",
+            outside.front().offset, outside.front().end());
   s.sync();
-  if (!whole) {
-    s.lo.set_resident({});
-    s.whole_lo = false;
-    return;
-  }
-  RangeList bytes;
-  for (const Range& r : s.resident) bytes.push_back({r.offset * 2, r.count * 2});
-  s.lo.set_resident(bytes);
+  s.lo.set_resident(byte_ranges(held, sizeof(int16_t)));
+  s.lo_held = held;
+  // The own pieces' lo halves inside `held`, from the packed ones.
   for (size_t i = 0; i < s.optimizer.size(); ++i)
-    MOE_CUDA_CHECK(cudaMemcpyAsync(s.lo_data() + s.optimizer[i].offset, s.lo_packed.data() + s.packed_at[i],
-                                   static_cast<size_t>(s.optimizer[i].count) * sizeof(int16_t),
-                                   cudaMemcpyDeviceToDevice, s.stream));
+    for (const Range& part : subtract_ranges({s.optimizer[i]}, subtract_ranges({s.optimizer[i]}, held)))
+      MOE_CUDA_CHECK(cudaMemcpyAsync(s.lo_data() + part.offset,
+                                     static_cast<int16_t*>(s.lo_packed.data()) + s.packed_at[i] +
+                                         (part.offset - s.optimizer[i].offset),
+                                     static_cast<size_t>(part.count) * sizeof(int16_t), cudaMemcpyDeviceToDevice,
+                                     s.stream));
   s.sync();
-  s.whole_lo = true;
 }
 
 void GpuParameterStore::download_range(Range r, float* values, float* m, float* v) const {
@@ -520,8 +543,8 @@ size_t GpuParameterStore::bytes_per_parameter(MomentDtype moments) {
 size_t GpuParameterStore::device_bytes() const {
   const State& s = *state_;
   return s.hi.resident_bytes() + s.lo.resident_bytes() + s.grads.resident_bytes() + s.m.resident_bytes() +
-         s.v.resident_bytes() + s.mirror.size() * sizeof(float) + s.lo_packed.size() * sizeof(int16_t) +
-         s.m_packed.size() + s.v_packed.size();
+         s.v.resident_bytes() + s.mirror.size() * sizeof(float) + s.lo_packed.resident_bytes() +
+         s.m_packed.resident_bytes() + s.v_packed.resident_bytes();
 }
 
 }  // namespace moe

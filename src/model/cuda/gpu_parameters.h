@@ -39,7 +39,7 @@ class GpuParameterStore {
   float* grads();
   // The master weights' two halves, writable (expert parallelism copies experts' weights
   // between ranks); fp32_values copies are not affected. weights_lo: in the block layout,
-  // so not while the optimizer state is packed (unless hold_whole_master).
+  // so not while the optimizer state is packed (unless hold_master).
   bf16* weights_hi();
   int16_t* weights_lo();
   // The AdamW moments' blocks (which = 0: first, 1: second), in the block layout, of
@@ -90,10 +90,11 @@ class GpuParameterStore {
   };
   StepState step_state();
   int64_t state_offset(int64_t offset) const;
-  // Packed: maps the lo halves over the whole resident block again, own ranges filled
-  // (weights_lo() is then valid: an all-gather fills the rest before download_params), or
-  // releases that block (whole = false).
-  void hold_whole_master(bool whole);
+  // Packed: maps the lo halves of `ranges` (resident ones) in the block layout again, the
+  // own pieces' filled (weights_lo() is then valid there: an all-gather fills the rest
+  // before download_params), releasing the rest of that block; empty: releases it all.
+  // A stage at a time keeps the transient memory to one stage's (sync_host_model).
+  void hold_master(const RangeList& ranges);
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
   // included), sorted: a sharded optimizer must step them whole on every rank.
   RangeList fp32_copy_ranges() const;

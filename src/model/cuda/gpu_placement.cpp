@@ -321,4 +321,35 @@ void GpuTransformer::State::gather_other_experts(ParameterStore<float>& params, 
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
+void GpuTransformer::share_expert_values(ParameterStore<float>& params) {
+  State& s = *state_;
+  if (!s.ep) return;
+  const int64_t E = s.config.moe.n_experts;
+  constexpr int64_t kStagingFloats = int64_t{1} << 24;
+  gpu::DeviceArray<float> staging;
+  for (const Layer& layer : s.layers) {
+    if (!layer.is_moe) continue;
+    MOE_CHECK(!layer.placed, "sharing expert values: not after a re-placement (the host copies are in slot order)");
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / E;
+      for (int rank = 0; rank < s.ep->size(); ++rank) {
+        const int64_t first = layer.slots.first_slot_P1[static_cast<size_t>(rank)];
+        const Range block{p->offset + first * per_expert,
+                          (layer.slots.first_slot_P1[static_cast<size_t>(rank) + 1] - first) * per_expert};
+        const bool mine = rank == s.ep_rank();
+        for (int64_t done = 0; done < block.count; done += kStagingFloats) {
+          const int64_t n = std::min(kStagingFloats, block.count - done);
+          if (static_cast<int64_t>(staging.size()) < n) staging = gpu::DeviceArray<float>(static_cast<size_t>(n));
+          float* host = params.values_data() + block.offset + done;
+          const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+          if (mine) MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), host, bytes, cudaMemcpyHostToDevice, s.stream));
+          s.ep->broadcast(staging.data(), bytes, rank);
+          if (!mine) MOE_CUDA_CHECK(cudaMemcpyAsync(host, staging.data(), bytes, cudaMemcpyDeviceToHost, s.stream));
+          MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the staging buffer is reused next
+        }
+      }
+    }
+  }
+}
+
 }  // namespace moe

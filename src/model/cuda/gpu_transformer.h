@@ -146,6 +146,10 @@ class GpuTransformer {
   // other expert coming from its holder (one rank's block of one tensor at a time).
   void download_grads(ParameterStore<float>& params) const;
   void download_params(ParameterStore<float>& params);
+  // Expert parallelism with ZeRO (the store packed: no other expert can be made resident):
+  // each EP rank's experts, already in its host copy, broadcast to the other EP ranks'
+  // host copies through a device staging buffer. Not after a re-placement. Collective.
+  void share_expert_values(ParameterStore<float>& params);
   // The whole training state for checkpoints: parameters into `params`, and the AdamW
   // moments in the CPU AdamW's packed layout (parameter after parameter, no padding).
   void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v);

@@ -3,6 +3,7 @@
 #include "core/error.h"
 #include "dist/communicator.h"
 #include "dist/launch_env.h"
+#include "dist/zero_shards.h"
 #include "train/backends/cpu_backend.h"
 #include "train/backends/parallel_cpu_backend.h"
 #include "train/memory_plan.h"
@@ -43,8 +44,21 @@ void check_gpu_config(const RunConfig& config, int ranks) {
                      zero);
   if (zero >= 2 && config.parallel.grad_reduce_dtype == ReduceDtype::Bf16)
     MOE_CONFIG_ERROR("parallel.zero = {} sums the gradients in fp32: set parallel.grad_reduce_dtype = fp32", zero);
-  if (zero >= 2 && ep > 1)
-    MOE_CONFIG_ERROR("parallel.zero = {} with parallel.expert_parallel = {} is not implemented on the GPU yet", zero, ep);
+  // ZeRO under expert parallelism packs each rank's experts' optimizer state into its
+  // pieces, which re-placement (moving whole experts' state between ranks) cannot reach.
+  if (zero >= 1 && ep > 1 && config.parallel.split_experts)
+    MOE_CONFIG_ERROR("parallel.zero = {} with parallel.expert_parallel = {} on the GPU does not split experts: set "
+                     "parallel.split_experts = false or parallel.zero = 0",
+                     zero, ep);
+  const int64_t per_expert = config.model.dim * config.model.moe.expert_hidden;
+  if (zero >= 1 && ep > 1 && per_expert % dist::kZeroAlign != 0)
+    MOE_CONFIG_ERROR("parallel.zero = {} with parallel.expert_parallel = {} on the GPU shards experts in pieces of {} "
+                     "elements: model.dim x moe.expert_hidden = {} is not a multiple of it",
+                     zero, ep, dist::kZeroAlign, per_expert);
+  if (zero >= 1 && ep > 1 && config.parallel.rebalance_interval > 0)
+    MOE_CONFIG_ERROR("parallel.zero = {} with parallel.expert_parallel = {} on the GPU keeps experts where they are: "
+                     "set parallel.rebalance_interval = 0 or parallel.zero = 0",
+                     zero, ep);
   if (ep <= 1) return;
   // Over one rank make_backend refuses expert parallelism itself, after these.
   if (ranks > 1 && ranks % ep != 0)

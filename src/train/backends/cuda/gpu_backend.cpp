@@ -135,8 +135,11 @@ class GpuBackend final : public ModelBackend {
     } else {
       // ZeRO-1: the weights' all-gathers run beside this forward; the GEMMs leave them SMs.
       // ZeRO-3: every forward gathers them, stage by stage.
-      if (sharded()) dp_->begin_forward_gathers();
-      const bool gathers = sharded() && dp_->gathers_pending();
+      bool gathers = false;
+      for (dist::GpuDataParallel* group : zero_groups()) {
+        group->begin_forward_gathers();
+        gathers = gathers || group->gathers_pending();
+      }
       if (gathers) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
       fwd = gpu_->forward(inputs_BS, targets_BS);
       if (gathers) gpu_->reserve_sms(0);
@@ -155,7 +158,8 @@ class GpuBackend final : public ModelBackend {
     const double scale = dp_ ? loss_scale * ce_weight_ : loss_scale;
     // ZeRO-2 reduce-scatters every micro-batch's gradients (its buckets hold no others).
     const bool every_micro_batch = sharded() && config_.parallel.zero >= 2;
-    if (every_micro_batch) dp_->begin_micro_batch(last);
+    if (every_micro_batch)
+      for (dist::GpuDataParallel* group : zero_groups()) group->begin_micro_batch(last);
     if (dp_ && (last || every_micro_batch) && dp_->overlaps()) {
       // Each stage's gradients are reduced while the backward of the layers below runs
       // (under expert parallelism: the shared ones over all ranks, this rank's experts'
@@ -165,8 +169,8 @@ class GpuBackend final : public ModelBackend {
       if (dp_->size() > 1) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
       gpu_->backward(scale, [this](int stage) {
         dp_->launch_stage(stage);
-        dp_->backward_stage_done(stage);  // ZeRO-3: the next stages' weights
         if (edp_) edp_->launch_stage(stage);
+        for (dist::GpuDataParallel* group : zero_groups()) group->backward_stage_done(stage);  // ZeRO-3: the next stages' weights
       });
       gpu_->reserve_sms(0);
       dp_->finish_overlapped();
@@ -244,9 +248,13 @@ class GpuBackend final : public ModelBackend {
     ClipStats clip;
     double own_experts_sq = 0;  // expert parallelism: this rank's experts' squared norm, after clipping
     // ZeRO-1: each rank holds its pieces' sums only; the experts' squares add up over the ranks.
+    // Under expert parallelism the experts' pieces are over their replicas (edp_), if any.
     std::function<void(std::vector<double>&)> sum_squares;
-    if (sharded())
-      sum_squares = [this](std::vector<double>& squares) { dp_->sum(squares.data(), static_cast<int64_t>(squares.size())); };
+    dist::GpuDataParallel* expert_group = ep_ ? edp_.get() : dp_.get();
+    if (sharded() && expert_group)
+      sum_squares = [expert_group](std::vector<double>& squares) {
+        expert_group->sum(squares.data(), static_cast<int64_t>(squares.size()));
+      };
     else if (ep_)  // its own experts' norms are whole here; the others' are zero (summed below)
       sum_squares = [](std::vector<double>&) {};
     // Split experts: a hinge's summed gradient is on every EP rank; each counts 1 / P of it.
@@ -255,11 +263,14 @@ class GpuBackend final : public ModelBackend {
     const std::vector<char> hinge = ep_ ? hinge_flags(layout) : std::vector<char>();
     if (max_expert_norm > 0 || ep_) {
       const std::vector<double> norms = to_expert_order(layout, optimizer_->clip_expert_grads(max_expert_norm, sum_squares));
+      if (ep_) report_expert_norms(norms, hinge, max_expert_norm, clip);
       for (size_t x = 0; x < norms.size(); ++x) {
         const double norm = norms[x];
-        clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
         const bool clipped = max_expert_norm > 0 && norm > max_expert_norm;
-        if (clipped) ++clip.experts_clipped;
+        if (!ep_) {
+          clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
+          if (clipped) ++clip.experts_clipped;
+        }
         const double kept = clipped ? norm * (max_expert_norm / (norm + 1e-6)) : norm;
         own_experts_sq += kept * kept;
         counted_experts_sq += x < hinge.size() && hinge[x] ? kept * kept / ep_->size() : kept * kept;
@@ -271,7 +282,7 @@ class GpuBackend final : public ModelBackend {
       // rank 0, the ranges every rank keeps whole), so the squares add up over the ranks.
       clip.global_norm = std::sqrt(dp_->sum(clip.global_norm * clip.global_norm));
     }
-    if (ep_) {
+    if (ep_ && !sharded()) {
       // This rank's block holds the shared gradients (summed over all ranks) and its own
       // experts' (zero elsewhere): the global norm is the shared part once plus every
       // EP rank's experts, the same double on every rank.
@@ -290,12 +301,12 @@ class GpuBackend final : public ModelBackend {
     optimizer_->adamw_step(AdamWStep{lr, o.beta1, o.beta2, o.eps, o.weight_decay, ++steps_}, static_cast<float>(grad_scale_));
     // ZeRO-1: this rank stepped its pieces; the others' new bf16 weights come from them
     // (the lo halves and moments stay with their owners until a checkpoint gathers them).
-    if (sharded()) {
+    for (dist::GpuDataParallel* group : zero_groups()) {
       // Without graphs the next forward waits for each stage's weights as it reaches them.
       if (config_.training.cuda_graphs)
-        dp_->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16);
-      else if (!dp_->shards_weights())  // ZeRO-3: the next forward gathers them
-        dp_->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16);
+        group->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16);
+      else if (!group->shards_weights())  // ZeRO-3: the next forward gathers them
+        group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16);
     }
     if (config_.model.moe.bias_balancing) update_balance_bias();
   }
@@ -303,6 +314,14 @@ class GpuBackend final : public ModelBackend {
     if (ep_ && config_.parallel.rebalance_interval > 0) rebalance_experts();
   }
   bool sharded() const { return dp_ && dp_->zero_plan() != nullptr; }
+  // The data-parallel groups with a ZeRO plan: dp_ (all ranks: every parameter, or the
+  // shared ones under expert parallelism) and edp_ (this rank's experts over their replicas).
+  std::vector<dist::GpuDataParallel*> zero_groups() const {
+    std::vector<dist::GpuDataParallel*> groups;
+    for (dist::GpuDataParallel* group : {dp_.get(), edp_.get()})
+      if (group && group->zero_plan()) groups.push_back(group);
+    return groups;
+  }
   double sum_over_ranks(double value) override { return dp_ ? dp_->sum(value) : value; }
   void end_validation() override {
     gpu_->reset_load();
@@ -378,29 +397,30 @@ class GpuBackend final : public ModelBackend {
   }
   void sync_host_model() override {
     if (sharded()) {
-      // The lo halves of every piece from its owner (2 bytes per parameter for a moment).
+      // Stage by stage, the lo halves of every piece from its owner (2 bytes per parameter of
+      // the stage for a moment); ZeRO-3: the stage's weights gathered into its pool and
+      // downloaded before the stage two on takes the pool over.
       GpuParameterStore& store = gpu_->parameters();
-      dp_->join_stage_gathers();
-      store.hold_whole_master(true);
-      dp_->gather_pieces(store.weights_lo(), dist::DType::bf16);  // int16 bits: moved, not summed
-      if (dp_->shards_weights()) {
-        // ZeRO-3: each stage's weights gathered into its pool and downloaded before the
-        // stage two on takes the pool over.
-        const dist::ZeroShardPlan& plan = *dp_->zero_plan();
-        dp_->begin_forward_gathers();
-        for (int stage = static_cast<int>(plan.sharded.size()); stage-- > 0;) {
-          dp_->forward_stage(stage);
-          for (const RangeList* ranges : {&plan.sharded[static_cast<size_t>(stage)], &plan.replicated[static_cast<size_t>(stage)]})
-            for (const Range& range : *ranges) store.download_params(host_model().params(), &range);
+      const std::vector<dist::GpuDataParallel*> groups = zero_groups();
+      for (dist::GpuDataParallel* group : groups) group->join_stage_gathers();
+      const bool by_stage = dp_->shards_weights();
+      if (by_stage)
+        for (dist::GpuDataParallel* group : groups) group->begin_forward_gathers();
+      for (size_t stage = zero_held_.size(); stage-- > 0;) {
+        store.hold_master(zero_held_[stage]);
+        for (dist::GpuDataParallel* group : groups) {
+          group->gather_pieces(store.weights_lo(), dist::DType::bf16, static_cast<int>(stage));  // int16 bits: moved
+          if (by_stage) group->forward_stage(static_cast<int>(stage));
         }
-      } else {
-        gpu_->download_params(host_model().params());
+        for (const Range& range : zero_held_[stage]) store.download_params(host_model().params(), &range);
       }
-      store.hold_whole_master(false);
+      store.hold_master({});
+      if (ep_) gpu_->share_expert_values(host_model().params());  // the other EP ranks' experts
     } else {
       gpu_->download_params(host_model().params());
     }
-    if (dp_) dp_->take_stats();
+    for (dist::GpuDataParallel* group : {dp_.get(), edp_.get()})
+      if (group) group->take_stats();
   }
 
   // Checkpoints, each rank its own pieces (no gather, no host copy of the model): ZeRO the
@@ -415,6 +435,8 @@ class GpuBackend final : public ModelBackend {
   // afterwards); replicas everything.
   OwnedPieces own_pieces(bool restoring) {
     const int world = dp_ ? dp_->size() : 1, rank = dp_ ? dp_->rank() : 0;
+    if (sharded() && ep_)
+      return expert_zero_pieces(host_model().params(), gpu_->expert_layout(), world, rank, ep_->size(), ep_zero_);
     if (sharded()) return zero_pieces(host_model().params(), *dp_->zero_plan());
     if (ep_) return expert_pieces(host_model().params(), gpu_->expert_layout(), world, rank, ep_->size(), restoring);
     return replica_pieces(host_model().params(), world, rank, restoring);
@@ -471,10 +493,19 @@ class GpuBackend final : public ModelBackend {
     restored_ = own_pieces(/*restoring=*/true);
     restored_.allocate(/*pinned=*/false);
     std::vector<StateTarget> targets;
-    if (sharded())
+    if (sharded()) {
+      // Every weight it holds whole (under expert parallelism its experts' slices), into
+      // the host copy: the bf16 hi halves of every piece come from it.
       for (int id = 0; id < params.size(); ++id)
-        targets.push_back({"param/" + params.spec(id).name, tensor_shape(params.spec(id).shape), 0, params.numel(id),
-                           params.value(id)});
+        if (!ep_ || params.spec(id).expert_group.empty())
+          targets.push_back({"param/" + params.spec(id).name, tensor_shape(params.spec(id).shape), 0,
+                             params.numel(id), params.value(id)});
+      if (ep_)
+        for (const OwnedPieces::Piece& p :
+             expert_slot_pieces(params, gpu_->expert_layout(), dp_->size(), dp_->rank(), ep_->size()).pieces)
+          targets.push_back({"param/" + params.spec(p.id).name, tensor_shape(params.spec(p.id).shape), p.begin,
+                             p.block.count, params.values_data() + p.block.offset});
+    }
     for (const OwnedPieces::Piece& p : restored_.pieces) {
       const std::string& name = params.spec(p.id).name;
       const std::vector<int64_t> shape = tensor_shape(params.spec(p.id).shape);
@@ -555,33 +586,75 @@ class GpuBackend final : public ModelBackend {
       if (expert_replicas->size() > 1)
         edp_ = std::make_unique<dist::GpuDataParallel>(std::move(expert_replicas), gpu_->stream(), params.grads(),
                                                        params.storage_numel(), c.parallel.bucket_mb, reduce_dtype);
-      apply_own_expert_ranges();
+      if (c.parallel.zero >= 1) {
+        // ZeRO: the shared parameters sharded over all ranks, the experts over their replicas.
+        const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
+            host_model().params(), stage_of, host_model().backward_stages(),
+            own_expert_ranges(gpu_->expert_layout(), ep_->rank()));
+        ep_zero_ = dist::plan_expert_parallel_zero(ranges, params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(),
+                                                   dp_->rank(), static_cast<int>(ep));
+        shard_state(ep_zero_.update, ep_zero_.norm, ep_zero_.held);
+        shard_group(*dp_, ep_zero_.shared);
+        if (edp_) shard_group(*edp_, ep_zero_.experts);
+      } else {
+        apply_own_expert_ranges();
+      }
     } else if (c.parallel.zero >= 1 && dp_->size() > 1) {
       // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
       const std::vector<RangeList> stages =
           dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages());
       dist::ZeroShardPlan plan =
           dist::plan_zero_shards(stages, params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
-      params.pack_optimizer_state(plan.update);  // the lo halves and moments of its pieces only
-      optimizer_->set_step_ranges(plan.update, plan.norm);
-      optimizer_->shard_expert_clip(plan.norm, plan.update);
-      // ZeRO-2: the gradients outside its pieces only while their stage's sums are in flight.
-      std::vector<RangeList> zero_after;
-      if (c.parallel.zero >= 2) {
-        params.share_gradients(plan.update, stages);
-        for (const RangeList& buckets : plan.sharded) zero_after.push_back(subtract_ranges(buckets, plan.update));
-      }
-      dp_->set_zero_plan(std::move(plan), /*overlap=*/!c.training.cuda_graphs);
-      if (!zero_after.empty()) dp_->set_gradient_sharding(std::move(zero_after));
-      // ZeRO-3: the weights too, gathered stage by stage for every forward and backward.
-      if (c.parallel.zero >= 3) {
-        params.share_weights(dp_->zero_plan()->update, stages);
-        dp_->set_weight_sharding(params.weights_hi());
-      }
-      if (!c.training.cuda_graphs)
-        gpu_->set_forward_stage_hook([group = dp_.get()](int stage) { group->forward_stage(stage); });
+      shard_state(plan.update, plan.norm, stages);
+      shard_group(*dp_, std::move(plan));
     } else if (!c.training.cuda_graphs) {
       dp_->set_stage_ranges(dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages()));
+    }
+    if (sharded() && !c.training.cuda_graphs)
+      gpu_->set_forward_stage_hook([this](int stage) {
+        for (dist::GpuDataParallel* group : zero_groups()) group->forward_stage(stage);
+      });
+  }
+  // ZeRO 1+ on the store and the optimizer: this rank keeps the lo halves and moments of
+  // `update` only and steps them, adds `norm` to the global norm; at 2+ the gradients and at
+  // 3 the weights of the rest of each stage (`held`: per stage the ranges it holds) live in
+  // memory the stages share.
+  void shard_state(const RangeList& update, const RangeList& norm, const std::vector<RangeList>& held) {
+    GpuParameterStore& params = gpu_->parameters();
+    params.pack_optimizer_state(update);
+    optimizer_->set_step_ranges(update, norm);
+    optimizer_->shard_expert_clip(norm, update);
+    if (config_.parallel.zero >= 2) params.share_gradients(update, held);
+    if (config_.parallel.zero >= 3) params.share_weights(update, held);
+    zero_held_ = held;
+  }
+  // ZeRO on one data-parallel group: `plan`'s buckets reduce-scattered (overlapped with the
+  // backward unless inside a CUDA graph); at 2+ the gradients outside its pieces zeroed once
+  // their stage's sums have left; at 3 the weights gathered stage by stage for every
+  // forward and backward.
+  void shard_group(dist::GpuDataParallel& group, dist::ZeroShardPlan plan) {
+    const int64_t zero = config_.parallel.zero;
+    std::vector<RangeList> zero_after;
+    if (zero >= 2)
+      for (const RangeList& buckets : plan.sharded) zero_after.push_back(subtract_ranges(buckets, plan.update));
+    group.set_zero_plan(std::move(plan), /*overlap=*/!config_.training.cuda_graphs);
+    if (zero >= 2) group.set_gradient_sharding(std::move(zero_after));
+    if (zero >= 3) group.set_weight_sharding(gpu_->parameters().weights_hi());
+  }
+  // Expert parallelism: the true norm of every expert, whose gradients only its holders
+  // have (the others' norms are zero here), for the reported largest norm and the count
+  // clipped: the squares summed over all ranks, each over the ranks that hold its whole
+  // norm (its replicas; every rank for a split expert's hinge).
+  void report_expert_norms(const std::vector<double>& norms, const std::vector<char>& hinge, double max_norm,
+                           ClipStats& clip) {
+    std::vector<double> squares(norms.size());
+    for (size_t x = 0; x < norms.size(); ++x) squares[x] = norms[x] * norms[x];
+    dp_->sum(squares.data(), static_cast<int64_t>(squares.size()));
+    const auto world = static_cast<double>(dp_->size()), replicas = world / ep_->size();
+    for (size_t x = 0; x < norms.size(); ++x) {
+      const double norm = std::sqrt(squares[x] / (x < hinge.size() && hinge[x] ? world : replicas));
+      clip.max_expert_norm = std::max(clip.max_expert_norm, norm);
+      if (max_norm > 0 && norm > max_norm) ++clip.experts_clipped;
     }
   }
   // The CPU's rule (MoELayer::update_balancing_bias) on the step's loads, summed over the
@@ -694,6 +767,8 @@ class GpuBackend final : public ModelBackend {
   std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
   std::shared_ptr<OwnedPieces> saved_;  // checkpoints: the last save's pieces (pinned buffers, reused)
   OwnedPieces restored_;                // the pieces a restore fills
+  std::vector<RangeList> zero_held_;    // ZeRO: per backward stage, the ranges this rank holds
+  dist::ExpertParallelZero ep_zero_;    // ZeRO under expert parallelism: the two groups' plans
   int64_t steps_since_placement_ = 0;
 };
 

@@ -50,28 +50,11 @@ void add_replicated(OwnedPieces& own, const ParameterStore<float>& params, int i
   if (share.count > 0) own.add(id, {offset + share.offset, share.count}, share.offset, 1, 0);
 }
 
-}  // namespace
-
-OwnedPieces zero_pieces(const ParameterStore<float>& params, const dist::ZeroShardPlan& plan) {
-  RangeList spans, replicated;
-  for (int id = 0; id < params.size(); ++id) spans.push_back({params.offset(id), params.numel(id)});
-  for (const RangeList& stage : plan.replicated) replicated.insert(replicated.end(), stage.begin(), stage.end());
-  replicated = merge_ranges(std::move(replicated));
-  const RangeList sharded = subtract_ranges(plan.update, replicated);
-  OwnedPieces own;
-  for (const bool rep : {false, true})
-    for (const SpanPiece& part : cut_spans(spans, rep ? subtract_ranges(plan.update, sharded) : sharded)) {
-      const int id = static_cast<int>(part.span);
-      own.add(id, {part.offset, part.count}, part.offset - params.offset(id), rep ? plan.ranks : 1, rep ? plan.rank : 0);
-    }
-  return own;
-}
-
-OwnedPieces expert_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
-                          int ep, bool window) {
-  OwnedPieces own;
-  for (int id = 0; id < params.size(); ++id)
-    if (params.spec(id).expert_group.empty()) add_replicated(own, params, id, world, rank, window);
+// Per MoE layer, the slots of this rank's block (`window`: of its window, a hinge
+// included) as their experts' slices of the expert tensors, held by the world / ep ranks
+// with the same EP rank.
+void add_expert_slots(OwnedPieces& own, const ParameterStore<float>& params, const ExpertLayout& layout, int world,
+                      int rank, int ep, bool window) {
   const int p = rank % ep;
   for (const MoeLayerExperts& layer : layout) {
     const ExpertSlots& slots = layer.slots;
@@ -87,6 +70,57 @@ OwnedPieces expert_pieces(const ParameterStore<float>& params, const ExpertLayou
                 world / ep, rank / ep);
     }
   }
+}
+
+// `whole`'s pieces cut to the plan's update ranges (appended to `own`): the sharded parts
+// are this rank's alone, the replicated ones held by all the plan's ranks.
+void add_plan_pieces(OwnedPieces& own, const OwnedPieces& whole, const dist::ZeroShardPlan& plan) {
+  RangeList replicated;
+  for (const RangeList& stage : plan.replicated) replicated.insert(replicated.end(), stage.begin(), stage.end());
+  replicated = merge_ranges(std::move(replicated));
+  const RangeList sharded = subtract_ranges(plan.update, replicated);
+  const RangeList kept_whole = subtract_ranges(plan.update, sharded);
+  for (const OwnedPieces::Piece& piece : whole.pieces)
+    for (const bool rep : {false, true}) {
+      const RangeList& set = rep ? kept_whole : sharded;
+      for (const Range& part : subtract_ranges({piece.block}, subtract_ranges({piece.block}, set)))
+        own.add(piece.id, part, piece.begin + (part.offset - piece.block.offset), rep ? plan.ranks : 1,
+                rep ? plan.rank : 0);
+    }
+}
+
+}  // namespace
+
+OwnedPieces zero_pieces(const ParameterStore<float>& params, const dist::ZeroShardPlan& plan) {
+  OwnedPieces own;
+  add_plan_pieces(own, replica_pieces(params, plan.ranks, plan.rank, /*whole=*/true), plan);
+  return own;
+}
+
+OwnedPieces expert_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
+                          int ep, bool window) {
+  OwnedPieces own;
+  for (int id = 0; id < params.size(); ++id)
+    if (params.spec(id).expert_group.empty()) add_replicated(own, params, id, world, rank, window);
+  add_expert_slots(own, params, layout, world, rank, ep, window);
+  return own;
+}
+
+OwnedPieces expert_zero_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
+                               int ep, const dist::ExpertParallelZero& zero) {
+  OwnedPieces shared, experts, own;
+  for (int id = 0; id < params.size(); ++id)
+    if (params.spec(id).expert_group.empty()) shared.add(id, {params.offset(id), params.numel(id)}, 0, world, rank);
+  add_expert_slots(experts, params, layout, world, rank, ep, /*window=*/false);
+  add_plan_pieces(own, shared, zero.shared);
+  add_plan_pieces(own, experts, zero.experts);
+  return own;
+}
+
+OwnedPieces expert_slot_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
+                               int ep) {
+  OwnedPieces own;
+  add_expert_slots(own, params, layout, world, rank, ep, /*window=*/false);
   return own;
 }
 

@@ -51,6 +51,16 @@ OwnedPieces zero_pieces(const ParameterStore<float>& params, const dist::ZeroSha
 OwnedPieces expert_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
                           int ep, bool window);
 
+// ZeRO under expert parallelism (dist::plan_expert_parallel_zero): the plan's pieces of the
+// parameters outside the expert tensors (held by all ranks) and of this rank's experts'
+// slices of the expert tensors (held by their replicas).
+OwnedPieces expert_zero_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
+                               int ep, const dist::ExpertParallelZero& zero);
+// This rank's experts' slices of the expert tensors, whole (what a restore under ZeRO
+// reads of their weights).
+OwnedPieces expert_slot_pieces(const ParameterStore<float>& params, const ExpertLayout& layout, int world, int rank,
+                               int ep);
+
 // Replicas over `world` ranks (one GPU, or data parallelism without ZeRO): every parameter
 // whole when `whole` (restoring), else only what this rank writes of it (replica_share:
 // its even part of a large tensor, a small one whole where the share picks this rank), so
