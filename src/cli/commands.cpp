@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <exception>
 #include <filesystem>
 #include <iostream>
@@ -12,6 +13,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/atomic_file.h"
 #include "core/threads.h"
 #include "dist/all_to_all_bench.h"
 #include "dist/communicator.h"
@@ -117,6 +119,44 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
 }
 
 }  // namespace
+
+int run_eval(const EvalOptions& options) {
+  if (!std::filesystem::is_directory(options.checkpoint))
+    MOE_CONFIG_ERROR("--checkpoint {}: no such checkpoint directory", options.checkpoint);
+  // The run's own config, in this one process: no output folders, every expert here.
+  const std::filesystem::path config_file = std::filesystem::path(options.checkpoint) / "config.toml";
+  if (!std::filesystem::is_regular_file(config_file))
+    MOE_CONFIG_ERROR("--checkpoint {}: no config.toml (not a checkpoint directory)", options.checkpoint);
+  std::vector<std::string> overrides = {"checkpoint.dir=",        "metrics.dir=",
+                                        "parallel.backend=auto",  "parallel.expert_parallel=1",
+                                        "parallel.split_experts=false", "parallel.rebalance_interval=0"};
+  overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
+  if (options.device) overrides.push_back("training.device=" + *options.device);
+  RunConfig config = parse_config(read_file_bytes(config_file), config_file.string(), overrides);
+  if (options.batches && *options.batches < 1) MOE_CONFIG_ERROR("--batches must be >= 1, got {}", *options.batches);
+  const int threads = set_num_threads(threads_in_effect(config.training.threads, "training.threads", std::cout));
+  TextData data = load_text_data(config, threads);
+  print_data(config, data);
+  // Sequence i of the split covers its stream tokens [i S, i S + S] (data/loader.h).
+  const int64_t S = config.model.seq_len, B = config.training.micro_batch;
+  const int64_t sequences = (data.val_tokens + data.val_docs - 1) / S;
+  if (!options.batches && sequences < B)
+    MOE_CONFIG_ERROR("the held-out split holds {} sequences of {} tokens, fewer than one micro-batch of {}: lower "
+                     "training.micro_batch or give --batches",
+                     sequences, S, B);
+  const int64_t batches = options.batches.value_or(sequences / B);
+  Trainer trainer(config, std::move(data.train), std::move(data.validation));
+  const int64_t step = trainer.load_weights(options.checkpoint, std::cout);
+  const bool bar = isatty(STDERR_FILENO) == 1;
+  const double loss = trainer.evaluate(batches, [&](int64_t done, int64_t total) {
+    if (bar) fmt::print(stderr, "\reval: {}/{} micro-batches{}", done, total, done == total ? "\n" : "");
+  });
+  fmt::print("eval: {} (step {}) | {} x {} sequences of {} tokens{} | loss {:.4f} | perplexity {:.3f}\n",
+             options.checkpoint, step, batches, B, S,
+             batches * B > sequences ? fmt::format(" (the split holds {}: it repeats)", sequences) : "", loss,
+             std::exp(loss));
+  return 0;
+}
 
 int run_train(const TrainOptions& options) {
   std::vector<std::string> overrides = options.overrides;

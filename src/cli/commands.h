@@ -46,7 +46,17 @@ struct AllToAllBenchOptions {
   std::vector<std::string> overrides;
 };
 
+// `moe eval`: a checkpoint's loss and perplexity on the held-out split of its run's data
+// (or of data.dir / data.shards given as overrides), in this one process.
+struct EvalOptions {
+  std::string checkpoint;              // checkpoint.dir/step_N
+  std::optional<std::string> device;   // overrides training.device
+  std::optional<int64_t> batches;      // micro-batches of training.micro_batch; default: the whole split
+  std::vector<std::string> overrides;  // "section.key=value", over the checkpoint's config
+};
+
 int run_train(const TrainOptions& options);
+int run_eval(const EvalOptions& options);
 // `moe a2a-bench`: the MoE exchanges alone over the launch's ranks (dist/all_to_all_bench.h).
 int run_all_to_all_bench(const AllToAllBenchOptions& options);
 // `moe bench`: the GPU benchmark (train/cuda/gpu_bench.h); a config error without CUDA.

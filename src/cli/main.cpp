@@ -66,6 +66,17 @@ int main(int argc, char** argv) {
   train_cmd->allow_extras();
   train_cmd->footer(kOverrideHelp);
 
+  moe::EvalOptions eval;
+  CLI::App* eval_cmd = app.add_subcommand(
+      "eval", "Loss and perplexity of a checkpoint on the held-out split of its run's data (or of --data.dir=...)");
+  eval_cmd->add_option("--checkpoint", eval.checkpoint, "Checkpoint directory (checkpoint.dir/step_N)")->required();
+  eval_cmd->add_option("--device", eval.device, "auto | cpu | cuda (overrides training.device)");
+  eval_cmd->add_option("--batches", eval.batches,
+                       "Micro-batches of training.micro_batch sequences (default: the whole held-out split; "
+                       "training.val_batches gives the trainer's validation number)");
+  eval_cmd->allow_extras();
+  eval_cmd->footer(kOverrideHelp);
+
   moe::ConfigOptions show;
   CLI::App* config_cmd =
       app.add_subcommand("config", "Print the resolved config (defaults, file, overrides) as TOML");
@@ -202,6 +213,10 @@ int main(int argc, char** argv) {
     if (*train_cmd) {
       train.overrides = parse_overrides(train_cmd->remaining());
       return moe::run_train(train);
+    }
+    if (*eval_cmd) {
+      eval.overrides = parse_overrides(eval_cmd->remaining());
+      return moe::run_eval(eval);
     }
     if (*launch_cmd) return moe::run_launch(launch);
     if (*plan_cmd) {

@@ -144,6 +144,15 @@ void Trainer::resume(const std::string& path, std::ostream& out, bool discard_la
              read.seconds > 0 ? static_cast<double>(read.bytes) / 1e9 / read.seconds : 0.0);
 }
 
+int64_t Trainer::load_weights(const std::string& path, std::ostream& out) {
+  LoadedCheckpoint checkpoint = read_checkpoint(path);
+  check_resume_compatible(checkpoint, config_, out);
+  read_slices(checkpoint, backend_->restore_targets());
+  backend_->finish_restore(checkpoint.manifest.adam_steps);
+  backend_->restore_placement(checkpoint.expert_placement);
+  return checkpoint.step;
+}
+
 void Trainer::continue_run() {
   resumed_ = true;
   if (rank_ != 0) return;  // only rank 0 writes metrics

@@ -180,8 +180,10 @@ StepStats Trainer::train_step(int64_t step) {
   return stats;
 }
 
-double Trainer::validate() {
-  const int64_t val_batches = config_.training.val_batches;
+double Trainer::validate() { return evaluate(config_.training.val_batches); }
+
+double Trainer::evaluate(int64_t val_batches, const std::function<void(int64_t, int64_t)>& progress) {
+  MOE_CHECK(val_batches > 0, "evaluation over {} batches", val_batches);
   val_data_->reset();
   double total = 0;
   // The same held-out sequences when the memory controller split the micro-batch.
@@ -189,6 +191,7 @@ double Trainer::validate() {
   for (int64_t b = 0; b < batches; ++b) {
     val_data_->next_batch(micro_batch_, inputs_BS_.data(), targets_BS_.data());
     total += backend_->eval_loss(inputs_BS_.data(), targets_BS_.data());
+    if (progress) progress(b + 1, batches);
   }
   total = backend_->sum_over_ranks(total);
   // Validation must not count towards the balancing load of the next step.

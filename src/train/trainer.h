@@ -52,6 +52,10 @@ class Trainer {
   StepStats train_step(int64_t step);
   // Mean cross-entropy over training.val_batches held-out micro-batches.
   double validate();
+  // The same over `batches` micro-batches (of training.micro_batch sequences) of the
+  // held-out source from its first (`moe eval`); progress(done, total) after each one this
+  // rank computes.
+  double evaluate(int64_t batches, const std::function<void(int64_t done, int64_t total)>& progress = {});
   // The host model (the backend's): the CPU path trains it; on the GPU it holds the
   // initial weights and, after run(), the trained ones.
   Transformer<float>& model() { return backend_->host_model(); }
@@ -68,6 +72,9 @@ class Trainer {
   // A checkpoint.dir holding later checkpoints than the resumed one (another timeline) is
   // refused, or with `discard_later` they are deleted before step 1.
   void resume(const std::string& path, std::ostream& out, bool discard_later = false);
+  // A checkpoint's weights (from any layout, as resume reads them) for evaluation; the data
+  // position, progress and run id stay this run's. Returns the checkpoint's step.
+  int64_t load_weights(const std::string& path, std::ostream& out);
   // --resume found no checkpoint: the run starts at step 0 but continues the run whose
   // files metrics.dir holds (its metrics start over).
   void continue_run();

@@ -50,6 +50,35 @@ class Cli : public ::testing::Test {
   std::filesystem::path dir_;
 };
 
+// `moe eval` on a checkpoint of the run: with the run's validation batches it prints the
+// loss the run reported at that step; by default the whole held-out split (761 tokens: 23
+// sequences of 32, 11 micro-batches of 2); bad input is one line and exit code 2.
+TEST_F(Cli, EvalPrintsTheRunsValidationLoss) {
+  const std::string ckpt = (dir_ / "ckpt").string();
+  Result r = run("train --config " + config() + " --device cpu --checkpoint.dir=" + ckpt + " --checkpoint.interval=6");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto at = r.output.find("val_loss_end=");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string val_loss = r.output.substr(at + 13, 6);  // 4 decimals, as eval prints it
+  const std::string step6 = ckpt + "/step_00000006";
+  Result e = run("eval --checkpoint " + step6 + " --batches 2");
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_NE(e.output.find("(step 6) | 2 x 2 sequences of 32 tokens | loss " + val_loss + " | perplexity "),
+            std::string::npos)
+      << e.output;
+  Result all = run("eval --checkpoint " + step6);
+  ASSERT_EQ(all.exit_code, 0) << all.output;
+  EXPECT_NE(all.output.find("| 11 x 2 sequences of 32 tokens | loss "), std::string::npos) << all.output;
+  moe::test::expect_one_line_error(run("eval --checkpoint " + (dir_ / "none").string()), 2,
+                                   {"no such checkpoint directory"});
+  moe::test::expect_one_line_error(run("eval --checkpoint " + (dir_ / "text").string()), 2, {"no config.toml"});
+  moe::test::expect_one_line_error(run("eval --checkpoint " + step6 + " --batches 0"), 2, {"--batches must be >= 1"});
+  Result other = run("eval --checkpoint " + step6 + " --model.dim=32");  // after the data line
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("moe: error: " + step6 + ": cannot resume: model.dim is 16"), std::string::npos)
+      << other.output;
+}
+
 TEST_F(Cli, TrainsAndEndsWithSummary) {
   Result r = run("train --config " + config());
   ASSERT_EQ(r.exit_code, 0) << r.output;

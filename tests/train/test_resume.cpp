@@ -80,6 +80,39 @@ TEST_P(Resume, StopAndResumeIsBitIdentical) {
 INSTANTIATE_TEST_SUITE_P(SyncAndAsync, Resume, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "async" : "sync"; });
 
+// `moe eval`'s path: a fresh trainer loads a checkpoint's weights (not its data position or
+// progress) and evaluates the held-out batches: the validation loss the saving run
+// computed at that step, bit for bit; another checkpoint gives another loss.
+class Evaluate : public TempDirTest {};
+
+TEST_F(Evaluate, LoadedWeightsGiveTheSavingRunsValidationLoss) {
+  RunConfig config = test::tiny_config();
+  config.checkpoint.dir = (dir_ / "ckpt").string();
+  config.checkpoint.interval = 4;
+  auto trainer = test::make_trainer(config);
+  std::ostringstream log;
+  double at_step_4 = 0;
+  trainer->on_step = [&](const StepStats& stats) {
+    if (stats.step == 4) at_step_4 = trainer->validate();
+  };
+  trainer->run(log);
+  config.checkpoint.dir = "";
+  auto fresh = test::make_trainer(config);
+  const double before = fresh->validate();
+  EXPECT_EQ(fresh->load_weights((dir_ / "ckpt" / "step_00000004").string(), log), 4);
+  EXPECT_EQ(fresh->progress().step, 0);  // the weights only
+  int64_t calls = 0;
+  const double loss = fresh->evaluate(config.training.val_batches, [&](int64_t done, int64_t total) {
+    EXPECT_EQ(done, ++calls);
+    EXPECT_EQ(total, config.training.val_batches);
+  });
+  EXPECT_EQ(calls, config.training.val_batches);
+  EXPECT_EQ(loss, at_step_4);
+  EXPECT_NE(loss, before);
+  fresh->load_weights((dir_ / "ckpt" / "step_00000008").string(), log);
+  EXPECT_NE(fresh->validate(), at_step_4);
+}
+
 // Non-finite weights make every step skip; after nan_max_skips in a row the trainer
 // reloads the last checkpoint and goes on with the learning rate lowered.
 class NanRecovery : public TempDirTest {};
