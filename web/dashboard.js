@@ -96,9 +96,10 @@
         `${(run.params_total / 1e6).toFixed(2)}M params (${(run.params_active / 1e6).toFixed(2)}M active), ` +
         `${run.tokens_per_step} tokens/step, world size ${run.world_size}`;
       const m = run.mfu_inputs;
-      document.getElementById("mfu-inputs").textContent =
-        `MFU = tok/s x (6 x ${m.active_non_embedding_params} + 12 x ${m.n_layers} x ${m.dim} x ${m.seq_len}) / ` +
-        `${(m.peak_flops / 1e12).toFixed(0)} TFLOP/s = tok/s x ${m.flops_per_token.toExponential(3)} / peak`;
+      document.getElementById("mfu-inputs").textContent = m.peak_flops > 0
+        ? `MFU = tok/s x (6 x ${m.active_non_embedding_params} + 12 x ${m.n_layers} x ${m.dim} x ${m.seq_len}) / ` +
+          `${(m.peak_flops / 1e12).toFixed(0)} TFLOP/s = tok/s x ${m.flops_per_token.toExponential(3)} / peak`
+        : `MFU not reported: no peak figure for this device (a CPU run)`;
     }
     const steps = state.steps;
     const last = steps[steps.length - 1];

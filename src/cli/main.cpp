@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <functional>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -10,26 +11,33 @@
 #include "cli/launch_command.h"
 #include "cli/plan_command.h"
 #include "cli/tokenize_commands.h"
+#include "core/build_info.h"
 #include "core/error.h"
 #include "dist/mpi_communicator.h"
 
 namespace {
 
 constexpr const char* kOverrideHelp =
-    "Any config key can be overridden as --section.key=value (sections: model, moe, training, "
+    "Any config key can be overridden as --section.key=value or --section.key value (sections: model, moe, training, "
     "optimizer, lr, data, metrics, checkpoint, parallel; every key is listed in docs/CONFIG.md), e.g. "
     "--training.steps=50 --moe.temperature=0.3 --data.dir=/path/to/text.";
 
-// Splits CLI11's leftover arguments into "section.key=value" overrides; anything else is
-// a usage error.
+// Splits CLI11's leftover arguments into "section.key=value" overrides, given as
+// --section.key=value or --section.key value; anything else is a usage error.
 std::vector<std::string> parse_overrides(const std::vector<std::string>& extras) {
   std::vector<std::string> overrides;
-  for (const std::string& arg : extras) {
-    const bool looks_like_override = arg.rfind("--", 0) == 0 && arg.find('=') != std::string::npos &&
-                                     arg.find('.') < arg.find('=');
-    if (!looks_like_override)
-      MOE_CONFIG_ERROR("unknown argument '{}' (config overrides look like --section.key=value)", arg);
-    overrides.push_back(arg.substr(2));
+  for (size_t i = 0; i < extras.size(); ++i) {
+    const std::string& arg = extras[i];
+    const size_t eq = arg.find('=');
+    const bool option = arg.rfind("--", 0) == 0 && arg.find('.') < eq;
+    if (option && eq != std::string::npos) {
+      overrides.push_back(arg.substr(2));
+    } else if (option && i + 1 < extras.size() && extras[i + 1].rfind("--", 0) != 0) {
+      overrides.push_back(arg.substr(2) + "=" + extras[++i]);
+    } else {
+      MOE_CONFIG_ERROR("unknown argument '{}' (config overrides look like --section.key=value or --section.key value)",
+                       arg);
+    }
   }
   return overrides;
 }
@@ -39,6 +47,8 @@ std::vector<std::string> parse_overrides(const std::vector<std::string>& extras)
 int main(int argc, char** argv) {
   CLI::App app{"moe: Mixture-of-Experts LLM pretraining engine"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::function<std::string()>(moe::build_info),
+                       "Print the commit, build type and GPU library versions, and exit");
   app.footer("Run `moe <command> --help` for the options of a command.");
 
   moe::TrainOptions train;
@@ -204,6 +214,9 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    std::cout << e.what() << "\n";
+    return 0;
   } catch (const CLI::ParseError& e) {
     std::cerr << "moe: " << e.what() << "\n";
     return 2;

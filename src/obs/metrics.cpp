@@ -53,6 +53,10 @@ double MfuInputs::mfu(double tokens_per_s) const {
 }
 
 std::string MfuInputs::describe() const {
+  if (peak_flops <= 0)
+    return fmt::format("flops/token = 6 x {} active non-embedding params + 12 x {} layers x {} dim x {} seq = {:.4g} "
+                       "| not reported: no peak figure for this device (metrics.peak_tflops is a GPU's)",
+                       active_non_embedding_params, n_layers, dim, seq_len, flops_per_token());
   return fmt::format("flops/token = 6 x {} active non-embedding params + 12 x {} layers x {} dim x {} seq = "
                      "{:.4g} | peak {:.4g} TFLOP/s | mfu = tok/s x flops/token / peak",
                      active_non_embedding_params, n_layers, dim, seq_len, flops_per_token(), peak_flops / 1e12);

@@ -71,7 +71,7 @@ struct StepMetrics {
 struct MfuInputs {
   int64_t active_non_embedding_params = 0;
   int64_t n_layers = 0, dim = 0, seq_len = 0;
-  double peak_flops = 989e12;
+  double peak_flops = 989e12;  // 0: none for this device (the CPU): MFU not reported
   double flops_per_token() const;
   double mfu(double tokens_per_s) const;
   std::string describe() const;  // the formula with its inputs, for the log

@@ -215,11 +215,12 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   const ParameterCounts counts = count_parameters(config_.model, backend_->host_model().params());
   fmt::print(out,
              "model: {} layers, dim {}, {} experts top-{} | params total {:.2f}M, active {:.2f}M "
-             "| activations {:.1f} MB | threads {}\n",
+             "| activations {:.1f} MB | device {} | threads {}\n",
              config_.model.n_layers, config_.model.dim, config_.model.moe.n_experts,
              config_.model.moe.top_k, static_cast<double>(counts.total) / 1e6,
              static_cast<double>(counts.active) / 1e6,
-             static_cast<double>(backend_->host_model().activation_bytes()) / 1e6, num_threads());
+             static_cast<double>(backend_->host_model().activation_bytes()) / 1e6, backend_->device_name(),
+             num_threads());
   for (const std::string& note : batch_notes_) fmt::print(out, "{}\n", note);
   if (world_ > 1)
     fmt::print(out, "batch: {} tokens/step = {} ranks x {} micro-batches x {} x {} tokens | expert parallel {} "
@@ -239,6 +240,7 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   } observer_scope{observer_ = &observer};
   checkpoint_pause_seconds_ = 0;
   RunInfo info = run_info(config_, counts);
+  if (!backend_->on_gpu()) info.mfu.peak_flops = 0;  // metrics.peak_tflops is a GPU's: no MFU on the CPU
   info.run_id = run_id_;
   info.world_size = world_;
   info.first_step = progress_.step;  // a resumed run goes on in its metrics after this step

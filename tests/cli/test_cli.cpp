@@ -79,6 +79,25 @@ TEST_F(Cli, EvalPrintsTheRunsValidationLoss) {
       << other.output;
 }
 
+// `moe --version` names the commit, build type and compiler, then the GPU libraries (or
+// that the build has none); overrides also take the value as the next argument.
+TEST_F(Cli, VersionAndSpaceSeparatedOverrides) {
+  Result v = run("--version");
+  ASSERT_EQ(v.exit_code, 0) << v.output;
+  EXPECT_EQ(v.output.rfind("moe-train ", 0), 0u) << v.output;
+  EXPECT_NE(v.output.find(" build, "), std::string::npos) << v.output;
+  EXPECT_TRUE(v.output.find("\nCUDA runtime ") != std::string::npos ||
+              v.output.find("\nCPU-only build") != std::string::npos)
+      << v.output;
+  if (std::filesystem::exists(std::filesystem::path(MOE_TEST_SOURCE_DIR) / ".git"))  // built from a clone
+    EXPECT_EQ(v.output.find("unknown"), std::string::npos) << "no commit: " << v.output;
+  Result r = run("train --config " + config() + " --device cpu --training.steps 2 --metrics.log_interval 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("summary: steps=2 "), std::string::npos) << r.output;
+  moe::test::expect_one_line_error(run("train --config " + config() + " --training.steps"), 2,
+                                   {"unknown argument '--training.steps'", "--section.key value"});
+}
+
 TEST_F(Cli, TrainsAndEndsWithSummary) {
   Result r = run("train --config " + config());
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -46,7 +46,9 @@ TEST_F(CliInput, ThreadCountIsBounded) {
                           " cores; using " + std::to_string(cores) + "\n"),
             std::string::npos)
       << r.output;
-  EXPECT_NE(r.output.find("| threads " + std::to_string(cores) + "\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("| device cpu | threads " + std::to_string(cores) + "\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("mfu: flops/token = "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("peak 989 TFLOP/s"), std::string::npos) << "an H100 peak on the CPU: " << r.output;
 }
 
 // model.n_layers = 1000000 hung for minutes before; every shape key has a bound.

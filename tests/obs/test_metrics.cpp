@@ -36,6 +36,11 @@ TEST(Metrics, MfuFollowsTheDesignFormula) {
   const std::string text = in.describe();
   for (const char* part : {"6 x 1000000", "12 x 4 layers x 128 dim x 256 seq", "peak 989 TFLOP/s"})
     EXPECT_NE(text.find(part), std::string::npos) << text;
+  // No peak (the CPU): no MFU, and the line says so.
+  in.peak_flops = 0;
+  EXPECT_EQ(in.mfu(10000), 0.0);
+  EXPECT_NE(in.describe().find("not reported: no peak figure"), std::string::npos) << in.describe();
+  EXPECT_EQ(in.describe().find("989"), std::string::npos) << in.describe();
 }
 
 TEST(Metrics, StepJsonHasEveryField) {

@@ -69,7 +69,8 @@ TEST(RunOutputs, JsonlAndTensorBoardHoldEveryStep) {
   ASSERT_EQ(records_of(all, "summary").size(), 1u);
   EXPECT_EQ(all.back()["type"], "summary");
 
-  const double flops_per_token = all.front()["mfu_inputs"]["flops_per_token"];
+  // A CPU run: no peak figure, so no MFU (not one against a GPU's peak).
+  EXPECT_EQ(all.front()["mfu_inputs"]["peak_flops"], 0.0);
   for (size_t i = 0; i < steps.size(); ++i) {
     const auto& s = steps[i];
     SCOPED_TRACE("step " + std::to_string(i + 1));
@@ -78,7 +79,8 @@ TEST(RunOutputs, JsonlAndTensorBoardHoldEveryStep) {
     EXPECT_DOUBLE_EQ(s["grad_norm"].get<double>(), seen[i].grad_norm);
     EXPECT_DOUBLE_EQ(s["max_expert_grad_norm"].get<double>(), seen[i].max_expert_grad_norm);
     EXPECT_DOUBLE_EQ(s["lr"].get<double>(), seen[i].lr);
-    EXPECT_NEAR(s["mfu"].get<double>(), s["tokens_per_s"].get<double>() * flops_per_token / 989e12, 1e-18);
+    EXPECT_EQ(s["mfu"].get<double>(), 0.0);
+    EXPECT_GT(s["tokens_per_s"].get<double>(), 0.0);
     const auto& t = s["time_s"];
     EXPECT_GT(t["step"].get<double>(), 0);
     EXPECT_LE(t["compute"].get<double>() + t["data_wait"].get<double>() + t["optimizer"].get<double>(),

@@ -59,6 +59,8 @@ class ModelBackend {
   // the set-up that depends on the micro-batch.
   virtual BatchPlan plan_batches() = 0;
   virtual bool on_gpu() const { return false; }
+  // What trains, for the start-up line: "cpu", or the GPU's name.
+  virtual std::string device_name() const { return "cpu"; }
   // Before the first micro-batch: zero the gradients, reset the expert loads.
   virtual void begin_step() = 0;
   virtual ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) = 0;

@@ -72,6 +72,13 @@ class GpuBackend final : public ModelBackend {
     if (gpu_) gpu_->set_forward_stage_hook({});  // it points into dp_
   }
   bool on_gpu() const override { return true; }
+  std::string device_name() const override {
+    int device = 0;
+    cudaDeviceProp props{};
+    MOE_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_CUDA_CHECK(cudaGetDeviceProperties(&props, device));
+    return fmt::format("{} (GPU {})", props.name, device);
+  }
 
   // Plans the GPU buffers, halving the micro-batch while an allocation fails; then the
   // data-parallel groups, whose loss weights depend on the micro-batch.
