@@ -42,6 +42,10 @@ RangeList subtract_ranges(const RangeList& from, const RangeList& minus) {
   return out;
 }
 
+RangeList intersect_ranges(const RangeList& from, const RangeList& with) {
+  return subtract_ranges(from, subtract_ranges(from, with));
+}
+
 int64_t total_count(const RangeList& ranges) {
   int64_t total = 0;
   for (const Range& range : ranges) total += range.count;

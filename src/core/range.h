@@ -28,6 +28,8 @@ RangeList merge_ranges(RangeList ranges);
 
 // The parts of sorted, disjoint `from` outside sorted, disjoint `minus`.
 RangeList subtract_ranges(const RangeList& from, const RangeList& minus);
+// The parts of sorted, disjoint `from` inside sorted, disjoint `with`.
+RangeList intersect_ranges(const RangeList& from, const RangeList& with);
 
 // Sum of the counts.
 int64_t total_count(const RangeList& ranges);

@@ -39,6 +39,8 @@ TEST(Range, AppendMergesTouchingRangesAndSubtractLeavesTheRest) {
   EXPECT_EQ(ranges.back().end(), 13);
   EXPECT_EQ(subtract_ranges({{0, 10}, {20, 10}}, {{2, 3}, {9, 12}, {29, 5}}), (RangeList{{0, 2}, {5, 4}, {21, 8}}));
   EXPECT_EQ(subtract_ranges({{0, 10}}, {}), (RangeList{{0, 10}}));
+  EXPECT_EQ(intersect_ranges({{0, 10}, {20, 10}}, {{2, 3}, {9, 12}, {29, 5}}), (RangeList{{2, 3}, {9, 1}, {20, 1}, {29, 1}}));
+  EXPECT_TRUE(intersect_ranges({{0, 10}}, {}).empty());
   EXPECT_TRUE(subtract_ranges({{3, 4}}, {{0, 10}}).empty());
   // Union: any order, overlapping, touching and empty ranges.
   EXPECT_EQ(merge_ranges({{20, 5}, {0, 4}, {2, 3}, {5, 1}, {30, 0}, {24, 2}, {40, 1}}),

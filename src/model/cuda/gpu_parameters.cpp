@@ -77,7 +77,7 @@ struct GpuParameterStore::State {
     const RangeList missing = subtract_ranges(wanted, held);
     MOE_CHECK(missing.empty(), "GPU parameters: {} of elements [{}, {}) are not on this rank", what,
               missing.front().offset, missing.front().end());
-    return cut_spans(spans(), subtract_ranges(wanted, subtract_ranges(wanted, held)));
+    return cut_spans(spans(), intersect_ranges(wanted, held));
   }
   // ZeRO-2/3: `block` (elem bytes per element) keeps memory of its own for `kept`, the first
   // and last stage and the chunks at stage edges; the rest of stage s is mapped onto the
@@ -133,7 +133,7 @@ struct GpuParameterStore::State {
     if (packed()) {
       const Range whole{first, n};
       for (const Range& r : subtract_ranges({whole}, optimizer)) upload_split(values + (r.offset - first), r, staging, false);
-      for (const Range& r : subtract_ranges({whole}, subtract_ranges({whole}, optimizer)))
+      for (const Range& r : intersect_ranges({whole}, optimizer))
         upload_split(values + (r.offset - first), r, staging, true);
       return;
     }
@@ -464,7 +464,7 @@ void GpuParameterStore::hold_master(const RangeList& ranges) {
   s.lo_held = held;
   // The own pieces' lo halves inside `held`, from the packed ones.
   for (size_t i = 0; i < s.optimizer.size(); ++i)
-    for (const Range& part : subtract_ranges({s.optimizer[i]}, subtract_ranges({s.optimizer[i]}, held)))
+    for (const Range& part : intersect_ranges({s.optimizer[i]}, held))
       MOE_CUDA_CHECK(cudaMemcpyAsync(s.lo_data() + part.offset,
                                      static_cast<int16_t*>(s.lo_packed.data()) + s.packed_at[i] +
                                          (part.offset - s.optimizer[i].offset),

@@ -79,11 +79,11 @@ void add_plan_pieces(OwnedPieces& own, const OwnedPieces& whole, const dist::Zer
   for (const RangeList& stage : plan.replicated) replicated.insert(replicated.end(), stage.begin(), stage.end());
   replicated = merge_ranges(std::move(replicated));
   const RangeList sharded = subtract_ranges(plan.update, replicated);
-  const RangeList kept_whole = subtract_ranges(plan.update, sharded);
+  const RangeList kept_whole = intersect_ranges(plan.update, replicated);
   for (const OwnedPieces::Piece& piece : whole.pieces)
     for (const bool rep : {false, true}) {
       const RangeList& set = rep ? kept_whole : sharded;
-      for (const Range& part : subtract_ranges({piece.block}, subtract_ranges({piece.block}, set)))
+      for (const Range& part : intersect_ranges({piece.block}, set))
         own.add(piece.id, part, piece.begin + (part.offset - piece.block.offset), rep ? plan.ranks : 1,
                 rep ? plan.rank : 0);
     }
