@@ -88,6 +88,7 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
         if (r == 0) print_data(rank_config, data);
         Trainer trainer(rank_config, std::move(data.train), std::move(data.validation),
                         std::move(worlds[static_cast<size_t>(r)]));
+        trainer.tokenizer_json = std::move(data.tokenizer_json);
         if (resume) trainer.resume(resume->string(), out, options.discard_newer_checkpoints);
         else if (options.resume) trainer.continue_run();
         trainer.run(out);
@@ -171,6 +172,7 @@ int run_train(const TrainOptions& options) {
   TextData data = load_text_data(config, threads);
   print_data(config, data);
   Trainer trainer(config, std::move(data.train), std::move(data.validation));
+  trainer.tokenizer_json = std::move(data.tokenizer_json);
   trainer.observer_options.progress_bar = isatty(STDOUT_FILENO) == 1;
   std::unique_ptr<Dashboard> dashboard;
   if (options.dashboard_port) {

@@ -21,6 +21,7 @@ struct MoEConfig {
   ScoreFunc score_func = ScoreFunc::Softmax;
   double temperature = 1.0;       // router logits are divided by this before the score function
   bool renormalize = true;        // rescale the K chosen weights to sum to 1
+  bool router_bias = true;        // a learned bias on the router logits (Mixtral, Qwen and OLMoE have none)
   double capacity_factor = 0.0;   // > 0: each expert keeps at most ceil(cf*T*K/E) tokens; 0: dropless
   double aux_loss_coef = 0.01;    // Switch-style load-balance loss
   double z_loss_coef = 0.001;     // router z-loss

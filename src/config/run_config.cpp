@@ -50,6 +50,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("moe", "score_func", e.score_func);
   visit("moe", "temperature", e.temperature);
   visit("moe", "renormalize", e.renormalize);
+  visit("moe", "router_bias", e.router_bias);
   visit("moe", "capacity_factor", e.capacity_factor);
   visit("moe", "aux_loss_coef", e.aux_loss_coef);
   visit("moe", "z_loss_coef", e.z_loss_coef);

@@ -229,6 +229,11 @@ int32_t find_end_of_text(const std::vector<AddedToken>& added) {
   return lowest;
 }
 
+// tiktoken rank files have no merge list to write (HF's converter derives one); none.
+std::string BpeTokenizer::hf_tokenizer_json() const {
+  return model_.tiktoken_ranks ? std::string() : moe::hf_tokenizer_json(model_);
+}
+
 int32_t BpeTokenizer::eos_id() const {
   if (eos_ < 0) MOE_THROW("tokenizer '{}' has no special token to end documents", name_);
   return eos_;

@@ -61,6 +61,7 @@ class BpeTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return static_cast<int64_t>(model_.vocab.size()); }
   int32_t eos_id() const override;
   std::string name() const override { return name_; }
+  std::string hf_tokenizer_json() const override;
   // Pieces found in none of the piece caches (then merged or looked up whole).
   uint64_t cache_misses_on_this_thread() const override;
   // Short pieces a thread merged since it last shared go to a table every thread reads
@@ -104,7 +105,9 @@ int32_t find_end_of_text(const std::vector<AddedToken>& added);
 // Loads a tokenizer.json (BPE model with a byte-level pre-tokenizer). Throws ConfigError
 // naming the file and what is missing or unsupported.
 BpeModel load_hf_tokenizer(const std::string& path);
-// Writes `model` as a tokenizer.json that HF tokenizers loads (atomically).
+// `model` as the text of a tokenizer.json that HF tokenizers loads.
+std::string hf_tokenizer_json(const BpeModel& model);
+// Writes hf_tokenizer_json(model) to `path` (atomically).
 void save_hf_tokenizer(const BpeModel& model, const std::string& path);
 // Loads a tiktoken rank file (lines "base64(token) rank"). `pattern` is the pre-tokeniser
 // (rank files do not carry it); `specials` are appended after the largest rank.

@@ -183,7 +183,7 @@ BpeModel load_hf_tokenizer(const std::string& path) {
   }
 }
 
-void save_hf_tokenizer(const BpeModel& model, const std::string& path) {
+std::string hf_tokenizer_json(const BpeModel& model) {
   json added = json::array();
   for (const AddedToken& t : model.added)
     added.push_back({{"id", t.id}, {"content", t.content}, {"single_word", false}, {"lstrip", false},
@@ -210,7 +210,11 @@ void save_hf_tokenizer(const BpeModel& model, const std::string& path) {
                  {"end_of_word_suffix", nullptr}, {"fuse_unk", false}, {"byte_fallback", false},
                  {"ignore_merges", model.ignore_merges}, {"vocab", vocab}, {"merges", merges}}},
   };
-  write_file_atomic(path, root.dump(1));
+  return root.dump(1);
+}
+
+void save_hf_tokenizer(const BpeModel& model, const std::string& path) {
+  write_file_atomic(path, hf_tokenizer_json(model));
 }
 
 BpeModel load_tiktoken(const std::string& path, PretokPattern pattern, const std::vector<std::string>& specials) {

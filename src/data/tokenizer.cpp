@@ -35,6 +35,14 @@ std::string ByteTokenizer::decode(std::span<const int32_t> ids) const {
   return text;
 }
 
+std::string ByteTokenizer::hf_tokenizer_json() const {
+  BpeModel model;
+  model.vocab.resize(256);
+  for (int b = 0; b < 256; ++b) model.vocab[static_cast<size_t>(b)] = std::string(1, static_cast<char>(b));
+  model.added.push_back({"<|endoftext|>", kByteEosId, true});
+  return moe::hf_tokenizer_json(model);
+}
+
 std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec) {
   const TokenizerKind kind = parse_tokenizer_spec(spec).kind;
   if (kind == TokenizerKind::Byte) return std::make_unique<ByteTokenizer>();

@@ -39,6 +39,9 @@ class Tokenizer {
   virtual int64_t vocab_size() const = 0;
   virtual int32_t eos_id() const = 0;
   virtual std::string name() const = 0;
+  // The tokenizer as the text of a Hugging Face tokenizer.json giving the same ids (what
+  // checkpoints keep and `moe export` ships), or "" when it has no such form.
+  virtual std::string hf_tokenizer_json() const { return {}; }
   // For profiling: the texts this thread has encoded without help from the tokenizer's
   // caches so far (BPE: pieces merged from bytes), counted per thread from its start.
   virtual uint64_t cache_misses_on_this_thread() const { return 0; }
@@ -62,6 +65,8 @@ class ByteTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return kByteVocabSize; }
   int32_t eos_id() const override { return kByteEosId; }
   std::string name() const override { return "byte"; }
+  // A byte-level BPE with the 256 bytes as ids 0..255, no merges and <|endoftext|> as 256.
+  std::string hf_tokenizer_json() const override;
 };
 
 // A tokenizer from its spec: "byte"; a path to a Hugging Face tokenizer.json (byte-level

@@ -23,7 +23,7 @@ MoELayer<T>::MoELayer(ParameterStore<T>& params, const ModelConfig& config,
       F_(config.moe.expert_hidden),
       S_(config.seq_len) {
   router_w_ = params.add({prefix + ".router.weight", Shape{E_, D_}, Init::Normal, config.init_std});
-  router_b_ = params.add({prefix + ".router.bias", Shape{E_}, Init::Zeros, 0, /*decay=*/false});
+  if (cfg_.router_bias) router_b_ = params.add({prefix + ".router.bias", Shape{E_}, Init::Zeros, 0, /*decay=*/false});
   const std::string experts = prefix + ".experts";
   w1_ = params.add({experts + ".w1", Shape{E_, F_, D_}, Init::Kaiming, 0, true, experts});
   w3_ = params.add({experts + ".w3", Shape{E_, F_, D_}, Init::Kaiming, 0, true, experts});
@@ -75,7 +75,7 @@ void MoELayer<T>::plan(Arena& saved, Arena& scratch, int64_t tokens) {
 template <typename T>
 MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
   MoEForwardStats stats;
-  linear_forward<T>(logits_TE_, x_TD, params_.value(router_w_), params_.value(router_b_), T_, D_, E_);
+  linear_forward<T>(logits_TE_, x_TD, params_.value(router_w_), router_b_ >= 0 ? params_.value(router_b_) : nullptr, T_, D_, E_);
   router_scores_forward<T>(scores_TE_, logits_TE_, T_, E_, cfg_.temperature, cfg_.score_func);
   const T* selection_bias = nullptr;
   if (cfg_.bias_balancing) {
@@ -158,7 +158,7 @@ void MoELayer<T>::backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_
   const double z_scale = global_batch() ? loss_scale / static_cast<double>(batch_->size()) : loss_scale;
   if (cfg_.z_loss_coef > 0)
     z_loss_backward<T>(dlogits_TE_, logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef, z_scale);
-  linear_backward<T>(dx_TD, params_.grad(router_w_), params_.grad(router_b_), dlogits_TE_, x_TD,
+  linear_backward<T>(dx_TD, params_.grad(router_w_), router_b_ >= 0 ? params_.grad(router_b_) : nullptr, dlogits_TE_, x_TD,
                      params_.value(router_w_), T_, D_, E_, /*accumulate_dx=*/true);
   for (auto& ffn : shared_) ffn.backward(dx_TD, dy_TD, x_TD, /*accumulate_dx=*/true);
 }

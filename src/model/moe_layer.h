@@ -94,7 +94,7 @@ class MoELayer {
   MoEConfig cfg_;
   std::string prefix_;
   int64_t D_, E_, K_, F_, S_, T_ = 0, rows_ = 0, capacity_ = 0;
-  int router_w_, router_b_, w1_, w3_, w2_;
+  int router_w_, router_b_ = -1, w1_, w3_, w2_;  // router_b_ -1: moe.router_bias off
   std::vector<FeedForward<T>> shared_;
   std::vector<int64_t> load_E_;
   MoERoutingStats routing_;

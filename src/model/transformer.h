@@ -68,6 +68,8 @@ class Transformer {
   std::function<void(int stage, bool backward)> on_parameters_needed, on_parameters_done;
 
   ParameterStore<T>& params() { return params_; }
+  // The logits [B*S, V] of the last forward(), until backward() makes them their gradient.
+  const T* logits() const { return logits_TV_; }
   const ParameterStore<T>& params() const { return params_; }
   const ModelConfig& config() const { return config_; }
   std::vector<MoELayer<T>*> moe_layers();

@@ -28,6 +28,7 @@ namespace {
 
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kConfigFile = "config.toml";
+constexpr const char* kTokenizerFile = "tokenizer.json";
 constexpr const char* kMarker = "COMPLETE";
 
 std::string step_dir_name(int64_t step) { return fmt::format("step_{:08d}", step); }
@@ -220,6 +221,10 @@ CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& 
   manifest.run_id = snap.run_id;
   manifest.config_file = kConfigFile;
   manifest.config_hash = content_hash(snap.config_toml.data(), snap.config_toml.size());
+  if (!snap.tokenizer_json.empty()) {
+    manifest.tokenizer_file = kTokenizerFile;
+    manifest.tokenizer_hash = content_hash(snap.tokenizer_json.data(), snap.tokenizer_json.size());
+  }
   manifest.world_size = snap.world_size;
   manifest.expert_parallel = snap.expert_parallel;
   manifest.zero = snap.zero;
@@ -232,6 +237,7 @@ CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& 
   manifest.expert_placement = snap.expert_placement;
   collect_reports(temp_dir, snap, report_timeout_s, manifest);
   write_file_atomic(temp_dir / kConfigFile, snap.config_toml);
+  if (!snap.tokenizer_json.empty()) write_file_atomic(temp_dir / kTokenizerFile, snap.tokenizer_json);
   const std::string manifest_text = manifest_to_json(manifest);
   write_file_atomic(temp_dir / kManifest, manifest_text);
 
@@ -242,7 +248,8 @@ CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& 
                              content_hash(manifest_text.data(), manifest_text.size()) + "\n";
   write_file_atomic(final_dir / kMarker, marker);
   prune(dir, keep_last, final_dir);
-  written.bytes = static_cast<int64_t>(snap.config_toml.size() + manifest_text.size() + marker.size());
+  written.bytes = static_cast<int64_t>(snap.config_toml.size() + snap.tokenizer_json.size() + manifest_text.size() +
+                                      marker.size());
   for (const ManifestShard& shard : manifest.shards) written.bytes += static_cast<int64_t>(shard.bytes);
   written.seconds = elapsed();
   return written;
@@ -338,6 +345,11 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
     loaded.config = parse_config(loaded.config_toml, (path / m.config_file).string());
   } catch (const ConfigError& e) {
     throw Error(e.what());  // a stored config that does not parse is a broken checkpoint, not user input
+  }
+  if (!m.tokenizer_file.empty()) {
+    loaded.tokenizer_json = read_file_bytes(path / m.tokenizer_file);
+    if (m.tokenizer_hash != content_hash(loaded.tokenizer_json.data(), loaded.tokenizer_json.size(), algorithm))
+      MOE_THROW("{}: does not match its hash in the manifest (corrupted)", (path / m.tokenizer_file).string());
   }
   if (m.version == 1) {
     read_version_1(loaded);

@@ -72,6 +72,7 @@ struct CheckpointSnapshot {
     int64_t begin = 0;
   };
   std::string config_toml;
+  std::string tokenizer_json;  // rank 0 writes it as tokenizer.json when not empty
   TrainProgress progress;
   int64_t adam_steps = 0;
   std::vector<int64_t> source_state;
@@ -141,6 +142,7 @@ struct LoadedCheckpoint {
   int64_t step = 0;
   std::string config_toml;
   RunConfig config;
+  std::string tokenizer_json;  // the run's tokenizer.json; empty: none saved
   CheckpointManifest manifest;   // layout, shards, tensors, progress
   std::string expert_placement;  // empty when none was recorded
   std::string run_id;            // empty in checkpoints written before run ids

@@ -179,6 +179,14 @@ CheckpointManifest parse_checkpoint_manifest(std::string_view text, const std::s
   m.config_file = string_field(config, "file", "config", source);
   if (!plain_file_name(m.config_file)) bad(source, fmt::format("config: \"{}\" is not a file name", m.config_file));
   m.config_hash = string_field(config, "hash", "config", source);
+  if (root.contains("tokenizer")) {
+    const json& tokenizer = field(root, "tokenizer", "manifest", source);
+    if (!tokenizer.is_object()) bad(source, "manifest: \"tokenizer\" must be an object");
+    m.tokenizer_file = string_field(tokenizer, "file", "tokenizer", source);
+    if (!plain_file_name(m.tokenizer_file))
+      bad(source, fmt::format("tokenizer: \"{}\" is not a file name", m.tokenizer_file));
+    m.tokenizer_hash = string_field(tokenizer, "hash", "tokenizer", source);
+  }
   m.world_size = int_field(root, "world_size", "manifest", source, 1);
   m.shards = parse_shards(root, m.version, source);
   if (m.version == 1) return m;  // the rest is in the shard (read_checkpoint)
@@ -227,7 +235,7 @@ std::string manifest_to_json(const CheckpointManifest& m) {
                 {"nan_reloads", m.nan_reloads},
                 {"source_state", m.source_state}};
   if (!m.expert_placement.empty()) state["expert_placement"] = m.expert_placement;
-  const json root = {{"format", kFormat},
+  json root = {{"format", kFormat},
                      {"version", m.version},
                      {"step", m.step},
                      {"world_size", m.world_size},
@@ -238,6 +246,7 @@ std::string manifest_to_json(const CheckpointManifest& m) {
                      {"state", std::move(state)},
                      {"shards", std::move(shards)},
                      {"tensors", std::move(tensors)}};
+  if (!m.tokenizer_file.empty()) root["tokenizer"] = {{"file", m.tokenizer_file}, {"hash", m.tokenizer_hash}};
   return root.dump(1) + "\n";
 }
 

@@ -48,6 +48,9 @@ struct CheckpointManifest {
   std::string hash_algorithm = "xxh3_64";
   std::string run_id;
   std::string config_file = "config.toml", config_hash;
+  // The run's tokenizer as a Hugging Face tokenizer.json (Tokenizer::hf_tokenizer_json);
+  // empty file: none saved (a tokenizer without that form, or an older checkpoint).
+  std::string tokenizer_file, tokenizer_hash;
   // The layout that wrote it: ranks, expert-parallel size, ZeRO level; save_id names this
   // save in every shard's metadata (a shard of another save is foreign).
   int64_t world_size = 1, expert_parallel = 1, zero = 0;

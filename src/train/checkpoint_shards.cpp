@@ -12,11 +12,13 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <tuple>
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "core/threads.h"
 #include "train/checkpoint_hash.h"
 
 namespace moe {
@@ -26,6 +28,7 @@ using json = nlohmann::json;
 namespace {
 constexpr const char* kFormat = "moe-train-checkpoint";
 using Clock = std::chrono::steady_clock;
+constexpr int kReadThreads = 8;  // read_slices' threads, at most (and at most the cores)
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -226,42 +229,64 @@ SliceReadStats read_slices(const LoadedCheckpoint& ckpt, const std::vector<State
       use.second.push_back(&target);
     }
   }
-  SliceReadStats stats;
-  std::vector<float> buffer;
-  std::unique_ptr<CheckpointShardReader> reader;
-  int open_shard = -1;
-  for (const auto& [key, use] : uses) {
-    const auto& [shard, tensor, begin] = key;
-    if (shard != open_shard) {
-      reader.reset();
-      reader = std::make_unique<CheckpointShardReader>(ckpt.path, ckpt.manifest, shard);
-      open_shard = shard;
-    }
-    const ManifestPiece& piece = *use.first;
-    const int64_t piece_end = piece.begin + piece.count;
-    // Straight into a target that holds the whole piece, else through the buffer.
-    const float* values = nullptr;
-    for (const StateTarget* target : use.second)
-      if (target->begin <= piece.begin && piece_end <= target->begin + target->count) {
-        float* into = target->data + (piece.begin - target->begin);
-        reader->read_piece(tensor, piece, into);
-        values = into;
-        break;
+  // Every shard's reader opened (and its header checked) first; then the pieces are read on
+  // several threads, largest first: one thread's pread, hashing and first touch of fresh
+  // target pages reads about 1.2 GB/s, well below what page cache and NVMe deliver.
+  std::map<int, std::unique_ptr<CheckpointShardReader>> readers;
+  for (const auto& [key, use] : uses)
+    if (!readers.count(std::get<0>(key)))
+      readers.emplace(std::get<0>(key), std::make_unique<CheckpointShardReader>(ckpt.path, ckpt.manifest, std::get<0>(key)));
+  std::vector<const std::pair<const Key, std::pair<const ManifestPiece*, std::vector<const StateTarget*>>>*> work;
+  for (const auto& entry : uses) work.push_back(&entry);
+  std::stable_sort(work.begin(), work.end(), [](const auto* a, const auto* b) {
+    return a->second.first->count > b->second.first->count;
+  });
+  int64_t bytes = 0;
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  const int threads = std::max(1, std::min<int>({kReadThreads, available_cores(), static_cast<int>(work.size())}));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buffer;
+#pragma omp for schedule(dynamic, 1) reduction(+ : bytes)
+    for (size_t i = 0; i < work.size(); ++i) {
+      try {
+        const auto& [key, use] = *work[i];
+        const std::string& tensor = std::get<1>(key);
+        const CheckpointShardReader& reader = *readers.at(std::get<0>(key));
+        const ManifestPiece& piece = *use.first;
+        const int64_t piece_end = piece.begin + piece.count;
+        // Straight into a target that holds the whole piece, else through the buffer.
+        const float* values = nullptr;
+        for (const StateTarget* target : use.second)
+          if (target->begin <= piece.begin && piece_end <= target->begin + target->count) {
+            float* into = target->data + (piece.begin - target->begin);
+            reader.read_piece(tensor, piece, into);
+            values = into;
+            break;
+          }
+        if (!values) {
+          buffer.resize(static_cast<size_t>(piece.count));
+          reader.read_piece(tensor, piece, buffer.data());
+          values = buffer.data();
+        }
+        for (const StateTarget* target : use.second) {  // pieces are disjoint: no two threads write one element
+          const int64_t lo = std::max(piece.begin, target->begin);
+          const int64_t hi = std::min(piece_end, target->begin + target->count);
+          float* to = target->data + (lo - target->begin);
+          const float* from = values + (lo - piece.begin);
+          if (hi > lo && to != from) std::memmove(to, from, static_cast<size_t>(hi - lo) * sizeof(float));
+        }
+        bytes += piece.count * static_cast<int64_t>(sizeof(float));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
       }
-    if (!values) {
-      buffer.resize(static_cast<size_t>(piece.count));
-      reader->read_piece(tensor, piece, buffer.data());
-      values = buffer.data();
     }
-    for (const StateTarget* target : use.second) {
-      const int64_t lo = std::max(piece.begin, target->begin);
-      const int64_t hi = std::min(piece_end, target->begin + target->count);
-      float* to = target->data + (lo - target->begin);
-      const float* from = values + (lo - piece.begin);
-      if (hi > lo && to != from) std::memmove(to, from, static_cast<size_t>(hi - lo) * sizeof(float));
-    }
-    stats.bytes += piece.count * static_cast<int64_t>(sizeof(float));
   }
+  if (error) std::rethrow_exception(error);
+  SliceReadStats stats;
+  stats.bytes = bytes;
   stats.seconds = seconds_since(start);
   return stats;
 }

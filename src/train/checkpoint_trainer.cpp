@@ -49,6 +49,7 @@ void Trainer::save_checkpoint(std::ostream& out) {
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const SavedState state = backend_->save_state(rank_, world_);
   CheckpointSnapshot snapshot = capture_state(config_, state, *train_data_, progress_);
+  if (rank_ == 0) snapshot.tokenizer_json = tokenizer_json;
   if (world_ > 1) {
     // Rank 0's random id (48 bits: exact in a double's sum) to every rank.
     const uint64_t mine = rank_ == 0 ? std::stoull(snapshot.save_id, nullptr, 16) >> 16 : 0;

@@ -7,10 +7,12 @@
 #include <cmath>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
 #include "core/error.h"
+#include "data/bpe.h"
 #include "data/tokenizer.h"
 #include "train/checkpoint.h"
 #include "core/atomic_file.h"
@@ -61,10 +63,60 @@ void check_representable(const LoadedCheckpoint& ckpt) {
     refuse("moe.renormalize = false (Mixtral always renormalises the top-k weights)");
 }
 
-json mixtral_config(const RunConfig& config) {
+// The tokenizer files of the export: the run's tokenizer.json (kept in the checkpoint; a
+// byte-tokenizer run's is made here for checkpoints older than that), and what
+// transformers' AutoTokenizer reads beside it. `eos` is the token that ends documents.
+struct HfTokenizer {
+  std::string json_text;  // empty: the export ships no tokenizer
+  std::optional<AddedToken> eos;
+};
+
+HfTokenizer export_tokenizer(const LoadedCheckpoint& ckpt, std::ostream& out) {
+  HfTokenizer t;
+  t.json_text = ckpt.tokenizer_json;
+  if (t.json_text.empty() && parse_tokenizer_spec(ckpt.config.data.tokenizer).kind == TokenizerKind::Byte)
+    t.json_text = ByteTokenizer().hf_tokenizer_json();
+  if (t.json_text.empty()) {
+    fmt::print(out, "warning: export: {} keeps no tokenizer.json (data.tokenizer \"{}\"); the export has no tokenizer "
+               "files\n", ckpt.path.string(), ckpt.config.data.tokenizer);
+    return t;
+  }
+  const json root = json::parse(t.json_text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object() || !root.contains("added_tokens") || !root["added_tokens"].is_array())
+    MOE_THROW("{}: tokenizer.json is not a tokenizer file", ckpt.path.string());
+  std::vector<AddedToken> added;
+  for (const json& a : root["added_tokens"])
+    if (a.is_object() && a.contains("id") && a["id"].is_number_integer() && a.contains("content") && a["content"].is_string())
+      added.push_back({a["content"].get<std::string>(), a["id"].get<int32_t>(), a.value("special", false)});
+  const int32_t eos = find_end_of_text(added);
+  for (const AddedToken& a : added)
+    if (a.id == eos) t.eos = a;
+  return t;
+}
+
+void write_tokenizer_files(const HfTokenizer& t, const RunConfig& config, const fs::path& dir) {
+  if (t.json_text.empty()) return;
+  write_file_atomic(dir / "tokenizer.json", t.json_text);
+  const json eos = t.eos ? json(t.eos->content) : json();
+  // No BOS: documents are separated by EOS alone (data/loader.h), so none is added.
+  const json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                                 {"model_max_length", config.model.seq_len},
+                                 {"bos_token", nullptr},
+                                 {"eos_token", eos},
+                                 {"unk_token", nullptr},
+                                 {"pad_token", nullptr},
+                                 {"add_bos_token", false},
+                                 {"add_eos_token", false},
+                                 {"clean_up_tokenization_spaces", false}};
+  write_file_atomic(dir / "tokenizer_config.json", tokenizer_config.dump(2) + "\n");
+  json special = json::object();
+  if (t.eos) special["eos_token"] = t.eos->content;
+  write_file_atomic(dir / "special_tokens_map.json", special.dump(2) + "\n");
+}
+
+json mixtral_config(const RunConfig& config, const HfTokenizer& tokenizer) {
   const ModelConfig& m = config.model;
-  json eos = nullptr;
-  if (parse_tokenizer_spec(config.data.tokenizer).kind == TokenizerKind::Byte) eos = kByteEosId;
+  const json eos = tokenizer.eos ? json(tokenizer.eos->id) : json();
   return {
       {"architectures", {"MixtralForCausalLM"}},
       {"model_type", "mixtral"},
@@ -123,7 +175,8 @@ std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_i
     copy(ours + ".ffn_norm", theirs + ".post_attention_layernorm.weight");
 
     const std::string moe = ours + ".moe";
-    const float bias = max_abs(read_tensor(ckpt, "param/" + moe + ".router.bias"));
+    const bool has_bias = ckpt.find("param/" + moe + ".router.bias") != nullptr;  // moe.router_bias
+    const float bias = has_bias ? max_abs(read_tensor(ckpt, "param/" + moe + ".router.bias")) : 0.0f;
     if (bias != 0) inexact(fmt::format("{}.router.bias is not zero (max |b| = {:.3g}); Mixtral's gate has no bias", moe, bias));
     if (ckpt.find("balance_bias/" + moe)) {
       const float balance = max_abs(read_tensor(ckpt, "balance_bias/" + moe));
@@ -216,6 +269,7 @@ void export_checkpoint(const ExportOptions& options, std::ostream& out) {
   const LoadedCheckpoint ckpt = read_checkpoint(options.checkpoint);
   check_representable(ckpt);
   const std::vector<HfTensor> tensors = mixtral_tensors(ckpt, options.allow_inexact, out);
+  const HfTokenizer tokenizer = export_tokenizer(ckpt, out);
 
   // Build the folder beside its destination, then rename it into place; on failure remove
   // it, and the missing parent folders created for it, so a failed export leaves nothing.
@@ -228,7 +282,10 @@ void export_checkpoint(const ExportOptions& options, std::ostream& out) {
       MOE_CONFIG_ERROR("--output {}: cannot create {}: {}", options.output, parent.string(), ec.message());
     fs::remove_all(temp);
     fs::create_directories(temp);
-    write_file_atomic(temp / "config.json", mixtral_config(ckpt.config).dump(2) + "\n");
+    write_file_atomic(temp / "config.json", mixtral_config(ckpt.config, tokenizer).dump(2) + "\n");
+    json generation = {{"bos_token_id", nullptr}, {"eos_token_id", tokenizer.eos ? json(tokenizer.eos->id) : json()}};
+    write_file_atomic(temp / "generation_config.json", generation.dump(2) + "\n");
+    write_tokenizer_files(tokenizer, ckpt.config, temp);
     write_shards(tensors, temp, options.max_shard_bytes);
     fs::rename(temp, output);  // replaces an empty folder there
   } catch (...) {

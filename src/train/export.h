@@ -1,6 +1,7 @@
-// `moe export --format hf`: a checkpoint as a Hugging Face Mixtral folder (config.json
-// plus model.safetensors, or model-0000i-of-0000n.safetensors and
-// model.safetensors.index.json past a size). Mixtral is the public architecture closest
+// `moe export --format hf`: a checkpoint as a Hugging Face Mixtral folder (config.json,
+// generation_config.json, model.safetensors, or model-0000i-of-0000n.safetensors and
+// model.safetensors.index.json past a size, and the run's tokenizer as tokenizer.json,
+// tokenizer_config.json and special_tokens_map.json, with the EOS id in the configs). Mixtral is the public architecture closest
 // to ours: pre-norm blocks of RMSNorm, GQA attention with rotate_half RoPE, and a sparse
 // MoE of SwiGLU experts behind a softmax top-k router with renormalised weights.
 //
@@ -15,7 +16,8 @@
 //   lm_head                        -> lm_head.weight (absent with tie_word_embeddings)
 // What Mixtral cannot express is refused: dense first layers, shared experts, sigmoid
 // scores, unnormalised top-k weights. A router bias or balancing bias that is not zero
-// changes routing; it is refused unless allow_inexact, which drops it with a warning.
+// changes routing; it is refused unless allow_inexact, which drops it with a warning
+// (configs meant for export set moe.router_bias = false: then there is none).
 // moe.temperature is folded into the gate weights; capacity dropping has no Mixtral
 // counterpart (Mixtral is dropless), which only warns.
 #pragma once

@@ -71,6 +71,7 @@ TextData load_text_data(RunConfig& config, int threads) {
     train = std::move(train_docs);
     validation = std::move(val_docs);
   }
+  data.tokenizer_json = tokenizer->hf_tokenizer_json();
   if (config.model.vocab_size == 0) config.model.vocab_size = tokenizer->vocab_size();
   if (config.model.vocab_size < tokenizer->vocab_size())
     MOE_CONFIG_ERROR("model.vocab_size {} is smaller than the {} tokenizer's vocabulary {}",

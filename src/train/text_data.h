@@ -15,6 +15,7 @@ struct TextData {
   std::unique_ptr<BatchSource> train;       // shuffled by training.seed
   std::unique_ptr<BatchSource> validation;  // fixed order, reset before each validation
   std::string tokenizer_name;
+  std::string tokenizer_json;  // Tokenizer::hf_tokenizer_json: what checkpoints keep
   int64_t train_docs = 0, train_tokens = 0, val_docs = 0, val_tokens = 0;
 };
 

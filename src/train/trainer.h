@@ -84,6 +84,9 @@ class Trainer {
   int64_t micro_batch() const { return micro_batch_; }  // after the memory controller
   // Progress bar and dashboard feed for run()'s metrics (src/obs/observer.h).
   ObserverOptions observer_options;
+  // The run's tokenizer as a tokenizer.json (Tokenizer::hf_tokenizer_json), kept in every
+  // checkpoint so that export, eval and generate decode as the run did; "": none.
+  std::string tokenizer_json;
 
  private:
   RunConfig config_;

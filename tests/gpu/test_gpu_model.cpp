@@ -173,6 +173,16 @@ TEST(GpuModel, CapacitySigmoidTiedMatchesCpu) {
   compare(c, 2, 10.0f, kSharpNoiseMultiple, kSharpMaxError);
 }
 
+// moe.router_bias = false: the model has no router.bias parameter (nothing for the GPU's
+// fp32 copies) and both paths route on W x alone.
+TEST(GpuModel, NoRouterBiasMatchesCpu) {
+  MOE_REQUIRE_GPU();
+  ModelConfig c = small_config();
+  c.moe.router_bias = false;
+  ASSERT_LT(Transformer<float>::parameter_specs(c).find("layers.1.moe.router.bias"), 0);
+  compare(c, 2, 1.0f, kNaturalNoiseMultiple, kNaturalMaxError);
+}
+
 TEST(GpuModel, AdamWStepsLowerTheLoss) {
   MOE_REQUIRE_GPU();
   ModelConfig c = small_config();

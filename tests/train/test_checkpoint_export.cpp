@@ -189,7 +189,9 @@ TEST_F(HfExport, AFailedExportLeavesNothingAndATrailingSlashWorks) {
   export_checkpoint(options, out);
   EXPECT_TRUE(fs::exists(dir_ / "new" / "deeper" / "hf" / "model.safetensors"));
   EXPECT_EQ(entries(dir_ / "new" / "deeper"), std::vector<std::string>{"hf"});
-  EXPECT_EQ(entries(dir_ / "new" / "deeper" / "hf"), (std::vector<std::string>{"config.json", "model.safetensors"}));
+  EXPECT_EQ(entries(dir_ / "new" / "deeper" / "hf"),
+            (std::vector<std::string>{"config.json", "generation_config.json", "model.safetensors",
+                                      "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"}));
   EXPECT_NE(out.str().find("-> " + options.output + " as MixtralForCausalLM"), std::string::npos) << out.str();
 }
 

@@ -24,7 +24,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   // Router: fp32 logits from the bf16 matmul, + bias, scores, top-k.
   blas.gemm(false, true, T, E, D, 1.0f, layer.act->n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
             stream);
-  cuda::add_bias_rows(m.logits.data(), w32(layer.router_b), T, E, stream);
+  if (layer.router_b.id >= 0) cuda::add_bias_rows(m.logits.data(), w32(layer.router_b), T, E, stream);
   const float* selection_bias = mc.bias_balancing ? layer.balance_bias.data() : nullptr;
   cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), selection_bias, T, E, K,
                     static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream, mc.route_groups,
@@ -122,7 +122,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
                         m.assign_counts.data(), T, E, K, static_cast<float>(mc.temperature), mc.score_func,
                         mc.renormalize, static_cast<float>(loss_scale * mc.aux_loss_coef),
                         static_cast<float>(loss_scale * mc.z_loss_coef), stream);
-  cuda::add_column_sums(g(layer.router_b), dlogits.data(), T, E, stream);
+  if (layer.router_b.id >= 0) cuda::add_column_sums(g(layer.router_b), dlogits.data(), T, E, stream);
   cuda::cast_to_bf16(dlogits_bf16.data(), dlogits.data(), T * E, stream);
   linear_backward(dnorm.data(), g(layer.router_w), dlogits_bf16.data(), layer.act->n2.data(), w(layer.router_w), T, D, E,
                   true);

@@ -68,7 +68,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
     layer.is_moe = l >= config.first_dense_layers;
     if (layer.is_moe) {
       layer.router_w = lookup(params, p + ".moe.router.weight");
-      layer.router_b = lookup(params, p + ".moe.router.bias");
+      if (config.moe.router_bias) layer.router_b = lookup(params, p + ".moe.router.bias");  // else id -1
       layer.w1 = lookup(params, p + ".moe.experts.w1");
       layer.w3 = lookup(params, p + ".moe.experts.w3");
       layer.w2 = lookup(params, p + ".moe.experts.w2");
@@ -94,7 +94,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   // The router biases are added to the fp32 logits, so the forward pass reads them in fp32.
   std::vector<int> fp32_ids;
   for (const Layer& layer : s.layers)
-    if (layer.is_moe) fp32_ids.push_back(layer.router_b.id);
+    if (layer.is_moe && layer.router_b.id >= 0) fp32_ids.push_back(layer.router_b.id);
   // Our own stream (blocking: ordered with the legacy-stream copies of DeviceArray), so
   // that the step can be captured as a CUDA graph.
   MOE_CUDA_CHECK(cudaStreamCreate(&s.stream));

@@ -1,0 +1,174 @@
+// The Hugging Face export loaded by `transformers` (fp32, AutoModelForCausalLM and
+// AutoTokenizer, from the oracle venv) computes our model: its logits equal our forward's
+// within 1e-4 relative, greedy decoding picks our tokens, and the exported tokenizer gives
+// our ids and EOS (tests/train/hf_mixtral_oracle.py checks; this side trains, exports and
+// computes ours).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "data/tokenizer.h"
+#include "train/export.h"
+#include "train/test_resume_fixtures.h"
+
+namespace moe {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path source_root() {
+  const char* src = std::getenv("MOE_SOURCE_DIR");
+  return src && *src ? fs::path(src) : fs::path(__FILE__).parent_path().parent_path().parent_path();
+}
+
+std::string python() {
+  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
+  return (source_root() / ".deps/venv/bin/python").string();
+}
+
+struct Py {
+  int status = -1;
+  std::string output;
+};
+
+Py run_python(const std::string& args) {
+  Py r;
+  FILE* pipe = popen((python() + " " + args + " 2>&1").c_str(), "r");
+  if (!pipe) return r;
+  char buffer[4096];
+  size_t n;
+  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) r.output.append(buffer, n);
+  r.status = pclose(pipe);
+  return r;
+}
+
+template <class T>
+void write_raw(const fs::path& path, const std::vector<T>& values) {
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(values.data()), static_cast<std::streamsize>(values.size() * sizeof(T)));
+}
+
+// A model with everything Mixtral has: GQA, several layers, top-2 of 4 experts, the
+// temperature folded into the gate, untied head; trained a few steps so that no weight is
+// still at its initial value (norms away from 1).
+RunConfig exportable_config(const fs::path& dir) {
+  RunConfig config = test::tiny_config();
+  ModelConfig& m = config.model;
+  m.dim = 32;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.seq_len = 24;
+  m.rope_theta = 500.0;
+  m.moe.router_bias = false;
+  m.moe.bias_balancing = false;
+  m.moe.temperature = 0.7;
+  config.training.micro_batch = 2;
+  config.training.global_batch_tokens = 96;  // 2 micro-batches
+  config.data.tokenizer = "byte";
+  config.lr.peak = 3e-2;
+  config.checkpoint.dir = (dir / "ckpt").string();
+  config.training.stop_at = 4;
+  return config;
+}
+
+// Our logits at every position of `tokens` (padded to seq_len; causal attention keeps the
+// padding out of them), from the training model's own forward.
+std::vector<float> our_logits(Transformer<float>& model, std::vector<int32_t> tokens) {
+  const int64_t S = model.config().seq_len, V = model.config().vocab_size;
+  const size_t n = tokens.size();
+  tokens.resize(static_cast<size_t>(S), 0);
+  const std::vector<int32_t> targets(static_cast<size_t>(S), 0);
+  model.plan(1);
+  model.forward(tokens.data(), targets.data());
+  return std::vector<float>(model.logits(), model.logits() + n * static_cast<size_t>(V));
+}
+
+// Greedy decoding by full forwards (the reference, no cache): the argmax of the last
+// position's logits, appended, `count` times.
+std::vector<int32_t> greedy(Transformer<float>& model, std::vector<int32_t> tokens, int count) {
+  const int64_t V = model.config().vocab_size;
+  std::vector<int32_t> added;
+  for (int i = 0; i < count; ++i) {
+    const std::vector<float> logits = our_logits(model, tokens);
+    const float* last = logits.data() + (tokens.size() - 1) * static_cast<size_t>(V);
+    const auto next = static_cast<int32_t>(std::max_element(last, last + V) - last);
+    tokens.push_back(next);
+    added.push_back(next);
+  }
+  return added;
+}
+
+class HfTransformers : public test::TempDirTest {};
+
+TEST_F(HfTransformers, ExportComputesOurLogitsGreedyTokensAndTokenizer) {
+  const RunConfig config = exportable_config(dir_);
+  auto trainer = test::make_trainer(config);
+  trainer->tokenizer_json = ByteTokenizer().hf_tokenizer_json();  // as `moe train` sets it
+  std::ostringstream log;
+  trainer->run(log);
+  const fs::path ckpt = dir_ / "ckpt" / "step_00000004";
+  ASSERT_TRUE(fs::exists(ckpt / "tokenizer.json")) << log.str();
+  EXPECT_FALSE(read_checkpoint(ckpt).find("param/layers.0.moe.router.bias")) << "moe.router_bias = false keeps none";
+
+  ExportOptions options;
+  options.checkpoint = ckpt.string();
+  options.output = (dir_ / "hf").string();
+  std::ostringstream out;
+  export_checkpoint(options, out);  // exact: no --allow-inexact needed
+  EXPECT_EQ(out.str().find("warning"), std::string::npos) << out.str();
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
+    EXPECT_TRUE(fs::exists(dir_ / "hf" / file)) << file;
+
+  Transformer<float>& model = trainer->model();
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3};
+  write_raw(dir_ / "tokens.bin", prompt);
+  write_raw(dir_ / "logits.bin", our_logits(model, prompt));
+  write_raw(dir_ / "greedy.bin", greedy(model, prompt, 8));
+  const std::string text = "def f(x):\n    return x  # caf\xc3\xa9, \xe4\xb8\xad\xe6\x96\x87, \xf0\x9f\x98\x80\t end";
+  std::ofstream(dir_ / "text.txt", std::ios::binary) << text;
+  write_raw(dir_ / "text.txt.ids", ByteTokenizer().encode(text));
+
+  const Py py = run_python((source_root() / "tests/train/hf_mixtral_oracle.py").string() + " " +
+                           (dir_ / "hf").string() + " " + (dir_ / "tokens.bin").string() + " " +
+                           (dir_ / "logits.bin").string() + " " + (dir_ / "greedy.bin").string() + " " +
+                           (dir_ / "text.txt").string());
+  EXPECT_EQ(py.status, 0) << py.output;
+  EXPECT_NE(py.output.find("OK "), std::string::npos) << py.output;
+  std::printf("transformers oracle: %s", py.output.c_str());  // "OK <max relative logit error>"
+}
+
+// The oracle is not vacuous: a gate scaled by 1.01 (the temperature folded wrongly, say)
+// makes it fail on the logits.
+TEST_F(HfTransformers, TheOracleSeesAWrongGate) {
+  const RunConfig config = exportable_config(dir_);
+  auto trainer = test::make_trainer(config);
+  std::ostringstream log;
+  trainer->run(log);
+  ExportOptions options;
+  options.checkpoint = (dir_ / "ckpt" / "step_00000004").string();
+  options.output = (dir_ / "hf").string();
+  std::ostringstream out;
+  export_checkpoint(options, out);
+  Transformer<float>& model = trainer->model();
+  const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+  write_raw(dir_ / "tokens.bin", prompt);
+  float* gate = model.params().value(model.params().find("layers.1.moe.router.weight"));
+  const int64_t n = model.params().numel(model.params().find("layers.1.moe.router.weight"));
+  for (int64_t i = 0; i < n; ++i) gate[i] *= 1.01f;
+  write_raw(dir_ / "logits.bin", our_logits(model, prompt));
+  write_raw(dir_ / "greedy.bin", std::vector<int32_t>{});
+  std::ofstream(dir_ / "text.txt", std::ios::binary) << "abc";
+  write_raw(dir_ / "text.txt.ids", ByteTokenizer().encode("abc"));
+  const Py py = run_python((source_root() / "tests/train/hf_mixtral_oracle.py").string() + " " +
+                           (dir_ / "hf").string() + " " + (dir_ / "tokens.bin").string() + " " +
+                           (dir_ / "logits.bin").string() + " " + (dir_ / "greedy.bin").string() + " " +
+                           (dir_ / "text.txt").string());
+  EXPECT_NE(py.status, 0) << py.output;
+  EXPECT_NE(py.output.find("logit"), std::string::npos) << py.output;
+}
+
+}  // namespace
+}  // namespace moe
