@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -24,29 +25,51 @@ struct Fd {
   }
 };
 
+// Writes `bytes` at `offset`; the error text, or "" when all were written.
+std::string pwrite_all(int fd, const char* p, size_t bytes, size_t offset) {
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd, p, bytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;  // a preemption signal may land mid-write
+    if (n <= 0) return n == 0 ? std::string("wrote nothing") : std::strerror(errno);
+    p += n, bytes -= static_cast<size_t>(n), offset += static_cast<size_t>(n);
+  }
+  return {};
+}
+
+// A write of up to this many bytes, one per thread at a time.
+constexpr size_t kWriteBlock = size_t{64} << 20;
+
 }  // namespace
 
-void write_file_atomic(const fs::path& path, const std::vector<ByteChunk>& chunks) {
+void write_file_atomic(const fs::path& path, const std::vector<ByteChunk>& chunks, int threads) {
   const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
   const fs::path temp = dir / fmt::format(".{}.tmp.{}", path.filename().string(), ::getpid());
   {
     Fd out{::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
     if (out.fd < 0) MOE_THROW("{}: cannot create: {}", temp.string(), std::strerror(errno));
-    for (const ByteChunk& chunk : chunks) {
-      const char* p = static_cast<const char*>(chunk.data);
-      size_t left = chunk.size;
-      while (left > 0) {
-        const ssize_t n = ::write(out.fd, p, left);
-        if (n < 0 && errno == EINTR) continue;  // a preemption signal may land mid-write
-        if (n <= 0) {
-          const std::string why = std::strerror(errno);
-          ::unlink(temp.c_str());
-          MOE_THROW("{}: write failed: {}", temp.string(), why);
-        }
-        p += n;
-        left -= static_cast<size_t>(n);
+    // The file cut into blocks of at most kWriteBlock within a chunk, each written at its
+    // offset: one thread's write() of host memory into the page cache runs about 2 GB/s.
+    struct Block {
+      const char* data;
+      size_t size, offset;
+    };
+    std::vector<Block> blocks;
+    size_t offset = 0;
+    for (const ByteChunk& chunk : chunks)
+      for (size_t at = 0; at < chunk.size; at += kWriteBlock) {
+        const size_t size = std::min(kWriteBlock, chunk.size - at);
+        blocks.push_back({static_cast<const char*>(chunk.data) + at, size, offset});
+        offset += size;
       }
-    }
+    std::vector<std::string> errors(blocks.size());
+    const int n = std::max(1, std::min(threads, static_cast<int>(blocks.size())));
+#pragma omp parallel for num_threads(n) schedule(dynamic, 1) if (n > 1)
+    for (size_t i = 0; i < blocks.size(); ++i) errors[i] = pwrite_all(out.fd, blocks[i].data, blocks[i].size, blocks[i].offset);
+    for (const std::string& why : errors)
+      if (!why.empty()) {
+        ::unlink(temp.c_str());
+        MOE_THROW("{}: write failed: {}", temp.string(), why);
+      }
     if (::fsync(out.fd) != 0) {
       const std::string why = std::strerror(errno);
       ::unlink(temp.c_str());

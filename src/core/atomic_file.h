@@ -19,7 +19,8 @@ struct ByteChunk {
 };
 
 // Writes the chunks, in order, to `path` atomically. Throws moe::Error naming the path.
-void write_file_atomic(const std::filesystem::path& path, const std::vector<ByteChunk>& chunks);
+// `threads` > 1 writes blocks of the file at their offsets on that many threads.
+void write_file_atomic(const std::filesystem::path& path, const std::vector<ByteChunk>& chunks, int threads = 1);
 void write_file_atomic(const std::filesystem::path& path, std::string_view text);
 // fsync a directory so renames and creations inside it are durable.
 void fsync_directory(const std::filesystem::path& dir);

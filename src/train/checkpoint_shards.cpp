@@ -28,7 +28,7 @@ using json = nlohmann::json;
 namespace {
 constexpr const char* kFormat = "moe-train-checkpoint";
 using Clock = std::chrono::steady_clock;
-constexpr int kReadThreads = 8;  // read_slices' threads, at most (and at most the cores)
+constexpr int kIoThreads = 8;  // threads writing a shard and reading pieces, at most (and at most the cores)
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -79,7 +79,7 @@ int64_t write_shard(const fs::path& temp_dir, const CheckpointSnapshot& snap, do
     whole_hash = whole.hex();
   });
   try {
-    writer.write(temp_dir / file);
+    writer.write(temp_dir / file, std::min(kIoThreads, available_cores()));
   } catch (...) {
     hashing.join();
     throw;
@@ -244,7 +244,7 @@ SliceReadStats read_slices(const LoadedCheckpoint& ckpt, const std::vector<State
   int64_t bytes = 0;
   std::exception_ptr error;
   std::mutex error_mutex;
-  const int threads = std::max(1, std::min<int>({kReadThreads, available_cores(), static_cast<int>(work.size())}));
+  const int threads = std::max(1, std::min<int>({kIoThreads, available_cores(), static_cast<int>(work.size())}));
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buffer;

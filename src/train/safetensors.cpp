@@ -243,11 +243,11 @@ std::string SafeTensorsWriter::header_bytes() const {
   return out + text;
 }
 
-void SafeTensorsWriter::write(const std::filesystem::path& path) const {
+void SafeTensorsWriter::write(const std::filesystem::path& path, int threads) const {
   const std::string header = header_bytes();
   std::vector<ByteChunk> chunks{{header.data(), header.size()}};
   for (const Entry& e : tensors_) chunks.push_back({e.data, e.bytes});
-  write_file_atomic(path, chunks);
+  write_file_atomic(path, chunks, threads);
 }
 
 }  // namespace moe

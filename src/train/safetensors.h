@@ -79,7 +79,7 @@ class SafeTensorsWriter {
   // The header bytes (length prefix included) for the tensors added so far.
   std::string header_bytes() const;
   // Writes atomically (temporary name, fsync, rename).
-  void write(const std::filesystem::path& path) const;
+  void write(const std::filesystem::path& path, int threads = 1) const;  // threads: write_file_atomic's
 
  private:
   struct Entry {
