@@ -1,6 +1,7 @@
 // A text corpus on disk -> documents -> token ids. Documents are the files under
 // data.dir whose names end with data.extension, in relative-path order so every run
-// and every rank sees the same list. Each document goes to the train or validation
+// and every rank sees the same list; a .jsonl file is one document per line (its
+// data.text_field, named "<path>:<line>"). Each document goes to the train or validation
 // split by a hash of its relative path, so adding files never moves existing ones.
 #pragma once
 #include <algorithm>
@@ -66,9 +67,12 @@ bool is_validation_document(std::string_view relative_path, double val_fraction)
 CorpusSplit read_corpus(const DataConfig& config);
 
 // Encodes every document, in parallel over documents (threads <= 0: OpenMP's current
-// count). The result does not depend on the thread count.
+// count). The result does not depend on the thread count. A non-empty `progress_label`
+// prints progress on stderr when the work takes longer than 2 s (data/progress_line.h),
+// between batches of about `batch_bytes` of text.
 TokenizedDocuments tokenize_documents(std::span<const Document> docs, const Tokenizer& tokenizer,
-                                      int threads = 0);
+                                      int threads = 0, std::string_view progress_label = {},
+                                      int64_t batch_bytes = int64_t{32} << 20);
 
 // read_corpus + tokenize_documents for both splits.
 TokenizedCorpus load_corpus(const DataConfig& config, const Tokenizer& tokenizer, int threads = 0);
