@@ -99,6 +99,7 @@ TokenizedDocuments tokenize_documents(std::span<const Document> docs, const Toke
   int64_t total_bytes = 0;
   for (const Document& d : docs) total_bytes += static_cast<int64_t>(d.text.size());
   ProgressLine progress(std::string(progress_label), total_bytes);
+  if (batch_bytes <= 0) batch_bytes = (int64_t{8} << 20) * (threads > 0 ? threads : omp_get_max_threads());
   TokenizedDocuments out, batch;
   int64_t bytes_done = 0;
   for (size_t begin = 0; begin < docs.size();) {

@@ -69,10 +69,10 @@ CorpusSplit read_corpus(const DataConfig& config);
 // Encodes every document, in parallel over documents (threads <= 0: OpenMP's current
 // count). The result does not depend on the thread count. A non-empty `progress_label`
 // prints progress on stderr when the work takes longer than 2 s (data/progress_line.h),
-// between batches of about `batch_bytes` of text.
+// between batches of about `batch_bytes` of text (0: 8 MB per thread, as `moe tokenize`).
 TokenizedDocuments tokenize_documents(std::span<const Document> docs, const Tokenizer& tokenizer,
                                       int threads = 0, std::string_view progress_label = {},
-                                      int64_t batch_bytes = int64_t{32} << 20);
+                                      int64_t batch_bytes = 0);
 
 // read_corpus + tokenize_documents for both splits.
 TokenizedCorpus load_corpus(const DataConfig& config, const Tokenizer& tokenizer, int threads = 0);

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "data/blended_source.h"
+#include "data/shard.h"
 #include "train/test_resume_fixtures.h"
 #include "train/text_data.h"
 
@@ -177,6 +178,43 @@ TEST_F(DataSources, BadSourcesAreOneLineConfigErrors) {
       << message(config);
   config.model.vocab_size = 401;  // fits: accepted
   EXPECT_EQ(message(config), "(accepted)");
+}
+
+// A `moe tokenize` folder is a source too: its train_ and val_ shards, ids checked
+// against the tokenizer's vocabulary.
+TEST_F(DataSources, ShardFoldersBlendWithText) {
+  write_sources(dir_);
+  auto write_shards = [&](const std::string& name, int64_t vocab) {
+    fs::create_directories(dir_ / name);
+    for (const char* split : {"train", "val"}) {
+      ShardWriter writer((dir_ / name / (std::string(split) + "_00000.bin")).string(), vocab);
+      for (int d = 0; d < 10; ++d) writer.add_document(std::vector<int32_t>(static_cast<size_t>(30 + d), 'c'));
+      writer.commit();
+    }
+  };
+  write_shards("shards", 257);
+  write_shards("shards300", 300);
+  RunConfig config = sources_config(dir_, "1,1,1");
+  config.data.sources = "0.25:" + (dir_ / "a").string() + ",0.75:" + (dir_ / "shards").string();
+  TextData data = load_text_data(config, 1);
+  const int64_t S = 16, n = 2000;
+  std::vector<int32_t> inputs(static_cast<size_t>(n * S)), targets(inputs.size());
+  data.train->next_batch(n, inputs.data(), targets.data());
+  int from_shards = 0;
+  for (int64_t i = 0; i < n; ++i) from_shards += letter_of(inputs.data() + i * S, S) == 'c';
+  EXPECT_NEAR(from_shards / double(n), 0.75, 0.04);
+  EXPECT_GT(data.val_docs, 10);  // the val shard's 10 and a's held-out files
+  // Shards of another vocabulary than data.tokenizer's: one line naming the folder.
+  config.data.sources = "0.25:" + (dir_ / "a").string() + ",0.75:" + (dir_ / "shards300").string();
+  try {
+    load_text_data(config, 1);
+    ADD_FAILURE() << "shards of another vocabulary accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("data.sources: the shards in '" + (dir_ / "shards300").string() +
+                                         "' were written for a vocabulary of 300, data.tokenizer byte has 257"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Through the binary: a blended run stopped at step 4 and resumed ends as one run does,
