@@ -118,6 +118,11 @@ TokenizedDocuments tokenize_documents(std::span<const Document> docs, const Toke
   return out;
 }
 
+DocumentSubset::DocumentSubset(std::shared_ptr<const DocumentSource> base, std::vector<int64_t> ids)
+    : base_(std::move(base)), ids_(std::move(ids)) {
+  for (int64_t d : ids_) n_tokens_ += base_->doc_size(d);
+}
+
 TokenizedCorpus load_corpus(const DataConfig& config, const Tokenizer& tokenizer, int threads) {
   CorpusSplit split = read_corpus(config);
   return {tokenize_documents(split.train, tokenizer, threads),

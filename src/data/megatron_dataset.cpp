@@ -219,9 +219,4 @@ void MegatronDataset::check_vocabulary(int64_t vocab_size, std::string_view voca
                      vocab_size, vocab_key);
 }
 
-DocumentSubset::DocumentSubset(std::shared_ptr<const DocumentSource> base, std::vector<int64_t> ids)
-    : base_(std::move(base)), ids_(std::move(ids)) {
-  for (int64_t d : ids_) n_tokens_ += base_->doc_size(d);
-}
-
 }  // namespace moe

@@ -78,21 +78,4 @@ class MegatronDataset final : public DocumentSource {
 // "" when neither PREFIX.idx exists.
 std::string megatron_prefix(const std::string& path);
 
-// A subset of another source's documents, in the given order (a train or held-out split).
-class DocumentSubset final : public DocumentSource {
- public:
-  DocumentSubset(std::shared_ptr<const DocumentSource> base, std::vector<int64_t> ids);
-  int64_t n_docs() const override { return static_cast<int64_t>(ids_.size()); }
-  int64_t doc_size(int64_t d) const override { return base_->doc_size(ids_[d]); }
-  void copy(int64_t d, int64_t offset, int64_t count, int32_t* out) const override {
-    base_->copy(ids_[d], offset, count, out);
-  }
-  int64_t n_tokens() const { return n_tokens_; }
-
- private:
-  std::shared_ptr<const DocumentSource> base_;
-  std::vector<int64_t> ids_;
-  int64_t n_tokens_ = 0;
-};
-
 }  // namespace moe
