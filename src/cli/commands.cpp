@@ -43,7 +43,7 @@ namespace {
 
 void print_data(const RunConfig& config, const TextData& data) {
   fmt::print("data: {} | tokenizer {} (vocab {}) | train {} docs, {} tokens | validation {} docs, {} tokens\n",
-             config.data.dir, data.tokenizer_name, config.model.vocab_size, data.train_docs, data.train_tokens,
+             data.description, data.tokenizer_name, config.model.vocab_size, data.train_docs, data.train_tokens,
              data.val_docs, data.val_tokens);
 }
 

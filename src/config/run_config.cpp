@@ -92,6 +92,8 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("data", "val_fraction", c.data.val_fraction);
   visit("data", "max_bytes", c.data.max_bytes);
   visit("data", "shards", c.data.shards);
+  visit("data", "text_field", c.data.text_field);
+  visit("data", "sources", c.data.sources);
   visit("metrics", "log_interval", c.metrics.log_interval);
   visit("metrics", "dir", c.metrics.dir);
   visit("metrics", "tensorboard", c.metrics.tensorboard);
@@ -363,6 +365,18 @@ void check_io(const RunConfig& c) {
                                          toml_string(d.tokenizer)));
   check_real("data.val_fraction", d.val_fraction, d.val_fraction > 0 && d.val_fraction < 1, "in (0, 1)");
   non_negative("data.max_bytes", d.max_bytes);
+  if (d.text_field.empty()) fail({"data.text_field"}, "data.text_field must name a JSON field, got \"\"");
+  if (!d.sources.empty()) {
+    std::string error;
+    const std::vector<DataSourceSpec> sources = parse_data_sources(d.sources, &error);
+    if (sources.empty())
+      fail({"data.sources"}, fmt::format("data.sources must be comma-separated WEIGHT:PATH entries (e.g. "
+                                         "\"0.7:/data/web,0.3:/data/code\"): {}, got {}",
+                                         error, toml_string(d.sources)));
+    if (!d.shards.empty())
+      fail({"data.sources", "data.shards"}, "data.sources and data.shards exclude each other: a folder of "
+                                            "shards can be one of the sources");
+  }
   if (tokenizer.kind == TokenizerKind::Byte && c.model.vocab_size != 0 && c.model.vocab_size < kByteVocabSize)
     fail({"model.vocab_size", "data.tokenizer"},
          fmt::format("model.vocab_size ({}) is smaller than the byte tokenizer's {} ids (0 takes it from the "
@@ -570,6 +584,50 @@ TokenizerSpec parse_tokenizer_spec(std::string_view spec) {
   }
   if (spec.ends_with(".json")) return {TokenizerKind::HfJson, 0};
   return {};
+}
+
+std::vector<DataSourceSpec> parse_data_sources(std::string_view text, std::string* error) {
+  constexpr size_t kMaxSources = 256;
+  std::vector<DataSourceSpec> sources;
+  auto refuse = [&](std::string message) {
+    if (error) *error = std::move(message);
+    return std::vector<DataSourceSpec>{};
+  };
+  if (text.ends_with(',')) return refuse("the last entry is empty");
+  while (!text.empty()) {
+    const size_t comma = text.find(',');
+    std::string_view entry = text.substr(0, comma);
+    text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
+    while (!entry.empty() && entry.front() == ' ') entry.remove_prefix(1);
+    while (!entry.empty() && entry.back() == ' ') entry.remove_suffix(1);
+    if (entry.empty()) return refuse(fmt::format("entry {} is empty", sources.size() + 1));
+    DataSourceSpec source;
+    source.path = std::string(entry);
+    // The text before the first ':' is the weight when it is written like a number.
+    if (const size_t colon = entry.find(':'); colon != std::string_view::npos) {
+      const std::string weight(entry.substr(0, colon));
+      if (weight.find_first_of("0123456789") != std::string::npos &&
+          weight.find_first_not_of("0123456789.eE+-") == std::string::npos) {
+        size_t used = 0;
+        double value = 0;
+        try {
+          value = std::stod(weight, &used);
+        } catch (const std::exception&) {
+          used = 0;  // out of range
+        }
+        if (used != weight.size() || !(value > 0) || !std::isfinite(value))
+          return refuse(fmt::format("the weight of '{}' must be a number > 0", entry));
+        source.weight = value;
+        source.path = std::string(entry.substr(colon + 1));
+      }
+    }
+    while (!source.path.empty() && source.path.front() == ' ') source.path.erase(0, 1);
+    if (source.path.empty()) return refuse(fmt::format("entry '{}' has no path", entry));
+    sources.push_back(std::move(source));
+    if (sources.size() > kMaxSources) return refuse(fmt::format("more than {} entries", kMaxSources));
+  }
+  if (sources.empty()) return refuse("no entry");
+  return sources;
 }
 
 RunConfig parse_config(const std::string& toml_text, const std::string& source_name,

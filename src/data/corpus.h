@@ -1,10 +1,12 @@
 // A text corpus on disk -> documents -> token ids. Documents are the files under
 // data.dir whose names end with data.extension, in relative-path order so every run
-// and every rank sees the same list. Each document goes to the train or validation
+// and every rank sees the same list; a .jsonl file is one document per line (its
+// data.text_field, named "<path>:<line>"). Each document goes to the train or validation
 // split by a hash of its relative path, so adding files never moves existing ones.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -52,6 +54,23 @@ struct TokenizedDocuments final : DocumentSource {
   }
 };
 
+// A subset of another source's documents, in the given order (a train or held-out split).
+class DocumentSubset final : public DocumentSource {
+ public:
+  DocumentSubset(std::shared_ptr<const DocumentSource> base, std::vector<int64_t> ids);
+  int64_t n_docs() const override { return static_cast<int64_t>(ids_.size()); }
+  int64_t doc_size(int64_t d) const override { return base_->doc_size(ids_[d]); }
+  void copy(int64_t d, int64_t offset, int64_t count, int32_t* out) const override {
+    base_->copy(ids_[d], offset, count, out);
+  }
+  int64_t n_tokens() const { return n_tokens_; }
+
+ private:
+  std::shared_ptr<const DocumentSource> base_;
+  std::vector<int64_t> ids_;
+  int64_t n_tokens_ = 0;
+};
+
 struct TokenizedCorpus {
   TokenizedDocuments train;
   TokenizedDocuments validation;
@@ -66,9 +85,12 @@ bool is_validation_document(std::string_view relative_path, double val_fraction)
 CorpusSplit read_corpus(const DataConfig& config);
 
 // Encodes every document, in parallel over documents (threads <= 0: OpenMP's current
-// count). The result does not depend on the thread count.
+// count). The result does not depend on the thread count. A non-empty `progress_label`
+// prints progress on stderr when the work takes longer than 2 s (data/progress_line.h),
+// between batches of about `batch_bytes` of text (0: 8 MB per thread, as `moe tokenize`).
 TokenizedDocuments tokenize_documents(std::span<const Document> docs, const Tokenizer& tokenizer,
-                                      int threads = 0);
+                                      int threads = 0, std::string_view progress_label = {},
+                                      int64_t batch_bytes = 0);
 
 // read_corpus + tokenize_documents for both splits.
 TokenizedCorpus load_corpus(const DataConfig& config, const Tokenizer& tokenizer, int threads = 0);

@@ -5,10 +5,10 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "data/file_util.h"
+#include "data/jsonl.h"
 
 namespace fs = std::filesystem;
 
@@ -37,7 +37,7 @@ bool InputReader::next(std::vector<Document>& docs, int64_t max_bytes) {
   const size_t before = docs.size();
   while (got < max_bytes && file_ < files_.size()) {
     const std::string& path = files_[file_];
-    if (!path.ends_with(".jsonl")) {
+    if (!is_jsonl_path(path)) {
       Document doc{names_[file_], read_whole_file(path, "--input:")};
       got += static_cast<int64_t>(doc.text.size());
       bytes_read_ += static_cast<int64_t>(doc.text.size());
@@ -54,16 +54,9 @@ bool InputReader::next(std::vector<Document>& docs, int64_t max_bytes) {
     while (got < max_bytes && std::getline(*jsonl_, line)) {
       ++line_;
       bytes_read_ += static_cast<int64_t>(line.size()) + 1;
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(line);
-      } catch (const nlohmann::json::exception&) {
-        MOE_CONFIG_ERROR("{}:{}: not valid JSON", path, line_);
-      }
-      if (!j.is_object() || !j.contains(options_.text_field) || !j[options_.text_field].is_string())
-        MOE_CONFIG_ERROR("{}:{}: no string field '{}' (--text-field)", path, line_, options_.text_field);
-      Document doc{names_[file_] + ":" + std::to_string(line_), j[options_.text_field].get<std::string>()};
+      if (is_blank_jsonl_line(line)) continue;
+      Document doc{names_[file_] + ":" + std::to_string(line_),
+                   jsonl_document(line, options_.text_field, path, line_, "--text-field")};
       got += static_cast<int64_t>(doc.text.size());
       docs.push_back(std::move(doc));
     }

@@ -1,5 +1,6 @@
 // The text corpus as the trainer's batch sources: read data.dir, tokenize, split (or map
-// the train_/val_ shards of data.shards), and wrap the packed loaders. data.tokenizer
+// the train_/val_ shards of data.shards), and wrap the packed loaders; or blend the
+// sources of data.sources (text folders, shard folders, Megatron datasets) by weight. data.tokenizer
 // "bpe:N" trains a BPE tokenizer on the training split, cached under data_cache/. Sets
 // model.vocab_size from the tokenizer when it is 0.
 #pragma once
@@ -16,6 +17,7 @@ struct TextData {
   std::unique_ptr<BatchSource> validation;  // fixed order, reset before each validation
   std::string tokenizer_name;
   std::string tokenizer_json;  // Tokenizer::hf_tokenizer_json: what checkpoints keep
+  std::string description;  // where the data came from: data.dir, data.shards or data.sources
   int64_t train_docs = 0, train_tokens = 0, val_docs = 0, val_tokens = 0;
 };
 

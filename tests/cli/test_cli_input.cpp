@@ -100,5 +100,20 @@ TEST_F(CliInput, UnreadableCorpusFilesAreNamedWithTheReason) {
                         2, {p("fifo.txt"), "is not a regular file or a directory"});
 }
 
+// The data readers through `moe train`: a JSONL line without the text, a corrupt Megatron
+// index, a data.sources path that is nothing: each one line naming the file, exit code 2.
+TEST_F(CliInput, BadDataFilesAreOneLineErrors) {
+  fs::create_directories(dir_ / "jsonl");
+  std::ofstream(dir_ / "jsonl" / "a.jsonl") << "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n";
+  expect_one_line_error(run_moe(train("--data.dir=" + p("jsonl") + " --data.extension=.jsonl")), 2,
+                        {p("jsonl/a.jsonl") + ":2: no string field 'text' (data.text_field)"});
+  std::ofstream(dir_ / "ds.idx") << "MMIDIDX";  // truncated
+  std::ofstream(dir_ / "ds.bin") << "";
+  expect_one_line_error(run_moe(train("--data.sources=" + p("ds"))), 2,
+                        {"megatron index '" + p("ds.idx") + "': truncated"});
+  expect_one_line_error(run_moe(train("--data.sources=0.5:" + p("text") + ",0.5:" + p("nothing"))), 2,
+                        {"data.sources: '" + p("nothing") + "' is neither a directory nor a Megatron dataset"});
+}
+
 }  // namespace
 }  // namespace moe::test

@@ -207,5 +207,20 @@ TEST(Corpus, RealCorpusPrefixLoads) {
   EXPECT_GT(corpus.validation.n_docs(), 0);
 }
 
+TEST(DocumentSubset, ReadsTheChosenDocumentsInOrder) {
+  auto base = std::make_shared<TokenizedDocuments>();
+  base->tokens = {1, 2, 3, 4, 5, 6};
+  base->doc_offsets = {0, 1, 3, 6};
+  DocumentSubset subset(base, {2, 0});
+  ASSERT_EQ(subset.n_docs(), 2);
+  EXPECT_EQ(subset.n_tokens(), 4);
+  EXPECT_EQ(subset.doc_size(0), 3);
+  std::vector<int32_t> got(3);
+  subset.copy(0, 0, 3, got.data());
+  EXPECT_EQ(got, (std::vector<int32_t>{4, 5, 6}));
+  subset.copy(1, 0, 1, got.data());
+  EXPECT_EQ(got[0], 1);
+}
+
 }  // namespace
 }  // namespace moe

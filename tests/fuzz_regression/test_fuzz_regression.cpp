@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "data/bpe.h"
+#include "data/megatron_dataset.h"
 #include "core/atomic_file.h"
 #include "config/run_config.h"
 #include "train/checkpoint_manifest.h"
@@ -85,6 +86,20 @@ TEST(FuzzRegression, CheckpointManifest) {
     EXPECT_EQ(manifest_to_json(parse_checkpoint_manifest(written, "written")), written);
   });
   EXPECT_GE(parsed, 2);  // the version-1 and version-2 seeds
+}
+
+// Megatron .idx files: parsed (documents from token 0 to the last, never decreasing) or
+// refused on one line.
+TEST(FuzzRegression, MegatronIndex) {
+  const int parsed = replay("megatron_index", [](const std::string& bytes) {
+    const MegatronIndex index = parse_megatron_index(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), "fuzz");
+    ASSERT_FALSE(index.doc_offsets.empty());
+    EXPECT_EQ(index.doc_offsets.front(), 0);
+    EXPECT_EQ(index.doc_offsets.back(), index.n_tokens);
+    EXPECT_TRUE(std::is_sorted(index.doc_offsets.begin(), index.doc_offsets.end()));
+  });
+  EXPECT_EQ(parsed, 3);  // the seeds but the truncated one
 }
 
 TEST(FuzzRegression, TokenizerJson) {

@@ -320,6 +320,9 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.data.extension = ""; }, [](RunConfig& c) { c.data.val_fraction = 0.5; },
       [](RunConfig& c) { c.data.max_bytes = 1 << 20; }, [](RunConfig& c) { c.metrics.log_interval = 1; },
       [](RunConfig& c) { c.data.shards = "/tmp/shards"; }, [](RunConfig& c) { c.data.tokenizer = "bpe:4096"; },
+      [](RunConfig& c) { c.data.text_field = "content"; },
+      // data.sources excludes data.shards: the blend of every change drops the shards.
+      [](RunConfig& c) { c.data.sources = "0.7:/a dir,0.3:/b_text_document", c.data.shards = ""; },
       [](RunConfig& c) { c.metrics.dir = "runs/a"; }, [](RunConfig& c) { c.checkpoint.dir = "ckpt"; },
       [](RunConfig& c) { c.checkpoint.interval = 100; }, [](RunConfig& c) { c.checkpoint.keep_last = 1; },
       [](RunConfig& c) { c.metrics.tensorboard = false; }, [](RunConfig& c) { c.metrics.peak_tflops = 312; },
@@ -365,7 +368,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(sizeof(TrainingConfig), 136u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
-  EXPECT_EQ(sizeof(DataConfig), 144u);
+  EXPECT_EQ(sizeof(DataConfig), 208u);
   EXPECT_EQ(sizeof(MetricsConfig), 88u);
   EXPECT_EQ(sizeof(CheckpointConfig), 56u);
   EXPECT_EQ(sizeof(ParallelConfig), 80u);
