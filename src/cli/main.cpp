@@ -13,6 +13,7 @@
 #include "cli/tokenize_commands.h"
 #include "core/build_info.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "dist/mpi_communicator.h"
 
 namespace {
@@ -45,6 +46,8 @@ std::vector<std::string> parse_overrides(const std::vector<std::string>& extras)
 }  // namespace
 
 int main(int argc, char** argv) {
+  // spdlog's lines in the console's one format, through std::cout (docs/METRICS.md).
+  moe::log_to(std::cout);
   CLI::App app{"moe: Mixture-of-Experts LLM pretraining engine"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::function<std::string()>(moe::build_info),

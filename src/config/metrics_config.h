@@ -15,6 +15,7 @@ struct MetricsConfig {
   double alert_comm_wait = 0.20;      // alert when communication wait exceeds this share of a step
   double alert_grad_sync_ms = 5.0;    // alert when gradient-sync latency exceeds this
   bool phase_times = false;           // GPU: log each step's time per phase (CUDA events on the model's stream)
+  bool trace = false;                 // write dir/trace.json: each step's phases as Chrome/Perfetto trace events
 };
 
 }  // namespace moe

@@ -102,6 +102,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("metrics", "alert_comm_wait", c.metrics.alert_comm_wait);
   visit("metrics", "alert_grad_sync_ms", c.metrics.alert_grad_sync_ms);
   visit("metrics", "phase_times", c.metrics.phase_times);
+  visit("metrics", "trace", c.metrics.trace);
   visit("checkpoint", "dir", c.checkpoint.dir);
   visit("checkpoint", "interval", c.checkpoint.interval);
   visit("checkpoint", "keep_last", c.checkpoint.keep_last);
@@ -386,6 +387,8 @@ void check_io(const RunConfig& c) {
   non_negative_real("metrics.alert_imbalance", c.metrics.alert_imbalance);
   non_negative_real("metrics.alert_comm_wait", c.metrics.alert_comm_wait);
   non_negative_real("metrics.alert_grad_sync_ms", c.metrics.alert_grad_sync_ms);
+  if (c.metrics.trace && c.metrics.dir.empty())
+    fail({"metrics.trace", "metrics.dir"}, "metrics.trace = true writes trace.json into metrics.dir, which is \"\"");
   non_negative("checkpoint.interval", c.checkpoint.interval);
   positive("checkpoint.keep_last", c.checkpoint.keep_last);
 }

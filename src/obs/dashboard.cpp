@@ -176,7 +176,7 @@ struct Dashboard::Server {
 Dashboard::Dashboard(int port, const std::string& host) : host_(host), server_(std::make_unique<Server>()) {
   if (port < 0 || port > 65535) throw ConfigError(fmt::format("--dashboard: port must be 0..65535, got {}", port));
   Server& s = *server_;
-  s.chart_js = read_chart_js();
+  s.chart_js = embedded_chart_js();
   // httplib's default also sets SO_REUSEPORT, which would let a second run bind the same
   // port silently; SO_REUSEADDR alone still allows a restart while the old one lingers.
   s.http.set_socket_options([](socket_t sock) {

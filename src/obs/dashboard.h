@@ -12,7 +12,7 @@ namespace moe {
 class Dashboard {
  public:
   // Binds host:port (port 0: any free port) and starts serving. Throws moe::Error naming
-  // the address when it cannot bind, or Chart.js's path when that is missing.
+  // the address when it cannot bind.
   explicit Dashboard(int port, const std::string& host = "127.0.0.1");
   // Stops the server and joins its threads without waiting for slow clients: their
   // connections are cut (each gets one request, read within 2 s, answered within 10 s).

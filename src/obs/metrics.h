@@ -41,6 +41,14 @@ struct StepTimes {
   double step = 0, compute = 0, comm_wait = 0, data_wait = 0, optimizer = 0;
 };
 
+// One timed part of a step, for metrics.trace (obs/trace.h): `start` in seconds since the
+// run's start, on a track ("host": the training thread; "gpu": the model's stream).
+struct PhaseSpan {
+  std::string name;
+  std::string track;
+  double start = 0, seconds = 0;
+};
+
 struct StepMetrics {
   int64_t step = 0;       // 1-based optimizer step
   int64_t steps = 0;      // steps in the run
@@ -61,6 +69,7 @@ struct StepMetrics {
   std::vector<LayerRouting> layers;
   std::vector<RankLoad> ranks;
   std::vector<std::pair<std::string, double>> phase_ms;  // metrics.phase_times: the step's time per phase
+  std::vector<PhaseSpan> spans;  // metrics.trace: the step's phases (not a JSONL field)
 
   double max_imbalance() const;
   double comm_wait_fraction() const { return time.step > 0 ? time.comm_wait / time.step : 0; }

@@ -12,7 +12,8 @@ Observer::Observer(const MetricsConfig& config, std::ostream& out, ObserverOptio
       alerts_(AlertThresholds{config.alert_imbalance, config.alert_comm_wait, config.alert_grad_sync_ms}),
       options_(options),
       dir_(config.dir),
-      tensorboard_on_(config.tensorboard) {
+      tensorboard_on_(config.tensorboard),
+      trace_on_(config.trace) {
 }
 
 void Observer::record(const nlohmann::json& r) {
@@ -27,6 +28,8 @@ void Observer::start(const RunInfo& info) {
     truncate_metrics_after(path, info.first_step);
     jsonl_ = std::make_unique<JsonlWriter>(path, /*append=*/true);
     if (tensorboard_on_) tensorboard_ = std::make_unique<TensorBoardWriter>(dir_, info.first_step);
+    if (trace_on_)
+      trace_ = std::make_unique<TraceWriter>((std::filesystem::path(dir_) / trace_file_name(info.first_step)).string(), 0);
   }
   console_.set_schedule(info.val_interval, info.checkpoint_interval, info.checkpoints);
   console_.line("mfu: " + info.mfu.describe());
@@ -49,6 +52,7 @@ void Observer::step(const StepMetrics& m) {
                               m.grad_norm));
   record(to_json(m));
   if (tensorboard_) tensorboard_->add_scalars(m.step, tensorboard_scalars(m));
+  if (trace_) trace_->step(m.step, m.spans);
   console_.step(m);
   for (const AlertEvent& alert : alerts_.check(m)) {
     console_.line(alert.message);
@@ -111,6 +115,7 @@ void Observer::finish(const RunEnd& end) {
   if (options_.feed) options_.feed->set_done();
   if (jsonl_) jsonl_->sync();
   if (tensorboard_) tensorboard_->sync();
+  if (trace_) trace_->close();
 }
 
 std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics& m) {

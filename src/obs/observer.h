@@ -1,5 +1,6 @@
 // Where a run's measurements go: the console, metrics.dir/metrics.jsonl, a TensorBoard
-// event file in metrics.dir, threshold alerts, and the live dashboard's feed. The
+// event file in metrics.dir, the phase trace (metrics.trace), threshold alerts, and the
+// live dashboard's feed. The
 // trainer calls start, validation and step, then finish; nothing else prints metrics.
 #pragma once
 #include <iosfwd>
@@ -12,6 +13,7 @@
 #include "obs/jsonl.h"
 #include "obs/metrics.h"
 #include "obs/tensorboard.h"
+#include "obs/trace.h"
 #include "config/metrics_config.h"
 
 namespace moe {
@@ -72,8 +74,10 @@ class Observer {
   ObserverOptions options_;
   std::string dir_;  // metrics.dir; "" writes no files
   bool tensorboard_on_;
+  bool trace_on_;
   std::unique_ptr<JsonlWriter> jsonl_;
   std::unique_ptr<TensorBoardWriter> tensorboard_;
+  std::unique_ptr<TraceWriter> trace_;  // closes its file when the run ends, also by an exception
 };
 
 // The TensorBoard scalars of one step: tag -> value.

@@ -39,9 +39,11 @@ std::string script_json(const nlohmann::json& data) {
 
 }  // namespace
 
+std::string embedded_chart_js() { return {web::kChartJs, web::kChartJs_size}; }
+
 std::string read_chart_js(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("{}: cannot read Chart.js (install Debian's libjs-chart.js: scripts/setup.sh)", path));
+  if (!in) throw Error(fmt::format("{}: cannot read Chart.js", path));
   std::ostringstream text;
   text << in.rdbuf();
   return text.str();

@@ -1,7 +1,8 @@
-// The dashboard page (web/dashboard.{html,js,css}, compiled into the binary) in its two
+// The dashboard page (web/dashboard.{html,js,css} and Chart.js, compiled into the binary) in its two
 // forms: the live page, which links its scripts and polls the server, and the
 // self-contained report file, which inlines Chart.js, the page's code and the data.
 #pragma once
+#include <cstddef>
 #include <string>
 
 #include <nlohmann/json_fwd.hpp>
@@ -12,13 +13,15 @@ namespace web {
 extern const char* const kDashboardHtml;
 extern const char* const kDashboardJs;
 extern const char* const kDashboardCss;
+// Chart.js, read from Debian's libjs-chart.js at build time (cmake/embed_file.cmake).
+extern const char kChartJs[];
+extern const std::size_t kChartJs_size;
 }  // namespace web
 
-// Debian's libjs-chart.js (installed by scripts/setup.sh).
-inline constexpr const char* kChartJsPath = "/usr/share/javascript/chart.js/chart.min.js";
-
-// Chart.js's source; throws moe::Error naming the file when it is missing.
-std::string read_chart_js(const std::string& path = kChartJsPath);
+// The Chart.js compiled into the binary.
+std::string embedded_chart_js();
+// Chart.js's source from a file; throws moe::Error naming the file when it is missing.
+std::string read_chart_js(const std::string& path);
 // The page served by `moe train --dashboard`: the records so far inlined (`data`, as
 // MetricsFeed::since answers), then polling api/metrics for the rest.
 std::string live_page(const nlohmann::json& data);

@@ -39,7 +39,7 @@ std::string write_report(const std::string& run_dir, const std::string& output, 
   if (!fs::exists(jsonl, ec))
     throw ConfigError(fmt::format("{}: no metrics.jsonl (train with --metrics.dir={} to write one)", run_dir, run_dir));
   const nlohmann::json data = load_run_records(jsonl);
-  const std::string chart_js = read_chart_js(chart_js_path.empty() ? kChartJsPath : chart_js_path);
+  const std::string chart_js = chart_js_path.empty() ? embedded_chart_js() : read_chart_js(chart_js_path);
   const std::string path = output.empty() ? (fs::path(run_dir) / "report.html").string() : output;
   write_file_atomic(path, report_page(data, chart_js));
   return path;

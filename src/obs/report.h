@@ -12,7 +12,8 @@ namespace moe {
 nlohmann::json load_run_records(const std::string& jsonl_path, int* truncated_lines = nullptr);
 
 // Writes the report for run_dir to `output` (default run_dir/report.html) through a
-// temporary file, fsync and rename. Returns the path written.
+// temporary file, fsync and rename. Returns the path written. Chart.js comes from
+// chart_js_path, or ("") the copy compiled into the binary.
 std::string write_report(const std::string& run_dir, const std::string& output = "",
                          const std::string& chart_js_path = "");
 

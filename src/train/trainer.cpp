@@ -7,6 +7,7 @@
 #include <cmath>
 #include <ostream>
 
+#include "core/nvtx_range.h"
 #include "core/threads.h"
 #include "dist/communicator.h"
 #include "data/rank_sliced_source.h"
@@ -45,8 +46,9 @@ RunInfo run_info(const RunConfig& config, const ParameterCounts& counts) {
 }
 
 // Expert load per rank: from the parallel backend, or one process holding every expert
-// (rank 0, its load summed over the MoE layers).
-StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_bytes) {
+// (rank 0, its load summed over the MoE layers). The phase times reach the console only
+// when metrics.phase_times asks (metrics.trace measures them too).
+StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_bytes, bool phase_times) {
   StepMetrics m;
   m.step = s.step;
   m.steps = info.steps;
@@ -65,7 +67,8 @@ StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_
   m.a2a_bytes = s.a2a_bytes;
   m.a2a_bandwidth = s.a2a_seconds > 0 ? static_cast<double>(s.a2a_bytes) / s.a2a_seconds : 0;
   m.layers = s.layers;
-  m.phase_ms = s.phase_ms;
+  if (phase_times) m.phase_ms = s.phase_ms;
+  m.spans = s.spans;
   if (!s.ranks.empty()) {
     m.ranks = s.ranks;
     return m;
@@ -140,17 +143,43 @@ StepStats Trainer::train_step(int64_t step) {
   ModelBackend& model = *backend_;
   StepStats stats;
   stats.step = step + 1;
+  const NvtxRange step_range("step " + std::to_string(step + 1));
+  const bool trace = config_.metrics.trace;
+  const auto seconds = [](Clock::time_point from, Clock::time_point to) {
+    return std::chrono::duration<double>(to - from).count();
+  };
+  const auto span = [&](const char* name, Clock::time_point from, Clock::time_point to) {
+    if (trace) stats.spans.push_back({name, "host", seconds(trace_origin_, from), seconds(from, to)});
+  };
+  // The host spans tile the step: each begins where the previous one ended.
   const auto step_start = Clock::now();
   model.begin_step();
+  auto last = Clock::now();
+  span("zero grads", step_start, last);
   const double scale = 1.0 / static_cast<double>(micro_steps_);
   for (int64_t micro = 0; micro < micro_steps_; ++micro) {
-    auto t0 = Clock::now();
-    train_data_->next_batch(micro_batch_, inputs_BS_.data(), targets_BS_.data());
-    stats.time.data_wait += seconds_since(t0);
-    t0 = Clock::now();
-    const ForwardResult fwd = model.forward(inputs_BS_.data(), targets_BS_.data());
-    model.backward(scale, micro + 1 == micro_steps_);
-    stats.time.compute += seconds_since(t0);
+    const auto t0 = last;
+    {
+      const NvtxRange range("data");
+      train_data_->next_batch(micro_batch_, inputs_BS_.data(), targets_BS_.data());
+    }
+    const auto t1 = Clock::now();
+    ForwardResult fwd;
+    {
+      const NvtxRange range("forward");
+      fwd = model.forward(inputs_BS_.data(), targets_BS_.data());
+    }
+    const auto t2 = Clock::now();
+    {
+      const NvtxRange range("backward");
+      model.backward(scale, micro + 1 == micro_steps_);
+    }
+    const auto t3 = last = Clock::now();
+    stats.time.data_wait += seconds(t0, t1);
+    stats.time.compute += seconds(t1, t3);
+    span("data", t0, t1);
+    span("forward", t1, t2);
+    span("backward", t2, t3);
     stats.loss += fwd.ce_loss * scale;
     stats.aux_loss += fwd.aux_loss * scale;
     stats.z_loss += fwd.z_loss * scale;
@@ -161,6 +190,7 @@ StepStats Trainer::train_step(int64_t step) {
   stats.time.compute = std::max(0.0, stats.time.compute - stats.time.comm_wait);
   const double compute_wait = stats.time.comm_wait;
   const auto optimizer_start = Clock::now();
+  const NvtxRange optimizer_range("optimizer");
   model.reduce_losses(stats);
   model.routing(stats);
   const ClipStats clip = model.clip_gradients(tc.grad_clip, tc.expert_grad_clip);
@@ -175,8 +205,19 @@ StepStats Trainer::train_step(int64_t step) {
   }
   model.end_step();
   model.take_comm_stats(stats);
-  stats.time.optimizer = std::max(0.0, seconds_since(optimizer_start) - (stats.time.comm_wait - compute_wait));
-  stats.time.step = seconds_since(step_start);
+  const auto step_end = Clock::now();
+  stats.time.optimizer = std::max(0.0, seconds(optimizer_start, step_end) - (stats.time.comm_wait - compute_wait));
+  stats.time.step = seconds(step_start, step_end);
+  span("optimizer", last, step_end);
+  // The GPU's CUDA-event time per phase, summed over the step: laid end to end from the
+  // step's start in the phase table's order (nsys shows their true interleaving).
+  if (trace) {
+    double at = seconds(trace_origin_, step_start);
+    for (const auto& [phase, ms] : stats.phase_ms) {
+      stats.spans.push_back({phase, "gpu", at, ms * 1e-3});
+      at += ms * 1e-3;
+    }
+  }
   return stats;
 }
 
@@ -184,6 +225,7 @@ double Trainer::validate() { return evaluate(config_.training.val_batches); }
 
 double Trainer::evaluate(int64_t val_batches, const std::function<void(int64_t, int64_t)>& progress) {
   MOE_CHECK(val_batches > 0, "evaluation over {} batches", val_batches);
+  const NvtxRange range("validation");
   val_data_->reset();
   double total = 0;
   // The same held-out sequences when the memory controller split the micro-batch.
@@ -267,7 +309,7 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
     summary.tokens += tokens_per_step;
     summary.train_loss_end = stats.loss;
     if (stats.skipped) ++summary.skipped_steps;
-    observer.step(step_metrics(stats, info, arena_bytes));
+    observer.step(step_metrics(stats, info, arena_bytes, config_.metrics.phase_times));
     if (on_step) on_step(stats);
     const bool last = step + 1 == tc.steps;
     if (last || (tc.val_interval > 0 && (step + 1) % tc.val_interval == 0)) {

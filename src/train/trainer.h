@@ -3,6 +3,7 @@
 // line of output per logged step, over whichever ModelBackend the config asks for
 // (train/backends/: CPU, CPU ranks, GPUs).
 #pragma once
+#include <chrono>
 #include <functional>
 #include <iosfwd>
 #include <memory>
@@ -95,6 +96,8 @@ class Trainer {
   int rank_ = 0, world_ = 1;
   int64_t micro_steps_ = 1;
   std::vector<int32_t> inputs_BS_, targets_BS_;
+  // metrics.trace's time zero: each step's phases are placed after it.
+  std::chrono::steady_clock::time_point trace_origin_ = std::chrono::steady_clock::now();
   // Checkpoints and faults.
   int64_t micro_batch_ = 1;                // may be below training.micro_batch under memory pressure
   std::vector<std::string> batch_notes_;   // what the memory controller did, printed by run()

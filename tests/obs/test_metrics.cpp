@@ -3,8 +3,11 @@
 
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
 #include <sstream>
 
+#include "core/log.h"
 #include "obs/alerts.h"
 #include "obs/console.h"
 #include "obs/feed.h"
@@ -207,6 +210,30 @@ TEST(Console, ProgressBarOnATerminal) {
   console.step(m);
   console.finish();
   EXPECT_EQ(out.str().substr(out.str().size() - 4), "\r\x1b[K");
+}
+
+// `moe` routes spdlog into the console's stream (core/log.h): its lines come in the
+// console's one format, and a progress bar is erased before them as before any other line.
+TEST(Console, SpdlogLinesShareTheFormatAndEraseTheBar) {
+  const auto previous = spdlog::default_logger();
+  std::ostringstream out;
+  {
+    ConsoleSink console(out, 100, /*progress_bar=*/true);
+    log_to(out);
+    spdlog::info("topology: {} ranks", 4);
+    EXPECT_EQ(out.str(), "topology: 4 ranks\n");
+    StepMetrics m = with(1, {1, 1}, 0, 0);
+    m.steps = 4;
+    m.tokens = 10;
+    m.time.step = 30;
+    console.step(m);
+    spdlog::warn("resume: {}", "equal blocks");
+    spdlog::error("gone");
+    EXPECT_NE(out.str().find("eta 1m30s\r\x1b[Kwarning: resume: equal blocks\nerror: gone\n"), std::string::npos)
+        << out.str();
+    EXPECT_EQ(out.str().find("[info]"), std::string::npos) << out.str();
+    spdlog::set_default_logger(previous);
+  }
 }
 
 TEST(Console, GivesTheStreamItsBufferBack) {

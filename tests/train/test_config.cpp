@@ -224,6 +224,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"data.val_fraction=1", {"data.val_fraction"}},
       {"data.max_bytes=-1", {"data.max_bytes"}},
       {"metrics.log_interval=0", {"metrics.log_interval"}},
+      {"metrics.trace=true", {"metrics.trace", "metrics.dir"}},
       {"checkpoint.interval=-1", {"checkpoint.interval"}},
       {"checkpoint.keep_last=0", {"checkpoint.keep_last"}},
       {"parallel.expert_parallel=3", {"parallel.expert_parallel", "moe.n_experts"}},
@@ -342,6 +343,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.expert_parallel = 2; c.parallel.split_experts = true; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
       [](RunConfig& c) { c.parallel.backend = CommBackend::Mpi; },
+      [](RunConfig& c) { c.metrics.dir = "runs/t"; c.metrics.trace = true; },
   };
   const std::string default_text = config_to_toml(RunConfig{});
   for (size_t i = 0; i < changes.size(); ++i) {

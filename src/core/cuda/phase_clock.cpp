@@ -16,9 +16,10 @@ PhaseClock::~PhaseClock() {
 }
 
 void PhaseClock::mark(int phase, cudaStream_t stream) {
-  if (!enabled_) return;
   MOE_CHECK(phase >= 0 && static_cast<size_t>(phase) < names_.size(), "phase clock: no phase {} ({} named)", phase,
             names_.size());
+  nvtx_.begin(names_[static_cast<size_t>(phase)].c_str());
+  if (!enabled_) return;
   if (used_ == events_.size()) {
     cudaEvent_t event;
     MOE_CUDA_CHECK(cudaEventCreate(&event));

@@ -1,9 +1,13 @@
 // Time per phase of GPU work, from CUDA events recorded on a stream at phase boundaries:
 // each interval between two marks is charged to the phase the first mark began. Shared
 // by the parts of a training step that enqueue work (model, optimizer), owned by whoever
-// reports the times. Phases are small integers with names given at construction.
+// reports the times. Phases are small integers with names given at construction. Each
+// mark also begins an NVTX range of the phase's name (always, enabled or not), so that
+// an Nsight Systems timeline shows the same phases.
 #pragma once
 #include <cuda_runtime.h>
+
+#include "core/nvtx_range.h"
 
 #include <string>
 #include <utility>
@@ -18,7 +22,7 @@ class PhaseClock {
   PhaseClock(const PhaseClock&) = delete;
   PhaseClock& operator=(const PhaseClock&) = delete;
 
-  // Off (the default), mark() records nothing; CUDA graph capture turns it off meanwhile.
+  // Off (the default), mark() records no events; CUDA graph capture turns it off meanwhile.
   void set_enabled(bool enabled) { enabled_ = enabled; }
   bool enabled() const { return enabled_; }
   // `phase` begins now on `stream` (the work enqueued after this call).
@@ -30,6 +34,7 @@ class PhaseClock {
  private:
   void collect();
   std::vector<std::string> names_;
+  NvtxPhases nvtx_;
   bool enabled_ = false;
   std::vector<cudaEvent_t> events_;
   std::vector<int> phase_of_;

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/gpu.h"
+#include "core/nvtx_range.h"
 #include "kernels/gpu_ops.h"
 #include "model/gpu_buffer_sizes.h"
 #include "moe/gpu_ops.h"
@@ -347,6 +348,7 @@ void GpuTransformer::State::enqueue_forward() {
       cuda::embedding_forward(layers[0].x.data(), inputs.data(), w(embedding), T, V, D, stream);
     }
     before_stage(n_layers - static_cast<int>(l));
+    const NvtxRange range("layer " + std::to_string(l) + " forward");
     layer_forward(l, prev_h, prev_branch, /*from_saved_input=*/l == 0);
     prev_h = layers[l].act->h.data();
     prev_branch = layers[l].act->ffn_out.data();
@@ -401,6 +403,7 @@ void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
   const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
   Layer& layer = layers[l];
   if (layer.recompute) {
+    const NvtxRange range("recompute");
     recomputing = true;
     layer_forward(l, nullptr, nullptr, /*from_saved_input=*/true);
     recomputing = false;
@@ -445,7 +448,10 @@ void GpuTransformer::State::enqueue_backward(double loss_scale, const std::funct
   const int n_layers = static_cast<int>(layers.size());
   if (on_stage) on_stage(0);
   for (int l = n_layers; l-- > 0;) {
-    layer_backward(static_cast<size_t>(l), loss_scale);
+    {
+      const NvtxRange range("layer " + std::to_string(l) + " backward");
+      layer_backward(static_cast<size_t>(l), loss_scale);
+    }
     if (on_stage) on_stage(n_layers - l);
   }
   mark(kEmbedding);

@@ -32,7 +32,9 @@ struct StepStats {
   int64_t a2a_bytes = 0;
   double a2a_seconds = 0;
   std::vector<RankLoad> ranks;       // experts per rank and their load; empty: one rank holds all
-  std::vector<std::pair<std::string, double>> phase_ms;  // GPU, metrics.phase_times: ms per phase of the model's stream
+  // GPU, metrics.phase_times or metrics.trace: ms per phase of the model's stream.
+  std::vector<std::pair<std::string, double>> phase_ms;
+  std::vector<PhaseSpan> spans;  // metrics.trace: the step's phases (train_step's host timers, then phase_ms)
 };
 
 // What the step loop (Trainer::train_step) needs from the model it trains: the CPU

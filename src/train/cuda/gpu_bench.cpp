@@ -11,6 +11,7 @@
 #include "core/cuda/phase_clock.h"
 #include "core/error.h"
 #include "core/gpu.h"
+#include "core/nvtx_range.h"
 #include "core/rng.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
@@ -67,6 +68,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   optimizer->set_phase_clock(&clock);
   for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
     if (step == warmup_steps + 1) clock.take();  // drop the warm-up steps' phases
+    const NvtxRange range((step <= warmup_steps ? "warm-up step " : "step ") + std::to_string(step));
     MOE_CUDA_CHECK(cudaEventRecord(start));
     gpu->parameters().zero_grads();
     loss = gpu->forward_backward(inputs.data(), targets.data(), 1.0).total();

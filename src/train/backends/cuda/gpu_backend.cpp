@@ -118,7 +118,7 @@ class GpuBackend final : public ModelBackend {
                    static_cast<double>(store.device_bytes()) / 1e9, whole / 1e9);
     }
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
-    if (ep_ || config_.metrics.phase_times) clock_.set_enabled(true);
+    if (ep_ || config_.metrics.phase_times || config_.metrics.trace) clock_.set_enabled(true);
     if (!config_.checkpoint.dir.empty()) reserve_save_buffers(first_rank);
     return plan;
   }
@@ -340,7 +340,8 @@ class GpuBackend final : public ModelBackend {
   void take_comm_stats(StepStats& stats) override {
     std::vector<std::pair<std::string, double>> phases;
     if (clock_.enabled()) phases = clock_.take();
-    if (config_.metrics.phase_times)  // called after the micro-batches and after the update: add up
+    // Called after the micro-batches and after the update: add up.
+    if (config_.metrics.phase_times || config_.metrics.trace)
       for (const auto& [phase, ms] : phases) {
         auto it = std::find_if(stats.phase_ms.begin(), stats.phase_ms.end(),
                                [&](const auto& entry) { return entry.first == phase; });
