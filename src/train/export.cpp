@@ -63,8 +63,17 @@ void check_representable(const LoadedCheckpoint& ckpt) {
 
 json mixtral_config(const RunConfig& config) {
   const ModelConfig& m = config.model;
-  json eos = nullptr;
-  if (parse_tokenizer_spec(config.data.tokenizer).kind == TokenizerKind::Byte) eos = kByteEosId;
+  json eos = nullptr, bos = nullptr;
+  const TokenizerKind kind = parse_tokenizer_spec(config.data.tokenizer).kind;
+  if (kind == TokenizerKind::Byte) eos = kByteEosId;
+  if (kind == TokenizerKind::HfJson || kind == TokenizerKind::Tiktoken || kind == TokenizerKind::SentencePiece) {
+    try {  // the ids the run ended documents with; a tokenizer file gone since leaves them unset
+      const std::unique_ptr<Tokenizer> tokenizer = make_tokenizer(config.data.tokenizer);
+      eos = tokenizer->eos_id();
+      if (tokenizer->bos_id() >= 0) bos = tokenizer->bos_id();
+    } catch (const Error&) {
+    }
+  }
   return {
       {"architectures", {"MixtralForCausalLM"}},
       {"model_type", "mixtral"},
@@ -81,7 +90,7 @@ json mixtral_config(const RunConfig& config) {
       {"rms_norm_eps", m.norm_eps},
       {"use_cache", true},
       {"pad_token_id", nullptr},
-      {"bos_token_id", nullptr},
+      {"bos_token_id", bos},
       {"eos_token_id", eos},
       {"tie_word_embeddings", m.tie_embeddings},
       {"rope_theta", m.rope_theta},

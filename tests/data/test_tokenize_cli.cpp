@@ -161,10 +161,16 @@ TEST_F(TokenizeCli, SentencePieceAndByteFallbackFiles) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("summary: steps=4"), std::string::npos) << r.output;
   }
-  // From the text itself, each document ended by the model's </s>.
+  // From the text itself, each document ended by the model's </s>; the HF export names
+  // the model's </s> and <s> ids.
   Result d = moe("train --config " + p("tiny.toml") + " --data.dir=" + p("text") + " --data.val_fraction=0.3 --data.tokenizer=" +
-                 p("m.model"));
+                 p("m.model") + " --checkpoint.dir=" + p("ckpt"));
   EXPECT_EQ(d.exit_code, 0) << d.output;
+  Result x = moe("export --allow-inexact --checkpoint " + p("ckpt/step_00000004") + " --output " + p("hf"));
+  ASSERT_EQ(x.exit_code, 0) << x.output;
+  const nlohmann::json hf = read_json(dir_ / "hf" / "config.json");
+  EXPECT_EQ(hf["eos_token_id"], 2);
+  EXPECT_EQ(hf["bos_token_id"], 1);
 
   const std::string bytes = read_file(p("m.model"));
   std::ofstream(p("cut.model"), std::ios::binary) << bytes.substr(0, bytes.size() / 2);
