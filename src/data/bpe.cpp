@@ -50,7 +50,10 @@ struct alignas(64) CacheLine {
 static_assert(sizeof(CacheLine) == 64);
 constexpr size_t kMinCacheSets = size_t{1} << 12, kMaxCacheSets = size_t{1} << 16;
 constexpr size_t kMaxLongEntries = 1 << 16;
-constexpr size_t kMaxCachedPiece = 4096;  // bytes
+// Longer pieces are merged every time: SentencePiece-style files make whole segments (often
+// whole documents) one piece, which would fill the long-piece cache (65536 entries) with
+// text that never repeats.
+constexpr size_t kMaxCachedPiece = 256;  // bytes
 
 uint64_t piece_hash(std::string_view s) {
   uint64_t h = 0x9e3779b97f4a7c15ULL ^ s.size();

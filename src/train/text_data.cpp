@@ -41,7 +41,7 @@ TextData load_text_data(RunConfig& config, int threads) {
   if (!dc.shards.empty()) {
     if (spec.kind == TokenizerKind::TrainBpe)
       MOE_CONFIG_ERROR("data.shards needs data.tokenizer to name the tokenizer the shards were written with "
-                       "(byte, a tokenizer.json or tiktoken:...), got \"{}\"", dc.tokenizer);
+                       "(byte, a tokenizer.json, tiktoken:... or a SentencePiece model), got \"{}\"", dc.tokenizer);
     tokenizer = make_tokenizer(dc);
     auto train_set = std::make_unique<ShardSet>(ShardSet::list(dc.shards, "train"));
     auto val_set = std::make_unique<ShardSet>(ShardSet::list(dc.shards, "val"));
