@@ -12,7 +12,12 @@ namespace moe {
 SentencePieceTokenizer::SentencePieceTokenizer(const std::string& path)
     : path_(path), processor_(std::make_unique<sentencepiece::SentencePieceProcessor>()) {
   const std::string bytes = read_whole_file(path, "SentencePiece model");
-  const auto status = processor_->LoadFromSerializedProto(bytes);
+  sentencepiece::util::Status status;
+  try {
+    status = processor_->LoadFromSerializedProto(bytes);
+  } catch (const std::exception& e) {  // the library's trie builder throws on some models (an empty piece)
+    status = sentencepiece::util::Status(sentencepiece::util::StatusCode::kInvalidArgument, e.what());
+  }
   if (!status.ok()) {
     std::string why = status.ToString();
     std::replace(why.begin(), why.end(), '\n', ' ');  // errors are one line
