@@ -229,6 +229,18 @@ BpeTokenizer::BpeTokenizer(BpeModel model, std::string name)
     merge_values_[slot] = value;
   }
 
+  // A merge can reach across "X▁" (X not "▁") only through a token holding that pair:
+  // without one, pieces cut before such a "▁" merge as the whole would (their merges never
+  // meet), and can be cached. ignore_merges is excluded: a piece could then be found whole.
+  if (model_.char_level && !model_.metaspace_split && !model_.ignore_merges && ids_.count(std::string(kMetaspace))) {
+    cut_before_metaspace_ = true;
+    for (size_t id = 0; id < model_.vocab.size() && cut_before_metaspace_; ++id) {
+      const std::string& t = model_.vocab[id];
+      for (size_t at = t.find(kMetaspace, 1); at != std::string::npos && !is_special_[id]; at = t.find(kMetaspace, at + 1))
+        if (at < kMetaspace.size() || t.compare(at - kMetaspace.size(), kMetaspace.size(), kMetaspace) != 0)
+          cut_before_metaspace_ = false;
+    }
+  }
   // SentencePiece-style pieces span whole segments (no pre-tokeniser), so no cut is safe.
   cuttable_ = !model_.add_prefix_space && !model_.char_level;
   for (const AddedToken& t : model_.added)
@@ -510,9 +522,15 @@ void BpeTokenizer::encode_metaspace_segment(std::string_view text, bool at_start
     normalized.insert(0, kMetaspace);
   prepare_thread_caches();
   const std::string_view all(normalized);
-  if (!model_.metaspace_split) return encode_piece(all, all.size() <= sizeof(CacheLine::key) ? piece_hash(all) : 0, out);
+  if (!model_.metaspace_split && !cut_before_metaspace_)
+    return encode_piece(all, all.size() <= sizeof(CacheLine::key) ? piece_hash(all) : 0, out);
+  auto cut_at = [&](size_t at) {  // before every "▁" (split), or only before one ending a run of other characters
+    return model_.metaspace_split || at < kMetaspace.size() ||
+           all.compare(at - kMetaspace.size(), kMetaspace.size(), kMetaspace) != 0;
+  };
   for (size_t begin = 0; begin < all.size();) {
     size_t end = all.find(kMetaspace, begin + 1);
+    while (end != std::string_view::npos && !cut_at(end)) end = all.find(kMetaspace, end + 1);
     if (end == std::string_view::npos) end = all.size();
     const std::string_view piece = all.substr(begin, end - begin);
     encode_piece(piece, piece.size() <= sizeof(CacheLine::key) ? piece_hash(piece) : 0, out);

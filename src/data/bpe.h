@@ -126,6 +126,7 @@ class BpeTokenizer final : public Tokenizer {
   std::vector<std::string> decoded_;  // id -> what it decodes to (char_level: "▁" -> ' ', <0xNN> -> the byte)
   int32_t eos_ = -1, bos_ = -1;
   bool cuttable_ = false;  // find_cuts may cut (see there)
+  bool cut_before_metaspace_ = false;  // SentencePiece-style without split: pieces may still be cut (see the constructor)
 };
 
 // The token that ends documents among `added`: the first special token with a usual

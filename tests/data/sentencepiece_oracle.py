@@ -7,7 +7,7 @@ Texts travel as base64 of their bytes (JSON lists). tokenizers gets them decoded
 errors="replace" (moe's documented behaviour); sentencepiece gets the raw bytes, as the
 C++ library does.
 
-  train-hf  --style legacy|metaspace-first|metaspace-split|unk --vocab N --texts T --out tokenizer.json
+  train-hf  --style legacy|legacy-spanning|metaspace-first|metaspace-split|unk --vocab N --texts T --out tokenizer.json
   train-spm --model-type bpe|unigram --vocab N --texts T --out x.model [--no-byte-fallback] [--no-eos]
             [--normalization nmt_nfkc|identity|nfkc_cf]
   encode-spm --model x.model --texts T --out ids.json
@@ -55,11 +55,17 @@ def train_hf(args):
         for b in range(256):
             shifted["<0x%02X>" % b] = len(SPECIALS) + b
         spec["model"]["vocab"] = shifted
+    if args.style == "legacy-spanning":  # a token across a space: encoding must not cut there
+        vocab = spec["model"]["vocab"]
+        for pair in (["e", METASPACE], ["s", METASPACE]):
+            if "".join(pair) not in vocab:
+                vocab["".join(pair)] = len(vocab)
+                spec["model"]["merges"].insert(0, pair)
     decoder = json.loads(json.dumps(DECODER))
     if not byte_fallback:
         del decoder["decoders"][1]
     spec["decoder"] = decoder
-    if args.style in ("legacy", "unk"):
+    if args.style in ("legacy", "legacy-spanning", "unk"):
         spec["normalizer"], spec["pre_tokenizer"] = LEGACY_NORMALIZER, None
     elif args.style == "metaspace-first":
         spec["normalizer"] = None
@@ -100,7 +106,7 @@ def encode_spm(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["train-hf", "train-spm", "encode-spm"])
-    p.add_argument("--style", default="legacy", choices=["legacy", "metaspace-first", "metaspace-split", "unk"])
+    p.add_argument("--style", default="legacy", choices=["legacy", "legacy-spanning", "metaspace-first", "metaspace-split", "unk"])
     p.add_argument("--model-type", default="bpe", choices=["bpe", "unigram"])
     p.add_argument("--vocab", type=int, default=1000)
     p.add_argument("--texts")

@@ -1,9 +1,10 @@
 // Byte-fallback BPE from a tokenizer.json of the Llama-2 / Mistral kind (SentencePiece-style:
 // "▁" for spaces, merges over characters, <0xNN> byte tokens) against HF `tokenizers`: files
 // trained by it in each pipeline those models ship (normalizer Prepend + Replace; Metaspace
-// prepend_scheme first, split off; Metaspace always, split on) and one without byte
-// fallback (unk, fused). Ids must match exactly on the default corpus and hostile text; bad
-// files are one-line errors naming the file.
+// prepend_scheme first, split off; Metaspace always, split on), one without byte fallback
+// (unk, fused), and one whose merges reach across "e▁" and "s▁" (first in rank), so that
+// pieces cannot be cut before a "▁". Ids must match exactly on the default corpus and
+// hostile text; bad files are one-line errors naming the file.
 #include <gtest/gtest.h>
 
 #include "bpe_test_util.h"
@@ -48,6 +49,14 @@ TEST_P(ByteFallbackFiles, EncodeAndDecodeMatchTokenizers) {
   EXPECT_TRUE(model.char_level);
   EXPECT_EQ(model.byte_fallback, style != "unk");
   check_against_hf(dir, path, texts);
+  // Pieces cut before "▁" are cached: a document encoded again merges nothing. Not so when
+  // merges reach across "e▁": the whole document is one piece, merged every time.
+  const BpeTokenizer bpe(load_hf_tokenizer(path), path);
+  ASSERT_GT(texts[0].size(), 256u);
+  bpe.encode(texts[0]);
+  const uint64_t misses = bpe.cache_misses_on_this_thread();
+  bpe.encode(texts[0]);
+  EXPECT_EQ(bpe.cache_misses_on_this_thread() == misses, style != "legacy-spanning");
   // The file's </s> ends documents and <s> begins them (Llama-2's ids 2 and 1).
   std::unique_ptr<Tokenizer> tok = make_tokenizer(path);
   EXPECT_EQ(tok->eos_id(), 2);
@@ -62,7 +71,7 @@ TEST_P(ByteFallbackFiles, EncodeAndDecodeMatchTokenizers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Styles, ByteFallbackFiles,
-                         ::testing::Values("legacy", "metaspace-first", "metaspace-split", "unk"),
+                         ::testing::Values("legacy", "legacy-spanning", "metaspace-first", "metaspace-split", "unk"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');
