@@ -401,12 +401,11 @@ void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vect
   }
 
   ++thread_cache_misses;
-  // Whole segments of SentencePiece-style text can be one piece: merged, never cached.
-  if (piece.size() > kMaxCachedPiece) return merge_piece(piece, out);
   const size_t start = out.size();
   auto whole = (model_.ignore_merges || model_.tiktoken_ranks) ? ids_.find(std::string(piece)) : ids_.end();
   if (whole != ids_.end()) out.push_back(whole->second);
   else merge_piece(piece, out);
+  if (piece.size() > kMaxCachedPiece) return;
   const size_t count = out.size() - start;
   if (short_piece && count <= std::size(CacheLine{}.ids)) {
     CacheLine& line = cache.insert_line(hash);
