@@ -7,6 +7,7 @@ packages=(
   libopenblas-dev libtomlplusplus-dev libcli11-dev nlohmann-json3-dev
   libfmt-dev libspdlog-dev libgtest-dev libgmock-dev
   libutf8proc-dev   # Unicode categories and NFC for the BPE tokenizer
+  libsentencepiece-dev libsentencepiece0   # SentencePiece .model tokenizers
   libxxhash-dev   # XXH3 checksums of checkpoints
   python3.11-doc   # the default training corpus (html/_sources/*.rst.txt)
   libcpp-httplib-dev libjs-chart.js   # the dashboard's HTTP server and charts

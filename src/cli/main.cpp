@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
 
   moe::TokenizerBenchOptions tok_bench;
   CLI::App* tok_bench_cmd = tokenizer_cmd->add_subcommand("bench", "Measure encode throughput on text in memory");
-  tok_bench_cmd->add_option("--tokenizer", tok_bench.tokenizer, "tokenizer.json, byte, or tiktoken:<pattern>:<file>")->required();
+  tok_bench_cmd->add_option("--tokenizer", tok_bench.tokenizer, "tokenizer.json, byte, tiktoken:<pattern>:<file> or sentencepiece:<file.model>")->required();
   tok_bench_cmd->add_option("--input", tok_bench.input.paths, "Text files, directories or .jsonl files")->required();
   tok_bench_cmd->add_option("--extension", tok_bench.input.extension, "In directories, only files ending with this");
   tok_bench_cmd->add_option("--threads", tok_bench.threads, "Threads")->default_val(1);
@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
 
   moe::TokenizeCommandOptions tokenize;
   CLI::App* tokenize_cmd = app.add_subcommand("tokenize", "Encode text into binary token shards for training");
-  tokenize_cmd->add_option("--tokenizer", tokenize.tokenizer, "tokenizer.json, byte, or tiktoken:<gpt2|llama3|qwen2>:<file>")->required();
+  tokenize_cmd->add_option("--tokenizer", tokenize.tokenizer, "tokenizer.json (or hf:<path>), byte, tiktoken:<gpt2|llama3|qwen2>:<file>, sentencepiece:<path> or a .model path")->required();
   tokenize_cmd->add_option("--input", tokenize.tokenize.input.paths, "Text files, directories or .jsonl files")->required();
   tokenize_cmd->add_option("--output", tokenize.tokenize.output_dir, "Folder for train_*.bin (and val_*.bin)")->required();
   tokenize_cmd->add_option("--text-field", tokenize.tokenize.input.text_field, "JSONL field holding the text")->default_val("text");

@@ -14,7 +14,7 @@ inline constexpr int64_t kByteVocabSize = 257;
 struct DataConfig {
   std::string dir = "/usr/share/doc/python3.11-doc/html/_sources";
   std::string extension = ".txt";     // files under dir whose name ends with this
-  std::string tokenizer = "byte";     // byte | bpe:<vocab> | path/tokenizer.json | tiktoken:<pattern>:<file>
+  std::string tokenizer = "byte";     // byte | bpe:<vocab> | [hf:]path/tokenizer.json | tiktoken:<pattern>:<file> | sentencepiece:<file> | path.model
   double val_fraction = 0.05;         // share of documents held out, chosen by path hash
   int64_t max_bytes = 0;              // read at most this many bytes of text (0: all)
   std::string shards = "";            // a `moe tokenize` output folder to train from instead of dir ("" : read dir)
@@ -35,10 +35,11 @@ struct DataSourceSpec {
 std::vector<DataSourceSpec> parse_data_sources(std::string_view text, std::string* error);
 
 // The kinds of data.tokenizer (a specification string, since it also names files).
-enum class TokenizerKind { Byte, TrainBpe, HfJson, Tiktoken, Invalid };
+enum class TokenizerKind { Byte, TrainBpe, HfJson, Tiktoken, SentencePiece, Invalid };
 struct TokenizerSpec {
   TokenizerKind kind = TokenizerKind::Invalid;
   int64_t bpe_vocab = 0;  // TrainBpe: bpe:<vocab>, trained on data.dir and cached under data_cache/
+  std::string path;       // HfJson, Tiktoken, SentencePiece: the file (without hf:, tiktoken:<pattern>:, sentencepiece:)
 };
 // What a data.tokenizer string asks for (Invalid: none of the forms docs/CONFIG.md lists).
 TokenizerSpec parse_tokenizer_spec(std::string_view spec);

@@ -362,7 +362,8 @@ void check_io(const RunConfig& c) {
   const TokenizerSpec tokenizer = parse_tokenizer_spec(d.tokenizer);
   if (tokenizer.kind == TokenizerKind::Invalid)
     fail({"data.tokenizer"}, fmt::format("data.tokenizer must be byte, bpe:<vocab size 258..1000000>, a path to a "
-                                         "tokenizer.json or tiktoken:<gpt2|llama3|qwen2>:<rank file>, got {}",
+                                         "tokenizer.json (or hf:<path>), tiktoken:<gpt2|llama3|qwen2>:<rank file>, "
+                                         "sentencepiece:<path> or a path to a .model file, got {}",
                                          toml_string(d.tokenizer)));
   check_real("data.val_fraction", d.val_fraction, d.val_fraction > 0 && d.val_fraction < 1, "in (0, 1)");
   non_negative("data.max_bytes", d.max_bytes);
@@ -577,7 +578,14 @@ std::string toml_value(const T& v) {
 
 TokenizerSpec parse_tokenizer_spec(std::string_view spec) {
   if (spec == "byte") return {TokenizerKind::Byte, 0};
-  if (spec.starts_with("tiktoken:")) return {TokenizerKind::Tiktoken, 0};
+  if (spec.starts_with("tiktoken:")) {
+    const std::string_view rest = spec.substr(9);
+    const size_t colon = rest.find(':');
+    return {TokenizerKind::Tiktoken, 0, colon == std::string_view::npos ? "" : std::string(rest.substr(colon + 1))};
+  }
+  if (spec.starts_with("hf:") && spec.size() > 3) return {TokenizerKind::HfJson, 0, std::string(spec.substr(3))};
+  if (spec.starts_with("sentencepiece:") && spec.size() > 14)
+    return {TokenizerKind::SentencePiece, 0, std::string(spec.substr(14))};
   if (spec.starts_with("bpe:")) {
     const std::string_view n = spec.substr(4);
     if (n.empty() || n.size() >= 10 || n.find_first_not_of("0123456789") != std::string_view::npos) return {};
@@ -585,7 +593,8 @@ TokenizerSpec parse_tokenizer_spec(std::string_view spec) {
     if (vocab < kByteVocabSize + 1 || vocab > 1'000'000) return {};
     return {TokenizerKind::TrainBpe, vocab};
   }
-  if (spec.ends_with(".json")) return {TokenizerKind::HfJson, 0};
+  if (spec.ends_with(".json")) return {TokenizerKind::HfJson, 0, std::string(spec)};
+  if (spec.ends_with(".model")) return {TokenizerKind::SentencePiece, 0, std::string(spec)};
   return {};
 }
 

@@ -1,5 +1,7 @@
 #include "data/bpe.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -48,6 +50,10 @@ struct alignas(64) CacheLine {
 static_assert(sizeof(CacheLine) == 64);
 constexpr size_t kMinCacheSets = size_t{1} << 12, kMaxCacheSets = size_t{1} << 16;
 constexpr size_t kMaxLongEntries = 1 << 16;
+// Longer pieces are merged every time: SentencePiece-style files make whole segments (often
+// whole documents) one piece, which would fill the long-piece cache (65536 entries) with
+// text that never repeats.
+constexpr size_t kMaxCachedPiece = 256;  // bytes
 
 uint64_t piece_hash(std::string_view s) {
   uint64_t h = 0x9e3779b97f4a7c15ULL ^ s.size();
@@ -177,8 +183,19 @@ BpeTokenizer::BpeTokenizer(BpeModel model, std::string name)
   for (size_t id = 0; id < model_.vocab.size(); ++id)
     if (!model_.vocab[id].empty() && !is_special_[id]) ids_.emplace(model_.vocab[id], static_cast<int32_t>(id));
   for (int b = 0; b < 256; ++b) {
-    auto it = ids_.find(std::string(1, static_cast<char>(b)));
+    // Byte-level: the token of the byte itself; SentencePiece-style: its <0xNN> token.
+    auto it = ids_.find(model_.char_level ? fmt::format("<0x{:02X}>", b) : std::string(1, static_cast<char>(b)));
     byte_ids_[b] = it == ids_.end() ? -1 : it->second;
+  }
+  decoded_ = model_.vocab;
+  if (model_.char_level) {
+    for (size_t id = 0; id < decoded_.size(); ++id) {
+      std::string& d = decoded_[id];
+      for (size_t at = d.find(kMetaspace); at != std::string::npos; at = d.find(kMetaspace, at + 1))
+        d.replace(at, kMetaspace.size(), " ");
+    }
+    for (int b = 0; b < 256; ++b)
+      if (byte_ids_[b] >= 0) decoded_[byte_ids_[b]] = std::string(1, static_cast<char>(b));
   }
 
   // Merge table: HF lists merges by rank; tiktoken ranks a pair by the rank of its result.
@@ -212,11 +229,25 @@ BpeTokenizer::BpeTokenizer(BpeModel model, std::string name)
     merge_values_[slot] = value;
   }
 
-  cuttable_ = !model_.add_prefix_space;
+  // A merge can reach across "X▁" (X not "▁") only through a token holding that pair:
+  // without one, pieces cut before such a "▁" merge as the whole would (their merges never
+  // meet), and can be cached. ignore_merges is excluded: a piece could then be found whole.
+  if (model_.char_level && !model_.metaspace_split && !model_.ignore_merges && ids_.count(std::string(kMetaspace))) {
+    cut_before_metaspace_ = true;
+    for (size_t id = 0; id < model_.vocab.size() && cut_before_metaspace_; ++id) {
+      const std::string& t = model_.vocab[id];
+      for (size_t at = t.find(kMetaspace, 1); at != std::string::npos && !is_special_[id]; at = t.find(kMetaspace, at + 1))
+        if (at < kMetaspace.size() || t.compare(at - kMetaspace.size(), kMetaspace.size(), kMetaspace) != 0)
+          cut_before_metaspace_ = false;
+    }
+  }
+  // SentencePiece-style pieces span whole segments (no pre-tokeniser), so no cut is safe.
+  cuttable_ = !model_.add_prefix_space && !model_.char_level;
   for (const AddedToken& t : model_.added)
     if (!t.special && t.content.find('\n') < t.content.size() - 1) cuttable_ = false;
 
   eos_ = find_end_of_text(model_.added);
+  bos_ = find_begin_of_text(model_.added);
 }
 
 int32_t find_end_of_text(const std::vector<AddedToken>& added) {
@@ -229,9 +260,18 @@ int32_t find_end_of_text(const std::vector<AddedToken>& added) {
   return lowest;
 }
 
-// tiktoken rank files have no merge list to write (HF's converter derives one); none.
+int32_t find_begin_of_text(const std::vector<AddedToken>& added) {
+  for (std::string_view name : {"<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"})
+    for (const AddedToken& t : added)
+      if (t.special && t.content == name) return t.id;
+  return -1;
+}
+
+// A loaded file is given back as it was; a trained byte-level model is written out.
+// tiktoken rank files have no merge list to write (HF's converter derives one): none.
 std::string BpeTokenizer::hf_tokenizer_json() const {
-  return model_.tiktoken_ranks ? std::string() : moe::hf_tokenizer_json(model_);
+  if (!model_.source_json.empty()) return model_.source_json;
+  return model_.tiktoken_ranks || model_.char_level ? std::string() : moe::hf_tokenizer_json(model_);
 }
 
 int32_t BpeTokenizer::eos_id() const {
@@ -259,9 +299,13 @@ uint64_t BpeTokenizer::find_merge(int32_t left, int32_t right) const {
 void BpeTokenizer::merge_piece(std::string_view piece, std::vector<int32_t>& out) const {
   thread_local std::vector<int32_t> sym;
   sym.clear();
-  for (char c : piece) {
-    int32_t id = byte_ids_[static_cast<unsigned char>(c)];
-    if (id >= 0) sym.push_back(id);  // a byte missing from the vocabulary is dropped, as HF does without unk
+  if (model_.char_level) {
+    split_into_characters(piece, sym);
+  } else {
+    for (char c : piece) {
+      int32_t id = byte_ids_[static_cast<unsigned char>(c)];
+      if (id >= 0) sym.push_back(id);  // a byte missing from the vocabulary is dropped, as HF does without unk
+    }
   }
   if (sym.size() <= 64) {
     while (sym.size() > 1) {
@@ -308,6 +352,34 @@ void BpeTokenizer::merge_piece(std::string_view piece, std::vector<int32_t>& out
   for (int32_t i = 0; i >= 0; i = next[i]) out.push_back(sym[i]);
 }
 
+// HF's BPE word start: each character's token, else its <0xNN> byte tokens when the
+// model falls back to bytes and has them all, else unk (one for a run when fuse_unk),
+// else nothing. `piece` is well-formed UTF-8 (encode_into repairs it).
+void BpeTokenizer::split_into_characters(std::string_view piece, std::vector<int32_t>& sym) const {
+  thread_local std::string character;
+  bool after_unk = false;
+  for (size_t pos = 0; pos < piece.size();) {
+    const auto lead = static_cast<unsigned char>(piece[pos]);
+    const size_t len = lead < 0x80 ? 1 : lead < 0xe0 ? 2 : lead < 0xf0 ? 3 : 4;
+    character.assign(piece.substr(pos, len));
+    pos += len;
+    if (auto it = ids_.find(character); it != ids_.end()) {
+      sym.push_back(it->second);
+      after_unk = false;
+      continue;
+    }
+    if (model_.byte_fallback &&
+        std::all_of(character.begin(), character.end(), [&](char c) { return byte_ids_[static_cast<unsigned char>(c)] >= 0; })) {
+      for (char c : character) sym.push_back(byte_ids_[static_cast<unsigned char>(c)]);
+      after_unk = false;
+      continue;
+    }
+    if (model_.unk_id < 0) continue;
+    if (!(after_unk && model_.fuse_unk)) sym.push_back(model_.unk_id);
+    after_unk = true;
+  }
+}
+
 void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vector<int32_t>& out) const {
   PieceCache& cache = thread_cache;
   const bool short_piece = piece.size() <= sizeof(CacheLine::key);
@@ -340,6 +412,7 @@ void BpeTokenizer::encode_piece(std::string_view piece, uint64_t hash, std::vect
   auto whole = (model_.ignore_merges || model_.tiktoken_ranks) ? ids_.find(std::string(piece)) : ids_.end();
   if (whole != ids_.end()) out.push_back(whole->second);
   else merge_piece(piece, out);
+  if (piece.size() > kMaxCachedPiece) return;
   const size_t count = out.size() - start;
   if (short_piece && count <= std::size(CacheLine{}.ids)) {
     CacheLine& line = cache.insert_line(hash);
@@ -391,7 +464,8 @@ void BpeTokenizer::publish_shared_cache() const {
   shared_->version.fetch_add(1, std::memory_order_release);
 }
 
-void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& out) const {
+void BpeTokenizer::encode_segment(std::string_view text, bool at_start, std::vector<int32_t>& out) const {
+  if (model_.char_level) return encode_metaspace_segment(text, at_start, out);
   std::string normalized;
   if (model_.nfc) {
     normalized = unicode::nfc(text);
@@ -413,6 +487,20 @@ void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& o
     hashes[i] = piece.size() <= sizeof(CacheLine::key) ? piece_hash(piece) : 0;
   }
   PieceCache& cache = thread_cache;
+  prepare_thread_caches();
+  constexpr size_t kAhead = 8;
+  for (size_t i = 0, begin = 0; i < ends.size(); begin = ends[i++]) {
+    if (i + kAhead < ends.size()) {
+      const char* set = reinterpret_cast<const char*>(cache.set_of(hashes[i + kAhead]));
+      __builtin_prefetch(set), __builtin_prefetch(set + sizeof(CacheLine));
+    }
+    encode_piece(text.substr(begin, ends[i] - begin), hashes[i], out);
+  }
+}
+
+// Makes this thread's caches this tokenizer's, and picks up what other threads published.
+void BpeTokenizer::prepare_thread_caches() const {
+  PieceCache& cache = thread_cache;
   if (cache.owner != serial_) cache.reset(serial_);
   ThreadShared& shared = thread_shared;
   if (shared.owner != serial_) shared = ThreadShared{serial_};
@@ -421,13 +509,38 @@ void BpeTokenizer::encode_segment(std::string_view text, std::vector<int32_t>& o
     shared.table = shared_->table;
     shared.version = shared_->version.load(std::memory_order_relaxed);
   }
-  constexpr size_t kAhead = 8;
-  for (size_t i = 0, begin = 0; i < ends.size(); begin = ends[i++]) {
-    if (i + kAhead < ends.size()) {
-      const char* set = reinterpret_cast<const char*>(cache.set_of(hashes[i + kAhead]));
-      __builtin_prefetch(set), __builtin_prefetch(set + sizeof(CacheLine));
-    }
-    encode_piece(text.substr(begin, ends[i] - begin), hashes[i], out);
+}
+
+// ' ' -> "▁", the prefix "▁" as the file asks, then one piece, or (Metaspace split) a piece
+// from each "▁" to the next (HF's MergedWithNext).
+void BpeTokenizer::encode_metaspace_segment(std::string_view text, bool at_start, std::vector<int32_t>& out) const {
+  if (text.empty()) return;
+  thread_local std::string normalized;
+  normalized.clear();
+  for (char c : text) {
+    if (c == ' ') normalized += kMetaspace;
+    else normalized.push_back(c);
+  }
+  const bool starts_with_metaspace = std::string_view(normalized).starts_with(kMetaspace);
+  const MetaspacePrefix prefix = model_.prefix;
+  if (prefix == MetaspacePrefix::Always || (prefix == MetaspacePrefix::UnlessMetaspace && !starts_with_metaspace) ||
+      (prefix == MetaspacePrefix::FirstUnlessMetaspace && at_start && !starts_with_metaspace))
+    normalized.insert(0, kMetaspace);
+  prepare_thread_caches();
+  const std::string_view all(normalized);
+  if (!model_.metaspace_split && !cut_before_metaspace_)
+    return encode_piece(all, all.size() <= sizeof(CacheLine::key) ? piece_hash(all) : 0, out);
+  auto cut_at = [&](size_t at) {  // before every "▁" (split), or only before one ending a run of other characters
+    return model_.metaspace_split || at < kMetaspace.size() ||
+           all.compare(at - kMetaspace.size(), kMetaspace.size(), kMetaspace) != 0;
+  };
+  for (size_t begin = 0; begin < all.size();) {
+    size_t end = all.find(kMetaspace, begin + 1);
+    while (end != std::string_view::npos && !cut_at(end)) end = all.find(kMetaspace, end + 1);
+    if (end == std::string_view::npos) end = all.size();
+    const std::string_view piece = all.substr(begin, end - begin);
+    encode_piece(piece, piece.size() <= sizeof(CacheLine::key) ? piece_hash(piece) : 0, out);
+    begin = end;
   }
 }
 
@@ -466,12 +579,12 @@ void BpeTokenizer::encode_into(std::string_view raw, bool parse_special, std::ve
       ++pos;
       continue;
     }
-    if (pos > seg_begin) encode_segment(text.substr(seg_begin, pos - seg_begin), out);
+    if (pos > seg_begin) encode_segment(text.substr(seg_begin, pos - seg_begin), seg_begin == 0, out);
     out.push_back(best->id);
     pos += best->content.size();
     seg_begin = pos;
   }
-  if (seg_begin < text.size()) encode_segment(text.substr(seg_begin), out);
+  if (seg_begin < text.size()) encode_segment(text.substr(seg_begin), seg_begin == 0, out);
 }
 
 // Why a cut between A = "...\n" and B, whose first character c is not whitespace (\s),
@@ -540,8 +653,12 @@ std::string BpeTokenizer::decode(std::span<const int32_t> ids) const {
     const int32_t id = ids[i];
     if (id < 0 || id >= vocab_size())
       MOE_THROW("tokenizer '{}': token id {} at index {} is outside [0, {})", name_, id, i, vocab_size());
-    if (!is_special_[id]) text += model_.vocab[id];
+    if (!is_special_[id]) text += decoded_[id];
   }
+  // Decoder Strip(' ', start=N) after Fuse: from the start of the whole text.
+  size_t strip = 0;
+  while (strip < static_cast<size_t>(model_.strip_leading_spaces) && strip < text.size() && text[strip] == ' ') ++strip;
+  text.erase(0, strip);
   return text;
 }
 

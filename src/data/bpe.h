@@ -1,9 +1,15 @@
-// Byte-level BPE, compatible with Hugging Face `tokenizers` (tokenizer.json) and with
-// tiktoken rank files. Encoding: split off added tokens, repair invalid UTF-8 to U+FFFD
-// (as Python's errors="replace"), optional NFC, pre-tokenise with one of the GPT-2 /
-// Llama-3 / Qwen2 patterns, then merge each piece's bytes by rank. Piece results are
-// cached per thread. Post-processing (BOS templates) is not applied: callers add what
-// they need.
+// BPE compatible with Hugging Face `tokenizers` (tokenizer.json) and with tiktoken rank
+// files, in two kinds:
+// - byte-level (GPT-2, Llama-3, Qwen2, tiktoken): split off added tokens, repair invalid
+//   UTF-8 to U+FFFD (as Python's errors="replace"), optional NFC, pre-tokenise with one of
+//   the GPT-2 / Llama-3 / Qwen2 patterns, then merge each piece's bytes by rank;
+// - SentencePiece-style (Llama-2, Mistral: `char_level`): the same added tokens and
+//   repair, then ' ' -> "▁" with a "▁" prepended (normalizer Prepend + Replace, or a
+//   Metaspace pre-tokenizer), then merge each piece's characters by rank; a character
+//   missing from the vocabulary becomes its UTF-8 bytes as <0xNN> tokens (byte_fallback)
+//   or the unknown token.
+// Piece results are cached per thread. Post-processing (BOS templates) is not applied:
+// callers add what they need.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -18,6 +24,18 @@
 #include "data/tokenizer.h"
 
 namespace moe {
+
+// Where a SentencePiece-style tokenizer puts "▁" before a segment of text (the text
+// between added tokens), after ' ' became "▁".
+enum class MetaspacePrefix : uint8_t {
+  None,
+  Always,            // normalizer Prepend("▁"): every non-empty segment
+  UnlessMetaspace,   // Metaspace prepend_scheme "always": every segment not starting with "▁"
+  FirstUnlessMetaspace,  // "first": only a segment at the start of the text, not starting with "▁"
+};
+
+// The UTF-8 text of "▁" (U+2581), SentencePiece's visible space.
+inline constexpr std::string_view kMetaspace = "\xe2\x96\x81";
 
 struct AddedToken {
   std::string content;
@@ -36,6 +54,18 @@ struct BpeModel {
   bool nfc = false;               // NFC normalizer (Qwen2)
   bool ignore_merges = false;     // a piece that is itself a token is emitted whole (Llama-3, tiktoken)
   bool tiktoken_ranks = false;    // merges come from tiktoken ranks (ignore_merges implied)
+
+  // SentencePiece-style models: vocab holds token text (UTF-8, ' ' written as "▁"), merged
+  // from characters; `pattern` and the byte-level flags are unused.
+  bool char_level = false;
+  bool byte_fallback = false;     // a character not in vocab -> its bytes as <0xNN> tokens (all 256 present)
+  int32_t unk_id = -1;            // else this token (-1: the character is dropped, as HF does)
+  bool fuse_unk = false;          // consecutive unknown characters give one unk
+  MetaspacePrefix prefix = MetaspacePrefix::None;
+  bool metaspace_split = false;   // Metaspace(split=true): a piece starts at every "▁"; else a segment is one piece
+  int strip_leading_spaces = 0;   // decoder Strip(' ', start=N) / Metaspace: spaces dropped from the decoded start
+
+  std::string source_json;  // the tokenizer.json it was loaded from (what hf_tokenizer_json gives back); "" if made
 };
 
 // The GPT-2 byte -> printable character map (bytes_to_unicode), as UTF-8 strings.
@@ -60,6 +90,7 @@ class BpeTokenizer final : public Tokenizer {
   std::string decode(std::span<const int32_t> ids) const override;
   int64_t vocab_size() const override { return static_cast<int64_t>(model_.vocab.size()); }
   int32_t eos_id() const override;
+  int32_t bos_id() const override { return bos_; }
   std::string name() const override { return name_; }
   std::string hf_tokenizer_json() const override;
   // Pieces found in none of the piece caches (then merged or looked up whole).
@@ -75,7 +106,10 @@ class BpeTokenizer final : public Tokenizer {
 
  private:
   void encode_into(std::string_view raw, bool parse_special, std::vector<int32_t>& out) const;
-  void encode_segment(std::string_view text, std::vector<int32_t>& out) const;
+  void encode_segment(std::string_view text, bool at_start, std::vector<int32_t>& out) const;
+  void encode_metaspace_segment(std::string_view text, bool at_start, std::vector<int32_t>& out) const;
+  void split_into_characters(std::string_view piece, std::vector<int32_t>& sym) const;  // char_level
+  void prepare_thread_caches() const;
   void encode_piece(std::string_view piece, uint64_t hash, std::vector<int32_t>& out) const;  // hash: piece_hash
   void merge_piece(std::string_view piece, std::vector<int32_t>& out) const;
   uint64_t find_merge(int32_t left, int32_t right) const;  // (rank << 32 | merged id), or ~0
@@ -92,8 +126,10 @@ class BpeTokenizer final : public Tokenizer {
   std::vector<uint64_t> merge_keys_, merge_values_;
   uint64_t merge_mask_ = 0;
   std::vector<bool> is_special_;
-  int32_t eos_ = -1;
+  std::vector<std::string> decoded_;  // id -> what it decodes to (char_level: "▁" -> ' ', <0xNN> -> the byte)
+  int32_t eos_ = -1, bos_ = -1;
   bool cuttable_ = false;  // find_cuts may cut (see there)
+  bool cut_before_metaspace_ = false;  // SentencePiece-style without split: pieces may still be cut (see the constructor)
 };
 
 // The token that ends documents among `added`: the first special token with a usual
@@ -102,7 +138,11 @@ class BpeTokenizer final : public Tokenizer {
 // --special the lowest id). -1 when no token is special.
 int32_t find_end_of_text(const std::vector<AddedToken>& added);
 
-// Loads a tokenizer.json (BPE model with a byte-level pre-tokenizer). Throws ConfigError
+// The token that begins documents among `added` (special, named <s>, <|begin_of_text|>,
+// <bos> or <|startoftext|>), or -1.
+int32_t find_begin_of_text(const std::vector<AddedToken>& added);
+
+// Loads a tokenizer.json (BPE model with a byte-level pre-tokenizer, or SentencePiece-style). Throws ConfigError
 // naming the file and what is missing or unsupported.
 BpeModel load_hf_tokenizer(const std::string& path);
 // `model` as the text of a tokenizer.json that HF tokenizers loads.

@@ -1,10 +1,11 @@
-// tokenizer.json and tiktoken rank files <-> BpeModel.
+// tokenizer.json (byte-level and SentencePiece-style) and tiktoken rank files <-> BpeModel.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -50,6 +51,128 @@ bool is_null_or(const json& j, const char* key, auto value) {
   return !j.contains(key) || j[key].is_null() || j[key] == value;
 }
 
+using Fail = std::function<void(const std::string&)>;
+
+// The normalizer, pre-tokenizer and decoder of a byte-level file (GPT-2, Llama-3, Qwen2).
+void read_byte_level_pipeline(const json& root, BpeModel& model, const Fail& fail) {
+  const json normalizer = root.value("normalizer", json());
+  if (!normalizer.is_null()) {
+    if (normalizer.value("type", "") == "NFC") model.nfc = true;
+    else fail("unsupported normalizer '" + normalizer.value("type", std::string("?")) + "' (supported: none, NFC)");
+  }
+  const json pre = root.value("pre_tokenizer", json());
+  auto byte_level_ok = [](const json& p) { return p.is_object() && p.value("type", "") == "ByteLevel"; };
+  if (byte_level_ok(pre) && pre.value("use_regex", true)) {
+    model.pattern = PretokPattern::Gpt2;
+    model.byte_level_regex = true;
+    model.add_prefix_space = pre.value("add_prefix_space", false);
+  } else if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
+             pre["pretokenizers"].size() == 2 && byte_level_ok(pre["pretokenizers"][1]) &&
+             !pre["pretokenizers"][1].value("use_regex", true) && !pre["pretokenizers"][1].value("add_prefix_space", false)) {
+    const json& split = pre["pretokenizers"][0];
+    if (split.value("type", "") != "Split" || split.value("behavior", "") != "Isolated" || split.value("invert", false) ||
+        !split.contains("pattern") || !split["pattern"].contains("Regex"))
+      fail("unsupported pre_tokenizer: expected Split(Regex, Isolated) then ByteLevel");
+    const std::string regex = split["pattern"]["Regex"].get<std::string>();
+    auto pattern = pattern_from_regex(regex);
+    if (!pattern) fail("unsupported pre_tokenizer regex (supported: the GPT-2, Llama-3 and Qwen2 patterns): " + regex);
+    model.pattern = *pattern;
+    model.byte_level_regex = false;
+  } else {
+    fail("unsupported pre_tokenizer (supported: ByteLevel with use_regex, or Sequence[Split(GPT-2/Llama-3/Qwen2 regex), ByteLevel])");
+  }
+  const json decoder = root.value("decoder", json());
+  if (!decoder.is_null() && decoder.value("type", "") != "ByteLevel")
+    fail("unsupported decoder '" + decoder.value("type", std::string("?")) + "' (supported: ByteLevel)");
+}
+
+// SentencePiece-style files (Llama-2, Mistral): normalizer Prepend("▁") + Replace(" ", "▁")
+// and no pre_tokenizer, or a Metaspace pre_tokenizer. False (nothing read) when the file
+// is neither, to be read as byte-level.
+bool read_metaspace_pipeline(const json& root, BpeModel& model, const Fail& fail) {
+  const json normalizer = root.value("normalizer", json());
+  const json pre = root.value("pre_tokenizer", json());
+  auto is = [](const json& j, const char* type) { return j.is_object() && j.value("type", "") == type; };
+  auto replaces = [](const json& j, std::string_view from, std::string_view to) {
+    return j.value("type", "") == "Replace" && j.contains("pattern") && j["pattern"].is_object() &&
+           j["pattern"].value("String", "") == from && j.value("content", "") == to;
+  };
+  const bool metaspace = is(pre, "Metaspace");
+  const bool sequence = is(normalizer, "Sequence") && normalizer.contains("normalizers") && normalizer["normalizers"].is_array();
+  if (!metaspace && !(pre.is_null() && sequence)) return false;
+  model.char_level = true;
+  if (metaspace) {
+    if (!normalizer.is_null()) fail("unsupported normalizer with a Metaspace pre_tokenizer (supported: none)");
+    if (pre.value("replacement", std::string(kMetaspace)) != kMetaspace)
+      fail("unsupported Metaspace replacement '" + pre.value("replacement", std::string()) + "' (supported: '▁')");
+    std::string scheme = pre.contains("prepend_scheme") ? pre.value("prepend_scheme", "")
+                         : pre.value("add_prefix_space", true) ? "always" : "never";
+    if (scheme == "always") model.prefix = MetaspacePrefix::UnlessMetaspace;
+    else if (scheme == "first") model.prefix = MetaspacePrefix::FirstUnlessMetaspace;
+    else if (scheme != "never") fail("unsupported Metaspace prepend_scheme '" + scheme + "' (supported: always, first, never)");
+    model.metaspace_split = pre.value("split", true);
+  } else {
+    bool replace = false;
+    for (const json& n : normalizer["normalizers"]) {
+      if (replaces(n, " ", kMetaspace)) replace = true;
+      else if (n.value("type", "") == "Prepend" && n.value("prepend", "") == kMetaspace) model.prefix = MetaspacePrefix::Always;
+      else fail("unsupported normalizer step " + n.dump() + " (supported for SentencePiece-style files: Prepend('▁'), Replace(' ', '▁'))");
+    }
+    if (!replace) fail("unsupported normalizer: no Replace(' ', '▁') (needed by a SentencePiece-style file without a Metaspace pre_tokenizer)");
+  }
+  const json decoder = root.value("decoder", json());
+  const char* supported = " (supported for SentencePiece-style files: Sequence[Replace('▁', ' '), ByteFallback, Fuse, "
+                          "Strip(' ', N, 0)], ByteFallback and Strip optional; or Metaspace without byte_fallback)";
+  if (is(decoder, "Metaspace")) {
+    if (model.byte_fallback) fail(std::string("unsupported decoder Metaspace with model.byte_fallback") + supported);
+    model.strip_leading_spaces = decoder.value("prepend_scheme", decoder.value("add_prefix_space", true) ? "always" : "never") != "never";
+    return true;
+  }
+  if (!is(decoder, "Sequence") || !decoder.contains("decoders") || !decoder["decoders"].is_array())
+    fail("unsupported decoder" + std::string(supported));
+  std::vector<std::string> steps;
+  for (const json& d : decoder["decoders"]) {
+    const std::string type = d.is_object() ? d.value("type", "") : "";
+    if (type == "Strip") {
+      if (d.value("content", "") != " " || d.value("stop", 0) != 0 || d.value("start", 0) < 0)
+        fail("unsupported decoder step " + d.dump() + supported);
+      model.strip_leading_spaces = d.value("start", 0);
+    } else if (type == "Replace" && !replaces(d, kMetaspace, " ")) {
+      fail("unsupported decoder step " + d.dump() + supported);
+    }
+    steps.push_back(type);
+  }
+  std::vector<std::string> wanted = {"Replace"};
+  if (model.byte_fallback) wanted.push_back("ByteFallback");
+  wanted.push_back("Fuse");
+  std::vector<std::string> given = steps;
+  if (!given.empty() && given.back() == "Strip") given.pop_back();
+  if (!model.byte_fallback && given.size() > 1 && given[1] == "ByteFallback") given.erase(given.begin() + 1);  // harmless
+  if (given != wanted) fail("unsupported decoder" + std::string(supported));
+  return true;
+}
+
+// Byte-fallback and unk tokens of a SentencePiece-style file, which must be in model.vocab.
+void read_fallback_tokens(const json& m, BpeModel& model, const std::unordered_map<std::string, int32_t>& ids,
+                          const Fail& fail) {
+  if (model.byte_fallback) {
+    for (int b = 0; b < 256; ++b) {
+      const std::string token = fmt::format("<0x{:02X}>", b);
+      if (!ids.count(token))
+        fail("model.byte_fallback is true but model.vocab has no '" + token +
+             "' (a byte-fallback vocabulary holds all 256 byte tokens <0x00>..<0xFF>)");
+    }
+  }
+  if (m.contains("unk_token") && !m["unk_token"].is_null()) {
+    const std::string unk = m["unk_token"].get<std::string>();
+    if (!m["vocab"].contains(unk)) fail("model.unk_token '" + unk + "' is not in model.vocab");
+    model.unk_id = m["vocab"][unk].get<int32_t>();
+    model.fuse_unk = m.value("fuse_unk", false);
+  } else if (!model.byte_fallback) {
+    fail("model.byte_fallback is false and model.unk_token is unset: characters missing from model.vocab would be "
+         "dropped (a SentencePiece-style file needs byte_fallback or an unk_token)");
+  }
+}
 }  // namespace
 
 BpeModel load_hf_tokenizer(const std::string& path) {
@@ -65,13 +188,25 @@ BpeModel load_hf_tokenizer(const std::string& path) {
     if (!root.is_object() || !root.contains("model") || !root["model"].is_object()) fail("no \"model\" object (not a tokenizer.json)");
     const json& m = root["model"];
     const std::string type = m.value("type", std::string("BPE"));
-    if (type != "BPE") fail("unsupported model type '" + type + "' (only byte-level BPE is supported)");
+    if (type != "BPE") fail("unsupported model type '" + type + "' (only BPE is supported: byte-level or byte-fallback)");
     if (!is_null_or(m, "dropout", 0.0)) fail("unsupported: model.dropout is set");
-    if (!is_null_or(m, "byte_fallback", false)) fail("unsupported: model.byte_fallback is true");
     if (!is_null_or(m, "continuing_subword_prefix", "")) fail("unsupported: model.continuing_subword_prefix is set");
     if (!is_null_or(m, "end_of_word_suffix", "")) fail("unsupported: model.end_of_word_suffix is set");
 
     BpeModel model;
+    model.byte_fallback = m.contains("byte_fallback") && m["byte_fallback"].is_boolean() && m["byte_fallback"].get<bool>();
+    if (!read_metaspace_pipeline(root, model, fail)) {
+      if (model.byte_fallback)
+        fail("model.byte_fallback is true, but the file is not SentencePiece-style (byte fallback needs a normalizer "
+             "Prepend('▁') + Replace(' ', '▁') without pre_tokenizer, or a Metaspace pre_tokenizer)");
+      read_byte_level_pipeline(root, model, fail);
+    }
+    // Tokens of a SentencePiece-style file are text as is; of a byte-level one, bytes as GPT-2's characters.
+    auto token_bytes = [&](const std::string& token, std::string& bytes) {
+      if (!model.char_level) return unmap_byte_level(token, bytes);
+      bytes = token;
+      return true;
+    };
     model.ignore_merges = m.value("ignore_merges", false);
     if (!m.contains("vocab") || !m["vocab"].is_object()) fail("model.vocab is missing or not an object");
     const bool has_added = root.contains("added_tokens") && root["added_tokens"].is_array();
@@ -116,7 +251,7 @@ BpeModel load_hf_tokenizer(const std::string& path) {
                            it->second.content));
         continue;
       }
-      if (!unmap_byte_level(token, bytes))
+      if (!token_bytes(token, bytes))
         fail("model.vocab: token '" + token + "' (id " + std::to_string(id) + ") is not byte-level (not a GPT-2 style byte-level BPE)");
       model.vocab[id] = bytes;
     }
@@ -140,43 +275,15 @@ BpeModel load_hf_tokenizer(const std::string& path) {
         fail("model.merges[" + std::to_string(rank) + "] is neither \"a b\" nor [a, b]");
       }
       std::string lb, rb;
-      auto l = unmap_byte_level(left, lb) ? ids.find(lb) : ids.end();
-      auto r = unmap_byte_level(right, rb) ? ids.find(rb) : ids.end();
+      auto l = token_bytes(left, lb) ? ids.find(lb) : ids.end();
+      auto r = token_bytes(right, rb) ? ids.find(rb) : ids.end();
       if (l == ids.end() || r == ids.end() || !ids.count(lb + rb))
         fail("model.merges[" + std::to_string(rank) + "]: '" + left + " " + right + "' uses or makes a token not in model.vocab");
       model.merges.emplace_back(l->second, r->second);
       ++rank;
     }
-
-    const json normalizer = root.value("normalizer", json());
-    if (!normalizer.is_null()) {
-      if (normalizer.value("type", "") == "NFC") model.nfc = true;
-      else fail("unsupported normalizer '" + normalizer.value("type", std::string("?")) + "' (supported: none, NFC)");
-    }
-    const json pre = root.value("pre_tokenizer", json());
-    auto byte_level_ok = [](const json& p) { return p.is_object() && p.value("type", "") == "ByteLevel"; };
-    if (byte_level_ok(pre) && pre.value("use_regex", true)) {
-      model.pattern = PretokPattern::Gpt2;
-      model.byte_level_regex = true;
-      model.add_prefix_space = pre.value("add_prefix_space", false);
-    } else if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers") &&
-               pre["pretokenizers"].size() == 2 && byte_level_ok(pre["pretokenizers"][1]) &&
-               !pre["pretokenizers"][1].value("use_regex", true) && !pre["pretokenizers"][1].value("add_prefix_space", false)) {
-      const json& split = pre["pretokenizers"][0];
-      if (split.value("type", "") != "Split" || split.value("behavior", "") != "Isolated" || split.value("invert", false) ||
-          !split.contains("pattern") || !split["pattern"].contains("Regex"))
-        fail("unsupported pre_tokenizer: expected Split(Regex, Isolated) then ByteLevel");
-      const std::string regex = split["pattern"]["Regex"].get<std::string>();
-      auto pattern = pattern_from_regex(regex);
-      if (!pattern) fail("unsupported pre_tokenizer regex (supported: the GPT-2, Llama-3 and Qwen2 patterns): " + regex);
-      model.pattern = *pattern;
-      model.byte_level_regex = false;
-    } else {
-      fail("unsupported pre_tokenizer (supported: ByteLevel with use_regex, or Sequence[Split(GPT-2/Llama-3/Qwen2 regex), ByteLevel])");
-    }
-    const json decoder = root.value("decoder", json());
-    if (!decoder.is_null() && decoder.value("type", "") != "ByteLevel")
-      fail("unsupported decoder '" + decoder.value("type", std::string("?")) + "' (supported: ByteLevel)");
+    if (model.char_level) read_fallback_tokens(m, model, ids, fail);
+    model.source_json = std::move(text);
     return model;
   } catch (const json::exception& e) {
     MOE_CONFIG_ERROR("{}: malformed tokenizer.json: {}", path, e.what());
@@ -184,6 +291,7 @@ BpeModel load_hf_tokenizer(const std::string& path) {
 }
 
 std::string hf_tokenizer_json(const BpeModel& model) {
+  MOE_CHECK(!model.char_level, "hf_tokenizer_json writes byte-level models only");
   json added = json::array();
   for (const AddedToken& t : model.added)
     added.push_back({{"id", t.id}, {"content", t.content}, {"single_word", false}, {"lstrip", false},

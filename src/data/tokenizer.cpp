@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "data/bpe.h"
+#include "data/sentencepiece_tokenizer.h"
 #include "config/data_config.h"
 
 namespace moe {
@@ -44,29 +45,34 @@ std::string ByteTokenizer::hf_tokenizer_json() const {
 }
 
 std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec) {
-  const TokenizerKind kind = parse_tokenizer_spec(spec).kind;
-  if (kind == TokenizerKind::Byte) return std::make_unique<ByteTokenizer>();
-  std::unique_ptr<BpeTokenizer> bpe;
-  if (kind == TokenizerKind::Tiktoken) {
+  const TokenizerSpec parsed = parse_tokenizer_spec(spec);
+  if (parsed.kind == TokenizerKind::Byte) return std::make_unique<ByteTokenizer>();
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (parsed.kind == TokenizerKind::Tiktoken) {
     std::string_view rest = spec.substr(9);
     const size_t colon = rest.find(':');
     auto pattern = pattern_from_name(rest.substr(0, colon));
     if (colon == std::string_view::npos || !pattern)
       MOE_CONFIG_ERROR("tokenizer '{}': expected tiktoken:<gpt2|llama3|qwen2>:<rank file>", spec);
-    std::string path(rest.substr(colon + 1));
-    bpe = std::make_unique<BpeTokenizer>(load_tiktoken(path, *pattern, {"<|endoftext|>"}), path);
-  } else if (kind == TokenizerKind::HfJson) {
-    bpe = std::make_unique<BpeTokenizer>(load_hf_tokenizer(std::string(spec)), std::string(spec));
+    tokenizer = std::make_unique<BpeTokenizer>(load_tiktoken(parsed.path, *pattern, {"<|endoftext|>"}), parsed.path);
+  } else if (parsed.kind == TokenizerKind::HfJson) {
+    tokenizer = std::make_unique<BpeTokenizer>(load_hf_tokenizer(parsed.path), parsed.path);
+  } else if (parsed.kind == TokenizerKind::SentencePiece) {
+    tokenizer = std::make_unique<SentencePieceTokenizer>(parsed.path);
   } else {
-    MOE_CONFIG_ERROR("tokenizer '{}' is neither byte, a tokenizer.json path nor tiktoken:<pattern>:<file>", spec);
+    MOE_CONFIG_ERROR("tokenizer '{}' is neither byte, a tokenizer.json path (or hf:<path>), tiktoken:<pattern>:<file>, "
+                     "sentencepiece:<path> nor a .model path", spec);
   }
   try {
-    bpe->eos_id();
+    tokenizer->eos_id();
   } catch (const Error&) {
+    if (parsed.kind == TokenizerKind::SentencePiece)
+      MOE_CONFIG_ERROR("{}: no end-of-sentence piece (the model was trained with eos_id = -1); one is needed to end "
+                       "documents", parsed.path);
     MOE_CONFIG_ERROR("{}: no end-of-text token: a special added token is needed (<|endoftext|>, <|end_of_text|>, </s>, "
-                     "<eos> or <|im_end|> is taken first, else the special token with the lowest id)", spec);
+                     "<eos> or <|im_end|> is taken first, else the special token with the lowest id)", parsed.path);
   }
-  return bpe;
+  return tokenizer;
 }
 
 std::unique_ptr<Tokenizer> make_tokenizer(const DataConfig& config) {

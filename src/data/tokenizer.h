@@ -1,6 +1,6 @@
-// Tokenizers turn text into int32 token ids and back: the byte tokenizer and byte-level
-// BPE (data/bpe.h) implement the same interface, so the corpus reader, the loader
-// and the trainer never depend on which one is in use.
+// Tokenizers turn text into int32 token ids and back: the byte tokenizer, BPE (data/bpe.h)
+// and SentencePiece (data/sentencepiece_tokenizer.h) implement the same interface, so the
+// corpus reader, the loader and the trainer never depend on which one is in use.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -38,6 +38,9 @@ class Tokenizer {
   virtual std::string decode(std::span<const int32_t> ids) const = 0;
   virtual int64_t vocab_size() const = 0;
   virtual int32_t eos_id() const = 0;
+  // The token the file names as beginning documents, or -1 (none, or the byte tokenizer).
+  // Never emitted by encode: callers that want it prepend it.
+  virtual int32_t bos_id() const { return -1; }
   virtual std::string name() const = 0;
   // The tokenizer as the text of a Hugging Face tokenizer.json giving the same ids (what
   // checkpoints keep and `moe export` ships), or "" when it has no such form.
@@ -69,8 +72,10 @@ class ByteTokenizer final : public Tokenizer {
   std::string hf_tokenizer_json() const override;
 };
 
-// A tokenizer from its spec: "byte"; a path to a Hugging Face tokenizer.json (byte-level
-// BPE); or "tiktoken:<gpt2|llama3|qwen2>:<rank file>" (EOS <|endoftext|> appended).
+// A tokenizer from its spec: "byte"; a Hugging Face tokenizer.json (a path ending in .json,
+// or "hf:<path>"; byte-level or byte-fallback BPE); "tiktoken:<gpt2|llama3|qwen2>:<rank
+// file>" (EOS <|endoftext|> appended); a SentencePiece model ("sentencepiece:<path>", or a
+// path ending in .model).
 // Throws ConfigError naming the spec or file and the problem.
 std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec);
 // The tokenizer named by data.tokenizer ("bpe:N" must have been resolved to a file by

@@ -65,11 +65,26 @@ void check_representable(const LoadedCheckpoint& ckpt) {
 
 // The tokenizer files of the export: the run's tokenizer.json (kept in the checkpoint; a
 // byte-tokenizer run's is made here for checkpoints older than that), and what
-// transformers' AutoTokenizer reads beside it. `eos` is the token that ends documents.
+// transformers' AutoTokenizer reads beside it. `eos` ends documents; `bos` is the
+// tokenizer's own begin token, if any (our runs add none).
 struct HfTokenizer {
   std::string json_text;  // empty: the export ships no tokenizer
-  std::optional<AddedToken> eos;
+  std::optional<AddedToken> eos, bos;
+  int32_t eos_id = -1, bos_id = -1;
 };
+
+// Without a tokenizer.json (a SentencePiece model, a tiktoken rank file, a checkpoint
+// older than that file): the ids from the run's tokenizer spec if it still loads.
+HfTokenizer ids_from_spec(const RunConfig& config) {
+  HfTokenizer t;
+  try {
+    const std::unique_ptr<Tokenizer> tokenizer = make_tokenizer(config.data.tokenizer);
+    t.eos_id = tokenizer->eos_id();
+    t.bos_id = tokenizer->bos_id();
+  } catch (const Error&) {  // "bpe:N" (trained, not a file) or a file gone since: left unset
+  }
+  return t;
+}
 
 HfTokenizer export_tokenizer(const LoadedCheckpoint& ckpt, std::ostream& out) {
   HfTokenizer t;
@@ -79,7 +94,7 @@ HfTokenizer export_tokenizer(const LoadedCheckpoint& ckpt, std::ostream& out) {
   if (t.json_text.empty()) {
     fmt::print(out, "warning: export: {} keeps no tokenizer.json (data.tokenizer \"{}\"); the export has no tokenizer "
                "files\n", ckpt.path.string(), ckpt.config.data.tokenizer);
-    return t;
+    return ids_from_spec(ckpt.config);
   }
   const json root = json::parse(t.json_text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object() || !root.contains("added_tokens") || !root["added_tokens"].is_array())
@@ -88,9 +103,12 @@ HfTokenizer export_tokenizer(const LoadedCheckpoint& ckpt, std::ostream& out) {
   for (const json& a : root["added_tokens"])
     if (a.is_object() && a.contains("id") && a["id"].is_number_integer() && a.contains("content") && a["content"].is_string())
       added.push_back({a["content"].get<std::string>(), a["id"].get<int32_t>(), a.value("special", false)});
-  const int32_t eos = find_end_of_text(added);
-  for (const AddedToken& a : added)
-    if (a.id == eos) t.eos = a;
+  t.eos_id = find_end_of_text(added);
+  t.bos_id = find_begin_of_text(added);
+  for (const AddedToken& a : added) {
+    if (a.id == t.eos_id) t.eos = a;
+    if (a.id == t.bos_id) t.bos = a;
+  }
   return t;
 }
 
@@ -98,10 +116,11 @@ void write_tokenizer_files(const HfTokenizer& t, const RunConfig& config, const 
   if (t.json_text.empty()) return;
   write_file_atomic(dir / "tokenizer.json", t.json_text);
   const json eos = t.eos ? json(t.eos->content) : json();
-  // No BOS: documents are separated by EOS alone (data/loader.h), so none is added.
+  const json bos = t.bos ? json(t.bos->content) : json();
+  // add_bos_token false: our runs separate documents by EOS alone (data/loader.h).
   const json tokenizer_config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
                                  {"model_max_length", config.model.seq_len},
-                                 {"bos_token", nullptr},
+                                 {"bos_token", bos},
                                  {"eos_token", eos},
                                  {"unk_token", nullptr},
                                  {"pad_token", nullptr},
@@ -111,12 +130,14 @@ void write_tokenizer_files(const HfTokenizer& t, const RunConfig& config, const 
   write_file_atomic(dir / "tokenizer_config.json", tokenizer_config.dump(2) + "\n");
   json special = json::object();
   if (t.eos) special["eos_token"] = t.eos->content;
+  if (t.bos) special["bos_token"] = t.bos->content;
   write_file_atomic(dir / "special_tokens_map.json", special.dump(2) + "\n");
 }
 
 json mixtral_config(const RunConfig& config, const HfTokenizer& tokenizer) {
   const ModelConfig& m = config.model;
-  const json eos = tokenizer.eos ? json(tokenizer.eos->id) : json();
+  const json eos = tokenizer.eos_id >= 0 ? json(tokenizer.eos_id) : json();
+  const json bos = tokenizer.bos_id >= 0 ? json(tokenizer.bos_id) : json();
   return {
       {"architectures", {"MixtralForCausalLM"}},
       {"model_type", "mixtral"},
@@ -133,7 +154,7 @@ json mixtral_config(const RunConfig& config, const HfTokenizer& tokenizer) {
       {"rms_norm_eps", m.norm_eps},
       {"use_cache", true},
       {"pad_token_id", nullptr},
-      {"bos_token_id", nullptr},
+      {"bos_token_id", bos},
       {"eos_token_id", eos},
       {"tie_word_embeddings", m.tie_embeddings},
       {"rope_theta", m.rope_theta},
@@ -283,7 +304,8 @@ void export_checkpoint(const ExportOptions& options, std::ostream& out) {
     fs::remove_all(temp);
     fs::create_directories(temp);
     write_file_atomic(temp / "config.json", mixtral_config(ckpt.config, tokenizer).dump(2) + "\n");
-    json generation = {{"bos_token_id", nullptr}, {"eos_token_id", tokenizer.eos ? json(tokenizer.eos->id) : json()}};
+    json generation = {{"bos_token_id", tokenizer.bos_id >= 0 ? json(tokenizer.bos_id) : json()},
+                       {"eos_token_id", tokenizer.eos_id >= 0 ? json(tokenizer.eos_id) : json()}};
     write_file_atomic(temp / "generation_config.json", generation.dump(2) + "\n");
     write_tokenizer_files(tokenizer, ckpt.config, temp);
     write_shards(tensors, temp, options.max_shard_bytes);

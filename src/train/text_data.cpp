@@ -172,7 +172,7 @@ TextData load_text_data(RunConfig& config, int threads) {
   } else if (!dc.shards.empty()) {
     if (spec.kind == TokenizerKind::TrainBpe)
       MOE_CONFIG_ERROR("data.shards needs data.tokenizer to name the tokenizer the shards were written with "
-                       "(byte, a tokenizer.json or tiktoken:...), got \"{}\"", dc.tokenizer);
+                       "(byte, a tokenizer.json, tiktoken:... or a SentencePiece model), got \"{}\"", dc.tokenizer);
     tokenizer = make_tokenizer(dc);
     sources.push_back(shard_docs(dc.shards, *tokenizer, dc, "data.shards"));
     data.tokenizer_name = tokenizer->name();

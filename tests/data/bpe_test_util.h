@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "data/bpe.h"
+#include "data/unicode.h"
 
 namespace moe::testing_bpe {
 
@@ -27,11 +29,11 @@ inline std::string env_or_empty(const char* name) {
   return v ? v : "";
 }
 
-// Runs tests/data/bpe_oracle.py with `args`; fails the test when it exits non-zero.
-inline void run_oracle(const std::string& args) {
+// Runs tests/data/<script> (default bpe_oracle.py) with `args`; fails the test when it exits non-zero.
+inline void run_oracle(const std::string& args, const std::string& script = "bpe_oracle.py") {
   std::string python = env_or_empty("MOE_PYTHON"), source = env_or_empty("MOE_SOURCE_DIR");
   ASSERT_FALSE(python.empty() || source.empty()) << "MOE_PYTHON and MOE_SOURCE_DIR must be set (ctest sets them)";
-  std::string cmd = python + " " + source + "/tests/data/bpe_oracle.py " + args;
+  std::string cmd = python + " " + source + "/tests/data/" + script + " " + args;
   ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
 }
 
@@ -133,6 +135,40 @@ inline std::vector<std::string> hostile_texts() {
     t.push_back(s);
   }
   return t;
+}
+
+// Encodes `texts` with ours and compares with the oracle's ids and decoded text (bpe_oracle.py encode).
+inline void expect_same(const BpeTokenizer& tok, const std::vector<std::string>& texts, const nlohmann::json& oracle,
+                        bool special) {
+  ASSERT_EQ(oracle["ids"].size(), texts.size());
+  int mismatches = 0;
+  for (size_t i = 0; i < texts.size() && mismatches < 3; ++i) {
+    std::vector<int32_t> ours = tok.encode(texts[i], special);
+    auto want = oracle["ids"][i].get<std::vector<int32_t>>();
+    if (ours != want) {
+      size_t at = 0;
+      while (at < ours.size() && at < want.size() && ours[at] == want[at]) ++at;
+      ADD_FAILURE() << "text " << i << " (" << texts[i].size() << " bytes, special=" << special
+                    << "): ids differ first at index " << at << " of " << ours.size() << " vs " << want.size();
+      ++mismatches;
+      continue;
+    }
+    EXPECT_EQ(unicode::repair_utf8(tok.decode(ours)), from_base64(oracle["decoded"][i].get<std::string>()))
+        << "decode of text " << i;
+  }
+}
+
+// HF's ids for `texts` (written to dir/texts.json) with and without parsing special tokens.
+inline void check_against_hf(const fs::path& dir, const std::string& json_path, const std::vector<std::string>& texts) {
+  BpeTokenizer tok(load_hf_tokenizer(json_path), json_path);
+  for (bool special : {false, true}) {
+    fs::path out = dir / (special ? "ids_special.json" : "ids.json");
+    run_oracle("encode --tokenizer " + json_path + " --texts " + (dir / "texts.json").string() + " --out " +
+               out.string() + (special ? " --special" : ""));
+    nlohmann::json oracle = read_json(out);
+    EXPECT_EQ(tok.vocab_size(), oracle["vocab_size"].get<int64_t>());
+    expect_same(tok, texts, oracle, special);
+  }
 }
 
 }  // namespace moe::testing_bpe

@@ -20,39 +20,6 @@ std::vector<std::string> oracle_texts() {
   return texts;
 }
 
-// Encodes `texts` with ours and the oracle's ids in `ids_json`; compares ids and decoded text.
-void expect_same(const BpeTokenizer& tok, const std::vector<std::string>& texts, const nlohmann::json& oracle,
-                 bool special) {
-  ASSERT_EQ(oracle["ids"].size(), texts.size());
-  int mismatches = 0;
-  for (size_t i = 0; i < texts.size() && mismatches < 3; ++i) {
-    std::vector<int32_t> ours = tok.encode(texts[i], special);
-    auto want = oracle["ids"][i].get<std::vector<int32_t>>();
-    if (ours != want) {
-      size_t at = 0;
-      while (at < ours.size() && at < want.size() && ours[at] == want[at]) ++at;
-      ADD_FAILURE() << "text " << i << " (" << texts[i].size() << " bytes, special=" << special
-                    << "): ids differ first at index " << at << " of " << ours.size() << " vs " << want.size();
-      ++mismatches;
-      continue;
-    }
-    EXPECT_EQ(unicode::repair_utf8(tok.decode(ours)), from_base64(oracle["decoded"][i].get<std::string>()))
-        << "decode of text " << i;
-  }
-}
-
-void check_against_hf(const fs::path& dir, const std::string& json_path, const std::vector<std::string>& texts) {
-  BpeTokenizer tok(load_hf_tokenizer(json_path), json_path);
-  for (bool special : {false, true}) {
-    fs::path out = dir / (special ? "ids_special.json" : "ids.json");
-    run_oracle("encode --tokenizer " + json_path + " --texts " + (dir / "texts.json").string() + " --out " +
-               out.string() + (special ? " --special" : ""));
-    nlohmann::json oracle = read_json(out);
-    EXPECT_EQ(tok.vocab_size(), oracle["vocab_size"].get<int64_t>());
-    expect_same(tok, texts, oracle, special);
-  }
-}
-
 struct HfStyle {
   const char* pattern;
   const char* flags;

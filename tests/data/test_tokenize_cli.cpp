@@ -141,6 +141,52 @@ TEST_F(TokenizeCli, ACustomSpecialEndsDocuments) {
                  2, {"give '<|endoftext|>' first"});  // refused before the inputs are read
 }
 
+// SentencePiece .model and byte-fallback tokenizer.json files (made by the PyPI oracles)
+// work in `moe tokenize` and `moe train`; broken ones are one line and exit 2.
+TEST_F(TokenizeCli, SentencePieceAndByteFallbackFiles) {
+  std::vector<std::string> texts;
+  for (const auto& e : fs::directory_iterator(dir_ / "text")) texts.push_back(read_file(e.path()));
+  write_texts(dir_ / "texts.json", texts);
+  run_oracle("train-spm --model-type bpe --vocab 320 --texts " + p("texts.json") + " --out " + p("m.model"),
+             "sentencepiece_oracle.py");
+  run_oracle("train-hf --style legacy --vocab 400 --texts " + p("texts.json") + " --out " + p("llama.json"),
+             "sentencepiece_oracle.py");
+  if (HasFatalFailure()) return;
+  for (const std::string spec : {"sentencepiece:" + p("m.model"), "hf:" + p("llama.json")}) {
+    fs::remove_all(dir_ / "shards");
+    Result k = moe("tokenize --tokenizer " + spec + " --input " + p("text") + " --output " + p("shards") +
+                   " --val-fraction 0.3 --no-progress");
+    ASSERT_EQ(k.exit_code, 0) << k.output;
+    Result r = moe("train --config " + p("tiny.toml") + " --data.shards=" + p("shards") + " --data.tokenizer=" + spec);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("summary: steps=4"), std::string::npos) << r.output;
+  }
+  // From the text itself, each document ended by the model's </s>; the HF export names
+  // the model's </s> and <s> ids.
+  Result d = moe("train --config " + p("tiny.toml") + " --data.dir=" + p("text") + " --data.val_fraction=0.3 --data.tokenizer=" +
+                 p("m.model") + " --checkpoint.dir=" + p("ckpt"));
+  EXPECT_EQ(d.exit_code, 0) << d.output;
+  Result x = moe("export --allow-inexact --checkpoint " + p("ckpt/step_00000004") + " --output " + p("hf"));
+  ASSERT_EQ(x.exit_code, 0) << x.output;
+  const nlohmann::json hf = read_json(dir_ / "hf" / "config.json");
+  EXPECT_EQ(hf["eos_token_id"], 2);
+  EXPECT_EQ(hf["bos_token_id"], 1);
+
+  const std::string bytes = read_file(p("m.model"));
+  std::ofstream(p("cut.model"), std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  expect_failure(moe("tokenize --tokenizer sentencepiece:" + p("cut.model") + " --input " + p("text") + " --output " +
+                     p("out")),
+                 2, {p("cut.model"), "not a SentencePiece model"});
+  expect_failure(moe("train --config " + p("tiny.toml") + " --data.tokenizer=" + p("cut.model")), 2,
+                 {"data.tokenizer", p("cut.model"), "not a SentencePiece model"});
+  nlohmann::json llama = read_json(p("llama.json"));
+  llama["model"]["vocab"].erase("<0xFF>");
+  std::ofstream(p("no_ff.json")) << llama.dump();
+  expect_failure(moe("tokenize --tokenizer hf:" + p("no_ff.json") + " --input " + p("text") + " --output " + p("out")), 2,
+                 {p("no_ff.json"), "has no '<0xFF>'"});
+  EXPECT_TRUE(!fs::exists(dir_ / "out") || fs::is_empty(dir_ / "out"));
+}
+
 TEST_F(TokenizeCli, BadInputIsOneLineAndLeavesNothing) {
   expect_failure(moe("tokenizer train --vocab-size 300 --input " + p("missing") + " --output " + p("t.json")), 2,
                  {p("missing"), "does not exist"});

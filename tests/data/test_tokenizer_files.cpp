@@ -112,6 +112,16 @@ TEST_F(TokenizerFiles, TiktokenRanksAreBounded) {
   }
 }
 
+// A piece longer than the piece cache keeps (256 bytes) that is itself a token is found
+// whole (tiktoken ranks, ignore_merges), as a short one is, every time it is encoded.
+TEST_F(TokenizerFiles, LongPiecesAreFoundWhole) {
+  const std::string long_token(300, 'x');
+  std::ofstream(dir_ / "long.tiktoken") << base64("x") << " 0\n" << base64(long_token) << " 1\n";
+  BpeTokenizer tok(load_tiktoken((dir_ / "long.tiktoken").string(), PretokPattern::Gpt2, {"<|endoftext|>"}), "long");
+  for (int pass = 0; pass < 2; ++pass) EXPECT_EQ(tok.encode(long_token), std::vector<int32_t>{1}) << "pass " << pass;
+  EXPECT_EQ(tok.encode(long_token + "x"), std::vector<int32_t>(301, 0));  // no merge reaches 301 x's
+}
+
 // `moe tokenizer train --special "<my_eos>"`: the first --special ends documents. It gets
 // the lowest id, and the loaders take the special token with the lowest id when none has a
 // usual end-of-text name, so `moe tokenize` and `moe train` accept what the trainer wrote

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "data/bpe.h"
 #include "data/megatron_dataset.h"
+#include "data/sentencepiece_tokenizer.h"
 #include "core/atomic_file.h"
 #include "config/run_config.h"
 #include "train/checkpoint_manifest.h"
@@ -106,10 +107,22 @@ TEST(FuzzRegression, TokenizerJson) {
   const fs::path path = fs::temp_directory_path() / ("moe_fuzz_regression_" + std::to_string(::getpid()) + ".json");
   const int parsed = replay("tokenizer_json", [&](const std::string& bytes) {
     std::ofstream(path, std::ios::binary) << bytes;
-    load_hf_tokenizer(path.string());
+    BpeTokenizer tok(load_hf_tokenizer(path.string()), path.string());
+    for (bool special : {false, true}) tok.decode(tok.encode("a  b\xff\xfe \xe6\x97\xa5\xf0\x9f\x8e\x89\n</s>", special));
   });
   fs::remove(path);
-  EXPECT_GE(parsed, 1);
+  EXPECT_GE(parsed, 3);  // the GPT-2 style, Llama-2 style and Metaspace seeds
+}
+
+TEST(FuzzRegression, SentencePieceModel) {
+  const fs::path path = fs::temp_directory_path() / ("moe_fuzz_regression_" + std::to_string(::getpid()) + ".model");
+  const int parsed = replay("sentencepiece_model", [&](const std::string& bytes) {
+    std::ofstream(path, std::ios::binary) << bytes;
+    SentencePieceTokenizer tok(path.string());
+    tok.decode(tok.encode("a  b\xff\xfe \xe6\x97\xa5\xf0\x9f\x8e\x89\n</s>"));
+  });
+  fs::remove(path);
+  EXPECT_GE(parsed, 2);  // the BPE (byte fallback) and unigram seeds
 }
 
 }  // namespace
