@@ -47,7 +47,7 @@ int run_generate(const GenerateCommandOptions& options, std::ostream& out, std::
   if (options.device != "cpu" && options.device != "gpu" && options.device != "auto")
     MOE_CONFIG_ERROR("--device must be cpu, gpu or auto, got \"{}\"", options.device);
 
-  CheckpointModel loaded = load_checkpoint_model(options.checkpoint);
+  CheckpointModel loaded = load_checkpoint_model(options.checkpoint, options.overrides, log);
   const RunConfig& config = loaded.config;
   const int threads = set_num_threads(threads_in_effect(config.training.threads, "training.threads", log));
   std::string how;

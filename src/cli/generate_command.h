@@ -5,6 +5,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace moe {
 
@@ -18,6 +19,7 @@ struct GenerateCommandOptions {
   double top_p = 0.95;
   uint64_t seed = 0;
   std::string device = "auto";  // cpu | gpu | auto
+  std::vector<std::string> overrides;  // "section.key=value", over the checkpoint's config
 };
 
 // Writes the prompt and then each token's text as it is sampled (flushed) to `out`, and

@@ -107,6 +107,8 @@ int main(int argc, char** argv) {
   generate_cmd->add_option("--seed", generate.seed, "Random seed: the same seed gives the same text")
       ->default_val(generate.seed);
   generate_cmd->add_option("--device", generate.device, "cpu | gpu | auto")->default_val(generate.device);
+  generate_cmd->allow_extras();
+  generate_cmd->footer(kOverrideHelp);
 
   moe::ConfigOptions show;
   CLI::App* config_cmd =
@@ -252,7 +254,10 @@ int main(int argc, char** argv) {
       eval.overrides = parse_overrides(eval_cmd->remaining());
       return moe::run_eval(eval);
     }
-    if (*generate_cmd) return moe::run_generate(generate, std::cout, std::cerr);
+    if (*generate_cmd) {
+      generate.overrides = parse_overrides(generate_cmd->remaining());
+      return moe::run_generate(generate, std::cout, std::cerr);
+    }
     if (*launch_cmd) return moe::run_launch(launch);
     if (*plan_cmd) {
       plan.overrides = parse_overrides(plan_cmd->remaining());

@@ -15,12 +15,17 @@
 
 namespace moe {
 
-CheckpointModel load_checkpoint_model(const std::string& path) {
+CheckpointModel load_checkpoint_model(const std::string& path, const std::vector<std::string>& overrides,
+                                      std::ostream& warnings) {
   if (!std::filesystem::is_directory(path)) MOE_CONFIG_ERROR("--checkpoint {}: no such checkpoint directory", path);
   if (!std::filesystem::is_regular_file(std::filesystem::path(path) / "config.toml"))
     MOE_CONFIG_ERROR("--checkpoint {}: no config.toml (not a checkpoint directory)", path);
   const LoadedCheckpoint checkpoint = read_checkpoint(path);
   CheckpointModel loaded{checkpoint.config, checkpoint.step, nullptr};
+  if (!overrides.empty()) {
+    loaded.config = parse_config(checkpoint.config_toml, (checkpoint.path / "config.toml").string(), overrides);
+    check_resume_compatible(checkpoint, loaded.config, warnings);
+  }
   ModelConfig& model = loaded.config.model;
   if (model.vocab_size == 0)  // a config saved before the tokenizer resolved it: the embedding knows
     if (const ManifestTensor* embedding = checkpoint.find("param/embedding"); embedding && !embedding->shape.empty())

@@ -6,6 +6,7 @@
 #include <iosfwd>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "config/run_config.h"
 #include "model/decoder.h"
@@ -19,9 +20,13 @@ struct CheckpointModel {
   std::unique_ptr<Transformer<float>> model;
 };
 
-// Throws ConfigError for a path that is not a checkpoint directory, moe::Error (one line
-// naming the file) for a damaged one.
-CheckpointModel load_checkpoint_model(const std::string& path);
+// `overrides` ("section.key=value") apply to the run's config, as `moe eval` takes them
+// (another data.dir to find the tokenizer's corpus, say); one that changes the model's
+// shape is refused, other differences from the checkpoint warn on `warnings`. Throws
+// ConfigError for a path that is not a checkpoint directory, moe::Error (one line naming
+// the file) for a damaged one.
+CheckpointModel load_checkpoint_model(const std::string& path, const std::vector<std::string>& overrides,
+                                      std::ostream& warnings);
 
 // "cpu", "gpu" or "auto" (the GPU when the build has CUDA and a GPU is visible). A GPU
 // asked for without one is a ConfigError. There is no GPU decoder yet: on a GPU the CPU

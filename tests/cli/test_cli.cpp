@@ -137,6 +137,8 @@ TEST_F(Cli, GenerateContinuesAPromptFromACheckpoint) {
   expect_one_line_error(run(generate + "--prompt x --device tpu"), 2, {"--device must be cpu, gpu or auto"});
   expect_one_line_error(run(generate + "--prompt " + std::string(33, 'a')), 2,
                         {"the prompt is 33 tokens, longer than the model's context of 32"});
+  expect_one_line_error(run(generate + "--prompt x --bogus"), 2, {"unknown argument '--bogus'"});
+  expect_one_line_error(run(generate + "--prompt x --model.dim=32"), 2, {"cannot resume: model.dim is 16"});
 #ifndef MOE_HAVE_CUDA
   expect_one_line_error(run(generate + "--prompt x --device gpu"), 2, {"--device gpu", "no CUDA backend"});
 #endif

@@ -53,8 +53,14 @@ TEST_F(CheckpointModelTest, GeneratesTheLookBackSequenceItLearnt) {
   const TrainSummary summary = trainer.run(log);
   ASSERT_LT(summary.val_loss_end, 0.05) << log.str();
 
-  const CheckpointModel loaded = load_checkpoint_model((dir_ / "ckpt" / "step_00000150").string());
+  const std::string path = (dir_ / "ckpt" / "step_00000150").string();
+  const CheckpointModel loaded = load_checkpoint_model(path, {}, log);
   EXPECT_EQ(loaded.step, 150);
+  // Overrides apply to the run's config; one that changes the model's shape is refused.
+  std::ostringstream warnings;
+  EXPECT_EQ(load_checkpoint_model(path, {"data.dir=/elsewhere"}, warnings).config.data.dir, "/elsewhere");
+  EXPECT_NE(warnings.str().find("warning: resume: data.dir was"), std::string::npos) << warnings.str();
+  EXPECT_THROW(load_checkpoint_model(path, {"model.dim=64"}, warnings), ConfigError);
   const ParameterStore<float>& saved = trainer.model().params();
   const ParameterStore<float>& read = loaded.model->params();
   ASSERT_EQ(read.size(), saved.size());
