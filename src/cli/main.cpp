@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/generate_command.h"
 #include "cli/launch_command.h"
 #include "cli/plan_command.h"
 #include "cli/tokenize_commands.h"
@@ -89,6 +90,28 @@ int main(int argc, char** argv) {
                        "training.val_batches gives the trainer's validation number)");
   eval_cmd->allow_extras();
   eval_cmd->footer(kOverrideHelp);
+
+  moe::GenerateCommandOptions generate;
+  CLI::App* generate_cmd = app.add_subcommand(
+      "generate", "Sample text from a checkpoint with a KV cache, decoded with its run's tokenizer (docs/GENERATION.md)");
+  generate_cmd->add_option("--checkpoint", generate.checkpoint, "Checkpoint directory (checkpoint.dir/step_N)")
+      ->required();
+  generate_cmd->add_option("--prompt", generate.prompt, "Text to continue");
+  generate_cmd->add_option("--prompt-file", generate.prompt_file, "File holding the text to continue");
+  generate_cmd->add_option("--max-tokens", generate.max_tokens, "New tokens at most (fewer at the end-of-text token)")
+      ->default_val(generate.max_tokens);
+  generate_cmd->add_option("--temperature", generate.temperature, "Softmax temperature; 0: greedy")
+      ->default_val(generate.temperature);
+  generate_cmd->add_option("--top-k", generate.top_k, "Sample from the k most likely tokens only; 0: all")
+      ->default_val(generate.top_k);
+  generate_cmd->add_option("--top-p", generate.top_p,
+                           "Then from the smallest most-likely-first set holding this much probability, in (0, 1]")
+      ->default_val(generate.top_p);
+  generate_cmd->add_option("--seed", generate.seed, "Random seed: the same seed gives the same text")
+      ->default_val(generate.seed);
+  generate_cmd->add_option("--device", generate.device, "cpu | gpu | auto")->default_val(generate.device);
+  generate_cmd->allow_extras();
+  generate_cmd->footer(kOverrideHelp);
 
   moe::ConfigOptions show;
   CLI::App* config_cmd =
@@ -233,6 +256,10 @@ int main(int argc, char** argv) {
     if (*eval_cmd) {
       eval.overrides = parse_overrides(eval_cmd->remaining());
       return moe::run_eval(eval);
+    }
+    if (*generate_cmd) {
+      generate.overrides = parse_overrides(generate_cmd->remaining());
+      return moe::run_generate(generate, std::cout, std::cerr);
     }
     if (*launch_cmd) return moe::run_launch(launch);
     if (*plan_cmd) {

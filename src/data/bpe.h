@@ -145,6 +145,8 @@ int32_t find_begin_of_text(const std::vector<AddedToken>& added);
 // Loads a tokenizer.json (BPE model with a byte-level pre-tokenizer, or SentencePiece-style). Throws ConfigError
 // naming the file and what is missing or unsupported.
 BpeModel load_hf_tokenizer(const std::string& path);
+// The same from the file's text; `path` names it in errors.
+BpeModel parse_hf_tokenizer(std::string text, const std::string& path);
 // `model` as the text of a tokenizer.json that HF tokenizers loads.
 std::string hf_tokenizer_json(const BpeModel& model);
 // Writes hf_tokenizer_json(model) to `path` (atomically).

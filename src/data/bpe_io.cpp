@@ -175,8 +175,9 @@ void read_fallback_tokens(const json& m, BpeModel& model, const std::unordered_m
 }
 }  // namespace
 
-BpeModel load_hf_tokenizer(const std::string& path) {
-  std::string text = read_whole_file(path, "tokenizer");
+BpeModel load_hf_tokenizer(const std::string& path) { return parse_hf_tokenizer(read_whole_file(path, "tokenizer"), path); }
+
+BpeModel parse_hf_tokenizer(std::string text, const std::string& path) {
   json root;
   try {
     root = json::parse(text);

@@ -44,6 +44,10 @@ std::string ByteTokenizer::hf_tokenizer_json() const {
   return moe::hf_tokenizer_json(model);
 }
 
+std::unique_ptr<Tokenizer> tokenizer_from_hf_json(std::string text, const std::string& source) {
+  return std::make_unique<BpeTokenizer>(parse_hf_tokenizer(std::move(text), source), source);
+}
+
 std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec) {
   const TokenizerSpec parsed = parse_tokenizer_spec(spec);
   if (parsed.kind == TokenizerKind::Byte) return std::make_unique<ByteTokenizer>();

@@ -81,5 +81,8 @@ std::unique_ptr<Tokenizer> make_tokenizer(std::string_view spec);
 // The tokenizer named by data.tokenizer ("bpe:N" must have been resolved to a file by
 // the caller, see train/text_data.cpp).
 std::unique_ptr<Tokenizer> make_tokenizer(const DataConfig& config);
+// A tokenizer.json's text (what checkpoints keep, Tokenizer::hf_tokenizer_json) as its
+// tokenizer; `source` names it in errors and is its name().
+std::unique_ptr<Tokenizer> tokenizer_from_hf_json(std::string text, const std::string& source);
 
 }  // namespace moe

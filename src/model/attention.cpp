@@ -1,6 +1,8 @@
 #include "model/attention.h"
 
 #include <cmath>
+#include <numeric>
+#include <vector>
 
 #include "kernels/attention.h"
 #include "kernels/matmul.h"
@@ -52,6 +54,23 @@ void AttentionLayer<T>::forward(T* y_TD, const T* x_TD, const int32_t* positions
   rope_forward<T>(k_BSGd_, positions_T, T_, G_, d_, rope_theta_);
   attention_forward<T>(out_BSHd_, probs_BHSS_, q_BSHd_, k_BSGd_, v_BSGd_, B_, S_, H_, G_, d_);
   linear_forward<T>(y_TD, out_BSHd_, params_.value(wo_), nullptr, T_, H_ * d_, D_);
+}
+
+template <typename T>
+void AttentionLayer<T>::forward_cached(T* y_nD, const T* x_nD, int64_t n, int64_t start, T* k_SGd,
+                                       T* v_SGd) const {
+  std::vector<T> q_nHd(static_cast<size_t>(n * H_ * d_)), out_nHd(q_nHd.size());
+  T* k_nGd = k_SGd + start * G_ * d_;
+  T* v_nGd = v_SGd + start * G_ * d_;
+  std::vector<int32_t> positions_n(static_cast<size_t>(n));
+  std::iota(positions_n.begin(), positions_n.end(), static_cast<int32_t>(start));
+  linear_forward<T>(q_nHd.data(), x_nD, params_.value(wq_), nullptr, n, D_, H_ * d_);
+  linear_forward<T>(k_nGd, x_nD, params_.value(wk_), nullptr, n, D_, G_ * d_);
+  linear_forward<T>(v_nGd, x_nD, params_.value(wv_), nullptr, n, D_, G_ * d_);
+  rope_forward<T>(q_nHd.data(), positions_n.data(), n, H_, d_, rope_theta_);
+  rope_forward<T>(k_nGd, positions_n.data(), n, G_, d_, rope_theta_);
+  attention_forward_cached<T>(out_nHd.data(), q_nHd.data(), k_SGd, v_SGd, n, start, H_, G_, d_);
+  linear_forward<T>(y_nD, out_nHd.data(), params_.value(wo_), nullptr, n, H_ * d_, D_);
 }
 
 template <typename T>

@@ -18,6 +18,10 @@ class AttentionLayer {
   void plan(Arena& saved, Arena& scratch, int64_t B);
   // y_TD = attention(x_TD). Saves what backward needs.
   void forward(T* y_TD, const T* x_TD, const int32_t* positions_T);
+  // Incremental decoding: y_nD = attention(x_nD) for n new tokens of one sequence at
+  // positions start..start+n-1, writing their K (after RoPE) and V into rows start.. of
+  // k_SGd / v_SGd and attending to rows 0..start+n-1 there. Keeps nothing for backward.
+  void forward_cached(T* y_nD, const T* x_nD, int64_t n, int64_t start, T* k_SGd, T* v_SGd) const;
   // dx_TD = d attention / dx . dy_TD (overwritten); parameter gradients accumulate.
   void backward(T* dx_TD, const T* dy_TD, const T* x_TD, const int32_t* positions_T);
 

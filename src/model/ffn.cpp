@@ -38,6 +38,16 @@ void FeedForward<T>::forward(T* y_TD, const T* x_TD, bool accumulate) {
 }
 
 template <typename T>
+void FeedForward<T>::forward_inference(T* y_TD, const T* x_TD, int64_t tokens, bool accumulate) const {
+  std::vector<T> gate_TF(static_cast<size_t>(tokens * F_)), up_TF(gate_TF.size()), act_TF(gate_TF.size());
+  linear_forward<T>(gate_TF.data(), x_TD, params_.value(w1_), nullptr, tokens, D_, F_);
+  linear_forward<T>(up_TF.data(), x_TD, params_.value(w3_), nullptr, tokens, D_, F_);
+  swiglu_forward<T>(act_TF.data(), gate_TF.data(), up_TF.data(), tokens * F_);
+  gemm<T>(false, true, tokens, D_, F_, T(1), act_TF.data(), F_, params_.value(w2_), F_, accumulate ? T(1) : T(0),
+          y_TD, D_);
+}
+
+template <typename T>
 void FeedForward<T>::backward(T* dx_TD, const T* dy_TD, const T* x_TD, bool accumulate_dx) {
   linear_backward<T>(dact_TF_, params_.grad(w2_), nullptr, dy_TD, act_TF_, params_.value(w2_), T_,
                      F_, D_);

@@ -2,6 +2,7 @@
 // first `first_dense_layers` blocks and for shared experts inside MoE layers.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "core/arena.h"
 #include "model/parameters.h"
@@ -22,6 +23,8 @@ class FeedForward {
   void plan(Arena& saved, Arena& scratch, int64_t tokens);
   // y_TD = ffn(x_TD), or y_TD += ffn(x_TD) when accumulate.
   void forward(T* y_TD, const T* x_TD, bool accumulate);
+  // The same for `tokens` rows in its own scratch, keeping nothing (decoding).
+  void forward_inference(T* y_TD, const T* x_TD, int64_t tokens, bool accumulate) const;
   // dx_TD = (or +=) d ffn / dx . dy_TD; parameter gradients accumulate.
   void backward(T* dx_TD, const T* dy_TD, const T* x_TD, bool accumulate_dx);
 

@@ -77,12 +77,7 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
   MoEForwardStats stats;
   linear_forward<T>(logits_TE_, x_TD, params_.value(router_w_), router_b_ >= 0 ? params_.value(router_b_) : nullptr, T_, D_, E_);
   router_scores_forward<T>(scores_TE_, logits_TE_, T_, E_, cfg_.temperature, cfg_.score_func);
-  const T* selection_bias = nullptr;
-  if (cfg_.bias_balancing) {
-    for (int64_t e = 0; e < E_; ++e) bias_T_[static_cast<size_t>(e)] = static_cast<T>(bias_E_[static_cast<size_t>(e)]);
-    selection_bias = bias_T_.data();
-  }
-  router_select<T>(expert_TK_, weight_TK_, scores_TE_, selection_bias, T_, E_, K_, cfg_.renormalize,
+  router_select<T>(expert_TK_, weight_TK_, scores_TE_, selection_bias(bias_T_), T_, E_, K_, cfg_.renormalize,
                    RouteGroups{cfg_.route_groups, cfg_.route_top_groups});
   count_expert_load(load_E_.data(), expert_TK_, T_, E_, K_);
   if (global_batch()) {
@@ -115,22 +110,59 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
 }
 
 template <typename T>
+const T* MoELayer<T>::selection_bias(std::vector<T>& bias_E) const {
+  if (!cfg_.bias_balancing) return nullptr;
+  bias_E.resize(static_cast<size_t>(E_));
+  for (int64_t e = 0; e < E_; ++e) bias_E[static_cast<size_t>(e)] = static_cast<T>(bias_E_[static_cast<size_t>(e)]);
+  return bias_E.data();
+}
+
+template <typename T>
 void MoELayer<T>::experts_forward_local() {
+  experts_forward(offsets_E1_, counts_E_, rows_, x_RD_, gate_RF_, up_RF_, act_RF_, y_RD_);
+}
+
+template <typename T>
+void MoELayer<T>::experts_forward(const int32_t* offsets_E1, const int32_t* counts_E, int64_t rows, const T* x_RD,
+                                  T* gate_RF, T* up_RF, T* act_RF, T* y_RD) const {
   const T* w1 = params_.value(w1_);
   const T* w3 = params_.value(w3_);
   const T* w2 = params_.value(w2_);
   for (int64_t e = 0; e < E_; ++e) {
-    const int64_t first = offsets_E1_[e], count = counts_E_[e];
+    const int64_t first = offsets_E1[e], count = counts_E[e];
     if (count == 0) continue;
-    linear_forward<T>(gate_RF_ + first * F_, x_RD_ + first * D_, w1 + e * F_ * D_, nullptr, count, D_, F_);
-    linear_forward<T>(up_RF_ + first * F_, x_RD_ + first * D_, w3 + e * F_ * D_, nullptr, count, D_, F_);
+    linear_forward<T>(gate_RF + first * F_, x_RD + first * D_, w1 + e * F_ * D_, nullptr, count, D_, F_);
+    linear_forward<T>(up_RF + first * F_, x_RD + first * D_, w3 + e * F_ * D_, nullptr, count, D_, F_);
   }
-  swiglu_forward<T>(act_RF_, gate_RF_, up_RF_, rows_ * F_);
+  swiglu_forward<T>(act_RF, gate_RF, up_RF, rows * F_);
   for (int64_t e = 0; e < E_; ++e) {
-    const int64_t first = offsets_E1_[e], count = counts_E_[e];
+    const int64_t first = offsets_E1[e], count = counts_E[e];
     if (count == 0) continue;
-    linear_forward<T>(y_RD_ + first * D_, act_RF_ + first * F_, w2 + e * D_ * F_, nullptr, count, F_, D_);
+    linear_forward<T>(y_RD + first * D_, act_RF + first * F_, w2 + e * D_ * F_, nullptr, count, F_, D_);
   }
+}
+
+template <typename T>
+void MoELayer<T>::forward_dropless(T* y_nD, const T* x_nD, int64_t n) const {
+  MOE_CHECK(!dispatcher_, "{}: decoding runs in one process, without expert parallelism", prefix_);
+  auto buffer = [](int64_t size) { return std::vector<T>(static_cast<size_t>(size)); };
+  auto ids = [](int64_t size) { return std::vector<int32_t>(static_cast<size_t>(size)); };
+  std::vector<T> logits_nE = buffer(n * E_), scores_nE = buffer(n * E_), weight_nK = buffer(n * K_), bias_E;
+  std::vector<int32_t> expert_nK = ids(n * K_), row_nK = ids(n * K_), counts_E = ids(E_), offsets_E1 = ids(E_ + 1),
+                       token_of_row_R = ids(n * K_);
+  linear_forward<T>(logits_nE.data(), x_nD, params_.value(router_w_), params_.value(router_b_), n, D_, E_);
+  router_scores_forward<T>(scores_nE.data(), logits_nE.data(), n, E_, cfg_.temperature, cfg_.score_func);
+  router_select<T>(expert_nK.data(), weight_nK.data(), scores_nE.data(), selection_bias(bias_E), n, E_, K_,
+                   cfg_.renormalize, RouteGroups{cfg_.route_groups, cfg_.route_top_groups});
+  const int64_t rows = assign_rows(row_nK.data(), counts_E.data(), offsets_E1.data(), token_of_row_R.data(),
+                                   expert_nK.data(), n, E_, K_, /*capacity=*/n * K_);
+  std::vector<T> x_RD = buffer(rows * D_), y_RD = buffer(rows * D_), gate_RF = buffer(rows * F_),
+                 up_RF = buffer(rows * F_), act_RF = buffer(rows * F_);
+  permute_forward<T>(x_RD.data(), x_nD, token_of_row_R.data(), rows, D_);
+  experts_forward(offsets_E1.data(), counts_E.data(), rows, x_RD.data(), gate_RF.data(), up_RF.data(), act_RF.data(),
+                  y_RD.data());
+  combine_forward<T>(y_nD, y_RD.data(), weight_nK.data(), row_nK.data(), n, K_, D_);
+  for (const auto& ffn : shared_) ffn.forward_inference(y_nD, x_nD, n, /*accumulate=*/true);
 }
 
 template <typename T>

@@ -55,6 +55,10 @@ class MoELayer {
   void plan(Arena& saved, Arena& scratch, int64_t tokens);
   // y_TD = moe(x_TD). Adds the assignments per expert (before dropping) to load_E().
   MoEForwardStats forward(T* y_TD, const T* x_TD);
+  // Decoding: y_nD = moe(x_nD) for n tokens, routed as forward routes them but dropless
+  // (every assignment kept whatever moe.capacity_factor, as Mixtral-style inference does),
+  // in its own scratch: no load, routing statistics or saved tensors change. One process.
+  void forward_dropless(T* y_nD, const T* x_nD, int64_t n) const;
   // dx_TD = d moe / dx . dy_TD (overwritten). The aux and z losses are differentiated with
   // weight `loss_scale` (the same factor that scaled dy).
   void backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_scale);
@@ -88,6 +92,11 @@ class MoELayer {
   // The slot of each assignment: the expert itself, or through the layer's slot table.
   const int32_t* slots_of_assignments();
   void experts_forward_local();
+  // The SwiGLU experts over rows laid out by expert (offsets_E1 / counts_E), `rows` in all.
+  void experts_forward(const int32_t* offsets_E1, const int32_t* counts_E, int64_t rows, const T* x_RD, T* gate_RF,
+                       T* up_RF, T* act_RF, T* y_RD) const;
+  // Selection bias in the layer's type (null when moe.bias_balancing is off).
+  const T* selection_bias(std::vector<T>& bias_E) const;
   void experts_backward_local();
 
   ParameterStore<T>& params_;

@@ -155,6 +155,35 @@ ForwardResult Transformer<T>::forward(const int32_t* inputs_BS, const int32_t* t
 }
 
 template <typename T>
+void Transformer<T>::forward_cached(const int32_t* tokens_n, int64_t n, KvCache<T>& cache, T* logits_V) const {
+  MOE_CHECK(n > 0 && cache.length() + n <= cache.capacity(), "decoding {} tokens after {} of a {}-position cache", n,
+            cache.length(), cache.capacity());
+  const int64_t D = config_.dim, V = config_.vocab_size, start = cache.length();
+  const double eps = config_.norm_eps;
+  for (int64_t i = 0; i < n; ++i)
+    MOE_CHECK(tokens_n[i] >= 0 && tokens_n[i] < V, "token id {} outside the vocabulary of {}", tokens_n[i], V);
+  std::vector<T> x_nD(static_cast<size_t>(n * D)), h_nD(x_nD.size()), normed_nD(x_nD.size()),
+      rstd_n(static_cast<size_t>(n));
+  embedding_forward<T>(x_nD.data(), tokens_n, params_.value(embedding_), n, V, D);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Block& block = blocks_[l];
+    const auto layer = static_cast<int64_t>(l);
+    rmsnorm_forward<T>(normed_nD.data(), rstd_n.data(), x_nD.data(), params_.value(block.norm1), n, D, eps);
+    block.attention->forward_cached(h_nD.data(), normed_nD.data(), n, start, cache.keys(layer), cache.values(layer));
+    add_inplace(h_nD.data(), x_nD.data(), n * D);
+    rmsnorm_forward<T>(normed_nD.data(), rstd_n.data(), h_nD.data(), params_.value(block.norm2), n, D, eps);
+    if (block.moe) block.moe->forward_dropless(x_nD.data(), normed_nD.data(), n);
+    else block.dense->forward_inference(x_nD.data(), normed_nD.data(), n, /*accumulate=*/false);
+    add_inplace(x_nD.data(), h_nD.data(), n * D);
+  }
+  cache.advance(n);
+  // Only the last token's logits are needed.
+  const T* last_D = x_nD.data() + (n - 1) * D;
+  rmsnorm_forward<T>(normed_nD.data(), rstd_n.data(), last_D, params_.value(final_norm_), 1, D, eps);
+  linear_forward<T>(logits_V, normed_nD.data(), params_.value(head_), nullptr, 1, D, V);
+}
+
+template <typename T>
 void Transformer<T>::backward(double ce_scale, double router_scale) {
   MOE_CHECK(inputs_ != nullptr, "backward without a forward");
   const int64_t D = config_.dim, V = config_.vocab_size, T_ = tokens_;

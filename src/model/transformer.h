@@ -13,6 +13,7 @@
 #include "model/attention.h"
 #include "config/model_config.h"
 #include "model/ffn.h"
+#include "model/kv_cache.h"
 #include "model/moe_layer.h"
 #include "model/parameters.h"
 
@@ -43,6 +44,14 @@ class Transformer {
   size_t planned_bytes(int64_t batch);
   // inputs_BS / targets_BS: token ids, [batch, seq_len]. Targets of -1 are ignored.
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
+  // The last forward's logits, [batch * seq_len, vocab].
+  const T* logits_TV() const { return logits_TV_; }
+  // Incremental decoding (docs/GENERATION.md): appends `n` tokens of one sequence at
+  // positions cache.length().. (the cache holds the keys and values before them), and
+  // writes the logits after the last one into logits_V. MoE layers route dropless. Uses
+  // no planned arena, so it runs whether or not plan() was called, and changes no state
+  // of forward/backward.
+  void forward_cached(const int32_t* tokens_n, int64_t n, KvCache<T>& cache, T* logits_V) const;
   // Backward of (ce + aux + z) * loss_scale, accumulated into the parameter gradients.
   void backward(double loss_scale) { backward(loss_scale, loss_scale); }
   // The same with the cross-entropy weighted by ce_scale and the MoE losses by router_scale
@@ -68,8 +77,6 @@ class Transformer {
   std::function<void(int stage, bool backward)> on_parameters_needed, on_parameters_done;
 
   ParameterStore<T>& params() { return params_; }
-  // The logits [B*S, V] of the last forward(), until backward() makes them their gradient.
-  const T* logits() const { return logits_TV_; }
   const ParameterStore<T>& params() const { return params_; }
   const ModelConfig& config() const { return config_; }
   std::vector<MoELayer<T>*> moe_layers();

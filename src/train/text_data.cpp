@@ -157,6 +157,16 @@ std::vector<SplitDocs> load_sources(const DataConfig& dc, const std::vector<Data
 
 }  // namespace
 
+std::unique_ptr<Tokenizer> load_run_tokenizer(const DataConfig& data, int threads, std::string& how) {
+  const TokenizerSpec spec = parse_tokenizer_spec(data.tokenizer);
+  if (spec.kind != TokenizerKind::TrainBpe) {
+    how = "";
+    return make_tokenizer(data);
+  }
+  const CorpusSplit split = read_corpus(data);
+  return load_or_train_bpe(split.train, spec.bpe_vocab, "data_cache", threads, how);
+}
+
 TextData load_text_data(RunConfig& config, int threads) {
   const DataConfig& dc = config.data;
   std::unique_ptr<Tokenizer> tokenizer;

@@ -9,6 +9,7 @@
 
 #include "data/batch_source.h"
 #include "config/run_config.h"
+#include "data/tokenizer.h"
 
 namespace moe {
 
@@ -22,5 +23,10 @@ struct TextData {
 };
 
 TextData load_text_data(RunConfig& config, int threads);
+
+// The tokenizer a run's data.tokenizer names, as load_text_data makes it: "bpe:N" is the one
+// cached under data_cache/ for data.dir's training split (trained again, identically, when
+// the cache is missing: the corpus must still be there). `how` says which, for the log.
+std::unique_ptr<Tokenizer> load_run_tokenizer(const DataConfig& data, int threads, std::string& how);
 
 }  // namespace moe

@@ -28,10 +28,11 @@ inline std::string moe_binary() {
 
 // `moe ARGS`, run through the shell (so `args` may hold redirections and quotes), killed
 // after `limit_seconds` (exit code 124 or 137): a regression that hangs fails, not stalls.
-inline MoeResult run_moe(const std::string& args, int limit_seconds = 120) {
+// With `merge_stderr` false the output is stdout alone and `args` redirects stderr itself.
+inline MoeResult run_moe(const std::string& args, int limit_seconds = 120, bool merge_stderr = true) {
   MoeResult result;
   const std::string command =
-      "timeout -k 5 " + std::to_string(limit_seconds) + " " + moe_binary() + " " + args + " 2>&1";
+      "timeout -k 5 " + std::to_string(limit_seconds) + " " + moe_binary() + " " + args + (merge_stderr ? " 2>&1" : "");
   FILE* pipe = popen(command.c_str(), "r");
   if (!pipe) return result;
   std::array<char, 4096> buffer{};

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include "cli/moe_process.h"
@@ -19,6 +20,11 @@ using moe::test::moe_binary;
 
 // `moe ARGS` through moe_process.h (killed after 120 s, so a hang fails the test).
 Result run(const std::string& args) { return moe::test::run_moe(args); }
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
 
 int count_lines(const std::string& text) {
   int lines = 0;
@@ -77,6 +83,65 @@ TEST_F(Cli, EvalPrintsTheRunsValidationLoss) {
   EXPECT_EQ(other.exit_code, 2) << other.output;
   EXPECT_NE(other.output.find("moe: error: " + step6 + ": cannot resume: model.dim is 16"), std::string::npos)
       << other.output;
+}
+
+// `moe generate` on a checkpoint of the run (byte tokenizer, 32-token context): the prompt
+// then its continuation on stdout, what was loaded on stderr; greedy and seeded runs
+// repeat; bad input is one line and exit code 2.
+TEST_F(Cli, GenerateContinuesAPromptFromACheckpoint) {
+  const std::string ckpt = (dir_ / "ckpt").string();
+  Result r = run("train --config " + config() + " --device cpu --checkpoint.dir=" + ckpt + " --checkpoint.interval=6");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string step6 = ckpt + "/step_00000006";
+  const std::string generate = "generate --checkpoint " + step6 + " ";
+  const std::string greedy_args = generate + "--prompt 'Document 7: the' --max-tokens 12 --temperature 0";
+  const std::string log = (dir_ / "stderr.txt").string();
+  auto text_of = [&](const std::string& args) { return moe::test::run_moe(args + " 2>" + log, 120, false); };
+  Result greedy = text_of(greedy_args);  // stdout alone: the text
+  ASSERT_EQ(greedy.exit_code, 0) << greedy.output;
+  EXPECT_EQ(greedy.output.rfind("Document 7: the", 0), 0u) << greedy.output;
+  EXPECT_EQ(greedy.output.back(), '\n');
+  EXPECT_LE(greedy.output.size(), std::string("Document 7: the").size() + 12 + 1);  // a byte per token at most
+  const std::string logged = read_text(log);
+  EXPECT_EQ(text_of(greedy_args).output, greedy.output);
+  EXPECT_NE(logged.find("generate: " + step6 + " (step 6) | tokenizer byte (kept in the checkpoint) | prompt 15 tokens, context 32 | cpu | "
+                               "greedy | seed 0\n"),
+            std::string::npos)
+      << logged;
+  EXPECT_TRUE(logged.find("generate: 12 tokens in ") != std::string::npos ||
+              logged.find("stopped at the end-of-text token") != std::string::npos)
+      << logged;
+  // Sampling past the 32-token context slides the window; the same seed repeats the text.
+  const std::string prompt_file = (dir_ / "prompt.txt").string();
+  std::ofstream(prompt_file) << "The quick";
+  const std::string sampled_args = generate + "--prompt-file " + prompt_file + " --max-tokens 60 --temperature 1.2 "
+                                   "--top-k 20 --top-p 0.9 --seed 3 --device cpu";
+  Result sampled = text_of(sampled_args);
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.output;
+  EXPECT_EQ(sampled.output.rfind("The quick", 0), 0u) << sampled.output;
+  EXPECT_NE(read_text(log).find("the context window slid"), std::string::npos) << read_text(log);
+  EXPECT_EQ(text_of(sampled_args).output, sampled.output);
+
+  using moe::test::expect_one_line_error;
+  expect_one_line_error(run("generate --checkpoint " + (dir_ / "none").string() + " --prompt x"), 2,
+                        {"no such checkpoint directory"});
+  expect_one_line_error(run("generate --checkpoint " + (dir_ / "text").string() + " --prompt x"), 2, {"no config.toml"});
+  expect_one_line_error(run(generate + "--prompt ''"), 2, {"--prompt is empty"});
+  expect_one_line_error(run(generate), 2, {"--prompt or --prompt-file"});
+  expect_one_line_error(run(generate + "--prompt x --prompt-file " + prompt_file), 2, {"not both"});
+  expect_one_line_error(run(generate + "--prompt-file " + (dir_ / "missing.txt").string()), 2, {"no such file"});
+  expect_one_line_error(run(generate + "--prompt x --top-p 0"), 2, {"--top-p must be in (0, 1]"});
+  expect_one_line_error(run(generate + "--prompt x --top-p 1.5"), 2, {"--top-p must be in (0, 1]"});
+  expect_one_line_error(run(generate + "--prompt x --temperature -1"), 2, {"--temperature must be >= 0"});
+  expect_one_line_error(run(generate + "--prompt x --max-tokens 0"), 2, {"--max-tokens must be >= 1"});
+  expect_one_line_error(run(generate + "--prompt x --device tpu"), 2, {"--device must be cpu, gpu or auto"});
+  expect_one_line_error(run(generate + "--prompt " + std::string(33, 'a')), 2,
+                        {"the prompt is 33 tokens, longer than the model's context of 32"});
+  expect_one_line_error(run(generate + "--prompt x --bogus"), 2, {"unknown argument '--bogus'"});
+  expect_one_line_error(run(generate + "--prompt x --model.dim=32"), 2, {"cannot resume: model.dim is 16"});
+#ifndef MOE_HAVE_CUDA
+  expect_one_line_error(run(generate + "--prompt x --device gpu"), 2, {"--device gpu", "no CUDA backend"});
+#endif
 }
 
 // `moe --version` names the commit, build type and compiler, then the GPU libraries (or

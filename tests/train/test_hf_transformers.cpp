@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "data/tokenizer.h"
+#include "model/generator.h"
 #include "train/export.h"
 #include "train/test_resume_fixtures.h"
 
@@ -83,7 +84,7 @@ std::vector<float> our_logits(Transformer<float>& model, std::vector<int32_t> to
   const std::vector<int32_t> targets(static_cast<size_t>(S), 0);
   model.plan(1);
   model.forward(tokens.data(), targets.data());
-  return std::vector<float>(model.logits(), model.logits() + n * static_cast<size_t>(V));
+  return std::vector<float>(model.logits_TV(), model.logits_TV() + n * static_cast<size_t>(V));
 }
 
 // Greedy decoding by full forwards (the reference, no cache): the argmax of the last
@@ -126,7 +127,14 @@ TEST_F(HfTransformers, ExportComputesOurLogitsGreedyTokensAndTokenizer) {
   const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3};
   write_raw(dir_ / "tokens.bin", prompt);
   write_raw(dir_ / "logits.bin", our_logits(model, prompt));
-  write_raw(dir_ / "greedy.bin", greedy(model, prompt, 8));
+  const std::vector<int32_t> want = greedy(model, prompt, 8);
+  // What `moe generate --temperature 0` writes: the KV-cache decoder's greedy tokens.
+  CpuDecoder decoder(model);
+  GenerateOptions greedy_options;
+  greedy_options.max_tokens = 8;
+  greedy_options.sampling.temperature = 0;
+  EXPECT_EQ(generate(decoder, prompt, greedy_options).tokens, want);
+  write_raw(dir_ / "greedy.bin", want);
   const std::string text = "def f(x):\n    return x  # caf\xc3\xa9, \xe4\xb8\xad\xe6\x96\x87, \xf0\x9f\x98\x80\t end";
   std::ofstream(dir_ / "text.txt", std::ios::binary) << text;
   write_raw(dir_ / "text.txt.ids", ByteTokenizer().encode(text));

@@ -64,6 +64,26 @@ void attention_forward(T* out_BSHd, T* probs_BHSS, const T* q_BSHd, const T* k_B
 }
 
 template <typename T>
+void attention_forward_cached(T* out_nHd, const T* q_nHd, const T* k_LGd, const T* v_LGd, int64_t n, int64_t start,
+                              int64_t H, int64_t G, int64_t d) {
+  check_shape(1, start + n, H, G, d);
+  MOE_CHECK(n > 0 && start >= 0, "cached attention: {} new tokens at position {}", n, start);
+  const T scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(d)));
+  const int64_t group = H / G, L = start + n;
+#pragma omp parallel if (H * n * L * d >= kMinParallelWork)
+  {
+    std::vector<T> p(static_cast<size_t>(n * L));  // one head's probabilities
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / group;
+      gemm<T>(false, true, n, L, d, scale, q_nHd + h * d, H * d, k_LGd + g * d, G * d, T(0), p.data(), L);
+      for (int64_t i = 0; i < n; ++i) causal_softmax_row(p.data() + i * L, start + i, L);
+      gemm<T>(false, false, n, d, L, T(1), p.data(), L, v_LGd + g * d, G * d, T(0), out_nHd + h * d, H * d);
+    }
+  }
+}
+
+template <typename T>
 void attention_backward(T* dq_BSHd, T* dk_BSGd, T* dv_BSGd, const T* dout_BSHd, const T* q_BSHd,
                         const T* k_BSGd, const T* v_BSGd, const T* probs_BHSS, int64_t B, int64_t S,
                         int64_t H, int64_t G, int64_t d) {
@@ -113,6 +133,8 @@ void attention_backward(T* dq_BSHd, T* dk_BSGd, T* dv_BSGd, const T* dout_BSHd, 
 #define MOE_INSTANTIATE(T)                                                                   \
   template void attention_forward<T>(T*, T*, const T*, const T*, const T*, int64_t, int64_t, \
                                      int64_t, int64_t, int64_t);                             \
+  template void attention_forward_cached<T>(T*, const T*, const T*, const T*, int64_t, int64_t, int64_t, \
+                                            int64_t, int64_t);                                          \
   template void attention_backward<T>(T*, T*, T*, const T*, const T*, const T*, const T*,    \
                                       const T*, int64_t, int64_t, int64_t, int64_t, int64_t);
 MOE_INSTANTIATE(float)
