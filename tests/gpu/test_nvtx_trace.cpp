@@ -216,7 +216,7 @@ TEST(GpuProfiling, NvtxRangesAndTraceCoverEveryStep) {
   EXPECT_EQ(tracks, (std::map<int, std::string>{{1, "host"}, {2, "gpu"}}));
   for (int64_t s = 1; s <= 3; ++s) {
     SCOPED_TRACE("step " + std::to_string(s));
-    EXPECT_EQ(host_names[s], (std::set<std::string>{"data", "forward", "backward", "optimizer"}));
+    EXPECT_EQ(host_names[s], (std::set<std::string>{"zero grads", "data", "forward", "backward", "optimizer"}));
     double phase_sum = 0;
     for (const auto& [phase, ms] : seen[static_cast<size_t>(s - 1)].phase_ms) phase_sum += ms;
     EXPECT_NEAR(gpu_ms[s], phase_sum, 1e-3);
