@@ -21,6 +21,7 @@
 #include "obs/report.h"
 #include "train/backends/backend_factory.h"
 #include "train/checkpoint.h"
+#include "train/hf_import.h"
 #ifdef MOE_HAVE_CUDA
 #include "dist/cuda/thread_communicator.h"
 #include "train/cuda/gpu_bench.h"
@@ -89,6 +90,7 @@ int run_thread_ranks(const TrainOptions& options, const RunConfig& config, int t
         Trainer trainer(rank_config, std::move(data.train), std::move(data.validation),
                         std::move(worlds[static_cast<size_t>(r)]));
         trainer.tokenizer_json = std::move(data.tokenizer_json);
+        if (options.init_from_hf) trainer.init_from_hf(*options.init_from_hf, out);
         if (resume) trainer.resume(resume->string(), out, options.discard_newer_checkpoints);
         else if (options.resume) trainer.continue_run();
         trainer.run(out);
@@ -165,6 +167,9 @@ int run_train(const TrainOptions& options) {
   if (options.threads) overrides.push_back("training.threads=" + std::to_string(*options.threads));
   if (options.discard_newer_checkpoints && !options.resume)
     MOE_CONFIG_ERROR("--discard-newer-checkpoints goes with --resume");
+  if (options.init_from_hf && options.resume)
+    MOE_CONFIG_ERROR("--init-from-hf starts a new run; --resume continues one: give one of them");
+  if (options.init_from_hf) check_hf_model_folder(*options.init_from_hf);
   RunConfig config = resolve_config(options.config_path, overrides);
   const int threads = set_num_threads(threads_in_effect(config.training.threads, "training.threads", std::cout));
   if (options.thread_ranks) return run_thread_ranks(options, config, threads);
@@ -181,6 +186,7 @@ int run_train(const TrainOptions& options) {
     fmt::print("dashboard: {}\n", dashboard->url());
     std::fflush(stdout);
   }
+  if (options.init_from_hf) trainer.init_from_hf(*options.init_from_hf, std::cout);
   if (options.resume) {
     if (const auto path = resume_path(options, config))
       trainer.resume(path->string(), std::cout, options.discard_newer_checkpoints);

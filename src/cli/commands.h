@@ -16,6 +16,7 @@ struct TrainOptions {
   std::optional<int> dashboard_port;   // serve the live dashboard here (0: any free port)
   std::optional<std::string> resume;   // "auto" (newest in checkpoint.dir, if any) or a checkpoint directory
   bool discard_newer_checkpoints = false;  // with --resume: delete checkpoint.dir's later checkpoints
+  std::optional<std::string> init_from_hf;  // a Hugging Face Mixtral folder to start from (train/hf_import.h)
   std::optional<int> thread_ranks;     // this many ranks as threads on this one GPU (a rehearsal)
   std::optional<int> thread_ranks_per_node;  // ... in simulated nodes of this many ranks
 };

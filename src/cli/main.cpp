@@ -70,6 +70,9 @@ int main(int argc, char** argv) {
   train_cmd->add_flag("--discard-newer-checkpoints", train.discard_newer_checkpoints,
                       "With --resume of an older checkpoint: delete checkpoint.dir's later ones (another timeline) "
                       "before step 1, instead of refusing");
+  train_cmd->add_option("--init-from-hf", train.init_from_hf,
+                        "Start from the weights of a Hugging Face Mixtral folder (continued pretraining; the config "
+                        "must have its shape)");
   train_cmd->add_option("--thread-ranks", train.thread_ranks,
                         "Run this many ranks as threads sharing this one GPU: a rehearsal of a multi-GPU launch "
                         "(data and expert parallelism give the same numbers; no speed-up)")

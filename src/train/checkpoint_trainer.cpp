@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "train/batch_controller.h"
 #include "train/checkpoint.h"
+#include "train/hf_import.h"
 #include "train/run_dirs.h"
 #include "train/signals.h"
 #include "train/trainer.h"
@@ -152,6 +153,18 @@ int64_t Trainer::load_weights(const std::string& path, std::ostream& out) {
   backend_->finish_restore(checkpoint.manifest.adam_steps);
   backend_->restore_placement(checkpoint.expert_placement);
   return checkpoint.step;
+}
+
+void Trainer::init_from_hf(const std::string& dir, std::ostream& out) {
+  const HfWeights hf(dir, config_.model);
+  // The parameters from the folder, this rank's slices of them; AdamW moments and balancing
+  // biases start at zero, as in a fresh run.
+  for (const StateTarget& target : backend_->restore_targets()) {
+    if (target.tensor.starts_with("param/")) hf.read(target.tensor.substr(6), target.begin, target.count, target.data);
+    else std::fill(target.data, target.data + target.count, 0.0f);
+  }
+  backend_->finish_restore(0);
+  fmt::print(out, "init: parameters from {} (Hugging Face Mixtral); AdamW state fresh\n", dir);
 }
 
 void Trainer::continue_run() {

@@ -76,6 +76,9 @@ class Trainer {
   // A checkpoint's weights (from any layout, as resume reads them) for evaluation; the data
   // position, progress and run id stay this run's. Returns the checkpoint's step.
   int64_t load_weights(const std::string& path, std::ostream& out);
+  // Continued pretraining: the parameters from a Hugging Face Mixtral folder
+  // (train/hf_import.h), before step 1; the optimizer starts fresh.
+  void init_from_hf(const std::string& dir, std::ostream& out);
   // --resume found no checkpoint: the run starts at step 0 but continues the run whose
   // files metrics.dir holds (its metrics start over).
   void continue_run();

@@ -52,6 +52,17 @@ TEST_F(CliInput, ThreadCountIsBounded) {
 }
 
 // model.n_layers = 1000000 hung for minutes before; every shape key has a bound.
+// --init-from-hf: a folder that is not a Hugging Face model, or one given with --resume.
+TEST_F(CliInput, InitFromHfRefusesWhatItCannotRead) {
+  expect_one_line_error(run_moe(train("--init-from-hf " + p("text"))), 2,
+                        {"--init-from-hf " + p("text"), "no config.json"});
+  fs::create_directories(dir_ / "hf");
+  std::ofstream(dir_ / "hf" / "config.json") << R"({"model_type": "llama"})";
+  expect_one_line_error(run_moe(train("--init-from-hf " + p("hf"))), 2, {"model_type \"llama\""});
+  expect_one_line_error(run_moe(train("--init-from-hf " + p("hf") + " --resume auto")), 2,
+                        {"--init-from-hf starts a new run"});
+}
+
 TEST_F(CliInput, ModelShapesAreBounded) {
   expect_one_line_error(run_moe(train("--model.n_layers=1000000"), 30), 2,
                         {"command line", "model.n_layers must be at most 1024, got 1000000"});

@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 
+#include "core/bf16.h"
 #include "data/tokenizer.h"
 #include "model/generator.h"
 #include "train/export.h"
@@ -176,6 +178,109 @@ TEST_F(HfTransformers, TheOracleSeesAWrongGate) {
                            (dir_ / "text.txt").string());
   EXPECT_NE(py.status, 0) << py.output;
   EXPECT_NE(py.output.find("logit"), std::string::npos) << py.output;
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// A copy of the export with every tensor in bf16 (as published checkpoints are), written
+// by torch.
+constexpr const char* kToBf16 = R"PY(
+import shutil, sys, torch
+from safetensors.torch import load_file, save_file
+src, dst = sys.argv[1], sys.argv[2]
+shutil.copytree(src, dst)
+tensors = {k: v.to(torch.bfloat16) for k, v in load_file(src + "/model.safetensors").items()}
+save_file(tensors, dst + "/model.safetensors", metadata={"format": "pt"})
+print("bf16", len(tensors))
+)PY";
+
+std::vector<float> params_of(Transformer<float>& model) {
+  std::vector<float> all;
+  auto& params = model.params();
+  for (int id = 0; id < params.size(); ++id) all.insert(all.end(), params.value(id), params.value(id) + params.numel(id));
+  return all;
+}
+
+// --init-from-hf reads the export back: every parameter as trained (the gate through the
+// temperature within 1 ulp), bf16 files as their bf16 values, and a run continues from them.
+TEST_F(HfTransformers, InitFromHfReadsTheExportBack) {
+  const RunConfig config = exportable_config(dir_);
+  auto trained = test::make_trainer(config);
+  std::ostringstream log;
+  trained->run(log);
+  ExportOptions options;
+  options.checkpoint = (dir_ / "ckpt" / "step_00000004").string();
+  options.output = (dir_ / "hf").string();
+  export_checkpoint(options, log);
+  std::ofstream(dir_ / "to_bf16.py") << kToBf16;
+  const Py py = run_python((dir_ / "to_bf16.py").string() + " " + (dir_ / "hf").string() + " " + (dir_ / "hf_bf16").string());
+  ASSERT_EQ(py.status, 0) << py.output;
+
+  RunConfig fresh = config;
+  fresh.checkpoint.dir = "";
+  fresh.training.stop_at = 0;
+  auto& want = trained->model().params();
+  for (const char* folder : {"hf", "hf_bf16"}) {
+    SCOPED_TRACE(folder);
+    auto started = test::make_trainer(fresh);
+    std::ostringstream out;
+    started->init_from_hf((dir_ / folder).string(), out);
+    EXPECT_NE(out.str().find("init: parameters from"), std::string::npos) << out.str();
+    auto& got = started->model().params();
+    const bool bf16_file = std::string(folder) == "hf_bf16";
+    for (int id = 0; id < want.size(); ++id) {
+      const std::string& name = want.spec(id).name;
+      const bool gate = name.ends_with("router.weight");
+      for (int64_t i = 0; i < want.numel(id); ++i) {
+        float expected = want.value(id)[i];
+        if (bf16_file) expected = bf16_to_float(float_to_bf16(gate ? static_cast<float>(expected / 0.7) : expected));
+        if (bf16_file && gate) expected = static_cast<float>(expected * 0.7);
+        const float actual = got.value(id)[i];
+        if (gate) ASSERT_NEAR(actual, expected, 2e-7f * std::fabs(expected) + 1e-12f) << name << "[" << i << "]";
+        else ASSERT_EQ(actual, expected) << name << "[" << i << "]";
+      }
+    }
+  }
+  // Continued pretraining: the run goes on from there.
+  auto started = test::make_trainer(fresh);
+  started->init_from_hf((dir_ / "hf").string(), log);
+  const double want_loss = trained->validate();
+  EXPECT_NEAR(started->validate(), want_loss, 1e-5 * want_loss);  // the gate within 1 ulp
+}
+
+TEST_F(HfTransformers, InitFromHfRefusesAnotherShapeOrAMissingTensor) {
+  RunConfig config = exportable_config(dir_);
+  auto trained = test::make_trainer(config);
+  std::ostringstream log;
+  trained->run(log);
+  ExportOptions options;
+  options.checkpoint = (dir_ / "ckpt" / "step_00000004").string();
+  options.output = (dir_ / "hf").string();
+  export_checkpoint(options, log);
+  auto expect_refused = [&](RunConfig c, const std::string& folder, const std::string& why) {
+    c.checkpoint.dir = "";
+    auto trainer = test::make_trainer(c);
+    try {
+      trainer->init_from_hf((dir_ / folder).string(), log);
+      ADD_FAILURE() << "accepted: " << why;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    }
+  };
+  RunConfig wider = config;
+  wider.model.moe.expert_hidden = 32;
+  expect_refused(wider, "hf", "config.json intermediate_size is 16, moe.expert_hidden is 32");
+  RunConfig shared = config;
+  shared.model.moe.n_shared_experts = 1;
+  expect_refused(shared, "hf", "moe.n_shared_experts > 0");
+  expect_refused(config, "nothing_here", "not a directory");
+  fs::remove(dir_ / "hf" / "model.safetensors");
+  expect_refused(config, "hf", "cannot open model.safetensors");
 }
 
 }  // namespace
