@@ -2,6 +2,8 @@
 // _IndexWriter layout, read by MegatronDataset to the same tokens; corrupt or truncated
 // files are one-line ConfigErrors naming the file; ids must fit the vocabulary.
 #include <gtest/gtest.h>
+
+#include "oracle_python.h"
 #include <unistd.h>
 
 #include <cstdio>
@@ -19,10 +21,7 @@ namespace fs = std::filesystem;
 namespace moe {
 namespace {
 
-std::string python() {
-  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
-  return (fs::path(__FILE__).parent_path().parent_path().parent_path() / ".deps/venv/bin/python").string();
-}
+std::string python() { return test::oracle_python(); }
 
 // argv: prefix, numpy dtype name, documents as JSON (a list of documents, each a list of
 // sequences, each a list of ids). Megatron's layout, written independently of the reader.

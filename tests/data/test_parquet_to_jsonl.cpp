@@ -1,6 +1,8 @@
 // scripts/parquet_to_jsonl.py: a parquet file written by pyarrow becomes JSONL that
 // `moe train` reads through data.dir (row for row); bad input is one line and exit code 2.
 #include <gtest/gtest.h>
+
+#include "oracle_python.h"
 #include <sys/wait.h>
 
 #include <array>
@@ -19,10 +21,7 @@ std::string source_dir() {
   if (const char* s = std::getenv("MOE_SOURCE_DIR"); s && *s) return s;
   return fs::path(__FILE__).parent_path().parent_path().parent_path().string();
 }
-std::string python() {
-  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
-  return source_dir() + "/.deps/venv/bin/python";
-}
+std::string python() { return test::oracle_python(); }
 
 // A shell command's exit code and output (stdout and stderr).
 test::MoeResult shell(const std::string& command) {

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <string>
 
+#include "oracle_python.h"
 #include "train/trainer.h"
 #include "train/synthetic.h"
 
@@ -37,29 +38,8 @@ inline std::string read_file(const std::filesystem::path& path) {
   return text.str();
 }
 
-struct CommandResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
-};
 
-inline CommandResult run_command(const std::string& command) {
-  CommandResult result;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (!pipe) return result;
-  std::array<char, 4096> buffer{};
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
-
-// The venv python that ctest passes (scripts/setup.sh installs the oracles into it).
-inline std::string python() {
-  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
-  if (const char* s = std::getenv("MOE_SOURCE_DIR"); s && *s) return std::string(s) + "/.deps/venv/bin/python";
-  return "python3";
-}
+inline std::string python() { return oracle_python(); }
 
 inline std::string moe_binary() {
   if (const char* path = std::getenv("MOE_BINARY"); path && *path) return path;

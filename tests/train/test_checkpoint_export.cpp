@@ -10,6 +10,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "oracle_python.h"
 #include "train/checkpoint.h"
 #include "train/export.h"
 #include "train/test_resume_fixtures.h"
@@ -19,12 +20,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string python() {
-  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
-  const char* src = std::getenv("MOE_SOURCE_DIR");
-  const fs::path root = src && *src ? fs::path(src) : fs::path(__FILE__).parent_path().parent_path().parent_path();
-  return (root / ".deps/venv/bin/python").string();
-}
 
 // Loads the export and the checkpoint shard with safetensors.numpy and compares them.
 constexpr const char* kCheck = R"PY(
@@ -100,20 +95,9 @@ for l in range(L):
 print("OK", len(tensors))
 )PY";
 
-struct Py {
-  int status;
-  std::string output;
-};
-
-Py run_python(const fs::path& script, const std::string& args) {
-  Py r{-1, ""};
-  FILE* pipe = popen((python() + " " + script.string() + " " + args + " 2>&1").c_str(), "r");
-  if (!pipe) return r;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) r.output.append(buffer, n);
-  r.status = pclose(pipe);
-  return r;
+// The check script through the oracle venv's python.
+test::CommandResult run_python(const fs::path& script, const std::string& args) {
+  return test::run_command(test::oracle_python() + " " + script.string() + " " + args);
 }
 
 class HfExport : public test::TempDirTest {
@@ -145,9 +129,9 @@ TEST_F(HfExport, MixtralFolderReadsBackWithSafetensors) {
     export_checkpoint(options, out);
     EXPECT_NE(out.str().find("as MixtralForCausalLM"), std::string::npos) << out.str();
     EXPECT_EQ(fs::exists(dir_ / (sharded ? "hf_sharded" : "hf") / "model.safetensors.index.json"), sharded);
-    const Py py = run_python(dir_ / "check.py", options.output + " " + (step(0) / "rank_00000.safetensors").string() +
+    const test::CommandResult py = run_python(dir_ / "check.py", options.output + " " + (step(0) / "rank_00000.safetensors").string() +
                                                     " " + (sharded ? "1" : "0") + " 2.0");
-    EXPECT_EQ(py.status, 0) << py.output;
+    EXPECT_EQ(py.exit_code, 0) << py.output;
     EXPECT_NE(py.output.find("OK 41"), std::string::npos) << py.output;  // 3 + 2 layers x (7 + 4 experts x 3)
   }
 }

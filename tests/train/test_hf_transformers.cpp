@@ -13,6 +13,7 @@
 
 #include "core/bf16.h"
 #include "data/tokenizer.h"
+#include "oracle_python.h"
 #include "model/generator.h"
 #include "train/export.h"
 #include "train/test_resume_fixtures.h"
@@ -22,30 +23,15 @@ namespace {
 
 namespace fs = std::filesystem;
 
-fs::path source_root() {
-  const char* src = std::getenv("MOE_SOURCE_DIR");
-  return src && *src ? fs::path(src) : fs::path(__FILE__).parent_path().parent_path().parent_path();
+test::CommandResult run_python(const std::string& args) {
+  return test::run_command(test::oracle_python() + " " + args);
 }
 
-std::string python() {
-  if (const char* p = std::getenv("MOE_PYTHON"); p && *p) return p;
-  return (source_root() / ".deps/venv/bin/python").string();
-}
-
-struct Py {
-  int status = -1;
-  std::string output;
-};
-
-Py run_python(const std::string& args) {
-  Py r;
-  FILE* pipe = popen((python() + " " + args + " 2>&1").c_str(), "r");
-  if (!pipe) return r;
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof buffer, pipe)) > 0) r.output.append(buffer, n);
-  r.status = pclose(pipe);
-  return r;
+// hf_mixtral_oracle.py on dir/hf with the files the tests write beside it.
+test::CommandResult run_oracle(const fs::path& dir) {
+  return run_python((test::source_root() / "tests/train/hf_mixtral_oracle.py").string() + " " + (dir / "hf").string() +
+                    " " + (dir / "tokens.bin").string() + " " + (dir / "logits.bin").string() + " " +
+                    (dir / "greedy.bin").string() + " " + (dir / "text.txt").string());
 }
 
 template <class T>
@@ -141,11 +127,8 @@ TEST_F(HfTransformers, ExportComputesOurLogitsGreedyTokensAndTokenizer) {
   std::ofstream(dir_ / "text.txt", std::ios::binary) << text;
   write_raw(dir_ / "text.txt.ids", ByteTokenizer().encode(text));
 
-  const Py py = run_python((source_root() / "tests/train/hf_mixtral_oracle.py").string() + " " +
-                           (dir_ / "hf").string() + " " + (dir_ / "tokens.bin").string() + " " +
-                           (dir_ / "logits.bin").string() + " " + (dir_ / "greedy.bin").string() + " " +
-                           (dir_ / "text.txt").string());
-  EXPECT_EQ(py.status, 0) << py.output;
+  const test::CommandResult py = run_oracle(dir_);
+  EXPECT_EQ(py.exit_code, 0) << py.output;
   EXPECT_NE(py.output.find("OK "), std::string::npos) << py.output;
   std::printf("transformers oracle: %s", py.output.c_str());  // "OK <max relative logit error>"
 }
@@ -172,11 +155,8 @@ TEST_F(HfTransformers, TheOracleSeesAWrongGate) {
   write_raw(dir_ / "greedy.bin", std::vector<int32_t>{});
   std::ofstream(dir_ / "text.txt", std::ios::binary) << "abc";
   write_raw(dir_ / "text.txt.ids", ByteTokenizer().encode("abc"));
-  const Py py = run_python((source_root() / "tests/train/hf_mixtral_oracle.py").string() + " " +
-                           (dir_ / "hf").string() + " " + (dir_ / "tokens.bin").string() + " " +
-                           (dir_ / "logits.bin").string() + " " + (dir_ / "greedy.bin").string() + " " +
-                           (dir_ / "text.txt").string());
-  EXPECT_NE(py.status, 0) << py.output;
+  const test::CommandResult py = run_oracle(dir_);
+  EXPECT_NE(py.exit_code, 0) << py.output;
   EXPECT_NE(py.output.find("logit"), std::string::npos) << py.output;
 }
 
@@ -217,8 +197,8 @@ TEST_F(HfTransformers, InitFromHfReadsTheExportBack) {
   options.output = (dir_ / "hf").string();
   export_checkpoint(options, log);
   std::ofstream(dir_ / "to_bf16.py") << kToBf16;
-  const Py py = run_python((dir_ / "to_bf16.py").string() + " " + (dir_ / "hf").string() + " " + (dir_ / "hf_bf16").string());
-  ASSERT_EQ(py.status, 0) << py.output;
+  const test::CommandResult py = run_python((dir_ / "to_bf16.py").string() + " " + (dir_ / "hf").string() + " " + (dir_ / "hf_bf16").string());
+  ASSERT_EQ(py.exit_code, 0) << py.output;
 
   RunConfig fresh = config;
   fresh.checkpoint.dir = "";
