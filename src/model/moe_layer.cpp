@@ -150,7 +150,8 @@ void MoELayer<T>::forward_dropless(T* y_nD, const T* x_nD, int64_t n) const {
   std::vector<T> logits_nE = buffer(n * E_), scores_nE = buffer(n * E_), weight_nK = buffer(n * K_), bias_E;
   std::vector<int32_t> expert_nK = ids(n * K_), row_nK = ids(n * K_), counts_E = ids(E_), offsets_E1 = ids(E_ + 1),
                        token_of_row_R = ids(n * K_);
-  linear_forward<T>(logits_nE.data(), x_nD, params_.value(router_w_), params_.value(router_b_), n, D_, E_);
+  linear_forward<T>(logits_nE.data(), x_nD, params_.value(router_w_), router_b_ >= 0 ? params_.value(router_b_) : nullptr,
+                    n, D_, E_);
   router_scores_forward<T>(scores_nE.data(), logits_nE.data(), n, E_, cfg_.temperature, cfg_.score_func);
   router_select<T>(expert_nK.data(), weight_nK.data(), scores_nE.data(), selection_bias(bias_E), n, E_, K_,
                    cfg_.renormalize, RouteGroups{cfg_.route_groups, cfg_.route_top_groups});

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/error.h"
 #include "core/range.h"
 #include "core/zeroed_allocator.h"
 
@@ -82,8 +83,15 @@ class ParameterStore {
   void zero_grads(const RangeList& ranges);
 
  private:
-  T* values_ptr(int id) { return values_.data() + offsets_[static_cast<size_t>(id)]; }
-  T* grads_ptr(int id) { return grads_.data() + offsets_[static_cast<size_t>(id)]; }
+  // An id outside the store (-1: a parameter the config leaves out) is a bug, not a pointer.
+  T* values_ptr(int id) {
+    MOE_CHECK(id >= 0 && id < size(), "parameter id {} outside the store's {}", id, size());
+    return values_.data() + offsets_[static_cast<size_t>(id)];
+  }
+  T* grads_ptr(int id) {
+    MOE_CHECK(id >= 0 && id < size(), "parameter id {} outside the store's {}", id, size());
+    return grads_.data() + offsets_[static_cast<size_t>(id)];
+  }
 
   std::vector<ParamSpec> specs_;
   std::unordered_map<std::string, int> ids_;  // name -> id: registering N parameters is O(N), not O(N^2)
