@@ -64,7 +64,7 @@ int run_generate(const GenerateCommandOptions& options, std::ostream& out, std::
     MOE_CONFIG_ERROR("the prompt is {} tokens, longer than the model's context of {} (model.seq_len)",
                      prompt_ids.size(), context);
   generate_options.eos = tokenizer->eos_id();
-  std::unique_ptr<Decoder> decoder = make_decoder(*loaded.model, options.device, log);
+  std::unique_ptr<Decoder> decoder = make_decoder(*loaded.model, options.device);
   const SamplingOptions& s = generate_options.sampling;
   fmt::print(log, "generate: {} (step {}) | tokenizer {}{} | prompt {} tokens, context {} | {} | {} | seed {}\n",
              options.checkpoint, loaded.step, tokenizer->name(), how.empty() ? "" : " (" + how + ")", prompt_ids.size(),

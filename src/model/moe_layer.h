@@ -71,6 +71,7 @@ class MoELayer {
   // Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e), then reset load.
   void update_balancing_bias();
   std::vector<float>& balance_bias_E() { return bias_E_; }
+  const std::vector<float>& balance_bias_E() const { return bias_E_; }
   const std::string& prefix() const { return prefix_; }
   int64_t n_experts() const { return E_; }
   // Distributed runs: the global micro-batch's ranks (aux loss, z-loss, capacity), and

@@ -245,6 +245,14 @@ void Transformer<T>::set_moe_parallel(MoEBatchGroup* batch, const std::vector<Ex
 }
 
 template <typename T>
+std::vector<const MoELayer<T>*> Transformer<T>::moe_layers() const {
+  std::vector<const MoELayer<T>*> layers;
+  for (const auto& block : blocks_)
+    if (block.moe) layers.push_back(block.moe.get());
+  return layers;
+}
+
+template <typename T>
 std::vector<MoELayer<T>*> Transformer<T>::moe_layers() {
   std::vector<MoELayer<T>*> layers;
   for (auto& block : blocks_)

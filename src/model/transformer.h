@@ -80,6 +80,7 @@ class Transformer {
   const ParameterStore<T>& params() const { return params_; }
   const ModelConfig& config() const { return config_; }
   std::vector<MoELayer<T>*> moe_layers();
+  std::vector<const MoELayer<T>*> moe_layers() const;
   // Data and expert parallelism for every MoE layer (exchanges[i] and slots[i] for the i-th
   // MoE layer; empty: none). Call plan() afterwards.
   void set_moe_parallel(MoEBatchGroup* batch, const std::vector<ExpertExchange*>& exchanges,

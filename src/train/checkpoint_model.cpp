@@ -9,6 +9,7 @@
 #include "core/error.h"
 #ifdef MOE_HAVE_CUDA
 #include "core/gpu.h"
+#include "model/cuda/gpu_decoder.h"
 #endif
 #include "train/checkpoint.h"
 #include "train/state_pieces.h"
@@ -46,13 +47,13 @@ CheckpointModel load_checkpoint_model(const std::string& path, const std::vector
   return loaded;
 }
 
-std::unique_ptr<Decoder> make_decoder(const Transformer<float>& model, const std::string& device, std::ostream& notes) {
+std::unique_ptr<Decoder> make_decoder(const Transformer<float>& model, const std::string& device) {
   if (device != "cpu" && device != "gpu" && device != "auto")
     MOE_CONFIG_ERROR("--device must be cpu, gpu or auto, got \"{}\"", device);
 #ifdef MOE_HAVE_CUDA
   const bool gpu = device != "cpu" && gpu::device_count() > 0;
   if (device == "gpu" && !gpu) MOE_CONFIG_ERROR("--device gpu, but no CUDA device is visible");
-  if (gpu) fmt::print(notes, "generate: no GPU decoder yet: decoding on the CPU\n");
+  if (gpu) return std::make_unique<GpuDecoder>(model);
 #else
   if (device == "gpu") MOE_CONFIG_ERROR("--device gpu, but this build has no CUDA backend (nvcc was not found at build time)");
 #endif

@@ -29,9 +29,8 @@ struct CheckpointModel {
 CheckpointModel load_checkpoint_model(const std::string& path, const std::vector<std::string>& overrides,
                                       std::ostream& warnings);
 
-// "cpu", "gpu" or "auto" (the GPU when the build has CUDA and a GPU is visible). A GPU
-// asked for without one is a ConfigError. There is no GPU decoder yet: on a GPU the CPU
-// decoder runs and one line on `notes` says so.
-std::unique_ptr<Decoder> make_decoder(const Transformer<float>& model, const std::string& device, std::ostream& notes);
+// "cpu", "gpu" or "auto" (the GPU when the build has CUDA and a GPU is visible: GpuDecoder,
+// model/cuda/gpu_decoder.h). A GPU asked for without one is a ConfigError.
+std::unique_ptr<Decoder> make_decoder(const Transformer<float>& model, const std::string& device);
 
 }  // namespace moe

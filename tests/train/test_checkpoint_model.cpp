@@ -78,7 +78,7 @@ TEST_F(CheckpointModelTest, GeneratesTheLookBackSequenceItLearnt) {
     if (i % 16 >= 2) permutation[inputs[i - 2]] = targets[i];
   ASSERT_EQ(permutation.size(), 16u);
 
-  const std::unique_ptr<Decoder> decoder = make_decoder(*loaded.model, "cpu", log);
+  const std::unique_ptr<Decoder> decoder = make_decoder(*loaded.model, "cpu");
   GenerateOptions options;
   options.max_tokens = 40;  // past the 16-token context: 3 slides to 8 tokens
   options.sampling.temperature = 0;
