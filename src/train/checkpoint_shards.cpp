@@ -29,6 +29,7 @@ namespace {
 constexpr const char* kFormat = "moe-train-checkpoint";
 using Clock = std::chrono::steady_clock;
 constexpr int kIoThreads = 8;  // threads writing a shard and reading pieces, at most (and at most the cores)
+constexpr size_t kOpenShards = 64;  // shard files read_slices holds open at once
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -206,6 +207,37 @@ void CheckpointShardReader::verify_whole_file() const {
     MOE_THROW("{}: contents do not match the hash in the manifest (corrupted)", source_);
 }
 
+namespace {
+
+// A stored piece into every target that overlaps it: straight into one that holds it
+// whole, else through `buffer`. Pieces are disjoint, so two threads never write one element.
+void read_piece_into(const CheckpointShardReader& reader, const std::string& tensor, const ManifestPiece& piece,
+                     const std::vector<const StateTarget*>& targets, std::vector<float>& buffer) {
+  const int64_t piece_end = piece.begin + piece.count;
+  const float* values = nullptr;
+  for (const StateTarget* target : targets)
+    if (target->begin <= piece.begin && piece_end <= target->begin + target->count) {
+      float* into = target->data + (piece.begin - target->begin);
+      reader.read_piece(tensor, piece, into);
+      values = into;
+      break;
+    }
+  if (!values) {
+    buffer.resize(static_cast<size_t>(piece.count));
+    reader.read_piece(tensor, piece, buffer.data());
+    values = buffer.data();
+  }
+  for (const StateTarget* target : targets) {
+    const int64_t lo = std::max(piece.begin, target->begin);
+    const int64_t hi = std::min(piece_end, target->begin + target->count);
+    float* to = target->data + (lo - target->begin);
+    const float* from = values + (lo - piece.begin);
+    if (hi > lo && to != from) std::memmove(to, from, static_cast<size_t>(hi - lo) * sizeof(float));
+  }
+}
+
+}  // namespace
+
 SliceReadStats read_slices(const LoadedCheckpoint& ckpt, const std::vector<StateTarget>& targets) {
   const auto start = Clock::now();
   // Each stored piece that some target overlaps, once, with those targets; by shard.
@@ -229,60 +261,44 @@ SliceReadStats read_slices(const LoadedCheckpoint& ckpt, const std::vector<State
       use.second.push_back(&target);
     }
   }
-  // Every shard's reader opened (and its header checked) first; then the pieces are read on
-  // several threads, largest first: one thread's pread, hashing and first touch of fresh
-  // target pages reads about 1.2 GB/s, well below what page cache and NVMe deliver.
-  std::map<int, std::unique_ptr<CheckpointShardReader>> readers;
-  for (const auto& [key, use] : uses)
-    if (!readers.count(std::get<0>(key)))
-      readers.emplace(std::get<0>(key), std::make_unique<CheckpointShardReader>(ckpt.path, ckpt.manifest, std::get<0>(key)));
-  std::vector<const std::pair<const Key, std::pair<const ManifestPiece*, std::vector<const StateTarget*>>>*> work;
-  for (const auto& entry : uses) work.push_back(&entry);
-  std::stable_sort(work.begin(), work.end(), [](const auto* a, const auto* b) {
-    return a->second.first->count > b->second.first->count;
-  });
+  // The pieces of up to kOpenShards shards at a time (a reader holds a descriptor: one
+  // process resuming a 1,024-rank checkpoint must stay under the descriptor limit), each
+  // batch read on several threads, largest piece first: one thread's pread, hashing and
+  // first touch of fresh target pages reads about 1.2 GB/s, far below the page cache.
+  using Entry = std::pair<const Key, std::pair<const ManifestPiece*, std::vector<const StateTarget*>>>;
   int64_t bytes = 0;
   std::exception_ptr error;
   std::mutex error_mutex;
-  const int threads = std::max(1, std::min<int>({kIoThreads, available_cores(), static_cast<int>(work.size())}));
+  for (auto next = uses.begin(); next != uses.end();) {
+    std::map<int, std::unique_ptr<CheckpointShardReader>> readers;
+    std::vector<const Entry*> work;
+    for (; next != uses.end(); ++next) {  // `uses` is ordered by shard first
+      const int shard = std::get<0>(next->first);
+      if (!readers.count(shard)) {
+        if (readers.size() == kOpenShards) break;
+        readers.emplace(shard, std::make_unique<CheckpointShardReader>(ckpt.path, ckpt.manifest, shard));
+      }
+      work.push_back(&*next);
+    }
+    std::stable_sort(work.begin(), work.end(),
+                     [](const Entry* x, const Entry* y) { return x->second.first->count > y->second.first->count; });
+    const int threads = std::max(1, std::min<int>({kIoThreads, available_cores(), static_cast<int>(work.size())}));
 #pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> buffer;
+    {
+      std::vector<float> buffer;
 #pragma omp for schedule(dynamic, 1) reduction(+ : bytes)
-    for (size_t i = 0; i < work.size(); ++i) {
-      try {
-        const auto& [key, use] = *work[i];
-        const std::string& tensor = std::get<1>(key);
-        const CheckpointShardReader& reader = *readers.at(std::get<0>(key));
-        const ManifestPiece& piece = *use.first;
-        const int64_t piece_end = piece.begin + piece.count;
-        // Straight into a target that holds the whole piece, else through the buffer.
-        const float* values = nullptr;
-        for (const StateTarget* target : use.second)
-          if (target->begin <= piece.begin && piece_end <= target->begin + target->count) {
-            float* into = target->data + (piece.begin - target->begin);
-            reader.read_piece(tensor, piece, into);
-            values = into;
-            break;
-          }
-        if (!values) {
-          buffer.resize(static_cast<size_t>(piece.count));
-          reader.read_piece(tensor, piece, buffer.data());
-          values = buffer.data();
+      for (size_t i = 0; i < work.size(); ++i) {
+        try {
+          const auto& [key, use] = *work[i];
+          read_piece_into(*readers.at(std::get<0>(key)), std::get<1>(key), *use.first, use.second, buffer);
+          bytes += use.first->count * static_cast<int64_t>(sizeof(float));
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          if (!error) error = std::current_exception();
         }
-        for (const StateTarget* target : use.second) {  // pieces are disjoint: no two threads write one element
-          const int64_t lo = std::max(piece.begin, target->begin);
-          const int64_t hi = std::min(piece_end, target->begin + target->count);
-          float* to = target->data + (lo - target->begin);
-          const float* from = values + (lo - piece.begin);
-          if (hi > lo && to != from) std::memmove(to, from, static_cast<size_t>(hi - lo) * sizeof(float));
-        }
-        bytes += piece.count * static_cast<int64_t>(sizeof(float));
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (!error) error = std::current_exception();
       }
     }
+    if (error) break;
   }
   if (error) std::rethrow_exception(error);
   SliceReadStats stats;

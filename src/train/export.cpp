@@ -15,6 +15,7 @@
 #include "data/bpe.h"
 #include "data/tokenizer.h"
 #include "train/checkpoint.h"
+#include "train/mixtral_names.h"
 #include "core/atomic_file.h"
 #include "train/safetensors.h"
 
@@ -96,13 +97,8 @@ HfTokenizer export_tokenizer(const LoadedCheckpoint& ckpt, std::ostream& out) {
                "files\n", ckpt.path.string(), ckpt.config.data.tokenizer);
     return ids_from_spec(ckpt.config);
   }
-  const json root = json::parse(t.json_text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded() || !root.is_object() || !root.contains("added_tokens") || !root["added_tokens"].is_array())
-    MOE_THROW("{}: tokenizer.json is not a tokenizer file", ckpt.path.string());
-  std::vector<AddedToken> added;
-  for (const json& a : root["added_tokens"])
-    if (a.is_object() && a.contains("id") && a["id"].is_number_integer() && a.contains("content") && a["content"].is_string())
-      added.push_back({a["content"].get<std::string>(), a["id"].get<int32_t>(), a.value("special", false)});
+  // The special tokens as the run's tokenizer reads them (the file's hash was checked).
+  const std::vector<AddedToken> added = parse_hf_tokenizer(t.json_text, (ckpt.path / "tokenizer.json").string()).added;
   t.eos_id = find_end_of_text(added);
   t.bos_id = find_begin_of_text(added);
   for (const AddedToken& a : added) {
@@ -174,9 +170,9 @@ std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_i
   const ModelConfig& m = ckpt.config.model;
   const int64_t E = m.moe.n_experts, F = m.moe.expert_hidden, D = m.dim;
   std::vector<HfTensor> tensors;
-  auto copy = [&](const std::string& ours, const std::string& theirs) {
+  auto copy = [&](const std::string& ours) {  // a parameter Mixtral holds whole, as it is
     const std::string name = "param/" + ours;
-    tensors.push_back({theirs, shape_of(ckpt, name), [&ckpt, name] { return read_tensor(ckpt, name); }});
+    tensors.push_back({mixtral_tensor(ours, m)->name, shape_of(ckpt, name), [&ckpt, name] { return read_tensor(ckpt, name); }});
   };
   auto inexact = [&](const std::string& what) {
     if (!allow_inexact)
@@ -184,16 +180,11 @@ std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_i
                        ckpt.path.string(), what);
     fmt::print(out, "warning: export: {}; dropped, routing will differ\n", what);
   };
-  copy("embedding", "model.embed_tokens.weight");
+  copy("embedding");
   for (int64_t l = 0; l < m.n_layers; ++l) {
     const std::string ours = fmt::format("layers.{}", l);
-    const std::string theirs = fmt::format("model.layers.{}", l);
-    copy(ours + ".attn_norm", theirs + ".input_layernorm.weight");
-    copy(ours + ".attn.wq", theirs + ".self_attn.q_proj.weight");
-    copy(ours + ".attn.wk", theirs + ".self_attn.k_proj.weight");
-    copy(ours + ".attn.wv", theirs + ".self_attn.v_proj.weight");
-    copy(ours + ".attn.wo", theirs + ".self_attn.o_proj.weight");
-    copy(ours + ".ffn_norm", theirs + ".post_attention_layernorm.weight");
+    for (const char* part : {".attn_norm", ".attn.wq", ".attn.wk", ".attn.wv", ".attn.wo", ".ffn_norm"})
+      copy(ours + part);
 
     const std::string moe = ours + ".moe";
     const bool has_bias = ckpt.find("param/" + moe + ".router.bias") != nullptr;  // moe.router_bias
@@ -207,7 +198,8 @@ std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_i
     }
     // logits / temperature == (W / temperature) x: fold it into the gate.
     const double temperature = m.moe.temperature;
-    tensors.push_back({theirs + ".block_sparse_moe.gate.weight", {E, D}, [&ckpt, moe, temperature] {
+    MixtralTensor gate = *mixtral_tensor(moe + ".router.weight", m);
+    tensors.push_back({std::move(gate.name), std::move(gate.shape), [&ckpt, moe, temperature] {
                          std::vector<float> gate = read_tensor(ckpt, "param/" + moe + ".router.weight");
                          if (temperature != 1.0)
                            for (float& w : gate) w = static_cast<float>(w / temperature);
@@ -215,18 +207,16 @@ std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_i
                        }});
     // Expert e's rows of w1, w3 [E, F, D] and w2 [E, D, F], read one expert at a time.
     const int64_t slab = F * D;
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string expert = fmt::format("{}.block_sparse_moe.experts.{}", theirs, e);
+    for (int64_t e = 0; e < E; ++e)
       for (const char* w : {"w1", "w2", "w3"}) {
         const std::string name = "param/" + moe + ".experts." + w;
-        const std::vector<int64_t> shape = std::string(w) == "w2" ? std::vector<int64_t>{D, F} : std::vector<int64_t>{F, D};
-        tensors.push_back({expert + "." + w + ".weight", shape,
+        MixtralTensor expert = mixtral_expert_tensor(l, e, w, m);
+        tensors.push_back({std::move(expert.name), std::move(expert.shape),
                            [&ckpt, name, e, slab] { return read_tensor(ckpt, name, e * slab, slab); }});
       }
-    }
   }
-  copy("final_norm", "model.norm.weight");
-  if (!m.tie_embeddings) copy("lm_head", "lm_head.weight");
+  copy("final_norm");
+  if (!m.tie_embeddings) copy("lm_head");
   if (m.moe.capacity_factor > 0)
     fmt::print(out, "warning: export: moe.capacity_factor = {} drops tokens in training; Mixtral is dropless\n",
                m.moe.capacity_factor);

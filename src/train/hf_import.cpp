@@ -14,6 +14,7 @@
 #include "core/atomic_file.h"
 #include "core/bf16.h"
 #include "core/error.h"
+#include "train/mixtral_names.h"
 #include "train/safetensors.h"
 
 namespace moe {
@@ -189,46 +190,29 @@ void HfWeights::read(const std::string& name, int64_t begin, int64_t count, floa
       MOE_CONFIG_ERROR("--init-from-hf {}: '{}' has shape [{}], this model needs [{}]", dir_, hf_name,
                        fmt::join(info.shape, ", "), fmt::join(shape, ", "));
   };
-  const int64_t D = model_.dim, F = model_.moe.expert_hidden, E = model_.moe.n_experts;
-  const int64_t H = model_.n_heads, G = model_.n_kv_heads, hd = model_.head_dim(), V = model_.vocab_size;
-  auto whole = [&](const std::string& hf_name, std::vector<int64_t> shape) {
-    hf_shape_check(hf_name, std::move(shape));
-    read_hf(hf_name, begin, count, out);
-  };
-  if (name == "embedding") return whole("model.embed_tokens.weight", {V, D});
-  if (name == "final_norm") return whole("model.norm.weight", {D});
-  if (name == "lm_head") return whole("lm_head.weight", {V, D});
-  // layers.L.<rest>
-  const size_t dot = name.find('.', 7);
-  if (!name.starts_with("layers.") || dot == std::string::npos)
-    MOE_CONFIG_ERROR("--init-from-hf {}: our parameter '{}' has no Mixtral counterpart", dir_, name);
-  const std::string theirs = "model.layers." + name.substr(7, dot - 7);
-  const std::string rest = name.substr(dot + 1);
-  if (rest == "attn_norm") return whole(theirs + ".input_layernorm.weight", {D});
-  if (rest == "ffn_norm") return whole(theirs + ".post_attention_layernorm.weight", {D});
-  if (rest == "attn.wq") return whole(theirs + ".self_attn.q_proj.weight", {H * hd, D});
-  if (rest == "attn.wk") return whole(theirs + ".self_attn.k_proj.weight", {G * hd, D});
-  if (rest == "attn.wv") return whole(theirs + ".self_attn.v_proj.weight", {G * hd, D});
-  if (rest == "attn.wo") return whole(theirs + ".self_attn.o_proj.weight", {D, H * hd});
-  if (rest == "moe.router.bias") {  // Mixtral's gate has none: ours starts at zero
+  if (name.ends_with(".moe.router.bias")) {  // Mixtral's gate has none: ours starts at zero
     std::fill(out, out + count, 0.0f);
     return;
   }
-  if (rest == "moe.router.weight") {
+  if (const std::optional<MixtralTensor> t = mixtral_tensor(name, model_)) {
+    hf_shape_check(t->name, t->shape);
+    read_hf(t->name, begin, count, out);
     // export folds 1/temperature into the gate: logits / t == (t W_gate x) / t.
-    whole(theirs + ".block_sparse_moe.gate.weight", {E, D});
-    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(out[i] * model_.moe.temperature);
+    if (name.ends_with(".moe.router.weight"))
+      for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(out[i] * model_.moe.temperature);
     return;
   }
-  if (rest == "moe.experts.w1" || rest == "moe.experts.w3" || rest == "moe.experts.w2") {
+  const size_t experts = name.find(".moe.experts.w");
+  if (name.starts_with("layers.") && experts != std::string::npos && name.size() == experts + 15) {
     // Ours [E, F, D] (w2 [E, D, F]) is the experts' tensors one after another.
-    const std::string w = rest.substr(rest.size() - 2);
-    const int64_t slab = F * D;
+    const int64_t layer = std::stoll(name.substr(7, experts - 7));
+    const std::string w = name.substr(name.size() - 2);
+    const int64_t slab = model_.moe.expert_hidden * model_.dim;
     for (int64_t at = begin; at < begin + count;) {
       const int64_t e = at / slab, within = at % slab, n = std::min(slab - within, begin + count - at);
-      const std::string hf_name = fmt::format("{}.block_sparse_moe.experts.{}.{}.weight", theirs, e, w);
-      hf_shape_check(hf_name, w == "w2" ? std::vector<int64_t>{D, F} : std::vector<int64_t>{F, D});
-      read_hf(hf_name, within, n, out + (at - begin));
+      const MixtralTensor t = mixtral_expert_tensor(layer, e, w, model_);
+      hf_shape_check(t.name, t.shape);
+      read_hf(t.name, within, n, out + (at - begin));
       at += n;
     }
     return;

@@ -12,12 +12,11 @@
 #include <initializer_list>
 #include <string>
 
+#include "shell_command.h"
+
 namespace moe::test {
 
-struct MoeResult {
-  int exit_code = -1;  // -1: killed by a signal; 124: by the time limit
-  std::string output;  // stdout and stderr together
-};
+using MoeResult = CommandResult;  // exit code 124: killed by run_moe's time limit
 
 inline std::string moe_binary() {
   // ctest sets MOE_BINARY; run by hand, the binary sits beside the test executable.
@@ -30,17 +29,7 @@ inline std::string moe_binary() {
 // after `limit_seconds` (exit code 124 or 137): a regression that hangs fails, not stalls.
 // With `merge_stderr` false the output is stdout alone and `args` redirects stderr itself.
 inline MoeResult run_moe(const std::string& args, int limit_seconds = 120, bool merge_stderr = true) {
-  MoeResult result;
-  const std::string command =
-      "timeout -k 5 " + std::to_string(limit_seconds) + " " + moe_binary() + " " + args + (merge_stderr ? " 2>&1" : "");
-  FILE* pipe = popen(command.c_str(), "r");
-  if (!pipe) return result;
-  std::array<char, 4096> buffer{};
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
+  return run_command("timeout -k 5 " + std::to_string(limit_seconds) + " " + moe_binary() + " " + args, merge_stderr);
 }
 
 // A failed command: the expected exit code, one line of output, holding every fragment.

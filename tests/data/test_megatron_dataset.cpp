@@ -3,7 +3,7 @@
 // files are one-line ConfigErrors naming the file; ids must fit the vocabulary.
 #include <gtest/gtest.h>
 
-#include "oracle_python.h"
+#include "shell_command.h"
 #include <unistd.h>
 
 #include <cstdio>

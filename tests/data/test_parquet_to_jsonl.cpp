@@ -2,7 +2,7 @@
 // `moe train` reads through data.dir (row for row); bad input is one line and exit code 2.
 #include <gtest/gtest.h>
 
-#include "oracle_python.h"
+#include "shell_command.h"
 #include <sys/wait.h>
 
 #include <array>
@@ -17,25 +17,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string source_dir() {
-  if (const char* s = std::getenv("MOE_SOURCE_DIR"); s && *s) return s;
-  return fs::path(__FILE__).parent_path().parent_path().parent_path().string();
-}
-std::string python() { return test::oracle_python(); }
-
-// A shell command's exit code and output (stdout and stderr).
-test::MoeResult shell(const std::string& command) {
-  test::MoeResult result;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (!pipe) return result;
-  std::array<char, 4096> buffer{};
-  size_t n;
-  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return result;
-}
-
 // 50 rows (one null) of text plus an id column.
 constexpr const char* kWriteParquet = R"PY(
 import sys
@@ -48,15 +29,15 @@ pq.write_table(pa.table({"id": list(range(50)), "text": texts}), sys.argv[1], ro
 class ParquetToJsonl : public test::CliTempDir {
  protected:
   std::string convert(const std::string& args) {
-    return python() + " " + source_dir() + "/scripts/parquet_to_jsonl.py " + args;
+    return test::oracle_python() + " " + (test::source_root() / "scripts/parquet_to_jsonl.py").string() + " " + args;
   }
 };
 
 TEST_F(ParquetToJsonl, ConvertsRowsThatMoeTrainReads) {
   std::ofstream(p("write.py")) << kWriteParquet;
-  test::MoeResult r = shell(python() + " " + p("write.py") + " " + p("rows.parquet"));
+  test::MoeResult r = test::run_command(test::oracle_python() + " " + p("write.py") + " " + p("rows.parquet"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = shell(convert("--input " + p("rows.parquet") + " --output " + p("jsonl") + " --rows-per-file 20"));
+  r = test::run_command(convert("--input " + p("rows.parquet") + " --output " + p("jsonl") + " --rows-per-file 20"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("49 rows from 1 files -> 3 files in " + p("jsonl") + " (1 null rows skipped)"),
             std::string::npos)
@@ -91,7 +72,7 @@ TEST_F(ParquetToJsonl, ConvertsRowsThatMoeTrainReads) {
 
 TEST_F(ParquetToJsonl, BadInputIsOneLineAndExitTwo) {
   std::ofstream(p("write.py")) << kWriteParquet;
-  ASSERT_EQ(shell(python() + " " + p("write.py") + " " + p("rows.parquet")).exit_code, 0);
+  ASSERT_EQ(test::run_command(test::oracle_python() + " " + p("write.py") + " " + p("rows.parquet")).exit_code, 0);
   std::ofstream(p("fake.parquet")) << "not parquet at all";
   struct Case {
     std::string args, fragment;
@@ -104,7 +85,7 @@ TEST_F(ParquetToJsonl, BadInputIsOneLineAndExitTwo) {
                         Case{"--input " + p("fake.parquet") + " --output " + p("o"), "not a readable parquet file"},
                         Case{"--input " + p("rows.parquet") + " --output " + p("o") + " --rows-per-file 0",
                              "--rows-per-file must be >= 1"}}) {
-    test::expect_one_line_error(shell(convert(c.args)), 2, {"parquet_to_jsonl: error: ", c.fragment});
+    test::expect_one_line_error(test::run_command(convert(c.args)), 2, {"parquet_to_jsonl: error: ", c.fragment});
   }
 }
 

@@ -15,7 +15,7 @@
 #include <sstream>
 #include <string>
 
-#include "oracle_python.h"
+#include "shell_command.h"
 #include "train/trainer.h"
 #include "train/synthetic.h"
 

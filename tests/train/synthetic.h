@@ -6,6 +6,7 @@
 #include <numeric>
 #include <vector>
 
+#include "config/run_config.h"
 #include "core/rng.h"
 #include "data/batch_source.h"
 
@@ -44,5 +45,30 @@ class LookBackTask final : public BatchSource {
   uint64_t counter_ = 0;
   std::vector<int32_t> permutation_;
 };
+
+// A model and schedule that learn LookBackTask (16 ids, 16 positions) in 150 steps.
+inline RunConfig lookback_config() {
+  RunConfig config;
+  ModelConfig& m = config.model;
+  m.vocab_size = 16;
+  m.dim = 32;
+  m.n_layers = 2;
+  m.n_heads = 2;
+  m.n_kv_heads = 1;
+  m.seq_len = 16;
+  m.moe.n_experts = 4;
+  m.moe.top_k = 2;
+  m.moe.expert_hidden = 32;
+  config.training.micro_batch = 16;
+  config.training.global_batch_tokens = 512;  // 2 micro-batches
+  config.training.steps = 150;
+  config.training.val_batches = 4;
+  config.training.val_interval = 0;
+  config.lr.peak = 1e-2;
+  config.lr.warmup_steps = 20;
+  config.optimizer.weight_decay = 0.0;
+  config.metrics.log_interval = 50;
+  return config;
+}
 
 }  // namespace moe::test

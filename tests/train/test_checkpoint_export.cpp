@@ -10,7 +10,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "oracle_python.h"
+#include "shell_command.h"
 #include "train/checkpoint.h"
 #include "train/export.h"
 #include "train/test_resume_fixtures.h"

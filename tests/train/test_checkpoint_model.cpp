@@ -23,26 +23,8 @@ class CheckpointModelTest : public TempDirTest {};
 
 TEST_F(CheckpointModelTest, GeneratesTheLookBackSequenceItLearnt) {
   set_num_threads(0);
-  RunConfig config;
-  ModelConfig& m = config.model;
-  m.vocab_size = 16;
-  m.dim = 32;
-  m.n_layers = 2;
-  m.n_heads = 2;
-  m.n_kv_heads = 1;
-  m.seq_len = 16;
-  m.moe.n_experts = 4;
-  m.moe.top_k = 2;
-  m.moe.expert_hidden = 32;
-  m.moe.bias_balancing = true;  // non-zero balancing biases to load
-  config.training.micro_batch = 16;
-  config.training.global_batch_tokens = 512;
-  config.training.steps = 150;
-  config.training.val_batches = 4;
-  config.training.val_interval = 0;
-  config.lr.peak = 1e-2;
-  config.lr.warmup_steps = 20;
-  config.optimizer.weight_decay = 0.0;
+  RunConfig config = test::lookback_config();
+  config.model.moe.bias_balancing = true;  // non-zero balancing biases to load
   config.checkpoint.dir = (dir_ / "ckpt").string();
   // The checkpoint's config is validated when read, and the byte tokenizer would need 257
   // ids; a tokenizer.json spec bounds nothing (no tokenizer is opened here).

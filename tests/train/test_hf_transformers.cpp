@@ -13,7 +13,7 @@
 
 #include "core/bf16.h"
 #include "data/tokenizer.h"
-#include "oracle_python.h"
+#include "shell_command.h"
 #include "model/generator.h"
 #include "train/export.h"
 #include "train/test_resume_fixtures.h"
@@ -90,24 +90,31 @@ std::vector<int32_t> greedy(Transformer<float>& model, std::vector<int32_t> toke
   return added;
 }
 
-class HfTransformers : public test::TempDirTest {};
+class HfTransformers : public test::TempDirTest {
+ protected:
+  fs::path checkpoint() const { return dir_ / "ckpt" / "step_00000004"; }
+  // exportable_config trained to its step-4 checkpoint (keeping `tokenizer_json`, as
+  // `moe train` does), exported to dir_/hf; what the export printed goes to export_log_.
+  std::unique_ptr<Trainer> train_and_export(const std::string& tokenizer_json = "") {
+    auto trainer = test::make_trainer(exportable_config(dir_));
+    trainer->tokenizer_json = tokenizer_json;
+    std::ostringstream log;
+    trainer->run(log);
+    ExportOptions options;
+    options.checkpoint = checkpoint().string();
+    options.output = (dir_ / "hf").string();
+    export_checkpoint(options, export_log_);
+    return trainer;
+  }
+  std::ostringstream export_log_;
+};
 
 TEST_F(HfTransformers, ExportComputesOurLogitsGreedyTokensAndTokenizer) {
-  const RunConfig config = exportable_config(dir_);
-  auto trainer = test::make_trainer(config);
-  trainer->tokenizer_json = ByteTokenizer().hf_tokenizer_json();  // as `moe train` sets it
-  std::ostringstream log;
-  trainer->run(log);
-  const fs::path ckpt = dir_ / "ckpt" / "step_00000004";
-  ASSERT_TRUE(fs::exists(ckpt / "tokenizer.json")) << log.str();
-  EXPECT_FALSE(read_checkpoint(ckpt).find("param/layers.0.moe.router.bias")) << "moe.router_bias = false keeps none";
-
-  ExportOptions options;
-  options.checkpoint = ckpt.string();
-  options.output = (dir_ / "hf").string();
-  std::ostringstream out;
-  export_checkpoint(options, out);  // exact: no --allow-inexact needed
-  EXPECT_EQ(out.str().find("warning"), std::string::npos) << out.str();
+  auto trainer = train_and_export(ByteTokenizer().hf_tokenizer_json());
+  ASSERT_TRUE(fs::exists(checkpoint() / "tokenizer.json"));
+  EXPECT_FALSE(read_checkpoint(checkpoint()).find("param/layers.0.moe.router.bias")) << "moe.router_bias = false keeps none";
+  // Exact: no --allow-inexact needed, nothing dropped.
+  EXPECT_EQ(export_log_.str().find("warning"), std::string::npos) << export_log_.str();
   for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"})
     EXPECT_TRUE(fs::exists(dir_ / "hf" / file)) << file;
 
@@ -136,15 +143,7 @@ TEST_F(HfTransformers, ExportComputesOurLogitsGreedyTokensAndTokenizer) {
 // The oracle is not vacuous: a gate scaled by 1.01 (the temperature folded wrongly, say)
 // makes it fail on the logits.
 TEST_F(HfTransformers, TheOracleSeesAWrongGate) {
-  const RunConfig config = exportable_config(dir_);
-  auto trainer = test::make_trainer(config);
-  std::ostringstream log;
-  trainer->run(log);
-  ExportOptions options;
-  options.checkpoint = (dir_ / "ckpt" / "step_00000004").string();
-  options.output = (dir_ / "hf").string();
-  std::ostringstream out;
-  export_checkpoint(options, out);
+  auto trainer = train_and_export();
   Transformer<float>& model = trainer->model();
   const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
   write_raw(dir_ / "tokens.bin", prompt);
@@ -160,12 +159,6 @@ TEST_F(HfTransformers, TheOracleSeesAWrongGate) {
   EXPECT_NE(py.output.find("logit"), std::string::npos) << py.output;
 }
 
-}  // namespace
-}  // namespace moe
-
-namespace moe {
-namespace {
-
 // A copy of the export with every tensor in bf16 (as published checkpoints are), written
 // by torch.
 constexpr const char* kToBf16 = R"PY(
@@ -178,29 +171,16 @@ save_file(tensors, dst + "/model.safetensors", metadata={"format": "pt"})
 print("bf16", len(tensors))
 )PY";
 
-std::vector<float> params_of(Transformer<float>& model) {
-  std::vector<float> all;
-  auto& params = model.params();
-  for (int id = 0; id < params.size(); ++id) all.insert(all.end(), params.value(id), params.value(id) + params.numel(id));
-  return all;
-}
-
 // --init-from-hf reads the export back: every parameter as trained (the gate through the
 // temperature within 1 ulp), bf16 files as their bf16 values, and a run continues from them.
 TEST_F(HfTransformers, InitFromHfReadsTheExportBack) {
-  const RunConfig config = exportable_config(dir_);
-  auto trained = test::make_trainer(config);
+  auto trained = train_and_export();
   std::ostringstream log;
-  trained->run(log);
-  ExportOptions options;
-  options.checkpoint = (dir_ / "ckpt" / "step_00000004").string();
-  options.output = (dir_ / "hf").string();
-  export_checkpoint(options, log);
   std::ofstream(dir_ / "to_bf16.py") << kToBf16;
   const test::CommandResult py = run_python((dir_ / "to_bf16.py").string() + " " + (dir_ / "hf").string() + " " + (dir_ / "hf_bf16").string());
   ASSERT_EQ(py.exit_code, 0) << py.output;
 
-  RunConfig fresh = config;
+  RunConfig fresh = exportable_config(dir_);
   fresh.checkpoint.dir = "";
   fresh.training.stop_at = 0;
   auto& want = trained->model().params();
@@ -233,14 +213,9 @@ TEST_F(HfTransformers, InitFromHfReadsTheExportBack) {
 }
 
 TEST_F(HfTransformers, InitFromHfRefusesAnotherShapeOrAMissingTensor) {
-  RunConfig config = exportable_config(dir_);
-  auto trained = test::make_trainer(config);
+  const RunConfig config = exportable_config(dir_);
+  train_and_export();
   std::ostringstream log;
-  trained->run(log);
-  ExportOptions options;
-  options.checkpoint = (dir_ / "ckpt" / "step_00000004").string();
-  options.output = (dir_ / "hf").string();
-  export_checkpoint(options, log);
   auto expect_refused = [&](RunConfig c, const std::string& folder, const std::string& why) {
     c.checkpoint.dir = "";
     auto trainer = test::make_trainer(c);

@@ -15,29 +15,6 @@
 namespace moe {
 namespace {
 
-RunConfig lookback_config() {
-  RunConfig config;
-  ModelConfig& m = config.model;
-  m.vocab_size = 16;
-  m.dim = 32;
-  m.n_layers = 2;
-  m.n_heads = 2;
-  m.n_kv_heads = 1;
-  m.seq_len = 16;
-  m.moe.n_experts = 4;
-  m.moe.top_k = 2;
-  m.moe.expert_hidden = 32;
-  config.training.micro_batch = 16;
-  config.training.global_batch_tokens = 512;  // 2 micro-batches
-  config.training.steps = 150;
-  config.training.val_batches = 4;
-  config.training.val_interval = 0;
-  config.lr.peak = 1e-2;
-  config.lr.warmup_steps = 20;
-  config.optimizer.weight_decay = 0.0;
-  config.metrics.log_interval = 50;
-  return config;
-}
 
 std::unique_ptr<Trainer> make_trainer(const RunConfig& config) {
   const auto& m = config.model;
@@ -48,7 +25,7 @@ std::unique_ptr<Trainer> make_trainer(const RunConfig& config) {
 
 TEST(Trainer, LearnsSyntheticLookBackTask) {
   set_num_threads(0);
-  RunConfig config = lookback_config();
+  RunConfig config = test::lookback_config();
   auto trainer = make_trainer(config);
   std::ostringstream log;
   TrainSummary summary = trainer->run(log);
@@ -61,7 +38,7 @@ TEST(Trainer, LearnsSyntheticLookBackTask) {
 
 // Same seed, any thread count: bit-identical losses and weights.
 TEST(Trainer, BitIdenticalAcrossRunsAndThreadCounts) {
-  RunConfig config = lookback_config();
+  RunConfig config = test::lookback_config();
   config.training.steps = 4;
   config.model.moe.capacity_factor = 1.0;
   config.model.moe.bias_balancing = true;
@@ -88,7 +65,7 @@ TEST(Trainer, BitIdenticalAcrossRunsAndThreadCounts) {
 
 // Accumulating 4 micro-batches of 4 sequences gives the gradient of one batch of 16.
 TEST(Trainer, GradientAccumulationMatchesOneBigBatch) {
-  RunConfig config = lookback_config();
+  RunConfig config = test::lookback_config();
   config.training.global_batch_tokens = 16 * 16;
   config.model.moe.aux_loss_coef = 0;  // aux loss is per micro-batch by definition
   config.model.moe.z_loss_coef = 0.01;
@@ -118,7 +95,7 @@ TEST(Trainer, GradientAccumulationMatchesOneBigBatch) {
 // so the step's router entropy is exactly log E per token (softmax and sigmoid).
 TEST(Trainer, UniformRouterEntropyIsLogExperts) {
   for (ScoreFunc score : {ScoreFunc::Softmax, ScoreFunc::Sigmoid}) {
-    RunConfig config = lookback_config();
+    RunConfig config = test::lookback_config();
     config.model.moe.score_func = score;
     auto trainer = make_trainer(config);
     auto& params = trainer->model().params();
@@ -134,7 +111,7 @@ TEST(Trainer, UniformRouterEntropyIsLogExperts) {
 // Bias balancing: after a step every expert's bias moved by bias_update_rate towards the
 // mean load of that step (up below the mean, down above it); the next step reports it.
 TEST(Trainer, BalancingBiasFollowsTheStepsLoad) {
-  RunConfig config = lookback_config();
+  RunConfig config = test::lookback_config();
   config.model.moe.bias_balancing = true;
   config.model.moe.bias_update_rate = 0.125;  // exact in float
   auto trainer = make_trainer(config);
@@ -170,7 +147,7 @@ TEST(Trainer, BalancingBiasFollowsTheStepsLoad) {
 
 // Every evaluation reads the same held-out sequences: the same weights give the same loss.
 TEST(Trainer, ValidationOfTheSameWeightsIsRepeatable) {
-  RunConfig config = lookback_config();
+  RunConfig config = test::lookback_config();
   auto trainer = make_trainer(config);
   trainer->train_step(0);
   const double first = trainer->validate();

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "model/cuda/decode_kernels.h"
+#include "moe/dispatch.h"
 #include "moe/router.h"
 
 namespace moe {
@@ -107,20 +108,15 @@ void GpuDecoder::State::moe(int64_t layer, size_t moe_index, float* out, const f
   const float* bias = m.bias_balancing ? model.moe_layers()[moe_index]->balance_bias_E().data() : nullptr;
   router_select<float>(expert.data(), weight.data(), scores.data(), bias, n, E, K, m.renormalize,
                        RouteGroups{m.route_groups, m.route_top_groups});
-  // Rows grouped by expert, tokens in order within each (a token picks an expert once).
-  std::vector<int32_t> row_token;
-  std::vector<float> row_weight_host;
-  std::vector<int64_t> offsets(static_cast<size_t>(E + 1), 0);
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t k = 0; k < K; ++k)
-        if (expert[static_cast<size_t>(t * K + k)] == e) {
-          row_token.push_back(static_cast<int32_t>(t));
-          row_weight_host.push_back(weight[static_cast<size_t>(t * K + k)]);
-        }
-    offsets[static_cast<size_t>(e + 1)] = static_cast<int64_t>(row_token.size());
-  }
-  MOE_CUDA_CHECK(cudaMemcpyAsync(rows.data(), row_token.data(), row_token.size() * sizeof(int32_t),
+  // Rows grouped by expert, tokens in order within each (dropless: capacity n K), as the
+  // CPU's forward_dropless lays them out; each row's combine weight beside it.
+  std::vector<int32_t> row_nK(expert.size()), counts(static_cast<size_t>(E)), offsets(static_cast<size_t>(E + 1)),
+      row_token(expert.size());
+  const int64_t R = assign_rows(row_nK.data(), counts.data(), offsets.data(), row_token.data(), expert.data(), n, E, K,
+                                /*capacity=*/n * K);
+  std::vector<float> row_weight_host(static_cast<size_t>(R));
+  for (size_t tk = 0; tk < row_nK.size(); ++tk) row_weight_host[static_cast<size_t>(row_nK[tk])] = weight[tk];
+  MOE_CUDA_CHECK(cudaMemcpyAsync(rows.data(), row_token.data(), static_cast<size_t>(R) * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, stream));
   MOE_CUDA_CHECK(cudaMemcpyAsync(row_weight.data(), row_weight_host.data(), row_weight_host.size() * sizeof(float),
                                  cudaMemcpyHostToDevice, stream));

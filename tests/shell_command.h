@@ -1,5 +1,5 @@
-// Running the test oracles: the venv python that scripts/setup.sh fills (.deps/venv; ctest
-// passes MOE_PYTHON / MOE_SOURCE_DIR) and a shell command's exit code and output.
+// Shell commands from tests: one runner (exit code and output), and the test oracles' venv
+// python that scripts/setup.sh fills (.deps/venv; ctest passes MOE_PYTHON / MOE_SOURCE_DIR).
 #pragma once
 #include <sys/wait.h>
 
@@ -23,13 +23,13 @@ inline std::string oracle_python() {
 }
 
 struct CommandResult {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr together
+  int exit_code = -1;  // -1: killed by a signal
+  std::string output;  // stdout and stderr together (stdout alone without merge_stderr)
 };
 
-inline CommandResult run_command(const std::string& command) {
+inline CommandResult run_command(const std::string& command, bool merge_stderr = true) {
   CommandResult result;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  FILE* pipe = popen((command + (merge_stderr ? " 2>&1" : "")).c_str(), "r");
   if (!pipe) return result;
   std::array<char, 4096> buffer{};
   size_t n;
