@@ -32,6 +32,11 @@ struct MoEConfig {
   // best groups only; route_groups <= 1: off.
   int64_t route_groups = 0;
   int64_t route_top_groups = 0;
+  // Routing cache (docs/ROUTING_CACHE.md): learns to guess each token's experts in the
+  // next MoE layer; measured only (hit rates in the metrics), the routing is unchanged.
+  bool route_cache = false;
+  int64_t route_cache_predict = 0;        // experts guessed per token; 0: top_k
+  int64_t route_cache_keys = 1 << 20;     // most (token, experts) keys kept per layer pair
 };
 
 struct ModelConfig {

@@ -58,6 +58,9 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("moe", "bias_update_rate", e.bias_update_rate);
   visit("moe", "route_groups", e.route_groups);
   visit("moe", "route_top_groups", e.route_top_groups);
+  visit("moe", "route_cache", e.route_cache);
+  visit("moe", "route_cache_predict", e.route_cache_predict);
+  visit("moe", "route_cache_keys", e.route_cache_keys);
   auto& t = c.training;
   visit("training", "steps", t.steps);
   visit("training", "global_batch_tokens", t.global_batch_tokens);
@@ -303,6 +306,11 @@ void check_model(const ModelConfig& m) {
                        "moe.top_k ({}) experts, got {}",
                        e.route_groups, e.top_k, e.route_top_groups));
   }
+  if (e.route_cache_predict != 0 && (e.route_cache_predict < e.top_k || e.route_cache_predict > e.n_experts))
+    fail({"moe.route_cache_predict", "moe.top_k", "moe.n_experts"},
+         fmt::format("moe.route_cache_predict must be 0 (top_k) or between moe.top_k ({}) and moe.n_experts ({}), got {}",
+                     e.top_k, e.n_experts, e.route_cache_predict));
+  non_negative("moe.route_cache_keys", e.route_cache_keys);
 }
 
 void check_training(const RunConfig& c) {

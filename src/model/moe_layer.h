@@ -72,6 +72,8 @@ class MoELayer {
   void update_balancing_bias();
   std::vector<float>& balance_bias_E() { return bias_E_; }
   const std::vector<float>& balance_bias_E() const { return bias_E_; }
+  // The last forward's top-k choices, [tokens of the micro-batch, top_k] (this rank's tokens).
+  const int32_t* experts_TK() const { return expert_TK_; }
   const std::string& prefix() const { return prefix_; }
   int64_t n_experts() const { return E_; }
   // Distributed runs: the global micro-batch's ranks (aux loss, z-loss, capacity), and

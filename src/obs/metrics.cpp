@@ -107,6 +107,10 @@ nlohmann::json to_json(const StepMetrics& m) {
         {"router_entropy", l.router_entropy},
     };
     if (!l.bias_E.empty()) layer["bias"] = l.bias_E;
+    if (l.route_cache_hit_rate >= 0) {
+      layer["route_cache_hit_rate"] = l.route_cache_hit_rate;
+      layer["route_cache_token_hit_rate"] = l.route_cache_token_hit_rate;
+    }
     layers.push_back(std::move(layer));
   }
   nlohmann::json ranks = nlohmann::json::array();

@@ -23,6 +23,9 @@ struct LayerRouting {
   int64_t dropped = 0;             // assignments dropped by capacity
   double router_entropy = 0;       // mean over tokens of the routing distribution's entropy, nats
   std::vector<double> bias_E;      // aux-loss-free balancing bias; empty when that is off
+  // moe.route_cache: assignments / tokens whose experts the cache predicted from the layer
+  // before; -1: not measured (off, or the first MoE layer).
+  double route_cache_hit_rate = -1, route_cache_token_hit_rate = -1;
   double imbalance() const { return load_imbalance(tokens_E); }
   double cv() const { return load_cv(tokens_E); }
   double dropped_fraction() const;

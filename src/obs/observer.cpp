@@ -148,6 +148,10 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
     s.push_back({p + "cv", f(l.cv())});
     s.push_back({p + "dropped_fraction", f(l.dropped_fraction())});
     s.push_back({p + "router_entropy", f(l.router_entropy)});
+    if (l.route_cache_hit_rate >= 0) {
+      s.push_back({p + "route_cache_hit_rate", f(l.route_cache_hit_rate)});
+      s.push_back({p + "route_cache_token_hit_rate", f(l.route_cache_token_hit_rate)});
+    }
   }
   return s;
 }

@@ -238,6 +238,9 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"parallel.split_experts=true", {"parallel.split_experts", "parallel.expert_parallel"}},
       {"moe.route_groups=3", {"moe.route_groups", "moe.n_experts"}},
       {"moe.route_groups=4", {"moe.route_top_groups"}},
+      {"moe.route_cache_predict=1", {"moe.route_cache_predict", "moe.top_k (2)"}},
+      {"moe.route_cache_predict=9", {"moe.route_cache_predict", "moe.n_experts (8)"}},
+      {"moe.route_cache_keys=-1", {"moe.route_cache_keys"}},
       {"parallel.bucket_mb=-1", {"parallel.bucket_mb"}},
       {"parallel.backend=gloo", {"parallel.backend"}},
       {"metrics.peak_tflops=0", {"metrics.peak_tflops", "> 0"}},
@@ -344,6 +347,8 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
       [](RunConfig& c) { c.parallel.backend = CommBackend::Mpi; },
       [](RunConfig& c) { c.metrics.dir = "runs/t"; c.metrics.trace = true; },
+      [](RunConfig& c) { c.model.moe.route_cache = true; c.model.moe.route_cache_predict = 4; },
+      [](RunConfig& c) { c.model.moe.route_cache_keys = 1000; },
   };
   const std::string default_text = config_to_toml(RunConfig{});
   for (size_t i = 0; i < changes.size(); ++i) {
@@ -366,7 +371,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(config_to_toml(parsed), config_to_toml(all));
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
-  EXPECT_EQ(sizeof(ModelConfig), 208u);
+  EXPECT_EQ(sizeof(ModelConfig), 232u);
   EXPECT_EQ(sizeof(TrainingConfig), 136u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);

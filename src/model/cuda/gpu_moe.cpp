@@ -29,6 +29,9 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), selection_bias, T, E, K,
                     static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream, mc.route_groups,
                     mc.route_top_groups);
+  if (layer.route_choices.size() > 0)
+    MOE_CUDA_CHECK(cudaMemcpyAsync(layer.route_choices.data(), m.expert.data(), T * K * sizeof(int32_t),
+                                   cudaMemcpyDeviceToDevice, stream));
   cuda::expert_counts(m.assign_counts.data(), m.expert.data(), T, E, K, stream);
   cuda::router_loss_terms(m.aux_term.data(), m.z_term.data(), m.scores.data(), m.logits.data(), m.assign_counts.data(),
                           T, E, K, static_cast<float>(mc.temperature), mc.score_func, stream);
@@ -192,6 +195,21 @@ std::vector<float> GpuTransformer::balance_bias(size_t moe_layer) const {
   std::vector<float> values(bias.size());
   bias.download(values.data(), values.size());
   return values;
+}
+
+std::vector<std::vector<int32_t>> GpuTransformer::expert_choices() {
+  State& s = *state_;
+  const int64_t TK = s.tokens * s.config.moe.top_k;
+  std::vector<std::vector<int32_t>> choices;
+  for (Layer& layer : s.layers)
+    if (layer.is_moe) {
+      choices.emplace_back(static_cast<size_t>(TK));
+      MOE_CHECK(layer.route_choices.size() == static_cast<size_t>(TK), "expert choices: moe.route_cache is off");
+      MOE_CUDA_CHECK(cudaMemcpyAsync(choices.back().data(), layer.route_choices.data(), TK * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, s.stream));
+    }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+  return choices;
 }
 
 }  // namespace moe

@@ -208,6 +208,7 @@ void GpuTransformer::plan(int64_t batch) {
   }
   for (Layer& layer : s.layers) {
     layer.x = bf(T * D);
+    layer.route_choices = layer.is_moe && c.moe.route_cache ? i32(T * K) : Buffer<int32_t>();
     if (layer.recompute) {
       layer.act = shared;
     } else {

@@ -167,6 +167,9 @@ class GpuTransformer {
   // host keeps the master copy (the CPU's bias_balance_update runs there) and uploads it.
   void set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E);
   std::vector<float> balance_bias(size_t moe_layer) const;
+  // The last forward's top-k choices of every MoE layer, [tokens, top_k] each (downloaded
+  // with one synchronisation: moe.route_cache's probe, off by default).
+  std::vector<std::vector<int32_t>> expert_choices();
   // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
   void set_phase_clock(gpu::PhaseClock* clock);
 

@@ -1,8 +1,10 @@
 #include "train/backends/cpu_backend.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "moe/router.h"
+#include "train/routing_cache_probe.h"
 
 namespace moe {
 
@@ -27,6 +29,12 @@ std::vector<LayerRouting> host_routing(Transformer<float>& model, const ModelCon
   return layers;
 }
 
+void probe_routing(Transformer<float>& model, RoutingCacheProbe& probe, const int32_t* inputs_BS) {
+  std::vector<const int32_t*> experts_TK;
+  for (const auto* layer : model.moe_layers()) experts_TK.push_back(layer->experts_TK());
+  probe.forward(inputs_BS, model.planned_batch() * model.config().seq_len, experts_TK);
+}
+
 BatchPlan plan_host_batches(const RunConfig& config, Transformer<float>& model) {
   const TrainingConfig& tc = config.training;
   const size_t limit = static_cast<size_t>(tc.memory_limit_mb) * 1000000u;
@@ -41,17 +49,28 @@ namespace {
 class CpuBackend final : public ModelBackend {
  public:
   CpuBackend(const RunConfig& config, HostState host)
-      : ModelBackend(std::move(host)), config_(config) {}
+      : ModelBackend(std::move(host)), config_(config) {
+    if (config.model.moe.route_cache)
+      route_cache_.emplace(config.model.moe, static_cast<int64_t>(host_model().moe_layers().size()));
+  }
   BatchPlan plan_batches() override { return plan_host_batches(config_, host_model()); }
   void begin_step() override {
     host_model().params().zero_grads();
     for (auto* layer : host_model().moe_layers()) layer->reset_load();
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
-    return host_model().forward(inputs_BS, targets_BS);
+    ForwardResult result = host_model().forward(inputs_BS, targets_BS);
+    if (route_cache_) probe_routing(host_model(), *route_cache_, inputs_BS);
+    return result;
+  }
+  double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) override {
+    return host_model().forward(inputs_BS, targets_BS).ce_loss;  // validation: not probed
   }
   void backward(double loss_scale, bool) override { host_model().backward(loss_scale); }
-  void routing(StepStats& stats) override { stats.layers = host_routing(host_model(), config_.model, stats.load_imbalance); }
+  void routing(StepStats& stats) override {
+    stats.layers = host_routing(host_model(), config_.model, stats.load_imbalance);
+    if (route_cache_) RoutingCacheProbe::fill(stats.layers, route_cache_->take_counts());
+  }
   ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
     return moe::clip_gradients(host_model().params(), max_global_norm, max_expert_norm);
   }
@@ -67,6 +86,7 @@ class CpuBackend final : public ModelBackend {
 
  private:
   const RunConfig& config_;
+  std::optional<RoutingCacheProbe> route_cache_;  // moe.route_cache
 };
 
 }  // namespace

@@ -18,4 +18,9 @@ BatchPlan plan_host_batches(const RunConfig& config, Transformer<float>& model);
 // entropy, bias) and, into load_imbalance, the largest imbalance before dropping.
 std::vector<LayerRouting> host_routing(Transformer<float>& model, const ModelConfig& config, double& load_imbalance);
 
+class RoutingCacheProbe;
+// moe.route_cache: the host model's last forward (its tokens inputs_BS and every MoE
+// layer's choices) into the probe.
+void probe_routing(Transformer<float>& model, RoutingCacheProbe& probe, const int32_t* inputs_BS);
+
 }  // namespace moe

@@ -20,6 +20,8 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     : ModelBackend(std::move(host)), config_(config) {
   const ParallelConfig& pc = config.parallel;
   const auto ep = static_cast<int>(pc.expert_parallel);
+  if (config.model.moe.route_cache)
+    route_cache_.emplace(config.model.moe, static_cast<int64_t>(host_model().moe_layers().size()));
   if (world->size() % ep != 0)
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide the number of ranks ({})", ep, world->size());
   groups_ = make_process_groups(std::move(world), ep);
@@ -141,6 +143,7 @@ ForwardResult ParallelCpuBackend::forward(const int32_t* inputs_BS, const int32_
   const auto local = static_cast<double>(std::count_if(targets_BS, targets_BS + tokens, [](int32_t t) { return t >= 0; }));
   const double total = world_sum(local);
   ForwardResult fwd = host_model().forward(inputs_BS, targets_BS);
+  if (route_cache_ && probing_) probe_routing(host_model(), *route_cache_, inputs_BS);
   ce_weight_ = total > 0 ? local / total : 0.0;
   fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
   return fwd;
@@ -201,6 +204,11 @@ void ParallelCpuBackend::routing(StepStats& stats) {
     if (m.moe.bias_balancing) r.bias_E.assign(layers[i]->balance_bias_E().begin(), layers[i]->balance_bias_E().end());
     stats.load_imbalance = std::max(stats.load_imbalance, load_imbalance(global_load_[i]));
     stats.layers.push_back(std::move(r));
+  }
+  if (route_cache_) {
+    std::vector<double> counts = route_cache_->take_counts();  // every rank's own cache, hits summed
+    batch_->sum(counts.data(), static_cast<int64_t>(counts.size()));
+    RoutingCacheProbe::fill(stats.layers, counts);
   }
   // As the GPU backend: the experts EP rank p's block holds in any MoE layer, each with
   // its load summed over the layers where p holds it.
@@ -418,6 +426,13 @@ void ParallelCpuBackend::restore_placement(const std::string& text) {
   place_experts(saved);
   steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
   load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
+}
+
+double ParallelCpuBackend::eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) {
+  probing_ = false;  // validation tokens neither teach nor score the routing cache
+  const double loss = forward(inputs_BS, targets_BS).ce_loss;
+  probing_ = true;
+  return loss;
 }
 
 double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value); }

@@ -16,6 +16,7 @@
 // token's expert outputs are grouped into partial combines).
 #pragma once
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dist/communicator.h"
@@ -29,6 +30,7 @@
 #include "dist/zero_parameter_gather.h"
 #include "train/backends/cpu_backend.h"
 #include "train/backends/model_backend.h"
+#include "train/routing_cache_probe.h"
 
 namespace moe {
 
@@ -55,6 +57,7 @@ class ParallelCpuBackend final : public ModelBackend {
   ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override;
   void apply_update(double lr) override;
   void end_step() override;
+  double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) override;
   double sum_over_ranks(double value) override;
   void end_validation() override;
   void take_comm_stats(StepStats& stats) override;
@@ -78,6 +81,8 @@ class ParallelCpuBackend final : public ModelBackend {
   std::unique_ptr<dist::AllToAll> a2a_;
   std::vector<ExpertSlots> slots_;  // per MoE layer; the layers and experts_ read them
   std::vector<std::unique_ptr<dist::ExpertExchangeOverComm>> exchanges_;
+  std::optional<RoutingCacheProbe> route_cache_;  // moe.route_cache: each rank's own tokens
+  bool probing_ = true;                           // false while validating
   std::unique_ptr<dist::ZeroOptimizer> zero_;
   std::unique_ptr<dist::ZeroParameterGather> gather_;  // parallel.zero = 3
   std::unique_ptr<dist::ExpertOptimizer> experts_;  // expert_parallel > 1

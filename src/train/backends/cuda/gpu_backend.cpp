@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <list>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -27,6 +28,7 @@
 #include "moe/router.h"
 #include "optim/cuda/gpu_optimizer.h"
 #include "train/backends/cuda/owned_pieces.h"
+#include "train/routing_cache_probe.h"
 
 namespace moe {
 
@@ -59,6 +61,8 @@ class GpuBackend final : public ModelBackend {
     // The configuration was checked by the factory (backend_factory.cpp: check_gpu_config).
     const RunConfig& c = config_;
     const int64_t ep = c.parallel.expert_parallel;
+    if (c.model.moe.route_cache)
+      route_cache_.emplace(c.model.moe, static_cast<int64_t>(host_model().moe_layers().size()));
     if (world_ && ep > 1) {
       const dist::LaunchEnv env = dist::read_launch_env();
       int per_node = env.world_size == world_->size() ? env.local_size : world_->size();
@@ -152,7 +156,19 @@ class GpuBackend final : public ModelBackend {
       if (gathers) gpu_->reserve_sms(0);
     }
     if (dp_) fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
+    if (route_cache_ && probing_) {
+      const std::vector<std::vector<int32_t>> choices = gpu_->expert_choices();
+      std::vector<const int32_t*> experts_TK;
+      for (const auto& c : choices) experts_TK.push_back(c.data());
+      route_cache_->forward(inputs_BS, tokens_, experts_TK);
+    }
     return fwd;
+  }
+  double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) override {
+    probing_ = false;  // validation tokens neither teach nor score the routing cache
+    const double loss = forward(inputs_BS, targets_BS).ce_loss;
+    probing_ = true;
+    return loss;
   }
   void backward(double loss_scale, bool last) override {
     if (backward_done_) {
@@ -219,6 +235,11 @@ class GpuBackend final : public ModelBackend {
       if (config_.model.moe.bias_balancing)
         r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
       stats.layers.push_back(std::move(r));
+    }
+    if (route_cache_) {
+      std::vector<double> counts = route_cache_->take_counts();  // each rank's own cache, hits summed
+      if (dp_) dp_->sum(counts.data(), static_cast<int64_t>(counts.size()));
+      RoutingCacheProbe::fill(stats.layers, counts);
     }
     // The live view of load per GPU: the experts EP rank p holds in any MoE layer (equal
     // blocks, or per layer after a re-placement), each with its load summed over the
@@ -770,6 +791,8 @@ class GpuBackend final : public ModelBackend {
   double ce_weight_ = 1.0;  // this rank's share of the micro-batch's targets
   double micro_scale_ = 1;  // the step loop's loss scale: 1 / micro-batches per step
   bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
+  std::optional<RoutingCacheProbe> route_cache_;  // moe.route_cache: this rank's tokens
+  bool probing_ = true;                           // false while validating
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
   std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
