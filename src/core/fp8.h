@@ -2,7 +2,7 @@
 // on the host: the CPU reference of the GPU's __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
 // __NV_E4M3) (cvt.rn.satfinite.e4m3x2.f32: round to nearest even, magnitudes past 448 and
 // infinities saturate to +-448, NaN becomes 0x7F), and the row format of the expert
-// exchange's compression (parallel.a2a_compression; docs/EXPERT_PARALLEL.md section 8):
+// exchange's compression (parallel.a2a_compression; docs/EXPERT_PARALLEL.md section 10):
 // a row of D values travels as [fp32 scale | D e4m3 codes | zero padding to 4 bytes],
 // scale = amax / 448 (a row of zeros: scale 0, codes 0), code = e4m3(x / scale), value =
 // decode(code) * scale. tests/gpu/test_gpu_fp8.cpp checks the GPU against this bit for bit.

@@ -107,6 +107,7 @@ nlohmann::json to_json(const StepMetrics& m) {
         {"router_entropy", l.router_entropy},
     };
     if (!l.bias_E.empty()) layer["bias"] = l.bias_E;
+    if (l.a2a_fp8 >= 0) layer["a2a_fp8"] = l.a2a_fp8;
     layers.push_back(std::move(layer));
   }
   nlohmann::json ranks = nlohmann::json::array();

@@ -23,6 +23,7 @@ struct LayerRouting {
   int64_t dropped = 0;             // assignments dropped by capacity
   double router_entropy = 0;       // mean over tokens of the routing distribution's entropy, nats
   std::vector<double> bias_E;      // aux-loss-free balancing bias; empty when that is off
+  int a2a_fp8 = -1;                // expert exchange's rows this step: 1 fp8, 0 uncompressed, -1 no exchange
   double imbalance() const { return load_imbalance(tokens_E); }
   double cv() const { return load_cv(tokens_E); }
   double dropped_fraction() const;
