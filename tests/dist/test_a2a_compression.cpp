@@ -5,6 +5,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+
+#include <unistd.h>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -82,12 +85,14 @@ struct RankRun {
   std::vector<std::vector<int>> fp8;  // per step, per MoE layer
 };
 
-std::vector<RankRun> train_on_tcp_ranks(const RunConfig& config) {
+std::vector<RankRun> train_on_tcp_ranks(const RunConfig& config, const std::string& resume_from = "") {
   std::vector<RankRun> runs(4);
   run_tcp_ranks(4, [&](std::unique_ptr<Communicator>& world, int rank) {
     const auto& m = config.model;
     Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
                     std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2), std::move(world));
+    std::ostringstream resume_log;
+    if (!resume_from.empty()) trainer.resume(resume_from, resume_log);
     trainer.on_step = [&](const StepStats& s) {
       runs[static_cast<size_t>(rank)].loss.push_back(s.loss);
       runs[static_cast<size_t>(rank)].a2a_bytes.push_back(s.a2a_bytes);
@@ -155,6 +160,26 @@ TEST(A2aCompressionTcp, AutoSwitchesTheSameLayersOnEveryRank) {
   EXPECT_EQ(runs[0].fp8[k][0] + runs[0].fp8[k][1], 1);          // one layer from step k + 1
   EXPECT_EQ(runs[0].fp8[2 * k], (std::vector<int>{1, 1}));      // both from step 2k + 1
   EXPECT_LT(runs[0].a2a_bytes[9], runs[0].a2a_bytes[0]);
+}
+
+// The auto state (layer flags and step counts) is saved with the checkpoint: a run resumed
+// from step 5 (one layer on, the next switch 2 steps into its count) switches the second
+// layer at step 6 as the uninterrupted run does, not 3 steps after the resume.
+TEST(A2aCompressionTcp, AutoStateResumesFromCheckpoints) {
+  const auto root = std::filesystem::temp_directory_path() / ("moe_a2a_auto_" + std::to_string(::getpid()));
+  RunConfig config = ep_config(A2aCompression::Auto, 10);
+  config.metrics.alert_comm_wait = 0.0;
+  config.checkpoint.dir = (root / "whole").string();
+  config.checkpoint.interval = 5;
+  config.data.tokenizer = "bpe:258";  // a checkpoint's config must validate (the task feeds its own 16 ids)
+  const auto whole = train_on_tcp_ranks(config);
+  config.checkpoint.dir = (root / "resumed").string();
+  const auto resumed = train_on_tcp_ranks(config, (root / "whole" / "step_00000005").string());
+  ASSERT_EQ(whole[0].fp8.size(), 10u);
+  ASSERT_EQ(resumed[0].fp8.size(), 5u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_EQ(resumed[0].fp8[i], whole[0].fp8[i + 5]) << "step " << i + 6;
+  EXPECT_EQ(whole[0].fp8[4][0] + whole[0].fp8[4][1], 1) << "one layer on at the checkpoint";
+  std::filesystem::remove_all(root);
 }
 
 }  // namespace
