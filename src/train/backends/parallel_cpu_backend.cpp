@@ -437,6 +437,7 @@ double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value
 void ParallelCpuBackend::end_validation() {
   for (auto* layer : host_model().moe_layers()) layer->reset_load();
   stats_ = CommStats{};  // validation's exchanges are not a training step's
+  for (auto& exchange : exchanges_) exchange->take_wait_s();
 }
 
 void ParallelCpuBackend::take_comm_stats(StepStats& stats) {
