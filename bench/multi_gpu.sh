@@ -14,6 +14,10 @@
 #                (environment): the "sms,dtype,zero" triples to run, space-separated;
 #   a2a          the MoE exchanges alone (`moe a2a-bench`) at the bench token counts, flat,
 #                and hierarchical with the GPUs split into 2 simulated nodes;
+#   compression  parallel.a2a_compression over N GPUs (NCCL): both bench models at EP = N,
+#                token rows uncompressed (bf16) and fp8 (e4m3 + a scale per row): median
+#                tokens/s and comm wait, rank 0's all-to-all MB per step and GB/s (the last
+#                step line), and the loss at the last step (STEPS, default 10);
 #   memory       expert state only where it is computed: per-GPU device state (the "device
 #                state" line) of bench/ep_memory.sh's model at EP = N, and mixtral-mini at
 #                EP = N with fp32 AdamW moments (each GPU holds 1/N of the experts), 6 steps;
@@ -25,8 +29,8 @@
 #                parallel, expert parallel (EP = N) and EP = N with split experts
 #                re-placed every 2 steps, and the EP checkpoint resumed on one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
-# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,memory,resume (default:
-# all but comm).
+# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,compression,memory,resume
+# (default: all but comm and compression).
 # MODES (environment): the parallel modes scaling measures, "dp ep dpz3 epz3" by default
 # (dpz3: data parallel at ZeRO 3; epz3: EP N / 2 at ZeRO 3, each expert sharded over its 2
 # GPUs, from 4 GPUs on); "epr" adds
@@ -203,6 +207,21 @@ if [[ $sections == *,a2a,* ]]; then
       --parallel.expert_parallel="$n" > "$out/a2a_2nodes_$model.txt" 2>&1
     echo "$model, one node:";          grep -E "^a2a-bench|^  (flat|hierarchical)" "$out/a2a_$model.txt"
     echo "$model, 2 simulated nodes:"; grep -E "^  hierarchical" "$out/a2a_2nodes_$model.txt"
+  done
+fi
+
+if [[ $sections == *,compression,* ]]; then
+  echo "== a2a compression (parallel.a2a_compression), EP $n, weak-scaling batch"
+  for model in mixtral-mini olmoe-mini; do
+    bench_run "$model"
+    for mode in none fp8; do
+      log="$out/compression_${model}_$mode.txt"
+      launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
+        --training.global_batch_tokens=$((tokens * n)) --parallel.a2a_compression="$mode" > "$log" 2>&1
+      echo "$model $mode: $(median_field "$log" "tok/s") tokens/s, comm wait $(median_field "$log" "comm wait")%," \
+        "$(grep -oE "all-to-all [0-9.]+ MB at [0-9.]+ GB/s" "$log" | tail -1), last loss" \
+        "$(grep -oE "^step +[0-9]+/[0-9]+ \| loss [0-9.]+" "$log" | tail -1 | awk '{ print $NF }')"
+    done
   done
 fi
 

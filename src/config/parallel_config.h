@@ -22,6 +22,14 @@ inline constexpr std::array<EnumName<ReduceDtype>, 2> kReduceDtypeNames{
     {{ReduceDtype::Fp32, "fp32"}, {ReduceDtype::Bf16, "bf16"}}};
 constexpr std::span<const EnumName<ReduceDtype>> enum_names(ReduceDtype) { return kReduceDtypeNames; }
 
+// The expert exchange's token rows on the wire (docs/EXPERT_PARALLEL.md section 10): as
+// they are, fp8 e4m3 with a per-row scale, or fp8 per MoE layer while the measured
+// communication wait is high (metrics.alert_comm_wait).
+enum class A2aCompression { None, Fp8, Auto };
+inline constexpr std::array<EnumName<A2aCompression>, 3> kA2aCompressionNames{
+    {{A2aCompression::None, "none"}, {A2aCompression::Fp8, "fp8"}, {A2aCompression::Auto, "auto"}}};
+constexpr std::span<const EnumName<A2aCompression>> enum_names(A2aCompression) { return kA2aCompressionNames; }
+
 // How the ranks talk (src/dist/communicator.h); Auto: from the launcher.
 enum class CommBackend { Auto, Mpi, Single, Tcp, Nccl };
 inline constexpr std::array<EnumName<CommBackend>, 5> kCommBackendNames{{{CommBackend::Auto, "auto"},
@@ -35,7 +43,8 @@ struct ParallelConfig {
   int64_t expert_parallel = 1;        // EP size: ranks that share one copy of the experts; divides world and moe.n_experts
   AllToAllKind all_to_all = AllToAllKind::Flat;
   double bucket_mb = 25.0;            // gradient buckets (at most, inside one backward stage); 0: one per stage
-  int64_t a2a_chunks = 1;             // CPU EP: chunks of the token blocks, each all-to-all overlapping the experts' compute
+  int64_t a2a_chunks = 1;
+  A2aCompression a2a_compression = A2aCompression::None;  // EP token rows: none, fp8, auto (per layer, by comm wait)             // CPU EP: chunks of the token blocks, each all-to-all overlapping the experts' compute
   ReduceDtype grad_reduce_dtype = ReduceDtype::Fp32;  // GPU data parallel
   int64_t comm_sms = 0;               // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward
   // ZeRO level over the data-parallel group (for experts: the ranks holding the same ones):

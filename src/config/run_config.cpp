@@ -114,6 +114,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("parallel", "all_to_all", c.parallel.all_to_all);
   visit("parallel", "bucket_mb", c.parallel.bucket_mb);
   visit("parallel", "a2a_chunks", c.parallel.a2a_chunks);
+  visit("parallel", "a2a_compression", c.parallel.a2a_compression);
   visit("parallel", "comm_sms", c.parallel.comm_sms);
   visit("parallel", "zero", c.parallel.zero);
   visit("parallel", "grad_reduce_dtype", c.parallel.grad_reduce_dtype);
@@ -422,6 +423,9 @@ void check_parallel(const RunConfig& c) {
          fmt::format("parallel.rebalance_max_experts ({}) must be 0 or between moe.n_experts / parallel.expert_parallel "
                      "({}) and moe.n_experts ({})",
                      p.rebalance_max_experts, equal_share, c.model.moe.n_experts));
+  if (p.a2a_compression != A2aCompression::None && p.expert_parallel < 2)
+    fail({"parallel.a2a_compression", "parallel.expert_parallel"},
+         "parallel.a2a_compression compresses the expert-parallel exchange: it needs parallel.expert_parallel >= 2");
   if (p.split_experts && p.expert_parallel < 2)
     fail({"parallel.split_experts", "parallel.expert_parallel"},
          "parallel.split_experts shares experts between expert-parallel ranks: it needs parallel.expert_parallel >= 2");

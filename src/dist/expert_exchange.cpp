@@ -34,6 +34,7 @@ int64_t ExpertExchangeOverComm::remote_bytes(const std::vector<int64_t>& bytes_P
 }
 
 void ExpertExchangeOverComm::all_gather(const int32_t* values, int64_t count, int32_t* all) {
+  const double waited = stats_.wait_s;
   const auto t0 = CommClock::now();
   a2a_.group().all_gather(values, all, static_cast<size_t>(count), DType::i32);
   const double s = seconds_between(t0, CommClock::now());
@@ -41,10 +42,12 @@ void ExpertExchangeOverComm::all_gather(const int32_t* values, int64_t count, in
   stats_.a2a_s += s;
   stats_.a2a_bytes += count * int64_t{sizeof(int32_t)} * (peers_ - 1);
   ++stats_.a2a_exchanges;
+  wait_s_ += stats_.wait_s - waited;
 }
 
 void ExpertExchangeOverComm::exchange(const void* send, const std::vector<int64_t>& send_bytes_P, void* recv,
                                       const std::vector<int64_t>& recv_bytes_P) {
+  const double waited = stats_.wait_s;
   const auto t0 = CommClock::now();
   a2a_.exchange(send, send_bytes_P, recv, recv_bytes_P, DType::u8);
   const double s = seconds_between(t0, CommClock::now());
@@ -52,11 +55,13 @@ void ExpertExchangeOverComm::exchange(const void* send, const std::vector<int64_
   stats_.a2a_s += s;
   stats_.a2a_bytes += remote_bytes(send_bytes_P);
   ++stats_.a2a_exchanges;
+  wait_s_ += stats_.wait_s - waited;
 }
 
 void ExpertExchangeOverComm::round_trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
                                         const std::vector<int64_t>& recv_rows_P, const void* result, void* back,
                                         size_t row_bytes, const std::function<void(int chunk)>& compute) {
+  const double waited = stats_.wait_s;
   const auto P = static_cast<size_t>(peers_);
   MOE_CHECK(send_rows_P.size() == P && recv_rows_P.size() == P, "expert exchange: row counts for {} and {} peers of {}",
             send_rows_P.size(), recv_rows_P.size(), P);
@@ -144,6 +149,7 @@ void ExpertExchangeOverComm::round_trip(const void* send, const std::vector<int6
     finish(*f.combine, f.combine_issued);
     unpack(back, f.back, f.out);
   }
+  wait_s_ += stats_.wait_s - waited;
 }
 
 }  // namespace moe::dist

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dist/comm_stats.h"
@@ -49,8 +50,12 @@ class ExpertExchangeOverComm final : public ExpertExchange {
   void round_trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
                   const std::vector<int64_t>& recv_rows_P, const void* result, void* back, size_t row_bytes,
                   const std::function<void(int chunk)>& compute) override;
+  // Seconds this layer's exchanges blocked since the last call (part of CommStats::wait_s;
+  // parallel.a2a_compression = auto picks layers by it).
+  double take_wait_s() { return std::exchange(wait_s_, 0.0); }
 
  private:
+  double wait_s_ = 0;
   int64_t remote_bytes(const std::vector<int64_t>& bytes_P) const;
   AllToAll& a2a_;
   int chunks_;

@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "core/fp8.h"
 #include "kernels/matmul.h"
 #include "kernels/swiglu.h"
 #include "moe/dispatch.h"
@@ -122,8 +123,9 @@ int64_t ExpertParallelDispatcher<T>::forward(T* y_TD, const T* x_TD, const HomeR
   y_RD_.resize(static_cast<size_t>(R * D_));
   for (auto* v : {&gate_RF_, &up_RF_, &act_RF_}) v->resize(static_cast<size_t>(R * F_));
   scatter_token_rows(send_UD_.data(), x_TD, pos_TP_.data(), tokens_P_.data(), tokens_, P, D_);
-  exchange_.round_trip(send_UD_.data(), send_rows_P_, recv_x_UD_.data(), recv_rows_P_, partial_UD_.data(),
-                       back_UD_.data(), static_cast<size_t>(D_) * sizeof(T), [&](int c) { experts_forward(c); });
+  fp8_ = exchange_.fp8();
+  round_trip_rows(send_UD_.data(), recv_x_UD_.data(), partial_UD_.data(), back_UD_.data(),
+                  [&](int c) { experts_forward(c); });
   sum_token_rows(y_TD, back_UD_.data(), pos_TP_.data(), tokens_P_.data(), tokens_, P, D_);
   return R;
 }
@@ -171,14 +173,48 @@ void ExpertParallelDispatcher<T>::backward(T* dx_TD, T* dweight_TK, const T* dy_
   scatter_token_rows(send_UD_.data(), dy_TD, pos_TP_.data(), tokens_P_.data(), tokens_, P, D_);
   // The output gradient out once per token and rank; each token's input-row gradients
   // summed there (a partial) come back.
-  exchange_.round_trip(send_UD_.data(), send_rows_P_, recv_dy_UD_.data(), recv_rows_P_, partial_UD_.data(),
-                       back_UD_.data(), static_cast<size_t>(D_) * sizeof(T), [&](int c) { experts_backward(c); });
+  round_trip_rows(send_UD_.data(), recv_dy_UD_.data(), partial_UD_.data(), back_UD_.data(),
+                  [&](int c) { experts_backward(c); });
   // The combine weights' gradients: zero for the entries of other ranks.
   dweight_back_UK_.resize(static_cast<size_t>(sent_ * K_));
   exchange_.exchange(dweight_UK_.data(), times(recv_rows_P_, K_ * int64_t{sizeof(T)}), dweight_back_UK_.data(),
                      times(tokens_P_, K_ * int64_t{sizeof(T)}));
   sum_token_rows(dx_TD, back_UD_.data(), pos_TP_.data(), tokens_P_.data(), tokens_, P, D_);
   sum_token_rows(dweight_TK, dweight_back_UK_.data(), pos_TP_.data(), tokens_P_.data(), tokens_, P, K_);
+}
+
+// Uncompressed: the rows travel as they are. fp8: each row is quantised when packed
+// (quantize_row_fp8) and dequantised when unpacked, both ways; compute(c) sees chunk c's
+// dequantised rows. Gradients pass the quantisation straight through (it is not
+// differentiated: the backward's own exchange quantises dy and dx the same way).
+template <typename T>
+void ExpertParallelDispatcher<T>::round_trip_rows(const T* out, T* received, T* result, T* back,
+                                                  const std::function<void(int)>& compute) {
+  const int64_t D = D_, U = recv_start_P1_.back();
+  if (!fp8_) {
+    exchange_.round_trip(out, send_rows_P_, received, recv_rows_P_, result, back, static_cast<size_t>(D) * sizeof(T),
+                         compute);
+    return;
+  }
+  const int64_t row = fp8_row_bytes(D);
+  wire_send_.resize(static_cast<size_t>(sent_ * row));
+  wire_back_.resize(static_cast<size_t>(sent_ * row));
+  wire_recv_.resize(static_cast<size_t>(U * row));
+  wire_result_.resize(static_cast<size_t>(U * row));
+  for (int64_t u = 0; u < sent_; ++u) quantize_row_fp8(wire_send_.data() + u * row, out + u * D, D);
+  exchange_.round_trip(wire_send_.data(), send_rows_P_, wire_recv_.data(), recv_rows_P_, wire_result_.data(),
+                       wire_back_.data(), static_cast<size_t>(row), [&](int c) {
+                         for_chunk_tokens(c, [&](int64_t u0, int64_t n) {
+                           for (int64_t u = u0; u < u0 + n; ++u)
+                             dequantize_row_fp8(received + u * D, wire_recv_.data() + u * row, D);
+                         });
+                         compute(c);
+                         for_chunk_tokens(c, [&](int64_t u0, int64_t n) {
+                           for (int64_t u = u0; u < u0 + n; ++u)
+                             quantize_row_fp8(wire_result_.data() + u * row, result + u * D, D);
+                         });
+                       });
+  for (int64_t u = 0; u < sent_; ++u) dequantize_row_fp8(back + u * D, wire_back_.data() + u * row, D);
 }
 
 template <typename T>

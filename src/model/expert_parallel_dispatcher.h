@@ -44,6 +44,14 @@ class ExpertExchange {
   virtual void round_trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
                           const std::vector<int64_t>& recv_rows_P, const void* result, void* back, size_t row_bytes,
                           const std::function<void(int chunk)>& compute) = 0;
+  // Whether this layer's token rows travel as fp8 e4m3 rows with a per-row scale
+  // (core/fp8.h; parallel.a2a_compression): set by the trainer, identical on every EP
+  // rank, read at each forward (the backward keeps the forward's choice).
+  void set_fp8(bool on) { fp8_ = on; }
+  bool fp8() const { return fp8_; }
+
+ private:
+  bool fp8_ = false;
 };
 
 // A MoE layer's routing at home, rows laid out by slot (assign_rows on slot_TK).
@@ -100,6 +108,14 @@ class ExpertParallelDispatcher {
   ReceivedRows rows_;
   std::vector<T> x_RD_, gate_RF_, up_RF_, act_RF_, y_RD_;
   std::vector<T> recv_dy_UD_, dy_RD_, dact_RF_, dgate_RF_, dup_RF_, dx_RD_, dweight_UK_;
+  // fp8 rows on the wire (ExpertExchange::fp8()): the rows out, in, the results and what
+  // came back; the forward's choice, kept for the backward.
+  bool fp8_ = false;
+  std::vector<uint8_t> wire_send_, wire_recv_, wire_result_, wire_back_;
+  // The token rows of a round trip, compressed or not: out = rows[0 .. sent) sent, in =
+  // the U rows received into `received`; compute(c) fills `result` for chunk c's tokens;
+  // `back` gets the sent rows' results.
+  void round_trip_rows(const T* out, T* received, T* result, T* back, const std::function<void(int)>& compute);
 };
 
 }  // namespace moe

@@ -79,6 +79,12 @@ void scatter_token_rows(bf16* dst_UD, const bf16* src_TD, const int32_t* pos_TP,
 // dst_TD[t] = the ranks' block rows of t added in rank order (fp32; 0 where none).
 void sum_token_rows(bf16* dst_TD, const bf16* src_UD, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                     int P, int64_t D, Stream stream);
+// The expert exchange's fp8 rows (core/fp8.h: [fp32 scale | D e4m3 codes | padding],
+// fp8_row_bytes(D) bytes per row): U rows of D quantised (scale = amax / 448, codes by
+// cuda_fp8.h's satfinite round-to-nearest-even conversion), and back to bf16 (decode *
+// scale in fp32, rounded once). Bit-identical to quantize_row_fp8 / dequantize_row_fp8.
+void quantize_rows_fp8(uint8_t* dst_UB, const bf16* src_UD, int64_t U, int64_t D, Stream stream);
+void dequantize_rows_fp8(bf16* dst_UD, const uint8_t* src_UB, int64_t U, int64_t D, Stream stream);
 void sum_token_values(float* dst_TK, const float* src_UK, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                       int64_t K, int P, Stream stream);
 // out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).

@@ -111,6 +111,7 @@ nlohmann::json to_json(const StepMetrics& m) {
       layer["route_cache_hit_rate"] = l.route_cache_hit_rate;
       layer["route_cache_token_hit_rate"] = l.route_cache_token_hit_rate;
     }
+    if (l.a2a_fp8 >= 0) layer["a2a_fp8"] = l.a2a_fp8;
     layers.push_back(std::move(layer));
   }
   nlohmann::json ranks = nlohmann::json::array();

@@ -26,6 +26,7 @@ struct LayerRouting {
   // moe.route_cache: assignments / tokens whose experts the cache predicted from the layer
   // before; -1: not measured (off, or the first MoE layer).
   double route_cache_hit_rate = -1, route_cache_token_hit_rate = -1;
+  int a2a_fp8 = -1;                // expert exchange's rows this step: 1 fp8, 0 uncompressed, -1 no exchange
   double imbalance() const { return load_imbalance(tokens_E); }
   double cv() const { return load_cv(tokens_E); }
   double dropped_fraction() const;

@@ -208,6 +208,7 @@ StepStats Trainer::train_step(int64_t step) {
   const auto step_end = Clock::now();
   stats.time.optimizer = std::max(0.0, seconds(optimizer_start, step_end) - (stats.time.comm_wait - compute_wait));
   stats.time.step = seconds(step_start, step_end);
+  model.observe_step(stats);
   span("optimizer", last, step_end);
   // The GPU's CUDA-event time per phase, summed over the step: laid end to end from the
   // step's start in the phase table's order (nsys shows their true interleaving).

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fp8.h"
 #include "kernels/gpu_ops.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/gpu_buffer_sizes.h"
@@ -78,6 +79,10 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     free_host();
     send_ = bf(U * D);
     recv_ = bf(U * D);
+    // fp8 rows (set before the model is built, fixed for its life): U rows each way.
+    const int64_t wire = ep_->fp8() ? U * fp8_row_bytes(D) : 0;
+    wire_send_ = Buffer<uint8_t>(static_cast<size_t>(wire));
+    wire_recv_ = Buffer<uint8_t>(static_cast<size_t>(wire));
     slot_send_ = i32(U * K);
     slot_recv_ = i32(U * K);
     rank_scratch_ = i32(cuda::assign_rows_scratch(U, K, L));
@@ -110,12 +115,13 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int P = ep_->size();
     const int64_t L = local_experts(layer);
     plan_exchange(layer, m, slot_TK);
+    fp8_ = ep_->fp8();
     const int64_t U = m.recv_tokens, R = m.local_rows;
     mark_(kDispatch);
     cuda::scatter_token_rows(send_.data(), x_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
     cuda::pack_routing(slot_send_.data(), weight_send_.data(), m.token_pos.data(), m.tokens_P.data(), rank_TK_.data(),
                        slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream_);
-    exchange_tokens(send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P, D, sizeof(bf16));
+    exchange_rows(send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
     exchange_tokens(slot_send_.data(), m.send_tokens_P, slot_recv_.data(), m.recv_tokens_P, K, sizeof(int32_t));
     exchange_tokens(weight_send_.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));
     mark_(kDispatch);
@@ -140,7 +146,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     mark_(kCombine);
     cuda::combine_forward(send_.data(), m.y_rows.data(), m.recv_weight.data(), m.recv_row.data(), m.recv_tokens, K, D,
                           stream_);
-    exchange_tokens(send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P, D, sizeof(bf16));
+    exchange_rows(send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
     mark_(kCombine);
     cuda::sum_token_rows(out_TD, recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
   }
@@ -152,7 +158,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int P = ep_->size();
     mark_(kCombine);
     cuda::scatter_token_rows(send_.data(), dout_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
-    exchange_tokens(send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P, D, sizeof(bf16));
+    exchange_rows(send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
     mark_(kCombine);
     cuda::combine_backward(dy_rows, dweight_local_.data(), recv_.data(), m.y_rows.data(), m.recv_weight.data(),
                            m.recv_row.data(), m.recv_tokens, K, D, stream_);
@@ -165,7 +171,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int P = ep_->size();
     mark_(kDispatch);
     cuda::permute_backward(send_.data(), dx_rows, m.recv_row.data(), m.recv_tokens, K, D, false, stream_);
-    exchange_tokens(send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P, D, sizeof(bf16));
+    exchange_rows(send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
     exchange_tokens(dweight_local_.data(), m.recv_tokens_P, dweight_home_.data(), m.send_tokens_P, K, sizeof(float));
     mark_(kDispatch);
     cuda::sum_token_rows(dx_TD, recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
@@ -188,6 +194,24 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     for (size_t p = 0; p < recv_tokens_P.size(); ++p) recv_counts[p] = recv_tokens_P[p] * per_token;
     mark_(kAllToAll);
     ep_->exchange(send, send_counts, recv, recv_counts, elem_bytes);
+  }
+  // Token rows of D bf16 out and back: as they are, or (fp8_, the forward's choice kept for
+  // the backward) quantised into fp8 rows before the exchange and dequantised after it.
+  void exchange_rows(const bf16* send, const std::vector<int64_t>& send_tokens_P, bf16* recv,
+                     const std::vector<int64_t>& recv_tokens_P) {
+    const int64_t D = shape_.dim;
+    if (!fp8_) {
+      exchange_tokens(send, send_tokens_P, recv, recv_tokens_P, D, sizeof(bf16));
+      return;
+    }
+    MOE_CHECK(wire_send_.size() > 0 || max_tokens_ == 0, "expert exchange: fp8 rows without their buffers");
+    int64_t sent = 0, received = 0;
+    for (int64_t n : send_tokens_P) sent += n;
+    for (int64_t n : recv_tokens_P) received += n;
+    cuda::quantize_rows_fp8(wire_send_.data(), send, sent, D, stream_);
+    exchange_tokens(wire_send_.data(), send_tokens_P, wire_recv_.data(), recv_tokens_P, fp8_row_bytes(D) / 4,
+                    sizeof(int32_t));  // 4-byte words: the rows are padded to them
+    cuda::dequantize_rows_fp8(recv, wire_recv_.data(), received, D, stream_);
   }
   // The token blocks for each rank, the counts exchanged (kept rows per slot and block
   // sizes), and the one host wait per MoE layer and forward for them: the exchange sizes
@@ -260,6 +284,8 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   // gradients on both sides, the counts sent and received (brought back through the
   // pinned host_counts_: E + 2P sent, then P * (L + 1) received).
   Buffer<bf16> send_, recv_;
+  Buffer<uint8_t> wire_send_, wire_recv_;  // fp8 rows (parallel.a2a_compression)
+  bool fp8_ = false;
   Buffer<int32_t> slot_send_, slot_recv_, rank_scratch_, local_counts_, counts_send_, counts_recv_;
   Buffer<int32_t> rank_TK_, cut_, all_counts_send_, all_counts_;  // route_ranks, boundary_cuts
   Buffer<float> weight_send_, dweight_local_, dweight_home_;

@@ -41,6 +41,13 @@ class GpuExpertExchange {
                         const std::vector<int64_t>& recv_counts, size_t elem_bytes) = 0;
   // `bytes` of device memory from EP rank `root` to the others, ordered on the stream.
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
+  // parallel.a2a_compression = fp8: the token rows travel as fp8 e4m3 rows with a per-row
+  // scale (core/fp8.h), both ways, forward and backward; read at each layer's dispatch.
+  void set_fp8(bool on) { fp8_ = on; }
+  bool fp8() const { return fp8_; }
+
+ private:
+  bool fp8_ = false;
 };
 
 struct GpuRoutingStats {

@@ -4,11 +4,14 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <cuda_fp8.h>
+
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
 #include "moe/gpu_ops.h"
 #include "moe/token_exchange.h"
+#include "core/fp8.h"
 
 namespace moe::cuda {
 namespace {
@@ -205,7 +208,54 @@ unsigned row_threads(int64_t elements) {
   return static_cast<unsigned>(elements >= kThreads ? kThreads : ((elements + 31) / 32) * 32);
 }
 
+// One block per row: the row's amax (a block reduction), then every element's e4m3 code
+// of x / (amax / 448) (core/fp8.h's format; a row of zeros: scale 0, codes 0).
+constexpr int kFp8Threads = 128;
+__global__ void quantize_rows_fp8_kernel(uint8_t* dst_UB, const __nv_bfloat16* src_UD, int64_t D, int64_t row_bytes) {
+  const __nv_bfloat16* x = src_UD + blockIdx.x * D;
+  uint8_t* row = dst_UB + blockIdx.x * row_bytes;
+  float amax = 0.0f;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(x[d])));
+  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  __shared__ float warp_max[kFp8Threads / 32];
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = 0.0f;
+  for (int w = 0; w < kFp8Threads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
+  const float scale = amax / 448.0f;
+  if (threadIdx.x == 0) *reinterpret_cast<float*>(row) = scale;
+  uint8_t* codes = row + 4;
+  for (int64_t d = threadIdx.x; d < row_bytes - 4; d += blockDim.x)
+    codes[d] = d < D && scale != 0.0f
+                   ? static_cast<uint8_t>(__nv_cvt_float_to_fp8(__bfloat162float(x[d]) / scale, __NV_SATFINITE, __NV_E4M3))
+                   : uint8_t{0};
+}
+
+// x = decode(code) * scale in fp32, rounded to bf16.
+__global__ void dequantize_rows_fp8_kernel(__nv_bfloat16* dst_UD, const uint8_t* src_UB, int64_t D, int64_t row_bytes) {
+  const uint8_t* row = src_UB + blockIdx.x * row_bytes;
+  const float scale = *reinterpret_cast<const float*>(row);
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(row[4 + d]), __NV_E4M3);
+    dst_UD[blockIdx.x * D + d] = __float2bfloat16_rn(__half2float(__half(h)) * scale);
+  }
+}
+
 }  // namespace
+
+void quantize_rows_fp8(uint8_t* dst_UB, const bf16* src_UD, int64_t U, int64_t D, Stream stream) {
+  if (U == 0) return;
+  quantize_rows_fp8_kernel<<<static_cast<unsigned>(U), kFp8Threads, 0, stream>>>(dst_UB, as_cuda(src_UD), D,
+                                                                                 fp8_row_bytes(D));
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void dequantize_rows_fp8(bf16* dst_UD, const uint8_t* src_UB, int64_t U, int64_t D, Stream stream) {
+  if (U == 0) return;
+  dequantize_rows_fp8_kernel<<<static_cast<unsigned>(U), kFp8Threads, 0, stream>>>(as_cuda(dst_UD), src_UB, D,
+                                                                                   fp8_row_bytes(D));
+  MOE_CUDA_CHECK_LAUNCH();
+}
 
 void boundary_cuts(int32_t* cut_P1, const int32_t* counts_PE, const int32_t* slot_bounds_P1, bool split, int64_t E,
                    int P, Stream stream) {

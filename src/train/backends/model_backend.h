@@ -85,6 +85,9 @@ class ModelBackend {
   virtual void end_validation() = 0;
   // The step's communication measurements into stats (and reset them).
   virtual void take_comm_stats(StepStats& stats) { (void)stats; }
+  // The finished step's times (stats.time.step set): parallel.a2a_compression = auto
+  // decides from them which layers compress the next step's exchanges. Collective.
+  virtual void observe_step(const StepStats& stats) { (void)stats; }
   // The trained weights into the host model (GPU download, expert gather across ranks).
   virtual void sync_host_model() {}
   // Checkpoints (train/checkpoint.h), each rank saving and restoring only its own state.

@@ -41,6 +41,9 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     }
   }
   host_model().set_moe_parallel(batch_.get(), exchanges, slots);
+  compression_ = std::make_unique<A2aCompressionSwitch>(pc.a2a_compression, static_cast<int>(exchanges_.size()),
+                                                        config.metrics.alert_comm_wait);
+  apply_compression();
 
   // Expert weights go to the EP owners when EP > 1; everything else is ZeRO-sharded in the
   // GPU's layout: the router biases, which the GPU keeps whole for its fp32 copies, are
@@ -202,6 +205,7 @@ void ParallelCpuBackend::routing(StepStats& stats) {
     r.assignments = std::llround(tokens) * m.moe.top_k;
     r.router_entropy = tokens > 0 ? s[2 * E + 1] / tokens : 0;
     if (m.moe.bias_balancing) r.bias_E.assign(layers[i]->balance_bias_E().begin(), layers[i]->balance_bias_E().end());
+    if (i < exchanges_.size()) r.a2a_fp8 = exchanges_[i]->fp8() ? 1 : 0;
     stats.load_imbalance = std::max(stats.load_imbalance, load_imbalance(global_load_[i]));
     stats.layers.push_back(std::move(r));
   }
@@ -389,8 +393,10 @@ void ParallelCpuBackend::log_state_bytes() {
 }
 
 std::string ParallelCpuBackend::placement_state() const {
-  if (!experts_ || config_.parallel.rebalance_interval <= 0) return {};
   nlohmann::json state;
+  if (config_.parallel.a2a_compression == A2aCompression::Auto && compression_)
+    state["a2a_compression"] = nlohmann::json::parse(compression_->save());
+  if (!experts_ || config_.parallel.rebalance_interval <= 0) return state.empty() ? std::string{} : state.dump();
   state["ep_size"] = slots_.front().ep_size();
   nlohmann::json layers = nlohmann::json::array();
   for (const ExpertSlots& layer : slots_) layers.push_back(expert_blocks(layer));
@@ -404,8 +410,14 @@ std::string ParallelCpuBackend::placement_state() const {
 // experts move to their ranks as a re-placement moves them. A record of another EP size
 // or layer count (or none) leaves the equal blocks.
 void ParallelCpuBackend::restore_placement(const std::string& text) {
-  if (!experts_ || text.empty() || config_.parallel.rebalance_interval <= 0) return;
+  if (text.empty()) return;
   const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
+  if (config_.parallel.a2a_compression == A2aCompression::Auto && compression_ && state.is_object() &&
+      state.contains("a2a_compression")) {
+    if (compression_->restore(state["a2a_compression"].dump())) apply_compression();
+    else if (rank() == 0) spdlog::warn("resume: the checkpoint's a2a compression state does not fit: starts uncompressed");
+  }
+  if (!experts_ || config_.parallel.rebalance_interval <= 0) return;
   MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
   const auto layers = state.value("experts_of_rank", std::vector<std::vector<std::vector<int64_t>>>{});
   if (state.value("ep_size", 0) != slots_.front().ep_size() || layers.size() != slots_.size()) {
@@ -440,6 +452,7 @@ double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value
 void ParallelCpuBackend::end_validation() {
   for (auto* layer : host_model().moe_layers()) layer->reset_load();
   stats_ = CommStats{};  // validation's exchanges are not a training step's
+  for (auto& exchange : exchanges_) exchange->take_wait_s();
 }
 
 void ParallelCpuBackend::take_comm_stats(StepStats& stats) {
@@ -448,6 +461,27 @@ void ParallelCpuBackend::take_comm_stats(StepStats& stats) {
   stats.a2a_bytes += stats_.a2a_bytes;
   stats.a2a_seconds += stats_.a2a_s;
   stats_ = CommStats{};
+}
+
+void ParallelCpuBackend::apply_compression() {
+  for (size_t i = 0; i < exchanges_.size(); ++i) exchanges_[i]->set_fp8(compression_->fp8(static_cast<int>(i)));
+}
+
+// auto: every rank feeds the switch the max over the world of the step's comm wait
+// fraction and of each layer's exchange wait, so all take the same decision.
+void ParallelCpuBackend::observe_step(const StepStats& stats) {
+  std::vector<double> waits;
+  for (auto& exchange : exchanges_) waits.push_back(exchange->take_wait_s());
+  if (config_.parallel.a2a_compression != A2aCompression::Auto || exchanges_.empty()) return;
+  std::vector<double> values{stats.time.step > 0 ? stats.time.comm_wait / stats.time.step : 0.0};
+  values.insert(values.end(), waits.begin(), waits.end());
+  groups_.world->all_reduce(values.data(), values.size(), dist::DType::f64, dist::ReduceOp::max);
+  if (compression_->update(values[0], std::vector<double>(values.begin() + 1, values.end()))) {
+    apply_compression();
+    if (rank() == 0)
+      spdlog::info("a2a compression (auto): comm wait {:.1f}% of the step, {} of {} MoE layers now send fp8",
+                   values[0] * 100, compression_->compressed_layers(), compression_->layers());
+  }
 }
 
 void ParallelCpuBackend::sync_host_model() {

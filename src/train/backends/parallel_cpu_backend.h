@@ -19,6 +19,7 @@
 #include <optional>
 #include <vector>
 
+#include "dist/a2a_compression.h"
 #include "dist/communicator.h"
 #include "dist/expert_exchange.h"
 #include "dist/hierarchical_all_to_all.h"
@@ -61,6 +62,8 @@ class ParallelCpuBackend final : public ModelBackend {
   double sum_over_ranks(double value) override;
   void end_validation() override;
   void take_comm_stats(StepStats& stats) override;
+  void observe_step(const StepStats& stats) override;
+  const dist::A2aCompressionSwitch& a2a_compression() const { return *compression_; }
   void sync_host_model() override;
   // Checkpoints: each rank's own pieces (no gather), and back from any layout.
   SavedState save_state(int rank, int world) override;
@@ -83,6 +86,8 @@ class ParallelCpuBackend final : public ModelBackend {
   std::vector<std::unique_ptr<dist::ExpertExchangeOverComm>> exchanges_;
   std::optional<RoutingCacheProbe> route_cache_;  // moe.route_cache: each rank's own tokens
   bool probing_ = true;                           // false while validating
+  std::unique_ptr<dist::A2aCompressionSwitch> compression_;  // parallel.a2a_compression, per MoE layer
+  void apply_compression();
   std::unique_ptr<dist::ZeroOptimizer> zero_;
   std::unique_ptr<dist::ZeroParameterGather> gather_;  // parallel.zero = 3
   std::unique_ptr<dist::ExpertOptimizer> experts_;  // expert_parallel > 1

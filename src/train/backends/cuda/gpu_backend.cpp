@@ -69,6 +69,7 @@ class GpuBackend final : public ModelBackend {
       if (world_->ranks_per_node() > 0) per_node = world_->ranks_per_node();  // simulated nodes (threads)
       ep_ = std::make_shared<dist::GpuExpertExchangeOverComm>(*world_, static_cast<int>(ep), c.parallel.all_to_all,
                                                               per_node);
+      ep_->set_fp8(c.parallel.a2a_compression == A2aCompression::Fp8);
     }
     build_model();
   }
@@ -234,6 +235,7 @@ class GpuBackend final : public ModelBackend {
       // The bias the step routed with, as the CPU reports it (before this step's update).
       if (config_.model.moe.bias_balancing)
         r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
+      if (ep_) r.a2a_fp8 = ep_->fp8() ? 1 : 0;
       stats.layers.push_back(std::move(r));
     }
     if (route_cache_) {
