@@ -84,6 +84,7 @@ nlohmann::json to_json(const RunInfo& info) {
       {"params_total", info.params_total},
       {"params_active", info.params_active},
       {"bias_balancing", info.bias_balancing},
+      {"temperature_control", info.temperature_control},
       {"mfu_inputs",
        {{"active_non_embedding_params", info.mfu.active_non_embedding_params},
         {"n_layers", info.mfu.n_layers},
@@ -107,6 +108,7 @@ nlohmann::json to_json(const StepMetrics& m) {
         {"router_entropy", l.router_entropy},
     };
     if (!l.bias_E.empty()) layer["bias"] = l.bias_E;
+    if (l.temperature > 0) layer["temperature"] = l.temperature;
     layers.push_back(std::move(layer));
   }
   nlohmann::json ranks = nlohmann::json::array();

@@ -23,6 +23,7 @@ struct LayerRouting {
   int64_t dropped = 0;             // assignments dropped by capacity
   double router_entropy = 0;       // mean over tokens of the routing distribution's entropy, nats
   std::vector<double> bias_E;      // aux-loss-free balancing bias; empty when that is off
+  double temperature = 0;          // the router temperature the step routed with (per layer)
   double imbalance() const { return load_imbalance(tokens_E); }
   double cv() const { return load_cv(tokens_E); }
   double dropped_fraction() const;
@@ -98,6 +99,7 @@ struct RunInfo {
   int64_t world_size = 1;
   int64_t params_total = 0, params_active = 0;
   bool bias_balancing = false;
+  bool temperature_control = false;
   MfuInputs mfu;
   // When validations and checkpoint saves come (the console's ETA counts them): every
   // val_interval steps and after the last one; checkpoints likewise when `checkpoints`.

@@ -148,6 +148,7 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
     s.push_back({p + "cv", f(l.cv())});
     s.push_back({p + "dropped_fraction", f(l.dropped_fraction())});
     s.push_back({p + "router_entropy", f(l.router_entropy)});
+    if (l.temperature > 0) s.push_back({p + "temperature", f(l.temperature)});
   }
   return s;
 }

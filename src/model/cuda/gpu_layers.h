@@ -80,6 +80,7 @@ struct Layer {
   Buffer<int64_t> load;  // assignments per slot since reset
   Buffer<double> routing;  // since reset: kept rows per expert (E), router entropy sum, tokens
   Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
+  Buffer<float> router_temperature;  // 1 float the router kernels read (set_router_temperature)
   // Expert placement (place_experts), the value moe/expert_slots.h describes: slot s of
   // the expert tensors (w1, w3, w2: weights, gradients, moments) holds expert
   // slots.expert_of_slot[s]; EP rank p computes its window of slots. The router picks

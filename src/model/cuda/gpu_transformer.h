@@ -167,6 +167,11 @@ class GpuTransformer {
   // host keeps the master copy (the CPU's bias_balance_update runs there) and uploads it.
   void set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E);
   std::vector<float> balance_bias(size_t moe_layer) const;
+  // The router temperature of MoE layer `moe_layer`, kept on the device and read by the
+  // router kernels (so graph replays see a new value); starts at moe.temperature. The
+  // host's MoELayer::temperature() is the master copy (moe.temperature_control).
+  void set_router_temperature(size_t moe_layer, float temperature);
+  float router_temperature(size_t moe_layer) const;
   // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
   void set_phase_clock(gpu::PhaseClock* clock);
 
