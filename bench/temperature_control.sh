@@ -8,13 +8,15 @@
 # prints a table: final validation loss, mean max_imbalance over the last 20% of the logged
 # steps, mean temperature over the MoE layers at the end.
 # Usage: bench/temperature_control.sh MOE_BINARY DATA_DIR OUT [cpu|cuda] [extra --section.key=value ...]
-# (extra keys go to every run, e.g. --training.steps=8 for a smoke test).
+# (extra keys go to every run, e.g. --training.steps=8 for a smoke test; PLOTS=DIR writes
+# the PNGs there instead of docs/).
 set -euo pipefail
 moe=$1 data=$2 out=$3 device=${4:-cuda}
 shift 3
 [[ $# -gt 0 ]] && shift
 here=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
+plots=${PLOTS:-$here/docs}
+mkdir -p "$out" "$plots"
 python=python3
 [[ -x "$here/.deps/venv/bin/python" ]] && python="$here/.deps/venv/bin/python"
 
@@ -46,7 +48,7 @@ for model in default 64e; do
   for v in "${variants[@]}"; do run "$model" "$config" "$v" "$@"; done
   args=()
   for v in "${variants[@]}"; do args+=("$v=$out/$model-$v/metrics.jsonl"); done
-  "$python" "$here/scripts/plot_metrics.py" --out "$here/docs/routing-temperature-$model.png" \
+  "$python" "$here/scripts/plot_metrics.py" --out "$plots/routing-temperature-$model.png" \
     --title "$model: imbalance and validation loss" --smooth 5 --metric max_imbalance --metric val_loss "${args[@]}"
 done
 

@@ -557,7 +557,7 @@ TEST(ParallelTraining, BalancingBiasFollowsTheGlobalLoad) {
 
 // moe.temperature_control from the loads summed over the ranks: every rank holds the same
 // temperatures at every step, those of the one-process run, and the run matches it.
-TEST(ParallelTraining, TemperatureControlIsTheSameOnEveryRank) {
+TEST(ParallelTemperature, TemperatureControlIsTheSameOnEveryRank) {
   for (int64_t ep : {1, 2}) {
     SCOPED_TRACE("expert_parallel " + std::to_string(ep));
     RunConfig config = tiny_config();
