@@ -122,6 +122,10 @@
                            ["worst layer", pts(steps, (r) => over(r, (l) => l.dropped_fraction * 100, (v) => Math.max(...v)))]], true);
     plot("chart-entropy", [["mean over MoE layers", pts(steps, (r) => over(r, (l) => l.router_entropy, mean))],
                            ["lowest layer", pts(steps, (r) => over(r, (l) => l.router_entropy, (v) => Math.min(...v)))]], true);
+    // The router temperature each layer routed with (moe.temperature_control moves it).
+    const temp = (f) => pts(steps, (r) => over(r, (l) => (l.temperature > 0 ? l.temperature : NaN), f));
+    plot("chart-temperature", [["lowest layer", temp((v) => Math.min(...v))], ["mean over MoE layers", temp(mean)],
+                               ["highest layer", temp((v) => Math.max(...v))]]);
     if (last) heatmaps(last);
     const list = document.getElementById("alerts");
     if (state.alerts.length) {

@@ -27,6 +27,13 @@ struct MoEConfig {
   double z_loss_coef = 0.001;     // router z-loss
   bool bias_balancing = false;    // DeepSeek-V3 aux-loss-free balancing
   double bias_update_rate = 0.001;
+  // Gate temperature auto-tuning (docs/ROUTING.md): each MoE layer's temperature moves
+  // after every step by its measured load imbalance towards metrics.alert_imbalance,
+  // within [temperature_min, temperature_max]; `temperature` is where it starts.
+  bool temperature_control = false;
+  double temperature_min = 0.25;
+  double temperature_max = 4.0;
+  double temperature_gain = 0.05;  // log-temperature change per unit of (smoothed imbalance - target)
   // Group-limited ("node-first") routing: the experts form route_groups equal groups (the
   // experts of one node, say) and a token takes its K experts from its route_top_groups
   // best groups only; route_groups <= 1: off.

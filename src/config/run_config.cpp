@@ -56,6 +56,10 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("moe", "z_loss_coef", e.z_loss_coef);
   visit("moe", "bias_balancing", e.bias_balancing);
   visit("moe", "bias_update_rate", e.bias_update_rate);
+  visit("moe", "temperature_control", e.temperature_control);
+  visit("moe", "temperature_min", e.temperature_min);
+  visit("moe", "temperature_max", e.temperature_max);
+  visit("moe", "temperature_gain", e.temperature_gain);
   visit("moe", "route_groups", e.route_groups);
   visit("moe", "route_top_groups", e.route_top_groups);
   visit("moe", "route_cache", e.route_cache);
@@ -296,6 +300,20 @@ void check_model(const ModelConfig& m) {
   non_negative_real("moe.z_loss_coef", e.z_loss_coef);
   non_negative_real("moe.bias_update_rate", e.bias_update_rate);
   non_negative("moe.route_groups", e.route_groups);
+  positive_real("moe.temperature_min", e.temperature_min);
+  positive_real("moe.temperature_max", e.temperature_max);
+  positive_real("moe.temperature_gain", e.temperature_gain);
+  if (e.temperature_min > e.temperature_max)
+    fail({"moe.temperature_min", "moe.temperature_max"},
+         fmt::format("moe.temperature_min ({}) must be <= moe.temperature_max ({})", e.temperature_min,
+                     e.temperature_max));
+  if (e.temperature_control && e.aux_loss_coef == 0 && !e.bias_balancing)
+    fail({"moe.temperature_control", "moe.aux_loss_coef", "moe.bias_balancing"},
+         "moe.temperature_control steers the balancing terms: it needs moe.aux_loss_coef > 0 or moe.bias_balancing");
+  if (e.temperature_control && (e.temperature < e.temperature_min || e.temperature > e.temperature_max))
+    fail({"moe.temperature", "moe.temperature_min", "moe.temperature_max"},
+         fmt::format("moe.temperature ({}) must be within [moe.temperature_min, moe.temperature_max] = [{}, {}] "
+                     "with moe.temperature_control on", e.temperature, e.temperature_min, e.temperature_max));
   if (e.route_groups > 1) {
     if (e.n_experts % e.route_groups != 0)
       fail({"moe.route_groups", "moe.n_experts"},

@@ -8,6 +8,7 @@
 #include "kernels/swiglu.h"
 #include "moe/dispatch.h"
 #include "moe/router.h"
+#include "moe/temperature_control.h"
 
 namespace moe {
 
@@ -36,6 +37,8 @@ MoELayer<T>::MoELayer(ParameterStore<T>& params, const ModelConfig& config,
   routing_.kept_E.assign(static_cast<size_t>(E_), 0);
   bias_E_.assign(static_cast<size_t>(E_), 0.0f);
   bias_T_.assign(static_cast<size_t>(E_), T(0));
+  temperature_state_.assign(kTemperatureStateSize, 0.0f);
+  temperature_state_init(temperature_state_.data(), cfg_.temperature);
 }
 
 template <typename T>
@@ -76,7 +79,7 @@ template <typename T>
 MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
   MoEForwardStats stats;
   linear_forward<T>(logits_TE_, x_TD, params_.value(router_w_), router_b_ >= 0 ? params_.value(router_b_) : nullptr, T_, D_, E_);
-  router_scores_forward<T>(scores_TE_, logits_TE_, T_, E_, cfg_.temperature, cfg_.score_func);
+  router_scores_forward<T>(scores_TE_, logits_TE_, T_, E_, temperature(), cfg_.score_func);
   router_select<T>(expert_TK_, weight_TK_, scores_TE_, selection_bias(bias_T_), T_, E_, K_, cfg_.renormalize,
                    RouteGroups{cfg_.route_groups, cfg_.route_top_groups});
   count_expert_load(load_E_.data(), expert_TK_, T_, E_, K_);
@@ -87,7 +90,7 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
       stats.aux_loss = aux_loss_forward<T>(scores_TE_, expert_TK_, T_, E_, K_, cfg_.score_func,
                                            cfg_.aux_loss_coef);
     if (cfg_.z_loss_coef > 0)
-      stats.z_loss = z_loss_forward<T>(logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef);
+      stats.z_loss = z_loss_forward<T>(logits_TE_, T_, E_, temperature(), cfg_.z_loss_coef);
   }
 
   const int32_t* slot_TK = slots_of_assignments();
@@ -152,7 +155,7 @@ void MoELayer<T>::forward_dropless(T* y_nD, const T* x_nD, int64_t n) const {
                        token_of_row_R = ids(n * K_);
   linear_forward<T>(logits_nE.data(), x_nD, params_.value(router_w_), router_b_ >= 0 ? params_.value(router_b_) : nullptr,
                     n, D_, E_);
-  router_scores_forward<T>(scores_nE.data(), logits_nE.data(), n, E_, cfg_.temperature, cfg_.score_func);
+  router_scores_forward<T>(scores_nE.data(), logits_nE.data(), n, E_, temperature(), cfg_.score_func);
   router_select<T>(expert_nK.data(), weight_nK.data(), scores_nE.data(), selection_bias(bias_E), n, E_, K_,
                    cfg_.renormalize, RouteGroups{cfg_.route_groups, cfg_.route_top_groups});
   const int64_t rows = assign_rows(row_nK.data(), counts_E.data(), offsets_E1.data(), token_of_row_R.data(),
@@ -185,12 +188,12 @@ void MoELayer<T>::backward(T* dx_TD, const T* dy_TD, const T* x_TD, double loss_
       aux_loss_backward<T>(dscores_TE_, scores_TE_, expert_TK_, T_, E_, K_, cfg_.score_func,
                            cfg_.aux_loss_coef, loss_scale);
   }
-  router_scores_backward<T>(dlogits_TE_, dscores_TE_, scores_TE_, T_, E_, cfg_.temperature,
+  router_scores_backward<T>(dlogits_TE_, dscores_TE_, scores_TE_, T_, E_, temperature(),
                             cfg_.score_func);
   // The global z-loss is a mean over the global micro-batch: this rank's tokens weigh 1/(N T).
   const double z_scale = global_batch() ? loss_scale / static_cast<double>(batch_->size()) : loss_scale;
   if (cfg_.z_loss_coef > 0)
-    z_loss_backward<T>(dlogits_TE_, logits_TE_, T_, E_, cfg_.temperature, cfg_.z_loss_coef, z_scale);
+    z_loss_backward<T>(dlogits_TE_, logits_TE_, T_, E_, temperature(), cfg_.z_loss_coef, z_scale);
   linear_backward<T>(dx_TD, params_.grad(router_w_), router_b_ >= 0 ? params_.grad(router_b_) : nullptr, dlogits_TE_, x_TD,
                      params_.value(router_w_), T_, D_, E_, /*accumulate_dx=*/true);
   for (auto& ffn : shared_) ffn.backward(dx_TD, dy_TD, x_TD, /*accumulate_dx=*/true);
@@ -244,7 +247,7 @@ void MoELayer<T>::global_router_losses(MoEForwardStats& stats) {
     for (size_t e = 0; e < E; ++e) sums[E + e] += double(s[e]) * norm;
   }
   if (cfg_.z_loss_coef > 0)
-    sums[2 * E] = z_loss_forward<T>(logits_TE_, T_, E_, cfg_.temperature, 1.0) * static_cast<double>(T_);
+    sums[2 * E] = z_loss_forward<T>(logits_TE_, T_, E_, temperature(), 1.0) * static_cast<double>(T_);
   batch_->sum(sums.data(), static_cast<int64_t>(sums.size()));
   const double global_tokens = static_cast<double>(T_ * batch_->size());
   global_fraction_E_.assign(E, 0.0);
@@ -375,6 +378,13 @@ void MoELayer<T>::reset_load() {
 template <typename T>
 void MoELayer<T>::update_balancing_bias() {
   bias_balance_update(bias_E_.data(), load_E_.data(), E_, cfg_.bias_update_rate);
+}
+
+template <typename T>
+void MoELayer<T>::update_temperature(double target) {
+  temperature_control_update(temperature_state_.data(), load_E_.data(), E_,
+                             TemperatureControl{target, cfg_.temperature_gain, cfg_.temperature_min,
+                                                cfg_.temperature_max, cfg_.temperature, cfg_.bias_balancing ? 1 : -1});
 }
 
 template class MoELayer<float>;

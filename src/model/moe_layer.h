@@ -74,6 +74,15 @@ class MoELayer {
   const std::vector<float>& balance_bias_E() const { return bias_E_; }
   // The last forward's top-k choices, [tokens of the micro-batch, top_k] (this rank's tokens).
   const int32_t* experts_TK() const { return expert_TK_; }
+  // The router temperature this layer routes with: moe.temperature, or with
+  // moe.temperature_control the controller's current value (moe/temperature_control.h).
+  double temperature() const { return cfg_.temperature_control ? temperature_state_[0] : cfg_.temperature; }
+  bool temperature_control() const { return cfg_.temperature_control; }
+  // The controller's state, [temperature, smoothed imbalance] (checkpointed).
+  std::vector<float>& temperature_state() { return temperature_state_; }
+  const std::vector<float>& temperature_state() const { return temperature_state_; }
+  // Temperature auto-tuning: one controller step from load_E() towards the imbalance target.
+  void update_temperature(double target);
   const std::string& prefix() const { return prefix_; }
   int64_t n_experts() const { return E_; }
   // Distributed runs: the global micro-batch's ranks (aux loss, z-loss, capacity), and
@@ -112,6 +121,7 @@ class MoELayer {
   MoERoutingStats routing_;
   std::vector<float> bias_E_;         // selection bias (not a parameter: no gradient)
   std::vector<T> bias_T_;             // bias_E_ in the layer's type, for router_select
+  std::vector<float> temperature_state_;  // [temperature, smoothed imbalance]
   MoEBatchGroup* batch_ = nullptr;
   const ExpertSlots* slots_ = nullptr;
   std::unique_ptr<ExpertParallelDispatcher<T>> dispatcher_;  // expert parallelism

@@ -18,10 +18,13 @@ namespace moe::cuda {
 // renormalised. Ties go to the lower expert index, as on the CPU. E <= 1024. With
 // route_groups > 1 (<= 32) only experts of the route_top_groups best groups are chosen
 // (moe/router.h, RouteGroups).
+// temperature_1 (here and in the two functions below): when not null, a device float the
+// kernels read the temperature from instead of `temperature` (moe.temperature_control
+// changes it between steps: a captured CUDA graph's replays see the new value).
 void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
                  const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
                  ScoreFunc score_func, bool renormalize, Stream stream, int64_t route_groups = 0,
-                 int64_t route_top_groups = 0);
+                 int64_t route_top_groups = 0, const float* temperature_1 = nullptr);
 
 // Routing statistics of one micro-batch ADDED to acc (E + 2 doubles, in fixed order):
 // acc[e] += kept rows of expert e (counts_slot[slot_of_expert[e]]; slot_of_expert null:
@@ -37,13 +40,13 @@ void expert_counts(int32_t* counts_E, const int32_t* expert_TK, int64_t T, int64
 // aux loss = coef * E * mean_t(aux_term); z-loss = coef * mean_t(z_term).
 void router_loss_terms(float* aux_term_T, float* z_term_T, const float* scores_TE, const float* logits_TE,
                        const int32_t* counts_E, int64_t T, int64_t E, int64_t K, float temperature,
-                       ScoreFunc score_func, Stream stream);
+                       ScoreFunc score_func, Stream stream, const float* temperature_1 = nullptr);
 // dlogits_TE (overwritten) from the combine-weight gradients, plus the aux and z-loss
 // gradients with weights aux_scale = dloss * aux_coef and z_scale = dloss * z_coef (0: off).
 void router_backward(float* dlogits_TE, const float* dweight_TK, const float* scores_TE, const float* logits_TE,
                      const int32_t* expert_TK, const int32_t* counts_E, int64_t T, int64_t E, int64_t K,
                      float temperature, ScoreFunc score_func, bool renormalize, float aux_scale, float z_scale,
-                     Stream stream);
+                     Stream stream, const float* temperature_1 = nullptr);
 
 // Capacity and row layout on the device, the same semantics as moe::assign_rows:
 // walking (t, k) in order, an assignment is kept iff its expert has fewer than

@@ -84,6 +84,7 @@ nlohmann::json to_json(const RunInfo& info) {
       {"params_total", info.params_total},
       {"params_active", info.params_active},
       {"bias_balancing", info.bias_balancing},
+      {"temperature_control", info.temperature_control},
       {"mfu_inputs",
        {{"active_non_embedding_params", info.mfu.active_non_embedding_params},
         {"n_layers", info.mfu.n_layers},
@@ -112,6 +113,7 @@ nlohmann::json to_json(const StepMetrics& m) {
       layer["route_cache_token_hit_rate"] = l.route_cache_token_hit_rate;
     }
     if (l.a2a_fp8 >= 0) layer["a2a_fp8"] = l.a2a_fp8;
+    if (l.temperature > 0) layer["temperature"] = l.temperature;
     layers.push_back(std::move(layer));
   }
   nlohmann::json ranks = nlohmann::json::array();

@@ -27,6 +27,7 @@ struct LayerRouting {
   // before; -1: not measured (off, or the first MoE layer).
   double route_cache_hit_rate = -1, route_cache_token_hit_rate = -1;
   int a2a_fp8 = -1;                // expert exchange's rows this step: 1 fp8, 0 uncompressed, -1 no exchange
+  double temperature = 0;          // the router temperature the step routed with (per layer)
   double imbalance() const { return load_imbalance(tokens_E); }
   double cv() const { return load_cv(tokens_E); }
   double dropped_fraction() const;
@@ -102,6 +103,7 @@ struct RunInfo {
   int64_t world_size = 1;
   int64_t params_total = 0, params_active = 0;
   bool bias_balancing = false;
+  bool temperature_control = false;
   MfuInputs mfu;
   // When validations and checkpoint saves come (the console's ETA counts them): every
   // val_interval steps and after the last one; checkpoints likewise when `checkpoints`.

@@ -153,6 +153,7 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
       s.push_back({p + "route_cache_token_hit_rate", f(l.route_cache_token_hit_rate)});
     }
     if (l.a2a_fp8 >= 0) s.push_back({p + "a2a_fp8", f(l.a2a_fp8)});
+    if (l.temperature > 0) s.push_back({p + "temperature", f(l.temperature)});
   }
   return s;
 }

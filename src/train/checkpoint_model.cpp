@@ -42,6 +42,11 @@ CheckpointModel load_checkpoint_model(const std::string& path, const std::vector
     const std::string name = "balance_bias/" + layer->prefix();
     if (checkpoint.find(name))
       targets.push_back({name, {static_cast<int64_t>(bias.size())}, 0, static_cast<int64_t>(bias.size()), bias.data()});
+    // The controller's temperatures (moe.temperature_control): decoding routes with them.
+    std::vector<float>& temperature = layer->temperature_state();
+    if (layer->temperature_control() && checkpoint.find("router_temperature/" + layer->prefix()))
+      targets.push_back({"router_temperature/" + layer->prefix(), {static_cast<int64_t>(temperature.size())}, 0,
+                         static_cast<int64_t>(temperature.size()), temperature.data()});
   }
   read_slices(checkpoint, targets);
   return loaded;

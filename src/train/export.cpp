@@ -196,8 +196,11 @@ std::vector<HfTensor> mixtral_tensors(const LoadedCheckpoint& ckpt, bool allow_i
         inexact(fmt::format("{} has a balancing selection bias (max |b| = {:.3g}); Mixtral selects by score alone",
                             moe, balance));
     }
-    // logits / temperature == (W / temperature) x: fold it into the gate.
-    const double temperature = m.moe.temperature;
+    // logits / temperature == (W / temperature) x: fold it into the gate, the layer's own
+    // temperature when moe.temperature_control tuned it.
+    double temperature = m.moe.temperature;
+    if (m.moe.temperature_control && ckpt.find("router_temperature/" + moe))
+      temperature = read_tensor(ckpt, "router_temperature/" + moe)[0];
     MixtralTensor gate = *mixtral_tensor(moe + ".router.weight", m);
     tensors.push_back({std::move(gate.name), std::move(gate.shape), [&ckpt, moe, temperature] {
                          std::vector<float> gate = read_tensor(ckpt, "param/" + moe + ".router.weight");

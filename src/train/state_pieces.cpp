@@ -26,6 +26,11 @@ void for_host_tensors(Transformer<float>& model, AdamW& optimizer, F&& f) {
     auto& bias = layer->balance_bias_E();
     const auto n = static_cast<int64_t>(bias.size());
     f("balance_bias/" + layer->prefix(), std::vector<int64_t>{n}, bias.data(), n);
+    if (layer->temperature_control()) {
+      auto& temperature = layer->temperature_state();
+      const auto count = static_cast<int64_t>(temperature.size());
+      f("router_temperature/" + layer->prefix(), std::vector<int64_t>{count}, temperature.data(), count);
+    }
   }
 }
 

@@ -41,6 +41,7 @@ RunInfo run_info(const RunConfig& config, const ParameterCounts& counts) {
   info.params_total = counts.total;
   info.params_active = counts.active;
   info.bias_balancing = m.moe.bias_balancing;
+  info.temperature_control = m.moe.temperature_control;
   info.mfu = {counts.active - counts.embedding, m.n_layers, m.dim, m.seq_len, config.metrics.peak_tflops * 1e12};
   return info;
 }

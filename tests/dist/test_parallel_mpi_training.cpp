@@ -555,6 +555,35 @@ TEST(ParallelTraining, BalancingBiasFollowsTheGlobalLoad) {
   }
 }
 
+// moe.temperature_control from the loads summed over the ranks: every rank holds the same
+// temperatures at every step, those of the one-process run, and the run matches it.
+TEST(ParallelTemperature, TemperatureControlIsTheSameOnEveryRank) {
+  for (int64_t ep : {1, 2}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    RunConfig config = tiny_config();
+    config.parallel.expert_parallel = ep;
+    config.model.moe.temperature_control = true;
+    config.model.moe.temperature_gain = 0.5;
+    config.metrics.alert_imbalance = 0.0;
+    const RunResult got = train_parallel(config);
+    std::vector<double> temperatures;
+    for (const StepStats& s : got.stats)
+      for (const LayerRouting& l : s.layers) temperatures.push_back(l.temperature);
+    std::vector<double> rank0 = temperatures;
+    parallel_world()->broadcast(rank0.data(), rank0.size(), dist::DType::f64, 0);
+    EXPECT_EQ(temperatures, rank0) << "rank " << parallel_world()->rank();
+    expect_matches_reference(config, got);
+    if (parallel_world()->rank() != 0) continue;
+    const RunResult& want = reference(config);
+    std::vector<double> expected;
+    for (const StepStats& s : want.stats)
+      for (const LayerRouting& l : s.layers) expected.push_back(l.temperature);
+    const size_t alike = first_routing_difference(got, want) * config.model.n_layers;
+    EXPECT_EQ(first_n(temperatures, alike), first_n(expected, alike));
+    EXPECT_NE(expected.back(), 1.0);  // it moved
+  }
+}
+
 // Run with MOE_RANKS_PER_NODE=2: the EP group of 4 spans two simulated nodes.
 TEST(ParallelTrainingHierarchical, FlatAndHierarchicalAgreeAcrossNodes) {
   const dist::LaunchEnv env = dist::read_launch_env();

@@ -105,6 +105,34 @@ TEST(TransformerGrad, SigmoidNoRenormTiedDropless) {
   check_model_gradients(model, batch);
 }
 
+// moe.temperature_control: each MoE layer routes with its own temperature. The gradients
+// hold with two different ones (0.5 and 2.0, z-loss and aux loss included), and a model
+// whose layers all hold 0.5 computes exactly what moe.temperature = 0.5 computes.
+TEST(TransformerGrad, PerLayerTemperatures) {
+  ModelConfig config = tiny_config();
+  config.n_layers = 3;
+  config.moe.temperature_control = true;
+  config.moe.temperature = 1.0;
+  Transformer<double> model(config, 13);
+  model.plan(2);
+  const auto layers = model.moe_layers();
+  ASSERT_EQ(layers.size(), 3u);
+  for (auto* layer : layers) EXPECT_EQ(layer->temperature(), 1.0);
+  const Batch batch = random_batch(config, 2, 3);
+  auto total = [&](Transformer<double>& m) { return m.forward(batch.inputs.data(), batch.targets.data()).total(); };
+  for (auto* layer : layers) layer->temperature_state()[0] = 0.5f;
+  ModelConfig fixed = tiny_config();
+  fixed.n_layers = 3;
+  fixed.moe.temperature = 0.5;
+  Transformer<double> reference(fixed, 13);
+  reference.plan(2);
+  EXPECT_EQ(total(model), total(reference));
+  // One layer's own value changes the loss: the layers do read their own temperature.
+  layers[1]->temperature_state()[0] = 2.0f;
+  EXPECT_NE(total(model), total(reference));
+  check_model_gradients(model, batch);
+}
+
 TEST(TransformerGrad, FloatMatchesDouble) {
   ModelConfig config = tiny_config();
   config.moe.capacity_factor = 1.0;

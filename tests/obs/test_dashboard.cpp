@@ -220,6 +220,9 @@ TEST(Report, BrowserShowsChartsAndTheRunsExpertLoad) {
   EXPECT_EQ(chart_points(dom, "chart-time"), 4 * 6);
   // Dropped fraction and router entropy: mean and extreme layer per step.
   for (const char* id : {"chart-dropped", "chart-entropy"}) EXPECT_EQ(chart_points(dom, id), 2 * 6) << id;
+  // Router temperature: lowest, mean and highest layer per step (moe.temperature here).
+  EXPECT_EQ(chart_points(dom, "chart-temperature"), 3 * 6);
+  EXPECT_EQ(last_step(records)["layers"][0]["temperature"].get<double>(), 1.0);
   // 2 MoE layers x 4 experts, equal to the JSONL's last step; each layer's row holds all
   // 256 tokens x top-2 assignments (dropless).
   const auto cells = heatmap_cells(dom);

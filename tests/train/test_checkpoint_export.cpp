@@ -9,10 +9,13 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "shell_command.h"
 #include "train/checkpoint.h"
 #include "train/export.h"
+#include "train/safetensors.h"
 #include "train/test_resume_fixtures.h"
 
 namespace moe {
@@ -218,6 +221,51 @@ TEST_F(HfExport, WhatMixtralCannotHoldIsRefused) {
               std::string::npos)
         << e.what();
   }
+}
+
+// moe.temperature_control: each layer's gate is its router weight over that layer's own
+// tuned temperature (read from the checkpoint), not over moe.temperature.
+TEST_F(HfExport, FoldsEachLayersOwnTemperature) {
+  RunConfig config = test::tiny_config();
+  config.model.moe.bias_balancing = false;
+  config.model.moe.router_bias = false;
+  config.model.moe.temperature_control = true;
+  config.model.moe.temperature_gain = 0.5;
+  config.metrics.alert_imbalance = 0.0;
+  config.checkpoint.dir = (dir_ / "tuned").string();
+  config.training.stop_at = 3;
+  auto trainer = test::make_trainer(config);
+  std::ostringstream log;
+  trainer->run(log);
+  const fs::path ckpt_dir = dir_ / "tuned" / "step_00000003";
+  const LoadedCheckpoint ckpt = read_checkpoint(ckpt_dir);
+  ExportOptions options;
+  options.checkpoint = ckpt_dir.string();
+  options.output = (dir_ / "hf_tuned").string();
+  std::ostringstream out;
+  export_checkpoint(options, out);
+  const std::string file = (dir_ / "hf_tuned" / "model.safetensors").string();
+  const int fd = ::open(file.c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0) << file;
+  const SafeTensorsHeader header = read_safetensors_header(fd, file);
+  std::vector<float> temperatures;
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string moe = fmt::format("layers.{}.moe", layer);
+    const float t = read_tensor(ckpt, "router_temperature/" + moe)[0];
+    EXPECT_NE(t, 1.0f) << "the temperature never moved: the test checks nothing";
+    temperatures.push_back(t);
+    const std::vector<float> w = read_tensor(ckpt, "param/" + moe + ".router.weight");
+    const std::string name = fmt::format("model.layers.{}.block_sparse_moe.gate.weight", layer);
+    const auto it = std::find_if(header.tensors.begin(), header.tensors.end(), [&](const auto& x) { return x.name == name; });
+    ASSERT_NE(it, header.tensors.end()) << name;
+    ASSERT_EQ(it->dtype, "F32");
+    std::vector<float> gate(static_cast<size_t>(it->numel()));
+    read_exactly(fd, gate.data(), gate.size() * sizeof(float), header.data_start + it->begin, file);
+    ASSERT_EQ(gate.size(), w.size());
+    for (size_t i = 0; i < w.size(); ++i) EXPECT_EQ(gate[i], static_cast<float>(w[i] / static_cast<double>(t))) << name << " " << i;
+  }
+  ::close(fd);
+  EXPECT_NE(temperatures[0], temperatures[1]);  // per layer, not one value
 }
 
 }  // namespace

@@ -195,6 +195,10 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"moe.aux_loss_coef=-1", {"moe.aux_loss_coef"}},
       {"moe.z_loss_coef=-1", {"moe.z_loss_coef"}},
       {"moe.bias_update_rate=-1", {"moe.bias_update_rate"}},
+      {"moe.temperature_min=0", {"moe.temperature_min", "> 0"}},
+      {"moe.temperature_max=nan", {"moe.temperature_max"}},
+      {"moe.temperature_gain=0", {"moe.temperature_gain", "> 0"}},
+      {"moe.temperature_min=5", {"moe.temperature_min", "moe.temperature_max", "<="}},
       {"training.steps=0", {"training.steps"}},
       {"training.micro_batch=0", {"training.micro_batch"}},
       {"training.global_batch_tokens=8000",
@@ -260,6 +264,22 @@ TEST(Config, ValidationRulesNameTheirKeys) {
   for (const auto& [override_text, fragments] : cases) expect_override_error(override_text, fragments);
 }
 
+// moe.temperature_control's combinations, one line each naming the keys.
+TEST(Config, TemperatureControlCombinationsAreRefused) {
+  auto refused = [](std::vector<std::string> overrides, const std::vector<std::string>& fragments) {
+    SCOPED_TRACE(overrides.back());
+    overrides.insert(overrides.begin(), "moe.temperature_control=true");
+    expect_config_error([&] { parse_config("", "x.toml", overrides); }, fragments);
+  };
+  refused({"moe.temperature=8"}, {"moe.temperature", "moe.temperature_min", "moe.temperature_max", "[0.25, 4]"});
+  refused({"moe.temperature_min=1.5"}, {"moe.temperature (1)", "within"});
+  refused({"moe.aux_loss_coef=0"}, {"moe.temperature_control", "moe.aux_loss_coef", "moe.bias_balancing"});
+  EXPECT_NO_THROW(parse_config("", "x.toml", {"moe.temperature_control=true", "moe.aux_loss_coef=0",
+                                              "moe.bias_balancing=true"}));
+  EXPECT_NO_THROW(parse_config("", "x.toml", {"moe.temperature_control=true"}));
+  EXPECT_FALSE(RunConfig{}.model.moe.temperature_control);  // off by default
+}
+
 // Shapes past these bounds are typos; n_layers = 1000000 used to hang while the model was
 // built. Each bound is allowed, one past it is not.
 TEST(Config, ModelShapesHaveUpperBounds) {
@@ -311,6 +331,9 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.model.moe.aux_loss_coef = 0; }, [](RunConfig& c) { c.model.moe.z_loss_coef = 1e-4; },
       [](RunConfig& c) { c.model.moe.bias_balancing = true; },
       [](RunConfig& c) { c.model.moe.bias_update_rate = 1.0 / 3; }, [](RunConfig& c) { c.training.steps = 5; },
+      [](RunConfig& c) { c.model.moe.temperature_control = true; },
+      [](RunConfig& c) { c.model.moe.temperature_min = 0.125; }, [](RunConfig& c) { c.model.moe.temperature_max = 8; },
+      [](RunConfig& c) { c.model.moe.temperature_gain = 0.2; },
       [](RunConfig& c) { c.training.global_batch_tokens = 2048; }, [](RunConfig& c) { c.training.micro_batch = 4; },
       [](RunConfig& c) { c.training.seed = 9223372036854775807ull; }, [](RunConfig& c) { c.training.threads = 2; },
       [](RunConfig& c) { c.training.device = TrainingDevice::Cpu; }, [](RunConfig& c) { c.training.grad_clip = 0; },
@@ -371,7 +394,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(config_to_toml(parsed), config_to_toml(all));
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
-  EXPECT_EQ(sizeof(ModelConfig), 232u);
+  EXPECT_EQ(sizeof(ModelConfig), 264u);
   EXPECT_EQ(sizeof(TrainingConfig), 136u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);

@@ -77,6 +77,39 @@ TEST_P(Resume, StopAndResumeIsBitIdentical) {
   EXPECT_NE(fresh->train_step(3).loss, second.losses[0]);
 }
 
+// moe.temperature_control's per-layer state (temperature and smoothed imbalance) is in the
+// checkpoint: stopped after step 3 and resumed, the run continues bit for bit, and the
+// temperatures did move (a resume that lost them would route with the starting value).
+TEST_F(TempDirTest, TemperatureControlResumesBitIdentical) {
+  RunConfig config = test::tiny_config();
+  config.model.moe.temperature_control = true;
+  config.model.moe.temperature_gain = 0.5;
+  config.metrics.alert_imbalance = 0.0;
+  config.checkpoint.dir = (dir_ / "ckpt").string();
+  config.checkpoint.interval = 3;
+  std::vector<double> final_temperatures;
+  auto record = [&](Trainer& t, const StepStats&) {
+    final_temperatures.clear();
+    for (auto* layer : t.model().moe_layers()) final_temperatures.push_back(layer->temperature());
+  };
+  const RunResult full = run_trainer(config, "", record);
+  ASSERT_EQ(full.losses.size(), 8u);
+  for (double t : final_temperatures) EXPECT_NE(t, 1.0);
+  const std::vector<double> full_temperatures = final_temperatures;
+
+  config.checkpoint.dir = (dir_ / "ckpt2").string();
+  config.training.stop_at = 3;
+  const RunResult first = run_trainer(config);
+  config.training.stop_at = 0;
+  const RunResult second = run_trainer(config, (dir_ / "ckpt2" / "step_00000003").string(), record);
+  std::vector<double> losses = first.losses;
+  losses.insert(losses.end(), second.losses.begin(), second.losses.end());
+  EXPECT_EQ(losses, full.losses);
+  EXPECT_EQ(second.weights, full.weights);
+  EXPECT_EQ(final_temperatures, full_temperatures);
+  test::expect_same_checkpoint_state(dir_ / "ckpt2" / "step_00000008", dir_ / "ckpt" / "step_00000008");
+}
+
 INSTANTIATE_TEST_SUITE_P(SyncAndAsync, Resume, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "async" : "sync"; });
 

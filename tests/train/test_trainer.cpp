@@ -10,6 +10,7 @@
 #include "optim/adamw.h"
 #include "optim/grad_clip.h"
 #include "optim/lr_schedule.h"
+#include "moe/temperature_control.h"
 #include "train/trainer.h"
 
 namespace moe {
@@ -143,6 +144,36 @@ TEST(Trainer, BalancingBiasFollowsTheStepsLoad) {
     }
     EXPECT_EQ(second.layers[i].bias_E, want);
   }
+}
+
+// moe.temperature_control: after each step every MoE layer's temperature is the
+// controller's rule applied to that step's loads (the same loads the metrics report), with
+// the aux-loss direction (down) here; the next step reports and routes with it.
+TEST(Trainer, RouterTemperatureFollowsTheStepsLoad) {
+  RunConfig config = test::lookback_config();
+  config.model.moe.temperature_control = true;
+  config.model.moe.temperature_gain = 0.5;
+  config.metrics.alert_imbalance = 0.0;  // any imbalance moves it
+  auto trainer = make_trainer(config);
+  const auto layers = trainer->model().moe_layers();
+  std::vector<std::vector<float>> want(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) want[i] = layers[i]->temperature_state();
+  int moved = 0;
+  for (int64_t step = 0; step < 3; ++step) {
+    const StepStats stats = trainer->train_step(step);
+    ASSERT_EQ(stats.layers.size(), layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      EXPECT_EQ(stats.layers[i].temperature, want[i][0]) << "reported: the temperature the step routed with";
+      const std::vector<int64_t>& load = stats.layers[i].tokens_E;  // dropless: every assignment
+      temperature_control_update(want[i].data(), load.data(), static_cast<int64_t>(load.size()),
+                                 TemperatureControl{0.0, 0.5, config.model.moe.temperature_min,
+                                                    config.model.moe.temperature_max, 1.0, -1});
+      EXPECT_EQ(layers[i]->temperature_state(), want[i]) << "layer " << i << " step " << step;
+      moved += want[i][0] != 1.0f;
+    }
+  }
+  EXPECT_GT(moved, 0);
+  for (auto* layer : layers) EXPECT_LT(layer->temperature(), 1.0);  // imbalanced, aux loss: down
 }
 
 // Every evaluation reads the same held-out sequences: the same weights give the same loss.

@@ -104,7 +104,9 @@ void GpuDecoder::State::moe(int64_t layer, size_t moe_index, float* out, const f
   MOE_CUDA_CHECK(cudaMemcpyAsync(logits.data(), logits_E.data(), logits.size() * sizeof(float), cudaMemcpyDeviceToHost,
                                  stream));
   MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  router_scores_forward<float>(scores.data(), logits.data(), n, E, m.temperature, m.score_func);
+  // The layer's own temperature (moe.temperature_control tunes it per layer).
+  router_scores_forward<float>(scores.data(), logits.data(), n, E, model.moe_layers()[moe_index]->temperature(),
+                               m.score_func);
   const float* bias = m.bias_balancing ? model.moe_layers()[moe_index]->balance_bias_E().data() : nullptr;
   router_select<float>(expert.data(), weight.data(), scores.data(), bias, n, E, K, m.renormalize,
                        RouteGroups{m.route_groups, m.route_top_groups});

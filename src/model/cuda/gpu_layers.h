@@ -81,6 +81,7 @@ struct Layer {
   Buffer<double> routing;  // since reset: kept rows per expert (E), router entropy sum, tokens
   Buffer<float> balance_bias;  // moe.bias_balancing's selection bias (set_balance_bias)
   Buffer<int32_t> route_choices;  // moe.route_cache: the last forward's top-k [T*K], past recompute's reuse of act
+  Buffer<float> router_temperature;  // 1 float the router kernels read (set_router_temperature)
   // Expert placement (place_experts), the value moe/expert_slots.h describes: slot s of
   // the expert tensors (w1, w3, w2: weights, gradients, moments) holds expert
   // slots.expert_of_slot[s]; EP rank p computes its window of slots. The router picks

@@ -28,13 +28,14 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   const float* selection_bias = mc.bias_balancing ? layer.balance_bias.data() : nullptr;
   cuda::router_topk(m.scores.data(), m.expert.data(), m.weight.data(), m.logits.data(), selection_bias, T, E, K,
                     static_cast<float>(mc.temperature), mc.score_func, mc.renormalize, stream, mc.route_groups,
-                    mc.route_top_groups);
+                    mc.route_top_groups, layer.router_temperature.data());
   if (layer.route_choices.size() > 0)
     MOE_CUDA_CHECK(cudaMemcpyAsync(layer.route_choices.data(), m.expert.data(), T * K * sizeof(int32_t),
                                    cudaMemcpyDeviceToDevice, stream));
   cuda::expert_counts(m.assign_counts.data(), m.expert.data(), T, E, K, stream);
   cuda::router_loss_terms(m.aux_term.data(), m.z_term.data(), m.scores.data(), m.logits.data(), m.assign_counts.data(),
-                          T, E, K, static_cast<float>(mc.temperature), mc.score_func, stream);
+                          T, E, K, static_cast<float>(mc.temperature), mc.score_func, stream,
+                          layer.router_temperature.data());
   float* layer_sums = sums.data() + 1 + 2 * layer_index;
   cuda::ordered_sum(layer_sums, m.aux_term.data(), T, static_cast<float>(mc.aux_loss_coef * E / T), stream);
   cuda::ordered_sum(layer_sums + 1, m.z_term.data(), T, static_cast<float>(mc.z_loss_coef / T), stream);
@@ -124,7 +125,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   cuda::router_backward(dlogits.data(), dweight.data(), m.scores.data(), m.logits.data(), m.expert.data(),
                         m.assign_counts.data(), T, E, K, static_cast<float>(mc.temperature), mc.score_func,
                         mc.renormalize, static_cast<float>(loss_scale * mc.aux_loss_coef),
-                        static_cast<float>(loss_scale * mc.z_loss_coef), stream);
+                        static_cast<float>(loss_scale * mc.z_loss_coef), stream, layer.router_temperature.data());
   if (layer.router_b.id >= 0) cuda::add_column_sums(g(layer.router_b), dlogits.data(), T, E, stream);
   cuda::cast_to_bf16(dlogits_bf16.data(), dlogits.data(), T * E, stream);
   linear_backward(dnorm.data(), g(layer.router_w), dlogits_bf16.data(), layer.act->n2.data(), w(layer.router_w), T, D, E,
@@ -176,18 +177,32 @@ void GpuTransformer::reset_load() {
     }
 }
 
-Buffer<float>& GpuTransformer::State::balance_bias_of(size_t moe_layer) {
+Layer& GpuTransformer::State::layer_of(size_t moe_layer) {
   size_t index = 0;
   for (Layer& layer : layers)
-    if (layer.is_moe && index++ == moe_layer) return layer.balance_bias;
-  MOE_THROW("balance bias: no MoE layer {} (the model has {})", moe_layer, index);
+    if (layer.is_moe && index++ == moe_layer) return layer;
+  MOE_THROW("no MoE layer {} (the model has {})", moe_layer, index);
 }
+
+Buffer<float>& GpuTransformer::State::balance_bias_of(size_t moe_layer) { return layer_of(moe_layer).balance_bias; }
 
 void GpuTransformer::set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E) {
   Buffer<float>& bias = state_->balance_bias_of(moe_layer);
   MOE_CHECK(bias_E.size() == bias.size(), "balance bias of MoE layer {}: {} values for {} experts", moe_layer,
             bias_E.size(), bias.size());
   bias.upload(bias_E.data(), bias_E.size());
+}
+
+void GpuTransformer::set_router_temperature(size_t moe_layer, float temperature) {
+  MOE_CHECK(std::isfinite(temperature) && temperature > 0, "router temperature of MoE layer {}: {} must be > 0",
+            moe_layer, temperature);
+  state_->layer_of(moe_layer).router_temperature.upload(&temperature, 1);
+}
+
+float GpuTransformer::router_temperature(size_t moe_layer) const {
+  float temperature = 0;
+  state_->layer_of(moe_layer).router_temperature.download(&temperature, 1);
+  return temperature;
 }
 
 std::vector<float> GpuTransformer::balance_bias(size_t moe_layer) const {

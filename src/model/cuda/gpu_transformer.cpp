@@ -83,6 +83,9 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
       layer.routing.fill_bytes(0);
       layer.balance_bias = Buffer<float>(static_cast<size_t>(config.moe.n_experts));
       layer.balance_bias.fill_bytes(0);
+      layer.router_temperature = Buffer<float>(1);
+      const auto temperature = static_cast<float>(config.moe.temperature);
+      layer.router_temperature.upload(&temperature, 1);
       s.set_slots(layer, equal_expert_slots(E, static_cast<int>(P), s.split_experts));
     } else {
       layer.dense = {lookup(params, p + ".ffn.w1"), lookup(params, p + ".ffn.w3"), lookup(params, p + ".ffn.w2")};

@@ -177,6 +177,11 @@ class GpuTransformer {
   // The last forward's top-k choices of every MoE layer, [tokens, top_k] each (downloaded
   // with one synchronisation: moe.route_cache's probe, off by default).
   std::vector<std::vector<int32_t>> expert_choices();
+  // The router temperature of MoE layer `moe_layer`, kept on the device and read by the
+  // router kernels (so graph replays see a new value); starts at moe.temperature. The
+  // host's MoELayer::temperature() is the master copy (moe.temperature_control).
+  void set_router_temperature(size_t moe_layer, float temperature);
+  float router_temperature(size_t moe_layer) const;
   // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
   void set_phase_clock(gpu::PhaseClock* clock);
 

@@ -172,6 +172,7 @@ struct GpuTransformer::State {
   ForwardResult read_forward_results();
   void enqueue_backward(double loss_scale, const std::function<void(int)>& on_stage = {});
   void moe_backward(Layer& layer, double loss_scale);
+  Layer& layer_of(size_t moe_layer);  // the MoE layer `moe_layer` (0 = the first MoE block)
   Buffer<float>& balance_bias_of(size_t moe_layer);
 };
 

@@ -32,8 +32,8 @@ __device__ __forceinline__ void warp_argmax(float& best, int& index) {
 
 __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight, const float* logits,
                                    const float* bias, int64_t T, int64_t E, int64_t K,
-                                   float inv_temperature, bool sigmoid, bool renormalize, int groups,
-                                   int top_groups) {
+                                   float inv_temperature_arg, const float* temperature_1, bool sigmoid,
+                                   bool renormalize, int groups, int top_groups) {
   extern __shared__ float keys_shared[];  // kWarpsPerBlock x E selection keys
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
@@ -41,6 +41,7 @@ __global__ void router_topk_kernel(float* scores, int32_t* expert, float* weight
   float* keys = keys_shared + warp * E;
   const float* z = logits + t * E;
   float* s = scores + t * E;
+  const float inv_temperature = temperature_1 ? 1.0f / *temperature_1 : inv_temperature_arg;
   if (sigmoid) {
     for (int64_t e = lane; e < E; e += 32) s[e] = 1.0f / (1.0f + expf(-z[e] * inv_temperature));
   } else {
@@ -174,7 +175,7 @@ void accumulate_routing_stats(double* acc, double* scratch, const float* scores_
 void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const float* logits_TE,
                  const float* bias_E, int64_t T, int64_t E, int64_t K, float temperature,
                  ScoreFunc score_func, bool renormalize, Stream stream, int64_t route_groups,
-                 int64_t route_top_groups) {
+                 int64_t route_top_groups, const float* temperature_1) {
   MOE_CHECKF(E >= 1 && E <= 1024 && K >= 1 && K <= E, "router_topk: E=%lld K=%lld unsupported",
              static_cast<long long>(E), static_cast<long long>(K));
   const bool grouped = route_groups > 1;
@@ -187,7 +188,8 @@ void router_topk(float* scores_TE, int32_t* expert_TK, float* weight_TK, const f
   const size_t shared_bytes = static_cast<size_t>(kWarpsPerBlock * E) * sizeof(float);
   router_topk_kernel<<<static_cast<unsigned>(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * 32,
                        shared_bytes, stream>>>(scores_TE, expert_TK, weight_TK, logits_TE, bias_E, T, E,
-                                               K, 1.0f / temperature, score_func == ScoreFunc::Sigmoid,
+                                               K, 1.0f / temperature, temperature_1,
+                                               score_func == ScoreFunc::Sigmoid,
                                                renormalize, grouped ? static_cast<int>(route_groups) : 0,
                                                static_cast<int>(route_top_groups));
   MOE_CUDA_CHECK_LAUNCH();

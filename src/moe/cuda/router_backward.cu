@@ -32,12 +32,13 @@ __device__ float warp_logsumexp(const float* z, int64_t E, float inv_temperature
 }
 
 __global__ void loss_terms_kernel(float* aux_term_T, float* z_term_T, const float* scores, const float* logits,
-                                  const int32_t* counts_E, int64_t T, int64_t E, int64_t K, float inv_temperature,
-                                  bool sigmoid) {
+                                  const int32_t* counts_E, int64_t T, int64_t E, int64_t K,
+                                  float inv_temperature_arg, const float* temperature_1, bool sigmoid) {
   const int lane = threadIdx.x & 31;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + (threadIdx.x >> 5);
   if (t >= T) return;
   const float* s = scores + t * E;
+  const float inv_temperature = temperature_1 ? 1.0f / *temperature_1 : inv_temperature_arg;
   float norm = 1.0f;
   if (sigmoid) {
     float local = 0.0f;
@@ -57,14 +58,15 @@ __global__ void loss_terms_kernel(float* aux_term_T, float* z_term_T, const floa
 
 __global__ void router_backward_kernel(float* dlogits, const float* dweight, const float* scores, const float* logits,
                                        const int32_t* expert, const int32_t* counts_E, int64_t T, int64_t E, int64_t K,
-                                       float inv_temperature, bool sigmoid, bool renormalize, float aux_scale,
-                                       float z_scale) {
+                                       float inv_temperature_arg, const float* temperature_1, bool sigmoid,
+                                       bool renormalize, float aux_scale, float z_scale) {
   extern __shared__ float dscores_shared[];  // kWarpsPerBlock x E
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t t = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + warp;
   if (t >= T) return;
   float* ds = dscores_shared + warp * E;
   const float* s = scores + t * E;
+  const float inv_temperature = temperature_1 ? 1.0f / *temperature_1 : inv_temperature_arg;
   const int32_t* chosen = expert + t * K;
   const float* dw = dweight + t * K;
   for (int64_t e = lane; e < E; e += 32) ds[e] = 0.0f;
@@ -129,10 +131,10 @@ void expert_counts(int32_t* counts_E, const int32_t* expert_TK, int64_t T, int64
 
 void router_loss_terms(float* aux_term_T, float* z_term_T, const float* scores_TE, const float* logits_TE,
                        const int32_t* counts_E, int64_t T, int64_t E, int64_t K, float temperature,
-                       ScoreFunc score_func, Stream stream) {
+                       ScoreFunc score_func, Stream stream, const float* temperature_1) {
   if (T == 0) return;
   loss_terms_kernel<<<static_cast<unsigned>(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * 32, 0, stream>>>(
-      aux_term_T, z_term_T, scores_TE, logits_TE, counts_E, T, E, K, 1.0f / temperature,
+      aux_term_T, z_term_T, scores_TE, logits_TE, counts_E, T, E, K, 1.0f / temperature, temperature_1,
       score_func == ScoreFunc::Sigmoid);
   MOE_CUDA_CHECK_LAUNCH();
 }
@@ -140,13 +142,14 @@ void router_loss_terms(float* aux_term_T, float* z_term_T, const float* scores_T
 void router_backward(float* dlogits_TE, const float* dweight_TK, const float* scores_TE, const float* logits_TE,
                      const int32_t* expert_TK, const int32_t* counts_E, int64_t T, int64_t E, int64_t K,
                      float temperature, ScoreFunc score_func, bool renormalize, float aux_scale, float z_scale,
-                     Stream stream) {
+                     Stream stream, const float* temperature_1) {
   MOE_CHECKF(E >= 1 && E <= 1024, "router_backward: E=%lld unsupported", static_cast<long long>(E));
   if (T == 0) return;
   const size_t shared_bytes = static_cast<size_t>(kWarpsPerBlock * E) * sizeof(float);
   router_backward_kernel<<<static_cast<unsigned>(ceil_div(T, kWarpsPerBlock)), kWarpsPerBlock * 32, shared_bytes,
                            stream>>>(dlogits_TE, dweight_TK, scores_TE, logits_TE, expert_TK, counts_E, T, E, K,
-                                     1.0f / temperature, score_func == ScoreFunc::Sigmoid, renormalize, aux_scale,
+                                     1.0f / temperature, temperature_1, score_func == ScoreFunc::Sigmoid,
+                                     renormalize, aux_scale,
                                      z_scale);
   MOE_CUDA_CHECK_LAUNCH();
 }

@@ -24,6 +24,7 @@ std::vector<LayerRouting> host_routing(Transformer<float>& model, const ModelCon
     r.dropped = routing.dropped;
     r.router_entropy = routing.tokens > 0 ? routing.entropy_sum / static_cast<double>(routing.tokens) : 0;
     if (config.moe.bias_balancing) r.bias_E.assign(layer->balance_bias_E().begin(), layer->balance_bias_E().end());
+    r.temperature = layer->temperature();
     layers.push_back(std::move(r));
   }
   return layers;
@@ -78,6 +79,8 @@ class CpuBackend final : public ModelBackend {
     host_optimizer().step(lr);
     if (config_.model.moe.bias_balancing)
       for (auto* layer : host_model().moe_layers()) layer->update_balancing_bias();
+    if (config_.model.moe.temperature_control)
+      for (auto* layer : host_model().moe_layers()) layer->update_temperature(config_.metrics.alert_imbalance);
   }
   void end_step() override { end_validation(); }
   void end_validation() override {

@@ -206,6 +206,7 @@ void ParallelCpuBackend::routing(StepStats& stats) {
     r.router_entropy = tokens > 0 ? s[2 * E + 1] / tokens : 0;
     if (m.moe.bias_balancing) r.bias_E.assign(layers[i]->balance_bias_E().begin(), layers[i]->balance_bias_E().end());
     if (i < exchanges_.size()) r.a2a_fp8 = exchanges_[i]->fp8() ? 1 : 0;
+    r.temperature = layers[i]->temperature();
     stats.load_imbalance = std::max(stats.load_imbalance, load_imbalance(global_load_[i]));
     stats.layers.push_back(std::move(r));
   }
@@ -283,11 +284,14 @@ void ParallelCpuBackend::apply_update(double lr) {
   if (gather_) gather_->release_all();  // only the own pieces are current now
   if (experts_) experts_->step(lr);
   if (expert_gather_) expert_gather_->release_all();
-  if (config_.model.moe.bias_balancing) {
+  // Both controllers read the loads summed over the ranks: every rank keeps the same state.
+  const MoEConfig& moe = config_.model.moe;
+  if (moe.bias_balancing || moe.temperature_control) {
     auto layers = host_model().moe_layers();
     for (size_t i = 0; i < layers.size(); ++i) {
       if (i < global_load_.size()) layers[i]->set_load(global_load_[i]);
-      layers[i]->update_balancing_bias();
+      if (moe.bias_balancing) layers[i]->update_balancing_bias();
+      if (moe.temperature_control) layers[i]->update_temperature(config_.metrics.alert_imbalance);
     }
   }
 }
@@ -541,6 +545,11 @@ SavedState ParallelCpuBackend::save_state(int, int) {
     auto& bias = layer->balance_bias_E();
     const auto n = static_cast<int64_t>(bias.size());
     state.pieces.push_back({"balance_bias/" + layer->prefix(), {n}, 0, n, bias.data(), world, rank});
+    if (layer->temperature_control()) {
+      auto& temperature = layer->temperature_state();
+      const auto count = static_cast<int64_t>(temperature.size());
+      state.pieces.push_back({"router_temperature/" + layer->prefix(), {count}, 0, count, temperature.data(), world, rank});
+    }
   }
   stats_ = CommStats{};
   return state;
@@ -585,6 +594,11 @@ std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
     auto& bias = layer->balance_bias_E();
     const auto n = static_cast<int64_t>(bias.size());
     targets.push_back({"balance_bias/" + layer->prefix(), {n}, 0, n, bias.data()});
+    if (layer->temperature_control()) {
+      auto& temperature = layer->temperature_state();
+      const auto count = static_cast<int64_t>(temperature.size());
+      targets.push_back({"router_temperature/" + layer->prefix(), {count}, 0, count, temperature.data()});
+    }
   }
   return targets;
 }

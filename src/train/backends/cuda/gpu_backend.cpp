@@ -236,6 +236,7 @@ class GpuBackend final : public ModelBackend {
       if (config_.model.moe.bias_balancing)
         r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
       if (ep_) r.a2a_fp8 = ep_->fp8() ? 1 : 0;
+      r.temperature = host_layers[i]->temperature();
       stats.layers.push_back(std::move(r));
     }
     if (route_cache_) {
@@ -339,6 +340,7 @@ class GpuBackend final : public ModelBackend {
         group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16);
     }
     if (config_.model.moe.bias_balancing) update_balance_bias();
+    if (config_.model.moe.temperature_control) update_router_temperatures();
   }
   void end_step() override {
     if (ep_ && config_.parallel.rebalance_interval > 0) rebalance_experts();
@@ -515,6 +517,11 @@ class GpuBackend final : public ModelBackend {
       const std::vector<float>& bias = biases->emplace_back(layer->balance_bias_E());
       const auto count = static_cast<int64_t>(bias.size());
       state.pieces.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data(), world, rank});
+      if (layer->temperature_control()) {
+        const std::vector<float>& temperature = biases->emplace_back(layer->temperature_state());
+        const auto n = static_cast<int64_t>(temperature.size());
+        state.pieces.push_back({"router_temperature/" + layer->prefix(), {n}, 0, n, temperature.data(), world, rank});
+      }
     }
     state.owner = std::make_shared<std::pair<std::shared_ptr<OwnedPieces>, decltype(biases)>>(pieces, biases);
     return state;
@@ -549,6 +556,11 @@ class GpuBackend final : public ModelBackend {
       auto& bias = layer->balance_bias_E();
       const auto count = static_cast<int64_t>(bias.size());
       targets.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data()});
+      if (layer->temperature_control()) {
+        auto& temperature = layer->temperature_state();
+        const auto n = static_cast<int64_t>(temperature.size());
+        targets.push_back({"router_temperature/" + layer->prefix(), {n}, 0, n, temperature.data()});
+      }
     }
     return targets;
   }
@@ -592,8 +604,11 @@ class GpuBackend final : public ModelBackend {
   // The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
   // save); the GPU model gets a copy whenever they change or it is (re)built.
   void upload_balance_bias() {
-    if (!config_.model.moe.bias_balancing) return;
     auto layers = host_model().moe_layers();
+    // The router temperatures likewise (MoELayer::temperature(), moe.temperature_control).
+    for (size_t i = 0; i < layers.size(); ++i)
+      gpu_->set_router_temperature(i, static_cast<float>(layers[i]->temperature()));
+    if (!config_.model.moe.bias_balancing) return;
     for (size_t i = 0; i < layers.size(); ++i) gpu_->set_balance_bias(i, layers[i]->balance_bias_E());
   }
   // The data-parallel groups over world_: gradient sums overlapped with the backward stage
@@ -699,6 +714,18 @@ class GpuBackend final : public ModelBackend {
       bias_balance_update(bias.data(), loads_[i].data(), static_cast<int64_t>(bias.size()),
                           config_.model.moe.bias_update_rate);
       gpu_->set_balance_bias(i, bias);
+    }
+  }
+
+  // The CPU's temperature controller on the same global loads (MoELayer::update_temperature).
+  void update_router_temperatures() {
+    const auto host_layers = host_model().moe_layers();
+    MOE_CHECK(loads_.size() == host_layers.size(), "temperature control: loads of {} MoE layers for {}", loads_.size(),
+              host_layers.size());
+    for (size_t i = 0; i < host_layers.size(); ++i) {
+      host_layers[i]->set_load(loads_[i]);
+      host_layers[i]->update_temperature(config_.metrics.alert_imbalance);
+      gpu_->set_router_temperature(i, static_cast<float>(host_layers[i]->temperature()));
     }
   }
 
