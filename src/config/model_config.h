@@ -32,6 +32,15 @@ struct MoEConfig {
   // best groups only; route_groups <= 1: off.
   int64_t route_groups = 0;
   int64_t route_top_groups = 0;
+  // Expert merging (docs/EXPERT_MERGING.md): every merge_interval steps, in each MoE layer,
+  // up to merge_pairs disjoint pairs of experts whose weights' cosine is >= merge_similarity
+  // are merged into the more loaded one (load-weighted average of weights and moments,
+  // router rows alike); the freed expert restarts as a copy of the most loaded other one,
+  // perturbed by merge_noise (relative). Shapes never change. merge_interval 0: off.
+  int64_t merge_interval = 0;
+  double merge_similarity = 0.5;
+  int64_t merge_pairs = 1;
+  double merge_noise = 0.01;
 };
 
 struct ModelConfig {

@@ -58,6 +58,10 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("moe", "bias_update_rate", e.bias_update_rate);
   visit("moe", "route_groups", e.route_groups);
   visit("moe", "route_top_groups", e.route_top_groups);
+  visit("moe", "merge_interval", e.merge_interval);
+  visit("moe", "merge_similarity", e.merge_similarity);
+  visit("moe", "merge_pairs", e.merge_pairs);
+  visit("moe", "merge_noise", e.merge_noise);
   auto& t = c.training;
   visit("training", "steps", t.steps);
   visit("training", "global_batch_tokens", t.global_batch_tokens);
@@ -292,6 +296,16 @@ void check_model(const ModelConfig& m) {
   non_negative_real("moe.z_loss_coef", e.z_loss_coef);
   non_negative_real("moe.bias_update_rate", e.bias_update_rate);
   non_negative("moe.route_groups", e.route_groups);
+  non_negative("moe.merge_interval", e.merge_interval);
+  check_real("moe.merge_similarity", e.merge_similarity, e.merge_similarity >= -1 && e.merge_similarity <= 1,
+             "a number between -1 and 1");
+  check_real("moe.merge_noise", e.merge_noise, e.merge_noise >= 0 && e.merge_noise < 1, "a number in [0, 1)");
+  positive("moe.merge_pairs", e.merge_pairs);
+  // Each merged pair needs a third expert (outside every pair) to split.
+  if (e.merge_interval > 0 && 3 * e.merge_pairs > e.n_experts)
+    fail({"moe.merge_pairs", "moe.n_experts"},
+         fmt::format("moe.merge_pairs ({}) needs moe.n_experts >= 3 x moe.merge_pairs, got {}", e.merge_pairs,
+                     e.n_experts));
   if (e.route_groups > 1) {
     if (e.n_experts % e.route_groups != 0)
       fail({"moe.route_groups", "moe.n_experts"},

@@ -107,6 +107,13 @@ nlohmann::json to_json(const StepMetrics& m) {
         {"router_entropy", l.router_entropy},
     };
     if (!l.bias_E.empty()) layer["bias"] = l.bias_E;
+    if (!l.merges.empty()) {
+      nlohmann::json merges = nlohmann::json::array();
+      for (const MergeRecord& r : l.merges)
+        merges.push_back({{"kept", r.kept}, {"freed", r.freed}, {"split_of", r.split_of},
+                          {"similarity", r.similarity}, {"kept_share", r.kept_share}});
+      layer["merges"] = std::move(merges);
+    }
     layers.push_back(std::move(layer));
   }
   nlohmann::json ranks = nlohmann::json::array();

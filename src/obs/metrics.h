@@ -15,6 +15,14 @@ double load_imbalance(const std::vector<int64_t>& load_E);
 // Standard deviation / mean (population), 0 when the load is all zero.
 double load_cv(const std::vector<int64_t>& load_E);
 
+// One expert merge (moe.merge_interval, docs/EXPERT_MERGING.md): `freed` merged into
+// `kept` (kept's share of the average: kept_share), then re-initialised as a split of
+// `split_of`; similarity: the cosine of the two experts' weights.
+struct MergeRecord {
+  int64_t kept = 0, freed = 0, split_of = 0;
+  double similarity = 0, kept_share = 0;
+};
+
 // One MoE layer's routing during one optimizer step (all micro-batches).
 struct LayerRouting {
   int64_t layer = 0;               // block index in the model
@@ -23,6 +31,7 @@ struct LayerRouting {
   int64_t dropped = 0;             // assignments dropped by capacity
   double router_entropy = 0;       // mean over tokens of the routing distribution's entropy, nats
   std::vector<double> bias_E;      // aux-loss-free balancing bias; empty when that is off
+  std::vector<MergeRecord> merges; // expert merges after this step (empty: none)
   double imbalance() const { return load_imbalance(tokens_E); }
   double cv() const { return load_cv(tokens_E); }
   double dropped_fraction() const;

@@ -148,6 +148,11 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
     s.push_back({p + "cv", f(l.cv())});
     s.push_back({p + "dropped_fraction", f(l.dropped_fraction())});
     s.push_back({p + "router_entropy", f(l.router_entropy)});
+    // Expert merging: only at a merge event (a sparse series).
+    if (!l.merges.empty()) {
+      s.push_back({p + "merges", f(static_cast<double>(l.merges.size()))});
+      s.push_back({p + "merge_similarity", f(l.merges.front().similarity)});
+    }
   }
   return s;
 }
