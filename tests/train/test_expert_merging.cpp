@@ -12,6 +12,7 @@
 #include "expect_error.h"
 #include "test_resume_fixtures.h"
 #include "core/rng.h"
+#include "dist/tcp_ranks.h"
 #include "train/checkpoint.h"
 #include "train/expert_merging.h"
 
@@ -228,6 +229,20 @@ TEST(ExpertMerging, InvalidSettingsAreRefusedWithOneLine) {
   config.model.moe.merge_pairs = 2;
   config.model.moe.merge_interval = 0;  // off: nothing to check
   EXPECT_NO_THROW(validate_config(config));
+}
+
+// Merging acts on one copy of the whole state: over ranks (tcp here) it is refused.
+TEST(ExpertMerging, MultiRankRunsAreRefusedWithOneLine) {
+  const RunConfig config = merging_config();
+  dist::run_tcp_ranks(2, [&](std::unique_ptr<dist::Communicator>& world, int) {
+    const auto& m = config.model;
+    test::expect_one_line_error<ConfigError>(
+        [&] {
+          Trainer trainer(config, std::make_unique<test::ResumableTask>(16, m.seq_len, 1),
+                          std::make_unique<test::ResumableTask>(16, m.seq_len, 2), std::move(world));
+        },
+        {"moe.merge_interval", "2 ranks"});
+  });
 }
 
 }  // namespace
