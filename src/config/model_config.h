@@ -44,6 +44,15 @@ struct MoEConfig {
   bool route_cache = false;
   int64_t route_cache_predict = 0;        // experts guessed per token; 0: top_k
   int64_t route_cache_keys = 1 << 20;     // most (token, experts) keys kept per layer pair
+  // Expert merging (docs/EXPERT_MERGING.md): every merge_interval steps, in each MoE layer,
+  // up to merge_pairs disjoint pairs of experts whose weights' cosine is >= merge_similarity
+  // are merged into the more loaded one (load-weighted average of weights and moments,
+  // router rows alike); the freed expert restarts as a copy of the most loaded other one,
+  // perturbed by merge_noise (relative). Shapes never change. merge_interval 0: off.
+  int64_t merge_interval = 0;
+  double merge_similarity = 0.5;
+  int64_t merge_pairs = 1;
+  double merge_noise = 0.01;
 };
 
 struct ModelConfig {

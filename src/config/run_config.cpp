@@ -65,6 +65,10 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("moe", "route_cache", e.route_cache);
   visit("moe", "route_cache_predict", e.route_cache_predict);
   visit("moe", "route_cache_keys", e.route_cache_keys);
+  visit("moe", "merge_interval", e.merge_interval);
+  visit("moe", "merge_similarity", e.merge_similarity);
+  visit("moe", "merge_pairs", e.merge_pairs);
+  visit("moe", "merge_noise", e.merge_noise);
   auto& t = c.training;
   visit("training", "steps", t.steps);
   visit("training", "global_batch_tokens", t.global_batch_tokens);
@@ -314,6 +318,16 @@ void check_model(const ModelConfig& m) {
     fail({"moe.temperature", "moe.temperature_min", "moe.temperature_max"},
          fmt::format("moe.temperature ({}) must be within [moe.temperature_min, moe.temperature_max] = [{}, {}] "
                      "with moe.temperature_control on", e.temperature, e.temperature_min, e.temperature_max));
+  non_negative("moe.merge_interval", e.merge_interval);
+  check_real("moe.merge_similarity", e.merge_similarity, e.merge_similarity >= -1 && e.merge_similarity <= 1,
+             "a number between -1 and 1");
+  check_real("moe.merge_noise", e.merge_noise, e.merge_noise >= 0 && e.merge_noise < 1, "a number in [0, 1)");
+  positive("moe.merge_pairs", e.merge_pairs);
+  // Each merged pair needs a third expert (outside every pair) to split.
+  if (e.merge_interval > 0 && 3 * e.merge_pairs > e.n_experts)
+    fail({"moe.merge_pairs", "moe.n_experts"},
+         fmt::format("moe.merge_pairs ({}) needs moe.n_experts >= 3 x moe.merge_pairs, got {}", e.merge_pairs,
+                     e.n_experts));
   if (e.route_groups > 1) {
     if (e.n_experts % e.route_groups != 0)
       fail({"moe.route_groups", "moe.n_experts"},

@@ -114,6 +114,13 @@ nlohmann::json to_json(const StepMetrics& m) {
     }
     if (l.a2a_fp8 >= 0) layer["a2a_fp8"] = l.a2a_fp8;
     if (l.temperature > 0) layer["temperature"] = l.temperature;
+    if (!l.merges.empty()) {
+      nlohmann::json merges = nlohmann::json::array();
+      for (const MergeRecord& r : l.merges)
+        merges.push_back({{"kept", r.kept}, {"freed", r.freed}, {"split_of", r.split_of},
+                          {"similarity", r.similarity}, {"kept_share", r.kept_share}});
+      layer["merges"] = std::move(merges);
+    }
     layers.push_back(std::move(layer));
   }
   nlohmann::json ranks = nlohmann::json::array();

@@ -15,6 +15,14 @@ double load_imbalance(const std::vector<int64_t>& load_E);
 // Standard deviation / mean (population), 0 when the load is all zero.
 double load_cv(const std::vector<int64_t>& load_E);
 
+// One expert merge (moe.merge_interval, docs/EXPERT_MERGING.md): `freed` merged into
+// `kept` (kept's share of the average: kept_share), then re-initialised as a split of
+// `split_of`; similarity: the cosine of the two experts' weights.
+struct MergeRecord {
+  int64_t kept = 0, freed = 0, split_of = 0;
+  double similarity = 0, kept_share = 0;
+};
+
 // One MoE layer's routing during one optimizer step (all micro-batches).
 struct LayerRouting {
   int64_t layer = 0;               // block index in the model
@@ -28,6 +36,7 @@ struct LayerRouting {
   double route_cache_hit_rate = -1, route_cache_token_hit_rate = -1;
   int a2a_fp8 = -1;                // expert exchange's rows this step: 1 fp8, 0 uncompressed, -1 no exchange
   double temperature = 0;          // the router temperature the step routed with (per layer)
+  std::vector<MergeRecord> merges; // expert merges after this step (empty: none)
   double imbalance() const { return load_imbalance(tokens_E); }
   double cv() const { return load_cv(tokens_E); }
   double dropped_fraction() const;

@@ -154,6 +154,11 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
     }
     if (l.a2a_fp8 >= 0) s.push_back({p + "a2a_fp8", f(l.a2a_fp8)});
     if (l.temperature > 0) s.push_back({p + "temperature", f(l.temperature)});
+    // Expert merging: only at a merge event (a sparse series).
+    if (!l.merges.empty()) {
+      s.push_back({p + "merges", f(static_cast<double>(l.merges.size()))});
+      s.push_back({p + "merge_similarity", f(l.merges.front().similarity)});
+    }
   }
   return s;
 }

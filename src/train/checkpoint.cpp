@@ -235,6 +235,7 @@ CheckpointWrite write_checkpoint(const fs::path& dir, const CheckpointSnapshot& 
   manifest.nan_reloads = snap.progress.nan_reloads;
   manifest.source_state = snap.source_state;
   manifest.expert_placement = snap.expert_placement;
+  manifest.expert_merge = snap.expert_merge;
   collect_reports(temp_dir, snap, report_timeout_s, manifest);
   write_file_atomic(temp_dir / kConfigFile, snap.config_toml);
   if (!snap.tokenizer_json.empty()) write_file_atomic(temp_dir / kTokenizerFile, snap.tokenizer_json);
@@ -360,6 +361,7 @@ LoadedCheckpoint read_checkpoint_unchecked(const fs::path& path) {
   }
   loaded.run_id = m.run_id;
   loaded.expert_placement = m.expert_placement;
+  loaded.expert_merge = m.expert_merge;
   return loaded;
 }
 

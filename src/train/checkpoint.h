@@ -83,6 +83,7 @@ struct CheckpointSnapshot {
   // The experts' placement over the EP ranks and the re-placement's state
   // (ModelBackend::placement_state); empty: none.
   std::string expert_placement;
+  std::string expert_merge;  // moe.merge_interval's state (the protected experts) as JSON; empty: none
   std::string run_id;  // the run this checkpoint belongs to (src/train/run_dirs.h); empty: none
   // The writing layout: this rank of world_size, expert-parallel size, ZeRO level, and the
   // id all ranks of this save share (names the temporary directory, stamps the shards).
@@ -145,6 +146,7 @@ struct LoadedCheckpoint {
   std::string tokenizer_json;  // the run's tokenizer.json; empty: none saved
   CheckpointManifest manifest;   // layout, shards, tensors, progress
   std::string expert_placement;  // empty when none was recorded
+  std::string expert_merge;      // moe.merge_interval's state; empty when none was recorded
   std::string run_id;            // empty in checkpoints written before run ids
   const ManifestTensor* find(const std::string& tensor) const;  // null when absent
 };

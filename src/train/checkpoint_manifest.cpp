@@ -213,6 +213,7 @@ CheckpointManifest parse_checkpoint_manifest(std::string_view text, const std::s
     m.source_state.push_back(v.get<int64_t>());
   }
   if (state.contains("expert_placement")) m.expert_placement = string_field(state, "expert_placement", "state", source);
+  if (state.contains("expert_merge")) m.expert_merge = string_field(state, "expert_merge", "state", source);
   m.tensors = parse_tensors(root, m.shards.size(), source);
   check_tensor_coverage(m.tensors, m.shards, source);
   return m;
@@ -235,6 +236,7 @@ std::string manifest_to_json(const CheckpointManifest& m) {
                 {"nan_reloads", m.nan_reloads},
                 {"source_state", m.source_state}};
   if (!m.expert_placement.empty()) state["expert_placement"] = m.expert_placement;
+  if (!m.expert_merge.empty()) state["expert_merge"] = m.expert_merge;
   json root = {{"format", kFormat},
                      {"version", m.version},
                      {"step", m.step},

@@ -63,6 +63,7 @@ struct CheckpointManifest {
   int64_t skipped_steps = 0, nan_reloads = 0;
   std::vector<int64_t> source_state;
   std::string expert_placement;  // ModelBackend::placement_state; empty: none
+  std::string expert_merge;      // the trainer's expert-merging state (JSON); empty: none
 };
 
 // Parses and checks a manifest's text (structure, types, file names, shapes, coverage for

@@ -2,6 +2,7 @@
 // memory limit, saving and resuming, NaN recovery by reload, preemption.
 #include <fmt/format.h>
 #include <fmt/ostream.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <csignal>
@@ -57,6 +58,7 @@ void Trainer::save_checkpoint(std::ostream& out) {
     snapshot.save_id = fmt::format("{:012x}", static_cast<uint64_t>(backend_->sum_over_ranks(static_cast<double>(mine))));
   }
   snapshot.expert_placement = backend_->placement_state();
+  if (config_.model.moe.merge_interval > 0) snapshot.expert_merge = nlohmann::json{{"protected", merge_protected_LE_}}.dump();
   snapshot.run_id = run_id_;
   snapshot.rank = rank_;
   snapshot.world_size = world_;
@@ -108,7 +110,17 @@ SliceReadStats Trainer::restore_from(const LoadedCheckpoint& checkpoint) {
   train_data_->restore(checkpoint.manifest.source_state);
   progress_ = checkpoint_progress(checkpoint);
   backend_->restore_placement(checkpoint.expert_placement);
+  restore_merge_state(checkpoint.expert_merge);
   return read;
+}
+
+// The experts the next merge event leaves alone, as saved; none when the checkpoint has no record.
+void Trainer::restore_merge_state(const std::string& text) {
+  merge_protected_LE_.clear();
+  if (text.empty()) return;
+  const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
+  MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_merge is not JSON");
+  merge_protected_LE_ = state.value("protected", std::vector<std::vector<int64_t>>{});
 }
 
 void Trainer::wait_for_saved_checkpoints(std::ostream& out) {

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <ostream>
 
+#include <spdlog/spdlog.h>
+
 #include "core/nvtx_range.h"
 #include "core/threads.h"
 #include "dist/communicator.h"
@@ -139,6 +141,28 @@ void Trainer::slice_data_over_ranks(int rank, int world) {
   val_data_ = std::make_unique<RankSlicedSource>(std::move(val_data_), S, rank_, world_);
 }
 
+void Trainer::merge_experts(StepStats& stats) {
+  const MoEConfig& moe = config_.model.moe;
+  if (moe.merge_interval <= 0 || stats.step % moe.merge_interval != 0) return;
+  // The step's tokens per expert (kept assignments) weigh the averages and pick the split
+  // sources: no state beyond the checkpointed weights, so a resumed run merges alike.
+  std::vector<std::vector<int64_t>> load_LE;
+  for (const LayerRouting& layer : stats.layers) load_LE.push_back(layer.tokens_E);
+  const auto merges = backend_->merge_experts(moe, load_LE, merge_protected_LE_, config_.training.seed, stats.step);
+  merge_protected_LE_ = split_experts_of(merges);
+  int64_t total = 0;
+  double top = -1;
+  for (size_t l = 0; l < merges.size() && l < stats.layers.size(); ++l)
+    for (const ExpertMerge& m : merges[l]) {
+      stats.layers[l].merges.push_back({m.kept, m.freed, m.split_of, m.similarity, m.kept_share});
+      ++total;
+      top = std::max(top, m.similarity);
+    }
+  if (rank_ == 0)
+    spdlog::info("step {}: expert merging: {} pairs merged over {} MoE layers{}", stats.step, total, merges.size(),
+                 total > 0 ? fmt::format(" (highest cosine {:.3f})", top) : "");
+}
+
 StepStats Trainer::train_step(int64_t step) {
   const TrainingConfig& tc = config_.training;
   ModelBackend& model = *backend_;
@@ -205,6 +229,7 @@ StepStats Trainer::train_step(int64_t step) {
     model.apply_update(stats.lr);
   }
   model.end_step();
+  if (!stats.skipped) merge_experts(stats);
   model.take_comm_stats(stats);
   const auto step_end = Clock::now();
   stats.time.optimizer = std::max(0.0, seconds(optimizer_start, step_end) - (stats.time.comm_wait - compute_wait));

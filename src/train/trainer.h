@@ -93,6 +93,15 @@ class Trainer {
   std::string tokenizer_json;
 
  private:
+  // moe.merge_interval: after every merge_interval-th applied step, the merge event on the
+  // step's loads; its merges into stats.layers (metrics) and the log.
+  void merge_experts(StepStats& stats);
+  void restore_merge_state(const std::string& text);
+
+  // The experts the next merge event leaves alone (the last event's split pairs, per MoE
+  // layer); checkpoints keep it (expert_merge_state).
+  std::vector<std::vector<int64_t>> merge_protected_LE_;
+
   RunConfig config_;
   std::unique_ptr<BatchSource> train_data_, val_data_;
   std::unique_ptr<ModelBackend> backend_;  // what train_step drives; it owns the model state

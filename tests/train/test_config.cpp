@@ -245,6 +245,10 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"moe.route_cache_predict=1", {"moe.route_cache_predict", "moe.top_k (2)"}},
       {"moe.route_cache_predict=9", {"moe.route_cache_predict", "moe.n_experts (8)"}},
       {"moe.route_cache_keys=-1", {"moe.route_cache_keys"}},
+      {"moe.merge_interval=-1", {"moe.merge_interval"}},
+      {"moe.merge_similarity=1.5", {"moe.merge_similarity", "between -1 and 1"}},
+      {"moe.merge_noise=1", {"moe.merge_noise"}},
+      {"moe.merge_pairs=0", {"moe.merge_pairs"}},
       {"parallel.bucket_mb=-1", {"parallel.bucket_mb"}},
       {"parallel.backend=gloo", {"parallel.backend"}},
       {"metrics.peak_tflops=0", {"metrics.peak_tflops", "> 0"}},
@@ -368,6 +372,8 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.rebalance_max_experts = 8; },
       [](RunConfig& c) { c.parallel.expert_parallel = 2; c.parallel.split_experts = true; },
       [](RunConfig& c) { c.model.moe.route_groups = 4; c.model.moe.route_top_groups = 2; },
+      [](RunConfig& c) { c.model.moe.merge_interval = 50; c.model.moe.merge_similarity = -0.25; },
+      [](RunConfig& c) { c.model.moe.merge_pairs = 2; c.model.moe.merge_noise = 0.125; },
       [](RunConfig& c) { c.parallel.backend = CommBackend::Mpi; },
       [](RunConfig& c) { c.metrics.dir = "runs/t"; c.metrics.trace = true; },
       [](RunConfig& c) { c.model.moe.route_cache = true; c.model.moe.route_cache_predict = 4; },
@@ -394,7 +400,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(config_to_toml(parsed), config_to_toml(all));
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
-  EXPECT_EQ(sizeof(ModelConfig), 264u);
+  EXPECT_EQ(sizeof(ModelConfig), 296u);
   EXPECT_EQ(sizeof(TrainingConfig), 136u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);

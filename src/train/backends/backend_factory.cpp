@@ -148,6 +148,12 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_
   // NCCL (or another device-memory backend, e.g. threads sharing one GPU in tests): data
   // parallel on the GPU, a world of one included.
   const bool device_world = world->device_memory();
+  // Expert merging acts on one copy of the whole state: sharded or replicated ranks would
+  // each need their pieces merged (docs/EXPERT_MERGING.md, "Not yet").
+  if (config.model.moe.merge_interval > 0 && world->size() > 1)
+    MOE_CONFIG_ERROR("moe.merge_interval = {} runs in one process (the CPU reference or one GPU), not over {} ranks: "
+                     "set moe.merge_interval = 0",
+                     config.model.moe.merge_interval, world->size());
   if (device_world) check_gpu_world(config, world->size());
   if (world->size() == 1) {
     if (pc.expert_parallel > 1)

@@ -11,6 +11,7 @@
 #include "optim/adamw.h"
 #include "optim/grad_clip.h"
 #include "train/batch_controller.h"
+#include "train/expert_merging.h"
 #include "train/state_pieces.h"
 
 namespace moe {
@@ -106,6 +107,15 @@ class ModelBackend {
   // (empty: nothing to keep), and taking it back after a restore (collective; ignored
   // where it does not fit this run, e.g. another EP size).
   virtual std::string placement_state() const { return {}; }
+  // moe.merge_interval: one expert-merge event after step `step` (train/expert_merging.h)
+  // on the trained state: by default the host state (the CPU reference trains it); the GPU
+  // merges a host copy of its state and uploads it back. Per MoE layer, the merges made.
+  virtual std::vector<std::vector<ExpertMerge>> merge_experts(const MoEConfig& config,
+                                                              const std::vector<std::vector<int64_t>>& load_LE,
+                                                              const std::vector<std::vector<int64_t>>& protected_LE,
+                                                              uint64_t seed, int64_t step) {
+    return merge_host_experts(host_model(), host_optimizer(), config, load_LE, protected_LE, seed, step);
+  }
   virtual void restore_placement(const std::string& state) { (void)state; }
 
  private:

@@ -428,6 +428,21 @@ class GpuBackend final : public ModelBackend {
     steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
     load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
   }
+  // Expert merging (one GPU: make_backend refuses more ranks): the whole state to the host,
+  // the CPU reference's merge there, and back; merges are rare (every moe.merge_interval steps).
+  std::vector<std::vector<ExpertMerge>> merge_experts(const MoEConfig& moe, const std::vector<std::vector<int64_t>>& load_LE,
+                                                      const std::vector<std::vector<int64_t>>& protected_LE, uint64_t seed,
+                                                      int64_t step) override {
+    MOE_CHECK(!dp_ && !ep_, "expert merging runs on one GPU");
+    GpuParameterStore& store = gpu_->parameters();
+    std::vector<float>& m = host_optimizer().first_moment();
+    std::vector<float>& v = host_optimizer().second_moment();
+    store.download_state(host_model().params(), m, v);
+    auto merges = merge_host_experts(host_model(), host_optimizer(), moe, load_LE, protected_LE, seed, step);
+    store.upload_state(host_model().params(), m, v);
+    upload_balance_bias();
+    return merges;
+  }
   void sync_host_model() override {
     if (sharded()) {
       // Stage by stage, the lo halves of every piece from its owner (2 bytes per parameter of
