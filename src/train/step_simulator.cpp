@@ -212,6 +212,14 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   p.dense = A * w.dense_flops * rates.dense_ms_per_flop;
   p.lm_head = A * w.lm_head_flops * rates.lm_head_ms_per_flop;
   p.memory = A * w.memory_elements * rates.memory_ms_per_element;
+  // Recomputed layers run their forward again in the backward: a third more of their work.
+  const int64_t recomputed = config.training.recompute_layers < 0 ? mc.n_layers
+                                                                  : std::min(config.training.recompute_layers, mc.n_layers);
+  const double again = 1.0 + d(recomputed) / d(mc.n_layers) / 3.0;
+  p.attention *= again;
+  p.experts *= again;
+  p.dense *= again;
+  p.memory *= again;
   p.compute = p.attention + p.experts + p.dense + p.lm_head + p.memory;
 
   // Parameters this rank holds and steps; the groups that reduce them.
@@ -228,7 +236,9 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   p.rows = exchange_rows(mc.moe.n_experts, mc.moe.top_k, ep, p.ep_ranks_per_node, mc.moe.route_groups,
                          mc.moe.route_top_groups);
   p.exchange = exchange_time(layout.all_to_all, p.rows, d(tokens), d(mc.dim) * 2.0, ep, p.ep_ranks_per_node, hw, measured);
-  p.a2a = A * 4.0 * d(moe_layers(mc)) * p.exchange.ms * (1.0 + (ep > 1 ? layout.expert_imbalance : 0.0));
+  // A recomputed MoE layer exchanges its rows again (dispatch and combine of the forward).
+  const double recomputed_moe = d(std::max<int64_t>(0, recomputed - std::min(mc.first_dense_layers, recomputed)));
+  p.a2a = A * (4.0 * d(moe_layers(mc)) + 2.0 * recomputed_moe) * p.exchange.ms * (1.0 + (ep > 1 ? layout.expert_imbalance : 0.0));
 
   // Gradients: dense over all ranks, experts over their replicas (ranks r % ep equal:
   // ep >= per_node puts one per node, else per_node / ep per node).
@@ -263,7 +273,7 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   p.step = p.compute + p.optimizer + comm;
   p.comm_share = comm / p.step;
   // One GPU with the same per-GPU work: no exchange, no reduction, every parameter stepped.
-  const double one_gpu = p.compute - (p.experts - A * w.expert_flops * rates.expert_ms_per_flop) +
+  const double one_gpu = p.compute - (p.experts - again * A * w.expert_flops * rates.expert_ms_per_flop) +
                          d(params.dense + params.expert) * optimizer_bytes_per_parameter(moment_bytes) *
                              rates.optimizer_ms_per_byte;
   p.efficiency = one_gpu / p.step;
