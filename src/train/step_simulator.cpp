@@ -272,11 +272,10 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   const double comm = p.a2a + p.grad_sync_exposed + p.weight_gather_exposed + p.overlap_cost;
   p.step = p.compute + p.optimizer + comm;
   p.comm_share = comm / p.step;
-  // One GPU with the same per-GPU work: no exchange, no reduction, every parameter stepped.
-  const double one_gpu = p.compute - (p.experts - again * A * w.expert_flops * rates.expert_ms_per_flop) +
-                         d(params.dense + params.expert) * optimizer_bytes_per_parameter(moment_bytes) *
-                             rates.optimizer_ms_per_byte;
-  p.efficiency = one_gpu / p.step;
+  // Weak scaling: the same per-GPU work with every exchange and reduction free and the
+  // experts' rows even (what the GPU would do alone with this rank's optimizer share).
+  const double balanced = p.compute - (p.experts - again * A * w.expert_flops * rates.expert_ms_per_flop);
+  p.efficiency = (balanced + p.optimizer) / p.step;
   p.tokens_per_s_per_gpu = A * d(tokens) / (p.step / 1e3);
   return p;
 }

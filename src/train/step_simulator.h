@@ -162,7 +162,7 @@ struct StepPrediction {
   double weight_gather = 0, weight_gather_exposed = 0;  // ZeRO 1-2: after the optimizer; 3: per layer, prefetched
   double step = 0;
   double comm_share = 0;          // exposed communication / step
-  double efficiency = 0;          // step of one GPU with the same per-GPU work / this step
+  double efficiency = 0;          // weak scaling: (compute with even expert rows + optimizer) / step
   double tokens_per_s_per_gpu = 0;
   ExchangeRows rows;
   ExchangeTime exchange;          // one exchange

@@ -208,6 +208,13 @@ TEST(StepSimulator, AProfileGivesBackItsOwnStep) {
   EXPECT_NEAR(p.attention, profile.phase_ms.at("attention"), 1e-9);
   EXPECT_NEAR(p.optimizer, profile.phase_ms.at("optimizer"), 1e-9);
   EXPECT_NEAR(p.efficiency, 1.0, 1e-12);
+  // Imbalance and exchanges count against it: EP 2 on 2 GPUs with the busiest rank at 1.5x.
+  SimLayout two = one;
+  two.gpus = two.gpus_per_node = two.expert_parallel = 2;
+  two.expert_imbalance = 0.5;
+  const StepPrediction q = simulate_step(c, two, hw, rates_from_profile(profile, hw));
+  EXPECT_NEAR(q.experts, 1.5 * p.experts, 1e-9);
+  EXPECT_NEAR(q.efficiency, (q.compute - q.experts / 3 + q.optimizer) / q.step, 1e-12);
   // Half the peaks: GEMM phases and memory phases twice as long.
   HardwareDescription half = hw;
   half.peak_tflops /= 2;
