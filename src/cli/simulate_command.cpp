@@ -97,6 +97,8 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
     j["rows_other_nodes"] = f.rows.other_nodes;
     j["rows_node_distinct"] = f.rows.node_distinct;
     j["grad_bytes"] = f.grad_bytes;
+    j["exchanges_per_step"] = f.exchanges;
+    j["a2a_row_bytes_per_step"] = f.a2a_row_bytes;
     j["flat"] = prediction_json(f);
     j["hierarchical"] = prediction_json(h);
     out << j.dump(2) << "\n";

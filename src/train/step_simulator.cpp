@@ -238,7 +238,9 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   p.exchange = exchange_time(layout.all_to_all, p.rows, d(tokens), d(mc.dim) * 2.0, ep, p.ep_ranks_per_node, hw, measured);
   // A recomputed MoE layer exchanges its rows again (dispatch and combine of the forward).
   const double recomputed_moe = d(std::max<int64_t>(0, recomputed - std::min(mc.first_dense_layers, recomputed)));
-  p.a2a = A * (4.0 * d(moe_layers(mc)) + 2.0 * recomputed_moe) * p.exchange.ms * (1.0 + (ep > 1 ? layout.expert_imbalance : 0.0));
+  p.exchanges = A * (4.0 * d(moe_layers(mc)) + 2.0 * recomputed_moe);
+  p.a2a_row_bytes = p.exchanges * (p.rows.same_node + p.rows.other_nodes) * d(tokens) * d(mc.dim) * 2.0;
+  p.a2a = p.exchanges * p.exchange.ms * (1.0 + (ep > 1 ? layout.expert_imbalance : 0.0));
 
   // Gradients: dense over all ranks, experts over their replicas (ranks r % ep equal:
   // ep >= per_node puts one per node, else per_node / ep per node).

@@ -166,6 +166,8 @@ struct StepPrediction {
   double tokens_per_s_per_gpu = 0;
   ExchangeRows rows;
   ExchangeTime exchange;          // one exchange
+  double exchanges = 0;           // per step: 4 per MoE layer and micro-batch, 2 more per recomputed MoE layer
+  double a2a_row_bytes = 0;       // per step, the token rows this rank sends to other ranks (both directions' exchanges)
   double grad_bytes = 0;          // gradient bytes this rank reduces per step
   int64_t ep_nodes = 1, ep_ranks_per_node = 1;
 };
