@@ -29,8 +29,8 @@
 #                parallel, expert parallel (EP = N) and EP = N with split experts
 #                re-placed every 2 steps, and the EP checkpoint resumed on one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
-# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,compression,memory,resume
-# (default: all but comm and compression).
+# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,compression,memory,resume,simulate
+# (default: all but comm, compression and simulate; simulate: the step simulator's calibration, docs/SIMULATOR.md).
 # MODES (environment): the parallel modes scaling measures, "dp ep dpz3 epz3" by default
 # (dpz3: data parallel at ZeRO 3; epz3: EP N / 2 at ZeRO 3, each expert sharded over its 2
 # GPUs, from 4 GPUs on); "epr" adds
@@ -295,4 +295,52 @@ if [[ $sections == *,resume,* ]]; then
     fi
     rm -rf "$ckpt"
   done
+fi
+
+if [[ $sections == *,simulate,* ]]; then
+  # The step simulator (docs/SIMULATOR.md) against N real GPUs: a2a-bench --json inside the
+  # node, a measured compute profile, mixtral-mini's weak-scaling runs (1 GPU, DP N, EP N),
+  # and the predictions from those inputs; then EP N in 2 simulated nodes with and without
+  # node-first routing (route_groups 2, top 1): the bytes each rank sent to the other
+  # simulated node (a2a_off_node_bytes) against the simulator's rows.
+  echo "== simulator calibration, $n GPUs"
+  hw=configs/hardware/h200-8x400g.toml
+  "$moe" bench -c configs/bench/mixtral-mini.toml --optimizer.state_dtype=bf16 --warmup 3 --steps 10 \
+    --json "$out/profile_mixtral-mini.json" > "$out/sim_bench.txt" 2>&1
+  launch a2a-bench -c configs/bench/mixtral-mini.toml --parallel.backend=nccl --parallel.expert_parallel="$n" \
+    --json "$out/sim_a2a.json" > "$out/sim_a2a.txt" 2>&1
+  sim() {
+    "$moe" plan --simulate -c configs/bench/mixtral-mini.toml --hardware "$hw" --compute "$out/profile_mixtral-mini.json" \
+      --collectives "$out/sim_a2a.json" --optimizer.state_dtype=bf16 --micro-batches 1 --json "$@" |
+      python3 -c 'import json, sys; print("%.0f" % json.load(sys.stdin)["flat"]["tokens_per_s_per_gpu"])'
+  }
+  bench_run mixtral-mini
+  "$moe" train "${run[@]}" > "$out/sim_1.txt" 2>&1
+  launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) > "$out/sim_dp.txt" 2>&1
+  launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
+    --training.global_batch_tokens=$((tokens * n)) > "$out/sim_ep.txt" 2>&1
+  one=$(median_field "$out/sim_1.txt" "tok/s")
+  echo "1 GPU:  measured $one tok/s, predicted $(sim --gpus 1)"
+  echo "DP $n:   measured per GPU $(awk -v t="$(median_field "$out/sim_dp.txt" "tok/s")" -v n="$n" 'BEGIN { printf "%.0f", t / n }'), predicted $(sim --gpus "$n")"
+  echo "EP $n:   measured per GPU $(awk -v t="$(median_field "$out/sim_ep.txt" "tok/s")" -v n="$n" 'BEGIN { printf "%.0f", t / n }'), predicted $(sim --gpus "$n" --parallel.expert_parallel="$n") (even rows)"
+  if (( n >= 4 )); then
+    for groups in 0 2; do
+      route=(--moe.route_groups="$groups")
+      (( groups > 1 )) && route+=(--moe.route_top_groups=1)
+      MOE_RANKS_PER_NODE=$((n / 2)) launch train -c configs/bench/olmoe-mini.toml --device cuda --data.dir="$corpus" \
+        --training.steps=6 --metrics.log_interval=1 --metrics.dir="$out/sim_nodes_$groups" --parallel.backend=nccl \
+        --parallel.expert_parallel="$n" "${route[@]}" > "$out/sim_nodes_$groups.txt" 2>&1
+      "$moe" plan --simulate -c configs/bench/olmoe-mini.toml --hardware "$hw" --gpus "$n" --gpus-per-node $((n / 2)) \
+        --parallel.expert_parallel="$n" "${route[@]}" --json > "$out/sim_nodes_$groups.json"
+      python3 - "$out/sim_nodes_$groups" "$groups" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if '"a2a_off_node_bytes"' in l]
+j = json.load(open(sys.argv[1] + ".json"))
+per_row = j["a2a_row_bytes_per_step"] / (j["rows_same_node"] + j["rows_other_nodes"])
+print(f"route_groups {sys.argv[2]}: off-node bytes per step measured {rows[-1]['a2a_off_node_bytes'] / 1e9:.3f} GB "
+      f"(all to other ranks {rows[-1]['a2a_bytes'] / 1e9:.3f}), predicted {j['rows_other_nodes'] * per_row / 1e9:.3f} GB "
+      f"(uniform routing)")
+PY
+    done
+  fi
 fi

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/atomic_file.h"
+#include "core/build_info.h"
 #include "core/threads.h"
 #include "dist/all_to_all_bench.h"
 #include "dist/communicator.h"
@@ -21,6 +22,7 @@
 #include "obs/report.h"
 #include "train/backends/backend_factory.h"
 #include "train/checkpoint.h"
+#include "train/hardware_description.h"
 #include "train/hf_import.h"
 #ifdef MOE_HAVE_CUDA
 #include "dist/cuda/thread_communicator.h"
@@ -210,7 +212,20 @@ int run_report(const ReportOptions& options) {
 int run_bench(const BenchOptions& options) {
   RunConfig config = resolve_config(options.config_path, options.overrides);
 #ifdef MOE_HAVE_CUDA
-  run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout, options.ep_loopback);
+  if (!options.json.empty() && (config.training.cuda_graphs || options.ep_loopback))
+    MOE_CONFIG_ERROR("moe bench --json needs the phase split: without training.cuda_graphs and --ep-loopback");
+  const GpuBenchResult result =
+      run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout, options.ep_loopback);
+  if (!options.json.empty()) {
+    ComputeProfile profile;
+    profile.source = fmt::format("moe bench {}; {}", options.config_path, build_info());
+    profile.peak_tflops = 989;  // the MFU formula's dense bf16 peak (H100/H200)
+    profile.hbm_tb_s = 4.8;     // H200 HBM3e
+    profile.config = config;
+    profile.phase_ms = result.phase_ms;
+    write_file_atomic(options.json, compute_profile_json(profile));
+    fmt::print("compute profile written to {}\n", options.json);
+  }
   if (options.kernels) run_kernel_bench(config, std::cout);
   return 0;
 #else
@@ -221,7 +236,11 @@ int run_bench(const BenchOptions& options) {
 int run_all_to_all_bench(const AllToAllBenchOptions& options) {
   RunConfig config = resolve_config(options.config_path, options.overrides);
   std::unique_ptr<dist::Communicator> world = dist::make_world_communicator(resolve_comm_backend(config));
-  dist::run_all_to_all_bench(config, *world, options.warmup, options.iters, std::cout);
+  const auto results = dist::run_all_to_all_bench(config, *world, options.warmup, options.iters, std::cout);
+  if (!options.json.empty() && world->rank() == 0) {
+    write_file_atomic(options.json, all_to_all_bench_json(results, world->backend()));
+    fmt::print("a2a-bench results written to {}\n", options.json);
+  }
   return 0;
 }
 

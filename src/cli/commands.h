@@ -37,6 +37,7 @@ struct BenchOptions {
   int timed_steps = 10;
   bool kernels = false;  // also time the expert GEMMs one by one
   bool ep_loopback = false;  // through the expert-parallel path over this one GPU
+  std::string json;          // also write the phase times as a compute profile (docs/SIMULATOR.md)
   std::vector<std::string> overrides;
 };
 
@@ -44,6 +45,7 @@ struct AllToAllBenchOptions {
   std::string config_path;
   int warmup = 3;
   int iters = 20;
+  std::string json;  // rank 0 also writes the results as JSON (moe plan --simulate --collectives)
   std::vector<std::string> overrides;
 };
 

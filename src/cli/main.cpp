@@ -133,6 +133,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--warmup", bench.warmup_steps, "Untimed steps first")->check(CLI::NonNegativeNumber);
   bench_cmd->add_option("--steps", bench.timed_steps, "Timed steps (the median is reported)")->check(CLI::PositiveNumber);
   bench_cmd->add_flag("--kernels", bench.kernels, "Also time the expert GEMMs one by one against the dense ceiling");
+  bench_cmd->add_option("--json", bench.json,
+                        "Also write the phase times as a compute profile JSON (moe plan --simulate --compute)");
   bench_cmd->add_flag("--ep-loopback", bench.ep_loopback,
                       "Run the expert-parallel path over this one GPU (exchanges as device copies): its own cost");
   bench_cmd->allow_extras();
@@ -145,6 +147,7 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   a2a_cmd->add_option("--warmup", a2a.warmup, "Untimed exchanges first")->check(CLI::NonNegativeNumber);
   a2a_cmd->add_option("--iters", a2a.iters, "Timed exchanges (the median is reported)")->check(CLI::PositiveNumber);
+  a2a_cmd->add_option("--json", a2a.json, "Rank 0 also writes the results to this JSON file (moe plan --simulate --collectives)");
   a2a_cmd->allow_extras();
   a2a_cmd->footer(kOverrideHelp);
 
@@ -160,6 +163,22 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   plan_cmd->add_option("--layouts", plan.max_layouts, "Fitting layouts to print, best first")
       ->check(CLI::PositiveNumber);
+  plan_cmd->add_flag("--simulate", plan.simulate,
+                     "Predict the step time by phase, flat and hierarchical all-to-all (docs/SIMULATOR.md)");
+  plan_cmd->add_option("--hardware", plan.hardware, "With --simulate: hardware description (configs/hardware/*.toml)")
+      ->check(CLI::ExistingFile);
+  plan_cmd->add_option("--compute", plan.compute, "With --simulate: measured compute profile (moe bench --json)")
+      ->check(CLI::ExistingFile);
+  plan_cmd->add_option("--collectives", plan.collectives,
+                       "With --simulate: measured all-to-all inside one node (moe a2a-bench --json)")
+      ->check(CLI::ExistingFile);
+  plan_cmd->add_option("--micro-batches", plan.micro_batches,
+                       "With --simulate: micro-batches per GPU per step (default: from training.global_batch_tokens)")
+      ->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--expert-imbalance", plan.expert_imbalance,
+                       "With --simulate: the busiest EP rank's expert rows over the mean, less 1 (default 0)")
+      ->check(CLI::NonNegativeNumber);
+  plan_cmd->add_flag("--json", plan.json, "With --simulate: one JSON object instead of the table");
   plan_cmd->allow_extras();
   plan_cmd->footer(kOverrideHelp);
 

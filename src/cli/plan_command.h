@@ -16,8 +16,18 @@ struct PlanOptions {
   std::optional<double> gpu_memory_gb;   // default: kDefaultGpuMemoryGb; the reserve is taken off either
   std::vector<std::string> overrides;    // "section.key=value"
   int max_layouts = 10;                  // rows of the fitting layouts printed
+  // --simulate: the step-time model (train/step_simulator.h, docs/SIMULATOR.md) instead of memory.
+  bool simulate = false;
+  std::string hardware;                  // configs/hardware/*.toml (required with --simulate)
+  std::string compute;                   // `moe bench --json` profile; empty: the hardware's peaks x efficiencies
+  std::string collectives;               // `moe a2a-bench --json` inside one node; empty: alpha-beta only
+  std::optional<int64_t> micro_batches;  // per GPU per step; default: global_batch_tokens / (GPUs x micro-batch tokens)
+  double expert_imbalance = 0;           // busiest EP rank's expert rows over the mean, less 1
+  bool json = false;                     // one JSON object instead of the table
 };
 
 int run_plan(const PlanOptions& options, std::ostream& out);
+// `moe plan --simulate` (src/cli/simulate_command.cpp).
+int run_simulate(const PlanOptions& options, std::ostream& out);
 
 }  // namespace moe

@@ -142,6 +142,9 @@ std::vector<AllToAllBenchResult> run_all_to_all_bench(const RunConfig& config, C
     r.dispatch_gb_per_s = dispatch.off_rank_bytes / 1e9 / (r.dispatch_ms / 1e3);
     r.combine_gb_per_s = combine.off_rank_bytes / 1e9 / (r.combine_ms / 1e3);
     r.rows_ok = not_ok[0] == 0.0;
+    r.ranks = P;
+    r.nodes = P > groups.ranks_per_node ? P / groups.ranks_per_node : 1;
+    r.off_rank_bytes = static_cast<double>(dispatch.off_rank_bytes);
     if (world.rank() == 0)
       fmt::print(out, "  {:<13} dispatch {:8.3f} ms {:8.2f} GB/s per rank | combine {:8.3f} ms {:8.2f} GB/s per rank | "
                       "rows {}\n",

@@ -17,6 +17,8 @@ struct AllToAllBenchResult {
   double dispatch_ms = 0, combine_ms = 0;
   double dispatch_gb_per_s = 0, combine_gb_per_s = 0;  // per rank, bytes to other ranks
   bool rows_ok = false;
+  int ranks = 0, nodes = 0;          // of the EP group
+  double off_rank_bytes = 0;         // per rank per dispatch, to other ranks
 };
 
 // Collective over world. Rows per rank: training.micro_batch x model.seq_len tokens x

@@ -23,6 +23,7 @@ struct CommStats {
   int64_t a2a_bytes = 0;      // expert exchange: bytes sent to other ranks (token rows both ways, counts, routing)
   double a2a_s = 0;           // per exchange, issue -> observed completion, summed
   int64_t a2a_exchanges = 0;
+  int64_t a2a_off_node_bytes = 0;  // the part of a2a_bytes' token rows sent to ranks of other nodes
 
   double a2a_bandwidth() const { return a2a_s > 0 ? static_cast<double>(a2a_bytes) / a2a_s : 0; }
   void add(const CommStats& o) {
@@ -31,6 +32,7 @@ struct CommStats {
     a2a_bytes += o.a2a_bytes;
     a2a_s += o.a2a_s;
     a2a_exchanges += o.a2a_exchanges;
+    a2a_off_node_bytes += o.a2a_off_node_bytes;
   }
 };
 

@@ -19,8 +19,8 @@ void BatchGroupOverComm::all_gather(const int64_t* values, int64_t count, int64_
   timed_blocking(stats_, [&] { comm_.all_gather(values, all, static_cast<size_t>(count), DType::i64); });
 }
 
-ExpertExchangeOverComm::ExpertExchangeOverComm(AllToAll& a2a, int chunks, CommStats& stats)
-    : a2a_(a2a), chunks_(chunks), stats_(stats) {
+ExpertExchangeOverComm::ExpertExchangeOverComm(AllToAll& a2a, int chunks, CommStats& stats, int ep_ranks_per_node)
+    : a2a_(a2a), chunks_(chunks), stats_(stats), ep_ranks_per_node_(ep_ranks_per_node) {
   MOE_CHECK(chunks >= 1, "all-to-all chunks must be at least 1, got {}", chunks);
   me_ = a2a_.group().rank();
   peers_ = a2a_.group().size();
@@ -30,6 +30,14 @@ int64_t ExpertExchangeOverComm::remote_bytes(const std::vector<int64_t>& bytes_P
   int64_t bytes = 0;
   for (int p = 0; p < peers_; ++p)
     if (p != me_) bytes += bytes_P[static_cast<size_t>(p)];
+  return bytes;
+}
+
+int64_t ExpertExchangeOverComm::off_node_bytes(const std::vector<int64_t>& bytes_P) const {
+  if (ep_ranks_per_node_ <= 0) return 0;
+  int64_t bytes = 0;
+  for (int p = 0; p < peers_; ++p)
+    if (p / ep_ranks_per_node_ != me_ / ep_ranks_per_node_) bytes += bytes_P[static_cast<size_t>(p)];
   return bytes;
 }
 
@@ -54,6 +62,7 @@ void ExpertExchangeOverComm::exchange(const void* send, const std::vector<int64_
   stats_.wait_s += s;
   stats_.a2a_s += s;
   stats_.a2a_bytes += remote_bytes(send_bytes_P);
+  stats_.a2a_off_node_bytes += off_node_bytes(send_bytes_P);
   ++stats_.a2a_exchanges;
   wait_s_ += stats_.wait_s - waited;
 }
@@ -128,6 +137,7 @@ void ExpertExchangeOverComm::round_trip(const void* send, const std::vector<int6
     pack(f.send, send, f.out);
     f.recv.resize(static_cast<size_t>(f.in.total));
     stats_.a2a_bytes += remote_bytes(f.out.bytes_P);
+    stats_.a2a_off_node_bytes += off_node_bytes(f.out.bytes_P);
     f.dispatch_issued = CommClock::now();
     f.dispatch = issue([&] { return a2a_.exchange_async(f.send.data(), f.out.bytes_P, f.recv.data(), f.in.bytes_P, DType::u8); });
   };
@@ -141,6 +151,7 @@ void ExpertExchangeOverComm::round_trip(const void* send, const std::vector<int6
     pack(f.result, result, f.in);
     f.back.resize(static_cast<size_t>(f.out.total));
     stats_.a2a_bytes += remote_bytes(f.in.bytes_P);
+    stats_.a2a_off_node_bytes += off_node_bytes(f.in.bytes_P);
     f.combine_issued = CommClock::now();
     f.combine = issue([&] { return a2a_.exchange_async(f.result.data(), f.in.bytes_P, f.back.data(), f.out.bytes_P, DType::u8); });
   }

@@ -39,8 +39,9 @@ class BatchGroupOverComm final : public MoEBatchGroup {
 
 class ExpertExchangeOverComm final : public ExpertExchange {
  public:
-  // a2a spans the EP group.
-  ExpertExchangeOverComm(AllToAll& a2a, int chunks, CommStats& stats);
+  // a2a spans the EP group. ep_ranks_per_node: EP ranks per node when the group spans
+  // nodes (EP rank r on node r / it), for stats.a2a_off_node_bytes; 0: one node.
+  ExpertExchangeOverComm(AllToAll& a2a, int chunks, CommStats& stats, int ep_ranks_per_node = 0);
   int size() const override { return peers_; }
   int rank() const override { return me_; }
   int chunks() const override { return chunks_; }
@@ -57,10 +58,12 @@ class ExpertExchangeOverComm final : public ExpertExchange {
  private:
   double wait_s_ = 0;
   int64_t remote_bytes(const std::vector<int64_t>& bytes_P) const;
+  int64_t off_node_bytes(const std::vector<int64_t>& bytes_P) const;
   AllToAll& a2a_;
   int chunks_;
   CommStats& stats_;
   int me_ = 0, peers_ = 1;
+  int ep_ranks_per_node_ = 0;
 };
 
 }  // namespace moe::dist

@@ -149,6 +149,7 @@ nlohmann::json to_json(const StepMetrics& m) {
       {"comm_wait_fraction", m.comm_wait_fraction()},
       {"grad_sync_ms", m.grad_sync_ms},
       {"a2a_bytes", m.a2a_bytes},
+      {"a2a_off_node_bytes", m.a2a_off_node_bytes},
       {"a2a_gb_per_s", m.a2a_bandwidth / 1e9},
       {"memory", {{"arena_bytes", m.arena_bytes}, {"rss_bytes", m.rss_bytes}}},
       {"max_imbalance", m.max_imbalance()},

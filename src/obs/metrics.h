@@ -77,6 +77,7 @@ struct StepMetrics {
   StepTimes time;
   double grad_sync_ms = 0;  // data-parallel gradient synchronisation; 0 in one process
   int64_t a2a_bytes = 0;    // expert-parallel all-to-all: bytes this rank sent to other ranks
+  int64_t a2a_off_node_bytes = 0;  // of those, what went to ranks of other (simulated) nodes (GPU: token rows only)
   double a2a_bandwidth = 0; // those bytes / the exchanges' time (issue to completion), bytes/s
   int64_t arena_bytes = 0;  // parameters, gradients, optimizer state and activation arenas
   int64_t rss_bytes = 0;    // resident set of the process

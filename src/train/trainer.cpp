@@ -68,6 +68,7 @@ StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_
   m.rss_bytes = resident_set_bytes();
   m.grad_sync_ms = s.grad_sync_ms;
   m.a2a_bytes = s.a2a_bytes;
+  m.a2a_off_node_bytes = s.a2a_off_node_bytes;
   m.a2a_bandwidth = s.a2a_seconds > 0 ? static_cast<double>(s.a2a_bytes) / s.a2a_seconds : 0;
   m.layers = s.layers;
   if (phase_times) m.phase_ms = s.phase_ms;

@@ -40,4 +40,39 @@ TEST(PlanCommand, ALayoutTheConfigCannotTakeIsOneLine) {
                                    {"moe: error: model.vocab_size = 0: the memory plan needs"});
 }
 
+// `moe plan --simulate` (docs/SIMULATOR.md): the write-up model over 64 H200s in nodes of 8,
+// flat against hierarchical, as a table and as JSON; its inputs refused with one line.
+TEST(PlanCommand, SimulateTableAndJson) {
+  const std::string base = "plan --simulate -c " + config("models/writeup-500b.toml") + " --hardware " +
+                           config("hardware/h200-8x400g.toml") + " --gpus 64 --gpus-per-node 8 --micro-batches 1";
+  const moe::test::MoeResult table = moe::test::run_moe(base + " --compute " +
+                                                        config("hardware/profiles/h200-mixtral-mini-8ebd42c.json"));
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  for (const char* line : {"64 GPUs in nodes of 8; expert_parallel 64 (8 nodes x 8)", "flat   hierarchical",
+                           "7 + 56 messages", "7 + 7 messages", "all-to-all (not overlapped)", "communication share",
+                           "weak-scaling efficiency", "tokens/s per GPU"})
+    EXPECT_NE(table.output.find(line), std::string::npos) << line << " not in:\n" << table.output;
+  const moe::test::MoeResult json = moe::test::run_moe(base + " --json");
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  for (const char* key : {"\"ep_nodes\": 8", "\"hierarchical\": {", "\"a2a_ms\":", "\"comm_share\":"})
+    EXPECT_NE(json.output.find(key), std::string::npos) << key << " not in:\n" << json.output;
+}
+
+TEST(PlanCommand, SimulateInputsAreOneLine) {
+  moe::test::expect_one_line_error(
+      moe::test::run_moe("plan --simulate -c " + config("models/writeup-500b.toml") + " --gpus 64"), 2,
+      {"moe: error: --simulate needs --hardware FILE"});
+  moe::test::expect_one_line_error(
+      moe::test::run_moe("plan -c " + config("models/writeup-500b.toml") + " --gpus 128 --json"), 2,
+      {"go with --simulate"});
+  moe::test::expect_one_line_error(
+      moe::test::run_moe("plan --simulate -c " + config("models/writeup-500b.toml") + " --hardware " +
+                         config("models/writeup-500b.toml") + " --gpus 64"),
+      2, {"moe: error: hardware", "is not a key"});
+  moe::test::expect_one_line_error(
+      moe::test::run_moe("plan --simulate -c " + config("models/writeup-500b.toml") + " --hardware " +
+                         config("hardware/h200-8x400g.toml") + " --gpus 60"),
+      2, {"moe: error: --gpus 60 is not a multiple of --gpus-per-node 8"});
+}
+
 }  // namespace

@@ -70,6 +70,7 @@ TEST(ParallelTraining, ExpertParallel4MatchesOneProcess) {
   for (const StepStats& s : got.stats) {
     EXPECT_GT(s.a2a_bytes, 0);
     EXPECT_GT(s.a2a_seconds, 0);
+    if (dist::read_launch_env().n_nodes == 1) EXPECT_EQ(s.a2a_off_node_bytes, 0);  // one node: nothing leaves it
     ASSERT_EQ(s.ranks.size(), 4u);
     EXPECT_EQ(s.ranks[1].experts, std::vector<int64_t>{1});
   }
@@ -598,6 +599,13 @@ TEST(ParallelTrainingHierarchical, FlatAndHierarchicalAgreeAcrossNodes) {
   EXPECT_EQ(flat.loss, hierarchical.loss);
   EXPECT_EQ(flat.params, hierarchical.params);
   expect_matches_reference(config, hierarchical);
+  // Rows to the other node: some of what goes to other ranks, the same bytes either way.
+  ASSERT_EQ(flat.stats.size(), hierarchical.stats.size());
+  for (size_t i = 0; i < flat.stats.size(); ++i) {
+    EXPECT_GT(flat.stats[i].a2a_off_node_bytes, 0);
+    EXPECT_LT(flat.stats[i].a2a_off_node_bytes, flat.stats[i].a2a_bytes);
+    EXPECT_EQ(flat.stats[i].a2a_off_node_bytes, hierarchical.stats[i].a2a_off_node_bytes);
+  }
 }
 
 }  // namespace

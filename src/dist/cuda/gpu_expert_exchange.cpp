@@ -15,6 +15,7 @@ GpuExpertExchangeOverComm::GpuExpertExchangeOverComm(Communicator& world, int ep
   MOE_CHECK(ranks_per_node >= 1, "{} ranks per node", ranks_per_node);
   group_ = world.split(world.rank() / ep_size, world.rank());
   a2a_ = make_all_to_all(kind, *group_, world.rank() / ranks_per_node);
+  if (ep_size > ranks_per_node) ep_ranks_per_node_ = ranks_per_node;
 }
 
 void GpuExpertExchangeOverComm::exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
@@ -22,7 +23,12 @@ void GpuExpertExchangeOverComm::exchange(const void* send, const std::vector<int
   MOE_CHECK(elem_bytes == 2 || elem_bytes == 4, "expert exchange: {}-byte elements (2: bf16, 4: int32)", elem_bytes);
   const DType dtype = elem_bytes == 2 ? DType::bf16 : DType::i32;
   for (size_t p = 0; p < send_counts.size(); ++p)
-    if (static_cast<int>(p) != group_->rank()) bytes_sent_ += send_counts[p] * static_cast<int64_t>(elem_bytes);
+    if (static_cast<int>(p) != group_->rank()) {
+      bytes_sent_ += send_counts[p] * static_cast<int64_t>(elem_bytes);
+      if (elem_bytes == 2 && ep_ranks_per_node_ > 0 &&
+          static_cast<int>(p) / ep_ranks_per_node_ != group_->rank() / ep_ranks_per_node_)
+        off_node_bytes_sent_ += send_counts[p] * 2;
+    }
   a2a_->exchange(send, send_counts, recv, recv_counts, dtype);
 }
 
@@ -32,5 +38,6 @@ void GpuExpertExchangeOverComm::broadcast(void* data, size_t bytes, int root) {
 }
 
 int64_t GpuExpertExchangeOverComm::take_bytes_sent() { return std::exchange(bytes_sent_, 0); }
+int64_t GpuExpertExchangeOverComm::take_off_node_bytes_sent() { return std::exchange(off_node_bytes_sent_, 0); }
 
 }  // namespace moe::dist

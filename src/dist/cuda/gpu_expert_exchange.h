@@ -26,11 +26,14 @@ class GpuExpertExchangeOverComm final : public GpuExpertExchange {
   void broadcast(void* data, size_t bytes, int root) override;
   // Bytes this rank sent to other ranks since the last call, then reset.
   int64_t take_bytes_sent();
+  // Of those, the token rows sent to ranks of other nodes, then reset.
+  int64_t take_off_node_bytes_sent();
 
  private:
   std::unique_ptr<Communicator> group_;
   std::unique_ptr<AllToAll> a2a_;
-  int64_t bytes_sent_ = 0;
+  int64_t bytes_sent_ = 0, off_node_bytes_sent_ = 0;
+  int ep_ranks_per_node_ = 0;  // EP ranks per node when the group spans nodes; 0: one node
 };
 
 }  // namespace moe::dist

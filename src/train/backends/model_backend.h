@@ -31,6 +31,7 @@ struct StepStats {
   // bytes sent to other ranks and the time those exchanges took (issue to completion).
   double grad_sync_ms = 0;
   int64_t a2a_bytes = 0;
+  int64_t a2a_off_node_bytes = 0;  // the token rows of a2a_bytes sent to ranks of other (simulated) nodes
   double a2a_seconds = 0;
   std::vector<RankLoad> ranks;       // experts per rank and their load; empty: one rank holds all
   // GPU, metrics.phase_times or metrics.trace: ms per phase of the model's stream.

@@ -35,7 +35,10 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     // pointers stay valid.
     slots_.assign(moe_layers.size(), equal_expert_slots(config.model.moe.n_experts, ep, pc.split_experts));
     for (size_t i = 0; i < moe_layers.size(); ++i) {
-      exchanges_.push_back(std::make_unique<ExpertExchangeOverComm>(*a2a_, static_cast<int>(pc.a2a_chunks), stats_));
+      // EP blocks of consecutive ranks: they span nodes when larger than a node.
+      const int ep_per_node = ep > groups_.ranks_per_node ? groups_.ranks_per_node : 0;
+      exchanges_.push_back(
+          std::make_unique<ExpertExchangeOverComm>(*a2a_, static_cast<int>(pc.a2a_chunks), stats_, ep_per_node));
       exchanges.push_back(exchanges_.back().get());
       slots.push_back(&slots_[i]);
     }
@@ -463,6 +466,7 @@ void ParallelCpuBackend::take_comm_stats(StepStats& stats) {
   stats.time.comm_wait += stats_.wait_s;
   stats.grad_sync_ms += stats_.grad_sync_s * 1e3;
   stats.a2a_bytes += stats_.a2a_bytes;
+  stats.a2a_off_node_bytes += stats_.a2a_off_node_bytes;
   stats.a2a_seconds += stats_.a2a_s;
   stats_ = CommStats{};
 }

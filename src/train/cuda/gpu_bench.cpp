@@ -116,7 +116,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              kPeakFlops / 1e12);
   fmt::print(out, "device memory in use: {:.1f} GB\n", result.device_gb);
   double phase_total = 0;
-  for (const auto& [name, ms] : phases) phase_total += ms;
+  for (const auto& [name, ms] : phases) {
+    phase_total += ms;
+    if (!config.training.cuda_graphs) result.phase_ms[name] = ms / timed_steps;
+  }
   fmt::print(out, "time by phase, mean per step (forward + backward; from CUDA events at phase boundaries):\n");
   for (const auto& [name, ms] : phases)
     fmt::print(out, "  {:<16} {:8.1f} ms  {:5.1f}%\n", name, ms / timed_steps, 100.0 * ms / std::max(phase_total, 1e-9));

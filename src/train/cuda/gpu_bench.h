@@ -3,6 +3,8 @@
 // formula, step time and device memory.
 #pragma once
 #include <iosfwd>
+#include <map>
+#include <string>
 
 #include "config/run_config.h"
 
@@ -13,6 +15,7 @@ struct GpuBenchResult {
   double tokens_per_second = 0;
   double mfu = 0;
   double device_gb = 0;
+  std::map<std::string, double> phase_ms;  // mean per timed step (empty with CUDA graphs)
 };
 
 // ep_loopback: through the expert-parallel path over this one GPU (LoopbackExpertExchange:

@@ -360,7 +360,10 @@ class GpuBackend final : public ModelBackend {
     if (dp_) dp_->take_stats();  // validation's sums are not a training step's
     if (edp_) edp_->take_stats();
     clock_.take();  // validation's are not a step's
-    if (ep_) ep_->take_bytes_sent();
+    if (ep_) {
+      ep_->take_bytes_sent();
+      ep_->take_off_node_bytes_sent();
+    }
   }
   void take_comm_stats(StepStats& stats) override {
     std::vector<std::pair<std::string, double>> phases;
@@ -381,6 +384,7 @@ class GpuBackend final : public ModelBackend {
       for (const auto& [phase, ms] : phases)
         if (phase == "all-to-all") a2a_ms = ms;
       stats.a2a_bytes += ep_->take_bytes_sent();
+      stats.a2a_off_node_bytes += ep_->take_off_node_bytes_sent();
       stats.a2a_seconds += a2a_ms * 1e-3;
       stats.time.comm_wait += a2a_ms * 1e-3;
     }
