@@ -16,6 +16,12 @@ void RoutingCacheProbe::forward(const int32_t* tokens_T, int64_t T, const std::v
   for (size_t i = 0; i < caches_.size(); ++i) caches_[i].step(tokens_T, experts_TK[i], experts_TK[i + 1], T);
 }
 
+void RoutingCacheProbe::forward(const int32_t* tokens_T, int64_t T, const std::vector<std::vector<int32_t>>& experts_TK) {
+  std::vector<const int32_t*> pointers;
+  for (const auto& choices : experts_TK) pointers.push_back(choices.data());
+  forward(tokens_T, T, pointers);
+}
+
 std::vector<double> RoutingCacheProbe::take_counts() {
   std::vector<double> counts(4 * (caches_.size() + 1), 0.0);
   for (size_t i = 0; i < caches_.size(); ++i) {
@@ -36,6 +42,13 @@ void RoutingCacheProbe::fill(std::vector<LayerRouting>& layers, const std::vecto
     layers[i].route_cache_hit_rate = c[0] > 0 ? c[1] / c[0] : 0;
     layers[i].route_cache_token_hit_rate = c[2] > 0 ? c[3] / c[2] : 0;
   }
+}
+
+void RoutingCacheProbe::report(std::vector<LayerRouting>& layers,
+                               const std::function<void(double*, int64_t)>& sum_over_ranks) {
+  std::vector<double> counts = take_counts();  // each rank's own cache; the hits summed
+  if (sum_over_ranks) sum_over_ranks(counts.data(), static_cast<int64_t>(counts.size()));
+  fill(layers, counts);
 }
 
 }  // namespace moe

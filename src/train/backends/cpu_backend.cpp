@@ -70,7 +70,7 @@ class CpuBackend final : public ModelBackend {
   void backward(double loss_scale, bool) override { host_model().backward(loss_scale); }
   void routing(StepStats& stats) override {
     stats.layers = host_routing(host_model(), config_.model, stats.load_imbalance);
-    if (route_cache_) RoutingCacheProbe::fill(stats.layers, route_cache_->take_counts());
+    if (route_cache_) route_cache_->report(stats.layers);
   }
   ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override {
     return moe::clip_gradients(host_model().params(), max_global_norm, max_expert_norm);

@@ -1,4 +1,5 @@
 #include "train/backends/parallel_cpu_backend.h"
+#include "train/backends/rank_loads.h"
 
 #include <algorithm>
 #include <cmath>
@@ -213,34 +214,11 @@ void ParallelCpuBackend::routing(StepStats& stats) {
     stats.load_imbalance = std::max(stats.load_imbalance, load_imbalance(global_load_[i]));
     stats.layers.push_back(std::move(r));
   }
-  if (route_cache_) {
-    std::vector<double> counts = route_cache_->take_counts();  // every rank's own cache, hits summed
-    batch_->sum(counts.data(), static_cast<int64_t>(counts.size()));
-    RoutingCacheProbe::fill(stats.layers, counts);
-  }
-  // As the GPU backend: the experts EP rank p's block holds in any MoE layer, each with
-  // its load summed over the layers where p holds it.
+  if (route_cache_) route_cache_->report(stats.layers, [&](double* v, int64_t n) { batch_->sum(v, n); });
   if (!slots_.empty()) {
-    const int P = slots_.front().ep_size();
-    std::vector<std::vector<int64_t>> load_PE(static_cast<size_t>(P), std::vector<int64_t>(E, -1));
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      const auto blocks = expert_blocks(slots_[i]);
-      for (size_t p = 0; p < blocks.size(); ++p)
-        for (int64_t e : blocks[p]) {
-          int64_t& load = load_PE[p][static_cast<size_t>(e)];
-          load = std::max<int64_t>(load, 0) + stats.layers[i].tokens_E[static_cast<size_t>(e)];
-        }
-    }
-    for (int p = 0; p < P; ++p) {
-      RankLoad rank;
-      rank.rank = p;
-      for (size_t e = 0; e < E; ++e)
-        if (load_PE[static_cast<size_t>(p)][e] >= 0) {
-          rank.experts.push_back(static_cast<int64_t>(e));
-          rank.load.push_back(load_PE[static_cast<size_t>(p)][e]);
-        }
-      stats.ranks.push_back(std::move(rank));
-    }
+    std::vector<const ExpertSlots*> slots_L;
+    for (const ExpertSlots& slots : slots_) slots_L.push_back(&slots);
+    stats.ranks = rank_loads(slots_L, stats.layers);
   }
 }
 

@@ -27,7 +27,9 @@
 #include "moe/expert_placement.h"
 #include "moe/router.h"
 #include "optim/cuda/gpu_optimizer.h"
+#include "train/backends/cuda/gpu_routing_report.h"
 #include "train/backends/cuda/owned_pieces.h"
+#include "train/backends/rank_loads.h"
 #include "train/routing_cache_probe.h"
 
 namespace moe {
@@ -157,12 +159,7 @@ class GpuBackend final : public ModelBackend {
       if (gathers) gpu_->reserve_sms(0);
     }
     if (dp_) fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
-    if (route_cache_ && probing_) {
-      const std::vector<std::vector<int32_t>> choices = gpu_->expert_choices();
-      std::vector<const int32_t*> experts_TK;
-      for (const auto& c : choices) experts_TK.push_back(c.data());
-      route_cache_->forward(inputs_BS, tokens_, experts_TK);
-    }
+    if (route_cache_ && probing_) route_cache_->forward(inputs_BS, tokens_, gpu_->expert_choices());
     return fwd;
   }
   double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) override {
@@ -217,58 +214,17 @@ class GpuBackend final : public ModelBackend {
   void routing(StepStats& stats) override {
     GpuRoutingStats routing = gpu_->routing_stats();
     loads_ = std::move(routing.load);
-    if (dp_) sum_routing(routing);
-    const auto host_layers = host_model().moe_layers();
-    const int64_t K = config_.model.moe.top_k;
-    for (size_t i = 0; i < loads_.size(); ++i) {
-      LayerRouting r;
-      r.layer = config_.model.first_dense_layers + static_cast<int64_t>(i);
-      r.tokens_E = routing.kept[i];  // after capacity, as the CPU reports it
-      r.assignments = routing.tokens[i] * K;
-      int64_t kept = 0;
-      for (int64_t rows : routing.kept[i]) kept += rows;
-      r.dropped = r.assignments - kept;
-      r.router_entropy =
-          routing.tokens[i] > 0 ? routing.entropy_sum[i] / static_cast<double>(routing.tokens[i]) : 0;
-      // Imbalance before dropping, as the CPU's.
-      stats.load_imbalance = std::max(stats.load_imbalance, moe::load_imbalance(loads_[i]));
-      // The bias the step routed with, as the CPU reports it (before this step's update).
-      if (config_.model.moe.bias_balancing)
-        r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
-      if (ep_) r.a2a_fp8 = ep_->fp8() ? 1 : 0;
-      r.temperature = host_layers[i]->temperature();
-      stats.layers.push_back(std::move(r));
-    }
-    if (route_cache_) {
-      std::vector<double> counts = route_cache_->take_counts();  // each rank's own cache, hits summed
-      if (dp_) dp_->sum(counts.data(), static_cast<int64_t>(counts.size()));
-      RoutingCacheProbe::fill(stats.layers, counts);
-    }
-    // The live view of load per GPU: the experts EP rank p holds in any MoE layer (equal
-    // blocks, or per layer after a re-placement), each with its load summed over the
-    // layers where p holds it.
+    if (dp_) sum_routing_over_ranks(routing, loads_, [this](double* v, int64_t n) { dp_->sum(v, n); });
+    stats.layers = gpu_layer_routing(routing, loads_, host_model().moe_layers(), config_.model,
+                                     ep_ ? (ep_->fp8() ? 1 : 0) : -1, stats.load_imbalance);
+    if (route_cache_) route_cache_->report(stats.layers, dp_ ? [this](double* v, int64_t n) { dp_->sum(v, n); }
+                                                             : std::function<void(double*, int64_t)>());
+    // The live view of load per GPU (rank_loads.h).
     if (ep_) {
-      const int64_t E = config_.model.moe.n_experts;
-      std::vector<std::vector<int64_t>> load_PE(static_cast<size_t>(ep_->size()), std::vector<int64_t>(E, -1));
       const ExpertLayout layout = gpu_->expert_layout();
-      for (size_t i = 0; i < stats.layers.size(); ++i) {
-        const auto placement = expert_blocks(layout[i].slots);
-        for (size_t p = 0; p < placement.size(); ++p)
-          for (int64_t e : placement[p]) {
-            int64_t& load = load_PE[p][static_cast<size_t>(e)];
-            load = std::max<int64_t>(load, 0) + stats.layers[i].tokens_E[static_cast<size_t>(e)];
-          }
-      }
-      for (int p = 0; p < ep_->size(); ++p) {
-        RankLoad rank;
-        rank.rank = p;
-        for (int64_t e = 0; e < E; ++e)
-          if (load_PE[static_cast<size_t>(p)][static_cast<size_t>(e)] >= 0) {
-            rank.experts.push_back(e);
-            rank.load.push_back(load_PE[static_cast<size_t>(p)][static_cast<size_t>(e)]);
-          }
-        stats.ranks.push_back(std::move(rank));
-      }
+      std::vector<const ExpertSlots*> slots_L;
+      for (const auto& layer : layout) slots_L.push_back(&layer.slots);
+      stats.ranks = rank_loads(slots_L, stats.layers);
     }
   }
   // As optim/grad_clip.cpp: each expert clipped to max_expert_norm on the device first
@@ -810,21 +766,6 @@ class GpuBackend final : public ModelBackend {
   // Assignments per expert summed over the ranks (the step's global load).
   // This step's routing summed over the data-parallel ranks (their tokens differ):
   // assignments (loads_) and kept rows per expert, entropy sums and tokens.
-  void sum_routing(GpuRoutingStats& routing) {
-    std::vector<double> flat;
-    for (const auto& layer : loads_) flat.insert(flat.end(), layer.begin(), layer.end());
-    for (const auto& layer : routing.kept) flat.insert(flat.end(), layer.begin(), layer.end());
-    flat.insert(flat.end(), routing.entropy_sum.begin(), routing.entropy_sum.end());
-    flat.insert(flat.end(), routing.tokens.begin(), routing.tokens.end());
-    dp_->sum(flat.data(), static_cast<int64_t>(flat.size()));
-    size_t k = 0;
-    for (auto& layer : loads_)
-      for (auto& load : layer) load = std::llround(flat[k++]);
-    for (auto& layer : routing.kept)
-      for (auto& kept : layer) kept = std::llround(flat[k++]);
-    for (auto& entropy : routing.entropy_sum) entropy = flat[k++];
-    for (auto& tokens : routing.tokens) tokens = std::llround(flat[k++]);
-  }
 
   const RunConfig& config_;
   std::unique_ptr<dist::Communicator> world_;  // until make_data_parallel hands it to dp_
