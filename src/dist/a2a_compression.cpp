@@ -1,6 +1,7 @@
 #include "dist/a2a_compression.h"
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include "core/error.h"
 
@@ -46,6 +47,19 @@ bool A2aCompressionSwitch::update(double wait_fraction, const std::vector<double
   if (layer < 0) return false;
   fp8_[static_cast<size_t>(layer)] = on ? 1 : 0;
   above_ = below_ = 0;
+  return true;
+}
+
+bool A2aCompressionSwitch::observe(double wait_fraction, const std::vector<double>& layer_wait_s,
+                                   const std::function<void(std::vector<double>&)>& max_over_ranks, bool log) {
+  if (mode_ != A2aCompression::Auto || fp8_.empty()) return false;
+  std::vector<double> values{wait_fraction};
+  values.insert(values.end(), layer_wait_s.begin(), layer_wait_s.end());
+  if (max_over_ranks) max_over_ranks(values);
+  if (!update(values[0], std::vector<double>(values.begin() + 1, values.end()))) return false;
+  if (log)
+    spdlog::info("a2a compression (auto): comm wait {:.1f}% of the step, {} of {} MoE layers now send fp8",
+                 values[0] * 100, compressed_layers(), layers());
   return true;
 }
 

@@ -11,6 +11,7 @@
 // docs/EXPERT_PARALLEL.md section 10.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,12 @@ class A2aCompressionSwitch {
   // One step's numbers: the comm wait fraction and each layer's exchange wait (seconds).
   // Returns whether a layer switched.
   bool update(double wait_fraction, const std::vector<double>& layer_wait_s);
+  // auto, once per step on every rank: this rank's numbers made the max over the ranks by
+  // `max_over_ranks` (in place: the wait fraction, then the layers' waits), then update();
+  // a switch is logged when `log` (rank 0). Returns whether a layer switched.
+  bool observe(double wait_fraction, const std::vector<double>& layer_wait_s,
+               const std::function<void(std::vector<double>&)>& max_over_ranks, bool log);
+  A2aCompression mode() const { return mode_; }
   bool fp8(int layer) const { return fp8_[static_cast<size_t>(layer)] != 0; }
   int layers() const { return static_cast<int>(fp8_.size()); }
   int compressed_layers() const;

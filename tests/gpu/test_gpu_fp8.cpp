@@ -190,5 +190,50 @@ TEST(GpuFp8, ThreadRanksTrainLikeUncompressedWithAboutHalfTheBytes) {
   }
 }
 
+// parallel.a2a_compression = auto on 4 thread ranks with a threshold every step exceeds
+// (alert_comm_wait = 0): after 3 steps above it (A2aCompressionSwitch::kPatience) one MoE
+// layer switches to fp8, after 3 more the other, on every rank at the same step, from the
+// layers' exchange times measured with CUDA events. Until the first switch the run is
+// bit-identical to an uncompressed one; once both layers send fp8, each step sends about
+// half the bytes of the uncompressed run's.
+TEST(GpuFp8, AutoSwitchesLayersOneByOneOnEveryRank) {
+  MOE_REQUIRE_GPU();
+  RunConfig config = test::tiny_gpu_run(12);
+  config.model.moe.n_experts = 8;
+  config.training.micro_batch = 2;  // per rank
+  config.metrics.log_interval = 1000;
+  config.parallel.expert_parallel = 4;
+  const auto none = train_ranks(config, 4);
+  config.parallel.a2a_compression = A2aCompression::Auto;
+  config.metrics.alert_comm_wait = 0.0;
+  const auto automatic = train_ranks(config, 4);
+  const size_t layers = 2;
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_EQ(none[static_cast<size_t>(r)].error, "") << r;
+    ASSERT_EQ(automatic[static_cast<size_t>(r)].error, "") << r;
+    ASSERT_EQ(automatic[static_cast<size_t>(r)].fp8.size(), 12 * layers) << r;
+  }
+  // Compressed layers per step: 0 for steps 1-3 (the switch follows step 3), 1 for 4-6, 2 after.
+  for (size_t step = 0; step < 12; ++step) {
+    int on = 0;
+    for (size_t l = 0; l < layers; ++l) on += automatic[0].fp8[step * layers + l];
+    EXPECT_EQ(on, step < 3 ? 0 : step < 6 ? 1 : 2) << "step " << step + 1;
+    for (int r = 1; r < 4; ++r)
+      for (size_t l = 0; l < layers; ++l)
+        EXPECT_EQ(automatic[static_cast<size_t>(r)].fp8[step * layers + l], automatic[0].fp8[step * layers + l])
+            << "rank " << r << " step " << step + 1 << " layer " << l;
+  }
+  for (size_t step = 0; step < 3; ++step) EXPECT_EQ(automatic[0].losses[step], none[0].losses[step]) << step;
+  int64_t b_none = 0, b_auto = 0;
+  for (size_t step = 6; step < 12; ++step) {
+    b_none += none[0].a2a_bytes[step];
+    b_auto += automatic[0].a2a_bytes[step];
+  }
+  ASSERT_GT(b_none, 0);
+  const double ratio = static_cast<double>(b_auto) / static_cast<double>(b_none);
+  EXPECT_GT(ratio, 0.45);
+  EXPECT_LT(ratio, 0.6);
+}
+
 }  // namespace
 }  // namespace moe

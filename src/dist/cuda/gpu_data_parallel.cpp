@@ -145,13 +145,13 @@ void GpuDataParallel::ensure_scratch(int64_t n) {
   scratch_count_ = n;
 }
 
-void GpuDataParallel::sum(double* values, int64_t n) {
+void GpuDataParallel::reduce(double* values, int64_t n, ReduceOp op) {
   if (n <= 0) return;
   timed_blocking(stats_, [&] {
     ensure_scratch(n);
     const size_t bytes = static_cast<size_t>(n) * sizeof(double);
     MOE_CUDA_CHECK(cudaMemcpyAsync(scratch_, values, bytes, cudaMemcpyHostToDevice, as_stream(stream_)));
-    (sum_group_ ? *sum_group_ : *group_).all_reduce(scratch_, static_cast<size_t>(n), DType::f64, ReduceOp::sum);
+    (sum_group_ ? *sum_group_ : *group_).all_reduce(scratch_, static_cast<size_t>(n), DType::f64, op);
     MOE_CUDA_CHECK(cudaMemcpyAsync(values, scratch_, bytes, cudaMemcpyDeviceToHost, as_stream(stream_)));
     MOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
   });

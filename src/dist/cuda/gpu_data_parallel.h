@@ -56,7 +56,9 @@ class GpuDataParallel {
 
   // Sums n host doubles over the ranks in place (a device round trip on the model's
   // stream; the host blocks for it, counted as communication wait).
-  void sum(double* values, int64_t n);
+  void sum(double* values, int64_t n) { reduce(values, n, ReduceOp::sum); }
+  // The same with another reduction (max: a decision every rank takes alike).
+  void reduce(double* values, int64_t n, ReduceOp op);
   double sum(double value) {
     sum(&value, 1);
     return value;

@@ -20,7 +20,12 @@ class GpuExpertExchangeOverComm final : public GpuExpertExchange {
   GpuExpertExchangeOverComm(Communicator& world, int ep_size, AllToAllKind kind, int ranks_per_node);
   int size() const override { return group_->size(); }
   int rank() const override { return group_->rank(); }
-  void set_stream(void* stream) override { a2a_->set_stream(stream); }
+  ~GpuExpertExchangeOverComm() override;
+  void set_stream(void* stream) override {
+    stream_ = stream;
+    a2a_->set_stream(stream);
+  }
+  void set_layer(int moe_layer) override { layer_ = moe_layer; }
   void exchange(const void* send, const std::vector<int64_t>& send_counts, void* recv,
                 const std::vector<int64_t>& recv_counts, size_t elem_bytes) override;
   void broadcast(void* data, size_t bytes, int root) override;
@@ -28,12 +33,27 @@ class GpuExpertExchangeOverComm final : public GpuExpertExchange {
   int64_t take_bytes_sent();
   // Of those, the token rows sent to ranks of other nodes, then reset.
   int64_t take_off_node_bytes_sent();
+  // With time_layers(true): seconds each of `layers` MoE layers' exchanges took on the
+  // stream since the last call (CUDA events around each exchange of a set_layer; waits for
+  // them), then reset; what parallel.a2a_compression = auto weighs.
+  void time_layers(bool on) { time_layers_ = on; }
+  std::vector<double> take_layer_seconds(int layers);
 
  private:
   std::unique_ptr<Communicator> group_;
   std::unique_ptr<AllToAll> a2a_;
   int64_t bytes_sent_ = 0, off_node_bytes_sent_ = 0;
   int ep_ranks_per_node_ = 0;  // EP ranks per node when the group spans nodes; 0: one node
+  void* stream_ = nullptr;
+  int layer_ = -1;
+  bool time_layers_ = false;
+  struct Timing {
+    void* start = nullptr;  // cudaEvent_t
+    void* stop = nullptr;
+    int layer = -1;
+  };
+  std::vector<Timing> timings_;  // a pool: the first used_ are this step's
+  size_t used_ = 0;
 };
 
 }  // namespace moe::dist

@@ -80,7 +80,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     send_ = bf(U * D);
     recv_ = bf(U * D);
     // fp8 rows (set before the model is built, fixed for its life): U rows each way.
-    const int64_t wire = ep_->fp8() ? U * fp8_row_bytes(D) : 0;
+    const int64_t wire = ep_->fp8_capable() ? U * fp8_row_bytes(D) : 0;
     wire_send_ = Buffer<uint8_t>(static_cast<size_t>(wire));
     wire_recv_ = Buffer<uint8_t>(static_cast<size_t>(wire));
     slot_send_ = i32(U * K);
@@ -114,14 +114,16 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int64_t T = shape_.tokens, D = shape_.dim, K = shape_.top_k;
     const int P = ep_->size();
     const int64_t L = local_experts(layer);
+    m.moe_index = layer.moe_index;
+    m.fp8_rows = ep_->fp8(layer.moe_index);
+    ep_->set_layer(m.moe_index);
     plan_exchange(layer, m, slot_TK);
-    fp8_ = ep_->fp8();
     const int64_t U = m.recv_tokens, R = m.local_rows;
     mark_(kDispatch);
     cuda::scatter_token_rows(send_.data(), x_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
     cuda::pack_routing(slot_send_.data(), weight_send_.data(), m.token_pos.data(), m.tokens_P.data(), rank_TK_.data(),
                        slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream_);
-    exchange_rows(send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
+    exchange_rows(m, send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
     exchange_tokens(slot_send_.data(), m.send_tokens_P, slot_recv_.data(), m.recv_tokens_P, K, sizeof(int32_t));
     exchange_tokens(weight_send_.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));
     mark_(kDispatch);
@@ -146,8 +148,9 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     mark_(kCombine);
     cuda::combine_forward(send_.data(), m.y_rows.data(), m.recv_weight.data(), m.recv_row.data(), m.recv_tokens, K, D,
                           stream_);
-    exchange_rows(send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
+    exchange_rows(m, send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
     mark_(kCombine);
+    ep_->set_layer(-1);
     cuda::sum_token_rows(out_TD, recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
   }
 
@@ -158,7 +161,8 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int P = ep_->size();
     mark_(kCombine);
     cuda::scatter_token_rows(send_.data(), dout_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
-    exchange_rows(send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
+    ep_->set_layer(m.moe_index);
+    exchange_rows(m, send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
     mark_(kCombine);
     cuda::combine_backward(dy_rows, dweight_local_.data(), recv_.data(), m.y_rows.data(), m.recv_weight.data(),
                            m.recv_row.data(), m.recv_tokens, K, D, stream_);
@@ -171,9 +175,10 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int P = ep_->size();
     mark_(kDispatch);
     cuda::permute_backward(send_.data(), dx_rows, m.recv_row.data(), m.recv_tokens, K, D, false, stream_);
-    exchange_rows(send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
+    exchange_rows(m, send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
     exchange_tokens(dweight_local_.data(), m.recv_tokens_P, dweight_home_.data(), m.send_tokens_P, K, sizeof(float));
     mark_(kDispatch);
+    ep_->set_layer(-1);
     cuda::sum_token_rows(dx_TD, recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
     cuda::sum_token_values(dweight_TK, dweight_home_.data(), m.token_pos.data(), m.tokens_P.data(), T, K, P, stream_);
   }
@@ -195,12 +200,13 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     mark_(kAllToAll);
     ep_->exchange(send, send_counts, recv, recv_counts, elem_bytes);
   }
-  // Token rows of D bf16 out and back: as they are, or (fp8_, the forward's choice kept for
-  // the backward) quantised into fp8 rows before the exchange and dequantised after it.
-  void exchange_rows(const bf16* send, const std::vector<int64_t>& send_tokens_P, bf16* recv,
+  // Token rows of D bf16 out and back: as they are, or (m.fp8_rows, the layer's forward
+  // choice kept for its backward) quantised into fp8 rows before the exchange and
+  // dequantised after it.
+  void exchange_rows(const MoEBuffers& m, const bf16* send, const std::vector<int64_t>& send_tokens_P, bf16* recv,
                      const std::vector<int64_t>& recv_tokens_P) {
     const int64_t D = shape_.dim;
-    if (!fp8_) {
+    if (!m.fp8_rows) {
       exchange_tokens(send, send_tokens_P, recv, recv_tokens_P, D, sizeof(bf16));
       return;
     }
@@ -285,7 +291,6 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   // pinned host_counts_: E + 2P sent, then P * (L + 1) received).
   Buffer<bf16> send_, recv_;
   Buffer<uint8_t> wire_send_, wire_recv_;  // fp8 rows (parallel.a2a_compression)
-  bool fp8_ = false;
   Buffer<int32_t> slot_send_, slot_recv_, rank_scratch_, local_counts_, counts_send_, counts_recv_;
   Buffer<int32_t> rank_TK_, cut_, all_counts_send_, all_counts_;  // route_ranks, boundary_cuts
   Buffer<float> weight_send_, dweight_local_, dweight_home_;

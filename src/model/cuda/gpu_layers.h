@@ -54,6 +54,8 @@ struct MoEBuffers {
   Buffer<float> recv_weight;
   std::vector<int64_t> send_tokens_P, recv_tokens_P;
   int64_t recv_tokens = 0, local_rows = 0;
+  bool fp8_rows = false;  // the exchange's rows were fp8 in the forward (parallel.a2a_compression)
+  int moe_index = -1;     // the layer's (GpuExpertExchange::set_layer)
   Buffer<int32_t> slot;  // the routed experts' slots [T*K], when the layer's experts are re-placed
 };
 
@@ -74,6 +76,7 @@ struct Layer {
   std::vector<std::array<Param, 3>> shared;          // shared experts: w1, w3, w2
   std::array<Param, 3> dense;                        // dense FFN layers: w1, w3, w2
   bool is_moe = false;
+  int moe_index = -1;  // among the MoE layers (0: the first MoE block); -1: a dense layer
   bool recompute = false;  // activations recomputed in the backward
   Buffer<bf16> x;          // the layer's input (the residual stream), always kept
   std::shared_ptr<Activations> act;

@@ -67,6 +67,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
     layer.wv = lookup(params, p + ".attn.wv");
     layer.wo = lookup(params, p + ".attn.wo");
     layer.is_moe = l >= config.first_dense_layers;
+    layer.moe_index = layer.is_moe ? static_cast<int>(l - config.first_dense_layers) : -1;
     if (layer.is_moe) {
       layer.router_w = lookup(params, p + ".moe.router.weight");
       if (config.moe.router_bias) layer.router_b = lookup(params, p + ".moe.router.bias");  // else id -1

@@ -41,13 +41,32 @@ class GpuExpertExchange {
                         const std::vector<int64_t>& recv_counts, size_t elem_bytes) = 0;
   // `bytes` of device memory from EP rank `root` to the others, ordered on the stream.
   virtual void broadcast(void* data, size_t bytes, int root) = 0;
-  // parallel.a2a_compression = fp8: the token rows travel as fp8 e4m3 rows with a per-row
-  // scale (core/fp8.h), both ways, forward and backward; read at each layer's dispatch.
-  void set_fp8(bool on) { fp8_ = on; }
-  bool fp8() const { return fp8_; }
+  // parallel.a2a_compression: which MoE layers' token rows travel as fp8 e4m3 rows with a
+  // per-row scale (core/fp8.h), both ways, forward and backward; read at each layer's
+  // dispatch, kept for its backward. set_fp8: every layer (none / fp8), before the model
+  // is built. allow_fp8: room for fp8 rows with the layers set one by one (auto), by
+  // set_layer_fp8 between steps, the same on every EP rank.
+  void set_fp8(bool on) {
+    all_fp8_ = on;
+    fp8_capable_ = fp8_capable_ || on;
+    layer_fp8_.clear();
+  }
+  void allow_fp8() { fp8_capable_ = true; }
+  void set_layer_fp8(int moe_layer, bool on) {
+    if (layer_fp8_.size() <= static_cast<size_t>(moe_layer)) layer_fp8_.resize(static_cast<size_t>(moe_layer) + 1, all_fp8_);
+    layer_fp8_[static_cast<size_t>(moe_layer)] = on;
+  }
+  bool fp8(int moe_layer) const {
+    return moe_layer >= 0 && static_cast<size_t>(moe_layer) < layer_fp8_.size() ? layer_fp8_[static_cast<size_t>(moe_layer)] != 0
+                                                                                  : all_fp8_;
+  }
+  bool fp8_capable() const { return fp8_capable_; }
+  // The MoE layer the next exchanges belong to (-1: none), for per-layer timing.
+  virtual void set_layer(int moe_layer) { (void)moe_layer; }
 
  private:
-  bool fp8_ = false;
+  bool all_fp8_ = false, fp8_capable_ = false;
+  std::vector<char> layer_fp8_;
 };
 
 struct GpuRoutingStats {

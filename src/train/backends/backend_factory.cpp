@@ -42,9 +42,6 @@ void check_gpu_config(const RunConfig& config, int ranks) {
   if (zero >= 2 && config.training.cuda_graphs)
     MOE_CONFIG_ERROR("parallel.zero = {} on the GPU cannot run inside CUDA graphs: set training.cuda_graphs = false",
                      zero);
-  // The GPU dispatcher has one compression flag for every MoE layer, set at the start.
-  if (config.parallel.a2a_compression == A2aCompression::Auto)
-    MOE_CONFIG_ERROR("parallel.a2a_compression = auto switches layers on CPU ranks only: on the GPU set none or fp8");
   if (zero >= 2 && config.parallel.grad_reduce_dtype == ReduceDtype::Bf16)
     MOE_CONFIG_ERROR("parallel.zero = {} sums the gradients in fp32: set parallel.grad_reduce_dtype = fp32", zero);
   // ZeRO under expert parallelism packs each rank's experts' optimizer state into its

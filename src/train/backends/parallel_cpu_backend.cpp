@@ -459,15 +459,11 @@ void ParallelCpuBackend::observe_step(const StepStats& stats) {
   std::vector<double> waits;
   for (auto& exchange : exchanges_) waits.push_back(exchange->take_wait_s());
   if (config_.parallel.a2a_compression != A2aCompression::Auto || exchanges_.empty()) return;
-  std::vector<double> values{stats.time.step > 0 ? stats.time.comm_wait / stats.time.step : 0.0};
-  values.insert(values.end(), waits.begin(), waits.end());
-  groups_.world->all_reduce(values.data(), values.size(), dist::DType::f64, dist::ReduceOp::max);
-  if (compression_->update(values[0], std::vector<double>(values.begin() + 1, values.end()))) {
-    apply_compression();
-    if (rank() == 0)
-      spdlog::info("a2a compression (auto): comm wait {:.1f}% of the step, {} of {} MoE layers now send fp8",
-                   values[0] * 100, compression_->compressed_layers(), compression_->layers());
-  }
+  const double fraction = stats.time.step > 0 ? stats.time.comm_wait / stats.time.step : 0.0;
+  auto max_over_world = [this](std::vector<double>& values) {
+    groups_.world->all_reduce(values.data(), values.size(), dist::DType::f64, dist::ReduceOp::max);
+  };
+  if (compression_->observe(fraction, waits, max_over_world, rank() == 0)) apply_compression();
 }
 
 void ParallelCpuBackend::sync_host_model() {

@@ -15,6 +15,7 @@
 #include <spdlog/spdlog.h>
 
 #include "core/gpu.h"
+#include "dist/a2a_compression.h"
 #include "dist/communicator.h"
 #include "dist/cuda/gpu_data_parallel.h"
 #include "dist/cuda/gpu_expert_exchange.h"
@@ -72,6 +73,12 @@ class GpuBackend final : public ModelBackend {
       ep_ = std::make_shared<dist::GpuExpertExchangeOverComm>(*world_, static_cast<int>(ep), c.parallel.all_to_all,
                                                               per_node);
       ep_->set_fp8(c.parallel.a2a_compression == A2aCompression::Fp8);
+      if (c.parallel.a2a_compression == A2aCompression::Auto) {
+        ep_->allow_fp8();
+        ep_->time_layers(true);
+        compression_ = std::make_unique<dist::A2aCompressionSwitch>(
+            A2aCompression::Auto, static_cast<int>(host_model().moe_layers().size()), c.metrics.alert_comm_wait);
+      }
     }
     build_model();
   }
@@ -216,7 +223,9 @@ class GpuBackend final : public ModelBackend {
     loads_ = std::move(routing.load);
     if (dp_) sum_routing_over_ranks(routing, loads_, [this](double* v, int64_t n) { dp_->sum(v, n); });
     stats.layers = gpu_layer_routing(routing, loads_, host_model().moe_layers(), config_.model,
-                                     ep_ ? (ep_->fp8() ? 1 : 0) : -1, stats.load_imbalance);
+                                     ep_ ? std::function<int(int)>([this](int l) { return ep_->fp8(l) ? 1 : 0; })
+                                         : std::function<int(int)>(),
+                                     stats.load_imbalance);
     if (route_cache_) route_cache_->report(stats.layers, dp_ ? [this](double* v, int64_t n) { dp_->sum(v, n); }
                                                              : std::function<void(double*, int64_t)>());
     // The live view of load per GPU (rank_loads.h).
@@ -321,6 +330,18 @@ class GpuBackend final : public ModelBackend {
       ep_->take_off_node_bytes_sent();
     }
   }
+  // parallel.a2a_compression = auto: CPU ranks' rule (dist/a2a_compression.h) on each MoE
+  // layer's exchange time from CUDA events, the max over the world.
+  void observe_step(const StepStats& stats) override {
+    if (!compression_) return;
+    const double fraction = stats.time.step > 0 ? stats.time.comm_wait / stats.time.step : 0.0;
+    auto max_over_world = [this](std::vector<double>& v) {
+      if (dp_) dp_->reduce(v.data(), static_cast<int64_t>(v.size()), dist::ReduceOp::max);
+    };
+    if (compression_->observe(fraction, ep_->take_layer_seconds(compression_->layers()), max_over_world,
+                              rank_of_world() == 0))
+      apply_compression();
+  }
   void take_comm_stats(StepStats& stats) override {
     std::vector<std::pair<std::string, double>> phases;
     if (clock_.enabled()) phases = clock_.take();
@@ -356,8 +377,9 @@ class GpuBackend final : public ModelBackend {
   // rank and what the next re-placement will weigh (loads and steps since the last), so a
   // resumed run continues with the same placement, bit for bit.
   std::string placement_state() const override {
-    if (!ep_ || config_.parallel.rebalance_interval <= 0) return {};
     nlohmann::json state;
+    if (compression_) state["a2a_compression"] = nlohmann::json::parse(compression_->save());
+    if (!ep_ || config_.parallel.rebalance_interval <= 0) return state.empty() ? std::string{} : state.dump();
     state["ep_size"] = ep_->size();
     nlohmann::json layers = nlohmann::json::array();
     for (const MoeLayerExperts& layer : gpu_->expert_layout()) layers.push_back(expert_blocks(layer.slots));
@@ -370,6 +392,11 @@ class GpuBackend final : public ModelBackend {
     if (!ep_ || text.empty()) return;
     const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
     MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
+    if (compression_ && state.contains("a2a_compression")) {
+      if (compression_->restore(state["a2a_compression"].dump())) apply_compression();
+      else if (rank_of_world() == 0) spdlog::warn("resume: the checkpoint's a2a compression state does not fit: starts uncompressed");
+    }
+    if (!state.contains("experts_of_rank")) return;
     const auto layers = state.value("experts_of_rank", std::vector<std::vector<std::vector<int64_t>>>{});
     const bool fits = config_.parallel.rebalance_interval > 0 && state.value("ep_size", 0) == ep_->size() &&
                       layers.size() == host_model().moe_layers().size();
@@ -776,6 +803,10 @@ class GpuBackend final : public ModelBackend {
   int64_t tokens_ = 0;  // per micro-batch (targets counted for the loss weights)
   std::unique_ptr<dist::GpuDataParallel> dp_;
   std::shared_ptr<dist::GpuExpertExchangeOverComm> ep_;  // expert parallelism, or null (kept across re-plans)
+  std::unique_ptr<dist::A2aCompressionSwitch> compression_;  // parallel.a2a_compression = auto, per MoE layer
+  void apply_compression() {
+    for (int l = 0; l < compression_->layers(); ++l) ep_->set_layer_fp8(l, compression_->fp8(l));
+  }
   std::unique_ptr<dist::GpuDataParallel> edp_;  // with ep_ over more ranks than one EP group: own experts' sums
   double ce_weight_ = 1.0;  // this rank's share of the micro-batch's targets
   double micro_scale_ = 1;  // the step loop's loss scale: 1 / micro-batches per step

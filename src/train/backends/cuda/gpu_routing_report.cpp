@@ -7,7 +7,8 @@ namespace moe {
 
 std::vector<LayerRouting> gpu_layer_routing(const GpuRoutingStats& routing, const std::vector<std::vector<int64_t>>& load_LE,
                                             const std::vector<MoELayer<float>*>& host_layers,
-                                            const ModelConfig& config, int a2a_fp8, double& load_imbalance) {
+                                            const ModelConfig& config, const std::function<int(int)>& a2a_fp8,
+                                            double& load_imbalance) {
   std::vector<LayerRouting> layers;
   for (size_t i = 0; i < load_LE.size(); ++i) {
     LayerRouting r;
@@ -23,7 +24,7 @@ std::vector<LayerRouting> gpu_layer_routing(const GpuRoutingStats& routing, cons
     // The bias the step routed with, as the CPU reports it (before this step's update).
     if (config.moe.bias_balancing)
       r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
-    r.a2a_fp8 = a2a_fp8;
+    r.a2a_fp8 = a2a_fp8 ? a2a_fp8(static_cast<int>(i)) : -1;
     r.temperature = host_layers[i]->temperature();
     layers.push_back(std::move(r));
   }
