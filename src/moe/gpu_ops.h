@@ -88,6 +88,13 @@ void sum_token_rows(bf16* dst_TD, const bf16* src_UD, const int32_t* pos_TP, con
 // scale in fp32, rounded once). Bit-identical to quantize_row_fp8 / dequantize_row_fp8.
 void quantize_rows_fp8(uint8_t* dst_UB, const bf16* src_UD, int64_t U, int64_t D, Stream stream);
 void dequantize_rows_fp8(bf16* dst_UD, const uint8_t* src_UB, int64_t U, int64_t D, Stream stream);
+// The home side's packing with the fp8 rows inside it: scatter_token_rows quantising each
+// row as it is written (= scatter_token_rows + quantize_rows_fp8), and sum_token_rows over
+// fp8 rows (= dequantize_rows_fp8 + sum_token_rows), bit for bit, one pass each.
+void scatter_token_rows_fp8(uint8_t* dst_UB, const bf16* src_TD, const int32_t* pos_TP, const int32_t* tokens_P,
+                            int64_t T, int P, int64_t D, Stream stream);
+void sum_token_rows_fp8(bf16* dst_TD, const uint8_t* src_UB, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
+                        int P, int64_t D, Stream stream);
 void sum_token_values(float* dst_TK, const float* src_UK, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                       int64_t K, int P, Stream stream);
 // out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "gpu_test_util.h"
+#include "core/fp8.h"
 #include "kernels/embedding.h"
 #include "kernels/gpu_ops.h"
 #include "moe/gpu_ops.h"
@@ -221,6 +222,22 @@ TEST_P(GpuTokenExchange, MatchesCpu) {
     cuda::sum_token_rows(summed_d.data(), blocks_d.data(), pos_d.data(), tokens_d.data(), T, P, D, nullptr);
     EXPECT_EQ(test::to_float(to_host(scattered_d)), scattered) << "D " << D;
     expect_close("token sums", test::to_float(to_host(summed_d)), summed, 1.0 / 128, 1e-6);
+    // The same with fp8 rows (parallel.a2a_compression): the fused kernels give the
+    // unfused pairs' bytes bit for bit (quantise after scattering; dequantise before summing).
+    const int64_t B = fp8_row_bytes(D);
+    auto wire_d = poisoned<uint8_t>(U * B), fused_wire_d = poisoned<uint8_t>(U * B);
+    cuda::quantize_rows_fp8(wire_d.data(), scattered_d.data(), U, D, nullptr);
+    cuda::scatter_token_rows_fp8(fused_wire_d.data(), x_d.data(), pos_d.data(), tokens_d.data(), T, P, D, nullptr);
+    EXPECT_EQ(to_host(fused_wire_d), to_host(wire_d)) << "D " << D;
+    auto block_wire_d = poisoned<uint8_t>(U * B);
+    auto dequantised_d = poisoned<bf16>(U * D);
+    auto unfused_d = poisoned<bf16>(T * D), fused_d = poisoned<bf16>(T * D);
+    cuda::quantize_rows_fp8(block_wire_d.data(), blocks_d.data(), U, D, nullptr);
+    cuda::dequantize_rows_fp8(dequantised_d.data(), block_wire_d.data(), U, D, nullptr);
+    cuda::sum_token_rows(unfused_d.data(), dequantised_d.data(), pos_d.data(), tokens_d.data(), T, P, D, nullptr);
+    cuda::sum_token_rows_fp8(fused_d.data(), block_wire_d.data(), pos_d.data(), tokens_d.data(), T, P, D, nullptr);
+    const auto fused = to_host(fused_d), unfused = to_host(unfused_d);
+    for (size_t i = 0; i < fused.size(); ++i) ASSERT_EQ(fused[i].bits, unfused[i].bits) << "D " << D << " element " << i;
   }
   const auto values = random_bf16_floats(U * K, 5, "values");
   std::vector<float> value_sums(T * K);

@@ -120,10 +120,10 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     plan_exchange(layer, m, slot_TK);
     const int64_t U = m.recv_tokens, R = m.local_rows;
     mark_(kDispatch);
-    cuda::scatter_token_rows(send_.data(), x_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
+    scatter_home_rows(m, x_TD);
     cuda::pack_routing(slot_send_.data(), weight_send_.data(), m.token_pos.data(), m.tokens_P.data(), rank_TK_.data(),
                        slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream_);
-    exchange_rows(m, send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
+    exchange_rows(m, nullptr, m.send_tokens_P, recv_.data(), m.recv_tokens_P);
     exchange_tokens(slot_send_.data(), m.send_tokens_P, slot_recv_.data(), m.recv_tokens_P, K, sizeof(int32_t));
     exchange_tokens(weight_send_.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));
     mark_(kDispatch);
@@ -143,26 +143,24 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   int64_t expert_rows(const MoEBuffers& m) const override { return m.local_rows; }
 
   void combine(MoEBuffers& m, bf16* out_TD) override {
-    const int64_t T = shape_.tokens, D = shape_.dim, K = shape_.top_k;
-    const int P = ep_->size();
+    const int64_t D = shape_.dim, K = shape_.top_k;
     mark_(kCombine);
     cuda::combine_forward(send_.data(), m.y_rows.data(), m.recv_weight.data(), m.recv_row.data(), m.recv_tokens, K, D,
                           stream_);
-    exchange_rows(m, send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
+    exchange_rows(m, send_.data(), m.recv_tokens_P, nullptr, m.send_tokens_P);
     mark_(kCombine);
     ep_->set_layer(-1);
-    cuda::sum_token_rows(out_TD, recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
+    sum_home_rows(m, out_TD);
   }
 
   // The output gradient once per token to each rank that computed some of its experts;
   // there, the local rows' gradients and the combine weights' (zero for other ranks' slots).
   void combine_backward(MoEBuffers& m, const bf16* dout_TD, bf16* dy_rows, float*) override {
-    const int64_t T = shape_.tokens, D = shape_.dim, K = shape_.top_k;
-    const int P = ep_->size();
+    const int64_t D = shape_.dim, K = shape_.top_k;
     mark_(kCombine);
-    cuda::scatter_token_rows(send_.data(), dout_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
+    scatter_home_rows(m, dout_TD);
     ep_->set_layer(m.moe_index);
-    exchange_rows(m, send_.data(), m.send_tokens_P, recv_.data(), m.recv_tokens_P);
+    exchange_rows(m, nullptr, m.send_tokens_P, recv_.data(), m.recv_tokens_P);
     mark_(kCombine);
     cuda::combine_backward(dy_rows, dweight_local_.data(), recv_.data(), m.y_rows.data(), m.recv_weight.data(),
                            m.recv_row.data(), m.recv_tokens, K, D, stream_);
@@ -175,11 +173,11 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int P = ep_->size();
     mark_(kDispatch);
     cuda::permute_backward(send_.data(), dx_rows, m.recv_row.data(), m.recv_tokens, K, D, false, stream_);
-    exchange_rows(m, send_.data(), m.recv_tokens_P, recv_.data(), m.send_tokens_P);
+    exchange_rows(m, send_.data(), m.recv_tokens_P, nullptr, m.send_tokens_P);
     exchange_tokens(dweight_local_.data(), m.recv_tokens_P, dweight_home_.data(), m.send_tokens_P, K, sizeof(float));
     mark_(kDispatch);
     ep_->set_layer(-1);
-    cuda::sum_token_rows(dx_TD, recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
+    sum_home_rows(m, dx_TD);
     cuda::sum_token_values(dweight_TK, dweight_home_.data(), m.token_pos.data(), m.tokens_P.data(), T, K, P, stream_);
   }
 
@@ -201,23 +199,44 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     ep_->exchange(send, send_counts, recv, recv_counts, elem_bytes);
   }
   // Token rows of D bf16 out and back: as they are, or (m.fp8_rows, the layer's forward
-  // choice kept for its backward) quantised into fp8 rows before the exchange and
-  // dequantised after it.
+  // choice kept for its backward) as fp8 rows. The home rank's side packs and unpacks them
+  // inside its row kernels (scatter_home_rows, sum_home_rows: send or recv null here, the
+  // rows already in or left in the wire buffers); the experts' side quantises before the
+  // exchange and dequantises after it, separate passes over its rows.
   void exchange_rows(const MoEBuffers& m, const bf16* send, const std::vector<int64_t>& send_tokens_P, bf16* recv,
                      const std::vector<int64_t>& recv_tokens_P) {
     const int64_t D = shape_.dim;
     if (!m.fp8_rows) {
-      exchange_tokens(send, send_tokens_P, recv, recv_tokens_P, D, sizeof(bf16));
+      exchange_tokens(send ? send : send_.data(), send_tokens_P, recv ? recv : recv_.data(), recv_tokens_P, D,
+                      sizeof(bf16));
       return;
     }
     MOE_CHECK(wire_send_.size() > 0 || max_tokens_ == 0, "expert exchange: fp8 rows without their buffers");
     int64_t sent = 0, received = 0;
     for (int64_t n : send_tokens_P) sent += n;
     for (int64_t n : recv_tokens_P) received += n;
-    cuda::quantize_rows_fp8(wire_send_.data(), send, sent, D, stream_);
+    if (send) cuda::quantize_rows_fp8(wire_send_.data(), send, sent, D, stream_);
     exchange_tokens(wire_send_.data(), send_tokens_P, wire_recv_.data(), recv_tokens_P, fp8_row_bytes(D) / 4,
                     sizeof(int32_t));  // 4-byte words: the rows are padded to them
-    cuda::dequantize_rows_fp8(recv, wire_recv_.data(), received, D, stream_);
+    if (recv) cuda::dequantize_rows_fp8(recv, wire_recv_.data(), received, D, stream_);
+  }
+  // Home side: x_TD's rows into the blocks for each rank (send_, or fp8 rows in wire_send_).
+  void scatter_home_rows(const MoEBuffers& m, const bf16* x_TD) {
+    const int64_t T = shape_.tokens, D = shape_.dim;
+    const int P = ep_->size();
+    if (m.fp8_rows)
+      cuda::scatter_token_rows_fp8(wire_send_.data(), x_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
+    else
+      cuda::scatter_token_rows(send_.data(), x_TD, m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
+  }
+  // Home side: each token's rows from the ranks (recv_, or fp8 rows in wire_recv_) summed into out_TD.
+  void sum_home_rows(const MoEBuffers& m, bf16* out_TD) {
+    const int64_t T = shape_.tokens, D = shape_.dim;
+    const int P = ep_->size();
+    if (m.fp8_rows)
+      cuda::sum_token_rows_fp8(out_TD, wire_recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
+    else
+      cuda::sum_token_rows(out_TD, recv_.data(), m.token_pos.data(), m.tokens_P.data(), T, P, D, stream_);
   }
   // The token blocks for each rank, the counts exchanged (kept rows per slot and block
   // sizes), and the one host wait per MoE layer and forward for them: the exchange sizes
