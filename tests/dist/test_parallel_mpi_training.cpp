@@ -585,6 +585,36 @@ TEST(ParallelTemperature, TemperatureControlIsTheSameOnEveryRank) {
   }
 }
 
+// moe.route_cache over ranks: each rank probes its own tokens and the hit counts are summed
+// over the ranks, so every rank reports the same hit rates at every step (the first MoE
+// layer has no previous layer: -1); the cache only watches, so the run is the one-process
+// run's.
+TEST(ParallelRouteCache, HitRatesAreTheSameOnEveryRankAndTrainingUnchanged) {
+  for (int64_t ep : {1, 2}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep));
+    RunConfig config = tiny_config();
+    config.parallel.expert_parallel = ep;
+    config.model.moe.route_cache = true;
+    const RunResult got = train_parallel(config);
+    std::vector<double> rates;
+    for (const StepStats& s : got.stats)
+      for (const LayerRouting& l : s.layers) {
+        rates.push_back(l.route_cache_hit_rate);
+        rates.push_back(l.route_cache_token_hit_rate);
+      }
+    std::vector<double> rank0 = rates;
+    parallel_world()->broadcast(rank0.data(), rank0.size(), dist::DType::f64, 0);
+    EXPECT_EQ(rates, rank0) << "rank " << parallel_world()->rank();
+    ASSERT_FALSE(got.stats.empty());
+    const auto& last = got.stats.back().layers;
+    ASSERT_GE(last.size(), 2u);
+    EXPECT_EQ(last.front().route_cache_hit_rate, -1.0);  // no previous MoE layer
+    EXPECT_GT(last.back().route_cache_hit_rate, 0.0);
+    EXPECT_LE(last.back().route_cache_hit_rate, 1.0);
+    expect_matches_reference(config, got);
+  }
+}
+
 // Run with MOE_RANKS_PER_NODE=2: the EP group of 4 spans two simulated nodes.
 TEST(ParallelTrainingHierarchical, FlatAndHierarchicalAgreeAcrossNodes) {
   const dist::LaunchEnv env = dist::read_launch_env();
