@@ -95,6 +95,18 @@ void scatter_token_rows_fp8(uint8_t* dst_UB, const bf16* src_TD, const int32_t* 
                             int64_t T, int P, int64_t D, Stream stream);
 void sum_token_rows_fp8(bf16* dst_TD, const uint8_t* src_UB, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                         int P, int64_t D, Stream stream);
+// The experts' side with the fp8 rows inside: combine_forward (received tokens' weighted
+// sums of their rows) and permute_backward (not accumulating) writing fp8 rows (rows of at
+// most kMaxFusedFp8Dim: a row is held in registers until its scale is known), and
+// permute_forward reading them; each = the bf16 kernel + quantize/dequantize_rows_fp8 bit
+// for bit.
+inline constexpr int64_t kMaxFusedFp8Dim = 8192;
+void combine_forward_fp8(uint8_t* dst_UB, const bf16* y_RD, const float* weight_UK, const int32_t* row_UK, int64_t U,
+                         int64_t K, int64_t D, Stream stream);
+void permute_backward_fp8(uint8_t* dst_UB, const bf16* dx_RD, const int32_t* row_UK, int64_t U, int64_t K, int64_t D,
+                          Stream stream);
+void permute_forward_fp8(bf16* x_RD, const uint8_t* src_UB, const int32_t* token_of_row_R, const int32_t* offsets_E1,
+                         int64_t max_rows, int64_t E, int64_t D, Stream stream);
 void sum_token_values(float* dst_TK, const float* src_UK, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                       int64_t K, int P, Stream stream);
 // out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/fp8.h"
+#include "core/rng.h"
 #include "dist/cuda/thread_communicator.h"
 #include "gpu_test_util.h"
 #include "moe/gpu_ops.h"
@@ -108,6 +109,55 @@ TEST(GpuFp8, RandomRowsQuantiseAndDequantiseAsTheHostReference) {
         ASSERT_EQ(out[static_cast<size_t>(u * D + d)].bits, float_to_bf16(want[static_cast<size_t>(d)]).bits)
             << "D = " << D << " row " << u << " element " << d;
     }
+  }
+}
+
+// The experts' side of the exchange with the fp8 rows inside the row kernels: combine
+// and permute_backward writing fp8 rows, permute_forward reading them, bit for bit the
+// bf16 kernel followed (or preceded) by quantize/dequantize_rows_fp8; kept rows scattered
+// over a larger row buffer, some slots dropped (-1), a vectorised, a ragged and a wide D.
+TEST(GpuFp8, ExpertSideRowKernelsWithFp8RowsMatchTheUnfusedPairs) {
+  MOE_REQUIRE_GPU();
+  const int64_t U = 37, K = 3, R = U * K + 5;
+  const CounterRng rng(11, "combine weights");
+  std::vector<int32_t> row_UK(static_cast<size_t>(U * K));
+  std::vector<float> weight_UK(static_cast<size_t>(U * K));
+  for (size_t i = 0; i < row_UK.size(); ++i) {
+    row_UK[i] = i % 7 == 3 ? -1 : static_cast<int32_t>(i);  // distinct rows, some slots dropped
+    weight_UK[i] = static_cast<float>(rng.uniform(i));
+  }
+  // 3 local experts over the first 100 rows, each row's token in [0, U).
+  const std::vector<int32_t> offsets_E1{0, 40, 40, 100};
+  std::vector<int32_t> token_of_row(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) token_of_row[static_cast<size_t>(r)] = static_cast<int32_t>((r * 5) % U);
+  auto row_d = test::to_device(row_UK);
+  auto weight_d = test::to_device(weight_UK);
+  auto offsets_d = test::to_device(offsets_E1);
+  auto token_d = test::to_device(token_of_row);
+  for (int64_t D : {256, 100, 4096}) {
+    SCOPED_TRACE("D " + std::to_string(D));
+    const int64_t B = fp8_row_bytes(D);
+    auto y_d = test::to_device_bf16(test::random_bf16_floats(static_cast<size_t>(R * D), 21, "y"));
+    auto rows_d = test::poisoned<bf16>(static_cast<size_t>(U * D));
+    auto want_d = test::poisoned<uint8_t>(static_cast<size_t>(U * B));
+    auto got_d = test::poisoned<uint8_t>(static_cast<size_t>(U * B));
+    cuda::combine_forward(rows_d.data(), y_d.data(), weight_d.data(), row_d.data(), U, K, D, nullptr);
+    cuda::quantize_rows_fp8(want_d.data(), rows_d.data(), U, D, nullptr);
+    cuda::combine_forward_fp8(got_d.data(), y_d.data(), weight_d.data(), row_d.data(), U, K, D, nullptr);
+    EXPECT_EQ(to_host(got_d), to_host(want_d)) << "combine";
+    cuda::permute_backward(rows_d.data(), y_d.data(), row_d.data(), U, K, D, false, nullptr);
+    cuda::quantize_rows_fp8(want_d.data(), rows_d.data(), U, D, nullptr);
+    cuda::permute_backward_fp8(got_d.data(), y_d.data(), row_d.data(), U, K, D, nullptr);
+    EXPECT_EQ(to_host(got_d), to_host(want_d)) << "permute_backward";
+    // want_d holds fp8 rows of U tokens: unpack them into the experts' rows both ways.
+    auto received_d = test::poisoned<bf16>(static_cast<size_t>(U * D));
+    auto x_want_d = test::poisoned<bf16>(static_cast<size_t>(R * D));
+    auto x_got_d = test::poisoned<bf16>(static_cast<size_t>(R * D));
+    cuda::dequantize_rows_fp8(received_d.data(), want_d.data(), U, D, nullptr);
+    cuda::permute_forward(x_want_d.data(), received_d.data(), token_d.data(), offsets_d.data(), R, 3, D, nullptr);
+    cuda::permute_forward_fp8(x_got_d.data(), want_d.data(), token_d.data(), offsets_d.data(), R, 3, D, nullptr);
+    const auto want = to_host(x_want_d), got = to_host(x_got_d);
+    for (size_t i = 0; i < static_cast<size_t>(100 * D); ++i) ASSERT_EQ(got[i].bits, want[i].bits) << "permute_forward " << i;
   }
 }
 

@@ -123,7 +123,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     scatter_home_rows(m, x_TD);
     cuda::pack_routing(slot_send_.data(), weight_send_.data(), m.token_pos.data(), m.tokens_P.data(), rank_TK_.data(),
                        slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream_);
-    exchange_rows(m, nullptr, m.send_tokens_P, recv_.data(), m.recv_tokens_P);
+    exchange_rows(m, nullptr, m.send_tokens_P, nullptr, m.recv_tokens_P);  // unpacked by permute_forward below
     exchange_tokens(slot_send_.data(), m.send_tokens_P, slot_recv_.data(), m.recv_tokens_P, K, sizeof(int32_t));
     exchange_tokens(weight_send_.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));
     mark_(kDispatch);
@@ -136,8 +136,12 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
       if (U > 0)
         MOE_CUDA_CHECK(cudaMemsetAsync(m.recv_row.data(), 0xff, static_cast<size_t>(U * K) * sizeof(int32_t), stream_));
     }
-    cuda::permute_forward(m.x_rows->data(), recv_.data(), m.local_token.data(), m.local_offsets.data(), R, L, D,
-                          stream_);
+    if (m.fp8_rows)
+      cuda::permute_forward_fp8(m.x_rows->data(), wire_recv_.data(), m.local_token.data(), m.local_offsets.data(), R,
+                                L, D, stream_);
+    else
+      cuda::permute_forward(m.x_rows->data(), recv_.data(), m.local_token.data(), m.local_offsets.data(), R, L, D,
+                            stream_);
   }
   const int32_t* expert_offsets(const MoEBuffers& m) const override { return m.local_offsets.data(); }
   int64_t expert_rows(const MoEBuffers& m) const override { return m.local_rows; }
@@ -145,9 +149,15 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   void combine(MoEBuffers& m, bf16* out_TD) override {
     const int64_t D = shape_.dim, K = shape_.top_k;
     mark_(kCombine);
-    cuda::combine_forward(send_.data(), m.y_rows.data(), m.recv_weight.data(), m.recv_row.data(), m.recv_tokens, K, D,
-                          stream_);
-    exchange_rows(m, send_.data(), m.recv_tokens_P, nullptr, m.send_tokens_P);
+    if (fused_fp8(m)) {
+      cuda::combine_forward_fp8(wire_send_.data(), m.y_rows.data(), m.recv_weight.data(), m.recv_row.data(),
+                                m.recv_tokens, K, D, stream_);
+      exchange_rows(m, nullptr, m.recv_tokens_P, nullptr, m.send_tokens_P);
+    } else {
+      cuda::combine_forward(send_.data(), m.y_rows.data(), m.recv_weight.data(), m.recv_row.data(), m.recv_tokens, K,
+                            D, stream_);
+      exchange_rows(m, send_.data(), m.recv_tokens_P, nullptr, m.send_tokens_P);
+    }
     mark_(kCombine);
     ep_->set_layer(-1);
     sum_home_rows(m, out_TD);
@@ -172,8 +182,13 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     const int64_t T = shape_.tokens, D = shape_.dim, K = shape_.top_k;
     const int P = ep_->size();
     mark_(kDispatch);
-    cuda::permute_backward(send_.data(), dx_rows, m.recv_row.data(), m.recv_tokens, K, D, false, stream_);
-    exchange_rows(m, send_.data(), m.recv_tokens_P, nullptr, m.send_tokens_P);
+    if (fused_fp8(m)) {
+      cuda::permute_backward_fp8(wire_send_.data(), dx_rows, m.recv_row.data(), m.recv_tokens, K, D, stream_);
+      exchange_rows(m, nullptr, m.recv_tokens_P, nullptr, m.send_tokens_P);
+    } else {
+      cuda::permute_backward(send_.data(), dx_rows, m.recv_row.data(), m.recv_tokens, K, D, false, stream_);
+      exchange_rows(m, send_.data(), m.recv_tokens_P, nullptr, m.send_tokens_P);
+    }
     exchange_tokens(dweight_local_.data(), m.recv_tokens_P, dweight_home_.data(), m.send_tokens_P, K, sizeof(float));
     mark_(kDispatch);
     ep_->set_layer(-1);
@@ -199,10 +214,11 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     ep_->exchange(send, send_counts, recv, recv_counts, elem_bytes);
   }
   // Token rows of D bf16 out and back: as they are, or (m.fp8_rows, the layer's forward
-  // choice kept for its backward) as fp8 rows. The home rank's side packs and unpacks them
-  // inside its row kernels (scatter_home_rows, sum_home_rows: send or recv null here, the
-  // rows already in or left in the wire buffers); the experts' side quantises before the
-  // exchange and dequantises after it, separate passes over its rows.
+  // choice kept for its backward) as fp8 rows. The row kernels pack and unpack them
+  // (send or recv null here: the rows already in, or left in, the wire buffers) except
+  // for combine_backward's received rows (dequantised into recv) and rows wider than
+  // kMaxFusedFp8Dim (quantised from send).
+  bool fused_fp8(const MoEBuffers& m) const { return m.fp8_rows && shape_.dim <= cuda::kMaxFusedFp8Dim; }
   void exchange_rows(const MoEBuffers& m, const bf16* send, const std::vector<int64_t>& send_tokens_P, bf16* recv,
                      const std::vector<int64_t>& recv_tokens_P) {
     const int64_t D = shape_.dim;

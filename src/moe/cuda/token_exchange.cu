@@ -4,27 +4,18 @@
 #include <algorithm>
 #include <cstdint>
 
-#include <cuda_fp8.h>
-
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/gpu_ops.h"
+#include "moe/cuda/token_blocks.cuh"
 #include "moe/gpu_ops.h"
 #include "moe/token_exchange.h"
-#include "core/fp8.h"
 
 namespace moe::cuda {
 namespace {
 
 constexpr int kScanThreads = 1024;
 constexpr int kThreads = 256;
-
-// Block start of rank p: the sizes of the blocks before it (P is a handful).
-__device__ __forceinline__ int64_t block_start(const int32_t* tokens_P, int p) {
-  int64_t start = 0;
-  for (int q = 0; q < p; ++q) start += tokens_P[q];
-  return start;
-}
 
 // The global rows per slot (threads over the slots), then one thread places the
 // boundaries as moe::balanced_boundaries does (E <= kMaxCutSlots, P <= 32: a binary search
@@ -208,107 +199,7 @@ unsigned row_threads(int64_t elements) {
   return static_cast<unsigned>(elements >= kThreads ? kThreads : ((elements + 31) / 32) * 32);
 }
 
-// One block of kFp8Threads per row: the row's amax (a block reduction), then every
-// element's e4m3 code of x / (amax / 448) (core/fp8.h's format; a row of zeros: scale 0,
-// codes 0). The one quantiser of the exchange's rows, standalone or inside packing.
-constexpr int kFp8Threads = 128;
-__device__ void quantize_row_fp8_block(uint8_t* row, const __nv_bfloat16* x, int64_t D, int64_t row_bytes) {
-  float amax = 0.0f;
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) amax = fmaxf(amax, fabsf(__bfloat162float(x[d])));
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-  __shared__ float warp_max[kFp8Threads / 32];
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
-  __syncthreads();
-  amax = 0.0f;
-  for (int w = 0; w < kFp8Threads / 32; ++w) amax = fmaxf(amax, warp_max[w]);
-  const float scale = amax / 448.0f;
-  if (threadIdx.x == 0) *reinterpret_cast<float*>(row) = scale;
-  uint8_t* codes = row + 4;
-  for (int64_t d = threadIdx.x; d < row_bytes - 4; d += blockDim.x)
-    codes[d] = d < D && scale != 0.0f
-                   ? static_cast<uint8_t>(__nv_cvt_float_to_fp8(__bfloat162float(x[d]) / scale, __NV_SATFINITE, __NV_E4M3))
-                   : uint8_t{0};
-}
-
-// Element d of an fp8 row: decode(code) * scale in fp32, rounded to bf16 (the one dequantiser).
-__device__ __forceinline__ __nv_bfloat16 dequantize_fp8_element(const uint8_t* row, float scale, int64_t d) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(row[4 + d]), __NV_E4M3);
-  return __float2bfloat16_rn(__half2float(__half(h)) * scale);
-}
-
-__global__ void quantize_rows_fp8_kernel(uint8_t* dst_UB, const __nv_bfloat16* src_UD, int64_t D, int64_t row_bytes) {
-  quantize_row_fp8_block(dst_UB + blockIdx.x * row_bytes, src_UD + blockIdx.x * D, D, row_bytes);
-}
-
-__global__ void dequantize_rows_fp8_kernel(__nv_bfloat16* dst_UD, const uint8_t* src_UB, int64_t D, int64_t row_bytes) {
-  const uint8_t* row = src_UB + blockIdx.x * row_bytes;
-  const float scale = *reinterpret_cast<const float*>(row);
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) dst_UD[blockIdx.x * D + d] = dequantize_fp8_element(row, scale, d);
-}
-
-// scatter_token_rows with the rows quantised on the way: one block per (token, rank).
-__global__ void scatter_token_rows_fp8_kernel(uint8_t* dst_UB, const __nv_bfloat16* src_TD, const int32_t* pos_TP,
-                                              const int32_t* tokens_P, int P, int64_t D, int64_t row_bytes) {
-  const int64_t t = blockIdx.x / P;
-  const int p = static_cast<int>(blockIdx.x % P);
-  const int32_t pos = pos_TP[blockIdx.x];
-  if (pos < 0) return;  // the whole block
-  quantize_row_fp8_block(dst_UB + (block_start(tokens_P, p) + pos) * row_bytes, src_TD + t * D, D, row_bytes);
-}
-
-// sum_token_rows over fp8 rows: each rank's row dequantised to bf16 (as dequantize_rows_fp8)
-// and added in rank order in fp32, so the result is the unfused pair's bit for bit.
-__global__ void sum_token_rows_fp8_kernel(__nv_bfloat16* dst_TD, const uint8_t* src_UB, const int32_t* pos_TP,
-                                          const int32_t* tokens_P, int P, int64_t D, int64_t row_bytes) {
-  const int64_t t = blockIdx.x;
-  __shared__ int64_t row_of[32];
-  __shared__ float scale_of[32];
-  if (threadIdx.x < P) {
-    const int32_t pos = pos_TP[t * P + threadIdx.x];
-    row_of[threadIdx.x] = pos < 0 ? -1 : block_start(tokens_P, threadIdx.x) + pos;
-    scale_of[threadIdx.x] = pos < 0 ? 0.0f : *reinterpret_cast<const float*>(src_UB + row_of[threadIdx.x] * row_bytes);
-  }
-  __syncthreads();
-  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
-    float sum = 0;
-    for (int p = 0; p < P; ++p)
-      if (row_of[p] >= 0) sum += __bfloat162float(dequantize_fp8_element(src_UB + row_of[p] * row_bytes, scale_of[p], d));
-    dst_TD[t * D + d] = __float2bfloat16_rn(sum);
-  }
-}
-
 }  // namespace
-
-void quantize_rows_fp8(uint8_t* dst_UB, const bf16* src_UD, int64_t U, int64_t D, Stream stream) {
-  if (U == 0) return;
-  quantize_rows_fp8_kernel<<<static_cast<unsigned>(U), kFp8Threads, 0, stream>>>(dst_UB, as_cuda(src_UD), D,
-                                                                                 fp8_row_bytes(D));
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void dequantize_rows_fp8(bf16* dst_UD, const uint8_t* src_UB, int64_t U, int64_t D, Stream stream) {
-  if (U == 0) return;
-  dequantize_rows_fp8_kernel<<<static_cast<unsigned>(U), kFp8Threads, 0, stream>>>(as_cuda(dst_UD), src_UB, D,
-                                                                                   fp8_row_bytes(D));
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void scatter_token_rows_fp8(uint8_t* dst_UB, const bf16* src_TD, const int32_t* pos_TP, const int32_t* tokens_P,
-                            int64_t T, int P, int64_t D, Stream stream) {
-  if (T == 0 || D == 0) return;
-  scatter_token_rows_fp8_kernel<<<static_cast<unsigned>(T * P), kFp8Threads, 0, stream>>>(
-      dst_UB, as_cuda(src_TD), pos_TP, tokens_P, P, D, fp8_row_bytes(D));
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void sum_token_rows_fp8(bf16* dst_TD, const uint8_t* src_UB, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
-                        int P, int64_t D, Stream stream) {
-  MOE_CHECKF(P >= 1 && P <= 32, "sum_token_rows_fp8: %d ranks (1 to 32)", P);
-  if (T == 0 || D == 0) return;
-  sum_token_rows_fp8_kernel<<<static_cast<unsigned>(T), std::max(32u, row_threads(D)), 0, stream>>>(
-      as_cuda(dst_TD), src_UB, pos_TP, tokens_P, P, D, fp8_row_bytes(D));
-  MOE_CUDA_CHECK_LAUNCH();
-}
 
 void boundary_cuts(int32_t* cut_P1, const int32_t* counts_PE, const int32_t* slot_bounds_P1, bool split, int64_t E,
                    int P, Stream stream) {
