@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # parallel.a2a_compression: the same 64-expert model (configs/bench/a2a-64e.toml) trained
 # STEPS steps (default 300) over 4 expert-parallel ranks with the exchange's token rows
-# uncompressed and as fp8 (and, on CPU ranks, auto): final losses (mean of the last 50
+# uncompressed, as fp8 and auto (metrics.alert_comm_wait as configured): final losses (mean of the last 50
 # steps' logged losses), rank 0's a2a bytes per step, comm wait, and a PNG of the loss
 # curves (scripts/plot_metrics.py; needs matplotlib, .deps/venv/bin/python when present).
-#   device cuda (default): 4 thread ranks on one GPU (`moe train --thread-ranks 4`), none
-#     and fp8 (auto is CPU-only). About 5 minutes on an H200.
+#   device cuda (default): 4 thread ranks on one GPU (`moe train --thread-ranks 4`), none,
+#     fp8 and auto. About 5 minutes on an H200 (MODES="none auto" to run fewer).
 #   device cpu: 4 tcp ranks (`moe launch --nproc-per-node 4`), none, fp8 and auto; slow on
 #     a small machine: STEPS=60 and a smaller model (SMALL=1: dim 128, 2 layers) fit.
 # Usage: bench/a2a_compression.sh MOE_BINARY CORPUS_DIR OUT_DIR [cuda|cpu]
@@ -23,8 +23,7 @@ args=(-c configs/bench/a2a-64e.toml --data.dir="$corpus" --training.steps="$step
       --metrics.tensorboard=false)
 [[ -n ${SMALL:-} ]] && args+=(--model.dim=128 --model.n_layers=2 --moe.expert_hidden=128)
 case $device in
-  cuda) modes=(none fp8) ;;
-  cpu) modes=(none fp8 auto) ;;
+  cuda|cpu) read -r -a modes <<< "${MODES:-none fp8 auto}" ;;
   *) echo "$0: device must be cuda or cpu, got $device" >&2; exit 2 ;;
 esac
 for mode in "${modes[@]}"; do
