@@ -30,7 +30,8 @@
 #                re-placed every 2 steps, and the EP checkpoint resumed on one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
 # SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,compression,memory,resume,simulate
-# (default: all but comm, compression and simulate; simulate: the step simulator's calibration, docs/SIMULATOR.md).
+# (default: all but comm, compression and simulate; simulate: the step simulator's calibration with
+# measured all-to-all and all-reduce curves, docs/SIMULATOR.md).
 # MODES (environment): the parallel modes scaling measures, "dp ep dpz3 epz3" by default
 # (dpz3: data parallel at ZeRO 3; epz3: EP N / 2 at ZeRO 3, each expert sharded over its 2
 # GPUs, from 4 GPUs on); "epr" adds
@@ -309,9 +310,13 @@ if [[ $sections == *,simulate,* ]]; then
     --json "$out/profile_mixtral-mini.json" > "$out/sim_bench.txt" 2>&1
   launch a2a-bench -c configs/bench/mixtral-mini.toml --parallel.backend=nccl --parallel.expert_parallel="$n" \
     --json "$out/sim_a2a.json" > "$out/sim_a2a.txt" 2>&1
+  # The all-reduce sweep (4 KB to 1 GB): the reductions' latency and bus bandwidth.
+  launch allreduce-bench --parallel.backend=nccl --json "$out/sim_allreduce.json" > "$out/sim_allreduce.txt" 2>&1
+  grep -E "^ +(4096|1073741824) " "$out/sim_allreduce.txt" || true
   sim() {
     "$moe" plan --simulate -c configs/bench/mixtral-mini.toml --hardware "$hw" --compute "$out/profile_mixtral-mini.json" \
-      --collectives "$out/sim_a2a.json" --optimizer.state_dtype=bf16 --micro-batches 1 --json "$@" |
+      --collectives "$out/sim_a2a.json" --collectives "$out/sim_allreduce.json" --optimizer.state_dtype=bf16 \
+      --micro-batches 1 --json "$@" |
       python3 -c 'import json, sys; print("%.0f" % json.load(sys.stdin)["flat"]["tokens_per_s_per_gpu"])'
   }
   bench_run mixtral-mini

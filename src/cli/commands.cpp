@@ -16,6 +16,7 @@
 #include "core/atomic_file.h"
 #include "core/build_info.h"
 #include "core/threads.h"
+#include "dist/all_reduce_bench.h"
 #include "dist/all_to_all_bench.h"
 #include "dist/communicator.h"
 #include "obs/dashboard.h"
@@ -240,6 +241,18 @@ int run_all_to_all_bench(const AllToAllBenchOptions& options) {
   if (!options.json.empty() && world->rank() == 0) {
     write_file_atomic(options.json, all_to_all_bench_json(results, world->backend()));
     fmt::print("a2a-bench results written to {}\n", options.json);
+  }
+  return 0;
+}
+
+int run_all_reduce_bench(const AllReduceBenchOptions& options) {
+  RunConfig config = resolve_config(options.config_path, options.overrides);
+  std::unique_ptr<dist::Communicator> world = dist::make_world_communicator(resolve_comm_backend(config));
+  const dist::AllReduceSweep sweep =
+      dist::run_all_reduce_bench(*world, options.min_bytes, options.max_bytes, options.warmup, options.iters, std::cout);
+  if (!options.json.empty() && world->rank() == 0) {
+    write_file_atomic(options.json, all_reduce_bench_json(sweep, world->backend()));
+    fmt::print("allreduce-bench results written to {}\n", options.json);
   }
   return 0;
 }

@@ -62,6 +62,18 @@ int run_train(const TrainOptions& options);
 int run_eval(const EvalOptions& options);
 // `moe a2a-bench`: the MoE exchanges alone over the launch's ranks (dist/all_to_all_bench.h).
 int run_all_to_all_bench(const AllToAllBenchOptions& options);
+
+// `moe allreduce-bench`: the all-reduce sweep over the launch's ranks (dist/all_reduce_bench.h).
+struct AllReduceBenchOptions {
+  std::string config_path;  // only parallel.* (the backend) is read
+  int64_t min_bytes = 4096;
+  int64_t max_bytes = int64_t{1} << 30;
+  int warmup = 3;
+  int iters = 10;
+  std::string json;  // rank 0 also writes the sweep as JSON (moe plan --simulate --collectives)
+  std::vector<std::string> overrides;
+};
+int run_all_reduce_bench(const AllReduceBenchOptions& options);
 // `moe bench`: the GPU benchmark (train/cuda/gpu_bench.h); a config error without CUDA.
 int run_bench(const BenchOptions& options);
 int run_config(const ConfigOptions& options);

@@ -151,6 +151,19 @@ int main(int argc, char** argv) {
   a2a_cmd->allow_extras();
   a2a_cmd->footer(kOverrideHelp);
 
+  moe::AllReduceBenchOptions ar;
+  CLI::App* ar_cmd = app.add_subcommand(
+      "allreduce-bench", "Time fp32 all-reduces over the launch's ranks, sizes doubling from --min-bytes to --max-bytes");
+  ar_cmd->add_option("-c,--config", ar.config_path, "Run config (TOML): parallel.backend")->check(CLI::ExistingFile);
+  ar_cmd->add_option("--min-bytes", ar.min_bytes, "Smallest buffer (a multiple of 4)")->check(CLI::PositiveNumber);
+  ar_cmd->add_option("--max-bytes", ar.max_bytes, "Largest buffer (a multiple of 4)")->check(CLI::PositiveNumber);
+  ar_cmd->add_option("--warmup", ar.warmup, "Untimed all-reduces per size first")->check(CLI::NonNegativeNumber);
+  ar_cmd->add_option("--iters", ar.iters, "Timed all-reduces per size (the median is reported)")
+      ->check(CLI::PositiveNumber);
+  ar_cmd->add_option("--json", ar.json, "Rank 0 also writes the sweep to this JSON file (moe plan --simulate --collectives)");
+  ar_cmd->allow_extras();
+  ar_cmd->footer(kOverrideHelp);
+
   moe::PlanOptions plan;
   CLI::App* plan_cmd = app.add_subcommand(
       "plan", "Estimate the per-GPU memory of a training layout and list the layouts that fit (docs/MEMORY_PLAN.md)");
@@ -170,7 +183,8 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--compute", plan.compute, "With --simulate: measured compute profile (moe bench --json)")
       ->check(CLI::ExistingFile);
   plan_cmd->add_option("--collectives", plan.collectives,
-                       "With --simulate: measured all-to-all inside one node (moe a2a-bench --json)")
+                       "With --simulate: measured collectives inside one node (moe a2a-bench --json, moe allreduce-bench "
+                       "--json; repeat for both)")
       ->check(CLI::ExistingFile);
   plan_cmd->add_option("--micro-batches", plan.micro_batches,
                        "With --simulate: micro-batches per GPU per step (default: from training.global_batch_tokens)")
@@ -299,6 +313,10 @@ int main(int argc, char** argv) {
     if (*config_cmd) {
       show.overrides = parse_overrides(config_cmd->remaining());
       return moe::run_config(show);
+    }
+    if (*ar_cmd) {
+      ar.overrides = parse_overrides(ar_cmd->remaining());
+      return moe::run_all_reduce_bench(ar);
     }
     if (*a2a_cmd) {
       a2a.overrides = parse_overrides(a2a_cmd->remaining());

@@ -20,7 +20,7 @@ struct PlanOptions {
   bool simulate = false;
   std::string hardware;                  // configs/hardware/*.toml (required with --simulate)
   std::string compute;                   // `moe bench --json` profile; empty: the hardware's peaks x efficiencies
-  std::string collectives;               // `moe a2a-bench --json` inside one node; empty: alpha-beta only
+  std::vector<std::string> collectives;  // `moe a2a-bench --json`, `moe allreduce-bench --json` inside one node; none: alpha-beta only
   std::optional<int64_t> micro_batches;  // per GPU per step; default: global_batch_tokens / (GPUs x micro-batch tokens)
   double expert_imbalance = 0;           // busiest EP rank's expert rows over the mean, less 1
   bool json = false;                     // one JSON object instead of the table

@@ -62,6 +62,7 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
   }
   MeasuredCollectives measured;
   if (!options.collectives.empty()) measured = load_measured_collectives(options.collectives);
+  const std::string collectives_from = fmt::format("{}", fmt::join(options.collectives, ", "));
 
   SimLayout layout;
   layout.gpus = gpus;
@@ -113,7 +114,10 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
   fmt::print(out, "compute: {}\n", compute_from);
   if (measured.intra_all_to_all_bytes_per_s > 0)
     fmt::print(out, "all-to-all inside a node: measured {:.1f} GB/s ({})\n", measured.intra_all_to_all_bytes_per_s / 1e9,
-               options.collectives);
+               collectives_from);
+  if (measured.intra_all_reduce_bus_bytes_per_s > 0)
+    fmt::print(out, "reductions inside a node: measured all-reduce bus bandwidth {:.1f} GB/s, {:.1f} us per call ({})\n",
+               measured.intra_all_reduce_bus_bytes_per_s / 1e9, measured.intra_all_reduce_latency_us, collectives_from);
   if (mc.moe.n_experts > 0 && layout.expert_parallel > 1)
     fmt::print(out, "rows per token per exchange (one per rank holding any of its top-{} experts): {:.3f} to the node's "
                     "other ranks, {:.3f} to other nodes (a per-node deduplicating exchange: {:.3f}){}\n",

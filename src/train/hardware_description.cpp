@@ -227,26 +227,86 @@ std::string all_to_all_bench_json(const std::vector<dist::AllToAllBenchResult>& 
   return j.dump(2) + "\n";
 }
 
-MeasuredCollectives parse_measured_collectives(const std::string& text, const std::string& source) {
-  const std::string what = "collectives";
-  const nlohmann::json j = parse_json(text, what, source);
-  if (!j.is_object() || j.value("format", "") != "moe-a2a-bench-1")
-    MOE_CONFIG_ERROR("{} {}: \"format\" must be \"moe-a2a-bench-1\" (moe a2a-bench --json)", what, source);
-  MeasuredCollectives m;
+std::string all_reduce_bench_json(const dist::AllReduceSweep& sweep, const std::string& backend) {
+  nlohmann::ordered_json j;
+  j["format"] = "moe-allreduce-bench-1";
+  j["backend"] = backend;
+  j["ranks"] = sweep.ranks;
+  j["nodes"] = sweep.nodes;
+  j["results"] = nlohmann::ordered_json::array();
+  for (const dist::AllReduceBenchResult& r : sweep.results)
+    j["results"].push_back({{"bytes", r.bytes},
+                            {"ms", r.ms},
+                            {"algbw_gb_s", r.alg_gb_per_s},
+                            {"busbw_gb_s", r.bus_gb_per_s},
+                            {"sums_ok", r.sums_ok}});
+  return j.dump(2) + "\n";
+}
+
+namespace {
+
+void read_all_to_all(const nlohmann::json& j, const std::string& what, const std::string& source,
+                     MeasuredCollectives& m) {
   const double nodes = json_number(j, "nodes", what, source);
-  if (!j.contains("results") || !j["results"].is_array())
-    MOE_CONFIG_ERROR("{} {}: \"results\" must be an array", what, source);
-  if (nodes != 1) return m;  // only an exchange inside one node stands for the NVLink rate
+  if (nodes != 1) return;  // only an exchange inside one node stands for the NVLink rate
+  double rate = 0;
   for (const nlohmann::json& r : j["results"])
     if (r.is_object() && r.value("kind", "") == "flat")
-      m.intra_all_to_all_bytes_per_s = 0.5 * (json_number(r, "dispatch_gb_s", what, source) +
-                                              json_number(r, "combine_gb_s", what, source)) * 1e9;
-  if (m.intra_all_to_all_bytes_per_s <= 0) MOE_CONFIG_ERROR("{} {}: no \"flat\" result", what, source);
+      rate = 0.5 * (json_number(r, "dispatch_gb_s", what, source) + json_number(r, "combine_gb_s", what, source)) * 1e9;
+  if (rate <= 0) MOE_CONFIG_ERROR("{} {}: no \"flat\" result", what, source);
+  m.intra_all_to_all_bytes_per_s = rate;
+}
+
+void read_all_reduce(const nlohmann::json& j, const std::string& what, const std::string& source,
+                     MeasuredCollectives& m) {
+  const double nodes = json_number(j, "nodes", what, source);
+  if (json_number(j, "ranks", what, source) < 2)
+    MOE_CONFIG_ERROR("{} {}: an all-reduce sweep over fewer than 2 ranks measures nothing", what, source);
+  if (nodes != 1) return;  // the inter-node rate stays the hardware description's
+  double smallest = 0, largest = 0, latency_ms = 0, busbw = 0;
+  for (const nlohmann::json& r : j["results"]) {
+    if (!r.is_object()) MOE_CONFIG_ERROR("{} {}: \"results\" must hold objects", what, source);
+    if (!r.value("sums_ok", false)) MOE_CONFIG_ERROR("{} {}: a result with \"sums_ok\": false (wrong sums)", what, source);
+    const double bytes = json_number(r, "bytes", what, source), ms = json_number(r, "ms", what, source);
+    const double bw = json_number(r, "busbw_gb_s", what, source);
+    if (bytes <= 0 || ms <= 0 || bw <= 0) MOE_CONFIG_ERROR("{} {}: \"bytes\", \"ms\" and \"busbw_gb_s\" must be positive", what, source);
+    if (smallest == 0 || bytes < smallest) smallest = bytes, latency_ms = ms;
+    if (bytes > largest) largest = bytes, busbw = bw;
+  }
+  if (largest == 0) MOE_CONFIG_ERROR("{} {}: no results", what, source);
+  m.intra_all_reduce_bus_bytes_per_s = busbw * 1e9;
+  m.intra_all_reduce_latency_us = latency_ms * 1e3;
+}
+
+}  // namespace
+
+MeasuredCollectives parse_measured_collectives(const std::string& text, const std::string& source) {
+  MeasuredCollectives m;
+  const std::string what = "collectives";
+  const nlohmann::json j = parse_json(text, what, source);
+  const std::string format = j.is_object() ? j.value("format", "") : "";
+  if (format != "moe-a2a-bench-1" && format != "moe-allreduce-bench-1")
+    MOE_CONFIG_ERROR("{} {}: \"format\" must be \"moe-a2a-bench-1\" (moe a2a-bench --json) or "
+                     "\"moe-allreduce-bench-1\" (moe allreduce-bench --json)",
+                     what, source);
+  if (!j.contains("results") || !j["results"].is_array())
+    MOE_CONFIG_ERROR("{} {}: \"results\" must be an array", what, source);
+  if (format == "moe-a2a-bench-1") read_all_to_all(j, what, source, m);
+  else read_all_reduce(j, what, source, m);
   return m;
 }
 
-MeasuredCollectives load_measured_collectives(const std::string& path) {
-  return parse_measured_collectives(read_text(path, "collectives"), path);
+MeasuredCollectives load_measured_collectives(const std::vector<std::string>& paths) {
+  MeasuredCollectives merged;
+  for (const std::string& path : paths) {
+    const MeasuredCollectives m = parse_measured_collectives(read_text(path, "collectives"), path);
+    if (m.intra_all_to_all_bytes_per_s > 0) merged.intra_all_to_all_bytes_per_s = m.intra_all_to_all_bytes_per_s;
+    if (m.intra_all_reduce_bus_bytes_per_s > 0) {
+      merged.intra_all_reduce_bus_bytes_per_s = m.intra_all_reduce_bus_bytes_per_s;
+      merged.intra_all_reduce_latency_us = m.intra_all_reduce_latency_us;
+    }
+  }
+  return merged;
 }
 
 }  // namespace moe

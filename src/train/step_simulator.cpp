@@ -168,9 +168,14 @@ ExchangeTime exchange_time(AllToAllKind kind, const ExchangeRows& rows, double t
 }
 
 double collective_ms(Collective kind, double bytes, int64_t n, int64_t m, double calls, const HardwareDescription& hw,
-                     int64_t gpus_per_node) {
+                     int64_t gpus_per_node, const MeasuredCollectives& measured) {
   if (n <= 1 || bytes <= 0) return 0.0;
   const int64_t nodes = n / m;
+  if (nodes <= 1 && measured.intra_all_reduce_bus_bytes_per_s > 0) {
+    const double share = d(n - 1) / d(n) * (kind == Collective::AllReduce ? 2.0 : 1.0);
+    const double latency_ms = measured.intra_all_reduce_latency_us * 1e-3 * (kind == Collective::AllReduce ? 1.0 : 0.5);
+    return share * bytes / measured.intra_all_reduce_bus_bytes_per_s * 1e3 + calls * latency_ms;
+  }
   const double rate = nodes > 1 ? std::min(hw.intra_bytes_per_s(), hw.nic_bytes_per_s_per_gpu(gpus_per_node))
                                  : hw.intra_bytes_per_s();
   const double share = d(n - 1) / d(n) * (kind == Collective::AllReduce ? 2.0 : 1.0);
@@ -250,8 +255,8 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   const double bucket = config.parallel.bucket_mb > 0 ? config.parallel.bucket_mb * 1e6 : 1e30;
   const double dense_bytes = d(params.dense) * grad_bytes_per, expert_bytes = expert_held * grad_bytes_per;
   p.grad_bytes = (dp > 1 ? dense_bytes : 0) + (edp > 1 ? expert_bytes : 0);
-  p.grad_sync = collective_ms(reduce, dense_bytes, dp, per_node, std::ceil(dense_bytes / bucket), hw, G) +
-                collective_ms(reduce, expert_bytes, edp, edp_per_node, std::ceil(expert_bytes / bucket), hw, G);
+  p.grad_sync = collective_ms(reduce, dense_bytes, dp, per_node, std::ceil(dense_bytes / bucket), hw, G, measured) +
+                collective_ms(reduce, expert_bytes, edp, edp_per_node, std::ceil(expert_bytes / bucket), hw, G, measured);
   const double last_bucket = p.grad_sync > 0 ? p.grad_sync * std::min(1.0, bucket / std::max(p.grad_bytes, 1.0)) : 0;
   const double last_backward = (p.compute / A) * 2.0 / 3.0;  // backward = 2/3 of forward + backward
   p.grad_sync_exposed = exposed_ms(p.grad_sync, last_backward, last_bucket);
@@ -259,8 +264,8 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   // ZeRO weights: 1-2 all-gather the bf16 weights each rank stepped (after the optimizer);
   // 3 gathers each layer's bf16 weights for the forward and again for the backward.
   const double dense_w = d(params.dense) * 2.0, expert_w = expert_held * 2.0;
-  const double gather = collective_ms(Collective::AllGather, dense_w, dp, per_node, d(mc.n_layers) + 2, hw, G) +
-                        collective_ms(Collective::AllGather, expert_w, edp, edp_per_node, d(moe_layers(mc)), hw, G);
+  const double gather = collective_ms(Collective::AllGather, dense_w, dp, per_node, d(mc.n_layers) + 2, hw, G, measured) +
+                        collective_ms(Collective::AllGather, expert_w, edp, edp_per_node, d(moe_layers(mc)), hw, G, measured);
   if (layout.zero == 1 || layout.zero == 2) {
     p.weight_gather = gather;
     p.weight_gather_exposed = gather;

@@ -89,6 +89,9 @@ constexpr double kMemoryBytesPerElement = 64.0;
 // Measured collective bandwidths that replace the hardware's alpha-beta where given.
 struct MeasuredCollectives {
   double intra_all_to_all_bytes_per_s = 0;  // a2a-bench inside one node (0: none)
+  // allreduce-bench inside one node (0: none): the largest size's bus bandwidth and the
+  // smallest size's time as the latency of one call.
+  double intra_all_reduce_bus_bytes_per_s = 0, intra_all_reduce_latency_us = 0;
 };
 
 // Fraction of a rank's experts-hit: under uniform routing of K distinct experts among
@@ -131,8 +134,11 @@ ExchangeTime exchange_time(AllToAllKind kind, const ExchangeRows& rows, double t
 // bytes (bytes: the whole buffer), at the NVLink rate inside one node and at the GPU's NIC
 // share across nodes; latency per call 2 x (log2(nodes) inter + (m-1) intra), times `calls`.
 enum class Collective { AllReduce, ReduceScatter, AllGather };
+// Inside one node a measured all-reduce sweep (`measured`) replaces both: its bus bandwidth
+// as the rate of all three, its latency per all-reduce call (half per reduce-scatter or
+// all-gather).
 double collective_ms(Collective kind, double bytes, int64_t n, int64_t m, double calls, const HardwareDescription& hw,
-                     int64_t gpus_per_node);
+                     int64_t gpus_per_node, const MeasuredCollectives& measured = {});
 
 // Communication overlapped with a window of compute: what shows is what outlasts the window,
 // and at least the last piece (it starts only when the window's last stage is done).

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "cli/moe_process.h"
@@ -56,6 +57,38 @@ TEST(PlanCommand, SimulateTableAndJson) {
   ASSERT_EQ(json.exit_code, 0) << json.output;
   for (const char* key : {"\"ep_nodes\": 8", "\"hierarchical\": {", "\"a2a_ms\":", "\"comm_share\":"})
     EXPECT_NE(json.output.find(key), std::string::npos) << key << " not in:\n" << json.output;
+}
+
+// An all-reduce sweep (`moe allreduce-bench --json`) given with --collectives prices the
+// reductions inside a node: the table says so, and a faster measured rate shortens the
+// data-parallel gradient sync of 8 GPUs in one node.
+TEST(PlanCommand, SimulateWithAMeasuredAllReduceSweep) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "moe_plan_allreduce";
+  std::filesystem::create_directories(dir);
+  auto sweep = [&](const std::string& name, double busbw) {
+    const std::filesystem::path path = dir / name;
+    std::ofstream(path) << "{\"format\": \"moe-allreduce-bench-1\", \"backend\": \"nccl\", \"ranks\": 8, \"nodes\": 1, "
+                           "\"results\": [{\"bytes\": 4096, \"ms\": 0.02, \"algbw_gb_s\": 0.2, \"busbw_gb_s\": 0.36, "
+                           "\"sums_ok\": true}, {\"bytes\": 1073741824, \"ms\": 10, \"algbw_gb_s\": 107, \"busbw_gb_s\": "
+                        << busbw << ", \"sums_ok\": true}]}";
+    return path.string();
+  };
+  const std::string base = "plan --simulate -c " + config("bench/mixtral-mini.toml") + " --hardware " +
+                           config("hardware/h200-8x400g.toml") + " --gpus 8 --micro-batches 1";
+  const moe::test::MoeResult table = moe::test::run_moe(base + " --collectives " + sweep("slow.json", 50));
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  EXPECT_NE(table.output.find("reductions inside a node: measured all-reduce bus bandwidth 50.0 GB/s, 20.0 us per call"),
+            std::string::npos)
+      << table.output;
+  auto grad_sync = [&](const std::string& file) {
+    const moe::test::MoeResult r = moe::test::run_moe(base + " --json --collectives " + file);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const size_t at = r.output.find("\"grad_sync_ms\": ");
+    EXPECT_NE(at, std::string::npos) << r.output;
+    return at == std::string::npos ? 0.0 : std::stod(r.output.substr(at + 16));
+  };
+  EXPECT_GT(grad_sync(sweep("slow.json", 50)), 1.5 * grad_sync(sweep("fast.json", 400)));
+  std::filesystem::remove_all(dir);
 }
 
 TEST(PlanCommand, SimulateInputsAreOneLine) {

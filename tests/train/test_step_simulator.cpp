@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <tuple>
 
 #include "core/error.h"
 #include "expect_error.h"
@@ -366,6 +367,46 @@ TEST(MeasuredCollectives, ReadsTheFlatRateInsideOneNode) {
             0);
   test::expect_one_line_error<ConfigError>([] { parse_measured_collectives("[]", "a.json"); },
                                            {"a.json", "moe-a2a-bench-1"});
+}
+
+// An all-reduce sweep round-trips through its JSON into the simulator's alpha-beta: the
+// smallest size's time as the latency, the largest size's bus bandwidth as the rate, which
+// then price the reductions inside one node (not across nodes); bad sweeps are one line.
+TEST(MeasuredCollectives, AllReduceSweepGivesTheReductionsAlphaBeta) {
+  dist::AllReduceSweep sweep;
+  sweep.ranks = 4;
+  sweep.nodes = 1;
+  for (const auto& [bytes, ms, busbw] : {std::tuple{4096.0, 0.02, 0.3}, {1e6, 0.03, 50.0}, {1e9, 7.5, 200.0}}) {
+    dist::AllReduceBenchResult r;
+    r.bytes = bytes;
+    r.ms = ms;
+    r.bus_gb_per_s = busbw;
+    r.alg_gb_per_s = busbw * 4 / 6;
+    r.sums_ok = true;
+    sweep.results.push_back(r);
+  }
+  const std::string text = all_reduce_bench_json(sweep, "nccl");
+  const MeasuredCollectives m = parse_measured_collectives(text, "ar.json");
+  EXPECT_DOUBLE_EQ(m.intra_all_reduce_bus_bytes_per_s, 200e9);
+  EXPECT_DOUBLE_EQ(m.intra_all_reduce_latency_us, 20.0);
+  EXPECT_EQ(m.intra_all_to_all_bytes_per_s, 0);
+  const HardwareDescription hw = round_hardware();
+  // 4 ranks, one node: 2 x 3/4 x 1 GB at 200 GB/s = 7.5 ms, + 3 calls x 20 us; reduce-scatter
+  // half the bytes and half the latency.
+  EXPECT_NEAR(collective_ms(Collective::AllReduce, 1e9, 4, 4, 3, hw, 4, m), 7.5 + 0.06, 1e-9);
+  EXPECT_NEAR(collective_ms(Collective::ReduceScatter, 1e9, 4, 4, 3, hw, 4, m), 3.75 + 0.03, 1e-9);
+  // Across nodes the hardware description's rates stay.
+  EXPECT_EQ(collective_ms(Collective::AllReduce, 1e9, 8, 4, 1, hw, 4, m), collective_ms(Collective::AllReduce, 1e9, 8, 4, 1, hw, 4));
+  sweep.results[1].sums_ok = false;
+  test::expect_one_line_error<ConfigError>(
+      [&] { parse_measured_collectives(all_reduce_bench_json(sweep, "nccl"), "ar.json"); }, {"ar.json", "sums_ok"});
+  sweep.results[1].sums_ok = true;
+  sweep.ranks = 1;
+  test::expect_one_line_error<ConfigError>(
+      [&] { parse_measured_collectives(all_reduce_bench_json(sweep, "nccl"), "ar.json"); }, {"ar.json", "fewer than 2"});
+  sweep.ranks = 8;
+  sweep.nodes = 2;  // across nodes: nothing for the intra-node rates
+  EXPECT_EQ(parse_measured_collectives(all_reduce_bench_json(sweep, "nccl"), "ar.json").intra_all_reduce_bus_bytes_per_s, 0);
 }
 
 }  // namespace
