@@ -61,11 +61,8 @@ class CpuBackend final : public ModelBackend {
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
     ForwardResult result = host_model().forward(inputs_BS, targets_BS);
-    if (route_cache_) probe_routing(host_model(), *route_cache_, inputs_BS);
+    if (route_cache_ && !validating()) probe_routing(host_model(), *route_cache_, inputs_BS);
     return result;
-  }
-  double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) override {
-    return host_model().forward(inputs_BS, targets_BS).ce_loss;  // validation: not probed
   }
   void backward(double loss_scale, bool) override { host_model().backward(loss_scale); }
   void routing(StepStats& stats) override {

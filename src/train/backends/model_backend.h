@@ -81,8 +81,20 @@ class ModelBackend {
   virtual void apply_update(double lr) = 0;
   // After the step, applied or skipped.
   virtual void end_step() = 0;
-  // A validation micro-batch's loss, then the sum of such values over the ranks.
-  virtual double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) { return forward(inputs_BS, targets_BS).ce_loss; }
+  // A validation micro-batch's loss (a forward with validating() true: observers of
+  // training's routing, such as the routing-cache probe, leave it alone), then the sum of
+  // such values over the ranks.
+  double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) {
+    validating_ = true;
+    try {
+      const double loss = forward(inputs_BS, targets_BS).ce_loss;
+      validating_ = false;
+      return loss;
+    } catch (...) {
+      validating_ = false;
+      throw;
+    }
+  }
   virtual double sum_over_ranks(double value) { return value; }
   virtual void end_validation() = 0;
   // The step's communication measurements into stats (and reset them).
@@ -119,8 +131,13 @@ class ModelBackend {
   }
   virtual void restore_placement(const std::string& state) { (void)state; }
 
+ protected:
+  // Inside eval_loss's forward.
+  bool validating() const { return validating_; }
+
  private:
   HostState host_;
+  bool validating_ = false;
 };
 
 }  // namespace moe

@@ -150,7 +150,7 @@ ForwardResult ParallelCpuBackend::forward(const int32_t* inputs_BS, const int32_
   const auto local = static_cast<double>(std::count_if(targets_BS, targets_BS + tokens, [](int32_t t) { return t >= 0; }));
   const double total = world_sum(local);
   ForwardResult fwd = host_model().forward(inputs_BS, targets_BS);
-  if (route_cache_ && probing_) probe_routing(host_model(), *route_cache_, inputs_BS);
+  if (route_cache_ && !validating()) probe_routing(host_model(), *route_cache_, inputs_BS);
   ce_weight_ = total > 0 ? local / total : 0.0;
   fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
   return fwd;
@@ -423,13 +423,6 @@ void ParallelCpuBackend::restore_placement(const std::string& text) {
   place_experts(saved);
   steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
   load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
-}
-
-double ParallelCpuBackend::eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) {
-  probing_ = false;  // validation tokens neither teach nor score the routing cache
-  const double loss = forward(inputs_BS, targets_BS).ce_loss;
-  probing_ = true;
-  return loss;
 }
 
 double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value); }

@@ -58,7 +58,6 @@ class ParallelCpuBackend final : public ModelBackend {
   ClipStats clip_gradients(double max_global_norm, double max_expert_norm) override;
   void apply_update(double lr) override;
   void end_step() override;
-  double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) override;
   double sum_over_ranks(double value) override;
   void end_validation() override;
   void take_comm_stats(StepStats& stats) override;
@@ -85,7 +84,6 @@ class ParallelCpuBackend final : public ModelBackend {
   std::vector<ExpertSlots> slots_;  // per MoE layer; the layers and experts_ read them
   std::vector<std::unique_ptr<dist::ExpertExchangeOverComm>> exchanges_;
   std::optional<RoutingCacheProbe> route_cache_;  // moe.route_cache: each rank's own tokens
-  bool probing_ = true;                           // false while validating
   std::unique_ptr<dist::A2aCompressionSwitch> compression_;  // parallel.a2a_compression, per MoE layer
   void apply_compression();
   std::unique_ptr<dist::ZeroOptimizer> zero_;

@@ -166,14 +166,8 @@ class GpuBackend final : public ModelBackend {
       if (gathers) gpu_->reserve_sms(0);
     }
     if (dp_) fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
-    if (route_cache_ && probing_) route_cache_->forward(inputs_BS, tokens_, gpu_->expert_choices());
+    if (route_cache_ && !validating()) route_cache_->forward(inputs_BS, tokens_, gpu_->expert_choices());
     return fwd;
-  }
-  double eval_loss(const int32_t* inputs_BS, const int32_t* targets_BS) override {
-    probing_ = false;  // validation tokens neither teach nor score the routing cache
-    const double loss = forward(inputs_BS, targets_BS).ce_loss;
-    probing_ = true;
-    return loss;
   }
   void backward(double loss_scale, bool last) override {
     if (backward_done_) {
@@ -812,7 +806,6 @@ class GpuBackend final : public ModelBackend {
   double micro_scale_ = 1;  // the step loop's loss scale: 1 / micro-batches per step
   bool backward_done_ = false;  // forward() ran the backward too (CUDA graph)
   std::optional<RoutingCacheProbe> route_cache_;  // moe.route_cache: this rank's tokens
-  bool probing_ = true;                           // false while validating
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
   std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
