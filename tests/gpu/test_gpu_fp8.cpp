@@ -168,6 +168,16 @@ struct RankRun {
   std::string error;
 };
 
+// 4 thread ranks, expert parallel 4 (8 experts, 2 per rank), 2 sequences per rank.
+RunConfig ep4_thread_ranks_run(int64_t steps) {
+  RunConfig config = test::tiny_gpu_run(steps);
+  config.model.moe.n_experts = 8;
+  config.training.micro_batch = 2;  // per rank
+  config.metrics.log_interval = 1000;
+  config.parallel.expert_parallel = 4;
+  return config;
+}
+
 std::vector<RankRun> train_ranks(const RunConfig& config, int n) {
   std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n);
   std::vector<RankRun> runs(static_cast<size_t>(n));
@@ -204,11 +214,7 @@ std::vector<RankRun> train_ranks(const RunConfig& config, int n) {
 // weight gradients unchanged; the two runs route differently, so the rows differ a little).
 TEST(GpuFp8, ThreadRanksTrainLikeUncompressedWithAboutHalfTheBytes) {
   MOE_REQUIRE_GPU();
-  RunConfig config = test::tiny_gpu_run(30);
-  config.model.moe.n_experts = 8;
-  config.training.micro_batch = 2;  // per rank
-  config.metrics.log_interval = 1000;
-  config.parallel.expert_parallel = 4;
+  RunConfig config = ep4_thread_ranks_run(30);
   const auto none = train_ranks(config, 4);
   config.parallel.a2a_compression = A2aCompression::Fp8;
   const auto fp8 = train_ranks(config, 4);
@@ -248,11 +254,7 @@ TEST(GpuFp8, ThreadRanksTrainLikeUncompressedWithAboutHalfTheBytes) {
 // half the bytes of the uncompressed run's.
 TEST(GpuFp8, AutoSwitchesLayersOneByOneOnEveryRank) {
   MOE_REQUIRE_GPU();
-  RunConfig config = test::tiny_gpu_run(12);
-  config.model.moe.n_experts = 8;
-  config.training.micro_batch = 2;  // per rank
-  config.metrics.log_interval = 1000;
-  config.parallel.expert_parallel = 4;
+  RunConfig config = ep4_thread_ranks_run(12);
   const auto none = train_ranks(config, 4);
   config.parallel.a2a_compression = A2aCompression::Auto;
   config.metrics.alert_comm_wait = 0.0;
