@@ -104,7 +104,9 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   MOE_CUDA_CHECK(cudaStreamCreate(&s.stream));
   // Expert parallelism: memory for this rank's experts only (its window's slots).
   const RangeList resident = s.ep ? resident_ranges(expert_layout(), s.ep_rank(), params.storage_numel()) : RangeList{};
-  s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident);
+  MOE_CHECK(!options.bf16_expert_grads || !s.ep, "bf16 expert gradients: not with expert parallelism");
+  s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident,
+                                                options.bf16_expert_grads);
   s.attention.set_deterministic(options.deterministic);
   if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());

@@ -60,6 +60,9 @@ struct GpuRoutingStats {
 struct GpuModelOptions {
   // optimizer.state_dtype: the AdamW moments' storage.
   MomentDtype moments = MomentDtype::Fp32;
+  // training.expert_grad_dtype = bf16: the expert tensors' gradients in bf16 (the grouped
+  // weight-gradient GEMMs accumulate in fp32 and round once per micro-batch). One rank.
+  bool bf16_expert_grads = false;
   // Activation recomputation: the first `recompute_layers` blocks (-1: all) keep only
   // their input; their activations live in one buffer set shared by them and are
   // recomputed from that input right before each one's backward (bit-identical: every

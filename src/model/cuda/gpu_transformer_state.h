@@ -137,6 +137,11 @@ struct GpuTransformer::State {
   float* local_g(const Layer& layer, const Param& p) {
     return g(p) + first_slot(layer) * (p.numel / config.moe.n_experts);
   }
+  // The same in the bf16 gradient block (training.expert_grad_dtype = bf16; null: fp32).
+  bf16* local_g16(const Layer& layer, const Param& p) {
+    bf16* base = store->grads_bf16();
+    return base ? base + p.offset + first_slot(layer) * (p.numel / config.moe.n_experts) : nullptr;
+  }
   // Re-placement: slot s of the layer's expert tensors takes what slot source_of_slot[s]
   // holds (weights, masters' lo halves, gradients, moments), on every rank alike.
   void move_expert_slots(const Layer& layer, const std::vector<int64_t>& source_of_slot);

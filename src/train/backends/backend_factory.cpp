@@ -154,6 +154,12 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_
     MOE_CONFIG_ERROR("moe.merge_interval = {} runs in one process (the CPU reference or one GPU), not over {} ranks: "
                      "set moe.merge_interval = 0",
                      config.model.moe.merge_interval, world->size());
+  // bf16 expert gradients live in one GPU's second gradient block, which the data-parallel
+  // sums, ZeRO and expert parallelism do not cover (docs/MEMORY_PLAN.md).
+  if (config.training.expert_grad_dtype == GradDtype::Bf16 && world->size() > 1)
+    MOE_CONFIG_ERROR("training.expert_grad_dtype = bf16 is supported on one GPU, not over {} ranks: set "
+                     "training.expert_grad_dtype = fp32",
+                     world->size());
   if (device_world) check_gpu_world(config, world->size());
   if (world->size() == 1) {
     if (pc.expert_parallel > 1)

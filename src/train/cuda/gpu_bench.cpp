@@ -34,6 +34,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   std::unique_ptr<GpuOptimizer> optimizer;
   GpuModelOptions options;
   options.moments = config.optimizer.state_dtype;
+  options.bf16_expert_grads = config.training.expert_grad_dtype == GradDtype::Bf16;
   options.recompute_layers = config.training.recompute_layers;
   options.recompute_experts = config.training.recompute_experts;
   options.deterministic = config.training.deterministic;
@@ -98,8 +99,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   result.device_gb = static_cast<double>(gpu::device_bytes_in_use()) / 1e9;
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
-  fmt::print(out, "mode: AdamW moments {}, activations of {} layers recomputed, experts recompute {}, CUDA graphs {}\n",
-             name_of(config.optimizer.state_dtype),
+  fmt::print(out,
+             "mode: AdamW moments {}, expert gradients {}, activations of {} layers recomputed, experts recompute {}, "
+             "CUDA graphs {}\n",
+             name_of(config.optimizer.state_dtype), name_of(config.training.expert_grad_dtype),
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
              name_of(config.training.recompute_experts),
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
