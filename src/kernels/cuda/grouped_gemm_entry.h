@@ -35,9 +35,9 @@ void backward_data(const Scratch& scratch, bf16* out, int64_t ld_out, const bf16
                    const int32_t* offsets_E1, int64_t E, int64_t N, int64_t K, float beta, Stream stream);
 void backward_weight(const Scratch& scratch, int sets, float* const* dw, const bf16* const* a, int64_t ld_a,
                      const bf16* b, int64_t ld_b, const int32_t* offsets_E1, int64_t E, int64_t M, int64_t N,
-                     Stream stream);
+                     float beta, Stream stream);
 void backward_weight_bf16(const Scratch& scratch, int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a,
                           const bf16* b, int64_t ld_b, const int32_t* offsets_E1, int64_t E, int64_t M, int64_t N,
-                          Stream stream);
+                          float beta, Stream stream);
 
 }  // namespace moe::cuda::grouped

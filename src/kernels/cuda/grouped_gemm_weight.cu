@@ -7,8 +7,8 @@ Sizes weight_sizes(int max_groups, int sm_count) { return WeightGemm<float>::siz
 
 void backward_weight(const Scratch& scratch, int sets, float* const* dw, const bf16* const* a, int64_t ld_a,
                      const bf16* b, int64_t ld_b, const int32_t* offsets_E1, int64_t E, int64_t M, int64_t N,
-                     Stream stream) {
-  WeightGemm<float>::run(scratch, sets, dw, a, ld_a, b, ld_b, offsets_E1, E, M, N, stream);
+                     float beta, Stream stream) {
+  WeightGemm<float>::run(scratch, sets, dw, a, ld_a, b, ld_b, offsets_E1, E, M, N, beta, stream);
 }
 
 }  // namespace moe::cuda::grouped

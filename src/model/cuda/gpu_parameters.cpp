@@ -258,15 +258,16 @@ int64_t GpuParameterStore::fp32_mirror_offset(int id) const {
   return state_->mirror_offsets[static_cast<size_t>(id)];
 }
 
-void GpuParameterStore::zero_grads() {
+void GpuParameterStore::zero_grads(const RangeList& written) {
   State& s = *state_;
-  for (const Range& r : s.grads.resident_ranges())  // shared chunks included
-    MOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(s.grads.data()) + r.offset, 0, static_cast<size_t>(r.count),
-                                   s.stream));
-  if (s.bf16_grads.empty()) return;
-  for (const Range& r : s.grads16.resident_ranges())
-    MOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(s.grads16.data()) + r.offset, 0, static_cast<size_t>(r.count),
-                                   s.stream));
+  const auto zero = [&](const gpu::ResidentBlock& block, int64_t elem) {
+    // The resident chunks (shared ones included) but the written elements' bytes.
+    for (const Range& r : subtract_ranges(block.resident_ranges(), byte_ranges(written, elem)))
+      MOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(block.data()) + r.offset, 0, static_cast<size_t>(r.count),
+                                     s.stream));
+  };
+  zero(s.grads, sizeof(float));
+  if (!s.bf16_grads.empty()) zero(s.grads16, sizeof(bf16));
 }
 
 void GpuParameterStore::share_gradients(const RangeList& kept, const std::vector<RangeList>& stage_ranges) {

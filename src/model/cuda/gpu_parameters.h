@@ -65,8 +65,10 @@ class GpuParameterStore {
   MomentDtype moment_dtype() const;
   int64_t storage_numel() const;
 
-  // Zeroes the resident gradients (both blocks).
-  void zero_grads();
+  // Zeroes the resident gradients (both blocks), except the element ranges in `written`
+  // (sorted, disjoint): those the next backward writes whole without reading them
+  // (GpuTransformer::begin_gradients). The resident bytes around them are still zeroed.
+  void zero_grads(const RangeList& written = {});
   // The resident ranges; set_resident_ranges changes them (waits for the stream): ranges
   // that stay keep their contents, new ones hold undefined weights and zero gradients and
   // moments, the others' memory is released.

@@ -87,9 +87,7 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
     if (s.ep) s.store->set_resident_ranges(resident_ranges(expert_layout(), s.ep_rank(), s.store->storage_numel()));
   }
   // A captured graph may have been captured without the slot lookups.
-  if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
-  s.graph = nullptr;
-  s.graph_warm = false;
+  s.drop_graphs();
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 

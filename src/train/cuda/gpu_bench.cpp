@@ -71,7 +71,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     if (step == warmup_steps + 1) clock.take();  // drop the warm-up steps' phases
     const NvtxRange range((step <= warmup_steps ? "warm-up step " : "step ") + std::to_string(step));
     MOE_CUDA_CHECK(cudaEventRecord(start));
-    gpu->parameters().zero_grads();
+    gpu->begin_gradients();  // as training: no zeroing pass over the expert gradients
     loss = gpu->forward_backward(inputs.data(), targets.data(), 1.0).total();
     // The whole optimizer step as training runs it: gradient norm, clipping, AdamW.
     const OptimizerConfig& o = config.optimizer;

@@ -133,7 +133,7 @@ class GpuBackend final : public ModelBackend {
     return plan;
   }
   void begin_step() override {
-    gpu_->parameters().zero_grads();
+    gpu_->begin_gradients();  // the first backward writes the expert gradients: no memset of them
     gpu_->reset_load();
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
