@@ -16,7 +16,7 @@ bench() {  # name binary args...
   shift 2
   "$bin" bench -c configs/bench/fine-grained.toml "$@" >"$out/bench_$name.txt" 2>&1 || { tail -5 "$out/bench_$name.txt"; exit 1; }
   echo "== $name"
-  grep -E '^(mode|steps|throughput|memory|peak|phase|optimizer|mfu)' -i "$out/bench_$name.txt" | cut -c1-160
+  grep -E '^mode:|^steps:|^tokens/s|^device memory|^  (optimizer|experts|host gaps) ' "$out/bench_$name.txt" | cut -c1-160
 }
 bench base "$base" "$@"
 bench fp32_no_zeroing "$moe" "$@"
@@ -26,5 +26,6 @@ for dtype in fp32 bf16; do
     --training.val_interval=20 --metrics.dir="$out/train_$dtype" --training.expert_grad_dtype=$dtype "$@" \
     >"$out/train_$dtype.txt" 2>&1 || { tail -5 "$out/train_$dtype.txt"; exit 1; }
 done
-paste <(grep -E '^step +[0-9]+/' "$out/train_fp32.txt" | awk '{print $1, $2, $3, $4}') \
-      <(grep -E '^step +[0-9]+/' "$out/train_bf16.txt" | awk '{print $3, $4}') | sed 's/^/fp32 | bf16: /'
+echo "step, loss with fp32 expert gradients, loss with bf16 ones:"
+paste <(grep -E '^step +[0-9]+/' "$out/train_fp32.txt" | awk '{print $2, $5}') \
+      <(grep -E '^step +[0-9]+/' "$out/train_bf16.txt" | awk '{print $5}')
