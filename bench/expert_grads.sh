@@ -4,7 +4,9 @@
 #   1. BASE_BINARY (main before these changes: memset + beta-1 GEMMs, fp32 gradients),
 #   2. MOE_BINARY with fp32 expert gradients (no zeroing pass over the expert gradients),
 #   3. MOE_BINARY with training.expert_grad_dtype = bf16 (and no zeroing pass),
-# printing each one's step time, MFU, peak memory and optimizer phase; then 40 training
+# printing each one's step time, MFU, memory and the optimizer and experts phases, and (moe
+# bench --kernels) the gate|up weight-gradient GEMM alone with fp32 / bf16 output and beta
+# 1 / 0; then 40 training
 # steps of the small default model with fp32 and bf16 expert gradients (losses side by side).
 # Usage: bench/expert_grads.sh BASE_BINARY MOE_BINARY DATA_DIR OUT_DIR [extra --section.key=value ...]
 set -euo pipefail
@@ -20,7 +22,8 @@ bench() {  # name binary args...
 }
 bench base "$base" "$@"
 bench fp32_no_zeroing "$moe" "$@"
-bench bf16_no_zeroing "$moe" --training.expert_grad_dtype=bf16 "$@"
+bench bf16_no_zeroing "$moe" --training.expert_grad_dtype=bf16 --kernels "$@"
+grep -E 'wgrad gate\|up variants' "$out/bench_bf16_no_zeroing.txt" | tr ';' '\n'
 for dtype in fp32 bf16; do
   "$moe" train -c configs/default.toml --data.dir="$data" --training.device=cuda --training.steps=40 \
     --training.val_interval=20 --metrics.dir="$out/train_$dtype" --training.expert_grad_dtype=$dtype "$@" \
