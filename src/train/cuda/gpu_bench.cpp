@@ -40,6 +40,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   options.deterministic = config.training.deterministic;
   if (ep_loopback) {
     MOE_CHECK(mc.moe.n_experts > 0, "bench --ep-loopback needs an MoE model");
+    if (options.bf16_expert_grads)
+      MOE_CONFIG_ERROR("moe bench --ep-loopback runs expert parallelism, which training.expert_grad_dtype = bf16 does "
+                       "not support: set it to fp32");
     options.expert_exchange = std::make_shared<LoopbackExpertExchange>();
   }
   {
