@@ -89,6 +89,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "recompute_experts", t.recompute_experts);
   visit("training", "cuda_graphs", t.cuda_graphs);
   visit("training", "deterministic", t.deterministic);
+  visit("training", "expert_grad_dtype", t.expert_grad_dtype);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);

@@ -22,6 +22,14 @@ inline constexpr std::array<EnumName<ExpertRecompute>, 3> kExpertRecomputeNames{
     {{ExpertRecompute::None, "none"}, {ExpertRecompute::Swiglu, "swiglu"}, {ExpertRecompute::All, "all"}}};
 constexpr std::span<const EnumName<ExpertRecompute>> enum_names(ExpertRecompute) { return kExpertRecomputeNames; }
 
+// Storage of the expert tensors' gradients on the GPU: fp32, or bf16 (fp32 accumulation
+// inside each grouped weight-gradient GEMM, one rounding per micro-batch; the fp32 master
+// weights stay). docs/MEMORY_PLAN.md.
+enum class GradDtype { Fp32, Bf16 };
+inline constexpr std::array<EnumName<GradDtype>, 2> kGradDtypeNames{
+    {{GradDtype::Fp32, "fp32"}, {GradDtype::Bf16, "bf16"}}};
+constexpr std::span<const EnumName<GradDtype>> enum_names(GradDtype) { return kGradDtypeNames; }
+
 struct TrainingConfig {
   int64_t steps = 300;                // optimizer steps
   int64_t global_batch_tokens = 8192; // tokens per optimizer step (reached by accumulation)
@@ -42,6 +50,7 @@ struct TrainingConfig {
   ExpertRecompute recompute_experts = ExpertRecompute::None;  // GPU
   bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
   bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)
+  GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
 };
 
 }  // namespace moe

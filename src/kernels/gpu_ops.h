@@ -163,9 +163,15 @@ class ExpertGemm {
   // where W = w + e * K * N is stored [K, N].
   void backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
                      const int32_t* offsets_E1, int64_t N, int64_t K, float beta, Stream stream);
-  // dw[s] + e * M * N ([M, N], fp32) += (a[s] rows of e, [rows_e, M], ld_a)^T @ (b rows of e, [rows_e, N], ld_b).
+  // dw[s] + e * M * N ([M, N], fp32) = beta * dw + (a[s] rows of e, [rows_e, M], ld_a)^T @
+  // (b rows of e, [rows_e, N], ld_b). beta 1 accumulates; beta 0 writes without reading dw
+  // (the step's first micro-batch: no zeroing pass), experts without rows getting zeros.
   void backward_weight(int sets, float* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b, int64_t ld_b,
-                       const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream);
+                       const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream, float beta = 1.0f);
+  // The same into bf16 gradients: fp32 accumulation, dw read and added in fp32, rounded to
+  // bf16 (nearest even) once (training.expert_grad_dtype = bf16).
+  void backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b, int64_t ld_b,
+                       const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream, float beta = 1.0f);
   // The kernels are persistent (a CTA per multiprocessor for the whole launch), so they
   // shut out kernels on other streams, NCCL's included, until they end. From now on they
   // launch on `sms` multiprocessors rounded down to whole clusters of 2 (0 or more than

@@ -33,25 +33,29 @@ struct OptimizerSegment {
   // congruent to offset modulo 8); -1: at offset, as the gradients and hi halves.
   int64_t state_offset = -1;
   int32_t decay = 0;
-  int32_t unused = 0;
+  // 1: the segment's gradients are bf16, in the grads16 block (same offsets as the fp32
+  // one; training.expert_grad_dtype = bf16), read widened (exactly).
+  int32_t bf16_grad = 0;
 };
 
 // The global gradient norm, the CPU's (optim/grad_clip.cpp) bit for bit: per chunk an fp64
 // sum of squares in element order (chunk_sq_C), per segment the chunks in order
 // (segment_sq_S), then the segments in order. Writes scalars->sum_sq, ->norm and, for the
 // AdamW kernel, ->grad_scale = norm > max_norm > 0 ? float(max_norm / (norm + 1e-6)) : 1
-// and ->skip = the norm is not finite. Two launches, no host synchronisation.
+// and ->skip = the norm is not finite. Two launches, no host synchronisation. Segments
+// with bf16_grad read grads16 (the CPU's norm over the bf16 values widened).
 void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* segment_sq_S, const float* grads,
                const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks, double max_norm,
-               Stream stream);
+               Stream stream, const bf16* grads16 = nullptr);
 
 // AdamW over every segment in one launch, reading its scalars from device memory
 // (nothing when scalars->skip): master weights as hi/lo (both rewritten), fp32
 // gradients, moments in fp32 (bf16_moments false: m and v are float*) or bf16 (bf16*),
-// and the fp32 mirrors refreshed. The arithmetic is adamw_math::adamw_update's.
+// and the fp32 mirrors refreshed. The arithmetic is adamw_math::adamw_update's. Segments
+// with bf16_grad read their gradients from grads16, widened.
 void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, void* m, void* v, bool bf16_moments,
                         const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks,
-                        const adamw_math::AdamWScalars* scalars, Stream stream);
+                        const adamw_math::AdamWScalars* scalars, Stream stream, const bf16* grads16 = nullptr);
 
 // Per-expert gradient clipping (optim/cuda/expert_clip.cu), optim/grad_clip.cpp's order
 // and rounding. A slice is one expert's part of one expert tensor (an OptimizerSegment:
@@ -61,8 +65,9 @@ void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads
 // float(max_norm / (norm + 1e-6)) where norm > max_norm > 0, else 1.
 void expert_clip_factors(double* norm_X, float* factor_X, const double* slice_sq_S, const int32_t* first_slice_X1,
                          int64_t n_experts, double max_norm, Stream stream);
-// grads[slice] *= factor_X[expert_of_slice_S[slice]] (fp32, as the CPU scales).
+// grads[slice] *= factor_X[expert_of_slice_S[slice]] (fp32, as the CPU scales); slices with
+// bf16_grad: grads16[slice] = bf16(float(grads16[slice]) * factor) (nearest even).
 void scale_expert_slices(float* grads, const OptimizerSegment* slices, const int32_t* expert_of_slice_S,
-                         int64_t n_slices, const float* factor_X, Stream stream);
+                         int64_t n_slices, const float* factor_X, Stream stream, bf16* grads16 = nullptr);
 
 }  // namespace moe::cuda

@@ -166,7 +166,17 @@ StateBytes state_with(const RunConfig& config, const MemoryLayout& layout, const
   StateBytes state;
   const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
   const int64_t zero = gpu_applies_zero(gpus, layout.zero) ? layout.zero : 0;
-  if (ep <= 1) return data_parallel_state_bytes(blocks.layout, zero, static_cast<int>(gpus), bucket, moment_elem);
+  if (ep <= 1) {
+    state = data_parallel_state_bytes(blocks.layout, zero, static_cast<int>(gpus), bucket, moment_elem);
+    // bf16 expert gradients (one GPU only: refused over more ranks at launch).
+    if (config.training.expert_grad_dtype == GradDtype::Bf16 && gpus == 1) {
+      RangeList tensors;
+      for (const RangeList& layer : blocks.expert_tensors) tensors.insert(tensors.end(), layer.begin(), layer.end());
+      std::sort(tensors.begin(), tensors.end());
+      state.gradients = split_gradient_bytes(blocks.layout, tensors);
+    }
+    return state;
+  }
   if (split) {
     // Split experts (never under ZeRO): each EP rank's resident chunks, its window's hinge included.
     const ExpertLayout experts = equal_layout(blocks, E, ep, split);

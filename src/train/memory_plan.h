@@ -32,7 +32,7 @@ MemoryLayout configured_layout(const RunConfig& config, int64_t gpus, int64_t gp
 struct MemoryEstimate {
   int64_t weights = 0;      // bf16 hi halves of the master weights
   int64_t master_lo = 0;    // their int16 lo halves
-  int64_t gradients = 0;    // fp32
+  int64_t gradients = 0;    // fp32 (bf16 on the expert tensors: training.expert_grad_dtype)
   int64_t moments = 0;      // AdamW m and v (optimizer.state_dtype)
   int64_t fp32_copies = 0;  // the router biases, read in fp32
   // ZeRO 2-3: the memory the middle stages' gradients (and, at 3, weights) outside the

@@ -56,6 +56,12 @@ ParameterBlockLayout parameter_block_layout(const ModelConfig& config, const Par
   return block;
 }
 
+int64_t split_gradient_bytes(const ParameterBlockLayout& block, const RangeList& bf16_ranges) {
+  const int64_t n = block.storage;
+  const RangeList bf16 = merge_ranges(bf16_ranges);
+  return resident_bytes(subtract_ranges({{0, n}}, bf16), 4, n) + (bf16.empty() ? 0 : resident_bytes(bf16, 2, n));
+}
+
 StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& resident, int64_t zero,
                             const RangeList& kept, int64_t moment_bytes, const std::vector<RangeList>* held_stages) {
   const std::vector<RangeList>& stages = held_stages ? *held_stages : block.stages;

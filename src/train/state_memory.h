@@ -38,6 +38,11 @@ struct StateBytes {
   int64_t total() const { return weights + master_lo + gradients + moments + pools; }
 };
 
+// One GPU holding the whole block with bf16 gradients on `bf16_ranges` (the expert
+// tensors; training.expert_grad_dtype = bf16): GpuParameterStore's fp32 gradient block
+// resident elsewhere, its bf16 one there.
+int64_t split_gradient_bytes(const ParameterBlockLayout& block, const RangeList& bf16_ranges);
+
 // A rank whose blocks hold `resident` (element ranges, sorted; the whole block without
 // expert parallelism) at ZeRO level `zero`, stepping `kept` (its ZeroShardPlan::update;
 // unused at level 0): pack_optimizer_state(kept) at 1+, share_gradients at 2+,

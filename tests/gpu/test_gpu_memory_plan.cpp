@@ -65,6 +65,13 @@ TEST(GpuMemoryPlan, ZeroStateIsWhatTheStoreHolds) {
     const GpuParameterStore whole(params, c.optimizer.state_dtype, router_biases, nullptr);
     EXPECT_EQ(static_cast<int64_t>(whole.device_bytes()), estimated_state(estimate_memory(c, configured_layout(c, 1, 1))));
   }
+  {  // training.expert_grad_dtype = bf16: the expert gradients in a bf16 block (one GPU)
+    RunConfig bf16 = c;
+    bf16.training.expert_grad_dtype = GradDtype::Bf16;
+    const GpuParameterStore whole(params, c.optimizer.state_dtype, router_biases, nullptr, {}, /*bf16_expert_grads=*/true);
+    EXPECT_EQ(static_cast<int64_t>(whole.device_bytes()),
+              estimated_state(estimate_memory(bf16, configured_layout(bf16, 1, 1))));
+  }
   for (int ranks : {2, 8})
     for (int64_t zero = 1; zero <= 3; ++zero) {
       // The estimate counts the larger of rank 0's and the last rank's.

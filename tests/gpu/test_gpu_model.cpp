@@ -83,7 +83,8 @@ std::vector<double> gradient_errors(ParameterStore<float>& got, ParameterStore<f
 // Kaiming-initialised FFNs amplify input perturbations). The GPU rounds its activations and
 // activation gradients as well, so each gradient may be off by noise_multiple times that
 // tensor's sensitivity, and never by more than max_error. MOE_GPU_DIAG=1 prints them all.
-void compare(const ModelConfig& config, int64_t batch, float router_scale, double noise_multiple, double max_error) {
+void compare(const ModelConfig& config, int64_t batch, float router_scale, double noise_multiple, double max_error,
+             const GpuModelOptions& options = {}) {
   const bool print = std::getenv("MOE_GPU_DIAG") != nullptr;
   Transformer<float> cpu(config, 3), rounded(config, 3);
   sharpen_router(cpu, router_scale);
@@ -94,7 +95,7 @@ void compare(const ModelConfig& config, int64_t batch, float router_scale, doubl
       rounded_params.value(id)[i] = bf16_to_float(float_to_bf16(rounded_params.value(id)[i]));
   cpu.plan(batch);
   rounded.plan(batch);
-  GpuTransformer gpu(config, cpu.params());
+  GpuTransformer gpu(config, cpu.params(), options);
   gpu.plan(batch);
   const Batch b = random_batch(config, batch);
   const ForwardResult want = cpu.forward(b.inputs.data(), b.targets.data());
@@ -181,6 +182,15 @@ TEST(GpuModel, NoRouterBiasMatchesCpu) {
   c.moe.router_bias = false;
   ASSERT_LT(Transformer<float>::parameter_specs(c).find("layers.1.moe.router.bias"), 0);
   compare(c, 2, 1.0f, kNaturalNoiseMultiple, kNaturalMaxError);
+}
+
+// training.expert_grad_dtype = bf16: the expert gradients rounded once more (relative
+// 2^-9 per element) stay within the same bounds.
+TEST(GpuModel, DroplessBf16ExpertGradientsMatchCpu) {
+  MOE_REQUIRE_GPU();
+  GpuModelOptions options;
+  options.bf16_expert_grads = true;
+  compare(small_config(), 2, 1.0f, kNaturalNoiseMultiple, kNaturalMaxError, options);
 }
 
 TEST(GpuModel, AdamWStepsLowerTheLoss) {

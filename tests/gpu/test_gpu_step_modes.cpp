@@ -51,13 +51,24 @@ using Placement = std::vector<std::vector<std::vector<int64_t>>>;
 // expert-major rows, local offsets) must give the plain step's bits.
 using OneRankExchange = LoopbackExpertExchange;
 
+// How a step starts its gradients. write_first: as training does (begin_gradients: the
+// expert gradients written by the first backward, not zeroed), three steps of the same
+// micro-batches, each starting from gradient blocks filled with NaN bytes (what is not
+// written or zeroed shows), the last one read back; so a CUDA graph of a first micro-batch
+// is captured and replayed. balance_bias: set on every MoE layer (moe.bias_balancing).
+struct StepStart {
+  bool write_first = false;
+  std::vector<float> balance_bias;
+};
+
 // Three micro-batches accumulated (the last with ignored targets: a new graph), then the
 // gradients and expert loads read back.
 // With placements: the first before micro-batch 0, the second (if any) before micro-batch 2,
 // when gradients have been accumulated (they move with their experts).
 RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
               ExpertRecompute recompute_experts = ExpertRecompute::None,
-              std::shared_ptr<GpuExpertExchange> exchange = nullptr, const std::vector<Placement>& placements = {}) {
+              std::shared_ptr<GpuExpertExchange> exchange = nullptr, const std::vector<Placement>& placements = {},
+              const StepStart& start = {}) {
   Transformer<float> host(config, 11);
   GpuModelOptions options;
   options.recompute_layers = recompute_layers;
@@ -67,17 +78,29 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
   gpu.plan(2);
   gpu.enable_graphs(graphs);
-  gpu.parameters().zero_grads();
+  if (!start.balance_bias.empty())
+    for (size_t l = 0; l < gpu.expert_layout().size(); ++l) gpu.set_balance_bias(l, start.balance_bias);
   RunResult r;
-  for (int micro = 0; micro < 3; ++micro) {
-    const size_t placement = micro == 0 ? 0 : micro == 2 ? 1 : 2;
-    if (placement < placements.size()) {
-      gpu.place_experts(placements[placement]);
-      for (size_t l = 0; l < placements[placement].size(); ++l)
-        EXPECT_EQ(expert_blocks(gpu.expert_layout()[l].slots), placements[placement][l]);
+  for (int step = 0; step < (start.write_first ? 3 : 1); ++step) {
+    r.losses.clear();
+    gpu.reset_load();
+    if (start.write_first) {
+      MOE_CUDA_CHECK(cudaMemset(gpu.parameters().grads(), 0xff,
+                                static_cast<size_t>(gpu.parameters().storage_numel()) * sizeof(float)));
+      gpu.begin_gradients();
+    } else {
+      gpu.parameters().zero_grads();
     }
-    const Batch b = make_batch(config, 2, 20 + micro, micro == 2);
-    r.losses.push_back(gpu.forward_backward(b.inputs.data(), b.targets.data(), 1.0 / 3));
+    for (int micro = 0; micro < 3; ++micro) {
+      const size_t placement = micro == 0 ? 0 : micro == 2 ? 1 : 2;
+      if (placement < placements.size()) {
+        gpu.place_experts(placements[placement]);
+        for (size_t l = 0; l < placements[placement].size(); ++l)
+          EXPECT_EQ(expert_blocks(gpu.expert_layout()[l].slots), placements[placement][l]);
+      }
+      const Batch b = make_batch(config, 2, 20 + micro, micro == 2);
+      r.losses.push_back(gpu.forward_backward(b.inputs.data(), b.targets.data(), 1.0 / 3));
+    }
   }
   gpu.download_grads(host.params());
   auto& params = host.params();
@@ -148,6 +171,46 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
                    "re-placed experts in a CUDA graph with recompute");
   expect_identical(run(config, 0, false, ExpertRecompute::None, std::make_shared<OneRankExchange>(), {second, first}),
                    eager, "re-placed experts under expert parallelism over one rank");
+}
+
+// No zeroing pass (begin_gradients): the step's first backward writes the expert
+// gradients with beta 0 and zeroes the experts without rows; every result is the memset +
+// beta 1 step's, bit for bit (0 + x = x), in every mode, from NaN-filled gradients.
+TEST_P(GpuStepModes, WritingTheFirstMicroBatchsGradientsIsBitIdenticalToZeroing) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig config = mode_config(GetParam());
+  const RunResult eager = run(config, 0, false);
+  const StepStart write{true, {}};
+  expect_identical(run(config, 0, false, ExpertRecompute::None, nullptr, {}, write), eager, "written, eager");
+  expect_identical(run(config, 0, true, ExpertRecompute::None, nullptr, {}, write), eager, "written, CUDA graphs");
+  expect_identical(run(config, -1, true, ExpertRecompute::All, nullptr, {}, write), eager,
+                   "written, CUDA graphs and recompute");
+  expect_identical(run(config, 2, false, ExpertRecompute::Swiglu, nullptr, {}, write), eager,
+                   "written, recompute");
+  expect_identical(run(config, 0, false, ExpertRecompute::None, std::make_shared<OneRankExchange>(), {}, write), eager,
+                   "written, expert parallelism over one rank");
+  const std::vector<int64_t> identity = {0, 1, 2, 3, 4, 5, 6, 7};
+  const Placement first = {{{7, 6, 5, 4, 3, 2, 1, 0}}, {{3, 0, 6, 1, 7, 2, 5, 4}}, {identity}};
+  const Placement second = {{{1, 0, 3, 2, 5, 4, 7, 6}}, {identity}, {{4, 5, 6, 7, 0, 1, 2, 3}}};
+  expect_identical(run(config, 0, true, ExpertRecompute::None, nullptr, {first, second}, write), eager,
+                   "written, re-placed experts in CUDA graphs");
+}
+
+// Experts no token reaches (a balancing bias far below the scores): with beta 0 the grouped
+// GEMM writes nothing for them, so a kernel zeroes them; the same bits as the memset.
+TEST_P(GpuStepModes, EmptyExpertsEndWithZeroGradientsWithoutTheMemset) {
+  MOE_REQUIRE_GPU();
+  ModelConfig config = mode_config(GetParam());
+  config.moe.bias_balancing = true;
+  StepStart zeroed;
+  zeroed.balance_bias = {0, -100, 0, 0, 0, -100, 0, -100};
+  const RunResult eager = run(config, 0, false, ExpertRecompute::None, nullptr, {}, zeroed);
+  for (const std::vector<int64_t>& layer : eager.load)
+    for (int64_t e : {1, 5, 7}) ASSERT_EQ(layer[static_cast<size_t>(e)], 0) << "expert " << e << " got tokens";
+  StepStart write = zeroed;
+  write.write_first = true;
+  expect_identical(run(config, 0, false, ExpertRecompute::None, nullptr, {}, write), eager, "empty experts, eager");
+  expect_identical(run(config, 0, true, ExpertRecompute::None, nullptr, {}, write), eager, "empty experts, graphs");
 }
 
 TEST(GpuExpertPlacement, BadPlacementsAreRefusedBeforeAnythingMoves) {

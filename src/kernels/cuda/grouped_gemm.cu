@@ -44,11 +44,12 @@ ExpertGemm::ExpertGemm(int64_t max_experts) : state_(new State) {
   const grouped::Sizes forward = grouped::forward_sizes(max_groups, s.sm_count);
   const grouped::Sizes data = grouped::data_sizes(max_groups, s.sm_count);
   const grouped::Sizes weight = grouped::weight_sizes(max_groups, s.sm_count);
+  const grouped::Sizes weight_bf16 = grouped::weight_bf16_sizes(max_groups, s.sm_count);
   s.forward_groups = gpu::DeviceArray<char>(forward.group_bytes);
   s.data_groups = gpu::DeviceArray<char>(data.group_bytes);
-  s.weight_groups = gpu::DeviceArray<char>(weight.group_bytes);
-  s.workspace = gpu::DeviceArray<char>(
-      std::max<size_t>({forward.workspace_bytes, data.workspace_bytes, weight.workspace_bytes, size_t{256}}));
+  s.weight_groups = gpu::DeviceArray<char>(std::max(weight.group_bytes, weight_bf16.group_bytes));
+  s.workspace = gpu::DeviceArray<char>(std::max<size_t>(
+      {forward.workspace_bytes, data.workspace_bytes, weight.workspace_bytes, weight_bf16.workspace_bytes, size_t{256}}));
 }
 
 ExpertGemm::~ExpertGemm() { delete state_; }
@@ -83,12 +84,25 @@ void ExpertGemm::backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_
 }
 
 void ExpertGemm::backward_weight(int sets, float* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b,
-                                 int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream) {
+                                 int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream,
+                                 float beta) {
   MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
   check_widths("ExpertGemm::backward_weight", {M, N, ld_a, ld_b});
+  MOE_CHECKF(beta == 0.0f || beta == 1.0f, "ExpertGemm::backward_weight: beta %g (0 or 1)", beta);
   if (state_->n_experts == 0) return;
   grouped::backward_weight(state_->scratch(state_->weight_groups), sets, dw, a, ld_a, b, ld_b, offsets_E1,
-                           state_->n_experts, M, N, stream);
+                           state_->n_experts, M, N, beta, stream);
+}
+
+void ExpertGemm::backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b,
+                                 int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream,
+                                 float beta) {
+  MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
+  check_widths("ExpertGemm::backward_weight", {M, N, ld_a, ld_b});
+  MOE_CHECKF(beta == 0.0f || beta == 1.0f, "ExpertGemm::backward_weight: beta %g (0 or 1)", beta);
+  if (state_->n_experts == 0) return;
+  grouped::backward_weight_bf16(state_->scratch(state_->weight_groups), sets, dw, a, ld_a, b, ld_b, offsets_E1,
+                                state_->n_experts, M, N, beta, stream);
 }
 
 }  // namespace moe::cuda

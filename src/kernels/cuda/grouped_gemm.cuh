@@ -3,10 +3,10 @@
 // pointers and strides live in device arrays filled by a small kernel from the expert
 // row offsets, so the number of rows per expert is never read on the host.
 //
-// One template, instantiated three times (one translation unit each, they compile slowly):
+// One template, instantiated four times (one translation unit each, they compile slowly):
 // forward (A row-major, B = weight [N, K] row-major, i.e. column-major K x N), data
-// gradient (B = weight [K, N] row-major) and weight gradient (A = rows^T, fp32 output
-// accumulated into the gradient).
+// gradient (B = weight [K, N] row-major) and weight gradient (A = rows^T, fp32 or bf16
+// output, grouped_gemm_weight.cuh).
 #pragma once
 #include <cuda_runtime.h>
 

@@ -1,5 +1,5 @@
-// Entry points of the three grouped-GEMM instantiations (grouped_gemm_{forward,data,
-// weight}.cu), behind ExpertGemm (grouped_gemm.cu). Kept free of CUTLASS headers.
+// Entry points of the grouped-GEMM instantiations (grouped_gemm_{forward,data,
+// weight,weight_bf16}.cu), behind ExpertGemm (grouped_gemm.cu). Kept free of CUTLASS headers.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -27,6 +27,7 @@ struct Sizes {
 Sizes forward_sizes(int max_groups, int sm_count);
 Sizes data_sizes(int max_groups, int sm_count);
 Sizes weight_sizes(int max_groups, int sm_count);
+Sizes weight_bf16_sizes(int max_groups, int sm_count);
 
 void forward(const Scratch& scratch, int sets, bf16* const* out, int64_t ld_out, const bf16* x, int64_t ld_x,
              const bf16* const* w, const int32_t* offsets_E1, int64_t E, int64_t N, int64_t K, Stream stream);
@@ -34,6 +35,9 @@ void backward_data(const Scratch& scratch, bf16* out, int64_t ld_out, const bf16
                    const int32_t* offsets_E1, int64_t E, int64_t N, int64_t K, float beta, Stream stream);
 void backward_weight(const Scratch& scratch, int sets, float* const* dw, const bf16* const* a, int64_t ld_a,
                      const bf16* b, int64_t ld_b, const int32_t* offsets_E1, int64_t E, int64_t M, int64_t N,
-                     Stream stream);
+                     float beta, Stream stream);
+void backward_weight_bf16(const Scratch& scratch, int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a,
+                          const bf16* b, int64_t ld_b, const int32_t* offsets_E1, int64_t E, int64_t M, int64_t N,
+                          float beta, Stream stream);
 
 }  // namespace moe::cuda::grouped

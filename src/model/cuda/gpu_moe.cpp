@@ -106,18 +106,29 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   mark(kExperts);
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
   expert_gemm->backward_data(dact_rows.data(), F, dy_rows, D, local_w(layer, layer.w2), offsets, F, D, 0.0f, stream);
-  float* dw2[1] = {local_g(layer, layer.w2)};
   const bf16* dy_sets[1] = {dy_rows};
-  expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream);
+  const float beta = overwrite_expert_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
+  if (bf16* dw2_16 = local_g16(layer, layer.w2)) {  // bf16 expert gradients
+    bf16* dw2[1] = {dw2_16};
+    expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream, beta);
+  } else {
+    float* dw2[1] = {local_g(layer, layer.w2)};
+    expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream, beta);
+  }
   cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
   // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
   expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, local_w(layer, layer.w1), offsets, D, F,
                              0.0f, stream);
   expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, local_w(layer, layer.w3), offsets, D,
                              F, 1.0f, stream);
-  float* dw13[2] = {local_g(layer, layer.w1), local_g(layer, layer.w3)};
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
-  expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream);
+  if (store->grads_bf16()) {
+    bf16* dw13[2] = {local_g16(layer, layer.w1), local_g16(layer, layer.w3)};
+    expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream, beta);
+  } else {
+    float* dw13[2] = {local_g(layer, layer.w1), local_g(layer, layer.w3)};
+    expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream, beta);
+  }
   // The input rows' gradients back to their tokens (through their home ranks).
   dispatcher->dispatch_backward(m, dx_rows.data(), dnorm.data(), dweight.data());
   mark(kRouter);
@@ -133,6 +144,22 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
     ffn_backward(dnorm.data(), dy, layer.act->n2.data(), layer.shared[i], m.shared[i], T, F, true);
+}
+
+void GpuTransformer::begin_gradients() {
+  State& s = *state_;
+  // What the grouped weight-gradient GEMMs write: each MoE layer's local slots of its
+  // expert tensors (the window set_experts gives them).
+  RangeList written;
+  for (const Layer& layer : s.layers) {
+    if (!layer.is_moe || s.local_experts(layer) == 0) continue;
+    for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
+      const int64_t per_expert = p->numel / s.config.moe.n_experts;
+      written.push_back({p->offset + s.first_slot(layer) * per_expert, s.local_experts(layer) * per_expert});
+    }
+  }
+  s.store->zero_grads(merge_ranges(std::move(written)));
+  s.overwrite_expert_grads = true;
 }
 
 GpuRoutingStats GpuTransformer::routing_stats() {

@@ -28,6 +28,10 @@ struct GpuParameterStore::State {
   std::vector<int64_t> offsets, numels, packed_offsets, mirror_offsets;  // per parameter id
   // The blocks, of which only the resident ranges hold memory (gpu::ResidentBlock).
   gpu::ResidentBlock hi, lo, grads, m, v;
+  // bf16 expert gradients: grads16 holds the gradients of `bf16_grads` (the expert
+  // tensors' extents), where grads then holds none.
+  gpu::ResidentBlock grads16;
+  RangeList bf16_grads;
   Buffer<float> mirror;  // fp32 copies
   RangeList resident;    // element ranges of the block that hold memory (sorted)
   // ZeRO (pack_optimizer_state): the lo halves and moments of `optimizer` (merged ranges)
@@ -47,6 +51,10 @@ struct GpuParameterStore::State {
   bf16* hi_data() const { return static_cast<bf16*>(hi.data()); }
   int16_t* lo_data() const { return static_cast<int16_t*>(lo.data()); }
   float* grads_data() const { return static_cast<float*>(grads.data()); }
+  bf16* grads16_data() const { return static_cast<bf16*>(grads16.data()); }
+  // The resident ranges whose gradients are fp32, and bf16.
+  RangeList fp32_grad_ranges(const RangeList& of) const { return subtract_ranges(of, bf16_grads); }
+  RangeList bf16_grad_ranges(const RangeList& of) const { return intersect_ranges(of, bf16_grads); }
   bool packed() const { return !optimizer.empty(); }
   // Where block element `offset`'s lo half and moments are (packed: inside `optimizer`).
   int64_t state_offset(int64_t offset) const {
@@ -117,7 +125,8 @@ struct GpuParameterStore::State {
     };
     hi.set_resident(bytes(sizeof(bf16)));
     lo.set_resident(bytes(sizeof(int16_t)));
-    grads.set_resident(bytes(sizeof(float)), /*zero_new=*/true);
+    grads.set_resident(byte_ranges(fp32_grad_ranges(ranges), sizeof(float)), /*zero_new=*/true);
+    if (!bf16_grads.empty()) grads16.set_resident(byte_ranges(bf16_grad_ranges(ranges), sizeof(bf16)), true);
     m.set_resident(bytes(moment_bytes()), true);
     v.set_resident(bytes(moment_bytes()), true);
     resident = std::move(ranges);
@@ -166,7 +175,7 @@ struct GpuParameterStore::State {
 
 GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, MomentDtype moments,
                                      const std::vector<int>& fp32_copy_ids, cuda::Stream stream,
-                                     const RangeList& resident)
+                                     const RangeList& resident, bool bf16_expert_grads)
     : state_(std::make_unique<State>()) {
   State& s = *state_;
   s.stream = stream;
@@ -195,6 +204,12 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
   s.hi = gpu::ResidentBlock(n * sizeof(bf16));
   s.lo = gpu::ResidentBlock(n * sizeof(int16_t));
   s.grads = gpu::ResidentBlock(n * sizeof(float));
+  if (bf16_expert_grads) {
+    for (int id = 0; id < params.size(); ++id)
+      if (!params.spec(id).expert_group.empty()) s.bf16_grads.push_back({params.offset(id), params.numel(id)});
+    s.bf16_grads = merge_ranges(s.bf16_grads);
+    if (!s.bf16_grads.empty()) s.grads16 = gpu::ResidentBlock(n * sizeof(bf16));
+  }
   s.m = gpu::ResidentBlock(n * s.moment_bytes());
   s.v = gpu::ResidentBlock(n * s.moment_bytes());
   for (const Range& r : resident)
@@ -212,6 +227,8 @@ GpuParameterStore::~GpuParameterStore() = default;
 
 const bf16* GpuParameterStore::weights() const { return state_->hi_data(); }
 float* GpuParameterStore::grads() { return state_->grads_data(); }
+bf16* GpuParameterStore::grads_bf16() { return state_->bf16_grads.empty() ? nullptr : state_->grads16_data(); }
+const RangeList& GpuParameterStore::bf16_grad_ranges() const { return state_->bf16_grads; }
 bf16* GpuParameterStore::weights_hi() { return state_->hi_data(); }
 int16_t* GpuParameterStore::weights_lo() {
   MOE_CHECK(!state_->packed() || !state_->lo_held.empty(),
@@ -241,16 +258,22 @@ int64_t GpuParameterStore::fp32_mirror_offset(int id) const {
   return state_->mirror_offsets[static_cast<size_t>(id)];
 }
 
-void GpuParameterStore::zero_grads() {
+void GpuParameterStore::zero_grads(const RangeList& written) {
   State& s = *state_;
-  for (const Range& r : s.grads.resident_ranges())  // shared chunks included
-    MOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(s.grads.data()) + r.offset, 0, static_cast<size_t>(r.count),
-                                   s.stream));
+  const auto zero = [&](const gpu::ResidentBlock& block, int64_t elem) {
+    // The resident chunks (shared ones included) but the written elements' bytes.
+    for (const Range& r : subtract_ranges(block.resident_ranges(), byte_ranges(written, elem)))
+      MOE_CUDA_CHECK(cudaMemsetAsync(static_cast<char*>(block.data()) + r.offset, 0, static_cast<size_t>(r.count),
+                                     s.stream));
+  };
+  zero(s.grads, sizeof(float));
+  if (!s.bf16_grads.empty()) zero(s.grads16, sizeof(bf16));
 }
 
 void GpuParameterStore::share_gradients(const RangeList& kept, const std::vector<RangeList>& stage_ranges) {
   State& s = *state_;
   MOE_CHECK(s.grads_held.empty(), "GPU parameters: the gradients are shared already");
+  MOE_CHECK(s.bf16_grads.empty(), "GPU parameters: ZeRO-2 gradient sharing does not support bf16 expert gradients");
   s.grads_held = s.share_stages(s.grads, 4, kept, stage_ranges, /*zero_new=*/true);
 }
 
@@ -285,17 +308,42 @@ void GpuParameterStore::download_grads(ParameterStore<float>& params) const {
   const RangeList& held = s.grads_held.empty() ? s.resident : s.grads_held;
   for (const Range& r : subtract_ranges({{0, s.storage}}, held))
     std::fill_n(params.grads_data() + r.offset, r.count, 0.0f);
-  for (const Range& r : held)
+  for (const Range& r : s.fp32_grad_ranges(held))
     MOE_CUDA_CHECK(cudaMemcpy(params.grads_data() + r.offset, s.grads_data() + r.offset,
                               static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyDeviceToHost));
+  const RangeList bf16_held = s.bf16_grad_ranges(held);
+  if (bf16_held.empty()) return;
+  Buffer<float> staging = s.staging();
+  for (const Range& r : bf16_held)
+    for (int64_t done = 0; done < r.count;) {
+      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
+      cuda::widen_bf16(staging.data(), s.grads16_data() + r.offset + done, piece, s.stream);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(params.grads_data() + r.offset + done, staging.data(),
+                                     static_cast<size_t>(piece) * sizeof(float), cudaMemcpyDeviceToHost, s.stream));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the staging buffer is reused
+      done += piece;
+    }
 }
 
 void GpuParameterStore::upload_grads(ParameterStore<float>& params) {
   const State& s = *state_;
   s.check_layout(params, "upload_grads");
-  for (const Range& r : s.grads_held.empty() ? s.resident : s.grads_held)
+  const RangeList& held = s.grads_held.empty() ? s.resident : s.grads_held;
+  for (const Range& r : s.fp32_grad_ranges(held))
     MOE_CUDA_CHECK(cudaMemcpy(s.grads_data() + r.offset, params.grads_data() + r.offset,
                               static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyHostToDevice));
+  const RangeList bf16_held = s.bf16_grad_ranges(held);
+  if (bf16_held.empty()) return;
+  Buffer<float> staging = s.staging();
+  for (const Range& r : bf16_held)
+    for (int64_t done = 0; done < r.count;) {
+      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
+      MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), params.grads_data() + r.offset + done,
+                                     static_cast<size_t>(piece) * sizeof(float), cudaMemcpyHostToDevice, s.stream));
+      cuda::round_to_bf16(s.grads16_data() + r.offset + done, staging.data(), piece, s.stream);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the staging buffer is reused
+      done += piece;
+    }
 }
 
 void GpuParameterStore::download_params(ParameterStore<float>& params, const Range* only) const {
@@ -536,13 +584,15 @@ void GpuParameterStore::upload_range(Range r, const float* values, const float* 
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 
-size_t GpuParameterStore::bytes_per_parameter(MomentDtype moments) {
-  return sizeof(bf16) + sizeof(int16_t) + sizeof(float) + 2 * (moments == MomentDtype::Bf16 ? sizeof(bf16) : sizeof(float));
+size_t GpuParameterStore::bytes_per_parameter(MomentDtype moments, bool bf16_grads) {
+  return sizeof(bf16) + sizeof(int16_t) + (bf16_grads ? sizeof(bf16) : sizeof(float)) +
+         2 * (moments == MomentDtype::Bf16 ? sizeof(bf16) : sizeof(float));
 }
 
 size_t GpuParameterStore::device_bytes() const {
   const State& s = *state_;
-  return s.hi.resident_bytes() + s.lo.resident_bytes() + s.grads.resident_bytes() + s.m.resident_bytes() +
+  return s.hi.resident_bytes() + s.lo.resident_bytes() + s.grads.resident_bytes() + s.grads16.resident_bytes() +
+         s.m.resident_bytes() +
          s.v.resident_bytes() + s.mirror.size() * sizeof(float) + s.lo_packed.resident_bytes() +
          s.m_packed.resident_bytes() + s.v_packed.resident_bytes();
 }

@@ -3,10 +3,12 @@
 // - the fp32 master weights as a bf16 "hi" block, which the matmuls read directly, plus
 //   an int16 "lo" block that makes them exact (adamw_math::split_master): fp32 master
 //   semantics without a separate bf16 copy;
-// - fp32 gradients;
+// - fp32 gradients, or bf16 ones for the expert tensors (expert_grad_dtype = bf16: a
+//   second block, resident on the expert tensors' ranges only, the fp32 one then not there);
 // - the AdamW moments in fp32 or bf16 (optimizer.state_dtype);
 // - fp32 copies of the few parameters the forward pass reads in fp32 (router biases).
-// Bytes per parameter: 2 + 2 + 4 + 2 x 4 = 16 with fp32 moments, 12 with bf16 ones.
+// Bytes per parameter: 2 + 2 + 4 + 2 x 4 = 16 with fp32 moments, 12 with bf16 ones; 2
+// fewer for expert weights with bf16 gradients.
 // The optimizer that steps this state is optim/cuda/gpu_optimizer.h. Only the resident
 // ranges hold memory (core/cuda/resident_block.h); offsets are always the full block's.
 #pragma once
@@ -28,8 +30,10 @@ class GpuParameterStore {
   // parameters in `fp32_copy_ids` are also kept as fp32 (fp32_values()). `resident`: the
   // element ranges of the block that hold memory (sorted, disjoint; empty: all of it); the
   // others keep their offsets but no memory (expert parallelism: other ranks' experts).
+  // bf16_expert_grads: the gradients of the expert tensors (the parameters with an
+  // expert_group) are kept in bf16 (grads_bf16()), the others in fp32 (grads()).
   GpuParameterStore(const ParameterStore<float>& params, MomentDtype moments, const std::vector<int>& fp32_copy_ids,
-                    cuda::Stream stream, const RangeList& resident = {});
+                    cuda::Stream stream, const RangeList& resident = {}, bool bf16_expert_grads = false);
   ~GpuParameterStore();
   GpuParameterStore(const GpuParameterStore&) = delete;
   GpuParameterStore& operator=(const GpuParameterStore&) = delete;
@@ -37,6 +41,11 @@ class GpuParameterStore {
   // bf16 weights (the hi halves) and fp32 gradients, indexed like the CPU store.
   const bf16* weights() const;
   float* grads();
+  // The bf16 gradient block (same offsets as grads()), valid on bf16_grad_ranges() only;
+  // null without bf16 expert gradients. bf16_grad_ranges: the expert tensors' extents
+  // [offset, numel) whose gradients are bf16 (sorted; empty: none), resident or not.
+  bf16* grads_bf16();
+  const RangeList& bf16_grad_ranges() const;
   // The master weights' two halves, writable (expert parallelism copies experts' weights
   // between ranks); fp32_values copies are not affected. weights_lo: in the block layout,
   // so not while the optimizer state is packed (unless hold_master).
@@ -56,8 +65,10 @@ class GpuParameterStore {
   MomentDtype moment_dtype() const;
   int64_t storage_numel() const;
 
-  // Zeroes the resident gradients.
-  void zero_grads();
+  // Zeroes the resident gradients (both blocks), except the element ranges in `written`
+  // (sorted, disjoint): those the next backward writes whole without reading them
+  // (GpuTransformer::begin_gradients). The resident bytes around them are still zeroed.
+  void zero_grads(const RangeList& written = {});
   // The resident ranges; set_resident_ranges changes them (waits for the stream): ranges
   // that stay keep their contents, new ones hold undefined weights and zero gradients and
   // moments, the others' memory is released.
@@ -99,7 +110,8 @@ class GpuParameterStore {
   // included), sorted: a sharded optimizer must step them whole on every rank.
   RangeList fp32_copy_ranges() const;
   // Host copies of the resident ranges, in the CPU store's layout (tests and checkpoints;
-  // the host's other elements are left as they are). The moments are packed parameter
+  // the host's other elements are left as they are). bf16 gradients are widened on
+  // download and rounded to nearest even on upload. The moments are packed parameter
   // after parameter (the CPU AdamW's layout) and always fp32; bf16 moments are rounded to
   // nearest even on upload.
   void download_grads(ParameterStore<float>& params) const;
@@ -121,7 +133,8 @@ class GpuParameterStore {
 
   // Device bytes held by the blocks above (their resident chunks).
   size_t device_bytes() const;
-  static size_t bytes_per_parameter(MomentDtype moments);
+  // Per parameter; bf16_grads: of one whose gradient is bf16 (an expert weight's).
+  static size_t bytes_per_parameter(MomentDtype moments, bool bf16_grads = false);
 
  private:
   struct State;

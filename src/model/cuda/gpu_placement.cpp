@@ -87,9 +87,7 @@ void GpuTransformer::place_experts(const std::vector<std::vector<std::vector<int
     if (s.ep) s.store->set_resident_ranges(resident_ranges(expert_layout(), s.ep_rank(), s.store->storage_numel()));
   }
   // A captured graph may have been captured without the slot lookups.
-  if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
-  s.graph = nullptr;
-  s.graph_warm = false;
+  s.drop_graphs();
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 
@@ -223,9 +221,12 @@ void GpuTransformer::State::move_expert_slots(const Layer& layer, const std::vec
     char* base;
     size_t bytes;  // per element
   };
+  // The gradients: fp32, or bf16 (training.expert_grad_dtype = bf16: the expert tensors').
+  bf16* grads16 = store->grads_bf16();
   const std::vector<Block> blocks = {{reinterpret_cast<char*>(store->weights_hi()), sizeof(bf16)},
                                      {reinterpret_cast<char*>(store->weights_lo()), sizeof(int16_t)},
-                                     {reinterpret_cast<char*>(store->grads()), sizeof(float)},
+                                     grads16 ? Block{reinterpret_cast<char*>(grads16), sizeof(bf16)}
+                                             : Block{reinterpret_cast<char*>(store->grads()), sizeof(float)},
                                      {static_cast<char*>(store->moment_block(0)), store->moment_bytes()},
                                      {static_cast<char*>(store->moment_block(1)), store->moment_bytes()}};
   int64_t largest = 0;

@@ -105,7 +105,9 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   MOE_CUDA_CHECK(cudaStreamCreate(&s.stream));
   // Expert parallelism: memory for this rank's experts only (its window's slots).
   const RangeList resident = s.ep ? resident_ranges(expert_layout(), s.ep_rank(), params.storage_numel()) : RangeList{};
-  s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident);
+  MOE_CHECK(!options.bf16_expert_grads || !s.ep, "bf16 expert gradients: not with expert parallelism");
+  s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident,
+                                                options.bf16_expert_grads);
   s.attention.set_deterministic(options.deterministic);
   if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -220,10 +222,7 @@ void GpuTransformer::plan(int64_t batch) {
       allocate(*layer.act, !layer.is_moe, layer.is_moe);
     }
   }
-  // Buffers moved: a captured graph is stale, and the next step warms up eagerly.
-  if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
-  s.graph = nullptr;
-  s.graph_warm = false;
+  s.drop_graphs();  // buffers moved
   const int64_t ffn_width = std::max(F, c.dense_hidden);
   s.inputs = i32(T);
   s.targets = i32(T);
@@ -463,6 +462,7 @@ void GpuTransformer::State::enqueue_backward(double loss_scale, const std::funct
   cuda::embedding_backward(g(embedding), inputs.data(), dres.data(), T, V, D, embedding_scratch.data(),
                            embedding_scratch.size(), stream);
   if (on_stage) on_stage(n_layers + 1);
+  overwrite_expert_grads = false;  // the next micro-batch adds to the gradients
 }
 
 void GpuTransformer::backward(double loss_scale, const std::function<void(int stage)>& on_stage) {
@@ -489,10 +489,12 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     s.graph_warm = true;
     return s.read_forward_results();
   }
-  if (!s.graph || s.graph_n_valid != s.n_valid || s.graph_loss_scale != loss_scale) {
+  // The step's first micro-batch writes the expert gradients (beta 0): a graph of its own.
+  State::Graph& graph = s.graph[s.overwrite_expert_grads ? 1 : 0];
+  if (!graph.exec || graph.n_valid != s.n_valid || graph.loss_scale != loss_scale) {
     // (Re)capture: the number of valid targets and the loss scale are kernel arguments.
-    if (s.graph) MOE_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
-    s.graph = nullptr;
+    if (graph.exec) MOE_CUDA_CHECK(cudaGraphExecDestroy(graph.exec));
+    graph.exec = nullptr;
     cudaGraph_t captured = nullptr;
     MOE_CUDA_CHECK(cudaStreamBeginCapture(s.stream, cudaStreamCaptureModeRelaxed));
     s.capturing = true;  // no host hooks: the graph replays without them
@@ -500,12 +502,14 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     s.enqueue_backward(loss_scale);
     s.capturing = false;
     MOE_CUDA_CHECK(cudaStreamEndCapture(s.stream, &captured));
-    MOE_CUDA_CHECK(cudaGraphInstantiate(&s.graph, captured, 0));
+    MOE_CUDA_CHECK(cudaGraphInstantiate(&graph.exec, captured, 0));
     MOE_CUDA_CHECK(cudaGraphDestroy(captured));
-    s.graph_n_valid = s.n_valid;
-    s.graph_loss_scale = loss_scale;
+    graph.n_valid = s.n_valid;
+    graph.loss_scale = loss_scale;
+  } else {
+    s.overwrite_expert_grads = false;  // what enqueue_backward does when capturing
   }
-  MOE_CUDA_CHECK(cudaGraphLaunch(s.graph, s.stream));
+  MOE_CUDA_CHECK(cudaGraphLaunch(graph.exec, s.stream));
   return s.read_forward_results();
 }
 

@@ -79,6 +79,9 @@ struct GpuRoutingStats {
 struct GpuModelOptions {
   // optimizer.state_dtype: the AdamW moments' storage.
   MomentDtype moments = MomentDtype::Fp32;
+  // training.expert_grad_dtype = bf16: the expert tensors' gradients in bf16 (the grouped
+  // weight-gradient GEMMs accumulate in fp32 and round once per micro-batch). One rank.
+  bool bf16_expert_grads = false;
   // Activation recomputation: the first `recompute_layers` blocks (-1: all) keep only
   // their input; their activations live in one buffer set shared by them and are
   // recomputed from that input right before each one's backward (bit-identical: every
@@ -138,6 +141,13 @@ class GpuTransformer {
   // targets or the loss scale changes: both are kernel arguments). Shapes are static in
   // both routing modes (no host synchronisation inside the step), so this always applies.
   ForwardResult forward_backward(const int32_t* inputs_BS, const int32_t* targets_BS, double loss_scale);
+  // Starts a step's gradients without a zeroing pass over the expert tensors: zeroes every
+  // other resident gradient (parameters().zero_grads(written)) and makes the next backward
+  // write this rank's experts' weight gradients (grouped GEMMs with beta 0, experts without
+  // rows zeroed on the device) instead of adding to them. The same gradients as
+  // parameters().zero_grads() then the backward, bit for bit (0 + x = x; the grouped GEMM's
+  // sum is never -0); later backwards add as before.
+  void begin_gradients();
   void enable_graphs(bool enabled);
   // Leaves `sms` multiprocessors free of the GEMMs (0: none), from now until the next
   // call. The grouped GEMMs are persistent and cuBLASLt's Hopper kernels may be: while

@@ -53,13 +53,29 @@ struct GpuTransformer::State {
   int64_t recompute_layers = 0;  // the first N layers recompute their activations (-1: all)
   bool recomputing = false;      // inside a backward's recomputed forward
   ExpertRecompute recompute_experts = ExpertRecompute::None;
-  // CUDA graph of zero_grads + forward + backward of one micro-batch, replayed while the
-  // values baked into its kernel arguments (valid targets, loss scale) stay the same.
+  // CUDA graphs of forward + backward of one micro-batch, replayed while the values baked
+  // into their kernel arguments (valid targets, loss scale) stay the same: [1] for a step's
+  // first micro-batch (expert gradients written with beta 0), [0] for the others.
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    int64_t n_valid = -1;
+    double loss_scale = 0;
+  };
   bool graphs = false;
-  cudaGraphExec_t graph = nullptr;
-  int64_t graph_n_valid = -1;
+  Graph graph[2];
   bool graph_warm = false;  // an eager step has run since plan()
-  double graph_loss_scale = 0;
+  // Buffers or slots moved: captured graphs are stale, and the next step warms up eagerly.
+  void drop_graphs() {
+    for (Graph& g : graph) {
+      if (g.exec) MOE_CUDA_CHECK(cudaGraphExecDestroy(g.exec));
+      g = Graph{};
+    }
+    graph_warm = false;
+  }
+  // begin_gradients: the next backward writes the expert tensors' gradients (grouped
+  // weight-gradient GEMMs with beta 0, experts without rows zeroed) instead of adding to
+  // them; cleared when that backward is enqueued.
+  bool overwrite_expert_grads = false;
   // Rows the expert buffers hold: T * K, or fewer when the capacity bounds them. Row-wise
   // kernels run over all of them (static shapes, no host sync); only the rows below the
   // device-side offsets[E] are read by the GEMMs.
@@ -86,7 +102,8 @@ struct GpuTransformer::State {
   Buffer<char> embedding_scratch;
   int64_t n_valid = 0;
   ~State() {
-    if (graph) cudaGraphExecDestroy(graph);
+    for (Graph& g : graph)
+      if (g.exec) cudaGraphExecDestroy(g.exec);
     if (stream) {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
@@ -136,6 +153,11 @@ struct GpuTransformer::State {
   }
   float* local_g(const Layer& layer, const Param& p) {
     return g(p) + first_slot(layer) * (p.numel / config.moe.n_experts);
+  }
+  // The same in the bf16 gradient block (training.expert_grad_dtype = bf16; null: fp32).
+  bf16* local_g16(const Layer& layer, const Param& p) {
+    bf16* base = store->grads_bf16();
+    return base ? base + p.offset + first_slot(layer) * (p.numel / config.moe.n_experts) : nullptr;
   }
   // Re-placement: slot s of the layer's expert tensors takes what slot source_of_slot[s]
   // holds (weights, masters' lo halves, gradients, moments), on every rank alike.

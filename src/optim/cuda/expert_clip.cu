@@ -29,12 +29,18 @@ __global__ void expert_clip_factors_kernel(double* norm_X, float* factor_X, cons
 
 // One block per slice (grid-strided over slices), its threads over the elements.
 __global__ void scale_expert_slices_kernel(float* grads, const OptimizerSegment* slices, const int32_t* expert_of_slice_S,
-                                           int64_t n_slices, const float* factor_X) {
+                                           int64_t n_slices, const float* factor_X, uint16_t* grads16) {
   for (int64_t s = blockIdx.x; s < n_slices; s += gridDim.x) {
     const float factor = factor_X[expert_of_slice_S[s]];
     if (factor == 1.0f) continue;  // x * 1 is x: nothing to do
-    float* g = grads + slices[s].offset;
     const int64_t n = slices[s].numel;
+    if (slices[s].bf16_grad) {  // bf16 expert gradients: scaled in fp32, rounded once
+      uint16_t* g = grads16 + slices[s].offset;
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+        g[i] = adamw_math::bf16_bits_rne(__fmul_rn(adamw_math::bf16_bits_to_float(g[i]), factor));
+      continue;
+    }
+    float* g = grads + slices[s].offset;
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) g[i] = __fmul_rn(g[i], factor);
   }
 }
@@ -50,10 +56,11 @@ void expert_clip_factors(double* norm_X, float* factor_X, const double* slice_sq
 }
 
 void scale_expert_slices(float* grads, const OptimizerSegment* slices, const int32_t* expert_of_slice_S,
-                         int64_t n_slices, const float* factor_X, Stream stream) {
+                         int64_t n_slices, const float* factor_X, Stream stream, bf16* grads16) {
   if (n_slices == 0) return;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(n_slices, 1 << 16));
-  scale_expert_slices_kernel<<<blocks, kThreads, 0, stream>>>(grads, slices, expert_of_slice_S, n_slices, factor_X);
+  scale_expert_slices_kernel<<<blocks, kThreads, 0, stream>>>(grads, slices, expert_of_slice_S, n_slices, factor_X,
+                                                              bits(grads16));
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -61,6 +61,13 @@ struct GpuOptimizer::State {
   RangeList update_state_ranges;
 
   bool bf16_moments() const { return store->moment_dtype() == MomentDtype::Bf16; }
+  // Whether block element `offset`'s gradient is bf16 (inside the store's bf16 ranges; a
+  // parameter's extent is in them whole or not at all).
+  int32_t bf16_grad_at(int64_t offset) const {
+    for (const Range& r : store->bf16_grad_ranges())
+      if (offset >= r.offset && offset < r.end()) return 1;
+    return 0;
+  }
   void sync() { MOE_CUDA_CHECK(cudaStreamSynchronize(stream)); }
   // The previous copy must have read host_in before it is overwritten.
   void upload_scalars(const adamw_math::AdamWScalars& s) {
@@ -76,7 +83,7 @@ struct GpuOptimizer::State {
   void launch_norm(double max_norm) {
     SegmentSet& set = norm_set();
     cuda::grad_norm(scalars.data(), set.chunk_sq.data(), set.segment_sq.data(), store->grads(), set.segments.data(),
-                    static_cast<int64_t>(set.host.size()), set.n_chunks, max_norm, stream);
+                    static_cast<int64_t>(set.host.size()), set.n_chunks, max_norm, stream, store->grads_bf16());
   }
   void launch_adamw() {
     SegmentSet& set = update_set();
@@ -86,7 +93,7 @@ struct GpuOptimizer::State {
               "pack_optimizer_state)");
     cuda::multi_tensor_adamw(store->weights_hi(), state.lo, store->fp32_mirror(), store->grads(), state.m, state.v,
                              bf16_moments(), set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks,
-                             scalars.data(), stream);
+                             scalars.data(), stream, store->grads_bf16());
   }
   // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter
   // keeps its decay flag and the matching part of its fp32 copy; `with_state`: and where
@@ -132,6 +139,7 @@ void GpuOptimizer::State::build_expert_slices(const ParameterStore<float>& param
         slice.offset = params.offset(id) + e * per_expert;
         slice.numel = per_expert;
         slice.first_chunk = expert_slice_chunks;
+        slice.bf16_grad = bf16_grad_at(slice.offset);
         expert_slice_chunks += (per_expert + adamw_math::kNormChunk - 1) / adamw_math::kNormChunk;
         expert_slices.push_back(slice);
         expert_of_slice.push_back(static_cast<int32_t>(first_slice_X1.size() - 1));
@@ -168,6 +176,7 @@ std::unique_ptr<ExpertSliceSet> GpuOptimizer::State::cut_expert_slices(
     cuda::OptimizerSegment piece;
     piece.offset = part.offset;
     piece.numel = part.count;
+    piece.bf16_grad = expert_slices[part.span].bf16_grad;
     const int32_t expert = expert_of_slice[part.span];
     // Pieces keep the slices' order (expert after expert): expert x's start where the
     // first piece of an expert >= x is.
@@ -200,6 +209,7 @@ GpuOptimizer::GpuOptimizer(GpuParameterStore& store, const ParameterStore<float>
     seg.numel = params.numel(id);
     seg.mirror_offset = store.fp32_mirror_offset(id);
     seg.decay = params.spec(id).weight_decay ? 1 : 0;
+    seg.bf16_grad = s.bf16_grad_at(seg.offset);
     segments.push_back(seg);
   }
   MOE_CHECK(!segments.empty(), "GPU optimizer: the store has no parameters");
@@ -299,6 +309,7 @@ std::vector<double> GpuOptimizer::clip_expert_grads(double max_norm,
   if (n_slices == 0) return {};
   s.ensure_clip_tables();
   float* grads = s.store->grads();
+  bf16* grads16 = s.store->grads_bf16();  // the expert slices' when bf16
   if (clock_) clock_->mark(kOptimizer, s.stream);
   if (s.clip_norm_part) {
     // ZeRO-1: this rank's partial sums of squares, added up over the ranks on the host.
@@ -308,7 +319,8 @@ std::vector<double> GpuOptimizer::clip_expert_grads(double max_norm,
     const SegmentSet& slices = part.slices;
     if (!slices.host.empty()) {
       cuda::grad_norm(s.slice_scalars.data(), slices.chunk_sq.data(), slices.segment_sq.data(), grads,
-                      slices.segments.data(), static_cast<int64_t>(slices.host.size()), slices.n_chunks, 0.0, s.stream);
+                      slices.segments.data(), static_cast<int64_t>(slices.host.size()), slices.n_chunks, 0.0, s.stream,
+                      grads16);
       cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), slices.segment_sq.data(),
                                 part.d_first_X1.data(), static_cast<int64_t>(n_experts), 0.0, s.stream);
       MOE_CUDA_CHECK(cudaMemcpyAsync(squares.data(), s.expert_norm.data(), n_experts * sizeof(double),
@@ -327,18 +339,19 @@ std::vector<double> GpuOptimizer::clip_expert_grads(double max_norm,
     if (max_norm > 0 && !scale.slices.host.empty()) {
       s.expert_factor.upload(factors.data(), n_experts);
       cuda::scale_expert_slices(grads, scale.slices.segments.data(), scale.d_expert_of.data(),
-                                static_cast<int64_t>(scale.slices.host.size()), s.expert_factor.data(), s.stream);
+                                static_cast<int64_t>(scale.slices.host.size()), s.expert_factor.data(), s.stream,
+                                grads16);
     }
     if (clock_) clock_->mark(kHost, s.stream);
     return norms;
   }
   cuda::grad_norm(s.slice_scalars.data(), s.slice_chunk_sq.data(), s.slice_sq.data(), grads, s.d_expert_slices.data(),
-                  static_cast<int64_t>(n_slices), s.expert_slice_chunks, 0.0, s.stream);
+                  static_cast<int64_t>(n_slices), s.expert_slice_chunks, 0.0, s.stream, grads16);
   cuda::expert_clip_factors(s.expert_norm.data(), s.expert_factor.data(), s.slice_sq.data(), s.d_first_slice_X1.data(),
                             static_cast<int64_t>(n_experts), max_norm, s.stream);
   if (max_norm > 0)
     cuda::scale_expert_slices(grads, s.d_expert_slices.data(), s.d_expert_of_slice.data(),
-                              static_cast<int64_t>(n_slices), s.expert_factor.data(), s.stream);
+                              static_cast<int64_t>(n_slices), s.expert_factor.data(), s.stream, grads16);
   std::vector<double> norms(n_experts);
   MOE_CUDA_CHECK(cudaMemcpyAsync(norms.data(), s.expert_norm.data(), n_experts * sizeof(double),
                                  cudaMemcpyDeviceToHost, s.stream));

@@ -64,27 +64,31 @@ __device__ __forceinline__ int64_t warp_segment_of_chunk(const OptimizerSegment*
 // of 4 chunks (8 lanes each, a whole 128-byte line per chunk), 8 loads fill the tile,
 // then every lane adds the 32 of its own chunk. Squares of floats are exact in fp64, so
 // the only roundings are the additions, in the CPU's order; the zeros past a chunk's end
-// add nothing (the sums are +0 or more, or NaN).
+// add nothing (the sums are +0 or more, or NaN). A chunk of a bf16_grad segment reads
+// grads16 (4 values per 8-byte load), widened exactly: the CPU's sum over those values.
 __global__ void __launch_bounds__(kNormWarps * 32)
-    chunk_sum_of_squares_kernel(double* chunk_sq, const float* __restrict__ grads, const OptimizerSegment* segments,
-                                int64_t n_segments, int64_t n_chunks) {
+    chunk_sum_of_squares_kernel(double* chunk_sq, const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
+                                const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks) {
   __shared__ float tile[kNormWarps][32][33];  // 33: the column reads hit 32 banks
   __shared__ int64_t start[kNormWarps][32];
   __shared__ int32_t length[kNormWarps][32];
+  __shared__ int32_t half[kNormWarps][32];  // the chunk's gradients are bf16
   const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * kNormWarps + warp) * 32;
   if (first >= n_chunks) return;  // the whole warp
   const int64_t chunk = first + lane;
   int64_t chunk_start = 0;
-  int32_t chunk_length = 0;
+  int32_t chunk_length = 0, chunk_half = 0;
   if (chunk < n_chunks) {
     const OptimizerSegment& seg = segments[segment_of_chunk(segments, n_segments, chunk)];
     const int64_t within = (chunk - seg.first_chunk) * am::kNormChunk;
     chunk_start = seg.offset + within;
     chunk_length = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
+    chunk_half = seg.bf16_grad;
   }
   start[warp][lane] = chunk_start;
   length[warp][lane] = chunk_length;
+  half[warp][lane] = chunk_half;
   __syncwarp();
   const int32_t longest = static_cast<int32_t>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(chunk_length)));
   const int sub = lane >> 3, quad = (lane & 7) * 4;  // this lane's chunk within a group of 4, and its 4 columns
@@ -98,7 +102,21 @@ __global__ void __launch_bounds__(kNormWarps * 32)
       const int32_t len = length[warp][c];
       const float* at = grads + start[warp][c] + e;
       float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (e + 4 <= len && (reinterpret_cast<uintptr_t>(at) & 15) == 0) {
+      if (half[warp][c]) {
+        const uint16_t* at16 = grads16 + start[warp][c] + e;
+        if (e + 4 <= len && (reinterpret_cast<uintptr_t>(at16) & 7) == 0) {
+          const uint2 q = __ldcs(reinterpret_cast<const uint2*>(at16));
+          x.x = am::bf16_bits_to_float(static_cast<uint16_t>(q.x & 0xffffu));
+          x.y = am::bf16_bits_to_float(static_cast<uint16_t>(q.x >> 16));
+          x.z = am::bf16_bits_to_float(static_cast<uint16_t>(q.y & 0xffffu));
+          x.w = am::bf16_bits_to_float(static_cast<uint16_t>(q.y >> 16));
+        } else if (e < len) {
+          x.x = am::bf16_bits_to_float(at16[0]);
+          if (e + 1 < len) x.y = am::bf16_bits_to_float(at16[1]);
+          if (e + 2 < len) x.z = am::bf16_bits_to_float(at16[2]);
+          if (e + 3 < len) x.w = am::bf16_bits_to_float(at16[3]);
+        }
+      } else if (e + 4 <= len && (reinterpret_cast<uintptr_t>(at) & 15) == 0) {
         x = __ldcs(reinterpret_cast<const float4*>(at));
       } else if (e < len) {  // a chunk's ragged end, or a segment not on a 16-byte boundary
         x.x = at[0];
@@ -234,9 +252,9 @@ struct Moments<true> {
 template <bool kBf16>
 __global__ void __launch_bounds__(kThreads)
     multi_tensor_adamw_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, float* __restrict__ mirror,
-                              const float* __restrict__ grads, void* __restrict__ m, void* __restrict__ v,
-                              const OptimizerSegment* segments, int64_t n_segments, const am::AdamWScalars* scalars,
-                              bool vectors) {
+                              const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
+                              void* __restrict__ m, void* __restrict__ v, const OptimizerSegment* segments,
+                              int64_t n_segments, const am::AdamWScalars* scalars, bool vectors) {
   __shared__ am::AdamWScalars shared_scalars;
   __shared__ OptimizerSegment shared_segment;
   if (threadIdx.x < 32) {
@@ -267,7 +285,8 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t k = t < head ? t : tail + (t - head);
     const int64_t e = begin + k, es = state + k;
     float mk = M::load(m, es), vk = M::load(v, es);
-    const float p = am::adamw_update(am::join_master(hi[e], lo[es]), grads[e], mk, vk, s, decay, kBf16);
+    const float gk = seg.bf16_grad ? am::bf16_bits_to_float(grads16[e]) : grads[e];
+    const float p = am::adamw_update(am::join_master(hi[e], lo[es]), gk, mk, vk, s, decay, kBf16);
     const am::MasterSplit split = am::split_master(p);
     hi[e] = split.hi;
     lo[es] = split.lo;
@@ -278,15 +297,23 @@ __global__ void __launch_bounds__(kThreads)
   const bool mirror_vectors = mirror_out && (reinterpret_cast<uintptr_t>(mirror_out + head) & 15) == 0;
   for (int32_t i = head + static_cast<int32_t>(threadIdx.x) * 8; i < tail; i += kThreads * 8) {
     const int64_t at = begin + i, at_state = state + i;
-    const float4* g_at = reinterpret_cast<const float4*>(grads + at);
-    const float4 g0 = __ldcs(g_at), g1 = __ldcs(g_at + 1);
+    float g[8];
+    if (seg.bf16_grad) {
+      uint16_t g16[8];
+      unpack8(__ldcs(reinterpret_cast<const uint4*>(grads16 + at)), g16);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) g[j] = am::bf16_bits_to_float(g16[j]);
+    } else {
+      const float4* g_at = reinterpret_cast<const float4*>(grads + at);
+      const float4 g0 = __ldcs(g_at), g1 = __ldcs(g_at + 1);
+      g[0] = g0.x, g[1] = g0.y, g[2] = g0.z, g[3] = g0.w, g[4] = g1.x, g[5] = g1.y, g[6] = g1.z, g[7] = g1.w;
+    }
     uint16_t h[8], l[8];
     unpack8(__ldcs(reinterpret_cast<const uint4*>(hi + at)), h);
     unpack8(__ldcs(reinterpret_cast<const uint4*>(lo + at_state)), l);
     float mm[8], vv[8];
     M::load8(m, at_state, mm);
     M::load8(v, at_state, vv);
-    const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
     float p[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -316,12 +343,12 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* segment_sq_S, const float* grads,
                const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks, double max_norm,
-               Stream stream) {
+               Stream stream, const bf16* grads16) {
   MOE_CHECKF(n_segments > 0, "grad_norm: no segments");
   if (n_chunks > 0) {
     const int64_t per_block = int64_t{kNormWarps} * 32;
     chunk_sum_of_squares_kernel<<<static_cast<unsigned>(ceil_div(n_chunks, per_block)), kNormWarps * 32, 0,
-                                  stream>>>(chunk_sq_C, grads, segments, n_segments, n_chunks);
+                                  stream>>>(chunk_sq_C, grads, bits(grads16), segments, n_segments, n_chunks);
     MOE_CUDA_CHECK_LAUNCH();
   }
   norm_finalize_kernel<<<1, kFinalizeThreads, 0, stream>>>(scalars, segment_sq_S, chunk_sq_C, segments, n_segments,
@@ -331,19 +358,20 @@ void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* se
 
 void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, void* m, void* v, bool bf16_moments,
                         const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks,
-                        const adamw_math::AdamWScalars* scalars, Stream stream) {
+                        const adamw_math::AdamWScalars* scalars, Stream stream, const bf16* grads16) {
   if (n_chunks == 0) return;
   MOE_CHECKF(n_chunks < (int64_t{1} << 31), "multi_tensor_adamw: %lld chunks", static_cast<long long>(n_chunks));
   // One block per chunk: a 4.76 B-parameter model has ~290 k of them, many waves of
   // blocks on any GPU. Element e of every array is then 16-byte aligned when e % 8 == 0.
   const auto blocks = static_cast<unsigned>(n_chunks);
-  const bool vectors = aligned16(hi) && aligned16(lo) && aligned16(grads) && aligned16(m) && aligned16(v);
+  const bool vectors =
+      aligned16(hi) && aligned16(lo) && aligned16(grads) && aligned16(grads16) && aligned16(m) && aligned16(v);
   if (bf16_moments)
-    multi_tensor_adamw_kernel<true><<<blocks, kThreads, 0, stream>>>(bits(hi), lo, mirror, grads, m, v, segments,
-                                                                     n_segments, scalars, vectors);
+    multi_tensor_adamw_kernel<true><<<blocks, kThreads, 0, stream>>>(bits(hi), lo, mirror, grads, bits(grads16), m, v,
+                                                                     segments, n_segments, scalars, vectors);
   else
-    multi_tensor_adamw_kernel<false><<<blocks, kThreads, 0, stream>>>(bits(hi), lo, mirror, grads, m, v, segments,
-                                                                      n_segments, scalars, vectors);
+    multi_tensor_adamw_kernel<false><<<blocks, kThreads, 0, stream>>>(bits(hi), lo, mirror, grads, bits(grads16), m,
+                                                                      v, segments, n_segments, scalars, vectors);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -151,6 +151,13 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_
     MOE_CONFIG_ERROR("moe.merge_interval = {} runs in one process (the CPU reference or one GPU), not over {} ranks: "
                      "set moe.merge_interval = 0",
                      config.model.moe.merge_interval, world->size());
+  // bf16 expert gradients live in one GPU's second gradient block, which the data-parallel
+  // sums (a device world of one included), ZeRO and expert parallelism do not cover
+  // (docs/MEMORY_PLAN.md).
+  if (config.training.expert_grad_dtype == GradDtype::Bf16 && (world->size() > 1 || world->device_memory()))
+    MOE_CONFIG_ERROR("training.expert_grad_dtype = bf16 keeps one GPU's expert gradients outside the data-parallel "
+                     "sums: not over {} ranks of parallel.backend = {}; set training.expert_grad_dtype = fp32",
+                     world->size(), world->backend());
   if (device_world) check_gpu_world(config, world->size());
   if (world->size() == 1) {
     if (pc.expert_parallel > 1)

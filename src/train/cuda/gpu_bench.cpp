@@ -34,11 +34,15 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   std::unique_ptr<GpuOptimizer> optimizer;
   GpuModelOptions options;
   options.moments = config.optimizer.state_dtype;
+  options.bf16_expert_grads = config.training.expert_grad_dtype == GradDtype::Bf16;
   options.recompute_layers = config.training.recompute_layers;
   options.recompute_experts = config.training.recompute_experts;
   options.deterministic = config.training.deterministic;
   if (ep_loopback) {
     MOE_CHECK(mc.moe.n_experts > 0, "bench --ep-loopback needs an MoE model");
+    if (options.bf16_expert_grads)
+      MOE_CONFIG_ERROR("moe bench --ep-loopback runs expert parallelism, which training.expert_grad_dtype = bf16 does "
+                       "not support: set it to fp32");
     options.expert_exchange = std::make_shared<LoopbackExpertExchange>();
   }
   {
@@ -70,7 +74,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     if (step == warmup_steps + 1) clock.take();  // drop the warm-up steps' phases
     const NvtxRange range((step <= warmup_steps ? "warm-up step " : "step ") + std::to_string(step));
     MOE_CUDA_CHECK(cudaEventRecord(start));
-    gpu->parameters().zero_grads();
+    gpu->begin_gradients();  // as training: no zeroing pass over the expert gradients
     loss = gpu->forward_backward(inputs.data(), targets.data(), 1.0).total();
     // The whole optimizer step as training runs it: gradient norm, clipping, AdamW.
     const OptimizerConfig& o = config.optimizer;
@@ -98,8 +102,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   result.device_gb = static_cast<double>(gpu::device_bytes_in_use()) / 1e9;
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
-  fmt::print(out, "mode: AdamW moments {}, activations of {} layers recomputed, experts recompute {}, CUDA graphs {}\n",
-             name_of(config.optimizer.state_dtype),
+  fmt::print(out,
+             "mode: AdamW moments {}, expert gradients {}, activations of {} layers recomputed, experts recompute {}, "
+             "CUDA graphs {}\n",
+             name_of(config.optimizer.state_dtype), name_of(config.training.expert_grad_dtype),
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
              name_of(config.training.recompute_experts),
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");

@@ -203,6 +203,23 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out) {
              flops_total / grouped_total / 1e9, loop_total, flops_total / loop_total / 1e9);
   fmt::print(out, "  dense ceiling: one cuBLASLt [{},{}]x[{},{}] GEMM {:.3f} ms = {:.0f} TFLOP/s\n", R, D, D, F, dense_ms,
              mnk / dense_ms / 1e9);
+  // The gate|up weight gradient as a step's first micro-batch writes it (beta 0: no read of
+  // the old gradient) and with bf16 gradients (training.expert_grad_dtype), grouped only.
+  auto h1 = filled<bf16>(E * F * D, 1e-3f, 11), h3 = filled<bf16>(E * F * D, 1e-3f, 12);
+  const bf16* as[2] = {gate_up.data(), gate_up.data() + F};
+  float* dws[2] = {g1.data(), g3.data()};
+  bf16* hws[2] = {h1.data(), h3.data()};
+  fmt::print(out, "  wgrad gate|up variants (grouped):");
+  for (const bool bf16_out : {false, true})
+    for (const float beta : {1.0f, 0.0f}) {
+      const double ms = median_ms([&] {
+        if (bf16_out) grouped.backward_weight(2, hws, as, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
+        else grouped.backward_weight(2, dws, as, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
+      });
+      fmt::print(out, " {} beta {:.0f} {:.3f} ms ({:.0f} TFLOP/s);", bf16_out ? "bf16" : "fp32", beta, ms,
+                 2 * mnk / ms / 1e9);
+    }
+  fmt::print(out, "\n");
 }
 
 }  // namespace moe

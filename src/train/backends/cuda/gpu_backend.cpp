@@ -125,8 +125,11 @@ class GpuBackend final : public ModelBackend {
       // Under expert parallelism a rank holds its own experts only; under ZeRO its pieces'
       // lo halves and moments only.
       const GpuParameterStore& store = gpu_->parameters();
+      int64_t bf16_grads = 0;  // expert weights with bf16 gradients: 2 bytes fewer each
+      for (const Range& r : store.bf16_grad_ranges()) bf16_grads += r.count;
       const double whole = static_cast<double>(store.storage_numel()) *
-                           static_cast<double>(GpuParameterStore::bytes_per_parameter(config_.optimizer.state_dtype));
+                               static_cast<double>(GpuParameterStore::bytes_per_parameter(config_.optimizer.state_dtype)) -
+                           2.0 * static_cast<double>(bf16_grads);
       spdlog::info("device state (weights, gradients, AdamW moments): {:.3f} GB on this GPU, {:.3f} GB for the "
                    "whole model",
                    static_cast<double>(store.device_bytes()) / 1e9, whole / 1e9);
@@ -137,7 +140,7 @@ class GpuBackend final : public ModelBackend {
     return plan;
   }
   void begin_step() override {
-    gpu_->parameters().zero_grads();
+    gpu_->begin_gradients();  // the first backward writes the expert gradients: no memset of them
     gpu_->reset_load();
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
@@ -583,6 +586,7 @@ class GpuBackend final : public ModelBackend {
     const RunConfig& c = config_;
     GpuModelOptions options;
     options.moments = c.optimizer.state_dtype;
+    options.bf16_expert_grads = c.training.expert_grad_dtype == GradDtype::Bf16;
     options.recompute_layers = c.training.recompute_layers;
     options.recompute_experts = c.training.recompute_experts;
     options.deterministic = c.training.deterministic;
