@@ -94,8 +94,9 @@ TEST(MemoryPlan, AttentionProjectionsLieBackToBackInEveryShippedModel) {
       const std::string p = "layers." + std::to_string(l) + ".attn.";
       const int q = specs.find(p + "wq"), k = specs.find(p + "wk"), v = specs.find(p + "wv");
       ASSERT_TRUE(q >= 0 && k >= 0 && v >= 0) << p;
-      EXPECT_EQ(offsets[static_cast<size_t>(k)], offsets[static_cast<size_t>(q)] + specs.numel(q)) << p << " dim " << m.dim;
-      EXPECT_EQ(offsets[static_cast<size_t>(v)], offsets[static_cast<size_t>(k)] + specs.numel(k)) << p << " dim " << m.dim;
+      const auto at = [&](int id) { return offsets[static_cast<size_t>(id)]; };
+      EXPECT_EQ(at(k), at(q) + specs.numel(q)) << p << " dim " << m.dim;
+      EXPECT_EQ(at(v), at(k) + specs.numel(k)) << p << " dim " << m.dim;
     }
   }
 }

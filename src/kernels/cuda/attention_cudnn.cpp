@@ -1,8 +1,9 @@
 // Causal grouped-query attention through cuDNN's fused SDPA (flash attention), forward
 // and backward, built with cudnn-frontend. Graphs are built once per shape and cached.
 // Tensors use our [B, S, heads, d] layout directly (cuDNN takes strides), with q, k, v
-// and their gradients at any row stride (the fused projection's [T, (H + 2G) d] rows). cuDNN itself is
-// loaded at run time (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING), hence fe::detail:: calls.
+// and their gradients at any row stride (the fused projection's [T, (H + 2G) d] rows).
+// cuDNN itself is loaded at run time (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING), hence
+// fe::detail:: calls.
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 #include <dlfcn.h>

@@ -72,8 +72,8 @@ void launch(bf16* x, const int32_t* positions, const float* cos_sin, int64_t T, 
             float direction, Stream stream) {
   MOE_CHECKF(d % 2 == 0, "rope: head dim %lld must be even", static_cast<long long>(d));
   if (ld == 0) ld = N * d;
-  MOE_CHECKF(ld >= N * d, "rope: row stride %lld below the %lld elements of a token's heads", static_cast<long long>(ld),
-             static_cast<long long>(N * d));
+  MOE_CHECKF(ld >= N * d, "rope: row stride %lld below the %lld elements of a token's heads",
+             static_cast<long long>(ld), static_cast<long long>(N * d));
   const int64_t half = d / 2;
   if (T * N * half == 0) return;
   if (vectorizable(half, {x}) && ld % kVecElems == 0) {

@@ -66,7 +66,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
     layer.wk = lookup(params, p + ".attn.wk");
     layer.wv = lookup(params, p + ".attn.wv");
     // One fused q|k|v projection (gpu_attention.cpp) reads [wq; wk; wv] as one matrix.
-    MOE_CHECK(layer.wk.offset == layer.wq.offset + layer.wq.numel && layer.wv.offset == layer.wk.offset + layer.wk.numel,
+    MOE_CHECK(layer.wk.offset == layer.wq.offset + layer.wq.numel &&
+                  layer.wv.offset == layer.wk.offset + layer.wk.numel,
               "GPU model: {}.attn.wq, wk and wv must lie back to back in the parameter store", p);
     layer.wo = lookup(params, p + ".attn.wo");
     layer.is_moe = l >= config.first_dense_layers;
