@@ -37,11 +37,12 @@ void swiglu_backward(bf16* dgate_up_TF2, const bf16* dact_TF, const bf16* gate_u
 // RoPE's angles: (cos, sin) of pos * theta^(-2i/d) for pos < S, i < d/2, as [S, d/2, 2] fp32.
 void rope_table(float* cos_sin_Sh2, int64_t S, int64_t d, float theta, Stream stream);
 // RoPE in place on [T, N, d] (rotate_half layout), positions_T per token (each < the
-// table's S), angles from rope_table.
+// table's S), angles from rope_table. ld: elements from one token's heads to the next's
+// (0: N d); the fused q|k|v rows [T, (H + 2G) d] turn their H + G q and k heads at once.
 void rope_forward(bf16* x_TNd, const int32_t* positions_T, const float* cos_sin_Sh2, int64_t T, int64_t N, int64_t d,
-                  Stream stream);
+                  Stream stream, int64_t ld = 0);
 void rope_backward(bf16* dx_TNd, const int32_t* positions_T, const float* cos_sin_Sh2, int64_t T, int64_t N,
-                   int64_t d, Stream stream);
+                   int64_t d, Stream stream, int64_t ld = 0);
 
 // Cross-entropy and its gradient in one pass, from fp32 logits (the LM head's GEMM writes
 // them a chunk of rows at a time, so the [T, V] fp32 logits never exist whole; bf16 logits
@@ -96,6 +97,9 @@ namespace moe::cuda {
 // Causal grouped-query attention through cuDNN's flash attention (SDPA). q_BSHd and
 // out_BSHd: [B, S, H, d]; k, v: [B, S, G, d]; stats_BHS: fp32 log-sum-exp per query
 // (saved for the backward). Graphs are built on first use of a shape and cached.
+// ld_q, ld_kv: elements from one token's q (k, v) heads to the next token's, for q, k, v
+// and dq, dk, dv alike (0: packed, H d and G d): the fused projection's q|k|v rows of
+// (H + 2G) d are read, and their gradients written, where they lie.
 class Attention {
  public:
   Attention();
@@ -107,11 +111,13 @@ class Attention {
   // make dQ differ in its last bits from run to run.
   void set_deterministic(bool deterministic);
   void forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
-               int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream);
+               int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream, int64_t ld_q = 0,
+               int64_t ld_kv = 0);
   // Overwrites dq, dk and dv.
   void backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16* dout_BSHd, const bf16* q_BSHd,
                 const bf16* k_BSGd, const bf16* v_BSGd, const bf16* out_BSHd, const float* stats_BHS, int64_t B,
-                int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream);
+                int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream, int64_t ld_q = 0,
+                int64_t ld_kv = 0);
 
  private:
   struct State;

@@ -88,7 +88,7 @@ struct ActivationShape {
 int64_t attention_and_norms_bytes(const ActivationShape& a) {
   const int64_t bf = 2, f32 = 4;
   return 4 * a.T * a.D * bf + 2 * a.T * f32                             // n1, h, n2, ffn_out; rstd1, rstd2
-         + 2 * a.T * a.H * a.d * bf + 2 * a.T * a.G * a.d * bf + a.B * a.H * a.S * f32;  // q, out; k, v; stats
+         + 2 * a.T * a.H * a.d * bf + 2 * a.T * a.G * a.d * bf + a.B * a.H * a.S * f32;  // q|k|v rows, out; stats
 }
 
 int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E) {  // moe/cuda/dispatch.cu (kTile 256)
@@ -121,7 +121,7 @@ int64_t step_buffers_bytes(const ActivationShape& a, int64_t V, int64_t n_layers
   int64_t bytes = 3 * T * 4 + 2 * T * D * 2                        // inputs, targets, positions; final_x, final_n
                   + head_rows * V * 4 + T * V * 2 + 2 * T * 4        // logits chunk; dlogits_head; final_rstd, loss
                   + (1 + 2 * n_layers) * 4 + n_layers * 4 + ceil_div(T, 256) * 8;  // sums, kept_rows, routing scratch
-  bytes += 2 * T * D * 2 + 2 * T * a.H * a.d * 2 + 2 * T * a.G * a.d * 2;  // dres, dnorm; dq, dattn; dk, dv
+  bytes += 2 * T * D * 2 + 2 * T * a.H * a.d * 2 + 2 * T * a.G * a.d * 2;  // dres, dnorm; dq|dk|dv rows, dattn
   bytes += std::max(R, RL) * D * 2 + RL * F * 2 + RL * 2 * F * 2 + RL * D * 2;  // drows, dact, dgate_up, dx rows
   bytes += T * E * 2 + T * W * 2 + T * 2 * W * 2 + T * K * 4 + T * E * 4;     // dlogits bf16, dffn_*, dweight, dlogits
   bytes += ceil_div(T, kRmsnormRowsPerBlock) * D * 4 + 5 * T * 4 + a.S * a.d * 4;  // norm partials, embedding scratch, rope

@@ -135,6 +135,44 @@ TEST(GpuRope, ForwardAndBackwardMatchCpu) {
   }
 }
 
+// The fused q|k|v rows: N heads at the start of rows `ld` elements apart (the q and k heads
+// of [T, (H + 2G) d]) turn like packed [T, N, d]; the rest of each row (v) is not touched.
+TEST(GpuRope, RowStrideMatchesCpuAndLeavesTheRestAlone) {
+  MOE_REQUIRE_GPU();
+  // (T, N, d, ld): vector path (d/2 % 8 == 0, ld % 8 == 0), then the pair-by-pair one
+  // for d/2 % 8 != 0 and for a row stride that breaks 16-byte alignment.
+  for (auto [T, N, d, ld] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{300, 6, 64, 8 * 64}, {77, 3, 128, 4 * 128},
+                             {33, 5, 36, 7 * 36}, {50, 2, 64, 2 * 64 + 4}}) {
+    auto rows = random_bf16_floats(T * ld, 1, "rows");
+    std::vector<int32_t> positions(T);
+    CounterRng rng(2, "positions");
+    for (int64_t t = 0; t < T; ++t) positions[t] = static_cast<int32_t>(rng.bits(t)[0] % 512);
+    std::vector<float> packed(T * N * d);
+    for (int64_t t = 0; t < T; ++t)
+      std::copy_n(rows.begin() + t * ld, N * d, packed.begin() + t * N * d);
+    std::vector<float> fwd_ref = packed, bwd_ref = packed;
+    rope_forward<float>(fwd_ref.data(), positions.data(), T, N, d, 10000.0);
+    rope_backward<float>(bwd_ref.data(), positions.data(), T, N, d, 10000.0);
+    auto pos_d = to_device(positions);
+    auto table_d = poisoned<float>(512 * d);
+    cuda::rope_table(table_d.data(), 512, d, 10000.0f, nullptr);
+    auto fwd_d = to_device_bf16(rows), bwd_d = to_device_bf16(rows);
+    cuda::rope_forward(fwd_d.data(), pos_d.data(), table_d.data(), T, N, d, nullptr, ld);
+    cuda::rope_backward(bwd_d.data(), pos_d.data(), table_d.data(), T, N, d, nullptr, ld);
+    for (auto [device, ref, what] : {std::tuple{&fwd_d, &fwd_ref, "strided rope forward"},
+                                     {&bwd_d, &bwd_ref, "strided rope backward"}}) {
+      const std::vector<float> got = to_host_float(*device);
+      std::vector<float> heads(T * N * d);
+      for (int64_t t = 0; t < T; ++t) {
+        std::copy_n(got.begin() + t * ld, N * d, heads.begin() + t * N * d);
+        for (int64_t i = N * d; i < ld; ++i)
+          ASSERT_EQ(got[t * ld + i], rows[t * ld + i]) << what << ": row " << t << " element " << i << " moved";
+      }
+      expect_close(what, heads, *ref, kBf16Rtol, 2e-2);
+    }
+  }
+}
+
 class GpuCrossEntropy : public ::testing::TestWithParam<Size2> {};
 
 TEST_P(GpuCrossEntropy, FusedLossAndGradientMatchCpu) {

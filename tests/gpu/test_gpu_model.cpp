@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+#include <utility>
 
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_transformer.h"
@@ -191,6 +193,20 @@ TEST(GpuModel, DroplessBf16ExpertGradientsMatchCpu) {
   GpuModelOptions options;
   options.bf16_expert_grads = true;
   compare(small_config(), 2, 1.0f, kNaturalNoiseMultiple, kNaturalMaxError, options);
+}
+
+// The fused q|k|v projection and its strided attention at other head layouts: one kv
+// head for eight query heads (multi-query) and as many kv heads as query heads, so that
+// the q, k and v parts of a row and of the [wq; wk; wv] gradient block have other widths.
+TEST(GpuModel, MultiQueryAndFullKvHeadsMatchCpu) {
+  MOE_REQUIRE_GPU();
+  for (auto [H, G] : {std::pair<int64_t, int64_t>{8, 1}, {4, 4}}) {
+    SCOPED_TRACE("heads " + std::to_string(H) + ", kv heads " + std::to_string(G));
+    ModelConfig c = small_config();
+    c.n_heads = H;
+    c.n_kv_heads = G;
+    compare(c, 2, 1.0f, kNaturalNoiseMultiple, kNaturalMaxError);
+  }
 }
 
 TEST(GpuModel, AdamWStepsLowerTheLoss) {

@@ -8,8 +8,10 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <string>
 #include <tuple>
 
+#include "config/run_config.h"
 #include "core/error.h"
 #include "expect_error.h"
 #include "model/gpu_buffer_sizes.h"
@@ -73,6 +75,30 @@ TEST(MemoryPlan, ParameterSpecsAreTheModelsLayout) {
     }
   }
   EXPECT_EQ(Transformer<float>::parameter_specs(small_config().model).planned_offsets().back(), kStorage);
+}
+
+// The GPU model's fused q|k|v projection (model/cuda/gpu_attention.cpp) reads each
+// layer's wq, wk, wv as one [(H + 2G) d, D] matrix: the layout must put them back to back
+// (no padding between) in every shipped model, as it does in the small one.
+TEST(MemoryPlan, AttentionProjectionsLieBackToBackInEveryShippedModel) {
+  std::vector<ModelConfig> models = {small_config().model};
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(source_dir() / "configs"))
+    if (entry.path().extension() == ".toml" && entry.path().parent_path().filename() != "hardware")
+      models.push_back(load_config(entry.path().string()).model);
+  ASSERT_GE(models.size(), 6u);
+  for (ModelConfig& m : models) {
+    if (m.vocab_size == 0) m.vocab_size = 32000;  // configs that take it from the tokenizer
+    const ParameterStore<float> specs = Transformer<float>::parameter_specs(m);
+    const std::vector<int64_t> offsets = specs.planned_offsets();
+    for (int64_t l = 0; l < m.n_layers; ++l) {
+      const std::string p = "layers." + std::to_string(l) + ".attn.";
+      const int q = specs.find(p + "wq"), k = specs.find(p + "wk"), v = specs.find(p + "wv");
+      ASSERT_TRUE(q >= 0 && k >= 0 && v >= 0) << p;
+      const auto at = [&](int id) { return offsets[static_cast<size_t>(id)]; };
+      EXPECT_EQ(at(k), at(q) + specs.numel(q)) << p << " dim " << m.dim;
+      EXPECT_EQ(at(v), at(k) + specs.numel(k)) << p << " dim " << m.dim;
+    }
+  }
 }
 
 TEST(MemoryPlan, StateBytesOfOneGpuKnownAnswer) {

@@ -1,7 +1,9 @@
 // Causal grouped-query attention through cuDNN's fused SDPA (flash attention), forward
 // and backward, built with cudnn-frontend. Graphs are built once per shape and cached.
-// Tensors use our [B, S, heads, d] layout directly (cuDNN takes strides). cuDNN itself is
-// loaded at run time (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING), hence fe::detail:: calls.
+// Tensors use our [B, S, heads, d] layout directly (cuDNN takes strides), with q, k, v
+// and their gradients at any row stride (the fused projection's [T, (H + 2G) d] rows).
+// cuDNN itself is loaded at run time (NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING), hence
+// fe::detail:: calls.
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
@@ -41,9 +43,19 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
 
 // [B, heads, S, d] dims over our [B, S, heads, d] memory.
 std::vector<int64_t> bhsd_dims(int64_t B, int64_t heads, int64_t S, int64_t d) { return {B, heads, S, d}; }
-std::vector<int64_t> bshd_strides(int64_t heads, int64_t S, int64_t d) { return {S * heads * d, d, heads * d, 1}; }
+// ld: elements from one token's heads to the next token's (heads * d when packed).
+std::vector<int64_t> bshd_strides(int64_t ld, int64_t S, int64_t d) { return {S * ld, d, ld, 1}; }
 
-using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, float>;
+// B, S, H, G, d, scale, and the row strides of q (dq) and of k, v (dk, dv).
+using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t>;
+
+// Row strides given as 0 become the packed ones; a token's heads must fit in its row.
+void check_strides(int64_t H, int64_t G, int64_t d, int64_t& ld_q, int64_t& ld_kv) {
+  if (ld_q == 0) ld_q = H * d;
+  if (ld_kv == 0) ld_kv = G * d;
+  MOE_CHECK(ld_q >= H * d && ld_kv >= G * d, "attention: row strides {} (q) and {} (k, v) below {} and {} elements",
+            ld_q, ld_kv, H * d, G * d);
+}
 
 void load_cudnn() {
   if (fe::cudnn_dlhandle) return;
@@ -75,12 +87,12 @@ struct Attention::State {
   }
 
   std::shared_ptr<fe::graph::Tensor_attributes> bshd(fe::graph::Graph& graph, const char* name, Uid uid, int64_t B,
-                                                     int64_t heads, int64_t S, int64_t d) {
+                                                     int64_t heads, int64_t S, int64_t d, int64_t ld) {
     return graph.tensor(fe::graph::Tensor_attributes()
                             .set_name(name)
                             .set_uid(uid)
                             .set_dim(bhsd_dims(B, heads, S, d))
-                            .set_stride(bshd_strides(heads, S, d)));
+                            .set_stride(bshd_strides(ld, S, d)));
   }
 
   std::shared_ptr<fe::graph::Tensor_attributes> stats(fe::graph::Graph& graph, int64_t B, int64_t H, int64_t S) {
@@ -106,16 +118,17 @@ struct Attention::State {
   fe::graph::Graph& forward_graph(const Shape& shape) {
     auto found = forward_graphs.find(shape);
     if (found != forward_graphs.end()) return *found->second;
-    const auto [B, S, H, G, d, scale] = shape;
+    const auto [B, S, H, G, d, scale, ld_q, ld_kv] = shape;
     auto graph = new_graph();
-    auto q = bshd(*graph, "q", kQ, B, H, S, d), k = bshd(*graph, "k", kK, B, G, S, d), v = bshd(*graph, "v", kV, B, G, S, d);
+    auto q = bshd(*graph, "q", kQ, B, H, S, d, ld_q), k = bshd(*graph, "k", kK, B, G, S, d, ld_kv),
+         v = bshd(*graph, "v", kV, B, G, S, d, ld_kv);
     auto options = fe::graph::SDPA_attributes()
                        .set_name("attention")
                        .set_generate_stats(true)
                        .set_causal_mask(true)
                        .set_attn_scale(scale);
     auto [o, lse] = graph->sdpa(q, k, v, options);
-    o->set_output(true).set_uid(kO).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(H, S, d));
+    o->set_output(true).set_uid(kO).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(H * d, S, d));
     lse->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim({B, H, S, 1}).set_stride(
         {H * S, S, 1, 1});
     build(*graph);
@@ -125,10 +138,11 @@ struct Attention::State {
   fe::graph::Graph& backward_graph(const Shape& shape) {
     auto found = backward_graphs.find(shape);
     if (found != backward_graphs.end()) return *found->second;
-    const auto [B, S, H, G, d, scale] = shape;
+    const auto [B, S, H, G, d, scale, ld_q, ld_kv] = shape;
     auto graph = new_graph();
-    auto q = bshd(*graph, "q", kQ, B, H, S, d), k = bshd(*graph, "k", kK, B, G, S, d), v = bshd(*graph, "v", kV, B, G, S, d);
-    auto o = bshd(*graph, "o", kO, B, H, S, d), d_o = bshd(*graph, "do", kdO, B, H, S, d);
+    auto q = bshd(*graph, "q", kQ, B, H, S, d, ld_q), k = bshd(*graph, "k", kK, B, G, S, d, ld_kv),
+         v = bshd(*graph, "v", kV, B, G, S, d, ld_kv);
+    auto o = bshd(*graph, "o", kO, B, H, S, d, H * d), d_o = bshd(*graph, "do", kdO, B, H, S, d, H * d);
     auto lse = stats(*graph, B, H, S);
     auto options = fe::graph::SDPA_backward_attributes()
                        .set_name("attention_backward")
@@ -136,9 +150,9 @@ struct Attention::State {
                        .set_attn_scale(scale)
                        .set_deterministic_algorithm(deterministic);
     auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, lse, options);
-    dq->set_output(true).set_uid(kdQ).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(H, S, d));
-    dk->set_output(true).set_uid(kdK).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(G, S, d));
-    dv->set_output(true).set_uid(kdV).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(G, S, d));
+    dq->set_output(true).set_uid(kdQ).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(ld_q, S, d));
+    dk->set_output(true).set_uid(kdK).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
+    dv->set_output(true).set_uid(kdV).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
     build(*graph);
     return *backward_graphs.emplace(shape, graph).first->second;
   }
@@ -161,10 +175,12 @@ Attention::~Attention() {
 }
 
 void Attention::forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
-                        int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream) {
+                        int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream,
+                        int64_t ld_q, int64_t ld_kv) {
   MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
+  check_strides(H, G, d, ld_q, ld_kv);
   MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
-  auto& graph = state_->forward_graph({B, S, H, G, d, scale});
+  auto& graph = state_->forward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},
                                              {kK, const_cast<bf16*>(k_BSGd)},
                                              {kV, const_cast<bf16*>(v_BSGd)},
@@ -175,9 +191,11 @@ void Attention::forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, co
 
 void Attention::backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16* dout_BSHd, const bf16* q_BSHd,
                          const bf16* k_BSGd, const bf16* v_BSGd, const bf16* out_BSHd, const float* stats_BHS,
-                         int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream) {
+                         int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream,
+                         int64_t ld_q, int64_t ld_kv) {
+  check_strides(H, G, d, ld_q, ld_kv);
   MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
-  auto& graph = state_->backward_graph({B, S, H, G, d, scale});
+  auto& graph = state_->backward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},     {kK, const_cast<bf16*>(k_BSGd)},
                                              {kV, const_cast<bf16*>(v_BSGd)},     {kO, const_cast<bf16*>(out_BSHd)},
                                              {kdO, const_cast<bf16*>(dout_BSHd)}, {kStats, const_cast<float*>(stats_BHS)},

@@ -22,8 +22,10 @@ struct Param {
   int64_t offset = 0, numel = 0;
 };
 
+// qkv [T, (H + 2G) d]: each token's q heads, then its k and v heads (the fused projection's
+// output, RoPE applied to q and k); out [T, H d]; stats: the softmax's log-sum-exp.
 struct AttentionBuffers {
-  Buffer<bf16> q, k, v, out;
+  Buffer<bf16> qkv, out;
   Buffer<float> stats;
 };
 

@@ -65,6 +65,10 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
     layer.wq = lookup(params, p + ".attn.wq");
     layer.wk = lookup(params, p + ".attn.wk");
     layer.wv = lookup(params, p + ".attn.wv");
+    // One fused q|k|v projection (gpu_attention.cpp) reads [wq; wk; wv] as one matrix.
+    MOE_CHECK(layer.wk.offset == layer.wq.offset + layer.wq.numel &&
+                  layer.wv.offset == layer.wk.offset + layer.wk.numel,
+              "GPU model: {}.attn.wq, wk and wv must lie back to back in the parameter store", p);
     layer.wo = lookup(params, p + ".attn.wo");
     layer.is_moe = l >= config.first_dense_layers;
     layer.moe_index = layer.is_moe ? static_cast<int>(l - config.first_dense_layers) : -1;
@@ -168,7 +172,7 @@ void GpuTransformer::plan(int64_t batch) {
     a.ffn_out = bf(T * D);
     a.rstd1 = f32(T);
     a.rstd2 = f32(T);
-    a.attn = {bf(T * H * d), bf(T * G * d), bf(T * G * d), bf(T * H * d), f32(batch * H * S)};
+    a.attn = {bf(T * (H + 2 * G) * d), bf(T * H * d), f32(batch * H * S)};
     if (dense) a.dense_buffers = {bf(T * 2 * c.dense_hidden), bf(T * c.dense_hidden)};
     if (!moe) return;
     MoEBuffers& m = a.moe;
@@ -240,9 +244,7 @@ void GpuTransformer::plan(int64_t batch) {
   s.routing_scratch = Buffer<double>(static_cast<size_t>(cuda::routing_stats_scratch(T)));
   s.dres = bf(T * D);
   s.dnorm = bf(T * D);
-  s.dq = bf(T * H * d);
-  s.dk = bf(T * G * d);
-  s.dv = bf(T * G * d);
+  s.dqkv = bf(T * (H + 2 * G) * d);
   s.dattn = bf(T * H * d);
   s.drows = bf(std::max(R, RL) * D);
   s.dact_rows = bf(RL * F);
@@ -300,7 +302,7 @@ void GpuTransformer::State::check_and_upload_inputs(const int32_t* inputs_BS, co
 void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch,
                                           bool from_saved_input) {
   const ModelConfig& c = config;
-  const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  const int64_t T = tokens, D = c.dim;
   const float eps = static_cast<float>(c.norm_eps);
   Layer& layer = layers[l];
   Activations& a = *layer.act;
@@ -311,17 +313,9 @@ void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf
   else  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm
     cuda::rmsnorm_forward(a.n1.data(), a.rstd1.data(), layer.x.data(), prev_h, prev_branch, w(layer.norm1), T, D, eps,
                           stream);
-  AttentionBuffers& at = a.attn;
   mark(kAttention);
-  linear(at.q.data(), a.n1.data(), w(layer.wq), T, D, H * d, false);
-  linear(at.k.data(), a.n1.data(), w(layer.wk), T, D, G * d, false);
-  linear(at.v.data(), a.n1.data(), w(layer.wv), T, D, G * d, false);
-  cuda::rope_forward(at.q.data(), positions.data(), rope_cos_sin.data(), T, H, d, stream);
-  cuda::rope_forward(at.k.data(), positions.data(), rope_cos_sin.data(), T, G, d, stream);
-  attention.forward(at.out.data(), at.stats.data(), at.q.data(), at.k.data(), at.v.data(), batch, c.seq_len, H, G, d,
-                    1.0f / std::sqrt(static_cast<float>(d)), stream);
   // The attention output goes through dnorm (free here, also during the backward).
-  linear(dnorm.data(), at.out.data(), w(layer.wo), T, H * d, D, false);
+  attention_forward(layer, dnorm.data());
   mark(kNorms);
   cuda::rmsnorm_forward(a.n2.data(), a.rstd2.data(), a.h.data(), layer.x.data(), dnorm.data(), w(layer.norm2), T, D,
                         eps, stream);
@@ -404,7 +398,7 @@ ForwardResult GpuTransformer::forward(const int32_t* inputs_BS, const int32_t* t
 
 void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
   const ModelConfig& c = config;
-  const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  const int64_t T = tokens, D = c.dim;
   Layer& layer = layers[l];
   if (layer.recompute) {
     const NvtxRange range("recompute");
@@ -423,17 +417,8 @@ void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
   mark(kNorms);
   cuda::rmsnorm_backward(dres.data(), g(layer.norm2), dnorm.data(), dres.data(), a.h.data(), w(layer.norm2),
                          a.rstd2.data(), T, D, norm_partial.data(), stream);
-  AttentionBuffers& at = a.attn;
   mark(kAttention);
-  linear_backward(dattn.data(), g(layer.wo), dres.data(), at.out.data(), w(layer.wo), T, H * d, D, false);
-  attention.backward(dq.data(), dk.data(), dv.data(), dattn.data(), at.q.data(), at.k.data(), at.v.data(),
-                     at.out.data(), at.stats.data(), batch, c.seq_len, H, G, d, 1.0f / std::sqrt(static_cast<float>(d)),
-                     stream);
-  cuda::rope_backward(dq.data(), positions.data(), rope_cos_sin.data(), T, H, d, stream);
-  cuda::rope_backward(dk.data(), positions.data(), rope_cos_sin.data(), T, G, d, stream);
-  linear_backward(dnorm.data(), g(layer.wq), dq.data(), a.n1.data(), w(layer.wq), T, D, H * d, false);
-  linear_backward(dnorm.data(), g(layer.wk), dk.data(), a.n1.data(), w(layer.wk), T, D, G * d, true);
-  linear_backward(dnorm.data(), g(layer.wv), dv.data(), a.n1.data(), w(layer.wv), T, D, G * d, true);
+  attention_backward(layer, dnorm.data(), dres.data());
   mark(kNorms);
   cuda::rmsnorm_backward(dres.data(), g(layer.norm1), dnorm.data(), dres.data(), layer.x.data(), w(layer.norm1),
                          a.rstd1.data(), T, D, norm_partial.data(), stream);

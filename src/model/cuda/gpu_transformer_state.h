@@ -1,6 +1,7 @@
 // The GPU model's private state, shared by its source files: gpu_transformer.cpp (the
-// step, planning, parameters), gpu_moe.cpp (the MoE layer: router, experts, balancing;
-// the dispatch and combine are its ExpertDispatcher's) and gpu_placement.cpp. Not part of
+// step, planning, parameters), gpu_attention.cpp (the attention block: fused q|k|v
+// projection, RoPE, SDPA), gpu_moe.cpp (the MoE layer: router, experts, balancing; the
+// dispatch and combine are its ExpertDispatcher's) and gpu_placement.cpp. Not part of
 // the public interface.
 #pragma once
 #include <cuda_runtime.h>
@@ -22,7 +23,7 @@
 
 namespace moe {
 
-// Only gpu_transformer.cpp and gpu_moe.cpp include this header.
+// Only the model's own source files above include this header.
 using namespace gpu_model;  // NOLINT(google-build-using-namespace)
 
 struct GpuTransformer::State {
@@ -96,7 +97,7 @@ struct GpuTransformer::State {
   Buffer<int32_t> kept_rows;
   Buffer<double> routing_scratch;  // accumulate_routing_stats' per-block partial entropies
   // Backward scratch.
-  Buffer<bf16> dres, dnorm, dq, dk, dv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
+  Buffer<bf16> dres, dnorm, dqkv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
       dffn_gate_up;
   Buffer<float> dweight, dlogits, norm_partial;
   Buffer<char> embedding_scratch;
@@ -132,6 +133,11 @@ struct GpuTransformer::State {
     if (dx) blas.gemm(false, false, rows, in, out, scale, dy, ldd, weight, in, accumulate_dx ? 1.0f : 0.0f, dx, false, in, stream);
     if (rows > 0) blas.gemm(true, false, out, in, rows, scale, dy, ldd, x, in, 1.0f, dweight, true, in, stream);
   }
+  // The attention of a block (gpu_attention.cpp): from n1 to the output projection in
+  // y [T, D]; its backward from dy to dx [T, D] (n1's gradient), accumulating the
+  // projections' weight gradients.
+  void attention_forward(Layer& layer, bf16* y);
+  void attention_backward(Layer& layer, bf16* dx, const bf16* dy);
   void ffn_forward(bf16* y, const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, FfnBuffers& buffers,
                    int64_t rows, int64_t F, bool accumulate);
   void ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& weights_, FfnBuffers& buffers,
