@@ -22,6 +22,14 @@ inline constexpr std::array<EnumName<ExpertRecompute>, 3> kExpertRecomputeNames{
     {{ExpertRecompute::None, "none"}, {ExpertRecompute::Swiglu, "swiglu"}, {ExpertRecompute::All, "all"}}};
 constexpr std::span<const EnumName<ExpertRecompute>> enum_names(ExpertRecompute) { return kExpertRecomputeNames; }
 
+// The precision of the experts' GEMMs on the GPU: bf16, or fp8 (e4m3 with 1x128
+// activation and 128x128 weight scales, docs/FP8.md) for their forward and data-gradient
+// GEMMs; weight gradients, master weights and everything else stay as in bf16.
+enum class TrainingPrecision { Bf16, Fp8 };
+inline constexpr std::array<EnumName<TrainingPrecision>, 2> kTrainingPrecisionNames{
+    {{TrainingPrecision::Bf16, "bf16"}, {TrainingPrecision::Fp8, "fp8"}}};
+constexpr std::span<const EnumName<TrainingPrecision>> enum_names(TrainingPrecision) { return kTrainingPrecisionNames; }
+
 struct TrainingConfig {
   int64_t steps = 300;                // optimizer steps
   int64_t global_batch_tokens = 8192; // tokens per optimizer step (reached by accumulation)
@@ -42,6 +50,7 @@ struct TrainingConfig {
   ExpertRecompute recompute_experts = ExpertRecompute::None;  // GPU
   bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
   bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)
+  TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' GEMMs
 };
 
 }  // namespace moe

@@ -59,9 +59,9 @@ void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, in
 void dequantize_rows_blockwise(float* x_RK, const uint8_t* codes_RK, const float* scales, const int32_t* offsets_E1,
                                int64_t E, int64_t R, int64_t K);
 
-// Weights w [E, N, K] -> codes [E, N, K] and scales [E][KB][NB]; and (when codes_t is not
-// null) the transposed copy codes_t [E, K, N] with scales_t [E][NB][KB]. Edge blocks (N or
-// K not a multiple of 128) take the amax of their part.
+// Weights w [E, N, K] -> codes [E, N, K] and scales [E][KB][NB], and the transposed copy
+// codes_t [E, K, N] with scales_t [E][NB][KB] (either pair may be null, not both). Edge
+// blocks (N or K not a multiple of 128) take the amax of their part.
 void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
                             const bf16* w_ENK, int64_t E, int64_t N, int64_t K);
 void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const float* scales, int64_t E, int64_t N,

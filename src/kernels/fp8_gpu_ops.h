@@ -17,9 +17,9 @@ namespace moe::cuda {
 void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, int64_t ld_x,
                              const int32_t* offsets_E1, int64_t E, int64_t R, int64_t K, Stream stream);
 
-// Weights w [E, N, K] -> codes [E, N, K] with scales [E][KB][NB], and when codes_t is not
-// null their transpose codes_t [E, K, N] with scales_t [E][NB][KB] (the B operand of
-// dy @ W). One power-of-two scale per 128 x 128 block.
+// Weights w [E, N, K] -> codes [E, N, K] with scales [E][KB][NB], and their transpose
+// codes_t [E, K, N] with scales_t [E][NB][KB] (the B operand of dy @ W); either pair may
+// be null, not both. One power-of-two scale per 128 x 128 block.
 void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
                             const bf16* w_ENK, int64_t E, int64_t N, int64_t K, Stream stream);
 

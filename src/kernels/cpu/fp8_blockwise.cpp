@@ -63,6 +63,9 @@ void dequantize_rows_blockwise(float* x_RK, const uint8_t* codes_RK, const float
 void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
                             const bf16* w_ENK, int64_t E, int64_t N, int64_t K) {
   MOE_CHECK(E >= 0 && N > 0 && K > 0, "fp8 weight quantisation: bad shape [{}, {}, {}]", E, N, K);
+  MOE_CHECK((codes_ENK == nullptr) == (scales == nullptr) && (codes_t_EKN == nullptr) == (scales_t == nullptr) &&
+                (codes_ENK != nullptr || codes_t_EKN != nullptr),
+            "fp8 weight quantisation: codes go with their scales, and at least one of the two copies");
   const int64_t NB = blocks(N), KB = blocks(K);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t nb = 0; nb < NB; ++nb)
@@ -73,12 +76,12 @@ void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_
           for (int64_t k = kb * kBlock; k < k_end; ++k)
             amax = std::fmax(amax, std::fabs(bf16_to_float(w_ENK[(e * N + n) * K + k])));
         const float scale = block_scale(amax), inverse = 1.0f / scale;
-        scales[weight_scale_index(e, nb, kb, NB, KB)] = scale;
+        if (scales != nullptr) scales[weight_scale_index(e, nb, kb, NB, KB)] = scale;
         if (scales_t != nullptr) scales_t[weight_t_scale_index(e, nb, kb, NB, KB)] = scale;
         for (int64_t n = nb * kBlock; n < n_end; ++n)
           for (int64_t k = kb * kBlock; k < k_end; ++k) {
             const uint8_t code = float_to_fp8_e4m3(bf16_to_float(w_ENK[(e * N + n) * K + k]) * inverse);
-            codes_ENK[(e * N + n) * K + k] = code;
+            if (codes_ENK != nullptr) codes_ENK[(e * N + n) * K + k] = code;
             if (codes_t_EKN != nullptr) codes_t_EKN[(e * K + k) * N + n] = code;
           }
       }

@@ -81,7 +81,7 @@ __global__ void quantize_weight_kernel(uint8_t* codes_ENK, float* scales, uint8_
   for (int i = 0; i < kWeightThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
   const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
   if (threadIdx.x == 0) {
-    scales[fp8::weight_scale_index(e, nb, kb, NB, KB)] = scale;
+    if (scales != nullptr) scales[fp8::weight_scale_index(e, nb, kb, NB, KB)] = scale;
     if (scales_t != nullptr) scales_t[fp8::weight_t_scale_index(e, nb, kb, NB, KB)] = scale;
   }
   __shared__ uint8_t tile[kBlock][kBlock + 4];  // [n][k]
@@ -90,7 +90,7 @@ __global__ void quantize_weight_kernel(uint8_t* codes_ENK, float* scales, uint8_
     const int64_t n = n0 + dn, k = k0 + dk;
     if (n < N && k < K) {
       const uint8_t code = to_e4m3(to_float(w[n * K + k]) * inverse);
-      codes_ENK[(e * N + n) * K + k] = code;
+      if (codes_ENK != nullptr) codes_ENK[(e * N + n) * K + k] = code;
       tile[dn][dk] = code;
     }
   }
@@ -125,8 +125,9 @@ void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_
                             const bf16* w_ENK, int64_t E, int64_t N, int64_t K, Stream stream) {
   MOE_CHECKF(E >= 0 && N > 0 && K > 0 && E <= 65535, "fp8 weight quantisation: bad shape [%lld, %lld, %lld]",
              static_cast<long long>(E), static_cast<long long>(N), static_cast<long long>(K));
-  MOE_CHECKF((codes_t_EKN == nullptr) == (scales_t == nullptr),
-             "fp8 weight quantisation: the transposed codes and scales go together");
+  MOE_CHECKF((codes_ENK == nullptr) == (scales == nullptr) && (codes_t_EKN == nullptr) == (scales_t == nullptr) &&
+                 (codes_ENK != nullptr || codes_t_EKN != nullptr),
+             "fp8 weight quantisation: codes go with their scales, and at least one of the two copies");
   if (E == 0) return;
   const dim3 grid(static_cast<unsigned>(fp8::blocks(K)), static_cast<unsigned>(fp8::blocks(N)),
                   static_cast<unsigned>(E));
