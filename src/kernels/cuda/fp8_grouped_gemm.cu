@@ -22,6 +22,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 
@@ -62,16 +63,7 @@ using StrideB = typename Kernel::InternalStrideB;
 using StrideC = typename Kernel::InternalStrideC;
 using StrideD = typename Kernel::InternalStrideD;
 
-// A stride (M, K, L) or (N, K, L) or (M, N, L) with one unit mode: sets the other to ld.
-template <class Stride>
-__host__ __device__ Stride leading_stride(int64_t ld) {
-  Stride stride{};
-  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(stride))>>::value)
-    cute::get<1>(stride) = ld;
-  else
-    cute::get<0>(stride) = ld;
-  return stride;
-}
+using grouped::leading_stride;
 
 // The per-group arrays the kernel reads (device memory, carved from one block).
 struct Groups {
