@@ -138,6 +138,12 @@ TEST(GpuFp8Quantize, WeightBlocksAndTheirTransposeMatchTheCpuBitForBit) {
     expect_same(to_host(codes_t_d), codes_t, codes_t.size(), what + " transposed codes");
     expect_same(to_host(scales_d), scales, scales.size(), what + " scales");
     expect_same(to_host(scales_t_d), scales_t, scales_t.size(), what + " transposed scales");
+    // The transposed copy alone (the data gradients' use): the same bits.
+    auto only_t_d = poisoned<uint8_t>(E * K * N);
+    auto only_ts_d = poisoned<float>(S);
+    cuda::quantize_weight_blocks(nullptr, nullptr, only_t_d.data(), only_ts_d.data(), w_d.data(), E, N, K, nullptr);
+    expect_same(to_host(only_t_d), codes_t, codes_t.size(), what + " transposed codes alone");
+    expect_same(to_host(only_ts_d), scales_t, scales_t.size(), what + " transposed scales alone");
   }
 }
 

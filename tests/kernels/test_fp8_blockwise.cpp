@@ -140,6 +140,13 @@ TEST(Fp8Blockwise, WeightBlocksAndTheirTransposeAgree) {
   fp8::quantize_weight_blocks(direct.data(), direct_scales.data(), nullptr, nullptr, wt.data(), E, K, N);
   EXPECT_EQ(direct, codes_t);
   EXPECT_EQ(direct_scales, scales_t);
+  // The transposed copy alone, and neither copy refused.
+  std::vector<uint8_t> only_t(E * K * N);
+  std::vector<float> only_ts(E * NB * KB);
+  fp8::quantize_weight_blocks(nullptr, nullptr, only_t.data(), only_ts.data(), w.data(), E, N, K);
+  EXPECT_EQ(only_t, codes_t);
+  EXPECT_EQ(only_ts, scales_t);
+  EXPECT_THROW(fp8::quantize_weight_blocks(nullptr, nullptr, nullptr, nullptr, w.data(), E, N, K), Error);
 }
 
 TEST(Fp8Blockwise, RefusesKThatIsNotAMultipleOf128) {
