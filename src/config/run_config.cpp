@@ -90,6 +90,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "cuda_graphs", t.cuda_graphs);
   visit("training", "deterministic", t.deterministic);
   visit("training", "expert_grad_dtype", t.expert_grad_dtype);
+  visit("training", "precision", t.precision);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
@@ -386,6 +387,16 @@ void check_training(const RunConfig& c) {
     fail({"training.recompute_layers"},
          fmt::format("training.recompute_layers must be -1 (all layers), 0 (none) or a layer count, got {}",
                      t.recompute_layers));
+  if (t.precision == TrainingPrecision::Fp8) {
+    if (t.device == TrainingDevice::Cpu)
+      fail({"training.precision", "training.device"},
+           "training.precision = fp8 runs on the GPU only: set training.device = cuda (or auto) or precision = bf16");
+    if (c.model.dim % 128 != 0 || c.model.moe.expert_hidden % 128 != 0)
+      fail({"training.precision", "model.dim", "moe.expert_hidden"},
+           fmt::format("training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of "
+                       "128 (the fp8 scale blocks)",
+                       c.model.dim, c.model.moe.expert_hidden));
+  }
 
   const OptimizerConfig& o = c.optimizer;
   check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");

@@ -243,6 +243,13 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
     if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;
   }
   m.step_buffers = step_buffers_bytes(a, c.vocab_size, n_layers);
+  // training.precision = fp8: one operand's quantised rows (codes and 1x128 scales) and two
+  // of the local experts' weight tensors (codes and 128x128 scales), shared by the layers.
+  if (E > 0 && config.training.precision == TrainingPrecision::Fp8) {
+    const int64_t RL = a.rows.max_local_rows, width = std::max(c.dim, a.F), L = a.rows.max_local_experts;
+    m.step_buffers += RL * width + RL * width / 128 * 4 + 2 * L * c.dim * a.F +
+                      2 * L * ceil_div(c.dim, 128) * ceil_div(a.F, 128) * 4;
+  }
 
   // Exchange buffers: the dispatcher's; bf16 gradient sums' scratch per reduction group.
   m.exchange = dispatcher_bytes(a, split);
@@ -255,6 +262,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   // Workspaces: cuBLAS, the grouped GEMMs, cuDNN's deterministic attention backward (a
   // B x H x S x S bf16 dP buffer), NCCL.
   m.workspace = kBlasWorkspace + (E > 0 ? kGroupedGemmWorkspace : 0) + nccl_bytes(layout);
+  if (E > 0 && config.training.precision == TrainingPrecision::Fp8) m.workspace += kGroupedGemmWorkspace;  // ExpertGemmFp8's
   if (config.training.deterministic) m.workspace += a.B * a.H * a.S * a.S * 2;
   m.runtime = kCudaRuntime;
   return m;

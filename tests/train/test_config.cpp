@@ -12,6 +12,8 @@
 #include "train/hardware_description.h"
 #include "core/error.h"
 #include "config/run_config.h"
+#include "dist/single_communicator.h"
+#include "train/backends/backend_factory.h"
 #include "expect_error.h"
 
 namespace moe {
@@ -270,8 +272,26 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"training.recompute_layers=-2", {"training.recompute_layers"}},
       {"training.recompute_experts=some", {"training.recompute_experts"}},
       {"training.expert_grad_dtype=fp16", {"training.expert_grad_dtype", "fp32, bf16", "\"fp16\""}},
+      {"training.precision=fp16", {"training.precision"}},
   };
   for (const auto& [override_text, fragments] : cases) expect_override_error(override_text, fragments);
+}
+
+// training.precision = fp8: the GPU only, dims in whole 128-blocks; bf16 by default.
+TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
+  EXPECT_EQ(RunConfig{}.training.precision, TrainingPrecision::Bf16);
+  expect_config_error([] { parse_config("", "x.toml", {"training.precision=fp8", "training.device=cpu"}); },
+                      {"training.precision = fp8 runs on the GPU only", "training.device"});
+  expect_config_error(
+      [] { parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda", "moe.expert_hidden=200"}); },
+      {"training.precision = fp8", "moe.expert_hidden (200)", "multiples of 128"});
+  const RunConfig fp8 = parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda"});
+  EXPECT_EQ(fp8.training.precision, TrainingPrecision::Fp8);
+  // device = auto that resolves to the CPU (no GPU visible): refused when the backend is made.
+  RunConfig on_auto = parse_config("", "x.toml", {"training.precision=fp8", "model.vocab_size=512"});
+  if (wants_gpu(on_auto.training)) GTEST_SKIP() << "a GPU is visible: auto resolves to it";
+  expect_config_error([&] { make_backend(on_auto, dist::make_single_communicator()); },
+                      {"training.precision = fp8 runs on the GPU only", "resolved to the CPU"});
 }
 
 // moe.temperature_control's combinations, one line each naming the keys.
@@ -385,6 +405,12 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.metrics.dir = "runs/t"; c.metrics.trace = true; },
       [](RunConfig& c) { c.model.moe.route_cache = true; c.model.moe.route_cache_predict = 4; },
       [](RunConfig& c) { c.model.moe.route_cache_keys = 1000; },
+      // Last: fp8 needs the GPU and dims of whole 128-blocks (over the changes above in `all`).
+      [](RunConfig& c) {
+        c.training.precision = TrainingPrecision::Fp8;
+        c.training.device = TrainingDevice::Cuda;
+        c.model.moe.expert_hidden = 128;
+      },
   };
   const std::string default_text = config_to_toml(RunConfig{});
   for (size_t i = 0; i < changes.size(); ++i) {

@@ -53,7 +53,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   if (count_load)  // kept rows per expert, router entropy: read with routing_stats()
     cuda::accumulate_routing_stats(layer.routing.data(), routing_scratch.data(), m.scores.data(), m.counts.data(),
                                    layer.placed ? layer.slot_of_expert.data() : nullptr, T, E, stream);
-  expert_gemm->set_experts(local_experts(layer));
+  set_experts(local_experts(layer));
   MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                  cudaMemcpyDeviceToDevice, stream));
   // The rows this rank's experts compute (under expert parallelism: every rank's tokens
@@ -62,7 +62,7 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   experts_gate_up_forward(layer, /*gate_up=*/true);
   bf16* y[1] = {m.y_rows.data()};
   const bf16* w2[1] = {local_w(layer, layer.w2)};
-  expert_gemm->forward(1, y, D, m.act_rows->data(), F, w2, expert_offsets(m), D, F, stream);
+  expert_forward(layer, m, 1, y, D, m.act_rows->data(), F, w2, D, F);
   dispatcher->combine(m, layer.act->ffn_out.data());
   mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
@@ -84,7 +84,7 @@ void GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up) 
   if (gate_up) {
     bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
     const bf16* w13[2] = {local_w(layer, layer.w1), local_w(layer, layer.w3)};
-    expert_gemm->forward(2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, expert_offsets(m), F, D, stream);
+    expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D);
   }
   cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), expert_rows(m), F, stream);
 }
@@ -95,7 +95,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   MoEBuffers& m = layer.act->moe;
   const bf16* dy = dres.data();  // gradient of the FFN output
   // A layer recomputed whole has just refilled the shared rows; otherwise refill them here.
-  expert_gemm->set_experts(local_experts(layer));
+  set_experts(local_experts(layer));
   if (recompute_experts != ExpertRecompute::None && !layer.recompute)
     expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All);
   // Under expert parallelism the output gradients go to the experts' ranks first.
@@ -105,7 +105,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const int32_t* offsets = expert_offsets(m);
   mark(kExperts);
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
-  expert_gemm->backward_data(dact_rows.data(), F, dy_rows, D, local_w(layer, layer.w2), offsets, F, D, 0.0f, stream);
+  expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, local_w(layer, layer.w2), F, D, 0.0f);
   const bf16* dy_sets[1] = {dy_rows};
   const float beta = overwrite_expert_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
   if (bf16* dw2_16 = local_g16(layer, layer.w2)) {  // bf16 expert gradients
@@ -117,10 +117,9 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   }
   cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
   // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
-  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data(), 2 * F, local_w(layer, layer.w1), offsets, D, F,
-                             0.0f, stream);
-  expert_gemm->backward_data(dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, local_w(layer, layer.w3), offsets, D,
-                             F, 1.0f, stream);
+  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, local_w(layer, layer.w1), D, F, 0.0f);
+  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, local_w(layer, layer.w3), D, F,
+                       1.0f);
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
   if (store->grads_bf16()) {
     bf16* dw13[2] = {local_g16(layer, layer.w1), local_g16(layer, layer.w3)};

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "core/nvtx_range.h"
+#include "kernels/fp8_blockwise.h"
 #include "kernels/gpu_ops.h"
 #include "model/gpu_buffer_sizes.h"
 #include "moe/gpu_ops.h"
@@ -49,6 +50,10 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.recompute_experts = options.recompute_experts;
   s.local_experts_cap = options.max_local_experts;
   s.split_experts = options.split_experts;  // before the layers' slot bounds below
+  s.fp8 = options.fp8_experts;
+  MOE_CHECK(!s.fp8 || (config.dim % 128 == 0 && config.moe.expert_hidden % 128 == 0),
+            "training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of 128",
+            config.dim, config.moe.expert_hidden);
   s.ep = options.expert_exchange;
   const int64_t E = config.moe.n_experts, P = s.ep ? s.ep->size() : 1;
   MOE_CHECK(!s.ep || (E > 0 && E % P == 0),
@@ -151,6 +156,10 @@ void GpuTransformer::plan(int64_t batch) {
               D, F);
     s.expert_gemm = std::make_unique<cuda::ExpertGemm>(max_local);
     s.expert_gemm->set_sm_limit(s.compute_sm_limit);
+    if (s.fp8) {
+      s.expert_gemm_fp8 = std::make_unique<cuda::ExpertGemmFp8>(max_local);
+      s.expert_gemm_fp8->set_sm_limit(s.compute_sm_limit);
+    }
   }
   s.max_local_experts = max_local;
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
@@ -250,6 +259,13 @@ void GpuTransformer::plan(int64_t batch) {
   s.dact_rows = bf(RL * F);
   s.dgate_up_rows = bf(RL * 2 * F);
   s.dx_rows = bf(RL * D);
+  if (s.fp8) {  // one operand's rows, two experts' weight tensors (gate and up) at a time
+    const int64_t width = std::max(D, F), weights = 2 * max_local * D * F;
+    s.fp8_rows = Buffer<uint8_t>(static_cast<size_t>(RL * width));
+    s.fp8_row_scales = f32(RL * width / 128);
+    s.fp8_weights = Buffer<uint8_t>(static_cast<size_t>(weights));
+    s.fp8_weight_scales = f32(2 * max_local * fp8::blocks(D) * fp8::blocks(F));
+  }
   s.dlogits_bf16 = bf(T * E);
   s.dffn_act = bf(T * ffn_width);
   s.dffn_gate_up = bf(T * 2 * ffn_width);
@@ -512,6 +528,7 @@ void GpuTransformer::reserve_sms(int sms) {
   s.compute_sm_limit = sms > 0 ? std::max(1, gpu::multiprocessor_count() - sms) : 0;
   s.blas.set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);
+  if (s.expert_gemm_fp8) s.expert_gemm_fp8->set_sm_limit(s.compute_sm_limit);
 }
 
 

@@ -111,6 +111,9 @@ struct GpuModelOptions {
   // hinge's gradient is then the sum of its two holders' (sum those over all
   // ranks: hinge_ranges in model/expert_layout.h), and both step it.
   bool split_experts = false;
+  // training.precision = fp8: the experts' forward and data-gradient GEMMs in fp8 with
+  // blockwise scales (docs/FP8.md); model.dim and moe.expert_hidden multiples of 128.
+  bool fp8_experts = false;
 };
 
 class GpuTransformer {

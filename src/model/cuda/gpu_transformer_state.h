@@ -16,6 +16,7 @@
 #include "core/cuda/phase_clock.h"
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
+#include "kernels/fp8_gpu_ops.h"
 #include "model/cuda/expert_dispatcher.h"
 #include "model/cuda/gpu_layers.h"
 #include "model/cuda/gpu_phases.h"
@@ -36,6 +37,15 @@ struct GpuTransformer::State {
   cuda::Blas blas;
   cuda::Attention attention;
   std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only, over the local experts
+  // training.precision = fp8 (GpuModelOptions::fp8_experts): the experts' forward and
+  // data-gradient GEMMs in fp8 (docs/FP8.md). Each operand is quantised right before its
+  // GEMM into scratch shared by the layers: rows (codes, 1x128 scales) and up to two
+  // weight tensors of the local experts (codes, 128x128 scales; the transposed copy for
+  // the data gradients).
+  bool fp8 = false;
+  std::unique_ptr<cuda::ExpertGemmFp8> expert_gemm_fp8;
+  Buffer<uint8_t> fp8_rows, fp8_weights;
+  Buffer<float> fp8_row_scales, fp8_weight_scales;
   // Expert parallelism (GpuModelOptions::expert_exchange): this rank computes each MoE layer's slots
   // [first_slot_P1[rank], first_slot_P1[rank + 1]) (Layer); without it, all of them.
   // max_local_experts bounds a rank's count (GpuModelOptions; the plan's buffers and
@@ -143,6 +153,16 @@ struct GpuTransformer::State {
   void ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& weights_, FfnBuffers& buffers,
                     int64_t rows, int64_t F, bool accumulate_dx);
   void moe_forward(Layer& layer, size_t layer_index, bool count_load);
+  // The experts' GEMMs in the run's precision (gpu_moe_fp8.cpp): ExpertGemm's forward and
+  // backward_data, or their fp8 versions with the operands quantised first.
+  void expert_forward(const Layer& layer, const MoEBuffers& m, int sets, bf16* const* out, int64_t ld_out,
+                      const bf16* x, int64_t ld_x, const bf16* const* w, int64_t N, int64_t K);
+  void expert_backward_data(const Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out, const bf16* dy,
+                            int64_t ld_dy, const bf16* w, int64_t N, int64_t K, float beta);
+  void set_experts(int64_t n_experts) {
+    expert_gemm->set_experts(n_experts);
+    if (expert_gemm_fp8) expert_gemm_fp8->set_experts(n_experts);
+  }
   // Dispatch of n2 into the expert rows, the gate|up grouped GEMM (unless skipped) and
   // SwiGLU: the part of the MoE forward that recompute_experts redoes before the backward.
   void expert_rows_forward(Layer& layer, bool gate_up);

@@ -76,6 +76,14 @@ void check_gpu_config(const RunConfig& config, int ranks) {
     MOE_CONFIG_ERROR("parallel.expert_parallel = {} must divide moe.n_experts = {}", ep, config.model.moe.n_experts);
 }
 
+// training.device = auto that resolved to the CPU (device = cpu is refused by the config).
+void refuse_fp8_on_cpu(const RunConfig& config) {
+  if (config.training.precision == TrainingPrecision::Fp8)
+    MOE_CONFIG_ERROR("training.precision = fp8 runs on the GPU only, and training.device = {} resolved to the CPU: "
+                     "use --device=cuda or training.precision = bf16",
+                     name_of(config.training.device));
+}
+
 // parallel.backend = nccl (or a world in device memory) trains on the GPU.
 void check_gpu_world(const RunConfig& config, int ranks) {
   if (!wants_gpu(config.training))
@@ -168,6 +176,7 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_
       check_gpu_config(config, 1);
       return gpu_backend(config, std::move(host), nullptr);
     }
+    refuse_fp8_on_cpu(config);
     return make_cpu_backend(config, std::move(host));
   }
   const TrainingDevice device = config.training.device;
@@ -176,6 +185,7 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_
                      "parallel.backend = nccl (or auto); use --device=cpu for the CPU path",
                      name_of(device), world->backend(), world->size());
   if (device_world) return gpu_backend(config, std::move(host), std::move(world));
+  refuse_fp8_on_cpu(config);
   return std::make_unique<ParallelCpuBackend>(config, std::move(host), std::move(world));
 }
 

@@ -25,7 +25,8 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
 
 // `moe bench --kernels`: the expert GEMMs of one MoE layer at the config's shapes, each
 // timed alone (grouped GEMM and the per-expert cuBLASLt loop), against the dense GEMM of
-// the same size (src/train/cuda/kernel_bench.cpp).
+// the same size (src/train/cuda/kernel_bench.cpp); then the FP8 grouped and dense GEMMs
+// beside the bf16 ones and the quantisation kernels (kernel_bench_fp8.cpp).
 void run_kernel_bench(const RunConfig& config, std::ostream& out);
 
 }  // namespace moe

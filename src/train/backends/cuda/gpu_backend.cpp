@@ -592,6 +592,7 @@ class GpuBackend final : public ModelBackend {
     options.deterministic = c.training.deterministic;
     options.expert_exchange = ep_;
     options.split_experts = ep_ && c.parallel.split_experts;
+    options.fp8_experts = c.training.precision == TrainingPrecision::Fp8;
     // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
     if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);

@@ -1,0 +1,100 @@
+#include "kernels/fp8_blockwise.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+#include "core/fp8.h"
+
+namespace moe::fp8 {
+namespace {
+
+struct Group {
+  int64_t first, rows;
+};
+
+// The row groups: the experts' (from offsets_E1), or one group of all R rows.
+std::vector<Group> groups_of(const int32_t* offsets_E1, int64_t E, int64_t R) {
+  if (offsets_E1 == nullptr) return {{0, R}};
+  std::vector<Group> groups;
+  for (int64_t e = 0; e < E; ++e) {
+    MOE_CHECK(offsets_E1[e] <= offsets_E1[e + 1] && offsets_E1[e] >= 0, "fp8 quantisation: offsets not ascending");
+    groups.push_back({offsets_E1[e], offsets_E1[e + 1] - offsets_E1[e]});
+  }
+  MOE_CHECK(offsets_E1[E] <= R, "fp8 quantisation: offsets reach row {} of {}", offsets_E1[E], R);
+  return groups;
+}
+
+void check_k(int64_t K) {
+  MOE_CHECK(K > 0 && K % kBlock == 0, "fp8 blockwise quantisation: K = {} is not a multiple of {}", K, kBlock);
+}
+
+}  // namespace
+
+void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, int64_t ld_x,
+                             const int32_t* offsets_E1, int64_t E, int64_t R, int64_t K) {
+  check_k(K);
+  const int64_t KB = K / kBlock;
+  for (const Group& g : groups_of(offsets_E1, E, R))
+    for (int64_t r = g.first; r < g.first + g.rows; ++r)
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const bf16* in = x + r * ld_x + kb * kBlock;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < kBlock; ++k) amax = std::fmax(amax, std::fabs(bf16_to_float(in[k])));
+        const float scale = block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
+        scales[activation_scale_index(g.first, g.rows, r, kb, KB)] = scale;
+        for (int64_t k = 0; k < kBlock; ++k)
+          codes_RK[r * K + kb * kBlock + k] = float_to_fp8_e4m3(bf16_to_float(in[k]) * inverse);
+      }
+}
+
+void dequantize_rows_blockwise(float* x_RK, const uint8_t* codes_RK, const float* scales, const int32_t* offsets_E1,
+                               int64_t E, int64_t R, int64_t K) {
+  check_k(K);
+  const int64_t KB = K / kBlock;
+  for (const Group& g : groups_of(offsets_E1, E, R))
+    for (int64_t r = g.first; r < g.first + g.rows; ++r)
+      for (int64_t k = 0; k < K; ++k)
+        x_RK[r * K + k] =
+            fp8_e4m3_to_float(codes_RK[r * K + k]) * scales[activation_scale_index(g.first, g.rows, r, k / kBlock, KB)];
+}
+
+void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
+                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K) {
+  MOE_CHECK(E >= 0 && N > 0 && K > 0, "fp8 weight quantisation: bad shape [{}, {}, {}]", E, N, K);
+  MOE_CHECK((codes_ENK == nullptr) == (scales == nullptr) && (codes_t_EKN == nullptr) == (scales_t == nullptr) &&
+                (codes_ENK != nullptr || codes_t_EKN != nullptr),
+            "fp8 weight quantisation: codes go with their scales, and at least one of the two copies");
+  const int64_t NB = blocks(N), KB = blocks(K);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t nb = 0; nb < NB; ++nb)
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const int64_t n_end = std::min(N, (nb + 1) * kBlock), k_end = std::min(K, (kb + 1) * kBlock);
+        float amax = 0.0f;
+        for (int64_t n = nb * kBlock; n < n_end; ++n)
+          for (int64_t k = kb * kBlock; k < k_end; ++k)
+            amax = std::fmax(amax, std::fabs(bf16_to_float(w_ENK[(e * N + n) * K + k])));
+        const float scale = block_scale(amax), inverse = 1.0f / scale;
+        if (scales != nullptr) scales[weight_scale_index(e, nb, kb, NB, KB)] = scale;
+        if (scales_t != nullptr) scales_t[weight_t_scale_index(e, nb, kb, NB, KB)] = scale;
+        for (int64_t n = nb * kBlock; n < n_end; ++n)
+          for (int64_t k = kb * kBlock; k < k_end; ++k) {
+            const uint8_t code = float_to_fp8_e4m3(bf16_to_float(w_ENK[(e * N + n) * K + k]) * inverse);
+            if (codes_ENK != nullptr) codes_ENK[(e * N + n) * K + k] = code;
+            if (codes_t_EKN != nullptr) codes_t_EKN[(e * K + k) * N + n] = code;
+          }
+      }
+}
+
+void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const float* scales, int64_t E, int64_t N,
+                              int64_t K) {
+  const int64_t NB = blocks(N), KB = blocks(K);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        w_ENK[(e * N + n) * K + k] = fp8_e4m3_to_float(codes_ENK[(e * N + n) * K + k]) *
+                                     scales[weight_scale_index(e, n / kBlock, k / kBlock, NB, KB)];
+}
+
+}  // namespace moe::fp8

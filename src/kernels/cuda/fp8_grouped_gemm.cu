@@ -1,0 +1,270 @@
+// ExpertGemmFp8: the experts' FP8 GEMMs as one CUTLASS Hopper grouped GEMM with blockwise
+// scaling (e4m3 A and B, both K-major as FP8 wgmma needs; A scales per row and 128 of K,
+// B scales per 128 x 128 block; fp32 accumulation, promoted and scaled every 128 of K;
+// bf16 out). As the bf16 ExpertGemm (grouped_gemm.cuh), the per-group problem sizes,
+// pointers and strides are written on the device from the expert row offsets, so the
+// rows per expert are never read on the host. Forward (x @ W^T) and data gradient
+// (dy @ W, with W's quantised transpose as B) are the same kernel with other operands.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/error_base.h"
+#include "core/gpu.h"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "kernels/cuda/grouped_gemm.cuh"
+#include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
+
+namespace moe::cuda {
+namespace {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+using ElementAB = cutlass::float_e4m3_t;
+using ElementD = cutlass::bfloat16_t;
+using LayoutA = cutlass::layout::RowMajor;     // [rows, K]
+using LayoutB = cutlass::layout::ColumnMajor;  // K x N stored [N, K]
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignmentAB = 16;  // 16-byte TMA rows
+constexpr int kAlignmentD = 8;
+// 128-deep K tiles: one scale slice per tile (the blockwise mainloop's requirement).
+using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+constexpr int kClusterSms = 2;
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, fp8::kBlock, fp8::kBlock>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignmentD, ElementD, LayoutD*,
+    kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+    cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB,
+    ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentAB, float, TileShape, ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+using StrideA = typename Kernel::InternalStrideA;
+using StrideB = typename Kernel::InternalStrideB;
+using StrideC = typename Kernel::InternalStrideC;
+using StrideD = typename Kernel::InternalStrideD;
+
+using grouped::leading_stride;
+
+// The per-group arrays the kernel reads (device memory, carved from one block).
+struct Groups {
+  GroupShape* shapes;
+  const ElementAB** a;
+  const ElementAB** b;
+  const ElementD** c;
+  ElementD** d;
+  const float** sfa;
+  const float** sfb;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideC* stride_c;
+  StrideD* stride_d;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
+};
+
+size_t align_up(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+
+size_t group_bytes(int max_groups) {
+  const size_t n = static_cast<size_t>(max_groups);
+  return align_up(n * sizeof(GroupShape)) + 6 * align_up(n * sizeof(void*)) + align_up(n * sizeof(StrideA)) +
+         align_up(n * sizeof(StrideB)) + align_up(n * sizeof(StrideC)) + align_up(n * sizeof(StrideD)) +
+         align_up(n * sizeof(LayoutSFA)) + align_up(n * sizeof(LayoutSFB));
+}
+
+Groups carve(void* block, int max_groups) {
+  const size_t n = static_cast<size_t>(max_groups);
+  char* p = static_cast<char*>(block);
+  auto take = [&](size_t bytes) {
+    char* at = p;
+    p += align_up(bytes);
+    return at;
+  };
+  Groups g;
+  g.shapes = reinterpret_cast<GroupShape*>(take(n * sizeof(GroupShape)));
+  g.a = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+  g.b = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+  g.c = reinterpret_cast<const ElementD**>(take(n * sizeof(void*)));
+  g.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
+  g.sfa = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+  g.sfb = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+  g.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
+  g.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
+  g.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
+  g.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+  g.layout_sfa = reinterpret_cast<LayoutSFA*>(take(n * sizeof(LayoutSFA)));
+  g.layout_sfb = reinterpret_cast<LayoutSFB*>(take(n * sizeof(LayoutSFB)));
+  return g;
+}
+
+typename Gemm::Arguments arguments(const Groups& g, int groups, float beta, int sm_count) {
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = 0;
+  hw_info.sm_count = sm_count;
+  typename Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 1.0f;
+  fusion.beta = beta;
+  fusion.alpha_ptr = nullptr;
+  fusion.beta_ptr = nullptr;
+  fusion.alpha_ptr_array = nullptr;
+  fusion.beta_ptr_array = nullptr;
+  fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+  fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+  // No host copy of the problem sizes: the kernel reads them on the device.
+  args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                  {groups, g.shapes, nullptr},
+                                  {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
+                                  {fusion, g.c, g.stride_c, g.d, g.stride_d},
+                                  hw_info};
+  return args;
+}
+
+// Set s's operands: B codes and scales, the output.
+struct Sets {
+  const ElementAB* b[ExpertGemmFp8::kMaxSets];
+  const float* sfb[ExpertGemmFp8::kMaxSets];
+  ElementD* out[ExpertGemmFp8::kMaxSets];
+};
+
+// Group s * E + e: expert e of set s. A is shared by the sets (rows [first, first + rows)
+// of the [R, K] codes, their scales at first * KB); B of expert e at e * N * K, its scales
+// at e * NB * KB; the output rows at first * ld_out.
+__global__ void describe(Groups g, Sets sets, int groups, const int32_t* offsets_E1, int64_t E, int64_t N, int64_t K,
+                         const ElementAB* a, const float* sfa, int64_t ld_out) {
+  const int group = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (group >= groups) return;
+  const int set = static_cast<int>(group / E);
+  const int64_t expert = group % E;
+  const int64_t first = offsets_E1[expert], rows = offsets_E1[expert + 1] - first;
+  const int64_t KB = K / fp8::kBlock, NB = fp8::blocks(N);
+  const GroupShape shape(static_cast<int>(rows), static_cast<int>(N), static_cast<int>(K));
+  g.shapes[group] = shape;
+  g.a[group] = a + first * K;
+  g.b[group] = sets.b[set] + expert * N * K;
+  g.c[group] = sets.out[set] + first * ld_out;
+  g.d[group] = sets.out[set] + first * ld_out;
+  g.sfa[group] = sfa + first * KB;
+  g.sfb[group] = sets.sfb[set] + expert * NB * KB;
+  g.stride_a[group] = leading_stride<StrideA>(K);
+  g.stride_b[group] = leading_stride<StrideB>(K);
+  g.stride_c[group] = leading_stride<StrideC>(ld_out);
+  g.stride_d[group] = leading_stride<StrideD>(ld_out);
+  // The grouped mainloop derives each group's scale layouts from its shape; these say the same.
+  g.layout_sfa[group] = ScaleConfig::tile_atom_to_shape_SFA(shape);
+  g.layout_sfb[group] = ScaleConfig::tile_atom_to_shape_SFB(shape);
+}
+
+void check_shape(const char* what, int64_t N, int64_t K, int64_t ld_out) {
+  MOE_CHECKF(K > 0 && K % fp8::kBlock == 0, "%s: K = %lld is not a multiple of %lld (the fp8 scale blocks)", what,
+             static_cast<long long>(K), static_cast<long long>(fp8::kBlock));
+  MOE_CHECKF(N > 0 && N % 8 == 0 && ld_out % 8 == 0 && ld_out >= N,
+             "%s: N = %lld and ld_out = %lld must be multiples of 8 (ld_out >= N)", what, static_cast<long long>(N),
+             static_cast<long long>(ld_out));
+}
+
+}  // namespace
+
+struct ExpertGemmFp8::State {
+  int64_t max_experts = 0, n_experts = 0;
+  int device_sms = 0, sm_count = 0;
+  // One block of per-group arrays per operation, so that operations on different streams
+  // never overwrite each other's descriptions.
+  gpu::DeviceArray<char> forward_groups, data_groups, workspace;
+
+  void run(const gpu::DeviceArray<char>& groups_block, const Sets& sets, int n_sets, const int32_t* offsets_E1,
+           int64_t N, int64_t K, const uint8_t* a, const float* sfa, int64_t ld_out, float beta, Stream stream) const {
+    const int groups = static_cast<int>(n_sets * n_experts);
+    const Groups g = carve(groups_block.data(), groups);
+    describe<<<(groups + 127) / 128, 128, 0, stream>>>(g, sets, groups, offsets_E1, n_experts, N, K,
+                                                        reinterpret_cast<const ElementAB*>(a), sfa, ld_out);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    const auto args = arguments(g, groups, beta, sm_count);
+    MOE_CHECKF(Gemm::get_workspace_size(args) <= workspace.size(), "fp8 grouped GEMM: workspace too small");
+    Gemm gemm;
+    cutlass::Status status = gemm.initialize(args, workspace.data(), stream);
+    MOE_CHECKF(status == cutlass::Status::kSuccess, "fp8 grouped GEMM: initialize failed: %s",
+               cutlassGetStatusString(status));
+    status = gemm.run(stream);
+    MOE_CHECKF(status == cutlass::Status::kSuccess, "fp8 grouped GEMM: launch failed: %s",
+               cutlassGetStatusString(status));
+  }
+};
+
+ExpertGemmFp8::ExpertGemmFp8(int64_t max_experts) : state_(new State) {
+  State& s = *state_;
+  MOE_CHECKF(max_experts >= 1, "ExpertGemmFp8: room for %lld experts", static_cast<long long>(max_experts));
+  s.max_experts = s.n_experts = max_experts;
+  int device = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.device_sms, cudaDevAttrMultiProcessorCount, device));
+  s.sm_count = s.device_sms;
+  const int max_groups = static_cast<int>(kMaxSets * max_experts);
+  s.forward_groups = gpu::DeviceArray<char>(group_bytes(max_groups));
+  s.data_groups = gpu::DeviceArray<char>(group_bytes(max_groups));
+  const Groups none{};
+  s.workspace =
+      gpu::DeviceArray<char>(std::max<size_t>(Gemm::get_workspace_size(arguments(none, max_groups, 0.0f, s.device_sms)),
+                                              size_t{256}));
+}
+
+ExpertGemmFp8::~ExpertGemmFp8() { delete state_; }
+
+void ExpertGemmFp8::set_sm_limit(int sms) {
+  const int whole = std::max(kClusterSms, sms / kClusterSms * kClusterSms);
+  state_->sm_count = sms > 0 && whole < state_->device_sms ? whole : state_->device_sms;
+}
+
+void ExpertGemmFp8::set_experts(int64_t n_experts) {
+  MOE_CHECKF(n_experts >= 0 && n_experts <= state_->max_experts, "ExpertGemmFp8: %lld experts, room for %lld",
+             static_cast<long long>(n_experts), static_cast<long long>(state_->max_experts));
+  state_->n_experts = n_experts;
+}
+
+void ExpertGemmFp8::forward(int sets, bf16* const* out, int64_t ld_out, const uint8_t* x_codes, const float* x_scales,
+                            const uint8_t* const* w_codes, const float* const* w_scales, const int32_t* offsets_E1,
+                            int64_t N, int64_t K, Stream stream) {
+  MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemmFp8: %d sets", sets);
+  check_shape("ExpertGemmFp8::forward", N, K, ld_out);
+  if (state_->n_experts == 0) return;
+  Sets pointers{};
+  for (int s = 0; s < sets; ++s) {
+    pointers.b[s] = reinterpret_cast<const ElementAB*>(w_codes[s]);
+    pointers.sfb[s] = w_scales[s];
+    pointers.out[s] = reinterpret_cast<ElementD*>(out[s]);
+  }
+  state_->run(state_->forward_groups, pointers, sets, offsets_E1, N, K, x_codes, x_scales, ld_out, 0.0f, stream);
+}
+
+void ExpertGemmFp8::backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_codes, const float* dy_scales,
+                                  const uint8_t* wt_codes, const float* wt_scales, const int32_t* offsets_E1,
+                                  int64_t N, int64_t K, float beta, Stream stream) {
+  check_shape("ExpertGemmFp8::backward_data", N, K, ld_out);
+  if (state_->n_experts == 0) return;
+  Sets pointers{};
+  pointers.b[0] = reinterpret_cast<const ElementAB*>(wt_codes);
+  pointers.sfb[0] = wt_scales;
+  pointers.out[0] = reinterpret_cast<ElementD*>(out);
+  state_->run(state_->data_groups, pointers, 1, offsets_E1, N, K, dy_codes, dy_scales, ld_out, beta, stream);
+}
+
+}  // namespace moe::cuda

@@ -1,0 +1,70 @@
+// Fine-grained (blockwise) fp8 e4m3 quantisation for the FP8 GEMMs (docs/FP8.md): the
+// CPU reference of the GPU's quantisation kernels (kernels/fp8_gpu_ops.h), bit for bit.
+// Activations get one scale per row and 128 columns (1 x 128 tiles along K), weights one
+// per 128 x 128 block (DeepSeek-V3's recipe). The scales are powers of two, so
+// value = decode(code) * scale is exact, dequantisation and the scale products inside the
+// GEMM lose nothing, and quantising W^T gives exactly the transpose of quantising W.
+//
+// Scale layouts (what CUTLASS's Hopper blockwise-scaled GEMM reads, M/N-major):
+//  - activation rows, grouped by expert (expert e owns rows [first_e, first_e + rows_e)):
+//    expert e's scales start at first_e * KB and are [KB][rows_e] (rows contiguous), so
+//    scale(r, kb) = scales[first_e * KB + kb * rows_e + (r - first_e)]; R rows in one
+//    group (no offsets) is the same with first = 0, rows = R. KB = K / 128.
+//  - weights [E, N, K] (B of x @ W^T): expert e's scales are [KB][NB] (n-blocks
+//    contiguous) at e * NB * KB; the transposed copy W^T [E, K, N] (B of dy @ W) has
+//    [NB][KB] (k-blocks contiguous), i.e. the same grid in the other order.
+#pragma once
+#include <bit>
+#include <cstdint>
+
+#include "core/bf16.h"
+
+namespace moe::fp8 {
+
+inline constexpr int64_t kBlock = 128;
+
+constexpr int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
+
+// The scale of a tile of absolute maximum `amax`: the smallest power of two 2^e with
+// amax / 2^e <= 448 (e4m3's largest finite), e >= -126 (a normal float); 1 for a tile of
+// zeros or a non-finite amax. Exact integer work on the float's bits, so the host and the
+// device agree (constexpr: nvcc's --expt-relaxed-constexpr lets kernels call it).
+constexpr float block_scale(float amax) {
+  const uint32_t u = std::bit_cast<uint32_t>(amax);
+  const uint32_t biased = (u >> 23) & 0xffu;
+  if (u == 0 || (u >> 31) != 0 || biased == 0xffu) return 1.0f;
+  if (biased == 0) return std::bit_cast<float>(uint32_t{1} << 23);  // subnormal amax: 2^-126
+  // amax = 1.m * 2^(biased - 127) <= 1.75 * 2^(8 + e)  <=>  e >= biased - 135 (+1 if 1.m > 1.75)
+  int e = static_cast<int>(biased) - 135 + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);
+  if (e < -126) e = -126;
+  return std::bit_cast<float>(static_cast<uint32_t>(e + 127) << 23);
+}
+
+constexpr int64_t activation_scale_index(int64_t first, int64_t rows, int64_t r, int64_t kb, int64_t KB) {
+  return first * KB + kb * rows + (r - first);
+}
+constexpr int64_t weight_scale_index(int64_t e, int64_t nb, int64_t kb, int64_t NB, int64_t KB) {
+  return (e * KB + kb) * NB + nb;
+}
+constexpr int64_t weight_t_scale_index(int64_t e, int64_t nb, int64_t kb, int64_t NB, int64_t KB) {
+  return (e * NB + nb) * KB + kb;
+}
+
+// Activation rows x [R, K] (row stride ld_x) -> codes [R, K] (packed) and scales as above.
+// offsets_E1 (E + 1 values, or null for one group of all R rows): only the rows below
+// offsets[E] are written. K must be a multiple of 128.
+void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, int64_t ld_x,
+                             const int32_t* offsets_E1, int64_t E, int64_t R, int64_t K);
+// The inverse: x[r, k] = decode(code) * scale, for the rows below offsets[E].
+void dequantize_rows_blockwise(float* x_RK, const uint8_t* codes_RK, const float* scales, const int32_t* offsets_E1,
+                               int64_t E, int64_t R, int64_t K);
+
+// Weights w [E, N, K] -> codes [E, N, K] and scales [E][KB][NB], and the transposed copy
+// codes_t [E, K, N] with scales_t [E][NB][KB] (either pair may be null, not both). Edge
+// blocks (N or K not a multiple of 128) take the amax of their part.
+void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
+                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K);
+void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const float* scales, int64_t E, int64_t N,
+                              int64_t K);
+
+}  // namespace moe::fp8

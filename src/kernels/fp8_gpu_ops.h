@@ -1,0 +1,77 @@
+// The FP8 GEMMs with fine-grained scaling (Hopper, CUTLASS's blockwise-scaled wgmma
+// kernels) and the quantisation kernels that feed them (docs/FP8.md). Formats and scale
+// layouts: kernels/fp8_blockwise.h, whose CPU functions the quantisation kernels match
+// bit for bit. Declared without CUDA headers; `stream` is a cudaStream_t.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda {
+
+// Activation rows x [R, K] (row stride ld_x, a multiple of 4) -> e4m3 codes [R, K] and
+// one power-of-two scale per row and 128 columns, grouped by the device offsets_E1 (E + 1
+// values; null: one group of all R rows) as fp8::activation_scale_index says; rows at or
+// past offsets[E] are not written. K a multiple of 128.
+void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, int64_t ld_x,
+                             const int32_t* offsets_E1, int64_t E, int64_t R, int64_t K, Stream stream);
+
+// Weights w [E, N, K] -> codes [E, N, K] with scales [E][KB][NB], and their transpose
+// codes_t [E, K, N] with scales_t [E][NB][KB] (the B operand of dy @ W); either pair may
+// be null, not both. One power-of-two scale per 128 x 128 block.
+void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
+                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K, Stream stream);
+
+// The experts' FP8 GEMMs over the device row layout (as ExpertGemm: expert e owns rows
+// [offsets_E1[e], offsets_E1[e + 1]), read on the device, no host synchronisation; empty
+// experts cost nothing). Operands are quantised by the functions above; the scales are
+// applied inside the GEMM (fp32 accumulation per 128-deep slice, then scaled and summed),
+// the output is bf16. K must be a multiple of 128, N and ld_out multiples of 8.
+class ExpertGemmFp8 {
+ public:
+  explicit ExpertGemmFp8(int64_t max_experts);
+  ~ExpertGemmFp8();
+  ExpertGemmFp8(const ExpertGemmFp8&) = delete;
+  ExpertGemmFp8& operator=(const ExpertGemmFp8&) = delete;
+  static constexpr int kMaxSets = 2;
+  // out[s] rows of e ([rows_e, N], ld_out) = x rows of e @ W_e^T, x from
+  // quantize_rows_blockwise over offsets_E1 ([R, K] codes, their scales), W = set s's
+  // quantize_weight_blocks codes [E, N, K] and scales.
+  void forward(int sets, bf16* const* out, int64_t ld_out, const uint8_t* x_codes, const float* x_scales,
+               const uint8_t* const* w_codes, const float* const* w_scales, const int32_t* offsets_E1, int64_t N,
+               int64_t K, Stream stream);
+  // out rows of e ([rows_e, N], ld_out) = dy rows of e ([rows_e, K]) @ W_e + beta * out,
+  // with W_e [K, N] given as its quantised transpose (quantize_weight_blocks' codes_t
+  // [E, N, K] and scales_t of the [E, K, N] weight).
+  void backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_codes, const float* dy_scales,
+                     const uint8_t* wt_codes, const float* wt_scales, const int32_t* offsets_E1, int64_t N, int64_t K,
+                     float beta, Stream stream);
+  // As ExpertGemm's.
+  void set_sm_limit(int sms);
+  void set_experts(int64_t n_experts);
+
+ private:
+  struct State;
+  State* state_;
+};
+
+// Dense FP8 GEMM for the projections: c [M, N] (bf16, row stride ldc) = a [M, K] @ b^T +
+// beta * c, with a from quantize_rows_blockwise (no offsets) and b [N, K] from
+// quantize_weight_blocks (E = 1; for dy @ W pass the transposed copy). K a multiple of
+// 128, N and ldc multiples of 8.
+class DenseGemmFp8 {
+ public:
+  DenseGemmFp8();
+  ~DenseGemmFp8();
+  DenseGemmFp8(const DenseGemmFp8&) = delete;
+  DenseGemmFp8& operator=(const DenseGemmFp8&) = delete;
+  void gemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const float* a_scales, const uint8_t* b_codes,
+            const float* b_scales, int64_t M, int64_t N, int64_t K, float beta, Stream stream);
+
+ private:
+  struct State;
+  State* state_;
+};
+
+}  // namespace moe::cuda

@@ -1,0 +1,206 @@
+// `moe bench --kernels`, FP8 half: the experts' GEMMs of one MoE layer through the FP8
+// grouped GEMM with blockwise scaling beside the bf16 grouped GEMM (same shapes, balanced
+// routing), the quantisation kernels that feed them, and the dense FP8 GEMM beside
+// cuBLASLt's bf16 one (docs/FP8.md). TFLOP/s count the GEMM's 2MNK alone; the
+// quantisation is listed on its own (in training each quantised operand is made once).
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include <algorithm>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/error.h"
+#include "core/gpu.h"
+#include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
+#include "kernels/gpu_ops.h"
+#include "train/cuda/kernel_bench_util.h"
+
+namespace moe {
+namespace {
+
+using bench::filled;
+using bench::median_ms;
+
+// One operand quantised: e4m3 codes and their scales (and, for weights, the transposed copy).
+struct Quantised {
+  gpu::DeviceArray<uint8_t> codes, codes_t;
+  gpu::DeviceArray<float> scales, scales_t;
+};
+
+Quantised rows_buffer(int64_t R, int64_t K) {
+  return {gpu::DeviceArray<uint8_t>(R * K), {}, gpu::DeviceArray<float>(R * (K / fp8::kBlock)), {}};
+}
+
+Quantised weight_buffer(int64_t E, int64_t N, int64_t K) {
+  const int64_t S = E * fp8::blocks(N) * fp8::blocks(K);
+  return {gpu::DeviceArray<uint8_t>(E * N * K), gpu::DeviceArray<uint8_t>(E * N * K), gpu::DeviceArray<float>(S),
+          gpu::DeviceArray<float>(S)};
+}
+
+struct GemmRow {
+  std::string name;
+  double flops, bf16_ms, fp8_ms;
+};
+
+struct QuantRow {
+  std::string name;
+  double bytes, ms;  // bf16 read + e4m3 (and scales) written
+};
+
+}  // namespace
+
+void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
+  const ModelConfig& mc = config.model;
+  const int64_t T = config.training.micro_batch * mc.seq_len, D = mc.dim, E = mc.moe.n_experts, K = mc.moe.top_k,
+                F = mc.moe.expert_hidden;
+  if (D % fp8::kBlock != 0 || F % fp8::kBlock != 0) {
+    fmt::print(out, "fp8 GEMMs: skipped (dim {} and expert_hidden {} must be multiples of {})\n", D, F, fp8::kBlock);
+    return;
+  }
+  // The routing of kernel_bench.cpp: T * K / E rows per expert, the rest to the last.
+  const int64_t R = T * K, per_expert = R / E;
+  std::vector<int32_t> offsets(static_cast<size_t>(E + 1));
+  for (int64_t e = 0; e <= E; ++e) offsets[static_cast<size_t>(e)] = static_cast<int32_t>(std::min(R, e * per_expert));
+  offsets[static_cast<size_t>(E)] = static_cast<int32_t>(R);
+  gpu::DeviceArray<int32_t> offsets_d(offsets.size());
+  offsets_d.upload(offsets.data(), offsets.size());
+  const int32_t* off = offsets_d.data();
+  auto x = filled<bf16>(R * D, 1.0f, 1), gate_up = filled<bf16>(R * 2 * F, 1.0f, 2), act = filled<bf16>(R * F, 1.0f, 3),
+       y = filled<bf16>(R * D, 1.0f, 4);
+  auto w1 = filled<bf16>(E * F * D, 0.02f, 5), w3 = filled<bf16>(E * F * D, 0.02f, 6), w2 = filled<bf16>(E * D * F, 0.02f, 7);
+  const cuda::Stream stream = nullptr;
+
+  // Quantisation: the forward's inputs (x, act), the data gradients' (dy of the down
+  // projection, dgate and dup), the weights with their transposes.
+  Quantised xq = rows_buffer(R, D), actq = rows_buffer(R, F), dyq = rows_buffer(R, D), dgq = rows_buffer(R, F),
+            duq = rows_buffer(R, F);
+  Quantised w1q = weight_buffer(E, F, D), w3q = weight_buffer(E, F, D), w2q = weight_buffer(E, D, F);
+  auto rows = [&](Quantised& q, const bf16* in, int64_t ld, int64_t width) {
+    cuda::quantize_rows_blockwise(q.codes.data(), q.scales.data(), in, ld, off, E, R, width, stream);
+  };
+  auto weight = [&](Quantised& q, const bf16* w, int64_t N, int64_t Kw) {
+    cuda::quantize_weight_blocks(q.codes.data(), q.scales.data(), q.codes_t.data(), q.scales_t.data(), w, E, N, Kw,
+                                 stream);
+  };
+  const double row_bytes_D = static_cast<double>(R * D) * 3 + R * D / fp8::kBlock * 4.0,
+               row_bytes_F = static_cast<double>(R * F) * 3 + R * F / fp8::kBlock * 4.0,
+               weight_bytes = static_cast<double>(E * F * D) * 4;  // bf16 read, codes and transposed codes written
+  std::vector<QuantRow> quant;
+  quant.push_back({"x [rows,D]", row_bytes_D, median_ms([&] { rows(xq, x.data(), D, D); })});
+  quant.push_back({"act [rows,F]", row_bytes_F, median_ms([&] { rows(actq, act.data(), F, F); })});
+  quant.push_back({"dy [rows,D]", row_bytes_D, median_ms([&] { rows(dyq, y.data(), D, D); })});
+  quant.push_back({"dgate, dup 2x[rows,F] (ld 2F)", 2 * row_bytes_F, median_ms([&] {
+                     rows(dgq, gate_up.data(), 2 * F, F);
+                     rows(duq, gate_up.data() + F, 2 * F, F);
+                   })});
+  quant.push_back({"w1, w3, w2 + transposes", 3 * weight_bytes, median_ms([&] {
+                     weight(w1q, w1.data(), F, D);
+                     weight(w3q, w3.data(), F, D);
+                     weight(w2q, w2.data(), D, F);
+                   })});
+
+  cuda::ExpertGemm bf16_gemm(E);
+  cuda::ExpertGemmFp8 fp8_gemm(E);
+  const double mnk = 2.0 * static_cast<double>(R) * static_cast<double>(D) * static_cast<double>(F);
+  std::vector<GemmRow> gemms;
+  {
+    bf16* outs[2] = {gate_up.data(), gate_up.data() + F};
+    const bf16* ws[2] = {w1.data(), w3.data()};
+    const uint8_t* wq[2] = {w1q.codes.data(), w3q.codes.data()};
+    const float* wsc[2] = {w1q.scales.data(), w3q.scales.data()};
+    gemms.push_back({"fwd gate|up  [rows,D]x[D,2F]", 2 * mnk,
+                     median_ms([&] { bf16_gemm.forward(2, outs, 2 * F, x.data(), D, ws, off, F, D, stream); }),
+                     median_ms([&] {
+                       fp8_gemm.forward(2, outs, 2 * F, xq.codes.data(), xq.scales.data(), wq, wsc, off, F, D, stream);
+                     })});
+  }
+  {
+    bf16* outs[1] = {y.data()};
+    const bf16* ws[1] = {w2.data()};
+    const uint8_t* wq[1] = {w2q.codes.data()};
+    const float* wsc[1] = {w2q.scales.data()};
+    gemms.push_back({"fwd down     [rows,F]x[F,D]", mnk,
+                     median_ms([&] { bf16_gemm.forward(1, outs, D, act.data(), F, ws, off, D, F, stream); }),
+                     median_ms([&] {
+                       fp8_gemm.forward(1, outs, D, actq.codes.data(), actq.scales.data(), wq, wsc, off, D, F, stream);
+                     })});
+  }
+  gemms.push_back({"dgrad down   [rows,D]x[D,F]", mnk,
+                   median_ms([&] { bf16_gemm.backward_data(act.data(), F, y.data(), D, w2.data(), off, F, D, 0, stream); }),
+                   median_ms([&] {
+                     fp8_gemm.backward_data(act.data(), F, dyq.codes.data(), dyq.scales.data(), w2q.codes_t.data(),
+                                            w2q.scales_t.data(), off, F, D, 0, stream);
+                   })});
+  gemms.push_back({"dgrad gate+up 2x[rows,F]x[F,D]", 2 * mnk, median_ms([&] {
+                     bf16_gemm.backward_data(x.data(), D, gate_up.data(), 2 * F, w1.data(), off, D, F, 0, stream);
+                     bf16_gemm.backward_data(x.data(), D, gate_up.data() + F, 2 * F, w3.data(), off, D, F, 1, stream);
+                   }),
+                   median_ms([&] {
+                     fp8_gemm.backward_data(x.data(), D, dgq.codes.data(), dgq.scales.data(), w1q.codes_t.data(),
+                                            w1q.scales_t.data(), off, D, F, 0, stream);
+                     fp8_gemm.backward_data(x.data(), D, duq.codes.data(), duq.scales.data(), w3q.codes_t.data(),
+                                            w3q.scales_t.data(), off, D, F, 1, stream);
+                   })});
+
+  // Dense: the [rows, D] x [D, F] ceiling of kernel_bench.cpp and a [T, D] x [D, D]
+  // projection, cuBLASLt bf16 against the FP8 GEMM (its A quantised as one group).
+  cuda::Blas blas;
+  cuda::DenseGemmFp8 dense;
+  std::vector<GemmRow> dense_rows;
+  if (R % 4 == 0 && T % 4 == 0) {
+    Quantised x_all = rows_buffer(R, D), x_proj = rows_buffer(T, D), proj = weight_buffer(1, D, D);
+    auto wp = filled<bf16>(D * D, 0.02f, 8);
+    cuda::quantize_rows_blockwise(x_all.codes.data(), x_all.scales.data(), x.data(), D, nullptr, 1, R, D, stream);
+    cuda::quantize_rows_blockwise(x_proj.codes.data(), x_proj.scales.data(), x.data(), D, nullptr, 1, T, D, stream);
+    cuda::quantize_weight_blocks(proj.codes.data(), proj.scales.data(), nullptr, nullptr, wp.data(), 1, D, D, stream);
+    dense_rows.push_back(
+        {fmt::format("[{},{}]x[{},{}] ceiling", R, D, D, F), mnk, median_ms([&] {
+           blas.gemm(false, true, R, F, D, 1, x.data(), D, w1.data(), D, 0, act.data(), false, F, stream);
+         }),
+         median_ms([&] {
+           // w1's first expert [F, D] and its scales (E = 1 has the same layout).
+           dense.gemm(act.data(), F, x_all.codes.data(), x_all.scales.data(), w1q.codes.data(), w1q.scales.data(), R,
+                      F, D, 0, stream);
+         })});
+    dense_rows.push_back(
+        {fmt::format("[{},{}]x[{},{}] projection", T, D, D, D), 2.0 * T * D * D, median_ms([&] {
+           blas.gemm(false, true, T, D, D, 1, x.data(), D, wp.data(), D, 0, y.data(), false, D, stream);
+         }),
+         median_ms([&] {
+           dense.gemm(y.data(), D, x_proj.codes.data(), x_proj.scales.data(), proj.codes.data(), proj.scales.data(), T,
+                      D, D, 0, stream);
+         })});
+  }
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+
+  fmt::print(out, "fp8 (e4m3, 1x128 activation and 128x128 weight scales) against bf16, same shapes:\n");
+  fmt::print(out, "  {:<36} {:>9} {:>8}   {:>9} {:>8}   {:>7}\n", "kernel", "bf16", "TFLOP/s", "fp8", "TFLOP/s",
+             "speedup");
+  double bf16_total = 0, fp8_total = 0, flops_total = 0;
+  auto print_gemm = [&](const GemmRow& row) {
+    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   {:7.3f}ms {:8.0f}   {:6.2f}x\n", row.name, row.bf16_ms,
+               row.flops / row.bf16_ms / 1e9, row.fp8_ms, row.flops / row.fp8_ms / 1e9, row.bf16_ms / row.fp8_ms);
+  };
+  for (const GemmRow& row : gemms) {
+    print_gemm(row);
+    bf16_total += row.bf16_ms;
+    fp8_total += row.fp8_ms;
+    flops_total += row.flops;
+  }
+  print_gemm({"expert fwd + dgrad GEMMs of the layer", flops_total, bf16_total, fp8_total});
+  for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
+  double quant_total = 0;
+  fmt::print(out, "  quantisation kernels (bf16 in, e4m3 + fp32 scales out):\n");
+  for (const QuantRow& row : quant) {
+    fmt::print(out, "    {:<34} {:7.3f}ms {:6.0f} GB/s\n", row.name, row.ms, row.bytes / row.ms / 1e6);
+    quant_total += row.ms;
+  }
+  fmt::print(out, "  fp8 expert GEMMs + all their quantisation: {:.3f} ms against bf16 {:.3f} ms ({:.2f}x)\n",
+             fp8_total + quant_total, bf16_total, bf16_total / (fp8_total + quant_total));
+}
+
+}  // namespace moe

@@ -1,0 +1,389 @@
+// The FP8 GEMMs with blockwise scaling (kernels/fp8_gpu_ops.h): the quantisation kernels
+// against the CPU reference (kernels/fp8_blockwise.h) bit for bit, and each GEMM against
+// an fp32-or-better reference computed from the dequantised inputs (the same codes and
+// scales), on ragged experts with empty ones, rows past the last expert, partial tiles,
+// edge blocks, two sets, accumulation; K not a multiple of 128 refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "expect_error.h"
+#include "gpu_test_util.h"
+#include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
+
+namespace moe {
+namespace {
+
+using fp8::kBlock;
+
+std::vector<int32_t> offsets_of(const std::vector<int32_t>& rows) {
+  std::vector<int32_t> offsets(rows.size() + 1, 0);
+  std::partial_sum(rows.begin(), rows.end(), offsets.begin() + 1);
+  return offsets;
+}
+
+// Normal values whose magnitude depends on the 128-wide tile of the row (a power of two in
+// 2^-5 .. 2^5), so that every tile has its own scale and a scale read from the wrong
+// place shows as a factor of 2 or more.
+std::vector<bf16> activations(int64_t R, int64_t ld, uint64_t seed) {
+  CounterRng rng(seed, "fp8 activations");
+  std::vector<bf16> x(static_cast<size_t>(R * ld));
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < ld; ++k) {
+      const int64_t i = r * ld + k;
+      const int exponent = static_cast<int>((r * 7 + k / kBlock * 3) % 11) - 5;
+      x[i] = float_to_bf16(static_cast<float>(std::ldexp(rng.normal(i), exponent)));
+    }
+  return x;
+}
+
+// Weights [E, N, K] around 0.02 whose magnitude depends on the 128 x 128 block.
+std::vector<bf16> weights(int64_t E, int64_t N, int64_t K, uint64_t seed) {
+  CounterRng rng(seed, "fp8 weights");
+  std::vector<bf16> w(static_cast<size_t>(E * N * K));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t i = (e * N + n) * K + k;
+        const int exponent = static_cast<int>((e * 5 + n / kBlock * 3 + k / kBlock * 7) % 9) - 4;
+        w[i] = float_to_bf16(static_cast<float>(0.02 * std::ldexp(rng.normal(i), exponent)));
+      }
+  return w;
+}
+
+template <typename T>
+void expect_same(const std::vector<T>& got, const std::vector<T>& want, size_t count, const std::string& what) {
+  ASSERT_GE(got.size(), count);
+  ASSERT_GE(want.size(), count);
+  size_t differ = 0, first = 0;
+  for (size_t i = 0; i < count; ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0 && differ++ == 0) first = i;
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << count << " differ, first at " << first;
+}
+
+// |got - want| <= 2^-7 |want| (the bf16 output's rounding, with room) + 2^-9 sum|a b|: the
+// tensor cores add e4m3 products with about 14 bits kept (truncated) before the promotion
+// to fp32 every 128 of K, an error near 2^-11 of sum|a b| at worst on random data. A scale
+// read from the wrong place is off by a factor of 2 or more (the inputs' tiles have
+// different powers of two), far outside. NaN never passes.
+void expect_gemm_close(const std::string& what, const std::vector<float>& got, const std::vector<double>& want,
+                       const std::vector<double>& abs_sum) {
+  ASSERT_EQ(got.size(), want.size());
+  size_t bad = 0, worst_at = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double allowed = std::ldexp(std::abs(want[i]), -7) + std::ldexp(abs_sum[i], -9) + 1e-30;
+    const double ratio = std::isfinite(got[i]) ? std::abs(got[i] - want[i]) / allowed : INFINITY;
+    if (!(ratio <= 1)) ++bad;
+    if (!(ratio <= worst)) {
+      worst = ratio;
+      worst_at = i;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " out of tolerance; worst at " << worst_at
+                     << ": got " << got[worst_at] << " want " << want[worst_at];
+}
+
+// ---------------------------------------------------------------------------------------
+// Quantisation kernels against the CPU reference.
+
+TEST(GpuFp8Quantize, RowsMatchTheCpuBitForBit) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int32_t> rows = {0, 5, 130, 0, 1, 64, 0, 300};
+  const std::vector<int32_t> offsets = offsets_of(rows);
+  const int64_t E = static_cast<int64_t>(rows.size()), kept = offsets[E], R = kept + 7, K = 384, KB = 3,
+                ld = K + 64;
+  std::vector<bf16> x = activations(R, ld, 1);
+  x[3 * ld + 5] = float_to_bf16(INFINITY);  // saturates to 448 * scale 1
+  for (int64_t k = 0; k < kBlock; ++k) x[10 * ld + k] = bf16{0};  // a tile of zeros: scale 1, codes 0
+  auto x_d = to_device(x);
+  auto offsets_d = to_device(offsets);
+  for (const bool grouped : {true, false}) {
+    std::vector<uint8_t> want_codes(R * K, 0xff);
+    std::vector<float> want_scales(R * KB);
+    std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
+    fp8::quantize_rows_blockwise(want_codes.data(), want_scales.data(), x.data(), ld,
+                                 grouped ? offsets.data() : nullptr, E, R, K);
+    auto codes_d = poisoned<uint8_t>(R * K);
+    auto scales_d = poisoned<float>(R * KB);
+    cuda::quantize_rows_blockwise(codes_d.data(), scales_d.data(), x_d.data(), ld,
+                                  grouped ? offsets_d.data() : nullptr, E, R, K, nullptr);
+    const std::string what = grouped ? "grouped rows" : "one group";
+    // All R * K entries: the rows past offsets[E] must still hold the poison on both sides.
+    expect_same(to_host(codes_d), want_codes, R * K, what + " codes");
+    expect_same(to_host(scales_d), want_scales, R * KB, what + " scales");
+  }
+}
+
+TEST(GpuFp8Quantize, WeightBlocksAndTheirTransposeMatchTheCpuBitForBit) {
+  MOE_REQUIRE_GPU();
+  for (const auto& [E, N, K] : {std::tuple<int64_t, int64_t, int64_t>{3, 200, 136}, {2, 256, 384}, {1, 8, 1000}}) {
+    const int64_t S = E * fp8::blocks(N) * fp8::blocks(K);
+    const std::vector<bf16> w = weights(E, N, K, 2);
+    std::vector<uint8_t> codes(E * N * K), codes_t(E * K * N);
+    std::vector<float> scales(S), scales_t(S);
+    fp8::quantize_weight_blocks(codes.data(), scales.data(), codes_t.data(), scales_t.data(), w.data(), E, N, K);
+    auto w_d = to_device(w);
+    auto codes_d = poisoned<uint8_t>(E * N * K), codes_t_d = poisoned<uint8_t>(E * K * N);
+    auto scales_d = poisoned<float>(S), scales_t_d = poisoned<float>(S);
+    cuda::quantize_weight_blocks(codes_d.data(), scales_d.data(), codes_t_d.data(), scales_t_d.data(), w_d.data(), E,
+                                 N, K, nullptr);
+    const std::string what = "[" + std::to_string(E) + ", " + std::to_string(N) + ", " + std::to_string(K) + "]";
+    expect_same(to_host(codes_d), codes, codes.size(), what + " codes");
+    expect_same(to_host(codes_t_d), codes_t, codes_t.size(), what + " transposed codes");
+    expect_same(to_host(scales_d), scales, scales.size(), what + " scales");
+    expect_same(to_host(scales_t_d), scales_t, scales_t.size(), what + " transposed scales");
+    // The transposed copy alone (the data gradients' use): the same bits.
+    auto only_t_d = poisoned<uint8_t>(E * K * N);
+    auto only_ts_d = poisoned<float>(S);
+    cuda::quantize_weight_blocks(nullptr, nullptr, only_t_d.data(), only_ts_d.data(), w_d.data(), E, N, K, nullptr);
+    expect_same(to_host(only_t_d), codes_t, codes_t.size(), what + " transposed codes alone");
+    expect_same(to_host(only_ts_d), scales_t, scales_t.size(), what + " transposed scales alone");
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The experts' grouped FP8 GEMM.
+
+struct Fp8Case {
+  std::vector<int32_t> rows_per_expert;
+  int64_t dropped_rows;  // rows of the buffers past the last expert's
+  int64_t N, K;
+};
+
+class GpuExpertGemmFp8 : public ::testing::TestWithParam<Fp8Case> {};
+
+// Rows past offsets[E] hold NaN poison (0xffff) and must still hold it.
+void expect_untouched(const std::vector<bf16>& got, int64_t first_row, int64_t rows, int64_t ld) {
+  size_t changed = 0;
+  for (int64_t r = first_row; r < rows; ++r)
+    for (int64_t c = 0; c < ld; ++c) changed += got[static_cast<size_t>(r * ld + c)].bits != 0xffff;
+  EXPECT_EQ(changed, 0u) << "rows past the last expert were written";
+}
+
+TEST_P(GpuExpertGemmFp8, ForwardTwoSetsMatchesTheDequantisedReference) {
+  MOE_REQUIRE_GPU();
+  const Fp8Case& c = GetParam();
+  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K, KB = K / kBlock;
+  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
+  const int64_t kept = offsets[E], R = kept + c.dropped_rows, S = E * fp8::blocks(N) * KB;
+  const std::vector<bf16> x = activations(R, K, 3);
+  const std::vector<bf16> w[2] = {weights(E, N, K, 4), weights(E, N, K, 5)};
+  // The GPU path: quantise on the device, then the GEMM.
+  auto x_d = to_device(x), w0_d = to_device(w[0]), w1_d = to_device(w[1]);
+  auto offsets_d = to_device(offsets);
+  auto xq_d = poisoned<uint8_t>(R * K);
+  auto xs_d = poisoned<float>(R * KB);
+  cuda::quantize_rows_blockwise(xq_d.data(), xs_d.data(), x_d.data(), K, offsets_d.data(), E, R, K, nullptr);
+  gpu::DeviceArray<uint8_t> wq_d[2] = {gpu::DeviceArray<uint8_t>(E * N * K), gpu::DeviceArray<uint8_t>(E * N * K)};
+  gpu::DeviceArray<float> ws_d[2] = {gpu::DeviceArray<float>(S), gpu::DeviceArray<float>(S)};
+  cuda::quantize_weight_blocks(wq_d[0].data(), ws_d[0].data(), nullptr, nullptr, w0_d.data(), E, N, K, nullptr);
+  cuda::quantize_weight_blocks(wq_d[1].data(), ws_d[1].data(), nullptr, nullptr, w1_d.data(), E, N, K, nullptr);
+  auto out_d = poisoned<bf16>(R * 2 * N);  // [R, 2N]: set 0 in columns [0, N), set 1 in [N, 2N)
+  cuda::ExpertGemmFp8 gemm(E);
+  bf16* outs[2] = {out_d.data(), out_d.data() + N};
+  const uint8_t* wq[2] = {wq_d[0].data(), wq_d[1].data()};
+  const float* ws[2] = {ws_d[0].data(), ws_d[1].data()};
+  gemm.forward(2, outs, 2 * N, xq_d.data(), xs_d.data(), wq, ws, offsets_d.data(), N, K, nullptr);
+  const std::vector<bf16> got_bits = to_host(out_d);
+  // The reference: the CPU's quantisation (the same bits, tested above), dequantised, in double.
+  std::vector<uint8_t> xq(R * K);
+  std::vector<float> xs(R * KB), xf(R * K);
+  fp8::quantize_rows_blockwise(xq.data(), xs.data(), x.data(), K, offsets.data(), E, R, K);
+  fp8::dequantize_rows_blockwise(xf.data(), xq.data(), xs.data(), offsets.data(), E, R, K);
+  std::vector<float> wf[2];
+  for (int s = 0; s < 2; ++s) {
+    std::vector<uint8_t> wq_host(E * N * K);
+    std::vector<float> ws_host(S);
+    wf[s].resize(E * N * K);
+    fp8::quantize_weight_blocks(wq_host.data(), ws_host.data(), nullptr, nullptr, w[s].data(), E, N, K);
+    fp8::dequantize_weight_blocks(wf[s].data(), wq_host.data(), ws_host.data(), E, N, K);
+  }
+  std::vector<double> want(kept * 2 * N), abs_sum(kept * 2 * N);
+  std::vector<float> got(kept * 2 * N);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      for (int s = 0; s < 2; ++s)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = 0, mag = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            const double p = double(xf[r * K + k]) * wf[s][(e * N + n) * K + k];
+            acc += p;
+            mag += std::abs(p);
+          }
+          const size_t i = static_cast<size_t>(r * 2 * N + s * N + n);
+          want[i] = acc;
+          abs_sum[i] = mag;
+          got[i] = bf16_to_float(got_bits[i]);
+        }
+  expect_gemm_close("fp8 grouped forward", got, want, abs_sum);
+  expect_untouched(got_bits, kept, R, 2 * N);
+  // Fewer multiprocessors (each tile still one CTA's work in the same order) and room for
+  // more experts than the call runs over: the same bits. No experts: nothing written.
+  gemm.set_sm_limit(9);
+  cuda::ExpertGemmFp8 roomy(E + 3);
+  roomy.set_experts(E);
+  for (cuda::ExpertGemmFp8* other : {&gemm, &roomy}) {
+    auto again_d = poisoned<bf16>(R * 2 * N);
+    bf16* again[2] = {again_d.data(), again_d.data() + N};
+    other->forward(2, again, 2 * N, xq_d.data(), xs_d.data(), wq, ws, offsets_d.data(), N, K, nullptr);
+    expect_same(to_host(again_d), got_bits, got_bits.size(),
+                other == &gemm ? "on 8 multiprocessors" : "with room for 3 more experts");
+  }
+  roomy.set_experts(0);
+  auto none_d = poisoned<bf16>(R * 2 * N);
+  bf16* none[2] = {none_d.data(), none_d.data() + N};
+  roomy.forward(2, none, 2 * N, xq_d.data(), xs_d.data(), wq, ws, offsets_d.data(), N, K, nullptr);
+  expect_untouched(to_host(none_d), 0, R, 2 * N);
+}
+
+TEST_P(GpuExpertGemmFp8, BackwardDataMatchesTheDequantisedReferenceAndAccumulates) {
+  MOE_REQUIRE_GPU();
+  const Fp8Case& c = GetParam();
+  // out [rows, N] = dy [rows, K] @ W_e, W_e [K, N]: the Linear weight [K, N] of a forward
+  // over N inputs, given to the GEMM as its quantised transpose.
+  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K, KB = K / kBlock;
+  const std::vector<int32_t> offsets = offsets_of(c.rows_per_expert);
+  const int64_t kept = offsets[E], R = kept + c.dropped_rows, S = E * fp8::blocks(N) * KB;
+  const std::vector<bf16> dy = activations(R, K, 6);
+  const std::vector<bf16> w = weights(E, K, N, 7);  // [E, K, N]
+  const std::vector<float> before = random_bf16_floats(R * N, 8, "before");
+  auto dy_d = to_device(dy), w_d = to_device(w);
+  auto offsets_d = to_device(offsets);
+  auto dyq_d = poisoned<uint8_t>(R * K);
+  auto dys_d = poisoned<float>(R * KB);
+  cuda::quantize_rows_blockwise(dyq_d.data(), dys_d.data(), dy_d.data(), K, offsets_d.data(), E, R, K, nullptr);
+  gpu::DeviceArray<uint8_t> wq_d(E * K * N), wtq_d(E * N * K);
+  gpu::DeviceArray<float> ws_d(S), wts_d(S);
+  cuda::quantize_weight_blocks(wq_d.data(), ws_d.data(), wtq_d.data(), wts_d.data(), w_d.data(), E, K, N, nullptr);
+  std::vector<uint8_t> dyq(R * K), wq(E * K * N);
+  std::vector<float> dys(R * KB), ws(S), dyf(R * K), wf(E * K * N);
+  fp8::quantize_rows_blockwise(dyq.data(), dys.data(), dy.data(), K, offsets.data(), E, R, K);
+  fp8::dequantize_rows_blockwise(dyf.data(), dyq.data(), dys.data(), offsets.data(), E, R, K);
+  fp8::quantize_weight_blocks(wq.data(), ws.data(), nullptr, nullptr, w.data(), E, K, N);
+  fp8::dequantize_weight_blocks(wf.data(), wq.data(), ws.data(), E, K, N);
+  cuda::ExpertGemmFp8 gemm(E);
+  for (const float beta : {0.0f, 1.0f}) {
+    auto out_d = beta == 0 ? poisoned<bf16>(R * N) : to_device_bf16(before);
+    gemm.backward_data(out_d.data(), N, dyq_d.data(), dys_d.data(), wtq_d.data(), wts_d.data(), offsets_d.data(), N,
+                       K, beta, nullptr);
+    const std::vector<bf16> got_bits = to_host(out_d);
+    std::vector<double> want(kept * N), abs_sum(kept * N);
+    std::vector<float> got(kept * N);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = beta * double(before[r * N + n]), mag = std::abs(acc);
+          for (int64_t k = 0; k < K; ++k) {
+            const double p = double(dyf[r * K + k]) * wf[(e * K + k) * N + n];
+            acc += p;
+            mag += std::abs(p);
+          }
+          want[r * N + n] = acc;
+          abs_sum[r * N + n] = mag;
+          got[r * N + n] = bf16_to_float(got_bits[r * N + n]);
+        }
+    expect_gemm_close(beta == 0 ? "fp8 grouped dgrad" : "fp8 grouped dgrad, accumulated", got, want, abs_sum);
+    if (beta == 0) expect_untouched(got_bits, kept, R, N);
+  }
+}
+
+TEST(GpuExpertGemmFp8Shapes, RefusesKThatIsNotAMultipleOf128) {
+  MOE_REQUIRE_GPU();
+  cuda::ExpertGemmFp8 gemm(2);
+  bf16* outs[1] = {nullptr};
+  const uint8_t* wq[1] = {nullptr};
+  const float* ws[1] = {nullptr};
+  test::expect_one_line_error<Error>(
+      [&] { gemm.forward(1, outs, 64, nullptr, nullptr, wq, ws, nullptr, 64, 200, nullptr); },
+      {"K = 200", "multiple of 128"});
+  test::expect_one_line_error<Error>(
+      [&] { gemm.backward_data(nullptr, 64, nullptr, nullptr, nullptr, nullptr, nullptr, 64, 96, 0.0f, nullptr); },
+      {"K = 96", "multiple of 128"});
+  cuda::DenseGemmFp8 dense;
+  test::expect_one_line_error<Error>(
+      [&] { dense.gemm(nullptr, 64, nullptr, nullptr, nullptr, nullptr, 64, 64, 160, 0.0f, nullptr); },
+      {"K = 160", "multiple of 128"});
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GpuExpertGemmFp8,
+    ::testing::Values(Fp8Case{{0, 37, 0, 300, 1, 129, 0}, 11, 256, 384},      // empty first, middle and last
+                      Fp8Case{{256, 256, 256, 256}, 0, 256, 256},              // even, tile-aligned
+                      Fp8Case{{3, 1000, 17, 0, 250, 8, 64, 1}, 40, 136, 128},  // ragged, N with an edge block
+                      Fp8Case{std::vector<int32_t>(16, 0), 5, 128, 128},       // every expert empty
+                      Fp8Case{[] {
+                                std::vector<int32_t> rows(64);
+                                for (int e = 0; e < 64; ++e) rows[e] = (e * 37) % 97;
+                                return rows;
+                              }(),
+                              0, 128, 256}));  // many small groups
+
+// ---------------------------------------------------------------------------------------
+// The dense FP8 GEMM.
+
+TEST(GpuDenseGemmFp8, MatchesTheDequantisedReferenceForwardAndDataGradient) {
+  MOE_REQUIRE_GPU();
+  cuda::DenseGemmFp8 dense;
+  // M not a tile multiple, N with an edge block, ldc past N; then a second shape through
+  // the same object.
+  for (const auto& [M, N, K, ldc] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{200, 136, 512, 144}, {1024, 384, 256, 384}}) {
+    const int64_t KB = K / kBlock, S = fp8::blocks(N) * KB;
+    const std::vector<bf16> a = activations(M, K, 9);
+    // B [N, K] as the transposed copy of a [K, N] weight (the data gradient's operand), so
+    // both outputs of the weight quantisation are exercised.
+    const std::vector<bf16> w_KN = weights(1, K, N, 10);
+    const std::vector<float> before = random_bf16_floats(M * ldc, 11, "before");
+    auto a_d = to_device(a), w_d = to_device(w_KN);
+    auto aq_d = poisoned<uint8_t>(M * K);
+    auto as_d = poisoned<float>(M * KB);
+    cuda::quantize_rows_blockwise(aq_d.data(), as_d.data(), a_d.data(), K, nullptr, 1, M, K, nullptr);
+    gpu::DeviceArray<uint8_t> wq_d(K * N), wtq_d(N * K);
+    gpu::DeviceArray<float> ws_d(S), wts_d(S);
+    cuda::quantize_weight_blocks(wq_d.data(), ws_d.data(), wtq_d.data(), wts_d.data(), w_d.data(), 1, K, N, nullptr);
+    std::vector<uint8_t> aq(M * K), wq(K * N);
+    std::vector<float> as(M * KB), ws(S), af(M * K), wf(K * N);
+    fp8::quantize_rows_blockwise(aq.data(), as.data(), a.data(), K, nullptr, 1, M, K);
+    fp8::dequantize_rows_blockwise(af.data(), aq.data(), as.data(), nullptr, 1, M, K);
+    fp8::quantize_weight_blocks(wq.data(), ws.data(), nullptr, nullptr, w_KN.data(), 1, K, N);
+    fp8::dequantize_weight_blocks(wf.data(), wq.data(), ws.data(), 1, K, N);
+    for (const float beta : {0.0f, 1.0f}) {
+      auto c_d = beta == 0 ? poisoned<bf16>(M * ldc) : to_device_bf16(before);
+      dense.gemm(c_d.data(), ldc, aq_d.data(), as_d.data(), wtq_d.data(), wts_d.data(), M, N, K, beta, nullptr);
+      const std::vector<bf16> got_bits = to_host(c_d);
+      std::vector<double> want(M * N), abs_sum(M * N);
+      std::vector<float> got(M * N);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double acc = beta * double(before[m * ldc + n]), mag = std::abs(acc);
+          for (int64_t k = 0; k < K; ++k) {
+            const double p = double(af[m * K + k]) * wf[k * N + n];
+            acc += p;
+            mag += std::abs(p);
+          }
+          want[m * N + n] = acc;
+          abs_sum[m * N + n] = mag;
+          got[m * N + n] = bf16_to_float(got_bits[m * ldc + n]);
+        }
+      expect_gemm_close("dense fp8 [" + std::to_string(M) + ", " + std::to_string(N) + ", " + std::to_string(K) +
+                            "] beta " + std::to_string(beta),
+                        got, want, abs_sum);
+      // Columns [N, ldc) are not the GEMM's: untouched.
+      size_t changed = 0;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = N; n < ldc; ++n)
+          changed += beta == 0 ? got_bits[m * ldc + n].bits != 0xffff
+                               : bf16_to_float(got_bits[m * ldc + n]) != before[m * ldc + n];
+      EXPECT_EQ(changed, 0u) << "columns past N written";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe

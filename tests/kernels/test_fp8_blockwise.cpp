@@ -1,0 +1,162 @@
+// The blockwise fp8 quantisation's CPU reference (kernels/fp8_blockwise.h): the
+// power-of-two scale rule, round trips within e4m3's rounding, the scale layouts (the
+// grouping by expert moves scales, never codes), the transposed weight copy (exactly the
+// transpose), edge blocks, and K that is not a multiple of 128 refused.
+#include "kernels/fp8_blockwise.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "expect_error.h"
+
+namespace moe {
+namespace {
+
+using fp8::kBlock;
+
+std::vector<bf16> random_bf16(size_t n, uint64_t seed, const char* name, double scale) {
+  CounterRng rng(seed, name);
+  std::vector<bf16> v(n);
+  // Normal values times a per-element power of two in [2^-6, 2^6]: tiles of very different ranges.
+  for (size_t i = 0; i < n; ++i)
+    v[i] = float_to_bf16(static_cast<float>(scale * rng.normal(i) * std::ldexp(1.0, static_cast<int>(i / 128 % 13) - 6)));
+  return v;
+}
+
+// e4m3 keeps 3 mantissa bits (relative error <= 2^-4 in its normal range, subnormal steps
+// of 2^-9 before the scale).
+void expect_round_trip(float got, float want, float scale, const std::string& where) {
+  const float allowed = std::max(std::fabs(want) * 0.0625f, scale * std::ldexp(1.0f, -10));
+  ASSERT_LE(std::fabs(got - want), allowed) << where << ": " << got << " vs " << want << " scale " << scale;
+}
+
+TEST(Fp8Blockwise, ScaleIsTheSmallestPowerOfTwoThatFits) {
+  EXPECT_EQ(fp8::block_scale(448.0f), 1.0f);
+  EXPECT_EQ(fp8::block_scale(448.5f), 2.0f);
+  EXPECT_EQ(fp8::block_scale(224.0f), 0.5f);
+  EXPECT_EQ(fp8::block_scale(1.0f), std::ldexp(1.0f, -8));
+  EXPECT_EQ(fp8::block_scale(0.0f), 1.0f);
+  EXPECT_EQ(fp8::block_scale(std::numeric_limits<float>::infinity()), 1.0f);
+  EXPECT_EQ(fp8::block_scale(std::numeric_limits<float>::quiet_NaN()), 1.0f);
+  EXPECT_EQ(fp8::block_scale(1e-40f), std::ldexp(1.0f, -126));  // subnormal amax: clamped
+  EXPECT_EQ(fp8::block_scale(1e-37f), std::ldexp(1.0f, -126));
+  CounterRng rng(1, "amax");
+  for (int i = 0; i < 10000; ++i) {
+    const float amax = static_cast<float>(std::ldexp(rng.uniform(i), static_cast<int>(i % 200) - 100));
+    const float scale = fp8::block_scale(amax);
+    int exponent = 0;
+    ASSERT_EQ(std::frexp(scale, &exponent), 0.5f) << "a power of two";
+    ASSERT_LE(amax / scale, 448.0f) << amax;
+    if (scale > std::ldexp(1.0f, -126)) ASSERT_GT(amax / (scale / 2), 448.0f) << amax << ": not the smallest";
+  }
+}
+
+TEST(Fp8Blockwise, RowsRoundTripAndTheirScalesAreTight) {
+  const int64_t R = 37, K = 384, KB = K / kBlock, ld = K + 16;
+  const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * ld), 2, "x", 3.0);
+  std::vector<uint8_t> codes(R * K);
+  std::vector<float> scales(R * KB), back(R * K);
+  fp8::quantize_rows_blockwise(codes.data(), scales.data(), x.data(), ld, nullptr, 1, R, K);
+  fp8::dequantize_rows_blockwise(back.data(), codes.data(), scales.data(), nullptr, 1, R, K);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      // One group of R rows: scale(r, kb) at kb * R + r.
+      const float scale = scales[kb * R + r];
+      float amax = 0;
+      for (int64_t k = kb * kBlock; k < (kb + 1) * kBlock; ++k) {
+        const float want = bf16_to_float(x[r * ld + k]);
+        amax = std::max(amax, std::fabs(want));
+        expect_round_trip(back[r * K + k], want, scale, "row " + std::to_string(r));
+      }
+      EXPECT_EQ(scale, fp8::block_scale(amax));
+      EXPECT_GT(amax / scale, 224.0f) << "the tile's largest value uses the top binade";
+    }
+}
+
+TEST(Fp8Blockwise, GroupingByExpertMovesScalesNotCodes) {
+  // Ragged experts, empty ones first, in the middle and last, and rows past the last expert.
+  const std::vector<int32_t> rows = {0, 5, 130, 0, 1, 64, 0};
+  std::vector<int32_t> offsets(rows.size() + 1, 0);
+  std::partial_sum(rows.begin(), rows.end(), offsets.begin() + 1);
+  const int64_t E = static_cast<int64_t>(rows.size()), kept = offsets[E], R = kept + 3, K = 256, KB = 2;
+  const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * K), 3, "x", 1.0);
+  std::vector<uint8_t> grouped(R * K, 0xAB), whole(R * K);
+  std::vector<float> grouped_scales(R * KB, -1.0f), whole_scales(R * KB);
+  fp8::quantize_rows_blockwise(grouped.data(), grouped_scales.data(), x.data(), K, offsets.data(), E, R, K);
+  fp8::quantize_rows_blockwise(whole.data(), whole_scales.data(), x.data(), K, nullptr, 1, R, K);
+  for (int64_t i = 0; i < kept * K; ++i) ASSERT_EQ(grouped[i], whole[i]) << i;
+  for (int64_t i = kept * K; i < R * K; ++i) ASSERT_EQ(grouped[i], 0xAB) << "row past the last expert written";
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        ASSERT_EQ(grouped_scales[(offsets[e] * KB) + kb * rows[e] + (r - offsets[e])], whole_scales[kb * R + r])
+            << "expert " << e << " row " << r;
+  for (int64_t i = kept * KB; i < R * KB; ++i) ASSERT_EQ(grouped_scales[i], -1.0f) << "scale past the last expert";
+  std::vector<float> back(R * K);
+  fp8::dequantize_rows_blockwise(back.data(), grouped.data(), grouped_scales.data(), offsets.data(), E, R, K);
+  for (int64_t i = 0; i < kept * K; ++i)
+    expect_round_trip(back[i], bf16_to_float(x[i]), whole_scales[(i % K) / kBlock * R + i / K],
+                      "grouped row element " + std::to_string(i));
+}
+
+TEST(Fp8Blockwise, WeightBlocksAndTheirTransposeAgree) {
+  // Edge blocks in both directions (200 = 128 + 72, 136 = 128 + 8).
+  const int64_t E = 3, N = 200, K = 136, NB = 2, KB = 2;
+  const std::vector<bf16> w = random_bf16(static_cast<size_t>(E * N * K), 4, "w", 0.02);
+  std::vector<uint8_t> codes(E * N * K), codes_t(E * K * N);
+  std::vector<float> scales(E * NB * KB), scales_t(E * NB * KB), back(E * N * K);
+  fp8::quantize_weight_blocks(codes.data(), scales.data(), codes_t.data(), scales_t.data(), w.data(), E, N, K);
+  fp8::dequantize_weight_blocks(back.data(), codes.data(), scales.data(), E, N, K);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t nb = 0; nb < NB; ++nb)
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        float amax = 0;
+        for (int64_t n = nb * kBlock; n < std::min(N, (nb + 1) * kBlock); ++n)
+          for (int64_t k = kb * kBlock; k < std::min(K, (kb + 1) * kBlock); ++k)
+            amax = std::max(amax, std::fabs(bf16_to_float(w[(e * N + n) * K + k])));
+        EXPECT_EQ(scales[(e * KB + kb) * NB + nb], fp8::block_scale(amax)) << e << " " << nb << " " << kb;
+        EXPECT_EQ(scales_t[(e * NB + nb) * KB + kb], scales[(e * KB + kb) * NB + nb]);
+      }
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        ASSERT_EQ(codes_t[(e * K + k) * N + n], codes[(e * N + n) * K + k]) << e << " " << n << " " << k;
+        expect_round_trip(back[(e * N + n) * K + k], bf16_to_float(w[(e * N + n) * K + k]),
+                          scales[(e * KB + k / kBlock) * NB + n / kBlock], "weight");
+      }
+  }
+  // The transposed copy is what quantising W^T directly gives (as [E, K, N] with [E][NB][KB] scales).
+  std::vector<bf16> wt(E * K * N);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) wt[(e * K + k) * N + n] = w[(e * N + n) * K + k];
+  std::vector<uint8_t> direct(E * K * N);
+  std::vector<float> direct_scales(E * NB * KB);
+  fp8::quantize_weight_blocks(direct.data(), direct_scales.data(), nullptr, nullptr, wt.data(), E, K, N);
+  EXPECT_EQ(direct, codes_t);
+  EXPECT_EQ(direct_scales, scales_t);
+  // The transposed copy alone, and neither copy refused.
+  std::vector<uint8_t> only_t(E * K * N);
+  std::vector<float> only_ts(E * NB * KB);
+  fp8::quantize_weight_blocks(nullptr, nullptr, only_t.data(), only_ts.data(), w.data(), E, N, K);
+  EXPECT_EQ(only_t, codes_t);
+  EXPECT_EQ(only_ts, scales_t);
+  EXPECT_THROW(fp8::quantize_weight_blocks(nullptr, nullptr, nullptr, nullptr, w.data(), E, N, K), Error);
+}
+
+TEST(Fp8Blockwise, RefusesKThatIsNotAMultipleOf128) {
+  std::vector<bf16> x(200);
+  std::vector<uint8_t> codes(200);
+  std::vector<float> scales(2);
+  test::expect_one_line_error<Error>(
+      [&] { fp8::quantize_rows_blockwise(codes.data(), scales.data(), x.data(), 200, nullptr, 1, 1, 200); },
+      {"K = 200", "multiple of 128"});
+}
+
+}  // namespace
+}  // namespace moe
