@@ -39,6 +39,17 @@ std::vector<int64_t> packed_offsets(const ParameterStore<float>& params) {
 
 }  // namespace
 
+GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, MomentDtype moments) {
+  GpuModelOptions options;
+  options.moments = moments;
+  options.bf16_expert_grads = training.expert_grad_dtype == GradDtype::Bf16;
+  options.recompute_layers = training.recompute_layers;
+  options.recompute_experts = training.recompute_experts;
+  options.deterministic = training.deterministic;
+  options.fp8_experts = training.precision == TrainingPrecision::Fp8;
+  return options;
+}
+
 GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<float>& params,
                                const GpuModelOptions& options)
     : state_(std::make_unique<State>()) {

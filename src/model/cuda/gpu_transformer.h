@@ -114,6 +114,9 @@ struct GpuModelOptions {
   // training.precision = fp8: the experts' forward and data-gradient GEMMs in fp8 with
   // blockwise scales (docs/FP8.md); model.dim and moe.expert_hidden multiples of 128.
   bool fp8_experts = false;
+  // What training.* sets (precision, expert gradients, recomputation, determinism) and the
+  // moments' dtype; the caller adds the exchange and placement.
+  static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);
 };
 
 class GpuTransformer {

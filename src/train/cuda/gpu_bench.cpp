@@ -32,12 +32,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   ParameterCounts counts;
   std::unique_ptr<GpuTransformer> gpu;
   std::unique_ptr<GpuOptimizer> optimizer;
-  GpuModelOptions options;
-  options.moments = config.optimizer.state_dtype;
-  options.bf16_expert_grads = config.training.expert_grad_dtype == GradDtype::Bf16;
-  options.recompute_layers = config.training.recompute_layers;
-  options.recompute_experts = config.training.recompute_experts;
-  options.deterministic = config.training.deterministic;
+  GpuModelOptions options = GpuModelOptions::from_config(config.training, config.optimizer.state_dtype);
   if (ep_loopback) {
     MOE_CHECK(mc.moe.n_experts > 0, "bench --ep-loopback needs an MoE model");
     if (options.bf16_expert_grads)
@@ -103,9 +98,10 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
   fmt::print(out,
-             "mode: AdamW moments {}, expert gradients {}, activations of {} layers recomputed, experts recompute {}, "
-             "CUDA graphs {}\n",
-             name_of(config.optimizer.state_dtype), name_of(config.training.expert_grad_dtype),
+             "mode: experts' GEMMs {}, AdamW moments {}, expert gradients {}, activations of {} layers recomputed, "
+             "experts recompute {}, CUDA graphs {}\n",
+             name_of(config.training.precision), name_of(config.optimizer.state_dtype),
+             name_of(config.training.expert_grad_dtype),
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
              name_of(config.training.recompute_experts),
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");

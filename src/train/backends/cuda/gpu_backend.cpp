@@ -584,15 +584,9 @@ class GpuBackend final : public ModelBackend {
   // settings and the expert-parallel exchange.
   void build_model() {
     const RunConfig& c = config_;
-    GpuModelOptions options;
-    options.moments = c.optimizer.state_dtype;
-    options.bf16_expert_grads = c.training.expert_grad_dtype == GradDtype::Bf16;
-    options.recompute_layers = c.training.recompute_layers;
-    options.recompute_experts = c.training.recompute_experts;
-    options.deterministic = c.training.deterministic;
+    GpuModelOptions options = GpuModelOptions::from_config(c.training, c.optimizer.state_dtype);
     options.expert_exchange = ep_;
     options.split_experts = ep_ && c.parallel.split_experts;
-    options.fp8_experts = c.training.precision == TrainingPrecision::Fp8;
     // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
     if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);
