@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -113,6 +114,33 @@ TEST(ParallelMerging, ZeroLevelsRebalancedAndSplitExpertsMatchOneProcess) {
     const RunResult got = train_parallel(config);
     expect_matches_reference(config, got);
     expect_merges_as_in_one_process(config, got);
+  }
+}
+
+// A 4-rank run with merging, checkpointed after a merge event (step 4) and resumed on the
+// same ranks, continues bit for bit through the next events (steps 6 and 8): the merged
+// state is in the ranks' pieces and the protected experts in the trainer's record.
+TEST(ParallelMerging, ResumeContinuesThroughMergeEvents) {
+  for (const auto& [ep, zero] : std::vector<std::pair<int64_t, int64_t>>{{1, 3}, {2, 1}}) {
+    SCOPED_TRACE("expert_parallel " + std::to_string(ep) + ", zero " + std::to_string(zero));
+    const std::filesystem::path dir = shared_dir("merge_resume_" + std::to_string(ep), true);
+    RunConfig config = merging_config(ep, zero);
+    config.model.vocab_size = 257;  // a config that validates (checkpoints re-read it); the task uses 16 ids
+    config.model.moe.merge_interval = 2;
+    config.training.steps = 8;
+    config.checkpoint.dir = dir.string();
+    config.checkpoint.interval = 4;
+    const RunResult whole = train_parallel(config);
+    ASSERT_TRUE(std::filesystem::exists(dir / "step_00000004" / "COMPLETE"));
+    config.checkpoint.dir = (dir / "resumed").string();
+    const RunResult resumed = train_parallel(config, (dir / "step_00000004").string());
+    ASSERT_EQ(resumed.loss.size(), 4u);
+    EXPECT_EQ(resumed.loss, std::vector<double>(whole.loss.begin() + 4, whole.loss.end()));
+    EXPECT_EQ(resumed.params, whole.params);
+    const std::vector<double> all = merge_log(whole);  // events at steps 2, 4, 6, 8: 2 layers x 2 pairs x 7
+    ASSERT_EQ(all.size(), 4u * 28u);
+    EXPECT_EQ(merge_log(resumed), std::vector<double>(all.begin() + 2 * 28, all.end())) << "the events after the resume";
+    remove_shared_dir(dir);
   }
 }
 
