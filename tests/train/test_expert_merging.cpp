@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 
 #include "expect_error.h"
@@ -231,17 +232,127 @@ TEST(ExpertMerging, InvalidSettingsAreRefusedWithOneLine) {
   EXPECT_NO_THROW(validate_config(config));
 }
 
-// Merging acts on one copy of the whole state: over ranks (tcp here) it is refused.
-TEST(ExpertMerging, MultiRankRunsAreRefusedWithOneLine) {
+// The multi-rank merge (merge_sharded_experts) against the host merge: each of 2 tcp ranks
+// hands in the pieces of the state it writes (host_state_pieces as replica r of 2: large
+// tensors split in halves, small ones whole to one rank), rebuilds the state by a sum over
+// the ranks and writes back the changed rows; every rank ends with the host merge's state,
+// bit for bit, and the same merges. Moments random, so a lost or doubled piece shows.
+TEST(ExpertMerging, ShardedMergeEqualsTheHostMerge) {
+  ModelConfig config = small_moe();
+  config.moe.router_bias = true;
+  config.moe.bias_balancing = true;
+  config.moe.merge_similarity = -1;
+  config.moe.merge_pairs = 2;
+  config.moe.merge_noise = 0.05;
+  const std::vector<std::vector<int64_t>> load = {{10, 30, 20, 5, 50, 1, 2, 3}};
+  const std::vector<std::vector<int64_t>> protect = {{6}};
+  const auto build = [&](std::unique_ptr<Transformer<float>>& model, std::unique_ptr<AdamW>& optimizer) {
+    model = std::make_unique<Transformer<float>>(config, 5);
+    optimizer = std::make_unique<AdamW>(OptimizerConfig{}, model->params());
+    CounterRng rng(3, "moments");
+    auto& m = optimizer->first_moment();
+    auto& v = optimizer->second_moment();
+    for (size_t i = 0; i < m.size(); ++i) {
+      m[i] = static_cast<float>(rng.normal(2 * i));
+      v[i] = static_cast<float>(std::abs(rng.normal(2 * i + 1)));
+    }
+    auto& bias = model->moe_layers()[0]->balance_bias_E();
+    for (size_t e = 0; e < bias.size(); ++e) bias[e] = 0.1f * static_cast<float>(e);
+  };
+  std::unique_ptr<Transformer<float>> want_model;
+  std::unique_ptr<AdamW> want_optimizer;
+  build(want_model, want_optimizer);
+  const auto want = merge_host_experts(*want_model, *want_optimizer, config.moe, load, protect, 7, 4);
+  ASSERT_EQ(want[0].size(), 2u);
+  const auto flat = [](Transformer<float>& model, AdamW& optimizer) {
+    std::vector<float> all;
+    auto& params = model.params();
+    for (int id = 0; id < params.size(); ++id) all.insert(all.end(), params.value(id), params.value(id) + params.numel(id));
+    all.insert(all.end(), optimizer.first_moment().begin(), optimizer.first_moment().end());
+    all.insert(all.end(), optimizer.second_moment().begin(), optimizer.second_moment().end());
+    const auto& bias = model.moe_layers()[0]->balance_bias_E();
+    all.insert(all.end(), bias.begin(), bias.end());
+    return all;
+  };
+  const std::vector<float> want_state = flat(*want_model, *want_optimizer);
+  dist::run_tcp_ranks(2, [&](std::unique_ptr<dist::Communicator>& world, int rank) {
+    std::unique_ptr<Transformer<float>> model;
+    std::unique_ptr<AdamW> optimizer;
+    build(model, optimizer);
+    const std::vector<float> before = flat(*model, *optimizer);
+    SavedState saved;
+    saved.pieces = host_state_pieces(*model, *optimizer, 2, rank);
+    const auto got = merge_sharded_experts(
+        *model, config.moe, saved, host_state_targets(*model, *optimizer),
+        [&](float* data, int64_t n) { world->all_reduce(data, static_cast<size_t>(n), dist::DType::f32); }, load,
+        protect, 7, 4);
+    ASSERT_EQ(got[0].size(), want[0].size());
+    for (size_t i = 0; i < want[0].size(); ++i) {
+      EXPECT_EQ(got[0][i].kept, want[0][i].kept);
+      EXPECT_EQ(got[0][i].freed, want[0][i].freed);
+      EXPECT_EQ(got[0][i].split_of, want[0][i].split_of);
+      EXPECT_EQ(got[0][i].similarity, want[0][i].similarity);
+      EXPECT_EQ(got[0][i].kept_share, want[0][i].kept_share);
+    }
+    const std::vector<float> after = flat(*model, *optimizer);
+    ASSERT_EQ(after.size(), want_state.size());
+    size_t differ = 0, changed = 0;
+    for (size_t i = 0; i < after.size(); ++i) {
+      differ += std::memcmp(&after[i], &want_state[i], sizeof(float)) != 0;
+      changed += after[i] != before[i];
+    }
+    EXPECT_EQ(differ, 0u) << "rank " << rank;
+    EXPECT_GT(changed, 0u);
+  });
+}
+
+// tcp ranks that claim device memory, as NCCL ranks do: the trainer takes them for GPU
+// ranks, where merging is not built (refused before anything runs on them).
+class ClaimsDeviceMemory final : public dist::Communicator {
+ public:
+  explicit ClaimsDeviceMemory(std::unique_ptr<dist::Communicator> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return "nccl-like"; }
+  bool device_memory() const override { return true; }
+  std::unique_ptr<dist::Work> all_reduce_async(void* d, size_t n, dist::DType t, dist::ReduceOp op) override {
+    return inner_->all_reduce_async(d, n, t, op);
+  }
+  std::unique_ptr<dist::Work> reduce_scatter_async(const void* s, void* r, size_t n, dist::DType t,
+                                                   dist::ReduceOp op) override {
+    return inner_->reduce_scatter_async(s, r, n, t, op);
+  }
+  std::unique_ptr<dist::Work> all_gather_async(const void* s, void* r, size_t n, dist::DType t) override {
+    return inner_->all_gather_async(s, r, n, t);
+  }
+  std::unique_ptr<dist::Work> all_to_all_v_async(const void* s, const std::vector<int64_t>& sc, void* r,
+                                                 const std::vector<int64_t>& rc, dist::DType t) override {
+    return inner_->all_to_all_v_async(s, sc, r, rc, t);
+  }
+  std::unique_ptr<dist::Work> broadcast_async(void* d, size_t n, dist::DType t, int root) override {
+    return inner_->broadcast_async(d, n, t, root);
+  }
+  void barrier() override { inner_->barrier(); }
+  std::unique_ptr<dist::Communicator> split(int color, int key) override {
+    return std::make_unique<ClaimsDeviceMemory>(inner_->split(color, key));
+  }
+
+ private:
+  std::unique_ptr<dist::Communicator> inner_;
+};
+
+// CPU ranks merge (tests/dist/test_parallel_mpi_merging.cpp); GPU ranks are refused.
+TEST(ExpertMerging, GpuRanksAreRefusedWithOneLine) {
   const RunConfig config = merging_config();
-  dist::run_tcp_ranks(2, [&](std::unique_ptr<dist::Communicator>& world, int) {
+  dist::run_tcp_ranks(2, [&](std::unique_ptr<dist::Communicator>& tcp, int) {
     const auto& m = config.model;
+    std::unique_ptr<dist::Communicator> world = std::make_unique<ClaimsDeviceMemory>(std::move(tcp));
     test::expect_one_line_error<ConfigError>(
         [&] {
           Trainer trainer(config, std::make_unique<test::ResumableTask>(16, m.seq_len, 1),
                           std::make_unique<test::ResumableTask>(16, m.seq_len, 2), std::move(world));
         },
-        {"moe.merge_interval", "2 ranks"});
+        {"moe.merge_interval", "2 GPU ranks"});
   });
 }
 

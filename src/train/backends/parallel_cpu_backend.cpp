@@ -425,6 +425,25 @@ void ParallelCpuBackend::restore_placement(const std::string& text) {
   load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
 }
 
+// After apply_update (ZeRO-3 gathers released: only the own pieces are current) and
+// end_step (a re-placement done): the pieces are what a checkpoint would save, the targets
+// what a resume would fill, so every layout (ZeRO 0-3, expert windows, hinges, replicas)
+// is covered by the code that checkpoints already trust.
+std::vector<std::vector<ExpertMerge>> ParallelCpuBackend::merge_experts(
+    const MoEConfig& config, const std::vector<std::vector<int64_t>>& load_LE,
+    const std::vector<std::vector<int64_t>>& protected_LE, uint64_t seed, int64_t step) {
+  const CommStats step_stats = stats_;  // save_state resets them; the step's are not taken yet
+  const SavedState saved = save_state(rank(), world_size());
+  stats_ = step_stats;
+  const std::vector<StateTarget> targets = restore_targets();
+  return merge_sharded_experts(
+      host_model(), config, saved, targets,
+      [this](float* data, int64_t n) {
+        timed_blocking(stats_, [&] { groups_.world->all_reduce(data, static_cast<size_t>(n), dist::DType::f32); });
+      },
+      load_LE, protected_LE, seed, step);
+}
+
 double ParallelCpuBackend::sum_over_ranks(double value) { return world_sum(value); }
 
 void ParallelCpuBackend::end_validation() {

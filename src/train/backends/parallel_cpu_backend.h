@@ -72,6 +72,12 @@ class ParallelCpuBackend final : public ModelBackend {
   // placement (the GPU backend's record, so either resumes the other's).
   std::string placement_state() const override;
   void restore_placement(const std::string& state) override;
+  // moe.merge_interval: every rank rebuilds the MoE layers' state whole from the ranks'
+  // pieces, takes the same merges, and keeps its own part (merge_sharded_experts).
+  std::vector<std::vector<ExpertMerge>> merge_experts(const MoEConfig& config,
+                                                      const std::vector<std::vector<int64_t>>& load_LE,
+                                                      const std::vector<std::vector<int64_t>>& protected_LE,
+                                                      uint64_t seed, int64_t step) override;
 
  private:
   double world_sum(double value);
