@@ -188,6 +188,9 @@ class ExpertGemm {
   void set_experts(int64_t n_experts);
 
  private:
+  template <typename Grad>
+  void backward_weight_into(int sets, Grad* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b, int64_t ld_b,
+                            const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream, float beta);
   struct State;
   State* state_;
 };

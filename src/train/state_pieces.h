@@ -49,5 +49,10 @@ std::vector<int64_t> tensor_shape(const Shape& shape);
 // `replicas` ranks, this one copy `replica`; and as targets.
 std::vector<StatePiece> host_state_pieces(Transformer<float>& model, AdamW& optimizer, int replicas, int replica);
 std::vector<StateTarget> host_state_targets(Transformer<float>& model, AdamW& optimizer);
+// The MoE layers' router state alone (balance_bias/LAYER, router_temperature/LAYER), whole
+// on every rank: what every backend saves beside its own parameter pieces (the data point
+// into the layers: valid until the next step).
+void append_router_state_pieces(Transformer<float>& model, int replicas, int replica, std::vector<StatePiece>& pieces);
+void append_router_state_targets(Transformer<float>& model, std::vector<StateTarget>& targets);
 
 }  // namespace moe

@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "core/gpu.h"
 #include "kernels/cuda/grouped_gemm_entry.h"
@@ -83,26 +84,33 @@ void ExpertGemm::backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_
                          state_->n_experts, N, K, beta, stream);
 }
 
-void ExpertGemm::backward_weight(int sets, float* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b,
-                                 int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream,
-                                 float beta) {
+// The checks both gradient dtypes share, then the fp32 or bf16 instantiation.
+template <typename Grad>
+void ExpertGemm::backward_weight_into(int sets, Grad* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b,
+                                      int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream,
+                                      float beta) {
   MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
   check_widths("ExpertGemm::backward_weight", {M, N, ld_a, ld_b});
   MOE_CHECKF(beta == 0.0f || beta == 1.0f, "ExpertGemm::backward_weight: beta %g (0 or 1)", beta);
   if (state_->n_experts == 0) return;
-  grouped::backward_weight(state_->scratch(state_->weight_groups), sets, dw, a, ld_a, b, ld_b, offsets_E1,
-                           state_->n_experts, M, N, beta, stream);
+  const grouped::Scratch scratch = state_->scratch(state_->weight_groups);
+  if constexpr (std::is_same_v<Grad, float>)
+    grouped::backward_weight(scratch, sets, dw, a, ld_a, b, ld_b, offsets_E1, state_->n_experts, M, N, beta, stream);
+  else
+    grouped::backward_weight_bf16(scratch, sets, dw, a, ld_a, b, ld_b, offsets_E1, state_->n_experts, M, N, beta,
+                                  stream);
+}
+
+void ExpertGemm::backward_weight(int sets, float* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b,
+                                 int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream,
+                                 float beta) {
+  backward_weight_into(sets, dw, a, ld_a, b, ld_b, offsets_E1, M, N, stream, beta);
 }
 
 void ExpertGemm::backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b,
                                  int64_t ld_b, const int32_t* offsets_E1, int64_t M, int64_t N, Stream stream,
                                  float beta) {
-  MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "ExpertGemm: %d sets", sets);
-  check_widths("ExpertGemm::backward_weight", {M, N, ld_a, ld_b});
-  MOE_CHECKF(beta == 0.0f || beta == 1.0f, "ExpertGemm::backward_weight: beta %g (0 or 1)", beta);
-  if (state_->n_experts == 0) return;
-  grouped::backward_weight_bf16(state_->scratch(state_->weight_groups), sets, dw, a, ld_a, b, ld_b, offsets_E1,
-                                state_->n_experts, M, N, beta, stream);
+  backward_weight_into(sets, dw, a, ld_a, b, ld_b, offsets_E1, M, N, stream, beta);
 }
 
 }  // namespace moe::cuda

@@ -531,16 +531,7 @@ SavedState ParallelCpuBackend::save_state(int, int) {
       state.pieces.push_back({"adam_v/" + name, shape_of(e.id), share, e.share_count, e.v, replicas, replica});
     }
   }
-  for (auto* layer : host_model().moe_layers()) {
-    auto& bias = layer->balance_bias_E();
-    const auto n = static_cast<int64_t>(bias.size());
-    state.pieces.push_back({"balance_bias/" + layer->prefix(), {n}, 0, n, bias.data(), world, rank});
-    if (layer->temperature_control()) {
-      auto& temperature = layer->temperature_state();
-      const auto count = static_cast<int64_t>(temperature.size());
-      state.pieces.push_back({"router_temperature/" + layer->prefix(), {count}, 0, count, temperature.data(), world, rank});
-    }
-  }
+  append_router_state_pieces(host_model(), world, rank, state.pieces);
   stats_ = CommStats{};
   return state;
 }
@@ -580,16 +571,7 @@ std::vector<StateTarget> ParallelCpuBackend::restore_targets() {
       targets.push_back({"adam_m/" + params.spec(e.id).name, shape_of(e.id), begin, e.share_count, e.m});
       targets.push_back({"adam_v/" + params.spec(e.id).name, shape_of(e.id), begin, e.share_count, e.v});
     }
-  for (auto* layer : host_model().moe_layers()) {
-    auto& bias = layer->balance_bias_E();
-    const auto n = static_cast<int64_t>(bias.size());
-    targets.push_back({"balance_bias/" + layer->prefix(), {n}, 0, n, bias.data()});
-    if (layer->temperature_control()) {
-      auto& temperature = layer->temperature_state();
-      const auto count = static_cast<int64_t>(temperature.size());
-      targets.push_back({"router_temperature/" + layer->prefix(), {count}, 0, count, temperature.data()});
-    }
-  }
+  append_router_state_targets(host_model(), targets);
   return targets;
 }
 

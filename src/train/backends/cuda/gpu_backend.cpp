@@ -476,29 +476,17 @@ class GpuBackend final : public ModelBackend {
   // Pinning tens of GB takes seconds: done once, at the start, so that no save waits for it.
   void reserve_save_buffers(bool report) {
     const auto start = std::chrono::steady_clock::now();
-    const OwnedPieces* before = saved_.get();
-    const std::shared_ptr<OwnedPieces> pieces = save_buffers(own_pieces(/*restoring=*/false));
+    const OwnedPieces* before = save_buffers_.last();
+    const std::shared_ptr<OwnedPieces> pieces = save_buffers_.take(own_pieces(/*restoring=*/false));
     if (report && pieces.get() != before)  // planned again: the same buffers
       spdlog::info("checkpoint: {:.2f} GB of pinned host memory for this rank's saves, in {:.1f} s",
                    static_cast<double>(pieces->elements()) * 12e-9,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  // Host buffers for `now`: the last save's if its write is done (only saved_ holds them)
-  // and the sizes agree (a re-placement moves experts between slots, not their sizes);
-  // else new pinned ones, kept for the next save.
-  std::shared_ptr<OwnedPieces> save_buffers(OwnedPieces now) {
-    if (saved_ && saved_.use_count() == 1 && saved_->elements() == now.elements()) {
-      saved_->pieces = std::move(now.pieces);
-      return saved_;
-    }
-    saved_ = std::make_shared<OwnedPieces>(std::move(now));
-    saved_->allocate(/*pinned=*/true);
-    return saved_;
-  }
   SavedState save_state(int rank, int world) override {
     if (dp_) dp_->join_stage_gathers();
     auto& params = host_model().params();
-    const std::shared_ptr<OwnedPieces> pieces = save_buffers(own_pieces(/*restoring=*/false));
+    const std::shared_ptr<OwnedPieces> pieces = save_buffers_.take(own_pieces(/*restoring=*/false));
     SavedState state;
     state.adam_steps = steps_;
     for (const OwnedPieces::Piece& p : pieces->pieces) {
@@ -510,17 +498,13 @@ class GpuBackend final : public ModelBackend {
       state.pieces.push_back({"adam_m/" + name, shape, p.begin, n, pieces->m_of(p), p.replicas, p.replica});
       state.pieces.push_back({"adam_v/" + name, shape, p.begin, n, pieces->v_of(p), p.replicas, p.replica});
     }
-    // The balancing biases are small: the checkpoint copies them (they change every step).
+    // The router state is small: the checkpoint keeps copies of it (it changes every step).
     auto biases = std::make_shared<std::list<std::vector<float>>>();
-    for (auto* layer : host_model().moe_layers()) {
-      const std::vector<float>& bias = biases->emplace_back(layer->balance_bias_E());
-      const auto count = static_cast<int64_t>(bias.size());
-      state.pieces.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data(), world, rank});
-      if (layer->temperature_control()) {
-        const std::vector<float>& temperature = biases->emplace_back(layer->temperature_state());
-        const auto n = static_cast<int64_t>(temperature.size());
-        state.pieces.push_back({"router_temperature/" + layer->prefix(), {n}, 0, n, temperature.data(), world, rank});
-      }
+    std::vector<StatePiece> router;
+    append_router_state_pieces(host_model(), world, rank, router);
+    for (StatePiece& piece : router) {
+      piece.data = biases->emplace_back(piece.data, piece.data + piece.count).data();
+      state.pieces.push_back(std::move(piece));
     }
     state.owner = std::make_shared<std::pair<std::shared_ptr<OwnedPieces>, decltype(biases)>>(pieces, biases);
     return state;
@@ -551,16 +535,7 @@ class GpuBackend final : public ModelBackend {
       targets.push_back({"adam_m/" + name, shape, p.begin, n, restored_.m_of(p)});
       targets.push_back({"adam_v/" + name, shape, p.begin, n, restored_.v_of(p)});
     }
-    for (auto* layer : host_model().moe_layers()) {
-      auto& bias = layer->balance_bias_E();
-      const auto count = static_cast<int64_t>(bias.size());
-      targets.push_back({"balance_bias/" + layer->prefix(), {count}, 0, count, bias.data()});
-      if (layer->temperature_control()) {
-        auto& temperature = layer->temperature_state();
-        const auto n = static_cast<int64_t>(temperature.size());
-        targets.push_back({"router_temperature/" + layer->prefix(), {n}, 0, n, temperature.data()});
-      }
-    }
+    append_router_state_targets(host_model(), targets);
     return targets;
   }
   void finish_restore(int64_t adam_steps) override {
@@ -808,7 +783,7 @@ class GpuBackend final : public ModelBackend {
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
   std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
-  std::shared_ptr<OwnedPieces> saved_;  // checkpoints: the last save's pieces (pinned buffers, reused)
+  SaveBufferPool save_buffers_;  // checkpoints: the last save's pieces (pinned buffers, reused)
   OwnedPieces restored_;                // the pieces a restore fills
   std::vector<RangeList> zero_held_;    // ZeRO: per backward stage, the ranges this rank holds
   dist::ExpertParallelZero ep_zero_;    // ZeRO under expert parallelism: the two groups' plans

@@ -130,4 +130,14 @@ OwnedPieces replica_pieces(const ParameterStore<float>& params, int world, int r
   return own;
 }
 
+std::shared_ptr<OwnedPieces> SaveBufferPool::take(OwnedPieces now) {
+  if (saved_ && saved_.use_count() == 1 && saved_->elements() == now.elements()) {
+    saved_->pieces = std::move(now.pieces);
+    return saved_;
+  }
+  saved_ = std::make_shared<OwnedPieces>(std::move(now));
+  saved_->allocate(/*pinned=*/true);
+  return saved_;
+}
+
 }  // namespace moe

@@ -67,4 +67,16 @@ OwnedPieces expert_slot_pieces(const ParameterStore<float>& params, const Expert
 // a save downloads 1 / world of the state.
 OwnedPieces replica_pieces(const ParameterStore<float>& params, int world, int rank, bool whole);
 
+// Pinned host buffers for a rank's saves. take(now): the last save's buffers again if its
+// write is done (only the pool still holds them) and the sizes agree (a re-placement moves
+// experts between slots, not their sizes); else new pinned ones, kept for the next save.
+class SaveBufferPool {
+ public:
+  std::shared_ptr<OwnedPieces> take(OwnedPieces now);
+  const OwnedPieces* last() const { return saved_.get(); }
+
+ private:
+  std::shared_ptr<OwnedPieces> saved_;
+};
+
 }  // namespace moe
