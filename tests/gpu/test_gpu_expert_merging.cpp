@@ -1,13 +1,18 @@
-// Expert merging on one GPU (moe.merge_interval) against the CPU reference: two GPU runs of
+// Expert merging on the GPU (moe.merge_interval) against the CPU reference: two GPU runs of
 // the same two steps, one merging after step 2; the first run's state (checkpoint) merged
 // on the host by merge_host_experts must be the second run's state, every weight, AdamW
-// moment and balancing bias.
+// moment and balancing bias. On one GPU and over thread ranks sharing it (data parallel at
+// ZeRO 0-3, expert parallel, both): each rank's pieces summed into whole tensors, merged,
+// written back (GpuBackend::merge_experts), so the checkpoint is the host merge's state.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
 #include <sstream>
 
+#include <thread>
+
+#include "dist/cuda/thread_communicator.h"
 #include "gpu_test_util.h"
 #include "train/checkpoint.h"
 #include "train/expert_merging.h"
@@ -31,28 +36,62 @@ RunConfig merge_run(const std::filesystem::path& dir, bool merging) {
   return config;
 }
 
-std::vector<std::vector<int64_t>> run(const RunConfig& config) {
-  const auto& m = config.model;
-  Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
-                  std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2));
-  EXPECT_TRUE(trainer.on_gpu());
+// Rank 0's loads of the last step (summed over the ranks).
+std::vector<std::vector<int64_t>> run(const RunConfig& config, int ranks) {
+  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(ranks);
   std::vector<std::vector<int64_t>> load_LE;
-  trainer.on_step = [&](const StepStats& stats) {
-    load_LE.clear();
-    for (const LayerRouting& l : stats.layers) load_LE.push_back(l.tokens_E);
-  };
-  std::ostringstream log;
-  trainer.run(log);
+  std::vector<std::string> errors(static_cast<size_t>(ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        const auto& m = config.model;
+        Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
+                        std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2),
+                        std::move(worlds[static_cast<size_t>(r)]));
+        EXPECT_TRUE(trainer.on_gpu());
+        if (r == 0)
+          trainer.on_step = [&](const StepStats& stats) {
+            load_LE.clear();
+            for (const LayerRouting& l : stats.layers) load_LE.push_back(l.tokens_E);
+          };
+        std::ostringstream log;
+        trainer.run(log);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
   return load_LE;
 }
 
-TEST(GpuExpertMerging, MergeMatchesTheCpuReference) {
+struct Layout {
+  int ranks = 1, ep = 1, zero = 0;
+  bool rebalance = false, split = false;  // re-placement by load every step, split experts
+};
+
+class GpuExpertMerging : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(GpuExpertMerging, MergeMatchesTheCpuReference) {
   MOE_REQUIRE_GPU();
-  const auto root = std::filesystem::temp_directory_path() / ("moe_gpu_merge_" + std::to_string(::getpid()));
+  const Layout layout = GetParam();
+  const auto root = std::filesystem::temp_directory_path() /
+                    ("moe_gpu_merge_" + std::to_string(::getpid()) + "_" + std::to_string(layout.ranks) + "_" +
+                     std::to_string(layout.ep) + "_" + std::to_string(layout.zero) + "_" +
+                     std::to_string(layout.rebalance) + std::to_string(layout.split));
   std::filesystem::remove_all(root);
-  const RunConfig plain = merge_run(root / "plain", false), merging = merge_run(root / "merge", true);
-  const auto load_LE = run(plain);
-  run(merging);
+  RunConfig plain = merge_run(root / "plain", false), merging = merge_run(root / "merge", true);
+  for (RunConfig* c : {&plain, &merging}) {
+    c->training.micro_batch /= layout.ranks;  // the same global batch
+    c->parallel.expert_parallel = layout.ep;
+    c->parallel.zero = layout.zero;
+    c->parallel.rebalance_interval = layout.rebalance ? 1 : 0;
+    c->parallel.split_experts = layout.split;
+  }
+  const auto load_LE = run(plain, layout.ranks);
+  run(merging, layout.ranks);
+  ASSERT_FALSE(HasFailure());
   const LoadedCheckpoint a = read_checkpoint(root / "plain" / "step_00000002");
   const LoadedCheckpoint b = read_checkpoint(root / "merge" / "step_00000002");
   // The plain run's state into a host model and AdamW, merged there by the CPU reference.
@@ -93,6 +132,16 @@ TEST(GpuExpertMerging, MergeMatchesTheCpuReference) {
     close(read_tensor(b, "balance_bias/" + layer->prefix()), layer->balance_bias_E().data(), "balance_bias");
   std::filesystem::remove_all(root);
 }
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GpuExpertMerging,
+                         ::testing::Values(Layout{1, 1, 0}, Layout{2, 1, 0}, Layout{2, 1, 1}, Layout{2, 1, 3},
+                                           Layout{2, 2, 0}, Layout{4, 2, 1}, Layout{2, 2, 0, true},
+                                           Layout{2, 2, 0, true, true}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           const Layout& l = info.param;
+                           return "ranks" + std::to_string(l.ranks) + "_ep" + std::to_string(l.ep) + "_zero" +
+                                  std::to_string(l.zero) + (l.rebalance ? "_replaced" : "") + (l.split ? "_split" : "");
+                         });
 
 }  // namespace
 }  // namespace moe

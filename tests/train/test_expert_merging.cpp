@@ -306,55 +306,5 @@ TEST(ExpertMerging, ShardedMergeEqualsTheHostMerge) {
   });
 }
 
-// tcp ranks that claim device memory, as NCCL ranks do: the trainer takes them for GPU
-// ranks, where merging is not built (refused before anything runs on them).
-class ClaimsDeviceMemory final : public dist::Communicator {
- public:
-  explicit ClaimsDeviceMemory(std::unique_ptr<dist::Communicator> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return "nccl-like"; }
-  bool device_memory() const override { return true; }
-  std::unique_ptr<dist::Work> all_reduce_async(void* d, size_t n, dist::DType t, dist::ReduceOp op) override {
-    return inner_->all_reduce_async(d, n, t, op);
-  }
-  std::unique_ptr<dist::Work> reduce_scatter_async(const void* s, void* r, size_t n, dist::DType t,
-                                                   dist::ReduceOp op) override {
-    return inner_->reduce_scatter_async(s, r, n, t, op);
-  }
-  std::unique_ptr<dist::Work> all_gather_async(const void* s, void* r, size_t n, dist::DType t) override {
-    return inner_->all_gather_async(s, r, n, t);
-  }
-  std::unique_ptr<dist::Work> all_to_all_v_async(const void* s, const std::vector<int64_t>& sc, void* r,
-                                                 const std::vector<int64_t>& rc, dist::DType t) override {
-    return inner_->all_to_all_v_async(s, sc, r, rc, t);
-  }
-  std::unique_ptr<dist::Work> broadcast_async(void* d, size_t n, dist::DType t, int root) override {
-    return inner_->broadcast_async(d, n, t, root);
-  }
-  void barrier() override { inner_->barrier(); }
-  std::unique_ptr<dist::Communicator> split(int color, int key) override {
-    return std::make_unique<ClaimsDeviceMemory>(inner_->split(color, key));
-  }
-
- private:
-  std::unique_ptr<dist::Communicator> inner_;
-};
-
-// CPU ranks merge (tests/dist/test_parallel_mpi_merging.cpp); GPU ranks are refused.
-TEST(ExpertMerging, GpuRanksAreRefusedWithOneLine) {
-  const RunConfig config = merging_config();
-  dist::run_tcp_ranks(2, [&](std::unique_ptr<dist::Communicator>& tcp, int) {
-    const auto& m = config.model;
-    std::unique_ptr<dist::Communicator> world = std::make_unique<ClaimsDeviceMemory>(std::move(tcp));
-    test::expect_one_line_error<ConfigError>(
-        [&] {
-          Trainer trainer(config, std::make_unique<test::ResumableTask>(16, m.seq_len, 1),
-                          std::make_unique<test::ResumableTask>(16, m.seq_len, 2), std::move(world));
-        },
-        {"moe.merge_interval", "2 GPU ranks"});
-  });
-}
-
 }  // namespace
 }  // namespace moe

@@ -157,6 +157,23 @@ void GpuDataParallel::reduce(double* values, int64_t n, ReduceOp op) {
   });
 }
 
+void GpuDataParallel::sum(float* values, int64_t n) {
+  constexpr int64_t kPiece = int64_t{1} << 24;  // floats per round trip (64 MB)
+  if (n <= 0) return;
+  timed_blocking(stats_, [&] {
+    ensure_scratch((std::min(n, kPiece) + 1) / 2);
+    auto* scratch = reinterpret_cast<float*>(scratch_);
+    for (int64_t at = 0; at < n; at += kPiece) {
+      const int64_t count = std::min(kPiece, n - at);
+      const size_t bytes = static_cast<size_t>(count) * sizeof(float);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(scratch, values + at, bytes, cudaMemcpyHostToDevice, as_stream(stream_)));
+      (sum_group_ ? *sum_group_ : *group_).all_reduce(scratch, static_cast<size_t>(count), DType::f32, ReduceOp::sum);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(values + at, scratch, bytes, cudaMemcpyDeviceToHost, as_stream(stream_)));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(as_stream(stream_)));
+    }
+  });
+}
+
 void GpuDataParallel::all_reduce_grads() {
   cudaStream_t stream = as_stream(stream_);
   MOE_CUDA_CHECK(cudaEventRecord(as_event(sync_begin_), stream));

@@ -63,6 +63,9 @@ class GpuDataParallel {
     sum(&value, 1);
     return value;
   }
+  // Sums n host floats over the ranks in place, in pieces through the same scratch (fp32
+  // sums: exact where at most one rank's element is nonzero, as expert merging relies on).
+  void sum(float* values, int64_t n);
 
   // Sums the gradient block over the ranks, bucket by bucket, after the work already on
   // the model's stream; returns when the sum is complete. CUDA events around it give the

@@ -153,12 +153,6 @@ std::unique_ptr<ModelBackend> make_backend(const RunConfig& config, std::unique_
   // NCCL (or another device-memory backend, e.g. threads sharing one GPU in tests): data
   // parallel on the GPU, a world of one included.
   const bool device_world = world->device_memory();
-  // Expert merging over several GPU ranks is not built (GpuBackend merges one GPU's whole
-  // state; the CPU ranks merge their pieces: ParallelCpuBackend::merge_experts).
-  if (config.model.moe.merge_interval > 0 && world->size() > 1 && device_world)
-    MOE_CONFIG_ERROR("moe.merge_interval = {} over {} GPU ranks is not built (one GPU, or CPU ranks with "
-                     "--device=cpu, merge): set moe.merge_interval = 0",
-                     config.model.moe.merge_interval, world->size());
   // bf16 expert gradients live in one GPU's second gradient block, which the data-parallel
   // sums (a device world of one included), ZeRO and expert parallelism do not cover
   // (docs/MEMORY_PLAN.md).

@@ -6,8 +6,6 @@
 #include <map>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
 #include <spdlog/spdlog.h>
 
 #include "core/error.h"
@@ -286,32 +284,18 @@ void ParallelCpuBackend::end_step() {
 // the global loads are the same on every rank, so every rank computes the same slots;
 // experts that a rank newly holds take their weights and moments along.
 void ParallelCpuBackend::rebalance_experts() {
-  const auto E = static_cast<size_t>(config_.model.moe.n_experts);
-  if (load_since_placement_.size() != global_load_.size())
-    load_since_placement_.assign(global_load_.size(), std::vector<int64_t>(E, 0));
-  for (size_t l = 0; l < global_load_.size(); ++l)
-    for (size_t e = 0; e < E; ++e) load_since_placement_[l][e] += global_load_[l][e];
-  if (++steps_since_placement_ < config_.parallel.rebalance_interval) return;
-  // With node-first routing over groups that map onto blocks of EP ranks, experts stay in
-  // their group's block (so a token still reaches only route_top_groups of them).
-  const int P = slots_.front().ep_size();
-  const int64_t groups = config_.model.moe.route_groups;
-  const bool grouped = groups > 1 && P % groups == 0;
   std::vector<std::vector<std::vector<int64_t>>> current;
   for (const ExpertSlots& layer : slots_) current.push_back(expert_blocks(layer));
-  const LayerPlacements next = rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
-                                                config_.parallel.rebalance_max_experts, config_.parallel.split_experts);
-  if (next.moves) {
-    std::vector<ExpertSlots> placed;
-    for (const auto& blocks : next.experts_of_rank)
-      placed.push_back(expert_slots_from_blocks(blocks, config_.parallel.split_experts));
-    place_experts(placed);
-    if (rank() == 0)
-      spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {}",
-                   next.busiest_before, next.busiest_after);
-  }
-  for (auto& layer : load_since_placement_) std::fill(layer.begin(), layer.end(), 0);
-  steps_since_placement_ = 0;
+  const auto next = placement_schedule_.step(global_load_, current, slots_.front().ep_size(), config_.parallel,
+                                             config_.model.moe.route_groups);
+  if (!next) return;
+  std::vector<ExpertSlots> placed;
+  for (const auto& blocks : next->experts_of_rank)
+    placed.push_back(expert_slots_from_blocks(blocks, config_.parallel.split_experts));
+  place_experts(placed);
+  if (rank() == 0)
+    spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {}",
+                 next->busiest_before, next->busiest_after);
 }
 
 void ParallelCpuBackend::place_experts(const std::vector<ExpertSlots>& next) {
@@ -378,17 +362,16 @@ void ParallelCpuBackend::log_state_bytes() {
 }
 
 std::string ParallelCpuBackend::placement_state() const {
-  nlohmann::json state;
+  PlacementRecord record;
   if (config_.parallel.a2a_compression == A2aCompression::Auto && compression_)
-    state["a2a_compression"] = nlohmann::json::parse(compression_->save());
-  if (!experts_ || config_.parallel.rebalance_interval <= 0) return state.empty() ? std::string{} : state.dump();
-  state["ep_size"] = slots_.front().ep_size();
-  nlohmann::json layers = nlohmann::json::array();
-  for (const ExpertSlots& layer : slots_) layers.push_back(expert_blocks(layer));
-  state["experts_of_rank"] = std::move(layers);
-  state["steps_since_placement"] = steps_since_placement_;
-  state["load_since_placement"] = load_since_placement_;
-  return state.dump();
+    record.a2a_compression = compression_->save();
+  if (experts_ && config_.parallel.rebalance_interval > 0) {
+    record.has_placement = true;
+    record.ep_size = slots_.front().ep_size();
+    for (const ExpertSlots& layer : slots_) record.experts_of_rank.push_back(expert_blocks(layer));
+    placement_schedule_.save(record);
+  }
+  return record.dump();
 }
 
 // After finish_restore (the equal blocks hold the checkpoint's values): the saved slots'
@@ -396,22 +379,19 @@ std::string ParallelCpuBackend::placement_state() const {
 // or layer count (or none) leaves the equal blocks.
 void ParallelCpuBackend::restore_placement(const std::string& text) {
   if (text.empty()) return;
-  const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
-  if (config_.parallel.a2a_compression == A2aCompression::Auto && compression_ && state.is_object() &&
-      state.contains("a2a_compression")) {
-    if (compression_->restore(state["a2a_compression"].dump())) apply_compression();
+  const PlacementRecord record = PlacementRecord::parse(text);
+  if (config_.parallel.a2a_compression == A2aCompression::Auto && compression_ && !record.a2a_compression.empty()) {
+    if (compression_->restore(record.a2a_compression)) apply_compression();
     else if (rank() == 0) spdlog::warn("resume: the checkpoint's a2a compression state does not fit: starts uncompressed");
   }
   if (!experts_ || config_.parallel.rebalance_interval <= 0) return;
-  MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
-  const auto layers = state.value("experts_of_rank", std::vector<std::vector<std::vector<int64_t>>>{});
-  if (state.value("ep_size", 0) != slots_.front().ep_size() || layers.size() != slots_.size()) {
+  if (record.ep_size != slots_.front().ep_size() || record.experts_of_rank.size() != slots_.size()) {
     if (rank() == 0) spdlog::info("resume: the checkpoint's expert placement does not apply here (equal blocks)");
     return;
   }
   std::vector<ExpertSlots> saved;
   try {  // everything checked before anything moves
-    for (const auto& blocks : layers) {
+    for (const auto& blocks : record.experts_of_rank) {
       saved.push_back(expert_slots_from_blocks(blocks, config_.parallel.split_experts));
       MOE_CHECK(saved.back().n_experts() == config_.model.moe.n_experts, "{} experts placed, the model has {}",
                 saved.back().n_experts(), config_.model.moe.n_experts);
@@ -421,8 +401,7 @@ void ParallelCpuBackend::restore_placement(const std::string& text) {
     return;
   }
   place_experts(saved);
-  steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
-  load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
+  placement_schedule_.restore(record);
 }
 
 // After apply_update (ZeRO-3 gathers released: only the own pieces are current) and

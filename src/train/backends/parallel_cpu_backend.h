@@ -31,6 +31,7 @@
 #include "dist/zero_parameter_gather.h"
 #include "train/backends/cpu_backend.h"
 #include "train/backends/model_backend.h"
+#include "train/backends/placement_record.h"
 #include "train/routing_cache_probe.h"
 
 namespace moe {
@@ -100,10 +101,7 @@ class ParallelCpuBackend final : public ModelBackend {
   // needs their expert group per parameter id (-1: not an expert weight).
   std::vector<int> expert_group_of_id_;
   int64_t n_expert_groups_ = 0;
-  // parallel.rebalance_interval: each MoE layer's load per expert since the last
-  // placement, and the steps since then.
-  std::vector<std::vector<int64_t>> load_since_placement_;
-  int64_t steps_since_placement_ = 0;
+  PlacementSchedule placement_schedule_;  // parallel.rebalance_interval
   void rebalance_experts();
   // Moves the experts to `next` (weights, moments) and makes it the layers' slots.
   void place_experts(const std::vector<ExpertSlots>& next);

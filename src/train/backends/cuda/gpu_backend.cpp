@@ -11,7 +11,6 @@
 #include <optional>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "core/gpu.h"
@@ -30,6 +29,7 @@
 #include "optim/cuda/gpu_optimizer.h"
 #include "train/backends/cuda/gpu_routing_report.h"
 #include "train/backends/cuda/owned_pieces.h"
+#include "train/backends/placement_record.h"
 #include "train/backends/rank_loads.h"
 #include "train/routing_cache_probe.h"
 
@@ -374,57 +374,66 @@ class GpuBackend final : public ModelBackend {
   // rank and what the next re-placement will weigh (loads and steps since the last), so a
   // resumed run continues with the same placement, bit for bit.
   std::string placement_state() const override {
-    nlohmann::json state;
-    if (compression_) state["a2a_compression"] = nlohmann::json::parse(compression_->save());
-    if (!ep_ || config_.parallel.rebalance_interval <= 0) return state.empty() ? std::string{} : state.dump();
-    state["ep_size"] = ep_->size();
-    nlohmann::json layers = nlohmann::json::array();
-    for (const MoeLayerExperts& layer : gpu_->expert_layout()) layers.push_back(expert_blocks(layer.slots));
-    state["experts_of_rank"] = std::move(layers);
-    state["steps_since_placement"] = steps_since_placement_;
-    state["load_since_placement"] = load_since_placement_;
-    return state.dump();
+    PlacementRecord record;
+    if (compression_) record.a2a_compression = compression_->save();
+    if (ep_ && config_.parallel.rebalance_interval > 0) {
+      record.has_placement = true;
+      record.ep_size = ep_->size();
+      for (const MoeLayerExperts& layer : gpu_->expert_layout()) record.experts_of_rank.push_back(expert_blocks(layer.slots));
+      placement_schedule_.save(record);
+    }
+    return record.dump();
   }
   void restore_placement(const std::string& text) override {
     if (!ep_ || text.empty()) return;
-    const nlohmann::json state = nlohmann::json::parse(text, nullptr, false);
-    MOE_CHECK(!state.is_discarded() && state.is_object(), "checkpoint: expert_placement is not JSON");
-    if (compression_ && state.contains("a2a_compression")) {
-      if (compression_->restore(state["a2a_compression"].dump())) apply_compression();
+    const PlacementRecord record = PlacementRecord::parse(text);
+    if (compression_ && !record.a2a_compression.empty()) {
+      if (compression_->restore(record.a2a_compression)) apply_compression();
       else if (rank_of_world() == 0) spdlog::warn("resume: the checkpoint's a2a compression state does not fit: starts uncompressed");
     }
-    if (!state.contains("experts_of_rank")) return;
-    const auto layers = state.value("experts_of_rank", std::vector<std::vector<std::vector<int64_t>>>{});
-    const bool fits = config_.parallel.rebalance_interval > 0 && state.value("ep_size", 0) == ep_->size() &&
-                      layers.size() == host_model().moe_layers().size();
+    if (!record.has_placement) return;
+    const bool fits = config_.parallel.rebalance_interval > 0 && record.ep_size == ep_->size() &&
+                      record.experts_of_rank.size() == host_model().moe_layers().size();
     if (!fits) {
       // Another EP size or no re-placement now: equal blocks, as a run without the record.
       if (rank_of_world() == 0) spdlog::info("resume: the checkpoint's expert placement does not apply here (equal blocks)");
       return;
     }
     try {
-      gpu_->place_experts(layers);  // checks everything before anything moves
+      gpu_->place_experts(record.experts_of_rank);  // checks everything before anything moves
     } catch (const Error& e) {
       if (rank_of_world() == 0) spdlog::warn("resume: the checkpoint's expert placement does not fit ({}): equal blocks", e.what());
       return;
     }
     apply_own_expert_ranges();
-    steps_since_placement_ = state.value("steps_since_placement", int64_t{0});
-    load_since_placement_ = state.value("load_since_placement", std::vector<std::vector<int64_t>>{});
+    placement_schedule_.restore(record);
   }
-  // Expert merging (one GPU: make_backend refuses more ranks): the whole state to the host,
-  // the CPU reference's merge there, and back; merges are rare (every moe.merge_interval steps).
+  // Expert merging. One GPU: the whole state to the host, the CPU reference's merge there,
+  // and back. Over ranks: what a checkpoint saves and a resume fills (merge_sharded_experts,
+  // as the CPU ranks do), the resume's targets first filled from the device, then uploaded
+  // as a resume does. Merges are rare (every moe.merge_interval steps).
   std::vector<std::vector<ExpertMerge>> merge_experts(const MoEConfig& moe, const std::vector<std::vector<int64_t>>& load_LE,
                                                       const std::vector<std::vector<int64_t>>& protected_LE, uint64_t seed,
                                                       int64_t step) override {
-    MOE_CHECK(!dp_ && !ep_, "expert merging runs on one GPU");
     GpuParameterStore& store = gpu_->parameters();
-    std::vector<float>& m = host_optimizer().first_moment();
-    std::vector<float>& v = host_optimizer().second_moment();
-    store.download_state(host_model().params(), m, v);
-    auto merges = merge_host_experts(host_model(), host_optimizer(), moe, load_LE, protected_LE, seed, step);
-    store.upload_state(host_model().params(), m, v);
-    upload_balance_bias();
+    if (!dp_ || dp_->size() == 1) {
+      std::vector<float>& m = host_optimizer().first_moment();
+      std::vector<float>& v = host_optimizer().second_moment();
+      store.download_state(host_model().params(), m, v);
+      auto merges = merge_host_experts(host_model(), host_optimizer(), moe, load_LE, protected_LE, seed, step);
+      store.upload_state(host_model().params(), m, v);
+      upload_balance_bias();
+      return merges;
+    }
+    if (sharded()) sync_host_model();  // the targets of the weights are the host copy
+    const SavedState saved = save_state(dp_->rank(), dp_->size());
+    const std::vector<StateTarget> targets = restore_targets();
+    for (const OwnedPieces::Piece& p : restored_.pieces)
+      store.download_range(p.block, restored_.values_of(p), restored_.m_of(p), restored_.v_of(p));
+    auto merges = merge_sharded_experts(
+        host_model(), moe, saved, targets, [this](float* v, int64_t n) { dp_->sum(v, n); }, load_LE, protected_LE,
+        seed, step);
+    finish_restore(steps_);
     return merges;
   }
   void sync_host_model() override {
@@ -699,45 +708,19 @@ class GpuBackend final : public ModelBackend {
     }
   }
 
-  // Dynamic load balancing (parallel.rebalance_interval), per MoE layer: every interval
-  // steps each layer's experts are re-placed by their load since the last placement with
-  // the CPU's greedy rule (ExpertPlacement::balanced, up to rebalance_max_experts per
-  // rank), where that lowers the busiest rank's load. The loads are global (summed over
-  // the ranks), so every rank computes the same placement.
+  // Dynamic load balancing (parallel.rebalance_interval; PlacementSchedule) on the global loads.
   void rebalance_experts() {
     MOE_CHECK(!sharded(), "expert re-placement: not with a sharded optimizer (ZeRO-1)");
-    const int64_t E = config_.model.moe.n_experts;
-    if (load_since_placement_.size() != loads_.size())
-      load_since_placement_.assign(loads_.size(), std::vector<int64_t>(static_cast<size_t>(E), 0));
-    for (size_t l = 0; l < loads_.size(); ++l)
-      for (size_t e = 0; e < loads_[l].size(); ++e) load_since_placement_[l][e] += loads_[l][e];
-    if (++steps_since_placement_ < config_.parallel.rebalance_interval) return;
-    // With node-first routing over groups that map onto blocks of EP ranks, experts stay in
-    // their group's block (so a token still reaches only route_top_groups of them).
-    const int P = ep_->size();
-    const int64_t groups = config_.model.moe.route_groups;
-    const bool grouped = groups > 1 && P % groups == 0;
     std::vector<std::vector<std::vector<int64_t>>> current;
     for (const MoeLayerExperts& layer : gpu_->expert_layout()) current.push_back(expert_blocks(layer.slots));
-    const LayerPlacements next =
-        rebalance_layers(load_since_placement_, current, P, grouped ? groups : 1,
-                               config_.parallel.rebalance_max_experts, config_.parallel.split_experts);
-    if (next.moves) {
-      gpu_->place_experts(next.experts_of_rank);
-      apply_own_expert_ranges();
-      if (rank_of_world() == 0)
-        spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {} "
-                     "(mean {})",
-                     next.busiest_before, next.busiest_after, total_load() / P);
-    }
-    for (auto& layer : load_since_placement_) std::fill(layer.begin(), layer.end(), 0);
-    steps_since_placement_ = 0;
-  }
-  int64_t total_load() const {
-    int64_t total = 0;
-    for (const auto& layer : load_since_placement_)
-      for (int64_t load : layer) total += load;
-    return total;
+    const auto next = placement_schedule_.step(loads_, current, ep_->size(), config_.parallel,
+                                               config_.model.moe.route_groups);
+    if (!next) return;
+    gpu_->place_experts(next->experts_of_rank);
+    apply_own_expert_ranges();
+    if (rank_of_world() == 0)
+      spdlog::info("re-placed experts by load: busiest EP rank's assignments summed over the MoE layers {} -> {}",
+                   next->busiest_before, next->busiest_after);
   }
   int rank_of_world() const { return dp_ ? dp_->rank() : 0; }
   // This rank's experts (its slots, per MoE layer; they change with a re-placement) are the
@@ -757,10 +740,6 @@ class GpuBackend final : public ModelBackend {
     dp_->set_stage_ranges(ranges.shared);  // the hinges moved with the placement
     if (edp_) edp_->set_stage_ranges(ranges.own_experts);
   }
-
-  // Assignments per expert summed over the ranks (the step's global load).
-  // This step's routing summed over the data-parallel ranks (their tokens differ):
-  // assignments (loads_) and kept rows per expert, entropy sums and tokens.
 
   const RunConfig& config_;
   std::unique_ptr<dist::Communicator> world_;  // until make_data_parallel hands it to dp_
@@ -782,12 +761,11 @@ class GpuBackend final : public ModelBackend {
   std::optional<RoutingCacheProbe> route_cache_;  // moe.route_cache: this rank's tokens
   double grad_scale_ = 1.0;
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
-  std::vector<std::vector<int64_t>> load_since_placement_;  // rebalance_experts: per MoE layer and expert
+  PlacementSchedule placement_schedule_;  // parallel.rebalance_interval
   SaveBufferPool save_buffers_;  // checkpoints: the last save's pieces (pinned buffers, reused)
   OwnedPieces restored_;                // the pieces a restore fills
   std::vector<RangeList> zero_held_;    // ZeRO: per backward stage, the ranges this rank holds
   dist::ExpertParallelZero ep_zero_;    // ZeRO under expert parallelism: the two groups' plans
-  int64_t steps_since_placement_ = 0;
 };
 
 }  // namespace
