@@ -156,11 +156,13 @@ inline AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, do
 // One element: updates m and v in place and returns the new parameter. `decay` is
 // s.decay_factor or 1 (no weight decay). With bf16 moments, m and v are read and stored
 // rounded to bf16, and the update uses the rounded values (what storage would hold).
+// read_exact: m and v come from bf16 storage, so rounding them on the way in is the
+// identity and is skipped (the GPU kernels: fewer instructions, the same bits).
 MOE_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s, float decay,
-                                   bool bf16_moments) {
+                                   bool bf16_moments, bool read_exact = false) {
   g = mul(g, s.grad_scale);
   float m_old = m, v_old = v;
-  if (bf16_moments) {
+  if (bf16_moments && !read_exact) {
     m_old = round_to_bf16(m_old);
     v_old = round_to_bf16(v_old);
   }

@@ -229,17 +229,19 @@ struct Moments<true> {
 #pragma unroll
     for (int j = 0; j < 8; ++j) out[j] = am::bf16_bits_to_float(b[j]);
   }
+  // in[] are bf16 values already (adamw_update rounds the moments it returns): their
+  // upper halves are their bf16 bits, NaNs included.
   __device__ static void store8(void* base, int64_t at, const float in[8]) {
     uint16_t b[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) b[j] = am::bf16_bits_rne(in[j]);
+    for (int j = 0; j < 8; ++j) b[j] = static_cast<uint16_t>(am::float_bits(in[j]) >> 16);
     __stcs(reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + at), pack8(b));
   }
   __device__ static float load(const void* base, int64_t at) {
     return am::bf16_bits_to_float(static_cast<const uint16_t*>(base)[at]);
   }
   __device__ static void store(void* base, int64_t at, float x) {
-    static_cast<uint16_t*>(base)[at] = am::bf16_bits_rne(x);
+    static_cast<uint16_t*>(base)[at] = static_cast<uint16_t>(am::float_bits(x) >> 16);
   }
 };
 
@@ -286,7 +288,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t e = begin + k, es = state + k;
     float mk = M::load(m, es), vk = M::load(v, es);
     const float gk = seg.bf16_grad ? am::bf16_bits_to_float(grads16[e]) : grads[e];
-    const float p = am::adamw_update(am::join_master(hi[e], lo[es]), gk, mk, vk, s, decay, kBf16);
+    const float p = am::adamw_update(am::join_master(hi[e], lo[es]), gk, mk, vk, s, decay, kBf16, kBf16);
     const am::MasterSplit split = am::split_master(p);
     hi[e] = split.hi;
     lo[es] = split.lo;
@@ -317,7 +319,8 @@ __global__ void __launch_bounds__(kThreads)
     float p[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      p[j] = am::adamw_update(am::join_master(h[j], static_cast<int16_t>(l[j])), g[j], mm[j], vv[j], s, decay, kBf16);
+      p[j] = am::adamw_update(am::join_master(h[j], static_cast<int16_t>(l[j])), g[j], mm[j], vv[j], s, decay, kBf16,
+                              kBf16);
       const am::MasterSplit out = am::split_master(p[j]);
       h[j] = out.hi;
       l[j] = static_cast<uint16_t>(out.lo);
