@@ -173,9 +173,10 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
                    eager, "re-placed experts under expert parallelism over one rank");
 }
 
-// No zeroing pass (begin_gradients): the step's first backward writes the expert
-// gradients with beta 0 and zeroes the experts without rows; every result is the memset +
-// beta 1 step's, bit for bit (0 + x = x), in every mode, from NaN-filled gradients.
+// No zeroing pass (begin_gradients): the step's first backward writes the expert and dense
+// projection gradients with beta 0 and zeroes the experts without rows; every result is
+// the memset + beta 1 step's, bit for bit (0 + x = x), in every mode, from NaN-filled
+// gradients (the model has a dense layer and a shared expert).
 TEST_P(GpuStepModes, WritingTheFirstMicroBatchsGradientsIsBitIdenticalToZeroing) {
   MOE_REQUIRE_GPU();
   const ModelConfig config = mode_config(GetParam());
@@ -194,6 +195,13 @@ TEST_P(GpuStepModes, WritingTheFirstMicroBatchsGradientsIsBitIdenticalToZeroing)
   const Placement second = {{{1, 0, 3, 2, 5, 4, 7, 6}}, {identity}, {{4, 5, 6, 7, 0, 1, 2, 3}}};
   expect_identical(run(config, 0, true, ExpertRecompute::None, nullptr, {first, second}, write), eager,
                    "written, re-placed experts in CUDA graphs");
+  // The LM head's GEMM writes the tied embedding's gradient before its scatter adds; the
+  // router bias accumulates (zeroed).
+  ModelConfig tied = config;
+  tied.tie_embeddings = true;
+  tied.moe.router_bias = true;
+  expect_identical(run(tied, 0, true, ExpertRecompute::None, nullptr, {}, write), run(tied, 0, false),
+                   "written, tied embeddings and router bias");
 }
 
 // Experts no token reaches (a balancing bias far below the scores): with beta 0 the grouped

@@ -107,7 +107,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
   expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, local_w(layer, layer.w2), F, D, 0.0f);
   const bf16* dy_sets[1] = {dy_rows};
-  const float beta = overwrite_expert_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
+  const float beta = overwrite_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
   if (bf16* dw2_16 = local_g16(layer, layer.w2)) {  // bf16 expert gradients
     bf16* dw2[1] = {dw2_16};
     expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream, beta);
@@ -147,18 +147,34 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
 
 void GpuTransformer::begin_gradients() {
   State& s = *state_;
-  // What the grouped weight-gradient GEMMs write: each MoE layer's local slots of its
-  // expert tensors (the window set_experts gives them).
+  // What the weight-gradient GEMMs write: the dense projections whole (linear_backward; the
+  // LM head's, the embedding's when tied: the head's GEMM comes first in the backward, the
+  // embedding's scatter adds after it) and each MoE layer's local slots of its expert
+  // tensors (the window set_experts gives them). Norms, biases and an untied embedding
+  // accumulate: they stay zeroed.
   RangeList written;
+  const auto whole = [&](const Param& p) {
+    if (p.id >= 0) written.push_back({p.offset, p.numel});
+  };
+  whole(s.head);
   for (const Layer& layer : s.layers) {
-    if (!layer.is_moe || s.local_experts(layer) == 0) continue;
+    written.push_back({layer.wq.offset, layer.wq.numel + layer.wk.numel + layer.wv.numel});  // one q|k|v GEMM
+    whole(layer.wo);
+    if (!layer.is_moe) {
+      for (const Param& p : layer.dense) whole(p);
+      continue;
+    }
+    whole(layer.router_w);
+    for (const auto& shared : layer.shared)
+      for (const Param& p : shared) whole(p);
+    if (s.local_experts(layer) == 0) continue;
     for (const Param* p : {&layer.w1, &layer.w3, &layer.w2}) {
       const int64_t per_expert = p->numel / s.config.moe.n_experts;
       written.push_back({p->offset + s.first_slot(layer) * per_expert, s.local_experts(layer) * per_expert});
     }
   }
   s.store->zero_grads(merge_ranges(std::move(written)));
-  s.overwrite_expert_grads = true;
+  s.overwrite_grads = true;
 }
 
 GpuRoutingStats GpuTransformer::routing_stats() {

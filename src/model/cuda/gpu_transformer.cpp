@@ -474,7 +474,7 @@ void GpuTransformer::State::enqueue_backward(double loss_scale, const std::funct
   cuda::embedding_backward(g(embedding), inputs.data(), dres.data(), T, V, D, embedding_scratch.data(),
                            embedding_scratch.size(), stream);
   if (on_stage) on_stage(n_layers + 1);
-  overwrite_expert_grads = false;  // the next micro-batch adds to the gradients
+  overwrite_grads = false;  // the next micro-batch adds to the gradients
 }
 
 void GpuTransformer::backward(double loss_scale, const std::function<void(int stage)>& on_stage) {
@@ -502,7 +502,7 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     return s.read_forward_results();
   }
   // The step's first micro-batch writes the expert gradients (beta 0): a graph of its own.
-  State::Graph& graph = s.graph[s.overwrite_expert_grads ? 1 : 0];
+  State::Graph& graph = s.graph[s.overwrite_grads ? 1 : 0];
   if (!graph.exec || graph.n_valid != s.n_valid || graph.loss_scale != loss_scale) {
     // (Re)capture: the number of valid targets and the loss scale are kernel arguments.
     if (graph.exec) MOE_CUDA_CHECK(cudaGraphExecDestroy(graph.exec));
@@ -519,7 +519,7 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     graph.n_valid = s.n_valid;
     graph.loss_scale = loss_scale;
   } else {
-    s.overwrite_expert_grads = false;  // what enqueue_backward does when capturing
+    s.overwrite_grads = false;  // what enqueue_backward does when capturing
   }
   MOE_CUDA_CHECK(cudaGraphLaunch(graph.exec, s.stream));
   return s.read_forward_results();

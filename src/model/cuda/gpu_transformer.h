@@ -147,12 +147,12 @@ class GpuTransformer {
   // targets or the loss scale changes: both are kernel arguments). Shapes are static in
   // both routing modes (no host synchronisation inside the step), so this always applies.
   ForwardResult forward_backward(const int32_t* inputs_BS, const int32_t* targets_BS, double loss_scale);
-  // Starts a step's gradients without a zeroing pass over the expert tensors: zeroes every
+  // Starts a step's gradients without a zeroing pass over what GEMMs compute: zeroes every
   // other resident gradient (parameters().zero_grads(written)) and makes the next backward
-  // write this rank's experts' weight gradients (grouped GEMMs with beta 0, experts without
-  // rows zeroed on the device) instead of adding to them. The same gradients as
-  // parameters().zero_grads() then the backward, bit for bit (0 + x = x; the grouped GEMM's
-  // sum is never -0); later backwards add as before.
+  // write the dense projections' and this rank's experts' weight gradients (GEMMs with beta
+  // 0, experts without rows zeroed on the device) instead of adding to them. The same
+  // gradients as parameters().zero_grads() then the backward, bit for bit (0 + x = x; a
+  // GEMM's sum starts from +0 and is never -0); later backwards add as before.
   void begin_gradients();
   void enable_graphs(bool enabled);
   // Leaves `sms` multiprocessors free of the GEMMs (0: none), from now until the next

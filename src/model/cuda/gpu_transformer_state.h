@@ -83,10 +83,10 @@ struct GpuTransformer::State {
     }
     graph_warm = false;
   }
-  // begin_gradients: the next backward writes the expert tensors' gradients (grouped
-  // weight-gradient GEMMs with beta 0, experts without rows zeroed) instead of adding to
-  // them; cleared when that backward is enqueued.
-  bool overwrite_expert_grads = false;
+  // begin_gradients: the next backward writes the gradients of the tensors a weight-gradient
+  // GEMM computes (the experts' grouped GEMMs and linear_backward's, with beta 0; experts
+  // without rows zeroed) instead of adding to them; cleared when that backward is enqueued.
+  bool overwrite_grads = false;
   // Rows the expert buffers hold: T * K, or fewer when the capacity bounds them. Row-wise
   // kernels run over all of them (static shapes, no host sync); only the rows below the
   // device-side offsets[E] are read by the GEMMs.
@@ -136,12 +136,18 @@ struct GpuTransformer::State {
     blas.gemm(false, true, rows, out, in, 1.0f, x, in, weight, in, accumulate ? 1.0f : 0.0f, y, false,
               ldy < 0 ? out : ldy, stream);
   }
-  // dx[rows, in] = scale * dy[rows, out] @ W (+ dx when accumulate); dW[out, in] += scale * dy^T @ x.
+  // dx[rows, in] = scale * dy[rows, out] @ W (+ dx when accumulate); dW[out, in] += scale * dy^T @ x
+  // (= when overwrite_grads).
   void linear_backward(bf16* dx, float* dweight, const bf16* dy, const bf16* x, const bf16* weight, int64_t rows,
                        int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1, float scale = 1.0f) {
     const int64_t ldd = ld_dy < 0 ? out : ld_dy;
     if (dx) blas.gemm(false, false, rows, in, out, scale, dy, ldd, weight, in, accumulate_dx ? 1.0f : 0.0f, dx, false, in, stream);
-    if (rows > 0) blas.gemm(true, false, out, in, rows, scale, dy, ldd, x, in, 1.0f, dweight, true, in, stream);
+    // begin_gradients: the step's first backward writes dW (each is written once per backward).
+    if (rows > 0)
+      blas.gemm(true, false, out, in, rows, scale, dy, ldd, x, in, overwrite_grads ? 0.0f : 1.0f, dweight, true, in,
+                stream);
+    else if (overwrite_grads)
+      MOE_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(out * in) * sizeof(float), stream));
   }
   // The attention of a block (gpu_attention.cpp): from n1 to the output projection in
   // y [T, D]; its backward from dy to dx [T, D] (n1's gradient), accumulating the
