@@ -148,5 +148,33 @@ TEST(AdamWMath, UpdateIsTheCpuArithmetic) {
             am::float_bits(am::adamw_update(1.0f, g * 0.37f, m2, v2, s, decay, false)));
 }
 
+// Late in training sqrt(1 - beta2^t) is exactly 1 in fp32 and the update skips its division
+// (x / 1 = x): the textbook arithmetic's bits; bf16 moments read exactly (read_exact, the
+// GPU's bf16 storage) give the bits of rounding them when read.
+TEST(AdamWMath, LateStepsAndExactBf16MomentsKeepTheBits) {
+  const double lr = 2e-3, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
+  EXPECT_LT(am::adamw_step_scalars(lr, b1, b2, eps, wd, 300).sqrt_bias2, 1.0f);
+  const am::AdamWScalars s = am::adamw_step_scalars(lr, b1, b2, eps, wd, 400);
+  ASSERT_EQ(s.sqrt_bias2, 1.0f);
+  const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2), feps = static_cast<float>(eps);
+  CounterRng rng(5, "adamw_math_late");
+  for (uint64_t i = 0; i < 100000; ++i) {
+    const float p0 = static_cast<float>(rng.normal(4 * i)), g = static_cast<float>(1e-2 * rng.normal(4 * i + 1));
+    const float m0 = bf16_to_float(float_to_bf16(static_cast<float>(1e-2 * rng.normal(4 * i + 2))));
+    const float v0 = bf16_to_float(float_to_bf16(static_cast<float>(1e-4 * std::abs(rng.normal(4 * i + 3)))));
+    float m = m0, v = v0;
+    const float p = am::adamw_update(p0, g, m, v, s, s.decay_factor, false);
+    const float want_m = fb1 * m0 + (1.0f - fb1) * g, want_v = fb2 * v0 + (1.0f - fb2) * g * g;
+    const float want_p = p0 * s.decay_factor - s.step_size * want_m / (std::sqrt(want_v) / 1.0f + feps);
+    ASSERT_EQ(am::float_bits(p), am::float_bits(want_p)) << i;
+    float mr = m0, vr = v0, me = m0, ve = v0;
+    const float rounded = am::adamw_update(p0, g, mr, vr, s, s.decay_factor, true);
+    const float exact = am::adamw_update(p0, g, me, ve, s, s.decay_factor, true, /*read_exact=*/true);
+    ASSERT_EQ(am::float_bits(rounded), am::float_bits(exact)) << i;
+    ASSERT_EQ(am::float_bits(mr), am::float_bits(me)) << i;
+    ASSERT_EQ(am::float_bits(vr), am::float_bits(ve)) << i;
+  }
+}
+
 }  // namespace
 }  // namespace moe
