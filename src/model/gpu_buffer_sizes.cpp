@@ -1,5 +1,8 @@
 #include "model/gpu_buffer_sizes.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <string_view>
 
@@ -76,6 +79,15 @@ Fp8ProjectionScratch fp8_projection_scratch(const ModelConfig& c, int64_t tokens
     s.weight_scales = std::max(s.weight_scales, fp8::blocks(g.N) * fp8::blocks(g.K));
   }
   return s;
+}
+
+std::string describe_fp8_projections(const ModelConfig& config, int64_t tokens) {
+  const std::vector<DenseGemmShape> gemms = dense_projection_gemms(config, tokens);
+  std::vector<std::string> bf16;
+  for (const DenseGemmShape& g : gemms)
+    if (!g.fp8) bf16.emplace_back(g.name);
+  return fmt::format("fp8 dense projections: {} of {} GEMMs in fp8{}{} (docs/FP8.md, the fallback rule)",
+                     gemms.size() - bf16.size(), gemms.size(), bf16.empty() ? "" : "; bf16: ", fmt::join(bf16, ", "));
 }
 
 }  // namespace moe

@@ -3,6 +3,7 @@
 // same arithmetic, so the estimate follows the allocation when either changes.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "config/model_config.h"
@@ -53,5 +54,8 @@ struct Fp8ProjectionScratch {
   int64_t bytes() const { return row_codes + 4 * row_scales + weight_codes + 4 * weight_scales; }
 };
 Fp8ProjectionScratch fp8_projection_scratch(const ModelConfig& config, int64_t tokens);
+
+// One line for the run's log: how many projection GEMMs run in fp8 and which stay bf16.
+std::string describe_fp8_projections(const ModelConfig& config, int64_t tokens);
 
 }  // namespace moe

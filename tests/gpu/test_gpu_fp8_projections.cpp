@@ -181,6 +181,30 @@ TEST(GpuFp8Projections, TokensNotAMultipleOfFourStayBf16) {
   EXPECT_EQ(check_projections(test::small_moe_model(0.0), 126), 0);
 }
 
+// reserve_sms (NCCL beside the GEMMs): the fp8 projections on 16 multiprocessors give the
+// same bits as on all of them (each output tile is summed in the same order).
+TEST(GpuFp8Projections, FewerMultiprocessorsGiveTheSameBits) {
+  MOE_REQUIRE_GPU();
+  const ModelConfig config = test::small_moe_model(0.0);
+  const int64_t T = 512;
+  cuda::Blas blas;
+  ProjectionGemms all(blas, true), few(blas, true);
+  all.plan(config, T);
+  few.plan(config, T);
+  few.set_sm_limit(16);
+  for (const DenseGemmShape& g : dense_projection_gemms(config, T)) {
+    if (!g.fp8) continue;
+    SCOPED_TRACE(g.name);
+    const std::vector<bf16> a = tiled(g.M, g.lda, 1.0, 1, 5), w = tiled(g.N, g.K, 0.02, kBlock, 6);
+    auto a_d = to_device(a), w_d = to_device(w);
+    auto c_all = poisoned<bf16>(g.M * g.ldc), c_few = poisoned<bf16>(g.M * g.ldc);
+    run_gemm(all, g, c_all.data(), a_d.data(), w_d.data(), false);
+    run_gemm(few, g, c_few.data(), a_d.data(), w_d.data(), false);
+    const std::vector<bf16> y_all = to_host(c_all), y_few = to_host(c_few);
+    EXPECT_EQ(std::memcmp(y_all.data(), y_few.data(), y_all.size() * sizeof(bf16)), 0);
+  }
+}
+
 // A projection shape the scratch was not planned for (here K = 512 on the small model,
 // whose largest fp8 K is 256) is refused with one line, never written past the scratch.
 TEST(GpuFp8Projections, AShapeWithoutPlannedScratchIsRefused) {

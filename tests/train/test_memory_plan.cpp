@@ -324,6 +324,9 @@ TEST(MemoryPlan, Fp8ProjectionsKnownAnswers) {
   EXPECT_EQ(s.weight_codes, 256 * 128);   // [wq; wk; wv]
   EXPECT_EQ(s.weight_scales, 2);
   EXPECT_EQ(s.bytes(), T * 256 + T * 2 * 4 + 256 * 128 + 2 * 4);
+  EXPECT_EQ(describe_fp8_projections(m, T),
+            "fp8 dense projections: 10 of 12 GEMMs in fp8; bf16: dense FFN down forward, dense FFN gate, up data "
+            "gradient (docs/FP8.md, the fallback rule)");
   // T not a multiple of 4: nothing fits, no scratch.
   const Fp8ProjectionScratch none = fp8_projection_scratch(m, 126);
   EXPECT_EQ(none.bytes(), 0);
