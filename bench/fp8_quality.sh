@@ -2,7 +2,8 @@
 # FP8 against bf16 (issue 21 point 3, docs/FP8.md section 5): one model of ~160 M
 # parameters (dim 512, 8 layers, 8 experts top-2 of hidden 1536), 1,000 steps on the
 # default corpus in bf16 and in fp8 (training.precision: the experts' and the dense
-# projections' forward and data-gradient GEMMs), same seed (same init and data order), validation every 100 steps.
+# projections' forward and data-gradient GEMMs), same seed (same init and data order),
+# validation every 100 steps.
 # Writes OUT/{bf16,fp8}/metrics.jsonl, the PNG docs/fp8_quality.png (loss and val_loss over
 # steps), and prints both final validation losses, their gap and the 1% verdict.
 # Usage: bench/fp8_quality.sh MOE_BINARY DATA_DIR OUT [extra --section.key=value ...]
