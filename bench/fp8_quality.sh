@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # FP8 against bf16 (issue 21 point 3, docs/FP8.md section 5): one model of ~160 M
 # parameters (dim 512, 8 layers, 8 experts top-2 of hidden 1536), 1,000 steps on the
-# default corpus in bf16 and in fp8 (training.precision: the experts' forward and
-# data-gradient GEMMs), same seed (same init and data order), validation every 100 steps.
+# default corpus in bf16 and in fp8 (training.precision: the experts' and the dense
+# projections' forward and data-gradient GEMMs), same seed (same init and data order),
+# validation every 100 steps.
 # Writes OUT/{bf16,fp8}/metrics.jsonl, the PNG docs/fp8_quality.png (loss and val_loss over
 # steps), and prints both final validation losses, their gap and the 1% verdict.
 # Usage: bench/fp8_quality.sh MOE_BINARY DATA_DIR OUT [extra --section.key=value ...]
@@ -27,7 +28,7 @@ for precision in bf16 fp8; do
     --metrics.dir="$dir" >"$dir.log" 2>&1 || { tail -5 "$dir.log"; exit 1; }
   echo "$precision: $(grep -m1 '^summary' "$dir.log" || tail -1 "$dir.log")"
 done
-"$python" "$here/scripts/plot_metrics.py" --out "$plots/fp8_quality.png" --title "fp8 (experts) against bf16" \
+"$python" "$here/scripts/plot_metrics.py" --out "$plots/fp8_quality.png" --title "fp8 (experts and projections) against bf16" \
   --smooth 5 --metric loss --metric val_loss "bf16=$out/bf16/metrics.jsonl" "fp8=$out/fp8/metrics.jsonl"
 python3 - "$out" <<'PY'
 import json, sys

@@ -29,9 +29,10 @@ enum class GradDtype { Fp32, Bf16 };
 inline constexpr std::array<EnumName<GradDtype>, 2> kGradDtypeNames{
     {{GradDtype::Fp32, "fp32"}, {GradDtype::Bf16, "bf16"}}};
 constexpr std::span<const EnumName<GradDtype>> enum_names(GradDtype) { return kGradDtypeNames; }
-// The precision of the experts' GEMMs on the GPU: bf16, or fp8 (e4m3 with 1x128
-// activation and 128x128 weight scales, docs/FP8.md) for their forward and data-gradient
-// GEMMs; weight gradients, master weights and everything else stay as in bf16.
+// The precision of the experts' and the dense projections' GEMMs on the GPU: bf16, or fp8
+// (e4m3 with 1x128 activation and 128x128 weight scales, docs/FP8.md) for their forward
+// and data-gradient GEMMs (a projection whose shape the dense FP8 GEMM does not take stays
+// bf16); weight gradients, master weights and everything else stay as in bf16.
 enum class TrainingPrecision { Bf16, Fp8 };
 inline constexpr std::array<EnumName<TrainingPrecision>, 2> kTrainingPrecisionNames{
     {{TrainingPrecision::Bf16, "bf16"}, {TrainingPrecision::Fp8, "fp8"}}};
@@ -58,7 +59,7 @@ struct TrainingConfig {
   bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
   bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
-  TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' GEMMs
+  TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
 };
 
 }  // namespace moe

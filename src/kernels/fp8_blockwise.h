@@ -50,6 +50,16 @@ constexpr int64_t weight_t_scale_index(int64_t e, int64_t nb, int64_t kb, int64_
   return (e * NB + nb) * KB + kb;
 }
 
+// Whether the dense FP8 GEMM (kernels/fp8_gpu_ops.h's DenseGemmFp8) takes c [M, N] (row
+// stride ldc) = a [M, K] (bf16 row stride lda, quantised first) @ b [N, K]^T: K in whole
+// 128-blocks (one scale per block along K), M a multiple of 4 (TMA rows of a's [KB][M]
+// scales), N, ldc and lda multiples of 8 (16-byte rows). training.precision = fp8 runs a
+// dense projection in fp8 exactly when this holds, else in bf16 (docs/FP8.md).
+constexpr bool dense_gemm_fits(int64_t M, int64_t N, int64_t K, int64_t lda, int64_t ldc) {
+  return M > 0 && M % 4 == 0 && K > 0 && K % kBlock == 0 && N > 0 && N % 8 == 0 && ldc >= N && ldc % 8 == 0 &&
+         lda >= K && lda % 8 == 0 && M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 31);
+}
+
 // Activation rows x [R, K] (row stride ld_x) -> codes [R, K] (packed) and scales as above.
 // offsets_E1 (E + 1 values, or null for one group of all R rows): only the rows below
 // offsets[E] are written. K must be a multiple of 128.

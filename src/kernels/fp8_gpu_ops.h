@@ -68,6 +68,8 @@ class DenseGemmFp8 {
   DenseGemmFp8& operator=(const DenseGemmFp8&) = delete;
   void gemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const float* a_scales, const uint8_t* b_codes,
             const float* b_scales, int64_t M, int64_t N, int64_t K, float beta, Stream stream);
+  // As ExpertGemm's: launch on at most `sms` multiprocessors (0: all), whole clusters.
+  void set_sm_limit(int sms);
 
  private:
   struct State;

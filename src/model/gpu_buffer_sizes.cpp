@@ -1,7 +1,12 @@
 #include "model/gpu_buffer_sizes.h"
 
-#include <algorithm>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
+#include <string_view>
+
+#include "kernels/fp8_blockwise.h"
 #include "moe/dispatch.h"
 
 namespace moe {
@@ -32,6 +37,57 @@ int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_
 
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size) {
   return std::min<int64_t>(tokens, std::max<int64_t>(128, ((int64_t{64} << 20) / vocab_size) / 128 * 128));
+}
+
+std::vector<DenseGemmShape> dense_projection_gemms(const ModelConfig& c, int64_t tokens) {
+  const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
+  const int64_t qkv = (H + 2 * G) * d;
+  std::vector<DenseGemmShape> gemms;
+  const auto add = [&](const char* name, int64_t N, int64_t K, int64_t lda, int64_t ldc) {
+    const bool data_gradient = std::string_view(name).ends_with("data gradient");
+    gemms.push_back({name, data_gradient, T, N, K, lda, ldc, fp8::dense_gemm_fits(T, N, K, lda, ldc)});
+  };
+  if (c.n_layers <= 0) return gemms;
+  add("attention q|k|v forward", qkv, D, D, qkv);
+  add("attention q|k|v data gradient", D, qkv, qkv, D);
+  add("attention output forward", D, H * d, H * d, D);
+  add("attention output data gradient", H * d, D, D, H * d);
+  // A SwiGLU FFN of hidden F: gate and up side by side in [T, 2F] (ffn_forward).
+  const auto ffn = [&](const char* gate_up, const char* down, const char* down_data, const char* gate_up_data,
+                       int64_t F) {
+    add(gate_up, F, D, D, 2 * F);
+    add(down, D, F, F, D);
+    add(down_data, F, D, D, F);
+    add(gate_up_data, D, F, 2 * F, D);
+  };
+  if (c.first_dense_layers > 0)
+    ffn("dense FFN gate, up forward", "dense FFN down forward", "dense FFN down data gradient",
+        "dense FFN gate, up data gradient", c.dense_hidden);
+  if (c.n_layers > c.first_dense_layers && c.moe.n_shared_experts > 0)
+    ffn("shared expert gate, up forward", "shared expert down forward", "shared expert down data gradient",
+        "shared expert gate, up data gradient", c.moe.expert_hidden);
+  return gemms;
+}
+
+Fp8ProjectionScratch fp8_projection_scratch(const ModelConfig& c, int64_t tokens) {
+  Fp8ProjectionScratch s;
+  for (const DenseGemmShape& g : dense_projection_gemms(c, tokens)) {
+    if (!g.fp8) continue;
+    s.row_codes = std::max(s.row_codes, g.M * g.K);
+    s.row_scales = std::max(s.row_scales, g.M * (g.K / fp8::kBlock));
+    s.weight_codes = std::max(s.weight_codes, g.N * g.K);
+    s.weight_scales = std::max(s.weight_scales, fp8::blocks(g.N) * fp8::blocks(g.K));
+  }
+  return s;
+}
+
+std::string describe_fp8_projections(const ModelConfig& config, int64_t tokens) {
+  const std::vector<DenseGemmShape> gemms = dense_projection_gemms(config, tokens);
+  std::vector<std::string> bf16;
+  for (const DenseGemmShape& g : gemms)
+    if (!g.fp8) bf16.emplace_back(g.name);
+  return fmt::format("fp8 dense projections: {} of {} GEMMs in fp8{}{} (docs/FP8.md, the fallback rule)",
+                     gemms.size() - bf16.size(), gemms.size(), bf16.empty() ? "" : "; bf16: ", fmt::join(bf16, ", "));
 }
 
 }  // namespace moe

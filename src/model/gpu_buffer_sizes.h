@@ -3,6 +3,8 @@
 // same arithmetic, so the estimate follows the allocation when either changes.
 #pragma once
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "config/model_config.h"
 
@@ -29,5 +31,31 @@ int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_
 
 // Rows of fp32 logits the LM head computes at a time: ~256 MB, in blocks of 128 rows.
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size);
+
+// One dense projection GEMM of the model, c [M, N] (row stride ldc) = a [M, K] (row stride
+// lda) @ b [N, K]^T: a forward y = x W^T (b = W) or a data gradient dx = dy W (b = W^T).
+struct DenseGemmShape {
+  const char* name;
+  bool data_gradient;  // dx [M, N = in] = dy [M, K = out] @ W [out, in]; else y [M, N = out] = x [M, K = in] @ W^T
+  int64_t M, N, K, lda, ldc;
+  bool fp8;  // training.precision = fp8 runs it in fp8: fp8::dense_gemm_fits (else bf16)
+};
+// Every dense projection GEMM of a micro-batch of `tokens` tokens (the calls of
+// gpu_attention.cpp and GpuTransformer's ffn_forward / ffn_backward): attention's q|k|v
+// and output projections; the dense FFN layers' (first_dense_layers) and the shared
+// experts' gate, up and down; forward and data gradient each. Not the router or LM head.
+std::vector<DenseGemmShape> dense_projection_gemms(const ModelConfig& config, int64_t tokens);
+
+// The scratch the fp8 ones quantise into, shared by all of them (ProjectionGemms): one
+// operand's rows (M x K codes, M x K / 128 scales) and one weight (N x K codes, 128 x 128
+// block scales), each the largest over the GEMMs that run in fp8.
+struct Fp8ProjectionScratch {
+  int64_t row_codes = 0, row_scales = 0, weight_codes = 0, weight_scales = 0;
+  int64_t bytes() const { return row_codes + 4 * row_scales + weight_codes + 4 * weight_scales; }
+};
+Fp8ProjectionScratch fp8_projection_scratch(const ModelConfig& config, int64_t tokens);
+
+// One line for the run's log: how many projection GEMMs run in fp8 and which stay bf16.
+std::string describe_fp8_projections(const ModelConfig& config, int64_t tokens);
 
 }  // namespace moe

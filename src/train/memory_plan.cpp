@@ -250,6 +250,9 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
     m.step_buffers += RL * width + RL * width / 128 * 4 + 2 * L * c.dim * a.F +
                       2 * L * ceil_div(c.dim, 128) * ceil_div(a.F, 128) * 4;
   }
+  // ... and the dense projections' (ProjectionGemms): the rows and the weight of the largest
+  // projection GEMM that runs in fp8 (model/gpu_buffer_sizes.h).
+  if (config.training.precision == TrainingPrecision::Fp8) m.step_buffers += fp8_projection_scratch(c, a.T).bytes();
 
   // Exchange buffers: the dispatcher's; bf16 gradient sums' scratch per reduction group.
   m.exchange = dispatcher_bytes(a, split);

@@ -14,6 +14,7 @@
 #include "dist/communicator.h"
 #include "data/rank_sliced_source.h"
 #include "optim/grad_clip.h"
+#include "model/gpu_buffer_sizes.h"
 #include "optim/lr_schedule.h"
 #include "train/backends/backend_factory.h"
 #include "train/run_dirs.h"
@@ -300,6 +301,8 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   else
     fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,
                micro_steps_, micro_batch_, config_.model.seq_len);
+  if (tc.precision == TrainingPrecision::Fp8)
+    fmt::print(out, "{}\n", describe_fp8_projections(config_.model, micro_batch_ * config_.model.seq_len));
   out.flush();
   prepare_run_dirs(out);  // before the metrics files are opened, and before step 1
   Observer observer(metrics, out, options);

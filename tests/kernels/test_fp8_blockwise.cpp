@@ -158,5 +158,22 @@ TEST(Fp8Blockwise, RefusesKThatIsNotAMultipleOf128) {
       {"K = 200", "multiple of 128"});
 }
 
+// The rule that sends a dense projection to fp8 or keeps it bf16 (the model's fallback,
+// docs/FP8.md): every constraint of DenseGemmFp8 and of the row quantisation on its own.
+TEST(Fp8Blockwise, DenseGemmFitsOnlyTheShapesTheDenseKernelTakes) {
+  EXPECT_TRUE(fp8::dense_gemm_fits(128, 576, 384, 384, 576));   // GQA q|k|v forward: N of 4.5 blocks is fine
+  EXPECT_FALSE(fp8::dense_gemm_fits(128, 384, 576, 576, 384));  // its data gradient: K = 576 is not
+  EXPECT_TRUE(fp8::dense_gemm_fits(4, 8, 128, 128, 8));
+  EXPECT_FALSE(fp8::dense_gemm_fits(126, 256, 128, 128, 256));  // M: TMA rows of the [KB][M] scales
+  EXPECT_FALSE(fp8::dense_gemm_fits(0, 256, 128, 128, 256));
+  EXPECT_FALSE(fp8::dense_gemm_fits(128, 196, 128, 128, 200));  // N
+  EXPECT_FALSE(fp8::dense_gemm_fits(128, 192, 128, 128, 196));  // ldc
+  EXPECT_FALSE(fp8::dense_gemm_fits(128, 192, 128, 128, 128));  // ldc < N
+  EXPECT_FALSE(fp8::dense_gemm_fits(128, 192, 128, 132, 192));  // lda
+  EXPECT_FALSE(fp8::dense_gemm_fits(128, 192, 128, 64, 192));   // lda < K
+  EXPECT_TRUE(fp8::dense_gemm_fits(128, 192, 128, 384, 384));   // FFN gate (ld 2F) beside up
+  EXPECT_FALSE(fp8::dense_gemm_fits(128, 192, 200, 200, 192));  // K
+}
+
 }  // namespace
 }  // namespace moe

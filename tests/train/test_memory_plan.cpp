@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "config/run_config.h"
 #include "core/error.h"
@@ -288,6 +289,66 @@ TEST(MemoryPlan, ExpertRowBoundsKnownAnswers) {
 // rank's whole block of 4 (or 2) experts of the 8 held at level 0. With EP 2 the gradients
 // and weights follow at levels 2 and 3 (6 layers: pools of two stages free the others';
 // with EP 4 only the shared part of a layer is sharded, a few chunks, too little to free).
+// training.precision = fp8's dense projections (model/cuda/projection_gemms.h): which
+// GEMMs run in fp8 on the GPU test model (tests/gpu/small_models.h: dim 128, 4 heads of 32,
+// 2 KV heads, a dense first layer of 192, one shared expert of 128), and the scratch sized
+// for the largest of them, by hand.
+TEST(MemoryPlan, Fp8ProjectionsKnownAnswers) {
+  ModelConfig m;
+  m.dim = 128;
+  m.n_layers = 4;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.first_dense_layers = 1;
+  m.dense_hidden = 192;
+  m.moe.n_experts = 8;
+  m.moe.expert_hidden = 128;
+  m.moe.n_shared_experts = 1;
+  const int64_t T = 128;
+  const std::vector<DenseGemmShape> gemms = dense_projection_gemms(m, T);
+  ASSERT_EQ(gemms.size(), 12u);
+  std::vector<std::string> bf16;
+  for (const DenseGemmShape& g : gemms) {
+    EXPECT_EQ(g.M, T);
+    if (!g.fp8) bf16.push_back(g.name);
+  }
+  // K = 192 (the dense FFN's hidden) is not whole 128-blocks: its down projection's forward
+  // and its gate and up data gradients stay bf16; everything else fits.
+  EXPECT_EQ(bf16, (std::vector<std::string>{"dense FFN down forward", "dense FFN gate, up data gradient"}));
+  EXPECT_EQ(gemms[0].N, (4 + 2 * 2) * 32);  // q|k|v forward: N = (H + 2G) d
+  EXPECT_FALSE(gemms[0].data_gradient);
+  EXPECT_TRUE(gemms[1].data_gradient);
+  const Fp8ProjectionScratch s = fp8_projection_scratch(m, T);
+  EXPECT_EQ(s.row_codes, T * 256);        // the q|k|v data gradient's dy rows, K = 256
+  EXPECT_EQ(s.row_scales, T * 2);
+  EXPECT_EQ(s.weight_codes, 256 * 128);   // [wq; wk; wv]
+  EXPECT_EQ(s.weight_scales, 2);
+  EXPECT_EQ(s.bytes(), T * 256 + T * 2 * 4 + 256 * 128 + 2 * 4);
+  EXPECT_EQ(describe_fp8_projections(m, T),
+            "fp8 dense projections: 10 of 12 GEMMs in fp8; bf16: dense FFN down forward, dense FFN gate, up data "
+            "gradient (docs/FP8.md, the fallback rule)");
+  // T not a multiple of 4: nothing fits, no scratch.
+  const Fp8ProjectionScratch none = fp8_projection_scratch(m, 126);
+  EXPECT_EQ(none.bytes(), 0);
+  for (const DenseGemmShape& g : dense_projection_gemms(m, 126)) EXPECT_FALSE(g.fp8) << g.name;
+}
+
+// The estimate counts the fp8 scratch GpuTransformer::plan allocates: the experts' (one
+// operand's rows and two weight tensors) and the projections', by hand for small_config
+// (T = 1024, dim 512, q|k|v 1024 wide, 8 experts of 1024, dropless top-2: 2048 rows).
+TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
+  RunConfig bf16 = small_config();
+  RunConfig fp8 = bf16;
+  fp8.training.precision = TrainingPrecision::Fp8;
+  fp8.training.device = TrainingDevice::Cuda;
+  const MemoryEstimate a = estimate_memory(bf16, configured_layout(bf16, 1, 1));
+  const MemoryEstimate b = estimate_memory(fp8, configured_layout(fp8, 1, 1));
+  const int64_t experts = 2048 * 1024 + 2048 * 8 * 4 + 2 * 8 * 512 * 1024 + 2 * 8 * 4 * 8 * 4;
+  const int64_t projections = 1024 * 1024 + 1024 * 8 * 4 + 1024 * 512 + 8 * 4 * 4;
+  EXPECT_EQ(fp8_projection_scratch(fp8.model, 1024).bytes(), projections);
+  EXPECT_EQ(b.step_buffers - a.step_buffers, experts + projections);
+}
+
 TEST(MemoryPlan, ZeroUnderExpertParallelismShardsSharedAndExpertState) {
   RunConfig c = small_config();
   c.model.n_layers = 6;

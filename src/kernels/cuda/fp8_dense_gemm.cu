@@ -59,10 +59,13 @@ struct DenseGemmFp8::State {
   gpu::DeviceArray<char> workspace;
   bool have_hw_info = false;
   cutlass::KernelHardwareInfo hw_info;
+  int sm_limit = 0;
 };
 
 DenseGemmFp8::DenseGemmFp8() : state_(new State) {}
 DenseGemmFp8::~DenseGemmFp8() { delete state_; }
+
+void DenseGemmFp8::set_sm_limit(int sms) { state_->sm_limit = std::max(0, sms); }
 
 void DenseGemmFp8::gemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const float* a_scales, const uint8_t* b_codes,
                         const float* b_scales, int64_t M, int64_t N, int64_t K, float beta, Stream stream) {
@@ -99,6 +102,13 @@ void DenseGemmFp8::gemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const floa
     state_->have_hw_info = true;
   }
   args.hw_info = state_->hw_info;
+  // set_sm_limit: whole clusters of the 1 x 2 cluster shape within the limit.
+  constexpr int kClusterSms = 2;
+  const int whole = std::max(kClusterSms, state_->sm_limit / kClusterSms * kClusterSms);
+  if (state_->sm_limit > 0 && whole < args.hw_info.sm_count) {
+    args.hw_info.sm_count = whole;
+    args.hw_info.max_active_clusters = std::min(args.hw_info.max_active_clusters, whole / kClusterSms);
+  }
   MOE_CHECKF(Gemm::can_implement(args) == cutlass::Status::kSuccess,
              "DenseGemmFp8: CUTLASS cannot run [%lld, %lld] x [%lld, %lld]^T (alignment)", static_cast<long long>(M),
              static_cast<long long>(K), static_cast<long long>(N), static_cast<long long>(K));

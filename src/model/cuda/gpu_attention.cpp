@@ -22,11 +22,11 @@ void GpuTransformer::State::attention_forward(Layer& layer, bf16* y) {
   Activations& a = *layer.act;
   AttentionBuffers& at = a.attn;
   bf16* q = at.qkv.data();
-  linear(q, a.n1.data(), w(layer.wq), T, D, N, false);
+  projection(q, a.n1.data(), w(layer.wq), T, D, N, false);
   cuda::rope_forward(q, positions.data(), rope_cos_sin.data(), T, H + G, d, stream, N);
   attention.forward(at.out.data(), at.stats.data(), q, q + H * d, q + (H + G) * d, batch, c.seq_len, H, G, d,
                     1.0f / std::sqrt(static_cast<float>(d)), stream, N, N);
-  linear(y, at.out.data(), w(layer.wo), T, H * d, D, false);
+  projection(y, at.out.data(), w(layer.wo), T, H * d, D, false);
 }
 
 void GpuTransformer::State::attention_backward(Layer& layer, bf16* dx, const bf16* dy) {
@@ -35,7 +35,7 @@ void GpuTransformer::State::attention_backward(Layer& layer, bf16* dx, const bf1
   const int64_t N = (H + 2 * G) * d;
   Activations& a = *layer.act;
   AttentionBuffers& at = a.attn;
-  linear_backward(dattn.data(), g(layer.wo), dy, at.out.data(), w(layer.wo), T, H * d, D, false);
+  projection_backward(dattn.data(), g(layer.wo), dy, at.out.data(), w(layer.wo), T, H * d, D, false);
   const bf16* q = at.qkv.data();
   bf16* dq = dqkv.data();
   attention.backward(dq, dq + H * d, dq + (H + G) * d, dattn.data(), q, q + H * d, q + (H + G) * d, at.out.data(),
@@ -43,7 +43,7 @@ void GpuTransformer::State::attention_backward(Layer& layer, bf16* dx, const bf1
                      N);
   cuda::rope_backward(dq, positions.data(), rope_cos_sin.data(), T, H + G, d, stream, N);
   // g(wq) starts the [(H + 2G) d, D] gradient block of wq, wk and wv.
-  linear_backward(dx, g(layer.wq), dq, a.n1.data(), w(layer.wq), T, D, N, false);
+  projection_backward(dx, g(layer.wq), dq, a.n1.data(), w(layer.wq), T, D, N, false);
 }
 
 }  // namespace moe

@@ -47,6 +47,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.recompute_experts = training.recompute_experts;
   options.deterministic = training.deterministic;
   options.fp8_experts = training.precision == TrainingPrecision::Fp8;
+  options.fp8_projections = training.precision == TrainingPrecision::Fp8;
   return options;
 }
 
@@ -62,6 +63,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.local_experts_cap = options.max_local_experts;
   s.split_experts = options.split_experts;  // before the layers' slot bounds below
   s.fp8 = options.fp8_experts;
+  s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections);
   MOE_CHECK(!s.fp8 || (config.dim % 128 == 0 && config.moe.expert_hidden % 128 == 0),
             "training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of 128",
             config.dim, config.moe.expert_hidden);
@@ -277,6 +279,7 @@ void GpuTransformer::plan(int64_t batch) {
     s.fp8_weights = Buffer<uint8_t>(static_cast<size_t>(weights));
     s.fp8_weight_scales = f32(2 * max_local * fp8::blocks(D) * fp8::blocks(F));
   }
+  s.projections->plan(c, T);
   s.dlogits_bf16 = bf(T * E);
   s.dffn_act = bf(T * ffn_width);
   s.dffn_gate_up = bf(T * 2 * ffn_width);
@@ -296,19 +299,19 @@ void GpuTransformer::State::ffn_forward(bf16* y, const bf16* x, const bf16* w1, 
                                         FfnBuffers& buffers, int64_t rows, int64_t F, bool accumulate) {
   const int64_t D = config.dim;
   // gate and up side by side in one [rows, 2F] buffer, as the SwiGLU kernel reads them.
-  linear(buffers.gate_up.data(), x, w1, rows, D, F, false, 2 * F);
-  linear(buffers.gate_up.data() + F, x, w3, rows, D, F, false, 2 * F);
+  projection(buffers.gate_up.data(), x, w1, rows, D, F, false, 2 * F);
+  projection(buffers.gate_up.data() + F, x, w3, rows, D, F, false, 2 * F);
   cuda::swiglu_forward(buffers.act.data(), buffers.gate_up.data(), rows, F, stream);
-  linear(y, buffers.act.data(), w2, rows, F, D, accumulate);
+  projection(y, buffers.act.data(), w2, rows, F, D, accumulate);
 }
 
 void GpuTransformer::State::ffn_backward(bf16* dx, const bf16* dy, const bf16* x, const std::array<Param, 3>& p,
                                          FfnBuffers& buffers, int64_t rows, int64_t F, bool accumulate_dx) {
   const int64_t D = config.dim;
-  linear_backward(dffn_act.data(), g(p[2]), dy, buffers.act.data(), w(p[2]), rows, F, D, false);
+  projection_backward(dffn_act.data(), g(p[2]), dy, buffers.act.data(), w(p[2]), rows, F, D, false);
   cuda::swiglu_backward(dffn_gate_up.data(), dffn_act.data(), buffers.gate_up.data(), rows, F, stream);
-  linear_backward(dx, g(p[0]), dffn_gate_up.data(), x, w(p[0]), rows, D, F, accumulate_dx, 2 * F);
-  linear_backward(dx, g(p[1]), dffn_gate_up.data() + F, x, w(p[1]), rows, D, F, true, 2 * F);
+  projection_backward(dx, g(p[0]), dffn_gate_up.data(), x, w(p[0]), rows, D, F, accumulate_dx, 2 * F);
+  projection_backward(dx, g(p[1]), dffn_gate_up.data() + F, x, w(p[1]), rows, D, F, true, 2 * F);
 }
 
 void GpuTransformer::State::check_and_upload_inputs(const int32_t* inputs_BS, const int32_t* targets_BS) {
@@ -540,6 +543,7 @@ void GpuTransformer::reserve_sms(int sms) {
   s.blas.set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm_fp8) s.expert_gemm_fp8->set_sm_limit(s.compute_sm_limit);
+  s.projections->set_sm_limit(s.compute_sm_limit);
 }
 
 

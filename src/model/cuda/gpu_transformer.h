@@ -114,6 +114,10 @@ struct GpuModelOptions {
   // training.precision = fp8: the experts' forward and data-gradient GEMMs in fp8 with
   // blockwise scales (docs/FP8.md); model.dim and moe.expert_hidden multiples of 128.
   bool fp8_experts = false;
+  // training.precision = fp8: the dense projections' forward and data-gradient GEMMs too
+  // (attention's q|k|v and output, the dense FFN and shared experts), each whose shape the
+  // dense FP8 GEMM takes (fp8::dense_gemm_fits; the others bf16; docs/FP8.md).
+  bool fp8_projections = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

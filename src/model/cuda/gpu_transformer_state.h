@@ -21,6 +21,7 @@
 #include "model/cuda/gpu_layers.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
+#include "model/cuda/projection_gemms.h"
 
 namespace moe {
 
@@ -46,6 +47,10 @@ struct GpuTransformer::State {
   std::unique_ptr<cuda::ExpertGemmFp8> expert_gemm_fp8;
   Buffer<uint8_t> fp8_rows, fp8_weights;
   Buffer<float> fp8_row_scales, fp8_weight_scales;
+  // The dense projections' forward and data-gradient GEMMs (attention's q|k|v and output,
+  // the dense FFN and shared experts), bf16 or (GpuModelOptions::fp8_projections) fp8
+  // where the shape fits: projection / projection_backward below.
+  std::unique_ptr<ProjectionGemms> projections;
   // Expert parallelism (GpuModelOptions::expert_exchange): this rank computes each MoE layer's slots
   // [first_slot_P1[rank], first_slot_P1[rank + 1]) (Layer); without it, all of them.
   // max_local_experts bounds a rank's count (GpuModelOptions; the plan's buffers and
@@ -148,6 +153,17 @@ struct GpuTransformer::State {
                 stream);
     else if (overwrite_grads)
       MOE_CUDA_CHECK(cudaMemsetAsync(dweight, 0, static_cast<size_t>(out * in) * sizeof(float), stream));
+  }
+  // linear and linear_backward for the dense projections: y = x W^T and dx = dy W through
+  // `projections` (the run's precision), the weight gradient dW += dy^T x in bf16 as above.
+  void projection(bf16* y, const bf16* x, const bf16* weight, int64_t rows, int64_t in, int64_t out, bool accumulate,
+                  int64_t ldy = -1) {
+    projections->forward(y, ldy < 0 ? out : ldy, x, weight, rows, in, out, accumulate, stream);
+  }
+  void projection_backward(bf16* dx, float* dweight, const bf16* dy, const bf16* x, const bf16* weight, int64_t rows,
+                           int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1) {
+    if (dx) projections->backward_data(dx, dy, ld_dy < 0 ? out : ld_dy, weight, rows, in, out, accumulate_dx, stream);
+    linear_backward(nullptr, dweight, dy, x, weight, rows, in, out, false, ld_dy);
   }
   // The attention of a block (gpu_attention.cpp): from n1 to the output projection in
   // y [T, D]; its backward from dy to dx [T, D] (n1's gradient), accumulating the

@@ -16,6 +16,7 @@
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/cuda/loopback_exchange.h"
+#include "model/gpu_buffer_sizes.h"
 #include "model/transformer.h"
 #include "optim/cuda/gpu_optimizer.h"
 #include "train/trainer.h"
@@ -98,13 +99,14 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
   fmt::print(out,
-             "mode: experts' GEMMs {}, AdamW moments {}, expert gradients {}, activations of {} layers recomputed, "
-             "experts recompute {}, CUDA graphs {}\n",
+             "mode: experts' and projections' GEMMs {}, AdamW moments {}, expert gradients {}, activations of {} "
+             "layers recomputed, experts recompute {}, CUDA graphs {}\n",
              name_of(config.training.precision), name_of(config.optimizer.state_dtype),
              name_of(config.training.expert_grad_dtype),
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
              name_of(config.training.recompute_experts),
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
+  if (config.training.precision == TrainingPrecision::Fp8) fmt::print(out, "{}\n", describe_fp8_projections(mc, T));
   if (ep_loopback)
     fmt::print(out, "expert parallel over this one GPU (--ep-loopback): every exchange a device copy\n");
   fmt::print(out, "params: total {:.3f} B, active {:.3f} B, embedding {:.3f} B\n", counts.total / 1e9,

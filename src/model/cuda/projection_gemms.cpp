@@ -1,0 +1,71 @@
+#include "model/cuda/projection_gemms.h"
+
+#include "core/error.h"
+#include "kernels/fp8_blockwise.h"
+#include "model/gpu_buffer_sizes.h"
+
+namespace moe {
+
+ProjectionGemms::ProjectionGemms(cuda::Blas& blas, bool fp8) : blas_(blas) {
+  if (fp8) gemm_fp8_ = std::make_unique<cuda::DenseGemmFp8>();
+}
+
+void ProjectionGemms::plan(const ModelConfig& config, int64_t tokens) {
+  // The old scratch goes first, so that a re-plan does not hold both.
+  row_codes_ = {};
+  weight_codes_ = {};
+  row_scales_ = {};
+  weight_scales_ = {};
+  if (!fp8()) return;
+  const Fp8ProjectionScratch s = fp8_projection_scratch(config, tokens);
+  row_codes_ = gpu::DeviceArray<uint8_t>(static_cast<size_t>(s.row_codes));
+  row_scales_ = gpu::DeviceArray<float>(static_cast<size_t>(s.row_scales));
+  weight_codes_ = gpu::DeviceArray<uint8_t>(static_cast<size_t>(s.weight_codes));
+  weight_scales_ = gpu::DeviceArray<float>(static_cast<size_t>(s.weight_scales));
+}
+
+void ProjectionGemms::set_sm_limit(int sms) {
+  if (gemm_fp8_) gemm_fp8_->set_sm_limit(sms);
+}
+
+// A shape fp8::dense_gemm_fits takes but fp8_projection_scratch did not list (a projection
+// called with a shape dense_projection_gemms does not know) is refused, never overrun.
+void ProjectionGemms::check_scratch(int64_t rows, int64_t K, int64_t N) const {
+  MOE_CHECK(rows * K <= static_cast<int64_t>(row_codes_.size()) &&
+                rows * (K / fp8::kBlock) <= static_cast<int64_t>(row_scales_.size()) &&
+                N * K <= static_cast<int64_t>(weight_codes_.size()) &&
+                fp8::blocks(N) * fp8::blocks(K) <= static_cast<int64_t>(weight_scales_.size()),
+            "fp8 projections: no scratch planned for [{}, {}] x [{}, {}]^T (model/gpu_buffer_sizes.h)", rows, K, N,
+            K);
+}
+
+void ProjectionGemms::forward(bf16* y, int64_t ldy, const bf16* x, const bf16* w, int64_t rows, int64_t in,
+                              int64_t out, bool accumulate, cuda::Stream stream) {
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (!fp8() || !fp8::dense_gemm_fits(rows, out, in, in, ldy)) {
+    blas_.gemm(false, true, rows, out, in, 1.0f, x, in, w, in, beta, y, false, ldy, stream);
+    return;
+  }
+  check_scratch(rows, in, out);
+  cuda::quantize_rows_blockwise(row_codes_.data(), row_scales_.data(), x, in, nullptr, 1, rows, in, stream);
+  cuda::quantize_weight_blocks(weight_codes_.data(), weight_scales_.data(), nullptr, nullptr, w, 1, out, in, stream);
+  gemm_fp8_->gemm(y, ldy, row_codes_.data(), row_scales_.data(), weight_codes_.data(), weight_scales_.data(), rows,
+                  out, in, beta, stream);
+}
+
+void ProjectionGemms::backward_data(bf16* dx, const bf16* dy, int64_t ld_dy, const bf16* w, int64_t rows, int64_t in,
+                                    int64_t out, bool accumulate, cuda::Stream stream) {
+  const float beta = accumulate ? 1.0f : 0.0f;
+  if (!fp8() || !fp8::dense_gemm_fits(rows, in, out, ld_dy, in)) {
+    blas_.gemm(false, false, rows, in, out, 1.0f, dy, ld_dy, w, in, beta, dx, false, in, stream);
+    return;
+  }
+  check_scratch(rows, out, in);
+  cuda::quantize_rows_blockwise(row_codes_.data(), row_scales_.data(), dy, ld_dy, nullptr, 1, rows, out, stream);
+  // W [out, in] is the GEMM's [K, N]; its quantised transpose [in, out] is the B operand.
+  cuda::quantize_weight_blocks(nullptr, nullptr, weight_codes_.data(), weight_scales_.data(), w, 1, out, in, stream);
+  gemm_fp8_->gemm(dx, in, row_codes_.data(), row_scales_.data(), weight_codes_.data(), weight_scales_.data(), rows, in,
+                  out, beta, stream);
+}
+
+}  // namespace moe
