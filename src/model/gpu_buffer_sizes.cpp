@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "kernels/fp8_blockwise.h"
 #include "moe/dispatch.h"
 
 namespace moe {
@@ -32,6 +33,13 @@ int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_
 
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size) {
   return std::min<int64_t>(tokens, std::max<int64_t>(128, ((int64_t{64} << 20) / vocab_size) / 128 * 128));
+}
+
+Fp8ExpertWeightSizes fp8_expert_weight_sizes(int64_t local_experts, int64_t dim, int64_t hidden) {
+  Fp8ExpertWeightSizes sizes;
+  sizes.codes_per_copy = local_experts * dim * hidden;
+  sizes.scales_per_copy = (local_experts * fp8::blocks(dim) * fp8::blocks(hidden) + 3) / 4 * 4;
+  return sizes;
 }
 
 }  // namespace moe

@@ -114,6 +114,10 @@ struct GpuModelOptions {
   // training.precision = fp8: the experts' forward and data-gradient GEMMs in fp8 with
   // blockwise scales (docs/FP8.md); model.dim and moe.expert_hidden multiples of 128.
   bool fp8_experts = false;
+  // With fp8_experts: each MoE layer keeps its local experts' weights quantised (both
+  // layouts: 2 bytes per local expert parameter), made once after the weights change
+  // instead of before every GEMM (training.fp8_weight_cache). The same bits either way.
+  bool fp8_weight_cache = true;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);
