@@ -5,7 +5,7 @@
 // restored right after a forward (the cache then holds later weights), a re-placement of
 // the experts right after a forward (the slots' weights move), a forward-only pass; with
 // expert recomputation and CUDA graphs. The resumed steps must also repeat the first
-// pass bit for bit.
+// pass bit for bit. And GpuParameterStore::weights_version moves with every weight writer.
 #include <gtest/gtest.h>
 
 #include <tuple>
@@ -13,6 +13,7 @@
 
 #include "core/rng.h"
 #include "gpu_test_util.h"
+#include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
 #include "optim/cuda/gpu_optimizer.h"
@@ -110,6 +111,36 @@ CacheRun run(bool cache, ExpertRecompute recompute, bool graphs) {
   gpu.download_params(host.params());
   r.values = flat_values(host.params(), false);
   return r;
+}
+
+// Every call that can write the bf16 weights moves weights_version() (what the cache's
+// staleness check reads); the reads and the gradient calls do not.
+TEST(GpuParameterStoreVersion, EveryWeightWriterBumpsIt) {
+  MOE_REQUIRE_GPU();
+  ModelConfig config = test::small_moe_model(0.0);
+  Transformer<float> host(config, 3);
+  ParameterStore<float>& params = host.params();
+  GpuParameterStore store(params, MomentDtype::Fp32, {}, nullptr);
+  uint64_t version = store.weights_version();
+  auto bumped = [&](const char* what) {
+    const uint64_t now = store.weights_version();
+    EXPECT_GT(now, version) << what << " did not move the weights' version";
+    version = now;
+  };
+  (void)store.weights();
+  store.zero_grads();
+  store.download_params(params);
+  EXPECT_EQ(store.weights_version(), version) << "reads moved the version";
+  (void)store.weights_hi();
+  bumped("weights_hi()");
+  store.upload_state(params, {}, {});
+  bumped("upload_state");
+  std::vector<float> values(64, 0.5f);
+  store.upload_range(Range{0, 64}, values.data(), nullptr, nullptr);
+  bumped("upload_range");
+  const RangeList resident = store.resident_ranges();
+  store.set_resident_ranges(resident);
+  bumped("set_resident_ranges");
 }
 
 class GpuFp8WeightCache : public ::testing::TestWithParam<std::tuple<ExpertRecompute, bool>> {};

@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
   constexpr int kLanes = kBlock / V;                   // threads per tile
   constexpr int kTilesPerPass = kRowThreads / kLanes;  // tiles a block covers in one pass
   using Load = std::conditional_t<V == 8, uint4, uint2>;
-  using Store = std::conditional_t<V == 8, uint2, uint32_t>;
   const int64_t KB = K / kBlock, tiles = R * KB;
   const int lane = threadIdx.x % kLanes;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kRowTiles * kTilesPerPass + threadIdx.x / kLanes;
@@ -95,7 +94,9 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
                  static_cast<uint32_t>(to_e4m3(v[4 * w + 1] * inverse)) << 8 |
                  static_cast<uint32_t>(to_e4m3(v[4 * w + 2] * inverse)) << 16 |
                  static_cast<uint32_t>(to_e4m3(v[4 * w + 3] * inverse)) << 24;
-    *reinterpret_cast<Store*>(codes_RK + r * K + kb * kBlock + lane * V) = *reinterpret_cast<const Store*>(words);
+    uint8_t* out = codes_RK + r * K + kb * kBlock + lane * V;
+    if constexpr (V == 8) *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+    else *reinterpret_cast<uint32_t*>(out) = words[0];
   }
 }
 
