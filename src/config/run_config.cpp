@@ -91,6 +91,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "deterministic", t.deterministic);
   visit("training", "expert_grad_dtype", t.expert_grad_dtype);
   visit("training", "precision", t.precision);
+  visit("training", "fp8_weight_cache", t.fp8_weight_cache);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
@@ -396,6 +397,9 @@ void check_training(const RunConfig& c) {
            fmt::format("training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of "
                        "128 (the fp8 scale blocks)",
                        c.model.dim, c.model.moe.expert_hidden));
+  } else if (!t.fp8_weight_cache) {
+    fail({"training.fp8_weight_cache", "training.precision"},
+         "training.fp8_weight_cache = false applies to training.precision = fp8 only");
   }
 
   const OptimizerConfig& o = c.optimizer;

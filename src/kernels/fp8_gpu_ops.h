@@ -17,6 +17,13 @@ namespace moe::cuda {
 void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, int64_t ld_x,
                              const int32_t* offsets_E1, int64_t E, int64_t R, int64_t K, Stream stream);
 
+// SwiGLU with its output quantised as above: act [R, F] = silu(gate) * up of gate|up
+// [R, 2F] (swiglu_forward's values, bit for bit; written unless act_RF is null) and the
+// codes and scales quantize_rows_blockwise would make of that act (rows below
+// offsets_E1[E] only). F a multiple of 128; gate|up and act 16-byte aligned.
+void swiglu_forward_fp8(bf16* act_RF, uint8_t* codes_RF, float* scales, const bf16* gate_up_RF2,
+                        const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F, Stream stream);
+
 // Weights w [E, N, K] -> codes [E, N, K] with scales [E][KB][NB], and their transpose
 // codes_t [E, K, N] with scales_t [E][NB][KB] (the B operand of dy @ W); either pair may
 // be null, not both. One power-of-two scale per 128 x 128 block.

@@ -90,4 +90,11 @@ std::string describe_fp8_projections(const ModelConfig& config, int64_t tokens) 
                      gemms.size() - bf16.size(), gemms.size(), bf16.empty() ? "" : "; bf16: ", fmt::join(bf16, ", "));
 }
 
+Fp8ExpertWeightSizes fp8_expert_weight_sizes(int64_t local_experts, int64_t dim, int64_t hidden) {
+  Fp8ExpertWeightSizes sizes;
+  sizes.codes_per_copy = local_experts * dim * hidden;
+  sizes.scales_per_copy = (local_experts * fp8::blocks(dim) * fp8::blocks(hidden) + 3) / 4 * 4;
+  return sizes;
+}
+
 }  // namespace moe

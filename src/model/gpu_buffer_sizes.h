@@ -29,6 +29,17 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
 int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_k, int64_t local_experts,
                                    int64_t capacity);
 
+// training.precision = fp8 with training.fp8_weight_cache: one MoE layer's quantised
+// expert weights (GpuTransformer's Fp8ExpertWeights) for `local_experts` experts of
+// [hidden, dim] (w1, w3) and [dim, hidden] (w2): per tensor two copies (as stored and
+// transposed) of e4m3 codes, 1 B per element, and of their fp32 128 x 128 block scales,
+// each copy's scales padded to 16 bytes.
+struct Fp8ExpertWeightSizes {
+  int64_t codes_per_copy = 0, scales_per_copy = 0;  // elements
+  int64_t bytes() const { return 2 * 3 * (codes_per_copy + 4 * scales_per_copy); }
+};
+Fp8ExpertWeightSizes fp8_expert_weight_sizes(int64_t local_experts, int64_t dim, int64_t hidden);
+
 // Rows of fp32 logits the LM head computes at a time: ~256 MB, in blocks of 128 rows.
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size);
 

@@ -92,48 +92,64 @@ void expect_gemm_close(const std::string& what, const std::vector<float>& got, c
 // ---------------------------------------------------------------------------------------
 // Quantisation kernels against the CPU reference.
 
+// Both kernel paths: 16-byte loads (row stride a multiple of 8, rows 16-byte aligned) and
+// 8-byte ones (stride K + 4, or the rows starting 8 bytes past a 16-byte boundary).
 TEST(GpuFp8Quantize, RowsMatchTheCpuBitForBit) {
   MOE_REQUIRE_GPU();
   const std::vector<int32_t> rows = {0, 5, 130, 0, 1, 64, 0, 300};
   const std::vector<int32_t> offsets = offsets_of(rows);
-  const int64_t E = static_cast<int64_t>(rows.size()), kept = offsets[E], R = kept + 7, K = 384, KB = 3,
-                ld = K + 64;
-  std::vector<bf16> x = activations(R, ld, 1);
-  x[3 * ld + 5] = float_to_bf16(INFINITY);  // saturates to 448 * scale 1
-  for (int64_t k = 0; k < kBlock; ++k) x[10 * ld + k] = bf16{0};  // a tile of zeros: scale 1, codes 0
-  auto x_d = to_device(x);
+  const int64_t E = static_cast<int64_t>(rows.size()), kept = offsets[E], R = kept + 7, K = 384, KB = 3;
   auto offsets_d = to_device(offsets);
-  for (const bool grouped : {true, false}) {
-    std::vector<uint8_t> want_codes(R * K, 0xff);
-    std::vector<float> want_scales(R * KB);
-    std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
-    fp8::quantize_rows_blockwise(want_codes.data(), want_scales.data(), x.data(), ld,
-                                 grouped ? offsets.data() : nullptr, E, R, K);
-    auto codes_d = poisoned<uint8_t>(R * K);
-    auto scales_d = poisoned<float>(R * KB);
-    cuda::quantize_rows_blockwise(codes_d.data(), scales_d.data(), x_d.data(), ld,
-                                  grouped ? offsets_d.data() : nullptr, E, R, K, nullptr);
-    const std::string what = grouped ? "grouped rows" : "one group";
-    // All R * K entries: the rows past offsets[E] must still hold the poison on both sides.
-    expect_same(to_host(codes_d), want_codes, R * K, what + " codes");
-    expect_same(to_host(scales_d), want_scales, R * KB, what + " scales");
-  }
+  for (const int64_t ld : {K + 64, K + 4})
+    for (const int64_t shift : {0, 4}) {
+      std::vector<bf16> x = activations(R, ld, 1);
+      x[3 * ld + 5] = float_to_bf16(INFINITY);  // saturates to 448 * scale 1
+      for (int64_t k = 0; k < kBlock; ++k) x[10 * ld + k] = bf16{0};  // a tile of zeros: scale 1, codes 0
+      std::vector<bf16> shifted(static_cast<size_t>(shift), bf16{0});
+      shifted.insert(shifted.end(), x.begin(), x.end());
+      auto x_d = to_device(shifted);
+      for (const bool grouped : {true, false}) {
+        std::vector<uint8_t> want_codes(R * K, 0xff);
+        std::vector<float> want_scales(R * KB);
+        std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
+        fp8::quantize_rows_blockwise(want_codes.data(), want_scales.data(), x.data(), ld,
+                                     grouped ? offsets.data() : nullptr, E, R, K);
+        auto codes_d = poisoned<uint8_t>(R * K);
+        auto scales_d = poisoned<float>(R * KB);
+        cuda::quantize_rows_blockwise(codes_d.data(), scales_d.data(), x_d.data() + shift, ld,
+                                      grouped ? offsets_d.data() : nullptr, E, R, K, nullptr);
+        const std::string what = std::string(grouped ? "grouped rows" : "one group") + ", stride " +
+                                 std::to_string(ld) + ", shift " + std::to_string(shift);
+        // All R * K entries: the rows past offsets[E] must still hold the poison on both sides.
+        expect_same(to_host(codes_d), want_codes, R * K, what + " codes");
+        expect_same(to_host(scales_d), want_scales, R * KB, what + " scales");
+      }
+    }
 }
 
 TEST(GpuFp8Quantize, WeightBlocksAndTheirTransposeMatchTheCpuBitForBit) {
   MOE_REQUIRE_GPU();
-  for (const auto& [E, N, K] : {std::tuple<int64_t, int64_t, int64_t>{3, 200, 136}, {2, 256, 384}, {1, 8, 1000}}) {
+  // Edge blocks along N and K; K not a multiple of 8 and N not a multiple of 4 (the
+  // bytewise paths); whole blocks over several experts; and (shift 4: the weights 8 bytes
+  // past a 16-byte boundary) the bytewise loads on a shape that would take the vector ones.
+  for (const auto& [E, N, K, shift] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{3, 200, 136, 0}, {2, 256, 384, 0}, {1, 8, 1000, 0},
+        {2, 130, 258, 0}, {1, 127, 129, 0}, {4, 384, 256, 0}, {2, 256, 384, 4}}) {
     const int64_t S = E * fp8::blocks(N) * fp8::blocks(K);
     const std::vector<bf16> w = weights(E, N, K, 2);
     std::vector<uint8_t> codes(E * N * K), codes_t(E * K * N);
     std::vector<float> scales(S), scales_t(S);
     fp8::quantize_weight_blocks(codes.data(), scales.data(), codes_t.data(), scales_t.data(), w.data(), E, N, K);
-    auto w_d = to_device(w);
+    std::vector<bf16> shifted(static_cast<size_t>(shift), bf16{0});
+    shifted.insert(shifted.end(), w.begin(), w.end());
+    auto w_shifted_d = to_device(shifted);
+    const bf16* w_at = w_shifted_d.data() + shift;
     auto codes_d = poisoned<uint8_t>(E * N * K), codes_t_d = poisoned<uint8_t>(E * K * N);
     auto scales_d = poisoned<float>(S), scales_t_d = poisoned<float>(S);
-    cuda::quantize_weight_blocks(codes_d.data(), scales_d.data(), codes_t_d.data(), scales_t_d.data(), w_d.data(), E,
+    cuda::quantize_weight_blocks(codes_d.data(), scales_d.data(), codes_t_d.data(), scales_t_d.data(), w_at, E,
                                  N, K, nullptr);
-    const std::string what = "[" + std::to_string(E) + ", " + std::to_string(N) + ", " + std::to_string(K) + "]";
+    const std::string what = "[" + std::to_string(E) + ", " + std::to_string(N) + ", " + std::to_string(K) +
+                             "], shift " + std::to_string(shift);
     expect_same(to_host(codes_d), codes, codes.size(), what + " codes");
     expect_same(to_host(codes_t_d), codes_t, codes_t.size(), what + " transposed codes");
     expect_same(to_host(scales_d), scales, scales.size(), what + " scales");
@@ -141,9 +157,56 @@ TEST(GpuFp8Quantize, WeightBlocksAndTheirTransposeMatchTheCpuBitForBit) {
     // The transposed copy alone (the data gradients' use): the same bits.
     auto only_t_d = poisoned<uint8_t>(E * K * N);
     auto only_ts_d = poisoned<float>(S);
-    cuda::quantize_weight_blocks(nullptr, nullptr, only_t_d.data(), only_ts_d.data(), w_d.data(), E, N, K, nullptr);
+    cuda::quantize_weight_blocks(nullptr, nullptr, only_t_d.data(), only_ts_d.data(), w_at, E, N, K, nullptr);
     expect_same(to_host(only_t_d), codes_t, codes_t.size(), what + " transposed codes alone");
     expect_same(to_host(only_ts_d), scales_t, scales_t.size(), what + " transposed scales alone");
+    // The copy as stored alone (the forward's use without the weight cache).
+    auto only_d = poisoned<uint8_t>(E * N * K);
+    auto only_s_d = poisoned<float>(S);
+    cuda::quantize_weight_blocks(only_d.data(), only_s_d.data(), nullptr, nullptr, w_at, E, N, K, nullptr);
+    expect_same(to_host(only_d), codes, codes.size(), what + " codes alone");
+    expect_same(to_host(only_s_d), scales, scales.size(), what + " scales alone");
+  }
+}
+
+// SwiGLU fused with the quantisation of its output: act bit for bit swiglu_forward's, the
+// codes and scales bit for bit the CPU's quantisation of that act, over ragged experts
+// with empty ones and rows past the last (act still written there, codes not); without
+// act (null) the same codes and the act buffer untouched.
+TEST(GpuFp8Quantize, SwigluFusedWithTheQuantisationMatchesBoth) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int32_t> rows = {3, 0, 70, 1, 0, 40};
+  const std::vector<int32_t> offsets = offsets_of(rows);
+  const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E] + 5, F = 256, FB = 2;
+  // Gate and up with a magnitude per 128 columns and row (act's tiles get their own scales).
+  std::vector<bf16> gate_up = activations(R, 2 * F, 3);
+  for (int64_t f = 0; f < 2 * F; ++f) gate_up[static_cast<size_t>(7 * 2 * F + f)] = bf16{0};  // a row of zeros
+  auto gate_up_d = to_device(gate_up);
+  auto offsets_d = to_device(offsets);
+  auto act_d = poisoned<bf16>(R * F);
+  cuda::swiglu_forward(act_d.data(), gate_up_d.data(), R, F, nullptr);
+  const std::vector<bf16> act = to_host(act_d);
+  std::vector<uint8_t> want_codes(R * F, 0xff);
+  std::vector<float> want_scales(R * FB);
+  std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
+  fp8::quantize_rows_blockwise(want_codes.data(), want_scales.data(), act.data(), F, offsets.data(), E, R, F);
+  for (const bool write_act : {true, false}) {
+    auto fused_act_d = poisoned<bf16>(R * F);
+    auto codes_d = poisoned<uint8_t>(R * F);
+    auto scales_d = poisoned<float>(R * FB);
+    cuda::swiglu_forward_fp8(write_act ? fused_act_d.data() : nullptr, codes_d.data(), scales_d.data(),
+                             gate_up_d.data(), offsets_d.data(), E, R, F, nullptr);
+    const std::string what = write_act ? "with act" : "without act";
+    expect_same(to_host(codes_d), want_codes, R * F, what + ": codes");
+    expect_same(to_host(scales_d), want_scales, R * FB, what + ": scales");
+    const std::vector<bf16> fused_act = to_host(fused_act_d);
+    if (write_act) {
+      expect_same(fused_act, act, R * F, "act");
+    } else {
+      size_t written = 0;
+      for (const bf16& v : fused_act) written += v.bits != 0xffff;
+      EXPECT_EQ(written, 0u) << "act written though not asked for";
+    }
   }
 }
 

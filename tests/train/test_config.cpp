@@ -287,6 +287,12 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
       {"training.precision = fp8", "moe.expert_hidden (200)", "multiples of 128"});
   const RunConfig fp8 = parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda"});
   EXPECT_EQ(fp8.training.precision, TrainingPrecision::Fp8);
+  EXPECT_TRUE(fp8.training.fp8_weight_cache);
+  EXPECT_FALSE(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda",
+                                            "training.fp8_weight_cache=false"})
+                   .training.fp8_weight_cache);
+  expect_config_error([] { parse_config("", "x.toml", {"training.fp8_weight_cache=false"}); },
+                      {"training.fp8_weight_cache = false", "training.precision = fp8"});
   // device = auto that resolves to the CPU (no GPU visible): refused when the backend is made.
   RunConfig on_auto = parse_config("", "x.toml", {"training.precision=fp8", "model.vocab_size=512"});
   if (wants_gpu(on_auto.training)) GTEST_SKIP() << "a GPU is visible: auto resolves to it";
@@ -410,6 +416,7 @@ TEST(Config, EveryFieldRoundTrips) {
         c.training.precision = TrainingPrecision::Fp8;
         c.training.device = TrainingDevice::Cuda;
         c.model.moe.expert_hidden = 128;
+        c.training.fp8_weight_cache = false;
       },
   };
   const std::string default_text = config_to_toml(RunConfig{});

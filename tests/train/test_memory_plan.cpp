@@ -137,6 +137,28 @@ TEST(MemoryPlan, Bf16ExpertGradientsHalveTheExpertsGradientBytes) {
             estimate_memory(small_config(), configured_layout(small_config(), 2, 2)).gradients);
 }
 
+// training.precision = fp8: per MoE layer the local experts' quantised weights (w1, w3,
+// w2 as stored and transposed: 1 B codes per element, fp32 scales per 128 x 128 block,
+// each copy's padded to 16 bytes), or without the cache scratch for two tensors.
+TEST(MemoryPlan, Fp8ExpertWeightsKnownAnswer) {
+  RunConfig c = small_config();
+  const MemoryEstimate bf16 = estimate_memory(c, configured_layout(c, 1, 1));
+  EXPECT_EQ(bf16.fp8_weights, 0);
+  c.training.precision = TrainingPrecision::Fp8;
+  const MemoryEstimate cached = estimate_memory(c, configured_layout(c, 1, 1));
+  // 8 experts of 1024 x 512: 4 x 8 blocks each, 256 scales per copy (a multiple of 4).
+  constexpr int64_t kLayerCache = 6 * 8 * 1024 * 512 + 6 * 256 * 4;
+  EXPECT_EQ(cached.fp8_weights, 2 * kLayerCache);
+  c.training.fp8_weight_cache = false;
+  const MemoryEstimate per_use = estimate_memory(c, configured_layout(c, 1, 1));
+  EXPECT_EQ(per_use.fp8_weights, 0);
+  EXPECT_EQ(per_use.step_buffers - cached.step_buffers, 2 * 8 * 1024 * 512 + 2 * 256 * 4);
+  // Scale padding: 3 experts of 1024 x 512 hold 96 scales a copy; 1 expert of 640 x 256, 10 -> 12.
+  EXPECT_EQ(fp8_expert_weight_sizes(3, 512, 1024).scales_per_copy, 96);
+  EXPECT_EQ(fp8_expert_weight_sizes(1, 256, 640).scales_per_copy, 12);
+  EXPECT_EQ(fp8_expert_weight_sizes(1, 256, 640).bytes(), 6 * (256 * 640 + 12 * 4));
+}
+
 TEST(MemoryPlan, ActivationsScaleLinearlyInTheMicroBatch) {
   const RunConfig c = small_config();
   MemoryLayout one = configured_layout(c, 1, 1), two = one;

@@ -3,6 +3,9 @@
 // CPU functions these match bit for bit (tests/gpu/test_gpu_fp8_gemm.cpp).
 #include <cuda_fp8.h>
 
+#include <cstdint>
+#include <type_traits>
+
 #include "core/error_base.h"
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
@@ -29,77 +32,254 @@ __device__ int64_t expert_of(const int32_t* offsets_E1, int64_t E, int64_t r) {
   return lo;
 }
 
-// One warp per 1 x 128 tile (4 values a lane): the tile's amax, its scale, 128 codes.
-constexpr int kRowThreads = 256, kTilesPerBlock = kRowThreads / 32;
-__global__ void quantize_rows_kernel(uint8_t* codes_RK, float* scales, const __nv_bfloat16* x, int64_t ld_x,
-                                     const int32_t* offsets_E1, int64_t E, int64_t R, int64_t K) {
-  const int64_t KB = K / kBlock;
-  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kTilesPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t r = tile / KB, kb = tile % KB;
-  if (r >= R) return;
-  int64_t first = 0, rows = R;
-  if (offsets_E1 != nullptr) {
-    if (r >= offsets_E1[E]) return;
-    const int64_t e = expert_of(offsets_E1, E, r);
-    first = offsets_E1[e];
-    rows = offsets_E1[e + 1] - first;
+// Activation rows: each thread quantises V consecutive values of a 1 x 128 tile (V = 8:
+// one 16-byte load and an 8-byte store; V = 4 when the row stride allows only 8-byte
+// loads), 128 / V threads a tile, and kRowTiles tiles of the grid's stride each: every
+// thread issues all its loads before its first reduction, so each SM keeps enough bytes in
+// flight to run at the memory's bandwidth. Only the tile's first thread finds its expert
+// (a binary search over the offsets) and writes its scale.
+constexpr int kRowThreads = 256, kRowTiles = 4;
+template <int V>
+__global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* codes_RK, float* scales,
+                                                                    const __nv_bfloat16* x, int64_t ld_x,
+                                                                    const int32_t* offsets_E1, int64_t E, int64_t R,
+                                                                    int64_t K) {
+  constexpr int kLanes = kBlock / V;                   // threads per tile
+  constexpr int kTilesPerPass = kRowThreads / kLanes;  // tiles a block covers in one pass
+  using Load = std::conditional_t<V == 8, uint4, uint2>;
+  const int64_t KB = K / kBlock, tiles = R * KB;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kRowTiles * kTilesPerPass + threadIdx.x / kLanes;
+  const int64_t end_row = offsets_E1 != nullptr ? offsets_E1[E] : R;
+  Load packed[kRowTiles];
+#pragma unroll
+  for (int u = 0; u < kRowTiles; ++u) {
+    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / KB, kb = tile % KB;
+    if (tile < tiles && r < end_row)
+      packed[u] = *reinterpret_cast<const Load*>(x + r * ld_x + kb * kBlock + lane * V);
   }
-  const uint2 packed = *reinterpret_cast<const uint2*>(x + r * ld_x + kb * kBlock + lane * 4);
-  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&packed.x);
-  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&packed.y);
-  const float v[4] = {__low2float(lo), __high2float(lo), __low2float(hi), __high2float(hi)};
-  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-  amax = warp_max(amax);
-  const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
-  if (lane == 0) scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
-  const uint32_t codes = static_cast<uint32_t>(to_e4m3(v[0] * inverse)) |
-                         static_cast<uint32_t>(to_e4m3(v[1] * inverse)) << 8 |
-                         static_cast<uint32_t>(to_e4m3(v[2] * inverse)) << 16 |
-                         static_cast<uint32_t>(to_e4m3(v[3] * inverse)) << 24;
-  *reinterpret_cast<uint32_t*>(codes_RK + r * K + kb * kBlock + lane * 4) = codes;
+#pragma unroll
+  for (int u = 0; u < kRowTiles; ++u) {
+    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / KB, kb = tile % KB;
+    // The condition is the same for a tile's threads, which stay together in the shuffles.
+    if (tile >= tiles || r >= end_row) continue;
+    float v[V];
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[u]);
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < V / 2; ++i) {
+      v[2 * i] = __low2float(pairs[i]);
+      v[2 * i + 1] = __high2float(pairs[i]);
+      amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
+    }
+    // The tile's threads are kLanes consecutive lanes of one warp.
+    const unsigned mask = kLanes == 32 ? 0xffffffffu
+                                       : ((1u << (kLanes % 32)) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
+    const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
+    if (lane == 0) {
+      int64_t first = 0, rows = R;
+      if (offsets_E1 != nullptr) {
+        const int64_t e = expert_of(offsets_E1, E, r);
+        first = offsets_E1[e];
+        rows = offsets_E1[e + 1] - first;
+      }
+      scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
+    }
+    uint32_t words[V / 4];
+#pragma unroll
+    for (int w = 0; w < V / 4; ++w)
+      words[w] = static_cast<uint32_t>(to_e4m3(v[4 * w] * inverse)) |
+                 static_cast<uint32_t>(to_e4m3(v[4 * w + 1] * inverse)) << 8 |
+                 static_cast<uint32_t>(to_e4m3(v[4 * w + 2] * inverse)) << 16 |
+                 static_cast<uint32_t>(to_e4m3(v[4 * w + 3] * inverse)) << 24;
+    uint8_t* out = codes_RK + r * K + kb * kBlock + lane * V;
+    if constexpr (V == 8) *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+    else *reinterpret_cast<uint32_t*>(out) = words[0];
+  }
 }
 
-// One block per 128 x 128 weight block: its amax, then the codes, written as they are and
-// (through shared memory) transposed.
+// SwiGLU fused with the quantisation of its output (swiglu_forward_fp8): a tile's 16
+// threads each compute 8 values of act = silu(gate) * up exactly as swiglu.cu's vector
+// kernel does (the same fp32 expression, rounded to bf16 to nearest even), write them as
+// bf16 when asked, and quantise those bf16 values as quantize_rows_blockwise would read
+// them back: the same codes and scales without the round trip through memory.
+constexpr int kSwigluTiles = 2;
+__global__ void __launch_bounds__(kRowThreads) swiglu_quantize_kernel(__nv_bfloat16* act, uint8_t* codes_RF,
+                                                                      float* scales, const __nv_bfloat16* gate_up,
+                                                                      const int32_t* offsets_E1, int64_t E, int64_t R,
+                                                                      int64_t F) {
+  constexpr int kLanes = kBlock / 8, kTilesPerPass = kRowThreads / kLanes;
+  const int64_t FB = F / kBlock, tiles = R * FB;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kSwigluTiles * kTilesPerPass + threadIdx.x / kLanes;
+  const int64_t end_row = offsets_E1 != nullptr ? offsets_E1[E] : R;
+  uint4 g_packed[kSwigluTiles], u_packed[kSwigluTiles];
+#pragma unroll
+  for (int u = 0; u < kSwigluTiles; ++u) {
+    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / FB, f = tile % FB * kBlock + lane * 8;
+    if (tile < tiles && (act != nullptr || r < end_row)) {
+      g_packed[u] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + f);
+      u_packed[u] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + F + f);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kSwigluTiles; ++u) {
+    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / FB, fb = tile % FB, f = fb * kBlock + lane * 8;
+    if (tile >= tiles) continue;
+    float g[kVecElems], up[kVecElems], a[kVecElems];
+    unpack8(g_packed[u], g);
+    unpack8(u_packed[u], up);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) a[j] = g[j] * (1.0f / (1.0f + expf(-g[j]))) * up[j];
+    const uint4 rounded = pack8(a);
+    if (act != nullptr) *reinterpret_cast<uint4*>(act + r * F + f) = rounded;
+    if (r >= end_row) continue;  // the same for a tile's threads
+    float v[kVecElems];
+    unpack8(rounded, v);
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
+    const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
+    if (lane == 0) {
+      int64_t first = 0, rows = R;
+      if (offsets_E1 != nullptr) {
+        const int64_t e = expert_of(offsets_E1, E, r);
+        first = offsets_E1[e];
+        rows = offsets_E1[e + 1] - first;
+      }
+      scales[fp8::activation_scale_index(first, rows, r, fb, FB)] = scale;
+    }
+    uint32_t words[2];
+#pragma unroll
+    for (int w = 0; w < 2; ++w)
+      words[w] = static_cast<uint32_t>(to_e4m3(v[4 * w] * inverse)) |
+                 static_cast<uint32_t>(to_e4m3(v[4 * w + 1] * inverse)) << 8 |
+                 static_cast<uint32_t>(to_e4m3(v[4 * w + 2] * inverse)) << 16 |
+                 static_cast<uint32_t>(to_e4m3(v[4 * w + 3] * inverse)) << 24;
+    *reinterpret_cast<uint2*>(codes_RF + r * F + f) = make_uint2(words[0], words[1]);
+  }
+}
+
+// Weights: one block of 256 threads per 128 x 128 weight block. The block's bf16 values are
+// read once, 16 bytes a load (8 loads a thread in flight: 32 KB a block), kept in
+// registers for the amax and the codes; the codes go out as they are (8 bytes a store)
+// and through a shared-memory tile, transposed 4 x 4 bytes at a time in registers, to the
+// transposed copy (4-byte stores, a warp writing 128 bytes of one row). The tile's 32-bit
+// words are swizzled (word kw of row n at kw ^ (n / 4 % 32)) so that the transposing
+// reads, 4 rows x 1 word a thread, hit 32 different banks. Edge blocks (N or K not a
+// multiple of 128) and shapes whose rows break the vector alignment take bytewise paths.
 constexpr int kWeightThreads = 256;
-__global__ void quantize_weight_kernel(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
-                                       const __nv_bfloat16* w_ENK, int64_t N, int64_t K) {
+constexpr int kChunksPerRow = kBlock / 8;                       // 16-byte chunks of a block row
+constexpr int kRowsPerPass = kWeightThreads / kChunksPerRow;    // 16
+constexpr int kWeightLoads = kBlock / kRowsPerPass;             // 8 a thread
+constexpr int kTileWords = kBlock / 4;                          // 32-bit words of a tile row
+
+__device__ __forceinline__ int tile_word(int n, int kw) { return n * kTileWords + (kw ^ (n / 4 % 32)); }
+
+__global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t* codes_ENK, float* scales,
+                                                                         uint8_t* codes_t_EKN, float* scales_t,
+                                                                         const __nv_bfloat16* w_ENK, int64_t N,
+                                                                         int64_t K, bool vector_rows) {
   const int64_t kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, NB = gridDim.y, KB = gridDim.x;
   const int64_t n0 = nb * kBlock, k0 = kb * kBlock;
   const __nv_bfloat16* w = w_ENK + e * N * K;
+  const int chunk = threadIdx.x % kChunksPerRow, row = threadIdx.x / kChunksPerRow;
+  const int64_t k = k0 + chunk * 8;
+  // vector_rows: K a multiple of 8 and w 16-byte aligned, so a chunk inside the matrix is
+  // one aligned 16-byte load (and its codes one aligned 8-byte store).
+  const bool whole_chunk = vector_rows && k + 8 <= K;
+  uint4 packed[kWeightLoads];
+#pragma unroll
+  for (int j = 0; j < kWeightLoads; ++j) {
+    const int64_t n = n0 + row + j * kRowsPerPass;
+    packed[j] = make_uint4(0, 0, 0, 0);  // zeros outside the matrix: no effect on the amax
+    if (n >= N) continue;
+    if (whole_chunk) {
+      packed[j] = *reinterpret_cast<const uint4*>(w + n * K + k);
+    } else {
+      uint16_t* h = reinterpret_cast<uint16_t*>(&packed[j]);
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(w + n * K);
+      for (int i = 0; i < 8; ++i)
+        if (k + i < K) h[i] = src[k + i];
+    }
+  }
   float amax = 0.0f;
-  for (int i = threadIdx.x; i < kBlock * kBlock; i += kWeightThreads) {
-    const int64_t n = n0 + i / kBlock, k = k0 + i % kBlock;
-    if (n < N && k < K) amax = fmaxf(amax, fabsf(to_float(w[n * K + k])));
+#pragma unroll
+  for (int j = 0; j < kWeightLoads; ++j) {
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      amax = fmaxf(amax, fmaxf(fabsf(__low2float(pairs[i])), fabsf(__high2float(pairs[i]))));
   }
   __shared__ float warp_amax[kWeightThreads / 32];
+  __shared__ uint32_t tile[kBlock * kTileWords];  // [n][k] codes, 16 KB
   amax = warp_max(amax);
   if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
   __syncthreads();
   amax = 0.0f;
+#pragma unroll
   for (int i = 0; i < kWeightThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
   const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
   if (threadIdx.x == 0) {
     if (scales != nullptr) scales[fp8::weight_scale_index(e, nb, kb, NB, KB)] = scale;
     if (scales_t != nullptr) scales_t[fp8::weight_t_scale_index(e, nb, kb, NB, KB)] = scale;
   }
-  __shared__ uint8_t tile[kBlock][kBlock + 4];  // [n][k]
-  for (int i = threadIdx.x; i < kBlock * kBlock; i += kWeightThreads) {
-    const int dn = i / kBlock, dk = i % kBlock;
-    const int64_t n = n0 + dn, k = k0 + dk;
-    if (n < N && k < K) {
-      const uint8_t code = to_e4m3(to_float(w[n * K + k]) * inverse);
-      if (codes_ENK != nullptr) codes_ENK[(e * N + n) * K + k] = code;
-      tile[dn][dk] = code;
+#pragma unroll
+  for (int j = 0; j < kWeightLoads; ++j) {
+    const int dn = row + j * kRowsPerPass;
+    const int64_t n = n0 + dn;
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[j]);
+    uint32_t words[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      words[h] = static_cast<uint32_t>(to_e4m3(__low2float(pairs[2 * h]) * inverse)) |
+                 static_cast<uint32_t>(to_e4m3(__high2float(pairs[2 * h]) * inverse)) << 8 |
+                 static_cast<uint32_t>(to_e4m3(__low2float(pairs[2 * h + 1]) * inverse)) << 16 |
+                 static_cast<uint32_t>(to_e4m3(__high2float(pairs[2 * h + 1]) * inverse)) << 24;
+    tile[tile_word(dn, 2 * chunk)] = words[0];
+    tile[tile_word(dn, 2 * chunk + 1)] = words[1];
+    if (codes_ENK == nullptr || n >= N) continue;
+    uint8_t* out = codes_ENK + (e * N + n) * K + k;
+    if (whole_chunk) {
+      *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+    } else {
+      for (int i = 0; i < 8; ++i)
+        if (k + i < K) out[i] = static_cast<uint8_t>(words[i / 4] >> (8 * (i % 4)));
     }
   }
   if (codes_t_EKN == nullptr) return;
   __syncthreads();
-  for (int i = threadIdx.x; i < kBlock * kBlock; i += kWeightThreads) {
-    const int dk = i / kBlock, dn = i % kBlock;
-    const int64_t n = n0 + dn, k = k0 + dk;
-    if (n < N && k < K) codes_t_EKN[(e * K + k) * N + n] = tile[dn][dk];
+  // The transposed copy: codes_t[e][k][n] = tile[n][k]. Thread: 4 rows (n) x 4 columns (k).
+  const bool full = vector_rows && N % 4 == 0 && n0 + kBlock <= N && k0 + kBlock <= K;
+  const int ng = threadIdx.x % 32;  // n = 4 ng .. 4 ng + 3
+#pragma unroll
+  for (int q = 0; q < kBlock / 4 / (kWeightThreads / 32); ++q) {
+    const int kg = threadIdx.x / 32 + q * (kWeightThreads / 32);  // k = 4 kg .. 4 kg + 3
+    uint32_t a[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = tile[tile_word(4 * ng + i, kg)];
+    // a[i] holds row 4 ng + i's bytes at k = 4 kg + 0..3; out[j] holds column 4 kg + j's at
+    // n = 4 ng + 0..3.
+    const uint32_t lo01 = __byte_perm(a[0], a[1], 0x5140), hi01 = __byte_perm(a[0], a[1], 0x7362);
+    const uint32_t lo23 = __byte_perm(a[2], a[3], 0x5140), hi23 = __byte_perm(a[2], a[3], 0x7362);
+    const uint32_t out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t kk = k0 + 4 * kg + j, n = n0 + 4 * ng;
+      uint8_t* dst = codes_t_EKN + (e * K + kk) * N + n;
+      if (full) {
+        *reinterpret_cast<uint32_t*>(dst) = out[j];
+      } else if (kk < K) {
+        for (int i = 0; i < 4; ++i)
+          if (n + i < N) dst[i] = static_cast<uint8_t>(out[j] >> (8 * i));
+      }
+    }
   }
 }
 
@@ -115,9 +295,33 @@ void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, in
              static_cast<long long>(E));
   const int64_t tiles = R * (K / kBlock);
   if (tiles == 0) return;
-  const int64_t grid = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
-  quantize_rows_kernel<<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(codes_RK, scales, as_cuda(x), ld_x,
-                                                                                 offsets_E1, E, R, K);
+  // 16-byte loads when every row starts 16-byte aligned, else 8-byte ones.
+  const bool wide = ld_x % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(codes_RK) % 8 == 0;
+  const int64_t per_block = kRowTiles * (kRowThreads / (kBlock / (wide ? 8 : 4)));
+  const int64_t grid = (tiles + per_block - 1) / per_block;
+  if (wide)
+    quantize_rows_kernel<8><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(codes_RK, scales, as_cuda(x),
+                                                                                    ld_x, offsets_E1, E, R, K);
+  else
+    quantize_rows_kernel<4><<<static_cast<unsigned>(grid), kRowThreads, 0, stream>>>(codes_RK, scales, as_cuda(x),
+                                                                                    ld_x, offsets_E1, E, R, K);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_forward_fp8(bf16* act_RF, uint8_t* codes_RF, float* scales, const bf16* gate_up_RF2,
+                        const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F, Stream stream) {
+  MOE_CHECKF(F > 0 && F % kBlock == 0, "fp8 SwiGLU: F = %lld is not a multiple of %lld", static_cast<long long>(F),
+             static_cast<long long>(kBlock));
+  MOE_CHECKF(offsets_E1 == nullptr || E >= 1, "fp8 SwiGLU: offsets of %lld experts", static_cast<long long>(E));
+  MOE_CHECKF(reinterpret_cast<uintptr_t>(gate_up_RF2) % 16 == 0 && reinterpret_cast<uintptr_t>(act_RF) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(codes_RF) % 8 == 0,
+             "fp8 SwiGLU: gate|up and act 16-byte aligned, the codes 8-byte aligned");
+  const int64_t tiles = R * (F / kBlock);
+  if (tiles == 0) return;
+  const int64_t per_block = kSwigluTiles * (kRowThreads / (kBlock / 8));
+  swiglu_quantize_kernel<<<static_cast<unsigned>((tiles + per_block - 1) / per_block), kRowThreads, 0, stream>>>(
+      act_RF ? as_cuda(act_RF) : nullptr, codes_RF, scales, as_cuda(gate_up_RF2), offsets_E1, E, R, F);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -131,8 +335,12 @@ void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_
   if (E == 0) return;
   const dim3 grid(static_cast<unsigned>(fp8::blocks(K)), static_cast<unsigned>(fp8::blocks(N)),
                   static_cast<unsigned>(E));
+  // The vector paths need every row 16-byte aligned (the codes' rows then 8-byte aligned).
+  const bool vector_rows = K % 8 == 0 && reinterpret_cast<uintptr_t>(w_ENK) % 16 == 0 &&
+                           (codes_ENK == nullptr || reinterpret_cast<uintptr_t>(codes_ENK) % 8 == 0) &&
+                           (codes_t_EKN == nullptr || reinterpret_cast<uintptr_t>(codes_t_EKN) % 4 == 0);
   quantize_weight_kernel<<<grid, kWeightThreads, 0, stream>>>(codes_ENK, scales, codes_t_EKN, scales_t, as_cuda(w_ENK),
-                                                              N, K);
+                                                              N, K, vector_rows);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

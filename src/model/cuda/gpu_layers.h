@@ -72,6 +72,23 @@ struct Activations {
   MoEBuffers moe;
 };
 
+// training.precision = fp8 (docs/FP8.md): an MoE layer's local experts' weights quantised
+// for the fp8 GEMMs once after they change, not at every use. Per tensor t (w1, w3, w2,
+// each [E, N, K] as stored) the codes [E, N, K] with their 128 x 128 scales (the forward's
+// B) and the transposed copy [E, K, N] with its scales (backward_data's B), room for
+// `capacity` experts. Stamped with the store's weights_version and the slot window it
+// was made from (GpuTransformer::State::fp8_expert_weights checks both).
+struct Fp8ExpertWeights {
+  enum Tensor { kW1 = 0, kW3 = 1, kW2 = 2, kTensors = 3 };
+  Buffer<uint8_t> codes;  // [tensor][copy: 0 as stored, 1 transposed][capacity * N * K]
+  Buffer<float> scales;   // [tensor][copy][capacity * NB * KB]
+  int64_t capacity = 0, codes_per_copy = 0, scales_per_copy = 0;
+  uint64_t version = 0;  // 0: nothing quantised yet
+  int64_t first_slot = -1, experts = -1;
+  uint8_t* code(int tensor, bool transposed) { return codes.data() + (2 * tensor + transposed) * codes_per_copy; }
+  float* scale(int tensor, bool transposed) { return scales.data() + (2 * tensor + transposed) * scales_per_copy; }
+};
+
 struct Layer {
   Param norm1, norm2, wq, wk, wv, wo;
   Param router_w, router_b, w1, w3, w2;              // MoE layers
@@ -97,6 +114,7 @@ struct Layer {
   // On the device: first_slot_P1, window_end_P, and the block edges as boundary cuts.
   Buffer<int32_t> slot_of_expert, first_slot, window_end, edge_cut;
   bool placed = false;
+  Fp8ExpertWeights fp8;  // training.precision = fp8 with the weight cache (MoE layers)
 };
 
 }  // namespace gpu_model

@@ -59,10 +59,10 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   // The rows this rank's experts compute (under expert parallelism: every rank's tokens
   // routed here), the experts, and each token's weighted sum of its experts' outputs.
   dispatcher->dispatch(layer, m, layer.act->n2.data(), routed_slot);
-  experts_gate_up_forward(layer, /*gate_up=*/true);
+  const bool act_quantised = experts_gate_up_forward(layer, /*gate_up=*/true, /*for_down=*/true);
   bf16* y[1] = {m.y_rows.data()};
-  const bf16* w2[1] = {local_w(layer, layer.w2)};
-  expert_forward(layer, m, 1, y, D, m.act_rows->data(), F, w2, D, F);
+  const int w2[1] = {Fp8ExpertWeights::kW2};
+  expert_forward(layer, m, 1, y, D, m.act_rows->data(), F, w2, D, F, act_quantised);
   dispatcher->combine(m, layer.act->ffn_out.data());
   mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
@@ -76,17 +76,30 @@ void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up) {
   experts_gate_up_forward(layer, gate_up);
 }
 
-void GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up) {
+bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down) {
   const int64_t D = config.dim, F = config.moe.expert_hidden;
   MoEBuffers& m = layer.act->moe;
   // The experts: grouped GEMMs over the device-side row offsets (no host sync).
   mark(kExperts);
   if (gate_up) {
     bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
-    const bf16* w13[2] = {local_w(layer, layer.w1), local_w(layer, layer.w3)};
+    const int w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
     expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D);
   }
-  cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), expert_rows(m), F, stream);
+  const int64_t E = local_experts(layer), R = expert_rows(m);
+  if (!fp8 || !for_down || E == 0) {
+    cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), R, F, stream);
+    return false;
+  }
+  // fp8: act's codes and scales for the down projection straight from SwiGLU (the bits
+  // quantising the bf16 act gives). The bf16 act is the weight gradient's input; with
+  // recompute_experts the backward refills it (or this layer's recomputed forward writes
+  // it), so a first forward's is not written.
+  MOE_CHECK(R * F <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for {} x {} rows", R, F);
+  bf16* act = recompute_experts != ExpertRecompute::None && !recomputing ? nullptr : m.act_rows->data();
+  cuda::swiglu_forward_fp8(act, fp8_rows.data(), fp8_row_scales.data(), m.gate_up_rows->data(), expert_offsets(m), E,
+                           R, F, stream);
+  return true;
 }
 
 void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
@@ -105,7 +118,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const int32_t* offsets = expert_offsets(m);
   mark(kExperts);
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
-  expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, local_w(layer, layer.w2), F, D, 0.0f);
+  expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, Fp8ExpertWeights::kW2, F, D, 0.0f);
   const bf16* dy_sets[1] = {dy_rows};
   const float beta = overwrite_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
   if (bf16* dw2_16 = local_g16(layer, layer.w2)) {  // bf16 expert gradients
@@ -117,8 +130,8 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   }
   cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
   // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
-  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, local_w(layer, layer.w1), D, F, 0.0f);
-  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, local_w(layer, layer.w3), D, F,
+  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f);
+  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, Fp8ExpertWeights::kW3, D, F,
                        1.0f);
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
   if (store->grads_bf16()) {

@@ -1,44 +1,117 @@
 // The experts' forward and data-gradient GEMMs in the run's precision: bf16 through
-// ExpertGemm, or (training.precision = fp8) e4m3 through ExpertGemmFp8 with the operands
-// quantised right before the GEMM (rows per 1 x 128 tile over the expert offsets, weights
-// per 128 x 128 block; docs/FP8.md). Weight gradients stay bf16 (gpu_moe.cpp).
+// ExpertGemm, or (training.precision = fp8) e4m3 through ExpertGemmFp8: the rows quantised
+// right before each GEMM (1 x 128 tiles over the expert offsets), the weights (128 x 128
+// blocks) once after they change into the layer's Fp8ExpertWeights, or, without that
+// cache (GpuModelOptions::fp8_weight_cache off), right before each GEMM as well. The same
+// kernels on the same inputs: both give the same bits (docs/FP8.md). Weight gradients
+// stay bf16 (gpu_moe.cpp).
 #include "core/error.h"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 #include "model/cuda/gpu_transformer_state.h"
+#include "model/gpu_buffer_sizes.h"
 
 namespace moe {
 
-void GpuTransformer::State::expert_forward(const Layer& layer, const MoEBuffers& m, int sets, bf16* const* out,
-                                           int64_t ld_out, const bf16* x, int64_t ld_x, const bf16* const* w,
-                                           int64_t N, int64_t K) {
+namespace {
+
+const Param& expert_tensor(const Layer& layer, int tensor) {
+  return tensor == Fp8ExpertWeights::kW1 ? layer.w1 : tensor == Fp8ExpertWeights::kW3 ? layer.w3 : layer.w2;
+}
+
+}  // namespace
+
+void GpuTransformer::State::allocate_fp8_expert_weights(int64_t capacity) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  for (Layer& layer : layers) {
+    if (!layer.is_moe) continue;
+    Fp8ExpertWeights& c = layer.fp8;
+    if (c.capacity != capacity) {
+      c = Fp8ExpertWeights{};
+      c.capacity = capacity;
+      const Fp8ExpertWeightSizes sizes = fp8_expert_weight_sizes(capacity, D, F);  // what the memory plan counts
+      c.codes_per_copy = sizes.codes_per_copy;
+      c.scales_per_copy = sizes.scales_per_copy;
+      c.codes = Buffer<uint8_t>(static_cast<size_t>(2 * Fp8ExpertWeights::kTensors * c.codes_per_copy));
+      c.scales = Buffer<float>(static_cast<size_t>(2 * Fp8ExpertWeights::kTensors * c.scales_per_copy));
+    }
+    c.version = 0;  // stale
+  }
+}
+
+Fp8ExpertWeights& GpuTransformer::State::fp8_expert_weights(Layer& layer) {
+  Fp8ExpertWeights& c = layer.fp8;
+  const uint64_t version = store->weights_version();
+  const int64_t first = first_slot(layer), E = local_experts(layer);
+  if (c.version == version && c.first_slot == first && c.experts == E) return c;
+  // A graph replays what it captured: quantising inside one would quantise at every
+  // replay from whatever the weights are then (refresh_fp8_expert_weights runs before).
+  MOE_CHECK(!capturing, "fp8 expert weights: stale while a CUDA graph is captured");
+  MOE_CHECK(E <= c.capacity, "fp8 expert weights: {} local experts, room for {}", E, c.capacity);
+  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  for (int t = 0; t < Fp8ExpertWeights::kTensors; ++t) {
+    // w1, w3: [E, F, D]; w2: [E, D, F]. Both copies in one pass over the bf16 weights.
+    const int64_t N = t == Fp8ExpertWeights::kW2 ? D : F, K = t == Fp8ExpertWeights::kW2 ? F : D;
+    if (E > 0)
+      cuda::quantize_weight_blocks(c.code(t, false), c.scale(t, false), c.code(t, true), c.scale(t, true),
+                                   local_w(layer, expert_tensor(layer, t)), E, N, K, stream);
+  }
+  c.version = version;
+  c.first_slot = first;
+  c.experts = E;
+  return c;
+}
+
+void GpuTransformer::State::refresh_fp8_expert_weights() {
+  if (!fp8 || !fp8_weight_cache) return;
+  for (Layer& layer : layers)
+    if (layer.is_moe) fp8_expert_weights(layer);
+}
+
+void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, int sets, bf16* const* out,
+                                           int64_t ld_out, const bf16* x, int64_t ld_x, const int* tensors, int64_t N,
+                                           int64_t K, bool x_quantised) {
   const int32_t* offsets = expert_offsets(m);
+  MOE_CHECK(sets >= 1 && sets <= cuda::ExpertGemm::kMaxSets, "experts: {} weight sets", sets);
   if (!fp8) {
+    const bf16* w[cuda::ExpertGemm::kMaxSets] = {};
+    for (int s = 0; s < sets; ++s) w[s] = local_w(layer, expert_tensor(layer, tensors[s]));
     expert_gemm->forward(sets, out, ld_out, x, ld_x, w, offsets, N, K, stream);
     return;
   }
   const int64_t E = local_experts(layer), R = expert_rows(m);
   if (E == 0) return;
   MOE_CHECK(R * K <= static_cast<int64_t>(fp8_rows.size()) && sets <= 2, "fp8 experts: scratch for {} x {} rows", R, K);
-  cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), x, ld_x, offsets, E, R, K, stream);
-  const int64_t codes = E * N * K, scales = E * fp8::blocks(N) * fp8::blocks(K);
+  if (!x_quantised)
+    cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), x, ld_x, offsets, E, R, K, stream);
   const uint8_t* w_codes[2] = {};
   const float* w_scales[2] = {};
-  for (int s = 0; s < sets; ++s) {
-    uint8_t* c = fp8_weights.data() + s * codes;
-    float* sc = fp8_weight_scales.data() + s * scales;
-    cuda::quantize_weight_blocks(c, sc, nullptr, nullptr, w[s], E, N, K, stream);
-    w_codes[s] = c;
-    w_scales[s] = sc;
+  if (fp8_weight_cache) {
+    Fp8ExpertWeights& c = fp8_expert_weights(layer);
+    for (int s = 0; s < sets; ++s) {
+      w_codes[s] = c.code(tensors[s], false);
+      w_scales[s] = c.scale(tensors[s], false);
+    }
+  } else {
+    const int64_t codes = E * N * K, scales = E * fp8::blocks(N) * fp8::blocks(K);
+    for (int s = 0; s < sets; ++s) {
+      uint8_t* c = fp8_weights.data() + s * codes;
+      float* sc = fp8_weight_scales.data() + s * scales;
+      cuda::quantize_weight_blocks(c, sc, nullptr, nullptr, local_w(layer, expert_tensor(layer, tensors[s])), E, N, K,
+                                   stream);
+      w_codes[s] = c;
+      w_scales[s] = sc;
+    }
   }
   expert_gemm_fp8->forward(sets, out, ld_out, fp8_rows.data(), fp8_row_scales.data(), w_codes, w_scales, offsets, N,
                            K, stream);
 }
 
-void GpuTransformer::State::expert_backward_data(const Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out,
-                                                 const bf16* dy, int64_t ld_dy, const bf16* w, int64_t N, int64_t K,
+void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out,
+                                                 const bf16* dy, int64_t ld_dy, int tensor, int64_t N, int64_t K,
                                                  float beta) {
   const int32_t* offsets = expert_offsets(m);
+  const bf16* w = local_w(layer, expert_tensor(layer, tensor));
   if (!fp8) {
     expert_gemm->backward_data(out, ld_out, dy, ld_dy, w, offsets, N, K, beta, stream);
     return;
@@ -48,10 +121,18 @@ void GpuTransformer::State::expert_backward_data(const Layer& layer, const MoEBu
   MOE_CHECK(R * K <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for {} x {} rows", R, K);
   cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), dy, ld_dy, offsets, E, R, K, stream);
   // W_e is the Linear weight [K, N] (K outputs, N inputs); the GEMM takes its quantised
-  // transpose [N, K], which the weight quantisation writes alone here.
-  cuda::quantize_weight_blocks(nullptr, nullptr, fp8_weights.data(), fp8_weight_scales.data(), w, E, K, N, stream);
-  expert_gemm_fp8->backward_data(out, ld_out, fp8_rows.data(), fp8_row_scales.data(), fp8_weights.data(),
-                                 fp8_weight_scales.data(), offsets, N, K, beta, stream);
+  // transpose [N, K]: the cache's transposed copy, or written alone here.
+  const uint8_t* wt_codes = fp8_weights.data();
+  const float* wt_scales = fp8_weight_scales.data();
+  if (fp8_weight_cache) {
+    Fp8ExpertWeights& c = fp8_expert_weights(layer);
+    wt_codes = c.code(tensor, true);
+    wt_scales = c.scale(tensor, true);
+  } else {
+    cuda::quantize_weight_blocks(nullptr, nullptr, fp8_weights.data(), fp8_weight_scales.data(), w, E, K, N, stream);
+  }
+  expert_gemm_fp8->backward_data(out, ld_out, fp8_rows.data(), fp8_row_scales.data(), wt_codes, wt_scales, offsets, N,
+                                 K, beta, stream);
 }
 
 }  // namespace moe

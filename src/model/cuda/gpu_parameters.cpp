@@ -44,6 +44,7 @@ struct GpuParameterStore::State {
   RangeList lo_held;  // hold_master: where the lo block is mapped, filled from the packed halves
   RangeList grads_held;   // share_gradients: the gradients with memory of their own (empty: resident)
   RangeList weights_held;  // share_weights: the hi halves with memory of their own (empty: resident)
+  uint64_t weights_version = 1;  // weights_version(): bumped by every writer of hi
   mutable Buffer<float> staging_buffer;     // download_range / upload_range
   mutable Buffer<int16_t> lo_scratch;       // lo halves of uploaded values no rank keeps here
   bool bf16_moments() const { return moments == MomentDtype::Bf16; }
@@ -149,6 +150,7 @@ struct GpuParameterStore::State {
     upload_split(values, {first, n}, staging, true);
   }
   void upload_split(const float* values, Range r, Buffer<float>& staging, bool keep_lo) {
+    ++weights_version;
     if (!keep_lo && lo_scratch.size() == 0) lo_scratch = Buffer<int16_t>(staging.size());
     for (int64_t done = 0; done < r.count;) {
       const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
@@ -229,7 +231,11 @@ const bf16* GpuParameterStore::weights() const { return state_->hi_data(); }
 float* GpuParameterStore::grads() { return state_->grads_data(); }
 bf16* GpuParameterStore::grads_bf16() { return state_->bf16_grads.empty() ? nullptr : state_->grads16_data(); }
 const RangeList& GpuParameterStore::bf16_grad_ranges() const { return state_->bf16_grads; }
-bf16* GpuParameterStore::weights_hi() { return state_->hi_data(); }
+bf16* GpuParameterStore::weights_hi() {
+  ++state_->weights_version;  // the caller may write them
+  return state_->hi_data();
+}
+uint64_t GpuParameterStore::weights_version() const { return state_->weights_version; }
 int16_t* GpuParameterStore::weights_lo() {
   MOE_CHECK(!state_->packed() || !state_->lo_held.empty(),
             "GPU parameters: the lo halves are packed (ZeRO), not in the block layout");
@@ -282,6 +288,7 @@ void GpuParameterStore::share_weights(const RangeList& kept, const std::vector<R
   MOE_CHECK(s.weights_held.empty(), "GPU parameters: the weights are shared already");
   MOE_CHECK(s.packed(), "GPU parameters: sharing the weights needs the optimizer state packed first");
   s.weights_held = s.share_stages(s.hi, 2, kept, stage_ranges, /*zero_new=*/false);
+  ++s.weights_version;
 }
 
 const RangeList& GpuParameterStore::resident_ranges() const { return state_->resident; }
@@ -290,6 +297,7 @@ void GpuParameterStore::set_resident_ranges(const RangeList& ranges) {
   State& s = *state_;
   s.sync();
   s.set_resident(ranges);
+  ++s.weights_version;  // new ranges hold undefined weights until written
 }
 
 RangeList GpuParameterStore::fp32_copy_ranges() const {
@@ -559,6 +567,7 @@ void GpuParameterStore::upload_range(Range r, const float* values, const float* 
     MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(n) * sizeof(float),
                                    cudaMemcpyHostToDevice, s.stream));
     cuda::split_master(s.hi_data() + at, s.lo_at(at), staging.data(), n, s.stream);
+    ++s.weights_version;
     for (int which = 0; which < 2; ++which) {
       const float* in = which == 0 ? m : v;
       if (!in) continue;

@@ -51,6 +51,12 @@ class GpuParameterStore {
   // so not while the optimizer state is packed (unless hold_master).
   bf16* weights_hi();
   int16_t* weights_lo();
+  // Counts the changes of the bf16 weights: bumped by every call that may write them
+  // (weights_hi(), upload_state, upload_range, set_resident_ranges, share_weights), so a
+  // copy derived from them (the fp8 experts' quantised weights) is stale when it differs.
+  // ZeRO-3's stage gathers write through a pointer taken once (set_weight_sharding), but
+  // only values the optimizer's weights_hi() already announced.
+  uint64_t weights_version() const;
   // The AdamW moments' blocks (which = 0: first, 1: second), in the block layout, of
   // moment_bytes() per element (expert parallelism copies experts' moments between ranks);
   // not while the optimizer state is packed.

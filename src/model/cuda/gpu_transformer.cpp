@@ -48,6 +48,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.deterministic = training.deterministic;
   options.fp8_experts = training.precision == TrainingPrecision::Fp8;
   options.fp8_projections = training.precision == TrainingPrecision::Fp8;
+  options.fp8_weight_cache = training.fp8_weight_cache;
   return options;
 }
 
@@ -64,6 +65,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.split_experts = options.split_experts;  // before the layers' slot bounds below
   s.fp8 = options.fp8_experts;
   s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections);
+  s.fp8_weight_cache = options.fp8_weight_cache;
   MOE_CHECK(!s.fp8 || (config.dim % 128 == 0 && config.moe.expert_hidden % 128 == 0),
             "training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of 128",
             config.dim, config.moe.expert_hidden);
@@ -272,12 +274,18 @@ void GpuTransformer::plan(int64_t batch) {
   s.dact_rows = bf(RL * F);
   s.dgate_up_rows = bf(RL * 2 * F);
   s.dx_rows = bf(RL * D);
-  if (s.fp8) {  // one operand's rows, two experts' weight tensors (gate and up) at a time
-    const int64_t width = std::max(D, F), weights = 2 * max_local * D * F;
+  if (s.fp8 && E > 0) {
+    // One operand's rows; the layers' quantised weights, or scratch for two of the local
+    // experts' weight tensors (gate and up) at a time.
+    const int64_t width = std::max(D, F);
     s.fp8_rows = Buffer<uint8_t>(static_cast<size_t>(RL * width));
     s.fp8_row_scales = f32(RL * width / 128);
-    s.fp8_weights = Buffer<uint8_t>(static_cast<size_t>(weights));
-    s.fp8_weight_scales = f32(2 * max_local * fp8::blocks(D) * fp8::blocks(F));
+    if (s.fp8_weight_cache) {
+      s.allocate_fp8_expert_weights(max_local);
+    } else {
+      s.fp8_weights = Buffer<uint8_t>(static_cast<size_t>(2 * max_local * D * F));
+      s.fp8_weight_scales = f32(2 * max_local * fp8::blocks(D) * fp8::blocks(F));
+    }
   }
   s.projections->plan(c, T);
   s.dlogits_bf16 = bf(T * E);
@@ -504,6 +512,8 @@ ForwardResult GpuTransformer::forward_backward(const int32_t* inputs_BS, const i
     s.graph_warm = true;
     return s.read_forward_results();
   }
+  // fp8: the experts' quantised weights are made outside the graph, on the same stream.
+  s.refresh_fp8_expert_weights();
   // The step's first micro-batch writes the expert gradients (beta 0): a graph of its own.
   State::Graph& graph = s.graph[s.overwrite_grads ? 1 : 0];
   if (!graph.exec || graph.n_valid != s.n_valid || graph.loss_scale != loss_scale) {

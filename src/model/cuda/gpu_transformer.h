@@ -118,6 +118,10 @@ struct GpuModelOptions {
   // (attention's q|k|v and output, the dense FFN and shared experts), each whose shape the
   // dense FP8 GEMM takes (fp8::dense_gemm_fits; the others bf16; docs/FP8.md).
   bool fp8_projections = false;
+  // With fp8_experts: each MoE layer keeps its local experts' weights quantised (both
+  // layouts: 2 bytes per local expert parameter), made once after the weights change
+  // instead of before every GEMM (training.fp8_weight_cache). The same bits either way.
+  bool fp8_weight_cache = true;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

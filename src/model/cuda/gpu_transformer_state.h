@@ -39,11 +39,12 @@ struct GpuTransformer::State {
   cuda::Attention attention;
   std::unique_ptr<cuda::ExpertGemm> expert_gemm;  // MoE models only, over the local experts
   // training.precision = fp8 (GpuModelOptions::fp8_experts): the experts' forward and
-  // data-gradient GEMMs in fp8 (docs/FP8.md). Each operand is quantised right before its
-  // GEMM into scratch shared by the layers: rows (codes, 1x128 scales) and up to two
-  // weight tensors of the local experts (codes, 128x128 scales; the transposed copy for
-  // the data gradients).
-  bool fp8 = false;
+  // data-gradient GEMMs in fp8 (docs/FP8.md). The rows are quantised right before each
+  // GEMM into scratch shared by the layers (codes, 1x128 scales); the weights once after
+  // they change, per layer (Layer::fp8, gpu_moe_fp8.cpp), or, without the cache
+  // (fp8_weight_cache off), before each GEMM too, into scratch for two weight tensors of
+  // the local experts (codes, 128x128 scales; the transposed copy for the data gradients).
+  bool fp8 = false, fp8_weight_cache = true;
   std::unique_ptr<cuda::ExpertGemmFp8> expert_gemm_fp8;
   Buffer<uint8_t> fp8_rows, fp8_weights;
   Buffer<float> fp8_row_scales, fp8_weight_scales;
@@ -51,6 +52,9 @@ struct GpuTransformer::State {
   // the dense FFN and shared experts), bf16 or (GpuModelOptions::fp8_projections) fp8
   // where the shape fits: projection / projection_backward below.
   std::unique_ptr<ProjectionGemms> projections;
+  void allocate_fp8_expert_weights(int64_t capacity);  // every MoE layer's, room for `capacity` experts; stale
+  Fp8ExpertWeights& fp8_expert_weights(Layer& layer);  // re-quantised first when stale
+  void refresh_fp8_expert_weights();  // every MoE layer's (before a CUDA graph runs)
   // Expert parallelism (GpuModelOptions::expert_exchange): this rank computes each MoE layer's slots
   // [first_slot_P1[rank], first_slot_P1[rank + 1]) (Layer); without it, all of them.
   // max_local_experts bounds a rank's count (GpuModelOptions; the plan's buffers and
@@ -177,10 +181,12 @@ struct GpuTransformer::State {
   void moe_forward(Layer& layer, size_t layer_index, bool count_load);
   // The experts' GEMMs in the run's precision (gpu_moe_fp8.cpp): ExpertGemm's forward and
   // backward_data, or their fp8 versions with the operands quantised first.
-  void expert_forward(const Layer& layer, const MoEBuffers& m, int sets, bf16* const* out, int64_t ld_out,
-                      const bf16* x, int64_t ld_x, const bf16* const* w, int64_t N, int64_t K);
-  void expert_backward_data(const Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out, const bf16* dy,
-                            int64_t ld_dy, const bf16* w, int64_t N, int64_t K, float beta);
+  // The weights: `tensors` (sets of them) / `tensor`, Fp8ExpertWeights::Tensor values.
+  // x_quantised: fp8 only, x's codes and scales are in fp8_rows already (the fused SwiGLU).
+  void expert_forward(Layer& layer, const MoEBuffers& m, int sets, bf16* const* out, int64_t ld_out, const bf16* x,
+                      int64_t ld_x, const int* tensors, int64_t N, int64_t K, bool x_quantised = false);
+  void expert_backward_data(Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out, const bf16* dy,
+                            int64_t ld_dy, int tensor, int64_t N, int64_t K, float beta);
   void set_experts(int64_t n_experts) {
     expert_gemm->set_experts(n_experts);
     if (expert_gemm_fp8) expert_gemm_fp8->set_experts(n_experts);
@@ -188,8 +194,10 @@ struct GpuTransformer::State {
   // Dispatch of n2 into the expert rows, the gate|up grouped GEMM (unless skipped) and
   // SwiGLU: the part of the MoE forward that recompute_experts redoes before the backward.
   void expert_rows_forward(Layer& layer, bool gate_up);
-  // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and SwiGLU.
-  void experts_gate_up_forward(Layer& layer, bool gate_up);
+  // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and
+  // SwiGLU; for_down (fp8): SwiGLU also quantises act for the down projection into
+  // fp8_rows, and returns true when it did.
+  bool experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down = false);
   int ep_rank() const { return ep ? ep->rank() : 0; }
   int64_t first_slot(const Layer& layer) const { return layer.slots.window_first(ep_rank()); }
   int64_t local_experts(const Layer& layer) const {

@@ -97,6 +97,15 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
                      rows(dgq, gate_up.data(), 2 * F, F);
                      rows(duq, gate_up.data() + F, 2 * F, F);
                    })});
+  // SwiGLU writing act and its codes (the forward's fused kernel), against SwiGLU alone
+  // (the bf16 path's) plus act's quantisation: gate|up read, act, codes and scales written.
+  const double swiglu_bytes = static_cast<double>(R * F) * (4 + 2 + 1) + R * F / fp8::kBlock * 4.0;
+  quant.push_back({"swiglu + act codes (fused)", swiglu_bytes, median_ms([&] {
+                     cuda::swiglu_forward_fp8(act.data(), actq.codes.data(), actq.scales.data(), gate_up.data(), off, E,
+                                              R, F, stream);
+                   })});
+  quant.push_back({"swiglu alone (bf16 act)", static_cast<double>(R * F) * 6,
+                   median_ms([&] { cuda::swiglu_forward(act.data(), gate_up.data(), R, F, stream); })});
   quant.push_back({"w1, w3, w2 + transposes", 3 * weight_bytes, median_ms([&] {
                      weight(w1q, w1.data(), F, D);
                      weight(w3q, w3.data(), F, D);
@@ -193,14 +202,23 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
   }
   print_gemm({"expert fwd + dgrad GEMMs of the layer", flops_total, bf16_total, fp8_total});
   for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
-  double quant_total = 0;
+  // The step's quantisation: the rows' kernels but act's (the fused SwiGLU's extra time over
+  // SwiGLU alone instead), and the weights.
+  double quant_total = 0, weights_ms = 0;
   fmt::print(out, "  quantisation kernels (bf16 in, e4m3 + fp32 scales out):\n");
-  for (const QuantRow& row : quant) {
+  for (size_t i = 0; i < quant.size(); ++i) {
+    const QuantRow& row = quant[i];
     fmt::print(out, "    {:<34} {:7.3f}ms {:6.0f} GB/s\n", row.name, row.ms, row.bytes / row.ms / 1e6);
-    quant_total += row.ms;
+    if (row.name == "act [rows,F]") continue;
+    quant_total += row.name == "swiglu alone (bf16 act)" ? -row.ms : row.ms;
   }
+  weights_ms = quant.back().ms;
+  // training.fp8_weight_cache quantises the weights (both copies) once per optimizer step:
+  // once in a step of one micro-batch, not at all in the later micro-batches of a step.
   fmt::print(out, "  fp8 expert GEMMs + all their quantisation: {:.3f} ms against bf16 {:.3f} ms ({:.2f}x)\n",
              fp8_total + quant_total, bf16_total, bf16_total / (fp8_total + quant_total));
+  fmt::print(out, "  the same without the weights (a later micro-batch of a step): {:.3f} ms ({:.2f}x)\n",
+             fp8_total + quant_total - weights_ms, bf16_total / (fp8_total + quant_total - weights_ms));
 }
 
 }  // namespace moe
