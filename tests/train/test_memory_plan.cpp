@@ -365,10 +365,16 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   fp8.training.device = TrainingDevice::Cuda;
   const MemoryEstimate a = estimate_memory(bf16, configured_layout(bf16, 1, 1));
   const MemoryEstimate b = estimate_memory(fp8, configured_layout(fp8, 1, 1));
-  const int64_t experts = 2048 * 1024 + 2048 * 8 * 4 + 2 * 8 * 512 * 1024 + 2 * 8 * 4 * 8 * 4;
+  // The experts' rows (their weights in the weight cache, Fp8ExpertWeightsKnownAnswer) and
+  // the largest fp8 projection's rows and weight.
+  const int64_t expert_rows = 2048 * 1024 + 2048 * 8 * 4;
   const int64_t projections = 1024 * 1024 + 1024 * 8 * 4 + 1024 * 512 + 8 * 4 * 4;
   EXPECT_EQ(fp8_projection_scratch(fp8.model, 1024).bytes(), projections);
-  EXPECT_EQ(b.step_buffers - a.step_buffers, experts + projections);
+  EXPECT_EQ(b.step_buffers - a.step_buffers, expert_rows + projections);
+  // Without the cache: two local expert weight tensors' codes and scales too.
+  fp8.training.fp8_weight_cache = false;
+  const MemoryEstimate c = estimate_memory(fp8, configured_layout(fp8, 1, 1));
+  EXPECT_EQ(c.step_buffers - a.step_buffers, expert_rows + 2 * 8 * 512 * 1024 + 2 * 8 * 4 * 8 * 4 + projections);
 }
 
 TEST(MemoryPlan, ZeroUnderExpertParallelismShardsSharedAndExpertState) {
