@@ -482,9 +482,6 @@ void check_parallel(const RunConfig& c) {
     else if (p.expert_parallel < 2)
       fail({"moe.speculative_dispatch", "parallel.expert_parallel"},
            "moe.speculative_dispatch starts the expert-parallel exchange early: it needs parallel.expert_parallel >= 2");
-    else if (c.model.n_layers - c.model.first_dense_layers < 2)
-      fail({"moe.speculative_dispatch", "model.n_layers", "model.first_dense_layers"},
-           "moe.speculative_dispatch guesses a MoE layer's experts from the one before: it needs two MoE layers or more");
   }
 }
 
