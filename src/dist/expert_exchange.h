@@ -8,6 +8,8 @@
 // starts, chunk c is awaited and unpacked, compute(c) runs, the chunk's results start back;
 // then every return is awaited and unpacked. So the exchange of chunk c + 1 is in flight
 // while chunk c is computed. The hierarchical all-to-all is blocking, so it does not overlap.
+// The speculative dispatch (docs/ROUTING_CACHE.md) adds start_exchange (one exchange_async
+// in flight until its wait()) and return_trip (round_trip without the rows' way out).
 #pragma once
 #include <cstdint>
 #include <memory>
