@@ -617,9 +617,10 @@ TEST(ParallelRouteCache, HitRatesAreTheSameOnEveryRankAndTrainingUnchanged) {
 
 // moe.speculative_dispatch: the guessed rows go before the router, the corrections
 // after; the experts see the same rows in the same order, so a run is bit for bit the run
-// without it: DP 2 x EP 2 (chunks, fp8 rows with split experts), EP 4 at ZeRO-3 (its
-// parameter gathers in flight beside the early rows), two 2-rank worlds, and a resumed run. The counts of rows are the same on every rank, and the runs do
-// speculate (used and corrected rows in the second MoE layer).
+// without it: DP 2 x EP 2 (chunks; fp8 rows with split experts re-placed every 2 steps),
+// EP 4 at ZeRO-3 (its parameter gathers in flight beside the early rows), two 2-rank
+// worlds, and a resumed run. The counts of rows are the same on every rank, and the runs
+// do speculate (used and corrected rows in the second MoE layer).
 TEST(ParallelRouteCache, SpeculativeDispatchIsBitForBit) {
   auto& world = *parallel_world();
   struct Case {
@@ -637,6 +638,7 @@ TEST(ParallelRouteCache, SpeculativeDispatchIsBitForBit) {
     if (c.fp8_split) {
       config.parallel.a2a_compression = A2aCompression::Fp8;
       config.parallel.split_experts = true;
+      config.parallel.rebalance_interval = 2;  // the windows the guesses go to move between steps
     }
     config.model.moe.route_cache = true;
     auto run = [&](const RunConfig& cfg) {
