@@ -42,6 +42,10 @@ struct MoEConfig {
   // Routing cache (docs/ROUTING_CACHE.md): learns to guess each token's experts in the
   // next MoE layer; measured only (hit rates in the metrics), the routing is unchanged.
   bool route_cache = false;
+  // Speculative dispatch (docs/ROUTING_CACHE.md): under expert parallelism each MoE layer
+  // after the first sends the rows of the tokens the routing cache guessed for each peer
+  // before its router runs, then only the corrections; the math is unchanged.
+  bool speculative_dispatch = false;
   int64_t route_cache_predict = 0;        // experts guessed per token; 0: top_k
   int64_t route_cache_keys = 1 << 20;     // most (token, experts) keys kept per layer pair
   // Expert merging (docs/EXPERT_MERGING.md): every merge_interval steps, in each MoE layer,

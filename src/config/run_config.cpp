@@ -63,6 +63,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("moe", "route_groups", e.route_groups);
   visit("moe", "route_top_groups", e.route_top_groups);
   visit("moe", "route_cache", e.route_cache);
+  visit("moe", "speculative_dispatch", e.speculative_dispatch);
   visit("moe", "route_cache_predict", e.route_cache_predict);
   visit("moe", "route_cache_keys", e.route_cache_keys);
   visit("moe", "merge_interval", e.merge_interval);
@@ -477,6 +478,15 @@ void check_parallel(const RunConfig& c) {
   if (p.split_experts && p.expert_parallel < 2)
     fail({"parallel.split_experts", "parallel.expert_parallel"},
          "parallel.split_experts shares experts between expert-parallel ranks: it needs parallel.expert_parallel >= 2");
+  const MoEConfig& e = c.model.moe;
+  if (e.speculative_dispatch) {
+    if (!e.route_cache)
+      fail({"moe.speculative_dispatch", "moe.route_cache"},
+           "moe.speculative_dispatch sends rows by the routing cache's guesses: it needs moe.route_cache = true");
+    else if (p.expert_parallel < 2)
+      fail({"moe.speculative_dispatch", "parallel.expert_parallel"},
+           "moe.speculative_dispatch starts the expert-parallel exchange early: it needs parallel.expert_parallel >= 2");
+  }
 }
 
 void check_all(const RunConfig& c) {

@@ -8,6 +8,8 @@
 // starts, chunk c is awaited and unpacked, compute(c) runs, the chunk's results start back;
 // then every return is awaited and unpacked. So the exchange of chunk c + 1 is in flight
 // while chunk c is computed. The hierarchical all-to-all is blocking, so it does not overlap.
+// The speculative dispatch (docs/ROUTING_CACHE.md) adds start_exchange (one exchange_async
+// in flight until its wait()) and return_trip (round_trip without the rows' way out).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -51,12 +53,28 @@ class ExpertExchangeOverComm final : public ExpertExchange {
   void round_trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
                   const std::vector<int64_t>& recv_rows_P, const void* result, void* back, size_t row_bytes,
                   const std::function<void(int chunk)>& compute) override;
+  std::unique_ptr<ExchangeInFlight> start_exchange(const void* send, const std::vector<int64_t>& send_bytes_P,
+                                                   void* recv, const std::vector<int64_t>& recv_bytes_P) override;
+  void return_trip(const std::vector<int64_t>& send_rows_P, const std::vector<int64_t>& recv_rows_P,
+                   const void* result, void* back, size_t row_bytes,
+                   const std::function<void(int chunk)>& compute) override;
   // Seconds this layer's exchanges blocked since the last call (part of CommStats::wait_s;
   // parallel.a2a_compression = auto picks layers by it).
   double take_wait_s() { return std::exchange(wait_s_, 0.0); }
+  // Of those, the seconds the forwards' dispatches blocked (while dispatching(): the
+  // plan's exchanges and the waits for token rows, not for results), since the last call.
+  double take_dispatch_wait_s() { return std::exchange(dispatch_wait_s_, 0.0); }
 
  private:
-  double wait_s_ = 0;
+  class InFlight;
+  double wait_s_ = 0, dispatch_wait_s_ = 0;
+  // Adds a blocked time to the stats, the layer's wait and, while dispatching (or for a
+  // round trip's rows), the dispatch wait.
+  void blocked(double seconds, bool dispatch);
+  // round_trip(), or with send == nullptr the return_trip() of rows already in recv.
+  void trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
+            const std::vector<int64_t>& recv_rows_P, const void* result, void* back, size_t row_bytes,
+            const std::function<void(int chunk)>& compute);
   int64_t remote_bytes(const std::vector<int64_t>& bytes_P) const;
   int64_t off_node_bytes(const std::vector<int64_t>& bytes_P) const;
   AllToAll& a2a_;

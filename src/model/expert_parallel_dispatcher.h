@@ -15,13 +15,23 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "model/parameters.h"
 #include "moe/expert_slots.h"
+#include "moe/speculative_exchange.h"
 #include "moe/token_exchange.h"
 
 namespace moe {
+
+// An exchange started by ExpertExchange::start_exchange; wait() returns once its receive
+// buffer may be read (the buffers must live until then).
+class ExchangeInFlight {
+ public:
+  virtual ~ExchangeInFlight() = default;
+  virtual void wait() = 0;
+};
 
 // Expert parallelism's transport over the EP group: all-to-alls of bytes packed by peer.
 // One per MoE layer.
@@ -44,6 +54,21 @@ class ExpertExchange {
   virtual void round_trip(const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
                           const std::vector<int64_t>& recv_rows_P, const void* result, void* back, size_t row_bytes,
                           const std::function<void(int chunk)>& compute) = 0;
+  // Non-blocking exchange(): every EP rank starts it in the same order. The default runs
+  // it at once (a blocking transport, such as the tests' threads).
+  virtual std::unique_ptr<ExchangeInFlight> start_exchange(const void* send, const std::vector<int64_t>& send_bytes_P,
+                                                           void* recv, const std::vector<int64_t>& recv_bytes_P);
+  // round_trip() for rows that have already arrived in its `recv` (a speculative
+  // dispatch): compute(c) for each chunk, then chunk c's results go back. The default
+  // sends each chunk's results with a blocking exchange().
+  virtual void return_trip(const std::vector<int64_t>& send_rows_P, const std::vector<int64_t>& recv_rows_P,
+                           const void* result, void* back, size_t row_bytes,
+                           const std::function<void(int chunk)>& compute);
+  // Set by the dispatcher while a forward's rows are on their way out (from the first
+  // exchange of its plan until the rows for compute have arrived), so that a transport
+  // can count that blocked time apart (dist::ExpertExchangeOverComm::take_dispatch_wait_s).
+  void set_dispatching(bool on) { dispatching_ = on; }
+  bool dispatching() const { return dispatching_; }
   // Whether this layer's token rows travel as fp8 e4m3 rows with a per-row scale
   // (core/fp8.h; parallel.a2a_compression): set by the trainer, identical on every EP
   // rank, read at each forward (the backward keeps the forward's choice).
@@ -52,6 +77,7 @@ class ExpertExchange {
 
  private:
   bool fp8_ = false;
+  bool dispatching_ = false;
 };
 
 // A MoE layer's routing at home, rows laid out by slot (assign_rows on slot_TK).
@@ -82,8 +108,25 @@ class ExpertParallelDispatcher {
   // expert weight gradients. Uses the forward's plan.
   void backward(T* dx_TD, T* dweight_TK, const T* dy_TD);
 
+  // Speculative dispatch (moe.speculative_dispatch, docs/ROUTING_CACHE.md). speculate(),
+  // once the MoE layer before has routed: pred_slot_TQ, Q guessed slots for each of the
+  // next forward's T tokens; the sizes of the blocks sent early start towards the peers.
+  // send_speculative(), as soon as the forward's input x_TD is known (before the router):
+  // the guessed tokens' rows start. The forward then sends only the corrections with its
+  // plan and rebuilds the exact blocks, so its results are bit for bit those without.
+  // Every EP rank speculates for the same forwards (they issue the same exchanges).
+  void speculate(const int32_t* pred_slot_TQ, int64_t tokens, int64_t Q);
+  void send_speculative(const T* x_TD);
+  bool speculating() const { return spec_armed_; }
+  // The last forward's speculation (zeros when it did not speculate).
+  const SpeculationRows& speculation_rows() const { return spec_rows_; }
+
  private:
-  void plan_exchange(const HomeRouting<T>& home);
+  // x_TD: the forward's input (a speculating forward sends its corrections with the plan).
+  void plan_exchange(const HomeRouting<T>& home, const T* x_TD);
+  // The token rows as they travel (fp8 wire rows or the values), row t at t * row_bytes().
+  const uint8_t* wire_rows(const T* x_TD);
+  int64_t row_bytes() const;
   void experts_forward(int chunk);
   void experts_backward(int chunk);
   // f(u, n): the received tokens [u, u + n) of chunk c, one range per source.
@@ -114,8 +157,20 @@ class ExpertParallelDispatcher {
   std::vector<uint8_t> wire_send_, wire_recv_, wire_result_, wire_back_;
   // The token rows of a round trip, compressed or not: out = rows[0 .. sent) sent, in =
   // the U rows received into `received`; compute(c) fills `result` for chunk c's tokens;
-  // `back` gets the sent rows' results.
-  void round_trip_rows(const T* out, T* received, T* result, T* back, const std::function<void(int)>& compute);
+  // `back` gets the sent rows' results. arrived: the rows are in `received` (or the wire
+  // rows in wire_recv_) already, only the results travel.
+  void round_trip_rows(const T* out, T* received, T* result, T* back, const std::function<void(int)>& compute,
+                       bool arrived = false);
+  // Speculation: armed by speculate(), rows out by send_speculative(), used by forward().
+  bool spec_armed_ = false, spec_sent_ = false;
+  int64_t spec_T_ = 0;
+  std::vector<int32_t> spec_pos_TP_, spec_tokens_P_, spec_recv_P_;  // early blocks out, and their sizes in
+  std::vector<int32_t> corr_pos_TP_, corr_tokens_P_, corr_recv_P_;  // correction blocks out, sizes in
+  std::vector<int32_t> recv_tokens_P_;               // the exact blocks' sizes in (plan_exchange)
+  std::vector<int32_t> source_U_, recv_source_U_;  // each exact row's source (speculation_sources), out and in
+  std::vector<uint8_t> wire_x_, spec_send_, spec_recv_, corr_send_, corr_recv_;
+  std::unique_ptr<ExchangeInFlight> spec_counts_flight_, spec_rows_flight_, corr_flight_;
+  SpeculationRows spec_rows_;
 };
 
 }  // namespace moe

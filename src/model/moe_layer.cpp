@@ -78,6 +78,8 @@ void MoELayer<T>::plan(Arena& saved, Arena& scratch, int64_t tokens) {
 template <typename T>
 MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
   MoEForwardStats stats;
+  // The guessed rows leave before the router runs (x is the router's input).
+  if (dispatcher_ && dispatcher_->speculating()) dispatcher_->send_speculative(x_TD);
   linear_forward<T>(logits_TE_, x_TD, params_.value(router_w_), router_b_ >= 0 ? params_.value(router_b_) : nullptr, T_, D_, E_);
   router_scores_forward<T>(scores_TE_, logits_TE_, T_, E_, temperature(), cfg_.score_func);
   router_select<T>(expert_TK_, weight_TK_, scores_TE_, selection_bias(bias_T_), T_, E_, K_, cfg_.renormalize,
@@ -102,6 +104,7 @@ MoEForwardStats MoELayer<T>::forward(T* y_TD, const T* x_TD) {
   if (dispatcher_) {
     stats.expert_rows = dispatcher_->forward(
         y_TD, x_TD, HomeRouting<T>{T_, slot_TK, weight_TK_, row_TK_, counts_E_, offsets_E1_});
+    routing_.speculation.add(dispatcher_->speculation_rows());
   } else {
     permute_forward<T>(x_RD_, x_TD, token_of_row_R_, rows_, D_);
     experts_forward_local();
@@ -342,6 +345,19 @@ void MoELayer<T>::set_parallel(MoEBatchGroup* batch, ExpertExchange* exchange, c
 }
 
 template <typename T>
+void MoELayer<T>::speculate(const int32_t* tokens_T, const int32_t* prev_TK) {
+  if (predictor_ == nullptr || !dispatcher_) return;
+  const int64_t Q = predictor_->predict_k();
+  guess_TQ_.resize(static_cast<size_t>(T_ * Q));
+  predictor_->predict(tokens_T, prev_TK, T_, guess_TQ_.data());
+  if (!slots_in_expert_order(*slots_)) {
+    const std::vector<int32_t> slot_of = slot_of_expert(*slots_);
+    for (int32_t& e : guess_TQ_) e = slot_of[static_cast<size_t>(e)];
+  }
+  dispatcher_->speculate(guess_TQ_.data(), T_, Q);
+}
+
+template <typename T>
 const int32_t* MoELayer<T>::slots_of_assignments() {
   slot_of_expert_.clear();
   if (!dispatcher_ || slots_in_expert_order(*slots_)) return expert_TK_;
@@ -373,6 +389,7 @@ void MoELayer<T>::reset_load() {
   routing_.dropped = 0;
   routing_.entropy_sum = 0;
   routing_.tokens = 0;
+  routing_.speculation = {};
 }
 
 template <typename T>

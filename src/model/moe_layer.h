@@ -12,6 +12,7 @@
 #include "model/expert_parallel_dispatcher.h"
 #include "model/ffn.h"
 #include "model/parameters.h"
+#include "moe/routing_cache.h"
 
 namespace moe {
 
@@ -29,6 +30,7 @@ struct MoERoutingStats {
   int64_t dropped = 0;          // assignments dropped by capacity
   double entropy_sum = 0;       // sum over tokens of the router distribution's entropy (nats)
   int64_t tokens = 0;
+  SpeculationRows speculation;  // moe.speculative_dispatch: this rank's rows received early, wasted, corrected
 };
 
 // Data parallelism: the data-parallel ranks whose micro-batches together form one global
@@ -90,6 +92,13 @@ class MoELayer {
   // every forward: a re-placement between steps changes them in place). Null: none. Set
   // before plan().
   void set_parallel(MoEBatchGroup* batch, ExpertExchange* exchange = nullptr, const ExpertSlots* slots = nullptr);
+  // moe.speculative_dispatch (docs/ROUTING_CACHE.md): `cache` guesses this layer's
+  // experts from the MoE layer before (null: no speculation; needs expert parallelism).
+  void set_route_predictor(const RoutingCache* cache) { predictor_ = cache; }
+  // Once the MoE layer before has routed this forward's tokens_T (its choices prev_TK):
+  // guesses this layer's experts and starts the speculative dispatch (nothing without a
+  // predictor). The forward then sends the guessed rows as soon as it starts.
+  void speculate(const int32_t* tokens_T, const int32_t* prev_TK);
   // Replaces the accumulated load (the data-parallel sum, before the balancing update).
   void set_load(const std::vector<int64_t>& load_E) { load_E_ = load_E; }
 
@@ -125,6 +134,8 @@ class MoELayer {
   MoEBatchGroup* batch_ = nullptr;
   const ExpertSlots* slots_ = nullptr;
   std::unique_ptr<ExpertParallelDispatcher<T>> dispatcher_;  // expert parallelism
+  const RoutingCache* predictor_ = nullptr;  // moe.speculative_dispatch
+  std::vector<int32_t> guess_TQ_;            // its guesses: experts, then slots
   std::vector<double> global_fraction_E_;  // global aux loss: assignment fractions, for backward
   std::vector<int32_t> slot_of_expert_;    // expert parallelism: this forward's slot table
   // Saved from forward. Rows are laid out by slot (the expert itself without expert

@@ -137,6 +137,12 @@ ForwardResult Transformer<T>::forward(const int32_t* inputs_BS, const int32_t* t
     rmsnorm_forward<T>(block.n2_TD, block.rstd2_T, block.h_TD, params_.value(block.norm2), T_, D, eps);
     if (block.moe) {
       MoEForwardStats stats = block.moe->forward(next_x_TD, block.n2_TD);
+      // moe.speculative_dispatch: the next MoE layer guesses its experts from these.
+      for (size_t n = l + 1; n < blocks_.size(); ++n)
+        if (blocks_[n].moe) {
+          blocks_[n].moe->speculate(inputs_BS, block.moe->experts_TK());
+          break;
+        }
       result.aux_loss += stats.aux_loss;
       result.z_loss += stats.z_loss;
       result.dropped += stats.dropped;

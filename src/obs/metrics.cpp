@@ -113,6 +113,13 @@ nlohmann::json to_json(const StepMetrics& m) {
       layer["route_cache_token_hit_rate"] = l.route_cache_token_hit_rate;
     }
     if (l.a2a_fp8 >= 0) layer["a2a_fp8"] = l.a2a_fp8;
+    if (l.a2a_dispatch_wait_ms >= 0) layer["a2a_dispatch_wait_ms"] = l.a2a_dispatch_wait_ms;
+    if (l.spec_rows_used >= 0) {
+      layer["spec_rows_used"] = l.spec_rows_used;
+      layer["spec_rows_wasted"] = l.spec_rows_wasted;
+      layer["spec_rows_corrected"] = l.spec_rows_corrected;
+      layer["spec_used_share"] = l.spec_used_share();
+    }
     if (l.temperature > 0) layer["temperature"] = l.temperature;
     if (!l.merges.empty()) {
       nlohmann::json merges = nlohmann::json::array();

@@ -35,6 +35,17 @@ struct LayerRouting {
   // before; -1: not measured (off, or the first MoE layer).
   double route_cache_hit_rate = -1, route_cache_token_hit_rate = -1;
   int a2a_fp8 = -1;                // expert exchange's rows this step: 1 fp8, 0 uncompressed, -1 no exchange
+  // moe.speculative_dispatch (MoE layers after the first; -1: off): token rows sent to
+  // other EP ranks before the router, used / not used, and sent after it (corrections),
+  // summed over the ranks. spec_used_share() = used / (used + corrected).
+  int64_t spec_rows_used = -1, spec_rows_wasted = -1, spec_rows_corrected = -1;
+  // Expert parallelism: ms the forwards' dispatches of the step blocked on the exchange
+  // (its plan's exchanges and the token rows, not the results), mean over the ranks; -1: none.
+  double a2a_dispatch_wait_ms = -1;
+  double spec_used_share() const {
+    const int64_t sent = spec_rows_used + spec_rows_corrected;
+    return sent > 0 ? static_cast<double>(spec_rows_used) / static_cast<double>(sent) : 0;
+  }
   double temperature = 0;          // the router temperature the step routed with (per layer)
   std::vector<MergeRecord> merges; // expert merges after this step (empty: none)
   double imbalance() const { return load_imbalance(tokens_E); }

@@ -153,6 +153,12 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
       s.push_back({p + "route_cache_token_hit_rate", f(l.route_cache_token_hit_rate)});
     }
     if (l.a2a_fp8 >= 0) s.push_back({p + "a2a_fp8", f(l.a2a_fp8)});
+    if (l.a2a_dispatch_wait_ms >= 0) s.push_back({p + "a2a_dispatch_wait_ms", f(l.a2a_dispatch_wait_ms)});
+    if (l.spec_rows_used >= 0) {
+      s.push_back({p + "spec_used_share", f(l.spec_used_share())});
+      s.push_back({p + "spec_rows_wasted", f(static_cast<double>(l.spec_rows_wasted))});
+      s.push_back({p + "spec_rows_corrected", f(static_cast<double>(l.spec_rows_corrected))});
+    }
     if (l.temperature > 0) s.push_back({p + "temperature", f(l.temperature)});
     // Expert merging: only at a merge event (a sparse series).
     if (!l.merges.empty()) {

@@ -26,6 +26,8 @@ class RoutingCacheProbe {
   static void fill(std::vector<LayerRouting>& layers, const std::vector<double>& counts);
   // take_counts(), summed over the ranks by sum_over_ranks (null: one process), into layers.
   void report(std::vector<LayerRouting>& layers, const std::function<void(double*, int64_t)>& sum_over_ranks = {});
+  // The cache guessing MoE layer i + 1 (moe.speculative_dispatch reads its guesses).
+  const RoutingCache& cache(size_t i) const { return caches_.at(i); }
 
  private:
   std::vector<RoutingCache> caches_;  // caches_[i] predicts MoE layer i + 1

@@ -108,6 +108,7 @@ inline const RunResult& reference(const RunConfig& parallel_config, Setup setup 
   RunConfig config = parallel_config;
   config.training.micro_batch *= parallel_world()->size();
   config.parallel = ParallelConfig{};
+  config.model.moe.speculative_dispatch = false;  // expert parallelism's (the math is the same without)
   config.checkpoint = CheckpointConfig{};  // the parallel run's checkpoints are its own
   const auto key = std::make_pair(config_to_toml(config), setup);
   auto it = cache.find(key);

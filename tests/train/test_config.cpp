@@ -277,6 +277,18 @@ TEST(Config, ValidationRulesNameTheirKeys) {
   for (const auto& [override_text, fragments] : cases) expect_override_error(override_text, fragments);
 }
 
+// moe.speculative_dispatch: off by default; needs the routing cache and expert parallelism.
+TEST(Config, SpeculativeDispatchNeedsRouteCacheAndExpertParallelism) {
+  EXPECT_FALSE(RunConfig{}.model.moe.speculative_dispatch);
+  expect_config_error([] { parse_config("", "x.toml", {"moe.speculative_dispatch=true"}); },
+                      {"moe.speculative_dispatch", "moe.route_cache = true"});
+  expect_config_error([] { parse_config("", "x.toml", {"moe.speculative_dispatch=true", "moe.route_cache=true"}); },
+                      {"moe.speculative_dispatch", "parallel.expert_parallel >= 2"});
+  const RunConfig ok = parse_config("", "x.toml", {"moe.speculative_dispatch=true", "moe.route_cache=true",
+                                                   "parallel.expert_parallel=2"});
+  EXPECT_TRUE(ok.model.moe.speculative_dispatch);
+}
+
 // training.precision = fp8: the GPU only, dims in whole 128-blocks; bf16 by default.
 TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
   EXPECT_EQ(RunConfig{}.training.precision, TrainingPrecision::Bf16);
@@ -410,6 +422,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.parallel.backend = CommBackend::Mpi; },
       [](RunConfig& c) { c.metrics.dir = "runs/t"; c.metrics.trace = true; },
       [](RunConfig& c) { c.model.moe.route_cache = true; c.model.moe.route_cache_predict = 4; },
+      [](RunConfig& c) { c.model.moe.route_cache = true; c.parallel.expert_parallel = 2; c.model.moe.speculative_dispatch = true; },
       [](RunConfig& c) { c.model.moe.route_cache_keys = 1000; },
       // Last: fp8 needs the GPU and dims of whole 128-blocks (over the changes above in `all`).
       [](RunConfig& c) {
@@ -440,7 +453,7 @@ TEST(Config, EveryFieldRoundTrips) {
   EXPECT_EQ(config_to_toml(parsed), config_to_toml(all));
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
-  EXPECT_EQ(sizeof(ModelConfig), 296u);
+  EXPECT_EQ(sizeof(ModelConfig), 296u);  // moe.speculative_dispatch (a bool) sits in route_cache's padding
   EXPECT_EQ(sizeof(TrainingConfig), 144u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);

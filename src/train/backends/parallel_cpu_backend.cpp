@@ -43,6 +43,10 @@ ParallelCpuBackend::ParallelCpuBackend(const RunConfig& config, HostState host, 
     }
   }
   host_model().set_moe_parallel(batch_.get(), exchanges, slots);
+  if (config.model.moe.speculative_dispatch && ep > 1) {
+    MOE_CHECK(route_cache_.has_value(), "moe.speculative_dispatch without moe.route_cache");
+    for (size_t i = 1; i < moe_layers.size(); ++i) moe_layers[i]->set_route_predictor(&route_cache_->cache(i - 1));
+  }
   compression_ = std::make_unique<A2aCompressionSwitch>(pc.a2a_compression, static_cast<int>(exchanges_.size()),
                                                         config.metrics.alert_comm_wait);
   apply_compression();
@@ -121,6 +125,7 @@ ParallelCpuBackend::~ParallelCpuBackend() {
   host_model().on_backward_stage = nullptr;
   host_model().on_parameters_needed = nullptr;
   host_model().on_parameters_done = nullptr;
+  for (auto* layer : host_model().moe_layers()) layer->set_route_predictor(nullptr);
   host_model().set_moe_parallel(nullptr, {});
 }
 
@@ -141,6 +146,7 @@ void ParallelCpuBackend::begin_step() {
     params.zero_grads();
   }
   for (auto* layer : host_model().moe_layers()) layer->reset_load();
+  for (auto& exchange : exchanges_) exchange->take_dispatch_wait_s();  // the validation's since the last step
 }
 
 ForwardResult ParallelCpuBackend::forward(const int32_t* inputs_BS, const int32_t* targets_BS) {
@@ -176,8 +182,9 @@ void ParallelCpuBackend::routing(StepStats& stats) {
   const ModelConfig& m = config_.model;
   const auto E = static_cast<size_t>(m.moe.n_experts);
   auto layers = host_model().moe_layers();
-  // Per layer: kept per expert, load per expert, dropped, entropy sum, tokens.
-  const size_t per_layer = 2 * E + 3;
+  // Per layer: kept per expert, load per expert, dropped, entropy sum, tokens, the
+  // speculation's rows used, wasted, corrected, and the dispatch's wait.
+  const size_t per_layer = 2 * E + 7;
   std::vector<double> sums(per_layer * layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     double* s = sums.data() + i * per_layer;
@@ -189,6 +196,10 @@ void ParallelCpuBackend::routing(StepStats& stats) {
     s[2 * E] = static_cast<double>(r.dropped);
     s[2 * E + 1] = r.entropy_sum;
     s[2 * E + 2] = static_cast<double>(r.tokens);
+    s[2 * E + 3] = static_cast<double>(r.speculation.used);
+    s[2 * E + 4] = static_cast<double>(r.speculation.wasted);
+    s[2 * E + 5] = static_cast<double>(r.speculation.corrected);
+    s[2 * E + 6] = i < exchanges_.size() ? exchanges_[i]->take_dispatch_wait_s() : 0.0;
   }
   batch_->sum(sums.data(), static_cast<int64_t>(sums.size()));
   global_load_.assign(layers.size(), std::vector<int64_t>(E));
@@ -207,7 +218,15 @@ void ParallelCpuBackend::routing(StepStats& stats) {
     r.assignments = std::llround(tokens) * m.moe.top_k;
     r.router_entropy = tokens > 0 ? s[2 * E + 1] / tokens : 0;
     if (m.moe.bias_balancing) r.bias_E.assign(layers[i]->balance_bias_E().begin(), layers[i]->balance_bias_E().end());
-    if (i < exchanges_.size()) r.a2a_fp8 = exchanges_[i]->fp8() ? 1 : 0;
+    if (i < exchanges_.size()) {
+      r.a2a_fp8 = exchanges_[i]->fp8() ? 1 : 0;
+      r.a2a_dispatch_wait_ms = s[2 * E + 6] * 1e3 / static_cast<double>(batch_->size());
+    }
+    if (m.moe.speculative_dispatch && i > 0 && !exchanges_.empty()) {
+      r.spec_rows_used = std::llround(s[2 * E + 3]);
+      r.spec_rows_wasted = std::llround(s[2 * E + 4]);
+      r.spec_rows_corrected = std::llround(s[2 * E + 5]);
+    }
     r.temperature = layers[i]->temperature();
     stats.load_imbalance = std::max(stats.load_imbalance, load_imbalance(global_load_[i]));
     stats.layers.push_back(std::move(r));
