@@ -32,19 +32,6 @@ __device__ int64_t expert_of(const int32_t* offsets_E1, int64_t E, int64_t r) {
   return lo;
 }
 
-// Where row r's scale of k-block kb (of KB) goes: in its expert's [KB][rows] block, or the
-// one group of all R rows without offsets (fp8::activation_scale_index).
-__device__ __forceinline__ int64_t row_scale_index(const int32_t* offsets_E1, int64_t E, int64_t R, int64_t r,
-                                                   int64_t kb, int64_t KB) {
-  int64_t first = 0, rows = R;
-  if (offsets_E1 != nullptr) {
-    const int64_t e = expert_of(offsets_E1, E, r);
-    first = offsets_E1[e];
-    rows = offsets_E1[e + 1] - first;
-  }
-  return fp8::activation_scale_index(first, rows, r, kb, KB);
-}
-
 // Activation rows: each thread quantises V consecutive values of a 1 x 128 tile (V = 8:
 // one 16-byte load and an 8-byte store; V = 4 when the row stride allows only 8-byte
 // loads), 128 / V threads a tile, and kRowTiles tiles of the grid's stride each: every
@@ -91,7 +78,15 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
     const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
-    if (lane == 0) scales[row_scale_index(offsets_E1, E, R, r, kb, KB)] = scale;
+    if (lane == 0) {
+      int64_t first = 0, rows = R;
+      if (offsets_E1 != nullptr) {
+        const int64_t e = expert_of(offsets_E1, E, r);
+        first = offsets_E1[e];
+        rows = offsets_E1[e + 1] - first;
+      }
+      scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
+    }
     uint32_t words[V / 4];
 #pragma unroll
     for (int w = 0; w < V / 4; ++w)
@@ -150,7 +145,15 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_quantize_kernel(__nv_bfloa
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
     const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
-    if (lane == 0) scales[row_scale_index(offsets_E1, E, R, r, fb, FB)] = scale;
+    if (lane == 0) {
+      int64_t first = 0, rows = R;
+      if (offsets_E1 != nullptr) {
+        const int64_t e = expert_of(offsets_E1, E, r);
+        first = offsets_E1[e];
+        rows = offsets_E1[e + 1] - first;
+      }
+      scales[fp8::activation_scale_index(first, rows, r, fb, FB)] = scale;
+    }
     uint32_t words[2];
 #pragma unroll
     for (int w = 0; w < 2; ++w)
