@@ -27,6 +27,7 @@
 #include "moe/dispatch.h"
 #include "moe/router.h"
 #include "moe/token_exchange.h"
+#include "small_moe_layer.h"
 #include "thread_ranks.h"
 
 namespace moe {
@@ -36,20 +37,6 @@ using test::ThreadRanks;
 
 template <typename T>
 using LayerRig = test::MoELayerRig<T>;
-
-ModelConfig layer_config(int64_t n_experts, int64_t top_k, double capacity_factor, int64_t shared) {
-  ModelConfig config;
-  config.dim = 8;
-  config.seq_len = 4;
-  config.moe.n_experts = n_experts;
-  config.moe.top_k = top_k;
-  config.moe.expert_hidden = 6;
-  config.moe.n_shared_experts = shared;
-  config.moe.capacity_factor = capacity_factor;
-  config.moe.aux_loss_coef = 0.1;
-  config.moe.z_loss_coef = 0.01;
-  return config;
-}
 
 struct EpCase {
   const char* name;
@@ -71,7 +58,7 @@ TEST_P(ExpertParallelLayer, RanksReproduceOneLayer) {
   const EpCase& c = GetParam();
   constexpr int P = 3;
   constexpr int64_t E = 6, K = 2, B = 2, S = 4, D = 8;
-  const ModelConfig config = layer_config(E, K, c.capacity_factor, 1);
+  const ModelConfig config = test::small_moe_layer_config(E, K, c.capacity_factor);
   const ExpertSlots slots = c.blocks.empty() ? equal_expert_slots(E, P, c.split)
                                              : expert_slots_from_blocks(c.blocks, c.split);
   const int64_t T_local = B * S, T_global = P * T_local;
@@ -183,7 +170,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(ExpertParallelMessages, PeersGetAndReturnWhatTheReferencesSay) {
   constexpr int P = 3;
   constexpr int64_t E = 6, K = 3, B = 2, S = 4, D = 8, F = 6, T = B * S;
-  const ModelConfig config = layer_config(E, K, 0, /*shared=*/0);
+  const ModelConfig config = test::small_moe_layer_config(E, K, 0, /*shared_experts=*/0);
   const ExpertSlots slots = expert_slots_from_blocks({{1, 3}, {2, 0}, {5, 4}}, /*split=*/true);
   ThreadRanks ranks(P);
   std::vector<std::unique_ptr<ThreadRanks::Batch>> batches;

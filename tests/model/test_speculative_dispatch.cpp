@@ -20,6 +20,7 @@
 #include "moe/routing_cache.h"
 #include "moe/speculative_exchange.h"
 #include "moe/token_exchange.h"
+#include "small_moe_layer.h"
 #include "thread_ranks.h"
 
 namespace moe {
@@ -120,20 +121,6 @@ TEST(SpeculativeBlocks, MergeRebuildsTheExactBlocks) {
   EXPECT_GT(total.corrected, 0);
 }
 
-ModelConfig layer_config(int64_t n_experts, int64_t top_k, double capacity_factor) {
-  ModelConfig config;
-  config.dim = 8;
-  config.seq_len = 4;
-  config.moe.n_experts = n_experts;
-  config.moe.top_k = top_k;
-  config.moe.expert_hidden = 6;
-  config.moe.n_shared_experts = 1;
-  config.moe.capacity_factor = capacity_factor;
-  config.moe.aux_loss_coef = 0.1;
-  config.moe.z_loss_coef = 0.01;
-  return config;
-}
-
 struct SpecCase {
   const char* name;
   std::vector<std::vector<int64_t>> blocks;  // experts per EP rank; empty: equal blocks
@@ -151,7 +138,7 @@ TEST_P(SpeculativeLayer, SameBitsAsTheExactDispatch) {
   const SpecCase& c = GetParam();
   constexpr int P = 3;
   constexpr int64_t E = 6, K = 2, B = 2, S = 4, D = 8, V = 5;
-  const ModelConfig config = layer_config(E, K, c.capacity_factor);
+  const ModelConfig config = test::small_moe_layer_config(E, K, c.capacity_factor);
   const ExpertSlots slots = c.blocks.empty() ? equal_expert_slots(E, P, c.split)
                                              : expert_slots_from_blocks(c.blocks, c.split);
   const int64_t T = B * S;
