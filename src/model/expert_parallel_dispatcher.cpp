@@ -129,7 +129,7 @@ void ExpertParallelDispatcher<T>::plan_exchange(const HomeRouting<T>& home, cons
   const int64_t extra = spec ? 1 : 0;
   if (spec) {
     MOE_CHECK(spec_T_ == T_, "speculative dispatch: {} tokens guessed for a forward of {}", spec_T_, T_);
-    source_U_.resize(static_cast<size_t>(std::accumulate(tokens_P_.begin(), tokens_P_.end(), int64_t{0})));
+    source_U_.resize(static_cast<size_t>(total(tokens_P_)));
     corr_pos_TP_.resize(static_cast<size_t>(T_ * P));
     corr_tokens_P_.resize(static_cast<size_t>(P));
     speculation_sources(source_U_.data(), corr_pos_TP_.data(), corr_tokens_P_.data(), pos_TP_.data(), tokens_P_.data(),
