@@ -18,6 +18,10 @@
 #                token rows uncompressed (bf16) and fp8 (e4m3 + a scale per row): median
 #                tokens/s and comm wait, rank 0's all-to-all MB per step and GB/s (the last
 #                step line), and the loss at the last step (STEPS, default 10);
+#   speculative  moe.speculative_dispatch over N GPUs (NCCL): bench/speculative_dispatch.sh's
+#                64-expert model at EP = N, exact, speculating with top_k guesses and with 4:
+#                the losses' checksum (the same), the dispatch wait of the first MoE layer
+#                (never speculated) and of the later ones, step time, rows early / late;
 #   memory       expert state only where it is computed: per-GPU device state (the "device
 #                state" line) of bench/ep_memory.sh's model at EP = N, and mixtral-mini at
 #                EP = N with fp32 AdamW moments (each GPU holds 1/N of the experts), 6 steps;
@@ -29,8 +33,8 @@
 #                parallel, expert parallel (EP = N) and EP = N with split experts
 #                re-placed every 2 steps, and the EP checkpoint resumed on one GPU.
 # Usage: bench/multi_gpu.sh MOE_BINARY CORPUS_DIR [N_GPUS] [OUT_DIR] [SECTIONS]
-# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,compression,memory,resume,simulate
-# (default: all but comm, compression and simulate; simulate: the step simulator's calibration with
+# SECTIONS: a comma-separated subset of correctness,scaling,comm,a2a,compression,speculative,memory,resume,
+# simulate (default: all but comm, compression, speculative and simulate; simulate: the step simulator's calibration with
 # measured all-to-all and all-reduce curves, docs/SIMULATOR.md).
 # MODES (environment): the parallel modes scaling measures, "dp ep dpz3 epz3" by default
 # (dpz3: data parallel at ZeRO 3; epz3: EP N / 2 at ZeRO 3, each expert sharded over its 2
@@ -224,6 +228,12 @@ if [[ $sections == *,compression,* ]]; then
         "$(grep -oE "^step +[0-9]+/[0-9]+ \| loss [0-9.]+" "$log" | tail -1 | awk '{ print $NF }')"
     done
   done
+fi
+
+if [[ $sections == *,speculative,* ]]; then
+  echo "== speculative dispatch (moe.speculative_dispatch), EP $n over NCCL"
+  STEPS=${STEPS:-30} REPEAT=1 NPROC="$n" DEVICE=cuda LAUNCH=tcp bash bench/speculative_dispatch.sh "$moe" "$corpus" \
+    "$out/speculative" --parallel.backend=nccl
 fi
 
 if [[ $sections == *,memory,* ]]; then

@@ -109,6 +109,15 @@ void permute_forward_fp8(bf16* x_RD, const uint8_t* src_UB, const int32_t* token
                          int64_t max_rows, int64_t E, int64_t D, Stream stream);
 void sum_token_values(float* dst_TK, const float* src_UK, const int32_t* pos_TP, const int32_t* tokens_P, int64_t T,
                       int64_t K, int P, Stream stream);
+// moe.speculative_dispatch (moe/speculative_exchange.h holds the CPU references):
+// speculation_sources as moe::speculation_sources (P <= 32; tokens_P on the device), and
+// the receiver's merge: rows_U[u] (U = the exact blocks' rows) <- the early row or the
+// correction row source_U[u] names, of row_bytes bytes (a multiple of 4).
+// starts_3P1 = [exact | early | correction] block starts, P + 1 each, per source.
+void speculation_sources(int32_t* source_U, int32_t* corr_pos_TP, int32_t* corr_tokens_P, const int32_t* pos_TP,
+                         const int32_t* tokens_P, const int32_t* spec_pos_TP, int64_t T, int P, Stream stream);
+void merge_speculated_rows(void* rows_U, const int32_t* source_U, int64_t U, const int32_t* starts_3P1,
+                           const void* spec_rows, const void* corr_rows, int64_t row_bytes, int P, Stream stream);
 // out_N[i] = table[index_N[i]] (e.g. routed experts to their slots under a re-placement).
 void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_t n, Stream stream);
 // x_RD[r] = x_TD[token_of_row_R[r]] for r < offsets_E1[E]; launched for max_rows rows so

@@ -9,7 +9,9 @@
 #include "kernels/gpu_ops.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/gpu_buffer_sizes.h"
+#include "moe/expert_slots.h"
 #include "moe/gpu_ops.h"
+#include "moe/speculative_exchange.h"
 
 namespace moe::gpu_model {
 namespace {
@@ -62,7 +64,16 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
       : ep_(std::move(exchange)), stream_(stream), mark_(std::move(mark)) {
     MOE_CHECK(ep_ != nullptr, "expert-parallel dispatcher without an exchange");
   }
-  ~GpuExpertParallelDispatcher() override { free_host(); }
+  ~GpuExpertParallelDispatcher() override {
+    free_host();
+    for (Timing& t : timings_) {
+      cudaEventDestroy(t.start);
+      cudaEventDestroy(t.stop);
+    }
+    for (cudaEvent_t e : {x_ready_, early_done_, sizes_ready_})
+      if (e) cudaEventDestroy(e);
+    if (side_) cudaStreamDestroy(side_);
+  }
 
   int64_t plan(const DispatchShape& shape) override {
     shape_ = shape;
@@ -97,6 +108,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     dweight_local_ = f32(U * K);
     dweight_home_ = f32(U * K);
     MOE_CUDA_CHECK(cudaMallocHost(&host_counts_, static_cast<size_t>(E + 2 * P + P * (L + 1)) * sizeof(int32_t)));
+    plan_speculation(shape);
     return max_local_rows_;
   }
 
@@ -117,16 +129,27 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     m.moe_index = layer.moe_index;
     m.fp8_rows = ep_->fp8(layer.moe_index);
     ep_->set_layer(m.moe_index);
-    plan_exchange(layer, m, slot_TK);
+    Timing& timing = start_timing(m.moe_index);
+    const bool spec = spec_armed_;
+    if (spec) send_early_rows(m, x_TD);
+    plan_exchange(layer, m, slot_TK, spec);
     const int64_t U = m.recv_tokens, R = m.local_rows;
     mark_(kDispatch);
-    scatter_home_rows(m, x_TD);
+    if (spec)
+      send_corrections(m, x_TD);
+    else
+      scatter_home_rows(m, x_TD);
     cuda::pack_routing(slot_send_.data(), weight_send_.data(), m.token_pos.data(), m.tokens_P.data(), rank_TK_.data(),
                        slot_TK, m.weight.data(), layer.first_slot.data(), T, K, P, stream_);
-    exchange_rows(m, nullptr, m.send_tokens_P, nullptr, m.recv_tokens_P);  // unpacked by permute_forward below
+    if (spec)  // each exact row's source: its early row or its correction
+      exchange_tokens(source_send_.data(), m.send_tokens_P, source_recv_.data(), m.recv_tokens_P, 1, sizeof(int32_t));
+    else
+      exchange_rows(m, nullptr, m.send_tokens_P, nullptr, m.recv_tokens_P);  // unpacked by permute_forward below
     exchange_tokens(slot_send_.data(), m.send_tokens_P, slot_recv_.data(), m.recv_tokens_P, K, sizeof(int32_t));
     exchange_tokens(weight_send_.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));
     mark_(kDispatch);
+    if (spec) merge_early_rows(m);
+    MOE_CUDA_CHECK(cudaEventRecord(timing.stop, stream_));
     if (L > 0) {
       // No capacity here: the home rank dropped already.
       cuda::assign_rows(m.recv_row.data(), local_counts_.data(), m.local_offsets.data(), m.local_token.data(), nullptr,
@@ -196,7 +219,190 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     cuda::sum_token_values(dweight_TK, dweight_home_.data(), m.token_pos.data(), m.tokens_P.data(), T, K, P, stream_);
   }
 
+  void keep_routed_experts(bool on) override {
+    MOE_CHECK(!on || experts_host_.size() > 0, "speculative dispatch: the dispatcher was planned without it");
+    keep_experts_ = on;
+  }
+  const int32_t* routed_experts_host() const override { return experts_host_.data(); }
+
+  void speculate(const Layer& next, const int32_t* pred_slot_TQ, int64_t Q) override {
+    MOE_CHECK(spec_pos_dev_.size() > 0, "speculative dispatch: the dispatcher was planned without it");
+    MOE_CHECK(!spec_armed_, "speculative dispatch: two guesses before a dispatch");
+    const int P = ep_->size();
+    const int64_t T = shape_.tokens;
+    std::vector<int32_t> first_P1(next.slots.first_slot_P1.begin(), next.slots.first_slot_P1.end());
+    std::vector<int32_t> window_end_P(next.slots.window_end_P.begin(), next.slots.window_end_P.end());
+    speculative_blocks(spec_pos_host_, spec_tokens_host_, pred_slot_TQ, T, Q, first_P1.data(), window_end_P.data(), P,
+                       ep_->rank());
+    MOE_CUDA_CHECK(cudaMemcpyAsync(spec_pos_dev_.data(), spec_pos_host_, static_cast<size_t>(T * P) * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream_));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(spec_sizes_dev_.data(), spec_tokens_host_, static_cast<size_t>(P) * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream_));
+    // The early blocks' sizes travel now; the next dispatch reads them through an event.
+    mark_(kAllToAll);
+    const std::vector<int64_t> one_each(static_cast<size_t>(P), 1);
+    ep_->exchange(spec_sizes_dev_.data(), one_each, spec_sizes_dev_.data() + P, one_each, sizeof(int32_t));
+    MOE_CUDA_CHECK(cudaMemcpyAsync(spec_recv_host_, spec_sizes_dev_.data() + P, static_cast<size_t>(P) * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream_));
+    MOE_CUDA_CHECK(cudaEventRecord(sizes_ready_, stream_));
+    spec_armed_ = true;
+    x_recorded_ = false;
+    spec_layer_ = next.moe_index;
+  }
+  void input_ready() override {
+    if (!spec_armed_) return;
+    MOE_CUDA_CHECK(cudaEventRecord(x_ready_, stream_));
+    x_recorded_ = true;
+  }
+
+  std::vector<DispatchStats> take_stats(int moe_layers) override {
+    std::vector<DispatchStats> stats(static_cast<size_t>(std::max(moe_layers, 0)));
+    for (size_t i = 0; i < used_timings_; ++i) {
+      const Timing& t = timings_[i];
+      MOE_CUDA_CHECK(cudaEventSynchronize(t.stop));
+      float ms = 0;
+      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
+      if (t.layer >= 0 && t.layer < moe_layers) stats[static_cast<size_t>(t.layer)].wait_s += static_cast<double>(ms) * 1e-3;
+    }
+    used_timings_ = 0;
+    for (size_t l = 0; l < spec_rows_L_.size() && l < stats.size(); ++l) stats[l].speculation = spec_rows_L_[l];
+    spec_rows_L_.clear();
+    return stats;
+  }
+
  private:
+  struct Timing {
+    cudaEvent_t start = nullptr, stop = nullptr;
+    int layer = -1;
+  };
+  // Events around a forward dispatch (DispatchStats::wait_s): start recorded now.
+  Timing& start_timing(int moe_layer) {
+    if (used_timings_ == timings_.size()) {
+      Timing t;
+      MOE_CUDA_CHECK(cudaEventCreate(&t.start));
+      MOE_CUDA_CHECK(cudaEventCreate(&t.stop));
+      timings_.push_back(t);
+    }
+    Timing& t = timings_[used_timings_++];
+    t.layer = moe_layer;
+    MOE_CUDA_CHECK(cudaEventRecord(t.start, stream_));
+    return t;
+  }
+
+  // moe.speculative_dispatch: the early rows' buffers (at most (P - 1) T rows go, P T
+  // come, of the wider row format), the plan's extras and the host's side of them.
+  void plan_speculation(const DispatchShape& shape) {
+    spec_armed_ = keep_experts_ = false;
+    if (!shape.speculative) return;
+    const int64_t T = shape.tokens, D = shape.dim, K = shape.top_k, P = ep_->size(), U = max_tokens_;
+    const int64_t rb = std::max<int64_t>(D * int64_t{sizeof(bf16)}, ep_->fp8_capable() ? fp8_row_bytes(D) : 0);
+    auto bytes = [](int64_t n) { return Buffer<uint8_t>(static_cast<size_t>(n)); };
+    auto i32 = [](int64_t n) { return Buffer<int32_t>(static_cast<size_t>(n)); };
+    spec_send_ = bytes(U * rb);
+    spec_recv_ = bytes(U * rb);
+    corr_recv_ = bytes(U * rb);
+    spec_pos_dev_ = i32(T * P);
+    spec_sizes_dev_ = i32(2 * P);
+    corr_pos_TP_ = i32(T * P);
+    corr_tokens_dev_ = i32(2 * P);
+    source_send_ = i32(U);
+    source_recv_ = i32(U);
+    starts_dev_ = i32(3 * (P + 1));
+    spec_host_ = gpu::PinnedHostArray<int32_t>(static_cast<size_t>(T * P + 4 * P + 3 * (P + 1)));
+    spec_pos_host_ = spec_host_.data();
+    spec_tokens_host_ = spec_pos_host_ + T * P;
+    spec_recv_host_ = spec_tokens_host_ + P;
+    corr_host_ = spec_recv_host_ + P;  // sent, then received
+    starts_host_ = corr_host_ + 2 * P;
+    experts_host_ = gpu::PinnedHostArray<int32_t>(static_cast<size_t>(T * K));
+    if (!side_) {
+      MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      for (cudaEvent_t* e : {&x_ready_, &early_done_, &sizes_ready_})
+        MOE_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+    }
+  }
+  // Token rows of D bf16 (or fp8 rows) out and back, counts in rows.
+  void exchange_wire(bool fp8_rows, const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
+                     const std::vector<int64_t>& recv_rows_P) {
+    const int64_t D = shape_.dim;
+    std::vector<int64_t> send_counts(send_rows_P), recv_counts(recv_rows_P);
+    const int64_t per_row = fp8_rows ? fp8_row_bytes(D) / 4 : D;  // fp8: 4-byte words
+    for (int64_t& n : send_counts) n *= per_row;
+    for (int64_t& n : recv_counts) n *= per_row;
+    ep_->exchange(send, send_counts, recv, recv_counts, fp8_rows ? sizeof(int32_t) : sizeof(bf16));
+  }
+  // Before the plan: the guessed tokens' rows go on the side stream once the input is
+  // written, while the model's stream runs the router (and, with NCCL, the plan).
+  void send_early_rows(const MoEBuffers& m, const bf16* x_TD) {
+    const int P = ep_->size();
+    const int64_t T = shape_.tokens, D = shape_.dim;
+    MOE_CHECK(spec_layer_ == m.moe_index, "speculative dispatch: guesses for MoE layer {}, dispatch of layer {}",
+              spec_layer_, m.moe_index);
+    MOE_CHECK(x_recorded_, "speculative dispatch: input_ready() was not called before the dispatch");
+    MOE_CUDA_CHECK(cudaEventSynchronize(sizes_ready_));
+    spec_send_P_.assign(spec_tokens_host_, spec_tokens_host_ + P);
+    spec_recv_P_.assign(spec_recv_host_, spec_recv_host_ + P);
+    MOE_CUDA_CHECK(cudaStreamWaitEvent(side_, x_ready_, 0));
+    if (m.fp8_rows)
+      cuda::scatter_token_rows_fp8(spec_send_.data(), x_TD, spec_pos_dev_.data(), spec_sizes_dev_.data(), T, P, D,
+                                   side_);
+    else
+      cuda::scatter_token_rows(reinterpret_cast<bf16*>(spec_send_.data()), x_TD, spec_pos_dev_.data(),
+                               spec_sizes_dev_.data(), T, P, D, side_);
+    ep_->set_stream(side_);
+    exchange_wire(m.fp8_rows, spec_send_.data(), spec_send_P_, spec_recv_.data(), spec_recv_P_);
+    ep_->set_stream(stream_);
+    MOE_CUDA_CHECK(cudaEventRecord(early_done_, side_));
+  }
+  // After the plan's read (corr_host_): the rows chosen but not guessed.
+  void count_speculation(const MoEBuffers& m) {
+    const int P = ep_->size();
+    corr_send_P_.assign(corr_host_, corr_host_ + P);
+    corr_recv_P_.assign(corr_host_ + P, corr_host_ + 2 * P);
+    if (spec_rows_L_.size() <= static_cast<size_t>(m.moe_index)) spec_rows_L_.resize(static_cast<size_t>(m.moe_index) + 1);
+    for (int p = 0; p < P; ++p) {
+      const int64_t corrected = corr_recv_P_[static_cast<size_t>(p)];
+      const int64_t used = m.recv_tokens_P[static_cast<size_t>(p)] - corrected;
+      MOE_CHECK(used >= 0 && used <= spec_recv_P_[static_cast<size_t>(p)],
+                "speculative dispatch: rank {} sends {} rows, {} of them corrections, after {} early", p,
+                m.recv_tokens_P[static_cast<size_t>(p)], corrected, spec_recv_P_[static_cast<size_t>(p)]);
+      if (p == ep_->rank()) continue;
+      spec_rows_L_[static_cast<size_t>(m.moe_index)].add(
+          SpeculationRows{used, spec_recv_P_[static_cast<size_t>(p)] - used, corrected});
+    }
+  }
+  void send_corrections(const MoEBuffers& m, const bf16* x_TD) {
+    const int P = ep_->size();
+    const int64_t T = shape_.tokens, D = shape_.dim;
+    void* send = m.fp8_rows ? static_cast<void*>(wire_send_.data()) : static_cast<void*>(send_.data());
+    if (m.fp8_rows)
+      cuda::scatter_token_rows_fp8(wire_send_.data(), x_TD, corr_pos_TP_.data(), corr_tokens_dev_.data(), T, P, D,
+                                   stream_);
+    else
+      cuda::scatter_token_rows(send_.data(), x_TD, corr_pos_TP_.data(), corr_tokens_dev_.data(), T, P, D, stream_);
+    mark_(kAllToAll);
+    exchange_wire(m.fp8_rows, send, corr_send_P_, corr_recv_.data(), corr_recv_P_);
+  }
+  // The exact blocks (recv_, or wire_recv_ for fp8 rows) from the early rows and the
+  // corrections, as each row's source says.
+  void merge_early_rows(const MoEBuffers& m) {
+    const int P = ep_->size();
+    const int64_t D = shape_.dim;
+    starts_host_[0] = starts_host_[P + 1] = starts_host_[2 * (P + 1)] = 0;
+    for (int p = 0; p < P; ++p) {
+      starts_host_[p + 1] = starts_host_[p] + static_cast<int32_t>(m.recv_tokens_P[static_cast<size_t>(p)]);
+      starts_host_[P + 2 + p] = starts_host_[P + 1 + p] + static_cast<int32_t>(spec_recv_P_[static_cast<size_t>(p)]);
+      starts_host_[2 * P + 3 + p] = starts_host_[2 * P + 2 + p] + static_cast<int32_t>(corr_recv_P_[static_cast<size_t>(p)]);
+    }
+    MOE_CUDA_CHECK(cudaMemcpyAsync(starts_dev_.data(), starts_host_, static_cast<size_t>(3 * (P + 1)) * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, stream_));
+    MOE_CUDA_CHECK(cudaStreamWaitEvent(stream_, early_done_, 0));
+    void* rows = m.fp8_rows ? static_cast<void*>(wire_recv_.data()) : static_cast<void*>(recv_.data());
+    const int64_t rb = m.fp8_rows ? fp8_row_bytes(D) : D * int64_t{sizeof(bf16)};
+    cuda::merge_speculated_rows(rows, source_recv_.data(), m.recv_tokens, starts_dev_.data(), spec_recv_.data(),
+                                corr_recv_.data(), rb, P, stream_);
+    spec_armed_ = x_recorded_ = false;
+  }
   int64_t local_experts(const Layer& layer) const {
     return layer.slots.window_size(ep_->rank());
   }
@@ -257,7 +463,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   // The token blocks for each rank, the counts exchanged (kept rows per slot and block
   // sizes), and the one host wait per MoE layer and forward for them: the exchange sizes
   // are host arguments (NCCL's), which is also why expert parallelism refuses CUDA graphs.
-  void plan_exchange(const Layer& layer, MoEBuffers& m, const int32_t* slot_TK) {
+  void plan_exchange(const Layer& layer, MoEBuffers& m, const int32_t* slot_TK, bool spec) {
     const int P = ep_->size();
     const int64_t T = shape_.tokens, K = shape_.top_k, E = shape_.n_experts, L = local_experts(layer);
     // Which rank computes each kept assignment: by the block edges, or with split experts by
@@ -289,6 +495,20 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     }
     mark_(kAllToAll);
     ep_->exchange(counts_send_.data(), send_counts, counts_recv_.data(), recv_counts, sizeof(int32_t));
+    if (spec) {
+      // Which exact rows went early; the corrections' counts travel beside the counts.
+      mark_(kDispatch);
+      cuda::speculation_sources(source_send_.data(), corr_pos_TP_.data(), corr_tokens_dev_.data(), m.token_pos.data(),
+                                m.tokens_P.data(), spec_pos_dev_.data(), T, P, stream_);
+      mark_(kAllToAll);
+      const std::vector<int64_t> one_each(static_cast<size_t>(P), 1);
+      ep_->exchange(corr_tokens_dev_.data(), one_each, corr_tokens_dev_.data() + P, one_each, sizeof(int32_t));
+      MOE_CUDA_CHECK(cudaMemcpyAsync(corr_host_, corr_tokens_dev_.data(),
+                                     static_cast<size_t>(2 * P) * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    }
+    if (keep_experts_)
+      MOE_CUDA_CHECK(cudaMemcpyAsync(experts_host_.data(), m.expert.data(), static_cast<size_t>(T * K) * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream_));
     int32_t* sent = host_counts_;
     int32_t* received = host_counts_ + E + 2 * P;
     MOE_CUDA_CHECK(cudaMemcpyAsync(sent, counts_send_.data(), static_cast<size_t>(send_total) * sizeof(int32_t),
@@ -313,6 +533,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
               m.local_rows, max_local_rows_);
     MOE_CHECK(m.recv_tokens <= max_tokens_, "expert parallelism: {} tokens received, room for {}", m.recv_tokens,
               max_tokens_);
+    if (spec) count_speculation(m);
   }
 
   std::shared_ptr<GpuExpertExchange> ep_;
@@ -330,6 +551,25 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   Buffer<int32_t> rank_TK_, cut_, all_counts_send_, all_counts_;  // route_ranks, boundary_cuts
   Buffer<float> weight_send_, dweight_local_, dweight_home_;
   int32_t* host_counts_ = nullptr;
+  // Forward dispatch timings (a pool: the first used_timings_ are since the last take).
+  std::vector<Timing> timings_;
+  size_t used_timings_ = 0;
+  // moe.speculative_dispatch (plan_speculation): the early rows out and in, the
+  // corrections in, the guessed blocks (spec_pos_dev_, and the sizes sent | received),
+  // the corrections' blocks and counts (sent | received), each exact row's source out and
+  // in, the merge's block starts; their pinned host sides; the side stream and its events.
+  Buffer<uint8_t> spec_send_, spec_recv_, corr_recv_;
+  Buffer<int32_t> spec_pos_dev_, spec_sizes_dev_, corr_pos_TP_, corr_tokens_dev_, source_send_, source_recv_,
+      starts_dev_;
+  gpu::PinnedHostArray<int32_t> spec_host_, experts_host_;
+  int32_t *spec_pos_host_ = nullptr, *spec_tokens_host_ = nullptr, *spec_recv_host_ = nullptr,
+          *corr_host_ = nullptr, *starts_host_ = nullptr;
+  std::vector<int64_t> spec_send_P_, spec_recv_P_, corr_send_P_, corr_recv_P_;
+  std::vector<SpeculationRows> spec_rows_L_;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t x_ready_ = nullptr, early_done_ = nullptr, sizes_ready_ = nullptr;
+  bool spec_armed_ = false, x_recorded_ = false, keep_experts_ = false;
+  int spec_layer_ = -1;
 };
 
 }  // namespace

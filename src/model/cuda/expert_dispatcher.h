@@ -13,9 +13,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "model/cuda/gpu_layers.h"
 #include "model/cuda/gpu_transformer.h"
+#include "moe/speculative_exchange.h"
 
 namespace moe::gpu_model {
 
@@ -26,6 +28,16 @@ struct DispatchShape {
   int64_t capacity = 0;  // per expert and source rank (0: dropless)
   int64_t max_local_experts = 0;  // slots a rank computes at most
   bool split_experts = false;
+  bool speculative = false;  // moe.speculative_dispatch: room for the early rows
+};
+
+// One MoE layer's forward dispatches since the last DispatchStats take (expert
+// parallelism; zeros otherwise).
+struct DispatchStats {
+  SpeculationRows speculation;  // this rank's rows received early and used, wasted, and corrected
+  // GPU time on the model's stream from the router's end to the expert rows in place:
+  // what the exchange (and the host's read of its counts) adds to the critical path.
+  double wait_s = 0;
 };
 
 class ExpertDispatcher {
@@ -54,6 +66,24 @@ class ExpertDispatcher {
   // Backward of dispatch: dx_TD (overwritten) from the expert input rows' gradients, and
   // the combine weights' gradients home into dweight_TK.
   virtual void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK) = 0;
+
+  // moe.speculative_dispatch (docs/ROUTING_CACHE.md), expert parallelism only.
+  // keep_routed_experts(true): the next dispatch also brings the layer's top-k experts
+  // [T, K] to the host with its one synchronisation (routed_experts_host() after it).
+  virtual void keep_routed_experts(bool on) { (void)on; }
+  virtual const int32_t* routed_experts_host() const { return nullptr; }
+  // The guessed slots pred_slot_TQ (host, [T, Q]) of the next MoE layer `next`: arms its
+  // dispatch (the early blocks' sizes start out now). input_ready() right after that
+  // layer's input is written (before its router); its dispatch() sends the guessed rows
+  // first, on a side stream beside the router, and only the misses after the plan.
+  virtual void speculate(const Layer& next, const int32_t* pred_slot_TQ, int64_t Q) {
+    (void)next, (void)pred_slot_TQ, (void)Q;
+  }
+  virtual void input_ready() {}
+  // Per MoE layer (moe_layers of them) since the last call; resets.
+  virtual std::vector<DispatchStats> take_stats(int moe_layers) {
+    return std::vector<DispatchStats>(static_cast<size_t>(moe_layers));
+  }
 };
 
 // `mark` charges the work enqueued after it to a phase (model/cuda/gpu_phases.h).

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "model/cuda/gpu_transformer_state.h"
 #include "moe/dispatch.h"
+#include "moe/expert_slots.h"
 #include "moe/gpu_ops.h"
 
 namespace moe {
@@ -20,6 +21,8 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   const MoEConfig& mc = config.moe;
   const int64_t T = tokens, D = config.dim, E = mc.n_experts, K = mc.top_k, F = mc.expert_hidden;
   MoEBuffers& m = layer.act->moe;
+  dispatcher->input_ready();  // a speculating dispatch's early rows may leave from here
+  const bool guess_next = speculating && !recomputing && next_predictor(layer_index, nullptr) != nullptr;
   mark(kRouter);
   // Router: fp32 logits from the bf16 matmul, + bias, scores, top-k.
   blas.gemm(false, true, T, E, D, 1.0f, layer.act->n2.data(), D, w(layer.router_w), D, 0.0f, m.logits.data(), true, E,
@@ -58,7 +61,9 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
                                  cudaMemcpyDeviceToDevice, stream));
   // The rows this rank's experts compute (under expert parallelism: every rank's tokens
   // routed here), the experts, and each token's weighted sum of its experts' outputs.
+  dispatcher->keep_routed_experts(guess_next);
   dispatcher->dispatch(layer, m, layer.act->n2.data(), routed_slot);
+  dispatcher->keep_routed_experts(false);
   const bool act_quantised = experts_gate_up_forward(layer, /*gate_up=*/true, /*for_down=*/true);
   bf16* y[1] = {m.y_rows.data()};
   const int w2[1] = {Fp8ExpertWeights::kW2};
@@ -68,7 +73,43 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   for (size_t i = 0; i < layer.shared.size(); ++i)
     ffn_forward(layer.act->ffn_out.data(), layer.act->n2.data(), w(layer.shared[i][0]), w(layer.shared[i][1]),
                 w(layer.shared[i][2]), m.shared[i], T, F, true);
+  // The host guesses while this layer's experts run on the device.
+  if (guess_next) speculate_after(layer_index);
 }
+
+const RoutingCache* GpuTransformer::State::next_predictor(size_t layer_index, size_t* next_layer) const {
+  const Layer& layer = layers[layer_index];
+  if (!layer.is_moe || static_cast<size_t>(layer.moe_index) >= route_predictors.size()) return nullptr;
+  for (size_t n = layer_index + 1; n < layers.size(); ++n)
+    if (layers[n].is_moe) {
+      if (next_layer) *next_layer = n;
+      return route_predictors[static_cast<size_t>(layer.moe_index)];
+    }
+  return nullptr;
+}
+
+void GpuTransformer::State::speculate_after(size_t layer_index) {
+  size_t n = 0;
+  const RoutingCache* predictor = next_predictor(layer_index, &n);
+  MOE_CHECK(predictor != nullptr && host_inputs != nullptr, "speculative dispatch without a guesser or the tokens");
+  const Layer& next = layers[n];
+  const int64_t Q = predictor->predict_k();
+  std::vector<int32_t> guess_TQ(static_cast<size_t>(tokens * Q));
+  predictor->predict(host_inputs, dispatcher->routed_experts_host(), tokens, guess_TQ.data());
+  if (!slots_in_expert_order(next.slots)) {
+    const std::vector<int32_t> slot_of = slot_of_expert(next.slots);
+    for (int32_t& e : guess_TQ) e = slot_of[static_cast<size_t>(e)];
+  }
+  dispatcher->speculate(next, guess_TQ.data(), Q);
+}
+
+void GpuTransformer::set_route_predictors(std::vector<const RoutingCache*> predictors) {
+  MOE_CHECK(predictors.empty() || state_->ep != nullptr,
+            "moe.speculative_dispatch starts the expert-parallel exchange early: the GPU model has no expert parallelism");
+  state_->route_predictors = std::move(predictors);
+}
+
+void GpuTransformer::set_speculating(bool on) { state_->speculating = on && !state_->route_predictors.empty(); }
 
 void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up) {
   MoEBuffers& m = layer.act->moe;
@@ -220,16 +261,23 @@ GpuRoutingStats GpuTransformer::routing_stats() {
       stats.tokens.push_back(std::llround(routing[i][static_cast<size_t>(E + 1)]));
       ++i;
     }
+  for (const auto& d : s.dispatcher->take_stats(static_cast<int>(i))) {
+    stats.speculation.push_back(d.speculation);
+    stats.dispatch_wait_s.push_back(d.wait_s);
+  }
   return stats;
 }
 
 
 void GpuTransformer::reset_load() {
+  int moe_layers = 0;
   for (Layer& layer : state_->layers)
     if (layer.is_moe) {
       layer.load.fill_bytes(0);
       layer.routing.fill_bytes(0);
+      ++moe_layers;
     }
+  if (state_->dispatcher) state_->dispatcher->take_stats(moe_layers);  // the validation's since the last step
 }
 
 Layer& GpuTransformer::State::layer_of(size_t moe_layer) {

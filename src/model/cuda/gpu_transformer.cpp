@@ -164,7 +164,8 @@ void GpuTransformer::plan(int64_t batch) {
   const auto mark = [&s](int phase) { s.mark(phase); };
   s.dispatcher = s.ep ? make_expert_parallel_dispatcher(s.ep, s.stream, mark) : make_local_dispatcher(s.stream, mark);
   s.max_local_rows = s.dispatcher->plan(
-      DispatchShape{T, D, K, E, R, capacity, s.ep ? max_local : E, s.ep && s.split_experts});
+      DispatchShape{T, D, K, E, R, capacity, s.ep ? max_local : E, s.ep && s.split_experts,
+                    s.ep && c.moe.speculative_dispatch});
   const int64_t RL = s.max_local_rows;
   if (E > 0 && (!s.expert_gemm || s.max_local_experts != max_local)) {
     MOE_CHECK(D % 8 == 0 && F % 8 == 0, "the GPU experts need dim ({}) and moe.expert_hidden ({}) to be multiples of 8",
@@ -332,6 +333,7 @@ void GpuTransformer::State::check_and_upload_inputs(const int32_t* inputs_BS, co
   }
   // Synchronous copies: the previous step's kernels are done reading these buffers.
   inputs.upload(inputs_BS, static_cast<size_t>(T));
+  host_inputs = inputs_BS;  // read by a speculating forward's guesses while it is enqueued
   targets.upload(targets_BS, static_cast<size_t>(T));
   n_valid = 0;
   for (int64_t i = 0; i < T; ++i) n_valid += targets_BS[i] >= 0;

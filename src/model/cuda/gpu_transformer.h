@@ -17,6 +17,8 @@
 #include "model/cuda/gpu_parameters.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
+#include "moe/routing_cache.h"
+#include "moe/speculative_exchange.h"
 
 namespace moe {
 
@@ -73,6 +75,11 @@ struct GpuRoutingStats {
   std::vector<std::vector<int64_t>> load, kept;  // [MoE layer][expert]
   std::vector<double> entropy_sum;               // nats, summed over tokens
   std::vector<int64_t> tokens;
+  // Expert parallelism, per MoE layer: the speculative dispatch's rows (this rank's
+  // received: used, wasted, corrected) and the seconds the forward dispatches added to
+  // the model's stream from the router's end to the expert rows in place.
+  std::vector<SpeculationRows> speculation;
+  std::vector<double> dispatch_wait_s;
 };
 
 // What a GpuTransformer is built to do (fixed for its life; training.* and parallel.*).
@@ -220,6 +227,11 @@ class GpuTransformer {
   // The last forward's top-k choices of every MoE layer, [tokens, top_k] each (downloaded
   // with one synchronisation: moe.route_cache's probe, off by default).
   std::vector<std::vector<int32_t>> expert_choices();
+  // moe.speculative_dispatch (expert parallelism, docs/ROUTING_CACHE.md): predictors[i]
+  // guesses MoE layer i + 1's experts from layer i's (null: none), read on the host in the
+  // forwards while set_speculating(true) (training forwards; recomputed ones never guess).
+  void set_route_predictors(std::vector<const RoutingCache*> predictors);
+  void set_speculating(bool on);
   // The router temperature of MoE layer `moe_layer`, kept on the device and read by the
   // router kernels (so graph replays see a new value); starts at moe.temperature. The
   // host's MoELayer::temperature() is the master copy (moe.temperature_control).

@@ -67,6 +67,14 @@ struct GpuTransformer::State {
   bool split_experts = false;
   // Where the routed rows meet the experts: local, or over `ep` (made at plan()).
   std::unique_ptr<ExpertDispatcher> dispatcher;
+  // moe.speculative_dispatch: the guessers (GpuTransformer::set_route_predictors), whether
+  // this forward guesses, and its host token ids (valid while it is enqueued).
+  std::vector<const RoutingCache*> route_predictors;
+  bool speculating = false;
+  const int32_t* host_inputs = nullptr;
+  // After MoE layer `layer_index`'s forward: guess the next MoE layer's experts and arm its dispatch.
+  void speculate_after(size_t layer_index);
+  const RoutingCache* next_predictor(size_t layer_index, size_t* next_layer) const;
   cudaStream_t stream = nullptr;
   int64_t batch = 0, tokens = 0;
   int compute_sm_limit = 0;  // multiprocessors the GEMMs launch on (0: all); see reserve_sms

@@ -33,9 +33,6 @@ void check_gpu_config(const RunConfig& config, int ranks) {
   if (config.training.memory_limit_mb > 0)
     MOE_CONFIG_ERROR("training.memory_limit_mb applies to the CPU path; on the GPU the micro-batch is halved when "
                      "an allocation fails");
-  if (config.model.moe.speculative_dispatch)
-    MOE_CONFIG_ERROR("moe.speculative_dispatch runs on the CPU expert-parallel path only (the GPU version is designed "
-                     "in docs/ROUTING_CACHE.md, not built): set training.device = cpu or moe.speculative_dispatch = false");
   if (config.model.moe.route_groups > 32)
     MOE_CONFIG_ERROR("moe.route_groups = {}: the GPU router ranks at most 32 groups (one per lane of a warp)",
                      config.model.moe.route_groups);

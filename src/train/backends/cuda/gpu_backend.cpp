@@ -165,6 +165,7 @@ class GpuBackend final : public ModelBackend {
         gathers = gathers || group->gathers_pending();
       }
       if (gathers) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
+      gpu_->set_speculating(!validating());  // validation forwards neither guess nor teach the cache
       fwd = gpu_->forward(inputs_BS, targets_BS);
       if (gathers) gpu_->reserve_sms(0);
     }
@@ -218,7 +219,10 @@ class GpuBackend final : public ModelBackend {
   void routing(StepStats& stats) override {
     GpuRoutingStats routing = gpu_->routing_stats();
     loads_ = std::move(routing.load);
-    if (dp_) sum_routing_over_ranks(routing, loads_, [this](double* v, int64_t n) { dp_->sum(v, n); });
+    if (dp_) {
+      sum_routing_over_ranks(routing, loads_, [this](double* v, int64_t n) { dp_->sum(v, n); });
+      for (double& wait : routing.dispatch_wait_s) wait /= dp_->size();  // the ranks' mean
+    }
     stats.layers = gpu_layer_routing(routing, loads_, host_model().moe_layers(), config_.model,
                                      ep_ ? std::function<int(int)>([this](int l) { return ep_->fp8(l) ? 1 : 0; })
                                          : std::function<int(int)>(),
@@ -579,6 +583,12 @@ class GpuBackend final : public ModelBackend {
     gpu_->set_phase_clock(&clock_);
     optimizer_->set_phase_clock(&clock_);
     upload_balance_bias();
+    if (c.model.moe.speculative_dispatch && ep_) {  // each MoE layer but the first guessed from the one before
+      MOE_CHECK(route_cache_.has_value(), "moe.speculative_dispatch without moe.route_cache");
+      std::vector<const RoutingCache*> predictors;
+      for (size_t i = 0; i + 1 < host_model().moe_layers().size(); ++i) predictors.push_back(&route_cache_->cache(i));
+      gpu_->set_route_predictors(std::move(predictors));
+    }
   }
   // The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
   // save); the GPU model gets a copy whenever they change or it is (re)built.

@@ -25,6 +25,12 @@ std::vector<LayerRouting> gpu_layer_routing(const GpuRoutingStats& routing, cons
     if (config.moe.bias_balancing)
       r.bias_E.assign(host_layers[i]->balance_bias_E().begin(), host_layers[i]->balance_bias_E().end());
     r.a2a_fp8 = a2a_fp8 ? a2a_fp8(static_cast<int>(i)) : -1;
+    if (a2a_fp8 && i < routing.dispatch_wait_s.size()) r.a2a_dispatch_wait_ms = routing.dispatch_wait_s[i] * 1e3;
+    if (config.moe.speculative_dispatch && a2a_fp8 && i > 0 && i < routing.speculation.size()) {
+      r.spec_rows_used = routing.speculation[i].used;
+      r.spec_rows_wasted = routing.speculation[i].wasted;
+      r.spec_rows_corrected = routing.speculation[i].corrected;
+    }
     r.temperature = host_layers[i]->temperature();
     layers.push_back(std::move(r));
   }
@@ -46,6 +52,20 @@ void sum_routing_over_ranks(GpuRoutingStats& routing, std::vector<std::vector<in
     for (auto& kept : layer) kept = std::llround(flat[k++]);
   for (auto& entropy : routing.entropy_sum) entropy = flat[k++];
   for (auto& tokens : routing.tokens) tokens = std::llround(flat[k++]);
+  // The speculation's rows and the dispatch waits (averaged by the caller), when measured.
+  std::vector<double> more;
+  for (const SpeculationRows& r : routing.speculation)
+    more.insert(more.end(), {static_cast<double>(r.used), static_cast<double>(r.wasted), static_cast<double>(r.corrected)});
+  more.insert(more.end(), routing.dispatch_wait_s.begin(), routing.dispatch_wait_s.end());
+  if (more.empty()) return;
+  sum(more.data(), static_cast<int64_t>(more.size()));
+  k = 0;
+  for (SpeculationRows& r : routing.speculation) {
+    r.used = std::llround(more[k++]);
+    r.wasted = std::llround(more[k++]);
+    r.corrected = std::llround(more[k++]);
+  }
+  for (double& wait : routing.dispatch_wait_s) wait = more[k++];
 }
 
 }  // namespace moe
