@@ -6,13 +6,11 @@
 
 #include <cmath>
 #include <cstring>
-#include <sstream>
-#include <thread>
 
 #include "core/fp8.h"
 #include "core/rng.h"
-#include "dist/cuda/thread_communicator.h"
 #include "gpu_test_util.h"
+#include "thread_trainers.h"
 #include "moe/gpu_ops.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
@@ -179,29 +177,16 @@ RunConfig ep4_thread_ranks_run(int64_t steps) {
 }
 
 std::vector<RankRun> train_ranks(const RunConfig& config, int n) {
-  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n);
   std::vector<RankRun> runs(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      RankRun& run = runs[static_cast<size_t>(r)];
-      try {
-        const auto& m = config.model;
-        Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
-                        std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2),
-                        std::move(worlds[static_cast<size_t>(r)]));
-        trainer.on_step = [&](const StepStats& s) {
-          run.losses.push_back(s.loss);
-          run.a2a_bytes.push_back(s.a2a_bytes);
-          for (const auto& layer : s.layers) run.fp8.push_back(layer.a2a_fp8);
-        };
-        std::ostringstream log;
-        trainer.run(log);
-      } catch (const std::exception& e) {
-        run.error = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+  const std::vector<std::string> errors = test::run_thread_trainers(config, n, [&](int r, Trainer& trainer) {
+    RankRun& run = runs[static_cast<size_t>(r)];
+    trainer.on_step = [&run](const StepStats& s) {
+      run.losses.push_back(s.loss);
+      run.a2a_bytes.push_back(s.a2a_bytes);
+      for (const auto& layer : s.layers) run.fp8.push_back(layer.a2a_fp8);
+    };
+  });
+  for (int r = 0; r < n; ++r) runs[static_cast<size_t>(r)].error = errors[static_cast<size_t>(r)];
   return runs;
 }
 

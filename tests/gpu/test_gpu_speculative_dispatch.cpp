@@ -7,18 +7,14 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <exception>
 #include <random>
-#include <sstream>
-#include <thread>
 
 #include "core/gpu.h"
-#include "dist/cuda/thread_communicator.h"
 #include "gpu_test_util.h"
+#include "thread_trainers.h"
 #include "moe/gpu_ops.h"
 #include "moe/speculative_exchange.h"
 #include "moe/token_exchange.h"
-#include "train/synthetic.h"
 #include "train/trainer.h"
 
 namespace moe {
@@ -141,31 +137,22 @@ struct RankRun {
 };
 
 std::vector<RankRun> train_ranks(const RunConfig& config, int n) {
-  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n);
   std::vector<RankRun> runs(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r)
-    threads.emplace_back([&, r] {
-      RankRun& run = runs[static_cast<size_t>(r)];
-      try {
-        const auto& m = config.model;
-        Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
-                        std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2),
-                        std::move(worlds[static_cast<size_t>(r)]));
-        trainer.on_step = [&](const StepStats& stats) {
+  const auto run_of = [&runs](int r) -> RankRun& { return runs[static_cast<size_t>(r)]; };
+  const std::vector<std::string> errors = test::run_thread_trainers(
+      config, n,
+      [&](int r, Trainer& trainer) {
+        trainer.on_step = [&run = run_of(r)](const StepStats& stats) {
           run.losses.push_back(stats.loss);
           run.layers.push_back(stats.layers);
         };
-        std::ostringstream log;
-        trainer.run(log);
+      },
+      [&](int r, Trainer& trainer) {
         auto& params = trainer.model().params();
         for (int id = 0; id < params.size(); ++id)
-          run.params.insert(run.params.end(), params.value(id), params.value(id) + params.numel(id));
-      } catch (const std::exception& e) {
-        run.error = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
+          run_of(r).params.insert(run_of(r).params.end(), params.value(id), params.value(id) + params.numel(id));
+      });
+  for (int r = 0; r < n; ++r) run_of(r).error = errors[static_cast<size_t>(r)];
   return runs;
 }
 
