@@ -22,9 +22,13 @@
 
 namespace moe::adamw_math {
 
-// Elements per chunk of the fixed-order gradient sum of squares: the same as
-// sum_of_squares in src/optim/grad_clip.cpp, so the GPU's norm is the CPU's, bit for bit.
+// The fixed-order gradient sum of squares (sum_of_squares in src/optim/grad_clip.cpp, and
+// the GPU's chunk kernel, bit for bit): chunks of kNormChunk elements; in a chunk, element
+// i adds its square (fp64) to partial i % kNormParts in element order; the partials then
+// combine as a warp of 32 lanes holding 4 each would: (p0 + p1) + (p2 + p3) per lane,
+// then a butterfly over lane ^ 16, 8, 4, 2, 1 (each step q[l] + q[l ^ k]).
 constexpr int64_t kNormChunk = int64_t{1} << 14;
+constexpr int kNormParts = 128;
 
 MOE_HOST_DEVICE uint32_t float_bits(float x) {
 #if defined(__CUDA_ARCH__)

@@ -1,22 +1,42 @@
 #include "optim/grad_clip.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <vector>
 
+#include "kernels/adamw_math.h"
+
 namespace moe {
 
+namespace {
+
+// One chunk in adamw_math's order (kNormParts partials, then the warp's combine).
+double chunk_sum_of_squares(const float* values, int64_t count) {
+  constexpr int kParts = adamw_math::kNormParts, kLanes = kParts / 4;
+  double part[kParts] = {};
+  for (int64_t base = 0; base < count; base += kParts) {
+    const int64_t n = std::min<int64_t>(kParts, count - base);
+    for (int64_t j = 0; j < n; ++j) part[j] += static_cast<double>(values[base + j]) * values[base + j];
+  }
+  double q[kLanes], next[kLanes];
+  for (int l = 0; l < kLanes; ++l) q[l] = (part[4 * l] + part[4 * l + 1]) + (part[4 * l + 2] + part[4 * l + 3]);
+  for (int k = kLanes / 2; k >= 1; k /= 2) {
+    for (int l = 0; l < kLanes; ++l) next[l] = q[l] + q[l ^ k];
+    std::copy(next, next + kLanes, q);
+  }
+  return q[0];
+}
+
+}  // namespace
+
 double sum_of_squares(const float* values, int64_t count) {
-  constexpr int64_t kChunk = 1 << 14;
+  constexpr int64_t kChunk = adamw_math::kNormChunk;
   const int64_t chunks = (count + kChunk - 1) / kChunk;
   std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
 #pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    double sum = 0;
-    const int64_t end = std::min(count, (c + 1) * kChunk);
-    for (int64_t i = c * kChunk; i < end; ++i) sum += static_cast<double>(values[i]) * values[i];
-    partial[static_cast<size_t>(c)] = sum;
-  }
+  for (int64_t c = 0; c < chunks; ++c)
+    partial[static_cast<size_t>(c)] = chunk_sum_of_squares(values + c * kChunk, std::min(count - c * kChunk, kChunk));
   double total = 0;
   for (double p : partial) total += p;
   return total;

@@ -15,7 +15,8 @@ struct ClipStats {
   bool global_clipped = false;
 };
 
-// Sum of squares of `count` values, in fixed-size chunks summed in order.
+// Sum of squares of `count` values, in fixed-size chunks summed in order (each chunk in
+// kernels/adamw_math.h's order, the GPU's).
 double sum_of_squares(const float* values, int64_t count);
 
 // Clips every expert's gradient (when max_expert_norm > 0), then the global gradient

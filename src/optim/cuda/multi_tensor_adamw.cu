@@ -16,22 +16,8 @@ namespace {
 namespace am = adamw_math;
 
 constexpr int kThreads = 256;
-constexpr int kNormWarps = 8;  // warps per block of the chunk sums; each warp sums 32 chunks
+constexpr int kNormWarps = 8;  // warps per block of the chunk sums, one chunk each
 constexpr int kFinalizeThreads = 1024;  // the one block that adds the chunk sums up
-
-unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(ceil_div(n, kThreads), 1 << 20)); }
-
-// The segment holding chunk c: the last one whose first_chunk <= c (an empty segment
-// shares its first_chunk with the next one, which then wins).
-__device__ __forceinline__ int64_t segment_of_chunk(const OptimizerSegment* segments, int64_t n_segments, int64_t c) {
-  int64_t lo = 0, hi = n_segments - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (segments[mid].first_chunk <= c) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
 
 __device__ __forceinline__ int64_t chunk_count(int64_t numel) { return (numel + am::kNormChunk - 1) / am::kNormChunk; }
 
@@ -58,88 +44,74 @@ __device__ __forceinline__ int64_t warp_segment_of_chunk(const OptimizerSegment*
   return lo;
 }
 
-// Each warp sums 32 chunks, lane j chunk first + j, each in element order as the CPU's
-// sum_of_squares does. The chunks' elements pass through shared memory 32 at a time so
-// the loads stay coalesced and 16 bytes wide: one warp load reads 32 consecutive floats
-// of 4 chunks (8 lanes each, a whole 128-byte line per chunk), 8 loads fill the tile,
-// then every lane adds the 32 of its own chunk. Squares of floats are exact in fp64, so
-// the only roundings are the additions, in the CPU's order; the zeros past a chunk's end
-// add nothing (the sums are +0 or more, or NaN). A chunk of a bf16_grad segment reads
-// grads16 (4 values per 8-byte load), widened exactly: the CPU's sum over those values.
+// Four consecutive gradients from element e of a chunk of len (zeros past its end), fp32
+// or (a bf16_grad segment) bf16 widened exactly; 16- (8-) byte loads where aligned.
+__device__ __forceinline__ float4 load_four(const float* at, const uint16_t* at16, bool half, bool vec, int32_t e,
+                                            int32_t len) {
+  float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (half) {
+    if (vec && e + 4 <= len) {
+      const uint2 q = __ldcs(reinterpret_cast<const uint2*>(at16 + e));
+      x.x = am::bf16_bits_to_float(static_cast<uint16_t>(q.x & 0xffffu));
+      x.y = am::bf16_bits_to_float(static_cast<uint16_t>(q.x >> 16));
+      x.z = am::bf16_bits_to_float(static_cast<uint16_t>(q.y & 0xffffu));
+      x.w = am::bf16_bits_to_float(static_cast<uint16_t>(q.y >> 16));
+    } else if (e < len) {
+      x.x = am::bf16_bits_to_float(at16[e]);
+      if (e + 1 < len) x.y = am::bf16_bits_to_float(at16[e + 1]);
+      if (e + 2 < len) x.z = am::bf16_bits_to_float(at16[e + 2]);
+      if (e + 3 < len) x.w = am::bf16_bits_to_float(at16[e + 3]);
+    }
+  } else if (vec && e + 4 <= len) {
+    x = __ldcs(reinterpret_cast<const float4*>(at + e));
+  } else if (e < len) {  // a chunk's ragged end, or a segment not on a 16-byte boundary
+    x.x = at[e];
+    if (e + 1 < len) x.y = at[e + 1];
+    if (e + 2 < len) x.z = at[e + 2];
+    if (e + 3 < len) x.w = at[e + 3];
+  }
+  return x;
+}
+
+// One warp per chunk, in adamw_math's order (kNormParts partials): lane j keeps partials
+// 4j..4j+3, i.e. elements 4j + 128 i + 0..3, added in element order; kNormUnroll
+// strides' loads are issued before their squares are added. Squares of floats are exact
+// in fp64, so the only roundings are the additions, in the CPU's order; the zeros past a
+// chunk's end add nothing (the sums are +0 or more, or NaN).
+constexpr int kNormUnroll = 4;
+static_assert(am::kNormParts == 4 * 32, "a warp's lanes hold the partials four each");
 __global__ void __launch_bounds__(kNormWarps * 32)
     chunk_sum_of_squares_kernel(double* chunk_sq, const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
                                 const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks) {
-  __shared__ float tile[kNormWarps][32][33];  // 33: the column reads hit 32 banks
-  __shared__ int64_t start[kNormWarps][32];
-  __shared__ int32_t length[kNormWarps][32];
-  __shared__ int32_t half[kNormWarps][32];  // the chunk's gradients are bf16
-  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-  const int64_t first = (static_cast<int64_t>(blockIdx.x) * kNormWarps + warp) * 32;
-  if (first >= n_chunks) return;  // the whole warp
-  const int64_t chunk = first + lane;
-  int64_t chunk_start = 0;
-  int32_t chunk_length = 0, chunk_half = 0;
-  if (chunk < n_chunks) {
-    const OptimizerSegment& seg = segments[segment_of_chunk(segments, n_segments, chunk)];
-    const int64_t within = (chunk - seg.first_chunk) * am::kNormChunk;
-    chunk_start = seg.offset + within;
-    chunk_length = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
-    chunk_half = seg.bf16_grad;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
+  if (chunk >= n_chunks) return;  // the whole warp
+  const OptimizerSegment& seg = segments[warp_segment_of_chunk(segments, n_segments, chunk)];
+  const int64_t within = (chunk - seg.first_chunk) * am::kNormChunk;
+  const int64_t start = seg.offset + within;
+  const int32_t len = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
+  const bool half = seg.bf16_grad != 0;
+  const float* at = grads + start;
+  const uint16_t* at16 = half ? grads16 + start : nullptr;
+  const bool vec = half ? (reinterpret_cast<uintptr_t>(at16) & 7) == 0 : (reinterpret_cast<uintptr_t>(at) & 15) == 0;
+  double p0 = 0.0, p1 = 0.0, p2 = 0.0, p3 = 0.0;
+  for (int32_t base = 0; base < len; base += am::kNormParts * kNormUnroll) {
+    float4 x[kNormUnroll];
+#pragma unroll
+    for (int u = 0; u < kNormUnroll; ++u) x[u] = load_four(at, at16, half, vec, base + u * am::kNormParts + 4 * lane, len);
+#pragma unroll
+    for (int u = 0; u < kNormUnroll; ++u) {
+      const double a = x[u].x, b = x[u].y, c = x[u].z, d = x[u].w;
+      p0 = __dadd_rn(p0, __dmul_rn(a, a));
+      p1 = __dadd_rn(p1, __dmul_rn(b, b));
+      p2 = __dadd_rn(p2, __dmul_rn(c, c));
+      p3 = __dadd_rn(p3, __dmul_rn(d, d));
+    }
   }
-  start[warp][lane] = chunk_start;
-  length[warp][lane] = chunk_length;
-  half[warp][lane] = chunk_half;
-  __syncwarp();
-  const int32_t longest = static_cast<int32_t>(__reduce_max_sync(0xffffffffu, static_cast<unsigned>(chunk_length)));
-  const int sub = lane >> 3, quad = (lane & 7) * 4;  // this lane's chunk within a group of 4, and its 4 columns
-  double sum = 0.0;
-  for (int32_t base = 0; base < longest; base += 32) {
-    const int32_t e = base + quad;
-    float4 part[8];
+  double q = __dadd_rn(__dadd_rn(p0, p1), __dadd_rn(p2, p3));
 #pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      const int c = q * 4 + sub;
-      const int32_t len = length[warp][c];
-      const float* at = grads + start[warp][c] + e;
-      float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      if (half[warp][c]) {
-        const uint16_t* at16 = grads16 + start[warp][c] + e;
-        if (e + 4 <= len && (reinterpret_cast<uintptr_t>(at16) & 7) == 0) {
-          const uint2 q = __ldcs(reinterpret_cast<const uint2*>(at16));
-          x.x = am::bf16_bits_to_float(static_cast<uint16_t>(q.x & 0xffffu));
-          x.y = am::bf16_bits_to_float(static_cast<uint16_t>(q.x >> 16));
-          x.z = am::bf16_bits_to_float(static_cast<uint16_t>(q.y & 0xffffu));
-          x.w = am::bf16_bits_to_float(static_cast<uint16_t>(q.y >> 16));
-        } else if (e < len) {
-          x.x = am::bf16_bits_to_float(at16[0]);
-          if (e + 1 < len) x.y = am::bf16_bits_to_float(at16[1]);
-          if (e + 2 < len) x.z = am::bf16_bits_to_float(at16[2]);
-          if (e + 3 < len) x.w = am::bf16_bits_to_float(at16[3]);
-        }
-      } else if (e + 4 <= len && (reinterpret_cast<uintptr_t>(at) & 15) == 0) {
-        x = __ldcs(reinterpret_cast<const float4*>(at));
-      } else if (e < len) {  // a chunk's ragged end, or a segment not on a 16-byte boundary
-        x.x = at[0];
-        if (e + 1 < len) x.y = at[1];
-        if (e + 2 < len) x.z = at[2];
-        if (e + 3 < len) x.w = at[3];
-      }
-      part[q] = x;
-    }
-#pragma unroll
-    for (int q = 0; q < 8; ++q) {
-      float* row = tile[warp][q * 4 + sub] + quad;
-      row[0] = part[q].x, row[1] = part[q].y, row[2] = part[q].z, row[3] = part[q].w;
-    }
-    __syncwarp();
-#pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const double x = tile[warp][lane][k];
-      sum = __dadd_rn(sum, __dmul_rn(x, x));
-    }
-    __syncwarp();
-  }
-  if (chunk < n_chunks) chunk_sq[chunk] = sum;
+  for (int k = 16; k >= 1; k >>= 1) q = __dadd_rn(q, __shfl_xor_sync(0xffffffffu, q, k));
+  if (lane == 0) chunk_sq[chunk] = q;
 }
 
 // One block: per segment its chunks in order, then the segments in order, the norm and
@@ -349,7 +321,7 @@ void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* se
                Stream stream, const bf16* grads16) {
   MOE_CHECKF(n_segments > 0, "grad_norm: no segments");
   if (n_chunks > 0) {
-    const int64_t per_block = int64_t{kNormWarps} * 32;
+    const int64_t per_block = kNormWarps;  // a warp per chunk
     chunk_sum_of_squares_kernel<<<static_cast<unsigned>(ceil_div(n_chunks, per_block)), kNormWarps * 32, 0,
                                   stream>>>(chunk_sq_C, grads, bits(grads16), segments, n_segments, n_chunks);
     MOE_CUDA_CHECK_LAUNCH();
