@@ -332,7 +332,8 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     ep_->exchange(send, send_counts, recv, recv_counts, fp8_rows ? sizeof(int32_t) : sizeof(bf16));
   }
   // Before the plan: the guessed tokens' rows go on the side stream once the input is
-  // written, while the model's stream runs the router (and, with NCCL, the plan).
+  // written, while the model's stream runs the router. (Over NCCL the plan's count
+  // exchange, on the same communicator's stream, starts once the early rows are through.)
   void send_early_rows(const MoEBuffers& m, const bf16* x_TD) {
     const int P = ep_->size();
     const int64_t T = shape_.tokens, D = shape_.dim;
