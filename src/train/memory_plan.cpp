@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "core/fp8.h"
 #include "dist/zero_shards.h"
 #include "model/expert_layout.h"
 #include "model/gpu_buffer_sizes.h"
@@ -129,11 +130,21 @@ int64_t step_buffers_bytes(const ActivationShape& a, int64_t V, int64_t n_layers
 }
 
 // GpuExpertParallelDispatcher::plan's scratch.
-int64_t dispatcher_bytes(const ActivationShape& a, bool split) {
+// GpuExpertParallelDispatcher::plan's scratch: the token rows both ways (and their fp8
+// wire form when parallel.a2a_compression may send fp8 rows), the routing, the counts; with
+// moe.speculative_dispatch (plan_speculation) the early rows out and in and the corrections
+// in, of the wider row format, and their index arrays.
+int64_t dispatcher_bytes(const ActivationShape& a, bool split, bool fp8_rows, bool speculative) {
   if (a.P <= 1) return 0;
   const int64_t U = a.rows.max_tokens, K = a.K, E = a.E, P = a.P, L = a.rows.max_local_experts;
-  return 2 * U * a.D * 2 + 2 * U * K * 4 + assign_rows_scratch(U, K, L) * 4 + L * 4 + (E + 2 * P) * 4 +
-         a.T * K * 4 + (P + 1) * 4 + (split ? 2 * P * E * 4 : 0) + P * (L + 1) * 4 + 3 * U * K * 4;
+  int64_t bytes = 2 * U * a.D * 2 + 2 * U * K * 4 + assign_rows_scratch(U, K, L) * 4 + L * 4 + (E + 2 * P) * 4 +
+                  a.T * K * 4 + (P + 1) * 4 + (split ? 2 * P * E * 4 : 0) + P * (L + 1) * 4 + 3 * U * K * 4;
+  if (fp8_rows) bytes += 2 * U * fp8_row_bytes(a.D);
+  if (speculative) {
+    const int64_t row = std::max<int64_t>(2 * a.D, fp8_rows ? fp8_row_bytes(a.D) : 0);
+    bytes += 3 * U * row + (2 * a.T * P + 4 * P + 2 * U + 3 * (P + 1)) * 4;
+  }
+  return bytes;
 }
 
 int64_t nccl_bytes(const MemoryLayout& layout) {
@@ -259,7 +270,8 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   if (config.training.precision == TrainingPrecision::Fp8) m.step_buffers += fp8_projection_scratch(c, a.T).bytes();
 
   // Exchange buffers: the dispatcher's; bf16 gradient sums' scratch per reduction group.
-  m.exchange = dispatcher_bytes(a, split);
+  m.exchange = dispatcher_bytes(a, split, config.parallel.a2a_compression != A2aCompression::None,
+                                config.model.moe.speculative_dispatch);
   if (gpus > 1 && config.parallel.grad_reduce_dtype == ReduceDtype::Bf16) {
     const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
     const int64_t groups = ep > 1 && replicas > 1 ? 2 : 1;

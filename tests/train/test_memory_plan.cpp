@@ -377,6 +377,31 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   EXPECT_EQ(c.step_buffers - a.step_buffers, expert_rows + 2 * 8 * 512 * 1024 + 2 * 8 * 4 * 8 * 4 + projections);
 }
 
+// The expert-parallel dispatcher's extra scratch (GpuExpertParallelDispatcher::plan):
+// fp8 wire rows both ways under parallel.a2a_compression, and moe.speculative_dispatch's
+// early rows out and in and corrections in (rows of the wider format) with their index
+// arrays. EP 2: T = 4 x 256 tokens per rank, U = 2 T rows each way, D = 512.
+TEST(MemoryPlan, ExchangeCountsFp8RowsAndSpeculation) {
+  RunConfig c = small_config();
+  c.parallel.expert_parallel = 2;
+  MemoryLayout layout = configured_layout(c, 2, 2);
+  layout.expert_parallel = 2;
+  const int64_t T = 4 * 256, P = 2, U = P * T, D = 512, fp8_row = 4 + D;
+  const MemoryEstimate exact = estimate_memory(c, layout);
+  c.parallel.a2a_compression = A2aCompression::Fp8;
+  const MemoryEstimate fp8 = estimate_memory(c, layout);
+  EXPECT_EQ(fp8.exchange - exact.exchange, 2 * U * fp8_row);
+  c.parallel.a2a_compression = A2aCompression::None;
+  c.model.moe.route_cache = true;
+  c.model.moe.speculative_dispatch = true;
+  const MemoryEstimate spec = estimate_memory(c, layout);
+  const int64_t indices = (2 * T * P + 4 * P + 2 * U + 3 * (P + 1)) * 4;
+  EXPECT_EQ(spec.exchange - exact.exchange, 3 * U * 2 * D + indices);
+  c.parallel.a2a_compression = A2aCompression::Auto;  // room for both row formats: bf16 rows are the wider
+  const MemoryEstimate both = estimate_memory(c, layout);
+  EXPECT_EQ(both.exchange - exact.exchange, 2 * U * fp8_row + 3 * U * 2 * D + indices);
+}
+
 TEST(MemoryPlan, ZeroUnderExpertParallelismShardsSharedAndExpertState) {
   RunConfig c = small_config();
   c.model.n_layers = 6;
