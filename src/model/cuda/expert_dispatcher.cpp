@@ -332,8 +332,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     ep_->exchange(send, send_counts, recv, recv_counts, fp8_rows ? sizeof(int32_t) : sizeof(bf16));
   }
   // Before the plan: the guessed tokens' rows go on the side stream once the input is
-  // written, while the model's stream runs the router. (Over NCCL the plan's count
-  // exchange, on the same communicator's stream, starts once the early rows are through.)
+  // written, while the model's stream runs the router; the plan waits for them.
   void send_early_rows(const MoEBuffers& m, const bf16* x_TD) {
     const int P = ep_->size();
     const int64_t T = shape_.tokens, D = shape_.dim;
@@ -470,6 +469,10 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     // Which rank computes each kept assignment: by the block edges, or with split experts by
     // this micro-batch's cuts from every rank's kept rows per slot.
     const int32_t* cut = layer.edge_cut.data();
+    // The plan's exchanges follow the early rows on the model's stream: they share the
+    // all-to-all's scratch (the hierarchical exchange packs into buffers of its own on the
+    // caller's stream), and over NCCL they would queue behind them anyway.
+    if (spec) MOE_CUDA_CHECK(cudaStreamWaitEvent(stream_, early_done_, 0));
     if (shape_.split_experts) {
       for (int p = 0; p < P; ++p)
         MOE_CUDA_CHECK(cudaMemcpyAsync(all_counts_send_.data() + p * E, m.counts.data(),
