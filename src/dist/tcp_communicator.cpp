@@ -45,9 +45,18 @@ class TcpWork final : public Work {
   std::shared_ptr<WorkState> state_;
 };
 
-// One peer's part of an exchange: an 8-byte length header, then the bytes; the receiver
-// checks the header against what it expects, so a count mismatch is an error, not a hang
+// One peer's part of an exchange: a 16-byte header (the length, and the operation's tag:
+// its communicator's id and the operation's number there), then the bytes; the receiver
+// checks the header against what it expects, so ranks that issue collectives in different
+// orders, or a count mismatch, are an error naming both, not a hang
 // or garbage. send_bytes / recv_bytes < 0: no message with this peer.
+struct WireHeader {
+  int64_t bytes = 0;
+  uint64_t tag = 0;  // communicator id << 32 | operation number
+};
+constexpr int64_t kHeaderBytes = sizeof(WireHeader);
+static_assert(kHeaderBytes == 16, "the header is two 8-byte words");
+
 struct PeerTransfer {
   int peer = -1;  // world rank
   const char* send_data = nullptr;
@@ -105,11 +114,11 @@ class TcpMesh {
 
   // Sends and receives with all listed peers at once (poll), so that large messages in
   // both directions cannot deadlock on full socket buffers. Runs on the mesh thread.
-  void exchange(std::vector<PeerTransfer>& transfers) {
+  void exchange(std::vector<PeerTransfer>& transfers, uint64_t tag) {
     struct Progress {
       PeerTransfer* transfer;
-      int64_t send_header, recv_header = 0;
-      int64_t sent = 0, received = 0;  // including the 8 header bytes
+      WireHeader send_header, recv_header{};
+      int64_t sent = 0, received = 0;  // including the header's bytes
     };
     std::vector<Progress> progress;
     for (PeerTransfer& t : transfers) {
@@ -120,11 +129,14 @@ class TcpMesh {
         continue;
       }
       if (t.send_bytes < 0 && t.recv_bytes < 0) continue;
-      progress.push_back({&t, t.send_bytes});
+      progress.push_back({&t, WireHeader{t.send_bytes, tag}});
     }
-    auto send_done = [](const Progress& p) { return p.transfer->send_bytes < 0 || p.sent == 8 + p.send_header; };
+    auto send_done = [](const Progress& p) {
+      return p.transfer->send_bytes < 0 || p.sent == kHeaderBytes + p.send_header.bytes;
+    };
     auto recv_done = [](const Progress& p) {
-      return p.transfer->recv_bytes < 0 || (p.received >= 8 && p.received == 8 + p.transfer->recv_bytes);
+      return p.transfer->recv_bytes < 0 ||
+             (p.received >= kHeaderBytes && p.received == kHeaderBytes + p.transfer->recv_bytes);
     };
     std::vector<pollfd> polled;
     while (true) {
@@ -149,7 +161,7 @@ class TcpMesh {
         const int peer = p.transfer->peer;
         if ((polled[i].revents & POLLOUT) && !send_done(p)) pump_send(p.transfer, p.send_header, p.sent, peer);
         if ((polled[i].revents & (POLLIN | POLLHUP | POLLERR)) && !recv_done(p))
-          pump_recv(p.transfer, p.recv_header, p.received, peer);
+          pump_recv(p.transfer, p.recv_header, tag, p.received, peer);
         else if ((polled[i].revents & (POLLHUP | POLLERR)) && !send_done(p))
           MOE_THROW("tcp backend: connection to rank {} lost (did it exit?)", peer);
       }
@@ -157,10 +169,11 @@ class TcpMesh {
   }
 
  private:
-  void pump_send(PeerTransfer* t, const int64_t& header, int64_t& sent, int peer) {
-    while (sent < 8 + header) {
-      const char* from = sent < 8 ? reinterpret_cast<const char*>(&header) + sent : t->send_data + (sent - 8);
-      const int64_t left = sent < 8 ? 8 - sent : 8 + header - sent;
+  void pump_send(PeerTransfer* t, const WireHeader& header, int64_t& sent, int peer) {
+    const int64_t H = kHeaderBytes;
+    while (sent < H + header.bytes) {
+      const char* from = sent < H ? reinterpret_cast<const char*>(&header) + sent : t->send_data + (sent - H);
+      const int64_t left = sent < H ? H - sent : H + header.bytes - sent;
       const ssize_t n = send(fds_[peer], from, static_cast<size_t>(left), MSG_NOSIGNAL | MSG_DONTWAIT);
       if (n < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
@@ -169,10 +182,11 @@ class TcpMesh {
       sent += n;
     }
   }
-  void pump_recv(PeerTransfer* t, int64_t& header, int64_t& received, int peer) {
-    while (received < 8 || received < 8 + header) {
-      char* into = received < 8 ? reinterpret_cast<char*>(&header) + received : t->recv_data + (received - 8);
-      const int64_t left = received < 8 ? 8 - received : 8 + header - received;
+  void pump_recv(PeerTransfer* t, WireHeader& header, uint64_t tag, int64_t& received, int peer) {
+    const int64_t H = kHeaderBytes;
+    while (received < H || received < H + header.bytes) {
+      char* into = received < H ? reinterpret_cast<char*>(&header) + received : t->recv_data + (received - H);
+      const int64_t left = received < H ? H - received : H + header.bytes - received;
       const ssize_t n = recv(fds_[peer], into, static_cast<size_t>(left), MSG_DONTWAIT);
       if (n < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return;
@@ -180,9 +194,14 @@ class TcpMesh {
       }
       if (n == 0) MOE_THROW("tcp backend: rank {} closed its connection (did it exit?)", peer);
       received += n;
-      if (received == 8)
-        MOE_CHECK(header == t->recv_bytes, "tcp backend: rank {} sends {} bytes where rank {} expects {}", peer,
-                  header, rank_, t->recv_bytes);
+      if (received == H) {
+        MOE_CHECK(header.tag == tag,
+                  "tcp backend: rank {} is at operation {} of communicator {:08x} where rank {} is at operation {} of "
+                  "communicator {:08x}: the ranks issued their collectives in different orders",
+                  peer, header.tag & 0xffffffffu, header.tag >> 32, rank_, tag & 0xffffffffu, tag >> 32);
+        MOE_CHECK(header.bytes == t->recv_bytes, "tcp backend: rank {} sends {} bytes where rank {} expects {}", peer,
+                  header.bytes, rank_, t->recv_bytes);
+      }
     }
   }
 
@@ -213,8 +232,10 @@ class TcpMesh {
 class TcpCommunicator final : public Communicator {
  public:
   // members: world ranks of this group in group order.
-  TcpCommunicator(std::shared_ptr<TcpMesh> mesh, std::vector<int> members)
-      : mesh_(std::move(mesh)), members_(std::move(members)) {
+  // id: the same on every member (the world's 1; a split's from its parent's, the split's
+  // number and the color), so an operation's tag names it on every rank.
+  TcpCommunicator(std::shared_ptr<TcpMesh> mesh, std::vector<int> members, uint32_t id = 1)
+      : mesh_(std::move(mesh)), members_(std::move(members)), id_(id) {
     rank_ = static_cast<int>(std::find(members_.begin(), members_.end(), mesh_->rank()) - members_.begin());
   }
   int rank() const override { return rank_; }
@@ -223,7 +244,7 @@ class TcpCommunicator final : public Communicator {
 
   std::unique_ptr<Work> all_reduce_async(void* data, size_t count, DType dtype, ReduceOp op) override {
     const int P = size();
-    return submit([=, members = members_, mesh = mesh_.get(), me = rank_] {
+    return submit([=, tag = next_tag(), members = members_, mesh = mesh_.get(), me = rank_] {
       // Reduce-scatter of P chunks (each rank sums its chunk over the ranks in rank
       // order), then all-gather of the chunks.
       const size_t elem = dtype_bytes(dtype), chunk = (count + P - 1) / P;
@@ -236,39 +257,39 @@ class TcpCommunicator final : public Communicator {
       for (int p = 0; p < P; ++p)
         transfers[p] = {members[p], bytes + chunk_begin(p) * elem, static_cast<int64_t>(chunk_size(p) * elem),
                         blocks.data() + p * mine * elem, static_cast<int64_t>(mine * elem)};
-      mesh->exchange(transfers);
+      mesh->exchange(transfers, tag);
       reduce_blocks(blocks.data(), P, mine, dtype, op, bytes + chunk_begin(me) * elem);
       for (int p = 0; p < P; ++p)
         transfers[p] = {members[p], bytes + chunk_begin(me) * elem, static_cast<int64_t>(mine * elem),
                         bytes + chunk_begin(p) * elem, static_cast<int64_t>(chunk_size(p) * elem)};
-      mesh->exchange(transfers);
+      mesh->exchange(transfers, tag);
     });
   }
 
   std::unique_ptr<Work> reduce_scatter_async(const void* send, void* recv, size_t recv_count, DType dtype,
                                              ReduceOp op) override {
     const int P = size();
-    return submit([=, members = members_, mesh = mesh_.get()] {
+    return submit([=, tag = next_tag(), members = members_, mesh = mesh_.get()] {
       const size_t block = recv_count * dtype_bytes(dtype);
       std::vector<char> blocks(block * P);
       std::vector<PeerTransfer> transfers(P);
       for (int p = 0; p < P; ++p)
         transfers[p] = {members[p], static_cast<const char*>(send) + p * block, static_cast<int64_t>(block),
                         blocks.data() + p * block, static_cast<int64_t>(block)};
-      mesh->exchange(transfers);
+      mesh->exchange(transfers, tag);
       reduce_blocks(blocks.data(), P, recv_count, dtype, op, static_cast<char*>(recv));
     });
   }
 
   std::unique_ptr<Work> all_gather_async(const void* send, void* recv, size_t send_count, DType dtype) override {
     const int P = size();
-    return submit([=, members = members_, mesh = mesh_.get()] {
+    return submit([=, tag = next_tag(), members = members_, mesh = mesh_.get()] {
       const size_t block = send_count * dtype_bytes(dtype);
       std::vector<PeerTransfer> transfers(P);
       for (int p = 0; p < P; ++p)
         transfers[p] = {members[p], static_cast<const char*>(send), static_cast<int64_t>(block),
                         static_cast<char*>(recv) + p * block, static_cast<int64_t>(block)};
-      mesh->exchange(transfers);
+      mesh->exchange(transfers, tag);
     });
   }
 
@@ -277,21 +298,21 @@ class TcpCommunicator final : public Communicator {
     const int P = size();
     checked_count_sum(send_counts, P, "send_counts");
     checked_count_sum(recv_counts, P, "recv_counts");
-    return submit([=, members = members_, mesh = mesh_.get()] {
+    return submit([=, tag = next_tag(), members = members_, mesh = mesh_.get()] {
       const int64_t elem = static_cast<int64_t>(dtype_bytes(dtype));
       const std::vector<int64_t> send_offsets = block_offsets(send_counts), recv_offsets = block_offsets(recv_counts);
       std::vector<PeerTransfer> transfers(P);
       for (int p = 0; p < P; ++p)
         transfers[p] = {members[p], static_cast<const char*>(send) + send_offsets[p] * elem, send_counts[p] * elem,
                         static_cast<char*>(recv) + recv_offsets[p] * elem, recv_counts[p] * elem};
-      mesh->exchange(transfers);
+      mesh->exchange(transfers, tag);
     });
   }
 
   std::unique_ptr<Work> broadcast_async(void* data, size_t count, DType dtype, int root) override {
     const int P = size();
     MOE_CHECK(root >= 0 && root < P, "broadcast root {} outside a group of {} ranks", root, P);
-    return submit([=, members = members_, mesh = mesh_.get(), me = rank_] {
+    return submit([=, tag = next_tag(), members = members_, mesh = mesh_.get(), me = rank_] {
       const int64_t bytes = static_cast<int64_t>(count * dtype_bytes(dtype));
       std::vector<PeerTransfer> transfers;
       for (int p = 0; p < P; ++p) {
@@ -299,21 +320,22 @@ class TcpCommunicator final : public Communicator {
         if (me == root) transfers.push_back({members[p], static_cast<const char*>(data), bytes, nullptr, -1});
         else if (p == root) transfers.push_back({members[p], nullptr, -1, static_cast<char*>(data), bytes});
       }
-      mesh->exchange(transfers);
+      mesh->exchange(transfers, tag);
     });
   }
 
   void barrier() override {
     const int P = size();
-    submit([=, members = members_, mesh = mesh_.get()] {
+    submit([=, tag = next_tag(), members = members_, mesh = mesh_.get()] {
       std::vector<PeerTransfer> transfers(P);
       for (int p = 0; p < P; ++p) transfers[p] = {members[p], nullptr, 0, nullptr, 0};
-      mesh->exchange(transfers);
+      mesh->exchange(transfers, tag);
     })->wait();
   }
 
   std::unique_ptr<Communicator> split(int color, int key) override {
     const int P = size();
+    ++splits_;  // every member splits the same times (a collective)
     std::vector<int32_t> mine = {color, key}, all(2 * static_cast<size_t>(P));
     all_gather(mine.data(), all.data(), 2, DType::i32);
     if (color < 0) return nullptr;
@@ -323,7 +345,11 @@ class TcpCommunicator final : public Communicator {
     std::sort(chosen.begin(), chosen.end());
     std::vector<int> members;
     for (const auto& entry : chosen) members.push_back(entry.second);
-    return std::make_unique<TcpCommunicator>(mesh_, std::move(members));
+    // splitmix64 of (parent id, split number, color): distinct groups get distinct ids.
+    uint64_t z = (static_cast<uint64_t>(id_) << 32 | splits_) * 0x9E3779B97F4A7C15ull + static_cast<uint32_t>(color);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return std::make_unique<TcpCommunicator>(mesh_, std::move(members), static_cast<uint32_t>(z ^ (z >> 31)));
   }
 
  private:
@@ -338,9 +364,13 @@ class TcpCommunicator final : public Communicator {
     for (int p = 1; p < P; ++p) reduce_into(result, blocks + p * bytes, count, dtype, op);
   }
 
+  // The next operation's tag: issued in the same order on every member (collectives).
+  uint64_t next_tag() { return static_cast<uint64_t>(id_) << 32 | ops_++; }
+
   std::shared_ptr<TcpMesh> mesh_;
   std::vector<int> members_;
   int rank_ = 0;
+  uint32_t id_ = 1, ops_ = 0, splits_ = 0;
 };
 
 }  // namespace

@@ -126,5 +126,31 @@ TEST(TcpCommunicator, ARankLeavingWithAnOperationInFlightDoesNotHang) {
   });
 }
 
+// Two ranks that issue collectives on two communicators in different orders: their
+// 0-byte barriers look alike on the wire, so without the operations' tags each would
+// silently take the other's for its own and every later message would be misread. With
+// them it is an error on both ranks naming the operations.
+TEST(TcpCommunicator, CollectivesInDifferentOrdersAreAnErrorNamingBoth) {
+  run_tcp_ranks(2, [](std::unique_ptr<Communicator>& world, int rank) {
+    std::unique_ptr<Communicator> sub = world->split(0, rank);
+    std::vector<float> ok(4, 1.0f);
+    sub->all_reduce(ok.data(), ok.size(), DType::f32);  // in the same order: fine
+    EXPECT_EQ(ok[0], 2.0f);
+    try {
+      if (rank == 0) {
+        world->barrier();
+        sub->barrier();
+      } else {
+        sub->barrier();
+        world->barrier();
+      }
+      ADD_FAILURE() << "rank " << rank << ": barriers in different orders went through";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("issued their collectives in different orders"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
 }  // namespace
 }  // namespace moe::dist
