@@ -37,41 +37,14 @@ void GpuExpertExchangeOverComm::exchange(const void* send, const std::vector<int
     a2a_->exchange(send, send_counts, recv, recv_counts, dtype);
     return;
   }
-  if (used_ == timings_.size()) {
-    Timing t;
-    cudaEvent_t start = nullptr, stop = nullptr;
-    MOE_CUDA_CHECK(cudaEventCreate(&start));
-    MOE_CUDA_CHECK(cudaEventCreate(&stop));
-    t.start = start;
-    t.stop = stop;
-    timings_.push_back(t);
-  }
-  Timing& t = timings_[used_++];
-  t.layer = layer_;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_);
-  MOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(t.start), stream));
+  const size_t span = layer_times_.begin(layer_, stream);
   a2a_->exchange(send, send_counts, recv, recv_counts, dtype);
-  MOE_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(t.stop), stream));
-}
-
-GpuExpertExchangeOverComm::~GpuExpertExchangeOverComm() {
-  for (Timing& t : timings_) {
-    cudaEventDestroy(static_cast<cudaEvent_t>(t.start));
-    cudaEventDestroy(static_cast<cudaEvent_t>(t.stop));
-  }
+  layer_times_.end(span, stream);
 }
 
 std::vector<double> GpuExpertExchangeOverComm::take_layer_seconds(int layers) {
-  std::vector<double> seconds(static_cast<size_t>(std::max(layers, 0)), 0.0);
-  for (size_t i = 0; i < used_; ++i) {
-    const Timing& t = timings_[i];
-    MOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(t.stop)));
-    float ms = 0;
-    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(t.start), static_cast<cudaEvent_t>(t.stop)));
-    if (t.layer >= 0 && t.layer < layers) seconds[static_cast<size_t>(t.layer)] += static_cast<double>(ms) * 1e-3;
-  }
-  used_ = 0;
-  return seconds;
+  return layer_times_.take_seconds(layers);
 }
 
 void GpuExpertExchangeOverComm::broadcast(void* data, size_t bytes, int root) {

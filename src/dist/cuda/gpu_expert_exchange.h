@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cuda/span_timer.h"
 #include "dist/communicator.h"
 #include "dist/hierarchical_all_to_all.h"
 #include "model/cuda/gpu_transformer.h"
@@ -20,7 +21,6 @@ class GpuExpertExchangeOverComm final : public GpuExpertExchange {
   GpuExpertExchangeOverComm(Communicator& world, int ep_size, AllToAllKind kind, int ranks_per_node);
   int size() const override { return group_->size(); }
   int rank() const override { return group_->rank(); }
-  ~GpuExpertExchangeOverComm() override;
   void set_stream(void* stream) override {
     stream_ = stream;
     a2a_->set_stream(stream);
@@ -47,13 +47,7 @@ class GpuExpertExchangeOverComm final : public GpuExpertExchange {
   void* stream_ = nullptr;
   int layer_ = -1;
   bool time_layers_ = false;
-  struct Timing {
-    void* start = nullptr;  // cudaEvent_t
-    void* stop = nullptr;
-    int layer = -1;
-  };
-  std::vector<Timing> timings_;  // a pool: the first used_ are this step's
-  size_t used_ = 0;
+  gpu::SpanTimer layer_times_;  // each exchange of a set_layer, keyed by the layer
 };
 
 }  // namespace moe::dist

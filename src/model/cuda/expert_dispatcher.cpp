@@ -4,6 +4,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/cuda/span_timer.h"
 #include "core/error.h"
 #include "core/fp8.h"
 #include "kernels/gpu_ops.h"
@@ -66,10 +67,6 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   }
   ~GpuExpertParallelDispatcher() override {
     free_host();
-    for (Timing& t : timings_) {
-      cudaEventDestroy(t.start);
-      cudaEventDestroy(t.stop);
-    }
     for (cudaEvent_t e : {x_ready_, early_done_, sizes_ready_})
       if (e) cudaEventDestroy(e);
     if (side_) cudaStreamDestroy(side_);
@@ -129,7 +126,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     m.moe_index = layer.moe_index;
     m.fp8_rows = ep_->fp8(layer.moe_index);
     ep_->set_layer(m.moe_index);
-    Timing& timing = start_timing(m.moe_index);
+    const size_t wait_span = dispatch_waits_.begin(m.moe_index, stream_);
     const bool spec = spec_armed_;
     if (spec) send_early_rows(m, x_TD);
     plan_exchange(layer, m, slot_TK, spec);
@@ -149,7 +146,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     exchange_tokens(weight_send_.data(), m.send_tokens_P, m.recv_weight.data(), m.recv_tokens_P, K, sizeof(float));
     mark_(kDispatch);
     if (spec) merge_early_rows(m);
-    MOE_CUDA_CHECK(cudaEventRecord(timing.stop, stream_));
+    dispatch_waits_.end(wait_span, stream_);
     if (L > 0) {
       // No capacity here: the home rank dropped already.
       cuda::assign_rows(m.recv_row.data(), local_counts_.data(), m.local_offsets.data(), m.local_token.data(), nullptr,
@@ -257,38 +254,14 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
 
   std::vector<DispatchStats> take_stats(int moe_layers) override {
     std::vector<DispatchStats> stats(static_cast<size_t>(std::max(moe_layers, 0)));
-    for (size_t i = 0; i < used_timings_; ++i) {
-      const Timing& t = timings_[i];
-      MOE_CUDA_CHECK(cudaEventSynchronize(t.stop));
-      float ms = 0;
-      MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, t.start, t.stop));
-      if (t.layer >= 0 && t.layer < moe_layers) stats[static_cast<size_t>(t.layer)].wait_s += static_cast<double>(ms) * 1e-3;
-    }
-    used_timings_ = 0;
+    const std::vector<double> waits = dispatch_waits_.take_seconds(moe_layers);
+    for (size_t l = 0; l < stats.size(); ++l) stats[l].wait_s = waits[l];
     for (size_t l = 0; l < spec_rows_L_.size() && l < stats.size(); ++l) stats[l].speculation = spec_rows_L_[l];
     spec_rows_L_.clear();
     return stats;
   }
 
  private:
-  struct Timing {
-    cudaEvent_t start = nullptr, stop = nullptr;
-    int layer = -1;
-  };
-  // Events around a forward dispatch (DispatchStats::wait_s): start recorded now.
-  Timing& start_timing(int moe_layer) {
-    if (used_timings_ == timings_.size()) {
-      Timing t;
-      MOE_CUDA_CHECK(cudaEventCreate(&t.start));
-      MOE_CUDA_CHECK(cudaEventCreate(&t.stop));
-      timings_.push_back(t);
-    }
-    Timing& t = timings_[used_timings_++];
-    t.layer = moe_layer;
-    MOE_CUDA_CHECK(cudaEventRecord(t.start, stream_));
-    return t;
-  }
-
   // moe.speculative_dispatch: the early rows' buffers (at most (P - 1) T rows go, P T
   // come, of the wider row format), the plan's extras and the host's side of them.
   void plan_speculation(const DispatchShape& shape) {
@@ -321,7 +294,8 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
         MOE_CUDA_CHECK(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
     }
   }
-  // Token rows of D bf16 (or fp8 rows) out and back, counts in rows.
+  // Token rows of D bf16 (or fp8 rows, sent as 4-byte words: they are padded to them) out
+  // and back, counts in rows; no phase mark (the early rows go on the side stream).
   void exchange_wire(bool fp8_rows, const void* send, const std::vector<int64_t>& send_rows_P, void* recv,
                      const std::vector<int64_t>& recv_rows_P) {
     const int64_t D = shape_.dim;
@@ -395,8 +369,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
       starts_host_[2 * P + 3 + p] = starts_host_[2 * P + 2 + p] + static_cast<int32_t>(corr_recv_P_[static_cast<size_t>(p)]);
     }
     MOE_CUDA_CHECK(cudaMemcpyAsync(starts_dev_.data(), starts_host_, static_cast<size_t>(3 * (P + 1)) * sizeof(int32_t),
-                                   cudaMemcpyHostToDevice, stream_));
-    MOE_CUDA_CHECK(cudaStreamWaitEvent(stream_, early_done_, 0));
+                                   cudaMemcpyHostToDevice, stream_));  // the early rows are in: plan_exchange waited
     void* rows = m.fp8_rows ? static_cast<void*>(wire_recv_.data()) : static_cast<void*>(recv_.data());
     const int64_t rb = m.fp8_rows ? fp8_row_bytes(D) : D * int64_t{sizeof(bf16)};
     cuda::merge_speculated_rows(rows, source_recv_.data(), m.recv_tokens, starts_dev_.data(), spec_recv_.data(),
@@ -429,8 +402,8 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
                      const std::vector<int64_t>& recv_tokens_P) {
     const int64_t D = shape_.dim;
     if (!m.fp8_rows) {
-      exchange_tokens(send ? send : send_.data(), send_tokens_P, recv ? recv : recv_.data(), recv_tokens_P, D,
-                      sizeof(bf16));
+      mark_(kAllToAll);
+      exchange_wire(false, send ? send : send_.data(), send_tokens_P, recv ? recv : recv_.data(), recv_tokens_P);
       return;
     }
     MOE_CHECK(wire_send_.size() > 0 || max_tokens_ == 0, "expert exchange: fp8 rows without their buffers");
@@ -438,8 +411,8 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
     for (int64_t n : send_tokens_P) sent += n;
     for (int64_t n : recv_tokens_P) received += n;
     if (send) cuda::quantize_rows_fp8(wire_send_.data(), send, sent, D, stream_);
-    exchange_tokens(wire_send_.data(), send_tokens_P, wire_recv_.data(), recv_tokens_P, fp8_row_bytes(D) / 4,
-                    sizeof(int32_t));  // 4-byte words: the rows are padded to them
+    mark_(kAllToAll);
+    exchange_wire(true, wire_send_.data(), send_tokens_P, wire_recv_.data(), recv_tokens_P);
     if (recv) cuda::dequantize_rows_fp8(recv, wire_recv_.data(), received, D, stream_);
   }
   // Home side: x_TD's rows into the blocks for each rank (send_, or fp8 rows in wire_send_).
@@ -555,9 +528,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   Buffer<int32_t> rank_TK_, cut_, all_counts_send_, all_counts_;  // route_ranks, boundary_cuts
   Buffer<float> weight_send_, dweight_local_, dweight_home_;
   int32_t* host_counts_ = nullptr;
-  // Forward dispatch timings (a pool: the first used_timings_ are since the last take).
-  std::vector<Timing> timings_;
-  size_t used_timings_ = 0;
+  gpu::SpanTimer dispatch_waits_;  // each forward dispatch, keyed by MoE layer (DispatchStats::wait_s)
   // moe.speculative_dispatch (plan_speculation): the early rows out and in, the
   // corrections in, the guessed blocks (spec_pos_dev_, and the sizes sent | received),
   // the corrections' blocks and counts (sent | received), each exact row's source out and

@@ -39,11 +39,16 @@ std::vector<LayerRouting> gpu_layer_routing(const GpuRoutingStats& routing, cons
 
 void sum_routing_over_ranks(GpuRoutingStats& routing, std::vector<std::vector<int64_t>>& load_LE,
                             const std::function<void(double*, int64_t)>& sum) {
+  // One sum: the loads, kept rows, entropies, tokens, the speculation's rows and the
+  // dispatch waits (averaged by the caller).
   std::vector<double> flat;
   for (const auto& layer : load_LE) flat.insert(flat.end(), layer.begin(), layer.end());
   for (const auto& layer : routing.kept) flat.insert(flat.end(), layer.begin(), layer.end());
   flat.insert(flat.end(), routing.entropy_sum.begin(), routing.entropy_sum.end());
   flat.insert(flat.end(), routing.tokens.begin(), routing.tokens.end());
+  for (const SpeculationRows& r : routing.speculation)
+    flat.insert(flat.end(), {static_cast<double>(r.used), static_cast<double>(r.wasted), static_cast<double>(r.corrected)});
+  flat.insert(flat.end(), routing.dispatch_wait_s.begin(), routing.dispatch_wait_s.end());
   sum(flat.data(), static_cast<int64_t>(flat.size()));
   size_t k = 0;
   for (auto& layer : load_LE)
@@ -52,20 +57,12 @@ void sum_routing_over_ranks(GpuRoutingStats& routing, std::vector<std::vector<in
     for (auto& kept : layer) kept = std::llround(flat[k++]);
   for (auto& entropy : routing.entropy_sum) entropy = flat[k++];
   for (auto& tokens : routing.tokens) tokens = std::llround(flat[k++]);
-  // The speculation's rows and the dispatch waits (averaged by the caller), when measured.
-  std::vector<double> more;
-  for (const SpeculationRows& r : routing.speculation)
-    more.insert(more.end(), {static_cast<double>(r.used), static_cast<double>(r.wasted), static_cast<double>(r.corrected)});
-  more.insert(more.end(), routing.dispatch_wait_s.begin(), routing.dispatch_wait_s.end());
-  if (more.empty()) return;
-  sum(more.data(), static_cast<int64_t>(more.size()));
-  k = 0;
   for (SpeculationRows& r : routing.speculation) {
-    r.used = std::llround(more[k++]);
-    r.wasted = std::llround(more[k++]);
-    r.corrected = std::llround(more[k++]);
+    r.used = std::llround(flat[k++]);
+    r.wasted = std::llround(flat[k++]);
+    r.corrected = std::llround(flat[k++]);
   }
-  for (double& wait : routing.dispatch_wait_s) wait = more[k++];
+  for (double& wait : routing.dispatch_wait_s) wait = flat[k++];
 }
 
 }  // namespace moe
