@@ -43,8 +43,8 @@ struct ParallelConfig {
   int64_t expert_parallel = 1;        // EP size: ranks that share one copy of the experts; divides world and moe.n_experts
   AllToAllKind all_to_all = AllToAllKind::Flat;
   double bucket_mb = 25.0;            // gradient buckets (at most, inside one backward stage); 0: one per stage
-  int64_t a2a_chunks = 1;
-  A2aCompression a2a_compression = A2aCompression::None;  // EP token rows: none, fp8, auto (per layer, by comm wait)             // CPU EP: chunks of the token blocks, each all-to-all overlapping the experts' compute
+  int64_t a2a_chunks = 1;             // CPU EP: chunks of the token blocks, each all-to-all overlapping the experts' compute
+  A2aCompression a2a_compression = A2aCompression::None;  // EP token rows: none, fp8, auto (per layer, by comm wait)
   ReduceDtype grad_reduce_dtype = ReduceDtype::Fp32;  // GPU data parallel
   int64_t comm_sms = 0;               // GPU: multiprocessors the GEMMs leave to NCCL while gradient sums overlap backward
   // ZeRO level over the data-parallel group (for experts: the ranks holding the same ones):

@@ -136,7 +136,7 @@ struct RankRun {
   std::string error;
 };
 
-std::vector<RankRun> train_ranks(const RunConfig& config, int n) {
+std::vector<RankRun> train_ranks(const RunConfig& config, int n, int ranks_per_node) {
   std::vector<RankRun> runs(static_cast<size_t>(n));
   const auto run_of = [&runs](int r) -> RankRun& { return runs[static_cast<size_t>(r)]; };
   const std::vector<std::string> errors = test::run_thread_trainers(
@@ -151,7 +151,8 @@ std::vector<RankRun> train_ranks(const RunConfig& config, int n) {
         auto& params = trainer.model().params();
         for (int id = 0; id < params.size(); ++id)
           run_of(r).params.insert(run_of(r).params.end(), params.value(id), params.value(id) + params.numel(id));
-      });
+      },
+      ranks_per_node);
   for (int r = 0; r < n; ++r) run_of(r).error = errors[static_cast<size_t>(r)];
   return runs;
 }
@@ -167,11 +168,11 @@ RunConfig speculation_run() {
 }
 
 // The run speculating against the same run without: bit for bit, and counts that add up.
-void expect_speculation_changes_no_bit(RunConfig config, int ranks, const std::string& what) {
+void expect_speculation_changes_no_bit(RunConfig config, int ranks, const std::string& what, int ranks_per_node = 0) {
   config.model.moe.speculative_dispatch = false;
-  const std::vector<RankRun> exact = train_ranks(config, ranks);
+  const std::vector<RankRun> exact = train_ranks(config, ranks, ranks_per_node);
   config.model.moe.speculative_dispatch = true;
-  const std::vector<RankRun> spec = train_ranks(config, ranks);
+  const std::vector<RankRun> spec = train_ranks(config, ranks, ranks_per_node);
   for (int r = 0; r < ranks; ++r) {
     ASSERT_EQ(exact[static_cast<size_t>(r)].error, "") << what;
     ASSERT_EQ(spec[static_cast<size_t>(r)].error, "") << what;
@@ -227,6 +228,19 @@ TEST(GpuSpeculativeDispatch, FourRanksSameBitsAsTheExactDispatch) {
   config.parallel.expert_parallel = 2;
   config.parallel.zero = 1;
   expect_speculation_changes_no_bit(config, 4, "DP 2 x EP 2, ZeRO-1");
+}
+
+// Two simulated nodes of two ranks: the early rows, corrections and sources all go through
+// the hierarchical all-to-all (intra-node, then inter-node) and its shared scratch.
+TEST(GpuSpeculativeDispatch, HierarchicalExchangeOverTwoNodesSameBits) {
+  MOE_REQUIRE_GPU();
+  RunConfig config = speculation_run();
+  config.training.micro_batch = 2;
+  config.parallel.expert_parallel = 4;
+  config.parallel.all_to_all = AllToAllKind::Hierarchical;
+  expect_speculation_changes_no_bit(config, 4, "EP 4 over 2 nodes, hierarchical", 2);
+  config.parallel.a2a_compression = A2aCompression::Fp8;
+  expect_speculation_changes_no_bit(config, 4, "EP 4 over 2 nodes, hierarchical, fp8 rows", 2);
 }
 
 }  // namespace

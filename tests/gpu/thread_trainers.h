@@ -16,11 +16,13 @@
 namespace moe::test {
 
 // Runs `config` on n thread ranks: `before(rank, trainer)` sets its hooks, `after(rank,
-// trainer)` reads it once the run is done. Returns each rank's error ("" when none).
+// trainer)` reads it once the run is done. ranks_per_node > 0 simulates nodes of that many
+// ranks (the hierarchical all-to-all). Returns each rank's error ("" when none).
 inline std::vector<std::string> run_thread_trainers(const RunConfig& config, int n,
                                                     const std::function<void(int, Trainer&)>& before,
-                                                    const std::function<void(int, Trainer&)>& after = {}) {
-  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n);
+                                                    const std::function<void(int, Trainer&)>& after = {},
+                                                    int ranks_per_node = 0) {
+  std::vector<std::unique_ptr<dist::Communicator>> worlds = dist::make_thread_communicators(n, ranks_per_node);
   std::vector<std::string> errors(static_cast<size_t>(n));
   std::vector<std::thread> threads;
   for (int r = 0; r < n; ++r)
