@@ -24,6 +24,15 @@ void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, in
 void swiglu_forward_fp8(bf16* act_RF, uint8_t* codes_RF, float* scales, const bf16* gate_up_RF2,
                         const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F, Stream stream);
 
+// SwiGLU's backward with both outputs quantised as above: d gate | d up [R, 2F] of d act
+// [R, F] and gate|up [R, 2F] (swiglu_backward's values, bit for bit, every row), and for
+// rows below offsets_E1[E] d gate's codes [R, F] and scales (R x F / 128) followed by d up's
+// (codes_2RF + R * F, scales_2 + R * F / 128): quantize_rows_blockwise's of each. F a
+// multiple of 128; the bf16 buffers 16-byte aligned.
+void swiglu_backward_fp8(bf16* dgate_up_RF2, uint8_t* codes_2RF, float* scales_2, const bf16* dact_RF,
+                         const bf16* gate_up_RF2, const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F,
+                         Stream stream);
+
 // Weights w [E, N, K] -> codes [E, N, K] with scales [E][KB][NB], and their transpose
 // codes_t [E, K, N] with scales_t [E][NB][KB] (the B operand of dy @ W); either pair may
 // be null, not both. One power-of-two scale per 128 x 128 block.

@@ -29,6 +29,11 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
 int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_k, int64_t local_experts,
                                    int64_t capacity);
 
+// training.precision = fp8: the width of the experts' quantised-row scratch (codes of that
+// many columns per row, one fp32 scale per 128): the widest operand a GEMM reads, or SwiGLU's
+// backward writing d gate's and d up's codes side by side (2 x hidden).
+constexpr int64_t fp8_expert_row_width(int64_t dim, int64_t hidden) { return dim > 2 * hidden ? dim : 2 * hidden; }
+
 // training.precision = fp8 with training.fp8_weight_cache: one MoE layer's quantised
 // expert weights (GpuTransformer's Fp8ExpertWeights) for `local_experts` experts of
 // [hidden, dim] (w1, w3) and [dim, hidden] (w2): per tensor two copies (as stored and

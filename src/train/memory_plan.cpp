@@ -254,11 +254,11 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
     if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;
   }
   m.step_buffers = step_buffers_bytes(a, c.vocab_size, n_layers);
-  // training.precision = fp8: one operand's quantised rows (codes and 1x128 scales), shared
+  // training.precision = fp8: one or two operands' quantised rows (codes and 1x128 scales), shared
   // by the layers; every MoE layer's quantised expert weights (fp8_weight_cache), or else
   // scratch for two of the local experts' weight tensors (codes and 128x128 scales).
   if (E > 0 && config.training.precision == TrainingPrecision::Fp8) {
-    const int64_t RL = a.rows.max_local_rows, width = std::max(c.dim, a.F), L = a.rows.max_local_experts;
+    const int64_t RL = a.rows.max_local_rows, width = fp8_expert_row_width(c.dim, a.F), L = a.rows.max_local_experts;
     m.step_buffers += RL * width + RL * width / 128 * 4;
     if (config.training.fp8_weight_cache)
       m.fp8_weights = std::max<int64_t>(0, n_layers - c.first_dense_layers) * fp8_expert_weight_sizes(L, c.dim, a.F).bytes();

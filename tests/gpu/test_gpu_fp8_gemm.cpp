@@ -210,6 +210,43 @@ TEST(GpuFp8Quantize, SwigluFusedWithTheQuantisationMatchesBoth) {
   }
 }
 
+// SwiGLU's backward fused with the quantisation of d gate and d up: the bf16 gradients bit
+// for bit swiglu_backward's (every row), each one's codes and scales bit for bit the CPU's
+// quantisation of those bf16 values (rows below the last expert's only), d up's after d
+// gate's in the scratch.
+TEST(GpuFp8Quantize, SwigluBackwardFusedWithTheQuantisationMatchesBoth) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int32_t> rows = {2, 0, 65, 1, 0, 37};
+  const std::vector<int32_t> offsets = offsets_of(rows);
+  const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E] + 3, F = 384, FB = 3;
+  std::vector<bf16> gate_up = activations(R, 2 * F, 5);
+  const std::vector<bf16> dact = activations(R, F, 6);
+  for (int64_t f = 0; f < 2 * F; ++f) gate_up[static_cast<size_t>(4 * 2 * F + f)] = bf16{0};  // zero gradients
+  auto gate_up_d = to_device(gate_up);
+  auto dact_d = to_device(dact);
+  auto offsets_d = to_device(offsets);
+  auto want_d = poisoned<bf16>(R * 2 * F);
+  cuda::swiglu_backward(want_d.data(), dact_d.data(), gate_up_d.data(), R, F, nullptr);
+  const std::vector<bf16> want = to_host(want_d);
+  std::vector<uint8_t> want_codes(2 * R * F, 0xff);
+  std::vector<float> want_scales(2 * R * FB);
+  std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
+  for (int64_t s = 0; s < 2; ++s)
+    fp8::quantize_rows_blockwise(want_codes.data() + s * R * F, want_scales.data() + s * R * FB, want.data() + s * F,
+                                 2 * F, offsets.data(), E, R, F);
+  auto got_d = poisoned<bf16>(R * 2 * F);
+  auto codes_d = poisoned<uint8_t>(2 * R * F);
+  auto scales_d = poisoned<float>(2 * R * FB);
+  cuda::swiglu_backward_fp8(got_d.data(), codes_d.data(), scales_d.data(), dact_d.data(), gate_up_d.data(),
+                            offsets_d.data(), E, R, F, nullptr);
+  expect_same(to_host(got_d), want, want.size(), "d gate | d up");
+  expect_same(to_host(codes_d), want_codes, want_codes.size(), "codes");
+  expect_same(to_host(scales_d), want_scales, want_scales.size(), "scales");
+  EXPECT_THROW(cuda::swiglu_backward_fp8(got_d.data(), codes_d.data(), scales_d.data(), dact_d.data(),
+                                         gate_up_d.data(), offsets_d.data(), E, R, 200, nullptr),
+               Error);
+}
+
 // ---------------------------------------------------------------------------------------
 // The experts' grouped FP8 GEMM.
 

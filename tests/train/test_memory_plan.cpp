@@ -355,9 +355,10 @@ TEST(MemoryPlan, Fp8ProjectionsKnownAnswers) {
   for (const DenseGemmShape& g : dense_projection_gemms(m, 126)) EXPECT_FALSE(g.fp8) << g.name;
 }
 
-// The estimate counts the fp8 scratch GpuTransformer::plan allocates: the experts' (one
-// operand's rows and two weight tensors) and the projections', by hand for small_config
-// (T = 1024, dim 512, q|k|v 1024 wide, 8 experts of 1024, dropless top-2: 2048 rows).
+// The estimate counts the fp8 scratch GpuTransformer::plan allocates: the experts' (rows of
+// d gate and d up side by side, 2 x 1024 wide, and two weight tensors) and the projections',
+// by hand for small_config (T = 1024, dim 512, q|k|v 1024 wide, 8 experts of 1024, dropless
+// top-2: 2048 rows).
 TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   RunConfig bf16 = small_config();
   RunConfig fp8 = bf16;
@@ -367,7 +368,7 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   const MemoryEstimate b = estimate_memory(fp8, configured_layout(fp8, 1, 1));
   // The experts' rows (their weights in the weight cache, Fp8ExpertWeightsKnownAnswer) and
   // the largest fp8 projection's rows and weight.
-  const int64_t expert_rows = 2048 * 1024 + 2048 * 8 * 4;
+  const int64_t expert_rows = 2048 * 2048 + 2048 * 16 * 4;
   const int64_t projections = 1024 * 1024 + 1024 * 8 * 4 + 1024 * 512 + 8 * 4 * 4;
   EXPECT_EQ(fp8_projection_scratch(fp8.model, 1024).bytes(), projections);
   EXPECT_EQ(b.step_buffers - a.step_buffers, expert_rows + projections);

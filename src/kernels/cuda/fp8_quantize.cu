@@ -9,6 +9,7 @@
 #include "core/error_base.h"
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/swiglu_math.cuh"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 
@@ -30,6 +31,16 @@ __device__ int64_t expert_of(const int32_t* offsets_E1, int64_t E, int64_t r) {
     else hi = mid;
   }
   return lo;
+}
+
+// Row and 128-column block of a tile (tile = r * KB + kb) by 32-bit division, several times
+// cheaper than a 64-bit one in kernels this short; the launches keep tiles below 2^30.
+struct TileAt {
+  int64_t r, kb;
+};
+__device__ __forceinline__ TileAt tile_at(int64_t tile, int64_t KB) {
+  const uint32_t t = static_cast<uint32_t>(tile), blocks = static_cast<uint32_t>(KB), r = t / blocks;
+  return {r, t - r * blocks};
 }
 
 // Activation rows: each thread quantises V consecutive values of a 1 x 128 tile (V = 8:
@@ -54,13 +65,15 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
   Load packed[kRowTiles];
 #pragma unroll
   for (int u = 0; u < kRowTiles; ++u) {
-    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / KB, kb = tile % KB;
+    const int64_t tile = first_tile + u * kTilesPerPass;
+    const auto [r, kb] = tile_at(tile, KB);
     if (tile < tiles && r < end_row)
       packed[u] = *reinterpret_cast<const Load*>(x + r * ld_x + kb * kBlock + lane * V);
   }
 #pragma unroll
   for (int u = 0; u < kRowTiles; ++u) {
-    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / KB, kb = tile % KB;
+    const int64_t tile = first_tile + u * kTilesPerPass;
+    const auto [r, kb] = tile_at(tile, KB);
     // The condition is the same for a tile's threads, which stay together in the shuffles.
     if (tile >= tiles || r >= end_row) continue;
     float v[V];
@@ -100,17 +113,50 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
   }
 }
 
+// A 1 x 128 tile of row r (tile kb of KB along the row) held by 16 consecutive lanes, 8
+// bf16-exact values each: its power-of-two scale (written by the tile's first lane where
+// fp8::activation_scale_index puts it for r's expert) and its 8 codes per lane at `out`.
+__device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], uint8_t* out, float* scales,
+                                                   const int32_t* offsets_E1, int64_t E, int64_t R, int64_t r,
+                                                   int64_t kb, int64_t KB, int lane) {
+  constexpr int kLanes = kBlock / kVecElems;
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
+  const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
+  if (lane == 0) {
+    int64_t first = 0, rows = R;
+    if (offsets_E1 != nullptr) {
+      const int64_t e = expert_of(offsets_E1, E, r);
+      first = offsets_E1[e];
+      rows = offsets_E1[e + 1] - first;
+    }
+    scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
+  }
+  uint32_t words[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w)
+    words[w] = static_cast<uint32_t>(to_e4m3(v[4 * w] * inverse)) |
+               static_cast<uint32_t>(to_e4m3(v[4 * w + 1] * inverse)) << 8 |
+               static_cast<uint32_t>(to_e4m3(v[4 * w + 2] * inverse)) << 16 |
+               static_cast<uint32_t>(to_e4m3(v[4 * w + 3] * inverse)) << 24;
+  *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+}
+
 // SwiGLU fused with the quantisation of its output (swiglu_forward_fp8): a tile's 16
 // threads each compute 8 values of act = silu(gate) * up exactly as swiglu.cu's vector
-// kernel does (the same fp32 expression, rounded to bf16 to nearest even), write them as
-// bf16 when asked, and quantise those bf16 values as quantize_rows_blockwise would read
-// them back: the same codes and scales without the round trip through memory.
+// kernel does (swiglu_math.cuh, rounded to bf16 to nearest even), write them as bf16 when
+// asked, and quantise those bf16 values as quantize_rows_blockwise would read them back:
+// the same codes and scales without the round trip through memory.
 constexpr int kSwigluTiles = 2;
 __global__ void __launch_bounds__(kRowThreads) swiglu_quantize_kernel(__nv_bfloat16* act, uint8_t* codes_RF,
                                                                       float* scales, const __nv_bfloat16* gate_up,
                                                                       const int32_t* offsets_E1, int64_t E, int64_t R,
                                                                       int64_t F) {
-  constexpr int kLanes = kBlock / 8, kTilesPerPass = kRowThreads / kLanes;
+  constexpr int kLanes = kBlock / kVecElems, kTilesPerPass = kRowThreads / kLanes;
   const int64_t FB = F / kBlock, tiles = R * FB;
   const int lane = threadIdx.x % kLanes;
   const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kSwigluTiles * kTilesPerPass + threadIdx.x / kLanes;
@@ -118,7 +164,9 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_quantize_kernel(__nv_bfloa
   uint4 g_packed[kSwigluTiles], u_packed[kSwigluTiles];
 #pragma unroll
   for (int u = 0; u < kSwigluTiles; ++u) {
-    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / FB, f = tile % FB * kBlock + lane * 8;
+    const int64_t tile = first_tile + u * kTilesPerPass;
+    const auto [r, fb] = tile_at(tile, FB);
+    const int64_t f = fb * kBlock + lane * 8;
     if (tile < tiles && (act != nullptr || r < end_row)) {
       g_packed[u] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + f);
       u_packed[u] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + F + f);
@@ -126,42 +174,69 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_quantize_kernel(__nv_bfloa
   }
 #pragma unroll
   for (int u = 0; u < kSwigluTiles; ++u) {
-    const int64_t tile = first_tile + u * kTilesPerPass, r = tile / FB, fb = tile % FB, f = fb * kBlock + lane * 8;
+    const int64_t tile = first_tile + u * kTilesPerPass;
+    const auto [r, fb] = tile_at(tile, FB);
+    const int64_t f = fb * kBlock + lane * 8;
     if (tile >= tiles) continue;
     float g[kVecElems], up[kVecElems], a[kVecElems];
     unpack8(g_packed[u], g);
     unpack8(u_packed[u], up);
 #pragma unroll
-    for (int j = 0; j < kVecElems; ++j) a[j] = g[j] * (1.0f / (1.0f + expf(-g[j]))) * up[j];
+    for (int j = 0; j < kVecElems; ++j) a[j] = swiglu_value(g[j], up[j]);
     const uint4 rounded = pack8(a);
     if (act != nullptr) *reinterpret_cast<uint4*>(act + r * F + f) = rounded;
     if (r >= end_row) continue;  // the same for a tile's threads
     float v[kVecElems];
     unpack8(rounded, v);
-    float amax = 0.0f;
+    quantize_tile_of_8(v, codes_RF + r * F + f, scales, offsets_E1, E, R, r, fb, FB, lane);
+  }
+}
+
+// SwiGLU's backward fused with the quantisation of both its outputs (swiglu_backward_fp8):
+// d gate and d up as swiglu.cu's vector kernel computes them, written as bf16 (the weight
+// gradients' input), and each quantised as quantize_rows_blockwise would quantise those bf16
+// values (the data gradients' input): set 0 d gate, set 1 d up.
+__global__ void __launch_bounds__(kRowThreads) swiglu_backward_quantize_kernel(
+    __nv_bfloat16* dgate_up, uint8_t* codes_2RF, float* scales_2, const __nv_bfloat16* dact,
+    const __nv_bfloat16* gate_up, const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F) {
+  constexpr int kLanes = kBlock / kVecElems, kTilesPerPass = kRowThreads / kLanes;
+  const int64_t FB = F / kBlock, tiles = R * FB;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t first_tile = static_cast<int64_t>(blockIdx.x) * kSwigluTiles * kTilesPerPass + threadIdx.x / kLanes;
+  const int64_t end_row = offsets_E1 != nullptr ? offsets_E1[E] : R;
+  uint4 g_packed[kSwigluTiles], u_packed[kSwigluTiles], da_packed[kSwigluTiles];
 #pragma unroll
-    for (int j = 0; j < kVecElems; ++j) amax = fmaxf(amax, fabsf(v[j]));
-    const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
-#pragma unroll
-    for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
-    const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
-    if (lane == 0) {
-      int64_t first = 0, rows = R;
-      if (offsets_E1 != nullptr) {
-        const int64_t e = expert_of(offsets_E1, E, r);
-        first = offsets_E1[e];
-        rows = offsets_E1[e + 1] - first;
-      }
-      scales[fp8::activation_scale_index(first, rows, r, fb, FB)] = scale;
+  for (int u = 0; u < kSwigluTiles; ++u) {
+    const int64_t tile = first_tile + u * kTilesPerPass;
+    const auto [r, fb] = tile_at(tile, FB);
+    const int64_t f = fb * kBlock + lane * 8;
+    if (tile < tiles) {
+      g_packed[u] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + f);
+      u_packed[u] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + F + f);
+      da_packed[u] = *reinterpret_cast<const uint4*>(dact + r * F + f);
     }
-    uint32_t words[2];
+  }
 #pragma unroll
-    for (int w = 0; w < 2; ++w)
-      words[w] = static_cast<uint32_t>(to_e4m3(v[4 * w] * inverse)) |
-                 static_cast<uint32_t>(to_e4m3(v[4 * w + 1] * inverse)) << 8 |
-                 static_cast<uint32_t>(to_e4m3(v[4 * w + 2] * inverse)) << 16 |
-                 static_cast<uint32_t>(to_e4m3(v[4 * w + 3] * inverse)) << 24;
-    *reinterpret_cast<uint2*>(codes_RF + r * F + f) = make_uint2(words[0], words[1]);
+  for (int u = 0; u < kSwigluTiles; ++u) {
+    const int64_t tile = first_tile + u * kTilesPerPass;
+    const auto [r, fb] = tile_at(tile, FB);
+    const int64_t f = fb * kBlock + lane * 8;
+    if (tile >= tiles) continue;
+    float g[kVecElems], up[kVecElems], da[kVecElems], dg[kVecElems], du[kVecElems];
+    unpack8(g_packed[u], g);
+    unpack8(u_packed[u], up);
+    unpack8(da_packed[u], da);
+#pragma unroll
+    for (int j = 0; j < kVecElems; ++j) swiglu_grads(g[j], up[j], da[j], dg[j], du[j]);
+    const uint4 dg_rounded = pack8(dg), du_rounded = pack8(du);
+    *reinterpret_cast<uint4*>(dgate_up + r * 2 * F + f) = dg_rounded;
+    *reinterpret_cast<uint4*>(dgate_up + r * 2 * F + F + f) = du_rounded;
+    if (r >= end_row) continue;  // the same for a tile's threads
+    float v[kVecElems];
+    unpack8(dg_rounded, v);
+    quantize_tile_of_8(v, codes_2RF + r * F + f, scales_2, offsets_E1, E, R, r, fb, FB, lane);
+    unpack8(du_rounded, v);
+    quantize_tile_of_8(v, codes_2RF + R * F + r * F + f, scales_2 + R * FB, offsets_E1, E, R, r, fb, FB, lane);
   }
 }
 
@@ -283,6 +358,12 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t
   }
 }
 
+// The row kernels index tiles in 32 bits (tile_at).
+void check_tiles(int64_t tiles, const char* what) {
+  MOE_CHECKF(tiles < (int64_t{1} << 30), "%s: %lld tiles of 128 values (at most 2^30)", what,
+             static_cast<long long>(tiles));
+}
+
 }  // namespace
 
 void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, int64_t ld_x,
@@ -294,6 +375,7 @@ void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, in
   MOE_CHECKF(offsets_E1 == nullptr || E >= 1, "fp8 blockwise quantisation: offsets of %lld experts",
              static_cast<long long>(E));
   const int64_t tiles = R * (K / kBlock);
+  check_tiles(tiles, "fp8 blockwise quantisation");
   if (tiles == 0) return;
   // 16-byte loads when every row starts 16-byte aligned, else 8-byte ones.
   const bool wide = ld_x % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
@@ -318,10 +400,31 @@ void swiglu_forward_fp8(bf16* act_RF, uint8_t* codes_RF, float* scales, const bf
                  reinterpret_cast<uintptr_t>(codes_RF) % 8 == 0,
              "fp8 SwiGLU: gate|up and act 16-byte aligned, the codes 8-byte aligned");
   const int64_t tiles = R * (F / kBlock);
+  check_tiles(tiles, "fp8 SwiGLU");
   if (tiles == 0) return;
   const int64_t per_block = kSwigluTiles * (kRowThreads / (kBlock / 8));
   swiglu_quantize_kernel<<<static_cast<unsigned>((tiles + per_block - 1) / per_block), kRowThreads, 0, stream>>>(
       act_RF ? as_cuda(act_RF) : nullptr, codes_RF, scales, as_cuda(gate_up_RF2), offsets_E1, E, R, F);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward_fp8(bf16* dgate_up_RF2, uint8_t* codes_2RF, float* scales_2, const bf16* dact_RF,
+                         const bf16* gate_up_RF2, const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F,
+                         Stream stream) {
+  MOE_CHECKF(F > 0 && F % kBlock == 0, "fp8 SwiGLU backward: F = %lld is not a multiple of %lld",
+             static_cast<long long>(F), static_cast<long long>(kBlock));
+  MOE_CHECKF(offsets_E1 == nullptr || E >= 1, "fp8 SwiGLU backward: offsets of %lld experts",
+             static_cast<long long>(E));
+  MOE_CHECKF(reinterpret_cast<uintptr_t>(gate_up_RF2) % 16 == 0 && reinterpret_cast<uintptr_t>(dgate_up_RF2) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(dact_RF) % 16 == 0 && reinterpret_cast<uintptr_t>(codes_2RF) % 8 == 0,
+             "fp8 SwiGLU backward: gate|up, its gradient and d act 16-byte aligned, the codes 8-byte aligned");
+  const int64_t tiles = R * (F / kBlock);
+  check_tiles(tiles, "fp8 SwiGLU backward");
+  if (tiles == 0) return;
+  const int64_t per_block = kSwigluTiles * (kRowThreads / (kBlock / kVecElems));
+  swiglu_backward_quantize_kernel<<<static_cast<unsigned>((tiles + per_block - 1) / per_block), kRowThreads, 0,
+                                    stream>>>(as_cuda(dgate_up_RF2), codes_2RF, scales_2, as_cuda(dact_RF),
+                                              as_cuda(gate_up_RF2), offsets_E1, E, R, F);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -2,6 +2,7 @@
 // width allows, element by element otherwise.
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/swiglu_math.cuh"
 #include "kernels/gpu_ops.h"
 
 namespace moe::cuda {
@@ -14,8 +15,7 @@ __global__ void swiglu_forward_kernel(__nv_bfloat16* act, const __nv_bfloat16* g
   if (idx >= T * F) return;
   const int64_t t = idx / F, f = idx % F;
   const float g = to_float(gate_up[t * 2 * F + f]), u = to_float(gate_up[t * 2 * F + F + f]);
-  const float sig = 1.0f / (1.0f + expf(-g));
-  act[idx] = to_bf16(g * sig * u);
+  act[idx] = to_bf16(swiglu_value(g, u));
 }
 
 __global__ void swiglu_backward_kernel(__nv_bfloat16* dgate_up, const __nv_bfloat16* dact,
@@ -24,10 +24,10 @@ __global__ void swiglu_backward_kernel(__nv_bfloat16* dgate_up, const __nv_bfloa
   if (idx >= T * F) return;
   const int64_t t = idx / F, f = idx % F;
   const float g = to_float(gate_up[t * 2 * F + f]), u = to_float(gate_up[t * 2 * F + F + f]);
-  const float sig = 1.0f / (1.0f + expf(-g));
-  const float da = to_float(dact[idx]);
-  dgate_up[t * 2 * F + f] = to_bf16(da * u * sig * (1.0f + g * (1.0f - sig)));
-  dgate_up[t * 2 * F + F + f] = to_bf16(da * g * sig);
+  float dg, du;
+  swiglu_grads(g, u, to_float(dact[idx]), dg, du);
+  dgate_up[t * 2 * F + f] = to_bf16(dg);
+  dgate_up[t * 2 * F + F + f] = to_bf16(du);
 }
 
 // Vector path (F % 8 == 0, aligned rows): each thread does 8 consecutive columns of a row,
@@ -40,7 +40,7 @@ __global__ void swiglu_forward_vec_kernel(uint4* act, const uint4* gate_up, int6
   unpack8(gate_up[t * 2 * Fv + f], g);
   unpack8(gate_up[t * 2 * Fv + Fv + f], u);
 #pragma unroll
-  for (int j = 0; j < kVecElems; ++j) a[j] = g[j] * (1.0f / (1.0f + expf(-g[j]))) * u[j];
+  for (int j = 0; j < kVecElems; ++j) a[j] = swiglu_value(g[j], u[j]);
   act[idx] = pack8(a);
 }
 
@@ -54,11 +54,7 @@ __global__ void swiglu_backward_vec_kernel(uint4* dgate_up, const uint4* dact, c
   unpack8(gate_up[t * 2 * Fv + Fv + f], u);
   unpack8(dact[idx], da);
 #pragma unroll
-  for (int j = 0; j < kVecElems; ++j) {
-    const float sig = 1.0f / (1.0f + expf(-g[j]));
-    dg[j] = da[j] * u[j] * sig * (1.0f + g[j] * (1.0f - sig));
-    du[j] = da[j] * g[j] * sig;
-  }
+  for (int j = 0; j < kVecElems; ++j) swiglu_grads(g[j], u[j], da[j], dg[j], du[j]);
   dgate_up[t * 2 * Fv + f] = pack8(dg);
   dgate_up[t * 2 * Fv + Fv + f] = pack8(du);
 }

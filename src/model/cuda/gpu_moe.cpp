@@ -169,11 +169,21 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
     float* dw2[1] = {local_g(layer, layer.w2)};
     expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream, beta);
   }
-  cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
+  // fp8: SwiGLU's backward writes d gate's and d up's codes and scales itself (the bits
+  // quantising its bf16 output gives), sets 0 and 1 of the row scratch.
+  const bool fused_fp8 = fp8 && local_experts(layer) > 0;
+  if (fused_fp8) {
+    MOE_CHECK(2 * R * F <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for 2 x {} x {} rows", R, F);
+    cuda::swiglu_backward_fp8(dgate_up_rows.data(), fp8_rows.data(), fp8_row_scales.data(), dact_rows.data(),
+                              m.gate_up_rows->data(), offsets, local_experts(layer), R, F, stream);
+  } else {
+    cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
+  }
   // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
-  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f);
+  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f,
+                       fused_fp8 ? 0 : -1);
   expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, Fp8ExpertWeights::kW3, D, F,
-                       1.0f);
+                       1.0f, fused_fp8 ? 1 : -1);
   const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
   if (store->grads_bf16()) {
     bf16* dw13[2] = {local_g16(layer, layer.w1), local_g16(layer, layer.w3)};

@@ -109,7 +109,7 @@ void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, in
 
 void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out,
                                                  const bf16* dy, int64_t ld_dy, int tensor, int64_t N, int64_t K,
-                                                 float beta) {
+                                                 float beta, int dy_quantised_set) {
   const int32_t* offsets = expert_offsets(m);
   const bf16* w = local_w(layer, expert_tensor(layer, tensor));
   if (!fp8) {
@@ -118,8 +118,12 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
   }
   const int64_t E = local_experts(layer), R = expert_rows(m);
   if (E == 0) return;
-  MOE_CHECK(R * K <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for {} x {} rows", R, K);
-  cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), dy, ld_dy, offsets, E, R, K, stream);
+  const int64_t set = std::max(dy_quantised_set, 0);
+  MOE_CHECK((set + 1) * R * K <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for {} x {} rows", R, K);
+  const uint8_t* dy_codes = fp8_rows.data() + set * R * K;
+  const float* dy_scales = fp8_row_scales.data() + set * R * (K / fp8::kBlock);
+  if (dy_quantised_set < 0)
+    cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), dy, ld_dy, offsets, E, R, K, stream);
   // W_e is the Linear weight [K, N] (K outputs, N inputs); the GEMM takes its quantised
   // transpose [N, K]: the cache's transposed copy, or written alone here.
   const uint8_t* wt_codes = fp8_weights.data();
@@ -131,8 +135,7 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
   } else {
     cuda::quantize_weight_blocks(nullptr, nullptr, fp8_weights.data(), fp8_weight_scales.data(), w, E, K, N, stream);
   }
-  expert_gemm_fp8->backward_data(out, ld_out, fp8_rows.data(), fp8_row_scales.data(), wt_codes, wt_scales, offsets, N,
-                                 K, beta, stream);
+  expert_gemm_fp8->backward_data(out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, offsets, N, K, beta, stream);
 }
 
 }  // namespace moe

@@ -276,9 +276,9 @@ void GpuTransformer::plan(int64_t batch) {
   s.dgate_up_rows = bf(RL * 2 * F);
   s.dx_rows = bf(RL * D);
   if (s.fp8 && E > 0) {
-    // One operand's rows; the layers' quantised weights, or scratch for two of the local
+    // One or two operands' rows; the layers' quantised weights, or scratch for two of the local
     // experts' weight tensors (gate and up) at a time.
-    const int64_t width = std::max(D, F);
+    const int64_t width = fp8_expert_row_width(D, F);
     s.fp8_rows = Buffer<uint8_t>(static_cast<size_t>(RL * width));
     s.fp8_row_scales = f32(RL * width / 128);
     if (s.fp8_weight_cache) {

@@ -190,11 +190,13 @@ struct GpuTransformer::State {
   // The experts' GEMMs in the run's precision (gpu_moe_fp8.cpp): ExpertGemm's forward and
   // backward_data, or their fp8 versions with the operands quantised first.
   // The weights: `tensors` (sets of them) / `tensor`, Fp8ExpertWeights::Tensor values.
-  // x_quantised: fp8 only, x's codes and scales are in fp8_rows already (the fused SwiGLU).
+  // x_quantised: fp8 only, x's codes and scales are in fp8_rows already (the fused SwiGLU);
+  // dy_quantised_set >= 0: dy's are, as that set of swiglu_backward_fp8's output.
   void expert_forward(Layer& layer, const MoEBuffers& m, int sets, bf16* const* out, int64_t ld_out, const bf16* x,
                       int64_t ld_x, const int* tensors, int64_t N, int64_t K, bool x_quantised = false);
   void expert_backward_data(Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out, const bf16* dy,
-                            int64_t ld_dy, int tensor, int64_t N, int64_t K, float beta);
+                            int64_t ld_dy, int tensor, int64_t N, int64_t K, float beta,
+                            int dy_quantised_set = -1);
   void set_experts(int64_t n_experts) {
     expert_gemm->set_experts(n_experts);
     if (expert_gemm_fp8) expert_gemm_fp8->set_experts(n_experts);

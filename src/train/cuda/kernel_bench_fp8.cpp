@@ -106,6 +106,18 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
                    })});
   quant.push_back({"swiglu alone (bf16 act)", static_cast<double>(R * F) * 6,
                    median_ms([&] { cuda::swiglu_forward(act.data(), gate_up.data(), R, F, stream); })});
+  // SwiGLU's backward writing d gate | d up and both their codes (the fused kernel), against
+  // it alone (the bf16 path's; the fp8 path then quantises both, the row above).
+  Quantised dguq = rows_buffer(2 * R, F);
+  auto dgate_up = filled<bf16>(R * 2 * F, 1.0f, 9);
+  quant.push_back({"swiglu bwd + dgate,dup codes (fused)",
+                   static_cast<double>(R * F) * (6 + 4 + 2) + 2 * R * F / fp8::kBlock * 4.0, median_ms([&] {
+                     cuda::swiglu_backward_fp8(dgate_up.data(), dguq.codes.data(), dguq.scales.data(), act.data(),
+                                               gate_up.data(), off, E, R, F, stream);
+                   })});
+  quant.push_back({"swiglu bwd alone (bf16)", static_cast<double>(R * F) * 10, median_ms([&] {
+                     cuda::swiglu_backward(dgate_up.data(), act.data(), gate_up.data(), R, F, stream);
+                   })});
   quant.push_back({"w1, w3, w2 + transposes", 3 * weight_bytes, median_ms([&] {
                      weight(w1q, w1.data(), F, D);
                      weight(w3q, w3.data(), F, D);

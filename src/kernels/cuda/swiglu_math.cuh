@@ -1,0 +1,19 @@
+// SwiGLU's element math, one definition for every kernel that computes it (swiglu.cu's, and
+// fp8_quantize.cu's that fuse it with the fp8 quantisation): one expression, one set of bits.
+#pragma once
+
+namespace moe::cuda {
+
+__device__ __forceinline__ float swiglu_sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+
+// act = silu(gate) * up
+__device__ __forceinline__ float swiglu_value(float g, float u) { return g * swiglu_sigmoid(g) * u; }
+
+// d gate and d up of act's gradient da.
+__device__ __forceinline__ void swiglu_grads(float g, float u, float da, float& dg, float& du) {
+  const float sig = swiglu_sigmoid(g);
+  dg = da * u * sig * (1.0f + g * (1.0f - sig));
+  du = da * g * sig;
+}
+
+}  // namespace moe::cuda
