@@ -189,9 +189,17 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--micro-batches", plan.micro_batches,
                        "With --simulate: micro-batches per GPU per step (default: from training.global_batch_tokens)")
       ->check(CLI::PositiveNumber);
-  plan_cmd->add_option("--expert-imbalance", plan.expert_imbalance,
+  CLI::Option* rank_imbalance =
+      plan_cmd
+          ->add_option("--expert-imbalance", plan.expert_imbalance,
                        "With --simulate: the busiest EP rank's expert rows over the mean, less 1 (default 0)")
-      ->check(CLI::NonNegativeNumber);
+          ->check(CLI::NonNegativeNumber);
+  plan_cmd
+      ->add_option("--expert-load-imbalance", plan.expert_load_imbalance,
+                   "With --simulate: the logged per-expert imbalance (max over experts of assignments / mean, less "
+                   "1); the busiest rank holds the busiest expert and an even share of the rest")
+      ->check(CLI::NonNegativeNumber)
+      ->excludes(rank_imbalance);
   plan_cmd->add_flag("--json", plan.json, "With --simulate: one JSON object instead of the table");
   plan_cmd->allow_extras();
   plan_cmd->footer(kOverrideHelp);

@@ -73,6 +73,10 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
   layout.micro_batches =
       options.micro_batches.value_or(std::max<int64_t>(1, config.training.global_batch_tokens / (gpus * tokens)));
   layout.expert_imbalance = options.expert_imbalance;
+  if (options.expert_load_imbalance)
+    layout.expert_imbalance = rank_imbalance_of_expert_imbalance(
+        *options.expert_load_imbalance, std::max<int64_t>(config.model.moe.n_experts, 1),
+        std::max<int64_t>(config.model.moe.top_k, 1), layout.expert_parallel);
   std::vector<StepPrediction> predictions;
   for (const AllToAllKind kind : {AllToAllKind::Flat, AllToAllKind::Hierarchical}) {
     layout.all_to_all = kind;
@@ -94,6 +98,7 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
     j["micro_batches"] = layout.micro_batches;
     j["tokens_per_micro_batch"] = tokens;
     j["expert_imbalance"] = layout.expert_imbalance;
+    if (options.expert_load_imbalance) j["expert_load_imbalance"] = *options.expert_load_imbalance;
     j["rows_same_node"] = f.rows.same_node;
     j["rows_other_nodes"] = f.rows.other_nodes;
     j["rows_node_distinct"] = f.rows.node_distinct;
@@ -112,6 +117,9 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
              f.ep_nodes == 1 ? "" : "s", f.ep_ranks_per_node, gpus, gpus / layout.expert_parallel, layout.zero,
              layout.micro_batches, layout.micro_batches == 1 ? "" : "es", tokens);
   fmt::print(out, "compute: {}\n", compute_from);
+  if (options.expert_load_imbalance)
+    fmt::print(out, "expert rows: per-expert imbalance {:.3f} -> the busiest rank's rows {:.3f} x the mean\n",
+               *options.expert_load_imbalance, 1 + layout.expert_imbalance);
   if (measured.intra_all_to_all_bytes_per_s > 0)
     fmt::print(out, "all-to-all inside a node: measured {:.1f} GB/s ({})\n", measured.intra_all_to_all_bytes_per_s / 1e9,
                collectives_from);

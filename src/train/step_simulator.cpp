@@ -130,6 +130,25 @@ ExchangeRows exchange_rows(int64_t n_experts, int64_t top_k, int64_t ep, int64_t
   return rows;
 }
 
+double rank_imbalance_of_expert_imbalance(double expert_imbalance, int64_t n_experts, int64_t top_k,
+                                          int64_t expert_parallel) {
+  if (n_experts < 1 || top_k < 1 || top_k > n_experts)
+    MOE_CONFIG_ERROR("expert imbalance: top-{} of {} experts", top_k, n_experts);
+  if (expert_parallel < 1 || n_experts % expert_parallel != 0)
+    MOE_CONFIG_ERROR("expert imbalance: parallel.expert_parallel {} must divide moe.n_experts ({})", expert_parallel,
+                     n_experts);
+  const double bound = d(n_experts) / d(top_k) - 1.0;
+  if (!(expert_imbalance >= 0 && expert_imbalance <= bound * (1 + 1e-12)))
+    MOE_CONFIG_ERROR("--expert-load-imbalance {}: between 0 and {} (top-{} of {} experts: one expert gets every token "
+                     "at most)",
+                     expert_imbalance, bound, top_k, n_experts);
+  if (expert_parallel == 1 || n_experts == 1) return 0.0;
+  const double hot = (1.0 + expert_imbalance) / d(n_experts);  // the busiest expert's share of the assignments
+  const double others = (1.0 - hot) / d(n_experts - 1);       // each other expert's
+  const double busiest_rank = hot + d(n_experts / expert_parallel - 1) * others;
+  return busiest_rank * d(expert_parallel) - 1.0;
+}
+
 double alpha_beta_ms(double bytes, double messages, double latency_us, double bytes_per_s) {
   return messages * latency_us * 1e-3 + (bytes > 0 ? bytes / bytes_per_s * 1e3 : 0.0);
 }

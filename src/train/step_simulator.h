@@ -146,6 +146,16 @@ double exposed_ms(double comm_ms, double window_ms, double last_piece_ms);
 // The part of comm_ms that runs beside compute: comm_ms less what shows.
 inline double overlapped_ms(double comm_ms, double exposed) { return comm_ms > exposed ? comm_ms - exposed : 0.0; }
 
+// The busiest EP rank's rows over the mean, less 1 (SimLayout::expert_imbalance), from the
+// per-expert imbalance that training logs (max over experts of assignments over the mean,
+// less 1: the step lines' `imbalance`), for n_experts top_k experts over expert_parallel
+// ranks holding n_experts / expert_parallel each: the busiest expert's rank also gets an
+// even share of the rest (the other experts' assignments spread evenly). 0 for one rank;
+// refused with one line past top_k's bound (an expert gets each token once at most:
+// n_experts / top_k - 1).
+double rank_imbalance_of_expert_imbalance(double expert_imbalance, int64_t n_experts, int64_t top_k,
+                                          int64_t expert_parallel);
+
 // The layout simulated.
 struct SimLayout {
   int64_t gpus = 1, gpus_per_node = 8;

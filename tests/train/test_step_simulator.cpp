@@ -256,6 +256,21 @@ TEST(StepSimulator, ZeroLevelsBytesAndOptimizer) {
   EXPECT_NEAR(ep.a2a, 4 * 4 * ep.exchange.ms, 1e-12);
 }
 
+// The logged per-expert imbalance to the busiest rank's, by hand: 8 experts top-2 with one
+// expert taking every token (imbalance 3: half the assignments), the other half spread over
+// 7; EP 2 holds it and 3 others: 1/2 + 3/14 = 5/7 of the rows against 1/2.
+TEST(StepSimulator, RankImbalanceFromTheLoggedExpertImbalance) {
+  EXPECT_NEAR(rank_imbalance_of_expert_imbalance(3.0, 8, 2, 2), 2.0 * (0.5 + 3.0 * 0.5 / 7.0) - 1.0, 1e-12);
+  EXPECT_NEAR(rank_imbalance_of_expert_imbalance(3.0, 8, 2, 4), 4.0 * (0.5 + 0.5 / 7.0) - 1.0, 1e-12);
+  EXPECT_NEAR(rank_imbalance_of_expert_imbalance(3.0, 8, 2, 8), 3.0, 1e-12);  // one expert per rank: the same
+  EXPECT_NEAR(rank_imbalance_of_expert_imbalance(0.0, 64, 8, 8), 0.0, 1e-12);   // even stays even
+  EXPECT_EQ(rank_imbalance_of_expert_imbalance(3.0, 8, 2, 1), 0.0);            // one rank holds everything
+  test::expect_one_line_error<ConfigError>([] { rank_imbalance_of_expert_imbalance(3.5, 8, 2, 2); },
+                                           {"--expert-load-imbalance 3.5", "between 0 and 3"});
+  test::expect_one_line_error<ConfigError>([] { rank_imbalance_of_expert_imbalance(1.0, 8, 2, 3); },
+                                           {"parallel.expert_parallel 3 must divide moe.n_experts (8)"});
+}
+
 TEST(StepSimulator, ImpossibleLayoutsAreOneLine) {
   const HardwareDescription hw = round_hardware();
   const ComputeRates rates = rates_from_hardware(hw);
