@@ -200,6 +200,13 @@ int main(int argc, char** argv) {
                    "1); the busiest rank holds the busiest expert and an even share of the rest")
       ->check(CLI::NonNegativeNumber)
       ->excludes(rank_imbalance);
+  plan_cmd
+      ->add_option("--expert-loads", plan.expert_loads,
+                   "With --simulate: a run's metrics.jsonl; the busiest EP rank's rows from its logged "
+                   "tokens_per_expert (consecutive experts per rank), mean over steps and layers")
+      ->check(CLI::ExistingFile)
+      ->excludes(rank_imbalance)
+      ->excludes("--expert-load-imbalance");
   plan_cmd->add_flag("--json", plan.json, "With --simulate: one JSON object instead of the table");
   plan_cmd->allow_extras();
   plan_cmd->footer(kOverrideHelp);

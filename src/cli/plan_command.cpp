@@ -51,9 +51,10 @@ std::string activations_by_layer(const MemoryEstimate& e) {
 int run_plan(const PlanOptions& options, std::ostream& out) {
   if (options.simulate) return run_simulate(options, out);
   if (!options.hardware.empty() || !options.compute.empty() || !options.collectives.empty() || options.json ||
-      options.micro_batches || options.expert_imbalance != 0 || options.expert_load_imbalance)
+      options.micro_batches || options.expert_imbalance != 0 || options.expert_load_imbalance ||
+      !options.expert_loads.empty())
     MOE_CONFIG_ERROR("--hardware, --compute, --collectives, --micro-batches, --expert-imbalance, "
-                     "--expert-load-imbalance and --json go with --simulate");
+                     "--expert-load-imbalance, --expert-loads and --json go with --simulate");
   const RunConfig config = load_config(options.config_path, options.overrides);
   const ModelConfig& mc = config.model;
   const int64_t gpus = options.gpus.value_or(std::max<int64_t>(1, config.parallel.expert_parallel));

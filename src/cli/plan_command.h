@@ -24,6 +24,7 @@ struct PlanOptions {
   std::optional<int64_t> micro_batches;  // per GPU per step; default: global_batch_tokens / (GPUs x micro-batch tokens)
   double expert_imbalance = 0;           // busiest EP rank's expert rows over the mean, less 1
   std::optional<double> expert_load_imbalance;  // or from the logged per-expert imbalance (max / mean - 1)
+  std::string expert_loads;              // or from a run's metrics.jsonl (layers[].tokens_per_expert)
   bool json = false;                     // one JSON object instead of the table
 };
 

@@ -77,6 +77,13 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
     layout.expert_imbalance = rank_imbalance_of_expert_imbalance(
         *options.expert_load_imbalance, std::max<int64_t>(config.model.moe.n_experts, 1),
         std::max<int64_t>(config.model.moe.top_k, 1), layout.expert_parallel);
+  if (!options.expert_loads.empty()) {
+    const ExpertLoads loads = load_expert_loads(options.expert_loads);
+    if (loads.n_experts != config.model.moe.n_experts)
+      MOE_CONFIG_ERROR("--expert-loads {}: {} experts logged, the config has moe.n_experts = {}", options.expert_loads,
+                       loads.n_experts, config.model.moe.n_experts);
+    layout.expert_imbalance = rank_imbalance_of_expert_loads(loads.tokens_RE, layout.expert_parallel);
+  }
   std::vector<StepPrediction> predictions;
   for (const AllToAllKind kind : {AllToAllKind::Flat, AllToAllKind::Hierarchical}) {
     layout.all_to_all = kind;
@@ -99,6 +106,7 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
     j["tokens_per_micro_batch"] = tokens;
     j["expert_imbalance"] = layout.expert_imbalance;
     if (options.expert_load_imbalance) j["expert_load_imbalance"] = *options.expert_load_imbalance;
+    if (!options.expert_loads.empty()) j["expert_loads"] = options.expert_loads;
     j["rows_same_node"] = f.rows.same_node;
     j["rows_other_nodes"] = f.rows.other_nodes;
     j["rows_node_distinct"] = f.rows.node_distinct;
@@ -120,6 +128,9 @@ int run_simulate(const PlanOptions& options, std::ostream& out) {
   if (options.expert_load_imbalance)
     fmt::print(out, "expert rows: per-expert imbalance {:.3f} -> the busiest rank's rows {:.3f} x the mean\n",
                *options.expert_load_imbalance, 1 + layout.expert_imbalance);
+  if (!options.expert_loads.empty())
+    fmt::print(out, "expert rows: the busiest rank's {:.3f} x the mean, from the tokens_per_expert logged in {}\n",
+               1 + layout.expert_imbalance, options.expert_loads);
   if (measured.intra_all_to_all_bytes_per_s > 0)
     fmt::print(out, "all-to-all inside a node: measured {:.1f} GB/s ({})\n", measured.intra_all_to_all_bytes_per_s / 1e9,
                collectives_from);

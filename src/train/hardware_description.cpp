@@ -309,4 +309,43 @@ MeasuredCollectives load_measured_collectives(const std::vector<std::string>& pa
   return merged;
 }
 
+ExpertLoads parse_expert_loads(const std::string& jsonl, const std::string& source) {
+  ExpertLoads loads;
+  std::istringstream lines(jsonl);
+  std::string line;
+  for (int64_t number = 1; std::getline(lines, line); ++number) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception&) {
+      MOE_CONFIG_ERROR("expert loads {}: line {} is not JSON", source, number);
+    }
+    if (!record.is_object() || record.value("type", "") != "step" || !record.contains("layers")) continue;
+    if (!record["layers"].is_array()) MOE_CONFIG_ERROR("expert loads {}: line {}: layers is not a list", source, number);
+    for (const nlohmann::json& layer : record["layers"]) {
+      if (!layer.is_object() || !layer.contains("tokens_per_expert") || !layer["tokens_per_expert"].is_array())
+        MOE_CONFIG_ERROR("expert loads {}: line {}: a layer without tokens_per_expert", source, number);
+      std::vector<int64_t> row;
+      for (const nlohmann::json& count : layer["tokens_per_expert"]) {
+        if (!count.is_number_integer() || count.get<int64_t>() < 0)
+          MOE_CONFIG_ERROR("expert loads {}: line {}: tokens_per_expert holds {}, not a count", source, number,
+                           count.dump());
+        row.push_back(count.get<int64_t>());
+      }
+      if (loads.n_experts == 0) loads.n_experts = static_cast<int64_t>(row.size());
+      if (static_cast<int64_t>(row.size()) != loads.n_experts || row.empty())
+        MOE_CONFIG_ERROR("expert loads {}: line {}: {} experts where earlier lines have {}", source, number, row.size(),
+                         loads.n_experts);
+      loads.tokens_RE.push_back(std::move(row));
+    }
+  }
+  if (loads.tokens_RE.empty())
+    MOE_CONFIG_ERROR("expert loads {}: no step record with layers[].tokens_per_expert (a metrics.jsonl of an MoE run)",
+                     source);
+  return loads;
+}
+
+ExpertLoads load_expert_loads(const std::string& path) { return parse_expert_loads(read_text(path, "expert loads"), path); }
+
 }  // namespace moe

@@ -38,4 +38,14 @@ std::string all_reduce_bench_json(const dist::AllReduceSweep& sweep, const std::
 MeasuredCollectives parse_measured_collectives(const std::string& text, const std::string& source);
 MeasuredCollectives load_measured_collectives(const std::vector<std::string>& paths);
 
+// The routed loads a run logged (its metrics.jsonl, docs/METRICS.md): every `step` record's
+// layers[].tokens_per_expert, one row of n_experts counts per (step, MoE layer). Refused
+// with one line: no step record with layers, rows of different lengths, a negative count.
+struct ExpertLoads {
+  int64_t n_experts = 0;
+  std::vector<std::vector<int64_t>> tokens_RE;  // rows (step, layer) x experts
+};
+ExpertLoads parse_expert_loads(const std::string& jsonl, const std::string& source);
+ExpertLoads load_expert_loads(const std::string& path);
+
 }  // namespace moe

@@ -149,6 +149,30 @@ double rank_imbalance_of_expert_imbalance(double expert_imbalance, int64_t n_exp
   return busiest_rank * d(expert_parallel) - 1.0;
 }
 
+double rank_imbalance_of_expert_loads(const std::vector<std::vector<int64_t>>& tokens_RE, int64_t expert_parallel) {
+  double sum = 0;
+  int64_t rows = 0;
+  for (const std::vector<int64_t>& row : tokens_RE) {
+    const int64_t E = static_cast<int64_t>(row.size());
+    if (expert_parallel < 1 || E % expert_parallel != 0)
+      MOE_CONFIG_ERROR("expert loads: parallel.expert_parallel {} must divide the {} experts logged", expert_parallel,
+                       E);
+    const int64_t per_rank = E / expert_parallel;
+    int64_t total = 0, busiest = 0;
+    for (int64_t r = 0; r < expert_parallel; ++r) {
+      int64_t rank_rows = 0;
+      for (int64_t e = r * per_rank; e < (r + 1) * per_rank; ++e) rank_rows += row[static_cast<size_t>(e)];
+      total += rank_rows;
+      busiest = std::max(busiest, rank_rows);
+    }
+    if (total == 0) continue;
+    sum += d(busiest) * d(expert_parallel) / d(total);
+    ++rows;
+  }
+  if (rows == 0) MOE_CONFIG_ERROR("expert loads: no layer with assignments");
+  return sum / d(rows) - 1.0;
+}
+
 double alpha_beta_ms(double bytes, double messages, double latency_us, double bytes_per_s) {
   return messages * latency_us * 1e-3 + (bytes > 0 ? bytes / bytes_per_s * 1e3 : 0.0);
 }

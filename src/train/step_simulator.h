@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "config/parallel_config.h"
 #include "config/run_config.h"
@@ -155,6 +156,13 @@ inline double overlapped_ms(double comm_ms, double exposed) { return comm_ms > e
 // n_experts / top_k - 1).
 double rank_imbalance_of_expert_imbalance(double expert_imbalance, int64_t n_experts, int64_t top_k,
                                           int64_t expert_parallel);
+
+// The same from logged counts: each row of tokens_RE (one MoE layer of one step, n_experts
+// counts) over expert_parallel ranks holding consecutive experts (the placement before any
+// re-placement), the busiest rank's rows over the mean; the mean over the rows, less 1 (the
+// step waits for each layer's busiest rank, and every layer routes the same rows). Rows
+// without assignments are skipped.
+double rank_imbalance_of_expert_loads(const std::vector<std::vector<int64_t>>& tokens_RE, int64_t expert_parallel);
 
 // The layout simulated.
 struct SimLayout {

@@ -115,6 +115,39 @@ TEST(PlanCommand, SimulateFromTheLoggedExpertImbalance) {
   EXPECT_NE(both.output.find("excludes"), std::string::npos) << both.output;
 }
 
+// A run's own metrics.jsonl read back by the simulator: train a tiny MoE for 3 steps, then
+// simulate it over 2 GPUs from the tokens_per_expert it logged; the table names the file and
+// the busiest rank's share (at least the mean), and a model with other experts is refused.
+TEST(PlanCommand, SimulateFromARunsLoggedExpertLoads) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "moe_plan_expert_loads";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "text");
+  for (int i = 0; i < 12; ++i)
+    std::ofstream(dir / "text" / ("doc" + std::to_string(i) + ".txt"))
+        << "Document " << i << ": the quick brown fox jumps over the lazy dog. " << std::string(80, 'a' + i) << "\n";
+  const std::string run_config = (dir / "tiny.toml").string();
+  std::ofstream(run_config) << "[model]\ndim = 16\nn_layers = 2\nn_heads = 2\nn_kv_heads = 1\nseq_len = 32\n"
+                            << "[moe]\nn_experts = 4\nexpert_hidden = 16\n"
+                            << "[training]\nsteps = 3\nglobal_batch_tokens = 128\nmicro_batch = 2\nval_batches = 1\n"
+                            << "threads = 1\nval_interval = 0\n"
+                            << "[data]\ndir = \"" << (dir / "text").string() << "\"\nval_fraction = 0.2\n"
+                            << "[metrics]\ndir = \"" << (dir / "run").string() << "\"\n";
+  const moe::test::MoeResult train = moe::test::run_moe("train -c " + run_config);
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const std::string metrics = (dir / "run" / "metrics.jsonl").string();
+  const std::string base = "plan --simulate -c " + run_config + " --hardware " + config("hardware/h200-8x400g.toml") +
+                           " --gpus 2 --micro-batches 1 --parallel.expert_parallel=2 --model.vocab_size=257";
+  const moe::test::MoeResult table = moe::test::run_moe(base + " --expert-loads " + metrics);
+  ASSERT_EQ(table.exit_code, 0) << table.output;
+  const size_t at = table.output.find("expert rows: the busiest rank's ");
+  ASSERT_NE(at, std::string::npos) << table.output;
+  EXPECT_GE(std::stod(table.output.substr(at + 32)), 1.0) << table.output;
+  EXPECT_NE(table.output.find("from the tokens_per_expert logged in " + metrics), std::string::npos) << table.output;
+  moe::test::expect_one_line_error(moe::test::run_moe(base + " --moe.n_experts=8 --expert-loads " + metrics), 2,
+                                   {"--expert-loads", "4 experts logged, the config has moe.n_experts = 8"});
+  std::filesystem::remove_all(dir);
+}
+
 TEST(PlanCommand, SimulateInputsAreOneLine) {
   moe::test::expect_one_line_error(
       moe::test::run_moe("plan --simulate -c " + config("models/writeup-500b.toml") + " --gpus 64"), 2,

@@ -271,6 +271,49 @@ TEST(StepSimulator, RankImbalanceFromTheLoggedExpertImbalance) {
                                            {"parallel.expert_parallel 3 must divide moe.n_experts (8)"});
 }
 
+// Logged counts, by hand: 4 experts over 2 ranks. Row 1: ranks get 6 and 2 of 8 (1.5 x the
+// mean); row 2: 3 and 3 (even); an empty row is skipped: (1.5 + 1) / 2 - 1 = 0.25.
+TEST(StepSimulator, RankImbalanceFromLoggedCounts) {
+  const std::vector<std::vector<int64_t>> rows = {{5, 1, 2, 0}, {1, 2, 3, 0}, {0, 0, 0, 0}};
+  EXPECT_NEAR(rank_imbalance_of_expert_loads(rows, 2), 0.25, 1e-12);
+  EXPECT_NEAR(rank_imbalance_of_expert_loads(rows, 1), 0.0, 1e-12);
+  // One rank per expert: the per-expert max / mean: (5/2 + 3/1.5) / 2 - 1.
+  EXPECT_NEAR(rank_imbalance_of_expert_loads(rows, 4), (2.5 + 2.0) / 2 - 1, 1e-12);
+  test::expect_one_line_error<ConfigError>([&] { rank_imbalance_of_expert_loads(rows, 3); },
+                                           {"parallel.expert_parallel 3 must divide the 4 experts logged"});
+  test::expect_one_line_error<ConfigError>([] { rank_imbalance_of_expert_loads({{0, 0}}, 2); },
+                                           {"no layer with assignments"});
+}
+
+// metrics.jsonl read back: step records' layers only (run and val records skipped), one row
+// per layer per step; bad lines refused with one line naming the file and line.
+TEST(ExpertLoads, ReadsTheStepRecordsOfAMetricsFile) {
+  const std::string good =
+      "{\"type\": \"run\", \"n_experts\": 4}\n"
+      "{\"type\": \"step\", \"step\": 1, \"layers\": [{\"tokens_per_expert\": [5, 1, 2, 0]}, "
+      "{\"tokens_per_expert\": [1, 2, 3, 0]}]}\n"
+      "{\"type\": \"val\", \"loss\": 3.0}\n\n"
+      "{\"type\": \"step\", \"step\": 2, \"layers\": [{\"tokens_per_expert\": [2, 2, 2, 2]}]}\n";
+  const ExpertLoads loads = parse_expert_loads(good, "m.jsonl");
+  EXPECT_EQ(loads.n_experts, 4);
+  ASSERT_EQ(loads.tokens_RE.size(), 3u);
+  EXPECT_EQ(loads.tokens_RE[2], (std::vector<int64_t>{2, 2, 2, 2}));
+  test::expect_one_line_error<ConfigError>([] { parse_expert_loads("{\"type\": \"run\"}\n", "m.jsonl"); },
+                                           {"expert loads m.jsonl: no step record"});
+  test::expect_one_line_error<ConfigError>([] { parse_expert_loads("{\"type\": \"step\"\n", "m.jsonl"); },
+                                           {"expert loads m.jsonl: line 1 is not JSON"});
+  test::expect_one_line_error<ConfigError>(
+      [] {
+        parse_expert_loads("{\"type\": \"step\", \"layers\": [{\"tokens_per_expert\": [1, 2]}]}\n"
+                           "{\"type\": \"step\", \"layers\": [{\"tokens_per_expert\": [1, 2, 3]}]}\n",
+                           "m.jsonl");
+      },
+      {"line 2: 3 experts where earlier lines have 2"});
+  test::expect_one_line_error<ConfigError>(
+      [] { parse_expert_loads("{\"type\": \"step\", \"layers\": [{\"tokens_per_expert\": [1, -2]}]}", "m.jsonl"); },
+      {"line 1: tokens_per_expert holds -2, not a count"});
+}
+
 TEST(StepSimulator, ImpossibleLayoutsAreOneLine) {
   const HardwareDescription hw = round_hardware();
   const ComputeRates rates = rates_from_hardware(hw);
