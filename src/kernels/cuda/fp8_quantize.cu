@@ -33,6 +33,19 @@ __device__ int64_t expert_of(const int32_t* offsets_E1, int64_t E, int64_t r) {
   return lo;
 }
 
+// The scale of tile kb of row r where fp8::activation_scale_index puts it for r's expert
+// (a binary search over the offsets; null offsets: one group of all R rows).
+__device__ __forceinline__ void write_tile_scale(float* scales, float scale, const int32_t* offsets_E1, int64_t E,
+                                                 int64_t R, int64_t r, int64_t kb, int64_t KB) {
+  int64_t first = 0, rows = R;
+  if (offsets_E1 != nullptr) {
+    const int64_t e = expert_of(offsets_E1, E, r);
+    first = offsets_E1[e];
+    rows = offsets_E1[e + 1] - first;
+  }
+  scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
+}
+
 // Row and 128-column block of a tile (tile = r * KB + kb) by 32-bit division, several times
 // cheaper than a 64-bit one in kernels this short; the launches keep tiles below 2^30.
 struct TileAt {
@@ -91,15 +104,7 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
     const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
-    if (lane == 0) {
-      int64_t first = 0, rows = R;
-      if (offsets_E1 != nullptr) {
-        const int64_t e = expert_of(offsets_E1, E, r);
-        first = offsets_E1[e];
-        rows = offsets_E1[e + 1] - first;
-      }
-      scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
-    }
+    if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
     uint32_t words[V / 4];
 #pragma unroll
     for (int w = 0; w < V / 4; ++w)
@@ -127,15 +132,7 @@ __device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], 
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
   const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
-  if (lane == 0) {
-    int64_t first = 0, rows = R;
-    if (offsets_E1 != nullptr) {
-      const int64_t e = expert_of(offsets_E1, E, r);
-      first = offsets_E1[e];
-      rows = offsets_E1[e + 1] - first;
-    }
-    scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
-  }
+  if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
   uint32_t words[2];
 #pragma unroll
   for (int w = 0; w < 2; ++w)
