@@ -1,17 +1,20 @@
 // The blockwise fp8 quantisation's CPU reference (kernels/fp8_blockwise.h): the
 // power-of-two scale rule, round trips within e4m3's rounding, the scale layouts (the
 // grouping by expert moves scales, never codes), the transposed weight copy (exactly the
-// transpose), edge blocks, and K that is not a multiple of 128 refused.
+// transpose), edge blocks, K that is not a multiple of 128 refused, and the token columns
+// of the weight gradients with their GEMM.
 #include "kernels/fp8_blockwise.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <vector>
 
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/rng.h"
 #include "expect_error.h"
 
@@ -147,6 +150,95 @@ TEST(Fp8Blockwise, WeightBlocksAndTheirTransposeAgree) {
   EXPECT_EQ(only_t, codes_t);
   EXPECT_EQ(only_ts, scales_t);
   EXPECT_THROW(fp8::quantize_weight_blocks(nullptr, nullptr, nullptr, nullptr, w.data(), E, N, K), Error);
+}
+
+// Token columns (the weight gradients' operands): each expert's rows transposed into its
+// own columns, padded to 128 with zero codes; one scale per feature and 128 tokens, the
+// tight power of two of that block's values; rows past the last expert ignored.
+TEST(Fp8Blockwise, TokenColumnsTransposeEachExpertPaddedTo128) {
+  const std::vector<int32_t> rows = {3, 0, 130, 128, 1};
+  std::vector<int32_t> offsets(rows.size() + 1, 0);
+  std::partial_sum(rows.begin(), rows.end(), offsets.begin() + 1);
+  const int64_t E = static_cast<int64_t>(rows.size()), W = 40, ld = W + 8, R = offsets[E] + 2;
+  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  EXPECT_EQ(P_E1, (std::vector<int64_t>{0, 128, 128, 384, 512, 640}));
+  const int64_t P = P_E1.back();
+  const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * ld), 7, "columns", 2.0);
+  std::vector<uint8_t> codes(static_cast<size_t>(W * P), 0x7f);  // e4m3's NaN: never a finite value's code
+  std::vector<float> scales(static_cast<size_t>(P / kBlock * W), -1.0f);
+  fp8::quantize_token_columns(codes.data(), scales.data(), x.data(), ld, offsets.data(), E, W);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = offsets[e], n = rows[e], P_e = P_E1[e];
+    for (int64_t tb = 0; tb < fp8::blocks(n); ++tb)
+      for (int64_t f = 0; f < W; ++f) {
+        float amax = 0.0f;
+        for (int64_t t = tb * kBlock; t < std::min(n, (tb + 1) * kBlock); ++t)
+          amax = std::max(amax, std::fabs(bf16_to_float(x[(first + t) * ld + f])));
+        const float scale = scales[fp8::token_column_scale_index(P_e, tb, f, W)];
+        ASSERT_EQ(scale, fp8::block_scale(amax)) << "expert " << e << " block " << tb << " feature " << f;
+        for (int64_t t = tb * kBlock; t < (tb + 1) * kBlock; ++t) {
+          const uint8_t code = codes[f * P + P_e + t];
+          if (t >= n) {
+            ASSERT_EQ(code, 0) << "padding of expert " << e;
+            continue;
+          }
+          const float want = bf16_to_float(x[(first + t) * ld + f]);
+          expect_round_trip(fp8_e4m3_to_float(code) * scale, want, scale, "expert " + std::to_string(e));
+        }
+      }
+  }
+  for (const uint8_t c : codes) ASSERT_NE(c, 0x7f) << "a column left unwritten";
+  for (const float sc : scales) ASSERT_GT(sc, 0.0f) << "a scale left unwritten";
+}
+
+// The weight gradient from token columns: dW_e = dy_e^T x_e over the expert's own tokens
+// only (padding and other experts add nothing), the blockwise arithmetic against fp64 sums
+// of the dequantised values, and close to the unquantised product; an expert without rows
+// gets zeros, or keeps what it had when accumulating. Known answer: dy = 1, x = 2.
+TEST(Fp8Blockwise, WeightGradientFromTokenColumns) {
+  const std::vector<int32_t> rows = {5, 0, 140};
+  const std::vector<int32_t> offsets = {0, 5, 5, 145};
+  const int64_t E = 3, R = 145, N = 24, K = 40;
+  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  const int64_t P = P_E1.back();
+  const std::vector<bf16> dy = random_bf16(static_cast<size_t>(R * N), 8, "dy", 0.5);
+  const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * K), 9, "x", 1.5);
+  std::vector<uint8_t> a(static_cast<size_t>(N * P)), b(static_cast<size_t>(K * P));
+  std::vector<float> sa(static_cast<size_t>(P / kBlock * N)), sb(static_cast<size_t>(P / kBlock * K));
+  fp8::quantize_token_columns(a.data(), sa.data(), dy.data(), N, offsets.data(), E, N);
+  fp8::quantize_token_columns(b.data(), sb.data(), x.data(), K, offsets.data(), E, K);
+  std::vector<float> dw(static_cast<size_t>(E * N * K), 7.0f);
+  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P_E1, N, K, false);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        double dequantised = 0, exact = 0, magnitude = 0;
+        for (int64_t t = 0; t < rows[e]; ++t) {
+          const int64_t tb = t / kBlock, c = P_E1[e] + t;
+          dequantised += static_cast<double>(fp8_e4m3_to_float(a[n * P + c]) *
+                                             sa[fp8::token_column_scale_index(P_E1[e], tb, n, N)]) *
+                         (fp8_e4m3_to_float(b[k * P + c]) * sb[fp8::token_column_scale_index(P_E1[e], tb, k, K)]);
+          const double g = bf16_to_float(dy[(offsets[e] + t) * N + n]), v = bf16_to_float(x[(offsets[e] + t) * K + k]);
+          exact += g * v;
+          magnitude += std::fabs(g * v);
+        }
+        const float got = dw[(e * N + n) * K + k];
+        ASSERT_NEAR(got, dequantised, 1e-5 * magnitude + 1e-30) << "expert " << e << " [" << n << ", " << k << "]";
+        ASSERT_NEAR(got, exact, 0.125 * magnitude + 1e-30) << "expert " << e;
+        if (rows[e] == 0) ASSERT_EQ(got, 0.0f);
+      }
+  std::vector<float> kept = dw;
+  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P_E1, N, K, true);
+  for (size_t i = 0; i < dw.size(); ++i) {
+    const int64_t e = static_cast<int64_t>(i) / (N * K);
+    if (rows[e] == 0) ASSERT_EQ(dw[i], kept[i]);
+    else ASSERT_NEAR(dw[i], 2 * kept[i], 1e-6 * std::fabs(kept[i]) + 1e-30);
+  }
+  const std::vector<bf16> ones(static_cast<size_t>(R * N), float_to_bf16(1.0f)), twos(static_cast<size_t>(R * K), float_to_bf16(2.0f));
+  fp8::quantize_token_columns(a.data(), sa.data(), ones.data(), N, offsets.data(), E, N);
+  fp8::quantize_token_columns(b.data(), sb.data(), twos.data(), K, offsets.data(), E, K);
+  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P_E1, N, K, false);
+  for (int64_t e = 0; e < E; ++e) EXPECT_EQ(dw[(e * N + 3) * K + 5], 2.0f * static_cast<float>(rows[e]));
 }
 
 TEST(Fp8Blockwise, RefusesKThatIsNotAMultipleOf128) {

@@ -97,4 +97,60 @@ void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const floa
                                      scales[weight_scale_index(e, n / kBlock, k / kBlock, NB, KB)];
 }
 
+std::vector<int64_t> padded_token_offsets(const int32_t* offsets_E1, int64_t E) {
+  MOE_CHECK(offsets_E1 != nullptr && E >= 1, "fp8 token columns: offsets of {} experts", E);
+  std::vector<int64_t> P_E1(static_cast<size_t>(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t rows = offsets_E1[e + 1] - offsets_E1[e];
+    MOE_CHECK(rows >= 0 && offsets_E1[e] >= 0, "fp8 token columns: offsets not ascending");
+    P_E1[static_cast<size_t>(e + 1)] = P_E1[static_cast<size_t>(e)] + blocks(rows) * kBlock;
+  }
+  return P_E1;
+}
+
+void quantize_token_columns(uint8_t* codes_t_WP, float* scales_t, const bf16* x, int64_t ld_x,
+                            const int32_t* offsets_E1, int64_t E, int64_t W) {
+  MOE_CHECK(W > 0 && ld_x >= W, "fp8 token columns: {} features in rows of {}", W, ld_x);
+  const std::vector<int64_t> P_E1 = padded_token_offsets(offsets_E1, E);
+  const int64_t P = P_E1.back();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t first = offsets_E1[e], rows = offsets_E1[e + 1] - first, P_e = P_E1[static_cast<size_t>(e)];
+    for (int64_t tb = 0; tb < blocks(rows); ++tb) {
+      const int64_t t_end = std::min(rows, (tb + 1) * kBlock);
+      for (int64_t f = 0; f < W; ++f) {
+        float amax = 0.0f;
+        for (int64_t t = tb * kBlock; t < t_end; ++t)
+          amax = std::fmax(amax, std::fabs(bf16_to_float(x[(first + t) * ld_x + f])));
+        const float scale = block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
+        scales_t[token_column_scale_index(P_e, tb, f, W)] = scale;
+        uint8_t* column = codes_t_WP + f * P + P_e;
+        for (int64_t t = tb * kBlock; t < (tb + 1) * kBlock; ++t)
+          column[t] = t < t_end ? float_to_fp8_e4m3(bf16_to_float(x[(first + t) * ld_x + f]) * inverse) : 0;
+      }
+    }
+  }
+}
+
+void weight_gradient_token_columns(float* dw_ENK, const uint8_t* a_t_NP, const float* a_scales,
+                                   const uint8_t* b_t_KP, const float* b_scales, const std::vector<int64_t>& P_E1,
+                                   int64_t N, int64_t K, bool accumulate) {
+  MOE_CHECK(P_E1.size() >= 2 && N > 0 && K > 0, "fp8 weight gradient: {} offsets, [{}, {}]", P_E1.size(), N, K);
+  const int64_t E = static_cast<int64_t>(P_E1.size()) - 1, P = P_E1.back();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t P_e = P_E1[static_cast<size_t>(e)], TB = (P_E1[static_cast<size_t>(e + 1)] - P_e) / kBlock;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        float sum = accumulate ? dw_ENK[(e * N + n) * K + k] : 0.0f;
+        for (int64_t tb = 0; tb < TB; ++tb) {
+          float block = 0.0f;
+          for (int64_t t = P_e + tb * kBlock; t < P_e + (tb + 1) * kBlock; ++t)
+            block += fp8_e4m3_to_float(a_t_NP[n * P + t]) * fp8_e4m3_to_float(b_t_KP[k * P + t]);
+          sum += a_scales[token_column_scale_index(P_e, tb, n, N)] * b_scales[token_column_scale_index(P_e, tb, k, K)] *
+                 block;
+        }
+        dw_ENK[(e * N + n) * K + k] = sum;
+      }
+  }
+}
+
 }  // namespace moe::fp8
