@@ -80,24 +80,25 @@ void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const floa
 
 // Token columns: the operands of the experts' weight gradients in fp8 (dW_e = dy_e^T x_e, the
 // tokens as the GEMM's K; docs/FP8.md "Still to do"). Expert e's rows [first_e, first_e +
-// rows_e) of x [R, W] go transposed to columns [P_e, P_e + rows_e) of codes_t [W, P], where
-// P_e = padded_token_offsets(...)[e] (each expert's columns rounded up to 128, the padding
-// zero codes) and P the last offset; one scale per feature and 128 of the expert's tokens,
+// rows_e) of x [R, W] go transposed to columns [P_e, P_e + rows_e) of codes_t [W, ld_t],
+// where P_e = padded_token_offsets(...)[e] (each expert's columns rounded up to 128, the
+// padding zero codes) and ld_t >= P, the last offset (the GPU's buffers take a bound on P
+// known before the routing: R + 127 E); one scale per feature and 128 of the expert's tokens,
 // features contiguous (CUTLASS's 1 x 1 x 128 granularity, MN-major: group e's scales start
 // at P_e / 128 * W).
 std::vector<int64_t> padded_token_offsets(const int32_t* offsets_E1, int64_t E);  // E + 1 values
 constexpr int64_t token_column_scale_index(int64_t P_e, int64_t tb, int64_t f, int64_t W) {
   return (P_e / kBlock + tb) * W + f;
 }
-void quantize_token_columns(uint8_t* codes_t_WP, float* scales_t, const bf16* x, int64_t ld_x,
+void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
                             const int32_t* offsets_E1, int64_t E, int64_t W);
 
 // The weight gradients from two such operands, as the blockwise-scaled GEMM computes them:
 // dw_e [N, K] (+= when accumulate) = sum over expert e's 128-token blocks tb of
 // a_scale(n, tb) * b_scale(k, tb) * (the block's code products summed in fp32), with a the
-// token columns of dy [N, P] and b those of x [K, P]. fp32 as the tensor cores promote.
+// token columns of dy [N, ld_t] and b those of x [K, ld_t]. fp32 as the tensor cores promote.
 void weight_gradient_token_columns(float* dw_ENK, const uint8_t* a_t_NP, const float* a_scales,
-                                   const uint8_t* b_t_KP, const float* b_scales, const std::vector<int64_t>& P_E1,
-                                   int64_t N, int64_t K, bool accumulate);
+                                   const uint8_t* b_t_KP, const float* b_scales, int64_t ld_t,
+                                   const std::vector<int64_t>& P_E1, int64_t N, int64_t K, bool accumulate);
 
 }  // namespace moe::fp8

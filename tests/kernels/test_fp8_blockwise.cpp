@@ -162,11 +162,11 @@ TEST(Fp8Blockwise, TokenColumnsTransposeEachExpertPaddedTo128) {
   const int64_t E = static_cast<int64_t>(rows.size()), W = 40, ld = W + 8, R = offsets[E] + 2;
   const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
   EXPECT_EQ(P_E1, (std::vector<int64_t>{0, 128, 128, 384, 512, 640}));
-  const int64_t P = P_E1.back();
+  const int64_t P = P_E1.back() + 64;  // the codes' row stride: a bound past the padded tokens
   const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * ld), 7, "columns", 2.0);
   std::vector<uint8_t> codes(static_cast<size_t>(W * P), 0x7f);  // e4m3's NaN: never a finite value's code
-  std::vector<float> scales(static_cast<size_t>(P / kBlock * W), -1.0f);
-  fp8::quantize_token_columns(codes.data(), scales.data(), x.data(), ld, offsets.data(), E, W);
+  std::vector<float> scales(static_cast<size_t>(P_E1.back() / kBlock * W), -1.0f);
+  fp8::quantize_token_columns(codes.data(), P, scales.data(), x.data(), ld, offsets.data(), E, W);
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = offsets[e], n = rows[e], P_e = P_E1[e];
     for (int64_t tb = 0; tb < fp8::blocks(n); ++tb)
@@ -187,7 +187,9 @@ TEST(Fp8Blockwise, TokenColumnsTransposeEachExpertPaddedTo128) {
         }
       }
   }
-  for (const uint8_t c : codes) ASSERT_NE(c, 0x7f) << "a column left unwritten";
+  for (int64_t f = 0; f < W; ++f)
+    for (int64_t t = 0; t < P; ++t)
+      ASSERT_EQ(codes[f * P + t] == 0x7f, t >= P_E1.back()) << "feature " << f << " token " << t;
   for (const float sc : scales) ASSERT_GT(sc, 0.0f) << "a scale left unwritten";
 }
 
@@ -205,10 +207,10 @@ TEST(Fp8Blockwise, WeightGradientFromTokenColumns) {
   const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * K), 9, "x", 1.5);
   std::vector<uint8_t> a(static_cast<size_t>(N * P)), b(static_cast<size_t>(K * P));
   std::vector<float> sa(static_cast<size_t>(P / kBlock * N)), sb(static_cast<size_t>(P / kBlock * K));
-  fp8::quantize_token_columns(a.data(), sa.data(), dy.data(), N, offsets.data(), E, N);
-  fp8::quantize_token_columns(b.data(), sb.data(), x.data(), K, offsets.data(), E, K);
+  fp8::quantize_token_columns(a.data(), P, sa.data(), dy.data(), N, offsets.data(), E, N);
+  fp8::quantize_token_columns(b.data(), P, sb.data(), x.data(), K, offsets.data(), E, K);
   std::vector<float> dw(static_cast<size_t>(E * N * K), 7.0f);
-  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P_E1, N, K, false);
+  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P, P_E1, N, K, false);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t n = 0; n < N; ++n)
       for (int64_t k = 0; k < K; ++k) {
@@ -228,16 +230,16 @@ TEST(Fp8Blockwise, WeightGradientFromTokenColumns) {
         if (rows[e] == 0) ASSERT_EQ(got, 0.0f);
       }
   std::vector<float> kept = dw;
-  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P_E1, N, K, true);
+  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P, P_E1, N, K, true);
   for (size_t i = 0; i < dw.size(); ++i) {
     const int64_t e = static_cast<int64_t>(i) / (N * K);
     if (rows[e] == 0) ASSERT_EQ(dw[i], kept[i]);
     else ASSERT_NEAR(dw[i], 2 * kept[i], 1e-6 * std::fabs(kept[i]) + 1e-30);
   }
   const std::vector<bf16> ones(static_cast<size_t>(R * N), float_to_bf16(1.0f)), twos(static_cast<size_t>(R * K), float_to_bf16(2.0f));
-  fp8::quantize_token_columns(a.data(), sa.data(), ones.data(), N, offsets.data(), E, N);
-  fp8::quantize_token_columns(b.data(), sb.data(), twos.data(), K, offsets.data(), E, K);
-  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P_E1, N, K, false);
+  fp8::quantize_token_columns(a.data(), P, sa.data(), ones.data(), N, offsets.data(), E, N);
+  fp8::quantize_token_columns(b.data(), P, sb.data(), twos.data(), K, offsets.data(), E, K);
+  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P, P_E1, N, K, false);
   for (int64_t e = 0; e < E; ++e) EXPECT_EQ(dw[(e * N + 3) * K + 5], 2.0f * static_cast<float>(rows[e]));
 }
 

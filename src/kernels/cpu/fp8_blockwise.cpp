@@ -108,11 +108,12 @@ std::vector<int64_t> padded_token_offsets(const int32_t* offsets_E1, int64_t E) 
   return P_E1;
 }
 
-void quantize_token_columns(uint8_t* codes_t_WP, float* scales_t, const bf16* x, int64_t ld_x,
+void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
                             const int32_t* offsets_E1, int64_t E, int64_t W) {
   MOE_CHECK(W > 0 && ld_x >= W, "fp8 token columns: {} features in rows of {}", W, ld_x);
   const std::vector<int64_t> P_E1 = padded_token_offsets(offsets_E1, E);
-  const int64_t P = P_E1.back();
+  MOE_CHECK(ld_t >= P_E1.back(), "fp8 token columns: rows of {} codes for {} padded tokens", ld_t, P_E1.back());
+  const int64_t P = ld_t;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t first = offsets_E1[e], rows = offsets_E1[e + 1] - first, P_e = P_E1[static_cast<size_t>(e)];
     for (int64_t tb = 0; tb < blocks(rows); ++tb) {
@@ -132,10 +133,11 @@ void quantize_token_columns(uint8_t* codes_t_WP, float* scales_t, const bf16* x,
 }
 
 void weight_gradient_token_columns(float* dw_ENK, const uint8_t* a_t_NP, const float* a_scales,
-                                   const uint8_t* b_t_KP, const float* b_scales, const std::vector<int64_t>& P_E1,
-                                   int64_t N, int64_t K, bool accumulate) {
-  MOE_CHECK(P_E1.size() >= 2 && N > 0 && K > 0, "fp8 weight gradient: {} offsets, [{}, {}]", P_E1.size(), N, K);
-  const int64_t E = static_cast<int64_t>(P_E1.size()) - 1, P = P_E1.back();
+                                   const uint8_t* b_t_KP, const float* b_scales, int64_t ld_t,
+                                   const std::vector<int64_t>& P_E1, int64_t N, int64_t K, bool accumulate) {
+  MOE_CHECK(P_E1.size() >= 2 && N > 0 && K > 0 && ld_t >= P_E1.back(), "fp8 weight gradient: {} offsets, [{}, {}]",
+            P_E1.size(), N, K);
+  const int64_t E = static_cast<int64_t>(P_E1.size()) - 1, P = ld_t;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t P_e = P_E1[static_cast<size_t>(e)], TB = (P_E1[static_cast<size_t>(e + 1)] - P_e) / kBlock;
     for (int64_t n = 0; n < N; ++n)
