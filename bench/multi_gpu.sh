@@ -333,11 +333,18 @@ if [[ $sections == *,simulate,* ]]; then
   "$moe" train "${run[@]}" > "$out/sim_1.txt" 2>&1
   launch train "${run[@]}" --parallel.backend=nccl --training.global_batch_tokens=$((tokens * n)) > "$out/sim_dp.txt" 2>&1
   launch train "${run[@]}" --parallel.backend=nccl --parallel.expert_parallel="$n" \
-    --training.global_batch_tokens=$((tokens * n)) > "$out/sim_ep.txt" 2>&1
+    --training.global_batch_tokens=$((tokens * n)) --metrics.dir="$out/sim_ep_metrics" > "$out/sim_ep.txt" 2>&1
+  # The EP run's own routing, the steps the median reads (MEDIAN_FROM on): --expert-loads.
+  python3 - "$out/sim_ep_metrics/metrics.jsonl" "${MEDIAN_FROM:-4}" > "$out/sim_ep_loads.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("type") == "step" and r.get("step", 0) >= int(sys.argv[2]): print(line, end="")
+PY
   one=$(median_field "$out/sim_1.txt" "tok/s")
   echo "1 GPU:  measured $one tok/s, predicted $(sim --gpus 1)"
   echo "DP $n:   measured per GPU $(awk -v t="$(median_field "$out/sim_dp.txt" "tok/s")" -v n="$n" 'BEGIN { printf "%.0f", t / n }'), predicted $(sim --gpus "$n")"
-  echo "EP $n:   measured per GPU $(awk -v t="$(median_field "$out/sim_ep.txt" "tok/s")" -v n="$n" 'BEGIN { printf "%.0f", t / n }'), predicted $(sim --gpus "$n" --parallel.expert_parallel="$n") (even rows)"
+  echo "EP $n:   measured per GPU $(awk -v t="$(median_field "$out/sim_ep.txt" "tok/s")" -v n="$n" 'BEGIN { printf "%.0f", t / n }'), predicted $(sim --gpus "$n" --parallel.expert_parallel="$n") (even rows), $(sim --gpus "$n" --parallel.expert_parallel="$n" --expert-loads "$out/sim_ep_loads.jsonl") (its logged routing)"
   if (( n >= 4 )); then
     for groups in 0 2; do
       route=(--moe.route_groups="$groups")
