@@ -99,12 +99,8 @@ void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const floa
 
 std::vector<int64_t> padded_token_offsets(const int32_t* offsets_E1, int64_t E) {
   MOE_CHECK(offsets_E1 != nullptr && E >= 1, "fp8 token columns: offsets of {} experts", E);
-  std::vector<int64_t> P_E1(static_cast<size_t>(E + 1), 0);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t rows = offsets_E1[e + 1] - offsets_E1[e];
-    MOE_CHECK(rows >= 0 && offsets_E1[e] >= 0, "fp8 token columns: offsets not ascending");
-    P_E1[static_cast<size_t>(e + 1)] = P_E1[static_cast<size_t>(e)] + blocks(rows) * kBlock;
-  }
+  std::vector<int64_t> P_E1 = {0};
+  for (const Group& g : groups_of(offsets_E1, E, offsets_E1[E])) P_E1.push_back(P_E1.back() + blocks(g.rows) * kBlock);
   return P_E1;
 }
 
