@@ -93,6 +93,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "expert_grad_dtype", t.expert_grad_dtype);
   visit("training", "precision", t.precision);
   visit("training", "fp8_weight_cache", t.fp8_weight_cache);
+  visit("training", "fp8_weight_gradients", t.fp8_weight_gradients);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
@@ -401,6 +402,9 @@ void check_training(const RunConfig& c) {
   } else if (!t.fp8_weight_cache) {
     fail({"training.fp8_weight_cache", "training.precision"},
          "training.fp8_weight_cache = false applies to training.precision = fp8 only");
+  } else if (t.fp8_weight_gradients) {
+    fail({"training.fp8_weight_gradients", "training.precision"},
+         "training.fp8_weight_gradients = true applies to training.precision = fp8 only");
   }
 
   const OptimizerConfig& o = c.optimizer;

@@ -33,6 +33,45 @@ void swiglu_backward_fp8(bf16* dgate_up_RF2, uint8_t* codes_2RF, float* scales_2
                          const bf16* gate_up_RF2, const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F,
                          Stream stream);
 
+// The weight gradients' operands (fp8::quantize_token_columns, bit for bit): P_E1 (E + 1
+// device int64) the padded token offsets of offsets_E1; then x [R, W] (row stride ld_x)
+// transposed per expert into codes_t [W, ld_t] and scales (ld_t >= R + 127 E, a multiple of
+// 16; W a multiple of 8). Nothing is read back on the host.
+void padded_token_offsets(int64_t* P_E1, const int32_t* offsets_E1, int64_t E, Stream stream);
+void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
+                            const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t R, int64_t W,
+                            Stream stream);
+
+// SwiGLU's backward for the fp8 weight gradients, one pass over d act and gate|up: d gate's
+// and d up's codes and scales as swiglu_backward_fp8 writes them (no bf16 output: the fp8
+// GEMMs read only the codes), and the token columns (quantize_token_columns, W = F, scales
+// F x blocks(ld_t) each) of act (swiglu_forward's values), d gate and d up, in that order
+// from columns_3FP (F x ld_t codes each) and column_scales_3. P_E1: padded_token_offsets.
+void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3,
+                                 int64_t ld_t, const bf16* dact_RF, const bf16* gate_up_RF2, const int32_t* offsets_E1,
+                                 const int64_t* P_E1, int64_t E, int64_t R, int64_t F, Stream stream);
+
+// The experts' weight gradients in fp8 (fp8::weight_gradient_token_columns on the device):
+// dw_e [M, N] = beta * dw_e + sum over expert e's padded tokens of a [M, ld_t] x b [N, ld_t]
+// token columns (quantize_token_columns of dy and of x), P_E1 their padded offsets
+// (device); beta 0 zeroes experts without tokens. fp32 or bf16 gradients.
+class ExpertWeightGemmFp8 {
+ public:
+  explicit ExpertWeightGemmFp8(int64_t max_experts);
+  ~ExpertWeightGemmFp8();
+  ExpertWeightGemmFp8(const ExpertWeightGemmFp8&) = delete;
+  ExpertWeightGemmFp8& operator=(const ExpertWeightGemmFp8&) = delete;
+  void run(float* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t, const float* b_scales,
+           int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream);
+  void run(bf16* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t, const float* b_scales,
+           int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream);
+  void set_sm_limit(int sms);  // as ExpertGemm's
+
+ private:
+  struct State;
+  State* state_;
+};
+
 // Weights w [E, N, K] -> codes [E, N, K] with scales [E][KB][NB], and their transpose
 // codes_t [E, K, N] with scales_t [E][NB][KB] (the B operand of dy @ W); either pair may
 // be null, not both. One power-of-two scale per 128 x 128 block.

@@ -97,4 +97,14 @@ Fp8ExpertWeightSizes fp8_expert_weight_sizes(int64_t local_experts, int64_t dim,
   return sizes;
 }
 
+Fp8TokenColumnSizes fp8_token_column_sizes(int64_t max_local_rows, int64_t max_local_experts, int64_t dim,
+                                           int64_t hidden) {
+  Fp8TokenColumnSizes sizes;
+  sizes.ld_t = (max_local_rows + max_local_experts * (fp8::kBlock - 1) + 15) / 16 * 16;
+  const int64_t features = 3 * hidden + dim;
+  sizes.codes = features * sizes.ld_t;
+  sizes.scales = features * fp8::blocks(sizes.ld_t);
+  return sizes;
+}
+
 }  // namespace moe

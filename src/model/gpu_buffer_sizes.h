@@ -45,6 +45,19 @@ struct Fp8ExpertWeightSizes {
 };
 Fp8ExpertWeightSizes fp8_expert_weight_sizes(int64_t local_experts, int64_t dim, int64_t hidden);
 
+// training.fp8_weight_gradients: the experts' token-column scratch (fp8::quantize_token_columns),
+// shared by the MoE layers. Codes of `ld_t` padded tokens (a bound on the padded offsets
+// known before the routing: the rows + 127 per local expert, rounded to 16) for 3 x hidden
+// + dim features: act, d gate and d up (written together by SwiGLU's backward), then dy
+// and, after w2's weight gradient, x in the same place; one fp32 scale per feature and 128
+// tokens.
+struct Fp8TokenColumnSizes {
+  int64_t ld_t = 0, codes = 0, scales = 0;  // scales: per feature, ld_t / 128 rounded up
+  int64_t bytes() const { return codes + 4 * scales; }
+};
+Fp8TokenColumnSizes fp8_token_column_sizes(int64_t max_local_rows, int64_t max_local_experts, int64_t dim,
+                                           int64_t hidden);
+
 // Rows of fp32 logits the LM head computes at a time: ~256 MB, in blocks of 128 rows.
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size);
 

@@ -97,15 +97,16 @@ int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E) {  // moe/cuda/disp
 }
 
 // An MoE layer's own buffers; x_rows / gate_up / act rows are counted here unless
-// `shared_*` (recompute_experts: one buffer for all MoE layers).
-int64_t moe_buffers_bytes(const ActivationShape& a, bool share_x_act, bool share_gate_up) {
+// `shared_*` (recompute_experts, or act under fp8 weight gradients: one buffer for all MoE layers).
+int64_t moe_buffers_bytes(const ActivationShape& a, bool share_x, bool share_act, bool share_gate_up) {
   const int64_t T = a.T, K = a.K, E = a.E, D = a.D, F = a.F, RL = a.rows.max_local_rows;
   int64_t bytes = 2 * T * E * 4 + T * K * 4 + 2 * T * 4          // logits, scores; weight; aux, z terms
                   + 4 * T * K * 4 + 2 * E * 4 + (E + 1) * 4        // expert, row, token_of_row, slot; counts; offsets
                   + assign_rows_scratch(T, K, E) * 4               // rank
                   + std::max(a.rows.max_rows, RL) * D * 2          // y_rows
                   + a.n_shared * (T * 2 * F + T * F) * 2;          // shared experts' gate|up and act
-  if (!share_x_act) bytes += RL * D * 2 + RL * F * 2;
+  if (!share_x) bytes += RL * D * 2;
+  if (!share_act) bytes += RL * F * 2;
   if (!share_gate_up) bytes += RL * 2 * F * 2;
   if (a.P > 1) {  // GpuExpertParallelDispatcher::plan_layer
     const int64_t U = a.rows.max_tokens;
@@ -230,8 +231,11 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   a.rows = expert_row_bounds(c.moe, a.T, ep, split, cap);
   const bool share_x_act = layout.recompute_experts != ExpertRecompute::None;
   const bool share_gate_up = layout.recompute_experts == ExpertRecompute::All;
+  // fp8 weight gradients: the backward takes act from gate|up itself; no layer keeps it.
+  const bool fp8_wgrad =
+      config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients;
   const int64_t dense_bytes = a.T * 2 * c.dense_hidden * 2 + a.T * c.dense_hidden * 2;
-  const int64_t moe_bytes = E > 0 ? moe_buffers_bytes(a, share_x_act, share_gate_up) : 0;
+  const int64_t moe_bytes = E > 0 ? moe_buffers_bytes(a, share_x_act, share_x_act || fp8_wgrad, share_gate_up) : 0;
   const int64_t core_bytes = attention_and_norms_bytes(a), input_bytes = a.T * c.dim * 2;
   const int64_t n_layers = c.n_layers;
   const int64_t recomputed = layout.recompute_layers < 0 ? n_layers : std::min(layout.recompute_layers, n_layers);
@@ -254,6 +258,9 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
     if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;
   }
   m.step_buffers = step_buffers_bytes(a, c.vocab_size, n_layers);
+  // fp8 weight gradients without recompute_experts: the one act buffer the layers share.
+  if (fp8_wgrad && !share_x_act && E > 0 && n_layers > c.first_dense_layers)
+    m.step_buffers += a.rows.max_local_rows * a.F * 2;
   // training.precision = fp8: one or two operands' quantised rows (codes and 1x128 scales), shared
   // by the layers; every MoE layer's quantised expert weights (fp8_weight_cache), or else
   // scratch for two of the local experts' weight tensors (codes and 128x128 scales).
@@ -264,6 +271,8 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
       m.fp8_weights = std::max<int64_t>(0, n_layers - c.first_dense_layers) * fp8_expert_weight_sizes(L, c.dim, a.F).bytes();
     else
       m.step_buffers += 2 * L * c.dim * a.F + 2 * L * ceil_div(c.dim, 128) * ceil_div(a.F, 128) * 4;
+    if (config.training.fp8_weight_gradients)  // the token columns of the weight gradients' operands
+      m.step_buffers += fp8_token_column_sizes(RL, L, c.dim, a.F).bytes();
   }
   // ... and the dense projections' (ProjectionGemms): the rows and the weight of the largest
   // projection GEMM that runs in fp8 (model/gpu_buffer_sizes.h).
@@ -281,7 +290,10 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   // Workspaces: cuBLAS, the grouped GEMMs, cuDNN's deterministic attention backward (a
   // B x H x S x S bf16 dP buffer), NCCL.
   m.workspace = kBlasWorkspace + (E > 0 ? kGroupedGemmWorkspace : 0) + nccl_bytes(layout);
-  if (E > 0 && config.training.precision == TrainingPrecision::Fp8) m.workspace += kGroupedGemmWorkspace;  // ExpertGemmFp8's
+  if (E > 0 && config.training.precision == TrainingPrecision::Fp8) {
+    m.workspace += kGroupedGemmWorkspace;  // ExpertGemmFp8's
+    if (config.training.fp8_weight_gradients) m.workspace += kGroupedGemmWorkspace;  // ExpertWeightGemmFp8's
+  }
   if (config.training.deterministic) m.workspace += a.B * a.H * a.S * a.S * 2;
   m.runtime = kCudaRuntime;
   return m;

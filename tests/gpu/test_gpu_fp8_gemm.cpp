@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <string>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -245,6 +246,160 @@ TEST(GpuFp8Quantize, SwigluBackwardFusedWithTheQuantisationMatchesBoth) {
   EXPECT_THROW(cuda::swiglu_backward_fp8(got_d.data(), codes_d.data(), scales_d.data(), dact_d.data(),
                                          gate_up_d.data(), offsets_d.data(), E, R, 200, nullptr),
                Error);
+}
+
+// The weight gradients' operands: padded offsets and the transposing quantiser bit for bit
+// the CPU's (ragged experts with empty ones, a last expert of one row, rows past the last,
+// a feature count that ends inside a 128-block), columns past the padded tokens untouched.
+TEST(GpuFp8Quantize, TokenColumnsMatchTheCpu) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int32_t> rows = {3, 0, 130, 128, 0, 1};
+  const std::vector<int32_t> offsets = offsets_of(rows);
+  const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E] + 4, W = 200, ld_x = 208;
+  const int64_t ld_t = (R + E * 127 + 15) / 16 * 16;
+  const std::vector<bf16> x = activations(R, ld_x, 11);
+  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  std::vector<uint8_t> want_codes(static_cast<size_t>(W * ld_t), 0xff);
+  std::vector<float> want_scales(static_cast<size_t>(P_E1.back() / kBlock * W));
+  std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
+  fp8::quantize_token_columns(want_codes.data(), ld_t, want_scales.data(), x.data(), ld_x, offsets.data(), E, W);
+  auto x_d = to_device(x);
+  auto offsets_d = to_device(offsets);
+  gpu::DeviceArray<int64_t> P_d(static_cast<size_t>(E + 1));
+  cuda::padded_token_offsets(P_d.data(), offsets_d.data(), E, nullptr);
+  EXPECT_EQ(to_host(P_d), P_E1);
+  auto codes_d = poisoned<uint8_t>(W * ld_t);
+  auto scales_d = poisoned<float>(want_scales.size());
+  cuda::quantize_token_columns(codes_d.data(), ld_t, scales_d.data(), x_d.data(), ld_x, offsets_d.data(), P_d.data(), E,
+                               R, W, nullptr);
+  expect_same(to_host(codes_d), want_codes, want_codes.size(), "codes");
+  expect_same(to_host(scales_d), want_scales, want_scales.size(), "scales");
+  EXPECT_THROW(cuda::quantize_token_columns(codes_d.data(), ld_t - 16 * 64, scales_d.data(), x_d.data(), ld_x,
+                                            offsets_d.data(), P_d.data(), E, R, W, nullptr),
+               Error);
+}
+
+// SwiGLU's backward for the fp8 weight gradients: d gate's and d up's row codes and scales
+// those of swiglu_backward_fp8 bit for bit (rows below offsets[E]); the token columns of
+// act, d gate and d up those of the CPU's quantize_token_columns over swiglu_forward's and
+// swiglu_backward's bf16 outputs (ragged experts, empty ones, one past 128 rows).
+TEST(GpuFp8Quantize, SwigluBackwardToTokenColumnsMatchesTheUnfusedPath) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int32_t> rows = {2, 0, 165, 1, 0, 37};
+  const std::vector<int32_t> offsets = offsets_of(rows);
+  const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E] + 3, F = 384, FB = 3;
+  const int64_t ld_t = (R + E * 127 + 15) / 16 * 16;
+  std::vector<bf16> gate_up = activations(R, 2 * F, 7);
+  const std::vector<bf16> dact = activations(R, F, 8);
+  for (int64_t f = 0; f < 2 * F; ++f) gate_up[static_cast<size_t>(4 * 2 * F + f)] = bf16{0};  // zero gradients
+  auto gate_up_d = to_device(gate_up);
+  auto dact_d = to_device(dact);
+  auto offsets_d = to_device(offsets);
+  // The unfused path: bf16 act and d gate | d up, the row codes, and on the CPU the columns.
+  auto act_d = poisoned<bf16>(R * F), dgu_d = poisoned<bf16>(R * 2 * F);
+  cuda::swiglu_forward(act_d.data(), gate_up_d.data(), R, F, nullptr);
+  auto want_codes_d = poisoned<uint8_t>(2 * R * F);
+  auto want_scales_d = poisoned<float>(2 * R * FB);
+  cuda::swiglu_backward_fp8(dgu_d.data(), want_codes_d.data(), want_scales_d.data(), dact_d.data(), gate_up_d.data(),
+                            offsets_d.data(), E, R, F, nullptr);
+  const std::vector<bf16> act = to_host(act_d), dgu = to_host(dgu_d);
+  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  const int64_t blocks = (ld_t + kBlock - 1) / kBlock;
+  std::vector<uint8_t> want_columns(static_cast<size_t>(3 * F * ld_t), 0xff);
+  std::vector<float> want_column_scales(static_cast<size_t>(3 * F * blocks));
+  std::memset(want_column_scales.data(), 0xff, want_column_scales.size() * sizeof(float));
+  const bf16* sources[3] = {act.data(), dgu.data(), dgu.data() + F};
+  const int64_t ld_sources[3] = {F, 2 * F, 2 * F};
+  for (int o = 0; o < 3; ++o)
+    fp8::quantize_token_columns(want_columns.data() + o * F * ld_t, ld_t, want_column_scales.data() + o * F * blocks,
+                                sources[o], ld_sources[o], offsets.data(), E, F);
+  auto P_d = to_device(P_E1);
+  auto codes_d = poisoned<uint8_t>(2 * R * F);
+  auto scales_d = poisoned<float>(2 * R * FB);
+  auto columns_d = poisoned<uint8_t>(3 * F * ld_t);
+  auto column_scales_d = poisoned<float>(3 * F * blocks);
+  cuda::swiglu_backward_fp8_columns(codes_d.data(), scales_d.data(), columns_d.data(), column_scales_d.data(), ld_t,
+                                    dact_d.data(), gate_up_d.data(), offsets_d.data(), P_d.data(), E, R, F, nullptr);
+  // Rows below offsets[E] only (neither kernel writes the others), in both sets.
+  const int64_t kept = offsets[E];
+  const std::vector<uint8_t> codes = to_host(codes_d), want_codes = to_host(want_codes_d);
+  const std::vector<float> scales = to_host(scales_d), want_scales = to_host(want_scales_d);
+  for (int64_t set = 0; set < 2; ++set) {
+    const std::vector<uint8_t> got(codes.begin() + set * R * F, codes.begin() + set * R * F + kept * F);
+    const std::vector<uint8_t> want(want_codes.begin() + set * R * F, want_codes.begin() + set * R * F + kept * F);
+    expect_same(got, want, want.size(), "row codes of set " + std::to_string(set));
+    const std::vector<float> got_s(scales.begin() + set * R * FB, scales.begin() + set * R * FB + kept * FB);
+    const std::vector<float> want_s(want_scales.begin() + set * R * FB, want_scales.begin() + set * R * FB + kept * FB);
+    expect_same(got_s, want_s, want_s.size(), "row scales of set " + std::to_string(set));
+  }
+  // Each operand's columns up to the padded tokens, and its scales.
+  const std::vector<uint8_t> columns = to_host(columns_d);
+  const std::vector<float> column_scales = to_host(column_scales_d);
+  for (int o = 0; o < 3; ++o) {
+    std::vector<uint8_t> got, want;
+    for (int64_t f = 0; f < F; ++f)
+      for (int64_t t = 0; t < P_E1.back(); ++t) {
+        const size_t at = static_cast<size_t>((o * F + f) * ld_t + t);
+        got.push_back(columns[at]);
+        want.push_back(want_columns[at]);
+      }
+    expect_same(got, want, want.size(), "token columns of operand " + std::to_string(o));
+    const size_t n = static_cast<size_t>(P_E1.back() / kBlock * F), base = static_cast<size_t>(o * F * blocks);
+    const std::vector<float> got_s(column_scales.begin() + base, column_scales.begin() + base + n);
+    const std::vector<float> want_s(want_column_scales.begin() + base, want_column_scales.begin() + base + n);
+    expect_same(got_s, want_s, n, "token column scales of operand " + std::to_string(o));
+  }
+  EXPECT_THROW(cuda::swiglu_backward_fp8_columns(codes_d.data(), scales_d.data(), columns_d.data(),
+                                                 column_scales_d.data(), ld_t - 16 * 64, dact_d.data(),
+                                                 gate_up_d.data(), offsets_d.data(), P_d.data(), E, R, F, nullptr),
+               Error);
+}
+
+// The fp8 weight-gradient GEMM against the CPU's blockwise arithmetic on the same codes
+// (expect_gemm_close's bound, sum |a b| from the codes' magnitudes): fp32 and bf16
+// gradients, beta 0 (experts without tokens zeroed) and beta 1 (added).
+TEST(GpuExpertWeightGemmFp8, MatchesTheCpuOnTokenColumns) {
+  MOE_REQUIRE_GPU();
+  const std::vector<int32_t> rows = {70, 0, 300, 1};
+  const std::vector<int32_t> offsets = offsets_of(rows);
+  const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E], M = 256, N = 128;
+  const int64_t ld_t = (R + E * 127 + 15) / 16 * 16;
+  const std::vector<bf16> dy = activations(R, M, 21), x = activations(R, N, 22);
+  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  std::vector<uint8_t> a(static_cast<size_t>(M * ld_t)), b(static_cast<size_t>(N * ld_t));
+  std::vector<float> sa(static_cast<size_t>(P_E1.back() / kBlock * M)), sb(static_cast<size_t>(P_E1.back() / kBlock * N));
+  fp8::quantize_token_columns(a.data(), ld_t, sa.data(), dy.data(), M, offsets.data(), E, M);
+  fp8::quantize_token_columns(b.data(), ld_t, sb.data(), x.data(), N, offsets.data(), E, N);
+  std::vector<float> want(static_cast<size_t>(E * M * N)), abs_sum(want.size());
+  fp8::weight_gradient_token_columns(want.data(), a.data(), sa.data(), b.data(), sb.data(), ld_t, P_E1, M, N, false);
+  // The same sums over |a| |b|: an e4m3 code's magnitude is its low 7 bits.
+  std::vector<uint8_t> a_abs = a, b_abs = b;
+  for (uint8_t& c : a_abs) c &= 0x7f;
+  for (uint8_t& c : b_abs) c &= 0x7f;
+  fp8::weight_gradient_token_columns(abs_sum.data(), a_abs.data(), sa.data(), b_abs.data(), sb.data(), ld_t, P_E1, M,
+                                     N, false);
+  const std::vector<double> want_d(want.begin(), want.end()), abs_d(abs_sum.begin(), abs_sum.end());
+  std::vector<double> want2_d(want_d), abs2_d(abs_d);
+  for (double& v : want2_d) v *= 2;
+  for (double& v : abs2_d) v *= 2;
+  auto a_d = to_device(a), b_d = to_device(b);
+  auto sa_d = to_device(sa), sb_d = to_device(sb);
+  auto P_d = to_device(P_E1);
+  cuda::ExpertWeightGemmFp8 gemm(E);
+  auto dw_d = poisoned<float>(E * M * N);
+  gemm.run(dw_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 0.0f, nullptr);
+  const std::vector<float> once = to_host(dw_d);
+  expect_gemm_close("fp8 weight gradients", once, want_d, abs_d);
+  for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(once[static_cast<size_t>(M * N + i)], 0.0f) << "expert 1 not zeroed";
+  gemm.run(dw_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 1.0f, nullptr);
+  std::vector<float> twice = to_host(dw_d);
+  expect_gemm_close("fp8 weight gradients, accumulated", twice, want2_d, abs2_d);
+  auto dw16_d = poisoned<bf16>(E * M * N);
+  gemm.run(dw16_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 0.0f, nullptr);
+  const std::vector<bf16> got16 = to_host(dw16_d);
+  std::vector<float> got16_f(got16.size());
+  for (size_t i = 0; i < got16.size(); ++i) got16_f[i] = bf16_to_float(got16[i]);
+  expect_gemm_close("fp8 weight gradients, bf16", got16_f, want_d, abs_d);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -4,11 +4,16 @@
 // model from the same weights: the losses and gradients close but not identical (each fp8
 // path runs); a model none of whose projections fits the dense FP8 GEMM is bf16 bit for
 // bit; reruns, expert and layer recomputation and CUDA graphs bit-identical (it is
-// deterministic); a short training run's loss falls as bf16's does.
+// deterministic); a short training run's loss falls as bf16's does. The experts' weight
+// gradients in fp8 too (fp8_weight_gradients): only those gradients move, within e4m3's
+// noise, with fp32 and bf16 gradients, bit-identical across reruns, recomputation and graphs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -26,6 +31,7 @@ namespace {
 struct Fp8Run {
   std::vector<double> losses;  // ce per micro-batch (or per step)
   std::vector<float> grads;    // after the micro-batches of the first step
+  std::vector<bool> expert;    // per element of grads: an expert weight's (w1, w2, w3 of the routed experts)
 };
 
 // What runs in fp8, and how the step is run.
@@ -34,6 +40,8 @@ struct Mode {
   ExpertRecompute recompute = ExpertRecompute::None;
   int64_t recompute_layers = 0;
   bool graphs = false;
+  bool weight_gradients = false;  // the experts' weight gradients in fp8 too
+  bool bf16_grads = false;        // the experts' gradients in bf16 (training.expert_grad_dtype)
 };
 constexpr Mode kBf16{}, kExperts{true, false}, kProjections{false, true}, kAll{true, true};
 
@@ -46,6 +54,8 @@ Fp8Run run(const Mode& mode, int steps, const ModelConfig& config = test::small_
   options.fp8_projections = mode.projections;
   options.recompute_experts = mode.recompute;
   options.recompute_layers = mode.recompute_layers;
+  options.fp8_weight_gradients = mode.weight_gradients;
+  options.bf16_expert_grads = mode.bf16_grads;
   GpuTransformer gpu(config, host.params(), options);
   gpu.enable_graphs(mode.graphs);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
@@ -68,19 +78,26 @@ Fp8Run run(const Mode& mode, int steps, const ModelConfig& config = test::small_
     if (step == 0) {
       gpu.download_grads(host.params());
       auto& params = host.params();
-      for (int id = 0; id < params.size(); ++id)
+      for (int id = 0; id < params.size(); ++id) {
         r.grads.insert(r.grads.end(), params.grad(id), params.grad(id) + params.numel(id));
+        const std::string& name = params.spec(id).name;
+        const bool expert = name.find(".experts.w") != std::string::npos;
+        r.expert.insert(r.expert.end(), static_cast<size_t>(params.numel(id)), expert);
+      }
     }
     optimizer.adamw_step(AdamWStep{3e-3, 0.9, 0.95, 1e-8, 0.0, step + 1}, 1.0f);
   }
   return r;
 }
 
-// ||g - g16|| / ||g16|| over the whole gradient (every element finite).
-double relative_distance(const Fp8Run& run, const Fp8Run& bf16) {
+// ||g - g16|| / ||g16|| over the whole gradient, or over the experts' weights' or the
+// other parameters' elements (every element finite).
+enum class Part { All, Experts, Others };
+double relative_distance(const Fp8Run& run, const Fp8Run& bf16, Part part = Part::All) {
   EXPECT_EQ(run.grads.size(), bf16.grads.size());
   double diff = 0, norm = 0;
   for (size_t i = 0; i < bf16.grads.size() && i < run.grads.size(); ++i) {
+    if (part != Part::All && bf16.expert[i] != (part == Part::Experts)) continue;
     EXPECT_TRUE(std::isfinite(run.grads[i])) << i;
     diff += (double(run.grads[i]) - bf16.grads[i]) * (double(run.grads[i]) - bf16.grads[i]);
     norm += double(bf16.grads[i]) * bf16.grads[i];
@@ -181,6 +198,68 @@ TEST(GpuFp8Experts, TrainingLossFallsLikeBf16) {
   // The projections in fp8 too: more of the same noise (unmeasured when written; twice
   // the experts' margin).
   EXPECT_LT(all.losses.back(), bf16.losses.back() + 0.2 * bf16.losses.front());
+}
+
+// The experts' weight gradients in fp8 (token columns, one scale per feature and 128
+// tokens): in the first step nothing else reads them, so every other gradient and the
+// losses are the fp8 run's bit for bit; the experts' weights' gradients move by e4m3's
+// noise, with fp32 gradients (beta 1 over the second micro-batch) and with bf16 ones.
+TEST(GpuFp8WeightGradients, OnlyTheExpertWeightGradientsMoveAndStayClose) {
+  MOE_REQUIRE_GPU();
+  Mode wgrad = kAll, bf16_grads = kAll, wgrad_bf16_grads = kAll;
+  wgrad.weight_gradients = wgrad_bf16_grads.weight_gradients = true;
+  bf16_grads.bf16_grads = wgrad_bf16_grads.bf16_grads = true;
+  const Fp8Run bf16 = run(kBf16, 1), fp8 = run(kAll, 1), fp8_wgrad = run(wgrad, 1);
+  const Fp8Run fp8_16 = run(bf16_grads, 1), fp8_wgrad_16 = run(wgrad_bf16_grads, 1);
+  ASSERT_TRUE(std::count(fp8.expert.begin(), fp8.expert.end(), true) > 0) << "no expert weights found by name";
+  for (const auto& [with, without, name] : {std::tuple{&fp8_wgrad, &fp8, "fp32 gradients"},
+                                             std::tuple{&fp8_wgrad_16, &fp8_16, "bf16 gradients"}}) {
+    EXPECT_EQ(with->losses, without->losses) << name;
+    EXPECT_EQ(relative_distance(*with, *without, Part::Others), 0.0) << name << ": a non-expert gradient moved";
+    const double moved = relative_distance(*with, *without, Part::Experts);
+    std::printf("  %s: expert weight gradients %.4f from the bf16 weight-gradient GEMMs', %.4f (before %.4f) from "
+                "bf16's\n",
+                name, moved, relative_distance(*with, bf16, Part::Experts),
+                relative_distance(*without, bf16, Part::Experts));
+    EXPECT_GT(moved, 0.0) << name << ": the fp8 weight gradients did not run";
+    // Each product of two e4m3 codes carries ~2^-4 relative error; summed over a
+    // gradient's tokens they stay a few percent of its norm. A scale from the wrong
+    // feature or token block moves an element by a power of two: distances of order 1.
+    EXPECT_LT(moved, 0.1) << name;
+  }
+}
+
+TEST(GpuFp8WeightGradients, RerunsAndRecomputationAndGraphsAreBitIdentical) {
+  MOE_REQUIRE_GPU();
+  Mode wgrad = kAll;
+  wgrad.weight_gradients = true;
+  const Fp8Run first = run(wgrad, 2), again = run(wgrad, 2);
+  EXPECT_EQ(again.losses, first.losses);
+  EXPECT_TRUE(again.grads == first.grads) << "an fp8 weight-gradient rerun's gradients differ";
+  Mode experts_recomputed = wgrad, swiglu_recomputed = wgrad, graphs = wgrad;
+  experts_recomputed.recompute = ExpertRecompute::All;
+  swiglu_recomputed.recompute = ExpertRecompute::Swiglu;
+  graphs.graphs = true;
+  for (const auto& [mode, name] : {std::pair{experts_recomputed, "recompute_experts = all"},
+                                   std::pair{swiglu_recomputed, "recompute_experts = swiglu"},
+                                   std::pair{graphs, "CUDA graphs"}}) {
+    const Fp8Run other = run(mode, 2);
+    EXPECT_EQ(other.losses, first.losses) << name;
+    EXPECT_TRUE(other.grads == first.grads) << name << " changes the fp8 weight gradients";
+  }
+}
+
+TEST(GpuFp8WeightGradients, TrainingLossFallsLikeFp8) {
+  MOE_REQUIRE_GPU();
+  const int steps = 30;
+  Mode wgrad = kAll;
+  wgrad.weight_gradients = true;
+  const Fp8Run fp8 = run(kAll, steps), fp8_wgrad = run(wgrad, steps);
+  std::printf("  loss after %d steps (first %.3f): fp8 %.3f, fp8 weight gradients too %.3f\n", steps,
+              fp8.losses.front(), fp8.losses.back(), fp8_wgrad.losses.back());
+  for (double loss : fp8_wgrad.losses) ASSERT_TRUE(std::isfinite(loss));
+  EXPECT_LT(fp8_wgrad.losses.back(), 0.8 * fp8_wgrad.losses.front()) << "fp8 weight gradients: did not learn";
+  EXPECT_LT(fp8_wgrad.losses.back(), fp8.losses.back() + 0.1 * fp8.losses.front());
 }
 
 }  // namespace

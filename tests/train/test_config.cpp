@@ -305,6 +305,12 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
                    .training.fp8_weight_cache);
   expect_config_error([] { parse_config("", "x.toml", {"training.fp8_weight_cache=false"}); },
                       {"training.fp8_weight_cache = false", "training.precision = fp8"});
+  EXPECT_FALSE(fp8.training.fp8_weight_gradients);
+  EXPECT_TRUE(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda",
+                                           "training.fp8_weight_gradients=true"})
+                  .training.fp8_weight_gradients);
+  expect_config_error([] { parse_config("", "x.toml", {"training.fp8_weight_gradients=true"}); },
+                      {"training.fp8_weight_gradients = true", "training.precision = fp8"});
   // device = auto that resolves to the CPU (no GPU visible): refused when the backend is made.
   RunConfig on_auto = parse_config("", "x.toml", {"training.precision=fp8", "model.vocab_size=512"});
   if (wants_gpu(on_auto.training)) GTEST_SKIP() << "a GPU is visible: auto resolves to it";
@@ -430,6 +436,7 @@ TEST(Config, EveryFieldRoundTrips) {
         c.training.device = TrainingDevice::Cuda;
         c.model.moe.expert_hidden = 128;
         c.training.fp8_weight_cache = false;
+        c.training.fp8_weight_gradients = true;
       },
   };
   const std::string default_text = config_to_toml(RunConfig{});

@@ -376,6 +376,19 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   fp8.training.fp8_weight_cache = false;
   const MemoryEstimate c = estimate_memory(fp8, configured_layout(fp8, 1, 1));
   EXPECT_EQ(c.step_buffers - a.step_buffers, expert_rows + 2 * 8 * 512 * 1024 + 2 * 8 * 4 * 8 * 4 + projections);
+  // fp8 weight gradients: token columns for 3 x hidden + dim = 3584 features of 2048 rows +
+  // 127 per expert (3064 tokens, 24 blocks of 128), a scale per feature and block, and the
+  // weight GEMM's workspace.
+  fp8.training.fp8_weight_cache = true;
+  fp8.training.fp8_weight_gradients = true;
+  const MemoryEstimate d = estimate_memory(fp8, configured_layout(fp8, 1, 1));
+  EXPECT_EQ(fp8_token_column_sizes(2048, 8, 512, 1024).ld_t, 3072);
+  // SwiGLU's bf16 act is unread: one buffer [2048, 1024] for the layers instead of one each.
+  EXPECT_EQ(d.step_buffers - b.step_buffers, 3584 * 3072 + 3584 * 24 * 4 + 2048 * 1024 * 2);
+  ASSERT_EQ(d.layer_activations.size(), b.layer_activations.size());
+  for (size_t l = 0; l < d.layer_activations.size(); ++l)
+    EXPECT_EQ(b.layer_activations[l] - d.layer_activations[l], 2048 * 1024 * 2) << "layer " << l;
+  EXPECT_EQ(d.workspace - b.workspace, 64 << 20);
 }
 
 // The expert-parallel dispatcher's extra scratch (GpuExpertParallelDispatcher::plan):

@@ -18,8 +18,12 @@ namespace {
 
 using fp8::kBlock;
 
-__device__ __forceinline__ uint8_t to_e4m3(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+// Four e4m3 codes in a word (a in the low byte; saturating, to nearest even), converted in
+// pairs: the instruction a single conversion issues too, half as many times.
+__device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return lo | hi << 16;
 }
 
 // The first expert whose rows reach past row r (offsets ascending; empty experts skipped).
@@ -108,10 +112,7 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
     uint32_t words[V / 4];
 #pragma unroll
     for (int w = 0; w < V / 4; ++w)
-      words[w] = static_cast<uint32_t>(to_e4m3(v[4 * w] * inverse)) |
-                 static_cast<uint32_t>(to_e4m3(v[4 * w + 1] * inverse)) << 8 |
-                 static_cast<uint32_t>(to_e4m3(v[4 * w + 2] * inverse)) << 16 |
-                 static_cast<uint32_t>(to_e4m3(v[4 * w + 3] * inverse)) << 24;
+      words[w] = pack4_e4m3(v[4 * w] * inverse, v[4 * w + 1] * inverse, v[4 * w + 2] * inverse, v[4 * w + 3] * inverse);
     uint8_t* out = codes_RK + r * K + kb * kBlock + lane * V;
     if constexpr (V == 8) *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
     else *reinterpret_cast<uint32_t*>(out) = words[0];
@@ -121,9 +122,8 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
 // A 1 x 128 tile of row r (tile kb of KB along the row) held by 16 consecutive lanes, 8
 // bf16-exact values each: its power-of-two scale (written by the tile's first lane where
 // fp8::activation_scale_index puts it for r's expert) and its 8 codes per lane at `out`.
-__device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], uint8_t* out, float* scales,
-                                                   const int32_t* offsets_E1, int64_t E, int64_t R, int64_t r,
-                                                   int64_t kb, int64_t KB, int lane) {
+// tile_codes_of_8 writes the codes and returns the scale, for callers that know where it goes.
+__device__ __forceinline__ float tile_codes_of_8(const float (&v)[kVecElems], uint8_t* out) {
   constexpr int kLanes = kBlock / kVecElems;
   float amax = 0.0f;
 #pragma unroll
@@ -132,15 +132,18 @@ __device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], 
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
   const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
-  if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
   uint32_t words[2];
 #pragma unroll
   for (int w = 0; w < 2; ++w)
-    words[w] = static_cast<uint32_t>(to_e4m3(v[4 * w] * inverse)) |
-               static_cast<uint32_t>(to_e4m3(v[4 * w + 1] * inverse)) << 8 |
-               static_cast<uint32_t>(to_e4m3(v[4 * w + 2] * inverse)) << 16 |
-               static_cast<uint32_t>(to_e4m3(v[4 * w + 3] * inverse)) << 24;
+    words[w] = pack4_e4m3(v[4 * w] * inverse, v[4 * w + 1] * inverse, v[4 * w + 2] * inverse, v[4 * w + 3] * inverse);
   *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
+  return scale;
+}
+__device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], uint8_t* out, float* scales,
+                                                   const int32_t* offsets_E1, int64_t E, int64_t R, int64_t r,
+                                                   int64_t kb, int64_t KB, int lane) {
+  const float scale = tile_codes_of_8(v, out);
+  if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
 }
 
 // SwiGLU fused with the quantisation of its output (swiglu_forward_fp8): a tile's 16
@@ -237,6 +240,191 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_backward_quantize_kernel(
   }
 }
 
+// Token columns (quantize_token_columns): one block of 256 threads per 128 tokens of one
+// expert x 128 features. The tile goes through shared memory (16-byte loads along the
+// features, rows padded by 16 bytes against bank conflicts; tokens past the expert's rows
+// read as zeros); two threads per feature take the amax of 64 tokens each; then each
+// writes its 64 codes of the feature's column as four 16-byte stores.
+constexpr int kColumnThreads = 256;
+constexpr int kColumnPad = 8;  // bf16 per tile row beyond the 128
+
+__global__ void padded_token_offsets_kernel(int64_t* P_E1, const int32_t* offsets_E1, int64_t E) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int64_t P = 0;
+  P_E1[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    P += (static_cast<int64_t>(offsets_E1[e + 1] - offsets_E1[e]) + kBlock - 1) / kBlock * kBlock;
+    P_E1[e + 1] = P;
+  }
+}
+
+// The padded token block `column` (a multiple of 128) of the padded offsets: its expert, the
+// expert's first padded column, the block's index in it, its first row and the rows left
+// from there (more than 128 when the expert goes on).
+struct TokenBlock {
+  int64_t e, P_e, tb, first, rows;
+};
+__device__ __forceinline__ TokenBlock token_block(int64_t column, const int32_t* offsets_E1, const int64_t* P_E1,
+                                                  int64_t E) {
+  int64_t lo = 0, hi = E - 1;  // the last e with P_E1[e] <= column
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (P_E1[mid] <= column) lo = mid;
+    else hi = mid - 1;
+  }
+  const int64_t tb = (column - P_E1[lo]) / kBlock;
+  return {lo, P_E1[lo], tb, offsets_E1[lo] + tb * kBlock, offsets_E1[lo + 1] - offsets_E1[lo] - tb * kBlock};
+}
+
+// A 128-token x 128-feature tile in shared memory (tokens past the expert's rows zero) to
+// its token columns: each thread takes two adjacent features (one 4-byte load a token) over
+// a quarter of the tokens, the four quarters' amax meet in `partial`; then each writes its
+// 32 codes of each feature's column as two 16-byte stores. The tile's features start at f0
+// of W (even); columns from `column` of codes_t [W, ld_t]. Ends with the block synced.
+constexpr int kColumnQuarters = kColumnThreads / (kBlock / 2);  // 4
+constexpr int kQuarterTokens = kBlock / kColumnQuarters;        // 32
+__device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile)[kBlock + kColumnPad],
+                                                      float (*partial)[kBlock], uint8_t* codes_t, int64_t ld_t,
+                                                      float* scales_t, const TokenBlock& b, int64_t column, int64_t f0,
+                                                      int64_t W) {
+  const int pair = threadIdx.x % (kBlock / 2), quarter = threadIdx.x / (kBlock / 2);
+  float v[2][kQuarterTokens];
+  float amax[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int t = 0; t < kQuarterTokens; ++t) {
+    const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&tile[quarter * kQuarterTokens + t][2 * pair]);
+    v[0][t] = __low2float(h);
+    v[1][t] = __high2float(h);
+    amax[0] = fmaxf(amax[0], fabsf(v[0][t]));
+    amax[1] = fmaxf(amax[1], fabsf(v[1][t]));
+  }
+  partial[quarter][2 * pair] = amax[0];
+  partial[quarter][2 * pair + 1] = amax[1];
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = 2 * pair + h;
+    if (f0 + f >= W) continue;
+    float m = 0.0f;
+#pragma unroll
+    for (int q = 0; q < kColumnQuarters; ++q) m = fmaxf(m, partial[q][f]);
+    const float scale = fp8::block_scale(m), inverse = 1.0f / scale;
+    if (quarter == 0) scales_t[fp8::token_column_scale_index(b.P_e, b.tb, f0 + f, W)] = scale;
+    uint8_t* out = codes_t + (f0 + f) * ld_t + column + quarter * kQuarterTokens;
+    const float* x = v[h];
+#pragma unroll
+    for (int q = 0; q < kQuarterTokens / 16; ++q) {
+      uint32_t words[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int t = q * 16 + w * 4;
+        words[w] = pack4_e4m3(x[t] * inverse, x[t + 1] * inverse, x[t + 2] * inverse, x[t + 3] * inverse);
+      }
+      *reinterpret_cast<uint4*>(out + q * 16) = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+  }
+  __syncthreads();  // partial and the tile free for the next use
+}
+
+__global__ void __launch_bounds__(kColumnThreads)
+    quantize_token_columns_kernel(uint8_t* codes_t, int64_t ld_t, float* scales_t, const __nv_bfloat16* x,
+                                  int64_t ld_x, const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t W) {
+  __shared__ __align__(16) __nv_bfloat16 tile[kBlock][kBlock + kColumnPad];
+  __shared__ float partial[kColumnQuarters][kBlock];
+  const int64_t column = static_cast<int64_t>(blockIdx.x) * kBlock;  // the block's first padded token
+  if (column >= P_E1[E]) return;
+  const TokenBlock b = token_block(column, offsets_E1, P_E1, E);
+  const int64_t f0 = static_cast<int64_t>(blockIdx.y) * kBlock;
+  const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
+#pragma unroll
+  for (int j = 0; j < kBlock / 16; ++j) {
+    const int t = row0 + 16 * j;
+    const int64_t f = f0 + chunk * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (t < b.rows && f < W) v = *reinterpret_cast<const uint4*>(x + (b.first + t) * ld_x + f);
+    *reinterpret_cast<uint4*>(&tile[t][chunk * 8]) = v;
+  }
+  __syncthreads();
+  tile_to_token_columns(tile, partial, codes_t, ld_t, scales_t, b, column, f0, W);
+}
+
+// SwiGLU's backward for the fp8 weight gradients (swiglu_backward_fp8_columns): per 128
+// padded tokens of one expert x 128 features, 16 threads a row of the tile as
+// swiglu_backward_quantize_kernel's (the same values, row codes and scales), and act
+// (swiglu_forward's values), d gate and d up as bf16 through three shared tiles to their
+// token columns.
+constexpr int kSwigluColumnTiles = 3;
+constexpr int kSwigluColumnRowsInFlight = 4;  // rows of a thread's loads issued before the first is used
+constexpr size_t kSwigluColumnSmem = kSwigluColumnTiles * kBlock * (kBlock + kColumnPad) * sizeof(__nv_bfloat16);
+__global__ void __launch_bounds__(kColumnThreads, 2) swiglu_backward_columns_kernel(
+    uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3, int64_t ld_t,
+    int64_t column_scale_stride, const __nv_bfloat16* dact, const __nv_bfloat16* gate_up, const int32_t* offsets_E1,
+    const int64_t* P_E1, int64_t E, int64_t R, int64_t F) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  auto tiles = reinterpret_cast<__nv_bfloat16(*)[kBlock][kBlock + kColumnPad]>(smem);  // act, d gate, d up
+  __shared__ float partial[kColumnQuarters][kBlock];
+  const int64_t column = static_cast<int64_t>(blockIdx.x) * kBlock;
+  if (column >= P_E1[E]) return;
+  const TokenBlock b = token_block(column, offsets_E1, P_E1, E);
+  const int64_t rows_e = offsets_E1[b.e + 1] - offsets_E1[b.e], FB = F / kBlock, fb = blockIdx.y;
+  const int64_t f0 = fb * kBlock;
+  const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
+  const int64_t f = f0 + chunk * 8;
+  // Rows row0 + 16 j, kSwigluColumnRowsInFlight at a time: every load of a group issued
+  // before the first value is used, so each SM keeps enough bytes in flight.
+  for (int j0 = 0; j0 < kBlock / 16; j0 += kSwigluColumnRowsInFlight) {
+    uint4 g_packed[kSwigluColumnRowsInFlight], u_packed[kSwigluColumnRowsInFlight],
+        da_packed[kSwigluColumnRowsInFlight];
+#pragma unroll
+    for (int i = 0; i < kSwigluColumnRowsInFlight; ++i) {
+      const int t = row0 + 16 * (j0 + i);
+      if (t < b.rows) {
+        const int64_t r = b.first + t;
+        g_packed[i] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + f);
+        u_packed[i] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + F + f);
+        da_packed[i] = *reinterpret_cast<const uint4*>(dact + r * F + f);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kSwigluColumnRowsInFlight; ++i) {
+      const int t = row0 + 16 * (j0 + i);
+      uint4 a_rounded = make_uint4(0, 0, 0, 0), dg_rounded = a_rounded, du_rounded = a_rounded;
+      if (t < b.rows) {  // the same for a row's 16 threads
+        const int64_t r = b.first + t;
+        float g[kVecElems], up[kVecElems], da[kVecElems], a[kVecElems], dg[kVecElems], du[kVecElems];
+        unpack8(g_packed[i], g);
+        unpack8(u_packed[i], up);
+        unpack8(da_packed[i], da);
+#pragma unroll
+        for (int k = 0; k < kVecElems; ++k) {
+          a[k] = swiglu_value(g[k], up[k]);
+          swiglu_grads(g[k], up[k], da[k], dg[k], du[k]);
+        }
+        a_rounded = pack8(a);
+        dg_rounded = pack8(dg);
+        du_rounded = pack8(du);
+        float v[kVecElems];
+        unpack8(dg_rounded, v);
+        const float dg_scale = tile_codes_of_8(v, codes_2RF + r * F + f);
+        unpack8(du_rounded, v);
+        const float du_scale = tile_codes_of_8(v, codes_2RF + R * F + r * F + f);
+        if (chunk == 0) {
+          const int64_t scale_at = fp8::activation_scale_index(offsets_E1[b.e], rows_e, r, fb, FB);
+          scales_2[scale_at] = dg_scale;
+          scales_2[R * FB + scale_at] = du_scale;
+        }
+      }
+      *reinterpret_cast<uint4*>(&tiles[0][t][chunk * 8]) = a_rounded;
+      *reinterpret_cast<uint4*>(&tiles[1][t][chunk * 8]) = dg_rounded;
+      *reinterpret_cast<uint4*>(&tiles[2][t][chunk * 8]) = du_rounded;
+    }
+  }
+  __syncthreads();
+  for (int o = 0; o < kSwigluColumnTiles; ++o)
+    tile_to_token_columns(tiles[o], partial, columns_3FP + o * F * ld_t, ld_t,
+                          column_scales_3 + o * column_scale_stride, b, column, f0, F);
+}
+
 // Weights: one block of 256 threads per 128 x 128 weight block. The block's bf16 values are
 // read once, 16 bytes a load (8 loads a thread in flight: 32 KB a block), kept in
 // registers for the amax and the codes; the codes go out as they are (8 bytes a store)
@@ -309,10 +497,8 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t
     uint32_t words[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      words[h] = static_cast<uint32_t>(to_e4m3(__low2float(pairs[2 * h]) * inverse)) |
-                 static_cast<uint32_t>(to_e4m3(__high2float(pairs[2 * h]) * inverse)) << 8 |
-                 static_cast<uint32_t>(to_e4m3(__low2float(pairs[2 * h + 1]) * inverse)) << 16 |
-                 static_cast<uint32_t>(to_e4m3(__high2float(pairs[2 * h + 1]) * inverse)) << 24;
+      words[h] = pack4_e4m3(__low2float(pairs[2 * h]) * inverse, __high2float(pairs[2 * h]) * inverse,
+                            __low2float(pairs[2 * h + 1]) * inverse, __high2float(pairs[2 * h + 1]) * inverse);
     tile[tile_word(dn, 2 * chunk)] = words[0];
     tile[tile_word(dn, 2 * chunk + 1)] = words[1];
     if (codes_ENK == nullptr || n >= N) continue;
@@ -422,6 +608,59 @@ void swiglu_backward_fp8(bf16* dgate_up_RF2, uint8_t* codes_2RF, float* scales_2
   swiglu_backward_quantize_kernel<<<static_cast<unsigned>((tiles + per_block - 1) / per_block), kRowThreads, 0,
                                     stream>>>(as_cuda(dgate_up_RF2), codes_2RF, scales_2, as_cuda(dact_RF),
                                               as_cuda(gate_up_RF2), offsets_E1, E, R, F);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void padded_token_offsets(int64_t* P_E1, const int32_t* offsets_E1, int64_t E, Stream stream) {
+  MOE_CHECKF(E >= 1, "fp8 token columns: offsets of %lld experts", static_cast<long long>(E));
+  padded_token_offsets_kernel<<<1, 32, 0, stream>>>(P_E1, offsets_E1, E);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
+                            const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t R, int64_t W,
+                            Stream stream) {
+  MOE_CHECKF(E >= 1 && W > 0 && W % 8 == 0 && ld_x >= W && ld_x % 8 == 0 && ld_t % 16 == 0 &&
+                 ld_t >= R + E * (kBlock - 1),
+             "fp8 token columns: %lld experts, %lld features (a multiple of 8) in rows of %lld, codes rows of %lld "
+             "(a multiple of 16, at least R + 127 E = %lld)",
+             static_cast<long long>(E), static_cast<long long>(W), static_cast<long long>(ld_x),
+             static_cast<long long>(ld_t), static_cast<long long>(R + E * (kBlock - 1)));
+  MOE_CHECKF(reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(codes_t_WP) % 16 == 0,
+             "fp8 token columns: x and the codes 16-byte aligned");
+  // Padded tokens are at most R + 127 E; blocks past the routing's own exit at once.
+  const int64_t token_blocks = (R + E * (kBlock - 1) + kBlock - 1) / kBlock;
+  const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>((W + kBlock - 1) / kBlock));
+  if (token_blocks == 0) return;
+  quantize_token_columns_kernel<<<grid, kColumnThreads, 0, stream>>>(codes_t_WP, ld_t, scales_t, as_cuda(x), ld_x,
+                                                                     offsets_E1, P_E1, E, W);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3,
+                                 int64_t ld_t, const bf16* dact_RF, const bf16* gate_up_RF2, const int32_t* offsets_E1,
+                                 const int64_t* P_E1, int64_t E, int64_t R, int64_t F, Stream stream) {
+  MOE_CHECKF(E >= 1 && F > 0 && F % kBlock == 0 && ld_t % 16 == 0 && ld_t >= R + E * (kBlock - 1),
+             "fp8 SwiGLU backward to token columns: %lld experts, F = %lld (a multiple of 128), codes rows of %lld "
+             "(a multiple of 16, at least R + 127 E = %lld)",
+             static_cast<long long>(E), static_cast<long long>(F), static_cast<long long>(ld_t),
+             static_cast<long long>(R + E * (kBlock - 1)));
+  MOE_CHECKF(reinterpret_cast<uintptr_t>(gate_up_RF2) % 16 == 0 && reinterpret_cast<uintptr_t>(dact_RF) % 16 == 0 &&
+                 reinterpret_cast<uintptr_t>(codes_2RF) % 8 == 0 && reinterpret_cast<uintptr_t>(columns_3FP) % 16 == 0,
+             "fp8 SwiGLU backward to token columns: gate|up, d act and the columns 16-byte aligned, the codes 8");
+  check_tiles(R * (F / kBlock), "fp8 SwiGLU backward to token columns");
+  const int64_t token_blocks = (R + E * (kBlock - 1) + kBlock - 1) / kBlock;
+  if (token_blocks == 0) return;
+  static const bool configured = [] {
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(swiglu_backward_columns_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kSwigluColumnSmem)));
+    return true;
+  }();
+  (void)configured;
+  const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>(F / kBlock));
+  swiglu_backward_columns_kernel<<<grid, kColumnThreads, kSwigluColumnSmem, stream>>>(
+      codes_2RF, scales_2, columns_3FP, column_scales_3, ld_t, F * fp8::blocks(ld_t), as_cuda(dact_RF),
+      as_cuda(gate_up_RF2), offsets_E1, P_E1, E, R, F);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

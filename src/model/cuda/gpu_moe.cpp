@@ -128,6 +128,8 @@ bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, 
     expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D);
   }
   const int64_t E = local_experts(layer), R = expert_rows(m);
+  // fp8 weight gradients: the backward's SwiGLU makes act's operand from gate|up itself.
+  if (fp8_weight_gradients && !for_down && E > 0) return false;
   if (!fp8 || !for_down || E == 0) {
     cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), R, F, stream);
     return false;
@@ -135,9 +137,11 @@ bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, 
   // fp8: act's codes and scales for the down projection straight from SwiGLU (the bits
   // quantising the bf16 act gives). The bf16 act is the weight gradient's input; with
   // recompute_experts the backward refills it (or this layer's recomputed forward writes
-  // it), so a first forward's is not written.
+  // it), so a first forward's is not written; with fp8 weight gradients nothing reads it.
   MOE_CHECK(R * F <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for {} x {} rows", R, F);
-  bf16* act = recompute_experts != ExpertRecompute::None && !recomputing ? nullptr : m.act_rows->data();
+  bf16* act = (recompute_experts != ExpertRecompute::None && !recomputing) || fp8_weight_gradients
+                  ? nullptr
+                  : m.act_rows->data();
   cuda::swiglu_forward_fp8(act, fp8_rows.data(), fp8_row_scales.data(), m.gate_up_rows->data(), expert_offsets(m), E,
                            R, F, stream);
   return true;
@@ -158,39 +162,31 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const int64_t R = expert_rows(m);
   const int32_t* offsets = expert_offsets(m);
   mark(kExperts);
+  const int w2[1] = {Fp8ExpertWeights::kW2}, w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
   expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, Fp8ExpertWeights::kW2, F, D, 0.0f);
-  const bf16* dy_sets[1] = {dy_rows};
-  const float beta = overwrite_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
-  if (bf16* dw2_16 = local_g16(layer, layer.w2)) {  // bf16 expert gradients
-    bf16* dw2[1] = {dw2_16};
-    expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream, beta);
+  if (fp8_weight_gradients && local_experts(layer) > 0) {
+    experts_backward_fp8_weights(layer, m, dy_rows);
   } else {
-    float* dw2[1] = {local_g(layer, layer.w2)};
-    expert_gemm->backward_weight(1, dw2, dy_sets, D, m.act_rows->data(), F, offsets, D, F, stream, beta);
-  }
-  // fp8: SwiGLU's backward writes d gate's and d up's codes and scales itself (the bits
-  // quantising its bf16 output gives), sets 0 and 1 of the row scratch.
-  const bool fused_fp8 = fp8 && local_experts(layer) > 0;
-  if (fused_fp8) {
-    MOE_CHECK(2 * R * F <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for 2 x {} x {} rows", R, F);
-    cuda::swiglu_backward_fp8(dgate_up_rows.data(), fp8_rows.data(), fp8_row_scales.data(), dact_rows.data(),
-                              m.gate_up_rows->data(), offsets, local_experts(layer), R, F, stream);
-  } else {
-    cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
-  }
-  // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
-  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f,
-                       fused_fp8 ? 0 : -1);
-  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, Fp8ExpertWeights::kW3, D, F,
-                       1.0f, fused_fp8 ? 1 : -1);
-  const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
-  if (store->grads_bf16()) {
-    bf16* dw13[2] = {local_g16(layer, layer.w1), local_g16(layer, layer.w3)};
-    expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream, beta);
-  } else {
-    float* dw13[2] = {local_g(layer, layer.w1), local_g(layer, layer.w3)};
-    expert_gemm->backward_weight(2, dw13, dgate_up, 2 * F, m.x_rows->data(), D, offsets, F, D, stream, beta);
+    const bf16* dy_sets[1] = {dy_rows};
+    expert_backward_weight(layer, m, 1, w2, dy_sets, D, m.act_rows->data(), F, D, F);
+    // fp8: SwiGLU's backward writes d gate's and d up's codes and scales itself (the bits
+    // quantising its bf16 output gives), sets 0 and 1 of the row scratch.
+    const bool fused_fp8 = fp8 && local_experts(layer) > 0;
+    if (fused_fp8) {
+      MOE_CHECK(2 * R * F <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for 2 x {} x {} rows", R, F);
+      cuda::swiglu_backward_fp8(dgate_up_rows.data(), fp8_rows.data(), fp8_row_scales.data(), dact_rows.data(),
+                                m.gate_up_rows->data(), offsets, local_experts(layer), R, F, stream);
+    } else {
+      cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
+    }
+    // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
+    expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f,
+                         fused_fp8 ? 0 : -1);
+    expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, Fp8ExpertWeights::kW3, D, F,
+                         1.0f, fused_fp8 ? 1 : -1);
+    const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
+    expert_backward_weight(layer, m, 2, w13, dgate_up, 2 * F, m.x_rows->data(), D, F, D);
   }
   // The input rows' gradients back to their tokens (through their home ranks).
   dispatcher->dispatch_backward(m, dx_rows.data(), dnorm.data(), dweight.data());

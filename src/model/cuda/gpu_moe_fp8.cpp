@@ -3,8 +3,9 @@
 // right before each GEMM (1 x 128 tiles over the expert offsets), the weights (128 x 128
 // blocks) once after they change into the layer's Fp8ExpertWeights, or, without that
 // cache (GpuModelOptions::fp8_weight_cache off), right before each GEMM as well. The same
-// kernels on the same inputs: both give the same bits (docs/FP8.md). Weight gradients
-// stay bf16 (gpu_moe.cpp).
+// kernels on the same inputs: both give the same bits (docs/FP8.md). The weight
+// gradients: bf16 GEMMs, or (training.fp8_weight_gradients) ExpertWeightGemmFp8 over
+// token columns.
 #include "core/error.h"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
@@ -136,6 +137,60 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
     cuda::quantize_weight_blocks(nullptr, nullptr, fp8_weights.data(), fp8_weight_scales.data(), w, E, K, N, stream);
   }
   expert_gemm_fp8->backward_data(out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, offsets, N, K, beta, stream);
+}
+
+void GpuTransformer::State::expert_backward_weight(Layer& layer, const MoEBuffers& m, int sets, const int* tensors,
+                                                   const bf16* const* dy, int64_t ld_dy, const bf16* x, int64_t ld_x,
+                                                   int64_t N, int64_t K) {
+  MOE_CHECK(sets >= 1 && sets <= cuda::ExpertGemm::kMaxSets, "experts: {} weight sets", sets);
+  const int32_t* offsets = expert_offsets(m);
+  const float beta = overwrite_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
+  if (store->grads_bf16() != nullptr) {
+    bf16* dw[cuda::ExpertGemm::kMaxSets] = {};
+    for (int s = 0; s < sets; ++s) dw[s] = local_g16(layer, expert_tensor(layer, tensors[s]));
+    expert_gemm->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, N, K, stream, beta);
+  } else {
+    float* dw[cuda::ExpertGemm::kMaxSets] = {};
+    for (int s = 0; s < sets; ++s) dw[s] = local_g(layer, expert_tensor(layer, tensors[s]));
+    expert_gemm->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, N, K, stream, beta);
+  }
+}
+
+void GpuTransformer::State::experts_backward_fp8_weights(Layer& layer, const MoEBuffers& m, const bf16* dy_rows) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden, E = local_experts(layer), R = expert_rows(m);
+  const int32_t* offsets = expert_offsets(m);
+  const int64_t ld_t = fp8_ld_t, blocks = fp8::blocks(ld_t);
+  MOE_CHECK((3 * F + D) * ld_t <= static_cast<int64_t>(fp8_columns.size()) && R + E * (fp8::kBlock - 1) <= ld_t &&
+                2 * R * F <= static_cast<int64_t>(fp8_rows.size()),
+            "fp8 weight gradients: scratch for {} rows of {} experts", R, E);
+  int64_t* P_E1 = fp8_padded_offsets.data();
+  cuda::padded_token_offsets(P_E1, offsets, E, stream);
+  // Token columns (fp8_token_column_sizes): act, d gate, d up; then dy, later x, in one place.
+  auto codes = [&](int64_t feature) { return fp8_columns.data() + feature * ld_t; };
+  auto scales = [&](int64_t feature) { return fp8_column_scales.data() + feature * blocks; };
+  const float beta = overwrite_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
+  auto weight_gradient = [&](const Param& p, int64_t dy_feature, int64_t x_feature, int64_t N, int64_t K) {
+    if (bf16* g16 = local_g16(layer, p))
+      expert_weight_gemm_fp8->run(g16, codes(dy_feature), scales(dy_feature), codes(x_feature), scales(x_feature), ld_t,
+                                  P_E1, E, N, K, beta, stream);
+    else
+      expert_weight_gemm_fp8->run(local_g(layer, p), codes(dy_feature), scales(dy_feature), codes(x_feature),
+                                  scales(x_feature), ld_t, P_E1, E, N, K, beta, stream);
+  };
+  // SwiGLU's backward: d gate's and d up's row codes (sets 0 and 1 of fp8_rows, for the
+  // data gradients) and the token columns of act (from gate|up), d gate and d up.
+  cuda::swiglu_backward_fp8_columns(fp8_rows.data(), fp8_row_scales.data(), codes(0), scales(0), ld_t,
+                                    dact_rows.data(), m.gate_up_rows->data(), offsets, P_E1, E, R, F, stream);
+  // dW2_e [D, F] = dy_e^T act_e.
+  cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), dy_rows, D, offsets, P_E1, E, R, D, stream);
+  weight_gradient(layer.w2, 3 * F, 0, D, F);
+  // dx = d gate @ W1_e + d up @ W3_e from the row codes.
+  expert_backward_data(layer, m, dx_rows.data(), D, nullptr, 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f, 0);
+  expert_backward_data(layer, m, dx_rows.data(), D, nullptr, 2 * F, Fp8ExpertWeights::kW3, D, F, 1.0f, 1);
+  // dW1_e, dW3_e [F, D] = (d gate_e, d up_e)^T x_e.
+  cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), m.x_rows->data(), D, offsets, P_E1, E, R, D, stream);
+  weight_gradient(layer.w1, F, 3 * F, F, D);
+  weight_gradient(layer.w3, 2 * F, 3 * F, F, D);
 }
 
 }  // namespace moe

@@ -49,6 +49,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.fp8_experts = training.precision == TrainingPrecision::Fp8;
   options.fp8_projections = training.precision == TrainingPrecision::Fp8;
   options.fp8_weight_cache = training.fp8_weight_cache;
+  options.fp8_weight_gradients = training.fp8_weight_gradients;
   return options;
 }
 
@@ -66,6 +67,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.fp8 = options.fp8_experts;
   s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections);
   s.fp8_weight_cache = options.fp8_weight_cache;
+  s.fp8_weight_gradients = s.fp8 && options.fp8_weight_gradients;
   MOE_CHECK(!s.fp8 || (config.dim % 128 == 0 && config.moe.expert_hidden % 128 == 0),
             "training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of 128",
             config.dim, config.moe.expert_hidden);
@@ -176,6 +178,10 @@ void GpuTransformer::plan(int64_t batch) {
       s.expert_gemm_fp8 = std::make_unique<cuda::ExpertGemmFp8>(max_local);
       s.expert_gemm_fp8->set_sm_limit(s.compute_sm_limit);
     }
+    if (s.fp8_weight_gradients) {
+      s.expert_weight_gemm_fp8 = std::make_unique<cuda::ExpertWeightGemmFp8>(max_local);
+      s.expert_weight_gemm_fp8->set_sm_limit(s.compute_sm_limit);
+    }
   }
   s.max_local_experts = max_local;
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
@@ -217,7 +223,8 @@ void GpuTransformer::plan(int64_t batch) {
     const bool shared_x_act = s.recompute_experts != ExpertRecompute::None;
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
     m.gate_up_rows = rows_buffer(shared_gate_up_rows, RL * 2 * F, s.recompute_experts == ExpertRecompute::All);
-    m.act_rows = rows_buffer(shared_act_rows, RL * F, shared_x_act);
+    // fp8 weight gradients: the backward takes act from gate|up itself (swiglu_backward_fp8_columns).
+    m.act_rows = rows_buffer(shared_act_rows, RL * F, shared_x_act || s.fp8_weight_gradients);
     m.y_rows = bf(std::max(R, RL) * D);  // under expert parallelism: the local rows
     s.dispatcher->plan_layer(m);
     m.shared.clear();
@@ -286,6 +293,13 @@ void GpuTransformer::plan(int64_t batch) {
     } else {
       s.fp8_weights = Buffer<uint8_t>(static_cast<size_t>(2 * max_local * D * F));
       s.fp8_weight_scales = f32(2 * max_local * fp8::blocks(D) * fp8::blocks(F));
+    }
+    if (s.fp8_weight_gradients) {
+      const Fp8TokenColumnSizes columns = fp8_token_column_sizes(RL, max_local, D, F);  // what moe plan counts
+      s.fp8_ld_t = columns.ld_t;
+      s.fp8_columns = Buffer<uint8_t>(static_cast<size_t>(columns.codes));
+      s.fp8_column_scales = f32(columns.scales);
+      s.fp8_padded_offsets = Buffer<int64_t>(static_cast<size_t>(max_local + 1));
     }
   }
   s.projections->plan(c, T);
@@ -555,6 +569,7 @@ void GpuTransformer::reserve_sms(int sms) {
   s.blas.set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm_fp8) s.expert_gemm_fp8->set_sm_limit(s.compute_sm_limit);
+  if (s.expert_weight_gemm_fp8) s.expert_weight_gemm_fp8->set_sm_limit(s.compute_sm_limit);
   s.projections->set_sm_limit(s.compute_sm_limit);
 }
 

@@ -129,6 +129,10 @@ struct GpuModelOptions {
   // layouts: 2 bytes per local expert parameter), made once after the weights change
   // instead of before every GEMM (training.fp8_weight_cache). The same bits either way.
   bool fp8_weight_cache = true;
+  // With fp8_experts: the experts' weight-gradient GEMMs in fp8 too (each expert's rows of
+  // dy and x transposed to token columns, one scale per feature and 128 tokens; docs/FP8.md;
+  // training.fp8_weight_gradients).
+  bool fp8_weight_gradients = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

@@ -48,6 +48,16 @@ struct GpuTransformer::State {
   std::unique_ptr<cuda::ExpertGemmFp8> expert_gemm_fp8;
   Buffer<uint8_t> fp8_rows, fp8_weights;
   Buffer<float> fp8_row_scales, fp8_weight_scales;
+  // GpuModelOptions::fp8_weight_gradients: the experts' weight gradients in fp8 too, from
+  // token columns (each expert's rows transposed, padded to 128 tokens) in scratch shared by
+  // the layers (fp8_token_column_sizes: fp8_ld_t padded tokens for dim + 2 hidden features)
+  // and the layer's padded offsets, made in its backward (expert_backward_weight).
+  bool fp8_weight_gradients = false;
+  std::unique_ptr<cuda::ExpertWeightGemmFp8> expert_weight_gemm_fp8;
+  Buffer<uint8_t> fp8_columns;
+  Buffer<float> fp8_column_scales;
+  Buffer<int64_t> fp8_padded_offsets;
+  int64_t fp8_ld_t = 0;
   // The dense projections' forward and data-gradient GEMMs (attention's q|k|v and output,
   // the dense FFN and shared experts), bf16 or (GpuModelOptions::fp8_projections) fp8
   // where the shape fits: projection / projection_backward below.
@@ -197,6 +207,15 @@ struct GpuTransformer::State {
   void expert_backward_data(Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out, const bf16* dy,
                             int64_t ld_dy, int tensor, int64_t N, int64_t K, float beta,
                             int dy_quantised_set = -1);
+  // The weight gradients of `sets` tensors in bf16 GEMMs: dW_e [N, K] = dy_e^T x_e, written
+  // or added (overwrite_grads) into the fp32 or bf16 gradients; dy set s [R, N] (row stride
+  // ld_dy), x [R, K].
+  void expert_backward_weight(Layer& layer, const MoEBuffers& m, int sets, const int* tensors,
+                              const bf16* const* dy, int64_t ld_dy, const bf16* x, int64_t ld_x, int64_t N, int64_t K);
+  // fp8_weight_gradients, after the down projection's data gradient (d act in dact_rows):
+  // SwiGLU's backward, the gate and up data gradients and all three weight gradients in
+  // fp8, the GEMMs' operands from token columns (gpu_moe_fp8.cpp).
+  void experts_backward_fp8_weights(Layer& layer, const MoEBuffers& m, const bf16* dy_rows);
   void set_experts(int64_t n_experts) {
     expert_gemm->set_experts(n_experts);
     if (expert_gemm_fp8) expert_gemm_fp8->set_experts(n_experts);

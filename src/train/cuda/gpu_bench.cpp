@@ -99,12 +99,15 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   fmt::print(out, "bench: {} layers, dim {}, {} experts top-{}, micro-batch {} x {} tokens\n", mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, batch, S);
   fmt::print(out,
-             "mode: experts' and projections' GEMMs {}{}, AdamW moments {}, expert gradients {}, activations of {} "
+             "mode: experts' and projections' GEMMs {}{}{}, AdamW moments {}, expert gradients {}, activations of {} "
              "layers recomputed, experts recompute {}, CUDA graphs {}\n",
              name_of(config.training.precision),
              config.training.precision != TrainingPrecision::Fp8 ? ""
              : config.training.fp8_weight_cache             ? " (expert weights quantised once a step)"
                                                             : " (weights quantised at each use)",
+             config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients
+                 ? ", the experts' weight gradients too"
+                 : "",
              name_of(config.optimizer.state_dtype),
              name_of(config.training.expert_grad_dtype),
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,

@@ -1,0 +1,256 @@
+// ExpertWeightGemmFp8: the experts' weight gradients as one CUTLASS Hopper grouped GEMM with
+// blockwise scaling, the tokens as K (docs/FP8.md, "Still to do"). Group e: dw_e [M, N] =
+// a_e [M, K_e] b_e^T, with a the token columns of dy (codes [M, ld_t], K-major) and b those
+// of x (codes [N, ld_t]), K_e the expert's padded tokens (a multiple of 128) starting at
+// column P_e; one scale per row of a, per row of b, and 128 tokens
+// (Sm90BlockwiseScaleConfig<1, 1, 128>, MN-major: fp8::token_column_scale_index). Experts
+// without rows have no group; with beta 0 their gradients are zeroed first.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "core/error_base.h"
+#include "core/gpu.h"
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "kernels/cuda/grouped_gemm.cuh"
+#include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
+
+namespace moe::cuda {
+namespace {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using GroupShape = ProblemShape::UnderlyingProblemShape;
+using ElementAB = cutlass::float_e4m3_t;
+using LayoutA = cutlass::layout::RowMajor;     // [M, K]: the tokens contiguous
+using LayoutB = cutlass::layout::ColumnMajor;  // K x N stored [N, K]
+using LayoutD = cutlass::layout::RowMajor;
+constexpr int kAlignmentAB = 16;
+using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, fp8::kBlock>;
+using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+template <class ElementD>
+struct WeightKernel {
+  static constexpr int kAlignmentD = 16 / static_cast<int>(sizeof(ElementD));
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignmentD, ElementD,
+      LayoutD*, kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB,
+      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+
+  // The per-group arrays, carved from one device block.
+  struct Groups {
+    GroupShape* shapes;
+    const ElementAB** a;
+    const ElementAB** b;
+    const ElementD** c;
+    ElementD** d;
+    const float** sfa;
+    const float** sfb;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideC* stride_c;
+    StrideD* stride_d;
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+  };
+  static size_t align_up(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+  static size_t bytes(int groups) {
+    const size_t n = static_cast<size_t>(groups);
+    return align_up(n * sizeof(GroupShape)) + 6 * align_up(n * sizeof(void*)) + align_up(n * sizeof(StrideA)) +
+           align_up(n * sizeof(StrideB)) + align_up(n * sizeof(StrideC)) + align_up(n * sizeof(StrideD)) +
+           align_up(n * sizeof(LayoutSFA)) +
+           align_up(n * sizeof(LayoutSFB));
+  }
+  static Groups carve(void* block, int groups) {
+    const size_t n = static_cast<size_t>(groups);
+    char* p = static_cast<char*>(block);
+    auto take = [&](size_t size) {
+      char* at = p;
+      p += align_up(size);
+      return at;
+    };
+    Groups g;
+    g.shapes = reinterpret_cast<GroupShape*>(take(n * sizeof(GroupShape)));
+    g.a = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+    g.b = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+    g.c = reinterpret_cast<const ElementD**>(take(n * sizeof(void*)));
+    g.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
+    g.sfa = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+    g.sfb = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+    g.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
+    g.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
+    g.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
+    g.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+    g.layout_sfa = reinterpret_cast<LayoutSFA*>(take(n * sizeof(LayoutSFA)));
+    g.layout_sfb = reinterpret_cast<LayoutSFB*>(take(n * sizeof(LayoutSFB)));
+    return g;
+  }
+  static typename Gemm::Arguments arguments(const Groups& g, int groups, float beta, int sm_count) {
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = 0;
+    hw_info.sm_count = sm_count;
+    typename Gemm::Arguments args;
+    decltype(args.epilogue.thread) fusion;
+    fusion.alpha = 1.0f;
+    fusion.beta = beta;
+    fusion.alpha_ptr = nullptr;
+    fusion.beta_ptr = nullptr;
+    fusion.alpha_ptr_array = nullptr;
+    fusion.beta_ptr_array = nullptr;
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+    fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+    return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                    {groups, g.shapes, nullptr},
+                                    {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
+                                    {fusion, g.c, g.stride_c, g.d, g.stride_d},
+                                    hw_info};
+  }
+};
+
+// Group e: expert e's padded token columns [P_e, P_e+1); none (M = 0) when it has no rows.
+template <class ElementD>
+__global__ void describe_weight_fp8(typename WeightKernel<ElementD>::Groups g, ElementD* dw, const int64_t* P_E1,
+                                    int64_t E, int64_t M, int64_t N, const ElementAB* a, const float* sfa,
+                                    const ElementAB* b, const float* sfb, int64_t ld_t) {
+  using W = WeightKernel<ElementD>;
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  const int64_t P_e = P_E1[e], K = P_E1[e + 1] - P_e;
+  const GroupShape shape = K > 0 ? GroupShape(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K))
+                                 : GroupShape(0, static_cast<int>(N), 0);
+  g.shapes[e] = shape;
+  g.a[e] = a + P_e;
+  g.b[e] = b + P_e;
+  g.c[e] = dw + e * M * N;
+  g.d[e] = dw + e * M * N;
+  g.sfa[e] = sfa + P_e / fp8::kBlock * M;
+  g.sfb[e] = sfb + P_e / fp8::kBlock * N;
+  g.stride_a[e] = grouped::leading_stride<typename W::StrideA>(ld_t);
+  g.stride_b[e] = grouped::leading_stride<typename W::StrideB>(ld_t);
+  g.stride_c[e] = grouped::leading_stride<typename W::StrideC>(N);
+  g.stride_d[e] = grouped::leading_stride<typename W::StrideD>(N);
+  g.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(shape);
+  g.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(shape);
+}
+
+// beta = 0: the experts without tokens get zero gradients (they have no group).
+template <class ElementD>
+__global__ void zero_tokenless_experts(ElementD* dw, const int64_t* P_E1, int64_t slice) {
+  const int64_t e = blockIdx.x;
+  if (P_E1[e + 1] != P_E1[e]) return;
+  ElementD* out = dw + e * slice;
+  for (int64_t i = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x; i < slice;
+       i += static_cast<int64_t>(gridDim.y) * blockDim.x)
+    out[i] = ElementD(0.0f);
+}
+
+}  // namespace
+
+struct ExpertWeightGemmFp8::State {
+  int64_t max_experts = 0;
+  int device_sms = 0, sm_count = 0;
+  gpu::DeviceArray<char> groups, workspace;
+
+  template <class ElementD>
+  void run(ElementD* dw, const uint8_t* a, const float* sfa, const uint8_t* b, const float* sfb, int64_t ld_t,
+           const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream) {
+    using K = WeightKernel<ElementD>;
+    const int n = static_cast<int>(E);
+    const typename K::Groups g = K::carve(groups.data(), n);
+    describe_weight_fp8<ElementD><<<(n + 127) / 128, 128, 0, stream>>>(
+        g, dw, P_E1, E, M, N, reinterpret_cast<const ElementAB*>(a), sfa, reinterpret_cast<const ElementAB*>(b), sfb,
+        ld_t);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    if (beta == 0.0f) {
+      zero_tokenless_experts<ElementD><<<dim3(static_cast<unsigned>(n), 16), 256, 0, stream>>>(dw, P_E1, M * N);
+      MOE_CUDA_CHECK(cudaGetLastError());
+    }
+    const auto args = K::arguments(g, n, beta, sm_count);
+    MOE_CHECKF(K::Gemm::get_workspace_size(args) <= workspace.size(), "fp8 weight GEMM: workspace too small");
+    typename K::Gemm gemm;
+    cutlass::Status status = gemm.initialize(args, workspace.data(), stream);
+    MOE_CHECKF(status == cutlass::Status::kSuccess, "fp8 weight GEMM: initialize failed: %s",
+               cutlassGetStatusString(status));
+    status = gemm.run(stream);
+    MOE_CHECKF(status == cutlass::Status::kSuccess, "fp8 weight GEMM: launch failed: %s", cutlassGetStatusString(status));
+  }
+};
+
+ExpertWeightGemmFp8::ExpertWeightGemmFp8(int64_t max_experts) : state_(new State) {
+  MOE_CHECKF(max_experts >= 1, "ExpertWeightGemmFp8: room for %lld experts", static_cast<long long>(max_experts));
+  State& s = *state_;
+  s.max_experts = max_experts;
+  int device = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.device_sms, cudaDevAttrMultiProcessorCount, device));
+  s.sm_count = s.device_sms;
+  const int n = static_cast<int>(max_experts);
+  using F = WeightKernel<float>;
+  using H = WeightKernel<cutlass::bfloat16_t>;
+  s.groups = gpu::DeviceArray<char>(std::max(F::bytes(n), H::bytes(n)));
+  const F::Groups none_f{};
+  const H::Groups none_h{};
+  s.workspace = gpu::DeviceArray<char>(std::max<size_t>(
+      {F::Gemm::get_workspace_size(F::arguments(none_f, n, 0.0f, s.sm_count)),
+       H::Gemm::get_workspace_size(H::arguments(none_h, n, 0.0f, s.sm_count)), size_t{256}}));
+}
+
+ExpertWeightGemmFp8::~ExpertWeightGemmFp8() { delete state_; }
+
+void ExpertWeightGemmFp8::set_sm_limit(int sms) {
+  constexpr int kClusterSms = cute::size(ClusterShape{});
+  const int whole = std::max(kClusterSms, sms / kClusterSms * kClusterSms);
+  state_->sm_count = sms > 0 && whole < state_->device_sms ? whole : state_->device_sms;
+}
+
+namespace {
+void check_weight_shape(int64_t E, int64_t max_experts, int64_t M, int64_t N, int64_t ld_t) {
+  MOE_CHECKF(E >= 1 && E <= max_experts && M > 0 && N > 0 && M % 8 == 0 && N % 8 == 0 && ld_t % 16 == 0,
+             "ExpertWeightGemmFp8: %lld experts (room for %lld), [%lld, %lld] (multiples of 8), token rows of %lld "
+             "(a multiple of 16)",
+             static_cast<long long>(E), static_cast<long long>(max_experts), static_cast<long long>(M),
+             static_cast<long long>(N), static_cast<long long>(ld_t));
+}
+}  // namespace
+
+void ExpertWeightGemmFp8::run(float* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t,
+                              const float* b_scales, int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N,
+                              float beta, Stream stream) {
+  check_weight_shape(E, state_->max_experts, M, N, ld_t);
+  state_->run<float>(dw_EMN, a_t, a_scales, b_t, b_scales, ld_t, P_E1, E, M, N, beta, stream);
+}
+
+void ExpertWeightGemmFp8::run(bf16* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t,
+                              const float* b_scales, int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N,
+                              float beta, Stream stream) {
+  check_weight_shape(E, state_->max_experts, M, N, ld_t);
+  state_->run<cutlass::bfloat16_t>(reinterpret_cast<cutlass::bfloat16_t*>(dw_EMN), a_t, a_scales, b_t, b_scales, ld_t,
+                                   P_E1, E, M, N, beta, stream);
+}
+
+}  // namespace moe::cuda
