@@ -22,6 +22,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "kernels/cuda/fp8_blockwise_groups.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
@@ -66,78 +67,7 @@ using StrideD = typename Kernel::InternalStrideD;
 using grouped::leading_stride;
 
 // The per-group arrays the kernel reads (device memory, carved from one block).
-struct Groups {
-  GroupShape* shapes;
-  const ElementAB** a;
-  const ElementAB** b;
-  const ElementD** c;
-  ElementD** d;
-  const float** sfa;
-  const float** sfb;
-  StrideA* stride_a;
-  StrideB* stride_b;
-  StrideC* stride_c;
-  StrideD* stride_d;
-  LayoutSFA* layout_sfa;
-  LayoutSFB* layout_sfb;
-};
-
-size_t align_up(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
-
-size_t group_bytes(int max_groups) {
-  const size_t n = static_cast<size_t>(max_groups);
-  return align_up(n * sizeof(GroupShape)) + 6 * align_up(n * sizeof(void*)) + align_up(n * sizeof(StrideA)) +
-         align_up(n * sizeof(StrideB)) + align_up(n * sizeof(StrideC)) + align_up(n * sizeof(StrideD)) +
-         align_up(n * sizeof(LayoutSFA)) + align_up(n * sizeof(LayoutSFB));
-}
-
-Groups carve(void* block, int max_groups) {
-  const size_t n = static_cast<size_t>(max_groups);
-  char* p = static_cast<char*>(block);
-  auto take = [&](size_t bytes) {
-    char* at = p;
-    p += align_up(bytes);
-    return at;
-  };
-  Groups g;
-  g.shapes = reinterpret_cast<GroupShape*>(take(n * sizeof(GroupShape)));
-  g.a = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
-  g.b = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
-  g.c = reinterpret_cast<const ElementD**>(take(n * sizeof(void*)));
-  g.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
-  g.sfa = reinterpret_cast<const float**>(take(n * sizeof(void*)));
-  g.sfb = reinterpret_cast<const float**>(take(n * sizeof(void*)));
-  g.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
-  g.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
-  g.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
-  g.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
-  g.layout_sfa = reinterpret_cast<LayoutSFA*>(take(n * sizeof(LayoutSFA)));
-  g.layout_sfb = reinterpret_cast<LayoutSFB*>(take(n * sizeof(LayoutSFB)));
-  return g;
-}
-
-typename Gemm::Arguments arguments(const Groups& g, int groups, float beta, int sm_count) {
-  cutlass::KernelHardwareInfo hw_info;
-  hw_info.device_id = 0;
-  hw_info.sm_count = sm_count;
-  typename Gemm::Arguments args;
-  decltype(args.epilogue.thread) fusion;
-  fusion.alpha = 1.0f;
-  fusion.beta = beta;
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  fusion.alpha_ptr_array = nullptr;
-  fusion.beta_ptr_array = nullptr;
-  fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
-  fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
-  // No host copy of the problem sizes: the kernel reads them on the device.
-  args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
-                                  {groups, g.shapes, nullptr},
-                                  {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
-                                  {fusion, g.c, g.stride_c, g.d, g.stride_d},
-                                  hw_info};
-  return args;
-}
+using Groups = grouped::BlockwiseGroups<Gemm, GroupShape, ElementAB, ElementD, LayoutSFA, LayoutSFB>;
 
 // Set s's operands: B codes and scales, the output.
 struct Sets {
@@ -194,11 +124,11 @@ struct ExpertGemmFp8::State {
   void run(const gpu::DeviceArray<char>& groups_block, const Sets& sets, int n_sets, const int32_t* offsets_E1,
            int64_t N, int64_t K, const uint8_t* a, const float* sfa, int64_t ld_out, float beta, Stream stream) const {
     const int groups = static_cast<int>(n_sets * n_experts);
-    const Groups g = carve(groups_block.data(), groups);
+    const Groups g = Groups::carve(groups_block.data(), groups);
     describe<<<(groups + 127) / 128, 128, 0, stream>>>(g, sets, groups, offsets_E1, n_experts, N, K,
                                                         reinterpret_cast<const ElementAB*>(a), sfa, ld_out);
     MOE_CUDA_CHECK(cudaGetLastError());
-    const auto args = arguments(g, groups, beta, sm_count);
+    const auto args = Groups::arguments(g, groups, beta, sm_count);
     MOE_CHECKF(Gemm::get_workspace_size(args) <= workspace.size(), "fp8 grouped GEMM: workspace too small");
     Gemm gemm;
     cutlass::Status status = gemm.initialize(args, workspace.data(), stream);
@@ -219,12 +149,11 @@ ExpertGemmFp8::ExpertGemmFp8(int64_t max_experts) : state_(new State) {
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.device_sms, cudaDevAttrMultiProcessorCount, device));
   s.sm_count = s.device_sms;
   const int max_groups = static_cast<int>(kMaxSets * max_experts);
-  s.forward_groups = gpu::DeviceArray<char>(group_bytes(max_groups));
-  s.data_groups = gpu::DeviceArray<char>(group_bytes(max_groups));
+  s.forward_groups = gpu::DeviceArray<char>(Groups::bytes(max_groups));
+  s.data_groups = gpu::DeviceArray<char>(Groups::bytes(max_groups));
   const Groups none{};
-  s.workspace =
-      gpu::DeviceArray<char>(std::max<size_t>(Gemm::get_workspace_size(arguments(none, max_groups, 0.0f, s.device_sms)),
-                                              size_t{256}));
+  const size_t workspace = Gemm::get_workspace_size(Groups::arguments(none, max_groups, 0.0f, s.device_sms));
+  s.workspace = gpu::DeviceArray<char>(std::max<size_t>(workspace, size_t{256}));
 }
 
 ExpertGemmFp8::~ExpertGemmFp8() { delete state_; }

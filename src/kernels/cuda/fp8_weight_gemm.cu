@@ -22,6 +22,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "kernels/cuda/fp8_blockwise_groups.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
@@ -62,74 +63,7 @@ struct WeightKernel {
   using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
 
-  // The per-group arrays, carved from one device block.
-  struct Groups {
-    GroupShape* shapes;
-    const ElementAB** a;
-    const ElementAB** b;
-    const ElementD** c;
-    ElementD** d;
-    const float** sfa;
-    const float** sfb;
-    StrideA* stride_a;
-    StrideB* stride_b;
-    StrideC* stride_c;
-    StrideD* stride_d;
-    LayoutSFA* layout_sfa;
-    LayoutSFB* layout_sfb;
-  };
-  static size_t align_up(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
-  static size_t bytes(int groups) {
-    const size_t n = static_cast<size_t>(groups);
-    return align_up(n * sizeof(GroupShape)) + 6 * align_up(n * sizeof(void*)) + align_up(n * sizeof(StrideA)) +
-           align_up(n * sizeof(StrideB)) + align_up(n * sizeof(StrideC)) + align_up(n * sizeof(StrideD)) +
-           align_up(n * sizeof(LayoutSFA)) +
-           align_up(n * sizeof(LayoutSFB));
-  }
-  static Groups carve(void* block, int groups) {
-    const size_t n = static_cast<size_t>(groups);
-    char* p = static_cast<char*>(block);
-    auto take = [&](size_t size) {
-      char* at = p;
-      p += align_up(size);
-      return at;
-    };
-    Groups g;
-    g.shapes = reinterpret_cast<GroupShape*>(take(n * sizeof(GroupShape)));
-    g.a = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
-    g.b = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
-    g.c = reinterpret_cast<const ElementD**>(take(n * sizeof(void*)));
-    g.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
-    g.sfa = reinterpret_cast<const float**>(take(n * sizeof(void*)));
-    g.sfb = reinterpret_cast<const float**>(take(n * sizeof(void*)));
-    g.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
-    g.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
-    g.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
-    g.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
-    g.layout_sfa = reinterpret_cast<LayoutSFA*>(take(n * sizeof(LayoutSFA)));
-    g.layout_sfb = reinterpret_cast<LayoutSFB*>(take(n * sizeof(LayoutSFB)));
-    return g;
-  }
-  static typename Gemm::Arguments arguments(const Groups& g, int groups, float beta, int sm_count) {
-    cutlass::KernelHardwareInfo hw_info;
-    hw_info.device_id = 0;
-    hw_info.sm_count = sm_count;
-    typename Gemm::Arguments args;
-    decltype(args.epilogue.thread) fusion;
-    fusion.alpha = 1.0f;
-    fusion.beta = beta;
-    fusion.alpha_ptr = nullptr;
-    fusion.beta_ptr = nullptr;
-    fusion.alpha_ptr_array = nullptr;
-    fusion.beta_ptr_array = nullptr;
-    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
-    fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
-    return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
-                                    {groups, g.shapes, nullptr},
-                                    {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
-                                    {fusion, g.c, g.stride_c, g.d, g.stride_d},
-                                    hw_info};
-  }
+  using Groups = grouped::BlockwiseGroups<Gemm, GroupShape, ElementAB, ElementD, LayoutSFA, LayoutSFB>;
 };
 
 // Group e: expert e's padded token columns [P_e, P_e+1); none (M = 0) when it has no rows.
@@ -181,7 +115,7 @@ struct ExpertWeightGemmFp8::State {
            const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream) {
     using K = WeightKernel<ElementD>;
     const int n = static_cast<int>(E);
-    const typename K::Groups g = K::carve(groups.data(), n);
+    const typename K::Groups g = K::Groups::carve(groups.data(), n);
     describe_weight_fp8<ElementD><<<(n + 127) / 128, 128, 0, stream>>>(
         g, dw, P_E1, E, M, N, reinterpret_cast<const ElementAB*>(a), sfa, reinterpret_cast<const ElementAB*>(b), sfb,
         ld_t);
@@ -190,7 +124,7 @@ struct ExpertWeightGemmFp8::State {
       zero_tokenless_experts<ElementD><<<dim3(static_cast<unsigned>(n), 16), 256, 0, stream>>>(dw, P_E1, M * N);
       MOE_CUDA_CHECK(cudaGetLastError());
     }
-    const auto args = K::arguments(g, n, beta, sm_count);
+    const auto args = K::Groups::arguments(g, n, beta, sm_count);
     MOE_CHECKF(K::Gemm::get_workspace_size(args) <= workspace.size(), "fp8 weight GEMM: workspace too small");
     typename K::Gemm gemm;
     cutlass::Status status = gemm.initialize(args, workspace.data(), stream);
@@ -212,12 +146,12 @@ ExpertWeightGemmFp8::ExpertWeightGemmFp8(int64_t max_experts) : state_(new State
   const int n = static_cast<int>(max_experts);
   using F = WeightKernel<float>;
   using H = WeightKernel<cutlass::bfloat16_t>;
-  s.groups = gpu::DeviceArray<char>(std::max(F::bytes(n), H::bytes(n)));
+  s.groups = gpu::DeviceArray<char>(std::max(F::Groups::bytes(n), H::Groups::bytes(n)));
   const F::Groups none_f{};
   const H::Groups none_h{};
   s.workspace = gpu::DeviceArray<char>(std::max<size_t>(
-      {F::Gemm::get_workspace_size(F::arguments(none_f, n, 0.0f, s.sm_count)),
-       H::Gemm::get_workspace_size(H::arguments(none_h, n, 0.0f, s.sm_count)), size_t{256}}));
+      {F::Gemm::get_workspace_size(F::Groups::arguments(none_f, n, 0.0f, s.sm_count)),
+       H::Gemm::get_workspace_size(H::Groups::arguments(none_h, n, 0.0f, s.sm_count)), size_t{256}}));
 }
 
 ExpertWeightGemmFp8::~ExpertWeightGemmFp8() { delete state_; }

@@ -1,0 +1,92 @@
+// The per-group arrays of CUTLASS's ptr-array grouped GEMM with blockwise scaling (device
+// memory, carved from one block) and the arguments that point the kernel at them: shared by
+// the experts' fp8 GEMMs (fp8_grouped_gemm.cu) and their fp8 weight gradients
+// (fp8_weight_gemm.cu). A `describe` kernel of each fills the arrays on the device.
+#pragma once
+
+#include <cstddef>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/gemm/gemm.h"
+#include "cutlass/kernel_hardware_info.h"
+
+namespace moe::cuda::grouped {
+
+template <class Gemm, class GroupShape, class ElementAB, class ElementD, class LayoutSFA, class LayoutSFB>
+struct BlockwiseGroups {
+  using StrideA = typename Gemm::GemmKernel::InternalStrideA;
+  using StrideB = typename Gemm::GemmKernel::InternalStrideB;
+  using StrideC = typename Gemm::GemmKernel::InternalStrideC;
+  using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+
+  GroupShape* shapes;
+  const ElementAB** a;
+  const ElementAB** b;
+  const ElementD** c;
+  ElementD** d;
+  const float** sfa;
+  const float** sfb;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideC* stride_c;
+  StrideD* stride_d;
+  LayoutSFA* layout_sfa;
+  LayoutSFB* layout_sfb;
+
+  static size_t align_up(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+  // The block `groups` groups take.
+  static size_t bytes(int groups) {
+    const size_t n = static_cast<size_t>(groups);
+    return align_up(n * sizeof(GroupShape)) + 6 * align_up(n * sizeof(void*)) + align_up(n * sizeof(StrideA)) +
+           align_up(n * sizeof(StrideB)) + align_up(n * sizeof(StrideC)) + align_up(n * sizeof(StrideD)) +
+           align_up(n * sizeof(LayoutSFA)) + align_up(n * sizeof(LayoutSFB));
+  }
+  static BlockwiseGroups carve(void* block, int groups) {
+    const size_t n = static_cast<size_t>(groups);
+    char* p = static_cast<char*>(block);
+    auto take = [&](size_t size) {
+      char* at = p;
+      p += align_up(size);
+      return at;
+    };
+    BlockwiseGroups g;
+    g.shapes = reinterpret_cast<GroupShape*>(take(n * sizeof(GroupShape)));
+    g.a = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+    g.b = reinterpret_cast<const ElementAB**>(take(n * sizeof(void*)));
+    g.c = reinterpret_cast<const ElementD**>(take(n * sizeof(void*)));
+    g.d = reinterpret_cast<ElementD**>(take(n * sizeof(void*)));
+    g.sfa = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+    g.sfb = reinterpret_cast<const float**>(take(n * sizeof(void*)));
+    g.stride_a = reinterpret_cast<StrideA*>(take(n * sizeof(StrideA)));
+    g.stride_b = reinterpret_cast<StrideB*>(take(n * sizeof(StrideB)));
+    g.stride_c = reinterpret_cast<StrideC*>(take(n * sizeof(StrideC)));
+    g.stride_d = reinterpret_cast<StrideD*>(take(n * sizeof(StrideD)));
+    g.layout_sfa = reinterpret_cast<LayoutSFA*>(take(n * sizeof(LayoutSFA)));
+    g.layout_sfb = reinterpret_cast<LayoutSFB*>(take(n * sizeof(LayoutSFB)));
+    return g;
+  }
+  // D = alpha (1) * A B + beta * C over `groups` groups on `sm_count` multiprocessors; no
+  // host copy of the problem sizes (the kernel reads them on the device).
+  static typename Gemm::Arguments arguments(const BlockwiseGroups& g, int groups, float beta, int sm_count) {
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = 0;
+    hw_info.sm_count = sm_count;
+    typename Gemm::Arguments args;
+    decltype(args.epilogue.thread) fusion;
+    fusion.alpha = 1.0f;
+    fusion.beta = beta;
+    fusion.alpha_ptr = nullptr;
+    fusion.beta_ptr = nullptr;
+    fusion.alpha_ptr_array = nullptr;
+    fusion.beta_ptr_array = nullptr;
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
+    fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+    return typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
+                                    {groups, g.shapes, nullptr},
+                                    {g.a, g.stride_a, g.b, g.stride_b, g.sfa, g.layout_sfa, g.sfb, g.layout_sfb},
+                                    {fusion, g.c, g.stride_c, g.d, g.stride_d},
+                                    hw_info};
+  }
+};
+
+}  // namespace moe::cuda::grouped
