@@ -1,7 +1,8 @@
 // `moe bench --kernels`, FP8 half: the experts' GEMMs of one MoE layer through the FP8
 // grouped GEMM with blockwise scaling beside the bf16 grouped GEMM (same shapes, balanced
-// routing), the quantisation kernels that feed them, and the dense FP8 GEMM beside
-// cuBLASLt's bf16 one (docs/FP8.md). TFLOP/s count the GEMM's 2MNK alone; the
+// routing), the quantisation kernels that feed them, the weight gradients in fp8 from token
+// columns (training.fp8_weight_gradients) beside the bf16 ones, and the dense FP8 GEMM
+// beside cuBLASLt's bf16 one (docs/FP8.md). TFLOP/s count the GEMM's 2MNK alone; the
 // quantisation is listed on its own (in training each quantised operand is made once).
 #include <fmt/format.h>
 #include <fmt/ostream.h>
@@ -17,6 +18,7 @@
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
+#include "model/gpu_buffer_sizes.h"
 #include "train/cuda/kernel_bench_util.h"
 
 namespace moe {
@@ -167,6 +169,57 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
                                             w3q.scales_t.data(), off, D, F, 1, stream);
                    })});
 
+  // Weight gradients (fp32 gradients, beta 0): bf16 grouped GEMMs over the rows, against
+  // fp8 over token columns (training.fp8_weight_gradients) and the kernels that make them.
+  const Fp8TokenColumnSizes columns = fp8_token_column_sizes(R, E, D, F);
+  const int64_t ld_t = columns.ld_t, blocks = fp8::blocks(ld_t);
+  gpu::DeviceArray<int64_t> padded(static_cast<size_t>(E + 1));
+  cuda::padded_token_offsets(padded.data(), off, E, stream);
+  gpu::DeviceArray<uint8_t> x_t(D * ld_t), dy_t(D * ld_t), swiglu_t(3 * F * ld_t);
+  gpu::DeviceArray<float> x_ts(D * blocks), dy_ts(D * blocks), swiglu_ts(3 * F * blocks);
+  std::vector<QuantRow> column_quant;
+  const double column_bytes_D = static_cast<double>(R * D) * 3 + D * blocks * 4.0;
+  column_quant.push_back({"x token columns [D,tokens]", column_bytes_D, median_ms([&] {
+                            cuda::quantize_token_columns(x_t.data(), ld_t, x_ts.data(), x.data(), D, off, padded.data(),
+                                                         E, R, D, stream);
+                          })});
+  cuda::quantize_token_columns(dy_t.data(), ld_t, dy_ts.data(), y.data(), D, off, padded.data(), E, R, D, stream);
+  column_quant.push_back({"swiglu bwd to columns (fused)",
+                          static_cast<double>(R * F) * (6 + 2 + 3) + 5 * R * F / fp8::kBlock * 4.0, median_ms([&] {
+                            cuda::swiglu_backward_fp8_columns(dguq.codes.data(), dguq.scales.data(), swiglu_t.data(),
+                                                              swiglu_ts.data(), ld_t, act.data(), gate_up.data(), off,
+                                                              padded.data(), E, R, F, stream);
+                          })});
+  cuda::ExpertWeightGemmFp8 fp8_weight_gemm(E);
+  gpu::DeviceArray<float> dw1(E * F * D), dw3(E * F * D), dw2(E * D * F);
+  std::vector<GemmRow> weight_gemms;
+  {
+    float* dw[1] = {dw2.data()};
+    const bf16* dys[1] = {y.data()};
+    weight_gemms.push_back(
+        {"wgrad down   [D,rows]x[rows,F]", mnk, median_ms([&] {
+           bf16_gemm.backward_weight(1, dw, dys, D, act.data(), F, off, D, F, stream, 0.0f);
+         }),
+         median_ms([&] {
+           fp8_weight_gemm.run(dw2.data(), dy_t.data(), dy_ts.data(), swiglu_t.data(), swiglu_ts.data(), ld_t,
+                               padded.data(), E, D, F, 0.0f, stream);
+         })});
+  }
+  {
+    float* dw[2] = {dw1.data(), dw3.data()};
+    const bf16* dgu[2] = {gate_up.data(), gate_up.data() + F};
+    weight_gemms.push_back(
+        {"wgrad gate+up 2x[F,rows]x[rows,D]", 2 * mnk, median_ms([&] {
+           bf16_gemm.backward_weight(2, dw, dgu, 2 * F, x.data(), D, off, F, D, stream, 0.0f);
+         }),
+         median_ms([&] {
+           for (int s = 0; s < 2; ++s)
+             fp8_weight_gemm.run(s == 0 ? dw1.data() : dw3.data(), swiglu_t.data() + (1 + s) * F * ld_t,
+                                 swiglu_ts.data() + (1 + s) * F * blocks, x_t.data(), x_ts.data(), ld_t, padded.data(),
+                                 E, F, D, 0.0f, stream);
+         })});
+  }
+
   // Dense: the [rows, D] x [D, F] ceiling of kernel_bench.cpp and a [T, D] x [D, D]
   // projection, cuBLASLt bf16 against the FP8 GEMM (its A quantised as one group).
   cuda::Blas blas;
@@ -213,6 +266,13 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
     flops_total += row.flops;
   }
   print_gemm({"expert fwd + dgrad GEMMs of the layer", flops_total, bf16_total, fp8_total});
+  double bf16_weight_total = 0, fp8_weight_total = 0;
+  for (const GemmRow& row : weight_gemms) {
+    print_gemm(row);
+    bf16_weight_total += row.bf16_ms;
+    fp8_weight_total += row.fp8_ms;
+  }
+  print_gemm({"expert weight-gradient GEMMs", flops_total, bf16_weight_total, fp8_weight_total});
   for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
   // The step's quantisation: the rows' kernels but act's (the fused SwiGLU's extra time over
   // SwiGLU alone instead), and the weights.
@@ -225,6 +285,9 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
     quant_total += row.name == "swiglu alone (bf16 act)" ? -row.ms : row.ms;
   }
   weights_ms = quant.back().ms;
+  fmt::print(out, "  token columns for the fp8 weight gradients ({} padded tokens):\n", ld_t);
+  for (const QuantRow& row : column_quant)
+    fmt::print(out, "    {:<34} {:7.3f}ms {:6.0f} GB/s\n", row.name, row.ms, row.bytes / row.ms / 1e6);
   // training.fp8_weight_cache quantises the weights (both copies) once per optimizer step:
   // once in a step of one micro-batch, not at all in the later micro-batches of a step.
   fmt::print(out, "  fp8 expert GEMMs + all their quantisation: {:.3f} ms against bf16 {:.3f} ms ({:.2f}x)\n",
