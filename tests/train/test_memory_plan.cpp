@@ -14,7 +14,9 @@
 
 #include "config/run_config.h"
 #include "core/error.h"
+#include "core/rng.h"
 #include "expect_error.h"
+#include "kernels/fp8_blockwise.h"
 #include "model/gpu_buffer_sizes.h"
 #include "model/transformer.h"
 
@@ -389,6 +391,46 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   for (size_t l = 0; l < d.layer_activations.size(); ++l)
     EXPECT_EQ(b.layer_activations[l] - d.layer_activations[l], 2048 * 1024 * 2) << "layer " << l;
   EXPECT_EQ(d.workspace - b.workspace, 64 << 20);
+}
+
+// The fp8 weight gradients' token-column scratch is sized before the routing: its row
+// stride must hold every routing's padded tokens (each expert's rows rounded up to 128).
+// Random routings of up to the planned rows over up to the planned experts, empty experts
+// and single rows included.
+TEST(MemoryPlan, TokenColumnScratchHoldsEveryRoutingsPaddedTokens) {
+  CounterRng rng(5, "token columns");
+  uint64_t draw = 0;
+  for (int trial = 0; trial < 500; ++trial) {
+    const int64_t L = 1 + static_cast<int64_t>(rng.bits(draw++)[0] % 64);
+    const int64_t RL = 1 + static_cast<int64_t>(rng.bits(draw++)[0] % 5000);
+    const Fp8TokenColumnSizes sizes = fp8_token_column_sizes(RL, L, 256, 512);
+    ASSERT_EQ(sizes.ld_t % 16, 0);
+    // A routing of at most RL rows over E <= L experts.
+    const int64_t E = 1 + static_cast<int64_t>(rng.bits(draw++)[0] % static_cast<uint64_t>(L));
+    std::vector<int32_t> offsets(static_cast<size_t>(E + 1), 0);
+    int64_t left = static_cast<int64_t>(rng.bits(draw++)[0] % static_cast<uint64_t>(RL + 1));
+    for (int64_t e = 0; e < E; ++e) {
+      const uint64_t pick = rng.bits(draw++)[0] % static_cast<uint64_t>(left + 1);
+      const int64_t rows = e + 1 == E ? left : static_cast<int64_t>(pick);
+      left -= rows;
+      offsets[static_cast<size_t>(e + 1)] = offsets[static_cast<size_t>(e)] + static_cast<int32_t>(rows);
+    }
+    const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+    ASSERT_LE(P_E1.back(), sizes.ld_t) << "trial " << trial << ": " << offsets.back() << " rows of " << E
+                                       << " experts, room for " << RL << " of " << L;
+    ASSERT_EQ(sizes.scales, (3 * 512 + 256) * fp8::blocks(sizes.ld_t));
+  }
+  // The worst routings: every expert 128 k + 1 rows (127 padding tokens each).
+  for (int64_t L = 1; L <= 64; ++L)
+    for (int64_t k : {0, 1, 3}) {
+      const int64_t RL = L * (128 * k + 1);
+      std::vector<int32_t> offsets(static_cast<size_t>(L + 1), 0);
+      for (int64_t e = 0; e < L; ++e)
+        offsets[static_cast<size_t>(e + 1)] = static_cast<int32_t>((e + 1) * (128 * k + 1));
+      const int64_t padded = fp8::padded_token_offsets(offsets.data(), L).back();
+      ASSERT_EQ(padded, L * 128 * (k + 1));
+      ASSERT_LE(padded, fp8_token_column_sizes(RL, L, 256, 512).ld_t) << L << " experts of " << 128 * k + 1 << " rows";
+    }
 }
 
 // The expert-parallel dispatcher's extra scratch (GpuExpertParallelDispatcher::plan):
