@@ -271,7 +271,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
       m.fp8_weights = std::max<int64_t>(0, n_layers - c.first_dense_layers) * fp8_expert_weight_sizes(L, c.dim, a.F).bytes();
     else
       m.step_buffers += 2 * L * c.dim * a.F + 2 * L * ceil_div(c.dim, 128) * ceil_div(a.F, 128) * 4;
-    if (config.training.fp8_weight_gradients)  // the token columns of the weight gradients' operands
+    if (fp8_wgrad)  // the token columns of the weight gradients' operands
       m.step_buffers += fp8_token_column_sizes(RL, L, c.dim, a.F).bytes();
   }
   // ... and the dense projections' (ProjectionGemms): the rows and the weight of the largest
@@ -292,7 +292,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   m.workspace = kBlasWorkspace + (E > 0 ? kGroupedGemmWorkspace : 0) + nccl_bytes(layout);
   if (E > 0 && config.training.precision == TrainingPrecision::Fp8) {
     m.workspace += kGroupedGemmWorkspace;  // ExpertGemmFp8's
-    if (config.training.fp8_weight_gradients) m.workspace += kGroupedGemmWorkspace;  // ExpertWeightGemmFp8's
+    if (fp8_wgrad) m.workspace += kGroupedGemmWorkspace;  // ExpertWeightGemmFp8's
   }
   if (config.training.deterministic) m.workspace += a.B * a.H * a.S * a.S * 2;
   m.runtime = kCudaRuntime;

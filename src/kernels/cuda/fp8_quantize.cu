@@ -396,10 +396,7 @@ __global__ void __launch_bounds__(kColumnThreads, 2) swiglu_backward_columns_ker
         unpack8(u_packed[i], up);
         unpack8(da_packed[i], da);
 #pragma unroll
-        for (int k = 0; k < kVecElems; ++k) {
-          a[k] = swiglu_value(g[k], up[k]);
-          swiglu_grads(g[k], up[k], da[k], dg[k], du[k]);
-        }
+        for (int k = 0; k < kVecElems; ++k) swiglu_value_and_grads(g[k], up[k], da[k], a[k], dg[k], du[k]);
         a_rounded = pack8(a);
         dg_rounded = pack8(dg);
         du_rounded = pack8(du);
@@ -651,12 +648,9 @@ void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* c
   check_tiles(R * (F / kBlock), "fp8 SwiGLU backward to token columns");
   const int64_t token_blocks = (R + E * (kBlock - 1) + kBlock - 1) / kBlock;
   if (token_blocks == 0) return;
-  static const bool configured = [] {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(swiglu_backward_columns_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kSwigluColumnSmem)));
-    return true;
-  }();
-  (void)configured;
+  // Per call: the attribute is the current device's (thread ranks drive several).
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(swiglu_backward_columns_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kSwigluColumnSmem)));
   const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>(F / kBlock));
   swiglu_backward_columns_kernel<<<grid, kColumnThreads, kSwigluColumnSmem, stream>>>(
       codes_2RF, scales_2, columns_3FP, column_scales_3, ld_t, F * fp8::blocks(ld_t), as_cuda(dact_RF),
