@@ -97,7 +97,7 @@ int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E) {  // moe/cuda/disp
 }
 
 // An MoE layer's own buffers; x_rows / gate_up / act rows are counted here unless
-// `shared_*` (recompute_experts, or act under fp8 weight gradients: one buffer for all MoE layers).
+// `shared_*` (recompute_experts: one buffer for all MoE layers; act under fp8 weight gradients: none).
 int64_t moe_buffers_bytes(const ActivationShape& a, bool share_x, bool share_act, bool share_gate_up) {
   const int64_t T = a.T, K = a.K, E = a.E, D = a.D, F = a.F, RL = a.rows.max_local_rows;
   int64_t bytes = 2 * T * E * 4 + T * K * 4 + 2 * T * 4          // logits, scores; weight; aux, z terms
@@ -231,7 +231,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   a.rows = expert_row_bounds(c.moe, a.T, ep, split, cap);
   const bool share_x_act = layout.recompute_experts != ExpertRecompute::None;
   const bool share_gate_up = layout.recompute_experts == ExpertRecompute::All;
-  // fp8 weight gradients: the backward takes act from gate|up itself; no layer keeps it.
+  // fp8 weight gradients: the backward takes act from gate|up itself; no act buffer at all.
   const bool fp8_wgrad =
       config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients;
   const int64_t dense_bytes = a.T * 2 * c.dense_hidden * 2 + a.T * c.dense_hidden * 2;
@@ -254,13 +254,10 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   // The expert rows buffers shared by every MoE layer under recompute_experts.
   if (E > 0 && n_layers > c.first_dense_layers) {
     const int64_t RL = a.rows.max_local_rows;
-    if (share_x_act) m.recompute_set += RL * c.dim * 2 + RL * a.F * 2;
+    if (share_x_act) m.recompute_set += RL * c.dim * 2 + (fp8_wgrad ? 0 : RL * a.F * 2);
     if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;
   }
   m.step_buffers = step_buffers_bytes(a, c.vocab_size, n_layers);
-  // fp8 weight gradients without recompute_experts: the one act buffer the layers share.
-  if (fp8_wgrad && !share_x_act && E > 0 && n_layers > c.first_dense_layers)
-    m.step_buffers += a.rows.max_local_rows * a.F * 2;
   // training.precision = fp8: one or two operands' quantised rows (codes and 1x128 scales), shared
   // by the layers; every MoE layer's quantised expert weights (fp8_weight_cache), or else
   // scratch for two of the local experts' weight tensors (codes and 128x128 scales).

@@ -277,29 +277,36 @@ __device__ __forceinline__ TokenBlock token_block(int64_t column, const int32_t*
 }
 
 // A 128-token x 128-feature tile in shared memory (tokens past the expert's rows zero) to
-// its token columns: each thread takes two adjacent features (one 4-byte load a token) over
-// a quarter of the tokens, the four quarters' amax meet in `partial`; then each writes its
-// 32 codes of each feature's column as two 16-byte stores. The tile's features start at f0
-// of W (even); columns from `column` of codes_t [W, ld_t]. Ends with the block synced.
-constexpr int kColumnQuarters = kColumnThreads / (kBlock / 2);  // 4
-constexpr int kQuarterTokens = kBlock / kColumnQuarters;        // 32
+// its token columns, by a block of `Threads`: each thread takes two adjacent features (one
+// 4-byte load a token) over one part of the tokens (Threads / 64 parts), the parts' amax
+// meet in `partial`; then each writes its codes of each feature's column as 16-byte
+// stores. The tile's features start at f0 of W (even); columns from `column` of codes_t
+// [W, ld_t]. Ends with the block synced.
+template <int Threads>
+struct ColumnParts {
+  static constexpr int kParts = Threads / (kBlock / 2);  // 4 for 256 threads, 8 for 512
+  static constexpr int kTokens = kBlock / kParts;        // tokens a thread takes: 32 or 16
+  static_assert(kTokens % 16 == 0, "whole 16-byte stores");
+};
+template <int Threads>
 __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile)[kBlock + kColumnPad],
                                                       float (*partial)[kBlock], uint8_t* codes_t, int64_t ld_t,
                                                       float* scales_t, const TokenBlock& b, int64_t column, int64_t f0,
                                                       int64_t W) {
-  const int pair = threadIdx.x % (kBlock / 2), quarter = threadIdx.x / (kBlock / 2);
-  float v[2][kQuarterTokens];
+  using Parts = ColumnParts<Threads>;
+  const int pair = threadIdx.x % (kBlock / 2), part = threadIdx.x / (kBlock / 2);
+  float v[2][Parts::kTokens];
   float amax[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int t = 0; t < kQuarterTokens; ++t) {
-    const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&tile[quarter * kQuarterTokens + t][2 * pair]);
+  for (int t = 0; t < Parts::kTokens; ++t) {
+    const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&tile[part * Parts::kTokens + t][2 * pair]);
     v[0][t] = __low2float(h);
     v[1][t] = __high2float(h);
     amax[0] = fmaxf(amax[0], fabsf(v[0][t]));
     amax[1] = fmaxf(amax[1], fabsf(v[1][t]));
   }
-  partial[quarter][2 * pair] = amax[0];
-  partial[quarter][2 * pair + 1] = amax[1];
+  partial[part][2 * pair] = amax[0];
+  partial[part][2 * pair + 1] = amax[1];
   __syncthreads();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -307,13 +314,13 @@ __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile
     if (f0 + f >= W) continue;
     float m = 0.0f;
 #pragma unroll
-    for (int q = 0; q < kColumnQuarters; ++q) m = fmaxf(m, partial[q][f]);
+    for (int q = 0; q < Parts::kParts; ++q) m = fmaxf(m, partial[q][f]);
     const float scale = fp8::block_scale(m), inverse = 1.0f / scale;
-    if (quarter == 0) scales_t[fp8::token_column_scale_index(b.P_e, b.tb, f0 + f, W)] = scale;
-    uint8_t* out = codes_t + (f0 + f) * ld_t + column + quarter * kQuarterTokens;
+    if (part == 0) scales_t[fp8::token_column_scale_index(b.P_e, b.tb, f0 + f, W)] = scale;
+    uint8_t* out = codes_t + (f0 + f) * ld_t + column + part * Parts::kTokens;
     const float* x = v[h];
 #pragma unroll
-    for (int q = 0; q < kQuarterTokens / 16; ++q) {
+    for (int q = 0; q < Parts::kTokens / 16; ++q) {
       uint32_t words[4];
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -330,7 +337,7 @@ __global__ void __launch_bounds__(kColumnThreads)
     quantize_token_columns_kernel(uint8_t* codes_t, int64_t ld_t, float* scales_t, const __nv_bfloat16* x,
                                   int64_t ld_x, const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t W) {
   __shared__ __align__(16) __nv_bfloat16 tile[kBlock][kBlock + kColumnPad];
-  __shared__ float partial[kColumnQuarters][kBlock];
+  __shared__ float partial[ColumnParts<kColumnThreads>::kParts][kBlock];
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kBlock;  // the block's first padded token
   if (column >= P_E1[E]) return;
   const TokenBlock b = token_block(column, offsets_E1, P_E1, E);
@@ -345,24 +352,27 @@ __global__ void __launch_bounds__(kColumnThreads)
     *reinterpret_cast<uint4*>(&tile[t][chunk * 8]) = v;
   }
   __syncthreads();
-  tile_to_token_columns(tile, partial, codes_t, ld_t, scales_t, b, column, f0, W);
+  tile_to_token_columns<kColumnThreads>(tile, partial, codes_t, ld_t, scales_t, b, column, f0, W);
 }
 
 // SwiGLU's backward for the fp8 weight gradients (swiglu_backward_fp8_columns): per 128
 // padded tokens of one expert x 128 features, 16 threads a row of the tile as
 // swiglu_backward_quantize_kernel's (the same values, row codes and scales), and act
 // (swiglu_forward's values), d gate and d up as bf16 through three shared tiles to their
-// token columns.
+// token columns. 512 threads a block, two blocks an SM (the tiles' 104 KB each): 32 warps
+// an SM to hide the latency of the loads and of the per-value arithmetic.
+constexpr int kSwigluColumnThreads = 512;
 constexpr int kSwigluColumnTiles = 3;
-constexpr int kSwigluColumnRowsInFlight = 4;  // rows of a thread's loads issued before the first is used
+constexpr int kSwigluColumnRowStep = kSwigluColumnThreads / 16;  // rows a pass: 32
+constexpr int kSwigluColumnRowsInFlight = 2;  // rows of a thread's loads issued before the first is used
 constexpr size_t kSwigluColumnSmem = kSwigluColumnTiles * kBlock * (kBlock + kColumnPad) * sizeof(__nv_bfloat16);
-__global__ void __launch_bounds__(kColumnThreads, 2) swiglu_backward_columns_kernel(
+__global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_columns_kernel(
     uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3, int64_t ld_t,
     int64_t column_scale_stride, const __nv_bfloat16* dact, const __nv_bfloat16* gate_up, const int32_t* offsets_E1,
     const int64_t* P_E1, int64_t E, int64_t R, int64_t F) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto tiles = reinterpret_cast<__nv_bfloat16(*)[kBlock][kBlock + kColumnPad]>(smem);  // act, d gate, d up
-  __shared__ float partial[kColumnQuarters][kBlock];
+  __shared__ float partial[ColumnParts<kSwigluColumnThreads>::kParts][kBlock];
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kBlock;
   if (column >= P_E1[E]) return;
   const TokenBlock b = token_block(column, offsets_E1, P_E1, E);
@@ -370,14 +380,14 @@ __global__ void __launch_bounds__(kColumnThreads, 2) swiglu_backward_columns_ker
   const int64_t f0 = fb * kBlock;
   const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
   const int64_t f = f0 + chunk * 8;
-  // Rows row0 + 16 j, kSwigluColumnRowsInFlight at a time: every load of a group issued
-  // before the first value is used, so each SM keeps enough bytes in flight.
-  for (int j0 = 0; j0 < kBlock / 16; j0 += kSwigluColumnRowsInFlight) {
+  // Rows row0 + 32 j, kSwigluColumnRowsInFlight at a time: every load of a group issued
+  // before the first value is used.
+  for (int j0 = 0; j0 < kBlock / kSwigluColumnRowStep; j0 += kSwigluColumnRowsInFlight) {
     uint4 g_packed[kSwigluColumnRowsInFlight], u_packed[kSwigluColumnRowsInFlight],
         da_packed[kSwigluColumnRowsInFlight];
 #pragma unroll
     for (int i = 0; i < kSwigluColumnRowsInFlight; ++i) {
-      const int t = row0 + 16 * (j0 + i);
+      const int t = row0 + kSwigluColumnRowStep * (j0 + i);
       if (t < b.rows) {
         const int64_t r = b.first + t;
         g_packed[i] = *reinterpret_cast<const uint4*>(gate_up + r * 2 * F + f);
@@ -387,7 +397,7 @@ __global__ void __launch_bounds__(kColumnThreads, 2) swiglu_backward_columns_ker
     }
 #pragma unroll
     for (int i = 0; i < kSwigluColumnRowsInFlight; ++i) {
-      const int t = row0 + 16 * (j0 + i);
+      const int t = row0 + kSwigluColumnRowStep * (j0 + i);
       uint4 a_rounded = make_uint4(0, 0, 0, 0), dg_rounded = a_rounded, du_rounded = a_rounded;
       if (t < b.rows) {  // the same for a row's 16 threads
         const int64_t r = b.first + t;
@@ -418,8 +428,8 @@ __global__ void __launch_bounds__(kColumnThreads, 2) swiglu_backward_columns_ker
   }
   __syncthreads();
   for (int o = 0; o < kSwigluColumnTiles; ++o)
-    tile_to_token_columns(tiles[o], partial, columns_3FP + o * F * ld_t, ld_t,
-                          column_scales_3 + o * column_scale_stride, b, column, f0, F);
+    tile_to_token_columns<kSwigluColumnThreads>(tiles[o], partial, columns_3FP + o * F * ld_t, ld_t,
+                                                column_scales_3 + o * column_scale_stride, b, column, f0, F);
 }
 
 // Weights: one block of 256 threads per 128 x 128 weight block. The block's bf16 values are
@@ -652,7 +662,7 @@ void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* c
   MOE_CUDA_CHECK(cudaFuncSetAttribute(swiglu_backward_columns_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(kSwigluColumnSmem)));
   const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>(F / kBlock));
-  swiglu_backward_columns_kernel<<<grid, kColumnThreads, kSwigluColumnSmem, stream>>>(
+  swiglu_backward_columns_kernel<<<grid, kSwigluColumnThreads, kSwigluColumnSmem, stream>>>(
       codes_2RF, scales_2, columns_3FP, column_scales_3, ld_t, F * fp8::blocks(ld_t), as_cuda(dact_RF),
       as_cuda(gate_up_RF2), offsets_E1, P_E1, E, R, F);
   MOE_CUDA_CHECK_LAUNCH();

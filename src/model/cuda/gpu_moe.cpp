@@ -131,6 +131,7 @@ bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, 
   // fp8 weight gradients: the backward's SwiGLU makes act's operand from gate|up itself.
   if (fp8_weight_gradients && !for_down && E > 0) return false;
   if (!fp8 || !for_down || E == 0) {
+    MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
     cuda::swiglu_forward(m.act_rows->data(), m.gate_up_rows->data(), R, F, stream);
     return false;
   }

@@ -223,8 +223,10 @@ void GpuTransformer::plan(int64_t batch) {
     const bool shared_x_act = s.recompute_experts != ExpertRecompute::None;
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
     m.gate_up_rows = rows_buffer(shared_gate_up_rows, RL * 2 * F, s.recompute_experts == ExpertRecompute::All);
-    // fp8 weight gradients: the backward takes act from gate|up itself (swiglu_backward_fp8_columns).
-    m.act_rows = rows_buffer(shared_act_rows, RL * F, shared_x_act || s.fp8_weight_gradients);
+    // fp8 weight gradients: the backward takes act from gate|up itself (swiglu_backward_fp8_columns)
+    // and the forward writes only act's codes, so no act buffer.
+    m.act_rows = s.fp8_weight_gradients ? std::make_shared<Buffer<bf16>>()
+                                        : rows_buffer(shared_act_rows, RL * F, shared_x_act);
     m.y_rows = bf(std::max(R, RL) * D);  // under expert parallelism: the local rows
     s.dispatcher->plan_layer(m);
     m.shared.clear();

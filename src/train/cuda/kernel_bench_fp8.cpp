@@ -266,13 +266,14 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
     flops_total += row.flops;
   }
   print_gemm({"expert fwd + dgrad GEMMs of the layer", flops_total, bf16_total, fp8_total});
-  double bf16_weight_total = 0, fp8_weight_total = 0;
+  double bf16_weight_total = 0, fp8_weight_total = 0, weight_flops = 0;
   for (const GemmRow& row : weight_gemms) {
     print_gemm(row);
     bf16_weight_total += row.bf16_ms;
     fp8_weight_total += row.fp8_ms;
+    weight_flops += row.flops;
   }
-  print_gemm({"expert weight-gradient GEMMs", flops_total, bf16_weight_total, fp8_weight_total});
+  print_gemm({"expert weight-gradient GEMMs", weight_flops, bf16_weight_total, fp8_weight_total});
   for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
   // The step's quantisation: the rows' kernels but act's (the fused SwiGLU's extra time over
   // SwiGLU alone instead), and the weights.
