@@ -5,6 +5,7 @@
 #include <fmt/ostream.h>
 
 #include <algorithm>
+#include <chrono>
 #include <ostream>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "model/cuda/loopback_exchange.h"
 #include "model/gpu_buffer_sizes.h"
 #include "model/transformer.h"
+#include "obs/cuda/board_sampler.h"
 #include "optim/cuda/gpu_optimizer.h"
 #include "train/trainer.h"
 
@@ -66,8 +68,13 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   clock.set_enabled(!config.training.cuda_graphs);  // no events inside a graph
   gpu->set_phase_clock(&clock);
   optimizer->set_phase_clock(&clock);
+  // The board's clock and power over the timed steps: at its power limit the SM clock falls.
+  BoardSampler board(std::chrono::milliseconds(50));
   for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
-    if (step == warmup_steps + 1) clock.take();  // drop the warm-up steps' phases
+    if (step == warmup_steps + 1) {
+      clock.take();  // drop the warm-up steps' phases
+      board.start();
+    }
     const NvtxRange range((step <= warmup_steps ? "warm-up step " : "step ") + std::to_string(step));
     MOE_CUDA_CHECK(cudaEventRecord(start));
     gpu->begin_gradients();  // as training: no zeroing pass over the expert gradients
@@ -82,6 +89,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
     MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     if (step > warmup_steps) step_ms.push_back(ms);
   }
+  board.stop();
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   const auto phases = clock.take();
@@ -126,6 +134,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              result.tokens_per_second, 100 * result.mfu, active_non_embedding, mc.n_layers, mc.dim, mc.seq_len,
              kPeakFlops / 1e12);
   fmt::print(out, "device memory in use: {:.1f} GB\n", result.device_gb);
+  result.board = board.summary();
+  fmt::print(out, "board over the timed steps: {}\n",
+             board.available() ? describe_board(result.board) : "not sampled: " + board.unavailable_reason());
   double phase_total = 0;
   for (const auto& [name, ms] : phases) {
     phase_total += ms;

@@ -1,12 +1,13 @@
 // `moe bench` on one GPU: timed optimizer steps (forward, backward, AdamW) of the
 // configured model on random tokens, reported as tokens/s, MFU with the inputs of its
-// formula, step time and device memory.
+// formula, step time, device memory, and the SM clock and power the timed steps ran at.
 #pragma once
 #include <iosfwd>
 #include <map>
 #include <string>
 
 #include "config/run_config.h"
+#include "obs/board_power.h"
 
 namespace moe {
 
@@ -16,6 +17,7 @@ struct GpuBenchResult {
   double mfu = 0;
   double device_gb = 0;
   std::map<std::string, double> phase_ms;  // mean per timed step (empty with CUDA graphs)
+  BoardSummary board;  // the SM clock and power over the timed steps (no samples without NVML)
 };
 
 // ep_loopback: through the expert-parallel path over this one GPU (LoopbackExpertExchange:
