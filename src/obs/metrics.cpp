@@ -168,6 +168,11 @@ nlohmann::json to_json(const StepMetrics& m) {
     for (const auto& [phase, ms] : m.phase_ms) phases[phase] = ms;
     j["phase_ms"] = std::move(phases);
   }
+  if (m.board.samples > 0)
+    j["board"] = {{"sm_clock_mhz", m.board.sm_mhz_mean},
+                  {"power_w", m.board.power_w_mean},
+                  {"power_capped", m.board.power_capped},
+                  {"samples", m.board.samples}};
   return j;
 }
 

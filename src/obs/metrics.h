@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "obs/board_power.h"
+
 namespace moe {
 
 // max/mean - 1 of a load vector (0 when it is all zero).
@@ -96,6 +98,7 @@ struct StepMetrics {
   std::vector<RankLoad> ranks;
   std::vector<std::pair<std::string, double>> phase_ms;  // metrics.phase_times: the step's time per phase
   std::vector<PhaseSpan> spans;  // metrics.trace: the step's phases (not a JSONL field)
+  BoardSummary board;  // GPU: the SM clock and power sampled during the step (no samples: none)
 
   double max_imbalance() const;
   double comm_wait_fraction() const { return time.step > 0 ? time.comm_wait / time.step : 0; }

@@ -142,6 +142,11 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
       {"memory/rss_bytes", f(m.rss_bytes)},
       {"moe/max_imbalance", f(m.max_imbalance())},
   };
+  if (m.board.samples > 0) {
+    s.push_back({"gpu/sm_clock_mhz", f(m.board.sm_mhz_mean)});
+    s.push_back({"gpu/power_w", f(m.board.power_w_mean)});
+    s.push_back({"gpu/power_capped", f(m.board.power_capped)});
+  }
   for (const auto& l : m.layers) {
     const std::string p = fmt::format("moe/layer{}/", l.layer);
     s.push_back({p + "imbalance", f(l.imbalance())});

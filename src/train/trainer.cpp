@@ -73,6 +73,7 @@ StepMetrics step_metrics(const StepStats& s, const RunInfo& info, int64_t arena_
   m.a2a_bandwidth = s.a2a_seconds > 0 ? static_cast<double>(s.a2a_bytes) / s.a2a_seconds : 0;
   m.layers = s.layers;
   if (phase_times) m.phase_ms = s.phase_ms;
+  m.board = s.board;
   m.spans = s.spans;
   if (!s.ranks.empty()) {
     m.ranks = s.ranks;
@@ -236,6 +237,7 @@ StepStats Trainer::train_step(int64_t step) {
   const auto step_end = Clock::now();
   stats.time.optimizer = std::max(0.0, seconds(optimizer_start, step_end) - (stats.time.comm_wait - compute_wait));
   stats.time.step = seconds(step_start, step_end);
+  model.take_board_stats(stats);
   model.observe_step(stats);
   span("optimizer", last, step_end);
   // The GPU's CUDA-event time per phase, summed over the step: laid end to end from the

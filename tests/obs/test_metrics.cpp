@@ -72,6 +72,13 @@ TEST(Metrics, StepJsonHasEveryField) {
   EXPECT_FALSE(j.contains("phase_ms"));  // only with metrics.phase_times
   m.phase_ms = {{"attention", 1.5}, {"experts", 4.25}};
   EXPECT_DOUBLE_EQ(to_json(m)["phase_ms"]["experts"].get<double>(), 4.25);
+  EXPECT_FALSE(j.contains("board"));  // only where the board was sampled (GPU, NVML)
+  m.board = summarize_board({{1500, 690, true, false}, {1700, 650, false, false}}, 1980, 700);
+  const nlohmann::json board = to_json(m)["board"];
+  EXPECT_DOUBLE_EQ(board["sm_clock_mhz"].get<double>(), 1600);
+  EXPECT_DOUBLE_EQ(board["power_w"].get<double>(), 670);
+  EXPECT_DOUBLE_EQ(board["power_capped"].get<double>(), 0.5);
+  EXPECT_EQ(board["samples"].get<int64_t>(), 2);
 }
 
 StepMetrics with(int64_t step, std::vector<int64_t> load, double comm_fraction, double sync_ms) {

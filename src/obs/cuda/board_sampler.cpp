@@ -138,4 +138,13 @@ std::vector<BoardSample> BoardSampler::samples() const {
 
 BoardSummary BoardSampler::summary() const { return summarize_board(samples(), max_sm_mhz_, power_limit_w_); }
 
+BoardSummary BoardSampler::take_summary() {
+  std::vector<BoardSample> taken;
+  {
+    std::lock_guard lock(mutex_);
+    taken.swap(samples_);
+  }
+  return summarize_board(taken, max_sm_mhz_, power_limit_w_);
+}
+
 }  // namespace moe

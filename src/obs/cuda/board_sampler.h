@@ -29,6 +29,7 @@ class BoardSampler {
   void stop();
   std::vector<BoardSample> samples() const;
   BoardSummary summary() const;  // of the samples so far
+  BoardSummary take_summary();   // of the samples so far, which it drops (sampling goes on)
 
  private:
   void run();

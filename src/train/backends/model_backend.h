@@ -37,6 +37,7 @@ struct StepStats {
   // GPU, metrics.phase_times or metrics.trace: ms per phase of the model's stream.
   std::vector<std::pair<std::string, double>> phase_ms;
   std::vector<PhaseSpan> spans;  // metrics.trace: the step's phases (train_step's host timers, then phase_ms)
+  BoardSummary board;            // GPU: the SM clock and power during the step (take_board_stats)
 };
 
 // What the step loop (Trainer::train_step) needs from the model it trains: the CPU
@@ -99,6 +100,8 @@ class ModelBackend {
   virtual void end_validation() = 0;
   // The step's communication measurements into stats (and reset them).
   virtual void take_comm_stats(StepStats& stats) { (void)stats; }
+  // The board's SM clock and power sampled since the last call (GPU; none elsewhere).
+  virtual void take_board_stats(StepStats& stats) { (void)stats; }
   // The finished step's times (stats.time.step set): parallel.a2a_compression = auto
   // decides from them which layers compress the next step's exchanges. Collective.
   virtual void observe_step(const StepStats& stats) { (void)stats; }

@@ -26,6 +26,7 @@
 #include "model/expert_layout.h"
 #include "moe/expert_placement.h"
 #include "moe/router.h"
+#include "obs/cuda/board_sampler.h"
 #include "optim/cuda/gpu_optimizer.h"
 #include "train/backends/cuda/gpu_routing_report.h"
 #include "train/backends/cuda/owned_pieces.h"
@@ -137,7 +138,14 @@ class GpuBackend final : public ModelBackend {
     // The exchanges' time is the "all-to-all" phase of the GPU model's clock.
     if (ep_ || config_.metrics.phase_times || config_.metrics.trace) clock_.set_enabled(true);
     if (!config_.checkpoint.dir.empty()) reserve_save_buffers(first_rank);
+    // The board's SM clock and power during each step (metrics: board).
+    board_ = std::make_unique<BoardSampler>(std::chrono::milliseconds(50));
+    board_->start();
+    if (!board_->available() && first_rank) spdlog::info("board clock and power not sampled: {}", board_->unavailable_reason());
     return plan;
+  }
+  void take_board_stats(StepStats& stats) override {
+    if (board_ && board_->available()) stats.board = board_->take_summary();
   }
   void begin_step() override {
     gpu_->begin_gradients();  // the first backward writes the expert gradients: no memset of them
@@ -773,6 +781,7 @@ class GpuBackend final : public ModelBackend {
   std::vector<std::vector<int64_t>> loads_;  // this step's assignments per expert, per MoE layer
   PlacementSchedule placement_schedule_;  // parallel.rebalance_interval
   SaveBufferPool save_buffers_;  // checkpoints: the last save's pieces (pinned buffers, reused)
+  std::unique_ptr<BoardSampler> board_;  // after plan_batches
   OwnedPieces restored_;                // the pieces a restore fills
   std::vector<RangeList> zero_held_;    // ZeRO: per backward stage, the ranges this rank holds
   dist::ExpertParallelZero ep_zero_;    // ZeRO under expert parallelism: the two groups' plans
