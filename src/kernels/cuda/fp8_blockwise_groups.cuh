@@ -1,16 +1,68 @@
-// The per-group arrays of CUTLASS's ptr-array grouped GEMM with blockwise scaling (device
-// memory, carved from one block) and the arguments that point the kernel at them: shared by
-// the experts' fp8 GEMMs (fp8_grouped_gemm.cu) and their fp8 weight gradients
-// (fp8_weight_gemm.cu). A `describe` kernel of each fills the arrays on the device.
+// CUTLASS's ptr-array grouped GEMM with blockwise scaling as the experts' fp8 GEMMs use it
+// (fp8_grouped_gemm.cu: forward and data gradient; fp8_weight_gemm.cu: weight gradients):
+// the kernel's types for a scale granularity and an output type, the per-group arrays
+// (device memory, carved from one block) and the arguments that point the kernel at them.
+// A `describe` kernel of each fills the arrays on the device.
 #pragma once
 
 #include <cstddef>
 
+#include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/gemm.h"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 
 namespace moe::cuda::grouped {
+
+template <class Gemm, class GroupShape, class ElementAB, class ElementD, class LayoutSFA, class LayoutSFB>
+struct BlockwiseGroups;
+
+// e4m3 A [M, K] and B (K x N stored [N, K]), both K-major as FP8 wgmma needs, scales by
+// ScaleConfig (cutlass::detail::Sm90BlockwiseScaleConfig), fp32 accumulation promoted
+// every 128 of K, ElementD out (row-major); 128 x 128 x 128 tiles (one scale slice per K
+// tile: the blockwise mainloop's requirement), clusters of 1 x 2, cooperative.
+template <class ScaleConfig, class ElementD_>
+struct BlockwiseGemm {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
+  using GroupShape = typename ProblemShape::UnderlyingProblemShape;
+  using ElementAB = cutlass::float_e4m3_t;
+  using ElementD = ElementD_;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignmentAB = 16;  // 16-byte TMA rows
+  static constexpr int kAlignmentD = 16 / static_cast<int>(sizeof(ElementD));
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
+  static constexpr int kClusterSms = 2;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignmentD, ElementD,
+      LayoutD*, kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB,
+      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Groups = BlockwiseGroups<Gemm, GroupShape, ElementAB, ElementD, LayoutSFA, LayoutSFB>;
+};
 
 template <class Gemm, class GroupShape, class ElementAB, class ElementD, class LayoutSFA, class LayoutSFB>
 struct BlockwiseGroups {

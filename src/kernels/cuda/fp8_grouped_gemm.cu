@@ -12,16 +12,6 @@
 
 #include "core/error_base.h"
 #include "core/gpu.h"
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "kernels/cuda/fp8_blockwise_groups.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/fp8_blockwise.h"
@@ -30,44 +20,22 @@
 namespace moe::cuda {
 namespace {
 
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
-using GroupShape = ProblemShape::UnderlyingProblemShape;
-using ElementAB = cutlass::float_e4m3_t;
-using ElementD = cutlass::bfloat16_t;
-using LayoutA = cutlass::layout::RowMajor;     // [rows, K]
-using LayoutB = cutlass::layout::ColumnMajor;  // K x N stored [N, K]
-using LayoutD = cutlass::layout::RowMajor;
-constexpr int kAlignmentAB = 16;  // 16-byte TMA rows
-constexpr int kAlignmentD = 8;
-// 128-deep K tiles: one scale slice per tile (the blockwise mainloop's requirement).
-using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-constexpr int kClusterSms = 2;
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, fp8::kBlock, fp8::kBlock>;
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-
-using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignmentD, ElementD, LayoutD*,
-    kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB,
-    ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentAB, float, TileShape, ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-    cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-using StrideA = typename Kernel::InternalStrideA;
-using StrideB = typename Kernel::InternalStrideB;
-using StrideC = typename Kernel::InternalStrideC;
-using StrideD = typename Kernel::InternalStrideD;
+using Blockwise = grouped::BlockwiseGemm<ScaleConfig, cutlass::bfloat16_t>;
+using GroupShape = Blockwise::GroupShape;
+using ElementAB = Blockwise::ElementAB;
+using ElementD = Blockwise::ElementD;
+using Gemm = Blockwise::Gemm;
+using StrideA = Blockwise::StrideA;
+using StrideB = Blockwise::StrideB;
+using StrideC = Blockwise::StrideC;
+using StrideD = Blockwise::StrideD;
+constexpr int kClusterSms = Blockwise::kClusterSms;
 
 using grouped::leading_stride;
 
 // The per-group arrays the kernel reads (device memory, carved from one block).
-using Groups = grouped::BlockwiseGroups<Gemm, GroupShape, ElementAB, ElementD, LayoutSFA, LayoutSFB>;
+using Groups = Blockwise::Groups;
 
 // Set s's operands: B codes and scales, the output.
 struct Sets {

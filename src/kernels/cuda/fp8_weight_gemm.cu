@@ -12,16 +12,6 @@
 
 #include "core/error_base.h"
 #include "core/gpu.h"
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/detail/blockwise_scale_layout.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "kernels/cuda/fp8_blockwise_groups.cuh"
 #include "kernels/cuda/grouped_gemm.cuh"
 #include "kernels/fp8_blockwise.h"
@@ -30,41 +20,11 @@
 namespace moe::cuda {
 namespace {
 
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-using GroupShape = ProblemShape::UnderlyingProblemShape;
-using ElementAB = cutlass::float_e4m3_t;
-using LayoutA = cutlass::layout::RowMajor;     // [M, K]: the tokens contiguous
-using LayoutB = cutlass::layout::ColumnMajor;  // K x N stored [N, K]
-using LayoutD = cutlass::layout::RowMajor;
-constexpr int kAlignmentAB = 16;
-using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, fp8::kBlock>;
-using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-
 template <class ElementD>
-struct WeightKernel {
-  static constexpr int kAlignmentD = 16 / static_cast<int>(sizeof(ElementD));
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, LayoutD*, kAlignmentD, ElementD,
-      LayoutD*, kAlignmentD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignmentAB,
-      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignmentAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideC = typename Kernel::InternalStrideC;
-  using StrideD = typename Kernel::InternalStrideD;
-
-  using Groups = grouped::BlockwiseGroups<Gemm, GroupShape, ElementAB, ElementD, LayoutSFA, LayoutSFB>;
-};
+using WeightKernel = grouped::BlockwiseGemm<ScaleConfig, ElementD>;
+using ElementAB = WeightKernel<float>::ElementAB;
+using GroupShape = WeightKernel<float>::GroupShape;
 
 // Group e: expert e's padded token columns [P_e, P_e+1); none (M = 0) when it has no rows.
 template <class ElementD>
@@ -157,7 +117,7 @@ ExpertWeightGemmFp8::ExpertWeightGemmFp8(int64_t max_experts) : state_(new State
 ExpertWeightGemmFp8::~ExpertWeightGemmFp8() { delete state_; }
 
 void ExpertWeightGemmFp8::set_sm_limit(int sms) {
-  constexpr int kClusterSms = cute::size(ClusterShape{});
+  constexpr int kClusterSms = WeightKernel<float>::kClusterSms;
   const int whole = std::max(kClusterSms, sms / kClusterSms * kClusterSms);
   state_->sm_count = sms > 0 && whole < state_->device_sms ? whole : state_->device_sms;
 }
