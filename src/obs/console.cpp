@@ -148,6 +148,10 @@ void ConsoleSink::step(const StepMetrics& m) {
       for (const auto& [phase, ms] : m.phase_ms) line += fmt::format("{}{} {:.1f}", line.empty() ? "" : " | ", phase, ms);
       fmt::print(out_, "      phases (ms): {}\n", line);
     }
+    // GPU: the clock the step ran at (an H200 at its power limit runs well below its maximum).
+    if (m.board.samples > 0)
+      fmt::print(out_, "      board: SM clock {:.0f} MHz | power {:.0f} W | power-capped {:.0f}%\n", m.board.sm_mhz_mean,
+                 m.board.power_w_mean, 100 * m.board.power_capped);
     interval_tokens_ = 0;
     interval_seconds_ = 0;
   }

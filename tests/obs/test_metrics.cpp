@@ -150,6 +150,15 @@ TEST(Console, PlainLinesKeepTheirFormat) {
   console.step(m);
   const std::string more = out.str().substr(text.size());
   EXPECT_NE(more.find("\n      phases (ms): attention 1.5 | experts 4.2\n"), std::string::npos) << more;
+  EXPECT_EQ(more.find("board"), std::string::npos) << "no board line without samples";
+  // GPU, board sampled: one more line with the step's clock and power.
+  m.step = 7;
+  m.steps = 7;
+  m.phase_ms.clear();
+  m.board = summarize_board({{1500, 690, true, false}, {1700, 650, false, false}}, 1980, 700);
+  console.step(m);
+  const std::string board = out.str().substr(text.size() + more.size());
+  EXPECT_NE(board.find("\n      board: SM clock 1600 MHz | power 670 W | power-capped 50%\n"), std::string::npos) << board;
 }
 
 // Validations and checkpoint saves take time: tok/s is the interval's tokens over its
