@@ -141,7 +141,8 @@ class GpuBackend final : public ModelBackend {
     // The board's SM clock and power during each step (metrics: board).
     board_ = std::make_unique<BoardSampler>(std::chrono::milliseconds(50));
     board_->start();
-    if (!board_->available() && first_rank) spdlog::info("board clock and power not sampled: {}", board_->unavailable_reason());
+    if (!board_->available() && first_rank)
+      spdlog::info("board clock and power not sampled: {}", board_->unavailable_reason());
     return plan;
   }
   void take_board_stats(StepStats& stats) override {
@@ -150,6 +151,7 @@ class GpuBackend final : public ModelBackend {
   void begin_step() override {
     gpu_->begin_gradients();  // the first backward writes the expert gradients: no memset of them
     gpu_->reset_load();
+    if (board_) board_->take_summary();  // drops what came between steps (validation, saves)
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
     if (dp_) {
