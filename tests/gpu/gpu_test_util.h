@@ -116,6 +116,17 @@ inline RunConfig tiny_gpu_run(int64_t steps) {
 // bf16 keeps 8 significant bits: one rounding is a relative error up to 2^-8.
 constexpr double kBf16Rtol = 1.0 / 128;
 
+// ||got - want|| / ||want|| (L2 over every element; the sizes must agree).
+inline double relative_l2(const std::vector<float>& got, const std::vector<float>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < want.size() && i < got.size(); ++i) {
+    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
 }  // namespace moe::test
 
 namespace moe {
@@ -124,6 +135,7 @@ using test::expect_close;
 using test::kBf16Rtol;
 using test::poisoned;
 using test::random_bf16_floats;
+using test::relative_l2;
 using test::to_device;
 using test::to_device_bf16;
 using test::to_host;
