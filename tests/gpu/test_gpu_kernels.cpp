@@ -184,8 +184,11 @@ TEST_P(GpuCrossEntropy, FusedLossAndGradientMatchCpu) {
   for (int64_t t = 0; t < T; ++t) targets[t] = t % 7 == 3 ? -1 : static_cast<int32_t>(rng.bits(t)[0] % V);
   const int64_t n_valid = std::count_if(targets.begin(), targets.end(), [](int32_t x) { return x >= 0; });
   std::vector<float> lse_ref(T), dlogits_ref(T * V);
-  const double loss_ref = cross_entropy_forward<float>(lse_ref.data(), logits.data(), targets.data(), T, V);
+  cross_entropy_forward<float>(lse_ref.data(), logits.data(), targets.data(), T, V);
   cross_entropy_backward<float>(dlogits_ref.data(), logits.data(), lse_ref.data(), targets.data(), T, V, 1.0);
+  // The loss against fp64: a serial fp32 sum of 131,072 exponentials is itself ~1e-5 off.
+  std::vector<double> logits64(logits.begin(), logits.end()), lse64(T);
+  const double loss_ref = cross_entropy_forward<double>(lse64.data(), logits64.data(), targets.data(), T, V);
 
   auto logits_d = to_device(logits);  // fp32, as the LM head writes them
   auto targets_d = to_device(targets);
@@ -201,10 +204,13 @@ TEST_P(GpuCrossEntropy, FusedLossAndGradientMatchCpu) {
   expect_close("dlogits", to_host_float(dlogits_d), dlogits_ref, kBf16Rtol, 1e-7);
 }
 
-// V % 4 != 0 and rows past shared memory (65,536 fp32 = 256 KB) take the plain kernel, the
-// others the row-in-shared-memory one (a V that is not a multiple of its 4,096 per pass too).
+// V % 4 != 0 and rows past four CTAs' shared memory take the plain kernel; the others a
+// cluster of two CTAs a row (V / 4 odd at 1,028: parts of 129 and 128 float4s) or, past
+// two CTAs' shared memory (131,072 and 131,076 fp32), of four.
 INSTANTIATE_TEST_SUITE_P(Sizes, GpuCrossEntropy, ::testing::Values(Size2{1, 2}, Size2{17, 257}, Size2{64, 32000},
-                                                                   Size2{9, 50304}, Size2{5, 1028}, Size2{3, 65536}));
+                                                                   Size2{9, 50304}, Size2{5, 1028}, Size2{3, 65536},
+                                                                   Size2{2, 131072}, Size2{2, 131076},
+                                                                   Size2{2, 131074}, Size2{3, 4}));
 
 struct RouterCase {
   int64_t T, E, K;

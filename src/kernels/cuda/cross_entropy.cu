@@ -1,6 +1,9 @@
 // Cross-entropy and its gradient in one kernel from fp32 logits rows (the LM head writes
 // them a chunk of rows at a time, so the whole [T, V] fp32 logits never exist).
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
@@ -9,54 +12,90 @@
 namespace moe::cuda {
 namespace {
 
+namespace cg = cooperative_groups;
+
 constexpr int kThreads = 512;
-constexpr int kRowThreads = 1024;
+constexpr int kPartThreads = 512;
 constexpr int kLoadsInFlight = 4;  // float4 loads a thread issues before storing any
 
-// Rows whose fp32 logits fit in shared memory (V = 50,304 is 201 KB): the row is read from
-// memory once, its max, sum of exponentials and gradient are passes over shared memory.
-// The logits are the kernel's big read (2x the bf16 gradient it writes); the plain kernel
-// below reads them twice and, with several rows per SM, the second time from memory too.
-__global__ void __launch_bounds__(kRowThreads)
+// Rows whose fp32 logits fit in the shared memory of a cluster of kParts CTAs (V = 50,304
+// is 201 KB: two): each CTA takes a part of the row, read from memory once; the max, the
+// sum of exponentials (exchanged through distributed shared memory) and the gradient are
+// passes over shared memory. Parts of <= ~100 KB let an SM load one while it computes
+// another. The logits are the kernel's big read (2x the bf16 gradient it writes); the
+// plain kernel below reads them twice.
+template <int kParts>
+__global__ void __cluster_dims__(kParts, 1, 1) __launch_bounds__(kPartThreads)
     cross_entropy_row_in_smem_kernel(float* loss, __nv_bfloat16* dlogits, const float* logits,
-                                     const int32_t* targets, int64_t V, float grad_scale) {
-  extern __shared__ float4 row4[];
-  const float* row = reinterpret_cast<const float*>(row4);
-  const int64_t r = blockIdx.x, V4 = V / 4;
-  const float4* z4 = reinterpret_cast<const float4*>(logits + r * V);
+                                     const int32_t* targets, int64_t V, int64_t part4_len, float grad_scale) {
+  extern __shared__ float4 part4[];
+  __shared__ float exchange[2];  // this CTA's max, then its sum, for the others
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned rank = cluster.block_rank();
+  const int64_t r = blockIdx.x / kParts, first4 = rank * part4_len;
+  const int64_t n4 = std::max<int64_t>(0, std::min(part4_len, V / 4 - first4));
+  const float4* z4 = reinterpret_cast<const float4*>(logits + r * V) + first4;
   float local_max = -INFINITY;
-  for (int64_t base = threadIdx.x; base < V4; base += static_cast<int64_t>(kLoadsInFlight) * kRowThreads) {
+  for (int64_t base = threadIdx.x; base < n4; base += static_cast<int64_t>(kLoadsInFlight) * kPartThreads) {
     float4 v[kLoadsInFlight];
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int64_t i = base + static_cast<int64_t>(u) * kRowThreads;
-      if (i < V4) v[u] = z4[i];
+      const int64_t i = base + static_cast<int64_t>(u) * kPartThreads;
+      if (i < n4) v[u] = z4[i];
     }
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
-      const int64_t i = base + static_cast<int64_t>(u) * kRowThreads;
-      if (i < V4) {
-        row4[i] = v[u];
+      const int64_t i = base + static_cast<int64_t>(u) * kPartThreads;
+      if (i < n4) {
+        part4[i] = v[u];
         local_max = fmaxf(local_max, fmaxf(fmaxf(v[u].x, v[u].y), fmaxf(v[u].z, v[u].w)));
       }
     }
   }
-  const float row_max = block_max(local_max);  // its barriers also publish the row
+  const float my_max = block_max(local_max);  // its barriers also publish the part
+  if (threadIdx.x == 0) exchange[0] = my_max;
+  cluster.sync();
+  float row_max = -INFINITY;
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) row_max = fmaxf(row_max, cluster.map_shared_rank(exchange, p)[0]);
+  const float* part = reinterpret_cast<const float*>(part4);
   float local_sum = 0.0f;
-  for (int64_t i = threadIdx.x; i < V; i += kRowThreads) local_sum += expf(row[i] - row_max);
-  const float row_lse = row_max + logf(block_sum(local_sum));
+  for (int64_t i = threadIdx.x; i < 4 * n4; i += kPartThreads) local_sum += expf(part[i] - row_max);
+  const float my_sum = block_sum(local_sum);
+  if (threadIdx.x == 0) exchange[1] = my_sum;
+  cluster.sync();
+  // The parts' sums in rank order on every CTA: the same bits of the log-sum-exp.
+  float row_sum = 0.0f;
+#pragma unroll
+  for (int p = 0; p < kParts; ++p) row_sum += cluster.map_shared_rank(exchange, p)[1];
+  const float row_lse = row_max + logf(row_sum);
   const int32_t target = targets[r];
-  if (threadIdx.x == 0) loss[r] = target < 0 ? 0.0f : row_lse - row[target];
-  uint2* d4 = reinterpret_cast<uint2*>(dlogits + r * V);
-  for (int64_t i = threadIdx.x; i < V4; i += kRowThreads) {
-    const float4 z = row4[i];
+  const int64_t local_target = static_cast<int64_t>(target) - 4 * first4;
+  if (threadIdx.x == 0 && (target < 0 ? rank == 0 : local_target >= 0 && local_target < 4 * n4))
+    loss[r] = target < 0 ? 0.0f : row_lse - part[local_target];
+  uint2* d4 = reinterpret_cast<uint2*>(dlogits + r * V) + first4;
+  for (int64_t i = threadIdx.x; i < n4; i += kPartThreads) {
+    const float4 z = part4[i];
     const float zs[4] = {z.x, z.y, z.z, z.w};
     __nv_bfloat16 g[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      g[j] = to_bf16(target < 0 ? 0.0f : grad_scale * (expf(zs[j] - row_lse) - (4 * i + j == target ? 1.0f : 0.0f)));
+      g[j] = to_bf16(target < 0 ? 0.0f
+                                : grad_scale * (expf(zs[j] - row_lse) - (4 * i + j == local_target ? 1.0f : 0.0f)));
     d4[i] = *reinterpret_cast<const uint2*>(g);
   }
+  cluster.sync();  // the others have read this CTA's exchange before it exits
+}
+
+template <int kParts>
+void launch_row_in_smem(float* loss_T, bf16* dlogits_TV, const float* logits_TV, const int32_t* targets_T, int64_t T,
+                        int64_t V, int64_t part4_len, float grad_scale, Stream stream) {
+  const size_t bytes = static_cast<size_t>(part4_len) * sizeof(float4);
+  // Per call: the attribute is the current device's (thread ranks drive several).
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_row_in_smem_kernel<kParts>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  cross_entropy_row_in_smem_kernel<kParts><<<static_cast<unsigned>(kParts * T), kPartThreads, bytes, stream>>>(
+      loss_T, as_cuda(dlogits_TV), logits_TV, targets_T, V, part4_len, grad_scale);
 }
 
 // Any V: an online max / sum-exp pass, then the gradient pass, both from memory.
@@ -87,8 +126,8 @@ __global__ void cross_entropy_fused_kernel(float* loss, __nv_bfloat16* dlogits, 
   }
 }
 
-// The dynamic shared memory a block may take on the current device (beyond the reductions'
-// static 256 bytes).
+// The dynamic shared memory a block may take on the current device (1 KB left for the
+// reductions' and the exchange's static arrays).
 size_t row_smem_limit() {
   int device = 0, optin = 0;
   MOE_CUDA_CHECK(cudaGetDevice(&device));
@@ -101,14 +140,13 @@ size_t row_smem_limit() {
 void cross_entropy_fused(float* loss_T, bf16* dlogits_TV, const float* logits_TV, const int32_t* targets_T,
                          int64_t T, int64_t V, float grad_scale, Stream stream) {
   if (T == 0) return;
-  const size_t row_bytes = static_cast<size_t>(V) * sizeof(float);
+  const int64_t V4 = V / 4, half4 = (V4 + 1) / 2, quarter4 = (V4 + 3) / 4;
   const bool aligned = reinterpret_cast<uintptr_t>(logits_TV) % 16 == 0 && reinterpret_cast<uintptr_t>(dlogits_TV) % 8 == 0;
-  if (V % 4 == 0 && aligned && row_bytes <= row_smem_limit()) {
-    // Per call: the attribute is the current device's (thread ranks drive several).
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_row_in_smem_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(row_bytes)));
-    cross_entropy_row_in_smem_kernel<<<static_cast<unsigned>(T), kRowThreads, row_bytes, stream>>>(
-        loss_T, as_cuda(dlogits_TV), logits_TV, targets_T, V, grad_scale);
+  const size_t limit = row_smem_limit();
+  if (V % 4 == 0 && aligned && static_cast<size_t>(half4) * sizeof(float4) <= limit) {
+    launch_row_in_smem<2>(loss_T, dlogits_TV, logits_TV, targets_T, T, V, half4, grad_scale, stream);
+  } else if (V % 4 == 0 && aligned && static_cast<size_t>(quarter4) * sizeof(float4) <= limit) {
+    launch_row_in_smem<4>(loss_T, dlogits_TV, logits_TV, targets_T, T, V, quarter4, grad_scale, stream);
   } else {
     cross_entropy_fused_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(
         loss_T, as_cuda(dlogits_TV), logits_TV, targets_T, V, grad_scale);
