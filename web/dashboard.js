@@ -126,6 +126,12 @@
     const temp = (f) => pts(steps, (r) => over(r, (l) => (l.temperature > 0 ? l.temperature : NaN), f));
     plot("chart-temperature", [["lowest layer", temp((v) => Math.min(...v))], ["mean over MoE layers", temp(mean)],
                                ["highest layer", temp((v) => Math.max(...v))]]);
+    // The board (GPU runs where NVML answers; absent on the CPU): a power-capped clock is
+    // why a step is slower than its kernels' times add up to (docs/PROFILING.md).
+    const board = (f) => pts(steps, (r) => (r.board ? f(r.board) : null));
+    plot("chart-clock", [["SM clock", board((b) => b.sm_clock_mhz)]]);
+    plot("chart-power", [["power", board((b) => b.power_w)]], true);
+    plot("chart-capped", [["power-capped", board((b) => b.power_capped * 100)]], true);
     if (last) heatmaps(last);
     const list = document.getElementById("alerts");
     if (state.alerts.length) {

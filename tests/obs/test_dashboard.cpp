@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -241,6 +242,32 @@ TEST(Report, BrowserShowsChartsAndTheRunsExpertLoad) {
     EXPECT_EQ(std::stoll((*it)[2]), cells.at({0, e}) + cells.at({1, e})) << "expert " << e;
   }
   EXPECT_EQ(rank_cells, 4);
+  fs::remove_all(dir);
+}
+
+// The board's charts: no points on the CPU (no `board` in the records); drawn from the
+// records' `board` where a GPU run wrote it (here added to steps 1 and 3 of a CPU run's file,
+// in the form GpuBackend's sampler gives it).
+TEST(Report, BoardChartsFollowTheRecords) {
+  set_num_threads(1);
+  const fs::path dir = test::scratch_dir("report_board");
+  std::vector<nlohmann::json> records;
+  const std::string cpu_dom = render_report(test::tiny_config(4), dir, &records);
+  for (const char* id : {"chart-clock", "chart-power", "chart-capped"}) EXPECT_EQ(chart_points(cpu_dom, id), 0) << id;
+  {
+    std::ofstream out(dir / "run" / "metrics.jsonl", std::ios::trunc);
+    for (nlohmann::json r : records) {
+      if (r["type"] == "step" && r["step"].get<int>() % 2 == 1)
+        r["board"] = {{"sm_clock_mhz", 1500.0 + r["step"].get<int>()},
+                      {"power_w", 690.0},
+                      {"power_capped", 0.9},
+                      {"samples", 20}};
+      out << r.dump() << "\n";
+    }
+  }
+  const auto r = test::run_chromium("--dump-dom file://" + write_report((dir / "run").string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output.substr(0, 2000);
+  for (const char* id : {"chart-clock", "chart-power", "chart-capped"}) EXPECT_EQ(chart_points(r.output, id), 2) << id;
   fs::remove_all(dir);
 }
 
