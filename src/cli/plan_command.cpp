@@ -23,7 +23,10 @@ std::string count_text(int64_t n) {
 
 std::string recompute_text(const MemoryLayout& l, int64_t n_layers) {
   const int64_t layers = l.recompute_layers < 0 ? n_layers : std::min(l.recompute_layers, n_layers);
-  const std::string experts = fmt::format("experts {}", name_of(l.recompute_experts));
+  const std::string experts =
+      l.recompute_experts_layers < 0
+          ? fmt::format("experts {}", name_of(l.recompute_experts))
+          : fmt::format("experts {} ({} MoE layers)", name_of(l.recompute_experts), l.recompute_experts_layers);
   if (layers == 0) return l.recompute_experts == ExpertRecompute::None ? "none" : experts;
   std::string text = layers == n_layers ? "all layers" : fmt::format("{} layers", layers);
   if (l.recompute_experts != ExpertRecompute::None) text += ", " + experts;

@@ -88,6 +88,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "memory_limit_mb", t.memory_limit_mb);
   visit("training", "recompute_layers", t.recompute_layers);
   visit("training", "recompute_experts", t.recompute_experts);
+  visit("training", "recompute_experts_layers", t.recompute_experts_layers);
   visit("training", "cuda_graphs", t.cuda_graphs);
   visit("training", "deterministic", t.deterministic);
   visit("training", "expert_grad_dtype", t.expert_grad_dtype);
@@ -390,6 +391,10 @@ void check_training(const RunConfig& c) {
     fail({"training.recompute_layers"},
          fmt::format("training.recompute_layers must be -1 (all layers), 0 (none) or a layer count, got {}",
                      t.recompute_layers));
+  if (t.recompute_experts_layers < -1)
+    fail({"training.recompute_experts_layers"},
+         fmt::format("training.recompute_experts_layers must be -1 (all MoE layers) or a count of MoE layers, got {}",
+                     t.recompute_experts_layers));
   if (t.precision == TrainingPrecision::Fp8) {
     if (t.device == TrainingDevice::Cpu)
       fail({"training.precision", "training.device"},

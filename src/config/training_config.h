@@ -55,6 +55,7 @@ struct TrainingConfig {
   double loss_spike_factor = 3.0;     // warn when a loss exceeds this times the running mean; 0: off
   int64_t memory_limit_mb = 0;        // activation memory per micro-batch; over it the micro-batch is halved; 0: none
   int64_t recompute_layers = 0;       // GPU: recompute the activations of the first N layers in the backward; -1: all
+  int64_t recompute_experts_layers = -1;  // GPU: the first N MoE layers do recompute_experts, the later keep their rows; -1: all
   ExpertRecompute recompute_experts = ExpertRecompute::None;  // GPU
   bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
   bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)

@@ -235,24 +235,35 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   const bool fp8_wgrad =
       config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients;
   const int64_t dense_bytes = a.T * 2 * c.dense_hidden * 2 + a.T * c.dense_hidden * 2;
+  // An MoE layer's buffers with the shared expert rows (recompute_experts), and with its own
+  // (the MoE layers past recompute_experts_layers; the layers recomputed whole share one set
+  // either way).
   const int64_t moe_bytes = E > 0 ? moe_buffers_bytes(a, share_x_act, share_x_act || fp8_wgrad, share_gate_up) : 0;
+  const int64_t moe_own_rows_bytes = E > 0 ? moe_buffers_bytes(a, false, fp8_wgrad, false) : 0;
+  const auto shares_rows = [&](int64_t moe_index) {
+    return share_x_act && (layout.recompute_experts_layers < 0 || moe_index < layout.recompute_experts_layers);
+  };
   const int64_t core_bytes = attention_and_norms_bytes(a), input_bytes = a.T * c.dim * 2;
   const int64_t n_layers = c.n_layers;
   const int64_t recomputed = layout.recompute_layers < 0 ? n_layers : std::min(layout.recompute_layers, n_layers);
-  bool recompute_dense = false, recompute_moe = false;
+  bool recompute_dense = false, recompute_moe = false, rows_shared = false;
   for (int64_t l = 0; l < n_layers; ++l) {
     const bool is_moe = l >= c.first_dense_layers;
     if (l < recomputed) {
       (is_moe ? recompute_moe : recompute_dense) = true;
+      rows_shared = rows_shared || (is_moe && share_x_act);
       m.layer_activations.push_back(input_bytes);
     } else {
-      m.layer_activations.push_back(input_bytes + core_bytes + (is_moe ? moe_bytes : dense_bytes));
+      const bool shares = is_moe && shares_rows(l - c.first_dense_layers);
+      rows_shared = rows_shared || shares;
+      m.layer_activations.push_back(input_bytes + core_bytes +
+                                    (is_moe ? (shares ? moe_bytes : moe_own_rows_bytes) : dense_bytes));
     }
   }
   if (recompute_dense || recompute_moe)
     m.recompute_set = core_bytes + (recompute_dense ? dense_bytes : 0) + (recompute_moe ? moe_bytes : 0);
-  // The expert rows buffers shared by every MoE layer under recompute_experts.
-  if (E > 0 && n_layers > c.first_dense_layers) {
+  // The expert rows buffers shared by the MoE layers under recompute_experts.
+  if (E > 0 && rows_shared) {
     const int64_t RL = a.rows.max_local_rows;
     if (share_x_act) m.recompute_set += RL * c.dim * 2 + (fp8_wgrad ? 0 : RL * a.F * 2);
     if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;
@@ -350,8 +361,10 @@ std::string gpus_text(int64_t gpus) { return fmt::format("{} GPU{}", gpus, gpus 
 
 MemoryLayout configured_layout(const RunConfig& config, int64_t gpus, int64_t gpus_per_node) {
   const TrainingConfig& t = config.training;
-  return {gpus, gpus_per_node, config.parallel.expert_parallel, config.parallel.zero, t.micro_batch,
-          t.recompute_layers, t.recompute_experts};
+  // The MoE layers that recompute matter only when something is recomputed.
+  const int64_t experts_layers = t.recompute_experts == ExpertRecompute::None ? -1 : t.recompute_experts_layers;
+  return {gpus,           gpus_per_node,      config.parallel.expert_parallel, config.parallel.zero, t.micro_batch,
+          t.recompute_layers, t.recompute_experts, experts_layers};
 }
 
 int64_t MemoryEstimate::activations() const {
@@ -415,6 +428,8 @@ std::vector<std::string> changed_settings(const MemoryLayout& from, const Memory
     changes.push_back(fmt::format("training.recompute_layers = {}", to.recompute_layers));
   if (to.recompute_experts != from.recompute_experts)
     changes.push_back(fmt::format("training.recompute_experts = \"{}\"", name_of(to.recompute_experts)));
+  if (to.recompute_experts_layers != from.recompute_experts_layers)
+    changes.push_back(fmt::format("training.recompute_experts_layers = {}", to.recompute_experts_layers));
   return changes;
 }
 

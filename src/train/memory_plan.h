@@ -22,6 +22,7 @@ struct MemoryLayout {
   int64_t micro_batch = 1;    // sequences
   int64_t recompute_layers = 0;  // training.recompute_layers (-1: all)
   ExpertRecompute recompute_experts = ExpertRecompute::None;
+  int64_t recompute_experts_layers = -1;  // training.recompute_experts_layers (-1: every MoE layer)
   bool operator==(const MemoryLayout&) const = default;
 };
 

@@ -61,18 +61,26 @@ struct StepStart {
   std::vector<float> balance_bias;
 };
 
+// What the MoE layers recompute (GpuModelOptions::recompute_experts), in how many of them.
+struct ExpertRows {
+  ExpertRecompute recompute = ExpertRecompute::None;
+  int64_t layers = -1;  // recompute_experts_layers
+  ExpertRows(ExpertRecompute r = ExpertRecompute::None, int64_t n = -1) : recompute(r), layers(n) {}
+};
+
 // Three micro-batches accumulated (the last with ignored targets: a new graph), then the
 // gradients and expert loads read back.
 // With placements: the first before micro-batch 0, the second (if any) before micro-batch 2,
 // when gradients have been accumulated (they move with their experts).
 RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
-              ExpertRecompute recompute_experts = ExpertRecompute::None,
+              ExpertRows expert_rows = {},
               std::shared_ptr<GpuExpertExchange> exchange = nullptr, const std::vector<Placement>& placements = {},
               const StepStart& start = {}) {
   Transformer<float> host(config, 11);
   GpuModelOptions options;
   options.recompute_layers = recompute_layers;
-  options.recompute_experts = recompute_experts;
+  options.recompute_experts = expert_rows.recompute;
+  options.recompute_experts_layers = expert_rows.layers;
   options.expert_exchange = exchange;
   GpuTransformer gpu(config, host.params(), options);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
@@ -153,6 +161,10 @@ TEST_P(GpuStepModes, RecomputeAndGraphsAreBitIdenticalToTheEagerStep) {
   expect_identical(run(config, 0, false, ExpertRecompute::All), eager, "recompute the experts' gate|up too");
   expect_identical(run(config, 2, false, ExpertRecompute::All), eager, "recompute experts and the first two layers");
   expect_identical(run(config, 0, true, ExpertRecompute::Swiglu), eager, "CUDA graph with expert recompute");
+  // recompute_experts_layers: the first MoE layers share the rows, the later keep theirs.
+  expect_identical(run(config, 0, false, {ExpertRecompute::Swiglu, 1}), eager, "SwiGLU recomputed in one MoE layer");
+  expect_identical(run(config, 2, true, {ExpertRecompute::All, 2}), eager,
+                   "gate|up recomputed in two MoE layers, two layers recomputed whole, CUDA graph");
   auto exchange = std::make_shared<OneRankExchange>();
   expect_identical(run(config, 0, false, ExpertRecompute::None, exchange), eager, "expert parallelism over one rank");
   // Per MoE layer and micro-batch: counts, tokens, their slots and weights out and the

@@ -271,6 +271,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"training.memory_limit_mb=-1", {"training.memory_limit_mb"}},
       {"training.recompute_layers=-2", {"training.recompute_layers"}},
       {"training.recompute_experts=some", {"training.recompute_experts"}},
+      {"training.recompute_experts_layers=-2", {"training.recompute_experts_layers", "count of MoE layers"}},
       {"training.expert_grad_dtype=fp16", {"training.expert_grad_dtype", "fp32, bf16", "\"fp16\""}},
       {"training.precision=fp16", {"training.precision"}},
   };
@@ -414,6 +415,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.training.memory_limit_mb = 64; }, [](RunConfig& c) { c.checkpoint.async = true; },
       [](RunConfig& c) { c.training.recompute_layers = -1; }, [](RunConfig& c) { c.training.cuda_graphs = true; },
       [](RunConfig& c) { c.training.recompute_experts = ExpertRecompute::Swiglu; },
+      [](RunConfig& c) { c.training.recompute_experts_layers = 3; },
       [](RunConfig& c) { c.training.expert_grad_dtype = GradDtype::Bf16; },
       [](RunConfig& c) { c.parallel.expert_parallel = 2; }, [](RunConfig& c) { c.parallel.all_to_all = AllToAllKind::Hierarchical; },
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
@@ -461,7 +463,7 @@ TEST(Config, EveryFieldRoundTrips) {
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
   EXPECT_EQ(sizeof(ModelConfig), 296u);  // moe.speculative_dispatch (a bool) sits in route_cache's padding
-  EXPECT_EQ(sizeof(TrainingConfig), 144u);
+  EXPECT_EQ(sizeof(TrainingConfig), 152u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
   EXPECT_EQ(sizeof(DataConfig), 208u);

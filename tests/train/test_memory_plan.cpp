@@ -194,6 +194,33 @@ TEST(MemoryPlan, RecomputedLayersKeepTheirInputAndShareOneSet) {
   EXPECT_EQ(recomputed.activations(), 2 * input + kept.layer_activations[0] - input);
 }
 
+// recompute_experts_layers: the first N MoE layers share the expert rows, the later keep
+// their own; the shared buffers exist only while some layer uses them.
+TEST(MemoryPlan, ExpertRowsSharedByTheFirstMoELayersOnly) {
+  RunConfig c = small_config();  // two MoE layers, micro-batch 4: R = 2,048 rows
+  const MemoryEstimate none = estimate_memory(c, configured_layout(c, 1, 1));
+  c.training.recompute_experts = ExpertRecompute::Swiglu;
+  const MemoryEstimate all = estimate_memory(c, configured_layout(c, 1, 1));
+  const int64_t R = 4 * 256 * 2, D = 512, F = 1024, shared_rows = R * D * 2 + R * F * 2;  // x and act rows
+  EXPECT_EQ(all.recompute_set, shared_rows);
+  for (size_t l = 0; l < 2; ++l) EXPECT_EQ(none.layer_activations[l] - all.layer_activations[l], shared_rows);
+  c.training.recompute_experts_layers = 1;
+  const MemoryEstimate first = estimate_memory(c, configured_layout(c, 1, 1));
+  EXPECT_EQ(first.layer_activations[0], all.layer_activations[0]);
+  EXPECT_EQ(first.layer_activations[1], none.layer_activations[1]);
+  EXPECT_EQ(first.recompute_set, shared_rows);
+  EXPECT_EQ(first.total(), all.total() + shared_rows);
+  c.training.recompute_experts_layers = 0;  // nothing shares them: no shared buffers
+  const MemoryEstimate zero = estimate_memory(c, configured_layout(c, 1, 1));
+  EXPECT_EQ(zero.total(), none.total());
+  EXPECT_EQ(zero.recompute_set, 0);
+  // Layers recomputed whole share one set, whose expert rows are the shared ones.
+  c.training.recompute_layers = 1;
+  const MemoryEstimate whole_first = estimate_memory(c, configured_layout(c, 1, 1));
+  EXPECT_EQ(whole_first.layer_activations[1], none.layer_activations[1]);
+  EXPECT_EQ(whole_first.recompute_set, all.layer_activations[0] - 4 * 256 * 512 * 2 + shared_rows);
+}
+
 TEST(MemoryPlan, ExpertParallelismHalvesTheExpertState) {
   RunConfig c = small_config();
   c.model.moe.expert_hidden = 4096;  // each rank's half of an expert tensor: 8 Mi elements

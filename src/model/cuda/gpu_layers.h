@@ -97,6 +97,9 @@ struct Layer {
   bool is_moe = false;
   int moe_index = -1;  // among the MoE layers (0: the first MoE block); -1: a dense layer
   bool recompute = false;  // activations recomputed in the backward
+  // The expert rows shared with the other MoE layers and refilled before the backward
+  // (GpuModelOptions::recompute_experts and recompute_experts_layers).
+  bool recompute_expert_rows = false;
   Buffer<bf16> x;          // the layer's input (the residual stream), always kept
   std::shared_ptr<Activations> act;
   Buffer<int64_t> load;  // assignments per slot since reset

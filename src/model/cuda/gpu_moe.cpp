@@ -140,7 +140,7 @@ bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, 
   // recompute_experts the backward refills it (or this layer's recomputed forward writes
   // it), so a first forward's is not written; with fp8 weight gradients nothing reads it.
   MOE_CHECK(R * F <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for {} x {} rows", R, F);
-  bf16* act = (recompute_experts != ExpertRecompute::None && !recomputing) || fp8_weight_gradients
+  bf16* act = (layer.recompute_expert_rows && !recomputing) || fp8_weight_gradients
                   ? nullptr
                   : m.act_rows->data();
   cuda::swiglu_forward_fp8(act, fp8_rows.data(), fp8_row_scales.data(), m.gate_up_rows->data(), expert_offsets(m), E,
@@ -155,7 +155,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const bf16* dy = dres.data();  // gradient of the FFN output
   // A layer recomputed whole has just refilled the shared rows; otherwise refill them here.
   set_experts(local_experts(layer));
-  if (recompute_experts != ExpertRecompute::None && !layer.recompute)
+  if (layer.recompute_expert_rows && !layer.recompute)
     expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All);
   // Under expert parallelism the output gradients go to the experts' ranks first.
   dispatcher->combine_backward(m, dy, drows.data(), dweight.data());

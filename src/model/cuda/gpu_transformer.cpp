@@ -45,6 +45,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.bf16_expert_grads = training.expert_grad_dtype == GradDtype::Bf16;
   options.recompute_layers = training.recompute_layers;
   options.recompute_experts = training.recompute_experts;
+  options.recompute_experts_layers = training.recompute_experts_layers;
   options.deterministic = training.deterministic;
   options.fp8_experts = training.precision == TrainingPrecision::Fp8;
   options.fp8_projections = training.precision == TrainingPrecision::Fp8;
@@ -62,6 +63,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.config = config;
   s.recompute_layers = options.recompute_layers;
   s.recompute_experts = options.recompute_experts;
+  s.recompute_experts_layers = options.recompute_experts_layers;
   s.local_experts_cap = options.max_local_experts;
   s.split_experts = options.split_experts;  // before the layers' slot bounds below
   s.fp8 = options.fp8_experts;
@@ -195,8 +197,9 @@ void GpuTransformer::plan(int64_t batch) {
     if (!shared_one) shared_one = std::make_shared<Buffer<bf16>>(bf(n));
     return shared_one;
   };
-  // Dense and/or MoE buffers of one block's activations.
-  auto allocate = [&](Activations& a, bool dense, bool moe) {
+  // Dense and/or MoE buffers of one block's activations; `shared_x_act`: the expert rows
+  // are the MoE layers' shared ones (recompute_experts).
+  auto allocate = [&](Activations& a, bool dense, bool moe, bool shared_x_act) {
     a.n1 = bf(T * D);
     a.h = bf(T * D);
     a.n2 = bf(T * D);
@@ -220,9 +223,9 @@ void GpuTransformer::plan(int64_t batch) {
     m.token_of_row = i32(T * K);
     m.rank = i32(cuda::assign_rows_scratch(T, K, E));
     m.slot = i32(T * K);
-    const bool shared_x_act = s.recompute_experts != ExpertRecompute::None;
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
-    m.gate_up_rows = rows_buffer(shared_gate_up_rows, RL * 2 * F, s.recompute_experts == ExpertRecompute::All);
+    m.gate_up_rows =
+        rows_buffer(shared_gate_up_rows, RL * 2 * F, shared_x_act && s.recompute_experts == ExpertRecompute::All);
     // fp8 weight gradients: the backward takes act from gate|up itself (swiglu_backward_fp8_columns)
     // and the forward writes only act's codes, so no act buffer.
     m.act_rows = s.fp8_weight_gradients ? std::make_shared<Buffer<bf16>>()
@@ -244,11 +247,15 @@ void GpuTransformer::plan(int64_t batch) {
     Layer& layer = s.layers[static_cast<size_t>(l)];
     layer.recompute = l < recomputed;
     if (layer.recompute) (layer.is_moe ? shared_moe : shared_dense) = true;
+    layer.recompute_expert_rows = layer.is_moe && s.recompute_experts != ExpertRecompute::None &&
+                                  (s.recompute_experts_layers < 0 || layer.moe_index < s.recompute_experts_layers);
   }
+  // The layers recomputed whole share one set, whose expert rows are the shared ones under
+  // recompute_experts.
   std::shared_ptr<Activations> shared;
   if (shared_dense || shared_moe) {
     shared = std::make_shared<Activations>();
-    allocate(*shared, shared_dense, shared_moe);
+    allocate(*shared, shared_dense, shared_moe, s.recompute_experts != ExpertRecompute::None);
   }
   for (Layer& layer : s.layers) {
     layer.x = bf(T * D);
@@ -257,7 +264,7 @@ void GpuTransformer::plan(int64_t batch) {
       layer.act = shared;
     } else {
       layer.act = std::make_shared<Activations>();
-      allocate(*layer.act, !layer.is_moe, layer.is_moe);
+      allocate(*layer.act, !layer.is_moe, layer.is_moe, layer.recompute_expert_rows);
     }
   }
   s.drop_graphs();  // buffers moved

@@ -94,8 +94,11 @@ struct GpuModelOptions {
   // recomputed from that input right before each one's backward (bit-identical: every
   // kernel is deterministic).
   int64_t recompute_layers = 0;
-  // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical).
+  // Selective recomputation inside the MoE layers (see ExpertRecompute; bit-identical), in
+  // the first `recompute_experts_layers` MoE layers (-1: all); the later ones keep their
+  // expert rows, which saves their refill in the backward where memory allows.
   ExpertRecompute recompute_experts = ExpertRecompute::None;
+  int64_t recompute_experts_layers = -1;
   // true: every reduction in a fixed order, so reruns are bit-identical (the one kernel
   // that needs a switch is cuDNN's attention backward; everything else is deterministic
   // by construction). false: cuDNN's faster atomic dQ accumulation.

@@ -91,6 +91,7 @@ struct GpuTransformer::State {
   int64_t recompute_layers = 0;  // the first N layers recompute their activations (-1: all)
   bool recomputing = false;      // inside a backward's recomputed forward
   ExpertRecompute recompute_experts = ExpertRecompute::None;
+  int64_t recompute_experts_layers = -1;  // the first N MoE layers recompute their expert rows; -1: all
   // CUDA graphs of forward + backward of one micro-batch, replayed while the values baked
   // into their kernel arguments (valid targets, loss scale) stay the same: [1] for a step's
   // first micro-batch (expert gradients written with beta 0), [0] for the others.

@@ -108,7 +108,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              mc.moe.n_experts, mc.moe.top_k, batch, S);
   fmt::print(out,
              "mode: experts' and projections' GEMMs {}{}{}, AdamW moments {}, expert gradients {}, activations of {} "
-             "layers recomputed, experts recompute {}, CUDA graphs {}\n",
+             "layers recomputed, experts recompute {}{}, CUDA graphs {}\n",
              name_of(config.training.precision),
              config.training.precision != TrainingPrecision::Fp8 ? ""
              : config.training.fp8_weight_cache             ? " (expert weights quantised once a step)"
@@ -120,6 +120,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              name_of(config.training.expert_grad_dtype),
              config.training.recompute_layers < 0 ? mc.n_layers : config.training.recompute_layers,
              name_of(config.training.recompute_experts),
+             config.training.recompute_experts != ExpertRecompute::None && config.training.recompute_experts_layers >= 0
+                 ? fmt::format(" (the first {} MoE layers)", config.training.recompute_experts_layers)
+                 : "",
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
   if (config.training.precision == TrainingPrecision::Fp8) fmt::print(out, "{}\n", describe_fp8_projections(mc, T));
   if (ep_loopback)
