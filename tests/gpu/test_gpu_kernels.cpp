@@ -204,9 +204,11 @@ TEST_P(GpuCrossEntropy, FusedLossAndGradientMatchCpu) {
   expect_close("dlogits", to_host_float(dlogits_d), dlogits_ref, kBf16Rtol, 1e-7);
 }
 
-// V % 4 != 0 and rows past four CTAs' shared memory take the plain kernel; the others a
-// cluster of two CTAs a row (V / 4 odd at 1,028: parts of 129 and 128 float4s) or, past
-// two CTAs' shared memory (131,072 and 131,076 fp32), of four.
+// V % 4 != 0 takes the plain kernel; the others a cluster of CTAs a row, each holding a
+// part in shared memory: two parts (1,028: V / 4 odd, parts of 129 and 128 float4s; 4: one
+// part empty), four (32,000 and 50,304: parts <= 56 KB; 131,072 and 131,076: the fewest that
+// fit) or eight (65,536: 32 KB parts). (A row past eight CTAs' shared memory, V > ~460 K,
+// also takes the plain kernel.)
 INSTANTIATE_TEST_SUITE_P(Sizes, GpuCrossEntropy, ::testing::Values(Size2{1, 2}, Size2{17, 257}, Size2{64, 32000},
                                                                    Size2{9, 50304}, Size2{5, 1028}, Size2{3, 65536},
                                                                    Size2{2, 131072}, Size2{2, 131076},
