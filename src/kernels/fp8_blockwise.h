@@ -86,19 +86,36 @@ void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const floa
 // known before the routing: R + 127 E); one scale per feature and 128 of the expert's tokens,
 // features contiguous (CUTLASS's 1 x 1 x 128 granularity, MN-major: group e's scales start
 // at P_e / 128 * W).
+//
+// Block: one scale per 128 features and 128 tokens instead (CUTLASS's 1 x 128 x 128 for the
+// GEMM's B, the granularity of the forward's weights), blocks(W) a token block, feature
+// blocks contiguous: group e's scales start at P_e / 128 * blocks(W). The design for the
+// weight GEMMs' B side (x's and act's columns): docs/FP8.md "Still to do"; the GPU does not
+// take it yet.
+enum class ColumnScales { PerFeature, Block };
 std::vector<int64_t> padded_token_offsets(const int32_t* offsets_E1, int64_t E);  // E + 1 values
 constexpr int64_t token_column_scale_index(int64_t P_e, int64_t tb, int64_t f, int64_t W) {
   return (P_e / kBlock + tb) * W + f;
 }
+constexpr int64_t token_column_block_scale_index(int64_t P_e, int64_t tb, int64_t f, int64_t W) {
+  return (P_e / kBlock + tb) * blocks(W) + f / kBlock;
+}
+constexpr int64_t token_column_scale_at(ColumnScales kind, int64_t P_e, int64_t tb, int64_t f, int64_t W) {
+  return kind == ColumnScales::Block ? token_column_block_scale_index(P_e, tb, f, W)
+                                     : token_column_scale_index(P_e, tb, f, W);
+}
 void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
-                            const int32_t* offsets_E1, int64_t E, int64_t W);
+                            const int32_t* offsets_E1, int64_t E, int64_t W,
+                            ColumnScales kind = ColumnScales::PerFeature);
 
 // The weight gradients from two such operands, as the blockwise-scaled GEMM computes them:
 // dw_e [N, K] (+= when accumulate) = sum over expert e's 128-token blocks tb of
 // a_scale(n, tb) * b_scale(k, tb) * (the block's code products summed in fp32), with a the
-// token columns of dy [N, ld_t] and b those of x [K, ld_t]. fp32 as the tensor cores promote.
+// token columns of dy [N, ld_t] (per-feature scales) and b those of x [K, ld_t] (b_kind's).
+// fp32 as the tensor cores promote.
 void weight_gradient_token_columns(float* dw_ENK, const uint8_t* a_t_NP, const float* a_scales,
                                    const uint8_t* b_t_KP, const float* b_scales, int64_t ld_t,
-                                   const std::vector<int64_t>& P_E1, int64_t N, int64_t K, bool accumulate);
+                                   const std::vector<int64_t>& P_E1, int64_t N, int64_t K, bool accumulate,
+                                   ColumnScales b_kind = ColumnScales::PerFeature);
 
 }  // namespace moe::fp8

@@ -243,6 +243,88 @@ TEST(Fp8Blockwise, WeightGradientFromTokenColumns) {
   for (int64_t e = 0; e < E; ++e) EXPECT_EQ(dw[(e * N + 3) * K + 5], 2.0f * static_cast<float>(rows[e]));
 }
 
+// Block-scaled token columns (ColumnScales::Block, the design for the weight GEMMs' B side):
+// one scale per 128 features and 128 tokens (an edge block of 72 features here), at least
+// every feature's own scale and equal to the one of the feature holding the block's max,
+// codes within the block scale's rounding, padding zero; the layout's every scale written.
+TEST(Fp8Blockwise, TokenColumnBlocksShareOneScalePer128Features) {
+  const std::vector<int32_t> rows = {3, 0, 130};
+  const std::vector<int32_t> offsets = {0, 3, 3, 133};
+  const int64_t E = 3, W = 200, R = 133, FB = fp8::blocks(W);
+  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  const int64_t P = P_E1.back();
+  std::vector<bf16> x = random_bf16(static_cast<size_t>(R * W), 10, "block columns", 1.0);
+  x[static_cast<size_t>(5 * W + 17)] = float_to_bf16(300.0f);  // an outlier: its block's scale follows it
+  std::vector<uint8_t> codes(static_cast<size_t>(W * P), 0x7f), feature_codes(codes.size());
+  std::vector<float> scales(static_cast<size_t>(P / kBlock * FB), -1.0f), feature_scales(static_cast<size_t>(P / kBlock * W));
+  fp8::quantize_token_columns(codes.data(), P, scales.data(), x.data(), W, offsets.data(), E, W, fp8::ColumnScales::Block);
+  fp8::quantize_token_columns(feature_codes.data(), P, feature_scales.data(), x.data(), W, offsets.data(), E, W);
+  for (const float sc : scales) ASSERT_GT(sc, 0.0f) << "a scale left unwritten";
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t tb = 0; tb < fp8::blocks(rows[e]); ++tb)
+      for (int64_t fb = 0; fb < FB; ++fb) {
+        const float scale = scales[fp8::token_column_block_scale_index(P_E1[e], tb, fb * kBlock, W)];
+        float amax = 0.0f, widest = 0.0f;
+        for (int64_t f = fb * kBlock; f < std::min(W, (fb + 1) * kBlock); ++f) {
+          const float own = feature_scales[fp8::token_column_scale_index(P_E1[e], tb, f, W)];
+          ASSERT_GE(scale, own) << "feature " << f;
+          widest = std::max(widest, own);
+          for (int64_t t = tb * kBlock; t < std::min<int64_t>(rows[e], (tb + 1) * kBlock); ++t) {
+            const float v = bf16_to_float(x[(offsets[e] + t) * W + f]);
+            amax = std::max(amax, std::fabs(v));
+            expect_round_trip(fp8_e4m3_to_float(codes[f * P + P_E1[e] + t]) * scale, v, scale, "block");
+          }
+          for (int64_t t = rows[e]; t < fp8::blocks(rows[e]) * kBlock; ++t) ASSERT_EQ(codes[f * P + P_E1[e] + t], 0);
+        }
+        ASSERT_EQ(scale, fp8::block_scale(amax)) << "expert " << e << " token block " << tb << " feature block " << fb;
+        ASSERT_EQ(scale, widest);
+      }
+  // Row 5 is expert 2's third token: its first token block, feature block 0.
+  EXPECT_EQ(scales[fp8::token_column_block_scale_index(P_E1[2], 0, 17, W)], fp8::block_scale(300.0f));
+  EXPECT_LT(feature_scales[fp8::token_column_scale_index(P_E1[2], 0, 18, W)], fp8::block_scale(300.0f));
+}
+
+// The weight gradient with block-scaled B: the GEMM reference is the per-feature one with
+// each feature's scale its block's (bit for bit), and the fp64 sum of the dequantised values.
+TEST(Fp8Blockwise, WeightGradientWithBlockScaledB) {
+  const std::vector<int32_t> offsets = {0, 5, 5, 145};
+  const int64_t E = 3, R = 145, N = 24, K = 160;
+  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  const int64_t P = P_E1.back();
+  const std::vector<bf16> dy = random_bf16(static_cast<size_t>(R * N), 11, "dy", 0.5);
+  const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * K), 12, "x", 1.5);
+  std::vector<uint8_t> a(static_cast<size_t>(N * P)), b(static_cast<size_t>(K * P));
+  std::vector<float> sa(static_cast<size_t>(P / kBlock * N)), sb(static_cast<size_t>(P / kBlock * fp8::blocks(K)));
+  fp8::quantize_token_columns(a.data(), P, sa.data(), dy.data(), N, offsets.data(), E, N);
+  fp8::quantize_token_columns(b.data(), P, sb.data(), x.data(), K, offsets.data(), E, K, fp8::ColumnScales::Block);
+  std::vector<float> dw(static_cast<size_t>(E * N * K)), expanded_dw(dw.size());
+  fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P, P_E1, N, K, false,
+                                     fp8::ColumnScales::Block);
+  std::vector<float> expanded(static_cast<size_t>(P / kBlock * K));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t tb = 0; tb < (P_E1[e + 1] - P_E1[e]) / kBlock; ++tb)
+      for (int64_t k = 0; k < K; ++k)
+        expanded[fp8::token_column_scale_index(P_E1[e], tb, k, K)] =
+            sb[fp8::token_column_block_scale_index(P_E1[e], tb, k, K)];
+  fp8::weight_gradient_token_columns(expanded_dw.data(), a.data(), sa.data(), b.data(), expanded.data(), P, P_E1, N, K,
+                                     false);
+  EXPECT_EQ(dw, expanded_dw);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        double dequantised = 0, magnitude = 0;
+        for (int64_t t = 0; t < offsets[e + 1] - offsets[e]; ++t) {
+          const int64_t tb = t / kBlock, c = P_E1[e] + t;
+          const double term = static_cast<double>(fp8_e4m3_to_float(a[n * P + c]) *
+                                                  sa[fp8::token_column_scale_index(P_E1[e], tb, n, N)]) *
+                              (fp8_e4m3_to_float(b[k * P + c]) * sb[fp8::token_column_block_scale_index(P_E1[e], tb, k, K)]);
+          dequantised += term;
+          magnitude += std::fabs(term);
+        }
+        ASSERT_NEAR(dw[(e * N + n) * K + k], dequantised, 1e-5 * magnitude + 1e-30) << "expert " << e;
+      }
+}
+
 TEST(Fp8Blockwise, RefusesKThatIsNotAMultipleOf128) {
   std::vector<bf16> x(200);
   std::vector<uint8_t> codes(200);

@@ -105,7 +105,7 @@ std::vector<int64_t> padded_token_offsets(const int32_t* offsets_E1, int64_t E) 
 }
 
 void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
-                            const int32_t* offsets_E1, int64_t E, int64_t W) {
+                            const int32_t* offsets_E1, int64_t E, int64_t W, ColumnScales kind) {
   MOE_CHECK(W > 0 && ld_x >= W, "fp8 token columns: {} features in rows of {}", W, ld_x);
   const std::vector<int64_t> P_E1 = padded_token_offsets(offsets_E1, E);
   MOE_CHECK(ld_t >= P_E1.back(), "fp8 token columns: rows of {} codes for {} padded tokens", ld_t, P_E1.back());
@@ -114,12 +114,21 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
     const int64_t first = offsets_E1[e], rows = offsets_E1[e + 1] - first, P_e = P_E1[static_cast<size_t>(e)];
     for (int64_t tb = 0; tb < blocks(rows); ++tb) {
       const int64_t t_end = std::min(rows, (tb + 1) * kBlock);
-      for (int64_t f = 0; f < W; ++f) {
+      // The amax of a feature's 128 tokens, or of the 128 features' (the edge block: the
+      // features there are) under Block.
+      const auto amax_of = [&](int64_t f_begin, int64_t f_end) {
         float amax = 0.0f;
-        for (int64_t t = tb * kBlock; t < t_end; ++t)
-          amax = std::fmax(amax, std::fabs(bf16_to_float(x[(first + t) * ld_x + f])));
+        for (int64_t f = f_begin; f < f_end; ++f)
+          for (int64_t t = tb * kBlock; t < t_end; ++t)
+            amax = std::fmax(amax, std::fabs(bf16_to_float(x[(first + t) * ld_x + f])));
+        return amax;
+      };
+      float block_amax = 0.0f;
+      for (int64_t f = 0; f < W; ++f) {
+        if (kind == ColumnScales::Block && f % kBlock == 0) block_amax = amax_of(f, std::min(W, f + kBlock));
+        const float amax = kind == ColumnScales::Block ? block_amax : amax_of(f, f + 1);
         const float scale = block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
-        scales_t[token_column_scale_index(P_e, tb, f, W)] = scale;
+        scales_t[token_column_scale_at(kind, P_e, tb, f, W)] = scale;
         uint8_t* column = codes_t_WP + f * P + P_e;
         for (int64_t t = tb * kBlock; t < (tb + 1) * kBlock; ++t)
           column[t] = t < t_end ? float_to_fp8_e4m3(bf16_to_float(x[(first + t) * ld_x + f]) * inverse) : 0;
@@ -130,7 +139,8 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
 
 void weight_gradient_token_columns(float* dw_ENK, const uint8_t* a_t_NP, const float* a_scales,
                                    const uint8_t* b_t_KP, const float* b_scales, int64_t ld_t,
-                                   const std::vector<int64_t>& P_E1, int64_t N, int64_t K, bool accumulate) {
+                                   const std::vector<int64_t>& P_E1, int64_t N, int64_t K, bool accumulate,
+                                   ColumnScales b_kind) {
   MOE_CHECK(P_E1.size() >= 2 && N > 0 && K > 0 && ld_t >= P_E1.back(), "fp8 weight gradient: {} offsets, [{}, {}]",
             P_E1.size(), N, K);
   const int64_t E = static_cast<int64_t>(P_E1.size()) - 1, P = ld_t;
@@ -143,8 +153,8 @@ void weight_gradient_token_columns(float* dw_ENK, const uint8_t* a_t_NP, const f
           float block = 0.0f;
           for (int64_t t = P_e + tb * kBlock; t < P_e + (tb + 1) * kBlock; ++t)
             block += fp8_e4m3_to_float(a_t_NP[n * P + t]) * fp8_e4m3_to_float(b_t_KP[k * P + t]);
-          sum += a_scales[token_column_scale_index(P_e, tb, n, N)] * b_scales[token_column_scale_index(P_e, tb, k, K)] *
-                 block;
+          sum += a_scales[token_column_scale_index(P_e, tb, n, N)] *
+                 b_scales[token_column_scale_at(b_kind, P_e, tb, k, K)] * block;
         }
         dw_ENK[(e * N + n) * K + k] = sum;
       }
