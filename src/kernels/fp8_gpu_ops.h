@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/fp8_blockwise.h"
 #include "kernels/gpu_ops.h"
 
 namespace moe::cuda {
@@ -36,11 +37,12 @@ void swiglu_backward_fp8(bf16* dgate_up_RF2, uint8_t* codes_2RF, float* scales_2
 // The weight gradients' operands (fp8::quantize_token_columns, bit for bit): P_E1 (E + 1
 // device int64) the padded token offsets of offsets_E1; then x [R, W] (row stride ld_x)
 // transposed per expert into codes_t [W, ld_t] and scales (ld_t >= R + 127 E, a multiple of
-// 16; W a multiple of 8). Nothing is read back on the host.
+// 16; W a multiple of 8). Nothing is read back on the host. kind Block: one scale per 128
+// features and 128 tokens (the weight GEMMs' B side, docs/FP8.md "Still to do").
 void padded_token_offsets(int64_t* P_E1, const int32_t* offsets_E1, int64_t E, Stream stream);
 void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
                             const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t R, int64_t W,
-                            Stream stream);
+                            Stream stream, fp8::ColumnScales kind = fp8::ColumnScales::PerFeature);
 
 // SwiGLU's backward for the fp8 weight gradients, one pass over d act and gate|up: d gate's
 // and d up's codes and scales as swiglu_backward_fp8 writes them (no bf16 output: the fp8

@@ -250,19 +250,25 @@ TEST(GpuFp8Quantize, SwigluBackwardFusedWithTheQuantisationMatchesBoth) {
 
 // The weight gradients' operands: padded offsets and the transposing quantiser bit for bit
 // the CPU's (ragged experts with empty ones, a last expert of one row, rows past the last,
-// a feature count that ends inside a 128-block), columns past the padded tokens untouched.
-TEST(GpuFp8Quantize, TokenColumnsMatchTheCpu) {
+// a feature count that ends inside a 128-block), columns past the padded tokens untouched;
+// with one scale per feature and with one per 128 x 128 block (ColumnScales::Block).
+class GpuFp8TokenColumns : public ::testing::TestWithParam<fp8::ColumnScales> {};
+
+TEST_P(GpuFp8TokenColumns, MatchTheCpu) {
   MOE_REQUIRE_GPU();
+  const fp8::ColumnScales kind = GetParam();
   const std::vector<int32_t> rows = {3, 0, 130, 128, 0, 1};
   const std::vector<int32_t> offsets = offsets_of(rows);
   const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E] + 4, W = 200, ld_x = 208;
   const int64_t ld_t = (R + E * 127 + 15) / 16 * 16;
-  const std::vector<bf16> x = activations(R, ld_x, 11);
+  std::vector<bf16> x = activations(R, ld_x, 11);
+  x[static_cast<size_t>(7 * ld_x + 150)] = float_to_bf16(-90.0f);  // the second feature block's amax
   const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
   std::vector<uint8_t> want_codes(static_cast<size_t>(W * ld_t), 0xff);
-  std::vector<float> want_scales(static_cast<size_t>(P_E1.back() / kBlock * W));
+  const int64_t scales_per_block = kind == fp8::ColumnScales::Block ? fp8::blocks(W) : W;
+  std::vector<float> want_scales(static_cast<size_t>(P_E1.back() / kBlock * scales_per_block));
   std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
-  fp8::quantize_token_columns(want_codes.data(), ld_t, want_scales.data(), x.data(), ld_x, offsets.data(), E, W);
+  fp8::quantize_token_columns(want_codes.data(), ld_t, want_scales.data(), x.data(), ld_x, offsets.data(), E, W, kind);
   auto x_d = to_device(x);
   auto offsets_d = to_device(offsets);
   gpu::DeviceArray<int64_t> P_d(static_cast<size_t>(E + 1));
@@ -271,13 +277,16 @@ TEST(GpuFp8Quantize, TokenColumnsMatchTheCpu) {
   auto codes_d = poisoned<uint8_t>(W * ld_t);
   auto scales_d = poisoned<float>(want_scales.size());
   cuda::quantize_token_columns(codes_d.data(), ld_t, scales_d.data(), x_d.data(), ld_x, offsets_d.data(), P_d.data(), E,
-                               R, W, nullptr);
+                               R, W, nullptr, kind);
   expect_same(to_host(codes_d), want_codes, want_codes.size(), "codes");
   expect_same(to_host(scales_d), want_scales, want_scales.size(), "scales");
   EXPECT_THROW(cuda::quantize_token_columns(codes_d.data(), ld_t - 16 * 64, scales_d.data(), x_d.data(), ld_x,
                                             offsets_d.data(), P_d.data(), E, R, W, nullptr),
                Error);
 }
+
+INSTANTIATE_TEST_SUITE_P(Scales, GpuFp8TokenColumns,
+                         ::testing::Values(fp8::ColumnScales::PerFeature, fp8::ColumnScales::Block));
 
 // SwiGLU's backward for the fp8 weight gradients: d gate's and d up's row codes and scales
 // those of swiglu_backward_fp8 bit for bit (rows below offsets[E]); the token columns of

@@ -281,14 +281,15 @@ __device__ __forceinline__ TokenBlock token_block(int64_t column, const int32_t*
 // 4-byte load a token) over one part of the tokens (Threads / 64 parts), the parts' amax
 // meet in `partial`; then each writes its codes of each feature's column as 16-byte
 // stores. The tile's features start at f0 of W (even); columns from `column` of codes_t
-// [W, ld_t]. Ends with the block synced.
+// [W, ld_t]. kBlockScale: one scale for the whole tile (the amax of its 128 features too;
+// fp8::ColumnScales::Block), else one per feature. Ends with the block synced.
 template <int Threads>
 struct ColumnParts {
   static constexpr int kParts = Threads / (kBlock / 2);  // 4 for 256 threads, 8 for 512
   static constexpr int kTokens = kBlock / kParts;        // tokens a thread takes: 32 or 16
   static_assert(kTokens % 16 == 0, "whole 16-byte stores");
 };
-template <int Threads>
+template <int Threads, bool kBlockScale = false>
 __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile)[kBlock + kColumnPad],
                                                       float (*partial)[kBlock], uint8_t* codes_t, int64_t ld_t,
                                                       float* scales_t, const TokenBlock& b, int64_t column, int64_t f0,
@@ -308,15 +309,23 @@ __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile
   partial[part][2 * pair] = amax[0];
   partial[part][2 * pair + 1] = amax[1];
   __syncthreads();
+  float m[2] = {0.0f, 0.0f};  // each feature's amax over the 128 tokens (features past W: zeros)
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int q = 0; q < Parts::kParts; ++q) m[h] = fmaxf(m[h], partial[q][2 * pair + h]);
+  if constexpr (kBlockScale) {
+    // Every thread holds two features' amax (each pair once per part): the tile's is the
+    // block's max; block_max's barriers leave partial free.
+    m[0] = m[1] = block_max(fmaxf(m[0], m[1]));
+    if (threadIdx.x == 0) scales_t[fp8::token_column_block_scale_index(b.P_e, b.tb, f0, W)] = fp8::block_scale(m[0]);
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int f = 2 * pair + h;
     if (f0 + f >= W) continue;
-    float m = 0.0f;
-#pragma unroll
-    for (int q = 0; q < Parts::kParts; ++q) m = fmaxf(m, partial[q][f]);
-    const float scale = fp8::block_scale(m), inverse = 1.0f / scale;
-    if (part == 0) scales_t[fp8::token_column_scale_index(b.P_e, b.tb, f0 + f, W)] = scale;
+    const float scale = fp8::block_scale(m[h]), inverse = 1.0f / scale;
+    if (!kBlockScale && part == 0) scales_t[fp8::token_column_scale_index(b.P_e, b.tb, f0 + f, W)] = scale;
     uint8_t* out = codes_t + (f0 + f) * ld_t + column + part * Parts::kTokens;
     const float* x = v[h];
 #pragma unroll
@@ -333,6 +342,7 @@ __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile
   __syncthreads();  // partial and the tile free for the next use
 }
 
+template <bool kBlockScale>
 __global__ void __launch_bounds__(kColumnThreads)
     quantize_token_columns_kernel(uint8_t* codes_t, int64_t ld_t, float* scales_t, const __nv_bfloat16* x,
                                   int64_t ld_x, const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t W) {
@@ -352,7 +362,7 @@ __global__ void __launch_bounds__(kColumnThreads)
     *reinterpret_cast<uint4*>(&tile[t][chunk * 8]) = v;
   }
   __syncthreads();
-  tile_to_token_columns<kColumnThreads>(tile, partial, codes_t, ld_t, scales_t, b, column, f0, W);
+  tile_to_token_columns<kColumnThreads, kBlockScale>(tile, partial, codes_t, ld_t, scales_t, b, column, f0, W);
 }
 
 // SwiGLU's backward for the fp8 weight gradients (swiglu_backward_fp8_columns): per 128
@@ -626,7 +636,7 @@ void padded_token_offsets(int64_t* P_E1, const int32_t* offsets_E1, int64_t E, S
 
 void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, const bf16* x, int64_t ld_x,
                             const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t R, int64_t W,
-                            Stream stream) {
+                            Stream stream, fp8::ColumnScales kind) {
   MOE_CHECKF(E >= 1 && W > 0 && W % 8 == 0 && ld_x >= W && ld_x % 8 == 0 && ld_t % 16 == 0 &&
                  ld_t >= R + E * (kBlock - 1),
              "fp8 token columns: %lld experts, %lld features (a multiple of 8) in rows of %lld, codes rows of %lld "
@@ -639,8 +649,12 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
   const int64_t token_blocks = (R + E * (kBlock - 1) + kBlock - 1) / kBlock;
   const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>((W + kBlock - 1) / kBlock));
   if (token_blocks == 0) return;
-  quantize_token_columns_kernel<<<grid, kColumnThreads, 0, stream>>>(codes_t_WP, ld_t, scales_t, as_cuda(x), ld_x,
-                                                                     offsets_E1, P_E1, E, W);
+  if (kind == fp8::ColumnScales::Block)
+    quantize_token_columns_kernel<true><<<grid, kColumnThreads, 0, stream>>>(codes_t_WP, ld_t, scales_t, as_cuda(x),
+                                                                             ld_x, offsets_E1, P_E1, E, W);
+  else
+    quantize_token_columns_kernel<false><<<grid, kColumnThreads, 0, stream>>>(codes_t_WP, ld_t, scales_t, as_cuda(x),
+                                                                              ld_x, offsets_E1, P_E1, E, W);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
