@@ -193,6 +193,32 @@ TEST(Fp8Blockwise, TokenColumnsTransposeEachExpertPaddedTo128) {
   for (const float sc : scales) ASSERT_GT(sc, 0.0f) << "a scale left unwritten";
 }
 
+// The weight gradient's operands over experts `offsets` (E + 1 values): dy [R, N] and x [R,
+// K] random, their token columns a (per-feature scales) and b (b_kind's scales).
+struct WeightGradientOperands {
+  std::vector<int64_t> P_E1;
+  int64_t P = 0;
+  std::vector<bf16> dy, x;
+  std::vector<uint8_t> a, b;
+  std::vector<float> sa, sb;
+};
+WeightGradientOperands weight_gradient_operands(const std::vector<int32_t>& offsets, int64_t N, int64_t K,
+                                                uint64_t seed, fp8::ColumnScales b_kind) {
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1, R = offsets.back();
+  WeightGradientOperands o;
+  o.P_E1 = fp8::padded_token_offsets(offsets.data(), E);
+  o.P = o.P_E1.back();
+  o.dy = random_bf16(static_cast<size_t>(R * N), seed, "dy", 0.5);
+  o.x = random_bf16(static_cast<size_t>(R * K), seed + 1, "x", 1.5);
+  o.a.resize(static_cast<size_t>(N * o.P));
+  o.b.resize(static_cast<size_t>(K * o.P));
+  o.sa.resize(static_cast<size_t>(o.P / kBlock * N));
+  o.sb.resize(static_cast<size_t>(o.P / kBlock * (b_kind == fp8::ColumnScales::Block ? fp8::blocks(K) : K)));
+  fp8::quantize_token_columns(o.a.data(), o.P, o.sa.data(), o.dy.data(), N, offsets.data(), E, N);
+  fp8::quantize_token_columns(o.b.data(), o.P, o.sb.data(), o.x.data(), K, offsets.data(), E, K, b_kind);
+  return o;
+}
+
 // The weight gradient from token columns: dW_e = dy_e^T x_e over the expert's own tokens
 // only (padding and other experts add nothing), the blockwise arithmetic against fp64 sums
 // of the dequantised values, and close to the unquantised product; an expert without rows
@@ -201,14 +227,7 @@ TEST(Fp8Blockwise, WeightGradientFromTokenColumns) {
   const std::vector<int32_t> rows = {5, 0, 140};
   const std::vector<int32_t> offsets = {0, 5, 5, 145};
   const int64_t E = 3, R = 145, N = 24, K = 40;
-  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
-  const int64_t P = P_E1.back();
-  const std::vector<bf16> dy = random_bf16(static_cast<size_t>(R * N), 8, "dy", 0.5);
-  const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * K), 9, "x", 1.5);
-  std::vector<uint8_t> a(static_cast<size_t>(N * P)), b(static_cast<size_t>(K * P));
-  std::vector<float> sa(static_cast<size_t>(P / kBlock * N)), sb(static_cast<size_t>(P / kBlock * K));
-  fp8::quantize_token_columns(a.data(), P, sa.data(), dy.data(), N, offsets.data(), E, N);
-  fp8::quantize_token_columns(b.data(), P, sb.data(), x.data(), K, offsets.data(), E, K);
+  auto [P_E1, P, dy, x, a, b, sa, sb] = weight_gradient_operands(offsets, N, K, 8, fp8::ColumnScales::PerFeature);
   std::vector<float> dw(static_cast<size_t>(E * N * K), 7.0f);
   fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P, P_E1, N, K, false);
   for (int64_t e = 0; e < E; ++e)
@@ -288,15 +307,8 @@ TEST(Fp8Blockwise, TokenColumnBlocksShareOneScalePer128Features) {
 // each feature's scale its block's (bit for bit), and the fp64 sum of the dequantised values.
 TEST(Fp8Blockwise, WeightGradientWithBlockScaledB) {
   const std::vector<int32_t> offsets = {0, 5, 5, 145};
-  const int64_t E = 3, R = 145, N = 24, K = 160;
-  const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
-  const int64_t P = P_E1.back();
-  const std::vector<bf16> dy = random_bf16(static_cast<size_t>(R * N), 11, "dy", 0.5);
-  const std::vector<bf16> x = random_bf16(static_cast<size_t>(R * K), 12, "x", 1.5);
-  std::vector<uint8_t> a(static_cast<size_t>(N * P)), b(static_cast<size_t>(K * P));
-  std::vector<float> sa(static_cast<size_t>(P / kBlock * N)), sb(static_cast<size_t>(P / kBlock * fp8::blocks(K)));
-  fp8::quantize_token_columns(a.data(), P, sa.data(), dy.data(), N, offsets.data(), E, N);
-  fp8::quantize_token_columns(b.data(), P, sb.data(), x.data(), K, offsets.data(), E, K, fp8::ColumnScales::Block);
+  const int64_t E = 3, N = 24, K = 160;
+  const auto [P_E1, P, dy, x, a, b, sa, sb] = weight_gradient_operands(offsets, N, K, 11, fp8::ColumnScales::Block);
   std::vector<float> dw(static_cast<size_t>(E * N * K)), expanded_dw(dw.size());
   fp8::weight_gradient_token_columns(dw.data(), a.data(), sa.data(), b.data(), sb.data(), P, P_E1, N, K, false,
                                      fp8::ColumnScales::Block);
