@@ -292,8 +292,12 @@ INSTANTIATE_TEST_SUITE_P(Scales, GpuFp8TokenColumns,
 // those of swiglu_backward_fp8 bit for bit (rows below offsets[E]); the token columns of
 // act, d gate and d up those of the CPU's quantize_token_columns over swiglu_forward's and
 // swiglu_backward's bf16 outputs (ragged experts, empty ones, one past 128 rows).
-TEST(GpuFp8Quantize, SwigluBackwardToTokenColumnsMatchesTheUnfusedPath) {
+// act's columns with per-feature and with block scales (ColumnScales::Block).
+class GpuFp8SwigluColumns : public ::testing::TestWithParam<fp8::ColumnScales> {};
+
+TEST_P(GpuFp8SwigluColumns, MatchTheUnfusedPath) {
   MOE_REQUIRE_GPU();
+  const fp8::ColumnScales act_kind = GetParam();
   const std::vector<int32_t> rows = {2, 0, 165, 1, 0, 37};
   const std::vector<int32_t> offsets = offsets_of(rows);
   const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E] + 3, F = 384, FB = 3;
@@ -321,14 +325,16 @@ TEST(GpuFp8Quantize, SwigluBackwardToTokenColumnsMatchesTheUnfusedPath) {
   const int64_t ld_sources[3] = {F, 2 * F, 2 * F};
   for (int o = 0; o < 3; ++o)
     fp8::quantize_token_columns(want_columns.data() + o * F * ld_t, ld_t, want_column_scales.data() + o * F * blocks,
-                                sources[o], ld_sources[o], offsets.data(), E, F);
+                                sources[o], ld_sources[o], offsets.data(), E, F,
+                                o == 0 ? act_kind : fp8::ColumnScales::PerFeature);
   auto P_d = to_device(P_E1);
   auto codes_d = poisoned<uint8_t>(2 * R * F);
   auto scales_d = poisoned<float>(2 * R * FB);
   auto columns_d = poisoned<uint8_t>(3 * F * ld_t);
   auto column_scales_d = poisoned<float>(3 * F * blocks);
   cuda::swiglu_backward_fp8_columns(codes_d.data(), scales_d.data(), columns_d.data(), column_scales_d.data(), ld_t,
-                                    dact_d.data(), gate_up_d.data(), offsets_d.data(), P_d.data(), E, R, F, nullptr);
+                                    dact_d.data(), gate_up_d.data(), offsets_d.data(), P_d.data(), E, R, F, nullptr,
+                                    act_kind);
   // Rows below offsets[E] only (neither kernel writes the others), in both sets.
   const int64_t kept = offsets[E];
   const std::vector<uint8_t> codes = to_host(codes_d), want_codes = to_host(want_codes_d);
@@ -353,7 +359,9 @@ TEST(GpuFp8Quantize, SwigluBackwardToTokenColumnsMatchesTheUnfusedPath) {
         want.push_back(want_columns[at]);
       }
     expect_same(got, want, want.size(), "token columns of operand " + std::to_string(o));
-    const size_t n = static_cast<size_t>(P_E1.back() / kBlock * F), base = static_cast<size_t>(o * F * blocks);
+    const int64_t per_token_block = o == 0 && act_kind == fp8::ColumnScales::Block ? FB : F;
+    const size_t n = static_cast<size_t>(P_E1.back() / kBlock * per_token_block),
+                 base = static_cast<size_t>(o * F * blocks);
     const std::vector<float> got_s(column_scales.begin() + base, column_scales.begin() + base + n);
     const std::vector<float> want_s(want_column_scales.begin() + base, want_column_scales.begin() + base + n);
     expect_same(got_s, want_s, n, "token column scales of operand " + std::to_string(o));
@@ -363,6 +371,9 @@ TEST(GpuFp8Quantize, SwigluBackwardToTokenColumnsMatchesTheUnfusedPath) {
                                                  gate_up_d.data(), offsets_d.data(), P_d.data(), E, R, F, nullptr),
                Error);
 }
+
+INSTANTIATE_TEST_SUITE_P(ActScales, GpuFp8SwigluColumns,
+                         ::testing::Values(fp8::ColumnScales::PerFeature, fp8::ColumnScales::Block));
 
 // The fp8 weight-gradient GEMM against the CPU's blockwise arithmetic on the same codes
 // (expect_gemm_close's bound, sum |a b| from the codes' magnitudes): fp32 and bf16

@@ -376,6 +376,8 @@ constexpr int kSwigluColumnTiles = 3;
 constexpr int kSwigluColumnRowStep = kSwigluColumnThreads / 16;  // rows a pass: 32
 constexpr int kSwigluColumnRowsInFlight = 2;  // rows of a thread's loads issued before the first is used
 constexpr size_t kSwigluColumnSmem = kSwigluColumnTiles * kBlock * (kBlock + kColumnPad) * sizeof(__nv_bfloat16);
+// kActBlock: act's columns with one scale per 128 x 128 tile (fp8::ColumnScales::Block).
+template <bool kActBlock>
 __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_columns_kernel(
     uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3, int64_t ld_t,
     int64_t column_scale_stride, const __nv_bfloat16* dact, const __nv_bfloat16* gate_up, const int32_t* offsets_E1,
@@ -437,7 +439,9 @@ __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_colum
     }
   }
   __syncthreads();
-  for (int o = 0; o < kSwigluColumnTiles; ++o)
+  tile_to_token_columns<kSwigluColumnThreads, kActBlock>(tiles[0], partial, columns_3FP, ld_t, column_scales_3, b,
+                                                         column, f0, F);
+  for (int o = 1; o < kSwigluColumnTiles; ++o)
     tile_to_token_columns<kSwigluColumnThreads>(tiles[o], partial, columns_3FP + o * F * ld_t, ld_t,
                                                 column_scales_3 + o * column_scale_stride, b, column, f0, F);
 }
@@ -660,7 +664,8 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
 
 void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3,
                                  int64_t ld_t, const bf16* dact_RF, const bf16* gate_up_RF2, const int32_t* offsets_E1,
-                                 const int64_t* P_E1, int64_t E, int64_t R, int64_t F, Stream stream) {
+                                 const int64_t* P_E1, int64_t E, int64_t R, int64_t F, Stream stream,
+                                 fp8::ColumnScales act_kind) {
   MOE_CHECKF(E >= 1 && F > 0 && F % kBlock == 0 && ld_t % 16 == 0 && ld_t >= R + E * (kBlock - 1),
              "fp8 SwiGLU backward to token columns: %lld experts, F = %lld (a multiple of 128), codes rows of %lld "
              "(a multiple of 16, at least R + 127 E = %lld)",
@@ -672,11 +677,13 @@ void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* c
   check_tiles(R * (F / kBlock), "fp8 SwiGLU backward to token columns");
   const int64_t token_blocks = (R + E * (kBlock - 1) + kBlock - 1) / kBlock;
   if (token_blocks == 0) return;
+  const auto kernel = act_kind == fp8::ColumnScales::Block ? swiglu_backward_columns_kernel<true>
+                                                           : swiglu_backward_columns_kernel<false>;
   // Per call: the attribute is the current device's (thread ranks drive several).
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(swiglu_backward_columns_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(kSwigluColumnSmem)));
+  MOE_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSwigluColumnSmem)));
   const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>(F / kBlock));
-  swiglu_backward_columns_kernel<<<grid, kSwigluColumnThreads, kSwigluColumnSmem, stream>>>(
+  kernel<<<grid, kSwigluColumnThreads, kSwigluColumnSmem, stream>>>(
       codes_2RF, scales_2, columns_3FP, column_scales_3, ld_t, F * fp8::blocks(ld_t), as_cuda(dact_RF),
       as_cuda(gate_up_RF2), offsets_E1, P_E1, E, R, F);
   MOE_CUDA_CHECK_LAUNCH();
