@@ -66,10 +66,13 @@ class ExpertWeightGemmFp8 {
   ~ExpertWeightGemmFp8();
   ExpertWeightGemmFp8(const ExpertWeightGemmFp8&) = delete;
   ExpertWeightGemmFp8& operator=(const ExpertWeightGemmFp8&) = delete;
+  // b_kind: b's scales per feature or per 128 x 128 block (fp8::ColumnScales); a's per feature.
   void run(float* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t, const float* b_scales,
-           int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream);
+           int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream,
+           fp8::ColumnScales b_kind = fp8::ColumnScales::PerFeature);
   void run(bf16* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t, const float* b_scales,
-           int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream);
+           int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream,
+           fp8::ColumnScales b_kind = fp8::ColumnScales::PerFeature);
   void set_sm_limit(int sms);  // as ExpertGemm's
 
  private:

@@ -378,26 +378,34 @@ INSTANTIATE_TEST_SUITE_P(ActScales, GpuFp8SwigluColumns,
 // The fp8 weight-gradient GEMM against the CPU's blockwise arithmetic on the same codes
 // (expect_gemm_close's bound, sum |a b| from the codes' magnitudes): fp32 and bf16
 // gradients, beta 0 (experts without tokens zeroed) and beta 1 (added).
-TEST(GpuExpertWeightGemmFp8, MatchesTheCpuOnTokenColumns) {
+// b's scales per feature and per 128 x 128 block (ColumnScales::Block: the forward's
+// kernel type, the design for the weight GEMMs' B side).
+class GpuExpertWeightGemmFp8 : public ::testing::TestWithParam<fp8::ColumnScales> {};
+
+TEST_P(GpuExpertWeightGemmFp8, MatchesTheCpuOnTokenColumns) {
   MOE_REQUIRE_GPU();
+  const fp8::ColumnScales b_kind = GetParam();
   const std::vector<int32_t> rows = {70, 0, 300, 1};
   const std::vector<int32_t> offsets = offsets_of(rows);
-  const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E], M = 256, N = 128;
+  const int64_t E = static_cast<int64_t>(rows.size()), R = offsets[E], M = 256, N = 256;
   const int64_t ld_t = (R + E * 127 + 15) / 16 * 16;
   const std::vector<bf16> dy = activations(R, M, 21), x = activations(R, N, 22);
   const std::vector<int64_t> P_E1 = fp8::padded_token_offsets(offsets.data(), E);
   std::vector<uint8_t> a(static_cast<size_t>(M * ld_t)), b(static_cast<size_t>(N * ld_t));
-  std::vector<float> sa(static_cast<size_t>(P_E1.back() / kBlock * M)), sb(static_cast<size_t>(P_E1.back() / kBlock * N));
+  const int64_t b_scales = b_kind == fp8::ColumnScales::Block ? fp8::blocks(N) : N;
+  std::vector<float> sa(static_cast<size_t>(P_E1.back() / kBlock * M)),
+      sb(static_cast<size_t>(P_E1.back() / kBlock * b_scales));
   fp8::quantize_token_columns(a.data(), ld_t, sa.data(), dy.data(), M, offsets.data(), E, M);
-  fp8::quantize_token_columns(b.data(), ld_t, sb.data(), x.data(), N, offsets.data(), E, N);
+  fp8::quantize_token_columns(b.data(), ld_t, sb.data(), x.data(), N, offsets.data(), E, N, b_kind);
   std::vector<float> want(static_cast<size_t>(E * M * N)), abs_sum(want.size());
-  fp8::weight_gradient_token_columns(want.data(), a.data(), sa.data(), b.data(), sb.data(), ld_t, P_E1, M, N, false);
+  fp8::weight_gradient_token_columns(want.data(), a.data(), sa.data(), b.data(), sb.data(), ld_t, P_E1, M, N, false,
+                                     b_kind);
   // The same sums over |a| |b|: an e4m3 code's magnitude is its low 7 bits.
   std::vector<uint8_t> a_abs = a, b_abs = b;
   for (uint8_t& c : a_abs) c &= 0x7f;
   for (uint8_t& c : b_abs) c &= 0x7f;
   fp8::weight_gradient_token_columns(abs_sum.data(), a_abs.data(), sa.data(), b_abs.data(), sb.data(), ld_t, P_E1, M,
-                                     N, false);
+                                     N, false, b_kind);
   const std::vector<double> want_d(want.begin(), want.end()), abs_d(abs_sum.begin(), abs_sum.end());
   std::vector<double> want2_d(want_d), abs2_d(abs_d);
   for (double& v : want2_d) v *= 2;
@@ -407,20 +415,26 @@ TEST(GpuExpertWeightGemmFp8, MatchesTheCpuOnTokenColumns) {
   auto P_d = to_device(P_E1);
   cuda::ExpertWeightGemmFp8 gemm(E);
   auto dw_d = poisoned<float>(E * M * N);
-  gemm.run(dw_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 0.0f, nullptr);
+  gemm.run(dw_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 0.0f, nullptr,
+           b_kind);
   const std::vector<float> once = to_host(dw_d);
   expect_gemm_close("fp8 weight gradients", once, want_d, abs_d);
   for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(once[static_cast<size_t>(M * N + i)], 0.0f) << "expert 1 not zeroed";
-  gemm.run(dw_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 1.0f, nullptr);
+  gemm.run(dw_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 1.0f, nullptr,
+           b_kind);
   std::vector<float> twice = to_host(dw_d);
   expect_gemm_close("fp8 weight gradients, accumulated", twice, want2_d, abs2_d);
   auto dw16_d = poisoned<bf16>(E * M * N);
-  gemm.run(dw16_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 0.0f, nullptr);
+  gemm.run(dw16_d.data(), a_d.data(), sa_d.data(), b_d.data(), sb_d.data(), ld_t, P_d.data(), E, M, N, 0.0f, nullptr,
+           b_kind);
   const std::vector<bf16> got16 = to_host(dw16_d);
   std::vector<float> got16_f(got16.size());
   for (size_t i = 0; i < got16.size(); ++i) got16_f[i] = bf16_to_float(got16[i]);
   expect_gemm_close("fp8 weight gradients, bf16", got16_f, want_d, abs_d);
 }
+
+INSTANTIATE_TEST_SUITE_P(BScales, GpuExpertWeightGemmFp8,
+                         ::testing::Values(fp8::ColumnScales::PerFeature, fp8::ColumnScales::Block));
 
 // ---------------------------------------------------------------------------------------
 // The experts' grouped FP8 GEMM.

@@ -3,12 +3,16 @@
 // a_e [M, K_e] b_e^T, with a the token columns of dy (codes [M, ld_t], K-major) and b those
 // of x (codes [N, ld_t]), K_e the expert's padded tokens (a multiple of 128) starting at
 // column P_e; one scale per row of a, per row of b, and 128 tokens
-// (Sm90BlockwiseScaleConfig<1, 1, 128>, MN-major: fp8::token_column_scale_index). Experts
-// without rows have no group; with beta 0 their gradients are zeroed first.
+// (Sm90BlockwiseScaleConfig<1, 1, 128>, MN-major: fp8::token_column_scale_index), or, with
+// b's columns block-scaled (fp8::ColumnScales::Block), one per 128 rows of b and 128 tokens
+// (Sm90BlockwiseScaleConfig<1, 128, 128>, the forward's kernel type:
+// fp8::token_column_block_scale_index). Experts without rows have no group; with beta 0
+// their gradients are zeroed first.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/error_base.h"
 #include "core/gpu.h"
@@ -20,18 +24,20 @@
 namespace moe::cuda {
 namespace {
 
-using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, fp8::kBlock>;
-template <class ElementD>
+using FeatureScales = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, fp8::kBlock>;
+using BlockScales = cutlass::detail::Sm90BlockwiseScaleConfig<1, fp8::kBlock, fp8::kBlock>;
+template <class ElementD, class ScaleConfig = FeatureScales>
 using WeightKernel = grouped::BlockwiseGemm<ScaleConfig, ElementD>;
 using ElementAB = WeightKernel<float>::ElementAB;
 using GroupShape = WeightKernel<float>::GroupShape;
 
 // Group e: expert e's padded token columns [P_e, P_e+1); none (M = 0) when it has no rows.
-template <class ElementD>
-__global__ void describe_weight_fp8(typename WeightKernel<ElementD>::Groups g, ElementD* dw, const int64_t* P_E1,
-                                    int64_t E, int64_t M, int64_t N, const ElementAB* a, const float* sfa,
-                                    const ElementAB* b, const float* sfb, int64_t ld_t) {
-  using W = WeightKernel<ElementD>;
+template <class ElementD, class ScaleConfig>
+__global__ void describe_weight_fp8(typename WeightKernel<ElementD, ScaleConfig>::Groups g, ElementD* dw,
+                                    const int64_t* P_E1, int64_t E, int64_t M, int64_t N, const ElementAB* a,
+                                    const float* sfa, const ElementAB* b, const float* sfb, int64_t ld_t) {
+  using W = WeightKernel<ElementD, ScaleConfig>;
+  constexpr bool kBlockB = std::is_same_v<ScaleConfig, BlockScales>;
   const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t P_e = P_E1[e], K = P_E1[e + 1] - P_e;
@@ -43,7 +49,7 @@ __global__ void describe_weight_fp8(typename WeightKernel<ElementD>::Groups g, E
   g.c[e] = dw + e * M * N;
   g.d[e] = dw + e * M * N;
   g.sfa[e] = sfa + P_e / fp8::kBlock * M;
-  g.sfb[e] = sfb + P_e / fp8::kBlock * N;
+  g.sfb[e] = sfb + P_e / fp8::kBlock * (kBlockB ? fp8::blocks(N) : N);
   g.stride_a[e] = grouped::leading_stride<typename W::StrideA>(ld_t);
   g.stride_b[e] = grouped::leading_stride<typename W::StrideB>(ld_t);
   g.stride_c[e] = grouped::leading_stride<typename W::StrideC>(N);
@@ -72,11 +78,20 @@ struct ExpertWeightGemmFp8::State {
 
   template <class ElementD>
   void run(ElementD* dw, const uint8_t* a, const float* sfa, const uint8_t* b, const float* sfb, int64_t ld_t,
-           const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream) {
-    using K = WeightKernel<ElementD>;
+           const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, fp8::ColumnScales b_kind, Stream stream) {
+    if (b_kind == fp8::ColumnScales::Block)
+      run_with<ElementD, BlockScales>(dw, a, sfa, b, sfb, ld_t, P_E1, E, M, N, beta, stream);
+    else
+      run_with<ElementD, FeatureScales>(dw, a, sfa, b, sfb, ld_t, P_E1, E, M, N, beta, stream);
+  }
+
+  template <class ElementD, class ScaleConfig>
+  void run_with(ElementD* dw, const uint8_t* a, const float* sfa, const uint8_t* b, const float* sfb, int64_t ld_t,
+                const int64_t* P_E1, int64_t E, int64_t M, int64_t N, float beta, Stream stream) {
+    using K = WeightKernel<ElementD, ScaleConfig>;
     const int n = static_cast<int>(E);
     const typename K::Groups g = K::Groups::carve(groups.data(), n);
-    describe_weight_fp8<ElementD><<<(n + 127) / 128, 128, 0, stream>>>(
+    describe_weight_fp8<ElementD, ScaleConfig><<<(n + 127) / 128, 128, 0, stream>>>(
         g, dw, P_E1, E, M, N, reinterpret_cast<const ElementAB*>(a), sfa, reinterpret_cast<const ElementAB*>(b), sfb,
         ld_t);
     MOE_CUDA_CHECK(cudaGetLastError());
@@ -104,14 +119,19 @@ ExpertWeightGemmFp8::ExpertWeightGemmFp8(int64_t max_experts) : state_(new State
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.device_sms, cudaDevAttrMultiProcessorCount, device));
   s.sm_count = s.device_sms;
   const int n = static_cast<int>(max_experts);
-  using F = WeightKernel<float>;
-  using H = WeightKernel<cutlass::bfloat16_t>;
-  s.groups = gpu::DeviceArray<char>(std::max(F::Groups::bytes(n), H::Groups::bytes(n)));
-  const F::Groups none_f{};
-  const H::Groups none_h{};
-  s.workspace = gpu::DeviceArray<char>(std::max<size_t>(
-      {F::Gemm::get_workspace_size(F::Groups::arguments(none_f, n, 0.0f, s.sm_count)),
-       H::Gemm::get_workspace_size(H::Groups::arguments(none_h, n, 0.0f, s.sm_count)), size_t{256}}));
+  // The group arrays and workspace of the largest of the four kernel types.
+  size_t group_bytes = 0, workspace_bytes = 256;
+  const auto room_for = [&]<class K>(K*) {
+    const typename K::Groups none{};
+    group_bytes = std::max(group_bytes, K::Groups::bytes(n));
+    workspace_bytes = std::max(workspace_bytes, K::Gemm::get_workspace_size(K::Groups::arguments(none, n, 0.0f, s.sm_count)));
+  };
+  room_for(static_cast<WeightKernel<float>*>(nullptr));
+  room_for(static_cast<WeightKernel<cutlass::bfloat16_t>*>(nullptr));
+  room_for(static_cast<WeightKernel<float, BlockScales>*>(nullptr));
+  room_for(static_cast<WeightKernel<cutlass::bfloat16_t, BlockScales>*>(nullptr));
+  s.groups = gpu::DeviceArray<char>(group_bytes);
+  s.workspace = gpu::DeviceArray<char>(workspace_bytes);
 }
 
 ExpertWeightGemmFp8::~ExpertWeightGemmFp8() { delete state_; }
@@ -134,17 +154,17 @@ void check_weight_shape(int64_t E, int64_t max_experts, int64_t M, int64_t N, in
 
 void ExpertWeightGemmFp8::run(float* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t,
                               const float* b_scales, int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N,
-                              float beta, Stream stream) {
+                              float beta, Stream stream, fp8::ColumnScales b_kind) {
   check_weight_shape(E, state_->max_experts, M, N, ld_t);
-  state_->run<float>(dw_EMN, a_t, a_scales, b_t, b_scales, ld_t, P_E1, E, M, N, beta, stream);
+  state_->run<float>(dw_EMN, a_t, a_scales, b_t, b_scales, ld_t, P_E1, E, M, N, beta, b_kind, stream);
 }
 
 void ExpertWeightGemmFp8::run(bf16* dw_EMN, const uint8_t* a_t, const float* a_scales, const uint8_t* b_t,
                               const float* b_scales, int64_t ld_t, const int64_t* P_E1, int64_t E, int64_t M, int64_t N,
-                              float beta, Stream stream) {
+                              float beta, Stream stream, fp8::ColumnScales b_kind) {
   check_weight_shape(E, state_->max_experts, M, N, ld_t);
   state_->run<cutlass::bfloat16_t>(reinterpret_cast<cutlass::bfloat16_t*>(dw_EMN), a_t, a_scales, b_t, b_scales, ld_t,
-                                   P_E1, E, M, N, beta, stream);
+                                   P_E1, E, M, N, beta, b_kind, stream);
 }
 
 }  // namespace moe::cuda
