@@ -10,6 +10,14 @@
 
 namespace moe {
 
+// Whether MoE layer `moe_index` (0: the first MoE block) shares the expert rows buffers and
+// refills them before its backward (training.recompute_experts and
+// recompute_experts_layers, -1: every MoE layer); GpuTransformer::plan allocates by it and
+// the memory plan counts by it.
+constexpr bool shares_expert_rows(bool recompute_experts, int64_t recompute_experts_layers, int64_t moe_index) {
+  return recompute_experts && (recompute_experts_layers < 0 || moe_index < recompute_experts_layers);
+}
+
 struct ExpertRowBounds {
   int64_t capacity = 0;           // rows per expert and source rank (expert_capacity: T * K when dropless)
   int64_t max_rows = 0;           // R: this rank's row layout (T * K, or fewer under a capacity)

@@ -240,9 +240,6 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   // either way).
   const int64_t moe_bytes = E > 0 ? moe_buffers_bytes(a, share_x_act, share_x_act || fp8_wgrad, share_gate_up) : 0;
   const int64_t moe_own_rows_bytes = E > 0 ? moe_buffers_bytes(a, false, fp8_wgrad, false) : 0;
-  const auto shares_rows = [&](int64_t moe_index) {
-    return share_x_act && (layout.recompute_experts_layers < 0 || moe_index < layout.recompute_experts_layers);
-  };
   const int64_t core_bytes = attention_and_norms_bytes(a), input_bytes = a.T * c.dim * 2;
   const int64_t n_layers = c.n_layers;
   const int64_t recomputed = layout.recompute_layers < 0 ? n_layers : std::min(layout.recompute_layers, n_layers);
@@ -254,7 +251,8 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
       rows_shared = rows_shared || (is_moe && share_x_act);
       m.layer_activations.push_back(input_bytes);
     } else {
-      const bool shares = is_moe && shares_rows(l - c.first_dense_layers);
+      const bool shares =
+          is_moe && shares_expert_rows(share_x_act, layout.recompute_experts_layers, l - c.first_dense_layers);
       rows_shared = rows_shared || shares;
       m.layer_activations.push_back(input_bytes + core_bytes +
                                     (is_moe ? (shares ? moe_bytes : moe_own_rows_bytes) : dense_bytes));

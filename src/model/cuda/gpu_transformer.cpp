@@ -247,8 +247,9 @@ void GpuTransformer::plan(int64_t batch) {
     Layer& layer = s.layers[static_cast<size_t>(l)];
     layer.recompute = l < recomputed;
     if (layer.recompute) (layer.is_moe ? shared_moe : shared_dense) = true;
-    layer.recompute_expert_rows = layer.is_moe && s.recompute_experts != ExpertRecompute::None &&
-                                  (s.recompute_experts_layers < 0 || layer.moe_index < s.recompute_experts_layers);
+    layer.recompute_expert_rows =
+        layer.is_moe && shares_expert_rows(s.recompute_experts != ExpertRecompute::None, s.recompute_experts_layers,
+                                           layer.moe_index);
   }
   // The layers recomputed whole share one set, whose expert rows are the shared ones under
   // recompute_experts.
