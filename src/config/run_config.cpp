@@ -95,6 +95,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "precision", t.precision);
   visit("training", "fp8_weight_cache", t.fp8_weight_cache);
   visit("training", "fp8_weight_gradients", t.fp8_weight_gradients);
+  visit("training", "fp8_weight_gradient_scales", t.fp8_weight_gradient_scales);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
@@ -411,6 +412,9 @@ void check_training(const RunConfig& c) {
     fail({"training.fp8_weight_gradients", "training.precision"},
          "training.fp8_weight_gradients = true applies to training.precision = fp8 only");
   }
+  if (t.fp8_weight_gradient_scales != Fp8ColumnScales::Tile1x128 && !t.fp8_weight_gradients)
+    fail({"training.fp8_weight_gradient_scales", "training.fp8_weight_gradients"},
+         "training.fp8_weight_gradient_scales = 128x128 applies to training.fp8_weight_gradients = true only");
 
   const OptimizerConfig& o = c.optimizer;
   check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");

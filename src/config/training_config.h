@@ -38,6 +38,15 @@ inline constexpr std::array<EnumName<TrainingPrecision>, 2> kTrainingPrecisionNa
     {{TrainingPrecision::Bf16, "bf16"}, {TrainingPrecision::Fp8, "fp8"}}};
 constexpr std::span<const EnumName<TrainingPrecision>> enum_names(TrainingPrecision) { return kTrainingPrecisionNames; }
 
+// training.fp8_weight_gradients: the scales of the weight-gradient GEMMs' B operand (x's and
+// act's token columns): one per feature and 128 tokens (1x128, as every activation), or one
+// per 128 features and 128 tokens (128x128: CUTLASS's faster blockwise kernel, coarser
+// scales; docs/FP8.md). dy's columns (the A operand) stay 1x128 either way.
+enum class Fp8ColumnScales { Tile1x128, Block128x128 };
+inline constexpr std::array<EnumName<Fp8ColumnScales>, 2> kFp8ColumnScalesNames{
+    {{Fp8ColumnScales::Tile1x128, "1x128"}, {Fp8ColumnScales::Block128x128, "128x128"}}};
+constexpr std::span<const EnumName<Fp8ColumnScales>> enum_names(Fp8ColumnScales) { return kFp8ColumnScalesNames; }
+
 struct TrainingConfig {
   int64_t steps = 300;                // optimizer steps
   int64_t global_batch_tokens = 8192; // tokens per optimizer step (reached by accumulation)
@@ -63,6 +72,7 @@ struct TrainingConfig {
   bool fp8_weight_gradients = false;  // GPU fp8: the experts' weight-gradient GEMMs in fp8 too
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
   TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
+  Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales
 };
 
 }  // namespace moe

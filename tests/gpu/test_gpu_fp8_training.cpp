@@ -42,6 +42,7 @@ struct Mode {
   bool graphs = false;
   bool weight_gradients = false;  // the experts' weight gradients in fp8 too
   bool bf16_grads = false;        // the experts' gradients in bf16 (training.expert_grad_dtype)
+  bool block_columns = false;     // x's and act's token columns 128x128 (training.fp8_weight_gradient_scales)
 };
 constexpr Mode kBf16{}, kExperts{true, false}, kProjections{false, true}, kAll{true, true};
 
@@ -56,6 +57,7 @@ Fp8Run run(const Mode& mode, int steps, const ModelConfig& config = test::small_
   options.recompute_layers = mode.recompute_layers;
   options.fp8_weight_gradients = mode.weight_gradients;
   options.bf16_expert_grads = mode.bf16_grads;
+  options.fp8_weight_gradient_scales = mode.block_columns ? Fp8ColumnScales::Block128x128 : Fp8ColumnScales::Tile1x128;
   GpuTransformer gpu(config, host.params(), options);
   gpu.enable_graphs(mode.graphs);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
@@ -211,9 +213,17 @@ TEST(GpuFp8WeightGradients, OnlyTheExpertWeightGradientsMoveAndStayClose) {
   bf16_grads.bf16_grads = wgrad_bf16_grads.bf16_grads = true;
   const Fp8Run bf16 = run(kBf16, 1), fp8 = run(kAll, 1), fp8_wgrad = run(wgrad, 1);
   const Fp8Run fp8_16 = run(bf16_grads, 1), fp8_wgrad_16 = run(wgrad_bf16_grads, 1);
+  Mode block = wgrad, block_16 = wgrad_bf16_grads;
+  block.block_columns = block_16.block_columns = true;
+  const Fp8Run fp8_block = run(block, 1), fp8_block_16 = run(block_16, 1);
   ASSERT_TRUE(std::count(fp8.expert.begin(), fp8.expert.end(), true) > 0) << "no expert weights found by name";
+  // 128x128 B scales: other bits than 1x128's (the block variant ran), as close to bf16's.
+  EXPECT_GT(relative_distance(fp8_block, fp8_wgrad, Part::Experts), 0.0) << "the 128x128 columns did not run";
+  EXPECT_GT(relative_distance(fp8_block_16, fp8_wgrad_16, Part::Experts), 0.0) << "the 128x128 columns did not run";
   for (const auto& [with, without, name] : {std::tuple{&fp8_wgrad, &fp8, "fp32 gradients"},
-                                             std::tuple{&fp8_wgrad_16, &fp8_16, "bf16 gradients"}}) {
+                                             std::tuple{&fp8_wgrad_16, &fp8_16, "bf16 gradients"},
+                                             std::tuple{&fp8_block, &fp8, "fp32 gradients, 128x128 B"},
+                                             std::tuple{&fp8_block_16, &fp8_16, "bf16 gradients, 128x128 B"}}) {
     EXPECT_EQ(with->losses, without->losses) << name;
     EXPECT_EQ(relative_distance(*with, *without, Part::Others), 0.0) << name << ": a non-expert gradient moved";
     const double moved = relative_distance(*with, *without, Part::Experts);
@@ -236,6 +246,14 @@ TEST(GpuFp8WeightGradients, RerunsAndRecomputationAndGraphsAreBitIdentical) {
   const Fp8Run first = run(wgrad, 2), again = run(wgrad, 2);
   EXPECT_EQ(again.losses, first.losses);
   EXPECT_TRUE(again.grads == first.grads) << "an fp8 weight-gradient rerun's gradients differ";
+  Mode block = wgrad, block_graphs = wgrad;
+  block.block_columns = block_graphs.block_columns = true;
+  block_graphs.graphs = true;
+  block_graphs.recompute = ExpertRecompute::Swiglu;
+  const Fp8Run block_first = run(block, 2), block_again = run(block, 2), block_other = run(block_graphs, 2);
+  EXPECT_TRUE(block_again.grads == block_first.grads) << "a 128x128-column rerun's gradients differ";
+  EXPECT_TRUE(block_other.grads == block_first.grads) << "128x128 columns: graphs and recompute change the gradients";
+  EXPECT_EQ(block_other.losses, block_first.losses);
   Mode experts_recomputed = wgrad, swiglu_recomputed = wgrad, layers_recomputed = wgrad, graphs = wgrad;
   experts_recomputed.recompute = ExpertRecompute::All;
   swiglu_recomputed.recompute = ExpertRecompute::Swiglu;
@@ -256,12 +274,16 @@ TEST(GpuFp8WeightGradients, TrainingLossFallsLikeFp8) {
   const int steps = 30;
   Mode wgrad = kAll;
   wgrad.weight_gradients = true;
-  const Fp8Run fp8 = run(kAll, steps), fp8_wgrad = run(wgrad, steps);
-  std::printf("  loss after %d steps (first %.3f): fp8 %.3f, fp8 weight gradients too %.3f\n", steps,
-              fp8.losses.front(), fp8.losses.back(), fp8_wgrad.losses.back());
-  for (double loss : fp8_wgrad.losses) ASSERT_TRUE(std::isfinite(loss));
-  EXPECT_LT(fp8_wgrad.losses.back(), 0.8 * fp8_wgrad.losses.front()) << "fp8 weight gradients: did not learn";
-  EXPECT_LT(fp8_wgrad.losses.back(), fp8.losses.back() + 0.1 * fp8.losses.front());
+  Mode block = wgrad;
+  block.block_columns = true;
+  const Fp8Run fp8 = run(kAll, steps), fp8_wgrad = run(wgrad, steps), fp8_block = run(block, steps);
+  std::printf("  loss after %d steps (first %.3f): fp8 %.3f, fp8 weight gradients too %.3f, with 128x128 B %.3f\n",
+              steps, fp8.losses.front(), fp8.losses.back(), fp8_wgrad.losses.back(), fp8_block.losses.back());
+  for (const Fp8Run* r : {&fp8_wgrad, &fp8_block}) {
+    for (double loss : r->losses) ASSERT_TRUE(std::isfinite(loss));
+    EXPECT_LT(r->losses.back(), 0.8 * r->losses.front()) << "fp8 weight gradients: did not learn";
+    EXPECT_LT(r->losses.back(), fp8.losses.back() + 0.1 * fp8.losses.front());
+  }
 }
 
 }  // namespace

@@ -312,6 +312,20 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
                   .training.fp8_weight_gradients);
   expect_config_error([] { parse_config("", "x.toml", {"training.fp8_weight_gradients=true"}); },
                       {"training.fp8_weight_gradients = true", "training.precision = fp8"});
+  EXPECT_EQ(fp8.training.fp8_weight_gradient_scales, Fp8ColumnScales::Tile1x128);
+  EXPECT_EQ(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda",
+                                         "training.fp8_weight_gradients=true",
+                                         "training.fp8_weight_gradient_scales=128x128"})
+                .training.fp8_weight_gradient_scales,
+            Fp8ColumnScales::Block128x128);
+  expect_config_error(
+      [] {
+        parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda",
+                                    "training.fp8_weight_gradient_scales=128x128"});
+      },
+      {"training.fp8_weight_gradient_scales = 128x128", "training.fp8_weight_gradients = true"});
+  expect_config_error([] { parse_config("", "x.toml", {"training.fp8_weight_gradient_scales=1x64"}); },
+                      {"training.fp8_weight_gradient_scales"});
   // device = auto that resolves to the CPU (no GPU visible): refused when the backend is made.
   RunConfig on_auto = parse_config("", "x.toml", {"training.precision=fp8", "model.vocab_size=512"});
   if (wants_gpu(on_auto.training)) GTEST_SKIP() << "a GPU is visible: auto resolves to it";
@@ -439,6 +453,7 @@ TEST(Config, EveryFieldRoundTrips) {
         c.model.moe.expert_hidden = 128;
         c.training.fp8_weight_cache = false;
         c.training.fp8_weight_gradients = true;
+        c.training.fp8_weight_gradient_scales = Fp8ColumnScales::Block128x128;
       },
   };
   const std::string default_text = config_to_toml(RunConfig{});
@@ -463,7 +478,7 @@ TEST(Config, EveryFieldRoundTrips) {
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
   EXPECT_EQ(sizeof(ModelConfig), 296u);  // moe.speculative_dispatch (a bool) sits in route_cache's padding
-  EXPECT_EQ(sizeof(TrainingConfig), 152u);
+  EXPECT_EQ(sizeof(TrainingConfig), 160u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
   EXPECT_EQ(sizeof(DataConfig), 208u);

@@ -169,18 +169,19 @@ void GpuTransformer::State::experts_backward_fp8_weights(Layer& layer, const MoE
   auto codes = [&](int64_t feature) { return fp8_columns.data() + feature * ld_t; };
   auto scales = [&](int64_t feature) { return fp8_column_scales.data() + feature * blocks; };
   const float beta = overwrite_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
+  const fp8::ColumnScales b_kind = fp8_column_b_scales;  // x's and act's; dy's, d gate's, d up's per feature
   auto weight_gradient = [&](const Param& p, int64_t dy_feature, int64_t x_feature, int64_t N, int64_t K) {
     if (bf16* g16 = local_g16(layer, p))
       expert_weight_gemm_fp8->run(g16, codes(dy_feature), scales(dy_feature), codes(x_feature), scales(x_feature), ld_t,
-                                  P_E1, E, N, K, beta, stream);
+                                  P_E1, E, N, K, beta, stream, b_kind);
     else
       expert_weight_gemm_fp8->run(local_g(layer, p), codes(dy_feature), scales(dy_feature), codes(x_feature),
-                                  scales(x_feature), ld_t, P_E1, E, N, K, beta, stream);
+                                  scales(x_feature), ld_t, P_E1, E, N, K, beta, stream, b_kind);
   };
   // SwiGLU's backward: d gate's and d up's row codes (sets 0 and 1 of fp8_rows, for the
   // data gradients) and the token columns of act (from gate|up), d gate and d up.
   cuda::swiglu_backward_fp8_columns(fp8_rows.data(), fp8_row_scales.data(), codes(0), scales(0), ld_t,
-                                    dact_rows.data(), m.gate_up_rows->data(), offsets, P_E1, E, R, F, stream);
+                                    dact_rows.data(), m.gate_up_rows->data(), offsets, P_E1, E, R, F, stream, b_kind);
   // dW2_e [D, F] = dy_e^T act_e.
   cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), dy_rows, D, offsets, P_E1, E, R, D, stream);
   weight_gradient(layer.w2, 3 * F, 0, D, F);
@@ -188,7 +189,8 @@ void GpuTransformer::State::experts_backward_fp8_weights(Layer& layer, const MoE
   expert_backward_data(layer, m, dx_rows.data(), D, nullptr, 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f, 0);
   expert_backward_data(layer, m, dx_rows.data(), D, nullptr, 2 * F, Fp8ExpertWeights::kW3, D, F, 1.0f, 1);
   // dW1_e, dW3_e [F, D] = (d gate_e, d up_e)^T x_e.
-  cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), m.x_rows->data(), D, offsets, P_E1, E, R, D, stream);
+  cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), m.x_rows->data(), D, offsets, P_E1, E, R, D, stream,
+                               b_kind);
   weight_gradient(layer.w1, F, 3 * F, F, D);
   weight_gradient(layer.w3, 2 * F, 3 * F, F, D);
 }

@@ -51,6 +51,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.fp8_projections = training.precision == TrainingPrecision::Fp8;
   options.fp8_weight_cache = training.fp8_weight_cache;
   options.fp8_weight_gradients = training.fp8_weight_gradients;
+  options.fp8_weight_gradient_scales = training.fp8_weight_gradient_scales;
   return options;
 }
 
@@ -70,6 +71,9 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections);
   s.fp8_weight_cache = options.fp8_weight_cache;
   s.fp8_weight_gradients = s.fp8 && options.fp8_weight_gradients;
+  s.fp8_column_b_scales = options.fp8_weight_gradient_scales == Fp8ColumnScales::Block128x128
+                              ? fp8::ColumnScales::Block
+                              : fp8::ColumnScales::PerFeature;
   MOE_CHECK(!s.fp8 || (config.dim % 128 == 0 && config.moe.expert_hidden % 128 == 0),
             "training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of 128",
             config.dim, config.moe.expert_hidden);

@@ -136,6 +136,9 @@ struct GpuModelOptions {
   // dy and x transposed to token columns, one scale per feature and 128 tokens; docs/FP8.md;
   // training.fp8_weight_gradients).
   bool fp8_weight_gradients = false;
+  // With fp8_weight_gradients: the scales of x's and act's token columns (the GEMMs' B;
+  // training.fp8_weight_gradient_scales).
+  Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

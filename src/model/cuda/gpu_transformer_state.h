@@ -51,8 +51,10 @@ struct GpuTransformer::State {
   // GpuModelOptions::fp8_weight_gradients: the experts' weight gradients in fp8 too, from
   // token columns (each expert's rows transposed, padded to 128 tokens) in scratch shared by
   // the layers (fp8_token_column_sizes: fp8_ld_t padded tokens for dim + 2 hidden features)
-  // and the layer's padded offsets, made in its backward (expert_backward_weight).
+  // and the layer's padded offsets, made in its backward (expert_backward_weight). x's and
+  // act's columns (the GEMMs' B) scaled per fp8_column_b_scales, dy's per feature.
   bool fp8_weight_gradients = false;
+  fp8::ColumnScales fp8_column_b_scales = fp8::ColumnScales::PerFeature;
   std::unique_ptr<cuda::ExpertWeightGemmFp8> expert_weight_gemm_fp8;
   Buffer<uint8_t> fp8_columns;
   Buffer<float> fp8_column_scales;

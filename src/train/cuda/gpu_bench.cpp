@@ -114,7 +114,8 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              : config.training.fp8_weight_cache             ? " (expert weights quantised once a step)"
                                                             : " (weights quantised at each use)",
              config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients
-                 ? ", the experts' weight gradients too"
+                 ? fmt::format(", the experts' weight gradients too (x's and act's scales {})",
+                               name_of(config.training.fp8_weight_gradient_scales))
                  : "",
              name_of(config.optimizer.state_dtype),
              name_of(config.training.expert_grad_dtype),

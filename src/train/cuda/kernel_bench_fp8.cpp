@@ -177,11 +177,18 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
   cuda::padded_token_offsets(padded.data(), off, E, stream);
   gpu::DeviceArray<uint8_t> x_t(D * ld_t), dy_t(D * ld_t), swiglu_t(3 * F * ld_t);
   gpu::DeviceArray<float> x_ts(D * blocks), dy_ts(D * blocks), swiglu_ts(3 * F * blocks);
+  // training.fp8_weight_gradient_scales = 128x128: x's and act's columns with block scales.
+  gpu::DeviceArray<uint8_t> x_tb(D * ld_t), swiglu_tb(3 * F * ld_t);
+  gpu::DeviceArray<float> x_tbs(D * blocks), swiglu_tbs(3 * F * blocks);
   std::vector<QuantRow> column_quant;
   const double column_bytes_D = static_cast<double>(R * D) * 3 + D * blocks * 4.0;
   column_quant.push_back({"x token columns [D,tokens]", column_bytes_D, median_ms([&] {
                             cuda::quantize_token_columns(x_t.data(), ld_t, x_ts.data(), x.data(), D, off, padded.data(),
                                                          E, R, D, stream);
+                          })});
+  column_quant.push_back({"x token columns, 128x128 scales", column_bytes_D, median_ms([&] {
+                            cuda::quantize_token_columns(x_tb.data(), ld_t, x_tbs.data(), x.data(), D, off,
+                                                         padded.data(), E, R, D, stream, fp8::ColumnScales::Block);
                           })});
   cuda::quantize_token_columns(dy_t.data(), ld_t, dy_ts.data(), y.data(), D, off, padded.data(), E, R, D, stream);
   column_quant.push_back({"swiglu bwd to columns (fused)",
@@ -189,6 +196,12 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
                             cuda::swiglu_backward_fp8_columns(dguq.codes.data(), dguq.scales.data(), swiglu_t.data(),
                                                               swiglu_ts.data(), ld_t, act.data(), gate_up.data(), off,
                                                               padded.data(), E, R, F, stream);
+                          })});
+  column_quant.push_back({"swiglu bwd to columns, act 128x128",
+                          static_cast<double>(R * F) * (6 + 2 + 3) + 5 * R * F / fp8::kBlock * 4.0, median_ms([&] {
+                            cuda::swiglu_backward_fp8_columns(dguq.codes.data(), dguq.scales.data(), swiglu_tb.data(),
+                                                              swiglu_tbs.data(), ld_t, act.data(), gate_up.data(), off,
+                                                              padded.data(), E, R, F, stream, fp8::ColumnScales::Block);
                           })});
   cuda::ExpertWeightGemmFp8 fp8_weight_gemm(E);
   gpu::DeviceArray<float> dw1(E * F * D), dw3(E * F * D), dw2(E * D * F);
@@ -219,6 +232,22 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
                                  E, F, D, 0.0f, stream);
          })});
   }
+  // training.fp8_weight_gradient_scales = 128x128: the same GEMMs with B's columns
+  // block-scaled (the bf16 times repeated beside them).
+  std::vector<GemmRow> block_weight_gemms;
+  block_weight_gemms.push_back({"wgrad down, act 128x128", mnk, weight_gemms[0].bf16_ms, median_ms([&] {
+                                  fp8_weight_gemm.run(dw2.data(), dy_t.data(), dy_ts.data(), swiglu_tb.data(),
+                                                      swiglu_tbs.data(), ld_t, padded.data(), E, D, F, 0.0f, stream,
+                                                      fp8::ColumnScales::Block);
+                                })});
+  block_weight_gemms.push_back({"wgrad gate+up, x 128x128", 2 * mnk, weight_gemms[1].bf16_ms, median_ms([&] {
+                                  for (int s = 0; s < 2; ++s)
+                                    fp8_weight_gemm.run(s == 0 ? dw1.data() : dw3.data(),
+                                                        swiglu_t.data() + (1 + s) * F * ld_t,
+                                                        swiglu_ts.data() + (1 + s) * F * blocks, x_tb.data(),
+                                                        x_tbs.data(), ld_t, padded.data(), E, F, D, 0.0f, stream,
+                                                        fp8::ColumnScales::Block);
+                                })});
 
   // Dense: the [rows, D] x [D, F] ceiling of kernel_bench.cpp and a [T, D] x [D, D]
   // projection, cuBLASLt bf16 against the FP8 GEMM (its A quantised as one group).
@@ -274,6 +303,12 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
     weight_flops += row.flops;
   }
   print_gemm({"expert weight-gradient GEMMs", weight_flops, bf16_weight_total, fp8_weight_total});
+  double fp8_block_total = 0;
+  for (const GemmRow& row : block_weight_gemms) {
+    print_gemm(row);
+    fp8_block_total += row.fp8_ms;
+  }
+  print_gemm({"weight-gradient GEMMs, B 128x128", weight_flops, bf16_weight_total, fp8_block_total});
   for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
   // The step's quantisation: the rows' kernels but act's (the fused SwiGLU's extra time over
   // SwiGLU alone instead), and the weights.
