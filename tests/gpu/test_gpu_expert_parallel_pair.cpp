@@ -401,13 +401,17 @@ INSTANTIATE_TEST_SUITE_P(Routing, GpuExpertParallelPair, ::testing::Values(0.0, 
 // expert. Re-placed with MoE layer 3 wholly on rank 1, rank 0 runs that layer with no
 // local expert and no act buffer at all: the second step stays finite and close.
 
-TEST(GpuExpertParallelFp8, WeightGradientsInFp8MoveOnlyTheExpertsAndSurviveAnEmptyRank) {
+// Both scalings of the weight GEMMs' B operand (training.fp8_weight_gradient_scales).
+class GpuExpertParallelFp8 : public ::testing::TestWithParam<Fp8ColumnScales> {};
+
+TEST_P(GpuExpertParallelFp8, WeightGradientsInFp8MoveOnlyTheExpertsAndSurviveAnEmptyRank) {
   MOE_REQUIRE_GPU();
   const ModelConfig config = pair_config(0.0);
   GpuModelOptions fp8;
   fp8.fp8_experts = true;
   GpuModelOptions fp8_wgrad = fp8;
   fp8_wgrad.fp8_weight_gradients = true;
+  fp8_wgrad.fp8_weight_gradient_scales = GetParam();
   const std::array<RankRun, 2> bf16_gemms = run_pair(config, {}, nullptr, false, false, 1e-2, fp8);
   const std::array<RankRun, 2> fp8_gemms = run_pair(config, {}, nullptr, false, false, 1e-2, fp8_wgrad);
   const std::vector<int64_t> expert = expert_of_element(config);
@@ -447,6 +451,9 @@ TEST(GpuExpertParallelFp8, WeightGradientsInFp8MoveOnlyTheExpertsAndSurviveAnEmp
         << "rank " << r;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(BScales, GpuExpertParallelFp8,
+                         ::testing::Values(Fp8ColumnScales::Tile1x128, Fp8ColumnScales::Block128x128));
 
 }  // namespace
 }  // namespace moe

@@ -6,7 +6,8 @@
 // bit; reruns, expert and layer recomputation and CUDA graphs bit-identical (it is
 // deterministic); a short training run's loss falls as bf16's does. The experts' weight
 // gradients in fp8 too (fp8_weight_gradients): only those gradients move, within e4m3's
-// noise, with fp32 and bf16 gradients, bit-identical across reruns, recomputation and graphs.
+// noise, with fp32 and bf16 gradients and with B's columns in 1x128 or 128x128 scales,
+// bit-identical across reruns, recomputation and graphs.
 #include <gtest/gtest.h>
 
 #include <algorithm>
