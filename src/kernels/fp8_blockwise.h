@@ -41,6 +41,13 @@ constexpr float block_scale(float amax) {
   return std::bit_cast<float>(static_cast<uint32_t>(e + 127) << 23);
 }
 
+// 1 / scale for a block_scale (a power of two 2^e, -126 <= e <= 120): 2^-e from the bits,
+// exactly the quotient 1.0f / scale without a division (on the GPU an IEEE division is a
+// branch and a call that keep the compiler from interleaving the tiles' work).
+constexpr float block_scale_inverse(float scale) {
+  return std::bit_cast<float>((uint32_t{254} << 23) - std::bit_cast<uint32_t>(scale));
+}
+
 constexpr int64_t activation_scale_index(int64_t first, int64_t rows, int64_t r, int64_t kb, int64_t KB) {
   return first * KB + kb * rows + (r - first);
 }

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <string>
+#include <vector>
 
 #include "gpu_test_util.h"
 #include "kernels/cross_entropy.h"
@@ -107,6 +109,39 @@ TEST_P(GpuSwiglu, ForwardAndBackwardMatchCpu) {
     }
   expect_close("dgate", dgate, dgate_ref, kBf16Rtol, 1e-3);
   expect_close("dup", dup, dup_ref, kBf16Rtol, 1e-3);
+}
+
+// Gates where exp(-g) is huge or infinite (the branch-free reciprocal of swiglu_math.cuh
+// scales 1 + exp(-g) >= 2^126 into range and maps +inf to 0): finite, and as the CPU's
+// 1 / (1 + exp(-g)) gives them; the vector path (F = 16) and the scalar one (F = 13).
+TEST(GpuSwigluEdges, HugeNegativeAndPositiveGatesMatchCpu) {
+  MOE_REQUIRE_GPU();
+  const std::vector<float> gates = {-1e30f, -1e4f, -200.0f, -100.0f, -89.0f, -88.5f, -88.0f, -87.5f,
+                                    -87.0f, -60.0f, -1.0f,  0.0f,    1.0f,   60.0f,  100.0f, 1e4f};
+  for (int64_t F : {16, 13}) {
+    SCOPED_TRACE("F = " + std::to_string(F));
+    std::vector<float> gate_up(2 * F), gate(F), up(F, 1.5f), dact(F, 0.5f);
+    for (int64_t f = 0; f < F; ++f) {
+      gate[f] = bf16_to_float(float_to_bf16(gates[static_cast<size_t>(f)]));  // as the device reads them
+      gate_up[f] = gate[f];
+      gate_up[F + f] = up[f];
+    }
+    std::vector<float> act_ref(F), dgate_ref(F), dup_ref(F);
+    swiglu_forward<float>(act_ref.data(), gate.data(), up.data(), F);
+    swiglu_backward<float>(dgate_ref.data(), dup_ref.data(), dact.data(), gate.data(), up.data(), F);
+    auto gate_up_d = to_device_bf16(gate_up), dact_d = to_device_bf16(dact);
+    auto act_d = poisoned<bf16>(F), dgu_d = poisoned<bf16>(2 * F);
+    cuda::swiglu_forward(act_d.data(), gate_up_d.data(), 1, F, nullptr);
+    cuda::swiglu_backward(dgu_d.data(), dact_d.data(), gate_up_d.data(), 1, F, nullptr);
+    const auto act = to_host_float(act_d), dgu = to_host_float(dgu_d);
+    for (int64_t f = 0; f < F; ++f) {
+      SCOPED_TRACE("gate " + std::to_string(gate[f]));
+      ASSERT_TRUE(std::isfinite(act[f]) && std::isfinite(dgu[f]) && std::isfinite(dgu[F + f]));
+      EXPECT_NEAR(act[f], act_ref[f], 1e-2f * std::fabs(act_ref[f]) + 1e-30f);
+      EXPECT_NEAR(dgu[f], dgate_ref[f], 1e-2f * std::fabs(dgate_ref[f]) + 1e-30f);
+      EXPECT_NEAR(dgu[F + f], dup_ref[f], 1e-2f * std::fabs(dup_ref[f]) + 1e-30f);
+    }
+  }
 }
 
 // Scalar path (F % 8 != 0) and 16-byte vector path.

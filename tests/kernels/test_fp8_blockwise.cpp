@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -58,6 +59,24 @@ TEST(Fp8Blockwise, ScaleIsTheSmallestPowerOfTwoThatFits) {
     ASSERT_LE(amax / scale, 448.0f) << amax;
     if (scale > std::ldexp(1.0f, -126)) ASSERT_GT(amax / (scale / 2), 448.0f) << amax << ": not the smallest";
   }
+}
+
+// block_scale_inverse is the quotient 1 / scale bit for bit, for every scale block_scale
+// returns (each exponent, and the scales of zero, non-finite and subnormal maxima).
+TEST(Fp8Blockwise, ScaleInverseIsTheQuotient) {
+  for (int e = -126; e <= 120; ++e) {
+    const float scale = std::ldexp(1.0f, e);
+    ASSERT_EQ(std::bit_cast<uint32_t>(fp8::block_scale_inverse(scale)), std::bit_cast<uint32_t>(1.0f / scale)) << e;
+  }
+  CounterRng rng(2, "amax");
+  for (int i = 0; i < 10000; ++i) {
+    const float amax = static_cast<float>(std::ldexp(rng.uniform(i), static_cast<int>(i % 300) - 150));
+    const float scale = fp8::block_scale(amax);
+    ASSERT_EQ(fp8::block_scale_inverse(scale), 1.0f / scale) << amax;
+  }
+  for (float amax : {0.0f, -1.0f, 1e-45f, std::numeric_limits<float>::max(), std::numeric_limits<float>::infinity(),
+                     std::numeric_limits<float>::quiet_NaN()})
+    EXPECT_EQ(fp8::block_scale_inverse(fp8::block_scale(amax)), 1.0f / fp8::block_scale(amax)) << amax;
 }
 
 TEST(Fp8Blockwise, RowsRoundTripAndTheirScalesAreTight) {

@@ -42,7 +42,7 @@ void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, in
         const bf16* in = x + r * ld_x + kb * kBlock;
         float amax = 0.0f;
         for (int64_t k = 0; k < kBlock; ++k) amax = std::fmax(amax, std::fabs(bf16_to_float(in[k])));
-        const float scale = block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
+        const float scale = block_scale(amax), inverse = block_scale_inverse(scale);
         scales[activation_scale_index(g.first, g.rows, r, kb, KB)] = scale;
         for (int64_t k = 0; k < kBlock; ++k)
           codes_RK[r * K + kb * kBlock + k] = float_to_fp8_e4m3(bf16_to_float(in[k]) * inverse);
@@ -75,7 +75,7 @@ void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_
         for (int64_t n = nb * kBlock; n < n_end; ++n)
           for (int64_t k = kb * kBlock; k < k_end; ++k)
             amax = std::fmax(amax, std::fabs(bf16_to_float(w_ENK[(e * N + n) * K + k])));
-        const float scale = block_scale(amax), inverse = 1.0f / scale;
+        const float scale = block_scale(amax), inverse = block_scale_inverse(scale);
         if (scales != nullptr) scales[weight_scale_index(e, nb, kb, NB, KB)] = scale;
         if (scales_t != nullptr) scales_t[weight_t_scale_index(e, nb, kb, NB, KB)] = scale;
         for (int64_t n = nb * kBlock; n < n_end; ++n)
@@ -127,7 +127,7 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
       for (int64_t f = 0; f < W; ++f) {
         if (kind == ColumnScales::Block && f % kBlock == 0) block_amax = amax_of(f, std::min(W, f + kBlock));
         const float amax = kind == ColumnScales::Block ? block_amax : amax_of(f, f + 1);
-        const float scale = block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
+        const float scale = block_scale(amax), inverse = block_scale_inverse(scale);
         scales_t[token_column_scale_at(kind, P_e, tb, f, W)] = scale;
         uint8_t* column = codes_t_WP + f * P + P_e;
         for (int64_t t = tb * kBlock; t < (tb + 1) * kBlock; ++t)

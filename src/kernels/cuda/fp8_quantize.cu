@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
                                        : ((1u << (kLanes % 32)) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
-    const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;  // exact: a power of two
+    const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
     if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
     uint32_t words[V / 4];
 #pragma unroll
@@ -131,7 +131,7 @@ __device__ __forceinline__ float tile_codes_of_8(const float (&v)[kVecElems], ui
   const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
-  const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
+  const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
   uint32_t words[2];
 #pragma unroll
   for (int w = 0; w < 2; ++w)
@@ -324,7 +324,7 @@ __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile
   for (int h = 0; h < 2; ++h) {
     const int f = 2 * pair + h;
     if (f0 + f >= W) continue;
-    const float scale = fp8::block_scale(m[h]), inverse = 1.0f / scale;
+    const float scale = fp8::block_scale(m[h]), inverse = fp8::block_scale_inverse(scale);
     if (!kBlockScale && part == 0) scales_t[fp8::token_column_scale_index(b.P_e, b.tb, f0 + f, W)] = scale;
     uint8_t* out = codes_t + (f0 + f) * ld_t + column + part * Parts::kTokens;
     const float* x = v[h];
@@ -505,7 +505,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t
   amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < kWeightThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
-  const float scale = fp8::block_scale(amax), inverse = 1.0f / scale;
+  const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
   if (threadIdx.x == 0) {
     if (scales != nullptr) scales[fp8::weight_scale_index(e, nb, kb, NB, KB)] = scale;
     if (scales_t != nullptr) scales_t[fp8::weight_t_scale_index(e, nb, kb, NB, KB)] = scale;

@@ -4,7 +4,22 @@
 
 namespace moe::cuda {
 
-__device__ __forceinline__ float swiglu_sigmoid(float g) { return 1.0f / (1.0f + expf(-g)); }
+// 1 / d for d >= 1 without a branch: the reciprocal's approximation and one Newton step,
+// the sequence nvcc emits for 1.0f / d when d's exponent is in range (so the same bits
+// there), but with no slow-path branch and call around it, which kept the compiler from
+// interleaving a thread's 8 values (the fused fp8 kernels are issue-bound). d >= 2^126 is
+// scaled into range first (its reciprocal is subnormal: one more rounding); +inf gives 0.
+__device__ __forceinline__ float reciprocal_of_at_least_one(float d) {
+  const bool big = d >= 0x1p126f;
+  const float s = big ? d * 0.25f : d;
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  r = __fmaf_rn(r, -__fmaf_rn(s, r, -1.0f), r);
+  r = big ? r * 0.25f : r;
+  return d == INFINITY ? 0.0f : r;
+}
+
+__device__ __forceinline__ float swiglu_sigmoid(float g) { return reciprocal_of_at_least_one(1.0f + expf(-g)); }
 
 // The expressions, given the gate's sigmoid.
 __device__ __forceinline__ float swiglu_value_of(float g, float sig, float u) { return g * sig * u; }
