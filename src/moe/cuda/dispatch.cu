@@ -254,15 +254,16 @@ __global__ void combine_vec_kernel(uint4* out_TV, const uint4* y_RV, const float
   }
 }
 
-// Sums v[j] over the lanes of each group in a fixed order (xor butterfly inside a warp,
-// then warp partials in warp order); the result is valid at lane 0 of the group. Every
-// thread of the block must call it (lane_bits is uniform over the block).
+// Sums v[j], j < slots, over the lanes of each group in a fixed order (xor butterfly inside
+// a warp, then warp partials in warp order); the result is valid at lane 0 of the group.
+// Every thread of the block must call it (lane_bits and slots are uniform over the block).
 __device__ __forceinline__ void group_sum(float (&v)[kSlotChunk], int lane_bits,
-                                          float (*warp_partials)[kSlotChunk]) {
+                                          float (*warp_partials)[kSlotChunk], int64_t slots) {
   const int width = min(1 << lane_bits, 32);
   for (int offset = width >> 1; offset > 0; offset >>= 1) {
 #pragma unroll
-    for (int j = 0; j < kSlotChunk; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
+    for (int j = 0; j < kSlotChunk; ++j)
+      if (j < slots) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
   }
   if (lane_bits <= 5) return;
   const int warp = threadIdx.x >> 5;
@@ -323,7 +324,7 @@ __global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, con
         }
       }
     }
-    group_sum(dot, lane_bits, warp_partials);
+    group_sum(dot, lane_bits, warp_partials, K - k0);
     if (active && g.lane == 0) {
 #pragma unroll
       for (int j = 0; j < kSlotChunk; ++j)
@@ -380,9 +381,10 @@ struct VecLaunch {
   unsigned blocks;
 };
 
-VecLaunch vec_launch(int64_t items, int64_t V) {
+// max_lanes: a power of two up to the block.
+VecLaunch vec_launch(int64_t items, int64_t V, int max_lanes = kVecThreads) {
   int lane_bits = 0;
-  while ((int64_t{1} << lane_bits) < V && (1 << lane_bits) < kVecThreads) ++lane_bits;
+  while ((int64_t{1} << lane_bits) < V && (1 << lane_bits) < max_lanes) ++lane_bits;
   const int64_t per_block = kVecThreads >> lane_bits;
   return {lane_bits, static_cast<unsigned>(ceil_div(items, per_block))};
 }
@@ -442,7 +444,9 @@ void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const
   if (T == 0) return;
   if (vectorizable(D, {dy_RD, dout_TD, y_RD})) {
     const int64_t V = D / kVecElems;
-    const VecLaunch launch = vec_launch(T, V);
+    // At most a warp a token (several vectors a lane): the weights' dot products then
+    // reduce inside the warp, with no block-wide stage and barrier per token.
+    const VecLaunch launch = vec_launch(T, V, 32);
     combine_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(
         as_vec(dy_RD), dweight_TK, as_vec(dout_TD), as_vec(y_RD), weight_TK, row_TK, T, K, V, launch.lane_bits);
   } else {
