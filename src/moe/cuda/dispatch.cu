@@ -254,33 +254,14 @@ __global__ void combine_vec_kernel(uint4* out_TV, const uint4* y_RV, const float
   }
 }
 
-// Sums v[j], j < slots, over the lanes of each group in a fixed order (xor butterfly inside
-// a warp, then warp partials in warp order); the result is valid at lane 0 of the group.
-// Every thread of the block must call it (lane_bits and slots are uniform over the block).
-__device__ __forceinline__ void group_sum(float (&v)[kSlotChunk], int lane_bits,
-                                          float (*warp_partials)[kSlotChunk], int64_t slots) {
-  const int width = min(1 << lane_bits, 32);
-  for (int offset = width >> 1; offset > 0; offset >>= 1) {
+// Sums v[j], j < slots, over the lanes of each group (at most a warp: combine_backward's
+// launch) in a fixed order, an xor butterfly; the result is valid at every lane. Every lane
+// of the warp must call it (lane_bits and slots are uniform over the block).
+__device__ __forceinline__ void group_sum(float (&v)[kSlotChunk], int lane_bits, int64_t slots) {
+  for (int offset = (1 << lane_bits) >> 1; offset > 0; offset >>= 1) {
 #pragma unroll
     for (int j = 0; j < kSlotChunk; ++j)
       if (j < slots) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
-  }
-  if (lane_bits <= 5) return;
-  const int warp = threadIdx.x >> 5;
-  __syncthreads();  // the partials of the previous call have been read
-  if ((threadIdx.x & 31) == 0) {
-#pragma unroll
-    for (int j = 0; j < kSlotChunk; ++j) warp_partials[warp][j] = v[j];
-  }
-  __syncthreads();
-  if ((threadIdx.x & ((1 << lane_bits) - 1)) == 0) {
-    const int group_warps = 1 << (lane_bits - 5);
-#pragma unroll
-    for (int j = 0; j < kSlotChunk; ++j) {
-      float total = 0.0f;
-      for (int w = 0; w < group_warps; ++w) total += warp_partials[warp + w][j];
-      v[j] = total;
-    }
   }
 }
 
@@ -289,10 +270,9 @@ __device__ __forceinline__ void group_sum(float (&v)[kSlotChunk], int lane_bits,
 __global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, const uint4* dout_TV,
                                             const uint4* y_RV, const float* weight_TK, const int32_t* row_TK,
                                             int64_t T, int64_t K, int64_t V, int lane_bits) {
-  __shared__ float warp_partials[kVecThreads / 32][kSlotChunk];
   const GroupIndex g = group_index(lane_bits);
   const int64_t t = g.item;
-  const bool active = t < T;  // inactive threads still join group_sum's barriers
+  const bool active = t < T;  // inactive lanes still join group_sum's shuffles
   for (int64_t k0 = 0; k0 < K; k0 += kSlotChunk) {
     int32_t row[kSlotChunk];
     float w[kSlotChunk], dot[kSlotChunk];
@@ -324,7 +304,7 @@ __global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, con
         }
       }
     }
-    group_sum(dot, lane_bits, warp_partials, K - k0);
+    group_sum(dot, lane_bits, K - k0);
     if (active && g.lane == 0) {
 #pragma unroll
       for (int j = 0; j < kSlotChunk; ++j)
@@ -446,7 +426,7 @@ void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const
     const int64_t V = D / kVecElems;
     // At most a warp a token (several vectors a lane): the weights' dot products then
     // reduce inside the warp, with no block-wide stage and barrier per token.
-    const VecLaunch launch = vec_launch(T, V, 32);
+    const VecLaunch launch = vec_launch(T, V, 32);  // group_sum's bound
     combine_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(
         as_vec(dy_RD), dweight_TK, as_vec(dout_TD), as_vec(y_RD), weight_TK, row_TK, T, K, V, launch.lane_bits);
   } else {
