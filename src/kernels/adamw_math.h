@@ -157,13 +157,11 @@ inline AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, do
   return s;
 }
 
-// One element: updates m and v in place and returns the new parameter. `decay` is
-// s.decay_factor or 1 (no weight decay). With bf16 moments, m and v are read and stored
-// rounded to bf16, and the update uses the rounded values (what storage would hold).
-// read_exact: m and v come from bf16 storage, so rounding them on the way in is the
-// identity and is skipped (the GPU kernels: fewer instructions, the same bits).
-MOE_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s, float decay,
-                                   bool bf16_moments, bool read_exact = false) {
+// The moments of one element: m and v updated in place (with bf16 moments read and stored
+// rounded to bf16). read_exact: m and v come from bf16 storage, so rounding them on the way
+// in is the identity and is skipped (the GPU kernels: fewer instructions, the same bits).
+MOE_HOST_DEVICE void adamw_moments(float g, float& m, float& v, const AdamWScalars& s, bool bf16_moments,
+                                   bool read_exact) {
   g = mul(g, s.grad_scale);
   float m_old = m, v_old = v;
   if (bf16_moments && !read_exact) {
@@ -178,11 +176,19 @@ MOE_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const A
   }
   m = mi;
   v = vi;
+}
+
+// One element: updates m and v in place (adamw_moments) and returns the new parameter.
+// `decay` is s.decay_factor or 1 (no weight decay). The GPU's multi-tensor kernel does the
+// same operations 8 elements at a time (its adamw_update8), bit for bit.
+MOE_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s, float decay,
+                                   bool bf16_moments, bool read_exact = false) {
+  adamw_moments(g, m, v, s, bf16_moments, read_exact);
   // sqrt(1 - beta2^t) rounds to 1 after a few hundred steps (beta2 0.95: t > 338); x / 1
   // is x, so the division is skipped then: the same bits, one division less per element.
-  const float root = adamw_math::sqrt(vi);
+  const float root = adamw_math::sqrt(v);
   const float denom = add(s.sqrt_bias2 == 1.0f ? root : div(root, s.sqrt_bias2), s.eps);
-  return sub(mul(p, decay), div(mul(s.step_size, mi), denom));
+  return sub(mul(p, decay), div(mul(s.step_size, m), denom));
 }
 
 }  // namespace moe::adamw_math

@@ -7,6 +7,7 @@
 
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/exact_math.cuh"
 #include "kernels/gpu_ops.h"
 #include "optim/gpu_ops.h"
 
@@ -217,12 +218,38 @@ struct Moments<true> {
   }
 };
 
+// am::adamw_update on 8 elements, bit for bit: the moments one by one, then the square
+// roots and the two divisions 8 at a time (exact_math.cuh: one range check a group instead
+// of a branch per element, so the 8 interleave). p: the parameters in, the new ones out.
+__device__ __forceinline__ void adamw_update8(float (&p)[8], const float (&g)[8], float (&m)[8], float (&v)[8],
+                                              const am::AdamWScalars& s, float decay, bool bf16_moments) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) am::adamw_moments(g[j], m[j], v[j], s, bf16_moments, bf16_moments);
+  float root[8], numerator[8], denom[8], update[8];
+  sqrt_rn_n(root, v);
+  if (s.sqrt_bias2 != 1.0f) {
+    float bias[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) bias[j] = s.sqrt_bias2;
+    div_rn_n(root, root, bias);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    denom[j] = am::add(root[j], s.eps);
+    numerator[j] = am::mul(s.step_size, m[j]);
+  }
+  div_rn_n(update, numerator, denom);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) p[j] = am::sub(am::mul(p[j], decay), update[j]);
+}
+
 // One block per chunk. Each thread updates 8 consecutive elements per pass with 16-byte
 // accesses only (hi, lo and bf16 moments 1 each, gradient and fp32 moments 2 each: 128
 // bytes in flight per thread), from the chunk's first element whose index is a multiple
 // of 8; the few before it (a segment not on an 8-element boundary) and after the last
 // whole 8 go one element per thread. With vectors false (a base pointer not 16-byte
-// aligned) everything does. The arithmetic is per element, so the split changes no bits.
+// aligned) everything does. The arithmetic is am::adamw_update's (adamw_update8 is its
+// vector form, bit for bit), so the split changes no bits.
 template <bool kBf16>
 __global__ void __launch_bounds__(kThreads)
     multi_tensor_adamw_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, float* __restrict__ mirror,
@@ -290,9 +317,10 @@ __global__ void __launch_bounds__(kThreads)
     M::load8(v, at_state, vv);
     float p[8];
 #pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
+    adamw_update8(p, g, mm, vv, s, decay, kBf16);
+#pragma unroll
     for (int j = 0; j < 8; ++j) {
-      p[j] = am::adamw_update(am::join_master(h[j], static_cast<int16_t>(l[j])), g[j], mm[j], vv[j], s, decay, kBf16,
-                              kBf16);
       const am::MasterSplit out = am::split_master(p[j]);
       h[j] = out.hi;
       l[j] = static_cast<uint16_t>(out.lo);
