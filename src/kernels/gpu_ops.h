@@ -141,9 +141,10 @@ void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
 void cast_to_float(float* out, const bf16* in, int64_t n, Stream stream);  // exact
 
 // kernels/cuda/exact_math.cuh's branch-free fast paths against nvcc's IEEE operations, on
-// the device, for the tests: counts_4 = {sqrt(a[i]) taken fast and differing, a[i] / b[i]
-// taken fast and differing, sqrt taken fast, division taken fast} (device int64, added to).
-void exact_math_mismatches(unsigned long long* counts_4, const float* a, const float* b, int64_t n, Stream stream);
+// the device, for the tests: counts_6 = {sqrt(a[i]) taken fast and differing, a[i] / b[i]
+// taken fast and differing, sqrt taken fast, division taken fast, 1 / b[i] taken fast and
+// differing, reciprocal taken fast} (device, added to).
+void exact_math_mismatches(unsigned long long* counts_6, const float* a, const float* b, int64_t n, Stream stream);
 // out_C[c] += sum over rows of x_RC[r, c], in row order.
 void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, Stream stream);
 

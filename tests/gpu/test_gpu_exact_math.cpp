@@ -1,6 +1,7 @@
-// kernels/cuda/exact_math.cuh: the branch-free fast paths of the square root and the
-// division (AdamW's vector form, docs/DETERMINISM.md) give nvcc's IEEE bits wherever they
-// are taken: millions of bit patterns over every exponent, and the operands AdamW divides.
+// kernels/cuda/exact_math.cuh: the branch-free fast paths of the square root, the division
+// (AdamW's vector form) and the reciprocal (SwiGLU's sigmoid) give nvcc's IEEE bits wherever
+// they are taken (docs/DETERMINISM.md): millions of bit patterns over every exponent, and
+// the operands AdamW divides.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -40,7 +41,7 @@ TEST(GpuExactMath, FastPathsGiveTheIeeeBits) {
     b.push_back(std::sqrt(v) + 1e-8f);
   }
   auto a_d = test::to_device(a), b_d = test::to_device(b);
-  auto counts_d = test::to_device(std::vector<unsigned long long>(4, 0));
+  auto counts_d = test::to_device(std::vector<unsigned long long>(6, 0));
   cuda::exact_math_mismatches(counts_d.data(), a_d.data(), b_d.data(), static_cast<int64_t>(a.size()), nullptr);
   const auto counts = test::to_host(counts_d);
   EXPECT_EQ(counts[0], 0u) << "square roots differ from __fsqrt_rn";
@@ -48,6 +49,8 @@ TEST(GpuExactMath, FastPathsGiveTheIeeeBits) {
   // Both fast paths ran on most of the structured inputs.
   EXPECT_GT(counts[2], static_cast<unsigned long long>(kPerKind)) << "sqrt's fast path hardly taken";
   EXPECT_GT(counts[3], static_cast<unsigned long long>(kPerKind)) << "the division's fast path hardly taken";
+  EXPECT_EQ(counts[4], 0u) << "reciprocals differ from 1.0f / b";
+  EXPECT_GT(counts[5], static_cast<unsigned long long>(kPerKind)) << "the reciprocal's fast path hardly taken";
   std::printf("  fast paths taken: sqrt %llu, division %llu of %zu\n", counts[2], counts[3], a.size());
 }
 

@@ -21,6 +21,18 @@ __device__ __forceinline__ float sqrt_fast(float v) {
   return __fmaf_rn(__fmaf_rn(-s, s, v), half_r, s);
 }
 
+// 1.0f / d's fast path (nvcc emits a reciprocal sequence for a numerator of 1): d's biased
+// exponent in [1, 252] (nvcc's own check, on the bits), then the reciprocal's approximation
+// and one Newton step, exactly as nvcc emits it.
+__device__ __forceinline__ bool reciprocal_fast_path(float d) {
+  return ((__float_as_uint(d) + 0x1800000u) & 0x7f800000u) > 0x1ffffffu;
+}
+__device__ __forceinline__ float reciprocal_fast(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return __fmaf_rn(r, -__fmaf_rn(d, r, -1.0f), r);
+}
+
 // div.rn's fast path (the reciprocal refined once, the quotient corrected once by its
 // remainder: nvcc's sequence), taken where nvcc's hardware check would let it through; the
 // check here is stricter: both operands normal with exponents in [-60, 60], so the quotient

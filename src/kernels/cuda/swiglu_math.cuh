@@ -2,21 +2,19 @@
 // fp8_quantize.cu's that fuse it with the fp8 quantisation): one expression, one set of bits.
 #pragma once
 
+#include "kernels/cuda/exact_math.cuh"
+
 namespace moe::cuda {
 
-// 1 / d for d >= 1 without a branch: the reciprocal's approximation and one Newton step,
-// the sequence nvcc emits for 1.0f / d when d's exponent is in range (so the same bits
-// there), but with no slow-path branch and call around it, which kept the compiler from
-// interleaving a thread's 8 values (the fused fp8 kernels are issue-bound). d >= 2^126 is
-// scaled into range first (its reciprocal is subnormal: one more rounding); +inf gives 0.
+// 1 / d for d >= 1 without a branch: exact_math.cuh's reciprocal_fast (nvcc's own sequence
+// for 1.0f / d, the same bits where its exponent check passes: 1 <= d < 2^126) with no
+// slow-path branch and call around it, which kept the compiler from interleaving a thread's
+// 8 values (the fused fp8 kernels are issue-bound). d >= 2^126 is scaled into range first
+// (its reciprocal is subnormal: one more rounding); +inf gives 0.
 __device__ __forceinline__ float reciprocal_of_at_least_one(float d) {
   const bool big = d >= 0x1p126f;
-  const float s = big ? d * 0.25f : d;
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
-  r = __fmaf_rn(r, -__fmaf_rn(s, r, -1.0f), r);
-  r = big ? r * 0.25f : r;
-  return d == INFINITY ? 0.0f : r;
+  const float r = reciprocal_fast(big ? d * 0.25f : d);
+  return d == INFINITY ? 0.0f : big ? r * 0.25f : r;
 }
 
 __device__ __forceinline__ float swiglu_sigmoid(float g) { return reciprocal_of_at_least_one(1.0f + expf(-g)); }
