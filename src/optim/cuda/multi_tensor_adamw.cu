@@ -74,6 +74,14 @@ __device__ __forceinline__ float4 load_four(const float* at, const uint16_t* at1
   return x;
 }
 
+// Asks the L2 to fetch [p, p + bytes) from memory, issued by one thread and holding no
+// registers: a chunk-sum warp has one pass of loads in flight, so it asks for the next pass
+// while it adds this one (ncu, mixtral-mini: 3.65 -> 2.96 ms, 2.8 -> 3.5 TB/s; BENCHMARKS).
+// p 16-byte aligned, bytes a multiple of 16. (The AdamW kernel gained nothing from it.)
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // One warp per chunk, in adamw_math's order (kNormParts partials): lane j keeps partials
 // 4j..4j+3, i.e. elements 4j + 128 i + 0..3, added in element order; kNormUnroll
 // strides' loads are issued before their squares are added. Squares of floats are exact
@@ -96,7 +104,18 @@ __global__ void __launch_bounds__(kNormWarps * 32)
   const uint16_t* at16 = half ? grads16 + start : nullptr;
   const bool vec = half ? (reinterpret_cast<uintptr_t>(at16) & 7) == 0 : (reinterpret_cast<uintptr_t>(at) & 15) == 0;
   double p0 = 0.0, p1 = 0.0, p2 = 0.0, p3 = 0.0;
-  for (int32_t base = 0; base < len; base += am::kNormParts * kNormUnroll) {
+  constexpr int32_t kPass = am::kNormParts * kNormUnroll;
+  const int32_t elem_bytes = half ? 2 : 4;
+  const char* bytes = half ? reinterpret_cast<const char*>(at16) : reinterpret_cast<const char*>(at);
+  const bool aligned = (reinterpret_cast<uintptr_t>(bytes) & 15) == 0;  // passes keep it (1 KB or more each)
+  const auto prefetch_pass = [&](int32_t from) {  // lane 0; whole 16-byte units of the pass
+    if (lane != 0 || !aligned || from >= len) return;
+    const int32_t n = ((from + kPass < len ? from + kPass : len) - from) * elem_bytes / 16 * 16;
+    prefetch_l2(bytes + static_cast<int64_t>(from) * elem_bytes, static_cast<uint32_t>(n));
+  };
+  prefetch_pass(0);
+  for (int32_t base = 0; base < len; base += kPass) {
+    prefetch_pass(base + kPass);
     float4 x[kNormUnroll];
 #pragma unroll
     for (int u = 0; u < kNormUnroll; ++u) x[u] = load_four(at, at16, half, vec, base + u * am::kNormParts + 4 * lane, len);
