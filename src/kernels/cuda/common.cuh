@@ -109,6 +109,13 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[kVecElems]) {
   return v;
 }
 
+// Asks the L2 to fetch [p, p + bytes) from memory (sm_90 bulk prefetch): issued by one
+// thread, it holds no registers, so a kernel can request bytes it will load later while it
+// computes. p 16-byte aligned, bytes a multiple of 16 (0: nothing).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // Rows of n bf16 can be read as 16-byte vectors: n % 8 == 0 and every base 16-byte aligned.
 inline bool vectorizable(int64_t n, std::initializer_list<const void*> rows) {
   if (n % kVecElems != 0) return false;

@@ -74,17 +74,12 @@ __device__ __forceinline__ float4 load_four(const float* at, const uint16_t* at1
   return x;
 }
 
-// Asks the L2 to fetch [p, p + bytes) from memory, issued by one thread and holding no
-// registers: a chunk-sum warp has one pass of loads in flight, so it asks for the next pass
-// while it adds this one (ncu, mixtral-mini: 3.65 -> 2.96 ms, 2.8 -> 3.5 TB/s; BENCHMARKS).
-// p 16-byte aligned, bytes a multiple of 16. (The AdamW kernel gained nothing from it.)
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // One warp per chunk, in adamw_math's order (kNormParts partials): lane j keeps partials
 // 4j..4j+3, i.e. elements 4j + 128 i + 0..3, added in element order; kNormUnroll
-// strides' loads are issued before their squares are added. Squares of floats are exact
+// strides' loads are issued before their squares are added, and lane 0 asks the L2 for the
+// next pass meanwhile (prefetch_l2: one pass in flight a warp left DRAM idle; ncu,
+// mixtral-mini: 3.65 -> 2.95 ms, 2.8 -> 3.56 TB/s; AdamW gained nothing from the same).
+// Squares of floats are exact
 // in fp64, so the only roundings are the additions, in the CPU's order; the zeros past a
 // chunk's end add nothing (the sums are +0 or more, or NaN).
 constexpr int kNormUnroll = 4;
