@@ -36,8 +36,10 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(uint4* const* in, uint4
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { std::printf("%s: %s\n", #x, cudaGetErrorString(e)); std::exit(1); } } while (0)
 
+// blocks_per_sm > 0: dynamic shared memory (unused) that lets only that many blocks share
+// an SM, as registers or staging buffers would (AdamW: 64 registers, 4 blocks of 256).
 template <int NR, int NW>
-void run(const char* name, std::vector<uint4*>& bufs, long n16, bool persistent) {
+void run(const char* name, std::vector<uint4*>& bufs, long n16, bool persistent, int blocks_per_sm = 0) {
   uint4 **in, **out;
   CHECK(cudaMallocManaged(&in, NR * sizeof(uint4*)));
   CHECK(cudaMallocManaged(&out, (NW > 0 ? NW : 1) * sizeof(uint4*)));
@@ -46,7 +48,15 @@ void run(const char* name, std::vector<uint4*>& bufs, long n16, bool persistent)
   if (NW == 0) out[0] = bufs[0];
   int sms = 0, per_sm = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_kernel<NR, NW>, kThreads, 0));
+  size_t smem = 0;
+  if (blocks_per_sm > 0) {
+    int per_sm_bytes = 0;
+    CHECK(cudaDeviceGetAttribute(&per_sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    smem = static_cast<size_t>(per_sm_bytes / blocks_per_sm - 2048);  // less the per-block reservation
+    CHECK(cudaFuncSetAttribute(chunk_kernel<NR, NW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem)));
+  }
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_kernel<NR, NW>, kThreads, smem));
   const long chunks = (n16 * 8 + kChunk - 1) / kChunk;
   const unsigned grid = persistent ? static_cast<unsigned>(sms * per_sm) : static_cast<unsigned>(chunks);
   cudaEvent_t a, b;
@@ -55,7 +65,7 @@ void run(const char* name, std::vector<uint4*>& bufs, long n16, bool persistent)
   std::vector<float> ms;
   for (int rep = 0; rep < 6; ++rep) {
     CHECK(cudaEventRecord(a));
-    chunk_kernel<NR, NW><<<grid, kThreads>>>(in, out, n16, persistent);
+    chunk_kernel<NR, NW><<<grid, kThreads, smem>>>(in, out, n16, persistent);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float t = 0;
@@ -64,8 +74,8 @@ void run(const char* name, std::vector<uint4*>& bufs, long n16, bool persistent)
   }
   std::sort(ms.begin(), ms.end());
   const double bytes = static_cast<double>(n16) * 16 * (NR + NW);
-  std::printf("%-44s %s grid %7u: %8.2f ms  %6.1f GB  %5.2f TB/s\n", name, persistent ? "resident" : "per-chunk", grid,
-              ms[2], bytes / 1e9, bytes / ms[2] / 1e9);
+  std::printf("%-44s %s grid %7u, %d blocks an SM: %8.2f ms  %6.1f GB  %5.2f TB/s\n", name,
+              persistent ? "resident" : "per-chunk", grid, per_sm, ms[2], bytes / 1e9, bytes / ms[2] / 1e9);
   CHECK(cudaFree(in));
   CHECK(cudaFree(out));
 }
@@ -86,6 +96,10 @@ int main(int argc, char** argv) {
     run<5, 4>("5 reads, 4 writes (AdamW, bf16 state)", bufs, n16, persistent);
     run<5, 0>("5 reads", bufs, n16, persistent);
     run<1, 0>("1 read", bufs, n16, persistent);
+  }
+  for (int blocks : {4, 2}) {
+    run<1, 1>("copy: 1 read, 1 write", bufs, n16, false, blocks);
+    run<5, 4>("5 reads, 4 writes (AdamW, bf16 state)", bufs, n16, false, blocks);
   }
   return 0;
 }
