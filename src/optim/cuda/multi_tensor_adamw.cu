@@ -79,9 +79,8 @@ __device__ __forceinline__ float4 load_four(const float* at, const uint16_t* at1
 // strides' loads are issued before their squares are added, and lane 0 asks the L2 for the
 // next pass meanwhile (prefetch_l2: one pass in flight a warp left DRAM idle; ncu,
 // mixtral-mini: 3.65 -> 2.95 ms, 2.8 -> 3.56 TB/s; AdamW gained nothing from the same).
-// Squares of floats are exact
-// in fp64, so the only roundings are the additions, in the CPU's order; the zeros past a
-// chunk's end add nothing (the sums are +0 or more, or NaN).
+// Squares of floats are exact in fp64, so the only roundings are the additions, in the
+// CPU's order; the zeros past a chunk's end add nothing (the sums are +0 or more, or NaN).
 constexpr int kNormUnroll = 4;
 static_assert(am::kNormParts == 4 * 32, "a warp's lanes hold the partials four each");
 __global__ void __launch_bounds__(kNormWarps * 32)
