@@ -124,6 +124,12 @@ void lookup(int32_t* out_N, const int32_t* table, const int32_t* index_N, int64_
 // the host never needs R.
 void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R, const int32_t* offsets_E1,
                      int64_t max_rows, int64_t E, int64_t D, Stream stream);
+// The same rows from the token side: x_RD[row_TK[t, k]] = x_TD[t] for every kept slot
+// (row >= 0). Each token's row is read once instead of once per slot (the gather form
+// reads it from memory again when x_TD does not fit in the L2), for a layout whose row_TK
+// is the inverse of token_of_row_R (assign_rows').
+void permute_forward_by_token(bf16* x_RD, const bf16* x_TD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
+                              Stream stream);
 void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
                       bool accumulate, Stream stream);
 // out_TD[t] = sum over kept slots of weight * y_RD[row] (fp32 sum, bf16 out).

@@ -83,6 +83,11 @@ TEST_P(GpuDispatch, LayoutPermuteCombineMatchCpu) {
   auto x_rows = to_host_float(x_rows_d);
   x_rows.resize(R * D);
   expect_close("permuted rows", x_rows, x_rows_ref, 0, 0);
+  auto by_token_d = poisoned<bf16>(T * K * D);
+  cuda::permute_forward_by_token(by_token_d.data(), x_d.data(), row_d.data(), T, K, D, nullptr);
+  auto by_token = to_host_float(by_token_d);
+  by_token.resize(R * D);
+  expect_close("permuted rows from the token side", by_token, x_rows_ref, 0, 0);
   auto out_d = poisoned<bf16>(T * D), dy_d = poisoned<bf16>(T * K * D), dx_d = poisoned<bf16>(T * D);
   auto dweight_d = poisoned<float>(T * K);
   cuda::combine_forward(out_d.data(), y_d.data(), weight_d.data(), row_d.data(), T, K, D, nullptr);

@@ -27,9 +27,9 @@ class GpuLocalDispatcher final : public ExpertDispatcher {
   }
   void plan_layer(MoEBuffers&) const override {}
   void dispatch(const Layer&, MoEBuffers& m, const bf16* x_TD, const int32_t*) override {
-    const int64_t T = shape_.tokens, K = shape_.top_k, E = shape_.n_experts, D = shape_.dim;
     mark_(kDispatch);
-    cuda::permute_forward(m.x_rows->data(), x_TD, m.token_of_row.data(), m.offsets.data(), T * K, E, D, stream_);
+    cuda::permute_forward_by_token(m.x_rows->data(), x_TD, m.row.data(), shape_.tokens, shape_.top_k, shape_.dim,
+                                   stream_);
   }
   const int32_t* expert_offsets(const MoEBuffers& m) const override { return m.offsets.data(); }
   int64_t expert_rows(const MoEBuffers&) const override { return shape_.max_rows; }

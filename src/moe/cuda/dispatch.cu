@@ -117,6 +117,18 @@ __global__ void permute_scalar_kernel(__nv_bfloat16* x_RD, const __nv_bfloat16* 
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) x_RD[row * D + i] = src[i];
 }
 
+__global__ void permute_by_token_scalar_kernel(__nv_bfloat16* x_RD, const __nv_bfloat16* x_TD, const int32_t* row_TK,
+                                               int64_t K, int64_t D) {
+  const int64_t t = blockIdx.x;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
+    const __nv_bfloat16 v = x_TD[t * D + i];
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t row = row_TK[t * K + k];
+      if (row >= 0) x_RD[static_cast<int64_t>(row) * D + i] = v;
+    }
+  }
+}
+
 __global__ void permute_backward_scalar_kernel(__nv_bfloat16* dx_TD, const __nv_bfloat16* dx_RD,
                                                const int32_t* row_TK, int64_t K, int64_t D, bool accumulate) {
   const int64_t t = blockIdx.x;
@@ -222,6 +234,23 @@ __global__ void permute_vec_kernel(uint4* x_RV, const uint4* x_TV, const int32_t
   uint4* dst = x_RV + row * V;
 #pragma unroll 4
   for (int64_t i = g.lane; i < V; i += g.lanes) dst[i] = __ldg(src + i);
+}
+
+// permute_forward_by_token: a token's row read once (streamed) and stored to each of its
+// kept rows; every kept row has exactly one slot, so no two threads write one row.
+__global__ void permute_by_token_vec_kernel(uint4* x_RV, const uint4* x_TV, const int32_t* row_TK, int64_t T,
+                                            int64_t K, int64_t V, int lane_bits) {
+  const GroupIndex g = group_index(lane_bits);
+  const int64_t t = g.item;
+  if (t >= T) return;
+  const int32_t* row_K = row_TK + t * K;
+  for (int64_t i = g.lane; i < V; i += g.lanes) {
+    const uint4 v = __ldcs(x_TV + t * V + i);
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t row = __ldg(row_K + k);
+      if (row >= 0) x_RV[static_cast<int64_t>(row) * V + i] = v;
+    }
+  }
 }
 
 __global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, const int32_t* row_TK, int64_t T,
@@ -385,6 +414,21 @@ void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R
   } else {
     permute_scalar_kernel<<<static_cast<unsigned>(max_rows), kRowThreads, 0, stream>>>(
         as_cuda(x_RD), as_cuda(x_TD), token_of_row_R, offsets_E1, E, D);
+  }
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void permute_forward_by_token(bf16* x_RD, const bf16* x_TD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
+                              Stream stream) {
+  if (T == 0) return;
+  if (vectorizable(D, {x_RD, x_TD})) {
+    const int64_t V = D / kVecElems;
+    const VecLaunch launch = vec_launch(T, V);
+    permute_by_token_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(x_RD), as_vec(x_TD), row_TK, T, K,
+                                                                           V, launch.lane_bits);
+  } else {
+    permute_by_token_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(as_cuda(x_RD),
+                                                                                         as_cuda(x_TD), row_TK, K, D);
   }
   MOE_CUDA_CHECK_LAUNCH();
 }
