@@ -73,9 +73,11 @@ TEST_P(GpuRmsNorm, ForwardAndBackwardMatchCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, GpuRmsNorm,
-                         // 16-byte vector path (D % 8 == 0, D <= 8192) and the scalar one (D = 100, 8200).
+                         // 16-byte vector path (D % 8 == 0, D <= 8192) and the scalar one (D = 100, 8200);
+                         // 3,000 rows: 94 partial rows, three groups of the weight gradient's first sums.
                          ::testing::Combine(::testing::Values(Size2{1, 64}, Size2{37, 1000}, Size2{300, 2048},
-                                                              Size2{64, 4096}, Size2{45, 100}, Size2{3, 8200}),
+                                                              Size2{64, 4096}, Size2{45, 100}, Size2{3, 8200},
+                                                              Size2{3000, 1024}),
                                             ::testing::Bool()));
 
 class GpuSwiglu : public ::testing::TestWithParam<Size2> {};

@@ -59,11 +59,25 @@ __global__ void rmsnorm_backward_kernel(__nv_bfloat16* dx, float* dw_partial, co
   }
 }
 
+// The weight gradient's column sums over the blocks' partial rows, in two fixed-order
+// stages so that every SM takes part (one thread a column summing all rows ran on D / 256
+// blocks: 58 us a call at olmoe-mini's 1,024 x 1,024 partials, 1.9 ms a step): first each
+// group of kGroupRows rows, in row order, into the group's first row (its own column of
+// its own rows: in place), then the groups in order onto dw.
+constexpr int64_t kGroupRows = 32;
+__global__ void sum_partial_groups_kernel(float* partial, int64_t blocks, int64_t D) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= D) return;
+  const int64_t first = blockIdx.y * kGroupRows, last = min(blocks, first + kGroupRows);
+  float sum = 0.0f;
+  for (int64_t b = first; b < last; ++b) sum += partial[b * D + i];
+  partial[first * D + i] = sum;
+}
 __global__ void sum_partials_kernel(float* dw, const float* partial, int64_t blocks, int64_t D) {
   const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (i >= D) return;
   float sum = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) sum += partial[b * D + i];
+  for (int64_t b = 0; b < blocks; b += kGroupRows) sum += partial[b * D + i];
   dw[i] += sum;
 }
 
@@ -182,8 +196,11 @@ void rmsnorm_backward(bf16* dx_TD, float* dw_D, const bf16* dy_TD, const bf16* d
         rstd_T, T, D);
   }
   MOE_CUDA_CHECK_LAUNCH();
-  sum_partials_kernel<<<static_cast<unsigned>(ceil_div(D, kThreads)), kThreads, 0, stream>>>(
-      dw_D, dw_partial, blocks, D);
+  const auto column_blocks = static_cast<unsigned>(ceil_div(D, kThreads));
+  sum_partial_groups_kernel<<<dim3(column_blocks, static_cast<unsigned>(ceil_div(blocks, kGroupRows))), kThreads, 0,
+                              stream>>>(dw_partial, blocks, D);
+  MOE_CUDA_CHECK_LAUNCH();
+  sum_partials_kernel<<<column_blocks, kThreads, 0, stream>>>(dw_D, dw_partial, blocks, D);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
