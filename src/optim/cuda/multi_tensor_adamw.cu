@@ -74,6 +74,19 @@ __device__ __forceinline__ float4 load_four(const float* at, const uint16_t* at1
   return x;
 }
 
+// A thread's own 16 bytes copied from global to shared memory without passing through its
+// registers (L2 only), in commit groups it waits on; the copy is visible to this thread
+// after the wait. Both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
 // One warp per chunk, in adamw_math's order (kNormParts partials): lane j keeps partials
 // 4j..4j+3, i.e. elements 4j + 128 i + 0..3, added in element order; kNormUnroll
 // strides' loads are issued before their squares are added, and lane 0 asks the L2 for the
@@ -186,18 +199,13 @@ __device__ __forceinline__ uint4 pack8(const uint16_t in[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// Eight moments at once (16-byte accesses; `at` a multiple of 8), fp32 or bf16 bits.
-// Streaming loads and stores: nothing here is read again before it leaves the L2.
+// Eight moments at once (16-byte units: kUnits of them; `at` a multiple of 8), fp32 or
+// bf16 bits. Streaming stores: nothing here is read again before it leaves the L2.
 template <bool kBf16>
 struct Moments;
 
 template <>
 struct Moments<false> {
-  __device__ static void load8(const void* base, int64_t at, float out[8]) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + at);
-    const float4 a = __ldcs(p), b = __ldcs(p + 1);
-    out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w, out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-  }
   __device__ static void store8(void* base, int64_t at, const float in[8]) {
     float4* p = reinterpret_cast<float4*>(static_cast<float*>(base) + at);
     __stcs(p, make_float4(in[0], in[1], in[2], in[3]));
@@ -205,16 +213,17 @@ struct Moments<false> {
   }
   __device__ static float load(const void* base, int64_t at) { return static_cast<const float*>(base)[at]; }
   __device__ static void store(void* base, int64_t at, float x) { static_cast<float*>(base)[at] = x; }
+  static constexpr int kUnits = 2;  // 16-byte units of 8 moments
+  __device__ static void unpack(const uint4* unit, float out[8]) {
+    const uint4 a = unit[0], b = unit[1];
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = __uint_as_float(w[j]);
+  }
 };
 
 template <>
 struct Moments<true> {
-  __device__ static void load8(const void* base, int64_t at, float out[8]) {
-    uint16_t b[8];
-    unpack8(__ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + at)), b);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = am::bf16_bits_to_float(b[j]);
-  }
   // in[] are bf16 values already (adamw_update rounds the moments it returns): their
   // upper halves are their bf16 bits, NaNs included.
   __device__ static void store8(void* base, int64_t at, const float in[8]) {
@@ -225,6 +234,13 @@ struct Moments<true> {
   }
   __device__ static float load(const void* base, int64_t at) {
     return am::bf16_bits_to_float(static_cast<const uint16_t*>(base)[at]);
+  }
+  static constexpr int kUnits = 1;
+  __device__ static void unpack(const uint4* unit, float out[8]) {
+    uint16_t b[8];
+    unpack8(*unit, b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = am::bf16_bits_to_float(b[j]);
   }
   __device__ static void store(void* base, int64_t at, float x) {
     static_cast<uint16_t*>(base)[at] = static_cast<uint16_t>(am::float_bits(x) >> 16);
@@ -263,8 +279,11 @@ __device__ __forceinline__ void adamw_update8(float (&p)[8], const float (&g)[8]
 // whole 8 go one element per thread. With vectors false (a base pointer not 16-byte
 // aligned) everything does. The arithmetic is am::adamw_update's (adamw_update8 is its
 // vector form, bit for bit), so the split changes no bits.
-template <bool kBf16>
-__global__ void __launch_bounds__(kThreads)
+// With bf16 moments the loads are staged through shared memory (48 KB a block); with fp32
+// moments they go straight to registers (see the loop). 4 blocks an SM either way (64
+// registers; unbounded, the fp32 form takes 92 and would fit only 2).
+template <bool kBf16, bool kStaged = kBf16>
+__global__ void __launch_bounds__(kThreads, 4)
     multi_tensor_adamw_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, float* __restrict__ mirror,
                               const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
                               void* __restrict__ m, void* __restrict__ v, const OptimizerSegment* segments,
@@ -309,25 +328,69 @@ __global__ void __launch_bounds__(kThreads)
     if (mirror_out) mirror_out[k] = p;
   }
   const bool mirror_vectors = mirror_out && (reinterpret_cast<uintptr_t>(mirror_out + head) & 15) == 0;
-  for (int32_t i = head + static_cast<int32_t>(threadIdx.x) * 8; i < tail; i += kThreads * 8) {
+  // kStaged (bf16 moments): the next pass's bytes are copied into shared memory while this
+  // pass computes (a thread's own slots: no barrier), so every warp keeps its loads in
+  // flight (ncu before: 12 of 16 cycles between a warp's instructions waited on its loads;
+  // 26.3 -> 24.2 ms a mixtral-mini step). With fp32 moments the 64 KB of staging leaves 3
+  // blocks an SM and the pass ran slower (41.9 -> 46.2 ms), so those load straight into
+  // registers. Units a pass: hi, lo, m, v (fp32: 2 each), the gradient (fp32: 2).
+  constexpr int kGradUnit = 2 + 2 * M::kUnits, kUnits = kGradUnit + 2;
+  const auto source = [&](int unit, int32_t i) -> const uint4* {
+    const int64_t at = begin + i, at_state = state + i;
+    constexpr int kMomentBytes = kBf16 ? 2 : 4;
+    if (unit == 0) return reinterpret_cast<const uint4*>(hi + at);
+    if (unit == 1) return reinterpret_cast<const uint4*>(lo + at_state);
+    if (unit < kGradUnit) {
+      const void* moments = unit < 2 + M::kUnits ? m : v;
+      return reinterpret_cast<const uint4*>(static_cast<const char*>(moments) + at_state * kMomentBytes) +
+             (unit - 2) % M::kUnits;
+    }
+    return seg.bf16_grad ? reinterpret_cast<const uint4*>(grads16 + at)
+                         : reinterpret_cast<const uint4*>(grads + at) + (unit - kGradUnit);
+  };
+  const int used_units = seg.bf16_grad ? kUnits - 1 : kUnits;
+  extern __shared__ uint4 staged[];  // [2 stages][kUnits][kThreads]
+  const auto slot = [&](int stage, int unit) { return staged + (stage * kUnits + unit) * kThreads + threadIdx.x; };
+  const auto stage_in = [&](int32_t i, int stage) {
+    if (i < tail) {
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u)
+        if (u < used_units) cp_async16(slot(stage, u), source(u, i));
+    }
+    cp_async_commit();  // empty past the end: the group count stays one a pass
+  };
+  const int32_t first = head + static_cast<int32_t>(threadIdx.x) * 8;
+  if constexpr (kStaged) stage_in(first, 0);
+  int stage = 0;
+  for (int32_t i = first; i < tail; i += kThreads * 8, stage ^= 1) {
+    uint4 unit[kUnits];
+    if constexpr (kStaged) {
+      stage_in(i + kThreads * 8, stage ^ 1);
+      cp_async_wait<1>();  // this pass's group is in
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u)
+        if (u < used_units) unit[u] = *slot(stage, u);
+    } else {
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u)
+        if (u < used_units) unit[u] = __ldcs(source(u, i));
+    }
     const int64_t at = begin + i, at_state = state + i;
     float g[8];
     if (seg.bf16_grad) {
       uint16_t g16[8];
-      unpack8(__ldcs(reinterpret_cast<const uint4*>(grads16 + at)), g16);
+      unpack8(unit[kGradUnit], g16);
 #pragma unroll
       for (int j = 0; j < 8; ++j) g[j] = am::bf16_bits_to_float(g16[j]);
     } else {
-      const float4* g_at = reinterpret_cast<const float4*>(grads + at);
-      const float4 g0 = __ldcs(g_at), g1 = __ldcs(g_at + 1);
-      g[0] = g0.x, g[1] = g0.y, g[2] = g0.z, g[3] = g0.w, g[4] = g1.x, g[5] = g1.y, g[6] = g1.z, g[7] = g1.w;
+      Moments<false>::unpack(unit + kGradUnit, g);
     }
     uint16_t h[8], l[8];
-    unpack8(__ldcs(reinterpret_cast<const uint4*>(hi + at)), h);
-    unpack8(__ldcs(reinterpret_cast<const uint4*>(lo + at_state)), l);
+    unpack8(unit[0], h);
+    unpack8(unit[1], l);
     float mm[8], vv[8];
-    M::load8(m, at_state, mm);
-    M::load8(v, at_state, vv);
+    M::unpack(unit + 2, mm);
+    M::unpack(unit + 2 + M::kUnits, vv);
     float p[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
@@ -351,7 +414,10 @@ __global__ void __launch_bounds__(kThreads)
       for (int j = 0; j < 8; ++j) mirror_out[i + j] = p[j];
     }
   }
+  if constexpr (kStaged) cp_async_wait<0>();
 }
+
+constexpr size_t kStagedBytes = size_t{2} * (2 + 2 * Moments<true>::kUnits + 2) * kThreads * sizeof(uint4);
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
@@ -382,12 +448,17 @@ void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads
   const auto blocks = static_cast<unsigned>(n_chunks);
   const bool vectors =
       aligned16(hi) && aligned16(lo) && aligned16(grads) && aligned16(grads16) && aligned16(m) && aligned16(v);
-  if (bf16_moments)
-    multi_tensor_adamw_kernel<true><<<blocks, kThreads, 0, stream>>>(bits(hi), lo, mirror, grads, bits(grads16), m, v,
-                                                                     segments, n_segments, scalars, vectors);
-  else
+  if (bf16_moments) {
+    // 48 KB of staging a block: past the 48 KB default. Per call: the attribute is the
+    // current device's (thread ranks drive several).
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(multi_tensor_adamw_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kStagedBytes)));
+    multi_tensor_adamw_kernel<true><<<blocks, kThreads, kStagedBytes, stream>>>(
+        bits(hi), lo, mirror, grads, bits(grads16), m, v, segments, n_segments, scalars, vectors);
+  } else {
     multi_tensor_adamw_kernel<false><<<blocks, kThreads, 0, stream>>>(bits(hi), lo, mirror, grads, bits(grads16), m,
                                                                       v, segments, n_segments, scalars, vectors);
+  }
   MOE_CUDA_CHECK_LAUNCH();
 }
 
