@@ -145,8 +145,10 @@ void cast_to_float(float* out, const bf16* in, int64_t n, Stream stream);  // ex
 // taken fast and differing, sqrt taken fast, division taken fast, 1 / b[i] taken fast and
 // differing, reciprocal taken fast} (device, added to).
 void exact_math_mismatches(unsigned long long* counts_6, const float* a, const float* b, int64_t n, Stream stream);
-// out_C[c] += sum over rows of x_RC[r, c], in row order.
-void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, Stream stream);
+// out_C[c] += sum over rows of x_RC[r, c], in a fixed order (groups of rows, then the
+// groups); partial: column_sums_partial_count(rows, cols) floats of scratch.
+int64_t column_sums_partial_count(int64_t rows, int64_t cols);
+void add_column_sums(float* out_C, const float* x_RC, int64_t rows, int64_t cols, float* partial, Stream stream);
 
 }  // namespace moe::cuda
 

@@ -20,7 +20,8 @@ TEST_P(GpuGlue, ColumnSumsAccumulateLikeCpu) {
   const auto x = random_bf16_floats(rows * cols, 1, "x");
   const auto before = random_bf16_floats(cols, 2, "before");
   auto x_d = to_device(x), out_d = to_device(before);
-  cuda::add_column_sums(out_d.data(), x_d.data(), rows, cols, nullptr);
+  auto partial_d = poisoned<float>(static_cast<size_t>(std::max<int64_t>(1, cuda::column_sums_partial_count(rows, cols))));
+  cuda::add_column_sums(out_d.data(), x_d.data(), rows, cols, partial_d.data(), nullptr);
   std::vector<float> want(before);
   for (int64_t c = 0; c < cols; ++c) {
     double sum = 0;
@@ -31,7 +32,7 @@ TEST_P(GpuGlue, ColumnSumsAccumulateLikeCpu) {
   expect_close("column sums", to_host(out_d), want, 1e-5, 1e-5 * std::sqrt(static_cast<double>(rows) + 1));
   // Deterministic: the same inputs give the same bits.
   auto again_d = to_device(before);
-  cuda::add_column_sums(again_d.data(), x_d.data(), rows, cols, nullptr);
+  cuda::add_column_sums(again_d.data(), x_d.data(), rows, cols, partial_d.data(), nullptr);
   EXPECT_TRUE(to_host(again_d) == to_host(out_d));
 }
 
@@ -58,7 +59,7 @@ TEST_P(GpuGlue, BiasRowsAndCastMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuGlue,
                          ::testing::Values(GlueCase{0, 8}, GlueCase{3, 5}, GlueCase{1000, 64}, GlueCase{16384, 8},
-                                           GlueCase{32768, 64}));
+                                           GlueCase{32768, 64}, GlueCase{513, 100}));
 
 }  // namespace
 }  // namespace moe

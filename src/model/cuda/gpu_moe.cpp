@@ -197,7 +197,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
                         m.assign_counts.data(), T, E, K, static_cast<float>(mc.temperature), mc.score_func,
                         mc.renormalize, static_cast<float>(loss_scale * mc.aux_loss_coef),
                         static_cast<float>(loss_scale * mc.z_loss_coef), stream, layer.router_temperature.data());
-  if (layer.router_b.id >= 0) cuda::add_column_sums(g(layer.router_b), dlogits.data(), T, E, stream);
+  if (layer.router_b.id >= 0) cuda::add_column_sums(g(layer.router_b), dlogits.data(), T, E, column_partial.data(), stream);
   cuda::cast_to_bf16(dlogits_bf16.data(), dlogits.data(), T * E, stream);
   linear_backward(dnorm.data(), g(layer.router_w), dlogits_bf16.data(), layer.act->n2.data(), w(layer.router_w), T, D, E,
                   true);

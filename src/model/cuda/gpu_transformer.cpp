@@ -322,6 +322,7 @@ void GpuTransformer::plan(int64_t batch) {
   s.dffn_gate_up = bf(T * 2 * ffn_width);
   s.dweight = f32(T * K);
   s.dlogits = f32(T * E);
+  s.column_partial = f32(cuda::column_sums_partial_count(T, E));  // the router bias gradient's
   s.norm_partial = f32(cuda::rmsnorm_backward_partial_rows(T) * D);
   s.embedding_scratch = Buffer<char>(cuda::embedding_backward_scratch_bytes(T));
   std::vector<int32_t> positions(static_cast<size_t>(T));

@@ -139,7 +139,7 @@ struct GpuTransformer::State {
   // Backward scratch.
   Buffer<bf16> dres, dnorm, dqkv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
       dffn_gate_up;
-  Buffer<float> dweight, dlogits, norm_partial;
+  Buffer<float> dweight, dlogits, norm_partial, column_partial;
   Buffer<char> embedding_scratch;
   int64_t n_valid = 0;
   ~State() {
