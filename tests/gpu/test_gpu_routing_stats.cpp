@@ -65,7 +65,8 @@ TEST_P(GpuRoutingStats, MatchesCpu) {
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuRoutingStats,
                          ::testing::Values(Case{1, 8, ScoreFunc::Softmax, false}, Case{300, 8, ScoreFunc::Softmax, true},
                                            Case{1000, 64, ScoreFunc::Sigmoid, true},
-                                           Case{4096, 128, ScoreFunc::Softmax, false}));
+                                           Case{4096, 128, ScoreFunc::Softmax, false},
+                                           Case{777, 40, ScoreFunc::Sigmoid, false}));
 
 // Uniform softmax scores over E experts: log E per token, exactly the known answer.
 TEST(GpuRoutingStatsKnownAnswer, UniformScoresGiveLogE) {

@@ -115,28 +115,49 @@ __device__ __forceinline__ double warp_sum_double(double v) {
   return v;
 }
 
-// A thread per token: its entropy in double (router_entropy_sum's terms), summed over the
-// block in a fixed tree into partial_B[block].
+// A thread per token: its entropy in double (router_entropy_sum's terms, in expert order),
+// summed over the block in a fixed tree into partial_B[block]. A warp stages its 32
+// tokens' scores 32 experts at a time through shared memory, so the loads are coalesced
+// (a thread reading its own row strided the warp's loads over 32 rows: 30 -> 25 us a call at
+// olmoe-mini's 32k x 64); the arithmetic and its order are unchanged.
 __global__ void routing_entropy_partials_kernel(double* partial_B, const float* scores_TE, int64_t T, int64_t E) {
-  __shared__ double warp_partials[kStatsThreads / 32];
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatsThreads + threadIdx.x;
-  double entropy = 0;
-  if (t < T) {
-    const float* s = scores_TE + t * E;
-    double total = 0;
-    for (int64_t e = 0; e < E; ++e) total += static_cast<double>(s[e]);
-    if (total > 0)
-      for (int64_t e = 0; e < E; ++e) {
-        const double p = static_cast<double>(s[e]) / total;
-        if (p > 0) entropy -= p * log(p);
-      }
+  constexpr int kWarps = kStatsThreads / 32;
+  __shared__ float tile[kWarps][32][33];  // [token of the warp][expert of the tile], padded
+  __shared__ double warp_partials[kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t warp_first = static_cast<int64_t>(blockIdx.x) * kStatsThreads + warp * 32;
+  const bool mine = warp_first + lane < T;
+  float(&row)[33] = tile[warp][lane];
+  const auto load_tile = [&](int64_t e0) {
+    __syncwarp();
+    for (int j = 0; j < 32; ++j)
+      if (warp_first + j < T && e0 + lane < E) tile[warp][j][lane] = scores_TE[(warp_first + j) * E + e0 + lane];
+    __syncwarp();
+  };
+  double total = 0;
+  for (int64_t e0 = 0; e0 < E; e0 += 32) {
+    load_tile(e0);
+    const int n = static_cast<int>(E - e0 < 32 ? E - e0 : 32);
+    if (mine)
+      for (int k = 0; k < n; ++k) total += static_cast<double>(row[k]);
   }
+  double entropy = 0;
+  if (__any_sync(0xffffffffu, mine && total > 0))
+    for (int64_t e0 = 0; e0 < E; e0 += 32) {
+      load_tile(e0);
+      const int n = static_cast<int>(E - e0 < 32 ? E - e0 : 32);
+      if (mine && total > 0)
+        for (int k = 0; k < n; ++k) {
+          const double p = static_cast<double>(row[k]) / total;
+          if (p > 0) entropy -= p * log(p);
+        }
+    }
   entropy = warp_sum_double(entropy);
-  if ((threadIdx.x & 31) == 0) warp_partials[threadIdx.x >> 5] = entropy;
+  if (lane == 0) warp_partials[warp] = entropy;
   __syncthreads();
   if (threadIdx.x == 0) {
     double sum = 0;
-    for (int w = 0; w < kStatsThreads / 32; ++w) sum += warp_partials[w];
+    for (int w = 0; w < kWarps; ++w) sum += warp_partials[w];
     partial_B[blockIdx.x] = sum;
   }
 }
