@@ -278,45 +278,52 @@ __device__ __forceinline__ TokenBlock token_block(int64_t column, const int32_t*
 
 // A 128-token x 128-feature tile in shared memory (tokens past the expert's rows zero) to
 // its token columns, by a block of `Threads`: each thread takes two adjacent features (one
-// 4-byte load a token) over one part of the tokens (Threads / 64 parts), the parts' amax
-// meet in `partial`; then each writes its codes of each feature's column as 16-byte
-// stores. The tile's features start at f0 of W (even); columns from `column` of codes_t
-// [W, ld_t]. kBlockScale: one scale for the whole tile (the amax of its 128 features too;
-// fp8::ColumnScales::Block), else one per feature. Ends with the block synced.
+// 4-byte load a token) over one part of the tokens (kParts parts); a feature pair's kParts
+// threads are adjacent lanes, so their amax meet by shuffles and their 16-byte stores of a
+// feature's column fill whole 128-byte lines (the parts in separate warps wrote 16 or 32
+// bytes of 32 lines a store instruction). The tile's 16-byte chunks are swizzled by part
+// (tile_chunk) so that a warp's reads, kParts rows at once, hit 32 banks. The tile's
+// features start at f0 of W (even); columns from `column` of codes_t [W, ld_t].
+// kBlockScale: one scale for the whole tile (the amax of its 128 features too;
+// fp8::ColumnScales::Block), else one per feature.
 template <int Threads>
 struct ColumnParts {
   static constexpr int kParts = Threads / (kBlock / 2);  // 4 for 256 threads, 8 for 512
   static constexpr int kTokens = kBlock / kParts;        // tokens a thread takes: 32 or 16
   static_assert(kTokens % 16 == 0, "whole 16-byte stores");
+  static_assert(32 % kParts == 0, "a feature pair's parts in one warp");
 };
+// The 16-byte chunk of tile row t where chunk c is stored: c XOR (part of t) x (8 / kParts),
+// so that the kParts parts x (32 / kParts) pairs of a warp's read are on 32 banks.
+template <int Threads>
+__device__ __forceinline__ int tile_chunk(int t, int c) {
+  using Parts = ColumnParts<Threads>;
+  return c ^ (t / Parts::kTokens * (8 / Parts::kParts));
+}
 template <int Threads, bool kBlockScale = false>
 __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile)[kBlock + kColumnPad],
-                                                      float (*partial)[kBlock], uint8_t* codes_t, int64_t ld_t,
-                                                      float* scales_t, const TokenBlock& b, int64_t column, int64_t f0,
-                                                      int64_t W) {
+                                                      uint8_t* codes_t, int64_t ld_t, float* scales_t,
+                                                      const TokenBlock& b, int64_t column, int64_t f0, int64_t W) {
   using Parts = ColumnParts<Threads>;
-  const int pair = threadIdx.x % (kBlock / 2), part = threadIdx.x / (kBlock / 2);
+  const int part = threadIdx.x % Parts::kParts, pair = threadIdx.x / Parts::kParts;
   float v[2][Parts::kTokens];
-  float amax[2] = {0.0f, 0.0f};
+  float m[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int t = 0; t < Parts::kTokens; ++t) {
-    const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&tile[part * Parts::kTokens + t][2 * pair]);
+    const int row = part * Parts::kTokens + t;
+    const int at = tile_chunk<Threads>(row, pair / 4) * 8 + 2 * (pair % 4);
+    const __nv_bfloat162 h = *reinterpret_cast<const __nv_bfloat162*>(&tile[row][at]);
     v[0][t] = __low2float(h);
     v[1][t] = __high2float(h);
-    amax[0] = fmaxf(amax[0], fabsf(v[0][t]));
-    amax[1] = fmaxf(amax[1], fabsf(v[1][t]));
+    m[0] = fmaxf(m[0], fabsf(v[0][t]));
+    m[1] = fmaxf(m[1], fabsf(v[1][t]));
   }
-  partial[part][2 * pair] = amax[0];
-  partial[part][2 * pair + 1] = amax[1];
-  __syncthreads();
-  float m[2] = {0.0f, 0.0f};  // each feature's amax over the 128 tokens (features past W: zeros)
+  // Each feature's amax over the 128 tokens (features past W: zeros), over the pair's lanes.
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int q = 0; q < Parts::kParts; ++q) m[h] = fmaxf(m[h], partial[q][2 * pair + h]);
+    for (int o = 1; o < Parts::kParts; o <<= 1) m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], o));
   if constexpr (kBlockScale) {
-    // Every thread holds two features' amax (each pair once per part): the tile's is the
-    // block's max; block_max's barriers leave partial free.
     m[0] = m[1] = block_max(fmaxf(m[0], m[1]));
     if (threadIdx.x == 0) scales_t[fp8::token_column_block_scale_index(b.P_e, b.tb, f0, W)] = fp8::block_scale(m[0]);
   }
@@ -339,7 +346,6 @@ __device__ __forceinline__ void tile_to_token_columns(const __nv_bfloat16 (*tile
       *reinterpret_cast<uint4*>(out + q * 16) = make_uint4(words[0], words[1], words[2], words[3]);
     }
   }
-  __syncthreads();  // partial and the tile free for the next use
 }
 
 template <bool kBlockScale>
@@ -347,7 +353,6 @@ __global__ void __launch_bounds__(kColumnThreads)
     quantize_token_columns_kernel(uint8_t* codes_t, int64_t ld_t, float* scales_t, const __nv_bfloat16* x,
                                   int64_t ld_x, const int32_t* offsets_E1, const int64_t* P_E1, int64_t E, int64_t W) {
   __shared__ __align__(16) __nv_bfloat16 tile[kBlock][kBlock + kColumnPad];
-  __shared__ float partial[ColumnParts<kColumnThreads>::kParts][kBlock];
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kBlock;  // the block's first padded token
   if (column >= P_E1[E]) return;
   const TokenBlock b = token_block(column, offsets_E1, P_E1, E);
@@ -359,10 +364,10 @@ __global__ void __launch_bounds__(kColumnThreads)
     const int64_t f = f0 + chunk * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (t < b.rows && f < W) v = *reinterpret_cast<const uint4*>(x + (b.first + t) * ld_x + f);
-    *reinterpret_cast<uint4*>(&tile[t][chunk * 8]) = v;
+    *reinterpret_cast<uint4*>(&tile[t][tile_chunk<kColumnThreads>(t, chunk) * 8]) = v;
   }
   __syncthreads();
-  tile_to_token_columns<kColumnThreads, kBlockScale>(tile, partial, codes_t, ld_t, scales_t, b, column, f0, W);
+  tile_to_token_columns<kColumnThreads, kBlockScale>(tile, codes_t, ld_t, scales_t, b, column, f0, W);
 }
 
 // SwiGLU's backward for the fp8 weight gradients (swiglu_backward_fp8_columns): per 128
@@ -384,7 +389,6 @@ __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_colum
     const int64_t* P_E1, int64_t E, int64_t R, int64_t F) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto tiles = reinterpret_cast<__nv_bfloat16(*)[kBlock][kBlock + kColumnPad]>(smem);  // act, d gate, d up
-  __shared__ float partial[ColumnParts<kSwigluColumnThreads>::kParts][kBlock];
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kBlock;
   if (column >= P_E1[E]) return;
   const TokenBlock b = token_block(column, offsets_E1, P_E1, E);
@@ -433,16 +437,17 @@ __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_colum
           scales_2[R * FB + scale_at] = du_scale;
         }
       }
-      *reinterpret_cast<uint4*>(&tiles[0][t][chunk * 8]) = a_rounded;
-      *reinterpret_cast<uint4*>(&tiles[1][t][chunk * 8]) = dg_rounded;
-      *reinterpret_cast<uint4*>(&tiles[2][t][chunk * 8]) = du_rounded;
+      const int at = tile_chunk<kSwigluColumnThreads>(t, chunk) * 8;
+      *reinterpret_cast<uint4*>(&tiles[0][t][at]) = a_rounded;
+      *reinterpret_cast<uint4*>(&tiles[1][t][at]) = dg_rounded;
+      *reinterpret_cast<uint4*>(&tiles[2][t][at]) = du_rounded;
     }
   }
   __syncthreads();
-  tile_to_token_columns<kSwigluColumnThreads, kActBlock>(tiles[0], partial, columns_3FP, ld_t, column_scales_3, b,
-                                                         column, f0, F);
+  tile_to_token_columns<kSwigluColumnThreads, kActBlock>(tiles[0], columns_3FP, ld_t, column_scales_3, b, column,
+                                                         f0, F);
   for (int o = 1; o < kSwigluColumnTiles; ++o)
-    tile_to_token_columns<kSwigluColumnThreads>(tiles[o], partial, columns_3FP + o * F * ld_t, ld_t,
+    tile_to_token_columns<kSwigluColumnThreads>(tiles[o], columns_3FP + o * F * ld_t, ld_t,
                                                 column_scales_3 + o * column_scale_stride, b, column, f0, F);
 }
 
