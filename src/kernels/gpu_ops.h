@@ -31,8 +31,10 @@ int64_t rmsnorm_backward_partial_rows(int64_t T);
 
 // act = silu(gate) * up; gate_up_TF2 holds [gate | up] per row (F each).
 void swiglu_forward(bf16* act_TF, const bf16* gate_up_TF2, int64_t T, int64_t F, Stream stream);
-void swiglu_backward(bf16* dgate_up_TF2, const bf16* dact_TF, const bf16* gate_up_TF2, int64_t T,
-                     int64_t F, Stream stream);
+// act_TF (optional): also act as swiglu_forward writes it, from the same read of gate|up
+// (the backward of rows whose forward is recomputed: one read of gate|up instead of two).
+void swiglu_backward(bf16* dgate_up_TF2, const bf16* dact_TF, const bf16* gate_up_TF2, int64_t T, int64_t F,
+                     Stream stream, bf16* act_TF = nullptr);
 
 // RoPE's angles: (cos, sin) of pos * theta^(-2i/d) for pos < S, i < d/2, as [S, d/2, 2] fp32.
 void rope_table(float* cos_sin_Sh2, int64_t S, int64_t d, float theta, Stream stream);

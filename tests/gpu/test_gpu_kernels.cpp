@@ -111,6 +111,12 @@ TEST_P(GpuSwiglu, ForwardAndBackwardMatchCpu) {
     }
   expect_close("dgate", dgate, dgate_ref, kBf16Rtol, 1e-3);
   expect_close("dup", dup, dup_ref, kBf16Rtol, 1e-3);
+  // The backward that also refills act (rows whose forward is recomputed): swiglu_forward's
+  // act and the same gradients, bit for bit.
+  auto act2_d = poisoned<bf16>(T * F), dgu2_d = poisoned<bf16>(T * 2 * F);
+  cuda::swiglu_backward(dgu2_d.data(), dact_d.data(), gate_up_d.data(), T, F, nullptr, act2_d.data());
+  EXPECT_TRUE(to_host_float(act2_d) == to_host_float(act_d));
+  EXPECT_TRUE(to_host_float(dgu2_d) == dgu);
 }
 
 // Gates where exp(-g) is huge or infinite (the branch-free reciprocal of swiglu_math.cuh

@@ -111,22 +111,31 @@ void GpuTransformer::set_route_predictors(std::vector<const RoutingCache*> predi
 
 void GpuTransformer::set_speculating(bool on) { state_->speculating = on && !state_->route_predictors.empty(); }
 
-void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up) {
+void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up, bool swiglu) {
   MoEBuffers& m = layer.act->moe;
   dispatcher->dispatch(layer, m, layer.act->n2.data(), layer.placed ? m.slot.data() : m.expert.data());
-  experts_gate_up_forward(layer, gate_up);
+  if (swiglu) {
+    experts_gate_up_forward(layer, gate_up);
+  } else if (gate_up) {
+    mark(kExperts);
+    experts_gate_up_gemm(layer);
+  }
+}
+
+void GpuTransformer::State::experts_gate_up_gemm(Layer& layer) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  MoEBuffers& m = layer.act->moe;
+  bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
+  const int w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
+  expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D);
 }
 
 bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down) {
-  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  const int64_t F = config.moe.expert_hidden;
   MoEBuffers& m = layer.act->moe;
   // The experts: grouped GEMMs over the device-side row offsets (no host sync).
   mark(kExperts);
-  if (gate_up) {
-    bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
-    const int w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
-    expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D);
-  }
+  if (gate_up) experts_gate_up_gemm(layer);
   const int64_t E = local_experts(layer), R = expert_rows(m);
   // fp8 weight gradients: the backward's SwiGLU makes act's operand from gate|up itself.
   if (fp8_weight_gradients && !for_down && E > 0) return false;
@@ -154,9 +163,12 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   MoEBuffers& m = layer.act->moe;
   const bf16* dy = dres.data();  // gradient of the FFN output
   // A layer recomputed whole has just refilled the shared rows; otherwise refill them here.
+  // In bf16 SwiGLU's backward below refills act too (one read of gate|up instead of two).
   set_experts(local_experts(layer));
+  const bool act_from_backward = layer.recompute_expert_rows && !layer.recompute && !fp8;
   if (layer.recompute_expert_rows && !layer.recompute)
-    expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All);
+    expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All,
+                        /*swiglu=*/!act_from_backward);
   // Under expert parallelism the output gradients go to the experts' ranks first.
   dispatcher->combine_backward(m, dy, drows.data(), dweight.data());
   const bf16* dy_rows = drows.data();
@@ -169,8 +181,6 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   if (fp8_weight_gradients && local_experts(layer) > 0) {
     experts_backward_fp8_weights(layer, m, dy_rows);
   } else {
-    const bf16* dy_sets[1] = {dy_rows};
-    expert_backward_weight(layer, m, 1, w2, dy_sets, D, m.act_rows->data(), F, D, F);
     // fp8: SwiGLU's backward writes d gate's and d up's codes and scales itself (the bits
     // quantising its bf16 output gives), sets 0 and 1 of the row scratch.
     const bool fused_fp8 = fp8 && local_experts(layer) > 0;
@@ -179,8 +189,14 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
       cuda::swiglu_backward_fp8(dgate_up_rows.data(), fp8_rows.data(), fp8_row_scales.data(), dact_rows.data(),
                                 m.gate_up_rows->data(), offsets, local_experts(layer), R, F, stream);
     } else {
-      cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream);
+      if (act_from_backward)
+        MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
+      cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream,
+                            act_from_backward ? m.act_rows->data() : nullptr);
     }
+    // The down projection's weight gradient after SwiGLU's backward, which may refill act.
+    const bf16* dy_sets[1] = {dy_rows};
+    expert_backward_weight(layer, m, 1, w2, dy_sets, D, m.act_rows->data(), F, D, F);
     // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
     expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f,
                          fused_fp8 ? 0 : -1);

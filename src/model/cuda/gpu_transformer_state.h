@@ -224,8 +224,10 @@ struct GpuTransformer::State {
     if (expert_gemm_fp8) expert_gemm_fp8->set_experts(n_experts);
   }
   // Dispatch of n2 into the expert rows, the gate|up grouped GEMM (unless skipped) and
-  // SwiGLU: the part of the MoE forward that recompute_experts redoes before the backward.
-  void expert_rows_forward(Layer& layer, bool gate_up);
+  // SwiGLU (unless skipped: the backward's SwiGLU refills act): the part of the MoE forward
+  // that recompute_experts redoes before the backward.
+  void expert_rows_forward(Layer& layer, bool gate_up, bool swiglu = true);
+  void experts_gate_up_gemm(Layer& layer);
   // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and
   // SwiGLU; for_down (fp8): SwiGLU also quantises act for the down projection into
   // fp8_rows, and returns true when it did.
