@@ -70,6 +70,13 @@ TEST_P(GpuRmsNorm, ForwardAndBackwardMatchCpu) {
                          normed_input.data(), w_d.data(), rstd_d.data(), T, D, partial.data(), nullptr);
   expect_close("dx", to_host_float(dx_d), dx_ref, kBf16Rtol, 2e-2);
   expect_close("dw", to_host(dw_d), dw_ref, 1e-3, 1e-3 * std::sqrt(static_cast<double>(T)));
+  // Deterministic: the same inputs give the same bits (the weight gradient's fixed-order sums).
+  auto dx_again_d = poisoned<bf16>(T * D);
+  auto dw_again_d = to_device(std::vector<float>(D, 0.25f));
+  cuda::rmsnorm_backward(dx_again_d.data(), dw_again_d.data(), dy_d.data(), with_residual ? dres_d.data() : nullptr,
+                         normed_input.data(), w_d.data(), rstd_d.data(), T, D, partial.data(), nullptr);
+  EXPECT_TRUE(to_host(dw_again_d) == to_host(dw_d));
+  EXPECT_TRUE(to_host_float(dx_again_d) == to_host_float(dx_d));
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, GpuRmsNorm,
