@@ -112,6 +112,13 @@ class Attention {
   // deterministic algorithm, a dP workspace of B x H x S x S bf16); false: atomics, which
   // make dQ differ in its last bits from run to run.
   void set_deterministic(bool deterministic);
+  // The device workspace the forward and the backward of this shape take (their graphs are
+  // built now and cached): what use_workspace must hold for them.
+  size_t workspace_bytes(int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, int64_t ld_q = 0,
+                         int64_t ld_kv = 0);
+  // Runs in `bytes` at `workspace` (memory its owner shares with other scratch) instead of
+  // an allocation of its own; a graph needing more is an error. nullptr: its own again.
+  void use_workspace(void* workspace, size_t bytes);
   void forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
                int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream, int64_t ld_q = 0,
                int64_t ld_kv = 0);

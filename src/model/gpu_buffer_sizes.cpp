@@ -35,6 +35,29 @@ int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_
   return capacity > 0 ? std::min(all, ep_size * local_experts * capacity) : all;
 }
 
+SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t dim, int64_t hidden,
+                                        int64_t drows_rows, int64_t local_rows) {
+  const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  SharedScratchSizes s;
+  s.dlogits_head = tokens * vocab;
+  s.drows = drows_rows * dim;
+  s.dact = local_rows * hidden;
+  s.dgate_up = local_rows * 2 * hidden;
+  s.dx = local_rows * dim;
+  s.dact_at = s.drows_at + aligned(2 * s.drows);
+  s.dgate_up_at = s.dact_at + aligned(2 * s.dact);
+  s.dx_at = s.dgate_up_at + aligned(2 * s.dgate_up);
+  s.rows_end = s.dx_at + aligned(2 * s.dx);
+  return s;
+}
+
+int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool deterministic) {
+  const int64_t padded = (seq + 63) / 64 * 64;
+  const int64_t dp = batch * heads * padded * padded * 2, softmax_sums = batch * heads * seq * 4;
+  if (deterministic || dp <= (int64_t{256} << 20)) return dp + softmax_sums;
+  return batch * heads * seq * head_dim * 4 + softmax_sums;
+}
+
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size) {
   return std::min<int64_t>(tokens, std::max<int64_t>(128, ((int64_t{64} << 20) / vocab_size) / 128 * 128));
 }

@@ -77,6 +77,27 @@ struct DenseGemmShape {
   int64_t M, N, K, lda, ldc;
   bool fp8;  // training.precision = fp8 runs it in fp8: fp8::dense_gemm_fits (else bf16)
 };
+// GpuTransformer's shared scratch (State::shared_scratch, docs/MEMORY_PLAN.md "Shared
+// scratch"): from byte 0 either dlogits_head [tokens, vocab], or the MoE backward's row
+// gradients (drows [drows_rows, dim], d act [local_rows, hidden], d gate|up [local_rows,
+// 2 hidden], dx [local_rows, dim], each at a 256-byte boundary), or cuDNN's attention
+// workspace; bf16 elements, byte offsets. The allocation is the largest of the three.
+struct SharedScratchSizes {
+  int64_t dlogits_head = 0, drows = 0, dact = 0, dgate_up = 0, dx = 0;  // elements
+  int64_t drows_at = 0, dact_at = 0, dgate_up_at = 0, dx_at = 0;        // bytes
+  int64_t rows_end = 0;                                                  // bytes
+  // Without the attention workspace (attention_workspace_estimate for the planner).
+  int64_t bytes() const { return dlogits_head * 2 > rows_end ? dlogits_head * 2 : rows_end; }
+};
+SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t dim, int64_t hidden,
+                                        int64_t drows_rows, int64_t local_rows);
+
+// cuDNN's attention workspace for `batch` sequences of `seq` tokens and `heads` query
+// heads, as cudnn-frontend sizes it: the backward's dP of batch x heads x seq x seq bf16
+// (seq rounded up to 64) and its softmax sums in fp32, which the deterministic algorithm
+// always takes and the other only up to 256 MB of dP (else an fp32 dQ accumulator).
+int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, bool deterministic);
+
 // Every dense projection GEMM of a micro-batch of `tokens` tokens (the calls of
 // gpu_attention.cpp and GpuTransformer's ffn_forward / ffn_backward): attention's q|k|v
 // and output projections; the dense FFN layers' (first_dense_layers) and the shared

@@ -117,14 +117,12 @@ int64_t moe_buffers_bytes(const ActivationShape& a, bool share_x, bool share_act
 
 // GpuTransformer::plan's per micro-batch buffers (not per layer).
 int64_t step_buffers_bytes(const ActivationShape& a, int64_t V, int64_t n_layers) {
-  const int64_t T = a.T, D = a.D, E = a.E, K = a.K, F = a.F, RL = a.rows.max_local_rows;
-  const int64_t R = a.rows.max_rows, W = std::max(F, a.dense_hidden);
+  const int64_t T = a.T, D = a.D, E = a.E, K = a.K, W = std::max(a.F, a.dense_hidden);
   const int64_t head_rows = lm_head_chunk_rows(T, V);
   int64_t bytes = 3 * T * 4 + 2 * T * D * 2                        // inputs, targets, positions; final_x, final_n
-                  + head_rows * V * 4 + T * V * 2 + 2 * T * 4        // logits chunk; dlogits_head; final_rstd, loss
+                  + head_rows * V * 4 + 2 * T * 4                    // logits chunk; final_rstd, loss
                   + (1 + 2 * n_layers) * 4 + n_layers * 4 + ceil_div(T, 256) * 8;  // sums, kept_rows, routing scratch
   bytes += 2 * T * D * 2 + 2 * T * a.H * a.d * 2 + 2 * T * a.G * a.d * 2;  // dres, dnorm; dq|dk|dv rows, dattn
-  bytes += std::max(R, RL) * D * 2 + RL * F * 2 + RL * 2 * F * 2 + RL * D * 2;  // drows, dact, dgate_up, dx rows
   bytes += T * E * 2 + T * W * 2 + T * 2 * W * 2 + T * K * 4 + T * E * 4;     // dlogits bf16, dffn_*, dweight, dlogits
   bytes += ceil_div(T, kRmsnormRowsPerBlock) * D * 4 + 5 * T * 4 + a.S * a.d * 4;  // norm partials, embedding scratch, rope
   return bytes;
@@ -267,6 +265,13 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
     if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;
   }
   m.step_buffers = step_buffers_bytes(a, c.vocab_size, n_layers);
+  // dlogits_head, the expert rows' gradients and cuDNN's attention workspace share one
+  // allocation: the largest of them (model/gpu_buffer_sizes.h).
+  m.shared_scratch = std::max(
+      shared_scratch_sizes(a.T, c.vocab_size, c.dim, a.F, std::max(a.rows.max_rows, a.rows.max_local_rows),
+                           a.rows.max_local_rows)
+          .bytes(),
+      attention_workspace_estimate(a.B, a.H, a.S, a.d, config.training.deterministic));
   // training.precision = fp8: one or two operands' quantised rows (codes and 1x128 scales), shared
   // by the layers; every MoE layer's quantised expert weights (fp8_weight_cache), or else
   // scratch for two of the local experts' weight tensors (codes and 128x128 scales).
@@ -293,14 +298,12 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
     m.exchange += groups * kReduceLanes * (bucket + dist::kZeroAlign * gpus) * 2;
   }
 
-  // Workspaces: cuBLAS, the grouped GEMMs, cuDNN's deterministic attention backward (a
-  // B x H x S x S bf16 dP buffer), NCCL.
+  // Workspaces: cuBLAS, the grouped GEMMs, NCCL (cuDNN's is in the shared scratch).
   m.workspace = kBlasWorkspace + (E > 0 ? kGroupedGemmWorkspace : 0) + nccl_bytes(layout);
   if (E > 0 && config.training.precision == TrainingPrecision::Fp8) {
     m.workspace += kGroupedGemmWorkspace;  // ExpertGemmFp8's
     if (fp8_wgrad) m.workspace += kGroupedGemmWorkspace;  // ExpertWeightGemmFp8's
   }
-  if (config.training.deterministic) m.workspace += a.B * a.H * a.S * a.S * 2;
   m.runtime = kCudaRuntime;
   return m;
 }
@@ -380,6 +383,7 @@ std::vector<MemoryEstimate::Component> MemoryEstimate::components() const {
           {"ZeRO stage pools", zero_pools},
           {"activations", activations()},
           {"step buffers", step_buffers},
+          {"shared scratch", shared_scratch},
           {"fp8 expert weights", fp8_weights},
           {"exchange buffers", exchange},
           {"workspace", workspace},

@@ -45,6 +45,9 @@ struct MemoryEstimate {
   std::vector<int64_t> layer_activations;
   int64_t recompute_set = 0;
   int64_t step_buffers = 0;  // per micro-batch, not per layer: LM head, backward scratch, routing sums
+  // One allocation for the LM head's bf16 gradient, the MoE backward's row gradients and
+  // cuDNN's attention workspace (never in use at once): the largest of the three.
+  int64_t shared_scratch = 0;
   int64_t fp8_weights = 0;   // training.precision = fp8: the MoE layers' quantised expert weights (fp8_weight_cache)
   int64_t exchange = 0;      // the expert-parallel dispatcher's scratch, bf16 gradient buckets
   int64_t workspace = 0;     // cuBLAS, cuDNN attention, grouped GEMMs, NCCL's buffers

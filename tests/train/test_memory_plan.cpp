@@ -183,6 +183,41 @@ TEST(MemoryPlan, ActivationsScaleLinearlyInTheMicroBatch) {
   EXPECT_EQ(a.layer_activations[0], by_hand);
 }
 
+// dlogits_head, the MoE backward's row gradients and cuDNN's attention workspace share one
+// allocation (model/gpu_buffer_sizes.h): the plan counts the largest of the three, and
+// the deterministic attention's dP moves the shared scratch, not the workspace.
+TEST(MemoryPlan, SharedScratchIsTheLargestOfItsThreeUses) {
+  RunConfig c = small_config();  // micro-batch 4: T = 1024 tokens, R = 2048 rows
+  const int64_t T = 1024, V = 1024, D = 512, F = 1024, R = 2048;
+  const SharedScratchSizes sizes = shared_scratch_sizes(T, V, D, F, R, R);
+  EXPECT_EQ(sizes.dlogits_head, T * V);
+  EXPECT_EQ(sizes.dact_at, R * D * 2);
+  EXPECT_EQ(sizes.dgate_up_at, R * D * 2 + R * F * 2);
+  EXPECT_EQ(sizes.dx_at, R * D * 2 + R * F * 2 + R * 2 * F * 2);
+  EXPECT_EQ(sizes.rows_end, 2 * R * D * 2 + 3 * R * F * 2);
+  EXPECT_EQ(sizes.bytes(), sizes.rows_end);  // 16 MB of row gradients against 2 MB of dlogits
+  // cudnn-frontend's sizes: dP over sequences padded to 64 and fp32 softmax sums; without
+  // the deterministic algorithm, past 256 MB of dP, an fp32 dQ accumulator instead.
+  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, true), 4 * 4 * 256 * 256 * 2 + 4 * 4 * 250 * 4);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, true), 8 * 16 * int64_t{4096} * 4096 * 2 + 8 * 16 * 4096 * 4);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, false), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
+  const MemoryLayout layout = configured_layout(c, 1, 1);
+  MemoryEstimate a = estimate_memory(c, layout);
+  EXPECT_EQ(a.shared_scratch, sizes.rows_end);
+  // Sequences of 4096: the deterministic dP of 4 x 4 x 4096^2 bf16 (537 MB) is now the
+  // largest; the other algorithm's dQ accumulator (34 MB) is below the row gradients (268 MB).
+  c.model.seq_len = 4096;
+  c.training.global_batch_tokens = 4 * 4096 * 8;
+  c.training.deterministic = true;
+  const MemoryEstimate det = estimate_memory(c, configured_layout(c, 1, 1));
+  c.training.deterministic = false;
+  const MemoryEstimate fast = estimate_memory(c, configured_layout(c, 1, 1));
+  EXPECT_EQ(det.shared_scratch, attention_workspace_estimate(4, 4, 4096, 128, true));
+  EXPECT_EQ(det.workspace, fast.workspace);
+  EXPECT_EQ(fast.shared_scratch, shared_scratch_sizes(4 * 4096, V, D, F, 4 * 4096 * 2, 4 * 4096 * 2).bytes());
+  EXPECT_EQ(det.total() - fast.total(), det.shared_scratch - fast.shared_scratch);
+}
+
 TEST(MemoryPlan, RecomputedLayersKeepTheirInputAndShareOneSet) {
   RunConfig c = small_config();
   const MemoryEstimate kept = estimate_memory(c, configured_layout(c, 1, 1));

@@ -8,6 +8,7 @@
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -68,14 +69,29 @@ void load_cudnn() {
 
 }  // namespace
 
+// A built graph and the workspace it runs in.
+struct BuiltGraph {
+  std::shared_ptr<fe::graph::Graph> graph;
+  size_t workspace_bytes = 0;
+};
+
 struct Attention::State {
   cudnnHandle_t handle = nullptr;
-  std::map<Shape, std::shared_ptr<fe::graph::Graph>> forward_graphs, backward_graphs;
+  std::map<Shape, BuiltGraph> forward_graphs, backward_graphs;
   gpu::DeviceArray<char> workspace;
+  void* external = nullptr;  // use_workspace's
+  size_t external_bytes = 0;
   bool deterministic = true;
 
-  void ensure_workspace(int64_t bytes) {
-    if (static_cast<size_t>(bytes) > workspace.size()) workspace = gpu::DeviceArray<char>(static_cast<size_t>(bytes));
+  void* workspace_for(const BuiltGraph& built) {
+    if (external) {
+      MOE_CHECK(built.workspace_bytes <= external_bytes,
+                "attention: cuDNN needs {} bytes of workspace, the shared scratch holds {}", built.workspace_bytes,
+                external_bytes);
+      return external;
+    }
+    if (built.workspace_bytes > workspace.size()) workspace = gpu::DeviceArray<char>(built.workspace_bytes);
+    return workspace.data();
   }
 
   std::shared_ptr<fe::graph::Graph> new_graph() {
@@ -104,20 +120,20 @@ struct Attention::State {
                             .set_data_type(fe::DataType_t::FLOAT));
   }
 
-  void build(fe::graph::Graph& graph) {
-    MOE_FE_CHECK(graph.validate());
-    MOE_FE_CHECK(graph.build_operation_graph(handle));
-    MOE_FE_CHECK(graph.create_execution_plans({fe::HeurMode_t::A}));
-    MOE_FE_CHECK(graph.check_support(handle));
-    MOE_FE_CHECK(graph.build_plans(handle));
+  static BuiltGraph build(std::shared_ptr<fe::graph::Graph> graph, cudnnHandle_t handle) {
+    MOE_FE_CHECK(graph->validate());
+    MOE_FE_CHECK(graph->build_operation_graph(handle));
+    MOE_FE_CHECK(graph->create_execution_plans({fe::HeurMode_t::A}));
+    MOE_FE_CHECK(graph->check_support(handle));
+    MOE_FE_CHECK(graph->build_plans(handle));
     int64_t bytes = 0;
-    MOE_FE_CHECK(graph.get_workspace_size(bytes));
-    ensure_workspace(bytes);
+    MOE_FE_CHECK(graph->get_workspace_size(bytes));
+    return {std::move(graph), static_cast<size_t>(bytes)};
   }
 
-  fe::graph::Graph& forward_graph(const Shape& shape) {
+  const BuiltGraph& forward_graph(const Shape& shape) {
     auto found = forward_graphs.find(shape);
-    if (found != forward_graphs.end()) return *found->second;
+    if (found != forward_graphs.end()) return found->second;
     const auto [B, S, H, G, d, scale, ld_q, ld_kv] = shape;
     auto graph = new_graph();
     auto q = bshd(*graph, "q", kQ, B, H, S, d, ld_q), k = bshd(*graph, "k", kK, B, G, S, d, ld_kv),
@@ -131,13 +147,12 @@ struct Attention::State {
     o->set_output(true).set_uid(kO).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(H * d, S, d));
     lse->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim({B, H, S, 1}).set_stride(
         {H * S, S, 1, 1});
-    build(*graph);
-    return *forward_graphs.emplace(shape, graph).first->second;
+    return forward_graphs.emplace(shape, build(std::move(graph), handle)).first->second;
   }
 
-  fe::graph::Graph& backward_graph(const Shape& shape) {
+  const BuiltGraph& backward_graph(const Shape& shape) {
     auto found = backward_graphs.find(shape);
-    if (found != backward_graphs.end()) return *found->second;
+    if (found != backward_graphs.end()) return found->second;
     const auto [B, S, H, G, d, scale, ld_q, ld_kv] = shape;
     auto graph = new_graph();
     auto q = bshd(*graph, "q", kQ, B, H, S, d, ld_q), k = bshd(*graph, "k", kK, B, G, S, d, ld_kv),
@@ -153,8 +168,7 @@ struct Attention::State {
     dq->set_output(true).set_uid(kdQ).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(ld_q, S, d));
     dk->set_output(true).set_uid(kdK).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
     dv->set_output(true).set_uid(kdV).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
-    build(*graph);
-    return *backward_graphs.emplace(shape, graph).first->second;
+    return backward_graphs.emplace(shape, build(std::move(graph), handle)).first->second;
   }
 };
 
@@ -169,6 +183,20 @@ void Attention::set_deterministic(bool deterministic) {
   state_->backward_graphs.clear();  // rebuilt with the other dQ accumulation on next use
 }
 
+size_t Attention::workspace_bytes(int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, int64_t ld_q,
+                                  int64_t ld_kv) {
+  MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
+  check_strides(H, G, d, ld_q, ld_kv);
+  const Shape shape{B, S, H, G, d, scale, ld_q, ld_kv};
+  return std::max(state_->forward_graph(shape).workspace_bytes, state_->backward_graph(shape).workspace_bytes);
+}
+
+void Attention::use_workspace(void* workspace, size_t bytes) {
+  state_->external = workspace;
+  state_->external_bytes = workspace ? bytes : 0;
+  if (workspace) state_->workspace = gpu::DeviceArray<char>();  // its own, no longer used
+}
+
 Attention::~Attention() {
   if (state_->handle) fe::detail::destroy_handle(state_->handle);
   delete state_;
@@ -180,13 +208,13 @@ void Attention::forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, co
   MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
   check_strides(H, G, d, ld_q, ld_kv);
   MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
-  auto& graph = state_->forward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
+  const BuiltGraph& built = state_->forward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},
                                              {kK, const_cast<bf16*>(k_BSGd)},
                                              {kV, const_cast<bf16*>(v_BSGd)},
                                              {kO, out_BSHd},
                                              {kStats, stats_BHS}};
-  MOE_FE_CHECK(graph.execute(state_->handle, pack, state_->workspace.data()));
+  MOE_FE_CHECK(built.graph->execute(state_->handle, pack, state_->workspace_for(built)));
 }
 
 void Attention::backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16* dout_BSHd, const bf16* q_BSHd,
@@ -195,13 +223,13 @@ void Attention::backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16
                          int64_t ld_q, int64_t ld_kv) {
   check_strides(H, G, d, ld_q, ld_kv);
   MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
-  auto& graph = state_->backward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
+  const BuiltGraph& built = state_->backward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},     {kK, const_cast<bf16*>(k_BSGd)},
                                              {kV, const_cast<bf16*>(v_BSGd)},     {kO, const_cast<bf16*>(out_BSHd)},
                                              {kdO, const_cast<bf16*>(dout_BSHd)}, {kStats, const_cast<float*>(stats_BHS)},
                                              {kdQ, dq_BSHd},                      {kdK, dk_BSGd},
                                              {kdV, dv_BSGd}};
-  MOE_FE_CHECK(graph.execute(state_->handle, pack, state_->workspace.data()));
+  MOE_FE_CHECK(built.graph->execute(state_->handle, pack, state_->workspace_for(built)));
 }
 
 }  // namespace moe::cuda

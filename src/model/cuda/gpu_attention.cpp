@@ -25,7 +25,7 @@ void GpuTransformer::State::attention_forward(Layer& layer, bf16* y) {
   projection(q, a.n1.data(), w(layer.wq), T, D, N, false);
   cuda::rope_forward(q, positions.data(), rope_cos_sin.data(), T, H + G, d, stream, N);
   attention.forward(at.out.data(), at.stats.data(), q, q + H * d, q + (H + G) * d, batch, c.seq_len, H, G, d,
-                    1.0f / std::sqrt(static_cast<float>(d)), stream, N, N);
+                    attention_scale(d), stream, N, N);
   projection(y, at.out.data(), w(layer.wo), T, H * d, D, false);
 }
 
@@ -39,7 +39,7 @@ void GpuTransformer::State::attention_backward(Layer& layer, bf16* dx, const bf1
   const bf16* q = at.qkv.data();
   bf16* dq = dqkv.data();
   attention.backward(dq, dq + H * d, dq + (H + G) * d, dattn.data(), q, q + H * d, q + (H + G) * d, at.out.data(),
-                     at.stats.data(), batch, c.seq_len, H, G, d, 1.0f / std::sqrt(static_cast<float>(d)), stream, N,
+                     at.stats.data(), batch, c.seq_len, H, G, d, attention_scale(d), stream, N,
                      N);
   cuda::rope_backward(dq, positions.data(), rope_cos_sin.data(), T, H + G, d, stream, N);
   // g(wq) starts the [(H + 2G) d, D] gradient block of wq, wk and wv.

@@ -282,7 +282,6 @@ void GpuTransformer::plan(int64_t batch) {
   // ~256 MB of fp32 logits per chunk, in row blocks of 128 for the GEMM's tiles.
   s.head_chunk_rows = lm_head_chunk_rows(T, V);
   s.head_logits_chunk = f32(s.head_chunk_rows * V);
-  s.dlogits_head = bf(T * V);
   s.final_rstd = f32(T);
   s.loss = f32(T);
   s.sums = f32(1 + 2 * static_cast<int64_t>(s.layers.size()));
@@ -292,10 +291,24 @@ void GpuTransformer::plan(int64_t batch) {
   s.dnorm = bf(T * D);
   s.dqkv = bf(T * (H + 2 * G) * d);
   s.dattn = bf(T * H * d);
-  s.drows = bf(std::max(R, RL) * D);
-  s.dact_rows = bf(RL * F);
-  s.dgate_up_rows = bf(RL * 2 * F);
-  s.dx_rows = bf(RL * D);
+  // dlogits_head, the MoE backward's row gradients and cuDNN's workspace in one allocation
+  // (State::shared_scratch): the largest of the three, not their sum.
+  const SharedScratchSizes scratch = shared_scratch_sizes(T, V, D, F, std::max(R, RL), RL);
+  const size_t attention_bytes = s.attention.workspace_bytes(batch, S, H, G, d, attention_scale(d),
+                                                             (H + 2 * G) * d, (H + 2 * G) * d);
+  s.attention.use_workspace(nullptr, 0);  // the old scratch goes before the new one comes
+  s.shared_scratch = Buffer<char>();
+  s.shared_scratch = Buffer<char>(std::max({static_cast<size_t>(scratch.bytes()), attention_bytes, size_t{256}}));
+  char* base = s.shared_scratch.data();
+  auto span = [&](int64_t offset, int64_t count) {
+    return gpu::DeviceSpan<bf16>(reinterpret_cast<bf16*>(base + offset), static_cast<size_t>(count));
+  };
+  s.dlogits_head = span(0, scratch.dlogits_head);
+  s.drows = span(scratch.drows_at, scratch.drows);
+  s.dact_rows = span(scratch.dact_at, scratch.dact);
+  s.dgate_up_rows = span(scratch.dgate_up_at, scratch.dgate_up);
+  s.dx_rows = span(scratch.dx_at, scratch.dx);
+  s.attention.use_workspace(base, s.shared_scratch.size());
   if (s.fp8 && E > 0) {
     // One or two operands' rows; the layers' quantised weights, or scratch for two of the local
     // experts' weight tensors (gate and up) at a time.

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <cmath>
 #include <functional>
 #include <memory>
 #include <string>
@@ -27,6 +28,9 @@ namespace moe {
 
 // Only the model's own source files above include this header.
 using namespace gpu_model;  // NOLINT(google-build-using-namespace)
+
+// Softmax scale of the attention (the cuDNN graphs' key: plan and the calls agree).
+inline float attention_scale(int64_t head_dim) { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
 
 struct GpuTransformer::State {
   ModelConfig config;
@@ -128,7 +132,7 @@ struct GpuTransformer::State {
   // The LM head: fp32 logits for head_chunk_rows rows at a time, and the gradient of the
   // mean loss per logit (softmax - onehot) / n_valid, written by the forward.
   Buffer<float> head_logits_chunk;
-  Buffer<bf16> dlogits_head;
+  gpu::DeviceSpan<bf16> dlogits_head;  // in shared_scratch
   int64_t head_chunk_rows = 0;
   Buffer<float> final_rstd, loss;
   // Device-side results of a forward, read back once at its end: [0] cross-entropy,
@@ -137,8 +141,15 @@ struct GpuTransformer::State {
   Buffer<int32_t> kept_rows;
   Buffer<double> routing_scratch;  // accumulate_routing_stats' per-block partial entropies
   // Backward scratch.
-  Buffer<bf16> dres, dnorm, dqkv, dattn, drows, dact_rows, dgate_up_rows, dx_rows, dlogits_bf16, dffn_act,
-      dffn_gate_up;
+  Buffer<bf16> dres, dnorm, dqkv, dattn, dlogits_bf16, dffn_act, dffn_gate_up;
+  // The MoE backward's row gradients, in shared_scratch.
+  gpu::DeviceSpan<bf16> drows, dact_rows, dgate_up_rows, dx_rows;
+  // One allocation for three things a step never uses at once (docs/MEMORY_PLAN.md,
+  // "Shared scratch"): dlogits_head (the LM head's loss to its backward), the MoE
+  // backward's row gradients (within a MoE block's backward) and cuDNN's attention
+  // workspace (within an attention call; the deterministic backward's dP of B x H x S x S
+  // bf16). All on one stream, so each use ends before the next begins.
+  Buffer<char> shared_scratch;
   Buffer<float> dweight, dlogits, norm_partial, column_partial;
   Buffer<char> embedding_scratch;
   int64_t n_valid = 0;
