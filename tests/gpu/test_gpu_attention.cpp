@@ -1,13 +1,18 @@
 // cuDNN flash attention against the CPU attention op (which keeps the full softmax),
-// forward and backward, with grouped-query heads and a ragged sequence length.
+// forward and backward, with grouped-query heads and a ragged sequence length; and in a
+// workspace of its caller's (the GPU model's shared scratch) against its own.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "core/error.h"
+#include "expect_error.h"
 #include "gpu_test_util.h"
 #include "kernels/attention.h"
 #include "kernels/gpu_ops.h"
+#include "model/gpu_buffer_sizes.h"
 
 namespace moe {
 namespace {
@@ -102,6 +107,68 @@ TEST_P(GpuAttention, FusedQkvRowsMatchCpu) {
   expect_close_scaled("dq", part(dqkv, 0, H * d), dq_ref);
   expect_close_scaled("dk", part(dqkv, H * d, G * d), dk_ref);
   expect_close_scaled("dv", part(dqkv, (H + G) * d, G * d), dv_ref);
+}
+
+// Attention::use_workspace (the GPU model's shared scratch, docs/MEMORY_PLAN.md): in a
+// poisoned workspace of workspace_bytes() the forward and the deterministic backward give
+// the bits of the run in its own workspace; the workspace holds at least the dP the memory
+// plan counts for it; one byte less is refused with a one-line error.
+TEST(GpuAttentionWorkspace, SharedWorkspaceGivesTheSameBitsAndRefusesTooLittle) {
+  MOE_REQUIRE_GPU();
+  const int64_t B = 2, S = 257, H = 4, G = 2, d = 64;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  auto q = to_device_bf16(random_bf16_floats(B * S * H * d, 1, "q"));
+  auto k = to_device_bf16(random_bf16_floats(B * S * G * d, 2, "k"));
+  auto v = to_device_bf16(random_bf16_floats(B * S * G * d, 3, "v"));
+  auto dout = to_device_bf16(random_bf16_floats(B * S * H * d, 4, "dout"));
+  struct Results {
+    std::vector<bf16> out, dq, dk, dv;
+    std::vector<float> stats;
+  };
+  auto run = [&](cuda::Attention& attention) {
+    auto out = poisoned<bf16>(B * S * H * d), dq = poisoned<bf16>(B * S * H * d);
+    auto dk = poisoned<bf16>(B * S * G * d), dv = poisoned<bf16>(B * S * G * d);
+    auto stats = poisoned<float>(B * H * S);
+    attention.forward(out.data(), stats.data(), q.data(), k.data(), v.data(), B, S, H, G, d, scale, nullptr);
+    attention.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
+                       stats.data(), B, S, H, G, d, scale, nullptr);
+    return Results{to_host(out), to_host(dq), to_host(dk), to_host(dv), to_host(stats)};
+  };
+  cuda::Attention own;
+  const Results want = run(own);
+
+  cuda::Attention shared;
+  const size_t bytes = shared.workspace_bytes(B, S, H, G, d, scale);
+  const int64_t padded = (S + 63) / 64 * 64;
+  EXPECT_GE(static_cast<int64_t>(bytes), B * H * padded * padded * 2) << "the deterministic backward's dP";
+  EXPECT_LE(static_cast<int64_t>(bytes), attention_workspace_estimate(B, H, S, d, true) + (int64_t{8} << 20))
+      << "the memory plan's estimate";
+  gpu::DeviceArray<char> workspace(bytes);
+  workspace.fill_bytes(0xff);
+  shared.use_workspace(workspace.data(), workspace.size());
+  const Results got = run(shared);
+  auto same_bits = [](const auto& a, const auto& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+  };
+  EXPECT_TRUE(same_bits(got.out, want.out));
+  EXPECT_TRUE(same_bits(got.stats, want.stats));
+  EXPECT_TRUE(same_bits(got.dq, want.dq));
+  EXPECT_TRUE(same_bits(got.dk, want.dk));
+  EXPECT_TRUE(same_bits(got.dv, want.dv));
+
+  cuda::Attention small;
+  ASSERT_GT(bytes, 0u);
+  small.use_workspace(workspace.data(), bytes - 1);
+  auto out = poisoned<bf16>(B * S * H * d);
+  auto stats = poisoned<float>(B * H * S);
+  auto dq = poisoned<bf16>(B * S * H * d), dk = poisoned<bf16>(B * S * G * d), dv = poisoned<bf16>(B * S * G * d);
+  test::expect_one_line_error<Error>(
+      [&] {
+        small.forward(out.data(), stats.data(), q.data(), k.data(), v.data(), B, S, H, G, d, scale, nullptr);
+        small.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
+                       stats.data(), B, S, H, G, d, scale, nullptr);
+      },
+      {"attention", "bytes of workspace", std::to_string(bytes - 1)});
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttention,
