@@ -26,7 +26,8 @@ std::string recompute_text(const MemoryLayout& l, int64_t n_layers) {
   const std::string experts =
       l.recompute_experts_layers < 0
           ? fmt::format("experts {}", name_of(l.recompute_experts))
-          : fmt::format("experts {} ({} MoE layers)", name_of(l.recompute_experts), l.recompute_experts_layers);
+          : fmt::format("experts {} ({} MoE layer{})", name_of(l.recompute_experts), l.recompute_experts_layers,
+                        l.recompute_experts_layers == 1 ? "" : "s");
   if (layers == 0) return l.recompute_experts == ExpertRecompute::None ? "none" : experts;
   std::string text = layers == n_layers ? "all layers" : fmt::format("{} layers", layers);
   if (l.recompute_experts != ExpertRecompute::None) text += ", " + experts;
@@ -104,10 +105,10 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
   }
   fmt::print(out, "layouts that fit on {} GPU{}, best first ({} of {}):\n", gpus, gpus == 1 ? "" : "s",
              std::min<size_t>(all.size(), static_cast<size_t>(options.max_layouts)), all.size());
-  fmt::print(out, "  {:>4} {:>4} {:>11}  {:<22} {:>8}\n", "EP", "ZeRO", "micro-batch", "recompute", "GB/GPU");
+  fmt::print(out, "  {:>4} {:>4} {:>11}  {:<32} {:>8}\n", "EP", "ZeRO", "micro-batch", "recompute", "GB/GPU");
   for (size_t i = 0; i < all.size() && i < static_cast<size_t>(options.max_layouts); ++i) {
     const MemoryLayout& l = all[i].layout;
-    fmt::print(out, "  {:>4} {:>4} {:>11}  {:<22} {:>8.2f}\n", l.expert_parallel, l.zero, l.micro_batch,
+    fmt::print(out, "  {:>4} {:>4} {:>11}  {:<32} {:>8.2f}\n", l.expert_parallel, l.zero, l.micro_batch,
                recompute_text(l, mc.n_layers), gb(all[i].estimate.total()));
   }
   return 0;

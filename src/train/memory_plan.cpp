@@ -326,7 +326,7 @@ int recompute_rank(const MemoryLayout& l) {
 std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blocks, int64_t gpus,
                                  int64_t gpus_per_node, int64_t budget_bytes) {
   const ModelConfig& c = config.model;
-  const int64_t E = c.moe.n_experts;
+  const int64_t E = c.moe.n_experts, moe_layers = E > 0 ? c.n_layers - c.first_dense_layers : 0;
   std::vector<int64_t> eps;
   for (int64_t ep = 1; ep <= std::max<int64_t>(1, E); ++ep)
     if ((ep == 1 || E % ep == 0) && gpus % ep == 0) eps.push_back(ep);
@@ -340,12 +340,32 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
     for (int64_t zero = 0; zero <= (gpus > 1 ? 3 : 0); ++zero) {
       if (!gpu_offers_zero(config, zero, ep)) continue;
       const StateBytes state = state_with(config, {gpus, gpus_per_node, ep, zero}, blocks);
-      for (int64_t mb : micro_batches)
+      for (int64_t mb : micro_batches) {
+        bool nothing_recomputed_fits = false;
         for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
-          const MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};
+          MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};
+          // Expert rows recomputed in the first MoE layers only: the fewest that fit (each
+          // layer kept whole saves its recompute; the estimate falls as more recompute).
+          // Not at all where nothing recomputed fits already.
+          if (layers == 0 && experts != ExpertRecompute::None) {
+            if (nothing_recomputed_fits) continue;
+            for (int64_t n = 2; n < moe_layers; ++n) {  // one layer alone shares its rows with none
+              layout.recompute_experts_layers = n;
+              MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
+              if (estimate.total() <= budget_bytes) {
+                fits.push_back({layout, std::move(estimate)});
+                break;
+              }
+            }
+            if (!fits.empty() && fits.back().layout == layout) continue;
+            layout.recompute_experts_layers = -1;
+          }
           MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
-          if (estimate.total() <= budget_bytes) fits.push_back({layout, std::move(estimate)});
+          if (estimate.total() > budget_bytes) continue;
+          if (layers == 0 && experts == ExpertRecompute::None) nothing_recomputed_fits = true;
+          fits.push_back({layout, std::move(estimate)});
         }
+      }
     }
   const auto key = [](const LayoutFit& f) {
     return std::make_tuple(recompute_rank(f.layout), f.layout.zero, -f.layout.micro_batch, f.layout.expert_parallel,

@@ -634,6 +634,45 @@ TEST(MemoryPlan, LayoutsThatFitComeBestFirst) {
   EXPECT_EQ(layout_changes(fits.front().layout, fits.back().layout).empty(), fits.size() == 1);
 }
 
+// Expert recomputation among the fitting layouts is in the fewest first MoE layers that fit
+// (training.recompute_experts_layers), and not offered where nothing recomputed fits.
+TEST(MemoryPlan, ExpertRecomputeTakesTheFewestMoELayersThatFit) {
+  RunConfig c = small_config();
+  c.model.n_layers = 8;
+  c.training.micro_batch = 4;
+  c.training.global_batch_tokens = 4 * 256;
+  auto layout = [&](ExpertRecompute experts, int64_t moe_layers) {
+    MemoryLayout l = configured_layout(c, 1, 1);
+    l.recompute_experts = experts;
+    l.recompute_experts_layers = moe_layers;
+    return l;
+  };
+  std::vector<int64_t> swiglu(9);
+  for (int64_t n = 1; n <= 8; ++n) swiglu[n] = estimate_memory(c, layout(ExpertRecompute::Swiglu, n)).total();
+  const int64_t none = estimate_memory(c, layout(ExpertRecompute::None, -1)).total();
+  // One recomputed layer shares its rows with no other: the memory of none; each more saves.
+  ASSERT_EQ(swiglu[1], none);
+  for (int64_t n = 2; n <= 8; ++n) ASSERT_LT(swiglu[n], swiglu[n - 1]) << n << " layers share one set of rows";
+  const int64_t budget = swiglu[3];  // 3 layers fit, 2 do not
+  bool found = false;
+  for (const LayoutFit& f : layouts_that_fit(c, 1, 1, budget)) {
+    if (f.layout.micro_batch != 4 || f.layout.recompute_layers != 0) continue;
+    EXPECT_NE(f.layout.recompute_experts, ExpertRecompute::None) << "nothing recomputed does not fit";
+    if (f.layout.recompute_experts == ExpertRecompute::Swiglu) {
+      EXPECT_EQ(f.layout.recompute_experts_layers, 3);
+      EXPECT_EQ(f.estimate.total(), swiglu[3]);
+      EXPECT_EQ(layout_changes(configured_layout(c, 1, 1), f.layout),
+                "training.recompute_experts = \"swiglu\", training.recompute_experts_layers = 3");
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found);
+  // Where nothing recomputed fits, no expert recomputation is listed at that micro-batch.
+  for (const LayoutFit& f : layouts_that_fit(c, 1, 1, none))
+    if (f.layout.micro_batch == 4 && f.layout.recompute_layers == 0)
+      EXPECT_EQ(f.layout.recompute_experts, ExpertRecompute::None);
+}
+
 // The bench models on one H200 (BENCHMARKS.md: "device memory in use" after the timed
 // steps, defaults): the estimate within 10% of the measured peak, and the refusal quiet.
 TEST(MemoryPlan, BenchModelsWithinTenPercentOfTheirMeasuredPeaks) {
