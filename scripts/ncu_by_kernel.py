@@ -6,10 +6,13 @@ On the GPU machine (docs/PROFILING.md, "Where a step goes, kernel by kernel"):
       --csv --page raw moe bench -c CONFIG --warmup 1 --steps 1 > run.csv
 then here: `python3 scripts/ncu_by_kernel.py run.csv --steps 2`. Each kernel is replayed
 alone at the board's full clock, so the sum is below a power-capped step's time.
+`--exclude split_kernel` leaves out the master weights' one-time upload, which the
+division by --steps would otherwise count as part of each step.
 """
 import argparse
 import collections
 import csv
+import re
 import sys
 
 
@@ -32,7 +35,7 @@ def number(text):
     return float(text.replace(",", ""))
 
 
-def by_kernel(path, width):
+def by_kernel(path, width, exclude=None):
     header, units, rows = read_rows(path)
     name_at, time_at = header.index("Kernel Name"), header.index("gpu__time_duration.sum")
     bytes_at = header.index("dram__bytes.sum") if "dram__bytes.sum" in header else None
@@ -43,13 +46,18 @@ def by_kernel(path, width):
     if bytes_at is not None:
         to_gb = {"byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3, "Gbyte": 1.0}.get(units[bytes_at])
     groups = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    left_out = [0, 0.0]
     for row in rows:
+        if exclude is not None and exclude.search(row[name_at]):
+            left_out[0] += 1
+            left_out[1] += number(row[time_at]) * to_ms
+            continue
         g = groups[row[name_at][:width]]
         g[0] += 1
         g[1] += number(row[time_at]) * to_ms
         if to_gb is not None:
             g[2] += number(row[bytes_at]) * to_gb
-    return groups, to_gb is not None
+    return groups, to_gb is not None, left_out
 
 
 def main():
@@ -58,12 +66,21 @@ def main():
     parser.add_argument("--steps", type=float, default=1.0, help="steps the run profiled (times are divided by it)")
     parser.add_argument("--top", type=int, default=40, help="kernels to list")
     parser.add_argument("--width", type=int, default=100, help="characters of the kernel name to group by")
+    parser.add_argument("--exclude", metavar="REGEX",
+                        help="leave out kernels whose name matches, e.g. split_kernel: the one-time upload of the "
+                             "master weights, which no step runs")
     args = parser.parse_args()
     if args.steps <= 0:
         sys.exit(f"ncu_by_kernel: --steps must be > 0, got {args.steps}")
-    groups, have_bytes = by_kernel(args.csv, args.width)
+    try:
+        exclude = re.compile(args.exclude) if args.exclude else None
+    except re.error as e:
+        sys.exit(f"ncu_by_kernel: --exclude {args.exclude!r} is not a regular expression: {e}")
+    groups, have_bytes, left_out = by_kernel(args.csv, args.width, exclude)
     total = sum(g[1] for g in groups.values()) / args.steps
     print(f"{total:.2f} ms a step over {sum(g[0] for g in groups.values())} launches")
+    if exclude is not None:
+        print(f"left out (--exclude {args.exclude}): {left_out[0]} launches, {left_out[1]:.2f} ms in all")
     print("   ms/step  launches/step" + ("   GB/step   TB/s" if have_bytes else "") + "  kernel")
     for name, (count, ms, gb) in sorted(groups.items(), key=lambda kv: -kv[1][1])[: args.top]:
         rate = f"  {gb / args.steps:8.2f} {gb / ms:6.2f}" if have_bytes and ms > 0 else ""

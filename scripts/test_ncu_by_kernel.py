@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """scripts/ncu_by_kernel.py on a made-up ncu CSV: its preamble skipped, quoted numbers with
-thousands separators read, launches of one kernel summed and divided by the steps, bad
-input refused in one line."""
+thousands separators read, launches of one kernel summed and divided by the steps, --exclude leaving kernels out,
+bad input refused in one line."""
 import os
 import subprocess
 import sys
@@ -41,6 +41,16 @@ def main():
     small = [l for l in lines if "small_kernel" in l]
     if not small or small[0].split()[:2] != ["0.00", "1.0"]:
         failures.append(f"small row: {small}")
+    # --exclude: the matching kernel's launches leave the total and the rows, counted apart.
+    ex = run(CSV, "--steps", "2", "--exclude", "gemm_")
+    ex_lines = ex.stdout.splitlines()
+    if (ex.returncode != 0 or not ex_lines or not ex_lines[0].startswith("0.00 ms a step over 2 launches")
+            or "left out (--exclude gemm_): 2 launches, 5.00 ms in all" not in ex.stdout
+            or any("gemm_kernel" in l for l in ex_lines[2:])):
+        failures.append(f"--exclude: rc {ex.returncode}, {ex.stdout!r} {ex.stderr!r}")
+    bad_re = run(CSV, "--exclude", "(")
+    if bad_re.returncode == 0 or "not a regular expression" not in bad_re.stderr:
+        failures.append(f"--exclude '(': rc {bad_re.returncode}, {bad_re.stderr!r}")
     bad = run("no header here\n")
     if bad.returncode == 0 or len(bad.stderr.strip().splitlines()) != 1 or "no ncu CSV header" not in bad.stderr:
         failures.append(f"bad input: rc {bad.returncode}, {bad.stderr!r}")
