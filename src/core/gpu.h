@@ -86,21 +86,6 @@ class DeviceArray {
   size_t count_ = 0;
 };
 
-// A view of device memory another owner holds (a DeviceArray, or part of one): what
-// buffers that share one allocation at different times hand out.
-template <typename T>
-class DeviceSpan {
- public:
-  DeviceSpan() = default;
-  DeviceSpan(T* data, size_t count) : data_(data), count_(count) {}
-  T* data() const { return data_; }
-  size_t size() const { return count_; }
-
- private:
-  T* data_ = nullptr;
-  size_t count_ = 0;
-};
-
 // Page-locked host memory (cudaMallocHost): device-to-host copies into it run at the
 // link's speed and asynchronously. Pinning is slow (the pages are touched and locked), so
 // owners keep one for reuse. Not initialised.

@@ -44,7 +44,7 @@ SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t d
   s.dact = local_rows * hidden;
   s.dgate_up = local_rows * 2 * hidden;
   s.dx = local_rows * dim;
-  s.dact_at = s.drows_at + aligned(2 * s.drows);
+  s.dact_at = aligned(2 * s.drows);
   s.dgate_up_at = s.dact_at + aligned(2 * s.dact);
   s.dx_at = s.dgate_up_at + aligned(2 * s.dgate_up);
   s.rows_end = s.dx_at + aligned(2 * s.dx);

@@ -79,12 +79,12 @@ struct DenseGemmShape {
 };
 // GpuTransformer's shared scratch (State::shared_scratch, docs/MEMORY_PLAN.md "Shared
 // scratch"): from byte 0 either dlogits_head [tokens, vocab], or the MoE backward's row
-// gradients (drows [drows_rows, dim], d act [local_rows, hidden], d gate|up [local_rows,
+// gradients (drows [drows_rows, dim] at 0, d act [local_rows, hidden], d gate|up [local_rows,
 // 2 hidden], dx [local_rows, dim], each at a 256-byte boundary), or cuDNN's attention
 // workspace; bf16 elements, byte offsets. The allocation is the largest of the three.
 struct SharedScratchSizes {
   int64_t dlogits_head = 0, drows = 0, dact = 0, dgate_up = 0, dx = 0;  // elements
-  int64_t drows_at = 0, dact_at = 0, dgate_up_at = 0, dx_at = 0;        // bytes
+  int64_t dact_at = 0, dgate_up_at = 0, dx_at = 0;                      // bytes (drows at 0)
   int64_t rows_end = 0;                                                  // bytes
   // Without the attention workspace (attention_workspace_estimate for the planner).
   int64_t bytes() const { return dlogits_head * 2 > rows_end ? dlogits_head * 2 : rows_end; }

@@ -341,29 +341,30 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
       if (!gpu_offers_zero(config, zero, ep)) continue;
       const StateBytes state = state_with(config, {gpus, gpus_per_node, ep, zero}, blocks);
       for (int64_t mb : micro_batches) {
+        // Adds `layout` when its estimate fits; says whether it did.
+        const auto add_if_fits = [&](const MemoryLayout& layout) {
+          MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
+          if (estimate.total() > budget_bytes) return false;
+          fits.push_back({layout, std::move(estimate)});
+          return true;
+        };
         bool nothing_recomputed_fits = false;
         for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
           MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};
-          // Expert rows recomputed in the first MoE layers only: the fewest that fit (each
-          // layer kept whole saves its recompute; the estimate falls as more recompute).
-          // Not at all where nothing recomputed fits already.
-          if (layers == 0 && experts != ExpertRecompute::None) {
-            if (nothing_recomputed_fits) continue;
-            for (int64_t n = 2; n < moe_layers; ++n) {  // one layer alone shares its rows with none
-              layout.recompute_experts_layers = n;
-              MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
-              if (estimate.total() <= budget_bytes) {
-                fits.push_back({layout, std::move(estimate)});
-                break;
-              }
-            }
-            if (!fits.empty() && fits.back().layout == layout) continue;
-            layout.recompute_experts_layers = -1;
+          if (layers != 0 || experts == ExpertRecompute::None) {
+            const bool fit = add_if_fits(layout);
+            nothing_recomputed_fits = nothing_recomputed_fits || (fit && layers == 0);
+            continue;
           }
-          MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
-          if (estimate.total() > budget_bytes) continue;
-          if (layers == 0 && experts == ExpertRecompute::None) nothing_recomputed_fits = true;
-          fits.push_back({layout, std::move(estimate)});
+          // Expert rows recomputed in the first MoE layers only: the fewest that fit, from 2
+          // (one layer alone shares its rows with none), else every one; not at all where
+          // nothing recomputed fits already.
+          if (nothing_recomputed_fits) continue;
+          for (int64_t n = 2;; ++n) {
+            const bool every = n >= moe_layers;
+            layout.recompute_experts_layers = every ? -1 : n;
+            if (add_if_fits(layout) || every) break;
+          }
         }
       }
     }

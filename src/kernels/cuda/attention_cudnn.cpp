@@ -50,12 +50,15 @@ std::vector<int64_t> bshd_strides(int64_t ld, int64_t S, int64_t d) { return {S 
 // B, S, H, G, d, scale, and the row strides of q (dq) and of k, v (dk, dv).
 using Shape = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t>;
 
-// Row strides given as 0 become the packed ones; a token's heads must fit in its row.
-void check_strides(int64_t H, int64_t G, int64_t d, int64_t& ld_q, int64_t& ld_kv) {
+// A call's shape, checked: the query heads in groups of the kv heads; row strides given as 0
+// become the packed ones, and a token's heads must fit in its row.
+Shape checked_shape(int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, int64_t ld_q, int64_t ld_kv) {
+  MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
   if (ld_q == 0) ld_q = H * d;
   if (ld_kv == 0) ld_kv = G * d;
   MOE_CHECK(ld_q >= H * d && ld_kv >= G * d, "attention: row strides {} (q) and {} (k, v) below {} and {} elements",
             ld_q, ld_kv, H * d, G * d);
+  return {B, S, H, G, d, scale, ld_q, ld_kv};
 }
 
 void load_cudnn() {
@@ -185,9 +188,7 @@ void Attention::set_deterministic(bool deterministic) {
 
 size_t Attention::workspace_bytes(int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, int64_t ld_q,
                                   int64_t ld_kv) {
-  MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
-  check_strides(H, G, d, ld_q, ld_kv);
-  const Shape shape{B, S, H, G, d, scale, ld_q, ld_kv};
+  const Shape shape = checked_shape(B, S, H, G, d, scale, ld_q, ld_kv);
   return std::max(state_->forward_graph(shape).workspace_bytes, state_->backward_graph(shape).workspace_bytes);
 }
 
@@ -205,10 +206,8 @@ Attention::~Attention() {
 void Attention::forward(bf16* out_BSHd, float* stats_BHS, const bf16* q_BSHd, const bf16* k_BSGd, const bf16* v_BSGd,
                         int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream,
                         int64_t ld_q, int64_t ld_kv) {
-  MOE_CHECK(H % G == 0, "attention: {} query heads do not divide into {} kv heads", H, G);
-  check_strides(H, G, d, ld_q, ld_kv);
+  const BuiltGraph& built = state_->forward_graph(checked_shape(B, S, H, G, d, scale, ld_q, ld_kv));
   MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
-  const BuiltGraph& built = state_->forward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},
                                              {kK, const_cast<bf16*>(k_BSGd)},
                                              {kV, const_cast<bf16*>(v_BSGd)},
@@ -221,9 +220,8 @@ void Attention::backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16
                          const bf16* k_BSGd, const bf16* v_BSGd, const bf16* out_BSHd, const float* stats_BHS,
                          int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, Stream stream,
                          int64_t ld_q, int64_t ld_kv) {
-  check_strides(H, G, d, ld_q, ld_kv);
+  const BuiltGraph& built = state_->backward_graph(checked_shape(B, S, H, G, d, scale, ld_q, ld_kv));
   MOE_CUDNN_CHECK(fe::detail::set_stream(state_->handle, stream));
-  const BuiltGraph& built = state_->backward_graph({B, S, H, G, d, scale, ld_q, ld_kv});
   std::unordered_map<int64_t, void*> pack = {{kQ, const_cast<bf16*>(q_BSHd)},     {kK, const_cast<bf16*>(k_BSGd)},
                                              {kV, const_cast<bf16*>(v_BSGd)},     {kO, const_cast<bf16*>(out_BSHd)},
                                              {kdO, const_cast<bf16*>(dout_BSHd)}, {kStats, const_cast<float*>(stats_BHS)},

@@ -301,10 +301,10 @@ void GpuTransformer::plan(int64_t batch) {
   s.shared_scratch = Buffer<char>(std::max({static_cast<size_t>(scratch.bytes()), attention_bytes, size_t{256}}));
   char* base = s.shared_scratch.data();
   auto span = [&](int64_t offset, int64_t count) {
-    return gpu::DeviceSpan<bf16>(reinterpret_cast<bf16*>(base + offset), static_cast<size_t>(count));
+    return std::span<bf16>(reinterpret_cast<bf16*>(base + offset), static_cast<size_t>(count));
   };
   s.dlogits_head = span(0, scratch.dlogits_head);
-  s.drows = span(scratch.drows_at, scratch.drows);
+  s.drows = span(0, scratch.drows);
   s.dact_rows = span(scratch.dact_at, scratch.dact);
   s.dgate_up_rows = span(scratch.dgate_up_at, scratch.dgate_up);
   s.dx_rows = span(scratch.dx_at, scratch.dx);

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -132,7 +133,7 @@ struct GpuTransformer::State {
   // The LM head: fp32 logits for head_chunk_rows rows at a time, and the gradient of the
   // mean loss per logit (softmax - onehot) / n_valid, written by the forward.
   Buffer<float> head_logits_chunk;
-  gpu::DeviceSpan<bf16> dlogits_head;  // in shared_scratch
+  std::span<bf16> dlogits_head;  // device memory in shared_scratch
   int64_t head_chunk_rows = 0;
   Buffer<float> final_rstd, loss;
   // Device-side results of a forward, read back once at its end: [0] cross-entropy,
@@ -142,8 +143,8 @@ struct GpuTransformer::State {
   Buffer<double> routing_scratch;  // accumulate_routing_stats' per-block partial entropies
   // Backward scratch.
   Buffer<bf16> dres, dnorm, dqkv, dattn, dlogits_bf16, dffn_act, dffn_gate_up;
-  // The MoE backward's row gradients, in shared_scratch.
-  gpu::DeviceSpan<bf16> drows, dact_rows, dgate_up_rows, dx_rows;
+  // The MoE backward's row gradients: device memory in shared_scratch.
+  std::span<bf16> drows, dact_rows, dgate_up_rows, dx_rows;
   // One allocation for three things a step never uses at once (docs/MEMORY_PLAN.md,
   // "Shared scratch"): dlogits_head (the LM head's loss to its backward), the MoE
   // backward's row gradients (within a MoE block's backward) and cuDNN's attention
