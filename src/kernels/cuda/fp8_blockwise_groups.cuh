@@ -28,8 +28,11 @@ struct BlockwiseGroups;
 // e4m3 A [M, K] and B (K x N stored [N, K]), both K-major as FP8 wgmma needs, scales by
 // ScaleConfig (cutlass::detail::Sm90BlockwiseScaleConfig), fp32 accumulation promoted
 // every 128 of K, ElementD out (row-major); 128 x 128 x 128 tiles (one scale slice per K
-// tile: the blockwise mainloop's requirement), clusters of 1 x 2, cooperative.
-template <class ScaleConfig, class ElementD_>
+// tile: the blockwise mainloop's requirement), cooperative, clusters of two SMs: 1 x 2 (A's
+// tile multicast) by default, 2 x 1 (B's tile multicast) where that is faster.
+using ClusterAlongN = cute::Shape<cute::_1, cute::_2, cute::_1>;
+using ClusterAlongM = cute::Shape<cute::_2, cute::_1, cute::_1>;
+template <class ScaleConfig, class ElementD_, class ClusterShape_ = ClusterAlongN>
 struct BlockwiseGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;  // (M, N, K) per group
   using GroupShape = typename ProblemShape::UnderlyingProblemShape;
@@ -41,8 +44,8 @@ struct BlockwiseGemm {
   static constexpr int kAlignmentAB = 16;  // 16-byte TMA rows
   static constexpr int kAlignmentD = 16 / static_cast<int>(sizeof(ElementD));
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_2, cute::_1>;
-  static constexpr int kClusterSms = 2;
+  using ClusterShape = ClusterShape_;
+  static constexpr int kClusterSms = cute::size(ClusterShape{});
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<

@@ -21,21 +21,16 @@ namespace moe::cuda {
 namespace {
 
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, fp8::kBlock, fp8::kBlock>;
-using Blockwise = grouped::BlockwiseGemm<ScaleConfig, cutlass::bfloat16_t>;
-using GroupShape = Blockwise::GroupShape;
-using ElementAB = Blockwise::ElementAB;
-using ElementD = Blockwise::ElementD;
-using Gemm = Blockwise::Gemm;
-using StrideA = Blockwise::StrideA;
-using StrideB = Blockwise::StrideB;
-using StrideC = Blockwise::StrideC;
-using StrideD = Blockwise::StrideD;
-constexpr int kClusterSms = Blockwise::kClusterSms;
-
-using grouped::leading_stride;
-
-// The per-group arrays the kernel reads (device memory, carved from one block).
-using Groups = Blockwise::Groups;
+// The forward shares each expert's weight tile between the cluster's two SMs (2 x 1:
+// mixtral-mini's gate|up GEMM 1.561 -> 1.378 ms, BENCHMARKS.md), the data gradient its
+// token rows' tile (1 x 2: the down projection's 0.862 -> 0.803 ms).
+using ForwardGemm = grouped::BlockwiseGemm<ScaleConfig, cutlass::bfloat16_t, grouped::ClusterAlongM>;
+using DataGemm = grouped::BlockwiseGemm<ScaleConfig, cutlass::bfloat16_t, grouped::ClusterAlongN>;
+static_assert(ForwardGemm::kClusterSms == DataGemm::kClusterSms, "set_sm_limit rounds to one cluster size");
+using GroupShape = DataGemm::GroupShape;
+using ElementAB = DataGemm::ElementAB;
+using ElementD = DataGemm::ElementD;
+constexpr int kClusterSms = DataGemm::kClusterSms;
 
 // Set s's operands: B codes and scales, the output.
 struct Sets {
@@ -47,8 +42,10 @@ struct Sets {
 // Group s * E + e: expert e of set s. A is shared by the sets (rows [first, first + rows)
 // of the [R, K] codes, their scales at first * KB); B of expert e at e * N * K, its scales
 // at e * NB * KB; the output rows at first * ld_out.
-__global__ void describe(Groups g, Sets sets, int groups, const int32_t* offsets_E1, int64_t E, int64_t N, int64_t K,
-                         const ElementAB* a, const float* sfa, int64_t ld_out) {
+template <class Blockwise>
+__global__ void describe(typename Blockwise::Groups g, Sets sets, int groups, const int32_t* offsets_E1, int64_t E,
+                         int64_t N, int64_t K, const ElementAB* a, const float* sfa, int64_t ld_out) {
+  using Groups = typename Blockwise::Groups;
   const int group = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (group >= groups) return;
   const int set = static_cast<int>(group / E);
@@ -63,13 +60,20 @@ __global__ void describe(Groups g, Sets sets, int groups, const int32_t* offsets
   g.d[group] = sets.out[set] + first * ld_out;
   g.sfa[group] = sfa + first * KB;
   g.sfb[group] = sets.sfb[set] + expert * NB * KB;
-  g.stride_a[group] = leading_stride<StrideA>(K);
-  g.stride_b[group] = leading_stride<StrideB>(K);
-  g.stride_c[group] = leading_stride<StrideC>(ld_out);
-  g.stride_d[group] = leading_stride<StrideD>(ld_out);
+  g.stride_a[group] = grouped::leading_stride<typename Groups::StrideA>(K);
+  g.stride_b[group] = grouped::leading_stride<typename Groups::StrideB>(K);
+  g.stride_c[group] = grouped::leading_stride<typename Groups::StrideC>(ld_out);
+  g.stride_d[group] = grouped::leading_stride<typename Groups::StrideD>(ld_out);
   // The grouped mainloop derives each group's scale layouts from its shape; these say the same.
   g.layout_sfa[group] = ScaleConfig::tile_atom_to_shape_SFA(shape);
   g.layout_sfb[group] = ScaleConfig::tile_atom_to_shape_SFB(shape);
+}
+
+// The workspace a kernel needs for `groups` groups on `sms` multiprocessors.
+template <class Blockwise>
+size_t workspace_bytes(int groups, int sms) {
+  const typename Blockwise::Groups none{};
+  return Blockwise::Gemm::get_workspace_size(Blockwise::Groups::arguments(none, groups, 0.0f, sms));
 }
 
 void check_shape(const char* what, int64_t N, int64_t K, int64_t ld_out) {
@@ -89,12 +93,15 @@ struct ExpertGemmFp8::State {
   // never overwrite each other's descriptions.
   gpu::DeviceArray<char> forward_groups, data_groups, workspace;
 
+  template <class Blockwise>
   void run(const gpu::DeviceArray<char>& groups_block, const Sets& sets, int n_sets, const int32_t* offsets_E1,
            int64_t N, int64_t K, const uint8_t* a, const float* sfa, int64_t ld_out, float beta, Stream stream) const {
+    using Groups = typename Blockwise::Groups;
+    using Gemm = typename Blockwise::Gemm;
     const int groups = static_cast<int>(n_sets * n_experts);
     const Groups g = Groups::carve(groups_block.data(), groups);
-    describe<<<(groups + 127) / 128, 128, 0, stream>>>(g, sets, groups, offsets_E1, n_experts, N, K,
-                                                        reinterpret_cast<const ElementAB*>(a), sfa, ld_out);
+    describe<Blockwise><<<(groups + 127) / 128, 128, 0, stream>>>(
+        g, sets, groups, offsets_E1, n_experts, N, K, reinterpret_cast<const ElementAB*>(a), sfa, ld_out);
     MOE_CUDA_CHECK(cudaGetLastError());
     const auto args = Groups::arguments(g, groups, beta, sm_count);
     MOE_CHECKF(Gemm::get_workspace_size(args) <= workspace.size(), "fp8 grouped GEMM: workspace too small");
@@ -117,10 +124,10 @@ ExpertGemmFp8::ExpertGemmFp8(int64_t max_experts) : state_(new State) {
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&s.device_sms, cudaDevAttrMultiProcessorCount, device));
   s.sm_count = s.device_sms;
   const int max_groups = static_cast<int>(kMaxSets * max_experts);
-  s.forward_groups = gpu::DeviceArray<char>(Groups::bytes(max_groups));
-  s.data_groups = gpu::DeviceArray<char>(Groups::bytes(max_groups));
-  const Groups none{};
-  const size_t workspace = Gemm::get_workspace_size(Groups::arguments(none, max_groups, 0.0f, s.device_sms));
+  s.forward_groups = gpu::DeviceArray<char>(ForwardGemm::Groups::bytes(max_groups));
+  s.data_groups = gpu::DeviceArray<char>(DataGemm::Groups::bytes(max_groups));
+  const size_t workspace = std::max(workspace_bytes<ForwardGemm>(max_groups, s.device_sms),
+                                    workspace_bytes<DataGemm>(max_groups, s.device_sms));
   s.workspace = gpu::DeviceArray<char>(std::max<size_t>(workspace, size_t{256}));
 }
 
@@ -149,7 +156,7 @@ void ExpertGemmFp8::forward(int sets, bf16* const* out, int64_t ld_out, const ui
     pointers.sfb[s] = w_scales[s];
     pointers.out[s] = reinterpret_cast<ElementD*>(out[s]);
   }
-  state_->run(state_->forward_groups, pointers, sets, offsets_E1, N, K, x_codes, x_scales, ld_out, 0.0f, stream);
+  state_->run<ForwardGemm>(state_->forward_groups, pointers, sets, offsets_E1, N, K, x_codes, x_scales, ld_out, 0.0f, stream);
 }
 
 void ExpertGemmFp8::backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_codes, const float* dy_scales,
@@ -161,7 +168,7 @@ void ExpertGemmFp8::backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_c
   pointers.b[0] = reinterpret_cast<const ElementAB*>(wt_codes);
   pointers.sfb[0] = wt_scales;
   pointers.out[0] = reinterpret_cast<ElementD*>(out);
-  state_->run(state_->data_groups, pointers, 1, offsets_E1, N, K, dy_codes, dy_scales, ld_out, beta, stream);
+  state_->run<DataGemm>(state_->data_groups, pointers, 1, offsets_E1, N, K, dy_codes, dy_scales, ld_out, beta, stream);
 }
 
 }  // namespace moe::cuda
