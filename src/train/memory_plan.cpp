@@ -309,6 +309,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
 }
 
 // Recomputation settings from the least to the most: (layers, experts).
+// Layer recompute x expert recompute; (0, None) first (fits_over relies on it).
 std::vector<std::pair<int64_t, ExpertRecompute>> recompute_choices(bool expert_parallel) {
   if (expert_parallel) return {{0, ExpertRecompute::None}, {-1, ExpertRecompute::None}};
   return {{0, ExpertRecompute::None},
@@ -348,6 +349,8 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
           fits.push_back({layout, std::move(estimate)});
           return true;
         };
+        // recompute_choices lists nothing recomputed first, so this is known before the
+        // expert-only choices come.
         bool nothing_recomputed_fits = false;
         for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
           MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};

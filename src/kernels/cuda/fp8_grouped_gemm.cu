@@ -22,8 +22,9 @@ namespace {
 
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, fp8::kBlock, fp8::kBlock>;
 // The forward shares each expert's weight tile between the cluster's two SMs (2 x 1:
-// mixtral-mini's gate|up GEMM 1.561 -> 1.378 ms, BENCHMARKS.md), the data gradient its
-// token rows' tile (1 x 2: the down projection's 0.862 -> 0.803 ms).
+// mixtral-mini's gate|up GEMM 1.417 -> 1.362 ms on 2026-12-04, BENCHMARKS.md), the data
+// gradient its token rows' tile (1 x 2: the down projection's 0.862 ms on 2 x 1, 0.803 on
+// 1 x 2, 2026-12-03).
 using ForwardGemm = grouped::BlockwiseGemm<ScaleConfig, cutlass::bfloat16_t, grouped::ClusterAlongM>;
 using DataGemm = grouped::BlockwiseGemm<ScaleConfig, cutlass::bfloat16_t, grouped::ClusterAlongN>;
 static_assert(ForwardGemm::kClusterSms == DataGemm::kClusterSms, "set_sm_limit rounds to one cluster size");
@@ -156,7 +157,8 @@ void ExpertGemmFp8::forward(int sets, bf16* const* out, int64_t ld_out, const ui
     pointers.sfb[s] = w_scales[s];
     pointers.out[s] = reinterpret_cast<ElementD*>(out[s]);
   }
-  state_->run<ForwardGemm>(state_->forward_groups, pointers, sets, offsets_E1, N, K, x_codes, x_scales, ld_out, 0.0f, stream);
+  state_->run<ForwardGemm>(state_->forward_groups, pointers, sets, offsets_E1, N, K, x_codes, x_scales, ld_out, 0.0f,
+                           stream);
 }
 
 void ExpertGemmFp8::backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_codes, const float* dy_scales,
