@@ -2,9 +2,13 @@
 // CPU ops, including dropped tokens, experts with no tokens and ragged sizes.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "gpu_test_util.h"
 #include "core/fp8.h"
 #include "kernels/embedding.h"
+#include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 #include "moe/gpu_ops.h"
 #include "kernels/matmul.h"
@@ -100,6 +104,45 @@ TEST_P(GpuDispatch, LayoutPermuteCombineMatchCpu) {
   expect_close("combine backward dy", dy, dy_ref, kBf16Rtol, 1e-3);
   expect_close("combine backward dweight", to_host(dweight_d), dweight_ref, 1e-4, 1e-3);
   expect_close("permute backward", to_host_float(dx_d), dx_ref, kBf16Rtol, 1e-2);
+
+  // fp8: the permute and the combine backward writing the rows' e4m3 codes and scales too
+  // give the plain kernels' rows and what the quantiser makes of them afterwards, bit for
+  // bit, and write nothing else (every buffer starts from the same poison).
+  auto codes_d = poisoned<uint8_t>(T * K * D), codes_want_d = poisoned<uint8_t>(T * K * D);
+  auto scales_d = poisoned<float>(T * K * D / 128 + 1), scales_want_d = poisoned<float>(T * K * D / 128 + 1);
+  const cuda::RowCodes codes{codes_d.data(), scales_d.data(), offsets_d.data(), E, T * K};
+  if (D % fp8::kBlock != 0) {
+    EXPECT_THROW(cuda::permute_forward_by_token_fp8(by_token_d.data(), codes, x_d.data(), row_d.data(), T, K, D,
+                                                    nullptr),
+                 Error);
+    EXPECT_THROW(cuda::combine_backward_fp8(dy_d.data(), codes, dweight_d.data(), dout_d.data(), y_d.data(),
+                                            weight_d.data(), row_d.data(), T, K, D, nullptr),
+                 Error);
+    return;
+  }
+  auto same_bytes = [](const auto& got, const auto& want, const char* what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(got[0])), 0) << what << " differ";
+  };
+  auto fused_rows_d = poisoned<bf16>(T * K * D);
+  cuda::permute_forward_by_token_fp8(fused_rows_d.data(), codes, x_d.data(), row_d.data(), T, K, D, nullptr);
+  cuda::quantize_rows_blockwise(codes_want_d.data(), scales_want_d.data(), by_token_d.data(), D, offsets_d.data(), E,
+                                T * K, D, nullptr);
+  same_bytes(to_host(fused_rows_d), to_host(by_token_d), "permute's rows (fp8 form)");
+  same_bytes(to_host(codes_d), to_host(codes_want_d), "permute's codes");
+  same_bytes(to_host(scales_d), to_host(scales_want_d), "permute's scales");
+
+  auto fused_dy_d = poisoned<bf16>(T * K * D);
+  auto fused_dweight_d = poisoned<float>(T * K);
+  codes_d.fill_bytes(0xff), codes_want_d.fill_bytes(0xff), scales_d.fill_bytes(0xff), scales_want_d.fill_bytes(0xff);
+  cuda::combine_backward_fp8(fused_dy_d.data(), codes, fused_dweight_d.data(), dout_d.data(), y_d.data(),
+                             weight_d.data(), row_d.data(), T, K, D, nullptr);
+  cuda::quantize_rows_blockwise(codes_want_d.data(), scales_want_d.data(), dy_d.data(), D, offsets_d.data(), E, T * K,
+                                D, nullptr);
+  same_bytes(to_host(fused_dy_d), to_host(dy_d), "combine backward's dy (fp8 form)");
+  same_bytes(to_host(fused_dweight_d), to_host(dweight_d), "combine backward's dweight (fp8 form)");
+  same_bytes(to_host(codes_d), to_host(codes_want_d), "combine backward's codes");
+  same_bytes(to_host(scales_d), to_host(scales_want_d), "combine backward's scales");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuDispatch,

@@ -9,6 +9,7 @@
 #include "core/error_base.h"
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_row_tiles.cuh"
 #include "kernels/cuda/swiglu_math.cuh"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
@@ -17,38 +18,6 @@ namespace moe::cuda {
 namespace {
 
 using fp8::kBlock;
-
-// Four e4m3 codes in a word (a in the low byte; saturating, to nearest even), converted in
-// pairs: the instruction a single conversion issues too, half as many times.
-__device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float d) {
-  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
-  return lo | hi << 16;
-}
-
-// The first expert whose rows reach past row r (offsets ascending; empty experts skipped).
-__device__ int64_t expert_of(const int32_t* offsets_E1, int64_t E, int64_t r) {
-  int64_t lo = 0, hi = E;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (offsets_E1[mid + 1] <= r) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
-
-// The scale of tile kb of row r where fp8::activation_scale_index puts it for r's expert
-// (a binary search over the offsets; null offsets: one group of all R rows).
-__device__ __forceinline__ void write_tile_scale(float* scales, float scale, const int32_t* offsets_E1, int64_t E,
-                                                 int64_t R, int64_t r, int64_t kb, int64_t KB) {
-  int64_t first = 0, rows = R;
-  if (offsets_E1 != nullptr) {
-    const int64_t e = expert_of(offsets_E1, E, r);
-    first = offsets_E1[e];
-    rows = offsets_E1[e + 1] - first;
-  }
-  scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
-}
 
 // Row and 128-column block of a tile (tile = r * KB + kb) by 32-bit division, several times
 // cheaper than a 64-bit one in kernels this short; the launches keep tiles below 2^30.
@@ -117,33 +86,6 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
     if constexpr (V == 8) *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
     else *reinterpret_cast<uint32_t*>(out) = words[0];
   }
-}
-
-// A 1 x 128 tile of row r (tile kb of KB along the row) held by 16 consecutive lanes, 8
-// bf16-exact values each: its power-of-two scale (written by the tile's first lane where
-// fp8::activation_scale_index puts it for r's expert) and its 8 codes per lane at `out`.
-// tile_codes_of_8 writes the codes and returns the scale, for callers that know where it goes.
-__device__ __forceinline__ float tile_codes_of_8(const float (&v)[kVecElems], uint8_t* out) {
-  constexpr int kLanes = kBlock / kVecElems;
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kVecElems; ++j) amax = fmaxf(amax, fabsf(v[j]));
-  const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
-#pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
-  const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
-  uint32_t words[2];
-#pragma unroll
-  for (int w = 0; w < 2; ++w)
-    words[w] = pack4_e4m3(v[4 * w] * inverse, v[4 * w + 1] * inverse, v[4 * w + 2] * inverse, v[4 * w + 3] * inverse);
-  *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
-  return scale;
-}
-__device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], uint8_t* out, float* scales,
-                                                   const int32_t* offsets_E1, int64_t E, int64_t R, int64_t r,
-                                                   int64_t kb, int64_t KB, int lane) {
-  const float scale = tile_codes_of_8(v, out);
-  if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
 }
 
 // SwiGLU fused with the quantisation of its output (swiglu_forward_fp8): a tile's 16

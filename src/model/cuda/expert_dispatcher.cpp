@@ -43,12 +43,31 @@ class GpuLocalDispatcher final : public ExpertDispatcher {
     cuda::combine_backward(dy_rows, dweight_TK, dout_TD, m.y_rows.data(), m.weight.data(), m.row.data(),
                            shape_.tokens, shape_.top_k, shape_.dim, stream_);
   }
+  bool dispatch_fp8(const Layer&, MoEBuffers& m, const bf16* x_TD, const int32_t*, uint8_t* codes_RD, float* scales,
+                    int64_t experts) override {
+    mark_(kDispatch);
+    cuda::permute_forward_by_token_fp8(m.x_rows->data(), row_codes(m, codes_RD, scales, experts), x_TD, m.row.data(),
+                                       shape_.tokens, shape_.top_k, shape_.dim, stream_);
+    return true;
+  }
+  bool combine_backward_fp8(MoEBuffers& m, const bf16* dout_TD, bf16* dy_rows, float* dweight_TK, uint8_t* codes_RD,
+                            float* scales, int64_t experts) override {
+    mark_(kCombine);
+    cuda::combine_backward_fp8(dy_rows, row_codes(m, codes_RD, scales, experts), dweight_TK, dout_TD,
+                               m.y_rows.data(), m.weight.data(), m.row.data(), shape_.tokens, shape_.top_k,
+                               shape_.dim, stream_);
+    return true;
+  }
   void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float*) override {
     mark_(kDispatch);
     cuda::permute_backward(dx_TD, dx_rows, m.row.data(), shape_.tokens, shape_.top_k, shape_.dim, false, stream_);
   }
 
  private:
+  cuda::RowCodes row_codes(const MoEBuffers& m, uint8_t* codes_RD, float* scales, int64_t experts) const {
+    return {codes_RD, scales, expert_offsets(m), experts, expert_rows(m)};
+  }
+
   cudaStream_t stream_;
   std::function<void(int)> mark_;
   DispatchShape shape_;

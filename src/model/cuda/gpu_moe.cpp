@@ -62,9 +62,9 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   // The rows this rank's experts compute (under expert parallelism: every rank's tokens
   // routed here), the experts, and each token's weighted sum of its experts' outputs.
   dispatcher->keep_routed_experts(guess_next);
-  dispatcher->dispatch(layer, m, layer.act->n2.data(), routed_slot);
+  const bool x_quantised = dispatch_rows(layer, routed_slot, /*codes=*/true);
   dispatcher->keep_routed_experts(false);
-  const bool act_quantised = experts_gate_up_forward(layer, /*gate_up=*/true, /*for_down=*/true);
+  const bool act_quantised = experts_gate_up_forward(layer, /*gate_up=*/true, /*for_down=*/true, x_quantised);
   bf16* y[1] = {m.y_rows.data()};
   const int w2[1] = {Fp8ExpertWeights::kW2};
   expert_forward(layer, m, 1, y, D, m.act_rows->data(), F, w2, D, F, act_quantised);
@@ -113,29 +113,43 @@ void GpuTransformer::set_speculating(bool on) { state_->speculating = on && !sta
 
 void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up, bool swiglu) {
   MoEBuffers& m = layer.act->moe;
-  dispatcher->dispatch(layer, m, layer.act->n2.data(), layer.placed ? m.slot.data() : m.expert.data());
+  const bool x_quantised = dispatch_rows(layer, layer.placed ? m.slot.data() : m.expert.data(), gate_up);
   if (swiglu) {
-    experts_gate_up_forward(layer, gate_up);
+    experts_gate_up_forward(layer, gate_up, /*for_down=*/false, x_quantised);
   } else if (gate_up) {
     mark(kExperts);
-    experts_gate_up_gemm(layer);
+    experts_gate_up_gemm(layer, x_quantised);
   }
 }
 
-void GpuTransformer::State::experts_gate_up_gemm(Layer& layer) {
+bool GpuTransformer::State::dispatch_rows(Layer& layer, const int32_t* slot_TK, bool codes) {
+  MoEBuffers& m = layer.act->moe;
+  const bf16* x_TD = layer.act->n2.data();
+  const int64_t E = local_experts(layer);
+  if (fp8 && codes && E > 0 &&
+      dispatcher->dispatch_fp8(layer, m, x_TD, slot_TK, fp8_rows.data(), fp8_row_scales.data(), E)) {
+    MOE_CHECK(expert_rows(m) * config.dim <= static_cast<int64_t>(fp8_rows.size()),
+              "fp8 experts: scratch for {} x {} rows", expert_rows(m), config.dim);  // the plan's bound
+    return true;
+  }
+  dispatcher->dispatch(layer, m, x_TD, slot_TK);
+  return false;
+}
+
+void GpuTransformer::State::experts_gate_up_gemm(Layer& layer, bool x_quantised) {
   const int64_t D = config.dim, F = config.moe.expert_hidden;
   MoEBuffers& m = layer.act->moe;
   bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
   const int w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
-  expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D);
+  expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D, x_quantised);
 }
 
-bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down) {
+bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down, bool x_quantised) {
   const int64_t F = config.moe.expert_hidden;
   MoEBuffers& m = layer.act->moe;
   // The experts: grouped GEMMs over the device-side row offsets (no host sync).
   mark(kExperts);
-  if (gate_up) experts_gate_up_gemm(layer);
+  if (gate_up) experts_gate_up_gemm(layer, x_quantised);
   const int64_t E = local_experts(layer), R = expert_rows(m);
   // fp8 weight gradients: the backward's SwiGLU makes act's operand from gate|up itself.
   if (fp8_weight_gradients && !for_down && E > 0) return false;
@@ -169,15 +183,22 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   if (layer.recompute_expert_rows && !layer.recompute)
     expert_rows_forward(layer, /*gate_up=*/recompute_experts == ExpertRecompute::All,
                         /*swiglu=*/!act_from_backward);
-  // Under expert parallelism the output gradients go to the experts' ranks first.
-  dispatcher->combine_backward(m, dy, drows.data(), dweight.data());
+  // Under expert parallelism the output gradients go to the experts' ranks first. fp8: the
+  // down projection's data gradient reads dy's codes from set 0 of fp8_rows, written here
+  // where the dispatcher can.
+  const bool dy_quantised =
+      fp8 && local_experts(layer) > 0 &&
+      dispatcher->combine_backward_fp8(m, dy, drows.data(), dweight.data(), fp8_rows.data(), fp8_row_scales.data(),
+                                       local_experts(layer));
+  if (!dy_quantised) dispatcher->combine_backward(m, dy, drows.data(), dweight.data());
   const bf16* dy_rows = drows.data();
   const int64_t R = expert_rows(m);
   const int32_t* offsets = expert_offsets(m);
   mark(kExperts);
   const int w2[1] = {Fp8ExpertWeights::kW2}, w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
-  expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, Fp8ExpertWeights::kW2, F, D, 0.0f);
+  expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, Fp8ExpertWeights::kW2, F, D, 0.0f,
+                       dy_quantised ? 0 : -1);
   if (fp8_weight_gradients && local_experts(layer) > 0) {
     experts_backward_fp8_weights(layer, m, dy_rows);
   } else {

@@ -215,7 +215,8 @@ struct GpuTransformer::State {
   // The experts' GEMMs in the run's precision (gpu_moe_fp8.cpp): ExpertGemm's forward and
   // backward_data, or their fp8 versions with the operands quantised first.
   // The weights: `tensors` (sets of them) / `tensor`, Fp8ExpertWeights::Tensor values.
-  // x_quantised: fp8 only, x's codes and scales are in fp8_rows already (the fused SwiGLU);
+  // x_quantised: fp8 only, x's codes and scales are in fp8_rows already (the fused SwiGLU,
+  // or the dispatch's permute);
   // dy_quantised_set >= 0: dy's are, as that set of swiglu_backward_fp8's output.
   void expert_forward(Layer& layer, const MoEBuffers& m, int sets, bf16* const* out, int64_t ld_out, const bf16* x,
                       int64_t ld_x, const int* tensors, int64_t N, int64_t K, bool x_quantised = false);
@@ -239,11 +240,15 @@ struct GpuTransformer::State {
   // SwiGLU (unless skipped: the backward's SwiGLU refills act): the part of the MoE forward
   // that recompute_experts redoes before the backward.
   void expert_rows_forward(Layer& layer, bool gate_up, bool swiglu = true);
-  void experts_gate_up_gemm(Layer& layer);
+  // Dispatch of n2 into x_rows (slot_TK the routed slots); codes (fp8, a gate|up GEMM
+  // follows): the dispatcher also writes x's codes into fp8_rows where it can, and then
+  // this returns true (the GEMM's x_quantised).
+  bool dispatch_rows(Layer& layer, const int32_t* slot_TK, bool codes);
+  void experts_gate_up_gemm(Layer& layer, bool x_quantised = false);
   // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and
   // SwiGLU; for_down (fp8): SwiGLU also quantises act for the down projection into
-  // fp8_rows, and returns true when it did.
-  bool experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down = false);
+  // fp8_rows, and returns true when it did. x_quantised: as dispatch_rows returned.
+  bool experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down = false, bool x_quantised = false);
   int ep_rank() const { return ep ? ep->rank() : 0; }
   int64_t first_slot(const Layer& layer) const { return layer.slots.window_first(ep_rank()); }
   int64_t local_experts(const Layer& layer) const {

@@ -7,6 +7,7 @@
 
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_row_tiles.cuh"
 #include "kernels/gpu_ops.h"
 #include "moe/gpu_ops.h"
 
@@ -196,6 +197,16 @@ __device__ __forceinline__ GroupIndex group_index(int lane_bits) {
           static_cast<int>(threadIdx.x) & (lanes - 1), lanes};
 }
 
+// Row `row`'s codes for vector i (8 values; V vectors a row) and, from the first lane of
+// the vector's 1 x 128 tile, its scale where quantize_rows_blockwise puts it.
+__device__ __forceinline__ void store_tile_codes(const RowCodes& codes, uint2 words, float scale, int64_t row,
+                                                 int64_t i, int64_t V) {
+  constexpr int64_t kTileVecs = fp8::kBlock / kVecElems;
+  *reinterpret_cast<uint2*>(codes.codes_RD + (row * V + i) * kVecElems) = words;
+  if (i % kTileVecs == 0)
+    write_tile_scale(codes.scales, scale, codes.offsets_E1, codes.E, codes.R, row, i / kTileVecs, V / kTileVecs);
+}
+
 // sum[e] += w_k * rows_RV[row_K[k]][i][e] over the kept slots (row >= 0), k = 0..K-1 in
 // order; w_k = 1 when weight_K is null. Up to kSlotChunk loads in flight before the adds.
 __device__ __forceinline__ void add_rows(float (&sum)[kVecElems], const uint4* rows_RV, const int32_t* row_K,
@@ -237,18 +248,30 @@ __global__ void permute_vec_kernel(uint4* x_RV, const uint4* x_TV, const int32_t
 }
 
 // permute_forward_by_token: a token's row read once (streamed) and stored to each of its
-// kept rows; every kept row has exactly one slot, so no two threads write one row.
+// kept rows; every kept row has exactly one slot, so no two threads write one row. kCodes
+// (D % 128 == 0, so a group holds whole 1 x 128 tiles, 16 lanes each): the row's e4m3
+// codes and scales too, as quantize_rows_blockwise of the rows written gives them.
+template <bool kCodes>
 __global__ void permute_by_token_vec_kernel(uint4* x_RV, const uint4* x_TV, const int32_t* row_TK, int64_t T,
-                                            int64_t K, int64_t V, int lane_bits) {
+                                            int64_t K, int64_t V, int lane_bits, RowCodes codes) {
   const GroupIndex g = group_index(lane_bits);
   const int64_t t = g.item;
   if (t >= T) return;
   const int32_t* row_K = row_TK + t * K;
   for (int64_t i = g.lane; i < V; i += g.lanes) {
     const uint4 v = __ldcs(x_TV + t * V + i);
+    uint2 words;
+    float scale = 0.0f;
+    if constexpr (kCodes) {
+      float f[kVecElems];
+      unpack8(v, f);
+      scale = tile_words_of_8(f, words);
+    }
     for (int64_t k = 0; k < K; ++k) {
       const int32_t row = __ldg(row_K + k);
-      if (row >= 0) x_RV[static_cast<int64_t>(row) * V + i] = v;
+      if (row < 0) continue;
+      x_RV[static_cast<int64_t>(row) * V + i] = v;
+      if constexpr (kCodes) store_tile_codes(codes, words, scale, row, i, V);
     }
   }
 }
@@ -286,27 +309,32 @@ __global__ void combine_vec_kernel(uint4* out_TV, const uint4* y_RV, const float
 // Sums v[j], j < slots, over the lanes of each group (at most a warp: combine_backward's
 // launch) in a fixed order, an xor butterfly; the result is valid at every lane. Every lane
 // of the warp must call it (lane_bits and slots are uniform over the block).
-__device__ __forceinline__ void group_sum(float (&v)[kSlotChunk], int lane_bits, int64_t slots) {
+template <int kChunk>
+__device__ __forceinline__ void group_sum(float (&v)[kChunk], int lane_bits, int64_t slots) {
   for (int offset = (1 << lane_bits) >> 1; offset > 0; offset >>= 1) {
 #pragma unroll
-    for (int j = 0; j < kSlotChunk; ++j)
+    for (int j = 0; j < kChunk; ++j)
       if (j < slots) v[j] += __shfl_xor_sync(0xffffffffu, v[j], offset);
   }
 }
 
 // dy rows for a token's kept slots and the weight gradients; dout is read once per chunk
-// of kSlotChunk slots, the dot products reduced deterministically by group_sum.
+// of kChunk slots (2, 4 or 8: the fewest covering K, so top-2 holds no registers for 8),
+// the dot products reduced deterministically by group_sum (each slot's alone: the chunk
+// changes no bits). kCodes: the dy rows' e4m3 codes and scales too (as
+// permute_by_token_vec_kernel's).
+template <bool kCodes, int kChunk>
 __global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, const uint4* dout_TV,
                                             const uint4* y_RV, const float* weight_TK, const int32_t* row_TK,
-                                            int64_t T, int64_t K, int64_t V, int lane_bits) {
+                                            int64_t T, int64_t K, int64_t V, int lane_bits, RowCodes codes) {
   const GroupIndex g = group_index(lane_bits);
   const int64_t t = g.item;
   const bool active = t < T;  // inactive lanes still join group_sum's shuffles
-  for (int64_t k0 = 0; k0 < K; k0 += kSlotChunk) {
-    int32_t row[kSlotChunk];
-    float w[kSlotChunk], dot[kSlotChunk];
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    int32_t row[kChunk];
+    float w[kChunk], dot[kChunk];
 #pragma unroll
-    for (int j = 0; j < kSlotChunk; ++j) {
+    for (int j = 0; j < kChunk; ++j) {
       row[j] = active && k0 + j < K ? row_TK[t * K + k0 + j] : -1;
       w[j] = row[j] >= 0 ? weight_TK[t * K + k0 + j] : 0.0f;
       dot[j] = 0.0f;
@@ -315,13 +343,13 @@ __global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, con
       for (int64_t i = g.lane; i < V; i += g.lanes) {
         float grad[kVecElems];
         unpack8(__ldg(dout_TV + t * V + i), grad);
-        uint4 y[kSlotChunk];
+        uint4 y[kChunk];
 #pragma unroll
-        for (int j = 0; j < kSlotChunk; ++j)
+        for (int j = 0; j < kChunk; ++j)
           y[j] = row[j] >= 0 ? __ldg(y_RV + static_cast<int64_t>(row[j]) * V + i) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int j = 0; j < kSlotChunk; ++j) {
-          if (row[j] < 0) continue;
+        for (int j = 0; j < kChunk; ++j) {
+          if (row[j] < 0) continue;  // the same for the token's whole group
           float f[kVecElems], dy[kVecElems];
           unpack8(y[j], f);
 #pragma unroll
@@ -329,14 +357,21 @@ __global__ void combine_backward_vec_kernel(uint4* dy_RV, float* dweight_TK, con
             dy[e] = w[j] * grad[e];
             dot[j] += grad[e] * f[e];
           }
-          dy_RV[static_cast<int64_t>(row[j]) * V + i] = pack8(dy);
+          const uint4 packed = pack8(dy);
+          dy_RV[static_cast<int64_t>(row[j]) * V + i] = packed;
+          if constexpr (kCodes) {
+            unpack8(packed, dy);  // the bf16 values written are what gets quantised
+            uint2 words;
+            const float scale = tile_words_of_8(dy, words);
+            store_tile_codes(codes, words, scale, row[j], i, V);
+          }
         }
       }
     }
     group_sum(dot, lane_bits, K - k0);
     if (active && g.lane == 0) {
 #pragma unroll
-      for (int j = 0; j < kSlotChunk; ++j)
+      for (int j = 0; j < kChunk; ++j)
         if (k0 + j < K) dweight_TK[t * K + k0 + j] = row[j] >= 0 ? dot[j] : 0.0f;
     }
   }
@@ -401,6 +436,28 @@ VecLaunch vec_launch(int64_t items, int64_t V, int max_lanes = kVecThreads) {
 const uint4* as_vec(const bf16* p) { return reinterpret_cast<const uint4*>(p); }
 uint4* as_vec(bf16* p) { return reinterpret_cast<uint4*>(p); }
 
+// At most a warp a token (several vectors a lane): the weights' dot products then reduce
+// inside the warp (group_sum's bound), with no block-wide stage and barrier per token; with
+// codes, at least the 16 lanes of a tile, as V >= 16 there.
+template <bool kCodes>
+void launch_combine_backward(bf16* dy_RD, const RowCodes& codes, float* dweight_TK, const bf16* dout_TD,
+                             const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T, int64_t K,
+                             int64_t D, Stream stream) {
+  const int64_t V = D / kVecElems;
+  const VecLaunch launch = vec_launch(T, V, 32);
+  const auto kernel = K <= 2   ? combine_backward_vec_kernel<kCodes, 2>
+                      : K <= 4 ? combine_backward_vec_kernel<kCodes, 4>
+                               : combine_backward_vec_kernel<kCodes, 8>;
+  kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(dy_RD), dweight_TK, as_vec(dout_TD), as_vec(y_RD),
+                                                    weight_TK, row_TK, T, K, V, launch.lane_bits, codes);
+}
+
+// The fp8 row kernels: whole 1 x 128 tiles on the vector path.
+bool row_codes_fit(int64_t D, std::initializer_list<const void*> rows, const RowCodes& codes) {
+  return D % fp8::kBlock == 0 && vectorizable(D, rows) && reinterpret_cast<uintptr_t>(codes.codes_RD) % 8 == 0 &&
+         codes.scales != nullptr && codes.offsets_E1 != nullptr && codes.E >= 1;
+}
+
 }  // namespace
 
 void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R, const int32_t* offsets_E1,
@@ -424,12 +481,25 @@ void permute_forward_by_token(bf16* x_RD, const bf16* x_TD, const int32_t* row_T
   if (vectorizable(D, {x_RD, x_TD})) {
     const int64_t V = D / kVecElems;
     const VecLaunch launch = vec_launch(T, V);
-    permute_by_token_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(x_RD), as_vec(x_TD), row_TK, T, K,
-                                                                           V, launch.lane_bits);
+    permute_by_token_vec_kernel<false><<<launch.blocks, kVecThreads, 0, stream>>>(
+        as_vec(x_RD), as_vec(x_TD), row_TK, T, K, V, launch.lane_bits, RowCodes{});
   } else {
     permute_by_token_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(as_cuda(x_RD),
                                                                                          as_cuda(x_TD), row_TK, K, D);
   }
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void permute_forward_by_token_fp8(bf16* x_RD, const RowCodes& codes, const bf16* x_TD, const int32_t* row_TK,
+                                  int64_t T, int64_t K, int64_t D, Stream stream) {
+  MOE_CHECKF(row_codes_fit(D, {x_RD, x_TD}, codes),
+             "fp8 permute: D = %lld (a multiple of 128), rows 16-byte aligned, codes 8, offsets of experts",
+             static_cast<long long>(D));
+  if (T == 0) return;
+  const int64_t V = D / kVecElems;
+  const VecLaunch launch = vec_launch(T, V);
+  permute_by_token_vec_kernel<true><<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(x_RD), as_vec(x_TD), row_TK, T,
+                                                                               K, V, launch.lane_bits, codes);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -467,16 +537,22 @@ void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const
                       const int32_t* row_TK, int64_t T, int64_t K, int64_t D, Stream stream) {
   if (T == 0) return;
   if (vectorizable(D, {dy_RD, dout_TD, y_RD})) {
-    const int64_t V = D / kVecElems;
-    // At most a warp a token (several vectors a lane): the weights' dot products then
-    // reduce inside the warp, with no block-wide stage and barrier per token.
-    const VecLaunch launch = vec_launch(T, V, 32);  // group_sum's bound
-    combine_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(
-        as_vec(dy_RD), dweight_TK, as_vec(dout_TD), as_vec(y_RD), weight_TK, row_TK, T, K, V, launch.lane_bits);
+    launch_combine_backward<false>(dy_RD, RowCodes{}, dweight_TK, dout_TD, y_RD, weight_TK, row_TK, T, K, D, stream);
   } else {
     combine_backward_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(
         as_cuda(dy_RD), dweight_TK, as_cuda(dout_TD), as_cuda(y_RD), weight_TK, row_TK, K, D);
   }
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void combine_backward_fp8(bf16* dy_RD, const RowCodes& codes, float* dweight_TK, const bf16* dout_TD,
+                          const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T, int64_t K,
+                          int64_t D, Stream stream) {
+  MOE_CHECKF(row_codes_fit(D, {dy_RD, dout_TD, y_RD}, codes),
+             "fp8 combine backward: D = %lld (a multiple of 128), rows 16-byte aligned, codes 8, offsets of experts",
+             static_cast<long long>(D));
+  if (T == 0) return;
+  launch_combine_backward<true>(dy_RD, codes, dweight_TK, dout_TD, y_RD, weight_TK, row_TK, T, K, D, stream);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

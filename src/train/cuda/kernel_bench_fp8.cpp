@@ -19,6 +19,8 @@
 #include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 #include "model/gpu_buffer_sizes.h"
+#include "moe/dispatch.h"
+#include "moe/gpu_ops.h"
 #include "train/cuda/kernel_bench_util.h"
 
 namespace moe {
@@ -119,6 +121,43 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
                    })});
   quant.push_back({"swiglu bwd alone (bf16)", static_cast<double>(R * F) * 10, median_ms([&] {
                      cuda::swiglu_backward(dgate_up.data(), act.data(), gate_up.data(), R, F, stream);
+                   })});
+  // The dispatch's permute and the combine's backward writing their rows' codes too (the
+  // local dispatcher's fp8 path), against them alone (the plain path then quantises the
+  // rows: the "x" and "dy" lines above). Their own routing: slot k of token t to expert
+  // (7 t + k E / K) mod E, dropless, so rows scatter as a router's do.
+  std::vector<int32_t> expert_TK(static_cast<size_t>(R)), row_TK(static_cast<size_t>(R)),
+      counts_E(static_cast<size_t>(E)), routed_offsets(static_cast<size_t>(E + 1)), token_R(static_cast<size_t>(R));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k)
+      expert_TK[static_cast<size_t>(t * K + k)] = static_cast<int32_t>((7 * t + k * (E / K)) % E);
+  assign_rows(row_TK.data(), counts_E.data(), routed_offsets.data(), token_R.data(), expert_TK.data(), T, E, K,
+              /*capacity=*/R);
+  gpu::DeviceArray<int32_t> row_d(row_TK.size()), routed_offsets_d(routed_offsets.size());
+  row_d.upload(row_TK.data(), row_TK.size());
+  routed_offsets_d.upload(routed_offsets.data(), routed_offsets.size());
+  auto tokens_TD = filled<bf16>(T * D, 1.0f, 10);
+  auto weight_TK = filled<float>(R, 0.5f, 11), dweight_TK = filled<float>(R, 0.0f, 12);
+  auto dy_rows = filled<bf16>(R * D, 0.0f, 13);
+  const cuda::RowCodes x_codes{xq.codes.data(), xq.scales.data(), routed_offsets_d.data(), E, R},
+      dy_codes{dyq.codes.data(), dyq.scales.data(), routed_offsets_d.data(), E, R};
+  const double permute_bytes = static_cast<double>(T * D) * 2 + static_cast<double>(R * D) * 2,
+               combine_bytes = static_cast<double>(T * D) * 2 + static_cast<double>(R * D) * 4,
+               codes_bytes = static_cast<double>(R * D) + R * D / fp8::kBlock * 4.0;
+  quant.push_back({"permute + x codes (fused)", permute_bytes + codes_bytes, median_ms([&] {
+                     cuda::permute_forward_by_token_fp8(x.data(), x_codes, tokens_TD.data(), row_d.data(), T, K, D,
+                                                        stream);
+                   })});
+  quant.push_back({"permute alone (bf16)", permute_bytes, median_ms([&] {
+                     cuda::permute_forward_by_token(x.data(), tokens_TD.data(), row_d.data(), T, K, D, stream);
+                   })});
+  quant.push_back({"combine bwd + dy codes (fused)", combine_bytes + codes_bytes, median_ms([&] {
+                     cuda::combine_backward_fp8(dy_rows.data(), dy_codes, dweight_TK.data(), tokens_TD.data(), y.data(),
+                                                weight_TK.data(), row_d.data(), T, K, D, stream);
+                   })});
+  quant.push_back({"combine bwd alone (bf16)", combine_bytes, median_ms([&] {
+                     cuda::combine_backward(dy_rows.data(), dweight_TK.data(), tokens_TD.data(), y.data(), weight_TK.data(),
+                                            row_d.data(), T, K, D, stream);
                    })});
   quant.push_back({"w1, w3, w2 + transposes", 3 * weight_bytes, median_ms([&] {
                      weight(w1q, w1.data(), F, D);
