@@ -18,6 +18,26 @@ namespace moe::cuda {
 void quantize_rows_blockwise(uint8_t* codes_RK, float* scales, const bf16* x, int64_t ld_x,
                              const int32_t* offsets_E1, int64_t E, int64_t R, int64_t K, Stream stream);
 
+// Kernels that write bf16 rows can write their e4m3 codes [R, K] and 1 x 128 tile scales
+// beside them, exactly what quantize_rows_blockwise(codes_RK, scales, rows, K, offsets_E1,
+// E, R, K) gives of those rows afterwards, saving the GEMM that reads them that pass.
+struct RowCodes {
+  uint8_t* codes_RK = nullptr;  // 8-byte aligned
+  float* scales = nullptr;
+  const int32_t* offsets_E1 = nullptr;  // the rows' groups (experts); null: one group of R rows
+  int64_t E = 1, R = 0;
+};
+
+// rmsnorm_forward (kernels/gpu_ops.h, bit for bit) and y's codes (one group: codes.R = T,
+// no offsets), in one kernel where its vector path runs, else the two. D a multiple of 128.
+void rmsnorm_forward_fp8(bf16* y_TD, const RowCodes& codes, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
+                         const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps, Stream stream);
+// rope_backward on the first N_rope heads of the rows [T, N_all d] and the codes of the
+// whole rows afterwards (one group: codes.R = T), the heads past N_rope as they are (dv of
+// a fused q|k|v gradient): one kernel for d = 128 (a head is one tile), else the two.
+void rope_backward_fp8(bf16* dx_TNd, const RowCodes& codes, const int32_t* positions_T, const float* cos_sin_Sh2,
+                       int64_t T, int64_t N_rope, int64_t N_all, int64_t d, Stream stream);
+
 // SwiGLU with its output quantised as above: act [R, F] = silu(gate) * up of gate|up
 // [R, 2F] (swiglu_forward's values, bit for bit; written unless act_RF is null) and the
 // codes and scales quantize_rows_blockwise would make of that act (rows below

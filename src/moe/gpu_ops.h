@@ -9,6 +9,7 @@
 
 #include "config/model_config.h"
 #include "core/bf16.h"
+#include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 
 namespace moe::cuda {
@@ -137,17 +138,8 @@ void combine_forward(bf16* out_TD, const bf16* y_RD, const float* weight_TK, con
                      int64_t K, int64_t D, Stream stream);
 void combine_backward(bf16* dy_RD, float* dweight_TK, const bf16* dout_TD, const bf16* y_RD, const float* weight_TK,
                       const int32_t* row_TK, int64_t T, int64_t K, int64_t D, Stream stream);
-// training.precision = fp8: the rows' e4m3 codes [R, D] and 1 x 128 tile scales written
-// beside the bf16 rows, exactly what quantize_rows_blockwise(codes_RD, scales, rows, D,
-// offsets_E1, E, R, D) gives of them afterwards (kernels/fp8_gpu_ops.h), saving the
-// expert GEMM's input that separate pass over the rows.
-struct RowCodes {
-  uint8_t* codes_RD = nullptr;  // 8-byte aligned
-  float* scales = nullptr;
-  const int32_t* offsets_E1 = nullptr;  // the rows' experts, as the GEMMs read them
-  int64_t E = 0, R = 0;
-};
-// permute_forward_by_token and combine_backward writing the rows' codes too. D a multiple
+// training.precision = fp8: permute_forward_by_token and combine_backward writing the rows'
+// codes too (cuda::RowCodes, kernels/fp8_gpu_ops.h; offsets_E1 the experts'). D a multiple
 // of 128, the bf16 rows 16-byte aligned.
 void permute_forward_by_token_fp8(bf16* x_RD, const RowCodes& codes, const bf16* x_TD, const int32_t* row_TK,
                                   int64_t T, int64_t K, int64_t D, Stream stream);

@@ -9,6 +9,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
 
 namespace moe::cuda {
 
@@ -73,6 +74,16 @@ __device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], 
                                                    int64_t kb, int64_t KB, int lane) {
   const float scale = tile_codes_of_8(v, out);
   if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
+}
+
+// Row `row`'s codes for vector i (8 values; V vectors a row) and, from the first lane of
+// the vector's 1 x 128 tile, its scale where quantize_rows_blockwise puts it.
+__device__ __forceinline__ void store_tile_codes(const RowCodes& codes, uint2 words, float scale, int64_t row,
+                                                 int64_t i, int64_t V) {
+  constexpr int64_t kTileVecs = fp8::kBlock / kVecElems;
+  *reinterpret_cast<uint2*>(codes.codes_RK + (row * V + i) * kVecElems) = words;
+  if (i % kTileVecs == 0)
+    write_tile_scale(codes.scales, scale, codes.offsets_E1, codes.E, codes.R, row, i / kTileVecs, V / kTileVecs);
 }
 
 }  // namespace moe::cuda

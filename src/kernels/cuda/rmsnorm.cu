@@ -4,6 +4,8 @@
 // gradient is summed in a fixed order (deterministic, no atomics).
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_row_tiles.cuh"
+#include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 
 namespace moe::cuda {
@@ -86,8 +88,12 @@ __global__ void sum_partials_kernel(float* dw, const float* partial, int64_t blo
 // partial sums too). Same per-element math and column order as the scalar kernels.
 constexpr int64_t kMaxVecD = 1024 * kVecElems;
 
+// kCodes (D a multiple of 128: a tile's 16 threads all active or all not): y's e4m3 codes
+// and scales too, from the bf16 values stored.
+template <bool kCodes>
 __global__ void rmsnorm_forward_vec_kernel(uint4* y, float* rstd, uint4* residual_out, const uint4* x,
-                                           const uint4* branch, const uint4* w, int64_t Dv, float eps) {
+                                           const uint4* branch, const uint4* w, int64_t Dv, float eps,
+                                           RowCodes codes) {
   const int64_t row = blockIdx.x;
   const int64_t v = threadIdx.x, at = row * Dv + v;
   const bool active = v < Dv;
@@ -115,7 +121,14 @@ __global__ void rmsnorm_forward_vec_kernel(uint4* y, float* rstd, uint4* residua
   unpack8(w[v], wf);
 #pragma unroll
   for (int j = 0; j < kVecElems; ++j) f[j] = f[j] * r * wf[j];
-  y[at] = pack8(f);
+  const uint4 packed = pack8(f);
+  y[at] = packed;
+  if constexpr (kCodes) {
+    unpack8(packed, f);
+    uint2 words;
+    const float scale = tile_words_of_8(f, words);
+    store_tile_codes(codes, words, scale, row, v, Dv);
+  }
 }
 
 __global__ void rmsnorm_backward_vec_kernel(uint4* dx, float* dw_partial, const uint4* dy, const uint4* dresidual,
@@ -168,15 +181,35 @@ void rmsnorm_forward(bf16* y_TD, float* rstd_T, bf16* residual_out_TD, const bf1
   MOE_CHECKF(!branch_TD || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
   if (T == 0) return;
   if (D <= kMaxVecD && vectorizable(D, {y_TD, residual_out_TD, x_TD, branch_TD, w_D})) {
-    rmsnorm_forward_vec_kernel<<<static_cast<unsigned>(T), vec_threads(D), 0, stream>>>(
+    rmsnorm_forward_vec_kernel<false><<<static_cast<unsigned>(T), vec_threads(D), 0, stream>>>(
         reinterpret_cast<uint4*>(y_TD), rstd_T, reinterpret_cast<uint4*>(residual_out_TD),
         reinterpret_cast<const uint4*>(x_TD), reinterpret_cast<const uint4*>(branch_TD),
-        reinterpret_cast<const uint4*>(w_D), D / kVecElems, eps);
+        reinterpret_cast<const uint4*>(w_D), D / kVecElems, eps, RowCodes{});
     MOE_CUDA_CHECK_LAUNCH();
     return;
   }
   rmsnorm_forward_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(
       as_cuda(y_TD), rstd_T, as_cuda(residual_out_TD), as_cuda(x_TD), as_cuda(branch_TD), as_cuda(w_D), D, eps);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void rmsnorm_forward_fp8(bf16* y_TD, const RowCodes& codes, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
+                         const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps, Stream stream) {
+  MOE_CHECKF(!branch_TD || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
+  MOE_CHECKF(D % 128 == 0 && codes.offsets_E1 == nullptr && codes.R == T,
+             "rmsnorm_forward with fp8 codes: D = %lld (a multiple of 128), codes of one group of the %lld rows",
+             static_cast<long long>(D), static_cast<long long>(T));
+  if (T == 0) return;
+  if (D > kMaxVecD || !vectorizable(D, {y_TD, residual_out_TD, x_TD, branch_TD, w_D}) ||
+      reinterpret_cast<uintptr_t>(codes.codes_RK) % 8 != 0) {  // the two kernels: the same bits
+    rmsnorm_forward(y_TD, rstd_T, residual_out_TD, x_TD, branch_TD, w_D, T, D, eps, stream);
+    quantize_rows_blockwise(codes.codes_RK, codes.scales, y_TD, D, nullptr, 1, T, D, stream);
+    return;
+  }
+  rmsnorm_forward_vec_kernel<true><<<static_cast<unsigned>(T), vec_threads(D), 0, stream>>>(
+      reinterpret_cast<uint4*>(y_TD), rstd_T, reinterpret_cast<uint4*>(residual_out_TD),
+      reinterpret_cast<const uint4*>(x_TD), reinterpret_cast<const uint4*>(branch_TD),
+      reinterpret_cast<const uint4*>(w_D), D / kVecElems, eps, codes);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

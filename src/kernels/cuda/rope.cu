@@ -5,6 +5,8 @@
 // projection turn in one launch (N = H + G heads from the row's start).
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/fp8_row_tiles.cuh"
+#include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 
 namespace moe::cuda {
@@ -37,19 +39,14 @@ __global__ void rope_kernel(__nv_bfloat16* x, const int32_t* positions, const fl
   head[i + half] = to_bf16(b * c + a * s);
 }
 
-// One thread per 8 pairs: i .. i + 7 and their partners i + half .. i + half + 7. ld_v:
-// the row stride in 16-byte vectors.
-__global__ void rope_vec_kernel(uint4* x, const int32_t* positions, const float4* cos_sin, int64_t T, int64_t N,
-                                int64_t half_v, int64_t ld_v, float direction) {
-  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (idx >= T * N * half_v) return;
-  const int64_t v = idx % half_v, tn = idx / half_v, t = tn / N, n = tn % N;
-  uint4* head = x + t * ld_v + n * 2 * half_v;
-  float a[kVecElems], b[kVecElems], c[kVecElems], s[kVecElems];
-  unpack8(head[v], a);
-  unpack8(head[v + half_v], b);
+// Pairs v * 8 .. v * 8 + 7 of a head (a: the first half's, b: their partners) rotated by
+// the angles of position pos (half_v vectors a half head; direction -1 rotates back).
+__device__ __forceinline__ void rotate8(float (&ya)[kVecElems], float (&yb)[kVecElems], const float (&a)[kVecElems],
+                                        const float (&b)[kVecElems], const float4* cos_sin, int64_t pos,
+                                        int64_t half_v, int64_t v, float direction) {
+  float c[kVecElems], s[kVecElems];
   // 8 (cos, sin) pairs = 4 float4 of the row's table.
-  const float4* table = cos_sin + (static_cast<int64_t>(positions[t]) * half_v + v) * 4;
+  const float4* table = cos_sin + (pos * half_v + v) * 4;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float4 q = table[j];
@@ -58,14 +55,65 @@ __global__ void rope_vec_kernel(uint4* x, const int32_t* positions, const float4
     c[2 * j + 1] = q.z;
     s[2 * j + 1] = q.w * direction;
   }
-  float ya[kVecElems], yb[kVecElems];
 #pragma unroll
   for (int j = 0; j < kVecElems; ++j) {
     ya[j] = a[j] * c[j] - b[j] * s[j];
     yb[j] = b[j] * c[j] + a[j] * s[j];
   }
+}
+
+// One thread per 8 pairs: i .. i + 7 and their partners i + half .. i + half + 7. ld_v:
+// the row stride in 16-byte vectors.
+__global__ void rope_vec_kernel(uint4* x, const int32_t* positions, const float4* cos_sin, int64_t T, int64_t N,
+                                int64_t half_v, int64_t ld_v, float direction) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= T * N * half_v) return;
+  const int64_t v = idx % half_v, tn = idx / half_v, t = tn / N, n = tn % N;
+  uint4* head = x + t * ld_v + n * 2 * half_v;
+  float a[kVecElems], b[kVecElems], ya[kVecElems], yb[kVecElems];
+  unpack8(head[v], a);
+  unpack8(head[v + half_v], b);
+  rotate8(ya, yb, a, b, cos_sin, positions[t], half_v, v, direction);
   head[v] = pack8(ya);
   head[v + half_v] = pack8(yb);
+}
+
+// rope_backward_fp8, heads of d = 128: one thread per 8 pairs as above over all N_all
+// heads of a row, so a head's 8 threads (adjacent lanes) hold its 1 x 128 tile, 16 values
+// each, and its amax meets by shuffles; heads past N_rope are only read.
+constexpr int64_t kHeadVecs = 128 / 2 / kVecElems;
+__global__ void rope_backward_codes_kernel(uint4* x, RowCodes codes, const int32_t* positions, const float4* cos_sin,
+                                           int64_t T, int64_t N_rope, int64_t N_all) {
+  const int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (idx >= T * N_all * kHeadVecs) return;  // whole heads: their lanes leave together
+  const int64_t v = idx % kHeadVecs, tn = idx / kHeadVecs, t = tn / N_all, n = tn % N_all;
+  uint4* head = x + tn * 2 * kHeadVecs;
+  float a[kVecElems], b[kVecElems];
+  unpack8(head[v], a);
+  unpack8(head[v + kHeadVecs], b);
+  if (n < N_rope) {
+    float ya[kVecElems], yb[kVecElems];
+    rotate8(ya, yb, a, b, cos_sin, positions[t], kHeadVecs, v, -1.0f);
+    const uint4 pa = pack8(ya), pb = pack8(yb);
+    head[v] = pa;
+    head[v + kHeadVecs] = pb;
+    unpack8(pa, a);  // the bf16 values stored are what gets quantised
+    unpack8(pb, b);
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kVecElems; ++j) amax = fmaxf(amax, fmaxf(fabsf(a[j]), fabsf(b[j])));
+  const unsigned mask = 0xffu << (threadIdx.x % 32 / kHeadVecs * kHeadVecs);
+#pragma unroll
+  for (int offset = kHeadVecs / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
+  const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
+  uint8_t* out = codes.codes_RK + tn * 128 + v * kVecElems;
+  *reinterpret_cast<uint2*>(out) = make_uint2(pack4_e4m3(a[0] * inverse, a[1] * inverse, a[2] * inverse, a[3] * inverse),
+                                              pack4_e4m3(a[4] * inverse, a[5] * inverse, a[6] * inverse, a[7] * inverse));
+  *reinterpret_cast<uint2*>(out + 64) =
+      make_uint2(pack4_e4m3(b[0] * inverse, b[1] * inverse, b[2] * inverse, b[3] * inverse),
+                 pack4_e4m3(b[4] * inverse, b[5] * inverse, b[6] * inverse, b[7] * inverse));
+  if (v == 0) write_tile_scale(codes.scales, scale, nullptr, 1, T, t, n, N_all);
 }
 
 void launch(bf16* x, const int32_t* positions, const float* cos_sin, int64_t T, int64_t N, int64_t d, int64_t ld,
@@ -107,6 +155,25 @@ void rope_forward(bf16* x_TNd, const int32_t* positions_T, const float* cos_sin_
 void rope_backward(bf16* dx_TNd, const int32_t* positions_T, const float* cos_sin_Sh2, int64_t T, int64_t N,
                    int64_t d, Stream stream, int64_t ld) {
   launch(dx_TNd, positions_T, cos_sin_Sh2, T, N, d, ld, -1.0f, stream);
+}
+
+void rope_backward_fp8(bf16* dx_TNd, const RowCodes& codes, const int32_t* positions_T, const float* cos_sin_Sh2,
+                       int64_t T, int64_t N_rope, int64_t N_all, int64_t d, Stream stream) {
+  MOE_CHECKF(N_rope <= N_all && codes.offsets_E1 == nullptr && codes.R == T,
+             "rope backward with fp8 codes: %lld of %lld heads, codes of one group of the %lld rows",
+             static_cast<long long>(N_rope), static_cast<long long>(N_all), static_cast<long long>(T));
+  if (d != 2 * kHeadVecs * kVecElems || reinterpret_cast<uintptr_t>(dx_TNd) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(codes.codes_RK) % 8 != 0) {  // the two kernels: the same bits
+    rope_backward(dx_TNd, positions_T, cos_sin_Sh2, T, N_rope, d, stream, N_all * d);
+    quantize_rows_blockwise(codes.codes_RK, codes.scales, dx_TNd, N_all * d, nullptr, 1, T, N_all * d, stream);
+    return;
+  }
+  const int64_t work = T * N_all * kHeadVecs;
+  if (work == 0) return;
+  rope_backward_codes_kernel<<<static_cast<unsigned>(ceil_div(work, kThreads)), kThreads, 0, stream>>>(
+      reinterpret_cast<uint4*>(dx_TNd), codes, positions_T, reinterpret_cast<const float4*>(cos_sin_Sh2), T, N_rope,
+      N_all);
+  MOE_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace moe::cuda

@@ -10,19 +10,20 @@
 // The CPU model (model/attention.cpp) computes the same with three projections.
 #include <cmath>
 
+#include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 #include "model/cuda/gpu_transformer_state.h"
 
 namespace moe {
 
-void GpuTransformer::State::attention_forward(Layer& layer, bf16* y) {
+void GpuTransformer::State::attention_forward(Layer& layer, bf16* y, bool n1_quantised) {
   const ModelConfig& c = config;
   const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
-  const int64_t N = (H + 2 * G) * d;  // a token's q|k|v row
+  const int64_t N = qkv_width();  // a token's q|k|v row
   Activations& a = *layer.act;
   AttentionBuffers& at = a.attn;
   bf16* q = at.qkv.data();
-  projection(q, a.n1.data(), w(layer.wq), T, D, N, false);
+  projection(q, a.n1.data(), w(layer.wq), T, D, N, false, N, n1_quantised);
   cuda::rope_forward(q, positions.data(), rope_cos_sin.data(), T, H + G, d, stream, N);
   attention.forward(at.out.data(), at.stats.data(), q, q + H * d, q + (H + G) * d, batch, c.seq_len, H, G, d,
                     attention_scale(d), stream, N, N);
@@ -41,9 +42,14 @@ void GpuTransformer::State::attention_backward(Layer& layer, bf16* dx, const bf1
   attention.backward(dq, dq + H * d, dq + (H + G) * d, dattn.data(), q, q + H * d, q + (H + G) * d, at.out.data(),
                      at.stats.data(), batch, c.seq_len, H, G, d, attention_scale(d), stream, N,
                      N);
-  cuda::rope_backward(dq, positions.data(), rope_cos_sin.data(), T, H + G, d, stream, N);
+  // fp8: RoPE's backward also writes the codes of dq|dk|dv for the data-gradient GEMM.
+  const cuda::RowCodes dq_codes = projections->backward_row_codes(T, D, N, N);
+  if (dq_codes.codes_RK)
+    cuda::rope_backward_fp8(dq, dq_codes, positions.data(), rope_cos_sin.data(), T, H + G, H + 2 * G, d, stream);
+  else
+    cuda::rope_backward(dq, positions.data(), rope_cos_sin.data(), T, H + G, d, stream, N);
   // g(wq) starts the [(H + 2G) d, D] gradient block of wq, wk and wv.
-  projection_backward(dx, g(layer.wq), dq, a.n1.data(), w(layer.wq), T, D, N, false);
+  projection_backward(dx, g(layer.wq), dq, a.n1.data(), w(layer.wq), T, D, N, false, N, dq_codes.codes_RK != nullptr);
 }
 
 }  // namespace moe

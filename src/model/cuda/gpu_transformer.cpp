@@ -13,6 +13,7 @@
 #include "core/gpu.h"
 #include "core/nvtx_range.h"
 #include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 #include "model/gpu_buffer_sizes.h"
 #include "moe/gpu_ops.h"
@@ -389,15 +390,20 @@ void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf
   Layer& layer = layers[l];
   Activations& a = *layer.act;
   mark(kNorms);
-  if (from_saved_input)
-    cuda::rmsnorm_forward(a.n1.data(), a.rstd1.data(), nullptr, layer.x.data(), nullptr, w(layer.norm1), T, D, eps,
-                          stream);
-  else  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm
-    cuda::rmsnorm_forward(a.n1.data(), a.rstd1.data(), layer.x.data(), prev_h, prev_branch, w(layer.norm1), T, D, eps,
-                          stream);
+  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm (unless from the saved input). fp8:
+  // the norm also writes n1's codes for the q|k|v projection's GEMM.
+  bf16* residual_out = from_saved_input ? nullptr : layer.x.data();
+  const bf16* x_in = from_saved_input ? layer.x.data() : prev_h;
+  const bf16* branch = from_saved_input ? nullptr : prev_branch;
+  const cuda::RowCodes n1_codes = projections->forward_row_codes(T, D, qkv_width(), qkv_width());
+  if (n1_codes.codes_RK)
+    cuda::rmsnorm_forward_fp8(a.n1.data(), n1_codes, a.rstd1.data(), residual_out, x_in, branch, w(layer.norm1), T, D,
+                              eps, stream);
+  else
+    cuda::rmsnorm_forward(a.n1.data(), a.rstd1.data(), residual_out, x_in, branch, w(layer.norm1), T, D, eps, stream);
   mark(kAttention);
   // The attention output goes through dnorm (free here, also during the backward).
-  attention_forward(layer, dnorm.data());
+  attention_forward(layer, dnorm.data(), n1_codes.codes_RK != nullptr);
   mark(kNorms);
   cuda::rmsnorm_forward(a.n2.data(), a.rstd2.data(), a.h.data(), layer.x.data(), dnorm.data(), w(layer.norm2), T, D,
                         eps, stream);

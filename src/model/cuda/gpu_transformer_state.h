@@ -193,19 +193,26 @@ struct GpuTransformer::State {
   }
   // linear and linear_backward for the dense projections: y = x W^T and dx = dy W through
   // `projections` (the run's precision), the weight gradient dW += dy^T x in bf16 as above.
+  // x_quantised / dy_quantised: the rows' fp8 codes are in the projections' row scratch
+  // (ProjectionGemms::forward_row_codes / backward_row_codes).
   void projection(bf16* y, const bf16* x, const bf16* weight, int64_t rows, int64_t in, int64_t out, bool accumulate,
-                  int64_t ldy = -1) {
-    projections->forward(y, ldy < 0 ? out : ldy, x, weight, rows, in, out, accumulate, stream);
+                  int64_t ldy = -1, bool x_quantised = false) {
+    projections->forward(y, ldy < 0 ? out : ldy, x, weight, rows, in, out, accumulate, stream, x_quantised);
   }
   void projection_backward(bf16* dx, float* dweight, const bf16* dy, const bf16* x, const bf16* weight, int64_t rows,
-                           int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1) {
-    if (dx) projections->backward_data(dx, dy, ld_dy < 0 ? out : ld_dy, weight, rows, in, out, accumulate_dx, stream);
+                           int64_t in, int64_t out, bool accumulate_dx, int64_t ld_dy = -1, bool dy_quantised = false) {
+    if (dx)
+      projections->backward_data(dx, dy, ld_dy < 0 ? out : ld_dy, weight, rows, in, out, accumulate_dx, stream,
+                                 dy_quantised);
     linear_backward(nullptr, dweight, dy, x, weight, rows, in, out, false, ld_dy);
   }
   // The attention of a block (gpu_attention.cpp): from n1 to the output projection in
   // y [T, D]; its backward from dy to dx [T, D] (n1's gradient), accumulating the
   // projections' weight gradients.
-  void attention_forward(Layer& layer, bf16* y);
+  // n1_quantised: n1's fp8 codes are in the projections' row scratch (the norm wrote them).
+  void attention_forward(Layer& layer, bf16* y, bool n1_quantised = false);
+  // The width of a token's fused q|k|v row, (H + 2G) d.
+  int64_t qkv_width() const { return (config.n_heads + 2 * config.n_kv_heads) * config.head_dim(); }
   void attention_backward(Layer& layer, bf16* dx, const bf16* dy);
   void ffn_forward(bf16* y, const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, FfnBuffers& buffers,
                    int64_t rows, int64_t F, bool accumulate);

@@ -31,12 +31,19 @@ class ProjectionGemms {
   void plan(const ModelConfig& config, int64_t tokens);
   void set_sm_limit(int sms);
   // y [rows, out] (row stride ldy) = x [rows, in] @ W^T (+ y when accumulate), W [out, in]
-  // (a Linear weight).
+  // (a Linear weight). x_quantised: x's codes are in the row scratch already, written by the
+  // kernel that wrote x (forward_row_codes).
   void forward(bf16* y, int64_t ldy, const bf16* x, const bf16* w, int64_t rows, int64_t in, int64_t out,
-               bool accumulate, cuda::Stream stream);
+               bool accumulate, cuda::Stream stream, bool x_quantised = false);
   // dx [rows, in] = dy [rows, out] (row stride ld_dy) @ W (+ dx when accumulate).
+  // dy_quantised: as x_quantised (backward_row_codes).
   void backward_data(bf16* dx, const bf16* dy, int64_t ld_dy, const bf16* w, int64_t rows, int64_t in, int64_t out,
-                     bool accumulate, cuda::Stream stream);
+                     bool accumulate, cuda::Stream stream, bool dy_quantised = false);
+  // Where a kernel writing forward's x [rows, in] (backward_data's dy [rows, out], rows
+  // whole) may write its codes for that GEMM: the row scratch, one group of `rows`; codes_RK
+  // null when that GEMM runs in bf16. The scratch holds one operand: the GEMM must come next.
+  cuda::RowCodes forward_row_codes(int64_t rows, int64_t in, int64_t out, int64_t ldy);
+  cuda::RowCodes backward_row_codes(int64_t rows, int64_t in, int64_t out, int64_t ld_dy);
 
  private:
   cuda::Blas& blas_;
@@ -44,6 +51,7 @@ class ProjectionGemms {
   gpu::DeviceArray<uint8_t> row_codes_, weight_codes_;
   gpu::DeviceArray<float> row_scales_, weight_scales_;
   void check_scratch(int64_t rows, int64_t K, int64_t N) const;
+  cuda::RowCodes row_codes(int64_t rows, int64_t K, int64_t N);
 };
 
 }  // namespace moe

@@ -197,16 +197,6 @@ __device__ __forceinline__ GroupIndex group_index(int lane_bits) {
           static_cast<int>(threadIdx.x) & (lanes - 1), lanes};
 }
 
-// Row `row`'s codes for vector i (8 values; V vectors a row) and, from the first lane of
-// the vector's 1 x 128 tile, its scale where quantize_rows_blockwise puts it.
-__device__ __forceinline__ void store_tile_codes(const RowCodes& codes, uint2 words, float scale, int64_t row,
-                                                 int64_t i, int64_t V) {
-  constexpr int64_t kTileVecs = fp8::kBlock / kVecElems;
-  *reinterpret_cast<uint2*>(codes.codes_RD + (row * V + i) * kVecElems) = words;
-  if (i % kTileVecs == 0)
-    write_tile_scale(codes.scales, scale, codes.offsets_E1, codes.E, codes.R, row, i / kTileVecs, V / kTileVecs);
-}
-
 // sum[e] += w_k * rows_RV[row_K[k]][i][e] over the kept slots (row >= 0), k = 0..K-1 in
 // order; w_k = 1 when weight_K is null. Up to kSlotChunk loads in flight before the adds.
 __device__ __forceinline__ void add_rows(float (&sum)[kVecElems], const uint4* rows_RV, const int32_t* row_K,
@@ -454,7 +444,7 @@ void launch_combine_backward(bf16* dy_RD, const RowCodes& codes, float* dweight_
 
 // The fp8 row kernels: whole 1 x 128 tiles on the vector path.
 bool row_codes_fit(int64_t D, std::initializer_list<const void*> rows, const RowCodes& codes) {
-  return D % fp8::kBlock == 0 && vectorizable(D, rows) && reinterpret_cast<uintptr_t>(codes.codes_RD) % 8 == 0 &&
+  return D % fp8::kBlock == 0 && vectorizable(D, rows) && reinterpret_cast<uintptr_t>(codes.codes_RK) % 8 == 0 &&
          codes.scales != nullptr && codes.offsets_E1 != nullptr && codes.E >= 1;
 }
 

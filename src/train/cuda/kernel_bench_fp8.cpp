@@ -159,6 +159,51 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
                      cuda::combine_backward(dy_rows.data(), dweight_TK.data(), tokens_TD.data(), y.data(), weight_TK.data(),
                                             row_d.data(), T, K, D, stream);
                    })});
+  // The norm before the q|k|v projection and RoPE's backward after attention's, writing
+  // their rows' codes (n1 [T, D], dq|dk|dv [T, (H + 2G) d]) against them alone (the
+  // projection then quantises the rows itself).
+  {
+    const int64_t H = mc.n_heads, G = mc.n_kv_heads, hd = mc.head_dim(), N = (H + 2 * G) * hd;
+    auto n1 = filled<bf16>(T * D, 1.0f, 14), norm_w = filled<bf16>(D, 1.0f, 15), dqkv = filled<bf16>(T * N, 1.0f, 16);
+    auto rstd = filled<float>(T, 0.0f, 17);
+    gpu::DeviceArray<uint8_t> codes(static_cast<size_t>(T * std::max(D, N)));
+    gpu::DeviceArray<float> scales(static_cast<size_t>(T * std::max(D, N) / fp8::kBlock));
+    std::vector<int32_t> positions(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) positions[static_cast<size_t>(t)] = static_cast<int32_t>(t % mc.seq_len);
+    gpu::DeviceArray<int32_t> positions_d(positions.size());
+    positions_d.upload(positions.data(), positions.size());
+    gpu::DeviceArray<float> table(static_cast<size_t>(mc.seq_len * hd));
+    cuda::rope_table(table.data(), mc.seq_len, hd, static_cast<float>(mc.rope_theta), stream);
+    const cuda::RowCodes n1_codes{codes.data(), scales.data(), nullptr, 1, T};
+    const double norm_bytes = static_cast<double>(T * D) * 4, rope_bytes = static_cast<double>(T * (H + G) * hd) * 4,
+                 n1_codes_bytes = static_cast<double>(T * D) * (1 + 4.0 / fp8::kBlock),
+                 qkv_codes_bytes = static_cast<double>(T * N) * (1 + 4.0 / fp8::kBlock);
+    quant.push_back({"rmsnorm + n1 codes (fused)", norm_bytes + n1_codes_bytes, median_ms([&] {
+                       cuda::rmsnorm_forward_fp8(n1.data(), n1_codes, rstd.data(), nullptr, tokens_TD.data(), nullptr,
+                                                 norm_w.data(), T, D, 1e-5f, stream);
+                     })});
+    quant.push_back({"rmsnorm alone", norm_bytes, median_ms([&] {
+                       cuda::rmsnorm_forward(n1.data(), rstd.data(), nullptr, tokens_TD.data(), nullptr, norm_w.data(),
+                                             T, D, 1e-5f, stream);
+                     })});
+    quant.push_back({"n1 [T,D]", static_cast<double>(T * D) * 2 + n1_codes_bytes, median_ms([&] {
+                       cuda::quantize_rows_blockwise(codes.data(), scales.data(), n1.data(), D, nullptr, 1, T, D,
+                                                     stream);
+                     })});
+    const cuda::RowCodes qkv_codes{codes.data(), scales.data(), nullptr, 1, T};
+    quant.push_back({"rope bwd + dq|dk|dv codes (fused)",
+                     rope_bytes + static_cast<double>(T * G * hd) * 2 + qkv_codes_bytes, median_ms([&] {
+                       cuda::rope_backward_fp8(dqkv.data(), qkv_codes, positions_d.data(), table.data(), T, H + G,
+                                               H + 2 * G, hd, stream);
+                     })});
+    quant.push_back({"rope bwd alone", rope_bytes, median_ms([&] {
+                       cuda::rope_backward(dqkv.data(), positions_d.data(), table.data(), T, H + G, hd, stream, N);
+                     })});
+    quant.push_back({"dq|dk|dv [T,(H+2G)d]", static_cast<double>(T * N) * 2 + qkv_codes_bytes, median_ms([&] {
+                       cuda::quantize_rows_blockwise(codes.data(), scales.data(), dqkv.data(), N, nullptr, 1, T, N,
+                                                     stream);
+                     })});
+  }
   quant.push_back({"w1, w3, w2 + transposes", 3 * weight_bytes, median_ms([&] {
                      weight(w1q, w1.data(), F, D);
                      weight(w3q, w3.data(), F, D);
