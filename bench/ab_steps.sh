@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A against B on one GPU under its power cap: `moe bench` of the same config with two
+# binaries (or two sets of overrides), run alternately ROUNDS times (default 2: A B A B),
+# since single runs at the 700 W limit move by +-1-2% with the board's clock. Prints each
+# run's median step, MFU, mean SM clock, memory and last loss (a change meant to keep the
+# bits must keep the loss), then the mean of each side's medians.
+# Usage: bench/ab_steps.sh MOE_A MOE_B CONFIG [--section.key=value ...]
+#   A_ARGS / B_ARGS (environment): overrides for one side only, e.g. to compare two modes
+#   of one binary (MOE_A = MOE_B). OUT (environment): where the logs go (default a temp dir).
+set -euo pipefail
+if [[ $# -lt 3 ]]; then
+  echo "usage: $0 MOE_A MOE_B CONFIG [--section.key=value ...]" >&2
+  exit 2
+fi
+moe_a=$1 moe_b=$2 config=$3
+shift 3
+for b in "$moe_a" "$moe_b"; do [[ -x $b ]] || { echo "$0: $b is not an executable" >&2; exit 2; }; done
+[[ -f $config ]] || { echo "$0: no config $config" >&2; exit 2; }
+rounds=${ROUNDS:-2}
+out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
+read -r -a a_args <<<"${A_ARGS:-}"
+read -r -a b_args <<<"${B_ARGS:-}"
+declare -A sum=([A]=0 [B]=0)
+for ((i = 1; i <= rounds; ++i)); do
+  for side in A B; do
+    if [[ $side == A ]]; then moe=$moe_a args=("${a_args[@]}"); else moe=$moe_b args=("${b_args[@]}"); fi
+    log=$out/$side-$i.log
+    "$moe" bench -c "$config" "$@" "${args[@]}" >"$log" 2>&1 || { echo "$side $i failed:"; tail -5 "$log"; exit 1; }
+    median=$(sed -nE 's/^steps:.*median ([0-9.]+) ms.*/\1/p' "$log")
+    loss=$(sed -nE 's/^steps:.*last loss ([0-9.e+-]+).*/\1/p' "$log")
+    mfu=$(grep -oE 'MFU [0-9.]+%' "$log" | head -1)
+    clock=$(grep -oE 'SM clock [0-9]+ MHz mean' "$log" | head -1)
+    memory=$(sed -nE 's/^device memory in use: (.*)/\1/p' "$log")
+    echo "$side $i: ${median:-?} ms | ${mfu:-?} | ${clock:-no clock} | ${memory:-?} | last loss ${loss:-?}"
+    sum[$side]=$(awk -v s="${sum[$side]}" -v m="${median:-0}" 'BEGIN { print s + m }')
+  done
+done
+awk -v a="${sum[A]}" -v b="${sum[B]}" -v n="$rounds" \
+  'BEGIN { printf "mean of medians: A %.1f ms, B %.1f ms, B - A %+.1f ms\n", a / n, b / n, (b - a) / n }'
+echo "logs: $out"
