@@ -28,17 +28,6 @@ struct RowCodes {
   int64_t E = 1, R = 0;
 };
 
-// Where an expert weight tensor's e4m3 codes go (quantize_weight_blocks' two copies): the
-// tensor [E, N, K] at `offset` in the parameter block, its codes [E, N, K] with scales
-// [E][KB][NB], and the transposed codes [E, K, N] with scales [E][NB][KB].
-struct Fp8WeightCodes {
-  int64_t offset = 0, E = 0, N = 0, K = 0;
-  uint8_t* codes = nullptr;
-  float* scales = nullptr;
-  uint8_t* codes_t = nullptr;
-  float* scales_t = nullptr;
-};
-
 // rmsnorm_forward (kernels/gpu_ops.h, bit for bit) and y's codes (one group: codes.R = T,
 // no offsets), in one kernel where its vector path runs, else the two. D a multiple of 128.
 void rmsnorm_forward_fp8(bf16* y_TD, const RowCodes& codes, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,

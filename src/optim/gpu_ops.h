@@ -8,7 +8,6 @@
 
 #include "core/bf16.h"
 #include "kernels/adamw_math.h"
-#include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 
 namespace moe::cuda {
@@ -37,20 +36,6 @@ struct OptimizerSegment {
   // 1: the segment's gradients are bf16, in the grads16 block (same offsets as the fp32
   // one; training.expert_grad_dtype = bf16), read widened (exactly).
   int32_t bf16_grad = 0;
-  // 1: adamw_weight_tiles steps the segment (and writes its fp8 codes); multi_tensor_adamw
-  // leaves it alone.
-  int32_t tiled = 0;
-};
-
-// An expert weight tensor (N and K multiples of 128) whose AdamW step also writes its e4m3
-// codes in 128 x 128 blocks, both copies, as quantize_weight_blocks (kernels/fp8_gpu_ops.h)
-// makes them from the new bf16 weights: one segment of the update set whole (state_offset,
-// decay and bf16_grad as there), its blocks numbered from first_tile over all the tensors of
-// one launch.
-struct Fp8WeightTiles {
-  Fp8WeightCodes w;
-  int64_t state_offset = -1, first_tile = 0;
-  int32_t decay = 0, bf16_grad = 0;
 };
 
 // The global gradient norm, the CPU's (optim/grad_clip.cpp) bit for bit: per chunk an fp64
@@ -70,14 +55,6 @@ void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* se
 // with bf16_grad read their gradients from grads16, widened.
 void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, void* m, void* v, bool bf16_moments,
                         const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks,
-                        const adamw_math::AdamWScalars* scalars, Stream stream, const bf16* grads16 = nullptr);
-
-// AdamW over the blocks of `tensors` (the segments multi_tensor_adamw skips as tiled), the
-// same arithmetic bit for bit, and each block's fp8 codes and scales from its new bf16
-// weights: one 256-thread CTA per 128 x 128 block, n_tiles in all (optim/cuda/
-// multi_tensor_adamw.cu). Nothing when scalars->skip.
-void adamw_weight_tiles(bf16* hi, int16_t* lo, const float* grads, void* m, void* v, bool bf16_moments,
-                        const Fp8WeightTiles* tensors, int64_t n_tensors, int64_t n_tiles,
                         const adamw_math::AdamWScalars* scalars, Stream stream, const bf16* grads16 = nullptr);
 
 // Per-expert gradient clipping (optim/cuda/expert_clip.cu), optim/grad_clip.cpp's order

@@ -11,7 +11,6 @@
 #include "core/bf16.h"
 #include "core/gpu.h"
 #include "core/rng.h"
-#include "kernels/adamw_math.h"
 #include "config/run_config.h"
 
 namespace moe::test {
@@ -126,22 +125,6 @@ inline double relative_l2(const std::vector<float>& got, const std::vector<float
     norm += double(want[i]) * want[i];
   }
   return std::sqrt(diff / norm);
-}
-
-// fp32 master weights as the GPU store holds them: bf16 hi halves and int16 lo halves
-// (adamw_math::split_master).
-struct MasterHalves {
-  std::vector<bf16> hi;
-  std::vector<int16_t> lo;
-};
-inline MasterHalves master_halves(const std::vector<float>& weights) {
-  MasterHalves h{std::vector<bf16>(weights.size()), std::vector<int16_t>(weights.size())};
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const adamw_math::MasterSplit split = adamw_math::split_master(weights[i]);
-    h.hi[i].bits = split.hi;
-    h.lo[i] = split.lo;
-  }
-  return h;
 }
 
 }  // namespace moe::test

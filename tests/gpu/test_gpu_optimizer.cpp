@@ -397,7 +397,13 @@ TEST(GpuOptimizer, KernelsOnUnalignedSegmentsMatchTheHost) {
         v[i] = static_cast<float>(1e-4 * rng.uniform(key << 2 | 3));
         if (bf16_moments) m[i] = am::round_to_bf16(m[i]), v[i] = am::round_to_bf16(v[i]);
       }
-      const auto [hi, lo] = test::master_halves(weights);
+      std::vector<bf16> hi(n);
+      std::vector<int16_t> lo(n);
+      for (size_t i = 0; i < n; ++i) {
+        const am::MasterSplit split = am::split_master(weights[i]);
+        hi[i].bits = split.hi;
+        lo[i] = split.lo;
+      }
       auto hi_d = test::to_device(hi);
       auto lo_d = test::to_device(lo);
       auto grads_d = test::to_device(grads);

@@ -63,52 +63,6 @@ Fp8ExpertWeights& GpuTransformer::State::fp8_expert_weights(Layer& layer) {
   return c;
 }
 
-std::vector<cuda::Fp8WeightCodes> GpuTransformer::fp8_weight_targets() {
-  State& s = *state_;
-  std::vector<cuda::Fp8WeightCodes> targets;
-  if (!s.fp8 || !s.fp8_weight_cache) return targets;
-  const int64_t D = s.config.dim, F = s.config.moe.expert_hidden;
-  for (Layer& layer : s.layers) {
-    const int64_t E = s.local_experts(layer);
-    if (!layer.is_moe || E == 0 || E > layer.fp8.capacity) continue;
-    // The codes must be the weights' before the step: a step the optimizer skips (a
-    // non-finite norm) writes none, and fp8_weights_written marks them current regardless.
-    s.fp8_expert_weights(layer);
-    for (int t = 0; t < Fp8ExpertWeights::kTensors; ++t) {
-      const Param& p = expert_tensor(layer, t);
-      cuda::Fp8WeightCodes w;
-      w.offset = p.offset + s.first_slot(layer) * (p.numel / s.config.moe.n_experts);  // as local_w
-      w.E = E;
-      w.N = t == Fp8ExpertWeights::kW2 ? D : F;
-      w.K = t == Fp8ExpertWeights::kW2 ? F : D;
-      w.codes = layer.fp8.code(t, false);
-      w.scales = layer.fp8.scale(t, false);
-      w.codes_t = layer.fp8.code(t, true);
-      w.scales_t = layer.fp8.scale(t, true);
-      targets.push_back(w);
-    }
-  }
-  return targets;
-}
-
-void GpuTransformer::fp8_weights_written(const std::vector<bool>& taken) {
-  State& s = *state_;
-  if (!s.fp8 || !s.fp8_weight_cache) return;
-  size_t at = 0;  // fp8_weight_targets' order: the same layers, three tensors each
-  for (Layer& layer : s.layers) {
-    const int64_t E = s.local_experts(layer);
-    if (!layer.is_moe || E == 0 || E > layer.fp8.capacity) continue;
-    MOE_CHECK(at + Fp8ExpertWeights::kTensors <= taken.size(), "fp8 weights written: {} answers for more tensors",
-              taken.size());
-    const bool all = taken[at] && taken[at + 1] && taken[at + 2];
-    at += Fp8ExpertWeights::kTensors;
-    if (!all) continue;  // the refresh quantises this layer's weights as before
-    layer.fp8.version = s.store->weights_version();
-    layer.fp8.first_slot = s.first_slot(layer);
-    layer.fp8.experts = E;
-  }
-}
-
 void GpuTransformer::State::refresh_fp8_expert_weights() {
   if (!fp8 || !fp8_weight_cache) return;
   for (Layer& layer : layers)

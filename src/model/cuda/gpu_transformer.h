@@ -12,7 +12,6 @@
 
 #include "config/model_config.h"
 #include "core/range.h"
-#include "kernels/fp8_gpu_ops.h"
 #include "model/expert_layout.h"
 #include "config/training_config.h"
 #include "model/cuda/gpu_parameters.h"
@@ -155,13 +154,6 @@ class GpuTransformer {
 
   // Allocates every activation and scratch buffer for micro-batches of `batch` sequences.
   void plan(int64_t batch);
-  // training.precision = fp8 with the weight cache: where each MoE layer's local expert
-  // tensors' codes go (w1, w3, w2 of each layer in turn), for an optimizer that writes them
-  // as it steps the weights (GpuOptimizer::set_fp8_weight_targets); empty otherwise. Right
-  // after such a step, fp8_weights_written(taken) marks current the caches of the layers
-  // whose three tensors were all taken (taken: the optimizer's answer for this list).
-  std::vector<cuda::Fp8WeightCodes> fp8_weight_targets();
-  void fp8_weights_written(const std::vector<bool>& taken);
   // Token ids on the host, [batch, seq_len]; targets of -1 are ignored.
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS);
   // Called on the host right before each stage's forward work is enqueued (the backward's

@@ -9,7 +9,6 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "core/range.h"
-#include "kernels/fp8_blockwise.h"
 #include "model/cuda/gpu_phases.h"
 #include "optim/cuda/segment_set.h"
 #include "optim/gpu_ops.h"
@@ -60,14 +59,6 @@ struct GpuOptimizer::State {
   std::unique_ptr<ExpertSliceSet> clip_norm_part, clip_scale_part;
   // The store's optimizer_ranges() when the update set was cut, if packed then.
   RangeList update_state_ranges;
-  // set_fp8_weight_targets: the targets as given, which the update set took, and the taken
-  // ones' launch table (n_tiles blocks in all).
-  std::vector<cuda::Fp8WeightCodes> fp8_targets;
-  std::vector<bool> fp8_taken;
-  std::vector<cuda::Fp8WeightTiles> fp8_tiles;
-  Buffer<cuda::Fp8WeightTiles> d_fp8_tiles;
-  int64_t fp8_n_tiles = 0;
-  void match_fp8_targets();
 
   bool bf16_moments() const { return store->moment_dtype() == MomentDtype::Bf16; }
   // Whether block element `offset`'s gradient is bf16 (inside the store's bf16 ranges; a
@@ -100,13 +91,9 @@ struct GpuOptimizer::State {
     MOE_CHECK(!state.packed || (update_part && store->optimizer_ranges() == update_state_ranges),
               "GPU optimizer: the store's optimizer state was packed after set_step_ranges (call it after "
               "pack_optimizer_state)");
-    bf16* hi = store->weights_hi();
-    cuda::multi_tensor_adamw(hi, state.lo, store->fp32_mirror(), store->grads(), state.m, state.v, bf16_moments(),
-                             set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks, scalars.data(),
-                             stream, store->grads_bf16());
-    cuda::adamw_weight_tiles(hi, state.lo, store->grads(), state.m, state.v, bf16_moments(), d_fp8_tiles.data(),
-                             static_cast<int64_t>(fp8_tiles.size()), fp8_n_tiles, scalars.data(), stream,
-                             store->grads_bf16());
+    cuda::multi_tensor_adamw(store->weights_hi(), state.lo, store->fp32_mirror(), store->grads(), state.m, state.v,
+                             bf16_moments(), set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks,
+                             scalars.data(), stream, store->grads_bf16());
   }
   // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter
   // keeps its decay flag and the matching part of its fp32 copy; `with_state`: and where
@@ -122,7 +109,6 @@ struct GpuOptimizer::State {
       piece.numel = part.count;
       if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (part.offset - seg.offset);
       if (with_state) piece.state_offset = store->state_offset(part.offset);
-      piece.tiled = 0;  // match_fp8_targets decides for the new set
       pieces.push_back(piece);
     }
     return std::make_unique<SegmentSet>(std::move(pieces));
@@ -131,37 +117,6 @@ struct GpuOptimizer::State {
   void ensure_clip_tables();
   std::unique_ptr<ExpertSliceSet> cut_expert_slices(const RangeList& ranges) const;
 };
-
-void GpuOptimizer::State::match_fp8_targets() {
-  SegmentSet& set = update_set();
-  for (cuda::OptimizerSegment& seg : set.host) seg.tiled = 0;
-  fp8_taken.assign(fp8_targets.size(), false);
-  fp8_tiles.clear();
-  fp8_n_tiles = 0;
-  for (size_t t = 0; t < fp8_targets.size(); ++t) {
-    const cuda::Fp8WeightCodes& w = fp8_targets[t];
-    const int64_t numel = w.E * w.N * w.K;
-    if (w.E <= 0 || w.N % fp8::kBlock != 0 || w.K % fp8::kBlock != 0 || w.offset % 8 != 0) continue;
-    const auto it = std::find_if(set.host.begin(), set.host.end(), [&](const cuda::OptimizerSegment& seg) {
-      return seg.offset == w.offset && seg.numel == numel;
-    });
-    if (it == set.host.end() || it->mirror_offset >= 0 || (it->state_offset >= 0 && it->state_offset % 8 != 0))
-      continue;
-    it->tiled = 1;
-    cuda::Fp8WeightTiles tiles;
-    tiles.w = w;
-    tiles.state_offset = it->state_offset;
-    tiles.first_tile = fp8_n_tiles;
-    tiles.decay = it->decay;
-    tiles.bf16_grad = it->bf16_grad;
-    fp8_tiles.push_back(tiles);
-    fp8_n_tiles += w.E * (w.N / fp8::kBlock) * (w.K / fp8::kBlock);
-    fp8_taken[t] = true;
-  }
-  if (!set.host.empty()) set.segments.upload(set.host.data(), set.host.size());
-  d_fp8_tiles = Buffer<cuda::Fp8WeightTiles>(std::max<size_t>(1, fp8_tiles.size()));
-  if (!fp8_tiles.empty()) d_fp8_tiles.upload(fp8_tiles.data(), fp8_tiles.size());
-}
 
 // Groups of parameters sharing an expert_group (optim/grad_clip.cpp), in registration
 // order (the MoE layers' order); each group's tensors cut at the leading expert dimension.
@@ -293,21 +248,6 @@ void GpuOptimizer::set_step_ranges(const RangeList& update,
   s.update_part = s.cut_to(update, /*with_state=*/true);
   s.norm_part = s.cut_to(norm);
   if (s.store->step_state().packed) s.update_state_ranges = s.store->optimizer_ranges();
-  if (!s.fp8_targets.empty()) s.match_fp8_targets();
-}
-
-const std::vector<bool>& GpuOptimizer::set_fp8_weight_targets(const std::vector<cuda::Fp8WeightCodes>& targets) {
-  State& s = *state_;
-  const auto same = [](const cuda::Fp8WeightCodes& a, const cuda::Fp8WeightCodes& b) {
-    return a.offset == b.offset && a.E == b.E && a.N == b.N && a.K == b.K && a.codes == b.codes &&
-           a.scales == b.scales && a.codes_t == b.codes_t && a.scales_t == b.scales_t;
-  };
-  if (targets.size() == s.fp8_targets.size() && s.fp8_taken.size() == targets.size() &&
-      std::equal(targets.begin(), targets.end(), s.fp8_targets.begin(), same))
-    return s.fp8_taken;
-  s.fp8_targets = targets;
-  s.match_fp8_targets();
-  return s.fp8_taken;
 }
 
 double GpuOptimizer::grad_norm() {
@@ -423,7 +363,7 @@ std::vector<double> GpuOptimizer::clip_expert_grads(double max_norm,
 size_t GpuOptimizer::device_bytes() const {
   const State& s = *state_;
   return s.whole.bytes() + (s.update_part ? s.update_part->bytes() : 0) + (s.norm_part ? s.norm_part->bytes() : 0) +
-         sizeof(adamw_math::AdamWScalars) + s.d_fp8_tiles.size() * sizeof(cuda::Fp8WeightTiles);
+         sizeof(adamw_math::AdamWScalars);
 }
 
 }  // namespace moe

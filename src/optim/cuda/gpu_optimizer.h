@@ -16,7 +16,6 @@
 #include "kernels/gpu_ops.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/parameters.h"
-#include "optim/gpu_ops.h"
 
 namespace moe {
 
@@ -72,14 +71,6 @@ class GpuOptimizer {
   // (the ones it steps). Sorted, disjoint [offset, count) ranges.
   void shard_expert_clip(const RangeList& norm,
                          const RangeList& update);
-  // training.precision = fp8 with the expert weights' codes cached: the tensors whose
-  // AdamW also writes their codes (cuda::adamw_weight_tiles), sparing the cache's refresh a
-  // read of every expert weight. A tensor is taken when it is one segment of the update set
-  // whole (not cut by ZeRO-1, no fp32 copy, N and K multiples of 128, 16-byte aligned);
-  // the others stay with the flat kernel and the refresh. Cheap to call before every step
-  // (nothing is uploaded unless the targets changed); again after set_step_ranges.
-  // Returns which were taken, in order.
-  const std::vector<bool>& set_fp8_weight_targets(const std::vector<cuda::Fp8WeightCodes>& targets);
   // Device bytes of the optimizer's tables and partial sums.
   size_t device_bytes() const;
 

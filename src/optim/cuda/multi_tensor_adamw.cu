@@ -8,7 +8,6 @@
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/exact_math.cuh"
-#include "kernels/cuda/fp8_weight_tile.cuh"
 #include "kernels/gpu_ops.h"
 #include "optim/gpu_ops.h"
 
@@ -273,79 +272,6 @@ __device__ __forceinline__ void adamw_update8(float (&p)[8], const float (&g)[8]
   for (int j = 0; j < 8; ++j) p[j] = am::sub(am::mul(p[j], decay), update[j]);
 }
 
-// The 16-byte units a vector of 8 elements is stepped from, in the order both AdamW kernels
-// load them: the hi halves, the lo halves, m (M::kUnits), v (M::kUnits), the gradient
-// (bf16: 1, fp32: 2). Element at in the block, at_state in the lo halves and moments.
-template <bool kBf16>
-struct UnitRow {
-  using M = Moments<kBf16>;
-  static constexpr int kGradUnit = 2 + 2 * M::kUnits, kUnits = kGradUnit + 2;
-  uint16_t* hi;
-  int16_t* lo;
-  void *m, *v;
-  const float* grads;
-  const uint16_t* grads16;
-  bool bf16_grad;
-  __device__ int used_units() const { return bf16_grad ? kUnits - 1 : kUnits; }
-  __device__ const uint4* source(int unit, int64_t at, int64_t at_state) const {
-    constexpr int kMomentBytes = kBf16 ? 2 : 4;
-    if (unit == 0) return reinterpret_cast<const uint4*>(hi + at);
-    if (unit == 1) return reinterpret_cast<const uint4*>(lo + at_state);
-    if (unit < kGradUnit) {
-      const void* moments = unit < 2 + M::kUnits ? m : v;
-      return reinterpret_cast<const uint4*>(static_cast<const char*>(moments) + at_state * kMomentBytes) +
-             (unit - 2) % M::kUnits;
-    }
-    return bf16_grad ? reinterpret_cast<const uint4*>(grads16 + at)
-                     : reinterpret_cast<const uint4*>(grads + at) + (unit - kGradUnit);
-  }
-  // The row's units copied to shared memory, unit u at first_slot + u * slot_stride (none
-  // when !in_range), as one commit group: a group a row either way.
-  __device__ void stage(uint4* first_slot, int slot_stride, bool in_range, int64_t at, int64_t at_state) const {
-    if (in_range) {
-#pragma unroll
-      for (int u = 0; u < kUnits; ++u)
-        if (u < used_units()) cp_async16(first_slot + u * slot_stride, source(u, at, at_state));
-    }
-    cp_async_commit();
-  }
-  // am::adamw_update on the 8 elements of `unit`, the moments and both halves stored; p: the
-  // new masters; returns the new hi halves (the bf16 weights), packed.
-  __device__ uint4 step(const uint4 (&unit)[kUnits], const am::AdamWScalars& s, float decay, int64_t at,
-                        int64_t at_state, float (&p)[8]) const {
-    float g[8];
-    if (bf16_grad) {
-      uint16_t g16[8];
-      unpack8(unit[kGradUnit], g16);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) g[j] = am::bf16_bits_to_float(g16[j]);
-    } else {
-      Moments<false>::unpack(unit + kGradUnit, g);
-    }
-    uint16_t h[8], l[8];
-    unpack8(unit[0], h);
-    unpack8(unit[1], l);
-    float mm[8], vv[8];
-    M::unpack(unit + 2, mm);
-    M::unpack(unit + 2 + M::kUnits, vv);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
-    adamw_update8(p, g, mm, vv, s, decay, kBf16);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const am::MasterSplit out = am::split_master(p[j]);
-      h[j] = out.hi;
-      l[j] = static_cast<uint16_t>(out.lo);
-    }
-    M::store8(m, at_state, mm);
-    M::store8(v, at_state, vv);
-    const uint4 new_hi = pack8(h);
-    __stcs(reinterpret_cast<uint4*>(hi + at), new_hi);
-    __stcs(reinterpret_cast<uint4*>(lo + at_state), pack8(l));
-    return new_hi;
-  }
-};
-
 // One block per chunk. Each thread updates 8 consecutive elements per pass with 16-byte
 // accesses only (hi, lo and bf16 moments 1 each, gradient and fp32 moments 2 each: 128
 // bytes in flight per thread), from the chunk's first element whose index is a multiple
@@ -376,7 +302,6 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   const am::AdamWScalars s = shared_scalars;
   if (s.skip) return;
   const OptimizerSegment seg = shared_segment;
-  if (seg.tiled) return;  // adamw_weight_tiles' (its fp8 codes with it)
   const int64_t within = (static_cast<int64_t>(blockIdx.x) - seg.first_chunk) * am::kNormChunk;
   const int64_t begin = seg.offset + within;
   // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
@@ -410,14 +335,30 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   // 26.3 -> 24.2 ms a mixtral-mini step). With fp32 moments the 64 KB of staging leaves 3
   // blocks an SM and the pass ran slower (41.9 -> 46.2 ms), so those load straight into
   // registers. Units a pass: hi, lo, m, v (fp32: 2 each), the gradient (fp32: 2).
-  const UnitRow<kBf16> units{hi, lo, m, v, grads, grads16, seg.bf16_grad != 0};
-  constexpr int kUnits = UnitRow<kBf16>::kUnits;
-  const auto source = [&](int unit, int32_t i) { return units.source(unit, begin + i, state + i); };
-  const int used_units = units.used_units();
+  constexpr int kGradUnit = 2 + 2 * M::kUnits, kUnits = kGradUnit + 2;
+  const auto source = [&](int unit, int32_t i) -> const uint4* {
+    const int64_t at = begin + i, at_state = state + i;
+    constexpr int kMomentBytes = kBf16 ? 2 : 4;
+    if (unit == 0) return reinterpret_cast<const uint4*>(hi + at);
+    if (unit == 1) return reinterpret_cast<const uint4*>(lo + at_state);
+    if (unit < kGradUnit) {
+      const void* moments = unit < 2 + M::kUnits ? m : v;
+      return reinterpret_cast<const uint4*>(static_cast<const char*>(moments) + at_state * kMomentBytes) +
+             (unit - 2) % M::kUnits;
+    }
+    return seg.bf16_grad ? reinterpret_cast<const uint4*>(grads16 + at)
+                         : reinterpret_cast<const uint4*>(grads + at) + (unit - kGradUnit);
+  };
+  const int used_units = seg.bf16_grad ? kUnits - 1 : kUnits;
   extern __shared__ uint4 staged[];  // [2 stages][kUnits][kBlock]
   const auto slot = [&](int stage, int unit) { return staged + (stage * kUnits + unit) * kBlock + threadIdx.x; };
-  const auto stage_in = [&](int32_t i, int stage) {  // empty past the end: a group a pass
-    units.stage(slot(stage, 0), kBlock, i < tail, begin + i, state + i);
+  const auto stage_in = [&](int32_t i, int stage) {
+    if (i < tail) {
+#pragma unroll
+      for (int u = 0; u < kUnits; ++u)
+        if (u < used_units) cp_async16(slot(stage, u), source(u, i));
+    }
+    cp_async_commit();  // empty past the end: the group count stays one a pass
   };
   const int32_t first = head + static_cast<int32_t>(threadIdx.x) * 8;
   if constexpr (kStaged) stage_in(first, 0);
@@ -435,8 +376,36 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
       for (int u = 0; u < kUnits; ++u)
         if (u < used_units) unit[u] = __ldcs(source(u, i));
     }
+    const int64_t at = begin + i, at_state = state + i;
+    float g[8];
+    if (seg.bf16_grad) {
+      uint16_t g16[8];
+      unpack8(unit[kGradUnit], g16);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) g[j] = am::bf16_bits_to_float(g16[j]);
+    } else {
+      Moments<false>::unpack(unit + kGradUnit, g);
+    }
+    uint16_t h[8], l[8];
+    unpack8(unit[0], h);
+    unpack8(unit[1], l);
+    float mm[8], vv[8];
+    M::unpack(unit + 2, mm);
+    M::unpack(unit + 2 + M::kUnits, vv);
     float p[8];
-    units.step(unit, s, decay, begin + i, state + i, p);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
+    adamw_update8(p, g, mm, vv, s, decay, kBf16);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const am::MasterSplit out = am::split_master(p[j]);
+      h[j] = out.hi;
+      l[j] = static_cast<uint16_t>(out.lo);
+    }
+    M::store8(m, at_state, mm);
+    M::store8(v, at_state, vv);
+    __stcs(reinterpret_cast<uint4*>(hi + at), pack8(h));
+    __stcs(reinterpret_cast<uint4*>(lo + at_state), pack8(l));
     if (mirror_vectors) {
       float4* out = reinterpret_cast<float4*>(mirror_out + i);
       out[0] = make_float4(p[0], p[1], p[2], p[3]);
@@ -447,76 +416,6 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
     }
   }
   if constexpr (kStaged) cp_async_wait<0>();
-}
-
-// adamw_weight_tiles: one CTA per 128 x 128 block of an expert tensor, each thread
-// stepping rows row + 16 j (j < kWeightLoads) at columns chunk * 8 .. + 7 of the block
-// (quantize_weight_kernel's layout: row = tid / 16, chunk = tid % 16) with the flat
-// kernel's arithmetic, its new hi halves (the bf16 weights) kept in registers for the
-// block's codes (store_weight_block_codes). N and K multiples of 128, every row 16-byte
-// aligned (checked by the caller). kStaged (bf16 moments, as the flat kernel): row j + 1's
-// bytes are copied into shared memory while row j computes (a thread's own slots).
-constexpr int kTileUnits = 6;  // hi, lo, m, v, the gradient (fp32: 2) with bf16 moments
-constexpr size_t kTileStagedBytes = size_t{2} * kTileUnits * kWeightThreads * sizeof(uint4);
-template <bool kBf16, bool kStaged = kBf16>
-__global__ void __launch_bounds__(kWeightThreads)
-    adamw_weight_tiles_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, const float* __restrict__ grads,
-                              const uint16_t* __restrict__ grads16, void* __restrict__ m, void* __restrict__ v,
-                              const Fp8WeightTiles* tensors, int64_t n_tensors, const am::AdamWScalars* scalars) {
-  __shared__ am::AdamWScalars shared_scalars;
-  __shared__ Fp8WeightTiles shared_tensor;
-  if (threadIdx.x == 0) {
-    shared_scalars = *scalars;
-    int64_t t = 0;  // a few dozen tensors: the last whose first tile is at or before this block
-    while (t + 1 < n_tensors && tensors[t + 1].first_tile <= static_cast<int64_t>(blockIdx.x)) ++t;
-    shared_tensor = tensors[t];
-  }
-  __syncthreads();
-  const am::AdamWScalars s = shared_scalars;
-  if (s.skip) return;
-  const Fp8WeightTiles tensor = shared_tensor;
-  const Fp8WeightCodes& w = tensor.w;
-  const int64_t NB = w.N / fp8::kBlock, KB = w.K / fp8::kBlock, tile = blockIdx.x - tensor.first_tile;
-  const int64_t e = tile / (NB * KB), nb = tile / KB % NB, kb = tile % KB;
-  const int chunk = threadIdx.x % kChunksPerRow, row = threadIdx.x / kChunksPerRow;
-  const int64_t state = tensor.state_offset >= 0 ? tensor.state_offset : w.offset;
-  const float decay = tensor.decay ? s.decay_factor : 1.0f;
-  const UnitRow<kBf16> units{hi, lo, m, v, grads, grads16, tensor.bf16_grad != 0};
-  constexpr int kUnits = UnitRow<kBf16>::kUnits;
-  static_assert(!kStaged || kUnits <= kTileUnits, "the staging holds a row's units");
-  const int used_units = units.used_units();
-  const auto element = [&](int j) {
-    return (e * w.N + nb * fp8::kBlock + row + j * kRowsPerPass) * w.K + kb * fp8::kBlock + chunk * 8;
-  };
-  const auto source = [&](int unit, int j) { return units.source(unit, w.offset + element(j), state + element(j)); };
-  extern __shared__ uint4 staged[];  // kStaged: [2 stages][kTileUnits][kWeightThreads]
-  const auto slot = [&](int stage, int unit) {
-    return staged + (stage * kTileUnits + unit) * kWeightThreads + threadIdx.x;
-  };
-  const auto stage_in = [&](int j, int stage) {  // empty past the end: a group a row
-    units.stage(slot(stage, 0), kWeightThreads, j < kWeightLoads, w.offset + element(j), state + element(j));
-  };
-  if constexpr (kStaged) stage_in(0, 0);
-  uint4 packed[kWeightLoads];
-#pragma unroll
-  for (int j = 0; j < kWeightLoads; ++j) {
-    uint4 unit[kUnits];
-    if constexpr (kStaged) {
-      stage_in(j + 1, (j + 1) & 1);
-      cp_async_wait<1>();  // row j's group is in
-#pragma unroll
-      for (int u = 0; u < kUnits; ++u)
-        if (u < used_units) unit[u] = *slot(j & 1, u);
-    } else {
-#pragma unroll
-      for (int u = 0; u < kUnits; ++u)
-        if (u < used_units) unit[u] = __ldcs(source(u, j));
-    }
-    float p[8];
-    packed[j] = units.step(unit, s, decay, w.offset + element(j), state + element(j), p);
-  }
-  if constexpr (kStaged) cp_async_wait<0>();
-  store_weight_block_codes(packed, w.codes, w.scales, w.codes_t, w.scales_t, e, nb, kb, NB, KB, w.N, w.K, true);
 }
 
 // Staged blocks of 512 threads (2 an SM): 23.5 ms a mixtral-mini fp8 step against 24.4 with
@@ -564,26 +463,6 @@ void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads
     multi_tensor_adamw_kernel<false, kThreads><<<blocks, kThreads, 0, stream>>>(
         bits(hi), lo, mirror, grads, bits(grads16), m, v, segments, n_segments, scalars, vectors);
   }
-  MOE_CUDA_CHECK_LAUNCH();
-}
-
-void adamw_weight_tiles(bf16* hi, int16_t* lo, const float* grads, void* m, void* v, bool bf16_moments,
-                        const Fp8WeightTiles* tensors, int64_t n_tensors, int64_t n_tiles,
-                        const adamw_math::AdamWScalars* scalars, Stream stream, const bf16* grads16) {
-  if (n_tiles == 0) return;
-  MOE_CHECKF(n_tensors > 0 && n_tiles < (int64_t{1} << 31), "adamw_weight_tiles: %lld tiles of %lld tensors",
-             static_cast<long long>(n_tiles), static_cast<long long>(n_tensors));
-  const auto blocks = static_cast<unsigned>(n_tiles);
-  if (bf16_moments) {
-    // 48 KB of staging and the 16 KB codes tile: past the 48 KB default. Per call: the
-    // attribute is the current device's (thread ranks drive several).
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(adamw_weight_tiles_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kTileStagedBytes)));
-    adamw_weight_tiles_kernel<true><<<blocks, kWeightThreads, kTileStagedBytes, stream>>>(
-        bits(hi), lo, grads, bits(grads16), m, v, tensors, n_tensors, scalars);
-  } else
-    adamw_weight_tiles_kernel<false><<<blocks, kWeightThreads, 0, stream>>>(bits(hi), lo, grads, bits(grads16), m, v,
-                                                                            tensors, n_tensors, scalars);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
