@@ -174,6 +174,15 @@ TEST(GpuFp8Quantize, WeightBlocksAndTheirTransposeMatchTheCpuBitForBit) {
 // codes and scales bit for bit the CPU's quantisation of that act, over ragged experts
 // with empty ones and rows past the last (act still written there, codes not); without
 // act (null) the same codes and the act buffer untouched.
+// Row r's gates: past the sigmoid's plain range (1 + exp(-g) >= 2^126 from g < -87.3) in
+// some groups of 8, mixed in others, plain in the rest (swiglu_sigmoid_n's two paths).
+void set_edge_gates(std::vector<bf16>& gate_up_RF2, int64_t r, int64_t F) {
+  const float gates[] = {-1e30f, -1e4f, -200.0f, -100.0f, -89.0f, -88.5f, -88.0f, -87.5f,  // all past it
+                         -87.0f, -60.0f, -1.0f,  0.0f,    -95.0f, 60.0f,  100.0f, 1e4f,    // one
+                         -87.0f, -60.0f, -1.0f,  0.0f,    1.0f,   60.0f,  100.0f, 1e4f};   // none
+  for (int64_t f = 0; f < F; ++f) gate_up_RF2[static_cast<size_t>(r * 2 * F + f)] = float_to_bf16(gates[f % 24]);
+}
+
 TEST(GpuFp8Quantize, SwigluFusedWithTheQuantisationMatchesBoth) {
   MOE_REQUIRE_GPU();
   const std::vector<int32_t> rows = {3, 0, 70, 1, 0, 40};
@@ -182,6 +191,7 @@ TEST(GpuFp8Quantize, SwigluFusedWithTheQuantisationMatchesBoth) {
   // Gate and up with a magnitude per 128 columns and row (act's tiles get their own scales).
   std::vector<bf16> gate_up = activations(R, 2 * F, 3);
   for (int64_t f = 0; f < 2 * F; ++f) gate_up[static_cast<size_t>(7 * 2 * F + f)] = bf16{0};  // a row of zeros
+  set_edge_gates(gate_up, 2, F);
   auto gate_up_d = to_device(gate_up);
   auto offsets_d = to_device(offsets);
   auto act_d = poisoned<bf16>(R * F);
@@ -223,6 +233,7 @@ TEST(GpuFp8Quantize, SwigluBackwardFusedWithTheQuantisationMatchesBoth) {
   std::vector<bf16> gate_up = activations(R, 2 * F, 5);
   const std::vector<bf16> dact = activations(R, F, 6);
   for (int64_t f = 0; f < 2 * F; ++f) gate_up[static_cast<size_t>(4 * 2 * F + f)] = bf16{0};  // zero gradients
+  set_edge_gates(gate_up, 1, F);
   auto gate_up_d = to_device(gate_up);
   auto dact_d = to_device(dact);
   auto offsets_d = to_device(offsets);
@@ -305,6 +316,7 @@ TEST_P(GpuFp8SwigluColumns, MatchTheUnfusedPath) {
   std::vector<bf16> gate_up = activations(R, 2 * F, 7);
   const std::vector<bf16> dact = activations(R, F, 8);
   for (int64_t f = 0; f < 2 * F; ++f) gate_up[static_cast<size_t>(4 * 2 * F + f)] = bf16{0};  // zero gradients
+  set_edge_gates(gate_up, 1, F);
   auto gate_up_d = to_device(gate_up);
   auto dact_d = to_device(dact);
   auto offsets_d = to_device(offsets);

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -133,6 +134,9 @@ TEST(GpuSwigluEdges, HugeNegativeAndPositiveGatesMatchCpu) {
   MOE_REQUIRE_GPU();
   const std::vector<float> gates = {-1e30f, -1e4f, -200.0f, -100.0f, -89.0f, -88.5f, -88.0f, -87.5f,
                                     -87.0f, -60.0f, -1.0f,  0.0f,    1.0f,   60.0f,  100.0f, 1e4f};
+  // F = 16 takes the vector kernel (its first 8 gates all past the sigmoid's plain range, the
+  // next 8 mixed), F = 13 the scalar one: the same bits for the same gate.
+  std::vector<std::vector<float>> outputs;
   for (int64_t F : {16, 13}) {
     SCOPED_TRACE("F = " + std::to_string(F));
     std::vector<float> gate_up(2 * F), gate(F), up(F, 1.5f), dact(F, 0.5f);
@@ -156,7 +160,13 @@ TEST(GpuSwigluEdges, HugeNegativeAndPositiveGatesMatchCpu) {
       EXPECT_NEAR(dgu[f], dgate_ref[f], 1e-2f * std::fabs(dgate_ref[f]) + 1e-30f);
       EXPECT_NEAR(dgu[F + f], dup_ref[f], 1e-2f * std::fabs(dup_ref[f]) + 1e-30f);
     }
+    std::vector<float> out(act.begin(), act.begin() + 13);
+    out.insert(out.end(), dgu.begin(), dgu.begin() + 13);
+    out.insert(out.end(), dgu.begin() + F, dgu.begin() + F + 13);
+    outputs.push_back(out);
   }
+  EXPECT_EQ(std::memcmp(outputs[0].data(), outputs[1].data(), outputs[0].size() * sizeof(float)), 0)
+      << "the vector and scalar kernels differ";
 }
 
 // Scalar path (F % 8 != 0) and 16-byte vector path.
