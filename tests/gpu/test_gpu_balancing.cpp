@@ -63,17 +63,17 @@ TEST(GpuBalancing, SelectionBiasSteersTheTopKAsOnTheCpu) {
   auto layers = cpu.moe_layers();
   ASSERT_EQ(layers.size(), 2u);
   layers[0]->balance_bias_E() = bias;
-  gpu.set_balance_bias(0, bias);
-  EXPECT_EQ(gpu.balance_bias(0), bias);
-  EXPECT_EQ(gpu.balance_bias(1), std::vector<float>(4, 0.0f));
-  EXPECT_THROW(gpu.set_balance_bias(2, bias), Error);
-  EXPECT_THROW(gpu.set_balance_bias(0, {1.0f}), Error);
+  gpu.routing().set_balance_bias(0, bias);
+  EXPECT_EQ(gpu.routing().balance_bias(0), bias);
+  EXPECT_EQ(gpu.routing().balance_bias(1), std::vector<float>(4, 0.0f));
+  EXPECT_THROW(gpu.routing().set_balance_bias(2, bias), Error);
+  EXPECT_THROW(gpu.routing().set_balance_bias(0, {1.0f}), Error);
 
   const auto inputs = random_tokens(c, batch, "inputs"), targets = random_tokens(c, batch, "targets");
   const ForwardResult want = cpu.forward(inputs.data(), targets.data());
-  gpu.reset_load();
+  gpu.routing().reset_stats();
   const ForwardResult got = gpu.forward(inputs.data(), targets.data());
-  const auto loads = gpu.routing_stats().load;
+  const auto loads = gpu.routing().stats().load;
   ASSERT_EQ(loads.size(), 2u);
   EXPECT_EQ(loads[0][2], T);
   EXPECT_EQ(loads[0][1], 0);

@@ -184,12 +184,12 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     if (!placement.empty()) gpu.place_experts(placement);
     if (own_steps) step_own_experts_only(gpu, optimizer, host, rank);
     gpu.parameters().zero_grads();
-    gpu.reset_load();
+    gpu.routing().reset_stats();
     const auto inputs2 = tokens(config, 1, 50 + rank, 0), targets2 = tokens(config, 1, 50 + rank, 1);
     run.second_loss = gpu.forward_backward(inputs2.data(), targets2.data(), 1.0);
     run.second_grads = all_grads(gpu, host);
     if (split) sum_hinge_grads(gpu, shared, rank);
-    run.load = gpu.routing_stats().load;
+    run.load = gpu.routing().stats().load;
     // What a checkpoint writes: every expert's weights and moments from the rank holding it.
     optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 2}, 1.0f);
     gpu.parameters().download_params(host.params());  // what this rank holds, in slot order

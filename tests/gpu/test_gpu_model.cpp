@@ -117,7 +117,7 @@ void compare(const ModelConfig& config, int64_t batch, float router_scale, doubl
   // dropped assignments through them, the entropy within bf16 noise of the scores (0.3%
   // measured with the router sharpened 10x; the kernel is tested exactly in
   // test_gpu_routing_stats.cpp).
-  const GpuRoutingStats routed = gpu.routing_stats();
+  const GpuRoutingStats routed = gpu.routing().stats();
   const auto cpu_layers = cpu.moe_layers();
   ASSERT_EQ(routed.kept.size(), cpu_layers.size());
   int64_t gpu_dropped = 0;

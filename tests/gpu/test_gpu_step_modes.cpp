@@ -87,11 +87,11 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   gpu.plan(2);
   gpu.enable_graphs(graphs);
   if (!start.balance_bias.empty())
-    for (size_t l = 0; l < gpu.expert_layout().size(); ++l) gpu.set_balance_bias(l, start.balance_bias);
+    for (size_t l = 0; l < gpu.expert_layout().size(); ++l) gpu.routing().set_balance_bias(l, start.balance_bias);
   RunResult r;
   for (int step = 0; step < (start.write_first ? 3 : 1); ++step) {
     r.losses.clear();
-    gpu.reset_load();
+    gpu.routing().reset_stats();
     if (start.write_first) {
       MOE_CUDA_CHECK(cudaMemset(gpu.parameters().grads(), 0xff,
                                 static_cast<size_t>(gpu.parameters().storage_numel()) * sizeof(float)));
@@ -114,7 +114,7 @@ RunResult run(const ModelConfig& config, int64_t recompute_layers, bool graphs,
   auto& params = host.params();
   for (int id = 0; id < params.size(); ++id)
     r.grads.insert(r.grads.end(), params.grad(id), params.grad(id) + params.numel(id));
-  r.load = gpu.routing_stats().load;
+  r.load = gpu.routing().stats().load;
   r.expert_norms = to_expert_order(gpu.expert_layout(), optimizer.clip_expert_grads(0.0));
   optimizer.adamw_step(AdamWStep{1e-3, 0.9, 0.95, 1e-8, 0.1, 1}, 1.0f);
   gpu.download_state(params, r.m, r.v);

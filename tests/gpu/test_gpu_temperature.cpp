@@ -54,21 +54,21 @@ TEST(GpuTemperature, PerLayerTemperaturesMatchTheCpu) {
   GpuTransformer gpu(c, cpu.params());
   gpu.plan(batch);
   const auto inputs = tokens(c, batch, 1), targets = tokens(c, batch, 2);
-  gpu.reset_load();
+  gpu.routing().reset_stats();
   const ForwardResult at_one = gpu.forward(inputs.data(), targets.data());
   const std::vector<float> temperatures = {0.5f, 2.0f, 0.75f};
   auto layers = cpu.moe_layers();
   ASSERT_EQ(layers.size(), temperatures.size());
   for (size_t i = 0; i < layers.size(); ++i) {
-    EXPECT_EQ(gpu.router_temperature(i), 1.0f);
+    EXPECT_EQ(gpu.routing().temperature(i), 1.0f);
     layers[i]->temperature_state()[0] = temperatures[i];
-    gpu.set_router_temperature(i, temperatures[i]);
-    EXPECT_EQ(gpu.router_temperature(i), temperatures[i]);
+    gpu.routing().set_temperature(i, temperatures[i]);
+    EXPECT_EQ(gpu.routing().temperature(i), temperatures[i]);
   }
-  EXPECT_THROW(gpu.set_router_temperature(3, 1.0f), Error);
-  EXPECT_THROW(gpu.set_router_temperature(0, 0.0f), Error);
+  EXPECT_THROW(gpu.routing().set_temperature(3, 1.0f), Error);
+  EXPECT_THROW(gpu.routing().set_temperature(0, 0.0f), Error);
   const ForwardResult want = cpu.forward(inputs.data(), targets.data());
-  gpu.reset_load();
+  gpu.routing().reset_stats();
   const ForwardResult got = gpu.forward(inputs.data(), targets.data());
   EXPECT_NEAR(got.ce_loss, want.ce_loss, 1e-2 * want.ce_loss);
   EXPECT_NEAR(got.aux_loss, want.aux_loss, 2e-2 * want.aux_loss + 1e-6);
@@ -88,7 +88,7 @@ std::vector<ForwardResult> graph_run(bool graphs, std::vector<float>* grads) {
   std::vector<ForwardResult> losses;
   gpu.parameters().zero_grads();
   losses.push_back(gpu.forward_backward(inputs.data(), targets.data(), 1.0));
-  gpu.set_router_temperature(0, 0.5f);
+  gpu.routing().set_temperature(0, 0.5f);
   gpu.parameters().zero_grads();
   losses.push_back(gpu.forward_backward(inputs.data(), targets.data(), 1.0));
   gpu.download_grads(host.params());

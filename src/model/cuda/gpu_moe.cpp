@@ -103,13 +103,13 @@ void GpuTransformer::State::speculate_after(size_t layer_index) {
   dispatcher->speculate(next, guess_TQ.data(), Q);
 }
 
-void GpuTransformer::set_route_predictors(std::vector<const RoutingCache*> predictors) {
-  MOE_CHECK(predictors.empty() || state_->ep != nullptr,
+void GpuTransformer::Routing::set_predictors(std::vector<const RoutingCache*> predictors) {
+  MOE_CHECK(predictors.empty() || s_.ep != nullptr,
             "moe.speculative_dispatch starts the expert-parallel exchange early: the GPU model has no expert parallelism");
-  state_->route_predictors = std::move(predictors);
+  s_.route_predictors = std::move(predictors);
 }
 
-void GpuTransformer::set_speculating(bool on) { state_->speculating = on && !state_->route_predictors.empty(); }
+void GpuTransformer::Routing::set_speculating(bool on) { s_.speculating = on && !s_.route_predictors.empty(); }
 
 void GpuTransformer::State::expert_rows_forward(Layer& layer, bool gate_up, bool swiglu) {
   MoEBuffers& m = layer.act->moe;
@@ -275,8 +275,10 @@ void GpuTransformer::begin_gradients() {
   s.overwrite_grads = true;
 }
 
-GpuRoutingStats GpuTransformer::routing_stats() {
-  State& s = *state_;
+GpuTransformer::Routing& GpuTransformer::routing() { return *routing_; }
+
+GpuRoutingStats GpuTransformer::Routing::stats() {
+  State& s = s_;
   const int64_t E = s.config.moe.n_experts;
   std::vector<std::vector<int64_t>> load_slot;
   std::vector<std::vector<double>> routing;
@@ -313,15 +315,15 @@ GpuRoutingStats GpuTransformer::routing_stats() {
 }
 
 
-void GpuTransformer::reset_load() {
+void GpuTransformer::Routing::reset_stats() {
   int moe_layers = 0;
-  for (Layer& layer : state_->layers)
+  for (Layer& layer : s_.layers)
     if (layer.is_moe) {
       layer.load.fill_bytes(0);
       layer.routing.fill_bytes(0);
       ++moe_layers;
     }
-  if (state_->dispatcher) state_->dispatcher->take_stats(moe_layers);  // the validation's since the last step
+  if (s_.dispatcher) s_.dispatcher->take_stats(moe_layers);  // the validation's since the last step
 }
 
 Layer& GpuTransformer::State::layer_of(size_t moe_layer) {
@@ -333,34 +335,34 @@ Layer& GpuTransformer::State::layer_of(size_t moe_layer) {
 
 Buffer<float>& GpuTransformer::State::balance_bias_of(size_t moe_layer) { return layer_of(moe_layer).balance_bias; }
 
-void GpuTransformer::set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E) {
-  Buffer<float>& bias = state_->balance_bias_of(moe_layer);
+void GpuTransformer::Routing::set_balance_bias(size_t moe_layer, const std::vector<float>& bias_E) {
+  Buffer<float>& bias = s_.balance_bias_of(moe_layer);
   MOE_CHECK(bias_E.size() == bias.size(), "balance bias of MoE layer {}: {} values for {} experts", moe_layer,
             bias_E.size(), bias.size());
   bias.upload(bias_E.data(), bias_E.size());
 }
 
-void GpuTransformer::set_router_temperature(size_t moe_layer, float temperature) {
+void GpuTransformer::Routing::set_temperature(size_t moe_layer, float temperature) {
   MOE_CHECK(std::isfinite(temperature) && temperature > 0, "router temperature of MoE layer {}: {} must be > 0",
             moe_layer, temperature);
-  state_->layer_of(moe_layer).router_temperature.upload(&temperature, 1);
+  s_.layer_of(moe_layer).router_temperature.upload(&temperature, 1);
 }
 
-float GpuTransformer::router_temperature(size_t moe_layer) const {
+float GpuTransformer::Routing::temperature(size_t moe_layer) const {
   float temperature = 0;
-  state_->layer_of(moe_layer).router_temperature.download(&temperature, 1);
+  s_.layer_of(moe_layer).router_temperature.download(&temperature, 1);
   return temperature;
 }
 
-std::vector<float> GpuTransformer::balance_bias(size_t moe_layer) const {
-  const Buffer<float>& bias = state_->balance_bias_of(moe_layer);
+std::vector<float> GpuTransformer::Routing::balance_bias(size_t moe_layer) const {
+  const Buffer<float>& bias = s_.balance_bias_of(moe_layer);
   std::vector<float> values(bias.size());
   bias.download(values.data(), values.size());
   return values;
 }
 
-std::vector<std::vector<int32_t>> GpuTransformer::expert_choices() {
-  State& s = *state_;
+std::vector<std::vector<int32_t>> GpuTransformer::Routing::expert_choices() {
+  State& s = s_;
   const int64_t TK = s.tokens * s.config.moe.top_k;
   std::vector<std::vector<int32_t>> choices;
   for (Layer& layer : s.layers)

@@ -144,6 +144,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.attention.set_deterministic(options.deterministic);
   if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  routing_.reset(new Routing(s));
 }
 
 GpuTransformer::~GpuTransformer() = default;

@@ -193,7 +193,7 @@ class GpuTransformer {
   // move to their slots on every rank; call it between steps, as gradients do not travel).
   // Results stay bit-identical (up to the split of a token's partial combines over the
   // ranks with top-k > 1, and the hinges' row shares with split experts); host copies
-  // (download_*, upload_state, routing_stats; to_expert_order in model/expert_layout.h)
+  // (download_*, upload_state, routing().stats(); to_expert_order in model/expert_layout.h)
   // stay in expert order. Not
   // with a sharded optimizer. Waits.
   void place_experts(const std::vector<std::vector<std::vector<int64_t>>>& experts_of_rank_by_layer);
@@ -222,12 +222,27 @@ class GpuTransformer {
   void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v);
   // The reverse (every rank passes the whole state; each keeps what it holds).
   void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
-  // Routing since the last reset_load(), per MoE layer, in expert order: assignments
+  // The routers' state and counters, every MoE layer's (model/cuda/gpu_moe.cpp).
+  class Routing;
+  Routing& routing();
+  // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
+  void set_phase_clock(gpu::PhaseClock* clock);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  std::unique_ptr<Routing> routing_;
+};
+
+// GpuTransformer::routing(): what the trainer reads and sets between steps about the routers.
+class GpuTransformer::Routing {
+ public:
+  // Routing since the last reset_stats(), per MoE layer, in expert order: assignments
   // before and rows kept after capacity, router entropy and tokens (this rank's tokens:
   // under expert parallelism the home rank's). Counted on the device in the forwards, read
   // here with one synchronisation.
-  GpuRoutingStats routing_stats();
-  void reset_load();
+  GpuRoutingStats stats();
+  void reset_stats();
   // The aux-loss-free balancing bias of MoE layer `moe_layer` (0 = the first MoE block),
   // E values added to the scores for the top-k choice only, as MoELayer::balance_bias_E()
   // on the CPU. Read by the forward when moe.bias_balancing is on; starts at zero. The
@@ -240,19 +255,18 @@ class GpuTransformer {
   // moe.speculative_dispatch (expert parallelism, docs/ROUTING_CACHE.md): predictors[i]
   // guesses MoE layer i + 1's experts from layer i's (null: none), read on the host in the
   // forwards while set_speculating(true) (training forwards; recomputed ones never guess).
-  void set_route_predictors(std::vector<const RoutingCache*> predictors);
+  void set_predictors(std::vector<const RoutingCache*> predictors);
   void set_speculating(bool on);
   // The router temperature of MoE layer `moe_layer`, kept on the device and read by the
   // router kernels (so graph replays see a new value); starts at moe.temperature. The
   // host's MoELayer::temperature() is the master copy (moe.temperature_control).
-  void set_router_temperature(size_t moe_layer, float temperature);
-  float router_temperature(size_t moe_layer) const;
-  // Marks the phases of its work (model/cuda/gpu_phases.h) on `clock` (null: none).
-  void set_phase_clock(gpu::PhaseClock* clock);
+  void set_temperature(size_t moe_layer, float temperature);
+  float temperature(size_t moe_layer) const;
 
  private:
-  struct State;
-  std::unique_ptr<State> state_;
+  friend class GpuTransformer;
+  explicit Routing(State& state) : s_(state) {}
+  State& s_;
 };
 
 }  // namespace moe

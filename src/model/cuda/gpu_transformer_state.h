@@ -84,7 +84,7 @@ struct GpuTransformer::State {
   bool split_experts = false;
   // Where the routed rows meet the experts: local, or over `ep` (made at plan()).
   std::unique_ptr<ExpertDispatcher> dispatcher;
-  // moe.speculative_dispatch: the guessers (GpuTransformer::set_route_predictors), whether
+  // moe.speculative_dispatch: the guessers (GpuTransformer::Routing::set_predictors), whether
   // this forward guesses, and its host token ids (valid while it is enqueued).
   std::vector<const RoutingCache*> route_predictors;
   bool speculating = false;

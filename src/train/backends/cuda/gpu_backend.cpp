@@ -150,7 +150,7 @@ class GpuBackend final : public ModelBackend {
   }
   void begin_step() override {
     gpu_->begin_gradients();  // the first backward writes the expert gradients: no memset of them
-    gpu_->reset_load();
+    gpu_->routing().reset_stats();
     if (board_) board_->take_summary();  // drops what came between steps (validation, saves)
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
@@ -175,12 +175,12 @@ class GpuBackend final : public ModelBackend {
         gathers = gathers || group->gathers_pending();
       }
       if (gathers) gpu_->reserve_sms(static_cast<int>(config_.parallel.comm_sms));
-      gpu_->set_speculating(!validating());  // validation forwards neither guess nor teach the cache
+      gpu_->routing().set_speculating(!validating());  // validation forwards neither guess nor teach the cache
       fwd = gpu_->forward(inputs_BS, targets_BS);
       if (gathers) gpu_->reserve_sms(0);
     }
     if (dp_) fwd.ce_loss *= ce_weight_;  // the sum over the ranks is the global micro-batch's mean
-    if (route_cache_ && !validating()) route_cache_->forward(inputs_BS, tokens_, gpu_->expert_choices());
+    if (route_cache_ && !validating()) route_cache_->forward(inputs_BS, tokens_, gpu_->routing().expert_choices());
     return fwd;
   }
   void backward(double loss_scale, bool last) override {
@@ -227,7 +227,7 @@ class GpuBackend final : public ModelBackend {
     stats.z_loss = values[3] / dp_->size();
   }
   void routing(StepStats& stats) override {
-    GpuRoutingStats routing = gpu_->routing_stats();
+    GpuRoutingStats routing = gpu_->routing().stats();
     loads_ = std::move(routing.load);
     if (dp_) {
       sum_routing_over_ranks(routing, loads_, [this](double* v, int64_t n) { dp_->sum(v, n); });
@@ -332,7 +332,7 @@ class GpuBackend final : public ModelBackend {
   }
   double sum_over_ranks(double value) override { return dp_ ? dp_->sum(value) : value; }
   void end_validation() override {
-    gpu_->reset_load();
+    gpu_->routing().reset_stats();
     if (dp_) dp_->take_stats();  // validation's sums are not a training step's
     if (edp_) edp_->take_stats();
     clock_.take();  // validation's are not a step's
@@ -597,7 +597,7 @@ class GpuBackend final : public ModelBackend {
       MOE_CHECK(route_cache_.has_value(), "moe.speculative_dispatch without moe.route_cache");
       std::vector<const RoutingCache*> predictors;
       for (size_t i = 0; i + 1 < host_model().moe_layers().size(); ++i) predictors.push_back(&route_cache_->cache(i));
-      gpu_->set_route_predictors(std::move(predictors));
+      gpu_->routing().set_predictors(std::move(predictors));
     }
   }
   // The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
@@ -606,9 +606,9 @@ class GpuBackend final : public ModelBackend {
     auto layers = host_model().moe_layers();
     // The router temperatures likewise (MoELayer::temperature(), moe.temperature_control).
     for (size_t i = 0; i < layers.size(); ++i)
-      gpu_->set_router_temperature(i, static_cast<float>(layers[i]->temperature()));
+      gpu_->routing().set_temperature(i, static_cast<float>(layers[i]->temperature()));
     if (!config_.model.moe.bias_balancing) return;
-    for (size_t i = 0; i < layers.size(); ++i) gpu_->set_balance_bias(i, layers[i]->balance_bias_E());
+    for (size_t i = 0; i < layers.size(); ++i) gpu_->routing().set_balance_bias(i, layers[i]->balance_bias_E());
   }
   // The data-parallel groups over world_: gradient sums overlapped with the backward stage
   // by stage; ZeRO-1 or, under expert parallelism, the shared gradients over all ranks and
@@ -712,7 +712,7 @@ class GpuBackend final : public ModelBackend {
       std::vector<float>& bias = host_layers[i]->balance_bias_E();
       bias_balance_update(bias.data(), loads_[i].data(), static_cast<int64_t>(bias.size()),
                           config_.model.moe.bias_update_rate);
-      gpu_->set_balance_bias(i, bias);
+      gpu_->routing().set_balance_bias(i, bias);
     }
   }
 
@@ -724,7 +724,7 @@ class GpuBackend final : public ModelBackend {
     for (size_t i = 0; i < host_layers.size(); ++i) {
       host_layers[i]->set_load(loads_[i]);
       host_layers[i]->update_temperature(config_.metrics.alert_imbalance);
-      gpu_->set_router_temperature(i, static_cast<float>(host_layers[i]->temperature()));
+      gpu_->routing().set_temperature(i, static_cast<float>(host_layers[i]->temperature()));
     }
   }
 
