@@ -5,6 +5,8 @@
 # this build's packages. glibc, libstdc++ and the CUDA stack are left to the node.
 #   scripts/bundle.sh OUT.tgz [BINARY...]     (default: build/moe, and build/moe_gpu_tests if built)
 # On the node: tar -xzf OUT.tgz -C DIR && source DIR/env.sh && moe ...
+# A host crash there (no debugger on the node): LD_PRELOAD=DIR/lib/libcrash_trace.so prints
+# the frames (scripts/crash_trace.c says how to resolve them here).
 set -euo pipefail
 out=${1:?usage: scripts/bundle.sh OUT.tgz [BINARY...]}
 shift
@@ -27,6 +29,9 @@ for b in "${binaries[@]}"; do ldd "$b" | awk '/=> \//{print $3}'; done | sort -u
     *) cp -L "$lib" "$stage/lib/" ;;
   esac
 done
+if command -v cc > /dev/null; then
+  cc -O1 -shared -fPIC -o "$stage/lib/libcrash_trace.so" "$(dirname "$0")/crash_trace.c"
+fi
 cat > "$stage/env.sh" <<'ENV'
 # Sourced on the node: the bundle's binaries and libraries first.
 bundle_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
