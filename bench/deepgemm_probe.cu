@@ -1,0 +1,239 @@
+// DeepGEMM's Hopper fp8 grouped GEMM (sm90_fp8_gemm_1d2d_impl, from the PyPI wheel
+// sgl-deep-gemm; bench/deepgemm_probe.sh fetches its headers and builds this) at the expert
+// GEMMs' shapes, before any wiring (docs/KERNEL_ROADMAP.md, "FP8: a grouped GEMM of
+// DeepGEMM's class"): D [M, N] bf16 = A [M, K] e4m3 with 1 x 128 scales times B_g [N, K]
+// e4m3 with 128 x 128 scales, the rows of expert g at [align(end[g - 1], 128), end[g]).
+// Checks sampled outputs against the host's fp64 sum of the dequantised inputs, then times
+// the kernel (CUDA events, 3 warm-up launches, the median of 20).
+//   deepgemm_probe [ROWS=32768]    (8 experts; one H100/H200: 132 SMs)
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
+
+namespace {
+
+constexpr uint32_t kBlockM = 128, kBlockN = 128, kBlockK = 128, kStages = 5;
+constexpr uint32_t kTmaThreads = 128, kMathThreads = 256, kSms = 132, kGroups = 8;
+
+#define CHECK_CUDA(call)                                                                          \
+  do {                                                                                            \
+    const cudaError_t status_ = (call);                                                           \
+    if (status_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+template <typename T>
+T* device_copy(const std::vector<T>& host) {
+  T* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size()) * sizeof(T)));
+  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+// The driver's cuTensorMapEncodeTiled through the runtime (no link against libcuda).
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  CHECK_CUDA(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
+    std::exit(1);
+  }
+  return reinterpret_cast<EncodeTiled>(fn);
+}
+
+// A 2-D map over [outer, inner] (inner contiguous, `pitch` bytes a row), boxes of
+// box_outer x box_inner.
+CUtensorMap map_2d(CUtensorMapDataType type, void* base, uint64_t inner, uint64_t outer, uint64_t pitch,
+                   uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {pitch};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, type, 2, base, dims, strides, box, element_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", static_cast<int>(r));
+    std::exit(1);
+  }
+  return map;
+}
+
+using Kernel = void (*)(float*, int*, uint32_t, uint32_t, uint32_t, const cute::TmaDescriptor,
+                        const cute::TmaDescriptor, const cute::TmaDescriptor, const cute::TmaDescriptor);
+constexpr Kernel kKernel =
+    &deep_gemm::sm90_fp8_gemm_1d2d_impl<cute::UMMA::Major::K, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128,
+                                        128, kStages, kTmaThreads, kMathThreads, 1, false, kSms,
+                                        deep_gemm::GemmType::MGroupedContiguousWithPsumLayout, cutlass::bfloat16_t,
+                                        128>;
+
+// The kernel's shared memory (its layout: D tile, the stages' A and B, their A scales, the
+// B scales of a whole K, the barriers).
+size_t smem_bytes(uint32_t K) {
+  const size_t d = (kBlockM * kBlockN * 2 + 1023) / 1024 * 1024;
+  const size_t ab = size_t{kStages} * (kBlockM + kBlockN) * kBlockK;
+  const size_t sfa = size_t{kStages} * ((kBlockM * 4 + 127) / 128 * 128);
+  const size_t sfb = (size_t{(K + 127) / 128} * 4 + 7) / 8 * 8;
+  return d + ab + sfa + sfb + 2 * kStages * 8;
+}
+
+float e4m3_to_float(uint8_t code) {
+  __nv_fp8_e4m3 v;
+  v.__x = code;
+  return static_cast<float>(v);
+}
+
+struct Problem {
+  uint32_t M = 0, N = 0, K = 0;
+  std::vector<int> ends;  // group g's rows: [align(ends[g - 1], 128), ends[g])
+  std::vector<uint8_t> a, b;
+  std::vector<float> sfa, sfb;  // [K / 128][M] and [G][N / 128][K / 128]
+};
+
+Problem make_problem(uint32_t rows, uint32_t N, uint32_t K, std::mt19937& rng) {
+  Problem p;
+  p.N = N;
+  p.K = K;
+  // Uneven experts: +-40% around rows / G, one of them empty.
+  std::uniform_real_distribution<double> share(0.6, 1.4);
+  std::vector<double> w(kGroups);
+  for (uint32_t g = 0; g < kGroups; ++g) w[g] = g == 3 ? 0.0 : share(rng);
+  double total = 0;
+  for (double x : w) total += x;
+  uint32_t start = 0;
+  for (uint32_t g = 0; g < kGroups; ++g) {
+    const auto n = static_cast<uint32_t>(rows * w[g] / total);
+    p.ends.push_back(static_cast<int>(start + n));
+    start = (start + n + kBlockM - 1) / kBlockM * kBlockM;
+  }
+  p.M = start;
+  std::uniform_int_distribution<int> code(0, 0x7e);  // finite e4m3, both signs below
+  std::uniform_int_distribution<int> sign(0, 1), exponent(-8, 0);
+  p.a.resize(size_t{p.M} * K);
+  p.b.resize(size_t{kGroups} * N * K);
+  for (auto& c : p.a) c = static_cast<uint8_t>(code(rng) | (sign(rng) << 7));
+  for (auto& c : p.b) c = static_cast<uint8_t>(code(rng) | (sign(rng) << 7));
+  p.sfa.resize(size_t{K / 128} * p.M);
+  p.sfb.resize(size_t{kGroups} * (N / 128) * (K / 128));
+  for (auto& s : p.sfa) s = std::ldexp(1.0f, exponent(rng));
+  for (auto& s : p.sfb) s = std::ldexp(1.0f, exponent(rng));
+  return p;
+}
+
+double reference(const Problem& p, uint32_t g, uint32_t m, uint32_t n) {
+  double sum = 0;
+  for (uint32_t k = 0; k < p.K; ++k) {
+    const double a = e4m3_to_float(p.a[size_t{m} * p.K + k]) * p.sfa[size_t{k / 128} * p.M + m];
+    const double b = e4m3_to_float(p.b[(size_t{g} * p.N + n) * p.K + k]) *
+                     p.sfb[(size_t{g} * (p.N / 128) + n / 128) * (p.K / 128) + k / 128];
+    sum += a * b;
+  }
+  return sum;
+}
+
+void run(uint32_t rows, uint32_t N, uint32_t K, const char* what, std::mt19937& rng) {
+  const Problem p = make_problem(rows, N, K, rng);
+  uint8_t* a = device_copy(p.a);
+  uint8_t* b = device_copy(p.b);
+  float* sfa = device_copy(p.sfa);
+  float* sfb = device_copy(p.sfb);
+  int* ends = device_copy(p.ends);
+  __nv_bfloat16* d = nullptr;
+  CHECK_CUDA(cudaMalloc(&d, size_t{p.M} * N * sizeof(__nv_bfloat16)));
+  CHECK_CUDA(cudaMemset(d, 0xff, size_t{p.M} * N * sizeof(__nv_bfloat16)));
+  const CUtensorMap map_a = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, p.M, K, kBlockK, kBlockM,
+                                   CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap map_b = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, uint64_t{kGroups} * N, K, kBlockK, kBlockN,
+                                   CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap map_d = map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, d, N, p.M, uint64_t{N} * 2, 64, kBlockM,
+                                   CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap map_sfa = map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sfa, p.M, K / 128, uint64_t{p.M} * 4, kBlockM,
+                                     1, CU_TENSOR_MAP_SWIZZLE_NONE);
+  const size_t smem = smem_bytes(K);
+  CHECK_CUDA(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  auto launch = [&] {
+    kKernel<<<kSms, kTmaThreads + kMathThreads, smem>>>(sfb, ends, p.M, N, K, map_a, map_b, map_d, map_sfa);
+    CHECK_CUDA(cudaGetLastError());
+  };
+  launch();
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<__nv_bfloat16> out(size_t{p.M} * N);
+  CHECK_CUDA(cudaMemcpy(out.data(), d, out.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost));
+  // Sampled outputs of every non-empty expert against the host.
+  double worst = 0;
+  int checked = 0;
+  std::uniform_int_distribution<uint32_t> col(0, N - 1);
+  uint32_t first = 0;
+  for (uint32_t g = 0; g < kGroups; ++g) {
+    const auto end = static_cast<uint32_t>(p.ends[g]);
+    for (int s = 0; s < 16 && end > first; ++s) {
+      const uint32_t m = first + (s * 7919u) % (end - first), n = col(rng);
+      const double want = reference(p, g, m, n), got = static_cast<float>(out[size_t{m} * N + n]);
+      worst = std::max(worst, std::fabs(got - want) / (std::fabs(want) + 1e-3));
+      ++checked;
+    }
+    first = (end + kBlockM - 1) / kBlockM * kBlockM;
+  }
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) launch();
+  std::vector<float> ms;
+  for (int i = 0; i < 20; ++i) {
+    CHECK_CUDA(cudaEventRecord(start));
+    launch();
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double median = ms[ms.size() / 2];
+  const double flops = 2.0 * rows * N * K;  // the rows computed, not the padding
+  std::printf("%-28s rows %u (padded %u) N %u K %u: %.3f ms, %.0f TFLOP/s; %d sampled outputs, worst relative "
+              "error %.2e\n",
+              what, rows, p.M, N, K, median, flops / median / 1e9, checked, worst);
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  CHECK_CUDA(cudaFree(sfa));
+  CHECK_CUDA(cudaFree(sfb));
+  CHECK_CUDA(cudaFree(ends));
+  CHECK_CUDA(cudaFree(d));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const uint32_t rows = argc > 1 ? static_cast<uint32_t>(std::atoi(argv[1])) : 32768;
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  if (sms != static_cast<int>(kSms)) {
+    std::fprintf(stderr, "deepgemm_probe: built for %u SMs, the device has %d\n", kSms, sms);
+    return 1;
+  }
+  std::mt19937 rng(7);
+  // mixtral-mini's expert GEMMs (dim 2048, expert_hidden 5632, 8 experts, 32768 rows a layer).
+  // The two shapes of a layer's four forward and data-gradient GEMMs.
+  run(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
+  run(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
+  return 0;
+}
