@@ -23,7 +23,7 @@
 
 namespace {
 
-constexpr uint32_t kBlockM = 128, kBlockN = 128, kBlockK = 128, kStages = 5;
+constexpr uint32_t kBlockM = 128, kBlockK = 128;
 constexpr uint32_t kTmaThreads = 128, kMathThreads = 256, kSms = 132, kGroups = 8;
 
 #define CHECK_CUDA(call)                                                                          \
@@ -79,21 +79,34 @@ CUtensorMap map_2d(CUtensorMapDataType type, void* base, uint64_t inner, uint64_
 
 using Kernel = void (*)(float*, int*, uint32_t, uint32_t, uint32_t, const cute::TmaDescriptor,
                         const cute::TmaDescriptor, const cute::TmaDescriptor, const cute::TmaDescriptor);
-constexpr Kernel kKernel =
-    &deep_gemm::sm90_fp8_gemm_1d2d_impl<cute::UMMA::Major::K, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128,
-                                        128, kStages, kTmaThreads, kMathThreads, 1, false, kSms,
-                                        deep_gemm::GemmType::MGroupedContiguousWithPsumLayout, cutlass::bfloat16_t,
-                                        128>;
 
-// The kernel's shared memory (its layout: D tile, the stages' A and B, their A scales, the
-// B scales of a whole K, the barriers).
-size_t smem_bytes(uint32_t K) {
-  const size_t d = (kBlockM * kBlockN * 2 + 1023) / 1024 * 1024;
-  const size_t ab = size_t{kStages} * (kBlockM + kBlockN) * kBlockK;
-  const size_t sfa = size_t{kStages} * ((kBlockM * 4 + 127) / 128 * 128);
-  const size_t sfb = (size_t{(K + 127) / 128} * 4 + 7) / 8 * 8;
-  return d + ab + sfa + sfb + 2 * kStages * 8;
-}
+// A tile shape and TMA multicast (a cluster of kMulticast CTAs sharing B's tile, or A's).
+template <uint32_t kBlockN, uint32_t kStages, uint32_t kMulticast, bool kMulticastOnA>
+struct Config {
+  static constexpr uint32_t kN = kBlockN, kStageCount = kStages, kCluster = kMulticast;
+  // D's TMA stores: the widest swizzle whose span (in bf16) divides the tile's N.
+  static constexpr uint32_t kSwizzleD = kBlockN % 64 == 0 ? 128 : kBlockN % 32 == 0 ? 64 : 32;
+  static constexpr Kernel kernel =
+      &deep_gemm::sm90_fp8_gemm_1d2d_impl<cute::UMMA::Major::K, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128,
+                                          kSwizzleD, kStages, kTmaThreads, kMathThreads, kMulticast, kMulticastOnA, kSms,
+                                          deep_gemm::GemmType::MGroupedContiguousWithPsumLayout,
+                                          cutlass::bfloat16_t, 128>;
+  // The kernel's shared memory (its layout: the D tile, the stages' A and B and A scales,
+  // the B scales of a whole K (two rows when a tile straddles two 128-blocks), barriers).
+  static size_t smem_bytes(uint32_t K) {
+    const size_t d = (kBlockM * kBlockN * 2 + 1023) / 1024 * 1024;
+    const size_t ab = size_t{kStages} * (kBlockM + kBlockN) * kBlockK;
+    const size_t sfa = size_t{kStages} * ((kBlockM * 4 + 127) / 128 * 128);
+    const size_t sfb = (size_t{(K + 127) / 128} * (kBlockK % kBlockN == 0 ? 1 : 2) * 4 + 7) / 8 * 8;
+    return d + ab + sfa + sfb + 2 * kStages * 8;
+  }
+  static const char* name() {
+    static char text[64];
+    std::snprintf(text, sizeof text, "BLOCK 128x%u, %u stages, multicast %u%s", kBlockN, kStages, kMulticast,
+                  kMulticast > 1 ? (kMulticastOnA ? " on A" : " on B") : "");
+    return text;
+  }
+};
 
 float e4m3_to_float(uint8_t code) {
   __nv_fp8_e4m3 v;
@@ -149,6 +162,7 @@ double reference(const Problem& p, uint32_t g, uint32_t m, uint32_t n) {
   return sum;
 }
 
+template <typename C>
 void run(uint32_t rows, uint32_t N, uint32_t K, const char* what, std::mt19937& rng) {
   const Problem p = make_problem(rows, N, K, rng);
   uint8_t* a = device_copy(p.a);
@@ -161,17 +175,30 @@ void run(uint32_t rows, uint32_t N, uint32_t K, const char* what, std::mt19937& 
   CHECK_CUDA(cudaMemset(d, 0xff, size_t{p.M} * N * sizeof(__nv_bfloat16)));
   const CUtensorMap map_a = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, p.M, K, kBlockK, kBlockM,
                                    CU_TENSOR_MAP_SWIZZLE_128B);
-  const CUtensorMap map_b = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, uint64_t{kGroups} * N, K, kBlockK, kBlockN,
+  const CUtensorMap map_b = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, uint64_t{kGroups} * N, K, kBlockK, C::kN,
                                    CU_TENSOR_MAP_SWIZZLE_128B);
-  const CUtensorMap map_d = map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, d, N, p.M, uint64_t{N} * 2, 64, kBlockM,
-                                   CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap map_d = map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, d, N, p.M, uint64_t{N} * 2, C::kSwizzleD / 2,
+                                   kBlockM,
+                                   C::kSwizzleD == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                   : C::kSwizzleD == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                        : CU_TENSOR_MAP_SWIZZLE_32B);
   const CUtensorMap map_sfa = map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sfa, p.M, K / 128, uint64_t{p.M} * 4, kBlockM,
                                      1, CU_TENSOR_MAP_SWIZZLE_NONE);
-  const size_t smem = smem_bytes(K);
-  CHECK_CUDA(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const size_t smem = C::smem_bytes(K);
+  CHECK_CUDA(cudaFuncSetAttribute(C::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = C::kCluster;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(kSms);
+  config.blockDim = dim3(kTmaThreads + kMathThreads);
+  config.dynamicSmemBytes = smem;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  uint32_t M = p.M;
   auto launch = [&] {
-    kKernel<<<kSms, kTmaThreads + kMathThreads, smem>>>(sfb, ends, p.M, N, K, map_a, map_b, map_d, map_sfa);
-    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaLaunchKernelEx(&config, C::kernel, sfb, ends, M, N, K, map_a, map_b, map_d, map_sfa));
   };
   launch();
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -209,9 +236,9 @@ void run(uint32_t rows, uint32_t N, uint32_t K, const char* what, std::mt19937& 
   std::sort(ms.begin(), ms.end());
   const double median = ms[ms.size() / 2];
   const double flops = 2.0 * rows * N * K;  // the rows computed, not the padding
-  std::printf("%-28s rows %u (padded %u) N %u K %u: %.3f ms, %.0f TFLOP/s; %d sampled outputs, worst relative "
-              "error %.2e\n",
-              what, rows, p.M, N, K, median, flops / median / 1e9, checked, worst);
+  std::printf("%-26s %-36s rows %u (padded %u) N %u K %u: %.3f ms, %.0f TFLOP/s; %d sampled outputs, worst "
+              "relative error %.2e\n",
+              what, C::name(), rows, p.M, N, K, median, flops / median / 1e9, checked, worst);
   CHECK_CUDA(cudaFree(a));
   CHECK_CUDA(cudaFree(b));
   CHECK_CUDA(cudaFree(sfa));
@@ -232,8 +259,15 @@ int main(int argc, char** argv) {
   }
   std::mt19937 rng(7);
   // mixtral-mini's expert GEMMs (dim 2048, expert_hidden 5632, 8 experts, 32768 rows a layer).
-  // The two shapes of a layer's four forward and data-gradient GEMMs.
-  run(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
-  run(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
+  // The two shapes of a layer's four forward and data-gradient GEMMs, in a few tile shapes.
+  using Plain = Config<128, 5, 1, false>;
+  using SharedB = Config<128, 5, 2, false>;
+  using Wide = Config<160, 4, 2, false>;
+  run<Plain>(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
+  run<SharedB>(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
+  run<Wide>(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
+  run<Plain>(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
+  run<SharedB>(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
+  run<Wide>(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
   return 0;
 }
