@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
@@ -163,8 +164,8 @@ double reference(const Problem& p, uint32_t g, uint32_t m, uint32_t n) {
 }
 
 template <typename C>
-void run(uint32_t rows, uint32_t N, uint32_t K, const char* what, std::mt19937& rng) {
-  const Problem p = make_problem(rows, N, K, rng);
+void run(const Problem& p, uint32_t rows, const char* what, std::mt19937& rng) {
+  const uint32_t N = p.N, K = p.K;
   uint8_t* a = device_copy(p.a);
   uint8_t* b = device_copy(p.b);
   float* sfa = device_copy(p.sfa);
@@ -263,11 +264,12 @@ int main(int argc, char** argv) {
   using Plain = Config<128, 5, 1, false>;
   using SharedB = Config<128, 5, 2, false>;
   using Wide = Config<160, 4, 2, false>;
-  run<Plain>(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
-  run<SharedB>(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
-  run<Wide>(rows, 5632, 2048, "gate, up fwd; down dgrad", rng);
-  run<Plain>(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
-  run<SharedB>(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
-  run<Wide>(rows, 2048, 5632, "down fwd; gate, up dgrad", rng);
+  for (const auto [N, K, what] : {std::tuple<uint32_t, uint32_t, const char*>{5632, 2048, "gate, up fwd; down dgrad"},
+                                  {2048, 5632, "down fwd; gate, up dgrad"}}) {
+    const Problem p = make_problem(rows, N, K, rng);
+    run<Plain>(p, rows, what, rng);
+    run<SharedB>(p, rows, what, rng);
+    run<Wide>(p, rows, what, rng);
+  }
   return 0;
 }
