@@ -1,8 +1,9 @@
-// DeepGEMM's Hopper fp8 grouped GEMM (sm90_fp8_gemm_1d2d_impl, from the PyPI wheel
-// sgl-deep-gemm; bench/deepgemm_probe.sh fetches its headers and builds this) at the expert
-// GEMMs' shapes, before any wiring (docs/KERNEL_ROADMAP.md, "FP8: a grouped GEMM of
-// DeepGEMM's class"): D [M, N] bf16 = A [M, K] e4m3 with 1 x 128 scales times B_g [N, K]
-// e4m3 with 128 x 128 scales, the rows of expert g at [align(end[g - 1], 128), end[g]).
+// DeepGEMM's Hopper fp8 GEMM (sm90_fp8_gemm_1d2d_impl, from the PyPI wheel sgl-deep-gemm;
+// bench/deepgemm_probe.sh fetches its headers and builds this) at mixtral-mini's expert and
+// dense-projection GEMM shapes, before any wiring (docs/KERNEL_ROADMAP.md, "FP8: a grouped
+// GEMM of DeepGEMM's class"): D [M, N] bf16 = A [M, K] e4m3 with 1 x 128 scales times B_g
+// [N, K] e4m3 with 128 x 128 scales, the rows of expert g at [align(end[g - 1], 128), end[g])
+// (one group: a dense GEMM).
 // Checks sampled outputs against the host's fp64 sum of the dequantised inputs, then times
 // the kernel (CUDA events, 3 warm-up launches, the median of 20).
 //   deepgemm_probe [ROWS=32768]    (8 experts; one H100/H200: 132 SMs)
@@ -25,7 +26,7 @@
 namespace {
 
 constexpr uint32_t kBlockM = 128, kBlockK = 128;
-constexpr uint32_t kTmaThreads = 128, kMathThreads = 256, kSms = 132, kGroups = 8;
+constexpr uint32_t kTmaThreads = 128, kMathThreads = 256, kSms = 132;
 
 #define CHECK_CUDA(call)                                                                          \
   do {                                                                                            \
@@ -81,17 +82,19 @@ CUtensorMap map_2d(CUtensorMapDataType type, void* base, uint64_t inner, uint64_
 using Kernel = void (*)(float*, int*, uint32_t, uint32_t, uint32_t, const cute::TmaDescriptor,
                         const cute::TmaDescriptor, const cute::TmaDescriptor, const cute::TmaDescriptor);
 
-// A tile shape and TMA multicast (a cluster of kMulticast CTAs sharing B's tile, or A's).
-template <uint32_t kBlockN, uint32_t kStages, uint32_t kMulticast, bool kMulticastOnA>
+// A tile shape and TMA multicast (a cluster of kMulticast CTAs sharing B's tile, or A's), for
+// kGroups experts (the psum layout) or one dense GEMM (kGroups 1: GemmType::Normal).
+template <uint32_t kGroups, uint32_t kBlockN, uint32_t kStages, uint32_t kMulticast, bool kMulticastOnA>
 struct Config {
-  static constexpr uint32_t kN = kBlockN, kStageCount = kStages, kCluster = kMulticast;
+  static constexpr uint32_t kN = kBlockN, kStageCount = kStages, kCluster = kMulticast, kGroupCount = kGroups;
+  static constexpr deep_gemm::GemmType kType =
+      kGroups == 1 ? deep_gemm::GemmType::Normal : deep_gemm::GemmType::MGroupedContiguousWithPsumLayout;
   // D's TMA stores: the widest swizzle whose span (in bf16) divides the tile's N.
   static constexpr uint32_t kSwizzleD = kBlockN % 64 == 0 ? 128 : kBlockN % 32 == 0 ? 64 : 32;
   static constexpr Kernel kernel =
       &deep_gemm::sm90_fp8_gemm_1d2d_impl<cute::UMMA::Major::K, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128,
                                           kSwizzleD, kStages, kTmaThreads, kMathThreads, kMulticast, kMulticastOnA, kSms,
-                                          deep_gemm::GemmType::MGroupedContiguousWithPsumLayout,
-                                          cutlass::bfloat16_t, 128>;
+                                          kType, cutlass::bfloat16_t, 128>;
   // The kernel's shared memory (its layout: the D tile, the stages' A and B and A scales,
   // the B scales of a whole K (two rows when a tile straddles two 128-blocks), barriers).
   static size_t smem_bytes(uint32_t K) {
@@ -122,18 +125,18 @@ struct Problem {
   std::vector<float> sfa, sfb;  // [K / 128][M] and [G][N / 128][K / 128]
 };
 
-Problem make_problem(uint32_t rows, uint32_t N, uint32_t K, std::mt19937& rng) {
+Problem make_problem(uint32_t groups, uint32_t rows, uint32_t N, uint32_t K, std::mt19937& rng) {
   Problem p;
   p.N = N;
   p.K = K;
-  // Uneven experts: +-40% around rows / G, one of them empty.
+  // Uneven experts: +-40% around rows / G, one of them empty (one group: all the rows).
   std::uniform_real_distribution<double> share(0.6, 1.4);
-  std::vector<double> w(kGroups);
-  for (uint32_t g = 0; g < kGroups; ++g) w[g] = g == 3 ? 0.0 : share(rng);
+  std::vector<double> w(groups, 1.0);
+  for (uint32_t g = 0; g < groups && groups > 1; ++g) w[g] = g == 3 ? 0.0 : share(rng);
   double total = 0;
   for (double x : w) total += x;
   uint32_t start = 0;
-  for (uint32_t g = 0; g < kGroups; ++g) {
+  for (uint32_t g = 0; g < groups; ++g) {
     const auto n = static_cast<uint32_t>(rows * w[g] / total);
     p.ends.push_back(static_cast<int>(start + n));
     start = (start + n + kBlockM - 1) / kBlockM * kBlockM;
@@ -142,11 +145,11 @@ Problem make_problem(uint32_t rows, uint32_t N, uint32_t K, std::mt19937& rng) {
   std::uniform_int_distribution<int> code(0, 0x7e);  // finite e4m3, both signs below
   std::uniform_int_distribution<int> sign(0, 1), exponent(-8, 0);
   p.a.resize(size_t{p.M} * K);
-  p.b.resize(size_t{kGroups} * N * K);
+  p.b.resize(size_t{groups} * N * K);
   for (auto& c : p.a) c = static_cast<uint8_t>(code(rng) | (sign(rng) << 7));
   for (auto& c : p.b) c = static_cast<uint8_t>(code(rng) | (sign(rng) << 7));
   p.sfa.resize(size_t{K / 128} * p.M);
-  p.sfb.resize(size_t{kGroups} * (N / 128) * (K / 128));
+  p.sfb.resize(size_t{groups} * (N / 128) * (K / 128));
   for (auto& s : p.sfa) s = std::ldexp(1.0f, exponent(rng));
   for (auto& s : p.sfb) s = std::ldexp(1.0f, exponent(rng));
   return p;
@@ -176,7 +179,7 @@ void run(const Problem& p, uint32_t rows, const char* what, std::mt19937& rng) {
   CHECK_CUDA(cudaMemset(d, 0xff, size_t{p.M} * N * sizeof(__nv_bfloat16)));
   const CUtensorMap map_a = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, p.M, K, kBlockK, kBlockM,
                                    CU_TENSOR_MAP_SWIZZLE_128B);
-  const CUtensorMap map_b = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, uint64_t{kGroups} * N, K, kBlockK, C::kN,
+  const CUtensorMap map_b = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, uint64_t{C::kGroupCount} * N, K, kBlockK, C::kN,
                                    CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap map_d = map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, d, N, p.M, uint64_t{N} * 2, C::kSwizzleD / 2,
                                    kBlockM,
@@ -210,7 +213,7 @@ void run(const Problem& p, uint32_t rows, const char* what, std::mt19937& rng) {
   int checked = 0;
   std::uniform_int_distribution<uint32_t> col(0, N - 1);
   uint32_t first = 0;
-  for (uint32_t g = 0; g < kGroups; ++g) {
+  for (uint32_t g = 0; g < C::kGroupCount; ++g) {
     const auto end = static_cast<uint32_t>(p.ends[g]);
     for (int s = 0; s < 16 && end > first; ++s) {
       const uint32_t m = first + (s * 7919u) % (end - first), n = col(rng);
@@ -261,15 +264,20 @@ int main(int argc, char** argv) {
   std::mt19937 rng(7);
   // mixtral-mini's expert GEMMs (dim 2048, expert_hidden 5632, 8 experts, 32768 rows a layer).
   // The two shapes of a layer's four forward and data-gradient GEMMs, in a few tile shapes.
-  using Plain = Config<128, 5, 1, false>;
-  using SharedB = Config<128, 5, 2, false>;
-  using Wide = Config<160, 4, 2, false>;
   for (const auto [N, K, what] : {std::tuple<uint32_t, uint32_t, const char*>{5632, 2048, "gate, up fwd; down dgrad"},
                                   {2048, 5632, "down fwd; gate, up dgrad"}}) {
-    const Problem p = make_problem(rows, N, K, rng);
-    run<Plain>(p, rows, what, rng);
-    run<SharedB>(p, rows, what, rng);
-    run<Wide>(p, rows, what, rng);
+    const Problem p = make_problem(8, rows, N, K, rng);
+    run<Config<8, 128, 5, 1, false>>(p, rows, what, rng);
+    run<Config<8, 128, 5, 2, false>>(p, rows, what, rng);
+    run<Config<8, 160, 4, 2, false>>(p, rows, what, rng);
+  }
+  // The dense projections (16384 tokens, dim 2048, q|k|v 4096): forward and data gradient.
+  for (const auto [N, K, what] : {std::tuple<uint32_t, uint32_t, const char*>{4096, 2048, "dense q|k|v fwd"},
+                                  {2048, 4096, "dense q|k|v dgrad"},
+                                  {2048, 2048, "dense output proj fwd, dgrad"}}) {
+    const Problem p = make_problem(1, 16384, N, K, rng);
+    run<Config<1, 128, 5, 1, false>>(p, 16384, what, rng);
+    run<Config<1, 128, 5, 2, false>>(p, 16384, what, rng);
   }
   return 0;
 }
