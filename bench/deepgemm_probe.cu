@@ -283,11 +283,17 @@ int main(int argc, char** argv) {
     run<Config<8, 128, 5, 2, false>>(p, what, rng);
     run<Config<8, 160, 4, 2, false>>(p, what, rng);
   }
-  // The dense projections (16384 tokens, dim 2048, q|k|v 4096): forward and data gradient.
-  for (const auto [N, K, what] : {std::tuple<uint32_t, uint32_t, const char*>{4096, 2048, "dense q|k|v fwd"},
-                                  {2048, 4096, "dense q|k|v dgrad"},
-                                  {2048, 2048, "dense output proj fwd, dgrad"}}) {
-    const Problem p = make_problem(1, 16384, N, K, rng);
+  // Dense GEMMs: the projections (16384 tokens, dim 2048, q|k|v 4096), forward and data
+  // gradient; and one expert's weight gradient as a plain GEMM over its 4,224 padded tokens
+  // (33,792 / 8; A = dy's token columns with 1 x 128 scales along the tokens, B = x's or
+  // act's with 128 x 128 blocks): dW1 or dW3 [F, D] and dW2 [D, F], 24 such a layer.
+  for (const auto [M, N, K, what] :
+       {std::tuple<uint32_t, uint32_t, uint32_t, const char*>{16384, 4096, 2048, "dense q|k|v fwd"},
+        {16384, 2048, 4096, "dense q|k|v dgrad"},
+        {16384, 2048, 2048, "dense output proj fwd, dgrad"},
+        {5632, 2048, 4224, "one expert's dW1 (or dW3)"},
+        {2048, 5632, 4224, "one expert's dW2"}}) {
+    const Problem p = make_problem(1, M, N, K, rng);
     run<Config<1, 128, 5, 1, false>>(p, what, rng);
     run<Config<1, 128, 5, 2, false>>(p, what, rng);
   }
