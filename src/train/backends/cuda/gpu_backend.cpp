@@ -25,9 +25,9 @@
 #include "model/cuda/gpu_transformer.h"
 #include "model/expert_layout.h"
 #include "moe/expert_placement.h"
-#include "moe/router.h"
 #include "obs/cuda/board_sampler.h"
 #include "optim/cuda/gpu_optimizer.h"
+#include "train/backends/cuda/gpu_router_control.h"
 #include "train/backends/cuda/gpu_routing_report.h"
 #include "train/backends/cuda/owned_pieces.h"
 #include "train/backends/placement_record.h"
@@ -315,8 +315,8 @@ class GpuBackend final : public ModelBackend {
       else if (!group->shards_weights())  // ZeRO-3: the next forward gathers them
         group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16);
     }
-    if (config_.model.moe.bias_balancing) update_balance_bias();
-    if (config_.model.moe.temperature_control) update_router_temperatures();
+    update_router_state(host_model().moe_layers(), loads_, config_.model, config_.metrics.alert_imbalance,
+                        gpu_->routing());
   }
   void end_step() override {
     if (ep_ && config_.parallel.rebalance_interval > 0) rebalance_experts();
@@ -436,7 +436,7 @@ class GpuBackend final : public ModelBackend {
       store.download_state(host_model().params(), m, v);
       auto merges = merge_host_experts(host_model(), host_optimizer(), moe, load_LE, protected_LE, seed, step);
       store.upload_state(host_model().params(), m, v);
-      upload_balance_bias();
+      upload_router_state(host_model().moe_layers(), config_.model, gpu_->routing());
       return merges;
     }
     if (sharded()) sync_host_model();  // the targets of the weights are the host copy
@@ -571,7 +571,7 @@ class GpuBackend final : public ModelBackend {
       store.upload_range(p.block, values, restored_.m_of(p), restored_.v_of(p));
     }
     restored_ = OwnedPieces{};
-    upload_balance_bias();
+    upload_router_state(host_model().moe_layers(), config_.model, gpu_->routing());
     steps_ = adam_steps;
     host_optimizer().set_steps_taken(adam_steps);
   }
@@ -592,23 +592,13 @@ class GpuBackend final : public ModelBackend {
     optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model().params(), gpu_->stream());
     gpu_->set_phase_clock(&clock_);
     optimizer_->set_phase_clock(&clock_);
-    upload_balance_bias();
+    upload_router_state(host_model().moe_layers(), config_.model, gpu_->routing());
     if (c.model.moe.speculative_dispatch && ep_) {  // each MoE layer but the first guessed from the one before
       MOE_CHECK(route_cache_.has_value(), "moe.speculative_dispatch without moe.route_cache");
       std::vector<const RoutingCache*> predictors;
       for (size_t i = 0; i + 1 < host_model().moe_layers().size(); ++i) predictors.push_back(&route_cache_->cache(i));
       gpu_->routing().set_predictors(std::move(predictors));
     }
-  }
-  // The balancing biases live on the host (MoELayer::balance_bias_E, which checkpoints
-  // save); the GPU model gets a copy whenever they change or it is (re)built.
-  void upload_balance_bias() {
-    auto layers = host_model().moe_layers();
-    // The router temperatures likewise (MoELayer::temperature(), moe.temperature_control).
-    for (size_t i = 0; i < layers.size(); ++i)
-      gpu_->routing().set_temperature(i, static_cast<float>(layers[i]->temperature()));
-    if (!config_.model.moe.bias_balancing) return;
-    for (size_t i = 0; i < layers.size(); ++i) gpu_->routing().set_balance_bias(i, layers[i]->balance_bias_E());
   }
   // The data-parallel groups over world_: gradient sums overlapped with the backward stage
   // by stage; ZeRO-1 or, under expert parallelism, the shared gradients over all ranks and
@@ -702,32 +692,6 @@ class GpuBackend final : public ModelBackend {
       if (max_norm > 0 && norm > max_norm) ++clip.experts_clipped;
     }
   }
-  // The CPU's rule (MoELayer::update_balancing_bias) on the step's loads, summed over the
-  // ranks as the CPU's data-parallel path does: every replica takes the same bias.
-  void update_balance_bias() {
-    const auto host_layers = host_model().moe_layers();
-    MOE_CHECK(loads_.size() == host_layers.size(), "bias balancing: loads of {} MoE layers for {}", loads_.size(),
-              host_layers.size());
-    for (size_t i = 0; i < host_layers.size(); ++i) {
-      std::vector<float>& bias = host_layers[i]->balance_bias_E();
-      bias_balance_update(bias.data(), loads_[i].data(), static_cast<int64_t>(bias.size()),
-                          config_.model.moe.bias_update_rate);
-      gpu_->routing().set_balance_bias(i, bias);
-    }
-  }
-
-  // The CPU's temperature controller on the same global loads (MoELayer::update_temperature).
-  void update_router_temperatures() {
-    const auto host_layers = host_model().moe_layers();
-    MOE_CHECK(loads_.size() == host_layers.size(), "temperature control: loads of {} MoE layers for {}", loads_.size(),
-              host_layers.size());
-    for (size_t i = 0; i < host_layers.size(); ++i) {
-      host_layers[i]->set_load(loads_[i]);
-      host_layers[i]->update_temperature(config_.metrics.alert_imbalance);
-      gpu_->routing().set_temperature(i, static_cast<float>(host_layers[i]->temperature()));
-    }
-  }
-
   // Dynamic load balancing (parallel.rebalance_interval; PlacementSchedule) on the global loads.
   void rebalance_experts() {
     MOE_CHECK(!sharded(), "expert re-placement: not with a sharded optimizer (ZeRO-1)");
