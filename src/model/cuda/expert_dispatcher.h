@@ -68,14 +68,14 @@ class ExpertDispatcher {
   // expert_rows, `experts` local experts) for the experts' GEMMs, sparing them a pass over
   // the rows. False, with nothing done, where this dispatcher cannot (expert parallelism:
   // the rows arrive by exchange): the caller then runs the plain one and quantises.
-  virtual bool dispatch_fp8(const Layer& layer, MoEBuffers& m, const bf16* x_TD, const int32_t* slot_TK,
-                            uint8_t* codes_RD, float* scales, int64_t experts) {
-    (void)layer, (void)m, (void)x_TD, (void)slot_TK, (void)codes_RD, (void)scales, (void)experts;
+  virtual bool dispatch_fp8(const Layer& /*layer*/, MoEBuffers& /*m*/, const bf16* /*x_TD*/,
+                            const int32_t* /*slot_TK*/, uint8_t* /*codes_RD*/, float* /*scales*/,
+                            int64_t /*experts*/) {
     return false;
   }
-  virtual bool combine_backward_fp8(MoEBuffers& m, const bf16* dout_TD, bf16* dy_rows, float* dweight_TK,
-                                    uint8_t* codes_RD, float* scales, int64_t experts) {
-    (void)m, (void)dout_TD, (void)dy_rows, (void)dweight_TK, (void)codes_RD, (void)scales, (void)experts;
+  virtual bool combine_backward_fp8(MoEBuffers& /*m*/, const bf16* /*dout_TD*/, bf16* /*dy_rows*/,
+                                    float* /*dweight_TK*/, uint8_t* /*codes_RD*/, float* /*scales*/,
+                                    int64_t /*experts*/) {
     return false;
   }
   // Backward of dispatch: dx_TD (overwritten) from the expert input rows' gradients, and

@@ -126,11 +126,12 @@ bool GpuTransformer::State::dispatch_rows(Layer& layer, const int32_t* slot_TK, 
   MoEBuffers& m = layer.act->moe;
   const bf16* x_TD = layer.act->n2.data();
   const int64_t E = local_experts(layer);
-  if (fp8 && codes && E > 0 &&
-      dispatcher->dispatch_fp8(layer, m, x_TD, slot_TK, fp8_rows.data(), fp8_row_scales.data(), E)) {
+  if (fp8 && codes && E > 0) {
+    // Before anything is written: the local dispatcher's rows are the plan's bound (the
+    // expert-parallel one declines below and its rows are checked as they arrive).
     MOE_CHECK(expert_rows(m) * config.dim <= static_cast<int64_t>(fp8_rows.size()),
-              "fp8 experts: scratch for {} x {} rows", expert_rows(m), config.dim);  // the plan's bound
-    return true;
+              "fp8 experts: scratch for {} x {} rows", expert_rows(m), config.dim);
+    if (dispatcher->dispatch_fp8(layer, m, x_TD, slot_TK, fp8_rows.data(), fp8_row_scales.data(), E)) return true;
   }
   dispatcher->dispatch(layer, m, x_TD, slot_TK);
   return false;
