@@ -139,6 +139,39 @@ class ExpertGemmFp8 {
   State* state_;
 };
 
+// The experts' FP8 forward and data-gradient GEMMs over rows padded per expert (DeepGEMM's
+// m-grouped Hopper kernel, kernels/cuda/fp8_padded_grouped_gemm.cu): expert e owns rows
+// [offsets_E1[e], offsets_E1[e + 1]) of R, offsets_E1[0] = 0 and every other offset a
+// multiple of 128 (not checked: read on the device). A: the rows' codes [R, K] with their
+// scales as one group ([K / 128][R]: quantize_rows_blockwise with no offsets); B as
+// ExpertGemmFp8 takes it. Every row below offsets_E1[E] rounded up to 128 (and below R) is
+// written; rows of an expert get their expert's product, as ExpertGemmFp8's. No beta.
+// The kernel is compiled for kSms multiprocessors (an H100 / H200 SXM) and runs on all of
+// them: available() says whether this device can run it. R a multiple of 4, operands
+// 16-byte aligned, K a multiple of 128, N and ld_out multiples of 8.
+class PaddedExpertGemmFp8 {
+ public:
+  static constexpr int64_t kSms = 132, kMaxExperts = 256, kMaxSets = 2;
+  static bool available();
+  explicit PaddedExpertGemmFp8(int64_t max_experts);
+  ~PaddedExpertGemmFp8();
+  PaddedExpertGemmFp8(const PaddedExpertGemmFp8&) = delete;
+  PaddedExpertGemmFp8& operator=(const PaddedExpertGemmFp8&) = delete;
+  // As ExpertGemmFp8::forward (out[s] = x @ W_s^T per expert).
+  void forward(int sets, bf16* const* out, int64_t ld_out, const uint8_t* x_codes, const float* x_scales,
+               const uint8_t* const* w_codes, const float* const* w_scales, const int32_t* offsets_E1, int64_t R,
+               int64_t N, int64_t K, Stream stream);
+  // As ExpertGemmFp8::backward_data with beta 0.
+  void backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_codes, const float* dy_scales,
+                     const uint8_t* wt_codes, const float* wt_scales, const int32_t* offsets_E1, int64_t R, int64_t N,
+                     int64_t K, Stream stream);
+  void set_experts(int64_t n_experts);
+
+ private:
+  struct State;
+  State* state_;
+};
+
 // Dense FP8 GEMM for the projections: c [M, N] (bf16, row stride ldc) = a [M, K] @ b^T +
 // beta * c, with a from quantize_rows_blockwise (no offsets) and b [N, K] from
 // quantize_weight_blocks (E = 1; for dy @ W pass the transposed copy). K a multiple of

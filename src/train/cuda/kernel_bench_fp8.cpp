@@ -2,8 +2,10 @@
 // grouped GEMM with blockwise scaling beside the bf16 grouped GEMM (same shapes, balanced
 // routing), the quantisation kernels that feed them, the weight gradients in fp8 from token
 // columns (training.fp8_weight_gradients) beside the bf16 ones, and the dense FP8 GEMM
-// beside cuBLASLt's bf16 one (docs/FP8.md). TFLOP/s count the GEMM's 2MNK alone; the
-// quantisation is listed on its own (in training each quantised operand is made once).
+// beside cuBLASLt's bf16 one (docs/FP8.md), and the forward and data-gradient GEMMs through
+// DeepGEMM's kernel over rows padded per expert beside CUTLASS's. TFLOP/s count the GEMM's
+// 2MNK alone (the rows routed, not the padding); the quantisation is listed on its own (in
+// training each quantised operand is made once).
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
@@ -54,6 +56,68 @@ struct QuantRow {
   std::string name;
   double bytes, ms;  // bf16 read + e4m3 (and scales) written
 };
+
+// The forward and data-gradient GEMMs of `gemms` (in its order) through PaddedExpertGemmFp8
+// over the same experts' rows padded to 128 each (DeepGEMM's kernel; its A scales as one
+// group), the CUTLASS figures beside them.
+std::vector<GemmRow> padded_expert_gemms(const std::vector<GemmRow>& gemms, const std::vector<int32_t>& offsets,
+                                         int64_t D, int64_t F, const Quantised& w1q, const Quantised& w3q,
+                                         const Quantised& w2q, cuda::Stream stream) {
+  const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
+  std::vector<int32_t> padded(offsets.size(), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    const int32_t rows = offsets[static_cast<size_t>(e + 1)] - offsets[static_cast<size_t>(e)];
+    padded[static_cast<size_t>(e + 1)] = (padded[static_cast<size_t>(e)] + rows + 127) / 128 * 128;
+  }
+  const int64_t R = padded.back();
+  gpu::DeviceArray<int32_t> padded_d(padded.size());
+  padded_d.upload(padded.data(), padded.size());
+  const int32_t* off = padded_d.data();
+  auto x = filled<bf16>(R * D, 1.0f, 31), act = filled<bf16>(R * F, 1.0f, 32), dy = filled<bf16>(R * D, 1.0f, 33),
+       dgate_up = filled<bf16>(R * 2 * F, 1.0f, 34), gate_up = filled<bf16>(R * 2 * F, 0.0f, 35),
+       y = filled<bf16>(R * D, 0.0f, 36);
+  Quantised xq = rows_buffer(R, D), actq = rows_buffer(R, F), dyq = rows_buffer(R, D), dgq = rows_buffer(R, F),
+            duq = rows_buffer(R, F);
+  auto rows = [&](Quantised& q, const bf16* in, int64_t ld, int64_t width) {
+    cuda::quantize_rows_blockwise(q.codes.data(), q.scales.data(), in, ld, nullptr, 1, R, width, stream);
+  };
+  rows(xq, x.data(), D, D);
+  rows(actq, act.data(), F, F);
+  rows(dyq, dy.data(), D, D);
+  rows(dgq, dgate_up.data(), 2 * F, F);
+  rows(duq, dgate_up.data() + F, 2 * F, F);
+  cuda::PaddedExpertGemmFp8 gemm(E);
+  std::vector<GemmRow> out;
+  {
+    bf16* outs[2] = {gate_up.data(), gate_up.data() + F};
+    const uint8_t* wq[2] = {w1q.codes.data(), w3q.codes.data()};
+    const float* wsc[2] = {w1q.scales.data(), w3q.scales.data()};
+    out.push_back({gemms[0].name, gemms[0].flops, gemms[0].fp8_ms, median_ms([&] {
+                     gemm.forward(2, outs, 2 * F, xq.codes.data(), xq.scales.data(), wq, wsc, off, R, F, D, stream);
+                   })});
+  }
+  {
+    bf16* outs[1] = {y.data()};
+    const uint8_t* wq[1] = {w2q.codes.data()};
+    const float* wsc[1] = {w2q.scales.data()};
+    out.push_back({gemms[1].name, gemms[1].flops, gemms[1].fp8_ms, median_ms([&] {
+                     gemm.forward(1, outs, D, actq.codes.data(), actq.scales.data(), wq, wsc, off, R, D, F, stream);
+                   })});
+  }
+  out.push_back({gemms[2].name, gemms[2].flops, gemms[2].fp8_ms, median_ms([&] {
+                   gemm.backward_data(act.data(), F, dyq.codes.data(), dyq.scales.data(), w2q.codes_t.data(),
+                                      w2q.scales_t.data(), off, R, F, D, stream);
+                 })});
+  // The gate and up halves' products into two outputs (the kernel has no beta: the sum is a
+  // separate pass, not timed here).
+  out.push_back({gemms[3].name + " (2 outputs)", gemms[3].flops, gemms[3].fp8_ms, median_ms([&] {
+                   gemm.backward_data(x.data(), D, dgq.codes.data(), dgq.scales.data(), w1q.codes_t.data(),
+                                      w1q.scales_t.data(), off, R, D, F, stream);
+                   gemm.backward_data(y.data(), D, duq.codes.data(), duq.scales.data(), w3q.codes_t.data(),
+                                      w3q.scales_t.data(), off, R, D, F, stream);
+                 })});
+  return out;
+}
 
 }  // namespace
 
@@ -394,6 +458,19 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
   }
   print_gemm({"weight-gradient GEMMs, B 128x128", weight_flops, bf16_weight_total, fp8_block_total});
   for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
+  if (cuda::PaddedExpertGemmFp8::available() && E <= cuda::PaddedExpertGemmFp8::kMaxExperts) {
+    const std::vector<GemmRow> padded = padded_expert_gemms(gemms, offsets, D, F, w1q, w3q, w2q, stream);
+    fmt::print(out, "  the same fwd and dgrad GEMMs over rows padded per expert to 128, DeepGEMM's kernel:\n");
+    fmt::print(out, "  {:<36} {:>9} {:>8}   {:>9} {:>8}   {:>7}\n", "kernel", "CUTLASS", "TFLOP/s", "DeepGEMM",
+               "TFLOP/s", "speedup");
+    double cutlass_total = 0, deepgemm_total = 0;
+    for (const GemmRow& row : padded) {
+      print_gemm(row);
+      cutlass_total += row.bf16_ms;
+      deepgemm_total += row.fp8_ms;
+    }
+    print_gemm({"expert fwd + dgrad GEMMs of the layer", flops_total, cutlass_total, deepgemm_total});
+  }
   // The step's quantisation: the rows' kernels but act's (the fused SwiGLU's extra time over
   // SwiGLU alone instead), and the weights.
   double quant_total = 0, weights_ms = 0;

@@ -1,0 +1,213 @@
+// PaddedExpertGemmFp8: the experts' FP8 forward and data-gradient GEMMs through DeepGEMM's
+// Hopper kernel (sm90_fp8_gemm_1d2d_impl, headers of the PyPI wheel sgl-deep-gemm) in its
+// m-grouped "psum" layout: group g's rows run from the 128-aligned end of group g - 1 to
+// grouped_layout[g], read on the device; A's 1 x 128 scales one MN-major [K / 128][R] array
+// read through TMA; B's 128 x 128 scales MN-major per expert (our weight blocks' layout).
+// The kernel is persistent over a compiled SM count and group count: the grid is exactly
+// kSms CTAs, and the groups past the call's experts are empty (their ends repeat the last).
+// docs/KERNEL_ROADMAP.md, "FP8: a grouped GEMM of DeepGEMM's class".
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
+#include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
+
+#include "core/error_base.h"
+#include "core/gpu.h"
+#include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr uint32_t kBlockM = 128, kBlockN = 128, kBlockK = 128, kStages = 5;
+constexpr uint32_t kTmaThreads = 128, kMathThreads = 256;
+constexpr uint32_t kSms = PaddedExpertGemmFp8::kSms;
+constexpr uint32_t kGroups = PaddedExpertGemmFp8::kMaxExperts;
+static_assert(kBlockM == fp8::kBlock && kBlockK == fp8::kBlock, "one tile of rows and of K per scale block");
+
+using Descriptor = cute::TmaDescriptor;
+using Kernel = void (*)(float*, int*, uint32_t, uint32_t, uint32_t, const Descriptor, const Descriptor,
+                        const Descriptor, const Descriptor);
+
+// BLOCK 128 x 128 x 128, 5 stages, 128 TMA + 256 math threads; B's scales MN-major; bf16 D.
+// kMulticast 2: a cluster of two CTAs on consecutive row tiles shares B's tile (one TMA
+// load for both). The two tiles must belong to one expert, which holds when every expert's
+// tile count is even: an even count of N tiles (else kMulticast 1).
+template <uint32_t kMulticast>
+constexpr Kernel kernel = &deep_gemm::sm90_fp8_gemm_1d2d_impl<
+    cute::UMMA::Major::MN, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128, 128, kStages, kTmaThreads,
+    kMathThreads, kMulticast, false, kSms, deep_gemm::GemmType::MGroupedContiguousWithPsumLayout, cutlass::bfloat16_t,
+    fp8::kBlock>;
+
+// The kernel's shared memory: D's tile, the stages' A and B tiles and A scales, B's scales
+// over all of K, the stages' two barriers.
+size_t shared_bytes(int64_t K) {
+  const size_t d = (size_t{kBlockM} * kBlockN * 2 + 1023) / 1024 * 1024;
+  const size_t stages = size_t{kStages} * ((kBlockM + kBlockN) * kBlockK + (kBlockM * 4 + 127) / 128 * 128);
+  const size_t sfb = (static_cast<size_t>(K / kBlockK) * 4 + 7) / 8 * 8;
+  return d + stages + sfb + 2 * kStages * 8;
+}
+
+// The driver's cuTensorMapEncodeTiled through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* address = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &address, 12000, cudaEnableDefault,
+                                                    &found));
+    MOE_CHECKF(found == cudaDriverEntryPointSuccess && address != nullptr, "CUDA driver: no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(address);
+  }();
+  return fn;
+}
+
+// A 2-D map over [outer, inner] (inner contiguous, pitch_bytes a row) in boxes of
+// box_outer x box_inner elements.
+Descriptor map_2d(CUtensorMapDataType type, const void* base, uint64_t inner, uint64_t outer, uint64_t pitch_bytes,
+                  uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
+  Descriptor map{};
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {pitch_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MOE_CHECKF(r == CUDA_SUCCESS, "fp8 padded grouped GEMM: cuTensorMapEncodeTiled failed (CUresult %d)",
+             static_cast<int>(r));
+  return map;
+}
+
+// The kernel's group ends: expert e's end offsets_E1[e + 1], then the last repeated (empty groups).
+__global__ void group_ends_kernel(int32_t* ends_G, const int32_t* offsets_E1, int64_t E) {
+  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (g < kGroups) ends_G[g] = offsets_E1[min(g, E - 1) + 1];
+}
+
+int device_sms() {
+  int device = 0, sms = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+}  // namespace
+
+struct PaddedExpertGemmFp8::State {
+  int64_t max_experts = 0, n_experts = 0;
+  // One array of group ends per operation, so that operations on different streams never
+  // overwrite each other's.
+  gpu::DeviceArray<int32_t> forward_ends, data_ends;
+  size_t shared_set[2] = {0, 0};  // the dynamic shared memory each kernel is allowed so far
+
+  void run(int32_t* ends, bf16* out, int64_t ld_out, const uint8_t* a, const float* sfa, const uint8_t* b,
+           const float* sfb, const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, Stream stream) {
+    const int64_t E = n_experts;
+    for (const void* p : {static_cast<const void*>(out), static_cast<const void*>(a), static_cast<const void*>(sfa),
+                          static_cast<const void*>(b)})
+      MOE_CHECKF(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+                 "fp8 padded grouped GEMM: operands and output must be 16-byte aligned (TMA)");
+    group_ends_kernel<<<1, kGroups, 0, stream>>>(ends, offsets_E1, E);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    const Descriptor map_a = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, R, K, kBlockK, kBlockM,
+                                    CU_TENSOR_MAP_SWIZZLE_128B);
+    const Descriptor map_b = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, E * N, K, kBlockK, kBlockN,
+                                    CU_TENSOR_MAP_SWIZZLE_128B);
+    // D in boxes as wide as the 128-byte swizzle (64 bf16), as the kernel's epilogue stores.
+    const Descriptor map_d = map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, out, N, R, ld_out * 2, 64, kBlockM,
+                                    CU_TENSOR_MAP_SWIZZLE_128B);
+    const Descriptor map_sfa = map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sfa, R, K / kBlockK, R * 4, kBlockM, 1,
+                                      CU_TENSOR_MAP_SWIZZLE_NONE);
+    const bool pairs = fp8::blocks(N) % 2 == 0;
+    const Kernel k = pairs ? kernel<2> : kernel<1>;
+    const size_t shared = shared_bytes(K);
+    size_t& allowed = shared_set[pairs ? 1 : 0];
+    if (shared > allowed) {
+      MOE_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+      allowed = shared;
+    }
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = pairs ? 2 : 1;
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(kSms);
+    config.blockDim = dim3(kTmaThreads + kMathThreads);
+    config.dynamicSmemBytes = shared;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, k, const_cast<float*>(sfb), ends, static_cast<uint32_t>(R),
+                                      static_cast<uint32_t>(N), static_cast<uint32_t>(K), map_a, map_b, map_d,
+                                      map_sfa));
+  }
+};
+
+bool PaddedExpertGemmFp8::available() {
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0 && device_sms() == static_cast<int>(kSms);
+}
+
+PaddedExpertGemmFp8::PaddedExpertGemmFp8(int64_t max_experts) : state_(new State) {
+  State& s = *state_;
+  MOE_CHECKF(max_experts >= 1 && max_experts <= kMaxExperts, "PaddedExpertGemmFp8: %lld experts (1 to %lld)",
+             static_cast<long long>(max_experts), static_cast<long long>(kMaxExperts));
+  MOE_CHECKF(available(), "PaddedExpertGemmFp8: needs an sm_90 GPU with %lld multiprocessors",
+             static_cast<long long>(kSms));
+  s.max_experts = s.n_experts = max_experts;
+  s.forward_ends = gpu::DeviceArray<int32_t>(kGroups);
+  s.data_ends = gpu::DeviceArray<int32_t>(kGroups);
+}
+
+PaddedExpertGemmFp8::~PaddedExpertGemmFp8() { delete state_; }
+
+void PaddedExpertGemmFp8::set_experts(int64_t n_experts) {
+  MOE_CHECKF(n_experts >= 0 && n_experts <= state_->max_experts, "PaddedExpertGemmFp8: %lld experts, room for %lld",
+             static_cast<long long>(n_experts), static_cast<long long>(state_->max_experts));
+  state_->n_experts = n_experts;
+}
+
+namespace {
+
+void check_shape(const char* what, int64_t R, int64_t N, int64_t K, int64_t ld_out) {
+  MOE_CHECKF(K > 0 && K % fp8::kBlock == 0, "%s: K = %lld is not a multiple of %lld (the fp8 scale blocks)", what,
+             static_cast<long long>(K), static_cast<long long>(fp8::kBlock));
+  MOE_CHECKF(N > 0 && N % 8 == 0 && ld_out % 8 == 0 && ld_out >= N,
+             "%s: N = %lld and ld_out = %lld must be multiples of 8 (ld_out >= N)", what, static_cast<long long>(N),
+             static_cast<long long>(ld_out));
+  MOE_CHECKF(R > 0 && R % 4 == 0 && R <= INT32_MAX,
+             "%s: R = %lld rows must be a positive multiple of 4 (the scales' TMA row pitch)", what,
+             static_cast<long long>(R));
+}
+
+}  // namespace
+
+void PaddedExpertGemmFp8::forward(int sets, bf16* const* out, int64_t ld_out, const uint8_t* x_codes,
+                                  const float* x_scales, const uint8_t* const* w_codes, const float* const* w_scales,
+                                  const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, Stream stream) {
+  MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "PaddedExpertGemmFp8: %d sets", sets);
+  check_shape("PaddedExpertGemmFp8::forward", R, N, K, ld_out);
+  if (state_->n_experts == 0) return;
+  for (int s = 0; s < sets; ++s)
+    state_->run(state_->forward_ends.data(), out[s], ld_out, x_codes, x_scales, w_codes[s], w_scales[s], offsets_E1,
+                R, N, K, stream);
+}
+
+void PaddedExpertGemmFp8::backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_codes, const float* dy_scales,
+                                        const uint8_t* wt_codes, const float* wt_scales, const int32_t* offsets_E1,
+                                        int64_t R, int64_t N, int64_t K, Stream stream) {
+  check_shape("PaddedExpertGemmFp8::backward_data", R, N, K, ld_out);
+  if (state_->n_experts == 0) return;
+  state_->run(state_->data_ends.data(), out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, offsets_E1, R, N, K,
+              stream);
+}
+
+}  // namespace moe::cuda
