@@ -51,6 +51,10 @@ constexpr float block_scale_inverse(float scale) {
 constexpr int64_t activation_scale_index(int64_t first, int64_t rows, int64_t r, int64_t kb, int64_t KB) {
   return first * KB + kb * rows + (r - first);
 }
+// Which groups a kernel writing expert rows' codes lays their scales out over: the experts'
+// (ExpertGemmFp8's operands), or one group of all R rows (rows padded per expert to 128:
+// PaddedExpertGemmFp8's, [KB][R], whatever the experts).
+enum class RowScales { PerExpert, OneGroup };
 constexpr int64_t weight_scale_index(int64_t e, int64_t nb, int64_t kb, int64_t NB, int64_t KB) {
   return (e * KB + kb) * NB + nb;
 }

@@ -70,11 +70,14 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
 // F x blocks(ld_t) each) of act (swiglu_forward's values), d gate and d up, in that order
 // from columns_3FP (F x ld_t codes each) and column_scales_3. P_E1: padded_token_offsets.
 // act_kind Block: act's columns (the weight GEMM's B) with one scale per 128 x 128 tile, in
-// act's part of column_scales_3; d gate's and d up's stay per feature.
+// act's part of column_scales_3; d gate's and d up's stay per feature. row_scales OneGroup:
+// the row codes' scales as quantize_rows_blockwise with no offsets lays them out (one group
+// of R rows each: rows padded per expert).
 void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3,
                                  int64_t ld_t, const bf16* dact_RF, const bf16* gate_up_RF2, const int32_t* offsets_E1,
                                  const int64_t* P_E1, int64_t E, int64_t R, int64_t F, Stream stream,
-                                 fp8::ColumnScales act_kind = fp8::ColumnScales::PerFeature);
+                                 fp8::ColumnScales act_kind = fp8::ColumnScales::PerFeature,
+                                 fp8::RowScales row_scales = fp8::RowScales::PerExpert);
 
 // The experts' weight gradients in fp8 (fp8::weight_gradient_token_columns on the device):
 // dw_e [M, N] = beta * dw_e + sum over expert e's padded tokens of a [M, ld_t] x b [N, ld_t]

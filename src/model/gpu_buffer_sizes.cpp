@@ -6,17 +6,20 @@
 #include <algorithm>
 #include <string_view>
 
+#include "core/error.h"
 #include "kernels/fp8_blockwise.h"
 #include "moe/dispatch.h"
 
 namespace moe {
 
 ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t ep_size, bool split_experts,
-                                  int64_t local_experts_cap) {
+                                  int64_t local_experts_cap, int64_t row_align) {
   ExpertRowBounds b;
   const int64_t T = tokens, E = moe.n_experts, K = moe.top_k, P = std::max<int64_t>(1, ep_size);
+  MOE_CHECK(row_align == 1 || P == 1, "expert rows aligned to {}: not under expert parallelism", row_align);
   b.capacity = E > 0 ? expert_capacity(moe.capacity_factor, T, K, E) : 0;
   b.max_rows = b.capacity > 0 ? std::min(T * K, E * b.capacity) : T * K;
+  if (row_align > 1 && E > 0) b.max_rows = (b.max_rows + (row_align - 1) * E + 3) / 4 * 4;
   if (P == 1 || E <= 0) {
     b.max_local_experts = E;
     b.max_tokens = T;
@@ -27,6 +30,11 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
   b.max_tokens = P * T;
   b.max_local_rows = expert_parallel_local_rows(P, T, K, b.max_local_experts, b.capacity);
   return b;
+}
+
+int64_t expert_row_align(const TrainingConfig& training) {
+  return training.precision == TrainingPrecision::Fp8 && training.fp8_expert_gemm == Fp8ExpertGemm::DeepGemm ? 128
+                                                                                                               : 1;
 }
 
 int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_k, int64_t local_experts,

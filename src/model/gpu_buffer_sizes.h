@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "config/model_config.h"
+#include "config/training_config.h"
 
 namespace moe {
 
@@ -28,9 +29,15 @@ struct ExpertRowBounds {
 
 // A micro-batch of `tokens` tokens over an EP group of `ep_size` ranks (1: no expert
 // parallelism). `local_experts_cap`: GpuModelOptions::max_local_experts (0: E / P, + 1
-// with split experts).
+// with split experts). `row_align` > 1 (no expert parallelism): each expert's rows start
+// at a multiple of it (expert_row_align), R holding the padding and a multiple of 4.
 ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t ep_size, bool split_experts,
-                                  int64_t local_experts_cap);
+                                  int64_t local_experts_cap, int64_t row_align = 1);
+
+// The alignment of each expert's first row in the local row layout: 128 for
+// training.fp8_expert_gemm = deepgemm (cuda::PaddedExpertGemmFp8's tiles; the padding
+// rows are zero), else 1 (the rows back to back).
+int64_t expert_row_align(const TrainingConfig& training);
 
 // The expert-parallel dispatcher's bound on a rank's rows: every one of the P ranks sends
 // it at most its T * K assignments, or `capacity` per source and local expert.

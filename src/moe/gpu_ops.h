@@ -56,9 +56,18 @@ void router_backward(float* dlogits_TE, const float* dweight_TK, const float* sc
 // adds the assignments before dropping to load_E when not null. `scratch`:
 // assign_rows_scratch(T, K, E) ints. An expert < 0 (routed to another rank) gets row -1
 // and is counted nowhere. E at most 1536.
+// row_align > 1: each expert's rows start at a multiple of it (offsets_E1[e + 1] - offsets_E1[e]
+// its count rounded up; the padding rows get no token_of_row_R entry, which then holds up to
+// offsets_E1[E] rows), and kept_1, when not null, gets the rows' count without the padding.
 void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
                  int64_t* load_E, int32_t* scratch, const int32_t* expert_TK, int64_t T, int64_t E,
-                 int64_t K, int64_t capacity, Stream stream);
+                 int64_t K, int64_t capacity, Stream stream, int64_t row_align = 1, int32_t* kept_1 = nullptr);
+// Rows padded per expert (assign_rows with row_align > 1): each expert's padding rows,
+// [offsets_E1[e] + counts_E[e], offsets_E1[e + 1]), set to zero in rows_RD [.., D] and, where
+// codes.codes_RK is not null, their codes and scales as quantising zero rows writes them
+// (codes: kernels/fp8_gpu_ops.h's RowCodes). Rows of experts are not touched.
+void zero_padding_rows(bf16* rows_RD, const RowCodes& codes, const int32_t* offsets_E1, const int32_t* counts_E,
+                       int64_t E, int64_t D, int64_t row_align, Stream stream);
 int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E);
 // Expert parallelism without duplicate rows (layout and CPU references: moe/token_exchange.h).
 // The boundary cuts of a micro-batch from every home rank's kept rows per slot (counts_PE;
@@ -131,8 +140,10 @@ void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R
 // is the inverse of token_of_row_R (assign_rows').
 void permute_forward_by_token(bf16* x_RD, const bf16* x_TD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
                               Stream stream);
+// dx_TD[t] (= or +=) the sum of dx_RD's rows of t's kept slots (fp32, bf16 out), then of
+// dx2_RD's when not null (a data gradient in two parts).
 void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
-                      bool accumulate, Stream stream);
+                      bool accumulate, Stream stream, const bf16* dx2_RD = nullptr);
 // out_TD[t] = sum over kept slots of weight * y_RD[row] (fp32 sum, bf16 out).
 void combine_forward(bf16* out_TD, const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T,
                      int64_t K, int64_t D, Stream stream);

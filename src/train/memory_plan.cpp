@@ -101,7 +101,8 @@ int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E) {  // moe/cuda/disp
 int64_t moe_buffers_bytes(const ActivationShape& a, bool share_x, bool share_act, bool share_gate_up) {
   const int64_t T = a.T, K = a.K, E = a.E, D = a.D, F = a.F, RL = a.rows.max_local_rows;
   int64_t bytes = 2 * T * E * 4 + T * K * 4 + 2 * T * 4          // logits, scores; weight; aux, z terms
-                  + 4 * T * K * 4 + 2 * E * 4 + (E + 1) * 4        // expert, row, token_of_row, slot; counts; offsets
+                  + 3 * T * K * 4 + 2 * E * 4 + (E + 1) * 4        // expert, row, slot; counts; offsets
+                  + std::max(T * K, a.rows.max_rows) * 4           // token_of_row (padded rows: R)
                   + assign_rows_scratch(T, K, E) * 4               // rank
                   + std::max(a.rows.max_rows, RL) * D * 2          // y_rows
                   + a.n_shared * (T * 2 * F + T * F) * 2;          // shared experts' gate|up and act
@@ -226,7 +227,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   ActivationShape a{layout.micro_batch, c.seq_len, layout.micro_batch * c.seq_len, c.dim, c.n_heads, c.n_kv_heads,
                     c.head_dim(), E, c.moe.top_k, c.moe.expert_hidden, c.dense_hidden, c.moe.n_shared_experts, ep, {}};
   const int64_t cap = ep > 1 && config.parallel.rebalance_interval > 0 ? config.parallel.rebalance_max_experts : 0;
-  a.rows = expert_row_bounds(c.moe, a.T, ep, split, cap);
+  a.rows = expert_row_bounds(c.moe, a.T, ep, split, cap, ep > 1 ? 1 : expert_row_align(config.training));
   const bool share_x_act = layout.recompute_experts != ExpertRecompute::None;
   const bool share_gate_up = layout.recompute_experts == ExpertRecompute::All;
   // fp8 weight gradients: the backward takes act from gate|up itself; no act buffer at all.

@@ -13,7 +13,16 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "gpu_test_util.h"
 #include "kernels/fp8_blockwise.h"
+#include "kernels/fp8_gpu_ops.h"
+
+// Skips where cuda::PaddedExpertGemmFp8 (DeepGEMM's kernel) cannot run.
+#define MOE_REQUIRE_DEEPGEMM()                                                                  \
+  do {                                                                                          \
+    MOE_REQUIRE_GPU();                                                                          \
+    if (!cuda::PaddedExpertGemmFp8::available()) GTEST_SKIP() << "not an sm_90 GPU of 132 SMs"; \
+  } while (0)
 
 namespace moe::test {
 

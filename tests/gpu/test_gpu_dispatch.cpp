@@ -368,6 +368,101 @@ TEST(GpuDispatchKernels, AccumulateUnalignedRowsAndRepeatableCombineBackward) {
   }
 }
 
+// Rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm): the CPU layout with
+// each expert's rows moved to an aligned start, the kept count without the padding; the
+// fp8 permute's rows and codes (one group of R rows) with the padding zeroed by
+// zero_padding_rows are the CPU quantiser's of the padded rows, bit for bit, and rows past
+// the last expert untouched; permute_backward of a data gradient in two parts (vector and
+// scalar paths) against the CPU's sum of both.
+TEST(GpuDispatchKernels, RowsPaddedPerExpert) {
+  MOE_REQUIRE_GPU();
+  const int64_t T = 300, E = 6, K = 2, D = 256, A = 128;
+  std::vector<int32_t> expert(T * K);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) expert[t * K + k] = static_cast<int32_t>((t * 5 + k * (t % 3 + 1)) % (E - 1));
+  const int64_t capacity = expert_capacity(1.0, T, K, E);
+  std::vector<int32_t> row_ref(T * K), counts_ref(E), offsets_ref(E + 1), token_ref(T * K);
+  const int64_t kept = assign_rows(row_ref.data(), counts_ref.data(), offsets_ref.data(), token_ref.data(),
+                                   expert.data(), T, E, K, capacity);
+  ASSERT_LT(kept, T * K) << "the case should drop tokens";
+  ASSERT_EQ(counts_ref[E - 1], 0) << "the case should leave an expert empty";
+  std::vector<int32_t> offsets(E + 1, 0);
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] = offsets[e] + (counts_ref[e] + A - 1) / A * A;
+  const int64_t R = (T * K + (A - 1) * E + 3) / 4 * 4;
+  ASSERT_LE(offsets[E], R);
+  auto expert_d = to_device(expert);
+  auto row_d = poisoned<int32_t>(T * K), counts_d = poisoned<int32_t>(E), offsets_d = poisoned<int32_t>(E + 1);
+  auto token_d = poisoned<int32_t>(R), scratch_d = poisoned<int32_t>(cuda::assign_rows_scratch(T, K, E));
+  auto kept_d = poisoned<int32_t>(1);
+  cuda::assign_rows(row_d.data(), counts_d.data(), offsets_d.data(), token_d.data(), nullptr, scratch_d.data(),
+                    expert_d.data(), T, E, K, capacity, nullptr, A, kept_d.data());
+  EXPECT_EQ(to_host(counts_d), counts_ref);
+  EXPECT_EQ(to_host(offsets_d), offsets);
+  EXPECT_EQ(to_host(kept_d)[0], kept);
+  const std::vector<int32_t> row = to_host(row_d);
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int32_t e = expert[i];
+    EXPECT_EQ(row[i], row_ref[i] < 0 ? -1 : row_ref[i] - offsets_ref[e] + offsets[e]) << "slot " << i;
+  }
+  // The padded rows on the host: each expert's kept rows at its aligned start, zeros after.
+  const auto x = random_bf16_floats(T * D, 11, "x");
+  std::vector<bf16> padded(R * D, float_to_bf16(0.0f));
+  for (int64_t i = 0; i < T * K; ++i)
+    if (row[i] >= 0)
+      for (int64_t d = 0; d < D; ++d) padded[row[i] * D + d] = float_to_bf16(x[i / K * D + d]);
+  std::vector<uint8_t> codes_ref(R * D);
+  std::vector<float> scales_ref(R * D / fp8::kBlock);
+  fp8::quantize_rows_blockwise(codes_ref.data(), scales_ref.data(), padded.data(), D, nullptr, 1, R, D);
+  auto x_d = to_device_bf16(x);
+  auto rows_d = poisoned<bf16>(R * D);
+  auto codes_d = poisoned<uint8_t>(R * D);
+  auto scales_d = poisoned<float>(R * D / fp8::kBlock);
+  const cuda::RowCodes codes{codes_d.data(), scales_d.data(), nullptr, 1, R};
+  cuda::permute_forward_by_token_fp8(rows_d.data(), codes, x_d.data(), row_d.data(), T, K, D, nullptr);
+  cuda::zero_padding_rows(rows_d.data(), codes, offsets_d.data(), counts_d.data(), E, D, A, nullptr);
+  const std::vector<bf16> rows = to_host(rows_d);
+  const std::vector<uint8_t> got_codes = to_host(codes_d);
+  const std::vector<float> got_scales = to_host(scales_d);
+  const int64_t used = offsets[E], KB = D / fp8::kBlock;
+  size_t rows_differ = 0, codes_differ = 0, scales_differ = 0, past_written = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t d = 0; d < D; ++d) {
+      const size_t i = static_cast<size_t>(r * D + d);
+      if (r < used) {
+        rows_differ += rows[i].bits != padded[i].bits;
+        codes_differ += got_codes[i] != codes_ref[i];
+      } else {
+        past_written += rows[i].bits != 0xffff;
+      }
+    }
+    for (int64_t kb = 0; kb < KB && r < used; ++kb) {
+      const size_t at = static_cast<size_t>(fp8::activation_scale_index(0, R, r, kb, KB));
+      scales_differ += std::memcmp(&got_scales[at], &scales_ref[at], sizeof(float)) != 0;
+    }
+  }
+  EXPECT_EQ(rows_differ, 0u) << "padded rows";
+  EXPECT_EQ(codes_differ, 0u) << "padded rows' codes";
+  EXPECT_EQ(scales_differ, 0u) << "padded rows' scales";
+  EXPECT_EQ(past_written, 0u) << "rows past the last expert written";
+  // A data gradient in two parts, summed by the permute's backward.
+  const auto dx1 = random_bf16_floats(R * D, 12, "dx1"), dx2 = random_bf16_floats(R * D, 13, "dx2");
+  std::vector<float> want(T * D), part(T * D);
+  permute_backward<float>(want.data(), dx1.data(), row.data(), T, K, D, false);
+  permute_backward<float>(part.data(), dx2.data(), row.data(), T, K, D, false);
+  for (int64_t i = 0; i < T * D; ++i) want[i] += part[i];
+  for (int64_t misalign : {0, 1}) {
+    std::vector<float> dx1_host(misalign, 0.0f), dx2_host(misalign, 0.0f);
+    dx1_host.insert(dx1_host.end(), dx1.begin(), dx1.end());
+    dx2_host.insert(dx2_host.end(), dx2.begin(), dx2.end());
+    auto dx1_d = to_device_bf16(dx1_host), dx2_d = to_device_bf16(dx2_host);
+    auto out_d = poisoned<bf16>(T * D);
+    cuda::permute_backward(out_d.data(), dx1_d.data() + misalign, row_d.data(), T, K, D, false, nullptr,
+                           dx2_d.data() + misalign);
+    expect_close("permute backward of two parts, misalign=" + std::to_string(misalign), to_host_float(out_d), want,
+                 kBf16Rtol, 1e-2);
+  }
+}
+
 TEST(GpuEmbedding, ForwardAndDeterministicBackwardMatchCpu) {
   MOE_REQUIRE_GPU();
   for (auto [T, V, D] : {std::tuple<int64_t, int64_t, int64_t>{9, 5, 7}, {4096, 32000, 256}, {3000, 300, 64}}) {

@@ -26,12 +26,6 @@ using test::activations;
 using test::expect_gemm_close;
 using test::weights;
 
-#define MOE_REQUIRE_DEEPGEMM()                                                             \
-  do {                                                                                     \
-    MOE_REQUIRE_GPU();                                                                     \
-    if (!cuda::PaddedExpertGemmFp8::available()) GTEST_SKIP() << "not an sm_90 GPU of 132 SMs"; \
-  } while (0)
-
 struct PaddedCase {
   std::vector<int32_t> rows_per_expert;
   int64_t rows_after;  // rows of the buffers past the last expert's end

@@ -368,6 +368,19 @@ TEST(MemoryPlan, ExpertRowBoundsKnownAnswers) {
   moe.capacity_factor = 0;  // dropless: every rank may send all its T x K rows
   EXPECT_EQ(expert_row_bounds(moe, 4096, 8, false, 0).max_local_rows, 8 * 8192);
   EXPECT_EQ(lm_head_chunk_rows(16384, 32000), 2048);
+  // Rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm): up to 127 more
+  // rows per expert, R a multiple of 4; only without expert parallelism.
+  moe.n_experts = 6;
+  const ExpertRowBounds padded = expert_row_bounds(moe, 4095, 1, false, 0, 128);
+  EXPECT_EQ(padded.max_rows, (8190 + 6 * 127 + 3) / 4 * 4);
+  EXPECT_EQ(padded.max_local_rows, padded.max_rows);
+  EXPECT_THROW(expert_row_bounds(moe, 4096, 2, false, 0, 128), Error);
+  TrainingConfig t;
+  EXPECT_EQ(expert_row_align(t), 1);
+  t.fp8_expert_gemm = Fp8ExpertGemm::DeepGemm;
+  EXPECT_EQ(expert_row_align(t), 1) << "bf16 runs never pad";
+  t.precision = TrainingPrecision::Fp8;
+  EXPECT_EQ(expert_row_align(t), 128);
 }
 
 // ZeRO under expert parallelism: the shared parameters' lo halves and moments over all 4
@@ -453,6 +466,21 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   for (size_t l = 0; l < d.layer_activations.size(); ++l)
     EXPECT_EQ(b.layer_activations[l] - d.layer_activations[l], 2048 * 1024 * 2) << "layer " << l;
   EXPECT_EQ(d.workspace - b.workspace, 64 << 20);
+  // Rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm): 2048 + 8 x 127 =
+  // 3064 rows; an MoE layer's token_of_row, x, gate|up, act and y rows and the fp8 row
+  // scratch (width 2 x hidden) grow by 1016 rows each.
+  fp8.training.fp8_weight_gradients = false;
+  fp8.training.fp8_expert_gemm = Fp8ExpertGemm::DeepGemm;
+  const MemoryEstimate e = estimate_memory(fp8, configured_layout(fp8, 1, 1));
+  EXPECT_EQ(e.step_buffers - b.step_buffers, 1016 * (2048 + 2048 / 128 * 4));
+  ASSERT_EQ(e.layer_activations.size(), b.layer_activations.size());
+  int moe_layers = 0;
+  for (size_t l = 0; l < e.layer_activations.size(); ++l) {
+    const int64_t grown = e.layer_activations[l] - b.layer_activations[l];
+    moe_layers += grown > 0;
+    EXPECT_TRUE(grown == 0 || grown == 1016 * (4 + 512 * 2 + 2048 * 2 + 1024 * 2 + 512 * 2)) << "layer " << l;
+  }
+  EXPECT_GT(moe_layers, 0);
 }
 
 // The fp8 weight gradients' token-column scratch is sized before the routing: its row

@@ -329,7 +329,7 @@ template <bool kActBlock>
 __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_columns_kernel(
     uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3, int64_t ld_t,
     int64_t column_scale_stride, const __nv_bfloat16* dact, const __nv_bfloat16* gate_up, const int32_t* offsets_E1,
-    const int64_t* P_E1, int64_t E, int64_t R, int64_t F) {
+    const int64_t* P_E1, int64_t E, int64_t R, int64_t F, bool rows_one_group) {
   extern __shared__ __align__(16) unsigned char smem[];
   auto tiles = reinterpret_cast<__nv_bfloat16(*)[kBlock][kBlock + kColumnPad]>(smem);  // act, d gate, d up
   const int64_t column = static_cast<int64_t>(blockIdx.x) * kBlock;
@@ -374,7 +374,8 @@ __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_colum
         unpack8(du_rounded, v);
         const float du_scale = tile_codes_of_8(v, codes_2RF + R * F + r * F + f);
         if (chunk == 0) {
-          const int64_t scale_at = fp8::activation_scale_index(offsets_E1[b.e], rows_e, r, fb, FB);
+          const int64_t scale_at = rows_one_group ? fp8::activation_scale_index(0, R, r, fb, FB)
+                                                  : fp8::activation_scale_index(offsets_E1[b.e], rows_e, r, fb, FB);
           scales_2[scale_at] = dg_scale;
           scales_2[R * FB + scale_at] = du_scale;
         }
@@ -612,7 +613,7 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
 void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3,
                                  int64_t ld_t, const bf16* dact_RF, const bf16* gate_up_RF2, const int32_t* offsets_E1,
                                  const int64_t* P_E1, int64_t E, int64_t R, int64_t F, Stream stream,
-                                 fp8::ColumnScales act_kind) {
+                                 fp8::ColumnScales act_kind, fp8::RowScales row_scales) {
   MOE_CHECKF(E >= 1 && F > 0 && F % kBlock == 0 && ld_t % 16 == 0 && ld_t >= R + E * (kBlock - 1),
              "fp8 SwiGLU backward to token columns: %lld experts, F = %lld (a multiple of 128), codes rows of %lld "
              "(a multiple of 16, at least R + 127 E = %lld)",
@@ -632,7 +633,7 @@ void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* c
   const dim3 grid(static_cast<unsigned>(token_blocks), static_cast<unsigned>(F / kBlock));
   kernel<<<grid, kSwigluColumnThreads, kSwigluColumnSmem, stream>>>(
       codes_2RF, scales_2, columns_3FP, column_scales_3, ld_t, F * fp8::blocks(ld_t), as_cuda(dact_RF),
-      as_cuda(gate_up_RF2), offsets_E1, P_E1, E, R, F);
+      as_cuda(gate_up_RF2), offsets_E1, P_E1, E, R, F, row_scales == fp8::RowScales::OneGroup);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -58,13 +58,16 @@ class GpuLocalDispatcher final : public ExpertDispatcher {
                                shape_.dim, stream_);
     return true;
   }
-  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float*) override {
+  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float*, const bf16* dx2_rows) override {
     mark_(kDispatch);
-    cuda::permute_backward(dx_TD, dx_rows, m.row.data(), shape_.tokens, shape_.top_k, shape_.dim, false, stream_);
+    cuda::permute_backward(dx_TD, dx_rows, m.row.data(), shape_.tokens, shape_.top_k, shape_.dim, false, stream_,
+                           dx2_rows);
   }
 
  private:
+  // Padded rows: the codes' scales as one group of all the rows (PaddedExpertGemmFp8's).
   cuda::RowCodes row_codes(const MoEBuffers& m, uint8_t* codes_RD, float* scales, int64_t experts) const {
+    if (shape_.row_align > 1) return {codes_RD, scales, nullptr, 1, expert_rows(m)};
     return {codes_RD, scales, expert_offsets(m), experts, expert_rows(m)};
   }
 
@@ -92,6 +95,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
   }
 
   int64_t plan(const DispatchShape& shape) override {
+    MOE_CHECK(shape.row_align == 1, "expert-parallel dispatch: rows aligned to {}: not supported", shape.row_align);
     shape_ = shape;
     const int64_t T = shape.tokens, K = shape.top_k, E = shape.n_experts, D = shape.dim, P = ep_->size();
     const int64_t L = shape.max_local_experts;
@@ -217,7 +221,9 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
 
   // Each received token's input-row gradients summed there and sent home with its combine
   // weights' gradients; at home, dx and dweight as the sums over the ranks.
-  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK) override {
+  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK,
+                         const bf16* dx2_rows) override {
+    MOE_CHECK(dx2_rows == nullptr, "expert-parallel dispatch: the input rows' gradients in one part only");
     const int64_t T = shape_.tokens, D = shape_.dim, K = shape_.top_k;
     const int P = ep_->size();
     mark_(kDispatch);

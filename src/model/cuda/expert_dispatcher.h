@@ -29,6 +29,9 @@ struct DispatchShape {
   int64_t max_local_experts = 0;  // slots a rank computes at most
   bool split_experts = false;
   bool speculative = false;  // moe.speculative_dispatch: room for the early rows
+  // > 1 (the local dispatcher only): each expert's rows start at a multiple of it
+  // (fp8_padded_rows), and the rows' codes are one group of max_rows rows.
+  int64_t row_align = 1;
 };
 
 // One MoE layer's forward dispatches since the last DispatchStats take (expert
@@ -78,9 +81,11 @@ class ExpertDispatcher {
                                     int64_t /*experts*/) {
     return false;
   }
-  // Backward of dispatch: dx_TD (overwritten) from the expert input rows' gradients, and
-  // the combine weights' gradients home into dweight_TK.
-  virtual void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK) = 0;
+  // Backward of dispatch: dx_TD (overwritten) from the expert input rows' gradients (the
+  // sum of dx_rows and dx2_rows where that is not null), and the combine weights'
+  // gradients home into dweight_TK.
+  virtual void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK,
+                                 const bf16* dx2_rows = nullptr) = 0;
 
   // moe.speculative_dispatch (docs/ROUTING_CACHE.md), expert parallelism only.
   // keep_routed_experts(true): the next dispatch also brings the layer's top-k experts

@@ -50,15 +50,17 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
     cuda::lookup(m.slot.data(), layer.slot_of_expert.data(), m.expert.data(), T * K, stream);
     routed_slot = m.slot.data();
   }
+  // Padded rows: offsets[E] counts the padding too; the kept rows come from the counts.
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(),
-                    count_load ? layer.load.data() : nullptr,
-                    m.rank.data(), routed_slot, T, E, K, capacity, stream);
+                    count_load ? layer.load.data() : nullptr, m.rank.data(), routed_slot, T, E, K, capacity, stream,
+                    expert_row_align(), fp8_padded_rows ? kept_rows.data() + layer_index : nullptr);
   if (count_load)  // kept rows per expert, router entropy: read with routing_stats()
     cuda::accumulate_routing_stats(layer.routing.data(), routing_scratch.data(), m.scores.data(), m.counts.data(),
                                    layer.placed ? layer.slot_of_expert.data() : nullptr, T, E, stream);
   set_experts(local_experts(layer));
-  MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
-                                 cudaMemcpyDeviceToDevice, stream));
+  if (!fp8_padded_rows)
+    MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
+                                   cudaMemcpyDeviceToDevice, stream));
   // The rows this rank's experts compute (under expert parallelism: every rank's tokens
   // routed here), the experts, and each token's weighted sum of its experts' outputs.
   dispatcher->keep_routed_experts(guess_next);
@@ -131,10 +133,24 @@ bool GpuTransformer::State::dispatch_rows(Layer& layer, const int32_t* slot_TK, 
     // expert-parallel one declines below and its rows are checked as they arrive).
     MOE_CHECK(expert_rows(m) * config.dim <= static_cast<int64_t>(fp8_rows.size()),
               "fp8 experts: scratch for {} x {} rows", expert_rows(m), config.dim);
-    if (dispatcher->dispatch_fp8(layer, m, x_TD, slot_TK, fp8_rows.data(), fp8_row_scales.data(), E)) return true;
+    if (dispatcher->dispatch_fp8(layer, m, x_TD, slot_TK, fp8_rows.data(), fp8_row_scales.data(), E)) {
+      zero_expert_padding(layer, m.x_rows->data(), fp8_rows.data(), fp8_row_scales.data());
+      return true;
+    }
   }
   dispatcher->dispatch(layer, m, x_TD, slot_TK);
+  zero_expert_padding(layer, m.x_rows->data(), nullptr, nullptr);
   return false;
+}
+
+void GpuTransformer::State::zero_expert_padding(const Layer& layer, bf16* rows, uint8_t* codes, float* scales) {
+  if (!fp8_padded_rows) return;
+  const MoEBuffers& m = layer.act->moe;
+  const int64_t E = local_experts(layer);
+  if (E == 0) return;
+  const cuda::RowCodes row_codes{codes, scales, nullptr, 1, expert_rows(m)};
+  cuda::zero_padding_rows(rows, row_codes, expert_offsets(m), m.counts.data(), E, config.dim, expert_row_align(),
+                          stream);
 }
 
 void GpuTransformer::State::experts_gate_up_gemm(Layer& layer, bool x_quantised) {
@@ -167,8 +183,9 @@ bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, 
   bf16* act = (layer.recompute_expert_rows && !recomputing) || fp8_weight_gradients
                   ? nullptr
                   : m.act_rows->data();
-  cuda::swiglu_forward_fp8(act, fp8_rows.data(), fp8_row_scales.data(), m.gate_up_rows->data(), expert_offsets(m), E,
-                           R, F, stream);
+  // Padded rows: the codes as one group of all R rows (PaddedExpertGemmFp8's scales).
+  cuda::swiglu_forward_fp8(act, fp8_rows.data(), fp8_row_scales.data(), m.gate_up_rows->data(),
+                           fp8_padded_rows ? nullptr : expert_offsets(m), fp8_padded_rows ? 1 : E, R, F, stream);
   return true;
 }
 
@@ -192,6 +209,8 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
       dispatcher->combine_backward_fp8(m, dy, drows.data(), dweight.data(), fp8_rows.data(), fp8_row_scales.data(),
                                        local_experts(layer));
   if (!dy_quantised) dispatcher->combine_backward(m, dy, drows.data(), dweight.data());
+  zero_expert_padding(layer, drows.data(), dy_quantised ? fp8_rows.data() : nullptr,
+                      dy_quantised ? fp8_row_scales.data() : nullptr);
   const bf16* dy_rows = drows.data();
   const int64_t R = expert_rows(m);
   const int32_t* offsets = expert_offsets(m);
@@ -209,7 +228,8 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
     if (fused_fp8) {
       MOE_CHECK(2 * R * F <= static_cast<int64_t>(fp8_rows.size()), "fp8 experts: scratch for 2 x {} x {} rows", R, F);
       cuda::swiglu_backward_fp8(dgate_up_rows.data(), fp8_rows.data(), fp8_row_scales.data(), dact_rows.data(),
-                                m.gate_up_rows->data(), offsets, local_experts(layer), R, F, stream);
+                                m.gate_up_rows->data(), fp8_padded_rows ? nullptr : offsets,
+                                fp8_padded_rows ? 1 : local_experts(layer), R, F, stream);
     } else {
       if (act_from_backward)
         MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
@@ -220,15 +240,18 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
     const bf16* dy_sets[1] = {dy_rows};
     expert_backward_weight(layer, m, 1, w2, dy_sets, D, m.act_rows->data(), F, D, F);
     // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
+    // Padded rows: up's part into drows (dy's rows, read for the last time above), summed
+    // by the dispatch's backward (PaddedExpertGemmFp8 does not accumulate).
     expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f,
                          fused_fp8 ? 0 : -1);
-    expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data() + F, 2 * F, Fp8ExpertWeights::kW3, D, F,
-                         1.0f, fused_fp8 ? 1 : -1);
+    expert_backward_data(layer, m, fp8_padded_rows ? drows.data() : dx_rows.data(), D, dgate_up_rows.data() + F,
+                         2 * F, Fp8ExpertWeights::kW3, D, F, fp8_padded_rows ? 0.0f : 1.0f, fused_fp8 ? 1 : -1);
     const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
     expert_backward_weight(layer, m, 2, w13, dgate_up, 2 * F, m.x_rows->data(), D, F, D);
   }
   // The input rows' gradients back to their tokens (through their home ranks).
-  dispatcher->dispatch_backward(m, dx_rows.data(), dnorm.data(), dweight.data());
+  dispatcher->dispatch_backward(m, dx_rows.data(), dnorm.data(), dweight.data(),
+                                fp8_padded_rows && local_experts(layer) > 0 ? drows.data() : nullptr);
   mark(kRouter);
   // Router: combine weights -> logits (aux and z losses included) -> n2 and the router weights.
   cuda::router_backward(dlogits.data(), dweight.data(), m.scores.data(), m.logits.data(), m.expert.data(),

@@ -83,8 +83,10 @@ void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, in
   const int64_t E = local_experts(layer), R = expert_rows(m);
   if (E == 0) return;
   MOE_CHECK(R * K <= static_cast<int64_t>(fp8_rows.size()) && sets <= 2, "fp8 experts: scratch for {} x {} rows", R, K);
+  // Padded rows: the scales as one group of all R rows (PaddedExpertGemmFp8's layout).
   if (!x_quantised)
-    cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), x, ld_x, offsets, E, R, K, stream);
+    cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), x, ld_x, fp8_padded_rows ? nullptr : offsets,
+                                  fp8_padded_rows ? 1 : E, R, K, stream);
   const uint8_t* w_codes[2] = {};
   const float* w_scales[2] = {};
   if (fp8_weight_cache) {
@@ -104,8 +106,12 @@ void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, in
       w_scales[s] = sc;
     }
   }
-  expert_gemm_fp8->forward(sets, out, ld_out, fp8_rows.data(), fp8_row_scales.data(), w_codes, w_scales, offsets, N,
-                           K, stream);
+  if (fp8_padded_rows)
+    padded_expert_gemm_fp8->forward(sets, out, ld_out, fp8_rows.data(), fp8_row_scales.data(), w_codes, w_scales,
+                                    offsets, R, N, K, stream);
+  else
+    expert_gemm_fp8->forward(sets, out, ld_out, fp8_rows.data(), fp8_row_scales.data(), w_codes, w_scales, offsets, N,
+                             K, stream);
 }
 
 void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out,
@@ -124,7 +130,8 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
   const uint8_t* dy_codes = fp8_rows.data() + set * R * K;
   const float* dy_scales = fp8_row_scales.data() + set * R * (K / fp8::kBlock);
   if (dy_quantised_set < 0)
-    cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), dy, ld_dy, offsets, E, R, K, stream);
+    cuda::quantize_rows_blockwise(fp8_rows.data(), fp8_row_scales.data(), dy, ld_dy, fp8_padded_rows ? nullptr : offsets,
+                                  fp8_padded_rows ? 1 : E, R, K, stream);
   // W_e is the Linear weight [K, N] (K outputs, N inputs); the GEMM takes its quantised
   // transpose [N, K]: the cache's transposed copy, or written alone here.
   const uint8_t* wt_codes = fp8_weights.data();
@@ -136,7 +143,14 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
   } else {
     cuda::quantize_weight_blocks(nullptr, nullptr, fp8_weights.data(), fp8_weight_scales.data(), w, E, K, N, stream);
   }
-  expert_gemm_fp8->backward_data(out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, offsets, N, K, beta, stream);
+  if (fp8_padded_rows) {
+    MOE_CHECK(beta == 0.0f, "padded fp8 experts: a data gradient written, not added (beta {})", beta);
+    padded_expert_gemm_fp8->backward_data(out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, offsets, R, N, K,
+                                          stream);
+  } else {
+    expert_gemm_fp8->backward_data(out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, offsets, N, K, beta,
+                                   stream);
+  }
 }
 
 void GpuTransformer::State::expert_backward_weight(Layer& layer, const MoEBuffers& m, int sets, const int* tensors,
@@ -181,13 +195,16 @@ void GpuTransformer::State::experts_backward_fp8_weights(Layer& layer, const MoE
   // SwiGLU's backward: d gate's and d up's row codes (sets 0 and 1 of fp8_rows, for the
   // data gradients) and the token columns of act (from gate|up), d gate and d up.
   cuda::swiglu_backward_fp8_columns(fp8_rows.data(), fp8_row_scales.data(), codes(0), scales(0), ld_t,
-                                    dact_rows.data(), m.gate_up_rows->data(), offsets, P_E1, E, R, F, stream, b_kind);
+                                    dact_rows.data(), m.gate_up_rows->data(), offsets, P_E1, E, R, F, stream, b_kind,
+                                    fp8_padded_rows ? fp8::RowScales::OneGroup : fp8::RowScales::PerExpert);
   // dW2_e [D, F] = dy_e^T act_e.
   cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), dy_rows, D, offsets, P_E1, E, R, D, stream);
   weight_gradient(layer.w2, 3 * F, 0, D, F);
-  // dx = d gate @ W1_e + d up @ W3_e from the row codes.
+  // dx = d gate @ W1_e + d up @ W3_e from the row codes; padded rows: d up's part into
+  // drows (dy's rows, read for the last time above), summed by the dispatch's backward.
   expert_backward_data(layer, m, dx_rows.data(), D, nullptr, 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f, 0);
-  expert_backward_data(layer, m, dx_rows.data(), D, nullptr, 2 * F, Fp8ExpertWeights::kW3, D, F, 1.0f, 1);
+  expert_backward_data(layer, m, fp8_padded_rows ? drows.data() : dx_rows.data(), D, nullptr, 2 * F,
+                       Fp8ExpertWeights::kW3, D, F, fp8_padded_rows ? 0.0f : 1.0f, 1);
   // dW1_e, dW3_e [F, D] = (d gate_e, d up_e)^T x_e.
   cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), m.x_rows->data(), D, offsets, P_E1, E, R, D, stream,
                                b_kind);

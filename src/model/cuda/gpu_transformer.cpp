@@ -53,6 +53,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.fp8_weight_cache = training.fp8_weight_cache;
   options.fp8_weight_gradients = training.fp8_weight_gradients;
   options.fp8_weight_gradient_scales = training.fp8_weight_gradient_scales;
+  options.fp8_padded_experts = expert_row_align(training) > 1;
   return options;
 }
 
@@ -72,6 +73,12 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections);
   s.fp8_weight_cache = options.fp8_weight_cache;
   s.fp8_weight_gradients = s.fp8 && options.fp8_weight_gradients;
+  s.fp8_padded_rows = s.fp8 && options.fp8_padded_experts;
+  MOE_CHECK(!s.fp8_padded_rows || options.expert_exchange == nullptr,
+            "training.fp8_expert_gemm = deepgemm pads the rows of a local dispatch: not with expert parallelism");
+  MOE_CHECK(!s.fp8_padded_rows || cuda::PaddedExpertGemmFp8::available(),
+            "training.fp8_expert_gemm = deepgemm needs an sm_90 GPU with {} multiprocessors (an H100 or H200 SXM)",
+            cuda::PaddedExpertGemmFp8::kSms);
   s.fp8_column_b_scales = options.fp8_weight_gradient_scales == Fp8ColumnScales::Block128x128
                               ? fp8::ColumnScales::Block
                               : fp8::ColumnScales::PerFeature;
@@ -159,8 +166,8 @@ void GpuTransformer::plan(int64_t batch) {
   // Expert parallelism over P ranks (the dispatcher sizes the exchange). A rank computes
   // E / P experts, or up to the re-placement's maximum (model/gpu_buffer_sizes.h, which
   // the memory planner reads too).
-  const ExpertRowBounds bounds =
-      expert_row_bounds(c.moe, T, s.ep ? s.ep->size() : 1, s.split_experts, s.local_experts_cap);
+  const ExpertRowBounds bounds = expert_row_bounds(c.moe, T, s.ep ? s.ep->size() : 1, s.split_experts,
+                                                   s.local_experts_cap, s.expert_row_align());
   const int64_t capacity = bounds.capacity;
   s.max_rows = bounds.max_rows;
   const int64_t R = s.max_rows;
@@ -175,7 +182,7 @@ void GpuTransformer::plan(int64_t batch) {
   s.dispatcher = s.ep ? make_expert_parallel_dispatcher(s.ep, s.stream, mark) : make_local_dispatcher(s.stream, mark);
   s.max_local_rows = s.dispatcher->plan(
       DispatchShape{T, D, K, E, R, capacity, s.ep ? max_local : E, s.ep && s.split_experts,
-                    s.ep && c.moe.speculative_dispatch});
+                    s.ep && c.moe.speculative_dispatch, s.expert_row_align()});
   const int64_t RL = s.max_local_rows;
   if (E > 0 && (!s.expert_gemm || s.max_local_experts != max_local)) {
     MOE_CHECK(D % 8 == 0 && F % 8 == 0, "the GPU experts need dim ({}) and moe.expert_hidden ({}) to be multiples of 8",
@@ -186,6 +193,7 @@ void GpuTransformer::plan(int64_t batch) {
       s.expert_gemm_fp8 = std::make_unique<cuda::ExpertGemmFp8>(max_local);
       s.expert_gemm_fp8->set_sm_limit(s.compute_sm_limit);
     }
+    if (s.fp8_padded_rows) s.padded_expert_gemm_fp8 = std::make_unique<cuda::PaddedExpertGemmFp8>(max_local);
     if (s.fp8_weight_gradients) {
       s.expert_weight_gemm_fp8 = std::make_unique<cuda::ExpertWeightGemmFp8>(max_local);
       s.expert_weight_gemm_fp8->set_sm_limit(s.compute_sm_limit);
@@ -226,7 +234,7 @@ void GpuTransformer::plan(int64_t batch) {
     m.counts = i32(E);
     m.assign_counts = i32(E);
     m.offsets = i32(E + 1);
-    m.token_of_row = i32(T * K);
+    m.token_of_row = i32(std::max(T * K, R));  // padded rows (fp8_padded_rows): R may exceed T * K
     m.rank = i32(cuda::assign_rows_scratch(T, K, E));
     m.slot = i32(T * K);
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
@@ -600,6 +608,8 @@ void GpuTransformer::set_forward_stage_hook(std::function<void(int stage)> hook)
 
 void GpuTransformer::reserve_sms(int sms) {
   State& s = *state_;
+  MOE_CHECK(sms <= 0 || !s.fp8_padded_rows,
+            "training.fp8_expert_gemm = deepgemm runs on every multiprocessor: it cannot leave {} to communication", sms);
   s.compute_sm_limit = sms > 0 ? std::max(1, gpu::multiprocessor_count() - sms) : 0;
   s.blas.set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);

@@ -139,6 +139,10 @@ struct GpuModelOptions {
   // With fp8_weight_gradients: the scales of x's and act's token columns (the GEMMs' B;
   // training.fp8_weight_gradient_scales).
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;
+  // With fp8_experts: the forward and data-gradient expert GEMMs through DeepGEMM's kernel
+  // over rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm; no expert
+  // exchange; cuda::PaddedExpertGemmFp8::available()).
+  bool fp8_padded_experts = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

@@ -51,6 +51,16 @@ struct GpuTransformer::State {
   // the local experts (codes, 128x128 scales; the transposed copy for the data gradients).
   bool fp8 = false, fp8_weight_cache = true;
   std::unique_ptr<cuda::ExpertGemmFp8> expert_gemm_fp8;
+  // GpuModelOptions::fp8_padded_experts: each expert's rows start at a multiple of 128 (the
+  // padding rows zero: zero_expert_padding), the rows' scales are one group of R rows, and
+  // the forward and data-gradient GEMMs are PaddedExpertGemmFp8's (DeepGEMM's kernel). The
+  // gate and up data gradients go to dx_rows and drows, summed by the dispatch's backward.
+  bool fp8_padded_rows = false;
+  std::unique_ptr<cuda::PaddedExpertGemmFp8> padded_expert_gemm_fp8;
+  int64_t expert_row_align() const { return fp8_padded_rows ? 128 : 1; }
+  // fp8_padded_rows: zero the padding rows of `rows` [R, D] and, unless null, their codes
+  // (one group of R rows) after a dispatch or combine backward wrote the routed ones.
+  void zero_expert_padding(const Layer& layer, bf16* rows, uint8_t* codes, float* scales);
   Buffer<uint8_t> fp8_rows, fp8_weights;
   Buffer<float> fp8_row_scales, fp8_weight_scales;
   // GpuModelOptions::fp8_weight_gradients: the experts' weight gradients in fp8 too, from
@@ -242,6 +252,7 @@ struct GpuTransformer::State {
   void set_experts(int64_t n_experts) {
     expert_gemm->set_experts(n_experts);
     if (expert_gemm_fp8) expert_gemm_fp8->set_experts(n_experts);
+    if (padded_expert_gemm_fp8) padded_expert_gemm_fp8->set_experts(n_experts);
   }
   // Dispatch of n2 into the expert rows, the gate|up grouped GEMM (unless skipped) and
   // SwiGLU (unless skipped: the backward's SwiGLU refills act): the part of the MoE forward

@@ -76,19 +76,30 @@ __global__ void expert_tile_bases_kernel(int32_t* tile_counts_ET, int32_t* count
   }
 }
 
-// Offsets (E + 1) from counts; one block.
-__global__ void offsets_kernel(int32_t* offsets_E1, const int32_t* counts_E, int64_t E) {
-  int running = 0;
+// Offsets (E + 1) from counts, each expert's rows rounded up to row_align, and (kept_1 not
+// null) the rows' count without that padding; one block.
+__global__ void offsets_kernel(int32_t* offsets_E1, int32_t* kept_1, const int32_t* counts_E, int64_t E,
+                               int row_align) {
+  int running = 0, kept = 0;
   for (int64_t base = 0; base < E; base += blockDim.x) {
     const int64_t e = base + threadIdx.x;
-    const int count = e < E ? counts_E[e] : 0;
+    const int raw = e < E ? counts_E[e] : 0;
+    const int count = (raw + row_align - 1) / row_align * row_align;
     int chunk_total;
     const int inclusive = block_inclusive_scan(count, &chunk_total);
     if (e < E) offsets_E1[e + 1] = running + inclusive;
     running += chunk_total;
     __syncthreads();
+    if (kept_1) {
+      block_inclusive_scan(raw, &chunk_total);
+      kept += chunk_total;
+      __syncthreads();
+    }
   }
-  if (threadIdx.x == 0) offsets_E1[0] = 0;
+  if (threadIdx.x == 0) {
+    offsets_E1[0] = 0;
+    if (kept_1) *kept_1 = kept;
+  }
 }
 
 __global__ void place_rows_kernel(int32_t* row_TK, int32_t* token_of_row, const int32_t* rank_TK,
@@ -131,13 +142,18 @@ __global__ void permute_by_token_scalar_kernel(__nv_bfloat16* x_RD, const __nv_b
 }
 
 __global__ void permute_backward_scalar_kernel(__nv_bfloat16* dx_TD, const __nv_bfloat16* dx_RD,
-                                               const int32_t* row_TK, int64_t K, int64_t D, bool accumulate) {
+                                               const __nv_bfloat16* dx2_RD, const int32_t* row_TK, int64_t K,
+                                               int64_t D, bool accumulate) {
   const int64_t t = blockIdx.x;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     float sum = accumulate ? to_float(dx_TD[t * D + i]) : 0.0f;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t row = row_TK[t * K + k];
-      if (row >= 0) sum += to_float(dx_RD[static_cast<int64_t>(row) * D + i]);
+    // The vector path's order: every slot of dx, then every slot of dx2.
+    for (const __nv_bfloat16* rows : {dx_RD, dx2_RD}) {
+      if (rows == nullptr) continue;
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t row = row_TK[t * K + k];
+        if (row >= 0) sum += to_float(rows[static_cast<int64_t>(row) * D + i]);
+      }
     }
     dx_TD[t * D + i] = to_bf16(sum);
   }
@@ -266,8 +282,9 @@ __global__ void permute_by_token_vec_kernel(uint4* x_RV, const uint4* x_TV, cons
   }
 }
 
-__global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, const int32_t* row_TK, int64_t T,
-                                            int64_t K, int64_t V, bool accumulate, int lane_bits) {
+__global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, const uint4* dx2_RV,
+                                            const int32_t* row_TK, int64_t T, int64_t K, int64_t V, bool accumulate,
+                                            int lane_bits) {
   const GroupIndex g = group_index(lane_bits);
   const int64_t t = g.item;
   if (t >= T) return;
@@ -280,6 +297,7 @@ __global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, co
       for (int e = 0; e < kVecElems; ++e) sum[e] = 0.0f;
     }
     add_rows(sum, dx_RV, row_TK + t * K, nullptr, K, V, i);
+    if (dx2_RV) add_rows(sum, dx2_RV, row_TK + t * K, nullptr, K, V, i);
     dx_TV[t * V + i] = pack8(sum);
   }
 }
@@ -387,10 +405,12 @@ int64_t assign_rows_scratch(int64_t T, int64_t K, int64_t E) { return T * K + E 
 
 void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_t* token_of_row_R,
                  int64_t* load_E, int32_t* scratch, const int32_t* expert_TK, int64_t T, int64_t E,
-                 int64_t K, int64_t capacity, Stream stream) {
+                 int64_t K, int64_t capacity, Stream stream, int64_t row_align, int32_t* kept_1) {
   const int64_t slots = T * K, n_tiles = std::max<int64_t>(1, ceil_div(slots, kTile));
   MOE_CHECKF(E >= 1 && E <= kMaxTileExperts, "assign_rows: E=%lld (1 to %lld)", static_cast<long long>(E),
              static_cast<long long>(kMaxTileExperts));
+  MOE_CHECKF(row_align >= 1 && row_align <= 1024, "assign_rows: rows aligned to %lld (1 to 1024)",
+             static_cast<long long>(row_align));
   int32_t* rank_TK = scratch;
   int32_t* tile_counts_ET = scratch + slots;
   const size_t shared = static_cast<size_t>(kTileWarps * E) * sizeof(int32_t);
@@ -400,7 +420,7 @@ void assign_rows(int32_t* row_TK, int32_t* counts_E, int32_t* offsets_E1, int32_
   expert_tile_bases_kernel<<<static_cast<unsigned>(E), kScanThreads, 0, stream>>>(tile_counts_ET, counts_E, load_E,
                                                                                   n_tiles, capacity);
   MOE_CUDA_CHECK_LAUNCH();
-  offsets_kernel<<<1, kScanThreads, 0, stream>>>(offsets_E1, counts_E, E);
+  offsets_kernel<<<1, kScanThreads, 0, stream>>>(offsets_E1, kept_1, counts_E, E, static_cast<int>(row_align));
   MOE_CUDA_CHECK_LAUNCH();
   if (slots == 0) return;
   place_rows_kernel<<<static_cast<unsigned>(ceil_div(slots, kRowThreads)), kRowThreads, 0, stream>>>(
@@ -445,7 +465,7 @@ void launch_combine_backward(bf16* dy_RD, const RowCodes& codes, float* dweight_
 // The fp8 row kernels: whole 1 x 128 tiles on the vector path.
 bool row_codes_fit(int64_t D, std::initializer_list<const void*> rows, const RowCodes& codes) {
   return D % fp8::kBlock == 0 && vectorizable(D, rows) && reinterpret_cast<uintptr_t>(codes.codes_RK) % 8 == 0 &&
-         codes.scales != nullptr && codes.offsets_E1 != nullptr && codes.E >= 1;
+         codes.scales != nullptr && (codes.offsets_E1 == nullptr || codes.E >= 1);
 }
 
 }  // namespace
@@ -494,16 +514,17 @@ void permute_forward_by_token_fp8(bf16* x_RD, const RowCodes& codes, const bf16*
 }
 
 void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
-                      bool accumulate, Stream stream) {
+                      bool accumulate, Stream stream, const bf16* dx2_RD) {
   if (T == 0) return;
-  if (vectorizable(D, {dx_TD, dx_RD})) {
+  if (vectorizable(D, {dx_TD, dx_RD}) && (dx2_RD == nullptr || vectorizable(D, {dx2_RD}))) {
     const int64_t V = D / kVecElems;
     const VecLaunch launch = vec_launch(T, V);
-    permute_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(dx_TD), as_vec(dx_RD), row_TK, T,
-                                                                           K, V, accumulate, launch.lane_bits);
+    permute_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(
+        as_vec(dx_TD), as_vec(dx_RD), dx2_RD ? as_vec(dx2_RD) : nullptr, row_TK, T, K, V, accumulate,
+        launch.lane_bits);
   } else {
     permute_backward_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(
-        as_cuda(dx_TD), as_cuda(dx_RD), row_TK, K, D, accumulate);
+        as_cuda(dx_TD), as_cuda(dx_RD), dx2_RD ? as_cuda(dx2_RD) : nullptr, row_TK, K, D, accumulate);
   }
   MOE_CUDA_CHECK_LAUNCH();
 }
@@ -543,6 +564,36 @@ void combine_backward_fp8(bf16* dy_RD, const RowCodes& codes, float* dweight_TK,
              static_cast<long long>(D));
   if (T == 0) return;
   launch_combine_backward<true>(dy_RD, codes, dweight_TK, dout_TD, y_RD, weight_TK, row_TK, T, K, D, stream);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+// One block per (padding row j of expert e): row offsets_E1[e] + counts_E[e] + j while
+// below offsets_E1[e + 1].
+__global__ void zero_padding_rows_kernel(__nv_bfloat16* rows_RD, RowCodes codes, const int32_t* offsets_E1,
+                                         const int32_t* counts_E, int64_t D) {
+  const int64_t e = blockIdx.y, row = offsets_E1[e] + counts_E[e] + blockIdx.x;
+  if (row >= offsets_E1[e + 1]) return;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) rows_RD[row * D + i] = to_bf16(0.0f);
+  if (codes.codes_RK == nullptr) return;
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) codes.codes_RK[row * D + i] = 0;
+  const int64_t KB = D / fp8::kBlock;
+  for (int64_t kb = threadIdx.x; kb < KB; kb += blockDim.x)
+    write_tile_scale(codes.scales, fp8::block_scale(0.0f), codes.offsets_E1, codes.E, codes.R, row, kb, KB);
+}
+
+}  // namespace
+
+void zero_padding_rows(bf16* rows_RD, const RowCodes& codes, const int32_t* offsets_E1, const int32_t* counts_E,
+                       int64_t E, int64_t D, int64_t row_align, Stream stream) {
+  MOE_CHECKF(E >= 1 && E <= 65535 && row_align >= 1 && row_align <= 1024 &&
+                 (codes.codes_RK == nullptr || (D % fp8::kBlock == 0 && codes.scales != nullptr)),
+             "zero_padding_rows: %lld experts, rows aligned to %lld, D = %lld (a multiple of 128 with codes)",
+             static_cast<long long>(E), static_cast<long long>(row_align), static_cast<long long>(D));
+  if (row_align == 1 || D == 0) return;
+  const dim3 grid(static_cast<unsigned>(row_align - 1), static_cast<unsigned>(E));
+  zero_padding_rows_kernel<<<grid, kRowThreads, 0, stream>>>(as_cuda(rows_RD), codes, offsets_E1, counts_E, D);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
