@@ -83,10 +83,13 @@ Descriptor map_2d(CUtensorMapDataType type, const void* base, uint64_t inner, ui
   return map;
 }
 
-// The kernel's group ends: expert e's end offsets_E1[e + 1], then the last repeated (empty groups).
+// The kernel's group ends: expert e's end offsets_E1[e + 1], then empty groups ending at the
+// last end rounded up to 128 (the scheduler starts a group at the previous end rounded up
+// and counts its tiles in unsigned arithmetic: an end below that start would wrap).
 __global__ void group_ends_kernel(int32_t* ends_G, const int32_t* offsets_E1, int64_t E) {
   const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (g < kGroups) ends_G[g] = offsets_E1[min(g, E - 1) + 1];
+  if (g >= kGroups) return;
+  ends_G[g] = g < E ? offsets_E1[g + 1] : (offsets_E1[E] + kBlockM - 1) / kBlockM * kBlockM;
 }
 
 int device_sms() {

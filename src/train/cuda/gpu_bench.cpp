@@ -111,8 +111,11 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              "layers recomputed, experts recompute {}{}, CUDA graphs {}\n",
              name_of(config.training.precision),
              config.training.precision != TrainingPrecision::Fp8 ? ""
-             : config.training.fp8_weight_cache             ? " (expert weights quantised once a step)"
-                                                            : " (weights quantised at each use)",
+             : config.training.fp8_weight_cache
+                 ? fmt::format(" (expert weights quantised once a step; the experts' GEMMs {})",
+                               name_of(config.training.fp8_expert_gemm))
+                 : fmt::format(" (weights quantised at each use; the experts' GEMMs {})",
+                               name_of(config.training.fp8_expert_gemm)),
              config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients
                  ? fmt::format(", the experts' weight gradients too (x's and act's scales {})",
                                name_of(config.training.fp8_weight_gradient_scales))
