@@ -96,7 +96,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "fp8_weight_cache", t.fp8_weight_cache);
   visit("training", "fp8_weight_gradients", t.fp8_weight_gradients);
   visit("training", "fp8_weight_gradient_scales", t.fp8_weight_gradient_scales);
-  visit("training", "fp8_expert_gemm", t.fp8_expert_gemm);
+  visit("training", "fp8_gemm_backend", t.fp8_gemm_backend);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);
@@ -416,19 +416,19 @@ void check_training(const RunConfig& c) {
   if (t.fp8_weight_gradient_scales != Fp8ColumnScales::Tile1x128 && !t.fp8_weight_gradients)
     fail({"training.fp8_weight_gradient_scales", "training.fp8_weight_gradients"},
          "training.fp8_weight_gradient_scales = 128x128 applies to training.fp8_weight_gradients = true only");
-  if (t.fp8_expert_gemm == Fp8ExpertGemm::DeepGemm) {
+  if (t.fp8_gemm_backend == Fp8GemmBackend::DeepGemm) {
     if (t.precision != TrainingPrecision::Fp8)
-      fail({"training.fp8_expert_gemm", "training.precision"},
-           "training.fp8_expert_gemm = deepgemm applies to training.precision = fp8 only");
+      fail({"training.fp8_gemm_backend", "training.precision"},
+           "training.fp8_gemm_backend = deepgemm applies to training.precision = fp8 only");
     if (c.parallel.expert_parallel > 1)
-      fail({"training.fp8_expert_gemm", "parallel.expert_parallel"},
-           "training.fp8_expert_gemm = deepgemm pads the rows of a local dispatch: not with parallel.expert_parallel > 1");
+      fail({"training.fp8_gemm_backend", "parallel.expert_parallel"},
+           "training.fp8_gemm_backend = deepgemm pads the rows of a local dispatch: not with parallel.expert_parallel > 1");
     if (c.parallel.comm_sms > 0)
-      fail({"training.fp8_expert_gemm", "parallel.comm_sms"},
-           "training.fp8_expert_gemm = deepgemm runs on every multiprocessor: set parallel.comm_sms = 0");
+      fail({"training.fp8_gemm_backend", "parallel.comm_sms"},
+           "training.fp8_gemm_backend = deepgemm runs on every multiprocessor: set parallel.comm_sms = 0");
     if (c.model.moe.n_experts > 256)
-      fail({"training.fp8_expert_gemm", "moe.n_experts"},
-           fmt::format("training.fp8_expert_gemm = deepgemm runs up to 256 experts, not {}", c.model.moe.n_experts));
+      fail({"training.fp8_gemm_backend", "moe.n_experts"},
+           fmt::format("training.fp8_gemm_backend = deepgemm runs up to 256 experts, not {}", c.model.moe.n_experts));
   }
 
   const OptimizerConfig& o = c.optimizer;

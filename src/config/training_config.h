@@ -42,13 +42,14 @@ constexpr std::span<const EnumName<TrainingPrecision>> enum_names(TrainingPrecis
 // act's token columns): one per feature and 128 tokens (1x128, as every activation), or one
 // per 128 features and 128 tokens (128x128: CUTLASS's faster blockwise kernel, coarser
 // scales; docs/FP8.md). dy's columns (the A operand) stay 1x128 either way.
-// GPU fp8: the experts' forward and data-gradient GEMMs: CUTLASS's blockwise grouped GEMM
-// over the rows as routed, or DeepGEMM's kernel over rows padded per expert to 128
-// (cuda::PaddedExpertGemmFp8; an H100 / H200, no expert parallelism).
-enum class Fp8ExpertGemm { Cutlass, DeepGemm };
-inline constexpr std::array<EnumName<Fp8ExpertGemm>, 2> kFp8ExpertGemmNames{
-    {{Fp8ExpertGemm::Cutlass, "cutlass"}, {Fp8ExpertGemm::DeepGemm, "deepgemm"}}};
-constexpr std::span<const EnumName<Fp8ExpertGemm>> enum_names(Fp8ExpertGemm) { return kFp8ExpertGemmNames; }
+// GPU fp8: the GEMMs' kernels: CUTLASS's blockwise-scaled ones, or DeepGEMM's (an H100 /
+// H200, no expert parallelism): the experts' forward and data-gradient GEMMs over rows
+// padded per expert to 128 (cuda::PaddedExpertGemmFp8) and the dense projections' that do
+// not accumulate.
+enum class Fp8GemmBackend { Cutlass, DeepGemm };
+inline constexpr std::array<EnumName<Fp8GemmBackend>, 2> kFp8GemmBackendNames{
+    {{Fp8GemmBackend::Cutlass, "cutlass"}, {Fp8GemmBackend::DeepGemm, "deepgemm"}}};
+constexpr std::span<const EnumName<Fp8GemmBackend>> enum_names(Fp8GemmBackend) { return kFp8GemmBackendNames; }
 
 enum class Fp8ColumnScales { Tile1x128, Block128x128 };
 inline constexpr std::array<EnumName<Fp8ColumnScales>, 2> kFp8ColumnScalesNames{
@@ -81,7 +82,7 @@ struct TrainingConfig {
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
   TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales
-  Fp8ExpertGemm fp8_expert_gemm = Fp8ExpertGemm::Cutlass;  // GPU fp8: the experts' forward and data-gradient GEMMs
+  Fp8GemmBackend fp8_gemm_backend = Fp8GemmBackend::Cutlass;  // GPU fp8: the GEMMs' kernels
 };
 
 }  // namespace moe

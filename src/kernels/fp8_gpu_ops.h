@@ -142,20 +142,29 @@ class ExpertGemmFp8 {
   State* state_;
 };
 
-// The experts' FP8 forward and data-gradient GEMMs over rows padded per expert (DeepGEMM's
-// m-grouped Hopper kernel, kernels/cuda/fp8_padded_grouped_gemm.cu): expert e owns rows
-// [offsets_E1[e], offsets_E1[e + 1]) of R, offsets_E1[0] = 0 and every other offset a
-// multiple of 128 (not checked: read on the device). A: the rows' codes [R, K] with their
-// scales as one group ([K / 128][R]: quantize_rows_blockwise with no offsets); B as
-// ExpertGemmFp8 takes it. Every row below offsets_E1[E] rounded up to 128 (and below R) is
-// written; rows of an expert get their expert's product, as ExpertGemmFp8's. No beta.
-// The kernel is compiled for kSms multiprocessors (an H100 / H200 SXM) and runs on all of
-// them: available() says whether this device can run it. R a multiple of 4, operands
-// 16-byte aligned, K a multiple of 128, N and ld_out multiples of 8.
+// DeepGEMM's Hopper fp8 GEMM (training.fp8_gemm_backend = deepgemm; kernels/cuda/fp8_deepgemm.cu):
+// compiled for kDeepGemmSms multiprocessors (an H100 / H200 SXM) and run on all of them;
+// deepgemm_available() says whether this device can run it. A's scales one group of its M
+// rows ([K / 128][M]: quantize_rows_blockwise with no offsets), B's as quantize_weight_blocks
+// writes them; bf16 out, no beta; M a multiple of 4, operands 16-byte aligned, K a
+// multiple of 128, N and ld_out multiples of 8.
+inline constexpr int64_t kDeepGemmSms = 132;
+bool deepgemm_available();
+
+// One dense GEMM through it: c [M, N] (row stride ldc) = a [M, K] @ b^T, as DenseGemmFp8's
+// with beta 0.
+void dense_gemm_deepgemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const float* a_scales, const uint8_t* b_codes,
+                         const float* b_scales, int64_t M, int64_t N, int64_t K, Stream stream);
+
+// The experts' forward and data-gradient GEMMs through it over rows padded per expert:
+// expert e owns rows [offsets_E1[e], offsets_E1[e + 1]) of R, offsets_E1[0] = 0 and every
+// other offset a multiple of 128 (not checked: read on the device). A: the rows' codes
+// [R, K] with their scales as one group; B as ExpertGemmFp8 takes it. Every row below
+// offsets_E1[E] rounded up to 128 (and below R) is written; rows of an expert get their
+// expert's product, as ExpertGemmFp8's.
 class PaddedExpertGemmFp8 {
  public:
-  static constexpr int64_t kSms = 132, kMaxExperts = 256, kMaxSets = 2;
-  static bool available();
+  static constexpr int64_t kMaxExperts = 256, kMaxSets = 2;
   explicit PaddedExpertGemmFp8(int64_t max_experts);
   ~PaddedExpertGemmFp8();
   PaddedExpertGemmFp8(const PaddedExpertGemmFp8&) = delete;
@@ -189,6 +198,9 @@ class DenseGemmFp8 {
             const float* b_scales, int64_t M, int64_t N, int64_t K, float beta, Stream stream);
   // As ExpertGemm's: launch on at most `sms` multiprocessors (0: all), whole clusters.
   void set_sm_limit(int sms);
+  // on: a GEMM with beta 0 while no SM limit is set runs dense_gemm_deepgemm (refused where
+  // deepgemm_available() is false); the others CUTLASS's.
+  void use_deepgemm(bool on);
 
  private:
   struct State;

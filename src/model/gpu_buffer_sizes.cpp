@@ -33,7 +33,7 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
 }
 
 int64_t expert_row_align(const TrainingConfig& training) {
-  return training.precision == TrainingPrecision::Fp8 && training.fp8_expert_gemm == Fp8ExpertGemm::DeepGemm ? 128
+  return training.precision == TrainingPrecision::Fp8 && training.fp8_gemm_backend == Fp8GemmBackend::DeepGemm ? 128
                                                                                                                : 1;
 }
 

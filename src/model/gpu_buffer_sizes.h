@@ -35,7 +35,7 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
                                   int64_t local_experts_cap, int64_t row_align = 1);
 
 // The alignment of each expert's first row in the local row layout: 128 for
-// training.fp8_expert_gemm = deepgemm (cuda::PaddedExpertGemmFp8's tiles; the padding
+// training.fp8_gemm_backend = deepgemm (cuda::PaddedExpertGemmFp8's tiles; the padding
 // rows are zero), else 1 (the rows back to back).
 int64_t expert_row_align(const TrainingConfig& training);
 

@@ -17,11 +17,11 @@
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 
-// Skips where cuda::PaddedExpertGemmFp8 (DeepGEMM's kernel) cannot run.
+// Skips where DeepGEMM's kernel (cuda::PaddedExpertGemmFp8, dense_gemm_deepgemm) cannot run.
 #define MOE_REQUIRE_DEEPGEMM()                                                                  \
   do {                                                                                          \
     MOE_REQUIRE_GPU();                                                                          \
-    if (!cuda::PaddedExpertGemmFp8::available()) GTEST_SKIP() << "not an sm_90 GPU of 132 SMs"; \
+    if (!cuda::deepgemm_available()) GTEST_SKIP() << "not an sm_90 GPU of 132 SMs"; \
   } while (0)
 
 namespace moe::test {

@@ -368,7 +368,7 @@ TEST(GpuDispatchKernels, AccumulateUnalignedRowsAndRepeatableCombineBackward) {
   }
 }
 
-// Rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm): the CPU layout with
+// Rows padded per expert to 128 (training.fp8_gemm_backend = deepgemm): the CPU layout with
 // each expert's rows moved to an aligned start, the kept count without the padding; the
 // fp8 permute's rows and codes (one group of R rows) with the padding zeroed by
 // zero_padding_rows are the CPU quantiser's of the padded rows, bit for bit, and rows past

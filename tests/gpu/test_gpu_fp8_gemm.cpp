@@ -566,60 +566,67 @@ INSTANTIATE_TEST_SUITE_P(
 // ---------------------------------------------------------------------------------------
 // The dense FP8 GEMM.
 
+// CUTLASS's kernel, and DeepGEMM's (use_deepgemm: beta 0 through dense_gemm_deepgemm, beta 1
+// still CUTLASS's) where it runs.
 TEST(GpuDenseGemmFp8, MatchesTheDequantisedReferenceForwardAndDataGradient) {
   MOE_REQUIRE_GPU();
-  cuda::DenseGemmFp8 dense;
-  // M not a tile multiple, N with an edge block, ldc past N; then a second shape through
-  // the same object.
-  for (const auto& [M, N, K, ldc] :
-       {std::tuple<int64_t, int64_t, int64_t, int64_t>{200, 136, 512, 144}, {1024, 384, 256, 384}}) {
-    const int64_t KB = K / kBlock, S = fp8::blocks(N) * KB;
-    const std::vector<bf16> a = activations(M, K, 9);
-    // B [N, K] as the transposed copy of a [K, N] weight (the data gradient's operand), so
-    // both outputs of the weight quantisation are exercised.
-    const std::vector<bf16> w_KN = weights(1, K, N, 10);
-    const std::vector<float> before = random_bf16_floats(M * ldc, 11, "before");
-    auto a_d = to_device(a), w_d = to_device(w_KN);
-    auto aq_d = poisoned<uint8_t>(M * K);
-    auto as_d = poisoned<float>(M * KB);
-    cuda::quantize_rows_blockwise(aq_d.data(), as_d.data(), a_d.data(), K, nullptr, 1, M, K, nullptr);
-    gpu::DeviceArray<uint8_t> wq_d(K * N), wtq_d(N * K);
-    gpu::DeviceArray<float> ws_d(S), wts_d(S);
-    cuda::quantize_weight_blocks(wq_d.data(), ws_d.data(), wtq_d.data(), wts_d.data(), w_d.data(), 1, K, N, nullptr);
-    std::vector<uint8_t> aq(M * K), wq(K * N);
-    std::vector<float> as(M * KB), ws(S), af(M * K), wf(K * N);
-    fp8::quantize_rows_blockwise(aq.data(), as.data(), a.data(), K, nullptr, 1, M, K);
-    fp8::dequantize_rows_blockwise(af.data(), aq.data(), as.data(), nullptr, 1, M, K);
-    fp8::quantize_weight_blocks(wq.data(), ws.data(), nullptr, nullptr, w_KN.data(), 1, K, N);
-    fp8::dequantize_weight_blocks(wf.data(), wq.data(), ws.data(), 1, K, N);
-    for (const float beta : {0.0f, 1.0f}) {
-      auto c_d = beta == 0 ? poisoned<bf16>(M * ldc) : to_device_bf16(before);
-      dense.gemm(c_d.data(), ldc, aq_d.data(), as_d.data(), wtq_d.data(), wts_d.data(), M, N, K, beta, nullptr);
-      const std::vector<bf16> got_bits = to_host(c_d);
-      std::vector<double> want(M * N), abs_sum(M * N);
-      std::vector<float> got(M * N);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) {
-          double acc = beta * double(before[m * ldc + n]), mag = std::abs(acc);
-          for (int64_t k = 0; k < K; ++k) {
-            const double p = double(af[m * K + k]) * wf[k * N + n];
-            acc += p;
-            mag += std::abs(p);
+  for (const bool deepgemm : {false, true}) {
+    if (deepgemm && !cuda::deepgemm_available()) continue;
+    cuda::DenseGemmFp8 dense;
+    dense.use_deepgemm(deepgemm);
+    // M not a tile multiple, N with an edge block, ldc past N; then more shapes through the
+    // same object (an odd count of row tiles: DeepGEMM without its 2-CTA clusters).
+    for (const auto& [M, N, K, ldc] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{200, 136, 512, 144},
+                                       {1024, 384, 256, 384},
+                                       {300, 256, 256, 264}}) {
+      const int64_t KB = K / kBlock, S = fp8::blocks(N) * KB;
+      const std::vector<bf16> a = activations(M, K, 9);
+      // B [N, K] as the transposed copy of a [K, N] weight (the data gradient's operand), so
+      // both outputs of the weight quantisation are exercised.
+      const std::vector<bf16> w_KN = weights(1, K, N, 10);
+      const std::vector<float> before = random_bf16_floats(M * ldc, 11, "before");
+      auto a_d = to_device(a), w_d = to_device(w_KN);
+      auto aq_d = poisoned<uint8_t>(M * K);
+      auto as_d = poisoned<float>(M * KB);
+      cuda::quantize_rows_blockwise(aq_d.data(), as_d.data(), a_d.data(), K, nullptr, 1, M, K, nullptr);
+      gpu::DeviceArray<uint8_t> wq_d(K * N), wtq_d(N * K);
+      gpu::DeviceArray<float> ws_d(S), wts_d(S);
+      cuda::quantize_weight_blocks(wq_d.data(), ws_d.data(), wtq_d.data(), wts_d.data(), w_d.data(), 1, K, N, nullptr);
+      std::vector<uint8_t> aq(M * K), wq(K * N);
+      std::vector<float> as(M * KB), ws(S), af(M * K), wf(K * N);
+      fp8::quantize_rows_blockwise(aq.data(), as.data(), a.data(), K, nullptr, 1, M, K);
+      fp8::dequantize_rows_blockwise(af.data(), aq.data(), as.data(), nullptr, 1, M, K);
+      fp8::quantize_weight_blocks(wq.data(), ws.data(), nullptr, nullptr, w_KN.data(), 1, K, N);
+      fp8::dequantize_weight_blocks(wf.data(), wq.data(), ws.data(), 1, K, N);
+      for (const float beta : {0.0f, 1.0f}) {
+        auto c_d = beta == 0 ? poisoned<bf16>(M * ldc) : to_device_bf16(before);
+        dense.gemm(c_d.data(), ldc, aq_d.data(), as_d.data(), wtq_d.data(), wts_d.data(), M, N, K, beta, nullptr);
+        const std::vector<bf16> got_bits = to_host(c_d);
+        std::vector<double> want(M * N), abs_sum(M * N);
+        std::vector<float> got(M * N);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            double acc = beta * double(before[m * ldc + n]), mag = std::abs(acc);
+            for (int64_t k = 0; k < K; ++k) {
+              const double p = double(af[m * K + k]) * wf[k * N + n];
+              acc += p;
+              mag += std::abs(p);
+            }
+            want[m * N + n] = acc;
+            abs_sum[m * N + n] = mag;
+            got[m * N + n] = bf16_to_float(got_bits[m * ldc + n]);
           }
-          want[m * N + n] = acc;
-          abs_sum[m * N + n] = mag;
-          got[m * N + n] = bf16_to_float(got_bits[m * ldc + n]);
-        }
-      expect_gemm_close("dense fp8 [" + std::to_string(M) + ", " + std::to_string(N) + ", " + std::to_string(K) +
-                            "] beta " + std::to_string(beta),
-                        got, want, abs_sum);
-      // Columns [N, ldc) are not the GEMM's: untouched.
-      size_t changed = 0;
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = N; n < ldc; ++n)
-          changed += beta == 0 ? got_bits[m * ldc + n].bits != 0xffff
-                               : bf16_to_float(got_bits[m * ldc + n]) != before[m * ldc + n];
-      EXPECT_EQ(changed, 0u) << "columns past N written";
+        expect_gemm_close(std::string(deepgemm ? "DeepGEMM " : "") + "dense fp8 [" + std::to_string(M) + ", " +
+                              std::to_string(N) + ", " + std::to_string(K) + "] beta " + std::to_string(beta),
+                          got, want, abs_sum);
+        // Columns [N, ldc) are not the GEMM's: untouched.
+        size_t changed = 0;
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = N; n < ldc; ++n)
+            changed += beta == 0 ? got_bits[m * ldc + n].bits != 0xffff
+                                 : bf16_to_float(got_bits[m * ldc + n]) != before[m * ldc + n];
+        EXPECT_EQ(changed, 0u) << "columns past N written";
+      }
     }
   }
 }

@@ -8,7 +8,7 @@
 // gradients in fp8 too (fp8_weight_gradients): only those gradients move, within e4m3's
 // noise, with fp32 and bf16 gradients and with B's columns in 1x128 or 128x128 scales,
 // bit-identical across reruns, recomputation and graphs. Rows padded per expert with
-// DeepGEMM's GEMMs (fp8_padded_experts): close to CUTLASS's path, the same drops, bit-identical
+// DeepGEMM's GEMMs (fp8_deepgemm, the projections' GEMMs through it too): close to CUTLASS's path, the same drops, bit-identical
 // across reruns, recomputation and graphs, learning as fast.
 #include <gtest/gtest.h>
 
@@ -48,7 +48,7 @@ struct Mode {
   bool weight_gradients = false;  // the experts' weight gradients in fp8 too
   bool bf16_grads = false;        // the experts' gradients in bf16 (training.expert_grad_dtype)
   bool block_columns = false;     // x's and act's token columns 128x128 (training.fp8_weight_gradient_scales)
-  bool padded = false;            // rows padded per expert, DeepGEMM's GEMMs (training.fp8_expert_gemm)
+  bool padded = false;            // rows padded per expert, DeepGEMM's GEMMs (training.fp8_gemm_backend)
 };
 constexpr Mode kBf16{}, kExperts{true, false}, kProjections{false, true}, kAll{true, true};
 
@@ -64,7 +64,7 @@ Fp8Run run(const Mode& mode, int steps, const ModelConfig& config = test::small_
   options.fp8_weight_gradients = mode.weight_gradients;
   options.bf16_expert_grads = mode.bf16_grads;
   options.fp8_weight_gradient_scales = mode.block_columns ? Fp8ColumnScales::Block128x128 : Fp8ColumnScales::Tile1x128;
-  options.fp8_padded_experts = mode.padded;
+  options.fp8_deepgemm = mode.padded;
   GpuTransformer gpu(config, host.params(), options);
   gpu.enable_graphs(mode.graphs);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
@@ -296,7 +296,7 @@ TEST(GpuFp8WeightGradients, TrainingLossFallsLikeFp8) {
 }
 
 // Rows padded per expert to 128 and DeepGEMM's forward and data-gradient GEMMs
-// (training.fp8_expert_gemm = deepgemm): the same quantised operands as CUTLASS's path (each
+// (training.fp8_gemm_backend = deepgemm): the same quantised operands as CUTLASS's path (each
 // row's codes and scales do not depend on the layout), other accumulation orders and the
 // gate and up data gradients summed after rounding: the losses and gradients within a few
 // bf16 roundings of CUTLASS's, with and without fp8 weight gradients; the kept rows counted

@@ -327,21 +327,21 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
   expect_config_error([] { parse_config("", "x.toml", {"training.fp8_weight_gradient_scales=1x64"}); },
                       {"training.fp8_weight_gradient_scales"});
   // The experts' fp8 GEMMs: CUTLASS's by default, DeepGEMM's over padded rows on request.
-  EXPECT_EQ(fp8.training.fp8_expert_gemm, Fp8ExpertGemm::Cutlass);
+  EXPECT_EQ(fp8.training.fp8_gemm_backend, Fp8GemmBackend::Cutlass);
   EXPECT_EQ(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda",
-                                         "training.fp8_expert_gemm=deepgemm"})
-                .training.fp8_expert_gemm,
-            Fp8ExpertGemm::DeepGemm);
-  expect_config_error([] { parse_config("", "x.toml", {"training.fp8_expert_gemm=deepgemm"}); },
-                      {"training.fp8_expert_gemm = deepgemm", "training.precision = fp8"});
+                                         "training.fp8_gemm_backend=deepgemm"})
+                .training.fp8_gemm_backend,
+            Fp8GemmBackend::DeepGemm);
+  expect_config_error([] { parse_config("", "x.toml", {"training.fp8_gemm_backend=deepgemm"}); },
+                      {"training.fp8_gemm_backend = deepgemm", "training.precision = fp8"});
   expect_config_error(
       [] {
-        parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda", "training.fp8_expert_gemm=deepgemm",
+        parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda", "training.fp8_gemm_backend=deepgemm",
                                     "parallel.expert_parallel=2"});
       },
-      {"training.fp8_expert_gemm = deepgemm", "parallel.expert_parallel > 1"});
-  expect_config_error([] { parse_config("", "x.toml", {"training.fp8_expert_gemm=triton"}); },
-                      {"training.fp8_expert_gemm"});
+      {"training.fp8_gemm_backend = deepgemm", "parallel.expert_parallel > 1"});
+  expect_config_error([] { parse_config("", "x.toml", {"training.fp8_gemm_backend=triton"}); },
+                      {"training.fp8_gemm_backend"});
   // device = auto that resolves to the CPU (no GPU visible): refused when the backend is made.
   RunConfig on_auto = parse_config("", "x.toml", {"training.precision=fp8", "model.vocab_size=512"});
   if (wants_gpu(on_auto.training)) GTEST_SKIP() << "a GPU is visible: auto resolves to it";

@@ -368,7 +368,7 @@ TEST(MemoryPlan, ExpertRowBoundsKnownAnswers) {
   moe.capacity_factor = 0;  // dropless: every rank may send all its T x K rows
   EXPECT_EQ(expert_row_bounds(moe, 4096, 8, false, 0).max_local_rows, 8 * 8192);
   EXPECT_EQ(lm_head_chunk_rows(16384, 32000), 2048);
-  // Rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm): up to 127 more
+  // Rows padded per expert to 128 (training.fp8_gemm_backend = deepgemm): up to 127 more
   // rows per expert, R a multiple of 4; only without expert parallelism.
   moe.n_experts = 6;
   const ExpertRowBounds padded = expert_row_bounds(moe, 4095, 1, false, 0, 128);
@@ -377,7 +377,7 @@ TEST(MemoryPlan, ExpertRowBoundsKnownAnswers) {
   EXPECT_THROW(expert_row_bounds(moe, 4096, 2, false, 0, 128), Error);
   TrainingConfig t;
   EXPECT_EQ(expert_row_align(t), 1);
-  t.fp8_expert_gemm = Fp8ExpertGemm::DeepGemm;
+  t.fp8_gemm_backend = Fp8GemmBackend::DeepGemm;
   EXPECT_EQ(expert_row_align(t), 1) << "bf16 runs never pad";
   t.precision = TrainingPrecision::Fp8;
   EXPECT_EQ(expert_row_align(t), 128);
@@ -466,11 +466,11 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   for (size_t l = 0; l < d.layer_activations.size(); ++l)
     EXPECT_EQ(b.layer_activations[l] - d.layer_activations[l], 2048 * 1024 * 2) << "layer " << l;
   EXPECT_EQ(d.workspace - b.workspace, 64 << 20);
-  // Rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm): 2048 + 8 x 127 =
+  // Rows padded per expert to 128 (training.fp8_gemm_backend = deepgemm): 2048 + 8 x 127 =
   // 3064 rows; an MoE layer's token_of_row, x, gate|up, act and y rows and the fp8 row
   // scratch (width 2 x hidden) grow by 1016 rows each.
   fp8.training.fp8_weight_gradients = false;
-  fp8.training.fp8_expert_gemm = Fp8ExpertGemm::DeepGemm;
+  fp8.training.fp8_gemm_backend = Fp8GemmBackend::DeepGemm;
   const MemoryEstimate e = estimate_memory(fp8, configured_layout(fp8, 1, 1));
   EXPECT_EQ(e.step_buffers - b.step_buffers, 1016 * (2048 + 2048 / 128 * 4));
   ASSERT_EQ(e.layer_activations.size(), b.layer_activations.size());

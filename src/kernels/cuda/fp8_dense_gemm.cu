@@ -60,12 +60,19 @@ struct DenseGemmFp8::State {
   bool have_hw_info = false;
   cutlass::KernelHardwareInfo hw_info;
   int sm_limit = 0;
+  bool deepgemm = false;
 };
 
 DenseGemmFp8::DenseGemmFp8() : state_(new State) {}
 DenseGemmFp8::~DenseGemmFp8() { delete state_; }
 
 void DenseGemmFp8::set_sm_limit(int sms) { state_->sm_limit = std::max(0, sms); }
+
+void DenseGemmFp8::use_deepgemm(bool on) {
+  MOE_CHECKF(!on || deepgemm_available(), "DenseGemmFp8: DeepGEMM's kernel needs an sm_90 GPU with %lld multiprocessors",
+             static_cast<long long>(kDeepGemmSms));
+  state_->deepgemm = on;
+}
 
 void DenseGemmFp8::gemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const float* a_scales, const uint8_t* b_codes,
                         const float* b_scales, int64_t M, int64_t N, int64_t K, float beta, Stream stream) {
@@ -78,6 +85,10 @@ void DenseGemmFp8::gemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const floa
              static_cast<long long>(ldc));
   MOE_CHECKF(M < (int64_t{1} << 31) && N < (int64_t{1} << 31) && K < (int64_t{1} << 31), "DenseGemmFp8: sizes past int");
   if (M == 0) return;
+  if (state_->deepgemm && beta == 0.0f && state_->sm_limit == 0) {
+    dense_gemm_deepgemm(c, ldc, a_codes, a_scales, b_codes, b_scales, M, N, K, stream);
+    return;
+  }
   const int m = static_cast<int>(M), n = static_cast<int>(N), k = static_cast<int>(K);
   StrideA stride_a = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(m, k, 1));
   StrideB stride_b = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(n, k, 1));

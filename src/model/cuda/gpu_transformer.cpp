@@ -53,7 +53,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.fp8_weight_cache = training.fp8_weight_cache;
   options.fp8_weight_gradients = training.fp8_weight_gradients;
   options.fp8_weight_gradient_scales = training.fp8_weight_gradient_scales;
-  options.fp8_padded_experts = expert_row_align(training) > 1;
+  options.fp8_deepgemm = expert_row_align(training) > 1;
   return options;
 }
 
@@ -70,15 +70,17 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.local_experts_cap = options.max_local_experts;
   s.split_experts = options.split_experts;  // before the layers' slot bounds below
   s.fp8 = options.fp8_experts;
-  s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections);
+  const bool deepgemm = options.fp8_deepgemm && (s.fp8 || options.fp8_projections);
+  MOE_CHECK(!deepgemm || cuda::deepgemm_available(),
+            "training.fp8_gemm_backend = deepgemm needs an sm_90 GPU with {} multiprocessors (an H100 or H200 SXM)",
+            cuda::kDeepGemmSms);
+  s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections,
+                                                    options.fp8_projections && deepgemm);
   s.fp8_weight_cache = options.fp8_weight_cache;
   s.fp8_weight_gradients = s.fp8 && options.fp8_weight_gradients;
-  s.fp8_padded_rows = s.fp8 && options.fp8_padded_experts;
+  s.fp8_padded_rows = s.fp8 && deepgemm;
   MOE_CHECK(!s.fp8_padded_rows || options.expert_exchange == nullptr,
-            "training.fp8_expert_gemm = deepgemm pads the rows of a local dispatch: not with expert parallelism");
-  MOE_CHECK(!s.fp8_padded_rows || cuda::PaddedExpertGemmFp8::available(),
-            "training.fp8_expert_gemm = deepgemm needs an sm_90 GPU with {} multiprocessors (an H100 or H200 SXM)",
-            cuda::PaddedExpertGemmFp8::kSms);
+            "training.fp8_gemm_backend = deepgemm pads the rows of a local dispatch: not with expert parallelism");
   s.fp8_column_b_scales = options.fp8_weight_gradient_scales == Fp8ColumnScales::Block128x128
                               ? fp8::ColumnScales::Block
                               : fp8::ColumnScales::PerFeature;
@@ -609,7 +611,7 @@ void GpuTransformer::set_forward_stage_hook(std::function<void(int stage)> hook)
 void GpuTransformer::reserve_sms(int sms) {
   State& s = *state_;
   MOE_CHECK(sms <= 0 || !s.fp8_padded_rows,
-            "training.fp8_expert_gemm = deepgemm runs on every multiprocessor: it cannot leave {} to communication", sms);
+            "training.fp8_gemm_backend = deepgemm runs on every multiprocessor: it cannot leave {} to communication", sms);
   s.compute_sm_limit = sms > 0 ? std::max(1, gpu::multiprocessor_count() - sms) : 0;
   s.blas.set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);

@@ -139,10 +139,11 @@ struct GpuModelOptions {
   // With fp8_weight_gradients: the scales of x's and act's token columns (the GEMMs' B;
   // training.fp8_weight_gradient_scales).
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;
-  // With fp8_experts: the forward and data-gradient expert GEMMs through DeepGEMM's kernel
-  // over rows padded per expert to 128 (training.fp8_expert_gemm = deepgemm; no expert
-  // exchange; cuda::PaddedExpertGemmFp8::available()).
-  bool fp8_padded_experts = false;
+  // With fp8_experts: DeepGEMM's kernel (training.fp8_gemm_backend = deepgemm; no expert
+  // exchange; cuda::deepgemm_available()) for the experts' forward and data-gradient GEMMs,
+  // over rows padded per expert to 128, and for the fp8 projections' GEMMs that do not
+  // accumulate while no multiprocessors are reserved.
+  bool fp8_deepgemm = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

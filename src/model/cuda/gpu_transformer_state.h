@@ -51,7 +51,7 @@ struct GpuTransformer::State {
   // the local experts (codes, 128x128 scales; the transposed copy for the data gradients).
   bool fp8 = false, fp8_weight_cache = true;
   std::unique_ptr<cuda::ExpertGemmFp8> expert_gemm_fp8;
-  // GpuModelOptions::fp8_padded_experts: each expert's rows start at a multiple of 128 (the
+  // GpuModelOptions::fp8_deepgemm: each expert's rows start at a multiple of 128 (the
   // padding rows zero: zero_expert_padding), the rows' scales are one group of R rows, and
   // the forward and data-gradient GEMMs are PaddedExpertGemmFp8's (DeepGEMM's kernel). The
   // gate and up data gradients go to dx_rows and drows, summed by the dispatch's backward.

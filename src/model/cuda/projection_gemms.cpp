@@ -6,8 +6,10 @@
 
 namespace moe {
 
-ProjectionGemms::ProjectionGemms(cuda::Blas& blas, bool fp8) : blas_(blas) {
+ProjectionGemms::ProjectionGemms(cuda::Blas& blas, bool fp8, bool deepgemm) : blas_(blas) {
+  MOE_CHECK(fp8 || !deepgemm, "fp8 projections: DeepGEMM's kernel without fp8");
   if (fp8) gemm_fp8_ = std::make_unique<cuda::DenseGemmFp8>();
+  if (deepgemm) gemm_fp8_->use_deepgemm(true);
 }
 
 void ProjectionGemms::plan(const ModelConfig& config, int64_t tokens) {

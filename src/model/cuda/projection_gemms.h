@@ -22,7 +22,8 @@ namespace moe {
 class ProjectionGemms {
  public:
   // `blas` runs the bf16 GEMMs (kept by reference: it outlives this object).
-  ProjectionGemms(cuda::Blas& blas, bool fp8);
+  // deepgemm: the fp8 GEMMs that do not accumulate through DeepGEMM's kernel (DenseGemmFp8::use_deepgemm).
+  ProjectionGemms(cuda::Blas& blas, bool fp8, bool deepgemm = false);
   ProjectionGemms(const ProjectionGemms&) = delete;
   ProjectionGemms& operator=(const ProjectionGemms&) = delete;
   bool fp8() const { return gemm_fp8_ != nullptr; }

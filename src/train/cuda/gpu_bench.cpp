@@ -113,9 +113,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              config.training.precision != TrainingPrecision::Fp8 ? ""
              : config.training.fp8_weight_cache
                  ? fmt::format(" (expert weights quantised once a step; the experts' GEMMs {})",
-                               name_of(config.training.fp8_expert_gemm))
+                               name_of(config.training.fp8_gemm_backend))
                  : fmt::format(" (weights quantised at each use; the experts' GEMMs {})",
-                               name_of(config.training.fp8_expert_gemm)),
+                               name_of(config.training.fp8_gemm_backend)),
              config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients
                  ? fmt::format(", the experts' weight gradients too (x's and act's scales {})",
                                name_of(config.training.fp8_weight_gradient_scales))

@@ -458,7 +458,7 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
   }
   print_gemm({"weight-gradient GEMMs, B 128x128", weight_flops, bf16_weight_total, fp8_block_total});
   for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
-  if (cuda::PaddedExpertGemmFp8::available() && E <= cuda::PaddedExpertGemmFp8::kMaxExperts) {
+  if (cuda::deepgemm_available() && E <= cuda::PaddedExpertGemmFp8::kMaxExperts) {
     const std::vector<GemmRow> padded = padded_expert_gemms(gemms, offsets, D, F, w1q, w3q, w2q, stream);
     fmt::print(out, "  the same fwd and dgrad GEMMs over rows padded per expert to 128, DeepGEMM's kernel:\n");
     fmt::print(out, "  {:<36} {:>9} {:>8}   {:>9} {:>8}   {:>7}\n", "kernel", "CUTLASS", "TFLOP/s", "DeepGEMM",
