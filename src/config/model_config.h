@@ -75,6 +75,8 @@ struct ModelConfig {
   MoEConfig moe;
 
   int64_t head_dim() const { return dim / n_heads; }
+  // A token's fused q|k|v projection row: the query heads, then the key and value heads.
+  int64_t qkv_width() const { return (n_heads + 2 * n_kv_heads) * head_dim(); }
 };
 
 }  // namespace moe

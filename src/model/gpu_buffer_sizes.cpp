@@ -71,8 +71,8 @@ int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size) {
 }
 
 std::vector<DenseGemmShape> dense_projection_gemms(const ModelConfig& c, int64_t tokens) {
-  const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
-  const int64_t qkv = (H + 2 * G) * d;
+  const int64_t T = tokens, D = c.dim, H = c.n_heads, d = c.head_dim();
+  const int64_t qkv = c.qkv_width();
   std::vector<DenseGemmShape> gemms;
   const auto add = [&](const char* name, int64_t N, int64_t K, int64_t lda, int64_t ldc) {
     const bool data_gradient = std::string_view(name).ends_with("data gradient");

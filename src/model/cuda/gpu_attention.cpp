@@ -33,7 +33,7 @@ void GpuTransformer::State::attention_forward(Layer& layer, bf16* y, bool n1_qua
 void GpuTransformer::State::attention_backward(Layer& layer, bf16* dx, const bf16* dy) {
   const ModelConfig& c = config;
   const int64_t T = tokens, D = c.dim, H = c.n_heads, G = c.n_kv_heads, d = c.head_dim();
-  const int64_t N = (H + 2 * G) * d;
+  const int64_t N = qkv_width();
   Activations& a = *layer.act;
   AttentionBuffers& at = a.attn;
   projection_backward(dattn.data(), g(layer.wo), dy, at.out.data(), w(layer.wo), T, H * d, D, false);

@@ -222,7 +222,7 @@ void GpuTransformer::plan(int64_t batch) {
     a.ffn_out = bf(T * D);
     a.rstd1 = f32(T);
     a.rstd2 = f32(T);
-    a.attn = {bf(T * (H + 2 * G) * d), bf(T * H * d), f32(batch * H * S)};
+    a.attn = {bf(T * c.qkv_width()), bf(T * H * d), f32(batch * H * S)};
     if (dense) a.dense_buffers = {bf(T * 2 * c.dense_hidden), bf(T * c.dense_hidden)};
     if (!moe) return;
     MoEBuffers& m = a.moe;
@@ -301,13 +301,13 @@ void GpuTransformer::plan(int64_t batch) {
   s.routing_scratch = Buffer<double>(static_cast<size_t>(cuda::routing_stats_scratch(T)));
   s.dres = bf(T * D);
   s.dnorm = bf(T * D);
-  s.dqkv = bf(T * (H + 2 * G) * d);
+  s.dqkv = bf(T * c.qkv_width());
   s.dattn = bf(T * H * d);
   // dlogits_head, the MoE backward's row gradients and cuDNN's workspace in one allocation
   // (State::shared_scratch): the largest of the three, not their sum.
   const SharedScratchSizes scratch = shared_scratch_sizes(T, V, D, F, std::max(R, RL), RL);
   const size_t attention_bytes = s.attention.workspace_bytes(batch, S, H, G, d, attention_scale(d),
-                                                             (H + 2 * G) * d, (H + 2 * G) * d);
+                                                             c.qkv_width(), c.qkv_width());
   s.attention.use_workspace(nullptr, 0);  // the old scratch goes before the new one comes
   s.shared_scratch = Buffer<char>();
   s.shared_scratch = Buffer<char>(std::max({static_cast<size_t>(scratch.bytes()), attention_bytes, size_t{256}}));

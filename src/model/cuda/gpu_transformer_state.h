@@ -222,7 +222,7 @@ struct GpuTransformer::State {
   // n1_quantised: n1's fp8 codes are in the projections' row scratch (the norm wrote them).
   void attention_forward(Layer& layer, bf16* y, bool n1_quantised = false);
   // The width of a token's fused q|k|v row, (H + 2G) d.
-  int64_t qkv_width() const { return (config.n_heads + 2 * config.n_kv_heads) * config.head_dim(); }
+  int64_t qkv_width() const { return config.qkv_width(); }
   void attention_backward(Layer& layer, bf16* dx, const bf16* dy);
   void ffn_forward(bf16* y, const bf16* x, const bf16* w1, const bf16* w3, const bf16* w2, FfnBuffers& buffers,
                    int64_t rows, int64_t F, bool accumulate);

@@ -227,7 +227,7 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
   // their rows' codes (n1 [T, D], dq|dk|dv [T, (H + 2G) d]) against them alone (the
   // projection then quantises the rows itself).
   {
-    const int64_t H = mc.n_heads, G = mc.n_kv_heads, hd = mc.head_dim(), N = (H + 2 * G) * hd;
+    const int64_t H = mc.n_heads, G = mc.n_kv_heads, hd = mc.head_dim(), N = mc.qkv_width();
     auto n1 = filled<bf16>(T * D, 1.0f, 14), norm_w = filled<bf16>(D, 1.0f, 15), dqkv = filled<bf16>(T * N, 1.0f, 16);
     auto rstd = filled<float>(T, 0.0f, 17);
     gpu::DeviceArray<uint8_t> codes(static_cast<size_t>(T * std::max(D, N)));
