@@ -51,15 +51,28 @@ void expect_untouched_past(const std::vector<bf16>& got, int64_t written, int64_
   EXPECT_EQ(changed, 0u) << "rows past the last expert's last tile were written";
 }
 
+// A case's sizes: expert offsets P, R rows (a multiple of 4), S weight scales, and the rows
+// the kernel writes (the last expert's end rounded up to 128).
+struct PaddedShape {
+  int64_t E, N, K, KB;
+  std::vector<int32_t> P;
+  int64_t R, S, written;
+};
+PaddedShape shape_of(const PaddedCase& c) {
+  PaddedShape s{static_cast<int64_t>(c.rows_per_expert.size()), c.N, c.K, c.K / kBlock, padded_offsets(c.rows_per_expert),
+                0, 0, 0};
+  const int64_t end = s.P[s.E];
+  s.R = (end + c.rows_after + 3) / 4 * 4;
+  s.S = s.E * fp8::blocks(s.N) * s.KB;
+  s.written = std::min<int64_t>(s.R, (end + 127) / 128 * 128);
+  return s;
+}
+
 class GpuPaddedExpertGemmFp8 : public ::testing::TestWithParam<PaddedCase> {};
 
 TEST_P(GpuPaddedExpertGemmFp8, ForwardTwoSetsMatchesTheDequantisedReference) {
   MOE_REQUIRE_DEEPGEMM();
-  const PaddedCase& c = GetParam();
-  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K, KB = K / kBlock;
-  const std::vector<int32_t> P = padded_offsets(c.rows_per_expert);
-  const int64_t end = P[E], R = (end + c.rows_after + 3) / 4 * 4, S = E * fp8::blocks(N) * KB;
-  const int64_t written = std::min<int64_t>(R, (end + 127) / 128 * 128);
+  const auto [E, N, K, KB, P, R, S, written] = shape_of(GetParam());
   const std::vector<bf16> x = activations(R, K, 21);
   const std::vector<bf16> w[2] = {weights(E, N, K, 22), weights(E, N, K, 23)};
   auto x_d = to_device(x), w0_d = to_device(w[0]), w1_d = to_device(w[1]);
@@ -118,12 +131,8 @@ TEST_P(GpuPaddedExpertGemmFp8, ForwardTwoSetsMatchesTheDequantisedReference) {
 
 TEST_P(GpuPaddedExpertGemmFp8, BackwardDataMatchesTheDequantisedReference) {
   MOE_REQUIRE_DEEPGEMM();
-  const PaddedCase& c = GetParam();
   // out [rows, N] = dy [rows, K] @ W_e, W_e [K, N] given as its quantised transpose.
-  const int64_t E = static_cast<int64_t>(c.rows_per_expert.size()), N = c.N, K = c.K, KB = K / kBlock;
-  const std::vector<int32_t> P = padded_offsets(c.rows_per_expert);
-  const int64_t end = P[E], R = (end + c.rows_after + 3) / 4 * 4, S = E * fp8::blocks(N) * KB;
-  const int64_t written = std::min<int64_t>(R, (end + 127) / 128 * 128);
+  const auto [E, N, K, KB, P, R, S, written] = shape_of(GetParam());
   const std::vector<bf16> dy = activations(R, K, 24);
   const std::vector<bf16> w = weights(E, K, N, 25);  // [E, K, N]
   auto dy_d = to_device(dy), w_d = to_device(w);

@@ -160,11 +160,14 @@ struct PaddedExpertGemmFp8::State {
   // overwrite each other's.
   gpu::DeviceArray<int32_t> forward_ends, data_ends;
 
-  void run(int32_t* ends, bf16* out, int64_t ld_out, const uint8_t* a, const float* sfa, const uint8_t* b,
-           const float* sfb, const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, Stream stream) const {
-    const int64_t E = n_experts;
-    group_ends_kernel<<<1, kGroups, 0, stream>>>(ends, offsets_E1, E);
+  // The kernel's group ends from the experts' offsets, once per call (every set reads them).
+  void write_ends(int32_t* ends, const int32_t* offsets_E1, Stream stream) const {
+    group_ends_kernel<<<1, kGroups, 0, stream>>>(ends, offsets_E1, n_experts);
     MOE_CUDA_CHECK(cudaGetLastError());
+  }
+  void run(int32_t* ends, bf16* out, int64_t ld_out, const uint8_t* a, const float* sfa, const uint8_t* b,
+           const float* sfb, int64_t R, int64_t N, int64_t K, Stream stream) const {
+    const int64_t E = n_experts;
     const bool pairs = fp8::blocks(N) % 2 == 0;
     launch(pairs ? kernel<kGroups, kGrouped, 2> : kernel<kGroups, kGrouped, 1>, pairs ? 2 : 1, static_cast<int>(E),
            ends, out, ld_out, a, sfa, b, sfb, R, N, K, stream);
@@ -205,9 +208,10 @@ void PaddedExpertGemmFp8::forward(int sets, bf16* const* out, int64_t ld_out, co
   MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "PaddedExpertGemmFp8: %d sets", sets);
   check_shape("PaddedExpertGemmFp8::forward", R, N, K, ld_out);
   if (state_->n_experts == 0) return;
+  state_->write_ends(state_->forward_ends.data(), offsets_E1, stream);
   for (int s = 0; s < sets; ++s)
-    state_->run(state_->forward_ends.data(), out[s], ld_out, x_codes, x_scales, w_codes[s], w_scales[s], offsets_E1,
-                R, N, K, stream);
+    state_->run(state_->forward_ends.data(), out[s], ld_out, x_codes, x_scales, w_codes[s], w_scales[s], R, N, K,
+                stream);
 }
 
 void PaddedExpertGemmFp8::backward_data(bf16* out, int64_t ld_out, const uint8_t* dy_codes, const float* dy_scales,
@@ -215,8 +219,8 @@ void PaddedExpertGemmFp8::backward_data(bf16* out, int64_t ld_out, const uint8_t
                                         int64_t R, int64_t N, int64_t K, Stream stream) {
   check_shape("PaddedExpertGemmFp8::backward_data", R, N, K, ld_out);
   if (state_->n_experts == 0) return;
-  state_->run(state_->data_ends.data(), out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, offsets_E1, R, N, K,
-              stream);
+  state_->write_ends(state_->data_ends.data(), offsets_E1, stream);
+  state_->run(state_->data_ends.data(), out, ld_out, dy_codes, dy_scales, wt_codes, wt_scales, R, N, K, stream);
 }
 
 void dense_gemm_deepgemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const float* a_scales, const uint8_t* b_codes,

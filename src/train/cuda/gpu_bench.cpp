@@ -110,11 +110,11 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              "mode: experts' and projections' GEMMs {}{}{}, AdamW moments {}, expert gradients {}, activations of {} "
              "layers recomputed, experts recompute {}{}, CUDA graphs {}\n",
              name_of(config.training.precision),
-             config.training.precision != TrainingPrecision::Fp8 ? ""
-             : config.training.fp8_weight_cache
-                 ? fmt::format(" (expert weights quantised once a step; the experts' GEMMs {})",
-                               name_of(config.training.fp8_gemm_backend))
-                 : fmt::format(" (weights quantised at each use; the experts' GEMMs {})",
+             config.training.precision != TrainingPrecision::Fp8
+                 ? ""
+                 : fmt::format(" ({}; kernels {})",
+                               config.training.fp8_weight_cache ? "expert weights quantised once a step"
+                                                                : "weights quantised at each use",
                                name_of(config.training.fp8_gemm_backend)),
              config.training.precision == TrainingPrecision::Fp8 && config.training.fp8_weight_gradients
                  ? fmt::format(", the experts' weight gradients too (x's and act's scales {})",
