@@ -25,61 +25,16 @@
 
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
 
+#include "deepgemm_probe_util.cuh"
+
 namespace {
 
 constexpr uint32_t kBlockM = 128, kBlockK = 128;
-constexpr uint32_t kTmaThreads = 128, kMathThreads = 256, kSms = 132;
+constexpr uint32_t kTmaThreads = 128, kMathThreads = 256;
 
-#define CHECK_CUDA(call)                                                                          \
-  do {                                                                                            \
-    const cudaError_t status_ = (call);                                                           \
-    if (status_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(status_)); \
-      std::exit(1);                                                                               \
-    }                                                                                             \
-  } while (0)
-
-template <typename T>
-T* device_copy(const std::vector<T>& host) {
-  T* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, std::max<size_t>(1, host.size()) * sizeof(T)));
-  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
-// The driver's cuTensorMapEncodeTiled through the runtime (no link against libcuda).
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-EncodeTiled encode_tiled() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  CHECK_CUDA(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
-    std::exit(1);
-  }
-  return reinterpret_cast<EncodeTiled>(fn);
-}
-
-// A 2-D map over [outer, inner] (inner contiguous, `pitch` bytes a row), boxes of
-// box_outer x box_inner.
-CUtensorMap map_2d(CUtensorMapDataType type, void* base, uint64_t inner, uint64_t outer, uint64_t pitch,
-                   uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {pitch};
-  const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, type, 2, base, dims, strides, box, element_strides,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled failed (%d)\n", static_cast<int>(r));
-    std::exit(1);
-  }
-  return map;
-}
+using probe::device_copy;
+using probe::kSms;
+using probe::map_2d;
 
 using Kernel = void (*)(float*, int*, uint32_t, uint32_t, uint32_t, const cute::TmaDescriptor,
                         const cute::TmaDescriptor, const cute::TmaDescriptor, const cute::TmaDescriptor);
@@ -201,19 +156,9 @@ void run(const Problem& p, const char* what, std::mt19937& rng) {
                                      1, CU_TENSOR_MAP_SWIZZLE_NONE);
   const size_t smem = C::smem_bytes(K);
   CHECK_CUDA(cudaFuncSetAttribute(C::kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = C::kCluster;
-  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(kSms);
-  config.blockDim = dim3(kTmaThreads + kMathThreads);
-  config.dynamicSmemBytes = smem;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
   uint32_t M = p.M;
   auto launch = [&] {
-    CHECK_CUDA(cudaLaunchKernelEx(&config, C::kernel, sfb, ends, M, N, K, map_a, map_b, map_d, map_sfa));
+    probe::launch(C::kernel, kMathThreads, C::kCluster, smem, sfb, ends, M, N, K, map_a, map_b, map_d, map_sfa);
   };
   launch();
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -240,22 +185,7 @@ void run(const Problem& p, const char* what, std::mt19937& rng) {
     }
     first = (end + kBlockM - 1) / kBlockM * kBlockM;
   }
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) launch();
-  std::vector<float> ms;
-  for (int i = 0; i < 20; ++i) {
-    CHECK_CUDA(cudaEventRecord(start));
-    launch();
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double median = ms[ms.size() / 2];
+  const double median = probe::median_ms(launch);
   const double flops = 2.0 * rows * N * K;
   std::printf("%-26s %-36s rows %u (padded %u) N %u K %u: %.3f ms, %.0f TFLOP/s; %d sampled outputs, worst "
               "error %.1e of the terms' magnitude, %.2f of the tolerance: %s\n",
@@ -273,13 +203,7 @@ void run(const Problem& p, const char* what, std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   const uint32_t rows = argc > 1 ? static_cast<uint32_t>(std::atoi(argv[1])) : 32768;
-  int sms = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  if (sms != static_cast<int>(kSms)) {
-    std::fprintf(stderr, "deepgemm_probe: built for %u SMs, the device has %d\n", kSms, sms);
-    return 1;
-  }
-  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out before a hang or a kill
+  probe::check_device_sms();
   std::mt19937 rng(7);
   // mixtral-mini's expert GEMMs (dim 2048, expert_hidden 5632, 8 experts, 32768 rows a layer).
   // The two shapes of a layer's four forward and data-gradient GEMMs, in a few tile shapes.
