@@ -62,6 +62,44 @@ constexpr int64_t weight_t_scale_index(int64_t e, int64_t nb, int64_t kb, int64_
   return (e * NB + nb) * KB + kb;
 }
 
+// Where quantize_weight_blocks writes one copy of a tensor inside a larger array: expert
+// e's code at (row i, column j) at e * expert_codes + i * codes_ld + j, its scale at (row
+// i, column j) of the scale grid at e * expert_scales + i * scales_ld + j. Zeros: the copy
+// packed alone (codes [E, rows, cols], scales [E, scale rows, scale cols]). Rows and
+// columns are the copy's own: as stored, codes [N, K] and scales [KB][NB]; transposed,
+// codes [K, N] and scales [NB][KB].
+struct WeightBlocksPlace {
+  int64_t expert_codes = 0, codes_ld = 0, expert_scales = 0, scales_ld = 0;
+  // The zeros filled in for a copy of rows x cols codes and scale_rows x scale_cols scales.
+  constexpr WeightBlocksPlace resolved(int64_t rows, int64_t cols, int64_t scale_rows, int64_t scale_cols) const {
+    WeightBlocksPlace p = *this;
+    if (p.codes_ld == 0) p.codes_ld = cols;
+    if (p.expert_codes == 0) p.expert_codes = rows * p.codes_ld;
+    if (p.scales_ld == 0) p.scales_ld = scale_cols;
+    if (p.expert_scales == 0) p.expert_scales = scale_rows * p.scales_ld;
+    return p;
+  }
+  constexpr int64_t code(int64_t e, int64_t i, int64_t j) const { return e * expert_codes + i * codes_ld + j; }
+  constexpr int64_t scale(int64_t e, int64_t i, int64_t j) const { return e * expert_scales + i * scales_ld + j; }
+};
+
+// W1 and W3 (each [E, F, D]) as one gate|up operand of the padded experts' GEMMs
+// (training.fp8_gemm_backend = deepgemm): as stored, expert e's [W1_e; W3_e] [2F, D] (the
+// forward as one GEMM over N = 2F); transposed, [W1_e^T | W3_e^T] [D, 2F] (the data
+// gradient as one GEMM over K = 2F); each with its scales as quantising that [E, 2F, D]
+// tensor whole gives (F a multiple of 128: no block straddles the two). `part` 0 is W1's,
+// 1 W3's: where its codes and scales start in the operand's arrays, and its place there.
+struct GateUpPart {
+  int64_t codes_offset = 0, scales_offset = 0;
+  WeightBlocksPlace place;
+};
+constexpr GateUpPart gate_up_part(int part, bool transposed, int64_t F, int64_t D) {
+  const int64_t FB = blocks(F), DB = blocks(D);
+  if (!transposed)  // codes [E][2F][D], scales [E][DB][2 FB]
+    return {part * F * D, part * FB, {2 * F * D, D, 2 * FB * DB, 2 * FB}};
+  return {part * F, part * FB * DB, {2 * F * D, 2 * F, 2 * FB * DB, DB}};  // codes [E][D][2F], scales [E][2 FB][DB]
+}
+
 // Whether the dense FP8 GEMM (kernels/fp8_gpu_ops.h's DenseGemmFp8) takes c [M, N] (row
 // stride ldc) = a [M, K] (bf16 row stride lda, quantised first) @ b [N, K]^T: K in whole
 // 128-blocks (one scale per block along K), M a multiple of 4 (TMA rows of a's [KB][M]
@@ -82,10 +120,18 @@ void dequantize_rows_blockwise(float* x_RK, const uint8_t* codes_RK, const float
                                int64_t E, int64_t R, int64_t K);
 
 // Weights w [E, N, K] -> codes [E, N, K] and scales [E][KB][NB], and the transposed copy
-// codes_t [E, K, N] with scales_t [E][NB][KB] (either pair may be null, not both). Edge
-// blocks (N or K not a multiple of 128) take the amax of their part.
+// codes_t [E, K, N] with scales_t [E][NB][KB] (either pair may be null, not both), each
+// packed or where `place` / `place_t` puts it (WeightBlocksPlace). Edge blocks (N or K not
+// a multiple of 128) take the amax of their part.
 void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
-                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K);
+                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K, WeightBlocksPlace place = {},
+                            WeightBlocksPlace place_t = {});
+// The places of a quantize_weight_blocks call resolved and checked (one-line errors): rows
+// that overlap inside an expert, or experts that overlap, are refused.
+struct WeightBlocksPlaces {
+  WeightBlocksPlace stored, transposed;
+};
+WeightBlocksPlaces resolve_weight_places(int64_t N, int64_t K, WeightBlocksPlace place, WeightBlocksPlace place_t);
 void dequantize_weight_blocks(float* w_ENK, const uint8_t* codes_ENK, const float* scales, int64_t E, int64_t N,
                               int64_t K);
 

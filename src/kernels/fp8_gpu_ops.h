@@ -48,8 +48,11 @@ void swiglu_forward_fp8(bf16* act_RF, uint8_t* codes_RF, float* scales, const bf
 // SwiGLU's backward with both outputs quantised as above: d gate | d up [R, 2F] of d act
 // [R, F] and gate|up [R, 2F] (swiglu_backward's values, bit for bit, every row), and for
 // rows below offsets_E1[E] d gate's codes [R, F] and scales (R x F / 128) followed by d up's
-// (codes_2RF + R * F, scales_2 + R * F / 128): quantize_rows_blockwise's of each. F a
-// multiple of 128; the bf16 buffers 16-byte aligned.
+// (codes_2RF + R * F, scales_2 + R * F / 128): quantize_rows_blockwise's of each. With no
+// offsets (one group: rows padded per expert) d gate | d up as one [R, 2F] operand instead:
+// the codes and scales quantize_rows_blockwise gives for the bf16 d gate | d up whole (the
+// data gradient as one GEMM over K = 2F). F a multiple of 128; the bf16 buffers 16-byte
+// aligned.
 void swiglu_backward_fp8(bf16* dgate_up_RF2, uint8_t* codes_2RF, float* scales_2, const bf16* dact_RF,
                          const bf16* gate_up_RF2, const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F,
                          Stream stream);
@@ -71,8 +74,8 @@ void quantize_token_columns(uint8_t* codes_t_WP, int64_t ld_t, float* scales_t, 
 // from columns_3FP (F x ld_t codes each) and column_scales_3. P_E1: padded_token_offsets.
 // act_kind Block: act's columns (the weight GEMM's B) with one scale per 128 x 128 tile, in
 // act's part of column_scales_3; d gate's and d up's stay per feature. row_scales OneGroup:
-// the row codes' scales as quantize_rows_blockwise with no offsets lays them out (one group
-// of R rows each: rows padded per expert).
+// the row codes as swiglu_backward_fp8 with no offsets lays them out (d gate | d up one
+// [R, 2F] operand of one group of R rows: rows padded per expert).
 void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* columns_3FP, float* column_scales_3,
                                  int64_t ld_t, const bf16* dact_RF, const bf16* gate_up_RF2, const int32_t* offsets_E1,
                                  const int64_t* P_E1, int64_t E, int64_t R, int64_t F, Stream stream,
@@ -105,9 +108,11 @@ class ExpertWeightGemmFp8 {
 
 // Weights w [E, N, K] -> codes [E, N, K] with scales [E][KB][NB], and their transpose
 // codes_t [E, K, N] with scales_t [E][NB][KB] (the B operand of dy @ W); either pair may
-// be null, not both. One power-of-two scale per 128 x 128 block.
+// be null, not both; each packed or where `place` / `place_t` puts it (W1 and W3 as one
+// gate|up operand: fp8::gate_up_part). One power-of-two scale per 128 x 128 block.
 void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
-                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K, Stream stream);
+                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K, Stream stream,
+                            fp8::WeightBlocksPlace place = {}, fp8::WeightBlocksPlace place_t = {});
 
 // The experts' FP8 GEMMs over the device row layout (as ExpertGemm: expert e owns rows
 // [offsets_E1[e], offsets_E1[e + 1]), read on the device, no host synchronisation; empty

@@ -5,10 +5,12 @@
 // edge blocks, two sets, accumulation; K not a multiple of 128 refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -106,6 +108,35 @@ TEST(GpuFp8Quantize, WeightBlocksAndTheirTransposeMatchTheCpuBitForBit) {
     expect_same(to_host(only_d), codes, codes.size(), what + " codes alone");
     expect_same(to_host(only_s_d), scales, scales.size(), what + " scales alone");
   }
+  // W1 and W3 placed as one gate|up operand (fp8::gate_up_part), as the padded experts'
+  // weight cache writes them: the CPU's bits, every byte between the parts written.
+  for (const auto& [E, F, D] : {std::tuple<int64_t, int64_t, int64_t>{3, 256, 384}, {2, 128, 1000}}) {
+    const int64_t C = E * 2 * F * D, S = E * 2 * fp8::blocks(F) * fp8::blocks(D);
+    std::vector<uint8_t> codes(C, 0xee), codes_t(C, 0xee);
+    std::vector<float> scales(S, -1.0f), scales_t(S, -1.0f);
+    auto codes_d = poisoned<uint8_t>(C), codes_t_d = poisoned<uint8_t>(C);
+    auto scales_d = poisoned<float>(S), scales_t_d = poisoned<float>(S);
+    for (int part = 0; part < 2; ++part) {
+      const std::vector<bf16> w = weights(E, F, D, 3 + part);
+      const fp8::GateUpPart p = fp8::gate_up_part(part, false, F, D), t = fp8::gate_up_part(part, true, F, D);
+      fp8::quantize_weight_blocks(codes.data() + p.codes_offset, scales.data() + p.scales_offset,
+                                  codes_t.data() + t.codes_offset, scales_t.data() + t.scales_offset, w.data(), E, F,
+                                  D, p.place, t.place);
+      auto w_d = to_device(w);
+      cuda::quantize_weight_blocks(codes_d.data() + p.codes_offset, scales_d.data() + p.scales_offset,
+                                   codes_t_d.data() + t.codes_offset, scales_t_d.data() + t.scales_offset, w_d.data(),
+                                   E, F, D, nullptr, p.place, t.place);
+    }
+    const std::string what = "gate|up [" + std::to_string(E) + ", 2 x " + std::to_string(F) + ", " +
+                             std::to_string(D) + "]";
+    expect_same(to_host(codes_d), codes, codes.size(), what + " codes");
+    expect_same(to_host(codes_t_d), codes_t, codes_t.size(), what + " transposed codes");
+    expect_same(to_host(scales_d), scales, scales.size(), what + " scales");
+    expect_same(to_host(scales_t_d), scales_t, scales_t.size(), what + " transposed scales");
+    // The two parts tile both scale grids (a scale is a positive power of two).
+    EXPECT_EQ(std::count(scales.begin(), scales.end(), -1.0f) + std::count(scales_t.begin(), scales_t.end(), -1.0f), 0)
+        << what;
+  }
 }
 
 // SwiGLU fused with the quantisation of its output: act bit for bit swiglu_forward's, the
@@ -192,6 +223,16 @@ TEST(GpuFp8Quantize, SwigluBackwardFusedWithTheQuantisationMatchesBoth) {
   expect_same(to_host(got_d), want, want.size(), "d gate | d up");
   expect_same(to_host(codes_d), want_codes, want_codes.size(), "codes");
   expect_same(to_host(scales_d), want_scales, want_scales.size(), "scales");
+  // One group (rows padded per expert): d gate | d up as one [R, 2F] operand, every row.
+  std::vector<uint8_t> whole_codes(2 * R * F);
+  std::vector<float> whole_scales(2 * R * FB);
+  fp8::quantize_rows_blockwise(whole_codes.data(), whole_scales.data(), want.data(), 2 * F, nullptr, 1, R, 2 * F);
+  auto one_codes_d = poisoned<uint8_t>(2 * R * F);
+  auto one_scales_d = poisoned<float>(2 * R * FB);
+  cuda::swiglu_backward_fp8(got_d.data(), one_codes_d.data(), one_scales_d.data(), dact_d.data(), gate_up_d.data(),
+                            nullptr, 1, R, F, nullptr);
+  expect_same(to_host(one_codes_d), whole_codes, whole_codes.size(), "one group's codes");
+  expect_same(to_host(one_scales_d), whole_scales, whole_scales.size(), "one group's scales");
   EXPECT_THROW(cuda::swiglu_backward_fp8(got_d.data(), codes_d.data(), scales_d.data(), dact_d.data(),
                                          gate_up_d.data(), offsets_d.data(), E, R, 200, nullptr),
                Error);
@@ -316,6 +357,24 @@ TEST_P(GpuFp8SwigluColumns, MatchTheUnfusedPath) {
     const std::vector<float> want_s(want_column_scales.begin() + base, want_column_scales.begin() + base + n);
     expect_same(got_s, want_s, n, "token column scales of operand " + std::to_string(o));
   }
+  // Rows padded per expert (RowScales::OneGroup): the row codes as swiglu_backward_fp8 with
+  // no offsets lays them out (d gate | d up one [R, 2F] operand), rows below offsets[E].
+  auto one_codes_d = poisoned<uint8_t>(2 * R * F), want_one_codes_d = poisoned<uint8_t>(2 * R * F);
+  auto one_scales_d = poisoned<float>(2 * R * FB), want_one_scales_d = poisoned<float>(2 * R * FB);
+  cuda::swiglu_backward_fp8(dgu_d.data(), want_one_codes_d.data(), want_one_scales_d.data(), dact_d.data(),
+                            gate_up_d.data(), nullptr, 1, R, F, nullptr);
+  cuda::swiglu_backward_fp8_columns(one_codes_d.data(), one_scales_d.data(), columns_d.data(), column_scales_d.data(),
+                                    ld_t, dact_d.data(), gate_up_d.data(), offsets_d.data(), P_d.data(), E, R, F,
+                                    nullptr, act_kind, fp8::RowScales::OneGroup);
+  const std::vector<uint8_t> one_codes = to_host(one_codes_d), want_one_codes = to_host(want_one_codes_d);
+  const std::vector<float> one_scales = to_host(one_scales_d), want_one_scales = to_host(want_one_scales_d);
+  expect_same(std::vector<uint8_t>(one_codes.begin(), one_codes.begin() + kept * 2 * F),
+              std::vector<uint8_t>(want_one_codes.begin(), want_one_codes.begin() + kept * 2 * F), kept * 2 * F,
+              "one group's row codes");
+  for (int64_t kb = 0; kb < 2 * FB; ++kb)
+    expect_same(std::vector<float>(one_scales.begin() + kb * R, one_scales.begin() + kb * R + kept),
+                std::vector<float>(want_one_scales.begin() + kb * R, want_one_scales.begin() + kb * R + kept), kept,
+                "one group's row scales, block " + std::to_string(kb));
   EXPECT_THROW(cuda::swiglu_backward_fp8_columns(codes_d.data(), scales_d.data(), columns_d.data(),
                                                  column_scales_d.data(), ld_t - 16 * 64, dact_d.data(),
                                                  gate_up_d.data(), offsets_d.data(), P_d.data(), E, R, F, nullptr),

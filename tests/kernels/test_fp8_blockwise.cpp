@@ -171,6 +171,49 @@ TEST(Fp8Blockwise, WeightBlocksAndTheirTransposeAgree) {
   EXPECT_THROW(fp8::quantize_weight_blocks(nullptr, nullptr, nullptr, nullptr, w.data(), E, N, K), Error);
 }
 
+// W1 and W3 written as one gate|up operand (fp8::gate_up_part: the padded experts' GEMMs
+// over N = 2F and K = 2F) are exactly what quantising the per-expert concatenation
+// [W1_e; W3_e] [2F, D] whole gives, both copies; places that overlap are refused.
+TEST(Fp8Blockwise, GateUpPartsAreTheConcatenationQuantisedWhole) {
+  const int64_t E = 3, F = 256, D = 384, FB = 2, DB = 3;
+  const std::vector<bf16> w1 = random_bf16(static_cast<size_t>(E * F * D), 5, "w1", 0.02);
+  const std::vector<bf16> w3 = random_bf16(static_cast<size_t>(E * F * D), 6, "w3", 0.5);
+  std::vector<bf16> w13(static_cast<size_t>(E * 2 * F * D));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t i = 0; i < F * D; ++i) {
+      w13[e * 2 * F * D + i] = w1[e * F * D + i];
+      w13[e * 2 * F * D + F * D + i] = w3[e * F * D + i];
+    }
+  const int64_t C = E * 2 * F * D, S = E * 2 * FB * DB;
+  std::vector<uint8_t> whole(C), whole_t(C);
+  std::vector<float> whole_s(S), whole_ts(S);
+  fp8::quantize_weight_blocks(whole.data(), whole_s.data(), whole_t.data(), whole_ts.data(), w13.data(), E, 2 * F, D);
+  std::vector<uint8_t> parts(C, 0xee), parts_t(C, 0xee);
+  std::vector<float> parts_s(S, -1.0f), parts_ts(S, -1.0f);
+  for (int part = 0; part < 2; ++part) {
+    const fp8::GateUpPart stored = fp8::gate_up_part(part, false, F, D), t = fp8::gate_up_part(part, true, F, D);
+    fp8::quantize_weight_blocks(parts.data() + stored.codes_offset, parts_s.data() + stored.scales_offset,
+                                parts_t.data() + t.codes_offset, parts_ts.data() + t.scales_offset,
+                                (part == 0 ? w1 : w3).data(), E, F, D, stored.place, t.place);
+  }
+  EXPECT_EQ(parts, whole);
+  EXPECT_EQ(parts_t, whole_t);
+  EXPECT_EQ(parts_s, whole_s);
+  EXPECT_EQ(parts_ts, whole_ts);
+  // Rows narrower than the copy, and experts closer than their rows, are refused.
+  std::vector<uint8_t> codes(C);
+  std::vector<float> scales(S);
+  EXPECT_THROW(fp8::quantize_weight_blocks(codes.data(), scales.data(), nullptr, nullptr, w1.data(), E, F, D,
+                                           {0, D - 8, 0, 0}),
+               Error);
+  EXPECT_THROW(fp8::quantize_weight_blocks(nullptr, nullptr, codes.data(), scales.data(), w1.data(), E, F, D, {},
+                                           {F * D - 1, 0, 0, 0}),
+               Error);
+  EXPECT_THROW(fp8::quantize_weight_blocks(codes.data(), scales.data(), nullptr, nullptr, w1.data(), E, F, D,
+                                           {0, 0, 0, FB - 1}),
+               Error);
+}
+
 // Token columns (the weight gradients' operands): each expert's rows transposed into its
 // own columns, padded to 128 with zero codes; one scale per feature and 128 tokens, the
 // tight power of two of that block's values; rows past the last expert ignored.

@@ -60,12 +60,27 @@ void dequantize_rows_blockwise(float* x_RK, const uint8_t* codes_RK, const float
             fp8_e4m3_to_float(codes_RK[r * K + k]) * scales[activation_scale_index(g.first, g.rows, r, k / kBlock, KB)];
 }
 
+WeightBlocksPlaces resolve_weight_places(int64_t N, int64_t K, WeightBlocksPlace place, WeightBlocksPlace place_t) {
+  const int64_t NB = blocks(N), KB = blocks(K);
+  const WeightBlocksPlaces p{place.resolved(N, K, KB, NB), place_t.resolved(K, N, NB, KB)};
+  auto fits = [](const WeightBlocksPlace& q, int64_t rows, int64_t cols, int64_t scale_rows, int64_t scale_cols) {
+    return q.codes_ld >= cols && q.expert_codes >= (rows - 1) * q.codes_ld + cols && q.scales_ld >= scale_cols &&
+           q.expert_scales >= (scale_rows - 1) * q.scales_ld + scale_cols;
+  };
+  MOE_CHECK(fits(p.stored, N, K, KB, NB) && fits(p.transposed, K, N, NB, KB),
+            "fp8 weight quantisation: a place with rows or experts that overlap (codes ld {} / {}, scales ld {} / {})",
+            p.stored.codes_ld, p.transposed.codes_ld, p.stored.scales_ld, p.transposed.scales_ld);
+  return p;
+}
+
 void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
-                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K) {
+                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K, WeightBlocksPlace place,
+                            WeightBlocksPlace place_t) {
   MOE_CHECK(E >= 0 && N > 0 && K > 0, "fp8 weight quantisation: bad shape [{}, {}, {}]", E, N, K);
   MOE_CHECK((codes_ENK == nullptr) == (scales == nullptr) && (codes_t_EKN == nullptr) == (scales_t == nullptr) &&
                 (codes_ENK != nullptr || codes_t_EKN != nullptr),
             "fp8 weight quantisation: codes go with their scales, and at least one of the two copies");
+  const WeightBlocksPlaces p = resolve_weight_places(N, K, place, place_t);
   const int64_t NB = blocks(N), KB = blocks(K);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t nb = 0; nb < NB; ++nb)
@@ -76,13 +91,13 @@ void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_
           for (int64_t k = kb * kBlock; k < k_end; ++k)
             amax = std::fmax(amax, std::fabs(bf16_to_float(w_ENK[(e * N + n) * K + k])));
         const float scale = block_scale(amax), inverse = block_scale_inverse(scale);
-        if (scales != nullptr) scales[weight_scale_index(e, nb, kb, NB, KB)] = scale;
-        if (scales_t != nullptr) scales_t[weight_t_scale_index(e, nb, kb, NB, KB)] = scale;
+        if (scales != nullptr) scales[p.stored.scale(e, kb, nb)] = scale;
+        if (scales_t != nullptr) scales_t[p.transposed.scale(e, nb, kb)] = scale;
         for (int64_t n = nb * kBlock; n < n_end; ++n)
           for (int64_t k = kb * kBlock; k < k_end; ++k) {
             const uint8_t code = float_to_fp8_e4m3(bf16_to_float(w_ENK[(e * N + n) * K + k]) * inverse);
-            if (codes_ENK != nullptr) codes_ENK[(e * N + n) * K + k] = code;
-            if (codes_t_EKN != nullptr) codes_t_EKN[(e * K + k) * N + n] = code;
+            if (codes_ENK != nullptr) codes_ENK[p.stored.code(e, n, k)] = code;
+            if (codes_t_EKN != nullptr) codes_t_EKN[p.transposed.code(e, k, n)] = code;
           }
       }
 }

@@ -136,10 +136,19 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_quantize_kernel(__nv_bfloa
 // SwiGLU's backward fused with the quantisation of both its outputs (swiglu_backward_fp8):
 // d gate and d up as swiglu.cu's vector kernel computes them, written as bf16 (the weight
 // gradients' input), and each quantised as quantize_rows_blockwise would quantise those bf16
-// values (the data gradients' input): set 0 d gate, set 1 d up.
+// values (the data gradients' input): d gate's codes at row r * code_ld, d up's at up_codes
+// + r * code_ld (two sets, or one [R, 2F] operand: GateUpRowCodes), their scales d up's after
+// d gate's.
+struct GateUpRowCodes {
+  int64_t code_ld, up_codes;
+  // One group of R rows: d gate | d up side by side; per expert: two sets of [R, F].
+  __host__ __device__ static GateUpRowCodes of(bool one_group, int64_t R, int64_t F) {
+    return one_group ? GateUpRowCodes{2 * F, F} : GateUpRowCodes{F, R * F};
+  }
+};
 __global__ void __launch_bounds__(kRowThreads) swiglu_backward_quantize_kernel(
     __nv_bfloat16* dgate_up, uint8_t* codes_2RF, float* scales_2, const __nv_bfloat16* dact,
-    const __nv_bfloat16* gate_up, const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F) {
+    const __nv_bfloat16* gate_up, const int32_t* offsets_E1, int64_t E, int64_t R, int64_t F, GateUpRowCodes rc) {
   constexpr int kLanes = kBlock / kVecElems, kTilesPerPass = kRowThreads / kLanes;
   const int64_t FB = F / kBlock, tiles = R * FB;
   const int lane = threadIdx.x % kLanes;
@@ -177,9 +186,10 @@ __global__ void __launch_bounds__(kRowThreads) swiglu_backward_quantize_kernel(
     if (r >= end_row) continue;  // the same for a tile's threads
     float v[kVecElems];
     unpack8(dg_rounded, v);
-    quantize_tile_of_8(v, codes_2RF + r * F + f, scales_2, offsets_E1, E, R, r, fb, FB, lane);
+    quantize_tile_of_8(v, codes_2RF + r * rc.code_ld + f, scales_2, offsets_E1, E, R, r, fb, FB, lane);
     unpack8(du_rounded, v);
-    quantize_tile_of_8(v, codes_2RF + R * F + r * F + f, scales_2 + R * FB, offsets_E1, E, R, r, fb, FB, lane);
+    quantize_tile_of_8(v, codes_2RF + rc.up_codes + r * rc.code_ld + f, scales_2 + R * FB, offsets_E1, E, R, r, fb,
+                       FB, lane);
   }
 }
 
@@ -336,6 +346,7 @@ __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_colum
   if (column >= P_E1[E]) return;
   const TokenBlock b = token_block(column, offsets_E1, P_E1, E);
   const int64_t rows_e = offsets_E1[b.e + 1] - offsets_E1[b.e], FB = F / kBlock, fb = blockIdx.y;
+  const GateUpRowCodes rc = GateUpRowCodes::of(rows_one_group, R, F);
   const int64_t f0 = fb * kBlock;
   const int chunk = threadIdx.x % 16, row0 = threadIdx.x / 16;
   const int64_t f = f0 + chunk * 8;
@@ -370,9 +381,9 @@ __global__ void __launch_bounds__(kSwigluColumnThreads, 2) swiglu_backward_colum
         du_rounded = pack8(du);
         float v[kVecElems];
         unpack8(dg_rounded, v);
-        const float dg_scale = tile_codes_of_8(v, codes_2RF + r * F + f);
+        const float dg_scale = tile_codes_of_8(v, codes_2RF + r * rc.code_ld + f);
         unpack8(du_rounded, v);
-        const float du_scale = tile_codes_of_8(v, codes_2RF + R * F + r * F + f);
+        const float du_scale = tile_codes_of_8(v, codes_2RF + rc.up_codes + r * rc.code_ld + f);
         if (chunk == 0) {
           const int64_t scale_at = rows_one_group ? fp8::activation_scale_index(0, R, r, fb, FB)
                                                   : fp8::activation_scale_index(offsets_E1[b.e], rows_e, r, fb, FB);
@@ -410,11 +421,14 @@ constexpr int kTileWords = kBlock / 4;                          // 32-bit words 
 
 __device__ __forceinline__ int tile_word(int n, int kw) { return n * kTileWords + (kw ^ (n / 4 % 32)); }
 
+// place / place_t: where each copy goes (fp8::WeightBlocksPlace, resolved).
 __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t* codes_ENK, float* scales,
                                                                          uint8_t* codes_t_EKN, float* scales_t,
                                                                          const __nv_bfloat16* w_ENK, int64_t N,
-                                                                         int64_t K, bool vector_rows) {
-  const int64_t kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z, NB = gridDim.y, KB = gridDim.x;
+                                                                         int64_t K, fp8::WeightBlocksPlace place,
+                                                                         fp8::WeightBlocksPlace place_t,
+                                                                         bool vector_rows, bool vector_rows_t) {
+  const int64_t kb = blockIdx.x, nb = blockIdx.y, e = blockIdx.z;
   const int64_t n0 = nb * kBlock, k0 = kb * kBlock;
   const __nv_bfloat16* w = w_ENK + e * N * K;
   const int chunk = threadIdx.x % kChunksPerRow, row = threadIdx.x / kChunksPerRow;
@@ -455,8 +469,8 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t
   for (int i = 0; i < kWeightThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
   const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
   if (threadIdx.x == 0) {
-    if (scales != nullptr) scales[fp8::weight_scale_index(e, nb, kb, NB, KB)] = scale;
-    if (scales_t != nullptr) scales_t[fp8::weight_t_scale_index(e, nb, kb, NB, KB)] = scale;
+    if (scales != nullptr) scales[place.scale(e, kb, nb)] = scale;
+    if (scales_t != nullptr) scales_t[place_t.scale(e, nb, kb)] = scale;
   }
 #pragma unroll
   for (int j = 0; j < kWeightLoads; ++j) {
@@ -471,7 +485,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t
     tile[tile_word(dn, 2 * chunk)] = words[0];
     tile[tile_word(dn, 2 * chunk + 1)] = words[1];
     if (codes_ENK == nullptr || n >= N) continue;
-    uint8_t* out = codes_ENK + (e * N + n) * K + k;
+    uint8_t* out = codes_ENK + place.code(e, n, k);
     if (whole_chunk) {
       *reinterpret_cast<uint2*>(out) = make_uint2(words[0], words[1]);
     } else {
@@ -482,7 +496,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t
   if (codes_t_EKN == nullptr) return;
   __syncthreads();
   // The transposed copy: codes_t[e][k][n] = tile[n][k]. Thread: 4 rows (n) x 4 columns (k).
-  const bool full = vector_rows && N % 4 == 0 && n0 + kBlock <= N && k0 + kBlock <= K;
+  const bool full = vector_rows_t && n0 + kBlock <= N && k0 + kBlock <= K;
   const int ng = threadIdx.x % 32;  // n = 4 ng .. 4 ng + 3
 #pragma unroll
   for (int q = 0; q < kBlock / 4 / (kWeightThreads / 32); ++q) {
@@ -499,7 +513,7 @@ __global__ void __launch_bounds__(kWeightThreads) quantize_weight_kernel(uint8_t
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t kk = k0 + 4 * kg + j, n = n0 + 4 * ng;
-      uint8_t* dst = codes_t_EKN + (e * K + kk) * N + n;
+      uint8_t* dst = codes_t_EKN + place_t.code(e, kk, n);
       if (full) {
         *reinterpret_cast<uint32_t*>(dst) = out[j];
       } else if (kk < K) {
@@ -576,7 +590,8 @@ void swiglu_backward_fp8(bf16* dgate_up_RF2, uint8_t* codes_2RF, float* scales_2
   const int64_t per_block = kSwigluTiles * (kRowThreads / (kBlock / kVecElems));
   swiglu_backward_quantize_kernel<<<static_cast<unsigned>((tiles + per_block - 1) / per_block), kRowThreads, 0,
                                     stream>>>(as_cuda(dgate_up_RF2), codes_2RF, scales_2, as_cuda(dact_RF),
-                                              as_cuda(gate_up_RF2), offsets_E1, E, R, F);
+                                              as_cuda(gate_up_RF2), offsets_E1, E, R, F,
+                                              GateUpRowCodes::of(offsets_E1 == nullptr, R, F));
   MOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -638,21 +653,28 @@ void swiglu_backward_fp8_columns(uint8_t* codes_2RF, float* scales_2, uint8_t* c
 }
 
 void quantize_weight_blocks(uint8_t* codes_ENK, float* scales, uint8_t* codes_t_EKN, float* scales_t,
-                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K, Stream stream) {
+                            const bf16* w_ENK, int64_t E, int64_t N, int64_t K, Stream stream,
+                            fp8::WeightBlocksPlace place, fp8::WeightBlocksPlace place_t) {
   MOE_CHECKF(E >= 0 && N > 0 && K > 0 && E <= 65535, "fp8 weight quantisation: bad shape [%lld, %lld, %lld]",
              static_cast<long long>(E), static_cast<long long>(N), static_cast<long long>(K));
   MOE_CHECKF((codes_ENK == nullptr) == (scales == nullptr) && (codes_t_EKN == nullptr) == (scales_t == nullptr) &&
                  (codes_ENK != nullptr || codes_t_EKN != nullptr),
              "fp8 weight quantisation: codes go with their scales, and at least one of the two copies");
+  const fp8::WeightBlocksPlaces p = fp8::resolve_weight_places(N, K, place, place_t);
   if (E == 0) return;
   const dim3 grid(static_cast<unsigned>(fp8::blocks(K)), static_cast<unsigned>(fp8::blocks(N)),
                   static_cast<unsigned>(E));
-  // The vector paths need every row 16-byte aligned (the codes' rows then 8-byte aligned).
+  // The vector paths need every row 16-byte aligned (the codes' rows then 8-byte aligned,
+  // the transposed codes' 4-byte).
   const bool vector_rows = K % 8 == 0 && reinterpret_cast<uintptr_t>(w_ENK) % 16 == 0 &&
-                           (codes_ENK == nullptr || reinterpret_cast<uintptr_t>(codes_ENK) % 8 == 0) &&
-                           (codes_t_EKN == nullptr || reinterpret_cast<uintptr_t>(codes_t_EKN) % 4 == 0);
+                           (codes_ENK == nullptr || (reinterpret_cast<uintptr_t>(codes_ENK) % 8 == 0 &&
+                                                     p.stored.codes_ld % 8 == 0 && p.stored.expert_codes % 8 == 0));
+  const bool vector_rows_t = codes_t_EKN != nullptr && N % 4 == 0 &&
+                             reinterpret_cast<uintptr_t>(codes_t_EKN) % 4 == 0 && p.transposed.codes_ld % 4 == 0 &&
+                             p.transposed.expert_codes % 4 == 0;
   quantize_weight_kernel<<<grid, kWeightThreads, 0, stream>>>(codes_ENK, scales, codes_t_EKN, scales_t, as_cuda(w_ENK),
-                                                              N, K, vector_rows);
+                                                              N, K, p.stored, p.transposed, vector_rows,
+                                                              vector_rows_t);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
