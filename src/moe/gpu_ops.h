@@ -140,10 +140,9 @@ void permute_forward(bf16* x_RD, const bf16* x_TD, const int32_t* token_of_row_R
 // is the inverse of token_of_row_R (assign_rows').
 void permute_forward_by_token(bf16* x_RD, const bf16* x_TD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
                               Stream stream);
-// dx_TD[t] (= or +=) the sum of dx_RD's rows of t's kept slots (fp32, bf16 out), then of
-// dx2_RD's when not null (a data gradient in two parts).
+// dx_TD[t] (= or +=) the sum of dx_RD's rows of t's kept slots (fp32, bf16 out).
 void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
-                      bool accumulate, Stream stream, const bf16* dx2_RD = nullptr);
+                      bool accumulate, Stream stream);
 // out_TD[t] = sum over kept slots of weight * y_RD[row] (fp32 sum, bf16 out).
 void combine_forward(bf16* out_TD, const bf16* y_RD, const float* weight_TK, const int32_t* row_TK, int64_t T,
                      int64_t K, int64_t D, Stream stream);

@@ -58,10 +58,9 @@ class GpuLocalDispatcher final : public ExpertDispatcher {
                                shape_.dim, stream_);
     return true;
   }
-  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float*, const bf16* dx2_rows) override {
+  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float*) override {
     mark_(kDispatch);
-    cuda::permute_backward(dx_TD, dx_rows, m.row.data(), shape_.tokens, shape_.top_k, shape_.dim, false, stream_,
-                           dx2_rows);
+    cuda::permute_backward(dx_TD, dx_rows, m.row.data(), shape_.tokens, shape_.top_k, shape_.dim, false, stream_);
   }
 
  private:
@@ -221,9 +220,7 @@ class GpuExpertParallelDispatcher final : public ExpertDispatcher {
 
   // Each received token's input-row gradients summed there and sent home with its combine
   // weights' gradients; at home, dx and dweight as the sums over the ranks.
-  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK,
-                         const bf16* dx2_rows) override {
-    MOE_CHECK(dx2_rows == nullptr, "expert-parallel dispatch: the input rows' gradients in one part only");
+  void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK) override {
     const int64_t T = shape_.tokens, D = shape_.dim, K = shape_.top_k;
     const int P = ep_->size();
     mark_(kDispatch);

@@ -81,11 +81,9 @@ class ExpertDispatcher {
                                     int64_t /*experts*/) {
     return false;
   }
-  // Backward of dispatch: dx_TD (overwritten) from the expert input rows' gradients (the
-  // sum of dx_rows and dx2_rows where that is not null), and the combine weights'
-  // gradients home into dweight_TK.
-  virtual void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK,
-                                 const bf16* dx2_rows = nullptr) = 0;
+  // Backward of dispatch: dx_TD (overwritten) from the expert input rows' gradients, and
+  // the combine weights' gradients home into dweight_TK.
+  virtual void dispatch_backward(MoEBuffers& m, const bf16* dx_rows, bf16* dx_TD, float* dweight_TK) = 0;
 
   // moe.speculative_dispatch (docs/ROUTING_CACHE.md), expert parallelism only.
   // keep_routed_experts(true): the next dispatch also brings the layer's top-k experts

@@ -76,17 +76,28 @@ struct Activations {
 // for the fp8 GEMMs once after they change, not at every use. Per tensor t (w1, w3, w2,
 // each [E, N, K] as stored) the codes [E, N, K] with their 128 x 128 scales (the forward's
 // B) and the transposed copy [E, K, N] with its scales (backward_data's B), room for
-// `capacity` experts. Stamped with the store's weights_version and the slot window it
-// was made from (GpuTransformer::State::fp8_expert_weights checks both).
+// `capacity` experts. With gate_up_joined (rows padded per expert: PaddedExpertGemmFp8)
+// w1's and w3's copies are one gate|up operand each instead (fp8::gate_up_part: [E, 2F, D]
+// and [E, D, 2F], in w1's and w3's room): their GEMMs run as one. Stamped with the store's
+// weights_version and the slot window it was made from (GpuTransformer::State::
+// fp8_expert_weights checks both).
 struct Fp8ExpertWeights {
-  enum Tensor { kW1 = 0, kW3 = 1, kW2 = 2, kTensors = 3 };
-  Buffer<uint8_t> codes;  // [tensor][copy: 0 as stored, 1 transposed][capacity * N * K]
-  Buffer<float> scales;   // [tensor][copy][capacity * NB * KB]
+  // kGateUp: w1 and w3 as one operand (gate_up_joined only), not a stored tensor.
+  enum Tensor { kW1 = 0, kW3 = 1, kW2 = 2, kTensors = 3, kGateUp = 4 };
+  Buffer<uint8_t> codes;  // [copy: 0 as stored, 1 transposed][tensor][capacity * N * K]
+  Buffer<float> scales;   // [copy][tensor][capacity * NB * KB]
   int64_t capacity = 0, codes_per_copy = 0, scales_per_copy = 0;
+  bool gate_up_joined = false;
   uint64_t version = 0;  // 0: nothing quantised yet
   int64_t first_slot = -1, experts = -1;
-  uint8_t* code(int tensor, bool transposed) { return codes.data() + (2 * tensor + transposed) * codes_per_copy; }
-  float* scale(int tensor, bool transposed) { return scales.data() + (2 * tensor + transposed) * scales_per_copy; }
+  // A tensor's copy; kGateUp's (and, joined, kW1's) is the gate|up operand's start.
+  uint8_t* code(int tensor, bool transposed) { return codes.data() + index(tensor, transposed) * codes_per_copy; }
+  float* scale(int tensor, bool transposed) { return scales.data() + index(tensor, transposed) * scales_per_copy; }
+
+ private:
+  int64_t index(int tensor, bool transposed) const {
+    return int64_t{transposed} * kTensors + (tensor == kGateUp ? kW1 : tensor);
+  }
 };
 
 struct Layer {

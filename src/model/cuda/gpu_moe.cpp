@@ -157,8 +157,29 @@ void GpuTransformer::State::experts_gate_up_gemm(Layer& layer, bool x_quantised)
   const int64_t D = config.dim, F = config.moe.expert_hidden;
   MoEBuffers& m = layer.act->moe;
   bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
+  // Padded rows: w1 and w3 as one operand, one GEMM over N = 2F.
+  if (fp8_padded_rows) {
+    const int gate_up[1] = {Fp8ExpertWeights::kGateUp};
+    expert_forward(layer, m, 1, gate_up_sets, 2 * F, m.x_rows->data(), D, gate_up, 2 * F, D, x_quantised);
+    return;
+  }
   const int w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
   expert_forward(layer, m, 2, gate_up_sets, 2 * F, m.x_rows->data(), D, w13, F, D, x_quantised);
+}
+
+void GpuTransformer::State::experts_gate_up_backward_data(Layer& layer, const MoEBuffers& m,
+                                                          const bf16* dgate_up, bool quantised) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  // Padded rows: d gate | d up one [R, 2F] operand, w1 and w3 one, one GEMM over K = 2F.
+  if (fp8_padded_rows) {
+    expert_backward_data(layer, m, dx_rows.data(), D, dgate_up, 2 * F, Fp8ExpertWeights::kGateUp, D, 2 * F, 0.0f,
+                         quantised ? 0 : -1);
+    return;
+  }
+  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up, 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f,
+                       quantised ? 0 : -1);
+  expert_backward_data(layer, m, dx_rows.data(), D, dgate_up ? dgate_up + F : nullptr, 2 * F,
+                       Fp8ExpertWeights::kW3, D, F, 1.0f, quantised ? 1 : -1);
 }
 
 bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, bool for_down, bool x_quantised) {
@@ -240,18 +261,12 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
     const bf16* dy_sets[1] = {dy_rows};
     expert_backward_weight(layer, m, 1, w2, dy_sets, D, m.act_rows->data(), F, D, F);
     // Gate and up: dx = d gate @ W1_e + d up @ W3_e; dW1_e, dW3_e += (d gate, d up)^T @ x.
-    // Padded rows: up's part into drows (dy's rows, read for the last time above), summed
-    // by the dispatch's backward (PaddedExpertGemmFp8 does not accumulate).
-    expert_backward_data(layer, m, dx_rows.data(), D, dgate_up_rows.data(), 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f,
-                         fused_fp8 ? 0 : -1);
-    expert_backward_data(layer, m, fp8_padded_rows ? drows.data() : dx_rows.data(), D, dgate_up_rows.data() + F,
-                         2 * F, Fp8ExpertWeights::kW3, D, F, fp8_padded_rows ? 0.0f : 1.0f, fused_fp8 ? 1 : -1);
+    experts_gate_up_backward_data(layer, m, dgate_up_rows.data(), fused_fp8);
     const bf16* dgate_up[2] = {dgate_up_rows.data(), dgate_up_rows.data() + F};
     expert_backward_weight(layer, m, 2, w13, dgate_up, 2 * F, m.x_rows->data(), D, F, D);
   }
   // The input rows' gradients back to their tokens (through their home ranks).
-  dispatcher->dispatch_backward(m, dx_rows.data(), dnorm.data(), dweight.data(),
-                                fp8_padded_rows && local_experts(layer) > 0 ? drows.data() : nullptr);
+  dispatcher->dispatch_backward(m, dx_rows.data(), dnorm.data(), dweight.data());
   mark(kRouter);
   // Router: combine weights -> logits (aux and z losses included) -> n2 and the router weights.
   cuda::router_backward(dlogits.data(), dweight.data(), m.scores.data(), m.logits.data(), m.expert.data(),

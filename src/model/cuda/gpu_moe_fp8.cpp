@@ -17,6 +17,7 @@ namespace moe {
 namespace {
 
 const Param& expert_tensor(const Layer& layer, int tensor) {
+  MOE_CHECK(tensor != Fp8ExpertWeights::kGateUp, "experts: the gate|up operand is no stored tensor");
   return tensor == Fp8ExpertWeights::kW1 ? layer.w1 : tensor == Fp8ExpertWeights::kW3 ? layer.w3 : layer.w2;
 }
 
@@ -36,6 +37,7 @@ void GpuTransformer::State::allocate_fp8_expert_weights(int64_t capacity) {
       c.codes = Buffer<uint8_t>(static_cast<size_t>(2 * Fp8ExpertWeights::kTensors * c.codes_per_copy));
       c.scales = Buffer<float>(static_cast<size_t>(2 * Fp8ExpertWeights::kTensors * c.scales_per_copy));
     }
+    c.gate_up_joined = fp8_padded_rows;
     c.version = 0;  // stale
   }
 }
@@ -49,18 +51,42 @@ Fp8ExpertWeights& GpuTransformer::State::fp8_expert_weights(Layer& layer) {
   // replay from whatever the weights are then (refresh_fp8_expert_weights runs before).
   MOE_CHECK(!capturing, "fp8 expert weights: stale while a CUDA graph is captured");
   MOE_CHECK(E <= c.capacity, "fp8 expert weights: {} local experts, room for {}", E, c.capacity);
-  const int64_t D = config.dim, F = config.moe.expert_hidden;
-  for (int t = 0; t < Fp8ExpertWeights::kTensors; ++t) {
-    // w1, w3: [E, F, D]; w2: [E, D, F]. Both copies in one pass over the bf16 weights.
-    const int64_t N = t == Fp8ExpertWeights::kW2 ? D : F, K = t == Fp8ExpertWeights::kW2 ? F : D;
-    if (E > 0)
-      cuda::quantize_weight_blocks(c.code(t, false), c.scale(t, false), c.code(t, true), c.scale(t, true),
-                                   local_w(layer, expert_tensor(layer, t)), E, N, K, stream);
+  // Both copies of each in one pass over the bf16 weights.
+  auto quantize = [&](int t) {
+    quantize_expert_tensor(layer, t, c.code(t, false), c.scale(t, false), c.code(t, true), c.scale(t, true));
+  };
+  if (c.gate_up_joined) {
+    quantize(Fp8ExpertWeights::kGateUp);
+  } else {
+    quantize(Fp8ExpertWeights::kW1);
+    quantize(Fp8ExpertWeights::kW3);
   }
+  quantize(Fp8ExpertWeights::kW2);
   c.version = version;
   c.first_slot = first;
   c.experts = E;
   return c;
+}
+
+void GpuTransformer::State::quantize_expert_tensor(Layer& layer, int tensor, uint8_t* codes, float* scales,
+                                                   uint8_t* codes_t, float* scales_t) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden, E = local_experts(layer);
+  if (E == 0) return;
+  if (tensor != Fp8ExpertWeights::kGateUp) {
+    // w1, w3: [E, F, D]; w2: [E, D, F].
+    const int64_t N = tensor == Fp8ExpertWeights::kW2 ? D : F, K = tensor == Fp8ExpertWeights::kW2 ? F : D;
+    cuda::quantize_weight_blocks(codes, scales, codes_t, scales_t, local_w(layer, expert_tensor(layer, tensor)), E, N,
+                                 K, stream);
+    return;
+  }
+  MOE_CHECK(fp8_padded_rows, "experts: w1 and w3 as one gate|up operand only with rows padded per expert");
+  for (int part = 0; part < 2; ++part) {
+    const fp8::GateUpPart p = fp8::gate_up_part(part, false, F, D), t = fp8::gate_up_part(part, true, F, D);
+    cuda::quantize_weight_blocks(codes ? codes + p.codes_offset : nullptr, scales ? scales + p.scales_offset : nullptr,
+                                 codes_t ? codes_t + t.codes_offset : nullptr,
+                                 scales_t ? scales_t + t.scales_offset : nullptr,
+                                 local_w(layer, part == 0 ? layer.w1 : layer.w3), E, F, D, stream, p.place, t.place);
+  }
 }
 
 void GpuTransformer::State::refresh_fp8_expert_weights() {
@@ -97,11 +123,12 @@ void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, in
     }
   } else {
     const int64_t codes = E * N * K, scales = E * fp8::blocks(N) * fp8::blocks(K);
+    MOE_CHECK(sets * codes <= static_cast<int64_t>(fp8_weights.size()), "fp8 experts: weight scratch for {} x {}",
+              sets, codes);
     for (int s = 0; s < sets; ++s) {
       uint8_t* c = fp8_weights.data() + s * codes;
       float* sc = fp8_weight_scales.data() + s * scales;
-      cuda::quantize_weight_blocks(c, sc, nullptr, nullptr, local_w(layer, expert_tensor(layer, tensors[s])), E, N, K,
-                                   stream);
+      quantize_expert_tensor(layer, tensors[s], c, sc, nullptr, nullptr);
       w_codes[s] = c;
       w_scales[s] = sc;
     }
@@ -118,9 +145,9 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
                                                  const bf16* dy, int64_t ld_dy, int tensor, int64_t N, int64_t K,
                                                  float beta, int dy_quantised_set) {
   const int32_t* offsets = expert_offsets(m);
-  const bf16* w = local_w(layer, expert_tensor(layer, tensor));
   if (!fp8) {
-    expert_gemm->backward_data(out, ld_out, dy, ld_dy, w, offsets, N, K, beta, stream);
+    expert_gemm->backward_data(out, ld_out, dy, ld_dy, local_w(layer, expert_tensor(layer, tensor)), offsets, N, K,
+                               beta, stream);
     return;
   }
   const int64_t E = local_experts(layer), R = expert_rows(m);
@@ -141,7 +168,9 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
     wt_codes = c.code(tensor, true);
     wt_scales = c.scale(tensor, true);
   } else {
-    cuda::quantize_weight_blocks(nullptr, nullptr, fp8_weights.data(), fp8_weight_scales.data(), w, E, K, N, stream);
+    MOE_CHECK(N * K * E <= static_cast<int64_t>(fp8_weights.size()), "fp8 experts: weight scratch for {} x {} x {}", E,
+              N, K);
+    quantize_expert_tensor(layer, tensor, nullptr, nullptr, fp8_weights.data(), fp8_weight_scales.data());
   }
   if (fp8_padded_rows) {
     MOE_CHECK(beta == 0.0f, "padded fp8 experts: a data gradient written, not added (beta {})", beta);
@@ -200,11 +229,8 @@ void GpuTransformer::State::experts_backward_fp8_weights(Layer& layer, const MoE
   // dW2_e [D, F] = dy_e^T act_e.
   cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), dy_rows, D, offsets, P_E1, E, R, D, stream);
   weight_gradient(layer.w2, 3 * F, 0, D, F);
-  // dx = d gate @ W1_e + d up @ W3_e from the row codes; padded rows: d up's part into
-  // drows (dy's rows, read for the last time above), summed by the dispatch's backward.
-  expert_backward_data(layer, m, dx_rows.data(), D, nullptr, 2 * F, Fp8ExpertWeights::kW1, D, F, 0.0f, 0);
-  expert_backward_data(layer, m, fp8_padded_rows ? drows.data() : dx_rows.data(), D, nullptr, 2 * F,
-                       Fp8ExpertWeights::kW3, D, F, fp8_padded_rows ? 0.0f : 1.0f, 1);
+  // dx = d gate @ W1_e + d up @ W3_e from the row codes (one GEMM over K = 2F with padded rows).
+  experts_gate_up_backward_data(layer, m, nullptr, true);
   // dW1_e, dW3_e [F, D] = (d gate_e, d up_e)^T x_e.
   cuda::quantize_token_columns(codes(3 * F), ld_t, scales(3 * F), m.x_rows->data(), D, offsets, P_E1, E, R, D, stream,
                                b_kind);

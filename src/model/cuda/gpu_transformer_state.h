@@ -240,6 +240,15 @@ struct GpuTransformer::State {
   void expert_backward_data(Layer& layer, const MoEBuffers& m, bf16* out, int64_t ld_out, const bf16* dy,
                             int64_t ld_dy, int tensor, int64_t N, int64_t K, float beta,
                             int dy_quantised_set = -1);
+  // dx_rows = d gate @ W1_e + d up @ W3_e from d gate | d up [R, 2F] (bf16, or with
+  // `quantised` swiglu_backward_fp8's codes in fp8_rows): two GEMMs, the second adding, or
+  // with padded rows one over K = 2F (kGateUp).
+  void experts_gate_up_backward_data(Layer& layer, const MoEBuffers& m, const bf16* dgate_up, bool quantised);
+  // Tensor `tensor`'s copies (Fp8ExpertWeights::Tensor; kGateUp: w1 and w3 as one gate|up
+  // operand) quantised into codes / scales (as stored) and codes_t / scales_t (transposed);
+  // either pair may be null.
+  void quantize_expert_tensor(Layer& layer, int tensor, uint8_t* codes, float* scales, uint8_t* codes_t,
+                              float* scales_t);
   // The weight gradients of `sets` tensors in bf16 GEMMs: dW_e [N, K] = dy_e^T x_e, written
   // or added (overwrite_grads) into the fp32 or bf16 gradients; dy set s [R, N] (row stride
   // ld_dy), x [R, K].

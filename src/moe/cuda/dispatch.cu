@@ -142,18 +142,13 @@ __global__ void permute_by_token_scalar_kernel(__nv_bfloat16* x_RD, const __nv_b
 }
 
 __global__ void permute_backward_scalar_kernel(__nv_bfloat16* dx_TD, const __nv_bfloat16* dx_RD,
-                                               const __nv_bfloat16* dx2_RD, const int32_t* row_TK, int64_t K,
-                                               int64_t D, bool accumulate) {
+                                               const int32_t* row_TK, int64_t K, int64_t D, bool accumulate) {
   const int64_t t = blockIdx.x;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     float sum = accumulate ? to_float(dx_TD[t * D + i]) : 0.0f;
-    // The vector path's order: every slot of dx, then every slot of dx2.
-    for (const __nv_bfloat16* rows : {dx_RD, dx2_RD}) {
-      if (rows == nullptr) continue;
-      for (int64_t k = 0; k < K; ++k) {
-        const int32_t row = row_TK[t * K + k];
-        if (row >= 0) sum += to_float(rows[static_cast<int64_t>(row) * D + i]);
-      }
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t row = row_TK[t * K + k];
+      if (row >= 0) sum += to_float(dx_RD[static_cast<int64_t>(row) * D + i]);
     }
     dx_TD[t * D + i] = to_bf16(sum);
   }
@@ -282,9 +277,8 @@ __global__ void permute_by_token_vec_kernel(uint4* x_RV, const uint4* x_TV, cons
   }
 }
 
-__global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, const uint4* dx2_RV,
-                                            const int32_t* row_TK, int64_t T, int64_t K, int64_t V, bool accumulate,
-                                            int lane_bits) {
+__global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, const int32_t* row_TK, int64_t T,
+                                            int64_t K, int64_t V, bool accumulate, int lane_bits) {
   const GroupIndex g = group_index(lane_bits);
   const int64_t t = g.item;
   if (t >= T) return;
@@ -297,7 +291,6 @@ __global__ void permute_backward_vec_kernel(uint4* dx_TV, const uint4* dx_RV, co
       for (int e = 0; e < kVecElems; ++e) sum[e] = 0.0f;
     }
     add_rows(sum, dx_RV, row_TK + t * K, nullptr, K, V, i);
-    if (dx2_RV) add_rows(sum, dx2_RV, row_TK + t * K, nullptr, K, V, i);
     dx_TV[t * V + i] = pack8(sum);
   }
 }
@@ -514,17 +507,16 @@ void permute_forward_by_token_fp8(bf16* x_RD, const RowCodes& codes, const bf16*
 }
 
 void permute_backward(bf16* dx_TD, const bf16* dx_RD, const int32_t* row_TK, int64_t T, int64_t K, int64_t D,
-                      bool accumulate, Stream stream, const bf16* dx2_RD) {
+                      bool accumulate, Stream stream) {
   if (T == 0) return;
-  if (vectorizable(D, {dx_TD, dx_RD}) && (dx2_RD == nullptr || vectorizable(D, {dx2_RD}))) {
+  if (vectorizable(D, {dx_TD, dx_RD})) {
     const int64_t V = D / kVecElems;
     const VecLaunch launch = vec_launch(T, V);
-    permute_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(
-        as_vec(dx_TD), as_vec(dx_RD), dx2_RD ? as_vec(dx2_RD) : nullptr, row_TK, T, K, V, accumulate,
-        launch.lane_bits);
+    permute_backward_vec_kernel<<<launch.blocks, kVecThreads, 0, stream>>>(as_vec(dx_TD), as_vec(dx_RD), row_TK, T,
+                                                                           K, V, accumulate, launch.lane_bits);
   } else {
     permute_backward_scalar_kernel<<<static_cast<unsigned>(T), kRowThreads, 0, stream>>>(
-        as_cuda(dx_TD), as_cuda(dx_RD), dx2_RD ? as_cuda(dx2_RD) : nullptr, row_TK, K, D, accumulate);
+        as_cuda(dx_TD), as_cuda(dx_RD), row_TK, K, D, accumulate);
   }
   MOE_CUDA_CHECK_LAUNCH();
 }
