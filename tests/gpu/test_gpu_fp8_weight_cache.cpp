@@ -4,14 +4,16 @@
 // the weights between two uses: optimizer steps with two micro-batches each, a checkpoint
 // restored right after a forward (the cache then holds later weights), a re-placement of
 // the experts right after a forward (the slots' weights move), a forward-only pass; with
-// expert recomputation and CUDA graphs. The resumed steps must also repeat the first
-// pass bit for bit. And GpuParameterStore::weights_version moves with every weight writer.
+// expert recomputation and CUDA graphs; with rows padded per expert (DeepGEMM's GEMMs, w1
+// and w3 cached as one gate|up operand). The resumed steps must also repeat the first pass
+// bit for bit. And GpuParameterStore::weights_version moves with every weight writer.
 #include <gtest/gtest.h>
 
 #include <tuple>
 #include <vector>
 
 #include "core/rng.h"
+#include "fp8_gemm_test_util.h"
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
@@ -51,7 +53,7 @@ std::vector<float> flat_values(ParameterStore<float>& params, bool grads) {
   return out;
 }
 
-CacheRun run(bool cache, ExpertRecompute recompute, bool graphs) {
+CacheRun run(bool cache, ExpertRecompute recompute, bool graphs, bool padded) {
   ModelConfig config = test::small_moe_model(0.0);
   config.moe.expert_hidden = 256;  // two scale blocks along the hidden dimension
   Transformer<float> host(config, 7);
@@ -59,6 +61,7 @@ CacheRun run(bool cache, ExpertRecompute recompute, bool graphs) {
   options.fp8_experts = true;
   options.fp8_weight_cache = cache;
   options.recompute_experts = recompute;
+  options.fp8_deepgemm = padded;
   GpuTransformer gpu(config, host.params(), options);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
   gpu.plan(2);
@@ -143,12 +146,15 @@ TEST(GpuParameterStoreVersion, EveryWeightWriterBumpsIt) {
   bumped("set_resident_ranges");
 }
 
-class GpuFp8WeightCache : public ::testing::TestWithParam<std::tuple<ExpertRecompute, bool>> {};
+class GpuFp8WeightCache : public ::testing::TestWithParam<std::tuple<ExpertRecompute, bool, bool>> {};
 
 TEST_P(GpuFp8WeightCache, SameBitsAsQuantisingAtEachUse) {
-  MOE_REQUIRE_GPU();
-  const auto [recompute, graphs] = GetParam();
-  const CacheRun cached = run(true, recompute, graphs), per_use = run(false, recompute, graphs);
+  const auto [recompute, graphs, padded] = GetParam();
+  if (padded)
+    MOE_REQUIRE_DEEPGEMM();
+  else
+    MOE_REQUIRE_GPU();
+  const CacheRun cached = run(true, recompute, graphs, padded), per_use = run(false, recompute, graphs, padded);
   ASSERT_EQ(cached.losses.size(), per_use.losses.size());
   for (size_t i = 0; i < cached.losses.size(); ++i) EXPECT_EQ(cached.losses[i], per_use.losses[i]) << "loss " << i;
   EXPECT_EQ(cached.resumed, per_use.resumed);
@@ -165,7 +171,7 @@ TEST_P(GpuFp8WeightCache, SameBitsAsQuantisingAtEachUse) {
 INSTANTIATE_TEST_SUITE_P(Modes, GpuFp8WeightCache,
                          ::testing::Combine(::testing::Values(ExpertRecompute::None, ExpertRecompute::Swiglu,
                                                               ExpertRecompute::All),
-                                            ::testing::Bool()));
+                                            ::testing::Bool(), ::testing::Bool()));
 
 }  // namespace
 }  // namespace moe
