@@ -26,12 +26,6 @@
 
 namespace moe::test {
 
-inline std::vector<int32_t> offsets_of(const std::vector<int32_t>& rows) {
-  std::vector<int32_t> offsets(rows.size() + 1, 0);
-  std::partial_sum(rows.begin(), rows.end(), offsets.begin() + 1);
-  return offsets;
-}
-
 // Normal values whose magnitude depends on the 128-wide tile of the row (a power of two in
 // 2^-5 .. 2^5), so that every tile has its own scale and a scale read from the wrong
 // place shows as a factor of 2 or more.
@@ -93,5 +87,26 @@ inline void expect_gemm_close(const std::string& what, const std::vector<float>&
   EXPECT_EQ(bad, 0u) << what << ": " << bad << " of " << got.size() << " out of tolerance; worst at " << worst_at
                      << ": got " << got[worst_at] << " want " << want[worst_at];
 }
+
+// A GEMM's outputs checked against their references in double: each output's sum over K of
+// its terms (and of their magnitudes, expect_gemm_close's bound), after `initial` (an
+// accumulated output's old value).
+struct GemmCheck {
+  std::vector<float> got;
+  std::vector<double> want, abs_sum;
+  template <typename Term>
+  void add(float out, int64_t K, const Term& term, double initial = 0) {
+    double acc = initial, mag = std::abs(initial);
+    for (int64_t k = 0; k < K; ++k) {
+      const double p = term(k);
+      acc += p;
+      mag += std::abs(p);
+    }
+    got.push_back(out);
+    want.push_back(acc);
+    abs_sum.push_back(mag);
+  }
+  void expect(const std::string& what) const { expect_gemm_close(what, got, want, abs_sum); }
+};
 
 }  // namespace moe::test

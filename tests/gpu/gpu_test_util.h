@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,22 @@ inline void expect_close(const std::string& what, const std::vector<float>& got,
                      << worst_index << ": got " << got[worst_index] << " want " << want[worst_index];
 }
 
+// Expert offsets (E + 1) of rows per expert.
+inline std::vector<int32_t> offsets_of(const std::vector<int32_t>& rows) {
+  std::vector<int32_t> offsets(rows.size() + 1, 0);
+  std::partial_sum(rows.begin(), rows.end(), offsets.begin() + 1);
+  return offsets;
+}
+
+// Rows [first_row, rows) of a GEMM's output [.., ld], poisoned with 0xffff before, still
+// hold the poison (rows past the last expert's are not the GEMM's).
+inline void expect_rows_untouched(const std::vector<bf16>& got, int64_t first_row, int64_t rows, int64_t ld) {
+  size_t changed = 0;
+  for (int64_t r = first_row; r < rows; ++r)
+    for (int64_t c = 0; c < ld; ++c) changed += got[static_cast<size_t>(r * ld + c)].bits != 0xffff;
+  EXPECT_EQ(changed, 0u) << "rows past the last expert were written (from row " << first_row << ")";
+}
+
 // A 2-layer MoE run on the GPU (4 experts top-2, dim 128, 2 micro-batches of 8 x 64
 // tokens per step) for trainer-level GPU tests; vocab 320 leaves room for the byte
 // tokenizer, which checkpoints validate against.
@@ -132,7 +149,9 @@ inline double relative_l2(const std::vector<float>& got, const std::vector<float
 namespace moe {
 // The GPU tests call these helpers unqualified.
 using test::expect_close;
+using test::expect_rows_untouched;
 using test::kBf16Rtol;
+using test::offsets_of;
 using test::poisoned;
 using test::random_bf16_floats;
 using test::relative_l2;

@@ -27,7 +27,6 @@ using fp8::kBlock;
 using test::activations;
 using test::expect_gemm_close;
 using test::expect_same;
-using test::offsets_of;
 using test::weights;
 
 // ---------------------------------------------------------------------------------------
@@ -456,14 +455,6 @@ struct Fp8Case {
 
 class GpuExpertGemmFp8 : public ::testing::TestWithParam<Fp8Case> {};
 
-// Rows past offsets[E] hold NaN poison (0xffff) and must still hold it.
-void expect_untouched(const std::vector<bf16>& got, int64_t first_row, int64_t rows, int64_t ld) {
-  size_t changed = 0;
-  for (int64_t r = first_row; r < rows; ++r)
-    for (int64_t c = 0; c < ld; ++c) changed += got[static_cast<size_t>(r * ld + c)].bits != 0xffff;
-  EXPECT_EQ(changed, 0u) << "rows past the last expert were written";
-}
-
 TEST_P(GpuExpertGemmFp8, ForwardTwoSetsMatchesTheDequantisedReference) {
   MOE_REQUIRE_GPU();
   const Fp8Case& c = GetParam();
@@ -502,25 +493,15 @@ TEST_P(GpuExpertGemmFp8, ForwardTwoSetsMatchesTheDequantisedReference) {
     fp8::quantize_weight_blocks(wq_host.data(), ws_host.data(), nullptr, nullptr, w[s].data(), E, N, K);
     fp8::dequantize_weight_blocks(wf[s].data(), wq_host.data(), ws_host.data(), E, N, K);
   }
-  std::vector<double> want(kept * 2 * N), abs_sum(kept * 2 * N);
-  std::vector<float> got(kept * 2 * N);
+  test::GemmCheck check;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
       for (int s = 0; s < 2; ++s)
-        for (int64_t n = 0; n < N; ++n) {
-          double acc = 0, mag = 0;
-          for (int64_t k = 0; k < K; ++k) {
-            const double p = double(xf[r * K + k]) * wf[s][(e * N + n) * K + k];
-            acc += p;
-            mag += std::abs(p);
-          }
-          const size_t i = static_cast<size_t>(r * 2 * N + s * N + n);
-          want[i] = acc;
-          abs_sum[i] = mag;
-          got[i] = bf16_to_float(got_bits[i]);
-        }
-  expect_gemm_close("fp8 grouped forward", got, want, abs_sum);
-  expect_untouched(got_bits, kept, R, 2 * N);
+        for (int64_t n = 0; n < N; ++n)
+          check.add(bf16_to_float(got_bits[static_cast<size_t>(r * 2 * N + s * N + n)]), K,
+                    [&](int64_t k) { return double(xf[r * K + k]) * wf[s][(e * N + n) * K + k]; });
+  check.expect("fp8 grouped forward");
+  expect_rows_untouched(got_bits, kept, R, 2 * N);
   // Fewer multiprocessors (each tile still one CTA's work in the same order) and room for
   // more experts than the call runs over: the same bits. No experts: nothing written.
   gemm.set_sm_limit(9);
@@ -537,7 +518,7 @@ TEST_P(GpuExpertGemmFp8, ForwardTwoSetsMatchesTheDequantisedReference) {
   auto none_d = poisoned<bf16>(R * 2 * N);
   bf16* none[2] = {none_d.data(), none_d.data() + N};
   roomy.forward(2, none, 2 * N, xq_d.data(), xs_d.data(), wq, ws, offsets_d.data(), N, K, nullptr);
-  expect_untouched(to_host(none_d), 0, R, 2 * N);
+  expect_rows_untouched(to_host(none_d), 0, R, 2 * N);
 }
 
 TEST_P(GpuExpertGemmFp8, BackwardDataMatchesTheDequantisedReferenceAndAccumulates) {
@@ -571,23 +552,16 @@ TEST_P(GpuExpertGemmFp8, BackwardDataMatchesTheDequantisedReferenceAndAccumulate
     gemm.backward_data(out_d.data(), N, dyq_d.data(), dys_d.data(), wtq_d.data(), wts_d.data(), offsets_d.data(), N,
                        K, beta, nullptr);
     const std::vector<bf16> got_bits = to_host(out_d);
-    std::vector<double> want(kept * N), abs_sum(kept * N);
-    std::vector<float> got(kept * N);
+    test::GemmCheck check;
     for (int64_t e = 0; e < E; ++e)
       for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
-        for (int64_t n = 0; n < N; ++n) {
-          double acc = beta * double(before[r * N + n]), mag = std::abs(acc);
-          for (int64_t k = 0; k < K; ++k) {
-            const double p = double(dyf[r * K + k]) * wf[(e * K + k) * N + n];
-            acc += p;
-            mag += std::abs(p);
-          }
-          want[r * N + n] = acc;
-          abs_sum[r * N + n] = mag;
-          got[r * N + n] = bf16_to_float(got_bits[r * N + n]);
-        }
-    expect_gemm_close(beta == 0 ? "fp8 grouped dgrad" : "fp8 grouped dgrad, accumulated", got, want, abs_sum);
-    if (beta == 0) expect_untouched(got_bits, kept, R, N);
+        for (int64_t n = 0; n < N; ++n)
+          check.add(
+              bf16_to_float(got_bits[r * N + n]), K,
+              [&](int64_t k) { return double(dyf[r * K + k]) * wf[(e * K + k) * N + n]; },
+              beta * double(before[r * N + n]));
+    check.expect(beta == 0 ? "fp8 grouped dgrad" : "fp8 grouped dgrad, accumulated");
+    if (beta == 0) expect_rows_untouched(got_bits, kept, R, N);
   }
 }
 
@@ -661,23 +635,14 @@ TEST(GpuDenseGemmFp8, MatchesTheDequantisedReferenceForwardAndDataGradient) {
         auto c_d = beta == 0 ? poisoned<bf16>(M * ldc) : to_device_bf16(before);
         dense.gemm(c_d.data(), ldc, aq_d.data(), as_d.data(), wtq_d.data(), wts_d.data(), M, N, K, beta, nullptr);
         const std::vector<bf16> got_bits = to_host(c_d);
-        std::vector<double> want(M * N), abs_sum(M * N);
-        std::vector<float> got(M * N);
+        test::GemmCheck check;
         for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = 0; n < N; ++n) {
-            double acc = beta * double(before[m * ldc + n]), mag = std::abs(acc);
-            for (int64_t k = 0; k < K; ++k) {
-              const double p = double(af[m * K + k]) * wf[k * N + n];
-              acc += p;
-              mag += std::abs(p);
-            }
-            want[m * N + n] = acc;
-            abs_sum[m * N + n] = mag;
-            got[m * N + n] = bf16_to_float(got_bits[m * ldc + n]);
-          }
-        expect_gemm_close(std::string(deepgemm ? "DeepGEMM " : "") + "dense fp8 [" + std::to_string(M) + ", " +
-                              std::to_string(N) + ", " + std::to_string(K) + "] beta " + std::to_string(beta),
-                          got, want, abs_sum);
+          for (int64_t n = 0; n < N; ++n)
+            check.add(
+                bf16_to_float(got_bits[m * ldc + n]), K,
+                [&](int64_t k) { return double(af[m * K + k]) * wf[k * N + n]; }, beta * double(before[m * ldc + n]));
+        check.expect(std::string(deepgemm ? "DeepGEMM " : "") + "dense fp8 [" + std::to_string(M) + ", " +
+                     std::to_string(N) + ", " + std::to_string(K) + "] beta " + std::to_string(beta));
         // Columns [N, ldc) are not the GEMM's: untouched.
         size_t changed = 0;
         for (int64_t m = 0; m < M; ++m)

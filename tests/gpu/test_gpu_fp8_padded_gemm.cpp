@@ -23,7 +23,6 @@ namespace {
 
 using fp8::kBlock;
 using test::activations;
-using test::expect_gemm_close;
 using test::weights;
 
 struct PaddedCase {
@@ -41,14 +40,6 @@ std::vector<int32_t> padded_offsets(const std::vector<int32_t>& rows) {
     P[e + 1] = e + 1 < rows.size() ? (end + 127) / 128 * 128 : end;
   }
   return P;
-}
-
-// Rows past the written ones (offsets_E1[E] rounded up to 128) must still hold the poison.
-void expect_untouched_past(const std::vector<bf16>& got, int64_t written, int64_t R, int64_t ld) {
-  size_t changed = 0;
-  for (int64_t r = written; r < R; ++r)
-    for (int64_t c = 0; c < ld; ++c) changed += got[static_cast<size_t>(r * ld + c)].bits != 0xffff;
-  EXPECT_EQ(changed, 0u) << "rows past the last expert's last tile were written";
 }
 
 // A case's sizes: expert offsets P, R rows (a multiple of 4), S weight scales, and the rows
@@ -103,30 +94,21 @@ TEST_P(GpuPaddedExpertGemmFp8, ForwardTwoSetsMatchesTheDequantisedReference) {
     fp8::quantize_weight_blocks(wq_host.data(), ws_host.data(), nullptr, nullptr, w[s].data(), E, N, K);
     fp8::dequantize_weight_blocks(wf[s].data(), wq_host.data(), ws_host.data(), E, N, K);
   }
-  std::vector<double> want, abs_sum;
-  std::vector<float> got;
+  test::GemmCheck check;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = P[e]; r < P[e + 1]; ++r)
       for (int s = 0; s < 2; ++s)
-        for (int64_t n = 0; n < N; ++n) {
-          double acc = 0, mag = 0;
-          for (int64_t k = 0; k < K; ++k) {
-            const double p = double(xf[r * K + k]) * wf[s][(e * N + n) * K + k];
-            acc += p;
-            mag += std::abs(p);
-          }
-          want.push_back(acc);
-          abs_sum.push_back(mag);
-          got.push_back(bf16_to_float(got_bits[static_cast<size_t>(r * 2 * N + s * N + n)]));
-        }
-  expect_gemm_close("padded fp8 grouped forward", got, want, abs_sum);
-  expect_untouched_past(got_bits, written, R, 2 * N);
+        for (int64_t n = 0; n < N; ++n)
+          check.add(bf16_to_float(got_bits[static_cast<size_t>(r * 2 * N + s * N + n)]), K,
+                    [&](int64_t k) { return double(xf[r * K + k]) * wf[s][(e * N + n) * K + k]; });
+  check.expect("padded fp8 grouped forward");
+  expect_rows_untouched(got_bits, written, R, 2 * N);
   // No experts: nothing written.
   gemm.set_experts(0);
   auto none_d = poisoned<bf16>(R * 2 * N);
   bf16* none[2] = {none_d.data(), none_d.data() + N};
   gemm.forward(2, none, 2 * N, xq_d.data(), xs_d.data(), wq, ws, P_d.data(), R, N, K, nullptr);
-  expect_untouched_past(to_host(none_d), 0, R, 2 * N);
+  expect_rows_untouched(to_host(none_d), 0, R, 2 * N);
 }
 
 TEST_P(GpuPaddedExpertGemmFp8, BackwardDataMatchesTheDequantisedReference) {
@@ -154,23 +136,14 @@ TEST_P(GpuPaddedExpertGemmFp8, BackwardDataMatchesTheDequantisedReference) {
   gemm.backward_data(out_d.data(), N, dyq_d.data(), dys_d.data(), wtq_d.data(), wts_d.data(), P_d.data(), R, N, K,
                      nullptr);
   const std::vector<bf16> got_bits = to_host(out_d);
-  std::vector<double> want, abs_sum;
-  std::vector<float> got;
+  test::GemmCheck check;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t r = P[e]; r < P[e + 1]; ++r)
-      for (int64_t n = 0; n < N; ++n) {
-        double acc = 0, mag = 0;
-        for (int64_t k = 0; k < K; ++k) {
-          const double p = double(dyf[r * K + k]) * wf[(e * K + k) * N + n];
-          acc += p;
-          mag += std::abs(p);
-        }
-        want.push_back(acc);
-        abs_sum.push_back(mag);
-        got.push_back(bf16_to_float(got_bits[static_cast<size_t>(r * N + n)]));
-      }
-  expect_gemm_close("padded fp8 grouped dgrad", got, want, abs_sum);
-  expect_untouched_past(got_bits, written, R, N);
+      for (int64_t n = 0; n < N; ++n)
+        check.add(bf16_to_float(got_bits[static_cast<size_t>(r * N + n)]), K,
+                  [&](int64_t k) { return double(dyf[r * K + k]) * wf[(e * K + k) * N + n]; });
+  check.expect("padded fp8 grouped dgrad");
+  expect_rows_untouched(got_bits, written, R, N);
 }
 
 INSTANTIATE_TEST_SUITE_P(

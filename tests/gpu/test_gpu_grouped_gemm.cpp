@@ -17,20 +17,6 @@ struct GroupedCase {
   int64_t N, K;
 };
 
-std::vector<int32_t> offsets_of(const std::vector<int32_t>& rows) {
-  std::vector<int32_t> offsets(rows.size() + 1, 0);
-  std::partial_sum(rows.begin(), rows.end(), offsets.begin() + 1);
-  return offsets;
-}
-
-// Rows past offsets[E] hold NaN poison (0xffff) and must still hold it.
-void expect_untouched(const std::vector<bf16>& got, int64_t first_row, int64_t rows, int64_t ld) {
-  size_t changed = 0;
-  for (int64_t r = first_row; r < rows; ++r)
-    for (int64_t c = 0; c < ld; ++c) changed += got[static_cast<size_t>(r * ld + c)].bits != 0xffff;
-  EXPECT_EQ(changed, 0u) << "rows past the last expert were written";
-}
-
 class GpuGroupedGemm : public ::testing::TestWithParam<GroupedCase> {};
 
 TEST_P(GpuGroupedGemm, ForwardTwoSetsMatchesCpu) {
@@ -61,7 +47,7 @@ TEST_P(GpuGroupedGemm, ForwardTwoSetsMatchesCpu) {
           want[r * 2 * N + s * N + n] = static_cast<float>(acc);
         }
   expect_close("grouped forward", got_kept, want, 1.0 / 128, 1e-3);
-  expect_untouched(got_bits, kept, R, 2 * N);
+  expect_rows_untouched(got_bits, kept, R, 2 * N);
 }
 
 TEST_P(GpuGroupedGemm, BackwardDataMatchesCpuAndAccumulates) {
@@ -90,7 +76,7 @@ TEST_P(GpuGroupedGemm, BackwardDataMatchesCpuAndAccumulates) {
           want[r * N + n] = static_cast<float>(acc);
         }
     expect_close(beta == 0 ? "grouped dgrad" : "grouped dgrad, accumulated", got_kept, want, 1.0 / 128, 2e-3);
-    if (beta == 0) expect_untouched(got_bits, kept, R, N);
+    if (beta == 0) expect_rows_untouched(got_bits, kept, R, N);
   }
 }
 
@@ -203,7 +189,7 @@ TEST_P(GpuGroupedGemm, FewerExpertsThanTheRoomGiveTheSameBits) {
   bf16* out[1] = {out_d.data()};
   const bf16* w[1] = {in.w.data()};
   roomy.forward(1, out, N, in.x.data(), K, w, in.offsets.data(), N, K, nullptr);
-  expect_untouched(to_host(out_d), 0, R, N);
+  expect_rows_untouched(to_host(out_d), 0, R, N);
   EXPECT_THROW(roomy.set_experts(E + 6), Error);
 }
 
