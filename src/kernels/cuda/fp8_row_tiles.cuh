@@ -45,22 +45,33 @@ __device__ __forceinline__ void write_tile_scale(float* scales, float scale, con
   scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
 }
 
+// The power-of-two scale of a 1 x 128 tile held by kLanes consecutive lanes (aligned to
+// kLanes in the warp; all of them call) from each lane's amax of its values.
+template <int kLanes>
+__device__ __forceinline__ float tile_scale(float amax) {
+  const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
+  return fp8::block_scale(amax);
+}
+
+// 8 values times a scale's inverse as e4m3 codes, in two words.
+__device__ __forceinline__ uint2 codes_of_8(const float (&v)[kVecElems], float inverse) {
+  return make_uint2(pack4_e4m3(v[0] * inverse, v[1] * inverse, v[2] * inverse, v[3] * inverse),
+                    pack4_e4m3(v[4] * inverse, v[5] * inverse, v[6] * inverse, v[7] * inverse));
+}
+
 // A 1 x 128 tile held by 16 consecutive lanes (aligned to 16 in the warp; all 16 call),
 // 8 bf16-exact values each: its power-of-two scale (returned) and this lane's 8 codes
 // (words). tile_codes_of_8 stores the codes at `out`; quantize_tile_of_8 also has the
 // tile's first lane write the scale where fp8::activation_scale_index puts it for row r's
 // expert.
 __device__ __forceinline__ float tile_words_of_8(const float (&v)[kVecElems], uint2& words) {
-  constexpr int kLanes = fp8::kBlock / kVecElems;
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < kVecElems; ++j) amax = fmaxf(amax, fabsf(v[j]));
-  const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
-#pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
-  const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
-  words = make_uint2(pack4_e4m3(v[0] * inverse, v[1] * inverse, v[2] * inverse, v[3] * inverse),
-                     pack4_e4m3(v[4] * inverse, v[5] * inverse, v[6] * inverse, v[7] * inverse));
+  const float scale = tile_scale<fp8::kBlock / kVecElems>(amax);
+  words = codes_of_8(v, fp8::block_scale_inverse(scale));
   return scale;
 }
 __device__ __forceinline__ float tile_codes_of_8(const float (&v)[kVecElems], uint8_t* out) {

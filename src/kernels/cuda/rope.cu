@@ -103,16 +103,10 @@ __global__ void rope_backward_codes_kernel(uint4* x, RowCodes codes, const int32
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < kVecElems; ++j) amax = fmaxf(amax, fmaxf(fabsf(a[j]), fabsf(b[j])));
-  const unsigned mask = 0xffu << (threadIdx.x % 32 / kHeadVecs * kHeadVecs);
-#pragma unroll
-  for (int offset = kHeadVecs / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
-  const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
+  const float scale = tile_scale<kHeadVecs>(amax), inverse = fp8::block_scale_inverse(scale);
   uint8_t* out = codes.codes_RK + tn * 128 + v * kVecElems;
-  *reinterpret_cast<uint2*>(out) = make_uint2(pack4_e4m3(a[0] * inverse, a[1] * inverse, a[2] * inverse, a[3] * inverse),
-                                              pack4_e4m3(a[4] * inverse, a[5] * inverse, a[6] * inverse, a[7] * inverse));
-  *reinterpret_cast<uint2*>(out + 64) =
-      make_uint2(pack4_e4m3(b[0] * inverse, b[1] * inverse, b[2] * inverse, b[3] * inverse),
-                 pack4_e4m3(b[4] * inverse, b[5] * inverse, b[6] * inverse, b[7] * inverse));
+  *reinterpret_cast<uint2*>(out) = codes_of_8(a, inverse);
+  *reinterpret_cast<uint2*>(out + 64) = codes_of_8(b, inverse);
   if (v == 0) write_tile_scale(codes.scales, scale, nullptr, 1, T, t, n, N_all);
 }
 
