@@ -2,18 +2,24 @@
 // fp8_quantize.cu's that fuse it with the fp8 quantisation): one expression, one set of bits.
 #pragma once
 
-#include "kernels/cuda/exact_math.cuh"
+#include <cmath>
 
 namespace moe::cuda {
 
-// 1 / d for d >= 1 without a branch: exact_math.cuh's reciprocal_fast (nvcc's own sequence
-// for 1.0f / d, the same bits where its exponent check passes: 1 <= d < 2^126) with no
-// slow-path branch and call around it, which kept the compiler from interleaving a thread's
-// 8 values (the fused fp8 kernels are issue-bound). d >= 2^126 is scaled into range first
-// (its reciprocal is subnormal: one more rounding); +inf gives 0.
+// 1 / d for d >= 1 without a branch: the hardware's rcp.approx.ftz (one MUFU.RCP, within 1
+// ulp; nvcc's correctly rounded 1.0f / d adds two FFMAs, and SwiGLU's outputs are rounded to
+// bf16, 2^-9, anyway) while d < 2^126. d >= 2^126 is scaled into range first (its
+// reciprocal is subnormal: one more rounding); +inf gives 0. No branch and call around it,
+// which kept the compiler from interleaving a thread's 8 values (the fused fp8 kernels are
+// issue-bound).
+__device__ __forceinline__ float reciprocal_approx(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return r;
+}
 __device__ __forceinline__ float reciprocal_of_at_least_one(float d) {
   const bool big = d >= 0x1p126f;
-  const float r = reciprocal_fast(big ? d * 0.25f : d);
+  const float r = reciprocal_approx(big ? d * 0.25f : d);
   return d == INFINITY ? 0.0f : big ? r * 0.25f : r;
 }
 
@@ -70,7 +76,7 @@ __device__ __forceinline__ void swiglu_sigmoid_n(const float (&g)[N], float (&si
   }
   if (plain) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) sig[j] = reciprocal_fast(d[j]);
+    for (int j = 0; j < N; ++j) sig[j] = reciprocal_approx(d[j]);
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) sig[j] = reciprocal_of_at_least_one(d[j]);
