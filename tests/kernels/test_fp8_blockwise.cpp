@@ -50,6 +50,19 @@ TEST(Fp8Blockwise, ScaleIsTheSmallestPowerOfTwoThatFits) {
   EXPECT_EQ(fp8::block_scale(std::numeric_limits<float>::quiet_NaN()), 1.0f);
   EXPECT_EQ(fp8::block_scale(1e-40f), std::ldexp(1.0f, -126));  // subnormal amax: clamped
   EXPECT_EQ(fp8::block_scale(1e-37f), std::ldexp(1.0f, -126));
+  EXPECT_EQ(fp8::block_scale(-3.0f), 1.0f);
+  EXPECT_EQ(fp8::block_scale(std::numeric_limits<float>::max()), std::ldexp(1.0f, 120));
+  // Every exponent, the mantissas around 1.75 (where amax / 2^e crosses 448): the smallest
+  // power of two 2^e >= 2^-126 with amax / 2^e <= 448, as computed in double.
+  for (uint32_t biased = 0; biased < 255; ++biased)
+    for (const uint32_t mantissa : {0u, 1u, 0x5fffffu, 0x600000u, 0x600001u, 0x7fffffu}) {
+      const float amax = std::bit_cast<float>(biased << 23 | mantissa);
+      if (amax == 0.0f) continue;
+      int e = -126;
+      while (double(amax) / std::ldexp(1.0, e) > 448.0) ++e;
+      ASSERT_EQ(fp8::block_scale(amax), std::ldexp(1.0f, e)) << "biased " << biased << " mantissa " << mantissa;
+      ASSERT_EQ(fp8::block_scale(-amax), 1.0f);
+    }
   CounterRng rng(1, "amax");
   for (int i = 0; i < 10000; ++i) {
     const float amax = static_cast<float>(std::ldexp(rng.uniform(i), static_cast<int>(i % 200) - 100));
