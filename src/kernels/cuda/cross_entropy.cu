@@ -59,7 +59,7 @@ __global__ void __cluster_dims__(kParts, 1, 1) __launch_bounds__(kPartThreads)
   for (int p = 0; p < kParts; ++p) row_max = fmaxf(row_max, cluster.map_shared_rank(exchange, p)[0]);
   const float* part = reinterpret_cast<const float*>(part4);
   float local_sum = 0.0f;
-  for (int64_t i = threadIdx.x; i < 4 * n4; i += kPartThreads) local_sum += expf(part[i] - row_max);
+  for (int64_t i = threadIdx.x; i < 4 * n4; i += kPartThreads) local_sum += exp_approx(part[i] - row_max);
   const float my_sum = block_sum(local_sum);
   if (threadIdx.x == 0) exchange[1] = my_sum;
   cluster.sync();
@@ -80,7 +80,7 @@ __global__ void __cluster_dims__(kParts, 1, 1) __launch_bounds__(kPartThreads)
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       g[j] = to_bf16(target < 0 ? 0.0f
-                                : grad_scale * (expf(zs[j] - row_lse) - (4 * i + j == local_target ? 1.0f : 0.0f)));
+                                : grad_scale * (exp_approx(zs[j] - row_lse) - (4 * i + j == local_target ? 1.0f : 0.0f)));
     d4[i] = *reinterpret_cast<const uint2*>(g);
   }
   cluster.sync();  // the others have read this CTA's exchange before it exits

@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "kernels/cuda/common.cuh"
+
 namespace moe::cuda {
 
 // 1 / d for d >= 1 without a branch: the hardware's rcp.approx.ftz (one MUFU.RCP, within 1
@@ -23,17 +25,11 @@ __device__ __forceinline__ float reciprocal_of_at_least_one(float d) {
   return d == INFINITY ? 0.0f : big ? r * 0.25f : r;
 }
 
-// e^-g as 2^(-g log2 e) through the hardware's ex2.approx.ftz (a multiply and MUFU.EX2, 2
-// instructions against expf's 8; __expf's non-ftz form takes 4): relative error below
-// |g| 2^-24 + 2^-22, a few thousandths of the bf16 rounding every SwiGLU output takes
-// (2^-9), in kernels that are issue-bound (the fused fp8 ones). At the ends as expf: +inf
-// past 2^128 (the sigmoid's range check below), 0 for results below 2^-126 (1 + that
-// rounds to 1 either way).
-__device__ __forceinline__ float swiglu_exp_neg(float g) {
-  float e;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.44269504088896341f));
-  return e;
-}
+// e^-g through the hardware's 2^x (common.cuh's exp_approx: 2 instructions against expf's
+// 8; relative error below |g| 2^-24 + 2^-22, a few thousandths of the bf16 rounding every
+// SwiGLU output takes). At the ends as expf: +inf past 2^128 (the sigmoid's range check
+// below), 0 for results below 2^-126 (1 + that rounds to 1 either way).
+__device__ __forceinline__ float swiglu_exp_neg(float g) { return exp_approx(-g); }
 
 __device__ __forceinline__ float swiglu_sigmoid(float g) {
   return reciprocal_of_at_least_one(1.0f + swiglu_exp_neg(g));
