@@ -26,9 +26,9 @@ __device__ __forceinline__ float reciprocal_of_at_least_one(float d) {
 }
 
 // e^-g through the hardware's 2^x (common.cuh's exp_approx: 2 instructions against expf's
-// 8; relative error below |g| 2^-24 + 2^-22, a few thousandths of the bf16 rounding every
-// SwiGLU output takes). At the ends as expf: +inf past 2^128 (the sigmoid's range check
-// below), 0 for results below 2^-126 (1 + that rounds to 1 either way).
+// 8; within 2 + 1.2 |g| ulp, a few thousandths of the bf16 rounding every SwiGLU output
+// takes). At the ends as expf: +inf past 2^128 (the sigmoid's range check below), 0 for
+// results below 2^-126 (1 + that rounds to 1 either way).
 __device__ __forceinline__ float swiglu_exp_neg(float g) { return exp_approx(-g); }
 
 __device__ __forceinline__ float swiglu_sigmoid(float g) {
