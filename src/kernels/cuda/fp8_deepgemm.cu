@@ -3,8 +3,8 @@
 // MN-major [K / 128][M] array read through TMA; B e4m3 [.., N, K] with 128 x 128 scales,
 // MN-major per B (our weight blocks' layout); bf16 D, no accumulation.
 //  - PaddedExpertGemmFp8: the m-grouped "psum" layout, group g's rows from the 128-aligned
-//    end of group g - 1 to grouped_layout[g], read on the device; compiled for a group count:
-//    the groups past the call's experts are empty.
+//    end of group g - 1 to grouped_layout[g], read on the device; compiled for group counts
+//    8 to 256 (the smallest that holds the experts): the groups past them are empty.
 //  - dense_gemm_deepgemm: one GEMM (GemmType::Normal), the dense projections'.
 // The kernel is persistent over a compiled SM count: the grid is exactly kSms CTAs.
 // docs/KERNEL_ROADMAP.md, "FP8: a grouped GEMM of DeepGEMM's class".
@@ -49,6 +49,20 @@ constexpr Kernel kernel =
 constexpr auto kGrouped = deep_gemm::GemmType::MGroupedContiguousWithPsumLayout;
 constexpr auto kDense = deep_gemm::GemmType::Normal;
 
+// The grouped kernel for `experts` groups: compiled for 8, 16, ..., 256. Each CTA's
+// scheduler walks every compiled group before it exits, empty ones too (a dependent load of
+// the group's end each, ~50 cycles: 248 empty groups were ~7 us a launch), so the smallest
+// count that holds the experts.
+template <uint32_t kMulticast>
+Kernel grouped_kernel(int64_t experts) {
+  if (experts <= 8) return kernel<8, kGrouped, kMulticast>;
+  if (experts <= 16) return kernel<16, kGrouped, kMulticast>;
+  if (experts <= 32) return kernel<32, kGrouped, kMulticast>;
+  if (experts <= 64) return kernel<64, kGrouped, kMulticast>;
+  if (experts <= 128) return kernel<128, kGrouped, kMulticast>;
+  return kernel<kGroups, kGrouped, kMulticast>;
+}
+
 // The kernel's shared memory: D's tile, the stages' A and B tiles and A scales, B's scales
 // over all of K, the stages' two barriers.
 size_t shared_bytes(int64_t K) {
@@ -90,7 +104,8 @@ Descriptor map_2d(CUtensorMapDataType type, const void* base, uint64_t inner, ui
 
 // The kernel's group ends: expert e's end offsets_E1[e + 1], then empty groups ending at the
 // last end rounded up to 128 (the scheduler starts a group at the previous end rounded up
-// and counts its tiles in unsigned arithmetic: an end below that start would wrap).
+// and counts its tiles in unsigned arithmetic: an end below that start would wrap); all
+// kGroups of them, whichever group count the launch's kernel was compiled for.
 __global__ void group_ends_kernel(int32_t* ends_G, const int32_t* offsets_E1, int64_t E) {
   const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (g >= kGroups) return;
@@ -169,8 +184,8 @@ struct PaddedExpertGemmFp8::State {
            const float* sfb, int64_t R, int64_t N, int64_t K, Stream stream) const {
     const int64_t E = n_experts;
     const bool pairs = fp8::blocks(N) % 2 == 0;
-    launch(pairs ? kernel<kGroups, kGrouped, 2> : kernel<kGroups, kGrouped, 1>, pairs ? 2 : 1, static_cast<int>(E),
-           ends, out, ld_out, a, sfa, b, sfb, R, N, K, stream);
+    launch(pairs ? grouped_kernel<2>(E) : grouped_kernel<1>(E), pairs ? 2 : 1, static_cast<int>(E), ends, out,
+           ld_out, a, sfa, b, sfb, R, N, K, stream);
   }
 };
 
