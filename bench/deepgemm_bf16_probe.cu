@@ -40,15 +40,17 @@ using probe::map_2d;
 
 constexpr uint32_t kRowAlign = 128;  // the padded dispatch's, and the psum layouts' alignment
 constexpr uint32_t kBlockK = 64;     // 128-byte swizzled bf16 K-major tiles
-constexpr uint32_t kGroups = 64;     // compiled group count: groups past the experts are empty
 
 using Kernel = void (*)(int*, uint32_t, uint32_t, uint32_t, const cute::TmaDescriptor, const cute::TmaDescriptor,
                         const cute::TmaDescriptor);
 
-template <Major kMajorB, GemmType kType, uint32_t kBlockM, uint32_t kBlockN, uint32_t kStages, uint32_t kMulticast>
+// kGroups: the compiled group count, the experts' (a CTA walks every compiled group before
+// it exits: no empty ones).
+template <uint32_t kGroups, Major kMajorB, GemmType kType, uint32_t kBlockM, uint32_t kBlockN, uint32_t kStages,
+          uint32_t kMulticast>
 struct Config {
   static constexpr Major kMajorA = kType == GemmType::KGroupedContiguous ? Major::MN : Major::K;
-  static constexpr uint32_t kM = kBlockM, kN = kBlockN, kCluster = kMulticast;
+  static constexpr uint32_t kM = kBlockM, kN = kBlockN, kCluster = kMulticast, kGroupCount = kGroups;
   static constexpr uint32_t kMathThreads = 256;  // two warp groups of 64 rows (x2 waves at BLOCK_M 256)
   static constexpr Kernel kernel =
       &deep_gemm::sm90_bf16_gemm_impl<kMajorA, kMajorB, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128, 128,
@@ -106,21 +108,14 @@ Rows make_rows(uint32_t experts, uint32_t rows, std::mt19937& rng) {
   return r;
 }
 
-// The kernel's group ends: the experts', then empty groups at the last end rounded up (the
-// scheduler counts a group's tiles from the previous end rounded up, unsigned).
-std::vector<int> kernel_ends(const Rows& rows) {
-  std::vector<int> ends = rows.ends;
-  while (ends.size() < kGroups) ends.push_back(static_cast<int>(rows.R));
-  return ends;
-}
+// The kernel's group ends: the experts' (as many as the compiled groups).
+std::vector<int> kernel_ends(const Rows& rows) { return rows.ends; }
 
-// The k-grouped kernel's group sizes: each expert's rows with its padding (zero rows), then
-// empty groups.
+// The k-grouped kernel's group sizes: each expert's rows with its padding (zero rows).
 std::vector<int> group_sizes(const Rows& rows) {
   std::vector<int> sizes;
   for (size_t g = 0; g < rows.ends.size(); ++g)
     sizes.push_back(static_cast<int>((g + 1 < rows.ends.size() ? rows.start(g + 1) : rows.R) - rows.start(g)));
-  while (sizes.size() < kGroups) sizes.push_back(0);
   return sizes;
 }
 
@@ -280,7 +275,9 @@ constexpr auto kKG = GemmType::KGroupedContiguous;
 
 // A model's six expert GEMMs a layer (D = dim, F = expert_hidden; gate|up as one [2F, D]
 // weight, its data gradient one GEMM over K = 2F), in the tile shapes that fit 227 KB.
-void probe_model(const char* model, uint32_t experts, uint32_t rows_total, uint32_t D, uint32_t F, std::mt19937& rng) {
+template <uint32_t G>
+void probe_model(const char* model, uint32_t rows_total, uint32_t D, uint32_t F, std::mt19937& rng) {
+  const uint32_t experts = G;
   std::printf("== %s: %u experts, %u rows, dim %u, expert_hidden %u\n", model, experts, rows_total, D, F);
   const Rows rows = make_rows(experts, rows_total, rng);
   Random random(rows_total + D + F);
@@ -290,30 +287,30 @@ void probe_model(const char* model, uint32_t experts, uint32_t rows_total, uint3
   const auto w13 = dense_operand(size_t{experts} * 2 * F * D, random);  // [E][2F][D]
   const auto w2 = dense_operand(size_t{experts} * D * F, random);       // [E][D][F]
   for (const RowGemm& g : {RowGemm{"fwd gate|up [R,D]x[2F,D]^T", 2 * F, D, false}}) {
-    run_rows<Config<Major::K, kM, 128, 128, 6, 1>>(g, rows, x, w13, rng);
-    run_rows<Config<Major::K, kM, 128, 256, 3, 1>>(g, rows, x, w13, rng);
-    run_rows<Config<Major::K, kM, 128, 256, 3, 2>>(g, rows, x, w13, rng);
+    run_rows<Config<G, Major::K, kM, 128, 128, 6, 1>>(g, rows, x, w13, rng);
+    run_rows<Config<G, Major::K, kM, 128, 256, 3, 1>>(g, rows, x, w13, rng);
+    run_rows<Config<G, Major::K, kM, 128, 256, 3, 2>>(g, rows, x, w13, rng);
   }
   for (const RowGemm& g : {RowGemm{"fwd down [R,F]x[D,F]^T", D, F, false}}) {
-    run_rows<Config<Major::K, kM, 128, 128, 6, 1>>(g, rows, act, w2, rng);
-    run_rows<Config<Major::K, kM, 128, 256, 3, 1>>(g, rows, act, w2, rng);
-    run_rows<Config<Major::K, kM, 128, 256, 3, 2>>(g, rows, act, w2, rng);
+    run_rows<Config<G, Major::K, kM, 128, 128, 6, 1>>(g, rows, act, w2, rng);
+    run_rows<Config<G, Major::K, kM, 128, 256, 3, 1>>(g, rows, act, w2, rng);
+    run_rows<Config<G, Major::K, kM, 128, 256, 3, 2>>(g, rows, act, w2, rng);
   }
   for (const RowGemm& g : {RowGemm{"dgrad down [R,D]x[D,F]", F, D, true}}) {
-    run_rows<Config<Major::MN, kM, 128, 128, 6, 1>>(g, rows, x, w2, rng);
-    run_rows<Config<Major::MN, kM, 128, 256, 3, 1>>(g, rows, x, w2, rng);
-    run_rows<Config<Major::MN, kM, 128, 256, 3, 2>>(g, rows, x, w2, rng);
+    run_rows<Config<G, Major::MN, kM, 128, 128, 6, 1>>(g, rows, x, w2, rng);
+    run_rows<Config<G, Major::MN, kM, 128, 256, 3, 1>>(g, rows, x, w2, rng);
+    run_rows<Config<G, Major::MN, kM, 128, 256, 3, 2>>(g, rows, x, w2, rng);
   }
   for (const RowGemm& g : {RowGemm{"dgrad gate|up [R,2F]x[2F,D]", D, 2 * F, true}}) {
-    run_rows<Config<Major::MN, kM, 128, 128, 6, 1>>(g, rows, h, w13, rng);
-    run_rows<Config<Major::MN, kM, 128, 256, 3, 1>>(g, rows, h, w13, rng);
-    run_rows<Config<Major::MN, kM, 128, 256, 3, 2>>(g, rows, h, w13, rng);
+    run_rows<Config<G, Major::MN, kM, 128, 128, 6, 1>>(g, rows, h, w13, rng);
+    run_rows<Config<G, Major::MN, kM, 128, 256, 3, 1>>(g, rows, h, w13, rng);
+    run_rows<Config<G, Major::MN, kM, 128, 256, 3, 2>>(g, rows, h, w13, rng);
   }
   for (const auto& [g, a, b] : {std::tuple{WeightGemm{"wgrad gate|up [2F,R]x[R,D]", 2 * F, D}, &h, &x},
                                 std::tuple{WeightGemm{"wgrad down [D,R]x[R,F]", D, F}, &x, &act}}) {
-    run_weights<Config<Major::MN, kKG, 128, 128, 6, 1>>(g, rows, *a, *b, rng);
-    run_weights<Config<Major::MN, kKG, 128, 256, 3, 1>>(g, rows, *a, *b, rng);
-    run_weights<Config<Major::MN, kKG, 256, 128, 3, 1>>(g, rows, *a, *b, rng);
+    run_weights<Config<G, Major::MN, kKG, 128, 128, 6, 1>>(g, rows, *a, *b, rng);
+    run_weights<Config<G, Major::MN, kKG, 128, 256, 3, 1>>(g, rows, *a, *b, rng);
+    run_weights<Config<G, Major::MN, kKG, 256, 128, 3, 1>>(g, rows, *a, *b, rng);
   }
 }
 
@@ -324,7 +321,7 @@ int main(int argc, char** argv) {
   probe::check_device_sms();
   std::mt19937 rng(11);
   // olmoe-mini: 32,768 tokens top-8 of 64 experts; mixtral-mini: 16,384 tokens top-2 of 8.
-  if (which == "olmoe" || which == "both") probe_model("olmoe-mini", 64, 262144, 1024, 512, rng);
-  if (which == "mixtral" || which == "both") probe_model("mixtral-mini", 8, 32768, 2048, 5632, rng);
+  if (which == "olmoe" || which == "both") probe_model<64>("olmoe-mini", 262144, 1024, 512, rng);
+  if (which == "mixtral" || which == "both") probe_model<8>("mixtral-mini", 32768, 2048, 5632, rng);
   return 0;
 }
