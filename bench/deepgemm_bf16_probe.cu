@@ -50,7 +50,7 @@ template <uint32_t kGroups, Major kMajorB, GemmType kType, uint32_t kBlockM, uin
           uint32_t kMulticast>
 struct Config {
   static constexpr Major kMajorA = kType == GemmType::KGroupedContiguous ? Major::MN : Major::K;
-  static constexpr uint32_t kM = kBlockM, kN = kBlockN, kCluster = kMulticast, kGroupCount = kGroups;
+  static constexpr uint32_t kM = kBlockM, kN = kBlockN, kCluster = kMulticast;
   static constexpr uint32_t kMathThreads = 256;  // two warp groups of 64 rows (x2 waves at BLOCK_M 256)
   static constexpr Kernel kernel =
       &deep_gemm::sm90_bf16_gemm_impl<kMajorA, kMajorB, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128, 128,
