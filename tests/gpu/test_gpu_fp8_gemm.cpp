@@ -33,38 +33,46 @@ using test::weights;
 // Quantisation kernels against the CPU reference.
 
 // Both kernel paths: 16-byte loads (row stride a multiple of 8, rows 16-byte aligned) and
-// 8-byte ones (stride K + 4, or the rows starting 8 bytes past a 16-byte boundary).
+// 8-byte ones (stride K + 4, or the rows starting 8 bytes past a 16-byte boundary); and the
+// tiles' expert found by the tile's lanes together in one round (8 experts), in several
+// (40: lanes of 16 take three rounds, of 32 two), or by one lane's binary search (70).
 TEST(GpuFp8Quantize, RowsMatchTheCpuBitForBit) {
   MOE_REQUIRE_GPU();
-  const std::vector<int32_t> rows = {0, 5, 130, 0, 1, 64, 0, 300};
-  const std::vector<int32_t> offsets = offsets_of(rows);
-  const int64_t E = static_cast<int64_t>(rows.size()), kept = offsets[E], R = kept + 7, K = 384, KB = 3;
-  auto offsets_d = to_device(offsets);
-  for (const int64_t ld : {K + 64, K + 4})
-    for (const int64_t shift : {0, 4}) {
-      std::vector<bf16> x = activations(R, ld, 1);
-      x[3 * ld + 5] = float_to_bf16(INFINITY);  // saturates to 448 * scale 1
-      for (int64_t k = 0; k < kBlock; ++k) x[10 * ld + k] = bf16{0};  // a tile of zeros: scale 1, codes 0
-      std::vector<bf16> shifted(static_cast<size_t>(shift), bf16{0});
-      shifted.insert(shifted.end(), x.begin(), x.end());
-      auto x_d = to_device(shifted);
-      for (const bool grouped : {true, false}) {
-        std::vector<uint8_t> want_codes(R * K, 0xff);
-        std::vector<float> want_scales(R * KB);
-        std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
-        fp8::quantize_rows_blockwise(want_codes.data(), want_scales.data(), x.data(), ld,
-                                     grouped ? offsets.data() : nullptr, E, R, K);
-        auto codes_d = poisoned<uint8_t>(R * K);
-        auto scales_d = poisoned<float>(R * KB);
-        cuda::quantize_rows_blockwise(codes_d.data(), scales_d.data(), x_d.data() + shift, ld,
-                                      grouped ? offsets_d.data() : nullptr, E, R, K, nullptr);
-        const std::string what = std::string(grouped ? "grouped rows" : "one group") + ", stride " +
-                                 std::to_string(ld) + ", shift " + std::to_string(shift);
-        // All R * K entries: the rows past offsets[E] must still hold the poison on both sides.
-        expect_same(to_host(codes_d), want_codes, R * K, what + " codes");
-        expect_same(to_host(scales_d), want_scales, R * KB, what + " scales");
+  auto many = [](int n) {
+    std::vector<int32_t> rows(static_cast<size_t>(n));
+    for (int e = 0; e < n; ++e) rows[static_cast<size_t>(e)] = e % 5 == 2 ? 0 : (e * 37) % 23 + 1;
+    return rows;
+  };
+  for (const std::vector<int32_t>& rows : {std::vector<int32_t>{0, 5, 130, 0, 1, 64, 0, 300}, many(40), many(70)}) {
+    for (const int64_t ld : {int64_t{384 + 64}, int64_t{384 + 4}})
+      for (const int64_t shift : {0, 4}) {
+        const std::vector<int32_t> offsets = offsets_of(rows);
+        const int64_t E = static_cast<int64_t>(rows.size()), kept = offsets[E], R = kept + 7, K = 384, KB = 3;
+        auto offsets_d = to_device(offsets);
+        std::vector<bf16> x = activations(R, ld, 1);
+        x[3 * ld + 5] = float_to_bf16(INFINITY);  // saturates to 448 * scale 1
+        for (int64_t k = 0; k < kBlock; ++k) x[10 * ld + k] = bf16{0};  // a tile of zeros: scale 1, codes 0
+        std::vector<bf16> shifted(static_cast<size_t>(shift), bf16{0});
+        shifted.insert(shifted.end(), x.begin(), x.end());
+        auto x_d = to_device(shifted);
+        for (const bool grouped : {true, false}) {
+          std::vector<uint8_t> want_codes(R * K, 0xff);
+          std::vector<float> want_scales(R * KB);
+          std::memset(want_scales.data(), 0xff, want_scales.size() * sizeof(float));
+          fp8::quantize_rows_blockwise(want_codes.data(), want_scales.data(), x.data(), ld,
+                                       grouped ? offsets.data() : nullptr, E, R, K);
+          auto codes_d = poisoned<uint8_t>(R * K);
+          auto scales_d = poisoned<float>(R * KB);
+          cuda::quantize_rows_blockwise(codes_d.data(), scales_d.data(), x_d.data() + shift, ld,
+                                        grouped ? offsets_d.data() : nullptr, E, R, K, nullptr);
+          const std::string what = std::string(grouped ? "grouped rows" : "one group") + ", " + std::to_string(E) +
+                                   " experts, stride " + std::to_string(ld) + ", shift " + std::to_string(shift);
+          // All R * K entries: the rows past offsets[E] must still hold the poison on both sides.
+          expect_same(to_host(codes_d), want_codes, R * K, what + " codes");
+          expect_same(to_host(scales_d), want_scales, R * KB, what + " scales");
+        }
       }
-    }
+  }
 }
 
 TEST(GpuFp8Quantize, WeightBlocksAndTheirTransposeMatchTheCpuBitForBit) {

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
     const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);
-    if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
+    write_tile_scale_together<kLanes>(scales, scale, offsets_E1, E, R, r, kb, KB, lane);
     uint32_t words[V / 4];
 #pragma unroll
     for (int w = 0; w < V / 4; ++w)

@@ -61,6 +61,40 @@ __device__ __forceinline__ uint2 codes_of_8(const float (&v)[kVecElems], float i
                     pack4_e4m3(v[4] * inverse, v[5] * inverse, v[6] * inverse, v[7] * inverse));
 }
 
+// write_tile_scale by a tile's kLanes consecutive lanes together (aligned to kLanes in the
+// warp, every one of them calling): up to 64 experts, lane l checks experts l, l + kLanes,
+// ... in rounds of one load pair and a ballot, and the tile's first lane writes. One lane's
+// binary search issued ~25 instructions a step (a dependent load each) for the whole warp;
+// this is ~15 a round, one round up to kLanes experts. More experts: that search.
+template <int kLanes>
+__device__ __forceinline__ void write_tile_scale_together(float* scales, float scale, const int32_t* offsets_E1,
+                                                          int64_t E, int64_t R, int64_t r, int64_t kb, int64_t KB,
+                                                          int lane) {
+  if (offsets_E1 != nullptr && E > 64) {
+    if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
+    return;
+  }
+  int64_t first = 0, rows = R;
+  if (offsets_E1 != nullptr) {
+    const int group_base = threadIdx.x % 32 / kLanes * kLanes;
+    const unsigned mask = kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1u) << group_base;
+    // r is below offsets_E1[E] (callers skip the rows past the last expert): one expert
+    // holds it, empty ones never.
+    for (int64_t base = 0; base < E; base += kLanes) {
+      const int64_t e = base + lane;
+      const int32_t lo = e < E ? offsets_E1[e] : 0, hi = e < E ? offsets_E1[e + 1] : 0;
+      const unsigned hit = (__ballot_sync(mask, lo <= r && r < hi) & mask) >> group_base;
+      if (hit != 0) {  // the same for the tile's lanes
+        const int at = __ffs(static_cast<int>(hit)) - 1;
+        first = __shfl_sync(mask, lo, at, kLanes);
+        rows = __shfl_sync(mask, hi - lo, at, kLanes);
+        break;
+      }
+    }
+  }
+  if (lane == 0) scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
+}
+
 // A 1 x 128 tile held by 16 consecutive lanes (aligned to 16 in the warp; all 16 call),
 // 8 bf16-exact values each: its power-of-two scale (returned) and this lane's 8 codes
 // (words). tile_codes_of_8 stores the codes at `out`; quantize_tile_of_8 also has the
@@ -84,7 +118,7 @@ __device__ __forceinline__ void quantize_tile_of_8(const float (&v)[kVecElems], 
                                                    const int32_t* offsets_E1, int64_t E, int64_t R, int64_t r,
                                                    int64_t kb, int64_t KB, int lane) {
   const float scale = tile_codes_of_8(v, out);
-  if (lane == 0) write_tile_scale(scales, scale, offsets_E1, E, R, r, kb, KB);
+  write_tile_scale_together<fp8::kBlock / kVecElems>(scales, scale, offsets_E1, E, R, r, kb, KB, lane);
 }
 
 // Row `row`'s codes for vector i (8 values; V vectors a row) and, from the first lane of
