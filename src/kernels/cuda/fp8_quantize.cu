@@ -72,8 +72,7 @@ __global__ void __launch_bounds__(kRowThreads) quantize_rows_kernel(uint8_t* cod
       amax = fmaxf(amax, fmaxf(fabsf(v[2 * i]), fabsf(v[2 * i + 1])));
     }
     // The tile's threads are kLanes consecutive lanes of one warp.
-    const unsigned mask = kLanes == 32 ? 0xffffffffu
-                                       : ((1u << (kLanes % 32)) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+    const unsigned mask = tile_lane_mask<kLanes>();
 #pragma unroll
     for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
     const float scale = fp8::block_scale(amax), inverse = fp8::block_scale_inverse(scale);

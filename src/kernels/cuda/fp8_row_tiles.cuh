@@ -45,11 +45,17 @@ __device__ __forceinline__ void write_tile_scale(float* scales, float scale, con
   scales[fp8::activation_scale_index(first, rows, r, kb, KB)] = scale;
 }
 
+// The lanes of the kLanes-lane group (aligned to kLanes in the warp) this thread is in.
+template <int kLanes>
+__device__ __forceinline__ unsigned tile_lane_mask() {
+  return kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+}
+
 // The power-of-two scale of a 1 x 128 tile held by kLanes consecutive lanes (aligned to
 // kLanes in the warp; all of them call) from each lane's amax of its values.
 template <int kLanes>
 __device__ __forceinline__ float tile_scale(float amax) {
-  const unsigned mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+  const unsigned mask = tile_lane_mask<kLanes>();
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, offset));
   return fp8::block_scale(amax);
@@ -77,7 +83,7 @@ __device__ __forceinline__ void write_tile_scale_together(float* scales, float s
   int64_t first = 0, rows = R;
   if (offsets_E1 != nullptr) {
     const int group_base = threadIdx.x % 32 / kLanes * kLanes;
-    const unsigned mask = kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1u) << group_base;
+    const unsigned mask = tile_lane_mask<kLanes>();
     // r is below offsets_E1[E] (callers skip the rows past the last expert): one expert
     // holds it, empty ones never.
     for (int64_t base = 0; base < E; base += kLanes) {
