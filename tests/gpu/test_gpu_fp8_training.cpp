@@ -8,8 +8,10 @@
 // gradients in fp8 too (fp8_weight_gradients): only those gradients move, within e4m3's
 // noise, with fp32 and bf16 gradients and with B's columns in 1x128 or 128x128 scales,
 // bit-identical across reruns, recomputation and graphs. Rows padded per expert with
-// DeepGEMM's GEMMs (fp8_deepgemm, the projections' GEMMs through it too): close to CUTLASS's path, the same drops, bit-identical
-// across reruns, recomputation and graphs, learning as fast.
+// DeepGEMM's GEMMs (fp8_deepgemm, the projections' GEMMs through it too): one MoE layer is
+// CUTLASS's path up to one rounding of dx (the same drops and expert gradients); deeper, the
+// paths drift apart far less than fp8 from bf16; bit-identical across reruns, recomputation
+// and graphs, learning as fast.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -296,35 +298,72 @@ TEST(GpuFp8WeightGradients, TrainingLossFallsLikeFp8) {
 }
 
 // Rows padded per expert to 128 and DeepGEMM's forward and data-gradient GEMMs
-// (training.fp8_gemm_backend = deepgemm): the same quantised operands as CUTLASS's path (each
-// row's codes and scales do not depend on the layout), other accumulation orders and the
-// gate and up data gradients summed after rounding: the losses and gradients within a few
-// bf16 roundings of CUTLASS's, with and without fp8 weight gradients; the kept rows counted
-// without the padding; reruns, recomputation and graphs bit-identical.
-TEST(GpuFp8PaddedExperts, CloseToCutlassWithTheSameDrops) {
+// (training.fp8_gemm_backend = deepgemm) against CUTLASS's path: the same quantised operands
+// (each row's codes and scales do not depend on the layout) and, per output element, the
+// same fp32 sums, except the data gradient of gate|up, one GEMM over K = 2F rounded once
+// where CUTLASS's path adds two GEMMs' bf16 outputs. The dense projections' DeepGEMM kernel
+// gives CUTLASS's bits (measured: a padded run with fp8 projections only is bit-identical).
+//
+// One MoE layer from the same inputs: the same routing and drops (the padding not counted),
+// the same loss, and the experts' weight gradients bit for bit (the forward's outputs
+// and the weight gradients' operands are the same bits); only the parameters below the
+// experts see the other rounding of dx (measured 2026-12-05: 0.0059 of the gradient's norm).
+TEST(GpuFp8PaddedExperts, OneMoeLayerIsCutlasssUpToOneRoundingOfDx) {
   MOE_REQUIRE_DEEPGEMM();
   Mode padded = kAll, wgrad = kAll, padded_wgrad = kAll;
   padded.padded = padded_wgrad.padded = true;
   wgrad.weight_gradients = padded_wgrad.weight_gradients = true;
-  wgrad.bf16_grads = padded_wgrad.bf16_grads = true;
+  for (const double capacity : {0.0, 1.0}) {
+    ModelConfig config = test::small_moe_model(capacity);
+    config.n_layers = 1;
+    config.first_dense_layers = 0;
+    for (const auto& [with, without, name] :
+         {std::tuple{padded, kAll, "fp8"}, std::tuple{padded_wgrad, wgrad, "fp8 weight gradients"}}) {
+      const Fp8Run a = run(with, 1, config), b = run(without, 1, config);
+      const std::string what = std::string(name) + (capacity > 0 ? ", capacity 1" : ", dropless");
+      EXPECT_EQ(a.dropped, b.dropped) << what << ": the kept rows counted the padding";
+      if (capacity > 0) EXPECT_GT(b.dropped, 0) << what << ": nothing dropped, the capacity untested";
+      EXPECT_EQ(a.losses, b.losses) << what;
+      ASSERT_EQ(a.grads.size(), b.grads.size());
+      size_t moe_differ = 0;
+      for (size_t i = 0; i < a.grads.size(); ++i) moe_differ += a.expert[i] && a.grads[i] != b.grads[i];
+      EXPECT_EQ(moe_differ, 0u) << what << ": expert weight gradients differ";
+      const double others = relative_distance(a, b, Part::Others);
+      std::printf("  one layer, %s: drops %lld, the other gradients %.5f from CUTLASS's path\n", what.c_str(),
+                  static_cast<long long>(a.dropped), others);
+      EXPECT_GT(others, 0.0) << what << ": DeepGEMM's data gradient did not run";
+      EXPECT_LT(others, 0.012) << what;
+    }
+  }
+}
+
+// Four layers: the first difference in dx moves the next layer's fp8 codes (a bf16 ulp
+// across a rounding boundary moves a code by 2^-4), so the two paths drift apart with
+// depth as fp8 drifts from bf16. Measured 2026-12-05 at 1, 2 and 4 layers: the padded
+// path's distance to CUTLASS's is 0.05, 0.09, 0.12 of CUTLASS's distance to bf16; a
+// wrong scale or row would be of the order of that distance itself.
+TEST(GpuFp8PaddedExperts, FourLayersDriftFromCutlassFarLessThanFp8FromBf16) {
+  MOE_REQUIRE_DEEPGEMM();
+  Mode padded = kAll, wgrad = kAll, padded_wgrad = kAll, bf16_grads = kBf16;
+  padded.padded = padded_wgrad.padded = true;
+  wgrad.weight_gradients = padded_wgrad.weight_gradients = true;
+  wgrad.bf16_grads = padded_wgrad.bf16_grads = bf16_grads.bf16_grads = true;
   wgrad.block_columns = padded_wgrad.block_columns = true;  // the benchmarks' mode
   for (const double capacity : {0.0, 1.0}) {
     const ModelConfig config = test::small_moe_model(capacity);
-    for (const auto& [with, without, name] :
-         {std::tuple{padded, kAll, "fp8"}, std::tuple{padded_wgrad, wgrad, "fp8 weight gradients"}}) {
-      const Fp8Run a = run(with, 2, config), b = run(without, 2, config);
+    for (const auto& [with, without, reference, name] :
+         {std::tuple{padded, kAll, kBf16, "fp8"}, std::tuple{padded_wgrad, wgrad, bf16_grads, "fp8 weight gradients"}}) {
+      const Fp8Run a = run(with, 2, config), b = run(without, 2, config), bf16 = run(reference, 1, config);
       const std::string what = std::string(name) + (capacity > 0 ? ", capacity 1" : ", dropless");
-      EXPECT_EQ(a.dropped, b.dropped) << what << ": the kept rows counted the padding";
       if (capacity > 0) EXPECT_GT(b.dropped, 0) << what << ": nothing dropped, the capacity untested";
       for (size_t i = 0; i < a.losses.size(); ++i) {
         ASSERT_TRUE(std::isfinite(a.losses[i])) << what;
         EXPECT_NEAR(a.losses[i], b.losses[i], 2e-3 * b.losses[i]) << what << ", step " << i;
       }
-      // Unmeasured when written: the fp8 path's distance to bf16 is ~0.18; two fp8 GEMM
-      // kernels on the same codes differ by bf16 roundings of their outputs.
-      const double distance = relative_distance(a, b);
-      std::printf("  %s: gradients %.5f from CUTLASS's path\n", what.c_str(), distance);
-      EXPECT_LT(distance, 0.02) << what;
+      const double distance = relative_distance(a, b), fp8_error = relative_distance(b, bf16);
+      std::printf("  %s: gradients %.5f from CUTLASS's path, CUTLASS's %.5f from bf16 (ratio %.3f)\n", what.c_str(),
+                  distance, fp8_error, distance / fp8_error);
+      EXPECT_LT(distance, 0.25 * fp8_error) << what;
     }
   }
 }
