@@ -8,6 +8,7 @@
 #include "config/run_config.h"
 #include "core/error.h"
 #include "model/transformer.h"
+#include "train/backends/backend_factory.h"
 #include "train/memory_plan.h"
 #include "train/trainer.h"
 
@@ -59,7 +60,8 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
       !options.expert_loads.empty())
     MOE_CONFIG_ERROR("--hardware, --compute, --collectives, --micro-batches, --expert-imbalance, "
                      "--expert-load-imbalance, --expert-loads and --json go with --simulate");
-  const RunConfig config = load_config(options.config_path, options.overrides);
+  RunConfig config = load_config(options.config_path, options.overrides);
+  config.training.fp8_gemm_backend = resolve_fp8_gemm_backend(config);  // deepgemm's padding rows
   const ModelConfig& mc = config.model;
   const int64_t gpus = options.gpus.value_or(std::max<int64_t>(1, config.parallel.expert_parallel));
   if (gpus < 1) MOE_CONFIG_ERROR("--gpus {}: at least 1", gpus);

@@ -22,6 +22,9 @@
 namespace moe {
 namespace {
 
+// training.fp8_gemm_backend = deepgemm: cuda::PaddedExpertGemmFp8's compiled group counts.
+constexpr int64_t kDeepGemmMaxExperts = 256;
+
 constexpr std::array<std::string_view, 9> kSections = {
     "model", "moe", "training", "optimizer", "lr", "data", "metrics", "checkpoint", "parallel"};
 
@@ -426,9 +429,10 @@ void check_training(const RunConfig& c) {
     if (c.parallel.comm_sms > 0)
       fail({"training.fp8_gemm_backend", "parallel.comm_sms"},
            "training.fp8_gemm_backend = deepgemm runs on every multiprocessor: set parallel.comm_sms = 0");
-    if (c.model.moe.n_experts > 256)
+    if (c.model.moe.n_experts > kDeepGemmMaxExperts)
       fail({"training.fp8_gemm_backend", "moe.n_experts"},
-           fmt::format("training.fp8_gemm_backend = deepgemm runs up to 256 experts, not {}", c.model.moe.n_experts));
+           fmt::format("training.fp8_gemm_backend = deepgemm runs up to {} experts, not {}", kDeepGemmMaxExperts,
+                       c.model.moe.n_experts));
   }
 
   const OptimizerConfig& o = c.optimizer;
@@ -766,6 +770,15 @@ void validate_config(const RunConfig& config) {
   } catch (const Issue& issue) {
     throw ConfigError(issue.message);
   }
+}
+
+Fp8GemmBackend fp8_gemm_backend_for(const RunConfig& config, bool deepgemm_runs) {
+  const Fp8GemmBackend chosen = config.training.fp8_gemm_backend;
+  if (chosen != Fp8GemmBackend::Auto) return chosen;
+  // The conditions validate_config puts on an explicit deepgemm, and a GPU that runs it.
+  const bool allowed = config.training.precision == TrainingPrecision::Fp8 && config.parallel.expert_parallel <= 1 &&
+                       config.parallel.comm_sms <= 0 && config.model.moe.n_experts <= kDeepGemmMaxExperts;
+  return allowed && deepgemm_runs ? Fp8GemmBackend::DeepGemm : Fp8GemmBackend::Cutlass;
 }
 
 std::string config_to_toml(const RunConfig& config) {

@@ -45,10 +45,11 @@ constexpr std::span<const EnumName<TrainingPrecision>> enum_names(TrainingPrecis
 // GPU fp8: the GEMMs' kernels: CUTLASS's blockwise-scaled ones, or DeepGEMM's (an H100 /
 // H200, no expert parallelism): the experts' forward and data-gradient GEMMs over rows
 // padded per expert to 128 (cuda::PaddedExpertGemmFp8) and the dense projections' that do
-// not accumulate.
-enum class Fp8GemmBackend { Cutlass, DeepGemm };
-inline constexpr std::array<EnumName<Fp8GemmBackend>, 2> kFp8GemmBackendNames{
-    {{Fp8GemmBackend::Cutlass, "cutlass"}, {Fp8GemmBackend::DeepGemm, "deepgemm"}}};
+// not accumulate. Auto: DeepGEMM's where the run allows it and the GPU runs it, as the
+// launch resolves it (fp8_gemm_backend_for); unresolved, CUTLASS's.
+enum class Fp8GemmBackend { Auto, Cutlass, DeepGemm };
+inline constexpr std::array<EnumName<Fp8GemmBackend>, 3> kFp8GemmBackendNames{
+    {{Fp8GemmBackend::Auto, "auto"}, {Fp8GemmBackend::Cutlass, "cutlass"}, {Fp8GemmBackend::DeepGemm, "deepgemm"}}};
 constexpr std::span<const EnumName<Fp8GemmBackend>> enum_names(Fp8GemmBackend) { return kFp8GemmBackendNames; }
 
 enum class Fp8ColumnScales { Tile1x128, Block128x128 };
@@ -82,7 +83,7 @@ struct TrainingConfig {
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
   TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales
-  Fp8GemmBackend fp8_gemm_backend = Fp8GemmBackend::Cutlass;  // GPU fp8: the GEMMs' kernels
+  Fp8GemmBackend fp8_gemm_backend = Fp8GemmBackend::Auto;  // GPU fp8: the GEMMs' kernels
 };
 
 }  // namespace moe

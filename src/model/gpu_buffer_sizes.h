@@ -36,7 +36,7 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
 
 // The alignment of each expert's first row in the local row layout: 128 for
 // training.fp8_gemm_backend = deepgemm (cuda::PaddedExpertGemmFp8's tiles; the padding
-// rows are zero), else 1 (the rows back to back).
+// rows are zero), else 1 (the rows back to back; auto not yet resolved is CUTLASS's).
 int64_t expert_row_align(const TrainingConfig& training);
 
 // The expert-parallel dispatcher's bound on a rank's rows: every one of the P ranks sends

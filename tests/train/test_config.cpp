@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "config/run_config.h"
 #include "dist/single_communicator.h"
+#include "model/gpu_buffer_sizes.h"
 #include "train/backends/backend_factory.h"
 #include "expect_error.h"
 
@@ -326,8 +327,25 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
       {"training.fp8_weight_gradient_scales = 128x128", "training.fp8_weight_gradients = true"});
   expect_config_error([] { parse_config("", "x.toml", {"training.fp8_weight_gradient_scales=1x64"}); },
                       {"training.fp8_weight_gradient_scales"});
-  // The experts' fp8 GEMMs: CUTLASS's by default, DeepGEMM's over padded rows on request.
-  EXPECT_EQ(fp8.training.fp8_gemm_backend, Fp8GemmBackend::Cutlass);
+  // The experts' fp8 GEMMs: auto by default (DeepGEMM's over padded rows where the run allows
+  // it and the GPU runs it, else CUTLASS's), either on request.
+  EXPECT_EQ(fp8.training.fp8_gemm_backend, Fp8GemmBackend::Auto);
+  EXPECT_EQ(fp8_gemm_backend_for(fp8, true), Fp8GemmBackend::DeepGemm);
+  EXPECT_EQ(fp8_gemm_backend_for(fp8, false), Fp8GemmBackend::Cutlass);  // not an H100 / H200, or not a GPU run
+  for (const std::string refusal : {"training.precision=bf16", "parallel.expert_parallel=2", "parallel.comm_sms=8",
+                                    "moe.n_experts=512"}) {
+    std::vector<std::string> keys = {"training.precision=fp8", "training.device=cuda", refusal};
+    if (refusal == "parallel.expert_parallel=2") keys.push_back("parallel.backend=nccl");
+    const RunConfig c = parse_config("", "x.toml", keys);
+    EXPECT_EQ(fp8_gemm_backend_for(c, true), Fp8GemmBackend::Cutlass) << refusal;
+  }
+  for (const Fp8GemmBackend explicit_choice : {Fp8GemmBackend::Cutlass, Fp8GemmBackend::DeepGemm}) {
+    RunConfig c = fp8;
+    c.training.fp8_gemm_backend = explicit_choice;
+    EXPECT_EQ(fp8_gemm_backend_for(c, false), explicit_choice);
+    EXPECT_EQ(fp8_gemm_backend_for(c, true), explicit_choice);
+  }
+  EXPECT_EQ(expert_row_align(fp8.training), 1) << "auto unresolved pads nothing";
   EXPECT_EQ(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda",
                                          "training.fp8_gemm_backend=deepgemm"})
                 .training.fp8_gemm_backend,

@@ -133,6 +133,17 @@ bool wants_gpu(const TrainingConfig& training) {
   return true;
 }
 
+Fp8GemmBackend resolve_fp8_gemm_backend(const RunConfig& config) {
+  const TrainingConfig& t = config.training;
+  if (t.fp8_gemm_backend != Fp8GemmBackend::Auto || t.precision != TrainingPrecision::Fp8) return t.fp8_gemm_backend;
+#ifdef MOE_HAVE_CUDA
+  const bool runs = asks_for_gpu(t.device) && deepgemm_present();
+#else
+  const bool runs = false;
+#endif
+  return fp8_gemm_backend_for(config, runs);
+}
+
 CommBackend resolve_comm_backend(const RunConfig& config) {
   if (config.parallel.backend != CommBackend::Auto) return config.parallel.backend;
 #ifdef MOE_HAVE_CUDA

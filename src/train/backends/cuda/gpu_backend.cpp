@@ -21,6 +21,7 @@
 #include "dist/gradient_stages.h"
 #include "dist/launch_env.h"
 #include "dist/zero_shards.h"
+#include "kernels/fp8_gpu_ops.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/expert_layout.h"
@@ -37,6 +38,8 @@
 namespace moe {
 
 bool gpu_present() { return gpu::device_count() > 0; }
+
+bool deepgemm_present() { return gpu_present() && cuda::deepgemm_available(); }
 
 size_t gpu_memory_bytes() {
   size_t free_bytes = 0, total_bytes = 0;

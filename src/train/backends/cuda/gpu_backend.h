@@ -20,6 +20,8 @@ std::unique_ptr<ModelBackend> make_gpu_backend(const RunConfig& config, HostStat
 
 // Whether this process sees a CUDA device.
 bool gpu_present();
+// Whether it sees one that runs DeepGEMM's fp8 kernel (cuda::deepgemm_available).
+bool deepgemm_present();
 // The current device's memory in bytes (cudaMemGetInfo's total).
 size_t gpu_memory_bytes();
 
