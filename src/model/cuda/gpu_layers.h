@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/bf16.h"
+#include "core/error.h"
 #include "core/gpu.h"
 #include "moe/expert_slots.h"
 
@@ -96,6 +97,9 @@ struct Fp8ExpertWeights {
 
  private:
   int64_t index(int tensor, bool transposed) const {
+    // Joined, w3's room holds the second half of gate|up, not w3's copy; kGateUp only joined.
+    MOE_CHECK(gate_up_joined ? tensor != kW3 : tensor != kGateUp, "fp8 expert weights: tensor {} with gate|up {}",
+              tensor, gate_up_joined ? "joined" : "apart");
     return int64_t{transposed} * kTensors + (tensor == kGateUp ? kW1 : tensor);
   }
 };
