@@ -330,11 +330,17 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
   // The experts' fp8 GEMMs: auto by default (DeepGEMM's over padded rows where the run allows
   // it and the GPU runs it, else CUTLASS's), either on request.
   EXPECT_EQ(fp8.training.fp8_gemm_backend, Fp8GemmBackend::Auto);
-  EXPECT_EQ(fp8_gemm_backend_for(fp8, true), Fp8GemmBackend::DeepGemm);
-  EXPECT_EQ(fp8_gemm_backend_for(fp8, false), Fp8GemmBackend::Cutlass);  // not an H100 / H200, or not a GPU run
+  // 8 x 1,024 tokens top-2 over 8 experts: ~512 padding rows on 16,384 routed (3%).
+  const std::vector<std::string> long_rows = {"training.precision=fp8", "training.device=cuda", "model.seq_len=1024"};
+  const RunConfig deepgemm_fits = parse_config("", "x.toml", long_rows);
+  EXPECT_EQ(fp8_gemm_backend_for(deepgemm_fits, true), Fp8GemmBackend::DeepGemm);
+  EXPECT_EQ(fp8_gemm_backend_for(deepgemm_fits, false), Fp8GemmBackend::Cutlass);  // not an H100 / H200, or no GPU
+  // Each refused: bf16, expert parallelism, SMs left to communication, more experts than
+  // compiled, and padding past 5% (4 x 1,024 tokens: 6%; the defaults' 8 x 256: 12%).
   for (const std::string refusal : {"training.precision=bf16", "parallel.expert_parallel=2", "parallel.comm_sms=8",
-                                    "moe.n_experts=512"}) {
-    std::vector<std::string> keys = {"training.precision=fp8", "training.device=cuda", refusal};
+                                    "moe.n_experts=512", "training.micro_batch=4", "model.seq_len=256"}) {
+    std::vector<std::string> keys = long_rows;
+    keys.push_back(refusal);
     if (refusal == "parallel.expert_parallel=2") keys.push_back("parallel.backend=nccl");
     const RunConfig c = parse_config("", "x.toml", keys);
     EXPECT_EQ(fp8_gemm_backend_for(c, true), Fp8GemmBackend::Cutlass) << refusal;
