@@ -37,7 +37,7 @@ RunConfig load_config(const std::string& path, const std::vector<std::string>& o
 void validate_config(const RunConfig& config);
 // training.fp8_gemm_backend as a launch resolves it: an explicit choice as given; auto
 // becomes deepgemm for a GPU fp8 run that allows it (no expert parallelism, parallel.comm_sms
-// = 0, at most 256 experts) and pads little (~64 rows an expert at most 5% of a micro-batch's
+// = 0, at most 256 experts) and pads little (~64 rows an expert at most 15% of a micro-batch's
 // routed rows) where `deepgemm_runs` (this GPU runs DeepGEMM's kernel, the run is on it),
 // else cutlass.
 Fp8GemmBackend fp8_gemm_backend_for(const RunConfig& config, bool deepgemm_runs);

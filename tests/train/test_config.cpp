@@ -336,9 +336,11 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
   EXPECT_EQ(fp8_gemm_backend_for(deepgemm_fits, true), Fp8GemmBackend::DeepGemm);
   EXPECT_EQ(fp8_gemm_backend_for(deepgemm_fits, false), Fp8GemmBackend::Cutlass);  // not an H100 / H200, or no GPU
   // Each refused: bf16, expert parallelism, SMs left to communication, more experts than
-  // compiled, and padding past 5% (4 x 1,024 tokens: 6%; the defaults' 8 x 256: 12%).
+  // compiled, and padding past 15% (8 x 128 tokens: 25%; the defaults' 8 x 256: 12.5% is not).
+  EXPECT_EQ(fp8_gemm_backend_for(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda"}), true),
+            Fp8GemmBackend::DeepGemm);
   for (const std::string refusal : {"training.precision=bf16", "parallel.expert_parallel=2", "parallel.comm_sms=8",
-                                    "moe.n_experts=512", "training.micro_batch=4", "model.seq_len=256"}) {
+                                    "moe.n_experts=512", "model.seq_len=128"}) {
     std::vector<std::string> keys = long_rows;
     keys.push_back(refusal);
     if (refusal == "parallel.expert_parallel=2") keys.push_back("parallel.backend=nccl");
