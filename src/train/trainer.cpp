@@ -303,8 +303,11 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   else
     fmt::print(out, "batch: {} tokens/step = {} micro-batches x {} x {} tokens\n", tokens_per_step,
                micro_steps_, micro_batch_, config_.model.seq_len);
-  if (tc.precision == TrainingPrecision::Fp8)
+  if (tc.precision == TrainingPrecision::Fp8) {
     fmt::print(out, "{}\n", describe_fp8_projections(config_.model, micro_batch_ * config_.model.seq_len));
+    fmt::print(out, "fp8 GEMM kernels: {}{}\n", name_of(tc.fp8_gemm_backend),
+               tc.fp8_gemm_backend == Fp8GemmBackend::DeepGemm ? " (expert rows padded per expert to 128)" : "");
+  }
   out.flush();
   prepare_run_dirs(out);  // before the metrics files are opened, and before step 1
   Observer observer(metrics, out, options);
