@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 
 #include "config/run_config.h"
 #include "core/threads.h"  // kMaxThreads
@@ -14,8 +15,6 @@
 namespace moe {
 namespace {
 
-// training.fp8_gemm_backend = deepgemm: cuda::PaddedExpertGemmFp8's compiled group counts.
-constexpr int64_t kDeepGemmMaxExperts = 256;
 // training.fp8_gemm_backend = auto: DeepGEMM's only while its padding rows are at most this
 // share of a micro-batch's routed rows (measured wins at 1.6% and 12.5%, BENCHMARKS.md).
 constexpr double kDeepGemmMaxPadding = 0.15;
@@ -129,6 +128,26 @@ void check_model(const ModelConfig& m) {
   non_negative("moe.route_cache_keys", e.route_cache_keys);
 }
 
+// Why DeepGEMM's kernels cannot run `c`, if they cannot: the rule an explicit
+// training.fp8_gemm_backend = deepgemm must pass, and what auto checks before choosing them.
+std::optional<RuleBroken> deepgemm_refused(const RunConfig& c) {
+  if (c.training.precision != TrainingPrecision::Fp8)
+    return RuleBroken{{"training.fp8_gemm_backend", "training.precision"},
+                      "training.fp8_gemm_backend = deepgemm applies to training.precision = fp8 only"};
+  if (c.parallel.expert_parallel > 1)
+    return RuleBroken{{"training.fp8_gemm_backend", "parallel.expert_parallel"},
+                      "training.fp8_gemm_backend = deepgemm pads the rows of a local dispatch: not with "
+                      "parallel.expert_parallel > 1"};
+  if (c.parallel.comm_sms > 0)
+    return RuleBroken{{"training.fp8_gemm_backend", "parallel.comm_sms"},
+                      "training.fp8_gemm_backend = deepgemm runs on every multiprocessor: set parallel.comm_sms = 0"};
+  if (c.model.moe.n_experts > kFp8DeepGemmMaxExperts)
+    return RuleBroken{{"training.fp8_gemm_backend", "moe.n_experts"},
+                      fmt::format("training.fp8_gemm_backend = deepgemm runs up to {} experts, not {}",
+                                  kFp8DeepGemmMaxExperts, c.model.moe.n_experts)};
+  return std::nullopt;
+}
+
 void check_training(const RunConfig& c) {
   const TrainingConfig& t = c.training;
   positive("training.steps", t.steps);
@@ -191,21 +210,8 @@ void check_training(const RunConfig& c) {
   if (t.fp8_weight_gradient_scales != Fp8ColumnScales::Tile1x128 && !t.fp8_weight_gradients)
     fail({"training.fp8_weight_gradient_scales", "training.fp8_weight_gradients"},
          "training.fp8_weight_gradient_scales = 128x128 applies to training.fp8_weight_gradients = true only");
-  if (t.fp8_gemm_backend == Fp8GemmBackend::DeepGemm) {
-    if (t.precision != TrainingPrecision::Fp8)
-      fail({"training.fp8_gemm_backend", "training.precision"},
-           "training.fp8_gemm_backend = deepgemm applies to training.precision = fp8 only");
-    if (c.parallel.expert_parallel > 1)
-      fail({"training.fp8_gemm_backend", "parallel.expert_parallel"},
-           "training.fp8_gemm_backend = deepgemm pads the rows of a local dispatch: not with parallel.expert_parallel > 1");
-    if (c.parallel.comm_sms > 0)
-      fail({"training.fp8_gemm_backend", "parallel.comm_sms"},
-           "training.fp8_gemm_backend = deepgemm runs on every multiprocessor: set parallel.comm_sms = 0");
-    if (c.model.moe.n_experts > kDeepGemmMaxExperts)
-      fail({"training.fp8_gemm_backend", "moe.n_experts"},
-           fmt::format("training.fp8_gemm_backend = deepgemm runs up to {} experts, not {}", kDeepGemmMaxExperts,
-                       c.model.moe.n_experts));
-  }
+  if (t.fp8_gemm_backend == Fp8GemmBackend::DeepGemm)
+    if (std::optional<RuleBroken> refused = deepgemm_refused(c)) throw *refused;
 
   const OptimizerConfig& o = c.optimizer;
   check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");
@@ -316,17 +322,16 @@ std::string toml_string(std::string_view s) {
 Fp8GemmBackend fp8_gemm_backend_for(const RunConfig& config, bool deepgemm_runs) {
   const Fp8GemmBackend chosen = config.training.fp8_gemm_backend;
   if (chosen != Fp8GemmBackend::Auto) return chosen;
-  // The conditions validate_config puts on an explicit deepgemm, and a GPU that runs it.
+  // What an explicit deepgemm must pass, a GPU that runs it, and little padding: each
+  // expert's rows padded to 128 add ~64 rows on average, which at many experts of few rows
+  // would outweigh the faster kernel (measured wins: mixtral-mini's 1.6%, -6.5 ms a step;
+  // fine-grained's 12.5%, -3.4 ms).
   const MoEConfig& moe = config.model.moe;
-  const bool allowed = config.training.precision == TrainingPrecision::Fp8 && config.parallel.expert_parallel <= 1 &&
-                       config.parallel.comm_sms <= 0 && moe.n_experts <= kDeepGemmMaxExperts;
-  // And little padding: each expert's rows padded to 128 add ~64 rows an expert on average,
-  // which at many experts and few rows each would outweigh the faster kernel (measured
-  // wins: mixtral-mini's 1.6%, -6.5 ms a step; fine-grained's 12.5%, -3.4 ms).
   const double rows = static_cast<double>(config.training.micro_batch) * static_cast<double>(config.model.seq_len) *
                       static_cast<double>(moe.top_k);
   const bool little_padding = static_cast<double>(moe.n_experts) * 64.0 <= kDeepGemmMaxPadding * rows;
-  return allowed && little_padding && deepgemm_runs ? Fp8GemmBackend::DeepGemm : Fp8GemmBackend::Cutlass;
+  return !deepgemm_refused(config) && little_padding && deepgemm_runs ? Fp8GemmBackend::DeepGemm
+                                                                       : Fp8GemmBackend::Cutlass;
 }
 
 }  // namespace moe

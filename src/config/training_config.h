@@ -48,6 +48,8 @@ constexpr std::span<const EnumName<TrainingPrecision>> enum_names(TrainingPrecis
 // not accumulate. Auto: DeepGEMM's where the run allows it and the GPU runs it, as the
 // launch resolves it (fp8_gemm_backend_for); unresolved, CUTLASS's.
 enum class Fp8GemmBackend { Auto, Cutlass, DeepGemm };
+// DeepGEMM's grouped kernel is compiled for at most this many experts (cuda::PaddedExpertGemmFp8).
+inline constexpr int64_t kFp8DeepGemmMaxExperts = 256;
 inline constexpr std::array<EnumName<Fp8GemmBackend>, 3> kFp8GemmBackendNames{
     {{Fp8GemmBackend::Auto, "auto"}, {Fp8GemmBackend::Cutlass, "cutlass"}, {Fp8GemmBackend::DeepGemm, "deepgemm"}}};
 constexpr std::span<const EnumName<Fp8GemmBackend>> enum_names(Fp8GemmBackend) { return kFp8GemmBackendNames; }

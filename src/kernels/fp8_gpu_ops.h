@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "config/training_config.h"  // kFp8DeepGemmMaxExperts
 #include "kernels/fp8_blockwise.h"
 #include "kernels/gpu_ops.h"
 
@@ -169,7 +170,7 @@ void dense_gemm_deepgemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const flo
 // expert's product, as ExpertGemmFp8's.
 class PaddedExpertGemmFp8 {
  public:
-  static constexpr int64_t kMaxExperts = 256, kMaxSets = 2;
+  static constexpr int64_t kMaxExperts = kFp8DeepGemmMaxExperts, kMaxSets = 2;
   explicit PaddedExpertGemmFp8(int64_t max_experts);
   ~PaddedExpertGemmFp8();
   PaddedExpertGemmFp8(const PaddedExpertGemmFp8&) = delete;
