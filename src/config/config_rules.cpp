@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "config/run_config.h"
+#include "core/fp8.h"      // fp8::kBlock
 #include "core/threads.h"  // kMaxThreads
 
 namespace moe {
@@ -195,11 +196,11 @@ void check_training(const RunConfig& c) {
     if (t.device == TrainingDevice::Cpu)
       fail({"training.precision", "training.device"},
            "training.precision = fp8 runs on the GPU only: set training.device = cuda (or auto) or precision = bf16");
-    if (c.model.dim % 128 != 0 || c.model.moe.expert_hidden % 128 != 0)
+    if (c.model.dim % fp8::kBlock != 0 || c.model.moe.expert_hidden % fp8::kBlock != 0)
       fail({"training.precision", "model.dim", "moe.expert_hidden"},
            fmt::format("training.precision = fp8 needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of "
-                       "128 (the fp8 scale blocks)",
-                       c.model.dim, c.model.moe.expert_hidden));
+                       "{} (the fp8 scale blocks)",
+                       c.model.dim, c.model.moe.expert_hidden, fp8::kBlock));
   } else if (!t.fp8_weight_cache) {
     fail({"training.fp8_weight_cache", "training.precision"},
          "training.fp8_weight_cache = false applies to training.precision = fp8 only");
@@ -212,6 +213,9 @@ void check_training(const RunConfig& c) {
          "training.fp8_weight_gradient_scales = 128x128 applies to training.fp8_weight_gradients = true only");
   if (t.fp8_gemm_backend == Fp8GemmBackend::DeepGemm)
     if (std::optional<RuleBroken> refused = deepgemm_refused(c)) throw *refused;
+  if (t.deterministic_attention == DeterministicAttention::Ordered && !t.deterministic)
+    fail({"training.deterministic_attention", "training.deterministic"},
+         "training.deterministic_attention = ordered applies to training.deterministic = true only");
 
   const OptimizerConfig& o = c.optimizer;
   check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");
@@ -323,13 +327,14 @@ Fp8GemmBackend fp8_gemm_backend_for(const RunConfig& config, bool deepgemm_runs)
   const Fp8GemmBackend chosen = config.training.fp8_gemm_backend;
   if (chosen != Fp8GemmBackend::Auto) return chosen;
   // What an explicit deepgemm must pass, a GPU that runs it, and little padding: each
-  // expert's rows padded to 128 add ~64 rows on average, which at many experts of few rows
-  // would outweigh the faster kernel (measured wins: mixtral-mini's 1.6%, -6.5 ms a step;
-  // fine-grained's 12.5%, -3.4 ms).
+  // expert's rows padded to a scale block add half a block on average, which at many
+  // experts of few rows would outweigh the faster kernel (measured wins: mixtral-mini's
+  // 1.6%, -6.5 ms a step; fine-grained's 12.5%, -3.4 ms).
   const MoEConfig& moe = config.model.moe;
   const double rows = static_cast<double>(config.training.micro_batch) * static_cast<double>(config.model.seq_len) *
                       static_cast<double>(moe.top_k);
-  const bool little_padding = static_cast<double>(moe.n_experts) * 64.0 <= kDeepGemmMaxPadding * rows;
+  const double mean_padding = static_cast<double>(fp8::kBlock) / 2;
+  const bool little_padding = static_cast<double>(moe.n_experts) * mean_padding <= kDeepGemmMaxPadding * rows;
   return !deepgemm_refused(config) && little_padding && deepgemm_runs ? Fp8GemmBackend::DeepGemm
                                                                        : Fp8GemmBackend::Cutlass;
 }

@@ -54,6 +54,17 @@ inline constexpr std::array<EnumName<Fp8GemmBackend>, 3> kFp8GemmBackendNames{
     {{Fp8GemmBackend::Auto, "auto"}, {Fp8GemmBackend::Cutlass, "cutlass"}, {Fp8GemmBackend::DeepGemm, "deepgemm"}}};
 constexpr std::span<const EnumName<Fp8GemmBackend>> enum_names(Fp8GemmBackend) { return kFp8GemmBackendNames; }
 
+// GPU, training.deterministic = true: how the attention backward sums dQ over the key/value
+// tiles in a fixed order. Workspace: cuDNN's dP decomposition (a B x H x S x S bf16 buffer,
+// then a dQ GEMM); Ordered: the tiles add into dQ one after another (cuDNN >= 9.25 on a
+// Hopper GPU; workspace linear in S). Both bit-identical from run to run (docs/DETERMINISM.md).
+enum class DeterministicAttention { Workspace, Ordered };
+inline constexpr std::array<EnumName<DeterministicAttention>, 2> kDeterministicAttentionNames{
+    {{DeterministicAttention::Workspace, "workspace"}, {DeterministicAttention::Ordered, "ordered"}}};
+constexpr std::span<const EnumName<DeterministicAttention>> enum_names(DeterministicAttention) {
+  return kDeterministicAttentionNames;
+}
+
 enum class Fp8ColumnScales { Tile1x128, Block128x128 };
 inline constexpr std::array<EnumName<Fp8ColumnScales>, 2> kFp8ColumnScalesNames{
     {{Fp8ColumnScales::Tile1x128, "1x128"}, {Fp8ColumnScales::Block128x128, "128x128"}}};
@@ -80,6 +91,7 @@ struct TrainingConfig {
   ExpertRecompute recompute_experts = ExpertRecompute::None;  // GPU
   bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
   bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)
+  DeterministicAttention deterministic_attention = DeterministicAttention::Workspace;  // GPU: dQ's fixed order
   bool fp8_weight_cache = true;       // GPU fp8: the experts' weights quantised once per change, not per GEMM
   bool fp8_weight_gradients = false;  // GPU fp8: the experts' weight-gradient GEMMs in fp8 too
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only

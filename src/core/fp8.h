@@ -16,6 +16,12 @@ namespace moe {
 
 inline constexpr float kFp8E4m3Max = 448.0f;
 
+namespace fp8 {
+// The fp8 GEMMs' scale block: activations per 1 x 128 tile, weights per 128 x 128 block
+// (kernels/fp8_blockwise.h), and the row padding per expert of DeepGEMM's grouped layout.
+inline constexpr int64_t kBlock = 128;
+}  // namespace fp8
+
 inline uint8_t float_to_fp8_e4m3(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);

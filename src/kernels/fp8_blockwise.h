@@ -19,10 +19,9 @@
 #include <vector>
 
 #include "core/bf16.h"
+#include "core/fp8.h"  // fp8::kBlock
 
 namespace moe::fp8 {
-
-inline constexpr int64_t kBlock = 128;
 
 constexpr int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 

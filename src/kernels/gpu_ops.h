@@ -102,16 +102,24 @@ namespace moe::cuda {
 // ld_q, ld_kv: elements from one token's q (k, v) heads to the next token's, for q, k, v
 // and dq, dk, dv alike (0: packed, H d and G d): the fused projection's q|k|v rows of
 // (H + 2G) d are read, and their gradients written, where they lie.
+// How Attention's backward sums dQ over the key/value tiles.
+enum class AttentionDq {
+  Atomic,     // atomics: faster, dQ's last bits differ from run to run
+  Workspace,  // cuDNN's deterministic dP decomposition: a B x H x S x S bf16 workspace, then a dQ GEMM
+  Ordered,    // the tiles add in a fixed order (cuDNN >= 9.25, sm_90): deterministic, workspace linear in S
+};
+
 class Attention {
  public:
   Attention();
   ~Attention();
   Attention(const Attention&) = delete;
   Attention& operator=(const Attention&) = delete;
-  // true (the default): the backward's dQ is summed in a fixed order (cuDNN's
-  // deterministic algorithm, a dP workspace of B x H x S x S bf16); false: atomics, which
-  // make dQ differ in its last bits from run to run.
-  void set_deterministic(bool deterministic);
+  // Workspace by default. Ordered on another cuDNN or GPU is refused (one line) when the
+  // backward's graph is built.
+  void set_dq(AttentionDq dq);
+  // Whether AttentionDq::Ordered runs with the cuDNN and the GPU of this process.
+  static bool ordered_dq_runs();
   // The device workspace the forward and the backward of this shape take (their graphs are
   // built now and cached): what use_workspace must hold for them.
   size_t workspace_bytes(int64_t B, int64_t S, int64_t H, int64_t G, int64_t d, float scale, int64_t ld_q = 0,

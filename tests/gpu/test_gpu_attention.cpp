@@ -141,7 +141,8 @@ TEST(GpuAttentionWorkspace, SharedWorkspaceGivesTheSameBitsAndRefusesTooLittle) 
   const size_t bytes = shared.workspace_bytes(B, S, H, G, d, scale);
   const int64_t padded = (S + 63) / 64 * 64;
   EXPECT_GE(static_cast<int64_t>(bytes), B * H * padded * padded * 2) << "the deterministic backward's dP";
-  EXPECT_LE(static_cast<int64_t>(bytes), attention_workspace_estimate(B, H, S, d, true) + (int64_t{8} << 20))
+  EXPECT_LE(static_cast<int64_t>(bytes),
+            attention_workspace_estimate(B, H, S, d, AttentionWorkspace::DeterministicDp) + (int64_t{8} << 20))
       << "the memory plan's estimate";
   gpu::DeviceArray<char> workspace(bytes);
   workspace.fill_bytes(0xff);
@@ -169,6 +170,60 @@ TEST(GpuAttentionWorkspace, SharedWorkspaceGivesTheSameBitsAndRefusesTooLittle) 
                        stats.data(), B, S, H, G, d, scale, nullptr);
       },
       {"attention", "bytes of workspace", std::to_string(bytes - 1)});
+}
+
+// cuda::AttentionDq::Ordered (training.deterministic_attention = ordered). Where cuDNN >= 9.25
+// runs on a Hopper GPU: the backward matches the CPU op as the workspace form does, a long
+// sequence's backward (64 key/value tiles adding into each query tile's dQ) gives the same
+// bits run after run, and its workspace is the fp32 dQ accumulator's the memory plan
+// counts, far below dP's. Elsewhere the first backward is refused with one line.
+TEST(GpuAttentionOrderedDq, MatchesCpuRerunsBitForBitAndNeedsNoDp) {
+  MOE_REQUIRE_GPU();
+  auto backward = [](cuda::Attention& attention, const AttentionCase& c, uint64_t seed) {
+    const auto [B, S, H, G, d] = c;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    auto q = to_device_bf16(random_bf16_floats(B * S * H * d, seed, "q"));
+    auto k = to_device_bf16(random_bf16_floats(B * S * G * d, seed + 1, "k"));
+    auto v = to_device_bf16(random_bf16_floats(B * S * G * d, seed + 2, "v"));
+    auto dout = to_device_bf16(random_bf16_floats(B * S * H * d, seed + 3, "dout"));
+    auto out = poisoned<bf16>(B * S * H * d), dq = poisoned<bf16>(B * S * H * d);
+    auto dk = poisoned<bf16>(B * S * G * d), dv = poisoned<bf16>(B * S * G * d);
+    auto stats = poisoned<float>(B * H * S);
+    attention.forward(out.data(), stats.data(), q.data(), k.data(), v.data(), B, S, H, G, d, scale, nullptr);
+    attention.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
+                       stats.data(), B, S, H, G, d, scale, nullptr);
+    return std::vector<std::vector<bf16>>{to_host(dq), to_host(dk), to_host(dv)};
+  };
+  cuda::Attention attention;
+  attention.set_dq(cuda::AttentionDq::Ordered);
+  if (!cuda::Attention::ordered_dq_runs()) {
+    test::expect_one_line_error<Error>([&] { backward(attention, AttentionCase{1, 128, 2, 2, 64}, 1); },
+                                       {"training.deterministic_attention = ordered", "cuDNN >= 9.25"});
+    return;
+  }
+  for (const AttentionCase c : {AttentionCase{2, 320, 4, 2, 64}, AttentionCase{1, 256, 4, 4, 128}}) {
+    const auto [B, S, H, G, d] = c;
+    auto q = random_bf16_floats(B * S * H * d, 1, "q"), k = random_bf16_floats(B * S * G * d, 2, "k");
+    auto v = random_bf16_floats(B * S * G * d, 3, "v"), dout = random_bf16_floats(B * S * H * d, 4, "dout");
+    std::vector<float> out_ref(B * S * H * d), probs(B * H * S * S), dq_ref(q.size()), dk_ref(k.size()),
+        dv_ref(v.size());
+    attention_forward<float>(out_ref.data(), probs.data(), q.data(), k.data(), v.data(), B, S, H, G, d);
+    attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(), q.data(), k.data(), v.data(),
+                              probs.data(), B, S, H, G, d);
+    const auto got = backward(attention, c, 1);
+    expect_close_scaled("dq", test::to_float(got[0]), dq_ref);
+    expect_close_scaled("dk", test::to_float(got[1]), dk_ref);
+    expect_close_scaled("dv", test::to_float(got[2]), dv_ref);
+  }
+  const AttentionCase long_sequence{4, 4096, 8, 8, 64};
+  const auto first = backward(attention, long_sequence, 7), second = backward(attention, long_sequence, 7);
+  for (size_t i = 0; i < first.size(); ++i)
+    EXPECT_EQ(std::memcmp(first[i].data(), second[i].data(), first[i].size() * sizeof(bf16)), 0)
+        << "gradient " << "qkv"[i] << " differs between two runs";
+  const auto [B, S, H, G, d] = long_sequence;
+  const int64_t bytes = static_cast<int64_t>(attention.workspace_bytes(B, S, H, G, d, 1.0f / 8));
+  EXPECT_LE(bytes, attention_workspace_estimate(B, H, S, d, AttentionWorkspace::OrderedDq) + (int64_t{8} << 20));
+  EXPECT_LT(bytes, B * H * S * S * 2 / 8) << "no dP workspace";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttention,

@@ -275,8 +275,21 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"training.recompute_experts_layers=-2", {"training.recompute_experts_layers", "count of MoE layers"}},
       {"training.expert_grad_dtype=fp16", {"training.expert_grad_dtype", "fp32, bf16", "\"fp16\""}},
       {"training.precision=fp16", {"training.precision"}},
+      {"training.deterministic_attention=fifo", {"training.deterministic_attention", "workspace, ordered"}},
   };
   for (const auto& [override_text, fragments] : cases) expect_override_error(override_text, fragments);
+}
+
+// training.deterministic_attention: the workspace form by default; the ordered form only
+// where the run is deterministic (with atomics there is no order to choose).
+TEST(Config, OrderedAttentionNeedsADeterministicRun) {
+  EXPECT_EQ(RunConfig{}.training.deterministic_attention, DeterministicAttention::Workspace);
+  EXPECT_EQ(parse_config("", "x.toml", {"training.deterministic_attention=ordered"}).training.deterministic_attention,
+            DeterministicAttention::Ordered);
+  EXPECT_NO_THROW(parse_config("", "x.toml", {"training.deterministic=false"}));
+  expect_config_error(
+      [] { parse_config("", "x.toml", {"training.deterministic=false", "training.deterministic_attention=ordered"}); },
+      {"training.deterministic_attention = ordered", "training.deterministic = true"});
 }
 
 // moe.speculative_dispatch: off by default; needs the routing cache and expert parallelism.
@@ -473,6 +486,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.training.recompute_experts = ExpertRecompute::Swiglu; },
       [](RunConfig& c) { c.training.recompute_experts_layers = 3; },
       [](RunConfig& c) { c.training.expert_grad_dtype = GradDtype::Bf16; },
+      [](RunConfig& c) { c.training.deterministic_attention = DeterministicAttention::Ordered; },
       [](RunConfig& c) { c.parallel.expert_parallel = 2; }, [](RunConfig& c) { c.parallel.all_to_all = AllToAllKind::Hierarchical; },
       [](RunConfig& c) { c.parallel.bucket_mb = 0.5; }, [](RunConfig& c) { c.parallel.a2a_chunks = 3; },
       [](RunConfig& c) { c.parallel.rebalance_interval = 50; }, [](RunConfig& c) { c.parallel.comm_sms = 24; },
@@ -520,7 +534,7 @@ TEST(Config, EveryFieldRoundTrips) {
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
   EXPECT_EQ(sizeof(ModelConfig), 296u);  // moe.speculative_dispatch (a bool) sits in route_cache's padding
-  EXPECT_EQ(sizeof(TrainingConfig), 160u);
+  EXPECT_EQ(sizeof(TrainingConfig), 168u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
   EXPECT_EQ(sizeof(DataConfig), 208u);

@@ -197,10 +197,16 @@ TEST(MemoryPlan, SharedScratchIsTheLargestOfItsThreeUses) {
   EXPECT_EQ(sizes.rows_end, 2 * R * D * 2 + 3 * R * F * 2);
   EXPECT_EQ(sizes.bytes(), sizes.rows_end);  // 16 MB of row gradients against 2 MB of dlogits
   // cudnn-frontend's sizes: dP over sequences padded to 64 and fp32 softmax sums; without
-  // the deterministic algorithm, past 256 MB of dP, an fp32 dQ accumulator instead.
-  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, true), 4 * 4 * 256 * 256 * 2 + 4 * 4 * 250 * 4);
-  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, true), 8 * 16 * int64_t{4096} * 4096 * 2 + 8 * 16 * 4096 * 4);
-  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, false), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
+  // the deterministic dP decomposition, past 256 MB of dP, an fp32 dQ accumulator instead,
+  // which the ordered deterministic backward always takes.
+  using enum AttentionWorkspace;
+  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, DeterministicDp), 4 * 4 * 256 * 256 * 2 + 4 * 4 * 250 * 4);
+  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, Atomic), 4 * 4 * 256 * 256 * 2 + 4 * 4 * 250 * 4);
+  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, OrderedDq), 4 * 4 * 250 * 128 * 4 + 4 * 4 * 250 * 4);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, DeterministicDp),
+            8 * 16 * int64_t{4096} * 4096 * 2 + 8 * 16 * 4096 * 4);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Atomic), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, OrderedDq), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
   const MemoryLayout layout = configured_layout(c, 1, 1);
   MemoryEstimate a = estimate_memory(c, layout);
   EXPECT_EQ(a.shared_scratch, sizes.rows_end);
@@ -210,9 +216,13 @@ TEST(MemoryPlan, SharedScratchIsTheLargestOfItsThreeUses) {
   c.training.global_batch_tokens = 4 * 4096 * 8;
   c.training.deterministic = true;
   const MemoryEstimate det = estimate_memory(c, configured_layout(c, 1, 1));
+  c.training.deterministic_attention = DeterministicAttention::Ordered;
+  const MemoryEstimate ordered = estimate_memory(c, configured_layout(c, 1, 1));
+  c.training.deterministic_attention = DeterministicAttention::Workspace;
   c.training.deterministic = false;
   const MemoryEstimate fast = estimate_memory(c, configured_layout(c, 1, 1));
-  EXPECT_EQ(det.shared_scratch, attention_workspace_estimate(4, 4, 4096, 128, true));
+  EXPECT_EQ(det.shared_scratch, attention_workspace_estimate(4, 4, 4096, 128, DeterministicDp));
+  EXPECT_EQ(ordered.total(), fast.total());  // both take the dQ accumulator, below the row gradients
   EXPECT_EQ(det.workspace, fast.workspace);
   EXPECT_EQ(fast.shared_scratch, shared_scratch_sizes(4 * 4096, V, D, F, 4 * 4096 * 2, 4 * 4096 * 2).bytes());
   EXPECT_EQ(det.total() - fast.total(), det.shared_scratch - fast.shared_scratch);

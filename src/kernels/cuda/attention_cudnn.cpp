@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 
@@ -70,6 +72,44 @@ void load_cudnn() {
   MOE_THROW("cuDNN 9 not found: dlopen(libcudnn.so.9) failed: {}", dlerror());
 }
 
+// An engine of cuDNN's and the knob values of one of its configurations.
+struct EngineConfig {
+  int64_t engine;
+  std::unordered_map<fe::KnobType_t, int64_t> knobs;
+};
+
+// AttentionDq::Ordered: cuDNN's Hopper attention backward engine with its dQ tiles added in
+// a fixed order (STAGES = 4, 64 x 64 tiles), on the regular graph (fp32 dQ accumulation, no
+// dP workspace). The configuration cudnn-frontend 1.32 itself pins for a deterministic
+// backward whose dP workspace the user caps below its size (CUDNN_FRONTEND_ATTN_DP_WORKSPACE_LIMIT;
+// node/scaled_dot_product_flash_attention.h, override_heuristics_query), named here
+// instead of steered through the process environment.
+EngineConfig ordered_dq_engine() {
+  return {6,
+          {{fe::KnobType_t::TILE_M, 2},
+           {fe::KnobType_t::TILE_N, 1},
+           {fe::KnobType_t::KERNEL_CFG, 2},
+           {fe::KnobType_t::STREAM_K, 0},
+           {fe::KnobType_t::TILE_CGA_M, 0},
+           {fe::KnobType_t::STAGES, 4}}};
+}
+
+// Why the ordered dQ engine cannot run here (it exists from cuDNN 9.25 on, for sm_90
+// only), or nothing.
+std::optional<std::string> ordered_dq_refusal() {
+  load_cudnn();
+  const int64_t version = static_cast<int64_t>(fe::detail::get_backend_version());
+  int device = 0, major = 0, minor = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (version >= 92500 && major == 9) return std::nullopt;
+  return fmt::format(
+      "training.deterministic_attention = ordered needs cuDNN >= 9.25 on a Hopper GPU (sm_90); this run has cuDNN "
+      "{}.{}.{} on sm_{}{}: use \"workspace\"",
+      version / 10000, version / 100 % 100, version % 100, major, minor);
+}
+
 }  // namespace
 
 // A built graph and the workspace it runs in.
@@ -84,7 +124,7 @@ struct Attention::State {
   gpu::DeviceArray<char> workspace;
   void* external = nullptr;  // use_workspace's
   size_t external_bytes = 0;
-  bool deterministic = true;
+  AttentionDq dq_order = AttentionDq::Workspace;
 
   void* workspace_for(const BuiltGraph& built) {
     if (external) {
@@ -123,10 +163,13 @@ struct Attention::State {
                             .set_data_type(fe::DataType_t::FLOAT));
   }
 
-  static BuiltGraph build(std::shared_ptr<fe::graph::Graph> graph, cudnnHandle_t handle) {
+  // pinned: this engine configuration instead of the heuristics' first choice.
+  static BuiltGraph build(std::shared_ptr<fe::graph::Graph> graph, cudnnHandle_t handle,
+                          const EngineConfig* pinned = nullptr) {
     MOE_FE_CHECK(graph->validate());
     MOE_FE_CHECK(graph->build_operation_graph(handle));
-    MOE_FE_CHECK(graph->create_execution_plans({fe::HeurMode_t::A}));
+    if (pinned) MOE_FE_CHECK(graph->create_execution_plan(pinned->engine, pinned->knobs));
+    else MOE_FE_CHECK(graph->create_execution_plans({fe::HeurMode_t::A}));
     MOE_FE_CHECK(graph->check_support(handle));
     MOE_FE_CHECK(graph->build_plans(handle));
     int64_t bytes = 0;
@@ -166,12 +209,17 @@ struct Attention::State {
                        .set_name("attention_backward")
                        .set_causal_mask(true)
                        .set_attn_scale(scale)
-                       .set_deterministic_algorithm(deterministic);
+                       .set_deterministic_algorithm(dq_order == AttentionDq::Workspace);
     auto [dq, dk, dv] = graph->sdpa_backward(q, k, v, o, d_o, lse, options);
     dq->set_output(true).set_uid(kdQ).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(ld_q, S, d));
     dk->set_output(true).set_uid(kdK).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
     dv->set_output(true).set_uid(kdV).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
-    return backward_graphs.emplace(shape, build(std::move(graph), handle)).first->second;
+    std::optional<EngineConfig> pinned;
+    if (dq_order == AttentionDq::Ordered) {
+      if (const std::optional<std::string> refusal = ordered_dq_refusal()) MOE_THROW("{}", *refusal);
+      pinned = ordered_dq_engine();
+    }
+    return backward_graphs.emplace(shape, build(std::move(graph), handle, pinned ? &*pinned : nullptr)).first->second;
   }
 };
 
@@ -180,9 +228,11 @@ Attention::Attention() : state_(new State) {
   MOE_CUDNN_CHECK(fe::detail::create_handle(&state_->handle));
 }
 
-void Attention::set_deterministic(bool deterministic) {
-  if (deterministic == state_->deterministic) return;
-  state_->deterministic = deterministic;
+bool Attention::ordered_dq_runs() { return !ordered_dq_refusal().has_value(); }
+
+void Attention::set_dq(AttentionDq dq) {
+  if (dq == state_->dq_order) return;
+  state_->dq_order = dq;
   state_->backward_graphs.clear();  // rebuilt with the other dQ accumulation on next use
 }
 

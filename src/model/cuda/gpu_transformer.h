@@ -103,6 +103,9 @@ struct GpuModelOptions {
   // that needs a switch is cuDNN's attention backward; everything else is deterministic
   // by construction). false: cuDNN's faster atomic dQ accumulation.
   bool deterministic = true;
+  // With deterministic: how the attention backward orders dQ's sum (cuDNN's dP workspace, or
+  // its Hopper engine's ordered tiles).
+  DeterministicAttention deterministic_attention = DeterministicAttention::Workspace;
   // Expert parallelism over `expert_exchange` (null: off). Every rank keeps the block
   // layout of all the parameters but memory (weights, gradients, moments) only for the
   // non-expert ones and its own experts (its window; GpuParameterStore's resident ranges),
