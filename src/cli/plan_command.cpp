@@ -35,6 +35,11 @@ std::string recompute_text(const MemoryLayout& l, int64_t n_layers) {
   return text;
 }
 
+// The recomputation, and the ordered attention backward where the layout takes it.
+std::string savers_text(const MemoryLayout& l, int64_t n_layers) {
+  return recompute_text(l, n_layers) + (l.ordered_attention ? "; dQ ordered" : "");
+}
+
 // "layers 0-15: 1.912 GB each" runs of equal layers.
 std::string activations_by_layer(const MemoryEstimate& e) {
   std::string text;
@@ -79,9 +84,12 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
                   "micro-batch\n",
              count_text(counts.total), count_text(counts.active), mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, config.training.micro_batch, mc.seq_len);
-  fmt::print(out, "layout: {} GPU{} ({} per node), expert_parallel {}, zero {}, micro-batch {}, recompute {}\n", gpus,
+  fmt::print(out, "layout: {} GPU{} ({} per node), expert_parallel {}, zero {}, micro-batch {}, recompute {}{}\n", gpus,
              gpus == 1 ? "" : "s", per_node, layout.expert_parallel, layout.zero, layout.micro_batch,
-             recompute_text(layout, mc.n_layers));
+             recompute_text(layout, mc.n_layers),
+             !config.training.deterministic ? ", attention dQ by atomics"
+             : layout.ordered_attention     ? ", attention dQ ordered"
+                                            : ", attention dQ through a dP workspace");
   fmt::print(out, "per GPU{:>32}\n", "GB");
   for (const MemoryEstimate::Component& c : estimate.components())
     fmt::print(out, "  {:<30} {:>8.2f}\n", c.name, gb(c.bytes));
@@ -101,17 +109,19 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
   }
   const std::vector<LayoutFit> all = layouts_that_fit(config, gpus, per_node, budget);
   if (all.empty()) {
-    fmt::print(out, "no layout fits on {} GPU{} (expert_parallel, zero 0-3, micro-batch halvings, recompute)\n", gpus,
-               gpus == 1 ? "" : "s");
+    fmt::print(out,
+               "no layout fits on {} GPU{} (expert_parallel, zero 0-3, micro-batch halvings, recompute, ordered "
+               "attention dQ)\n",
+               gpus, gpus == 1 ? "" : "s");
     return 0;
   }
   fmt::print(out, "layouts that fit on {} GPU{}, best first ({} of {}):\n", gpus, gpus == 1 ? "" : "s",
              std::min<size_t>(all.size(), static_cast<size_t>(options.max_layouts)), all.size());
-  fmt::print(out, "  {:>4} {:>4} {:>11}  {:<32} {:>8}\n", "EP", "ZeRO", "micro-batch", "recompute", "GB/GPU");
+  fmt::print(out, "  {:>4} {:>4} {:>11}  {:<44} {:>8}\n", "EP", "ZeRO", "micro-batch", "recompute", "GB/GPU");
   for (size_t i = 0; i < all.size() && i < static_cast<size_t>(options.max_layouts); ++i) {
     const MemoryLayout& l = all[i].layout;
-    fmt::print(out, "  {:>4} {:>4} {:>11}  {:<32} {:>8.2f}\n", l.expert_parallel, l.zero, l.micro_batch,
-               recompute_text(l, mc.n_layers), gb(all[i].estimate.total()));
+    fmt::print(out, "  {:>4} {:>4} {:>11}  {:<44} {:>8.2f}\n", l.expert_parallel, l.zero, l.micro_batch,
+               savers_text(l, mc.n_layers), gb(all[i].estimate.total()));
   }
   return 0;
 }

@@ -69,12 +69,6 @@ int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, 
   return dq_accumulator + softmax_sums;
 }
 
-AttentionWorkspace attention_workspace_kind(const TrainingConfig& training) {
-  if (!training.deterministic) return AttentionWorkspace::Atomic;
-  return training.deterministic_attention == DeterministicAttention::Ordered ? AttentionWorkspace::OrderedDq
-                                                                             : AttentionWorkspace::DeterministicDp;
-}
-
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size) {
   return std::min<int64_t>(tokens, std::max<int64_t>(128, ((int64_t{64} << 20) / vocab_size) / 128 * 128));
 }

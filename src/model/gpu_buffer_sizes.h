@@ -107,9 +107,6 @@ SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t d
 enum class AttentionWorkspace { DeterministicDp, OrderedDq, Atomic };
 int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim,
                                      AttentionWorkspace kind);
-// The workspace a run's attention backward takes (training.deterministic and
-// deterministic_attention).
-AttentionWorkspace attention_workspace_kind(const TrainingConfig& training);
 
 // Every dense projection GEMM of a micro-batch of `tokens` tokens (the calls of
 // gpu_attention.cpp and GpuTransformer's ffn_forward / ffn_backward): attention's q|k|v

@@ -272,7 +272,10 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
       shared_scratch_sizes(a.T, c.vocab_size, c.dim, a.F, std::max(a.rows.max_rows, a.rows.max_local_rows),
                            a.rows.max_local_rows)
           .bytes(),
-      attention_workspace_estimate(a.B, a.H, a.S, a.d, attention_workspace_kind(config.training)));
+      attention_workspace_estimate(a.B, a.H, a.S, a.d,
+                                   !config.training.deterministic ? AttentionWorkspace::Atomic
+                                   : layout.ordered_attention     ? AttentionWorkspace::OrderedDq
+                                                                  : AttentionWorkspace::DeterministicDp));
   // training.precision = fp8: one or two operands' quantised rows (codes and 1x128 scales), shared
   // by the layers; every MoE layer's quantised expert weights (fp8_weight_cache), or else
   // scratch for two of the local experts' weight tensors (codes and 128x128 scales).
@@ -337,24 +340,35 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
     if (config.training.global_batch_tokens % (gpus * mb * c.seq_len) == 0) micro_batches.push_back(mb);
     if (mb % 2 != 0) break;
   }
+  const bool ordered_attention =
+      config.training.deterministic && config.training.deterministic_attention == DeterministicAttention::Ordered;
   std::vector<LayoutFit> fits;
   for (int64_t ep : eps)
     for (int64_t zero = 0; zero <= (gpus > 1 ? 3 : 0); ++zero) {
       if (!gpu_offers_zero(config, zero, ep)) continue;
       const StateBytes state = state_with(config, {gpus, gpus_per_node, ep, zero}, blocks);
       for (int64_t mb : micro_batches) {
-        // Adds `layout` when its estimate fits; says whether it did.
+        // Adds `layout` when its estimate fits, or else (a deterministic run's other attention
+        // backward, where it saves memory) the layout with the other one; says whether one did.
         const auto add_if_fits = [&](const MemoryLayout& layout) {
           MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
-          if (estimate.total() > budget_bytes) return false;
-          fits.push_back({layout, std::move(estimate)});
+          if (estimate.total() <= budget_bytes) {
+            fits.push_back({layout, std::move(estimate)});
+            return true;
+          }
+          if (!config.training.deterministic) return false;
+          MemoryLayout other = layout;
+          other.ordered_attention = !layout.ordered_attention;
+          MemoryEstimate other_estimate = estimate_with(config, other, blocks, state);
+          if (other_estimate.total() > budget_bytes || other_estimate.total() >= estimate.total()) return false;
+          fits.push_back({other, std::move(other_estimate)});
           return true;
         };
         // recompute_choices lists nothing recomputed first, so this is known before the
         // expert-only choices come.
         bool nothing_recomputed_fits = false;
         for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
-          MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts};
+          MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts, -1, ordered_attention};
           if (layers != 0 || experts == ExpertRecompute::None) {
             const bool fit = add_if_fits(layout);
             nothing_recomputed_fits = nothing_recomputed_fits || (fit && layers == 0);
@@ -372,9 +386,9 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
         }
       }
     }
-  const auto key = [](const LayoutFit& f) {
-    return std::make_tuple(recompute_rank(f.layout), f.layout.zero, -f.layout.micro_batch, f.layout.expert_parallel,
-                           f.estimate.total());
+  const auto key = [&](const LayoutFit& f) {
+    return std::make_tuple(recompute_rank(f.layout), f.layout.ordered_attention != ordered_attention, f.layout.zero,
+                           -f.layout.micro_batch, f.layout.expert_parallel, f.estimate.total());
   };
   std::sort(fits.begin(), fits.end(), [&](const LayoutFit& x, const LayoutFit& y) { return key(x) < key(y); });
   return fits;
@@ -389,8 +403,15 @@ MemoryLayout configured_layout(const RunConfig& config, int64_t gpus, int64_t gp
   const TrainingConfig& t = config.training;
   // The MoE layers that recompute matter only when something is recomputed.
   const int64_t experts_layers = t.recompute_experts == ExpertRecompute::None ? -1 : t.recompute_experts_layers;
-  return {gpus,           gpus_per_node,      config.parallel.expert_parallel, config.parallel.zero, t.micro_batch,
-          t.recompute_layers, t.recompute_experts, experts_layers};
+  return {gpus,
+          gpus_per_node,
+          config.parallel.expert_parallel,
+          config.parallel.zero,
+          t.micro_batch,
+          t.recompute_layers,
+          t.recompute_experts,
+          experts_layers,
+          t.deterministic && t.deterministic_attention == DeterministicAttention::Ordered};
 }
 
 int64_t MemoryEstimate::activations() const {
@@ -457,6 +478,9 @@ std::vector<std::string> changed_settings(const MemoryLayout& from, const Memory
     changes.push_back(fmt::format("training.recompute_experts = \"{}\"", name_of(to.recompute_experts)));
   if (to.recompute_experts_layers != from.recompute_experts_layers)
     changes.push_back(fmt::format("training.recompute_experts_layers = {}", to.recompute_experts_layers));
+  if (to.ordered_attention != from.ordered_attention)
+    changes.push_back(to.ordered_attention ? "training.deterministic_attention = \"ordered\" (cuDNN >= 9.25, Hopper)"
+                                           : "training.deterministic_attention = \"workspace\"");
   return changes;
 }
 
@@ -511,8 +535,8 @@ void check_memory_fits(const RunConfig& config, int64_t gpus, int64_t gpus_per_n
     MOE_CONFIG_ERROR("{}; no layout fits on {}: {}{} fit ({:.1f} GB)", what, gpus_text(gpus), gpus_text(more),
                      changes.empty() ? "" : " with " + changes, gb(fit.estimate.total()));
   }
-  MOE_CONFIG_ERROR("{}; no layout of parallel.expert_parallel, parallel.zero, training.micro_batch and recomputation "
-                   "fits",
+  MOE_CONFIG_ERROR("{}; no layout of parallel.expert_parallel, parallel.zero, training.micro_batch, recomputation "
+                   "and training.deterministic_attention fits",
                    what);
 }
 

@@ -23,6 +23,8 @@ struct MemoryLayout {
   int64_t recompute_layers = 0;  // training.recompute_layers (-1: all)
   ExpertRecompute recompute_experts = ExpertRecompute::None;
   int64_t recompute_experts_layers = -1;  // training.recompute_experts_layers (-1: every MoE layer)
+  // training.deterministic_attention = ordered in a deterministic run: no dP workspace.
+  bool ordered_attention = false;
   bool operator==(const MemoryLayout&) const = default;
 };
 

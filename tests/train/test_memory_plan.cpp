@@ -624,6 +624,40 @@ TEST(MemoryPlan, RefusalNamesTheLargestAndALayoutThatFits) {
   test::expect_one_line_error<ConfigError>([&] { check_memory_fits(c, 2, 2, 2, one_rank); }, {"2 thread ranks"});
 }
 
+// A long sequence's deterministic attention: the dP workspace (B x H x S x S bf16) is the
+// largest buffer; where it alone keeps a layout from fitting, the plan offers the ordered
+// backward (its fp32 dQ accumulator instead), and the refusal names that setting.
+TEST(MemoryPlan, LongSequencesFitWithTheOrderedAttentionBackward) {
+  RunConfig c = small_config();
+  c.model.seq_len = 16384;
+  c.training.micro_batch = 1;
+  c.training.global_batch_tokens = 16384 * 8;
+  MemoryLayout workspace = configured_layout(c, 1, 1);
+  ASSERT_FALSE(workspace.ordered_attention);
+  MemoryLayout ordered = workspace;
+  ordered.ordered_attention = true;
+  const MemoryEstimate dp = estimate_memory(c, workspace), accumulator = estimate_memory(c, ordered);
+  EXPECT_EQ(dp.largest().name, "shared scratch");
+  EXPECT_EQ(dp.shared_scratch, attention_workspace_estimate(1, 4, 16384, 128, AttentionWorkspace::DeterministicDp));
+  ASSERT_LT(accumulator.total(), dp.total());
+  // A budget between the two: only the ordered backward fits, without recomputation.
+  const int64_t budget = accumulator.total();
+  const std::vector<LayoutFit> fits = layouts_that_fit(c, 1, 1, budget);
+  ASSERT_FALSE(fits.empty());
+  EXPECT_EQ(fits.front().layout, ordered);
+  test::expect_one_line_error<ConfigError>(
+      [&] { check_memory_fits(c, 1, 1, 1, budget); },
+      {"largest: shared scratch", "training.deterministic_attention = \"ordered\" (cuDNN >= 9.25, Hopper) over 1 GPU fits"});
+  // Configured ordered: it fits as it is; without determinism there is no dP to save.
+  c.training.deterministic_attention = DeterministicAttention::Ordered;
+  EXPECT_EQ(configured_layout(c, 1, 1), ordered);
+  EXPECT_NO_THROW(check_memory_fits(c, 1, 1, 1, budget));
+  c.training.deterministic_attention = DeterministicAttention::Workspace;
+  c.training.deterministic = false;
+  EXPECT_FALSE(configured_layout(c, 1, 1).ordered_attention);
+  for (const LayoutFit& fit : layouts_that_fit(c, 1, 1, dp.total())) EXPECT_FALSE(fit.layout.ordered_attention);
+}
+
 TEST(MemoryPlan, OnlyTheSmallestHalvedMicroBatchMustFit) {
   RunConfig c = small_config();
   c.training.micro_batch = 4;
