@@ -2,7 +2,8 @@
 // losses, gradient norms and weights, bit for bit (also when two of them share the GPU
 // at once), with dropless and capacity routing,
 // with and without CUDA graphs and recomputation; and a stopped run resumed from its
-// checkpoint continues bit for bit. MOE_TEST_NONDETERMINISTIC=1 runs the same tests with
+// checkpoint continues bit for bit; the dropless mode again with the ordered attention
+// backward where cuDNN has it. MOE_TEST_NONDETERMINISTIC=1 runs the same tests with
 // training.deterministic = false, to see that they catch cuDNN's atomic attention backward.
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <thread>
 
 #include "gpu_test_util.h"
+#include "kernels/gpu_ops.h"
 #include "train/checkpoint.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
@@ -24,6 +26,7 @@ struct Mode {
   const char* name;
   double capacity_factor;
   bool graphs_and_recompute;
+  bool ordered_attention = false;  // training.deterministic_attention = ordered (cuDNN >= 9.25)
 };
 
 RunConfig determinism_config(const Mode& mode) {
@@ -41,6 +44,8 @@ RunConfig determinism_config(const Mode& mode) {
   config.training.cuda_graphs = mode.graphs_and_recompute;
   config.training.recompute_layers = mode.graphs_and_recompute ? -1 : 0;
   config.training.deterministic = std::getenv("MOE_TEST_NONDETERMINISTIC") == nullptr;
+  if (mode.ordered_attention && config.training.deterministic)
+    config.training.deterministic_attention = DeterministicAttention::Ordered;
   return config;
 }
 
@@ -96,6 +101,9 @@ class GpuDeterminism : public ::testing::TestWithParam<Mode> {};
 // copies on the legacy default stream, which synchronise with it.
 TEST_P(GpuDeterminism, RunsAloneAndConcurrentAreBitIdentical) {
   MOE_REQUIRE_GPU();
+  if (GetParam().ordered_attention && !cuda::Attention::ordered_dq_runs())
+    GTEST_SKIP() << "the ordered attention backward needs cuDNN >= 9.25 on sm_90 (GpuAttentionOrderedDq checks "
+                    "its refusal)";
   const RunConfig config = determinism_config(GetParam());
   const RunRecord first = train(config);
   RunRecord second, third;
@@ -116,7 +124,8 @@ TEST_P(GpuDeterminism, RunsAloneAndConcurrentAreBitIdentical) {
 INSTANTIATE_TEST_SUITE_P(Modes, GpuDeterminism,
                          ::testing::Values(Mode{"dropless", 0.0, false}, Mode{"capacity", 1.25, false},
                                            Mode{"dropless_graphs_recompute", 0.0, true},
-                                           Mode{"capacity_graphs_recompute", 1.25, true}),
+                                           Mode{"capacity_graphs_recompute", 1.25, true},
+                                           Mode{"dropless_ordered_attention", 0.0, false, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // Stopped at step 3 and resumed: the resumed steps and the final weights are the
