@@ -158,14 +158,17 @@ void ExpertExchangeOverComm::trip(const void* send, const std::vector<int64_t>& 
     to.resize(static_cast<size_t>(where.total));
     int64_t at = 0;
     for (size_t p = 0; p < P; ++p) {
-      std::memcpy(to.data() + at, static_cast<const char*>(from) + where.at_P[p], static_cast<size_t>(where.bytes_P[p]));
+      if (where.bytes_P[p] > 0)  // an empty vector's data() may be null: memcpy's pointers must not be
+        std::memcpy(to.data() + at, static_cast<const char*>(from) + where.at_P[p],
+                    static_cast<size_t>(where.bytes_P[p]));
       at += where.bytes_P[p];
     }
   };
   auto unpack = [&](void* to, const std::vector<char>& from, const Pieces& where) {
     int64_t at = 0;
     for (size_t p = 0; p < P; ++p) {
-      std::memcpy(static_cast<char*>(to) + where.at_P[p], from.data() + at, static_cast<size_t>(where.bytes_P[p]));
+      if (where.bytes_P[p] > 0)
+        std::memcpy(static_cast<char*>(to) + where.at_P[p], from.data() + at, static_cast<size_t>(where.bytes_P[p]));
       at += where.bytes_P[p];
     }
   };

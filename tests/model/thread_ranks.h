@@ -88,7 +88,8 @@ class ThreadRanks {
         MOE_CHECK(static_cast<int64_t>(in[static_cast<size_t>(p)].size()) == recv_bytes_P[static_cast<size_t>(p)],
                   "thread exchange: {} bytes from rank {}, {} expected", in[static_cast<size_t>(p)].size(), p,
                   recv_bytes_P[static_cast<size_t>(p)]);
-        std::memcpy(to + total, in[static_cast<size_t>(p)].data(), in[static_cast<size_t>(p)].size());
+        if (!in[static_cast<size_t>(p)].empty())
+          std::memcpy(to + total, in[static_cast<size_t>(p)].data(), in[static_cast<size_t>(p)].size());
         total += recv_bytes_P[static_cast<size_t>(p)];
       }
       record("exchange", recv, total);
@@ -109,8 +110,9 @@ class ThreadRanks {
         for (int p = 0; p < size(); ++p) {
           const auto [lo, hi] = chunk_of_block(recv_rows_P[static_cast<size_t>(p)], c, chunks_);
           MOE_CHECK(static_cast<int64_t>(in[static_cast<size_t>(p)].size()) == (hi - lo) * bytes, "thread round trip: sizes");
-          std::memcpy(static_cast<char*>(recv) + (recv_start[static_cast<size_t>(p)] + lo) * bytes,
-                      in[static_cast<size_t>(p)].data(), in[static_cast<size_t>(p)].size());
+          if (!in[static_cast<size_t>(p)].empty())
+            std::memcpy(static_cast<char*>(recv) + (recv_start[static_cast<size_t>(p)] + lo) * bytes,
+                        in[static_cast<size_t>(p)].data(), in[static_cast<size_t>(p)].size());
         }
         compute(c);
         out.clear();
@@ -123,8 +125,9 @@ class ThreadRanks {
         for (int p = 0; p < size(); ++p) {
           const auto [lo, hi] = chunk_of_block(send_rows_P[static_cast<size_t>(p)], c, chunks_);
           MOE_CHECK(static_cast<int64_t>(home[static_cast<size_t>(p)].size()) == (hi - lo) * bytes, "thread round trip: sizes");
-          std::memcpy(static_cast<char*>(back) + (send_start[static_cast<size_t>(p)] + lo) * bytes,
-                      home[static_cast<size_t>(p)].data(), home[static_cast<size_t>(p)].size());
+          if (!home[static_cast<size_t>(p)].empty())
+            std::memcpy(static_cast<char*>(back) + (send_start[static_cast<size_t>(p)] + lo) * bytes,
+                        home[static_cast<size_t>(p)].data(), home[static_cast<size_t>(p)].size());
         }
       }
       record("rows", recv, recv_start.back() * bytes);
