@@ -340,8 +340,7 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
     if (config.training.global_batch_tokens % (gpus * mb * c.seq_len) == 0) micro_batches.push_back(mb);
     if (mb % 2 != 0) break;
   }
-  const bool ordered_attention =
-      config.training.deterministic && config.training.deterministic_attention == DeterministicAttention::Ordered;
+  const bool ordered_attention = configured_layout(config, gpus, gpus_per_node).ordered_attention;
   std::vector<LayoutFit> fits;
   for (int64_t ep : eps)
     for (int64_t zero = 0; zero <= (gpus > 1 ? 3 : 0); ++zero) {
