@@ -84,12 +84,9 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
                   "micro-batch\n",
              count_text(counts.total), count_text(counts.active), mc.n_layers, mc.dim,
              mc.moe.n_experts, mc.moe.top_k, config.training.micro_batch, mc.seq_len);
-  fmt::print(out, "layout: {} GPU{} ({} per node), expert_parallel {}, zero {}, micro-batch {}, recompute {}{}\n", gpus,
+  fmt::print(out, "layout: {} GPU{} ({} per node), expert_parallel {}, zero {}, micro-batch {}, recompute {}; {}\n", gpus,
              gpus == 1 ? "" : "s", per_node, layout.expert_parallel, layout.zero, layout.micro_batch,
-             recompute_text(layout, mc.n_layers),
-             !config.training.deterministic ? ", attention dQ by atomics"
-             : layout.ordered_attention     ? ", attention dQ ordered"
-                                            : ", attention dQ through a dP workspace");
+             recompute_text(layout, mc.n_layers), name_of(attention_dq_of(config, layout)));
   fmt::print(out, "per GPU{:>32}\n", "GB");
   for (const MemoryEstimate::Component& c : estimate.components())
     fmt::print(out, "  {:<30} {:>8.2f}\n", c.name, gb(c.bytes));

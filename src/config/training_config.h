@@ -65,6 +65,20 @@ constexpr std::span<const EnumName<DeterministicAttention>> enum_names(Determini
   return kDeterministicAttentionNames;
 }
 
+// How the GPU's attention backward sums dQ over the key/value tiles, as training.deterministic
+// and deterministic_attention choose it: atomics (dQ's last bits differ from run to run), the
+// dP workspace or the ordered tiles. The names say so in `moe bench` and `moe plan`.
+enum class AttentionDq { Atomic, Workspace, Ordered };
+inline constexpr std::array<EnumName<AttentionDq>, 3> kAttentionDqNames{
+    {{AttentionDq::Atomic, "dQ summed by atomics (not deterministic)"},
+     {AttentionDq::Workspace, "deterministic, dQ through a B x H x S x S dP workspace"},
+     {AttentionDq::Ordered, "deterministic, dQ's tiles added in order"}}};
+constexpr std::span<const EnumName<AttentionDq>> enum_names(AttentionDq) { return kAttentionDqNames; }
+constexpr AttentionDq attention_dq(bool deterministic, DeterministicAttention form) {
+  if (!deterministic) return AttentionDq::Atomic;
+  return form == DeterministicAttention::Ordered ? AttentionDq::Ordered : AttentionDq::Workspace;
+}
+
 enum class Fp8ColumnScales { Tile1x128, Block128x128 };
 inline constexpr std::array<EnumName<Fp8ColumnScales>, 2> kFp8ColumnScalesNames{
     {{Fp8ColumnScales::Tile1x128, "1x128"}, {Fp8ColumnScales::Block128x128, "128x128"}}};

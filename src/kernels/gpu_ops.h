@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "config/training_config.h"  // AttentionDq
 #include "core/bf16.h"
 
 struct CUstream_st;
@@ -102,21 +103,15 @@ namespace moe::cuda {
 // ld_q, ld_kv: elements from one token's q (k, v) heads to the next token's, for q, k, v
 // and dq, dk, dv alike (0: packed, H d and G d): the fused projection's q|k|v rows of
 // (H + 2G) d are read, and their gradients written, where they lie.
-// How Attention's backward sums dQ over the key/value tiles.
-enum class AttentionDq {
-  Atomic,     // atomics: faster, dQ's last bits differ from run to run
-  Workspace,  // cuDNN's deterministic dP decomposition: a B x H x S x S bf16 workspace, then a dQ GEMM
-  Ordered,    // the tiles add in a fixed order (cuDNN >= 9.25, sm_90): deterministic, workspace linear in S
-};
-
 class Attention {
  public:
   Attention();
   ~Attention();
   Attention(const Attention&) = delete;
   Attention& operator=(const Attention&) = delete;
-  // Workspace by default. Ordered on another cuDNN or GPU is refused (one line) when the
-  // backward's graph is built.
+  // How the backward sums dQ (AttentionDq::Workspace by default): Ordered is the Hopper
+  // engine's fixed-order tile sum (cuDNN >= 9.25, sm_90), refused in one line elsewhere when
+  // the backward's graph is built.
   void set_dq(AttentionDq dq);
   // Whether AttentionDq::Ordered runs with the cuDNN and the GPU of this process.
   static bool ordered_dq_runs();

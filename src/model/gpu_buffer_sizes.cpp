@@ -59,13 +59,12 @@ SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t d
   return s;
 }
 
-int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim,
-                                     AttentionWorkspace kind) {
+int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, AttentionDq dq) {
   const int64_t padded = (seq + 63) / 64 * 64;
   const int64_t dp = batch * heads * padded * padded * 2, softmax_sums = batch * heads * seq * 4;
   const int64_t dq_accumulator = batch * heads * seq * head_dim * 4;
-  if (kind == AttentionWorkspace::OrderedDq) return dq_accumulator + softmax_sums;
-  if (kind == AttentionWorkspace::DeterministicDp || dp <= (int64_t{256} << 20)) return dp + softmax_sums;
+  if (dq == AttentionDq::Ordered) return dq_accumulator + softmax_sums;
+  if (dq == AttentionDq::Workspace || dp <= (int64_t{256} << 20)) return dp + softmax_sums;
   return dq_accumulator + softmax_sums;
 }
 

@@ -102,11 +102,9 @@ SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t d
 // cuDNN's attention workspace for `batch` sequences of `seq` tokens and `heads` query
 // heads, as cudnn-frontend sizes it: the backward's dP of batch x heads x seq x seq bf16
 // (seq rounded up to 64) and its softmax sums in fp32, which the deterministic dP
-// decomposition always takes and the atomic backward only up to 256 MB of dP (else an fp32
-// dQ accumulator, as the ordered deterministic backward: training.deterministic_attention).
-enum class AttentionWorkspace { DeterministicDp, OrderedDq, Atomic };
-int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim,
-                                     AttentionWorkspace kind);
+// decomposition (AttentionDq::Workspace) always takes and the atomic backward only up to
+// 256 MB of dP (else an fp32 dQ accumulator, as the ordered deterministic backward).
+int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, AttentionDq dq);
 
 // Every dense projection GEMM of a micro-batch of `tokens` tokens (the calls of
 // gpu_attention.cpp and GpuTransformer's ffn_forward / ffn_backward): attention's q|k|v

@@ -207,6 +207,15 @@ StateBytes state_with(const RunConfig& config, const MemoryLayout& layout, const
   return state;
 }
 
+}  // namespace
+
+AttentionDq attention_dq_of(const RunConfig& config, const MemoryLayout& layout) {
+  if (!config.training.deterministic) return AttentionDq::Atomic;
+  return layout.ordered_attention ? AttentionDq::Ordered : AttentionDq::Workspace;
+}
+
+namespace {
+
 // `state`: state_with's for this layout.
 MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks,
                              const StateBytes& state) {
@@ -272,10 +281,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
       shared_scratch_sizes(a.T, c.vocab_size, c.dim, a.F, std::max(a.rows.max_rows, a.rows.max_local_rows),
                            a.rows.max_local_rows)
           .bytes(),
-      attention_workspace_estimate(a.B, a.H, a.S, a.d,
-                                   !config.training.deterministic ? AttentionWorkspace::Atomic
-                                   : layout.ordered_attention     ? AttentionWorkspace::OrderedDq
-                                                                  : AttentionWorkspace::DeterministicDp));
+      attention_workspace_estimate(a.B, a.H, a.S, a.d, attention_dq_of(config, layout)));
   // training.precision = fp8: one or two operands' quantised rows (codes and 1x128 scales), shared
   // by the layers; every MoE layer's quantised expert weights (fp8_weight_cache), or else
   // scratch for two of the local experts' weight tensors (codes and 128x128 scales).
@@ -410,7 +416,7 @@ MemoryLayout configured_layout(const RunConfig& config, int64_t gpus, int64_t gp
           t.recompute_layers,
           t.recompute_experts,
           experts_layers,
-          t.deterministic && t.deterministic_attention == DeterministicAttention::Ordered};
+          attention_dq(t.deterministic, t.deterministic_attention) == AttentionDq::Ordered};
 }
 
 int64_t MemoryEstimate::activations() const {

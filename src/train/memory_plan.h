@@ -31,6 +31,9 @@ struct MemoryLayout {
 // The layout `config` asks for over `gpus` GPUs, `gpus_per_node` to a node.
 MemoryLayout configured_layout(const RunConfig& config, int64_t gpus, int64_t gpus_per_node);
 
+// How `layout`'s attention backward sums dQ (the run's determinism, the layout's form).
+AttentionDq attention_dq_of(const RunConfig& config, const MemoryLayout& layout);
+
 // Bytes on one GPU (the largest rank's share where ranks differ).
 struct MemoryEstimate {
   int64_t weights = 0;      // bf16 hi halves of the master weights

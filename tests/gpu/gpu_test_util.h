@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -34,6 +35,13 @@ inline std::vector<bf16> to_bf16(const std::vector<float>& v) {
   std::vector<bf16> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) out[i] = float_to_bf16(v[i]);
   return out;
+}
+
+// Bitwise equal (memcmp: -0/+0 and NaN payloads count); empty vectors compare without
+// touching their data() (null there).
+template <typename T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 inline std::vector<float> to_float(const std::vector<bf16>& v) {
@@ -154,6 +162,7 @@ using test::kBf16Rtol;
 using test::offsets_of;
 using test::poisoned;
 using test::random_bf16_floats;
+using test::same_bits;
 using test::relative_l2;
 using test::to_device;
 using test::to_device_bf16;

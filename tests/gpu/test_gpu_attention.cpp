@@ -53,11 +53,6 @@ AttentionResults run_attention(cuda::Attention& attention, const AttentionCase& 
   return {to_host(out), to_host(dq), to_host(dk), to_host(dv), to_host(stats)};
 }
 
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
 TEST_P(GpuAttention, ForwardAndBackwardMatchCpu) {
   MOE_REQUIRE_GPU();
   const auto [B, S, H, G, d] = GetParam();
@@ -153,7 +148,7 @@ TEST(GpuAttentionWorkspace, SharedWorkspaceGivesTheSameBitsAndRefusesTooLittle) 
   const int64_t padded = (S + 63) / 64 * 64;
   EXPECT_GE(static_cast<int64_t>(bytes), B * H * padded * padded * 2) << "the deterministic backward's dP";
   EXPECT_LE(static_cast<int64_t>(bytes),
-            attention_workspace_estimate(B, H, S, d, AttentionWorkspace::DeterministicDp) + (int64_t{8} << 20))
+            attention_workspace_estimate(B, H, S, d, AttentionDq::Workspace) + (int64_t{8} << 20))
       << "the memory plan's estimate";
   gpu::DeviceArray<char> workspace(bytes);
   workspace.fill_bytes(0xff);
@@ -172,7 +167,7 @@ TEST(GpuAttentionWorkspace, SharedWorkspaceGivesTheSameBitsAndRefusesTooLittle) 
                                      {"attention", "bytes of workspace", std::to_string(bytes - 1)});
 }
 
-// cuda::AttentionDq::Ordered (training.deterministic_attention = ordered). Where cuDNN >= 9.25
+// AttentionDq::Ordered (training.deterministic_attention = ordered). Where cuDNN >= 9.25
 // runs on a Hopper GPU: the backward matches the CPU op as the workspace form does, a long
 // sequence's backward (64 key/value tiles adding into each query tile's dQ) gives the same
 // bits run after run, and its workspace is the fp32 dQ accumulator's the memory plan
@@ -180,7 +175,7 @@ TEST(GpuAttentionWorkspace, SharedWorkspaceGivesTheSameBitsAndRefusesTooLittle) 
 TEST(GpuAttentionOrderedDq, MatchesCpuRerunsBitForBitAndNeedsNoDp) {
   MOE_REQUIRE_GPU();
   cuda::Attention attention;
-  attention.set_dq(cuda::AttentionDq::Ordered);
+  attention.set_dq(AttentionDq::Ordered);
   if (!cuda::Attention::ordered_dq_runs()) {
     test::expect_one_line_error<Error>([&] { run_attention(attention, AttentionCase{1, 128, 2, 2, 64}, 1); },
                                        {"training.deterministic_attention = ordered", "cuDNN >= 9.25"});
@@ -208,7 +203,7 @@ TEST(GpuAttentionOrderedDq, MatchesCpuRerunsBitForBitAndNeedsNoDp) {
   EXPECT_TRUE(same_bits(first.dv, second.dv));
   const auto [B, S, H, G, d] = long_sequence;
   const int64_t bytes = static_cast<int64_t>(attention.workspace_bytes(B, S, H, G, d, 1.0f / 8));
-  EXPECT_LE(bytes, attention_workspace_estimate(B, H, S, d, AttentionWorkspace::OrderedDq) + (int64_t{8} << 20));
+  EXPECT_LE(bytes, attention_workspace_estimate(B, H, S, d, AttentionDq::Ordered) + (int64_t{8} << 20));
   EXPECT_LT(bytes, B * H * S * S * 2 / 8) << "no dP workspace";
 }
 

@@ -25,10 +25,6 @@
 namespace moe {
 namespace {
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 // n standard-normal gradients keyed by (seed, name).
 std::vector<float> random_grads(int64_t n, uint64_t seed, const char* name) {
   CounterRng rng(seed, name);

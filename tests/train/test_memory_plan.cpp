@@ -199,14 +199,14 @@ TEST(MemoryPlan, SharedScratchIsTheLargestOfItsThreeUses) {
   // cudnn-frontend's sizes: dP over sequences padded to 64 and fp32 softmax sums; without
   // the deterministic dP decomposition, past 256 MB of dP, an fp32 dQ accumulator instead,
   // which the ordered deterministic backward always takes.
-  using enum AttentionWorkspace;
-  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, DeterministicDp), 4 * 4 * 256 * 256 * 2 + 4 * 4 * 250 * 4);
+  using enum AttentionDq;
+  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, Workspace), 4 * 4 * 256 * 256 * 2 + 4 * 4 * 250 * 4);
   EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, Atomic), 4 * 4 * 256 * 256 * 2 + 4 * 4 * 250 * 4);
-  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, OrderedDq), 4 * 4 * 250 * 128 * 4 + 4 * 4 * 250 * 4);
-  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, DeterministicDp),
+  EXPECT_EQ(attention_workspace_estimate(4, 4, 250, 128, Ordered), 4 * 4 * 250 * 128 * 4 + 4 * 4 * 250 * 4);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Workspace),
             8 * 16 * int64_t{4096} * 4096 * 2 + 8 * 16 * 4096 * 4);
   EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Atomic), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
-  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, OrderedDq), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Ordered), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
   const MemoryLayout layout = configured_layout(c, 1, 1);
   MemoryEstimate a = estimate_memory(c, layout);
   EXPECT_EQ(a.shared_scratch, sizes.rows_end);
@@ -221,7 +221,7 @@ TEST(MemoryPlan, SharedScratchIsTheLargestOfItsThreeUses) {
   c.training.deterministic_attention = DeterministicAttention::Workspace;
   c.training.deterministic = false;
   const MemoryEstimate fast = estimate_memory(c, configured_layout(c, 1, 1));
-  EXPECT_EQ(det.shared_scratch, attention_workspace_estimate(4, 4, 4096, 128, DeterministicDp));
+  EXPECT_EQ(det.shared_scratch, attention_workspace_estimate(4, 4, 4096, 128, Workspace));
   EXPECT_EQ(ordered.total(), fast.total());  // both take the dQ accumulator, below the row gradients
   EXPECT_EQ(det.workspace, fast.workspace);
   EXPECT_EQ(fast.shared_scratch, shared_scratch_sizes(4 * 4096, V, D, F, 4 * 4096 * 2, 4 * 4096 * 2).bytes());
@@ -638,7 +638,7 @@ TEST(MemoryPlan, LongSequencesFitWithTheOrderedAttentionBackward) {
   ordered.ordered_attention = true;
   const MemoryEstimate dp = estimate_memory(c, workspace), accumulator = estimate_memory(c, ordered);
   EXPECT_EQ(dp.largest().name, "shared scratch");
-  EXPECT_EQ(dp.shared_scratch, attention_workspace_estimate(1, 4, 16384, 128, AttentionWorkspace::DeterministicDp));
+  EXPECT_EQ(dp.shared_scratch, attention_workspace_estimate(1, 4, 16384, 128, AttentionDq::Workspace));
   ASSERT_LT(accumulator.total(), dp.total());
   // A budget between the two: only the ordered backward fits, without recomputation.
   const int64_t budget = accumulator.total();

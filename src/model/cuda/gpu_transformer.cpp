@@ -47,8 +47,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.recompute_layers = training.recompute_layers;
   options.recompute_experts = training.recompute_experts;
   options.recompute_experts_layers = training.recompute_experts_layers;
-  options.deterministic = training.deterministic;
-  options.deterministic_attention = training.deterministic_attention;
+  options.attention_dq = moe::attention_dq(training.deterministic, training.deterministic_attention);
   options.fp8_experts = training.precision == TrainingPrecision::Fp8;
   options.fp8_projections = training.precision == TrainingPrecision::Fp8;
   options.fp8_weight_cache = training.fp8_weight_cache;
@@ -151,10 +150,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   MOE_CHECK(!options.bf16_expert_grads || !s.ep, "bf16 expert gradients: not with expert parallelism");
   s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident,
                                                 options.bf16_expert_grads);
-  const bool ordered = options.deterministic_attention == DeterministicAttention::Ordered;
-  s.attention.set_dq(!options.deterministic ? cuda::AttentionDq::Atomic
-                     : ordered              ? cuda::AttentionDq::Ordered
-                                            : cuda::AttentionDq::Workspace);
+  s.attention.set_dq(options.attention_dq);
   if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   routing_.reset(new Routing(s));

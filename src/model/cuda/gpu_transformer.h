@@ -99,13 +99,11 @@ struct GpuModelOptions {
   // expert rows, which saves their refill in the backward where memory allows.
   ExpertRecompute recompute_experts = ExpertRecompute::None;
   int64_t recompute_experts_layers = -1;
-  // true: every reduction in a fixed order, so reruns are bit-identical (the one kernel
-  // that needs a switch is cuDNN's attention backward; everything else is deterministic
-  // by construction). false: cuDNN's faster atomic dQ accumulation.
-  bool deterministic = true;
-  // With deterministic: how the attention backward orders dQ's sum (cuDNN's dP workspace, or
-  // its Hopper engine's ordered tiles).
-  DeterministicAttention deterministic_attention = DeterministicAttention::Workspace;
+  // How cuDNN's attention backward sums dQ: in a fixed order (Workspace, Ordered), so reruns
+  // are bit-identical (the one kernel that needs a switch; everything else is deterministic
+  // by construction), or by its faster atomics (Atomic). training.deterministic and
+  // deterministic_attention.
+  AttentionDq attention_dq = AttentionDq::Workspace;
   // Expert parallelism over `expert_exchange` (null: off). Every rank keeps the block
   // layout of all the parameters but memory (weights, gradients, moments) only for the
   // non-expert ones and its own experts (its window; GpuParameterStore's resident ranges),

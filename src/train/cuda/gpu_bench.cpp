@@ -130,11 +130,9 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
                  : "",
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
   if (config.training.precision == TrainingPrecision::Fp8) fmt::print(out, "{}\n", describe_fp8_projections(mc, T));
-  const char* dq = !config.training.deterministic ? "dQ summed by atomics (not deterministic)"
-                   : config.training.deterministic_attention == DeterministicAttention::Ordered
-                       ? "deterministic, dQ's tiles added in order"
-                       : "deterministic, dQ through a B x H x S x S dP workspace";
-  fmt::print(out, "attention backward: {}; {}\n", dq, gpu_library_versions());
+  fmt::print(out, "attention backward: {}; {}\n",
+             name_of(attention_dq(config.training.deterministic, config.training.deterministic_attention)),
+             gpu_library_versions());
   if (ep_loopback)
     fmt::print(out, "expert parallel over this one GPU (--ep-loopback): every exchange a device copy\n");
   fmt::print(out, "params: total {:.3f} B, active {:.3f} B, embedding {:.3f} B\n", counts.total / 1e9,
