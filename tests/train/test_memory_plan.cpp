@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -625,8 +626,10 @@ TEST(MemoryPlan, RefusalNamesTheLargestAndALayoutThatFits) {
 }
 
 // A long sequence's deterministic attention: the dP workspace (B x H x S x S bf16) is the
-// largest buffer; where it alone keeps a layout from fitting, the plan offers the ordered
-// backward (its fp32 dQ accumulator instead), and the refusal names that setting.
+// largest buffer; where no layout with it fits, recomputation included, the plan offers the
+// ordered backward (its fp32 dQ accumulator instead), and the refusal names that setting.
+// Ordered dQ is the last resort (4.6x the attention backward's time, measured): a layout
+// that recomputes ranks before it.
 TEST(MemoryPlan, LongSequencesFitWithTheOrderedAttentionBackward) {
   RunConfig c = small_config();
   c.model.seq_len = 16384;
@@ -640,18 +643,33 @@ TEST(MemoryPlan, LongSequencesFitWithTheOrderedAttentionBackward) {
   EXPECT_EQ(dp.largest().name, "shared scratch");
   EXPECT_EQ(dp.shared_scratch, attention_workspace_estimate(1, 4, 16384, 128, AttentionDq::Workspace));
   ASSERT_LT(accumulator.total(), dp.total());
-  // A budget between the two: only the ordered backward fits, without recomputation.
-  const int64_t budget = accumulator.total();
-  const std::vector<LayoutFit> fits = layouts_that_fit(c, 1, 1, budget);
+  // The smallest layout with the dP workspace: the most recomputation.
+  int64_t smallest_workspace = dp.total();
+  for (const LayoutFit& fit : layouts_that_fit(c, 1, 1, dp.total())) {
+    EXPECT_FALSE(fit.layout.ordered_attention);
+    smallest_workspace = std::min(smallest_workspace, fit.estimate.total());
+  }
+  ASSERT_LT(smallest_workspace, dp.total());
+  // Where it fits, it comes first although the ordered backward fits without recomputation.
+  ASSERT_LE(accumulator.total(), smallest_workspace);
+  std::vector<LayoutFit> fits = layouts_that_fit(c, 1, 1, smallest_workspace);
+  ASSERT_FALSE(fits.empty());
+  EXPECT_FALSE(fits.front().layout.ordered_attention);
+  EXPECT_TRUE(fits.front().layout.recompute_layers != 0 || fits.front().layout.recompute_experts != ExpertRecompute::None);
+  EXPECT_TRUE(std::any_of(fits.begin(), fits.end(), [&](const LayoutFit& f) { return f.layout == ordered; }));
+  EXPECT_TRUE(std::is_partitioned(fits.begin(), fits.end(), [](const LayoutFit& f) { return !f.layout.ordered_attention; }));
+  // A byte less: only the ordered backward fits, with the least recomputation (none).
+  fits = layouts_that_fit(c, 1, 1, smallest_workspace - 1);
   ASSERT_FALSE(fits.empty());
   EXPECT_EQ(fits.front().layout, ordered);
+  for (const LayoutFit& fit : fits) EXPECT_TRUE(fit.layout.ordered_attention);
   test::expect_one_line_error<ConfigError>(
-      [&] { check_memory_fits(c, 1, 1, 1, budget); },
+      [&] { check_memory_fits(c, 1, 1, 1, smallest_workspace - 1); },
       {"largest: shared scratch", "training.deterministic_attention = \"ordered\" (cuDNN >= 9.25, Hopper) over 1 GPU fits"});
   // Configured ordered: it fits as it is; without determinism there is no dP to save.
   c.training.deterministic_attention = DeterministicAttention::Ordered;
   EXPECT_EQ(configured_layout(c, 1, 1), ordered);
-  EXPECT_NO_THROW(check_memory_fits(c, 1, 1, 1, budget));
+  EXPECT_NO_THROW(check_memory_fits(c, 1, 1, 1, accumulator.total()));
   c.training.deterministic_attention = DeterministicAttention::Workspace;
   c.training.deterministic = false;
   EXPECT_FALSE(configured_layout(c, 1, 1).ordered_attention);
