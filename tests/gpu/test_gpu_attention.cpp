@@ -181,7 +181,7 @@ TEST(GpuAttentionOrderedDq, MatchesCpuRerunsBitForBitAndNeedsNoDp) {
                                        {"training.deterministic_attention = ordered", "cuDNN >= 9.25"});
     return;
   }
-  for (const AttentionCase c : {AttentionCase{2, 320, 4, 2, 64}, AttentionCase{1, 256, 4, 4, 128}}) {
+  const auto matches_cpu = [&](const AttentionCase& c) {
     const auto [B, S, H, G, d] = c;
     auto q = random_bf16_floats(B * S * H * d, 1, "q"), k = random_bf16_floats(B * S * G * d, 2, "k");
     auto v = random_bf16_floats(B * S * G * d, 3, "v"), dout = random_bf16_floats(B * S * H * d, 4, "dout");
@@ -194,6 +194,19 @@ TEST(GpuAttentionOrderedDq, MatchesCpuRerunsBitForBitAndNeedsNoDp) {
     expect_close_scaled("dq", test::to_float(got.dq), dq_ref);
     expect_close_scaled("dk", test::to_float(got.dk), dk_ref);
     expect_close_scaled("dv", test::to_float(got.dv), dv_ref);
+  };
+  matches_cpu(AttentionCase{2, 320, 4, 2, 64});
+  matches_cpu(AttentionCase{1, 256, 4, 4, 128});
+  // A head dim past the engine's tiles: it runs and matches, or the refusal names the setting,
+  // the shape and the way out in one line.
+  const AttentionCase wide{1, 128, 2, 2, 256};
+  try {
+    matches_cpu(wide);
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    for (const char* part : {"training.deterministic_attention = ordered", "head dim 256", "use \"workspace\""})
+      EXPECT_NE(message.find(part), std::string::npos) << message;
   }
   const AttentionCase long_sequence{4, 4096, 8, 8, 64};
   const AttentionResults first = run_attention(attention, long_sequence, 7);

@@ -214,12 +214,18 @@ struct Attention::State {
     dq->set_output(true).set_uid(kdQ).set_dim(bhsd_dims(B, H, S, d)).set_stride(bshd_strides(ld_q, S, d));
     dk->set_output(true).set_uid(kdK).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
     dv->set_output(true).set_uid(kdV).set_dim(bhsd_dims(B, G, S, d)).set_stride(bshd_strides(ld_kv, S, d));
-    std::optional<EngineConfig> pinned;
-    if (dq_order == AttentionDq::Ordered) {
-      if (const std::optional<std::string> refusal = ordered_dq_refusal()) MOE_THROW("{}", *refusal);
-      pinned = ordered_dq_engine();
+    if (dq_order != AttentionDq::Ordered) return backward_graphs.emplace(shape, build(std::move(graph), handle)).first->second;
+    if (const std::optional<std::string> refusal = ordered_dq_refusal()) MOE_THROW("{}", *refusal);
+    const EngineConfig ordered = ordered_dq_engine();
+    try {
+      return backward_graphs.emplace(shape, build(std::move(graph), handle, &ordered)).first->second;
+    } catch (const Error& e) {
+      // The engine's one configuration does not serve every shape cuDNN's heuristics do.
+      MOE_THROW(
+          "training.deterministic_attention = ordered: cuDNN's ordered-dQ engine does not take this attention "
+          "(batch {}, {} query / {} key-value heads, {} tokens, head dim {}): use \"workspace\" ({})",
+          B, H, G, S, d, e.what());
     }
-    return backward_graphs.emplace(shape, build(std::move(graph), handle, pinned ? &*pinned : nullptr)).first->second;
   }
 };
 
