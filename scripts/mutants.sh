@@ -65,6 +65,18 @@ mutant train/prune-keeps-one-more src/train/checkpoint.cpp \
 mutant train/config-top-k-unbounded src/config/run_config.cpp \
   'if (e.top_k < 1 || e.top_k > e.n_experts)' \
   'if (e.top_k < 1)'
+mutant train/plan-ordered-before-recompute src/train/memory_plan.cpp \
+  'std::make_tuple(f.layout.ordered_attention != ordered_attention, recompute_rank(f.layout), f.layout.zero,' \
+  'std::make_tuple(recompute_rank(f.layout), f.layout.ordered_attention != ordered_attention, f.layout.zero,'
+mutant train/plan-shared-gate-up-half src/train/memory_plan.cpp \
+  'if (share_gate_up) m.recompute_set += RL * 2 * a.F * 2;' \
+  'if (share_gate_up) m.recompute_set += RL * a.F * 2;'
+mutant train/plan-scratch-without-attention src/train/memory_plan.cpp \
+  'attention_workspace_estimate(a.B, a.H, a.S, a.d, attention_dq_of(config, layout)));' \
+  'int64_t{0});'
+mutant train/plan-split-rank-least src/train/memory_plan.cpp \
+  'if (rank.total() > state.total()) state = rank;' \
+  'if (rank.total() < state.total()) state = rank;'
 
 # --- dist ----------------------------------------------------------------------------
 mutant dist/sharded-clip-squared-norm src/train/backends/parallel_cpu_backend.cpp \

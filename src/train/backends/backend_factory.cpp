@@ -93,22 +93,20 @@ void check_gpu_world(const RunConfig& config, int ranks) {
   check_gpu_config(config, ranks);
 }
 
+#ifdef MOE_HAVE_CUDA
 // The memory plan (train/memory_plan.h) before anything is allocated on the GPU: a layout
 // that cannot fit even at the smallest micro-batch the halving on an allocation failure
 // reaches is refused with one line naming a setting that fits. Which micro-batch fits is
 // still the allocation's call (the estimate is not exact; docs/MEMORY_PLAN.md).
 void check_gpu_memory(const RunConfig& config, const dist::Communicator* world) {
-#ifdef MOE_HAVE_CUDA
   const int64_t ranks = world ? world->size() : 1;
   const bool threads = world && world->backend() == "threads";  // thread ranks share this one GPU
   const dist::LaunchEnv env = dist::read_launch_env();
   const int64_t per_node = threads || env.world_size != ranks ? ranks : std::max(1, env.local_size);
   const auto budget = static_cast<int64_t>(gpu_memory_bytes()) - static_cast<int64_t>(kMemoryReserveGb * 1e9);
   check_memory_fits(config, ranks, per_node, threads ? ranks : 1, budget);
-#else
-  (void)config, (void)world;
-#endif
 }
+#endif
 
 std::unique_ptr<ModelBackend> gpu_backend(const RunConfig& config, HostState host,
                                           std::unique_ptr<dist::Communicator> world) {
