@@ -353,40 +353,45 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
       if (!gpu_offers_zero(config, zero, ep)) continue;
       const StateBytes state = state_with(config, {gpus, gpus_per_node, ep, zero}, blocks);
       for (int64_t mb : micro_batches) {
-        // Adds `layout` when its estimate fits, or else (a deterministic run's other attention
-        // backward, where it saves memory) the layout with the other one; says whether one did.
-        const auto add_if_fits = [&](const MemoryLayout& layout) {
-          MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
-          if (estimate.total() <= budget_bytes) {
-            fits.push_back({layout, std::move(estimate)});
+        // Two passes: the configured attention backward, then (deterministic runs) the other one
+        // for the layouts the configured one does not fit and it makes fit with less memory.
+        // add_if_fits says whether the layout is covered: added, or (second pass) its
+        // configured twin fits already, so that neither pass stops early on the other's fit.
+        for (const bool other_form : {false, true}) {
+          if (other_form && !config.training.deterministic) break;
+          const auto add_if_fits = [&](MemoryLayout layout) {
+            MemoryEstimate estimate = estimate_with(config, layout, blocks, state);
+            if (!other_form) {
+              if (estimate.total() > budget_bytes) return false;
+              fits.push_back({layout, std::move(estimate)});
+              return true;
+            }
+            if (estimate.total() <= budget_bytes) return true;
+            layout.ordered_attention = !layout.ordered_attention;
+            MemoryEstimate other = estimate_with(config, layout, blocks, state);
+            if (other.total() > budget_bytes || other.total() >= estimate.total()) return false;
+            fits.push_back({layout, std::move(other)});
             return true;
-          }
-          if (!config.training.deterministic) return false;
-          MemoryLayout other = layout;
-          other.ordered_attention = !layout.ordered_attention;
-          MemoryEstimate other_estimate = estimate_with(config, other, blocks, state);
-          if (other_estimate.total() > budget_bytes || other_estimate.total() >= estimate.total()) return false;
-          fits.push_back({other, std::move(other_estimate)});
-          return true;
-        };
-        // recompute_choices lists nothing recomputed first, so this is known before the
-        // expert-only choices come.
-        bool nothing_recomputed_fits = false;
-        for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
-          MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts, -1, ordered_attention};
-          if (layers != 0 || experts == ExpertRecompute::None) {
-            const bool fit = add_if_fits(layout);
-            nothing_recomputed_fits = nothing_recomputed_fits || (fit && layers == 0);
-            continue;
-          }
-          // Expert rows recomputed in the first MoE layers only: the fewest that fit, from 2
-          // (one layer alone shares its rows with none), else every one; not at all where
-          // nothing recomputed fits already.
-          if (nothing_recomputed_fits) continue;
-          for (int64_t n = 2;; ++n) {
-            const bool every = n >= moe_layers;
-            layout.recompute_experts_layers = every ? -1 : n;
-            if (add_if_fits(layout) || every) break;
+          };
+          // recompute_choices lists nothing recomputed first, so this is known before the
+          // expert-only choices come.
+          bool nothing_recomputed_fits = false;
+          for (const auto& [layers, experts] : recompute_choices(ep > 1)) {
+            MemoryLayout layout{gpus, gpus_per_node, ep, zero, mb, layers, experts, -1, ordered_attention};
+            if (layers != 0 || experts == ExpertRecompute::None) {
+              const bool fit = add_if_fits(layout);
+              nothing_recomputed_fits = nothing_recomputed_fits || (fit && layers == 0);
+              continue;
+            }
+            // Expert rows recomputed in the first MoE layers only: the fewest that fit, from 2
+            // (one layer alone shares its rows with none), else every one; not at all where
+            // nothing recomputed fits already.
+            if (nothing_recomputed_fits) continue;
+            for (int64_t n = 2;; ++n) {
+              const bool every = n >= moe_layers;
+              layout.recompute_experts_layers = every ? -1 : n;
+              if (add_if_fits(layout) || every) break;
+            }
           }
         }
       }
@@ -487,17 +492,20 @@ std::vector<std::string> changed_settings(const MemoryLayout& from, const Memory
   if (to.recompute_experts_layers != from.recompute_experts_layers)
     changes.push_back(fmt::format("training.recompute_experts_layers = {}", to.recompute_experts_layers));
   if (to.ordered_attention != from.ordered_attention)
-    changes.push_back(to.ordered_attention ? "training.deterministic_attention = \"ordered\" (cuDNN >= 9.25, Hopper)"
+    changes.push_back(to.ordered_attention ? "training.deterministic_attention = \"ordered\" (cuDNN >= 9.25, Hopper; a slower backward)"
                                            : "training.deterministic_attention = \"workspace\"");
   return changes;
 }
 
 // The refusal's suggestion: of the fits (best first), the first with the fewest settings
-// changed from `from`.
+// changed from `from`, the other attention backward only where nothing with `from`'s fits
+// (its cost: fits_over).
 const LayoutFit& closest_fit(const std::vector<LayoutFit>& fits, const MemoryLayout& from) {
-  const auto changes = [&](const LayoutFit& f) { return changed_settings(from, f.layout).size(); };
+  const auto key = [&](const LayoutFit& f) {
+    return std::make_pair(f.layout.ordered_attention != from.ordered_attention, changed_settings(from, f.layout).size());
+  };
   return *std::min_element(fits.begin(), fits.end(),
-                           [&](const LayoutFit& a, const LayoutFit& b) { return changes(a) < changes(b); });
+                           [&](const LayoutFit& a, const LayoutFit& b) { return key(a) < key(b); });
 }
 
 }  // namespace

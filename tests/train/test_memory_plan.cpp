@@ -658,6 +658,37 @@ TEST(MemoryPlan, LongSequencesFitWithTheOrderedAttentionBackward) {
   EXPECT_TRUE(fits.front().layout.recompute_layers != 0 || fits.front().layout.recompute_experts != ExpertRecompute::None);
   EXPECT_TRUE(std::any_of(fits.begin(), fits.end(), [&](const LayoutFit& f) { return f.layout == ordered; }));
   EXPECT_TRUE(std::is_partitioned(fits.begin(), fits.end(), [](const LayoutFit& f) { return !f.layout.ordered_attention; }));
+  // SwiGLU recomputed with the dP workspace fits: found and first, although the ordered
+  // backward fits with nothing recomputed (which once ended the search for expert recompute).
+  MemoryLayout swiglu_rows = workspace;
+  swiglu_rows.recompute_experts = ExpertRecompute::Swiglu;
+  swiglu_rows.recompute_experts_layers = -1;
+  const int64_t swiglu_budget = estimate_memory(c, swiglu_rows).total();
+  ASSERT_LT(swiglu_budget, dp.total());
+  ASSERT_LE(accumulator.total(), swiglu_budget);
+  fits = layouts_that_fit(c, 1, 1, swiglu_budget);
+  ASSERT_FALSE(fits.empty());
+  EXPECT_EQ(fits.front().layout, swiglu_rows);
+  // The refusal suggests recomputing too, not the ordered backward, even where that changes
+  // more settings: with SwiGLU recomputed, recomputing whole layers changes two (there is
+  // no whole-layer SwiGLU choice), the ordered backward one.
+  RunConfig swiglu = c;
+  swiglu.training.recompute_experts = ExpertRecompute::Swiglu;
+  MemoryLayout swiglu_ordered = configured_layout(swiglu, 1, 1);
+  swiglu_ordered.ordered_attention = true;
+  int64_t smallest_swiglu = estimate_memory(swiglu, configured_layout(swiglu, 1, 1)).total();
+  for (const LayoutFit& fit : layouts_that_fit(swiglu, 1, 1, smallest_swiglu))
+    if (!fit.layout.ordered_attention) smallest_swiglu = std::min(smallest_swiglu, fit.estimate.total());
+  ASSERT_LE(estimate_memory(swiglu, swiglu_ordered).total(), smallest_swiglu);
+  try {
+    check_memory_fits(swiglu, 1, 1, 1, smallest_swiglu);
+    ADD_FAILURE() << "the configured layout fits";
+  } catch (const ConfigError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("training.recompute_layers = -1, training.recompute_experts"), std::string::npos)
+        << message;
+    EXPECT_EQ(message.find("ordered"), std::string::npos) << message;
+  }
   // A byte less: only the ordered backward fits, with the least recomputation (none).
   fits = layouts_that_fit(c, 1, 1, smallest_workspace - 1);
   ASSERT_FALSE(fits.empty());
@@ -665,7 +696,7 @@ TEST(MemoryPlan, LongSequencesFitWithTheOrderedAttentionBackward) {
   for (const LayoutFit& fit : fits) EXPECT_TRUE(fit.layout.ordered_attention);
   test::expect_one_line_error<ConfigError>(
       [&] { check_memory_fits(c, 1, 1, 1, smallest_workspace - 1); },
-      {"largest: shared scratch", "training.deterministic_attention = \"ordered\" (cuDNN >= 9.25, Hopper) over 1 GPU fits"});
+      {"largest: shared scratch", "training.deterministic_attention = \"ordered\" (cuDNN >= 9.25, Hopper; a slower backward) over 1 GPU fits"});
   // Configured ordered: it fits as it is; without determinism there is no dP to save.
   c.training.deterministic_attention = DeterministicAttention::Ordered;
   EXPECT_EQ(configured_layout(c, 1, 1), ordered);
