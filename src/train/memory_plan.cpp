@@ -400,7 +400,7 @@ std::vector<LayoutFit> fits_over(const RunConfig& config, const ModelBlocks& blo
   // (olmoe-mini, H100, cuDNN 9.26: 354 against 76 ms of attention a step), far more than any
   // recomputation costs, so it is a layout's last resort, not a trade for recomputation.
   const auto key = [&](const LayoutFit& f) {
-    return std::make_tuple(recompute_rank(f.layout), f.layout.ordered_attention != ordered_attention, f.layout.zero,
+    return std::make_tuple(f.layout.ordered_attention != ordered_attention, recompute_rank(f.layout), f.layout.zero,
                            -f.layout.micro_batch, f.layout.expert_parallel, f.estimate.total());
   };
   std::sort(fits.begin(), fits.end(), [&](const LayoutFit& x, const LayoutFit& y) { return key(x) < key(y); });

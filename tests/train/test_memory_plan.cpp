@@ -250,6 +250,13 @@ TEST(MemoryPlan, ExpertRowsSharedByTheFirstMoELayersOnly) {
   const int64_t R = 4 * 256 * 2, D = 512, F = 1024, shared_rows = R * D * 2 + R * F * 2;  // x and act rows
   EXPECT_EQ(all.recompute_set, shared_rows);
   for (size_t l = 0; l < 2; ++l) EXPECT_EQ(none.layer_activations[l] - all.layer_activations[l], shared_rows);
+  // Everything recomputed: gate|up's rows [R, 2F] are shared too.
+  RunConfig every_config = c;
+  every_config.training.recompute_experts = ExpertRecompute::All;
+  const MemoryEstimate every = estimate_memory(every_config, configured_layout(every_config, 1, 1));
+  const int64_t every_rows = shared_rows + R * 2 * F * 2;
+  EXPECT_EQ(every.recompute_set, every_rows);
+  for (size_t l = 0; l < 2; ++l) EXPECT_EQ(none.layer_activations[l] - every.layer_activations[l], every_rows);
   c.training.recompute_experts_layers = 1;
   const MemoryEstimate first = estimate_memory(c, configured_layout(c, 1, 1));
   EXPECT_EQ(first.layer_activations[0], all.layer_activations[0]);
@@ -285,6 +292,20 @@ TEST(MemoryPlan, ExpertParallelismHalvesTheExpertState) {
   EXPECT_EQ(a.moments - b.moments, 2 * (a.gradients - b.gradients));
   EXPECT_EQ(a.master_lo, a.weights);
   EXPECT_EQ(b.master_lo, b.weights);
+  // Split experts (parallel.split_experts): each rank holds half of every expert's hidden
+  // rows instead of half of the experts: as much freed, less the chunks each of the 6 expert
+  // tensors' two windows (a rank's and the hinge it shares) round up to; the plan takes the
+  // larger rank's.
+  c.parallel.expert_parallel = 2;
+  c.parallel.split_experts = true;
+  const MemoryEstimate split = estimate_memory(c, ep2);
+  for (auto [whole, ep_half, split_half, elem] : {std::tuple{a.weights, b.weights, split.weights, 2},
+                                                  std::tuple{a.gradients, b.gradients, split.gradients, 4}}) {
+    EXPECT_GE(split_half, ep_half) << "elem " << elem;
+    EXPECT_LE(split_half - ep_half, 12 * kChunk * elem / 2) << "elem " << elem;
+    EXPECT_GT(whole - split_half, freed * elem / 2) << "elem " << elem;
+  }
+  EXPECT_EQ(split.master_lo, split.weights);
 }
 
 TEST(MemoryPlan, ZeroLevelsKeepWhatTheGpuAllocates) {
