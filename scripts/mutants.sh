@@ -77,6 +77,21 @@ mutant train/plan-scratch-without-attention src/train/memory_plan.cpp \
 mutant train/plan-split-rank-least src/train/memory_plan.cpp \
   'if (rank.total() > state.total()) state = rank;' \
   'if (rank.total() < state.total()) state = rank;'
+mutant train/batch-halving-keeps-steps src/train/batch_controller.cpp \
+  '    plan.micro_steps *= 2;' \
+  ''
+mutant train/batch-limit-inclusive src/train/batch_controller.cpp \
+  'if (bytes > limit_bytes) {' \
+  'if (bytes >= limit_bytes) {'
+mutant train/shard-size-unchecked src/train/checkpoint_shards.cpp \
+  'if (static_cast<uint64_t>(st.st_size) != entry.bytes)' \
+  'if (false)'
+mutant train/shard-foreign-rank-accepted src/train/checkpoint_shards.cpp \
+  'if (meta("save_id") != manifest.save_id || meta("rank") != std::to_string(entry.rank))' \
+  'if (meta("save_id") != manifest.save_id)'
+mutant train/shard-piece-hash-skipped src/train/checkpoint_shards.cpp \
+  'if (!piece.hash.empty() &&' \
+  'if (piece.hash.empty() &&'
 
 # --- dist ----------------------------------------------------------------------------
 mutant dist/sharded-clip-squared-norm src/train/backends/parallel_cpu_backend.cpp \
