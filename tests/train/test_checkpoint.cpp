@@ -261,6 +261,19 @@ TEST_F(Checkpoint, CorruptedAndForeignFilesAreRefused) {
   }
   expect_error([&] { read_checkpoint(foreign); }, {"foreign/rank_00000.safetensors", "not a moe-train checkpoint shard"});
 
+  // Another rank's shard of the same save under this rank's entry (manifest and marker made
+  // consistent): its own rank metadata gives it away.
+  const fs::path other_rank = variant("other_rank");
+  {
+    std::string m = read_file_bytes(other_rank / "manifest.json");
+    auto json = nlohmann::json::parse(m);
+    json["shards"][0]["rank"] = 1;
+    m = json.dump(2) + "\n";
+    write_file_atomic(other_rank / "manifest.json", m);
+    write_file_atomic(other_rank / "COMPLETE", "xxh3_64:" + content_hash(m.data(), m.size()) + "\n");
+  }
+  expect_error([&] { read_checkpoint(other_rank); }, {"other_rank/rank_00000.safetensors", "a foreign shard: rank 0"});
+
   const fs::path unknown_hash = variant("unknown_hash");
   rewrite(unknown_hash / "COMPLETE", [](std::string& b) { b.replace(0, b.find(':'), "md5"); });
   expect_error([&] { read_checkpoint(unknown_hash); }, {"unknown_hash/COMPLETE", "unknown checksum algorithm 'md5'"});
@@ -412,6 +425,11 @@ TEST(BatchController, HalvesUntilThePlanFitsKeepingTheGlobalBatch) {
   EXPECT_EQ(plan.notes[0],
             "memory: micro-batch 8 plans 8.0 MB, over the 3.0 MB limit; halved to 4 x 8 accumulation steps (512 "
             "tokens/step)");
+  // A plan exactly at the limit fits: no halving.
+  plan = fit_micro_batch(
+      8 * 4 * 16, 16, 4, 4000000, [](int64_t b) { return static_cast<size_t>(b) * 1000000; }, [](int64_t) {});
+  EXPECT_EQ(plan.micro_batch, 4);
+  EXPECT_TRUE(plan.notes.empty());
   // An allocation failure halves too.
   int failures = 0;
   plan = fit_micro_batch(
