@@ -37,10 +37,10 @@ namespace moe {
 namespace {
 
 // The config as this process runs it: defaults, file and overrides, with what the machine
-// decides resolved (training.fp8_gemm_backend = auto), so the run's saved config says it.
+// decides resolved (training.fp8_gemm_backend and bf16_gemm_backend = auto), so the run's saved config says it.
 RunConfig resolve_config(const std::string& path, std::vector<std::string> overrides) {
   RunConfig config = path.empty() ? parse_config("", "defaults", overrides) : load_config(path, overrides);
-  config.training.fp8_gemm_backend = resolve_fp8_gemm_backend(config);
+  resolve_gemm_backends(config);
   return config;
 }
 
@@ -142,7 +142,7 @@ int run_eval(const EvalOptions& options) {
   overrides.insert(overrides.end(), options.overrides.begin(), options.overrides.end());
   if (options.device) overrides.push_back("training.device=" + *options.device);
   RunConfig config = parse_config(read_file_bytes(config_file), config_file.string(), overrides);
-  config.training.fp8_gemm_backend = resolve_fp8_gemm_backend(config);
+  resolve_gemm_backends(config);
   if (options.batches && *options.batches < 1) MOE_CONFIG_ERROR("--batches must be >= 1, got {}", *options.batches);
   const int threads = set_num_threads(threads_in_effect(config.training.threads, "training.threads", std::cout));
   TextData data = load_text_data(config, threads);

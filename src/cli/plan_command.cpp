@@ -66,7 +66,7 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
     MOE_CONFIG_ERROR("--hardware, --compute, --collectives, --micro-batches, --expert-imbalance, "
                      "--expert-load-imbalance, --expert-loads and --json go with --simulate");
   RunConfig config = load_config(options.config_path, options.overrides);
-  config.training.fp8_gemm_backend = resolve_fp8_gemm_backend(config);  // deepgemm's padding rows
+  resolve_gemm_backends(config);  // deepgemm's padding rows
   const ModelConfig& mc = config.model;
   const int64_t gpus = options.gpus.value_or(std::max<int64_t>(1, config.parallel.expert_parallel));
   if (gpus < 1) MOE_CONFIG_ERROR("--gpus {}: at least 1", gpus);

@@ -129,23 +129,38 @@ void check_model(const ModelConfig& m) {
   non_negative("moe.route_cache_keys", e.route_cache_keys);
 }
 
-// Why DeepGEMM's kernels cannot run `c`, if they cannot: the rule an explicit
-// training.fp8_gemm_backend = deepgemm must pass, and what auto checks before choosing them.
-std::optional<RuleBroken> deepgemm_refused(const RunConfig& c) {
-  if (c.training.precision != TrainingPrecision::Fp8)
-    return RuleBroken{{"training.fp8_gemm_backend", "training.precision"},
-                      "training.fp8_gemm_backend = deepgemm applies to training.precision = fp8 only"};
+// The key choosing `precision`'s GEMM kernels.
+const char* gemm_backend_key(TrainingPrecision precision) {
+  return precision == TrainingPrecision::Fp8 ? "training.fp8_gemm_backend" : "training.bf16_gemm_backend";
+}
+
+// Why DeepGEMM's kernels cannot run `c`'s GEMMs of `precision`, if they cannot: the rule an
+// explicit deepgemm must pass, and what auto checks before choosing them.
+std::optional<RuleBroken> deepgemm_refused(const RunConfig& c, TrainingPrecision precision) {
+  const std::string key = gemm_backend_key(precision);
+  if (c.training.precision != precision)
+    return RuleBroken{{key, "training.precision"},
+                      fmt::format("{} = deepgemm applies to training.precision = {} only", key,
+                                  name_of(precision))};
+  if (c.training.device == TrainingDevice::Cpu)
+    return RuleBroken{{key, "training.device"}, fmt::format("{} = deepgemm runs on the GPU: not with training.device = cpu", key)};
   if (c.parallel.expert_parallel > 1)
-    return RuleBroken{{"training.fp8_gemm_backend", "parallel.expert_parallel"},
-                      "training.fp8_gemm_backend = deepgemm pads the rows of a local dispatch: not with "
-                      "parallel.expert_parallel > 1"};
+    return RuleBroken{{key, "parallel.expert_parallel"},
+                      fmt::format("{} = deepgemm pads the rows of a local dispatch: not with "
+                                  "parallel.expert_parallel > 1",
+                                  key)};
   if (c.parallel.comm_sms > 0)
-    return RuleBroken{{"training.fp8_gemm_backend", "parallel.comm_sms"},
-                      "training.fp8_gemm_backend = deepgemm runs on every multiprocessor: set parallel.comm_sms = 0"};
-  if (c.model.moe.n_experts > kFp8DeepGemmMaxExperts)
-    return RuleBroken{{"training.fp8_gemm_backend", "moe.n_experts"},
-                      fmt::format("training.fp8_gemm_backend = deepgemm runs up to {} experts, not {}",
-                                  kFp8DeepGemmMaxExperts, c.model.moe.n_experts)};
+    return RuleBroken{{key, "parallel.comm_sms"},
+                      fmt::format("{} = deepgemm runs on every multiprocessor: set parallel.comm_sms = 0", key)};
+  if (c.model.moe.n_experts > kDeepGemmMaxExperts)
+    return RuleBroken{{key, "moe.n_experts"}, fmt::format("{} = deepgemm runs up to {} experts, not {}", key,
+                                                          kDeepGemmMaxExperts, c.model.moe.n_experts)};
+  // The bf16 kernels' tiles (fp8's scale blocks are checked with training.precision).
+  if (c.model.dim % 128 != 0 || c.model.moe.expert_hidden % 128 != 0)
+    return RuleBroken{{key, "model.dim", "moe.expert_hidden"},
+                      fmt::format("{} = deepgemm needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of "
+                                  "128",
+                                  key, c.model.dim, c.model.moe.expert_hidden)};
   return std::nullopt;
 }
 
@@ -211,8 +226,10 @@ void check_training(const RunConfig& c) {
   if (t.fp8_weight_gradient_scales != Fp8ColumnScales::Tile1x128 && !t.fp8_weight_gradients)
     fail({"training.fp8_weight_gradient_scales", "training.fp8_weight_gradients"},
          "training.fp8_weight_gradient_scales = 128x128 applies to training.fp8_weight_gradients = true only");
-  if (t.fp8_gemm_backend == Fp8GemmBackend::DeepGemm)
-    if (std::optional<RuleBroken> refused = deepgemm_refused(c)) throw *refused;
+  if (t.fp8_gemm_backend == GemmBackend::DeepGemm)
+    if (std::optional<RuleBroken> refused = deepgemm_refused(c, TrainingPrecision::Fp8)) throw *refused;
+  if (t.bf16_gemm_backend == GemmBackend::DeepGemm)
+    if (std::optional<RuleBroken> refused = deepgemm_refused(c, TrainingPrecision::Bf16)) throw *refused;
   if (t.deterministic_attention == DeterministicAttention::Ordered && !t.deterministic)
     fail({"training.deterministic_attention", "training.deterministic"},
          "training.deterministic_attention = ordered applies to training.deterministic = true only");
@@ -323,9 +340,10 @@ std::string toml_string(std::string_view s) {
   return out + "\"";
 }
 
-Fp8GemmBackend fp8_gemm_backend_for(const RunConfig& config, bool deepgemm_runs) {
-  const Fp8GemmBackend chosen = config.training.fp8_gemm_backend;
-  if (chosen != Fp8GemmBackend::Auto) return chosen;
+GemmBackend gemm_backend_for(const RunConfig& config, TrainingPrecision precision, bool deepgemm_runs) {
+  const GemmBackend chosen =
+      precision == TrainingPrecision::Fp8 ? config.training.fp8_gemm_backend : config.training.bf16_gemm_backend;
+  if (chosen != GemmBackend::Auto) return chosen;
   // What an explicit deepgemm must pass, a GPU that runs it, and little padding: each
   // expert's rows padded to a scale block add half a block on average, which at many
   // experts of few rows would outweigh the faster kernel (measured wins: mixtral-mini's
@@ -335,8 +353,8 @@ Fp8GemmBackend fp8_gemm_backend_for(const RunConfig& config, bool deepgemm_runs)
                       static_cast<double>(moe.top_k);
   const double mean_padding = static_cast<double>(fp8::kBlock) / 2;
   const bool little_padding = static_cast<double>(moe.n_experts) * mean_padding <= kDeepGemmMaxPadding * rows;
-  return !deepgemm_refused(config) && little_padding && deepgemm_runs ? Fp8GemmBackend::DeepGemm
-                                                                       : Fp8GemmBackend::Cutlass;
+  return !deepgemm_refused(config, precision) && little_padding && deepgemm_runs ? GemmBackend::DeepGemm
+                                                                       : GemmBackend::Cutlass;
 }
 
 }  // namespace moe

@@ -35,12 +35,12 @@ RunConfig parse_config(const std::string& toml_text, const std::string& source_n
 RunConfig load_config(const std::string& path, const std::vector<std::string>& overrides = {});
 // Throws ConfigError naming the first key whose value is not allowed.
 void validate_config(const RunConfig& config);
-// training.fp8_gemm_backend as a launch resolves it: an explicit choice as given; auto
-// becomes deepgemm for a GPU fp8 run that allows it (no expert parallelism, parallel.comm_sms
-// = 0, at most 256 experts) and pads little (~64 rows an expert at most 15% of a micro-batch's
-// routed rows) where `deepgemm_runs` (this GPU runs DeepGEMM's kernel, the run is on it),
-// else cutlass.
-Fp8GemmBackend fp8_gemm_backend_for(const RunConfig& config, bool deepgemm_runs);
+// training.fp8_gemm_backend (`precision` fp8) or training.bf16_gemm_backend (bf16) as a
+// launch resolves it: an explicit choice as given; auto becomes deepgemm for a GPU run of
+// that precision that allows it (no expert parallelism, parallel.comm_sms = 0, at most 256
+// experts) and pads little (~64 rows an expert at most 15% of a micro-batch's routed rows)
+// where `deepgemm_runs` (this GPU runs DeepGEMM's kernels, the run is on it), else cutlass.
+GemmBackend gemm_backend_for(const RunConfig& config, TrainingPrecision precision, bool deepgemm_runs);
 // The config as TOML, every key written (round-trips through parse_config).
 std::string config_to_toml(const RunConfig& config);
 

@@ -42,17 +42,19 @@ constexpr std::span<const EnumName<TrainingPrecision>> enum_names(TrainingPrecis
 // act's token columns): one per feature and 128 tokens (1x128, as every activation), or one
 // per 128 features and 128 tokens (128x128: CUTLASS's faster blockwise kernel, coarser
 // scales; docs/FP8.md). dy's columns (the A operand) stay 1x128 either way.
-// GPU fp8: the GEMMs' kernels: CUTLASS's blockwise-scaled ones, or DeepGEMM's (an H100 /
-// H200, no expert parallelism): the experts' forward and data-gradient GEMMs over rows
-// padded per expert to 128 (cuda::PaddedExpertGemmFp8) and the dense projections' that do
-// not accumulate. Auto: DeepGEMM's where the run allows it and the GPU runs it, as the
-// launch resolves it (fp8_gemm_backend_for); unresolved, CUTLASS's.
-enum class Fp8GemmBackend { Auto, Cutlass, DeepGemm };
-// DeepGEMM's grouped kernel is compiled for at most this many experts (cuda::PaddedExpertGemmFp8).
-inline constexpr int64_t kFp8DeepGemmMaxExperts = 256;
-inline constexpr std::array<EnumName<Fp8GemmBackend>, 3> kFp8GemmBackendNames{
-    {{Fp8GemmBackend::Auto, "auto"}, {Fp8GemmBackend::Cutlass, "cutlass"}, {Fp8GemmBackend::DeepGemm, "deepgemm"}}};
-constexpr std::span<const EnumName<Fp8GemmBackend>> enum_names(Fp8GemmBackend) { return kFp8GemmBackendNames; }
+// GPU: the GEMMs' kernels. training.fp8_gemm_backend (fp8 runs): CUTLASS's blockwise-scaled
+// ones, or DeepGEMM's (an H100 / H200, no expert parallelism): the experts' forward and
+// data-gradient GEMMs over rows padded per expert to 128 (cuda::PaddedExpertGemmFp8) and the
+// dense projections' that do not accumulate. training.bf16_gemm_backend (bf16 runs): the
+// experts' grouped GEMMs, CUTLASS's or DeepGEMM's over rows padded the same way
+// (cuda::PaddedExpertGemmBf16). Auto: DeepGEMM's where the run allows it and the GPU runs
+// it, as the launch resolves it (gemm_backend_for); unresolved, CUTLASS's.
+enum class GemmBackend { Auto, Cutlass, DeepGemm };
+// DeepGEMM's grouped kernels are compiled for at most this many experts (cuda::PaddedExpertGemm*).
+inline constexpr int64_t kDeepGemmMaxExperts = 256;
+inline constexpr std::array<EnumName<GemmBackend>, 3> kGemmBackendNames{
+    {{GemmBackend::Auto, "auto"}, {GemmBackend::Cutlass, "cutlass"}, {GemmBackend::DeepGemm, "deepgemm"}}};
+constexpr std::span<const EnumName<GemmBackend>> enum_names(GemmBackend) { return kGemmBackendNames; }
 
 // GPU, training.deterministic = true: how the attention backward sums dQ over the key/value
 // tiles in a fixed order. Workspace: cuDNN's dP decomposition (a B x H x S x S bf16 buffer,
@@ -111,7 +113,8 @@ struct TrainingConfig {
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
   TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales
-  Fp8GemmBackend fp8_gemm_backend = Fp8GemmBackend::Auto;  // GPU fp8: the GEMMs' kernels
+  GemmBackend fp8_gemm_backend = GemmBackend::Auto;  // GPU fp8: the GEMMs' kernels
+  GemmBackend bf16_gemm_backend = GemmBackend::Cutlass;  // GPU bf16: the experts' grouped GEMMs' kernels
 };
 
 }  // namespace moe

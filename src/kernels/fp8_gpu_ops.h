@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "config/training_config.h"  // kFp8DeepGemmMaxExperts
 #include "kernels/fp8_blockwise.h"
 #include "kernels/gpu_ops.h"
 
@@ -149,13 +148,10 @@ class ExpertGemmFp8 {
 };
 
 // DeepGEMM's Hopper fp8 GEMM (training.fp8_gemm_backend = deepgemm; kernels/cuda/fp8_deepgemm.cu):
-// compiled for kDeepGemmSms multiprocessors (an H100 / H200 SXM) and run on all of them;
-// deepgemm_available() says whether this device can run it. A's scales one group of its M
-// rows ([K / 128][M]: quantize_rows_blockwise with no offsets), B's as quantize_weight_blocks
-// writes them; bf16 out, no beta; M a multiple of 4, operands 16-byte aligned, K a
-// multiple of 128, N and ld_out multiples of 8.
-inline constexpr int64_t kDeepGemmSms = 132;
-bool deepgemm_available();
+// compiled for kDeepGemmSms multiprocessors (gpu_ops.h, deepgemm_available()). A's scales
+// one group of its M rows ([K / 128][M]: quantize_rows_blockwise with no offsets), B's as
+// quantize_weight_blocks writes them; bf16 out, no beta; M a multiple of 4, operands
+// 16-byte aligned, K a multiple of 128, N and ld_out multiples of 8.
 
 // One dense GEMM through it: c [M, N] (row stride ldc) = a [M, K] @ b^T, as DenseGemmFp8's
 // with beta 0.
@@ -170,7 +166,7 @@ void dense_gemm_deepgemm(bf16* c, int64_t ldc, const uint8_t* a_codes, const flo
 // expert's product, as ExpertGemmFp8's.
 class PaddedExpertGemmFp8 {
  public:
-  static constexpr int64_t kMaxExperts = kFp8DeepGemmMaxExperts, kMaxSets = 2;
+  static constexpr int64_t kMaxExperts = kDeepGemmMaxExperts, kMaxSets = 2;
   explicit PaddedExpertGemmFp8(int64_t max_experts);
   ~PaddedExpertGemmFp8();
   PaddedExpertGemmFp8(const PaddedExpertGemmFp8&) = delete;

@@ -215,6 +215,47 @@ class ExpertGemm {
   State* state_;
 };
 
+// DeepGEMM's Hopper kernels (headers of the PyPI wheel sgl-deep-gemm; kernels/cuda/
+// fp8_deepgemm.cu, bf16_deepgemm.cu) are compiled for kDeepGemmSms multiprocessors (an
+// H100 / H200 SXM) and run on all of them; deepgemm_available() says whether this device
+// can run them.
+inline constexpr int64_t kDeepGemmSms = 132;
+bool deepgemm_available();
+
+// The experts' bf16 GEMMs through DeepGEMM's Hopper bf16 kernel (sm90_bf16_gemm;
+// training.bf16_gemm_backend = deepgemm) over rows padded per expert: expert e owns rows
+// [offsets_E1[e], offsets_E1[e + 1]) of R, offsets_E1[0] = 0 and every offset a multiple of
+// 128 (read on the device, not checked), the padding rows of every row operand zero.
+// Shapes: every N, K, M and leading dimension a multiple of 64, R of 4; operands 16-byte
+// aligned. Deterministic; fp32 accumulation, bf16 out rounded once (backward_data with
+// beta 1 rounds twice: the product, then the sum, where ExpertGemm rounds the sum once).
+class PaddedExpertGemmBf16 {
+ public:
+  static constexpr int64_t kMaxExperts = kDeepGemmMaxExperts, kMaxSets = 2;
+  // The weight gradients are worth its kernel up to this many experts (the model's choice:
+  // GpuTransformer's deepgemm_weight_gradients).
+  static constexpr int64_t kWeightGradientExperts = 16;
+  explicit PaddedExpertGemmBf16(int64_t max_experts);
+  ~PaddedExpertGemmBf16();
+  PaddedExpertGemmBf16(const PaddedExpertGemmBf16&) = delete;
+  PaddedExpertGemmBf16& operator=(const PaddedExpertGemmBf16&) = delete;
+  // As ExpertGemm::forward: out[s] rows of e = x rows of e @ (w[s] + e * N * K)^T.
+  void forward(int sets, bf16* const* out, int64_t ld_out, const bf16* x, int64_t ld_x, const bf16* const* w,
+               const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, Stream stream);
+  // As ExpertGemm::backward_data, beta 0 (written) or 1 (added).
+  void backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
+                     const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, float beta, Stream stream);
+  // As ExpertGemm::backward_weight into bf16 gradients with beta 0: dw[s] + e * M * N =
+  // (a[s] rows of e)^T @ (b rows of e), experts without rows getting zeros.
+  void backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a, const bf16* b, int64_t ld_b,
+                       const int32_t* offsets_E1, int64_t R, int64_t M, int64_t N, Stream stream);
+  void set_experts(int64_t n_experts);
+
+ private:
+  struct State;
+  State* state_;
+};
+
 }  // namespace moe::cuda
 
 namespace moe::cuda {

@@ -34,9 +34,10 @@ struct ExpertRowBounds {
 ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t ep_size, bool split_experts,
                                   int64_t local_experts_cap, int64_t row_align = 1);
 
-// The alignment of each expert's first row in the local row layout: 128 for
-// training.fp8_gemm_backend = deepgemm (cuda::PaddedExpertGemmFp8's tiles; the padding
-// rows are zero), else 1 (the rows back to back; auto not yet resolved is CUTLASS's).
+// The alignment of each expert's first row in the local row layout: 128 where the run's
+// precision takes DeepGEMM's GEMMs (training.fp8_gemm_backend or bf16_gemm_backend =
+// deepgemm: cuda::PaddedExpertGemmFp8's or PaddedExpertGemmBf16's tiles; the padding rows
+// are zero), else 1 (the rows back to back; auto not yet resolved is CUTLASS's).
 int64_t expert_row_align(const TrainingConfig& training);
 
 // The expert-parallel dispatcher's bound on a rank's rows: every one of the P ranks sends

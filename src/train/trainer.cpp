@@ -306,7 +306,9 @@ TrainSummary Trainer::run(std::ostream& rank_out) {
   if (tc.precision == TrainingPrecision::Fp8) {
     fmt::print(out, "{}\n", describe_fp8_projections(config_.model, micro_batch_ * config_.model.seq_len));
     fmt::print(out, "fp8 GEMM kernels: {}{}\n", name_of(tc.fp8_gemm_backend),
-               tc.fp8_gemm_backend == Fp8GemmBackend::DeepGemm ? " (expert rows padded per expert to 128)" : "");
+               tc.fp8_gemm_backend == GemmBackend::DeepGemm ? " (expert rows padded per expert to 128)" : "");
+  } else if (tc.bf16_gemm_backend == GemmBackend::DeepGemm && config_.model.moe.n_experts > 0) {
+    fmt::print(out, "bf16 expert GEMM kernels: deepgemm (expert rows padded per expert to 128)\n");
   }
   out.flush();
   prepare_run_dirs(out);  // before the metrics files are opened, and before step 1

@@ -146,7 +146,7 @@ TEST(GpuThreadRanks, Fp8DeepGemmDataParallelTrainsLikeOneGpu) {
   MOE_REQUIRE_GPU();
   RunConfig config = thread_run();
   config.training.precision = TrainingPrecision::Fp8;
-  config.training.fp8_gemm_backend = Fp8GemmBackend::DeepGemm;
+  config.training.fp8_gemm_backend = GemmBackend::DeepGemm;
   RunConfig whole = config;
   whole.training.micro_batch *= 2;
   const RankResult want = train(whole, std::move(dist::make_thread_communicators(1)[0]));

@@ -342,35 +342,36 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
                       {"training.fp8_weight_gradient_scales"});
   // The experts' fp8 GEMMs: auto by default (DeepGEMM's over padded rows where the run allows
   // it and the GPU runs it, else CUTLASS's), either on request.
-  EXPECT_EQ(fp8.training.fp8_gemm_backend, Fp8GemmBackend::Auto);
+  EXPECT_EQ(fp8.training.fp8_gemm_backend, GemmBackend::Auto);
   // 8 x 1,024 tokens top-2 over 8 experts: ~512 padding rows on 16,384 routed (3%).
   const std::vector<std::string> long_rows = {"training.precision=fp8", "training.device=cuda", "model.seq_len=1024"};
   const RunConfig deepgemm_fits = parse_config("", "x.toml", long_rows);
-  EXPECT_EQ(fp8_gemm_backend_for(deepgemm_fits, true), Fp8GemmBackend::DeepGemm);
-  EXPECT_EQ(fp8_gemm_backend_for(deepgemm_fits, false), Fp8GemmBackend::Cutlass);  // not an H100 / H200, or no GPU
+  EXPECT_EQ(gemm_backend_for(deepgemm_fits, TrainingPrecision::Fp8, true), GemmBackend::DeepGemm);
+  EXPECT_EQ(gemm_backend_for(deepgemm_fits, TrainingPrecision::Fp8, false), GemmBackend::Cutlass);  // not an H100 / H200, or no GPU
   // Each refused: bf16, expert parallelism, SMs left to communication, more experts than
   // compiled, and padding past 15% (8 x 128 tokens: 25%; the defaults' 8 x 256: 12.5% is not).
-  EXPECT_EQ(fp8_gemm_backend_for(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda"}), true),
-            Fp8GemmBackend::DeepGemm);
+  EXPECT_EQ(gemm_backend_for(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda"}),
+                             TrainingPrecision::Fp8, true),
+            GemmBackend::DeepGemm);
   for (const std::string refusal : {"training.precision=bf16", "parallel.expert_parallel=2", "parallel.comm_sms=8",
                                     "moe.n_experts=512", "model.seq_len=128"}) {
     std::vector<std::string> keys = long_rows;
     keys.push_back(refusal);
     if (refusal == "parallel.expert_parallel=2") keys.push_back("parallel.backend=nccl");
     const RunConfig c = parse_config("", "x.toml", keys);
-    EXPECT_EQ(fp8_gemm_backend_for(c, true), Fp8GemmBackend::Cutlass) << refusal;
+    EXPECT_EQ(gemm_backend_for(c, TrainingPrecision::Fp8, true), GemmBackend::Cutlass) << refusal;
   }
-  for (const Fp8GemmBackend explicit_choice : {Fp8GemmBackend::Cutlass, Fp8GemmBackend::DeepGemm}) {
+  for (const GemmBackend explicit_choice : {GemmBackend::Cutlass, GemmBackend::DeepGemm}) {
     RunConfig c = fp8;
     c.training.fp8_gemm_backend = explicit_choice;
-    EXPECT_EQ(fp8_gemm_backend_for(c, false), explicit_choice);
-    EXPECT_EQ(fp8_gemm_backend_for(c, true), explicit_choice);
+    EXPECT_EQ(gemm_backend_for(c, TrainingPrecision::Fp8, false), explicit_choice);
+    EXPECT_EQ(gemm_backend_for(c, TrainingPrecision::Fp8, true), explicit_choice);
   }
   EXPECT_EQ(expert_row_align(fp8.training), 1) << "auto unresolved pads nothing";
   EXPECT_EQ(parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda",
                                          "training.fp8_gemm_backend=deepgemm"})
                 .training.fp8_gemm_backend,
-            Fp8GemmBackend::DeepGemm);
+            GemmBackend::DeepGemm);
   expect_config_error([] { parse_config("", "x.toml", {"training.fp8_gemm_backend=deepgemm"}); },
                       {"training.fp8_gemm_backend = deepgemm", "training.precision = fp8"});
   expect_config_error(
@@ -381,6 +382,42 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
       {"training.fp8_gemm_backend = deepgemm", "parallel.expert_parallel > 1"});
   expect_config_error([] { parse_config("", "x.toml", {"training.fp8_gemm_backend=triton"}); },
                       {"training.fp8_gemm_backend"});
+  // The bf16 experts' GEMMs: CUTLASS's by default; DeepGEMM's on request, or by auto under
+  // the fp8 key's rules, for bf16 runs only.
+  const RunConfig bf16 = parse_config("", "x.toml", {});
+  EXPECT_EQ(bf16.training.bf16_gemm_backend, GemmBackend::Cutlass);
+  EXPECT_EQ(expert_row_align(bf16.training), 1);
+  const RunConfig bf16_deepgemm =
+      parse_config("", "x.toml", {"training.device=cuda", "training.bf16_gemm_backend=deepgemm"});
+  EXPECT_EQ(bf16_deepgemm.training.bf16_gemm_backend, GemmBackend::DeepGemm);
+  EXPECT_EQ(expert_row_align(bf16_deepgemm.training), 128);
+  RunConfig bf16_fp8_key = bf16_deepgemm;
+  bf16_fp8_key.training.precision = TrainingPrecision::Fp8;  // the bf16 key does not pad an fp8 run
+  EXPECT_EQ(expert_row_align(bf16_fp8_key.training), 1);
+  std::vector<std::string> bf16_long = {"training.device=cuda", "model.seq_len=1024", "training.bf16_gemm_backend=auto"};
+  EXPECT_EQ(gemm_backend_for(parse_config("", "x.toml", bf16_long), TrainingPrecision::Bf16, true),
+            GemmBackend::DeepGemm);
+  EXPECT_EQ(gemm_backend_for(parse_config("", "x.toml", bf16_long), TrainingPrecision::Bf16, false),
+            GemmBackend::Cutlass);
+  bf16_long.push_back("parallel.comm_sms=8");
+  EXPECT_EQ(gemm_backend_for(parse_config("", "x.toml", bf16_long), TrainingPrecision::Bf16, true),
+            GemmBackend::Cutlass);
+  expect_config_error(
+      [] { parse_config("", "x.toml", {"training.precision=fp8", "training.device=cuda", "training.bf16_gemm_backend=deepgemm"}); },
+      {"training.bf16_gemm_backend = deepgemm", "training.precision = bf16"});
+  expect_config_error([] { parse_config("", "x.toml", {"training.device=cpu", "training.bf16_gemm_backend=deepgemm"}); },
+                      {"training.bf16_gemm_backend = deepgemm", "training.device = cpu"});
+  expect_config_error(
+      [] {
+        parse_config("", "x.toml", {"training.device=cuda", "training.bf16_gemm_backend=deepgemm", "model.dim=192"});
+      },
+      {"training.bf16_gemm_backend = deepgemm", "model.dim (192)", "multiples of 128"});
+  expect_config_error(
+      [] {
+        parse_config("", "x.toml", {"training.device=cuda", "training.bf16_gemm_backend=deepgemm",
+                                    "parallel.expert_parallel=2", "parallel.backend=nccl"});
+      },
+      {"training.bf16_gemm_backend = deepgemm", "parallel.expert_parallel > 1"});
   // device = auto that resolves to the CPU (no GPU visible): refused when the backend is made.
   RunConfig on_auto = parse_config("", "x.toml", {"training.precision=fp8", "model.vocab_size=512"});
   if (wants_gpu(on_auto.training)) GTEST_SKIP() << "a GPU is visible: auto resolves to it";
@@ -502,6 +539,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.model.moe.route_cache = true; c.model.moe.route_cache_predict = 4; },
       [](RunConfig& c) { c.model.moe.route_cache = true; c.parallel.expert_parallel = 2; c.model.moe.speculative_dispatch = true; },
       [](RunConfig& c) { c.model.moe.route_cache_keys = 1000; },
+      [](RunConfig& c) { c.training.bf16_gemm_backend = GemmBackend::Auto; },
       // Last: fp8 needs the GPU and dims of whole 128-blocks (over the changes above in `all`).
       [](RunConfig& c) {
         c.training.precision = TrainingPrecision::Fp8;
@@ -534,7 +572,7 @@ TEST(Config, EveryFieldRoundTrips) {
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
   EXPECT_EQ(sizeof(ModelConfig), 296u);  // moe.speculative_dispatch (a bool) sits in route_cache's padding
-  EXPECT_EQ(sizeof(TrainingConfig), 168u);
+  EXPECT_EQ(sizeof(TrainingConfig), 176u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
   EXPECT_EQ(sizeof(DataConfig), 208u);

@@ -391,7 +391,7 @@ TEST(MemoryPlan, ExpertRowBoundsKnownAnswers) {
   EXPECT_THROW(expert_row_bounds(moe, 4096, 2, false, 0, 128), Error);
   TrainingConfig t;
   EXPECT_EQ(expert_row_align(t), 1);
-  t.fp8_gemm_backend = Fp8GemmBackend::DeepGemm;
+  t.fp8_gemm_backend = GemmBackend::DeepGemm;
   EXPECT_EQ(expert_row_align(t), 1) << "bf16 runs never pad";
   t.precision = TrainingPrecision::Fp8;
   EXPECT_EQ(expert_row_align(t), 128);
@@ -484,7 +484,7 @@ TEST(MemoryPlan, Fp8CountsTheExpertAndProjectionScratch) {
   // 3064 rows; an MoE layer's token_of_row, x, gate|up, act and y rows and the fp8 row
   // scratch (width 2 x hidden) grow by 1016 rows each.
   fp8.training.fp8_weight_gradients = false;
-  fp8.training.fp8_gemm_backend = Fp8GemmBackend::DeepGemm;
+  fp8.training.fp8_gemm_backend = GemmBackend::DeepGemm;
   const MemoryEstimate e = estimate_memory(fp8, configured_layout(fp8, 1, 1));
   EXPECT_EQ(e.step_buffers - b.step_buffers, 1016 * (2048 + 2048 / 128 * 4));
   ASSERT_EQ(e.layer_activations.size(), b.layer_activations.size());

@@ -9,7 +9,6 @@
 // The kernel is persistent over a compiled SM count: the grid is exactly kSms CTAs.
 // docs/KERNEL_ROADMAP.md, "FP8: a grouped GEMM of DeepGEMM's class".
 #include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -20,6 +19,7 @@
 
 #include "core/error_base.h"
 #include "core/gpu.h"
+#include "kernels/cuda/deepgemm_host.h"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 
@@ -48,6 +48,7 @@ constexpr Kernel kernel =
                                         cutlass::bfloat16_t, fp8::kBlock>;
 constexpr auto kGrouped = deep_gemm::GemmType::MGroupedContiguousWithPsumLayout;
 constexpr auto kDense = deep_gemm::GemmType::Normal;
+constexpr const char* kWhat = "DeepGEMM fp8 GEMM";
 
 // The grouped kernel for `experts` groups: compiled for 8, 16, ..., 256. Each CTA's
 // scheduler walks every compiled group before it exits, empty ones too (a dependent load of
@@ -72,53 +73,6 @@ size_t shared_bytes(int64_t K) {
   return d + stages + sfb + 2 * kStages * 8;
 }
 
-// The driver's cuTensorMapEncodeTiled through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* address = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &address, 12000, cudaEnableDefault,
-                                                    &found));
-    MOE_CHECKF(found == cudaDriverEntryPointSuccess && address != nullptr, "CUDA driver: no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(address);
-  }();
-  return fn;
-}
-
-// A 2-D map over [outer, inner] (inner contiguous, pitch_bytes a row) in boxes of
-// box_outer x box_inner elements.
-Descriptor map_2d(CUtensorMapDataType type, const void* base, uint64_t inner, uint64_t outer, uint64_t pitch_bytes,
-                  uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
-  Descriptor map{};
-  const cuuint64_t dims[2] = {inner, outer};
-  const cuuint64_t strides[1] = {pitch_bytes};
-  const cuuint32_t box[2] = {box_inner, box_outer};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MOE_CHECKF(r == CUDA_SUCCESS, "fp8 padded grouped GEMM: cuTensorMapEncodeTiled failed (CUresult %d)",
-             static_cast<int>(r));
-  return map;
-}
-
-// The kernel's group ends: expert e's end offsets_E1[e + 1], then empty groups ending at the
-// last end rounded up to 128 (the scheduler starts a group at the previous end rounded up
-// and counts its tiles in unsigned arithmetic: an end below that start would wrap); all
-// kGroups of them, whichever group count the launch's kernel was compiled for.
-__global__ void group_ends_kernel(int32_t* ends_G, const int32_t* offsets_E1, int64_t E) {
-  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (g >= kGroups) return;
-  ends_G[g] = g < E ? offsets_E1[g + 1] : (offsets_E1[E] + kBlockM - 1) / kBlockM * kBlockM;
-}
-
-int device_sms() {
-  int device = 0, sms = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // D [M, N] (row pitch ld_out) = A [M, K] @ B_g^T through `k` on `multicast` CTAs a
 // cluster; `groups` B matrices of [N, K] in b (the grouped layout's ends in grouped_layout).
 void launch(Kernel k, uint32_t multicast, int groups, int32_t* grouped_layout, bf16* out, int64_t ld_out,
@@ -128,15 +82,15 @@ void launch(Kernel k, uint32_t multicast, int groups, int32_t* grouped_layout, b
                         static_cast<const void*>(b)})
     MOE_CHECKF(reinterpret_cast<uintptr_t>(p) % 16 == 0,
                "DeepGEMM fp8 GEMM: operands and output must be 16-byte aligned (TMA)");
-  const Descriptor map_a = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, kBlockK, kBlockM,
-                                  CU_TENSOR_MAP_SWIZZLE_128B);
-  const Descriptor map_b = map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, groups * N, K, kBlockK, kBlockN,
-                                  CU_TENSOR_MAP_SWIZZLE_128B);
+  const Descriptor map_a = deepgemm::map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, a, K, M, K, kBlockK, kBlockM,
+                                  CU_TENSOR_MAP_SWIZZLE_128B, kWhat);
+  const Descriptor map_b = deepgemm::map_2d(CU_TENSOR_MAP_DATA_TYPE_UINT8, b, K, groups * N, K, kBlockK, kBlockN,
+                                  CU_TENSOR_MAP_SWIZZLE_128B, kWhat);
   // D in boxes as wide as the 128-byte swizzle (64 bf16), as the kernel's epilogue stores.
-  const Descriptor map_d = map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, out, N, M, ld_out * 2, 64, kBlockM,
-                                  CU_TENSOR_MAP_SWIZZLE_128B);
-  const Descriptor map_sfa = map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sfa, M, K / kBlockK, M * 4, kBlockM, 1,
-                                    CU_TENSOR_MAP_SWIZZLE_NONE);
+  const Descriptor map_d = deepgemm::map_2d(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, out, N, M, ld_out * 2, 64, kBlockM,
+                                  CU_TENSOR_MAP_SWIZZLE_128B, kWhat);
+  const Descriptor map_sfa = deepgemm::map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, sfa, M, K / kBlockK, M * 4, kBlockM, 1,
+                                    CU_TENSOR_MAP_SWIZZLE_NONE, kWhat);
   // Per call (a cheap driver call): the attribute is the current device's (thread ranks drive several).
   const size_t shared = shared_bytes(K);
   MOE_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
@@ -177,8 +131,7 @@ struct PaddedExpertGemmFp8::State {
 
   // The kernel's group ends from the experts' offsets, once per call (every set reads them).
   void write_ends(int32_t* ends, const int32_t* offsets_E1, Stream stream) const {
-    group_ends_kernel<<<1, kGroups, 0, stream>>>(ends, offsets_E1, n_experts);
-    MOE_CUDA_CHECK(cudaGetLastError());
+    deepgemm::write_group_ends(ends, kGroups, offsets_E1, n_experts, kBlockM, stream);
   }
   void run(int32_t* ends, bf16* out, int64_t ld_out, const uint8_t* a, const float* sfa, const uint8_t* b,
            const float* sfb, int64_t R, int64_t N, int64_t K, Stream stream) const {
@@ -188,14 +141,6 @@ struct PaddedExpertGemmFp8::State {
            ld_out, a, sfa, b, sfb, R, N, K, stream);
   }
 };
-
-bool deepgemm_available() {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0 && device_sms() == static_cast<int>(kSms);
-}
 
 PaddedExpertGemmFp8::PaddedExpertGemmFp8(int64_t max_experts) : state_(new State) {
   State& s = *state_;

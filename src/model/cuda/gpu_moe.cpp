@@ -53,12 +53,12 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   // Padded rows: offsets[E] counts the padding too; the kept rows come from the counts.
   cuda::assign_rows(m.row.data(), m.counts.data(), m.offsets.data(), m.token_of_row.data(),
                     count_load ? layer.load.data() : nullptr, m.rank.data(), routed_slot, T, E, K, capacity, stream,
-                    expert_row_align(), fp8_padded_rows ? kept_rows.data() + layer_index : nullptr);
+                    expert_row_align(), padded_rows ? kept_rows.data() + layer_index : nullptr);
   if (count_load)  // kept rows per expert, router entropy: read with routing_stats()
     cuda::accumulate_routing_stats(layer.routing.data(), routing_scratch.data(), m.scores.data(), m.counts.data(),
                                    layer.placed ? layer.slot_of_expert.data() : nullptr, T, E, stream);
   set_experts(local_experts(layer));
-  if (!fp8_padded_rows)
+  if (!padded_rows)
     MOE_CUDA_CHECK(cudaMemcpyAsync(kept_rows.data() + layer_index, m.offsets.data() + E, sizeof(int32_t),
                                    cudaMemcpyDeviceToDevice, stream));
   // The rows this rank's experts compute (under expert parallelism: every rank's tokens
@@ -144,7 +144,7 @@ bool GpuTransformer::State::dispatch_rows(Layer& layer, const int32_t* slot_TK, 
 }
 
 void GpuTransformer::State::zero_expert_padding(const Layer& layer, bf16* rows, uint8_t* codes, float* scales) {
-  if (!fp8_padded_rows) return;
+  if (!padded_rows) return;
   const MoEBuffers& m = layer.act->moe;
   const int64_t E = local_experts(layer);
   if (E == 0) return;

@@ -103,7 +103,10 @@ void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, in
   if (!fp8) {
     const bf16* w[cuda::ExpertGemm::kMaxSets] = {};
     for (int s = 0; s < sets; ++s) w[s] = local_w(layer, expert_tensor(layer, tensors[s]));
-    expert_gemm->forward(sets, out, ld_out, x, ld_x, w, offsets, N, K, stream);
+    if (padded_expert_gemm_bf16)
+      padded_expert_gemm_bf16->forward(sets, out, ld_out, x, ld_x, w, offsets, expert_rows(m), N, K, stream);
+    else
+      expert_gemm->forward(sets, out, ld_out, x, ld_x, w, offsets, N, K, stream);
     return;
   }
   const int64_t E = local_experts(layer), R = expert_rows(m);
@@ -146,8 +149,11 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
                                                  float beta, int dy_quantised_set) {
   const int32_t* offsets = expert_offsets(m);
   if (!fp8) {
-    expert_gemm->backward_data(out, ld_out, dy, ld_dy, local_w(layer, expert_tensor(layer, tensor)), offsets, N, K,
-                               beta, stream);
+    const bf16* w = local_w(layer, expert_tensor(layer, tensor));
+    if (padded_expert_gemm_bf16)
+      padded_expert_gemm_bf16->backward_data(out, ld_out, dy, ld_dy, w, offsets, expert_rows(m), N, K, beta, stream);
+    else
+      expert_gemm->backward_data(out, ld_out, dy, ld_dy, w, offsets, N, K, beta, stream);
     return;
   }
   const int64_t E = local_experts(layer), R = expert_rows(m);
@@ -191,12 +197,22 @@ void GpuTransformer::State::expert_backward_weight(Layer& layer, const MoEBuffer
   if (store->grads_bf16() != nullptr) {
     bf16* dw[cuda::ExpertGemm::kMaxSets] = {};
     for (int s = 0; s < sets; ++s) dw[s] = local_g16(layer, expert_tensor(layer, tensors[s]));
-    expert_gemm->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, N, K, stream, beta);
+    if (beta == 0.0f && deepgemm_weight_gradients(layer))
+      padded_expert_gemm_bf16->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, expert_rows(m), N, K, stream);
+    else
+      expert_gemm->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, N, K, stream, beta);
   } else {
     float* dw[cuda::ExpertGemm::kMaxSets] = {};
     for (int s = 0; s < sets; ++s) dw[s] = local_g(layer, expert_tensor(layer, tensors[s]));
     expert_gemm->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, N, K, stream, beta);
   }
+}
+
+bool GpuTransformer::State::deepgemm_weight_gradients(const Layer& layer) const {
+  // DeepGEMM's k-grouped kernel beat CUTLASS's at mixtral-mini's 8 experts of ~4,096 rows
+  // and lost at olmoe-mini's 64 of ~4,096 (BENCHMARKS.md, "DeepGEMM's bf16 kernel at our
+  // expert shapes").
+  return padded_expert_gemm_bf16 && local_experts(layer) <= cuda::PaddedExpertGemmBf16::kWeightGradientExperts;
 }
 
 void GpuTransformer::State::experts_backward_fp8_weights(Layer& layer, const MoEBuffers& m, const bf16* dy_rows) {

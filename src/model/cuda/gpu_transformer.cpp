@@ -53,7 +53,9 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.fp8_weight_cache = training.fp8_weight_cache;
   options.fp8_weight_gradients = training.fp8_weight_gradients;
   options.fp8_weight_gradient_scales = training.fp8_weight_gradient_scales;
-  options.fp8_deepgemm = expert_row_align(training) > 1;
+  const bool padded = expert_row_align(training) > 1;
+  options.fp8_deepgemm = padded && training.precision == TrainingPrecision::Fp8;
+  options.bf16_deepgemm = padded && training.precision == TrainingPrecision::Bf16;
   return options;
 }
 
@@ -74,13 +76,23 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   MOE_CHECK(!deepgemm || cuda::deepgemm_available(),
             "training.fp8_gemm_backend = deepgemm needs an sm_90 GPU with {} multiprocessors (an H100 or H200 SXM)",
             cuda::kDeepGemmSms);
+  const bool bf16_deepgemm = options.bf16_deepgemm && !s.fp8;
+  MOE_CHECK(!bf16_deepgemm || cuda::deepgemm_available(),
+            "training.bf16_gemm_backend = deepgemm needs an sm_90 GPU with {} multiprocessors (an H100 or H200 SXM)",
+            cuda::kDeepGemmSms);
+  MOE_CHECK(!bf16_deepgemm || (config.dim % 128 == 0 && config.moe.expert_hidden % 128 == 0),
+            "training.bf16_gemm_backend = deepgemm needs model.dim ({}) and moe.expert_hidden ({}) to be multiples of "
+            "128",
+            config.dim, config.moe.expert_hidden);
   s.projections = std::make_unique<ProjectionGemms>(s.blas, options.fp8_projections,
                                                     options.fp8_projections && deepgemm);
   s.fp8_weight_cache = options.fp8_weight_cache;
   s.fp8_weight_gradients = s.fp8 && options.fp8_weight_gradients;
   s.fp8_padded_rows = s.fp8 && deepgemm;
-  MOE_CHECK(!s.fp8_padded_rows || options.expert_exchange == nullptr,
-            "training.fp8_gemm_backend = deepgemm pads the rows of a local dispatch: not with expert parallelism");
+  s.padded_rows = s.fp8_padded_rows || bf16_deepgemm;
+  MOE_CHECK(!s.padded_rows || options.expert_exchange == nullptr,
+            "training.{}_gemm_backend = deepgemm pads the rows of a local dispatch: not with expert parallelism",
+            s.fp8 ? "fp8" : "bf16");
   s.fp8_column_b_scales = options.fp8_weight_gradient_scales == Fp8ColumnScales::Block128x128
                               ? fp8::ColumnScales::Block
                               : fp8::ColumnScales::PerFeature;
@@ -196,6 +208,7 @@ void GpuTransformer::plan(int64_t batch) {
       s.expert_gemm_fp8->set_sm_limit(s.compute_sm_limit);
     }
     if (s.fp8_padded_rows) s.padded_expert_gemm_fp8 = std::make_unique<cuda::PaddedExpertGemmFp8>(max_local);
+    if (s.padded_rows && !s.fp8) s.padded_expert_gemm_bf16 = std::make_unique<cuda::PaddedExpertGemmBf16>(max_local);
     if (s.fp8_weight_gradients) {
       s.expert_weight_gemm_fp8 = std::make_unique<cuda::ExpertWeightGemmFp8>(max_local);
       s.expert_weight_gemm_fp8->set_sm_limit(s.compute_sm_limit);
@@ -236,7 +249,7 @@ void GpuTransformer::plan(int64_t batch) {
     m.counts = i32(E);
     m.assign_counts = i32(E);
     m.offsets = i32(E + 1);
-    m.token_of_row = i32(std::max(T * K, R));  // padded rows (fp8_padded_rows): R may exceed T * K
+    m.token_of_row = i32(std::max(T * K, R));  // padded rows (padded_rows): R may exceed T * K
     m.rank = i32(cuda::assign_rows_scratch(T, K, E));
     m.slot = i32(T * K);
     m.x_rows = rows_buffer(shared_x_rows, RL * D, shared_x_act);
@@ -610,8 +623,9 @@ void GpuTransformer::set_forward_stage_hook(std::function<void(int stage)> hook)
 
 void GpuTransformer::reserve_sms(int sms) {
   State& s = *state_;
-  MOE_CHECK(sms <= 0 || !s.fp8_padded_rows,
-            "training.fp8_gemm_backend = deepgemm runs on every multiprocessor: it cannot leave {} to communication", sms);
+  MOE_CHECK(sms <= 0 || !s.padded_rows,
+            "training.{}_gemm_backend = deepgemm runs on every multiprocessor: it cannot leave {} to communication",
+            s.fp8 ? "fp8" : "bf16", sms);
   s.compute_sm_limit = sms > 0 ? std::max(1, gpu::multiprocessor_count() - sms) : 0;
   s.blas.set_sm_limit(s.compute_sm_limit);
   if (s.expert_gemm) s.expert_gemm->set_sm_limit(s.compute_sm_limit);

@@ -145,6 +145,11 @@ struct GpuModelOptions {
   // over rows padded per expert to 128, and for the fp8 projections' GEMMs that do not
   // accumulate while no multiprocessors are reserved.
   bool fp8_deepgemm = false;
+  // Without fp8_experts: DeepGEMM's bf16 kernel (training.bf16_gemm_backend = deepgemm; no
+  // expert exchange) for the experts' GEMMs over rows padded per expert to 128: the forward
+  // and data gradients always, the weight gradients where they are bf16 and written (the
+  // step's first micro-batch) and the experts few (PaddedExpertGemmBf16::kWeightGradientExperts).
+  bool bf16_deepgemm = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

@@ -57,8 +57,14 @@ struct GpuTransformer::State {
   // gate and up data gradients go to dx_rows and drows, summed by the dispatch's backward.
   bool fp8_padded_rows = false;
   std::unique_ptr<cuda::PaddedExpertGemmFp8> padded_expert_gemm_fp8;
-  int64_t expert_row_align() const { return fp8_padded_rows ? 128 : 1; }
-  // fp8_padded_rows: zero the padding rows of `rows` [R, D] and, unless null, their codes
+  // fp8_padded_rows, or GpuModelOptions::bf16_deepgemm: the same padded layout with the bf16
+  // GEMMs on PaddedExpertGemmBf16 (DeepGEMM's bf16 kernel); its weight gradients where
+  // deepgemm_weight_gradients says.
+  bool padded_rows = false;
+  std::unique_ptr<cuda::PaddedExpertGemmBf16> padded_expert_gemm_bf16;
+  bool deepgemm_weight_gradients(const Layer& layer) const;
+  int64_t expert_row_align() const { return padded_rows ? 128 : 1; }
+  // padded_rows: zero the padding rows of `rows` [R, D] and, unless null, their codes
   // (one group of R rows) after a dispatch or combine backward wrote the routed ones.
   void zero_expert_padding(const Layer& layer, bf16* rows, uint8_t* codes, float* scales);
   Buffer<uint8_t> fp8_rows, fp8_weights;
@@ -262,6 +268,7 @@ struct GpuTransformer::State {
     expert_gemm->set_experts(n_experts);
     if (expert_gemm_fp8) expert_gemm_fp8->set_experts(n_experts);
     if (padded_expert_gemm_fp8) padded_expert_gemm_fp8->set_experts(n_experts);
+    if (padded_expert_gemm_bf16) padded_expert_gemm_bf16->set_experts(n_experts);
   }
   // Dispatch of n2 into the expert rows, the gate|up grouped GEMM (unless skipped) and
   // SwiGLU (unless skipped: the backward's SwiGLU refills act): the part of the MoE forward

@@ -82,6 +82,10 @@ void refuse_fp8_on_cpu(const RunConfig& config) {
     MOE_CONFIG_ERROR("training.precision = fp8 runs on the GPU only, and training.device = {} resolved to the CPU: "
                      "use --device=cuda or training.precision = bf16",
                      name_of(config.training.device));
+  if (config.training.bf16_gemm_backend == GemmBackend::DeepGemm && config.training.precision == TrainingPrecision::Bf16)
+    MOE_CONFIG_ERROR("training.bf16_gemm_backend = deepgemm runs on the GPU only, and training.device = {} resolved to "
+                     "the CPU: use --device=cuda or training.bf16_gemm_backend = cutlass",
+                     name_of(config.training.device));
 }
 
 // parallel.backend = nccl (or a world in device memory) trains on the GPU.
@@ -131,15 +135,16 @@ bool wants_gpu(const TrainingConfig& training) {
   return true;
 }
 
-Fp8GemmBackend resolve_fp8_gemm_backend(const RunConfig& config) {
-  const TrainingConfig& t = config.training;
-  if (t.fp8_gemm_backend != Fp8GemmBackend::Auto || t.precision != TrainingPrecision::Fp8) return t.fp8_gemm_backend;
+void resolve_gemm_backends(RunConfig& config) {
+  TrainingConfig& t = config.training;
+  GemmBackend& backend = t.precision == TrainingPrecision::Fp8 ? t.fp8_gemm_backend : t.bf16_gemm_backend;
+  if (backend != GemmBackend::Auto) return;
 #ifdef MOE_HAVE_CUDA
   const bool runs = asks_for_gpu(t.device) && deepgemm_present();
 #else
   const bool runs = false;
 #endif
-  return fp8_gemm_backend_for(config, runs);
+  backend = gemm_backend_for(config, t.precision, runs);
 }
 
 CommBackend resolve_comm_backend(const RunConfig& config) {

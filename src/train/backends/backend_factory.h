@@ -16,10 +16,11 @@ class Communicator;
 // ConfigError for cuda without a CUDA build or without a visible GPU.
 bool wants_gpu(const TrainingConfig& training);
 
-// training.fp8_gemm_backend as this process runs it (fp8_gemm_backend_for): auto, for an fp8
-// run, becomes deepgemm where training.device resolves to a GPU that runs DeepGEMM's kernel
-// and the run allows it, else cutlass; every other value as given.
-Fp8GemmBackend resolve_fp8_gemm_backend(const RunConfig& config);
+// The run precision's training.fp8_gemm_backend or bf16_gemm_backend as this process runs it
+// (gemm_backend_for), in place: auto becomes deepgemm where training.device resolves to a
+// GPU that runs DeepGEMM's kernels and the run allows it, else cutlass; every other value
+// (and the other precision's key) as given.
+void resolve_gemm_backends(RunConfig& config);
 
 // parallel.backend as the launch resolves it: Auto becomes Nccl when the launch has
 // several ranks and training.device resolves to the GPU.

@@ -112,7 +112,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
              "layers recomputed, experts recompute {}{}, CUDA graphs {}\n",
              name_of(config.training.precision),
              config.training.precision != TrainingPrecision::Fp8
-                 ? ""
+                 ? fmt::format(" (experts' kernels {})", name_of(config.training.bf16_gemm_backend))
                  : fmt::format(" ({}; kernels {})",
                                config.training.fp8_weight_cache ? "expert weights quantised once a step"
                                                                 : "weights quantised at each use",

@@ -32,6 +32,63 @@ struct Row {
   double flops, grouped_ms, loop_ms;
 };
 
+// The same GEMMs through DeepGEMM's bf16 kernel (training.bf16_gemm_backend = deepgemm) over
+// rows padded per expert to 128, beside CUTLASS's (`rows`, in the same order); the weight
+// gradients into bf16 with beta 0, as that backend runs them.
+void run_deepgemm_bf16_rows(const std::vector<Row>& rows, const std::vector<int32_t>& offsets, bf16* x, bf16* gate_up,
+                            bf16* act, bf16* y, const bf16* w1, const bf16* w3, const bf16* w2, bf16* h1, bf16* h3,
+                            int64_t E, int64_t D, int64_t F, std::ostream& out) {
+  if (!cuda::deepgemm_available() || E > cuda::PaddedExpertGemmBf16::kMaxExperts || D % 128 != 0 || F % 128 != 0) {
+    fmt::print(out, "  DeepGEMM's bf16 kernel: not on this GPU or these shapes\n");
+    return;
+  }
+  // The balanced rows padded per expert (the padding rows read whatever the buffers hold:
+  // timing only), within the buffers' R rows when every expert's rows are whole tiles.
+  std::vector<int32_t> padded(offsets.size(), 0);
+  for (size_t e = 0; e + 1 < offsets.size(); ++e)
+    padded[e + 1] = padded[e] + (offsets[e + 1] - offsets[e] + 127) / 128 * 128;
+  const int64_t R = offsets.back();
+  if (padded.back() > R) {
+    fmt::print(out, "  DeepGEMM's bf16 kernel: {} padded rows do not fit the {} of the buffers (not timed)\n",
+               padded.back(), R);
+    return;
+  }
+  gpu::DeviceArray<int32_t> padded_d(padded.size());
+  padded_d.upload(padded.data(), padded.size());
+  cuda::PaddedExpertGemmBf16 gemm(E);
+  const cuda::Stream stream = nullptr;
+  const int32_t* P = padded_d.data();
+  bf16* gu[2] = {gate_up, gate_up + F};
+  const bf16* w13[2] = {w1, w3};
+  bf16* down[1] = {y};
+  const bf16* w2s[1] = {w2};
+  bf16* dw1[1] = {h1};
+  const bf16* dy[1] = {y};
+  bf16* dw13[2] = {h1, h3};
+  const bf16* dgu[2] = {gate_up, gate_up + F};
+  const double ms[6] = {
+      median_ms([&] { gemm.forward(2, gu, 2 * F, x, D, w13, P, R, F, D, stream); }),
+      median_ms([&] { gemm.forward(1, down, D, act, F, w2s, P, R, D, F, stream); }),
+      median_ms([&] { gemm.backward_data(act, F, y, D, w2, P, R, F, D, 0.0f, stream); }),
+      median_ms([&] {
+        gemm.backward_data(x, D, gate_up, 2 * F, w1, P, R, D, F, 0.0f, stream);
+        gemm.backward_data(x, D, gate_up + F, 2 * F, w3, P, R, D, F, 1.0f, stream);
+      }),
+      median_ms([&] { gemm.backward_weight(1, dw1, dy, D, act, F, P, R, D, F, stream); }),
+      median_ms([&] { gemm.backward_weight(2, dw13, dgu, 2 * F, x, D, P, R, F, D, stream); })};
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  fmt::print(out, "  DeepGEMM's bf16 kernel ({} padded rows; wgrad bf16, beta 0) against CUTLASS's grouped GEMM above:\n",
+             padded.back());
+  double total = 0, cutlass = 0;
+  for (size_t i = 0; i < rows.size() && i < 6; ++i) {
+    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   (CUTLASS {:.3f} ms)\n", rows[i].name, ms[i],
+               rows[i].flops / ms[i] / 1e9, rows[i].grouped_ms);
+    total += ms[i];
+    cutlass += rows[i].grouped_ms;
+  }
+  fmt::print(out, "  {:<36} {:7.3f}ms            (CUTLASS {:.3f} ms)\n", "all six", total, cutlass);
+}
+
 }  // namespace
 
 void run_kernel_bench(const RunConfig& config, std::ostream& out) {
@@ -183,6 +240,8 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out) {
                  2 * mnk / ms / 1e9);
     }
   fmt::print(out, "\n");
+  run_deepgemm_bf16_rows(rows, offsets, x.data(), gate_up.data(), act.data(), y.data(), w1.data(), w3.data(),
+                         w2.data(), h1.data(), h3.data(), E, D, F, out);
   run_fp8_kernel_bench(config, out);
 }
 

@@ -1,0 +1,32 @@
+// One instantiation of DeepGEMM's bf16 kernel in bf16_deepgemm_kernels.h's tiles (included by
+// the role files only: it pulls in DeepGEMM's headers).
+#pragma once
+#include <deep_gemm/impls/sm90_bf16_gemm.cuh>
+
+#include "kernels/cuda/bf16_deepgemm_kernels.h"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda::bf16_deepgemm {
+
+template <uint32_t kGroups, cute::UMMA::Major kMajorA, cute::UMMA::Major kMajorB, deep_gemm::GemmType kType,
+          uint32_t kMulticast, bool kAccumulate>
+constexpr Kernel kernel =
+    &deep_gemm::sm90_bf16_gemm_impl<kMajorA, kMajorB, 0, 0, 0, kGroups, kBlockM, kBlockN, kBlockK, 128, 128, 128,
+                                    kStages, kTmaThreads, kMathThreads, kMulticast, false,
+                                    static_cast<uint32_t>(kDeepGemmSms), kType, kAccumulate, cutlass::bfloat16_t>;
+
+// kernel<G, ...> for the compiled group count that holds `experts`.
+template <template <uint32_t> class Pick>
+Kernel by_groups(int64_t experts) {
+  switch (compiled_groups(experts)) {
+    case 8: return Pick<8>::value;
+    case 64: return Pick<64>::value;
+    default: return Pick<256>::value;
+  }
+}
+
+constexpr auto kK = cute::UMMA::Major::K, kMN = cute::UMMA::Major::MN;
+constexpr auto kPsum = deep_gemm::GemmType::MGroupedContiguousWithPsumLayout;
+constexpr auto kKGrouped = deep_gemm::GemmType::KGroupedContiguous;
+
+}  // namespace moe::cuda::bf16_deepgemm

@@ -1,0 +1,100 @@
+// training.bf16_gemm_backend = deepgemm on the GPU model (GpuModelOptions::bf16_deepgemm):
+// rows padded per expert to 128, the experts' forward and data-gradient GEMMs on DeepGEMM's
+// bf16 kernel, the weight gradients too where they are bf16 and written (the step's first
+// micro-batch). Against CUTLASS's path from the same weights: the same drops, losses and
+// gradients within fp32 summation order and one more rounding of dx (up's data gradient
+// added to gate's in bf16); bit-identical across reruns, recomputation and CUDA graphs;
+// learning as fast.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <utility>
+
+#include "fp8_gemm_test_util.h"
+#include "precision_runs.h"
+
+namespace moe {
+namespace {
+
+using test::kBf16;
+using test::Mode;
+using test::Part;
+using test::relative_distance;
+using test::run;
+
+Mode padded(bool bf16_grads) {
+  Mode mode = kBf16;
+  mode.bf16_padded = true;
+  mode.bf16_grads = bf16_grads;
+  mode.overwrite_grads = true;  // as the trainer: the first micro-batch's weight gradients written (beta 0)
+  return mode;
+}
+
+// Dropless and with capacity, fp32 and bf16 expert gradients (bf16: the first micro-batch's
+// weight gradients on DeepGEMM's kernel): the same drops (the padding not counted), losses
+// within 1e-3, gradients within 1% (measured: printed), and not the same bits (DeepGEMM ran).
+TEST(GpuBf16DeepGemm, TracksCutlasssPathWithinSummationOrder) {
+  MOE_REQUIRE_DEEPGEMM();
+  for (const double capacity : {0.0, 1.0})
+    for (const bool bf16_grads : {false, true}) {
+      const ModelConfig config = test::small_moe_model(capacity);
+      Mode cutlass = kBf16;
+      cutlass.bf16_grads = bf16_grads;
+      cutlass.overwrite_grads = true;
+      const test::PrecisionRun a = run(padded(bf16_grads), 2, config), b = run(cutlass, 2, config);
+      const std::string what = std::string(capacity > 0 ? "capacity 1" : "dropless") +
+                               (bf16_grads ? ", bf16 expert gradients" : ", fp32 expert gradients");
+      if (capacity > 0) EXPECT_GT(b.dropped, 0) << what << ": nothing dropped, the capacity untested";
+      EXPECT_EQ(a.dropped, b.dropped) << what << ": the kept rows counted the padding";
+      ASSERT_EQ(a.losses.size(), b.losses.size());
+      for (size_t i = 0; i < a.losses.size(); ++i) {
+        ASSERT_TRUE(std::isfinite(a.losses[i])) << what;
+        EXPECT_NEAR(a.losses[i], b.losses[i], 1e-3 * b.losses[i]) << what << ", step " << i;
+      }
+      const double experts = relative_distance(a, b, Part::Experts), others = relative_distance(a, b, Part::Others);
+      std::printf("  %s: gradients from CUTLASS's path: experts %.5f, the others %.5f\n", what.c_str(), experts,
+                  others);
+      EXPECT_GT(experts, 0.0) << what << ": DeepGEMM's kernels did not run";
+      EXPECT_LT(experts, 0.01) << what;
+      EXPECT_LT(others, 0.01) << what;
+    }
+}
+
+TEST(GpuBf16DeepGemm, RerunsAndRecomputationAndGraphsAreBitIdentical) {
+  MOE_REQUIRE_DEEPGEMM();
+  for (const bool bf16_grads : {false, true}) {
+    const Mode base = padded(bf16_grads);
+    const test::PrecisionRun first = run(base, 2), again = run(base, 2);
+    EXPECT_EQ(again.losses, first.losses);
+    EXPECT_TRUE(again.grads == first.grads) << "a padded rerun's gradients differ";
+    Mode experts_recomputed = base, swiglu_recomputed = base, graphs = base;
+    experts_recomputed.recompute = ExpertRecompute::All;
+    swiglu_recomputed.recompute = ExpertRecompute::Swiglu;
+    graphs.graphs = true;
+    for (const auto& [mode, name] : {std::pair{experts_recomputed, "recompute_experts = all"},
+                                     std::pair{swiglu_recomputed, "recompute_experts = swiglu"},
+                                     std::pair{graphs, "CUDA graphs"}}) {
+      const test::PrecisionRun other = run(mode, 2);
+      EXPECT_EQ(other.losses, first.losses) << name << (bf16_grads ? ", bf16 expert gradients" : "");
+      EXPECT_TRUE(other.grads == first.grads) << name << " changes the padded path's gradients";
+    }
+  }
+}
+
+TEST(GpuBf16DeepGemm, TrainingLossFallsLikeCutlasss) {
+  MOE_REQUIRE_DEEPGEMM();
+  const int steps = 30;
+  Mode cutlass = kBf16;
+  cutlass.bf16_grads = cutlass.overwrite_grads = true;
+  const test::PrecisionRun a = run(padded(true), steps), b = run(cutlass, steps);
+  std::printf("  loss after %d steps (first %.3f): DeepGEMM %.3f, CUTLASS %.3f\n", steps, b.losses.front(),
+              a.losses.back(), b.losses.back());
+  for (double loss : a.losses) ASSERT_TRUE(std::isfinite(loss));
+  EXPECT_LT(a.losses.back(), 0.8 * a.losses.front()) << "the padded path did not learn";
+  EXPECT_NEAR(a.losses.back(), b.losses.back(), 0.02 * b.losses.front());
+}
+
+}  // namespace
+}  // namespace moe
