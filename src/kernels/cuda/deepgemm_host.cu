@@ -23,13 +23,6 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
   return fn;
 }
 
-int device_sms() {
-  int device = 0, sms = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&device));
-  MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 __global__ void group_ends_kernel(int32_t* ends_G, int64_t groups, const int32_t* offsets_E1, int64_t E,
                                   int64_t block_m) {
   const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -60,7 +53,7 @@ bool deepgemm_available() {
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0 && device_sms() == static_cast<int>(kDeepGemmSms);
+  return major == 9 && minor == 0 && gpu::multiprocessor_count() == static_cast<int>(kDeepGemmSms);
 }
 
 namespace deepgemm {
@@ -94,7 +87,7 @@ void write_group_sizes(int32_t* sizes_G, int64_t groups, const int32_t* offsets_
 void zero_empty_experts(bf16* slabs, int64_t per_expert, const int32_t* offsets_E1, int64_t E, Stream stream) {
   if (E == 0 || per_expert == 0) return;
   MOE_CHECKF(E <= 65535, "zero_empty_experts: %lld experts", static_cast<long long>(E));
-  const dim3 grid(32, static_cast<unsigned>(E));
+  const dim3 grid(128, static_cast<unsigned>(E));
   zero_empty_kernel<<<grid, 256, 0, stream>>>(slabs, per_expert, offsets_E1);
   MOE_CUDA_CHECK(cudaGetLastError());
 }
