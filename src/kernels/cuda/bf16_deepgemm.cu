@@ -100,6 +100,7 @@ void PaddedExpertGemmBf16::forward(int sets, bf16* const* out, int64_t ld_out, c
   constexpr const char* what = "PaddedExpertGemmBf16::forward";
   MOE_CHECKF(sets >= 1 && sets <= kMaxSets, "%s: %d sets", what, sets);
   MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
+  for (int s = 0; s < sets; ++s) check(what, {N, K, ld_out, ld_x}, {out[s], x, w[s]});
   const int64_t E = state_->n_experts;
   if (E == 0) return;
   int32_t* ends = state_->forward_ends.data();
@@ -107,7 +108,6 @@ void PaddedExpertGemmBf16::forward(int sets, bf16* const* out, int64_t ld_out, c
   const Kernel k = forward_kernel(E, pairs(N));
   const CUtensorMap map_x = rows_map(x, R, K, ld_x, kBlockM, what);
   for (int s = 0; s < sets; ++s) {
-    check(what, {N, K, ld_out, ld_x}, {out[s], x, w[s]});
     // B: the experts' [N, K] weights one after another, K-major.
     const CUtensorMap map_w = deepgemm::map_2d(kBf16, w[s], static_cast<uint64_t>(K), static_cast<uint64_t>(E * N),
                                                static_cast<uint64_t>(K) * 2, kBlockK, kBlockN, kSwizzle, what);
@@ -141,13 +141,13 @@ void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16
   MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
   // Group g's D rows are [g * M, (g + 1) * M): a partial row tile would spill into the next.
   MOE_CHECKF(M % kBlockM == 0, "%s: M = %lld is not a multiple of %u", what, static_cast<long long>(M), kBlockM);
+  for (int s = 0; s < sets; ++s) check(what, {M, N, ld_a, ld_b}, {dw[s], a[s], b});
   const int64_t E = state_->n_experts;
   if (E == 0) return;
   int32_t* sizes = state_->weight_sizes.data();
   deepgemm::write_group_sizes(sizes, compiled_groups(E), offsets_E1, E, stream);
   const CUtensorMap map_b = rows_map(b, R, N, ld_b, kBlockK, what);
   for (int s = 0; s < sets; ++s) {
-    check(what, {M, N, ld_a, ld_b}, {dw[s], a[s], b});
     const CUtensorMap map_d = rows_map(dw[s], E * M, N, N, kBlockM, what);
     // shape_k: the rows in all; each group's own K comes from its size.
     launch(weight_kernel(E), 1, sizes, M, N, R, rows_map(a[s], R, M, ld_a, kBlockK, what), map_b, map_d, stream);
