@@ -12,7 +12,7 @@
 # steps), and prints the final validation losses, each gap to bf16 and the 1% verdict.
 # Usage: bench/fp8_quality.sh MOE_BINARY DATA_DIR OUT [extra --section.key=value ...]
 # (extra keys go to every run, e.g. --training.steps=20 for a smoke test; PLOTS=DIR writes
-# the PNG there instead of docs/, PNG=name.png names it).
+# the PNG there instead of docs/, PNG=name.png names it, TITLE its title).
 set -euo pipefail
 moe=$1 data=$2 out=$3
 shift 3
@@ -48,7 +48,7 @@ for run in "${runs[@]}"; do
   curves+=("$run=$dir/metrics.jsonl")
 done
 "$python" "$here/scripts/plot_metrics.py" --out "$plots/${PNG:-fp8_quality.png}" \
-  --title "fp8 against bf16" --smooth 5 --metric loss --metric val_loss "${curves[@]}"
+  --title "${TITLE:-fp8 against bf16}" --smooth 5 --metric loss --metric val_loss "${curves[@]}"
 python3 - "$out" "${runs[@]}" <<'PY'
 import json, sys
 out, runs = sys.argv[1], sys.argv[2:]

@@ -114,7 +114,7 @@ struct TrainingConfig {
   TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales
   GemmBackend fp8_gemm_backend = GemmBackend::Auto;  // GPU fp8: the GEMMs' kernels
-  GemmBackend bf16_gemm_backend = GemmBackend::Cutlass;  // GPU bf16: the experts' grouped GEMMs' kernels
+  GemmBackend bf16_gemm_backend = GemmBackend::Auto;  // GPU bf16: the experts' grouped GEMMs' kernels
 };
 
 }  // namespace moe

@@ -382,11 +382,11 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
       {"training.fp8_gemm_backend = deepgemm", "parallel.expert_parallel > 1"});
   expect_config_error([] { parse_config("", "x.toml", {"training.fp8_gemm_backend=triton"}); },
                       {"training.fp8_gemm_backend"});
-  // The bf16 experts' GEMMs: CUTLASS's by default; DeepGEMM's on request, or by auto under
-  // the fp8 key's rules, for bf16 runs only.
+  // The bf16 experts' GEMMs: auto by default (DeepGEMM's under the fp8 key's rules, for bf16
+  // runs only), either on request.
   const RunConfig bf16 = parse_config("", "x.toml", {});
-  EXPECT_EQ(bf16.training.bf16_gemm_backend, GemmBackend::Cutlass);
-  EXPECT_EQ(expert_row_align(bf16.training), 1);
+  EXPECT_EQ(bf16.training.bf16_gemm_backend, GemmBackend::Auto);
+  EXPECT_EQ(expert_row_align(bf16.training), 1) << "auto unresolved pads nothing";
   const RunConfig bf16_deepgemm =
       parse_config("", "x.toml", {"training.device=cuda", "training.bf16_gemm_backend=deepgemm"});
   EXPECT_EQ(bf16_deepgemm.training.bf16_gemm_backend, GemmBackend::DeepGemm);
@@ -539,7 +539,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.model.moe.route_cache = true; c.model.moe.route_cache_predict = 4; },
       [](RunConfig& c) { c.model.moe.route_cache = true; c.parallel.expert_parallel = 2; c.model.moe.speculative_dispatch = true; },
       [](RunConfig& c) { c.model.moe.route_cache_keys = 1000; },
-      [](RunConfig& c) { c.training.bf16_gemm_backend = GemmBackend::Auto; },
+      [](RunConfig& c) { c.training.bf16_gemm_backend = GemmBackend::Cutlass; },
       // Last: fp8 needs the GPU and dims of whole 128-blocks (over the changes above in `all`).
       [](RunConfig& c) {
         c.training.precision = TrainingPrecision::Fp8;
