@@ -399,6 +399,11 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
             GemmBackend::DeepGemm);
   EXPECT_EQ(gemm_backend_for(parse_config("", "x.toml", bf16_long), TrainingPrecision::Bf16, false),
             GemmBackend::Cutlass);
+  // Each key for its own precision: an explicit bf16 choice stands beside an fp8 auto.
+  std::vector<std::string> bf16_cutlass = bf16_long;
+  bf16_cutlass.back() = "training.bf16_gemm_backend=cutlass";
+  EXPECT_EQ(gemm_backend_for(parse_config("", "x.toml", bf16_cutlass), TrainingPrecision::Bf16, true),
+            GemmBackend::Cutlass);
   bf16_long.push_back("parallel.comm_sms=8");
   EXPECT_EQ(gemm_backend_for(parse_config("", "x.toml", bf16_long), TrainingPrecision::Bf16, true),
             GemmBackend::Cutlass);
