@@ -94,15 +94,15 @@ mutant train/shard-piece-hash-skipped src/train/checkpoint_shards.cpp \
   'if (piece.hash.empty() &&'
 
 # --- config --------------------------------------------------------------------------
-mutant config/gemm-backend-one-key src/config/config_rules.cpp \
-  'precision == TrainingPrecision::Fp8 ? config.training.fp8_gemm_backend : config.training.bf16_gemm_backend;' \
-  'config.training.fp8_gemm_backend;'
+mutant config/gemm-backend-fp8-key-only src/config/training_config.h \
+  'return p == TrainingPrecision::Fp8 ? fp8_gemm_backend : bf16_gemm_backend;' \
+  'return fp8_gemm_backend;'
 mutant config/deepgemm-any-dims src/config/config_rules.cpp \
   'if (c.model.dim % 128 != 0 || c.model.moe.expert_hidden % 128 != 0)' \
   'if (false)'
-mutant config/row-align-bf16-key-only src/model/gpu_buffer_sizes.cpp \
-  'training.precision == TrainingPrecision::Fp8 ? training.fp8_gemm_backend : training.bf16_gemm_backend;' \
-  'training.bf16_gemm_backend;'
+mutant config/gemm-backend-bf16-key-only src/config/training_config.h \
+  'return p == TrainingPrecision::Fp8 ? fp8_gemm_backend : bf16_gemm_backend;' \
+  'return bf16_gemm_backend;'
 
 # --- dist ----------------------------------------------------------------------------
 mutant dist/sharded-clip-squared-norm src/train/backends/parallel_cpu_backend.cpp \

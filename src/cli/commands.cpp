@@ -231,7 +231,7 @@ int run_bench(const BenchOptions& options) {
     write_file_atomic(options.json, compute_profile_json(profile));
     fmt::print("compute profile written to {}\n", options.json);
   }
-  if (options.kernels) run_kernel_bench(config, std::cout);
+  if (options.kernels) run_kernel_bench(config, std::cout, options.sustain_ms);
   return 0;
 #else
   MOE_CONFIG_ERROR("moe bench times the GPU path, and this build has no CUDA backend");

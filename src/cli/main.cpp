@@ -132,7 +132,14 @@ int main(int argc, char** argv) {
       ->check(CLI::ExistingFile);
   bench_cmd->add_option("--warmup", bench.warmup_steps, "Untimed steps first")->check(CLI::NonNegativeNumber);
   bench_cmd->add_option("--steps", bench.timed_steps, "Timed steps (the median is reported)")->check(CLI::PositiveNumber);
-  bench_cmd->add_flag("--kernels", bench.kernels, "Also time the expert GEMMs one by one against the dense ceiling");
+  CLI::Option* kernels_flag =
+      bench_cmd->add_flag("--kernels", bench.kernels, "Also time the expert GEMMs one by one against the dense ceiling");
+  bench_cmd
+      ->add_option("--sustain-ms", bench.sustain_ms,
+                   "With --kernels: run each expert GEMM back to back for this long instead (its rate under the "
+                   "board's power limit, with the clock and power)")
+      ->check(CLI::NonNegativeNumber)
+      ->needs(kernels_flag);
   bench_cmd->add_option("--json", bench.json,
                         "Also write the phase times as a compute profile JSON (moe plan --simulate --compute)");
   bench_cmd->add_flag("--ep-loopback", bench.ep_loopback,

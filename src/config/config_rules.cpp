@@ -341,8 +341,7 @@ std::string toml_string(std::string_view s) {
 }
 
 GemmBackend gemm_backend_for(const RunConfig& config, TrainingPrecision precision, bool deepgemm_runs) {
-  const GemmBackend chosen =
-      precision == TrainingPrecision::Fp8 ? config.training.fp8_gemm_backend : config.training.bf16_gemm_backend;
+  const GemmBackend chosen = config.training.gemm_backend(precision);
   if (chosen != GemmBackend::Auto) return chosen;
   // What an explicit deepgemm must pass, a GPU that runs it, and little padding: each
   // expert's rows padded to 128 add half of that on average, which at many experts of few

@@ -33,9 +33,7 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
 }
 
 int64_t expert_row_align(const TrainingConfig& training) {
-  const GemmBackend backend =
-      training.precision == TrainingPrecision::Fp8 ? training.fp8_gemm_backend : training.bf16_gemm_backend;
-  return backend == GemmBackend::DeepGemm ? 128 : 1;
+  return training.gemm_backend(training.precision) == GemmBackend::DeepGemm ? 128 : 1;
 }
 
 int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_k, int64_t local_experts,

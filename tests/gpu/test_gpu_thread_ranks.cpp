@@ -139,20 +139,29 @@ TEST(GpuThreadRanks, DataAndExpertParallelTrainLikeOneGpu) {
   expect_like_one_gpu(train_ranks(ep, 2), want, "split experts, re-placed every 3 steps");
 }
 
-// fp8 with DeepGEMM's GEMMs (the experts' rows padded per expert to 128; what
-// training.fp8_gemm_backend = auto picks without expert parallelism) over 2 data-parallel
-// thread ranks, against one GPU of the same global batch, two micro-batches a step each.
-TEST(GpuThreadRanks, Fp8DeepGemmDataParallelTrainsLikeOneGpu) {
-  MOE_REQUIRE_GPU();
+// DeepGEMM's GEMMs of `precision` (the experts' rows padded per expert to 128; what
+// training.fp8_gemm_backend and bf16_gemm_backend = auto pick without expert parallelism)
+// over 2 data-parallel thread ranks, against one GPU of the same global batch.
+void expect_deepgemm_data_parallel_like_one_gpu(TrainingPrecision precision, const char* what) {
   RunConfig config = thread_run();
-  config.training.precision = TrainingPrecision::Fp8;
-  config.training.fp8_gemm_backend = GemmBackend::DeepGemm;
+  config.training.precision = precision;
+  config.training.gemm_backend(precision) = GemmBackend::DeepGemm;
   RunConfig whole = config;
   whole.training.micro_batch *= 2;
   const RankResult want = train(whole, std::move(dist::make_thread_communicators(1)[0]));
   ASSERT_EQ(want.error, "");
   ASSERT_EQ(want.losses.size(), 12u);
-  expect_like_one_gpu(train_ranks(config, 2), want, "fp8 with DeepGEMM, data parallel (ZeRO-1)");
+  expect_like_one_gpu(train_ranks(config, 2), want, what);
+}
+
+TEST(GpuThreadRanks, Fp8DeepGemmDataParallelTrainsLikeOneGpu) {
+  MOE_REQUIRE_GPU();
+  expect_deepgemm_data_parallel_like_one_gpu(TrainingPrecision::Fp8, "fp8 with DeepGEMM, data parallel (ZeRO-1)");
+}
+
+TEST(GpuThreadRanks, Bf16DeepGemmDataParallelTrainsLikeOneGpu) {
+  MOE_REQUIRE_GPU();
+  expect_deepgemm_data_parallel_like_one_gpu(TrainingPrecision::Bf16, "bf16 with DeepGEMM, data parallel (ZeRO-1)");
 }
 
 // Split experts train the weights whole experts do: each hinge's partial gradients summed

@@ -137,7 +137,7 @@ bool wants_gpu(const TrainingConfig& training) {
 
 void resolve_gemm_backends(RunConfig& config) {
   TrainingConfig& t = config.training;
-  GemmBackend& backend = t.precision == TrainingPrecision::Fp8 ? t.fp8_gemm_backend : t.bf16_gemm_backend;
+  GemmBackend& backend = t.gemm_backend(t.precision);
   if (backend != GemmBackend::Auto) return;
 #ifdef MOE_HAVE_CUDA
   const bool runs = asks_for_gpu(t.device) && deepgemm_present();

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <type_traits>
@@ -27,71 +28,104 @@ using bench::kTimed;
 using bench::kWarmup;
 using bench::median_ms;
 
-struct Row {
+// One of the six expert GEMMs of a layer, three ways: CUTLASS's grouped GEMM, the per-expert
+// cuBLASLt loop it replaced (host offsets) and DeepGEMM's bf16 kernel over rows padded per
+// expert (empty without it).
+struct GemmCase {
   std::string name;
-  double flops, grouped_ms, loop_ms;
+  double flops;
+  std::function<void()> grouped, loop, deepgemm;
 };
 
-// The same GEMMs through DeepGEMM's bf16 kernel (training.bf16_gemm_backend = deepgemm) over
-// rows padded per expert to 128, beside CUTLASS's (`rows`, in the same order); the weight
-// gradients into bf16 with beta 0, as that backend runs them.
-void run_deepgemm_bf16_rows(const std::vector<Row>& rows, const std::vector<int32_t>& offsets, bf16* x, bf16* gate_up,
-                            bf16* act, bf16* y, const bf16* w1, const bf16* w3, const bf16* w2, bf16* h1, bf16* h3,
-                            int64_t E, int64_t D, int64_t F, std::ostream& out) {
+// The padded offsets DeepGEMM's rows take (each expert's rows rounded up to 128), or empty
+// where its kernel does not run here or the padded rows exceed the buffers' R.
+std::vector<int32_t> deepgemm_offsets(const std::vector<int32_t>& offsets, int64_t E, int64_t D, int64_t F,
+                                      std::ostream& out) {
   if (!cuda::deepgemm_available() || E > cuda::PaddedExpertGemmBf16::kMaxExperts || D % 128 != 0 || F % 128 != 0) {
     fmt::print(out, "  DeepGEMM's bf16 kernel: not on this GPU or these shapes\n");
-    return;
+    return {};
   }
-  // The balanced rows padded per expert (the padding rows read whatever the buffers hold:
-  // timing only), within the buffers' R rows when every expert's rows are whole tiles.
   std::vector<int32_t> padded(offsets.size(), 0);
   for (size_t e = 0; e + 1 < offsets.size(); ++e)
     padded[e + 1] = padded[e] + (offsets[e + 1] - offsets[e] + 127) / 128 * 128;
-  const int64_t R = offsets.back();
-  if (padded.back() > R) {
+  if (padded.back() > offsets.back()) {
     fmt::print(out, "  DeepGEMM's bf16 kernel: {} padded rows do not fit the {} of the buffers (not timed)\n",
-               padded.back(), R);
-    return;
+               padded.back(), offsets.back());
+    return {};
   }
-  gpu::DeviceArray<int32_t> padded_d(padded.size());
-  padded_d.upload(padded.data(), padded.size());
-  cuda::PaddedExpertGemmBf16 gemm(E);
-  const cuda::Stream stream = nullptr;
-  const int32_t* P = padded_d.data();
-  bf16* gu[2] = {gate_up, gate_up + F};
-  const bf16* w13[2] = {w1, w3};
-  bf16* down[1] = {y};
-  const bf16* w2s[1] = {w2};
-  bf16* dw1[1] = {h1};
-  const bf16* dy[1] = {y};
-  bf16* dw13[2] = {h1, h3};
-  const bf16* dgu[2] = {gate_up, gate_up + F};
-  const double ms[6] = {
-      median_ms([&] { gemm.forward(2, gu, 2 * F, x, D, w13, P, R, F, D, stream); }),
-      median_ms([&] { gemm.forward(1, down, D, act, F, w2s, P, R, D, F, stream); }),
-      median_ms([&] { gemm.backward_data(act, F, y, D, w2, P, R, F, D, 0.0f, stream); }),
-      median_ms([&] {
-        gemm.backward_data(x, D, gate_up, 2 * F, w1, P, R, D, F, 0.0f, stream);
-        gemm.backward_data(x, D, gate_up + F, 2 * F, w3, P, R, D, F, 1.0f, stream);
-      }),
-      median_ms([&] { gemm.backward_weight(1, dw1, dy, D, act, F, P, R, D, F, stream); }),
-      median_ms([&] { gemm.backward_weight(2, dw13, dgu, 2 * F, x, D, P, R, F, D, stream); })};
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  fmt::print(out, "  DeepGEMM's bf16 kernel ({} padded rows; wgrad bf16, beta 0) against CUTLASS's grouped GEMM above:\n",
-             padded.back());
-  double total = 0, cutlass = 0;
-  for (size_t i = 0; i < rows.size() && i < 6; ++i) {
-    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   (CUTLASS {:.3f} ms)\n", rows[i].name, ms[i],
-               rows[i].flops / ms[i] / 1e9, rows[i].grouped_ms);
-    total += ms[i];
-    cutlass += rows[i].grouped_ms;
+  return padded;
+}
+
+// Each case alone on a warm board (median of kTimed): CUTLASS beside the cuBLASLt loop, then
+// DeepGEMM beside CUTLASS.
+void print_warm(const std::vector<GemmCase>& cases, const std::string& header, double dense_ms, double dense_flops,
+                const std::string& dense_name, std::ostream& out) {
+  fmt::print(out, "{}; median of {} after {} warm-up\n", header, kTimed, kWarmup);
+  fmt::print(out, "  {:<36} {:>9} {:>8}   {:>12} {:>8}\n", "kernel", "grouped", "TFLOP/s", "cuBLAS loop", "TFLOP/s");
+  std::vector<double> grouped_ms;
+  double grouped_total = 0, loop_total = 0, flops_total = 0;
+  for (const GemmCase& c : cases) {
+    const double g = median_ms(c.grouped), l = median_ms(c.loop);
+    grouped_ms.push_back(g);
+    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   {:10.3f}ms {:8.0f}\n", c.name, g, c.flops / g / 1e9, l,
+               c.flops / l / 1e9);
+    grouped_total += g;
+    loop_total += l;
+    flops_total += c.flops;
   }
-  fmt::print(out, "  {:<36} {:7.3f}ms            (CUTLASS {:.3f} ms)\n", "all six", total, cutlass);
+  fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   {:10.3f}ms {:8.0f}\n", "all expert GEMMs of the layer", grouped_total,
+             flops_total / grouped_total / 1e9, loop_total, flops_total / loop_total / 1e9);
+  fmt::print(out, "  dense ceiling: one cuBLASLt {} GEMM {:.3f} ms = {:.0f} TFLOP/s\n", dense_name, dense_ms,
+             dense_flops / dense_ms / 1e9);
+  if (!cases.front().deepgemm) return;
+  fmt::print(out, "  DeepGEMM's bf16 kernel against CUTLASS's grouped GEMM above:\n");
+  double total = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const double ms = median_ms(cases[i].deepgemm);
+    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   (CUTLASS {:.3f} ms)\n", cases[i].name, ms,
+               cases[i].flops / ms / 1e9, grouped_ms[i]);
+    total += ms;
+  }
+  fmt::print(out, "  {:<36} {:7.3f}ms            (CUTLASS {:.3f} ms)\n", "all six", total, grouped_total);
+}
+
+// Each case back to back for `sustain_ms` (SustainedTimer): the rate under the power limit,
+// CUTLASS and DeepGEMM alternating case by case, and the dense GEMM the same way.
+void print_sustained(const std::vector<GemmCase>& cases, const std::string& header, double sustain_ms,
+                     const std::function<void()>& dense, double dense_flops, const std::string& dense_name,
+                     std::ostream& out) {
+  bench::SustainedTimer timer(sustain_ms);
+  fmt::print(out, "{}; each kernel back to back for {:.0f} ms, the median of the second half, with the board's mean "
+                  "SM clock and power over it\n",
+             header, sustain_ms);
+  fmt::print(out, "  {:<36} {:>9} {:>8} {:>15}   {:>9} {:>8} {:>15}\n", "kernel", "CUTLASS", "TFLOP/s", "board",
+             "DeepGEMM", "TFLOP/s", "board");
+  double cutlass_total = 0, deepgemm_total = 0, flops_total = 0;
+  for (const GemmCase& c : cases) {
+    const double g = timer.ms(c.grouped);
+    const std::string g_board = timer.last_board();
+    flops_total += c.flops;
+    cutlass_total += g;
+    if (!c.deepgemm) {
+      fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f} {:>15}\n", c.name, g, c.flops / g / 1e9, g_board);
+      continue;
+    }
+    const double d = timer.ms(c.deepgemm);
+    deepgemm_total += d;
+    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f} {:>15}   {:7.3f}ms {:8.0f} {:>15}\n", c.name, g, c.flops / g / 1e9,
+               g_board, d, c.flops / d / 1e9, timer.last_board());
+  }
+  fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f} {:>15}   {:7.3f}ms {:8.0f}\n", "all six", cutlass_total,
+             flops_total / cutlass_total / 1e9, "", deepgemm_total,
+             deepgemm_total > 0 ? flops_total / deepgemm_total / 1e9 : 0.0);
+  const double d = timer.ms(dense);
+  fmt::print(out, "  dense ceiling under the limit: one cuBLASLt {} GEMM {:.3f} ms = {:.0f} TFLOP/s ({})\n", dense_name,
+             d, dense_flops / d / 1e9, timer.last_board());
 }
 
 }  // namespace
 
-void run_kernel_bench(const RunConfig& config, std::ostream& out) {
+void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain_ms) {
   const ModelConfig& mc = config.model;
   const int64_t T = config.training.micro_batch * mc.seq_len, D = mc.dim, E = mc.moe.n_experts, K = mc.moe.top_k,
                 F = mc.moe.expert_hidden;
@@ -109,6 +143,7 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out) {
        y = filled<bf16>(R * D, 1.0f, 4);
   auto w1 = filled<bf16>(E * F * D, 0.02f, 5), w3 = filled<bf16>(E * F * D, 0.02f, 6), w2 = filled<bf16>(E * D * F, 0.02f, 7);
   auto g1 = filled<float>(E * F * D, 1e-3f, 8), g3 = filled<float>(E * F * D, 1e-3f, 9), g2 = filled<float>(E * D * F, 1e-3f, 10);
+  auto h1 = filled<bf16>(E * F * D, 1e-3f, 11), h3 = filled<bf16>(E * F * D, 1e-3f, 12), h2 = filled<bf16>(E * D * F, 1e-3f, 13);
   cuda::ExpertGemm grouped(E);
   cuda::Blas blas;
   const cuda::Stream stream = nullptr;
@@ -119,129 +154,138 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out) {
       if (rows > 0) gemm(first, rows, e);
     }
   };
+  // The weight gradients as the run's step writes them: bf16 with beta 0 (a step's first
+  // micro-batch; training.expert_grad_dtype = bf16), else fp32 with beta 1.
+  const bool bf16_grads = config.training.expert_grad_dtype == GradDtype::Bf16;
+  const std::string wgrad = bf16_grads ? "bf16 b0" : "fp32 b1";
   const double mnk = 2.0 * static_cast<double>(R) * static_cast<double>(D) * static_cast<double>(F);
-  std::vector<Row> rows;
-  {
-    bf16* outs[2] = {gate_up.data(), gate_up.data() + F};
-    const bf16* ws[2] = {w1.data(), w3.data()};
-    rows.push_back({"fwd gate|up  [rows,D]x[D,2F]", 2 * mnk,
-                    median_ms([&] { grouped.forward(2, outs, 2 * F, x.data(), D, ws, offsets_d.data(), F, D, stream); }),
-                    median_ms([&] {
-                      loop([&](int64_t first, int64_t n, int64_t e) {
-                        blas.gemm(false, true, n, F, D, 1, x.data() + first * D, D, w1.data() + e * F * D, D, 0,
-                                  gate_up.data() + first * 2 * F, false, 2 * F, stream);
-                        blas.gemm(false, true, n, F, D, 1, x.data() + first * D, D, w3.data() + e * F * D, D, 0,
-                                  gate_up.data() + first * 2 * F + F, false, 2 * F, stream);
-                      });
-                    })});
-  }
-  {
-    bf16* outs[1] = {y.data()};
-    const bf16* ws[1] = {w2.data()};
-    rows.push_back({"fwd down     [rows,F]x[F,D]", mnk,
-                    median_ms([&] { grouped.forward(1, outs, D, act.data(), F, ws, offsets_d.data(), D, F, stream); }),
-                    median_ms([&] {
-                      loop([&](int64_t first, int64_t n, int64_t e) {
-                        blas.gemm(false, true, n, D, F, 1, act.data() + first * F, F, w2.data() + e * D * F, F, 0,
-                                  y.data() + first * D, false, D, stream);
-                      });
-                    })});
-  }
-  rows.push_back({"dgrad down   [rows,D]x[D,F]", mnk,
-                  median_ms([&] {
-                    grouped.backward_data(act.data(), F, y.data(), D, w2.data(), offsets_d.data(), F, D, 0, stream);
-                  }),
-                  median_ms([&] {
-                    loop([&](int64_t first, int64_t n, int64_t e) {
-                      blas.gemm(false, false, n, F, D, 1, y.data() + first * D, D, w2.data() + e * D * F, F, 0,
-                                act.data() + first * F, false, F, stream);
-                    });
-                  })});
-  rows.push_back({"dgrad gate+up 2x[rows,F]x[F,D]", 2 * mnk,
-                  median_ms([&] {
-                    grouped.backward_data(x.data(), D, gate_up.data(), 2 * F, w1.data(), offsets_d.data(), D, F, 0,
-                                          stream);
-                    grouped.backward_data(x.data(), D, gate_up.data() + F, 2 * F, w3.data(), offsets_d.data(), D, F,
-                                          1, stream);
-                  }),
-                  median_ms([&] {
-                    loop([&](int64_t first, int64_t n, int64_t e) {
-                      blas.gemm(false, false, n, D, F, 1, gate_up.data() + first * 2 * F, 2 * F, w1.data() + e * F * D,
-                                D, 0, x.data() + first * D, false, D, stream);
-                      blas.gemm(false, false, n, D, F, 1, gate_up.data() + first * 2 * F + F, 2 * F,
-                                w3.data() + e * F * D, D, 1, x.data() + first * D, false, D, stream);
-                    });
-                  })});
-  {
-    float* dws[1] = {g2.data()};
-    const bf16* as[1] = {y.data()};
-    rows.push_back({"wgrad down   [D,rows]x[rows,F]", mnk,
-                    median_ms([&] {
-                      grouped.backward_weight(1, dws, as, D, act.data(), F, offsets_d.data(), D, F, stream);
-                    }),
-                    median_ms([&] {
-                      loop([&](int64_t first, int64_t n, int64_t e) {
-                        blas.gemm(true, false, D, F, n, 1, y.data() + first * D, D, act.data() + first * F, F, 1,
-                                  g2.data() + e * D * F, true, F, stream);
-                      });
-                    })});
-  }
-  {
-    float* dws[2] = {g1.data(), g3.data()};
-    const bf16* as[2] = {gate_up.data(), gate_up.data() + F};
-    rows.push_back({"wgrad gate|up 2x[F,rows]x[rows,D]", 2 * mnk,
-                    median_ms([&] {
-                      grouped.backward_weight(2, dws, as, 2 * F, x.data(), D, offsets_d.data(), F, D, stream);
-                    }),
-                    median_ms([&] {
-                      loop([&](int64_t first, int64_t n, int64_t e) {
-                        blas.gemm(true, false, F, D, n, 1, gate_up.data() + first * 2 * F, 2 * F, x.data() + first * D,
-                                  D, 1, g1.data() + e * F * D, true, D, stream);
-                        blas.gemm(true, false, F, D, n, 1, gate_up.data() + first * 2 * F + F, 2 * F,
-                                  x.data() + first * D, D, 1, g3.data() + e * F * D, true, D, stream);
-                      });
-                    })});
+  bf16* gu_halves[2] = {gate_up.data(), gate_up.data() + F};
+  const bf16* gu_in[2] = {gate_up.data(), gate_up.data() + F};
+  const bf16* w13[2] = {w1.data(), w3.data()};
+  bf16* y_out[1] = {y.data()};
+  const bf16* w2s[1] = {w2.data()};
+  const bf16* dy[1] = {y.data()};
+  float* g2s[1] = {g2.data()};
+  float* g13[2] = {g1.data(), g3.data()};
+  bf16* h2s[1] = {h2.data()};
+  bf16* h13[2] = {h1.data(), h3.data()};
+  std::vector<GemmCase> cases;
+  cases.push_back({"fwd gate|up  [rows,D]x[D,2F]", 2 * mnk,
+                   [&] { grouped.forward(2, gu_halves, 2 * F, x.data(), D, w13, offsets_d.data(), F, D, stream); },
+                   [&] {
+                     loop([&](int64_t first, int64_t n, int64_t e) {
+                       blas.gemm(false, true, n, F, D, 1, x.data() + first * D, D, w1.data() + e * F * D, D, 0,
+                                 gate_up.data() + first * 2 * F, false, 2 * F, stream);
+                       blas.gemm(false, true, n, F, D, 1, x.data() + first * D, D, w3.data() + e * F * D, D, 0,
+                                 gate_up.data() + first * 2 * F + F, false, 2 * F, stream);
+                     });
+                   },
+                   {}});
+  cases.push_back({"fwd down     [rows,F]x[F,D]", mnk,
+                   [&] { grouped.forward(1, y_out, D, act.data(), F, w2s, offsets_d.data(), D, F, stream); },
+                   [&] {
+                     loop([&](int64_t first, int64_t n, int64_t e) {
+                       blas.gemm(false, true, n, D, F, 1, act.data() + first * F, F, w2.data() + e * D * F, F, 0,
+                                 y.data() + first * D, false, D, stream);
+                     });
+                   },
+                   {}});
+  cases.push_back({"dgrad down   [rows,D]x[D,F]", mnk,
+                   [&] { grouped.backward_data(act.data(), F, y.data(), D, w2.data(), offsets_d.data(), F, D, 0, stream); },
+                   [&] {
+                     loop([&](int64_t first, int64_t n, int64_t e) {
+                       blas.gemm(false, false, n, F, D, 1, y.data() + first * D, D, w2.data() + e * D * F, F, 0,
+                                 act.data() + first * F, false, F, stream);
+                     });
+                   },
+                   {}});
+  cases.push_back({"dgrad gate+up 2x[rows,F]x[F,D]", 2 * mnk,
+                   [&] {
+                     grouped.backward_data(x.data(), D, gate_up.data(), 2 * F, w1.data(), offsets_d.data(), D, F, 0,
+                                           stream);
+                     grouped.backward_data(x.data(), D, gate_up.data() + F, 2 * F, w3.data(), offsets_d.data(), D, F,
+                                           1, stream);
+                   },
+                   [&] {
+                     loop([&](int64_t first, int64_t n, int64_t e) {
+                       blas.gemm(false, false, n, D, F, 1, gate_up.data() + first * 2 * F, 2 * F, w1.data() + e * F * D,
+                                 D, 0, x.data() + first * D, false, D, stream);
+                       blas.gemm(false, false, n, D, F, 1, gate_up.data() + first * 2 * F + F, 2 * F,
+                                 w3.data() + e * F * D, D, 1, x.data() + first * D, false, D, stream);
+                     });
+                   },
+                   {}});
+  cases.push_back({"wgrad down   [D,rows]x[rows,F] " + wgrad, mnk,
+                   [&] {
+                     if (bf16_grads) grouped.backward_weight(1, h2s, dy, D, act.data(), F, offsets_d.data(), D, F, stream, 0.0f);
+                     else grouped.backward_weight(1, g2s, dy, D, act.data(), F, offsets_d.data(), D, F, stream);
+                   },
+                   [&] {
+                     loop([&](int64_t first, int64_t n, int64_t e) {
+                       blas.gemm(true, false, D, F, n, 1, y.data() + first * D, D, act.data() + first * F, F, 1,
+                                 g2.data() + e * D * F, true, F, stream);
+                     });
+                   },
+                   {}});
+  cases.push_back({"wgrad gate|up 2x[F,rows]x[rows,D] " + wgrad, 2 * mnk,
+                   [&] {
+                     if (bf16_grads) grouped.backward_weight(2, h13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, 0.0f);
+                     else grouped.backward_weight(2, g13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream);
+                   },
+                   [&] {
+                     loop([&](int64_t first, int64_t n, int64_t e) {
+                       blas.gemm(true, false, F, D, n, 1, gate_up.data() + first * 2 * F, 2 * F, x.data() + first * D,
+                                 D, 1, g1.data() + e * F * D, true, D, stream);
+                       blas.gemm(true, false, F, D, n, 1, gate_up.data() + first * 2 * F + F, 2 * F,
+                                 x.data() + first * D, D, 1, g3.data() + e * F * D, true, D, stream);
+                     });
+                   },
+                   {}});
+  // DeepGEMM's bf16 kernel over the balanced rows padded per expert (the padding rows read
+  // whatever the buffers hold: timing only); its weight gradients bf16 with beta 0, as that
+  // backend runs them.
+  const std::vector<int32_t> padded = deepgemm_offsets(offsets, E, D, F, out);
+  gpu::DeviceArray<int32_t> padded_d(std::max<size_t>(padded.size(), 1));
+  std::unique_ptr<cuda::PaddedExpertGemmBf16> deepgemm;
+  if (!padded.empty()) {
+    padded_d.upload(padded.data(), padded.size());
+    deepgemm = std::make_unique<cuda::PaddedExpertGemmBf16>(E);
+    const int32_t* P = padded_d.data();
+    cuda::PaddedExpertGemmBf16& g = *deepgemm;
+    cases[0].deepgemm = [&, P] { g.forward(2, gu_halves, 2 * F, x.data(), D, w13, P, R, F, D, stream); };
+    cases[1].deepgemm = [&, P] { g.forward(1, y_out, D, act.data(), F, w2s, P, R, D, F, stream); };
+    cases[2].deepgemm = [&, P] { g.backward_data(act.data(), F, y.data(), D, w2.data(), P, R, F, D, 0.0f, stream); };
+    cases[3].deepgemm = [&, P] {
+      g.backward_data(x.data(), D, gate_up.data(), 2 * F, w1.data(), P, R, D, F, 0.0f, stream);
+      g.backward_data(x.data(), D, gate_up.data() + F, 2 * F, w3.data(), P, R, D, F, 1.0f, stream);
+    };
+    cases[4].deepgemm = [&, P] { g.backward_weight(1, h2s, dy, D, act.data(), F, P, R, D, F, stream); };
+    cases[5].deepgemm = [&, P] { g.backward_weight(2, h13, gu_in, 2 * F, x.data(), D, P, R, F, D, stream); };
   }
   // The dense ceiling at the same total size: one [rows, D] x [D, F] GEMM through cuBLASLt.
-  const double dense_ms = median_ms([&] {
-    blas.gemm(false, true, R, F, D, 1, x.data(), D, w1.data(), D, 0, act.data(), false, F, stream);
-  });
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
-  fmt::print(out, "expert GEMMs, one MoE layer: {} experts x {} rows (T {} x top-{}), D {}, F {}; median of {} after {} "
-                  "warm-up\n",
-             E, per_expert, T, K, D, F, kTimed, kWarmup);
-  fmt::print(out, "  {:<36} {:>9} {:>8}   {:>12} {:>8}\n", "kernel", "grouped", "TFLOP/s", "cuBLAS loop", "TFLOP/s");
-  double grouped_total = 0, loop_total = 0, flops_total = 0;
-  for (const Row& row : rows) {
-    fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   {:10.3f}ms {:8.0f}\n", row.name, row.grouped_ms,
-               row.flops / row.grouped_ms / 1e9, row.loop_ms, row.flops / row.loop_ms / 1e9);
-    grouped_total += row.grouped_ms;
-    loop_total += row.loop_ms;
-    flops_total += row.flops;
+  auto dense = [&] { blas.gemm(false, true, R, F, D, 1, x.data(), D, w1.data(), D, 0, act.data(), false, F, stream); };
+  const std::string dense_name = fmt::format("[{},{}]x[{},{}]", R, D, D, F);
+  const std::string header =
+      fmt::format("expert GEMMs, one MoE layer: {} experts x {} rows (T {} x top-{}), D {}, F {}{}", E, per_expert, T,
+                  K, D, F, padded.empty() ? "" : fmt::format("; DeepGEMM over {} padded rows", padded.back()));
+  if (sustain_ms > 0) {
+    print_sustained(cases, header, sustain_ms, dense, mnk, dense_name, out);
+    return;
   }
-  fmt::print(out, "  {:<36} {:7.3f}ms {:8.0f}   {:10.3f}ms {:8.0f}\n", "all expert GEMMs of the layer", grouped_total,
-             flops_total / grouped_total / 1e9, loop_total, flops_total / loop_total / 1e9);
-  fmt::print(out, "  dense ceiling: one cuBLASLt [{},{}]x[{},{}] GEMM {:.3f} ms = {:.0f} TFLOP/s\n", R, D, D, F, dense_ms,
-             mnk / dense_ms / 1e9);
-  // The gate|up weight gradient as a step's first micro-batch writes it (beta 0: no read of
-  // the old gradient) and with bf16 gradients (training.expert_grad_dtype), grouped only.
-  auto h1 = filled<bf16>(E * F * D, 1e-3f, 11), h3 = filled<bf16>(E * F * D, 1e-3f, 12);
-  const bf16* as[2] = {gate_up.data(), gate_up.data() + F};
-  float* dws[2] = {g1.data(), g3.data()};
-  bf16* hws[2] = {h1.data(), h3.data()};
+  print_warm(cases, header, median_ms(dense), mnk, dense_name, out);
+  // The gate|up weight gradient in each output type, beta 1 and beta 0 (a step's first
+  // micro-batch: no read of the old gradient), grouped only.
   fmt::print(out, "  wgrad gate|up variants (grouped):");
   for (const bool bf16_out : {false, true})
     for (const float beta : {1.0f, 0.0f}) {
       const double ms = median_ms([&] {
-        if (bf16_out) grouped.backward_weight(2, hws, as, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
-        else grouped.backward_weight(2, dws, as, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
+        if (bf16_out) grouped.backward_weight(2, h13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
+        else grouped.backward_weight(2, g13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
       });
       fmt::print(out, " {} beta {:.0f} {:.3f} ms ({:.0f} TFLOP/s);", bf16_out ? "bf16" : "fp32", beta, ms,
                  2 * mnk / ms / 1e9);
     }
   fmt::print(out, "\n");
-  run_deepgemm_bf16_rows(rows, offsets, x.data(), gate_up.data(), act.data(), y.data(), w1.data(), w3.data(),
-                         w2.data(), h1.data(), h3.data(), E, D, F, out);
   run_fp8_kernel_bench(config, out);
 }
 
