@@ -233,6 +233,14 @@ void check_training(const RunConfig& c) {
   if (t.deterministic_attention == DeterministicAttention::Ordered && !t.deterministic)
     fail({"training.deterministic_attention", "training.deterministic"},
          "training.deterministic_attention = ordered applies to training.deterministic = true only");
+  if (t.attention_query_chunks < 1 || t.attention_query_chunks > c.model.seq_len)
+    fail({"training.attention_query_chunks", "model.seq_len"},
+         fmt::format("training.attention_query_chunks must be between 1 and model.seq_len ({}), got {}",
+                     c.model.seq_len, t.attention_query_chunks));
+  if (t.attention_query_chunks > 1 && t.deterministic && t.deterministic_attention == DeterministicAttention::Ordered)
+    fail({"training.attention_query_chunks", "training.deterministic_attention"},
+         "training.attention_query_chunks > 1 splits the dP workspace's backward: not with "
+         "training.deterministic_attention = ordered");
 
   const OptimizerConfig& o = c.optimizer;
   check_real("optimizer.beta1", o.beta1, o.beta1 >= 0 && o.beta1 < 1, "in [0, 1)");

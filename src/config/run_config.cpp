@@ -91,6 +91,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "cuda_graphs", t.cuda_graphs);
   visit("training", "deterministic", t.deterministic);
   visit("training", "deterministic_attention", t.deterministic_attention);
+  visit("training", "attention_query_chunks", t.attention_query_chunks);
   visit("training", "expert_grad_dtype", t.expert_grad_dtype);
   visit("training", "precision", t.precision);
   visit("training", "fp8_weight_cache", t.fp8_weight_cache);

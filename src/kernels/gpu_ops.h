@@ -113,6 +113,12 @@ class Attention {
   // engine's fixed-order tile sum (cuDNN >= 9.25, sm_90), refused in one line elsewhere when
   // the backward's graph is built.
   void set_dq(AttentionDq dq);
+  // The backward in `chunks` calls over consecutive blocks of queries (1 by default), the
+  // last first, each against the keys up to its last query (causal from the bottom right):
+  // the deterministic backward's dP of a call covers its rows' keys only, (n + 1) / 2n of
+  // the whole S x S; each chunk's dK, dV are added to the later chunks' in that fixed order
+  // (bf16, one rounding each; training.attention_query_chunks, docs/DETERMINISM.md).
+  void set_query_chunks(int64_t chunks);
   // Whether AttentionDq::Ordered runs with the cuDNN and the GPU of this process.
   static bool ordered_dq_runs();
   // The device workspace the forward and the backward of this shape take (their graphs are
@@ -151,6 +157,11 @@ namespace moe::cuda {
 void add_bias_rows(float* x_RC, const float* bias_C, int64_t rows, int64_t cols, Stream stream);
 void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
 void cast_to_float(float* out, const bf16* in, int64_t n, Stream stream);  // exact
+// dst[b, r, :cols] += src[b, r, :cols] for rows r < `rows` of each of B batches of S rows
+// (row (b S + r) at r * ld within a batch of S ld), added in fp32 and rounded to bf16 once:
+// the key and value gradients of the attention backward's query chunks.
+void add_batched_rows(bf16* dst, int64_t ld_dst, const bf16* src, int64_t ld_src, int64_t B, int64_t S, int64_t rows,
+                      int64_t cols, Stream stream);
 
 // kernels/cuda/exact_math.cuh's branch-free fast paths against nvcc's IEEE operations, on
 // the device, for the tests: counts_6 = {sqrt(a[i]) taken fast and differing, a[i] / b[i]

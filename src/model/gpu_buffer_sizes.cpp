@@ -58,13 +58,22 @@ SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t d
   return s;
 }
 
-int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, AttentionDq dq) {
-  const int64_t padded = (seq + 63) / 64 * 64;
-  const int64_t dp = batch * heads * padded * padded * 2, softmax_sums = batch * heads * seq * 4;
-  const int64_t dq_accumulator = batch * heads * seq * head_dim * 4;
-  if (dq == AttentionDq::Ordered) return dq_accumulator + softmax_sums;
-  if (dq == AttentionDq::Workspace || dp <= (int64_t{256} << 20)) return dp + softmax_sums;
-  return dq_accumulator + softmax_sums;
+int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, AttentionDq dq,
+                                     int64_t query_chunks, int64_t kv_heads) {
+  const int64_t chunks = std::max<int64_t>(1, std::min(query_chunks, seq));
+  const int64_t rows = seq - seq * (chunks - 1) / chunks;  // the last chunk's queries, against every key
+  auto padded = [](int64_t n) { return (n + 63) / 64 * 64; };
+  const int64_t dp = batch * heads * padded(rows) * padded(seq) * 2, softmax_sums = batch * heads * rows * 4;
+  const int64_t dq_accumulator = batch * heads * rows * head_dim * 4;
+  auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  // Chunks: our dK | dV scratch and packed stats, and the fp32 dK, dV accumulators cuDNN's
+  // graphs of fewer queries than keys take beside dP (measured: cuDNN 9.14, H200).
+  const int64_t scratch = chunks > 1 ? aligned(batch * seq * 2 * kv_heads * head_dim * 2) +
+                                           aligned(batch * heads * rows * 4) + 2 * batch * kv_heads * seq * head_dim * 4
+                                     : 0;
+  if (dq == AttentionDq::Ordered) return scratch + dq_accumulator + softmax_sums;
+  if (dq == AttentionDq::Workspace || dp <= (int64_t{256} << 20)) return scratch + dp + softmax_sums;
+  return scratch + dq_accumulator + softmax_sums;
 }
 
 int64_t lm_head_chunk_rows(int64_t tokens, int64_t vocab_size) {

@@ -104,8 +104,12 @@ SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t d
 // heads, as cudnn-frontend sizes it: the backward's dP of batch x heads x seq x seq bf16
 // (seq rounded up to 64) and its softmax sums in fp32, which the deterministic dP
 // decomposition (AttentionDq::Workspace) always takes and the atomic backward only up to
-// 256 MB of dP (else an fp32 dQ accumulator, as the ordered deterministic backward).
-int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, AttentionDq dq);
+// 256 MB of dP (else an fp32 dQ accumulator, as the ordered deterministic backward). With
+// query_chunks > 1 (Attention::set_query_chunks) the last chunk's rows against every key,
+// and the chunks' dK | dV scratch of batch x seq x 2 kv_heads x head_dim bf16, a chunk's
+// packed softmax stats, and cuDNN's fp32 dK, dV accumulators of such a graph.
+int64_t attention_workspace_estimate(int64_t batch, int64_t heads, int64_t seq, int64_t head_dim, AttentionDq dq,
+                                     int64_t query_chunks = 1, int64_t kv_heads = 0);
 
 // Every dense projection GEMM of a micro-batch of `tokens` tokens (the calls of
 // gpu_attention.cpp and GpuTransformer's ffn_forward / ffn_backward): attention's q|k|v

@@ -281,7 +281,8 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
       shared_scratch_sizes(a.T, c.vocab_size, c.dim, a.F, std::max(a.rows.max_rows, a.rows.max_local_rows),
                            a.rows.max_local_rows)
           .bytes(),
-      attention_workspace_estimate(a.B, a.H, a.S, a.d, attention_dq_of(config, layout)));
+      attention_workspace_estimate(a.B, a.H, a.S, a.d, attention_dq_of(config, layout),
+                                   config.training.attention_query_chunks, c.n_kv_heads));
   // training.precision = fp8: one or two operands' quantised rows (codes and 1x128 scales), shared
   // by the layers; every MoE layer's quantised expert weights (fp8_weight_cache), or else
   // scratch for two of the local experts' weight tensors (codes and 128x128 scales).

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "expect_error.h"
 #include "gpu_test_util.h"
@@ -51,6 +53,22 @@ AttentionResults run_attention(cuda::Attention& attention, const AttentionCase& 
   attention.backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data(), out.data(),
                      stats.data(), B, S, H, G, d, scale, nullptr);
   return {to_host(out), to_host(dq), to_host(dk), to_host(dv), to_host(stats)};
+}
+
+// The CPU op's gradients for run_attention's inputs (its seeds seed .. seed + 3), checked
+// against `got` with the flash-attention tolerance.
+void expect_backward_matches_cpu(const AttentionCase& c, uint64_t seed, const AttentionResults& got,
+                                 const std::string& what) {
+  const auto [B, S, H, G, d] = c;
+  auto q = random_bf16_floats(B * S * H * d, seed, "q"), k = random_bf16_floats(B * S * G * d, seed + 1, "k");
+  auto v = random_bf16_floats(B * S * G * d, seed + 2, "v"), dout = random_bf16_floats(B * S * H * d, seed + 3, "dout");
+  std::vector<float> out_ref(B * S * H * d), probs(B * H * S * S), dq_ref(q.size()), dk_ref(k.size()), dv_ref(v.size());
+  attention_forward<float>(out_ref.data(), probs.data(), q.data(), k.data(), v.data(), B, S, H, G, d);
+  attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(), q.data(), k.data(), v.data(),
+                            probs.data(), B, S, H, G, d);
+  expect_close_scaled(what + " dq", test::to_float(got.dq), dq_ref);
+  expect_close_scaled(what + " dk", test::to_float(got.dk), dk_ref);
+  expect_close_scaled(what + " dv", test::to_float(got.dv), dv_ref);
 }
 
 TEST_P(GpuAttention, ForwardAndBackwardMatchCpu) {
@@ -218,6 +236,47 @@ TEST(GpuAttentionOrderedDq, MatchesCpuRerunsBitForBitAndNeedsNoDp) {
   const int64_t bytes = static_cast<int64_t>(attention.workspace_bytes(B, S, H, G, d, 1.0f / 8));
   EXPECT_LE(bytes, attention_workspace_estimate(B, H, S, d, AttentionDq::Ordered) + (int64_t{8} << 20));
   EXPECT_LT(bytes, B * H * S * S * 2 / 8) << "no dP workspace";
+}
+
+// Attention::set_query_chunks (training.attention_query_chunks): the backward in 2, 3 and 4
+// query chunks, each against the keys up to its last query, matches the CPU op as the one
+// call does (ragged chunks of a ragged sequence, grouped-query heads, head dims 64 and 128);
+// reruns give the same bits; in a poisoned shared workspace of workspace_bytes() it gives
+// the bits of its own; its dP workspace is below the one call's.
+TEST(GpuAttentionQueryChunks, MatchCpuRerunBitForBitAndNeedLessWorkspace) {
+  MOE_REQUIRE_GPU();
+  for (const AttentionCase& c : {AttentionCase{2, 257, 4, 2, 64}, AttentionCase{1, 1024, 16, 8, 128}}) {
+    const auto [B, S, H, G, d] = c;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    cuda::Attention whole;
+    const size_t whole_bytes = whole.workspace_bytes(B, S, H, G, d, scale);
+    for (const int64_t chunks : {2, 3, 4}) {
+      const std::string what = fmt::format("S {} d {}, {} chunks:", S, d, chunks);
+      cuda::Attention attention;
+      attention.set_query_chunks(chunks);
+      const AttentionResults first = run_attention(attention, c, 5);
+      expect_backward_matches_cpu(c, 5, first, what);
+      const AttentionResults again = run_attention(attention, c, 5);
+      EXPECT_TRUE(same_bits(first.dq, again.dq)) << what;
+      EXPECT_TRUE(same_bits(first.dk, again.dk)) << what;
+      EXPECT_TRUE(same_bits(first.dv, again.dv)) << what;
+
+      cuda::Attention shared;
+      shared.set_query_chunks(chunks);
+      const size_t bytes = shared.workspace_bytes(B, S, H, G, d, scale);
+      if (S >= 1024) EXPECT_LT(bytes, whole_bytes) << what << " a chunk's dP is a part of the whole one's";
+      EXPECT_LE(static_cast<int64_t>(bytes),
+                attention_workspace_estimate(B, H, S, d, AttentionDq::Workspace, chunks, G) + (int64_t{8} << 20))
+          << what << " the memory plan's estimate";
+      gpu::DeviceArray<char> workspace(bytes);
+      workspace.fill_bytes(0xff);
+      shared.use_workspace(workspace.data(), workspace.size());
+      const AttentionResults got = run_attention(shared, c, 5);
+      EXPECT_TRUE(same_bits(got.dq, first.dq)) << what;
+      EXPECT_TRUE(same_bits(got.dk, first.dk)) << what;
+      EXPECT_TRUE(same_bits(got.dv, first.dv)) << what;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttention,

@@ -292,6 +292,25 @@ TEST(Config, OrderedAttentionNeedsADeterministicRun) {
       {"training.deterministic_attention = ordered", "training.deterministic = true"});
 }
 
+// training.attention_query_chunks: one call by default; 1 to seq_len chunks; not with the
+// ordered form (its engine takes no chunk's shapes).
+TEST(Config, AttentionQueryChunksBetweenOneAndTheSequence) {
+  EXPECT_EQ(RunConfig{}.training.attention_query_chunks, 1);
+  EXPECT_EQ(parse_config("", "x.toml", {"training.attention_query_chunks=4"}).training.attention_query_chunks, 4);
+  expect_config_error([] { parse_config("", "x.toml", {"training.attention_query_chunks=0"}); },
+                      {"training.attention_query_chunks", "between 1 and model.seq_len", "got 0"});
+  const RunConfig defaults;
+  const std::string too_many = "training.attention_query_chunks=" + std::to_string(defaults.model.seq_len + 1);
+  expect_config_error([&] { parse_config("", "x.toml", {too_many}); },
+                      {"training.attention_query_chunks", std::to_string(defaults.model.seq_len)});
+  expect_config_error(
+      [] {
+        parse_config("", "x.toml", {"training.attention_query_chunks=2", "training.deterministic_attention=ordered"});
+      },
+      {"training.attention_query_chunks > 1", "training.deterministic_attention = ordered"});
+  EXPECT_NO_THROW(parse_config("", "x.toml", {"training.attention_query_chunks=2", "training.deterministic=false"}));
+}
+
 // moe.speculative_dispatch: off by default; needs the routing cache and expert parallelism.
 TEST(Config, SpeculativeDispatchNeedsRouteCacheAndExpertParallelism) {
   EXPECT_FALSE(RunConfig{}.model.moe.speculative_dispatch);
@@ -545,6 +564,10 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.model.moe.route_cache = true; c.parallel.expert_parallel = 2; c.model.moe.speculative_dispatch = true; },
       [](RunConfig& c) { c.model.moe.route_cache_keys = 1000; },
       [](RunConfig& c) { c.training.bf16_gemm_backend = GemmBackend::Cutlass; },
+      [](RunConfig& c) {
+        c.training.deterministic_attention = DeterministicAttention::Workspace;  // chunks do not take ordered
+        c.training.attention_query_chunks = 4;
+      },
       // Last: fp8 needs the GPU and dims of whole 128-blocks (over the changes above in `all`).
       [](RunConfig& c) {
         c.training.precision = TrainingPrecision::Fp8;
@@ -577,7 +600,7 @@ TEST(Config, EveryFieldRoundTrips) {
   // A tripwire: a new field must be added to config/run_config.cpp's key list, docs/CONFIG.md and
   // the list above before these sizes are updated.
   EXPECT_EQ(sizeof(ModelConfig), 296u);  // moe.speculative_dispatch (a bool) sits in route_cache's padding
-  EXPECT_EQ(sizeof(TrainingConfig), 176u);
+  EXPECT_EQ(sizeof(TrainingConfig), 184u);
   EXPECT_EQ(sizeof(OptimizerConfig), 40u);
   EXPECT_EQ(sizeof(LrConfig), 24u);
   EXPECT_EQ(sizeof(DataConfig), 208u);

@@ -190,6 +190,15 @@ TEST(MemoryPlan, SharedScratchIsTheLargestOfItsThreeUses) {
             8 * 16 * int64_t{4096} * 4096 * 2 + 8 * 16 * 4096 * 4);
   EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Atomic), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
   EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Ordered), 8 * 16 * 4096 * 64 * 4 + 8 * 16 * 4096 * 4);
+  // In 4 query chunks (training.attention_query_chunks): the last chunk's 1,024 queries
+  // against all 4,096 keys, our dK | dV scratch and packed stats, cuDNN's fp32 dK, dV.
+  const int64_t chunk_dp = 8 * 16 * int64_t{1024} * 4096 * 2, chunk_sums = 8 * 16 * 1024 * 4;
+  const int64_t chunk_scratch = 8 * 4096 * 2 * 16 * 64 * 2 + chunk_sums + 2 * 8 * 16 * 4096 * 64 * 4;
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Workspace, 4, 16), chunk_scratch + chunk_dp + chunk_sums);
+  EXPECT_LT(attention_workspace_estimate(8, 16, 4096, 64, Workspace, 4, 16),
+            attention_workspace_estimate(8, 16, 4096, 64, Workspace) / 2);
+  EXPECT_EQ(attention_workspace_estimate(8, 16, 4096, 64, Workspace, 1, 16),
+            attention_workspace_estimate(8, 16, 4096, 64, Workspace));
   const MemoryLayout layout = configured_layout(c, 1, 1);
   MemoryEstimate a = estimate_memory(c, layout);
   EXPECT_EQ(a.shared_scratch, sizes.rows_end);

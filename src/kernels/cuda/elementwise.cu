@@ -60,6 +60,33 @@ __global__ void column_sums_of_groups_kernel(float* out, const float* partial_GC
 }
 
 // Sums n floats in a fixed order (one block): deterministic loss reductions.
+// One block a row (blockIdx.x) of a batch (blockIdx.y); 8 bf16 a thread step where every
+// row starts 16-byte aligned (vec), else one.
+template <bool vec>
+__global__ void add_batched_rows_kernel(__nv_bfloat16* dst, int64_t ld_dst, const __nv_bfloat16* src, int64_t ld_src,
+                                        int64_t S, int64_t cols) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.y) * S + blockIdx.x);
+  __nv_bfloat16* d = dst + row * ld_dst;
+  const __nv_bfloat16* s = src + row * ld_src;
+  if constexpr (vec) {
+    for (int64_t c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+      uint4 a = *reinterpret_cast<const uint4*>(d + c);
+      const uint4 b = *reinterpret_cast<const uint4*>(s + c);
+      __nv_bfloat162* a2 = reinterpret_cast<__nv_bfloat162*>(&a);
+      const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = __bfloat1622float2(a2[i]), y = __bfloat1622float2(b2[i]);
+        a2[i] = __floats2bfloat162_rn(x.x + y.x, x.y + y.y);
+      }
+      *reinterpret_cast<uint4*>(d + c) = a;
+    }
+  } else {
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+      d[c] = __float2bfloat16_rn(__bfloat162float(d[c]) + __bfloat162float(s[c]));
+  }
+}
+
 __global__ void ordered_sum_kernel(float* out, const float* values, int64_t n, float scale) {
   float local = 0.0f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) local += values[i];
@@ -79,6 +106,20 @@ void add_bias_rows(float* x_RC, const float* bias_C, int64_t rows, int64_t cols,
 void cast_to_bf16(bf16* out, const float* in, int64_t n, Stream stream) {
   if (n == 0) return;
   cast_kernel<<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(as_cuda(out), in, n);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+void add_batched_rows(bf16* dst, int64_t ld_dst, const bf16* src, int64_t ld_src, int64_t B, int64_t S, int64_t rows,
+                      int64_t cols, Stream stream) {
+  if (B == 0 || rows == 0 || cols == 0) return;
+  MOE_CHECKF(rows <= S && rows <= 0x7fffffff && B <= 65535, "add_batched_rows: %lld rows of %lld, %lld batches",
+             static_cast<long long>(rows), static_cast<long long>(S), static_cast<long long>(B));
+  // Batch b's row r at (b * S + r) * ld: the row index the kernel forms.
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(B));
+  const bool vec = cols % 8 == 0 && ld_dst % 8 == 0 && ld_src % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  if (vec) add_batched_rows_kernel<true><<<grid, 128, 0, stream>>>(as_cuda(dst), ld_dst, as_cuda(src), ld_src, S, cols);
+  else add_batched_rows_kernel<false><<<grid, 128, 0, stream>>>(as_cuda(dst), ld_dst, as_cuda(src), ld_src, S, cols);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

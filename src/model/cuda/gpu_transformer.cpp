@@ -48,6 +48,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.recompute_experts = training.recompute_experts;
   options.recompute_experts_layers = training.recompute_experts_layers;
   options.attention_dq = moe::attention_dq(training.deterministic, training.deterministic_attention);
+  options.attention_query_chunks = training.attention_query_chunks;
   options.fp8_experts = training.precision == TrainingPrecision::Fp8;
   options.fp8_projections = training.precision == TrainingPrecision::Fp8;
   options.fp8_weight_cache = training.fp8_weight_cache;
@@ -163,6 +164,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident,
                                                 options.bf16_expert_grads);
   s.attention.set_dq(options.attention_dq);
+  s.attention.set_query_chunks(options.attention_query_chunks);
   if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   routing_.reset(new Routing(s));

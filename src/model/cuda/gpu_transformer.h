@@ -104,6 +104,8 @@ struct GpuModelOptions {
   // by construction), or by its faster atomics (Atomic). training.deterministic and
   // deterministic_attention.
   AttentionDq attention_dq = AttentionDq::Workspace;
+  // The attention backward in this many query blocks (training.attention_query_chunks).
+  int64_t attention_query_chunks = 1;
   // Expert parallelism over `expert_exchange` (null: off). Every rank keeps the block
   // layout of all the parameters but memory (weights, gradients, moments) only for the
   // non-expert ones and its own experts (its window; GpuParameterStore's resident ranges),

@@ -130,8 +130,11 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
                  : "",
              config.training.cuda_graphs ? "on (forward + backward replayed; no phase split)" : "off");
   if (config.training.precision == TrainingPrecision::Fp8) fmt::print(out, "{}\n", describe_fp8_projections(mc, T));
-  fmt::print(out, "attention backward: {}; {}\n",
+  fmt::print(out, "attention backward: {}{}; {}\n",
              name_of(attention_dq(config.training.deterministic, config.training.deterministic_attention)),
+             config.training.attention_query_chunks > 1
+                 ? fmt::format(", in {} query chunks", config.training.attention_query_chunks)
+                 : "",
              gpu_library_versions());
   if (ep_loopback)
     fmt::print(out, "expert parallel over this one GPU (--ep-loopback): every exchange a device copy\n");
