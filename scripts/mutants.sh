@@ -97,6 +97,12 @@ mutant train/shard-piece-hash-skipped src/train/checkpoint_shards.cpp \
 mutant config/gemm-backend-fp8-key-only src/config/training_config.h \
   'return p == TrainingPrecision::Fp8 ? fp8_gemm_backend : bf16_gemm_backend;' \
   'return fp8_gemm_backend;'
+mutant config/query-chunks-past-the-sequence src/config/config_rules.cpp \
+  'if (t.attention_query_chunks < 1 || t.attention_query_chunks > c.model.seq_len)' \
+  'if (t.attention_query_chunks < 1)'
+mutant model/attention-chunk-rows-whole src/model/gpu_buffer_sizes.cpp \
+  'const int64_t rows = seq - seq * (chunks - 1) / chunks;' \
+  'const int64_t rows = seq;'
 mutant config/deepgemm-any-dims src/config/config_rules.cpp \
   'if (c.model.dim % 128 != 0 || c.model.moe.expert_hidden % 128 != 0)' \
   'if (false)'
