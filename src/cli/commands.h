@@ -36,7 +36,7 @@ struct BenchOptions {
   int warmup_steps = 3;
   int timed_steps = 10;
   bool kernels = false;  // also time the expert GEMMs one by one
-  double sustain_ms = 0;  // > 0: each of them back to back for this long instead (its rate under the power limit)
+  int sustain_ms = 0;  // > 0: each of them back to back for this long instead (its rate under the power limit)
   bool ep_loopback = false;  // through the expert-parallel path over this one GPU
   std::string json;          // also write the phase times as a compute profile (docs/SIMULATOR.md)
   std::vector<std::string> overrides;

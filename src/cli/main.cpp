@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
       ->add_option("--sustain-ms", bench.sustain_ms,
                    "With --kernels: run each expert GEMM back to back for this long instead (its rate under the "
                    "board's power limit, with the clock and power)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(0, 600000))
       ->needs(kernels_flag);
   bench_cmd->add_option("--json", bench.json,
                         "Also write the phase times as a compute profile JSON (moe plan --simulate --compute)");

@@ -126,5 +126,13 @@ TEST_F(CliInput, BadDataFilesAreOneLineErrors) {
                         {"data.sources: '" + p("nothing") + "' is neither a directory nor a Megatron dataset"});
 }
 
+// moe bench --sustain-ms times --kernels' GEMMs: alone, or with a negative time, one line.
+TEST_F(CliInput, BenchSustainNeedsKernelsAndATime) {
+  expect_one_line_error(run_moe("bench -c " + p("tiny.toml") + " --sustain-ms 100"), 2,
+                        {"--sustain-ms requires --kernels"});
+  expect_one_line_error(run_moe("bench -c " + p("tiny.toml") + " --kernels --sustain-ms -5"), 2,
+                        {"--sustain-ms", "-5", "not in range 0 to 600000"});
+}
+
 }  // namespace
 }  // namespace moe::test
