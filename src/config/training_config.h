@@ -108,7 +108,7 @@ struct TrainingConfig {
   bool cuda_graphs = false;           // GPU: capture forward + backward of a micro-batch once, replay it
   bool deterministic = true;          // GPU: every reduction in a fixed order (bit-identical reruns)
   DeterministicAttention deterministic_attention = DeterministicAttention::Workspace;  // GPU: dQ's fixed order
-  int64_t attention_query_chunks = 1;  // GPU: the attention backward in this many query blocks (less dP to write and read)
+  int64_t attention_query_chunks = 1;  // GPU: the attention backward in this many query blocks (~1/n of dP's memory)
   bool fp8_weight_cache = true;       // GPU fp8: the experts' weights quantised once per change, not per GEMM
   bool fp8_weight_gradients = false;  // GPU fp8: the experts' weight-gradient GEMMs in fp8 too
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only

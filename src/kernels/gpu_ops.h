@@ -116,8 +116,10 @@ class Attention {
   // The backward in `chunks` calls over consecutive blocks of queries (1 by default), the
   // last first, each against the keys up to its last query (causal from the bottom right):
   // the deterministic backward's dP of a call covers its rows' keys only, (n + 1) / 2n of
-  // the whole S x S; each chunk's dK, dV are added to the later chunks' in that fixed order
-  // (bf16, one rounding each; training.attention_query_chunks, docs/DETERMINISM.md).
+  // the whole S x S, and the workspace is the last chunk's; each chunk's dK, dV are added to
+  // the later chunks' in that fixed order (bf16, one rounding each; training.
+  // attention_query_chunks, docs/DETERMINISM.md). A memory option: cuDNN runs these
+  // non-square graphs slower (+21% attention time at 4 on olmoe-mini, BENCHMARKS.md).
   void set_query_chunks(int64_t chunks);
   // Whether AttentionDq::Ordered runs with the cuDNN and the GPU of this process.
   static bool ordered_dq_runs();
