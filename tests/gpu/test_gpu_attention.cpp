@@ -200,18 +200,7 @@ TEST(GpuAttentionOrderedDq, MatchesCpuRerunsBitForBitAndNeedsNoDp) {
     return;
   }
   const auto matches_cpu = [&](const AttentionCase& c) {
-    const auto [B, S, H, G, d] = c;
-    auto q = random_bf16_floats(B * S * H * d, 1, "q"), k = random_bf16_floats(B * S * G * d, 2, "k");
-    auto v = random_bf16_floats(B * S * G * d, 3, "v"), dout = random_bf16_floats(B * S * H * d, 4, "dout");
-    std::vector<float> out_ref(B * S * H * d), probs(B * H * S * S), dq_ref(q.size()), dk_ref(k.size()),
-        dv_ref(v.size());
-    attention_forward<float>(out_ref.data(), probs.data(), q.data(), k.data(), v.data(), B, S, H, G, d);
-    attention_backward<float>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(), q.data(), k.data(), v.data(),
-                              probs.data(), B, S, H, G, d);
-    const AttentionResults got = run_attention(attention, c, 1);
-    expect_close_scaled("dq", test::to_float(got.dq), dq_ref);
-    expect_close_scaled("dk", test::to_float(got.dk), dk_ref);
-    expect_close_scaled("dv", test::to_float(got.dv), dv_ref);
+    expect_backward_matches_cpu(c, 1, run_attention(attention, c, 1), "ordered");
   };
   matches_cpu(AttentionCase{2, 320, 4, 2, 64});
   matches_cpu(AttentionCase{1, 256, 4, 4, 128});
