@@ -30,7 +30,8 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
 // the same size (src/train/cuda/kernel_bench.cpp); then the FP8 grouped and dense GEMMs
 // beside the bf16 ones and the quantisation kernels (kernel_bench_fp8.cpp). sustain_ms > 0:
 // instead, CUTLASS's and DeepGEMM's expert GEMMs and the dense GEMM each run back to back for
-// that long (bench::SustainedTimer): their rates under the board's power limit.
+// that long (bench::SustainedTimer): their rates under the board's power limit, with the
+// clock and power; the fp8 section's kernels timed the same way.
 void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain_ms = 0);
 
 }  // namespace moe

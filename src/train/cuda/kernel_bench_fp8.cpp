@@ -29,7 +29,6 @@ namespace moe {
 namespace {
 
 using bench::filled;
-using bench::median_ms;
 
 // One operand quantised: e4m3 codes and their scales (and, for weights, the transposed copy).
 struct Quantised {
@@ -63,7 +62,7 @@ struct QuantRow {
 // w1 and w3 as one operand (fp8::gate_up_part); the CUTLASS figures beside them.
 std::vector<GemmRow> padded_expert_gemms(const std::vector<GemmRow>& gemms, const std::vector<int32_t>& offsets,
                                          int64_t D, int64_t F, const bf16* w1, const bf16* w3, const Quantised& w2q,
-                                         cuda::Stream stream) {
+                                         cuda::Stream stream, const bench::TimeFn& median_ms) {
   const int64_t E = static_cast<int64_t>(offsets.size()) - 1;
   std::vector<int32_t> padded(offsets.size(), 0);
   for (int64_t e = 0; e < E; ++e) {
@@ -124,7 +123,7 @@ std::vector<GemmRow> padded_expert_gemms(const std::vector<GemmRow>& gemms, cons
 
 }  // namespace
 
-void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
+void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out, const bench::TimeFn& median_ms) {
   const ModelConfig& mc = config.model;
   const int64_t T = config.training.micro_batch * mc.seq_len, D = mc.dim, E = mc.moe.n_experts, K = mc.moe.top_k,
                 F = mc.moe.expert_hidden;
@@ -462,7 +461,7 @@ void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out) {
   print_gemm({"weight-gradient GEMMs, B 128x128", weight_flops, bf16_weight_total, fp8_block_total});
   for (const GemmRow& row : dense_rows) print_gemm({"dense " + row.name, row.flops, row.bf16_ms, row.fp8_ms});
   if (cuda::deepgemm_available() && E <= cuda::PaddedExpertGemmFp8::kMaxExperts) {
-    const std::vector<GemmRow> padded = padded_expert_gemms(gemms, offsets, D, F, w1.data(), w3.data(), w2q, stream);
+    const std::vector<GemmRow> padded = padded_expert_gemms(gemms, offsets, D, F, w1.data(), w3.data(), w2q, stream, median_ms);
     fmt::print(out, "  the same fwd and dgrad GEMMs over rows padded per expert to 128, DeepGEMM's kernel:\n");
     fmt::print(out, "  {:<36} {:>9} {:>8}   {:>9} {:>8}   {:>7}\n", "kernel", "CUTLASS", "TFLOP/s", "DeepGEMM",
                "TFLOP/s", "speedup");

@@ -24,6 +24,9 @@ namespace moe::bench {
 
 constexpr int kWarmup = 3, kTimed = 10;
 
+// How a bench times one kernel's launch: median_ms (warm board) or SustainedTimer::ms.
+using TimeFn = std::function<double(const std::function<void()>&)>;
+
 // Median milliseconds of `launch` (enqueued on the default stream).
 inline double median_ms(const std::function<void()>& launch) {
   cudaEvent_t start, stop;
@@ -129,7 +132,8 @@ gpu::DeviceArray<T> filled(size_t n, float scale, uint64_t seed) {
 namespace moe {
 
 // The FP8 half of `moe bench --kernels` (kernel_bench_fp8.cpp): the experts' FP8 grouped
-// GEMMs beside the bf16 ones, the quantisation kernels, the dense FP8 GEMM beside cuBLASLt.
-void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out);
+// GEMMs beside the bf16 ones, the quantisation kernels, the dense FP8 GEMM beside cuBLASLt;
+// each kernel timed by `time` (bench::median_ms, or a SustainedTimer's under --sustain-ms).
+void run_fp8_kernel_bench(const RunConfig& config, std::ostream& out, const bench::TimeFn& time);
 
 }  // namespace moe
