@@ -155,12 +155,15 @@ struct Attention::State {
   // chunk's packed stats [B, H, rows] fp32 first, then the largest of their graphs' cuDNN
   // workspaces.
   int64_t chunks_of(const Shape& shape) const { return std::min(query_chunks, std::get<1>(shape)); }
+  // Where a chunk's packed stats start (after the dK | dV scratch).
+  static size_t chunk_stats_at(const Shape& shape) {
+    const auto [B, S, H, G, d, scale, ld_q, ld_kv] = shape;
+    return aligned(static_cast<size_t>(B * S * 2 * G * d) * sizeof(bf16));
+  }
   size_t chunk_scratch_bytes(const Shape& shape) const {
     const auto [B, S, H, G, d, scale, ld_q, ld_kv] = shape;
     const int64_t chunks = chunks_of(shape), rows = S - chunk_start(S, chunks, chunks - 1);
-    return chunks > 1 ? aligned(static_cast<size_t>(B * S * 2 * G * d) * sizeof(bf16)) +
-                            aligned(static_cast<size_t>(B * H * rows) * sizeof(float))
-                      : 0;
+    return chunks > 1 ? chunk_stats_at(shape) + aligned(static_cast<size_t>(B * H * rows) * sizeof(float)) : 0;
   }
   const BuiltGraph& chunk_graph(const Shape& shape, int64_t c) {
     const int64_t S = std::get<1>(shape), chunks = chunks_of(shape);
@@ -349,7 +352,7 @@ void Attention::backward(bf16* dq_BSHd, bf16* dk_BSGd, bf16* dv_BSGd, const bf16
   char* workspace = state_->workspace_of(state_->backward_bytes(shape));
   bf16* dk_scratch = reinterpret_cast<bf16*>(workspace);
   bf16* dv_scratch = dk_scratch + G * d;
-  float* chunk_stats = reinterpret_cast<float*>(workspace + aligned(static_cast<size_t>(B * S * 2 * G * d) * sizeof(bf16)));
+  float* chunk_stats = reinterpret_cast<float*>(workspace + State::chunk_stats_at(shape));
   for (int64_t c = chunks - 1; c >= 0; --c) {
     const int64_t first = chunk_start(S, chunks, c), end = chunk_start(S, chunks, c + 1);
     const BuiltGraph& built = state_->chunk_graph(shape, c);

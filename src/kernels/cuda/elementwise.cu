@@ -59,7 +59,6 @@ __global__ void column_sums_of_groups_kernel(float* out, const float* partial_GC
   if ((threadIdx.x & 31) == 0) out[c] += sum;
 }
 
-// Sums n floats in a fixed order (one block): deterministic loss reductions.
 // One block a row (blockIdx.x) of a batch (blockIdx.y); 8 bf16 a thread step where every
 // row starts 16-byte aligned (vec), else one.
 template <bool vec>
@@ -87,6 +86,7 @@ __global__ void add_batched_rows_kernel(__nv_bfloat16* dst, int64_t ld_dst, cons
   }
 }
 
+// Sums n floats in a fixed order (one block): deterministic loss reductions.
 __global__ void ordered_sum_kernel(float* out, const float* values, int64_t n, float scale) {
   float local = 0.0f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) local += values[i];

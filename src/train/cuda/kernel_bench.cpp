@@ -91,10 +91,9 @@ void print_warm(const std::vector<GemmCase>& cases, const std::string& header, d
 
 // Each case back to back for `sustain_ms` (SustainedTimer): the rate under the power limit,
 // CUTLASS and DeepGEMM alternating case by case, and the dense GEMM the same way.
-void print_sustained(const std::vector<GemmCase>& cases, const std::string& header, double sustain_ms,
-                     const std::function<void()>& dense, double dense_flops, const std::string& dense_name,
-                     std::ostream& out) {
-  bench::SustainedTimer timer(sustain_ms);
+void print_sustained(const std::vector<GemmCase>& cases, const std::string& header, bench::SustainedTimer& timer,
+                     double sustain_ms, const std::function<void()>& dense, double dense_flops,
+                     const std::string& dense_name, std::ostream& out) {
   fmt::print(out, "{}; each kernel back to back for {:.0f} ms, the median of the second half, with the board's mean "
                   "SM clock and power over it\n",
              header, sustain_ms);
@@ -269,8 +268,8 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain
       fmt::format("expert GEMMs, one MoE layer: {} experts x {} rows (T {} x top-{}), D {}, F {}{}", E, per_expert, T,
                   K, D, F, padded.empty() ? "" : fmt::format("; DeepGEMM over {} padded rows", padded.back()));
   if (sustain_ms > 0) {
-    print_sustained(cases, header, sustain_ms, dense, mnk, dense_name, out);
     bench::SustainedTimer timer(sustain_ms);
+    print_sustained(cases, header, timer, sustain_ms, dense, mnk, dense_name, out);
     fmt::print(out, "fp8 section: each kernel back to back for {:.0f} ms (the median of the second half)\n", sustain_ms);
     run_fp8_kernel_bench(config, out, [&](const std::function<void()>& launch) { return timer.ms(launch); });
     return;

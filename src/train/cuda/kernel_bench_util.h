@@ -2,12 +2,11 @@
 // of CUDA-event timings and random device inputs.
 #pragma once
 #include <cuda_runtime.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
-#include <fmt/format.h>
-
 #include <functional>
 #include <iosfwd>
 #include <string>
@@ -99,7 +98,6 @@ class SustainedTimer {
     if (!board_.available() || last_board_.samples == 0) return "";
     return fmt::format("{:.0f} MHz {:.0f} W", last_board_.sm_mhz_mean, last_board_.power_w_mean);
   }
-  double sustain_ms() const { return sustain_ms_; }
 
  private:
   double sustain_ms_;
