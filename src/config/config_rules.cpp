@@ -314,6 +314,10 @@ void check_parallel(const RunConfig& c) {
   if (p.a2a_compression != A2aCompression::None && p.expert_parallel < 2)
     fail({"parallel.a2a_compression", "parallel.expert_parallel"},
          "parallel.a2a_compression compresses the expert-parallel exchange: it needs parallel.expert_parallel >= 2");
+  if (c.optimizer.state_dtype == MomentDtype::Fp8 && p.expert_parallel > 1)
+    fail({"optimizer.state_dtype", "parallel.expert_parallel"},
+         "optimizer.state_dtype = fp8 keeps a scale per 16 moments, which expert re-placement and split experts "
+         "would cut: it needs parallel.expert_parallel = 1");
   if (p.split_experts && p.expert_parallel < 2)
     fail({"parallel.split_experts", "parallel.expert_parallel"},
          "parallel.split_experts shares experts between expert-parallel ranks: it needs parallel.expert_parallel >= 2");

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "dist/zero_optimizer.h"
+#include "optim/adamw.h"
 #include "optim/grad_clip.h"
 
 namespace moe::dist {
@@ -308,16 +309,15 @@ void ExpertOptimizer::scale_gradients(float factor) {
 void ExpertOptimizer::step(double lr) {
   ++steps_;
   const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
-  const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
   for (size_t l = 0; l < layers_.size(); ++l) {
     LayerState& layer = layers_[l];
     const std::vector<int64_t> sharded = sharded_experts(l);
     for_window(l, [&](size_t i, int64_t expert) {
       const int id = layer.layer.ids[i];
       const int64_t at = expert * per_expert(id) + kept(id, expert, sharded).begin;
-      adamw_update(params_.value(id) + at, params_.grad(id) + at, layer.m[i][static_cast<size_t>(expert)].data(),
-                   layer.v[i][static_cast<size_t>(expert)].data(), kept(id, expert, sharded).count, c,
-                   params_.spec(id).weight_decay, bf16);
+      adamw_update_range(params_.value(id) + at, params_.grad(id) + at, layer.m[i][static_cast<size_t>(expert)].data(),
+                         layer.v[i][static_cast<size_t>(expert)].data(), kept(id, expert, sharded).count, at, c,
+                         params_.spec(id).weight_decay ? c.decay_factor : 1.0f, config_.state_dtype);
     });
     // Level 3 leaves the updated shares where they were stepped (ExpertParameterGather).
     if (!sharded.empty() && level_ < 3) gather_updated_shares(layer, sharded);

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "dist/gradient_stages.h"
+#include "optim/adamw.h"
 #include "optim/grad_clip.h"
 
 namespace moe::dist {
@@ -16,12 +17,6 @@ adamw_math::AdamWScalars adamw_scalars(const OptimizerConfig& config, double lr,
   return adamw_math::adamw_step_scalars(lr, config.beta1, config.beta2, config.eps, config.weight_decay, step);
 }
 
-void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const adamw_math::AdamWScalars& s,
-                  bool decay, bool bf16_moments) {
-  const float d = decay ? s.decay_factor : 1.0f;
-#pragma omp parallel for schedule(static) if (n >= (1 << 14))
-  for (int64_t i = 0; i < n; ++i) p[i] = adamw_math::adamw_update(p[i], g[i], m[i], v[i], s, d, bf16_moments);
-}
 
 namespace {
 
@@ -239,12 +234,12 @@ void ZeroOptimizer::gather_pieces(float* block) {
 void ZeroOptimizer::step(double lr) {
   ++steps_;
   const adamw_math::AdamWScalars c = adamw_scalars(config_, lr, steps_);
-  const bool bf16 = config_.state_dtype == MomentDtype::Bf16;
   float* values = params_.values_data();
   const float* grads = params_.grads_data();
   for (const Segment& s : update_)
-    adamw_update(values + s.begin, grads + s.begin, m_.data() + s.state, v_.data() + s.state, s.count, c,
-                 params_.spec(s.id).weight_decay, bf16);
+    adamw_update_range(values + s.begin, grads + s.begin, m_.data() + s.state, v_.data() + s.state, s.count,
+                       s.begin - params_.offset(s.id), c, params_.spec(s.id).weight_decay ? c.decay_factor : 1.0f,
+                       config_.state_dtype);
   // The replicated ranges came out the same on every rank; the pieces travel (ZeRO-3:
   // when a stage is next needed, ZeroParameterGather).
   if (level_ < 3) gather_pieces(values);

@@ -25,12 +25,6 @@
 
 namespace moe::dist {
 
-// AdamW::step's per-element arithmetic (kernels/adamw_math.h, shared with the CPU AdamW
-// and the GPU) on n elements, so a sharded update computes the same floats as the
-// single-process one. `decay`: the parameter takes weight decay; `bf16_moments`:
-// optimizer.state_dtype = "bf16".
-void adamw_update(float* p, const float* g, float* m, float* v, int64_t n, const adamw_math::AdamWScalars& s,
-                  bool decay, bool bf16_moments);
 adamw_math::AdamWScalars adamw_scalars(const OptimizerConfig& config, double lr, int64_t step);
 
 // The plan the CPU path shards with: plan_zero_shards over gradient_ranges_by_stage of the

@@ -8,11 +8,20 @@
 // - bf16 rounding of the AdamW moments (optimizer.state_dtype = "bf16"), round to
 //   nearest even, the same bits as float_to_bf16 in core/bf16.h;
 // - the hi/lo split in which the GPU keeps its fp32 master weights: a bf16 "hi" half the
-//   matmuls read directly, plus a 16-bit "lo" remainder that makes the fp32 value exact.
+//   matmuls read directly, plus a 16-bit "lo" remainder that makes the fp32 value exact;
+// - fp8 moments (optimizer.state_dtype = "fp8"): e4m3 codes in blocks of 16 elements with
+//   a power-of-two scale per block and moment (docs/FP8.md section 6).
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#endif
+
+#include "core/fp8.h"
 
 #if defined(__CUDACC__)
 #define MOE_HOST_DEVICE __host__ __device__ __forceinline__
@@ -123,6 +132,58 @@ MOE_HOST_DEVICE MasterSplit split_master(float x) {
 
 MOE_HOST_DEVICE float join_master(uint16_t hi, int16_t lo) {
   return bits_float((static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(lo)));
+}
+
+// fp8 moments. A parameter's elements are cut into blocks of kMomentBlock from its first
+// element (the GPU block's parameters start on 16-element boundaries and ZeRO's pieces on
+// multiples of 16, so the block of state index i is i / kMomentBlock everywhere). Per block
+// and moment one byte x: the scale 2^(x - 127), the smallest power of two with amax /
+// scale <= 448, so dividing by it is exact; the codes are e4m3(value / scale) rounded to
+// nearest even. v's codes never round a positive value to 0 (the smallest code instead:
+// a flushed v would turn m / (sqrt(v) + eps) into m / eps). Stored value = decode(code) x
+// scale, exact in fp32; quantising stored values again gives the same values (the basis of
+// bit-exact checkpoint round trips; tests/optim/test_adamw.cpp).
+constexpr int kMomentBlock = 16;
+
+// The scale byte of a block whose largest magnitude is amax (finite, >= 0); 1 for tiny or
+// zero blocks (2^-126: every code below it is 0).
+MOE_HOST_DEVICE uint8_t moment_scale_byte(float amax) {
+  const uint32_t u = float_bits(amax);
+  const int e = static_cast<int>(u >> 23) - 8 + ((u & 0x7fffffu) > 0x600000u ? 1 : 0);  // amax / 2^(e-127) <= 448
+  return static_cast<uint8_t>(e < 1 ? 1 : e);
+}
+MOE_HOST_DEVICE float moment_scale(uint8_t x) { return bits_float(static_cast<uint32_t>(x) << 23); }
+// 1 / scale, exact: x <= 247 for any finite amax, so 2^(127 - x) is a normal float.
+MOE_HOST_DEVICE float moment_inverse_scale(uint8_t x) { return bits_float(static_cast<uint32_t>(254 - x) << 23); }
+
+MOE_HOST_DEVICE uint8_t e4m3_code(float y) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+#else
+  return float_to_fp8_e4m3(y);
+#endif
+}
+MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3)));
+#else
+  return fp8_e4m3_to_float(code);
+#endif
+}
+
+// A moment's code in a block of scale byte x; `positive_floor`: v's rule above.
+MOE_HOST_DEVICE uint8_t moment_code(float value, uint8_t x, bool positive_floor) {
+  const uint8_t code = e4m3_code(mul(value, moment_inverse_scale(x)));
+  return positive_floor && code == 0 && value > 0.0f ? uint8_t{1} : code;
+}
+MOE_HOST_DEVICE float moment_value(uint8_t code, uint8_t x) { return mul(e4m3_value(code), moment_scale(x)); }
+
+// Host: one block's n (<= kMomentBlock) moments replaced by the values they are stored as.
+inline void quantize_moment_block(float* x, int n, bool positive_floor) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const uint8_t scale = moment_scale_byte(amax);
+  for (int i = 0; i < n; ++i) x[i] = moment_value(moment_code(x[i], scale, positive_floor), scale);
 }
 
 // The scalars of one AdamW step. The per-step values come from the host

@@ -1,13 +1,36 @@
 #include "optim/adamw.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "kernels/adamw_math.h"
 
 namespace moe {
 
+void adamw_update_range(float* p, const float* g, float* m, float* v, int64_t n, int64_t first,
+                        const adamw_math::AdamWScalars& s, float decay, MomentDtype moments) {
+  namespace am = adamw_math;
+  if (moments != MomentDtype::Fp8) {
+    const bool bf16 = moments == MomentDtype::Bf16;
+#pragma omp parallel for schedule(static) if (n >= (1 << 14))
+    for (int64_t i = 0; i < n; ++i) p[i] = am::adamw_update(p[i], g[i], m[i], v[i], s, decay, bf16);
+    return;
+  }
+  MOE_CHECK(first % am::kMomentBlock == 0, "fp8 moments: a range starts at element {} of its parameter, not on a block of {}",
+            first, am::kMomentBlock);
+  const int64_t blocks = (n + am::kMomentBlock - 1) / am::kMomentBlock;
+#pragma omp parallel for schedule(static) if (n >= (1 << 14))
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t at = b * am::kMomentBlock;
+    const int len = static_cast<int>(std::min<int64_t>(n - at, am::kMomentBlock));
+    for (int i = 0; i < len; ++i) p[at + i] = am::adamw_update(p[at + i], g[at + i], m[at + i], v[at + i], s, decay, false);
+    am::quantize_moment_block(m + at, len, false);
+    am::quantize_moment_block(v + at, len, true);
+  }
+}
+
 AdamW::AdamW(const OptimizerConfig& config, ParameterStore<float>& params)
     : config_(config), params_(params) {
-  bf16_moments_ = config.state_dtype == MomentDtype::Bf16;
   for (int id = 0; id < params.size(); ++id) {
     offsets_.push_back(total_);
     total_ += params.numel(id);
@@ -25,16 +48,13 @@ void AdamW::step(double lr) {
   ensure_moments();
   const adamw_math::AdamWScalars s = adamw_math::adamw_step_scalars(lr, config_.beta1, config_.beta2, config_.eps,
                                                                     config_.weight_decay, steps_);
-  const bool bf16 = bf16_moments_;
   for (int id = 0; id < params_.size(); ++id) {
     float* p = params_.value(id);
     const float* g = params_.grad(id);
     float* m = m_.data() + offsets_[static_cast<size_t>(id)];
     float* v = v_.data() + offsets_[static_cast<size_t>(id)];
     const float decay = params_.spec(id).weight_decay ? s.decay_factor : 1.0f;
-    const int64_t n = params_.numel(id);
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) p[i] = adamw_math::adamw_update(p[i], g[i], m[i], v[i], s, decay, bf16);
+    adamw_update_range(p, g, m, v, params_.numel(id), 0, s, decay, config_.state_dtype);
   }
 }
 

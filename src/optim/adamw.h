@@ -1,15 +1,24 @@
 // AdamW with decoupled weight decay (none on parameters registered without decay:
 // norms and biases). One contiguous state block per moment, held as fp32; with
 // optimizer.state_dtype = "bf16" the moments are rounded to bf16 (nearest even) when read
-// and after each update, exactly as the GPU stores them (kernels/adamw_math.h holds the
-// per-element arithmetic both use).
+// and after each update, with "fp8" quantised per block of 16 after each update, exactly
+// as the GPU stores them (kernels/adamw_math.h holds the arithmetic both use).
 #pragma once
 #include <vector>
 
 #include "config/optimizer_config.h"
+#include "kernels/adamw_math.h"
 #include "model/parameters.h"
 
 namespace moe {
+
+// AdamW over n consecutive elements of one parameter, element `first` of it onwards, with
+// the moments stored as `moments` says (the CPU optimizers' loop: this class and the
+// sharded ones in dist/). fp32 and bf16 moments element by element; fp8 moments (first a
+// multiple of adamw_math::kMomentBlock) block by block: the update reads the stored values
+// and computes in fp32, then each block's new m and v are stored quantised.
+void adamw_update_range(float* p, const float* g, float* m, float* v, int64_t n, int64_t first,
+                        const adamw_math::AdamWScalars& s, float decay, MomentDtype moments);
 
 class AdamW {
  public:
@@ -31,7 +40,6 @@ class AdamW {
   }
   // Where parameter `id`'s moments start in first_moment() / second_moment().
   int64_t moment_offset(int id) const { return offsets_[static_cast<size_t>(id)]; }
-  bool bf16_moments() const { return bf16_moments_; }
 
  private:
   void ensure_moments();
@@ -41,7 +49,6 @@ class AdamW {
   std::vector<int64_t> offsets_;  // into m_ / v_, per parameter id
   int64_t total_ = 0;  // moment elements
   std::vector<float> m_, v_;
-  bool bf16_moments_ = false;
   int64_t steps_ = 0;
 };
 

@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 
+#include "config/optimizer_config.h"
 #include "core/bf16.h"
 #include "kernels/adamw_math.h"
 #include "kernels/gpu_ops.h"
@@ -48,12 +49,24 @@ void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* se
                const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks, double max_norm,
                Stream stream, const bf16* grads16 = nullptr);
 
+// Where the AdamW moments are, indexed by state element (OptimizerSegment::state_offset):
+// m and v as float*, bf16* or (fp8) e4m3 codes with a scale byte per 16 elements
+// (adamw_math's format; the scales at state / 16).
+struct MomentState {
+  void* m = nullptr;
+  void* v = nullptr;
+  uint8_t* m_scales = nullptr;
+  uint8_t* v_scales = nullptr;
+  MomentDtype dtype = MomentDtype::Fp32;
+};
+
 // AdamW over every segment in one launch, reading its scalars from device memory
 // (nothing when scalars->skip): master weights as hi/lo (both rewritten), fp32
-// gradients, moments in fp32 (bf16_moments false: m and v are float*) or bf16 (bf16*),
-// and the fp32 mirrors refreshed. The arithmetic is adamw_math::adamw_update's. Segments
-// with bf16_grad read their gradients from grads16, widened.
-void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, void* m, void* v, bool bf16_moments,
+// gradients, the moments, and the fp32 mirrors refreshed. The arithmetic is
+// adamw_math::adamw_update's (fp8 moments: adamw_update_range's, every segment's state
+// starting on a block of 16). Segments with bf16_grad read their gradients from grads16,
+// widened.
+void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, const MomentState& moments,
                         const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks,
                         const adamw_math::AdamWScalars* scalars, Stream stream, const bf16* grads16 = nullptr);
 

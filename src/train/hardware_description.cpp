@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -153,7 +154,7 @@ std::string compute_profile_json(const ComputeProfile& profile) {
                 {"n_shared_experts", m.moe.n_shared_experts},
                 {"router_bias", m.moe.router_bias}};
   j["micro_batch"] = profile.config.training.micro_batch;
-  j["moment_bytes"] = profile.config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
+  j["moment_bytes"] = moment_bytes_per_element(profile.config.optimizer.state_dtype);
   j["phases_ms"] = nlohmann::ordered_json::object();
   for (const auto& [name, ms] : profile.phase_ms) j["phases_ms"][name] = ms;
   return j.dump(2) + "\n";
@@ -193,8 +194,11 @@ ComputeProfile parse_compute_profile(const std::string& text, const std::string&
   mc.moe.router_bias = m.value("router_bias", true);
   p.config.training.micro_batch = static_cast<int64_t>(json_number(j, "micro_batch", what, source));
   const double moment_bytes = json_number(j, "moment_bytes", what, source);
-  if (moment_bytes != 2 && moment_bytes != 4) MOE_CONFIG_ERROR("{} {}: \"moment_bytes\" must be 2 or 4", what, source);
-  p.config.optimizer.state_dtype = moment_bytes == 2 ? MomentDtype::Bf16 : MomentDtype::Fp32;
+  const auto dtype = std::find_if(kMomentDtypeNames.begin(), kMomentDtypeNames.end(),
+                                  [&](const auto& d) { return moment_bytes_per_element(d.value) == moment_bytes; });
+  if (dtype == kMomentDtypeNames.end())
+    MOE_CONFIG_ERROR("{} {}: \"moment_bytes\" must be 4, 2 or 1.0625 (fp32, bf16, fp8 moments)", what, source);
+  p.config.optimizer.state_dtype = dtype->value;
   if (!j.contains("phases_ms") || !j["phases_ms"].is_object())
     MOE_CONFIG_ERROR("{} {}: \"phases_ms\" must be an object of phase -> ms", what, source);
   for (const auto& [name, ms] : j["phases_ms"].items()) {

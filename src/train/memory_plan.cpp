@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/fp8.h"
 #include "dist/zero_shards.h"
+#include "kernels/adamw_math.h"
 #include "model/expert_layout.h"
 #include "model/gpu_buffer_sizes.h"
 #include "model/transformer.h"
@@ -168,12 +169,26 @@ void check_expert_parallel(const RunConfig& config, const MemoryLayout& layout) 
 // The parameter state of the largest rank (with split experts the EP ranks' differ; under
 // ZeRO rank 0's and the last rank's pieces): a function of the GPUs, EP and the ZeRO level
 // only, so the layout search computes it once per pair of those.
+StateBytes state_of_elements(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks,
+                             int64_t moment_elem);
+
 StateBytes state_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks) {
+  const MomentDtype moments = config.optimizer.state_dtype;
+  // fp8 moments: 1 B a code, and their blocks' scale bytes, 1 / 16 of that.
+  const bool fp8 = moments == MomentDtype::Fp8;
+  StateBytes state =
+      state_of_elements(config, layout, blocks, fp8 ? 1 : static_cast<int64_t>(moment_bytes_per_element(moments)));
+  if (fp8) state.moments += (state.moments + adamw_math::kMomentBlock - 1) / adamw_math::kMomentBlock;
+  return state;
+}
+
+// `moment_elem`: bytes of both moments' storage per element, over two.
+StateBytes state_of_elements(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks,
+                             int64_t moment_elem) {
   check_expert_parallel(config, layout);
   const int64_t E = config.model.moe.n_experts, ep = std::max<int64_t>(1, layout.expert_parallel);
   const bool split = ep > 1 && config.parallel.split_experts;
   const int64_t gpus = std::max<int64_t>(1, layout.gpus);
-  const int64_t moment_elem = config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
   StateBytes state;
   const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
   const int64_t zero = gpu_applies_zero(gpus, layout.zero) ? layout.zero : 0;

@@ -47,7 +47,7 @@ int64_t split_gradient_bytes(const ParameterBlockLayout& block, const RangeList&
 // expert parallelism) at ZeRO level `zero`, stepping `kept` (its ZeroShardPlan::update;
 // unused at level 0): pack_optimizer_state(kept) at 1+, share_gradients at 2+,
 // share_weights at 3, over the stages' ranges it holds (`held_stages`; null: block.stages,
-// the whole block's). `moment_bytes`: 4 (fp32 moments) or 2 (bf16).
+// the whole block's). `moment_bytes`: 4 (fp32 moments), 2 (bf16) or 1 (fp8 codes; memory_plan.cpp adds their scales).
 StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& resident, int64_t zero,
                             const RangeList& kept, int64_t moment_bytes,
                             const std::vector<RangeList>* held_stages = nullptr);

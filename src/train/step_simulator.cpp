@@ -54,9 +54,9 @@ ParameterSplit split_parameters(const ModelConfig& mc) {
   return p;
 }
 
-double optimizer_bytes_per_parameter(int64_t moment_bytes) {
+double optimizer_bytes_per_parameter(double moment_bytes) {
   // master hi + lo (4 B) read and written, fp32 gradient read, m and v read and written, bf16 weight written
-  return 4.0 * 2 + 4.0 + 4.0 * static_cast<double>(moment_bytes) + 2.0;
+  return 4.0 * 2 + 4.0 + 4.0 * moment_bytes + 2.0;
 }
 
 ComputeRates rates_from_hardware(const HardwareDescription& hw) {
@@ -83,7 +83,7 @@ ComputeRates rates_from_profile(const ComputeProfile& profile, const HardwareDes
   const double memory_ms = phase(profile, "dispatch") + phase(profile, "combine") + phase(profile, "norms+residual") +
                            phase(profile, "embedding") + phase(profile, "host gaps");
   r.memory_ms_per_element = memory * per_unit(memory_ms, w.memory_elements, 0);
-  const int64_t moment_bytes = profile.config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
+  const double moment_bytes = moment_bytes_per_element(profile.config.optimizer.state_dtype);
   const ParameterSplit p = split_parameters(mc);
   r.optimizer_ms_per_byte =
       memory * per_unit(phase(profile, "optimizer"), d(p.dense + p.expert) * optimizer_bytes_per_parameter(moment_bytes),
@@ -274,7 +274,7 @@ StepPrediction simulate_step(const RunConfig& config, const SimLayout& layout, c
   const ParameterSplit params = split_parameters(mc);
   const double expert_held = d(params.expert) / d(ep);
   const int64_t dp = N, edp = N / ep;
-  const int64_t moment_bytes = config.optimizer.state_dtype == MomentDtype::Bf16 ? 2 : 4;
+  const double moment_bytes = moment_bytes_per_element(config.optimizer.state_dtype);
   const double stepped = layout.zero >= 1 ? d(params.dense) / d(dp) + expert_held / d(edp) : d(params.dense) + expert_held;
   p.optimizer = stepped * optimizer_bytes_per_parameter(moment_bytes) * rates.optimizer_ms_per_byte;
 

@@ -70,7 +70,7 @@ ParameterSplit split_parameters(const ModelConfig& mc);
 
 // Bytes per parameter the optimizer step reads and writes: fp32 master (hi + lo) read and
 // written, the fp32 gradient read, both AdamW moments read and written, the bf16 weight written.
-double optimizer_bytes_per_parameter(int64_t moment_bytes);
+double optimizer_bytes_per_parameter(double moment_bytes);
 
 // Per-category milliseconds of one unit of work, for one target GPU.
 struct ComputeRates {

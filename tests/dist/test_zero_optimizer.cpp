@@ -33,9 +33,9 @@ ParameterStore<float> small_store() {
 }
 
 // One rank: the reduce-scatter is a copy, so the sharded AdamW must be AdamW bit for bit
-// (fp32 and bf16 moments).
+// (fp32, bf16 and fp8 moments).
 TEST(ZeroOptimizer, OneRankIsAdamWBitForBit) {
-  for (const MomentDtype state_dtype : {MomentDtype::Fp32, MomentDtype::Bf16}) {
+  for (const MomentDtype state_dtype : {MomentDtype::Fp32, MomentDtype::Bf16, MomentDtype::Fp8}) {
     SCOPED_TRACE(name_of(state_dtype));
     ParameterStore<float> sharded = small_store(), plain = small_store();
     auto stage = [&](const std::string& name) {
@@ -110,14 +110,18 @@ bool same_bytes(const std::vector<float>& a, const std::vector<float>& b) {
 
 constexpr double kBucketMb = 0.002;  // 448-element buckets: several per stage
 
+// fp8 moments too: a rank's pieces start on multiples of 16, so its blocks are one process's.
 TEST(ZeroOptimizer, RanksHoldThePlansPiecesAndReproduceAdamW) {
   constexpr int kRanks = 3;
-  dist::run_tcp_ranks(kRanks, [](std::unique_ptr<dist::Communicator>& world, int rank) {
+  for (const MomentDtype moments : {MomentDtype::Fp32, MomentDtype::Fp8}) {
+  SCOPED_TRACE(name_of(moments));
+  dist::run_tcp_ranks(kRanks, [moments](std::unique_ptr<dist::Communicator>& world, int rank) {
     Transformer<float> model(test::odd_sized_model(), 1), alone(test::odd_sized_model(), 1);
     auto& params = model.params();
     const auto stage_of = [&](const std::string& name) { return model.backward_stage_of(name); };
     dist::CommStats stats;
-    const OptimizerConfig config;
+    OptimizerConfig config;
+    config.state_dtype = moments;
     dist::ZeroOptimizer zero(params,
                              dist::plan_zero_for_store(params, stage_of, model.backward_stages(), router_biases(params),
                                                        {}, kBucketMb, kRanks, rank),
@@ -154,6 +158,7 @@ TEST(ZeroOptimizer, RanksHoldThePlansPiecesAndReproduceAdamW) {
     EXPECT_TRUE(same_bytes(m, adamw.first_moment()));
     EXPECT_TRUE(same_bytes(v, adamw.second_moment()));
   });
+  }
 }
 
 // Resuming on another rank count: one process's AdamW state scattered onto N ranks steps

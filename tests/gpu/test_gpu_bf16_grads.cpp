@@ -188,8 +188,9 @@ TEST(GpuBf16Grads, StoreKeepsTheRoundedGradientsAndFewerBytes) {
     for (int64_t i = 0; i < params.numel(id); ++i) ASSERT_EQ(bits(holder.grad(id)[i]), 0u) << params.spec(id).name;
   // 2 bytes fewer per expert weight; each block rounds its resident ranges out to whole
   // 2 MiB chunks (the fp32 gradients' three small ranges a chunk or two each).
-  EXPECT_EQ(GpuParameterStore::bytes_per_parameter(MomentDtype::Fp32, true), 14u);
-  const size_t want = static_cast<size_t>(gpu.storage_numel()) * GpuParameterStore::bytes_per_parameter(MomentDtype::Fp32) -
+  EXPECT_EQ(GpuParameterStore::bytes_per_parameter(MomentDtype::Fp32, true), 14.0);
+  const size_t want = static_cast<size_t>(gpu.storage_numel()) *
+                          static_cast<size_t>(GpuParameterStore::bytes_per_parameter(MomentDtype::Fp32)) -
                       static_cast<size_t>(expert_numel) * 2;
   EXPECT_GE(gpu.device_bytes(), want);
   EXPECT_LE(gpu.device_bytes(), want + 14 * (size_t{2} << 20));

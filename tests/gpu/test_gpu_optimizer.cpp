@@ -257,27 +257,52 @@ TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
   for (int id = 0; id < params.size(); ++id)
     for (int64_t i = 0; i < params.numel(id); ++i)
       ASSERT_EQ(bits(holder.value(id)[i]), bits(params.value(id)[i])) << params.spec(id).name << "[" << i << "]";
-  const bool bf16 = GetParam() == MomentDtype::Bf16;
+  const bool bf16 = GetParam() == MomentDtype::Bf16, fp8 = GetParam() == MomentDtype::Fp8;
+  // What the store keeps: bf16 rounded; fp8 quantised per block of 16 from each
+  // parameter's first element (m and v are in the checkpoint's packed layout).
+  std::vector<float> want_m = m, want_v = v;
+  for (int id = 0; id < params.size(); ++id) {
+    int64_t at = 0;
+    for (int j = 0; j < id; ++j) at += params.numel(j);
+    for (int64_t b = 0; b < params.numel(id); b += am::kMomentBlock) {
+      const int len = static_cast<int>(std::min<int64_t>(am::kMomentBlock, params.numel(id) - b));
+      for (int k = 0; k < len; ++k) {
+        float& wm = want_m[static_cast<size_t>(at + b + k)];
+        float& wv = want_v[static_cast<size_t>(at + b + k)];
+        if (bf16) wm = bf16_to_float(float_to_bf16(wm)), wv = bf16_to_float(float_to_bf16(wv));
+      }
+      if (fp8) {
+        am::quantize_moment_block(want_m.data() + at + b, len, false);
+        am::quantize_moment_block(want_v.data() + at + b, len, true);
+      }
+    }
+  }
   size_t bad = 0, changed = 0;
   for (int64_t i = 0; i < total; ++i) {
     const auto k = static_cast<size_t>(i);
-    const float want_m = bf16 ? bf16_to_float(float_to_bf16(m[k])) : m[k];
-    const float want_v = bf16 ? bf16_to_float(float_to_bf16(v[k])) : v[k];
-    bad += bits(m_back[k]) != bits(want_m) || bits(v_back[k]) != bits(want_v);
+    bad += bits(m_back[k]) != bits(want_m[k]) || bits(v_back[k]) != bits(want_v[k]);
     changed += bits(m_back[k]) != bits(m[k]);
   }
   EXPECT_EQ(bad, 0u);
-  EXPECT_EQ(changed > 0, bf16);
+  EXPECT_EQ(changed > 0, bf16 || fp8);
+  if (fp8) {  // stored fp8 values load back unchanged (a checkpoint reloads bit for bit)
+    gpu.upload_state(params, m_back, v_back);
+    std::vector<float> m_again, v_again;
+    gpu.download_state(holder, m_again, v_again);
+    EXPECT_EQ(m_again, m_back);
+    EXPECT_EQ(v_again, v_back);
+  }
   std::vector<float> copy(static_cast<size_t>(params.numel(7)));
   MOE_CUDA_CHECK(cudaMemcpy(copy.data(), gpu.fp32_values(7), copy.size() * sizeof(float), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(std::equal(copy.begin(), copy.end(), params.value(7)));
   // The store's size: the blocks and the fp32 copies (parameters 0 and 7, padded to 16).
-  const size_t blocks = static_cast<size_t>(gpu.storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam());
+  const auto blocks = static_cast<size_t>(static_cast<double>(gpu.storage_numel()) *
+                                         GpuParameterStore::bytes_per_parameter(GetParam()));
   const size_t copies = static_cast<size_t>((params.numel(0) + 15) / 16 * 16 + (params.numel(7) + 15) / 16 * 16);
   // Each of the five blocks rounds up to whole chunks (core/cuda/resident_block.h, 2 MiB).
-  EXPECT_GE(gpu.device_bytes(), blocks + copies * sizeof(float));
-  EXPECT_LE(gpu.device_bytes(), blocks + copies * sizeof(float) + 5 * (size_t{2} << 20));
-  EXPECT_EQ(GpuParameterStore::bytes_per_parameter(GetParam()), bf16 ? 12u : 16u);
+  EXPECT_GE(gpu.device_bytes() + 2, blocks + copies * sizeof(float));  // fp8: scale bytes a block, rounded up
+  EXPECT_LE(gpu.device_bytes(), blocks + copies * sizeof(float) + 5 * (size_t{2} << 20) + 2);
+  EXPECT_EQ(GpuParameterStore::bytes_per_parameter(GetParam()), bf16 ? 12.0 : fp8 ? 10.125 : 16.0);
 }
 
 ModelConfig small_model() {
@@ -342,8 +367,8 @@ TEST_P(GpuMultiTensorAdamW, TransformerStepsMatchTheCpuOptimizer) {
     EXPECT_EQ(bad, 0u) << "step " << step;
   }
   EXPECT_LT(loss, first_loss);
-  EXPECT_GE(gpu.parameters().device_bytes(),
-            static_cast<size_t>(initial.params().storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam()));
+  EXPECT_GE(static_cast<double>(gpu.parameters().device_bytes()),
+            static_cast<double>(initial.params().storage_numel()) * GpuParameterStore::bytes_per_parameter(GetParam()));
 }
 
 // The kernels directly, on segments GpuParameterStore never makes (it starts every
@@ -421,8 +446,9 @@ TEST(GpuOptimizer, KernelsOnUnalignedSegmentsMatchTheHost) {
       cuda::grad_norm(scalars_d.data(), chunk_sq_d.data(), segment_sq_d.data(), grads_d.data() + shift,
                       segments_d.data(), n_segments, n_chunks, max_norm, nullptr);
       cuda::multi_tensor_adamw(hi_d.data() + shift, lo_d.data() + shift, mirror_d.data() + shift,
-                               grads_d.data() + shift, m_d, v_d, bf16_moments, segments_d.data(), n_segments,
-                               n_chunks, scalars_d.data(), nullptr);
+                               grads_d.data() + shift,
+                               {m_d, v_d, nullptr, nullptr, bf16_moments ? MomentDtype::Bf16 : MomentDtype::Fp32},
+                               segments_d.data(), n_segments, n_chunks, scalars_d.data(), nullptr);
 
       // The norm as the CPU sums it: per segment sum_of_squares, then the segments in order.
       double sq = 0;
@@ -522,9 +548,13 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
   }
   const auto hi = device_copy<uint16_t>(whole.weights_hi(), n);
   const auto lo = device_copy<int16_t>(whole.weights_lo(), n);
-  const size_t mb = whole.moment_bytes();
-  const auto m = device_copy<uint8_t>(whole.moment_block(0), n * static_cast<int64_t>(mb));
-  const auto v = device_copy<uint8_t>(whole.moment_block(1), n * static_cast<int64_t>(mb));
+  // The moments as fp32 over the whole block (the stored values: bf16 widened, fp8 decoded).
+  const auto moments_of = [n](const GpuParameterStore& store) {
+    std::vector<float> values(static_cast<size_t>(n)), mv(2 * static_cast<size_t>(n));
+    store.download_range({0, n}, values.data(), mv.data(), mv.data() + n);
+    return mv;
+  };
+  const std::vector<float> mv = moments_of(whole);
   int64_t stepped_somewhere = 0;
   for (int r = 0; r < ranks; ++r) {
     SCOPED_TRACE(testing::Message() << "rank " << r);
@@ -534,13 +564,12 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
     GpuParameterStore& shard = *shards[static_cast<size_t>(r)];
     const auto shard_hi = device_copy<uint16_t>(shard.weights_hi(), n);
     const auto shard_lo = device_copy<int16_t>(shard.weights_lo(), n);
-    const auto shard_m = device_copy<uint8_t>(shard.moment_block(0), n * static_cast<int64_t>(mb));
-    const auto shard_v = device_copy<uint8_t>(shard.moment_block(1), n * static_cast<int64_t>(mb));
+    const std::vector<float> shard_mv = moments_of(shard);
     int64_t bad_mine = 0, bad_other = 0;
     for (int64_t e = 0; e < n; ++e) {
       const auto i = static_cast<size_t>(e);
-      const bool moments_equal = std::memcmp(&shard_m[i * mb], &m[i * mb], mb) == 0 &&
-                                 std::memcmp(&shard_v[i * mb], &v[i * mb], mb) == 0;
+      const bool moments_equal = bits(shard_mv[i]) == bits(mv[i]) &&
+                                 bits(shard_mv[i + static_cast<size_t>(n)]) == bits(mv[i + static_cast<size_t>(n)]);
       if (mine[i]) {
         bad_mine += shard_hi[i] != hi[i] || shard_lo[i] != lo[i] || !moments_equal;
       } else {
@@ -636,9 +665,12 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
   EXPECT_THROW(shard.weights_lo(), Error);
 }
 
-INSTANTIATE_TEST_SUITE_P(Moments, GpuMultiTensorAdamW, ::testing::Values(MomentDtype::Fp32, MomentDtype::Bf16),
+INSTANTIATE_TEST_SUITE_P(Moments, GpuMultiTensorAdamW,
+                         ::testing::Values(MomentDtype::Fp32, MomentDtype::Bf16, MomentDtype::Fp8),
                          [](const ::testing::TestParamInfo<MomentDtype>& info) {
-                           return info.param == MomentDtype::Bf16 ? std::string("Bf16") : std::string("Fp32");
+                           return info.param == MomentDtype::Bf16  ? std::string("Bf16")
+                                  : info.param == MomentDtype::Fp8 ? std::string("Fp8")
+                                                                   : std::string("Fp32");
                          });
 
 }  // namespace

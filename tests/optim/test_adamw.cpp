@@ -1,8 +1,11 @@
 // The CPU AdamW: the fp32 update is the textbook one (decoupled decay, none on parameters
 // registered without it), bit for bit; with optimizer.state_dtype = MomentDtype::Bf16 the moments
-// are rounded to bf16 when read and after each update, and stay close to fp32 ones.
+// are rounded to bf16 when read and after each update, and stay close to fp32 ones; with fp8
+// they are what a plain block quantiser (written here from e4m3's value table, not from
+// adamw_math's bit arithmetic) stores.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -10,6 +13,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "kernels/adamw_math.h"
 #include "optim/adamw.h"
 
 namespace moe {
@@ -39,13 +43,46 @@ void fill_grads(ParameterStore<float>& params, int64_t step, double scale) {
 
 float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
+// e4m3's finite non-negative values in ascending order (index = code), from the format's
+// definition: subnormals m 2^-9, normals (8 + m) 2^(e - 10), 0x7f (NaN) left out.
+std::vector<double> e4m3_values() {
+  std::vector<double> out;
+  for (int m = 0; m < 8; ++m) out.push_back(std::ldexp(m, -9));
+  for (int e = 1; e < 16; ++e)
+    for (int m = 0; m < 8 && !(e == 15 && m == 7); ++m) out.push_back(std::ldexp(8 + m, e - 10));
+  return out;
+}
+
+// A block of fp8 moments as the format says: the smallest power of two 2^k (k >= -126) with
+// amax / 2^k <= 448, each value / 2^k to the nearest e4m3 value (ties to the even code),
+// v's positive values at least the smallest code.
+void plain_block_quantise(float* x, int n, bool positive_floor) {
+  static const std::vector<double> table = e4m3_values();
+  double amax = 0;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<double>(x[i])));
+  int k = -126;
+  while (amax / std::ldexp(1.0, k) > 448) ++k;
+  for (int i = 0; i < n; ++i) {
+    const double y = std::fabs(static_cast<double>(x[i])) / std::ldexp(1.0, k);
+    size_t best = 0;
+    for (size_t c = 1; c < table.size(); ++c) {
+      const double d = std::fabs(table[c] - y), db = std::fabs(table[best] - y);
+      if (d < db || (d == db && c % 2 == 0)) best = c;
+    }
+    if (positive_floor && best == 0 && x[i] > 0) best = 1;
+    const double q = std::ldexp(table[best], k);
+    x[i] = static_cast<float>(x[i] < 0 ? -q : q);
+  }
+}
+
 // The update written out plainly, optionally with bf16 moments.
 struct Reference {
   OptimizerConfig config;
   std::vector<std::vector<float>> m, v;
   int64_t steps = 0;
 
-  void step(ParameterStore<float>& params, double lr, bool bf16) {
+  void step(ParameterStore<float>& params, double lr, MomentDtype moments) {
+    const bool bf16 = moments == MomentDtype::Bf16;
     ++steps;
     if (m.empty())
       for (int id = 0; id < params.size(); ++id) {
@@ -67,6 +104,12 @@ struct Reference {
         if (bf16) mi = round_bf16(mi), vi = round_bf16(vi);
         float& p = params.value(id)[i];
         p = p * decay - step_size * mi / (std::sqrt(vi) / sqrt_bias2 + eps);
+      }
+      // fp8: the update used the fp32 moments; stored are their blocks of 16 quantised.
+      for (int64_t b = 0; moments == MomentDtype::Fp8 && b < params.numel(id); b += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, params.numel(id) - b));
+        plain_block_quantise(m[id].data() + b, n, false);
+        plain_block_quantise(v[id].data() + b, n, true);
       }
     }
   }
@@ -90,7 +133,7 @@ void run_against_reference(MomentDtype state_dtype) {
     fill_grads(params, step, 1e-2);
     fill_grads(ref_params, step, 1e-2);
     adamw.step(1e-2 * static_cast<double>(step));
-    ref.step(ref_params, 1e-2 * static_cast<double>(step), state_dtype == MomentDtype::Bf16);
+    ref.step(ref_params, 1e-2 * static_cast<double>(step), state_dtype);
   }
   expect_same(params, ref_params);
   size_t packed = 0;
@@ -105,6 +148,68 @@ void run_against_reference(MomentDtype state_dtype) {
 
 TEST(AdamW, Fp32MatchesTheTextbookUpdate) { run_against_reference(MomentDtype::Fp32); }
 
+TEST(AdamW, Fp8MomentsAreAPlainBlockQuantisersValues) { run_against_reference(MomentDtype::Fp8); }
+
+// adamw_math's block quantiser against the plain one on blocks of wide ranges, ragged ends
+// and zeros; what it stores comes back unchanged when quantised again (checkpoints reload
+// bit for bit), and a positive v never becomes 0 where m may.
+TEST(AdamW, Fp8MomentBlocksQuantiseLikeTheFormatAndAgainToThemselves) {
+  CounterRng rng(21, "fp8 moments");
+  uint64_t draw = 0;
+  int floored = 0, flushed = 0;
+  for (int trial = 0; trial < 4000; ++trial) {
+    const int n = trial % 7 == 0 ? 1 + trial % 16 : 16;
+    const bool v_like = trial % 2 == 0;
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& xi : x) {
+      const double magnitude = std::ldexp(1.0, -static_cast<int>(rng.uniform(draw++) * 40.0) - 4);
+      xi = static_cast<float>(v_like ? magnitude : (rng.uniform(draw++) < 0.5 ? -magnitude : magnitude));
+      if (trial % 11 == 0 && xi == x[0]) xi = 0.0f;
+    }
+    std::vector<float> fast = x, plain = x;
+    adamw_math::quantize_moment_block(fast.data(), n, v_like);
+    plain_block_quantise(plain.data(), n, v_like);
+    std::vector<float> again = fast;
+    adamw_math::quantize_moment_block(again.data(), n, v_like);
+    for (int i = 0; i < n; ++i) {
+      ASSERT_EQ(bits(fast[static_cast<size_t>(i)]), bits(plain[static_cast<size_t>(i)])) << trial << " " << i;
+      ASSERT_EQ(bits(again[static_cast<size_t>(i)]), bits(fast[static_cast<size_t>(i)])) << trial << " " << i;
+      if (v_like && x[static_cast<size_t>(i)] > 0) ASSERT_GT(fast[static_cast<size_t>(i)], 0.0f);
+      floored += v_like && x[static_cast<size_t>(i)] > 0 && x[static_cast<size_t>(i)] < fast[static_cast<size_t>(i)] / 2;
+      flushed += !v_like && x[static_cast<size_t>(i)] != 0 && fast[static_cast<size_t>(i)] == 0;
+    }
+  }
+  EXPECT_GT(floored, 100);  // the draws span 2^40: both rules are exercised
+  EXPECT_GT(flushed, 100);
+}
+
+// Near fp32 AdamW: the moments stay within fp8's precision of the fp32 ones (m normwise).
+TEST(AdamW, Fp8MomentsStayNearFp32Ones) {
+  OptimizerConfig config;
+  config.state_dtype = MomentDtype::Fp8;
+  ParameterStore<float> params, fp32_params;
+  make_params(params);
+  make_params(fp32_params);
+  AdamW adamw(config, params), fp32_adamw(OptimizerConfig{}, fp32_params);
+  for (int64_t step = 1; step <= 3; ++step) {
+    fill_grads(params, step, 1e-2);
+    fill_grads(fp32_params, step, 1e-2);
+    adamw.step(1e-2);
+    fp32_adamw.step(1e-2);
+  }
+  double m_err = 0, m_norm = 0, v_err = 0, v_norm = 0;
+  for (size_t i = 0; i < adamw.first_moment().size(); ++i) {
+    const double m = adamw.first_moment()[i], m32 = fp32_adamw.first_moment()[i];
+    const double v = adamw.second_moment()[i], v32 = fp32_adamw.second_moment()[i];
+    m_err += (m - m32) * (m - m32), m_norm += m32 * m32;
+    v_err += (v - v32) * (v - v32), v_norm += v32 * v32;
+  }
+  // e4m3 keeps 3 mantissa bits (2^-4 relative at most per rounding), three steps.
+  EXPECT_LT(std::sqrt(m_err), 0.15 * std::sqrt(m_norm));
+  EXPECT_LT(std::sqrt(v_err), 0.15 * std::sqrt(v_norm));
+  EXPECT_GT(std::sqrt(m_err), 1e-4 * std::sqrt(m_norm));  // and they are quantised
+}
+
 TEST(AdamW, Bf16MomentsAreRoundedAfterEachUpdate) {
   run_against_reference(MomentDtype::Bf16);
   OptimizerConfig config;
@@ -113,8 +218,6 @@ TEST(AdamW, Bf16MomentsAreRoundedAfterEachUpdate) {
   make_params(params);
   make_params(fp32_params);
   AdamW adamw(config, params), fp32_adamw(OptimizerConfig{}, fp32_params);
-  EXPECT_TRUE(adamw.bf16_moments());
-  EXPECT_FALSE(fp32_adamw.bf16_moments());
   for (int64_t step = 1; step <= 3; ++step) {
     fill_grads(params, step, 1e-2);
     fill_grads(fp32_params, step, 1e-2);

@@ -224,7 +224,7 @@ TEST(Config, ValidationRulesNameTheirKeys) {
       {"optimizer.beta2=-0.1", {"optimizer.beta2"}},
       {"optimizer.eps=0", {"optimizer.eps"}},
       {"optimizer.weight_decay=-0.1", {"optimizer.weight_decay"}},
-      {"optimizer.state_dtype=fp16", {"optimizer.state_dtype", "fp32, bf16", "\"fp16\""}},
+      {"optimizer.state_dtype=fp16", {"optimizer.state_dtype", "fp32, bf16, fp8", "\"fp16\""}},
       {"lr.peak=0", {"lr.peak"}},
       {"lr.warmup_steps=-1", {"lr.warmup_steps"}},
       {"lr.min_ratio=1.5", {"lr.min_ratio", "[0, 1]"}},
@@ -450,6 +450,13 @@ TEST(Config, Fp8PrecisionNeedsTheGpuAndDimsOf128) {
 }
 
 // moe.temperature_control's combinations, one line each naming the keys.
+TEST(Config, Fp8MomentsNeedNoExpertParallelism) {
+  expect_config_error(
+      [] { parse_config("", "x.toml", {"optimizer.state_dtype=fp8", "parallel.expert_parallel=2"}); },
+      {"optimizer.state_dtype", "parallel.expert_parallel = 1"});
+  EXPECT_EQ(parse_config("", "x.toml", {"optimizer.state_dtype=fp8"}).optimizer.state_dtype, MomentDtype::Fp8);
+}
+
 TEST(Config, TemperatureControlCombinationsAreRefused) {
   auto refused = [](std::vector<std::string> overrides, const std::vector<std::string>& fragments) {
     SCOPED_TRACE(overrides.back());

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/cuda/resident_block.h"
 #include "core/gpu.h"
+#include "kernels/adamw_math.h"
 #include "model/gpu_state_layout.h"
 
 namespace moe {
@@ -41,6 +42,9 @@ struct GpuParameterStore::State {
   std::vector<int64_t> packed_at;
   // Reserved whole, mapped as pack_optimizer_state fills them (its peak stays near the result).
   gpu::ResidentBlock lo_packed, m_packed, v_packed;
+  // fp8 moments: the scale byte of each block of adamw_math::kMomentBlock state elements
+  // (index state / 16), m's and v's, in the block layout or (packed) the packed one.
+  Buffer<uint8_t> m_scales, v_scales;
   RangeList lo_held;  // hold_master: where the lo block is mapped, filled from the packed halves
   RangeList grads_held;   // share_gradients: the gradients with memory of their own (empty: resident)
   RangeList weights_held;  // share_weights: the hi halves with memory of their own (empty: resident)
@@ -48,7 +52,38 @@ struct GpuParameterStore::State {
   mutable Buffer<float> staging_buffer;     // download_range / upload_range
   mutable Buffer<int16_t> lo_scratch;       // lo halves of uploaded values no rank keeps here
   bool bf16_moments() const { return moments == MomentDtype::Bf16; }
-  size_t moment_bytes() const { return bf16_moments() ? sizeof(bf16) : sizeof(float); }
+  bool fp8_moments() const { return moments == MomentDtype::Fp8; }
+  size_t moment_bytes() const { return fp8_moments() ? 1 : bf16_moments() ? sizeof(bf16) : sizeof(float); }
+  // The scale bytes of fp8 moment `which` (null otherwise), indexed by state element / 16.
+  uint8_t* moment_scales(int which) const { return (which == 0 ? m_scales : v_scales).data(); }
+  static Buffer<uint8_t> zeroed_scales(int64_t elements, cudaStream_t stream) {
+    Buffer<uint8_t> out(static_cast<size_t>((elements + adamw_math::kMomentBlock - 1) / adamw_math::kMomentBlock));
+    if (out.size() > 0) MOE_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, out.size(), stream));
+    return out;
+  }
+  // Moment `which` of state elements [state, state + n) as fp32 into `out` (device).
+  void widen_moments(float* out, int which, int64_t offset, int64_t n) const {
+    const char* at = moment_at(which, offset);
+    if (fp8_moments())
+      cuda::dequantize_moments(out, reinterpret_cast<const uint8_t*>(at), moment_scales(which), state_offset(offset), n,
+                               stream);
+    else if (bf16_moments())
+      cuda::widen_bf16(out, reinterpret_cast<const bf16*>(at), n, stream);
+    else
+      MOE_CUDA_CHECK(cudaMemcpyAsync(out, at, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  }
+  // fp32 moments `in` (device) stored as moment `which` of elements [offset, offset + n)
+  // (fp8: whole blocks from a block's first element on; the last may end at a parameter's end).
+  void store_moments(int which, int64_t offset, const float* in, int64_t n) {
+    char* at = moment_at(which, offset);
+    if (fp8_moments())
+      cuda::quantize_moments(reinterpret_cast<uint8_t*>(at), moment_scales(which), in, state_offset(offset), n,
+                             /*positive_floor=*/which == 1, stream);
+    else if (bf16_moments())
+      cuda::round_to_bf16(reinterpret_cast<bf16*>(at), in, n, stream);
+    else
+      MOE_CUDA_CHECK(cudaMemcpyAsync(at, in, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+  }
   bf16* hi_data() const { return static_cast<bf16*>(hi.data()); }
   int16_t* lo_data() const { return static_cast<int16_t*>(lo.data()); }
   float* grads_data() const { return static_cast<float*>(grads.data()); }
@@ -214,6 +249,10 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
   }
   s.m = gpu::ResidentBlock(n * s.moment_bytes());
   s.v = gpu::ResidentBlock(n * s.moment_bytes());
+  if (s.fp8_moments()) {
+    s.m_scales = State::zeroed_scales(s.storage, stream);
+    s.v_scales = State::zeroed_scales(s.storage, stream);
+  }
   for (const Range& r : resident)
     MOE_CHECK(r.offset >= 0 && r.end() <= s.storage, "GPU parameters: resident range [{}, {}) outside the block of {}",
               r.offset, r.end(), s.storage);
@@ -245,6 +284,7 @@ MomentDtype GpuParameterStore::moment_dtype() const { return state_->moments; }
 void* GpuParameterStore::moment_block(int which) {
   MOE_CHECK(which == 0 || which == 1, "moment_block: moment {} (0 or 1)", which);
   MOE_CHECK(!state_->packed(), "GPU parameters: the AdamW moments are packed (ZeRO), not in the block layout");
+  MOE_CHECK(!state_->fp8_moments(), "GPU parameters: fp8 moments are not bytes per element (their scales are per 16)");
   return which == 0 ? state_->m.data() : state_->v.data();
 }
 size_t GpuParameterStore::moment_bytes() const { return state_->moment_bytes(); }
@@ -380,22 +420,20 @@ void GpuParameterStore::download_state(ParameterStore<float>& params, std::vecto
   download_params(params, only);
   m.resize(static_cast<size_t>(s.total_numel), 0.0f);
   v.resize(static_cast<size_t>(s.total_numel), 0.0f);
-  Buffer<float> staging = s.bf16_moments() ? s.staging() : Buffer<float>();
+  Buffer<float> staging = s.moments != MomentDtype::Fp32 ? s.staging() : Buffer<float>();
   for (const SpanPiece& part :
        s.parts_held(only ? RangeList{*only} : s.resident, s.moment_ranges(), "the AdamW moments")) {
     const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
     for (int moment = 0; moment < 2; ++moment) {
       float* out = (moment == 0 ? m.data() : v.data()) + packed;
-      const char* at = s.moment_at(moment, part.offset);
-      if (!s.bf16_moments()) {
-        MOE_CUDA_CHECK(cudaMemcpyAsync(out, at, static_cast<size_t>(part.count) * sizeof(float),
+      if (s.moments == MomentDtype::Fp32) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(out, s.moment_at(moment, part.offset), static_cast<size_t>(part.count) * sizeof(float),
                                        cudaMemcpyDeviceToHost, s.stream));
         continue;
       }
-      const bf16* in = reinterpret_cast<const bf16*>(at);
       for (int64_t done = 0; done < part.count;) {
         const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
-        cuda::widen_bf16(staging.data(), in + done, piece, s.stream);
+        s.widen_moments(staging.data(), moment, part.offset + done, piece);
         MOE_CUDA_CHECK(cudaMemcpyAsync(out + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
                                        cudaMemcpyDeviceToHost, s.stream));
         done += piece;
@@ -420,18 +458,16 @@ void GpuParameterStore::upload_state(const ParameterStore<float>& params, const 
     const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
     for (int moment = 0; moment < 2; ++moment) {
       const float* in = (moment == 0 ? m.data() : v.data()) + packed;
-      char* at = s.moment_at(moment, part.offset);
-      if (!s.bf16_moments()) {
-        MOE_CUDA_CHECK(cudaMemcpyAsync(at, in, static_cast<size_t>(part.count) * sizeof(float),
+      if (s.moments == MomentDtype::Fp32) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(s.moment_at(moment, part.offset), in, static_cast<size_t>(part.count) * sizeof(float),
                                        cudaMemcpyHostToDevice, s.stream));
         continue;
       }
-      bf16* out = reinterpret_cast<bf16*>(at);
-      for (int64_t done = 0; done < part.count;) {
+      for (int64_t done = 0; done < part.count;) {  // pieces of kStagingFloats: whole fp8 blocks
         const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
         MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(piece) * sizeof(float),
                                        cudaMemcpyHostToDevice, s.stream));
-        cuda::round_to_bf16(out + done, staging.data(), piece, s.stream);
+        s.store_moments(moment, part.offset + done, staging.data(), piece);
         done += piece;
       }
     }
@@ -489,6 +525,23 @@ void GpuParameterStore::pack_optimizer_state(const RangeList& ranges) {
   }
   for (gpu::ResidentBlock* block : {&s.lo_packed, &s.m_packed, &s.v_packed})
     block->set_resident({{0, static_cast<int64_t>(block->bytes())}});  // the layout's padding at the end
+  if (s.fp8_moments()) {  // the blocks' scales: range k's first block starts at at[k] / 16 (at[k] = its offset mod 16)
+    constexpr int64_t kB = adamw_math::kMomentBlock;
+    for (int which = 0; which < 2; ++which) {
+      Buffer<uint8_t> packed = State::zeroed_scales(total, s.stream);
+      const uint8_t* from = s.moment_scales(which);
+      for (size_t k = 0; k < merged.size(); ++k) {
+        const Range& r = merged[k];
+        MOE_CHECK(r.offset % kB == 0, "GPU parameters: fp8 moments: optimizer range [{}, {}) starts inside a block of {}",
+                  r.offset, r.end(), kB);
+        const int64_t first = r.offset / kB, blocks = (r.end() + kB - 1) / kB - first;
+        MOE_CUDA_CHECK(cudaMemcpyAsync(packed.data() + at[k] / kB, from + first, static_cast<size_t>(blocks),
+                                       cudaMemcpyDeviceToDevice, s.stream));
+      }
+      s.sync();
+      (which == 0 ? s.m_scales : s.v_scales) = std::move(packed);
+    }
+  }
   s.sync();
   s.optimizer = merged;
   s.packed_at = std::move(at);
@@ -501,9 +554,10 @@ const RangeList& GpuParameterStore::optimizer_ranges() const { return state_->mo
 
 GpuParameterStore::StepState GpuParameterStore::step_state() {
   State& s = *state_;
-  if (!s.packed()) return {s.lo_data(), s.m.data(), s.v.data(), false};
+  if (!s.packed()) return {s.lo_data(), s.m.data(), s.v.data(), s.m_scales.data(), s.v_scales.data(), false};
   MOE_CHECK(s.lo_held.empty(), "GPU parameters: no AdamW step while hold_master holds the lo block");
-  return {static_cast<int16_t*>(s.lo_packed.data()), s.m_packed.data(), s.v_packed.data(), true};
+  return {static_cast<int16_t*>(s.lo_packed.data()), s.m_packed.data(), s.v_packed.data(), s.m_scales.data(),
+          s.v_scales.data(), true};
 }
 
 int64_t GpuParameterStore::state_offset(int64_t offset) const { return state_->state_offset(offset); }
@@ -544,8 +598,8 @@ void GpuParameterStore::download_range(Range r, float* values, float* m, float* 
       float* out = which == 0 ? m : v;
       if (!out) continue;
       const char* in = s.moment_at(which, at);
-      if (s.bf16_moments()) {
-        cuda::widen_bf16(staging.data(), reinterpret_cast<const bf16*>(in), n, s.stream);
+      if (s.moments != MomentDtype::Fp32) {
+        s.widen_moments(staging.data(), which, at, n);
         in = reinterpret_cast<const char*>(staging.data());
       }
       // The staging buffer is reused right after: this copy must finish first.
@@ -571,15 +625,14 @@ void GpuParameterStore::upload_range(Range r, const float* values, const float* 
     for (int which = 0; which < 2; ++which) {
       const float* in = which == 0 ? m : v;
       if (!in) continue;
-      char* out = s.moment_at(which, at);
-      if (!s.bf16_moments()) {
-        MOE_CUDA_CHECK(cudaMemcpyAsync(out, in + done, static_cast<size_t>(n) * sizeof(float), cudaMemcpyHostToDevice,
-                                       s.stream));
+      if (s.moments == MomentDtype::Fp32) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(s.moment_at(which, at), in + done, static_cast<size_t>(n) * sizeof(float),
+                                       cudaMemcpyHostToDevice, s.stream));
         continue;
       }
       MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(n) * sizeof(float),
                                      cudaMemcpyHostToDevice, s.stream));
-      cuda::round_to_bf16(reinterpret_cast<bf16*>(out), staging.data(), n, s.stream);
+      s.store_moments(which, at, staging.data(), n);
     }
   }
   // The fp32 copies of the parameters in r (router biases) take the same values.
@@ -593,9 +646,9 @@ void GpuParameterStore::upload_range(Range r, const float* values, const float* 
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 
-size_t GpuParameterStore::bytes_per_parameter(MomentDtype moments, bool bf16_grads) {
-  return sizeof(bf16) + sizeof(int16_t) + (bf16_grads ? sizeof(bf16) : sizeof(float)) +
-         2 * (moments == MomentDtype::Bf16 ? sizeof(bf16) : sizeof(float));
+double GpuParameterStore::bytes_per_parameter(MomentDtype moments, bool bf16_grads) {
+  return static_cast<double>(sizeof(bf16) + sizeof(int16_t) + (bf16_grads ? sizeof(bf16) : sizeof(float))) +
+         2 * moment_bytes_per_element(moments);
 }
 
 size_t GpuParameterStore::device_bytes() const {
@@ -603,7 +656,7 @@ size_t GpuParameterStore::device_bytes() const {
   return s.hi.resident_bytes() + s.lo.resident_bytes() + s.grads.resident_bytes() + s.grads16.resident_bytes() +
          s.m.resident_bytes() +
          s.v.resident_bytes() + s.mirror.size() * sizeof(float) + s.lo_packed.resident_bytes() +
-         s.m_packed.resident_bytes() + s.v_packed.resident_bytes();
+         s.m_packed.resident_bytes() + s.v_packed.resident_bytes() + s.m_scales.size() + s.v_scales.size();
 }
 
 }  // namespace moe

@@ -103,6 +103,8 @@ class GpuParameterStore {
     int16_t* lo;
     void* m;
     void* v;
+    uint8_t* m_scales;  // fp8 moments: a scale byte per 16 state elements (null otherwise)
+    uint8_t* v_scales;
     bool packed;
   };
   StepState step_state();
@@ -140,7 +142,7 @@ class GpuParameterStore {
   // Device bytes held by the blocks above (their resident chunks).
   size_t device_bytes() const;
   // Per parameter; bf16_grads: of one whose gradient is bf16 (an expert weight's).
-  static size_t bytes_per_parameter(MomentDtype moments, bool bf16_grads = false);
+  static double bytes_per_parameter(MomentDtype moments, bool bf16_grads = false);
 
  private:
   struct State;

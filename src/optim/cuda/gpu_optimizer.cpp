@@ -60,7 +60,6 @@ struct GpuOptimizer::State {
   // The store's optimizer_ranges() when the update set was cut, if packed then.
   RangeList update_state_ranges;
 
-  bool bf16_moments() const { return store->moment_dtype() == MomentDtype::Bf16; }
   // Whether block element `offset`'s gradient is bf16 (inside the store's bf16 ranges; a
   // parameter's extent is in them whole or not at all).
   int32_t bf16_grad_at(int64_t offset) const {
@@ -91,8 +90,16 @@ struct GpuOptimizer::State {
     MOE_CHECK(!state.packed || (update_part && store->optimizer_ranges() == update_state_ranges),
               "GPU optimizer: the store's optimizer state was packed after set_step_ranges (call it after "
               "pack_optimizer_state)");
-    cuda::multi_tensor_adamw(store->weights_hi(), state.lo, store->fp32_mirror(), store->grads(), state.m, state.v,
-                             bf16_moments(), set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks,
+    const cuda::MomentState moments{state.m, state.v, state.m_scales, state.v_scales, store->moment_dtype()};
+    if (moments.dtype == MomentDtype::Fp8 && !set.fp8_blocks_checked) {
+      for (const cuda::OptimizerSegment& seg : set.host)
+        MOE_CHECK((seg.state_offset >= 0 ? seg.state_offset : seg.offset) % adamw_math::kMomentBlock == 0,
+                  "GPU optimizer: fp8 moments: the segment at element {} does not start on a block of {}", seg.offset,
+                  adamw_math::kMomentBlock);
+      set.fp8_blocks_checked = true;
+    }
+    cuda::multi_tensor_adamw(store->weights_hi(), state.lo, store->fp32_mirror(), store->grads(), moments,
+                             set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks,
                              scalars.data(), stream, store->grads_bf16());
   }
   // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter

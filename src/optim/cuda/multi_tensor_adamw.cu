@@ -418,6 +418,129 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   if constexpr (kStaged) cp_async_wait<0>();
 }
 
+// fp8 moments (optimizer.state_dtype = fp8): a thread takes one block of am::kMomentBlock
+// elements a pass (the segment's state starts on a block, so block b of the chunk is state
+// block (state + 16 b) / 16): its 16 codes of m and of v and their two scale bytes, hi, lo
+// and the gradients in 16-byte loads; the update in fp32 (adamw_update8, as
+// am::adamw_update_range), then the block's amax, scale and codes written back. A ragged
+// last block loads zeros past the segment's end, which update to zeros (outside the amax)
+// and are not written.
+constexpr int kFp8Threads = 256;
+__global__ void __launch_bounds__(kFp8Threads)
+    multi_tensor_adamw_fp8_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, float* __restrict__ mirror,
+                                  const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
+                                  uint8_t* __restrict__ m, uint8_t* __restrict__ v, uint8_t* __restrict__ m_scales,
+                                  uint8_t* __restrict__ v_scales, const OptimizerSegment* segments, int64_t n_segments,
+                                  const am::AdamWScalars* scalars) {
+  constexpr int kB = am::kMomentBlock;
+  static_assert(kB == 16, "a block is two groups of 8 and one 16-byte unit of codes");
+  __shared__ am::AdamWScalars shared_scalars;
+  __shared__ OptimizerSegment shared_segment;
+  if (threadIdx.x < 32) {
+    const int64_t index = warp_segment_of_chunk(segments, n_segments, blockIdx.x);
+    if (threadIdx.x == 0) {
+      shared_scalars = *scalars;
+      shared_segment = segments[index];
+    }
+  }
+  __syncthreads();
+  const am::AdamWScalars s = shared_scalars;
+  if (s.skip) return;
+  const OptimizerSegment seg = shared_segment;
+  const int64_t within = (static_cast<int64_t>(blockIdx.x) - seg.first_chunk) * am::kNormChunk;
+  const int64_t begin = seg.offset + within;
+  const int64_t state = (seg.state_offset >= 0 ? seg.state_offset : seg.offset) + within;
+  const int32_t length = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
+  const float decay = seg.decay ? s.decay_factor : 1.0f;
+  float* mirror_out = seg.mirror_offset >= 0 ? mirror + seg.mirror_offset + within : nullptr;
+  const bool half = seg.bf16_grad != 0;
+  for (int32_t i = static_cast<int32_t>(threadIdx.x) * kB; i < length; i += kFp8Threads * kB) {
+    const int len = length - i < kB ? length - i : kB;
+    const int64_t at = begin + i, st = state + i;
+    const uint8_t xm = m_scales[st / kB], xv = v_scales[st / kB];
+    float p[2][8], g[2][8], mm[2][8], vv[2][8];
+    uint8_t cm[kB], cv[kB];
+    if (len == kB) {
+      uint16_t h[8], l[8];
+      for (int q = 0; q < 2; ++q) {
+        unpack8(__ldcs(reinterpret_cast<const uint4*>(hi + at) + q), h);
+        unpack8(__ldcs(reinterpret_cast<const uint4*>(lo + st) + q), l);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) p[q][j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
+        if (half) {
+          uint16_t g16[8];
+          unpack8(__ldcs(reinterpret_cast<const uint4*>(grads16 + at) + q), g16);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) g[q][j] = am::bf16_bits_to_float(g16[j]);
+        } else {
+          const uint4 pair[2] = {__ldcs(reinterpret_cast<const uint4*>(grads + at) + 2 * q),
+                                 __ldcs(reinterpret_cast<const uint4*>(grads + at) + 2 * q + 1)};
+          Moments<false>::unpack(pair, g[q]);
+        }
+      }
+      *reinterpret_cast<uint4*>(cm) = __ldcs(reinterpret_cast<const uint4*>(m + st));
+      *reinterpret_cast<uint4*>(cv) = __ldcs(reinterpret_cast<const uint4*>(v + st));
+    } else {
+#pragma unroll
+      for (int k = 0; k < kB; ++k) {
+        const bool in = k < len;
+        p[k / 8][k % 8] = in ? am::join_master(hi[at + k], lo[st + k]) : 0.0f;
+        g[k / 8][k % 8] = !in ? 0.0f : half ? am::bf16_bits_to_float(grads16[at + k]) : grads[at + k];
+        cm[k] = in ? m[st + k] : uint8_t{0};
+        cv[k] = in ? v[st + k] : uint8_t{0};
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kB; ++k) {
+      mm[k / 8][k % 8] = am::moment_value(cm[k], xm);
+      vv[k / 8][k % 8] = am::moment_value(cv[k], xv);
+    }
+    adamw_update8(p[0], g[0], mm[0], vv[0], s, decay, false);
+    adamw_update8(p[1], g[1], mm[1], vv[1], s, decay, false);
+    float am_m = 0.0f, am_v = 0.0f;  // the zeros past a ragged end stay zeros: outside the amax
+#pragma unroll
+    for (int k = 0; k < kB; ++k) {
+      am_m = fmaxf(am_m, fabsf(mm[k / 8][k % 8]));
+      am_v = fmaxf(am_v, fabsf(vv[k / 8][k % 8]));
+    }
+    const uint8_t ym = am::moment_scale_byte(am_m), yv = am::moment_scale_byte(am_v);
+#pragma unroll
+    for (int k = 0; k < kB; ++k) {
+      cm[k] = am::moment_code(mm[k / 8][k % 8], ym, false);
+      cv[k] = am::moment_code(vv[k / 8][k % 8], yv, true);
+    }
+    if (len == kB) {
+      m_scales[st / kB] = ym;
+      v_scales[st / kB] = yv;
+      __stcs(reinterpret_cast<uint4*>(m + st), *reinterpret_cast<const uint4*>(cm));
+      __stcs(reinterpret_cast<uint4*>(v + st), *reinterpret_cast<const uint4*>(cv));
+      for (int q = 0; q < 2; ++q) {
+        uint16_t h[8], l[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const am::MasterSplit out = am::split_master(p[q][j]);
+          h[j] = out.hi;
+          l[j] = static_cast<uint16_t>(out.lo);
+        }
+        __stcs(reinterpret_cast<uint4*>(hi + at) + q, pack8(h));
+        __stcs(reinterpret_cast<uint4*>(lo + st) + q, pack8(l));
+      }
+    } else {
+      m_scales[st / kB] = ym;
+      v_scales[st / kB] = yv;
+      for (int k = 0; k < len; ++k) {
+        const am::MasterSplit out = am::split_master(p[k / 8][k % 8]);
+        hi[at + k] = out.hi;
+        lo[st + k] = out.lo;
+        m[st + k] = cm[k];
+        v[st + k] = cv[k];
+      }
+    }
+    if (mirror_out)
+      for (int k = 0; k < len; ++k) mirror_out[i + k] = p[k / 8][k % 8];
+  }
+}
+
 // Staged blocks of 512 threads (2 an SM): 23.5 ms a mixtral-mini fp8 step against 24.4 with
 // 256 (4 an SM), 25.7 with 128 and 24.0 with 128 threads in 3 stages (ncu, 2026-12-04).
 constexpr int kStagedThreads = 512;
@@ -442,7 +565,7 @@ void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* se
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, void* m, void* v, bool bf16_moments,
+void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads, const MomentState& moments,
                         const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks,
                         const adamw_math::AdamWScalars* scalars, Stream stream, const bf16* grads16) {
   if (n_chunks == 0) return;
@@ -450,6 +573,19 @@ void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads
   // One block per chunk: a 4.76 B-parameter model has ~290 k of them, many waves of
   // blocks on any GPU. Element e of every array is then 16-byte aligned when e % 8 == 0.
   const auto blocks = static_cast<unsigned>(n_chunks);
+  void* m = moments.m;
+  void* v = moments.v;
+  if (moments.dtype == MomentDtype::Fp8) {
+    MOE_CHECKF(aligned16(hi) && aligned16(lo) && aligned16(grads) && aligned16(grads16) && aligned16(m) &&
+                   aligned16(v) && moments.m_scales && moments.v_scales,
+               "multi_tensor_adamw: fp8 moments need 16-byte aligned blocks and their scales");
+    multi_tensor_adamw_fp8_kernel<<<blocks, kFp8Threads, 0, stream>>>(
+        bits(hi), lo, mirror, grads, bits(grads16), static_cast<uint8_t*>(m), static_cast<uint8_t*>(v),
+        moments.m_scales, moments.v_scales, segments, n_segments, scalars);
+    MOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const bool bf16_moments = moments.dtype == MomentDtype::Bf16;
   const bool vectors =
       aligned16(hi) && aligned16(lo) && aligned16(grads) && aligned16(grads16) && aligned16(m) && aligned16(v);
   if (bf16_moments) {

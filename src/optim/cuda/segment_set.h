@@ -20,6 +20,7 @@ struct SegmentSet {
   gpu::DeviceArray<cuda::OptimizerSegment> segments;
   int64_t n_chunks = 0;
   gpu::DeviceArray<double> chunk_sq, segment_sq;
+  bool fp8_blocks_checked = false;  // GpuOptimizer: every segment's state starts on an fp8 moment block
 
   SegmentSet() = default;
   // first_chunk is numbered here, in order.
