@@ -418,22 +418,49 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   if constexpr (kStaged) cp_async_wait<0>();
 }
 
-// fp8 moments (optimizer.state_dtype = fp8): a thread takes one block of am::kMomentBlock
-// elements a pass (the segment's state starts on a block, so block b of the chunk is state
-// block (state + 16 b) / 16): its 16 codes of m and of v and their two scale bytes, hi, lo
-// and the gradients in 16-byte loads; the update in fp32 (adamw_update8, as
-// am::adamw_update_range), then the block's amax, scale and codes written back. A ragged
-// last block loads zeros past the segment's end, which update to zeros (outside the amax)
-// and are not written.
-constexpr int kFp8Threads = 256;
-__global__ void __launch_bounds__(kFp8Threads)
+// fp8 moments (optimizer.state_dtype = fp8). A segment's state starts on a block of
+// am::kMomentBlock = 16 (GpuOptimizer checks), and so does each chunk's: a thread updates 8 elements a pass as the bf16 kernel does, two adjacent
+// lanes one block (its amax through one shuffle), and stages its next pass in shared
+// memory (cp.async: hi, lo, the gradients, and m's and v's 8 codes together in one 16-byte
+// slot); the two scale bytes of the next pass are loaded into registers early. The update
+// computes in fp32 (adamw_update8), as adamw_update_range does; the lane(s) at a segment's
+// ragged end load and store their few elements one by one.
+constexpr int kFp8Threads = 512;
+constexpr int kFp8Units = 5;  // hi, lo, m|v codes, the gradients (fp32: 2)
+constexpr size_t kFp8StagedBytes = size_t{2} * kFp8Units * kFp8Threads * sizeof(uint4);
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem) : "memory");
+}
+
+// One block's codes for the moments in `x` (8 a lane, the pair's 16 together): the block's
+// scale byte (both lanes) and the lane's 8 codes packed in a uint2.
+__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool positive_floor, uint8_t& scale) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // every lane of the warp is here
+  scale = am::moment_scale_byte(amax);
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) w[j / 4] |= static_cast<uint32_t>(am::moment_code(x[j], scale, positive_floor)) << (8 * (j % 4));
+  return make_uint2(w[0], w[1]);
+}
+__device__ __forceinline__ void decode8(uint2 codes, uint8_t scale, float (&out)[8]) {
+  const uint32_t w[2] = {codes.x, codes.y};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out[j] = am::moment_value(static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4))), scale);
+}
+
+__global__ void __launch_bounds__(kFp8Threads, 2)
     multi_tensor_adamw_fp8_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, float* __restrict__ mirror,
                                   const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
                                   uint8_t* __restrict__ m, uint8_t* __restrict__ v, uint8_t* __restrict__ m_scales,
                                   uint8_t* __restrict__ v_scales, const OptimizerSegment* segments, int64_t n_segments,
                                   const am::AdamWScalars* scalars) {
   constexpr int kB = am::kMomentBlock;
-  static_assert(kB == 16, "a block is two groups of 8 and one 16-byte unit of codes");
+  static_assert(kB == 16, "a block is the 8 elements of two adjacent lanes");
   __shared__ am::AdamWScalars shared_scalars;
   __shared__ OptimizerSegment shared_segment;
   if (threadIdx.x < 32) {
@@ -451,94 +478,109 @@ __global__ void __launch_bounds__(kFp8Threads)
   const int64_t begin = seg.offset + within;
   const int64_t state = (seg.state_offset >= 0 ? seg.state_offset : seg.offset) + within;
   const int32_t length = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
+  const int32_t blocks_end = (length + kB - 1) / kB * kB;
   const float decay = seg.decay ? s.decay_factor : 1.0f;
   float* mirror_out = seg.mirror_offset >= 0 ? mirror + seg.mirror_offset + within : nullptr;
   const bool half = seg.bf16_grad != 0;
-  for (int32_t i = static_cast<int32_t>(threadIdx.x) * kB; i < length; i += kFp8Threads * kB) {
-    const int len = length - i < kB ? length - i : kB;
+
+  extern __shared__ uint4 staged[];  // [2 stages][kFp8Units][kFp8Threads]
+  const auto slot = [&](int stage, int unit) { return staged + (stage * kFp8Units + unit) * kFp8Threads + threadIdx.x; };
+  const auto stage_in = [&](int32_t i, int stage) {
+    if (i + 8 <= length) {  // a whole 8 (the ragged end's lane loads its few directly)
+      const int64_t at = begin + i, st = state + i;
+      cp_async16(slot(stage, 0), hi + at);
+      cp_async16(slot(stage, 1), lo + st);
+      cp_async8(slot(stage, 2), m + st);
+      cp_async8(reinterpret_cast<char*>(slot(stage, 2)) + 8, v + st);
+      if (half) {
+        cp_async16(slot(stage, 3), grads16 + at);
+      } else {
+        cp_async16(slot(stage, 3), grads + at);
+        cp_async16(slot(stage, 4), grads + at + 4);
+      }
+    }
+    cp_async_commit();  // empty otherwise: the group count stays one a pass
+  };
+  // Every thread runs every pass (the pair's shuffle wants the whole warp); a lane with no
+  // element left computes zeros (outside its block's amax) and stores nothing.
+  const int32_t first = static_cast<int32_t>(threadIdx.x) * 8;
+  stage_in(first, 0);
+  uint8_t xm = 0, xv = 0;  // this pass's scale bytes
+  if (first < length) xm = m_scales[(state + first) / kB], xv = v_scales[(state + first) / kB];
+  int stage = 0;
+  for (int32_t base = 0; base < blocks_end; base += kFp8Threads * 8, stage ^= 1) {
+    const int32_t i = base + first, next = i + kFp8Threads * 8;
+    const int n = length - i < 0 ? 0 : length - i < 8 ? length - i : 8;  // this lane's elements
+    stage_in(next, stage ^ 1);
+    const uint8_t this_xm = xm, this_xv = xv;
+    if (next < length) xm = m_scales[(state + next) / kB], xv = v_scales[(state + next) / kB];
+    cp_async_wait<1>();  // this pass's group is in
     const int64_t at = begin + i, st = state + i;
-    const uint8_t xm = m_scales[st / kB], xv = v_scales[st / kB];
-    float p[2][8], g[2][8], mm[2][8], vv[2][8];
-    uint8_t cm[kB], cv[kB];
-    if (len == kB) {
+    float p[8], g[8], mm[8], vv[8];
+    if (n == 8) {
       uint16_t h[8], l[8];
-      for (int q = 0; q < 2; ++q) {
-        unpack8(__ldcs(reinterpret_cast<const uint4*>(hi + at) + q), h);
-        unpack8(__ldcs(reinterpret_cast<const uint4*>(lo + st) + q), l);
+      unpack8(*slot(stage, 0), h);
+      unpack8(*slot(stage, 1), l);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) p[q][j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
-        if (half) {
-          uint16_t g16[8];
-          unpack8(__ldcs(reinterpret_cast<const uint4*>(grads16 + at) + q), g16);
+      for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
+      const uint4 codes = *slot(stage, 2);
+      decode8(make_uint2(codes.x, codes.y), this_xm, mm);
+      decode8(make_uint2(codes.z, codes.w), this_xv, vv);
+      if (half) {
+        uint16_t g16[8];
+        unpack8(*slot(stage, 3), g16);
 #pragma unroll
-          for (int j = 0; j < 8; ++j) g[q][j] = am::bf16_bits_to_float(g16[j]);
-        } else {
-          const uint4 pair[2] = {__ldcs(reinterpret_cast<const uint4*>(grads + at) + 2 * q),
-                                 __ldcs(reinterpret_cast<const uint4*>(grads + at) + 2 * q + 1)};
-          Moments<false>::unpack(pair, g[q]);
-        }
-      }
-      *reinterpret_cast<uint4*>(cm) = __ldcs(reinterpret_cast<const uint4*>(m + st));
-      *reinterpret_cast<uint4*>(cv) = __ldcs(reinterpret_cast<const uint4*>(v + st));
-    } else {
-#pragma unroll
-      for (int k = 0; k < kB; ++k) {
-        const bool in = k < len;
-        p[k / 8][k % 8] = in ? am::join_master(hi[at + k], lo[st + k]) : 0.0f;
-        g[k / 8][k % 8] = !in ? 0.0f : half ? am::bf16_bits_to_float(grads16[at + k]) : grads[at + k];
-        cm[k] = in ? m[st + k] : uint8_t{0};
-        cv[k] = in ? v[st + k] : uint8_t{0};
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      mm[k / 8][k % 8] = am::moment_value(cm[k], xm);
-      vv[k / 8][k % 8] = am::moment_value(cv[k], xv);
-    }
-    adamw_update8(p[0], g[0], mm[0], vv[0], s, decay, false);
-    adamw_update8(p[1], g[1], mm[1], vv[1], s, decay, false);
-    float am_m = 0.0f, am_v = 0.0f;  // the zeros past a ragged end stay zeros: outside the amax
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      am_m = fmaxf(am_m, fabsf(mm[k / 8][k % 8]));
-      am_v = fmaxf(am_v, fabsf(vv[k / 8][k % 8]));
-    }
-    const uint8_t ym = am::moment_scale_byte(am_m), yv = am::moment_scale_byte(am_v);
-#pragma unroll
-    for (int k = 0; k < kB; ++k) {
-      cm[k] = am::moment_code(mm[k / 8][k % 8], ym, false);
-      cv[k] = am::moment_code(vv[k / 8][k % 8], yv, true);
-    }
-    if (len == kB) {
-      m_scales[st / kB] = ym;
-      v_scales[st / kB] = yv;
-      __stcs(reinterpret_cast<uint4*>(m + st), *reinterpret_cast<const uint4*>(cm));
-      __stcs(reinterpret_cast<uint4*>(v + st), *reinterpret_cast<const uint4*>(cv));
-      for (int q = 0; q < 2; ++q) {
-        uint16_t h[8], l[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const am::MasterSplit out = am::split_master(p[q][j]);
-          h[j] = out.hi;
-          l[j] = static_cast<uint16_t>(out.lo);
-        }
-        __stcs(reinterpret_cast<uint4*>(hi + at) + q, pack8(h));
-        __stcs(reinterpret_cast<uint4*>(lo + st) + q, pack8(l));
+        for (int j = 0; j < 8; ++j) g[j] = am::bf16_bits_to_float(g16[j]);
+      } else {
+        const uint4 pair[2] = {*slot(stage, 3), *slot(stage, 4)};
+        Moments<false>::unpack(pair, g);
       }
     } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const bool in = j < n;
+        p[j] = in ? am::join_master(hi[at + j], lo[st + j]) : 0.0f;
+        g[j] = !in ? 0.0f : half ? am::bf16_bits_to_float(grads16[at + j]) : grads[at + j];
+        mm[j] = in ? am::moment_value(m[st + j], this_xm) : 0.0f;
+        vv[j] = in ? am::moment_value(v[st + j], this_xv) : 0.0f;
+      }
+    }
+    adamw_update8(p, g, mm, vv, s, decay, false);
+    uint8_t ym, yv;
+    const uint2 cm = quantize_pair_block(mm, false, ym), cv = quantize_pair_block(vv, true, yv);
+    if (n == 0) continue;
+    if ((threadIdx.x & 1) == 0) {
       m_scales[st / kB] = ym;
       v_scales[st / kB] = yv;
-      for (int k = 0; k < len; ++k) {
-        const am::MasterSplit out = am::split_master(p[k / 8][k % 8]);
-        hi[at + k] = out.hi;
-        lo[st + k] = out.lo;
-        m[st + k] = cm[k];
-        v[st + k] = cv[k];
-      }
+    }
+    uint16_t h[8], l[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const am::MasterSplit out = am::split_master(p[j]);
+      h[j] = out.hi;
+      l[j] = static_cast<uint16_t>(out.lo);
+    }
+    if (n == 8) {
+      __stcs(reinterpret_cast<uint2*>(m + st), cm);
+      __stcs(reinterpret_cast<uint2*>(v + st), cv);
+      __stcs(reinterpret_cast<uint4*>(hi + at), pack8(h));
+      __stcs(reinterpret_cast<uint4*>(lo + st), pack8(l));
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < n) {
+          hi[at + j] = h[j];
+          lo[st + j] = static_cast<int16_t>(l[j]);
+          m[st + j] = static_cast<uint8_t>((j < 4 ? cm.x : cm.y) >> (8 * (j % 4)));
+          v[st + j] = static_cast<uint8_t>((j < 4 ? cv.x : cv.y) >> (8 * (j % 4)));
+        }
     }
     if (mirror_out)
-      for (int k = 0; k < len; ++k) mirror_out[i + k] = p[k / 8][k % 8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < n) mirror_out[i + j] = p[j];
   }
+  cp_async_wait<0>();
 }
 
 // Staged blocks of 512 threads (2 an SM): 23.5 ms a mixtral-mini fp8 step against 24.4 with
@@ -579,7 +621,9 @@ void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads
     MOE_CHECKF(aligned16(hi) && aligned16(lo) && aligned16(grads) && aligned16(grads16) && aligned16(m) &&
                    aligned16(v) && moments.m_scales && moments.v_scales,
                "multi_tensor_adamw: fp8 moments need 16-byte aligned blocks and their scales");
-    multi_tensor_adamw_fp8_kernel<<<blocks, kFp8Threads, 0, stream>>>(
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(multi_tensor_adamw_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kFp8StagedBytes)));
+    multi_tensor_adamw_fp8_kernel<<<blocks, kFp8Threads, kFp8StagedBytes, stream>>>(
         bits(hi), lo, mirror, grads, bits(grads16), static_cast<uint8_t*>(m), static_cast<uint8_t*>(v),
         moments.m_scales, moments.v_scales, segments, n_segments, scalars);
     MOE_CUDA_CHECK_LAUNCH();
