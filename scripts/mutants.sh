@@ -109,6 +109,21 @@ mutant config/deepgemm-any-dims src/config/config_rules.cpp \
 mutant config/gemm-backend-bf16-key-only src/config/training_config.h \
   'return p == TrainingPrecision::Fp8 ? fp8_gemm_backend : bf16_gemm_backend;' \
   'return bf16_gemm_backend;'
+mutant optim/fp8-moments-no-floor src/kernels/adamw_math.h \
+  'return positive_floor && code == 0 && value > 0.0f ? uint8_t{1} : code;' \
+  'return code;'
+mutant optim/fp8-moments-scale-one-too-small src/kernels/adamw_math.h \
+  '((u & 0x7fffffu) > 0x600000u ? 1 : 0)' \
+  '((u & 0x7fffffu) > 0x700000u ? 1 : 0)'
+mutant optim/fp8-moments-cpu-v-without-floor src/optim/adamw.cpp \
+  'am::quantize_moment_block(v + at, len, true);' \
+  'am::quantize_moment_block(v + at, len, false);'
+mutant train/plan-fp8-scales-left-out src/train/memory_plan.cpp \
+  'if (fp8) state.moments += packed' \
+  'if (false) state.moments += packed'
+mutant config/fp8-moments-with-expert-parallel src/config/config_rules.cpp \
+  'if (c.optimizer.state_dtype == MomentDtype::Fp8 && p.expert_parallel > 1)' \
+  'if (false)'
 
 # --- dist ----------------------------------------------------------------------------
 mutant dist/sharded-clip-squared-norm src/train/backends/parallel_cpu_backend.cpp \

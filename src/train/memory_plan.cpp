@@ -174,11 +174,15 @@ StateBytes state_of_elements(const RunConfig& config, const MemoryLayout& layout
 
 StateBytes state_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks) {
   const MomentDtype moments = config.optimizer.state_dtype;
-  // fp8 moments: 1 B a code, and their blocks' scale bytes, 1 / 16 of that.
+  // fp8 moments: 1 B a code, and a scale byte per 16 state elements for each moment
+  // (GpuParameterStore's two arrays: the whole block's on one GPU, exact; packed under
+  // ZeRO, 1 / 16 of the codes' chunk-rounded bytes, within 2 chunks / 16 of the store's).
   const bool fp8 = moments == MomentDtype::Fp8;
   StateBytes state =
       state_of_elements(config, layout, blocks, fp8 ? 1 : static_cast<int64_t>(moment_bytes_per_element(moments)));
-  if (fp8) state.moments += (state.moments + adamw_math::kMomentBlock - 1) / adamw_math::kMomentBlock;
+  constexpr int64_t kB = adamw_math::kMomentBlock;
+  const bool packed = gpu_applies_zero(std::max<int64_t>(1, layout.gpus), layout.zero);
+  if (fp8) state.moments += packed ? (state.moments + kB - 1) / kB : 2 * ((blocks.storage + kB - 1) / kB);
   return state;
 }
 

@@ -1,5 +1,5 @@
-// The GPU model's glue kernels (bias rows, casts, column sums) against CPU loops on random
-// inputs, at sizes from empty to the bench models' router shapes.
+// The GPU model's glue kernels (bias rows, casts, column sums, batched row sums) against CPU
+// loops on random inputs, at sizes from empty to the bench models' router shapes.
 #include <gtest/gtest.h>
 
 #include "gpu_test_util.h"
@@ -55,6 +55,33 @@ TEST_P(GpuGlue, BiasRowsAndCastMatchCpu) {
   auto widened_d = test::poisoned<float>(rows * cols);
   cuda::cast_to_float(widened_d.data(), cast_d.data(), rows * cols, nullptr);
   expect_close("cast back", to_host(widened_d), rounded, 0, 0);
+}
+
+// The attention's query chunks add earlier chunks' dK, dV rows into the later ones': the
+// first `rows` rows of each of B batches of S rows, row strides wider than cols (the
+// heads' [.., ld] layout), in fp32 rounded to bf16 once; the rows past `rows`, the columns
+// past cols and dst's padding stay as they were.
+TEST(GpuGlue, BatchedRowsAddLikeCpuAndLeaveTheRestAlone) {
+  MOE_REQUIRE_GPU();
+  struct Case {
+    int64_t B, S, rows, cols, ld_dst, ld_src;
+  };
+  for (const Case& c : {Case{1, 4, 4, 8, 8, 8}, Case{3, 37, 20, 64, 96, 80}, Case{8, 256, 129, 128, 384, 128},
+                        Case{2, 9, 7, 13, 15, 13}, Case{2, 5, 0, 16, 16, 16}}) {
+    SCOPED_TRACE(testing::Message() << "B " << c.B << " S " << c.S << " rows " << c.rows << " cols " << c.cols);
+    const auto dst = random_bf16_floats(static_cast<size_t>(c.B * c.S * c.ld_dst), 5, "dst");
+    const auto src = random_bf16_floats(static_cast<size_t>(c.B * c.S * c.ld_src), 6, "src");
+    auto dst_d = test::to_device_bf16(dst), src_d = test::to_device_bf16(src);
+    cuda::add_batched_rows(dst_d.data(), c.ld_dst, src_d.data(), c.ld_src, c.B, c.S, c.rows, c.cols, nullptr);
+    std::vector<float> want(dst);
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t r = 0; r < c.rows; ++r)
+        for (int64_t k = 0; k < c.cols; ++k) {
+          float& out = want[static_cast<size_t>((b * c.S + r) * c.ld_dst + k)];
+          out = bf16_to_float(float_to_bf16(out + src[static_cast<size_t>((b * c.S + r) * c.ld_src + k)]));
+        }
+    expect_close("batched rows", test::to_host_float(dst_d), want, 0, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuGlue,

@@ -73,6 +73,12 @@ TEST(GpuMemoryPlan, ZeroStateIsWhatTheStoreHolds) {
     const GpuParameterStore whole(params, c.optimizer.state_dtype, router_biases, nullptr);
     EXPECT_EQ(static_cast<int64_t>(whole.device_bytes()), estimated_state(estimate_memory(c, configured_layout(c, 1, 1))));
   }
+  {  // fp8 moments: their codes' blocks and scale arrays (one GPU)
+    RunConfig fp8 = c;
+    fp8.optimizer.state_dtype = MomentDtype::Fp8;
+    const GpuParameterStore whole(params, MomentDtype::Fp8, router_biases, nullptr);
+    EXPECT_EQ(static_cast<int64_t>(whole.device_bytes()), estimated_state(estimate_memory(fp8, configured_layout(fp8, 1, 1))));
+  }
   {  // training.expert_grad_dtype = bf16: the expert gradients in a bf16 block (one GPU)
     RunConfig bf16 = c;
     bf16.training.expert_grad_dtype = GradDtype::Bf16;

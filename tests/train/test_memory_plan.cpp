@@ -101,6 +101,10 @@ TEST(MemoryPlan, StateBytesOfOneGpuKnownAnswer) {
   RunConfig bf16 = c;
   bf16.optimizer.state_dtype = MomentDtype::Bf16;
   EXPECT_EQ(estimate_memory(bf16, configured_layout(bf16, 1, 1)).moments, 2 * 27 * kChunk);
+  // fp8: a byte a code (whole chunks) and a scale byte per 16 elements, for each moment.
+  RunConfig fp8 = c;
+  fp8.optimizer.state_dtype = MomentDtype::Fp8;
+  EXPECT_EQ(estimate_memory(fp8, configured_layout(fp8, 1, 1)).moments, 2 * 14 * kChunk + 2 * ((kStorage + 15) / 16));
 }
 
 // training.expert_grad_dtype = bf16 (one GPU): 2 B per expert weight's gradient, 4 B per
