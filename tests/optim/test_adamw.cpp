@@ -183,6 +183,36 @@ TEST(AdamW, Fp8MomentBlocksQuantiseLikeTheFormatAndAgainToThemselves) {
   EXPECT_GT(flushed, 100);
 }
 
+// A block whose gradients span 10^5: the small element's v (5e-12 against 0.05) is below
+// its block's smallest code while its m is not; stored as 0, the next step's update would be
+// m / eps (~0.9 here). The floor keeps every update within ~lr, and the values are the
+// plain quantiser's.
+TEST(AdamW, Fp8MomentsKeepTheUpdateBoundedWhereVWouldUnderflow) {
+  OptimizerConfig config;
+  config.state_dtype = MomentDtype::Fp8;
+  config.weight_decay = 0;
+  ParameterStore<float> params, ref_params;
+  for (auto* store : {&params, &ref_params}) {
+    store->add({"w", Shape{16}, Init::Zeros});
+    store->allocate(1);
+  }
+  AdamW adamw(config, params);
+  Reference ref{config, {}, {}, 0};
+  const double lr = 1e-2;
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (auto* store : {&params, &ref_params})
+      for (int64_t i = 0; i < 16; ++i) store->grad(0)[i] = step > 1 ? 0.0f : i == 0 ? 1.0f : i == 1 ? 1e-5f : 0.5f;
+    std::vector<float> before(params.value(0), params.value(0) + 16);
+    adamw.step(lr);
+    ref.step(ref_params, lr, MomentDtype::Fp8);
+    for (int64_t i = 0; i < 16; ++i) {
+      EXPECT_LE(std::fabs(params.value(0)[i] - before[static_cast<size_t>(i)]), 3 * lr) << "step " << step << " [" << i << "]";
+      EXPECT_EQ(bits(params.value(0)[i]), bits(ref_params.value(0)[i])) << "step " << step << " [" << i << "]";
+    }
+  }
+  EXPECT_GT(adamw.second_moment()[1], 0.0f);
+}
+
 // Near fp32 AdamW: the moments stay within fp8's precision of the fp32 ones (m normwise).
 TEST(AdamW, Fp8MomentsStayNearFp32Ones) {
   OptimizerConfig config;
