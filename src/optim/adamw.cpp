@@ -23,6 +23,10 @@ void adamw_update_range(float* p, const float* g, float* m, float* v, int64_t n,
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t at = b * am::kMomentBlock;
     const int len = static_cast<int>(std::min<int64_t>(n - at, am::kMomentBlock));
+    // Read as stored (the identity on values this loop stored; fp32 ones from a
+    // checkpoint take the values the GPU's upload gives them).
+    am::quantize_moment_block(m + at, len, false);
+    am::quantize_moment_block(v + at, len, true);
     for (int i = 0; i < len; ++i) p[at + i] = am::adamw_update(p[at + i], g[at + i], m[at + i], v[at + i], s, decay, false);
     am::quantize_moment_block(m + at, len, false);
     am::quantize_moment_block(v + at, len, true);

@@ -16,7 +16,8 @@ namespace moe {
 // the moments stored as `moments` says (the CPU optimizers' loop: this class and the
 // sharded ones in dist/). fp32 and bf16 moments element by element; fp8 moments (first a
 // multiple of adamw_math::kMomentBlock) block by block: the update reads the stored values
-// and computes in fp32, then each block's new m and v are stored quantised.
+// (quantising the block first: moments from elsewhere read as the GPU would hold them) and
+// computes in fp32, then each block's new m and v are stored quantised.
 void adamw_update_range(float* p, const float* g, float* m, float* v, int64_t n, int64_t first,
                         const adamw_math::AdamWScalars& s, float decay, MomentDtype moments);
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -146,6 +147,24 @@ void run_against_reference(MomentDtype state_dtype) {
   EXPECT_EQ(adamw.steps_taken(), 4);
 }
 
+// Three steps of AdamW with `moments` and of fp32 AdamW on the same gradients; returns
+// {m, v, m32, v32} (packed).
+std::array<std::vector<float>, 4> moments_beside_fp32(MomentDtype moments) {
+  OptimizerConfig config;
+  config.state_dtype = moments;
+  ParameterStore<float> params, fp32_params;
+  make_params(params);
+  make_params(fp32_params);
+  AdamW adamw(config, params), fp32_adamw(OptimizerConfig{}, fp32_params);
+  for (int64_t step = 1; step <= 3; ++step) {
+    fill_grads(params, step, 1e-2);
+    fill_grads(fp32_params, step, 1e-2);
+    adamw.step(1e-2);
+    fp32_adamw.step(1e-2);
+  }
+  return {adamw.first_moment(), adamw.second_moment(), fp32_adamw.first_moment(), fp32_adamw.second_moment()};
+}
+
 TEST(AdamW, Fp32MatchesTheTextbookUpdate) { run_against_reference(MomentDtype::Fp32); }
 
 TEST(AdamW, Fp8MomentsAreAPlainBlockQuantisersValues) { run_against_reference(MomentDtype::Fp8); }
@@ -215,22 +234,10 @@ TEST(AdamW, Fp8MomentsKeepTheUpdateBoundedWhereVWouldUnderflow) {
 
 // Near fp32 AdamW: the moments stay within fp8's precision of the fp32 ones (m normwise).
 TEST(AdamW, Fp8MomentsStayNearFp32Ones) {
-  OptimizerConfig config;
-  config.state_dtype = MomentDtype::Fp8;
-  ParameterStore<float> params, fp32_params;
-  make_params(params);
-  make_params(fp32_params);
-  AdamW adamw(config, params), fp32_adamw(OptimizerConfig{}, fp32_params);
-  for (int64_t step = 1; step <= 3; ++step) {
-    fill_grads(params, step, 1e-2);
-    fill_grads(fp32_params, step, 1e-2);
-    adamw.step(1e-2);
-    fp32_adamw.step(1e-2);
-  }
+  const auto [ms, vs, m32s, v32s] = moments_beside_fp32(MomentDtype::Fp8);
   double m_err = 0, m_norm = 0, v_err = 0, v_norm = 0;
-  for (size_t i = 0; i < adamw.first_moment().size(); ++i) {
-    const double m = adamw.first_moment()[i], m32 = fp32_adamw.first_moment()[i];
-    const double v = adamw.second_moment()[i], v32 = fp32_adamw.second_moment()[i];
+  for (size_t i = 0; i < ms.size(); ++i) {
+    const double m = ms[i], m32 = m32s[i], v = vs[i], v32 = v32s[i];
     m_err += (m - m32) * (m - m32), m_norm += m32 * m32;
     v_err += (v - v32) * (v - v32), v_norm += v32 * v32;
   }
@@ -242,23 +249,11 @@ TEST(AdamW, Fp8MomentsStayNearFp32Ones) {
 
 TEST(AdamW, Bf16MomentsAreRoundedAfterEachUpdate) {
   run_against_reference(MomentDtype::Bf16);
-  OptimizerConfig config;
-  config.state_dtype = MomentDtype::Bf16;
-  ParameterStore<float> params, fp32_params;
-  make_params(params);
-  make_params(fp32_params);
-  AdamW adamw(config, params), fp32_adamw(OptimizerConfig{}, fp32_params);
-  for (int64_t step = 1; step <= 3; ++step) {
-    fill_grads(params, step, 1e-2);
-    fill_grads(fp32_params, step, 1e-2);
-    adamw.step(1e-2);
-    fp32_adamw.step(1e-2);
-  }
+  const auto [ms, vs, m32s, v32s] = moments_beside_fp32(MomentDtype::Bf16);
   size_t differ = 0;
   double m_err = 0, m_norm = 0;
-  for (size_t i = 0; i < adamw.first_moment().size(); ++i) {
-    const float m = adamw.first_moment()[i], v = adamw.second_moment()[i];
-    const float m32 = fp32_adamw.first_moment()[i], v32 = fp32_adamw.second_moment()[i];
+  for (size_t i = 0; i < ms.size(); ++i) {
+    const float m = ms[i], v = vs[i], m32 = m32s[i], v32 = v32s[i];
     ASSERT_EQ(bits(m), bits(round_bf16(m)));
     ASSERT_EQ(bits(v), bits(round_bf16(v)));
     differ += bits(m) != bits(m32);
@@ -269,14 +264,14 @@ TEST(AdamW, Bf16MomentsAreRoundedAfterEachUpdate) {
   }
   // m may cancel, so normwise.
   EXPECT_LT(std::sqrt(m_err), 1e-2 * std::sqrt(m_norm));
-  EXPECT_GT(differ, adamw.first_moment().size() / 2);
+  EXPECT_GT(differ, ms.size() / 2);
 }
 
-// Moments from an fp32 checkpoint are rounded when read: the same step as from the
-// rounded values (what the GPU holds after uploading them).
-TEST(AdamW, Bf16MomentsAreRoundedWhenRead) {
+// Moments from an fp32 checkpoint are rounded (bf16) or quantised per block (fp8) when
+// read: the same step as from the stored values (what the GPU holds after uploading them).
+void expect_moments_stored_when_read(MomentDtype moments) {
   OptimizerConfig config;
-  config.state_dtype = MomentDtype::Bf16;
+  config.state_dtype = moments;
   ParameterStore<float> a, b;
   make_params(a);
   make_params(b);
@@ -286,9 +281,16 @@ TEST(AdamW, Bf16MomentsAreRoundedWhenRead) {
     const float m = static_cast<float>(1e-3 * rng.normal(2 * i)), v = static_cast<float>(1e-6 * std::abs(rng.normal(2 * i + 1)));
     from_fp32.first_moment()[i] = m;
     from_fp32.second_moment()[i] = v;
-    from_rounded.first_moment()[i] = round_bf16(m);
-    from_rounded.second_moment()[i] = round_bf16(v);
+    from_rounded.first_moment()[i] = moments == MomentDtype::Bf16 ? round_bf16(m) : m;
+    from_rounded.second_moment()[i] = moments == MomentDtype::Bf16 ? round_bf16(v) : v;
   }
+  if (moments == MomentDtype::Fp8)  // each parameter's blocks of 16, as the store keeps them
+    for (int id = 0; id < b.size(); ++id)
+      for (int64_t k = 0; k < b.numel(id); k += adamw_math::kMomentBlock) {
+        const int n = static_cast<int>(std::min<int64_t>(adamw_math::kMomentBlock, b.numel(id) - k));
+        plain_block_quantise(from_rounded.first_moment().data() + from_rounded.moment_offset(id) + k, n, false);
+        plain_block_quantise(from_rounded.second_moment().data() + from_rounded.moment_offset(id) + k, n, true);
+      }
   from_fp32.set_steps_taken(10);
   from_rounded.set_steps_taken(10);
   fill_grads(a, 1, 1e-3);
@@ -298,6 +300,9 @@ TEST(AdamW, Bf16MomentsAreRoundedWhenRead) {
   expect_same(a, b);
   EXPECT_EQ(from_fp32.first_moment(), from_rounded.first_moment());
 }
+
+TEST(AdamW, Bf16MomentsAreRoundedWhenRead) { expect_moments_stored_when_read(MomentDtype::Bf16); }
+TEST(AdamW, Fp8MomentsAreQuantisedWhenRead) { expect_moments_stored_when_read(MomentDtype::Fp8); }
 
 // The moments are allocated on first use (GPU and sharded ranks never step this object):
 // before any step they read as zeros of the packed size, and a step after that read is

@@ -199,6 +199,41 @@ __device__ __forceinline__ uint4 pack8(const uint16_t in[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// A block's chunk (blockIdx.x): the step's scalars and its segment, read once into shared
+// memory (the first warp finds the segment), and where the chunk lies.
+struct ChunkOfBlock {
+  am::AdamWScalars s;
+  OptimizerSegment seg;
+  int64_t within = 0, begin = 0, state = 0;  // the chunk's offset in its segment, in the block, in the state arrays
+  int32_t length = 0;
+  float decay = 1.0f;
+  float* mirror_out = nullptr;
+};
+__device__ __forceinline__ ChunkOfBlock chunk_of_block(const OptimizerSegment* segments, int64_t n_segments,
+                                                       const am::AdamWScalars* scalars, float* mirror) {
+  __shared__ am::AdamWScalars shared_scalars;
+  __shared__ OptimizerSegment shared_segment;
+  if (threadIdx.x < 32) {
+    const int64_t index = warp_segment_of_chunk(segments, n_segments, blockIdx.x);
+    if (threadIdx.x == 0) {
+      shared_scalars = *scalars;
+      shared_segment = segments[index];
+    }
+  }
+  __syncthreads();
+  ChunkOfBlock c;
+  c.s = shared_scalars;
+  c.seg = shared_segment;
+  c.within = (static_cast<int64_t>(blockIdx.x) - c.seg.first_chunk) * am::kNormChunk;
+  c.begin = c.seg.offset + c.within;
+  // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
+  c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + c.within;
+  c.length = static_cast<int32_t>(c.seg.numel - c.within < am::kNormChunk ? c.seg.numel - c.within : am::kNormChunk);
+  c.decay = c.seg.decay ? c.s.decay_factor : 1.0f;
+  c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + c.within : nullptr;
+  return c;
+}
+
 // Eight moments at once (16-byte units: kUnits of them; `at` a multiple of 8), fp32 or
 // bf16 bits. Streaming stores: nothing here is read again before it leaves the L2.
 template <bool kBf16>
@@ -289,26 +324,14 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
                               const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
                               void* __restrict__ m, void* __restrict__ v, const OptimizerSegment* segments,
                               int64_t n_segments, const am::AdamWScalars* scalars, bool vectors) {
-  __shared__ am::AdamWScalars shared_scalars;
-  __shared__ OptimizerSegment shared_segment;
-  if (threadIdx.x < 32) {
-    const int64_t index = warp_segment_of_chunk(segments, n_segments, blockIdx.x);
-    if (threadIdx.x == 0) {
-      shared_scalars = *scalars;
-      shared_segment = segments[index];
-    }
-  }
-  __syncthreads();
-  const am::AdamWScalars s = shared_scalars;
+  const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
+  const am::AdamWScalars& s = chunk.s;
   if (s.skip) return;
-  const OptimizerSegment seg = shared_segment;
-  const int64_t within = (static_cast<int64_t>(blockIdx.x) - seg.first_chunk) * am::kNormChunk;
-  const int64_t begin = seg.offset + within;
-  // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
-  const int64_t state = (seg.state_offset >= 0 ? seg.state_offset : seg.offset) + within;
-  const int32_t length = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
-  const float decay = seg.decay ? s.decay_factor : 1.0f;
-  float* mirror_out = seg.mirror_offset >= 0 ? mirror + seg.mirror_offset + within : nullptr;
+  const OptimizerSegment& seg = chunk.seg;
+  const int64_t begin = chunk.begin, state = chunk.state;
+  const int32_t length = chunk.length;
+  const float decay = chunk.decay;
+  float* mirror_out = chunk.mirror_out;
   using M = Moments<kBf16>;
 
   const int32_t to_boundary = static_cast<int32_t>((8 - (begin & 7)) & 7);
@@ -461,26 +484,15 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
                                   const am::AdamWScalars* scalars) {
   constexpr int kB = am::kMomentBlock;
   static_assert(kB == 16, "a block is the 8 elements of two adjacent lanes");
-  __shared__ am::AdamWScalars shared_scalars;
-  __shared__ OptimizerSegment shared_segment;
-  if (threadIdx.x < 32) {
-    const int64_t index = warp_segment_of_chunk(segments, n_segments, blockIdx.x);
-    if (threadIdx.x == 0) {
-      shared_scalars = *scalars;
-      shared_segment = segments[index];
-    }
-  }
-  __syncthreads();
-  const am::AdamWScalars s = shared_scalars;
+  const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
+  const am::AdamWScalars& s = chunk.s;
   if (s.skip) return;
-  const OptimizerSegment seg = shared_segment;
-  const int64_t within = (static_cast<int64_t>(blockIdx.x) - seg.first_chunk) * am::kNormChunk;
-  const int64_t begin = seg.offset + within;
-  const int64_t state = (seg.state_offset >= 0 ? seg.state_offset : seg.offset) + within;
-  const int32_t length = static_cast<int32_t>(seg.numel - within < am::kNormChunk ? seg.numel - within : am::kNormChunk);
+  const OptimizerSegment& seg = chunk.seg;
+  const int64_t begin = chunk.begin, state = chunk.state;
+  const int32_t length = chunk.length;
+  const float decay = chunk.decay;
+  float* mirror_out = chunk.mirror_out;
   const int32_t blocks_end = (length + kB - 1) / kB * kB;
-  const float decay = seg.decay ? s.decay_factor : 1.0f;
-  float* mirror_out = seg.mirror_offset >= 0 ? mirror + seg.mirror_offset + within : nullptr;
   const bool half = seg.bf16_grad != 0;
 
   extern __shared__ uint4 staged[];  // [2 stages][kFp8Units][kFp8Threads]
