@@ -44,17 +44,15 @@ RunResult run_trainer(const RunConfig& config, const std::string& resume_from = 
 class Resume : public TempDirTest, public ::testing::WithParamInterface<bool> {};
 
 // Stopped after step 3 (training.stop_at), resumed from its checkpoint: the same losses
-// and final weights, bit for bit, as a run that was never interrupted. Sync and async saves.
-TEST_P(Resume, StopAndResumeIsBitIdentical) {
-  RunConfig config = test::tiny_config();
-  config.checkpoint.dir = (dir_ / "ckpt").string();
+// and final weights, bit for bit, as a run that was never interrupted.
+void expect_stop_and_resume_bit_identical(RunConfig config, const fs::path& dir) {
+  config.checkpoint.dir = (dir / "ckpt").string();
   config.checkpoint.interval = 2;
-  config.checkpoint.async = GetParam();
   config.model.moe.capacity_factor = 1.0;
   const RunResult full = run_trainer(config);
   ASSERT_EQ(full.losses.size(), 8u);
 
-  config.checkpoint.dir = (dir_ / "ckpt2").string();
+  config.checkpoint.dir = (dir / "ckpt2").string();
   config.training.stop_at = 3;
   const RunResult first = run_trainer(config);
   ASSERT_EQ(first.losses.size(), 3u) << first.log;
@@ -63,18 +61,33 @@ TEST_P(Resume, StopAndResumeIsBitIdentical) {
   EXPECT_EQ(first.lrs, std::vector<double>(full.lrs.begin(), full.lrs.begin() + 3));
 
   config.training.stop_at = 0;
-  const RunResult second = run_trainer(config, (dir_ / "ckpt2" / "step_00000003").string());
+  const RunResult second = run_trainer(config, (dir / "ckpt2" / "step_00000003").string());
   ASSERT_EQ(second.losses.size(), 5u) << second.log;
   std::vector<double> losses = first.losses;
   losses.insert(losses.end(), second.losses.begin(), second.losses.end());
   EXPECT_EQ(losses, full.losses);
   EXPECT_EQ(second.weights, full.weights);
   // And the final checkpoints hold the same state (moments, bias, data position included).
-  test::expect_same_checkpoint_state(dir_ / "ckpt2" / "step_00000008", dir_ / "ckpt" / "step_00000008");
+  test::expect_same_checkpoint_state(dir / "ckpt2" / "step_00000008", dir / "ckpt" / "step_00000008");
   // Without restoring, the continuation differs: the test can tell.
   config.checkpoint.dir = "";
   auto fresh = test::make_trainer(config);
   EXPECT_NE(fresh->train_step(3).loss, second.losses[0]);
+}
+
+// Sync and async saves.
+TEST_P(Resume, StopAndResumeIsBitIdentical) {
+  RunConfig config = test::tiny_config();
+  config.checkpoint.async = GetParam();
+  expect_stop_and_resume_bit_identical(config, dir_);
+}
+
+// fp8 moments: the checkpoint keeps their stored values in fp32, which the optimizer reads
+// back as they were (docs/FP8.md section 6).
+TEST_F(TempDirTest, Fp8MomentsStopAndResumeIsBitIdentical) {
+  RunConfig config = test::tiny_config();
+  config.optimizer.state_dtype = MomentDtype::Fp8;
+  expect_stop_and_resume_bit_identical(config, dir_);
 }
 
 // moe.temperature_control's per-layer state (temperature and smoothed imbalance) is in the

@@ -396,6 +396,11 @@ TEST(ComputeProfile, RoundTripAndRefusals) {
   p.phase_ms = {{"attention", 1.5}, {"experts", 2.25}, {"optimizer", 0.5}};
   const ComputeProfile back = parse_compute_profile(compute_profile_json(p), "p.json");
   EXPECT_EQ(back.phase_ms, p.phase_ms);
+  for (const MomentDtype moments : {MomentDtype::Fp32, MomentDtype::Fp8}) {  // 4 and 1.0625 bytes a moment
+    ComputeProfile q = p;
+    q.config.optimizer.state_dtype = moments;
+    EXPECT_EQ(parse_compute_profile(compute_profile_json(q), "p.json").config.optimizer.state_dtype, moments);
+  }
   EXPECT_EQ(back.config.model.dim, 256);
   EXPECT_EQ(back.config.model.moe.n_experts, 16);
   EXPECT_EQ(back.config.training.micro_batch, 2);
