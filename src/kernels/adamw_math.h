@@ -178,12 +178,21 @@ MOE_HOST_DEVICE uint8_t moment_code(float value, uint8_t x, bool positive_floor)
 }
 MOE_HOST_DEVICE float moment_value(uint8_t code, uint8_t x) { return mul(e4m3_value(code), moment_scale(x)); }
 
+// One block's n (<= kMomentBlock) moments as codes; returns the block's scale byte (the
+// store's upload and the CPU optimizers; the GPU AdamW kernel splits a block over two lanes).
+MOE_HOST_DEVICE uint8_t moment_block_codes(const float* x, int n, bool positive_floor, uint8_t* codes) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  const uint8_t scale = moment_scale_byte(amax);
+  for (int i = 0; i < n; ++i) codes[i] = moment_code(x[i], scale, positive_floor);
+  return scale;
+}
+
 // Host: one block's n (<= kMomentBlock) moments replaced by the values they are stored as.
 inline void quantize_moment_block(float* x, int n, bool positive_floor) {
-  float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const uint8_t scale = moment_scale_byte(amax);
-  for (int i = 0; i < n; ++i) x[i] = moment_value(moment_code(x[i], scale, positive_floor), scale);
+  uint8_t codes[kMomentBlock];
+  const uint8_t scale = moment_block_codes(x, n, positive_floor, codes);
+  for (int i = 0; i < n; ++i) x[i] = moment_value(codes[i], scale);
 }
 
 // The scalars of one AdamW step. The per-step values come from the host

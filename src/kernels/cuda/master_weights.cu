@@ -53,11 +53,7 @@ __global__ void quantize_moments_kernel(uint8_t* codes, uint8_t* scales, const f
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t at = b * am::kMomentBlock;
     const int len = static_cast<int>(n - at < am::kMomentBlock ? n - at : am::kMomentBlock);
-    float amax = 0.0f;
-    for (int i = 0; i < len; ++i) amax = fmaxf(amax, fabsf(in[at + i]));
-    const uint8_t scale = am::moment_scale_byte(amax);
-    scales[(first + at) / am::kMomentBlock] = scale;
-    for (int i = 0; i < len; ++i) codes[at + i] = am::moment_code(in[at + i], scale, positive_floor);
+    scales[(first + at) / am::kMomentBlock] = am::moment_block_codes(in + at, len, positive_floor, codes + at);
   }
 }
 

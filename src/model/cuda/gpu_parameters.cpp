@@ -61,28 +61,26 @@ struct GpuParameterStore::State {
     if (out.size() > 0) MOE_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, out.size(), stream));
     return out;
   }
-  // Moment `which` of state elements [state, state + n) as fp32 into `out` (device).
+  // bf16 or fp8 moment `which` of block elements [offset, offset + n) as fp32 into `out`
+  // (device; fp32 moments are copied by the callers straight to and from the host).
   void widen_moments(float* out, int which, int64_t offset, int64_t n) const {
     const char* at = moment_at(which, offset);
     if (fp8_moments())
       cuda::dequantize_moments(out, reinterpret_cast<const uint8_t*>(at), moment_scales(which), state_offset(offset), n,
                                stream);
-    else if (bf16_moments())
-      cuda::widen_bf16(out, reinterpret_cast<const bf16*>(at), n, stream);
     else
-      MOE_CUDA_CHECK(cudaMemcpyAsync(out, at, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      cuda::widen_bf16(out, reinterpret_cast<const bf16*>(at), n, stream);
   }
-  // fp32 moments `in` (device) stored as moment `which` of elements [offset, offset + n)
-  // (fp8: whole blocks from a block's first element on; the last may end at a parameter's end).
+  // fp32 moments `in` (device) stored as bf16 or fp8 moment `which` of block elements
+  // [offset, offset + n) (fp8: whole blocks from a block's first element on; the last may end
+  // at a parameter's end).
   void store_moments(int which, int64_t offset, const float* in, int64_t n) {
     char* at = moment_at(which, offset);
     if (fp8_moments())
       cuda::quantize_moments(reinterpret_cast<uint8_t*>(at), moment_scales(which), in, state_offset(offset), n,
                              /*positive_floor=*/which == 1, stream);
-    else if (bf16_moments())
-      cuda::round_to_bf16(reinterpret_cast<bf16*>(at), in, n, stream);
     else
-      MOE_CUDA_CHECK(cudaMemcpyAsync(at, in, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToDevice, stream));
+      cuda::round_to_bf16(reinterpret_cast<bf16*>(at), in, n, stream);
   }
   bf16* hi_data() const { return static_cast<bf16*>(hi.data()); }
   int16_t* lo_data() const { return static_cast<int16_t*>(lo.data()); }

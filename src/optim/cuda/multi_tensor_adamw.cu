@@ -204,7 +204,7 @@ __device__ __forceinline__ uint4 pack8(const uint16_t in[8]) {
 struct ChunkOfBlock {
   am::AdamWScalars s;
   OptimizerSegment seg;
-  int64_t within = 0, begin = 0, state = 0;  // the chunk's offset in its segment, in the block, in the state arrays
+  int64_t begin = 0, state = 0;  // where the chunk starts in the block and in the state arrays
   int32_t length = 0;
   float decay = 1.0f;
   float* mirror_out = nullptr;
@@ -224,13 +224,13 @@ __device__ __forceinline__ ChunkOfBlock chunk_of_block(const OptimizerSegment* s
   ChunkOfBlock c;
   c.s = shared_scalars;
   c.seg = shared_segment;
-  c.within = (static_cast<int64_t>(blockIdx.x) - c.seg.first_chunk) * am::kNormChunk;
-  c.begin = c.seg.offset + c.within;
+  const int64_t within = (static_cast<int64_t>(blockIdx.x) - c.seg.first_chunk) * am::kNormChunk;
+  c.begin = c.seg.offset + within;
   // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
-  c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + c.within;
-  c.length = static_cast<int32_t>(c.seg.numel - c.within < am::kNormChunk ? c.seg.numel - c.within : am::kNormChunk);
+  c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + within;
+  c.length = static_cast<int32_t>(c.seg.numel - within < am::kNormChunk ? c.seg.numel - within : am::kNormChunk);
   c.decay = c.seg.decay ? c.s.decay_factor : 1.0f;
-  c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + c.within : nullptr;
+  c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + within : nullptr;
   return c;
 }
 
