@@ -59,9 +59,10 @@ void quantize_stochastic(float* x, int n, bool positive_floor, uint64_t key) {
   }
 }
 
-// mode 0: nearest (what ships), 1: stochastic, 2: stochastic on sqrt(v) (v's range halved in bits).
+// mode 0: nearest (the first fp8 moments), 1: stochastic, 2: stochastic on sqrt(v) (v's
+// range halved in bits), 3: adamw_math's quantize_moment_block (stochastic on sqrt(v)).
 void run(double decades, int mode) {
-  const bool stochastic = mode >= 1;
+  const bool stochastic = mode == 1 || mode == 2;
   const int n = 16 * 4096, steps = 1000;
   std::mt19937_64 rng(1);
   std::normal_distribution<double> normal(0, 1);
@@ -84,7 +85,8 @@ void run(double decades, int mode) {
         if (t > 100) step32 += std::fabs(p32[i] - before32), step8 += std::fabs(p8[i] - before8);
       }
       const uint64_t key = static_cast<uint64_t>(t) << 32 | static_cast<uint64_t>(b);
-      if (mode == 2) {
+      if (mode == 3) {
+      } else if (mode == 2) {
         float root[am::kMomentBlock];
         for (int i = 0; i < am::kMomentBlock; ++i) root[i] = std::sqrt(v8[b + i]);
         quantize_stochastic(m8.data() + b, am::kMomentBlock, false, key);
@@ -93,15 +95,24 @@ void run(double decades, int mode) {
       } else if (stochastic) {
         quantize_stochastic(m8.data() + b, am::kMomentBlock, false, key);
         quantize_stochastic(v8.data() + b, am::kMomentBlock, true, key ^ 0x5555);
-      } else {
-        am::quantize_moment_block(m8.data() + b, am::kMomentBlock, false);
-        am::quantize_moment_block(v8.data() + b, am::kMomentBlock, true);
+      } else {  // round to nearest, as the first fp8 moments did (core/fp8.h's encoder)
+        for (float* x : {m8.data() + b, v8.data() + b}) {
+          float amax = 0;
+          for (int i = 0; i < am::kMomentBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+          const uint8_t sc = am::moment_scale_byte(amax);
+          for (int i = 0; i < am::kMomentBlock; ++i) {
+            uint8_t code = moe::float_to_fp8_e4m3(x[i] * am::moment_inverse_scale(sc));
+            if (x == v8.data() + b && code == 0 && x[i] > 0) code = 1;
+            x[i] = am::moment_value(code, sc);
+          }
+        }
       }
+      if (mode == 3) am::quantize_moment_block(m8.data() + b, v8.data() + b, am::kMomentBlock, b, static_cast<uint32_t>(t));
     }
   }
   double v_ratio = 0, apart = 0;
   for (int i = 0; i < n; ++i) v_ratio += v8[i] / v32[i], apart += std::fabs(p8[i] - p32[i]);
-  const char* names[] = {"nearest        ", "stochastic     ", "stochastic sqrt"};
+  const char* names[] = {"nearest        ", "stochastic     ", "stochastic sqrt", "adamw_math's  "};
   std::printf("%g decades, %s: fp8's steps %.3f of fp32's, v %.3f of fp32's, |p8 - p32| %.2f lr\n", decades,
               names[mode], step8 / step32, v_ratio / n, apart / n / 1e-3);
 }
@@ -110,5 +121,5 @@ void run(double decades, int mode) {
 
 int main() {
   for (double decades : {2.0, 4.0})
-    for (int mode : {0, 1, 2}) run(decades, mode);
+    for (int mode : {0, 1, 2, 3}) run(decades, mode);
 }

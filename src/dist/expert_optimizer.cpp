@@ -316,7 +316,7 @@ void ExpertOptimizer::step(double lr) {
       const int id = layer.layer.ids[i];
       const int64_t at = expert * per_expert(id) + kept(id, expert, sharded).begin;
       adamw_update_range(params_.value(id) + at, params_.grad(id) + at, layer.m[i][static_cast<size_t>(expert)].data(),
-                         layer.v[i][static_cast<size_t>(expert)].data(), kept(id, expert, sharded).count, at, c,
+                         layer.v[i][static_cast<size_t>(expert)].data(), kept(id, expert, sharded).count, params_.offset(id) + at, c,
                          params_.spec(id).weight_decay ? c.decay_factor : 1.0f, config_.state_dtype);
     });
     // Level 3 leaves the updated shares where they were stepped (ExpertParameterGather).

@@ -238,7 +238,7 @@ void ZeroOptimizer::step(double lr) {
   const float* grads = params_.grads_data();
   for (const Segment& s : update_)
     adamw_update_range(values + s.begin, grads + s.begin, m_.data() + s.state, v_.data() + s.state, s.count,
-                       s.begin - params_.offset(s.id), c, params_.spec(s.id).weight_decay ? c.decay_factor : 1.0f,
+                       s.begin, c, params_.spec(s.id).weight_decay ? c.decay_factor : 1.0f,
                        config_.state_dtype);
   // The replicated ranges came out the same on every rank; the pieces travel (ZeRO-3:
   // when a stage is next needed, ZeroParameterGather).

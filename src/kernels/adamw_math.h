@@ -136,13 +136,17 @@ MOE_HOST_DEVICE float join_master(uint16_t hi, int16_t lo) {
 
 // fp8 moments. A parameter's elements are cut into blocks of kMomentBlock from its first
 // element (the GPU block's parameters start on 16-element boundaries and ZeRO's pieces on
-// multiples of 16, so the block of state index i is i / kMomentBlock everywhere). Per block
-// and moment one byte x: the scale 2^(x - 127), the smallest power of two with amax /
-// scale <= 448, so dividing by it is exact; the codes are e4m3(value / scale) rounded to
-// nearest even. v's codes never round a positive value to 0 (the smallest code instead:
-// a flushed v would turn m / (sqrt(v) + eps) into m / eps). Stored value = decode(code) x
-// scale, exact in fp32; quantising stored values again gives the same values (the basis of
-// bit-exact checkpoint round trips; tests/optim/test_adamw.cpp).
+// multiples of 16, so the block of state index i is i / kMomentBlock everywhere). Stored per
+// block: m's e4m3 codes and sqrt(v)'s (half of v's range in bits: a block whose gradients
+// span 4 decades keeps its small elements' v), each with one scale byte x: the scale
+// 2^(x - 127), the smallest power of two with amax / scale <= 448, so dividing by it is
+// exact. The codes are rounded stochastically (up in magnitude with the probability of the
+// value's fraction of its grid step), the random bits a hash of the element's block offset,
+// the step and the moment: unbiased where rounding to nearest lost v's small decays (steps
+// 0.83x fp32 AdamW's, bench/probes/fp8_moments_rounding.cpp), and the same bits on CPU and
+// GPU and under any ZeRO layout. sqrt(v)'s codes never make a positive value 0 (the smallest
+// code instead: else m / eps). Stored values: decode(code) x scale, and v = that squared,
+// exact in fp32.
 constexpr int kMomentBlock = 16;
 
 // The scale byte of a block whose largest magnitude is amax (finite, >= 0); 1 for tiny or
@@ -156,12 +160,37 @@ MOE_HOST_DEVICE float moment_scale(uint8_t x) { return bits_float(static_cast<ui
 // 1 / scale, exact: x <= 247 for any finite amax, so 2^(127 - x) is a normal float.
 MOE_HOST_DEVICE float moment_inverse_scale(uint8_t x) { return bits_float(static_cast<uint32_t>(254 - x) << 23); }
 
-MOE_HOST_DEVICE uint8_t e4m3_code(float y) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
-#else
-  return float_to_fp8_e4m3(y);
-#endif
+// 32 random bits for moment `which` (0: m, 1: sqrt(v)) of block element `index` at AdamW
+// step `step` (murmur3's finaliser over a mix of the three).
+MOE_HOST_DEVICE uint32_t moment_random(int64_t index, uint32_t step, int which) {
+  const auto i = static_cast<uint64_t>(index);
+  uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u + static_cast<uint32_t>(i >> 32) * 0x85ebca77u +
+               step * 0xc2b2ae3du + static_cast<uint32_t>(which) * 0x27d4eb2fu;
+  h ^= h >> 16;
+  h *= 0x85ebca6bu;
+  h ^= h >> 13;
+  h *= 0xc2b2ae35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// e4m3's code of y (|y| <= 448, finite), rounded up in magnitude when the fraction of its
+// grid step that y lies past the lower grid value, as 32 bits, exceeds r.
+MOE_HOST_DEVICE uint8_t e4m3_code_stochastic(float y, uint32_t r) {
+  const uint32_t u = float_bits(y);
+  const uint32_t sign = (u >> 24) & 0x80u, mag = u & 0x7fffffffu;
+  uint32_t code;
+  if (mag < 0x3c800000u) {  // below 2^-6: the subnormals' grid of 2^-9
+    const float k = mul(bits_float(mag), 512.0f);  // exact; < 8
+    const auto whole = static_cast<uint32_t>(k);
+    const auto fraction = static_cast<uint32_t>(mul(sub(k, static_cast<float>(whole)), 4294967296.0f));  // exact
+    code = whole + (fraction > r ? 1u : 0u);  // 8 is 2^-6, the first normal's code
+  } else {  // normal: e4m3's exponent field e - 127 + 7, its 3 mantissa bits, 20 more below
+    code = (((mag >> 23) - 120u) << 3) | ((mag >> 20) & 7u);
+    code += (mag & 0xfffffu) << 12 > r ? 1u : 0u;  // a carry steps into the exponent
+    if (code > 0x7eu) code = 0x7eu;  // 448 at most
+  }
+  return static_cast<uint8_t>(sign | code);
 }
 MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
 #if defined(__CUDA_ARCH__)
@@ -171,28 +200,38 @@ MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
 #endif
 }
 
-// A moment's code in a block of scale byte x; `positive_floor`: v's rule above.
-MOE_HOST_DEVICE uint8_t moment_code(float value, uint8_t x, bool positive_floor) {
-  const uint8_t code = e4m3_code(mul(value, moment_inverse_scale(x)));
+// A moment's code in a block of scale byte x with random bits r; `positive_floor`: sqrt(v)'s
+// rule above.
+MOE_HOST_DEVICE uint8_t moment_code(float value, uint8_t x, bool positive_floor, uint32_t r) {
+  const uint8_t code = e4m3_code_stochastic(mul(value, moment_inverse_scale(x)), r);
   return positive_floor && code == 0 && value > 0.0f ? uint8_t{1} : code;
 }
 MOE_HOST_DEVICE float moment_value(uint8_t code, uint8_t x) { return mul(e4m3_value(code), moment_scale(x)); }
 
-// One block's n (<= kMomentBlock) moments as codes; returns the block's scale byte (the
-// store's upload and the CPU optimizers; the GPU AdamW kernel splits a block over two lanes).
-MOE_HOST_DEVICE uint8_t moment_block_codes(const float* x, int n, bool positive_floor, uint8_t* codes) {
+// One block's n (<= kMomentBlock) moments x, from block element `index` on, at `step`, as
+// codes; returns the block's scale byte (the store's upload and the CPU optimizers; the GPU
+// AdamW kernel splits a block over two lanes). `root`: x are v's, coded as sqrt(v).
+MOE_HOST_DEVICE uint8_t moment_block_codes(const float* x, int n, bool root, int64_t index, uint32_t step,
+                                           uint8_t* codes) {
   float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  for (int i = 0; i < n; ++i) amax = fmaxf(amax, root ? sqrt(x[i]) : fabsf(x[i]));
   const uint8_t scale = moment_scale_byte(amax);
-  for (int i = 0; i < n; ++i) codes[i] = moment_code(x[i], scale, positive_floor);
+  for (int i = 0; i < n; ++i)
+    codes[i] = moment_code(root ? sqrt(x[i]) : x[i], scale, root, moment_random(index + i, step, root ? 1 : 0));
   return scale;
 }
 
-// Host: one block's n (<= kMomentBlock) moments replaced by the values they are stored as.
-inline void quantize_moment_block(float* x, int n, bool positive_floor) {
+// Host: one block's n (<= kMomentBlock) stored moments, from block element `index` on, at
+// `step`: m's replaced by the values they are stored as; v's by the square of sqrt(v)'s.
+inline void quantize_moment_block(float* m, float* v, int n, int64_t index, uint32_t step) {
   uint8_t codes[kMomentBlock];
-  const uint8_t scale = moment_block_codes(x, n, positive_floor, codes);
-  for (int i = 0; i < n; ++i) x[i] = moment_value(codes[i], scale);
+  const uint8_t xm = moment_block_codes(m, n, false, index, step, codes);
+  for (int i = 0; i < n; ++i) m[i] = moment_value(codes[i], xm);
+  const uint8_t xv = moment_block_codes(v, n, true, index, step, codes);
+  for (int i = 0; i < n; ++i) {
+    const float r = moment_value(codes[i], xv);
+    v[i] = mul(r, r);
+  }
 }
 
 // The scalars of one AdamW step. The per-step values come from the host
@@ -207,6 +246,7 @@ struct AdamWScalars {
   float decay_factor = 1;     // 1 - lr * weight_decay, for parameters with weight decay
   float grad_scale = 1;       // gradients are multiplied by this first (global clipping)
   int32_t skip = 0;           // 1: the step changes nothing (non-finite gradient norm)
+  uint32_t step = 0;          // the step's number: fp8 moments' rounding bits
   double sum_sq = 0, norm = 0;  // the step's global gradient sum of squares and norm
 };
 
@@ -224,6 +264,7 @@ inline AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, do
   s.one_minus_beta1 = 1.0f - s.beta1;
   s.one_minus_beta2 = 1.0f - s.beta2;
   s.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  s.step = static_cast<uint32_t>(step);
   return s;
 }
 

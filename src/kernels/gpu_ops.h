@@ -280,12 +280,14 @@ void join_master(float* x, const bf16* hi, const int16_t* lo, int64_t n, Stream 
 void round_to_bf16(bf16* out, const float* in, int64_t n, Stream stream);
 void widen_bf16(float* out, const bf16* in, int64_t n, Stream stream);
 // fp8 moments (adamw_math's format): n moments of state elements first.. as codes (codes[i]
-// is element first + i's) with a scale byte per block of 16 in scales[state / 16]. Quantise:
-// first a multiple of 16, whole blocks (the last may stop early: the rest is padding no
-// range owns); `positive_floor` for v. Dequantise: any range.
-void quantize_moments(uint8_t* codes, uint8_t* scales, const float* in, int64_t first, int64_t n, bool positive_floor,
-                      Stream stream);
-void dequantize_moments(float* out, const uint8_t* codes, const uint8_t* scales, int64_t first, int64_t n,
+// is element first + i's) with a scale byte per block of 16 in scales[state / 16]; `root`:
+// the second moment (its codes are sqrt(v)'s). Quantise (as step 0 rounds: the uploads'
+// bits; `index`: the block offset of element first, for them): first a multiple of 16,
+// whole blocks (the last may stop early: the rest is padding no range owns). Dequantise:
+// any range.
+void quantize_moments(uint8_t* codes, uint8_t* scales, const float* in, int64_t first, int64_t index, int64_t n,
+                      bool root, Stream stream);
+void dequantize_moments(float* out, const uint8_t* codes, const uint8_t* scales, int64_t first, int64_t n, bool root,
                         Stream stream);
 
 }  // namespace moe::cuda

@@ -12,13 +12,14 @@
 
 namespace moe {
 
-// AdamW over n consecutive elements of one parameter, element `first` of it onwards, with
-// the moments stored as `moments` says (the CPU optimizers' loop: this class and the
-// sharded ones in dist/). fp32 and bf16 moments element by element; fp8 moments (first a
-// multiple of adamw_math::kMomentBlock) block by block: the update reads the stored values
-// (quantising the block first: moments from elsewhere read as the GPU would hold them) and
-// computes in fp32, then each block's new m and v are stored quantised.
-void adamw_update_range(float* p, const float* g, float* m, float* v, int64_t n, int64_t first,
+// AdamW over n consecutive elements of one parameter, block element `index` (its offset in
+// the ParameterStore's block) onwards, with the moments stored as `moments` says (the CPU
+// optimizers' loop: this class and the sharded ones in dist/). fp32 and bf16 moments element
+// by element; fp8 moments (index a multiple of adamw_math::kMomentBlock) block by block: the
+// update reads the stored values (quantising the block first: moments from elsewhere read
+// as the GPU's upload stores them) and computes in fp32, then each block's new m and v are
+// stored quantised (stochastic rounding keyed by index and step).
+void adamw_update_range(float* p, const float* g, float* m, float* v, int64_t n, int64_t index,
                         const adamw_math::AdamWScalars& s, float decay, MomentDtype moments);
 
 class AdamW {

@@ -55,24 +55,29 @@ std::vector<double> e4m3_values() {
 }
 
 // A block of fp8 moments as the format says: the smallest power of two 2^k (k >= -126) with
-// amax / 2^k <= 448, each value / 2^k to the nearest e4m3 value (ties to the even code),
-// v's positive values at least the smallest code.
-void plain_block_quantise(float* x, int n, bool positive_floor) {
+// amax / 2^k <= 448; each value / 2^k between its two neighbours in e4m3's table, the upper
+// one when its fraction of that step, as 32 bits, exceeds the element's random bits
+// (adamw_math::moment_random: the one thing taken from the code under test). `root`: x holds
+// v, quantised as sqrt(v) (positive values at least the smallest code) and stored squared.
+void plain_block_quantise(float* x, int n, bool root, int64_t index, uint32_t step) {
   static const std::vector<double> table = e4m3_values();
+  std::vector<double> y(static_cast<size_t>(n));
   double amax = 0;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(static_cast<double>(x[i])));
+  for (int i = 0; i < n; ++i) {
+    y[static_cast<size_t>(i)] = root ? std::sqrt(x[i]) : x[i];  // float sqrt, as the code's
+    amax = std::max(amax, std::fabs(y[static_cast<size_t>(i)]));
+  }
   int k = -126;
   while (amax / std::ldexp(1.0, k) > 448) ++k;
   for (int i = 0; i < n; ++i) {
-    const double y = std::fabs(static_cast<double>(x[i])) / std::ldexp(1.0, k);
-    size_t best = 0;
-    for (size_t c = 1; c < table.size(); ++c) {
-      const double d = std::fabs(table[c] - y), db = std::fabs(table[best] - y);
-      if (d < db || (d == db && c % 2 == 0)) best = c;
-    }
-    if (positive_floor && best == 0 && x[i] > 0) best = 1;
-    const double q = std::ldexp(table[best], k);
-    x[i] = static_cast<float>(x[i] < 0 ? -q : q);
+    const double value = y[static_cast<size_t>(i)], a = std::fabs(value) / std::ldexp(1.0, k);
+    size_t c = 0;
+    while (c + 1 < table.size() && table[c + 1] <= a) ++c;
+    const uint32_t r = adamw_math::moment_random(index + i, step, root ? 1 : 0);
+    if (c + 1 < table.size() && (a - table[c]) / (table[c + 1] - table[c]) * 4294967296.0 > r) ++c;
+    if (root && c == 0 && value > 0) c = 1;
+    const double q = std::ldexp(table[c], k) * (value < 0 ? -1 : 1);
+    x[i] = root ? static_cast<float>(q * q) : static_cast<float>(q);
   }
 }
 
@@ -109,8 +114,9 @@ struct Reference {
       // fp8: the update used the fp32 moments; stored are their blocks of 16 quantised.
       for (int64_t b = 0; moments == MomentDtype::Fp8 && b < params.numel(id); b += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, params.numel(id) - b));
-        plain_block_quantise(m[id].data() + b, n, false);
-        plain_block_quantise(v[id].data() + b, n, true);
+        const auto step = static_cast<uint32_t>(steps);
+        plain_block_quantise(m[id].data() + b, n, false, params.offset(id) + b, step);
+        plain_block_quantise(v[id].data() + b, n, true, params.offset(id) + b, step);
       }
     }
   }
@@ -170,42 +176,63 @@ TEST(AdamW, Fp32MatchesTheTextbookUpdate) { run_against_reference(MomentDtype::F
 TEST(AdamW, Fp8MomentsAreAPlainBlockQuantisersValues) { run_against_reference(MomentDtype::Fp8); }
 
 // adamw_math's block quantiser against the plain one on blocks of wide ranges, ragged ends
-// and zeros; what it stores comes back unchanged when quantised again (checkpoints reload
-// bit for bit), and a positive v never becomes 0 where m may.
+// and zeros; what it stores comes back unchanged when quantised again at another step
+// (checkpoints reload bit for bit), and a positive v never becomes 0 where m may.
 TEST(AdamW, Fp8MomentBlocksQuantiseLikeTheFormatAndAgainToThemselves) {
   CounterRng rng(21, "fp8 moments");
   uint64_t draw = 0;
   int floored = 0, flushed = 0;
   for (int trial = 0; trial < 4000; ++trial) {
     const int n = trial % 7 == 0 ? 1 + trial % 16 : 16;
-    const bool v_like = trial % 2 == 0;
-    std::vector<float> x(static_cast<size_t>(n));
-    for (float& xi : x) {
-      const double magnitude = std::ldexp(1.0, -static_cast<int>(rng.uniform(draw++) * 40.0) - 4);
-      xi = static_cast<float>(v_like ? magnitude : (rng.uniform(draw++) < 0.5 ? -magnitude : magnitude));
-      if (trial % 11 == 0 && xi == x[0]) xi = 0.0f;
-    }
-    std::vector<float> fast = x, plain = x;
-    adamw_math::quantize_moment_block(fast.data(), n, v_like);
-    plain_block_quantise(plain.data(), n, v_like);
-    std::vector<float> again = fast;
-    adamw_math::quantize_moment_block(again.data(), n, v_like);
+    const int64_t index = 16 * (trial * 7919 % 100003);
+    const auto step = static_cast<uint32_t>(1 + trial % 5);
+    std::vector<float> m(static_cast<size_t>(n)), v(m.size());
     for (int i = 0; i < n; ++i) {
-      ASSERT_EQ(bits(fast[static_cast<size_t>(i)]), bits(plain[static_cast<size_t>(i)])) << trial << " " << i;
-      ASSERT_EQ(bits(again[static_cast<size_t>(i)]), bits(fast[static_cast<size_t>(i)])) << trial << " " << i;
-      if (v_like && x[static_cast<size_t>(i)] > 0) ASSERT_GT(fast[static_cast<size_t>(i)], 0.0f);
-      floored += v_like && x[static_cast<size_t>(i)] > 0 && x[static_cast<size_t>(i)] < fast[static_cast<size_t>(i)] / 2;
-      flushed += !v_like && x[static_cast<size_t>(i)] != 0 && fast[static_cast<size_t>(i)] == 0;
+      const auto magnitude = [&] { return std::ldexp(1.0, -static_cast<int>(rng.uniform(draw++) * 40.0) - 4); };
+      m[static_cast<size_t>(i)] = static_cast<float>(rng.uniform(draw++) < 0.5 ? -magnitude() : magnitude());
+      v[static_cast<size_t>(i)] = static_cast<float>(magnitude() * magnitude());
+      if (trial % 11 == 0 && i > 0 && i % 3 == 0) m[static_cast<size_t>(i)] = v[static_cast<size_t>(i)] = 0.0f;
+    }
+    std::vector<float> fast_m = m, fast_v = v, plain_m = m, plain_v = v;
+    adamw_math::quantize_moment_block(fast_m.data(), fast_v.data(), n, index, step);
+    plain_block_quantise(plain_m.data(), n, false, index, step);
+    plain_block_quantise(plain_v.data(), n, true, index, step);
+    std::vector<float> again_m = fast_m, again_v = fast_v;
+    adamw_math::quantize_moment_block(again_m.data(), again_v.data(), n, index, step + 1);
+    for (size_t i = 0; i < m.size(); ++i) {
+      ASSERT_EQ(bits(fast_m[i]), bits(plain_m[i])) << trial << " m " << i;
+      ASSERT_EQ(bits(fast_v[i]), bits(plain_v[i])) << trial << " v " << i;
+      ASSERT_EQ(bits(again_m[i]), bits(fast_m[i])) << trial << " m " << i;
+      ASSERT_EQ(bits(again_v[i]), bits(fast_v[i])) << trial << " v " << i;
+      if (v[i] > 0) ASSERT_GT(fast_v[i], 0.0f);
+      floored += v[i] > 0 && v[i] < fast_v[i] / 2;
+      flushed += m[i] != 0 && fast_m[i] == 0;
     }
   }
   EXPECT_GT(floored, 100);  // the draws span 2^40: both rules are exercised
   EXPECT_GT(flushed, 100);
 }
 
-// A block whose gradients span 10^5: the small element's v (5e-12 against 0.05) is below
-// its block's smallest code while its m is not; stored as 0, the next step's update would be
-// m / eps (~0.9 here). The floor keeps every update within ~lr, and the values are the
-// plain quantiser's.
+// Stochastic rounding is unbiased: one value quantised at many steps averages to itself
+// (to nearest, a value 30% of the way up its grid step would always round down).
+TEST(AdamW, Fp8MomentRoundingIsUnbiased) {
+  const float x = (1.0f + 0.3f / 8.0f) * 0.25f;  // 30% past 0.25 on e4m3's grid there (steps of 2^-5)
+  double sum = 0;
+  const int steps = 20000;
+  for (int t = 0; t < steps; ++t) {
+    float m[2] = {x, 0.5f}, v[2] = {0.0f, 0.0f};  // 0.5, the amax: the scale 2^-9, x at 132.8 of steps of 16
+    adamw_math::quantize_moment_block(m, v, 2, 0, static_cast<uint32_t>(t));
+    EXPECT_TRUE(m[0] == 0.25f || m[0] == 0.25f + 1.0f / 32.0f) << m[0];
+    sum += m[0];
+  }
+  EXPECT_NEAR(sum / steps, x, 4e-4);  // 4 sigma of 20,000 draws; nearest would be 0.009 off
+}
+
+// A block whose gradients span 10^5: the small element's v (5e-12 against 0.05) would be
+// below its block's smallest code as v (2^-17.8 of the largest), while its m is not: stored
+// as 0, the next step's update would be m / eps (~0.9 here). Stored as sqrt(v) it keeps a
+// code (and the floor keeps any positive one), so every update stays within ~lr; the
+// values are the plain quantiser's.
 TEST(AdamW, Fp8MomentsKeepTheUpdateBoundedWhereVWouldUnderflow) {
   OptimizerConfig config;
   config.state_dtype = MomentDtype::Fp8;
@@ -284,12 +311,13 @@ void expect_moments_stored_when_read(MomentDtype moments) {
     from_rounded.first_moment()[i] = moments == MomentDtype::Bf16 ? round_bf16(m) : m;
     from_rounded.second_moment()[i] = moments == MomentDtype::Bf16 ? round_bf16(v) : v;
   }
-  if (moments == MomentDtype::Fp8)  // each parameter's blocks of 16, as the store keeps them
+  if (moments == MomentDtype::Fp8)  // each parameter's blocks of 16, as the store keeps them (step 0's bits)
     for (int id = 0; id < b.size(); ++id)
       for (int64_t k = 0; k < b.numel(id); k += adamw_math::kMomentBlock) {
         const int n = static_cast<int>(std::min<int64_t>(adamw_math::kMomentBlock, b.numel(id) - k));
-        plain_block_quantise(from_rounded.first_moment().data() + from_rounded.moment_offset(id) + k, n, false);
-        plain_block_quantise(from_rounded.second_moment().data() + from_rounded.moment_offset(id) + k, n, true);
+        const int64_t at = from_rounded.moment_offset(id) + k;
+        plain_block_quantise(from_rounded.first_moment().data() + at, n, false, b.offset(id) + k, 0);
+        plain_block_quantise(from_rounded.second_moment().data() + at, n, true, b.offset(id) + k, 0);
       }
   from_fp32.set_steps_taken(10);
   from_rounded.set_steps_taken(10);

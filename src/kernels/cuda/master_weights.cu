@@ -45,41 +45,43 @@ __global__ void widen_bf16_kernel(float* out, const uint16_t* in, int64_t n) {
     out[i] = am::bf16_bits_to_float(in[i]);
 }
 
-// One thread per block of am::kMomentBlock moments.
-__global__ void quantize_moments_kernel(uint8_t* codes, uint8_t* scales, const float* in, int64_t first, int64_t n,
-                                        bool positive_floor) {
+// One thread per block of am::kMomentBlock moments (root: v's, quantised as sqrt(v)).
+__global__ void quantize_moments_kernel(uint8_t* codes, uint8_t* scales, const float* in, int64_t first, int64_t index,
+                                        int64_t n, bool root) {
   const int64_t blocks = (n + am::kMomentBlock - 1) / am::kMomentBlock;
   for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b < blocks;
        b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t at = b * am::kMomentBlock;
     const int len = static_cast<int>(n - at < am::kMomentBlock ? n - at : am::kMomentBlock);
-    scales[(first + at) / am::kMomentBlock] = am::moment_block_codes(in + at, len, positive_floor, codes + at);
+    scales[(first + at) / am::kMomentBlock] = am::moment_block_codes(in + at, len, root, index + at, 0, codes + at);
   }
 }
 
 __global__ void dequantize_moments_kernel(float* out, const uint8_t* codes, const uint8_t* scales, int64_t first,
-                                          int64_t n) {
+                                          int64_t n, bool root) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    out[i] = am::moment_value(codes[i], scales[(first + i) / am::kMomentBlock]);
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float x = am::moment_value(codes[i], scales[(first + i) / am::kMomentBlock]);
+    out[i] = root ? am::mul(x, x) : x;
+  }
 }
 
 }  // namespace
 
-void quantize_moments(uint8_t* codes, uint8_t* scales, const float* in, int64_t first, int64_t n, bool positive_floor,
-                      Stream stream) {
+void quantize_moments(uint8_t* codes, uint8_t* scales, const float* in, int64_t first, int64_t index, int64_t n,
+                      bool root, Stream stream) {
   MOE_CHECKF(first % am::kMomentBlock == 0, "quantize_moments: state element %lld is not a block's first",
              static_cast<long long>(first));
   if (n == 0) return;
-  quantize_moments_kernel<<<grid_for(ceil_div(n, am::kMomentBlock)), kThreads, 0, stream>>>(codes, scales, in, first, n,
-                                                                                           positive_floor);
+  quantize_moments_kernel<<<grid_for(ceil_div(n, am::kMomentBlock)), kThreads, 0, stream>>>(codes, scales, in, first,
+                                                                                           index, n, root);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-void dequantize_moments(float* out, const uint8_t* codes, const uint8_t* scales, int64_t first, int64_t n,
+void dequantize_moments(float* out, const uint8_t* codes, const uint8_t* scales, int64_t first, int64_t n, bool root,
                         Stream stream) {
   if (n == 0) return;
-  dequantize_moments_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, codes, scales, first, n);
+  dequantize_moments_kernel<<<grid_for(n), kThreads, 0, stream>>>(out, codes, scales, first, n, root);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

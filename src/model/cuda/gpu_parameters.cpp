@@ -67,7 +67,7 @@ struct GpuParameterStore::State {
     const char* at = moment_at(which, offset);
     if (fp8_moments())
       cuda::dequantize_moments(out, reinterpret_cast<const uint8_t*>(at), moment_scales(which), state_offset(offset), n,
-                               stream);
+                               /*root=*/which == 1, stream);
     else
       cuda::widen_bf16(out, reinterpret_cast<const bf16*>(at), n, stream);
   }
@@ -77,8 +77,8 @@ struct GpuParameterStore::State {
   void store_moments(int which, int64_t offset, const float* in, int64_t n) {
     char* at = moment_at(which, offset);
     if (fp8_moments())
-      cuda::quantize_moments(reinterpret_cast<uint8_t*>(at), moment_scales(which), in, state_offset(offset), n,
-                             /*positive_floor=*/which == 1, stream);
+      cuda::quantize_moments(reinterpret_cast<uint8_t*>(at), moment_scales(which), in, state_offset(offset), offset, n,
+                             /*root=*/which == 1, stream);
     else
       cuda::round_to_bf16(reinterpret_cast<bf16*>(at), in, n, stream);
   }

@@ -446,8 +446,10 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
 // lanes one block (its amax through one shuffle), and stages its next pass in shared
 // memory (cp.async: hi, lo, the gradients, and m's and v's 8 codes together in one 16-byte
 // slot); the two scale bytes of the next pass are loaded into registers early. The update
-// computes in fp32 (adamw_update8), as adamw_update_range does; the lane(s) at a segment's
-// ragged end load and store their few elements one by one.
+// computes in fp32 (adamw_update8), as adamw_update_range does, from v = the stored sqrt(v)
+// squared; the new m and sqrt(v) are rounded stochastically (am::moment_random of the
+// element's block offset and the step); the lane(s) at a segment's ragged end load and
+// store their few elements one by one.
 constexpr int kFp8Threads = 512;
 constexpr int kFp8Units = 5;  // hi, lo, m|v codes, the gradients (fp32: 2)
 constexpr size_t kFp8StagedBytes = size_t{2} * kFp8Units * kFp8Threads * sizeof(uint4);
@@ -457,9 +459,12 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem) : "memory");
 }
 
-// One block's codes for the moments in `x` (8 a lane, the pair's 16 together): the block's
-// scale byte (both lanes) and the lane's 8 codes packed in a uint2.
-__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool positive_floor, uint8_t& scale) {
+// One block's codes for the values in `x` (8 a lane from block element `index`, the pair's
+// 16 together): the block's scale byte (both lanes) and the lane's 8 codes packed in a
+// uint2, rounded stochastically as am::moment_code does (`which`: 0 m, 1 sqrt(v) with its
+// floor).
+__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], int which, int64_t index, uint32_t step,
+                                                     uint8_t& scale) {
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
@@ -467,7 +472,9 @@ __device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool p
   scale = am::moment_scale_byte(amax);
   uint32_t w[2] = {0, 0};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) w[j / 4] |= static_cast<uint32_t>(am::moment_code(x[j], scale, positive_floor)) << (8 * (j % 4));
+  for (int j = 0; j < 8; ++j)
+    w[j / 4] |= static_cast<uint32_t>(am::moment_code(x[j], scale, which == 1, am::moment_random(index + j, step, which)))
+                << (8 * (j % 4));
   return make_uint2(w[0], w[1]);
 }
 __device__ __forceinline__ void decode8(uint2 codes, uint8_t scale, float (&out)[8]) {
@@ -537,7 +544,7 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
       for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
       const uint4 codes = *slot(stage, 2);
       decode8(make_uint2(codes.x, codes.y), this_xm, mm);
-      decode8(make_uint2(codes.z, codes.w), this_xv, vv);
+      decode8(make_uint2(codes.z, codes.w), this_xv, vv);  // sqrt(v): squared below
       if (half) {
         uint16_t g16[8];
         unpack8(*slot(stage, 3), g16);
@@ -557,9 +564,13 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
         vv[j] = in ? am::moment_value(v[st + j], this_xv) : 0.0f;
       }
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) vv[j] = am::mul(vv[j], vv[j]);
     adamw_update8(p, g, mm, vv, s, decay, false);
+    float root[8];
+    sqrt_rn_n(root, vv);
     uint8_t ym, yv;
-    const uint2 cm = quantize_pair_block(mm, false, ym), cv = quantize_pair_block(vv, true, yv);
+    const uint2 cm = quantize_pair_block(mm, 0, at, s.step, ym), cv = quantize_pair_block(root, 1, at, s.step, yv);
     if (n == 0) continue;
     if ((threadIdx.x & 1) == 0) {
       m_scales[st / kB] = ym;
