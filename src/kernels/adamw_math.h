@@ -141,8 +141,8 @@ MOE_HOST_DEVICE float join_master(uint16_t hi, int16_t lo) {
 // span 4 decades keeps its small elements' v), each with one scale byte x: the scale
 // 2^(x - 127), the smallest power of two with amax / scale <= 448, so dividing by it is
 // exact. The codes are rounded stochastically (up in magnitude with the probability of the
-// value's fraction of its grid step), the random bits a hash of the element's block offset,
-// the step and the moment: unbiased where rounding to nearest lost v's small decays (steps
+// value's fraction of its grid step), the random bits a hash of the element's block offset
+// and the step (16 for each moment): unbiased where rounding to nearest lost v's small decays (steps
 // 0.83x fp32 AdamW's, bench/probes/fp8_moments_rounding.cpp), and the same bits on CPU and
 // GPU and under any ZeRO layout. sqrt(v)'s codes never make a positive value 0 (the smallest
 // code instead: else m / eps). Stored values: decode(code) x scale, and v = that squared,
@@ -160,12 +160,12 @@ MOE_HOST_DEVICE float moment_scale(uint8_t x) { return bits_float(static_cast<ui
 // 1 / scale, exact: x <= 247 for any finite amax, so 2^(127 - x) is a normal float.
 MOE_HOST_DEVICE float moment_inverse_scale(uint8_t x) { return bits_float(static_cast<uint32_t>(254 - x) << 23); }
 
-// 32 random bits for moment `which` (0: m, 1: sqrt(v)) of block element `index` at AdamW
-// step `step` (murmur3's finaliser over a mix of the three).
-MOE_HOST_DEVICE uint32_t moment_random(int64_t index, uint32_t step, int which) {
+// 32 random bits for block element `index` at AdamW step `step` (murmur3's finaliser over
+// a mix of the two): one hash an element; m rounds with its low 16 bits, sqrt(v) with its
+// high 16 (moment_random_for), each as the high half of a 32-bit threshold.
+MOE_HOST_DEVICE uint32_t moment_random(int64_t index, uint32_t step) {
   const auto i = static_cast<uint64_t>(index);
-  uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u + static_cast<uint32_t>(i >> 32) * 0x85ebca77u +
-               step * 0xc2b2ae3du + static_cast<uint32_t>(which) * 0x27d4eb2fu;
+  uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u + static_cast<uint32_t>(i >> 32) * 0x85ebca77u + step * 0xc2b2ae3du;
   h ^= h >> 16;
   h *= 0x85ebca6bu;
   h ^= h >> 13;
@@ -173,23 +173,24 @@ MOE_HOST_DEVICE uint32_t moment_random(int64_t index, uint32_t step, int which) 
   h ^= h >> 16;
   return h;
 }
+// Moment `which`'s (0: m, 1: sqrt(v)) threshold from an element's random bits.
+MOE_HOST_DEVICE uint32_t moment_random_for(uint32_t bits, int which) {
+  return which == 0 ? bits << 16 : bits & 0xffff0000u;
+}
 
 // e4m3's code of y (|y| <= 448, finite), rounded up in magnitude when the fraction of its
-// grid step that y lies past the lower grid value, as 32 bits, exceeds r.
+// grid step that y lies past the lower grid value, as 32 bits, exceeds r. That fraction has
+// 20 bits: exact for normals (their mantissa bits below e4m3's 3); below 2^-6 (the
+// subnormals' grid of 2^-9) it is taken to 20 bits by the float add that moves y onto 2^-6's
+// binade (nearest even), so both ranges decode with the same integer steps.
 MOE_HOST_DEVICE uint8_t e4m3_code_stochastic(float y, uint32_t r) {
   const uint32_t u = float_bits(y);
   const uint32_t sign = (u >> 24) & 0x80u, mag = u & 0x7fffffffu;
-  uint32_t code;
-  if (mag < 0x3c800000u) {  // below 2^-6: the subnormals' grid of 2^-9
-    const float k = mul(bits_float(mag), 512.0f);  // exact; < 8
-    const auto whole = static_cast<uint32_t>(k);
-    const auto fraction = static_cast<uint32_t>(mul(sub(k, static_cast<float>(whole)), 4294967296.0f));  // exact
-    code = whole + (fraction > r ? 1u : 0u);  // 8 is 2^-6, the first normal's code
-  } else {  // normal: e4m3's exponent field e - 127 + 7, its 3 mantissa bits, 20 more below
-    code = (((mag >> 23) - 120u) << 3) | ((mag >> 20) & 7u);
-    code += (mag & 0xfffffu) << 12 > r ? 1u : 0u;  // a carry steps into the exponent
-    if (code > 0x7eu) code = 0x7eu;  // 448 at most
-  }
+  // Bits whose exponent field is e4m3's + 120 and whose next 3 bits are its mantissa: a
+  // subnormal code m (y = (m + f) 2^-9) as 2^-6 + y's bits one binade down.
+  const uint32_t w = mag < 0x3c800000u ? float_bits(add(bits_float(mag), 0.015625f)) - 0x800000u : mag;
+  uint32_t code = (w >> 20) - 960u + (w << 12 > r ? 1u : 0u);  // a carry steps into the exponent
+  if (code > 0x7eu) code = 0x7eu;  // 448 at most
   return static_cast<uint8_t>(sign | code);
 }
 MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
@@ -217,7 +218,8 @@ MOE_HOST_DEVICE uint8_t moment_block_codes(const float* x, int n, bool root, int
   for (int i = 0; i < n; ++i) amax = fmaxf(amax, root ? sqrt(x[i]) : fabsf(x[i]));
   const uint8_t scale = moment_scale_byte(amax);
   for (int i = 0; i < n; ++i)
-    codes[i] = moment_code(root ? sqrt(x[i]) : x[i], scale, root, moment_random(index + i, step, root ? 1 : 0));
+    codes[i] = moment_code(root ? sqrt(x[i]) : x[i], scale, root,
+                           moment_random_for(moment_random(index + i, step), root ? 1 : 0));
   return scale;
 }
 

@@ -56,9 +56,10 @@ std::vector<double> e4m3_values() {
 
 // A block of fp8 moments as the format says: the smallest power of two 2^k (k >= -126) with
 // amax / 2^k <= 448; each value / 2^k between its two neighbours in e4m3's table, the upper
-// one when its fraction of that step, as 32 bits, exceeds the element's random bits
-// (adamw_math::moment_random: the one thing taken from the code under test). `root`: x holds
-// v, quantised as sqrt(v) (positive values at least the smallest code) and stored squared.
+// one when its fraction of that step, to 20 bits (nearest even; exact above 2^-6), times
+// 2^12 exceeds the element's threshold (adamw_math::moment_random and moment_random_for:
+// the one thing taken from the code under test). `root`: x holds v, quantised as sqrt(v)
+// (positive values at least the smallest code) and stored squared.
 void plain_block_quantise(float* x, int n, bool root, int64_t index, uint32_t step) {
   static const std::vector<double> table = e4m3_values();
   std::vector<double> y(static_cast<size_t>(n));
@@ -73,8 +74,12 @@ void plain_block_quantise(float* x, int n, bool root, int64_t index, uint32_t st
     const double value = y[static_cast<size_t>(i)], a = std::fabs(value) / std::ldexp(1.0, k);
     size_t c = 0;
     while (c + 1 < table.size() && table[c + 1] <= a) ++c;
-    const uint32_t r = adamw_math::moment_random(index + i, step, root ? 1 : 0);
-    if (c + 1 < table.size() && (a - table[c]) / (table[c + 1] - table[c]) * 4294967296.0 > r) ++c;
+    const uint32_t r = adamw_math::moment_random_for(adamw_math::moment_random(index + i, step), root ? 1 : 0);
+    if (c + 1 < table.size()) {
+      double fraction = std::nearbyint((a - table[c]) / (table[c + 1] - table[c]) * 1048576.0);
+      if (fraction == 1048576.0) ++c, fraction = 0;
+      if (fraction * 4096.0 > r) ++c;
+    }
     if (root && c == 0 && value > 0) c = 1;
     const double q = std::ldexp(table[c], k) * (value < 0 ? -1 : 1);
     x[i] = root ? static_cast<float>(q * q) : static_cast<float>(q);

@@ -282,29 +282,65 @@ struct Moments<true> {
   }
 };
 
-// am::adamw_update on 8 elements, bit for bit: the moments one by one, then the square
-// roots and the two divisions 8 at a time (exact_math.cuh: one range check a group instead
-// of a branch per element, so the 8 interleave). p: the parameters in, the new ones out.
-__device__ __forceinline__ void adamw_update8(float (&p)[8], const float (&g)[8], float (&m)[8], float (&v)[8],
-                                              const am::AdamWScalars& s, float decay, bool bf16_moments) {
+// The 8 new moments m and v rounded to bf16 as am::round_to_bf16 does: the hardware's
+// convert (one instruction a value instead of ~7 integer ones: it is am's nearest-even on
+// every value but a NaN, which it makes the canonical one), so one NaN check a group sends
+// a group holding a NaN the integer way.
+__device__ __forceinline__ void round_moments8_to_bf16(float (&m)[8], float (&v)[8]) {
+  bool nan = false;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) am::adamw_moments(g[j], m[j], v[j], s, bf16_moments, bf16_moments);
-  float root[8], numerator[8], denom[8], update[8];
-  sqrt_rn_n(root, v);
+  for (int j = 0; j < 8; ++j) nan |= (m[j] != m[j]) | (v[j] != v[j]);
+  if (nan) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m[j] = am::round_to_bf16(m[j]), v[j] = am::round_to_bf16(v[j]);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    m[j] = __bfloat162float(__float2bfloat16_rn(m[j]));
+    v[j] = __bfloat162float(__float2bfloat16_rn(v[j]));
+  }
+}
+
+// am::adamw_update on 8 elements, bit for bit, in three steps: the moments one by one
+// (bf16 moments rounded 8 at a time), the square roots of the new v, then the parameters
+// with the two divisions 8 at a time (exact_math.cuh: one range check a group instead of a
+// branch per element, so the 8 interleave). The fp8 kernel quantises the roots it also
+// stores (sqrt(v)'s codes) between the last two.
+__device__ __forceinline__ void adamw_moments8(const float (&g)[8], float (&m)[8], float (&v)[8],
+                                               const am::AdamWScalars& s, bool bf16_moments) {
+  // The bf16 moments come from bf16 storage: adamw_moments's read_exact, its rounding below.
+#pragma unroll
+  for (int j = 0; j < 8; ++j) am::adamw_moments(g[j], m[j], v[j], s, /*bf16_moments=*/false, true);
+  if (bf16_moments) round_moments8_to_bf16(m, v);
+}
+// p: the parameters in, the new ones out; root: sqrt of the new v.
+__device__ __forceinline__ void adamw_parameters8(float (&p)[8], const float (&m)[8], const float (&root)[8],
+                                                  const am::AdamWScalars& s, float decay) {
+  float corrected[8], numerator[8], denom[8], update[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) corrected[j] = root[j];
   if (s.sqrt_bias2 != 1.0f) {
     float bias[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) bias[j] = s.sqrt_bias2;
-    div_rn_n(root, root, bias);
+    div_rn_n(corrected, root, bias);
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    denom[j] = am::add(root[j], s.eps);
+    denom[j] = am::add(corrected[j], s.eps);
     numerator[j] = am::mul(s.step_size, m[j]);
   }
   div_rn_n(update, numerator, denom);
 #pragma unroll
   for (int j = 0; j < 8; ++j) p[j] = am::sub(am::mul(p[j], decay), update[j]);
+}
+__device__ __forceinline__ void adamw_update8(float (&p)[8], const float (&g)[8], float (&m)[8], float (&v)[8],
+                                              const am::AdamWScalars& s, float decay, bool bf16_moments) {
+  adamw_moments8(g, m, v, s, bf16_moments);
+  float root[8];
+  sqrt_rn_n(root, v);
+  adamw_parameters8(p, m, root, s, decay);
 }
 
 // One block per chunk. Each thread updates 8 consecutive elements per pass with 16-byte
@@ -459,11 +495,11 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem) : "memory");
 }
 
-// One block's codes for the values in `x` (8 a lane from block element `index`, the pair's
-// 16 together): the block's scale byte (both lanes) and the lane's 8 codes packed in a
-// uint2, rounded stochastically as am::moment_code does (`which`: 0 m, 1 sqrt(v) with its
-// floor).
-__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], int which, int64_t index, uint32_t step,
+// One block's codes for the values in `x` (8 a lane, the pair's 16 together): the block's
+// scale byte (both lanes) and the lane's 8 codes packed in a uint2, rounded stochastically
+// as am::moment_code does with the elements' random bits `random` (`which`: 0 m, 1 sqrt(v)
+// with its floor).
+__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], int which, const uint32_t (&random)[8],
                                                      uint8_t& scale) {
   float amax = 0.0f;
 #pragma unroll
@@ -473,7 +509,7 @@ __device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], int wh
   uint32_t w[2] = {0, 0};
 #pragma unroll
   for (int j = 0; j < 8; ++j)
-    w[j / 4] |= static_cast<uint32_t>(am::moment_code(x[j], scale, which == 1, am::moment_random(index + j, step, which)))
+    w[j / 4] |= static_cast<uint32_t>(am::moment_code(x[j], scale, which == 1, am::moment_random_for(random[j], which)))
                 << (8 * (j % 4));
   return make_uint2(w[0], w[1]);
 }
@@ -566,11 +602,15 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) vv[j] = am::mul(vv[j], vv[j]);
-    adamw_update8(p, g, mm, vv, s, decay, false);
+    adamw_moments8(g, mm, vv, s, false);
     float root[8];
     sqrt_rn_n(root, vv);
+    adamw_parameters8(p, mm, root, s, decay);
     uint8_t ym, yv;
-    const uint2 cm = quantize_pair_block(mm, 0, at, s.step, ym), cv = quantize_pair_block(root, 1, at, s.step, yv);
+    uint32_t random[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) random[j] = am::moment_random(at + j, s.step);
+    const uint2 cm = quantize_pair_block(mm, 0, random, ym), cv = quantize_pair_block(root, 1, random, yv);
     if (n == 0) continue;
     if ((threadIdx.x & 1) == 0) {
       m_scales[st / kB] = ym;
