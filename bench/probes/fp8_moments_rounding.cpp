@@ -86,6 +86,15 @@ void run(double decades, int mode) {
       }
       const uint64_t key = static_cast<uint64_t>(t) << 32 | static_cast<uint64_t>(b);
       if (mode == 3) {
+      } else if (mode == 4) {  // m to nearest, sqrt(v) stochastically
+        float amax = 0, root[am::kMomentBlock];
+        for (int i = b; i < b + am::kMomentBlock; ++i) amax = std::fmax(amax, std::fabs(m8[i]));
+        const uint8_t sc = am::moment_scale_byte(amax);
+        for (int i = b; i < b + am::kMomentBlock; ++i)
+          m8[i] = am::moment_value(moe::float_to_fp8_e4m3(m8[i] * am::moment_inverse_scale(sc)), sc);
+        for (int i = 0; i < am::kMomentBlock; ++i) root[i] = std::sqrt(v8[b + i]);
+        quantize_stochastic(root, am::kMomentBlock, true, key ^ 0x5555);
+        for (int i = 0; i < am::kMomentBlock; ++i) v8[b + i] = root[i] * root[i];
       } else if (mode == 2) {
         float root[am::kMomentBlock];
         for (int i = 0; i < am::kMomentBlock; ++i) root[i] = std::sqrt(v8[b + i]);
@@ -112,7 +121,7 @@ void run(double decades, int mode) {
   }
   double v_ratio = 0, apart = 0;
   for (int i = 0; i < n; ++i) v_ratio += v8[i] / v32[i], apart += std::fabs(p8[i] - p32[i]);
-  const char* names[] = {"nearest        ", "stochastic     ", "stochastic sqrt", "adamw_math's  "};
+  const char* names[] = {"nearest        ", "stochastic     ", "stochastic sqrt", "adamw_math's  ", "m nearest, sqrt(v) stochastic"};
   std::printf("%g decades, %s: fp8's steps %.3f of fp32's, v %.3f of fp32's, |p8 - p32| %.2f lr\n", decades,
               names[mode], step8 / step32, v_ratio / n, apart / n / 1e-3);
 }
@@ -121,5 +130,5 @@ void run(double decades, int mode) {
 
 int main() {
   for (double decades : {2.0, 4.0})
-    for (int mode : {0, 1, 2, 3}) run(decades, mode);
+    for (int mode : {0, 1, 2, 3, 4}) run(decades, mode);
 }
