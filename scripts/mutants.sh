@@ -115,9 +115,12 @@ mutant optim/fp8-moments-no-floor src/kernels/adamw_math.h \
 mutant optim/fp8-moments-scale-one-too-small src/kernels/adamw_math.h \
   '((u & 0x7fffffu) > 0x600000u ? 1 : 0)' \
   '((u & 0x7fffffu) > 0x700000u ? 1 : 0)'
-mutant optim/fp8-moments-cpu-v-without-floor src/optim/adamw.cpp \
-  'am::quantize_moment_block(v + at, len, true);' \
-  'am::quantize_moment_block(v + at, len, false);'
+mutant optim/fp8-moments-v-coded-as-v src/kernels/adamw_math.h \
+  'const uint8_t xv = moment_block_codes(v, n, true, index, step, codes);' \
+  'const uint8_t xv = moment_block_codes(v, n, false, index, step, codes);'
+mutant optim/fp8-moments-rounding-biased src/kernels/adamw_math.h \
+  'uint32_t code = (w >> 20) - 960u + (w << 12 > r ? 1u : 0u);' \
+  'uint32_t code = (w >> 20) - 960u + (w << 12 > r / 2 ? 1u : 0u);'
 mutant train/plan-fp8-scales-left-out src/train/memory_plan.cpp \
   'if (fp8) state.moments += packed' \
   'if (false) state.moments += packed'
