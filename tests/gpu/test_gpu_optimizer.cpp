@@ -491,6 +491,65 @@ TEST(GpuOptimizer, KernelsOnUnalignedSegmentsMatchTheHost) {
   }
 }
 
+// bf16 moments are rounded by the hardware's convert, except in a group of 8 that holds a
+// NaN, which takes the integer path (multi_tensor_adamw.cu, round_moments8_to_bf16): that
+// group's other elements still get the CPU's bits, and the NaN stays a NaN.
+TEST(GpuOptimizer, Bf16MomentGroupWithANanRoundsItsOtherElementsLikeTheHost) {
+  MOE_REQUIRE_GPU();
+  const int64_t n = 64, nan_at = 9;  // the second group of 8
+  CounterRng rng(13, "nan_moment_group");
+  std::vector<float> grads(n), weights(n), m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto key = static_cast<uint64_t>(i);
+    grads[i] = static_cast<float>(rng.normal(key << 2 | 0));
+    weights[i] = static_cast<float>(0.3 * rng.normal(key << 2 | 1));
+    m[i] = am::round_to_bf16(static_cast<float>(0.01 * rng.normal(key << 2 | 2)));
+    v[i] = am::round_to_bf16(static_cast<float>(1e-4 * rng.uniform(key << 2 | 3)));
+  }
+  m[nan_at] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<bf16> hi(n);
+  std::vector<int16_t> lo(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const am::MasterSplit split = am::split_master(weights[i]);
+    hi[i].bits = split.hi;
+    lo[i] = split.lo;
+  }
+  cuda::OptimizerSegment seg;
+  seg.offset = 0;
+  seg.numel = n;
+  seg.first_chunk = 0;
+  seg.decay = true;
+  auto hi_d = test::to_device(hi);
+  auto lo_d = test::to_device(lo);
+  auto grads_d = test::to_device(grads);
+  auto m_d = test::to_device(test::to_bf16(m));
+  auto v_d = test::to_device(test::to_bf16(v));
+  auto segments_d = test::to_device(std::vector<cuda::OptimizerSegment>{seg});
+  const am::AdamWScalars s = am::adamw_step_scalars(1e-3, 0.9, 0.95, 1e-8, 0.1, 3);
+  auto scalars_d = test::to_device(std::vector<am::AdamWScalars>{s});
+  cuda::multi_tensor_adamw(hi_d.data(), lo_d.data(), nullptr, grads_d.data(),
+                           {m_d.data(), v_d.data(), nullptr, nullptr, MomentDtype::Bf16}, segments_d.data(), 1, 1,
+                           scalars_d.data(), nullptr);
+  const auto got_hi = test::to_host(hi_d);
+  const auto got_lo = test::to_host(lo_d);
+  const auto got_m = test::to_float(test::to_host(m_d));
+  const auto got_v = test::to_float(test::to_host(v_d));
+  size_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = am::adamw_update(weights[i], grads[i], m[i], v[i], s, s.decay_factor, true);
+    const am::MasterSplit want = am::split_master(p);
+    if (i == nan_at) {  // NaN payloads differ between the CPU's and the GPU's arithmetic
+      EXPECT_TRUE(std::isnan(got_m[i]));
+      EXPECT_TRUE(std::isnan(am::join_master(got_hi[i].bits, got_lo[i])));
+      EXPECT_EQ(bits(got_v[i]), bits(v[i]));
+      continue;
+    }
+    bad += got_hi[i].bits != want.hi || got_lo[i] != want.lo || bits(got_m[i]) != bits(m[i]) ||
+           bits(got_v[i]) != bits(v[i]);
+  }
+  EXPECT_EQ(bad, 0u);
+}
+
 // A device block's bytes, element by element.
 template <typename T>
 std::vector<T> device_copy(const void* block, int64_t n) {
