@@ -214,12 +214,14 @@ MOE_HOST_DEVICE float moment_value(uint8_t code, uint8_t x) { return mul(e4m3_va
 // AdamW kernel splits a block over two lanes). `root`: x are v's, coded as sqrt(v).
 MOE_HOST_DEVICE uint8_t moment_block_codes(const float* x, int n, bool root, int64_t index, uint32_t step,
                                            uint8_t* codes) {
-  float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = fmaxf(amax, root ? sqrt(x[i]) : fabsf(x[i]));
+  float y[kMomentBlock], amax = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    y[i] = root ? sqrt(x[i]) : x[i];
+    amax = fmaxf(amax, fabsf(y[i]));
+  }
   const uint8_t scale = moment_scale_byte(amax);
   for (int i = 0; i < n; ++i)
-    codes[i] = moment_code(root ? sqrt(x[i]) : x[i], scale, root,
-                           moment_random_for(moment_random(index + i, step), root ? 1 : 0));
+    codes[i] = moment_code(y[i], scale, root, moment_random_for(moment_random(index + i, step), root ? 1 : 0));
   return scale;
 }
 

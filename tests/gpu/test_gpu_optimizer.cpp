@@ -374,6 +374,35 @@ TEST_P(GpuMultiTensorAdamW, TransformerStepsMatchTheCpuOptimizer) {
 // vectors run; empty segments; over a thousand segments for the chunk -> segment search;
 // fp32 copies at odd places; and base pointers off the 16-byte boundary (shift 1), where
 // every access is one element. Elements outside the segments must stay as they were.
+// Random AdamW inputs for n elements, element i drawn at key (base | i); the moments
+// rounded to bf16 when they are to be stored so.
+struct AdamWInputs {
+  std::vector<float> grads, weights, m, v;
+};
+AdamWInputs random_adamw_inputs(CounterRng& rng, size_t n, uint64_t base, bool bf16_moments) {
+  AdamWInputs in{std::vector<float>(n), std::vector<float>(n), std::vector<float>(n), std::vector<float>(n)};
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t key = base | i;
+    in.grads[i] = static_cast<float>(rng.normal(key << 2 | 0));
+    in.weights[i] = static_cast<float>(0.3 * rng.normal(key << 2 | 1));
+    in.m[i] = static_cast<float>(0.01 * rng.normal(key << 2 | 2));
+    in.v[i] = static_cast<float>(1e-4 * rng.uniform(key << 2 | 3));
+    if (bf16_moments) in.m[i] = am::round_to_bf16(in.m[i]), in.v[i] = am::round_to_bf16(in.v[i]);
+  }
+  return in;
+}
+
+// The GPU's form of fp32 weights: bf16 hi halves and lo remainders (am::split_master).
+void split_weights(const std::vector<float>& weights, std::vector<bf16>& hi, std::vector<int16_t>& lo) {
+  hi.resize(weights.size());
+  lo.resize(weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const am::MasterSplit split = am::split_master(weights[i]);
+    hi[i].bits = split.hi;
+    lo[i] = split.lo;
+  }
+}
+
 TEST(GpuOptimizer, KernelsOnUnalignedSegmentsMatchTheHost) {
   MOE_REQUIRE_GPU();
   const int64_t C = am::kNormChunk;
@@ -410,22 +439,10 @@ TEST(GpuOptimizer, KernelsOnUnalignedSegmentsMatchTheHost) {
     for (const int64_t shift : {int64_t{0}, int64_t{1}}) {
       SCOPED_TRACE(std::string(bf16_moments ? "bf16" : "fp32") + " moments, shift " + std::to_string(shift));
       const auto n = static_cast<size_t>(storage + shift);
-      std::vector<float> grads(n), weights(n), m(n), v(n);
-      for (size_t i = 0; i < n; ++i) {
-        const uint64_t key = uint64_t(shift) << 40 | i;
-        grads[i] = static_cast<float>(rng.normal(key << 2 | 0));
-        weights[i] = static_cast<float>(0.3 * rng.normal(key << 2 | 1));
-        m[i] = static_cast<float>(0.01 * rng.normal(key << 2 | 2));
-        v[i] = static_cast<float>(1e-4 * rng.uniform(key << 2 | 3));
-        if (bf16_moments) m[i] = am::round_to_bf16(m[i]), v[i] = am::round_to_bf16(v[i]);
-      }
-      std::vector<bf16> hi(n);
-      std::vector<int16_t> lo(n);
-      for (size_t i = 0; i < n; ++i) {
-        const am::MasterSplit split = am::split_master(weights[i]);
-        hi[i].bits = split.hi;
-        lo[i] = split.lo;
-      }
+      auto [grads, weights, m, v] = random_adamw_inputs(rng, n, uint64_t(shift) << 40, bf16_moments);
+      std::vector<bf16> hi;
+      std::vector<int16_t> lo;
+      split_weights(weights, hi, lo);
       auto hi_d = test::to_device(hi);
       auto lo_d = test::to_device(lo);
       auto grads_d = test::to_device(grads);
@@ -498,22 +515,11 @@ TEST(GpuOptimizer, Bf16MomentGroupWithANanRoundsItsOtherElementsLikeTheHost) {
   MOE_REQUIRE_GPU();
   const int64_t n = 64, nan_at = 9;  // the second group of 8
   CounterRng rng(13, "nan_moment_group");
-  std::vector<float> grads(n), weights(n), m(n), v(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const auto key = static_cast<uint64_t>(i);
-    grads[i] = static_cast<float>(rng.normal(key << 2 | 0));
-    weights[i] = static_cast<float>(0.3 * rng.normal(key << 2 | 1));
-    m[i] = am::round_to_bf16(static_cast<float>(0.01 * rng.normal(key << 2 | 2)));
-    v[i] = am::round_to_bf16(static_cast<float>(1e-4 * rng.uniform(key << 2 | 3)));
-  }
+  auto [grads, weights, m, v] = random_adamw_inputs(rng, static_cast<size_t>(n), 0, true);
   m[nan_at] = std::numeric_limits<float>::quiet_NaN();
-  std::vector<bf16> hi(n);
-  std::vector<int16_t> lo(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const am::MasterSplit split = am::split_master(weights[i]);
-    hi[i].bits = split.hi;
-    lo[i] = split.lo;
-  }
+  std::vector<bf16> hi;
+  std::vector<int16_t> lo;
+  split_weights(weights, hi, lo);
   cuda::OptimizerSegment seg;
   seg.offset = 0;
   seg.numel = n;
