@@ -140,13 +140,13 @@ MOE_HOST_DEVICE float join_master(uint16_t hi, int16_t lo) {
 // block: m's e4m3 codes and sqrt(v)'s (half of v's range in bits: a block whose gradients
 // span 4 decades keeps its small elements' v), each with one scale byte x: the scale
 // 2^(x - 127), the smallest power of two with amax / scale <= 448, so dividing by it is
-// exact. The codes are rounded stochastically (up in magnitude with the probability of the
-// value's fraction of its grid step), the random bits a hash of the element's block offset
-// and the step (16 for each moment): unbiased where rounding to nearest lost v's small decays (steps
-// 0.83x fp32 AdamW's, bench/probes/fp8_moments_rounding.cpp), and the same bits on CPU and
-// GPU and under any ZeRO layout. sqrt(v)'s codes never make a positive value 0 (the smallest
-// code instead: else m / eps). Stored values: decode(code) x scale, and v = that squared,
-// exact in fp32.
+// exact. m's codes are rounded to nearest even; sqrt(v)'s stochastically (up with the
+// probability of the value's fraction of its grid step), the random bits from the element's
+// block offset and the step: unbiased where rounding to nearest lost v's small decays (steps
+// 0.83x fp32 AdamW's; m's changes go both ways and lose nothing on average: 1.001x with m to
+// nearest, bench/probes/fp8_moments_rounding.cpp), and the same bits on CPU and GPU and under
+// any ZeRO layout. sqrt(v)'s codes never make a positive value 0 (the smallest code instead:
+// else m / eps). Stored values: decode(code) x scale, and v = that squared, exact in fp32.
 constexpr int kMomentBlock = 16;
 
 // The scale byte of a block whose largest magnitude is amax (finite, >= 0); 1 for tiny or
@@ -160,11 +160,13 @@ MOE_HOST_DEVICE float moment_scale(uint8_t x) { return bits_float(static_cast<ui
 // 1 / scale, exact: x <= 247 for any finite amax, so 2^(127 - x) is a normal float.
 MOE_HOST_DEVICE float moment_inverse_scale(uint8_t x) { return bits_float(static_cast<uint32_t>(254 - x) << 23); }
 
-// 32 random bits for block element `index` at AdamW step `step` (murmur3's finaliser over
-// a mix of the two): one hash an element; m rounds with its low 16 bits, sqrt(v) with its
-// high 16 (moment_random_for), each as the high half of a 32-bit threshold.
-MOE_HOST_DEVICE uint32_t moment_random(int64_t index, uint32_t step) {
-  const auto i = static_cast<uint64_t>(index);
+// The random bits of sqrt(v)'s rounding: for the 8 block elements from `first` (a multiple
+// of 8: a GPU lane's) at AdamW step `step`, one hash (murmur3's finaliser over a mix of the
+// two), then element first + j's bits = hash x an odd multiplier of j: each uniform on its
+// own (a multiply by an odd number permutes 32 bits), fresh at every step, one multiply an
+// element after the lane's hash.
+MOE_HOST_DEVICE uint32_t moment_random_lane(int64_t first, uint32_t step) {
+  const auto i = static_cast<uint64_t>(first) >> 3;
   uint32_t h = static_cast<uint32_t>(i) * 0x9e3779b1u + static_cast<uint32_t>(i >> 32) * 0x85ebca77u + step * 0xc2b2ae3du;
   h ^= h >> 16;
   h *= 0x85ebca6bu;
@@ -173,25 +175,44 @@ MOE_HOST_DEVICE uint32_t moment_random(int64_t index, uint32_t step) {
   h ^= h >> 16;
   return h;
 }
-// Moment `which`'s (0: m, 1: sqrt(v)) threshold from an element's random bits.
-MOE_HOST_DEVICE uint32_t moment_random_for(uint32_t bits, int which) {
-  return which == 0 ? bits << 16 : bits & 0xffff0000u;
+MOE_HOST_DEVICE constexpr uint32_t moment_random_multiplier(int j) {
+  switch (j & 7) {
+    case 0: return 0x9e3779b1u;
+    case 1: return 0x85ebca77u;
+    case 2: return 0xc2b2ae3du;
+    case 3: return 0x27d4eb2fu;
+    case 4: return 0x165667b1u;
+    case 5: return 0xd3a2646du;
+    case 6: return 0xfd7046c5u;
+    default: return 0xb55a4f09u;
+  }
+}
+MOE_HOST_DEVICE uint32_t moment_random(int64_t index, uint32_t step) {
+  return moment_random_lane(index & ~int64_t{7}, step) * moment_random_multiplier(static_cast<int>(index & 7));
 }
 
-// e4m3's code of y (|y| <= 448, finite), rounded up in magnitude when the fraction of its
-// grid step that y lies past the lower grid value, as 32 bits, exceeds r. That fraction has
-// 20 bits: exact for normals (their mantissa bits below e4m3's 3); below 2^-6 (the
-// subnormals' grid of 2^-9) it is taken to 20 bits by the float add that moves y onto 2^-6's
-// binade (nearest even), so both ranges decode with the same integer steps.
+// e4m3's code of y (|y| <= 448, finite), to nearest even: the hardware's convert on the
+// GPU, core/fp8.h's on the CPU (test_gpu_fp8 holds them equal).
+MOE_HOST_DEVICE uint8_t e4m3_code(float y) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+#else
+  return float_to_fp8_e4m3(y);
+#endif
+}
+
+// e4m3's code of |y| (<= 448), rounded up when the fraction of its grid step that y
+// lies past the lower grid value, as 32 bits, exceeds r. That fraction has 20 bits: exact
+// for normals (their mantissa bits below e4m3's 3); below 2^-6 (the subnormals' grid of
+// 2^-9) it is taken to 20 bits by the float add that moves y onto 2^-6's binade (nearest
+// even), so both ranges decode with the same integer steps.
 MOE_HOST_DEVICE uint8_t e4m3_code_stochastic(float y, uint32_t r) {
-  const uint32_t u = float_bits(y);
-  const uint32_t sign = (u >> 24) & 0x80u, mag = u & 0x7fffffffu;
+  const uint32_t u = float_bits(y) & 0x7fffffffu;  // sqrt(-0) is -0
   // Bits whose exponent field is e4m3's + 120 and whose next 3 bits are its mantissa: a
   // subnormal code m (y = (m + f) 2^-9) as 2^-6 + y's bits one binade down.
-  const uint32_t w = mag < 0x3c800000u ? float_bits(add(bits_float(mag), 0.015625f)) - 0x800000u : mag;
-  uint32_t code = (w >> 20) - 960u + (w << 12 > r ? 1u : 0u);  // a carry steps into the exponent
-  if (code > 0x7eu) code = 0x7eu;  // 448 at most
-  return static_cast<uint8_t>(sign | code);
+  const uint32_t w = u < 0x3c800000u ? float_bits(add(y, 0.015625f)) - 0x800000u : u;
+  const uint32_t code = (w >> 20) - 960u + (w << 12 > r ? 1u : 0u);  // a carry steps into the exponent
+  return static_cast<uint8_t>(code > 0x7eu ? 0x7eu : code);           // 448 at most
 }
 MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
 #if defined(__CUDA_ARCH__)
@@ -201,11 +222,13 @@ MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
 #endif
 }
 
-// A moment's code in a block of scale byte x with random bits r; `positive_floor`: sqrt(v)'s
-// rule above.
-MOE_HOST_DEVICE uint8_t moment_code(float value, uint8_t x, bool positive_floor, uint32_t r) {
-  const uint8_t code = e4m3_code_stochastic(mul(value, moment_inverse_scale(x)), r);
-  return positive_floor && code == 0 && value > 0.0f ? uint8_t{1} : code;
+// m's code in a block of scale byte x (to nearest even).
+MOE_HOST_DEVICE uint8_t m_code(float m, uint8_t x) { return e4m3_code(mul(m, moment_inverse_scale(x))); }
+// sqrt(v)'s code (root >= 0) in a block of scale byte x with random bits r; a positive root
+// never becomes 0 (the smallest code instead).
+MOE_HOST_DEVICE uint8_t root_code(float root, uint8_t x, uint32_t r) {
+  const uint8_t code = e4m3_code_stochastic(mul(root, moment_inverse_scale(x)), r);
+  return code == 0 && root > 0.0f ? uint8_t{1} : code;
 }
 MOE_HOST_DEVICE float moment_value(uint8_t code, uint8_t x) { return mul(e4m3_value(code), moment_scale(x)); }
 
@@ -221,7 +244,7 @@ MOE_HOST_DEVICE uint8_t moment_block_codes(const float* x, int n, bool root, int
   }
   const uint8_t scale = moment_scale_byte(amax);
   for (int i = 0; i < n; ++i)
-    codes[i] = moment_code(y[i], scale, root, moment_random_for(moment_random(index + i, step), root ? 1 : 0));
+    codes[i] = root ? root_code(y[i], scale, moment_random(index + i, step)) : m_code(y[i], scale);
   return scale;
 }
 

@@ -55,11 +55,11 @@ std::vector<double> e4m3_values() {
 }
 
 // A block of fp8 moments as the format says: the smallest power of two 2^k (k >= -126) with
-// amax / 2^k <= 448; each value / 2^k between its two neighbours in e4m3's table, the upper
-// one when its fraction of that step, to 20 bits (nearest even; exact above 2^-6), times
-// 2^12 exceeds the element's threshold (adamw_math::moment_random and moment_random_for:
-// the one thing taken from the code under test). `root`: x holds v, quantised as sqrt(v)
-// (positive values at least the smallest code) and stored squared.
+// amax / 2^k <= 448; each value / 2^k between its two neighbours in e4m3's table. m: the
+// nearer one (a tie: the even code). `root` (x holds v, quantised as sqrt(v) and stored
+// squared): the upper one when its fraction of that step, to 20 bits (nearest even; exact
+// above 2^-6), times 2^12 exceeds the element's random bits (adamw_math::moment_random: the
+// one thing taken from the code under test); a positive value at least the smallest code.
 void plain_block_quantise(float* x, int n, bool root, int64_t index, uint32_t step) {
   static const std::vector<double> table = e4m3_values();
   std::vector<double> y(static_cast<size_t>(n));
@@ -74,11 +74,13 @@ void plain_block_quantise(float* x, int n, bool root, int64_t index, uint32_t st
     const double value = y[static_cast<size_t>(i)], a = std::fabs(value) / std::ldexp(1.0, k);
     size_t c = 0;
     while (c + 1 < table.size() && table[c + 1] <= a) ++c;
-    const uint32_t r = adamw_math::moment_random_for(adamw_math::moment_random(index + i, step), root ? 1 : 0);
-    if (c + 1 < table.size()) {
+    if (c + 1 < table.size() && !root) {
+      const double mid = (table[c] + table[c + 1]) / 2;
+      if (a > mid || (a == mid && c % 2 == 1)) ++c;
+    } else if (c + 1 < table.size()) {
       double fraction = std::nearbyint((a - table[c]) / (table[c + 1] - table[c]) * 1048576.0);
       if (fraction == 1048576.0) ++c, fraction = 0;
-      if (fraction * 4096.0 > r) ++c;
+      if (fraction * 4096.0 > adamw_math::moment_random(index + i, step)) ++c;
     }
     if (root && c == 0 && value > 0) c = 1;
     const double q = std::ldexp(table[c], k) * (value < 0 ? -1 : 1);
@@ -218,19 +220,41 @@ TEST(AdamW, Fp8MomentBlocksQuantiseLikeTheFormatAndAgainToThemselves) {
   EXPECT_GT(flushed, 100);
 }
 
-// Stochastic rounding is unbiased: one value quantised at many steps averages to itself
-// (to nearest, a value 30% of the way up its grid step would always round down).
-TEST(AdamW, Fp8MomentRoundingIsUnbiased) {
-  const float x = (1.0f + 0.3f / 8.0f) * 0.25f;  // 30% past 0.25 on e4m3's grid there (steps of 2^-5)
+// sqrt(v)'s stochastic rounding is unbiased: one value quantised at many steps averages to
+// itself (to nearest, a value 30% of the way up its grid step would always round down); m
+// rounds to nearest.
+TEST(AdamW, Fp8MomentRoundingIsUnbiasedForVAndNearestForM) {
+  const float root = (1.0f + 0.3f / 8.0f) * 0.25f;  // 30% past 0.25 on e4m3's grid there (steps of 2^-5)
   double sum = 0;
   const int steps = 20000;
   for (int t = 0; t < steps; ++t) {
-    float m[2] = {x, 0.5f}, v[2] = {0.0f, 0.0f};  // 0.5, the amax: the scale 2^-9, x at 132.8 of steps of 16
-    adamw_math::quantize_moment_block(m, v, 2, 0, static_cast<uint32_t>(t));
-    EXPECT_TRUE(m[0] == 0.25f || m[0] == 0.25f + 1.0f / 32.0f) << m[0];
-    sum += m[0];
+    // 0.5, each block's amax: the scale 2^-9, 0.25 at 128 with steps of 16.
+    float m[2] = {root, 0.5f}, v[2] = {root * root, 0.25f};
+    adamw_math::quantize_moment_block(m, v, 2, 8 * t + t % 8, static_cast<uint32_t>(t));
+    ASSERT_EQ(m[0], 0.25f);
+    const float stored = std::sqrt(v[0]);
+    ASSERT_TRUE(stored == 0.25f || stored == 0.25f + 1.0f / 32.0f) << stored;
+    sum += stored;
   }
-  EXPECT_NEAR(sum / steps, x, 4e-4);  // 4 sigma of 20,000 draws; nearest would be 0.009 off
+  EXPECT_NEAR(sum / steps, root, 4e-4);  // 4 sigma of 20,000 draws; nearest would be 0.009 off
+}
+
+// sqrt(v)'s random bits: element first + j's are the lane's hash times multiplier j, and
+// over many lanes and steps each of the 8 is uniform (its top 4 bits' 16 bins within 5
+// sigma of even).
+TEST(AdamW, Fp8MomentRandomBitsAreUniformForEveryLaneElement) {
+  for (int j = 0; j < 8; ++j) {
+    int bins[16] = {};
+    const int draws = 16000;
+    for (int d = 0; d < draws; ++d) {
+      const int64_t first = 8 * int64_t{d / 4};
+      const auto step = static_cast<uint32_t>(d % 4);
+      const uint32_t bits = adamw_math::moment_random(first + j, step);
+      ASSERT_EQ(bits, adamw_math::moment_random_lane(first, step) * adamw_math::moment_random_multiplier(j));
+      ++bins[bits >> 28];
+    }
+    for (int b = 0; b < 16; ++b) EXPECT_NEAR(bins[b], draws / 16, 5 * std::sqrt(draws / 16.0)) << "element " << j;
+  }
 }
 
 // A block whose gradients span 10^5: the small element's v (5e-12 against 0.05) would be

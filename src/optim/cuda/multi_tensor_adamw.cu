@@ -483,8 +483,8 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
 // memory (cp.async: hi, lo, the gradients, and m's and v's 8 codes together in one 16-byte
 // slot); the two scale bytes of the next pass are loaded into registers early. The update
 // computes in fp32 (adamw_update8), as adamw_update_range does, from v = the stored sqrt(v)
-// squared; the new m and sqrt(v) are rounded stochastically (am::moment_random of the
-// element's block offset and the step); the lane(s) at a segment's ragged end load and
+// squared; the new m is rounded to nearest, sqrt(v) stochastically (am::moment_random of
+// the element's block offset and the step: one hash a lane); the lane(s) at a segment's ragged end load and
 // store their few elements one by one.
 constexpr int kFp8Threads = 512;
 constexpr int kFp8Units = 5;  // hi, lo, m|v codes, the gradients (fp32: 2)
@@ -496,10 +496,10 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
 }
 
 // One block's codes for the values in `x` (8 a lane, the pair's 16 together): the block's
-// scale byte (both lanes) and the lane's 8 codes packed in a uint2, rounded stochastically
-// as am::moment_code does with the elements' random bits `random` (`which`: 0 m, 1 sqrt(v)
-// with its floor).
-__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], int which, const uint32_t (&random)[8],
+// scale byte (both lanes) and the lane's 8 codes packed in a uint2: m's to nearest
+// (am::m_code), sqrt(v)'s stochastically with the lane's random bits (am::root_code,
+// am::moment_random's bits for element j: lane_random x multiplier j).
+__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool root, uint32_t lane_random,
                                                      uint8_t& scale) {
   float amax = 0.0f;
 #pragma unroll
@@ -508,9 +508,11 @@ __device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], int wh
   scale = am::moment_scale_byte(amax);
   uint32_t w[2] = {0, 0};
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-    w[j / 4] |= static_cast<uint32_t>(am::moment_code(x[j], scale, which == 1, am::moment_random_for(random[j], which)))
-                << (8 * (j % 4));
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t code = root ? am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j))
+                              : am::m_code(x[j], scale);
+    w[j / 4] |= static_cast<uint32_t>(code) << (8 * (j % 4));
+  }
   return make_uint2(w[0], w[1]);
 }
 __device__ __forceinline__ void decode8(uint2 codes, uint8_t scale, float (&out)[8]) {
@@ -607,10 +609,8 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
     sqrt_rn_n(root, vv);
     adamw_parameters8(p, mm, root, s, decay);
     uint8_t ym, yv;
-    uint32_t random[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) random[j] = am::moment_random(at + j, s.step);
-    const uint2 cm = quantize_pair_block(mm, 0, random, ym), cv = quantize_pair_block(root, 1, random, yv);
+    const uint32_t lane_random = am::moment_random_lane(at, s.step);  // at: a multiple of 8
+    const uint2 cm = quantize_pair_block(mm, false, 0, ym), cv = quantize_pair_block(root, true, lane_random, yv);
     if (n == 0) continue;
     if ((threadIdx.x & 1) == 0) {
       m_scales[st / kB] = ym;
