@@ -7,7 +7,8 @@
 // 2026-12-05 (BENCHMARKS.md "FP8 AdamW moments"): nearest: steps 0.826 of fp32's (v held
 // 1.74x high: a decay of 5% a step is below half of e4m3's last bit, a rise is not), and
 // at 4 decades 0.65 (the floor lifts the small elements' v); stochastic: 1.006 and 0.815;
-// stochastic on sqrt(v): 1.006 and 1.007, v within 2.6%.
+// stochastic on sqrt(v): 1.006 and 1.007, v within 2.6%; m to nearest and sqrt(v)
+// stochastic (adamw_math's since wip/fp8-moments-v-stochastic): 1.001 at both.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -60,7 +61,8 @@ void quantize_stochastic(float* x, int n, bool positive_floor, uint64_t key) {
 }
 
 // mode 0: nearest (the first fp8 moments), 1: stochastic, 2: stochastic on sqrt(v) (v's
-// range halved in bits), 3: adamw_math's quantize_moment_block (stochastic on sqrt(v)).
+// range halved in bits), 3: adamw_math's quantize_moment_block (m to nearest, sqrt(v)
+// stochastic), 4: m to nearest, sqrt(v) stochastic (this probe's hash).
 void run(double decades, int mode) {
   const bool stochastic = mode == 1 || mode == 2;
   const int n = 16 * 4096, steps = 1000;
