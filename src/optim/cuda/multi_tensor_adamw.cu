@@ -507,18 +507,33 @@ __device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool r
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // every lane of the warp is here
   scale = am::moment_scale_byte(amax);
   uint32_t w[2] = {0, 0};
+  if (root) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const uint8_t code = root ? am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j))
-                              : am::m_code(x[j], scale);
-    w[j / 4] |= static_cast<uint32_t>(code) << (8 * (j % 4));
+    for (int j = 0; j < 8; ++j)
+      w[j / 4] |= static_cast<uint32_t>(am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j)))
+                  << (8 * (j % 4));
+  } else {  // am::m_code with the converts in pairs (cvt.rn.satfinite.e4m3x2.f32: each value
+            // rounded on its own, the first in the low byte): half the converts, no byte packing
+    const float inverse = am::moment_inverse_scale(scale);
+#pragma unroll
+    for (int j = 0; j < 8; j += 2)
+      w[j / 4] |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(
+                      make_float2(am::mul(x[j], inverse), am::mul(x[j + 1], inverse)), __NV_SATFINITE, __NV_E4M3))
+                  << (8 * (j % 4));
   }
   return make_uint2(w[0], w[1]);
 }
+// am::moment_value on 8 codes, decoded in pairs (cvt.rn.f16x2.e4m3x2: exact), then scaled.
 __device__ __forceinline__ void decode8(uint2 codes, uint8_t scale, float (&out)[8]) {
   const uint32_t w[2] = {codes.x, codes.y};
+  const float factor = am::moment_scale(scale);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) out[j] = am::moment_value(static_cast<uint8_t>(w[j / 4] >> (8 * (j % 4))), scale);
+  for (int j = 0; j < 8; j += 2) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(w[j / 4] >> (8 * (j % 4)));
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    out[j] = am::mul(f.x, factor);
+    out[j + 1] = am::mul(f.y, factor);
+  }
 }
 
 __global__ void __launch_bounds__(kFp8Threads, 2)
