@@ -2,48 +2,23 @@
 // order (so clipping decides and scales exactly as on the CPU) and AdamW over every
 // parameter in one launch. The per-element arithmetic is kernels/adamw_math.h's, the code
 // the CPU AdamW runs.
+// The fp8-moment kernel is multi_tensor_adamw_fp8.cu; the pieces both use,
+// multi_tensor_adamw_parts.cuh.
 #include <algorithm>
 #include <cstdint>
 
-#include "core/gpu.h"
-#include "kernels/cuda/common.cuh"
-#include "kernels/cuda/exact_math.cuh"
-#include "kernels/gpu_ops.h"
-#include "optim/gpu_ops.h"
+#include "optim/cuda/multi_tensor_adamw_parts.cuh"
 
 namespace moe::cuda {
 namespace {
 
-namespace am = adamw_math;
+using namespace adamw_kernels;
 
 constexpr int kThreads = 256;
 constexpr int kNormWarps = 8;  // warps per block of the chunk sums, one chunk each
 constexpr int kFinalizeThreads = 1024;  // the one block that adds the chunk sums up
 
 __device__ __forceinline__ int64_t chunk_count(int64_t numel) { return (numel + am::kNormChunk - 1) / am::kNormChunk; }
-
-// The segment holding chunk c, found by the whole warp (every lane gets it): a 32-way
-// search, so a few dependent loads find it among thousands of segments. Invariant: the
-// answer is in [lo, hi] and segments[lo].first_chunk <= c; first_chunk never decreases.
-__device__ __forceinline__ int64_t warp_segment_of_chunk(const OptimizerSegment* segments, int64_t n_segments,
-                                                         int64_t c) {
-  const int lane = static_cast<int>(threadIdx.x & 31);
-  int64_t lo = 0, hi = n_segments - 1;
-  while (lo < hi) {
-    const int64_t step = (hi - lo + 31) / 32;
-    const int64_t probe = lo + 1 + lane * step;  // lane j probes lo + 1 + j * step
-    const bool at_or_before = probe <= hi && segments[probe].first_chunk <= c;
-    const int k = __popc(__ballot_sync(0xffffffffu, at_or_before));  // probes 0..k-1 qualify
-    if (k == 0) {
-      hi = lo;
-    } else {
-      const int64_t new_lo = lo + 1 + (k - 1) * step;
-      if (k < 32 && lo + k * step < hi) hi = lo + k * step;  // probe k (lo + 1 + k * step) does not qualify
-      lo = new_lo;
-    }
-  }
-  return lo;
-}
 
 // Four consecutive gradients from element e of a chunk of len (zeros past its end), fp32
 // or (a bf16_grad segment) bf16 widened exactly; 16- (8-) byte loads where aligned.
@@ -72,19 +47,6 @@ __device__ __forceinline__ float4 load_four(const float* at, const uint16_t* at1
     if (e + 3 < len) x.w = at[e + 3];
   }
   return x;
-}
-
-// A thread's own 16 bytes copied from global to shared memory without passing through its
-// registers (L2 only), in commit groups it waits on; the copy is visible to this thread
-// after the wait. Both addresses 16-byte aligned.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 // One warp per chunk, in adamw_math's order (kNormParts partials): lane j keeps partials
@@ -183,57 +145,6 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   scalars->skip = isfinite(norm) ? 0 : 1;
 }
 
-// Eight consecutive 16-bit values as one 16-byte access.
-__device__ __forceinline__ void unpack8(const uint4 q, uint16_t out[8]) {
-  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    out[2 * j] = static_cast<uint16_t>(w[j] & 0xffffu);  // little-endian: the lower address first
-    out[2 * j + 1] = static_cast<uint16_t>(w[j] >> 16);
-  }
-}
-__device__ __forceinline__ uint4 pack8(const uint16_t in[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) w[j] = static_cast<uint32_t>(in[2 * j]) | static_cast<uint32_t>(in[2 * j + 1]) << 16;
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// A block's chunk (blockIdx.x): the step's scalars and its segment, read once into shared
-// memory (the first warp finds the segment), and where the chunk lies.
-struct ChunkOfBlock {
-  am::AdamWScalars s;
-  OptimizerSegment seg;
-  int64_t begin = 0, state = 0;  // where the chunk starts in the block and in the state arrays
-  int32_t length = 0;
-  float decay = 1.0f;
-  float* mirror_out = nullptr;
-};
-__device__ __forceinline__ ChunkOfBlock chunk_of_block(const OptimizerSegment* segments, int64_t n_segments,
-                                                       const am::AdamWScalars* scalars, float* mirror) {
-  __shared__ am::AdamWScalars shared_scalars;
-  __shared__ OptimizerSegment shared_segment;
-  if (threadIdx.x < 32) {
-    const int64_t index = warp_segment_of_chunk(segments, n_segments, blockIdx.x);
-    if (threadIdx.x == 0) {
-      shared_scalars = *scalars;
-      shared_segment = segments[index];
-    }
-  }
-  __syncthreads();
-  ChunkOfBlock c;
-  c.s = shared_scalars;
-  c.seg = shared_segment;
-  const int64_t within = (static_cast<int64_t>(blockIdx.x) - c.seg.first_chunk) * am::kNormChunk;
-  c.begin = c.seg.offset + within;
-  // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
-  c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + within;
-  c.length = static_cast<int32_t>(c.seg.numel - within < am::kNormChunk ? c.seg.numel - within : am::kNormChunk);
-  c.decay = c.seg.decay ? c.s.decay_factor : 1.0f;
-  c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + within : nullptr;
-  return c;
-}
-
 // Eight moments at once (16-byte units: kUnits of them; `at` a multiple of 8), fp32 or
 // bf16 bits. Streaming stores: nothing here is read again before it leaves the L2.
 template <bool kBf16>
@@ -249,12 +160,7 @@ struct Moments<false> {
   __device__ static float load(const void* base, int64_t at) { return static_cast<const float*>(base)[at]; }
   __device__ static void store(void* base, int64_t at, float x) { static_cast<float*>(base)[at] = x; }
   static constexpr int kUnits = 2;  // 16-byte units of 8 moments
-  __device__ static void unpack(const uint4* unit, float out[8]) {
-    const uint4 a = unit[0], b = unit[1];
-    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = __uint_as_float(w[j]);
-  }
+  __device__ static void unpack(const uint4* unit, float out[8]) { unpack_floats8(unit, out); }
 };
 
 template <>
@@ -282,59 +188,7 @@ struct Moments<true> {
   }
 };
 
-// The 8 new moments m and v rounded to bf16 as am::round_to_bf16 does: the hardware's
-// convert (one instruction a value instead of ~7 integer ones: it is am's nearest-even on
-// every value but a NaN, which it makes the canonical one), so one NaN check a group sends
-// a group holding a NaN the integer way.
-__device__ __forceinline__ void round_moments8_to_bf16(float (&m)[8], float (&v)[8]) {
-  bool nan = false;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) nan |= (m[j] != m[j]) | (v[j] != v[j]);
-  if (nan) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m[j] = am::round_to_bf16(m[j]), v[j] = am::round_to_bf16(v[j]);
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    m[j] = __bfloat162float(__float2bfloat16_rn(m[j]));
-    v[j] = __bfloat162float(__float2bfloat16_rn(v[j]));
-  }
-}
-
-// am::adamw_update on 8 elements, bit for bit, in three steps: the moments one by one
-// (bf16 moments rounded 8 at a time), the square roots of the new v, then the parameters
-// with the two divisions 8 at a time (exact_math.cuh: one range check a group instead of a
-// branch per element, so the 8 interleave). The fp8 kernel quantises the roots it also
-// stores (sqrt(v)'s codes) between the last two.
-__device__ __forceinline__ void adamw_moments8(const float (&g)[8], float (&m)[8], float (&v)[8],
-                                               const am::AdamWScalars& s, bool bf16_moments) {
-  // The bf16 moments come from bf16 storage: adamw_moments's read_exact, its rounding below.
-#pragma unroll
-  for (int j = 0; j < 8; ++j) am::adamw_moments(g[j], m[j], v[j], s, /*bf16_moments=*/false, true);
-  if (bf16_moments) round_moments8_to_bf16(m, v);
-}
-// p: the parameters in, the new ones out; root: sqrt of the new v.
-__device__ __forceinline__ void adamw_parameters8(float (&p)[8], const float (&m)[8], const float (&root)[8],
-                                                  const am::AdamWScalars& s, float decay) {
-  float corrected[8], numerator[8], denom[8], update[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) corrected[j] = root[j];
-  if (s.sqrt_bias2 != 1.0f) {
-    float bias[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) bias[j] = s.sqrt_bias2;
-    div_rn_n(corrected, root, bias);
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    denom[j] = am::add(corrected[j], s.eps);
-    numerator[j] = am::mul(s.step_size, m[j]);
-  }
-  div_rn_n(update, numerator, denom);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) p[j] = am::sub(am::mul(p[j], decay), update[j]);
-}
+// am::adamw_update on 8 elements, bit for bit (the three steps: multi_tensor_adamw_parts.cuh).
 __device__ __forceinline__ void adamw_update8(float (&p)[8], const float (&g)[8], float (&m)[8], float (&v)[8],
                                               const am::AdamWScalars& s, float decay, bool bf16_moments) {
   adamw_moments8(g, m, v, s, bf16_moments);
@@ -477,196 +331,10 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   if constexpr (kStaged) cp_async_wait<0>();
 }
 
-// fp8 moments (optimizer.state_dtype = fp8). A segment's state starts on a block of
-// am::kMomentBlock = 16 (GpuOptimizer checks), and so does each chunk's: a thread updates 8 elements a pass as the bf16 kernel does, two adjacent
-// lanes one block (its amax through one shuffle), and stages its next pass in shared
-// memory (cp.async: hi, lo, the gradients, and m's and v's 8 codes together in one 16-byte
-// slot); the two scale bytes of the next pass are loaded into registers early. The update
-// computes in fp32 (adamw_update8), as adamw_update_range does, from v = the stored sqrt(v)
-// squared; the new m is rounded to nearest, sqrt(v) stochastically (am::moment_random of
-// the element's block offset and the step: one hash a lane); the lane(s) at a segment's ragged end load and
-// store their few elements one by one.
-constexpr int kFp8Threads = 512;
-constexpr int kFp8Units = 5;  // hi, lo, m|v codes, the gradients (fp32: 2)
-constexpr size_t kFp8StagedBytes = size_t{2} * kFp8Units * kFp8Threads * sizeof(uint4);
-
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem) : "memory");
-}
-
-// One block's codes for the values in `x` (8 a lane, the pair's 16 together): the block's
-// scale byte (both lanes) and the lane's 8 codes packed in a uint2: m's to nearest
-// (am::m_code), sqrt(v)'s stochastically with the lane's random bits (am::root_code,
-// am::moment_random's bits for element j: lane_random x multiplier j).
-__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool root, uint32_t lane_random,
-                                                     uint8_t& scale) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // every lane of the warp is here
-  scale = am::moment_scale_byte(amax);
-  uint32_t w[2] = {0, 0};
-  if (root) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      w[j / 4] |= static_cast<uint32_t>(am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j)))
-                  << (8 * (j % 4));
-  } else {  // am::m_code with the converts in pairs (cvt.rn.satfinite.e4m3x2.f32: each value
-            // rounded on its own, the first in the low byte): half the converts, no byte packing
-    const float inverse = am::moment_inverse_scale(scale);
-#pragma unroll
-    for (int j = 0; j < 8; j += 2)
-      w[j / 4] |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(
-                      make_float2(am::mul(x[j], inverse), am::mul(x[j + 1], inverse)), __NV_SATFINITE, __NV_E4M3))
-                  << (8 * (j % 4));
-  }
-  return make_uint2(w[0], w[1]);
-}
-// am::moment_value on 8 codes, decoded in pairs (cvt.rn.f16x2.e4m3x2: exact), then scaled.
-__device__ __forceinline__ void decode8(uint2 codes, uint8_t scale, float (&out)[8]) {
-  const uint32_t w[2] = {codes.x, codes.y};
-  const float factor = am::moment_scale(scale);
-#pragma unroll
-  for (int j = 0; j < 8; j += 2) {
-    const auto pair = static_cast<__nv_fp8x2_storage_t>(w[j / 4] >> (8 * (j % 4)));
-    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
-    out[j] = am::mul(f.x, factor);
-    out[j + 1] = am::mul(f.y, factor);
-  }
-}
-
-__global__ void __launch_bounds__(kFp8Threads, 2)
-    multi_tensor_adamw_fp8_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, float* __restrict__ mirror,
-                                  const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
-                                  uint8_t* __restrict__ m, uint8_t* __restrict__ v, uint8_t* __restrict__ m_scales,
-                                  uint8_t* __restrict__ v_scales, const OptimizerSegment* segments, int64_t n_segments,
-                                  const am::AdamWScalars* scalars) {
-  constexpr int kB = am::kMomentBlock;
-  static_assert(kB == 16, "a block is the 8 elements of two adjacent lanes");
-  const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
-  const am::AdamWScalars& s = chunk.s;
-  if (s.skip) return;
-  const OptimizerSegment& seg = chunk.seg;
-  const int64_t begin = chunk.begin, state = chunk.state;
-  const int32_t length = chunk.length;
-  const float decay = chunk.decay;
-  float* mirror_out = chunk.mirror_out;
-  const int32_t blocks_end = (length + kB - 1) / kB * kB;
-  const bool half = seg.bf16_grad != 0;
-
-  extern __shared__ uint4 staged[];  // [2 stages][kFp8Units][kFp8Threads]
-  const auto slot = [&](int stage, int unit) { return staged + (stage * kFp8Units + unit) * kFp8Threads + threadIdx.x; };
-  const auto stage_in = [&](int32_t i, int stage) {
-    if (i + 8 <= length) {  // a whole 8 (the ragged end's lane loads its few directly)
-      const int64_t at = begin + i, st = state + i;
-      cp_async16(slot(stage, 0), hi + at);
-      cp_async16(slot(stage, 1), lo + st);
-      cp_async8(slot(stage, 2), m + st);
-      cp_async8(reinterpret_cast<char*>(slot(stage, 2)) + 8, v + st);
-      if (half) {
-        cp_async16(slot(stage, 3), grads16 + at);
-      } else {
-        cp_async16(slot(stage, 3), grads + at);
-        cp_async16(slot(stage, 4), grads + at + 4);
-      }
-    }
-    cp_async_commit();  // empty otherwise: the group count stays one a pass
-  };
-  // Every thread runs every pass (the pair's shuffle wants the whole warp); a lane with no
-  // element left computes zeros (outside its block's amax) and stores nothing.
-  const int32_t first = static_cast<int32_t>(threadIdx.x) * 8;
-  stage_in(first, 0);
-  uint8_t xm = 0, xv = 0;  // this pass's scale bytes
-  if (first < length) xm = m_scales[(state + first) / kB], xv = v_scales[(state + first) / kB];
-  int stage = 0;
-  for (int32_t base = 0; base < blocks_end; base += kFp8Threads * 8, stage ^= 1) {
-    const int32_t i = base + first, next = i + kFp8Threads * 8;
-    const int n = length - i < 0 ? 0 : length - i < 8 ? length - i : 8;  // this lane's elements
-    stage_in(next, stage ^ 1);
-    const uint8_t this_xm = xm, this_xv = xv;
-    if (next < length) xm = m_scales[(state + next) / kB], xv = v_scales[(state + next) / kB];
-    cp_async_wait<1>();  // this pass's group is in
-    const int64_t at = begin + i, st = state + i;
-    float p[8], g[8], mm[8], vv[8];
-    if (n == 8) {
-      uint16_t h[8], l[8];
-      unpack8(*slot(stage, 0), h);
-      unpack8(*slot(stage, 1), l);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
-      const uint4 codes = *slot(stage, 2);
-      decode8(make_uint2(codes.x, codes.y), this_xm, mm);
-      decode8(make_uint2(codes.z, codes.w), this_xv, vv);  // sqrt(v): squared below
-      if (half) {
-        uint16_t g16[8];
-        unpack8(*slot(stage, 3), g16);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) g[j] = am::bf16_bits_to_float(g16[j]);
-      } else {
-        const uint4 pair[2] = {*slot(stage, 3), *slot(stage, 4)};
-        Moments<false>::unpack(pair, g);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const bool in = j < n;
-        p[j] = in ? am::join_master(hi[at + j], lo[st + j]) : 0.0f;
-        g[j] = !in ? 0.0f : half ? am::bf16_bits_to_float(grads16[at + j]) : grads[at + j];
-        mm[j] = in ? am::moment_value(m[st + j], this_xm) : 0.0f;
-        vv[j] = in ? am::moment_value(v[st + j], this_xv) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) vv[j] = am::mul(vv[j], vv[j]);
-    adamw_moments8(g, mm, vv, s, false);
-    float root[8];
-    sqrt_rn_n(root, vv);
-    adamw_parameters8(p, mm, root, s, decay);
-    uint8_t ym, yv;
-    const uint32_t lane_random = am::moment_random_lane(at, s.step);  // at: a multiple of 8
-    const uint2 cm = quantize_pair_block(mm, false, 0, ym), cv = quantize_pair_block(root, true, lane_random, yv);
-    if (n == 0) continue;
-    if ((threadIdx.x & 1) == 0) {
-      m_scales[st / kB] = ym;
-      v_scales[st / kB] = yv;
-    }
-    uint16_t h[8], l[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const am::MasterSplit out = am::split_master(p[j]);
-      h[j] = out.hi;
-      l[j] = static_cast<uint16_t>(out.lo);
-    }
-    if (n == 8) {
-      __stcs(reinterpret_cast<uint2*>(m + st), cm);
-      __stcs(reinterpret_cast<uint2*>(v + st), cv);
-      __stcs(reinterpret_cast<uint4*>(hi + at), pack8(h));
-      __stcs(reinterpret_cast<uint4*>(lo + st), pack8(l));
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (j < n) {
-          hi[at + j] = h[j];
-          lo[st + j] = static_cast<int16_t>(l[j]);
-          m[st + j] = static_cast<uint8_t>((j < 4 ? cm.x : cm.y) >> (8 * (j % 4)));
-          v[st + j] = static_cast<uint8_t>((j < 4 ? cv.x : cv.y) >> (8 * (j % 4)));
-        }
-    }
-    if (mirror_out)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (j < n) mirror_out[i + j] = p[j];
-  }
-  cp_async_wait<0>();
-}
-
 // Staged blocks of 512 threads (2 an SM): 23.5 ms a mixtral-mini fp8 step against 24.4 with
 // 256 (4 an SM), 25.7 with 128 and 24.0 with 128 threads in 3 stages (ncu, 2026-12-04).
 constexpr int kStagedThreads = 512;
 constexpr size_t kStagedBytes = size_t{2} * (2 + 2 * Moments<true>::kUnits + 2) * kStagedThreads * sizeof(uint4);
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 }  // namespace
 
@@ -699,12 +367,8 @@ void multi_tensor_adamw(bf16* hi, int16_t* lo, float* mirror, const float* grads
     MOE_CHECKF(aligned16(hi) && aligned16(lo) && aligned16(grads) && aligned16(grads16) && aligned16(m) &&
                    aligned16(v) && moments.m_scales && moments.v_scales,
                "multi_tensor_adamw: fp8 moments need 16-byte aligned blocks and their scales");
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(multi_tensor_adamw_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kFp8StagedBytes)));
-    multi_tensor_adamw_fp8_kernel<<<blocks, kFp8Threads, kFp8StagedBytes, stream>>>(
-        bits(hi), lo, mirror, grads, bits(grads16), static_cast<uint8_t*>(m), static_cast<uint8_t*>(v),
-        moments.m_scales, moments.v_scales, segments, n_segments, scalars);
-    MOE_CUDA_CHECK_LAUNCH();
+    adamw_kernels::multi_tensor_adamw_fp8(bits(hi), lo, mirror, grads, bits(grads16), moments, segments, n_segments,
+                                          blocks, scalars, stream);
     return;
   }
   const bool bf16_moments = moments.dtype == MomentDtype::Bf16;

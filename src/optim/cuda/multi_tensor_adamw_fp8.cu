@@ -1,0 +1,207 @@
+// The multi-tensor AdamW with fp8 moments (optimizer.state_dtype = fp8): the kernel and
+// its launch; multi_tensor_adamw.cu dispatches here.
+#include <cstdint>
+
+#include "optim/cuda/multi_tensor_adamw_parts.cuh"
+
+namespace moe::cuda::adamw_kernels {
+namespace {
+
+// A segment's state starts on a block of am::kMomentBlock = 16 (GpuOptimizer checks), and
+// so does each chunk's: a thread updates 8 elements a pass as the bf16 kernel does, two
+// adjacent lanes one block (its amax through one shuffle), and stages its next pass in
+// shared memory (cp.async: hi, lo, the gradients, and m's and v's 8 codes together in one
+// 16-byte slot); the two scale bytes of the next pass are loaded into registers early. The
+// update computes in fp32 (adamw_moments8, adamw_parameters8), as adamw_update_range does,
+// from v = the stored sqrt(v) squared; the new m is rounded to nearest, sqrt(v)
+// stochastically (am::moment_random of the element's block offset and the step: one hash a
+// lane); the lane(s) at a segment's ragged end load and store their few elements one by one.
+constexpr int kFp8Threads = 512;
+constexpr int kFp8Units = 5;  // hi, lo, m|v codes, the gradients (fp32: 2)
+constexpr size_t kFp8StagedBytes = size_t{2} * kFp8Units * kFp8Threads * sizeof(uint4);
+
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem) : "memory");
+}
+
+// One block's codes for the values in `x` (8 a lane, the pair's 16 together): the block's
+// scale byte (both lanes) and the lane's 8 codes packed in a uint2: m's to nearest
+// (am::m_code), sqrt(v)'s stochastically with the lane's random bits (am::root_code,
+// am::moment_random's bits for element j: lane_random x multiplier j).
+__device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool root, uint32_t lane_random,
+                                                     uint8_t& scale) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // every lane of the warp is here
+  scale = am::moment_scale_byte(amax);
+  uint32_t w[2] = {0, 0};
+  if (root) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      w[j / 4] |= static_cast<uint32_t>(am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j)))
+                  << (8 * (j % 4));
+  } else {  // am::m_code with the converts in pairs (cvt.rn.satfinite.e4m3x2.f32: each value
+            // rounded on its own, the first in the low byte): half the converts, no byte packing
+    const float inverse = am::moment_inverse_scale(scale);
+#pragma unroll
+    for (int j = 0; j < 8; j += 2)
+      w[j / 4] |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(
+                      make_float2(am::mul(x[j], inverse), am::mul(x[j + 1], inverse)), __NV_SATFINITE, __NV_E4M3))
+                  << (8 * (j % 4));
+  }
+  return make_uint2(w[0], w[1]);
+}
+// am::moment_value on 8 codes, decoded in pairs (cvt.rn.f16x2.e4m3x2: exact), then scaled.
+__device__ __forceinline__ void decode8(uint2 codes, uint8_t scale, float (&out)[8]) {
+  const uint32_t w[2] = {codes.x, codes.y};
+  const float factor = am::moment_scale(scale);
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(w[j / 4] >> (8 * (j % 4)));
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    out[j] = am::mul(f.x, factor);
+    out[j + 1] = am::mul(f.y, factor);
+  }
+}
+
+__global__ void __launch_bounds__(kFp8Threads, 2)
+    multi_tensor_adamw_fp8_kernel(uint16_t* __restrict__ hi, int16_t* __restrict__ lo, float* __restrict__ mirror,
+                                  const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
+                                  uint8_t* __restrict__ m, uint8_t* __restrict__ v, uint8_t* __restrict__ m_scales,
+                                  uint8_t* __restrict__ v_scales, const OptimizerSegment* segments, int64_t n_segments,
+                                  const am::AdamWScalars* scalars) {
+  constexpr int kB = am::kMomentBlock;
+  static_assert(kB == 16, "a block is the 8 elements of two adjacent lanes");
+  const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
+  const am::AdamWScalars& s = chunk.s;
+  if (s.skip) return;
+  const OptimizerSegment& seg = chunk.seg;
+  const int64_t begin = chunk.begin, state = chunk.state;
+  const int32_t length = chunk.length;
+  const float decay = chunk.decay;
+  float* mirror_out = chunk.mirror_out;
+  const int32_t blocks_end = (length + kB - 1) / kB * kB;
+  const bool half = seg.bf16_grad != 0;
+
+  extern __shared__ uint4 staged[];  // [2 stages][kFp8Units][kFp8Threads]
+  const auto slot = [&](int stage, int unit) { return staged + (stage * kFp8Units + unit) * kFp8Threads + threadIdx.x; };
+  const auto stage_in = [&](int32_t i, int stage) {
+    if (i + 8 <= length) {  // a whole 8 (the ragged end's lane loads its few directly)
+      const int64_t at = begin + i, st = state + i;
+      cp_async16(slot(stage, 0), hi + at);
+      cp_async16(slot(stage, 1), lo + st);
+      cp_async8(slot(stage, 2), m + st);
+      cp_async8(reinterpret_cast<char*>(slot(stage, 2)) + 8, v + st);
+      if (half) {
+        cp_async16(slot(stage, 3), grads16 + at);
+      } else {
+        cp_async16(slot(stage, 3), grads + at);
+        cp_async16(slot(stage, 4), grads + at + 4);
+      }
+    }
+    cp_async_commit();  // empty otherwise: the group count stays one a pass
+  };
+  // Every thread runs every pass (the pair's shuffle wants the whole warp); a lane with no
+  // element left computes zeros (outside its block's amax) and stores nothing.
+  const int32_t first = static_cast<int32_t>(threadIdx.x) * 8;
+  stage_in(first, 0);
+  uint8_t xm = 0, xv = 0;  // this pass's scale bytes
+  if (first < length) xm = m_scales[(state + first) / kB], xv = v_scales[(state + first) / kB];
+  int stage = 0;
+  for (int32_t base = 0; base < blocks_end; base += kFp8Threads * 8, stage ^= 1) {
+    const int32_t i = base + first, next = i + kFp8Threads * 8;
+    const int n = length - i < 0 ? 0 : length - i < 8 ? length - i : 8;  // this lane's elements
+    stage_in(next, stage ^ 1);
+    const uint8_t this_xm = xm, this_xv = xv;
+    if (next < length) xm = m_scales[(state + next) / kB], xv = v_scales[(state + next) / kB];
+    cp_async_wait<1>();  // this pass's group is in
+    const int64_t at = begin + i, st = state + i;
+    float p[8], g[8], mm[8], vv[8];
+    if (n == 8) {
+      uint16_t h[8], l[8];
+      unpack8(*slot(stage, 0), h);
+      unpack8(*slot(stage, 1), l);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
+      const uint4 codes = *slot(stage, 2);
+      decode8(make_uint2(codes.x, codes.y), this_xm, mm);
+      decode8(make_uint2(codes.z, codes.w), this_xv, vv);  // sqrt(v): squared below
+      if (half) {
+        uint16_t g16[8];
+        unpack8(*slot(stage, 3), g16);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) g[j] = am::bf16_bits_to_float(g16[j]);
+      } else {
+        const uint4 pair[2] = {*slot(stage, 3), *slot(stage, 4)};
+        unpack_floats8(pair, g);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const bool in = j < n;
+        p[j] = in ? am::join_master(hi[at + j], lo[st + j]) : 0.0f;
+        g[j] = !in ? 0.0f : half ? am::bf16_bits_to_float(grads16[at + j]) : grads[at + j];
+        mm[j] = in ? am::moment_value(m[st + j], this_xm) : 0.0f;
+        vv[j] = in ? am::moment_value(v[st + j], this_xv) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) vv[j] = am::mul(vv[j], vv[j]);
+    adamw_moments8(g, mm, vv, s, false);
+    float root[8];
+    sqrt_rn_n(root, vv);
+    adamw_parameters8(p, mm, root, s, decay);
+    uint8_t ym, yv;
+    const uint32_t lane_random = am::moment_random_lane(at, s.step);  // at: a multiple of 8
+    const uint2 cm = quantize_pair_block(mm, false, 0, ym), cv = quantize_pair_block(root, true, lane_random, yv);
+    if (n == 0) continue;
+    if ((threadIdx.x & 1) == 0) {
+      m_scales[st / kB] = ym;
+      v_scales[st / kB] = yv;
+    }
+    uint16_t h[8], l[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const am::MasterSplit out = am::split_master(p[j]);
+      h[j] = out.hi;
+      l[j] = static_cast<uint16_t>(out.lo);
+    }
+    if (n == 8) {
+      __stcs(reinterpret_cast<uint2*>(m + st), cm);
+      __stcs(reinterpret_cast<uint2*>(v + st), cv);
+      __stcs(reinterpret_cast<uint4*>(hi + at), pack8(h));
+      __stcs(reinterpret_cast<uint4*>(lo + st), pack8(l));
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < n) {
+          hi[at + j] = h[j];
+          lo[st + j] = static_cast<int16_t>(l[j]);
+          m[st + j] = static_cast<uint8_t>((j < 4 ? cm.x : cm.y) >> (8 * (j % 4)));
+          v[st + j] = static_cast<uint8_t>((j < 4 ? cv.x : cv.y) >> (8 * (j % 4)));
+        }
+    }
+    if (mirror_out)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (j < n) mirror_out[i + j] = p[j];
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace
+
+void multi_tensor_adamw_fp8(uint16_t* hi, int16_t* lo, float* mirror, const float* grads, const uint16_t* grads16,
+                            const MomentState& moments, const OptimizerSegment* segments, int64_t n_segments,
+                            unsigned blocks, const am::AdamWScalars* scalars, Stream stream) {
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(multi_tensor_adamw_fp8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(kFp8StagedBytes)));
+  multi_tensor_adamw_fp8_kernel<<<blocks, kFp8Threads, kFp8StagedBytes, stream>>>(
+      hi, lo, mirror, grads, grads16, static_cast<uint8_t*>(moments.m), static_cast<uint8_t*>(moments.v),
+      moments.m_scales, moments.v_scales, segments, n_segments, scalars);
+  MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moe::cuda::adamw_kernels

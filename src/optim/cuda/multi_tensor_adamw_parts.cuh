@@ -1,0 +1,175 @@
+// The device pieces the multi-tensor AdamW kernels share (multi_tensor_adamw.cu: fp32 and
+// bf16 moments; multi_tensor_adamw_fp8.cu: fp8 moments): finding a block's chunk and
+// segment, the staged copies, 16-byte packing, and adamw_math::adamw_update on 8 elements.
+// Internal to optim/cuda.
+#pragma once
+#include <cstdint>
+
+#include "core/gpu.h"
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/exact_math.cuh"
+#include "kernels/gpu_ops.h"
+#include "optim/gpu_ops.h"
+
+namespace moe::cuda::adamw_kernels {
+
+namespace am = adamw_math;
+
+// The segment holding chunk c, found by the whole warp (every lane gets it): a 32-way
+// search, so a few dependent loads find it among thousands of segments. Invariant: the
+// answer is in [lo, hi] and segments[lo].first_chunk <= c; first_chunk never decreases.
+__device__ __forceinline__ int64_t warp_segment_of_chunk(const OptimizerSegment* segments, int64_t n_segments,
+                                                         int64_t c) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  int64_t lo = 0, hi = n_segments - 1;
+  while (lo < hi) {
+    const int64_t step = (hi - lo + 31) / 32;
+    const int64_t probe = lo + 1 + lane * step;  // lane j probes lo + 1 + j * step
+    const bool at_or_before = probe <= hi && segments[probe].first_chunk <= c;
+    const int k = __popc(__ballot_sync(0xffffffffu, at_or_before));  // probes 0..k-1 qualify
+    if (k == 0) {
+      hi = lo;
+    } else {
+      const int64_t new_lo = lo + 1 + (k - 1) * step;
+      if (k < 32 && lo + k * step < hi) hi = lo + k * step;  // probe k (lo + 1 + k * step) does not qualify
+      lo = new_lo;
+    }
+  }
+  return lo;
+}
+
+// A thread's own 16 bytes copied from global to shared memory without passing through its
+// registers (L2 only), in commit groups it waits on; the copy is visible to this thread
+// after the wait. Both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// Eight consecutive 16-bit values as one 16-byte access.
+__device__ __forceinline__ void unpack8(const uint4 q, uint16_t out[8]) {
+  const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    out[2 * j] = static_cast<uint16_t>(w[j] & 0xffffu);  // little-endian: the lower address first
+    out[2 * j + 1] = static_cast<uint16_t>(w[j] >> 16);
+  }
+}
+__device__ __forceinline__ uint4 pack8(const uint16_t in[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) w[j] = static_cast<uint32_t>(in[2 * j]) | static_cast<uint32_t>(in[2 * j + 1]) << 16;
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Eight floats from two 16-byte units.
+__device__ __forceinline__ void unpack_floats8(const uint4* unit, float out[8]) {
+  const uint4 a = unit[0], b = unit[1];
+  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) out[j] = __uint_as_float(w[j]);
+}
+
+// A block's chunk (blockIdx.x): the step's scalars and its segment, read once into shared
+// memory (the first warp finds the segment), and where the chunk lies.
+struct ChunkOfBlock {
+  am::AdamWScalars s;
+  OptimizerSegment seg;
+  int64_t begin = 0, state = 0;  // where the chunk starts in the block and in the state arrays
+  int32_t length = 0;
+  float decay = 1.0f;
+  float* mirror_out = nullptr;
+};
+__device__ __forceinline__ ChunkOfBlock chunk_of_block(const OptimizerSegment* segments, int64_t n_segments,
+                                                       const am::AdamWScalars* scalars, float* mirror) {
+  __shared__ am::AdamWScalars shared_scalars;
+  __shared__ OptimizerSegment shared_segment;
+  if (threadIdx.x < 32) {
+    const int64_t index = warp_segment_of_chunk(segments, n_segments, blockIdx.x);
+    if (threadIdx.x == 0) {
+      shared_scalars = *scalars;
+      shared_segment = segments[index];
+    }
+  }
+  __syncthreads();
+  ChunkOfBlock c;
+  c.s = shared_scalars;
+  c.seg = shared_segment;
+  const int64_t within = (static_cast<int64_t>(blockIdx.x) - c.seg.first_chunk) * am::kNormChunk;
+  c.begin = c.seg.offset + within;
+  // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
+  c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + within;
+  c.length = static_cast<int32_t>(c.seg.numel - within < am::kNormChunk ? c.seg.numel - within : am::kNormChunk);
+  c.decay = c.seg.decay ? c.s.decay_factor : 1.0f;
+  c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + within : nullptr;
+  return c;
+}
+
+// The 8 new moments m and v rounded to bf16 as am::round_to_bf16 does: the hardware's
+// convert (one instruction a value instead of ~7 integer ones: it is am's nearest-even on
+// every value but a NaN, which it makes the canonical one), so one NaN check a group sends
+// a group holding a NaN the integer way.
+__device__ __forceinline__ void round_moments8_to_bf16(float (&m)[8], float (&v)[8]) {
+  bool nan = false;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) nan |= (m[j] != m[j]) | (v[j] != v[j]);
+  if (nan) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m[j] = am::round_to_bf16(m[j]), v[j] = am::round_to_bf16(v[j]);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    m[j] = __bfloat162float(__float2bfloat16_rn(m[j]));
+    v[j] = __bfloat162float(__float2bfloat16_rn(v[j]));
+  }
+}
+
+// am::adamw_update on 8 elements, bit for bit, in three steps: the moments one by one
+// (bf16 moments rounded 8 at a time), the square roots of the new v, then the parameters
+// with the two divisions 8 at a time (exact_math.cuh: one range check a group instead of a
+// branch per element, so the 8 interleave). The fp8 kernel quantises the roots it also
+// stores (sqrt(v)'s codes) between the last two.
+__device__ __forceinline__ void adamw_moments8(const float (&g)[8], float (&m)[8], float (&v)[8],
+                                               const am::AdamWScalars& s, bool bf16_moments) {
+  // The bf16 moments come from bf16 storage: adamw_moments's read_exact, its rounding below.
+#pragma unroll
+  for (int j = 0; j < 8; ++j) am::adamw_moments(g[j], m[j], v[j], s, /*bf16_moments=*/false, true);
+  if (bf16_moments) round_moments8_to_bf16(m, v);
+}
+// p: the parameters in, the new ones out; root: sqrt of the new v.
+__device__ __forceinline__ void adamw_parameters8(float (&p)[8], const float (&m)[8], const float (&root)[8],
+                                                  const am::AdamWScalars& s, float decay) {
+  float corrected[8], numerator[8], denom[8], update[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) corrected[j] = root[j];
+  if (s.sqrt_bias2 != 1.0f) {
+    float bias[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) bias[j] = s.sqrt_bias2;
+    div_rn_n(corrected, root, bias);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    denom[j] = am::add(corrected[j], s.eps);
+    numerator[j] = am::mul(s.step_size, m[j]);
+  }
+  div_rn_n(update, numerator, denom);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) p[j] = am::sub(am::mul(p[j], decay), update[j]);
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// multi_tensor_adamw with fp8 moments (multi_tensor_adamw_fp8.cu): one block a chunk, its
+// arrays 16-byte aligned (checked by the caller).
+void multi_tensor_adamw_fp8(uint16_t* hi, int16_t* lo, float* mirror, const float* grads, const uint16_t* grads16,
+                            const MomentState& moments, const OptimizerSegment* segments, int64_t n_segments,
+                            unsigned blocks, const am::AdamWScalars* scalars, Stream stream);
+
+}  // namespace moe::cuda::adamw_kernels
