@@ -116,6 +116,7 @@ struct TrainingConfig {
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales
   GemmBackend fp8_gemm_backend = GemmBackend::Auto;  // GPU fp8: the GEMMs' kernels
   GemmBackend bf16_gemm_backend = GemmBackend::Auto;  // GPU bf16: the experts' grouped GEMMs' kernels
+  bool interleave_gate_up = true;  // GPU bf16 DeepGEMM: w1|w3 kept per expert, gate|up one GEMM each way
 
   // The key `p`'s GEMMs read (fp8 runs fp8_gemm_backend, bf16 runs bf16_gemm_backend): its one owner.
   GemmBackend& gemm_backend(TrainingPrecision p) {

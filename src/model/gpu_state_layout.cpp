@@ -1,5 +1,7 @@
 #include "model/gpu_state_layout.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 
 namespace moe {
@@ -44,6 +46,35 @@ RangeList byte_ranges(const RangeList& elements, int64_t elem_bytes) {
   out.reserve(elements.size());
   for (const Range& r : elements) out.push_back({r.offset * elem_bytes, r.count * elem_bytes});
   return out;
+}
+
+int64_t HiInterleave::hi_offset(int64_t offset) const {
+  MOE_CHECK(offset >= first && offset < end(), "interleaved gate|up: element {} outside [{}, {})", offset, first, end());
+  const int64_t within = offset - first, tensor_numel = experts * per_expert;
+  const int64_t t = within / tensor_numel, e = within % tensor_numel / per_expert, k = within % per_expert;
+  return first + (2 * e + t) * per_expert + k;
+}
+
+std::vector<HiRun> hi_runs(const std::vector<HiInterleave>& pairs, Range r) {
+  std::vector<HiRun> runs;
+  int64_t at = r.offset;
+  const int64_t end = r.end();
+  for (const HiInterleave& pair : pairs) {
+    if (at >= end) break;
+    if (pair.end() <= at) continue;
+    if (at < pair.first) {  // the piece before the pair: in place
+      const int64_t n = std::min(end, pair.first) - at;
+      runs.push_back({at, at, n});
+      at += n;
+    }
+    while (at < end && at < pair.end()) {  // up to the end of at's expert slice
+      const int64_t n = std::min({end, pair.end(), at + pair.per_expert - (at - pair.first) % pair.per_expert}) - at;
+      runs.push_back({at, pair.hi_offset(at), n});
+      at += n;
+    }
+  }
+  if (at < end) runs.push_back({at, at, end - at});
+  return runs;
 }
 
 }  // namespace moe

@@ -32,6 +32,24 @@ struct StageSharing {
 };
 StageSharing share_by_stages(const RangeList& kept, const std::vector<RangeList>& stage_ranges);
 
+// training.interleave_gate_up: an MoE layer's w1 [E, F, D] at `first` and w3 right after it
+// whose hi halves (the bf16 weights the GEMMs read) the store keeps expert by expert, w1_e
+// then w3_e, so that [w1_e; w3_e] is one [2F, D] operand (docs/KERNEL_ROADMAP.md); the
+// gradients, lo halves and moments keep the parameters' order. per_expert = F x D.
+struct HiInterleave {
+  int64_t first = 0, experts = 0, per_expert = 0;
+  int64_t end() const { return first + 2 * experts * per_expert; }
+  // Where block element `offset` (in [first, end())) has its hi half.
+  int64_t hi_offset(int64_t offset) const;
+};
+// Block elements [offset, offset + count) whose hi halves lie back to back at `hi`.
+struct HiRun {
+  int64_t offset = 0, hi = 0, count = 0;
+};
+// The runs of block range r, in order, under `pairs` (sorted, disjoint): one run where r
+// meets no pair, else one per expert slice (and per piece outside the pairs) it touches.
+std::vector<HiRun> hi_runs(const std::vector<HiInterleave>& pairs, Range r);
+
 // Element ranges as byte ranges of `elem_bytes` per element.
 RangeList byte_ranges(const RangeList& elements, int64_t elem_bytes);
 

@@ -37,6 +37,10 @@ struct OptimizerSegment {
   // 1: the segment's gradients are bf16, in the grads16 block (same offsets as the fp32
   // one; training.expert_grad_dtype = bf16), read widened (exactly).
   int32_t bf16_grad = 0;
+  // Interleaved gate|up (GpuParameterStore::interleave_hi): the segment's hi halves in runs
+  // of hi_run elements hi_stride apart from hi_offset (hi_run a multiple of
+  // adamw_math::kNormChunk, so a chunk lies in one run); hi_run 0: at offset, as the gradients.
+  int64_t hi_offset = 0, hi_run = 0, hi_stride = 0;
 };
 
 // The global gradient norm, the CPU's (optim/grad_clip.cpp) bit for bit: per chunk an fp64

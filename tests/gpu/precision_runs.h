@@ -36,6 +36,7 @@ struct Mode {
   bool block_columns = false;     // x's and act's token columns 128x128 (training.fp8_weight_gradient_scales)
   bool padded = false;            // rows padded per expert, DeepGEMM's GEMMs (training.fp8_gemm_backend)
   bool bf16_padded = false;       // the same for the bf16 experts (training.bf16_gemm_backend)
+  bool interleave = false;        // with bf16_padded: w1 | w3 interleaved (training.interleave_gate_up)
   bool overwrite_grads = false;   // the first micro-batch writes the gradients (begin_gradients), as the trainer's
 };
 inline constexpr Mode kBf16{}, kExperts{true, false}, kProjections{false, true}, kAll{true, true};
@@ -54,6 +55,7 @@ inline PrecisionRun run(const Mode& mode, int steps, const ModelConfig& config =
   options.fp8_weight_gradient_scales = mode.block_columns ? Fp8ColumnScales::Block128x128 : Fp8ColumnScales::Tile1x128;
   options.fp8_deepgemm = mode.padded;
   options.bf16_deepgemm = mode.bf16_padded;
+  options.interleave_gate_up = mode.interleave;
   GpuTransformer gpu(config, host.params(), options);
   gpu.enable_graphs(mode.graphs);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "fp8_gemm_test_util.h"
+#include "kernels/adamw_math.h"
 #include "precision_runs.h"
 
 namespace moe {
@@ -24,9 +25,11 @@ using test::Part;
 using test::relative_distance;
 using test::run;
 
-Mode padded(bool bf16_grads) {
+// As the trainer runs it: w1 | w3 interleaved (training.interleave_gate_up) unless told.
+Mode padded(bool bf16_grads, bool interleave = true) {
   Mode mode = kBf16;
   mode.bf16_padded = true;
+  mode.interleave = interleave;
   mode.bf16_grads = bf16_grads;
   mode.overwrite_grads = true;  // as the trainer: the first micro-batch's weight gradients written (beta 0)
   return mode;
@@ -93,6 +96,32 @@ TEST(GpuBf16DeepGemm, RerunsAndRecomputationAndGraphsAreBitIdentical) {
       EXPECT_EQ(other.losses, first.losses) << name << (bf16_grads ? ", bf16 expert gradients" : "");
       EXPECT_TRUE(other.grads == first.grads) << name << " changes the padded path's gradients";
     }
+  }
+}
+
+// training.interleave_gate_up: gate|up as one GEMM each way over the interleaved weights.
+// The forward's bits are the two launches' (each output's sum over K is the same), so the
+// first step's losses are equal; dx is rounded once instead of twice, so the gradients and
+// later losses differ within that rounding; reruns are bit-identical. The small model's
+// expert slice (128 x 128) is a multiple of the AdamW chunk, so the interleave applies.
+TEST(GpuBf16DeepGemm, InterleavedGateUpKeepsTheForwardAndTracksTheSeparateLayout) {
+  MOE_REQUIRE_DEEPGEMM();
+  const ModelConfig config = test::small_moe_model(0.0);
+  ASSERT_EQ(config.moe.expert_hidden * config.dim % adamw_math::kNormChunk, 0) << "the interleave would not apply";
+  for (const bool bf16_grads : {false, true}) {
+    const std::string what = bf16_grads ? "bf16 expert gradients" : "fp32 expert gradients";
+    const test::PrecisionRun joined = run(padded(bf16_grads), 3), separate = run(padded(bf16_grads, false), 3);
+    ASSERT_EQ(joined.losses.size(), separate.losses.size());
+    EXPECT_EQ(joined.losses[0], separate.losses[0]) << what << ": the interleaved forward changed the bits";
+    for (size_t i = 1; i < joined.losses.size(); ++i)
+      EXPECT_NEAR(joined.losses[i], separate.losses[i], 1e-3 * separate.losses[i]) << what << ", step " << i;
+    const double distance = relative_distance(joined, separate);
+    std::printf("  %s: gradients of the joined data gradient from the two launches': %.6f\n", what.c_str(), distance);
+    EXPECT_GT(distance, 0.0) << what << ": the joined launch did not run";
+    EXPECT_LT(distance, 0.01) << what;
+    const test::PrecisionRun again = run(padded(bf16_grads), 3);
+    EXPECT_EQ(again.losses, joined.losses) << what;
+    EXPECT_TRUE(again.grads == joined.grads) << what << ": an interleaved rerun's gradients differ";
   }
 }
 

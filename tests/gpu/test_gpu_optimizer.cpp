@@ -302,6 +302,77 @@ TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
   EXPECT_EQ(GpuParameterStore::bytes_per_parameter(GetParam()), bf16 ? 12.0 : fp8 ? 10.125 : 16.0);
 }
 
+// training.interleave_gate_up's store (GpuParameterStore::interleave_hi): w1 | w3's hi
+// halves expert by expert, the rest in place. Against a plain store of the same values:
+// the same norms, parameters and moments after clipped steps, through a state upload and a
+// range's download, bit for bit; and the hi halves where HiInterleave::hi_offset puts them
+// (so the kernel's and the store's runs follow the layout, not only each other).
+TEST_P(GpuMultiTensorAdamW, InterleavedGateUpStepsLikeThePlainLayout) {
+  MOE_REQUIRE_GPU();
+  const int64_t C = am::kNormChunk, E = 3, per_expert = 2 * C;
+  ParameterStore<float> params;
+  params.add(ParamSpec{"before", Shape{C + 5}, Init::Normal, 0.3});
+  params.add(ParamSpec{"w1", Shape{E, per_expert}, Init::Normal, 0.3});
+  params.add(ParamSpec{"w3", Shape{E, per_expert}, Init::Normal, 0.3});
+  params.add(ParamSpec{"after", Shape{24}, Init::Normal, 0.3});
+  params.allocate(5);
+  const HiInterleave pair{params.offset(1), E, per_expert};
+  ASSERT_EQ(params.offset(2), pair.first + E * per_expert);
+  GpuParameterStore plain(params, GetParam(), {}, nullptr), interleaved(params, GetParam(), {}, nullptr);
+  interleaved.interleave_hi({pair});
+  EXPECT_EQ(interleaved.hi_offset(pair.first + per_expert), pair.first + 2 * per_expert);  // w1_1 after w1_0 | w3_0
+  GpuOptimizer a(plain, params, nullptr), b(interleaved, params, nullptr);
+  const OptimizerConfig oc = config();
+  for (int64_t step = 1; step <= 3; ++step) {
+    fill_grads(params, step, step == 2 ? 1.0 : 1e-5);
+    plain.upload_grads(params);
+    interleaved.upload_grads(params);
+    const AdamWStep hyper{1e-3 * static_cast<double>(step), oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step};
+    a.clip_and_adamw_step(hyper, 1.0);
+    b.clip_and_adamw_step(hyper, 1.0);
+    EXPECT_EQ(b.last_grad_norm(), a.last_grad_norm()) << "step " << step;
+  }
+  const auto state = [&](GpuParameterStore& store) {
+    ParameterStore<float> holder = params;
+    std::vector<float> m, v;
+    store.download_state(holder, m, v);
+    std::vector<float> all(holder.values_data(), holder.values_data() + holder.storage_numel());
+    all.insert(all.end(), m.begin(), m.end());
+    all.insert(all.end(), v.begin(), v.end());
+    return all;
+  };
+  const std::vector<float> want = state(plain);
+  const auto same = [](const std::vector<float>& x, const std::vector<float>& y) {
+    return x.size() == y.size() && std::equal(x.begin(), x.end(), y.begin(), [](float p, float q) { return bits(p) == bits(q); });
+  };
+  EXPECT_TRUE(same(state(interleaved), want)) << "the interleaved store stepped other values";
+  std::vector<bf16> hi_plain(static_cast<size_t>(plain.storage_numel())), hi(hi_plain.size());
+  MOE_CUDA_CHECK(cudaMemcpy(hi_plain.data(), plain.weights(), hi.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(hi.data(), interleaved.weights(), hi.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+  size_t misplaced = 0;
+  for (int64_t i = 0; i < plain.storage_numel(); ++i) {
+    const int64_t at = i >= pair.first && i < pair.end() ? pair.hi_offset(i) : i;
+    misplaced += hi[static_cast<size_t>(at)].bits != hi_plain[static_cast<size_t>(i)].bits;
+  }
+  EXPECT_EQ(misplaced, 0u) << "hi halves away from HiInterleave::hi_offset";
+  // A state uploaded into another interleaved store comes back; a range across the pair's
+  // edge and its expert slices reads the plain store's values.
+  ParameterStore<float> stepped = params;
+  std::vector<float> m, v;
+  plain.download_state(stepped, m, v);
+  GpuParameterStore other(params, GetParam(), {}, nullptr);
+  other.interleave_hi({pair});
+  other.upload_state(stepped, m, v);
+  EXPECT_TRUE(same(state(other), want)) << "upload_state into an interleaved store";
+  const Range r{pair.first - 3, per_expert + C / 2 + 3};
+  std::vector<float> got(static_cast<size_t>(r.count)), expected(got.size());
+  plain.download_range(r, expected.data(), nullptr, nullptr);
+  other.download_range(r, got.data(), nullptr, nullptr);
+  EXPECT_TRUE(same(got, expected)) << "download_range across the interleaved pair";
+  other.upload_range(r, expected.data(), nullptr, nullptr);
+  EXPECT_TRUE(same(state(other), want)) << "upload_range across the interleaved pair";
+}
+
 ModelConfig small_model() {
   ModelConfig c;
   c.vocab_size = 384;

@@ -35,5 +35,39 @@ TEST(GpuStateLayout, SharingByStagesKeepsTheEndsAndTheEdges) {
   EXPECT_EQ(byte_ranges({{3, 2}}, 4), (RangeList{{12, 8}}));
 }
 
+// Interleaved gate|up (training.interleave_gate_up): every element of w1 | w3 lands on its
+// own hi slot, w1_e then w3_e, and the runs cover a range in order, each back to back in
+// both orders and inside one expert slice.
+TEST(GpuStateLayout, InterleavedGateUpIsAPermutationCutIntoExpertRuns) {
+  const HiInterleave pair{100, 3, 4};  // w1 [3 experts x 4] at 100, w3 at 112, up to 124
+  std::vector<int64_t> seen;
+  for (int64_t i = pair.first; i < pair.end(); ++i) seen.push_back(pair.hi_offset(i));
+  // w1_0 (100..103) -> 100..103, w3_0 (112..115) -> 104..107, w1_1 -> 108..111, ...
+  EXPECT_EQ(seen, (std::vector<int64_t>{100, 101, 102, 103, 108, 109, 110, 111, 116, 117, 118, 119,
+                                        104, 105, 106, 107, 112, 113, 114, 115, 120, 121, 122, 123}));
+  EXPECT_THROW(pair.hi_offset(124), Error);
+  const HiInterleave later{200, 2, 8};
+  for (const Range r : {Range{0, 300}, Range{98, 9}, Range{101, 14}, Range{120, 90}, Range{50, 10}, Range{210, 1}}) {
+    const std::vector<HiRun> runs = hi_runs({pair, later}, r);
+    int64_t at = r.offset;
+    for (const HiRun& run : runs) {
+      ASSERT_EQ(run.offset, at);
+      ASSERT_GT(run.count, 0);
+      for (int64_t k = 0; k < run.count; ++k) {
+        const int64_t i = run.offset + k;
+        const int64_t want = i >= pair.first && i < pair.end()     ? pair.hi_offset(i)
+                             : i >= later.first && i < later.end() ? later.hi_offset(i)
+                                                                   : i;
+        ASSERT_EQ(run.hi + k, want) << "element " << i;
+      }
+      at += run.count;
+    }
+    EXPECT_EQ(at, r.end());
+  }
+  EXPECT_EQ(hi_runs({pair}, {10, 20}).size(), 1u);    // outside: one run in place
+  EXPECT_EQ(hi_runs({pair}, {98, 9}).size(), 3u);     // 98..99 in place, w1_0 100..103, w1_1 104..106
+  EXPECT_EQ(hi_runs({pair}, {0, 300}).size(), 8u);    // before, 6 slices, after
+}
+
 }  // namespace
 }  // namespace moe

@@ -157,8 +157,9 @@ void GpuTransformer::State::experts_gate_up_gemm(Layer& layer, bool x_quantised)
   const int64_t D = config.dim, F = config.moe.expert_hidden;
   MoEBuffers& m = layer.act->moe;
   bf16* gate_up_sets[2] = {m.gate_up_rows->data(), m.gate_up_rows->data() + F};
-  // Padded rows: w1 and w3 as one operand, one GEMM over N = 2F.
-  if (fp8_padded_rows) {
+  // Padded fp8 rows (the weight cache's joined copy) or interleaved bf16 weights: w1 and w3
+  // as one operand, one GEMM over N = 2F.
+  if (fp8_padded_rows || gate_up_interleaved) {
     const int gate_up[1] = {Fp8ExpertWeights::kGateUp};
     expert_forward(layer, m, 1, gate_up_sets, 2 * F, m.x_rows->data(), D, gate_up, 2 * F, D, x_quantised);
     return;
@@ -170,8 +171,8 @@ void GpuTransformer::State::experts_gate_up_gemm(Layer& layer, bool x_quantised)
 void GpuTransformer::State::experts_gate_up_backward_data(Layer& layer, const MoEBuffers& m,
                                                           const bf16* dgate_up, bool quantised) {
   const int64_t D = config.dim, F = config.moe.expert_hidden;
-  // Padded rows: d gate | d up one [R, 2F] operand, w1 and w3 one, one GEMM over K = 2F.
-  if (fp8_padded_rows) {
+  // The same: d gate | d up one [R, 2F] operand, w1 and w3 one, one GEMM over K = 2F.
+  if (fp8_padded_rows || gate_up_interleaved) {
     expert_backward_data(layer, m, dx_rows.data(), D, dgate_up, 2 * F, Fp8ExpertWeights::kGateUp, D, 2 * F, 0.0f,
                          quantised ? 0 : -1);
     return;

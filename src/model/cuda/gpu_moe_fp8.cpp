@@ -16,9 +16,14 @@ namespace moe {
 
 namespace {
 
-const Param& expert_tensor(const Layer& layer, int tensor) {
-  MOE_CHECK(tensor != Fp8ExpertWeights::kGateUp, "experts: the gate|up operand is no stored tensor");
-  return tensor == Fp8ExpertWeights::kW1 ? layer.w1 : tensor == Fp8ExpertWeights::kW3 ? layer.w3 : layer.w2;
+// The bf16 weights' tensor: the gate|up operand is w1's (local_w's [2F, D] an expert) where
+// gate|up is interleaved.
+const Param& expert_tensor(const Layer& layer, int tensor, bool gate_up_interleaved) {
+  MOE_CHECK(tensor != Fp8ExpertWeights::kGateUp || gate_up_interleaved,
+            "experts: the gate|up operand is no stored tensor");
+  return tensor == Fp8ExpertWeights::kW1 || tensor == Fp8ExpertWeights::kGateUp ? layer.w1
+         : tensor == Fp8ExpertWeights::kW3                                      ? layer.w3
+                                                                                : layer.w2;
 }
 
 }  // namespace
@@ -75,8 +80,8 @@ void GpuTransformer::State::quantize_expert_tensor(Layer& layer, int tensor, uin
   if (tensor != Fp8ExpertWeights::kGateUp) {
     // w1, w3: [E, F, D]; w2: [E, D, F].
     const int64_t N = tensor == Fp8ExpertWeights::kW2 ? D : F, K = tensor == Fp8ExpertWeights::kW2 ? F : D;
-    cuda::quantize_weight_blocks(codes, scales, codes_t, scales_t, local_w(layer, expert_tensor(layer, tensor)), E, N,
-                                 K, stream);
+    cuda::quantize_weight_blocks(codes, scales, codes_t, scales_t,
+                                 local_w(layer, expert_tensor(layer, tensor, gate_up_interleaved)), E, N, K, stream);
     return;
   }
   MOE_CHECK(fp8_padded_rows, "experts: w1 and w3 as one gate|up operand only with rows padded per expert");
@@ -102,7 +107,7 @@ void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, in
   MOE_CHECK(sets >= 1 && sets <= cuda::ExpertGemm::kMaxSets, "experts: {} weight sets", sets);
   if (!fp8) {
     const bf16* w[cuda::ExpertGemm::kMaxSets] = {};
-    for (int s = 0; s < sets; ++s) w[s] = local_w(layer, expert_tensor(layer, tensors[s]));
+    for (int s = 0; s < sets; ++s) w[s] = local_w(layer, expert_tensor(layer, tensors[s], gate_up_interleaved));
     if (padded_expert_gemm_bf16)
       padded_expert_gemm_bf16->forward(sets, out, ld_out, x, ld_x, w, offsets, expert_rows(m), N, K, stream);
     else
@@ -149,7 +154,7 @@ void GpuTransformer::State::expert_backward_data(Layer& layer, const MoEBuffers&
                                                  float beta, int dy_quantised_set) {
   const int32_t* offsets = expert_offsets(m);
   if (!fp8) {
-    const bf16* w = local_w(layer, expert_tensor(layer, tensor));
+    const bf16* w = local_w(layer, expert_tensor(layer, tensor, gate_up_interleaved));
     if (padded_expert_gemm_bf16)
       padded_expert_gemm_bf16->backward_data(out, ld_out, dy, ld_dy, w, offsets, expert_rows(m), N, K, beta, stream);
     else
@@ -196,14 +201,14 @@ void GpuTransformer::State::expert_backward_weight(Layer& layer, const MoEBuffer
   const float beta = overwrite_grads ? 0.0f : 1.0f;  // begin_gradients: written, not added
   if (store->grads_bf16() != nullptr) {
     bf16* dw[cuda::ExpertGemm::kMaxSets] = {};
-    for (int s = 0; s < sets; ++s) dw[s] = local_g16(layer, expert_tensor(layer, tensors[s]));
+    for (int s = 0; s < sets; ++s) dw[s] = local_g16(layer, expert_tensor(layer, tensors[s], false));
     if (beta == 0.0f && deepgemm_weight_gradients(layer))
       padded_expert_gemm_bf16->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, expert_rows(m), N, K, stream);
     else
       expert_gemm->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, N, K, stream, beta);
   } else {
     float* dw[cuda::ExpertGemm::kMaxSets] = {};
-    for (int s = 0; s < sets; ++s) dw[s] = local_g(layer, expert_tensor(layer, tensors[s]));
+    for (int s = 0; s < sets; ++s) dw[s] = local_g(layer, expert_tensor(layer, tensors[s], false));
     expert_gemm->backward_weight(sets, dw, dy, ld_dy, x, ld_x, offsets, N, K, stream, beta);
   }
 }

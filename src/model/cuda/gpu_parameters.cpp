@@ -49,6 +49,7 @@ struct GpuParameterStore::State {
   RangeList grads_held;   // share_gradients: the gradients with memory of their own (empty: resident)
   RangeList weights_held;  // share_weights: the hi halves with memory of their own (empty: resident)
   uint64_t weights_version = 1;  // weights_version(): bumped by every writer of hi
+  std::vector<HiInterleave> interleaved;  // interleave_hi
   mutable Buffer<float> staging_buffer;     // download_range / upload_range
   mutable Buffer<int16_t> lo_scratch;       // lo halves of uploaded values no rank keeps here
   bool bf16_moments() const { return moments == MomentDtype::Bf16; }
@@ -83,6 +84,16 @@ struct GpuParameterStore::State {
       cuda::round_to_bf16(reinterpret_cast<bf16*>(at), in, n, stream);
   }
   bf16* hi_data() const { return static_cast<bf16*>(hi.data()); }
+  // f(hi, at, n) over the runs of block elements [at, at + n) whose hi halves lie back to
+  // back (one run unless gate|up is interleaved): hi = where element at's is.
+  template <class F>
+  void for_hi_runs(int64_t at, int64_t n, F&& f) const {
+    if (interleaved.empty()) {
+      f(hi_data() + at, at, n);
+      return;
+    }
+    for (const HiRun& run : hi_runs(interleaved, {at, n})) f(hi_data() + run.hi, run.offset, run.count);
+  }
   int16_t* lo_data() const { return static_cast<int16_t*>(lo.data()); }
   float* grads_data() const { return static_cast<float*>(grads.data()); }
   bf16* grads16_data() const { return static_cast<bf16*>(grads16.data()); }
@@ -151,6 +162,7 @@ struct GpuParameterStore::State {
   // Makes `ranges` of every block resident (new gradients and moments zeroed).
   void set_resident(RangeList ranges) {
     MOE_CHECK(!packed(), "GPU parameters: the resident ranges cannot change while the optimizer state is packed");
+    MOE_CHECK(interleaved.empty(), "GPU parameters: the resident ranges cannot change with gate|up interleaved");
     const auto bytes = [&](size_t element) {
       RangeList out;
       for (const Range& r : ranges)
@@ -190,7 +202,10 @@ struct GpuParameterStore::State {
       MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(piece) * sizeof(float),
                                      cudaMemcpyHostToDevice, stream));
       int16_t* lo_out = keep_lo ? lo_at(r.offset + done) : lo_scratch.data();
-      cuda::split_master(hi_data() + r.offset + done, lo_out, staging.data(), piece, stream);
+      for_hi_runs(r.offset + done, piece, [&](bf16* hi_out, int64_t at, int64_t n) {
+        const int64_t k = at - (r.offset + done);
+        cuda::split_master(hi_out, lo_out + k, staging.data() + k, n, stream);
+      });
       done += piece;
     }
   }
@@ -273,6 +288,40 @@ bf16* GpuParameterStore::weights_hi() {
   return state_->hi_data();
 }
 uint64_t GpuParameterStore::weights_version() const { return state_->weights_version; }
+
+void GpuParameterStore::interleave_hi(std::vector<HiInterleave> pairs) {
+  State& s = *state_;
+  MOE_CHECK(s.interleaved.empty(), "GPU parameters: gate|up is interleaved already");
+  const RangeList whole{{0, s.storage}};
+  MOE_CHECK(!s.packed() && s.resident == whole,
+            "GPU parameters: gate|up interleaved needs every element resident and the optimizer state unpacked");
+  std::sort(pairs.begin(), pairs.end(), [](const HiInterleave& a, const HiInterleave& b) { return a.first < b.first; });
+  for (size_t i = 0; i < pairs.size(); ++i) {
+    const HiInterleave& p = pairs[i];
+    MOE_CHECK(p.experts > 0 && p.per_expert > 0 && p.first >= 0 && p.end() <= s.storage &&
+                  (i == 0 || pairs[i - 1].end() <= p.first),
+              "GPU parameters: interleaved gate|up pair [{}, {}) is empty, outside the block or overlaps another",
+              p.first, p.end());
+    // [w1_0 .. w1_E-1, w3_0 .. w3_E-1] -> [w1_0, w3_0, w1_1, w3_1, ...] through a copy.
+    const auto per_expert_bytes = static_cast<size_t>(p.per_expert) * sizeof(bf16);
+    Buffer<bf16> copy(static_cast<size_t>(2 * p.experts * p.per_expert));
+    bf16* at = s.hi_data() + p.first;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(copy.data(), at, copy.size() * sizeof(bf16), cudaMemcpyDeviceToDevice, s.stream));
+    for (int64_t t = 0; t < 2; ++t)
+      MOE_CUDA_CHECK(cudaMemcpy2DAsync(at + t * p.per_expert, 2 * per_expert_bytes,
+                                       copy.data() + t * p.experts * p.per_expert, per_expert_bytes, per_expert_bytes,
+                                       static_cast<size_t>(p.experts), cudaMemcpyDeviceToDevice, s.stream));
+    s.sync();  // before the copy goes
+  }
+  s.interleaved = std::move(pairs);
+  ++s.weights_version;
+}
+const std::vector<HiInterleave>& GpuParameterStore::hi_interleave() const { return state_->interleaved; }
+int64_t GpuParameterStore::hi_offset(int64_t offset) const {
+  for (const HiInterleave& p : state_->interleaved)
+    if (offset >= p.first && offset < p.end()) return p.hi_offset(offset);
+  return offset;
+}
 int16_t* GpuParameterStore::weights_lo() {
   MOE_CHECK(!state_->packed() || !state_->lo_held.empty(),
             "GPU parameters: the lo halves are packed (ZeRO), not in the block layout");
@@ -402,8 +451,11 @@ void GpuParameterStore::download_params(ParameterStore<float>& params, const Ran
     float* host = params.value(id) + (part.offset - s.offsets[part.span]);
     for (int64_t done = 0; done < part.count;) {
       const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
-      cuda::join_master(staging.data(), s.hi_data() + part.offset + done, s.lo_at(part.offset + done), piece,
-                        s.stream);
+      const int16_t* lo = s.lo_at(part.offset + done);
+      s.for_hi_runs(part.offset + done, piece, [&](const bf16* hi, int64_t at, int64_t n) {
+        const int64_t k = at - (part.offset + done);
+        cuda::join_master(staging.data() + k, hi, lo + k, n, s.stream);
+      });
       MOE_CUDA_CHECK(cudaMemcpyAsync(host + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
                                      cudaMemcpyDeviceToHost, s.stream));
       done += piece;
@@ -476,6 +528,8 @@ void GpuParameterStore::upload_state(const ParameterStore<float>& params, const 
 void GpuParameterStore::pack_optimizer_state(const RangeList& ranges) {
   State& s = *state_;
   MOE_CHECK(!s.packed(), "GPU parameters: the optimizer state is packed already");
+  MOE_CHECK(s.interleaved.empty(),
+            "GPU parameters: ZeRO gathers the hi halves in the parameters' order: not with gate|up interleaved");
   const RangeList merged = merge_ranges(ranges);
   if (merged.empty()) return;
   const RangeList outside = subtract_ranges(merged, s.resident);
@@ -589,7 +643,10 @@ void GpuParameterStore::download_range(Range r, float* values, float* m, float* 
   const auto chunk = static_cast<int64_t>(staging.size());
   for (int64_t done = 0; done < r.count; done += chunk) {
     const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
-    cuda::join_master(staging.data(), s.hi_data() + at, s.lo_at(at), n, s.stream);
+    const int16_t* lo = s.lo_at(at);
+    s.for_hi_runs(at, n, [&](const bf16* hi, int64_t run, int64_t count) {
+      cuda::join_master(staging.data() + (run - at), hi, lo + (run - at), count, s.stream);
+    });
     MOE_CUDA_CHECK(cudaMemcpyAsync(values + done, staging.data(), static_cast<size_t>(n) * sizeof(float),
                                    cudaMemcpyDeviceToHost, s.stream));
     for (int which = 0; which < 2; ++which) {
@@ -618,7 +675,10 @@ void GpuParameterStore::upload_range(Range r, const float* values, const float* 
     const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
     MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(n) * sizeof(float),
                                    cudaMemcpyHostToDevice, s.stream));
-    cuda::split_master(s.hi_data() + at, s.lo_at(at), staging.data(), n, s.stream);
+    int16_t* lo = s.lo_at(at);
+    s.for_hi_runs(at, n, [&](bf16* hi, int64_t run, int64_t count) {
+      cuda::split_master(hi, lo + (run - at), staging.data() + (run - at), count, s.stream);
+    });
     ++s.weights_version;
     for (int which = 0; which < 2; ++which) {
       const float* in = which == 0 ? m : v;

@@ -7,6 +7,8 @@
 //   second block, resident on the expert tensors' ranges only, the fp32 one then not there);
 // - the AdamW moments in fp32 or bf16 (optimizer.state_dtype);
 // - fp32 copies of the few parameters the forward pass reads in fp32 (router biases).
+// One exception to the layout: interleave_hi keeps the hi halves of an MoE layer's w1 | w3
+// expert by expert (the gate|up GEMMs' one operand); everything else stays in place.
 // Bytes per parameter: 2 + 2 + 4 + 2 x 4 = 16 with fp32 moments, 12 with bf16 ones; 2
 // fewer for expert weights with bf16 gradients.
 // The optimizer that steps this state is optim/cuda/gpu_optimizer.h. Only the resident
@@ -20,6 +22,7 @@
 #include "core/range.h"
 #include "core/bf16.h"
 #include "kernels/gpu_ops.h"
+#include "model/gpu_state_layout.h"
 #include "model/parameters.h"
 
 namespace moe {
@@ -38,8 +41,17 @@ class GpuParameterStore {
   GpuParameterStore(const GpuParameterStore&) = delete;
   GpuParameterStore& operator=(const GpuParameterStore&) = delete;
 
-  // bf16 weights (the hi halves) and fp32 gradients, indexed like the CPU store.
+  // bf16 weights (the hi halves) and fp32 gradients, indexed like the CPU store (the hi
+  // halves of interleaved pairs through hi_offset()).
   const bf16* weights() const;
+  // training.interleave_gate_up: the hi halves of each pair's w1 | w3 kept expert by
+  // expert (model/gpu_state_layout.h), permuted in place now; once, on a store whose every
+  // element is resident and whose optimizer state is not packed (one rank, or data
+  // parallel without ZeRO: its all-gathers move hi halves in the parameters' order).
+  void interleave_hi(std::vector<HiInterleave> pairs);
+  const std::vector<HiInterleave>& hi_interleave() const;
+  // Where block element `offset`'s hi half is (itself outside the interleaved pairs).
+  int64_t hi_offset(int64_t offset) const;
   float* grads();
   // The bf16 gradient block (same offsets as grads()), valid on bf16_grad_ranges() only;
   // null without bf16 expert gradients. bf16_grad_ranges: the expert tensors' extents

@@ -237,7 +237,13 @@ void GpuTransformer::State::move_expert_slots(const Layer& layer, const std::vec
     const int64_t per_expert = p->numel / E;
     for (const Block& block : blocks) {
       const size_t slice = static_cast<size_t>(per_expert) * block.bytes;
-      char* tensor = block.base + static_cast<size_t>(p->offset) * block.bytes;
+      // A slot's slice (the hi halves' through hi_offset: interleaved gate|up keeps each
+      // expert's slice whole, elsewhere).
+      const bool hi = &block == &blocks.front();
+      auto at = [&](int64_t slot) {
+        const int64_t element = p->offset + slot * per_expert;
+        return block.base + static_cast<size_t>(hi ? store->hi_offset(element) : element) * block.bytes;
+      };
       auto copy = [&](void* to, const void* from) {
         MOE_CUDA_CHECK(cudaMemcpyAsync(to, from, slice, cudaMemcpyDeviceToDevice, stream));
       };
@@ -245,16 +251,16 @@ void GpuTransformer::State::move_expert_slots(const Layer& layer, const std::vec
       for (int64_t start = 0; start < E; ++start) {
         if (done[static_cast<size_t>(start)] || source_of_slot[static_cast<size_t>(start)] == start) continue;
         // start <- source <- source's source ... back to start (from the staged copy).
-        copy(staging.data(), tensor + static_cast<size_t>(start) * slice);
+        copy(staging.data(), at(start));
         int64_t slot = start;
         while (true) {
           done[static_cast<size_t>(slot)] = 1;
           const int64_t source = source_of_slot[static_cast<size_t>(slot)];
           if (source == start) {
-            copy(tensor + static_cast<size_t>(slot) * slice, staging.data());
+            copy(at(slot), staging.data());
             break;
           }
-          copy(tensor + static_cast<size_t>(slot) * slice, tensor + static_cast<size_t>(source) * slice);
+          copy(at(slot), at(source));
           slot = source;
         }
       }

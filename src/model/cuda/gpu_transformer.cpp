@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "core/nvtx_range.h"
+#include "kernels/adamw_math.h"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
@@ -57,6 +58,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   const bool padded = expert_row_align(training) > 1;
   options.fp8_deepgemm = padded && training.precision == TrainingPrecision::Fp8;
   options.bf16_deepgemm = padded && training.precision == TrainingPrecision::Bf16;
+  options.interleave_gate_up = options.bf16_deepgemm && training.interleave_gate_up;
   return options;
 }
 
@@ -163,11 +165,25 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   MOE_CHECK(!options.bf16_expert_grads || !s.ep, "bf16 expert gradients: not with expert parallelism");
   s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident,
                                                 options.bf16_expert_grads);
+  if (options.interleave_gate_up && bf16_deepgemm) s.interleave_gate_up();
   s.attention.set_dq(options.attention_dq);
   s.attention.set_query_chunks(options.attention_query_chunks);
   if (s.ep) s.ep->set_stream(s.stream);
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   routing_.reset(new Routing(s));
+}
+
+void GpuTransformer::State::interleave_gate_up() {
+  const int64_t E = config.moe.n_experts, per_expert = config.moe.expert_hidden * config.dim;
+  if (ep || E == 0 || per_expert % adamw_math::kNormChunk != 0) return;
+  std::vector<HiInterleave> pairs;
+  for (const Layer& layer : layers) {
+    if (!layer.is_moe) continue;
+    if (layer.w3.offset != layer.w1.offset + layer.w1.numel || layer.w1.numel != E * per_expert) return;
+    pairs.push_back({layer.w1.offset, E, per_expert});
+  }
+  store->interleave_hi(std::move(pairs));
+  gate_up_interleaved = true;
 }
 
 GpuTransformer::~GpuTransformer() = default;

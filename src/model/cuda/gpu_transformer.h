@@ -152,6 +152,12 @@ struct GpuModelOptions {
   // and data gradients always, the weight gradients where they are bf16 and written (the
   // step's first micro-batch) and the experts few (PaddedExpertGemmBf16::kWeightGradientExperts).
   bool bf16_deepgemm = false;
+  // With bf16_deepgemm (training.interleave_gate_up): each MoE layer's w1 and w3 kept
+  // expert by expert in the bf16 weights (GpuParameterStore::interleave_hi), so the gate|up
+  // GEMM runs as one launch each way (N = 2F forward, K = 2F data gradient: one rounding of
+  // dx instead of two). Off where the store cannot (ZeRO's hi gathers; the trainer turns it
+  // off there) or an expert's F x D is not a multiple of adamw_math::kNormChunk.
+  bool interleave_gate_up = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);

@@ -62,6 +62,13 @@ struct GpuTransformer::State {
   // deepgemm_weight_gradients says.
   bool padded_rows = false;
   std::unique_ptr<cuda::PaddedExpertGemmBf16> padded_expert_gemm_bf16;
+  // GpuModelOptions::interleave_gate_up in effect: w1_e, w3_e adjacent in the bf16 weights,
+  // read as one [2F, D] operand an expert (Fp8ExpertWeights::kGateUp through local_w of w1).
+  bool gate_up_interleaved = false;
+  // Interleaves every MoE layer's w1 | w3 in the store and sets gate_up_interleaved, where
+  // each layer's w3 follows its w1 and an expert's F x D is a multiple of kNormChunk (the
+  // AdamW chunks then lie in one expert's slice); else leaves the layout as it is.
+  void interleave_gate_up();
   bool deepgemm_weight_gradients(const Layer& layer) const;
   int64_t expert_row_align() const { return padded_rows ? 128 : 1; }
   // padded_rows: zero the padding rows of `rows` [R, D] and, unless null, their codes
@@ -289,8 +296,13 @@ struct GpuTransformer::State {
     return layer.slots.window_size(ep_rank());
   }
   // The local slots' rows of an expert tensor (its leading dimension is the slots).
+  // Interleaved gate|up: w1's are the gate|up operand's, 2 F D elements an expert.
   const bf16* local_w(const Layer& layer, const Param& p) const {
-    return w(p) + first_slot(layer) * (p.numel / config.moe.n_experts);
+    const int64_t per_expert = p.numel / config.moe.n_experts;
+    if (!gate_up_interleaved || !layer.is_moe || p.id != layer.w3.id)
+      return store->weights() + store->hi_offset(p.offset + first_slot(layer) * per_expert);
+    MOE_CHECK(false, "experts: w3's bf16 weights are interleaved with w1's: read them as the gate|up operand");
+    return nullptr;
   }
   float* local_g(const Layer& layer, const Param& p) {
     return g(p) + first_slot(layer) * (p.numel / config.moe.n_experts);

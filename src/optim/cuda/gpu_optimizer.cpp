@@ -116,9 +116,29 @@ struct GpuOptimizer::State {
       piece.numel = part.count;
       if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (part.offset - seg.offset);
       if (with_state) piece.state_offset = store->state_offset(part.offset);
+      MOE_CHECK(seg.hi_run == 0 || (part.offset == seg.offset && part.count == seg.numel),
+                "GPU optimizer: a part of the interleaved gate|up tensor at element {} (ZeRO keeps it whole)", seg.offset);
       pieces.push_back(piece);
     }
     return std::make_unique<SegmentSet>(std::move(pieces));
+  }
+  // A parameter of an interleaved gate|up pair (the store's hi_interleave()): where its hi
+  // halves are, expert slice by expert slice.
+  void place_hi(cuda::OptimizerSegment& seg) const {
+    for (const HiInterleave& pair : store->hi_interleave()) {
+      if (seg.offset >= pair.end() || seg.offset + seg.numel <= pair.first) continue;
+      const int64_t tensor = pair.experts * pair.per_expert;
+      MOE_CHECK((seg.offset == pair.first || seg.offset == pair.first + tensor) && seg.numel == tensor,
+                "GPU optimizer: the parameter at element {} is not one whole tensor of the interleaved gate|up pair "
+                "at {}",
+                seg.offset, pair.first);
+      MOE_CHECK(pair.per_expert % adamw_math::kNormChunk == 0,
+                "GPU optimizer: interleaved gate|up needs an expert's slice ({} elements) to be a multiple of {}",
+                pair.per_expert, adamw_math::kNormChunk);
+      seg.hi_offset = pair.hi_offset(seg.offset);
+      seg.hi_run = pair.per_expert;
+      seg.hi_stride = 2 * pair.per_expert;
+    }
   }
   void build_expert_slices(const ParameterStore<float>& params);
   void ensure_clip_tables();
@@ -217,6 +237,7 @@ GpuOptimizer::GpuOptimizer(GpuParameterStore& store, const ParameterStore<float>
     seg.mirror_offset = store.fp32_mirror_offset(id);
     seg.decay = params.spec(id).weight_decay ? 1 : 0;
     seg.bf16_grad = s.bf16_grad_at(seg.offset);
+    s.place_hi(seg);
     segments.push_back(seg);
   }
   MOE_CHECK(!segments.empty(), "GPU optimizer: the store has no parameters");

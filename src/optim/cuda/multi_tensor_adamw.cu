@@ -215,6 +215,7 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
                               void* __restrict__ m, void* __restrict__ v, const OptimizerSegment* segments,
                               int64_t n_segments, const am::AdamWScalars* scalars, bool vectors) {
   const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
+  hi += chunk.hi - chunk.begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
   const am::AdamWScalars& s = chunk.s;
   if (s.skip) return;
   const OptimizerSegment& seg = chunk.seg;

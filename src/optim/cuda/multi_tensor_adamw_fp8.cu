@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
   constexpr int kB = am::kMomentBlock;
   static_assert(kB == 16, "a block is the 8 elements of two adjacent lanes");
   const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
+  hi += chunk.hi - chunk.begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
   const am::AdamWScalars& s = chunk.s;
   if (s.skip) return;
   const OptimizerSegment& seg = chunk.seg;

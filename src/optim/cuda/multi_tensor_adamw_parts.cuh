@@ -81,6 +81,7 @@ struct ChunkOfBlock {
   am::AdamWScalars s;
   OptimizerSegment seg;
   int64_t begin = 0, state = 0;  // where the chunk starts in the block and in the state arrays
+  int64_t hi = 0;                 // and in the hi halves (interleaved gate|up: elsewhere)
   int32_t length = 0;
   float decay = 1.0f;
   float* mirror_out = nullptr;
@@ -104,6 +105,7 @@ __device__ __forceinline__ ChunkOfBlock chunk_of_block(const OptimizerSegment* s
   c.begin = c.seg.offset + within;
   // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
   c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + within;
+  c.hi = c.seg.hi_run > 0 ? c.seg.hi_offset + within / c.seg.hi_run * c.seg.hi_stride + within % c.seg.hi_run : c.begin;
   c.length = static_cast<int32_t>(c.seg.numel - within < am::kNormChunk ? c.seg.numel - within : am::kNormChunk);
   c.decay = c.seg.decay ? c.s.decay_factor : 1.0f;
   c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + within : nullptr;

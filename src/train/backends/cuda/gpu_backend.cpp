@@ -590,6 +590,8 @@ class GpuBackend final : public ModelBackend {
     options.split_experts = ep_ && c.parallel.split_experts;
     // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
     if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
+    // ZeRO's all-gathers move the bf16 weights in the parameters' order (GpuParameterStore::interleave_hi).
+    if (world_ && world_->size() > 1 && c.parallel.zero >= 1) options.interleave_gate_up = false;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);
     gpu_->enable_graphs(c.training.cuda_graphs);
     optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model().params(), gpu_->stream());
