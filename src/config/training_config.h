@@ -111,12 +111,12 @@ struct TrainingConfig {
   int64_t attention_query_chunks = 1;  // GPU: the attention backward in this many query blocks (~1/n of dP's memory)
   bool fp8_weight_cache = true;       // GPU fp8: the experts' weights quantised once per change, not per GEMM
   bool fp8_weight_gradients = false;  // GPU fp8: the experts' weight-gradient GEMMs in fp8 too
+  bool interleave_gate_up = true;     // GPU bf16 DeepGEMM: w1|w3 kept per expert, gate|up one GEMM each way
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
   TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales
   GemmBackend fp8_gemm_backend = GemmBackend::Auto;  // GPU fp8: the GEMMs' kernels
   GemmBackend bf16_gemm_backend = GemmBackend::Auto;  // GPU bf16: the experts' grouped GEMMs' kernels
-  bool interleave_gate_up = true;  // GPU bf16 DeepGEMM: w1|w3 kept per expert, gate|up one GEMM each way
 
   // The key `p`'s GEMMs read (fp8 runs fp8_gemm_backend, bf16 runs bf16_gemm_backend): its one owner.
   GemmBackend& gemm_backend(TrainingPrecision p) {
