@@ -593,6 +593,12 @@ class GpuBackend final : public ModelBackend {
     // ZeRO's all-gathers move the bf16 weights in the parameters' order (GpuParameterStore::interleave_hi).
     if (world_ && world_->size() > 1 && c.parallel.zero >= 1) options.interleave_gate_up = false;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);
+    if (options.bf16_deepgemm && c.training.interleave_gate_up && (!world_ || world_->rank() == 0))
+      spdlog::info("training.interleave_gate_up: {}",
+                   !options.interleave_gate_up ? "off (ZeRO over several ranks gathers the weights in the parameters' order)"
+                   : gpu_->parameters().hi_interleave().empty()
+                       ? "off (an expert's moe.expert_hidden x model.dim is not a multiple of 16,384)"
+                       : "w1 | w3 kept expert by expert, the experts' gate|up one GEMM each way");
     gpu_->enable_graphs(c.training.cuda_graphs);
     optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model().params(), gpu_->stream());
     gpu_->set_phase_clock(&clock_);
