@@ -214,15 +214,10 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
                               const float* __restrict__ grads, const uint16_t* __restrict__ grads16,
                               void* __restrict__ m, void* __restrict__ v, const OptimizerSegment* segments,
                               int64_t n_segments, const am::AdamWScalars* scalars, bool vectors) {
-  const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
-  hi += chunk.hi - chunk.begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
-  const am::AdamWScalars& s = chunk.s;
+  const auto [s, seg, begin, state, hi_begin, length, decay, mirror_out] =
+      chunk_of_block(segments, n_segments, scalars, mirror);
   if (s.skip) return;
-  const OptimizerSegment& seg = chunk.seg;
-  const int64_t begin = chunk.begin, state = chunk.state;
-  const int32_t length = chunk.length;
-  const float decay = chunk.decay;
-  float* mirror_out = chunk.mirror_out;
+  hi += hi_begin - begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
   using M = Moments<kBf16>;
 
   const int32_t to_boundary = static_cast<int32_t>((8 - (begin & 7)) & 7);

@@ -74,15 +74,10 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
                                   const am::AdamWScalars* scalars) {
   constexpr int kB = am::kMomentBlock;
   static_assert(kB == 16, "a block is the 8 elements of two adjacent lanes");
-  const ChunkOfBlock chunk = chunk_of_block(segments, n_segments, scalars, mirror);
-  hi += chunk.hi - chunk.begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
-  const am::AdamWScalars& s = chunk.s;
+  const auto [s, seg, begin, state, hi_begin, length, decay, mirror_out] =
+      chunk_of_block(segments, n_segments, scalars, mirror);
   if (s.skip) return;
-  const OptimizerSegment& seg = chunk.seg;
-  const int64_t begin = chunk.begin, state = chunk.state;
-  const int32_t length = chunk.length;
-  const float decay = chunk.decay;
-  float* mirror_out = chunk.mirror_out;
+  hi += hi_begin - begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
   const int32_t blocks_end = (length + kB - 1) / kB * kB;
   const bool half = seg.bf16_grad != 0;
 
