@@ -14,12 +14,17 @@
 // (buckets are multiples of N x kZeroAlign elements so that every piece starts on a 64-byte
 // boundary).
 //
+// With gate|up interleaved in the GPU store's bf16 weights (training.interleave_gate_up,
+// model/gpu_state_layout.h) the plan cuts each w1 | w3 pair at expert slices, so that the
+// new weights, gathered in that order, still move in place: see plan_zero_shards.
+//
 // Host code: the plan is computed and tested without a GPU.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "dist/gradient_stages.h"
+#include "model/gpu_state_layout.h"
 
 namespace moe::dist {
 
@@ -37,6 +42,11 @@ struct ZeroShardPlan {
   // Per backward stage: the buckets reduce-scattered (count a multiple of ranks x
   // kZeroAlign) and the ranges all-reduced whole.
   std::vector<RangeList> sharded, replicated;
+  // Per backward stage: the same buckets where the bf16 weights keep them (the store's hi
+  // halves; GpuParameterStore::hi_offset), which the all-gathers of the new weights take:
+  // rank r's piece of each is the hi halves of rank r's pieces of `sharded`. `sharded`
+  // itself without interleaved pairs.
+  std::vector<RangeList> weight_gathers;
   // What this rank's optimizer steps: its piece of every bucket and every replicated range.
   RangeList update;
   // What this rank adds to the global gradient norm: its pieces, and the replicated ranges
@@ -54,8 +64,13 @@ struct ZeroShardPlan {
 // starting on kZeroAlign multiples. keep_whole: ranges to replicate (disjoint; each lies
 // inside one stage's ranges). bucket_elems: the most elements per bucket (rounded down to
 // the unit, at least one unit).
+// pairs: the store's interleaved w1 | w3 pairs (each inside one stage's ranges, none
+// overlapping keep_whole). A pair's buckets never cross an expert slice, except that where
+// ranks whole slices fit a bucket, w1's experts [e, e + k) (k a multiple of ranks) and w3's
+// become two buckets whose pieces are whole slices: their hi halves are one range, in which
+// rank r's pieces of both lie side by side, in rank order (one all-gather).
 ZeroShardPlan plan_zero_shards(const std::vector<RangeList>& stage_ranges, const RangeList& keep_whole,
-                               int64_t bucket_elems, int ranks, int rank);
+                               int64_t bucket_elems, int ranks, int rank, const std::vector<HiInterleave>& pairs = {});
 
 // ZeRO under expert parallelism over `world` ranks in EP groups of `ep` (this rank's EP
 // rank rank % ep; its experts' replicas: the world / ep ranks of that EP rank, in which it

@@ -39,7 +39,8 @@ struct OptimizerSegment {
   int32_t bf16_grad = 0;
   // Interleaved gate|up (GpuParameterStore::interleave_hi): the segment's hi halves in runs
   // of hi_run elements hi_stride apart from hi_offset (hi_run a multiple of
-  // adamw_math::kNormChunk, so a chunk lies in one run); hi_run 0: at offset, as the gradients.
+  // adamw_math::kNormChunk, so a chunk lies in one run, or, for a ZeRO piece from inside an
+  // expert slice, its numel: one run); hi_run 0: at offset, as the gradients.
   int64_t hi_offset = 0, hi_run = 0, hi_stride = 0;
 };
 

@@ -92,6 +92,67 @@ TEST(ZeroShards, RefusesMisalignedOrStraddlingRanges) {
   EXPECT_EQ(plan.norm, (RangeList{{32, 32}, {144, 48}}));
 }
 
+// Interleaved gate|up pairs (GpuParameterStore's hi halves): for 1-8 ranks and several
+// bucket sizes, the buckets still partition the stages with the pairs cut at expert slices,
+// and each rank's pieces of weight_gathers (the all-gathers of the new bf16 weights) are
+// exactly the hi halves of its pieces of the reduce-scattered buckets, the gathers together
+// the hi halves of every bucket.
+TEST(ZeroShards, InterleavedPairsGatherTheHiHalvesEachRankSteps) {
+  // Stage 1: a kept range, then a pair of 6 experts of 64 elements; stage 2: a pair of 4
+  // experts of 256 with 16 plain elements on either side.
+  const std::vector<HiInterleave> pairs = {{80, 6, 64}, {896, 4, 256}};
+  const std::vector<RangeList> stages = {{{0, 64}}, {{64, 816}}, {{880, 2080}}};
+  const auto hi = [&](int64_t e) {
+    for (const HiInterleave& p : pairs)
+      if (e >= p.first && e < p.end()) return p.hi_offset(e);
+    return e;
+  };
+  for (int ranks : {1, 2, 3, 4, 8})
+    for (int64_t bucket : {int64_t{1}, int64_t{200}, int64_t{1024}, int64_t{4096}, int64_t{1} << 20}) {
+      SCOPED_TRACE(testing::Message() << ranks << " ranks, buckets of " << bucket);
+      std::map<int64_t, int> gathered_by_all;
+      for (int rank = 0; rank < ranks; ++rank) {
+        const ZeroShardPlan plan = plan_zero_shards(stages, {{64, 16}}, bucket, ranks, rank, pairs);
+        ASSERT_EQ(plan.weight_gathers.size(), stages.size());
+        for (size_t s = 0; s < stages.size(); ++s) {
+          std::map<int64_t, int> stage, planned, stepped_hi, gathered_hi, whole_hi, gathers_whole;
+          count(stages[s], stage);
+          count(plan.sharded[s], planned);
+          count(plan.replicated[s], planned);
+          EXPECT_EQ(planned, stage) << "stage " << s;
+          for (const Range& b : plan.sharded[s]) {
+            EXPECT_EQ(b.count % (kZeroAlign * ranks), 0) << "bucket at " << b.offset;
+            for (const HiInterleave& p : pairs) {
+              if (b.offset < p.first || b.offset >= p.end()) continue;
+              const bool one_slice = b.count <= p.per_expert - (b.offset - p.first) % p.per_expert;
+              EXPECT_TRUE(one_slice || ((b.offset - p.first) % p.per_expert == 0 &&
+                                        b.count % (ranks * p.per_expert) == 0))
+                  << "bucket at " << b.offset << " cuts an expert slice";
+            }
+            const Range piece = plan.piece(b, rank);
+            for (int64_t e = piece.offset; e < piece.end(); ++e) ++stepped_hi[hi(e)];
+            for (int64_t e = b.offset; e < b.end(); ++e) ++whole_hi[hi(e)];
+          }
+          for (const Range& g : plan.weight_gathers[s]) {
+            const Range piece = plan.piece(g, rank);
+            count({piece}, gathered_hi);
+            count({g}, gathers_whole);
+          }
+          EXPECT_EQ(gathered_hi, stepped_hi) << "stage " << s << ", rank " << rank;
+          EXPECT_EQ(gathers_whole, whole_hi) << "stage " << s;
+          for (const auto& [e, n] : gathered_hi) gathered_by_all[e] += n;
+        }
+      }
+      // Every rank's gathers together move each gathered element once.
+      for (const auto& [e, n] : gathered_by_all) EXPECT_EQ(n, 1) << "hi element " << e;
+    }
+  // Without pairs the gathers are the buckets; a pair across two stages is refused.
+  const ZeroShardPlan plain = plan_zero_shards(stages, {}, 200, 2, 0);
+  EXPECT_EQ(plain.weight_gathers, plain.sharded);
+  EXPECT_THROW(plan_zero_shards({{{0, 64}}, {{64, 64}}}, {}, 200, 2, 0, {{32, 1, 32}}), Error);
+  EXPECT_THROW(plan_zero_shards(stages, {{80, 16}}, 200, 2, 0, pairs), Error);  // a kept range inside a pair
+}
+
 // ZeRO-0 and the other ranks' pieces (ZeRO-2/3 release them), on the plan above.
 TEST(ZeroShards, ReplicatedPlanAndOthersPieces) {
   const std::vector<RangeList> stages = {{{0, 64}}, {{64, 128}}};

@@ -164,6 +164,34 @@ TEST(GpuThreadRanks, Bf16DeepGemmDataParallelTrainsLikeOneGpu) {
   expect_deepgemm_data_parallel_like_one_gpu(TrainingPrecision::Bf16, "bf16 with DeepGEMM, data parallel (ZeRO-1)");
 }
 
+// bf16 DeepGEMM with gate|up interleaved in the bf16 weights (the default) under ZeRO-1 and
+// -2: the plan cuts each w1 | w3 pair at expert slices (whole slices a piece with the
+// default buckets, pieces inside slices with small ones) and gathers the new weights in the
+// hi halves' order, so each rank's GEMMs read the weights the replicas (ZeRO-0) read: the
+// same losses and weights bit for bit. One micro-batch per step (ZeRO-2's sums are then
+// ZeRO-1's). Gathered in the parameters' order instead, the weights would be scrambled.
+TEST(GpuThreadRanks, Bf16DeepGemmZeroGathersTheInterleavedWeights) {
+  MOE_REQUIRE_GPU();
+  RunConfig config = thread_run(6);
+  config.training.precision = TrainingPrecision::Bf16;
+  config.training.gemm_backend(TrainingPrecision::Bf16) = GemmBackend::DeepGemm;
+  config.training.global_batch_tokens /= 2;
+  config.parallel.zero = 0;
+  const std::vector<RankResult> replicas = train_ranks(config, 2);
+  ASSERT_EQ(replicas[0].error, "");
+  ASSERT_EQ(replicas[0].losses.size(), 6u);
+  for (const auto& [zero, bucket_mb] : {std::pair{1, 25.0}, {1, 0.02}, {2, 25.0}}) {
+    SCOPED_TRACE(testing::Message() << "ZeRO-" << zero << ", buckets of " << bucket_mb << " MB");
+    config.parallel.zero = zero;
+    config.parallel.bucket_mb = bucket_mb;
+    const std::vector<RankResult> sharded = train_ranks(config, 2);
+    ASSERT_EQ(sharded[0].error, "");
+    EXPECT_EQ(sharded[0].losses, replicas[0].losses);
+    EXPECT_EQ(sharded[0].params, replicas[0].params);
+    EXPECT_EQ(sharded[1].params, sharded[0].params);
+  }
+}
+
 // Split experts train the weights whole experts do: each hinge's partial gradients summed
 // over its holders, both stepping it. A small learning rate, so that AdamW's early steps
 // (about lr per weight, whatever the gradient's size) differ only where a near-zero

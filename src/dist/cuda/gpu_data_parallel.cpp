@@ -229,7 +229,7 @@ void GpuDataParallel::set_zero_plan(ZeroShardPlan plan, bool overlap) {
   }
 }
 
-void GpuDataParallel::gather_pieces(void* block, DType dtype, int stage) {
+void GpuDataParallel::gather_pieces(void* block, DType dtype, int stage, Layout layout) {
   MOE_CHECK(zero_.has_value(), "GPU data parallel: gather_pieces without a ZeRO plan");
   MOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, "GPU data parallel: gather_pieces of 4- or 2-byte elements");
   cudaStream_t stream = as_stream(stream_);
@@ -239,16 +239,17 @@ void GpuDataParallel::gather_pieces(void* block, DType dtype, int stage) {
   MOE_CHECK(stage < static_cast<int>(zero_->sharded.size()), "GPU data parallel: no backward stage {}", stage);
   for (size_t s = 0; s < zero_->sharded.size(); ++s)
     if (stage < 0 || static_cast<int>(s) == stage)
-      if (auto last = gather_stage(s, block, dtype)) last->wait();  // in order: the last one covers the stage
+      if (auto last = gather_stage(s, block, dtype, layout)) last->wait();  // in order: the last one covers the stage
   MOE_CUDA_CHECK(cudaEventRecord(as_event(end), stream));
 }
 
-std::unique_ptr<Work> GpuDataParallel::gather_stage(size_t stage, void* block, DType dtype) {
+std::unique_ptr<Work> GpuDataParallel::gather_stage(size_t stage, void* block, DType dtype, Layout layout) {
   const size_t bytes = dtype == DType::f32 ? 4 : 2;
   std::unique_ptr<Work> last;
-  if (zero_->sharded[stage].empty()) return last;
+  const RangeList& buckets = layout == Layout::Weights ? zero_->weight_gathers[stage] : zero_->sharded[stage];
+  if (buckets.empty()) return last;
   group_->group_begin();  // the stage's all-gathers as one NCCL group
-  for (const auto& bucket : zero_->sharded[stage]) {
+  for (const auto& bucket : buckets) {
     const auto [piece_offset, piece_count] = zero_->piece(bucket, group_->rank());
     char* whole = static_cast<char*>(block) + static_cast<size_t>(bucket.offset) * bytes;
     const char* mine = static_cast<char*>(block) + static_cast<size_t>(piece_offset) * bytes;
@@ -259,13 +260,13 @@ std::unique_ptr<Work> GpuDataParallel::gather_stage(size_t stage, void* block, D
   return last;
 }
 
-void GpuDataParallel::gather_pieces_by_stage(void* block, DType dtype) {
+void GpuDataParallel::gather_pieces_by_stage(void* block, DType dtype, Layout layout) {
   MOE_CHECK(zero_.has_value(), "GPU data parallel: gather_pieces_by_stage without a ZeRO plan");
   MOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, "GPU data parallel: gather of 4- or 2-byte elements");
   join_stage_gathers();
   stage_gathered_.resize(zero_->sharded.size());
   // The forward's order: the embedding (the last backward stage) first, the LM head last.
-  for (size_t stage = zero_->sharded.size(); stage-- > 0;) stage_gathered_[stage] = gather_stage(stage, block, dtype);
+  for (size_t stage = zero_->sharded.size(); stage-- > 0;) stage_gathered_[stage] = gather_stage(stage, block, dtype, layout);
 }
 
 std::pair<void*, void*> GpuDataParallel::next_timed_wait() {
@@ -334,6 +335,9 @@ void GpuDataParallel::set_gradient_sharding(std::vector<RangeList> zero_after) {
 
 void GpuDataParallel::set_weight_sharding(void* block) {
   MOE_CHECK(!zero_after_.empty() && block != nullptr, "GPU data parallel: ZeRO-3 needs ZeRO-2's gradient sharding");
+  // The stages' pools hold the weights in the parameters' order (GpuParameterStore::share_weights).
+  MOE_CHECK(zero_->weight_gathers == zero_->sharded,
+            "GPU data parallel: ZeRO-3 shares the weights in the parameters' order: not with gate|up interleaved");
   weights_ = block;
   stage_gathered_.resize(zero_->sharded.size());
 }
@@ -342,7 +346,7 @@ void GpuDataParallel::fetch_stage(int stage) {
   if (stage < 0 || static_cast<size_t>(stage) >= stage_gathered_.size()) return;
   auto& work = stage_gathered_[static_cast<size_t>(stage)];
   if (work) return;  // in flight already
-  work = gather_stage(static_cast<size_t>(stage), weights_, DType::bf16);
+  work = gather_stage(static_cast<size_t>(stage), weights_, DType::bf16, Layout::Weights);
 }
 
 void GpuDataParallel::begin_forward_gathers() {

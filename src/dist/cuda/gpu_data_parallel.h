@@ -109,18 +109,21 @@ class GpuDataParallel {
   void begin_forward_gathers();
   void forward_stage(int stage);
   void backward_stage_done(int stage);
+  // Which buckets an all-gather moves: the plan's `sharded` (a block in the gradient block's
+  // layout: the lo halves, the moments) or its `weight_gathers` (the store's bf16 weights,
+  // whose interleaved gate|up pairs keep another order: GpuParameterStore::hi_offset).
+  enum class Layout { Parameters, Weights };
   // ZeRO-1, after the optimizer step on the model's stream: every rank's pieces of a block
-  // in the gradient block's layout (the bf16 weights; for checkpoints also the lo halves and
-  // the moments) are all-gathered in place; the model's stream waits for them (counted as
-  // communication wait, and returns without blocking the host).
-  // `stage` >= 0: that backward stage's pieces only.
-  void gather_pieces(void* block, DType dtype, int stage = -1);
+  // (the bf16 weights; for checkpoints also the lo halves and the moments) are all-gathered
+  // in place; the model's stream waits for them (counted as communication wait, and returns
+  // without blocking the host). `stage` >= 0: that backward stage's pieces only.
+  void gather_pieces(void* block, DType dtype, int stage = -1, Layout layout = Layout::Parameters);
   // ZeRO-1, overlapped: the same all-gathers, stage by stage in the forward's order (the
   // embedding's first), without the model's stream waiting; wait_stage(s) then makes it
   // wait for stage s's (GpuTransformer's forward stage hook), so the next step's forward
   // runs while the later stages' weights arrive. Only what the stream still waits there
   // counts as communication wait.
-  void gather_pieces_by_stage(void* block, DType dtype);
+  void gather_pieces_by_stage(void* block, DType dtype, Layout layout = Layout::Parameters);
   void wait_stage(int stage);
   // The model's stream waits for every pending gather_pieces_by_stage() all-gather (before
   // anything else writes or reads the whole block).
@@ -155,7 +158,7 @@ class GpuDataParallel {
   // Every stage's sums (after the backward).
   void launch_all_stages();
   // Enqueues the all-gathers of `stage`'s buckets of a block; returns the last one's Work.
-  std::unique_ptr<Work> gather_stage(size_t stage, void* block, DType dtype);
+  std::unique_ptr<Work> gather_stage(size_t stage, void* block, DType dtype, Layout layout);
   // The model's stream waits for everything launched (both paths).
   void join_launched();
 

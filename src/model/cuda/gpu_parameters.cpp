@@ -374,6 +374,8 @@ void GpuParameterStore::share_weights(const RangeList& kept, const std::vector<R
   State& s = *state_;
   MOE_CHECK(s.weights_held.empty(), "GPU parameters: the weights are shared already");
   MOE_CHECK(s.packed(), "GPU parameters: sharing the weights needs the optimizer state packed first");
+  MOE_CHECK(s.interleaved.empty(),
+            "GPU parameters: ZeRO-3 shares the hi halves by the parameters' ranges: not with gate|up interleaved");
   s.weights_held = s.share_stages(s.hi, 2, kept, stage_ranges, /*zero_new=*/false);
   ++s.weights_version;
 }
@@ -528,8 +530,6 @@ void GpuParameterStore::upload_state(const ParameterStore<float>& params, const 
 void GpuParameterStore::pack_optimizer_state(const RangeList& ranges) {
   State& s = *state_;
   MOE_CHECK(!s.packed(), "GPU parameters: the optimizer state is packed already");
-  MOE_CHECK(s.interleaved.empty(),
-            "GPU parameters: ZeRO gathers the hi halves in the parameters' order: not with gate|up interleaved");
   const RangeList merged = merge_ranges(ranges);
   if (merged.empty()) return;
   const RangeList outside = subtract_ranges(merged, s.resident);

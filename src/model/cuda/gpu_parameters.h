@@ -46,8 +46,9 @@ class GpuParameterStore {
   const bf16* weights() const;
   // training.interleave_gate_up: the hi halves of each pair's w1 | w3 kept expert by
   // expert (model/gpu_state_layout.h), permuted in place now; once, on a store whose every
-  // element is resident and whose optimizer state is not packed (one rank, or data
-  // parallel without ZeRO: its all-gathers move hi halves in the parameters' order).
+  // element is resident and whose optimizer state is not packed yet. ZeRO-1/2 pack it after
+  // (their all-gathers take the hi halves' order: dist::ZeroShardPlan::weight_gathers);
+  // ZeRO-3's shared weights are refused (its pools hold stages in the parameters' order).
   void interleave_hi(std::vector<HiInterleave> pairs);
   const std::vector<HiInterleave>& hi_interleave() const;
   // Where block element `offset`'s hi half is (itself outside the interleaved pairs).

@@ -104,23 +104,37 @@ struct GpuOptimizer::State {
   }
   // The parameters' segments cut to `ranges` (sorted, disjoint): a piece of a parameter
   // keeps its decay flag and the matching part of its fp32 copy; `with_state`: and where
-  // its lo halves and moments are in the store (packed under ZeRO).
+  // its lo halves and moments are in the store (packed under ZeRO) and its hi halves (a
+  // piece of an interleaved gate|up tensor cut again where it leaves an expert slice it
+  // started inside: hi_piece).
   std::unique_ptr<SegmentSet> cut_to(const RangeList& ranges, bool with_state = false) const {
     RangeList spans;
     for (const cuda::OptimizerSegment& seg : whole.host) spans.emplace_back(seg.offset, seg.numel);
     std::vector<cuda::OptimizerSegment> pieces;
     for (const SpanPiece& part : cut_spans(spans, ranges)) {
       const cuda::OptimizerSegment& seg = whole.host[part.span];
-      cuda::OptimizerSegment piece = seg;
-      piece.offset = part.offset;
-      piece.numel = part.count;
-      if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (part.offset - seg.offset);
-      if (with_state) piece.state_offset = store->state_offset(part.offset);
-      MOE_CHECK(seg.hi_run == 0 || (part.offset == seg.offset && part.count == seg.numel),
-                "GPU optimizer: a part of the interleaved gate|up tensor at element {} (ZeRO keeps it whole)", seg.offset);
-      pieces.push_back(piece);
+      for (int64_t at = part.offset, end = part.offset + part.count; at < end;) {
+        cuda::OptimizerSegment piece = seg;
+        piece.offset = at;
+        piece.numel = with_state ? hi_piece(seg, piece, end - at) : end - at;
+        if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (at - seg.offset);
+        if (with_state) piece.state_offset = store->state_offset(at);
+        pieces.push_back(piece);
+        at += piece.numel;
+      }
     }
     return std::make_unique<SegmentSet>(std::move(pieces));
+  }
+  // The piece of `seg` from piece.offset, at most `count` elements: how many it takes, and
+  // where their hi halves are. From an expert slice's start: every slice to `count` (runs
+  // as the whole tensor's); from inside one: to its end at most, one run.
+  static int64_t hi_piece(const cuda::OptimizerSegment& seg, cuda::OptimizerSegment& piece, int64_t count) {
+    if (seg.hi_run == 0) return count;
+    const int64_t within = piece.offset - seg.offset, phase = within % seg.hi_run;
+    piece.hi_offset = seg.hi_offset + within / seg.hi_run * seg.hi_stride + phase;
+    if (phase == 0) return count;
+    piece.hi_run = std::min(count, seg.hi_run - phase);
+    return piece.hi_run;
   }
   // A parameter of an interleaved gate|up pair (the store's hi_interleave()): where its hi
   // halves are, expert slice by expert slice.

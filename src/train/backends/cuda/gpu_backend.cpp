@@ -314,9 +314,10 @@ class GpuBackend final : public ModelBackend {
     for (dist::GpuDataParallel* group : zero_groups()) {
       // Without graphs the next forward waits for each stage's weights as it reaches them.
       if (config_.training.cuda_graphs)
-        group->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16);
+        group->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16, -1, dist::GpuDataParallel::Layout::Weights);
       else if (!group->shards_weights())  // ZeRO-3: the next forward gathers them
-        group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16);
+        group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16,
+                                      dist::GpuDataParallel::Layout::Weights);
     }
     update_router_state(host_model().moe_layers(), loads_, config_.model, config_.metrics.alert_imbalance,
                         gpu_->routing());
@@ -590,12 +591,12 @@ class GpuBackend final : public ModelBackend {
     options.split_experts = ep_ && c.parallel.split_experts;
     // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
     if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
-    // ZeRO's all-gathers move the bf16 weights in the parameters' order (GpuParameterStore::interleave_hi).
-    if (world_ && world_->size() > 1 && c.parallel.zero >= 1) options.interleave_gate_up = false;
+    // ZeRO-3's stage pools hold the bf16 weights in the parameters' order (GpuParameterStore::share_weights).
+    if (world_ && world_->size() > 1 && c.parallel.zero >= 3) options.interleave_gate_up = false;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);
     if (options.bf16_deepgemm && c.training.interleave_gate_up && (!world_ || world_->rank() == 0))
       spdlog::info("training.interleave_gate_up: {}",
-                   !options.interleave_gate_up ? "off (ZeRO over several ranks gathers the weights in the parameters' order)"
+                   !options.interleave_gate_up ? "off (ZeRO-3 shares the weights' memory in the parameters' order)"
                    : gpu_->parameters().hi_interleave().empty()
                        ? "off (an expert's moe.expert_hidden x model.dim is not a multiple of 16,384)"
                        : "w1 | w3 kept expert by expert, the experts' gate|up one GEMM each way");
@@ -649,8 +650,9 @@ class GpuBackend final : public ModelBackend {
       // ZeRO-1: reduce-scatter, each rank steps its pieces, the bf16 weights all-gathered.
       const std::vector<RangeList> stages =
           dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages());
-      dist::ZeroShardPlan plan =
-          dist::plan_zero_shards(stages, params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(), dp_->rank());
+      // Interleaved gate|up pairs cut at expert slices, their weights gathered in the hi halves' order.
+      dist::ZeroShardPlan plan = dist::plan_zero_shards(stages, params.fp32_copy_ranges(), dp_->bucket_elems(),
+                                                        dp_->size(), dp_->rank(), params.hi_interleave());
       shard_state(plan.update, plan.norm, stages);
       shard_group(*dp_, std::move(plan));
     } else if (!c.training.cuda_graphs) {
