@@ -296,23 +296,43 @@ void GpuParameterStore::interleave_hi(std::vector<HiInterleave> pairs) {
   MOE_CHECK(!s.packed() && s.resident == whole,
             "GPU parameters: gate|up interleaved needs every element resident and the optimizer state unpacked");
   std::sort(pairs.begin(), pairs.end(), [](const HiInterleave& a, const HiInterleave& b) { return a.first < b.first; });
+  int64_t largest = 0;
   for (size_t i = 0; i < pairs.size(); ++i) {
     const HiInterleave& p = pairs[i];
     MOE_CHECK(p.experts > 0 && p.per_expert > 0 && p.first >= 0 && p.end() <= s.storage &&
                   (i == 0 || pairs[i - 1].end() <= p.first),
               "GPU parameters: interleaved gate|up pair [{}, {}) is empty, outside the block or overlaps another",
               p.first, p.end());
-    // [w1_0 .. w1_E-1, w3_0 .. w3_E-1] -> [w1_0, w3_0, w1_1, w3_1, ...] through a copy.
-    const auto per_expert_bytes = static_cast<size_t>(p.per_expert) * sizeof(bf16);
-    Buffer<bf16> copy(static_cast<size_t>(2 * p.experts * p.per_expert));
-    bf16* at = s.hi_data() + p.first;
-    MOE_CUDA_CHECK(cudaMemcpyAsync(copy.data(), at, copy.size() * sizeof(bf16), cudaMemcpyDeviceToDevice, s.stream));
-    for (int64_t t = 0; t < 2; ++t)
-      MOE_CUDA_CHECK(cudaMemcpy2DAsync(at + t * p.per_expert, 2 * per_expert_bytes,
-                                       copy.data() + t * p.experts * p.per_expert, per_expert_bytes, per_expert_bytes,
-                                       static_cast<size_t>(p.experts), cudaMemcpyDeviceToDevice, s.stream));
-    s.sync();  // before the copy goes
+    largest = std::max(largest, p.per_expert);
   }
+  // [w1_0 .. w1_E-1, w3_0 .. w3_E-1] -> [w1_0, w3_0, w1_1, w3_1, ...]: a permutation of the
+  // 2E expert slices, walked cycle by cycle through one slice of staging (not a copy of the pair).
+  Buffer<bf16> staging(static_cast<size_t>(largest));
+  for (const HiInterleave& p : pairs) {
+    const int64_t slices = 2 * p.experts;
+    const auto bytes = static_cast<size_t>(p.per_expert) * sizeof(bf16);
+    const auto slice = [&](int64_t k) { return s.hi_data() + p.first + k * p.per_expert; };
+    const auto from = [&](int64_t k) { return k % 2 * p.experts + k / 2; };  // the slice that moves to k
+    const auto copy = [&](bf16* to, const bf16* in) {
+      MOE_CUDA_CHECK(cudaMemcpyAsync(to, in, bytes, cudaMemcpyDeviceToDevice, s.stream));
+    };
+    std::vector<char> placed(static_cast<size_t>(slices), 0);
+    for (int64_t start = 0; start < slices; ++start) {
+      if (placed[static_cast<size_t>(start)] || from(start) == start) continue;  // w1_0 and w3_E-1 stay
+      copy(staging.data(), slice(start));
+      for (int64_t k = start;;) {
+        placed[static_cast<size_t>(k)] = 1;
+        const int64_t in = from(k);
+        if (in == start) {
+          copy(slice(k), staging.data());
+          break;
+        }
+        copy(slice(k), slice(in));
+        k = in;
+      }
+    }
+  }
+  s.sync();  // before the staging goes
   s.interleaved = std::move(pairs);
   ++s.weights_version;
 }
