@@ -16,6 +16,7 @@
 #include "dist/gradient_stages.h"
 #include "dist/zero_shards.h"
 #include "gpu_test_util.h"
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
 #include "moe/router.h"
@@ -197,7 +198,7 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
     optimizers.push_back(std::make_unique<GpuOptimizer>(shards.back()->parameters(), cpu.params(), shards.back()->stream()));
     plans.push_back(dist::plan_zero_shards(stages, shards.back()->parameters().fp32_copy_ranges(), 1000, ranks, r));
     optimizers.back()->shard_expert_clip(plans.back().norm, plans.back().update);
-    shards.back()->parameters().upload_grads(unclipped.params());
+    upload_grads(shards.back()->parameters(), unclipped.params());
     EXPECT_THROW(optimizers.back()->clip_expert_grads(0.0), Error);  // no sum over the ranks given
     // First pass: the partial squares alone (max_norm 0: nothing scaled).
     optimizers.back()->clip_expert_grads(0.0, [&](std::vector<double>& squares) {

@@ -18,6 +18,7 @@
 #include "gpu_test_util.h"
 #include "kernels/adamw_math.h"
 #include "kernels/gpu_ops.h"
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
@@ -173,17 +174,17 @@ TEST(GpuBf16Grads, StoreKeepsTheRoundedGradientsAndFewerBytes) {
   for (const Range& r : gpu.bf16_grad_ranges()) in_ranges += r.count;
   EXPECT_EQ(in_ranges, expert_numel);
   fill_grads(params, 1, 1.0);
-  gpu.upload_grads(params);
+  upload_grads(gpu, params);
   round_expert_grads(params);
   ParameterStore<float> holder;
   make_params(holder);
-  gpu.download_grads(holder);
+  download_grads(gpu, holder);
   size_t bad = 0;
   for (int id = 0; id < params.size(); ++id)
     for (int64_t i = 0; i < params.numel(id); ++i) bad += bits(holder.grad(id)[i]) != bits(params.grad(id)[i]);
   EXPECT_EQ(bad, 0u);
   gpu.zero_grads();
-  gpu.download_grads(holder);
+  download_grads(gpu, holder);
   for (int id = 0; id < params.size(); ++id)
     for (int64_t i = 0; i < params.numel(id); ++i) ASSERT_EQ(bits(holder.grad(id)[i]), 0u) << params.spec(id).name;
   // 2 bytes fewer per expert weight; each block rounds its resident ranges out to whole
@@ -215,7 +216,7 @@ TEST_P(GpuBf16GradsOptimizer, ClipAndAdamWMatchTheCpuOnRoundedGradients) {
   for (int64_t step = 1; step <= 4; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
     fill_grads(params, step, step % 2 == 0 ? 1.0 : 1e-4);
-    gpu.upload_grads(params);
+    upload_grads(gpu, params);
     round_expert_grads(params);
     const double max_expert = step % 2 == 0 ? 10.0 : 0.0;
     const ClipStats experts = clip_gradients(params, 0.0, max_expert);
@@ -235,7 +236,7 @@ TEST_P(GpuBf16GradsOptimizer, ClipAndAdamWMatchTheCpuOnRoundedGradients) {
     ParameterStore<float> holder;
     make_params(holder);
     std::vector<float> m, v;
-    gpu.download_state(holder, m, v);
+    download_state(gpu, holder, m, v);
     size_t bad_p = 0, bad_m = 0, bad_v = 0, packed = 0;
     for (int id = 0; id < params.size(); ++id)
       for (int64_t i = 0; i < params.numel(id); ++i, ++packed) {
@@ -249,7 +250,7 @@ TEST_P(GpuBf16GradsOptimizer, ClipAndAdamWMatchTheCpuOnRoundedGradients) {
   }
   // A non-finite bf16 gradient makes the step skipped.
   params.grad(2)[5] = std::numeric_limits<float>::infinity();
-  gpu.upload_grads(params);
+  upload_grads(gpu, params);
   optimizer.clip_and_adamw_step(AdamWStep{1e-3, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, 5}, max_norm);
   EXPECT_TRUE(optimizer.last_step_skipped());
 }
@@ -288,7 +289,7 @@ Grads backward_grads(const ModelConfig& c, bool bf16_grads, int micro, bool repl
     auto& params = host.params();
     for (int id = 0; id < params.size(); ++id)
       std::fill_n(params.grad(id), params.numel(id), std::numeric_limits<float>::quiet_NaN());
-    gpu.parameters().upload_grads(params);  // both blocks
+    upload_grads(gpu.parameters(), params);  // both blocks
     gpu.begin_gradients();
   } else {
     gpu.parameters().zero_grads();

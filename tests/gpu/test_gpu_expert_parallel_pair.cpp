@@ -21,6 +21,7 @@
 #include "dist/gradient_stages.h"
 #include "gpu_test_util.h"
 #include "small_models.h"
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
 #include "optim/cuda/gpu_optimizer.h"
@@ -192,7 +193,7 @@ std::array<RankRun, 2> run_pair(const ModelConfig& config, const Placement& plac
     run.load = gpu.routing().stats().load;
     // What a checkpoint writes: every expert's weights and moments from the rank holding it.
     optimizer.adamw_step(AdamWStep{lr, 0.9, 0.95, 1e-8, 0.1, 2}, 1.0f);
-    gpu.parameters().download_params(host.params());  // what this rank holds, in slot order
+    download_params(gpu.parameters(), host.params());  // what this rank holds, in slot order
     for (int id = 0; id < host.params().size(); ++id)
       run.held.insert(run.held.end(), host.params().value(id), host.params().value(id) + host.params().numel(id));
     gpu.download_state(host.params(), run.m, run.v);

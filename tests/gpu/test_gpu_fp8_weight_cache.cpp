@@ -15,6 +15,7 @@
 #include "core/rng.h"
 #include "fp8_gemm_test_util.h"
 #include "gpu_test_util.h"
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
@@ -132,14 +133,14 @@ TEST(GpuParameterStoreVersion, EveryWeightWriterBumpsIt) {
   };
   (void)store.weights();
   store.zero_grads();
-  store.download_params(params);
+  download_params(store, params);
   EXPECT_EQ(store.weights_version(), version) << "reads moved the version";
   (void)store.weights_hi();
   bumped("weights_hi()");
-  store.upload_state(params, {}, {});
+  upload_state(store, params, {}, {});
   bumped("upload_state");
   std::vector<float> values(64, 0.5f);
-  store.upload_range(Range{0, 64}, values.data(), nullptr, nullptr);
+  upload_range(store, Range{0, 64}, values.data(), nullptr, nullptr);
   bumped("upload_range");
   const RangeList resident = store.resident_ranges();
   store.set_resident_ranges(resident);

@@ -18,6 +18,7 @@
 #include "kernels/adamw_math.h"
 #include "kernels/gpu_ops.h"
 #include "optim/gpu_ops.h"
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
@@ -121,7 +122,7 @@ TEST(GpuOptimizer, GradNormIsTheCpuNormBitForBit) {
   GpuOptimizer optimizer(gpu, params, nullptr);
   for (int64_t step = 1; step <= 3; ++step) {
     fill_grads(params, step, step == 2 ? 1e3 : 1e-3);
-    gpu.upload_grads(params);
+    upload_grads(gpu, params);
     const double want = cpu_norm(params);
     const double got = optimizer.grad_norm();
     EXPECT_EQ(got, want) << "step " << step << ": relative difference " << (got - want) / want;
@@ -130,11 +131,11 @@ TEST(GpuOptimizer, GradNormIsTheCpuNormBitForBit) {
   }
   // An inf or a NaN anywhere makes the norm non-finite, and the step is skipped.
   params.grad(6)[123456] = std::numeric_limits<float>::infinity();
-  gpu.upload_grads(params);
+  upload_grads(gpu, params);
   EXPECT_EQ(optimizer.grad_norm(), std::numeric_limits<double>::infinity());
   EXPECT_TRUE(optimizer.last_step_skipped());
   params.grad(3)[am::kNormChunk] = std::numeric_limits<float>::quiet_NaN();
-  gpu.upload_grads(params);
+  upload_grads(gpu, params);
   EXPECT_TRUE(std::isnan(optimizer.grad_norm()));
   EXPECT_TRUE(optimizer.last_step_skipped());
 }
@@ -146,7 +147,7 @@ void expect_state_matches(GpuParameterStore& gpu, ParameterStore<float>& cpu_par
   ParameterStore<float> holder;
   make_params(holder);
   std::vector<float> m, v;
-  gpu.download_state(holder, m, v);
+  download_state(gpu, holder, m, v);
   ASSERT_EQ(m.size(), cpu.first_moment().size());
   size_t bad_p = 0, bad_m = 0, bad_v = 0, bad_hi = 0, first_bad = 0;
   size_t packed = 0;
@@ -197,7 +198,7 @@ TEST_P(GpuMultiTensorAdamW, ClippedStepsMatchTheCpuBitForBit) {
   const double max_norm = 1.0;
   for (int64_t step = 1; step <= 5; ++step) {
     fill_grads(params, step, step % 2 == 0 ? 1.0 : 1e-5);
-    gpu.upload_grads(params);  // before clip_gradients scales the CPU's in place
+    upload_grads(gpu, params);  // before clip_gradients scales the CPU's in place
     const ClipStats clip = clip_gradients(params, max_norm, 0.0);
     EXPECT_EQ(clip.global_clipped, step % 2 == 0) << "step " << step;
     const double lr = 1e-3 * static_cast<double>(step);
@@ -215,7 +216,7 @@ TEST_P(GpuMultiTensorAdamW, ClippedStepsMatchTheCpuBitForBit) {
     expect_state_matches(gpu, params, cpu, fp32_ids, "step " + std::to_string(step));
   }
   params.grad(4)[99] = std::numeric_limits<float>::quiet_NaN();
-  gpu.upload_grads(params);
+  upload_grads(gpu, params);
   optimizer.clip_and_adamw_step(AdamWStep{1e-2, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, 6}, max_norm);
   EXPECT_TRUE(optimizer.last_step_skipped());
   EXPECT_TRUE(std::isnan(optimizer.last_grad_norm()));
@@ -233,7 +234,7 @@ TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
   {  // the constructor's copy
     ParameterStore<float> holder;
     make_params(holder);
-    gpu.download_params(holder);
+    download_params(gpu, holder);
     for (int id = 0; id < initial.size(); ++id)
       for (int64_t i = 0; i < initial.numel(id); ++i) ASSERT_EQ(bits(holder.value(id)[i]), bits(initial.value(id)[i]));
   }
@@ -250,11 +251,11 @@ TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
     m[static_cast<size_t>(i)] = static_cast<float>(1e-3 * rng.normal(static_cast<uint64_t>(2 * i)));
     v[static_cast<size_t>(i)] = static_cast<float>(1e-6 * std::abs(rng.normal(static_cast<uint64_t>(2 * i + 1))));
   }
-  gpu.upload_state(params, m, v);
+  upload_state(gpu, params, m, v);
   ParameterStore<float> holder;
   make_params(holder);
   std::vector<float> m_back, v_back;
-  gpu.download_state(holder, m_back, v_back);
+  download_state(gpu, holder, m_back, v_back);
   for (int id = 0; id < params.size(); ++id)
     for (int64_t i = 0; i < params.numel(id); ++i)
       ASSERT_EQ(bits(holder.value(id)[i]), bits(params.value(id)[i])) << params.spec(id).name << "[" << i << "]";
@@ -284,9 +285,9 @@ TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
   EXPECT_EQ(bad, 0u);
   EXPECT_EQ(changed > 0, bf16 || fp8);
   if (fp8) {  // stored fp8 values load back unchanged (a checkpoint reloads bit for bit)
-    gpu.upload_state(params, m_back, v_back);
+    upload_state(gpu, params, m_back, v_back);
     std::vector<float> m_again, v_again;
-    gpu.download_state(holder, m_again, v_again);
+    download_state(gpu, holder, m_again, v_again);
     EXPECT_EQ(m_again, m_back);
     EXPECT_EQ(v_again, v_back);
   }
@@ -326,8 +327,8 @@ TEST_P(GpuMultiTensorAdamW, InterleavedGateUpStepsLikeThePlainLayout) {
   const OptimizerConfig oc = config();
   for (int64_t step = 1; step <= 3; ++step) {
     fill_grads(params, step, step == 2 ? 1.0 : 1e-5);
-    plain.upload_grads(params);
-    interleaved.upload_grads(params);
+    upload_grads(plain, params);
+    upload_grads(interleaved, params);
     const AdamWStep hyper{1e-3 * static_cast<double>(step), oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step};
     a.clip_and_adamw_step(hyper, 1.0);
     b.clip_and_adamw_step(hyper, 1.0);
@@ -336,7 +337,7 @@ TEST_P(GpuMultiTensorAdamW, InterleavedGateUpStepsLikeThePlainLayout) {
   const auto state = [&](GpuParameterStore& store) {
     ParameterStore<float> holder = params;
     std::vector<float> m, v;
-    store.download_state(holder, m, v);
+    download_state(store, holder, m, v);
     std::vector<float> all(holder.values_data(), holder.values_data() + holder.storage_numel());
     all.insert(all.end(), m.begin(), m.end());
     all.insert(all.end(), v.begin(), v.end());
@@ -360,17 +361,17 @@ TEST_P(GpuMultiTensorAdamW, InterleavedGateUpStepsLikeThePlainLayout) {
   // edge and its expert slices reads the plain store's values.
   ParameterStore<float> stepped = params;
   std::vector<float> m, v;
-  plain.download_state(stepped, m, v);
+  download_state(plain, stepped, m, v);
   GpuParameterStore other(params, GetParam(), {}, nullptr);
   other.interleave_hi({pair});
-  other.upload_state(stepped, m, v);
+  upload_state(other, stepped, m, v);
   EXPECT_TRUE(same(state(other), want)) << "upload_state into an interleaved store";
   const Range r{pair.first - 3, per_expert + C / 2 + 3};
   std::vector<float> got(static_cast<size_t>(r.count)), expected(got.size());
-  plain.download_range(r, expected.data(), nullptr, nullptr);
-  other.download_range(r, got.data(), nullptr, nullptr);
+  download_range(plain, r, expected.data(), nullptr, nullptr);
+  download_range(other, r, got.data(), nullptr, nullptr);
   EXPECT_TRUE(same(got, expected)) << "download_range across the interleaved pair";
-  other.upload_range(r, expected.data(), nullptr, nullptr);
+  upload_range(other, r, expected.data(), nullptr, nullptr);
   EXPECT_TRUE(same(state(other), want)) << "upload_range across the interleaved pair";
 }
 
@@ -478,11 +479,11 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
   const auto lo_before = device_copy<int16_t>(whole.weights_lo(), n);
   for (int64_t step = 1; step <= 3; ++step) {
     fill_grads(params, step, step == 2 ? 1.0 : 1e-4);
-    whole.upload_grads(params);
+    upload_grads(whole, params);
     const double norm = whole_optimizer.grad_norm();
     double sum_sq = 0;
     for (int r = 0; r < ranks; ++r) {
-      shards[static_cast<size_t>(r)]->upload_grads(params);
+      upload_grads(*shards[static_cast<size_t>(r)], params);
       const double part = optimizers[static_cast<size_t>(r)]->grad_norm();
       sum_sq += part * part;
     }
@@ -497,7 +498,7 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
   // The moments as fp32 over the whole block (the stored values: bf16 widened, fp8 decoded).
   const auto moments_of = [n](const GpuParameterStore& store) {
     std::vector<float> values(static_cast<size_t>(n)), mv(2 * static_cast<size_t>(n));
-    store.download_range({0, n}, values.data(), mv.data(), mv.data() + n);
+    download_range(store, {0, n}, values.data(), mv.data(), mv.data() + n);
     return mv;
   };
   const std::vector<float> mv = moments_of(whole);
@@ -563,11 +564,11 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
   }
   for (int64_t step = 1; step <= 3; ++step) {
     fill_grads(params, step, 1e-3);
-    whole.upload_grads(params);
+    upload_grads(whole, params);
     const AdamWStep hyper{1e-3, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step};
     whole_optimizer.adamw_step(hyper, 1.0f);
     for (int r = 0; r < ranks; ++r) {
-      shards[static_cast<size_t>(r)]->upload_grads(params);
+      upload_grads(*shards[static_cast<size_t>(r)], params);
       optimizers[static_cast<size_t>(r)]->adamw_step(hyper, 1.0f);
     }
   }
@@ -581,8 +582,8 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
     for (const Range& range : shard.optimizer_ranges()) {
       std::vector<float> want(static_cast<size_t>(range.count) * 3), got(want.size());
       const auto c = static_cast<size_t>(range.count);
-      whole.download_range(range, want.data(), want.data() + c, want.data() + 2 * c);
-      shard.download_range(range, got.data(), got.data() + c, got.data() + 2 * c);
+      download_range(whole, range, want.data(), want.data() + c, want.data() + 2 * c);
+      download_range(shard, range, got.data(), got.data() + c, got.data() + 2 * c);
       EXPECT_EQ(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)), 0)
           << "range [" << range.offset << ", " << range.end() << ")";
       owned += range.count;
@@ -596,7 +597,7 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
     EXPECT_THROW(shard.moment_block(0), Error);
     const Range elsewhere = subtract_ranges({{0, n}}, shard.optimizer_ranges()).front();
     std::vector<float> out(static_cast<size_t>(elsewhere.count) * 3);
-    EXPECT_THROW(shard.download_range(elsewhere, out.data(), nullptr, nullptr), Error);
+    EXPECT_THROW(download_range(shard, elsewhere, out.data(), nullptr, nullptr), Error);
     EXPECT_THROW(shard.pack_optimizer_state(plans[static_cast<size_t>(r)].update), Error);  // once
   }
   EXPECT_GE(owned_total, n - 16 * params.size());  // every element stepped somewhere (padding aside)

@@ -11,8 +11,9 @@
 // expert by expert (the gate|up GEMMs' one operand); everything else stays in place.
 // Bytes per parameter: 2 + 2 + 4 + 2 x 4 = 16 with fp32 moments, 12 with bf16 ones; 2
 // fewer for expert weights with bf16 gradients.
-// The optimizer that steps this state is optim/cuda/gpu_optimizer.h. Only the resident
-// ranges hold memory (core/cuda/resident_block.h); offsets are always the full block's.
+// The optimizer that steps this state is optim/cuda/gpu_optimizer.h; its host copies
+// (tests, checkpoints) are model/cuda/gpu_parameter_io.h. Only the resident ranges hold
+// memory (core/cuda/resident_block.h); offsets are always the full block's.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -130,27 +131,6 @@ class GpuParameterStore {
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
   // included), sorted: a sharded optimizer must step them whole on every rank.
   RangeList fp32_copy_ranges() const;
-  // Host copies of the resident ranges, in the CPU store's layout (tests and checkpoints;
-  // the host's other elements are left as they are). bf16 gradients are widened on
-  // download and rounded to nearest even on upload. The moments are packed parameter
-  // after parameter (the CPU AdamW's layout) and always fp32; bf16 moments are rounded to
-  // nearest even on upload.
-  void download_grads(ParameterStore<float>& params) const;
-  void upload_grads(ParameterStore<float>& params);
-  // download_grads writes zeros where nothing is resident (no gradient was computed there)
-  // and, with shared gradients, outside the held ones.
-  // `only`: just these ranges (resident ones; null: every resident range).
-  void download_params(ParameterStore<float>& params, const Range* only = nullptr) const;
-  void download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v,
-                      const Range* only = nullptr) const;
-  // upload_state with m and v empty: the weights only.
-  void upload_state(const ParameterStore<float>& params, const std::vector<float>& m, const std::vector<float>& v);
-  // Block range r (inside optimizer_ranges()) as fp32 on the host, values[0, r.count):
-  // the master weights, the moments into m and v (null: not copied); and back (bf16
-  // moments rounded to nearest even; the fp32 copies of its parameters refreshed).
-  // Checkpoints of a rank's own pieces.
-  void download_range(Range r, float* values, float* m, float* v) const;
-  void upload_range(Range r, const float* values, const float* m, const float* v);
 
   // Device bytes held by the blocks above (their resident chunks).
   size_t device_bytes() const;
@@ -158,6 +138,7 @@ class GpuParameterStore {
   static double bytes_per_parameter(MomentDtype moments, bool bf16_grads = false);
 
  private:
+  friend struct GpuParameterStoreAccess;  // the host copies (gpu_parameter_io.h)
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_transformer_state.h"
 #include "moe/expert_slots.h"
 #include "moe/token_exchange.h"
@@ -318,9 +319,9 @@ void GpuTransformer::State::gather_other_experts(ParameterStore<float>& params, 
           ep->broadcast(base + block.offset * static_cast<int64_t>(bytes), static_cast<size_t>(block.count) * bytes, rank);
         if (mine) continue;
         if (m)
-          store->download_state(params, *m, *v, &block);
+          moe::download_state(*store, params, *m, *v, &block);
         else
-          store->download_params(params, &block);
+          moe::download_params(*store, params, &block);
         store->set_resident_ranges(resident);
       }
     }

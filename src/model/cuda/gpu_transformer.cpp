@@ -1,4 +1,6 @@
 #include "model/cuda/gpu_transformer.h"
+
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_transformer_state.h"
 
 #include <cuda_runtime.h>
@@ -659,20 +661,20 @@ void* GpuTransformer::stream() const { return state_->stream; }
 
 // Host copies are in expert order: re-placed layers' tensors are put back from slot order.
 void GpuTransformer::download_grads(ParameterStore<float>& params) const {
-  state_->store->download_grads(params);
+  moe::download_grads(*state_->store, params);
   state_->reorder_experts([&](const Param& p) { return params.grad(p.id); }, /*to_expert_order=*/true);
 }
 
 void GpuTransformer::download_params(ParameterStore<float>& params) {
   State& s = *state_;
-  s.store->download_params(params);
+  moe::download_params(*s.store, params);
   s.gather_other_experts(params, nullptr, nullptr);
   s.reorder_experts([&](const Param& p) { return params.value(p.id); }, /*to_expert_order=*/true);
 }
 
 void GpuTransformer::download_state(ParameterStore<float>& params, std::vector<float>& m, std::vector<float>& v) {
   State& s = *state_;
-  s.store->download_state(params, m, v);
+  moe::download_state(*s.store, params, m, v);
   s.gather_other_experts(params, &m, &v);
   s.reorder_experts([&](const Param& p) { return params.value(p.id); }, /*to_expert_order=*/true);
   const std::vector<int64_t> packed = packed_offsets(params);
@@ -686,7 +688,7 @@ void GpuTransformer::upload_state(const ParameterStore<float>& params, const std
   State& s = *state_;
   const bool placed = std::any_of(s.layers.begin(), s.layers.end(), [](const Layer& layer) { return layer.placed; });
   if (!placed) {
-    s.store->upload_state(params, m, v);
+    moe::upload_state(*s.store, params, m, v);
     return;
   }
   // Given in expert order: into the current placement's slots on the host first, so that
@@ -698,7 +700,7 @@ void GpuTransformer::upload_state(const ParameterStore<float>& params, const std
   for (std::vector<float>* moment : {&m_slotted, &v_slotted})
     s.reorder_experts([&](const Param& p) { return moment->data() + packed[static_cast<size_t>(p.id)]; },
                       /*to_expert_order=*/false);
-  s.store->upload_state(slotted, m_slotted, v_slotted);
+  moe::upload_state(*s.store, slotted, m_slotted, v_slotted);
 }
 
 void GpuTransformer::set_phase_clock(gpu::PhaseClock* clock) { state_->clock = clock; }

@@ -22,6 +22,7 @@
 #include "dist/launch_env.h"
 #include "dist/zero_shards.h"
 #include "kernels/fp8_gpu_ops.h"
+#include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/expert_layout.h"
@@ -437,9 +438,9 @@ class GpuBackend final : public ModelBackend {
     if (!dp_ || dp_->size() == 1) {
       std::vector<float>& m = host_optimizer().first_moment();
       std::vector<float>& v = host_optimizer().second_moment();
-      store.download_state(host_model().params(), m, v);
+      download_state(store, host_model().params(), m, v);
       auto merges = merge_host_experts(host_model(), host_optimizer(), moe, load_LE, protected_LE, seed, step);
-      store.upload_state(host_model().params(), m, v);
+      upload_state(store, host_model().params(), m, v);
       upload_router_state(host_model().moe_layers(), config_.model, gpu_->routing());
       return merges;
     }
@@ -447,7 +448,7 @@ class GpuBackend final : public ModelBackend {
     const SavedState saved = save_state(dp_->rank(), dp_->size());
     const std::vector<StateTarget> targets = restore_targets();
     for (const OwnedPieces::Piece& p : restored_.pieces)
-      store.download_range(p.block, restored_.values_of(p), restored_.m_of(p), restored_.v_of(p));
+      download_range(store, p.block, restored_.values_of(p), restored_.m_of(p), restored_.v_of(p));
     auto merges = merge_sharded_experts(
         host_model(), moe, saved, targets, [this](float* v, int64_t n) { dp_->sum(v, n); }, load_LE, protected_LE,
         seed, step);
@@ -471,7 +472,7 @@ class GpuBackend final : public ModelBackend {
           group->gather_pieces(store.weights_lo(), dist::DType::bf16, static_cast<int>(stage));  // int16 bits: moved
           if (by_stage) group->forward_stage(static_cast<int>(stage));
         }
-        for (const Range& range : zero_held_[stage]) store.download_params(host_model().params(), &range);
+        for (const Range& range : zero_held_[stage]) download_params(store, host_model().params(), &range);
       }
       store.hold_master({});
       if (ep_) gpu_->share_expert_values(host_model().params());  // the other EP ranks' experts
@@ -517,7 +518,7 @@ class GpuBackend final : public ModelBackend {
     SavedState state;
     state.adam_steps = steps_;
     for (const OwnedPieces::Piece& p : pieces->pieces) {
-      gpu_->parameters().download_range(p.block, pieces->values_of(p), pieces->m_of(p), pieces->v_of(p));
+      download_range(gpu_->parameters(), p.block, pieces->values_of(p), pieces->m_of(p), pieces->v_of(p));
       const std::string& name = params.spec(p.id).name;
       const std::vector<int64_t> shape = tensor_shape(params.spec(p.id).shape);
       const int64_t n = p.block.count;
@@ -569,10 +570,10 @@ class GpuBackend final : public ModelBackend {
     if (dp_) dp_->join_stage_gathers();  // none may still write the weights
     auto& params = host_model().params();
     GpuParameterStore& store = gpu_->parameters();
-    if (sharded()) store.upload_state(params, {}, {});  // every weight's hi half, the own pieces' lo halves
+    if (sharded()) upload_state(store, params, {}, {});  // every weight's hi half, the own pieces' lo halves
     for (const OwnedPieces::Piece& p : restored_.pieces) {
       const float* values = sharded() ? params.values_data() + p.block.offset : restored_.values_of(p);
-      store.upload_range(p.block, values, restored_.m_of(p), restored_.v_of(p));
+      upload_range(store, p.block, values, restored_.m_of(p), restored_.v_of(p));
     }
     restored_ = OwnedPieces{};
     upload_router_state(host_model().moe_layers(), config_.model, gpu_->routing());

@@ -1,0 +1,217 @@
+#include "model/cuda/gpu_parameter_io.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "kernels/gpu_ops.h"
+#include "model/cuda/gpu_parameters_state.h"
+
+namespace moe {
+namespace {
+
+template <typename T>
+using Buffer = gpu::DeviceArray<T>;
+
+}  // namespace
+
+void download_grads(const GpuParameterStore& store, ParameterStore<float>& params) {
+  auto& s = GpuParameterStoreAccess::state(store);
+  s.check_layout(params, "download_grads");
+  // Where this rank holds nothing it computed no gradient: zeros.
+  const RangeList& held = s.grads_held.empty() ? s.resident : s.grads_held;
+  for (const Range& r : subtract_ranges({{0, s.storage}}, held))
+    std::fill_n(params.grads_data() + r.offset, r.count, 0.0f);
+  for (const Range& r : s.fp32_grad_ranges(held))
+    MOE_CUDA_CHECK(cudaMemcpy(params.grads_data() + r.offset, s.grads_data() + r.offset,
+                              static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyDeviceToHost));
+  const RangeList bf16_held = s.bf16_grad_ranges(held);
+  if (bf16_held.empty()) return;
+  Buffer<float> staging = s.staging();
+  for (const Range& r : bf16_held)
+    for (int64_t done = 0; done < r.count;) {
+      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
+      cuda::widen_bf16(staging.data(), s.grads16_data() + r.offset + done, piece, s.stream);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(params.grads_data() + r.offset + done, staging.data(),
+                                     static_cast<size_t>(piece) * sizeof(float), cudaMemcpyDeviceToHost, s.stream));
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the staging buffer is reused
+      done += piece;
+    }
+}
+
+void upload_grads(GpuParameterStore& store, ParameterStore<float>& params) {
+  auto& s = GpuParameterStoreAccess::state(store);
+  s.check_layout(params, "upload_grads");
+  const RangeList& held = s.grads_held.empty() ? s.resident : s.grads_held;
+  for (const Range& r : s.fp32_grad_ranges(held))
+    MOE_CUDA_CHECK(cudaMemcpy(s.grads_data() + r.offset, params.grads_data() + r.offset,
+                              static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyHostToDevice));
+  const RangeList bf16_held = s.bf16_grad_ranges(held);
+  if (bf16_held.empty()) return;
+  Buffer<float> staging = s.staging();
+  for (const Range& r : bf16_held)
+    for (int64_t done = 0; done < r.count;) {
+      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
+      MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), params.grads_data() + r.offset + done,
+                                     static_cast<size_t>(piece) * sizeof(float), cudaMemcpyHostToDevice, s.stream));
+      cuda::round_to_bf16(s.grads16_data() + r.offset + done, staging.data(), piece, s.stream);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the staging buffer is reused
+      done += piece;
+    }
+}
+
+void download_params(const GpuParameterStore& store, ParameterStore<float>& params, const Range* only) {
+  auto& s = GpuParameterStoreAccess::state(store);
+  s.check_layout(params, "download_params");
+  Buffer<float> staging = s.staging();
+  for (const SpanPiece& part : s.parts_held(only ? RangeList{*only} : s.resident, s.master_ranges(),
+                                            "the master weights' lo halves")) {
+    const int id = static_cast<int>(part.span);
+    float* host = params.value(id) + (part.offset - s.offsets[part.span]);
+    for (int64_t done = 0; done < part.count;) {
+      const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
+      const int16_t* lo = s.lo_at(part.offset + done);
+      s.for_hi_runs(part.offset + done, piece, [&](const bf16* hi, int64_t at, int64_t n) {
+        const int64_t k = at - (part.offset + done);
+        cuda::join_master(staging.data() + k, hi, lo + k, n, s.stream);
+      });
+      MOE_CUDA_CHECK(cudaMemcpyAsync(host + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
+                                     cudaMemcpyDeviceToHost, s.stream));
+      done += piece;
+    }
+  }
+  s.sync();
+}
+
+void download_state(const GpuParameterStore& store, ParameterStore<float>& params, std::vector<float>& m,
+                    std::vector<float>& v, const Range* only) {
+  auto& s = GpuParameterStoreAccess::state(store);
+  download_params(store, params, only);
+  m.resize(static_cast<size_t>(s.total_numel), 0.0f);
+  v.resize(static_cast<size_t>(s.total_numel), 0.0f);
+  Buffer<float> staging = s.moments != MomentDtype::Fp32 ? s.staging() : Buffer<float>();
+  for (const SpanPiece& part :
+       s.parts_held(only ? RangeList{*only} : s.resident, s.moment_ranges(), "the AdamW moments")) {
+    const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
+    for (int moment = 0; moment < 2; ++moment) {
+      float* out = (moment == 0 ? m.data() : v.data()) + packed;
+      if (s.moments == MomentDtype::Fp32) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(out, s.moment_at(moment, part.offset), static_cast<size_t>(part.count) * sizeof(float),
+                                       cudaMemcpyDeviceToHost, s.stream));
+        continue;
+      }
+      for (int64_t done = 0; done < part.count;) {
+        const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
+        s.widen_moments(staging.data(), moment, part.offset + done, piece);
+        MOE_CUDA_CHECK(cudaMemcpyAsync(out + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
+                                       cudaMemcpyDeviceToHost, s.stream));
+        done += piece;
+      }
+    }
+  }
+  s.sync();
+}
+
+void upload_state(GpuParameterStore& store, const ParameterStore<float>& params, const std::vector<float>& m,
+                  const std::vector<float>& v) {
+  auto& s = GpuParameterStoreAccess::state(store);
+  s.check_layout(params, "upload_state");
+  const bool moments = !m.empty() || !v.empty();
+  MOE_CHECK(!moments || (static_cast<int64_t>(m.size()) == s.total_numel && m.size() == v.size()),
+            "upload_state: {} first and {} second moments for {} parameters", m.size(), v.size(), s.total_numel);
+  Buffer<float> staging = s.staging();
+  for (const Range& r : s.resident) s.upload_values(params.values_data() + r.offset, r.offset, r.count, staging);
+  s.refresh_mirrors(params);
+  const RangeList with_moments = moments ? s.moment_ranges() : RangeList{};
+  for (const SpanPiece& part : s.parts_held(with_moments, with_moments, "the AdamW moments")) {
+    const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
+    for (int moment = 0; moment < 2; ++moment) {
+      const float* in = (moment == 0 ? m.data() : v.data()) + packed;
+      if (s.moments == MomentDtype::Fp32) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(s.moment_at(moment, part.offset), in, static_cast<size_t>(part.count) * sizeof(float),
+                                       cudaMemcpyHostToDevice, s.stream));
+        continue;
+      }
+      for (int64_t done = 0; done < part.count;) {  // pieces of kStagingFloats: whole fp8 blocks
+        const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
+        MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(piece) * sizeof(float),
+                                       cudaMemcpyHostToDevice, s.stream));
+        s.store_moments(moment, part.offset + done, staging.data(), piece);
+        done += piece;
+      }
+    }
+  }
+  s.sync();
+}
+
+void download_range(const GpuParameterStore& store, Range r, float* values, float* m, float* v) {
+  auto& s = GpuParameterStoreAccess::state(store);
+  s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
+  if (m || v) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
+  Buffer<float>& staging = s.range_staging();
+  const auto chunk = static_cast<int64_t>(staging.size());
+  for (int64_t done = 0; done < r.count; done += chunk) {
+    const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
+    const int16_t* lo = s.lo_at(at);
+    s.for_hi_runs(at, n, [&](const bf16* hi, int64_t run, int64_t count) {
+      cuda::join_master(staging.data() + (run - at), hi, lo + (run - at), count, s.stream);
+    });
+    MOE_CUDA_CHECK(cudaMemcpyAsync(values + done, staging.data(), static_cast<size_t>(n) * sizeof(float),
+                                   cudaMemcpyDeviceToHost, s.stream));
+    for (int which = 0; which < 2; ++which) {
+      float* out = which == 0 ? m : v;
+      if (!out) continue;
+      const char* in = s.moment_at(which, at);
+      if (s.moments != MomentDtype::Fp32) {
+        s.widen_moments(staging.data(), which, at, n);
+        in = reinterpret_cast<const char*>(staging.data());
+      }
+      // The staging buffer is reused right after: this copy must finish first.
+      MOE_CUDA_CHECK(cudaMemcpyAsync(out + done, in, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost,
+                                     s.stream));
+    }
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
+void upload_range(GpuParameterStore& store, Range r, const float* values, const float* m, const float* v) {
+  auto& s = GpuParameterStoreAccess::state(store);
+  s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
+  if (m || v) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
+  Buffer<float>& staging = s.range_staging();
+  const auto chunk = static_cast<int64_t>(staging.size());
+  for (int64_t done = 0; done < r.count; done += chunk) {
+    const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(n) * sizeof(float),
+                                   cudaMemcpyHostToDevice, s.stream));
+    int16_t* lo = s.lo_at(at);
+    s.for_hi_runs(at, n, [&](bf16* hi, int64_t run, int64_t count) {
+      cuda::split_master(hi, lo + (run - at), staging.data() + (run - at), count, s.stream);
+    });
+    ++s.weights_version;
+    for (int which = 0; which < 2; ++which) {
+      const float* in = which == 0 ? m : v;
+      if (!in) continue;
+      if (s.moments == MomentDtype::Fp32) {
+        MOE_CUDA_CHECK(cudaMemcpyAsync(s.moment_at(which, at), in + done, static_cast<size_t>(n) * sizeof(float),
+                                       cudaMemcpyHostToDevice, s.stream));
+        continue;
+      }
+      MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(n) * sizeof(float),
+                                     cudaMemcpyHostToDevice, s.stream));
+      s.store_moments(which, at, staging.data(), n);
+    }
+  }
+  // The fp32 copies of the parameters in r (router biases) take the same values.
+  for (const SpanPiece& part : cut_spans(s.spans(), {r})) {
+    const int64_t mirror_at = s.mirror_offsets[part.span];
+    if (mirror_at < 0) continue;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(s.mirror.data() + mirror_at + (part.offset - s.offsets[part.span]),
+                                   values + (part.offset - r.offset), static_cast<size_t>(part.count) * sizeof(float),
+                                   cudaMemcpyHostToDevice, s.stream));
+  }
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+}
+
+}  // namespace moe
