@@ -161,6 +161,63 @@ TEST(ZeroOptimizer, RanksHoldThePlansPiecesAndReproduceAdamW) {
   }
 }
 
+// The GPU's plan with gate|up interleaved (plan_zero_shards with the MoE layers' w1 | w3 as
+// pairs: buckets cut at expert slices, whole slices a piece where 3 of them fit a bucket) is
+// a ZeRO plan as any: on 3 ranks each holds the sums of its pieces, the norm ranges count
+// every element once and the steps are one process's AdamW, bit for bit. Bucket sizes for
+// both cuts: 448 elements (each 240-element slice bucketed alone) and 4,992 (experts 0-2 of
+// w1 and of w3 one bucket each, expert 3 alone).
+TEST(ZeroOptimizer, ExpertSliceCutsForInterleavedGateUpReproduceAdamW) {
+  constexpr int kRanks = 3;
+  for (const double bucket_mb : {kBucketMb, 0.02}) {
+    SCOPED_TRACE(testing::Message() << "buckets of " << bucket_mb << " MB");
+    dist::run_tcp_ranks(kRanks, [bucket_mb](std::unique_ptr<dist::Communicator>& world, int rank) {
+      Transformer<float> model(test::odd_sized_model(), 1), alone(test::odd_sized_model(), 1);
+      auto& params = model.params();
+      std::vector<HiInterleave> pairs;
+      RangeList keep;
+      for (int id = 0; id < params.size(); ++id) {
+        const std::string& name = params.spec(id).name;
+        if (name.ends_with(".moe.experts.w1")) pairs.push_back({params.offset(id), 4, params.numel(id) / 4});
+        if (name.ends_with(".moe.router.bias")) keep.emplace_back(params.offset(id), (params.numel(id) + 15) / 16 * 16);
+      }
+      ASSERT_EQ(pairs.size(), 2u);
+      const auto stages = dist::gradient_ranges_by_stage(
+          params, [&](const std::string& name) { return model.backward_stage_of(name); }, model.backward_stages());
+      dist::ZeroShardPlan plan = dist::plan_zero_shards(
+          stages, keep, dist::gradient_bucket_elems(bucket_mb, params.storage_numel()), kRanks, rank, pairs);
+      // Whole-slice groups gather w1's and w3's slices as one range; with each slice a bucket
+      // of its own the gathers are the same ranges as the buckets (the slices swap places).
+      if (bucket_mb > kBucketMb) ASSERT_NE(plan.weight_gathers, plan.sharded);
+      else ASSERT_EQ(plan.weight_gathers, plan.sharded);
+      dist::CommStats stats;
+      const OptimizerConfig config;
+      dist::ZeroOptimizer zero(params, std::move(plan), *world, config, stats);
+      AdamW adamw(config, alone.params());
+      for (int step = 0; step < 3; ++step) {
+        fill_grads(params, step, rank, 1);
+        fill_grads(alone.params(), step, 0, kRanks);
+        zero.arm();
+        for (int s = 0; s < model.backward_stages(); ++s) zero.on_stage(s);
+        zero.finish();
+        size_t wrong = 0;
+        const float* sums = alone.params().grads_data();
+        for (const auto& [begin, count] : zero.plan().update)
+          for (int64_t x = begin; x < begin + count; ++x) wrong += params.grads_data()[x] != sums[x];
+        EXPECT_EQ(wrong, 0u) << "rank " << rank << " step " << step;
+        double sq = zero.shard_sum_of_squares();
+        world->all_reduce(&sq, 1, dist::DType::f64);
+        double want = 0;
+        for (int64_t x = 0; x < params.storage_numel(); ++x) want += double(sums[x]) * sums[x];
+        EXPECT_EQ(sq, want);
+        zero.step(1e-2);
+        adamw.step(1e-2);
+        EXPECT_EQ(count_differences(params, alone.params()), 0u) << "rank " << rank << " step " << step;
+      }
+    });
+  }
+}
+
 // Resuming on another rank count: one process's AdamW state scattered onto N ranks steps
 // on as that process, and gathers back to it.
 TEST(ZeroOptimizer, OneProcessStateScatteredOntoRanksContinuesIt) {
