@@ -110,6 +110,37 @@ bool same_bytes(const std::vector<float>& a, const std::vector<float>& b) {
 
 constexpr double kBucketMb = 0.002;  // 448-element buckets: several per stage
 
+// Three steps of `zero` on this rank of `ranks` (`model`'s parameters, each rank its own
+// gradients) against one process's AdamW over the summed gradients (`alone`): after each
+// step's sums this rank holds exactly the sums of its plan's update ranges (and less than
+// the block), the ranks' norm ranges count every element once, and the weights are the
+// one process's bit for bit.
+void expect_steps_like_one_process(Transformer<float>& model, Transformer<float>& alone, dist::ZeroOptimizer& zero,
+                                   AdamW& adamw, dist::Communicator& world, int rank, int ranks) {
+  auto& params = model.params();
+  for (int step = 0; step < 3; ++step) {
+    fill_grads(params, step, rank, 1);
+    fill_grads(alone.params(), step, 0, ranks);
+    zero.arm();
+    for (int s = 0; s < model.backward_stages(); ++s) zero.on_stage(s);
+    zero.finish();
+    size_t wrong = 0, held = 0;
+    const float* sums = alone.params().grads_data();
+    for (const auto& [begin, count] : zero.plan().update)
+      for (int64_t x = begin; x < begin + count; ++x, ++held) wrong += params.grads_data()[x] != sums[x];
+    EXPECT_EQ(wrong, 0u) << "rank " << rank << " step " << step;
+    EXPECT_LT(held, static_cast<size_t>(params.storage_numel()));  // a shard, not the block
+    double sq = zero.shard_sum_of_squares();
+    world.all_reduce(&sq, 1, dist::DType::f64);
+    double want = 0;
+    for (int64_t x = 0; x < params.storage_numel(); ++x) want += double(sums[x]) * sums[x];
+    EXPECT_EQ(sq, want);
+    zero.step(1e-2);
+    adamw.step(1e-2);
+    EXPECT_EQ(count_differences(params, alone.params()), 0u) << "rank " << rank << " step " << step;
+  }
+}
+
 // fp8 moments too: a rank's pieces start on multiples of 16, so its blocks are one process's.
 TEST(ZeroOptimizer, RanksHoldThePlansPiecesAndReproduceAdamW) {
   constexpr int kRanks = 3;
@@ -129,29 +160,7 @@ TEST(ZeroOptimizer, RanksHoldThePlansPiecesAndReproduceAdamW) {
     const dist::ZeroShardPlan& plan = zero.plan();
     ASSERT_GT(plan.update.size(), 1u);
     AdamW adamw(config, alone.params());
-    for (int step = 0; step < 3; ++step) {
-      fill_grads(params, step, rank, 1);
-      fill_grads(alone.params(), step, 0, kRanks);
-      zero.arm();
-      for (int s = 0; s < model.backward_stages(); ++s) zero.on_stage(s);
-      zero.finish();
-      // This rank holds the sums at exactly its plan's update ranges (padding: zeros).
-      size_t wrong = 0, held = 0;
-      const float* sums = alone.params().grads_data();
-      for (const auto& [begin, count] : plan.update)
-        for (int64_t x = begin; x < begin + count; ++x, ++held) wrong += params.grads_data()[x] != sums[x];
-      EXPECT_EQ(wrong, 0u) << "rank " << rank << " step " << step;
-      EXPECT_LT(held, static_cast<size_t>(params.storage_numel()));  // a shard, not the block
-      // The norm ranges of the ranks count every element once.
-      double sq = zero.shard_sum_of_squares();
-      world->all_reduce(&sq, 1, dist::DType::f64);
-      double want = 0;
-      for (int64_t x = 0; x < params.storage_numel(); ++x) want += double(sums[x]) * sums[x];
-      EXPECT_EQ(sq, want);
-      zero.step(1e-2);
-      adamw.step(1e-2);
-      EXPECT_EQ(count_differences(params, alone.params()), 0u) << "rank " << rank << " step " << step;
-    }
+    expect_steps_like_one_process(model, alone, zero, adamw, *world, rank, kRanks);
     // A checkpoint's moments gathered from the ranks: one process's, byte for byte.
     std::vector<float> m(adamw.first_moment().size(), -1.0f), v(m.size(), -1.0f);
     zero.gather_moments([&](int id) { return adamw.moment_offset(id); }, m, v);
@@ -194,26 +203,7 @@ TEST(ZeroOptimizer, ExpertSliceCutsForInterleavedGateUpReproduceAdamW) {
       const OptimizerConfig config;
       dist::ZeroOptimizer zero(params, std::move(plan), *world, config, stats);
       AdamW adamw(config, alone.params());
-      for (int step = 0; step < 3; ++step) {
-        fill_grads(params, step, rank, 1);
-        fill_grads(alone.params(), step, 0, kRanks);
-        zero.arm();
-        for (int s = 0; s < model.backward_stages(); ++s) zero.on_stage(s);
-        zero.finish();
-        size_t wrong = 0;
-        const float* sums = alone.params().grads_data();
-        for (const auto& [begin, count] : zero.plan().update)
-          for (int64_t x = begin; x < begin + count; ++x) wrong += params.grads_data()[x] != sums[x];
-        EXPECT_EQ(wrong, 0u) << "rank " << rank << " step " << step;
-        double sq = zero.shard_sum_of_squares();
-        world->all_reduce(&sq, 1, dist::DType::f64);
-        double want = 0;
-        for (int64_t x = 0; x < params.storage_numel(); ++x) want += double(sums[x]) * sums[x];
-        EXPECT_EQ(sq, want);
-        zero.step(1e-2);
-        adamw.step(1e-2);
-        EXPECT_EQ(count_differences(params, alone.params()), 0u) << "rank " << rank << " step " << step;
-      }
+      expect_steps_like_one_process(model, alone, zero, adamw, *world, rank, kRanks);
     });
   }
 }

@@ -14,13 +14,26 @@ namespace {
 template <typename T>
 using Buffer = gpu::DeviceArray<T>;
 
+// f(offset, n) over `ranges` in pieces of at most `staging` elements, the stream waited for
+// after each (the next piece reuses the staging buffer).
+template <class F>
+void in_staged_pieces(const RangeList& ranges, const Buffer<float>& staging, cudaStream_t stream, F&& f) {
+  for (const Range& r : ranges)
+    for (int64_t done = 0; done < r.count;) {
+      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
+      f(r.offset + done, piece);
+      MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      done += piece;
+    }
+}
+
 }  // namespace
 
 void download_grads(const GpuParameterStore& store, ParameterStore<float>& params) {
   auto& s = GpuParameterStoreAccess::state(store);
   s.check_layout(params, "download_grads");
   // Where this rank holds nothing it computed no gradient: zeros.
-  const RangeList& held = s.grads_held.empty() ? s.resident : s.grads_held;
+  const RangeList& held = s.gradient_ranges();
   for (const Range& r : subtract_ranges({{0, s.storage}}, held))
     std::fill_n(params.grads_data() + r.offset, r.count, 0.0f);
   for (const Range& r : s.fp32_grad_ranges(held))
@@ -28,37 +41,29 @@ void download_grads(const GpuParameterStore& store, ParameterStore<float>& param
                               static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyDeviceToHost));
   const RangeList bf16_held = s.bf16_grad_ranges(held);
   if (bf16_held.empty()) return;
-  Buffer<float> staging = s.staging();
-  for (const Range& r : bf16_held)
-    for (int64_t done = 0; done < r.count;) {
-      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
-      cuda::widen_bf16(staging.data(), s.grads16_data() + r.offset + done, piece, s.stream);
-      MOE_CUDA_CHECK(cudaMemcpyAsync(params.grads_data() + r.offset + done, staging.data(),
-                                     static_cast<size_t>(piece) * sizeof(float), cudaMemcpyDeviceToHost, s.stream));
-      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the staging buffer is reused
-      done += piece;
-    }
+  const Buffer<float> staging = s.staging();
+  in_staged_pieces(bf16_held, staging, s.stream, [&](int64_t at, int64_t n) {
+    cuda::widen_bf16(staging.data(), s.grads16_data() + at, n, s.stream);
+    MOE_CUDA_CHECK(cudaMemcpyAsync(params.grads_data() + at, staging.data(), static_cast<size_t>(n) * sizeof(float),
+                                   cudaMemcpyDeviceToHost, s.stream));
+  });
 }
 
 void upload_grads(GpuParameterStore& store, ParameterStore<float>& params) {
   auto& s = GpuParameterStoreAccess::state(store);
   s.check_layout(params, "upload_grads");
-  const RangeList& held = s.grads_held.empty() ? s.resident : s.grads_held;
+  const RangeList& held = s.gradient_ranges();
   for (const Range& r : s.fp32_grad_ranges(held))
     MOE_CUDA_CHECK(cudaMemcpy(s.grads_data() + r.offset, params.grads_data() + r.offset,
                               static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyHostToDevice));
   const RangeList bf16_held = s.bf16_grad_ranges(held);
   if (bf16_held.empty()) return;
-  Buffer<float> staging = s.staging();
-  for (const Range& r : bf16_held)
-    for (int64_t done = 0; done < r.count;) {
-      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
-      MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), params.grads_data() + r.offset + done,
-                                     static_cast<size_t>(piece) * sizeof(float), cudaMemcpyHostToDevice, s.stream));
-      cuda::round_to_bf16(s.grads16_data() + r.offset + done, staging.data(), piece, s.stream);
-      MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));  // the staging buffer is reused
-      done += piece;
-    }
+  const Buffer<float> staging = s.staging();
+  in_staged_pieces(bf16_held, staging, s.stream, [&](int64_t at, int64_t n) {
+    MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), params.grads_data() + at, static_cast<size_t>(n) * sizeof(float),
+                                   cudaMemcpyHostToDevice, s.stream));
+    cuda::round_to_bf16(s.grads16_data() + at, staging.data(), n, s.stream);
+  });
 }
 
 void download_params(const GpuParameterStore& store, ParameterStore<float>& params, const Range* only) {

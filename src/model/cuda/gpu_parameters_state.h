@@ -120,6 +120,8 @@ struct GpuParameterStore::State {
              state_offset(offset) * static_cast<int64_t>(moment_bytes());
     return static_cast<char*>(which == 0 ? m.data() : v.data()) + offset * static_cast<int64_t>(moment_bytes());
   }
+  // Ranges whose fp32 / bf16 gradients have memory here (ZeRO-2: the own ones).
+  const RangeList& gradient_ranges() const { return grads_held.empty() ? resident : grads_held; }
   // Ranges whose lo halves (master) or moments are held here.
   const RangeList& master_ranges() const { return !packed() ? resident : lo_held.empty() ? optimizer : lo_held; }
   const RangeList& moment_ranges() const { return packed() ? optimizer : resident; }

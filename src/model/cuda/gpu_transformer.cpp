@@ -1,5 +1,4 @@
 #include "model/cuda/gpu_transformer.h"
-
 #include "model/cuda/gpu_parameter_io.h"
 #include "model/cuda/gpu_transformer_state.h"
 

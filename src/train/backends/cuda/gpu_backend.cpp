@@ -312,13 +312,13 @@ class GpuBackend final : public ModelBackend {
     optimizer_->adamw_step(AdamWStep{lr, o.beta1, o.beta2, o.eps, o.weight_decay, ++steps_}, static_cast<float>(grad_scale_));
     // ZeRO-1: this rank stepped its pieces; the others' new bf16 weights come from them
     // (the lo halves and moments stay with their owners until a checkpoint gathers them).
+    constexpr auto kWeights = dist::GpuDataParallel::Layout::Weights;  // in the hi halves' order
     for (dist::GpuDataParallel* group : zero_groups()) {
       // Without graphs the next forward waits for each stage's weights as it reaches them.
       if (config_.training.cuda_graphs)
-        group->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16, -1, dist::GpuDataParallel::Layout::Weights);
+        group->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16, -1, kWeights);
       else if (!group->shards_weights())  // ZeRO-3: the next forward gathers them
-        group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16,
-                                      dist::GpuDataParallel::Layout::Weights);
+        group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16, kWeights);
     }
     update_router_state(host_model().moe_layers(), loads_, config_.model, config_.metrics.alert_imbalance,
                         gpu_->routing());
