@@ -18,6 +18,7 @@
 #include "dist/gradient_stages.h"
 #include "dist/zero_shards.h"
 #include "gpu_test_util.h"
+#include "model/cuda/gpu_parameter_zero.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/transformer.h"
 #include "train/memory_plan.h"
@@ -94,9 +95,9 @@ TEST(GpuMemoryPlan, ZeroStateIsWhatTheStoreHolds) {
         GpuParameterStore store(params, c.optimizer.state_dtype, router_biases, nullptr);
         const dist::ZeroShardPlan plan =
             dist::plan_zero_shards(stages, store.fp32_copy_ranges(), bucket, ranks, rank);
-        store.pack_optimizer_state(plan.update);
-        if (zero >= 2) store.share_gradients(plan.update, stages);
-        if (zero >= 3) store.share_weights(plan.update, stages);
+        pack_optimizer_state(store, plan.update);
+        if (zero >= 2) share_gradients(store, plan.update, stages);
+        if (zero >= 3) share_weights(store, plan.update, stages);
         held = std::max(held, store.device_bytes());
       }
       MemoryLayout layout = configured_layout(c, ranks, ranks);

@@ -19,6 +19,7 @@
 #include "kernels/gpu_ops.h"
 #include "optim/gpu_ops.h"
 #include "model/cuda/gpu_parameter_io.h"
+#include "model/cuda/gpu_parameter_zero.h"
 #include "model/cuda/gpu_parameters.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/transformer.h"
@@ -559,7 +560,7 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
     plans.push_back(dist::plan_zero_shards(stages, whole.fp32_copy_ranges(), 3 * am::kNormChunk, ranks, r));
     shards.push_back(std::make_unique<GpuParameterStore>(params, GetParam(), fp32_ids, nullptr));
     optimizers.push_back(std::make_unique<GpuOptimizer>(*shards.back(), params, nullptr));
-    shards.back()->pack_optimizer_state(plans.back().update);
+    pack_optimizer_state(*shards.back(), plans.back().update);
     optimizers.back()->set_step_ranges(plans.back().update, plans.back().norm);
   }
   for (int64_t step = 1; step <= 3; ++step) {
@@ -577,9 +578,9 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
   for (int r = 0; r < ranks; ++r) {
     SCOPED_TRACE(testing::Message() << "rank " << r);
     GpuParameterStore& shard = *shards[static_cast<size_t>(r)];
-    EXPECT_EQ(shard.optimizer_ranges(), merge_ranges(plans[static_cast<size_t>(r)].update));
+    EXPECT_EQ(optimizer_ranges(shard), merge_ranges(plans[static_cast<size_t>(r)].update));
     int64_t owned = 0;
-    for (const Range& range : shard.optimizer_ranges()) {
+    for (const Range& range : optimizer_ranges(shard)) {
       std::vector<float> want(static_cast<size_t>(range.count) * 3), got(want.size());
       const auto c = static_cast<size_t>(range.count);
       download_range(whole, range, want.data(), want.data() + c, want.data() + 2 * c);
@@ -595,20 +596,20 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
     EXPECT_LT(held, full - static_cast<size_t>(n - owned - 16 * 64) * state_bytes + 3 * (size_t{2} << 20));
     EXPECT_THROW(shard.weights_lo(), Error);
     EXPECT_THROW(shard.moment_block(0), Error);
-    const Range elsewhere = subtract_ranges({{0, n}}, shard.optimizer_ranges()).front();
+    const Range elsewhere = subtract_ranges({{0, n}}, optimizer_ranges(shard)).front();
     std::vector<float> out(static_cast<size_t>(elsewhere.count) * 3);
     EXPECT_THROW(download_range(shard, elsewhere, out.data(), nullptr, nullptr), Error);
-    EXPECT_THROW(shard.pack_optimizer_state(plans[static_cast<size_t>(r)].update), Error);  // once
+    EXPECT_THROW(pack_optimizer_state(shard, plans[static_cast<size_t>(r)].update), Error);  // once
   }
   EXPECT_GE(owned_total, n - 16 * params.size());  // every element stepped somewhere (padding aside)
   // The lo block again for a gather: its own ranges filled from the packed halves.
   GpuParameterStore& shard = *shards[0];
-  shard.hold_master(shard.resident_ranges());
+  hold_master(shard, shard.resident_ranges());
   const auto lo_whole = device_copy<int16_t>(whole.weights_lo(), n);
   const auto lo_shard = device_copy<int16_t>(shard.weights_lo(), n);
-  for (const Range& range : shard.optimizer_ranges())
+  for (const Range& range : optimizer_ranges(shard))
     EXPECT_TRUE(std::equal(lo_whole.begin() + range.offset, lo_whole.begin() + range.end(), lo_shard.begin() + range.offset));
-  shard.hold_master({});
+  hold_master(shard, {});
   EXPECT_THROW(shard.weights_lo(), Error);
 }
 

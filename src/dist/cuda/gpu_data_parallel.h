@@ -91,15 +91,15 @@ class GpuDataParallel {
   // accumulate locally before), and once stage s - 1's scatters are done (waited for when
   // stage s is launched, or by finish_overlapped) zero_after[s - 1] (its elements outside
   // this rank's pieces: undefined after the scatter) is zeroed on the model's stream, so
-  // stage s + 1, whose gradients share its memory (GpuParameterStore::share_gradients), and
-  // the next micro-batch start from zeros.
+  // stage s + 1, whose gradients share its memory (share_gradients in
+  // model/cuda/gpu_parameter_zero.h), and the next micro-batch start from zeros.
   void set_gradient_sharding(std::vector<RangeList> zero_after);
   void begin_micro_batch(bool last) { last_micro_batch_ = last; }
   // ZeRO-3 (after set_gradient_sharding): the bf16 weights `block` keeps only this rank's
   // pieces between uses; each stage's are all-gathered before its forward and again before
   // its backward, one stage ahead (a stage's memory is shared with the stages two away:
-  // GpuParameterStore::share_weights, so a gather is issued once the stage two before has
-  // been enqueued). begin_forward_gathers: before a forward (its first stage, the
+  // share_weights in model/cuda/gpu_parameter_zero.h, so a gather is issued once the stage
+  // two before has been enqueued). begin_forward_gathers: before a forward (its first stage, the
   // embedding's); forward_stage(s): the forward's stage hook (the next stage's gather
   // issued, stage s's waited for); backward_stage_done(s): after stage s's backward is
   // enqueued (stage s + 2's gather issued, s + 1's waited for; stages 1 and 2 are still

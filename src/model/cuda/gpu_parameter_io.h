@@ -26,10 +26,10 @@ void download_state(const GpuParameterStore& store, ParameterStore<float>& param
 // upload_state with m and v empty: the weights only.
 void upload_state(GpuParameterStore& store, const ParameterStore<float>& params, const std::vector<float>& m,
                   const std::vector<float>& v);
-// Block range r (inside optimizer_ranges()) as fp32 on the host, values[0, r.count): the
-// master weights, the moments into m and v (null: not copied); and back (bf16 moments
-// rounded to nearest even; the fp32 copies of its parameters refreshed). Checkpoints of a
-// rank's own pieces.
+// Block range r (inside optimizer_ranges(store), gpu_parameter_zero.h) as fp32 on the
+// host, values[0, r.count): the master weights, the moments into m and v (null: not
+// copied); and back (bf16 moments rounded to nearest even; the fp32 copies of its
+// parameters refreshed). Checkpoints of a rank's own pieces.
 void download_range(const GpuParameterStore& store, Range r, float* values, float* m, float* v);
 void upload_range(GpuParameterStore& store, Range r, const float* values, const float* m, const float* v);
 

@@ -12,8 +12,9 @@
 // Bytes per parameter: 2 + 2 + 4 + 2 x 4 = 16 with fp32 moments, 12 with bf16 ones; 2
 // fewer for expert weights with bf16 gradients.
 // The optimizer that steps this state is optim/cuda/gpu_optimizer.h; its host copies
-// (tests, checkpoints) are model/cuda/gpu_parameter_io.h. Only the resident ranges hold
-// memory (core/cuda/resident_block.h); offsets are always the full block's.
+// (tests, checkpoints) are model/cuda/gpu_parameter_io.h, ZeRO's layouts of it
+// model/cuda/gpu_parameter_zero.h. Only the resident ranges hold memory
+// (core/cuda/resident_block.h); offsets are always the full block's.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -94,40 +95,8 @@ class GpuParameterStore {
   // moments, the others' memory is released.
   const RangeList& resident_ranges() const;
   void set_resident_ranges(const RangeList& ranges);
-  // ZeRO: the lo halves and the AdamW moments kept for `ranges` only (sorted, disjoint,
-  // inside the resident ranges, each starting on a multiple of 16 elements), packed back
-  // to back, so a rank stepping 1/N of the block holds 1/N of them; their values are kept,
-  // the others' memory is released. optimizer_ranges: where they are kept (the resident
-  // ranges unless packed). Expert re-placement needs them in the block layout (unpacked).
-  void pack_optimizer_state(const RangeList& ranges);
-  const RangeList& optimizer_ranges() const;
-  // ZeRO-2: the fp32 gradients keep memory of their own for `kept` (the pieces this rank
-  // sums into and steps), the first and last stage and the chunks at stage edges; the rest
-  // of stage s lives in memory shared with every other stage of its parity (s % 2), which
-  // the data-parallel group zeroes once a stage's sums have left (GpuDataParallel::
-  // set_gradient_sharding). stage_ranges[s]: the element ranges stage s writes. Once.
-  void share_gradients(const RangeList& kept, const std::vector<RangeList>& stage_ranges);
-  // ZeRO-3: the same for the bf16 weights (hi halves), after pack_optimizer_state: the rest
-  // of a stage's weights is gathered into its pool before each forward and backward of it
-  // (GpuDataParallel::set_weight_sharding); only the own pieces stay valid between steps.
-  void share_weights(const RangeList& kept, const std::vector<RangeList>& stage_ranges);
-  // What the AdamW kernel steps: the lo halves and moments, and where block element
-  // `offset`'s state is in them (itself unless packed; inside optimizer_ranges()).
-  struct StepState {
-    int16_t* lo;
-    void* m;
-    void* v;
-    uint8_t* m_scales;  // fp8 moments: a scale byte per 16 state elements (null otherwise)
-    uint8_t* v_scales;
-    bool packed;
-  };
-  StepState step_state();
-  int64_t state_offset(int64_t offset) const;
-  // Packed: maps the lo halves of `ranges` (resident ones) in the block layout again, the
-  // own pieces' filled (weights_lo() is then valid there: an all-gather fills the rest
-  // before download_params), releasing the rest of that block; empty: releases it all.
-  // A stage at a time keeps the transient memory to one stage's (sync_host_model).
-  void hold_master(const RangeList& ranges);
+  // ZeRO's layouts of the state (packed optimizer state, shared gradients and weights,
+  // what AdamW steps): model/cuda/gpu_parameter_zero.h.
   // The extents of the parameters kept in fp32 too (their padding to 16 elements
   // included), sorted: a sharded optimizer must step them whole on every rank.
   RangeList fp32_copy_ranges() const;
@@ -138,7 +107,7 @@ class GpuParameterStore {
   static double bytes_per_parameter(MomentDtype moments, bool bf16_grads = false);
 
  private:
-  friend struct GpuParameterStoreAccess;  // the host copies (gpu_parameter_io.h)
+  friend struct GpuParameterStoreAccess;  // gpu_parameter_io.h, gpu_parameter_zero.h
   struct State;
   std::unique_ptr<State> state_;
 };

@@ -1,6 +1,6 @@
 // GpuParameterStore's state (model/cuda/gpu_parameters.h): the device blocks and the
-// helpers both of its sources use. Internal: included by gpu_parameters.cpp and
-// gpu_parameter_io.cpp only.
+// helpers its sources use. Internal: included by gpu_parameters.cpp, gpu_parameter_io.cpp
+// and gpu_parameter_zero.cpp only.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -34,7 +34,7 @@ struct GpuParameterStore::State {
   RangeList bf16_grads;
   Buffer<float> mirror;  // fp32 copies
   RangeList resident;    // element ranges of the block that hold memory (sorted)
-  // ZeRO (pack_optimizer_state): the lo halves and moments of `optimizer` (merged ranges)
+  // ZeRO (pack_optimizer_state, model/cuda/gpu_parameter_zero.h): the lo halves and moments of `optimizer` (merged ranges)
   // only, range i's from packed_at[i] on (congruent to its offset modulo 16, so the AdamW
   // kernel's 16-byte accesses line up as in the block); empty: in the blocks above.
   RangeList optimizer;

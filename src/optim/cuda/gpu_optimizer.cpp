@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "core/range.h"
+#include "model/cuda/gpu_parameter_zero.h"
 #include "model/cuda/gpu_phases.h"
 #include "optim/cuda/segment_set.h"
 #include "optim/gpu_ops.h"
@@ -57,7 +58,7 @@ struct GpuOptimizer::State {
   Buffer<adamw_math::AdamWScalars> slice_scalars;  // grad_norm's scalars, unused here
   // ZeRO-1 (shard_expert_clip): the slices cut to this rank's norm and update ranges.
   std::unique_ptr<ExpertSliceSet> clip_norm_part, clip_scale_part;
-  // The store's optimizer_ranges() when the update set was cut, if packed then.
+  // The store's optimizer_ranges when the update set was cut, if packed then.
   RangeList update_state_ranges;
 
   // Whether block element `offset`'s gradient is bf16 (inside the store's bf16 ranges; a
@@ -86,8 +87,8 @@ struct GpuOptimizer::State {
   }
   void launch_adamw() {
     SegmentSet& set = update_set();
-    const GpuParameterStore::StepState state = store->step_state();
-    MOE_CHECK(!state.packed || (update_part && store->optimizer_ranges() == update_state_ranges),
+    const StepState state = step_state(*store);
+    MOE_CHECK(!state.packed || (update_part && optimizer_ranges(*store) == update_state_ranges),
               "GPU optimizer: the store's optimizer state was packed after set_step_ranges (call it after "
               "pack_optimizer_state)");
     const cuda::MomentState moments{state.m, state.v, state.m_scales, state.v_scales, store->moment_dtype()};
@@ -118,7 +119,7 @@ struct GpuOptimizer::State {
         piece.offset = at;
         piece.numel = with_state ? hi_piece(seg, piece, end - at) : end - at;
         if (seg.mirror_offset >= 0) piece.mirror_offset = seg.mirror_offset + (at - seg.offset);
-        if (with_state) piece.state_offset = store->state_offset(at);
+        if (with_state) piece.state_offset = state_offset(*store, at);
         pieces.push_back(piece);
         at += piece.numel;
       }
@@ -289,7 +290,7 @@ void GpuOptimizer::set_step_ranges(const RangeList& update,
   }
   s.update_part = s.cut_to(update, /*with_state=*/true);
   s.norm_part = s.cut_to(norm);
-  if (s.store->step_state().packed) s.update_state_ranges = s.store->optimizer_ranges();
+  if (step_state(*s.store).packed) s.update_state_ranges = optimizer_ranges(*s.store);
 }
 
 double GpuOptimizer::grad_norm() {

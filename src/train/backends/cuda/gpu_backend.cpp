@@ -23,6 +23,7 @@
 #include "dist/zero_shards.h"
 #include "kernels/fp8_gpu_ops.h"
 #include "model/cuda/gpu_parameter_io.h"
+#include "model/cuda/gpu_parameter_zero.h"
 #include "model/cuda/gpu_phases.h"
 #include "model/cuda/gpu_transformer.h"
 #include "model/expert_layout.h"
@@ -467,14 +468,14 @@ class GpuBackend final : public ModelBackend {
       if (by_stage)
         for (dist::GpuDataParallel* group : groups) group->begin_forward_gathers();
       for (size_t stage = zero_held_.size(); stage-- > 0;) {
-        store.hold_master(zero_held_[stage]);
+        hold_master(store, zero_held_[stage]);
         for (dist::GpuDataParallel* group : groups) {
           group->gather_pieces(store.weights_lo(), dist::DType::bf16, static_cast<int>(stage));  // int16 bits: moved
           if (by_stage) group->forward_stage(static_cast<int>(stage));
         }
         for (const Range& range : zero_held_[stage]) download_params(store, host_model().params(), &range);
       }
-      store.hold_master({});
+      hold_master(store, {});
       if (ep_) gpu_->share_expert_values(host_model().params());  // the other EP ranks' experts
     } else {
       gpu_->download_params(host_model().params());
@@ -592,7 +593,7 @@ class GpuBackend final : public ModelBackend {
     options.split_experts = ep_ && c.parallel.split_experts;
     // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
     if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
-    // ZeRO-3's stage pools hold the bf16 weights in the parameters' order (GpuParameterStore::share_weights).
+    // ZeRO-3's stage pools hold the bf16 weights in the parameters' order (model/cuda/gpu_parameter_zero.h).
     if (world_ && world_->size() > 1 && c.parallel.zero >= 3) options.interleave_gate_up = false;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);
     if (options.bf16_deepgemm && c.training.interleave_gate_up && (!world_ || world_->rank() == 0))
@@ -670,11 +671,11 @@ class GpuBackend final : public ModelBackend {
   // memory the stages share.
   void shard_state(const RangeList& update, const RangeList& norm, const std::vector<RangeList>& held) {
     GpuParameterStore& params = gpu_->parameters();
-    params.pack_optimizer_state(update);
+    pack_optimizer_state(params, update);
     optimizer_->set_step_ranges(update, norm);
     optimizer_->shard_expert_clip(norm, update);
-    if (config_.parallel.zero >= 2) params.share_gradients(update, held);
-    if (config_.parallel.zero >= 3) params.share_weights(update, held);
+    if (config_.parallel.zero >= 2) share_gradients(params, update, held);
+    if (config_.parallel.zero >= 3) share_weights(params, update, held);
     zero_held_ = held;
   }
   // ZeRO on one data-parallel group: `plan`'s buckets reduce-scattered (overlapped with the
