@@ -175,11 +175,11 @@ TEST(GpuDataParallel, ZeroShardsOverOneRankAreTheIdentity) {
     EXPECT_GT(dp.take_stats().grad_sync_s, 0.0);
     // The gathers, on the gradient block as a stand-in for the weights (any bytes).
     grads.upload(host.data(), host.size());
-    dp.gather_pieces_by_stage(grads.data(), dist::DType::f32);
+    dp.gather_pieces_by_stage(grads.data(), dist::DType::f32, dist::GpuDataParallel::Layout::Parameters);
     EXPECT_TRUE(dp.gathers_pending());
     for (int stage = 3; stage-- > 0;) dp.wait_stage(stage);
     EXPECT_FALSE(dp.gathers_pending());
-    dp.gather_pieces(grads.data(), dist::DType::bf16);
+    dp.gather_pieces(grads.data(), dist::DType::bf16, dist::GpuDataParallel::Layout::Parameters);
     grads.download(back.data(), back.size());
     EXPECT_TRUE(same_bits(back, host));
     EXPECT_GT(dp.take_stats().wait_s, 0.0);  // the joined gather is communication wait

@@ -229,7 +229,7 @@ void GpuDataParallel::set_zero_plan(ZeroShardPlan plan, bool overlap) {
   }
 }
 
-void GpuDataParallel::gather_pieces(void* block, DType dtype, int stage, Layout layout) {
+void GpuDataParallel::gather_pieces(void* block, DType dtype, Layout layout, int stage) {
   MOE_CHECK(zero_.has_value(), "GPU data parallel: gather_pieces without a ZeRO plan");
   MOE_CHECK(dtype == DType::f32 || dtype == DType::bf16, "GPU data parallel: gather_pieces of 4- or 2-byte elements");
   cudaStream_t stream = as_stream(stream_);

@@ -116,14 +116,15 @@ class GpuDataParallel {
   // ZeRO-1, after the optimizer step on the model's stream: every rank's pieces of a block
   // (the bf16 weights; for checkpoints also the lo halves and the moments) are all-gathered
   // in place; the model's stream waits for them (counted as communication wait, and returns
-  // without blocking the host). `stage` >= 0: that backward stage's pieces only.
-  void gather_pieces(void* block, DType dtype, int stage = -1, Layout layout = Layout::Parameters);
+  // without blocking the host). `stage` >= 0: that backward stage's pieces only. The
+  // layout has no default: the weights and the other blocks move different ranges.
+  void gather_pieces(void* block, DType dtype, Layout layout, int stage = -1);
   // ZeRO-1, overlapped: the same all-gathers, stage by stage in the forward's order (the
   // embedding's first), without the model's stream waiting; wait_stage(s) then makes it
   // wait for stage s's (GpuTransformer's forward stage hook), so the next step's forward
   // runs while the later stages' weights arrive. Only what the stream still waits there
   // counts as communication wait.
-  void gather_pieces_by_stage(void* block, DType dtype, Layout layout = Layout::Parameters);
+  void gather_pieces_by_stage(void* block, DType dtype, Layout layout);
   void wait_stage(int stage);
   // The model's stream waits for every pending gather_pieces_by_stage() all-gather (before
   // anything else writes or reads the whole block).

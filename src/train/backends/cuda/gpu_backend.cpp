@@ -317,7 +317,7 @@ class GpuBackend final : public ModelBackend {
     for (dist::GpuDataParallel* group : zero_groups()) {
       // Without graphs the next forward waits for each stage's weights as it reaches them.
       if (config_.training.cuda_graphs)
-        group->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16, -1, kWeights);
+        group->gather_pieces(gpu_->parameters().weights_hi(), dist::DType::bf16, kWeights);
       else if (!group->shards_weights())  // ZeRO-3: the next forward gathers them
         group->gather_pieces_by_stage(gpu_->parameters().weights_hi(), dist::DType::bf16, kWeights);
     }
@@ -470,7 +470,8 @@ class GpuBackend final : public ModelBackend {
       for (size_t stage = zero_held_.size(); stage-- > 0;) {
         hold_master(store, zero_held_[stage]);
         for (dist::GpuDataParallel* group : groups) {
-          group->gather_pieces(store.weights_lo(), dist::DType::bf16, static_cast<int>(stage));  // int16 bits: moved
+          group->gather_pieces(store.weights_lo(), dist::DType::bf16,  // int16 bits: moved
+                               dist::GpuDataParallel::Layout::Parameters, static_cast<int>(stage));
           if (by_stage) group->forward_stage(static_cast<int>(stage));
         }
         for (const Range& range : zero_held_[stage]) download_params(store, host_model().params(), &range);
