@@ -114,8 +114,10 @@ double mean(const std::vector<double>& v, size_t from, size_t to) {
 
 // fp8 rows both ways against fp32 rows over 150 steps: the first step's loss within 1%
 // (the same weights and batch; only the exchange's rounding differs, 0.1% here), the
-// trained loss as low (the last 20 steps' mean within 5% of the uncompressed run's, which
-// falls from ln 16 = 2.77 to under half of it: a broken exchange does not learn the task),
+// trained loss as low (the last 20 steps' mean within 2% of the first step's loss of the
+// uncompressed run's, which falls from ln 16 = 2.77 to under half of it: a broken exchange
+// does not learn the task; both runs memorise it to ~0.001-0.002, where a relative bound
+// would measure the CPU's BLAS kernels: 0.0014 against 0.0021 on an AVX-512 BF16 host),
 // and the a2a bytes per step about 0.31 of fp32's: per token and peer four rows (x,
 // partial y, dy, partial dx) of 4 + 32 bytes instead of 128, plus the routing (16 bytes)
 // and combine-weight gradients (8) as they are: 168 / 536 at most (measured 0.26).
@@ -129,7 +131,7 @@ TEST(A2aCompressionTcp, Fp8RowsTrainLikeUncompressedWithAQuarterOfTheBytes) {
   EXPECT_NE(fp8[0].loss[1], none[0].loss[1]) << "fp8 must change the numbers";
   const double late_none = mean(none[0].loss, steps - 20, steps), late_fp8 = mean(fp8[0].loss, steps - 20, steps);
   EXPECT_LT(late_none, 0.5 * std::log(16.0)) << "the uncompressed run should learn the task";
-  EXPECT_NEAR(late_fp8, late_none, 0.05 * late_none);
+  EXPECT_NEAR(late_fp8, late_none, 0.02 * none[0].loss[0]);
   for (int r = 0; r < 4; ++r) {
     int64_t bytes_none = 0, bytes_fp8 = 0;
     for (size_t i = 0; i < steps; ++i) {
