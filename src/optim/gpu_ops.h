@@ -48,7 +48,7 @@ struct OptimizerSegment {
 // sum of squares in element order (chunk_sq_C), per segment the chunks in order
 // (segment_sq_S), then the segments in order. Writes scalars->sum_sq, ->norm and, for the
 // AdamW kernel, ->grad_scale = norm > max_norm > 0 ? float(max_norm / (norm + 1e-6)) : 1
-// and ->skip = the norm is not finite. Two launches, no host synchronisation. Segments
+// and ->skip = the norm is not finite. Three launches, no host synchronisation. Segments
 // with bf16_grad read grads16 (the CPU's norm over the bf16 values widened).
 void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* segment_sq_S, const float* grads,
                const OptimizerSegment* segments, int64_t n_segments, int64_t n_chunks, double max_norm,

@@ -16,7 +16,6 @@ using namespace adamw_kernels;
 
 constexpr int kThreads = 256;
 constexpr int kNormWarps = 8;  // warps per block of the chunk sums, one chunk each
-constexpr int kFinalizeThreads = 1024;  // the one block that adds the chunk sums up
 
 __device__ __forceinline__ int64_t chunk_count(int64_t numel) { return (numel + am::kNormChunk - 1) / am::kNormChunk; }
 
@@ -103,38 +102,43 @@ __global__ void __launch_bounds__(kNormWarps * 32)
   if (lane == 0) chunk_sq[chunk] = q;
 }
 
-// One block: per segment its chunks in order, then the segments in order, the norm and
-// the clip factor, computed as optim/grad_clip.cpp does in fp64. A warp per segment: the
-// lanes load 128 of its chunk sums at a time (coalesced, independent loads) and every
-// lane adds them in order from shuffles, so a segment of thousands of chunks (an MoE
-// layer's experts) waits on a load latency per 128 chunks, not per chunk.
-__global__ void __launch_bounds__(kFinalizeThreads)
-    norm_finalize_kernel(am::AdamWScalars* scalars, double* segment_sq, const double* chunk_sq,
-                         const OptimizerSegment* segments, int64_t n_segments, double max_norm) {
-  const int warp = static_cast<int>(threadIdx.x >> 5), lane = static_cast<int>(threadIdx.x & 31);
-  const int n_warps = static_cast<int>(blockDim.x >> 5);
-  for (int64_t s = warp; s < n_segments; s += n_warps) {
-    const int64_t first = segments[s].first_chunk, count = chunk_count(segments[s].numel);
-    double total = 0.0;
-    for (int64_t base = 0; base < count; base += 128) {
-      double part[4];
+// Per segment its chunks in order, a warp a segment spread over the GPU (kSegmentWarps a
+// block): the lanes load 128 of its chunk sums at a time (coalesced, independent loads) and
+// every lane adds them in order from shuffles, so a segment of thousands of chunks (an
+// embedding, an MoE layer's experts) waits on a load latency per 128 chunks, not per
+// chunk. One block of 32 warps took 0.46-0.52 ms a mixtral-mini step (ncu, H100): the
+// additions' chains of every segment queued on one SM while the rest of the GPU idled.
+constexpr int kSegmentWarps = 4;
+__global__ void __launch_bounds__(kSegmentWarps * 32)
+    segment_sums_kernel(double* segment_sq, const double* chunk_sq, const OptimizerSegment* segments,
+                        int64_t n_segments) {
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int64_t s = static_cast<int64_t>(blockIdx.x) * kSegmentWarps + (threadIdx.x >> 5);
+  if (s >= n_segments) return;  // the whole warp
+  const int64_t first = segments[s].first_chunk, count = chunk_count(segments[s].numel);
+  double total = 0.0;
+  for (int64_t base = 0; base < count; base += 128) {
+    double part[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int64_t c = base + r * 32 + lane;
-        part[r] = c < count ? chunk_sq[first + c] : 0.0;
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int k = 0; k < 32; ++k) {
-          const double x = __shfl_sync(0xffffffffu, part[r], k);
-          if (base + r * 32 + k < count) total = __dadd_rn(total, x);
-        }
+    for (int r = 0; r < 4; ++r) {
+      const int64_t c = base + r * 32 + lane;
+      part[r] = c < count ? chunk_sq[first + c] : 0.0;
     }
-    if (lane == 0) segment_sq[s] = total;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const double x = __shfl_sync(0xffffffffu, part[r], k);
+        if (base + r * 32 + k < count) total = __dadd_rn(total, x);
+      }
   }
-  __syncthreads();
-  if (threadIdx.x != 0) return;
+  if (lane == 0) segment_sq[s] = total;
+}
+
+// One thread: the segments in order, the norm and the clip factor, computed as
+// optim/grad_clip.cpp does in fp64.
+__global__ void norm_finalize_kernel(am::AdamWScalars* scalars, const double* segment_sq, int64_t n_segments,
+                                     double max_norm) {
   double sq = 0.0;
   for (int64_t s = 0; s < n_segments; ++s) sq = __dadd_rn(sq, segment_sq[s]);
   const double norm = __dsqrt_rn(sq);
@@ -344,8 +348,10 @@ void grad_norm(adamw_math::AdamWScalars* scalars, double* chunk_sq_C, double* se
                                   stream>>>(chunk_sq_C, grads, bits(grads16), segments, n_segments, n_chunks);
     MOE_CUDA_CHECK_LAUNCH();
   }
-  norm_finalize_kernel<<<1, kFinalizeThreads, 0, stream>>>(scalars, segment_sq_S, chunk_sq_C, segments, n_segments,
-                                                          max_norm);
+  segment_sums_kernel<<<static_cast<unsigned>(ceil_div(n_segments, int64_t{kSegmentWarps})), kSegmentWarps * 32, 0,
+                        stream>>>(segment_sq_S, chunk_sq_C, segments, n_segments);
+  MOE_CUDA_CHECK_LAUNCH();
+  norm_finalize_kernel<<<1, 1, 0, stream>>>(scalars, segment_sq_S, n_segments, max_norm);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
