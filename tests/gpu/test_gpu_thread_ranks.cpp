@@ -164,8 +164,9 @@ TEST(GpuThreadRanks, Bf16DeepGemmDataParallelTrainsLikeOneGpu) {
   expect_deepgemm_data_parallel_like_one_gpu(TrainingPrecision::Bf16, "bf16 with DeepGEMM, data parallel (ZeRO-1)");
 }
 
-// bf16 DeepGEMM with gate|up interleaved in the bf16 weights (the default) under ZeRO-1 and
-// -2: the plan cuts each w1 | w3 pair at expert slices (whole slices a piece with the
+// bf16 DeepGEMM with gate|up interleaved in the bf16 weights (the default) under ZeRO-1,
+// -2 and -3 (whose pools keep each rank's pieces' hi halves where the interleave put them):
+// the plan cuts each w1 | w3 pair at expert slices (whole slices a piece with the
 // default buckets, pieces inside slices with small ones) and gathers the new weights in the
 // hi halves' order, so each rank's GEMMs read the weights the replicas (ZeRO-0) read: the
 // same losses and weights bit for bit. One micro-batch per step (ZeRO-2's sums are then
@@ -184,7 +185,7 @@ TEST(GpuThreadRanks, Bf16DeepGemmZeroGathersTheInterleavedWeights) {
   const std::vector<RankResult> replicas = train_ranks(config, 2);
   ASSERT_EQ(replicas[0].error, "");
   ASSERT_EQ(replicas[0].losses.size(), 6u);
-  for (const auto& [zero, bucket_mb] : {std::pair{1, 25.0}, {1, 0.02}, {2, 25.0}}) {
+  for (const auto& [zero, bucket_mb] : {std::pair{1, 25.0}, {1, 0.02}, {2, 25.0}, {3, 25.0}, {3, 0.02}}) {
     SCOPED_TRACE(testing::Message() << "ZeRO-" << zero << ", buckets of " << bucket_mb << " MB");
     config.parallel.zero = zero;
     config.parallel.bucket_mb = bucket_mb;

@@ -335,9 +335,6 @@ void GpuDataParallel::set_gradient_sharding(std::vector<RangeList> zero_after) {
 
 void GpuDataParallel::set_weight_sharding(void* block) {
   MOE_CHECK(!zero_after_.empty() && block != nullptr, "GPU data parallel: ZeRO-3 needs ZeRO-2's gradient sharding");
-  // The stages' pools hold the weights in the parameters' order (model/cuda/gpu_parameter_zero.h).
-  MOE_CHECK(zero_->weight_gathers == zero_->sharded,
-            "GPU data parallel: ZeRO-3 shares the weights in the parameters' order: not with gate|up interleaved");
   weights_ = block;
   stage_gathered_.resize(zero_->sharded.size());
 }

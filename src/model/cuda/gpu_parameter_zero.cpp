@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <utility>
 
@@ -25,9 +26,13 @@ void share_weights(GpuParameterStore& store, const RangeList& kept, const std::v
   auto& s = GpuParameterStoreAccess::state(store);
   MOE_CHECK(s.weights_held.empty(), "GPU parameters: the weights are shared already");
   MOE_CHECK(s.packed(), "GPU parameters: sharing the weights needs the optimizer state packed first");
-  MOE_CHECK(s.interleaved.empty(),
-            "GPU parameters: ZeRO-3 shares the hi halves by the parameters' ranges: not with gate|up interleaved");
-  s.weights_held = s.share_stages(s.hi, 2, kept, stage_ranges, /*zero_new=*/false);
+  // Interleaved gate|up: the own pieces' hi halves where interleave_hi put them (a pair lies
+  // in one stage and keeps its extent, so the stages' ranges are the same sets).
+  RangeList kept_hi;
+  for (const Range& r : kept)
+    for (const HiRun& run : hi_runs(s.interleaved, r)) kept_hi.push_back({run.hi, run.count});
+  std::sort(kept_hi.begin(), kept_hi.end());
+  s.weights_held = s.share_stages(s.hi, 2, merge_ranges(kept_hi), stage_ranges, /*zero_new=*/false);
   ++s.weights_version;
 }
 

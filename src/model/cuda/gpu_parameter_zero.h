@@ -30,7 +30,8 @@ void share_gradients(GpuParameterStore& store, const RangeList& kept, const std:
 // ZeRO-3: the same for the bf16 weights (hi halves), after pack_optimizer_state: the rest
 // of a stage's weights is gathered into its pool before each forward and backward of it
 // (GpuDataParallel::set_weight_sharding); only the own pieces stay valid between steps.
-// Refused with gate|up interleaved (the pools hold stages in the parameters' order).
+// `kept` in the parameters' order; with gate|up interleaved their hi halves are kept where
+// interleave_hi put them (the gathers follow: dist::ZeroShardPlan::weight_gathers).
 void share_weights(GpuParameterStore& store, const RangeList& kept, const std::vector<RangeList>& stage_ranges);
 
 // Packed: maps the lo halves of `ranges` (resident ones) in the block layout again, the

@@ -48,9 +48,9 @@ class GpuParameterStore {
   const bf16* weights() const;
   // training.interleave_gate_up: the hi halves of each pair's w1 | w3 kept expert by
   // expert (model/gpu_state_layout.h), permuted in place now; once, on a store whose every
-  // element is resident and whose optimizer state is not packed yet. ZeRO-1/2 pack it after
-  // (their all-gathers take the hi halves' order: dist::ZeroShardPlan::weight_gathers);
-  // ZeRO-3's shared weights are refused (its pools hold stages in the parameters' order).
+  // element is resident and whose optimizer state is not packed yet. ZeRO packs it after
+  // (its all-gathers take the hi halves' order: dist::ZeroShardPlan::weight_gathers; ZeRO-3
+  // keeps each rank's pieces' hi halves where this put them: gpu_parameter_zero.h).
   void interleave_hi(std::vector<HiInterleave> pairs);
   const std::vector<HiInterleave>& hi_interleave() const;
   // Where block element `offset`'s hi half is (itself outside the interleaved pairs).

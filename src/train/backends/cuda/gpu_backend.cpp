@@ -594,13 +594,10 @@ class GpuBackend final : public ModelBackend {
     options.split_experts = ep_ && c.parallel.split_experts;
     // Dynamic load balancing may give an EP rank more than E / P experts (up to this many).
     if (ep_ && c.parallel.rebalance_interval > 0) options.max_local_experts = c.parallel.rebalance_max_experts;
-    // ZeRO-3's stage pools hold the bf16 weights in the parameters' order (model/cuda/gpu_parameter_zero.h).
-    if (world_ && world_->size() > 1 && c.parallel.zero >= 3) options.interleave_gate_up = false;
     gpu_ = std::make_unique<GpuTransformer>(c.model, host_model().params(), options);
     if (options.bf16_deepgemm && c.training.interleave_gate_up && (!world_ || world_->rank() == 0))
       spdlog::info("training.interleave_gate_up: {}",
-                   !options.interleave_gate_up ? "off (ZeRO-3 shares the weights' memory in the parameters' order)"
-                   : gpu_->parameters().hi_interleave().empty()
+                   gpu_->parameters().hi_interleave().empty()
                        ? "off (an expert's moe.expert_hidden x model.dim is not a multiple of 16,384)"
                        : "w1 | w3 kept expert by expert, the experts' gate|up one GEMM each way");
     gpu_->enable_graphs(c.training.cuda_graphs);
