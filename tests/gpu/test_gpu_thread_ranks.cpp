@@ -171,8 +171,8 @@ TEST(GpuThreadRanks, Bf16DeepGemmDataParallelTrainsLikeOneGpu) {
 // hi halves' order, so each rank's GEMMs read the weights the replicas (ZeRO-0) read: the
 // same losses and weights bit for bit. One micro-batch per step (ZeRO-2's sums are then
 // ZeRO-1's). Gathered in the parameters' order instead, the weights would be scrambled.
-// A ZeRO-1 checkpoint (each rank's pieces, hi halves joined through the interleave)
-// resumes bit for bit.
+// ZeRO-1 and ZeRO-3 checkpoints (each rank's pieces, hi halves joined through the
+// interleave) resume bit for bit.
 TEST(GpuThreadRanks, Bf16DeepGemmZeroGathersTheInterleavedWeights) {
   MOE_REQUIRE_GPU();
   const auto root = std::filesystem::temp_directory_path() / ("moe_thread_zero_gate_up_" + std::to_string(::getpid()));
@@ -195,13 +195,17 @@ TEST(GpuThreadRanks, Bf16DeepGemmZeroGathersTheInterleavedWeights) {
     EXPECT_EQ(sharded[0].params, replicas[0].params);
     EXPECT_EQ(sharded[1].params, sharded[0].params);
   }
-  config.parallel.zero = 1;
   config.parallel.bucket_mb = 0.02;
-  config.checkpoint.dir = (root / "whole").string();
   config.checkpoint.interval = 3;
-  const std::vector<RankResult> whole = train_ranks(config, 2);
-  ASSERT_EQ(whole[0].error, "");
-  EXPECT_EQ(expect_resumes_bit_for_bit(config, root, whole[0], 2).params, whole[0].params);
+  for (int zero : {1, 3}) {
+    SCOPED_TRACE(testing::Message() << "checkpoint of ZeRO-" << zero);
+    config.parallel.zero = zero;
+    const std::filesystem::path dir = root / ("zero" + std::to_string(zero));
+    config.checkpoint.dir = (dir / "whole").string();
+    const std::vector<RankResult> whole = train_ranks(config, 2);
+    ASSERT_EQ(whole[0].error, "");
+    EXPECT_EQ(expect_resumes_bit_for_bit(config, dir, whole[0], 2).params, whole[0].params);
+  }
   std::filesystem::remove_all(root);
 }
 
