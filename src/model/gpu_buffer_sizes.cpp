@@ -36,6 +36,11 @@ int64_t expert_row_align(const TrainingConfig& training) {
   return training.gemm_backend(training.precision) == GemmBackend::DeepGemm ? 128 : 1;
 }
 
+bool interleaves_gate_up(const TrainingConfig& training) {
+  return training.interleave_gate_up && training.precision == TrainingPrecision::Bf16 &&
+         expert_row_align(training) > 1;
+}
+
 int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_k, int64_t local_experts,
                                    int64_t capacity) {
   const int64_t all = ep_size * tokens * top_k;

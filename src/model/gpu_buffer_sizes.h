@@ -39,6 +39,10 @@ ExpertRowBounds expert_row_bounds(const MoEConfig& moe, int64_t tokens, int64_t 
 // deepgemm: cuda::PaddedExpertGemmFp8's or PaddedExpertGemmBf16's tiles; the padding rows
 // are zero), else 1 (the rows back to back; auto not yet resolved is CUTLASS's).
 int64_t expert_row_align(const TrainingConfig& training);
+// training.interleave_gate_up in effect: with bf16 precision on DeepGEMM's GEMMs (the store
+// then interleaves each MoE layer's w1 | w3 where model/gpu_state_layout.h gate_up_pairs
+// allows it, without expert parallelism).
+bool interleaves_gate_up(const TrainingConfig& training);
 
 // The expert-parallel dispatcher's bound on a rank's rows: every one of the P ranks sends
 // it at most its T * K assignments, or `capacity` per source and local expert.

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "kernels/adamw_math.h"
 
 namespace moe {
 
@@ -75,6 +76,27 @@ std::vector<HiRun> hi_runs(const std::vector<HiInterleave>& pairs, Range r) {
   }
   if (at < end) runs.push_back({at, at, end - at});
   return runs;
+}
+
+RangeList hi_ranges(const std::vector<HiInterleave>& pairs, const RangeList& ranges) {
+  RangeList out;
+  for (const Range& r : ranges)
+    for (const HiRun& run : hi_runs(pairs, r)) out.push_back({run.hi, run.count});
+  std::sort(out.begin(), out.end());
+  return merge_ranges(out);
+}
+
+std::vector<HiInterleave> gate_up_pairs(const std::vector<std::pair<Range, Range>>& w1_w3, int64_t experts) {
+  std::vector<HiInterleave> pairs;
+  if (experts <= 0) return pairs;
+  for (const auto& [w1, w3] : w1_w3) {
+    const int64_t per_expert = w1.count / experts;
+    if (w3.offset != w1.end() || w3.count != w1.count || per_expert <= 0 || per_expert * experts != w1.count ||
+        per_expert % adamw_math::kNormChunk != 0)
+      return {};
+    pairs.push_back({w1.offset, experts, per_expert});
+  }
+  return pairs;
 }
 
 }  // namespace moe

@@ -3,6 +3,7 @@
 // they give, so the estimate follows the allocation when either changes.
 #pragma once
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/range.h"
@@ -49,6 +50,13 @@ struct HiRun {
 // The runs of block range r, in order, under `pairs` (sorted, disjoint): one run where r
 // meets no pair, else one per expert slice (and per piece outside the pairs) it touches.
 std::vector<HiRun> hi_runs(const std::vector<HiInterleave>& pairs, Range r);
+// Where the hi halves of `ranges` lie under `pairs`: sorted, merged (share_weights: a ZeRO-3
+// rank's own pieces of the bf16 weights).
+RangeList hi_ranges(const std::vector<HiInterleave>& pairs, const RangeList& ranges);
+// The pairs of an interleaved store: each MoE layer's (w1, w3) extents, of `experts` slices
+// each; none unless every layer's w3 follows its w1 with as many elements and an expert's
+// slice is a multiple of adamw_math::kNormChunk (a norm chunk then lies in one slice).
+std::vector<HiInterleave> gate_up_pairs(const std::vector<std::pair<Range, Range>>& w1_w3, int64_t experts);
 
 // Element ranges as byte ranges of `elem_bytes` per element.
 RangeList byte_ranges(const RangeList& elements, int64_t elem_bytes);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
 
 #include "core/error.h"
 #include "core/fp8.h"
@@ -12,6 +13,7 @@
 #include "kernels/adamw_math.h"
 #include "model/expert_layout.h"
 #include "model/gpu_buffer_sizes.h"
+#include "model/gpu_state_layout.h"
 #include "model/transformer.h"
 #include "moe/expert_slots.h"
 #include "train/state_memory.h"
@@ -197,7 +199,14 @@ StateBytes state_of_elements(const RunConfig& config, const MemoryLayout& layout
   const int64_t bucket = dist::gradient_bucket_elems(config.parallel.bucket_mb, blocks.storage);
   const int64_t zero = gpu_applies_zero(gpus, layout.zero) ? layout.zero : 0;
   if (ep <= 1) {
-    state = data_parallel_state_bytes(blocks.layout, zero, static_cast<int>(gpus), bucket, moment_elem);
+    // The GPU store's interleaved gate|up pairs, which ZeRO's plan cuts at expert slices.
+    std::vector<HiInterleave> pairs;
+    if (interleaves_gate_up(config.training)) {
+      std::vector<std::pair<Range, Range>> w1_w3;
+      for (const RangeList& tensors : blocks.expert_tensors) w1_w3.push_back({tensors.at(0), tensors.at(1)});
+      pairs = gate_up_pairs(w1_w3, E);
+    }
+    state = data_parallel_state_bytes(blocks.layout, zero, static_cast<int>(gpus), bucket, moment_elem, pairs);
     // bf16 expert gradients (one GPU only: refused over more ranks at launch).
     if (config.training.expert_grad_dtype == GradDtype::Bf16 && gpus == 1) {
       RangeList tensors;

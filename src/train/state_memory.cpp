@@ -63,7 +63,8 @@ int64_t split_gradient_bytes(const ParameterBlockLayout& block, const RangeList&
 }
 
 StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& resident, int64_t zero,
-                            const RangeList& kept, int64_t moment_bytes, const std::vector<RangeList>* held_stages) {
+                            const RangeList& kept, int64_t moment_bytes, const std::vector<RangeList>* held_stages,
+                            const std::vector<HiInterleave>& pairs) {
   const std::vector<RangeList>& stages = held_stages ? *held_stages : block.stages;
   const int64_t n = block.storage;
   StateBytes state;
@@ -83,7 +84,7 @@ StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& 
     state.pools += grads.pools;
   }
   if (zero >= 3) {
-    const SharedBlockBytes weights = shared_block_bytes(block, stages, kept, 2);
+    const SharedBlockBytes weights = shared_block_bytes(block, stages, hi_ranges(pairs, kept), 2);
     state.weights = weights.own;
     state.pools += weights.pools;
   }
@@ -128,13 +129,14 @@ StateBytes expert_parallel_state_bytes(const ParameterBlockLayout& block, const 
 }
 
 StateBytes data_parallel_state_bytes(const ParameterBlockLayout& block, int64_t zero, int ranks, int64_t bucket_elems,
-                                     int64_t moment_bytes) {
+                                     int64_t moment_bytes, const std::vector<HiInterleave>& pairs) {
   const RangeList whole{{0, block.storage}};
   if (zero <= 0 || ranks <= 1) return rank_state_bytes(block, whole, 0, {}, moment_bytes);
   StateBytes largest;
   for (int rank : {0, ranks - 1}) {
-    const dist::ZeroShardPlan plan = dist::plan_zero_shards(block.stages, block.fp32_copies, bucket_elems, ranks, rank);
-    const StateBytes state = rank_state_bytes(block, whole, zero, plan.update, moment_bytes);
+    const dist::ZeroShardPlan plan =
+        dist::plan_zero_shards(block.stages, block.fp32_copies, bucket_elems, ranks, rank, pairs);
+    const StateBytes state = rank_state_bytes(block, whole, zero, plan.update, moment_bytes, nullptr, pairs);
     if (state.total() > largest.total()) largest = state;
   }
   return largest;

@@ -12,6 +12,7 @@
 
 #include "config/model_config.h"
 #include "core/range.h"
+#include "model/gpu_state_layout.h"
 #include "model/parameters.h"
 
 namespace moe {
@@ -47,15 +48,19 @@ int64_t split_gradient_bytes(const ParameterBlockLayout& block, const RangeList&
 // expert parallelism) at ZeRO level `zero`, stepping `kept` (its ZeroShardPlan::update;
 // unused at level 0): pack_optimizer_state(kept) at 1+, share_gradients at 2+,
 // share_weights at 3, over the stages' ranges it holds (`held_stages`; null: block.stages,
-// the whole block's). `moment_bytes`: 4 (fp32 moments), 2 (bf16) or 1 (fp8 codes; memory_plan.cpp adds their scales).
+// the whole block's); `pairs`: the store's interleaved gate|up (share_weights keeps the hi
+// halves of `kept` where they lie: model/gpu_state_layout.h hi_ranges). `moment_bytes`: 4 (fp32 moments), 2 (bf16) or 1 (fp8 codes; memory_plan.cpp adds their scales).
 StateBytes rank_state_bytes(const ParameterBlockLayout& block, const RangeList& resident, int64_t zero,
                             const RangeList& kept, int64_t moment_bytes,
-                            const std::vector<RangeList>* held_stages = nullptr);
+                            const std::vector<RangeList>* held_stages = nullptr,
+                            const std::vector<HiInterleave>& pairs = {});
 
 // Data parallelism without expert parallelism (GpuBackend::make_data_parallel): ZeRO
 // `zero` over `ranks` ranks, gradient buckets of `bucket_elems` (gradient_bucket_elems),
 // the router biases kept whole. The larger of rank 0's and the last rank's state (the
 // ranks differ only at the ends of the stages' ranges): two plans, whatever the ranks.
+// `pairs`: the GPU store's interleaved gate|up (training.interleave_gate_up), which the
+// ZeRO plan cuts at expert slices (dist::plan_zero_shards).
 // Expert parallelism over `ranks` ranks in EP groups of `ep` (GpuBackend::make_data_parallel):
 // EP rank p holds `own_experts[p]` (block ranges of its slots, own_expert_ranges) of the
 // `expert_tensors` (sorted block ranges) and every other parameter; at ZeRO 1+ the shared
@@ -67,6 +72,6 @@ StateBytes expert_parallel_state_bytes(const ParameterBlockLayout& block, const 
                                        int64_t bucket_elems, int64_t moment_bytes);
 
 StateBytes data_parallel_state_bytes(const ParameterBlockLayout& block, int64_t zero, int ranks, int64_t bucket_elems,
-                                     int64_t moment_bytes);
+                                     int64_t moment_bytes, const std::vector<HiInterleave>& pairs = {});
 
 }  // namespace moe

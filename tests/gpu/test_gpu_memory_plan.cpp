@@ -13,6 +13,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "dist/cuda/thread_communicator.h"
 #include "dist/gradient_stages.h"
@@ -20,6 +21,7 @@
 #include "gpu_test_util.h"
 #include "model/cuda/gpu_parameter_zero.h"
 #include "model/cuda/gpu_parameters.h"
+#include "model/gpu_state_layout.h"
 #include "model/transformer.h"
 #include "train/memory_plan.h"
 #include "train/synthetic.h"
@@ -87,24 +89,37 @@ TEST(GpuMemoryPlan, ZeroStateIsWhatTheStoreHolds) {
     EXPECT_EQ(static_cast<int64_t>(whole.device_bytes()),
               estimated_state(estimate_memory(bf16, configured_layout(bf16, 1, 1))));
   }
-  for (int ranks : {2, 8})
-    for (int64_t zero = 1; zero <= 3; ++zero) {
-      // The estimate counts the larger of rank 0's and the last rank's.
-      size_t held = 0;
-      for (int rank : {0, ranks - 1}) {
-        GpuParameterStore store(params, c.optimizer.state_dtype, router_biases, nullptr);
-        const dist::ZeroShardPlan plan =
-            dist::plan_zero_shards(stages, store.fp32_copy_ranges(), bucket, ranks, rank);
-        pack_optimizer_state(store, plan.update);
-        if (zero >= 2) share_gradients(store, plan.update, stages);
-        if (zero >= 3) share_weights(store, plan.update, stages);
-        held = std::max(held, store.device_bytes());
+  // With bf16 DeepGEMM, gate|up interleaved (training.interleave_gate_up): the plan cuts
+  // the pairs at expert slices and ZeRO-3 keeps the own pieces' hi halves where they lie.
+  RunConfig interleaved = c;
+  interleaved.training.gemm_backend(TrainingPrecision::Bf16) = GemmBackend::DeepGemm;
+  std::vector<std::pair<Range, Range>> w1_w3;
+  for (int id = 0; id < params.size(); ++id)
+    if (params.spec(id).name.ends_with(".moe.experts.w1"))
+      w1_w3.push_back({{params.offset(id), params.numel(id)}, {params.offset(id + 1), params.numel(id + 1)}});
+  const std::vector<HiInterleave> pairs = gate_up_pairs(w1_w3, c.model.moe.n_experts);
+  ASSERT_EQ(pairs.size(), static_cast<size_t>(c.model.n_layers)) << "every layer's w1 | w3 interleaves";
+  for (const RunConfig* run : {&c, &interleaved})
+    for (int ranks : {2, 8})
+      for (int64_t zero = 1; zero <= 3; ++zero) {
+        // The estimate counts the larger of rank 0's and the last rank's.
+        const bool interleave = run == &interleaved;
+        size_t held = 0;
+        for (int rank : {0, ranks - 1}) {
+          GpuParameterStore store(params, c.optimizer.state_dtype, router_biases, nullptr);
+          if (interleave) store.interleave_hi(pairs);
+          const dist::ZeroShardPlan plan =
+              dist::plan_zero_shards(stages, store.fp32_copy_ranges(), bucket, ranks, rank, store.hi_interleave());
+          pack_optimizer_state(store, plan.update);
+          if (zero >= 2) share_gradients(store, plan.update, stages);
+          if (zero >= 3) share_weights(store, plan.update, stages);
+          held = std::max(held, store.device_bytes());
+        }
+        MemoryLayout layout = configured_layout(*run, ranks, ranks);
+        layout.zero = zero;
+        EXPECT_EQ(static_cast<int64_t>(held), estimated_state(estimate_memory(*run, layout)))
+            << "ZeRO " << zero << " over " << ranks << " ranks" << (interleave ? ", gate|up interleaved" : "");
       }
-      MemoryLayout layout = configured_layout(c, ranks, ranks);
-      layout.zero = zero;
-      EXPECT_EQ(static_cast<int64_t>(held), estimated_state(estimate_memory(c, layout)))
-          << "ZeRO " << zero << " over " << ranks << " ranks";
-    }
 }
 
 // Two thread ranks on this GPU, ZeRO 3, one step: the device memory they take together

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include "core/error.h"
+#include "kernels/adamw_math.h"
 
 namespace moe {
 namespace {
@@ -67,6 +68,31 @@ TEST(GpuStateLayout, InterleavedGateUpIsAPermutationCutIntoExpertRuns) {
   EXPECT_EQ(hi_runs({pair}, {10, 20}).size(), 1u);    // outside: one run in place
   EXPECT_EQ(hi_runs({pair}, {98, 9}).size(), 3u);     // 98..99 in place, w1_0 100..103, w1_1 104..106
   EXPECT_EQ(hi_runs({pair}, {0, 300}).size(), 8u);    // before, 6 slices, after
+  // hi_ranges: the same elements' hi halves, merged (w1_1 and w3_0 of `pair` are adjacent
+  // in hi: 104..111), and every element of a range once.
+  EXPECT_EQ(hi_ranges({pair}, {{104, 4}, {112, 4}}), (RangeList{{104, 8}}));
+  EXPECT_EQ(hi_ranges({pair}, {{90, 20}}), (RangeList{{90, 14}, {108, 4}, {116, 2}}));
+  EXPECT_EQ(hi_ranges({pair, later}, {{0, 300}}), (RangeList{{0, 300}}));
+  EXPECT_EQ(hi_ranges({}, {{5, 3}, {1, 2}}), (RangeList{{1, 2}, {5, 3}}));
+}
+
+// gate_up_pairs: each MoE layer's w1 | w3 a pair when w3 follows w1 with as many elements
+// and an expert's slice is a multiple of a norm chunk; otherwise none at all (the store
+// keeps one layout for every layer).
+TEST(GpuStateLayout, GateUpPairsOnlyWhereEveryLayerAllowsThem) {
+  const int64_t slice = adamw_math::kNormChunk * 2;  // an expert's F x D
+  const Range w1a{0, 4 * slice}, w3a{4 * slice, 4 * slice}, w1b{12 * slice, 4 * slice}, w3b{16 * slice, 4 * slice};
+  const std::vector<HiInterleave> pairs = gate_up_pairs({{w1a, w3a}, {w1b, w3b}}, 4);
+  ASSERT_EQ(pairs.size(), 2u);
+  EXPECT_EQ(pairs[1].first, w1b.offset);
+  EXPECT_EQ(pairs[1].experts, 4);
+  EXPECT_EQ(pairs[1].per_expert, slice);
+  EXPECT_EQ(pairs[0].end(), w3a.end());
+  EXPECT_TRUE(gate_up_pairs({{w1a, w3a}, {w1b, {w3b.offset + 16, w3b.count}}}, 4).empty()) << "w3 not after w1";
+  EXPECT_TRUE(gate_up_pairs({{w1a, w3a}}, 3).empty()) << "the experts do not divide w1";
+  const Range odd{0, 4 * (slice + 16)};
+  EXPECT_TRUE(gate_up_pairs({{odd, {odd.end(), odd.count}}}, 4).empty()) << "a slice off the norm's chunks";
+  EXPECT_TRUE(gate_up_pairs({{w1a, w3a}}, 0).empty());
 }
 
 }  // namespace

@@ -2,7 +2,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <utility>
 
@@ -28,11 +27,7 @@ void share_weights(GpuParameterStore& store, const RangeList& kept, const std::v
   MOE_CHECK(s.packed(), "GPU parameters: sharing the weights needs the optimizer state packed first");
   // Interleaved gate|up: the own pieces' hi halves where interleave_hi put them (a pair lies
   // in one stage and keeps its extent, so the stages' ranges are the same sets).
-  RangeList kept_hi;
-  for (const Range& r : kept)
-    for (const HiRun& run : hi_runs(s.interleaved, r)) kept_hi.push_back({run.hi, run.count});
-  std::sort(kept_hi.begin(), kept_hi.end());
-  s.weights_held = s.share_stages(s.hi, 2, merge_ranges(kept_hi), stage_ranges, /*zero_new=*/false);
+  s.weights_held = s.share_stages(s.hi, 2, hi_ranges(s.interleaved, kept), stage_ranges, /*zero_new=*/false);
   ++s.weights_version;
 }
 

@@ -9,15 +9,16 @@
 #include <memory>
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "core/error.h"
 #include "core/gpu.h"
 #include "core/nvtx_range.h"
-#include "kernels/adamw_math.h"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 #include "model/gpu_buffer_sizes.h"
+#include "model/gpu_state_layout.h"
 #include "moe/gpu_ops.h"
 #include "moe/dispatch.h"
 
@@ -59,7 +60,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   const bool padded = expert_row_align(training) > 1;
   options.fp8_deepgemm = padded && training.precision == TrainingPrecision::Fp8;
   options.bf16_deepgemm = padded && training.precision == TrainingPrecision::Bf16;
-  options.interleave_gate_up = options.bf16_deepgemm && training.interleave_gate_up;
+  options.interleave_gate_up = interleaves_gate_up(training);
   return options;
 }
 
@@ -175,14 +176,12 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
 }
 
 void GpuTransformer::State::interleave_gate_up() {
-  const int64_t E = config.moe.n_experts, per_expert = config.moe.expert_hidden * config.dim;
-  if (ep || E == 0 || per_expert % adamw_math::kNormChunk != 0) return;
-  std::vector<HiInterleave> pairs;
-  for (const Layer& layer : layers) {
-    if (!layer.is_moe) continue;
-    if (layer.w3.offset != layer.w1.offset + layer.w1.numel || layer.w1.numel != E * per_expert) return;
-    pairs.push_back({layer.w1.offset, E, per_expert});
-  }
+  if (ep) return;
+  std::vector<std::pair<Range, Range>> w1_w3;
+  for (const Layer& layer : layers)
+    if (layer.is_moe) w1_w3.push_back({{layer.w1.offset, layer.w1.numel}, {layer.w3.offset, layer.w3.numel}});
+  std::vector<HiInterleave> pairs = gate_up_pairs(w1_w3, config.moe.n_experts);  // the memory planner's too
+  if (pairs.empty()) return;
   store->interleave_hi(std::move(pairs));
   gate_up_interleaved = true;
 }
