@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <initializer_list>
 #include <latch>
 #include <sstream>
 #include <string>
@@ -99,7 +100,7 @@ TEST(GpuMemoryPlan, ZeroStateIsWhatTheStoreHolds) {
       w1_w3.push_back({{params.offset(id), params.numel(id)}, {params.offset(id + 1), params.numel(id + 1)}});
   const std::vector<HiInterleave> pairs = gate_up_pairs(w1_w3, c.model.moe.n_experts);
   ASSERT_EQ(pairs.size(), static_cast<size_t>(c.model.n_layers)) << "every layer's w1 | w3 interleaves";
-  for (const RunConfig* run : {&c, &interleaved})
+  for (const RunConfig* run : std::initializer_list<const RunConfig*>{&c, &interleaved})
     for (int ranks : {2, 8})
       for (int64_t zero = 1; zero <= 3; ++zero) {
         // The estimate counts the larger of rank 0's and the last rank's.
