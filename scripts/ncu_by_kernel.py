@@ -7,7 +7,9 @@ On the GPU machine (docs/PROFILING.md, "Where a step goes, kernel by kernel"):
 then here: `python3 scripts/ncu_by_kernel.py run.csv --steps 2`. Each kernel is replayed
 alone at the board's full clock, so the sum is below a power-capped step's time.
 `--exclude split_kernel` leaves out the master weights' one-time upload, which the
-division by --steps would otherwise count as part of each step.
+division by --steps would otherwise count as part of each step. `--group LABEL=REGEX`
+(repeatable) adds a table of kernel groups: each kernel in the first group whose regular
+expression its name matches, the rest as "other".
 """
 import argparse
 import collections
@@ -69,6 +71,8 @@ def main():
     parser.add_argument("--exclude", metavar="REGEX",
                         help="leave out kernels whose name matches, e.g. split_kernel: the one-time upload of the "
                              "master weights, which no step runs")
+    parser.add_argument("--group", metavar="LABEL=REGEX", action="append", default=[],
+                        help="a group of kernels for the summary table (repeatable; first match wins)")
     args = parser.parse_args()
     if args.steps <= 0:
         sys.exit(f"ncu_by_kernel: --steps must be > 0, got {args.steps}")
@@ -76,6 +80,15 @@ def main():
         exclude = re.compile(args.exclude) if args.exclude else None
     except re.error as e:
         sys.exit(f"ncu_by_kernel: --exclude {args.exclude!r} is not a regular expression: {e}")
+    kinds = []
+    for spec in args.group:
+        label, sep, pattern = spec.partition("=")
+        if not sep or not label:
+            sys.exit(f"ncu_by_kernel: --group {spec!r} is not LABEL=REGEX")
+        try:
+            kinds.append((label, re.compile(pattern)))
+        except re.error as e:
+            sys.exit(f"ncu_by_kernel: --group {spec!r}: not a regular expression: {e}")
     groups, have_bytes, left_out = by_kernel(args.csv, args.width, exclude)
     total = sum(g[1] for g in groups.values()) / args.steps
     print(f"{total:.2f} ms a step over {sum(g[0] for g in groups.values())} launches")
@@ -85,6 +98,17 @@ def main():
     for name, (count, ms, gb) in sorted(groups.items(), key=lambda kv: -kv[1][1])[: args.top]:
         rate = f"  {gb / args.steps:8.2f} {gb / ms:6.2f}" if have_bytes and ms > 0 else ""
         print(f"{ms / args.steps:10.2f} {count / args.steps:14.1f}{rate}  {name}")
+    if kinds:
+        sums = {label: [0.0, 0.0] for label, _ in kinds + [("other", None)]}
+        for name, (count, ms, gb) in groups.items():
+            label = next((label for label, pattern in kinds if pattern.search(name)), "other")
+            sums[label][0] += ms
+            sums[label][1] += gb
+        print("   ms/step" + ("   GB/step" if have_bytes else "") + "  share  group")
+        for label, (ms, gb) in sorted(sums.items(), key=lambda kv: -kv[1][0]):
+            share = 100.0 * ms / args.steps / total if total > 0 else 0.0
+            print(f"{ms / args.steps:10.2f}" + (f" {gb / args.steps:9.2f}" if have_bytes else "") +
+                  f" {share:5.1f}%  {label}")
 
 
 if __name__ == "__main__":

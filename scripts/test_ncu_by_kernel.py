@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """scripts/ncu_by_kernel.py on a made-up ncu CSV: its preamble skipped, quoted numbers with
 thousands separators read, launches of one kernel summed and divided by the steps, --exclude leaving kernels out,
-bad input refused in one line."""
+--group's summary (first match wins, the rest as other), bad input refused in one line."""
 import os
 import subprocess
 import sys
@@ -51,6 +51,16 @@ def main():
     bad_re = run(CSV, "--exclude", "(")
     if bad_re.returncode == 0 or "not a regular expression" not in bad_re.stderr:
         failures.append(f"--exclude '(': rc {bad_re.returncode}, {bad_re.stderr!r}")
+    # --group: the summary's rows, first match wins, the rest as other.
+    grouped = run(CSV, "--steps", "2", "--group", "GEMMs=gemm", "--group", "everything=.", "--group", "none=x^")
+    rows = {l.split()[-1]: l.split()[:3] for l in grouped.stdout.splitlines()[-4:]}  # the 4 groups
+    if (grouped.returncode != 0 or rows.get("GEMMs") != ["2.50", "1.00", "99.9%"]
+            or rows.get("everything") != ["0.00", "0.00", "0.1%"] or rows.get("none") != ["0.00", "0.00", "0.0%"]
+            or rows.get("other") != ["0.00", "0.00", "0.0%"]):
+        failures.append(f"--group: rc {grouped.returncode}, {grouped.stdout!r} {grouped.stderr!r}")
+    bad_group = run(CSV, "--group", "nolabel")
+    if bad_group.returncode == 0 or "is not LABEL=REGEX" not in bad_group.stderr:
+        failures.append(f"--group nolabel: rc {bad_group.returncode}, {bad_group.stderr!r}")
     bad = run("no header here\n")
     if bad.returncode == 0 or len(bad.stderr.strip().splitlines()) != 1 or "no ncu CSV header" not in bad.stderr:
         failures.append(f"bad input: rc {bad.returncode}, {bad.stderr!r}")
