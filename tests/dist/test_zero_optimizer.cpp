@@ -250,7 +250,7 @@ TEST(ZeroOptimizer, OneProcessStateScatteredOntoRanksContinuesIt) {
 // One layout for both paths: the CPU backend's plan on each rank is the one the GPU
 // backend makes for the same model and ranks (GpuBackend::make_data_parallel in
 // src/train/backends/cuda/gpu_backend.cpp): the block's stage ranges, the fp32 copies'
-// ranges (the router biases, each padded to 16: GpuParameterStore::fp32_copy_ranges)
+// ranges (the router biases, each padded to 16: GpuFp32Copies::ranges)
 // kept whole, buckets of GpuDataParallel's bucket_elems.
 TEST(ZeroOptimizer, CpuBackendShardsAsTheGpuBackend) {
   constexpr int kRanks = 2;

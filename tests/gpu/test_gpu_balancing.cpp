@@ -196,7 +196,7 @@ TEST(GpuBalancing, ShardedExpertClippingIsTheWholeClipping) {
   for (int r = 0; r < ranks; ++r) {
     shards.push_back(std::make_unique<GpuTransformer>(c, cpu.params()));
     optimizers.push_back(std::make_unique<GpuOptimizer>(shards.back()->parameters(), cpu.params(), shards.back()->stream()));
-    plans.push_back(dist::plan_zero_shards(stages, shards.back()->parameters().fp32_copy_ranges(), 1000, ranks, r));
+    plans.push_back(dist::plan_zero_shards(stages, shards.back()->parameters().fp32_copies().ranges(), 1000, ranks, r));
     optimizers.back()->shard_expert_clip(plans.back().norm, plans.back().update);
     upload_grads(shards.back()->parameters(), unclipped.params());
     EXPECT_THROW(optimizers.back()->clip_expert_grads(0.0), Error);  // no sum over the ranks given

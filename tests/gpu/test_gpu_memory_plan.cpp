@@ -110,7 +110,7 @@ TEST(GpuMemoryPlan, ZeroStateIsWhatTheStoreHolds) {
           GpuParameterStore store(params, c.optimizer.state_dtype, router_biases, nullptr);
           if (interleave) store.interleave_hi(pairs);
           const dist::ZeroShardPlan plan =
-              dist::plan_zero_shards(stages, store.fp32_copy_ranges(), bucket, ranks, rank, store.hi_interleave());
+              dist::plan_zero_shards(stages, store.fp32_copies().ranges(), bucket, ranks, rank, store.hi_interleave());
           pack_optimizer_state(store, plan.update);
           if (zero >= 2) share_gradients(store, plan.update, stages);
           if (zero >= 3) share_weights(store, plan.update, stages);

@@ -168,7 +168,7 @@ void expect_state_matches(GpuParameterStore& gpu, ParameterStore<float>& cpu_par
   EXPECT_EQ(bad_hi, 0u) << "bf16 weights differ";
   for (int id : fp32_ids) {
     std::vector<float> copy(static_cast<size_t>(cpu_params.numel(id)));
-    MOE_CUDA_CHECK(cudaMemcpy(copy.data(), gpu.fp32_values(id), copy.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    MOE_CUDA_CHECK(cudaMemcpy(copy.data(), gpu.fp32_copies().values(id), copy.size() * sizeof(float), cudaMemcpyDeviceToHost));
     EXPECT_TRUE(std::equal(copy.begin(), copy.end(), cpu_params.value(id), [](float a, float b) { return bits(a) == bits(b); }))
         << "fp32 copy of parameter " << id;
   }
@@ -293,7 +293,7 @@ TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
     EXPECT_EQ(v_again, v_back);
   }
   std::vector<float> copy(static_cast<size_t>(params.numel(7)));
-  MOE_CUDA_CHECK(cudaMemcpy(copy.data(), gpu.fp32_values(7), copy.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  MOE_CUDA_CHECK(cudaMemcpy(copy.data(), gpu.fp32_copies().values(7), copy.size() * sizeof(float), cudaMemcpyDeviceToHost));
   EXPECT_TRUE(std::equal(copy.begin(), copy.end(), params.value(7)));
   // The store's size: the blocks and the fp32 copies (parameters 0 and 7, padded to 16).
   const auto blocks = static_cast<size_t>(static_cast<double>(gpu.storage_numel()) *
@@ -472,7 +472,7 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
   std::vector<std::unique_ptr<GpuOptimizer>> optimizers;
   std::vector<dist::ZeroShardPlan> plans;
   for (int r = 0; r < ranks; ++r) {
-    plans.push_back(dist::plan_zero_shards(stages, whole.fp32_copy_ranges(), 3 * am::kNormChunk, ranks, r));
+    plans.push_back(dist::plan_zero_shards(stages, whole.fp32_copies().ranges(), 3 * am::kNormChunk, ranks, r));
     shards.push_back(std::make_unique<GpuParameterStore>(params, GetParam(), fp32_ids, nullptr));
     optimizers.push_back(std::make_unique<GpuOptimizer>(*shards.back(), params, nullptr));
     optimizers.back()->set_step_ranges(plans.back().update, plans.back().norm);
@@ -528,8 +528,8 @@ TEST_P(GpuMultiTensorAdamW, ShardedStepsAreTheWholeStepPieceByPiece) {
     EXPECT_EQ(bad_mine, 0) << "elements of this rank's ranges differ from the whole step";
     EXPECT_EQ(bad_other, 0) << "elements outside this rank's ranges were stepped";
     for (int id : fp32_ids)
-      EXPECT_EQ(device_copy<uint32_t>(shard.fp32_values(id), params.numel(id)),
-                device_copy<uint32_t>(whole.fp32_values(id), params.numel(id)))
+      EXPECT_EQ(device_copy<uint32_t>(shard.fp32_copies().values(id), params.numel(id)),
+                device_copy<uint32_t>(whole.fp32_copies().values(id), params.numel(id)))
           << "fp32 copy of parameter " << id;
   }
   EXPECT_GT(stepped_somewhere, n);  // each rank left most of the block to the others
@@ -557,7 +557,7 @@ TEST_P(GpuMultiTensorAdamW, PackedShardsStepAsTheWholeBlockAndHoldTheirPiecesOnl
   std::vector<std::unique_ptr<GpuOptimizer>> optimizers;
   std::vector<dist::ZeroShardPlan> plans;
   for (int r = 0; r < ranks; ++r) {
-    plans.push_back(dist::plan_zero_shards(stages, whole.fp32_copy_ranges(), 3 * am::kNormChunk, ranks, r));
+    plans.push_back(dist::plan_zero_shards(stages, whole.fp32_copies().ranges(), 3 * am::kNormChunk, ranks, r));
     shards.push_back(std::make_unique<GpuParameterStore>(params, GetParam(), fp32_ids, nullptr));
     optimizers.push_back(std::make_unique<GpuOptimizer>(*shards.back(), params, nullptr));
     pack_optimizer_state(*shards.back(), plans.back().update);

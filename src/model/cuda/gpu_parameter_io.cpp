@@ -127,7 +127,7 @@ void upload_state(GpuParameterStore& store, const ParameterStore<float>& params,
             "upload_state: {} first and {} second moments for {} parameters", m.size(), v.size(), s.total_numel);
   Buffer<float> staging = s.staging();
   for (const Range& r : s.resident) s.upload_values(params.values_data() + r.offset, r.offset, r.count, staging);
-  s.refresh_mirrors(params);
+  s.fp32.upload(params, s.stream);
   const RangeList with_moments = moments ? s.moment_ranges() : RangeList{};
   for (const SpanPiece& part : s.parts_held(with_moments, with_moments, "the AdamW moments")) {
     const int64_t packed = s.packed_offsets[part.span] + (part.offset - s.offsets[part.span]);
@@ -209,13 +209,9 @@ void upload_range(GpuParameterStore& store, Range r, const float* values, const 
     }
   }
   // The fp32 copies of the parameters in r (router biases) take the same values.
-  for (const SpanPiece& part : cut_spans(s.spans(), {r})) {
-    const int64_t mirror_at = s.mirror_offsets[part.span];
-    if (mirror_at < 0) continue;
-    MOE_CUDA_CHECK(cudaMemcpyAsync(s.mirror.data() + mirror_at + (part.offset - s.offsets[part.span]),
-                                   values + (part.offset - r.offset), static_cast<size_t>(part.count) * sizeof(float),
-                                   cudaMemcpyHostToDevice, s.stream));
-  }
+  for (const SpanPiece& part : cut_spans(s.spans(), {r}))
+    s.fp32.upload(static_cast<int>(part.span), part.offset - s.offsets[part.span], values + (part.offset - r.offset),
+                  part.count, s.stream);
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 

@@ -26,14 +26,6 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
   s.stream = stream;
   s.moments = moments;
   s.storage = params.storage_numel();
-  s.mirror_offsets.assign(static_cast<size_t>(params.size()), -1);
-  int64_t mirror_numel = 0;
-  for (int id : fp32_copy_ids) {
-    MOE_CHECK(id >= 0 && id < params.size(), "GPU parameters: no parameter {} to keep in fp32", id);
-    if (s.mirror_offsets[static_cast<size_t>(id)] >= 0) continue;
-    s.mirror_offsets[static_cast<size_t>(id)] = mirror_numel;
-    mirror_numel += (params.numel(id) + 15) / 16 * 16;
-  }
   for (int id = 0; id < params.size(); ++id) {
     const int64_t offset = params.offset(id), numel = params.numel(id);
     // The AdamW kernel reads 4 elements at a time (16-byte gradient loads).
@@ -65,10 +57,9 @@ GpuParameterStore::GpuParameterStore(const ParameterStore<float>& params, Moment
     MOE_CHECK(r.offset >= 0 && r.end() <= s.storage, "GPU parameters: resident range [{}, {}) outside the block of {}",
               r.offset, r.end(), s.storage);
   s.set_resident(resident.empty() ? RangeList{{0, s.storage}} : resident);
-  s.mirror = Buffer<float>(static_cast<size_t>(mirror_numel));
+  s.fp32 = GpuFp32Copies(params, fp32_copy_ids, stream);
   Buffer<float> staging = s.staging();
   for (const Range& r : s.resident) s.upload_values(params.values_data() + r.offset, r.offset, r.count, staging);
-  s.refresh_mirrors(params);
   s.sync();
 }
 
@@ -152,19 +143,8 @@ void* GpuParameterStore::moment_block(int which) {
 size_t GpuParameterStore::moment_bytes() const { return state_->moment_bytes(); }
 int64_t GpuParameterStore::storage_numel() const { return state_->storage; }
 
-const float* GpuParameterStore::fp32_values(int id) const {
-  const State& s = *state_;
-  MOE_CHECK(id >= 0 && static_cast<size_t>(id) < s.mirror_offsets.size() && s.mirror_offsets[static_cast<size_t>(id)] >= 0,
-            "GPU parameters: parameter {} has no fp32 copy on the device", id);
-  return s.mirror.data() + s.mirror_offsets[static_cast<size_t>(id)];
-}
-
-float* GpuParameterStore::fp32_mirror() { return state_->mirror.data(); }
-
-int64_t GpuParameterStore::fp32_mirror_offset(int id) const {
-  MOE_CHECK(id >= 0 && static_cast<size_t>(id) < state_->mirror_offsets.size(), "GPU parameters: no parameter {}", id);
-  return state_->mirror_offsets[static_cast<size_t>(id)];
-}
+const GpuFp32Copies& GpuParameterStore::fp32_copies() const { return state_->fp32; }
+GpuFp32Copies& GpuParameterStore::fp32_copies() { return state_->fp32; }
 
 void GpuParameterStore::zero_grads(const RangeList& written) {
   State& s = *state_;
@@ -187,15 +167,6 @@ void GpuParameterStore::set_resident_ranges(const RangeList& ranges) {
   ++s.weights_version;  // new ranges hold undefined weights until written
 }
 
-RangeList GpuParameterStore::fp32_copy_ranges() const {
-  const State& s = *state_;
-  RangeList ranges;
-  for (size_t id = 0; id < s.mirror_offsets.size(); ++id)
-    if (s.mirror_offsets[id] >= 0) ranges.push_back({s.offsets[id], (s.numels[id] + 15) / 16 * 16});
-  std::sort(ranges.begin(), ranges.end());
-  return ranges;
-}
-
 double GpuParameterStore::bytes_per_parameter(MomentDtype moments, bool bf16_grads) {
   return static_cast<double>(sizeof(bf16) + sizeof(int16_t) + (bf16_grads ? sizeof(bf16) : sizeof(float))) +
          2 * moment_bytes_per_element(moments);
@@ -205,7 +176,7 @@ size_t GpuParameterStore::device_bytes() const {
   const State& s = *state_;
   return s.hi.resident_bytes() + s.lo.resident_bytes() + s.grads.resident_bytes() + s.grads16.resident_bytes() +
          s.m.resident_bytes() +
-         s.v.resident_bytes() + s.mirror.size() * sizeof(float) + s.lo_packed.resident_bytes() +
+         s.v.resident_bytes() + s.fp32.bytes() + s.lo_packed.resident_bytes() +
          s.m_packed.resident_bytes() + s.v_packed.resident_bytes() + s.m_scales.size() + s.v_scales.size();
 }
 

@@ -24,6 +24,7 @@
 #include "core/range.h"
 #include "core/bf16.h"
 #include "kernels/gpu_ops.h"
+#include "model/cuda/gpu_fp32_copies.h"
 #include "model/gpu_state_layout.h"
 #include "model/parameters.h"
 
@@ -32,7 +33,7 @@ namespace moe {
 class GpuParameterStore {
  public:
   // Copies the values of `params` to the device; the moments start at zero. The
-  // parameters in `fp32_copy_ids` are also kept as fp32 (fp32_values()). `resident`: the
+  // parameters in `fp32_copy_ids` are also kept as fp32 (fp32_copies()). `resident`: the
   // element ranges of the block that hold memory (sorted, disjoint; empty: all of it); the
   // others keep their offsets but no memory (expert parallelism: other ranks' experts).
   // bf16_expert_grads: the gradients of the expert tensors (the parameters with an
@@ -62,7 +63,7 @@ class GpuParameterStore {
   bf16* grads_bf16();
   const RangeList& bf16_grad_ranges() const;
   // The master weights' two halves, writable (expert parallelism copies experts' weights
-  // between ranks); fp32_values copies are not affected. weights_lo: in the block layout,
+  // between ranks); the fp32 copies are not affected. weights_lo: in the block layout,
   // so not while the optimizer state is packed (unless hold_master).
   bf16* weights_hi();
   int16_t* weights_lo();
@@ -77,12 +78,10 @@ class GpuParameterStore {
   // not while the optimizer state is packed.
   void* moment_block(int which);
   size_t moment_bytes() const;
-  // The fp32 values of a parameter registered in fp32_copy_ids.
-  const float* fp32_values(int id) const;
-  // The block of those fp32 copies, and where parameter `id`'s starts in it (-1: none);
-  // the optimizer refreshes them as it steps.
-  float* fp32_mirror();
-  int64_t fp32_mirror_offset(int id) const;
+  // The fp32 copies of the parameters registered in fp32_copy_ids
+  // (model/cuda/gpu_fp32_copies.h); the optimizer refreshes them as it steps.
+  const GpuFp32Copies& fp32_copies() const;
+  GpuFp32Copies& fp32_copies();
   MomentDtype moment_dtype() const;
   int64_t storage_numel() const;
 
@@ -97,9 +96,6 @@ class GpuParameterStore {
   void set_resident_ranges(const RangeList& ranges);
   // ZeRO's layouts of the state (packed optimizer state, shared gradients and weights,
   // what AdamW steps): model/cuda/gpu_parameter_zero.h.
-  // The extents of the parameters kept in fp32 too (their padding to 16 elements
-  // included), sorted: a sharded optimizer must step them whole on every rank.
-  RangeList fp32_copy_ranges() const;
 
   // Device bytes held by the blocks above (their resident chunks).
   size_t device_bytes() const;

@@ -25,14 +25,14 @@ struct GpuParameterStore::State {
   cudaStream_t stream = nullptr;
   MomentDtype moments = MomentDtype::Fp32;
   int64_t storage = 0, total_numel = 0;
-  std::vector<int64_t> offsets, numels, packed_offsets, mirror_offsets;  // per parameter id
+  std::vector<int64_t> offsets, numels, packed_offsets;  // per parameter id
   // The blocks, of which only the resident ranges hold memory (gpu::ResidentBlock).
   gpu::ResidentBlock hi, lo, grads, m, v;
   // bf16 expert gradients: grads16 holds the gradients of `bf16_grads` (the expert
   // tensors' extents), where grads then holds none.
   gpu::ResidentBlock grads16;
   RangeList bf16_grads;
-  Buffer<float> mirror;  // fp32 copies
+  GpuFp32Copies fp32;  // fp32 copies
   RangeList resident;    // element ranges of the block that hold memory (sorted)
   // ZeRO (pack_optimizer_state, model/cuda/gpu_parameter_zero.h): the lo halves and moments of `optimizer` (merged ranges)
   // only, range i's from packed_at[i] on (congruent to its offset modulo 16, so the AdamW
@@ -209,13 +209,6 @@ struct GpuParameterStore::State {
       });
       done += piece;
     }
-  }
-  void refresh_mirrors(const ParameterStore<float>& params) {
-    for (size_t id = 0; id < mirror_offsets.size(); ++id)
-      if (mirror_offsets[id] >= 0)
-        MOE_CUDA_CHECK(cudaMemcpyAsync(mirror.data() + mirror_offsets[id], params.value(static_cast<int>(id)),
-                                       static_cast<size_t>(numels[id]) * sizeof(float), cudaMemcpyHostToDevice,
-                                       stream));
   }
   void check_layout(const ParameterStore<float>& params, const char* what) const {
     MOE_CHECK(params.storage_numel() == storage && static_cast<size_t>(params.size()) == offsets.size(),

@@ -193,7 +193,7 @@ struct GpuTransformer::State {
   const bf16* w(const Param& p) const { return store->weights() + p.offset; }
   float* g(const Param& p) { return store->grads() + p.offset; }
   // fp32 values, for the parameters read in fp32 (the router biases; see the constructor).
-  const float* w32(const Param& p) const { return store->fp32_values(p.id); }
+  const float* w32(const Param& p) const { return store->fp32_copies().values(p.id); }
 
   // y[rows, out] = x[rows, in] @ W^T (+ y when accumulate).
   void linear(bf16* y, const bf16* x, const bf16* weight, int64_t rows, int64_t in, int64_t out, bool accumulate,

@@ -99,7 +99,7 @@ struct GpuOptimizer::State {
                   adamw_math::kMomentBlock);
       set.fp8_blocks_checked = true;
     }
-    cuda::multi_tensor_adamw(store->weights_hi(), state.lo, store->fp32_mirror(), store->grads(), moments,
+    cuda::multi_tensor_adamw(store->weights_hi(), state.lo, store->fp32_copies().block(), store->grads(), moments,
                              set.segments.data(), static_cast<int64_t>(set.host.size()), set.n_chunks,
                              scalars.data(), stream, store->grads_bf16());
   }
@@ -249,7 +249,7 @@ GpuOptimizer::GpuOptimizer(GpuParameterStore& store, const ParameterStore<float>
     cuda::OptimizerSegment seg;
     seg.offset = params.offset(id);
     seg.numel = params.numel(id);
-    seg.mirror_offset = store.fp32_mirror_offset(id);
+    seg.mirror_offset = store.fp32_copies().offset(id);
     seg.decay = params.spec(id).weight_decay ? 1 : 0;
     seg.bf16_grad = s.bf16_grad_at(seg.offset);
     s.place_hi(seg);

@@ -638,7 +638,7 @@ class GpuBackend final : public ModelBackend {
         const dist::ExpertParallelRanges ranges = dist::gradient_ranges_by_stage_ep(
             host_model().params(), stage_of, host_model().backward_stages(),
             own_expert_ranges(gpu_->expert_layout(), ep_->rank()));
-        ep_zero_ = dist::plan_expert_parallel_zero(ranges, params.fp32_copy_ranges(), dp_->bucket_elems(), dp_->size(),
+        ep_zero_ = dist::plan_expert_parallel_zero(ranges, params.fp32_copies().ranges(), dp_->bucket_elems(), dp_->size(),
                                                    dp_->rank(), static_cast<int>(ep));
         shard_state(ep_zero_.update, ep_zero_.norm, ep_zero_.held);
         shard_group(*dp_, ep_zero_.shared);
@@ -651,7 +651,7 @@ class GpuBackend final : public ModelBackend {
       const std::vector<RangeList> stages =
           dist::gradient_ranges_by_stage(host_model().params(), stage_of, host_model().backward_stages());
       // Interleaved gate|up pairs cut at expert slices, their weights gathered in the hi halves' order.
-      dist::ZeroShardPlan plan = dist::plan_zero_shards(stages, params.fp32_copy_ranges(), dp_->bucket_elems(),
+      dist::ZeroShardPlan plan = dist::plan_zero_shards(stages, params.fp32_copies().ranges(), dp_->bucket_elems(),
                                                         dp_->size(), dp_->rank(), params.hi_interleave());
       shard_state(plan.update, plan.norm, stages);
       shard_group(*dp_, std::move(plan));
