@@ -27,43 +27,59 @@ void in_staged_pieces(const RangeList& ranges, const Buffer<float>& staging, cud
     }
 }
 
+// The held gradients between the device and the host's `grads`: the fp32 ones copied, the
+// bf16 ones through the staging buffer (widened on the way to the host, rounded to nearest
+// even on the way to the device). `State`: GpuParameterStore::State, deduced.
+template <class State>
+void copy_held_grads(State& s, float* grads, bool to_host) {
+  const RangeList& held = s.gradient_ranges();
+  for (const Range& r : s.fp32_grad_ranges(held)) {
+    float *device = s.grads_data() + r.offset, *host = grads + r.offset;
+    const auto bytes = static_cast<size_t>(r.count) * sizeof(float);
+    MOE_CUDA_CHECK(to_host ? cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost)
+                           : cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
+  }
+  const RangeList bf16_held = s.bf16_grad_ranges(held);
+  if (bf16_held.empty()) return;
+  const Buffer<float> staging = s.staging();
+  in_staged_pieces(bf16_held, staging, s.stream, [&](int64_t at, int64_t n) {
+    const auto bytes = static_cast<size_t>(n) * sizeof(float);
+    if (to_host) {
+      cuda::widen_bf16(staging.data(), s.grads16_data() + at, n, s.stream);
+      MOE_CUDA_CHECK(cudaMemcpyAsync(grads + at, staging.data(), bytes, cudaMemcpyDeviceToHost, s.stream));
+    } else {
+      MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), grads + at, bytes, cudaMemcpyHostToDevice, s.stream));
+      cuda::round_to_bf16(s.grads16_data() + at, staging.data(), n, s.stream);
+    }
+  });
+}
+
+// f(at, done, n) over block range r in pieces of the range staging's size (at = r.offset +
+// done), after checking that this rank holds r's master weights and, with `moments`, its
+// AdamW moments (download_range, upload_range: a rank's own checkpoint pieces).
+template <class State, class F>
+void in_range_pieces(State& s, Range r, bool moments, F&& f) {
+  s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
+  if (moments) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
+  const auto chunk = static_cast<int64_t>(s.range_staging().size());
+  for (int64_t done = 0; done < r.count; done += chunk) f(r.offset + done, done, std::min(chunk, r.count - done));
+}
+
 }  // namespace
 
 void download_grads(const GpuParameterStore& store, ParameterStore<float>& params) {
   auto& s = GpuParameterStoreAccess::state(store);
   s.check_layout(params, "download_grads");
   // Where this rank holds nothing it computed no gradient: zeros.
-  const RangeList& held = s.gradient_ranges();
-  for (const Range& r : subtract_ranges({{0, s.storage}}, held))
+  for (const Range& r : subtract_ranges({{0, s.storage}}, s.gradient_ranges()))
     std::fill_n(params.grads_data() + r.offset, r.count, 0.0f);
-  for (const Range& r : s.fp32_grad_ranges(held))
-    MOE_CUDA_CHECK(cudaMemcpy(params.grads_data() + r.offset, s.grads_data() + r.offset,
-                              static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyDeviceToHost));
-  const RangeList bf16_held = s.bf16_grad_ranges(held);
-  if (bf16_held.empty()) return;
-  const Buffer<float> staging = s.staging();
-  in_staged_pieces(bf16_held, staging, s.stream, [&](int64_t at, int64_t n) {
-    cuda::widen_bf16(staging.data(), s.grads16_data() + at, n, s.stream);
-    MOE_CUDA_CHECK(cudaMemcpyAsync(params.grads_data() + at, staging.data(), static_cast<size_t>(n) * sizeof(float),
-                                   cudaMemcpyDeviceToHost, s.stream));
-  });
+  copy_held_grads(s, params.grads_data(), /*to_host=*/true);
 }
 
 void upload_grads(GpuParameterStore& store, ParameterStore<float>& params) {
   auto& s = GpuParameterStoreAccess::state(store);
   s.check_layout(params, "upload_grads");
-  const RangeList& held = s.gradient_ranges();
-  for (const Range& r : s.fp32_grad_ranges(held))
-    MOE_CUDA_CHECK(cudaMemcpy(s.grads_data() + r.offset, params.grads_data() + r.offset,
-                              static_cast<size_t>(r.count) * sizeof(float), cudaMemcpyHostToDevice));
-  const RangeList bf16_held = s.bf16_grad_ranges(held);
-  if (bf16_held.empty()) return;
-  const Buffer<float> staging = s.staging();
-  in_staged_pieces(bf16_held, staging, s.stream, [&](int64_t at, int64_t n) {
-    MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), params.grads_data() + at, static_cast<size_t>(n) * sizeof(float),
-                                   cudaMemcpyHostToDevice, s.stream));
-    cuda::round_to_bf16(s.grads16_data() + at, staging.data(), n, s.stream);
-  });
+  copy_held_grads(s, params.grads_data(), /*to_host=*/false);
 }
 
 void download_params(const GpuParameterStore& store, ParameterStore<float>& params, const Range* only) {
@@ -152,12 +168,8 @@ void upload_state(GpuParameterStore& store, const ParameterStore<float>& params,
 
 void download_range(const GpuParameterStore& store, Range r, float* values, float* m, float* v) {
   auto& s = GpuParameterStoreAccess::state(store);
-  s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
-  if (m || v) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
   Buffer<float>& staging = s.range_staging();
-  const auto chunk = static_cast<int64_t>(staging.size());
-  for (int64_t done = 0; done < r.count; done += chunk) {
-    const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
+  in_range_pieces(s, r, m || v, [&](int64_t at, int64_t done, int64_t n) {
     const int16_t* lo = s.lo_at(at);
     s.for_hi_runs(at, n, [&](const bf16* hi, int64_t run, int64_t count) {
       cuda::join_master(staging.data() + (run - at), hi, lo + (run - at), count, s.stream);
@@ -176,18 +188,14 @@ void download_range(const GpuParameterStore& store, Range r, float* values, floa
       MOE_CUDA_CHECK(cudaMemcpyAsync(out + done, in, static_cast<size_t>(n) * sizeof(float), cudaMemcpyDeviceToHost,
                                      s.stream));
     }
-  }
+  });
   MOE_CUDA_CHECK(cudaStreamSynchronize(s.stream));
 }
 
 void upload_range(GpuParameterStore& store, Range r, const float* values, const float* m, const float* v) {
   auto& s = GpuParameterStoreAccess::state(store);
-  s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
-  if (m || v) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
   Buffer<float>& staging = s.range_staging();
-  const auto chunk = static_cast<int64_t>(staging.size());
-  for (int64_t done = 0; done < r.count; done += chunk) {
-    const int64_t n = std::min(chunk, r.count - done), at = r.offset + done;
+  in_range_pieces(s, r, m || v, [&](int64_t at, int64_t done, int64_t n) {
     MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), values + done, static_cast<size_t>(n) * sizeof(float),
                                    cudaMemcpyHostToDevice, s.stream));
     int16_t* lo = s.lo_at(at);
@@ -207,7 +215,7 @@ void upload_range(GpuParameterStore& store, Range r, const float* values, const 
                                      cudaMemcpyHostToDevice, s.stream));
       s.store_moments(which, at, staging.data(), n);
     }
-  }
+  });
   // The fp32 copies of the parameters in r (router biases) take the same values.
   for (const SpanPiece& part : cut_spans(s.spans(), {r}))
     s.fp32.upload(static_cast<int>(part.span), part.offset - s.offsets[part.span], values + (part.offset - r.offset),

@@ -32,11 +32,12 @@ struct GpuParameterStore::State {
   // tensors' extents), where grads then holds none.
   gpu::ResidentBlock grads16;
   RangeList bf16_grads;
-  GpuFp32Copies fp32;  // fp32 copies
-  RangeList resident;    // element ranges of the block that hold memory (sorted)
-  // ZeRO (pack_optimizer_state, model/cuda/gpu_parameter_zero.h): the lo halves and moments of `optimizer` (merged ranges)
-  // only, range i's from packed_at[i] on (congruent to its offset modulo 16, so the AdamW
-  // kernel's 16-byte accesses line up as in the block); empty: in the blocks above.
+  GpuFp32Copies fp32;   // the router biases' fp32 copies
+  RangeList resident;   // element ranges of the block that hold memory (sorted)
+  // ZeRO (pack_optimizer_state, model/cuda/gpu_parameter_zero.h): the lo halves and moments
+  // of `optimizer` (merged ranges) only, range i's from packed_at[i] on (congruent to its
+  // offset modulo 16, so the AdamW kernel's 16-byte accesses line up as in the block);
+  // empty: in the blocks above.
   RangeList optimizer;
   std::vector<int64_t> packed_at;
   // Reserved whole, mapped as pack_optimizer_state fills them (its peak stays near the result).
