@@ -100,6 +100,7 @@ void for_each_key(Config& c, Visit&& visit) {
   visit("training", "fp8_gemm_backend", t.fp8_gemm_backend);
   visit("training", "bf16_gemm_backend", t.bf16_gemm_backend);
   visit("training", "interleave_gate_up", t.interleave_gate_up);
+  visit("training", "swiglu_in_gemm", t.swiglu_in_gemm);
   visit("optimizer", "beta1", c.optimizer.beta1);
   visit("optimizer", "beta2", c.optimizer.beta2);
   visit("optimizer", "eps", c.optimizer.eps);

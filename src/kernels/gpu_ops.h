@@ -255,6 +255,13 @@ class PaddedExpertGemmBf16 {
   // As ExpertGemm::forward: out[s] rows of e = x rows of e @ (w[s] + e * N * K)^T.
   void forward(int sets, bf16* const* out, int64_t ld_out, const bf16* x, int64_t ld_x, const bf16* const* w,
                const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, Stream stream);
+  // The gate|up projection with SwiGLU in the GEMM's epilogue (our own kernel): gate_up
+  // [R, 2F] as forward writes it with w = the experts' interleaved [w1_e; w3_e] ([E][2F][K]),
+  // and act [R, F] as swiglu_forward writes it from that gate_up, bit for bit. F: a multiple
+  // of kSwigluColumns.
+  static constexpr int64_t kSwigluColumns = 128;
+  void forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, int64_t ld_x, const bf16* w, const int32_t* offsets_E1,
+                      int64_t R, int64_t F, int64_t K, Stream stream);
   // As ExpertGemm::backward_data, beta 0 (written) or 1 (added).
   void backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
                      const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, float beta, Stream stream);

@@ -37,6 +37,7 @@ struct Mode {
   bool padded = false;            // rows padded per expert, DeepGEMM's GEMMs (training.fp8_gemm_backend)
   bool bf16_padded = false;       // the same for the bf16 experts (training.bf16_gemm_backend)
   bool interleave = false;        // with bf16_padded: w1 | w3 interleaved (training.interleave_gate_up)
+  bool swiglu_in_gemm = false;    // with interleave: SwiGLU in the gate|up GEMM's epilogue (training.swiglu_in_gemm)
   bool overwrite_grads = false;   // the first micro-batch writes the gradients (begin_gradients), as the trainer's
 };
 inline constexpr Mode kBf16{}, kExperts{true, false}, kProjections{false, true}, kAll{true, true};
@@ -56,7 +57,9 @@ inline PrecisionRun run(const Mode& mode, int steps, const ModelConfig& config =
   options.fp8_deepgemm = mode.padded;
   options.bf16_deepgemm = mode.bf16_padded;
   options.interleave_gate_up = mode.interleave;
+  options.swiglu_in_gemm = mode.swiglu_in_gemm;
   GpuTransformer gpu(config, host.params(), options);
+  EXPECT_EQ(gpu.swiglu_in_gemm(), mode.swiglu_in_gemm) << "training.swiglu_in_gemm did not take as asked";
   gpu.enable_graphs(mode.graphs);
   GpuOptimizer optimizer(gpu.parameters(), host.params(), gpu.stream());
   gpu.plan(2);

@@ -14,6 +14,7 @@
 
 #include "fp8_gemm_test_util.h"
 #include "kernels/adamw_math.h"
+#include "kernels/gpu_ops.h"
 #include "precision_runs.h"
 
 namespace moe {
@@ -25,11 +26,13 @@ using test::Part;
 using test::relative_distance;
 using test::run;
 
-// As the trainer runs it: w1 | w3 interleaved (training.interleave_gate_up) unless told.
-Mode padded(bool bf16_grads, bool interleave = true) {
+// As the trainer runs it: w1 | w3 interleaved (training.interleave_gate_up) and SwiGLU in
+// the gate|up GEMM's epilogue (training.swiglu_in_gemm) unless told.
+Mode padded(bool bf16_grads, bool interleave = true, bool swiglu_in_gemm = true) {
   Mode mode = kBf16;
   mode.bf16_padded = true;
   mode.interleave = interleave;
+  mode.swiglu_in_gemm = interleave && swiglu_in_gemm;
   mode.bf16_grads = bf16_grads;
   mode.overwrite_grads = true;  // as the trainer: the first micro-batch's weight gradients written (beta 0)
   return mode;
@@ -126,6 +129,23 @@ TEST(GpuBf16DeepGemm, InterleavedGateUpKeepsTheForwardAndTracksTheSeparateLayout
     const test::PrecisionRun again = run(padded(bf16_grads), 3);
     EXPECT_EQ(again.losses, joined.losses) << what;
     EXPECT_TRUE(again.grads == joined.grads) << what << ": an interleaved rerun's gradients differ";
+  }
+}
+
+// training.swiglu_in_gemm: act from the gate|up GEMM's epilogue has swiglu_forward's bits,
+// so every loss and gradient is the separate pass's, with the experts' rows kept or
+// recomputed (SwiGLU's backward refilling act, or the whole gate|up GEMM again).
+TEST(GpuBf16DeepGemm, SwigluInTheGemmKeepsEveryBit) {
+  MOE_REQUIRE_DEEPGEMM();
+  const ModelConfig config = test::small_moe_model(0.0);
+  ASSERT_EQ(config.moe.expert_hidden % cuda::PaddedExpertGemmBf16::kSwigluColumns, 0) << "the fusion would not apply";
+  for (const ExpertRecompute recompute : {ExpertRecompute::None, ExpertRecompute::Swiglu, ExpertRecompute::All}) {
+    Mode fused = padded(true), separate = padded(true, true, false);
+    fused.recompute = separate.recompute = recompute;
+    const std::string what = "recompute_experts " + std::to_string(static_cast<int>(recompute));
+    const test::PrecisionRun a = run(fused, 3), b = run(separate, 3);
+    EXPECT_EQ(a.losses, b.losses) << what;
+    EXPECT_TRUE(a.grads == b.grads) << what << ": the gradients differ";
   }
 }
 

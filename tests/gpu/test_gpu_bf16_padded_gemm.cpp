@@ -1,8 +1,9 @@
 // PaddedExpertGemmBf16 (DeepGEMM's bf16 kernel over rows padded per expert to 128) against
 // fp64 references of the same bf16 inputs: ragged experts with empty ones (first, middle,
 // last), rows past the last expert, N with an odd count of 256-wide tiles (the kernel
-// without 2-CTA clusters), two sets, many small groups; the data gradient written and
-// added; the weight gradient of every expert (empty ones zeroed). Skipped where the kernel
+// without 2-CTA clusters), two sets, many small groups; our gate|up kernel with SwiGLU in
+// its epilogue against the forward and swiglu_forward bit for bit; the data gradient
+// written and added; the weight gradient of every expert (empty ones zeroed). Skipped where the kernel
 // cannot run (deepgemm_available(): an sm_90 GPU with 132 multiprocessors).
 #include <gtest/gtest.h>
 
@@ -175,6 +176,40 @@ TEST_P(GpuPaddedExpertGemmBf16, RerunsGiveTheSameBits) {
   test::expect_same(runs[0], runs[1], runs[0].size(), "padded bf16 forward rerun");
 }
 
+// Our gate|up kernel with SwiGLU in its epilogue: gate|up as DeepGEMM's forward writes it
+// over the interleaved [w1_e; w3_e] weights (N = 2F), and act as swiglu_forward writes it
+// from that gate|up, both bit for bit; rows past the experts untouched.
+TEST_P(GpuPaddedExpertGemmBf16, ForwardSwigluIsTheForwardThenSwigluBitForBit) {
+  MOE_REQUIRE_DEEPGEMM();
+  const PaddedShape s = shape_of(GetParam());
+  const int64_t E = s.E, F = s.N / 2, K = s.K, R = s.R;
+  if (F % cuda::PaddedExpertGemmBf16::kSwigluColumns != 0) GTEST_SKIP() << "F = " << F << ": not in 128-column tiles";
+  auto x_d = to_device(padded_rows(s, K, 50)), w_d = to_device(weights(E, 2 * F, K, 51));
+  auto P_d = to_device(s.P);
+  cuda::PaddedExpertGemmBf16 gemm(E);
+  auto want_gate_up = poisoned<bf16>(R * 2 * F), want_act = poisoned<bf16>(R * F);
+  bf16* outs[1] = {want_gate_up.data()};
+  const bf16* ws[1] = {w_d.data()};
+  gemm.forward(1, outs, 2 * F, x_d.data(), K, ws, P_d.data(), R, 2 * F, K, nullptr);
+  cuda::swiglu_forward(want_act.data(), want_gate_up.data(), s.P[E], F, nullptr);
+  auto gate_up = poisoned<bf16>(R * 2 * F), act = poisoned<bf16>(R * F);
+  gemm.forward_swiglu(gate_up.data(), act.data(), x_d.data(), K, w_d.data(), P_d.data(), R, F, K, nullptr);
+  const std::vector<bf16> got_gate_up = to_host(gate_up), got_act = to_host(act);
+  test::expect_same(got_gate_up, to_host(want_gate_up), static_cast<size_t>(s.P[E] * 2 * F), "fused gate|up");
+  test::expect_same(got_act, to_host(want_act), static_cast<size_t>(s.P[E] * F), "fused act");
+  expect_rows_untouched(got_gate_up, s.P[E], R, 2 * F);
+  expect_rows_untouched(got_act, s.P[E], R, F);
+  // A rerun: the same bits.
+  auto again = poisoned<bf16>(R * F);
+  gemm.forward_swiglu(gate_up.data(), again.data(), x_d.data(), K, w_d.data(), P_d.data(), R, F, K, nullptr);
+  test::expect_same(to_host(again), got_act, static_cast<size_t>(s.P[E] * F), "fused act rerun");
+  // No experts: nothing written.
+  gemm.set_experts(0);
+  auto none = poisoned<bf16>(R * F);
+  gemm.forward_swiglu(gate_up.data(), none.data(), x_d.data(), K, w_d.data(), P_d.data(), R, F, K, nullptr);
+  expect_rows_untouched(to_host(none), 0, R, F);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GpuPaddedExpertGemmBf16,
     ::testing::Values(PaddedCase{{0, 37, 0, 300, 1, 129, 0}, 12, 512, 384},  // empty first, middle and last
@@ -202,6 +237,9 @@ TEST(GpuPaddedExpertGemmBf16Shapes, RefusesWhatItCannotRun) {
   test::expect_one_line_error<Error>(
       [&] { gemm.backward_data(nullptr, 64, nullptr, 64, nullptr, nullptr, 128, 64, 64, 0.5f, nullptr); },
       {"beta 0.5"});
+  test::expect_one_line_error<Error>(
+      [&] { gemm.forward_swiglu(nullptr, nullptr, nullptr, 64, nullptr, nullptr, 128, 192, 64, nullptr); },
+      {"F = 192", "multiple of 128"});
   test::expect_one_line_error<Error>([&] { cuda::PaddedExpertGemmBf16 too_many(257); }, {"257 experts", "1 to 256"});
 }
 

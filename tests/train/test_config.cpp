@@ -572,6 +572,7 @@ TEST(Config, EveryFieldRoundTrips) {
       [](RunConfig& c) { c.model.moe.route_cache_keys = 1000; },
       [](RunConfig& c) { c.training.bf16_gemm_backend = GemmBackend::Cutlass; },
       [](RunConfig& c) { c.training.interleave_gate_up = false; },
+      [](RunConfig& c) { c.training.swiglu_in_gemm = false; },
       [](RunConfig& c) {
         c.training.deterministic_attention = DeterministicAttention::Workspace;  // chunks do not take ordered
         c.training.attention_query_chunks = 4;

@@ -39,11 +39,11 @@ void check(const char* what, std::initializer_list<int64_t> sizes, std::initiali
     MOE_CHECKF(reinterpret_cast<uintptr_t>(p) % 16 == 0, "%s: operands must be 16-byte aligned (TMA)", what);
 }
 
-void launch(Kernel k, uint32_t cluster, int32_t* layout, int64_t M, int64_t N, int64_t K, const CUtensorMap& a,
-            const CUtensorMap& b, const CUtensorMap& d, Stream stream) {
-  MOE_CHECKF(M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, "DeepGEMM bf16 GEMM: %lld x %lld x %lld is too large",
-             static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K));
-  constexpr size_t shared = shared_bytes();
+template <class K, class... Maps>
+void launch(K k, size_t shared, Stream stream, uint32_t cluster, int32_t* layout, int64_t M, int64_t N, int64_t K_,
+            const Maps&... maps) {
+  MOE_CHECKF(M <= INT32_MAX && N <= INT32_MAX && K_ <= INT32_MAX, "DeepGEMM bf16 GEMM: %lld x %lld x %lld is too large",
+             static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K_));
   // Per call (a cheap driver call): the attribute is the current device's (thread ranks drive several).
   MOE_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   cudaLaunchAttribute attribute{};
@@ -58,7 +58,7 @@ void launch(Kernel k, uint32_t cluster, int32_t* layout, int64_t M, int64_t N, i
   config.attrs = &attribute;
   config.numAttrs = 1;
   MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, k, layout, static_cast<uint32_t>(M), static_cast<uint32_t>(N),
-                                    static_cast<uint32_t>(K), a, b, d));
+                                    static_cast<uint32_t>(K_), maps...));
 }
 
 // 2-CTA clusters share B's tile between consecutive row tiles; both must have a tile with
@@ -111,8 +111,28 @@ void PaddedExpertGemmBf16::forward(int sets, bf16* const* out, int64_t ld_out, c
     // B: the experts' [N, K] weights one after another, K-major.
     const CUtensorMap map_w = deepgemm::map_2d(kBf16, w[s], static_cast<uint64_t>(K), static_cast<uint64_t>(E * N),
                                                static_cast<uint64_t>(K) * 2, kBlockK, kBlockN, kSwizzle, what);
-    launch(k, pairs(N) ? 2 : 1, ends, R, N, K, map_x, map_w, rows_map(out[s], R, N, ld_out, kBlockM, what), stream);
+    launch(k, shared_bytes(), stream, pairs(N) ? 2 : 1, ends, R, N, K, map_x, map_w, rows_map(out[s], R, N, ld_out, kBlockM, what));
   }
+}
+
+void PaddedExpertGemmBf16::forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, int64_t ld_x, const bf16* w,
+                                          const int32_t* offsets_E1, int64_t R, int64_t F, int64_t K, Stream stream) {
+  constexpr const char* what = "PaddedExpertGemmBf16::forward_swiglu";
+  MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
+  MOE_CHECKF(F > 0 && F % kSwigluColumns == 0, "%s: F = %lld is not a positive multiple of %lld", what,
+             static_cast<long long>(F), static_cast<long long>(kSwigluColumns));
+  check(what, {F, K, ld_x}, {gate_up, act, x, w});
+  const int64_t E = state_->n_experts;
+  if (E == 0) return;
+  int32_t* ends = state_->forward_ends.data();
+  deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
+  // B: the experts' [2F, K] weights one after another, K-major, in boxes of gate's (and
+  // up's) 128 rows.
+  const CUtensorMap map_w = deepgemm::map_2d(kBf16, w, static_cast<uint64_t>(K), static_cast<uint64_t>(E * 2 * F),
+                                             static_cast<uint64_t>(K) * 2, kBlockK, kBlockN / 2, kSwizzle, what);
+  const bool pair = pairs(2 * F);
+  launch(gate_up_swiglu_kernel_for(E, pair), swiglu_shared_bytes(), stream, pair ? 2 : 1, ends, R, 2 * F, K, rows_map(x, R, K, ld_x, kBlockM, what),
+         map_w, rows_map(gate_up, R, 2 * F, 2 * F, kBlockM, what), rows_map(act, R, F, F, kBlockM, what));
 }
 
 void PaddedExpertGemmBf16::backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
@@ -129,8 +149,8 @@ void PaddedExpertGemmBf16::backward_data(bf16* out, int64_t ld_out, const bf16* 
   // B: the experts' [K, N] weights one after another, MN-major (N contiguous).
   const CUtensorMap map_w = deepgemm::map_2d(kBf16, w, static_cast<uint64_t>(N), static_cast<uint64_t>(E * K),
                                              static_cast<uint64_t>(N) * 2, 64, kBlockK, kSwizzle, what);
-  launch(data_kernel(E, pairs(N), beta != 0.0f), pairs(N) ? 2 : 1, ends, R, N, K, rows_map(dy, R, K, ld_dy, kBlockM, what),
-         map_w, rows_map(out, R, N, ld_out, kBlockM, what), stream);
+  launch(data_kernel(E, pairs(N), beta != 0.0f), shared_bytes(), stream, pairs(N) ? 2 : 1, ends, R, N, K,
+         rows_map(dy, R, K, ld_dy, kBlockM, what), map_w, rows_map(out, R, N, ld_out, kBlockM, what));
 }
 
 void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a,
@@ -150,7 +170,7 @@ void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16
   for (int s = 0; s < sets; ++s) {
     const CUtensorMap map_d = rows_map(dw[s], E * M, N, N, kBlockM, what);
     // shape_k: the rows in all; each group's own K comes from its size.
-    launch(weight_kernel(E), 1, sizes, M, N, R, rows_map(a[s], R, M, ld_a, kBlockK, what), map_b, map_d, stream);
+    launch(weight_kernel(E), shared_bytes(), stream, 1, sizes, M, N, R, rows_map(a[s], R, M, ld_a, kBlockK, what), map_b, map_d);
     deepgemm::zero_empty_experts(dw[s], M * N, offsets_E1, E, stream);
   }
 }

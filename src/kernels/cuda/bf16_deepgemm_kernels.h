@@ -1,6 +1,7 @@
 // The instantiations of DeepGEMM's Hopper bf16 GEMM (sm90_bf16_gemm_impl) behind
 // PaddedExpertGemmBf16 (bf16_deepgemm.cu), one file per role so that they compile in
-// parallel: bf16_deepgemm_forward.cu, _data.cu, _weight.cu. Kept free of DeepGEMM's headers.
+// parallel: bf16_deepgemm_forward.cu, _data.cu, _weight.cu; and our own gate|up kernel with
+// SwiGLU in its epilogue (bf16_deepgemm_swiglu.cu). Kept free of DeepGEMM's headers.
 #pragma once
 #include <cuda.h>
 
@@ -26,6 +27,13 @@ constexpr size_t shared_bytes() {
 // experts (each CTA walks every compiled group, empty ones too).
 constexpr uint32_t compiled_groups(int64_t experts) { return experts <= 8 ? 8 : experts <= 64 ? 64 : 256; }
 
+// Our gate|up + SwiGLU kernel's: the same and one staged 64-column atom of act, and two more
+// barriers (the staged tile's hand-over between the math warps and the SwiGLU warps).
+constexpr size_t swiglu_shared_bytes() {
+  return (size_t{kBlockM} * kBlockN * 2 + 1023) / 1024 * 1024 + size_t{kStages} * (kBlockM + kBlockN) * kBlockK * 2 +
+         size_t{kBlockM} * 128 + (2 * kStages + 2) * 8;
+}
+
 // The m-grouped "psum" layout: D [R, N] = A [R, K] (K-major) @ B_g, B [E][N][K] (K-major,
 // the forward's weights as stored); `pairs`: 2-CTA clusters sharing B's tile (an even count
 // of N tiles).
@@ -36,5 +44,10 @@ Kernel data_kernel(int64_t experts, bool pairs, bool accumulate);
 // The k-grouped layout: D_g [M, N] = A_g^T B_g with A [R, M] and B [R, N] both MN-major
 // (the expert rows themselves), group g's K its padded rows; bf16 D stored.
 Kernel weight_kernel(int64_t experts);
+
+// Our gate|up + SwiGLU kernel (bf16_deepgemm_swiglu.cu): (group ends, R, 2F, K, x, the
+// interleaved [w1_e; w3_e] weights in boxes of 128 rows, gate|up [R, 2F], act [R, F]).
+using SwigluKernel = void (*)(int*, uint32_t, uint32_t, uint32_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap);
+SwigluKernel gate_up_swiglu_kernel_for(int64_t experts, bool pairs);
 
 }  // namespace moe::cuda::bf16_deepgemm

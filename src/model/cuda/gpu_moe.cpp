@@ -188,8 +188,12 @@ bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, 
   MoEBuffers& m = layer.act->moe;
   // The experts: grouped GEMMs over the device-side row offsets (no host sync).
   mark(kExperts);
-  if (gate_up) experts_gate_up_gemm(layer, x_quantised);
   const int64_t E = local_experts(layer), R = expert_rows(m);
+  if (gate_up && swiglu_in_gemm && !fp8) {
+    experts_gate_up_swiglu(layer);
+    return false;
+  }
+  if (gate_up) experts_gate_up_gemm(layer, x_quantised);
   // fp8 weight gradients: the backward's SwiGLU makes act's operand from gate|up itself.
   if (fp8_weight_gradients && !for_down && E > 0) return false;
   if (!fp8 || !for_down || E == 0) {

@@ -100,6 +100,17 @@ void GpuTransformer::State::refresh_fp8_expert_weights() {
     if (layer.is_moe) fp8_expert_weights(layer);
 }
 
+void GpuTransformer::State::experts_gate_up_swiglu(Layer& layer) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  MoEBuffers& m = layer.act->moe;
+  const int64_t R = expert_rows(m);
+  if (local_experts(layer) == 0) return;
+  MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
+  padded_expert_gemm_bf16->forward_swiglu(m.gate_up_rows->data(), m.act_rows->data(), m.x_rows->data(), D,
+                                          local_w(layer, expert_tensor(layer, Fp8ExpertWeights::kGateUp, true)),
+                                          expert_offsets(m), R, F, D, stream);
+}
+
 void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, int sets, bf16* const* out,
                                            int64_t ld_out, const bf16* x, int64_t ld_x, const int* tensors, int64_t N,
                                            int64_t K, bool x_quantised) {

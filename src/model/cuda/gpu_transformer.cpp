@@ -61,6 +61,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.fp8_deepgemm = padded && training.precision == TrainingPrecision::Fp8;
   options.bf16_deepgemm = padded && training.precision == TrainingPrecision::Bf16;
   options.interleave_gate_up = interleaves_gate_up(training);
+  options.swiglu_in_gemm = options.interleave_gate_up && training.swiglu_in_gemm;
   return options;
 }
 
@@ -168,6 +169,8 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident,
                                                 options.bf16_expert_grads);
   if (options.interleave_gate_up && bf16_deepgemm) s.interleave_gate_up();
+  s.swiglu_in_gemm = options.swiglu_in_gemm && s.gate_up_interleaved &&
+                     config.moe.expert_hidden % cuda::PaddedExpertGemmBf16::kSwigluColumns == 0;
   s.attention.set_dq(options.attention_dq);
   s.attention.set_query_chunks(options.attention_query_chunks);
   if (s.ep) s.ep->set_stream(s.stream);
@@ -654,6 +657,7 @@ void GpuTransformer::reserve_sms(int sms) {
 
 
 GpuParameterStore& GpuTransformer::parameters() { return *state_->store; }
+bool GpuTransformer::swiglu_in_gemm() const { return state_->swiglu_in_gemm; }
 
 void* GpuTransformer::stream() const { return state_->stream; }
 

@@ -158,6 +158,10 @@ struct GpuModelOptions {
   // dx instead of two). Off where the store cannot (ZeRO's hi gathers; the trainer turns it
   // off there) or an expert's F x D is not a multiple of adamw_math::kNormChunk.
   bool interleave_gate_up = false;
+  // With gate|up interleaved and moe.expert_hidden a multiple of 128 (training.swiglu_in_gemm):
+  // the forward's act from the gate|up GEMM's epilogue (PaddedExpertGemmBf16::forward_swiglu,
+  // our own kernel; the same bits), no separate SwiGLU pass reading gate|up back.
+  bool swiglu_in_gemm = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.
   static GpuModelOptions from_config(const TrainingConfig& training, MomentDtype moments);
@@ -225,6 +229,8 @@ class GpuTransformer {
   // cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();
   void* stream() const;
+  // GpuModelOptions::swiglu_in_gemm in effect: the forward's SwiGLU in the gate|up GEMM.
+  bool swiglu_in_gemm() const;
   // Device -> host copies for tests, checkpoints and exports, in expert order. Under expert
   // parallelism a rank keeps memory for its own experts only (its window; the others'
   // offsets stay in the block but hold nothing): download_grads copies what this rank

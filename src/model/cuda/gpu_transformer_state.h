@@ -65,6 +65,8 @@ struct GpuTransformer::State {
   // GpuModelOptions::interleave_gate_up in effect: w1_e, w3_e adjacent in the bf16 weights,
   // read as one [2F, D] operand an expert (Fp8ExpertWeights::kGateUp through local_w of w1).
   bool gate_up_interleaved = false;
+  // GpuModelOptions::swiglu_in_gemm in effect (gate|up interleaved, F in 128-column tiles).
+  bool swiglu_in_gemm = false;
   // Interleaves every MoE layer's w1 | w3 in the store and sets gate_up_interleaved, where
   // each layer's w3 follows its w1 and an expert's F x D is a multiple of kNormChunk (the
   // AdamW chunks then lie in one expert's slice); else leaves the layout as it is.
@@ -286,6 +288,8 @@ struct GpuTransformer::State {
   // this returns true (the GEMM's x_quantised).
   bool dispatch_rows(Layer& layer, const int32_t* slot_TK, bool codes);
   void experts_gate_up_gemm(Layer& layer, bool x_quantised = false);
+  // swiglu_in_gemm: gate|up and act from one GEMM (PaddedExpertGemmBf16::forward_swiglu).
+  void experts_gate_up_swiglu(Layer& layer);
   // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and
   // SwiGLU; for_down (fp8): SwiGLU also quantises act for the down projection into
   // fp8_rows, and returns true when it did. x_quantised: as dispatch_rows returned.

@@ -275,6 +275,26 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain
     return;
   }
   print_warm(cases, header, median_ms(dense), mnk, dense_name, out);
+  // The gate|up forward over interleaved [w1_e; w3_e] weights (training.interleave_gate_up)
+  // then the SwiGLU pass, against our kernel with SwiGLU in the epilogue
+  // (training.swiglu_in_gemm).
+  if (deepgemm && F % cuda::PaddedExpertGemmBf16::kSwigluColumns == 0) {
+    auto w13_joined = filled<bf16>(E * 2 * F * D, 0.02f, 14);
+    const int32_t* P = padded_d.data();
+    bf16* joined_out[1] = {gate_up.data()};
+    const bf16* joined_w[1] = {w13_joined.data()};
+    const double gemm = median_ms([&] {
+      deepgemm->forward(1, joined_out, 2 * F, x.data(), D, joined_w, P, R, 2 * F, D, stream);
+    });
+    const double pass = median_ms([&] { cuda::swiglu_forward(act.data(), gate_up.data(), R, F, stream); });
+    const double fused = median_ms([&] {
+      deepgemm->forward_swiglu(gate_up.data(), act.data(), x.data(), D, w13_joined.data(), P, R, F, D, stream);
+    });
+    fmt::print(out,
+               "  gate|up forward + SwiGLU: DeepGEMM's one GEMM {:.3f} ms ({:.0f} TFLOP/s) + the SwiGLU pass {:.3f} ms "
+               "= {:.3f} ms; SwiGLU in our GEMM's epilogue {:.3f} ms ({:.0f} TFLOP/s)\n",
+               gemm, 2 * mnk / gemm / 1e9, pass, gemm + pass, fused, 2 * mnk / fused / 1e9);
+  }
   // The gate|up weight gradient in each output type, beta 1 and beta 0 (a step's first
   // micro-batch: no read of the old gradient), grouped only.
   fmt::print(out, "  wgrad gate|up variants (grouped):");

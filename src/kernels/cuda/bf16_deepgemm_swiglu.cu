@@ -1,0 +1,284 @@
+// Our own Hopper kernel for the experts' gate|up projection with SwiGLU fused in
+// (PaddedExpertGemmBf16::forward_swiglu): gate|up [R, 2F] = x [R, K] @ [w1_e; w3_e]^T as the
+// forward kernel writes it, and act [R, F] = silu(gate) * up from the staged tile, so that
+// no separate pass reads gate|up back from memory. Built from DeepGEMM's device pieces (its
+// scheduler, TMA copies, WGMMA wrappers) in bf16_deepgemm_kernels.h's tiles; what differs
+// from DeepGEMM's own bf16 kernel:
+// - a CTA's 256 columns are 128 of gate and the same 128 of up: B's tile is two TMA boxes,
+//   rows e * 2F + 128 n and e * 2F + F + 128 n of the interleaved weights;
+// - the math warp groups' epilogue stores gate|up's four 64-column atoms at columns 128 n
+//   (+ 64) and F + 128 n (+ 64) as DeepGEMM's stores its tile, and signals the tile staged;
+// - three warps of the TMA warp group (idle in DeepGEMM's: one thread issues the loads)
+//   compute act from the staged tile while the math warps run the next tile's mainloop,
+//   stage it an atom at a time (16 KB: shared memory holds no more beside 3 stages) and
+//   store it, then free the staged tile for the next epilogue. SwiGLU's exponentials and
+//   reciprocals then overlap the tensor cores instead of following them.
+// act's bits are swiglu_forward's: gate and up as stored (bf16), swiglu_math.cuh's
+// expression, rounded to bf16. docs/KERNEL_ROADMAP.md, "SwiGLU in the gate|up GEMM's epilogue".
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <deep_gemm/comm/barrier.cuh>
+#include <deep_gemm/common/tma_copy.cuh>
+#include <deep_gemm/common/types.cuh>
+#include <deep_gemm/mma/sm90.cuh>
+#include <deep_gemm/ptx/ld_st.cuh>
+#include <deep_gemm/ptx/utils.cuh>
+#include <deep_gemm/ptx/wgmma.cuh>
+#include <deep_gemm/scheduler/gemm.cuh>
+
+#include "kernels/cuda/bf16_deepgemm_kernels.h"
+#include "kernels/cuda/swiglu_math.cuh"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda::bf16_deepgemm {
+
+namespace {
+
+using Bf16 = cutlass::bfloat16_t;
+constexpr auto kKMajor = cute::UMMA::Major::K;
+constexpr uint32_t kSwizzle = 128;                        // bytes: every tile's rows are 64 bf16
+constexpr uint32_t kAtomCols = kSwizzle / sizeof(Bf16);   // 64 columns a swizzle atom
+constexpr uint32_t kHalfN = kBlockN / 2;                  // 128 gate (and up) columns a CTA
+constexpr uint32_t kTileA = kBlockM * kBlockK * sizeof(Bf16), kTileB = kBlockN * kBlockK * sizeof(Bf16);
+constexpr uint32_t kTileD = kBlockM * kBlockN * sizeof(Bf16);
+static_assert(kTileD % 1024 == 0 && kTileA % 1024 == 0 && kTileB % 1024 == 0, "the 128-byte swizzle's alignment");
+static_assert(kBlockM == 128 && kMathThreads == 256 && kBlockK == kAtomCols, "two warp groups of 64 rows, K in atoms");
+constexpr uint32_t kActAtomBytes = kBlockM * kSwizzle;  // 16 KB: [128 rows][64 columns] of bf16
+constexpr uint32_t kSwigluWarps = 3;                    // the TMA warp group's warps 0, 1 and 3
+static_assert(swiglu_shared_bytes() == size_t{kTileD} + kStages * (kTileA + kTileB) + kActAtomBytes +
+                                           (2 * kStages + 2) * 8,
+              "bf16_deepgemm_kernels.h's count of this kernel's shared memory");
+
+// Where a warp's STSM of accumulator group i (8 columns of 16 rows: the warp's rows, lane l
+// addressing row l) goes in a tile staged as atoms of [kBlockM][64] bf16, 128-byte swizzled.
+__device__ __forceinline__ uint8_t* staged_at(uint8_t* tile, uint32_t warp, uint32_t lane, uint32_t i) {
+  const uint32_t atom = i / 8, chunk = (i % 8) ^ (lane % 8);
+  return tile + atom * kBlockM * kSwizzle + warp * 16 * kSwizzle + lane * kSwizzle + chunk * 16;
+}
+
+// Two floats rounded to bf16, a in the low half (one conversion for both), and back.
+__device__ __forceinline__ uint32_t bf16_pair(float a, float b) {
+  const __nv_bfloat162 pair = __float22bfloat162_rn({a, b});
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+__device__ __forceinline__ float bf16_half(uint32_t pair, uint32_t high) {
+  return __uint_as_float(high ? pair & 0xffff0000u : pair << 16);
+}
+// One warp's two 8 x 8 bf16 matrices (rows 0-7 and 8-15 of its 16) into shared memory.
+__device__ __forceinline__ void stsm_x2(const uint8_t* at, uint32_t rows_0_7, uint32_t rows_8_15) {
+  asm volatile("stmatrix.sync.aligned.x2.m8n8.shared.b16 [%0], {%1, %2};\n" ::"l"(__cvta_generic_to_shared(at)),
+               "r"(rows_0_7), "r"(rows_8_15));
+}
+
+template <uint32_t kGroups, uint32_t kMulticast>
+__global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
+    gate_up_swiglu_kernel(int* group_ends, uint32_t rows, uint32_t n2, uint32_t k,
+                          const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_w,
+                          const __grid_constant__ CUtensorMap map_gate_up, const __grid_constant__ CUtensorMap map_act) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using WGMMA = typename deep_gemm::mma::sm90::BF16MMASelector<kBlockN, kKMajor, kKMajor>::type;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  static_assert(WGMMA::M == 64 && WGMMA::kNumAccum == 128, "a warp group's 64 x 256 accumulators");
+  constexpr uint32_t kGroupsOf8 = WGMMA::kNumAccum / 4;  // 32: 8 columns each
+  const uint32_t warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const uint32_t lane = deep_gemm::ptx::get_lane_idx();
+  const uint32_t f = n2 / 2;
+
+  extern __shared__ __align__(1024) uint8_t shared[];
+  uint8_t* tile_d = shared;  // gate|up's staged tile
+  const auto tile_a = [&](uint32_t s) { return reinterpret_cast<Bf16*>(shared + kTileD + s * kTileA); };
+  const auto tile_b = [&](uint32_t s) { return reinterpret_cast<Bf16*>(shared + kTileD + kStages * kTileA + s * kTileB); };
+  uint8_t* act_atom = shared + kTileD + kStages * (kTileA + kTileB);  // one staged atom of act
+  auto* barriers = reinterpret_cast<Barrier*>(act_atom + kActAtomBytes);
+  Barrier* full = barriers;
+  Barrier* empty = barriers + kStages;
+  Barrier* tile_staged = barriers + 2 * kStages;     // the math warps' 8 arrivals a tile
+  Barrier* tile_free = barriers + 2 * kStages + 1;   // the SwiGLU warps' 3 arrivals a tile
+
+  if (warp == kMathThreads / 32 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(&map_x);
+    cute::prefetch_tma_descriptor(&map_w);
+    cute::prefetch_tma_descriptor(&map_gate_up);
+    cute::prefetch_tma_descriptor(&map_act);
+  }
+  if (warp == kMathThreads / 32 + 1 && cute::elect_one_sync()) {
+    for (uint32_t s = 0; s < kStages; ++s) {
+      full[s].init(1);
+      empty[s].init(kMulticast * kMathThreads / 32);
+    }
+    tile_staged->init(kMathThreads / 32);
+    tile_free->init(kSwigluWarps);
+    cutlass::arch::fence_barrier_init();
+  }
+  if constexpr (kMulticast > 1)
+    deep_gemm::comm::cluster_sync_with_relaxed_arrive();
+  else
+    __syncthreads();
+
+  auto scheduler = deep_gemm::sched::Scheduler<deep_gemm::GemmType::MGroupedContiguousWithPsumLayout, kBlockM, kBlockN,
+                                               kGroups, kMulticast, false, static_cast<uint32_t>(kDeepGemmSms)>(
+      rows, n2, k, group_ends);
+  const uint32_t k_blocks = (k + kBlockK - 1) / kBlockK;
+  uint32_t stage = 0, phase = 0, tile_phase = 0;
+  const auto advance = [&] {
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+    phase ^= stage == 0;
+  };
+  uint32_t m_block = 0, n_block = 0;
+
+  if (warp == kMathThreads / 32 + 2) {
+    // One thread loads: x's rows, gate's 128 weight rows and up's same 128.
+    if (cute::elect_one_sync()) {
+      while (scheduler.get_next_block(m_block, n_block)) {
+        const uint32_t multicast_b = scheduler.is_tma_multicast_valid(m_block) ? kMulticast : 1;
+        const uint32_t row_x = m_block * kBlockM;
+        const uint32_t row_gate = scheduler.current_group_idx * n2 + n_block * kHalfN, row_up = row_gate + f;
+        for (uint32_t kb = 0; kb < k_blocks; ++kb, advance()) {
+          empty[stage].wait(phase ^ 1);
+          deep_gemm::tma::copy<kBlockK, kBlockM, kSwizzle, Bf16>(&map_x, &full[stage], tile_a(stage), kb * kBlockK,
+                                                                 row_x, 1);
+          deep_gemm::tma::copy<kBlockK, kHalfN, kSwizzle, Bf16>(&map_w, &full[stage], tile_b(stage), kb * kBlockK,
+                                                                row_gate, multicast_b);
+          deep_gemm::tma::copy<kBlockK, kHalfN, kSwizzle, Bf16>(&map_w, &full[stage], tile_b(stage) + kHalfN * kBlockK,
+                                                                kb * kBlockK, row_up, multicast_b);
+          full[stage].arrive_and_expect_tx(kTileA + kTileB);
+        }
+      }
+      // The peer CTA's last arrivals on our empty barriers before the cluster exits.
+      if constexpr (kMulticast > 1)
+        for (uint32_t s = 0; s < kStages; ++s, advance()) empty[stage].wait(phase ^ 1);
+    }
+    return;
+  }
+
+  if (warp >= kMathThreads / 32) {
+    // The SwiGLU warps: act atom a (columns 64 a of the tile's 128) from gate's atom a and
+    // up's atom a + 2 of the staged tile, 16 bytes (8 values) a thread at a time.
+    const uint32_t t = (warp == kMathThreads / 32 + 3 ? 2 : warp - kMathThreads / 32) * 32 + lane;
+    const bool issuer = t == 0;
+    if (lane == 0) tile_free->arrive();  // the staged tile starts free
+    while (scheduler.get_next_block(m_block, n_block)) {
+      tile_staged->wait(tile_phase);
+      tile_phase ^= 1;
+#pragma unroll 1
+      for (uint32_t a = 0; a < kHalfN / kAtomCols; ++a) {
+        if (issuer) cute::tma_store_wait<0>();  // the last atom's store has read act_atom
+        cutlass::arch::NamedBarrier::sync(kSwigluWarps * 32, 1);
+#pragma unroll 2
+        for (uint32_t c = t; c < kBlockM * 8; c += kSwigluWarps * 32) {
+          const uint32_t at = (c / 8) * kSwizzle + (((c % 8) ^ (c / 8 % 8)) * 16);  // row c / 8, chunk c % 8
+          const uint4 gate = *reinterpret_cast<const uint4*>(tile_d + a * kActAtomBytes + at);
+          const uint4 up = *reinterpret_cast<const uint4*>(tile_d + (a + 2) * kActAtomBytes + at);
+          const uint32_t gw[4] = {gate.x, gate.y, gate.z, gate.w}, uw[4] = {up.x, up.y, up.z, up.w};
+          float g[8], u[8], v[8];
+#pragma unroll
+          for (uint32_t j = 0; j < 8; ++j) {
+            g[j] = bf16_half(gw[j / 2], j % 2);
+            u[j] = bf16_half(uw[j / 2], j % 2);
+          }
+          swiglu_value_n(g, u, v);
+          *reinterpret_cast<uint4*>(act_atom + at) =
+              make_uint4(bf16_pair(v[0], v[1]), bf16_pair(v[2], v[3]), bf16_pair(v[4], v[5]), bf16_pair(v[6], v[7]));
+        }
+        if (a + 1 == kHalfN / kAtomCols) {  // the staged tile read out: the next epilogue may write it
+          __syncwarp();
+          if (lane == 0) tile_free->arrive();
+        }
+        cute::tma_store_fence();
+        cutlass::arch::NamedBarrier::sync(kSwigluWarps * 32, 1);
+        if (issuer) {
+          cute::SM90_TMA_STORE_2D::copy(&map_act, act_atom, n_block * kHalfN + a * kAtomCols, m_block * kBlockM);
+          cute::tma_store_arrive();
+        }
+      }
+    }
+    if (issuer) cute::tma_store_wait<0>();
+    return;
+  }
+
+  const uint32_t math_group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  auto a_desc = deep_gemm::mma::sm90::make_gmma_desc<kKMajor, kBlockM, kBlockK, kSwizzle>(tile_a(0), math_group * WGMMA::M, 0);
+  auto b_desc = deep_gemm::mma::sm90::make_gmma_desc<kKMajor, kBlockN, kBlockK, kSwizzle>(tile_b(0), 0, 0);
+  const uint32_t a_lo = __shfl_sync(0xffffffffu, a_desc.reg32_[0], 0);
+  const uint32_t b_lo = __shfl_sync(0xffffffffu, b_desc.reg32_[0], 0);
+
+  while (scheduler.get_next_block(m_block, n_block)) {
+    float acc[WGMMA::kNumAccum] = {0};
+    for (uint32_t kb = 0; kb < k_blocks; ++kb, advance()) {
+      const uint32_t a_base = a_lo + stage * (kTileA / 16), b_base = b_lo + stage * (kTileB / 16);
+      full[stage].wait(phase);
+#pragma unroll
+      for (uint32_t i = 0; i < WGMMA::kNumAccum; ++i) deep_gemm::ptx::warpgroup_fence_operand(acc[i]);
+      deep_gemm::ptx::warpgroup_arrive();
+#pragma unroll
+      for (uint32_t kk = 0; kk < kBlockK / WGMMA::K; ++kk) {
+        a_desc.reg32_[0] = deep_gemm::mma::sm90::advance_gmma_desc_lo<kKMajor, kBlockM, kBlockK, kSwizzle, nv_bfloat16>(
+            a_base, 0, kk * WGMMA::K);
+        b_desc.reg32_[0] = deep_gemm::mma::sm90::advance_gmma_desc_lo<kKMajor, kBlockN, kBlockK, kSwizzle, nv_bfloat16>(
+            b_base, 0, kk * WGMMA::K);
+        WGMMA::wgmma(a_desc, b_desc, acc, true);
+      }
+      deep_gemm::ptx::warpgroup_commit_batch();
+#pragma unroll
+      for (uint32_t i = 0; i < WGMMA::kNumAccum; ++i) deep_gemm::ptx::warpgroup_fence_operand(acc[i]);
+      deep_gemm::ptx::warpgroup_wait<0>();
+      if constexpr (kMulticast == 1) {
+        if (lane == 0) empty[stage].arrive();
+      } else {
+        const uint32_t target = scheduler.is_peer_cta_alive ? lane : cute::block_rank_in_cluster();
+        if (lane < kMulticast) empty[stage].arrive(target);
+      }
+    }
+
+    // The staged tile is free: the TMA has read the last tile's gate|up out of it and the
+    // SwiGLU warps their act.
+    if (threadIdx.x < kBlockN / kAtomCols) cute::tma_store_wait<0>();
+    tile_free->wait(tile_phase);
+    tile_phase ^= 1;
+    cutlass::arch::NamedBarrier::sync(kMathThreads, 0);
+#pragma unroll
+    for (uint32_t i = 0; i < kGroupsOf8; ++i)
+      stsm_x2(staged_at(tile_d, warp, lane, i), bf16_pair(acc[i * 4 + 0], acc[i * 4 + 1]),
+              bf16_pair(acc[i * 4 + 2], acc[i * 4 + 3]));
+    cute::tma_store_fence();
+    cutlass::arch::NamedBarrier::sync(kMathThreads, 0);
+    if (threadIdx.x < kBlockN / kAtomCols) {  // atoms 0, 1: gate's; 2, 3: up's
+      const uint32_t atom = threadIdx.x, col = (atom < 2 ? 0 : f) + n_block * kHalfN + (atom % 2) * kAtomCols;
+      cute::SM90_TMA_STORE_2D::copy(&map_gate_up, tile_d + atom * kBlockM * kSwizzle, col, m_block * kBlockM);
+      cute::tma_store_arrive();
+    }
+    if (lane == 0) tile_staged->arrive();
+    __syncwarp();
+  }
+  if (threadIdx.x < kBlockN / kAtomCols) cute::tma_store_wait<0>();
+#endif
+}
+
+template <uint32_t kMulticast>
+struct Pick {
+  template <uint32_t G>
+  struct By {
+    static constexpr SwigluKernel value = &gate_up_swiglu_kernel<G, kMulticast>;
+  };
+};
+
+template <template <uint32_t> class P>
+SwigluKernel by_groups(int64_t experts) {
+  switch (compiled_groups(experts)) {
+    case 8: return P<8>::value;
+    case 64: return P<64>::value;
+    default: return P<256>::value;
+  }
+}
+
+}  // namespace
+
+SwigluKernel gate_up_swiglu_kernel_for(int64_t experts, bool pairs) {
+  return pairs ? by_groups<Pick<2>::By>(experts) : by_groups<Pick<1>::By>(experts);
+}
+
+}  // namespace moe::cuda::bf16_deepgemm
