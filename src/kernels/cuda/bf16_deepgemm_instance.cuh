@@ -3,6 +3,8 @@
 #pragma once
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
 
+#include <type_traits>
+
 #include "kernels/cuda/bf16_deepgemm_kernels.h"
 #include "kernels/gpu_ops.h"
 
@@ -15,9 +17,10 @@ constexpr Kernel kernel =
                                     kStages, kTmaThreads, kMathThreads, kMulticast, false,
                                     static_cast<uint32_t>(kDeepGemmSms), kType, kAccumulate, cutlass::bfloat16_t>;
 
-// kernel<G, ...> for the compiled group count that holds `experts`.
+// Pick<G>::value (a kernel<G, ...>, or our own kernels') for the compiled group count that
+// holds `experts`.
 template <template <uint32_t> class Pick>
-Kernel by_groups(int64_t experts) {
+std::remove_cv_t<decltype(Pick<8>::value)> by_groups(int64_t experts) {
   switch (compiled_groups(experts)) {
     case 8: return Pick<8>::value;
     case 64: return Pick<64>::value;

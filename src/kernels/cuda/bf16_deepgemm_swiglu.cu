@@ -16,7 +16,6 @@
 // act's bits are swiglu_forward's: gate and up as stored (bf16), swiglu_math.cuh's
 // expression, rounded to bf16. docs/KERNEL_ROADMAP.md, "SwiGLU in the gate|up GEMM's epilogue".
 #include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
 
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -30,7 +29,7 @@
 #include <deep_gemm/ptx/wgmma.cuh>
 #include <deep_gemm/scheduler/gemm.cuh>
 
-#include "kernels/cuda/bf16_deepgemm_kernels.h"
+#include "kernels/cuda/bf16_deepgemm_instance.cuh"
 #include "kernels/cuda/swiglu_math.cuh"
 #include "kernels/gpu_ops.h"
 
@@ -265,15 +264,6 @@ struct Pick {
     static constexpr SwigluKernel value = &gate_up_swiglu_kernel<G, kMulticast>;
   };
 };
-
-template <template <uint32_t> class P>
-SwigluKernel by_groups(int64_t experts) {
-  switch (compiled_groups(experts)) {
-    case 8: return P<8>::value;
-    case 64: return P<64>::value;
-    default: return P<256>::value;
-  }
-}
 
 }  // namespace
 
