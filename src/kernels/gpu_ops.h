@@ -262,6 +262,13 @@ class PaddedExpertGemmBf16 {
   static constexpr int64_t kSwigluColumns = 128;
   void forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, int64_t ld_x, const bf16* w, const int32_t* offsets_E1,
                       int64_t R, int64_t F, int64_t K, Stream stream);
+  // The down projection's data gradient with SwiGLU's backward (our own kernel): d act =
+  // dy [R, K] @ W2_e (w2 [E][K][F] as stored) as backward_data rounds it, kept on chip, and
+  // from it and gate_up [R, 2F] d gate|up [R, 2F] and (act not null) act [R, F] as
+  // swiglu_backward writes them, bit for bit. F: a multiple of kSwigluColumns.
+  void backward_data_swiglu(bf16* dgate_up, bf16* act, const bf16* dy, int64_t ld_dy, const bf16* w2,
+                            const bf16* gate_up, const int32_t* offsets_E1, int64_t R, int64_t F, int64_t K,
+                            Stream stream);
   // As ExpertGemm::backward_data, beta 0 (written) or 1 (added).
   void backward_data(bf16* out, int64_t ld_out, const bf16* dy, int64_t ld_dy, const bf16* w,
                      const int32_t* offsets_E1, int64_t R, int64_t N, int64_t K, float beta, Stream stream);

@@ -2,7 +2,8 @@
 // fp64 references of the same bf16 inputs: ragged experts with empty ones (first, middle,
 // last), rows past the last expert, N with an odd count of 256-wide tiles (the kernel
 // without 2-CTA clusters), two sets, many small groups; our gate|up kernel with SwiGLU in
-// its epilogue against the forward and swiglu_forward bit for bit; the data gradient
+// its epilogue against the forward and swiglu_forward bit for bit, and the down projection's
+// data gradient with SwiGLU's backward against backward_data and swiglu_backward; the data gradient
 // written and added; the weight gradient of every expert (empty ones zeroed). Skipped where the kernel
 // cannot run (deepgemm_available(): an sm_90 GPU with 132 multiprocessors).
 #include <gtest/gtest.h>
@@ -210,6 +211,38 @@ TEST_P(GpuPaddedExpertGemmBf16, ForwardSwigluIsTheForwardThenSwigluBitForBit) {
   expect_rows_untouched(to_host(none), 0, R, F);
 }
 
+// Our down-projection data gradient with SwiGLU's backward fused in: d gate|up and act as
+// backward_data then swiglu_backward write them, bit for bit, with and without act; rows
+// past the experts untouched. The case's N is F here, its K the data gradient's (D).
+TEST_P(GpuPaddedExpertGemmBf16, BackwardDataSwigluIsTheDataGradientThenSwigluBitForBit) {
+  MOE_REQUIRE_DEEPGEMM();
+  const PaddedShape s = shape_of(GetParam());
+  const int64_t E = s.E, F = s.N, K = s.K, R = s.R;
+  if (F % cuda::PaddedExpertGemmBf16::kSwigluColumns != 0) GTEST_SKIP() << "F = " << F << ": not in 128-column tiles";
+  auto dy_d = to_device(padded_rows(s, K, 60)), w2_d = to_device(weights(E, K, F, 61));
+  auto gate_up_d = to_device(padded_rows(s, 2 * F, 62));
+  auto P_d = to_device(s.P);
+  cuda::PaddedExpertGemmBf16 gemm(E);
+  auto dact = poisoned<bf16>(R * F), want_dgate_up = poisoned<bf16>(R * 2 * F), want_act = poisoned<bf16>(R * F);
+  gemm.backward_data(dact.data(), F, dy_d.data(), K, w2_d.data(), P_d.data(), R, F, K, 0.0f, nullptr);
+  cuda::swiglu_backward(want_dgate_up.data(), dact.data(), gate_up_d.data(), s.P[E], F, nullptr, want_act.data());
+  const std::vector<bf16> want_g = to_host(want_dgate_up), want_a = to_host(want_act);
+  for (const bool with_act : {true, false}) {
+    auto dgate_up = poisoned<bf16>(R * 2 * F), act = poisoned<bf16>(R * F);
+    gemm.backward_data_swiglu(dgate_up.data(), with_act ? act.data() : nullptr, dy_d.data(), K, w2_d.data(),
+                              gate_up_d.data(), P_d.data(), R, F, K, nullptr);
+    const std::vector<bf16> got_g = to_host(dgate_up), got_a = to_host(act);
+    test::expect_same(got_g, want_g, static_cast<size_t>(s.P[E] * 2 * F), "fused d gate|up");
+    expect_rows_untouched(got_g, s.P[E], R, 2 * F);
+    if (with_act) {
+      test::expect_same(got_a, want_a, static_cast<size_t>(s.P[E] * F), "fused act");
+      expect_rows_untouched(got_a, s.P[E], R, F);
+    } else {
+      expect_rows_untouched(got_a, 0, R, F);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GpuPaddedExpertGemmBf16,
     ::testing::Values(PaddedCase{{0, 37, 0, 300, 1, 129, 0}, 12, 512, 384},  // empty first, middle and last
@@ -240,6 +273,9 @@ TEST(GpuPaddedExpertGemmBf16Shapes, RefusesWhatItCannotRun) {
   test::expect_one_line_error<Error>(
       [&] { gemm.forward_swiglu(nullptr, nullptr, nullptr, 64, nullptr, nullptr, 128, 192, 64, nullptr); },
       {"F = 192", "multiple of 128"});
+  test::expect_one_line_error<Error>(
+      [&] { gemm.backward_data_swiglu(nullptr, nullptr, nullptr, 64, nullptr, nullptr, nullptr, 128, 320, 64, nullptr); },
+      {"F = 320", "multiple of 128"});
   test::expect_one_line_error<Error>([&] { cuda::PaddedExpertGemmBf16 too_many(257); }, {"257 experts", "1 to 256"});
 }
 

@@ -153,6 +153,27 @@ void PaddedExpertGemmBf16::backward_data(bf16* out, int64_t ld_out, const bf16* 
          rows_map(dy, R, K, ld_dy, kBlockM, what), map_w, rows_map(out, R, N, ld_out, kBlockM, what));
 }
 
+void PaddedExpertGemmBf16::backward_data_swiglu(bf16* dgate_up, bf16* act, const bf16* dy, int64_t ld_dy,
+                                                const bf16* w2, const bf16* gate_up, const int32_t* offsets_E1,
+                                                int64_t R, int64_t F, int64_t K, Stream stream) {
+  constexpr const char* what = "PaddedExpertGemmBf16::backward_data_swiglu";
+  MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
+  MOE_CHECKF(F > 0 && F % kSwigluColumns == 0, "%s: F = %lld is not a positive multiple of %lld", what,
+             static_cast<long long>(F), static_cast<long long>(kSwigluColumns));
+  check(what, {F, K, ld_dy}, {dgate_up, dy, w2, gate_up});
+  MOE_CHECKF(reinterpret_cast<uintptr_t>(act) % 16 == 0, "%s: act must be 16-byte aligned", what);
+  MOE_CHECKF(R <= INT32_MAX / 2, "%s: %lld rows are too many", what, static_cast<long long>(R));
+  const int64_t E = state_->n_experts;
+  if (E == 0) return;
+  int32_t* ends = state_->data_ends.data();
+  deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
+  // B: the experts' [K, F] weights one after another, MN-major (F contiguous), as backward_data's.
+  const CUtensorMap map_w2 = deepgemm::map_2d(kBf16, w2, static_cast<uint64_t>(F), static_cast<uint64_t>(E * K),
+                                              static_cast<uint64_t>(F) * 2, 64, kBlockK, kSwizzle, what);
+  launch(data_swiglu_backward_kernel_for(E, pairs(F)), swiglu_shared_bytes(), stream, pairs(F) ? 2 : 1, ends, R, F, K,
+         rows_map(dy, R, K, ld_dy, kBlockM, what), map_w2, gate_up, dgate_up, act);
+}
+
 void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a,
                                            const bf16* b, int64_t ld_b, const int32_t* offsets_E1, int64_t R,
                                            int64_t M, int64_t N, Stream stream) {

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/bf16.h"
+
 namespace moe::cuda::bf16_deepgemm {
 
 using Kernel = void (*)(int*, uint32_t, uint32_t, uint32_t, CUtensorMap, CUtensorMap, CUtensorMap);
@@ -49,5 +51,10 @@ Kernel weight_kernel(int64_t experts);
 // interleaved [w1_e; w3_e] weights in boxes of 128 rows, gate|up [R, 2F], act [R, F]).
 using SwigluKernel = void (*)(int*, uint32_t, uint32_t, uint32_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap);
 SwigluKernel gate_up_swiglu_kernel_for(int64_t experts, bool pairs);
+// Our down-projection data gradient + SwiGLU backward kernel (bf16_deepgemm_swiglu_backward.cu):
+// (group ends, R, F, K = D, dy, W2 [E][D][F] in boxes of 64 x 64, gate|up, d gate|up, act or null).
+using SwigluBackwardKernel = void (*)(int*, uint32_t, uint32_t, uint32_t, CUtensorMap, CUtensorMap, const bf16*, bf16*,
+                                      bf16*);
+SwigluBackwardKernel data_swiglu_backward_kernel_for(int64_t experts, bool pairs);
 
 }  // namespace moe::cuda::bf16_deepgemm

@@ -1,0 +1,212 @@
+// Our own Hopper kernel for the down projection's data gradient with SwiGLU's backward fused
+// in (PaddedExpertGemmBf16::backward_data_swiglu): d act [R, F] = dy [R, D] @ W2_e (W2 as
+// stored, [E][D][F]: B MN-major, as DeepGEMM's data kernel reads it) stays in shared memory,
+// rounded to bf16 as the data kernel stores it; from it and gate|up [R, 2F] the kernel writes
+// d gate|up [R, 2F] and (optionally) act [R, F] as swiglu_backward writes them, bit for bit.
+// The same split as bf16_deepgemm_swiglu.cu: the math warps stage each d act tile and go on
+// to the next tile's mainloop; three idle warps of the TMA warp group read it, load gate and
+// up from global memory (16 bytes a thread, a row's 512 contiguous bytes a warp), and store
+// d gate, d up and act straight from registers (no staging: nothing else of the tile is
+// stored), then free the staged tile. So d act never goes to memory, and SwiGLU's backward
+// pass (its bytes and its exponentials) runs beside the tensor cores.
+// docs/KERNEL_ROADMAP.md, "Its backward in the down projection's data-gradient epilogue".
+#include <cutlass/arch/barrier.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <deep_gemm/comm/barrier.cuh>
+#include <deep_gemm/common/tma_copy.cuh>
+#include <deep_gemm/common/types.cuh>
+#include <deep_gemm/mma/sm90.cuh>
+#include <deep_gemm/ptx/utils.cuh>
+#include <deep_gemm/ptx/wgmma.cuh>
+#include <deep_gemm/scheduler/gemm.cuh>
+
+#include "kernels/cuda/bf16_deepgemm_fused.cuh"
+#include "kernels/cuda/swiglu_math.cuh"
+#include "kernels/gpu_ops.h"
+
+namespace moe::cuda::bf16_deepgemm {
+
+namespace {
+
+constexpr auto kMNMajor = cute::UMMA::Major::MN;
+constexpr uint32_t kChunksPerRow = kBlockN / 8;  // 16-byte chunks of the staged tile's rows
+
+// 8 bf16 of a uint4 as floats, and back.
+__device__ __forceinline__ void unpack_chunk(const uint4& v, float (&out)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (uint32_t j = 0; j < 8; ++j) out[j] = bf16_half(w[j / 2], j % 2);
+}
+__device__ __forceinline__ uint4 pack_chunk(const float (&in)[8]) {
+  return make_uint4(bf16_pair(in[0], in[1]), bf16_pair(in[2], in[3]), bf16_pair(in[4], in[5]), bf16_pair(in[6], in[7]));
+}
+
+template <uint32_t kGroups, uint32_t kMulticast>
+__global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
+    data_swiglu_backward_kernel(int* group_ends, uint32_t rows, uint32_t f, uint32_t k,
+                                const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_w2,
+                                const bf16* __restrict__ gate_up, bf16* __restrict__ dgate_up, bf16* __restrict__ act) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using WGMMA = typename deep_gemm::mma::sm90::BF16MMASelector<kBlockN, kKMajor, kMNMajor>::type;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  static_assert(WGMMA::M == 64 && WGMMA::kNumAccum == 128, "a warp group's 64 x 256 accumulators");
+  constexpr uint32_t kGroupsOf8 = WGMMA::kNumAccum / 4;
+  const uint32_t warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
+  const uint32_t lane = deep_gemm::ptx::get_lane_idx();
+
+  extern __shared__ __align__(1024) uint8_t shared[];
+  uint8_t* tile_d = shared;  // d act's staged tile
+  const auto tile_a = [&](uint32_t s) { return reinterpret_cast<Bf16*>(shared + kTileD + s * kTileA); };
+  const auto tile_b = [&](uint32_t s) { return reinterpret_cast<Bf16*>(shared + kTileD + kStages * kTileA + s * kTileB); };
+  // The forward kernel's layout (swiglu_shared_bytes), its act atom unused here.
+  auto* barriers = reinterpret_cast<Barrier*>(shared + kTileD + kStages * (kTileA + kTileB) + kActAtomBytes);
+  Barrier* full = barriers;
+  Barrier* empty = barriers + kStages;
+  Barrier* tile_staged = barriers + 2 * kStages;
+  Barrier* tile_free = barriers + 2 * kStages + 1;
+
+  if (warp == kMathThreads / 32 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(&map_dy);
+    cute::prefetch_tma_descriptor(&map_w2);
+  }
+  if (warp == kMathThreads / 32 + 1 && cute::elect_one_sync()) {
+    for (uint32_t s = 0; s < kStages; ++s) {
+      full[s].init(1);
+      empty[s].init(kMulticast * kMathThreads / 32);
+    }
+    tile_staged->init(kMathThreads / 32);
+    tile_free->init(kSwigluWarps);
+    cutlass::arch::fence_barrier_init();
+  }
+  if constexpr (kMulticast > 1)
+    deep_gemm::comm::cluster_sync_with_relaxed_arrive();
+  else
+    __syncthreads();
+
+  auto scheduler = deep_gemm::sched::Scheduler<deep_gemm::GemmType::MGroupedContiguousWithPsumLayout, kBlockM, kBlockN,
+                                               kGroups, kMulticast, false, static_cast<uint32_t>(kDeepGemmSms)>(
+      rows, f, k, group_ends);
+  const uint32_t k_blocks = (k + kBlockK - 1) / kBlockK;
+  uint32_t stage = 0, phase = 0, tile_phase = 0;
+  const auto advance = [&] {
+    stage = stage == kStages - 1 ? 0 : stage + 1;
+    phase ^= stage == 0;
+  };
+  uint32_t m_block = 0, n_block = 0;
+
+  if (warp == kMathThreads / 32 + 2) {
+    // One thread loads: dy's rows and W2_e's [64 of K][256 of N] (four 64-column atoms).
+    if (cute::elect_one_sync()) {
+      while (scheduler.get_next_block(m_block, n_block)) {
+        const uint32_t multicast_b = scheduler.is_tma_multicast_valid(m_block) ? kMulticast : 1;
+        const uint32_t row_dy = m_block * kBlockM, row_w2 = scheduler.current_group_idx * k;
+        for (uint32_t kb = 0; kb < k_blocks; ++kb, advance()) {
+          empty[stage].wait(phase ^ 1);
+          deep_gemm::tma::copy<kBlockK, kBlockM, kSwizzle, Bf16>(&map_dy, &full[stage], tile_a(stage), kb * kBlockK,
+                                                                 row_dy, 1);
+          deep_gemm::tma::copy<kBlockN, kBlockK, kSwizzle, Bf16>(&map_w2, &full[stage], tile_b(stage), n_block * kBlockN,
+                                                                 row_w2 + kb * kBlockK, multicast_b);
+          full[stage].arrive_and_expect_tx(kTileA + kTileB);
+        }
+      }
+      if constexpr (kMulticast > 1)
+        for (uint32_t s = 0; s < kStages; ++s, advance()) empty[stage].wait(phase ^ 1);
+    }
+    return;
+  }
+
+  if (warp >= kMathThreads / 32) {
+    // The SwiGLU warps: chunk c of the tile is row c / 32, columns 8 (c % 32) .. + 7.
+    const uint32_t t = swiglu_thread(warp, lane);
+    const int64_t ld = 2 * static_cast<int64_t>(f);
+    if (lane == 0) tile_free->arrive();  // the staged tile starts free
+    while (scheduler.get_next_block(m_block, n_block)) {
+      tile_staged->wait(tile_phase);
+      tile_phase ^= 1;
+#pragma unroll 2
+      for (uint32_t c = t; c < kBlockM * kChunksPerRow; c += kSwigluWarps * 32) {
+        const uint32_t r = c / kChunksPerRow, chunk = c % kChunksPerRow;
+        const uint32_t col = n_block * kBlockN + chunk * 8;
+        const int64_t row = static_cast<int64_t>(m_block) * kBlockM + r;
+        if (col >= f || row >= rows) continue;
+        const uint32_t at = (chunk / 8) * kActAtomBytes + r * kSwizzle + (((chunk % 8) ^ (r % 8)) * 16);
+        float da[8], g[8], u[8], a[8], dg[8], du[8];
+        unpack_chunk(*reinterpret_cast<const uint4*>(tile_d + at), da);
+        unpack_chunk(__ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + col)), g);
+        unpack_chunk(__ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + f + col)), u);
+        swiglu_value_and_grads_n(g, u, da, a, dg, du);
+        *reinterpret_cast<uint4*>(dgate_up + row * ld + col) = pack_chunk(dg);
+        *reinterpret_cast<uint4*>(dgate_up + row * ld + f + col) = pack_chunk(du);
+        if (act) *reinterpret_cast<uint4*>(act + row * f + col) = pack_chunk(a);
+      }
+      __syncwarp();
+      if (lane == 0) tile_free->arrive();  // the staged tile read out: the next epilogue may write it
+    }
+    return;
+  }
+
+  const uint32_t math_group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+  auto a_desc = deep_gemm::mma::sm90::make_gmma_desc<kKMajor, kBlockM, kBlockK, kSwizzle>(tile_a(0), math_group * WGMMA::M, 0);
+  auto b_desc = deep_gemm::mma::sm90::make_gmma_desc<kMNMajor, kBlockN, kBlockK, kSwizzle>(tile_b(0), 0, 0);
+  const uint32_t a_lo = __shfl_sync(0xffffffffu, a_desc.reg32_[0], 0);
+  const uint32_t b_lo = __shfl_sync(0xffffffffu, b_desc.reg32_[0], 0);
+
+  while (scheduler.get_next_block(m_block, n_block)) {
+    float acc[WGMMA::kNumAccum] = {0};
+    for (uint32_t kb = 0; kb < k_blocks; ++kb, advance()) {
+      const uint32_t a_base = a_lo + stage * (kTileA / 16), b_base = b_lo + stage * (kTileB / 16);
+      full[stage].wait(phase);
+#pragma unroll
+      for (uint32_t i = 0; i < WGMMA::kNumAccum; ++i) deep_gemm::ptx::warpgroup_fence_operand(acc[i]);
+      deep_gemm::ptx::warpgroup_arrive();
+#pragma unroll
+      for (uint32_t kk = 0; kk < kBlockK / WGMMA::K; ++kk) {
+        a_desc.reg32_[0] = deep_gemm::mma::sm90::advance_gmma_desc_lo<kKMajor, kBlockM, kBlockK, kSwizzle, nv_bfloat16>(
+            a_base, 0, kk * WGMMA::K);
+        b_desc.reg32_[0] = deep_gemm::mma::sm90::advance_gmma_desc_lo<kMNMajor, kBlockN, kBlockK, kSwizzle, nv_bfloat16>(
+            b_base, 0, kk * WGMMA::K);
+        WGMMA::wgmma(a_desc, b_desc, acc, true);
+      }
+      deep_gemm::ptx::warpgroup_commit_batch();
+#pragma unroll
+      for (uint32_t i = 0; i < WGMMA::kNumAccum; ++i) deep_gemm::ptx::warpgroup_fence_operand(acc[i]);
+      deep_gemm::ptx::warpgroup_wait<0>();
+      if constexpr (kMulticast == 1) {
+        if (lane == 0) empty[stage].arrive();
+      } else {
+        const uint32_t target = scheduler.is_peer_cta_alive ? lane : cute::block_rank_in_cluster();
+        if (lane < kMulticast) empty[stage].arrive(target);
+      }
+    }
+    // d act as the data kernel would store it (bf16), into the staged tile once the SwiGLU
+    // warps have read the last one out.
+    tile_free->wait(tile_phase);
+    tile_phase ^= 1;
+#pragma unroll
+    for (uint32_t i = 0; i < kGroupsOf8; ++i)
+      stsm_x2(staged_at(tile_d, warp, lane, i), bf16_pair(acc[i * 4 + 0], acc[i * 4 + 1]),
+              bf16_pair(acc[i * 4 + 2], acc[i * 4 + 3]));
+    cutlass::arch::NamedBarrier::sync(kMathThreads, 0);
+    if (lane == 0) tile_staged->arrive();
+  }
+#endif
+}
+
+template <uint32_t kMulticast>
+struct Pick {
+  template <uint32_t G>
+  struct By {
+    static constexpr SwigluBackwardKernel value = &data_swiglu_backward_kernel<G, kMulticast>;
+  };
+};
+
+}  // namespace
+
+SwigluBackwardKernel data_swiglu_backward_kernel_for(int64_t experts, bool pairs) {
+  return pairs ? by_groups<Pick<2>::By>(experts) : by_groups<Pick<1>::By>(experts);
+}
+
+}  // namespace moe::cuda::bf16_deepgemm
