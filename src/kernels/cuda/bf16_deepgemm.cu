@@ -61,6 +61,21 @@ void launch(K k, size_t shared, Stream stream, uint32_t cluster, int32_t* layout
                                     static_cast<uint32_t>(K_), maps...));
 }
 
+// B of the data gradients: the experts' [K, N] weights one after another, MN-major (N
+// contiguous), in boxes of K's 64 rows x 64 columns.
+CUtensorMap mn_major_weights(const bf16* w, int64_t E, int64_t K, int64_t N, const char* what) {
+  return deepgemm::map_2d(kBf16, w, static_cast<uint64_t>(N), static_cast<uint64_t>(E * K), static_cast<uint64_t>(N) * 2,
+                          64, kBlockK, kSwizzle, what);
+}
+
+// Our SwiGLU kernels' shapes: R rows, F in whole 128-column tiles.
+void check_swiglu(const char* what, int64_t R, int64_t F) {
+  MOE_CHECKF(R > 0 && R % 4 == 0 && R <= INT32_MAX / 2, "%s: %lld rows (a positive multiple of 4)", what,
+             static_cast<long long>(R));
+  MOE_CHECKF(F > 0 && F % PaddedExpertGemmBf16::kSwigluColumns == 0, "%s: F = %lld is not a positive multiple of %lld",
+             what, static_cast<long long>(F), static_cast<long long>(PaddedExpertGemmBf16::kSwigluColumns));
+}
+
 // 2-CTA clusters share B's tile between consecutive row tiles; both must have a tile with
 // the same B, which an even count of N tiles per expert guarantees.
 bool pairs(int64_t N) { return (N + kBlockN - 1) / kBlockN % 2 == 0; }
@@ -118,9 +133,7 @@ void PaddedExpertGemmBf16::forward(int sets, bf16* const* out, int64_t ld_out, c
 void PaddedExpertGemmBf16::forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, int64_t ld_x, const bf16* w,
                                           const int32_t* offsets_E1, int64_t R, int64_t F, int64_t K, Stream stream) {
   constexpr const char* what = "PaddedExpertGemmBf16::forward_swiglu";
-  MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
-  MOE_CHECKF(F > 0 && F % kSwigluColumns == 0, "%s: F = %lld is not a positive multiple of %lld", what,
-             static_cast<long long>(F), static_cast<long long>(kSwigluColumns));
+  check_swiglu(what, R, F);
   check(what, {F, K, ld_x}, {gate_up, act, x, w});
   const int64_t E = state_->n_experts;
   if (E == 0) return;
@@ -146,32 +159,24 @@ void PaddedExpertGemmBf16::backward_data(bf16* out, int64_t ld_out, const bf16* 
   if (E == 0) return;
   int32_t* ends = state_->data_ends.data();
   deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
-  // B: the experts' [K, N] weights one after another, MN-major (N contiguous).
-  const CUtensorMap map_w = deepgemm::map_2d(kBf16, w, static_cast<uint64_t>(N), static_cast<uint64_t>(E * K),
-                                             static_cast<uint64_t>(N) * 2, 64, kBlockK, kSwizzle, what);
   launch(data_kernel(E, pairs(N), beta != 0.0f), shared_bytes(), stream, pairs(N) ? 2 : 1, ends, R, N, K,
-         rows_map(dy, R, K, ld_dy, kBlockM, what), map_w, rows_map(out, R, N, ld_out, kBlockM, what));
+         rows_map(dy, R, K, ld_dy, kBlockM, what), mn_major_weights(w, E, K, N, what),
+         rows_map(out, R, N, ld_out, kBlockM, what));
 }
 
 void PaddedExpertGemmBf16::backward_data_swiglu(bf16* dgate_up, bf16* act, const bf16* dy, int64_t ld_dy,
                                                 const bf16* w2, const bf16* gate_up, const int32_t* offsets_E1,
                                                 int64_t R, int64_t F, int64_t K, Stream stream) {
   constexpr const char* what = "PaddedExpertGemmBf16::backward_data_swiglu";
-  MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
-  MOE_CHECKF(F > 0 && F % kSwigluColumns == 0, "%s: F = %lld is not a positive multiple of %lld", what,
-             static_cast<long long>(F), static_cast<long long>(kSwigluColumns));
+  check_swiglu(what, R, F);
   check(what, {F, K, ld_dy}, {dgate_up, dy, w2, gate_up});
   MOE_CHECKF(reinterpret_cast<uintptr_t>(act) % 16 == 0, "%s: act must be 16-byte aligned", what);
-  MOE_CHECKF(R <= INT32_MAX / 2, "%s: %lld rows are too many", what, static_cast<long long>(R));
   const int64_t E = state_->n_experts;
   if (E == 0) return;
   int32_t* ends = state_->data_ends.data();
   deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
-  // B: the experts' [K, F] weights one after another, MN-major (F contiguous), as backward_data's.
-  const CUtensorMap map_w2 = deepgemm::map_2d(kBf16, w2, static_cast<uint64_t>(F), static_cast<uint64_t>(E * K),
-                                              static_cast<uint64_t>(F) * 2, 64, kBlockK, kSwizzle, what);
   launch(data_swiglu_backward_kernel_for(E, pairs(F)), swiglu_shared_bytes(), stream, pairs(F) ? 2 : 1, ends, R, F, K,
-         rows_map(dy, R, K, ld_dy, kBlockM, what), map_w2, gate_up, dgate_up, act);
+         rows_map(dy, R, K, ld_dy, kBlockM, what), mn_major_weights(w2, E, K, F, what), gate_up, dgate_up, act);
 }
 
 void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a,
