@@ -66,7 +66,10 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
     MOE_CONFIG_ERROR("--hardware, --compute, --collectives, --micro-batches, --expert-imbalance, "
                      "--expert-load-imbalance, --expert-loads and --json go with --simulate");
   RunConfig config = load_config(options.config_path, options.overrides);
-  resolve_gemm_backends(config);  // deepgemm's padding rows
+  // The target's GPUs, not this host's: the plan is for H100 / H200 SXM boards (the memory
+  // default is an H200's), which run DeepGEMM's kernels, so `auto` plans them where the run
+  // allows them (the padding rows, gate|up interleaved) even on a host without a GPU.
+  resolve_gemm_backends(config, /*deepgemm_runs=*/true);
   const ModelConfig& mc = config.model;
   const int64_t gpus = options.gpus.value_or(std::max<int64_t>(1, config.parallel.expert_parallel));
   if (gpus < 1) MOE_CONFIG_ERROR("--gpus {}: at least 1", gpus);
@@ -87,6 +90,10 @@ int run_plan(const PlanOptions& options, std::ostream& out) {
   fmt::print(out, "layout: {} GPU{} ({} per node), expert_parallel {}, zero {}, micro-batch {}, recompute {}; {}\n", gpus,
              gpus == 1 ? "" : "s", per_node, layout.expert_parallel, layout.zero, layout.micro_batch,
              recompute_text(layout, mc.n_layers), name_of(attention_dq_of(config, layout)));
+  const TrainingPrecision precision = config.training.precision;
+  fmt::print(out, "experts' GEMMs: {} {} (training.{}_gemm_backend; auto plans an H100 / H200 SXM target)\n",
+             precision == TrainingPrecision::Fp8 ? "fp8" : "bf16",
+             name_of(config.training.gemm_backend(precision)), precision == TrainingPrecision::Fp8 ? "fp8" : "bf16");
   fmt::print(out, "per GPU{:>32}\n", "GB");
   for (const MemoryEstimate::Component& c : estimate.components())
     fmt::print(out, "  {:<30} {:>8.2f}\n", c.name, gb(c.bytes));

@@ -33,6 +33,22 @@ TEST(PlanCommand, Writeup500bOverAThousandGpusAndOverrides) {
     EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in:\n" << r.output;
 }
 
+// `auto` GEMM backends plan the target's H100 / H200 boards, not this host (which may have no
+// GPU): olmoe-mini's experts on DeepGEMM with gate|up interleaved, so ZeRO-3 over 8 keeps a
+// rank's w1 | w3 pieces as one range (1.13 GB of bf16 weights; CUTLASS's layout 1.22).
+TEST(PlanCommand, AutoBackendsPlanTheTargetsGpusNotThisHost) {
+  const std::string base = "plan -c " + config("bench/olmoe-mini.toml") + " --gpus 8 --parallel.zero=3";
+  const moe::test::MoeResult r = moe::test::run_moe(base);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line : {"experts' GEMMs: bf16 deepgemm (training.bf16_gemm_backend; auto plans an H100 / H200 SXM",
+                           "weights (bf16)                     1.13"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << " not in:\n" << r.output;
+  const moe::test::MoeResult cutlass = moe::test::run_moe(base + " --training.bf16_gemm_backend=cutlass");
+  ASSERT_EQ(cutlass.exit_code, 0) << cutlass.output;
+  for (const char* line : {"experts' GEMMs: bf16 cutlass", "weights (bf16)                     1.22"})
+    EXPECT_NE(cutlass.output.find(line), std::string::npos) << line << " not in:\n" << cutlass.output;
+}
+
 TEST(PlanCommand, ALayoutTheConfigCannotTakeIsOneLine) {
   moe::test::expect_one_line_error(moe::test::run_moe("plan -c " + config("models/mixtral-8x7b.toml") + " --gpus 4"), 2,
                                    {"moe: error: parallel.expert_parallel = 8 must divide", "the 4 GPUs"});

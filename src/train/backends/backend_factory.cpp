@@ -135,16 +135,20 @@ bool wants_gpu(const TrainingConfig& training) {
   return true;
 }
 
-void resolve_gemm_backends(RunConfig& config) {
+void resolve_gemm_backends(RunConfig& config, bool deepgemm_runs) {
   TrainingConfig& t = config.training;
   GemmBackend& backend = t.gemm_backend(t.precision);
-  if (backend != GemmBackend::Auto) return;
+  if (backend == GemmBackend::Auto) backend = gemm_backend_for(config, t.precision, deepgemm_runs);
+}
+
+void resolve_gemm_backends(RunConfig& config) {
+  const TrainingConfig& t = config.training;
+  if (t.gemm_backend(t.precision) != GemmBackend::Auto) return;
 #ifdef MOE_HAVE_CUDA
-  const bool runs = asks_for_gpu(t.device) && deepgemm_present();
+  resolve_gemm_backends(config, asks_for_gpu(t.device) && deepgemm_present());
 #else
-  const bool runs = false;
+  resolve_gemm_backends(config, false);
 #endif
-  backend = gemm_backend_for(config, t.precision, runs);
 }
 
 CommBackend resolve_comm_backend(const RunConfig& config) {

@@ -21,6 +21,9 @@ bool wants_gpu(const TrainingConfig& training);
 // GPU that runs DeepGEMM's kernels and the run allows it, else cutlass; every other value
 // (and the other precision's key) as given.
 void resolve_gemm_backends(RunConfig& config);
+// The same for another machine than this one (`moe plan`'s target): `deepgemm_runs` says
+// whether its GPUs run DeepGEMM's kernels.
+void resolve_gemm_backends(RunConfig& config, bool deepgemm_runs);
 
 // parallel.backend as the launch resolves it: Auto becomes Nccl when the launch has
 // several ranks and training.device resolves to the GPU.
