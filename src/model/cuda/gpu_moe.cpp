@@ -189,7 +189,7 @@ bool GpuTransformer::State::experts_gate_up_forward(Layer& layer, bool gate_up, 
   // The experts: grouped GEMMs over the device-side row offsets (no host sync).
   mark(kExperts);
   const int64_t E = local_experts(layer), R = expert_rows(m);
-  if (gate_up && swiglu_in_gemm && !fp8) {
+  if (gate_up && swiglu_in_gemm) {  // bf16 only: swiglu_in_gemm needs gate|up interleaved
     experts_gate_up_swiglu(layer);
     return false;
   }

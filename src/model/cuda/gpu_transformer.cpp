@@ -61,7 +61,7 @@ GpuModelOptions GpuModelOptions::from_config(const TrainingConfig& training, Mom
   options.fp8_deepgemm = padded && training.precision == TrainingPrecision::Fp8;
   options.bf16_deepgemm = padded && training.precision == TrainingPrecision::Bf16;
   options.interleave_gate_up = interleaves_gate_up(training);
-  options.swiglu_in_gemm = options.interleave_gate_up && training.swiglu_in_gemm;
+  options.swiglu_in_gemm = training.swiglu_in_gemm;  // applies where the store interleaves gate|up
   return options;
 }
 
