@@ -242,9 +242,17 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const int32_t* offsets = expert_offsets(m);
   mark(kExperts);
   const int w2[1] = {Fp8ExpertWeights::kW2}, w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
-  // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act.
-  expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, Fp8ExpertWeights::kW2, F, D, 0.0f,
-                       dy_quantised ? 0 : -1);
+  // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act. swiglu_in_gemm: d act stays
+  // in the GEMM, which writes SwiGLU's backward (d gate|up, and act where it refills it).
+  const bool swiglu_backward_in_gemm = swiglu_in_gemm && !fp8 && local_experts(layer) > 0;
+  if (swiglu_backward_in_gemm) {
+    if (act_from_backward)
+      MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
+    experts_down_swiglu_backward(layer, m, dy_rows, act_from_backward ? m.act_rows->data() : nullptr);
+  } else {
+    expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, Fp8ExpertWeights::kW2, F, D, 0.0f,
+                         dy_quantised ? 0 : -1);
+  }
   if (fp8_weight_gradients && local_experts(layer) > 0) {
     experts_backward_fp8_weights(layer, m, dy_rows);
   } else {
@@ -256,7 +264,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
       cuda::swiglu_backward_fp8(dgate_up_rows.data(), fp8_rows.data(), fp8_row_scales.data(), dact_rows.data(),
                                 m.gate_up_rows->data(), fp8_padded_rows ? nullptr : offsets,
                                 fp8_padded_rows ? 1 : local_experts(layer), R, F, stream);
-    } else {
+    } else if (!swiglu_backward_in_gemm) {
       if (act_from_backward)
         MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
       cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream,

@@ -111,6 +111,14 @@ void GpuTransformer::State::experts_gate_up_swiglu(Layer& layer) {
                                           expert_offsets(m), R, F, D, stream);
 }
 
+void GpuTransformer::State::experts_down_swiglu_backward(Layer& layer, const MoEBuffers& m, const bf16* dy_rows,
+                                                          bf16* act) {
+  const int64_t D = config.dim, F = config.moe.expert_hidden;
+  padded_expert_gemm_bf16->backward_data_swiglu(dgate_up_rows.data(), act, dy_rows, D,
+                                                local_w(layer, expert_tensor(layer, Fp8ExpertWeights::kW2, true)),
+                                                m.gate_up_rows->data(), expert_offsets(m), expert_rows(m), F, D, stream);
+}
+
 void GpuTransformer::State::expert_forward(Layer& layer, const MoEBuffers& m, int sets, bf16* const* out,
                                            int64_t ld_out, const bf16* x, int64_t ld_x, const int* tensors, int64_t N,
                                            int64_t K, bool x_quantised) {

@@ -290,6 +290,10 @@ struct GpuTransformer::State {
   void experts_gate_up_gemm(Layer& layer, bool x_quantised = false);
   // swiglu_in_gemm: gate|up and act from one GEMM (PaddedExpertGemmBf16::forward_swiglu).
   void experts_gate_up_swiglu(Layer& layer);
+  // swiglu_in_gemm: the down projection's data gradient with SwiGLU's backward in one kernel
+  // (PaddedExpertGemmBf16::backward_data_swiglu): d gate|up into dgate_up_rows, act refilled
+  // where not null; d act never written.
+  void experts_down_swiglu_backward(Layer& layer, const MoEBuffers& m, const bf16* dy_rows, bf16* act);
   // The experts on rows already in x_rows: the gate|up grouped GEMM (unless skipped) and
   // SwiGLU; for_down (fp8): SwiGLU also quantises act for the down projection into
   // fp8_rows, and returns true when it did. x_quantised: as dispatch_rows returned.
