@@ -112,7 +112,7 @@ struct TrainingConfig {
   bool fp8_weight_cache = true;       // GPU fp8: the experts' weights quantised once per change, not per GEMM
   bool fp8_weight_gradients = false;  // GPU fp8: the experts' weight-gradient GEMMs in fp8 too
   bool interleave_gate_up = true;     // GPU bf16 DeepGEMM: w1|w3 kept per expert, gate|up one GEMM each way
-  bool swiglu_in_gemm = true;         // GPU bf16 DeepGEMM, gate|up interleaved: SwiGLU in the gate|up GEMM's epilogue
+  bool swiglu_in_gemm = true;         // GPU bf16 DeepGEMM, gate|up interleaved: SwiGLU in the gate|up GEMM, its backward in the down data gradient
   GradDtype expert_grad_dtype = GradDtype::Fp32;  // GPU: the expert weights' gradients; bf16: one rank only
   TrainingPrecision precision = TrainingPrecision::Bf16;  // GPU: the experts' and projections' GEMMs
   Fp8ColumnScales fp8_weight_gradient_scales = Fp8ColumnScales::Tile1x128;  // GPU fp8 weight gradients: B's scales

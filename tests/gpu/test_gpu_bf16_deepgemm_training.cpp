@@ -132,9 +132,10 @@ TEST(GpuBf16DeepGemm, InterleavedGateUpKeepsTheForwardAndTracksTheSeparateLayout
   }
 }
 
-// training.swiglu_in_gemm: act from the gate|up GEMM's epilogue has swiglu_forward's bits,
-// so every loss and gradient is the separate pass's, with the experts' rows kept or
-// recomputed (SwiGLU's backward refilling act, or the whole gate|up GEMM again).
+// training.swiglu_in_gemm: act from the gate|up GEMM's epilogue has swiglu_forward's bits and
+// d gate|up (and a refilled act) from the down data gradient's has swiglu_backward's, so every
+// loss and gradient is the separate passes', with the experts' rows kept or recomputed
+// (SwiGLU's backward refilling act, or the whole gate|up GEMM again).
 TEST(GpuBf16DeepGemm, SwigluInTheGemmKeepsEveryBit) {
   MOE_REQUIRE_DEEPGEMM();
   const ModelConfig config = test::small_moe_model(0.0);

@@ -33,6 +33,7 @@ namespace {
 
 constexpr auto kMNMajor = cute::UMMA::Major::MN;
 constexpr uint32_t kChunksPerRow = kBlockN / 8;  // 16-byte chunks of the staged tile's rows
+constexpr uint32_t kLoadBatch = 8;                // chunks a SwiGLU thread loads before it computes
 
 // 8 bf16 of a uint4 as floats, and back.
 __device__ __forceinline__ void unpack_chunk(const uint4& v, float (&out)[8]) {
@@ -126,21 +127,34 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
     while (scheduler.get_next_block(m_block, n_block)) {
       tile_staged->wait(tile_phase);
       tile_phase ^= 1;
-#pragma unroll 2
-      for (uint32_t c = t; c < kBlockM * kChunksPerRow; c += kSwigluWarps * 32) {
-        const uint32_t r = c / kChunksPerRow, chunk = c % kChunksPerRow;
-        const uint32_t col = n_block * kBlockN + chunk * 8;
-        const int64_t row = static_cast<int64_t>(m_block) * kBlockM + r;
-        if (col >= f || row >= rows) continue;
-        const uint32_t at = (chunk / 8) * kActAtomBytes + r * kSwizzle + (((chunk % 8) ^ (r % 8)) * 16);
-        float da[8], g[8], u[8], a[8], dg[8], du[8];
-        unpack_chunk(*reinterpret_cast<const uint4*>(tile_d + at), da);
-        unpack_chunk(__ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + col)), g);
-        unpack_chunk(__ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + f + col)), u);
-        swiglu_value_and_grads_n(g, u, da, a, dg, du);
-        *reinterpret_cast<uint4*>(dgate_up + row * ld + col) = pack_chunk(dg);
-        *reinterpret_cast<uint4*>(dgate_up + row * ld + f + col) = pack_chunk(du);
-        if (act) *reinterpret_cast<uint4*>(act + row * f + col) = pack_chunk(a);
+      // kLoadBatch chunks' gate and up loads in flight before any is used: the three warps
+      // alone must keep ~the tile's 128 KB of gate|up coming while the mainloop runs.
+      for (uint32_t first = 0; first < kBlockM * kChunksPerRow; first += kLoadBatch * kSwigluWarps * 32) {
+        uint4 gate[kLoadBatch], up[kLoadBatch];
+#pragma unroll
+        for (uint32_t j = 0; j < kLoadBatch; ++j) {
+          const uint32_t c = first + j * kSwigluWarps * 32 + t, col = n_block * kBlockN + (c % kChunksPerRow) * 8;
+          const int64_t row = static_cast<int64_t>(m_block) * kBlockM + c / kChunksPerRow;
+          if (c >= kBlockM * kChunksPerRow || col >= f || row >= rows) continue;
+          gate[j] = __ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + col));
+          up[j] = __ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + f + col));
+        }
+#pragma unroll
+        for (uint32_t j = 0; j < kLoadBatch; ++j) {
+          const uint32_t c = first + j * kSwigluWarps * 32 + t, r = c / kChunksPerRow, chunk = c % kChunksPerRow;
+          const uint32_t col = n_block * kBlockN + chunk * 8;
+          const int64_t row = static_cast<int64_t>(m_block) * kBlockM + r;
+          if (c >= kBlockM * kChunksPerRow || col >= f || row >= rows) continue;
+          const uint32_t at = (chunk / 8) * kActAtomBytes + r * kSwizzle + (((chunk % 8) ^ (r % 8)) * 16);
+          float da[8], g[8], u[8], a[8], dg[8], du[8];
+          unpack_chunk(*reinterpret_cast<const uint4*>(tile_d + at), da);
+          unpack_chunk(gate[j], g);
+          unpack_chunk(up[j], u);
+          swiglu_value_and_grads_n(g, u, da, a, dg, du);
+          *reinterpret_cast<uint4*>(dgate_up + row * ld + col) = pack_chunk(dg);
+          *reinterpret_cast<uint4*>(dgate_up + row * ld + f + col) = pack_chunk(du);
+          if (act) *reinterpret_cast<uint4*>(act + row * f + col) = pack_chunk(a);
+        }
       }
       __syncwarp();
       if (lane == 0) tile_free->arrive();  // the staged tile read out: the next epilogue may write it

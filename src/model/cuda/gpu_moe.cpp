@@ -244,7 +244,7 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   const int w2[1] = {Fp8ExpertWeights::kW2}, w13[2] = {Fp8ExpertWeights::kW1, Fp8ExpertWeights::kW3};
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act. swiglu_in_gemm: d act stays
   // in the GEMM, which writes SwiGLU's backward (d gate|up, and act where it refills it).
-  const bool swiglu_backward_in_gemm = swiglu_in_gemm && !fp8 && local_experts(layer) > 0;
+  const bool swiglu_backward_in_gemm = swiglu_in_gemm && local_experts(layer) > 0;
   if (swiglu_backward_in_gemm) {
     if (act_from_backward)
       MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);

@@ -159,8 +159,9 @@ struct GpuModelOptions {
   // off there) or an expert's F x D is not a multiple of adamw_math::kNormChunk.
   bool interleave_gate_up = false;
   // With gate|up interleaved and moe.expert_hidden a multiple of 128 (training.swiglu_in_gemm):
-  // the forward's act from the gate|up GEMM's epilogue (PaddedExpertGemmBf16::forward_swiglu,
-  // our own kernel; the same bits), no separate SwiGLU pass reading gate|up back.
+  // the forward's act from the gate|up GEMM's epilogue (PaddedExpertGemmBf16::forward_swiglu)
+  // and SwiGLU's backward in the down projection's data gradient (backward_data_swiglu): our
+  // own kernels, the same bits, no SwiGLU pass and no d act written.
   bool swiglu_in_gemm = false;
   // What training.* sets (precision, expert gradients, recomputation, determinism) and the
   // moments' dtype; the caller adds the exchange and placement.

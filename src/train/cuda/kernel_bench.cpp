@@ -294,6 +294,27 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain
                "  gate|up forward + SwiGLU: DeepGEMM's one GEMM {:.3f} ms ({:.0f} TFLOP/s) + the SwiGLU pass {:.3f} ms "
                "= {:.3f} ms; SwiGLU in our GEMM's epilogue {:.3f} ms ({:.0f} TFLOP/s)\n",
                gemm, 2 * mnk / gemm / 1e9, pass, gemm + pass, fused, 2 * mnk / fused / 1e9);
+    // The down projection's data gradient then SwiGLU's backward (act refilled, as under
+    // recompute_experts = swiglu, or not), against our kernel with SwiGLU's backward in it.
+    auto dgate_up = filled<bf16>(R * 2 * F, 1.0f, 15), dact = filled<bf16>(R * F, 1.0f, 16);
+    const double dgrad = median_ms([&] {
+      deepgemm->backward_data(dact.data(), F, y.data(), D, w2.data(), P, R, F, D, 0.0f, stream);
+    });
+    for (const bool refill : {false, true}) {
+      bf16* act_out = refill ? act.data() : nullptr;
+      const double backward_pass = median_ms([&] {
+        cuda::swiglu_backward(dgate_up.data(), dact.data(), gate_up.data(), R, F, stream, act_out);
+      });
+      const double fused_backward = median_ms([&] {
+        deepgemm->backward_data_swiglu(dgate_up.data(), act_out, y.data(), D, w2.data(), gate_up.data(), P, R, F, D,
+                                       stream);
+      });
+      fmt::print(out,
+                 "  down data gradient + SwiGLU's backward{}: DeepGEMM's GEMM {:.3f} ms ({:.0f} TFLOP/s) + the pass "
+                 "{:.3f} ms = {:.3f} ms; SwiGLU's backward in our GEMM {:.3f} ms ({:.0f} TFLOP/s)\n",
+                 refill ? " refilling act" : "", dgrad, mnk / dgrad / 1e9, backward_pass, dgrad + backward_pass,
+                 fused_backward, mnk / fused_backward / 1e9);
+    }
   }
   // The gate|up weight gradient in each output type, beta 1 and beta 0 (a step's first
   // micro-batch: no read of the old gradient), grouped only.
