@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "kernels/fp8_blockwise.h"
+#include "kernels/gpu_ops.h"
 #include "moe/dispatch.h"
 
 namespace moe {
@@ -41,6 +42,14 @@ bool interleaves_gate_up(const TrainingConfig& training) {
          expert_row_align(training) > 1;
 }
 
+bool swiglu_in_gemm_fits(int64_t expert_hidden) {
+  return expert_hidden > 0 && expert_hidden % cuda::PaddedExpertGemmBf16::kSwigluColumns == 0;
+}
+
+bool swiglu_in_gemm_applies(const TrainingConfig& training, int64_t expert_hidden) {
+  return training.swiglu_in_gemm && interleaves_gate_up(training) && swiglu_in_gemm_fits(expert_hidden);
+}
+
 int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_k, int64_t local_experts,
                                    int64_t capacity) {
   const int64_t all = ep_size * tokens * top_k;
@@ -48,12 +57,12 @@ int64_t expert_parallel_local_rows(int64_t ep_size, int64_t tokens, int64_t top_
 }
 
 SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t dim, int64_t hidden,
-                                        int64_t drows_rows, int64_t local_rows) {
+                                        int64_t drows_rows, int64_t local_rows, bool dact) {
   const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   SharedScratchSizes s;
   s.dlogits_head = tokens * vocab;
   s.drows = drows_rows * dim;
-  s.dact = local_rows * hidden;
+  s.dact = dact ? local_rows * hidden : 0;
   s.dgate_up = local_rows * 2 * hidden;
   s.dx = local_rows * dim;
   s.dact_at = aligned(2 * s.drows);

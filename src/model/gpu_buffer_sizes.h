@@ -43,6 +43,12 @@ int64_t expert_row_align(const TrainingConfig& training);
 // then interleaves each MoE layer's w1 | w3 where model/gpu_state_layout.h gate_up_pairs
 // allows it, without expert parallelism).
 bool interleaves_gate_up(const TrainingConfig& training);
+// The fused SwiGLU kernels' tiles take moe.expert_hidden in 128-column pieces
+// (cuda::PaddedExpertGemmBf16::kSwigluColumns).
+bool swiglu_in_gemm_fits(int64_t expert_hidden);
+// training.swiglu_in_gemm in effect where gate|up is interleaved (and the store did interleave
+// it): the fused kernels, so SwiGLU's backward writes no d act rows.
+bool swiglu_in_gemm_applies(const TrainingConfig& training, int64_t expert_hidden);
 
 // The expert-parallel dispatcher's bound on a rank's rows: every one of the P ranks sends
 // it at most its T * K assignments, or `capacity` per source and local expert.
@@ -92,7 +98,8 @@ struct DenseGemmShape {
 // GpuTransformer's shared scratch (State::shared_scratch, docs/MEMORY_PLAN.md "Shared
 // scratch"): from byte 0 either dlogits_head [tokens, vocab], or the MoE backward's row
 // gradients (drows [drows_rows, dim] at 0, d act [local_rows, hidden], d gate|up [local_rows,
-// 2 hidden], dx [local_rows, dim], each at a 256-byte boundary), or cuDNN's attention
+// 2 hidden], dx [local_rows, dim], each at a 256-byte boundary; no d act where SwiGLU's
+// backward runs inside the down data gradient, `dact` false), or cuDNN's attention
 // workspace; bf16 elements, byte offsets. The allocation is the largest of the three.
 struct SharedScratchSizes {
   int64_t dlogits_head = 0, drows = 0, dact = 0, dgate_up = 0, dx = 0;  // elements
@@ -102,7 +109,7 @@ struct SharedScratchSizes {
   int64_t bytes() const { return dlogits_head * 2 > rows_end ? dlogits_head * 2 : rows_end; }
 };
 SharedScratchSizes shared_scratch_sizes(int64_t tokens, int64_t vocab, int64_t dim, int64_t hidden,
-                                        int64_t drows_rows, int64_t local_rows);
+                                        int64_t drows_rows, int64_t local_rows, bool dact = true);
 
 // cuDNN's attention workspace for `batch` sequences of `seq` tokens and `heads` query
 // heads, as cudnn-frontend sizes it: the backward's dP of batch x heads x seq x seq bf16

@@ -174,6 +174,15 @@ void check_expert_parallel(const RunConfig& config, const MemoryLayout& layout) 
 StateBytes state_of_elements(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks,
                              int64_t moment_elem);
 
+// The GPU store's interleaved gate|up pairs (GpuTransformer::State::interleave_gate_up):
+// none under expert parallelism or where interleaves_gate_up is off.
+std::vector<HiInterleave> store_gate_up_pairs(const RunConfig& config, const ModelBlocks& blocks, int64_t ep) {
+  if (ep > 1 || !interleaves_gate_up(config.training)) return {};
+  std::vector<std::pair<Range, Range>> w1_w3;
+  for (const RangeList& tensors : blocks.expert_tensors) w1_w3.push_back({tensors.at(0), tensors.at(1)});
+  return gate_up_pairs(w1_w3, config.model.moe.n_experts);
+}
+
 StateBytes state_with(const RunConfig& config, const MemoryLayout& layout, const ModelBlocks& blocks) {
   const MomentDtype moments = config.optimizer.state_dtype;
   // fp8 moments: 1 B a code, and a scale byte per 16 state elements for each moment
@@ -200,12 +209,7 @@ StateBytes state_of_elements(const RunConfig& config, const MemoryLayout& layout
   const int64_t zero = gpu_applies_zero(gpus, layout.zero) ? layout.zero : 0;
   if (ep <= 1) {
     // The GPU store's interleaved gate|up pairs, which ZeRO's plan cuts at expert slices.
-    std::vector<HiInterleave> pairs;
-    if (interleaves_gate_up(config.training)) {
-      std::vector<std::pair<Range, Range>> w1_w3;
-      for (const RangeList& tensors : blocks.expert_tensors) w1_w3.push_back({tensors.at(0), tensors.at(1)});
-      pairs = gate_up_pairs(w1_w3, E);
-    }
+    const std::vector<HiInterleave> pairs = store_gate_up_pairs(config, blocks, ep);
     state = data_parallel_state_bytes(blocks.layout, zero, static_cast<int>(gpus), bucket, moment_elem, pairs);
     // bf16 expert gradients (one GPU only: refused over more ranks at launch).
     if (config.training.expert_grad_dtype == GradDtype::Bf16 && gpus == 1) {
@@ -304,10 +308,13 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   }
   m.step_buffers = step_buffers_bytes(a, c.vocab_size, n_layers);
   // dlogits_head, the expert rows' gradients and cuDNN's attention workspace share one
-  // allocation: the largest of them (model/gpu_buffer_sizes.h).
+  // allocation: the largest of them (model/gpu_buffer_sizes.h); no d act rows where SwiGLU's
+  // backward runs inside the down data gradient (GpuTransformer::State::swiglu_in_gemm).
+  const bool swiglu_in_gemm = swiglu_in_gemm_applies(config.training, a.F) &&
+                              !store_gate_up_pairs(config, blocks, ep).empty();
   m.shared_scratch = std::max(
       shared_scratch_sizes(a.T, c.vocab_size, c.dim, a.F, std::max(a.rows.max_rows, a.rows.max_local_rows),
-                           a.rows.max_local_rows)
+                           a.rows.max_local_rows, !swiglu_in_gemm)
           .bytes(),
       attention_workspace_estimate(a.B, a.H, a.S, a.d, attention_dq_of(config, layout),
                                    config.training.attention_query_chunks, c.n_kv_heads));

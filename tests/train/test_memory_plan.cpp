@@ -224,6 +224,28 @@ TEST(MemoryPlan, SharedScratchIsTheLargestOfItsThreeUses) {
   EXPECT_EQ(det.total() - fast.total(), det.shared_scratch - fast.shared_scratch);
 }
 
+// With SwiGLU's backward inside the down data gradient (training.swiglu_in_gemm over
+// DeepGEMM's bf16 GEMMs, gate|up interleaved), no d act rows: the shared scratch loses
+// exactly [local rows, F] bf16 where the row gradients are its largest use; F off the fused
+// kernels' 128-column tiles (the interleave still applies) keeps them.
+TEST(MemoryPlan, SwigluInTheGemmPlansNoDactRows) {
+  for (const int64_t F : {int64_t{1024}, int64_t{960}}) {
+    RunConfig c = small_config();
+    c.model.moe.expert_hidden = F;
+    c.training.bf16_gemm_backend = GemmBackend::DeepGemm;
+    ASSERT_TRUE(interleaves_gate_up(c.training));
+    const MemoryEstimate fused = estimate_memory(c, configured_layout(c, 1, 1));
+    c.training.swiglu_in_gemm = false;
+    const MemoryEstimate separate = estimate_memory(c, configured_layout(c, 1, 1));
+    const int64_t rows = expert_row_bounds(c.model.moe, 4 * 256, 1, false, 0, 128).max_local_rows;
+    const SharedScratchSizes sizes = shared_scratch_sizes(4 * 256, 1024, 512, F, rows, rows);
+    ASSERT_EQ(separate.shared_scratch, sizes.rows_end) << "F " << F << ": the row gradients are the largest use";
+    EXPECT_EQ(separate.shared_scratch - fused.shared_scratch, F % 128 == 0 ? rows * F * 2 : 0) << "F " << F;
+    EXPECT_EQ(separate.total() - fused.total(), separate.shared_scratch - fused.shared_scratch) << "F " << F;
+    EXPECT_EQ(shared_scratch_sizes(4 * 256, 1024, 512, F, rows, rows, false).dact, 0);
+  }
+}
+
 TEST(MemoryPlan, RecomputedLayersKeepTheirInputAndShareOneSet) {
   RunConfig c = small_config();
   const MemoryEstimate kept = estimate_memory(c, configured_layout(c, 1, 1));

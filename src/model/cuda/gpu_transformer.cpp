@@ -169,8 +169,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   s.store = std::make_unique<GpuParameterStore>(params, options.moments, fp32_ids, s.stream, resident,
                                                 options.bf16_expert_grads);
   if (options.interleave_gate_up && bf16_deepgemm) s.interleave_gate_up();
-  s.swiglu_in_gemm = options.swiglu_in_gemm && s.gate_up_interleaved &&
-                     config.moe.expert_hidden % cuda::PaddedExpertGemmBf16::kSwigluColumns == 0;
+  s.swiglu_in_gemm = options.swiglu_in_gemm && s.gate_up_interleaved && swiglu_in_gemm_fits(config.moe.expert_hidden);
   s.attention.set_dq(options.attention_dq);
   s.attention.set_query_chunks(options.attention_query_chunks);
   if (s.ep) s.ep->set_stream(s.stream);
@@ -339,7 +338,7 @@ void GpuTransformer::plan(int64_t batch) {
   s.dattn = bf(T * H * d);
   // dlogits_head, the MoE backward's row gradients and cuDNN's workspace in one allocation
   // (State::shared_scratch): the largest of the three, not their sum.
-  const SharedScratchSizes scratch = shared_scratch_sizes(T, V, D, F, std::max(R, RL), RL);
+  const SharedScratchSizes scratch = shared_scratch_sizes(T, V, D, F, std::max(R, RL), RL, !s.swiglu_in_gemm);
   const size_t attention_bytes = s.attention.workspace_bytes(batch, S, H, G, d, attention_scale(d),
                                                              c.qkv_width(), c.qkv_width());
   s.attention.use_workspace(nullptr, 0);  // the old scratch goes before the new one comes
