@@ -7,6 +7,13 @@
 
 namespace moe {
 
+std::vector<int> fp32_copy_ids(const ParameterStore<float>& specs) {
+  std::vector<int> ids;
+  for (int id = 0; id < specs.size(); ++id)
+    if (specs.spec(id).name.ends_with(".moe.router.bias")) ids.push_back(id);
+  return ids;
+}
+
 PackedState packed_state_layout(const RangeList& ranges) {
   PackedState packed;
   int64_t next = 0;

@@ -7,8 +7,13 @@
 #include <vector>
 
 #include "core/range.h"
+#include "model/parameters.h"
 
 namespace moe {
+
+// The parameters the GPU model also keeps in fp32 (GpuFp32Copies): the MoE layers' router
+// biases, which the forward adds to the fp32 logits. Ids in order.
+std::vector<int> fp32_copy_ids(const ParameterStore<float>& specs);
 
 // pack_optimizer_state: the lo halves and moments of `ranges` (sorted, disjoint) back to
 // back, range i's from at[i] on, congruent to its offset modulo 16 (so the AdamW kernel's

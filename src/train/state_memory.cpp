@@ -49,10 +49,9 @@ ParameterBlockLayout parameter_block_layout(const ModelConfig& config, const Par
   block.stages = dist::gradient_ranges_by_stage(
       specs, offsets, [&](const std::string& name) { return Transformer<float>::backward_stage_of(config, name); },
       Transformer<float>::backward_stages(config));
-  // GpuFp32Copies::ranges: the MoE layers' router biases (GpuTransformer's fp32 ids).
-  for (int id = 0; id < specs.size(); ++id)
-    if (specs.spec(id).name.ends_with(".moe.router.bias"))
-      block.fp32_copies.push_back({offsets[static_cast<size_t>(id)], (specs.numel(id) + 15) / 16 * 16});
+  // GpuFp32Copies::ranges, as the store keeps them.
+  for (const int id : fp32_copy_ids(specs))
+    block.fp32_copies.push_back({offsets[static_cast<size_t>(id)], (specs.numel(id) + 15) / 16 * 16});
   return block;
 }
 

@@ -7,9 +7,37 @@
 
 #include "core/error.h"
 #include "kernels/adamw_math.h"
+#include "model/transformer.h"
 
 namespace moe {
 namespace {
+
+// The fp32 copies' one owner: every MoE layer's router bias (none in a dense first layer),
+// in order; none without router biases.
+TEST(GpuStateLayout, Fp32CopiesAreTheMoeLayersRouterBiases) {
+  ModelConfig c;
+  c.vocab_size = 64;
+  c.dim = 32;
+  c.n_layers = 3;
+  c.n_heads = 2;
+  c.n_kv_heads = 2;
+  c.seq_len = 8;
+  c.first_dense_layers = 1;
+  c.dense_hidden = 64;
+  c.moe.n_experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_hidden = 32;
+  c.moe.router_bias = true;
+  const ParameterStore<float> specs = Transformer<float>::parameter_specs(c);
+  std::vector<int> expected;
+  for (int id = 0; id < specs.size(); ++id)
+    if (specs.spec(id).name.find("router.bias") != std::string::npos) expected.push_back(id);
+  ASSERT_EQ(expected.size(), 2u) << "layers 1 and 2 are MoE";
+  EXPECT_EQ(fp32_copy_ids(specs), expected);
+  for (const int id : expected) EXPECT_EQ(specs.numel(id), 4);
+  c.moe.router_bias = false;
+  EXPECT_TRUE(fp32_copy_ids(Transformer<float>::parameter_specs(c)).empty());
+}
 
 TEST(GpuStateLayout, PackedRangesKeepTheirOffsetModuloSixteen) {
   // [16, +10) at 0; [40, +30) at the next multiple of 16 (16) plus 40 % 16 = 8: 24;

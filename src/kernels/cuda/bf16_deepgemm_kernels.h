@@ -1,7 +1,8 @@
 // The instantiations of DeepGEMM's Hopper bf16 GEMM (sm90_bf16_gemm_impl) behind
 // PaddedExpertGemmBf16 (bf16_deepgemm.cu), one file per role so that they compile in
-// parallel: bf16_deepgemm_forward.cu, _data.cu, _weight.cu; and our own gate|up kernel with
-// SwiGLU in its epilogue (bf16_deepgemm_swiglu.cu). Kept free of DeepGEMM's headers.
+// parallel: bf16_deepgemm_forward.cu, _data.cu, _weight.cu; and our own fused kernels with
+// SwiGLU (bf16_deepgemm_swiglu.cu) and its backward (_swiglu_backward.cu) in their epilogues.
+// Kept free of DeepGEMM's headers.
 #pragma once
 #include <cuda.h>
 
@@ -29,12 +30,10 @@ constexpr size_t shared_bytes() {
 // experts (each CTA walks every compiled group, empty ones too).
 constexpr uint32_t compiled_groups(int64_t experts) { return experts <= 8 ? 8 : experts <= 64 ? 64 : 256; }
 
-// Our gate|up + SwiGLU kernel's: the same and one staged 64-column atom of act, and two more
-// barriers (the staged tile's hand-over between the math warps and the SwiGLU warps).
-constexpr size_t swiglu_shared_bytes() {
-  return (size_t{kBlockM} * kBlockN * 2 + 1023) / 1024 * 1024 + size_t{kStages} * (kBlockM + kBlockN) * kBlockK * 2 +
-         size_t{kBlockM} * 128 + (2 * kStages + 2) * 8;
-}
+// Our fused kernels' (gate|up + SwiGLU, and the down data gradient + SwiGLU's backward): the
+// same, one spare 64-column atom (the forward's staged act) and two more barriers (the staged
+// tile's hand-over between the math warps and the SwiGLU warps).
+constexpr size_t swiglu_shared_bytes() { return shared_bytes() + size_t{kBlockM} * 128 + 2 * 8; }
 
 // The m-grouped "psum" layout: D [R, N] = A [R, K] (K-major) @ B_g, B [E][N][K] (K-major,
 // the forward's weights as stored); `pairs`: 2-CTA clusters sharing B's tile (an even count

@@ -157,9 +157,7 @@ GpuTransformer::GpuTransformer(const ModelConfig& config, const ParameterStore<f
   for (size_t l = 0; l < s.layers.size(); ++l)
     if (s.layers[l].is_moe) s.expert_group_layer.push_back(l);
   // The router biases are added to the fp32 logits, so the forward pass reads them in fp32.
-  std::vector<int> fp32_ids;
-  for (const Layer& layer : s.layers)
-    if (layer.is_moe && layer.router_b.id >= 0) fp32_ids.push_back(layer.router_b.id);
+  const std::vector<int> fp32_ids = fp32_copy_ids(params);
   // Our own stream (blocking: ordered with the legacy-stream copies of DeviceArray), so
   // that the step can be captured as a CUDA graph.
   MOE_CUDA_CHECK(cudaStreamCreate(&s.stream));
