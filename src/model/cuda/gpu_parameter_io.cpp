@@ -14,17 +14,23 @@ namespace {
 template <typename T>
 using Buffer = gpu::DeviceArray<T>;
 
+// f(done, n) over [0, count) in pieces of at most `most` elements (a staging buffer's), in
+// order: each piece's copies reuse the buffer after the last piece's, in stream order.
+template <class F>
+void in_pieces(int64_t count, int64_t most, F&& f) {
+  MOE_CHECK(most > 0 || count == 0, "parameter copies: {} elements through an empty staging buffer", count);
+  for (int64_t done = 0; done < count; done += most) f(done, std::min(most, count - done));
+}
+
 // f(offset, n) over `ranges` in pieces of at most `staging` elements, the stream waited for
-// after each (the next piece reuses the staging buffer).
+// after each (the host side of the next piece may not overwrite what this one reads).
 template <class F>
 void in_staged_pieces(const RangeList& ranges, const Buffer<float>& staging, cudaStream_t stream, F&& f) {
   for (const Range& r : ranges)
-    for (int64_t done = 0; done < r.count;) {
-      const int64_t piece = std::min<int64_t>(r.count - done, static_cast<int64_t>(staging.size()));
-      f(r.offset + done, piece);
+    in_pieces(r.count, static_cast<int64_t>(staging.size()), [&](int64_t done, int64_t n) {
+      f(r.offset + done, n);
       MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-      done += piece;
-    }
+    });
 }
 
 // The held gradients between the device and the host's `grads`: the fp32 ones copied, the
@@ -61,8 +67,8 @@ template <class State, class F>
 void in_range_pieces(State& s, Range r, bool moments, F&& f) {
   s.parts_held({r}, s.master_ranges(), "the master weights' lo halves");
   if (moments) s.parts_held({r}, s.moment_ranges(), "the AdamW moments");
-  const auto chunk = static_cast<int64_t>(s.range_staging().size());
-  for (int64_t done = 0; done < r.count; done += chunk) f(r.offset + done, done, std::min(chunk, r.count - done));
+  in_pieces(r.count, static_cast<int64_t>(s.range_staging().size()),
+            [&](int64_t done, int64_t n) { f(r.offset + done, done, n); });
 }
 
 }  // namespace
@@ -90,8 +96,7 @@ void download_params(const GpuParameterStore& store, ParameterStore<float>& para
                                             "the master weights' lo halves")) {
     const int id = static_cast<int>(part.span);
     float* host = params.value(id) + (part.offset - s.offsets[part.span]);
-    for (int64_t done = 0; done < part.count;) {
-      const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
+    in_pieces(part.count, static_cast<int64_t>(staging.size()), [&](int64_t done, int64_t piece) {
       const int16_t* lo = s.lo_at(part.offset + done);
       s.for_hi_runs(part.offset + done, piece, [&](const bf16* hi, int64_t at, int64_t n) {
         const int64_t k = at - (part.offset + done);
@@ -99,8 +104,7 @@ void download_params(const GpuParameterStore& store, ParameterStore<float>& para
       });
       MOE_CUDA_CHECK(cudaMemcpyAsync(host + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
                                      cudaMemcpyDeviceToHost, s.stream));
-      done += piece;
-    }
+    });
   }
   s.sync();
 }
@@ -122,13 +126,11 @@ void download_state(const GpuParameterStore& store, ParameterStore<float>& param
                                        cudaMemcpyDeviceToHost, s.stream));
         continue;
       }
-      for (int64_t done = 0; done < part.count;) {
-        const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
+      in_pieces(part.count, static_cast<int64_t>(staging.size()), [&](int64_t done, int64_t piece) {
         s.widen_moments(staging.data(), moment, part.offset + done, piece);
         MOE_CUDA_CHECK(cudaMemcpyAsync(out + done, staging.data(), static_cast<size_t>(piece) * sizeof(float),
                                        cudaMemcpyDeviceToHost, s.stream));
-        done += piece;
-      }
+      });
     }
   }
   s.sync();
@@ -154,13 +156,12 @@ void upload_state(GpuParameterStore& store, const ParameterStore<float>& params,
                                        cudaMemcpyHostToDevice, s.stream));
         continue;
       }
-      for (int64_t done = 0; done < part.count;) {  // pieces of kStagingFloats: whole fp8 blocks
-        const int64_t piece = std::min<int64_t>(part.count - done, static_cast<int64_t>(staging.size()));
+      // Pieces of kStagingFloats: whole fp8 blocks.
+      in_pieces(part.count, static_cast<int64_t>(staging.size()), [&](int64_t done, int64_t piece) {
         MOE_CUDA_CHECK(cudaMemcpyAsync(staging.data(), in + done, static_cast<size_t>(piece) * sizeof(float),
                                        cudaMemcpyHostToDevice, s.stream));
         s.store_moments(moment, part.offset + done, staging.data(), piece);
-        done += piece;
-      }
+      });
     }
   }
   s.sync();
