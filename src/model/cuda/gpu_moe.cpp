@@ -245,9 +245,9 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
   // Down projection: d act = d y @ W2_e; dW2_e += d y^T @ act. swiglu_in_gemm: d act stays
   // in the GEMM, which writes SwiGLU's backward (d gate|up, and act where it refills it).
   const bool swiglu_backward_in_gemm = swiglu_in_gemm && local_experts(layer) > 0;
+  if (act_from_backward)  // SwiGLU's backward (either form) refills act
+    MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
   if (swiglu_backward_in_gemm) {
-    if (act_from_backward)
-      MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
     experts_down_swiglu_backward(layer, m, dy_rows, act_from_backward ? m.act_rows->data() : nullptr);
   } else {
     expert_backward_data(layer, m, dact_rows.data(), F, dy_rows, D, Fp8ExpertWeights::kW2, F, D, 0.0f,
@@ -265,8 +265,6 @@ void GpuTransformer::State::moe_backward(Layer& layer, double loss_scale) {
                                 m.gate_up_rows->data(), fp8_padded_rows ? nullptr : offsets,
                                 fp8_padded_rows ? 1 : local_experts(layer), R, F, stream);
     } else if (!swiglu_backward_in_gemm) {
-      if (act_from_backward)
-        MOE_CHECK(R * F <= static_cast<int64_t>(m.act_rows->size()), "experts: act rows for {} x {}", R, F);
       cuda::swiglu_backward(dgate_up_rows.data(), dact_rows.data(), m.gate_up_rows->data(), R, F, stream,
                             act_from_backward ? m.act_rows->data() : nullptr);
     }
