@@ -5,7 +5,8 @@
 // cache (GpuModelOptions::fp8_weight_cache off), right before each GEMM as well. The same
 // kernels on the same inputs: both give the same bits (docs/FP8.md). The weight
 // gradients: bf16 GEMMs, or (training.fp8_weight_gradients) ExpertWeightGemmFp8 over
-// token columns.
+// token columns. training.swiglu_in_gemm (bf16): the gate|up GEMM with SwiGLU and the down
+// data gradient with SwiGLU's backward, each one kernel (PaddedExpertGemmBf16).
 #include "core/error.h"
 #include "kernels/fp8_blockwise.h"
 #include "kernels/fp8_gpu_ops.h"

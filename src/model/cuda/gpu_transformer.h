@@ -230,7 +230,8 @@ class GpuTransformer {
   // cudaStream_t), for data-parallel gradient reduction.
   GpuParameterStore& parameters();
   void* stream() const;
-  // GpuModelOptions::swiglu_in_gemm in effect: the forward's SwiGLU in the gate|up GEMM.
+  // GpuModelOptions::swiglu_in_gemm in effect: SwiGLU in the gate|up GEMM, its backward in the
+  // down projection's data gradient.
   bool swiglu_in_gemm() const;
   // Device -> host copies for tests, checkpoints and exports, in expert order. Under expert
   // parallelism a rank keeps memory for its own experts only (its window; the others'

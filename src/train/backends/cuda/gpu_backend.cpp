@@ -601,7 +601,7 @@ class GpuBackend final : public ModelBackend {
                        ? "off (an expert's moe.expert_hidden x model.dim is not a multiple of 16,384)"
                        : "w1 | w3 kept expert by expert, the experts' gate|up one GEMM each way");
     if (gpu_->swiglu_in_gemm() && (!world_ || world_->rank() == 0))
-      spdlog::info("training.swiglu_in_gemm: the forward's SwiGLU in the gate|up GEMM's epilogue");
+      spdlog::info("training.swiglu_in_gemm: SwiGLU in the gate|up GEMM, its backward in the down data gradient");
     gpu_->enable_graphs(c.training.cuda_graphs);
     optimizer_ = std::make_unique<GpuOptimizer>(gpu_->parameters(), host_model().params(), gpu_->stream());
     gpu_->set_phase_clock(&clock_);
