@@ -193,10 +193,13 @@ void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16
   int32_t* sizes = state_->weight_sizes.data();
   deepgemm::write_group_sizes(sizes, compiled_groups(E), offsets_E1, E, stream);
   const CUtensorMap map_b = rows_map(b, R, N, ld_b, kBlockK, what);
+  // A group's D tiles in pairs: the scheduler hands a cluster's CTAs consecutive tiles.
+  const bool pair = M / kBlockM * ((N + kBlockN - 1) / kBlockN) % 2 == 0;
   for (int s = 0; s < sets; ++s) {
     const CUtensorMap map_d = rows_map(dw[s], E * M, N, N, kBlockM, what);
     // shape_k: the rows in all; each group's own K comes from its size.
-    launch(weight_kernel(E), shared_bytes(), stream, 1, sizes, M, N, R, rows_map(a[s], R, M, ld_a, kBlockK, what), map_b, map_d);
+    launch(weight_kernel(E, pair), shared_bytes(), stream, pair ? 2 : 1, sizes, M, N, R,
+           rows_map(a[s], R, M, ld_a, kBlockK, what), map_b, map_d);
     deepgemm::zero_empty_experts(dw[s], M * N, offsets_E1, E, stream);
   }
 }

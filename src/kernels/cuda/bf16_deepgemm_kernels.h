@@ -43,8 +43,10 @@ Kernel forward_kernel(int64_t experts, bool pairs);
 // D reduce-added (TMA) instead of stored.
 Kernel data_kernel(int64_t experts, bool pairs, bool accumulate);
 // The k-grouped layout: D_g [M, N] = A_g^T B_g with A [R, M] and B [R, N] both MN-major
-// (the expert rows themselves), group g's K its padded rows; bf16 D stored.
-Kernel weight_kernel(int64_t experts);
+// (the expert rows themselves), group g's K its padded rows; bf16 D stored; `pairs`: 2-CTA
+// clusters sharing B's tile (an even count of D tiles per group, so that a pair never
+// straddles two groups).
+Kernel weight_kernel(int64_t experts, bool pairs);
 
 // Our gate|up + SwiGLU kernel (bf16_deepgemm_swiglu.cu): (group ends, R, 2F, K, x, the
 // interleaved [w1_e; w3_e] weights in boxes of 128 rows, gate|up [R, 2F], act [R, F]).

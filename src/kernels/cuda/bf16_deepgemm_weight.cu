@@ -4,12 +4,17 @@
 namespace moe::cuda::bf16_deepgemm {
 
 namespace {
-template <uint32_t G>
+template <uint32_t kMulticast>
 struct Weight {
-  static constexpr Kernel value = kernel<G, kMN, kMN, kKGrouped, 1, false>;
+  template <uint32_t G>
+  struct Pick {
+    static constexpr Kernel value = kernel<G, kMN, kMN, kKGrouped, kMulticast, false>;
+  };
 };
 }  // namespace
 
-Kernel weight_kernel(int64_t experts) { return by_groups<Weight>(experts); }
+Kernel weight_kernel(int64_t experts, bool pairs) {
+  return pairs ? by_groups<Weight<2>::Pick>(experts) : by_groups<Weight<1>::Pick>(experts);
+}
 
 }  // namespace moe::cuda::bf16_deepgemm
