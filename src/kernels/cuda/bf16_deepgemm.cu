@@ -80,6 +80,14 @@ void check_swiglu(const char* what, int64_t R, int64_t F) {
 // the same B, which an even count of N tiles per expert guarantees.
 bool pairs(int64_t N) { return (N + kBlockN - 1) / kBlockN % 2 == 0; }
 
+// The m-grouped kernels' group ends (each expert's padded row end, in `ends`) written on
+// `stream`; null when no expert is set, so there is nothing to launch.
+int32_t* group_ends(gpu::DeviceArray<int32_t>& ends, int64_t E, const int32_t* offsets_E1, Stream stream) {
+  if (E == 0) return nullptr;
+  deepgemm::write_group_ends(ends.data(), compiled_groups(E), offsets_E1, E, kBlockM, stream);
+  return ends.data();
+}
+
 }  // namespace
 
 struct PaddedExpertGemmBf16::State {
@@ -117,9 +125,8 @@ void PaddedExpertGemmBf16::forward(int sets, bf16* const* out, int64_t ld_out, c
   MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
   for (int s = 0; s < sets; ++s) check(what, {N, K, ld_out, ld_x}, {out[s], x, w[s]});
   const int64_t E = state_->n_experts;
-  if (E == 0) return;
-  int32_t* ends = state_->forward_ends.data();
-  deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
+  int32_t* ends = group_ends(state_->forward_ends, E, offsets_E1, stream);
+  if (ends == nullptr) return;
   const Kernel k = forward_kernel(E, pairs(N));
   const CUtensorMap map_x = rows_map(x, R, K, ld_x, kBlockM, what);
   for (int s = 0; s < sets; ++s) {
@@ -136,9 +143,8 @@ void PaddedExpertGemmBf16::forward_swiglu(bf16* gate_up, bf16* act, const bf16* 
   check_swiglu(what, R, F);
   check(what, {F, K, ld_x}, {gate_up, act, x, w});
   const int64_t E = state_->n_experts;
-  if (E == 0) return;
-  int32_t* ends = state_->forward_ends.data();
-  deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
+  int32_t* ends = group_ends(state_->forward_ends, E, offsets_E1, stream);
+  if (ends == nullptr) return;
   // B: the experts' [2F, K] weights one after another, K-major, in boxes of gate's (and
   // up's) 128 rows.
   const CUtensorMap map_w = deepgemm::map_2d(kBf16, w, static_cast<uint64_t>(K), static_cast<uint64_t>(E * 2 * F),
@@ -156,9 +162,8 @@ void PaddedExpertGemmBf16::backward_data(bf16* out, int64_t ld_out, const bf16* 
   MOE_CHECKF(R > 0 && R % 4 == 0, "%s: %lld rows (a positive multiple of 4)", what, static_cast<long long>(R));
   MOE_CHECKF(beta == 0.0f || beta == 1.0f, "%s: beta %g (0: written, 1: added)", what, static_cast<double>(beta));
   const int64_t E = state_->n_experts;
-  if (E == 0) return;
-  int32_t* ends = state_->data_ends.data();
-  deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
+  int32_t* ends = group_ends(state_->data_ends, E, offsets_E1, stream);
+  if (ends == nullptr) return;
   launch(data_kernel(E, pairs(N), beta != 0.0f), shared_bytes(), stream, pairs(N) ? 2 : 1, ends, R, N, K,
          rows_map(dy, R, K, ld_dy, kBlockM, what), mn_major_weights(w, E, K, N, what),
          rows_map(out, R, N, ld_out, kBlockM, what));
@@ -172,9 +177,8 @@ void PaddedExpertGemmBf16::backward_data_swiglu(bf16* dgate_up, bf16* act, const
   check(what, {F, K, ld_dy}, {dgate_up, dy, w2, gate_up});
   MOE_CHECKF(reinterpret_cast<uintptr_t>(act) % 16 == 0, "%s: act must be 16-byte aligned", what);
   const int64_t E = state_->n_experts;
-  if (E == 0) return;
-  int32_t* ends = state_->data_ends.data();
-  deepgemm::write_group_ends(ends, compiled_groups(E), offsets_E1, E, kBlockM, stream);
+  int32_t* ends = group_ends(state_->data_ends, E, offsets_E1, stream);
+  if (ends == nullptr) return;
   launch(data_swiglu_backward_kernel_for(E, pairs(F)), swiglu_shared_bytes(), stream, pairs(F) ? 2 : 1, ends, R, F, K,
          rows_map(dy, R, K, ld_dy, kBlockM, what), mn_major_weights(w2, E, K, F, what), gate_up, dgate_up, act);
 }
