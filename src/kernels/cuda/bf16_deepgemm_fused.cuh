@@ -1,10 +1,9 @@
 // Device pieces of our fused kernels built on DeepGEMM's bf16 tiles (bf16_deepgemm_kernels.h):
 // the tile sizes, the shared memory's layout and barriers, the TMA warp's producer loop, the
 // math warp groups' mainloop, the staged output tile's swizzled addressing, bf16 pairs and
-// the warps' STSM. Included by bf16_deepgemm_swiglu_backward.cu (the down projection's data
-// gradient + SwiGLU's backward, built on the skeleton) and bf16_deepgemm_swiglu.cu (the
-// forward's gate|up + SwiGLU: the constants and helpers only; its own loop measured faster,
-// docs/KERNEL_ROADMAP.md).
+// the warps' STSM. Included by bf16_deepgemm_swiglu.cu (the forward's gate|up + SwiGLU) and
+// bf16_deepgemm_swiglu_backward.cu (the down projection's data gradient + SwiGLU's backward),
+// which differ in B's loads and major mode and in their epilogues.
 #pragma once
 #include <cuda_bf16.h>
 #include <cutlass/arch/barrier.h>

@@ -15,8 +15,6 @@
 //   reciprocals then overlap the tensor cores instead of following them.
 // act's bits are swiglu_forward's: gate and up as stored (bf16), swiglu_math.cuh's
 // expression, rounded to bf16. docs/KERNEL_ROADMAP.md, "SwiGLU in the gate|up GEMM's epilogue".
-// Its producer loop and mainloop are its own, not bf16_deepgemm_fused.cuh's `produce` and
-// `Mainloop`: built on those it measured 0.09 ms a layer slower (docs/KERNEL_ROADMAP.md).
 #include <cutlass/arch/barrier.h>
 
 #include <cute/arch/cluster_sm90.hpp>
@@ -28,7 +26,6 @@
 #include <deep_gemm/mma/sm90.cuh>
 #include <deep_gemm/ptx/ld_st.cuh>
 #include <deep_gemm/ptx/utils.cuh>
-#include <deep_gemm/ptx/wgmma.cuh>
 #include <deep_gemm/scheduler/gemm.cuh>
 
 #include "kernels/cuda/bf16_deepgemm_fused.cuh"
@@ -46,7 +43,6 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
                           const __grid_constant__ CUtensorMap map_gate_up, const __grid_constant__ CUtensorMap map_act) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using WGMMA = typename deep_gemm::mma::sm90::BF16MMASelector<kBlockN, kKMajor, kKMajor>::type;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
   static_assert(WGMMA::M == 64 && WGMMA::kNumAccum == 128, "a warp group's 64 x 256 accumulators");
   constexpr uint32_t kGroupsOf8 = WGMMA::kNumAccum / 4;  // 32: 8 columns each
   const uint32_t warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0);
@@ -54,15 +50,11 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
   const uint32_t f = n2 / 2;
 
   extern __shared__ __align__(1024) uint8_t shared[];
-  uint8_t* tile_d = shared;  // gate|up's staged tile
-  const auto tile_a = [&](uint32_t s) { return reinterpret_cast<Bf16*>(shared + kTileD + s * kTileA); };
-  const auto tile_b = [&](uint32_t s) { return reinterpret_cast<Bf16*>(shared + kTileD + kStages * kTileA + s * kTileB); };
-  uint8_t* act_atom = shared + kTileD + kStages * (kTileA + kTileB);  // one staged atom of act
-  auto* barriers = reinterpret_cast<Barrier*>(act_atom + kActAtomBytes);
-  Barrier* full = barriers;
-  Barrier* empty = barriers + kStages;
-  Barrier* tile_staged = barriers + 2 * kStages;     // the math warps' 8 arrivals a tile
-  Barrier* tile_free = barriers + 2 * kStages + 1;   // the SwiGLU warps' 3 arrivals a tile
+  const FusedShared smem{shared};
+  uint8_t* tile_d = smem.tile_d();  // gate|up's staged tile
+  uint8_t* act_atom = smem.spare();  // one staged atom of act
+  Barrier* tile_staged = smem.tile_staged();
+  Barrier* tile_free = smem.tile_free();
 
   if (warp == kMathThreads / 32 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(&map_x);
@@ -70,53 +62,27 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
     cute::prefetch_tma_descriptor(&map_gate_up);
     cute::prefetch_tma_descriptor(&map_act);
   }
-  if (warp == kMathThreads / 32 + 1 && cute::elect_one_sync()) {
-    for (uint32_t s = 0; s < kStages; ++s) {
-      full[s].init(1);
-      empty[s].init(kMulticast * kMathThreads / 32);
-    }
-    tile_staged->init(kMathThreads / 32);
-    tile_free->init(kSwigluWarps);
-    cutlass::arch::fence_barrier_init();
-  }
-  if constexpr (kMulticast > 1)
-    deep_gemm::comm::cluster_sync_with_relaxed_arrive();
-  else
-    __syncthreads();
+  init_barriers<kMulticast>(smem, warp);
 
   auto scheduler = deep_gemm::sched::Scheduler<deep_gemm::GemmType::MGroupedContiguousWithPsumLayout, kBlockM, kBlockN,
                                                kGroups, kMulticast, false, static_cast<uint32_t>(kDeepGemmSms)>(
       rows, n2, k, group_ends);
   const uint32_t k_blocks = (k + kBlockK - 1) / kBlockK;
-  uint32_t stage = 0, phase = 0, tile_phase = 0;
-  const auto advance = [&] {
-    stage = stage == kStages - 1 ? 0 : stage + 1;
-    phase ^= stage == 0;
-  };
+  uint32_t tile_phase = 0;
   uint32_t m_block = 0, n_block = 0;
 
   if (warp == kMathThreads / 32 + 2) {
     // One thread loads: x's rows, gate's 128 weight rows and up's same 128.
-    if (cute::elect_one_sync()) {
-      while (scheduler.get_next_block(m_block, n_block)) {
-        const uint32_t multicast_b = scheduler.is_tma_multicast_valid(m_block) ? kMulticast : 1;
-        const uint32_t row_x = m_block * kBlockM;
-        const uint32_t row_gate = scheduler.current_group_idx * n2 + n_block * kHalfN, row_up = row_gate + f;
-        for (uint32_t kb = 0; kb < k_blocks; ++kb, advance()) {
-          empty[stage].wait(phase ^ 1);
-          deep_gemm::tma::copy<kBlockK, kBlockM, kSwizzle, Bf16>(&map_x, &full[stage], tile_a(stage), kb * kBlockK,
-                                                                 row_x, 1);
-          deep_gemm::tma::copy<kBlockK, kHalfN, kSwizzle, Bf16>(&map_w, &full[stage], tile_b(stage), kb * kBlockK,
-                                                                row_gate, multicast_b);
-          deep_gemm::tma::copy<kBlockK, kHalfN, kSwizzle, Bf16>(&map_w, &full[stage], tile_b(stage) + kHalfN * kBlockK,
-                                                                kb * kBlockK, row_up, multicast_b);
-          full[stage].arrive_and_expect_tx(kTileA + kTileB);
-        }
-      }
-      // The peer CTA's last arrivals on our empty barriers before the cluster exits.
-      if constexpr (kMulticast > 1)
-        for (uint32_t s = 0; s < kStages; ++s, advance()) empty[stage].wait(phase ^ 1);
-    }
+    produce<kMulticast>(scheduler, smem, k_blocks,
+                        [&](uint32_t m, uint32_t n, uint32_t kb, Barrier* full, Bf16* a, Bf16* b, uint32_t multicast_b) {
+                          const uint32_t row_gate = scheduler.current_group_idx * n2 + n * kHalfN;
+                          deep_gemm::tma::copy<kBlockK, kBlockM, kSwizzle, Bf16>(&map_x, full, a, kb * kBlockK,
+                                                                                 m * kBlockM, 1);
+                          deep_gemm::tma::copy<kBlockK, kHalfN, kSwizzle, Bf16>(&map_w, full, b, kb * kBlockK,
+                                                                                row_gate, multicast_b);
+                          deep_gemm::tma::copy<kBlockK, kHalfN, kSwizzle, Bf16>(&map_w, full, b + kHalfN * kBlockK,
+                                                                                kb * kBlockK, row_gate + f, multicast_b);
+                        });
     return;
   }
 
@@ -165,39 +131,10 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
     return;
   }
 
-  const uint32_t math_group = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
-  auto a_desc = deep_gemm::mma::sm90::make_gmma_desc<kKMajor, kBlockM, kBlockK, kSwizzle>(tile_a(0), math_group * WGMMA::M, 0);
-  auto b_desc = deep_gemm::mma::sm90::make_gmma_desc<kKMajor, kBlockN, kBlockK, kSwizzle>(tile_b(0), 0, 0);
-  const uint32_t a_lo = __shfl_sync(0xffffffffu, a_desc.reg32_[0], 0);
-  const uint32_t b_lo = __shfl_sync(0xffffffffu, b_desc.reg32_[0], 0);
-
+  Mainloop<WGMMA, kKMajor, kMulticast> mainloop(smem, __shfl_sync(0xffffffffu, threadIdx.x / 128, 0));
   while (scheduler.get_next_block(m_block, n_block)) {
-    float acc[WGMMA::kNumAccum] = {0};
-    for (uint32_t kb = 0; kb < k_blocks; ++kb, advance()) {
-      const uint32_t a_base = a_lo + stage * (kTileA / 16), b_base = b_lo + stage * (kTileB / 16);
-      full[stage].wait(phase);
-#pragma unroll
-      for (uint32_t i = 0; i < WGMMA::kNumAccum; ++i) deep_gemm::ptx::warpgroup_fence_operand(acc[i]);
-      deep_gemm::ptx::warpgroup_arrive();
-#pragma unroll
-      for (uint32_t kk = 0; kk < kBlockK / WGMMA::K; ++kk) {
-        a_desc.reg32_[0] = deep_gemm::mma::sm90::advance_gmma_desc_lo<kKMajor, kBlockM, kBlockK, kSwizzle, nv_bfloat16>(
-            a_base, 0, kk * WGMMA::K);
-        b_desc.reg32_[0] = deep_gemm::mma::sm90::advance_gmma_desc_lo<kKMajor, kBlockN, kBlockK, kSwizzle, nv_bfloat16>(
-            b_base, 0, kk * WGMMA::K);
-        WGMMA::wgmma(a_desc, b_desc, acc, true);
-      }
-      deep_gemm::ptx::warpgroup_commit_batch();
-#pragma unroll
-      for (uint32_t i = 0; i < WGMMA::kNumAccum; ++i) deep_gemm::ptx::warpgroup_fence_operand(acc[i]);
-      deep_gemm::ptx::warpgroup_wait<0>();
-      if constexpr (kMulticast == 1) {
-        if (lane == 0) empty[stage].arrive();
-      } else {
-        const uint32_t target = scheduler.is_peer_cta_alive ? lane : cute::block_rank_in_cluster();
-        if (lane < kMulticast) empty[stage].arrive(target);
-      }
-    }
+    float acc[WGMMA::kNumAccum];
+    mainloop.run(acc, smem, k_blocks, scheduler, lane);
 
     // The staged tile is free: the TMA has read the last tile's gate|up out of it and the
     // SwiGLU warps their act.
