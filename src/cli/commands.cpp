@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <filesystem>
@@ -220,7 +221,8 @@ int run_bench(const BenchOptions& options) {
   if (!options.json.empty() && (config.training.cuda_graphs || options.ep_loopback))
     MOE_CONFIG_ERROR("moe bench --json needs the phase split: without training.cuda_graphs and --ep-loopback");
   const GpuBenchResult result =
-      run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout, options.ep_loopback);
+      options.no_steps ? GpuBenchResult{}
+                       : run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout, options.ep_loopback);
   if (!options.json.empty()) {
     ComputeProfile profile;
     profile.source = fmt::format("moe bench {}; {}", options.config_path, build_info());
@@ -231,7 +233,20 @@ int run_bench(const BenchOptions& options) {
     write_file_atomic(options.json, compute_profile_json(profile));
     fmt::print("compute profile written to {}\n", options.json);
   }
-  if (options.kernels) run_kernel_bench(config, std::cout, options.sustain_ms);
+  if (options.kernels) {
+    KernelBenchOptions kernels{.sustain_ms = static_cast<double>(options.sustain_ms)};
+    if (!options.kernel_sections.empty()) {
+      const auto has = [&](const char* name) {
+        return std::find(options.kernel_sections.begin(), options.kernel_sections.end(), name) !=
+               options.kernel_sections.end();
+      };
+      kernels.gemms = has("gemms");
+      kernels.swiglu = has("swiglu");
+      kernels.wgrad = has("wgrad");
+      kernels.fp8 = has("fp8");
+    }
+    run_kernel_bench(config, std::cout, kernels);
+  }
   return 0;
 #else
   MOE_CONFIG_ERROR("moe bench times the GPU path, and this build has no CUDA backend");

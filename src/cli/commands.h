@@ -37,6 +37,8 @@ struct BenchOptions {
   int timed_steps = 10;
   bool kernels = false;  // also time the expert GEMMs one by one
   int sustain_ms = 0;  // > 0: each of them back to back for this long instead (its rate under the power limit)
+  bool no_steps = false;  // --kernels only: no training steps timed first
+  std::vector<std::string> kernel_sections;  // the parts of --kernels to run (empty: all)
   bool ep_loopback = false;  // through the expert-parallel path over this one GPU
   std::string json;          // also write the phase times as a compute profile (docs/SIMULATOR.md)
   std::vector<std::string> overrides;

@@ -140,8 +140,21 @@ int main(int argc, char** argv) {
                    "board's power limit, with the clock and power)")
       ->check(CLI::Range(0, 600000))
       ->needs(kernels_flag);
-  bench_cmd->add_option("--json", bench.json,
-                        "Also write the phase times as a compute profile JSON (moe plan --simulate --compute)");
+  CLI::Option* no_steps_flag =
+      bench_cmd->add_flag("--no-steps", bench.no_steps, "With --kernels: time the kernels only, no training steps first")
+          ->needs(kernels_flag);
+  bench_cmd
+      ->add_option("--kernel-sections", bench.kernel_sections,
+                   "With --kernels: only these parts, comma-separated: gemms (the six expert GEMMs), swiglu (our "
+                   "fused SwiGLU kernels against GEMM + pass), wgrad (the gate|up weight gradient's output variants), "
+                   "fp8 (the fp8 section)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"gemms", "swiglu", "wgrad", "fp8"}))
+      ->needs(kernels_flag);
+  bench_cmd
+      ->add_option("--json", bench.json,
+                   "Also write the phase times as a compute profile JSON (moe plan --simulate --compute)")
+      ->excludes(no_steps_flag);
   bench_cmd->add_flag("--ep-loopback", bench.ep_loopback,
                       "Run the expert-parallel path over this one GPU (exchanges as device copies): its own cost");
   bench_cmd->allow_extras();

@@ -134,5 +134,18 @@ TEST_F(CliInput, BenchSustainNeedsKernelsAndATime) {
                         {"--sustain-ms", "-5", "not in range 0 to 600000"});
 }
 
+// moe bench --no-steps and --kernel-sections narrow --kernels: alone, with --json (which needs
+// the steps' phases) or with a section that does not exist, one line.
+TEST_F(CliInput, BenchKernelOptionsNeedKernelsAndKnownSections) {
+  const std::string bench = "bench -c " + p("tiny.toml");
+  expect_one_line_error(run_moe(bench + " --no-steps"), 2, {"--no-steps requires --kernels"});
+  expect_one_line_error(run_moe(bench + " --kernel-sections swiglu"), 2, {"--kernel-sections requires --kernels"});
+  expect_one_line_error(run_moe(bench + " --kernels --kernel-sections gemms,fp9"), 2,
+                        {"--kernel-sections", "fp9", "gemms,swiglu,wgrad,fp8"});
+  expect_one_line_error(run_moe(bench + " --kernels --no-steps --json " + p("profile.json")), 2,
+                        {"--no-steps excludes --json"});
+  EXPECT_FALSE(fs::exists(dir_ / "profile.json"));
+}
+
 }  // namespace
 }  // namespace moe::test

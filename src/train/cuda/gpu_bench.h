@@ -31,7 +31,13 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
 // beside the bf16 ones and the quantisation kernels (kernel_bench_fp8.cpp). sustain_ms > 0:
 // instead, CUTLASS's and DeepGEMM's expert GEMMs and the dense GEMM each run back to back for
 // that long (bench::SustainedTimer): their rates under the board's power limit, with the
-// clock and power; the fp8 section's kernels timed the same way.
-void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain_ms = 0);
+// clock and power; the fp8 section's kernels timed the same way. The sections run can be
+// chosen (`--kernel-sections`): the six expert GEMMs, our fused SwiGLU kernels against the
+// GEMM + pass they replace, the gate|up weight gradient's output variants, the fp8 section.
+struct KernelBenchOptions {
+  double sustain_ms = 0;
+  bool gemms = true, swiglu = true, wgrad = true, fp8 = true;
+};
+void run_kernel_bench(const RunConfig& config, std::ostream& out, const KernelBenchOptions& options = {});
 
 }  // namespace moe

@@ -124,7 +124,8 @@ void print_sustained(const std::vector<GemmCase>& cases, const std::string& head
 
 }  // namespace
 
-void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain_ms) {
+void run_kernel_bench(const RunConfig& config, std::ostream& out, const KernelBenchOptions& options) {
+  const double sustain_ms = options.sustain_ms;
   const ModelConfig& mc = config.model;
   const int64_t T = config.training.micro_batch * mc.seq_len, D = mc.dim, E = mc.moe.n_experts, K = mc.moe.top_k,
                 F = mc.moe.expert_hidden;
@@ -269,16 +270,17 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain
                   K, D, F, padded.empty() ? "" : fmt::format("; DeepGEMM over {} padded rows", padded.back()));
   if (sustain_ms > 0) {
     bench::SustainedTimer timer(sustain_ms);
-    print_sustained(cases, header, timer, sustain_ms, dense, mnk, dense_name, out);
+    if (options.gemms) print_sustained(cases, header, timer, sustain_ms, dense, mnk, dense_name, out);
+    if (!options.fp8) return;
     fmt::print(out, "fp8 section: each kernel back to back for {:.0f} ms (the median of the second half)\n", sustain_ms);
     run_fp8_kernel_bench(config, out, [&](const std::function<void()>& launch) { return timer.ms(launch); });
     return;
   }
-  print_warm(cases, header, median_ms(dense), mnk, dense_name, out);
+  if (options.gemms) print_warm(cases, header, median_ms(dense), mnk, dense_name, out);
   // The gate|up forward over interleaved [w1_e; w3_e] weights (training.interleave_gate_up)
   // then the SwiGLU pass, against our kernel with SwiGLU in the epilogue
   // (training.swiglu_in_gemm).
-  if (deepgemm && F % cuda::PaddedExpertGemmBf16::kSwigluColumns == 0) {
+  if (options.swiglu && deepgemm && F % cuda::PaddedExpertGemmBf16::kSwigluColumns == 0) {
     auto w13_joined = filled<bf16>(E * 2 * F * D, 0.02f, 14);
     const int32_t* P = padded_d.data();
     bf16* joined_out[1] = {gate_up.data()};
@@ -318,18 +320,22 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out, double sustain
   }
   // The gate|up weight gradient in each output type, beta 1 and beta 0 (a step's first
   // micro-batch: no read of the old gradient), grouped only.
-  fmt::print(out, "  wgrad gate|up variants (grouped):");
-  for (const bool bf16_out : {false, true})
-    for (const float beta : {1.0f, 0.0f}) {
-      const double ms = median_ms([&] {
-        if (bf16_out) grouped.backward_weight(2, h13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
-        else grouped.backward_weight(2, g13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
-      });
-      fmt::print(out, " {} beta {:.0f} {:.3f} ms ({:.0f} TFLOP/s);", bf16_out ? "bf16" : "fp32", beta, ms,
-                 2 * mnk / ms / 1e9);
-    }
-  fmt::print(out, "\n");
-  run_fp8_kernel_bench(config, out, median_ms);
+  if (options.wgrad) {
+    fmt::print(out, "  wgrad gate|up variants (grouped):");
+    for (const bool bf16_out : {false, true})
+      for (const float beta : {1.0f, 0.0f}) {
+        const double ms = median_ms([&] {
+          if (bf16_out)
+            grouped.backward_weight(2, h13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
+          else
+            grouped.backward_weight(2, g13, gu_in, 2 * F, x.data(), D, offsets_d.data(), F, D, stream, beta);
+        });
+        fmt::print(out, " {} beta {:.0f} {:.3f} ms ({:.0f} TFLOP/s);", bf16_out ? "bf16" : "fp32", beta, ms,
+                   2 * mnk / ms / 1e9);
+      }
+    fmt::print(out, "\n");
+  }
+  if (options.fp8) run_fp8_kernel_bench(config, out, median_ms);
 }
 
 }  // namespace moe
