@@ -248,7 +248,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(PaddedCase{{0, 37, 0, 300, 1, 129, 0}, 12, 512, 384},  // empty first, middle and last
                       PaddedCase{{256, 256, 256, 256}, 0, 256, 256},         // even, tile-aligned
                       PaddedCase{{130, 7, 300}, 4, 768, 192},                // N: 3 tiles (no clusters)
-                      PaddedCase{{90, 0, 260}, 0, 384, 192},  // weight gradient: 3 D tiles a group (no clusters)
+                      PaddedCase{{90, 0, 260}, 0, 384, 192},  // weight gradient: 3 row tiles (no clusters)
                       PaddedCase{std::vector<int32_t>(16, 0), 8, 128, 128},  // every expert empty
                       PaddedCase{[] {
                                    std::vector<int32_t> rows(64);

@@ -197,8 +197,10 @@ void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16
   int32_t* sizes = state_->weight_sizes.data();
   deepgemm::write_group_sizes(sizes, compiled_groups(E), offsets_E1, E, stream);
   const CUtensorMap map_b = rows_map(b, R, N, ld_b, kBlockK, what);
-  // A group's D tiles in pairs: the scheduler hands a cluster's CTAs consecutive tiles.
-  const bool pair = M / kBlockM * ((N + kBlockN - 1) / kBlockN) % 2 == 0;
+  // A cluster's two CTAs take consecutive row tiles of one column of D (the scheduler's
+  // swizzle groups row tiles by 8 or 16): an even count of row tiles keeps every pair inside
+  // one group and one swizzle group.
+  const bool pair = M / kBlockM % 2 == 0;
   for (int s = 0; s < sets; ++s) {
     const CUtensorMap map_d = rows_map(dw[s], E * M, N, N, kBlockM, what);
     // shape_k: the rows in all; each group's own K comes from its size.

@@ -44,8 +44,8 @@ Kernel forward_kernel(int64_t experts, bool pairs);
 Kernel data_kernel(int64_t experts, bool pairs, bool accumulate);
 // The k-grouped layout: D_g [M, N] = A_g^T B_g with A [R, M] and B [R, N] both MN-major
 // (the expert rows themselves), group g's K its padded rows; bf16 D stored; `pairs`: 2-CTA
-// clusters sharing B's tile (an even count of D tiles per group, so that a pair never
-// straddles two groups).
+// clusters sharing B's tile (an even count of D's row tiles, so that a pair never straddles
+// two groups).
 Kernel weight_kernel(int64_t experts, bool pairs);
 
 // Our gate|up + SwiGLU kernel (bf16_deepgemm_swiglu.cu): (group ends, R, 2F, K, x, the
