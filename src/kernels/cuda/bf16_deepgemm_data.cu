@@ -4,18 +4,21 @@
 namespace moe::cuda::bf16_deepgemm {
 
 namespace {
-template <uint32_t kMulticast, bool kAccumulate>
+template <bool kAccumulate>
 struct Data {
-  template <uint32_t G>
-  struct Pick {
-    static constexpr Kernel value = kernel<G, kK, kMN, kPsum, kMulticast, kAccumulate>;
+  template <uint32_t kMulticast>
+  struct ByCluster {
+    template <uint32_t G>
+    struct Pick {
+      static constexpr Kernel value = kernel<G, kK, kMN, kPsum, kMulticast, kAccumulate>;
+    };
   };
 };
 }  // namespace
 
 Kernel data_kernel(int64_t experts, bool pairs, bool accumulate) {
-  if (accumulate) return pairs ? by_groups<Data<2, true>::Pick>(experts) : by_groups<Data<1, true>::Pick>(experts);
-  return pairs ? by_groups<Data<2, false>::Pick>(experts) : by_groups<Data<1, false>::Pick>(experts);
+  return accumulate ? by_groups_and_cluster<Data<true>::ByCluster>(experts, pairs)
+                    : by_groups_and_cluster<Data<false>::ByCluster>(experts, pairs);
 }
 
 }  // namespace moe::cuda::bf16_deepgemm

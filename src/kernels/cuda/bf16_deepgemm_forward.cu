@@ -13,8 +13,6 @@ struct Forward {
 };
 }  // namespace
 
-Kernel forward_kernel(int64_t experts, bool pairs) {
-  return pairs ? by_groups<Forward<2>::Pick>(experts) : by_groups<Forward<1>::Pick>(experts);
-}
+Kernel forward_kernel(int64_t experts, bool pairs) { return by_groups_and_cluster<Forward>(experts, pairs); }
 
 }  // namespace moe::cuda::bf16_deepgemm

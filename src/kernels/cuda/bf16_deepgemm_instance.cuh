@@ -28,6 +28,13 @@ std::remove_cv_t<decltype(Pick<8>::value)> by_groups(int64_t experts) {
   }
 }
 
+// The same for kernels compiled with and without 2-CTA clusters (`pairs`):
+// ByCluster<kMulticast>::Pick<G>::value.
+template <template <uint32_t> class ByCluster>
+auto by_groups_and_cluster(int64_t experts, bool pairs) {
+  return pairs ? by_groups<ByCluster<2>::template Pick>(experts) : by_groups<ByCluster<1>::template Pick>(experts);
+}
+
 constexpr auto kK = cute::UMMA::Major::K, kMN = cute::UMMA::Major::MN;
 constexpr auto kPsum = deep_gemm::GemmType::MGroupedContiguousWithPsumLayout;
 constexpr auto kKGrouped = deep_gemm::GemmType::KGroupedContiguous;

@@ -161,9 +161,9 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
 }
 
 template <uint32_t kMulticast>
-struct Pick {
+struct GateUpSwiglu {
   template <uint32_t G>
-  struct By {
+  struct Pick {
     static constexpr SwigluKernel value = &gate_up_swiglu_kernel<G, kMulticast>;
   };
 };
@@ -171,7 +171,7 @@ struct Pick {
 }  // namespace
 
 SwigluKernel gate_up_swiglu_kernel_for(int64_t experts, bool pairs) {
-  return pairs ? by_groups<Pick<2>::By>(experts) : by_groups<Pick<1>::By>(experts);
+  return by_groups_and_cluster<GateUpSwiglu>(experts, pairs);
 }
 
 }  // namespace moe::cuda::bf16_deepgemm

@@ -150,9 +150,9 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
 }
 
 template <uint32_t kMulticast>
-struct Pick {
+struct DataSwigluBackward {
   template <uint32_t G>
-  struct By {
+  struct Pick {
     static constexpr SwigluBackwardKernel value = &data_swiglu_backward_kernel<G, kMulticast>;
   };
 };
@@ -160,7 +160,7 @@ struct Pick {
 }  // namespace
 
 SwigluBackwardKernel data_swiglu_backward_kernel_for(int64_t experts, bool pairs) {
-  return pairs ? by_groups<Pick<2>::By>(experts) : by_groups<Pick<1>::By>(experts);
+  return by_groups_and_cluster<DataSwigluBackward>(experts, pairs);
 }
 
 }  // namespace moe::cuda::bf16_deepgemm

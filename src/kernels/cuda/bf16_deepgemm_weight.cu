@@ -13,8 +13,6 @@ struct Weight {
 };
 }  // namespace
 
-Kernel weight_kernel(int64_t experts, bool pairs) {
-  return pairs ? by_groups<Weight<2>::Pick>(experts) : by_groups<Weight<1>::Pick>(experts);
-}
+Kernel weight_kernel(int64_t experts, bool pairs) { return by_groups_and_cluster<Weight>(experts, pairs); }
 
 }  // namespace moe::cuda::bf16_deepgemm
