@@ -7,7 +7,7 @@
 # Usage: bench/ab_kernels.sh MOE_A MOE_B CONFIG SECTIONS [--section.key=value ...]
 #   SECTIONS: comma-separated, of gemms, swiglu, wgrad, fp8 (moe bench --kernel-sections).
 #   A_ENV / B_ENV (environment): NAME=VALUE words set for one side only, e.g.
-#   B_ENV=MOE_SWIGLU_BACKWARD_MATH_ROWS=16 with MOE_A = MOE_B. OUT: where the logs go.
+#   B_ENV=NAME=VALUE with MOE_A = MOE_B (a variable the binary reads). OUT: where the logs go.
 set -euo pipefail
 if [[ $# -lt 4 ]]; then
   echo "usage: $0 MOE_A MOE_B CONFIG SECTIONS [--section.key=value ...]" >&2
