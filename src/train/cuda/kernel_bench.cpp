@@ -17,6 +17,7 @@
 #include "core/error.h"
 #include "core/gpu.h"
 #include "kernels/gpu_ops.h"
+#include "model/gpu_buffer_sizes.h"
 #include "train/cuda/gpu_bench.h"
 #include "train/cuda/kernel_bench_util.h"
 
@@ -280,7 +281,7 @@ void run_kernel_bench(const RunConfig& config, std::ostream& out, const KernelBe
   // The gate|up forward over interleaved [w1_e; w3_e] weights (training.interleave_gate_up)
   // then the SwiGLU pass, against our kernel with SwiGLU in the epilogue
   // (training.swiglu_in_gemm).
-  if (options.swiglu && deepgemm && F % cuda::PaddedExpertGemmBf16::kSwigluColumns == 0) {
+  if (options.swiglu && deepgemm && swiglu_in_gemm_fits(F)) {
     auto w13_joined = filled<bf16>(E * 2 * F * D, 0.02f, 14);
     const int32_t* P = padded_d.data();
     bf16* joined_out[1] = {gate_up.data()};
