@@ -9,17 +9,10 @@
 #   A_ENV / B_ENV (environment): NAME=VALUE words set for one side only, e.g.
 #   B_ENV=NAME=VALUE with MOE_A = MOE_B (a variable the binary reads). OUT: where the logs go.
 set -euo pipefail
-if [[ $# -lt 4 ]]; then
-  echo "usage: $0 MOE_A MOE_B CONFIG SECTIONS [--section.key=value ...]" >&2
-  exit 2
-fi
-moe_a=$1 moe_b=$2 config=$3 sections=$4
+source "$(dirname "$0")/ab_common.sh"
+ab_start 4 "MOE_A MOE_B CONFIG SECTIONS [--section.key=value ...]" "$@"
+sections=$4
 shift 4
-for b in "$moe_a" "$moe_b"; do [[ -x $b ]] || { echo "$0: $b is not an executable" >&2; exit 2; }; done
-[[ -f $config ]] || { echo "$0: no config $config" >&2; exit 2; }
-rounds=${ROUNDS:-2}
-out=${OUT:-$(mktemp -d)}
-mkdir -p "$out"
 read -r -a a_env <<<"${A_ENV:-}"
 read -r -a b_env <<<"${B_ENV:-}"
 for ((i = 1; i <= rounds; ++i)); do

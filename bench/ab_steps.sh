@@ -8,17 +8,9 @@
 #   A_ARGS / B_ARGS (environment): overrides for one side only, e.g. to compare two modes
 #   of one binary (MOE_A = MOE_B). OUT (environment): where the logs go (default a temp dir).
 set -euo pipefail
-if [[ $# -lt 3 ]]; then
-  echo "usage: $0 MOE_A MOE_B CONFIG [--section.key=value ...]" >&2
-  exit 2
-fi
-moe_a=$1 moe_b=$2 config=$3
+source "$(dirname "$0")/ab_common.sh"
+ab_start 3 "MOE_A MOE_B CONFIG [--section.key=value ...]" "$@"
 shift 3
-for b in "$moe_a" "$moe_b"; do [[ -x $b ]] || { echo "$0: $b is not an executable" >&2; exit 2; }; done
-[[ -f $config ]] || { echo "$0: no config $config" >&2; exit 2; }
-rounds=${ROUNDS:-2}
-out=${OUT:-$(mktemp -d)}
-mkdir -p "$out"
 read -r -a a_args <<<"${A_ARGS:-}"
 read -r -a b_args <<<"${B_ARGS:-}"
 declare -A sum=([A]=0 [B]=0)
@@ -29,8 +21,8 @@ for ((i = 1; i <= rounds; ++i)); do
     "$moe" bench -c "$config" "$@" "${args[@]}" >"$log" 2>&1 || { echo "$side $i failed:"; tail -5 "$log"; exit 1; }
     median=$(sed -nE 's/^steps:.*median ([0-9.]+) ms.*/\1/p' "$log")
     loss=$(sed -nE 's/^steps:.*last loss ([0-9.e+-]+).*/\1/p' "$log")
-    mfu=$(grep -oE 'MFU [0-9.]+%' "$log" | head -1)
-    clock=$(grep -oE 'SM clock [0-9]+ MHz mean' "$log" | head -1)
+    mfu=$(grep -oE 'MFU [0-9.]+%' "$log" | head -1 || true)
+    clock=$(grep -oE 'SM clock [0-9]+ MHz mean' "$log" | head -1 || true)
     memory=$(sed -nE 's/^device memory in use: (.*)/\1/p' "$log")
     echo "$side $i: ${median:-?} ms | ${mfu:-?} | ${clock:-no clock} | ${memory:-?} | last loss ${loss:-?}"
     sum[$side]=$(awk -v s="${sum[$side]}" -v m="${median:-0}" 'BEGIN { print s + m }')
