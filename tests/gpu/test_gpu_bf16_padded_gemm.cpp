@@ -250,6 +250,9 @@ INSTANTIATE_TEST_SUITE_P(
                       PaddedCase{{130, 7, 300}, 4, 768, 192},                // N: 3 tiles (no clusters)
                       PaddedCase{{90, 0, 260}, 0, 384, 192},  // weight gradient: 3 row tiles (no clusters)
                       PaddedCase{std::vector<int32_t>(16, 0), 8, 128, 128},  // every expert empty
+                      // K = 2048 and 1024: the fused SwiGLU backward's math warps take 16 and
+                      // 32 rows of a tile (32 at the K above too)
+                      PaddedCase{{200, 57}, 0, 256, 2048}, PaddedCase{{129, 0, 300}, 4, 384, 1024},
                       PaddedCase{[] {
                                    std::vector<int32_t> rows(64);
                                    for (int e = 0; e < 64; ++e) rows[e] = (e * 37) % 97;

@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <initializer_list>
 
 #include "core/error_base.h"
@@ -179,8 +180,13 @@ void PaddedExpertGemmBf16::backward_data_swiglu(bf16* dgate_up, bf16* act, const
   const int64_t E = state_->n_experts;
   int32_t* ends = group_ends(state_->data_ends, E, offsets_E1, stream);
   if (ends == nullptr) return;
+  // The staged tile's first rows the math warps take themselves, so that the SwiGLU warps'
+  // share fits inside the next tile's mainloop (~K long): 16 at K >= 2048, 32 at K <= 1024,
+  // the fastest of 0-48 on an H100 (BENCHMARKS.md, 2026-12-06); other counts are untested.
+  const auto math_rows = static_cast<uint32_t>(std::clamp<int64_t>(32768 / K / 8 * 8, 16, 32));
   launch(data_swiglu_backward_kernel_for(E, pairs(F)), swiglu_shared_bytes(), stream, pairs(F) ? 2 : 1, ends, R, F, K,
-         rows_map(dy, R, K, ld_dy, kBlockM, what), mn_major_weights(w2, E, K, F, what), gate_up, dgate_up, act);
+         rows_map(dy, R, K, ld_dy, kBlockM, what), mn_major_weights(w2, E, K, F, what), gate_up, dgate_up, act,
+         math_rows);
 }
 
 void PaddedExpertGemmBf16::backward_weight(int sets, bf16* const* dw, const bf16* const* a, int64_t ld_a,

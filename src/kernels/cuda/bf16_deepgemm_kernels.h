@@ -53,9 +53,10 @@ Kernel weight_kernel(int64_t experts, bool pairs);
 using SwigluKernel = void (*)(int*, uint32_t, uint32_t, uint32_t, CUtensorMap, CUtensorMap, CUtensorMap, CUtensorMap);
 SwigluKernel gate_up_swiglu_kernel_for(int64_t experts, bool pairs);
 // Our down-projection data gradient + SwiGLU backward kernel (bf16_deepgemm_swiglu_backward.cu):
-// (group ends, R, F, K = D, dy, W2 [E][D][F] in boxes of 64 x 64, gate|up, d gate|up, act or null).
+// (group ends, R, F, K = D, dy, W2 [E][D][F] in boxes of 64 x 64, gate|up, d gate|up, act or null,
+// the rows of a tile the math warps take: a multiple of 8, at most 128).
 using SwigluBackwardKernel = void (*)(int*, uint32_t, uint32_t, uint32_t, CUtensorMap, CUtensorMap, const bf16*, bf16*,
-                                      bf16*);
+                                      bf16*, uint32_t);
 SwigluBackwardKernel data_swiglu_backward_kernel_for(int64_t experts, bool pairs);
 
 }  // namespace moe::cuda::bf16_deepgemm

@@ -32,7 +32,7 @@ namespace {
 
 constexpr auto kMNMajor = cute::UMMA::Major::MN;
 constexpr uint32_t kChunksPerRow = kBlockN / 8;  // 16-byte chunks of the staged tile's rows
-constexpr uint32_t kLoadBatch = 8;                // chunks a SwiGLU thread loads before it computes
+constexpr uint32_t kLoadBatch = 8;                // chunks a SwiGLU warp's thread loads before it computes
 
 // 8 bf16 of a uint4 as floats, and back.
 __device__ __forceinline__ void unpack_chunk(const uint4& v, float (&out)[8]) {
@@ -44,11 +44,50 @@ __device__ __forceinline__ uint4 pack_chunk(const float (&in)[8]) {
   return make_uint4(bf16_pair(in[0], in[1]), bf16_pair(in[2], in[3]), bf16_pair(in[4], in[5]), bf16_pair(in[6], in[7]));
 }
 
+// SwiGLU's backward over chunks [begin, end) of the staged d act tile (chunk c: row c / 32,
+// columns 8 (c % 32) .. + 7) by kThreads threads, thread t taking every kThreads-th chunk:
+// kBatch chunks' gate and up loads in flight before any is used.
+template <uint32_t kThreads, uint32_t kBatch>
+__device__ __forceinline__ void swiglu_backward_chunks(uint32_t begin, uint32_t end, uint32_t t, const uint8_t* tile_d,
+                                                       uint32_t m_block, uint32_t n_block, uint32_t rows, uint32_t f,
+                                                       const bf16* __restrict__ gate_up, bf16* __restrict__ dgate_up,
+                                                       bf16* __restrict__ act) {
+  const int64_t ld = 2 * static_cast<int64_t>(f);
+  for (uint32_t first = begin; first < end; first += kBatch * kThreads) {
+    uint4 gate[kBatch], up[kBatch];
+#pragma unroll
+    for (uint32_t j = 0; j < kBatch; ++j) {
+      const uint32_t c = first + j * kThreads + t, col = n_block * kBlockN + (c % kChunksPerRow) * 8;
+      const int64_t row = static_cast<int64_t>(m_block) * kBlockM + c / kChunksPerRow;
+      if (c >= end || col >= f || row >= rows) continue;
+      gate[j] = __ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + col));
+      up[j] = __ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + f + col));
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < kBatch; ++j) {
+      const uint32_t c = first + j * kThreads + t, r = c / kChunksPerRow, chunk = c % kChunksPerRow;
+      const uint32_t col = n_block * kBlockN + chunk * 8;
+      const int64_t row = static_cast<int64_t>(m_block) * kBlockM + r;
+      if (c >= end || col >= f || row >= rows) continue;
+      const uint32_t at = (chunk / 8) * kActAtomBytes + r * kSwizzle + (((chunk % 8) ^ (r % 8)) * 16);
+      float da[8], g[8], u[8], a[8], dg[8], du[8];
+      unpack_chunk(*reinterpret_cast<const uint4*>(tile_d + at), da);
+      unpack_chunk(gate[j], g);
+      unpack_chunk(up[j], u);
+      swiglu_value_and_grads_n(g, u, da, a, dg, du);
+      *reinterpret_cast<uint4*>(dgate_up + row * ld + col) = pack_chunk(dg);
+      *reinterpret_cast<uint4*>(dgate_up + row * ld + f + col) = pack_chunk(du);
+      if (act) *reinterpret_cast<uint4*>(act + row * f + col) = pack_chunk(a);
+    }
+  }
+}
+
 template <uint32_t kGroups, uint32_t kMulticast>
 __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
     data_swiglu_backward_kernel(int* group_ends, uint32_t rows, uint32_t f, uint32_t k,
                                 const __grid_constant__ CUtensorMap map_dy, const __grid_constant__ CUtensorMap map_w2,
-                                const bf16* __restrict__ gate_up, bf16* __restrict__ dgate_up, bf16* __restrict__ act) {
+                                const bf16* __restrict__ gate_up, bf16* __restrict__ dgate_up, bf16* __restrict__ act,
+                                uint32_t math_rows) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   using WGMMA = typename deep_gemm::mma::sm90::BF16MMASelector<kBlockN, kKMajor, kMNMajor>::type;
   static_assert(WGMMA::M == 64 && WGMMA::kNumAccum == 128, "a warp group's 64 x 256 accumulators");
@@ -89,42 +128,15 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
   }
 
   if (warp >= kMathThreads / 32) {
-    // The SwiGLU warps: chunk c of the tile is row c / 32, columns 8 (c % 32) .. + 7.
+    // The SwiGLU warps: the staged tile's rows from math_rows on (the math warps take the
+    // first math_rows themselves).
     const uint32_t t = swiglu_thread(warp, lane);
-    const int64_t ld = 2 * static_cast<int64_t>(f);
     if (lane == 0) tile_free->arrive();  // the staged tile starts free
     while (scheduler.get_next_block(m_block, n_block)) {
       tile_staged->wait(tile_phase);
       tile_phase ^= 1;
-      // kLoadBatch chunks' gate and up loads in flight before any is used: the three warps
-      // alone must keep ~the tile's 128 KB of gate|up coming while the mainloop runs.
-      for (uint32_t first = 0; first < kBlockM * kChunksPerRow; first += kLoadBatch * kSwigluWarps * 32) {
-        uint4 gate[kLoadBatch], up[kLoadBatch];
-#pragma unroll
-        for (uint32_t j = 0; j < kLoadBatch; ++j) {
-          const uint32_t c = first + j * kSwigluWarps * 32 + t, col = n_block * kBlockN + (c % kChunksPerRow) * 8;
-          const int64_t row = static_cast<int64_t>(m_block) * kBlockM + c / kChunksPerRow;
-          if (c >= kBlockM * kChunksPerRow || col >= f || row >= rows) continue;
-          gate[j] = __ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + col));
-          up[j] = __ldg(reinterpret_cast<const uint4*>(gate_up + row * ld + f + col));
-        }
-#pragma unroll
-        for (uint32_t j = 0; j < kLoadBatch; ++j) {
-          const uint32_t c = first + j * kSwigluWarps * 32 + t, r = c / kChunksPerRow, chunk = c % kChunksPerRow;
-          const uint32_t col = n_block * kBlockN + chunk * 8;
-          const int64_t row = static_cast<int64_t>(m_block) * kBlockM + r;
-          if (c >= kBlockM * kChunksPerRow || col >= f || row >= rows) continue;
-          const uint32_t at = (chunk / 8) * kActAtomBytes + r * kSwizzle + (((chunk % 8) ^ (r % 8)) * 16);
-          float da[8], g[8], u[8], a[8], dg[8], du[8];
-          unpack_chunk(*reinterpret_cast<const uint4*>(tile_d + at), da);
-          unpack_chunk(gate[j], g);
-          unpack_chunk(up[j], u);
-          swiglu_value_and_grads_n(g, u, da, a, dg, du);
-          *reinterpret_cast<uint4*>(dgate_up + row * ld + col) = pack_chunk(dg);
-          *reinterpret_cast<uint4*>(dgate_up + row * ld + f + col) = pack_chunk(du);
-          if (act) *reinterpret_cast<uint4*>(act + row * f + col) = pack_chunk(a);
-        }
-      }
+      swiglu_backward_chunks<kSwigluWarps * 32, kLoadBatch>(math_rows * kChunksPerRow, kBlockM * kChunksPerRow, t,
+                                                            tile_d, m_block, n_block, rows, f, gate_up, dgate_up, act);
       __syncwarp();
       if (lane == 0) tile_free->arrive();  // the staged tile read out: the next epilogue may write it
     }
@@ -139,12 +151,18 @@ __global__ void __launch_bounds__(kTmaThreads + kMathThreads, 1)
     // warps have read the last one out.
     tile_free->wait(tile_phase);
     tile_phase ^= 1;
+    // Every math warp done with its rows of the last tile before any overwrites it.
+    if (math_rows > 0) cutlass::arch::NamedBarrier::sync(kMathThreads, 0);
 #pragma unroll
     for (uint32_t i = 0; i < kGroupsOf8; ++i)
       stsm_x2(staged_at(tile_d, warp, lane, i), bf16_pair(acc[i * 4 + 0], acc[i * 4 + 1]),
               bf16_pair(acc[i * 4 + 2], acc[i * 4 + 3]));
     cutlass::arch::NamedBarrier::sync(kMathThreads, 0);
     if (lane == 0) tile_staged->arrive();
+    // The first math_rows rows of the tile by the math warps themselves (their accumulators
+    // are in the staged tile now), so that the SwiGLU warps' share fits in the next mainloop.
+    swiglu_backward_chunks<kMathThreads, 4>(0, math_rows * kChunksPerRow, threadIdx.x, tile_d, m_block, n_block, rows,
+                                            f, gate_up, dgate_up, act);
   }
 #endif
 }
