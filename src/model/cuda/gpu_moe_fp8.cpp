@@ -236,7 +236,8 @@ void GpuTransformer::State::expert_backward_weight(Layer& layer, const MoEBuffer
 bool GpuTransformer::State::deepgemm_weight_gradients(const Layer& layer) const {
   // DeepGEMM's k-grouped kernel beat CUTLASS's at mixtral-mini's 8 experts of ~4,096 rows
   // and lost at olmoe-mini's 64 of ~4,096 (BENCHMARKS.md, "DeepGEMM's bf16 kernel at our
-  // expert shapes").
+  // expert shapes"; again on 2-CTA clusters, +2.8 ms a step: "The SwiGLU backward's rows
+  // split with the math warps").
   return padded_expert_gemm_bf16 && local_experts(layer) <= cuda::PaddedExpertGemmBf16::kWeightGradientExperts;
 }
 
