@@ -182,7 +182,8 @@ void PaddedExpertGemmBf16::backward_data_swiglu(bf16* dgate_up, bf16* act, const
   if (ends == nullptr) return;
   // The staged tile's first rows the math warps take themselves, so that the SwiGLU warps'
   // share fits inside the next tile's mainloop (~K long): 16 at K >= 2048, 32 at K <= 1024,
-  // the fastest of 0-48 on an H100 (BENCHMARKS.md, 2026-12-06); other counts are untested.
+  // the fastest measured on an H100 (mixtral-mini's of 0-48 rows, olmoe-mini's of 0-32;
+  // BENCHMARKS.md, 2026-12-06); other counts are not run by the tests.
   const auto math_rows = static_cast<uint32_t>(std::clamp<int64_t>(32768 / K / 8 * 8, 16, 32));
   launch(data_swiglu_backward_kernel_for(E, pairs(F)), swiglu_shared_bytes(), stream, pairs(F) ? 2 : 1, ends, R, F, K,
          rows_map(dy, R, K, ld_dy, kBlockM, what), mn_major_weights(w2, E, K, F, what), gate_up, dgate_up, act,
