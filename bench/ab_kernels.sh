@@ -9,7 +9,7 @@
 #   A_ENV / B_ENV (environment): NAME=VALUE words set for one side only, e.g.
 #   B_ENV=NAME=VALUE with MOE_A = MOE_B (a variable the binary reads). OUT: where the logs go.
 set -euo pipefail
-source "$(dirname "$0")/ab_common.sh"
+source "$(dirname "$0")/common.sh"
 ab_start 4 "MOE_A MOE_B CONFIG SECTIONS [--section.key=value ...]" "$@"
 sections=$4
 shift 4

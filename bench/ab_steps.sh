@@ -8,7 +8,7 @@
 #   A_ARGS / B_ARGS (environment): overrides for one side only, e.g. to compare two modes
 #   of one binary (MOE_A = MOE_B). OUT (environment): where the logs go (default a temp dir).
 set -euo pipefail
-source "$(dirname "$0")/ab_common.sh"
+source "$(dirname "$0")/common.sh"
 ab_start 3 "MOE_A MOE_B CONFIG [--section.key=value ...]" "$@"
 shift 3
 read -r -a a_args <<<"${A_ARGS:-}"
@@ -19,13 +19,9 @@ for ((i = 1; i <= rounds; ++i)); do
     if [[ $side == A ]]; then moe=$moe_a args=("${a_args[@]}"); else moe=$moe_b args=("${b_args[@]}"); fi
     log=$out/$side-$i.log
     "$moe" bench -c "$config" "$@" "${args[@]}" >"$log" 2>&1 || { echo "$side $i failed:"; tail -5 "$log"; exit 1; }
-    median=$(sed -nE 's/^steps:.*median ([0-9.]+) ms.*/\1/p' "$log")
-    loss=$(sed -nE 's/^steps:.*last loss ([0-9.e+-]+).*/\1/p' "$log")
-    mfu=$(grep -oE 'MFU [0-9.]+%' "$log" | head -1 || true)
-    clock=$(grep -oE 'SM clock [0-9]+ MHz mean' "$log" | head -1 || true)
-    memory=$(sed -nE 's/^device memory in use: (.*)/\1/p' "$log")
-    echo "$side $i: ${median:-?} ms | ${mfu:-?} | ${clock:-no clock} | ${memory:-?} | last loss ${loss:-?}"
-    sum[$side]=$(awk -v s="${sum[$side]}" -v m="${median:-0}" 'BEGIN { print s + m }')
+    read_bench_log "$log"
+    echo "$side $i: ${step:-?} ms | MFU ${mfu:-?}% | ${clock:-no clock} | ${memory:-?} GB | last loss ${loss:-?}"
+    sum[$side]=$(awk -v s="${sum[$side]}" -v m="${step:-0}" 'BEGIN { print s + m }')
   done
 done
 awk -v a="${sum[A]}" -v b="${sum[B]}" -v n="$rounds" \

@@ -8,6 +8,7 @@
 #   PATTERN: an extended regex; only the rows whose "model, mode" matches run (default all).
 #   OUT (environment): where the logs go (default a temp dir).
 set -euo pipefail
+source "$(dirname "$0")/common.sh"
 if [[ $# -lt 1 || $# -gt 2 ]]; then
   echo "usage: $0 MOE [PATTERN]" >&2
   exit 2
@@ -43,11 +44,7 @@ for row in "${rows[@]}"; do
   log=$out/$n.log
   read -r -a args <<<"$overrides"
   "$moe" bench -c "configs/bench/$model.toml" "${args[@]}" >"$log" 2>&1 || { echo "$model, $mode failed:"; tail -3 "$log"; continue; }
-  step=$(sed -nE 's/^steps:.*median ([0-9.]+) ms.*/\1/p' "$log")
-  tokens=$(sed -nE 's/^tokens\/s ([0-9]+) \| MFU ([0-9.]+)%.*/\1/p' "$log")
-  mfu=$(sed -nE 's/^tokens\/s ([0-9]+) \| MFU ([0-9.]+)%.*/\2/p' "$log")
-  memory=$(sed -nE 's/^device memory in use: ([0-9.]+) GB.*/\1/p' "$log")
-  clock=$(grep -oE 'SM clock [0-9]+ MHz mean' "$log" | head -1 || true)
+  read_bench_log "$log"
   printf '| %s, %s | %s | %s | %s | %s%% | %s ms | %s GB | | | |\n' "$model" "$mode" "$date" "$commit" \
     "$(sed -E ':a;s/^([0-9]+)([0-9]{3})/\1,\2/;ta' <<<"${tokens:-?}")" "${mfu:-?}" "${step:-?}" "${memory:-?}"
   clocks+=("$model, $mode: ${clock:-no clock}")

@@ -217,6 +217,12 @@ int run_report(const ReportOptions& options) {
 
 int run_bench(const BenchOptions& options) {
   RunConfig config = resolve_config(options.config_path, options.overrides);
+  const auto has_section = [&](const char* name) {
+    return std::find(options.kernel_sections.begin(), options.kernel_sections.end(), name) !=
+           options.kernel_sections.end();
+  };
+  if (options.sustain_ms > 0 && (has_section("swiglu") || has_section("wgrad")))
+    MOE_CONFIG_ERROR("moe bench --sustain-ms times the gemms and fp8 sections only, not swiglu or wgrad");
 #ifdef MOE_HAVE_CUDA
   if (!options.json.empty() && (config.training.cuda_graphs || options.ep_loopback))
     MOE_CONFIG_ERROR("moe bench --json needs the phase split: without training.cuda_graphs and --ep-loopback");
@@ -236,14 +242,10 @@ int run_bench(const BenchOptions& options) {
   if (options.kernels) {
     KernelBenchOptions kernels{.sustain_ms = static_cast<double>(options.sustain_ms)};
     if (!options.kernel_sections.empty()) {
-      const auto has = [&](const char* name) {
-        return std::find(options.kernel_sections.begin(), options.kernel_sections.end(), name) !=
-               options.kernel_sections.end();
-      };
-      kernels.gemms = has("gemms");
-      kernels.swiglu = has("swiglu");
-      kernels.wgrad = has("wgrad");
-      kernels.fp8 = has("fp8");
+      kernels.gemms = has_section("gemms");
+      kernels.swiglu = has_section("swiglu");
+      kernels.wgrad = has_section("wgrad");
+      kernels.fp8 = has_section("fp8");
     }
     run_kernel_bench(config, std::cout, kernels);
   }

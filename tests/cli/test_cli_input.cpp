@@ -142,6 +142,8 @@ TEST_F(CliInput, BenchKernelOptionsNeedKernelsAndKnownSections) {
   expect_one_line_error(run_moe(bench + " --kernel-sections swiglu"), 2, {"--kernel-sections requires --kernels"});
   expect_one_line_error(run_moe(bench + " --kernels --kernel-sections gemms,fp9"), 2,
                         {"--kernel-sections", "fp9", "gemms,swiglu,wgrad,fp8"});
+  expect_one_line_error(run_moe(bench + " --kernels --no-steps --sustain-ms 100 --kernel-sections gemms,wgrad"), 2,
+                        {"--sustain-ms", "not swiglu or wgrad"});
   expect_one_line_error(run_moe(bench + " --kernels --no-steps --json " + p("profile.json")), 2,
                         {"--no-steps excludes --json"});
   EXPECT_FALSE(fs::exists(dir_ / "profile.json"));
