@@ -211,8 +211,11 @@ MOE_HOST_DEVICE uint8_t e4m3_code_stochastic(float y, uint32_t r) {
   // Bits whose exponent field is e4m3's + 120 and whose next 3 bits are its mantissa: a
   // subnormal code m (y = (m + f) 2^-9) as 2^-6 + y's bits one binade down.
   const uint32_t w = u < 0x3c800000u ? float_bits(add(y, 0.015625f)) - 0x800000u : u;
-  const uint32_t code = (w >> 20) - 960u + (w << 12 > r ? 1u : 0u);  // a carry steps into the exponent
-  return static_cast<uint8_t>(code > 0x7eu ? 0x7eu : code);           // 448 at most
+  // Rounded up when w's 20 low bits exceed r's 20 high ones (w << 12 > r): then and only
+  // then they and ~r's 20 high bits (2^20 - 1 - r's) carry into bit 20, a carry that may
+  // step into the exponent.
+  const uint32_t code = ((w + (~r >> 12)) >> 20) - 960u;
+  return static_cast<uint8_t>(code > 0x7eu ? 0x7eu : code);  // 448 at most
 }
 MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
 #if defined(__CUDA_ARCH__)
@@ -228,7 +231,7 @@ MOE_HOST_DEVICE uint8_t m_code(float m, uint8_t x) { return e4m3_code(mul(m, mom
 // never becomes 0 (the smallest code instead).
 MOE_HOST_DEVICE uint8_t root_code(float root, uint8_t x, uint32_t r) {
   const uint8_t code = e4m3_code_stochastic(mul(root, moment_inverse_scale(x)), r);
-  return code == 0 && root > 0.0f ? uint8_t{1} : code;
+  return root > 0.0f && code < 1 ? uint8_t{1} : code;
 }
 MOE_HOST_DEVICE float moment_value(uint8_t code, uint8_t x) { return mul(e4m3_value(code), moment_scale(x)); }
 

@@ -38,8 +38,10 @@ __device__ __forceinline__ float reciprocal_fast(float d) {
 // check here is stricter: both operands normal with exponents in [-60, 60], so the quotient
 // and every intermediate stay far from overflow, underflow and subnormals.
 __device__ __forceinline__ bool div_fast_path(float a, float b) {
-  const uint32_t ea = (__float_as_uint(a) >> 23) & 0xffu, eb = (__float_as_uint(b) >> 23) & 0xffu;
-  return ea - 67u <= 120u && eb - 67u <= 120u;  // biased exponents 67..187
+  // Biased exponents 67..187 (|x| in [2^-60, 2^61); NaN fails), as two float compares
+  // with the absolute value for free: half the instructions of the exponent's bit field.
+  const float x = fabsf(a), y = fabsf(b);
+  return x >= 0x1p-60f && x < 0x1p61f && y >= 0x1p-60f && y < 0x1p61f;
 }
 __device__ __forceinline__ float div_fast(float a, float b) {
   float r0;

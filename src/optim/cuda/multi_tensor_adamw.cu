@@ -309,16 +309,12 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
 #pragma unroll
     for (int j = 0; j < 8; ++j) p[j] = am::join_master(h[j], static_cast<int16_t>(l[j]));
     adamw_update8(p, g, mm, vv, s, decay, kBf16);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const am::MasterSplit out = am::split_master(p[j]);
-      h[j] = out.hi;
-      l[j] = static_cast<uint16_t>(out.lo);
-    }
+    uint4 hi8, lo8;
+    split_master8(p, hi8, lo8);
     M::store8(m, at_state, mm);
     M::store8(v, at_state, vv);
-    __stcs(reinterpret_cast<uint4*>(hi + at), pack8(h));
-    __stcs(reinterpret_cast<uint4*>(lo + at_state), pack8(l));
+    __stcs(reinterpret_cast<uint4*>(hi + at), hi8);
+    __stcs(reinterpret_cast<uint4*>(lo + at_state), lo8);
     if (mirror_vectors) {
       float4* out = reinterpret_cast<float4*>(mirror_out + i);
       out[0] = make_float4(p[0], p[1], p[2], p[3]);

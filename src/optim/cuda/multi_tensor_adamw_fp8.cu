@@ -25,6 +25,13 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem) : "memory");
 }
 
+// p, which the compiler cannot see through (an empty asm that "changes" it).
+template <class T>
+__device__ __forceinline__ T* opaque(T* p) {
+  asm("" : "+l"(p));
+  return p;
+}
+
 // One block's codes for the values in `x` (8 a lane, the pair's 16 together): the block's
 // scale byte (both lanes) and the lane's 8 codes packed in a uint2: m's to nearest
 // (am::m_code), sqrt(v)'s stochastically with the lane's random bits (am::root_code,
@@ -36,20 +43,25 @@ __device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool r
   for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // every lane of the warp is here
   scale = am::moment_scale_byte(amax);
-  uint32_t w[2] = {0, 0};
+  uint32_t w[2];
   if (root) {
+    uint32_t c[8];  // a code a register, packed by byte permutes
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      w[j / 4] |= static_cast<uint32_t>(am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j)))
-                  << (8 * (j % 4));
+    for (int j = 0; j < 8; ++j) c[j] = am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j));
+#pragma unroll
+    for (int k = 0; k < 2; ++k)  // bytes 0 of c[4k..4k+3], in order
+      w[k] = __byte_perm(__byte_perm(c[4 * k], c[4 * k + 1], 0x0040), __byte_perm(c[4 * k + 2], c[4 * k + 3], 0x0040),
+                         0x5410);
   } else {  // am::m_code with the converts in pairs (cvt.rn.satfinite.e4m3x2.f32: each value
-            // rounded on its own, the first in the low byte): half the converts, no byte packing
+            // rounded on its own, the first in the low byte)
     const float inverse = am::moment_inverse_scale(scale);
+    uint32_t pair[4];
 #pragma unroll
     for (int j = 0; j < 8; j += 2)
-      w[j / 4] |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(
-                      make_float2(am::mul(x[j], inverse), am::mul(x[j + 1], inverse)), __NV_SATFINITE, __NV_E4M3))
-                  << (8 * (j % 4));
+      pair[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(am::mul(x[j], inverse), am::mul(x[j + 1], inverse)),
+                                             __NV_SATFINITE, __NV_E4M3);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) w[k] = __byte_perm(pair[2 * k], pair[2 * k + 1], 0x5410);
   }
   return make_uint2(w[0], w[1]);
 }
@@ -77,24 +89,33 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
   const auto [s, seg, begin, state, hi_begin, length, decay, mirror_out] =
       chunk_of_block(segments, n_segments, scalars, mirror);
   if (s.skip) return;
-  hi += hi_begin - begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
-  const int32_t blocks_end = (length + kB - 1) / kB * kB;
+  // The chunk's arrays from its first element, indexed by 32-bit offsets (a chunk is 2^14):
+  // opaque() keeps the compiler from folding the chunk's 64-bit offsets back into every
+  // access (one wide multiply-add an address instead of four instructions).
+  uint16_t* const hi_c = opaque(hi + hi_begin);  // the hi halves (interleaved gate|up: elsewhere)
+  int16_t* const lo_c = opaque(lo + state);
+  uint8_t* const m_c = opaque(m + state);
+  uint8_t* const v_c = opaque(v + state);
+  uint8_t* const m_scales_c = opaque(m_scales + state / kB);
+  uint8_t* const v_scales_c = opaque(v_scales + state / kB);
   const bool half = seg.bf16_grad != 0;
+  const float* const g_c = opaque(grads + begin);
+  const uint16_t* const g16_c = opaque(grads16 + begin);
+  const int32_t blocks_end = (length + kB - 1) / kB * kB;
 
   extern __shared__ uint4 staged[];  // [2 stages][kFp8Units][kFp8Threads]
   const auto slot = [&](int stage, int unit) { return staged + (stage * kFp8Units + unit) * kFp8Threads + threadIdx.x; };
   const auto stage_in = [&](int32_t i, int stage) {
     if (i + 8 <= length) {  // a whole 8 (the ragged end's lane loads its few directly)
-      const int64_t at = begin + i, st = state + i;
-      cp_async16(slot(stage, 0), hi + at);
-      cp_async16(slot(stage, 1), lo + st);
-      cp_async8(slot(stage, 2), m + st);
-      cp_async8(reinterpret_cast<char*>(slot(stage, 2)) + 8, v + st);
+      cp_async16(slot(stage, 0), hi_c + i);
+      cp_async16(slot(stage, 1), lo_c + i);
+      cp_async8(slot(stage, 2), m_c + i);
+      cp_async8(reinterpret_cast<char*>(slot(stage, 2)) + 8, v_c + i);
       if (half) {
-        cp_async16(slot(stage, 3), grads16 + at);
+        cp_async16(slot(stage, 3), g16_c + i);
       } else {
-        cp_async16(slot(stage, 3), grads + at);
-        cp_async16(slot(stage, 4), grads + at + 4);
+        cp_async16(slot(stage, 3), g_c + i);
+        cp_async16(slot(stage, 4), g_c + i + 4);
       }
     }
     cp_async_commit();  // empty otherwise: the group count stays one a pass
@@ -104,16 +125,15 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
   const int32_t first = static_cast<int32_t>(threadIdx.x) * 8;
   stage_in(first, 0);
   uint8_t xm = 0, xv = 0;  // this pass's scale bytes
-  if (first < length) xm = m_scales[(state + first) / kB], xv = v_scales[(state + first) / kB];
+  if (first < length) xm = m_scales_c[first / kB], xv = v_scales_c[first / kB];
   int stage = 0;
   for (int32_t base = 0; base < blocks_end; base += kFp8Threads * 8, stage ^= 1) {
     const int32_t i = base + first, next = i + kFp8Threads * 8;
     const int n = length - i < 0 ? 0 : length - i < 8 ? length - i : 8;  // this lane's elements
     stage_in(next, stage ^ 1);
     const uint8_t this_xm = xm, this_xv = xv;
-    if (next < length) xm = m_scales[(state + next) / kB], xv = v_scales[(state + next) / kB];
+    if (next < length) xm = m_scales_c[static_cast<uint32_t>(next) / kB], xv = v_scales_c[static_cast<uint32_t>(next) / kB];
     cp_async_wait<1>();  // this pass's group is in
-    const int64_t at = begin + i, st = state + i;
     float p[8], g[8], mm[8], vv[8];
     if (n == 8) {
       uint16_t h[8], l[8];
@@ -137,10 +157,10 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const bool in = j < n;
-        p[j] = in ? am::join_master(hi[at + j], lo[st + j]) : 0.0f;
-        g[j] = !in ? 0.0f : half ? am::bf16_bits_to_float(grads16[at + j]) : grads[at + j];
-        mm[j] = in ? am::moment_value(m[st + j], this_xm) : 0.0f;
-        vv[j] = in ? am::moment_value(v[st + j], this_xv) : 0.0f;
+        p[j] = in ? am::join_master(hi_c[i + j], lo_c[i + j]) : 0.0f;
+        g[j] = !in ? 0.0f : half ? am::bf16_bits_to_float(g16_c[i + j]) : g_c[i + j];
+        mm[j] = in ? am::moment_value(m_c[i + j], this_xm) : 0.0f;
+        vv[j] = in ? am::moment_value(v_c[i + j], this_xv) : 0.0f;
       }
     }
 #pragma unroll
@@ -150,33 +170,31 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
     sqrt_rn_n(root, vv);
     adamw_parameters8(p, mm, root, s, decay);
     uint8_t ym, yv;
-    const uint32_t lane_random = am::moment_random_lane(at, s.step);  // at: a multiple of 8
+    const uint32_t lane_random = am::moment_random_lane(begin + i, s.step);  // a multiple of 8
     const uint2 cm = quantize_pair_block(mm, false, 0, ym), cv = quantize_pair_block(root, true, lane_random, yv);
     if (n == 0) continue;
     if ((threadIdx.x & 1) == 0) {
-      m_scales[st / kB] = ym;
-      v_scales[st / kB] = yv;
+      m_scales_c[static_cast<uint32_t>(i) / kB] = ym;
+      v_scales_c[static_cast<uint32_t>(i) / kB] = yv;
     }
-    uint16_t h[8], l[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const am::MasterSplit out = am::split_master(p[j]);
-      h[j] = out.hi;
-      l[j] = static_cast<uint16_t>(out.lo);
-    }
+    uint4 hi8, lo8;
+    split_master8(p, hi8, lo8);
     if (n == 8) {
-      __stcs(reinterpret_cast<uint2*>(m + st), cm);
-      __stcs(reinterpret_cast<uint2*>(v + st), cv);
-      __stcs(reinterpret_cast<uint4*>(hi + at), pack8(h));
-      __stcs(reinterpret_cast<uint4*>(lo + st), pack8(l));
+      __stcs(reinterpret_cast<uint2*>(m_c + i), cm);
+      __stcs(reinterpret_cast<uint2*>(v_c + i), cv);
+      __stcs(reinterpret_cast<uint4*>(hi_c + i), hi8);
+      __stcs(reinterpret_cast<uint4*>(lo_c + i), lo8);
     } else {
+      uint16_t h[8], l[8];
+      unpack8(hi8, h);
+      unpack8(lo8, l);
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         if (j < n) {
-          hi[at + j] = h[j];
-          lo[st + j] = static_cast<int16_t>(l[j]);
-          m[st + j] = static_cast<uint8_t>((j < 4 ? cm.x : cm.y) >> (8 * (j % 4)));
-          v[st + j] = static_cast<uint8_t>((j < 4 ? cv.x : cv.y) >> (8 * (j % 4)));
+          hi_c[i + j] = h[j];
+          lo_c[i + j] = static_cast<int16_t>(l[j]);
+          m_c[i + j] = static_cast<uint8_t>((j < 4 ? cm.x : cm.y) >> (8 * (j % 4)));
+          v_c[i + j] = static_cast<uint8_t>((j < 4 ? cv.x : cv.y) >> (8 * (j % 4)));
         }
     }
     if (mirror_out)

@@ -132,6 +132,38 @@ __device__ __forceinline__ void round_moments8_to_bf16(float (&m)[8], float (&v)
   }
 }
 
+// am::split_master on 8 parameters, packed as the 16-byte units of their hi and lo halves
+// (pack8's order). For any value but a NaN, split_master's hi is (u + 0x8000) >> 16 and its
+// lo u's low half (u - (hi << 16) keeps it), so a group without NaN takes one add and half
+// a byte permute a half (2.5 instructions a value instead of ~9: the AdamW kernels are
+// issue-bound on the H200); one NaN check a group sends a group holding one the scalar way.
+__device__ __forceinline__ void split_master8(const float (&p)[8], uint4& hi, uint4& lo) {
+  bool nan = false;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) nan |= p[j] != p[j];
+  if (nan) {
+    uint16_t h[8], l[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const am::MasterSplit out = am::split_master(p[j]);
+      h[j] = out.hi;
+      l[j] = static_cast<uint16_t>(out.lo);
+    }
+    hi = pack8(h);
+    lo = pack8(l);
+    return;
+  }
+  uint32_t h[4], l[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t a = __float_as_uint(p[2 * j]), b = __float_as_uint(p[2 * j + 1]);
+    h[j] = __byte_perm(a + 0x8000u, b + 0x8000u, 0x7632);  // the upper halves, a's first
+    l[j] = __byte_perm(a, b, 0x5410);                      // the lower halves
+  }
+  hi = make_uint4(h[0], h[1], h[2], h[3]);
+  lo = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
 // am::adamw_update on 8 elements, bit for bit, in three steps: the moments one by one
 // (bf16 moments rounded 8 at a time), the square roots of the new v, then the parameters
 // with the two divisions 8 at a time (exact_math.cuh: one range check a group instead of a
