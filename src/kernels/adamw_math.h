@@ -231,7 +231,7 @@ MOE_HOST_DEVICE uint8_t m_code(float m, uint8_t x) { return e4m3_code(mul(m, mom
 // never becomes 0 (the smallest code instead).
 MOE_HOST_DEVICE uint8_t root_code(float root, uint8_t x, uint32_t r) {
   const uint8_t code = e4m3_code_stochastic(mul(root, moment_inverse_scale(x)), r);
-  return root > 0.0f && code < 1 ? uint8_t{1} : code;
+  return code == 0 && root > 0.0f ? uint8_t{1} : code;
 }
 MOE_HOST_DEVICE float moment_value(uint8_t code, uint8_t x) { return mul(e4m3_value(code), moment_scale(x)); }
 

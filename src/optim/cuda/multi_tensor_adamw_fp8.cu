@@ -132,7 +132,10 @@ __global__ void __launch_bounds__(kFp8Threads, 2)
     const int n = length - i < 0 ? 0 : length - i < 8 ? length - i : 8;  // this lane's elements
     stage_in(next, stage ^ 1);
     const uint8_t this_xm = xm, this_xv = xv;
-    if (next < length) xm = m_scales_c[static_cast<uint32_t>(next) / kB], xv = v_scales_c[static_cast<uint32_t>(next) / kB];
+    if (next < length) {
+      const uint32_t block = static_cast<uint32_t>(next) / kB;
+      xm = m_scales_c[block], xv = v_scales_c[block];
+    }
     cp_async_wait<1>();  // this pass's group is in
     float p[8], g[8], mm[8], vv[8];
     if (n == 8) {

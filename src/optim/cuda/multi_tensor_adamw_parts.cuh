@@ -135,7 +135,7 @@ __device__ __forceinline__ void round_moments8_to_bf16(float (&m)[8], float (&v)
 // am::split_master on 8 parameters, packed as the 16-byte units of their hi and lo halves
 // (pack8's order). For any value but a NaN, split_master's hi is (u + 0x8000) >> 16 and its
 // lo u's low half (u - (hi << 16) keeps it), so a group without NaN takes one add and half
-// a byte permute a half (2.5 instructions a value instead of ~9: the AdamW kernels are
+// a byte permute a half (2.5 instructions a value instead of ~9: the fp8-moment kernel is
 // issue-bound on the H200); one NaN check a group sends a group holding one the scalar way.
 __device__ __forceinline__ void split_master8(const float (&p)[8], uint4& hi, uint4& lo) {
   bool nan = false;
