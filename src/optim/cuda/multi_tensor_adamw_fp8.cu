@@ -43,25 +43,20 @@ __device__ __forceinline__ uint2 quantize_pair_block(const float (&x)[8], bool r
   for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j]));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));  // every lane of the warp is here
   scale = am::moment_scale_byte(amax);
-  uint32_t w[2];
+  uint32_t w[2] = {0, 0};
   if (root) {
-    uint32_t c[8];  // a code a register, packed by byte permutes
 #pragma unroll
-    for (int j = 0; j < 8; ++j) c[j] = am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j));
-#pragma unroll
-    for (int k = 0; k < 2; ++k)  // bytes 0 of c[4k..4k+3], in order
-      w[k] = __byte_perm(__byte_perm(c[4 * k], c[4 * k + 1], 0x0040), __byte_perm(c[4 * k + 2], c[4 * k + 3], 0x0040),
-                         0x5410);
+    for (int j = 0; j < 8; ++j)
+      w[j / 4] |= static_cast<uint32_t>(am::root_code(x[j], scale, lane_random * am::moment_random_multiplier(j)))
+                  << (8 * (j % 4));
   } else {  // am::m_code with the converts in pairs (cvt.rn.satfinite.e4m3x2.f32: each value
-            // rounded on its own, the first in the low byte)
+            // rounded on its own, the first in the low byte): half the converts, no byte packing
     const float inverse = am::moment_inverse_scale(scale);
-    uint32_t pair[4];
 #pragma unroll
     for (int j = 0; j < 8; j += 2)
-      pair[j / 2] = __nv_cvt_float2_to_fp8x2(make_float2(am::mul(x[j], inverse), am::mul(x[j + 1], inverse)),
-                                             __NV_SATFINITE, __NV_E4M3);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) w[k] = __byte_perm(pair[2 * k], pair[2 * k + 1], 0x5410);
+      w[j / 4] |= static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(
+                      make_float2(am::mul(x[j], inverse), am::mul(x[j + 1], inverse)), __NV_SATFINITE, __NV_E4M3))
+                  << (8 * (j % 4));
   }
   return make_uint2(w[0], w[1]);
 }
