@@ -31,7 +31,8 @@ struct RowCodes {
 // rmsnorm_forward (kernels/gpu_ops.h, bit for bit) and y's codes (one group: codes.R = T,
 // no offsets), in one kernel where its vector path runs, else the two. D a multiple of 128.
 void rmsnorm_forward_fp8(bf16* y_TD, const RowCodes& codes, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
-                         const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps, Stream stream);
+                         const ResidualBranch& branch, const bf16* w_D, int64_t T, int64_t D, float eps,
+                         Stream stream);
 // rope_backward on the first N_rope heads of the rows [T, N_all d] and the codes of the
 // whole rows afterwards (one group: codes.R = T), the heads past N_rope as they are (dv of
 // a fused q|k|v gradient): one kernel for d = 128 (a head is one tile), else the two.

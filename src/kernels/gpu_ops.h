@@ -15,11 +15,27 @@ namespace moe::cuda {
 
 using Stream = CUstream_st*;
 
+// The branch a residual add takes: a [T, D] tensor, or gathered rows summed where they are
+// read, branch[t] = bf16(sum_k weight_TK[t K + k] rows_RD[row_TK[t K + k]]) over the slots
+// with row >= 0, k in order: the MoE combine's bits (moe::cuda::combine_forward) without
+// its [T, D] output written and read back.
+struct ResidualBranch {
+  ResidualBranch(const bf16* rows_TD = nullptr) : rows(rows_TD) {}  // NOLINT: a tensor converts
+  ResidualBranch(const bf16* rows_RD, const float* weight_TK_, const int32_t* row_TK_, int64_t K_)
+      : rows(rows_RD), weight_TK(weight_TK_), row_TK(row_TK_), K(K_) {}
+  bool gathered() const { return row_TK != nullptr; }
+  explicit operator bool() const { return rows != nullptr; }
+  const bf16* rows;
+  const float* weight_TK = nullptr;
+  const int32_t* row_TK = nullptr;
+  int64_t K = 0;
+};
+
 // RMSNorm, optionally fused with the residual add before it:
 // residual_out = x + branch (when branch is not null; else residual_out may be null and x is used),
 // y = residual_out * rstd * w, rstd = 1/sqrt(mean(residual_out^2) + eps).
 void rmsnorm_forward(bf16* y_TD, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
-                     const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps,
+                     const ResidualBranch& branch, const bf16* w_D, int64_t T, int64_t D, float eps,
                      Stream stream);
 // dx = d rmsnorm/dx . dy (+ dresidual_TD when not null: the gradient arriving through
 // the residual path); dw_D += sum over tokens (fp32, deterministic: per-block partials

@@ -19,6 +19,14 @@ constexpr bool shares_expert_rows(bool recompute_experts, int64_t recompute_expe
   return recompute_experts && (recompute_experts_layers < 0 || moe_index < recompute_experts_layers);
 }
 
+// Whether an MoE layer leaves its combine to the next RMSNorm, which sums the experts'
+// rows itself (cuda::ResidualBranch), so that the layer stores no [T, D] ffn_out: without
+// expert parallelism (its combine brings rows home by exchange) and without shared experts
+// (they add into ffn_out). GpuTransformer::plan allocates by it, the memory plan counts by it.
+constexpr bool combine_in_next_norm(bool expert_parallel, int64_t n_shared_experts) {
+  return !expert_parallel && n_shared_experts == 0;
+}
+
 struct ExpertRowBounds {
   int64_t capacity = 0;           // rows per expert and source rank (expert_capacity: T * K when dropless)
   int64_t max_rows = 0;           // R: this rank's row layout (T * K, or fewer under a capacity)

@@ -91,7 +91,7 @@ struct ActivationShape {
 
 int64_t attention_and_norms_bytes(const ActivationShape& a) {
   const int64_t bf = 2, f32 = 4;
-  return 4 * a.T * a.D * bf + 2 * a.T * f32                             // n1, h, n2, ffn_out; rstd1, rstd2
+  return 3 * a.T * a.D * bf + 2 * a.T * f32                             // n1, h, n2; rstd1, rstd2
          + 2 * a.T * a.H * a.d * bf + 2 * a.T * a.G * a.d * bf + a.B * a.H * a.S * f32;  // q|k|v rows, out; stats
 }
 
@@ -281,6 +281,9 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   const int64_t moe_bytes = E > 0 ? moe_buffers_bytes(a, share_x_act, share_x_act || fp8_wgrad, share_gate_up) : 0;
   const int64_t moe_own_rows_bytes = E > 0 ? moe_buffers_bytes(a, false, fp8_wgrad, false) : 0;
   const int64_t core_bytes = attention_and_norms_bytes(a), input_bytes = a.T * c.dim * 2;
+  // ffn_out [T, D]: dense layers', and MoE layers' unless the next norm sums their rows.
+  const int64_t ffn_out_bytes = a.T * c.dim * 2;
+  const int64_t moe_ffn_out_bytes = combine_in_next_norm(ep > 1, c.moe.n_shared_experts) ? 0 : ffn_out_bytes;
   const int64_t n_layers = c.n_layers;
   const int64_t recomputed = layout.recompute_layers < 0 ? n_layers : std::min(layout.recompute_layers, n_layers);
   bool recompute_dense = false, recompute_moe = false, rows_shared = false;
@@ -295,11 +298,13 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
           is_moe && shares_expert_rows(share_x_act, layout.recompute_experts_layers, l - c.first_dense_layers);
       rows_shared = rows_shared || shares;
       m.layer_activations.push_back(input_bytes + core_bytes +
-                                    (is_moe ? (shares ? moe_bytes : moe_own_rows_bytes) : dense_bytes));
+                                    (is_moe ? (shares ? moe_bytes : moe_own_rows_bytes) + moe_ffn_out_bytes
+                                            : dense_bytes + ffn_out_bytes));
     }
   }
   if (recompute_dense || recompute_moe)
-    m.recompute_set = core_bytes + (recompute_dense ? dense_bytes : 0) + (recompute_moe ? moe_bytes : 0);
+    m.recompute_set = core_bytes + (recompute_dense ? dense_bytes : 0) + (recompute_moe ? moe_bytes : 0) +
+                      (recompute_dense || moe_ffn_out_bytes > 0 ? ffn_out_bytes : 0);
   // The expert rows buffers shared by the MoE layers under recompute_experts.
   if (E > 0 && rows_shared) {
     const int64_t RL = a.rows.max_local_rows;

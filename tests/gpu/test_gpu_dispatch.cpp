@@ -2,6 +2,8 @@
 // CPU ops, including dropped tokens, experts with no tokens and ragged sizes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "gpu_test_util.h"
@@ -522,6 +524,71 @@ TEST(GpuGemm, MatchesCpuForEveryTransposeAndOutputType) {
                          " sm_limit=" + std::to_string(sm_limit),
                      got, ref, fp32_out ? 1e-4 : kBf16Rtol, 1e-3 * std::sqrt(static_cast<double>(K)));
       }
+    }
+  }
+}
+
+// The next layer's norm summing an MoE layer's rows itself (cuda::ResidualBranch gathered)
+// against combine_forward followed by the norm with that branch: the same bytes of y,
+// rstd, the residual stream and (fp8) y's codes, with dropped slots (row -1), on the vector
+// path, the scalar kernel (D % 8 != 0, or rows one element past a 16-byte boundary) and
+// the fp8 kernel and its fallback (D past 8192).
+TEST(GpuDispatchKernels, NormSumsTheCombinesRowsBitForBit) {
+  MOE_REQUIRE_GPU();
+  struct Case {
+    int64_t T, E, K, D, misalign;
+    bool codes;
+  };
+  for (const Case c : {Case{600, 8, 2, 2048, 0, false}, Case{600, 8, 2, 2048, 0, true}, Case{300, 64, 8, 1024, 0, false},
+                       Case{300, 64, 8, 1024, 1, false}, Case{77, 8, 2, 100, 0, false}, Case{40, 4, 2, 8320, 0, true},
+                       Case{0, 4, 2, 256, 0, false}}) {
+    const auto [T, E, K, D, misalign, with_codes] = c;
+    const std::string at = "T " + std::to_string(T) + ", K " + std::to_string(K) + ", D " + std::to_string(D) +
+                           ", misalign " + std::to_string(misalign) + (with_codes ? ", codes" : "");
+    std::vector<int32_t> expert(T * K);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) expert[t * K + k] = static_cast<int32_t>((t * 5 + k * (1 + t % 3)) % E);
+    std::vector<int32_t> row(T * K), counts(E), offsets(E + 1), token(T * K);
+    const int64_t R = assign_rows(row.data(), counts.data(), offsets.data(), token.data(), expert.data(), T, E, K,
+                                  expert_capacity(T > 0 ? 0.8 : 0.0, T, K, E));
+    if (T > 0) ASSERT_LT(R, T * K) << "the case should drop slots: " << at;
+    // Expert outputs of every magnitude, as the norm's input meets them.
+    std::vector<float> rows(misalign, 0.0f), y = random_bf16_floats(std::max<int64_t>(1, R) * D, 11, "y");
+    for (int64_t i = 0; i < static_cast<int64_t>(y.size()); ++i) y[i] = std::ldexp(y[i], static_cast<int>(i / D % 9) - 4);
+    rows.insert(rows.end(), y.begin(), y.end());
+    auto rows_d = to_device_bf16(rows), x_d = to_device_bf16(random_bf16_floats(T * D, 12, "x"));
+    auto w_d = to_device_bf16(random_bf16_floats(D, 13, "w"));
+    auto weight_d = to_device(random_bf16_floats(T * K, 14, "weight"));
+    auto row_d = to_device(row);
+    const bf16* y_rows = rows_d.data() + misalign;
+    struct Outputs {
+      gpu::DeviceArray<bf16> y, residual;
+      gpu::DeviceArray<float> rstd, scales;
+      gpu::DeviceArray<uint8_t> codes;
+    };
+    auto fresh = [&] {
+      return Outputs{poisoned<bf16>(T * D), poisoned<bf16>(T * D), poisoned<float>(T), poisoned<float>(T * D / 128),
+                     poisoned<uint8_t>(T * D)};
+    };
+    auto norm = [&](Outputs& o, const cuda::ResidualBranch& branch) {
+      if (with_codes)
+        cuda::rmsnorm_forward_fp8(o.y.data(), {o.codes.data(), o.scales.data(), nullptr, 1, T}, o.rstd.data(),
+                                  o.residual.data(), x_d.data(), branch, w_d.data(), T, D, 1e-5f, nullptr);
+      else
+        cuda::rmsnorm_forward(o.y.data(), o.rstd.data(), o.residual.data(), x_d.data(), branch, w_d.data(), T, D,
+                              1e-5f, nullptr);
+    };
+    Outputs want = fresh(), got = fresh();
+    auto combined_d = poisoned<bf16>(T * D);
+    cuda::combine_forward(combined_d.data(), y_rows, weight_d.data(), row_d.data(), T, K, D, nullptr);
+    norm(want, combined_d.data());
+    norm(got, cuda::ResidualBranch{y_rows, weight_d.data(), row_d.data(), K});
+    EXPECT_TRUE(same_bits(to_host(got.y), to_host(want.y))) << "y: " << at;
+    EXPECT_TRUE(same_bits(to_host(got.residual), to_host(want.residual))) << "residual: " << at;
+    EXPECT_TRUE(same_bits(to_host(got.rstd), to_host(want.rstd))) << "rstd: " << at;
+    if (with_codes) {
+      EXPECT_TRUE(same_bits(to_host(got.codes), to_host(want.codes))) << "codes: " << at;
+      EXPECT_TRUE(same_bits(to_host(got.scales), to_host(want.scales))) << "scales: " << at;
     }
   }
 }

@@ -158,16 +158,22 @@ TEST(MemoryPlan, ActivationsScaleLinearlyInTheMicroBatch) {
   // Only the per-expert counts and offsets (3E + 1 int32) do not grow with the tokens.
   for (size_t l = 0; l < 2; ++l) EXPECT_EQ(2 * a.layer_activations[l] - b.layer_activations[l], (3 * 8 + 1) * 4);
   EXPECT_EQ(a.weights + a.moments, b.weights + b.moments);
-  // One layer by hand at micro-batch 1 (T = 256, R = T * K = 512 rows): 5 x [T, D] bf16
-  // (x, n1, h, n2, ffn_out), rstd1/2, q/out [T, 512], k/v [T, 256], stats [H, S] fp32;
+  // One layer by hand at micro-batch 1 (T = 256, R = T * K = 512 rows): 4 x [T, D] bf16
+  // (x, n1, h, n2; no ffn_out: the next norm sums the experts' rows), rstd1/2, q/out [T, 512], k/v [T, 256], stats [H, S] fp32;
   // logits and scores [T, E] fp32, weights [T, K], aux and z [T], four [T, K] int32,
   // counts/assign_counts/offsets, the row-rank scratch (T K + E x 2 tiles), expert rows
   // x [R, D], gate|up [R, 2F], act [R, F], y [R, D].
   const int64_t T = 256, D = 512, E = 8, K = 2, F = 1024, R = T * K;
-  const int64_t by_hand = 5 * T * D * 2 + 2 * T * 4 + 2 * T * 512 * 2 + 2 * T * 256 * 2 + 4 * 256 * 4 +
+  const int64_t by_hand = 4 * T * D * 2 + 2 * T * 4 + 2 * T * 512 * 2 + 2 * T * 256 * 2 + 4 * 256 * 4 +
                           2 * T * E * 4 + T * K * 4 + 2 * T * 4 + 4 * T * K * 4 + (3 * E + 1) * 4 +
                           (T * K + E * 2) * 4 + R * D * 2 + R * 2 * F * 2 + R * F * 2 + R * D * 2;
   EXPECT_EQ(a.layer_activations[0], by_hand);
+  // A shared expert adds into ffn_out, which the layer then stores ([T, D]), beside the
+  // shared expert's gate|up [T, 2F] and act [T, F].
+  RunConfig shared = c;
+  shared.model.moe.n_shared_experts = 1;
+  const MemoryEstimate s = estimate_memory(shared, one);
+  EXPECT_EQ(s.layer_activations[0], by_hand + T * D * 2 + (T * 2 * F + T * F) * 2);
 }
 
 // dlogits_head, the MoE backward's row gradients and cuDNN's attention workspace share one

@@ -5,6 +5,7 @@
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_row_tiles.cuh"
+#include "kernels/cuda/gathered_rows.cuh"
 #include "kernels/fp8_gpu_ops.h"
 #include "kernels/gpu_ops.h"
 
@@ -14,18 +15,33 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kRowsPerBlock = 32;
 
+// The branch's rows as the kernels read them (ResidualBranch's fields; rows null: none).
+struct BranchRows {
+  const void* rows;
+  const float* weight_TK;
+  const int32_t* row_TK;  // null: rows is the [T, D] branch itself
+  int64_t K;
+};
+
+BranchRows branch_rows(const ResidualBranch& b) { return {b.rows, b.weight_TK, b.row_TK, b.K}; }
+
 __global__ void rmsnorm_forward_kernel(__nv_bfloat16* y, float* rstd, __nv_bfloat16* residual_out,
-                                       const __nv_bfloat16* x, const __nv_bfloat16* branch,
-                                       const __nv_bfloat16* w, int64_t D, float eps) {
+                                       const __nv_bfloat16* x, BranchRows branch, const __nv_bfloat16* w,
+                                       int64_t D, float eps) {
   const int64_t row = blockIdx.x;
   const __nv_bfloat16* x_row = x + row * D;
+  const auto* rows = static_cast<const __nv_bfloat16*>(branch.rows);
   float sum_sq = 0.0f;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
     float v = to_float(x_row[i]);
-    if (branch) {
-      // The residual stream is stored in bf16: normalise the rounded sum, which is what
-      // the backward pass will read back.
-      const __nv_bfloat16 sum = to_bf16(v + to_float(branch[row * D + i]));
+    if (rows) {
+      // The branch as stored (bf16), then the residual stream as stored (bf16): normalise
+      // the rounded sum, which is what the backward pass will read back.
+      const float b = branch.row_TK
+                          ? to_float(to_bf16(weighted_row_sum(rows, branch.row_TK + row * branch.K,
+                                                              branch.weight_TK + row * branch.K, branch.K, D, i)))
+                          : to_float(rows[row * D + i]);
+      const __nv_bfloat16 sum = to_bf16(v + b);
       residual_out[row * D + i] = sum;
       v = to_float(sum);
     }
@@ -33,7 +49,7 @@ __global__ void rmsnorm_forward_kernel(__nv_bfloat16* y, float* rstd, __nv_bfloa
   }
   const float r = rsqrtf(block_sum(sum_sq) / static_cast<float>(D) + eps);
   if (threadIdx.x == 0) rstd[row] = r;
-  const __nv_bfloat16* source = branch ? residual_out + row * D : x_row;
+  const __nv_bfloat16* source = rows ? residual_out + row * D : x_row;
   for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
     y[row * D + i] = to_bf16(to_float(source[i]) * r * to_float(w[i]));
 }
@@ -92,19 +108,27 @@ constexpr int64_t kMaxVecD = 1024 * kVecElems;
 // and scales too, from the bf16 values stored.
 template <bool kCodes>
 __global__ void rmsnorm_forward_vec_kernel(uint4* y, float* rstd, uint4* residual_out, const uint4* x,
-                                           const uint4* branch, const uint4* w, int64_t Dv, float eps,
+                                           BranchRows branch, const uint4* w, int64_t Dv, float eps,
                                            RowCodes codes) {
   const int64_t row = blockIdx.x;
   const int64_t v = threadIdx.x, at = row * Dv + v;
   const bool active = v < Dv;
+  const auto* rows = static_cast<const uint4*>(branch.rows);
   float f[kVecElems] = {};
   float sum_sq = 0.0f;
   if (active) {
     unpack8(x[at], f);
-    if (branch) {
-      // The residual stream is stored in bf16: normalise the rounded sum, as the backward reads it.
+    if (rows) {
+      // The branch as stored (bf16; gathered rows: the combine's sum rounded), then the
+      // residual stream as stored: normalise the rounded sum, as the backward reads it.
       float b[kVecElems];
-      unpack8(branch[at], b);
+      if (branch.row_TK) {
+        float sum[kVecElems] = {};
+        add_rows(sum, rows, branch.row_TK + row * branch.K, branch.weight_TK + row * branch.K, branch.K, Dv, v);
+        unpack8(pack8(sum), b);
+      } else {
+        unpack8(rows[at], b);
+      }
 #pragma unroll
       for (int j = 0; j < kVecElems; ++j) f[j] += b[j];
       const uint4 rounded = pack8(f);
@@ -176,40 +200,41 @@ unsigned vec_threads(int64_t D) { return static_cast<unsigned>(ceil_div(D / kVec
 int64_t rmsnorm_backward_partial_rows(int64_t T) { return ceil_div(T, kRowsPerBlock); }
 
 void rmsnorm_forward(bf16* y_TD, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
-                     const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps,
+                     const ResidualBranch& branch, const bf16* w_D, int64_t T, int64_t D, float eps,
                      Stream stream) {
-  MOE_CHECKF(!branch_TD || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
+  MOE_CHECKF(!branch || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
   if (T == 0) return;
-  if (D <= kMaxVecD && vectorizable(D, {y_TD, residual_out_TD, x_TD, branch_TD, w_D})) {
+  if (D <= kMaxVecD && vectorizable(D, {y_TD, residual_out_TD, x_TD, branch.rows, w_D})) {
     rmsnorm_forward_vec_kernel<false><<<static_cast<unsigned>(T), vec_threads(D), 0, stream>>>(
         reinterpret_cast<uint4*>(y_TD), rstd_T, reinterpret_cast<uint4*>(residual_out_TD),
-        reinterpret_cast<const uint4*>(x_TD), reinterpret_cast<const uint4*>(branch_TD),
-        reinterpret_cast<const uint4*>(w_D), D / kVecElems, eps, RowCodes{});
+        reinterpret_cast<const uint4*>(x_TD), branch_rows(branch), reinterpret_cast<const uint4*>(w_D),
+        D / kVecElems, eps, RowCodes{});
     MOE_CUDA_CHECK_LAUNCH();
     return;
   }
   rmsnorm_forward_kernel<<<static_cast<unsigned>(T), kThreads, 0, stream>>>(
-      as_cuda(y_TD), rstd_T, as_cuda(residual_out_TD), as_cuda(x_TD), as_cuda(branch_TD), as_cuda(w_D), D, eps);
+      as_cuda(y_TD), rstd_T, as_cuda(residual_out_TD), as_cuda(x_TD), branch_rows(branch), as_cuda(w_D), D, eps);
   MOE_CUDA_CHECK_LAUNCH();
 }
 
 void rmsnorm_forward_fp8(bf16* y_TD, const RowCodes& codes, float* rstd_T, bf16* residual_out_TD, const bf16* x_TD,
-                         const bf16* branch_TD, const bf16* w_D, int64_t T, int64_t D, float eps, Stream stream) {
-  MOE_CHECKF(!branch_TD || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
+                         const ResidualBranch& branch, const bf16* w_D, int64_t T, int64_t D, float eps,
+                         Stream stream) {
+  MOE_CHECKF(!branch || residual_out_TD, "rmsnorm_forward: a branch needs residual_out");
   MOE_CHECKF(D % 128 == 0 && codes.offsets_E1 == nullptr && codes.R == T,
              "rmsnorm_forward with fp8 codes: D = %lld (a multiple of 128), codes of one group of the %lld rows",
              static_cast<long long>(D), static_cast<long long>(T));
   if (T == 0) return;
-  if (D > kMaxVecD || !vectorizable(D, {y_TD, residual_out_TD, x_TD, branch_TD, w_D}) ||
+  if (D > kMaxVecD || !vectorizable(D, {y_TD, residual_out_TD, x_TD, branch.rows, w_D}) ||
       reinterpret_cast<uintptr_t>(codes.codes_RK) % 8 != 0) {  // the two kernels: the same bits
-    rmsnorm_forward(y_TD, rstd_T, residual_out_TD, x_TD, branch_TD, w_D, T, D, eps, stream);
+    rmsnorm_forward(y_TD, rstd_T, residual_out_TD, x_TD, branch, w_D, T, D, eps, stream);
     quantize_rows_blockwise(codes.codes_RK, codes.scales, y_TD, D, nullptr, 1, T, D, stream);
     return;
   }
   rmsnorm_forward_vec_kernel<true><<<static_cast<unsigned>(T), vec_threads(D), 0, stream>>>(
       reinterpret_cast<uint4*>(y_TD), rstd_T, reinterpret_cast<uint4*>(residual_out_TD),
-      reinterpret_cast<const uint4*>(x_TD), reinterpret_cast<const uint4*>(branch_TD),
-      reinterpret_cast<const uint4*>(w_D), D / kVecElems, eps, codes);
+      reinterpret_cast<const uint4*>(x_TD), branch_rows(branch), reinterpret_cast<const uint4*>(w_D), D / kVecElems,
+      eps, codes);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

@@ -38,6 +38,9 @@ class GpuLocalDispatcher final : public ExpertDispatcher {
     cuda::combine_forward(out_TD, m.y_rows.data(), m.weight.data(), m.row.data(), shape_.tokens, shape_.top_k,
                           shape_.dim, stream_);
   }
+  cuda::ResidualBranch combine_rows(const MoEBuffers& m) const override {
+    return {m.y_rows.data(), m.weight.data(), m.row.data(), shape_.top_k};
+  }
   void combine_backward(MoEBuffers& m, const bf16* dout_TD, bf16* dy_rows, float* dweight_TK) override {
     mark_(kCombine);
     cuda::combine_backward(dy_rows, dweight_TK, dout_TD, m.y_rows.data(), m.weight.data(), m.row.data(),

@@ -62,6 +62,9 @@ class ExpertDispatcher {
   virtual int64_t expert_rows(const MoEBuffers& m) const = 0;
   // out_TD <- each token's weighted sum of its experts' m.y_rows.
   virtual void combine(MoEBuffers& m, bf16* out_TD) = 0;
+  // The same sum as rows a later kernel adds where it reads them (the next RMSNorm:
+  // cuda::ResidualBranch), or none (expert parallelism: the rows come home by exchange).
+  virtual cuda::ResidualBranch combine_rows(const MoEBuffers& /*m*/) const { return {}; }
   // Backward of combine: dy_rows (by local row) and dweight_TK (this rank's tokens) from
   // the output gradient; the expert-parallel one leaves the weights' gradients with the
   // experts' ranks until dispatch_backward brings them home.

@@ -9,6 +9,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/gpu.h"
+#include "kernels/gpu_ops.h"
 #include "moe/expert_slots.h"
 
 namespace moe {
@@ -66,7 +67,10 @@ struct MoEBuffers {
 // activations are recomputed, one set shared by all such layers and refilled from the
 // layer's input right before its backward.
 struct Activations {
-  Buffer<bf16> n1, h, n2, ffn_out;
+  Buffer<bf16> n1, h, n2, ffn_out;  // ffn_out: none where the combine is the next norm's
+  // What the next norm adds to h: ffn_out, or the experts' rows it sums itself
+  // (combine_in_next_norm; set by the layer's forward).
+  cuda::ResidualBranch ffn_branch;
   Buffer<float> rstd1, rstd2;
   AttentionBuffers attn;
   FfnBuffers dense_buffers;

@@ -70,7 +70,14 @@ void GpuTransformer::State::moe_forward(Layer& layer, size_t layer_index, bool c
   bf16* y[1] = {m.y_rows.data()};
   const int w2[1] = {Fp8ExpertWeights::kW2};
   expert_forward(layer, m, 1, y, D, m.act_rows->data(), F, w2, D, F, act_quantised);
-  dispatcher->combine(m, layer.act->ffn_out.data());
+  cuda::ResidualBranch& branch = layer.act->ffn_branch;
+  if (combine_in_norm) {  // the next norm sums the rows: no [T, D] output written and read back
+    branch = dispatcher->combine_rows(m);
+    MOE_CHECK(branch.gathered(), "the MoE layer's combine left to the next norm, but its dispatcher has no rows");
+  } else {
+    dispatcher->combine(m, layer.act->ffn_out.data());
+    branch = layer.act->ffn_out.data();
+  }
   mark(kExperts);
   for (size_t i = 0; i < layer.shared.size(); ++i)
     ffn_forward(layer.act->ffn_out.data(), layer.act->n2.data(), w(layer.shared[i][0]), w(layer.shared[i][1]),

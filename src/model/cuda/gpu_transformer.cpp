@@ -233,6 +233,7 @@ void GpuTransformer::plan(int64_t batch) {
     }
   }
   s.max_local_experts = max_local;
+  s.combine_in_norm = combine_in_next_norm(s.ep != nullptr, c.moe.n_shared_experts);
   auto bf = [](int64_t n) { return Buffer<bf16>(static_cast<size_t>(n)); };
   auto f32 = [](int64_t n) { return Buffer<float>(static_cast<size_t>(n)); };
   auto i32 = [](int64_t n) { return Buffer<int32_t>(static_cast<size_t>(n)); };
@@ -250,7 +251,7 @@ void GpuTransformer::plan(int64_t batch) {
     a.n1 = bf(T * D);
     a.h = bf(T * D);
     a.n2 = bf(T * D);
-    a.ffn_out = bf(T * D);
+    if (dense || (moe && !s.combine_in_norm)) a.ffn_out = bf(T * D);
     a.rstd1 = f32(T);
     a.rstd2 = f32(T);
     a.attn = {bf(T * c.qkv_width()), bf(T * H * d), f32(batch * H * S)};
@@ -424,7 +425,7 @@ void GpuTransformer::State::check_and_upload_inputs(const int32_t* inputs_BS, co
   for (int64_t i = 0; i < T; ++i) n_valid += targets_BS[i] >= 0;
 }
 
-void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch,
+void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const cuda::ResidualBranch& prev_branch,
                                           bool from_saved_input) {
   const ModelConfig& c = config;
   const int64_t T = tokens, D = c.dim;
@@ -432,11 +433,12 @@ void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf
   Layer& layer = layers[l];
   Activations& a = *layer.act;
   mark(kNorms);
-  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm (unless from the saved input). fp8:
-  // the norm also writes n1's codes for the q|k|v projection's GEMM.
+  // x_l = h_{l-1} + ffn_out_{l-1}, fused with the norm (unless from the saved input), which
+  // sums the experts' rows itself where the last layer left it its combine. fp8: the norm
+  // also writes n1's codes for the q|k|v projection's GEMM.
   bf16* residual_out = from_saved_input ? nullptr : layer.x.data();
   const bf16* x_in = from_saved_input ? layer.x.data() : prev_h;
-  const bf16* branch = from_saved_input ? nullptr : prev_branch;
+  const cuda::ResidualBranch branch = from_saved_input ? cuda::ResidualBranch{} : prev_branch;
   const cuda::RowCodes n1_codes = projections->forward_row_codes(T, D, qkv_width(), qkv_width());
   if (n1_codes.codes_RK)
     cuda::rmsnorm_forward_fp8(a.n1.data(), n1_codes, a.rstd1.data(), residual_out, x_in, branch, w(layer.norm1), T, D,
@@ -456,6 +458,7 @@ void GpuTransformer::State::layer_forward(size_t l, const bf16* prev_h, const bf
     mark(kDenseFfn);
     ffn_forward(a.ffn_out.data(), a.n2.data(), w(layer.dense[0]), w(layer.dense[1]), w(layer.dense[2]),
                 a.dense_buffers, T, c.dense_hidden, false);
+    a.ffn_branch = a.ffn_out.data();
   }
 }
 
@@ -464,7 +467,7 @@ void GpuTransformer::State::enqueue_forward() {
   const int64_t T = tokens, D = c.dim, V = c.vocab_size;
   const float eps = static_cast<float>(c.norm_eps);
   const bf16* prev_h = nullptr;
-  const bf16* prev_branch = nullptr;
+  cuda::ResidualBranch prev_branch;
   const int n_layers = static_cast<int>(layers.size());
   const auto before_stage = [&](int stage) {
     if (forward_stage_hook && !capturing) forward_stage_hook(stage);
@@ -479,7 +482,7 @@ void GpuTransformer::State::enqueue_forward() {
     const NvtxRange range("layer " + std::to_string(l) + " forward");
     layer_forward(l, prev_h, prev_branch, /*from_saved_input=*/l == 0);
     prev_h = layers[l].act->h.data();
-    prev_branch = layers[l].act->ffn_out.data();
+    prev_branch = layers[l].act->ffn_branch;
   }
   before_stage(0);
   mark(kNorms);
@@ -533,7 +536,7 @@ void GpuTransformer::State::layer_backward(size_t l, double loss_scale) {
   if (layer.recompute) {
     const NvtxRange range("recompute");
     recomputing = true;
-    layer_forward(l, nullptr, nullptr, /*from_saved_input=*/true);
+    layer_forward(l, nullptr, {}, /*from_saved_input=*/true);
     recomputing = false;
   }
   Activations& a = *layer.act;

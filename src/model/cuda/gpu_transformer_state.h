@@ -67,6 +67,8 @@ struct GpuTransformer::State {
   bool gate_up_interleaved = false;
   // GpuModelOptions::swiglu_in_gemm in effect (gate|up interleaved, F in 128-column tiles).
   bool swiglu_in_gemm = false;
+  // combine_in_next_norm: the MoE layers' combine is summed by the next norm (no ffn_out).
+  bool combine_in_norm = false;
   // Interleaves every MoE layer's w1 | w3 in the store and sets gate_up_interleaved, where
   // each layer's w3 follows its w1 and an expert's F x D is a multiple of kNormChunk (the
   // AdamW chunks then lie in one expert's slice); else leaves the layout as it is.
@@ -346,7 +348,7 @@ struct GpuTransformer::State {
   int64_t expert_rows(const MoEBuffers& m) const { return dispatcher->expert_rows(m); }
   // One block's forward: from the previous block's h and FFN output (fused residual add),
   // or from the saved input x when recomputing (and for the first layer after the embedding).
-  void layer_forward(size_t l, const bf16* prev_h, const bf16* prev_branch, bool from_saved_input);
+  void layer_forward(size_t l, const bf16* prev_h, const cuda::ResidualBranch& prev_branch, bool from_saved_input);
   void layer_backward(size_t l, double loss_scale);
   void check_and_upload_inputs(const int32_t* inputs_BS, const int32_t* targets_BS);
   void enqueue_forward();

@@ -8,6 +8,7 @@
 #include "core/gpu.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/fp8_row_tiles.cuh"
+#include "kernels/cuda/gathered_rows.cuh"
 #include "kernels/gpu_ops.h"
 #include "moe/gpu_ops.h"
 
@@ -157,14 +158,8 @@ __global__ void permute_backward_scalar_kernel(__nv_bfloat16* dx_TD, const __nv_
 __global__ void combine_scalar_kernel(__nv_bfloat16* out_TD, const __nv_bfloat16* y_RD, const float* weight_TK,
                                       const int32_t* row_TK, int64_t K, int64_t D) {
   const int64_t t = blockIdx.x;
-  for (int64_t i = threadIdx.x; i < D; i += blockDim.x) {
-    float sum = 0.0f;
-    for (int64_t k = 0; k < K; ++k) {
-      const int32_t row = row_TK[t * K + k];
-      if (row >= 0) sum += weight_TK[t * K + k] * to_float(y_RD[static_cast<int64_t>(row) * D + i]);
-    }
-    out_TD[t * D + i] = to_bf16(sum);
-  }
+  for (int64_t i = threadIdx.x; i < D; i += blockDim.x)
+    out_TD[t * D + i] = to_bf16(weighted_row_sum(y_RD, row_TK + t * K, weight_TK + t * K, K, D, i));
 }
 
 // One block per token: dy rows for its kept slots, and the weight gradients as dot products.
@@ -195,7 +190,6 @@ __global__ void combine_backward_scalar_kernel(__nv_bfloat16* dy_RD, float* dwei
 // block serves several tokens when D is small. Sums keep the order of the scalar kernels:
 // k = 0..K-1 for every element, fp32.
 constexpr int kVecThreads = 256;
-constexpr int kSlotChunk = 8;  // slots (k) in flight per thread: loads issued before the sums
 
 struct GroupIndex {
   int64_t item;  // row or token of this thread's group
@@ -206,35 +200,6 @@ __device__ __forceinline__ GroupIndex group_index(int lane_bits) {
   const int lanes = 1 << lane_bits;
   return {static_cast<int64_t>(blockIdx.x) * (blockDim.x >> lane_bits) + (threadIdx.x >> lane_bits),
           static_cast<int>(threadIdx.x) & (lanes - 1), lanes};
-}
-
-// sum[e] += w_k * rows_RV[row_K[k]][i][e] over the kept slots (row >= 0), k = 0..K-1 in
-// order; w_k = 1 when weight_K is null. Up to kSlotChunk loads in flight before the adds.
-__device__ __forceinline__ void add_rows(float (&sum)[kVecElems], const uint4* rows_RV, const int32_t* row_K,
-                                         const float* weight_K, int64_t K, int64_t V, int64_t i) {
-  for (int64_t k0 = 0; k0 < K; k0 += kSlotChunk) {
-    int32_t row[kSlotChunk];
-    uint4 v[kSlotChunk];
-#pragma unroll
-    for (int j = 0; j < kSlotChunk; ++j) {
-      row[j] = k0 + j < K ? row_K[k0 + j] : -1;
-      v[j] = row[j] >= 0 ? __ldg(rows_RV + static_cast<int64_t>(row[j]) * V + i) : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int j = 0; j < kSlotChunk; ++j) {
-      if (row[j] < 0) continue;
-      float f[kVecElems];
-      unpack8(v[j], f);
-      if (weight_K) {
-        const float w = weight_K[k0 + j];
-#pragma unroll
-        for (int e = 0; e < kVecElems; ++e) sum[e] += w * f[e];
-      } else {
-#pragma unroll
-        for (int e = 0; e < kVecElems; ++e) sum[e] += f[e];
-      }
-    }
-  }
 }
 
 __global__ void permute_vec_kernel(uint4* x_RV, const uint4* x_TV, const int32_t* token_of_row,
