@@ -221,8 +221,17 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   const auto [s, seg, begin, state, hi_begin, length, decay, mirror_out] =
       chunk_of_block(segments, n_segments, scalars, mirror);
   if (s.skip) return;
-  hi += hi_begin - begin;  // the hi halves of block element e at hi[e] (interleaved gate|up)
   using M = Moments<kBf16>;
+  constexpr int kMomentBytes = kBf16 ? 2 : 4;
+  // The chunk's arrays from its first element, indexed by 32-bit offsets (a chunk is 2^14):
+  // opaque() keeps the compiler from folding the chunk's 64-bit offsets back into every
+  // access (as in the fp8 kernel).
+  uint16_t* const hi_c = opaque(hi + hi_begin);  // the hi halves (interleaved gate|up: elsewhere)
+  int16_t* const lo_c = opaque(lo + state);
+  void* const m_c = opaque(static_cast<char*>(m) + state * kMomentBytes);
+  void* const v_c = opaque(static_cast<char*>(v) + state * kMomentBytes);
+  const float* const g_c = opaque(grads + begin);
+  const uint16_t* const g16_c = opaque(grads16 + begin);
 
   const int32_t to_boundary = static_cast<int32_t>((8 - (begin & 7)) & 7);
   const int32_t head = vectors && to_boundary < length ? to_boundary : length;
@@ -230,15 +239,14 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   const int32_t n_single = head + (length - tail);
   for (int32_t t = static_cast<int32_t>(threadIdx.x); t < n_single; t += kBlock) {
     const int32_t k = t < head ? t : tail + (t - head);
-    const int64_t e = begin + k, es = state + k;
-    float mk = M::load(m, es), vk = M::load(v, es);
-    const float gk = seg.bf16_grad ? am::bf16_bits_to_float(grads16[e]) : grads[e];
-    const float p = am::adamw_update(am::join_master(hi[e], lo[es]), gk, mk, vk, s, decay, kBf16, kBf16);
+    float mk = M::load(m_c, k), vk = M::load(v_c, k);
+    const float gk = seg.bf16_grad ? am::bf16_bits_to_float(g16_c[k]) : g_c[k];
+    const float p = am::adamw_update(am::join_master(hi_c[k], lo_c[k]), gk, mk, vk, s, decay, kBf16, kBf16);
     const am::MasterSplit split = am::split_master(p);
-    hi[e] = split.hi;
-    lo[es] = split.lo;
-    M::store(m, es, mk);
-    M::store(v, es, vk);
+    hi_c[k] = split.hi;
+    lo_c[k] = split.lo;
+    M::store(m_c, k, mk);
+    M::store(v_c, k, vk);
     if (mirror_out) mirror_out[k] = p;
   }
   const bool mirror_vectors = mirror_out && (reinterpret_cast<uintptr_t>(mirror_out + head) & 15) == 0;
@@ -250,17 +258,15 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
   // registers. Units a pass: hi, lo, m, v (fp32: 2 each), the gradient (fp32: 2).
   constexpr int kGradUnit = 2 + 2 * M::kUnits, kUnits = kGradUnit + 2;
   const auto source = [&](int unit, int32_t i) -> const uint4* {
-    const int64_t at = begin + i, at_state = state + i;
-    constexpr int kMomentBytes = kBf16 ? 2 : 4;
-    if (unit == 0) return reinterpret_cast<const uint4*>(hi + at);
-    if (unit == 1) return reinterpret_cast<const uint4*>(lo + at_state);
+    if (unit == 0) return reinterpret_cast<const uint4*>(hi_c + i);
+    if (unit == 1) return reinterpret_cast<const uint4*>(lo_c + i);
     if (unit < kGradUnit) {
-      const void* moments = unit < 2 + M::kUnits ? m : v;
-      return reinterpret_cast<const uint4*>(static_cast<const char*>(moments) + at_state * kMomentBytes) +
+      const void* moments = unit < 2 + M::kUnits ? m_c : v_c;
+      return reinterpret_cast<const uint4*>(static_cast<const char*>(moments) + i * kMomentBytes) +
              (unit - 2) % M::kUnits;
     }
-    return seg.bf16_grad ? reinterpret_cast<const uint4*>(grads16 + at)
-                         : reinterpret_cast<const uint4*>(grads + at) + (unit - kGradUnit);
+    return seg.bf16_grad ? reinterpret_cast<const uint4*>(g16_c + i)
+                         : reinterpret_cast<const uint4*>(g_c + i) + (unit - kGradUnit);
   };
   const int used_units = seg.bf16_grad ? kUnits - 1 : kUnits;
   extern __shared__ uint4 staged[];  // [2 stages][kUnits][kBlock]
@@ -289,7 +295,6 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
       for (int u = 0; u < kUnits; ++u)
         if (u < used_units) unit[u] = __ldcs(source(u, i));
     }
-    const int64_t at = begin + i, at_state = state + i;
     float g[8];
     if (seg.bf16_grad) {
       uint16_t g16[8];
@@ -311,10 +316,10 @@ __global__ void __launch_bounds__(kBlock, 1024 / kBlock)
     adamw_update8(p, g, mm, vv, s, decay, kBf16);
     uint4 hi8, lo8;
     split_master8(p, hi8, lo8);
-    M::store8(m, at_state, mm);
-    M::store8(v, at_state, vv);
-    __stcs(reinterpret_cast<uint4*>(hi + at), hi8);
-    __stcs(reinterpret_cast<uint4*>(lo + at_state), lo8);
+    M::store8(m_c, i, mm);
+    M::store8(v_c, i, vv);
+    __stcs(reinterpret_cast<uint4*>(hi_c + i), hi8);
+    __stcs(reinterpret_cast<uint4*>(lo_c + i), lo8);
     if (mirror_vectors) {
       float4* out = reinterpret_cast<float4*>(mirror_out + i);
       out[0] = make_float4(p[0], p[1], p[2], p[3]);

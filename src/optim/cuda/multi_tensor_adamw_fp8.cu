@@ -25,13 +25,6 @@ __device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(to), "l"(gmem) : "memory");
 }
 
-// p, which the compiler cannot see through (an empty asm that "changes" it).
-template <class T>
-__device__ __forceinline__ T* opaque(T* p) {
-  asm("" : "+l"(p));
-  return p;
-}
-
 // One block's codes for the values in `x` (8 a lane, the pair's 16 together): the block's
 // scale byte (both lanes) and the lane's 8 codes packed in a uint2: m's to nearest
 // (am::m_code), sqrt(v)'s stochastically with the lane's random bits (am::root_code,

@@ -38,6 +38,13 @@ __device__ __forceinline__ int64_t warp_segment_of_chunk(const OptimizerSegment*
   return lo;
 }
 
+// p, which the compiler cannot see through (an empty asm that "changes" it).
+template <class T>
+__device__ __forceinline__ T* opaque(T* p) {
+  asm("" : "+l"(p));
+  return p;
+}
+
 // A thread's own 16 bytes copied from global to shared memory without passing through its
 // registers (L2 only), in commit groups it waits on; the copy is visible to this thread
 // after the wait. Both addresses 16-byte aligned.
