@@ -532,7 +532,9 @@ TEST(GpuGemm, MatchesCpuForEveryTransposeAndOutputType) {
 // against combine_forward followed by the norm with that branch: the same bytes of y,
 // rstd, the residual stream and (fp8) y's codes, with dropped slots (row -1), on the vector
 // path, the scalar kernel (D % 8 != 0, or rows one element past a 16-byte boundary) and
-// the fp8 kernel and its fallback (D past 8192).
+// the fp8 kernel and its fallback (D past 8192). The reference's branch is misaligned with
+// the rows, so that both sides take the same norm kernel (the vector and scalar kernels sum
+// a row's squares in different orders).
 TEST(GpuDispatchKernels, NormSumsTheCombinesRowsBitForBit) {
   MOE_REQUIRE_GPU();
   struct Case {
@@ -566,9 +568,10 @@ TEST(GpuDispatchKernels, NormSumsTheCombinesRowsBitForBit) {
       gpu::DeviceArray<float> rstd, scales;
       gpu::DeviceArray<uint8_t> codes;
     };
+    const int64_t TD = std::max<int64_t>(1, T * D);  // T = 0: buffers all the same (none is touched)
     auto fresh = [&] {
-      return Outputs{poisoned<bf16>(T * D), poisoned<bf16>(T * D), poisoned<float>(T), poisoned<float>(T * D / 128),
-                     poisoned<uint8_t>(T * D)};
+      return Outputs{poisoned<bf16>(TD), poisoned<bf16>(TD), poisoned<float>(std::max<int64_t>(1, T)),
+                     poisoned<float>(TD / 128 + 1), poisoned<uint8_t>(TD)};
     };
     auto norm = [&](Outputs& o, const cuda::ResidualBranch& branch) {
       if (with_codes)
@@ -579,9 +582,9 @@ TEST(GpuDispatchKernels, NormSumsTheCombinesRowsBitForBit) {
                               1e-5f, nullptr);
     };
     Outputs want = fresh(), got = fresh();
-    auto combined_d = poisoned<bf16>(T * D);
-    cuda::combine_forward(combined_d.data(), y_rows, weight_d.data(), row_d.data(), T, K, D, nullptr);
-    norm(want, combined_d.data());
+    auto combined_d = poisoned<bf16>(TD + misalign);
+    cuda::combine_forward(combined_d.data() + misalign, y_rows, weight_d.data(), row_d.data(), T, K, D, nullptr);
+    norm(want, combined_d.data() + misalign);
     norm(got, cuda::ResidualBranch{y_rows, weight_d.data(), row_d.data(), K});
     EXPECT_TRUE(same_bits(to_host(got.y), to_host(want.y))) << "y: " << at;
     EXPECT_TRUE(same_bits(to_host(got.residual), to_host(want.residual))) << "residual: " << at;
