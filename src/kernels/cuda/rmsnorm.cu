@@ -1,4 +1,5 @@
-// RMSNorm on the GPU, forward fused with the residual add before it. 16-byte vectors held
+// RMSNorm on the GPU, forward fused with the residual add before it (whose branch may be an MoE
+// layer's expert rows, summed here: ResidualBranch). 16-byte vectors held
 // in registers when the width allows, element by element otherwise. One block per row in
 // the forward; the backward gives each block a fixed run of rows so the weight
 // gradient is summed in a fixed order (deterministic, no atomics).
