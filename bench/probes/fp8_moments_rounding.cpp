@@ -10,8 +10,8 @@
 // stochastic on sqrt(v): 1.006 and 1.007, v within 2.6%; m to nearest and sqrt(v)
 // stochastic (adamw_math's since wip/fp8-moments-v-stochastic): 1.001 at both.
 // 2026-12-06: sqrt(v) dithered by a uniform fraction of its grid step, then rounded to
-// nearest (what the GPU's hardware convert could do, ~5 instructions a value fewer than the
-// integer encoder): 1.005 at both, v 1.016-1.017 of fp32's, |p8 - p32| 4.84-4.87 lr (the
+// nearest (the GPU's hardware convert could do it; counted by hand ~12 instructions a value
+// with the step, the dither and the positive floor, against the integer encoder's ~13): 1.005 at both, v 1.016-1.017 of fp32's, |p8 - p32| 4.84-4.87 lr (the
 // shipped encoder: 1.001, v 1.025-1.026, 4.71-4.75 lr).
 #include <cmath>
 #include <cstdio>
