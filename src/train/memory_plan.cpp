@@ -304,7 +304,7 @@ MemoryEstimate estimate_with(const RunConfig& config, const MemoryLayout& layout
   }
   if (recompute_dense || recompute_moe)
     m.recompute_set = core_bytes + (recompute_dense ? dense_bytes : 0) + (recompute_moe ? moe_bytes : 0) +
-                      (recompute_dense || moe_ffn_out_bytes > 0 ? ffn_out_bytes : 0);
+                      (recompute_dense ? ffn_out_bytes : moe_ffn_out_bytes);  // the shared set's ffn_out
   // The expert rows buffers shared by the MoE layers under recompute_experts.
   if (E > 0 && rows_shared) {
     const int64_t RL = a.rows.max_local_rows;
