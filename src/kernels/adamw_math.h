@@ -269,9 +269,9 @@ inline void quantize_moment_block(float* m, float* v, int n, int64_t index, uint
 // where the gradient-norm kernel also writes grad_scale, skip and the norm, so a whole
 // step can be captured in a CUDA graph.
 struct AdamWScalars {
-  float step_size = 0;        // lr / (1 - beta1^t)
-  float sqrt_bias2 = 1;       // sqrt(1 - beta2^t)
-  float eps = 0, beta1 = 0, beta2 = 0;
+  float step_size = 0;        // lr sqrt(1 - beta2^t) / (1 - beta1^t): both bias corrections
+  float eps = 0;              // eps sqrt(1 - beta2^t)
+  float beta1 = 0, beta2 = 0;
   float one_minus_beta1 = 1, one_minus_beta2 = 1;
   float decay_factor = 1;     // 1 - lr * weight_decay, for parameters with weight decay
   float grad_scale = 1;       // gradients are multiplied by this first (global clipping)
@@ -280,15 +280,18 @@ struct AdamWScalars {
   double sum_sq = 0, norm = 0;  // the step's global gradient sum of squares and norm
 };
 
-// Host only: the bias corrections fold into the step size and epsilon, as torch does.
+// Host only. Both bias corrections fold into the step size and epsilon (Kingma & Ba's
+// efficient form): lr / b1 * m / (sqrt(v) / sqrt(b2) + eps) = (lr sqrt(b2) / b1) m /
+// (sqrt(v) + eps sqrt(b2)), one division an element instead of torch's two. The products are
+// taken in fp32, so once sqrt(b2) rounds to 1 (beta2 0.95: t > 338) the bits are torch's.
 inline AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double eps, double weight_decay,
                                        int64_t step) {
   AdamWScalars s;
   const double bias1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bias2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  s.step_size = static_cast<float>(lr / bias1);
-  s.sqrt_bias2 = static_cast<float>(std::sqrt(bias2));
-  s.eps = static_cast<float>(eps);
+  const float sqrt_bias2 = static_cast<float>(std::sqrt(bias2));
+  s.step_size = static_cast<float>(lr / bias1) * sqrt_bias2;
+  s.eps = static_cast<float>(eps) * sqrt_bias2;
   s.beta1 = static_cast<float>(beta1);
   s.beta2 = static_cast<float>(beta2);
   s.one_minus_beta1 = 1.0f - s.beta1;
@@ -325,10 +328,7 @@ MOE_HOST_DEVICE void adamw_moments(float g, float& m, float& v, const AdamWScala
 MOE_HOST_DEVICE float adamw_update(float p, float g, float& m, float& v, const AdamWScalars& s, float decay,
                                    bool bf16_moments, bool read_exact = false) {
   adamw_moments(g, m, v, s, bf16_moments, read_exact);
-  // sqrt(1 - beta2^t) rounds to 1 after a few hundred steps (beta2 0.95: t > 338); x / 1
-  // is x, so the division is skipped then: the same bits, one division less per element.
-  const float root = adamw_math::sqrt(v);
-  const float denom = add(s.sqrt_bias2 == 1.0f ? root : div(root, s.sqrt_bias2), s.eps);
+  const float denom = add(adamw_math::sqrt(v), s.eps);
   return sub(mul(p, decay), div(mul(s.step_size, m), denom));
 }
 

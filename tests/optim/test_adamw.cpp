@@ -1,4 +1,5 @@
-// The CPU AdamW: the fp32 update is the textbook one (decoupled decay, none on parameters
+// The CPU AdamW: the fp32 update is the textbook one with its bias corrections folded into the
+// step size and eps (Kingma & Ba's efficient form; decoupled decay, none on parameters
 // registered without it), bit for bit; with optimizer.state_dtype = MomentDtype::Bf16 the moments
 // are rounded to bf16 when read and after each update, and stay close to fp32 ones; with fp8
 // they are what a plain block quantiser (written here from e4m3's value table, not from
@@ -102,10 +103,12 @@ struct Reference {
         m.emplace_back(params.numel(id), 0.0f);
         v.emplace_back(params.numel(id), 0.0f);
       }
-    const float step_size = static_cast<float>(lr / (1.0 - std::pow(config.beta1, static_cast<double>(steps))));
+    // The bias corrections folded into the step size and eps (Kingma & Ba's efficient form).
     const float sqrt_bias2 = static_cast<float>(std::sqrt(1.0 - std::pow(config.beta2, static_cast<double>(steps))));
+    const float step_size =
+        static_cast<float>(lr / (1.0 - std::pow(config.beta1, static_cast<double>(steps)))) * sqrt_bias2;
     const float b1 = static_cast<float>(config.beta1), b2 = static_cast<float>(config.beta2);
-    const float eps = static_cast<float>(config.eps);
+    const float eps = static_cast<float>(config.eps) * sqrt_bias2;
     for (int id = 0; id < params.size(); ++id) {
       const float decay = params.spec(id).weight_decay ? static_cast<float>(1.0 - lr * config.weight_decay) : 1.0f;
       for (int64_t i = 0; i < params.numel(id); ++i) {
@@ -116,7 +119,7 @@ struct Reference {
         vi = b2 * vi + (1.0f - b2) * g * g;
         if (bf16) mi = round_bf16(mi), vi = round_bf16(vi);
         float& p = params.value(id)[i];
-        p = p * decay - step_size * mi / (std::sqrt(vi) / sqrt_bias2 + eps);
+        p = p * decay - step_size * mi / (std::sqrt(vi) + eps);
       }
       // fp8: the update used the fp32 moments; stored are their blocks of 16 quantised.
       for (int64_t b = 0; moments == MomentDtype::Fp8 && b < params.numel(id); b += 16) {

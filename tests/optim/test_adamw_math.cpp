@@ -3,6 +3,7 @@
 // shared AdamW element update is the CPU AdamW's arithmetic.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -109,12 +110,14 @@ TEST(AdamWMath, UpdateIsTheCpuArithmetic) {
   const double lr = 2e-3, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
   const int64_t step = 7;
   const am::AdamWScalars s = am::adamw_step_scalars(lr, b1, b2, eps, wd, step);
-  const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, 7.0)));
+  // Kingma & Ba's efficient form: the bias corrections folded into the step size and eps.
   const float sqrt_bias2 = static_cast<float>(std::sqrt(1.0 - std::pow(b2, 7.0)));
-  const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2), feps = static_cast<float>(eps);
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(b1, 7.0))) * sqrt_bias2;
+  const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
+  const float feps = static_cast<float>(eps) * sqrt_bias2;
   const float decay = static_cast<float>(1.0 - lr * wd);
   EXPECT_EQ(s.step_size, step_size);
-  EXPECT_EQ(s.sqrt_bias2, sqrt_bias2);
+  EXPECT_EQ(s.eps, feps);
   EXPECT_EQ(s.decay_factor, decay);
   for (uint64_t i = 0; i < 100000; ++i) {
     const float p0 = static_cast<float>(rng.normal(4 * i)), g = static_cast<float>(1e-2 * rng.normal(4 * i + 1));
@@ -124,7 +127,7 @@ TEST(AdamWMath, UpdateIsTheCpuArithmetic) {
     const float p = am::adamw_update(p0, g, m, v, s, decay, false);
     const float want_m = fb1 * m0 + (1.0f - fb1) * g;
     const float want_v = fb2 * v0 + (1.0f - fb2) * g * g;
-    const float want_p = p0 * decay - step_size * want_m / (std::sqrt(want_v) / sqrt_bias2 + feps);
+    const float want_p = p0 * decay - step_size * want_m / (std::sqrt(want_v) + feps);
     ASSERT_EQ(am::float_bits(m), am::float_bits(want_m)) << i;
     ASSERT_EQ(am::float_bits(v), am::float_bits(want_v)) << i;
     ASSERT_EQ(am::float_bits(p), am::float_bits(want_p)) << i;
@@ -136,8 +139,7 @@ TEST(AdamWMath, UpdateIsTheCpuArithmetic) {
     const float want_vb = bf16_to_float(float_to_bf16(fb2 * rv0 + (1.0f - fb2) * g * g));
     ASSERT_EQ(am::float_bits(mb), am::float_bits(want_mb)) << i;
     ASSERT_EQ(am::float_bits(vb), am::float_bits(want_vb)) << i;
-    ASSERT_EQ(am::float_bits(pb), am::float_bits(p0 * decay - step_size * want_mb / (std::sqrt(want_vb) / sqrt_bias2 + feps)))
-        << i;
+    ASSERT_EQ(am::float_bits(pb), am::float_bits(p0 * decay - step_size * want_mb / (std::sqrt(want_vb) + feps))) << i;
   }
   // grad_scale multiplies the gradient first, as clipping the gradients in place does.
   am::AdamWScalars clipped = s;
@@ -148,16 +150,30 @@ TEST(AdamWMath, UpdateIsTheCpuArithmetic) {
             am::float_bits(am::adamw_update(1.0f, g * 0.37f, m2, v2, s, decay, false)));
 }
 
-// Late in training sqrt(1 - beta2^t) is exactly 1 in fp32 and the update skips its division
-// (x / 1 = x): the textbook arithmetic's bits; bf16 moments read exactly (read_exact, the
-// GPU's bf16 storage) give the bits of rounding them when read.
-TEST(AdamWMath, LateStepsAndExactBf16MomentsKeepTheBits) {
+// The folded bias corrections are torch's update: within a few fp32 roundings of it in
+// double early on, and its bits once sqrt(1 - beta2^t) rounds to 1 (beta2 0.95: t > 338),
+// where the step size is lr / (1 - beta1^t) and eps itself. bf16 moments read exactly
+// (read_exact, the GPU's bf16 storage) give the bits of rounding them when read.
+TEST(AdamWMath, FoldedBiasCorrectionsAreTorchsUpdate) {
   const double lr = 2e-3, b1 = 0.9, b2 = 0.95, eps = 1e-8, wd = 0.1;
-  EXPECT_LT(am::adamw_step_scalars(lr, b1, b2, eps, wd, 300).sqrt_bias2, 1.0f);
-  const am::AdamWScalars s = am::adamw_step_scalars(lr, b1, b2, eps, wd, 400);
-  ASSERT_EQ(s.sqrt_bias2, 1.0f);
-  const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2), feps = static_cast<float>(eps);
   CounterRng rng(5, "adamw_math_late");
+  for (const int64_t step : {1, 2, 7, 50, 338}) {
+    const am::AdamWScalars s = am::adamw_step_scalars(lr, b1, b2, eps, wd, step);
+    const double bias1 = 1 - std::pow(b1, static_cast<double>(step)), bias2 = 1 - std::pow(b2, static_cast<double>(step));
+    double worst = 0;
+    for (uint64_t i = 0; i < 20000; ++i) {
+      float m = static_cast<float>(1e-2 * rng.normal(3 * i)), v = static_cast<float>(1e-4 * std::abs(rng.normal(3 * i + 1)));
+      const float g = static_cast<float>(1e-2 * rng.normal(3 * i + 2));
+      const float update = -am::adamw_update(0.0f, g, m, v, s, 1.0f, false);  // m, v: the new moments
+      const double want = lr / bias1 * m / (std::sqrt(static_cast<double>(v)) / std::sqrt(bias2) + eps);
+      worst = std::max(worst, std::abs(update - want) / std::abs(want));
+    }
+    EXPECT_LT(worst, 6e-7) << "step " << step;  // ~8 fp32 roundings of 2^-24
+  }
+  const am::AdamWScalars s = am::adamw_step_scalars(lr, b1, b2, eps, wd, 400);
+  ASSERT_EQ(s.step_size, static_cast<float>(lr / (1.0 - std::pow(b1, 400.0))));
+  ASSERT_EQ(s.eps, static_cast<float>(eps));
+  const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2), feps = static_cast<float>(eps);
   for (uint64_t i = 0; i < 100000; ++i) {
     const float p0 = static_cast<float>(rng.normal(4 * i)), g = static_cast<float>(1e-2 * rng.normal(4 * i + 1));
     const float m0 = bf16_to_float(float_to_bf16(static_cast<float>(1e-2 * rng.normal(4 * i + 2))));
@@ -165,7 +181,8 @@ TEST(AdamWMath, LateStepsAndExactBf16MomentsKeepTheBits) {
     float m = m0, v = v0;
     const float p = am::adamw_update(p0, g, m, v, s, s.decay_factor, false);
     const float want_m = fb1 * m0 + (1.0f - fb1) * g, want_v = fb2 * v0 + (1.0f - fb2) * g * g;
-    const float want_p = p0 * s.decay_factor - s.step_size * want_m / (std::sqrt(want_v) / 1.0f + feps);
+    const float sqrt_bias2 = 1.0f;  // torch divides by it
+    const float want_p = p0 * s.decay_factor - s.step_size * want_m / (std::sqrt(want_v) / sqrt_bias2 + feps);
     ASSERT_EQ(am::float_bits(p), am::float_bits(want_p)) << i;
     float mr = m0, vr = v0, me = m0, ve = v0;
     const float rounded = am::adamw_update(p0, g, mr, vr, s, s.decay_factor, true);

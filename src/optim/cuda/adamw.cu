@@ -31,7 +31,6 @@ void adamw_step(float* param, bf16* param_bf16, const float* grad, float* m, flo
   MOE_CHECKF(step >= 1, "adamw_step: step counts from 1, got %lld", static_cast<long long>(step));
   if (count == 0) return;
   adamw_math::AdamWScalars s = adamw_math::adamw_step_scalars(lr, beta1, beta2, eps, 0.0, step);
-  s.eps = eps;
   s.decay_factor = decay_factor;
   s.grad_scale = grad_scale;
   adamw_kernel<<<static_cast<unsigned>(ceil_div(count, kThreads)), kThreads, 0, stream>>>(

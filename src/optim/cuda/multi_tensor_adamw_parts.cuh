@@ -173,7 +173,7 @@ __device__ __forceinline__ void split_master8(const float (&p)[8], uint4& hi, ui
 
 // am::adamw_update on 8 elements, bit for bit, in three steps: the moments one by one
 // (bf16 moments rounded 8 at a time), the square roots of the new v, then the parameters
-// with the two divisions 8 at a time (exact_math.cuh: one range check a group instead of a
+// with the division 8 at a time (exact_math.cuh: one range check a group instead of a
 // branch per element, so the 8 interleave). The fp8 kernel quantises the roots it also
 // stores (sqrt(v)'s codes) between the last two.
 __device__ __forceinline__ void adamw_moments8(const float (&g)[8], float (&m)[8], float (&v)[8],
@@ -186,18 +186,10 @@ __device__ __forceinline__ void adamw_moments8(const float (&g)[8], float (&m)[8
 // p: the parameters in, the new ones out; root: sqrt of the new v.
 __device__ __forceinline__ void adamw_parameters8(float (&p)[8], const float (&m)[8], const float (&root)[8],
                                                   const am::AdamWScalars& s, float decay) {
-  float corrected[8], numerator[8], denom[8], update[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) corrected[j] = root[j];
-  if (s.sqrt_bias2 != 1.0f) {
-    float bias[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) bias[j] = s.sqrt_bias2;
-    div_rn_n(corrected, root, bias);
-  }
+  float numerator[8], denom[8], update[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    denom[j] = am::add(corrected[j], s.eps);
+    denom[j] = am::add(root[j], s.eps);
     numerator[j] = am::mul(s.step_size, m[j]);
   }
   div_rn_n(update, numerator, denom);
