@@ -3,7 +3,11 @@
 # binaries (or two sets of overrides), run alternately ROUNDS times (default 2: A B A B),
 # since single runs at the 700 W limit move by +-1-2% with the board's clock. Prints each
 # run's median step, MFU, mean SM clock, memory and last loss (a change meant to keep the
-# bits must keep the loss), then the mean of each side's medians.
+# bits must keep the loss), then the mean of each side's medians. A change that moves the
+# bits moves the bench's trajectory too (peak learning rate from step 1, synthetic tokens),
+# and with it the routing and every MoE phase's time: compare such changes with
+# --lr.peak=1e-30 as well, where the updates are below the weights' last bit, so both sides
+# keep the initial weights and routing and only the kernels' cost differs.
 # Usage: bench/ab_steps.sh MOE_A MOE_B CONFIG [--section.key=value ...]
 #   A_ARGS / B_ARGS (environment): overrides for one side only, e.g. to compare two modes
 #   of one binary (MOE_A = MOE_B). OUT (environment): where the logs go (default a temp dir).
