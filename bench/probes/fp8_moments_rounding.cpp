@@ -66,31 +66,25 @@ float e4m3_dithered(float y, uint32_t r) {
   return y < 0 ? -q : q;
 }
 
-void quantize_dithered(float* x, int n, uint64_t key) {  // sqrt(v): positive, floored
+// A block quantised with `round` (e4m3_stochastic or e4m3_dithered) and its shared scale;
+// positive_floor: a positive value never to 0 (sqrt(v)).
+void quantize_stochastic(float* x, int n, bool positive_floor, uint64_t key,
+                         float (*round)(float, uint32_t) = e4m3_stochastic) {
   float amax = 0;
   for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
   const uint8_t s = am::moment_scale_byte(amax);
+  const float inverse = am::moment_inverse_scale(s), scale = am::moment_scale(s);
   for (int i = 0; i < n; ++i) {
-    float q = e4m3_dithered(x[i] * am::moment_inverse_scale(s), hash32(key * 64 + static_cast<uint64_t>(i)));
-    if (q == 0 && x[i] > 0) q = 1.0f / 512;
-    x[i] = q * am::moment_scale(s);
-  }
-}
-
-void quantize_stochastic(float* x, int n, bool positive_floor, uint64_t key) {
-  float amax = 0;
-  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const uint8_t s = am::moment_scale_byte(amax);
-  for (int i = 0; i < n; ++i) {
-    float q = e4m3_stochastic(x[i] * am::moment_inverse_scale(s), hash32(key * 64 + static_cast<uint64_t>(i)));
+    float q = round(x[i] * inverse, hash32(key * 64 + static_cast<uint64_t>(i)));
     if (positive_floor && q == 0 && x[i] > 0) q = 1.0f / 512;
-    x[i] = q * am::moment_scale(s);
+    x[i] = q * scale;
   }
 }
 
 // mode 0: nearest (the first fp8 moments), 1: stochastic, 2: stochastic on sqrt(v) (v's
 // range halved in bits), 3: adamw_math's quantize_moment_block (m to nearest, sqrt(v)
-// stochastic), 4: m to nearest, sqrt(v) stochastic (this probe's hash).
+// stochastic), 4: m to nearest, sqrt(v) stochastic (this probe's hash), 5: as 4 with sqrt(v)
+// dithered then rounded to nearest.
 void run(double decades, int mode) {
   const bool stochastic = mode == 1 || mode == 2;
   const int n = 16 * 4096, steps = 1000;
@@ -123,10 +117,7 @@ void run(double decades, int mode) {
         for (int i = b; i < b + am::kMomentBlock; ++i)
           m8[i] = am::moment_value(moe::float_to_fp8_e4m3(m8[i] * am::moment_inverse_scale(sc)), sc);
         for (int i = 0; i < am::kMomentBlock; ++i) root[i] = std::sqrt(v8[b + i]);
-        if (mode == 5)
-          quantize_dithered(root, am::kMomentBlock, key ^ 0x5555);
-        else
-          quantize_stochastic(root, am::kMomentBlock, true, key ^ 0x5555);
+        quantize_stochastic(root, am::kMomentBlock, true, key ^ 0x5555, mode == 5 ? e4m3_dithered : e4m3_stochastic);
         for (int i = 0; i < am::kMomentBlock; ++i) v8[b + i] = root[i] * root[i];
       } else if (mode == 2) {
         float root[am::kMomentBlock];
