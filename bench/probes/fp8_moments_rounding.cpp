@@ -115,7 +115,7 @@ void run(double decades, int mode) {
         for (int i = b; i < b + am::kMomentBlock; ++i) amax = std::fmax(amax, std::fabs(m8[i]));
         const uint8_t sc = am::moment_scale_byte(amax);
         for (int i = b; i < b + am::kMomentBlock; ++i)
-          m8[i] = am::moment_value(moe::float_to_fp8_e4m3(m8[i] * am::moment_inverse_scale(sc)), sc);
+          m8[i] = am::moment_value(am::m_code(m8[i], sc), sc);  // to nearest, as adamw_math stores m
         for (int i = 0; i < am::kMomentBlock; ++i) root[i] = std::sqrt(v8[b + i]);
         quantize_stochastic(root, am::kMomentBlock, true, key ^ 0x5555, mode == 5 ? e4m3_dithered : e4m3_stochastic);
         for (int i = 0; i < am::kMomentBlock; ++i) v8[b + i] = root[i] * root[i];
