@@ -167,7 +167,14 @@ inline void expect_matches_reference(const RunConfig& config, const RunResult& g
   EXPECT_GE(alike, std::min(kStepsRoutedAlike, want.loss.size())) << "routing differs at step " << alike + 1;
   expect_close(first_n(got.loss, alike), first_n(want.loss, alike), 1e-5, "loss");
   expect_close(first_n(got.aux, alike), first_n(want.aux, alike), 1e-5, "aux loss");
-  expect_close(first_n(got.grad_norm, alike), first_n(want.grad_norm, alike), 1e-4, "grad norm");
+  // The gradient norm feels the rounding differences most as they grow over the steps
+  // (on an AVX-512 host the one-process run's sums part by 1.2e-4 of it at step 18 of 20,
+  // the routing alike): 1e-4 over the first kStepsRoutedAlike steps, 5e-4 after.
+  const size_t early = std::min(alike, kStepsRoutedAlike);
+  expect_close(first_n(got.grad_norm, early), first_n(want.grad_norm, early), 1e-4, "grad norm");
+  for (size_t i = early; i < alike; ++i)
+    EXPECT_NEAR(got.grad_norm[i], want.grad_norm[i], 5e-4 * std::max(1e-3, std::abs(want.grad_norm[i])))
+        << "grad norm at step " << i + 1;
   EXPECT_EQ(first_n(got.dropped, alike), first_n(want.dropped, alike));
   // The runs learned something (ln 16 = 2.77 at the start): a comparison of runs that do
   // nothing would prove little.
