@@ -10,6 +10,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/bf16.h"
@@ -289,6 +290,34 @@ TEST(AdamW, Fp8MomentsKeepTheUpdateBoundedWhereVWouldUnderflow) {
     }
   }
   EXPECT_GT(adamw.second_moment()[1], 0.0f);
+}
+
+// sqrt(v)'s floor: every positive v, of every fp32 exponent down to the smallest subnormal,
+// codes to at least the smallest code, whatever the block's largest v beside it (every
+// exponent up to FLT_MAX), for many random bits; a zero v codes 0. Without the floor a v of
+// 2^-60 beside 1 would code 0 at most bits (an encoder that takes the floor on the scaled
+// root's bits, bench/probes/adamw_fp8_encoder.patch, must keep it for every finite block).
+TEST(AdamW, Fp8RootCodesFloorEveryPositiveVBesideAnyFiniteRoot) {
+  int64_t checked = 0;
+  for (int big = -149; big <= 127; big += 3) {
+    float v[adamw_math::kMomentBlock];
+    v[0] = big == 127 ? std::numeric_limits<float>::max() : std::ldexp(1.0f, big);
+    v[1] = 0.0f;
+    for (int small = -149; small <= big; small += 7) {
+      for (int i = 2; i < adamw_math::kMomentBlock; ++i)  // small's exponent, other mantissas
+        v[i] = std::min(v[0], std::ldexp(1.0f + static_cast<float>(i) / 16.0f, small));
+      for (uint32_t step = 1; step <= 4; ++step) {
+        uint8_t codes[adamw_math::kMomentBlock];
+        adamw_math::moment_block_codes(v, adamw_math::kMomentBlock, true, 64 * big + small, step, codes);
+        EXPECT_EQ(codes[1], 0) << "v 0 beside 2^" << big;
+        for (int i = 2; i < adamw_math::kMomentBlock; ++i) {
+          ASSERT_GE(codes[i], 1) << "v " << v[i] << " beside " << v[0] << " at step " << step;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 10000);
 }
 
 // Near fp32 AdamW: the moments stay within fp8's precision of the fp32 ones (m normwise).
