@@ -308,7 +308,8 @@ TEST(AdamW, Fp8RootCodesFloorEveryPositiveVBesideAnyFiniteRoot) {
         v[i] = std::min(v[0], std::ldexp(1.0f + static_cast<float>(i) / 16.0f, small));
       for (uint32_t step = 1; step <= 4; ++step) {
         uint8_t codes[adamw_math::kMomentBlock];
-        adamw_math::moment_block_codes(v, adamw_math::kMomentBlock, true, 64 * big + small, step, codes);
+        const int64_t index = 16 * (512 * (big + 149) + (small + 149));  // a block of its own
+        adamw_math::moment_block_codes(v, adamw_math::kMomentBlock, true, index, step, codes);
         EXPECT_EQ(codes[1], 0) << "v 0 beside 2^" << big;
         for (int i = 2; i < adamw_math::kMomentBlock; ++i) {
           ASSERT_GE(codes[i], 1) << "v " << v[i] << " beside " << v[0] << " at step " << step;
