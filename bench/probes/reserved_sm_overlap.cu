@@ -109,13 +109,14 @@ double median(std::vector<double> v) {
 
 constexpr int kBatch = 10;  // GEMMs between two events
 
-// GEMMs for `seconds` (sm_target 0: all SMs), with the stream pass on `stream_blocks` blocks
-// beside them (0: none, else stopped as the GEMMs end). Returns the median ms a GEMM over
-// the second half of the batches.
 struct Result {
   double gemm_ms = 0, stream_ms = 0;  // stream_ms: how long the pass ran beside the GEMMs
   moe::BoardSummary board;
 };
+
+// GEMMs for `seconds` (sm_target 0: all SMs), with the stream pass on `stream_blocks` blocks
+// beside them (0: none, else stopped as the GEMMs end). gemm_ms: the median ms a GEMM over
+// the second half of the batches; the pass's rate beside them comes from a bounded run (main).
 
 Result run_phase(const Gemm& g, const Stream& st, int sm_target, int stream_blocks, double seconds,
                  double gemm_ms_guess, double stream_tbs_guess, moe::BoardSampler& sampler) {
@@ -149,7 +150,7 @@ Result run_phase(const Gemm& g, const Stream& st, int sm_target, int stream_bloc
   Result r;
   if (stream_blocks > 0) {
     CHECK(cudaEventSynchronize(ev[batches]));
-    // Stop the pass as the GEMMs end; its rate over the time it ran beside them.
+    // Stop the pass as the GEMMs end.
     const int one = 1;
     CHECK(cudaMemcpy(st.stop, &one, sizeof(int), cudaMemcpyHostToDevice));
   }
