@@ -133,10 +133,9 @@ Result run_phase(const Gemm& g, const Stream& st, int sm_target, int stream_bloc
   CHECK(cudaMemset(st.stop, 0, sizeof(int)));
   CHECK(cudaDeviceSynchronize());
   sampler.start();
-  int reps = 0;
   if (stream_blocks > 0) {
     // Long enough to outlast the GEMMs (stopped through `stop` once they are done).
-    reps = std::max(1, static_cast<int>(2.0 * seconds * stream_tbs_guess * 1e12 / st.bytes_a_pass()) + 1);
+    const int reps = std::max(1, static_cast<int>(2.0 * seconds * stream_tbs_guess * 1e12 / st.bytes_a_pass()) + 1);
     CHECK(cudaEventRecord(s0, sb));
     stream_kernel<<<stream_blocks, kThreads, 0, sb>>>(st.bufs, st.n16, reps, st.stop);
     CHECK(cudaEventRecord(s1, sb));
