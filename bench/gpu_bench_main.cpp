@@ -15,7 +15,7 @@ int main(int argc, char** argv) {
     const moe::RunConfig config = moe::load_config(argv[1]);
     const int warmup = argc > 2 ? std::atoi(argv[2]) : 3;
     const int timed = argc > 3 ? std::atoi(argv[3]) : 10;
-    moe::run_gpu_bench(config, warmup, timed, std::cout);
+    moe::run_gpu_bench(config, moe::GpuBenchOptions{warmup, timed}, std::cout);
   } catch (const moe::ConfigError& e) {
     std::cerr << "moe_gpu_bench: " << e.what() << "\n";
     return 2;

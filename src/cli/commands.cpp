@@ -228,7 +228,10 @@ int run_bench(const BenchOptions& options) {
     MOE_CONFIG_ERROR("moe bench --json needs the phase split: without training.cuda_graphs and --ep-loopback");
   const GpuBenchResult result =
       options.no_steps ? GpuBenchResult{}
-                       : run_gpu_bench(config, options.warmup_steps, options.timed_steps, std::cout, options.ep_loopback);
+                       : run_gpu_bench(config,
+                                       GpuBenchOptions{options.warmup_steps, options.timed_steps, options.ep_loopback,
+                                                       options.sm_clocks},
+                                       std::cout);
   if (!options.json.empty()) {
     ComputeProfile profile;
     profile.source = fmt::format("moe bench {}; {}", options.config_path, build_info());

@@ -40,6 +40,7 @@ struct BenchOptions {
   bool no_steps = false;  // --kernels only: no training steps timed first
   std::vector<std::string> kernel_sections;  // the parts of --kernels to run (empty: all)
   bool ep_loopback = false;  // through the expert-parallel path over this one GPU
+  bool sm_clocks = false;    // each phase's mean SM clock (a stamp kernel at each phase boundary)
   std::string json;          // also write the phase times as a compute profile (docs/SIMULATOR.md)
   std::vector<std::string> overrides;
 };

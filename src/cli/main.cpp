@@ -157,6 +157,10 @@ int main(int argc, char** argv) {
       ->excludes(no_steps_flag);
   bench_cmd->add_flag("--ep-loopback", bench.ep_loopback,
                       "Run the expert-parallel path over this one GPU (exchanges as device copies): its own cost");
+  bench_cmd->add_flag("--sm-clocks", bench.sm_clocks,
+                      "Also each phase's mean SM clock, from the SMs' cycle counters (a small kernel at each phase "
+                      "boundary)")
+      ->excludes(no_steps_flag);
   bench_cmd->allow_extras();
   bench_cmd->footer(kOverrideHelp);
 

@@ -19,7 +19,7 @@ TEST(GpuBenchProfile, TheSimulatorGivesBackTheMeasuredStep) {
   config.training.micro_batch = 2;
   config.training.cuda_graphs = false;
   std::ostringstream log;
-  const GpuBenchResult bench = run_gpu_bench(config, 1, 3, log);
+  const GpuBenchResult bench = run_gpu_bench(config, GpuBenchOptions{1, 3}, log);
   ASSERT_FALSE(bench.phase_ms.empty()) << log.str();
   double sum = 0;
   for (const auto& [name, ms] : bench.phase_ms) sum += ms;

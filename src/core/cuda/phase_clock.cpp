@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "core/cuda/sm_clocks.h"
 #include "core/error.h"
 #include "core/gpu.h"
 
@@ -10,6 +11,17 @@ namespace moe::gpu {
 
 PhaseClock::PhaseClock(std::vector<std::string> phase_names)
     : names_(std::move(phase_names)), ms_(names_.size(), 0.0) {}
+
+void PhaseClock::set_sm_clocks(bool on) {
+  if (!on) {
+    sm_clocks_.reset();
+    return;
+  }
+  if (!sm_clocks_) sm_clocks_ = std::make_unique<SmClocks>(static_cast<int>(names_.size()));
+  last_phase_ = -1;  // no interval before the first stamp
+}
+
+std::vector<double> PhaseClock::take_sm_mhz() { return sm_clocks_ ? sm_clocks_->take_mhz() : std::vector<double>{}; }
 
 PhaseClock::~PhaseClock() {
   for (cudaEvent_t event : events_) cudaEventDestroy(event);
@@ -20,6 +32,10 @@ void PhaseClock::mark(int phase, cudaStream_t stream) {
             names_.size());
   nvtx_.begin(names_[static_cast<size_t>(phase)].c_str());
   if (!enabled_) return;
+  if (sm_clocks_) {
+    sm_clocks_->stamp(++marks_, last_phase_, stream);
+    last_phase_ = phase;
+  }
   if (used_ == events_.size()) {
     cudaEvent_t event;
     MOE_CUDA_CHECK(cudaEventCreate(&event));

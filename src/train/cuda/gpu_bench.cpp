@@ -26,8 +26,9 @@
 
 namespace moe {
 
-GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out,
-                             bool ep_loopback) {
+GpuBenchResult run_gpu_bench(const RunConfig& config, const GpuBenchOptions& bench, std::ostream& out) {
+  const int warmup_steps = bench.warmup_steps, timed_steps = bench.timed_steps;
+  const bool ep_loopback = bench.ep_loopback;
   const ModelConfig& mc = config.model;
   const int64_t batch = config.training.micro_batch, S = mc.seq_len, T = batch * S;
   MOE_CHECK(mc.vocab_size > 0, "bench needs model.vocab_size");
@@ -67,6 +68,11 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   double loss = 0;
   gpu::PhaseClock clock(gpu_phase_names());
   clock.set_enabled(!config.training.cuda_graphs);  // no events inside a graph
+  if (bench.sm_clocks) {
+    if (config.training.cuda_graphs)
+      MOE_CONFIG_ERROR("moe bench --sm-clocks needs the phase split: set training.cuda_graphs = false");
+    clock.set_sm_clocks(true);
+  }
   gpu->set_phase_clock(&clock);
   optimizer->set_phase_clock(&clock);
   // The board's clock and power over the timed steps: at its power limit the SM clock falls.
@@ -74,6 +80,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   for (int step = 1; step <= warmup_steps + timed_steps; ++step) {
     if (step == warmup_steps + 1) {
       clock.take();  // drop the warm-up steps' phases
+      clock.take_sm_mhz();
       board.start();
     }
     const NvtxRange range((step <= warmup_steps ? "warm-up step " : "step ") + std::to_string(step));
@@ -94,6 +101,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   const auto phases = clock.take();
+  const std::vector<double> sm_mhz = clock.take_sm_mhz();
   std::sort(step_ms.begin(), step_ms.end());
   GpuBenchResult result;
   result.median_step_ms = step_ms[step_ms.size() / 2];
@@ -151,14 +159,27 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int time
   result.board = board.summary();
   fmt::print(out, "board over the timed steps: {}\n",
              board.available() ? describe_board(result.board) : "not sampled: " + board.unavailable_reason());
-  double phase_total = 0;
-  for (const auto& [name, ms] : phases) {
+  double phase_total = 0, mhz_ms = 0, mhz_weight = 0;
+  for (size_t p = 0; p < phases.size(); ++p) {
+    const auto& [name, ms] = phases[p];
     phase_total += ms;
     if (!config.training.cuda_graphs) result.phase_ms[name] = ms / timed_steps;
+    if (!sm_mhz.empty() && sm_mhz[p] > 0) {
+      result.phase_sm_mhz[name] = sm_mhz[p];
+      mhz_ms += sm_mhz[p] * ms;
+      mhz_weight += ms;
+    }
   }
-  fmt::print(out, "time by phase, mean per step (forward + backward; from CUDA events at phase boundaries):\n");
-  for (const auto& [name, ms] : phases)
-    fmt::print(out, "  {:<16} {:8.1f} ms  {:5.1f}%\n", name, ms / timed_steps, 100.0 * ms / std::max(phase_total, 1e-9));
+  fmt::print(out, "time by phase, mean per step (forward + backward; from CUDA events at phase boundaries){}:\n",
+             sm_mhz.empty() ? "" : ", and the SMs' mean clock in each (their cycle counters)");
+  for (size_t p = 0; p < phases.size(); ++p) {
+    const auto& [name, ms] = phases[p];
+    fmt::print(out, "  {:<16} {:8.1f} ms  {:5.1f}%{}\n", name, ms / timed_steps,
+               100.0 * ms / std::max(phase_total, 1e-9),
+               sm_mhz.empty() || sm_mhz[p] <= 0 ? "" : fmt::format("  {:5.0f} MHz", sm_mhz[p]));
+  }
+  if (mhz_weight > 0)
+    fmt::print(out, "SM clock over the phases (time-weighted): {:.0f} MHz\n", mhz_ms / mhz_weight);
   return result;
 }
 

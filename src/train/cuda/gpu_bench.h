@@ -17,13 +17,21 @@ struct GpuBenchResult {
   double mfu = 0;
   double device_gb = 0;
   std::map<std::string, double> phase_ms;  // mean per timed step (empty with CUDA graphs)
+  std::map<std::string, double> phase_sm_mhz;  // each phase's mean SM clock (with sm_clocks only)
   BoardSummary board;  // the SM clock and power over the timed steps (no samples without NVML)
 };
 
-// ep_loopback: through the expert-parallel path over this one GPU (LoopbackExpertExchange:
-// every exchange a device copy), to time that path's own kernels apart from any network.
-GpuBenchResult run_gpu_bench(const RunConfig& config, int warmup_steps, int timed_steps, std::ostream& out,
-                             bool ep_loopback = false);
+struct GpuBenchOptions {
+  int warmup_steps = 3;
+  int timed_steps = 10;
+  // Through the expert-parallel path over this one GPU (LoopbackExpertExchange: every
+  // exchange a device copy), to time that path's own kernels apart from any network.
+  bool ep_loopback = false;
+  // Each phase's mean SM clock from the SMs' cycle counters (core/cuda/sm_clocks.h): a
+  // stamp kernel at every phase boundary, a few microseconds each.
+  bool sm_clocks = false;
+};
+GpuBenchResult run_gpu_bench(const RunConfig& config, const GpuBenchOptions& options, std::ostream& out);
 
 // `moe bench --kernels`: the expert GEMMs of one MoE layer at the config's shapes, each
 // timed alone (grouped GEMM and the per-expert cuBLASLt loop), against the dense GEMM of
