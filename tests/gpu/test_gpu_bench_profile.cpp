@@ -1,10 +1,14 @@
 // `moe bench --json`'s compute profile (train/cuda/gpu_bench.h -> train/hardware_description.h)
 // on a real GPU step: every phase timed, the profile read back as written, and the
-// simulator given it reproducing the bench's own step (the phase means sum) at one GPU.
+// simulator given it reproducing the bench's own step (the phase means sum) at one GPU;
+// and `moe bench --sm-clocks`'s clock for each phase.
 #include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
 
 #include <sstream>
 
+#include "core/error.h"
 #include "small_models.h"
 #include "train/cuda/gpu_bench.h"
 #include "train/hardware_description.h"
@@ -55,6 +59,31 @@ TEST(GpuBenchProfile, TheSimulatorGivesBackTheMeasuredStep) {
   EXPECT_NEAR(p.step, sum - (bench.phase_ms.count("all-to-all") ? bench.phase_ms.at("all-to-all") : 0), 1e-6 * sum);
   // The phases are CUDA events around the step's kernels: their sum is the step within the gaps.
   EXPECT_NEAR(p.step, bench.median_step_ms, 0.25 * bench.median_step_ms) << log.str();
+}
+
+// `moe bench --sm-clocks`: every phase that took time has its SMs' clock, within what the
+// device can run at, and without the flag none is reported.
+TEST(GpuBenchProfile, SmClocksForEveryTimedPhase) {
+  RunConfig config;
+  config.model = test::small_moe_model(0.0);
+  config.training.micro_batch = 2;
+  config.training.cuda_graphs = false;
+  std::ostringstream log;
+  GpuBenchOptions options{1, 2};
+  EXPECT_TRUE(run_gpu_bench(config, options, log).phase_sm_mhz.empty());
+  options.sm_clocks = true;
+  const GpuBenchResult bench = run_gpu_bench(config, options, log);
+  int device = 0, max_khz = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&max_khz, cudaDevAttrClockRate, device), cudaSuccess);
+  for (const char* phase : {"attention", "experts", "optimizer", "norms+residual"}) {
+    ASSERT_TRUE(bench.phase_sm_mhz.count(phase)) << phase << "\n" << log.str();
+    EXPECT_GT(bench.phase_sm_mhz.at(phase), 100.0) << phase;
+    EXPECT_LT(bench.phase_sm_mhz.at(phase), 1.02e-3 * max_khz) << phase;
+  }
+  EXPECT_NE(log.str().find("SM clock over the phases"), std::string::npos) << log.str();
+  config.training.cuda_graphs = true;
+  EXPECT_THROW(run_gpu_bench(config, options, log), ConfigError);
 }
 
 }  // namespace

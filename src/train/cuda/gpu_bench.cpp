@@ -32,6 +32,8 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, const GpuBenchOptions& ben
   const ModelConfig& mc = config.model;
   const int64_t batch = config.training.micro_batch, S = mc.seq_len, T = batch * S;
   MOE_CHECK(mc.vocab_size > 0, "bench needs model.vocab_size");
+  if (bench.sm_clocks && config.training.cuda_graphs)
+    MOE_CONFIG_ERROR("moe bench --sm-clocks needs the phase split: set training.cuda_graphs = false");
   // Before anything large is allocated on the host.
   MOE_CHECK(gpu::device_count() > 0, "moe bench needs a CUDA device, and none is visible");
   ParameterCounts counts;
@@ -68,11 +70,7 @@ GpuBenchResult run_gpu_bench(const RunConfig& config, const GpuBenchOptions& ben
   double loss = 0;
   gpu::PhaseClock clock(gpu_phase_names());
   clock.set_enabled(!config.training.cuda_graphs);  // no events inside a graph
-  if (bench.sm_clocks) {
-    if (config.training.cuda_graphs)
-      MOE_CONFIG_ERROR("moe bench --sm-clocks needs the phase split: set training.cuda_graphs = false");
-    clock.set_sm_clocks(true);
-  }
+  clock.set_sm_clocks(bench.sm_clocks);
   gpu->set_phase_clock(&clock);
   optimizer->set_phase_clock(&clock);
   // The board's clock and power over the timed steps: at its power limit the SM clock falls.
