@@ -129,7 +129,8 @@
     // The board (GPU runs where NVML answers; absent on the CPU): a power-capped clock is
     // why a step is slower than its kernels' times add up to (docs/PROFILING.md).
     const board = (f) => pts(steps, (r) => (r.board ? f(r.board) : null));
-    plot("chart-clock", [["SM clock", board((b) => b.sm_clock_mhz)]]);
+    plot("chart-clock", [["SM clock (NVML)", board((b) => b.sm_clock_mhz ?? null)],
+                         ["SMs counted", board((b) => b.sm_clock_counted_mhz ?? null)]]);
     plot("chart-power", [["power", board((b) => b.power_w)]], true);
     plot("chart-capped", [["power-capped", board((b) => b.power_capped * 100)]], true);
     if (last) heatmaps(last);

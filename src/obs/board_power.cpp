@@ -31,9 +31,12 @@ BoardSummary summarize_board(const std::vector<BoardSample>& samples, double max
 }
 
 std::string describe_board(const BoardSummary& s) {
-  if (s.samples == 0) return "no samples";
+  if (s.samples == 0)
+    return s.sm_mhz_counted > 0 ? fmt::format("the SMs counted {:.0f} MHz; NVML not sampled", s.sm_mhz_counted)
+                                : "no samples";
   std::string out = fmt::format("SM clock {:.0f} MHz mean ({:.0f}-{:.0f}", s.sm_mhz_mean, s.sm_mhz_min, s.sm_mhz_max);
   if (s.max_sm_mhz > 0) out += fmt::format(", the board's maximum {:.0f}", s.max_sm_mhz);
+  if (s.sm_mhz_counted > 0) out += fmt::format("; the SMs counted {:.0f}", s.sm_mhz_counted);
   out += fmt::format("), power {:.0f} W mean ({:.0f} max)", s.power_w_mean, s.power_w_max);
   if (s.power_limit_w > 0) out += fmt::format(" of a {:.0f} W limit", s.power_limit_w);
   out += fmt::format("; held down by the power limit in {:.0f}%", 100 * s.power_capped);

@@ -23,12 +23,17 @@ struct BoardSummary {
   double power_w_mean = 0, power_w_max = 0;
   double power_capped = 0, thermal = 0;      // fractions of the samples
   double max_sm_mhz = 0, power_limit_w = 0;  // the board's (0: unknown)
+  // The SM clock the SMs counted over the same time (their cycle counters against the GPU's
+  // timer, core/cuda/sm_clocks.h; 0: not counted): under the power limit the GEMMs run ~10%
+  // below the clock NVML reports (BENCHMARKS.md "Each phase's SM clock").
+  double sm_mhz_counted = 0;
 };
 
 BoardSummary summarize_board(const std::vector<BoardSample>& samples, double max_sm_mhz, double power_limit_w);
 
-// One line: "SM clock 1739 MHz mean (1395-1980, the board's maximum 1980), power 640 W
-// mean (707 max) of a 700 W limit; held down by the power limit in 89% of 19 samples".
+// One line: "SM clock 1739 MHz mean (1395-1980, the board's maximum 1980; the SMs counted
+// 1640), power 640 W mean (707 max) of a 700 W limit; held down by the power limit in 89% of
+// 19 samples" (the count where there is one).
 std::string describe_board(const BoardSummary& summary);
 
 }  // namespace moe

@@ -149,9 +149,14 @@ void ConsoleSink::step(const StepMetrics& m) {
       fmt::print(out_, "      phases (ms): {}\n", line);
     }
     // GPU: the clock the step ran at (an H200 at its power limit runs well below its maximum).
+    const std::string counted =
+        m.board.sm_mhz_counted > 0 ? fmt::format("SMs counted {:.0f} MHz", m.board.sm_mhz_counted) : std::string();
     if (m.board.samples > 0)
-      fmt::print(out_, "      board: SM clock {:.0f} MHz | power {:.0f} W | power-capped {:.0f}%\n", m.board.sm_mhz_mean,
-                 m.board.power_w_mean, 100 * m.board.power_capped);
+      fmt::print(out_, "      board: SM clock {:.0f} MHz{} | power {:.0f} W | power-capped {:.0f}%\n",
+                 m.board.sm_mhz_mean, counted.empty() ? "" : " (" + counted + ")", m.board.power_w_mean,
+                 100 * m.board.power_capped);
+    else if (!counted.empty())
+      fmt::print(out_, "      board: {}\n", counted);
     interval_tokens_ = 0;
     interval_seconds_ = 0;
   }

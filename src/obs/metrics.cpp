@@ -173,6 +173,7 @@ nlohmann::json to_json(const StepMetrics& m) {
                   {"power_w", m.board.power_w_mean},
                   {"power_capped", m.board.power_capped},
                   {"samples", m.board.samples}};
+  if (m.board.sm_mhz_counted > 0) j["board"]["sm_clock_counted_mhz"] = m.board.sm_mhz_counted;
   return j;
 }
 

@@ -147,6 +147,7 @@ std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics
     s.push_back({"gpu/power_w", f(m.board.power_w_mean)});
     s.push_back({"gpu/power_capped", f(m.board.power_capped)});
   }
+  if (m.board.sm_mhz_counted > 0) s.push_back({"gpu/sm_clock_counted_mhz", f(m.board.sm_mhz_counted)});
   for (const auto& l : m.layers) {
     const std::string p = fmt::format("moe/layer{}/", l.layer);
     s.push_back({p + "imbalance", f(l.imbalance())});

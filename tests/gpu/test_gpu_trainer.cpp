@@ -1,7 +1,10 @@
 // The trainer on the GPU: a run stopped at a checkpoint and resumed continues like the
 // uninterrupted run (the GPU state goes through the same safetensors checkpoint as on
-// the CPU), and it learns the synthetic look-back task.
+// the CPU), and it learns the synthetic look-back task; every step reports the SM clock
+// its SMs counted.
 #include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
 
 #include <filesystem>
 #include <sstream>
@@ -51,6 +54,32 @@ TEST(GpuTrainer, GraphsAndRecomputeTrainLikeThePlainRun) {
 // training.expert_grad_dtype = bf16 through the trainer (two micro-batches a step, so two
 // roundings of the expert gradients): the losses follow the fp32 run's closely and fall;
 // with CUDA graphs the same losses bit for bit as without.
+// Every step carries the SM clock its SMs counted (metrics board.sm_clock_counted_mhz),
+// with CUDA graphs too: within what the device can run at.
+TEST(GpuTrainer, EveryStepCarriesTheClockItsSmsCounted) {
+  MOE_REQUIRE_GPU();
+  int device = 0, max_khz = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&max_khz, cudaDevAttrClockRate, device), cudaSuccess);
+  for (const bool graphs : {false, true}) {
+    RunConfig config = gpu_config("");
+    config.checkpoint.dir = "";
+    config.training.cuda_graphs = graphs;
+    const auto& m = config.model;
+    Trainer trainer(config, std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 1),
+                    std::make_unique<test::LookBackTask>(m.vocab_size, m.seq_len, 2));
+    std::vector<double> counted;
+    trainer.on_step = [&](const StepStats& stats) { counted.push_back(stats.board.sm_mhz_counted); };
+    std::ostringstream log;
+    trainer.run(log);
+    ASSERT_EQ(counted.size(), 6u);
+    for (size_t i = 0; i < counted.size(); ++i) {
+      EXPECT_GT(counted[i], 100.0) << "step " << i + 1 << (graphs ? " with graphs" : "");
+      EXPECT_LT(counted[i], 1.02e-3 * max_khz) << "step " << i + 1;
+    }
+  }
+}
+
 TEST(GpuTrainer, Bf16ExpertGradientsTrainLikeFp32) {
   MOE_REQUIRE_GPU();
   RunConfig config = gpu_config("");

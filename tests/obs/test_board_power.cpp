@@ -35,5 +35,16 @@ TEST(BoardPower, UnknownLimitsAndNoSamples) {
             "samples");
 }
 
+TEST(BoardPower, TheSmsCountBesideNvmlsClock) {
+  BoardSummary s = summarize_board({{1500, 690, true, false}}, 1980, 700);
+  s.sm_mhz_counted = 1393.4;
+  EXPECT_EQ(describe_board(s),
+            "SM clock 1500 MHz mean (1500-1500, the board's maximum 1980; the SMs counted 1393), power 690 W mean (690 "
+            "max) of a 700 W limit; held down by the power limit in 100% of 1 samples");
+  BoardSummary counted_only;
+  counted_only.sm_mhz_counted = 1700;
+  EXPECT_EQ(describe_board(counted_only), "the SMs counted 1700 MHz; NVML not sampled");
+}
+
 }  // namespace
 }  // namespace moe

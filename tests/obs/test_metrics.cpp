@@ -79,6 +79,12 @@ TEST(Metrics, StepJsonHasEveryField) {
   EXPECT_DOUBLE_EQ(board["power_w"].get<double>(), 670);
   EXPECT_DOUBLE_EQ(board["power_capped"].get<double>(), 0.5);
   EXPECT_EQ(board["samples"].get<int64_t>(), 2);
+  EXPECT_FALSE(board.contains("sm_clock_counted_mhz"));  // only where the SMs' count was taken (GPU)
+  m.board.sm_mhz_counted = 1450;
+  EXPECT_DOUBLE_EQ(to_json(m)["board"]["sm_clock_counted_mhz"].get<double>(), 1450);
+  m.board = BoardSummary{};  // no NVML, the count alone
+  m.board.sm_mhz_counted = 1450;
+  EXPECT_EQ(to_json(m)["board"], nlohmann::json({{"sm_clock_counted_mhz", 1450.0}}));
 }
 
 StepMetrics with(int64_t step, std::vector<int64_t> load, double comm_fraction, double sync_ms) {
@@ -159,6 +165,21 @@ TEST(Console, PlainLinesKeepTheirFormat) {
   console.step(m);
   const std::string board = out.str().substr(text.size() + more.size());
   EXPECT_NE(board.find("\n      board: SM clock 1600 MHz | power 670 W | power-capped 50%\n"), std::string::npos) << board;
+  // The SMs' own count beside NVML's clock, and alone where NVML is not read.
+  m.step = 8;
+  m.steps = 8;
+  m.board.sm_mhz_counted = 1450;
+  console.step(m);
+  m.step = 9;
+  m.steps = 9;
+  m.board = BoardSummary{};
+  m.board.sm_mhz_counted = 1450;
+  console.step(m);
+  const std::string counted = out.str().substr(text.size() + more.size() + board.size());
+  EXPECT_NE(counted.find("\n      board: SM clock 1600 MHz (SMs counted 1450 MHz) | power 670 W | power-capped 50%\n"),
+            std::string::npos)
+      << counted;
+  EXPECT_NE(counted.find("\n      board: SMs counted 1450 MHz\n"), std::string::npos) << counted;
 }
 
 // Validations and checkpoint saves take time: tok/s is the interval's tokens over its

@@ -21,7 +21,11 @@ void PhaseClock::set_sm_clocks(bool on) {
   last_phase_ = -1;  // no interval before the first stamp
 }
 
-std::vector<double> PhaseClock::take_sm_mhz() { return sm_clocks_ ? sm_clocks_->take_mhz() : std::vector<double>{}; }
+std::vector<double> PhaseClock::take_sm_mhz() {
+  if (!sm_clocks_) return {};
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());  // the marks' stamps may be on several streams
+  return sm_clocks_->take_mhz(nullptr);
+}
 
 PhaseClock::~PhaseClock() {
   for (cudaEvent_t event : events_) cudaEventDestroy(event);

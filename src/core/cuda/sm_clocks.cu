@@ -50,13 +50,14 @@ void SmClocks::stamp(uint64_t mark, int phase_before, cudaStream_t stream) {
   MOE_CUDA_CHECK_LAUNCH();
 }
 
-std::vector<double> SmClocks::take_mhz() {
-  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+std::vector<double> SmClocks::take_mhz(cudaStream_t stream) {
   const size_t n = static_cast<size_t>(n_phases_);
   std::vector<unsigned long long> sums(2 * n);
-  MOE_CUDA_CHECK(cudaMemcpy(sums.data(), state_.data() + 3 * kMaxSmId, sums.size() * sizeof(sums[0]),
-                            cudaMemcpyDeviceToHost));
-  MOE_CUDA_CHECK(cudaMemset(state_.data() + 3 * kMaxSmId, 0, sums.size() * sizeof(sums[0])));
+  unsigned long long* device_sums = state_.data() + 3 * kMaxSmId;
+  MOE_CUDA_CHECK(
+      cudaMemcpyAsync(sums.data(), device_sums, sums.size() * sizeof(sums[0]), cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_CHECK(cudaMemsetAsync(device_sums, 0, sums.size() * sizeof(sums[0]), stream));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<double> mhz(n, 0.0);
   for (size_t p = 0; p < n; ++p)
     if (sums[n + p] > 0) mhz[p] = 1e3 * static_cast<double>(sums[p]) / static_cast<double>(sums[n + p]);

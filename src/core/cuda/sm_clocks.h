@@ -22,8 +22,9 @@ class SmClocks {
   // since an SM's stamp of mark - 1 is charged to `phase_before` (< 0: to none).
   void stamp(uint64_t mark, int phase_before, cudaStream_t stream);
   // The mean SM clock in MHz per phase over the intervals charged since the last call (0
-  // where none), and the sums zeroed. Synchronises the device.
-  std::vector<double> take_mhz();
+  // where none), and the sums zeroed: read after the work on `stream` (where the last
+  // stamp was), waiting for it.
+  std::vector<double> take_mhz(cudaStream_t stream);
 
  private:
   int n_phases_;

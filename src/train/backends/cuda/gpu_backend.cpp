@@ -17,6 +17,7 @@
 #include "dist/a2a_compression.h"
 #include "dist/communicator.h"
 #include "dist/cuda/gpu_data_parallel.h"
+#include "core/cuda/sm_clocks.h"
 #include "dist/cuda/gpu_expert_exchange.h"
 #include "dist/gradient_stages.h"
 #include "dist/launch_env.h"
@@ -146,17 +147,25 @@ class GpuBackend final : public ModelBackend {
     // The board's SM clock and power during each step (metrics: board).
     board_ = std::make_unique<BoardSampler>(std::chrono::milliseconds(50));
     board_->start();
+    step_clock_ = std::make_unique<gpu::SmClocks>(1);
     if (!board_->available() && first_rank)
       spdlog::info("board clock and power not sampled: {}", board_->unavailable_reason());
     return plan;
   }
   void take_board_stats(StepStats& stats) override {
     if (board_) stats.board = board_->take_summary();  // no samples without NVML
+    if (step_clock_) {  // the SMs' own count since begin_step
+      const auto stream = static_cast<cudaStream_t>(gpu_->stream());
+      step_clock_->stamp(++step_marks_, 0, stream);
+      stats.board.sm_mhz_counted = step_clock_->take_mhz(stream)[0];
+    }
   }
   void begin_step() override {
     gpu_->begin_gradients();  // the first backward writes the expert gradients: no memset of them
     gpu_->routing().reset_stats();
     if (board_) board_->take_summary();  // drops what came between steps (validation, saves)
+    // The SMs' count starts here: the time since the last step's end (validation, saves) is not charged.
+    if (step_clock_) step_clock_->stamp(++step_marks_, -1, static_cast<cudaStream_t>(gpu_->stream()));
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
     if (dp_) {
@@ -763,6 +772,8 @@ class GpuBackend final : public ModelBackend {
   PlacementSchedule placement_schedule_;  // parallel.rebalance_interval
   SaveBufferPool save_buffers_;  // checkpoints: the last save's pieces (pinned buffers, reused)
   std::unique_ptr<BoardSampler> board_;  // after plan_batches
+  std::unique_ptr<gpu::SmClocks> step_clock_;  // the step's SM clock as the SMs count it
+  uint64_t step_marks_ = 0;
   OwnedPieces restored_;                // the pieces a restore fills
   std::vector<RangeList> zero_held_;    // ZeRO: per backward stage, the ranges this rank holds
   dist::ExpertParallelZero ep_zero_;    // ZeRO under expert parallelism: the two groups' plans
