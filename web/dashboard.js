@@ -126,8 +126,9 @@
     const temp = (f) => pts(steps, (r) => over(r, (l) => (l.temperature > 0 ? l.temperature : NaN), f));
     plot("chart-temperature", [["lowest layer", temp((v) => Math.min(...v))], ["mean over MoE layers", temp(mean)],
                                ["highest layer", temp((v) => Math.max(...v))]]);
-    // The board (GPU runs where NVML answers; absent on the CPU): a power-capped clock is
-    // why a step is slower than its kernels' times add up to (docs/PROFILING.md).
+    // The board (GPU runs; NVML's readings where it answers; absent on the CPU): a
+    // power-capped clock is why a step is slower than its kernels' times add up to, and the
+    // SMs' own count runs below NVML's clock in GEMM-heavy steps (docs/PROFILING.md).
     const board = (f) => pts(steps, (r) => (r.board ? f(r.board) : null));
     plot("chart-clock", [["SM clock (NVML)", board((b) => b.sm_clock_mhz ?? null)],
                          ["SMs counted", board((b) => b.sm_clock_counted_mhz ?? null)]]);

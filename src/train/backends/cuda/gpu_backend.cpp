@@ -13,11 +13,11 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include "core/cuda/sm_clocks.h"
 #include "core/gpu.h"
 #include "dist/a2a_compression.h"
 #include "dist/communicator.h"
 #include "dist/cuda/gpu_data_parallel.h"
-#include "core/cuda/sm_clocks.h"
 #include "dist/cuda/gpu_expert_exchange.h"
 #include "dist/gradient_stages.h"
 #include "dist/launch_env.h"
