@@ -17,11 +17,17 @@
 namespace moe {
 namespace {
 
-TEST(GpuBenchProfile, TheSimulatorGivesBackTheMeasuredStep) {
+// A small MoE model with the phase split (no CUDA graphs).
+RunConfig small_bench() {
   RunConfig config;
   config.model = test::small_moe_model(0.0);
   config.training.micro_batch = 2;
   config.training.cuda_graphs = false;
+  return config;
+}
+
+TEST(GpuBenchProfile, TheSimulatorGivesBackTheMeasuredStep) {
+  RunConfig config = small_bench();
   std::ostringstream log;
   const GpuBenchResult bench = run_gpu_bench(config, GpuBenchOptions{1, 3}, log);
   ASSERT_FALSE(bench.phase_ms.empty()) << log.str();
@@ -64,10 +70,7 @@ TEST(GpuBenchProfile, TheSimulatorGivesBackTheMeasuredStep) {
 // `moe bench --sm-clocks`: every phase that took time has its SMs' clock, within what the
 // device can run at, and without the flag none is reported.
 TEST(GpuBenchProfile, SmClocksForEveryTimedPhase) {
-  RunConfig config;
-  config.model = test::small_moe_model(0.0);
-  config.training.micro_batch = 2;
-  config.training.cuda_graphs = false;
+  RunConfig config = small_bench();
   std::ostringstream log;
   GpuBenchOptions options{1, 2};
   EXPECT_TRUE(run_gpu_bench(config, options, log).phase_sm_mhz.empty());
