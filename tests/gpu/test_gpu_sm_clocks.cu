@@ -6,24 +6,19 @@
 #include <algorithm>
 #include <vector>
 
+#include "core/cuda/device_clock.cuh"
 #include "core/cuda/phase_clock.h"
 #include "core/gpu.h"
 
 namespace moe {
 namespace {
 
-__device__ unsigned long long global_ns() {
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  return ns;
-}
-
 // Spins for `ns` on each block's SM and writes the clock it counted there, in MHz.
 __global__ void spin_kernel(unsigned long long ns, double* mhz_of_block) {
-  const unsigned long long t0 = global_ns();
+  const unsigned long long t0 = gpu::global_ns();
   const long long c0 = clock64();
   unsigned long long t = t0;
-  while (t - t0 < ns) t = global_ns();
+  while (t - t0 < ns) t = gpu::global_ns();
   const long long c1 = clock64();
   if (threadIdx.x == 0) mhz_of_block[blockIdx.x] = 1e3 * static_cast<double>(c1 - c0) / static_cast<double>(t - t0);
 }

@@ -37,7 +37,7 @@ void PhaseClock::mark(int phase, cudaStream_t stream) {
   nvtx_.begin(names_[static_cast<size_t>(phase)].c_str());
   if (!enabled_) return;
   if (sm_clocks_) {
-    sm_clocks_->stamp(++marks_, last_phase_, stream);
+    sm_clocks_->stamp(last_phase_, stream);
     last_phase_ = phase;
   }
   if (used_ == events_.size()) {

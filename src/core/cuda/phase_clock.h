@@ -51,7 +51,6 @@ class PhaseClock {
   size_t used_ = 0;
   std::vector<double> ms_;
   std::unique_ptr<SmClocks> sm_clocks_;
-  uint64_t marks_ = 0;     // the SM clocks' mark number
   int last_phase_ = -1;    // the phase the last mark began
 };
 

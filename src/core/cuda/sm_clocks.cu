@@ -1,5 +1,7 @@
 #include "core/cuda/sm_clocks.h"
 
+#include "core/cuda/device_clock.cuh"
+
 namespace moe::gpu {
 
 namespace {
@@ -20,11 +22,8 @@ Counters counters(unsigned long long* state, int n_phases) {
 // and is not charged).
 __global__ void stamp_kernel(Counters c, unsigned long long mark, int phase_before) {
   if (threadIdx.x != 0) return;
-  const unsigned long long cycles = clock64();
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  uint32_t sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  const unsigned long long cycles = clock64(), ns = global_ns();
+  const uint32_t sm = sm_id();
   if (sm >= kMaxSmId) return;
   const unsigned long long previous = atomicMax(&c.sm_mark[sm], mark);
   if (previous >= mark) return;
@@ -43,10 +42,9 @@ SmClocks::SmClocks(int n_phases)
   state_.fill_bytes(0);
 }
 
-void SmClocks::stamp(uint64_t mark, int phase_before, cudaStream_t stream) {
-  MOE_CHECKF(mark >= 1 && phase_before < n_phases_, "SM clocks: mark %llu, phase %d of %d",
-             static_cast<unsigned long long>(mark), phase_before, n_phases_);
-  stamp_kernel<<<blocks_, 32, 0, stream>>>(counters(state_.data(), n_phases_), mark, phase_before);
+void SmClocks::stamp(int phase_before, cudaStream_t stream) {
+  MOE_CHECKF(phase_before < n_phases_, "SM clocks: phase %d of %d", phase_before, n_phases_);
+  stamp_kernel<<<blocks_, 32, 0, stream>>>(counters(state_.data(), n_phases_), ++marks_, phase_before);
   MOE_CUDA_CHECK_LAUNCH();
 }
 

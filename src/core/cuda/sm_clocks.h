@@ -18,9 +18,9 @@ class SmClocks {
  public:
   explicit SmClocks(int n_phases);
 
-  // Stamps the SMs for mark number `mark` (1, 2, ...: one more each call); the interval
-  // since an SM's stamp of mark - 1 is charged to `phase_before` (< 0: to none).
-  void stamp(uint64_t mark, int phase_before, cudaStream_t stream);
+  // Stamps the SMs; the interval since an SM's stamp of the previous call is charged to
+  // `phase_before` (< 0: to none).
+  void stamp(int phase_before, cudaStream_t stream);
   // The mean SM clock in MHz per phase over the intervals charged since the last call (0
   // where none), and the sums zeroed: read after the work on `stream` (where the last
   // stamp was), waiting for it.
@@ -29,6 +29,7 @@ class SmClocks {
  private:
   int n_phases_;
   int blocks_;                              // one a multiprocessor
+  uint64_t marks_ = 0;                      // the stamps so far: the next one's number less 1
   DeviceArray<unsigned long long> state_;  // per SM: last mark, cycles, ns; per phase: cycles, ns
 };
 

@@ -18,7 +18,8 @@ struct GpuBenchResult {
   double device_gb = 0;
   std::map<std::string, double> phase_ms;  // mean per timed step (empty with CUDA graphs)
   std::map<std::string, double> phase_sm_mhz;  // each phase's mean SM clock (with sm_clocks only)
-  BoardSummary board;  // the SM clock and power over the timed steps (no samples without NVML)
+  BoardSummary board;  // the SM clock and power over the timed steps (no samples without NVML; the
+                       // SMs' own count with sm_clocks)
 };
 
 struct GpuBenchOptions {

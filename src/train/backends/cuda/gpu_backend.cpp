@@ -156,7 +156,7 @@ class GpuBackend final : public ModelBackend {
     if (board_) stats.board = board_->take_summary();  // no samples without NVML
     if (step_clock_) {  // the SMs' own count since begin_step
       const auto stream = static_cast<cudaStream_t>(gpu_->stream());
-      step_clock_->stamp(++step_marks_, 0, stream);
+      step_clock_->stamp(0, stream);
       stats.board.sm_mhz_counted = step_clock_->take_mhz(stream)[0];
     }
   }
@@ -165,7 +165,7 @@ class GpuBackend final : public ModelBackend {
     gpu_->routing().reset_stats();
     if (board_) board_->take_summary();  // drops what came between steps (validation, saves)
     // The SMs' count starts here: the time since the last step's end (validation, saves) is not charged.
-    if (step_clock_) step_clock_->stamp(++step_marks_, -1, static_cast<cudaStream_t>(gpu_->stream()));
+    if (step_clock_) step_clock_->stamp(-1, static_cast<cudaStream_t>(gpu_->stream()));
   }
   ForwardResult forward(const int32_t* inputs_BS, const int32_t* targets_BS) override {
     if (dp_) {
@@ -773,7 +773,6 @@ class GpuBackend final : public ModelBackend {
   SaveBufferPool save_buffers_;  // checkpoints: the last save's pieces (pinned buffers, reused)
   std::unique_ptr<BoardSampler> board_;  // after plan_batches
   std::unique_ptr<gpu::SmClocks> step_clock_;  // the step's SM clock as the SMs count it
-  uint64_t step_marks_ = 0;
   OwnedPieces restored_;                // the pieces a restore fills
   std::vector<RangeList> zero_held_;    // ZeRO: per backward stage, the ranges this rank holds
   dist::ExpertParallelZero ep_zero_;    // ZeRO under expert parallelism: the two groups' plans
