@@ -217,6 +217,21 @@ MOE_HOST_DEVICE uint8_t e4m3_code_stochastic(float y, uint32_t r) {
   const uint32_t code = ((w + (~r >> 12)) >> 20) - 960u;
   return static_cast<uint8_t>(code > 0x7eu ? 0x7eu : code);  // 448 at most
 }
+
+// The same code where y = root / scale lies in e4m3's normals, in the few integer steps the
+// GPU's AdamW takes for a whole block (a CPU test holds them equal to root_code's):
+// root_code_factor(x) = 2^-120 / scale (x <= 133; else 0, which no range admits), so
+// t = root x factor carries e4m3's exponent and mantissa in its bits 20-26 and the
+// fraction below them (exact: a power of two, t normal); root_code_in_normals(t): y in
+// (2^-6, 448] (2^-6 itself excluded: t = 2^-126 may be a rounded-up subnormal); then the
+// code is one add of ~r's 20 high bits and one shift (the GPU makes ~r in the random
+// multiply: lane_random x -multiplier - 1), never above 448's 0x7e and never 0.
+MOE_HOST_DEVICE float root_code_factor(uint8_t x) {
+  return x <= 133 ? bits_float(static_cast<uint32_t>(134 - x) << 23) : 0.0f;
+}
+inline constexpr uint32_t kRootNormalsFirst = 0x00800001u, kRootNormalsSpan = 0x07e00000u - kRootNormalsFirst;
+MOE_HOST_DEVICE bool root_code_in_normals(uint32_t t) { return t - kRootNormalsFirst <= kRootNormalsSpan; }
+MOE_HOST_DEVICE uint32_t root_code_normal(uint32_t t, uint32_t not_r) { return (t + (not_r >> 12)) >> 20; }
 MOE_HOST_DEVICE float e4m3_value(uint8_t code) {
 #if defined(__CUDA_ARCH__)
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3)));

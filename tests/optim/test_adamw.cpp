@@ -321,6 +321,42 @@ TEST(AdamW, Fp8RootCodesFloorEveryPositiveVBesideAnyFiniteRoot) {
   EXPECT_GT(checked, 10000);
 }
 
+// The GPU's whole-block encoder for sqrt(v) (root_code_factor, root_code_in_normals,
+// root_code_normal) gives root_code's code wherever its range admits a root: roots of
+// every binade around each scale's normals, random mantissas and bits, at every scale byte
+// the factor covers; and the range turns away what the plain path must code (2^-6 and
+// below, above 448, -0, scales past 133), so neither side of it can drift.
+TEST(AdamW, Fp8RootCodesOfTheGpusEncoderAreRootCodes) {
+  CounterRng rng(77, "root codes");
+  uint64_t draw = 0;
+  int64_t admitted = 0, refused = 0;
+  for (int x = 1; x <= 140; ++x) {
+    const auto scale_byte = static_cast<uint8_t>(x);
+    const float factor = adamw_math::root_code_factor(scale_byte);
+    for (int binade = -12; binade <= 9; ++binade)
+      for (int k = 0; k < 64; ++k) {
+        const double mantissa = k == 0 ? 1.0 : k == 1 ? 1.75 : 1.0 + rng.uniform(draw++);
+        const float root = static_cast<float>(std::ldexp(mantissa, binade + x - 127));  // y = root / scale
+        if (root == 0.0f || std::isinf(root)) continue;
+        const auto r = static_cast<uint32_t>(rng.uniform(draw++) * 4294967296.0);
+        const uint32_t t = bits(adamw_math::mul(root, factor));
+        const double exact_y = std::ldexp(static_cast<double>(root), 127 - x);  // root may be subnormal
+        const bool normal = exact_y > 0x1p-6 && exact_y <= 448.0 && x <= 133;
+        ASSERT_EQ(adamw_math::root_code_in_normals(t), normal) << "root " << root << " scale byte " << x;
+        if (!normal) {
+          ++refused;
+          continue;
+        }
+        ASSERT_EQ(adamw_math::root_code_normal(t, ~r), adamw_math::root_code(root, scale_byte, r))
+            << "root " << root << " scale byte " << x << " bits " << r;
+        ++admitted;
+      }
+  }
+  EXPECT_FALSE(adamw_math::root_code_in_normals(bits(-0.0f)));
+  EXPECT_GT(admitted, 50000);
+  EXPECT_GT(refused, 20000);
+}
+
 // Near fp32 AdamW: the moments stay within fp8's precision of the fp32 ones (m normwise).
 TEST(AdamW, Fp8MomentsStayNearFp32Ones) {
   const auto [ms, vs, m32s, v32s] = moments_beside_fp32(MomentDtype::Fp8);

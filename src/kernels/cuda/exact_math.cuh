@@ -11,9 +11,11 @@
 
 namespace moe::cuda {
 
-// sqrt.rn's fast path: v in [2^-101, FLT_MAX] (nvcc's own check, on the bits), then the
-// reciprocal square root's approximation and one correction, exactly as nvcc emits it.
-__device__ __forceinline__ bool sqrt_fast_path(float v) { return __float_as_uint(v) + 0xf3000000u <= 0x727fffffu; }
+// sqrt.rn's fast path: v in [2^-101, FLT_MAX] (nvcc's own check, on the bits: v's bits +
+// kSqrtFastOffset at most kSqrtFastLimit, mod 2^32), then the reciprocal square root's
+// approximation and one correction, exactly as nvcc emits it.
+inline constexpr uint32_t kSqrtFastOffset = 0xf3000000u, kSqrtFastLimit = 0x727fffffu;
+__device__ __forceinline__ bool sqrt_fast_path(float v) { return __float_as_uint(v) + kSqrtFastOffset <= kSqrtFastLimit; }
 __device__ __forceinline__ float sqrt_fast(float v) {
   float r;
   asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
@@ -51,12 +53,14 @@ __device__ __forceinline__ float div_fast(float a, float b) {
   return __fmaf_rn(r1, __fmaf_rn(q0, -b, a), q0);
 }
 
-// out[j] = sqrt(v[j]), correctly rounded (out may be v).
+// out[j] = sqrt(v[j]), correctly rounded (out may be v). Returns whether every v took the
+// fast path (then each is in [2^-101, FLT_MAX] and each root in [2^-50.5, 2^64)).
 template <int N>
-__device__ __forceinline__ void sqrt_rn_n(float (&out)[N], const float (&v)[N]) {
-  bool fast = true;
+__device__ __forceinline__ bool sqrt_rn_n(float (&out)[N], const float (&v)[N]) {
+  uint32_t worst = 0;  // sqrt_fast_path for all N as one add-and-max a value
 #pragma unroll
-  for (int j = 0; j < N; ++j) fast &= sqrt_fast_path(v[j]);
+  for (int j = 0; j < N; ++j) worst = max(worst, __float_as_uint(v[j]) + kSqrtFastOffset);
+  const bool fast = worst <= kSqrtFastLimit;
   if (fast) {
 #pragma unroll
     for (int j = 0; j < N; ++j) out[j] = sqrt_fast(v[j]);
@@ -64,14 +68,13 @@ __device__ __forceinline__ void sqrt_rn_n(float (&out)[N], const float (&v)[N]) 
 #pragma unroll
     for (int j = 0; j < N; ++j) out[j] = __fsqrt_rn(v[j]);
   }
+  return fast;
 }
 
-// q[j] = a[j] / b[j], correctly rounded (q may be a or b).
+// q[j] = a[j] / b[j], correctly rounded (q may be a or b); `fast`: div_fast_path holds for
+// every pair, as the caller has established from bounds on a and b.
 template <int N>
-__device__ __forceinline__ void div_rn_n(float (&q)[N], const float (&a)[N], const float (&b)[N]) {
-  bool fast = true;
-#pragma unroll
-  for (int j = 0; j < N; ++j) fast &= div_fast_path(a[j], b[j]);
+__device__ __forceinline__ void div_rn_n(float (&q)[N], const float (&a)[N], const float (&b)[N], bool fast) {
   if (fast) {
 #pragma unroll
     for (int j = 0; j < N; ++j) q[j] = div_fast(a[j], b[j]);
@@ -79,6 +82,13 @@ __device__ __forceinline__ void div_rn_n(float (&q)[N], const float (&a)[N], con
 #pragma unroll
     for (int j = 0; j < N; ++j) q[j] = __fdiv_rn(a[j], b[j]);
   }
+}
+template <int N>
+__device__ __forceinline__ void div_rn_n(float (&q)[N], const float (&a)[N], const float (&b)[N]) {
+  bool fast = true;
+#pragma unroll
+  for (int j = 0; j < N; ++j) fast &= div_fast_path(a[j], b[j]);
+  div_rn_n(q, a, b, fast);
 }
 
 }  // namespace moe::cuda

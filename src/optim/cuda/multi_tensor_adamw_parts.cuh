@@ -47,10 +47,25 @@ __device__ __forceinline__ T* opaque(T* p) {
 
 // A thread's own 16 bytes copied from global to shared memory without passing through its
 // registers (L2 only), in commit groups it waits on; the copy is visible to this thread
-// after the wait. Both addresses 16-byte aligned.
+// after the wait. Both addresses 16-byte aligned (8 for the 8-byte copy); the shared one
+// also as a 32-bit shared-window address, which a kernel can keep in one register.
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(gmem) : "memory");
+  cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem);
+}
+__device__ __forceinline__ void cp_async8(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem), "l"(gmem) : "memory");
+}
+// A 16-byte read at a 32-bit shared address.
+__device__ __forceinline__ uint4 ld_shared16(uint32_t smem) {
+  uint4 q;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+               : "r"(smem)
+               : "memory");
+  return q;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
@@ -82,8 +97,10 @@ __device__ __forceinline__ void unpack_floats8(const uint4* unit, float out[8]) 
   for (int j = 0; j < 8; ++j) out[j] = __uint_as_float(w[j]);
 }
 
-// A block's chunk (blockIdx.x): the step's scalars and its segment, read once into shared
-// memory (the first warp finds the segment), and where the chunk lies.
+// A block's chunk (blockIdx.x): the step's scalars and its segment, and where the chunk
+// lies; the first warp finds the segment and its first thread works the rest out once, in
+// shared memory (the other warps would each repeat ~100 instructions of 64-bit address
+// arithmetic, a chunk being only a few passes a thread).
 struct ChunkOfBlock {
   am::AdamWScalars s;
   OptimizerSegment seg;
@@ -95,28 +112,27 @@ struct ChunkOfBlock {
 };
 __device__ __forceinline__ ChunkOfBlock chunk_of_block(const OptimizerSegment* segments, int64_t n_segments,
                                                        const am::AdamWScalars* scalars, float* mirror) {
-  __shared__ am::AdamWScalars shared_scalars;
-  __shared__ OptimizerSegment shared_segment;
+  __shared__ ChunkOfBlock shared_chunk;
   if (threadIdx.x < 32) {
     const int64_t index = warp_segment_of_chunk(segments, n_segments, blockIdx.x);
     if (threadIdx.x == 0) {
-      shared_scalars = *scalars;
-      shared_segment = segments[index];
+      ChunkOfBlock c;
+      c.s = *scalars;
+      c.seg = segments[index];
+      const int64_t within = (static_cast<int64_t>(blockIdx.x) - c.seg.first_chunk) * am::kNormChunk;
+      c.begin = c.seg.offset + within;
+      // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
+      c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + within;
+      c.hi = c.seg.hi_run > 0 ? c.seg.hi_offset + within / c.seg.hi_run * c.seg.hi_stride + within % c.seg.hi_run
+                              : c.begin;
+      c.length = static_cast<int32_t>(c.seg.numel - within < am::kNormChunk ? c.seg.numel - within : am::kNormChunk);
+      c.decay = c.seg.decay ? c.s.decay_factor : 1.0f;
+      c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + within : nullptr;
+      shared_chunk = c;
     }
   }
   __syncthreads();
-  ChunkOfBlock c;
-  c.s = shared_scalars;
-  c.seg = shared_segment;
-  const int64_t within = (static_cast<int64_t>(blockIdx.x) - c.seg.first_chunk) * am::kNormChunk;
-  c.begin = c.seg.offset + within;
-  // The lo halves and moments of element begin + k are at state + k (packed under ZeRO).
-  c.state = (c.seg.state_offset >= 0 ? c.seg.state_offset : c.seg.offset) + within;
-  c.hi = c.seg.hi_run > 0 ? c.seg.hi_offset + within / c.seg.hi_run * c.seg.hi_stride + within % c.seg.hi_run : c.begin;
-  c.length = static_cast<int32_t>(c.seg.numel - within < am::kNormChunk ? c.seg.numel - within : am::kNormChunk);
-  c.decay = c.seg.decay ? c.s.decay_factor : 1.0f;
-  c.mirror_out = c.seg.mirror_offset >= 0 ? mirror + c.seg.mirror_offset + within : nullptr;
-  return c;
+  return shared_chunk;
 }
 
 // The 8 new moments m and v rounded to bf16 as am::round_to_bf16 does: the hardware's
@@ -183,16 +199,23 @@ __device__ __forceinline__ void adamw_moments8(const float (&g)[8], float (&m)[8
   for (int j = 0; j < 8; ++j) am::adamw_moments(g[j], m[j], v[j], s, /*bf16_moments=*/false, true);
   if (bf16_moments) round_moments8_to_bf16(m, v);
 }
-// p: the parameters in, the new ones out; root: sqrt of the new v.
+// p: the parameters in, the new ones out; root: sqrt of the new v. `quotients`: whether
+// every division's operands are in div_fast_path's range (Fast: the caller has bounded
+// them; Check: checked here).
+enum class QuotientRange { Check, Fast, Slow };
 __device__ __forceinline__ void adamw_parameters8(float (&p)[8], const float (&m)[8], const float (&root)[8],
-                                                  const am::AdamWScalars& s, float decay) {
+                                                  const am::AdamWScalars& s, float decay,
+                                                  QuotientRange quotients = QuotientRange::Check) {
   float numerator[8], denom[8], update[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     denom[j] = am::add(root[j], s.eps);
     numerator[j] = am::mul(s.step_size, m[j]);
   }
-  div_rn_n(update, numerator, denom);
+  if (quotients == QuotientRange::Check)
+    div_rn_n(update, numerator, denom);
+  else
+    div_rn_n(update, numerator, denom, quotients == QuotientRange::Fast);
 #pragma unroll
   for (int j = 0; j < 8; ++j) p[j] = am::sub(am::mul(p[j], decay), update[j]);
 }
