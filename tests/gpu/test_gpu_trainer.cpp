@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "gpu_test_util.h"
+#include "thread_trainers.h"
 #include "train/checkpoint.h"
 #include "train/synthetic.h"
 #include "train/trainer.h"
@@ -76,6 +77,34 @@ TEST(GpuTrainer, EveryStepCarriesTheClockItsSmsCounted) {
     for (size_t i = 0; i < counted.size(); ++i) {
       EXPECT_GT(counted[i], 100.0) << "step " << i + 1 << (graphs ? " with graphs" : "");
       EXPECT_LT(counted[i], 1.02e-3 * max_khz) << "step " << i + 1;
+    }
+  }
+}
+
+// Over thread ranks too (expert parallel 2, data parallel over the same two): each rank's
+// steps carry the clock its own stamps counted on its own stream, within what the device
+// can run at (the ranks share one GPU here, each counting the SMs its stamps land on).
+TEST(GpuTrainer, EveryRanksStepsCarryTheClockItsSmsCounted) {
+  MOE_REQUIRE_GPU();
+  int device = 0, max_khz = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&max_khz, cudaDevAttrClockRate, device), cudaSuccess);
+  RunConfig config = gpu_config("");
+  config.checkpoint.dir = "";
+  config.training.micro_batch = 2;  // per rank
+  config.parallel.expert_parallel = 2;
+  std::vector<std::vector<double>> counted(2);
+  const std::vector<std::string> errors = test::run_thread_trainers(config, 2, [&](int rank, Trainer& trainer) {
+    trainer.on_step = [&counted, rank](const StepStats& stats) {
+      counted[static_cast<size_t>(rank)].push_back(stats.board.sm_mhz_counted);
+    };
+  });
+  for (size_t r = 0; r < 2; ++r) {
+    ASSERT_EQ(errors[r], "") << "rank " << r;
+    ASSERT_EQ(counted[r].size(), 6u) << "rank " << r;
+    for (size_t i = 0; i < counted[r].size(); ++i) {
+      EXPECT_GT(counted[r][i], 100.0) << "rank " << r << " step " << i + 1;
+      EXPECT_LT(counted[r][i], 1.02e-3 * max_khz) << "rank " << r << " step " << i + 1;
     }
   }
 }
