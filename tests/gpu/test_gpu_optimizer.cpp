@@ -224,6 +224,40 @@ TEST_P(GpuMultiTensorAdamW, ClippedStepsMatchTheCpuBitForBit) {
   expect_state_matches(gpu, params, cpu, fp32_ids, "after the skipped step");
 }
 
+// Blocks of 16 built to take each of the kernels' paths, against the CPU bit for bit over
+// 3 unclipped steps: plain random gradients (the fast paths); one large value beside ones
+// 10^7 smaller (sqrt(v)'s codes below e4m3's normals: the value-by-value encoder); every
+// other gradient exactly 0 (m = v = 0: the square root's and the division's IEEE paths);
+// gradients of 10^6 (sqrt(v) past the scale bytes the whole-block encoder covers).
+TEST_P(GpuMultiTensorAdamW, BlocksOfEveryPathStepLikeTheCpu) {
+  MOE_REQUIRE_GPU();
+  ParameterStore<float> params;
+  make_params(params);
+  const OptimizerConfig oc = config();
+  AdamW cpu(oc, params);
+  GpuParameterStore gpu(params, GetParam(), {}, nullptr);
+  GpuOptimizer optimizer(gpu, params, nullptr);
+  CounterRng rng(23, "every path");
+  for (int64_t step = 1; step <= 3; ++step) {
+    for (int id = 0; id < params.size(); ++id)
+      for (int64_t i = 0; i < params.numel(id); ++i) {
+        const double g = rng.normal(static_cast<uint64_t>(step) << 40 | uint64_t(id) << 32 | uint64_t(i));
+        const int64_t block = i / am::kMomentBlock;  // a parameter's blocks start at its first element
+        const double scale = block % 4 == 1 ? (i % am::kMomentBlock == 0 ? 1.0 : 1e-7)
+                             : block % 4 == 2 ? (i % 2 == 0 ? 0.0 : 1.0)
+                             : block % 4 == 3 ? 1e6
+                                              : 1.0;
+        params.grad(id)[i] = static_cast<float>(scale * g);
+      }
+    upload_grads(gpu, params);
+    const double lr = 1e-3;
+    optimizer.clip_and_adamw_step(AdamWStep{lr, oc.beta1, oc.beta2, oc.eps, oc.weight_decay, step}, 0.0);
+    cpu.step(lr);
+    EXPECT_FALSE(optimizer.last_step_skipped());
+    expect_state_matches(gpu, params, cpu, {}, "step " + std::to_string(step));
+  }
+}
+
 // Checkpoints: what upload_state() puts in, download_state() gives back (bf16 moments
 // rounded to nearest even), edge values of the weights included.
 TEST_P(GpuMultiTensorAdamW, StateRoundTrips) {
