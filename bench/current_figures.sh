@@ -19,13 +19,15 @@ out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
 low="--optimizer.state_dtype=bf16 --training.expert_grad_dtype=bf16"
 fp8_moments="--optimizer.state_dtype=fp8 --training.expert_grad_dtype=bf16"
-fp8="--training.precision=fp8 $low --training.fp8_weight_gradients=true --training.fp8_weight_gradient_scales=128x128"
+fp8_gemms="--training.precision=fp8 --training.fp8_weight_gradients=true --training.fp8_weight_gradient_scales=128x128"
+fp8="$fp8_gemms $low"
 # model | mode | overrides
 rows=(
   "mixtral-mini|defaults|"
   "mixtral-mini|low memory, \`recompute_experts = swiglu\`|$low --training.recompute_experts=swiglu"
   "mixtral-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation|$fp8_moments"
   "mixtral-mini|\`precision = fp8\`, low memory, fp8 weight gradients (128x128)|$fp8"
+  "mixtral-mini|\`precision = fp8\`, fp8 AdamW moments, fp8 weight gradients (128x128)|$fp8_gemms $fp8_moments"
   "olmoe-mini|defaults|"
   "olmoe-mini|low memory, \`recompute_experts = swiglu\` in the first 3 of 16 MoE layers|$low --training.recompute_experts=swiglu --training.recompute_experts_layers=3"
   "olmoe-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation|$fp8_moments"

@@ -8,7 +8,8 @@
 # weight gradients in fp8 too, 1x128 columns); fp8-wgrad-128x128 (their B side 128x128);
 # deepgemm (fp8-wgrad-128x128 with training.fp8_gemm_backend = deepgemm: the benchmarks' mode);
 # bf16-deepgemm (bf16 with training.bf16_gemm_backend = deepgemm); bf16-moments and fp8-moments
-# (bf16 GEMMs, the AdamW moments in bf16 or fp8: optimizer.state_dtype).
+# (bf16 GEMMs, the AdamW moments in bf16 or fp8: optimizer.state_dtype); deepgemm-fp8-moments
+# (deepgemm's fp8 GEMMs with fp8 AdamW moments).
 # Writes OUT/<run>/metrics.jsonl, the PNG docs/fp8_quality.png (loss and val_loss over
 # steps), and prints the final validation losses, each gap to bf16 and the 1% verdict.
 # Usage: bench/fp8_quality.sh MOE_BINARY DATA_DIR OUT [extra --section.key=value ...]
@@ -41,8 +42,11 @@ for run in "${runs[@]}"; do
     fp8-moments) keys=(--training.precision=bf16 --optimizer.state_dtype=fp8) ;;
     deepgemm) keys=(--training.precision=fp8 --training.fp8_weight_gradients=true
                     --training.fp8_weight_gradient_scales=128x128 --training.fp8_gemm_backend=deepgemm) ;;
+    deepgemm-fp8-moments) keys=(--training.precision=fp8 --training.fp8_weight_gradients=true
+                                --training.fp8_weight_gradient_scales=128x128 --training.fp8_gemm_backend=deepgemm
+                                --optimizer.state_dtype=fp8) ;;
     *) echo "unknown run '$run' (bf16, fp8, fp8-wgrad, fp8-wgrad-128x128, deepgemm, bf16-deepgemm, bf16-moments," \
-            "fp8-moments)" >&2; exit 2 ;;
+            "fp8-moments, deepgemm-fp8-moments)" >&2; exit 2 ;;
   esac
   dir=$out/$run
   rm -rf "$dir"
