@@ -15,7 +15,8 @@ namespace {
 // update computes in fp32 (adamw_moments8, adamw_parameters8), as adamw_update_range does,
 // from v = the stored sqrt(v) squared; the new m is rounded to nearest, sqrt(v)
 // stochastically (am::moment_random of the element's block offset and the step: one hash a
-// lane); the lane(s) at a segment's ragged end load and store their few elements one by one.
+// lane), both before the division, whose fast path the blocks' largest values then bound;
+// the lane(s) at a segment's ragged end load and store their few elements one by one.
 constexpr int kFp8Threads = 512;
 constexpr int kFp8Units = 5;  // hi, lo, m|v codes, the gradients (fp32: 2)
 constexpr size_t kFp8StagedBytes = size_t{2} * kFp8Units * kFp8Threads * sizeof(uint4);
