@@ -4,7 +4,9 @@
 // one block of 256 threads per 16,384-element chunk as multi_tensor_adamw_kernel runs, or
 // a grid of resident blocks striding over the chunks. CUDA events, median of 5 after a warm-up.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/probes/stream_mix.cu -o stream_mix
-// Run on the GPU machine: ./stream_mix [elements a stream] (default 4.8e9, mixtral-mini's parameters).
+// Run on the GPU machine: ./stream_mix [elements a stream] [1: only the two AdamW patterns]
+// (default 4.8e9, mixtral-mini's parameters). The fp8-moment pattern: 3 two-byte and 2 one-byte
+// streams read, 2 and 2 written (the fp8 AdamW kernel's bytes but its scales').
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdio>
@@ -31,6 +33,24 @@ __global__ void __launch_bounds__(kThreads) chunk_kernel(uint4* const* in, uint4
       for (int w = 0; w < NW; ++w) __stcs(out[w] + i, make_uint4(acc.x + w, acc.y, acc.z, acc.w));
       if (NW == 0 && acc.x == 0x9e3779b9u && acc.y == 7u) out[0][i] = acc;  // never: keeps the loads
     }
+  }
+}
+
+// The fp8-moment AdamW's pattern (multi_tensor_adamw_fp8.cu, bf16 gradients): 8 elements a
+// thread, read hi, lo, g (16 bytes each) and m, v (8 bytes each), write hi, lo, m, v back.
+__global__ void __launch_bounds__(kThreads) fp8_moments_kernel(uint4* hi, uint4* lo, const uint4* g, uint2* m, uint2* v,
+                                                                long n8) {
+  const long chunk8 = kChunk / 8;
+  const long c = blockIdx.x;
+  const long end = n8 < (c + 1) * chunk8 ? n8 : (c + 1) * chunk8;
+  for (long i = c * chunk8 + threadIdx.x; i < end; i += kThreads) {
+    uint4 a = __ldcs(hi + i), b = __ldcs(lo + i), d = __ldcs(g + i);
+    uint2 p = __ldcs(m + i), q = __ldcs(v + i);
+    a.x ^= d.x, b.y += d.y, p.x ^= d.z, q.y += d.w;
+    __stcs(hi + i, a);
+    __stcs(lo + i, b);
+    __stcs(m + i, p);
+    __stcs(v + i, q);
   }
 }
 
@@ -80,6 +100,38 @@ void run(const char* name, std::vector<uint4*>& bufs, long n16, bool persistent,
   CHECK(cudaFree(out));
 }
 
+void run_fp8_moments(std::vector<uint4*>& bufs, long n8, int blocks_per_sm) {
+  size_t smem = 0;
+  if (blocks_per_sm > 0) {
+    int per_sm_bytes = 0;
+    CHECK(cudaDeviceGetAttribute(&per_sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, 0));
+    smem = static_cast<size_t>(per_sm_bytes / blocks_per_sm - 2048);
+    CHECK(cudaFuncSetAttribute(fp8_moments_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fp8_moments_kernel, kThreads, smem));
+  const unsigned grid = static_cast<unsigned>((n8 * 8 + kChunk - 1) / kChunk);
+  auto* m = reinterpret_cast<uint2*>(bufs[3]);
+  auto* v = reinterpret_cast<uint2*>(bufs[4]);
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 6; ++rep) {
+    CHECK(cudaEventRecord(a));
+    fp8_moments_kernel<<<grid, kThreads, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (rep > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double bytes = static_cast<double>(n8) * 8 * (2 * 3 + 1 * 2 + 2 * 2 + 1 * 2);
+  std::printf("%-44s per-chunk grid %7u, %d blocks an SM: %8.2f ms  %6.1f GB  %5.2f TB/s\n",
+              "fp8 AdamW: 3+2 reads, 2+2 writes (2 B + 1 B)", grid, per_sm, ms[2], bytes / 1e9, bytes / ms[2] / 1e9);
+}
+
 int main(int argc, char** argv) {
   // Default: 4.80 e9 elements (mixtral-mini's 4.76 B parameters), 9.6 GB a stream, 5 streams.
   const long n = argc > 1 ? std::atol(argv[1]) : 4'800'000'000L;
@@ -89,6 +141,12 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&p, n16 * 16));
     CHECK(cudaMemset(p, 1, n16 * 16));
   }
+  const bool only_adamw = argc > 2 && std::atoi(argv[2]) == 1;  // just the two AdamW patterns
+  for (int blocks : {0, 4}) {
+    run_fp8_moments(bufs, n16, blocks);
+    run<5, 4>("5 reads, 4 writes (AdamW, bf16 state)", bufs, n16, false, blocks);
+  }
+  if (only_adamw) return 0;
   for (bool persistent : {false, true}) {
     run<1, 1>("copy: 1 read, 1 write", bufs, n16, persistent);
     run<2, 1>("2 reads, 1 write", bufs, n16, persistent);
