@@ -4,11 +4,13 @@
 // one block of 256 threads per 16,384-element chunk as multi_tensor_adamw_kernel runs, or
 // a grid of resident blocks striding over the chunks. CUDA events, median of 5 after a warm-up.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/probes/stream_mix.cu -o stream_mix
-// Run on the GPU machine: ./stream_mix [elements a stream] [1: only the two AdamW patterns]
+// Run on the GPU machine: ./stream_mix [elements a stream] [1: only the two AdamW patterns;
+// 2: those, then the fp8 pattern staged through shared memory as the fp8 AdamW kernel does]
 // (default 4.8e9, mixtral-mini's parameters). The fp8-moment pattern: 3 two-byte and 2 one-byte
 // streams read, 2 and 2 written (the fp8 AdamW kernel's bytes but its scales').
 #include <cuda_runtime.h>
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -52,6 +54,52 @@ __global__ void __launch_bounds__(kThreads) fp8_moments_kernel(uint4* hi, uint4*
     __stcs(m + i, p);
     __stcs(v + i, q);
   }
+}
+
+// The fp8 pattern staged as the fp8 AdamW kernel stages it: kT threads a block, each pass's
+// 8 elements a thread copied into shared memory with cp.async (16 bytes of hi, lo, g; 8 of m,
+// v) kS - 1 passes ahead, a chunk of `chunk` elements a block; no arithmetic.
+__device__ __forceinline__ void cp16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp8(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem), "l"(gmem) : "memory");
+}
+template <int kT, int kS>
+__global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, const uint4* g, uint2* m, uint2* v,
+                                                         long n8, long chunk) {
+  extern __shared__ uint4 slots_sm[];  // [kS][4 units][kT]
+  const long c8 = chunk / 8;
+  const long first = blockIdx.x * c8, end = n8 < first + c8 ? n8 : first + c8;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots_sm + threadIdx.x));
+  constexpr uint32_t kUnit = kT * 16, kStage = 4 * kUnit;
+  const auto stage_in = [&](long i, int s) {
+    if (i < end) {
+      const uint32_t at = base + s * kStage;
+      cp16(at, hi + i);
+      cp16(at + kUnit, lo + i);
+      cp8(at + 2 * kUnit, m + i);
+      cp8(at + 2 * kUnit + 8, v + i);
+      cp16(at + 3 * kUnit, g + i);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  long i = first + threadIdx.x;
+  for (int s = 0; s < kS - 1; ++s) stage_in(i + s * kT, s);
+  int s = 0;
+  for (; i < end; i += kT) {
+    stage_in(i + (kS - 1) * kT, (s + kS - 1) % kS);
+    asm volatile("cp.async.wait_group %0;" ::"n"(kS - 1) : "memory");
+    const uint4* at = slots_sm + s * 4 * kT + threadIdx.x;
+    uint4 a = at[0], b = at[kT], q = at[2 * kT], d = at[3 * kT];
+    a.x ^= d.x, b.y += d.y, q.x ^= d.z, q.w += d.w;
+    __stcs(hi + i, a);
+    __stcs(lo + i, b);
+    __stcs(m + i, make_uint2(q.x, q.y));
+    __stcs(v + i, make_uint2(q.z, q.w));
+    s = (s + 1) % kS;
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { std::printf("%s: %s\n", #x, cudaGetErrorString(e)); std::exit(1); } } while (0)
@@ -132,6 +180,35 @@ void run_fp8_moments(std::vector<uint4*>& bufs, long n8, int blocks_per_sm) {
               "fp8 AdamW: 3+2 reads, 2+2 writes (2 B + 1 B)", grid, per_sm, ms[2], bytes / 1e9, bytes / ms[2] / 1e9);
 }
 
+template <int kT, int kS>
+void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
+  const size_t smem = size_t{kS} * 4 * kT * 16;
+  CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)));
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_fp8_kernel<kT, kS>, kT, smem));
+  const unsigned grid = static_cast<unsigned>((n8 * 8 + chunk - 1) / chunk);
+  auto* m = reinterpret_cast<uint2*>(bufs[3]);
+  auto* v = reinterpret_cast<uint2*>(bufs[4]);
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 6; ++rep) {
+    CHECK(cudaEventRecord(a));
+    staged_fp8_kernel<kT, kS><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk);
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (rep > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double bytes = static_cast<double>(n8) * 8 * 14;
+  std::printf("fp8 staged: %4d threads, %d stages, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n", kT, kS,
+              chunk, grid, per_sm, ms[2], bytes / ms[2] / 1e9);
+}
+
 int main(int argc, char** argv) {
   // Default: 4.80 e9 elements (mixtral-mini's 4.76 B parameters), 9.6 GB a stream, 5 streams.
   const long n = argc > 1 ? std::atol(argv[1]) : 4'800'000'000L;
@@ -145,6 +222,17 @@ int main(int argc, char** argv) {
   for (int blocks : {0, 4}) {
     run_fp8_moments(bufs, n16, blocks);
     run<5, 4>("5 reads, 4 writes (AdamW, bf16 state)", bufs, n16, false, blocks);
+  }
+  if (argc > 2 && std::atoi(argv[2]) == 2) {  // the fp8 pattern staged as the fp8 AdamW kernel stages it
+    run_staged<512, 2>(bufs, n16, 1 << 14);  // as shipped: 80 KB, 2 blocks an SM
+    run_staged<512, 2>(bufs, n16, 1 << 16);
+    run_staged<512, 3>(bufs, n16, 1 << 14);
+    run_staged<256, 2>(bufs, n16, 1 << 14);
+    run_staged<256, 3>(bufs, n16, 1 << 14);
+    run_staged<256, 4>(bufs, n16, 1 << 14);
+    run_staged<128, 4>(bufs, n16, 1 << 14);
+    run_staged<1024, 2>(bufs, n16, 1 << 14);
+    return 0;
   }
   if (only_adamw) return 0;
   for (bool persistent : {false, true}) {
