@@ -65,10 +65,13 @@ __device__ __forceinline__ void cp16(uint32_t smem, const void* gmem) {
 __device__ __forceinline__ void cp8(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem), "l"(gmem) : "memory");
 }
+// kWork > 0: each pass also does kWork fp32 multiply-adds a thread (8 chains) between its
+// loads and its stores, the kernel's arithmetic in issue slots (~550 instructions a warp a
+// pass: kWork 512), so the probe shows what the arithmetic's time a pass costs the pattern.
 // kHops > 0: the block first waits on a chain of kHops dependent loads of a small table by
 // one thread (the AdamW kernels' chunk_of_block: a segment search, then the segment and the
 // scalars), then __syncthreads, as the shipped kernels start every chunk.
-template <int kT, int kS, int kHops = 0>
+template <int kT, int kS, int kHops = 0, int kWork = 0>
 __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, const uint4* g, uint2* m, uint2* v,
                                                          long n8, long chunk, const long* table) {
   extern __shared__ uint4 slots_sm[];  // [kS][4 units][kT]
@@ -106,6 +109,19 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
     const uint4* at = slots_sm + s * 4 * kT + threadIdx.x;
     uint4 a = at[0], b = at[kT], q = at[2 * kT], d = at[3 * kT];
     a.x ^= d.x, b.y += d.y, q.x ^= d.z, q.w += d.w;
+    if constexpr (kWork > 0) {
+      float f[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = __uint_as_float((j < 4 ? a.x : b.y) & 0x3f7fffffu) + j;
+#pragma unroll 8
+      for (int w = 0; w < kWork / 8; ++w)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = fmaf(f[j], 0.999f, 1e-3f);
+      float sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum += f[j];
+      a.y ^= __float_as_uint(sum) & 1u;  // keeps the work, changes one bit the probe never reads back
+    }
     __stcs(hi + i, a);
     __stcs(lo + i, b);
     __stcs(m + i, make_uint2(q.x, q.y));
@@ -193,7 +209,7 @@ void run_fp8_moments(std::vector<uint4*>& bufs, long n8, int blocks_per_sm) {
               "fp8 AdamW: 3+2 reads, 2+2 writes (2 B + 1 B)", grid, per_sm, ms[2], bytes / 1e9, bytes / ms[2] / 1e9);
 }
 
-template <int kT, int kS, int kHops = 0>
+template <int kT, int kS, int kHops = 0, int kWork = 0>
 void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
   static long* table = nullptr;
   if (!table) {
@@ -201,10 +217,10 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
     CHECK(cudaMemset(table, 0, 256 * sizeof(long)));
   }
   const size_t smem = size_t{kS} * 4 * kT * 16;
-  CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS, kHops>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS, kHops, kWork>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem)));
   int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_fp8_kernel<kT, kS, kHops>, kT, smem));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_fp8_kernel<kT, kS, kHops, kWork>, kT, smem));
   const unsigned grid = static_cast<unsigned>((n8 * 8 + chunk - 1) / chunk);
   auto* m = reinterpret_cast<uint2*>(bufs[3]);
   auto* v = reinterpret_cast<uint2*>(bufs[4]);
@@ -214,7 +230,7 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
   std::vector<float> ms;
   for (int rep = 0; rep < 6; ++rep) {
     CHECK(cudaEventRecord(a));
-    staged_fp8_kernel<kT, kS, kHops><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table);
+    staged_fp8_kernel<kT, kS, kHops, kWork><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table);
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float t = 0;
@@ -223,8 +239,8 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
   }
   std::sort(ms.begin(), ms.end());
   const double bytes = static_cast<double>(n8) * 8 * 14;
-  std::printf("fp8 staged: %4d threads, %d stages, %d hops, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
-              kT, kS, kHops, chunk, grid, per_sm, ms[2], bytes / ms[2] / 1e9);
+  std::printf("fp8 staged: %4d threads, %d stages, %d hops, %3d FMA, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
+              kT, kS, kHops, kWork, chunk, grid, per_sm, ms[2], bytes / ms[2] / 1e9);
 }
 
 int main(int argc, char** argv) {
@@ -246,6 +262,9 @@ int main(int argc, char** argv) {
     run_staged<512, 2, 2>(bufs, n16, 1 << 14);
     run_staged<512, 2, 4>(bufs, n16, 1 << 14);
     run_staged<512, 2, 4>(bufs, n16, 1 << 16);
+    run_staged<512, 2, 4, 256>(bufs, n16, 1 << 14);
+    run_staged<512, 2, 4, 512>(bufs, n16, 1 << 14);
+    run_staged<512, 3, 4, 512>(bufs, n16, 1 << 14);
     run_staged<512, 2>(bufs, n16, 1 << 16);
     run_staged<512, 3>(bufs, n16, 1 << 14);
     run_staged<256, 2>(bufs, n16, 1 << 14);
