@@ -133,6 +133,28 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { std::printf("%s: %s\n", #x, cudaGetErrorString(e)); std::exit(1); } } while (0)
 
+// The median of 5 launches after a warm-up, in ms (CUDA events).
+template <class Launch>
+float median_ms(const Launch& launch) {
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 6; ++rep) {
+    CHECK(cudaEventRecord(a));
+    launch();
+    CHECK(cudaEventRecord(b));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (rep > 0) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return ms[2];
+}
+
 // blocks_per_sm > 0: dynamic shared memory (unused) that lets only that many blocks share
 // an SM, as registers or staging buffers would (AdamW: 64 registers, 4 blocks of 256).
 template <int NR, int NW>
@@ -156,23 +178,10 @@ void run(const char* name, std::vector<uint4*>& bufs, long n16, bool persistent,
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, chunk_kernel<NR, NW>, kThreads, smem));
   const long chunks = (n16 * 8 + kChunk - 1) / kChunk;
   const unsigned grid = persistent ? static_cast<unsigned>(sms * per_sm) : static_cast<unsigned>(chunks);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 6; ++rep) {
-    CHECK(cudaEventRecord(a));
-    chunk_kernel<NR, NW><<<grid, kThreads, smem>>>(in, out, n16, persistent);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (rep > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  const float median = median_ms([&] { chunk_kernel<NR, NW><<<grid, kThreads, smem>>>(in, out, n16, persistent); });
   const double bytes = static_cast<double>(n16) * 16 * (NR + NW);
   std::printf("%-44s %s grid %7u, %d blocks an SM: %8.2f ms  %6.1f GB  %5.2f TB/s\n", name,
-              persistent ? "resident" : "per-chunk", grid, per_sm, ms[2], bytes / 1e9, bytes / ms[2] / 1e9);
+              persistent ? "resident" : "per-chunk", grid, per_sm, median, bytes / 1e9, bytes / median / 1e9);
   CHECK(cudaFree(in));
   CHECK(cudaFree(out));
 }
@@ -190,23 +199,11 @@ void run_fp8_moments(std::vector<uint4*>& bufs, long n8, int blocks_per_sm) {
   const unsigned grid = static_cast<unsigned>((n8 * 8 + kChunk - 1) / kChunk);
   auto* m = reinterpret_cast<uint2*>(bufs[3]);
   auto* v = reinterpret_cast<uint2*>(bufs[4]);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 6; ++rep) {
-    CHECK(cudaEventRecord(a));
-    fp8_moments_kernel<<<grid, kThreads, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (rep > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  const float median =
+      median_ms([&] { fp8_moments_kernel<<<grid, kThreads, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8); });
   const double bytes = static_cast<double>(n8) * 8 * (2 * 3 + 1 * 2 + 2 * 2 + 1 * 2);
   std::printf("%-44s per-chunk grid %7u, %d blocks an SM: %8.2f ms  %6.1f GB  %5.2f TB/s\n",
-              "fp8 AdamW: 3+2 reads, 2+2 writes (2 B + 1 B)", grid, per_sm, ms[2], bytes / 1e9, bytes / ms[2] / 1e9);
+              "fp8 AdamW: 3+2 reads, 2+2 writes (2 B + 1 B)", grid, per_sm, median, bytes / 1e9, bytes / median / 1e9);
 }
 
 template <int kT, int kS, int kHops = 0, int kWork = 0>
@@ -224,23 +221,11 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
   const unsigned grid = static_cast<unsigned>((n8 * 8 + chunk - 1) / chunk);
   auto* m = reinterpret_cast<uint2*>(bufs[3]);
   auto* v = reinterpret_cast<uint2*>(bufs[4]);
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int rep = 0; rep < 6; ++rep) {
-    CHECK(cudaEventRecord(a));
-    staged_fp8_kernel<kT, kS, kHops, kWork><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table);
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (rep > 0) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  const float median = median_ms(
+      [&] { staged_fp8_kernel<kT, kS, kHops, kWork><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table); });
   const double bytes = static_cast<double>(n8) * 8 * 14;
   std::printf("fp8 staged: %4d threads, %d stages, %d hops, %3d FMA, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
-              kT, kS, kHops, kWork, chunk, grid, per_sm, ms[2], bytes / ms[2] / 1e9);
+              kT, kS, kHops, kWork, chunk, grid, per_sm, median, bytes / median / 1e9);
 }
 
 int main(int argc, char** argv) {
