@@ -68,10 +68,13 @@ __device__ __forceinline__ void cp8(uint32_t smem, const void* gmem) {
 // kWork > 0: each pass also does kWork fp32 multiply-adds a thread (8 chains) between its
 // loads and its stores, the kernel's arithmetic in issue slots (~550 instructions a warp a
 // pass: kWork 512), so the probe shows what the arithmetic's time a pass costs the pattern.
+// kPairMV: m's and v's 8 bytes a thread as 16-byte copies of a lane pair's (the even lane m,
+// the odd one v; the pair's halves read back after a __syncwarp) instead of 8-byte
+// cp.async.ca copies, two a thread.
 // kHops > 0: the block first waits on a chain of kHops dependent loads of a small table by
 // one thread (the AdamW kernels' chunk_of_block: a segment search, then the segment and the
 // scalars), then __syncthreads, as the shipped kernels start every chunk.
-template <int kT, int kS, int kHops = 0, int kWork = 0>
+template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false>
 __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, const uint4* g, uint2* m, uint2* v,
                                                          long n8, long chunk, const long* table) {
   extern __shared__ uint4 slots_sm[];  // [kS][4 units][kT]
@@ -94,8 +97,13 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
       const uint32_t at = base + s * kStage;
       cp16(at, hi + i);
       cp16(at + kUnit, lo + i);
-      cp8(at + 2 * kUnit, m + i);
-      cp8(at + 2 * kUnit + 8, v + i);
+      if constexpr (kPairMV) {
+        const uint4* pair_source = reinterpret_cast<const uint4*>(threadIdx.x & 1 ? v : m) + (i >> 1);
+        cp16(at + 2 * kUnit, pair_source);
+      } else {
+        cp8(at + 2 * kUnit, m + i);
+        cp8(at + 2 * kUnit + 8, v + i);
+      }
       cp16(at + 3 * kUnit, g + i);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
@@ -107,7 +115,16 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
     stage_in(i + (kS - 1) * kT, (s + kS - 1) % kS);
     asm volatile("cp.async.wait_group %0;" ::"n"(kS - 1) : "memory");
     const uint4* at = slots_sm + s * 4 * kT + threadIdx.x;
-    uint4 a = at[0], b = at[kT], q = at[2 * kT], d = at[3 * kT];
+    uint4 a = at[0], b = at[kT], q, d = at[3 * kT];
+    if constexpr (kPairMV) {
+      __syncwarp();  // the partner's copy is in too
+      const uint4* pair = slots_sm + s * 4 * kT + 2 * kT + (threadIdx.x & ~1u);
+      const uint2 mm = reinterpret_cast<const uint2*>(pair)[threadIdx.x & 1];
+      const uint2 vv = reinterpret_cast<const uint2*>(pair + 1)[threadIdx.x & 1];
+      q = make_uint4(mm.x, mm.y, vv.x, vv.y);
+    } else {
+      q = at[2 * kT];
+    }
     a.x ^= d.x, b.y += d.y, q.x ^= d.z, q.w += d.w;
     if constexpr (kWork > 0) {
       float f[8];
@@ -206,7 +223,7 @@ void run_fp8_moments(std::vector<uint4*>& bufs, long n8, int blocks_per_sm) {
               "fp8 AdamW: 3+2 reads, 2+2 writes (2 B + 1 B)", grid, per_sm, median, bytes / 1e9, bytes / median / 1e9);
 }
 
-template <int kT, int kS, int kHops = 0, int kWork = 0>
+template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false>
 void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
   static long* table = nullptr;
   if (!table) {
@@ -214,18 +231,18 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
     CHECK(cudaMemset(table, 0, 256 * sizeof(long)));
   }
   const size_t smem = size_t{kS} * 4 * kT * 16;
-  CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS, kHops, kWork>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem)));
   int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_fp8_kernel<kT, kS, kHops, kWork>, kT, smem));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV>, kT, smem));
   const unsigned grid = static_cast<unsigned>((n8 * 8 + chunk - 1) / chunk);
   auto* m = reinterpret_cast<uint2*>(bufs[3]);
   auto* v = reinterpret_cast<uint2*>(bufs[4]);
   const float median = median_ms(
-      [&] { staged_fp8_kernel<kT, kS, kHops, kWork><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table); });
+      [&] { staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table); });
   const double bytes = static_cast<double>(n8) * 8 * 14;
-  std::printf("fp8 staged: %4d threads, %d stages, %d hops, %3d FMA, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
-              kT, kS, kHops, kWork, chunk, grid, per_sm, median, bytes / median / 1e9);
+  std::printf("fp8 staged: %4d threads, %d stages, %d hops, %3d FMA, m|v %s, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
+              kT, kS, kHops, kWork, kPairMV ? "paired 16 B" : "8 B each ", chunk, grid, per_sm, median, bytes / median / 1e9);
 }
 
 int main(int argc, char** argv) {
@@ -250,6 +267,8 @@ int main(int argc, char** argv) {
     run_staged<512, 2, 4, 256>(bufs, n16, 1 << 14);
     run_staged<512, 2, 4, 512>(bufs, n16, 1 << 14);
     run_staged<512, 3, 4, 512>(bufs, n16, 1 << 14);
+    run_staged<512, 2, 4, 0, true>(bufs, n16, 1 << 14);
+    run_staged<512, 2, 4, 512, true>(bufs, n16, 1 << 14);
     run_staged<512, 2>(bufs, n16, 1 << 16);
     run_staged<512, 3>(bufs, n16, 1 << 14);
     run_staged<256, 2>(bufs, n16, 1 << 14);
