@@ -148,6 +148,57 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
   asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
+// The bf16-moment AdamW's pattern staged as its kernel stages it (multi_tensor_adamw.cu,
+// bf16 gradients): 16 bytes a thread a pass of hi, lo, m, v, g copied into shared memory
+// (6 slots a thread a stage, as the kernel allocates for fp32 gradients), hi, lo, m, v
+// written back; kHops as in staged_fp8_kernel.
+template <int kT, int kS, int kHops = 0>
+__global__ void __launch_bounds__(kT) staged_bf16_kernel(uint4* hi, uint4* lo, const uint4* g, uint4* m, uint4* v,
+                                                          long n8, long chunk, const long* table) {
+  extern __shared__ uint4 slots_sm[];  // [kS][6 units][kT]
+  long c8 = chunk / 8;
+  if constexpr (kHops > 0) {
+    __shared__ long found;
+    if (threadIdx.x == 0) {
+      long at = blockIdx.x & 127;
+      for (int h = 0; h < kHops; ++h) at = __ldcg(table + at) + ((at + 1) & 127);
+      found = at;
+    }
+    __syncthreads();
+    c8 += found < 0 ? 1 : 0;
+  }
+  const long first = blockIdx.x * (chunk / 8), end = n8 < first + c8 ? n8 : first + c8;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots_sm + threadIdx.x));
+  constexpr uint32_t kUnit = kT * 16, kStage = 6 * kUnit;
+  const auto stage_in = [&](long i, int s) {
+    if (i < end) {
+      const uint32_t at = base + s * kStage;
+      cp16(at, hi + i);
+      cp16(at + kUnit, lo + i);
+      cp16(at + 2 * kUnit, m + i);
+      cp16(at + 3 * kUnit, v + i);
+      cp16(at + 4 * kUnit, g + i);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  };
+  long i = first + threadIdx.x;
+  for (int s = 0; s < kS - 1; ++s) stage_in(i + s * kT, s);
+  int s = 0;
+  for (; i < end; i += kT) {
+    stage_in(i + (kS - 1) * kT, (s + kS - 1) % kS);
+    asm volatile("cp.async.wait_group %0;" ::"n"(kS - 1) : "memory");
+    const uint4* at = slots_sm + s * 6 * kT + threadIdx.x;
+    uint4 a = at[0], b = at[kT], p = at[2 * kT], q = at[3 * kT], d = at[4 * kT];
+    a.x ^= d.x, b.y += d.y, p.z ^= d.z, q.w += d.w;
+    __stcs(hi + i, a);
+    __stcs(lo + i, b);
+    __stcs(m + i, p);
+    __stcs(v + i, q);
+    s = (s + 1) % kS;
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { std::printf("%s: %s\n", #x, cudaGetErrorString(e)); std::exit(1); } } while (0)
 
 // The median of 5 launches after a warm-up, in ms (CUDA events).
@@ -245,6 +296,27 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
               kT, kS, kHops, kWork, kPairMV ? "paired 16 B" : "8 B each ", chunk, grid, per_sm, median, bytes / median / 1e9);
 }
 
+template <int kT, int kS, int kHops = 0>
+void run_staged_bf16(std::vector<uint4*>& bufs, long n8, long chunk) {
+  static long* table = nullptr;
+  if (!table) {
+    CHECK(cudaMalloc(&table, 256 * sizeof(long)));
+    CHECK(cudaMemset(table, 0, 256 * sizeof(long)));
+  }
+  const size_t smem = size_t{kS} * 6 * kT * 16;
+  CHECK(cudaFuncSetAttribute(staged_bf16_kernel<kT, kS, kHops>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem)));
+  int per_sm = 0;
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_bf16_kernel<kT, kS, kHops>, kT, smem));
+  const unsigned grid = static_cast<unsigned>((n8 * 8 + chunk - 1) / chunk);
+  const float median = median_ms([&] {
+    staged_bf16_kernel<kT, kS, kHops><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], bufs[3], bufs[4], n8, chunk, table);
+  });
+  const double bytes = static_cast<double>(n8) * 16 * 9;
+  std::printf("bf16 staged: %4d threads, %d stages, %d hops, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
+              kT, kS, kHops, chunk, grid, per_sm, median, bytes / median / 1e9);
+}
+
 int main(int argc, char** argv) {
   // Default: 4.80 e9 elements (mixtral-mini's 4.76 B parameters), 9.6 GB a stream, 5 streams.
   const long n = argc > 1 ? std::atol(argv[1]) : 4'800'000'000L;
@@ -269,6 +341,9 @@ int main(int argc, char** argv) {
     run_staged<512, 3, 4, 512>(bufs, n16, 1 << 14);
     run_staged<512, 2, 4, 0, true>(bufs, n16, 1 << 14);
     run_staged<512, 2, 4, 512, true>(bufs, n16, 1 << 14);
+    run_staged_bf16<512, 2>(bufs, n16, 1 << 14);  // the bf16-moment kernel's: 96 KB, 2 blocks an SM
+    run_staged_bf16<512, 2, 4>(bufs, n16, 1 << 14);
+    run_staged_bf16<256, 3, 4>(bufs, n16, 1 << 14);
     run_staged<512, 2>(bufs, n16, 1 << 16);
     run_staged<512, 3>(bufs, n16, 1 << 14);
     run_staged<256, 2>(bufs, n16, 1 << 14);
