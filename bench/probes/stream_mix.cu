@@ -5,7 +5,7 @@
 // a grid of resident blocks striding over the chunks. CUDA events, median of 5 after a warm-up.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/probes/stream_mix.cu -o stream_mix
 // Run on the GPU machine: ./stream_mix [elements a stream] [1: only the two AdamW patterns;
-// 2: those, then the fp8 pattern staged through shared memory as the fp8 AdamW kernel does]
+// 2: those, then both patterns staged through shared memory as their kernels stage them]
 // (default 4.8e9, mixtral-mini's parameters). The fp8-moment pattern: 3 two-byte and 2 one-byte
 // streams read, 2 and 2 written (the fp8 AdamW kernel's bytes but its scales').
 #include <cuda_runtime.h>
