@@ -65,31 +65,55 @@ __device__ __forceinline__ void cp16(uint32_t smem, const void* gmem) {
 __device__ __forceinline__ void cp8(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(smem), "l"(gmem) : "memory");
 }
+// The block's chunk [first, end) in 16-byte units; kHops > 0: the block first waits on a
+// chain of kHops dependent loads of a small zeroed table by one thread (the AdamW kernels'
+// chunk_of_block: a segment search, then the segment and the scalars), then __syncthreads,
+// as the shipped kernels start every chunk.
+template <int kHops>
+__device__ __forceinline__ void block_chunk(long& first, long& end, long n8, long chunk, const long* table) {
+  long c8 = chunk / 8;
+  if constexpr (kHops > 0) {
+    __shared__ long found;
+    if (threadIdx.x == 0) {
+      long at = blockIdx.x & 127;
+      for (int h = 0; h < kHops; ++h) at = __ldcg(table + at) + ((at + 1) & 127);  // from the L2
+      found = at;
+    }
+    __syncthreads();
+    c8 += found < 0 ? 1 : 0;  // never (the chain ends in 0..127), but the block waits for it
+  }
+  first = blockIdx.x * (chunk / 8);
+  end = n8 < first + c8 ? n8 : first + c8;
+}
+
+// A thread's passes i = first + threadIdx.x, + kT, ... below end, each staged kS - 1 passes
+// ahead: stage_in(i, stage) issues one pass's copies (and commits a group, empty past the
+// end), use(i, stage) reads the stage once its group is in.
+template <int kT, int kS, class StageIn, class Use>
+__device__ __forceinline__ void staged_passes(long first, long end, const StageIn& stage_in, const Use& use) {
+  long i = first + threadIdx.x;
+  for (int s = 0; s < kS - 1; ++s) stage_in(i + s * kT, s);
+  for (int s = 0; i < end; i += kT, s = (s + 1) % kS) {
+    stage_in(i + (kS - 1) * kT, (s + kS - 1) % kS);
+    asm volatile("cp.async.wait_group %0;" ::"n"(kS - 1) : "memory");
+    use(i, s);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
 // kWork > 0: each pass also does kWork fp32 multiply-adds a thread (8 chains) between its
 // loads and its stores, the kernel's arithmetic in issue slots (~550 instructions a warp a
 // pass: kWork 512), so the probe shows what the arithmetic's time a pass costs the pattern.
 // kPairMV: m's and v's 8 bytes a thread as 16-byte copies of a lane pair's (the even lane m,
 // the odd one v; the pair's halves read back after a __syncwarp) instead of 8-byte
 // cp.async.ca copies, two a thread.
-// kHops > 0: the block first waits on a chain of kHops dependent loads of a small table by
-// one thread (the AdamW kernels' chunk_of_block: a segment search, then the segment and the
-// scalars), then __syncthreads, as the shipped kernels start every chunk.
+// kHops: block_chunk's.
 template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false>
 __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, const uint4* g, uint2* m, uint2* v,
                                                          long n8, long chunk, const long* table) {
   extern __shared__ uint4 slots_sm[];  // [kS][4 units][kT]
-  long c8 = chunk / 8;
-  if constexpr (kHops > 0) {
-    __shared__ long found;
-    if (threadIdx.x == 0) {
-      long at = blockIdx.x & 127;
-      for (int h = 0; h < kHops; ++h) at = __ldcg(table + at) + ((at + 1) & 127);  // from the L2 (the table holds zeros)
-      found = at;
-    }
-    __syncthreads();
-    c8 += found < 0 ? 1 : 0;  // never (the chain ends in 0..127), but the block waits for it
-  }
-  const long first = blockIdx.x * (chunk / 8), end = n8 < first + c8 ? n8 : first + c8;
+  long first, end;
+  block_chunk<kHops>(first, end, n8, chunk, table);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots_sm + threadIdx.x));
   constexpr uint32_t kUnit = kT * 16, kStage = 4 * kUnit;
   const auto stage_in = [&](long i, int s) {
@@ -108,12 +132,7 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
-  long i = first + threadIdx.x;
-  for (int s = 0; s < kS - 1; ++s) stage_in(i + s * kT, s);
-  int s = 0;
-  for (; i < end; i += kT) {
-    stage_in(i + (kS - 1) * kT, (s + kS - 1) % kS);
-    asm volatile("cp.async.wait_group %0;" ::"n"(kS - 1) : "memory");
+  staged_passes<kT, kS>(first, end, stage_in, [&](long i, int s) {
     const uint4* at = slots_sm + s * 4 * kT + threadIdx.x;
     uint4 a = at[0], b = at[kT], q, d = at[3 * kT];
     if constexpr (kPairMV) {
@@ -143,31 +162,19 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
     __stcs(lo + i, b);
     __stcs(m + i, make_uint2(q.x, q.y));
     __stcs(v + i, make_uint2(q.z, q.w));
-    s = (s + 1) % kS;
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  });
 }
 
 // The bf16-moment AdamW's pattern staged as its kernel stages it (multi_tensor_adamw.cu,
 // bf16 gradients): 16 bytes a thread a pass of hi, lo, m, v, g copied into shared memory
 // (6 slots a thread a stage, as the kernel allocates for fp32 gradients), hi, lo, m, v
-// written back; kHops as in staged_fp8_kernel.
+// written back; kHops: block_chunk's.
 template <int kT, int kS, int kHops = 0>
 __global__ void __launch_bounds__(kT) staged_bf16_kernel(uint4* hi, uint4* lo, const uint4* g, uint4* m, uint4* v,
                                                           long n8, long chunk, const long* table) {
   extern __shared__ uint4 slots_sm[];  // [kS][6 units][kT]
-  long c8 = chunk / 8;
-  if constexpr (kHops > 0) {
-    __shared__ long found;
-    if (threadIdx.x == 0) {
-      long at = blockIdx.x & 127;
-      for (int h = 0; h < kHops; ++h) at = __ldcg(table + at) + ((at + 1) & 127);
-      found = at;
-    }
-    __syncthreads();
-    c8 += found < 0 ? 1 : 0;
-  }
-  const long first = blockIdx.x * (chunk / 8), end = n8 < first + c8 ? n8 : first + c8;
+  long first, end;
+  block_chunk<kHops>(first, end, n8, chunk, table);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots_sm + threadIdx.x));
   constexpr uint32_t kUnit = kT * 16, kStage = 6 * kUnit;
   const auto stage_in = [&](long i, int s) {
@@ -181,12 +188,7 @@ __global__ void __launch_bounds__(kT) staged_bf16_kernel(uint4* hi, uint4* lo, c
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   };
-  long i = first + threadIdx.x;
-  for (int s = 0; s < kS - 1; ++s) stage_in(i + s * kT, s);
-  int s = 0;
-  for (; i < end; i += kT) {
-    stage_in(i + (kS - 1) * kT, (s + kS - 1) % kS);
-    asm volatile("cp.async.wait_group %0;" ::"n"(kS - 1) : "memory");
+  staged_passes<kT, kS>(first, end, stage_in, [&](long i, int s) {
     const uint4* at = slots_sm + s * 6 * kT + threadIdx.x;
     uint4 a = at[0], b = at[kT], p = at[2 * kT], q = at[3 * kT], d = at[4 * kT];
     a.x ^= d.x, b.y += d.y, p.z ^= d.z, q.w += d.w;
@@ -194,9 +196,7 @@ __global__ void __launch_bounds__(kT) staged_bf16_kernel(uint4* hi, uint4* lo, c
     __stcs(lo + i, b);
     __stcs(m + i, p);
     __stcs(v + i, q);
-    s = (s + 1) % kS;
-  }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  });
 }
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { std::printf("%s: %s\n", #x, cudaGetErrorString(e)); std::exit(1); } } while (0)
@@ -274,13 +274,19 @@ void run_fp8_moments(std::vector<uint4*>& bufs, long n8, int blocks_per_sm) {
               "fp8 AdamW: 3+2 reads, 2+2 writes (2 B + 1 B)", grid, per_sm, median, bytes / 1e9, bytes / median / 1e9);
 }
 
-template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false>
-void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
+// block_chunk's table (256 zeros), allocated once.
+const long* zeroed_table() {
   static long* table = nullptr;
   if (!table) {
     CHECK(cudaMalloc(&table, 256 * sizeof(long)));
     CHECK(cudaMemset(table, 0, 256 * sizeof(long)));
   }
+  return table;
+}
+
+template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false>
+void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
+  const long* table = zeroed_table();
   const size_t smem = size_t{kS} * 4 * kT * 16;
   CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem)));
@@ -298,11 +304,7 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
 
 template <int kT, int kS, int kHops = 0>
 void run_staged_bf16(std::vector<uint4*>& bufs, long n8, long chunk) {
-  static long* table = nullptr;
-  if (!table) {
-    CHECK(cudaMalloc(&table, 256 * sizeof(long)));
-    CHECK(cudaMemset(table, 0, 256 * sizeof(long)));
-  }
+  const long* table = zeroed_table();
   const size_t smem = size_t{kS} * 6 * kT * 16;
   CHECK(cudaFuncSetAttribute(staged_bf16_kernel<kT, kS, kHops>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem)));
