@@ -5,7 +5,8 @@
 // a grid of resident blocks striding over the chunks. CUDA events, median of 5 after a warm-up.
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/probes/stream_mix.cu -o stream_mix
 // Run on the GPU machine: ./stream_mix [elements a stream] [1: only the two AdamW patterns;
-// 2: those, then both patterns staged through shared memory as their kernels stage them]
+// 2: those, then both patterns staged through shared memory as their kernels stage them;
+// 3: those, then the staged fp8 pattern with the scale bytes' streams]
 // (default 4.8e9, mixtral-mini's parameters). The fp8-moment pattern: 3 two-byte and 2 one-byte
 // streams read, 2 and 2 written (the fp8 AdamW kernel's bytes but its scales').
 #include <cuda_runtime.h>
@@ -108,12 +109,23 @@ __device__ __forceinline__ void staged_passes(long first, long end, const StageI
 // the odd one v; the pair's halves read back after a __syncwarp) instead of 8-byte
 // cp.async.ca copies, two a thread.
 // kHops: block_chunk's.
-template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false>
+// kScales: the blocks' scale bytes (one a 16 elements, a lane pair's) as the kernel moves
+// them: 1: m's and v's in two byte arrays, loaded a pass ahead by plain loads and stored by
+// both lanes of the pair; 2: the two bytes of a block side by side in one array (one stream).
+template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false, int kScales = 0>
 __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, const uint4* g, uint2* m, uint2* v,
-                                                         long n8, long chunk, const long* table) {
+                                                         long n8, long chunk, const long* table, uint8_t* ms,
+                                                         uint8_t* vs) {
   extern __shared__ uint4 slots_sm[];  // [kS][4 units][kT]
   long first, end;
   block_chunk<kHops>(first, end, n8, chunk, table);
+  auto* mvs = reinterpret_cast<uint16_t*>(ms);  // kScales 2
+  uint32_t xs = 0;                              // the next pass's scale bytes
+  const auto load_scales = [&](long i) {
+    if constexpr (kScales == 1) xs = ms[i / 2] | static_cast<uint32_t>(vs[i / 2]) << 8;
+    if constexpr (kScales == 2) xs = mvs[i / 2];
+  };
+  if (kScales != 0 && first + threadIdx.x < end) load_scales(first + threadIdx.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots_sm + threadIdx.x));
   constexpr uint32_t kUnit = kT * 16, kStage = 4 * kUnit;
   const auto stage_in = [&](long i, int s) {
@@ -145,6 +157,9 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
       q = at[2 * kT];
     }
     a.x ^= d.x, b.y += d.y, q.x ^= d.z, q.w += d.w;
+    const uint32_t this_xs = xs;
+    if (kScales != 0 && i + kT < end) load_scales(i + kT);
+    a.z += this_xs;
     if constexpr (kWork > 0) {
       float f[8];
 #pragma unroll
@@ -162,6 +177,8 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
     __stcs(lo + i, b);
     __stcs(m + i, make_uint2(q.x, q.y));
     __stcs(v + i, make_uint2(q.z, q.w));
+    if constexpr (kScales == 1) ms[i / 2] = static_cast<uint8_t>(a.x), vs[i / 2] = static_cast<uint8_t>(a.y);
+    if constexpr (kScales == 2) mvs[i / 2] = static_cast<uint16_t>(a.x);
   });
 }
 
@@ -284,22 +301,36 @@ const long* zeroed_table() {
   return table;
 }
 
-template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false>
+// m's and v's scale bytes (kScales), allocated once: n8 / 2 blocks of 16 elements a moment.
+uint8_t* scale_bytes(long n8, int which) {
+  static uint8_t* bytes[2] = {nullptr, nullptr};
+  if (!bytes[which]) {
+    CHECK(cudaMalloc(&bytes[which], n8));  // kScales 2 takes 2 bytes a block: n8 in all
+    CHECK(cudaMemset(bytes[which], 1, n8));
+  }
+  return bytes[which];
+}
+
+template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false, int kScales = 0>
 void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
   const long* table = zeroed_table();
+  uint8_t* ms = kScales ? scale_bytes(n8, 0) : nullptr;
+  uint8_t* vs = kScales ? scale_bytes(n8, 1) : nullptr;
   const size_t smem = size_t{kS} * 4 * kT * 16;
-  CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CHECK(cudaFuncSetAttribute(staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV, kScales>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(smem)));
   int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV>, kT, smem));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV, kScales>, kT, smem));
   const unsigned grid = static_cast<unsigned>((n8 * 8 + chunk - 1) / chunk);
   auto* m = reinterpret_cast<uint2*>(bufs[3]);
   auto* v = reinterpret_cast<uint2*>(bufs[4]);
   const float median = median_ms(
-      [&] { staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table); });
-  const double bytes = static_cast<double>(n8) * 8 * 14;
-  std::printf("fp8 staged: %4d threads, %d stages, %d hops, %3d FMA, m|v %s, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
-              kT, kS, kHops, kWork, kPairMV ? "paired 16 B" : "8 B each ", chunk, grid, per_sm, median, bytes / median / 1e9);
+      [&] { staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV, kScales><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table, ms, vs); });
+  const double bytes = static_cast<double>(n8) * 8 * 14 + (kScales ? 2.0 * n8 : 0.0);
+  static const char* const scales[] = {"no scales      ", "scales: 2 bytes", "scales: 1 short"};
+  std::printf("fp8 staged: %4d threads, %d stages, %d hops, %3d FMA, m|v %s, %s, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
+              kT, kS, kHops, kWork, kPairMV ? "paired 16 B" : "8 B each ", scales[kScales], chunk, grid, per_sm, median,
+              bytes / median / 1e9);
 }
 
 template <int kT, int kS, int kHops = 0>
@@ -332,6 +363,16 @@ int main(int argc, char** argv) {
   for (int blocks : {0, 4}) {
     run_fp8_moments(bufs, n16, blocks);
     run<5, 4>("5 reads, 4 writes (AdamW, bf16 state)", bufs, n16, false, blocks);
+  }
+  if (argc > 2 && std::atoi(argv[2]) == 3) {  // the scale bytes' streams, as shipped and interleaved
+    for (int rep = 0; rep < 2; ++rep) {
+      run_staged<512, 2, 4, 512>(bufs, n16, 1 << 14);
+      run_staged<512, 2, 4, 512, false, 1>(bufs, n16, 1 << 14);
+      run_staged<512, 2, 4, 512, false, 2>(bufs, n16, 1 << 14);
+      run_staged<512, 2, 4, 0, false, 1>(bufs, n16, 1 << 14);
+      run_staged<512, 2, 4, 0, false, 2>(bufs, n16, 1 << 14);
+    }
+    return 0;
   }
   if (argc > 2 && std::atoi(argv[2]) == 2) {  // the fp8 pattern staged as the fp8 AdamW kernel stages it
     run_staged<512, 2>(bufs, n16, 1 << 14);  // as shipped: 80 KB, 2 blocks an SM
