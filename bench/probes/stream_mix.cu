@@ -111,7 +111,8 @@ __device__ __forceinline__ void staged_passes(long first, long end, const StageI
 // kHops: block_chunk's.
 // kScales: the blocks' scale bytes (one a 16 elements, a lane pair's) as the kernel moves
 // them: 1: m's and v's in two byte arrays, loaded a pass ahead by plain loads and stored by
-// both lanes of the pair; 2: the two bytes of a block side by side in one array (one stream).
+// both lanes of the pair; 2: the two bytes of a block side by side in one array (one stream);
+// 3: the two byte arrays of 1, moved as 4-byte words by every eighth lane (shuffles between).
 template <int kT, int kS, int kHops = 0, int kWork = 0, bool kPairMV = false, int kScales = 0>
 __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, const uint4* g, uint2* m, uint2* v,
                                                          long n8, long chunk, const long* table, uint8_t* ms,
@@ -124,6 +125,13 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
   const auto load_scales = [&](long i) {
     if constexpr (kScales == 1) xs = ms[i / 2] | static_cast<uint32_t>(vs[i / 2]) << 8;
     if constexpr (kScales == 2) xs = mvs[i / 2];
+    if constexpr (kScales == 3) {
+      const bool leader = (threadIdx.x & 7) == 0;
+      const uint32_t wm = leader ? *reinterpret_cast<const uint32_t*>(ms + i / 2) : 0;
+      const uint32_t wv = leader ? *reinterpret_cast<const uint32_t*>(vs + i / 2) : 0;
+      const int from = threadIdx.x & 31 & ~7, shift = 8 * ((threadIdx.x & 7) / 2);
+      xs = (__shfl_sync(0xffffffffu, wm, from) >> shift & 0xff) | (__shfl_sync(0xffffffffu, wv, from) >> shift & 0xff) << 8;
+    }
   };
   if (kScales != 0 && first + threadIdx.x < end) load_scales(first + threadIdx.x);
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(slots_sm + threadIdx.x));
@@ -179,6 +187,18 @@ __global__ void __launch_bounds__(kT) staged_fp8_kernel(uint4* hi, uint4* lo, co
     __stcs(v + i, make_uint2(q.z, q.w));
     if constexpr (kScales == 1) ms[i / 2] = static_cast<uint8_t>(a.x), vs[i / 2] = static_cast<uint8_t>(a.y);
     if constexpr (kScales == 2) mvs[i / 2] = static_cast<uint16_t>(a.x);
+    if constexpr (kScales == 3) {
+      uint32_t wm = a.x & 0xff, wv = a.y & 0xff;
+#pragma unroll
+      for (int d = 2; d < 8; d += 2) {
+        wm |= (__shfl_down_sync(0xffffffffu, a.x, d) & 0xff) << (4 * d);
+        wv |= (__shfl_down_sync(0xffffffffu, a.y, d) & 0xff) << (4 * d);
+      }
+      if ((threadIdx.x & 7) == 0) {
+        *reinterpret_cast<uint32_t*>(ms + i / 2) = wm;
+        *reinterpret_cast<uint32_t*>(vs + i / 2) = wv;
+      }
+    }
   });
 }
 
@@ -327,7 +347,7 @@ void run_staged(std::vector<uint4*>& bufs, long n8, long chunk) {
   const float median = median_ms(
       [&] { staged_fp8_kernel<kT, kS, kHops, kWork, kPairMV, kScales><<<grid, kT, smem>>>(bufs[0], bufs[1], bufs[2], m, v, n8, chunk, table, ms, vs); });
   const double bytes = static_cast<double>(n8) * 8 * 14 + (kScales ? 2.0 * n8 : 0.0);
-  static const char* const scales[] = {"no scales      ", "scales: 2 bytes", "scales: 1 short"};
+  static const char* const scales[] = {"no scales      ", "scales: 2 bytes", "scales: 1 short", "scales: 2 words"};
   std::printf("fp8 staged: %4d threads, %d stages, %d hops, %3d FMA, m|v %s, %s, chunk %6ld: grid %7u, %d blocks an SM: %8.2f ms  %5.2f TB/s\n",
               kT, kS, kHops, kWork, kPairMV ? "paired 16 B" : "8 B each ", scales[kScales], chunk, grid, per_sm, median,
               bytes / median / 1e9);
@@ -369,6 +389,7 @@ int main(int argc, char** argv) {
       run_staged<512, 2, 4, 512>(bufs, n16, 1 << 14);
       run_staged<512, 2, 4, 512, false, 1>(bufs, n16, 1 << 14);
       run_staged<512, 2, 4, 512, false, 2>(bufs, n16, 1 << 14);
+      run_staged<512, 2, 4, 512, false, 3>(bufs, n16, 1 << 14);
       run_staged<512, 2, 4, 0, false, 1>(bufs, n16, 1 << 14);
       run_staged<512, 2, 4, 0, false, 2>(bufs, n16, 1 << 14);
     }
