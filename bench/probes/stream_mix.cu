@@ -3,17 +3,23 @@
 // bf16 gradients: hi, lo, m, v, g read; hi, lo, m, v written), 16 bytes a stream a thread,
 // one block of 256 threads per 16,384-element chunk as multi_tensor_adamw_kernel runs, or
 // a grid of resident blocks striding over the chunks. CUDA events, median of 5 after a warm-up.
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/probes/stream_mix.cu -o stream_mix
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/probes/stream_mix.cu -o stream_mix -lcuda
 // Run on the GPU machine: ./stream_mix [elements a stream] [1: only the two AdamW patterns;
 // 2: those, then both patterns staged through shared memory as their kernels stage them;
-// 3: those, then the staged fp8 pattern with the scale bytes' streams]
+// 3: those, then the staged fp8 pattern with the scale bytes' streams;
+// 4 MB: the streams on memory mapped as the parameter store maps its blocks (gpu::ResidentBlock:
+// cuMemCreate allocations of MB megabytes each, mapped back to back; 0: cudaMalloc), then
+// the two AdamW patterns, unstaged and staged]
+// Mode 4 links the driver: add -lcuda.
 // (default 4.8e9, mixtral-mini's parameters). The fp8-moment pattern: 3 two-byte and 2 one-byte
 // streams read, 2 and 2 written (the fp8 AdamW kernel's bytes but its scales').
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 constexpr int kThreads = 256;
@@ -236,6 +242,7 @@ __global__ void __launch_bounds__(kT) staged_bf16_kernel(uint4* hi, uint4* lo, c
   });
 }
 
+#define CU_CHECK(x) do { CUresult e = (x); if (e != CUDA_SUCCESS) { const char* what = nullptr; cuGetErrorString(e, &what); std::printf("%s: %s\n", #x, what ? what : "?"); std::exit(1); } } while (0)
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { std::printf("%s: %s\n", #x, cudaGetErrorString(e)); std::exit(1); } } while (0)
 
 // The median of 5 launches after a warm-up, in ms (CUDA events).
@@ -370,14 +377,58 @@ void run_staged_bf16(std::vector<uint4*>& bufs, long n8, long chunk) {
               kT, kS, kHops, chunk, grid, per_sm, median, bytes / median / 1e9);
 }
 
+// `bytes` of addresses backed by cuMemCreate allocations of `chunk` bytes each, mapped back
+// to back (gpu::ResidentBlock's way, whose chunks are 2 MB below 2 TB a block).
+void* vmm_alloc(size_t bytes, size_t chunk) {
+  CHECK(cudaFree(nullptr));
+  int device = 0;
+  CHECK(cudaGetDevice(&device));
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  size_t granularity = 0;
+  CU_CHECK(cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  chunk = (chunk + granularity - 1) / granularity * granularity;
+  const size_t reserved = (bytes + chunk - 1) / chunk * chunk;
+  CUdeviceptr base = 0;
+  CU_CHECK(cuMemAddressReserve(&base, reserved, granularity, 0, 0));
+  for (size_t at = 0; at < reserved; at += chunk) {
+    CUmemGenericAllocationHandle handle = 0;
+    CU_CHECK(cuMemCreate(&handle, chunk, &prop, 0));
+    CU_CHECK(cuMemMap(base + at, chunk, 0, handle, 0));
+    CU_CHECK(cuMemRelease(handle));  // the mapping keeps it
+  }
+  CUmemAccessDesc access = {};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CU_CHECK(cuMemSetAccess(base, reserved, &access, 1));
+  return reinterpret_cast<void*>(base);
+}
+
 int main(int argc, char** argv) {
   // Default: 4.80 e9 elements (mixtral-mini's 4.76 B parameters), 9.6 GB a stream, 5 streams.
   const long n = argc > 1 ? std::atol(argv[1]) : 4'800'000'000L;
   const long n16 = n / 8;
+  const int mode = argc > 2 ? std::atoi(argv[2]) : 0;
+  const long chunk_mb = mode == 4 && argc > 3 ? std::atol(argv[3]) : 0;
   std::vector<uint4*> bufs(5);
   for (auto& p : bufs) {
-    CHECK(cudaMalloc(&p, n16 * 16));
+    if (chunk_mb > 0)
+      p = static_cast<uint4*>(vmm_alloc(n16 * 16, static_cast<size_t>(chunk_mb) << 20));
+    else
+      CHECK(cudaMalloc(&p, n16 * 16));
     CHECK(cudaMemset(p, 1, n16 * 16));
+  }
+  if (mode == 4) {
+    std::printf("memory: %s\n", chunk_mb > 0 ? (std::to_string(chunk_mb) + " MB cuMemCreate allocations").c_str() : "cudaMalloc");
+    for (int rep = 0; rep < 2; ++rep) {
+      run_fp8_moments(bufs, n16, 0);
+      run<5, 4>("5 reads, 4 writes (AdamW, bf16 state)", bufs, n16, false, 0);
+      run_staged<512, 2, 4, 512>(bufs, n16, 1 << 14);
+      run_staged_bf16<512, 2, 4>(bufs, n16, 1 << 14);
+    }
+    return 0;
   }
   const bool only_adamw = argc > 2 && std::atoi(argv[2]) == 1;  // just the two AdamW patterns
   for (int blocks : {0, 4}) {
