@@ -28,6 +28,8 @@ rows=(
   "mixtral-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation|$fp8_moments"
   "mixtral-mini|\`precision = fp8\`, low memory, fp8 weight gradients (128x128)|$fp8"
   "mixtral-mini|\`precision = fp8\`, fp8 AdamW moments, fp8 weight gradients (128x128)|$fp8_gemms $fp8_moments"
+  "mixtral-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation, \`deterministic = false\`|$fp8_moments --training.deterministic=false"
+  "mixtral-mini|\`precision = fp8\`, fp8 AdamW moments, fp8 weight gradients (128x128), \`deterministic = false\`|$fp8_gemms $fp8_moments --training.deterministic=false"
   "olmoe-mini|defaults|"
   "olmoe-mini|low memory, \`recompute_experts = swiglu\` in the first 3 of 16 MoE layers|$low --training.recompute_experts=swiglu --training.recompute_experts_layers=3"
   "olmoe-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation|$fp8_moments"
