@@ -28,6 +28,8 @@ rows=(
   "mixtral-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation|$fp8_moments"
   "mixtral-mini|\`precision = fp8\`, low memory, fp8 weight gradients (128x128)|$fp8"
   "mixtral-mini|\`precision = fp8\`, fp8 AdamW moments, fp8 weight gradients (128x128)|$fp8_gemms $fp8_moments"
+  "mixtral-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation, CUDA graphs|$fp8_moments --training.cuda_graphs=true"
+  "mixtral-mini|\`precision = fp8\`, fp8 AdamW moments, fp8 weight gradients (128x128), CUDA graphs|$fp8_gemms $fp8_moments --training.cuda_graphs=true"
   "mixtral-mini|bf16 expert gradients, fp8 AdamW moments, no recomputation, \`deterministic = false\`|$fp8_moments --training.deterministic=false"
   "mixtral-mini|\`precision = fp8\`, fp8 AdamW moments, fp8 weight gradients (128x128), \`deterministic = false\`|$fp8_gemms $fp8_moments --training.deterministic=false"
   "olmoe-mini|defaults|"
