@@ -10,7 +10,6 @@
 // 4 MB: the streams on memory mapped as the parameter store maps its blocks (gpu::ResidentBlock:
 // cuMemCreate allocations of MB megabytes each, mapped back to back; 0: cudaMalloc), then
 // the two AdamW patterns, unstaged and staged]
-// Mode 4 links the driver: add -lcuda.
 // (default 4.8e9, mixtral-mini's parameters). The fp8-moment pattern: 3 two-byte and 2 one-byte
 // streams read, 2 and 2 written (the fp8 AdamW kernel's bytes but its scales').
 #include <cuda.h>
@@ -430,12 +429,12 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  const bool only_adamw = argc > 2 && std::atoi(argv[2]) == 1;  // just the two AdamW patterns
+  const bool only_adamw = mode == 1;  // just the two AdamW patterns
   for (int blocks : {0, 4}) {
     run_fp8_moments(bufs, n16, blocks);
     run<5, 4>("5 reads, 4 writes (AdamW, bf16 state)", bufs, n16, false, blocks);
   }
-  if (argc > 2 && std::atoi(argv[2]) == 3) {  // the scale bytes' streams, as shipped and interleaved
+  if (mode == 3) {  // the scale bytes' streams, as shipped and interleaved
     for (int rep = 0; rep < 2; ++rep) {
       run_staged<512, 2, 4, 512>(bufs, n16, 1 << 14);
       run_staged<512, 2, 4, 512, false, 1>(bufs, n16, 1 << 14);
@@ -446,7 +445,7 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (argc > 2 && std::atoi(argv[2]) == 2) {  // the fp8 pattern staged as the fp8 AdamW kernel stages it
+  if (mode == 2) {  // the fp8 pattern staged as the fp8 AdamW kernel stages it
     run_staged<512, 2>(bufs, n16, 1 << 14);  // as shipped: 80 KB, 2 blocks an SM
     run_staged<512, 2, 2>(bufs, n16, 1 << 14);
     run_staged<512, 2, 4>(bufs, n16, 1 << 14);
