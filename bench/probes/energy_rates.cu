@@ -11,8 +11,8 @@
 //   fma         a chain of fp32 FMAs in registers (no memory): joules a warp instruction
 //   gemm bf16   cuBLAS bf16 GEMM, fp32 accumulation, at mixtral-mini's gate|up shape
 //               [32768, 2048] x [2048, 11264] and its down shape [32768, 5632] x [5632, 2048]
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/probes/energy_rates.cu
-//        -o energy_rates -lcublas -ldl
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I.deps/cuda-headers/nvidia/cu13/include
+//        bench/probes/energy_rates.cu -o energy_rates -lcublas -ldl   (nvml.h: make setup's CUDA headers)
 // Run on the GPU machine: ./energy_rates [seconds a workload, default 4]
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
