@@ -167,9 +167,10 @@ int main(int argc, char** argv) {
   std::printf("%-34s %8s %10s %8s %10s %16s %15s\n", "workload", "time", "energy", "power", "SM clock", "rate",
               "energy a unit");
 
-  // idle: nothing on the GPU.
-  print("idle", measure(nvml, seconds, 1.0, [] { std::this_thread::sleep_for(std::chrono::milliseconds(25)); }),
-        "wait");
+  // idle: nothing on the GPU (no unit of work: its power is the floor the others are read against).
+  const Result idle = measure(nvml, seconds, 1.0, [] { std::this_thread::sleep_for(std::chrono::milliseconds(25)); });
+  std::printf("%-34s %6.2f s %8.1f J %6.1f W %6.0f MHz\n", "idle", idle.seconds, idle.joules, idle.joules / idle.seconds,
+              idle.mean_mhz);
 
   const long big = 4L << 30, small = 12L << 20;
   void *a = nullptr, *b = nullptr;
